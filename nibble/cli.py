@@ -1,0 +1,209 @@
+"""The `nibble` command: generate, quantize, info, eval, report, qat, demo."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEMO_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "What is 17 + 25?"]
+
+
+def _device(name: str | None) -> str:
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda asked for, but no CUDA GPU is visible; use --device cpu")
+    return name
+
+
+def load(model: str | None, device: str, dtype: torch.dtype | None = None):
+    """A nibble-quantized directory, a local HF directory, a .gguf file, or None for the embedded SmolLM2."""
+    from nibble.models.loading import load_model
+    from nibble.models.serialization import load_quantized
+
+    if model and (Path(model) / "config.json").exists():
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        if cfg.get("quantization_config", {}).get("quant_method") == "nibble":
+            return load_quantized(model, device=device, dtype=dtype)
+    return load_model(model, dtype=dtype, device=device)
+
+
+def quant_config(args, model):
+    from nibble.config import QuantConfig
+    from nibble.models.convert import default_group_size
+
+    if args.quant == "w4a4":
+        return QuantConfig(mode="w4a4", rotation="hadamard" if args.rotate else "none")
+    cfg = QuantConfig(mode="w4a16", group_size=args.group_size or 128, method=getattr(args, "method", "rtn"),
+                      clip_search=not args.no_clip_search)
+    if args.group_size is None:
+        cfg.group_size = default_group_size(model, cfg)
+    return cfg
+
+
+def maybe_quantize(args, model, tokenizer=None):
+    from nibble.models.convert import quantize_model
+
+    if args.quant == "none" or getattr(model.config, "quantization_config", None):
+        return model
+    cfg = quant_config(args, model)
+    calibration = None
+    if cfg.method != "rtn":
+        from nibble.quantize.calibration import calibration_batches
+        calibration = calibration_batches(tokenizer)
+    return quantize_model(model, cfg, calibration=calibration)
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool) -> str:
+    if chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = prompt
+    ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def cmd_generate(args):
+    model, tok = load(args.model, _device(args.device))
+    model = maybe_quantize(args, model, tok)
+    print(generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat))
+
+
+def cmd_quantize(args):
+    from nibble.models.convert import weight_bytes
+    from nibble.models.serialization import save_quantized
+
+    model, tok = load(args.model, _device(args.device))
+    if args.quant == "none":
+        raise SystemExit("error: nibble quantize needs --quant w4a16 or w4a4")
+    model = maybe_quantize(args, model, tok)
+    out = save_quantized(model, args.out, tok)
+    wb = weight_bytes(model)
+    print(f"saved {out}: quantized linears {wb['quantized_bytes'] / 2**20:.1f} MiB "
+          f"({wb['ratio']:.3f}x of {wb['bf16_bytes'] / 2**20:.1f} MiB in 16 bits)")
+
+
+def cmd_info(args):
+    from nibble.models.convert import weight_bytes
+    from nibble.models.serialization import load_quantized
+
+    model, _ = load_quantized(args.dir)
+    qc = model.config.quantization_config
+    wb = weight_bytes(model)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(json.dumps({"quantization_config": qc, "architecture": model.config.model_type,
+                      "quantized_linears": len([1 for n, _ in model.named_modules() if n.endswith(("proj", "fc"))]),
+                      "quantized_linear_bytes": wb["quantized_bytes"], "same_linears_in_16bit_bytes": wb["bf16_bytes"],
+                      "ratio": round(wb["ratio"], 4), "bytes_saved": wb["bf16_bytes"] - wb["quantized_bytes"],
+                      "total_state_bytes": total}, indent=2))
+
+
+def cmd_eval(args):
+    model, tok = load(args.model, _device(args.device))
+    model = maybe_quantize(args, model, tok)
+    if args.what == "ppl":
+        from nibble.eval.perplexity import wikitext2_perplexity
+        print(json.dumps(wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
+                                              batch_size=args.batch_size), indent=2))
+    else:
+        from nibble.eval.tasks import ALL_TASKS, evaluate_tasks
+        tasks = args.tasks.split(",") if args.tasks else ALL_TASKS
+        print(json.dumps(evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size), indent=2))
+
+
+@torch.no_grad()
+def cmd_demo(args):
+    """SmolLM2 -> W4A16 g64 -> side-by-side generations, bytes, logits cosine, perplexity on a slice."""
+    from nibble.config import QuantConfig
+    from nibble.eval.perplexity import wikitext2_perplexity
+    from nibble.models.convert import default_group_size, quantize_model, weight_bytes
+
+    t0 = time.time()
+    device = _device(args.device)
+    model, tok = load(args.model, device)
+    print(f"loaded {model.config.model_type} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params) "
+          f"in {time.time() - t0:.1f}s")
+    qmodel = copy.deepcopy(model)
+    cfg = QuantConfig(mode="w4a16", group_size=default_group_size(model))
+    t1 = time.time()
+    quantize_model(qmodel, cfg)
+    print(f"quantized W4A16 g{cfg.group_size} (RTN + clipping search) in {time.time() - t1:.1f}s\n")
+    for prompt in DEMO_PROMPTS:
+        print(f"prompt: {prompt}")
+        for label, m in (("16-bit", model), ("W4A16", qmodel)):
+            print(f"  {label:>6}: {generate_text(m, tok, prompt, args.max_new_tokens, True)!r}")
+    wb = weight_bytes(qmodel)
+    ids = tok("\n".join(DEMO_PROMPTS), return_tensors="pt").input_ids.to(device)
+    cos = torch.nn.functional.cosine_similarity(model(ids).logits.float().flatten(),
+                                                qmodel(ids).logits.float().flatten(), dim=0).item()
+    ppl16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens, progress=False)["ppl"]
+    ppl4 = wikitext2_perplexity(qmodel, tok, max_tokens=args.ppl_tokens, progress=False)["ppl"]
+    print(f"\nweights of the quantized linears: {wb['bf16_bytes'] / 2**20:.1f} MiB (16-bit) -> "
+          f"{wb['quantized_bytes'] / 2**20:.1f} MiB (W4A16 g{cfg.group_size}, scales+zeros counted) = {wb['ratio']:.3f}x")
+    print(f"logits cosine similarity (16-bit vs W4A16): {cos:.5f}")
+    print(f"WikiText-2 test perplexity, first {args.ppl_tokens} tokens: 16-bit {ppl16:.3f}, W4A16 {ppl4:.3f} "
+          f"({ppl4 / ppl16:.3f}x)")
+    print("note: SmolLM2's 16-bit weights are themselves dequantized Q4_1, so this is re-quantization loss.")
+    print(f"demo finished in {time.time() - t0:.0f}s")
+
+
+def _add_model_args(p, quant=True):
+    p.add_argument("--model", default=None, help="nibble dir, HF dir or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    if quant:
+        p.add_argument("--quant", choices=["w4a16", "w4a4", "none"], default="w4a16")
+        p.add_argument("--group-size", type=int, default=None, help="w4a16 group (default: 128, or 64/32 if K needs)")
+        p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn")
+        p.add_argument("--rotate", action="store_true", help="w4a4: Hadamard-rotate the model first")
+        p.add_argument("--no-clip-search", action="store_true", help="plain RTN without the clipping search")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nibble", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("generate", help="prompt in, text out")
+    _add_model_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("quantize", help="model in, quantized directory out")
+    _add_model_args(p)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_quantize)
+    p = sub.add_parser("info", help="what a quantized directory holds")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks")
+    p.add_argument("what", choices=["ppl", "tasks"])
+    _add_model_args(p)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
+    p.add_argument("--tasks", default=None, help="comma-separated (default: all seven)")
+    p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("demo", help="the `make demo` job")
+    _add_model_args(p, quant=False)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--ppl-tokens", type=int, default=1024)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""QuantConfig: what to quantize and how; serialised as the checkpoint's `quantization_config`."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from nibble.formats.int4 import FORMAT_VERSION
+
+MODES = ("w4a16", "w4a4")
+METHODS = ("rtn", "gptq", "awq")
+ROTATIONS = ("none", "hadamard")
+QUANT_METHOD = "nibble"
+
+
+@dataclass
+class QuantConfig:
+    """``mode="w4a16"``: INT4 weights, 16-bit activations (group-wise, asymmetric by default).
+    ``mode="w4a4"``: INT4 weights (symmetric, per output channel) and per-token INT4 activations,
+    optionally after a fixed Hadamard rotation of the model (``rotation="hadamard"``).
+
+    ``group_size=None`` picks the mode's default (128 for w4a16, per-channel for w4a4); ``-1``
+    means one group per output channel.
+    """
+
+    mode: str = "w4a16"
+    group_size: int | None = None
+    symmetric: bool | None = None
+    zero_point: str = "int"
+    clip_search: bool = True
+    method: str = "rtn"
+    rotation: str = "none"
+    rotation_seed: int = 0
+    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.group_size is None:
+            self.group_size = 128 if self.mode == "w4a16" else -1
+        if self.symmetric is None:
+            self.symmetric = self.mode == "w4a4"
+        if self.group_size == 0 or self.group_size < -1:
+            raise ValueError(f"group_size must be positive or -1 (per channel), got {self.group_size}")
+        if self.mode == "w4a4":
+            if not self.symmetric or self.group_size != -1:
+                raise ValueError("w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1): "
+                                 "its integer GEMM applies one weight scale per output channel after the int32 sum")
+            if self.method != "rtn":
+                raise ValueError("w4a4 supports method='rtn' (use PE-QAT to recover accuracy)")
+        elif self.rotation != "none":
+            raise ValueError("rotation='hadamard' is for w4a4 (it spreads activation outliers before per-token quantization)")
+
+    @property
+    def activation_bits(self) -> int:
+        return 4 if self.mode == "w4a4" else 16
+
+    def to_dict(self) -> dict:
+        return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "bits": 4,
+                "activation_bits": self.activation_bits, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantConfig":
+        if d.get("quant_method") != QUANT_METHOD:
+            raise ValueError(f"not a nibble quantization_config (quant_method={d.get('quant_method')!r}); "
+                             "AutoAWQ/GPTQ checkpoints load through nibble.models.hf_import")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"checkpoint format_version {d.get('format_version')!r} is not supported by this nibble "
+                             f"(it reads version {FORMAT_VERSION}); upgrade nibble or re-quantize the model")
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in fields})

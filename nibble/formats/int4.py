@@ -1,0 +1,94 @@
+"""The canonical INT4 weight format (format version 1).
+
+Layout (see docs/ARCHITECTURE.md for the reasoning)::
+
+    qweight  int32   [K // 8, N]   code of row k = 8*i + j in bits [4j, 4j + 4) of qweight[i, n]
+    scales   float16 [K // G, N]
+    zeros    float16 [K // G, N]   additive offset: W[n, k] = q[k, n] * s[k // G, n] + z[k // G, n]
+
+Packing along K keeps N contiguous, so a kernel tile [BLOCK_K // 8, BLOCK_N] is a coalesced
+row-major load and each word holds eight consecutive K values of one output column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMAT_VERSION = 1
+PACK = 8  # 4-bit codes per int32 word
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes [K, N] with values in [0, 15] into int32 [K // 8, N], eight rows per word."""
+    if codes.dim() != 2:
+        raise ValueError(f"pack_int4 expects a 2-D [K, N] tensor of codes, got shape {tuple(codes.shape)}")
+    K, N = codes.shape
+    if K % PACK:
+        raise ValueError(f"K={K} must be a multiple of {PACK} to pack 4-bit codes into int32 words")
+    c = codes.to(torch.int32)
+    if c.numel() and (int(c.min()) < 0 or int(c.max()) > 15):
+        raise ValueError("4-bit codes must lie in [0, 15]")
+    c = c.reshape(K // PACK, PACK, N) << _SHIFTS.to(c.device).view(1, PACK, 1)
+    # The OR of disjoint bit fields is their sum; int32 wrap-around on the top nibble is exactly
+    # the two's-complement bit pattern we want.
+    return c.sum(dim=1, dtype=torch.int32)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: int32 [K // 8, N] -> uint8 codes [K, N]."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+    shifts = _SHIFTS.to(qweight.device).view(1, PACK, 1)
+    codes = (qweight.unsqueeze(1) >> shifts) & 0xF
+    return codes.reshape(-1, qweight.shape[1]).to(torch.uint8)
+
+
+@dataclass
+class Int4Weight:
+    """One quantized linear weight in the canonical format (nn.Linear's W is [N, K])."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[0] * PACK
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[1]
+
+    def validate(self) -> None:
+        K, N, G = self.in_features, self.out_features, self.group_size
+        if self.qweight.dtype != torch.int32:
+            raise ValueError(f"qweight must be int32, got {self.qweight.dtype}")
+        if G <= 0 or K % G:
+            raise ValueError(f"in_features={K} is not divisible by group_size={G}")
+        for name in ("scales", "zeros"):
+            t = getattr(self, name)
+            if t.dtype != torch.float16:
+                raise ValueError(f"{name} must be float16, got {t.dtype}")
+            if tuple(t.shape) != (K // G, N):
+                raise ValueError(f"{name} must have shape {(K // G, N)} for K={K}, N={N}, group {G}; got {tuple(t.shape)}")
+
+    @classmethod
+    def from_codes(cls, codes_nk: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> "Int4Weight":
+        """Codes in nn.Linear orientation [N, K]; scales/zeros [N, K // G]."""
+        return cls(pack_int4(codes_nk.t()), scales.t().contiguous().half(), zeros.t().contiguous().half(), group_size)
+
+    def codes(self) -> torch.Tensor:
+        """Codes in nn.Linear orientation [N, K] (uint8)."""
+        return unpack_int4(self.qweight).t()
+
+    def to(self, device) -> "Int4Weight":
+        return Int4Weight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))

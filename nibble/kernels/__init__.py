@@ -1,0 +1,70 @@
+"""Kernel dispatch: the GPU kernel where one applies, the pure-PyTorch reference otherwise.
+
+Every op here has one signature for every backend; `backend="reference"` forces the reference,
+`backend="triton"` demands the GPU kernel (and says clearly why it cannot run).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from nibble.kernels import reference
+
+BACKENDS = ("auto", "reference", "triton")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class KernelUnavailableError(RuntimeError):
+    pass
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+
+def _use_kernel(x: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return False
+    if backend == "triton":
+        if not torch.cuda.is_available():
+            raise KernelUnavailableError("the Triton kernels need a CUDA GPU and none is visible; "
+                                         "use backend='reference' (or 'auto') to run on the CPU")
+        if not x.is_cuda:
+            raise KernelUnavailableError(f"the Triton kernels need CUDA tensors; the input is on {x.device}: move "
+                                         "the model and inputs to the GPU with .to('cuda')")
+        if importlib.util.find_spec("triton") is None:
+            raise KernelUnavailableError("the GPU kernels need the `triton` package: pip install triton")
+    return x.is_cuda
+
+
+def _kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """2-D, contiguous, 16-bit: fp32 activations run the kernel in bf16 (its accumulation is fp32 anyway)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype not in _KERNEL_DTYPES:
+        x2 = x2.to(torch.bfloat16)
+    return x2.contiguous()
+
+
+def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
+    """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
+    if not _use_kernel(x, backend):
+        return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
+    importlib.import_module("nibble.kernels.w4a16")
+    y = torch.ops.nibble.w4a16_linear(_kernel_input(x), qweight, scales, zeros, group_size)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def w4a4_linear(x, qweight, w_scale, bias=None, input_hadamard: bool = False, backend: str = "auto"):
+    """[online Hadamard] -> per-token INT4 activations -> int8 tensor-core GEMM -> scales (+ bias)."""
+    if not _use_kernel(x, backend):
+        return reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard)
+    importlib.import_module("nibble.kernels.w4a4")
+    x2 = _kernel_input(x)
+    b = None if bias is None else bias.to(x2.dtype)
+    y = torch.ops.nibble.w4a4_linear(x2, qweight, w_scale, b, input_hadamard)
+    return y.reshape(*x.shape[:-1], -1).to(x.dtype)

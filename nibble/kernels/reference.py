@@ -1,0 +1,86 @@
+"""Pure-PyTorch definitions of every nibble kernel: the spec the GPU kernels are tested against,
+and the path that runs on CPU. Written for clarity, computed in float32 (float64 where exactness
+matters), never fast.
+
+The Hadamard transform's reference sits beside its kernel in `nibble/kernels/hadamard.py`.
+"""
+from __future__ import annotations
+
+import torch
+
+from nibble.formats.int4 import unpack_int4
+
+# Symmetric INT4 activations use [-7, 7] for the scale (amax / 7) so +-amax are both exact;
+# -8 is reachable only by rounding, never produced for finite inputs.
+ACT_QMAX = 7
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Canonical INT4 -> dense W [N, K]: W[n, k] = q[k, n] * s[k // G, n] + z[k // G, n], in float32."""
+    q = unpack_int4(qweight).float()  # [K, N]
+    s = scales.float().repeat_interleave(group_size, dim=0)
+    z = zeros.float().repeat_interleave(group_size, dim=0)
+    return (q * s + z).t().to(dtype)
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequantize(W).T + bias over any leading dims, accumulated in float32, returned in x.dtype."""
+    w = dequantize(qweight, scales, zeros, group_size).to(x.device)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric INT4: returns (q int8 [..., K] in [-8, 7], scale float32 [...]).
+
+    scale = amax|x| / 7 per row; q = clamp(round_half_even(x / scale), -8, 7). Non-finite values are
+    saturated first (NaN -> 0, +-Inf -> +-finfo(x.dtype).max) so one bad value cannot turn a whole
+    row into NaN. All-zero rows get scale 0 and q 0.
+    """
+    finfo = torch.finfo(x.dtype)
+    xf = torch.nan_to_num(x, nan=0.0, posinf=finfo.max, neginf=-finfo.max).float()
+    scale = xf.abs().amax(dim=-1) / ACT_QMAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(xf / safe.unsqueeze(-1)), -8, 7).to(torch.int8)
+    return q, scale
+
+
+def w4a4_accumulate(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """The integer part of W4A4: acc[m, n] = sum_k qx[m, k] * (q[k, n] - 8), exact, as int32.
+
+    float64 holds every partial sum exactly (|acc| <= 64 K, far below 2^53), so this is the exact
+    integer product on any device.
+    """
+    w = unpack_int4(qweight).to(torch.float64) - 8  # [K, N]
+    return (qx.to(torch.float64) @ w.to(qx.device)).to(torch.int32)
+
+
+def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n]); float scaling only after the int32 sum.
+
+    qx: int8 [M, K]; x_scale: float32 [M]; w_scale: [N] (the per-channel weight scale, scales[0]).
+    """
+    acc = w4a4_accumulate(qx, qweight).float()
+    y = acc * x_scale.float().unsqueeze(-1) * w_scale.float().to(qx.device)
+    if bias is not None:
+        y = y + bias.float()
+    # A token that held +-Inf has a huge scale; saturate instead of overflowing to Inf in 16 bits.
+    big = torch.finfo(out_dtype).max
+    return y.clamp(-big, big).to(out_dtype)
+
+
+def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, input_hadamard: bool = False) -> torch.Tensor:
+    """The whole W4A4 layer on any leading dims: [optional online Hadamard] -> per-token quantize -> int matmul."""
+    if input_hadamard:
+        from nibble.kernels.hadamard import hadamard_transform_reference
+        x = hadamard_transform_reference(x)
+    lead = x.shape[:-1]
+    qx, sx = quantize_activations(x.reshape(-1, x.shape[-1]))
+    y = w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
+    return y.reshape(*lead, -1)

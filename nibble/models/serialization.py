@@ -1,0 +1,158 @@
+"""save_quantized / load_quantized: safetensors + config.json with a `quantization_config`.
+
+Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
+looks whole. Every tensor's sha256 goes into the safetensors metadata and is checked on load, so
+a truncated or edited file is an error, never silently wrong output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from nibble.config import QuantConfig
+from nibble.models.convert import check_architecture, quantized_linears
+from nibble.nn.quant_linear import QuantLinear
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_quantized(model: nn.Module, directory, tokenizer=None) -> Path:
+    """Write ``model`` (converted by quantize_model) to ``directory``; the tokenizer too if given."""
+    qc = getattr(model.config, "quantization_config", None)
+    if not qc or qc.get("quant_method") != "nibble":
+        raise ValueError("model has no nibble quantization_config: run nibble.quantize_model first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, {}
+    aliases = {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), t.shape, t.dtype)
+        if t.numel() and key in seen:  # tied weights (e.g. lm_head = embed_tokens) are stored once
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().contiguous().cpu()
+    metadata = {"format": "pt", "nibble_checksums": json.dumps({k: _sha256(v) for k, v in tensors.items()}),
+                "nibble_aliases": json.dumps(aliases)}
+    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
+    config = model.config.to_dict()
+    config["quantization_config"] = {**qc, "online_hadamard_modules":
+                                     [n for n, m in quantized_linears(model) if m.input_hadamard]}
+    _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _read_checked(path: Path) -> tuple[dict, dict]:
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: not a nibble checkpoint directory")
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-save or re-download it") from e
+    if "nibble_checksums" not in metadata:
+        raise CheckpointError(f"{path} has no nibble checksums: it was not written by nibble.save_quantized")
+    checksums = json.loads(metadata["nibble_checksums"])
+    if set(checksums) != set(tensors):
+        raise CheckpointError(f"{path}: tensor names do not match the checksum table; the file was edited")
+    bad = [k for k, v in tensors.items() if _sha256(v) != checksums[k]]
+    if bad:
+        raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
+    return tensors, json.loads(metadata.get("nibble_aliases", "{}"))
+
+
+def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
+    """Rebuild a model written by save_quantized (no float weights are materialised first).
+
+    Returns ``(model, tokenizer)``; tokenizer is None when none was saved.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(directory)
+    if not (directory / CONFIG).exists():
+        raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble checkpoint directory")
+    try:
+        raw = json.loads((directory / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{directory / CONFIG} is not valid JSON ({e})") from e
+    qc_dict = raw.pop("quantization_config", None)
+    if qc_dict is None:
+        raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
+    qc = QuantConfig.from_dict(qc_dict)
+    online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
+    tensors, aliases = _read_checked(directory / WEIGHTS)
+    config = AutoConfig.for_model(**raw)
+    dtype = dtype or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    check_architecture(model)
+    for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")}:
+        parent, _, child = name.rpartition(".")
+        old = model.get_submodule(name)
+        group_size = old.in_features // tensors[name + ".scales"].shape[0]
+        q = QuantLinear(old.in_features, old.out_features, old.bias is not None, group_size, qc.mode,
+                        name in online_hadamard, dtype=dtype, device="meta")
+        setattr(model.get_submodule(parent), child, q)
+    for alias, target in aliases.items():
+        tensors[alias] = tensors[target]
+    try:
+        model.load_state_dict({k: _place(k, v, device, dtype) for k, v in tensors.items()}, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{directory}: weights do not match the saved architecture ({e})") from e
+    _rebuild_non_persistent_buffers(model, device)
+    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
+        model.tie_weights()
+    model.config.quantization_config = qc_dict
+    model.eval()
+    tokenizer = None
+    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tokenizer
+
+
+def _place(name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    # INT4 codes, scales and zeros keep their format dtypes; everything else follows the model dtype.
+    if name.endswith((".qweight", ".scales", ".zeros")) or not t.is_floating_point():
+        return t.to(device)
+    return t.to(device=device, dtype=dtype)
+
+
+def _rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
+    """Buffers that are not saved (rotary inv_freq) were created on the meta device: rebuild them."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if not type(module).__name__.endswith("RotaryEmbedding"):
+                raise CheckpointError(f"module {name} has buffers the checkpoint does not hold")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    type(module)(config=model.config).to(device))

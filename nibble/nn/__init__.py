@@ -1,0 +1,3 @@
+from nibble.nn.quant_linear import QuantLinear
+
+__all__ = ["QuantLinear"]

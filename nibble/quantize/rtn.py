@@ -1,0 +1,95 @@
+"""Round-to-nearest INT4 quantization per group, with an optional MSE-optimal clipping search.
+
+Three ways to place the 16 levels of a group (all stored in the canonical offset form q*s + z):
+- ``symmetric``: s = amax / 7, levels (q - 8) * s, the form W4A4's integer GEMM needs.
+- ``zero_point="int"`` (default): asymmetric with an integer zero point zp in [0, 15], z = -zp * s,
+  which is exactly what AutoAWQ / GPTQ checkpoints can hold.
+- ``zero_point="float"``: asymmetric with a float minimum, z = min (llama.cpp's Q4_1).
+
+Clipping search (as AWQ/HQQ do): shrink the group's range by a ratio from a grid and keep, per
+group, the ratio with the smallest squared error. Outliers that would stretch the step for the
+whole group get clipped when that lowers the error of the other 127 weights.
+"""
+from __future__ import annotations
+
+import torch
+
+from nibble.formats.int4 import Int4Weight
+
+MAX_CODE = 15
+
+
+def _check_weight(weight: torch.Tensor, group_size: int) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D [out_features, in_features] weight, got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    K = weight.shape[1]
+    if group_size <= 0 or K % group_size:
+        raise ValueError(f"in_features={K} is not divisible by group_size={group_size}; "
+                         f"pick a group size that divides it (e.g. 32 or 64) or -1 for per-channel")
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight contains NaN or Inf; fix the checkpoint before quantizing")
+
+
+def _scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_point: str):
+    """Per-group (s, z) for the range [lo, hi], both rounded to float16 as they will be stored."""
+    if symmetric:
+        s = (torch.maximum(hi, -lo) / 7).clamp(min=1e-8).half().float()
+        return s, (-8 * s).half().float()
+    s = ((hi - lo) / MAX_CODE).clamp(min=1e-8).half().float()
+    if zero_point == "float":
+        return s, lo.half().float()
+    zp = torch.clamp(torch.round(-lo / s), 0, MAX_CODE)
+    return s, (-zp * s).half().float()
+
+
+def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.round((w - z) / s), 0, MAX_CODE)
+
+
+def quantize_groups(w: torch.Tensor, symmetric: bool = False, zero_point: str = "int",
+                    clip_search: bool = True, grid: int = 20, min_shrink: float = 0.5):
+    """Quantize rows of ``w`` [R, G] (one group per row): returns (codes, s, z), s and z of shape [R, 1].
+
+    Everything is float32; s and z hold float16-representable values.
+    """
+    if zero_point not in ("int", "float"):
+        raise ValueError(f"zero_point must be 'int' or 'float', got {zero_point!r}")
+    w = w.float()
+    lo = w.amin(dim=1, keepdim=True).clamp(max=0) if zero_point == "int" or symmetric else w.amin(dim=1, keepdim=True)
+    hi = w.amax(dim=1, keepdim=True).clamp(min=0) if zero_point == "int" or symmetric else w.amax(dim=1, keepdim=True)
+    s, z = _scale_and_zero(lo, hi, symmetric, zero_point)
+    if clip_search:
+        best_err = ((_codes(w, s, z) * s + z - w) ** 2).sum(dim=1, keepdim=True)
+        for ratio in torch.linspace(1.0, min_shrink, grid + 1)[1:].tolist():
+            s_r, z_r = _scale_and_zero(lo * ratio, hi * ratio, symmetric, zero_point)
+            err = ((_codes(w, s_r, z_r) * s_r + z_r - w) ** 2).sum(dim=1, keepdim=True)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            s, z = torch.where(better, s_r, s), torch.where(better, z_r, z)
+    return _codes(w, s, z), s, z
+
+
+def rtn_quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = False, zero_point: str = "int",
+                 clip_search: bool = True, grid: int = 20, min_shrink: float = 0.5,
+                 chunk_rows: int = 1 << 20) -> Int4Weight:
+    """Quantize an nn.Linear weight [N, K] to the canonical INT4 format.
+
+    ``group_size=-1`` means one group per output channel. Work is done on the weight's device in
+    chunks of ``chunk_rows`` groups, so a 7B-sized layer stays within a few hundred MB of scratch.
+    """
+    N, K = weight.shape if weight.dim() == 2 else (0, 0)
+    group_size = K if group_size == -1 else group_size
+    _check_weight(weight, group_size)
+    groups = weight.reshape(-1, group_size)
+    codes, scales, zeros = [], [], []
+    for start in range(0, groups.shape[0], chunk_rows):
+        c, s, z = quantize_groups(groups[start:start + chunk_rows], symmetric, zero_point, clip_search, grid, min_shrink)
+        codes.append(c.to(torch.uint8))
+        scales.append(s)
+        zeros.append(z)
+    codes = torch.cat(codes).reshape(N, K)
+    scales = torch.cat(scales).reshape(N, K // group_size)
+    zeros = torch.cat(zeros).reshape(N, K // group_size)
+    return Int4Weight.from_codes(codes, scales, zeros, group_size)

@@ -1,0 +1,24 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A small random causal-LM config of one of the supported families (sizes multiple of 32)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=arch != "mistral")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def tiny_model(arch: str = "llama", dtype=torch.float32, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype).eval()

@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from nibble.formats.int4 import Int4Weight, pack_int4, unpack_int4
+
+
+@pytest.mark.parametrize("K,N", [(8, 1), (64, 3), (576, 1536), (4096, 24)])
+def test_pack_unpack_roundtrip_is_bit_exact(K, N):
+    codes = torch.randint(0, 16, (K, N), dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (K // 8, N)
+    assert torch.equal(unpack_int4(packed), codes)
+
+
+def test_packing_puts_row_8i_plus_j_in_bits_4j():
+    codes = torch.zeros(16, 2, dtype=torch.uint8)
+    codes[8 + 3, 1] = 0xA  # row k = 8*1 + 3 -> word 1, bits 12..15
+    codes[7, 0] = 0xF  # top nibble: sign bit of the int32 word
+    packed = pack_int4(codes)
+    assert packed[1, 1].item() == 0xA << 12
+    assert packed[0, 0].item() == -(1 << 28)  # 0xF0000000 as two's complement
+
+
+def test_pack_rejects_bad_codes_and_shapes():
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_int4(torch.full((8, 2), 16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(torch.zeros(12, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="int32"):
+        unpack_int4(torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_int4weight_validates_shapes_and_divisibility():
+    q = torch.zeros(8, 4, dtype=torch.int32)  # K = 64
+    s = torch.ones(2, 4, dtype=torch.float16)
+    w = Int4Weight(q, s, s.clone(), 32)
+    assert (w.in_features, w.out_features) == (64, 4)
+    with pytest.raises(ValueError, match="not divisible by group_size=48"):
+        Int4Weight(q, s, s, 48)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        Int4Weight(q, torch.ones(1, 4, dtype=torch.float16), s, 32)
+    with pytest.raises(ValueError, match="float16"):
+        Int4Weight(q, s.float(), s, 32)

@@ -1,0 +1,79 @@
+"""The reference ops against independent float64 math."""
+import pytest
+import torch
+
+from nibble.formats.int4 import unpack_int4
+from nibble.kernels import reference
+from nibble.quantize.rtn import rtn_quantize
+
+
+def _float64_weight(q):
+    codes = unpack_int4(q.qweight).double()  # [K, N]
+    g = q.group_size
+    return (codes * q.scales.double().repeat_interleave(g, 0) + q.zeros.double().repeat_interleave(g, 0)).t()
+
+
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_w4a16_matmul_matches_float64(M, dtype):
+    w = rtn_quantize(torch.randn(96, 256), 64)
+    x = torch.randn(M, 256).to(dtype)
+    bias = torch.randn(96).to(dtype)
+    y = reference.w4a16_matmul(x, w.qweight, w.scales, w.zeros, 64, bias)
+    ref = x.double() @ _float64_weight(w).t() + bias.double()
+    assert y.dtype == dtype and y.shape == (M, 96)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert ((y.double() - ref).norm() / ref.norm()) < tol
+
+
+def test_w4a16_matmul_keeps_leading_dims():
+    w = rtn_quantize(torch.randn(32, 64), 32)
+    x = torch.randn(2, 5, 64)
+    y = reference.w4a16_matmul(x, w.qweight, w.scales, w.zeros, 32)
+    assert y.shape == (2, 5, 32)
+    assert torch.allclose(y[1, 3], reference.w4a16_matmul(x[1, 3:4], w.qweight, w.scales, w.zeros, 32)[0])
+
+
+def test_activation_quantization_is_per_token_symmetric_int4():
+    x = torch.randn(7, 128) * torch.logspace(-2, 2, 7).unsqueeze(1)
+    q, s = reference.quantize_activations(x)
+    assert q.dtype == torch.int8 and s.shape == (7,)
+    assert torch.allclose(s, x.abs().amax(1) / 7)
+    assert q.abs().max() <= 7 and q.abs().amax(1).eq(7).all()  # the largest entry of each row maps to +-7
+    assert ((q.float() * s.unsqueeze(1) - x).abs() <= s.unsqueeze(1) / 2 + 1e-6).all()
+
+
+def test_activation_quantization_handles_zero_rows_and_non_finite_values():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x[0] = 0
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    q, s = reference.quantize_activations(x)
+    assert s[0] == 0 and (q[0] == 0).all()
+    assert torch.isfinite(s).all() and q[1, 5] == 0
+    assert q[2, 7] == 7 and (q[2, torch.arange(64) != 7] == 0).all()  # +Inf saturates, the rest rounds to 0
+    w = rtn_quantize(torch.randn(16, 64), -1, symmetric=True)
+    y = reference.w4a4_linear(x, w.qweight, w.scales[0])
+    assert torch.isfinite(y).all() and (y[0] == 0).all()
+
+
+def test_w4a4_accumulation_is_the_exact_integer_product():
+    K, N = 512, 48
+    w = rtn_quantize(torch.randn(N, K), -1, symmetric=True)
+    qx = torch.randint(-8, 8, (5, K), dtype=torch.int8)
+    acc = reference.w4a4_accumulate(qx, w.qweight)
+    exact = qx.long() @ (unpack_int4(w.qweight).long() - 8)
+    assert acc.dtype == torch.int32 and torch.equal(acc.long(), exact)
+
+
+def test_w4a4_matmul_scales_after_the_integer_sum():
+    K, N = 256, 32
+    w = rtn_quantize(torch.randn(N, K), -1, symmetric=True)
+    x = torch.randn(9, K)
+    qx, sx = reference.quantize_activations(x)
+    y = reference.w4a4_matmul(qx, sx, w.qweight, w.scales[0], out_dtype=torch.float32)
+    ref = (qx.double() @ (unpack_int4(w.qweight).double() - 8)) * sx.double()[:, None] * w.scales[0].double()
+    assert torch.allclose(y.double(), ref, rtol=1e-6, atol=1e-6)
+    # and it approximates the float product (4-bit noise, no bias)
+    dense = x @ reference.dequantize(w.qweight, w.scales, w.zeros, K).t()
+    assert torch.nn.functional.cosine_similarity(y.flatten(), dense.flatten(), dim=0) > 0.97

@@ -1,0 +1,56 @@
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model
+from nibble import QuantConfig, QuantLinear, quantize_model
+from nibble.models.convert import default_group_size, weight_bytes
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_whole_model_conversion_keeps_the_model_working(arch, mode):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+        quantize_model(model, QuantConfig(mode=mode, group_size=32 if mode == "w4a16" else None), progress=False)
+        out = model(ids).logits
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert len(names) == 2 * 7  # q k v o gate up down in each of the 2 layers
+    assert not isinstance(model.lm_head, QuantLinear) and isinstance(model.model.embed_tokens, nn.Embedding)
+    if arch == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    cos = nn.functional.cosine_similarity(ref.flatten(), out.flatten(), dim=0)
+    assert cos > (0.99 if mode == "w4a16" else 0.9)
+    gen = model.generate(ids[:1, :4], max_new_tokens=6, do_sample=False)
+    assert gen.shape == (1, 10)
+    assert model.config.quantization_config["mode"] == mode
+
+
+def test_weight_bytes_counts_scales_and_zeros():
+    model = tiny_model()
+    quantize_model(model, QuantConfig(group_size=64), progress=False)
+    wb = weight_bytes(model)
+    # 4 bits per weight + two fp16 per 64 weights = 0.25 + 4/64/2 ... of 16 bits
+    assert wb["ratio"] == pytest.approx(0.25 + 2 * 2 / (64 * 2), rel=1e-6)
+
+
+def test_default_group_size_follows_the_in_features():
+    assert default_group_size(tiny_model(hidden_size=64, intermediate_size=192)) == 64
+    assert default_group_size(tiny_model(hidden_size=128, intermediate_size=256)) == 128
+    assert default_group_size(tiny_model(hidden_size=96, intermediate_size=288, num_attention_heads=3,
+                                         num_key_value_heads=1)) == 32
+
+
+def test_k_not_divisible_by_group_is_a_clear_error():
+    with pytest.raises(ValueError, match="in_features=64 is not divisible by group_size=128"):
+        quantize_model(tiny_model(), QuantConfig(group_size=128), progress=False)
+
+
+def test_unknown_architecture_is_a_clear_error():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="unknown model architecture 'gpt2'.*llama, qwen2, mistral"):
+        quantize_model(model, QuantConfig(), progress=False)

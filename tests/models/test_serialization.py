@@ -1,0 +1,75 @@
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from nibble import QuantConfig, load_quantized, quantize_model, save_quantized
+from nibble.models.serialization import CheckpointError
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model("qwen2")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path / "q")
+    return model, tmp_path / "q"
+
+
+@pytest.mark.parametrize("arch,mode", [("llama", "w4a16"), ("qwen2", "w4a16"), ("mistral", "w4a4")])
+def test_save_load_roundtrip_gives_identical_logits(tmp_path, arch, mode):
+    model = tiny_model(arch)
+    quantize_model(model, QuantConfig(mode=mode, group_size=32 if mode == "w4a16" else None), progress=False)
+    save_quantized(model, tmp_path)
+    loaded, tok = load_quantized(tmp_path)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert tok is None
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "nibble" and qc["format_version"] == 1 and qc["bits"] == 4
+    assert qc["mode"] == mode and not list(tmp_path.glob("*.tmp"))
+
+
+def test_tied_embeddings_survive_the_roundtrip(saved):
+    _, path = saved
+    loaded, _ = load_quantized(path)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_truncated_file_is_a_clear_error(saved):
+    _, path = saved
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_quantized(path)
+
+
+def test_edited_bytes_fail_the_checksum(saved):
+    _, path = saved
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x55  # flip bits inside the last tensor's data
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_quantized(path)
+
+
+def test_newer_format_version_is_refused(saved):
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["format_version"] = 99
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="format_version 99 is not supported"):
+        load_quantized(path)
+
+
+def test_missing_files_and_non_quantized_dirs_are_clear_errors(tmp_path, saved):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_quantized(tmp_path / "nowhere")
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(CheckpointError, match="no quantization_config"):
+        load_quantized(tmp_path / "plain")
+    with pytest.raises(ValueError, match="run nibble.quantize_model first"):
+        save_quantized(model, tmp_path / "x")
