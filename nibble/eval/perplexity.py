@@ -1,0 +1,153 @@
+"""Perplexity of a causal LM on a token stream, and the standard WikiText-2 protocol.
+
+The protocol is the one behind the WikiText-2 numbers in the GPTQ / AWQ / QuaRot papers:
+
+- text: the raw WikiText-2 *test* split as `"\\n\\n".join(HF rows)` (built from `wiki.test.raw`,
+  see `wikitext2_text`), tokenized once with the tokenizer's default special tokens;
+- windows: the stream is cut into non-overlapping windows of `seq_len` tokens; the ragged tail
+  (fewer than `seq_len` tokens) is **dropped**;
+- each window is scored on its own: its first token has no context, so a window predicts
+  `seq_len - 1` tokens; `nll` is the mean token NLL over all predictions and `ppl = exp(nll)`.
+  All windows predict equally many tokens, so this equals GPTQ's mean of per-window losses.
+"""
+
+import contextlib
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from nibble.eval.data import data_file
+
+# Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
+# that is not comparable with them.
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text` from a Hugging Face tokenizer or a `tokenizers.Tokenizer`."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return list(getattr(ids, "ids", ids))  # `tokenizers` returns an Encoding
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters(), torch.empty(0)).device
+
+
+def context_length(model) -> int | None:
+    """The longest sequence the model was built for (`config.max_position_embeddings`), if known."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def model_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """`[batch, seq, vocab]` logits of a HF causal LM, or of any module that returns logits."""
+    if isinstance(model, PreTrainedModel):
+        # Without use_cache=False HF models fill a KV cache that nobody reads here.
+        return model(input_ids, use_cache=False).logits
+    out = model(input_ids)
+    return getattr(out, "logits", out)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Score with dropout off (e.g. LoRA dropout right after QAT), then restore the caller's mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None, progress: bool = True) -> dict:
+    """Perplexity over non-overlapping `seq_len` windows of `token_ids` (ragged tail dropped).
+
+    A `seq_len` beyond the model's context is clamped to it, with a warning.
+
+    Returns dict(ppl, nll, tokens, windows, seq_len); `tokens` counts predicted tokens,
+    i.e. `windows * (seq_len - 1)`. `device` is where the input ids go (default: the device of
+    the model's first parameter).
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    seq_len = _clamp_to_context(model, seq_len)
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2 (a window predicts seq_len - 1 tokens), got {seq_len}")
+    n_windows = ids.numel() // seq_len
+    if n_windows == 0:
+        raise ValueError(
+            f"The token stream has {ids.numel()} tokens, fewer than one window of seq_len={seq_len}; "
+            "pass a smaller seq_len or more tokens."
+        )
+    device = torch.device(device) if device is not None else model_device(model)
+    windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
+
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    with eval_mode(model), tqdm(total=n_windows, unit="window", desc="perplexity", disable=not progress) as bar:
+        for start in range(0, n_windows, batch_size):
+            batch = windows[start : start + batch_size].to(device)
+            logits = model_logits(model, batch)
+            # One row at a time: a float32 copy of a whole batch of logits can be GBs.
+            for row_logits, row in zip(logits, batch):
+                nll_sum += F.cross_entropy(row_logits[:-1].float(), row[1:], reduction="sum").double()
+            bar.update(len(batch))
+
+    tokens = n_windows * (seq_len - 1)
+    nll = nll_sum.item() / tokens
+    return dict(ppl=math.exp(nll), nll=nll, tokens=tokens, windows=n_windows, seq_len=seq_len)
+
+
+def wikitext2_text() -> str:
+    """WikiText-2 raw test as `"\\n\\n".join(HF rows)`, the text GPTQ-style evaluation tokenizes.
+
+    `wiki.test.raw` holds the HF rows one per line, with empty rows written as `" \\n"`.
+    """
+    with open(data_file("wikitext2/wiki.test.raw"), encoding="utf-8", newline="") as f:
+        rows = ["" if line == " \n" else line for line in f]
+    return "\n\n".join(rows)
+
+
+def default_seq_len(model, n_tokens: int) -> int:
+    """The model's context, capped at 2048 (the published protocol) and at the stream length."""
+    ctx = context_length(model)
+    if ctx is None:
+        raise ValueError("The model has no config.max_position_embeddings; pass seq_len explicitly.")
+    return min(ctx, DEFAULT_MAX_SEQ_LEN, n_tokens)
+
+
+def _clamp_to_context(model, seq_len: int) -> int:
+    ctx = context_length(model)
+    if ctx is not None and seq_len > ctx:
+        warnings.warn(
+            f"seq_len={seq_len} exceeds the model's context ({ctx} = config.max_position_embeddings); using {ctx}.",
+            stacklevel=3,
+        )
+        return ctx
+    return seq_len
+
+
+def wikitext2_perplexity(
+    model, tokenizer, seq_len=None, max_tokens=None, batch_size=1, device=None, progress=True
+) -> dict:
+    """WikiText-2 test perplexity (protocol in the module docstring).
+
+    `max_tokens` keeps only the first tokens of the stream, for quick runs; without `seq_len`
+    the window then shrinks to fit, so e.g. `max_tokens=1024` scores one 1024-token window.
+    """
+    # The split is far longer than the model's context on purpose (it is cut into windows), so
+    # HF's "sequence length is longer than the specified maximum" warning would only mislead.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        ids = encode(tokenizer, wikitext2_text(), add_special_tokens=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if seq_len is None:
+        seq_len = default_seq_len(model, len(ids))
+    return perplexity(model, ids, seq_len, batch_size=batch_size, device=device, progress=progress)

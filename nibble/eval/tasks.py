@@ -1,0 +1,262 @@
+"""Zero-shot multiple-choice tasks, scored as lm-evaluation-harness (v0.4 task yamls) scores them.
+
+Every document turns into one log-likelihood request `(context, continuation)` per choice; the
+prediction is the choice with the highest summed continuation log-likelihood (`acc`), or the
+highest log-likelihood divided by the choice's length in characters (`acc_norm`: lm-eval's
+`len(choice)` on the choice string *without* the leading space). Ties go to the first choice
+(`np.argmax`). No few-shot examples, no description, no BOS token (lm-eval's HF default).
+
+Formats replicated (`{x}` = a field of the shared file; data files are in `shared/data`):
+
+| task | data file | context | continuation per choice | metrics |
+|---|---|---|---|---|
+| piqa | piqa/valid.jsonl (+ valid-labels.lst) | `Question: {goal}\\nAnswer:` | `" {sol1}"`, `" {sol2}"` | acc, acc_norm |
+| arc_easy, arc_challenge | arc/ARC-{Easy,Challenge}-Test.jsonl | `Question: {question.stem}\\nAnswer:` | `" {choice.text}"` | acc, acc_norm |
+| boolq | boolq/val.jsonl (SuperGLUE) | `{passage}\\nQuestion: {question}?\\nAnswer:` | `" no"`, `" yes"` | acc |
+| openbookqa | openbookqa/openbook_qa_test_llmfoundry.jsonl | `{query}` (= question_stem) | `" {choice}"` | acc, acc_norm |
+| hellaswag | hellaswag/hellaswag_val_full.txt | `preprocess("{activity_label}: {ctx_a} {ctx_b.capitalize()}")` | `" " + preprocess(ending)` | acc, acc_norm |
+| winogrande | winogrande/winogrande_dev_llmfoundry.jsonl | `{sentence before _}{option}`, one per option | `" {sentence after _, stripped}"` | acc |
+
+Notes on the shared copies (the README there says where each comes from):
+- OpenBookQA: the MosaicML jsonl's `query`/`choices`/`gold` equal the original test.tsv's
+  Question Stem / choice texts / Answer Key for all 500 rows (checked when this was written).
+- WinoGrande: lm-eval's partial scoring. The MosaicML file already holds lm-eval's two filled
+  contexts (`context_options`) and the text after the blank (`continuation`); the score compares
+  the log-likelihood of the same continuation after each filled context.
+- HellaSwag: the shared file holds `preprocess(activity_label + ": " + ctx)` per task, but two
+  details differ from lm-eval and are restored here. (1) lm-eval capitalizes `ctx_b`, the
+  unfinished noun phrase that ends ActivityNet contexts ("... on a roof. he" -> "... on a roof. He");
+  the file has the raw lower-case `ctx`, so a lower-case phrase after the last sentence end is
+  `.capitalize()`d (3,236 of 10,042 contexts; every such phrase in the file is lower case, and
+  WikiHow contexts end with a full sentence, so this is exactly lm-eval's rewrite unless a `ctx_b`
+  itself contains a sentence end). (2) 18 lines still carry `[...]` spans or a double space that
+  lm-eval's `preprocess` removes, so `preprocess` is applied again.
+"""
+
+import json
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from nibble.eval.data import data_file
+from nibble.eval.perplexity import context_length, encode, eval_mode, model_device, model_logits
+
+
+class Doc(NamedTuple):
+    requests: list[tuple[str, str]]  # (context, continuation), one per choice
+    choices: list[str]  # lm-eval's doc_to_choice; acc_norm divides by len(choice)
+    gold: int
+
+
+def _multiple_choice(context: str, choices: list[str], gold: int) -> Doc:
+    # lm-eval's default target_delimiter " " joins context and choice.
+    return Doc([(context, " " + c) for c in choices], choices, gold)
+
+
+def _jsonl(relpath: str) -> list[dict]:
+    with open(data_file(relpath), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_piqa() -> list[Doc]:
+    docs = _jsonl("piqa/valid.jsonl")
+    labels = data_file("piqa/valid-labels.lst").read_text().split()
+    if len(labels) != len(docs):
+        raise ValueError(f"piqa: {len(docs)} questions but {len(labels)} labels; the two files must align.")
+    return [
+        _multiple_choice(f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], int(y))
+        for d, y in zip(docs, labels)
+    ]
+
+
+def _load_arc(relpath: str) -> list[Doc]:
+    out = []
+    for d in _jsonl(relpath):
+        q = d["question"]
+        labels = [c["label"] for c in q["choices"]]  # "A".."E", or "1".."5" for a few questions
+        out.append(
+            _multiple_choice(
+                f"Question: {q['stem']}\nAnswer:", [c["text"] for c in q["choices"]], labels.index(d["answerKey"])
+            )
+        )
+    return out
+
+
+def load_arc_easy() -> list[Doc]:
+    return _load_arc("arc/ARC-Easy-Test.jsonl")
+
+
+def load_arc_challenge() -> list[Doc]:
+    return _load_arc("arc/ARC-Challenge-Test.jsonl")
+
+
+def load_boolq() -> list[Doc]:
+    gold = {"false": 0, "true": 1}
+    return [
+        _multiple_choice(f"{d['passage']}\nQuestion: {d['question']}?\nAnswer:", ["no", "yes"], gold[d["label"]])
+        for d in _jsonl("boolq/val.jsonl")
+    ]
+
+
+def load_openbookqa() -> list[Doc]:
+    return [
+        _multiple_choice(d["query"], d["choices"], d["gold"])
+        for d in _jsonl("openbookqa/openbook_qa_test_llmfoundry.jsonl")
+    ]
+
+
+def hellaswag_preprocess(text: str) -> str:
+    """lm-eval's hellaswag `preprocess`: WikiHow markup out, spacing tidied."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+# The unfinished lower-case phrase after the last sentence end: lm-eval's `ctx_b`.
+_OPEN_PHRASE = re.compile(r"(?<=[.!?] )[a-z][^.!?]*$")
+
+
+def load_hellaswag() -> list[Doc]:
+    lines = data_file("hellaswag/hellaswag_val_full.txt").read_text(encoding="utf-8").split("\n")
+    out = []
+    # 6 lines per task: context, gold index, 4 endings
+    for i in range(0, len(lines) - 5, 6):
+        context = _OPEN_PHRASE.sub(lambda m: m.group(0).capitalize(), lines[i])
+        endings = [hellaswag_preprocess(e) for e in lines[i + 2 : i + 6]]
+        out.append(_multiple_choice(hellaswag_preprocess(context), endings, int(lines[i + 1])))
+    return out
+
+
+def load_winogrande() -> list[Doc]:
+    out = []
+    for d in _jsonl("winogrande/winogrande_dev_llmfoundry.jsonl"):
+        contexts = d["context_options"]
+        out.append(Doc([(c, " " + d["continuation"]) for c in contexts], contexts, d["gold"]))
+    return out
+
+
+class Task(NamedTuple):
+    load: Callable[[], list[Doc]]
+    has_acc_norm: bool
+
+
+TASKS = {
+    "piqa": Task(load_piqa, True),
+    "hellaswag": Task(load_hellaswag, True),
+    "winogrande": Task(load_winogrande, False),
+    "arc_easy": Task(load_arc_easy, True),
+    "arc_challenge": Task(load_arc_challenge, True),
+    "boolq": Task(load_boolq, False),
+    "openbookqa": Task(load_openbookqa, True),
+}
+ALL_TASKS = tuple(TASKS)
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context and continuation tokens, split the way lm-eval's `_encode_pair` splits them.
+
+    Trailing whitespace of the context moves into the continuation, the two are encoded as one
+    string, and the continuation is whatever follows the context's own encoding. So merges across
+    the boundary (" yes" as one token) are the tokenizer's, not an artefact of encoding apart.
+    """
+    if context == "":
+        # lm-eval scores a context-free continuation after a BOS (or EOS) token
+        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        return [prefix], encode(tokenizer, continuation, add_special_tokens=False)
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole = encode(tokenizer, context + continuation, add_special_tokens=False)
+    context_ids = encode(tokenizer, context, add_special_tokens=False)
+    return context_ids, whole[len(context_ids) :]
+
+
+def loglikelihood(model, tokenizer, requests, batch_size=16, progress=True, desc="loglikelihood") -> list[float]:
+    """Summed log-probability of each continuation given its context, for (context, continuation) pairs.
+
+    Inputs longer than the model's context lose tokens on the left, as in lm-eval. Requests whose
+    model inputs are identical (e.g. BoolQ's one-token " no" / " yes") share one forward pass.
+    """
+    max_len = context_length(model)
+    inputs: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}  # input ids -> (request index, targets)
+    for i, (context, continuation) in enumerate(requests):
+        context_ids, cont_ids = encode_pair(tokenizer, context, continuation)
+        if not cont_ids:
+            raise ValueError(f"Request {i} has an empty continuation after tokenization: {continuation!r}")
+        if not context_ids:
+            raise ValueError(f"Request {i}: the context {context!r} encodes to no tokens; give a non-blank context.")
+        full = context_ids + cont_ids
+        if max_len is not None:
+            if len(cont_ids) > max_len:
+                raise ValueError(f"Request {i}: the continuation alone exceeds the model's context ({max_len}).")
+            full = full[-(max_len + 1) :]
+        inputs.setdefault(tuple(full[:-1]), []).append((i, cont_ids))
+
+    # Longest first: padding stays small within a batch, and an out-of-memory shows up at once.
+    order = sorted(inputs, key=len, reverse=True)
+    device = model_device(model)
+    scores = [0.0] * len(requests)
+    with eval_mode(model), tqdm(total=len(requests), desc=desc, unit="req", disable=not progress) as bar:
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            # Right padding needs no attention mask: with causal attention, real tokens never see
+            # the pads after them, and their positions are unchanged.
+            ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)
+            for row, inp in enumerate(batch):
+                ids[row, : len(inp)] = torch.tensor(inp)
+            logits = model_logits(model, ids.to(device))
+            for row, inp in enumerate(batch):
+                for i, cont_ids in inputs[inp]:
+                    # positions len(inp)-k .. len(inp)-1 predict the k continuation tokens
+                    logprobs = F.log_softmax(logits[row, len(inp) - len(cont_ids) : len(inp)].float(), dim=-1)
+                    target = torch.tensor(cont_ids, device=logprobs.device)
+                    scores[i] = logprobs.gather(-1, target[:, None]).sum().item()
+                bar.update(len(inputs[inp]))
+    return scores
+
+
+def score_docs(docs: list[Doc], lls: list[float], has_acc_norm: bool) -> dict:
+    """acc (and acc_norm) over `docs`, given the log-likelihood of every request in order."""
+    hits, hits_norm = [], []
+    pos = 0
+    for doc in docs:
+        doc_lls = np.array(lls[pos : pos + len(doc.requests)])
+        pos += len(doc.requests)
+        hits.append(int(np.argmax(doc_lls)) == doc.gold)
+        if has_acc_norm:
+            lengths = np.array([len(c) for c in doc.choices], dtype=np.float64)
+            hits_norm.append(int(np.argmax(doc_lls / lengths)) == doc.gold)
+    result = {"acc": float(np.mean(hits))}
+    if has_acc_norm:
+        result["acc_norm"] = float(np.mean(hits_norm))
+    result["n"] = len(docs)
+    return result
+
+
+def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16, progress=True) -> dict:
+    """Zero-shot accuracy per task: {task: {acc, acc_norm?, n}, "average": {acc}}.
+
+    `limit` keeps the first `limit` documents of each task (as lm-eval's --limit). "average" is the
+    unweighted mean of `acc` over the tasks run.
+    """
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"Unknown task(s) {unknown}; choose from {list(ALL_TASKS)}.")
+    if not tasks:
+        raise ValueError(f"No tasks given; choose from {list(ALL_TASKS)}.")
+    results = {}
+    for name in tasks:
+        task = TASKS[name]
+        docs = task.load()[:limit]
+        requests = [r for doc in docs for r in doc.requests]
+        lls = loglikelihood(model, tokenizer, requests, batch_size=batch_size, progress=progress, desc=name)
+        results[name] = score_docs(docs, lls, task.has_acc_norm)
+    results["average"] = {"acc": float(np.mean([results[t]["acc"] for t in tasks]))}
+    return results

@@ -1,0 +1,105 @@
+import math
+import warnings
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from nibble.eval import data
+from nibble.eval.perplexity import perplexity, wikitext2_perplexity, wikitext2_text
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (matches the 256-token tiny model)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+
+def hand_nll(model, ids, seq_len):
+    """Mean next-token NLL over full windows scored one at a time, log-softmax written out."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - seq_len + 1, seq_len):
+        window = torch.tensor(ids[start : start + seq_len])
+        with torch.no_grad():
+            logits = model(window[None]).logits[0].double()
+        logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+        for t in range(seq_len - 1):
+            total -= logprobs[t, window[t + 1]].item()
+            count += 1
+    return total / count, count
+
+
+def test_perplexity_is_exp_of_mean_nll_over_full_windows_and_drops_the_tail():
+    model = tiny_model()
+    ids = torch.randint(0, 256, (50,)).tolist()  # 3 windows of 16, a 2-token tail
+    nll, count = hand_nll(model, ids, 16)
+
+    out = perplexity(model, ids, seq_len=16, progress=False)
+
+    assert out["windows"] == 3 and out["tokens"] == count == 3 * 15 and out["seq_len"] == 16
+    assert out["nll"] == pytest.approx(nll, rel=1e-5)
+    assert out["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+    other_tail = ids[:48] + [7, 9]
+    assert perplexity(model, other_tail, seq_len=16, progress=False)["nll"] == pytest.approx(out["nll"], rel=1e-6)
+
+
+def test_batched_windows_give_the_unbatched_perplexity():
+    model = tiny_model()
+    ids = torch.randint(0, 256, (5 * 24 + 3,))
+    one = perplexity(model, ids, seq_len=24, batch_size=1, progress=False)
+    many = perplexity(model, ids, seq_len=24, batch_size=3, progress=False)  # batches of 3 and 2
+    assert many["nll"] == pytest.approx(one["nll"], rel=1e-5)
+    assert many["windows"] == one["windows"] == 5
+
+
+def test_stream_shorter_than_one_window_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer than one window of seq_len=32"):
+        perplexity(tiny_model(), list(range(20)), seq_len=32, progress=False)
+
+
+def test_wikitext2_text_is_the_gptq_join_of_hf_rows():
+    text = wikitext2_text()
+    # HF rows: "", " = Robert Boulter = \n", "", " Robert Boulter is ..."
+    assert text.startswith("\n\n = Robert Boulter = \n\n\n\n\n Robert Boulter is an English film")
+    assert "\n\n \n\n" not in text  # no empty row is left as the raw file's " \n"
+
+
+def test_seq_len_beyond_the_model_context_warns_and_is_clamped():
+    model = tiny_model(max_position_embeddings=64)
+    with pytest.warns(UserWarning, match="exceeds the model's context"):
+        out = wikitext2_perplexity(model, ByteTokenizer(), seq_len=128, max_tokens=200, progress=False)
+    assert out["seq_len"] == 64 and out["windows"] == 3  # 200 tokens -> 3 windows, 8-token tail dropped
+
+    ids = ByteTokenizer().encode(wikitext2_text())[:200]
+    assert out["nll"] == pytest.approx(hand_nll(model, ids, 64)[0], rel=1e-5)
+
+
+def test_default_seq_len_is_the_context_capped_at_2048_and_at_max_tokens():
+    tok = ByteTokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no clamping warning on the default path
+        small = wikitext2_perplexity(tiny_model(max_position_embeddings=64), tok, max_tokens=130, progress=False)
+        out = wikitext2_perplexity(tiny_model(max_position_embeddings=4096), tok, max_tokens=100, progress=False)
+    assert small["seq_len"] == 64 and small["windows"] == 2
+    assert out["seq_len"] == 100 and out["windows"] == 1
+
+
+def test_missing_data_file_names_the_file_the_folders_and_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(data, "_REPO", tmp_path / "repo")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        wikitext2_text()
+    msg = str(err.value)
+    assert "wikitext2/wiki.test.raw" in msg
+    assert str(tmp_path / "nowhere") in msg and str(tmp_path / "shared" / "data") in msg
+    assert "set NIBBLE_DATA" in msg
+
+
+def test_nibble_data_env_is_searched_first(monkeypatch, tmp_path):
+    (tmp_path / "wikitext2").mkdir()
+    (tmp_path / "wikitext2" / "wiki.test.raw").write_text(" \n = A = \n \n b c \n", encoding="utf-8")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    assert data.data_dir() == tmp_path
+    assert wikitext2_text() == "\n\n".join(["", " = A = \n", "", " b c \n"])

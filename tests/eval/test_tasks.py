@@ -1,0 +1,232 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model
+from nibble.eval.tasks import (
+    ALL_TASKS,
+    Doc,
+    encode_pair,
+    evaluate_tasks,
+    hellaswag_preprocess,
+    load_arc_challenge,
+    load_arc_easy,
+    load_boolq,
+    load_hellaswag,
+    load_openbookqa,
+    load_piqa,
+    load_winogrande,
+    loglikelihood,
+    score_docs,
+)
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, so a continuation's tokens are its bytes."""
+
+    bos_token_id = eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+
+class BigramLM(nn.Module):
+    """Logits of the next byte depend only on the current byte: log-likelihoods are set by hand."""
+
+    def __init__(self, boost=()):
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(256, 256))  # all zeros: every byte has log-prob -log(256)
+        with torch.no_grad():
+            for prev, nxt, value in boost:
+                self.table[ord(prev), ord(nxt)] = value
+
+    def forward(self, input_ids):
+        return self.table[input_ids]
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    """A small GPT-2-style byte-level BPE: spaces attach to the following word (" yes" -> "Ġyes")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [d.requests[0][0] + d.requests[0][1] for d in load_piqa()[:300] + load_boolq()[:50]]
+    corpus += ["Answer: yes", "Answer: no"] * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + 300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+
+
+# --- the request strings are lm-eval's (hand-checked against the data files) ---
+
+
+def test_piqa_requests():
+    docs = load_piqa()
+    assert len(docs) == 1838
+    q = "Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:"
+    sol = (" Provide the guinea pig with a cage full of a few inches of bedding made of ripped {}, "
+           "you will also need to supply it with a water bottle and a food dish.")
+    assert docs[0] == Doc([(q, sol.format("paper strips")), (q, sol.format("jeans material"))],
+                          [sol.format("paper strips")[1:], sol.format("jeans material")[1:]], 0)
+    assert docs[1].requests == [("Question: dresser\nAnswer:", " replace drawer with bobby pin "),
+                                ("Question: dresser\nAnswer:", " finish, woodgrain with  bobby pin ")]
+    assert docs[1].gold == 1
+
+
+def test_arc_requests_including_numeric_answer_keys():
+    easy = load_arc_easy()
+    assert len(easy) == 2376 and len(load_arc_challenge()) == 1172
+    q = "Question: Which piece of safety equipment is used to keep mold spores from entering the respiratory system?\nAnswer:"
+    assert easy[1].requests == [(q, " safety goggles"), (q, " breathing mask"), (q, " rubber gloves"), (q, " lead apron")]
+    assert easy[1].gold == 1  # answerKey "B"
+    q = "Question: All living and nonliving material is composed of\nAnswer:"
+    choices = ["air", "elements", "water", "soil"]
+    assert easy[14] == Doc([(q, " " + c) for c in choices], choices, 1)  # labels "1".."4", answerKey "2"
+    assert load_arc_challenge()[0].gold == 2  # answerKey "C"
+
+
+def test_boolq_requests():
+    docs = load_boolq()
+    assert len(docs) == 3270
+    context = (
+        "Phantom pain -- Phantom pain sensations are described as perceptions that an individual experiences "
+        "relating to a limb or an organ that is not physically part of the body. Limb loss is a result of either "
+        "removal by amputation or congenital limb deficiency. However, phantom limb sensations can also occur "
+        "following nerve avulsion or spinal cord injury.\n"
+        "Question: is pain experienced in a missing body part or paralyzed area?\nAnswer:"
+    )
+    assert docs[2] == Doc([(context, " no"), (context, " yes")], ["no", "yes"], 1)  # label "true"
+    assert docs[0].gold == 0  # label "false"
+
+
+def test_openbookqa_requests():
+    docs = load_openbookqa()
+    assert len(docs) == 500
+    assert docs[2] == Doc([("Predators eat", " lions"), ("Predators eat", " humans"), ("Predators eat", " bunnies"),
+                           ("Predators eat", " grass")], ["lions", "humans", "bunnies", "grass"], 2)
+
+
+def test_hellaswag_requests_capitalize_ctx_b_and_apply_lm_eval_preprocess():
+    docs = load_hellaswag()
+    assert len(docs) == 10042
+    ctx = "Roof shingle removal: A man is sitting on a roof. He"  # the file has "... roof. he"
+    endings = ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.", "is holding a rubik's cube.",
+               "starts pulling up roofing on a roof."]
+    assert docs[0] == Doc([(ctx, " " + e) for e in endings], endings, 3)
+    assert docs[1].requests[0][0] == "Clean and jerk: A lady walks to a barbell. She bends down and grabs the pole. The lady"
+    # WikiHow contexts end with a full sentence and are left as they are
+    assert docs[3243].requests[0][0].startswith("Personal Care and Style: How to become a fashion consultant. Obtain")
+    assert docs[3243].requests[0][0].endswith("familiarize yourself with foundational concepts in fashion.")
+    # "[www.kiddio.org]" is still in the shared file; lm-eval's preprocess drops it
+    assert "Visit a site like to find loads of creative activities" in docs[3505].requests[0][0]
+    assert hellaswag_preprocess("Label: [header] How to x [title] Do y. [step] Then  z ") == "Label: How to x. Do y. Then z"
+
+
+def test_winogrande_requests_use_partial_scoring():
+    docs = load_winogrande()
+    assert len(docs) == 1267
+    a = "Sarah was a much better surgeon than Maria so Sarah"
+    b = "Sarah was a much better surgeon than Maria so Maria"
+    assert docs[0].requests == [(a, " always got the easier cases."), (b, " always got the easier cases.")]
+    assert docs[0].gold == 1 and docs[1].gold == 0  # dev-labels.lst: 2, 1
+
+
+# --- tokenization and log-likelihood ---
+
+
+def test_encode_pair_moves_trailing_context_spaces_and_splits_the_whole_encoding(bpe_tokenizer):
+    enc = lambda s: bpe_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    yes = enc(" yes")
+    assert len(yes) == 1  # "Ġyes" is one token, so encoding "Answer: " and "yes" apart would differ
+    assert encode_pair(bpe_tokenizer, "Answer: ", "yes") == (enc("Answer:"), yes)
+    assert encode_pair(bpe_tokenizer, "Answer:", " yes") == (enc("Answer:"), yes)
+    ctx, cont = "Question: dresser\nAnswer:", " finish, woodgrain with  bobby pin "
+    assert encode_pair(bpe_tokenizer, ctx, cont) == (enc(ctx), enc(ctx + cont)[len(enc(ctx)) :])
+    assert encode_pair(bpe_tokenizer, "", "yes") == ([bpe_tokenizer.bos_token_id], enc("yes"))
+
+
+def test_loglikelihood_sums_continuation_log_probs_given_the_context():
+    model = BigramLM(boost=[("b", "c", 2.0), ("c", "d", -1.0)])
+    lp = torch.log_softmax(model.table.detach().double(), dim=-1)
+    by_hand = lp[ord("b"), ord("c")] + lp[ord("c"), ord("d")]
+    got = loglikelihood(model, ByteTokenizer(), [("ab", "cd"), ("ab ", "cd")], progress=False)
+    assert got[0] == pytest.approx(by_hand.item(), rel=1e-6)
+    # "ab " + "cd" scores " cd" after "ab": the moved space is part of the continuation
+    by_hand = lp[ord("b"), ord(" ")] + lp[ord(" "), ord("c")] + lp[ord("c"), ord("d")]
+    assert got[1] == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+def test_long_inputs_lose_tokens_on_the_left_like_lm_eval():
+    model = tiny_model(max_position_embeddings=32)
+    tok = ByteTokenizer()
+    context, continuation = "x" * 40 + "The end of a long context", " and more"
+    full = tok.encode(context + continuation)
+    inp = torch.tensor(full[-33:-1])  # the last max_len + 1 tokens, minus the last one
+    with torch.no_grad():
+        lp = torch.log_softmax(model(inp[None]).logits[0].double(), dim=-1)
+    k = len(continuation)
+    by_hand = sum(lp[len(inp) - k + j, full[-k + j]].item() for j in range(k))
+    got = loglikelihood(model, tok, [(context, continuation)], progress=False)[0]
+    assert got == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_batched_loglikelihood_equals_unbatched(bpe_tokenizer):
+    model = tiny_model(vocab_size=len(bpe_tokenizer), max_position_embeddings=1024)
+    docs = load_piqa()[:3] + load_boolq()[2:3] + load_arc_easy()[:1] + load_winogrande()[:2]
+    requests = [r for d in docs for r in d.requests]  # lengths from ~20 to ~300 tokens
+    one = loglikelihood(model, bpe_tokenizer, requests, batch_size=1, progress=False)
+    many = loglikelihood(model, bpe_tokenizer, requests, batch_size=5, progress=False)
+    assert many == pytest.approx(one, rel=1e-5, abs=1e-4)
+    assert all(math.isfinite(x) and x < 0 for x in one)
+
+
+# --- scoring ---
+
+
+def test_score_docs_takes_argmax_of_loglikelihood_and_of_loglikelihood_per_character():
+    docs = [Doc([("", "")] * 2, ["a", "bbbb"], 0),
+            Doc([("", "")] * 2, ["a", "bbbb"], 1),
+            Doc([("", "")] * 3, ["ab", "ab", "abcd"], 0)]
+    lls = [-2.0, -4.0,  # acc picks 0 (-2 > -4); acc_norm picks 1 (-2/1 < -4/4)
+           -2.0, -4.0,
+           -3.0, -3.0, -8.0]  # ties go to the first choice in both
+    assert score_docs(docs, lls, has_acc_norm=True) == {"acc": 2 / 3, "acc_norm": 2 / 3, "n": 3}
+    assert score_docs(docs, lls, has_acc_norm=False) == {"acc": 2 / 3, "n": 3}
+
+
+def test_uniform_model_acc_picks_the_shortest_choice_and_acc_norm_the_longest():
+    # Every byte has log-prob -log 256, so ll = -(1 + len(choice)) log 256: acc prefers the shortest
+    # choice, acc_norm (ll / len(choice)) the longest. PIQA's first 3 docs (sol lengths, gold):
+    # 164 < 166, gold 0 | 30 < 34, gold 1 | 65 > 55, gold 1
+    out = evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "boolq"], limit=3, progress=False)
+    assert out["piqa"] == {"acc": 2 / 3, "acc_norm": 1 / 3, "n": 3}
+    assert out["boolq"] == {"acc": 1 / 3, "n": 3}  # " no" is shorter than " yes"; labels false, true, true
+    assert out["average"] == {"acc": pytest.approx(0.5)}
+
+
+def test_winogrande_scores_the_same_continuation_after_each_filled_context():
+    # doc 0: "... so Sarah" / "... so Maria" + " always got the easier cases.", gold 1 (Maria)
+    after_maria = BigramLM(boost=[("a", " ", 5.0)])
+    after_sarah = BigramLM(boost=[("h", " ", 5.0)])
+    assert evaluate_tasks(after_maria, ByteTokenizer(), "winogrande", limit=1, progress=False)["winogrande"]["acc"] == 1.0
+    assert evaluate_tasks(after_sarah, ByteTokenizer(), "winogrande", limit=1, progress=False)["winogrande"]["acc"] == 0.0
+
+
+def test_limit_keeps_the_first_documents_of_every_task():
+    out = evaluate_tasks(BigramLM(), ByteTokenizer(), limit=2, batch_size=8, progress=False)
+    assert list(out) == [*ALL_TASKS, "average"]
+    assert all(out[t]["n"] == 2 for t in ALL_TASKS)
+    assert ("acc_norm" in out["hellaswag"]) and ("acc_norm" not in out["winogrande"])
+    assert out["average"]["acc"] == pytest.approx(sum(out[t]["acc"] for t in ALL_TASKS) / len(ALL_TASKS))
+
+
+def test_unknown_task_is_a_clear_error():
+    with pytest.raises(ValueError, match="Unknown task.*'piqa'"):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "mmlu"])
