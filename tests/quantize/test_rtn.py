@@ -62,3 +62,16 @@ def test_q4_1_blocks_are_reproduced_exactly():
 def test_bad_weights_raise_clear_errors(bad, err, match):
     with pytest.raises(err, match=match):
         rtn_quantize(bad, 64)
+
+
+def test_smollm2_q4_1_linears_are_reproduced_exactly_by_g32_float_min_rtn():
+    """The embedded model's linears are Q4_1; RTN asym g32 with a float minimum must give them back bit for bit."""
+    from nibble.models.gguf import read_q4_1_blocks
+    from nibble.models.loading import default_model_path
+
+    blocks = read_q4_1_blocks(default_model_path(), ["model.layers.0.self_attn.q_proj.weight",
+                                                     "model.layers.29.mlp.down_proj.weight"])
+    for b in blocks.values():
+        w = b.codes.float() * b.d.float().repeat_interleave(32, 1) + b.m.float().repeat_interleave(32, 1)
+        q = rtn_quantize(w, 32, zero_point="float", clip_search=False)
+        assert torch.equal(_dq(q), w)

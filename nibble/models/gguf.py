@@ -1,0 +1,287 @@
+"""Read llama.cpp GGUF files (llama architecture) into a transformers model and tokenizer.
+
+We read the tensors with the `gguf` package ourselves instead of calling transformers' GGUF
+loader: that loader is about 3x slower, needs `accelerate`, and its tokenizer drops the
+pre-tokenizer the file names in `tokenizer.ggml.pre` (SmolLM's digit splitting, for one).
+"""
+from __future__ import annotations
+
+import functools
+import re
+from importlib.metadata import version
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.initialization import no_init_weights
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor names -> transformers LlamaForCausalLM parameter names.
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`, rebuilt with the `tokenizers` library.
+# Each must reproduce the original Hugging Face tokenizer exactly, so only verified ones are listed.
+_PRE_TOKENIZERS = {
+    # SmolLM / StarCoder: every digit is its own pre-token, then GPT-2's byte-level regex split.
+    "smollm": lambda prefix: pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=True),
+    ]),
+    "gpt-2": lambda prefix: pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=True),
+}
+
+Q4_1_GROUP = 32  # llama.cpp's QK4_1: weights per Q4_1 block, along K
+
+
+class Q4_1Blocks(NamedTuple):
+    """One Q4_1 tensor in nn.Linear orientation: ``W[n, k] = d[n, k // 32] * codes[n, k] + m[n, k // 32]``."""
+
+    codes: torch.Tensor  # uint8 [N, K], values 0..15
+    d: torch.Tensor  # float16 [N, K // 32], scale
+    m: torch.Tensor  # float16 [N, K // 32], minimum (additive offset)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A llama-architecture GGUF file as an eval-mode ``LlamaForCausalLM`` (weights dequantized
+    to float32, then cast to ``dtype``) and its tokenizer, chat template included."""
+    path = Path(path)
+    reader = _open(path)
+    config = _llama_config(reader, path)
+    state_dict = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, path)
+        try:
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"{path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the "
+                             f"installed gguf package (v{version('gguf')}) cannot dequantize; convert the model "
+                             "to a float, Q8_0, Q4_x/Q5_x or K-quant GGUF") from None
+        # The reader yields weights in ggml's [N, K] row order: already nn.Linear's [out, in].
+        weight = np.require(weight.reshape(_torch_shape(tensor)), requirements="W")  # torch wants writable memory
+        state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config)
+    if config.tie_word_embeddings:
+        state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+    # Skip the random init: every parameter is overwritten by the strict load below.
+    with no_init_weights():
+        model = LlamaForCausalLM(config)
+    model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
+    model.load_state_dict(state_dict, strict=True)
+    return model.to(dtype).eval(), _tokenizer(reader, path, config)
+
+
+def read_q4_1_blocks(path: str | Path, names: Iterable[str] | None = None) -> dict[str, Q4_1Blocks]:
+    """The raw Q4_1 codes, scales and minimums of a GGUF file, keyed by transformers parameter name
+    (e.g. ``model.layers.0.self_attn.q_proj.weight``), with llama.cpp's Q/K row permutation undone,
+    so ``d * codes + m`` (float32) equals the matching weight of ``load_gguf(path)`` bit for bit.
+
+    ``names`` (transformers or GGUF tensor names) picks tensors; by default every Q4_1 tensor.
+    """
+    path = Path(path)
+    reader = _open(path)
+    config = _llama_config(reader, path)
+    by_name = {}
+    for t in reader.tensors:
+        by_name[t.name] = by_name[_hf_name(t.name, path)] = t
+    if names is None:
+        names = [t.name for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1]
+    blocks = {}
+    for wanted in names:
+        if wanted not in by_name:
+            raise KeyError(f"{path} has no tensor {wanted!r}")
+        tensor = by_name[wanted]
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            raise ValueError(f"{path}: tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_1")
+        name = _hf_name(tensor.name, path)
+        codes, d, m = _decode_q4_1(tensor.data)
+        blocks[name] = Q4_1Blocks(*(_unpermute_qk(torch.from_numpy(x), name, config) for x in (codes, d, m)))
+    return blocks
+
+
+def _decode_q4_1(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # A Q4_1 block is 20 bytes: fp16 d, fp16 m, then 16 bytes whose low nibbles hold
+    # weights 0..15 of the block and whose high nibbles hold weights 16..31.
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, 4 + Q4_1_GROUP // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)
+    return codes, d, m
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    stat = path.stat()
+    reader = _read(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    arch = _field(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; nibble loads GGUF files of "
+                         f"architecture {', '.join(SUPPORTED_ARCHITECTURES)} (load other models from a local "
+                         "Hugging Face directory instead)")
+    return reader
+
+
+class _Reader(gguf.GGUFReader):
+    # GGUFReader parses metadata with one small slice of its np.memmap per value, and memmap's
+    # per-slice bookkeeping makes reading a 49k-token vocabulary 3x slower than plain ndarray
+    # views of the same mapping (no copy). If gguf renames `data`, this is merely not used.
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = np.asarray(value)
+
+
+@functools.lru_cache(maxsize=1)
+def _read(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    # Parsing still costs seconds; load_gguf then read_q4_1_blocks on the same file (the
+    # quantization workflow) parse it once. The reader is read-only, so sharing it is safe;
+    # mtime and size key out a rewritten file.
+    return _Reader(path)
+
+
+_REQUIRED = object()
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
+    field = reader.get_field(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{path}: GGUF metadata key {key!r} is missing; the file is incomplete or not a "
+                             "llama.cpp model file")
+        return default
+    return field.contents()
+
+
+def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
+    def meta(key, default=_REQUIRED):
+        return _field(reader, f"llama.{key}", path, default)
+
+    rope_scaling = meta("rope.scaling.type", "none")
+    if rope_scaling != "none":
+        raise ValueError(f"{path}: rope scaling {rope_scaling!r} is not supported by nibble's GGUF loader; "
+                         "load the original Hugging Face directory instead")
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    head_dim = meta("attention.key_length", hidden // heads)
+    if meta("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count != head dim {head_dim}) "
+                         "are not supported by LlamaForCausalLM")
+    tensor_names = {t.name for t in reader.tensors}
+    return LlamaConfig(
+        vocab_size=meta("vocab_size", None) or len(_field(reader, "tokenizer.ggml.tokens", path)),
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_hidden_layers=meta("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=meta("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        # 10000 is llama.cpp's default when the file does not say.
+        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0)},
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", path, None),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", path, None),
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _hf_name(gguf_name: str, path: Path) -> str:
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _BLOCK_NAME_RE.fullmatch(gguf_name)
+    if match and match[2] in _BLOCK_NAMES:
+        return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    raise ValueError(f"{path}: tensor {gguf_name!r} has no counterpart in transformers' LlamaForCausalLM; "
+                     "nibble's GGUF loader reads plain llama models (no rope_freqs, MoE or extra tensors)")
+
+
+def _torch_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+    # GGUF lists dimensions fastest-first (ggml's ne); torch wants them slowest-first.
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def _unpermute_qk(x: torch.Tensor, hf_name: str, config: LlamaConfig) -> torch.Tensor:
+    # llama.cpp's converter reorders the rows of each Q/K head from HF's rotate-half layout
+    # (first half, second half) to interleaved pairs; swap them back. A pure row permutation,
+    # so it applies alike to weights, biases and per-row quantization blocks.
+    if ".q_proj." in hf_name:
+        n_head = config.num_attention_heads
+    elif ".k_proj." in hf_name:
+        n_head = config.num_key_value_heads
+    else:
+        return x
+    rows = x.shape[0]
+    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreTrainedTokenizerFast:
+    def meta(key, default=_REQUIRED):
+        return _field(reader, f"tokenizer.ggml.{key}", path, default)
+
+    kind, pre = meta("model"), meta("pre", "default")
+    if kind != "gpt2" or pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; nibble builds "
+                         f"GGUF tokenizers of model 'gpt2' (byte-level BPE) with pre-tokenizer "
+                         f"{' or '.join(map(repr, _PRE_TOKENIZERS))}. Load the original Hugging Face directory instead")
+    tokens = meta("tokens")
+    merges = [tuple(merge.split(" ", 1)) for merge in meta("merges")]
+    tokenizer = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre](bool(meta("add_space_prefix", False)))
+    tokenizer.decoder = decoders.ByteLevel()
+    types = meta("token_type")
+    # CONTROL tokens (<|im_start|> ...) must never be split by BPE nor shown when decoding with
+    # skip_special_tokens; USER_DEFINED ones are matched whole but are ordinary text.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED])
+
+    def token(key):
+        index = meta(key, None)
+        return None if index is None else tokens[index]
+
+    bos = token("bos_token_id")
+    if meta("add_bos_token", False):
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, config.bos_token_id)])
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=bos, eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+        chat_template=_field(reader, "tokenizer.chat_template", path, None),
+        model_max_length=config.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )

