@@ -1,0 +1,166 @@
+"""Kernel benchmarks: ``python -m nibble.bench kernels [--quick] [--out DIR]``.
+
+W4A16 at each shape (N, K) and M: cuBLAS bf16 (``F.linear``), PyTorch's tinygemm
+(``aten._weight_int4pack_mm``) and nibble (``torch.ops.nibble.w4a16_linear``), all bf16
+activations, group 128, timed with ``nibble.bench.timing.bench_us`` (CUDA-graph replay, weights
+rotated over several copies so the working set is well past the L2). Writes
+``DIR/w4a16-<gpu>.json`` and ``.png`` (speedup over bf16 vs M).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from nibble.bench.timing import bench_us, env_meta, geomean, rotations, write_results
+from nibble.formats.int4 import unpack_int4
+
+# (N, K): Llama-2-7B q/k/v/o (4096, 4096), fused qkv (12288, 4096), Llama-2-7B MLP (11008 / 4096),
+# Mistral/Llama-3-8B MLP (14336 / 4096), Llama-70B MLP (28672 / 8192).
+SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
+          (28672, 8192), (8192, 28672)]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+QUICK_SHAPES = [(4096, 4096), (14336, 4096), (28672, 8192)]
+QUICK_MS = [1, 16, 128, 1024]
+GROUP = 128
+TIMING = dict(warmup_ms=10, reps=20)  # per measurement: ~10 ms warm-up, median of 20 graph replays
+
+
+def random_int4(N: int, K: int, G: int, device, gen=None):
+    """Canonical-format weight with random codes, positive scales, asymmetric integer zero points."""
+    qweight = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=device, generator=gen)
+    scales = (torch.rand(K // G, N, device=device, generator=gen) * 0.01 + 0.002).half()
+    zp = torch.randint(0, 16, (K // G, N), device=device, generator=gen).float()
+    zeros = (-zp * scales.float()).half()
+    return qweight, scales, zeros
+
+
+def tinygemm_pack(qweight, scales, zeros, group_size, inner_k_tiles: int = 8):
+    """Canonical INT4 -> (packed, scale_and_zero) for ``aten._weight_int4pack_mm`` (torch >= 2.5 layout).
+
+    tinygemm dequantizes ``(q - 8) * scale + zero``, so its zero is ``z + 8 s``.
+    """
+    codes = unpack_int4(qweight).t().contiguous().to(torch.int32)  # [N, K]
+    w_u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack(w_u8, inner_k_tiles)
+    s = scales.float()
+    sz = torch.stack([s, zeros.float() + 8 * s], dim=-1).to(torch.bfloat16).contiguous()  # [K/G, N, 2]
+    return packed, sz
+
+
+def tinygemm_mm(x, packed, sz, group_size):
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
+
+
+def _sets(n_rot, make):
+    return [make() for _ in range(n_rot)]
+
+
+def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "nibble"), log=print):
+    import nibble.kernels.w4a16  # noqa: F401  registers torch.ops.nibble.w4a16_linear
+    dev = torch.device("cuda")
+    rows = []
+    int4_bytes = K // 8 * N * 4 + 2 * (K // G) * N * 2
+    bf16_bytes = N * K * 2
+    # weight copies (rotated) for each op
+    n4 = rotations(int4_bytes)
+    nb = rotations(bf16_bytes)
+    w4 = [random_int4(N, K, G, dev) for _ in range(n4)]
+    wb = None
+    from nibble.kernels.w4a16 import dequantize_cuda
+    if "bf16" in ops:
+        wb = [dequantize_cuda(*w4[i % n4], G, dtype=torch.bfloat16) for i in range(nb)]
+    tg = None
+    if "tinygemm" in ops:
+        try:
+            tg = [tinygemm_pack(*w4[i], G) for i in range(n4)]
+        except Exception as e:  # pragma: no cover - depends on torch build
+            log(f"tinygemm unavailable: {type(e).__name__}: {e}")
+    if tg is not None or "nibble" in ops:  # same function? (relative error vs fp32 dequant reference)
+        xc = torch.randn(8, K, device=dev, dtype=torch.bfloat16)
+        wf = dequantize_cuda(*w4[0], G, dtype=torch.float32) if "bf16" in ops else None
+        if wf is not None:
+            ref = xc.float() @ wf.t()
+            chk = {}
+            if tg is not None:
+                chk["tinygemm"] = tinygemm_mm(xc, tg[0][0], tg[0][1], G).float()
+            chk["nibble"] = torch.ops.nibble.w4a16_linear(xc, *w4[0], G).float()
+            log(f"N={N} K={K} check rel err vs fp32 ref: " + " ".join(
+                f"{k}={((v - ref).norm() / ref.norm()).item():.2e}" for k, v in chk.items()))
+            del wf, ref
+    for M in ms:
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        res = {}
+        if wb is not None:
+            res["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb, **TIMING)
+        if tg is not None:
+            try:
+                res["tinygemm"] = bench_us(lambda i: (lambda: tinygemm_mm(x, tg[i][0], tg[i][1], G)), n4, **TIMING)
+            except Exception as e:  # pragma: no cover
+                log(f"tinygemm M={M} failed: {type(e).__name__}: {str(e)[:200]}")
+        if "nibble" in ops:
+            res["nibble"] = bench_us(
+                lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4, **TIMING)
+        base = res.get("bf16")
+        for op, us in res.items():
+            nbytes = {"bf16": bf16_bytes, "tinygemm": int4_bytes, "nibble": int4_bytes}[op] + 2 * M * (K + N)
+            rows.append(dict(op=op, M=M, N=N, K=K, group_size=G, us=round(us, 3),
+                             speedup=round(base / us, 4) if base else None,
+                             GBps=round(nbytes / us / 1e3, 1), TFLOPs=round(2 * M * N * K / us / 1e6, 2)))
+        log(f"N={N:6d} K={K:6d} M={M:5d} " + " ".join(f"{op}={us:8.2f}us" for op, us in res.items())
+            + (f"  nibble x{base / res['nibble']:.2f} bf16" if base and "nibble" in res else "")
+            + (f" x{res['tinygemm'] / res['nibble']:.2f} tinygemm" if "tinygemm" in res and "nibble" in res else ""))
+    del w4, wb, tg
+    torch.cuda.empty_cache()
+    return rows
+
+
+def summarize(rows, big_bytes: int = 64 << 20):
+    """Per M: geomean speedup of nibble vs bf16 (all shapes, and shapes with >= 64 MB bf16 weight) and vs tinygemm."""
+    out = []
+    for M in sorted({r["M"] for r in rows}):
+        nib = {(r["N"], r["K"]): r for r in rows if r["op"] == "nibble" and r["M"] == M}
+        bf = {(r["N"], r["K"]): r for r in rows if r["op"] == "bf16" and r["M"] == M}
+        tg = {(r["N"], r["K"]): r for r in rows if r["op"] == "tinygemm" and r["M"] == M}
+        all_sp = [bf[k]["us"] / nib[k]["us"] for k in nib if k in bf]
+        big_sp = [bf[k]["us"] / nib[k]["us"] for k in nib if k in bf and k[0] * k[1] * 2 >= big_bytes]
+        tg_sp = [tg[k]["us"] / nib[k]["us"] for k in nib if k in tg]
+        out.append(dict(M=M, geomean_vs_bf16=geomean(all_sp), geomean_vs_bf16_big=geomean(big_sp),
+                        min_vs_bf16=min(all_sp) if all_sp else math.nan,
+                        geomean_vs_tinygemm=geomean(tg_sp), min_vs_tinygemm=min(tg_sp) if tg_sp else math.nan))
+    return out
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m nibble.bench kernels")
+    ap.add_argument("--quick", action="store_true", help="3 shapes x 4 M values")
+    ap.add_argument("--out", default="benchmarks/results", help="output folder (JSON + PNG)")
+    ap.add_argument("--name", default=None, help="file stem (default w4a16-<gpu>)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("nibble.bench kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    ms = QUICK_MS if args.quick else MS
+    rows = []
+    gpu = torch.cuda.get_device_name().lower()
+    tag = "h200" if "h200" in gpu else "h100" if "h100" in gpu else gpu.replace("nvidia", "").strip().replace(" ", "-")
+    name = args.name or f"w4a16-{tag}"
+    cmd = "python -m nibble.bench kernels" + (" --quick" if args.quick else "")
+    for N, K in shapes:
+        rows += bench_shape(N, K, ms)
+        # partial results after every shape (a run cut short still leaves its numbers)
+        write_results(rows, env_meta(benchmark="w4a16", command=cmd, partial=True), args.out, name)
+    summary = summarize(rows)
+    print("\n   M  geo(all)  geo(>=64MB)  min(all)  geo(vs tinygemm)  min(vs tinygemm)")
+    for s in summary:
+        print(f"{s['M']:5d}  {s['geomean_vs_bf16']:7.2f}x  {s['geomean_vs_bf16_big']:10.2f}x  {s['min_vs_bf16']:7.2f}x"
+              f"  {s['geomean_vs_tinygemm']:15.2f}x  {s['min_vs_tinygemm']:15.2f}x")
+    meta = env_meta(benchmark="w4a16", group_size=GROUP, activations="bfloat16", command=cmd, summary=summary)
+    paths = write_results(rows, meta, args.out, name, title=f"W4A16 speedup over cuBLAS bf16 ({meta.get('gpu')})")
+    print("wrote", paths)
+    return 0

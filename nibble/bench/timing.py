@@ -1,0 +1,218 @@
+"""Shared GPU timing machinery for nibble's kernel benchmarks.
+
+Small API, used by every kernel family's benchmark:
+
+- ``bench_us(fn_factory, n_rot=1, ...)`` -> median microseconds of one call.
+  ``fn_factory(i)`` returns a zero-argument callable that works on the i-th of ``n_rot`` input
+  sets (rotating copies of the weights, so that repeated calls do not time the 60 MB L2).
+  Calls are captured into a CUDA graph (many launches per replay, launch gaps shrink to the
+  device's), replays are timed with CUDA events after a warm-up, and the median is returned.
+- ``rotations(bytes_per_set)`` -> how many input sets make the working set exceed the L2
+  several times over.
+- ``env_meta()`` -> dict with GPU name, torch / triton / CUDA versions, git commit, date.
+- ``write_results(rows, meta, out_dir, name)`` -> writes ``name.json`` (meta + rows) and
+  ``name.png`` (speedup vs M, one panel per (N, K) shape, one line per op).
+
+Everything imports without CUDA (and without matplotlib); only calling ``bench_us`` needs a GPU.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+L2_BYTES_DEFAULT = 60 * 1024 * 1024  # H100/H200 L2 is 50/60 MB; read from the device when possible
+
+
+def l2_bytes() -> int:
+    if torch.cuda.is_available():
+        try:
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
+        except Exception:  # pragma: no cover - very old torch
+            pass
+    return L2_BYTES_DEFAULT
+
+
+def rotations(bytes_per_set: int, factor: float = 4.0, max_sets: int = 64) -> int:
+    """Number of input sets so that ``n * bytes_per_set >= factor * L2`` (at least 1, at most max_sets)."""
+    need = factor * l2_bytes()
+    return int(max(1, min(max_sets, math.ceil(need / max(1, bytes_per_set)))))
+
+
+def _event_time_ms(fn: Callable[[], None], iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, *, graph: bool = True,
+             target_replay_ms: float = 2.0, max_calls_per_replay: int = 1000, warmup_ms: float = 25.0,
+             reps: int = 30, max_total_ms: float = 300.0, return_all: bool = False):
+    """Median time of one call in microseconds.
+
+    fn_factory(i) for i in range(n_rot) must return a zero-arg callable (e.g. a lambda closing over
+    the i-th weight copy). The callables are invoked round-robin. With ``graph=True`` a CUDA graph
+    of ``calls`` launches is captured (calls chosen so a replay lasts ~target_replay_ms and is a
+    multiple of n_rot), replayed for ``warmup_ms``, then ``reps`` replays are timed one by one with
+    events; the result is median(replay) / calls. If capture fails (an op that cannot be captured)
+    it falls back to eager timing and says so in the returned dict when ``return_all``.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_us needs a CUDA device")
+    fns = [fn_factory(i) for i in range(n_rot)]
+    # First calls: compilation, autotune-free warm-up, handle creation.
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+
+    def round_robin(k: int) -> Callable[[], None]:
+        def run():
+            for j in range(k):
+                fns[j % n_rot]()
+        return run
+
+    # Rough per-call time (eager, cycling all sets) to size the graph.
+    est_ms = _event_time_ms(round_robin(n_rot), 1) / n_rot
+    calls = max(n_rot, int(target_replay_ms / max(est_ms, 1e-4)))
+    calls = min(max(calls, n_rot), max(max_calls_per_replay, n_rot))
+    calls = int(math.ceil(calls / n_rot) * n_rot)
+
+    mode = "graph"
+    body: Callable[[], None]
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                round_robin(n_rot)()  # warm the side stream (allocator, cuBLAS workspace)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                round_robin(calls)()
+            torch.cuda.synchronize()
+            body = g.replay
+        except Exception:  # capture not supported by this op: fall back to eager launches
+            mode = "eager"
+            torch.cuda.synchronize()
+            body = round_robin(calls)
+    else:
+        mode = "eager"
+        body = round_robin(calls)
+
+    # Warm-up by time; slow ops (many ms per replay) get fewer timed replays (at least 5).
+    t_one = _event_time_ms(body, 1)
+    for _ in range(max(1, int(warmup_ms / max(t_one, 1e-3)))):
+        body()
+    torch.cuda.synchronize()
+    reps = max(5, min(reps, int(max_total_ms / max(t_one, 1e-3))))
+    times = [_event_time_ms(body, 1) for _ in range(reps)]
+    med_us = statistics.median(times) * 1000.0 / calls
+    if return_all:
+        return {"us": med_us, "min_us": min(times) * 1000.0 / calls, "calls_per_replay": calls,
+                "n_rot": n_rot, "mode": mode, "replay_ms": times}
+    return med_us
+
+
+def _git_commit() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return "no-commit"
+        commit = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def env_meta(**extra) -> dict:
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": _git_commit(),
+    }
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except Exception:
+        meta["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        meta.update(gpu=p.name, sm_count=p.multi_processor_count, l2_bytes=int(getattr(p, "L2_cache_size", 0)),
+                    capability=f"{p.major}.{p.minor}")
+    else:
+        meta["gpu"] = None
+    meta.update(extra)
+    return meta
+
+
+def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, name: str, *,
+                  x: str = "M", y: str = "speedup", series: str = "op", panel: Iterable[str] = ("N", "K"),
+                  title: str | None = None) -> dict:
+    """Write ``out_dir/name.json`` (``{"meta": meta, "rows": rows}``) and ``out_dir/name.png``.
+
+    The PNG has one panel per distinct value of the ``panel`` keys, ``y`` against ``x`` (log2 x axis)
+    with one line per ``series`` value and a dashed line at y = 1. Returns the paths written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / f"{name}.json"
+    with open(jpath, "w") as f:
+        json.dump({"meta": meta, "rows": list(rows)}, f, indent=1, default=str)
+    paths = {"json": str(jpath)}
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return paths
+    panel = tuple(panel)
+    keys = sorted({tuple(r[k] for k in panel) for r in rows if y in r and r[y] is not None})
+    if not keys:
+        return paths
+    ncol = min(4, len(keys))
+    nrow = math.ceil(len(keys) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.3 * nrow), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        sel = [r for r in rows if tuple(r[k] for k in panel) == key and r.get(y) is not None]
+        for s in sorted({r[series] for r in sel}):
+            pts = sorted((r[x], r[y]) for r in sel if r[series] == s)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=str(s))
+        ax.axhline(1.0, color="gray", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(" ".join(f"{k}={v}" for k, v in zip(panel, key)), fontsize=9)
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title or f"{name} ({meta.get('gpu')})", fontsize=11)
+    fig.tight_layout()
+    ppath = out / f"{name}.png"
+    fig.savefig(ppath, dpi=110)
+    plt.close(fig)
+    paths["png"] = str(ppath)
+    return paths
+
+
+def geomean(values: Iterable[float]) -> float:
+    vals = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")

@@ -1,0 +1,800 @@
+"""W4A16 GPU kernels (Triton) for the canonical INT4 format, and the ``nibble::w4a16_linear`` op.
+
+``torch.ops.nibble.w4a16_linear(x [M, K] fp16/bf16, qweight int32 [K//8, N], scales fp16 [K//G, N],
+zeros fp16 [K//G, N], group_size) -> [M, N]`` in x's dtype, ``y = x @ W.T`` with
+``W[n, k] = q[k, n] * s[k // G, n] + z[k // G, n]`` (docs/ARCHITECTURE.md). CPU inputs run
+``reference.w4a16_matmul``; CUDA inputs run the kernels below. The weight is consumed in the
+canonical layout as stored (no re-layout step).
+
+Design (see benchmarks/notes-w4a16.md for the measurements behind it):
+
+* One packed word ``qweight[i, n]`` holds K rows ``8i .. 8i+7`` of column n. A tile
+  ``[BLOCK_K // 8, BLOCK_N]`` is a coalesced 2-D load along N (16-byte vectors); nibble j of every
+  word forms *plane* j (K rows ``k0 + 8i + j``).
+* Integer-to-float without the conversion unit: a nibble OR-ed into the mantissa of a constant is a
+  float ``C + q / D`` exactly (bf16 ``0x4300 | q`` = 128 + q, fp16 ``0x6400 | q`` = 1024 + q, fp32 with
+  the nibble on mantissa bits 15..18 / 19..22 = 1 + q/256 / 1 + q/16). The constant is removed
+  algebraically per K block: ``sum_k x_k (C + q_k/D) s = D s * dot - C D s * sum_k x_k``.
+* M <= 2, ``_w4a16_gemv_kernel`` (CUDA cores): one PTX block per word does 4 shifts + 8 lop3 + 8 FMA
+  (even/odd nibbles share a shift); each thread owns all word-rows of its 4 columns, the group
+  scale is applied per column per K block; split-K over the grid.
+* M <= 16, ``_w4a16_dot_kernel`` (tensor cores, "trans": W^T tile is the MMA's A operand, x^T the
+  B operand, M padded to 16): PTX FasterTransformer-style dequant (3 shifts + 4 lop3 per 8 weights,
+  nibbles j and j+4 in one register), the planes are re-woven with join/permute/reshape into ONE
+  [BN, BK] tile per K block (K slots permuted; x permuted to match), raw ``C + q`` codes go through
+  the MMA and the group scale/offset are applied to the fp32 block result (the weight is never
+  rounded to 16 bits). A non-factored mode (q*s+z in fp32, rounded once) serves groups smaller than
+  BLOCK_K and the large-M GEMM variants.
+* M > 16: dequantise to x.dtype in one Triton pass at HBM speed, then cuBLAS (measured faster than
+  the fused Triton GEMM for M >= 128; needs a temporary [N, K] buffer).
+* Split-K with an in-kernel fix-up: each K slice writes its fp32 partial tile to a workspace,
+  bumps a per-tile counter, and the last slice to arrive sums the partials in a fixed order
+  (deterministic) and writes the output, then resets the counter. One launch, no memset. The
+  counters are per device and shared: two streams running the op at once on one device could race.
+
+The tile configuration comes from ``select_config(M, N, K, group_size)``, a pure function over a
+small table (``DISPATCH``) tuned offline with ``benchmarks/scripts/w4a16_explore.py``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from nibble.kernels import reference
+
+try:  # the module must import without triton (CPU-only installs)
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+PACK = 8
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration and dispatch
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    kind: str = "dot"          # "dot" (tensor cores), "gemv" (CUDA-core FMA, M <= 2),
+                               # "dequant" (dequantise to x.dtype once, then cuBLAS)
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 128         # multiple of 128 for "dot" (each plane is >= 16 rows)
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    factored: bool = True      # apply group scales to the block result (needs group % block_k == 0)
+    trans: bool = False        # compute (W^T tile) @ (x^T tile): weight is the MMA's A operand
+    dq_asm: int = 2            # dequant: 0 Triton ops, 1 PTX prmt/lop3 (pack 2), 2 PTX lop3 pairs j/j+4
+                               # (CUDA only; the interpreter always uses 0)
+    group_m: int = 8           # tile swizzle for L2 reuse of x (large M)
+    waves: float = 2.0         # split-K target: CTAs ~ waves * SMs
+    max_split: int = 32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# Per (M bucket) tile choices for the H200 (132 SMs). Filled from the offline sweep
+# (benchmarks/scripts/w4a16_explore.py); see benchmarks/notes-w4a16.md.
+NUM_SMS_DEFAULT = 132
+DISPATCH = {
+    # M upper bound -> config (split_k is filled in by with_split for the problem at hand)
+    1: Config(kind="gemv", block_n=512, block_k=64, num_warps=4, num_stages=1),
+    2: Config(kind="gemv", block_n=512, block_k=64, num_warps=4, num_stages=1),
+    16: Config(kind="dot", block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, trans=True),
+    # M > 16: dequantise once + cuBLAS. Measured faster than the fused Triton GEMM at every shape for
+    # M >= 128 (benchmarks/notes-w4a16.md); the dot kernel with block_m 32 / 64 was never timed on the
+    # GPU, so M = 17..64 takes the measured path too. Costs a temporary [N, K] buffer in x.dtype.
+    1 << 62: Config(kind="dequant"),
+}
+
+
+def _pick_split(m_tiles: int, n_tiles: int, k_blocks: int, num_sms: int, waves: float = 2.0,
+                max_split: int = 32) -> int:
+    """Split of K so that ~waves * num_sms CTAs run with a full last wave (1 when tiles suffice)."""
+    tiles = m_tiles * n_tiles
+    target = waves * num_sms
+    if tiles >= target:
+        return 1
+    best, best_score = 1, -1.0
+    for s in range(1, min(max_split, k_blocks) + 1):
+        ctas = tiles * s
+        eff = ctas / (_cdiv(ctas, num_sms) * num_sms)  # useful fraction of the last wave
+        score = min(ctas / target, 1.0) * eff
+        if score > best_score + 1e-9:
+            best, best_score = s, score
+    return best
+
+
+def select_config(M: int, N: int, K: int, group_size: int, num_sms: int = NUM_SMS_DEFAULT) -> Config:
+    """Pure function (M, N, K, G) -> Config; no autotuning at call time."""
+    for bound in sorted(DISPATCH):
+        if M <= bound:
+            cfg = DISPATCH[bound]
+            break
+    if cfg.kind == "dequant":
+        return cfg
+    bk = cfg.block_k
+    if cfg.factored and group_size % bk != 0:
+        # groups smaller than the K block (32 / 64) or not a multiple of it: scale inside the tile
+        cfg = replace(cfg, factored=False)
+    return with_split(cfg, M, N, K, group_size, num_sms)
+
+
+def with_split(cfg: Config, M: int, N: int, K: int, group_size: int, num_sms: int = NUM_SMS_DEFAULT) -> Config:
+    """cfg with split_k chosen for this problem (decode sizes only; large M never splits)."""
+    if cfg.kind == "dequant":
+        return cfg
+    if cfg.kind == "gemv":
+        bk = _pow2_divisor(group_size, cfg.block_k)
+        m_tiles = 1
+    else:
+        bk = cfg.block_k
+        m_tiles = _cdiv(M, cfg.block_m)
+    if M > 64:
+        return replace(cfg, split_k=1)
+    split = _pick_split(m_tiles, _cdiv(N, cfg.block_n), _cdiv(K, bk), num_sms, cfg.waves, cfg.max_split)
+    return replace(cfg, split_k=split)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _planes_asm(w, IS_BF16: tl.constexpr):
+        """8 planes (nibble j of every word) as fp16/bf16 ``C + q`` (C = 1024 / 128), via PTX.
+
+        pack=2: one asm instance takes two neighbouring words (along N) and returns, per nibble,
+        one 32-bit register holding the two 16-bit values (prmt gathers the two words' halves).
+        """
+        if IS_BF16:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 lo, hi, t;
+                prmt.b32 lo, $8, $9, 0x5410;
+                prmt.b32 hi, $8, $9, 0x7632;
+                lop3.b32 $0, lo, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, lo, 4;
+                lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, lo, 8;
+                lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, lo, 12;
+                lop3.b32 $3, t, 0x000F000F, 0x43004300, 0xEA;
+                lop3.b32 $4, hi, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, hi, 4;
+                lop3.b32 $5, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, hi, 8;
+                lop3.b32 $6, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, hi, 12;
+                lop3.b32 $7, t, 0x000F000F, 0x43004300, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 lo, hi, t;
+                prmt.b32 lo, $8, $9, 0x5410;
+                prmt.b32 hi, $8, $9, 0x7632;
+                lop3.b32 $0, lo, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 t, lo, 4;
+                lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 t, lo, 8;
+                lop3.b32 $2, t, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 t, lo, 12;
+                lop3.b32 $3, t, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $4, hi, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 t, hi, 4;
+                lop3.b32 $5, t, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 t, hi, 8;
+                lop3.b32 $6, t, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 t, hi, 12;
+                lop3.b32 $7, t, 0x000F000F, 0x64006400, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+
+    @triton.jit
+    def _planes_asm_p1(w, IS_BF16: tl.constexpr):
+        """8 planes as fp16/bf16 ``C + q`` from one word: 3 shifts + 4 lop3 (FasterTransformer trick).
+
+        Nibbles j and j + 4 land in the low / high half of one 32-bit register, so the weave below
+        pairs them (K slots permuted; x is permuted the same way)."""
+        if IS_BF16:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t, r;
+                lop3.b32 r, $8, 0x000F000F, 0x43004300, 0xEA;
+                mov.b32 {$0, $4}, r;
+                shr.u32 t, $8, 4;
+                lop3.b32 r, t, 0x000F000F, 0x43004300, 0xEA;
+                mov.b32 {$1, $5}, r;
+                shr.u32 t, $8, 8;
+                lop3.b32 r, t, 0x000F000F, 0x43004300, 0xEA;
+                mov.b32 {$2, $6}, r;
+                shr.u32 t, $8, 12;
+                lop3.b32 r, t, 0x000F000F, 0x43004300, 0xEA;
+                mov.b32 {$3, $7}, r;
+                }""",
+                constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+                args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t, r;
+                lop3.b32 r, $8, 0x000F000F, 0x64006400, 0xEA;
+                mov.b32 {$0, $4}, r;
+                shr.u32 t, $8, 4;
+                lop3.b32 r, t, 0x000F000F, 0x64006400, 0xEA;
+                mov.b32 {$1, $5}, r;
+                shr.u32 t, $8, 8;
+                lop3.b32 r, t, 0x000F000F, 0x64006400, 0xEA;
+                mov.b32 {$2, $6}, r;
+                shr.u32 t, $8, 12;
+                lop3.b32 r, t, 0x000F000F, 0x64006400, 0xEA;
+                mov.b32 {$3, $7}, r;
+                }""",
+                constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+                args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+    @triton.jit
+    def _plane16(w, J: tl.constexpr, IS_BF16: tl.constexpr):
+        """Plane J as fp16/bf16 ``1 + q / 16`` with Triton integer ops (portable / interpreter)."""
+        P: tl.constexpr = 3 if IS_BF16 else 6
+        ONE: tl.constexpr = 0x3F80 if IS_BF16 else 0x3C00
+        if 4 * J >= P:
+            v = (w >> (4 * J - P)) & (0xF << P)
+        else:
+            v = (w << (P - 4 * J)) & (0xF << P)
+        v = (v | ONE).to(tl.int16)
+        if IS_BF16:
+            return v.to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _plane32(w, J: tl.constexpr):
+        """Plane J as fp32 ``1 + q / 256`` (J even) or ``1 + q / 16`` (J odd), portable Triton ops.
+
+        Nibble pairs (2p, 2p+1) share one shift: the even nibble lands on mantissa bits 15..18, the
+        odd one on bits 19..22 (the same values as the PTX version, _planes32_asm)."""
+        SH: tl.constexpr = 15 - 8 * (J // 2)
+        MASK: tl.constexpr = 0x78000 if J % 2 == 0 else 0x780000
+        if SH >= 0:
+            v = (w << SH) & MASK
+        else:
+            v = (w >> (-SH)) & MASK
+        return (v | 0x3F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _planes32_asm(w):
+        """8 fp32 planes via PTX: 4 shifts + 8 lop3 per word (even planes 1 + q/256, odd 1 + q/16)."""
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            shl.b32 t, $8, 15;
+            lop3.b32 $0, t, 0x00078000, 0x3F800000, 0xEA;
+            lop3.b32 $1, t, 0x00780000, 0x3F800000, 0xEA;
+            shl.b32 t, $8, 7;
+            lop3.b32 $2, t, 0x00078000, 0x3F800000, 0xEA;
+            lop3.b32 $3, t, 0x00780000, 0x3F800000, 0xEA;
+            shr.u32 t, $8, 1;
+            lop3.b32 $4, t, 0x00078000, 0x3F800000, 0xEA;
+            lop3.b32 $5, t, 0x00780000, 0x3F800000, 0xEA;
+            shr.u32 t, $8, 9;
+            lop3.b32 $6, t, 0x00078000, 0x3F800000, 0xEA;
+            lop3.b32 $7, t, 0x00780000, 0x3F800000, 0xEA;
+            }""",
+            constraints="=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,r",
+            args=[w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+    @triton.jit
+    def _gemv_asm(w, x0, x1, x2, x3, x4, x5, x6, x7):
+        """Fused dequant + dot for one row of x: returns (sum_even x_j (1 + q_j/256), sum_odd x_j (1 + q_j/16)).
+
+        Per word: 4 shifts + 8 lop3 + 8 FMA, no int->float conversion."""
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, f;
+            shl.b32 t, $2, 15;
+            lop3.b32 f, t, 0x00078000, 0x3F800000, 0xEA;
+            mul.rn.f32 $0, f, $3;
+            lop3.b32 f, t, 0x00780000, 0x3F800000, 0xEA;
+            mul.rn.f32 $1, f, $4;
+            shl.b32 t, $2, 7;
+            lop3.b32 f, t, 0x00078000, 0x3F800000, 0xEA;
+            fma.rn.f32 $0, f, $5, $0;
+            lop3.b32 f, t, 0x00780000, 0x3F800000, 0xEA;
+            fma.rn.f32 $1, f, $6, $1;
+            shr.u32 t, $2, 1;
+            lop3.b32 f, t, 0x00078000, 0x3F800000, 0xEA;
+            fma.rn.f32 $0, f, $7, $0;
+            lop3.b32 f, t, 0x00780000, 0x3F800000, 0xEA;
+            fma.rn.f32 $1, f, $8, $1;
+            shr.u32 t, $2, 9;
+            lop3.b32 f, t, 0x00078000, 0x3F800000, 0xEA;
+            fma.rn.f32 $0, f, $9, $0;
+            lop3.b32 f, t, 0x00780000, 0x3F800000, 0xEA;
+            fma.rn.f32 $1, f, $10, $1;
+            }""",
+            constraints="=&r,=&r,r,r,r,r,r,r,r,r,r",
+            args=[w, x0, x1, x2, x3, x4, x5, x6, x7], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _weave_t(p0, p1, p2, p3, p4, p5, p6, p7, BN: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr = False):
+        """8 planes [BK/8, BN] -> W^T tile [BN, BK].
+
+        PERM=False: natural K order, slot 8i + j holds nibble j. PERM=True: slot 8i + 4b + 2c + a holds
+        nibble j = 4a + 2b + c, i.e. nibbles j and j + 4 are neighbours (x is permuted to match by
+        _perm_x)."""
+        if PERM:
+            a = tl.join(tl.join(tl.join(p0, p4), tl.join(p1, p5)), tl.join(tl.join(p2, p6), tl.join(p3, p7)))
+        else:
+            a = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+        a = tl.permute(a, (1, 0, 4, 3, 2))
+        return tl.reshape(a, (BN, BK))
+
+    @triton.jit
+    def _perm_x(x, BM: tl.constexpr, BK: tl.constexpr):
+        """x [BM, BK] -> columns in the PERM slot order of _weave_t (slot 4b + 2c + a <- k = 4a + 2b + c)."""
+        x = tl.reshape(x, (BM, BK // 8, 2, 2, 2))
+        x = tl.permute(x, (0, 1, 3, 4, 2))
+        return tl.reshape(x, (BM, BK))
+
+    @triton.jit
+    def _mm(a, b, acc, F32: tl.constexpr):
+        """tl.dot; F32 upcasts the operands (the CPU interpreter mis-multiplies bf16 dots)."""
+        if F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile_id, pid_k, SPLIT_K,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLIT: tl.constexpr,
+                    TRANS: tl.constexpr):
+        """Write acc ([BM, BN], or [BN, BM] when TRANS) to out; split-K fix-up when USE_SPLIT."""
+        if TRANS:
+            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            o_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+            loc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        else:
+            o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            loc = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        if not USE_SPLIT:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tile_ws = ws_ptr + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+            tl.store(tile_ws + pid_k * (BLOCK_M * BLOCK_N) + loc, acc)
+            # all threads' partial stores are done before thread 0's release (cumulativity, as in
+            # cooperative-groups grid sync); the last arriving CTA reads the partials through L2.
+            tl.debug_barrier()
+            old = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if old == SPLIT_K - 1:
+                total = tl.load(tile_ws + loc, cache_modifier=".cg")
+                for s in range(1, SPLIT_K):
+                    total += tl.load(tile_ws + s * (BLOCK_M * BLOCK_N) + loc, cache_modifier=".cg")
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+    @triton.jit
+    def _w4a16_dot_kernel(
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, K, G, stride_xm, stride_om, SPLIT_K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_SPLIT: tl.constexpr, GROUP_M: tl.constexpr,
+        FACTORED: tl.constexpr, TRANS: tl.constexpr, DQ_ASM: tl.constexpr,
+        IS_BF16: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        """Tensor-core W4A16: one K block = one [BM, BK] x [BK, BN] dot on the re-woven tile.
+
+        FACTORED (group % BLOCK_K == 0): the tile holds raw ``C + q/D`` codes, the block result is
+        scaled in fp32. Otherwise the tile is dequantised (``q*s + z`` in fp32, rounded once)."""
+        BK8: tl.constexpr = BLOCK_K // 8
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        group_id = pid // width
+        first_m = group_id * GROUP_M
+        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % gsize
+        pid_n = (pid % width) // gsize
+        tile_id = pid_m * num_pid_n + pid_n
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_i = tl.arange(0, BK8)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        offs_n_ld = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+        offs_m_ld = offs_m % M
+
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_blocks, SPLIT_K)
+        kb_start = pid_k * per_split
+        kb_end = tl.minimum(kb_start + per_split, k_blocks)
+
+        CDT: tl.constexpr = tl.bfloat16 if IS_BF16 else tl.float16
+        # DQ_ASM: 0 Triton ops; 1 PTX pack-2; 2 PTX j/j+4 pairs (PERM slot order); 3 Triton ops + PERM order
+        ASM_PLANES: tl.constexpr = DQ_ASM == 1 or DQ_ASM == 2
+        MAGIC_C: tl.constexpr = (128.0 if IS_BF16 else 1024.0) if ASM_PLANES else 1.0
+        MAGIC_D: tl.constexpr = 1.0 if ASM_PLANES else 16.0
+        PERM: tl.constexpr = DQ_ASM >= 2
+
+        if TRANS:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+        qw_ptrs = qw_ptr + offs_i[:, None] * N + offs_n_ld[None, :]
+        x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + offs_k[None, :]
+        for kb in range(kb_start, kb_end):
+            k0 = kb * BLOCK_K
+            if EVEN_K:
+                w = tl.load(qw_ptrs + (k0 // 8) * N)
+                x = tl.load(x_ptrs + k0)
+            else:
+                k_ok = (k0 + 8 * offs_i) < K
+                w = tl.load(qw_ptrs + (k0 // 8) * N, mask=k_ok[:, None], other=0)
+                x = tl.load(x_ptrs + k0, mask=(k0 + offs_k[None, :]) < K, other=0.0)
+            if FACTORED:
+                g = k0 // G
+                s = tl.load(s_ptr + g * N + offs_n_ld).to(tl.float32)
+                z = tl.load(z_ptr + g * N + offs_n_ld).to(tl.float32)
+                if DQ_ASM == 2:
+                    p0, p1, p2, p3, p4, p5, p6, p7 = _planes_asm_p1(w, IS_BF16)
+                elif DQ_ASM == 1:
+                    p0, p1, p2, p3, p4, p5, p6, p7 = _planes_asm(w, IS_BF16)
+                else:
+                    p0 = _plane16(w, 0, IS_BF16)
+                    p1 = _plane16(w, 1, IS_BF16)
+                    p2 = _plane16(w, 2, IS_BF16)
+                    p3 = _plane16(w, 3, IS_BF16)
+                    p4 = _plane16(w, 4, IS_BF16)
+                    p5 = _plane16(w, 5, IS_BF16)
+                    p6 = _plane16(w, 6, IS_BF16)
+                    p7 = _plane16(w, 7, IS_BF16)
+                wt = _weave_t(p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N, BLOCK_K, PERM)  # [BN, BK]
+                xsum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
+                if PERM:
+                    x = _perm_x(x, BLOCK_M, BLOCK_K)
+                sD = s * MAGIC_D
+                zc = z - MAGIC_C * sD
+                if TRANS:
+                    part = _mm(wt, tl.trans(x), None, DOT_F32)
+                    acc += part * sD[:, None] + zc[:, None] * xsum[None, :]
+                else:
+                    part = _mm(x, tl.trans(wt), None, DOT_F32)
+                    acc += part * sD[None, :] + xsum[:, None] * zc[None, :]
+            else:
+                if ASM_PLANES:
+                    f0, f1, f2, f3, f4, f5, f6, f7 = _planes32_asm(w)
+                else:
+                    f0 = _plane32(w, 0)
+                    f1 = _plane32(w, 1)
+                    f2 = _plane32(w, 2)
+                    f3 = _plane32(w, 3)
+                    f4 = _plane32(w, 4)
+                    f5 = _plane32(w, 5)
+                    f6 = _plane32(w, 6)
+                    f7 = _plane32(w, 7)
+                if PERM:
+                    x = _perm_x(x, BLOCK_M, BLOCK_K)
+                gi = (k0 + 8 * offs_i) // G
+                if EVEN_K:
+                    st = tl.load(s_ptr + gi[:, None] * N + offs_n_ld[None, :]).to(tl.float32)
+                    zt = tl.load(z_ptr + gi[:, None] * N + offs_n_ld[None, :]).to(tl.float32)
+                else:
+                    st = tl.load(s_ptr + gi[:, None] * N + offs_n_ld[None, :], mask=k_ok[:, None], other=0).to(tl.float32)
+                    zt = tl.load(z_ptr + gi[:, None] * N + offs_n_ld[None, :], mask=k_ok[:, None], other=0).to(tl.float32)
+                se = st * 256.0
+                so = st * 16.0
+                ze = zt - se
+                zo = zt - so
+                wt = _weave_t((f0 * se + ze).to(CDT), (f1 * so + zo).to(CDT), (f2 * se + ze).to(CDT),
+                              (f3 * so + zo).to(CDT), (f4 * se + ze).to(CDT), (f5 * so + zo).to(CDT),
+                              (f6 * se + ze).to(CDT), (f7 * so + zo).to(CDT), BLOCK_N, BLOCK_K, PERM)
+                if TRANS:
+                    acc = _mm(wt, tl.trans(x), acc, DOT_F32)
+                else:
+                    acc = _mm(x, tl.trans(wt), acc, DOT_F32)
+
+        _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile_id, pid_k, SPLIT_K,
+                    BLOCK_M, BLOCK_N, USE_SPLIT, TRANS)
+
+    @triton.jit
+    def _w4a16_gemv_kernel(
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, K, G, stride_xm, stride_om, SPLIT_K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DQ_ASM: tl.constexpr,
+    ):
+        """M <= 2 on CUDA cores. Needs group % BLOCK_K == 0 (one group per K block).
+
+        Each thread owns all BLOCK_K/8 word-rows of its columns, so the K reduction is in
+        registers; fp32 planes ``1 + q/256`` (even nibbles) / ``1 + q/16`` (odd) feed FMAs directly
+        (PTX: 4 shifts + 8 lop3 + 8 FMA per word), and the group scale is applied per column per block:
+        ``sum_k x q = 256 (A_even - X_even) + 16 (A_odd - X_odd)``."""
+        BK8: tl.constexpr = BLOCK_K // 8
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n_ld = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+        offs_i = tl.arange(0, BK8)
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_blocks, SPLIT_K)
+        kb_start = pid_k * per_split
+        kb_end = tl.minimum(kb_start + per_split, k_blocks)
+        acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        qw_ptrs = qw_ptr + offs_i[:, None] * N + offs_n_ld[None, :]
+        for kb in range(kb_start, kb_end):
+            k0 = kb * BLOCK_K
+            kk = k0 + 8 * offs_i
+            if EVEN_K:
+                w = tl.load(qw_ptrs + (k0 // 8) * N)
+            else:
+                k_ok = kk < K
+                w = tl.load(qw_ptrs + (k0 // 8) * N, mask=k_ok[:, None], other=0)
+            g = k0 // G
+            s = tl.load(s_ptr + g * N + offs_n_ld).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n_ld).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):  # BLOCK_M == M (1 or 2)
+                xp = x_ptr + m * stride_xm + kk
+                if EVEN_K:
+                    x0 = tl.load(xp + 0).to(tl.float32)
+                    x1 = tl.load(xp + 1).to(tl.float32)
+                    x2 = tl.load(xp + 2).to(tl.float32)
+                    x3 = tl.load(xp + 3).to(tl.float32)
+                    x4 = tl.load(xp + 4).to(tl.float32)
+                    x5 = tl.load(xp + 5).to(tl.float32)
+                    x6 = tl.load(xp + 6).to(tl.float32)
+                    x7 = tl.load(xp + 7).to(tl.float32)
+                else:
+                    x0 = tl.load(xp + 0, mask=k_ok, other=0.0).to(tl.float32)
+                    x1 = tl.load(xp + 1, mask=k_ok, other=0.0).to(tl.float32)
+                    x2 = tl.load(xp + 2, mask=k_ok, other=0.0).to(tl.float32)
+                    x3 = tl.load(xp + 3, mask=k_ok, other=0.0).to(tl.float32)
+                    x4 = tl.load(xp + 4, mask=k_ok, other=0.0).to(tl.float32)
+                    x5 = tl.load(xp + 5, mask=k_ok, other=0.0).to(tl.float32)
+                    x6 = tl.load(xp + 6, mask=k_ok, other=0.0).to(tl.float32)
+                    x7 = tl.load(xp + 7, mask=k_ok, other=0.0).to(tl.float32)
+                if DQ_ASM:
+                    ae, ao = _gemv_asm(w, x0[:, None], x1[:, None], x2[:, None], x3[:, None],
+                                       x4[:, None], x5[:, None], x6[:, None], x7[:, None])
+                else:
+                    ae = (x0[:, None] * _plane32(w, 0) + x2[:, None] * _plane32(w, 2)
+                          + x4[:, None] * _plane32(w, 4) + x6[:, None] * _plane32(w, 6))
+                    ao = (x1[:, None] * _plane32(w, 1) + x3[:, None] * _plane32(w, 3)
+                          + x5[:, None] * _plane32(w, 5) + x7[:, None] * _plane32(w, 7))
+                xe = tl.sum(x0 + x2 + x4 + x6, axis=0)
+                xo = tl.sum(x1 + x3 + x5 + x7, axis=0)
+                qsum = (tl.sum(ae, axis=0) - xe) * 256.0 + (tl.sum(ao, axis=0) - xo) * 16.0
+                contrib = qsum * s + (xe + xo) * z
+                if m == 0:
+                    acc0 += contrib
+                else:
+                    acc1 += contrib
+        offs_m = tl.arange(0, BLOCK_M)
+        if BLOCK_M == 1:
+            res = acc0[None, :]
+        else:
+            res = tl.join(acc0, acc1).trans()  # [2, BN]
+        _store_tile(res, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k,
+                    SPLIT_K, BLOCK_M, BLOCK_N, USE_SPLIT, False)
+
+    @triton.jit
+    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DQ_ASM: tl.constexpr):
+        """Dense W [N, K] (nn.Linear layout) in out's dtype: W = q * s + z in fp32, rounded once."""
+        BK8: tl.constexpr = BLOCK_K // 8
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_i = pid_k * BK8 + tl.arange(0, BK8)
+        mask = (offs_i[:, None] < K // 8) & (offs_n[None, :] < N)
+        w = tl.load(qw_ptr + offs_i[:, None] * N + offs_n[None, :], mask=mask, other=0)
+        gi = (8 * offs_i) // G
+        st = tl.load(s_ptr + gi[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+        zt = tl.load(z_ptr + gi[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+        if DQ_ASM:
+            f0, f1, f2, f3, f4, f5, f6, f7 = _planes32_asm(w)
+        else:
+            f0 = _plane32(w, 0)
+            f1 = _plane32(w, 1)
+            f2 = _plane32(w, 2)
+            f3 = _plane32(w, 3)
+            f4 = _plane32(w, 4)
+            f5 = _plane32(w, 5)
+            f6 = _plane32(w, 6)
+            f7 = _plane32(w, 7)
+        se = st * 256.0
+        so = st * 16.0
+        ze = zt - se
+        zo = zt - so
+        ty = out_ptr.dtype.element_ty
+        wt = _weave_t((f0 * se + ze).to(ty), (f1 * so + zo).to(ty), (f2 * se + ze).to(ty), (f3 * so + zo).to(ty),
+                      (f4 * se + ze).to(ty), (f5 * so + zo).to(ty), (f6 * se + ze).to(ty), (f7 * so + zo).to(ty),
+                      BLOCK_N, BLOCK_K)  # [BN, BK]
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], wt,
+                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+
+# ----------------------------------------------------------------------------------------------
+# launch
+# ----------------------------------------------------------------------------------------------
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device split-K tile counters (int32, all zero between calls: the kernel resets them).
+
+    Allocated and zeroed eagerly; a buffer first needed during CUDA-graph capture is not cached
+    (its zeroing memset is only recorded, not run), so later eager calls cannot see it uninitialised.
+    """
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    size = max(n, 4096)
+    buf = torch.zeros(size, dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _pow2_divisor(g: int, cap: int) -> int:
+    b = 8
+    while b * 2 <= cap and g % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
+    M, K = x.shape
+    N = qweight.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    is_bf16 = x.dtype == torch.bfloat16
+    dq_asm = int(cfg.dq_asm)
+    if _INTERPRET:  # no inline PTX in the interpreter: Triton-op planes, same slot order
+        dq_asm = 3 if dq_asm >= 2 else 0
+    if cfg.kind == "gemv":
+        if M > 2:
+            raise ValueError("the gemv kernel handles M <= 2")
+        bk = _pow2_divisor(group_size, cfg.block_k)  # one group per K block
+        bm = M
+        tiles = _cdiv(N, cfg.block_n)
+    else:
+        bk = cfg.block_k
+        bm = cfg.block_m
+        tiles = _cdiv(M, bm) * _cdiv(N, cfg.block_n)
+    even_k = K % bk == 0
+    grid = (tiles, cfg.split_k)
+    if cfg.split_k > 1:
+        ws = torch.empty(tiles * cfg.split_k * bm * cfg.block_n, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, tiles)
+    else:
+        ws = out  # unused
+        cnt = qweight  # unused
+    if cfg.kind == "gemv":
+        _w4a16_gemv_kernel[grid](
+            x, qweight, scales, zeros, out, ws, cnt, M, N, K, group_size, x.stride(0), out.stride(0), cfg.split_k,
+            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, USE_SPLIT=cfg.split_k > 1, EVEN_K=even_k,
+            DQ_ASM=dq_asm in (1, 2), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        factored = cfg.factored and group_size % bk == 0
+        _w4a16_dot_kernel[grid](
+            x, qweight, scales, zeros, out, ws, cnt, M, N, K, group_size, x.stride(0), out.stride(0), cfg.split_k,
+            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, USE_SPLIT=cfg.split_k > 1,
+            GROUP_M=cfg.group_m, FACTORED=factored, TRANS=cfg.trans, DQ_ASM=dq_asm, IS_BF16=is_bf16,
+            EVEN_K=even_k, DOT_F32=_INTERPRET and is_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# checks and the public op
+# ----------------------------------------------------------------------------------------------
+def _check(x, qweight, scales, zeros, group_size):
+    if x.dim() != 2:
+        raise ValueError(f"w4a16_linear expects x of shape [M, K], got {tuple(x.shape)}; flatten leading dims first")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"w4a16_linear: activations must be float16 or bfloat16, got {x.dtype} "
+                        f"(cast fp32 activations with x.half() / x.bfloat16() first)")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise TypeError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    M, K = x.shape
+    N = qweight.shape[1]
+    if K % PACK:
+        raise ValueError(f"K={K} must be a multiple of 8 (8 4-bit codes per int32 word)")
+    if qweight.shape[0] * PACK != K:
+        raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK}")
+    if group_size <= 0 or K % group_size or group_size % PACK:
+        raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.dtype != torch.float16:
+            raise TypeError(f"{name} must be float16, got {t.dtype}")
+        if tuple(t.shape) != (K // group_size, N):
+            raise ValueError(f"{name} must have shape {(K // group_size, N)} for K={K}, N={N}, group {group_size}; "
+                             f"got {tuple(t.shape)}")
+    devs = {t.device for t in (x, qweight, scales, zeros)}
+    if len(devs) != 1:
+        raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(str(d) for d in devs)}")
+
+
+def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | None = None, out=None):
+    """CUDA path (also usable directly with an explicit Config, e.g. by the benchmark sweep)."""
+    if not HAS_TRITON:
+        raise RuntimeError("nibble's W4A16 CUDA kernels need triton; install it or run on CPU")
+    x = x.contiguous()
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    M, K = x.shape
+    N = qweight.shape[1]
+    if M == 0:
+        return torch.empty((0, N), dtype=x.dtype, device=x.device)
+    cfg = config or select_config(M, N, K, group_size, _num_sms(x.device))
+    if cfg.kind == "gemv" and M > 2:
+        cfg = replace(DISPATCH[16], split_k=1)
+    if cfg.kind == "dequant":
+        w = dequantize_cuda(qweight, scales, zeros, group_size, dtype=x.dtype)
+        if out is None:
+            return torch.nn.functional.linear(x, w)
+        return torch.mm(x, w.t(), out=out)
+    return _launch(x, qweight, scales, zeros, group_size, cfg, out=out)
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+@torch.library.custom_op("nibble::w4a16_linear", mutates_args=())
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """y = x @ dequantize(qweight, scales, zeros, group_size).T, x [M, K] fp16/bf16 -> [M, N] in x.dtype.
+
+    Non-contiguous inputs are made contiguous; fp32 activations are rejected (TypeError).
+    """
+    _check(x, qweight, scales, zeros, group_size)
+    if x.device.type == "cuda":
+        return w4a16_linear_cuda(x, qweight, scales, zeros, group_size)
+    return reference.w4a16_matmul(x, qweight, scales, zeros, group_size)
+
+
+@w4a16_linear.register_fake
+def _(x, qweight, scales, zeros, group_size):
+    torch._check(x.dim() == 2, lambda: "x must be [M, K]")
+    return x.new_empty((x.shape[0], qweight.shape[1]))
+
+
+def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, out=None):
+    """Dense W [N, K] (nn.Linear layout) in ``dtype``: one Triton pass on CUDA, the reference elsewhere."""
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    if qweight.device.type != "cuda" or not HAS_TRITON:
+        return reference.dequantize(qweight, scales, zeros, group_size, dtype=dtype)
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    bn, bk = 64, 128
+    _dequant_kernel[(_cdiv(N, bn), _cdiv(K, bk))](qweight, scales, zeros, out, N, K, group_size,
+                                                 BLOCK_N=bn, BLOCK_K=bk, DQ_ASM=not _INTERPRET, num_warps=4)
+    return out

@@ -1,0 +1,260 @@
+"""W4A16 op ``torch.ops.nibble.w4a16_linear``: CPU path, input checks, GPU kernels, compile / CUDA graphs.
+
+GPU tests are skipped without CUDA. Tiny-shape runs of the Triton kernels on CPU through the
+interpreter are opt-in (slow): ``NIBBLE_TRITON_INTERPRET_TESTS=1 TRITON_INTERPRET=1 pytest tests/kernels/test_w4a16.py``.
+
+Tolerance: the kernel's error against a float64 reference must be at most twice the error of the
+same product computed by PyTorch in the activation dtype (``x @ W.to(dtype).T``), plus a tiny atol.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nibble.kernels import w4a16 as W
+from nibble.kernels.reference import dequantize, w4a16_matmul
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+INTERP = os.environ.get("NIBBLE_TRITON_INTERPRET_TESTS") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+needs_interp = pytest.mark.skipif(not (INTERP and W.HAS_TRITON),
+                                  reason="set NIBBLE_TRITON_INTERPRET_TESTS=1 TRITON_INTERPRET=1 to run")
+
+
+def make_weight(N, K, G, symmetric=False, device="cpu", seed=0):
+    """Random canonical INT4 weight: codes in [0, 15], positive scales, symmetric (z = -8 s) or
+    asymmetric integer zero point (z = -zp s)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    codes = torch.randint(0, 16, (K, N), generator=g, dtype=torch.int32, device=device)
+    from nibble.formats.int4 import pack_int4
+    qweight = pack_int4(codes)
+    scales = (torch.rand(K // G, N, generator=g, device=device) * 0.02 + 0.002).half()
+    if symmetric:
+        zeros = (-8 * scales.float()).half()
+    else:
+        zp = torch.randint(0, 16, (K // G, N), generator=g, device=device).float()
+        zeros = (-zp * scales.float()).half()
+    return qweight, scales, zeros
+
+
+def errors(out, x, qweight, scales, zeros, G):
+    w = dequantize(qweight, scales, zeros, G)  # fp32 [N, K], on the weight's device
+    ref = x.double() @ w.double().t()
+    base = (x @ w.to(x.dtype).t()).double()
+    den = ref.norm().clamp_min(1e-30)
+    return ((out.double() - ref).norm() / den).item(), ((base - ref).norm() / den).item()
+
+
+def assert_close(out, x, qweight, scales, zeros, G, factor=2.0):
+    assert out.shape == (x.shape[0], qweight.shape[1]) and out.dtype == x.dtype
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned element)"
+    e, eb = errors(out, x, qweight, scales, zeros, G)
+    assert e <= factor * eb + 1e-6, f"rel err {e:.3e} > {factor} x baseline {eb:.3e}"
+
+
+# ------------------------------------------------------------------------------------------ CPU
+def test_cpu_matches_reference():
+    qw, s, z = make_weight(64, 256, 64)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    y = torch.ops.nibble.w4a16_linear(x, qw, s, z, 64)
+    torch.testing.assert_close(y, w4a16_matmul(x, qw, s, z, 64))
+
+
+def test_fake_tensor_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    qw, s, z = make_weight(48, 128, 32)
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(3, 128, dtype=torch.float16))
+        args = [mode.from_tensor(t) for t in (qw, s, z)]
+        y = torch.ops.nibble.w4a16_linear(x, *args, 32)
+    assert y.shape == (3, 48) and y.dtype == torch.float16
+
+
+@pytest.mark.parametrize("bad", ["fp32", "k_not_group", "k_not_8", "shape", "scales_dtype", "x3d"])
+def test_input_checks(bad):
+    qw, s, z = make_weight(32, 128, 64)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    G = 64
+    exc = ValueError
+    if bad == "fp32":
+        x, exc = x.float(), TypeError
+    elif bad == "k_not_group":
+        G = 48
+    elif bad == "k_not_8":
+        x = torch.randn(2, 124, dtype=torch.float16)
+    elif bad == "shape":
+        s = s[:1]
+    elif bad == "scales_dtype":
+        s, exc = s.float(), TypeError
+    elif bad == "x3d":
+        x = x[None]
+    with pytest.raises(exc):
+        torch.ops.nibble.w4a16_linear(x, qw, s, z, G)
+
+
+def test_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+            "import torch, nibble.kernels.w4a16 as W\n"
+            "assert not W.HAS_TRITON\n"
+            "from nibble.quantize.rtn import rtn_quantize\n"
+            "q = rtn_quantize(torch.randn(16, 64), 32)\n"
+            "y = torch.ops.nibble.w4a16_linear(torch.randn(2, 64).half(), q.qweight, q.scales, q.zeros, 32)\n"
+            "assert y.shape == (2, 16)\n")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_select_config_is_pure_and_covers_all_m():
+    for M in (1, 2, 3, 16, 17, 64, 65, 1000, 100000):
+        for N, K, G in ((4096, 4096, 128), (576, 1536, 64), (28672, 8192, 32)):
+            a = W.select_config(M, N, K, G)
+            assert a == W.select_config(M, N, K, G)
+            assert a.split_k >= 1
+
+
+# ---------------------------------------------------------------------------------- interpreter
+@needs_interp
+@pytest.mark.parametrize("M,N,K,G,dtype,kind", [
+    (1, 64, 256, 128, torch.float16, "gemv"),
+    (2, 40, 192, 64, torch.float16, "gemv"),
+    (3, 64, 256, 128, torch.float16, "dot"),
+    (5, 48, 192, 32, torch.float16, "dot_nf"),
+    (20, 64, 256, 128, torch.float16, "dot_tr"),
+])
+def test_interpreter_tiny(M, N, K, G, dtype, kind):
+    qw, s, z = make_weight(N, K, G, seed=M)
+    x = torch.randn(M, K, dtype=dtype)
+    cfg = {"gemv": W.Config(kind="gemv", block_n=32, block_k=64, split_k=2),
+           "dot": W.Config(block_m=16, block_n=32, block_k=128, split_k=2),
+           "dot_nf": W.Config(block_m=16, block_n=32, block_k=128, factored=False),
+           "dot_tr": W.Config(block_m=16, block_n=32, block_k=128, trans=True, split_k=2)}[kind]
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    W._launch(x, qw, s, z, G, cfg, out=out)
+    assert_close(out, x, qw, s, z, G)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+# (N, K) from real models: Llama-2-7B q/o (4096, 4096), up (11008, 4096), down (4096, 11008);
+# Llama-3-8B k/v (1024, 4096), up (14336, 4096), down (4096, 14336); Qwen2-0.5B (896, 896),
+# (4864, 896), (896, 4864); SmolLM2-135M MLP (1536 / 576, 576 / 1536);
+# Llama-70B up (28672, 8192), down (8192, 28672).
+SHAPES_G = [
+    ((4096, 4096), 128), ((11008, 4096), 128), ((4096, 11008), 128), ((1024, 4096), 128),
+    ((14336, 4096), 64), ((4096, 14336), 32), ((4864, 896), 64), ((896, 4864), 32),
+    ((1536, 576), 64), ((576, 1536), 128),
+]
+MS = [1, 3, 17, 100, 1000]
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape_g", SHAPES_G, ids=lambda v: f"N{v[0][0]}_K{v[0][1]}_G{v[1]}")
+@pytest.mark.parametrize("M", MS)
+def test_gpu_shapes(shape_g, M):
+    (N, K), G = shape_g
+    i = SHAPES_G.index(shape_g) + M
+    dtype = torch.bfloat16 if i % 2 else torch.float16
+    qw, s, z = make_weight(N, K, G, symmetric=(i % 3 == 0), device="cuda", seed=i)
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    y = torch.ops.nibble.w4a16_linear(x, qw, s, z, G)
+    torch.cuda.synchronize()
+    assert_close(y, x, qw, s, z, G)
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 2, 5, 16, 33, 64, 65, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_poisoned_out_every_bucket(M, dtype):
+    N, K, G = 3072, 2048, 128
+    qw, s, z = make_weight(N, K, G, device="cuda", seed=M)
+    x = torch.randn(M, K, device="cuda", dtype=dtype) * 3
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    W.w4a16_linear_cuda(x, qw, s, z, G, out=out)
+    torch.cuda.synchronize()
+    assert_close(out, x, qw, s, z, G)
+
+
+@needs_cuda
+@pytest.mark.parametrize("cfg", [
+    W.Config(kind="gemv", block_n=512, block_k=64, num_warps=4, num_stages=1, split_k=3),
+    W.Config(block_m=16, block_n=64, num_warps=4, num_stages=3, trans=True, split_k=5),
+], ids=lambda c: f"{c.kind}_m{c.block_m}_n{c.block_n}_k{c.block_k}_s{c.split_k}_t{int(c.trans)}_f{int(c.factored)}_a{c.dq_asm}")
+@pytest.mark.parametrize("M", [1, 2, 7])
+def test_gpu_explicit_configs(cfg, M):
+    """Every kernel variant the dispatch table may name, incl. odd N (masked) and K % BLOCK_K != 0."""
+    if cfg.kind == "gemv" and M > 2:
+        pytest.skip("gemv handles M <= 2")
+    for (N, K, G) in ((1000, 576, 64), (520, 4864, 32)):
+        for dtype in (torch.float16, torch.bfloat16):
+            qw, s, z = make_weight(N, K, G, symmetric=(N == 1000), device="cuda", seed=N + M)
+            x = torch.randn(M, K, device="cuda", dtype=dtype)
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+            W._launch(x, qw, s, z, G, cfg, out=out)
+            torch.cuda.synchronize()
+            assert_close(out, x, qw, s, z, G)
+
+
+@needs_cuda
+def test_gpu_large_70b_layers():
+    for (N, K) in ((28672, 8192), (8192, 28672)):
+        qw, s, z = make_weight(N, K, 128, device="cuda", seed=N)
+        for M in (1, 16, 128):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            assert_close(torch.ops.nibble.w4a16_linear(x, qw, s, z, 128), x, qw, s, z, 128)
+
+
+@needs_cuda
+def test_gpu_noncontiguous_and_device_mix():
+    qw, s, z = make_weight(256, 512, 128, device="cuda")
+    xb = torch.randn(512, 6, device="cuda", dtype=torch.float16)
+    x = xb.t()  # non-contiguous [6, 512]
+    assert not x.is_contiguous()
+    assert_close(torch.ops.nibble.w4a16_linear(x, qw, s, z, 128), x.contiguous(), qw, s, z, 128)
+    with pytest.raises(ValueError, match="one device"):
+        torch.ops.nibble.w4a16_linear(x.cpu(), qw, s, z, 128)
+
+
+@needs_cuda
+def test_gpu_split_k_repeatable():
+    """The split-K fix-up sums partials in a fixed order: repeated calls are bitwise equal."""
+    qw, s, z = make_weight(4096, 4096, 128, device="cuda")
+    for M in (1, 2, 9):
+        x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+        ys = [torch.ops.nibble.w4a16_linear(x, qw, s, z, 128) for _ in range(5)]
+        for y in ys[1:]:
+            assert torch.equal(y, ys[0])
+
+
+@needs_cuda
+def test_gpu_torch_compile():
+    qw, s, z = make_weight(1024, 2048, 128, device="cuda")
+
+    def f(x):
+        return torch.ops.nibble.w4a16_linear(x, qw, s, z, 128) * 2 + 1
+
+    cf = torch.compile(f, fullgraph=True)
+    for M in (1, 4, 80):
+        x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(cf(x), f(x))
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 2, 8, 200])
+def test_gpu_cuda_graph_capture(M):
+    qw, s, z = make_weight(2048, 4096, 128, device="cuda", seed=M)
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
+    torch.ops.nibble.w4a16_linear(x, qw, s, z, 128)  # warm-up (compile, counters)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = torch.ops.nibble.w4a16_linear(x, qw, s, z, 128)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(y, x, qw, s, z, 128)
