@@ -192,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
     p.add_argument("--batch-size", type=int, default=8)
     p.set_defaults(func=cmd_eval)
+    from nibble.eval.report import add_report_arguments, report_main
+    from nibble.qat.train import add_qat_arguments, qat_main
+
+    p = sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side")
+    add_report_arguments(p)
+    p.set_defaults(func=report_main)
+    p = sub.add_parser("qat", help="PE-QAT: LoRA + fake-quant training, then export a W4A4 model")
+    add_qat_arguments(p)
+    p.set_defaults(func=qat_main)
     p = sub.add_parser("demo", help="the `make demo` job")
     _add_model_args(p, quant=False)
     p.add_argument("--max-new-tokens", type=int, default=24)

@@ -1,20 +1,22 @@
-"""``python -m nibble.bench <suite> [options]``; suites: ``kernels`` (W4A16 kernel benchmark)."""
+"""``python -m nibble.bench <suite> [options]``; suites: ``kernels`` (W4A16), ``w4a4`` (W4A4)."""
 from __future__ import annotations
 
+import importlib
 import sys
+
+SUITES = {"kernels": "nibble.bench.kernels", "w4a4": "nibble.bench.w4a4"}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m nibble.bench kernels [--quick] [--out DIR]")
+        print("usage: python -m nibble.bench {kernels,w4a4} [--quick] [--out DIR]")
         return 0 if argv else 2
     suite, rest = argv[0], argv[1:]
-    if suite == "kernels":
-        from nibble.bench.kernels import main as run
-        return run(rest)
-    print(f"unknown benchmark suite {suite!r}; available: kernels", file=sys.stderr)
-    return 2
+    if suite not in SUITES:
+        print(f"unknown benchmark suite {suite!r}; available: {', '.join(SUITES)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(SUITES[suite]).main(rest)
 
 
 if __name__ == "__main__":

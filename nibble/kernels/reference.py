@@ -43,7 +43,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     finfo = torch.finfo(x.dtype)
     xf = torch.nan_to_num(x, nan=0.0, posinf=finfo.max, neginf=-finfo.max).float()
-    scale = xf.abs().amax(dim=-1) / ACT_QMAX
+    amax = xf.abs().amax(dim=-1)
+    # Divide by a tensor: CUDA turns `tensor / 7` into `tensor * (1/7)`, one rounding off the spec.
+    scale = amax / torch.full_like(amax, ACT_QMAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.clamp(torch.round(xf / safe.unsqueeze(-1)), -8, 7).to(torch.int8)
     return q, scale

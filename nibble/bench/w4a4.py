@@ -1,0 +1,255 @@
+"""W4A4 kernel benchmark: ``python -m nibble.bench.w4a4 [--quick] [--out DIR] [--shapes N,K ...] [--ms M ...]``.
+
+At each weight shape (N, K) and token count M, the median time (``nibble.bench.timing.bench_us``:
+CUDA-graph replay, weights rotated over enough copies that the working set is several times the L2) of
+
+  bf16        cuBLAS bf16 ``F.linear`` (the baseline every speedup is against)
+  int8        cuBLAS INT8 ``torch._int_mm`` on int8 operands, int32 out, no quantization (M > 16 only)
+  fp8         cuBLAS FP8 ``torch._scaled_mm`` e4m3 x e4m3 with per-row / per-column scales, bf16 out
+  actquant    nibble per-token INT4 activation quantization alone (bf16 x -> int8 q + fp32 scales)
+  actquant_h  the same with the fused online Hadamard rotation
+  gemm        nibble W4A4 matrix kernel alone (int8 q + scales -> bf16), the one the op picks for M
+  w4a4        nibble quantize + matrix kernel together: ``torch.ops.nibble.w4a4_linear`` (no rotation)
+  w4a4_h      the same with ``input_hadamard=True``
+
+Writes ``DIR/w4a4-<gpu>.json`` (meta + one row per (shape, M, op) with us, speedup over bf16, and
+effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from nibble.bench.timing import bench_us, env_meta, geomean, rotations, write_results
+
+SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
+          (28672, 8192), (8192, 28672)]
+MS = [1, 16, 128, 1024, 4096]
+QUICK_SHAPES = [(4096, 4096), (14336, 4096), (28672, 8192)]
+QUICK_MS = [1, 16, 128, 1024]
+OPS = ("bf16", "int8", "fp8", "actquant", "actquant_h", "gemm", "w4a4", "w4a4_h")
+
+
+def random_w4a4(N: int, K: int, device, gen=None):
+    """Canonical W4A4 weight (symmetric per channel): random packed codes, w_scale [N] fp16."""
+    qweight = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=device, generator=gen)
+    w_scale = (torch.rand(N, device=device, generator=gen) * 0.002 + 0.0005).half()
+    return qweight, w_scale
+
+
+def _dense_bf16(qweight, w_scale):
+    from nibble.kernels.w4a4 import unpack_weight_int8
+    return (unpack_weight_int8(qweight).float() * w_scale.float()[:, None]).to(torch.bfloat16)  # [N, K]
+
+
+def _precompile_task(args):
+    """Worker (own process): run every kernel variant the timing of (N, K, M) will use once, so the
+    Triton disk cache is warm; compiles run in parallel across processes."""
+    N, K, M, ops, tune = args
+    import nibble.kernels.w4a4 as w4a4
+    dev = torch.device("cuda")
+    qw, ws = random_w4a4(N, K, dev)
+    x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+    errs = []
+    for fn in ([lambda: w4a4.quantize_activations_triton(x, False)] if "actquant" in ops or "w4a4" in ops else []) + \
+              ([lambda: w4a4.quantize_activations_triton(x, True)] if "actquant_h" in ops or "w4a4_h" in ops else []):
+        try:
+            fn()
+        except Exception as e:
+            errs.append(f"{type(e).__name__}: {e}")
+    qx, sx = w4a4.quantize_activations(x)
+    b = w4a4.m_bucket(M)
+    cands = w4a4.CANDIDATES[b] if tune else [w4a4.pick_config(M, N, K)]
+    for c in cands:
+        if c["kind"] == "gemv" and M > c["MP"]:
+            continue
+        try:
+            w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, torch.bfloat16, config=c)
+        except Exception as e:
+            errs.append(f"{c}: {type(e).__name__}: {e}")
+    torch.cuda.synchronize()
+    return (N, K, M, errs)
+
+
+def precompile(shapes, ms, ops, tune, procs=8, log=print):
+    import multiprocessing as mp
+    import time
+    t0 = time.time()
+    tasks = [(N, K, M, ops, tune) for N, K in shapes for M in ms]
+    with mp.get_context("spawn").Pool(procs) as pool:
+        for N, K, M, errs in pool.imap_unordered(_precompile_task, tasks):
+            for e in errs:
+                log(f"  precompile N={N} K={K} M={M}: {e[:300]}")
+    log(f"precompiled {len(tasks)} (shape, M) cases in {time.time() - t0:.1f}s with {procs} processes")
+
+
+def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None):
+    from nibble.kernels import w4a4
+
+    dev = torch.device("cuda")
+    rows = []
+    int4_bytes = K // 8 * N * 4
+    n4 = rotations(int4_bytes)
+    nb = rotations(N * K * 2)
+    n8 = rotations(N * K)
+    w4 = [random_w4a4(N, K, dev) for _ in range(n4)]
+    wb = [_dense_bf16(*w4[i % n4]) for i in range(nb)] if "bf16" in ops else None
+    w8 = None
+    if "int8" in ops or "fp8" in ops:
+        w8 = [w4a4.unpack_weight_int8(w4[i % n4][0]) for i in range(n8)]  # [N, K] int8 (K-major)
+    wf8 = [w.to(torch.float8_e4m3fn) for w in w8] if (w8 is not None and "fp8" in ops) else None
+    sw_f8 = torch.rand(1, N, device=dev) * 0.01 + 1e-3
+
+    for M in ms:
+        x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
+        qx, sx = w4a4.quantize_activations(x)
+        flops = 2.0 * M * N * K
+        res = {}
+
+        def run(op, factory, n_rot):
+            try:
+                r = bench_us(factory, n_rot, return_all=True, warmup_ms=10.0, reps=20)
+                res[op] = r["us"]
+                log(f"  N={N:6d} K={K:6d} M={M:5d} {op:11s} {r['us']:10.2f} us  ({r['mode']})")
+            except Exception as e:  # an op unsupported at this shape: recorded as missing
+                res[op] = None
+                log(f"  N={N:6d} K={K:6d} M={M:5d} {op:11s} unavailable: {type(e).__name__}: {str(e)[:160]}")
+
+        if "bf16" in ops:
+            run("bf16", lambda i: (lambda: F.linear(x, wb[i])), nb)
+        if "int8" in ops and M > 16:
+            xi8 = qx.contiguous()
+            run("int8", lambda i: (lambda: torch._int_mm(xi8, w8[i].t())), n8)
+        if "fp8" in ops:
+            xf8 = qx.to(torch.float8_e4m3fn)
+            sa = sx[:, None].contiguous()
+            run("fp8", lambda i: (lambda: torch._scaled_mm(xf8, wf8[i].t(), scale_a=sa, scale_b=sw_f8,
+                                                            out_dtype=torch.bfloat16)), n8)
+        if "actquant" in ops:
+            run("actquant", lambda i: (lambda: w4a4.quantize_activations_triton(x, False)), 1)
+        if "actquant_h" in ops:
+            run("actquant_h", lambda i: (lambda: w4a4.quantize_activations_triton(x, True)), 1)
+        if "gemm" in ops and tune:
+            # time every candidate of this M bucket, keep the fastest for the op (w4a4.TUNED)
+            b = w4a4.m_bucket(M)
+            times = []
+            for idx, c in enumerate(w4a4.CANDIDATES[b]):
+                if c["kind"] == "gemv" and M > c["MP"]:
+                    times.append(None)
+                    continue
+                cfg = dict(c, split_k=w4a4.auto_split(c, M, N, K))
+                try:
+                    t = bench_us(lambda i, cfg=cfg: (lambda: w4a4.w4a4_matmul_triton(
+                        qx, sx, w4[i][0], w4[i][1], None, torch.bfloat16, config=cfg)), n4,
+                        warmup_ms=10.0, reps=20)
+                except Exception as e:
+                    t = None
+                    log(f"  candidate {idx} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                times.append(t)
+                log(f"  N={N:6d} K={K:6d} M={M:5d} cand{idx} {cfg['kind']} "
+                    f"{ {k: v for k, v in cfg.items() if k not in ('kind', 'SWAP')} } {t}")
+            valid = [(t, i) for i, t in enumerate(times) if t]
+            if valid:
+                best = min(valid)[1]
+                w4a4.TUNED[(b, N, K)] = best
+                res["gemm"] = times[best]
+                if tuning is not None:
+                    tuning.append(dict(N=N, K=K, M=M, bucket=b, times_us=times, best=best))
+        elif "gemm" in ops:
+            run("gemm", lambda i: (lambda: w4a4.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1], None,
+                                                                    torch.bfloat16)), n4)
+        if "w4a4" in ops:
+            run("w4a4", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
+        if "w4a4_h" in ops:
+            run("w4a4_h", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, True)), n4)
+
+        base = res.get("bf16")
+        cfg = w4a4.pick_config(M, N, K)
+        for op, us in res.items():
+            row = dict(N=N, K=K, M=M, op=op, us=us, speedup=(base / us) if (base and us) else None)
+            if us:
+                if op in ("actquant", "actquant_h"):
+                    row["tb_s"] = (M * K * 2 + M * K + 4 * M) / us / 1e6
+                else:
+                    row["tops"] = flops / us / 1e6
+                    wbytes = {"bf16": 2 * N * K, "int8": N * K, "fp8": N * K}.get(op, N * K / 2)
+                    row["weight_tb_s"] = wbytes / us / 1e6
+            if op in ("gemm", "w4a4", "w4a4_h"):
+                row["config"] = {k: v for k, v in cfg.items()}
+            rows.append(row)
+        del x, qx, sx
+    del w4, wb, w8, wf8
+    torch.cuda.empty_cache()
+    return rows
+
+
+def summarize(rows, log=print):
+    """Speedup of quantize+GEMM over cuBLAS bf16 per M (geomean over shapes), plus per-shape table."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["N"], r["K"], r["M"]), {})[r["op"]] = r["us"]
+    ops = [o for o in OPS if any(o in v for v in by.values())]
+    log("\n" + " " * 20 + "".join(f"{o:>11s}" for o in ops) + "   w4a4/bf16")
+    for (N, K, M), v in sorted(by.items()):
+        cells = "".join(f"{v[o]:11.1f}" if v.get(o) else f"{'-':>11s}" for o in ops)
+        sp = v["bf16"] / v["w4a4"] if v.get("bf16") and v.get("w4a4") else float("nan")
+        log(f"{N:6d}x{K:<6d} M={M:<5d}{cells}   {sp:6.2f}x")
+    log("\ngeomean speedup over bf16 (quantize + GEMM):")
+    for M in sorted({k[2] for k in by}):
+        sps = [v["bf16"] / v["w4a4"] for (n, k, m), v in by.items() if m == M and v.get("bf16") and v.get("w4a4")]
+        f8 = [v["fp8"] / v["w4a4"] for (n, k, m), v in by.items() if m == M and v.get("fp8") and v.get("w4a4")]
+        log(f"  M={M:5d}: {geomean(sps):.2f}x vs bf16" + (f", {geomean(f8):.2f}x vs fp8" if f8 else ""))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nibble.bench.w4a4", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="3 shapes, M in 1, 16, 128, 1024")
+    p.add_argument("--out", default="benchmarks/results", help="folder for w4a4-<gpu>.json / .png")
+    p.add_argument("--shapes", nargs="*", default=None, help="N,K pairs, e.g. 4096,4096 28672,8192")
+    p.add_argument("--ms", nargs="*", type=int, default=None)
+    p.add_argument("--ops", nargs="*", default=None, help=f"subset of {OPS}")
+    p.add_argument("--name", default=None, help="output file stem (default w4a4-<gpu>)")
+    p.add_argument("--tune", action="store_true",
+                   help="time every candidate config per (M bucket, shape), use the fastest (w4a4.TUNED)")
+    p.add_argument("--procs", type=int, default=8, help="processes that pre-compile the kernels (0: none)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the W4A4 benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import nibble.kernels.w4a4  # noqa: F401  registers torch.ops.nibble.w4a4_linear
+    shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes] if a.shapes else (
+        QUICK_SHAPES if a.quick else SHAPES)
+    ms = a.ms or (QUICK_MS if a.quick else MS)
+    ops = tuple(a.ops) if a.ops else OPS
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if a.procs > 0:
+        precompile(shapes, ms, ops, a.tune, a.procs)
+    rows, tuning = [], []
+    import json
+    import os
+    os.makedirs(a.out, exist_ok=True)
+    for N, K in shapes:
+        rows += bench_shape(N, K, ms, ops, tune=a.tune, tuning=tuning)
+        with open(os.path.join(a.out, "w4a4-partial.json"), "w") as f:  # survives a timeout
+            json.dump({"rows": rows, "tuning": tuning}, f, default=str)
+    summarize(rows)
+    if tuning:
+        from nibble.kernels import w4a4
+        print("TUNED =", {k: v for k, v in sorted(w4a4.TUNED.items())})
+    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
+    meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning,
+                    note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)")
+    paths = write_results([r for r in rows if r["op"] != "bf16"], meta, a.out, a.name or f"w4a4-{gpu}",
+                          title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")
+    # the JSON keeps the bf16 rows too
+    with open(paths["json"], "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+    print("wrote", paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,478 @@
+"""Walsh-Hadamard rotation: y = x @ H_n.T over the last dimension, H_n orthonormal (H_n @ H_n.T = I).
+
+Sizes are n = m * 2^k with H_n = H_m (x) H_{2^k} (Kronecker product). H_{2^k} is Sylvester's,
+entry (i, j) = (-1)^popcount(i & j). H_m (entries +-1, scaled by 1/sqrt(n) only at the end) is built
+by construction, never pasted:
+
+    m = 1                                   powers of two: 64, 128, 4096, 8192, ...
+    m = q + 1,   q prime, q % 4 == 3        Paley I:  12, 20, 24, 32, 44, 48, 60, ...
+    m = 2(q+1),  q prime, q % 4 == 1        Paley II: 12, 28, 36, 60, 76, 84, ...
+    m = 172                                 Williamson, four circulants of order 43
+
+For each n the smallest usable m is taken, so most of the work is in the cheap 2^k part.
+Model sizes: 576 = 36*16, 1536 = 12*128, 11008 = 172*64, 14336 = 28*512, 28672 = 28*1024.
+
+Three ways to apply it, all computing y = x @ H_n.T (or x @ H_n with inverse=True):
+  hadamard_transform_reference  pure PyTorch, float32 (float64 for float64 input): the spec
+  hadamard_transform_triton     the Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1)
+  hadamard_transform            torch.ops.nibble.hadamard_transform: kernel on CUDA, reference
+                                elsewhere; works under torch.compile / CUDA graphs, has autograd.
+
+`hadamard_load_rows` is the load-and-transform of a block of rows as a @triton.jit function, so
+other kernels (W4A4 activation quantization) can fuse it: call it, quantize the tile, store.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    _jit = triton.jit
+except ImportError:  # CPU-only install (triton is the `gpu` extra): the reference and the op still work
+    triton = tl = None
+
+    def _jit(fn):  # the kernel functions stay plain Python and are never launched
+        return fn
+
+# ----------------------------------------------------------------------------------------------
+# Matrix constructions (float64 with +-1 entries, so every product below is exact)
+# ----------------------------------------------------------------------------------------------
+
+# Williamson matrices of order 43: symmetric circulants A, B, C, D with A^2 + B^2 + C^2 + D^2 = 172 I.
+# Each first row is constant on the cosets of the multiplicative subgroup {+-1, +-6, +-36} of Z_43^*,
+# so it is given by its entry at 0 and one sign per coset 3^i * {+-1, +-6, +-36}, i = 0..6.
+# Found by a meet-in-the-middle search over those 2^8 rows per matrix, matching periodic
+# autocorrelations (they must sum to 0 at every non-zero shift); tests re-check the property.
+_WILLIAMSON_43 = ("+ ++---++", "+ +--+--+", "+ ++-++--", "+ -+++--+")
+
+
+def _is_prime(q: int) -> bool:
+    return q >= 2 and all(q % d for d in range(2, math.isqrt(q) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """Q[i, j] = chi(j - i) with chi the quadratic character of the field Z_q (chi(0) = 0)."""
+    chi = torch.full((q,), -1.0, dtype=torch.float64)
+    chi[[(x * x) % q for x in range(1, q)]] = 1.0
+    chi[0] = 0.0
+    idx = torch.arange(q)
+    return chi[(idx[None, :] - idx[:, None]) % q]
+
+
+def _paley1(q: int) -> torch.Tensor:
+    """Order q + 1 for q = 3 mod 4: H = I + S with S = [[0, 1], [-1, Q]] skew and S S^T = q I."""
+    s = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    s[0, 1:], s[1:, 0], s[1:, 1:] = 1.0, -1.0, _jacobsthal(q)
+    return torch.eye(q + 1, dtype=torch.float64) + s
+
+
+def _paley2(q: int) -> torch.Tensor:
+    """Order 2(q + 1) for q = 1 mod 4: from the symmetric conference matrix C = [[0, 1], [1, Q]],
+    replace 0 by [[1, -1], [-1, -1]] and +-1 by +-[[1, 1], [1, -1]]."""
+    c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    c[0, 1:], c[1:, 0], c[1:, 1:] = 1.0, 1.0, _jacobsthal(q)
+    one = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    zero = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    return torch.kron(c, one) + torch.kron(torch.eye(q + 1, dtype=torch.float64), zero)
+
+
+def _williamson_rows_43() -> list[torch.Tensor]:
+    """First rows of the four order-43 Williamson circulants, expanded from `_WILLIAMSON_43`."""
+    coset = torch.zeros(43, dtype=torch.long)
+    for i in range(7):
+        g = pow(3, i, 43)  # 3 generates Z_43^*
+        coset[[(g * h) % 43 for h in (1, 42, 6, 37, 36, 7)]] = i + 1
+    rows = []
+    for spec in _WILLIAMSON_43:
+        signs = torch.tensor([1.0 if ch == "+" else -1.0 for ch in spec.replace(" ", "")], dtype=torch.float64)
+        rows.append(signs[coset])  # position 0 has coset index 0, the entry at 0
+    return rows
+
+
+def _williamson172() -> torch.Tensor:
+    n = 43
+    idx = torch.arange(n)
+    shift = (idx[None, :] - idx[:, None]) % n
+    a, b, c, d = (row[shift] for row in _williamson_rows_43())  # circulant: M[i, j] = row[j - i]
+    return torch.cat([torch.cat(r, dim=1) for r in (
+        (a, b, c, d), (-b, a, -d, c), (-c, d, a, -b), (-d, -c, b, a))], dim=0)
+
+
+def _construction(m: int):
+    """The builder of a +-1 Hadamard matrix of order m, or None when none of ours applies."""
+    if m == 1:
+        return lambda: torch.ones(1, 1, dtype=torch.float64)
+    if m == 172:
+        return _williamson172
+    if _is_prime(m - 1) and (m - 1) % 4 == 3:
+        return functools.partial(_paley1, m - 1)
+    if m % 2 == 0 and _is_prime(m // 2 - 1) and (m // 2 - 1) % 4 == 1:
+        return functools.partial(_paley2, m // 2 - 1)
+    return None
+
+
+def _factor(n: int) -> tuple[int, int] | None:
+    """(m, 2^k) with n = m * 2^k and m the smallest order we can build, or None."""
+    if n < 1:
+        return None
+    odd = n // (n & -n)
+    if odd == 1:
+        return 1, n
+    m = 4 * odd  # a Hadamard order above 2 is a multiple of 4
+    while n % m == 0:
+        if _construction(m) is not None:
+            return m, n // m
+        m *= 2
+    return None
+
+
+def hadamard_factors(n: int) -> tuple[int, int]:
+    """(m, 2^k) with n = m * 2^k and H_n = H_m (x) H_{2^k}; ValueError naming the rule if unsupported."""
+    f = _factor(n)
+    if f is None:
+        lo = next((s for s in range(n - 1, 0, -1) if _factor(s)), None)
+        hi = next(s for s in range(max(n + 1, 1), 2 * max(n, 1) + 2) if _factor(s))
+        raise ValueError(
+            f"no Hadamard matrix of size {n}: nibble builds n = m * 2^k with m = 1, m = q + 1 "
+            f"(q prime, q % 4 == 3; Paley I), m = 2(q + 1) (q prime, q % 4 == 1; Paley II) or m = 172 "
+            f"(Williamson); the nearest supported sizes are {lo} and {hi}")
+    return f
+
+
+def supported_hadamard_sizes(limit: int) -> list[int]:
+    """Every n in [1, limit] that hadamard_matrix / hadamard_transform accept."""
+    return [n for n in range(1, limit + 1) if _factor(n) is not None]
+
+
+@functools.cache
+def _base_matrix(m: int) -> torch.Tensor:
+    """The +-1 (unnormalised) H_m, float64 on CPU; cached, never modified."""
+    h = _construction(m)()
+    assert torch.equal(h @ h.T, m * torch.eye(m, dtype=torch.float64)), f"construction of H_{m} is wrong"
+    return h
+
+
+def _sylvester(p: int) -> torch.Tensor:
+    """+-1 Sylvester matrix of order p = 2^k: entry (i, j) = (-1)^popcount(i & j)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < p:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    return h
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal n x n Hadamard matrix H_n = (H_m (x) H_{2^k}) / sqrt(n), on CPU.
+
+    Built from cached factors; it is dense (n = 28672 takes 3.3 GB in float32), so to rotate
+    activations or weights use hadamard_transform*, which never materialise it.
+    """
+    m, p = hadamard_factors(n)
+    return (torch.kron(_base_matrix(m), _sylvester(p)) / math.sqrt(n)).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+
+def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """y = x @ H_n.T (inverse: x @ H_n) on the last dim; float32 math (float64 for float64 x), x.dtype out.
+
+    The row is viewed as [m, 2^k]: a Sylvester butterfly over the 2^k axis, then H_m over the m axis.
+    """
+    n = x.shape[-1]
+    m, p = hadamard_factors(n)
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(cdt).reshape(-1, m, p)
+    h = 1
+    while h < p:  # H_{2^k} = H_2 (x) ... (x) H_2: one butterfly per bit, on indices that differ in bit h
+        y = y.view(-1, m, p // (2 * h), 2, h)
+        lo, hi = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((lo + hi, lo - hi), dim=-2).view(-1, m, p)
+        h *= 2
+    if m > 1:
+        hm = _base_matrix(m).to(device=x.device, dtype=cdt)
+        y = (hm.T if inverse else hm) @ y  # y[i] = sum_j H_m[i, j] y[j]; Sylvester is symmetric
+    return (y * (1.0 / math.sqrt(n))).reshape(x.shape).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+# Measured on an H200, 64 MiB of bfloat16 per call, read + written (copy roofline ~4.3 TB/s):
+# n = 64: 3.1 TB/s, 128: 2.0, 4096: 1.8, 8192: 1.4, 1536: 1.1, 576: 0.7, 14336: 0.63,
+# 28672: 0.58, 11008: 0.19. Large rows run one program per SM, so loads and tensor-core work do
+# not overlap; 11008's dense 172 (padded to 256) factor re-reads its matrix from L2 for each row.
+
+# The largest padded row one program keeps in registers; covers every size nibble's models use
+# (28672 pads to 32 * 1024), and the largest dense factor (172, padded).
+MAX_KERNEL_ROW = 32768
+MAX_KERNEL_DENSE = 256
+# tl.dot needs every dimension >= 16.
+_MIN_DOT = 16
+# The dense factor is multiplied in chunks of this many input columns (of the dense axis), so its
+# +-1 matrix passes through shared memory 32 rows at a time (times the loop's pipeline stages),
+# never whole: 172 pads to 256 x 256 float32, more than an SM's shared memory.
+_DENSE_CHUNK = 32
+# Elements of the row tile one program of 4 warps handles best.
+_TILE = 8192
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class HadamardPlan:
+    """How the kernel splits a row of n: a tile [rows, dense_pad, a, b] of rows padded to
+    dense_pad * a * b, with n = dense * a * b.
+
+    dense: the order of the part done as a matmul against a stored +-1 matrix (H_m, or
+    H_m (x) H_{2^j} when 2^j < 16 is too small for tl.dot); 1 when n is a power of two >= 16.
+    a, b: the Sylvester part 2^k = a * b, each 1 or >= 16, multiplied by in-register +-1 tiles.
+    Padding (dense_pad > dense) sits at the end of each row, so callers see a plain
+    [rows, row_pad] tile whose columns >= n are zero.
+    """
+    n: int
+    dense: int
+    dense_pad: int
+    dense_chunk: int
+    a: int
+    b: int
+    rows: int
+    num_warps: int
+
+    @property
+    def row_pad(self) -> int:
+        return self.dense_pad * self.a * self.b
+
+
+@functools.cache
+def hadamard_plan(n: int) -> HadamardPlan:
+    m, p = hadamard_factors(n)
+    if p < _MIN_DOT:
+        dense, a, b = m * p, 1, 1
+    elif p < _MIN_DOT * _MIN_DOT:
+        dense, a, b = m, 1, p
+    else:
+        b = 1 << (p.bit_length() // 2)  # the larger half of the bits
+        dense, a = m, p // b
+    dense_pad = 1 if dense == 1 else max(_MIN_DOT, _next_pow2(dense))
+    row_pad = dense_pad * a * b
+    if row_pad > MAX_KERNEL_ROW or dense_pad > MAX_KERNEL_DENSE:
+        raise ValueError(f"hadamard kernel: size {n} = {m} * {p} needs a row of {row_pad} (at most "
+                         f"{MAX_KERNEL_ROW}) and a dense factor of {dense_pad} (at most {MAX_KERNEL_DENSE}) "
+                         f"in one program; use hadamard_transform_reference")
+    # Every tl.dot's row count (the tile's other dims times rows) must reach 16; beyond that, small
+    # sizes take rows up to an 8K-element tile with 4 warps, the best setting measured on an H200
+    # (bf16, n = 128 ... 8192); larger rows need more warps to hold the tile in registers.
+    others = [d for d, on in ((dense_pad * a, b > 1), (dense_pad * b, a > 1), (a * b, dense_pad > 1)) if on]
+    rows = max([_next_pow2(-(-_MIN_DOT // o)) for o in others] + [max(1, _TILE // row_pad)])
+    tile = rows * row_pad
+    num_warps = 4 if tile <= _TILE else 8 if tile <= 2 * _TILE else 16
+    return HadamardPlan(n, dense, dense_pad, min(dense_pad, _DENSE_CHUNK), a, b, rows, num_warps)
+
+
+@functools.cache
+def _dense_operand(n: int, inverse: bool, device: torch.device) -> torch.Tensor:
+    plan = hadamard_plan(n)
+    m, _ = hadamard_factors(n)
+    h = torch.kron(_base_matrix(m), _sylvester(plan.dense // m))
+    out = torch.zeros(plan.dense_pad, plan.dense_pad, dtype=torch.float32)
+    out[:plan.dense, :plan.dense] = h if inverse else h.T
+    return out.to(device)
+
+
+def hadamard_dense_operand(n: int, inverse: bool, device) -> torch.Tensor:
+    """The `dense_ptr` tensor of `hadamard_load_rows` for size n on `device` (cached per device):
+    +-1 float32 [dense_pad, dense_pad], zero padded. Rows are transformed as row @ H.T, so it
+    holds H_dense.T for the forward transform and H_dense for the inverse."""
+    return _dense_operand(n, inverse, torch.device(device))
+
+
+@_jit
+def _sylvester_tile(N: tl.constexpr):
+    """+-1 Sylvester matrix [N, N] in registers: (-1)^popcount(i & j), parity by xor-folding bits."""
+    i = tl.arange(0, N)[:, None]
+    j = tl.arange(0, N)[None, :]
+    v = i & j
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return (1 - 2 * (v & 1)).to(tl.float32)
+
+
+@_jit
+def _dot_pm1(x, h, acc, TERMS: tl.constexpr):
+    """acc + x @ h for float32 x and a +-1 float32 h on tf32 tensor cores, keeping x's bits.
+
+    A tf32 operand keeps 10 mantissa bits, so x is cut into TERMS pieces (each but the last
+    truncated to 10 bits by masking, hence exact in tf32) and each piece is one dot. Products with
+    +-1 are exact; only the accumulation and the last piece's tail round. One term is exact for
+    float16/bfloat16 input; two leave 2^-21 relative error, three carry float32. (float32 masking,
+    not bfloat16 pieces, because Triton 3.6's interpreter multiplies bfloat16 tensors as raw bits.)
+    """
+    for _ in tl.static_range(TERMS - 1):
+        head = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # clear 13 low bits
+        acc = tl.dot(head, h, acc, input_precision="tf32")
+        x = x - head  # exact
+    return tl.dot(x, h, acc, input_precision="tf32")
+
+
+@_jit
+def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, ROWS: tl.constexpr,
+                       DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
+                       TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
+    """Load ROWS rows of n elements and return (row @ H_n.T) * scale as float32 [ROWS, DENSE_PAD * A * B];
+    columns >= n (and masked rows) come back 0. For fusing into other kernels (W4A4 quantization).
+
+    row_offs: [ROWS, 1] int64 offset of each row's first element from x_ptr; row_mask: [ROWS, 1].
+    DENSE_PAD, DENSE_CHUNK, A, B from `hadamard_plan(n)`; dense_ptr from `hadamard_dense_operand`
+    (any pointer when DENSE_PAD == 1); scale = 1/sqrt(n); `hadamard_dot_terms(dtype)` gives
+    TERMS_IN, TERMS (tf32 pieces per operand for the first factor, which sees the input, and the rest).
+
+    The row is a [DENSE_PAD, A, B] tensor and H = H_dense (x) H_A (x) H_B, so each factor is one
+    matmul along its own axis on tensor cores. The dense factor comes first, straight from memory in
+    chunks of its axis: its matrix then never has to sit in shared memory whole.
+    """
+    AB: tl.constexpr = A * B
+    if DENSE_PAD > 1:
+        ab = tl.arange(0, AB)[None, :, None]
+        out = tl.arange(0, DENSE_PAD)[None, :]
+        acc = tl.zeros((ROWS * AB, DENSE_PAD), dtype=tl.float32)
+        for k0 in range(0, DENSE_PAD, DENSE_CHUNK):
+            k = k0 + tl.arange(0, DENSE_CHUNK)
+            # [ROWS, AB, chunk]: the chunk of the dense axis last, ready to be the contraction dim
+            ptrs = x_ptr + row_offs[:, :, None] + k[None, None, :] * AB + ab
+            mask = row_mask[:, :, None] & (k[None, None, :] < n // AB)
+            xk = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(dense_ptr + k[:, None] * DENSE_PAD + out)  # rows k of H_dense.T
+            acc = _dot_pm1(tl.reshape(xk, (ROWS * AB, DENSE_CHUNK)), d, acc, TERMS_IN)
+        x = tl.permute(tl.reshape(acc, (ROWS, A, B, DENSE_PAD)), (0, 3, 1, 2))
+    else:
+        c = tl.arange(0, AB)[None, :]
+        x = tl.load(x_ptr + row_offs + c, mask=row_mask & (c < n), other=0.0).to(tl.float32)
+        x = tl.reshape(x, (ROWS, 1, A, B))
+    if B > 1:
+        zero = tl.zeros((ROWS * DENSE_PAD * A, B), dtype=tl.float32)
+        terms: tl.constexpr = TERMS if DENSE_PAD > 1 else TERMS_IN
+        x = _dot_pm1(tl.reshape(x, (ROWS * DENSE_PAD * A, B)), _sylvester_tile(B), zero, terms)
+        x = tl.reshape(x, (ROWS, DENSE_PAD, A, B))
+    if A > 1:
+        zero = tl.zeros((ROWS * DENSE_PAD * B, A), dtype=tl.float32)
+        x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), (ROWS * DENSE_PAD * B, A))
+        x = _dot_pm1(x, _sylvester_tile(A), zero, TERMS)
+        x = tl.permute(tl.reshape(x, (ROWS, DENSE_PAD, B, A)), (0, 1, 3, 2))
+    return tl.reshape(x * scale, (ROWS, DENSE_PAD * AB))
+
+
+@_jit
+def _hadamard_kernel(x_ptr, y_ptr, dense_ptr, n_rows, n, stride_x, stride_y, scale,
+                     ROWS: tl.constexpr, DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, A: tl.constexpr,
+                     B: tl.constexpr, TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
+    # One program owns ROWS whole rows: each row is read once and written once.
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    row_mask = r < n_rows
+    r = r.to(tl.int64)
+    y = hadamard_load_rows(x_ptr, r * stride_x, row_mask, n, dense_ptr, scale, ROWS, DENSE_PAD, DENSE_CHUNK,
+                           A, B, TERMS_IN, TERMS)
+    c = tl.arange(0, DENSE_PAD * A * B)[None, :]
+    tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=row_mask & (c < n))
+
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def hadamard_dot_terms(dtype: torch.dtype) -> tuple[int, int]:
+    """(TERMS_IN, TERMS) for `hadamard_load_rows` on input/output of `dtype`: 16-bit input is exact
+    in one tf32 piece; float32 intermediates need two pieces for 16-bit output, three for float32."""
+    return (3, 3) if dtype == torch.float32 else (1, 2)
+
+
+def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The Triton kernel: y = x @ H_n.T (inverse: x @ H_n) on the last dim, same dtype and shape as x.
+
+    x: CUDA tensor (CPU under TRITON_INTERPRET=1), float16/bfloat16/float32, last dim contiguous,
+    any leading dims. Products are exact, sums run in the tensor cores' float32 accumulators (not
+    IEEE-rounded: about 2^-19 of the largest output, far below 16-bit rounding), and the result is
+    rounded once to x.dtype.
+    """
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"hadamard kernel takes float16/bfloat16/float32, got {x.dtype}; "
+                        f"use hadamard_transform_reference for other dtypes")
+    if triton is None:
+        raise ImportError("the hadamard kernel needs the `triton` package (pip install triton); "
+                          "hadamard_transform runs the reference without it")
+    if not (x.is_cuda or triton.knobs.runtime.interpret):
+        raise ValueError(f"hadamard kernel needs a CUDA tensor, got device {x.device} "
+                         f"(or set TRITON_INTERPRET=1 before importing nibble to run it on CPU)")
+    if x.dim() == 0 or x.stride(-1) != 1:
+        raise ValueError("hadamard kernel needs at least 1 dim and a contiguous last dim; call .contiguous()")
+    n = x.shape[-1]
+    plan = hadamard_plan(n)
+    x2 = x.reshape(-1, n)  # a view whenever the leading dims collapse
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, n)
+    if x2.shape[0] == 0:
+        return y
+    dense = hadamard_dense_operand(n, inverse, x.device) if plan.dense_pad > 1 else x2
+    terms_in, terms = hadamard_dot_terms(x.dtype)
+    grid = (-(-x2.shape[0] // plan.rows),)
+    _hadamard_kernel[grid](x2, y2, dense, x2.shape[0], n, x2.stride(0), y2.stride(0), 1.0 / math.sqrt(n),
+                           ROWS=plan.rows, DENSE_PAD=plan.dense_pad, DENSE_CHUNK=plan.dense_chunk, A=plan.a,
+                           B=plan.b, TERMS_IN=terms_in, TERMS=terms, num_warps=plan.num_warps)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# The dispatching op
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("nibble::hadamard_transform", mutates_args=())
+def _hadamard_op(x: torch.Tensor, inverse: bool) -> torch.Tensor:
+    # Every device without a registered kernel (CPU, ...) runs the reference.
+    return hadamard_transform_reference(x, inverse)
+
+
+def _kernel_fits(n: int) -> bool:
+    try:
+        hadamard_plan(n)
+    except ValueError:
+        return False
+    return True
+
+
+@_hadamard_op.register_kernel("cuda")
+def _hadamard_op_cuda(x: torch.Tensor, inverse: bool) -> torch.Tensor:
+    if triton is None or x.dtype not in KERNEL_DTYPES or not _kernel_fits(x.shape[-1]):
+        return hadamard_transform_reference(x, inverse)
+    return hadamard_transform_triton(x.contiguous(), inverse)
+
+
+@_hadamard_op.register_fake
+def _hadamard_op_fake(x: torch.Tensor, inverse: bool) -> torch.Tensor:
+    hadamard_factors(x.shape[-1])  # fail at trace time, not at run time
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _hadamard_op_setup(ctx, inputs, output):
+    ctx.inverse = inputs[1]
+
+
+def _hadamard_op_backward(ctx, grad):
+    # y = x @ H.T  =>  dL/dx = dL/dy @ H: the opposite transform.
+    return _hadamard_op(grad, not ctx.inverse), None
+
+
+_hadamard_op.register_autograd(_hadamard_op_backward, setup_context=_hadamard_op_setup)
+
+
+def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """y = x @ H_n.T (inverse: x @ H_n) on the last dim, via torch.ops.nibble.hadamard_transform:
+    the Triton kernel on CUDA, the reference elsewhere; differentiable and torch.compile-safe."""
+    return _hadamard_op(x, inverse)

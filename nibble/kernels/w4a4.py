@@ -1,0 +1,797 @@
+"""W4A4 kernels for Hopper: per-token INT4 activation quantization (optionally fused with the
+online Hadamard rotation) and INT4 x INT4 matrix products computed exactly in integers.
+
+The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate`, `w4a4_matmul`,
+`w4a4_linear`); docs/ARCHITECTURE.md describes the formats. Three kernels:
+
+``_act_quant_kernel``   one pass over x [M, K] (fp16/bf16): [Hadamard] -> saturate non-finite
+                        values -> scale = amax / 7 per row -> q = clamp(rint(x / scale), -8, 7).
+                        Writes int8 q [M, K] (INT4 values in an INT8 container: the tensor cores
+                        take int8, so a packed layout would only move the unpacking into the GEMM)
+                        and float32 scales [M]. Divisions are correctly rounded (div_rn), rounding
+                        is half-to-even (rint): bit-identical to the float32 spec without Hadamard.
+                        (`_act_quant_chunked_kernel`: a two-pass variant for many tokens, off.)
+``_w4a4_mma_kernel``    multi-token GEMM on the INT8 tensor cores (sm_90 `.s4` MMA is emulated and
+                        slow, so INT4 values in [-8, 7] ride in int8): the packed weight tile is
+                        unpacked in registers to int8 (q - 8) by a short PTX sequence (one word ->
+                        two int8x4 registers, 9 instructions), `tl.dot` int8 x int8 -> int32, float
+                        epilogue acc * sx[m] * sw[n] (+ bias), optional split-K. Triton keeps int8
+                        wgmma synchronous (int32 accumulators), so tiles are 4-warp 128x128 to fit
+                        two programs per SM, whose unpacking and MMAs then overlap.
+                        SWAP=True (the transposed product, weight tile as wgmma's register operand
+                        A) is kept for experiments: Triton still routes the unpacked tile through
+                        shared memory, so it measured no gain (benchmarks/notes-w4a4.md).
+``_w4a4_gemv_kernel``   decode (M = 1): streams the packed weight once with 16-byte loads and
+                        computes on the CUDA cores with `dp4a` (4 products per instruction): the
+                        low / high nibbles of each word are masked into four unsigned bytes each
+                        (codes 0..15, no sign fix-up) and dotted with the even / odd activation
+                        bytes; sum_k x*(q-8) = sum_k x*q - 8*sum_k x, exact in int32. Split-K
+                        over the grid so every SM streams, partials reduced in int32 by the last
+                        program of each column tile (deterministic, no float atomics).
+
+Both matrix kernels can return the raw int32 accumulators (tests check them bit-exactly against
+`reference.w4a4_accumulate`). The op `torch.ops.nibble.w4a4_linear` chains quantization and the
+matrix kernel chosen by M; on CPU (and without Triton) it runs `reference.w4a4_linear`.
+
+This module imports without CUDA and without Triton.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+
+from nibble.kernels import reference
+from nibble.kernels import hadamard as _had
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    _jit = triton.jit
+except ImportError:  # CPU-only install: the op runs the reference
+    triton = tl = libdevice = None
+
+    def _jit(fn=None, **_kw):
+        return fn if fn is not None else (lambda f: f)
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+W_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PACK = 8
+# 0x88888888 as an int32: flips bit 3 of every nibble, so nibble q becomes the 4-bit two's
+# complement of q - 8.
+_XOR_SIGN = tl.constexpr(-2004318072) if tl is not None else -2004318072
+_LOW_NIBBLES = tl.constexpr(0x0F0F0F0F) if tl is not None else 0x0F0F0F0F
+_MAX_ROW = _had.MAX_KERNEL_ROW  # act-quant keeps a whole row in registers (28672 pads to 32768)
+
+
+def _interpreting() -> bool:
+    if triton is None:
+        return False
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older triton
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_available(t: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on tensors like ``t`` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    return triton is not None and (t.is_cuda or _interpreting())
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+# ================================================================================================
+# Activation quantization
+# ================================================================================================
+
+@_jit
+def _round_half_even(y, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        # libdevice is not available in the interpreter; |y| <= 8 here, so adding and removing
+        # 1.5 * 2^23 rounds to the nearest integer, ties to even, exactly as rint does.
+        return (y + 12582912.0) - 12582912.0
+    else:
+        return libdevice.rint(y)
+
+
+@_jit(do_not_specialize=["M"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, had_scale, fmax,
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.constexpr,
+                      DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
+                      TERMS_IN: tl.constexpr, TERMS: tl.constexpr, INTERPRET: tl.constexpr):
+    # One program owns ROWS whole rows, held in registers: x is read once, q written once.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r = rows[:, None].to(tl.int64)
+    c = tl.arange(0, BLOCK)[None, :]
+    mask = (rows[:, None] < M) & (c < K)
+    if HADAMARD:
+        # nibble.kernels.hadamard's fusable loader: float32 (row @ H_K.T) / sqrt(K), zero padded.
+        xf = hadamard_load_rows(x_ptr, r * stride_x, rows[:, None] < M, K, dense_ptr, had_scale, ROWS,
+                                DENSE_PAD, DENSE_CHUNK, HA, HB, TERMS_IN, TERMS)
+        # The spec rotates in float32 and returns x.dtype; round the same way before quantizing.
+        xf = xf.to(x_ptr.dtype.element_ty).to(tl.float32)
+        xf = tl.where(mask, xf, 0.0)
+    else:
+        xf = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    # Saturate non-finite values: NaN -> 0, +-Inf -> +-finfo(x.dtype).max.
+    xf = tl.where(xf != xf, 0.0, xf)
+    xf = tl.minimum(tl.maximum(xf, -fmax), fmax)
+    amax = tl.max(tl.abs(xf), axis=1)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 7.0, tl.float32))
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    y = tl.math.div_rn(xf, tl.broadcast_to(safe[:, None], xf.shape))
+    y = _round_half_even(y, INTERPRET)
+    y = tl.minimum(tl.maximum(y, -8.0), 7.0)
+    tl.store(q_ptr + r * stride_q + c, y.to(tl.int8), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=rows < M)
+
+
+@_jit
+def _sanitize(xf, fmax):
+    """NaN -> 0, +-Inf (and anything beyond) -> +-finfo(x.dtype).max."""
+    xf = tl.where(xf != xf, 0.0, xf)
+    return tl.minimum(tl.maximum(xf, -fmax), fmax)
+
+
+@_jit(do_not_specialize=["M"])
+def _act_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fmax,
+                              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """Many-token variant: two passes over each row in BLOCK_K chunks (the second from L2), so a
+    program holds only a chunk and many programs share an SM, keeping enough loads in flight."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r = rows[:, None].to(tl.int64)
+    rmask = rows[:, None] < M
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)[None, :]
+        xf = _sanitize(tl.load(x_ptr + r * stride_x + c, mask=rmask & (c < K), other=0.0).to(tl.float32), fmax)
+        amax = tl.maximum(amax, tl.max(tl.abs(xf), axis=1))
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 7.0, tl.float32))
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)[None, :]
+        mask = rmask & (c < K)
+        xf = _sanitize(tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32), fmax)
+        y = tl.math.div_rn(xf, tl.broadcast_to(safe[:, None], xf.shape))
+        y = tl.minimum(tl.maximum(_round_half_even(y, INTERPRET), -8.0), 7.0)
+        tl.store(q_ptr + r * stride_q + c, y.to(tl.int8), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=rows < M)
+
+
+# Token count from which the chunked act-quant kernel would replace the whole-row one. The
+# whole-row kernel keeps a row per program in registers (about one program per SM) and measured
+# only 0.9-1.9 TB/s at M >= 1024 on the H200; the chunked kernel (37 registers, many programs per
+# SM) is tested bit-exact but not yet timed on the device, so it stays off: set e.g. 256 to use it.
+CHUNKED_MIN_M = 1 << 62
+CHUNK_K = 2048
+
+
+if triton is not None:
+    hadamard_load_rows = _had.hadamard_load_rows  # a @triton.jit helper, fused into _act_quant_kernel
+
+
+@functools.cache
+def _act_plan(K: int, hadamard: bool):
+    """(ROWS, BLOCK, num_warps, had_consts or None) for rows of length K."""
+    if hadamard:
+        try:
+            plan = _had.hadamard_plan(K)
+        except ValueError as e:
+            near = [n for n in _had.supported_hadamard_sizes(2 * K + 64) if abs(n - K) <= max(64, K // 8)]
+            raise ValueError(f"input_hadamard=True needs a supported Hadamard size; K={K} is not one ({e}). "
+                             f"Supported sizes near {K}: {near[:12]}") from None
+        return plan.rows, plan.row_pad, plan.num_warps, plan
+    block = _next_pow2(K)
+    if block > _MAX_ROW:
+        raise ValueError(f"activation quantization keeps one row in registers: K={K} pads to {block} > {_MAX_ROW}")
+    rows = max(1, 4096 // block)
+    num_warps = max(4, min(16, rows * block // 1024))
+    return rows, block, num_warps, None
+
+
+def _check_act_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K] (flatten leading dims first), got shape {tuple(x.shape)}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the W4A4 kernels take float16 or bfloat16 activations, got {x.dtype}")
+
+
+def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The act-quant kernel: x [M, K] fp16/bf16 -> (q int8 [M, K], scale float32 [M])."""
+    _check_act_input(x)
+    if triton is None:
+        raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
+    if not (x.is_cuda or _interpreting()):
+        raise ValueError(f"the W4A4 kernels need a CUDA tensor, got device {x.device}")
+    M, K = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, block, num_warps, plan = _act_plan(K, bool(input_hadamard))
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        s.zero_()
+        return q, s
+    fmax = float(torch.finfo(x.dtype).max)
+    if plan is None and M >= CHUNKED_MIN_M:
+        _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
+                                        BLOCK_K=min(CHUNK_K, _next_pow2(K)), INTERPRET=_interpreting(),
+                                        num_warps=4)
+        return q, s
+    if plan is not None:
+        dense = _had.hadamard_dense_operand(K, False, x.device) if plan.dense_pad > 1 else s
+        terms_in, terms = _had.hadamard_dot_terms(x.dtype)
+        consts = dict(DENSE_PAD=plan.dense_pad, DENSE_CHUNK=plan.dense_chunk, HA=plan.a, HB=plan.b,
+                      TERMS_IN=terms_in, TERMS=terms)
+        had_scale = 1.0 / math.sqrt(K)
+    else:
+        dense, consts, had_scale = s, dict(DENSE_PAD=1, DENSE_CHUNK=1, HA=1, HB=1, TERMS_IN=1, TERMS=1), 1.0
+    grid = (triton.cdiv(M, rows),)
+    _act_quant_kernel[grid](x, q, s, dense, M, K, x.stride(0), q.stride(0), had_scale, fmax,
+                            ROWS=rows, BLOCK=block, HADAMARD=plan is not None,
+                            INTERPRET=_interpreting(), num_warps=num_warps, **consts)
+    return q, s
+
+
+def quantize_activations(x: torch.Tensor, input_hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric INT4 activations (optionally after the online Hadamard rotation).
+
+    x: [M, K] float16/bfloat16 -> (q int8 [M, K] in [-8, 7], scale float32 [M]); the Triton kernel
+    on CUDA, `reference.quantize_activations` elsewhere.
+    """
+    if kernels_available(x) and x.dtype in KERNEL_DTYPES:
+        return quantize_activations_triton(x, input_hadamard)
+    if input_hadamard:
+        x = _had.hadamard_transform_reference(x)
+    return reference.quantize_activations(x)
+
+
+# ================================================================================================
+# Shared epilogue: [split-K reduction] -> y = acc * sx[m] * sw[n] (+ bias[n])
+# ================================================================================================
+
+@_jit
+def _store_out(acc, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym,
+               HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr):
+    mask = (rm < M) & (rn < N)
+    yp = y_ptr + rm.to(tl.int64) * stride_ym + rn
+    if OUT_INT:
+        tl.store(yp, acc, mask=mask)
+    else:
+        sx = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
+        sw = tl.load(ws_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        y = acc.to(tl.float32) * sx * sw
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(yp, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _finish(acc, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym, part_ptr, cnt_ptr, tile_id, pid_k,
+            split_k, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr):
+    """acc: int32 tile, rm [R, 1] token rows, rn [1, C] output columns (or any broadcastable pair)."""
+    if SPLIT:
+        # Each split stores its int32 partial; the last program to arrive on this tile sums them
+        # (integer addition: exact and order-independent) and runs the epilogue.
+        mask = (rm < M) & (rn < N)
+        tl.store(part_ptr + (pid_k * M + rm).to(tl.int64) * N + rn, acc, mask=mask)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if old == split_k - 1:
+            tot = tl.zeros_like(acc)
+            for s in range(0, split_k):
+                tot += tl.load(part_ptr + (s * M + rm).to(tl.int64) * N + rn, mask=mask, other=0,
+                               cache_modifier=".cg")
+            _store_out(tot, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS, OUT_INT)
+    else:
+        _store_out(acc, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS, OUT_INT)
+
+
+# ================================================================================================
+# Tensor-core GEMM (int8 x int8 -> int32)
+# ================================================================================================
+
+@_jit
+def _unpack_rows(words):
+    """int32 words [R, C] -> int8 [R * 8, C]: row 8 r + j = signed (q - 8) of nibble j of words[r]."""
+    R: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    shl = 28 - 4 * tl.arange(0, 8)
+    v = ((words ^ _XOR_SIGN)[:, None, :] << shl[None, :, None]) >> 28
+    return tl.reshape(v.to(tl.int8), (R * 8, C))
+
+
+@_jit
+def _unpack_rows_asm(words):
+    """As `_unpack_rows`, eight int8 results (two registers) from one word in nine instructions (PTX).
+
+    Needs the eight values of each word consecutive in a thread's registers, which the [R, 8, C]
+    broadcast gives; tests check the result bit-exactly against the reference.
+    """
+    R: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    wb = tl.broadcast_to(words[:, None, :], (R, 8, C))
+    # A second operand that varies along the 8 axis keeps the compiler from hoisting the asm
+    # above the broadcast (it is elementwise, so it would run on [R, 1, C] and pack across words).
+    jj = tl.broadcast_to(tl.arange(0, 8)[None, :, None], (R, 8, C))
+    # lo / hi: codes of nibbles 0,2,4,6 / 1,3,5,7 in bytes 0..3; c - 8 as a signed byte is
+    # (c + 0x78) ^ 0x80 (no carry crosses a byte since c <= 15); prmt interleaves them back
+    # into k order: bytes (n0, n1, n2, n3) and (n4, n5, n6, n7).
+    v = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 lo, hi;
+        and.b32 lo, $2, 0x0F0F0F0F;
+        shr.u32 hi, $2, 4;
+        and.b32 hi, hi, 0x0F0F0F0F;
+        add.u32 lo, lo, 0x78787878;
+        add.u32 hi, hi, 0x78787878;
+        xor.b32 lo, lo, 0x80808080;
+        xor.b32 hi, hi, 0x80808080;
+        prmt.b32 $0, lo, hi, 0x5140;
+        prmt.b32 $1, lo, hi, 0x7362;
+        }""",
+        constraints="=r,=r" + ",r" * 16, args=[wb, jj], dtype=tl.int8, is_pure=True, pack=8)
+    return tl.reshape(v, (R * 8, C))
+
+
+@_jit
+def _unpack_cols(words):
+    """int32 words [C, R] -> int8 [C, R * 8]: column 8 r + j = signed (q - 8) of nibble j of words[:, r]."""
+    C: tl.constexpr = words.shape[0]
+    R: tl.constexpr = words.shape[1]
+    shl = 28 - 4 * tl.arange(0, 8)
+    v = ((words ^ _XOR_SIGN)[:, :, None] << shl[None, None, :]) >> 28
+    return tl.reshape(v.to(tl.int8), (C, R * 8))
+
+
+@_jit(do_not_specialize=["M", "split_k"])
+def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+                     M, N, K, stride_xm, stride_ym, k_per_split, split_k,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     SWAP: tl.constexpr, W_INT8: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, UNPACK_ASM: tl.constexpr = False):
+    """acc[m, n] = sum_k x[m, k] * (q[k, n] - 8) over this program's K range.
+
+    x: int8 [M, K] (row stride stride_xm, K contiguous). w: packed int32 [K // 8, N], or with
+    W_INT8 an already unpacked int8 [N, K] (benchmark baseline).
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    # Grouped ordering: GROUP_M token tiles share each weight tile while it is in L2.
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    gm = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gm
+    pid_n = (pid % group) // gm
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_kk = tl.arange(0, BK)
+    offs_kw = tl.arange(0, BK // 8)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # Clamp out-of-range token rows to valid addresses (results are masked at the store), so the
+    # hot loop needs no masks when K and N divide evenly. (Packed-weight columns are masked, not
+    # clamped: clamping would hide their contiguity from the compiler and cost the 16-byte loads.)
+    xm = tl.where(m_ok, offs_m, 0).to(tl.int64)
+    wn = tl.where(n_ok, offs_n, 0)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.int32)
+    for k0 in range(k_begin, k_end, BK):
+        if EVEN_K:
+            xt = tl.load(x_ptr + xm[:, None] * stride_xm + (k0 + offs_kk)[None, :])
+        else:
+            xt = tl.load(x_ptr + xm[:, None] * stride_xm + (k0 + offs_kk)[None, :],
+                         mask=(k0 + offs_kk)[None, :] < k_end, other=0)
+        if W_INT8:
+            if SWAP:
+                wt = tl.load(w_ptr + wn[:, None].to(tl.int64) * K + (k0 + offs_kk)[None, :])  # [BN, BK]
+            else:
+                wt = tl.load(w_ptr + wn[None, :].to(tl.int64) * K + (k0 + offs_kk)[:, None])  # [BK, BN]
+        else:
+            kw = k0 // 8 + offs_kw
+            if SWAP:
+                wp = w_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BK/8]
+                if EVEN_K and EVEN_N:
+                    words = tl.load(wp)
+                else:
+                    words = tl.load(wp, mask=(kw[None, :] < k_end // 8) & (offs_n[:, None] < N), other=0)
+                wt = _unpack_cols(words)  # [BN, BK]
+            else:
+                wp = w_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :]  # [BK/8, BN]
+                if EVEN_K and EVEN_N:
+                    words = tl.load(wp)
+                else:
+                    words = tl.load(wp, mask=(kw[:, None] < k_end // 8) & (offs_n[None, :] < N), other=0)
+                if UNPACK_ASM:
+                    wt = _unpack_rows_asm(words)  # [BK, BN]
+                else:
+                    wt = _unpack_rows(words)
+        if SWAP:
+            acc = tl.dot(wt, tl.trans(xt), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(xt, wt, acc, out_dtype=tl.int32)
+    if SWAP:
+        acc = tl.trans(acc)
+    tile_id = pid_m * num_n + pid_n
+    _finish(acc, offs_m[:, None], offs_n[None, :], M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym,
+            part_ptr, cnt_ptr, tile_id, pid_k, split_k, SPLIT, HAS_BIAS, OUT_INT)
+
+
+# ================================================================================================
+# Decode GEMV (CUDA cores, dp4a)
+# ================================================================================================
+
+@_jit
+def _dp4a(a, b, c, USE_ASM: tl.constexpr):
+    """c + sum_j a.byte[j] (unsigned) * b.byte[j] (signed), elementwise on int32 (broadcasting)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        s = c
+        for j in tl.static_range(4):
+            s += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
+        return s
+
+
+@_jit(do_not_specialize=["M", "split_k"])
+def _w4a4_gemv_kernel(xw_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+                      M, N, KW, stride_xw, stride_ym, kw_per_split, split_k,
+                      MP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, USE_ASM: tl.constexpr,
+                      PREFETCH: tl.constexpr = False):
+    """xw: the int8 activations [M, K] viewed as int32 [M, K // 4]; w: packed int32 [KW = K // 8, N].
+
+    Word row i of the weight holds k = 8 i .. 8 i + 7; its low nibbles (k even) are dotted with the
+    even activation bytes, its high nibbles with the odd ones.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, MP)
+    xm = tl.where(offs_m < M, offs_m, 0)
+    i_begin = pid_k * kw_per_split
+    i_end = tl.minimum(i_begin + kw_per_split, KW)
+    ones = tl.full((1, 1), 0x01010101, tl.int32)
+    if MP == 1:
+        # One token: 2-D tiles, so the weight load keeps its coalesced 16-byte-per-thread layout.
+        acc1 = tl.zeros((BKW, BN), dtype=tl.int32)
+        xsum1 = tl.zeros((BKW, 1), dtype=tl.int32)
+        # Software pipelining: the next weight tile is requested before this one is used, so each
+        # program keeps two tiles of loads in flight.
+        # (PREFETCH; tested, not yet timed on the device, so off by default.)
+        offs_i = i_begin + tl.arange(0, BKW)
+        w_next = tl.zeros((BKW, BN), dtype=tl.int32)
+        if PREFETCH:
+            w_next = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
+                             mask=(offs_i < i_end)[:, None] & n_ok[None, :], other=0)
+        for i0 in range(i_begin, i_end, BKW):
+            offs_i = i0 + tl.arange(0, BKW)
+            i_ok = offs_i < i_end
+            if PREFETCH:
+                w = w_next
+                offs_nx = offs_i + BKW
+                w_next = tl.load(w_ptr + offs_nx[:, None].to(tl.int64) * N + offs_n[None, :],
+                                 mask=(offs_nx < i_end)[:, None] & n_ok[None, :], other=0)
+            else:
+                w = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=i_ok[:, None] & n_ok[None, :], other=0)
+            lo = w & _LOW_NIBBLES
+            hi = (w >> 4) & _LOW_NIBBLES
+            xp = xw_ptr + 2 * offs_i[:, None]
+            a0 = tl.load(xp, mask=i_ok[:, None], other=0)
+            a1 = tl.load(xp + 1, mask=i_ok[:, None], other=0)
+            xe = (a0 & 0xFF) | ((a0 >> 8) & 0xFF00) | ((a1 & 0xFF) << 16) | ((a1 & 0xFF0000) << 8)
+            xo = ((a0 >> 8) & 0xFF) | ((a0 >> 16) & 0xFF00) | ((a1 << 8) & 0xFF0000) | (a1 & -16777216)
+            acc1 = _dp4a(lo, xe, acc1, USE_ASM)
+            acc1 = _dp4a(hi, xo, acc1, USE_ASM)
+            xsum1 = _dp4a(ones, a0, xsum1, USE_ASM)
+            xsum1 = _dp4a(ones, a1, xsum1, USE_ASM)
+        acc = acc1[None, :, :]
+        xsum = tl.reshape(xsum1, (1, BKW))
+    else:
+        acc = tl.zeros((MP, BKW, BN), dtype=tl.int32)
+        xsum = tl.zeros((MP, BKW), dtype=tl.int32)
+        for i0 in range(i_begin, i_end, BKW):
+            offs_i = i0 + tl.arange(0, BKW)
+            i_ok = offs_i < i_end
+            w = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :], mask=i_ok[:, None] & n_ok[None, :],
+                        other=0)
+            lo = w & _LOW_NIBBLES           # codes of k = 8i + 0, 2, 4, 6 (bytes 0..3)
+            hi = (w >> 4) & _LOW_NIBBLES    # codes of k = 8i + 1, 3, 5, 7
+            # The activation words of this K step, one coalesced [MP, 2 * BKW] load, split in two.
+            offs_w = 2 * i0 + tl.arange(0, 2 * BKW)
+            xa = tl.load(xw_ptr + xm[:, None] * stride_xw + offs_w[None, :],
+                         mask=(offs_m[:, None] < M) & (offs_w[None, :] < 2 * i_end), other=0)
+            a0, a1 = tl.split(tl.reshape(xa, (MP, BKW, 2)))  # bytes x[8i .. 8i+3], x[8i+4 .. 8i+7]
+            xe = (a0 & 0xFF) | ((a0 >> 8) & 0xFF00) | ((a1 & 0xFF) << 16) | ((a1 & 0xFF0000) << 8)
+            xo = ((a0 >> 8) & 0xFF) | ((a0 >> 16) & 0xFF00) | ((a1 << 8) & 0xFF0000) | (a1 & -16777216)
+            acc = _dp4a(lo[None, :, :], xe[:, :, None], acc, USE_ASM)
+            acc = _dp4a(hi[None, :, :], xo[:, :, None], acc, USE_ASM)
+            xsum = _dp4a(ones, a0, xsum, USE_ASM)
+            xsum = _dp4a(ones, a1, xsum, USE_ASM)
+    part = tl.sum(acc, axis=1) - 8 * tl.sum(xsum, axis=1)[:, None]  # [MP, BN]
+    _finish(part, offs_m[:, None], offs_n[None, :], M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym,
+            part_ptr, cnt_ptr, pid_n, pid_k, split_k, SPLIT, HAS_BIAS, OUT_INT)
+
+
+# ================================================================================================
+# Host side: configuration and launch
+# ================================================================================================
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _mma(BM, BN, BK, warps, stages, group=8):
+    return dict(kind="mma", SWAP=False, BM=BM, BN=BN, BK=BK, GROUP_M=group, num_warps=warps, num_stages=stages)
+
+
+def _gemv(BN, BKW):
+    return dict(kind="gemv", MP=1, BN=BN, BKW=BKW, num_warps=4)
+
+
+# Candidate configurations per token bucket (M == 1, <= 16, <= 128, <= 1024, larger); the first
+# is the default. wgmma needs 64 token rows, so small M pads the token tile (clamped loads, masked
+# stores) and every weight word is read and unpacked once. 4-warp 128x128 tiles leave room for two
+# programs per SM, which overlaps one program's unpacking with the other's (synchronous) int8 wgmma.
+CANDIDATES = {
+    1: [_gemv(256, 16), _gemv(128, 16), _mma(64, 128, 128, 4, 4, 1)],
+    16: [_mma(64, 128, 128, 4, 4, 1), _mma(64, 256, 128, 8, 3, 1)],
+    128: [_mma(128, 128, 128, 4, 3), _mma(64, 128, 128, 4, 4), _mma(128, 256, 128, 8, 3)],
+    1024: [_mma(128, 128, 128, 4, 3), _mma(128, 256, 128, 8, 3)],
+    4096: [_mma(128, 128, 128, 4, 3), _mma(128, 256, 128, 8, 3)],
+}
+# The PTX unpack (`_unpack_rows_asm`) assumes the compiler gives each thread the eight values of a
+# word in consecutive registers. For every config above the generated LLVM IR was checked to pass
+# one word and j = 0..7 to each asm call (tests/kernels/test_w4a4.py::test_asm_unpack_layout); two
+# earlier candidates (64x64x256 and 256x128x128/8 warps) got another layout and were dropped. A new
+# config must pass that check, or run with "asm": False (the plain shift unpack, ~30% more ALU).
+# (bucket, N, K) -> index into CANDIDATES[bucket], measured on an H200 by
+# `python -m nibble.bench.w4a4 --tune` (benchmarks/results/w4a4-h200.json, "tuned").
+TUNED: dict = {
+    **{(1, n, k): 1 for n, k in ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
+                                  (4096, 14336), (28672, 8192), (8192, 28672))},
+    **{(128, n, k): 1 for n, k in ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
+                                    (4096, 14336), (8192, 28672))},
+}  # every other (bucket, N, K) measured: the default (index 0) was fastest
+
+
+def m_bucket(M: int) -> int:
+    return 1 if M <= 1 else 16 if M <= 16 else 128 if M <= 128 else 1024 if M <= 1024 else 4096
+
+
+def _split_for(tiles: int, iters: int, sms: int, waves: float, min_iters: int) -> int:
+    """Split-K factor so that tiles * split ~ waves * sms programs, each with >= min_iters K steps."""
+    want = max(1, math.ceil(waves * sms / max(1, tiles)))
+    return int(max(1, min(want, iters // max(1, min_iters))))
+
+
+def auto_split(cfg: dict, M: int, N: int, K: int, sms: int = 132) -> int:
+    """Split K when the output tiles alone cannot keep every SM streaming."""
+    if cfg["kind"] == "gemv":
+        return _split_for(-(-N // cfg["BN"]), -(-(K // PACK) // cfg["BKW"]), sms, 4.0, 4)
+    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
+    waves, min_iters = (2.0, 4) if M <= 64 else (1.0, 8)
+    return _split_for(tiles, -(-K // cfg["BK"]), sms, waves, min_iters) if tiles < waves * sms else 1
+
+
+def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict:
+    """The kernel and tile shape for an [M, K] x [K, N] W4A4 product: the tuned candidate for this
+    (bucket, N, K) if there is one, else the bucket's default; split-K from `auto_split`."""
+    b = m_bucket(M)
+    cfg = dict(CANDIDATES[b][TUNED.get((b, N, K), 0)])
+    if cfg["kind"] == "gemv" and M > cfg["MP"]:
+        cfg = dict(CANDIDATES[16][0])
+    cfg["split_k"] = auto_split(cfg, M, N, K, sms)
+    return cfg
+
+
+def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias):
+    for name, t in (("qx", qx), ("x_scale", x_scale), ("qweight", qweight), ("w_scale", w_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if qx.dim() != 2 or qx.dtype != torch.int8:
+        raise ValueError(f"qx must be int8 [M, K], got {qx.dtype} {tuple(qx.shape)}")
+    if qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    M, K = qx.shape
+    if K % PACK:
+        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
+    if qweight.shape[0] * PACK != K:
+        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but the "
+                         f"activations have K={K}")
+    N = qweight.shape[1]
+    if x_scale.shape != (M,) or x_scale.dtype != torch.float32:
+        raise ValueError(f"x_scale must be float32 [{M}], got {x_scale.dtype} {tuple(x_scale.shape)}")
+    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
+        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor (the W4A4 "
+                         f"weight scale, scales[0] of a symmetric per-channel Int4Weight); got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    devs = {t.device for t in (qx, x_scale, qweight, w_scale) + (() if bias is None else (bias,))}
+    if len(devs) != 1:
+        raise ValueError(f"all W4A4 inputs must be on one device, got {sorted(map(str, devs))}")
+
+
+def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, *,
+                       out_int32: bool = False, config: Optional[dict] = None,
+                       w_int8: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = (qx @ (q - 8)) * x_scale[:, None] * w_scale (+ bias) on the GPU; int32 accumulators with out_int32.
+
+    ``config`` overrides `pick_config` (tests and benchmarks). ``w_int8`` (benchmark baseline only):
+    an already unpacked int8 [N, K] weight for the tensor-core kernel.
+    """
+    if triton is None:
+        raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
+    _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
+    if not (qx.is_cuda or _interpreting()):
+        raise ValueError(f"the W4A4 kernels need CUDA tensors, got device {qx.device}")
+    if out_dtype not in KERNEL_DTYPES + (torch.float32,):
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    M, K = qx.shape
+    N = qweight.shape[1]
+    dev = qx.device
+    y = torch.empty((M, N), dtype=torch.int32 if out_int32 else out_dtype, device=dev)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None or out_int32 else y.copy_(bias.to(y.dtype).expand(M, N))
+    qx = qx if qx.stride(1) == 1 else qx.contiguous()
+    qweight = qweight.contiguous()
+    w_scale = w_scale.contiguous()
+    cfg = dict(config) if config is not None else pick_config(M, N, K, _num_sms(dev))
+    split = int(cfg["split_k"]) if "split_k" in cfg else auto_split(cfg, M, N, K, _num_sms(dev))
+    b = bias.contiguous() if bias is not None else w_scale
+    common = dict(HAS_BIAS=bias is not None, OUT_INT=out_int32)
+    if cfg["kind"] == "gemv":
+        MP = cfg["MP"]
+        if M > MP:
+            raise ValueError(f"gemv config holds MP={MP} tokens, got M={M}")
+        if qx.stride(0) % 4 or qx.storage_offset() % 4:
+            qx = qx.contiguous()
+        KW = K // PACK
+        BKW = cfg["BKW"]
+        kw_per = -(-KW // split)
+        kw_per = -(-kw_per // BKW) * BKW
+        split = -(-KW // kw_per)
+        n_tiles = triton.cdiv(N, cfg["BN"])
+        part, cnt = _split_buffers(split, M, N, n_tiles, dev)
+        xw = qx.view(torch.int32)  # [M, K // 4]
+        _w4a4_gemv_kernel[(n_tiles, split)](
+            xw, qweight, x_scale, w_scale, b, y, part, cnt, M, N, KW, xw.stride(0), y.stride(0), kw_per, split,
+            MP=MP, BN=cfg["BN"], BKW=BKW, SPLIT=split > 1, USE_ASM=not _interpreting(),
+            PREFETCH=bool(cfg.get("prefetch", False)),
+            num_warps=cfg.get("num_warps", 4), **common)
+        return y
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    k_per = -(-K // split)
+    k_per = -(-k_per // BK) * BK
+    split = -(-K // k_per)
+    even_k = (K % BK == 0)
+    num_m, num_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    part, cnt = _split_buffers(split, M, N, num_m * num_n, dev)
+    w_arg = qweight if w_int8 is None else w_int8
+    _w4a4_mma_kernel[(num_m * num_n, split)](
+        qx, w_arg, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), SWAP=cfg["SWAP"], W_INT8=w_int8 is not None,
+        EVEN_K=even_k, EVEN_N=N % BN == 0, SPLIT=split > 1, UNPACK_ASM=cfg.get("asm", True) and not _interpreting(),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        **common)
+    return y
+
+
+def _split_buffers(split: int, M: int, N: int, tiles: int, dev):
+    if split <= 1:
+        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
+        return dummy, dummy
+    part = torch.empty((split * M * N,), dtype=torch.int32, device=dev)
+    cnt = torch.zeros((tiles,), dtype=torch.int32, device=dev)
+    return part, cnt
+
+
+def w4a4_accumulate_triton(qx: torch.Tensor, qweight: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
+    """The integer part alone: int32 [M, N] = qx @ (q - 8), from the same kernels (for exactness tests)."""
+    M, N = qx.shape[0], qweight.shape[1]
+    ones_m = torch.ones(M, dtype=torch.float32, device=qx.device)
+    ones_n = torch.ones(N, dtype=torch.float32, device=qx.device)
+    return w4a4_matmul_triton(qx, ones_m, qweight, ones_n, None, out_int32=True, config=config)
+
+
+def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """Canonical packed [K // 8, N] -> int8 (q - 8) [N, K] (benchmark baseline for the int8 GEMMs)."""
+    from nibble.formats.int4 import unpack_int4
+    return (unpack_int4(qweight).to(torch.int16) - 8).to(torch.int8).t().contiguous()
+
+
+# ================================================================================================
+# The op
+# ================================================================================================
+
+def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K] (flatten leading dims first), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    K = x.shape[1]
+    if K % PACK:
+        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
+    if qweight.shape[0] * PACK != K:
+        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but x has K={K}")
+    N = qweight.shape[1]
+    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
+        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor, got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    devs = {t.device for t in (x, qweight, w_scale) + (() if bias is None else (bias,))}
+    if len(devs) != 1:
+        raise ValueError(f"x, qweight, w_scale and bias must be on one device, got {sorted(map(str, devs))}")
+    if input_hadamard:
+        if x.is_cuda and triton is not None:
+            _act_plan(K, True)  # the fused kernel's limits, with the supported sizes in the message
+        else:
+            try:
+                _had.hadamard_factors(K)
+            except ValueError as e:
+                raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
+
+
+@torch.library.custom_op("nibble::w4a4_linear", mutates_args=())
+def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                input_hadamard: bool) -> torch.Tensor:
+    """[online Hadamard] -> per-token INT4 activations -> exact int GEMM -> scales (+ bias). x: [M, K].
+
+    Every device without a registered kernel (CPU, ...) runs `reference.w4a4_linear`.
+    """
+    _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
+    return reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard)
+
+
+@w4a4_linear.register_kernel("cuda")
+def _w4a4_linear_cuda(x, qweight, w_scale, bias, input_hadamard):
+    _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
+    if triton is None:
+        return reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard)
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
+                        f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
+    qx, sx = quantize_activations_triton(x, input_hadamard)
+    return w4a4_matmul_triton(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
+
+
+@w4a4_linear.register_fake
+def _w4a4_linear_fake(x, qweight, w_scale, bias, input_hadamard):
+    _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
+    return x.new_empty((x.shape[0], qweight.shape[1]))

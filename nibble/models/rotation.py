@@ -1,0 +1,113 @@
+"""Calibration-free rotation of Llama / Qwen2 / Mistral causal LMs (QuaRot-style) for W4A4.
+
+The rotated model computes the same function in 16 bits, but the activations that will be
+quantized per token carry no outlier channels:
+
+* every RMSNorm weight is folded into the linears that read the norm's output (the norm keeps
+  weight 1), so a norm commutes with any orthogonal Q: rms(x Q) = rms(x);
+* the residual stream is rotated, x -> x Q with Q = H_d diag(s) (seeded random signs s): the
+  embedding rows and every linear writing to the stream (o_proj, down_proj: W -> Q^T W) or reading
+  from it (q/k/v, gate/up, lm_head: W -> W Q);
+* down_proj becomes a HadamardInputLinear: the kernel rotates its input online (intermediate size),
+  its weight is W_down @ H^T. With `online_o_proj`, o_proj gets the same treatment.
+
+Row-vector convention throughout: y = x @ W.T. All the algebra runs in float64 and each weight is
+rounded back to its dtype once.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
+from nibble.models.convert import check_architecture, decoder_layers
+from nibble.nn.hadamard import HadamardInputLinear
+
+
+def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False) -> nn.Module:
+    """Rotate a Hugging Face Llama / Qwen2 / Mistral causal LM in place; returns it.
+
+    online_o_proj: also rotate o_proj's input online (hidden = heads * head_dim must be a
+    supported Hadamard size). QuaRot instead rotates V offline per head and mixes heads online;
+    the product of the two is the same full Hadamard, and nibble's kernel does it in one pass.
+    (The offline V rotation would only matter for a quantized KV cache, which nibble has not.)
+    """
+    check_architecture(model)
+    cfg = model.config
+    layers = decoder_layers(model)
+    if any(isinstance(layer.mlp.down_proj, HadamardInputLinear) for layer in layers):
+        raise ValueError("this model is already rotated (its down_proj has an online Hadamard)")
+    attn0 = layers[0].self_attn
+    for what, size in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)) + (
+            (("o_proj in_features", attn0.o_proj.in_features),) if online_o_proj else ()):
+        try:
+            hadamard_factors(size)
+        except ValueError as e:
+            raise ValueError(f"cannot rotate this model: its {what} is {size}. {e}") from None
+    for norm in _norms(model):
+        if not type(norm).__name__.endswith("RMSNorm") or getattr(norm, "bias", None) is not None:
+            raise ValueError(f"rotation folds RMSNorm (x / rms(x) * w) weights; found {type(norm).__name__}")
+
+    embed, head = model.model.embed_tokens, model.lm_head
+    _untie(model)
+    g = torch.Generator().manual_seed(seed)
+    signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double().to(embed.weight.device)
+
+    def times_q(m: torch.Tensor) -> torch.Tensor:
+        # m @ Q = (m @ H_d) * s, without ever forming Q: rows of m take the inverse transform.
+        return hadamard_transform_reference(m, inverse=True) * signs.to(m.device)
+
+    with torch.no_grad():
+        _set(embed.weight, times_q(_f64(embed.weight)))
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            _rotate_readers((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, times_q)
+            _rotate_readers((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, times_q)
+            attn.o_proj = _rotate_writer(attn.o_proj, times_q, online_o_proj)
+            mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, True)
+        _rotate_readers((head,), model.model.norm, times_q)
+    return model
+
+
+def _norms(model: nn.Module) -> list[nn.Module]:
+    layers = decoder_layers(model)
+    return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.model.norm]
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float64)
+
+
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value)  # one rounding, to the parameter's own dtype
+
+
+def _untie(model: nn.Module) -> None:
+    """lm_head reads the final norm, whose weight it absorbs: it cannot share the embedding's matrix."""
+    embed, head = model.model.embed_tokens, model.lm_head
+    if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
+        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    model.config.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5 keeps the tying map on the model
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+
+
+def _rotate_readers(linears, norm: nn.Module, times_q) -> None:
+    """x_n = x / rms(x) * w feeds each linear: fold w into its columns (W -> W diag(w)), then rotate
+    its input (W -> W Q). The norm keeps weight 1."""
+    w = _f64(norm.weight)
+    for lin in linears:
+        _set(lin.weight, times_q(_f64(lin.weight) * w))
+    norm.weight.fill_(1.0)
+
+
+def _rotate_writer(lin: nn.Linear, times_q, online: bool) -> nn.Linear:
+    """Output rotated into the stream: W -> Q^T W = (W^T Q)^T, b -> b Q. With `online`, also give it an
+    online Hadamard on its input (weight W @ H^T), rounded once."""
+    w = times_q(_f64(lin.weight).T).T
+    if lin.bias is not None:
+        _set(lin.bias, times_q(_f64(lin.bias)))
+    if online:
+        return HadamardInputLinear.from_linear(lin, weight=w)
+    _set(lin.weight, w)
+    return lin

@@ -1,0 +1,243 @@
+"""Hadamard matrices, the reference transform, the Triton kernel and the nibble::hadamard_transform op.
+
+The kernel tests run on CUDA, or on the CPU under the Triton interpreter:
+    TRITON_INTERPRET=1 pytest tests/kernels/test_hadamard.py
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nibble.kernels import hadamard as had
+from nibble.kernels.hadamard import (hadamard_factors, hadamard_matrix, hadamard_transform,
+                                     hadamard_transform_reference, supported_hadamard_sizes)
+
+MODEL_SIZES = [64, 128, 576, 1536, 4096, 8192, 11008, 14336, 28672]
+SMALL_SIZES = [1, 2, 8, 12, 20, 24, 28, 36, 40, 64, 96, 128, 172, 192, 256, 576]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
+needs_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA, or TRITON_INTERPRET=1 on the CPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _activations(rows, n, dtype=torch.float64, device="cpu", seed=0):
+    """Gaussian rows with a few large outlier channels, like LLM activations."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g, dtype=torch.float64)
+    x[:, torch.randperm(n, generator=g)[: max(1, n // 64)]] *= 30
+    return x.to(device=device, dtype=dtype)
+
+
+# ---- matrices ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [m for m in range(1, 200) if had._construction(m) is not None])
+def test_every_base_construction_is_a_pm1_hadamard_matrix(m):
+    h = had._construction(m)()
+    assert h.shape == (m, m) and torch.all(h.abs() == 1)
+    assert torch.equal(h @ h.T, m * torch.eye(m, dtype=torch.float64))
+
+
+def test_williamson_43_rows_are_symmetric_coset_constant_and_complementary():
+    rows = had._williamson_rows_43()
+    group = [1, 42, 6, 37, 36, 7]
+    paf = torch.zeros(43, dtype=torch.float64)
+    for a in rows:
+        assert all(a[s] == a[-s % 43] for s in range(43))  # symmetric circulant
+        for x in range(1, 43):
+            assert all(a[(x * h) % 43] == a[x] for h in group)
+        paf += torch.stack([(a * a.roll(-s)).sum() for s in range(43)])
+    assert paf[0] == 172 and torch.all(paf[1:] == 0)  # A^2 + B^2 + C^2 + D^2 = 172 I
+
+
+@pytest.mark.parametrize("n,m", [(576, 36), (1536, 12), (4096, 1), (8192, 1), (11008, 172), (14336, 28),
+                                 (28672, 28), (64, 1), (128, 1), (192, 12), (96, 12), (40, 20), (344, 172)])
+def test_model_sizes_factor_as_documented(n, m):
+    assert hadamard_factors(n) == (m, n // m)
+
+
+@pytest.mark.parametrize("n", [12, 20, 40, 96, 172, 192, 576, 1536])
+def test_hadamard_matrix_is_orthonormal_kronecker_of_its_factors(n):
+    h = hadamard_matrix(n, torch.float64)
+    assert torch.allclose(h @ h.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    m, p = hadamard_factors(n)
+    assert torch.allclose(h, torch.kron(hadamard_matrix(m, torch.float64), hadamard_matrix(p, torch.float64)))
+
+
+def test_sylvester_entries_are_parity_of_bit_overlap():
+    parity = torch.tensor([[bin(a & b).count("1") % 2 for b in range(64)] for a in range(64)])
+    assert torch.equal(hadamard_matrix(64, torch.float64) * 8, (1 - 2 * parity).double())
+
+
+@pytest.mark.parametrize("n", [3, 6, 52, 100, 116, 10004])
+def test_unsupported_size_is_a_clear_error(n):
+    with pytest.raises(ValueError, match=r"Paley.*nearest supported sizes"):
+        hadamard_factors(n)
+    with pytest.raises(ValueError, match=f"size {n}"):
+        hadamard_transform_reference(torch.zeros(2, n))
+
+
+def test_supported_sizes_list_holds_the_model_sizes_and_follows_the_rule():
+    sizes = supported_hadamard_sizes(30000)
+    assert set(MODEL_SIZES) <= set(sizes)
+    assert sizes[:12] == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    assert 52 not in sizes and 100 not in sizes  # 13 * 4 and 25 * 4: no Paley prime, no Williamson table
+
+
+# ---- reference -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 12, 40, 96, 172, 192, 576, 1536])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_reference_equals_dense_matrix_product(n, inverse):
+    x = _activations(7, n, seed=n)
+    h = hadamard_matrix(n, torch.float64)
+    want = x @ (h if inverse else h.T)
+    assert torch.allclose(hadamard_transform_reference(x, inverse), want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [4096, 11008, 14336, 28672])
+def test_reference_on_large_sizes_equals_factored_product(n):
+    # H_n = H_m (x) H_p: with the row viewed as X [m, p], x @ H_n.T is H_m X H_p^T.
+    x = _activations(3, n, seed=n)
+    m, p = hadamard_factors(n)
+    want = hadamard_matrix(m, torch.float64) @ x.view(3, m, p) @ hadamard_matrix(p, torch.float64).T
+    assert torch.allclose(hadamard_transform_reference(x), want.view(3, n), atol=1e-10)
+    assert torch.allclose(hadamard_transform_reference(hadamard_transform_reference(x), inverse=True), x, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_keeps_shape_and_dtype_and_norm(dtype):
+    x = _activations(6, 192, dtype=dtype).view(2, 3, 192)
+    y = hadamard_transform_reference(x)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert torch.allclose(y.double().norm(dim=-1), x.double().norm(dim=-1), rtol=1e-2)
+
+
+# ---- the op --------------------------------------------------------------------------------------
+
+def test_op_on_cpu_is_the_reference_and_passes_opcheck():
+    x = _activations(5, 96, dtype=torch.float32)
+    assert torch.equal(hadamard_transform(x), hadamard_transform_reference(x))
+    torch.library.opcheck(torch.ops.nibble.hadamard_transform.default, (x, False))
+    torch.library.opcheck(torch.ops.nibble.hadamard_transform.default, (x.requires_grad_(), True))
+
+
+def test_op_gradient_is_the_opposite_transform():
+    x = _activations(3, 24, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: hadamard_transform(t), (x,))
+    assert torch.autograd.gradcheck(lambda t: hadamard_transform(t, inverse=True), (x,))
+
+
+def test_op_traces_into_one_graph_under_torch_compile():
+    f = torch.compile(lambda t: hadamard_transform(t * 2) + 1, fullgraph=True, backend="aot_eager")
+    x = _activations(4, 40, dtype=torch.float32)
+    assert torch.allclose(f(x), hadamard_transform_reference(x * 2) + 1)
+
+
+def test_module_imports_and_runs_the_reference_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; import torch; "
+            "from nibble.kernels.hadamard import hadamard_transform as h; "
+            "x = torch.randn(3, 96); assert torch.allclose(h(h(x), inverse=True), x, atol=1e-5)")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+
+
+# ---- kernel --------------------------------------------------------------------------------------
+
+def _same_dtype_error(x64, want, dtype, inverse):
+    """Max error of PyTorch doing the transform itself in `dtype` (H_m X H_p^T, two matmuls)."""
+    rows, n = x64.shape
+    m, p = hadamard_factors(n)
+    hm, hp = hadamard_matrix(m, dtype).to(x64.device), hadamard_matrix(p, dtype).to(x64.device)
+    if inverse:
+        hm, hp = hm.T, hp.T
+    y = hm @ (x64.to(dtype).view(rows, m, p) @ hp.T)
+    return (y.view(rows, n).double() - want).abs().max().item()
+
+
+def _check_kernel(n, dtype, inverse, rows=61):
+    x64 = _activations(rows, n, device=KERNEL_DEVICE, seed=n + rows)
+    x = x64.to(dtype)
+    want = hadamard_transform_reference(x.double(), inverse)  # exact transform of the rounded input
+    y = had.hadamard_transform_triton(x, inverse)
+    assert y.dtype == dtype and y.shape == x.shape
+    err = (y.double() - want).abs().max().item()
+    base = _same_dtype_error(x.double(), want, dtype, inverse)
+    if INTERPRET and dtype == torch.bfloat16:
+        base *= 2  # the interpreter truncates float32 -> bfloat16 (one ulp); GPUs round to nearest (half)
+    # float32 runs on tensor cores: products are exact, but their accumulation is not IEEE-rounded
+    # (about 2^-19 of the largest output, measured on an H200); 16-bit outputs round far above that.
+    atol = (4e-6 if dtype == torch.float32 else 1e-6) * want.abs().max().item()
+    assert err <= 2 * base + atol, f"n={n} {dtype}: kernel error {err:.3g}, PyTorch same-dtype error {base:.3g}"
+
+
+@pytest.mark.interpreter
+@needs_kernel
+@pytest.mark.parametrize("n", SMALL_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_kernel_matches_float64_within_same_dtype_error(n, dtype, inverse):
+    _check_kernel(n, dtype, inverse)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n", MODEL_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_kernel_on_model_sizes_matches_float64_within_same_dtype_error(n, dtype, rows):
+    _check_kernel(n, dtype, inverse=False, rows=rows)
+    _check_kernel(n, dtype, inverse=True, rows=rows)
+
+
+@pytest.mark.interpreter
+@needs_kernel
+def test_kernel_handles_leading_dims_row_strides_and_no_rows():
+    x = _activations(24, 2 * 192, dtype=torch.float16, device=KERNEL_DEVICE)[:, :192]  # row stride 384
+    y = had.hadamard_transform_triton(x)
+    assert torch.allclose(y.float(), hadamard_transform_reference(x).float(), atol=2e-2, rtol=1e-2)
+    y3 = had.hadamard_transform_triton(x.contiguous().view(2, 3, 4, 192))
+    assert y3.shape == (2, 3, 4, 192) and torch.allclose(y3.view(24, 192), y)
+    assert had.hadamard_transform_triton(torch.empty(0, 3, 64, device=KERNEL_DEVICE)).shape == (0, 3, 64)
+
+
+@pytest.mark.interpreter
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_do_with_a_clear_error():
+    with pytest.raises(TypeError, match="hadamard_transform_reference"):
+        had.hadamard_transform_triton(torch.zeros(2, 64, dtype=torch.float64, device=KERNEL_DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        had.hadamard_transform_triton(torch.zeros(64, 2, device=KERNEL_DEVICE).T)
+    with pytest.raises(ValueError, match="Paley"):
+        had.hadamard_transform_triton(torch.zeros(2, 100, device=KERNEL_DEVICE))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_op_on_cuda_runs_the_kernel_under_compile_and_cuda_graphs():
+    x = _activations(64, 11008, dtype=torch.bfloat16, device="cuda")
+    want = had.hadamard_transform_triton(x)
+    assert torch.equal(hadamard_transform(x), want)
+    compiled = torch.compile(lambda t: hadamard_transform(t), fullgraph=True)
+    assert torch.equal(compiled(x), want)
+    static = x.clone()
+    hadamard_transform(static)  # warm up: compile the kernel, cache its matrix on the device
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = hadamard_transform(static)
+    static.copy_(x.flip(0))
+    graph.replay()
+    assert torch.equal(out, want.flip(0))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_op_gradient_on_cuda_is_the_opposite_transform():
+    x = _activations(8, 1536, dtype=torch.float32, device="cuda").requires_grad_()
+    g = torch.randn_like(x)
+    hadamard_transform(x).backward(g)
+    assert torch.allclose(x.grad, hadamard_transform_reference(g, inverse=True), atol=1e-4)
+    assert math.isclose(x.grad.norm().item(), g.norm().item(), rel_tol=1e-5)

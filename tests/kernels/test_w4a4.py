@@ -1,0 +1,513 @@
+"""W4A4 kernels (nibble/kernels/w4a4.py) against the reference (nibble/kernels/reference.py).
+
+GPU tests run when CUDA is visible; tiny kernel tests run on the CPU under the Triton interpreter:
+    TRITON_INTERPRET=1 pytest tests/kernels/test_w4a4.py -m interpreter
+The rest (validation, the CPU op, fake tensors, import without Triton) runs everywhere and fast.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nibble.formats.int4 import pack_int4
+from nibble.kernels import reference
+from nibble.kernels import w4a4
+from nibble.kernels.hadamard import hadamard_transform_reference, supported_hadamard_sizes
+from nibble.quantize.rtn import rtn_quantize
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = w4a4.triton is not None
+
+# (N, K) of real layers: SmolLM2-135M, Llama-2-7B, Llama-3-8B
+REAL_SHAPES = [(1536, 576), (576, 1536), (11008, 4096), (4096, 11008), (4096, 4096), (14336, 4096), (4096, 14336)]
+ODD_M = [1, 3, 17, 100, 1000]
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _codes_weight(N, K, device, gen=None):
+    """Random canonical W4A4 weight: codes uniform in [0, 15] (so every unpack path is exercised)."""
+    codes = torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32, device="cpu").to(device)
+    qweight = pack_int4(codes)
+    w_scale = (torch.rand(N, generator=gen) * 0.02 + 0.001).half().to(device)
+    return qweight, w_scale
+
+
+def _activations(M, K, dtype, device, gen=None, outliers=True):
+    x = torch.randn(M, K, generator=gen, dtype=torch.float32)
+    if outliers and K >= 64:
+        x[:, torch.randperm(K, generator=gen)[: K // 64]] *= 20
+    x *= torch.logspace(-1, 1, M).unsqueeze(1)  # rows on different scales
+    return x.to(device=device, dtype=dtype)
+
+
+def _qx(M, K, device, gen=None):
+    return torch.randint(-8, 8, (M, K), generator=gen, dtype=torch.int8).to(device)
+
+
+def _exact_acc(qx, qweight):
+    """Exact int32 qx @ (q - 8): float64 for small problems, cuBLAS int8 (exact integers) for big ones."""
+    M, K = qx.shape
+    if qx.is_cuda and M * K * qweight.shape[1] > 2**26:
+        w8 = w4a4.unpack_weight_int8(qweight)  # [N, K]
+        pad = max(0, 17 - M)
+        a = torch.cat([qx, qx.new_zeros(pad, K)]) if pad else qx
+        return torch._int_mm(a, w8.t())[:M]
+    return reference.w4a4_accumulate(qx, qweight)
+
+
+def _ref_quant(x):
+    """The reference quantizer on the CPU. (On CUDA, PyTorch turns `amax / 7` into `amax * (1/7)`,
+    one rounding off the spec's float32 division; the kernel divides exactly, like the CPU.)"""
+    return reference.quantize_activations(x.cpu())
+
+
+def _poison_allocator(device, nbytes=1 << 26):
+    """Fill the caching allocator's free blocks with garbage so unwritten outputs can't look right."""
+    if torch.device(device).type == "cuda":
+        junk = torch.full((nbytes,), 0x7F, dtype=torch.uint8, device=device)
+        del junk
+
+
+def _ulp_close(y, ref, dtype):
+    """y within one rounding of ref in the output dtype (the epilogue may fuse its multiply-add)."""
+    eps = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -20}[dtype]
+    tiny = torch.finfo(dtype).tiny if dtype != torch.bfloat16 else 1e-30
+    err = (y.double() - ref.double()).abs()
+    bound = eps * ref.double().abs() + tiny
+    assert torch.isfinite(y).all(), "non-finite output"
+    assert bool((err <= bound).all()), f"max err {err.max().item()} beyond one {dtype} rounding"
+
+
+def _first_unsupported_hadamard(start):
+    ok = set(supported_hadamard_sizes(4 * start))
+    return next(k for k in range(start, 4 * start, 8) if k not in ok)
+
+
+# ---- everywhere: validation, CPU op, fake tensors ---------------------------------------------------
+
+def test_cpu_op_is_the_reference():
+    qw, ws = _codes_weight(48, 64, "cpu")
+    x = _activations(5, 64, torch.float32, "cpu")
+    b = torch.randn(48)
+    y = torch.ops.nibble.w4a4_linear(x, qw, ws, b, False)
+    assert torch.equal(y, reference.w4a4_linear(x, qw, ws, b, False))
+    y = torch.ops.nibble.w4a4_linear(x, qw, ws, None, True)
+    assert torch.equal(y, reference.w4a4_linear(x, qw, ws, None, True))
+
+
+def test_opcheck_schema_and_fake():
+    qw, ws = _codes_weight(32, 64, "cpu")
+    x = _activations(3, 64, torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.nibble.w4a4_linear.default, (x, qw, ws, torch.randn(32), False),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("case", ["x3d", "k_not_mult_8", "k_mismatch", "qweight_dtype", "w_scale_shape",
+                                  "w_scale_dtype", "bias_shape", "hadamard_size"])
+def test_clear_errors(case):
+    qw, ws = _codes_weight(32, 64, "cpu")
+    x = torch.randn(4, 64)
+    args = dict(x=x, qweight=qw, w_scale=ws, bias=None, input_hadamard=False)
+    if case == "x3d":
+        args["x"] = torch.randn(2, 4, 64)
+    elif case == "k_not_mult_8":
+        args["x"] = torch.randn(4, 60)
+    elif case == "k_mismatch":
+        args["x"] = torch.randn(4, 72)
+    elif case == "qweight_dtype":
+        args["qweight"] = qw.to(torch.int64)
+    elif case == "w_scale_shape":
+        args["w_scale"] = ws[:31]
+    elif case == "w_scale_dtype":
+        args["w_scale"] = ws.to(torch.int32)
+    elif case == "bias_shape":
+        args["bias"] = torch.randn(33)
+    elif case == "hadamard_size":
+        K = _first_unsupported_hadamard(64)
+        qk, wk = _codes_weight(32, K, "cpu")
+        args.update(x=torch.randn(4, K), qweight=qk, w_scale=wk, input_hadamard=True)
+    with pytest.raises((ValueError, TypeError)) as e:
+        torch.ops.nibble.w4a4_linear(**args)
+    msg = str(e.value)
+    assert len(msg) > 20
+    if case == "hadamard_size":
+        assert "Hadamard" in msg and "upported" in msg
+    if case == "k_not_mult_8":
+        assert "multiple of 8" in msg
+
+
+def test_matmul_rejects_bad_inputs_clearly():
+    qw, ws = _codes_weight(32, 64, "cpu")
+    qx = torch.zeros(4, 64, dtype=torch.int8)
+    sx = torch.ones(4)
+    with pytest.raises(ValueError, match="int8"):
+        w4a4._check_matmul_inputs(qx.float(), sx, qw, ws, None)
+    with pytest.raises(ValueError, match="x_scale"):
+        w4a4._check_matmul_inputs(qx, sx.half(), qw, ws, None)
+    with pytest.raises(ValueError, match="packs K"):
+        w4a4._check_matmul_inputs(torch.zeros(4, 72, dtype=torch.int8), sx, qw, ws, None)
+
+
+def test_module_imports_and_runs_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from nibble.kernels import w4a4, reference\n"
+            "from nibble.formats.int4 import pack_int4\n"
+            "assert w4a4.triton is None\n"
+            "qw = pack_int4(torch.randint(0, 16, (64, 16), dtype=torch.int32)); ws = torch.rand(16).half()\n"
+            "x = torch.randn(3, 64)\n"
+            "assert torch.equal(torch.ops.nibble.w4a4_linear(x, qw, ws, None, False),"
+            " reference.w4a4_linear(x, qw, ws))\n"
+            "q, s = w4a4.quantize_activations(x.bfloat16())\n"
+            "assert torch.equal(q, reference.quantize_activations(x.bfloat16())[0])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path), TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_pick_config_covers_decode_and_prefill():
+    assert w4a4.pick_config(1, 28672, 8192)["kind"] == "gemv"
+    for M in (2, 16, 17, 128, 1024, 4096):
+        cfg = w4a4.pick_config(M, 4096, 4096)
+        assert cfg["kind"] == "mma" and cfg["split_k"] >= 1
+
+
+# ---- compile-only check (sm_90 target, no GPU needed): the PTX unpack's layout assumption ---------
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton (and its bundled ptxas), not the interpreter")
+@pytest.mark.skipif(not (HAS_CUDA or os.environ.get("NIBBLE_TEST_SM90_COMPILE") == "1"),
+                    reason="compiles for sm_90 (~5 s per config): runs with CUDA or NIBBLE_TEST_SM90_COMPILE=1")
+def test_asm_unpack_layout():
+    """Every shipped tensor-core config must hand each asm unpack call the eight copies of one word
+    and the nibble indices 0..7 in order (else the packed int8 results would mix words)."""
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"x_ptr": "*i8", "w_ptr": "*i32", "xs_ptr": "*fp32", "ws_ptr": "*fp16", "b_ptr": "*bf16",
+           "y_ptr": "*bf16", "part_ptr": "*i32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_ym": "i32", "k_per_split": "i32", "split_k": "i32"}
+    names = list(sig)
+    div = [n for n in sig if sig[n].startswith("*")] + ["N", "K", "stride_xm", "stride_ym", "k_per_split"]
+    seen = set()
+    for c in (c for b in w4a4.CANDIDATES.values() for c in b if c["kind"] == "mma"):
+        key = (c["BM"], c["BN"], c["BK"], c["num_warps"], c["num_stages"])
+        if key in seen:
+            continue
+        seen.add(key)
+        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], SWAP=False, W_INT8=False, EVEN_K=True,
+                  EVEN_N=True, SPLIT=False, HAS_BIAS=False, OUT_INT=False, UNPACK_ASM=True)
+        full = dict(sig, **{k: "constexpr" for k in ce})
+        src = ASTSource(fn=w4a4._w4a4_mma_kernel, signature=full, constexprs=ce,
+                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+        calls = re.findall(r'\{ <4 x i8>, <4 x i8> \} asm "[^"]*", "[^"]*"\(([^)]*)\)', ck.asm["llir"])
+        assert calls, f"{key}: no asm unpack found"
+        for args in calls:
+            ops = [o.strip() for o in args.split(",")]
+            assert len(set(ops[:8])) == 1, f"{key}: one asm call sees several words: {ops[:8]}"
+            assert [o.split()[-1] for o in ops[8:]] == [str(i) for i in range(8)], f"{key}: nibbles out of order"
+
+
+# ---- the Triton kernels: tiny cases under the interpreter ------------------------------------------
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("M,K,dtype,chunked", [(3, 64, torch.bfloat16, False), (5, 200, torch.float16, False),
+                                               (2, 96, torch.bfloat16, False), (5, 200, torch.bfloat16, True),
+                                               (4, 5000, torch.float16, True)])
+def test_interp_act_quant_exact(M, K, dtype, chunked, monkeypatch):
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
+    x = _activations(M, K, dtype, "cpu")
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    x[-1] = 0
+    q, s = w4a4.quantize_activations_triton(x)
+    qr, sr = reference.quantize_activations(x)
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+def _interp_cases():
+    return [
+        (1, 40, 96, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2)),
+        (1, 64, 64, dict(kind="gemv", MP=1, BN=64, BKW=8, split_k=1)),
+        (1, 40, 136, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2, prefetch=True)),
+        (3, 64, 128, dict(kind="gemv", MP=4, BN=32, BKW=4, split_k=3)),
+        (17, 64, 96, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),
+        (20, 48, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
+        (17, 64, 96, dict(kind="mma", SWAP=True, BM=32, BN=32, BK=32, split_k=1)),
+    ]
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("M,N,K,cfg", _interp_cases())
+def test_interp_matmul_exact(M, N, K, cfg):
+    qw, ws = _codes_weight(N, K, "cpu")
+    qx = _qx(M, K, "cpu")
+    assert torch.equal(w4a4.w4a4_accumulate_triton(qx, qw, config=cfg), reference.w4a4_accumulate(qx, qw))
+    sx = torch.rand(M) + 0.01
+    b = torch.randn(N).bfloat16()
+    y = w4a4.w4a4_matmul_triton(qx, sx, qw, ws, b, torch.bfloat16, config=cfg)
+    _ulp_close(y, reference.w4a4_matmul(qx, sx, qw, ws, b, torch.float32), torch.bfloat16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+def test_interp_act_quant_fused_hadamard_equals_unfused_kernel():
+    from nibble.kernels.hadamard import hadamard_transform_triton
+    x = _activations(4, 576, torch.bfloat16, "cpu")
+    q, s = w4a4.quantize_activations_triton(x, True)
+    q2, s2 = w4a4.quantize_activations_triton(hadamard_transform_triton(x), False)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+
+
+# ---- GPU: activation quantization ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", ODD_M + [256, 4096])
+@pytest.mark.parametrize("K", [576, 1536, 4096, 11008, 14336, 28672])
+def test_act_quant_equals_reference(M, K, dtype):
+    x = _activations(M, K, dtype, "cuda")
+    _poison_allocator("cuda")
+    q, s = w4a4.quantize_activations(x)
+    qr, sr = _ref_quant(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (M,)
+    assert torch.equal(s.cpu(), sr)
+    assert torch.equal(q.cpu(), qr), f"{(q.cpu() != qr).sum().item()} codes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 300, 4096])
+@pytest.mark.parametrize("K", [576, 11008, 28672])
+def test_chunked_act_quant_equals_reference(M, K, dtype, monkeypatch):
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1)
+    x = _activations(M, K, dtype, "cuda")
+    x[0, 1] = float("nan")
+    x[-1] = 0
+    _poison_allocator("cuda")
+    q, s = w4a4.quantize_activations(x)
+    qr, sr = _ref_quant(x)
+    assert torch.equal(s.cpu(), sr) and torch.equal(q.cpu(), qr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [9, 300])
+def test_act_quant_nonfinite_zero_and_huge_rows(dtype, M):
+    K = 4104
+    x = _activations(M, K, dtype, "cuda")
+    x[0, 7] = float("nan")
+    x[1, 9] = float("inf")
+    x[2, 11] = -float("inf")
+    x[3] = 0
+    x[4] = float("nan")
+    x[5, :] = torch.finfo(dtype).max
+    x[6, 100] = -float("inf")
+    x[6, 101] = float("inf")
+    x[7] = torch.finfo(dtype).tiny  # smallest normal: scale underflows nowhere in float32
+    _poison_allocator("cuda")
+    q, s = w4a4.quantize_activations(x)
+    qr, sr = _ref_quant(x)
+    assert torch.isfinite(s).all()
+    assert s[3] == 0 and s[4] == 0 and (q[3] == 0).all() and (q[4] == 0).all()
+    assert torch.equal(s.cpu(), sr) and torch.equal(q.cpu(), qr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [576, 1536, 4096, 11008, 14336])
+@pytest.mark.parametrize("M", [1, 17, 100])
+def test_act_quant_fused_hadamard(M, K, dtype):
+    from nibble.kernels.hadamard import hadamard_transform_triton
+    x = _activations(M, K, dtype, "cuda")
+    q, s = w4a4.quantize_activations(x, input_hadamard=True)
+    # Same arithmetic as the unfused kernel chain, so identical codes...
+    q2, s2 = w4a4.quantize_activations(hadamard_transform_triton(x), input_hadamard=False)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    # ...and the float32 spec up to rare +-1 flips where the rotated value rounds differently.
+    qr, sr = reference.quantize_activations(hadamard_transform_reference(x))
+    assert torch.allclose(s, sr, rtol=2 ** -6, atol=0)
+    d = (q.int() - qr.int()).abs()
+    assert d.max() <= 1 and d.float().mean() < 0.01, f"{int((d > 0).sum())} flips of {d.numel()}"
+
+
+# ---- GPU: the integer part, bit-exact ------------------------------------------------------------
+
+def _configs_for(M, N, K):
+    """The heuristic config, every tuning candidate of M's bucket (each with its automatic split and
+    with a forced one), so whichever the tuned table picks is covered."""
+    cfgs = [None]
+    for c in w4a4.CANDIDATES[w4a4.m_bucket(M)]:
+        if c["kind"] == "gemv" and M > c["MP"]:
+            continue
+        if c["kind"] == "gemv":
+            cfgs.append(dict(c, prefetch=True))
+        cfgs.append(dict(c))  # automatic split-K
+        cfgs.append(dict(c, split_k=1 if w4a4.auto_split(c, M, N, K) > 1 else 3))
+    return cfgs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("N,K", REAL_SHAPES + [(100, 576), (4104, 4096)])
+@pytest.mark.parametrize("M", ODD_M + [16, 128])
+def test_int32_accumulators_bit_exact(M, N, K):
+    gen = torch.Generator().manual_seed(M * 7919 + N * 31 + K)
+    qw, _ = _codes_weight(N, K, "cuda", gen)
+    qx = _qx(M, K, "cuda", gen)
+    exact = _exact_acc(qx, qw)
+    for cfg in _configs_for(M, N, K):
+        _poison_allocator("cuda")
+        acc = w4a4.w4a4_accumulate_triton(qx, qw, config=cfg)
+        assert torch.equal(acc, exact), f"config {cfg}: {(acc != exact).sum().item()} of {acc.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_exact_reference_helper_agrees_with_float64():
+    qw, _ = _codes_weight(1024, 2048, "cuda")
+    qx = _qx(40, 2048, "cuda")
+    assert torch.equal(_exact_acc(qx, qw), reference.w4a4_accumulate(qx, qw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_extreme_codes_do_not_overflow():
+    # all activations -8 and all weights 0 (q - 8 = -8): acc = 64 K, the largest magnitude
+    K, N = 14336, 256
+    qw = pack_int4(torch.zeros(K, N, dtype=torch.int32)).cuda()
+    for M in (1, 64, 256):
+        qx = torch.full((M, K), -8, dtype=torch.int8, device="cuda")
+        acc = w4a4.w4a4_accumulate_triton(qx, qw)
+        assert (acc == 64 * K).all()
+
+
+# ---- GPU: scaled output and the op -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 17, 100, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_scaled_output_within_rounding(M, dtype, bias):
+    N, K = 4096, 4096
+    qw, ws = _codes_weight(N, K, "cuda")
+    qx = _qx(M, K, "cuda")
+    sx = torch.rand(M, device="cuda") * 0.1 + 1e-3
+    b = torch.randn(N, device="cuda").to(dtype) if bias else None
+    _poison_allocator("cuda")
+    y = w4a4.w4a4_matmul_triton(qx, sx, qw, ws, b, out_dtype=dtype)
+    acc = _exact_acc(qx, qw).double()
+    ref = acc * sx.double()[:, None] * ws.double()[None, :] + (b.double() if bias else 0)
+    _ulp_close(y, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("N,K", REAL_SHAPES)
+@pytest.mark.parametrize("M", ODD_M)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_linear_op_real_shapes(M, N, K, dtype):
+    w = torch.randn(N, K, device="cuda") * 0.02
+    q = rtn_quantize(w, -1, symmetric=True, clip_search=False)
+    qw, ws = q.qweight, q.scales[0]
+    x = _activations(M, K, dtype, "cuda")
+    b = torch.randn(N, device="cuda").to(dtype) * 0.1
+    _poison_allocator("cuda")
+    y = torch.ops.nibble.w4a4_linear(x, qw, ws, b, False)
+    assert y.shape == (M, N) and y.dtype == dtype
+    # same codes as the reference quantizer, then an exact integer product: one output rounding apart
+    qx, sx = (t.cuda() for t in _ref_quant(x))
+    acc = _exact_acc(qx, qw).double()
+    ref = acc * sx.double()[:, None] * ws.double()[None, :] + b.double()
+    _ulp_close(y, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("N,K", [(1536, 576), (4096, 11008), (4096, 14336)])
+@pytest.mark.parametrize("M", [1, 17, 100])
+def test_linear_op_with_hadamard(M, N, K):
+    qw, ws = _codes_weight(N, K, "cuda")
+    x = _activations(M, K, torch.bfloat16, "cuda")
+    y = torch.ops.nibble.w4a4_linear(x, qw, ws, None, True)
+    ref = reference.w4a4_linear(x, qw, ws, None, True)
+    assert torch.isfinite(y).all()
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel < 2e-2, rel  # rare +-1 activation-code flips from rounding the rotation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_linear_op_nonfinite_and_zero_tokens_stay_finite():
+    N, K = 1536, 576
+    qw, ws = _codes_weight(N, K, "cuda")
+    x = _activations(6, K, torch.bfloat16, "cuda")
+    x[0, 3] = float("nan")
+    x[1, 4] = float("inf")
+    x[2] = 0
+    x[3] = float("nan")
+    for had in (False, True):
+        y = torch.ops.nibble.w4a4_linear(x, qw, ws, None, had)
+        assert torch.isfinite(y).all()
+        assert (y[2] == 0).all() and (y[3] == 0).all()
+    # without the rotation the codes are exact, so the output is one rounding from the spec
+    y = torch.ops.nibble.w4a4_linear(x, qw, ws, None, False)
+    qx, sx = (t.cuda() for t in _ref_quant(x))
+    ref = _exact_acc(qx, qw).double() * sx.double()[:, None] * ws.double()[None, :]
+    _ulp_close(y, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("M", [1, 5, 300])
+def test_torch_compile_and_cuda_graph(M):
+    N, K = 4096, 4096
+    qw, ws = _codes_weight(N, K, "cuda")
+    b = torch.randn(N, device="cuda").bfloat16()
+    x = _activations(M, K, torch.bfloat16, "cuda")
+    eager = torch.ops.nibble.w4a4_linear(x, qw, ws, b, True)
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.ops.nibble.w4a4_linear(x, qw, ws, b, True) * 2
+
+    assert torch.equal(f(x), eager * 2)
+
+    static_x = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.nibble.w4a4_linear(static_x, qw, ws, b, True)  # warm-up (compilation) outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = torch.ops.nibble.w4a4_linear(static_x, qw, ws, b, True)
+    x2 = _activations(M, K, torch.bfloat16, "cuda") * 3
+    static_x.copy_(x2)
+    static_y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, torch.ops.nibble.w4a4_linear(x2, qw, ws, b, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_cuda_op_rejects_float32_and_mixed_devices():
+    qw, ws = _codes_weight(64, 64, "cuda")
+    with pytest.raises(TypeError, match="bfloat16"):
+        torch.ops.nibble.w4a4_linear(torch.randn(2, 64, device="cuda"), qw, ws, None, False)
+    with pytest.raises(ValueError, match="one device"):
+        torch.ops.nibble.w4a4_linear(torch.randn(2, 64, device="cuda").bfloat16(), qw.cpu(), ws, None, False)

@@ -1,0 +1,157 @@
+"""rotate_model and HadamardInputLinear: same function, spread outliers."""
+import copy
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from nibble.config import QuantConfig
+from nibble.kernels.hadamard import hadamard_transform
+from nibble.models.convert import quantize_model
+from nibble.models.rotation import rotate_model
+from nibble.nn.hadamard import HadamardInputLinear
+
+
+def _randomize_norms_and_biases(model):
+    """Norm weights of 1 and zero biases would let a wrong fold pass; make them arbitrary."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) * 1.5 + 0.25)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p))
+    return model
+
+
+def _with_outliers(model, channel=5, unit=7, factor=50.0):
+    """A residual-stream outlier channel (embedding column) and an MLP one (an up_proj row)."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, channel] *= factor
+        for layer in model.model.layers:
+            layer.mlp.up_proj.weight[unit] *= factor
+    return model
+
+
+def _peak_to_rms(x):
+    """max|x| / rms(x) per token, averaged: ~sqrt(2 ln n) for Gaussian rows, large with an outlier channel."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    return (x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()).mean().item()
+
+
+def _quantizer_inputs(model, ids):
+    """What per-token quantization of layer 1 would see: q_proj's input, and down_proj's after any online Hadamard."""
+    layer, seen = model.model.layers[1], {}
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("q_proj", i[0])),
+             layer.mlp.down_proj.register_forward_hook(lambda m, i, o: seen.__setitem__(
+                 "down_proj", hadamard_transform(i[0]) if getattr(m, "input_hadamard", False) else i[0]))]
+    model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("hidden,heads", [(64, 4), (96, 4), (96, 6)])
+@pytest.mark.parametrize("online_o_proj", [False, True])
+def test_rotated_model_gives_the_same_logits(arch, hidden, heads, online_o_proj):
+    model = _randomize_norms_and_biases(tiny_model(arch, hidden_size=hidden, num_attention_heads=heads,
+                                                   intermediate_size=192))
+    ids = torch.randint(0, 256, (3, 21))
+    with torch.no_grad():
+        want = model(ids).logits
+        rotate_model(model, seed=1, online_o_proj=online_o_proj)
+        got = model(ids).logits
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+    assert isinstance(model.model.layers[0].self_attn.o_proj, HadamardInputLinear) == online_o_proj
+
+
+def test_rotation_folds_norms_unties_embeddings_and_swaps_down_proj():
+    model = _randomize_norms_and_biases(tiny_model("qwen2"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    rotate_model(model)
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    assert len(norms) == 5 and all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in norms)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert not model.config.tie_word_embeddings
+    model.tie_weights()  # what loading or saving does: must not re-tie them
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert all(layer.mlp.down_proj.input_hadamard for layer in model.model.layers)
+
+
+def test_rotation_spreads_outlier_channels():
+    model = _with_outliers(tiny_model("llama"))
+    ids = torch.randint(0, 256, (2, 33))
+    with torch.no_grad():
+        before = _quantizer_inputs(model, ids)
+        after = _quantizer_inputs(rotate_model(model), ids)
+    for name in ("q_proj", "down_proj"):
+        assert _peak_to_rms(before[name]) > 6, name  # the outlier dominates its token
+        assert _peak_to_rms(after[name]) < _peak_to_rms(before[name]) / 2.5, name
+
+
+def test_rotation_makes_w4a4_more_accurate_on_outliers():
+    model = _with_outliers(tiny_model("llama"))
+    ids = torch.randint(0, 256, (2, 33))
+    with torch.no_grad():
+        want = model(ids).logits
+        plain = quantize_model(copy.deepcopy(model), QuantConfig(mode="w4a4"), progress=False)(ids).logits
+        rotated = quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard"), progress=False)(ids).logits
+    assert model.model.layers[0].mlp.down_proj.input_hadamard
+    assert (rotated - want).norm() < (plain - want).norm() / 2
+
+
+def test_rotation_depends_on_the_seed_only():
+    base = tiny_model("mistral")
+    a, b, c = (rotate_model(copy.deepcopy(base), seed=s) for s in (3, 3, 4))
+    assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+
+
+def test_rotation_keeps_dtypes():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    rotate_model(model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_rotating_twice_is_an_error():
+    model = rotate_model(tiny_model("llama"))
+    with pytest.raises(ValueError, match="already rotated"):
+        rotate_model(model)
+
+
+def test_unsupported_sizes_are_a_clear_error():
+    with pytest.raises(ValueError, match="hidden_size is 100.*Paley"):
+        rotate_model(tiny_model("llama", hidden_size=100, num_attention_heads=4))
+    with pytest.raises(ValueError, match="unknown model architecture"):
+        rotate_model(nn.Linear(4, 4))
+
+
+# ---- HadamardInputLinear ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("in_features,bias", [(192, True), (64, False), (172, True)])
+def test_hadamard_input_linear_computes_the_original_linear(in_features, bias):
+    lin = nn.Linear(in_features, 48, bias=bias)
+    had = HadamardInputLinear.from_linear(lin)
+    x = torch.randn(2, 5, in_features)
+    assert had.input_hadamard and isinstance(had, nn.Linear)
+    assert torch.allclose(had(x), lin(x), atol=1e-5)
+    assert had.bias is lin.bias
+
+
+def test_hadamard_input_linear_backpropagates_like_the_original():
+    lin = nn.Linear(96, 16)
+    had = HadamardInputLinear.from_linear(lin)
+    x1 = torch.randn(4, 96, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    lin(x1).square().sum().backward()
+    had(x2).square().sum().backward()
+    assert torch.allclose(x1.grad, x2.grad, atol=1e-5)
+
+
+def test_hadamard_input_linear_refuses_a_second_fold_and_bad_weights():
+    had = HadamardInputLinear.from_linear(nn.Linear(64, 8))
+    with pytest.raises(ValueError, match="already has an online Hadamard"):
+        HadamardInputLinear.from_linear(had)
+    with pytest.raises(ValueError, match="shape"):
+        HadamardInputLinear.from_linear(nn.Linear(64, 8), weight=torch.zeros(8, 32))
