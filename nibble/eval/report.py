@@ -1,0 +1,508 @@
+"""``nibble report``: accuracy, memory and speed of several quantization configs, side by side.
+
+For each config (``bf16``, ``w4a16``, ``w4a4``, ``w4a4-hadamard``; also ``w4a16-g64`` style group
+sizes) the real model is loaded fresh, converted, and measured:
+
+- accuracy: WikiText-2 test perplexity (whole test set unless ``ppl_max_tokens``) and the seven
+  zero-shot tasks (``tasks_limit`` documents each) - runs on the CPU too, slowly;
+- memory: weight bytes by module kind (CPU too), and on CUDA the peak memory of a 512-token
+  prefill + 128-token decode;
+- speed (CUDA only): prefill latency and decode tokens/s through ``nibble.eval.engine`` with their
+  rooflines, on the real model and on random-weight Llama-2-7B / Llama-3-8B-shaped models.
+
+Writes ``report.json`` (everything), ``report.md`` (tables, configs side by side) and
+``speedup.png`` / ``vram.png`` / ``accuracy.png``. Without CUDA the speed and memory-peak parts
+are skipped with a message saying so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from nibble.config import QuantConfig
+from nibble.eval import memory as mem_mod
+from nibble.eval import speed as speed_mod
+from nibble.eval.tasks import ALL_TASKS
+from nibble.models.convert import default_group_size
+
+DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
+DEFAULT_SPEED_MODELS = ("llama-2-7b",)
+NO_CUDA = "skipped: the model is not on a CUDA GPU (speed and peak memory are measured on the GPU only)"
+NO_GPU = "skipped: no CUDA GPU visible (the speed models are built and timed on the GPU only)"
+
+# Targets from the issue, checked on the Llama-2-7B-shaped model.
+TARGETS = {
+    "w4a16 quantized-linear bytes / bf16": ("<=", 0.30),
+    "w4a16 peak memory / bf16": ("<=", 0.50),
+    "w4a16 decode speedup (batch 1)": (">=", 2.5),
+    "w4a4 prefill speedup (batch 1, 128 tokens)": (">=", 1.8),
+    "w4a4 prefill speedup (batch 1, 512 tokens)": (">=", 1.6),
+}
+
+
+def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
+    """The QuantConfig a report config name stands for (``None`` for the 16-bit baseline ``bf16``).
+
+    ``w4a16`` uses group size 128, or the largest of 64 / 32 that divides every linear's in_features
+    of ``model`` (SmolLM2's 576 needs 64); ``w4a16-g64`` names it explicitly.
+    """
+    parts = name.lower().split("-")
+    if parts[0] in ("bf16", "fp16", "16bit"):
+        if len(parts) > 1:
+            raise ValueError(f"unknown config {name!r}")
+        return None
+    if parts[0] == "w4a16":
+        kw = dict(mode="w4a16")
+        for p in parts[1:]:
+            if p.startswith("g") and p[1:].isdigit():
+                kw["group_size"] = int(p[1:])
+            elif p in ("gptq", "awq"):
+                raise ValueError(f"{name!r}: the report quantizes with RTN (calibrated methods need calibration data)")
+            else:
+                raise ValueError(f"unknown config {name!r}: w4a16 takes -gN (group size)")
+        if "group_size" not in kw and model is not None:
+            kw["group_size"] = default_group_size(model)
+    elif parts[0] == "w4a4":
+        kw = dict(mode="w4a4")
+        for p in parts[1:]:
+            if p == "hadamard":
+                kw["rotation"] = "hadamard"
+            else:
+                raise ValueError(f"unknown config {name!r}: w4a4 takes -hadamard")
+    else:
+        raise ValueError(f"unknown config {name!r}; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard")
+    return QuantConfig(**{**kw, **overrides})
+
+
+def _default_loader(model_name_or_path, device, dtype) -> Callable:
+    def load():
+        from nibble.models.loading import load_model
+        return load_model(model_name_or_path, dtype=dtype, device=device)
+    return load
+
+
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).is_cuda
+
+
+# ---- the real model: accuracy, memory, speed per config ---------------------------------------
+def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_len, batch_size, accuracy, speed,
+                     progress, log) -> dict:
+    from nibble.eval.perplexity import wikitext2_perplexity
+    from nibble.eval.tasks import evaluate_tasks
+
+    model, tokenizer = loader()
+    qc = quant_config(name, model)
+    res = {"config": name, "quant_config": qc.to_dict() if qc else None,
+           "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+           "device": str(next(model.parameters()).device)}
+    res["quantize_s"] = speed_mod.quantize_in_place(model, qc)
+    if accuracy:
+        t0 = time.perf_counter()
+        res["perplexity"] = wikitext2_perplexity(model, tokenizer, seq_len=ppl_seq_len, max_tokens=ppl_max_tokens,
+                                                 progress=progress)
+        log(f"[{name}] WikiText-2 ppl {res['perplexity']['ppl']:.3f} ({res['perplexity']['tokens']} tokens)")
+        res["tasks"] = evaluate_tasks(model, tokenizer, tasks, limit=tasks_limit, batch_size=batch_size,
+                                      progress=progress)
+        log(f"[{name}] tasks average acc {res['tasks']['average']['acc']:.4f}")
+        res["accuracy_s"] = time.perf_counter() - t0
+    res["weights"] = mem_mod.weight_memory(model)
+    on_cuda = _on_cuda(model)
+    res["peak"] = mem_mod.peak_memory(model) if on_cuda else {"skipped": NO_CUDA}
+    if speed:
+        res["speed"] = speed_mod.speed_benchmark(model, f"model/{name}", log=log) if on_cuda else {"skipped": NO_CUDA}
+    del model
+    speed_mod.release()
+    return res
+
+
+# ---- random-weight 7B/8B-shaped models: memory and speed per config ---------------------------
+def measure_speed_model(model_name: str, name: str, clip_search: bool = False, log=print) -> dict:
+    """Memory and speed of config ``name`` on the random-weight ``model_name`` (CUDA only)."""
+    model = speed_mod.random_model(model_name)
+    qc = quant_config(name, model, clip_search=clip_search)
+    res = {"speed_model": model_name, "config": name, "quant_config": qc.to_dict() if qc else None,
+           "dtype": "bfloat16"}
+    res["quantize_s"] = speed_mod.quantize_in_place(model, qc)
+    log(f"[{model_name}/{name}] built and quantized in {res['quantize_s']:.1f} s "
+        f"(RTN, clip_search={clip_search})")
+    res["weights"] = mem_mod.weight_memory(model)
+    res["peak"] = mem_mod.peak_memory(model)
+    log(f"[{model_name}/{name}] weights {mem_mod.format_bytes(res['weights']['total_bytes'])}, "
+        f"peak (512 prefill + 128 decode) {mem_mod.format_bytes(res['peak']['peak_bytes'])}")
+    res["speed"] = speed_mod.speed_benchmark(model, f"{model_name}/{name}", log=log)
+    del model
+    speed_mod.release()
+    return res
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def summarize(results: dict) -> dict:
+    """Ratios vs bf16 per speed model (and the real model), and the issue's targets on llama-2-7b."""
+    summary = {}
+    groups = dict(results.get("speed_models", {}))
+    groups["model"] = {c: r for c, r in results.get("configs", {}).items() if "error" not in r}
+    for group, by_config in groups.items():
+        base = by_config.get("bf16")
+        if not base or "error" in base or "weights" not in base:
+            continue
+        out = {}
+        for name, r in by_config.items():
+            if "error" in r or "weights" not in r:
+                continue
+            s = {"linear_bytes_ratio": _ratio(mem_mod.linear_bytes(r["weights"]), mem_mod.linear_bytes(base["weights"])),
+                 "weight_bytes_ratio": _ratio(r["weights"]["total_bytes"], base["weights"]["total_bytes"])}
+            if "peak_bytes" in r.get("peak", {}) and "peak_bytes" in base.get("peak", {}):
+                s["peak_ratio"] = _ratio(r["peak"]["peak_bytes"], base["peak"]["peak_bytes"])
+            if _rows(r) and _rows(base):
+                b_rows = {(x["phase"], x["batch"], x["tokens"]): x for x in _rows(base)}
+                for x in _rows(r):
+                    b = b_rows.get((x["phase"], x["batch"], x["tokens"]))
+                    if b is None:
+                        continue
+                    if x["phase"] == "prefill":
+                        s[f"prefill_speedup_b{x['batch']}_t{x['tokens']}"] = b["ms"] / x["ms"]
+                    else:
+                        s[f"decode_speedup_b{x['batch']}"] = x["tokens_per_s"] / b["tokens_per_s"]
+            out[name] = s
+        summary[group] = out
+    seven = summary.get("llama-2-7b", {})
+    checks = {}
+    sources = {
+        "w4a16 quantized-linear bytes / bf16": ("w4a16", "linear_bytes_ratio"),
+        "w4a16 peak memory / bf16": ("w4a16", "peak_ratio"),
+        "w4a16 decode speedup (batch 1)": ("w4a16", "decode_speedup_b1"),
+        "w4a4 prefill speedup (batch 1, 128 tokens)": ("w4a4", "prefill_speedup_b1_t128"),
+        "w4a4 prefill speedup (batch 1, 512 tokens)": ("w4a4", "prefill_speedup_b1_t512"),
+    }
+    for target, (cfg, key) in sources.items():
+        op, bound = TARGETS[target]
+        value = seven.get(cfg, {}).get(key)
+        ok = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        checks[target] = {"value": value, "target": f"{op} {bound}", "pass": ok}
+    summary["targets_llama-2-7b"] = checks
+    return summary
+
+
+# ---- writing ---------------------------------------------------------------------------------
+def _fmt(v, spec=".3f"):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def _mib(n):
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _describe(r: dict) -> str:
+    """'w4a16 g64 rtn' style summary of a config's QuantConfig (and the dtype it ran in)."""
+    if "error" in r:
+        return "failed"
+    qc = r.get("quant_config")
+    if not qc:
+        return r.get("dtype", "16-bit")
+    g = "per-channel" if qc["group_size"] == -1 else f"g{qc['group_size']}"
+    rot = " hadamard" if qc.get("rotation") == "hadamard" else ""
+    return f"{qc['mode']} {g} {qc['method']}{rot}" + ("" if qc.get("clip_search") else " noclip")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _rows(r: dict) -> list[dict]:
+    """The speed rows of one config's results ([] when skipped or failed)."""
+    rows = r.get("speed") if isinstance(r, dict) else None
+    return rows if isinstance(rows, list) else []
+
+
+def _speed_cells(by_config: dict, configs: list[str]) -> list[list[str]]:
+    """One table row per (phase, batch, tokens): each config's time, its speedup vs bf16 and its roofline figure."""
+    rows_of = {n: {(x["phase"], x["batch"], x["tokens"]): x for x in _rows(by_config.get(n, {}))} for n in configs}
+    keys = sorted({k for rows in rows_of.values() for k in rows}, key=lambda k: (k[0] != "prefill", k[1], k[2]))
+    base = rows_of.get("bf16", {})
+    table = []
+    for key in keys:
+        phase, b, t = key
+        row = [f"prefill b={b} T={t}" if phase == "prefill" else f"decode b={b}"]
+        for name in configs:
+            x, bx = rows_of[name].get(key), base.get(key)
+            if x is None:
+                row.append("-")
+            elif phase == "prefill":
+                sp = f" **{bx['ms'] / x['ms']:.2f}x**" if bx and name != "bf16" else ""
+                row.append(f"{x['ms']:.2f} ms{sp} ({x['tflops']:.0f} TFLOP/s)")
+            else:
+                sp = f" **{x['tokens_per_s'] / bx['tokens_per_s']:.2f}x**" if bx and name != "bf16" else ""
+                row.append(f"{x['tokens_per_s']:.0f} tok/s{sp} ({x['weight_gbps']:.0f} GB/s, "
+                           f"{x['pct_copy_roofline']:.0f}% roofline)")
+        table.append(row)
+    return table
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    configs = results["meta"]["configs"]
+    cr = results.get("configs", {})
+    L = [f"# nibble report: {results['meta'].get('model')}", ""]
+    meta = results["meta"]
+    L.append(f"GPU: {meta.get('gpu') or 'none (CPU run)'} · torch {meta.get('torch')} · triton {meta.get('triton')} · "
+             f"commit {meta.get('git_commit')} · {meta.get('date')}")
+    if meta.get("ceilings"):
+        c = meta["ceilings"]
+        L.append(f"Rooflines measured on this device: copy {c['copy_gbps']:.0f} GB/s (read + write), "
+                 f"bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s.")
+    L.append("")
+    failed = [f"- **{n} failed**: `{r['error']}`" for n, r in cr.items() if "error" in r]
+    L += failed + ([""] if failed else [])
+    if cr:
+        L += ["## Model: accuracy and memory", ""]
+        ratios = results.get("summary", {}).get("model", {})
+        rows = [["quantization"] + [_describe(cr.get(n, {})) for n in configs]]
+        if any("perplexity" in r for r in cr.values()):
+            rows.append(["WikiText-2 ppl"] + [_fmt(cr.get(n, {}).get("perplexity", {}).get("ppl")) for n in configs])
+            task_names = [t for t in results["meta"]["tasks"]] + ["average"]
+            for t in task_names:
+                rows.append([f"{t} acc"] + [_fmt(cr.get(n, {}).get("tasks", {}).get(t, {}).get("acc"), ".4f")
+                                            for n in configs])
+                if any("acc_norm" in cr.get(n, {}).get("tasks", {}).get(t, {}) for n in configs):
+                    rows.append([f"{t} acc_norm"] + [_fmt(cr.get(n, {}).get("tasks", {}).get(t, {}).get("acc_norm"), ".4f")
+                                                     for n in configs])
+        for kind in mem_mod.KINDS:
+            rows.append([f"{kind} MiB"] + [_mib(cr.get(n, {}).get("weights", {}).get("kinds", {}).get(kind, {}).get("bytes"))
+                                           for n in configs])
+        rows.append(["weights total MiB"] + [_mib(cr.get(n, {}).get("weights", {}).get("total_bytes")) for n in configs])
+        rows.append(["decoder linears / bf16"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio")) for n in configs])
+        rows.append(["peak MiB (512 prefill + 128 decode)"] +
+                    [_mib(cr.get(n, {}).get("peak", {}).get("peak_bytes")) for n in configs])
+        rows.append(["peak / bf16"] + [_fmt(ratios.get(n, {}).get("peak_ratio")) for n in configs])
+        L += _table(["metric"] + list(configs), rows)
+        skipped = next((r["peak"]["skipped"] for r in cr.values() if "skipped" in r.get("peak", {})), None)
+        if skipped:
+            L += ["", f"Peak memory and speed {skipped}."]
+        L.append("")
+        if any(_rows(r) for r in cr.values()):
+            L += ["## Model: speed", ""] + _table(["shape"] + list(configs), _speed_cells(cr, configs)) + [""]
+    for sm, by_config in results.get("speed_models", {}).items():
+        L += [f"## {sm} (random weights): memory and speed", ""]
+        if "skipped" in by_config:
+            L += [by_config["skipped"], ""]
+            continue
+        failed = [f"- **{n} failed**: `{r['error']}`" for n, r in by_config.items() if "error" in r]
+        L += failed + ([""] if failed else [])
+        ratios = results.get("summary", {}).get(sm, {})
+        rows = [["quantization"] + [_describe(by_config.get(n, {})) for n in configs],
+                ["decoder linears MiB"] + [_mib(mem_mod.linear_bytes(by_config[n]["weights"]))
+                                           if "weights" in by_config.get(n, {}) else "-" for n in configs],
+                ["decoder linears / bf16"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio")) for n in configs],
+                ["weights total MiB"] + [_mib(by_config.get(n, {}).get("weights", {}).get("total_bytes")) for n in configs],
+                ["peak MiB (512 prefill + 128 decode)"] + [_mib(by_config.get(n, {}).get("peak", {}).get("peak_bytes"))
+                                                          for n in configs],
+                ["peak / bf16"] + [_fmt(ratios.get(n, {}).get("peak_ratio")) for n in configs]]
+        L += _table(["metric"] + list(configs), rows + _speed_cells(by_config, configs)) + [""]
+    checks = results.get("summary", {}).get("targets_llama-2-7b", {})
+    if any(c["value"] is not None for c in checks.values()):
+        L += ["## Targets (llama-2-7b-shaped)", ""]
+        L += _table(["target", "value", "bound", "pass"],
+                    [[t, _fmt(c["value"]), c["target"], {True: "yes", False: "**no**", None: "-"}[c["pass"]]]
+                     for t, c in checks.items()]) + [""]
+    path.write_text("\n".join(L) + "\n")
+
+
+def write_plots(results: dict, out: Path, log=print) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover - matplotlib is in the report extra
+        log(f"plots skipped: matplotlib unavailable ({e}); pip install matplotlib")
+        return []
+    configs = results["meta"]["configs"]
+    written = []
+    groups = dict(results.get("speed_models", {}))
+    groups = {k: v for k, v in groups.items() if "skipped" not in v}
+    if any(_rows(r) for r in results.get("configs", {}).values()):
+        groups = {"model": results["configs"], **groups}
+
+    # 1. prefill speedup vs prompt length (+ decode speedup at "T = decode"), one panel per model
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5 * max(1, len(groups)), 3.8), squeeze=False)
+    for ax, (g, by_config) in zip(axes.flat, groups.items()):
+        base = {(x["phase"], x["batch"], x["tokens"]): x for x in _rows(by_config.get("bf16", {}))}
+        for name in configs:
+            rows = _rows(by_config.get(name, {}))
+            if name == "bf16" or not rows:
+                continue
+            for b in sorted({x["batch"] for x in rows if x["phase"] == "prefill"}):
+                pts = sorted((x["tokens"], base[("prefill", b, x["tokens"])]["ms"] / x["ms"]) for x in rows
+                             if x["phase"] == "prefill" and x["batch"] == b and ("prefill", b, x["tokens"]) in base)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} b={b}")
+        ax.axhline(1.0, color="gray", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("prefill speedup vs bf16")
+        ax.set_title(g, fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=110)
+    plt.close(fig)
+    written.append(str(out / "speedup.png"))
+
+    # 2. VRAM: weights (stacked by kind) and peak, per config, one panel per model
+    mgroups = {"model": results.get("configs", {}), **{k: v for k, v in results.get("speed_models", {}).items()
+                                                        if "skipped" not in v}}
+    fig, axes = plt.subplots(1, len(mgroups), figsize=(5 * len(mgroups), 3.8), squeeze=False)
+    for ax, (g, by_config) in zip(axes.flat, mgroups.items()):
+        names = [n for n in configs if "weights" in by_config.get(n, {})]
+        bottom = [0.0] * len(names)
+        for kind in mem_mod.KINDS:
+            vals = [by_config[n]["weights"]["kinds"][kind]["bytes"] / 2**30 for n in names]
+            if any(vals):
+                ax.bar(names, vals, bottom=bottom, label=kind, width=0.6)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        peaks = [by_config[n].get("peak", {}).get("peak_bytes") for n in names]
+        if any(p is not None for p in peaks):
+            ax.scatter([n for n, p in zip(names, peaks) if p is not None],
+                       [p / 2**30 for p in peaks if p is not None], marker="_", s=900, color="black",
+                       label="peak (512 + 128 tokens)", zorder=3)
+        ax.set_ylabel("GiB")
+        ax.set_title(f"{g}: memory", fontsize=10)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "vram.png", dpi=110)
+    plt.close(fig)
+    written.append(str(out / "vram.png"))
+
+    # 3. accuracy per task, grouped bars
+    cr = results.get("configs", {})
+    tasks = list(results["meta"]["tasks"]) + ["average"]
+    names = [n for n in configs if "tasks" in cr.get(n, {})]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 3.8))
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        ax.bar([j + i * width for j in range(len(tasks))], [cr[n]["tasks"].get(t, {}).get("acc", 0) for t in tasks],
+               width=width, label=n)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=20, fontsize=8)
+    ax.set_ylabel("acc")
+    ax.set_title("zero-shot accuracy per task")
+    if names:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=110)
+    plt.close(fig)
+    written.append(str(out / "accuracy.png"))
+    return written
+
+
+# ---- the entry point -------------------------------------------------------------------------
+def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIGS, tasks_limit=None,
+               speed_models=DEFAULT_SPEED_MODELS, *, tasks=ALL_TASKS, ppl_max_tokens=None, ppl_seq_len=None,
+               batch_size=16, device=None, dtype=None, accuracy=True, speed=True, speed_clip_search=False,
+               loader: Callable | None = None, progress=True, log=print) -> dict:
+    """Measure every config in ``configs`` and write report.md / report.json / PNGs to ``out_dir``.
+
+    ``loader()`` -> (model, tokenizer) overrides loading ``model_name_or_path`` (it is called once per
+    config: quantization is in place). Speed models are quantized with RTN without the clipping
+    search (``speed_clip_search``): their weights are random, so only the time would change.
+    Returns the results dict (also in report.json).
+    """
+    from nibble.bench.timing import env_meta
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = list(configs)
+    for c in configs:
+        quant_config(c)  # unknown names fail before any work
+    unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]
+    if unknown:
+        raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loader = loader or _default_loader(model_name_or_path, device, dtype)
+    model_label = str(model_name_or_path) if model_name_or_path else (
+        "custom loader" if loader else "default (SmolLM2-135M-Instruct)")
+    meta = env_meta(model=model_label, configs=configs,
+                    tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, device=str(device),
+                    speed_models=list(speed_models), speed_clip_search=speed_clip_search)
+    cuda = torch.cuda.is_available()
+    if cuda and speed:
+        meta["ceilings"] = speed_mod.device_ceilings()
+    if not cuda:
+        log("no CUDA GPU visible: peak memory and speed are skipped (they are measured on the GPU only); "
+            "running accuracy and weight bytes on the CPU")
+    results = {"meta": meta, "configs": {}, "speed_models": {}}
+    for name in configs:
+        t0 = time.perf_counter()
+        try:
+            results["configs"][name] = _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_len,
+                                                        batch_size, accuracy, speed, progress, log)
+        except Exception as e:
+            log(f"[{name}] FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            results["configs"][name] = {"config": name, "error": f"{type(e).__name__}: {e}"}
+            speed_mod.release()
+        results["configs"][name]["wall_s"] = time.perf_counter() - t0
+    for sm in speed_models if speed else ():
+        if not cuda:
+            results["speed_models"][sm] = {"skipped": NO_GPU}
+            continue
+        results["speed_models"][sm] = {}
+        for name in configs:
+            try:
+                results["speed_models"][sm][name] = measure_speed_model(sm, name, speed_clip_search, log)
+            except Exception as e:
+                log(f"[{sm}/{name}] FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+                results["speed_models"][sm][name] = {"config": name, "error": f"{type(e).__name__}: {e}"}
+                speed_mod.release()
+    results["summary"] = summarize(results)
+    (out / "report.json").write_text(json.dumps(results, indent=1, default=str))
+    write_markdown(results, out / "report.md")
+    results["plots"] = write_plots(results, out, log)
+    log(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(results['plots'])} plots")
+    return results
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default=None, help="a .gguf file or local HF directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--out", default="report", help="output folder for report.md, report.json and the PNGs")
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
+                        help="bf16, w4a16 (or w4a16-g64 ...), w4a4, w4a4-hadamard")
+    parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    parser.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=list(ALL_TASKS))
+    parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
+    parser.add_argument("--ppl-seq-len", type=int, default=None, help="perplexity window (default: min(context, 2048))")
+    parser.add_argument("--batch-size", type=int, default=16, help="task scoring batch size")
+    parser.add_argument("--speed-models", nargs="*", default=list(DEFAULT_SPEED_MODELS),
+                        choices=list(speed_mod.SPEED_MODELS),
+                        help="random-weight models for speed and memory (CUDA only); the flag alone skips them")
+    parser.add_argument("--no-speed", action="store_true", help="skip every speed measurement")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip perplexity and tasks")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    return parser
+
+
+def report_main(args: argparse.Namespace) -> int:
+    results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
+                         speed_models=args.speed_models, tasks=args.tasks, ppl_max_tokens=args.ppl_max_tokens,
+                         ppl_seq_len=args.ppl_seq_len, batch_size=args.batch_size, device=args.device,
+                         accuracy=not args.no_accuracy, speed=not args.no_speed)
+    failed = [n for n, r in results["configs"].items() if "error" in r]
+    return 1 if failed and len(failed) == len(results["configs"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(report_main(add_report_arguments(argparse.ArgumentParser(prog="nibble report")).parse_args()))

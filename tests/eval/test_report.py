@@ -1,0 +1,145 @@
+"""The report: a real (tiny) accuracy + memory run on the CPU, and the speed tables/plots on fabricated numbers."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from nibble.eval import report
+from nibble.eval.tasks import ALL_TASKS
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (matches the 256-token tiny model)."""
+
+    bos_token_id = None
+    eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+
+def tiny_loader():
+    torch.manual_seed(0)
+    return tiny_model(), ByteTokenizer()
+
+
+def test_config_names_map_to_quant_configs():
+    assert report.quant_config("bf16") is None
+    assert report.quant_config("w4a16").group_size == 128
+    assert report.quant_config("w4a16", tiny_model(hidden_size=96, intermediate_size=192)).group_size == 32
+    assert report.quant_config("w4a16-g64").group_size == 64
+    qc = report.quant_config("w4a4-hadamard")
+    assert (qc.mode, qc.rotation, qc.group_size, qc.symmetric) == ("w4a4", "hadamard", -1, True)
+    assert report.quant_config("w4a16", clip_search=False).clip_search is False
+    with pytest.raises(ValueError, match="unknown config"):
+        report.quant_config("w3a16")
+
+
+def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
+    logs = []
+    results = report.run_report(None, tmp_path, configs=("bf16", "w4a16", "w4a4"), tasks_limit=2,
+                                ppl_max_tokens=300, loader=tiny_loader, progress=False, log=logs.append)
+
+    assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "speedup.png", "vram.png",
+                                                    "accuracy.png"}
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data) >= {"meta", "configs", "speed_models", "summary"}
+    assert list(data["configs"]) == ["bf16", "w4a16", "w4a4"]
+    for name, r in data["configs"].items():
+        assert "error" not in r, r.get("error")
+        assert r["perplexity"]["tokens"] == 255 and r["perplexity"]["ppl"] > 1
+        assert set(r["tasks"]) == set(ALL_TASKS) | {"average"}
+        assert all(r["tasks"][t]["n"] == 2 for t in ALL_TASKS)
+        assert set(r["weights"]["kinds"]) == {"embeddings", "attention", "mlp", "lm_head", "norms", "other"}
+    assert data["configs"]["bf16"]["quant_config"] is None
+    assert data["configs"]["w4a16"]["quant_config"]["group_size"] == 64  # the tiny model's 64-wide linears
+    # the quantized linears shrink; accuracy of a random model is whatever it is, but it is there
+    s = data["summary"]["model"]
+    assert s["w4a16"]["linear_bytes_ratio"] < 0.2 and s["bf16"]["linear_bytes_ratio"] == 1.0
+    if not torch.cuda.is_available():
+        assert "skipped" in data["configs"]["bf16"]["peak"] and "CUDA" in data["configs"]["bf16"]["speed"]["skipped"]
+        assert data["speed_models"]["llama-2-7b"] == {"skipped": report.NO_GPU}
+        assert any("no CUDA GPU" in line for line in logs)
+    md = (tmp_path / "report.md").read_text()
+    assert "| metric | bf16 | w4a16 | w4a4 |" in md
+    assert "WikiText-2 ppl" in md and "piqa acc" in md and "peak MiB" in md
+
+
+def test_a_failing_config_is_reported_not_fatal(tmp_path):
+    def loader():
+        model, tok = tiny_loader()
+        if loader.calls == 1:
+            raise RuntimeError("boom")
+        loader.calls += 1
+        return model, tok
+    loader.calls = 0
+    results = report.run_report(None, tmp_path, configs=("bf16", "w4a16"), tasks_limit=1, ppl_max_tokens=300,
+                                speed_models=(), tasks=("boolq",), loader=loader, progress=False, log=lambda *_: None)
+    assert "perplexity" in results["configs"]["bf16"]
+    assert results["configs"]["w4a16"]["error"] == "RuntimeError: boom"
+    assert "**w4a16 failed**" in (tmp_path / "report.md").read_text()
+
+
+def fake_speed_rows(config: str, prefill_ms: dict, decode_tps: dict) -> list[dict]:
+    rows = [dict(phase="prefill", batch=b, tokens=t, ms=ms, tflops=100.0, pct_bf16_peak=12.0)
+            for (b, t), ms in prefill_ms.items()]
+    rows += [dict(phase="decode", batch=b, tokens=128, prompt=128, ms_per_step=1000 * b / tps, tokens_per_s=tps,
+                  weight_gbps=3000.0, total_gbps=3200.0, pct_copy_roofline=70.0) for b, tps in decode_tps.items()]
+    return rows
+
+
+def fake_weights(linear_bytes: int, total_bytes: int) -> dict:
+    kinds = {k: {"bytes": 0, "quantized_bytes": 0, "dense_bytes": 0} for k in report.mem_mod.KINDS}
+    kinds["attention"]["bytes"] = linear_bytes // 3
+    kinds["mlp"]["bytes"] = linear_bytes - linear_bytes // 3
+    kinds["embeddings"]["bytes"] = total_bytes - linear_bytes
+    return {"kinds": kinds, "total_bytes": total_bytes, "quantized_bytes": 0, "dense_bytes": total_bytes,
+            "tied_lm_head": False}
+
+
+def test_speed_tables_targets_and_plots_from_measured_numbers(tmp_path):
+    """The CUDA half of the report (tables, speedups, target checks, plots) on fabricated measurements."""
+    gib = 2**30
+    seven = {
+        "bf16": {"weights": fake_weights(12 * gib, 13 * gib), "peak": {"peak_bytes": 14 * gib},
+                 "speed": fake_speed_rows("bf16", {(1, 128): 10.0, (1, 512): 30.0}, {1: 100.0})},
+        "w4a16": {"weights": fake_weights(int(3.2 * gib), int(4.2 * gib)), "peak": {"peak_bytes": 5 * gib},
+                  "speed": fake_speed_rows("w4a16", {(1, 128): 9.0, (1, 512): 29.0}, {1: 300.0})},
+        "w4a4": {"weights": fake_weights(3 * gib, 4 * gib), "peak": {"peak_bytes": 5 * gib},
+                 "speed": fake_speed_rows("w4a4", {(1, 128): 5.0, (1, 512): 20.0}, {1: 250.0})},
+        "w4a4-hadamard": {"error": "ModuleNotFoundError: nibble.models.rotation"},
+    }
+    results = {"meta": {"configs": list(seven), "tasks": list(ALL_TASKS), "model": "fake", "gpu": "NVIDIA H200",
+                        "ceilings": {"copy_gbps": 4300.0, "bf16_tflops": 780.0}},
+               "configs": {}, "speed_models": {"llama-2-7b": seven}}
+    results["summary"] = report.summarize(results)
+
+    t = results["summary"]["targets_llama-2-7b"]
+    assert t["w4a16 decode speedup (batch 1)"] == {"value": 3.0, "target": ">= 2.5", "pass": True}
+    assert t["w4a4 prefill speedup (batch 1, 128 tokens)"]["value"] == pytest.approx(2.0)
+    assert t["w4a4 prefill speedup (batch 1, 512 tokens)"]["pass"] is False  # 1.5 < 1.6
+    assert t["w4a16 quantized-linear bytes / bf16"]["value"] == pytest.approx(3.2 / 12)
+    assert t["w4a16 peak memory / bf16"]["value"] == pytest.approx(5 / 14)
+
+    report.write_markdown(results, tmp_path / "report.md")
+    md = (tmp_path / "report.md").read_text()
+    assert "## llama-2-7b (random weights): memory and speed" in md
+    assert "5.00 ms **2.00x** (100 TFLOP/s)" in md
+    assert "300 tok/s **3.00x** (3000 GB/s, 70% roofline)" in md
+    assert "**w4a4-hadamard failed**" in md and "| w4a4 prefill speedup (batch 1, 512 tokens) | 1.500 | >= 1.6 | **no** |" in md
+    plots = report.write_plots(results, tmp_path, log=lambda *_: None)
+    assert [p.rsplit("/", 1)[-1] for p in plots] == ["speedup.png", "vram.png", "accuracy.png"]
+    assert all((tmp_path / p).stat().st_size > 1000 for p in ("speedup.png", "vram.png"))
+
+
+def test_report_cli_arguments_reach_run_report(tmp_path, monkeypatch):
+    parser = report.add_report_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--out", str(tmp_path), "--configs", "bf16", "--limit", "1", "--tasks", "piqa",
+                              "--ppl-max-tokens", "300", "--speed-models"])
+    assert args.speed_models == [] and args.limit == 1
+    monkeypatch.setattr(report, "_default_loader", lambda *a: tiny_loader)
+    assert report.report_main(args) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["configs"]["bf16"]["tasks"]["piqa"]["n"] == 1 and data["meta"]["tasks_limit"] == 1

@@ -1,0 +1,246 @@
+"""Memory accounting, the decode engine and the speed helpers.
+
+CPU tests run the engine eagerly (the same forward the CUDA graphs capture); GPU tests (skipped
+without CUDA) check graph-captured greedy tokens against ``model.generate`` for bf16 and W4A16.
+"""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model
+from nibble import QuantConfig, QuantLinear, quantize_model
+from nibble.eval import engine as engine_mod
+from nibble.eval import memory, speed
+from nibble.eval.engine import Engine
+from nibble.models.convert import weight_bytes
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def unique_state_dict_bytes(model) -> int:
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[:, prompt.shape[1]:]
+
+
+# ---- memory ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("mode", [None, "w4a16", "w4a4"])
+def test_weight_kinds_add_up_to_the_state_dict_bytes(tied, mode):
+    model = tiny_model(tie_word_embeddings=tied)
+    if mode:
+        quantize_model(model, QuantConfig(mode=mode, group_size=32 if mode == "w4a16" else None), progress=False)
+    mem = memory.weight_memory(model)
+
+    assert mem["total_bytes"] == unique_state_dict_bytes(model)
+    assert sum(k["bytes"] for k in mem["kinds"].values()) == mem["total_bytes"]
+    assert mem["quantized_bytes"] + mem["dense_bytes"] == mem["total_bytes"]
+    assert mem["tied_lm_head"] == tied
+    k = mem["kinds"]
+    h, v = model.config.hidden_size, model.config.vocab_size
+    assert k["embeddings"]["bytes"] == v * h * 4
+    assert k["lm_head"]["bytes"] == (0 if tied else v * h * 4)
+    assert k["norms"]["bytes"] == (2 * 2 + 1) * h * 4  # two per layer + the final norm, float32
+    assert k["other"]["bytes"] == 0
+    if mode:
+        # the quantized part is exactly QuantLinear's codes + scales + zeros, all in attention and MLP
+        assert mem["quantized_bytes"] == weight_bytes(model)["quantized_bytes"]
+        assert k["attention"]["quantized_bytes"] + k["mlp"]["quantized_bytes"] == mem["quantized_bytes"]
+        assert k["embeddings"]["quantized_bytes"] == k["lm_head"]["quantized_bytes"] == 0
+
+
+def test_quantized_linears_take_about_a_quarter_of_16_bit_plus_scales():
+    dense = tiny_model(dtype=torch.bfloat16)
+    q = tiny_model(dtype=torch.bfloat16)
+    quantize_model(q, QuantConfig(mode="w4a16", group_size=64), progress=False)
+    ratio = memory.linear_bytes(memory.weight_memory(q)) / memory.linear_bytes(memory.weight_memory(dense))
+    assert ratio == pytest.approx(0.25 + 2 * 2 / (64 * 2), rel=1e-6)  # 4 bits + fp16 scale and zero per 64
+
+
+def test_decode_stream_bytes_skip_the_embedding_table_unless_it_is_the_lm_head():
+    for tied in (True, False):
+        mem = memory.weight_memory(tiny_model(tie_word_embeddings=tied))
+        table = mem["kinds"]["embeddings"]["bytes"]
+        assert memory.decode_stream_bytes(mem) == mem["total_bytes"] - (0 if tied else table)
+
+
+def test_peak_memory_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        memory.peak_memory(tiny_model())
+
+
+# ---- the engine on CPU (eager) ---------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_engine_prefill_logits_equal_the_hf_forward(arch):
+    model = tiny_model(arch)
+    prompt = torch.randint(0, 256, (3, 11))
+    with torch.no_grad():
+        ref = model(prompt).logits[:, -1]
+    out = Engine(model, max_batch=4, max_seq_len=32).prefill(prompt)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_engine_greedy_tokens_equal_hf_generate_on_cpu(arch):
+    model = tiny_model(arch, initializer_range=0.2)
+    prompt = torch.randint(0, 256, (2, 9))
+    engine = Engine(model, max_batch=2, max_seq_len=40)
+    assert torch.equal(engine.generate(prompt, 24), hf_greedy(model, prompt, 24))
+    # a second, shorter sequence reuses the cache from position 0
+    assert torch.equal(engine.generate(prompt[:1, :5], 6), hf_greedy(model, prompt[:1, :5], 6))
+
+
+def test_engine_runs_quantized_linears_and_matches_hf_generate():
+    model = tiny_model(initializer_range=0.2)
+    quantize_model(model, QuantConfig(mode="w4a16", group_size=32), progress=False)
+    prompt = torch.randint(0, 256, (1, 7))
+    assert torch.equal(Engine(model, max_seq_len=32).generate(prompt, 12), hf_greedy(model, prompt, 12))
+
+
+def test_engine_refuses_sequences_longer_than_its_cache():
+    engine = Engine(tiny_model(), max_batch=1, max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        engine.generate(torch.zeros(1, 10, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.prefill(torch.zeros(2, 4, dtype=torch.long))
+
+
+# ---- the fused glue kernels (CUDA, or the Triton interpreter on the CPU) ----------------------
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None)
+needs_kernel = pytest.mark.skipif(engine_mod.triton is None or KERNEL_DEVICE is None,
+                                  reason="needs CUDA, or TRITON_INTERPRET=1 on the CPU")
+
+
+def glue_outputs(dtype, device):
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+    B, T, H, KV, D, S = 2, 3, 4, 2, 16, 32
+    out = list(engine_mod.add_rmsnorm(r(5, 96), r(5, 96), r(96), 1e-5))
+    out += list(engine_mod.add_rmsnorm(r(5, 96), None, r(96), 1e-6))
+    out.append(engine_mod.silu_mul(r(3, 200), r(3, 200)))
+    kc, vc = torch.zeros(B, KV, S, D, dtype=dtype, device=device), torch.zeros(B, KV, S, D, dtype=dtype, device=device)
+    pos = torch.tensor([5, 6, 7], device=device)
+    out.append(engine_mod.rope_and_cache(r(B, T, H * D), r(B, T, KV * D), r(B, T, KV * D), r(S, D), r(S, D), pos,
+                                         kc, vc, H, KV, D))
+    return out + [kc, vc]
+
+
+@needs_kernel
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatch):
+    fused = glue_outputs(dtype, KERNEL_DEVICE)
+    assert engine_mod._glue_failure is None  # the kernels ran, nothing fell back
+    monkeypatch.setattr(engine_mod, "triton", None)
+    plain = glue_outputs(dtype, KERNEL_DEVICE)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_glue_kernel_that_fails_to_build_falls_back_to_pytorch_with_a_warning(monkeypatch):
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("no C compiler")
+    monkeypatch.setattr(engine_mod, "_use_triton", lambda x: True)
+    monkeypatch.setattr(engine_mod, "triton", SimpleNamespace(next_power_of_2=lambda n: n))
+    monkeypatch.setattr(engine_mod, "_add_rmsnorm_kernel", Broken(), raising=False)
+    monkeypatch.setattr(engine_mod, "_glue_failure", None)
+    x, w = torch.randn(3, 32), torch.randn(32)
+    with pytest.warns(UserWarning, match="no C compiler"):
+        h, y = engine_mod.add_rmsnorm(x, None, w, 1e-6)
+    assert "no C compiler" in engine_mod._glue_failure
+    torch.testing.assert_close(y, w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    engine_mod.silu_mul(x, x)  # later calls go straight to PyTorch, silently
+
+
+# ---- speed helpers ---------------------------------------------------------------------------
+def test_linear_flops_per_token_is_twice_the_decoder_linear_weights():
+    model = tiny_model()
+    n = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, nn.Linear))
+    assert speed.linear_flops_per_token(model) == 2 * n
+
+
+def test_speed_models_have_the_published_shapes():
+    cfg = speed.SPEED_MODELS["llama-3-8b"]
+    assert (cfg["intermediate_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (14336, 8, 128256)
+    model = speed.random_model("llama-2-7b", device="meta", num_hidden_layers=1)
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (4096, 11008)
+    assert model.lm_head.weight.shape == (32000, 4096) and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_speed_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        speed.speed_benchmark(tiny_model(), "tiny")
+
+
+# ---- GPU: CUDA graphs -------------------------------------------------------------------------
+def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens, tol):
+    """Exact equality, except that at the first divergence (if any) the two candidate tokens must be
+    a near-tie of HF's own logits (bf16 rounding differs between the two attention paths)."""
+    if torch.equal(engine_tokens, hf_tokens):
+        return
+    for row in range(prompt.shape[0]):
+        diff = (engine_tokens[row] != hf_tokens[row]).nonzero()
+        if not len(diff):
+            continue
+        d = diff[0].item()
+        ctx = torch.cat([prompt[row], hf_tokens[row, :d]])[None]
+        with torch.no_grad():
+            logits = model(ctx).logits[0, -1].float()
+        gap = (logits[hf_tokens[row, d]] - logits[engine_tokens[row, d]]).item()
+        assert gap <= tol, f"row {row}: tokens diverge at step {d} with a logit gap of {gap:.4f} (> {tol})"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "w4a16"])
+def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode):
+    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=8, num_key_value_heads=2).cuda()
+    if mode == "w4a16":
+        quantize_model(model, QuantConfig(mode="w4a16", group_size=64), progress=False)
+    prompt = torch.randint(0, 256, (2, 16), device="cuda")
+    engine = Engine(model, max_batch=2, max_seq_len=64)
+    assert engine.cuda_graphs
+    tokens = engine.generate(prompt, 32)
+    assert ("decode", 2) in engine._graphs and ("prefill", 2, 16) in engine._graphs
+    assert torch.equal(engine.generate(prompt, 32), tokens)  # replaying the graphs is deterministic
+    assert_greedy_equal_up_to_near_ties(model, prompt, tokens, hf_greedy(model, prompt, 32), tol=0.05)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_graph_engine_equals_the_eager_engine():
+    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2).cuda()
+    prompt = torch.randint(0, 256, (1, 8), device="cuda")
+    graphed = Engine(model, max_seq_len=48).generate(prompt, 24)
+    eager = Engine(model, max_seq_len=48, cuda_graphs=False).generate(prompt, 24)
+    assert torch.equal(graphed, eager)
+
+
+@gpu
+@pytest.mark.gpu
+def test_peak_memory_covers_weights_and_kv_cache():
+    model = tiny_model(dtype=torch.bfloat16).cuda()
+    peak = memory.peak_memory(model, prompt_len=64, decode_tokens=16)
+    assert peak["weights_bytes"] >= memory.weight_memory(model)["total_bytes"]
+    assert peak["peak_bytes"] >= peak["weights_bytes"] + peak["kv_cache_bytes"]
