@@ -19,6 +19,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -ra
+	# The Triton kernels once more, on the CPU through Triton's interpreter (GPU-only cases skip).
+	TRITON_INTERPRET=1 NIBBLE_TRITON_INTERPRET_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider \
+		tests/kernels tests/eval/test_speed_memory.py
 
 clean:
 	rm -rf $(VENV)

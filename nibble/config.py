@@ -25,7 +25,7 @@ class QuantConfig:
     group_size: int | None = None
     symmetric: bool | None = None
     zero_point: str = "int"
-    clip_search: bool = True
+    clip_search: bool = False
     method: str = "rtn"
     rotation: str = "none"
     rotation_seed: int = 0

@@ -1,0 +1,57 @@
+"""The `nibble` command end to end on a tiny local model directory (no network, seconds)."""
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from nibble.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["the capital of france is paris", "a haiku about the sea"] * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    d = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    tiny_model(vocab_size=len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
+    main(["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--group-size", "32",
+          "--max-new-tokens", "4", "--no-chat"])
+    assert capsys.readouterr().out.strip()
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
+    assert "0.31" in capsys.readouterr().out  # 4 bits + fp16 scale and zero per 32 weights = 0.3125x
+    main(["info", str(out)])
+    info = json.loads(capsys.readouterr().out)
+    assert info["quantization_config"]["group_size"] == 32 and info["bytes_saved"] > 0
+    main(["generate", "the capital", "--model", str(out), "--device", "cpu", "--max-new-tokens", "3", "--no-chat"])
+    assert capsys.readouterr().out.strip()
+
+
+def test_w4a4_with_rotation_from_the_cli(model_dir, capsys):
+    main(["generate", "the sea", "--model", str(model_dir), "--device", "cpu", "--quant", "w4a4", "--rotate",
+          "--max-new-tokens", "3", "--no-chat"])
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_asking_for_cuda_without_a_gpu_is_a_clear_error(model_dir):
+    with pytest.raises(SystemExit, match="no CUDA GPU is visible"):
+        main(["generate", "x", "--model", str(model_dir), "--device", "cuda"])
+
+
+def test_quantize_without_a_quant_mode_is_refused(model_dir, tmp_path):
+    with pytest.raises(SystemExit, match="needs --quant"):
+        main(["quantize", "--model", str(model_dir), "--quant", "none", "--device", "cpu", "--out", str(tmp_path)])
