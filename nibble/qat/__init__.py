@@ -1,0 +1,9 @@
+"""PE-QAT: LoRA + fake-quant training for W4A4, and export to the deployed format.
+
+    from nibble.qat.train import run_qat, export
+    qat = run_qat(model, tokenizer, "hadamard", steps=200, out_dir="out")
+    qmodel = export(qat, "out", tokenizer)      # a nibble W4A4 checkpoint, load with load_quantized
+
+`fake_quant.py` holds the quantizers and layers, `train.py` the recipes, loop and command line,
+`export.py` the conversion to QuantLinear "w4a4".
+"""

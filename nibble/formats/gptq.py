@@ -1,0 +1,125 @@
+"""GPTQ layout (AutoGPTQ, GPTQModel, transformers' GPTQ) <-> nibble's canonical INT4 format, losslessly.
+
+A GPTQ linear with W [N, K] and group size G stores::
+
+    qweight  int32   [K // 8, N]        packed along K, code of row 8i + j in bits 4j of qweight[i, n]
+                                        (bit-identical to the canonical qweight)
+    qzeros   int32   [K // G, N // 8]   zero points packed along N, column 8c + j in bits 4j of word c
+    scales   float16 [K // G, N]
+    g_idx    int32   [K]                group of each input feature
+    W[n, k] = (q[k, n] - zp[g_idx[k], n]) * s[g_idx[k], n]
+
+Zero points, two conventions (``checkpoint_format``):
+- ``"gptq"`` (v1, the historical one): qzeros holds zp - 1. We follow GPTQModel and exllama,
+  which convert between v1 and v2 word-wise: ``v1_word = v2_word - 0x11111111 (mod 2^32)``.
+  For zp in [1, 15] that is exactly "each nibble is zp - 1"; a zp of 0 borrows from the next
+  nibble, which old readers that unpack nibble-wise and add 1 misread. Write ``"gptq_v2"`` when
+  asymmetric groups may have zp = 0 and the reader is not GPTQModel/exllama.
+- ``"gptq_v2"``: qzeros holds zp itself.
+
+Act-order (``desc_act``) checkpoints have a g_idx that is not ``k // G``: the members of a group
+are scattered over K. The canonical format needs contiguous groups, so ``from_gptq`` permutes K:
+it returns ``perm`` (int64 [K]) with canonical row j = original input feature ``perm[j]``, and the
+layer must compute ``x[..., perm] @ W_canonical.T``. We permute rather than refuse because most
+act-order checkpoints on the Hub would otherwise be unloadable, and a gather of the activations is
+cheap next to the GEMM (exllama and Marlin do the same reordering). ``to_gptq(weight, perm)`` is
+the inverse and writes the act-order g_idx.
+"""
+from __future__ import annotations
+
+import torch
+
+from nibble.formats.int4 import PACK, Int4Weight, pack_int4, unpack_int4
+from nibble.formats.zero_points import (integer_zero_points, pack_along_n, uint32_to_int32, unpack_along_n,
+                                        zeros_from_zero_points)
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+_ONES = 0x11111111  # +1 in every nibble
+
+
+def _check_format(checkpoint_format: str) -> None:
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS} (v1 stores zp - 1, v2 stores zp), "
+                         f"got {checkpoint_format!r}")
+
+
+def trivial_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
+    return (torch.arange(in_features, device=device) // group_size).to(torch.int32)
+
+
+def to_gptq(weight: Int4Weight, perm: torch.Tensor | None = None, checkpoint_format: str = "gptq") -> dict:
+    """Canonical -> GPTQ tensors ``{"qweight", "qzeros", "scales", "g_idx"}``.
+
+    ``perm`` (optional, [K]): the weight is stored in permuted input order (canonical row j is
+    original input feature perm[j]), as act-order GPTQ produces it; the result is in original order
+    with the act-order g_idx. Raises ValueError for float zero points.
+    """
+    _check_format(checkpoint_format)
+    K, N, G = weight.in_features, weight.out_features, weight.group_size
+    zp = integer_zero_points(weight.scales, weight.zeros, what="to_gptq: this weight")
+    words = pack_along_n(zp).to(torch.int64)
+    if checkpoint_format == "gptq":
+        words = words - _ONES
+    qzeros = uint32_to_int32(words)
+    g_idx = trivial_g_idx(K, G, weight.qweight.device)
+    qweight = weight.qweight.clone()
+    if perm is not None:
+        perm = _check_perm(perm, K)
+        codes = unpack_int4(weight.qweight)  # [K, N], row j = original feature perm[j]
+        original = torch.empty_like(codes)
+        original[perm] = codes
+        qweight = pack_int4(original)
+        g_idx = torch.empty_like(g_idx)
+        g_idx[perm] = trivial_g_idx(K, G, weight.qweight.device)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": weight.scales.clone(), "g_idx": g_idx}
+
+
+def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None,
+              group_size: int | None = None, checkpoint_format: str = "gptq") -> tuple[Int4Weight, torch.Tensor | None]:
+    """GPTQ tensors -> ``(Int4Weight, perm)``; ``perm`` is None unless g_idx is act-order (see module doc).
+
+    ``group_size`` (optional, -1 = per channel) is checked against the shapes; the group size
+    itself is K // scales.shape[0].
+    """
+    _check_format(checkpoint_format)
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"GPTQ qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}")
+    if scales.dtype != torch.float16:
+        raise ValueError(f"GPTQ scales must be float16, got {scales.dtype}")
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    n_groups = scales.shape[0]
+    if n_groups == 0 or K % n_groups:
+        raise ValueError(f"GPTQ scales have {n_groups} group rows, which do not divide in_features={K} evenly")
+    G = K // n_groups
+    if group_size is not None and (K if group_size == -1 else group_size) != G:
+        raise ValueError(f"group_size={group_size} disagrees with the tensors: K={K} with {n_groups} scale rows "
+                         f"means group size {G}")
+    if tuple(scales.shape) != (n_groups, N) or tuple(qzeros.shape) != (n_groups, N // PACK) or N % PACK:
+        raise ValueError(f"GPTQ shapes disagree: qweight {tuple(qweight.shape)} (K={K}, N={N}) needs scales "
+                         f"{(n_groups, N)} and qzeros {(n_groups, N // PACK)}; got {tuple(scales.shape)} and "
+                         f"{tuple(qzeros.shape)}")
+    words = qzeros.to(torch.int64)
+    if checkpoint_format == "gptq":
+        words = words + _ONES
+    zp = unpack_along_n(uint32_to_int32(words))
+    zeros = zeros_from_zero_points(zp, scales)
+    perm = None
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), trivial_g_idx(K, G, g_idx.device).to(torch.int64)):
+        g = g_idx.to(torch.int64)
+        if g.shape != (K,) or int(g.min()) < 0 or int(g.max()) >= n_groups or \
+                not bool((torch.bincount(g, minlength=n_groups) == G).all()):
+            raise ValueError(f"g_idx must assign exactly {G} of the {K} input features to each of the {n_groups} "
+                             "groups (as GPTQ act-order does); this one does not, so the groups cannot be made "
+                             "contiguous by a permutation")
+        perm = torch.argsort(g, stable=True)
+        qweight = pack_int4(unpack_int4(qweight)[perm])
+    else:
+        qweight = qweight.clone()
+    return Int4Weight(qweight, scales.clone(), zeros, G), perm
+
+
+def _check_perm(perm: torch.Tensor, K: int) -> torch.Tensor:
+    perm = perm.to(torch.int64)
+    if perm.shape != (K,) or not torch.equal(torch.sort(perm).values, torch.arange(K, device=perm.device)):
+        raise ValueError(f"perm must be a permutation of range({K})")
+    return perm

@@ -1,0 +1,271 @@
+"""Import AutoAWQ / GPTQ checkpoints into nibble, and export nibble W4A16 models to them, losslessly.
+
+``load_hf_quantized(dir)`` reads a local Hugging Face directory (config.json + *.safetensors)
+whose ``quantization_config`` is
+
+- AutoAWQ: ``quant_method: awq``, ``version: gemm``, ``bits: 4``, ``zero_point: true``;
+- GPTQ (AutoGPTQ, GPTQModel, optimum): ``quant_method: gptq``, ``bits: 4``, symmetric or not,
+  ``desc_act`` true or false, ``checkpoint_format`` ``gptq`` (v1, the default) or ``gptq_v2``,
+
+and builds the model with nibble ``QuantLinear`` layers holding exactly the checkpoint's codes,
+scales and zero points (no requantization; see nibble.formats.awq / gptq for the layouts). GPTQ
+act-order layers whose g_idx is not k // G keep an input permutation (``input_perm``).
+
+``export_awq(model, dir)`` / ``export_gptq(model, dir)`` write a nibble W4A16 model in those
+layouts with a matching ``quantization_config``, readable by AutoAWQ / transformers / vLLM.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from nibble.config import QuantConfig
+from nibble.formats.awq import from_awq, to_awq
+from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
+from nibble.models.convert import check_architecture, quantized_linears
+from nibble.nn.quant_linear import QuantLinear
+
+SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
+            f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+_QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+class UnsupportedCheckpointError(ValueError):
+    pass
+
+
+class PermutedInputQuantLinear(QuantLinear):
+    """A QuantLinear whose canonical weight is stored in permuted input order (GPTQ act-order):
+    y = x[..., input_perm] @ W.T + b."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("input_perm", torch.arange(self.in_features, device=self.qweight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.input_perm.to(x.device)))
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+def read_quantization_config(directory) -> dict:
+    """The checkpoint's quantization settings, validated: {"method", "group_size", "sym", "desc_act",
+    "checkpoint_format", "raw"}. Raises UnsupportedCheckpointError naming what nibble supports."""
+    directory = Path(directory)
+    raw = json.loads((directory / CONFIG).read_text())
+    qc = dict(raw.get("quantization_config") or {})
+    extra = directory / "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too
+    if extra.exists():
+        qc = {**json.loads(extra.read_text()), **qc}
+    if not qc:
+        raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized checkpoint "
+                                         f"(nibble imports {SUPPORTED}; quantize a float model with nibble instead)")
+    method = str(qc.get("quant_method", "")).lower()
+    bits = qc.get("bits", qc.get("w_bit"))
+    if method not in ("awq", "gptq"):
+        raise UnsupportedCheckpointError(f"quant_method={qc.get('quant_method')!r} is not supported; nibble imports {SUPPORTED}")
+    if bits != 4:
+        raise UnsupportedCheckpointError(f"{method} checkpoint with bits={bits!r} is not supported; nibble imports {SUPPORTED}")
+    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    out = {"method": method, "group_size": group_size, "raw": qc}
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise UnsupportedCheckpointError(f"AWQ version={qc.get('version')!r} is not supported (its packing differs "
+                                             f"from GEMM's); nibble imports {SUPPORTED}")
+        if not qc.get("zero_point", True):
+            raise UnsupportedCheckpointError(f"AWQ with zero_point=false is not supported; nibble imports {SUPPORTED}")
+        out.update(sym=False, desc_act=False, checkpoint_format=None)
+    else:
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in CHECKPOINT_FORMATS:
+            raise UnsupportedCheckpointError(f"GPTQ checkpoint_format={fmt!r} is not supported; nibble imports {SUPPORTED}")
+        out.update(sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)), checkpoint_format=fmt)
+    return out
+
+
+def _read_safetensors(directory: Path) -> dict:
+    index = directory / f"{WEIGHTS}.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only")
+    tensors = {}
+    for name in files:
+        with safe_open(str(directory / name), "pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _convert_layer(info: dict, t: dict, prefix: str):
+    """(Int4Weight, perm or None) of one quantized linear from its checkpoint tensors."""
+    try:
+        if info["method"] == "awq":
+            return from_awq(t["qweight"], t["qzeros"], t["scales"], info["group_size"]), None
+        return from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"],
+                         info["checkpoint_format"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
+
+
+def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
+    """Load a local AutoAWQ-GEMM or GPTQ checkpoint into a model of nibble QuantLinears.
+
+    Returns ``(model, tokenizer)`` (tokenizer None when the directory has none). ``dtype`` is the
+    activation / non-quantized-weight dtype: default float32 on CPU, float16 elsewhere.
+    The model's ``config.quantization_config`` becomes the nibble one (method awq/gptq), with the
+    original under ``"imported_from"``, so ``save_quantized`` can write it in nibble's format.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(directory)
+    if not (directory / CONFIG).exists():
+        raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
+    info = read_quantization_config(directory)
+    device = torch.device(device)
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
+    raw = json.loads((directory / CONFIG).read_text())
+    raw.pop("quantization_config", None)
+    config = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    check_architecture(model)
+    tensors = _read_safetensors(directory)
+
+    prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+    if not prefixes:
+        raise ValueError(f"{directory}: config says {info['method']} but no tensor ends in .qweight")
+    group_sizes, permuted = set(), []
+    for prefix in prefixes:
+        t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
+        bias = tensors.pop(f"{prefix}.bias", None)
+        weight, perm = _convert_layer(info, t, prefix)
+        old = model.get_submodule(prefix)
+        if (old.in_features, old.out_features) != (weight.in_features, weight.out_features):
+            raise ValueError(f"{prefix}: checkpoint holds a {weight.out_features}x{weight.in_features} weight but the "
+                             f"architecture expects {old.out_features}x{old.in_features}")
+        cls = PermutedInputQuantLinear if perm is not None else QuantLinear
+        layer = cls.from_weight(weight.to(device), None if bias is None else bias.to(device, dtype), "w4a16", dtype=dtype)
+        if perm is not None:
+            layer.input_perm.copy_(perm)
+            permuted.append(prefix)
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+        group_sizes.add(-1 if weight.group_size == weight.in_features else weight.group_size)
+
+    state = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")
+               and not any(k.startswith(p + ".") for p in prefixes)]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: checkpoint does not match the architecture (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    if tied:
+        model.tie_weights()
+    from nibble.models.serialization import _rebuild_non_persistent_buffers
+    _rebuild_non_persistent_buffers(model, device)
+    nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
+                            symmetric=info["sym"], zero_point="int", clip_search=False, method=info["method"])
+    model.config.quantization_config = {**nibble_qc.to_dict(), "imported_from": info["raw"],
+                                        "input_permuted_modules": permuted}
+    model.eval()
+    tokenizer = None
+    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
+    linears = quantized_linears(model)
+    if not linears:
+        raise ValueError("model has no QuantLinear layers: quantize it with nibble.quantize_model first")
+    for name, m in linears:
+        if m.mode != "w4a16" or m.input_hadamard:
+            raise ValueError(f"{name} is a {m.mode} layer: only W4A16 models (16-bit activations, no rotation) can "
+                             f"be exported to {quantization_config['quant_method']}")
+    per_channel = {m.group_size == m.in_features for _, m in linears}
+    group_sizes = {m.group_size for _, m in linears}
+    if len(group_sizes) == 1:
+        group_size = group_sizes.pop()
+    elif per_channel == {True}:
+        group_size = -1
+    else:
+        raise ValueError(f"layers use different group sizes {sorted(group_sizes)}; the {quantization_config['quant_method']} "
+                         "quantization_config holds one")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, quant_prefixes = {}, {name for name, _ in linears}
+    for name, m in linears:
+        for k, v in convert(name, m).items():
+            tensors[f"{name}.{k}"] = v.contiguous().cpu()
+        if m.bias is not None:
+            tensors[f"{name}.bias"] = m.bias.detach().half().cpu()
+    seen = {}
+    for k, v in model.state_dict().items():
+        if k.rpartition(".")[0] in quant_prefixes:
+            continue
+        key = (v.data_ptr(), tuple(v.shape))
+        if v.numel() and key in seen:  # tied lm_head = embed_tokens: stored once, as HF does
+            continue
+        seen[key] = k
+        tensors[k] = (v.detach().half() if v.is_floating_point() else v.detach()).contiguous().cpu()
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    not_converted = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]  # e.g. lm_head
+    config["quantization_config"] = {**quantization_config, "bits": 4, "group_size": group_size,
+                                     "modules_to_not_convert": not_converted or None}
+    config["torch_dtype"] = config["dtype"] = "float16"
+    from nibble.models.serialization import _atomic_write
+    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
+    """Write a nibble W4A16 model as an AutoAWQ GEMM checkpoint (model.safetensors + config.json with
+    ``quantization_config: {quant_method: awq, version: gemm, bits: 4, group_size, zero_point: true}``).
+
+    Non-quantized tensors (embeddings, norms, lm_head, biases) are written in float16, as AutoAWQ
+    does. Raises ValueError for float zero points, w4a4 layers or permuted (act-order) layers.
+    """
+    def convert(name, m):
+        if hasattr(m, "input_perm"):
+            raise ValueError(f"{name} has an input permutation (GPTQ act-order), which AWQ cannot express; "
+                             "use export_gptq")
+        try:
+            return to_awq(m.weight_int4())
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    return _export(model, directory, {"quant_method": "awq", "version": "gemm", "zero_point": True}, convert, tokenizer)
+
+
+def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: str = "gptq") -> Path:
+    """Write a nibble W4A16 model as a GPTQ checkpoint (qweight/qzeros/scales/g_idx + config.json with
+    ``quantization_config: {quant_method: gptq, bits: 4, group_size, sym, desc_act, checkpoint_format}``)."""
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    qc = getattr(model.config, "quantization_config", None) or {}
+    desc_act = any(hasattr(m, "input_perm") for _, m in quantized_linears(model))
+
+    def convert(name, m):
+        try:
+            return to_gptq(m.weight_int4(), getattr(m, "input_perm", None), checkpoint_format)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    return _export(model, directory, {"quant_method": "gptq", "sym": bool(qc.get("symmetric", False)),
+                                      "desc_act": desc_act, "checkpoint_format": checkpoint_format}, convert, tokenizer)

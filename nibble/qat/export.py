@@ -1,0 +1,69 @@
+"""Export a PE-QAT model to the deployed W4A4 format.
+
+For every fake-quantized linear: merge the LoRA adapter into the weight (``W + s B A``, float32),
+take the grid the training forward used (`fake_quant.weight_grid`, learned or fixed clip ratio
+folded into the per-channel scales), and store it as a QuantLinear "w4a4" (symmetric per-channel
+INT4 codes, ``input_hadamard`` where the rotation put an online Hadamard). The result is exactly the
+weights the fake-quant forward multiplied by, so `load_quantized` of the saved directory reproduces
+the fake-quant model's logits up to float rounding (the test checks it).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nibble.config import QuantConfig
+from nibble.formats.int4 import Int4Weight
+from nibble.nn.quant_linear import QuantLinear
+from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, weight_grid
+
+
+@torch.no_grad()
+def export_linear(layer: FakeQuantLoraLinear | FakeQuantLinear) -> QuantLinear:
+    """One fake-quantized (LoRA) linear -> QuantLinear "w4a4" with the same INT4 weights."""
+    if isinstance(layer, FakeQuantLoraLinear):
+        base, delta = layer.get_base_layer(), layer.lora_delta()
+    else:
+        base, delta = layer, None
+    if base.act != "token":
+        raise ValueError("per-channel activation scales cannot be exported: the W4A4 kernel applies one scale per "
+                         "token after the integer sum. Train with recipe 'per-token' or 'hadamard' to deploy")
+    w = base.effective_weight(delta)
+    ratio = base.weight_clip_ratio()
+    codes, s, z = weight_grid(w, None if ratio is None else ratio.detach())
+    int4 = Int4Weight.from_codes(codes.to(torch.uint8), s, z, group_size=w.shape[1])
+    return QuantLinear.from_weight(int4, base.bias, mode="w4a4", input_hadamard=base.input_hadamard,
+                                   dtype=base.weight.dtype)
+
+
+def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
+    """Turn the PeftModel from `run_qat` into a plain HF model with QuantLinear "w4a4" layers.
+
+    The QAT model is consumed (its layers are replaced in place). With ``out_dir`` the result is also
+    written by `save_quantized` (with ``tokenizer`` if given). Returns the quantized model, eval mode.
+    """
+    meta = dict(getattr(model, "qat_meta", {}) or {})
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = [(n, m) for n, m in base.named_modules() if isinstance(m, FakeQuantLoraLinear)]
+    layers += [(n, m) for n, m in base.named_modules()
+               if isinstance(m, FakeQuantLinear) and not any(n.startswith(ln + ".") for ln, _ in layers)]
+    if not layers:
+        raise ValueError("no PE-QAT layers in this model: pass the model returned by nibble.qat.run_qat")
+    for name, layer in layers:
+        parent, _, child = name.rpartition(".")
+        setattr(base.get_submodule(parent), child, export_linear(layer))
+    for attr in ("peft_config", "_hf_peft_config_loaded"):
+        if attr in base.__dict__:
+            delattr(base, attr)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    rotation = "hadamard" if meta.get("recipe") == "hadamard" else "none"
+    qc = QuantConfig(mode="w4a4", rotation=rotation, rotation_seed=meta.get("rotation_seed", 0), clip_search=False)
+    base.config.quantization_config = {**qc.to_dict(), "qat": {k: v for k, v in meta.items()
+                                                               if isinstance(v, (int, float, str, list))}}
+    base.config.use_cache = True
+    base.eval()
+    if out_dir is not None:
+        from nibble.models.serialization import save_quantized
+        save_quantized(base, out_dir, tokenizer)
+    return base

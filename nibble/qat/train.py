@@ -1,0 +1,382 @@
+"""PE-QAT: parameter-efficient quantization-aware training for W4A4 (frozen weights, LoRA, fake quant).
+
+Recipes (`RECIPES`):
+
+- ``per-token``: the deployable variant. Activations per token (the W4A4 kernel's numerics),
+  weights per output channel with a learnable clip ratio ``sigmoid(theta)`` per channel, started
+  from rtn's MSE clip search. Exports to QuantLinear "w4a4".
+- ``hadamard``: `rotate_model` first (RMSNorm folded, residual stream rotated by a seeded
+  Hadamard, online Hadamard before down_proj); nothing learned but LoRA. The weight clip ratio is
+  fixed at what rtn's search picks on the rotated weights, so step 0 is exactly W4A4 Hadamard RTN.
+  Exports to QuantLinear "w4a4" with ``input_hadamard`` on down_proj.
+- ``per-channel``: the original PE-QAT (for comparison): per-input-channel activation scales with
+  learnable clipping, learnable per-channel smoothing (``x / m``, ``W * m`` folded into the weight
+  before quantization) and learnable weight clipping. No W4A4 kernel can apply a scale per input
+  channel after the integer sum, so this recipe trains and evaluates as fake quant only.
+
+Every recipe: base weights frozen, LoRA (peft) on every linear `quantize_model` would convert
+(not lm_head), adapters merged into the weight *before* fake quantization (`fake_quant.py`).
+
+Objective: KL(p_16bit || p_quant) of the next-token distributions (``objective="kl"``, default),
+with next-token cross-entropy (``"ce"``) and their sum (``"ce+kl"``) available. Why KL: what QAT
+has to recover is the 16-bit model, and the gap we report is to that model's perplexity. The 16-bit
+logits are a dense target (a whole 49k-way distribution per token instead of one observed token),
+so the few hundred thousand tokens of calibration text go much further, and the student is not
+pulled towards the calibration corpus (C4 excerpt, one Jane Austen novel) as CE fine-tuning would:
+a CE-trained model can lower its loss by learning Austen rather than by undoing quantization
+error, and that shift is invisible in the training loss. The teacher costs no memory: it is the same
+model with the adapters and fake quantization switched off, one extra no-grad forward per step.
+
+Training: AdamW, linear warm-up then cosine decay to 0, gradient clipping at 1, bf16 autocast on
+CUDA (master weights and the quantization grid stay float32), gradient checkpointing, a tqdm bar
+with the loss. Every ``save_every`` steps (and at the end) the trainable state (LoRA, clip and
+smoothing parameters), the optimizer, the scheduler and the step go atomically to
+``out_dir/qat-state/state.pt``; ``resume=True`` rebuilds the same model and continues from it.
+The data order is a pure function of (seed, step), so a resumed run sees the batches an
+uninterrupted one would have.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
+from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
+
+RECIPES = ("per-token", "hadamard", "per-channel")
+OBJECTIVES = ("kl", "ce", "ce+kl")
+STATE_DIR = "qat-state"
+STATE_FILE = "state.pt"
+DEFAULT_SOURCES = ("c4", "gutenberg")
+
+# Recipe -> how each FakeQuantLinear is built.
+_LAYER_KWARGS = {
+    "per-token": dict(clip="learned", act="token"),
+    "hadamard": dict(clip="fixed", act="token"),
+    "per-channel": dict(clip="learned", act="channel", smoothing=True),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Model preparation
+# ----------------------------------------------------------------------------------------------
+
+def quantizable_linears(model: nn.Module) -> list[str]:
+    """Full names of the linears `quantize_model` converts (decoder layers, not modules_to_not_convert)."""
+    from nibble.config import QuantConfig
+    from nibble.models.convert import _skipped, decoder_layers
+
+    cfg = QuantConfig(mode="w4a4")
+    return [f"model.layers.{i}.{n}" for i, layer in enumerate(decoder_layers(model)) for n, m in layer.named_modules()
+            if isinstance(m, nn.Linear) and not _skipped(f"model.layers.{i}.{n}", cfg)]
+
+
+def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: float | None = None,
+                      rotation_seed: int = 0) -> nn.Module:
+    """Rotate (hadamard recipe), swap every quantizable linear for a FakeQuantLinear, add LoRA with peft.
+
+    Returns the PeftModel; only LoRA and the recipe's quantization parameters are trainable.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from nibble.models.convert import check_architecture
+
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    check_architecture(model)
+    if recipe == "hadamard":
+        from nibble.models.rotation import rotate_model
+        rotate_model(model, seed=rotation_seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = quantizable_linears(model)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        linear = model.get_submodule(name)
+        setattr(model.get_submodule(parent), child, FakeQuantLinear.from_linear(linear, **_LAYER_KWARGS[recipe]))
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
+                        target_modules=names, bias="none")
+    config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
+    peft_model = get_peft_model(model, config)
+    for _, m in fake_quant_layers(peft_model):  # peft freezes everything that is not "lora_"
+        for p in (getattr(m, a, None) for a in ("clip_logit", "act_clip_logit", "smooth_log")):
+            if p is not None:
+                p.requires_grad_(True)
+    peft_model.qat_meta = {"recipe": recipe, "rank": rank, "alpha": config.lora_alpha, "rotation_seed": rotation_seed}
+    return peft_model
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+
+def training_windows(tokenizer, seq_len: int, sources=DEFAULT_SOURCES) -> torch.Tensor:
+    """Every non-overlapping ``seq_len``-token window of the calibration texts: LongTensor [n, seq_len].
+
+    Texts come from `nibble.quantize.calibration.calibration_text` (which refuses WikiText-2 test).
+    """
+    from nibble.eval.perplexity import encode
+    from nibble.quantize.calibration import calibration_text
+
+    chunks = []
+    for source in sources:
+        ids = torch.tensor(encode(tokenizer, calibration_text(source), add_special_tokens=False), dtype=torch.long)
+        n = ids.numel() // seq_len
+        chunks.append(ids[: n * seq_len].view(n, seq_len))
+    windows = torch.cat(chunks)
+    if windows.shape[0] == 0:
+        raise ValueError(f"the calibration text {list(sources)} is shorter than one window of seq_len={seq_len}")
+    return windows
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> torch.Tensor:
+    """Rows of the window table used at ``step``: consecutive slices of one seeded permutation per epoch."""
+    out = []
+    for j in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(j, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(perm[pos])
+    return torch.stack(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss, optimizer, schedule
+# ----------------------------------------------------------------------------------------------
+
+def qat_loss(logits: torch.Tensor, input_ids: torch.Tensor, teacher_logits: torch.Tensor | None,
+             objective: str) -> torch.Tensor:
+    """Next-token loss over every position that has a target (the last position has none)."""
+    student = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    loss = 0.0
+    if objective in ("ce", "ce+kl"):
+        loss = loss + F.cross_entropy(student, input_ids[:, 1:].reshape(-1))
+    if objective in ("kl", "ce+kl"):
+        teacher = teacher_logits[:, :-1].float().reshape(-1, teacher_logits.shape[-1])
+        loss = loss + F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
+                               reduction="batchmean")
+    return loss
+
+
+def _param_groups(model: nn.Module, lr: float, quant_lr: float):
+    lora = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
+    quant = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    groups = [{"params": lora, "lr": lr, "weight_decay": 0.0}]
+    if quant:
+        groups.append({"params": quant, "lr": quant_lr, "weight_decay": 0.0})
+    return groups
+
+
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from 1 to 0 at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def _trainable_state(model: nn.Module) -> dict:
+    state = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    for name, m in fake_quant_layers(model):
+        if hasattr(m, "clip_ratio"):
+            state[f"{name}.clip_ratio"] = m.clip_ratio.detach().cpu().clone()
+    return state
+
+
+def state_path(out_dir) -> Path:
+    return Path(out_dir) / STATE_DIR / STATE_FILE
+
+
+def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict) -> None:
+    """Atomic: written to a temp file, fsynced, renamed; a kill mid-write leaves the previous state."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"step": step, "settings": settings, "trainable": _trainable_state(model),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> int:
+    """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    fixed = ("recipe", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed", "objective", "sources")
+    diff = {k: (state["settings"].get(k), settings.get(k)) for k in fixed if state["settings"].get(k) != settings.get(k)}
+    if diff:
+        raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
+                         "the same settings or pick another --out")
+    if state["settings"].get("steps") != settings.get("steps"):
+        warnings.warn(f"resuming a run planned for {state['settings'].get('steps')} steps with steps="
+                      f"{settings.get('steps')}: the cosine schedule is stretched to the new length", stacklevel=3)
+    trainable = state["trainable"]
+    own = _trainable_state(model)
+    if set(trainable) != set(own):
+        missing, extra = sorted(set(own) - set(trainable)), sorted(set(trainable) - set(own))
+        raise ValueError(f"{path} does not match this model (missing {missing[:3]}, unexpected {extra[:3]})")
+    model.load_state_dict(trainable, strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e-3, seq_len: int = 512,
+            batch_size: int = 8, out_dir=None, resume: bool = False, device=None, *, objective: str = "kl",
+            rank: int = 16, alpha: float | None = None, quant_lr: float = 1e-2, warmup: int | None = None,
+            save_every: int = 50, seed: int = 0, rotation_seed: int = 0, sources=DEFAULT_SOURCES,
+            windows: torch.Tensor | None = None, gradient_checkpointing: bool = True, max_grad_norm: float = 1.0,
+            progress: bool = True, callback=None) -> nn.Module:
+    """Train ``model`` (a float HF causal LM, modified in place) with PE-QAT; returns the PeftModel.
+
+    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
+    given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
+    the clip/smoothing parameters. ``out_dir`` (optional) receives the resumable state every
+    ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
+    step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
+    with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(seed)
+    model = model.to(device=device, dtype=torch.float32)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed)
+    if windows is None:
+        windows = training_windows(tokenizer, seq_len, sources)
+    elif windows.dim() != 2 or windows.shape[1] != seq_len:
+        raise ValueError(f"windows must be [n, seq_len={seq_len}], got {tuple(windows.shape)}")
+    settings = dict(peft_model.qat_meta, seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective,
+                    steps=steps, lr=lr, quant_lr=quant_lr, sources=list(sources))
+    warmup = max(1, steps // 20) if warmup is None else warmup
+    optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
+    path = state_path(out_dir) if out_dir is not None else None
+    start = 0
+    if resume:
+        if path.exists():
+            start = load_state(path, peft_model, optimizer, scheduler, settings)
+        else:
+            warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
+
+    peft_model.train()
+    n_tok = 0
+    t0 = time.time()
+    loss_ema = first_loss = None
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
+               unit="step")
+    for step in bar:
+        ids = windows[batch_indices(step, batch_size, windows.shape[0], seed)].to(device)
+        teacher = None
+        if objective != "ce":
+            with torch.no_grad(), peft_model.disable_adapter(), quantization_disabled(peft_model), _autocast(device):
+                teacher = peft_model(input_ids=ids, use_cache=False).logits
+        with _autocast(device):
+            logits = peft_model(input_ids=ids, use_cache=False).logits
+        loss = qat_loss(logits, ids, teacher, objective)
+        del logits, teacher
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"PE-QAT loss became {value} at step {step}; lower lr / quant_lr")
+        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+        first_loss = value if first_loss is None else first_loss
+        n_tok += ids.numel()
+        bar.set_postfix(loss=f"{value:.4f}", avg=f"{loss_ema:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        done = step + 1
+        if path is not None and (done % save_every == 0 or done == steps):
+            save_state(path, peft_model, optimizer, scheduler, done, settings)
+        if callback is not None:
+            callback(done, value)
+    bar.close()
+    if gradient_checkpointing:
+        peft_model.get_base_model().gradient_checkpointing_disable()
+    peft_model.eval()
+    peft_model.qat_meta = dict(settings, tokens_this_run=n_tok, seconds_this_run=round(time.time() - t0, 1),
+                               tokens_total=steps * batch_size * seq_len, first_loss=first_loss,
+                               final_loss=loss_ema)
+    return peft_model
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line (wired by nibble/cli.py as `nibble qat`)
+# ----------------------------------------------------------------------------------------------
+
+def add_qat_arguments(parser) -> None:
+    """The `nibble qat` options (it owns --model and --device too)."""
+    parser.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--recipe", choices=RECIPES, default="per-token",
+                        help="per-token: deployable, learned weight clipping; hadamard: rotate first; "
+                             "per-channel: the original PE-QAT (fake quant only, not exportable)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
+    parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
+                        help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE")
+    parser.add_argument("--calib", default=",".join(DEFAULT_SOURCES),
+                        help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths")
+    parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")
+    parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
+
+
+def qat_main(args) -> None:
+    from nibble.models.loading import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda asked for, but no CUDA GPU is visible; use --device cpu")
+    model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
+                    resume=args.resume, device=device, objective=args.objective, rank=args.rank,
+                    quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
+                    sources=tuple(s for s in args.calib.split(",") if s))
+    if args.recipe == "per-channel":
+        print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
+              f"state in {state_path(args.out)}")
+        return
+    qmodel = export(model, args.out, tokenizer)
+    print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
+          f"{args.out}`)")
+    if args.eval_ppl:
+        import json
+
+        from nibble.eval.perplexity import wikitext2_perplexity
+        from nibble.models.serialization import load_quantized
+        qmodel, _ = load_quantized(args.out, device=device)
+        print(json.dumps(wikitext2_perplexity(qmodel, tokenizer), indent=2))

@@ -1,0 +1,212 @@
+"""Calibration data for GPTQ/AWQ, and the block-by-block walk both use to see activations.
+
+``calibration_batches`` cuts a calibration text (C4 excerpt or a Gutenberg book from the shared
+data folder, or any .txt/.jsonl file) into ``n_samples`` random non-overlapping windows of
+``seq_len`` tokens. WikiText-2 test is refused: it is the evaluation set.
+
+Memory: the walk never holds more than one decoder block's activations. ``capture_block_inputs``
+runs the model only up to block 0 and keeps that block's input hidden states (n_samples x seq_len x
+hidden, e.g. 32 x 512 x 576 fp32 = 38 MB for SmolLM2-135M); each block is then run on them
+(``forward_block``, with hooks that reduce what a linear sees to a K x K Hessian and a K-vector of
+mean |x|, never storing the activations), and its outputs become the next block's inputs.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
+_FORBIDDEN = ("wiki.test", "wikitext2")
+
+
+def calibration_text(source: str = "c4") -> str:
+    """The raw calibration text: ``"c4"``, ``"gutenberg"`` or a path to a .txt / .jsonl (``{"text": ...}`` per line)."""
+    if source in SOURCES:
+        from nibble.eval.data import data_file
+        path = data_file(SOURCES[source])
+    else:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration source {source!r} is neither one of {sorted(SOURCES)} nor a file")
+    if any(f in str(path).lower() for f in _FORBIDDEN):
+        raise ValueError(f"refusing to calibrate on {path}: WikiText-2 test is the evaluation set, calibrating on it "
+                         "would inflate every perplexity we report. Use source='c4' or 'gutenberg'.")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        text = "\n\n".join(json.loads(line)["text"] for line in text.splitlines() if line.strip())
+    return text
+
+
+def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = 512, source: str = "c4",
+                        seed: int = 0) -> torch.Tensor:
+    """``n_samples`` random non-overlapping windows of ``seq_len`` tokens: LongTensor [n_samples, seq_len].
+
+    The text is tokenized once (no special tokens) and cut into consecutive windows, of which a
+    seeded random subset is taken. Raises ValueError naming the minimum (n_samples * seq_len tokens)
+    when the source is too short.
+    """
+    if n_samples < 1 or seq_len < 2:
+        raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got n_samples={n_samples}, seq_len={seq_len}")
+    from nibble.eval.perplexity import encode
+    ids = torch.tensor(encode(tokenizer, calibration_text(source), add_special_tokens=False), dtype=torch.long)
+    windows = ids.numel() // seq_len
+    if windows < n_samples:
+        raise ValueError(f"calibration source {source!r} has {ids.numel()} tokens, too short for n_samples={n_samples} "
+                         f"windows of seq_len={seq_len}: that needs at least {n_samples * seq_len} tokens. "
+                         "Use fewer samples, shorter windows or a longer text.")
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(windows, generator=g)[:n_samples].sort().values
+    return ids[: windows * seq_len].reshape(windows, seq_len)[pick].contiguous()
+
+
+def token_batches(calib, batch_size: int) -> list[torch.Tensor]:
+    """Normalise calibration input (LongTensor [n, L], a list of such tensors / of 1-D tensors, or a
+    dict with ``input_ids``) to a list of LongTensor batches of at most ``batch_size`` rows."""
+    if isinstance(calib, dict):
+        calib = calib["input_ids"]
+    if isinstance(calib, torch.Tensor):
+        rows = [calib] if calib.dim() == 2 else [calib.unsqueeze(0)]
+    else:
+        rows = [torch.as_tensor(c).reshape(-1, torch.as_tensor(c).shape[-1]) for c in calib]
+    if not rows or sum(r.shape[0] for r in rows) == 0:
+        raise ValueError("calibration data is empty")
+    out = []
+    for r in rows:
+        out += list(r.long().split(batch_size))
+    return out
+
+
+class _Stop(Exception):
+    pass
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    from nibble.models.convert import decoder_layers as layers
+    return layers(model)
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
+    """Run the model up to its first decoder block on every calibration batch.
+
+    Returns ``(inputs, kwargs)``: per batch, block 0's input hidden states and the keyword arguments
+    the model passed to it (rotary position embeddings, mask, ...), reused for every block.
+    """
+    device = next(model.parameters()).device
+    inputs, kwargs_list = [], []
+
+    def grab(module, args, kwargs):
+        kwargs = dict(kwargs)
+        inputs.append(args[0] if args else kwargs.pop("hidden_states"))
+        kwargs_list.append(kwargs)
+        raise _Stop
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for batch in token_batches(calib, batch_size):
+            try:
+                model(batch.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return inputs, kwargs_list
+
+
+class InputStats:
+    """Running statistics of a linear layer's input x (rows of [tokens, K]): XtX = sum x^T x, sum |x|, count."""
+
+    def __init__(self):
+        self.xtx, self.abs_sum, self.n = None, None, 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        if self.xtx is None:
+            self.xtx = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+            self.abs_sum = torch.zeros(x.shape[1], device=x.device)
+        self.xtx.addmm_(x.t(), x)
+        self.abs_sum += x.abs().sum(0)
+        self.n += x.shape[0]
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """H = 2/n X^T X, the Hessian of the layer-output squared error with respect to one weight row."""
+        return self.xtx * (2.0 / self.n)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / self.n
+
+
+def _block_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def forward_block(block: nn.Module, inputs: list, kwargs_list: list, watch: dict | None = None,
+                  keep_outputs: bool = True):
+    """Run ``block`` on every calibration batch; return (outputs or None, {name: InputStats}) for the
+    linears in ``watch`` ({name: module}), whose inputs are reduced on the fly.
+
+    With ``keep_outputs=False`` each batch stops as soon as every watched linear has seen its input
+    (e.g. q/k/v need only the first norm of the block).
+    """
+    watch = watch or {}
+    stats = {name: InputStats() for name in watch}
+    seen = set()
+
+    def hook(module, args, out, name):
+        stats[name].add(args[0])
+        seen.add(name)
+        if not keep_outputs and len(seen) == len(watch):
+            raise _Stop
+
+    handles = [m.register_forward_hook(lambda mod, args, out, name=name: hook(mod, args, out, name))
+               for name, m in watch.items()]
+    outputs = []
+    try:
+        for x, kw in zip(inputs, kwargs_list):
+            seen.clear()
+            try:
+                y = _block_output(block(x, **kw))
+            except _Stop:
+                continue
+            if keep_outputs:
+                outputs.append(y)
+    finally:
+        for h in handles:
+            h.remove()
+    return (outputs if keep_outputs else None), stats
+
+
+# Linears of a Llama/Qwen2/Mistral block, grouped by shared input, in the order those inputs are
+# produced: q/k/v read the first norm's output, o_proj the attention output, gate/up the second
+# norm's output, down_proj the gated product.
+SHARED_INPUT_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+def input_groups(names) -> list[list[str]]:
+    """``names`` split into groups that see the same input, in forward order; unknown linears alone, last."""
+    names = list(names)
+    groups = [[n for n in g if n in names] for g in SHARED_INPUT_GROUPS]
+    known = {n for g in groups for n in g}
+    return [g for g in groups if g] + [[n] for n in names if n not in known]
+
+
+def block_linears(block: nn.Module, prefix: str, skip) -> dict:
+    """{relative name: nn.Linear} of one decoder block, without those ``skip(full_name)`` rejects."""
+    return {name: m for name, m in block.named_modules()
+            if isinstance(m, nn.Linear) and not skip(f"{prefix}.{name}")}
+
+
+def skip_from_config(config):
+    names = list(getattr(config, "modules_to_not_convert", None) or [])
+    return lambda full: any(full == s or full.endswith("." + s) for s in names)

@@ -1,0 +1,210 @@
+"""GPTQ: INT4 weights with Hessian-based error compensation (Frantar et al., 2022).
+
+For a linear y = x W^T with calibration inputs X, GPTQ quantizes W column by column (input feature
+by input feature) and, after each column, spreads that column's rounding error over the columns
+not yet quantized so the layer output X W^T changes as little as possible. The second-order
+information is H = 2/n X^T X (K x K); with the upper Cholesky factor U of H^-1, quantizing column j
+with error e = (w_j - q_j) / U[j, j] updates the rest by w_{j:} -= e * U[j, j:].
+
+Details, as in the reference implementation:
+- damping: H += percdamp * mean(diag H) * I (percdamp 0.01), retried x10 if Cholesky still fails;
+  inputs never active in calibration (diag H = 0) get H_jj = 1 and their weights zeroed;
+- lazy block updates: columns are processed in blocks of 128; inside a block the update is
+  applied to the block only, the rest of W gets one matrix product per block;
+- groups: a group's scale and zero are found when the sweep reaches its first column, from the
+  *updated* weights, with rtn's ``quantize_groups`` (same parameters, same optional clipping search);
+- act-order (``act_order=True``): columns are processed by decreasing H_jj, the inputs with most
+  activation energy first. With ``static_groups=True`` the group parameters are fixed beforehand on
+  the original column order, so groups stay contiguous and no input permutation is needed (this
+  is what ``gptq_quantize_model`` uses); otherwise groups are formed in processing order and the
+  result carries ``perm`` (canonical row j = input feature perm[j]) and the GPTQ ``g_idx``.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from nibble.formats.int4 import Int4Weight
+from nibble.kernels.reference import dequantize
+from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
+                                         input_groups, skip_from_config)
+from nibble.quantize.clip import weighted_clip_search
+from nibble.quantize.rtn import _check_weight, _codes, quantize_groups
+
+DEFAULT_PERCDAMP = 0.01
+DEFAULT_BLOCKSIZE = 128
+
+@dataclass
+class GPTQResult:
+    weight: Int4Weight           # canonical; rows in permuted input order when ``perm`` is not None
+    perm: torch.Tensor | None    # the layer computes x[..., perm] @ W.T; None: natural order
+    g_idx: torch.Tensor          # GPTQ-checkpoint g_idx (int32 [K]) over the original input order
+    loss: float                  # sum over columns of (w - q)^2 / [H^-1]_jj / 2: GPTQ's output-error proxy
+
+
+def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp I)^-1; damping grows x10 (up to 4 tries) if H is not PD."""
+    damp = percdamp * torch.diag(H).mean()
+    idx = torch.arange(H.shape[0], device=H.device)
+    for attempt in range(4):
+        Hd = H.clone()
+        Hd[idx, idx] += damp
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if info == 0:
+                if attempt:
+                    warnings.warn(f"GPTQ: Hessian needed {percdamp * 10 ** attempt:g} relative damping to be "
+                                  "positive definite (more calibration data would help)")
+                return U
+        damp = damp * 10
+    raise RuntimeError("GPTQ: the calibration Hessian is not positive definite even with 10x damping; "
+                       "use more (or more varied) calibration samples")
+
+
+@torch.no_grad()
+def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
+                         symmetric: bool = False, zero_point: str = "int", clip_search: bool = False,
+                         percdamp: float = DEFAULT_PERCDAMP, blocksize: int = DEFAULT_BLOCKSIZE,
+                         act_order: bool = False, static_groups: bool = False,
+                         clip_objective: str = "gptq") -> GPTQResult:
+    """GPTQ-quantize an nn.Linear weight [N, K] given the Hessian H = 2/n X^T X [K, K] of its inputs.
+
+    ``group_size=-1``: per output channel. Runs on the weight's device, in float32.
+    """
+    W = weight.detach().float().clone()
+    N, K = W.shape
+    G = K if group_size == -1 else group_size
+    _check_weight(W, G)
+    if hessian.shape != (K, K):
+        raise ValueError(f"Hessian must be [{K}, {K}] for a weight with in_features={K}, got {tuple(hessian.shape)}")
+    n_groups = K // G
+    H = hessian.detach().float().to(W.device).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    if clip_objective not in ("gptq", "weight"):
+        raise ValueError(f"clip_objective must be 'gptq' or 'weight', got {clip_objective!r}")
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    U = _inverse_cholesky(H, percdamp)
+    del H
+    # GPTQ's loss for quantizing column j is (w_j - q_j)^2 / [H_F^-1]_jj with F the columns not yet
+    # quantized, and [H_F^-1]_jj = U_jj^2: the weight of column j in the "gptq" clip objective
+    col_weight = U.diagonal() ** -2
+
+    def group_params(cur, weight):
+        """(s, z) [R, 1] for rows of the group ``cur`` [R, G]; ``weight`` [G]: each column's GPTQ weight."""
+        if not clip_search or clip_objective == "weight":
+            _, s, z = quantize_groups(cur, symmetric, zero_point, clip_search)
+            return s, z
+        _, s, z = weighted_clip_search(cur, lambda dw: (dw ** 2 * weight).sum(1, keepdim=True), symmetric, zero_point)
+        return s, z
+
+    S = torch.zeros(N, n_groups, device=W.device)
+    Z = torch.zeros(N, n_groups, device=W.device)
+    if static_groups:  # fixed beforehand on the original column order
+        inv = torch.argsort(perm) if perm is not None else torch.arange(K, device=W.device)
+        Wo, cw = W[:, inv], col_weight[inv]
+        for g in range(n_groups):
+            S[:, g:g + 1], Z[:, g:g + 1] = group_params(Wo[:, g * G:(g + 1) * G], cw[g * G:(g + 1) * G])
+        del Wo
+
+    codes = torch.zeros(N, K, dtype=torch.uint8, device=W.device)
+    loss = torch.zeros((), device=W.device)
+    s = z = None
+    for i1 in range(0, K, blocksize):
+        i2 = min(i1 + blocksize, K)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if static_groups:
+                g = int(perm[col] if perm is not None else col) // G
+                s, z = S[:, g:g + 1], Z[:, g:g + 1]
+            elif col % G == 0:
+                # the group's current weights: updated in-block columns, plus later columns with this
+                # block's pending (lazy) updates applied
+                end = col + G
+                cur = W1[:, i:min(end, i2) - i1]
+                if end > i2:
+                    rest = W[:, i2:end] - Err1[:, :i] @ U[i1:col, i2:end]
+                    cur = torch.cat([cur, rest], dim=1)
+                s, z = group_params(cur, col_weight[col:end])
+                S[:, col // G], Z[:, col // G] = s[:, 0], z[:, 0]
+            w = W1[:, i:i + 1]
+            q = _codes(w, s, z)
+            codes[:, col] = q[:, 0].to(torch.uint8)
+            d = U1[i, i]
+            err = (w - (q * s + z)) / d
+            loss += (err ** 2).sum() / 2
+            W1[:, i:] -= err @ U1[i:i + 1, i:]
+            Err1[:, i:i + 1] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+
+    trivial = (torch.arange(K, device=W.device) // G).to(torch.int32)
+    if perm is None:
+        return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), None, trivial, float(loss))
+    if static_groups:  # groups were fixed on the original order: undo the processing order
+        original = torch.empty_like(codes)
+        original[:, perm] = codes
+        return GPTQResult(Int4Weight.from_codes(original, S, Z, G), None, trivial, float(loss))
+    g_idx = torch.empty_like(trivial)
+    g_idx[perm] = trivial
+    return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), perm, g_idx, float(loss))
+
+
+@torch.no_grad()
+def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, true_sequential: bool = True,
+                        blocksize: int = DEFAULT_BLOCKSIZE, progress: bool = True) -> dict[str, Int4Weight]:
+    """GPTQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
+
+    ``config`` is a QuantConfig: group_size, symmetric, zero_point, clip_search are used as RTN uses
+    them; optional ``act_order`` (default False, uses static groups so no input permutation is
+    needed) and ``damp_percent`` (default 0.01) are read when the config has them.
+    ``calib``: token ids, LongTensor [n_samples, seq_len] (see ``calibration_batches``).
+
+    Blocks are processed one at a time: block i is calibrated on the outputs of the already
+    quantized blocks 0..i-1 and, with ``true_sequential``, each of its linear groups (q/k/v, o,
+    gate/up, down) on inputs produced by its already-quantized predecessors.
+
+    Side effect: the float weight of every quantized linear is overwritten with its dequantized
+    value (that is how later blocks see the quantization error). Modules in
+    ``config.modules_to_not_convert`` are left alone.
+    """
+    act_order = bool(getattr(config, "act_order", False))
+    percdamp = float(getattr(config, "damp_percent", DEFAULT_PERCDAMP))
+    skip = skip_from_config(config)
+    inputs, kwargs = capture_block_inputs(model, calib, batch_size)
+    results = {}
+    for i, block in enumerate(tqdm(decoder_layers(model), desc="GPTQ", disable=not progress)):
+        prefix = f"model.layers.{i}"
+        linears = block_linears(block, prefix, skip)
+        groups = input_groups(linears)  # linears sharing one input share one Hessian
+        for step in (groups if true_sequential else [sum(groups, [])]):
+            watched = [g[0] for g in groups if g[0] in step]
+            _, stats = forward_block(block, inputs, kwargs, {n: linears[n] for n in watched}, keep_outputs=False)
+            for group in groups:
+                if group[0] not in stats:
+                    continue
+                H = stats.pop(group[0]).hessian
+                for name in group:
+                    layer = linears[name]
+                    res = gptq_quantize_weight(layer.weight, H, config.group_size, config.symmetric,
+                                               config.zero_point, config.clip_search, percdamp, blocksize,
+                                               act_order, static_groups=act_order)
+                    w = res.weight
+                    layer.weight.copy_(dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype))
+                    results[f"{prefix}.{name}"] = w
+                del H
+        inputs, _ = forward_block(block, inputs, kwargs)
+    return results

@@ -1,0 +1,155 @@
+"""GPTQ <-> canonical: bit-exact round trips (v1 and v2 zero points, act-order g_idx) and the GPTQ dequant formula."""
+import pytest
+import torch
+
+from nibble.formats.gptq import from_gptq, to_gptq
+from nibble.formats.int4 import Int4Weight
+from nibble.kernels.reference import dequantize
+from nibble.quantize.rtn import rtn_quantize
+
+# Published layout (AutoGPTQ / GPTQModel QuantLinear): qweight [K/8, N] with row 8i+j in bits 4j of word i;
+# qzeros [K/G, N/8] with column 8c+j in bits 4j of word c, holding zp - 1 in the v1 format ("gptq") and
+# zp in v2 ("gptq_v2"); v1 <-> v2 word-wise by -/+ 0x11111111; W[n, k] = (q[k, n] - zp[g_idx[k], n]) * s[g_idx[k], n].
+
+
+def unpack_k_reference(words):
+    K8, N = words.shape
+    out = torch.zeros(K8 * 8, N, dtype=torch.int64)
+    for j in range(8):
+        out[j::8] = (words.to(torch.int64) >> (4 * j)) & 0xF
+    return out
+
+
+def unpack_n_reference(words):
+    R, C = words.shape
+    out = torch.zeros(R, C * 8, dtype=torch.int64)
+    for j in range(8):
+        out[:, j::8] = (words.to(torch.int64) >> (4 * j)) & 0xF
+    return out
+
+
+def zero_points_reference(qzeros, checkpoint_format):
+    w = qzeros.to(torch.int64) & 0xFFFFFFFF
+    if checkpoint_format == "gptq":
+        w = (w + 0x11111111) & 0xFFFFFFFF
+    return unpack_n_reference(w)
+
+
+def gptq_dequant_reference(qweight, qzeros, scales, g_idx, checkpoint_format) -> torch.Tensor:
+    """W [N, K] in float64 by the GPTQ formula."""
+    q = unpack_k_reference(qweight)
+    zp = zero_points_reference(qzeros, checkpoint_format)
+    g = g_idx.long()
+    return ((q - zp[g]) * scales.double()[g]).t()
+
+
+def random_canonical(K, N, G, symmetric, seed=0) -> Int4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(N, K // G, generator=gen) * 0.05 + 1e-3).half().float()
+    zp = torch.full_like(s, 8) if symmetric else torch.randint(0, 16, s.shape, generator=gen).float()
+    return Int4Weight.from_codes(codes, s, (-zp * s).half().float(), G)
+
+
+def random_gptq(K, N, G, seed=0, act_order=False):
+    gen = torch.Generator().manual_seed(seed)
+    words = lambda r, c: torch.randint(-2 ** 31, 2 ** 31, (r, c), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(K // G, N, generator=gen) * 0.05 + 1e-3).half()
+    g_idx = (torch.arange(K) // G).to(torch.int32)
+    if act_order:  # GPTQ act-order: the j-th column in quantization order belongs to group j // G
+        order = torch.randperm(K, generator=gen)
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[order] = (torch.arange(K) // G).to(torch.int32)
+    return words(K // 8, N), words(K // G, N // 8), scales, g_idx
+
+
+GROUPS = [32, 64, 128, -1]
+FORMATS = ["gptq", "gptq_v2"]
+
+
+def assert_same_weight(a: Int4Weight, b: Int4Weight):
+    assert a.group_size == b.group_size
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("G", GROUPS)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_canonical_to_gptq_to_canonical_is_bit_exact(G, symmetric, fmt):
+    K, N = 256, 48
+    Gk = K if G == -1 else G
+    w = random_canonical(K, N, Gk, symmetric)
+    t = to_gptq(w, checkpoint_format=fmt)
+    assert torch.equal(t["qweight"], w.qweight)  # the K-packed qweight is the canonical one
+    assert torch.equal(t["g_idx"], (torch.arange(K) // Gk).to(torch.int32))
+    back, perm = from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], G, checkpoint_format=fmt)
+    assert perm is None
+    assert_same_weight(back, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("G", GROUPS)
+def test_gptq_to_canonical_to_gptq_is_bit_exact(G, fmt):
+    K, N = 256, 64
+    qweight, qzeros, scales, g_idx = random_gptq(K, N, K if G == -1 else G)
+    w, perm = from_gptq(qweight, qzeros, scales, g_idx, G, checkpoint_format=fmt)
+    back = to_gptq(w, perm, checkpoint_format=fmt)
+    for name, t in {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_symmetric_zero_points_in_both_conventions():
+    w = rtn_quantize(torch.randn(16, 64), 32, symmetric=True)
+    assert (to_gptq(w, checkpoint_format="gptq")["qzeros"] == 0x77777777).all()  # 8 - 1 in every nibble
+    assert (to_gptq(w, checkpoint_format="gptq_v2")["qzeros"] == 0x88888888 - 2 ** 32).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("G", GROUPS)
+def test_dequantized_gptq_layer_matches_the_gptq_formula(G, fmt):
+    K, N = 256, 64
+    Gk = K if G == -1 else G
+    qweight, qzeros, scales, g_idx = random_gptq(K, N, Gk, seed=2)
+    expected = gptq_dequant_reference(qweight, qzeros, scales, g_idx, fmt)
+    w, perm = from_gptq(qweight, qzeros, scales, g_idx, G, checkpoint_format=fmt)
+    got = dequantize(w.qweight, w.scales, w.zeros, w.group_size).double()
+    zps = (zero_points_reference(qzeros, fmt).double() * scales.double()).repeat_interleave(Gk, dim=0).t()
+    bound = zps.abs() * 2.0 ** -11 + 2.0 ** -25  # z = fp16(-zp*s): half an fp16 ulp of zp*s
+    assert ((got - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("G", [32, 128])
+def test_act_order_g_idx_is_handled_by_permuting_the_input(G, fmt):
+    K, N = 256, 32
+    qweight, qzeros, scales, g_idx = random_gptq(K, N, G, seed=3, act_order=True)
+    w, perm = from_gptq(qweight, qzeros, scales, g_idx, G, checkpoint_format=fmt)
+    assert perm is not None and perm.shape == (K,)
+    assert (g_idx[perm].long() == torch.arange(K) // G).all()  # groups are contiguous after the permutation
+    expected = gptq_dequant_reference(qweight, qzeros, scales, g_idx, fmt)
+    got = dequantize(w.qweight, w.scales, w.zeros, w.group_size).double()
+    # canonical column j is original input feature perm[j]: x[..., perm] @ got.T == x @ expected.T
+    zps = (zero_points_reference(qzeros, fmt).double() * scales.double())[g_idx.long()].t()
+    assert ((got - expected[:, perm]).abs() <= zps[:, perm].abs() * 2.0 ** -11 + 2.0 ** -25).all()
+    back = to_gptq(w, perm, checkpoint_format=fmt)
+    for name, t in {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_uneven_g_idx_is_refused():
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32)
+    g_idx = g_idx.clone()
+    g_idx[0] = 1  # group 1 now has 33 members
+    with pytest.raises(ValueError, match="exactly 32"):
+        from_gptq(qweight, qzeros, scales, g_idx, 32)
+
+
+def test_float_zero_points_and_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="float zero points"):
+        to_gptq(rtn_quantize(torch.randn(16, 64), 32, zero_point="float"))
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v3")
+    with pytest.raises(ValueError, match="disagrees"):
+        from_gptq(qweight, qzeros, scales, g_idx, 16)

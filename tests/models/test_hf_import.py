@@ -1,0 +1,240 @@
+"""Import of AutoAWQ-GEMM / GPTQ checkpoints and export to them.
+
+The checkpoints are written here by small writers that follow the published formats (AutoAWQ's
+WQLinear_GEMM.from_linear packing; AutoGPTQ's QuantLinear.pack with v1 "zp - 1" zeros; GPTQ act-order
+g_idx), independently of nibble's converters; nibble's import must reproduce their dequantized
+weights and the logits of a float model holding those weights.
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from conftest import tiny_model
+from nibble import QuantConfig, quantize_model
+from nibble.kernels.reference import dequantize
+from nibble.models.hf_import import (PermutedInputQuantLinear, UnsupportedCheckpointError, export_awq, export_gptq,
+                                     load_hf_quantized)
+from nibble.nn.quant_linear import QuantLinear
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def _int32(words):
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def minmax_quantize(W, G, sym, order=None):
+    """Asymmetric (or symmetric, zp = 8) min-max quantization, groups formed along ``order`` of the inputs.
+
+    Returns int codes q [N, K], zp [N, K/G], fp16 scales [N, K/G], g_idx [K] (original input order)."""
+    N, K = W.shape
+    order = torch.arange(K) if order is None else order
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[order] = (torch.arange(K) // G).to(torch.int32)
+    Wo = W[:, order].reshape(N, K // G, G)
+    if sym:
+        s = (Wo.abs().amax(-1) / 7).clamp(min=1e-5).half()
+        zp = torch.full_like(s, 8, dtype=torch.int64)
+    else:
+        mx, mn = Wo.amax(-1).clamp(min=0), Wo.amin(-1).clamp(max=0)
+        s = ((mx - mn).clamp(min=1e-5) / 15).half()
+        zp = torch.clamp(torch.round(-mn / s.float()), 1, 15).long()  # >= 1: v1 stores zp - 1 nibble-wise
+    sk, zk = s.float()[:, g_idx.long()], zp[:, g_idx.long()]
+    q = torch.clamp(torch.round(W / sk) + zk, 0, 15).long()
+    return q, zp, s, g_idx
+
+
+def write_awq_linear(W, G):
+    """AutoAWQ WQLinear_GEMM.from_linear: qweight [K, N/8] with nibble i of word c = column 8c + ORDER[i]."""
+    q, zp, s, _ = minmax_quantize(W, G, sym=False)
+    N, K = W.shape
+    intweight, zeros = q.t(), zp.t()  # [K, N], [K/G, N]
+    qweight = torch.zeros(K, N // 8, dtype=torch.int64)
+    qzeros = torch.zeros(K // G, N // 8, dtype=torch.int64)
+    for col in range(N // 8):
+        for i in range(8):
+            qweight[:, col] |= intweight[:, col * 8 + AWQ_ORDER[i]] << (4 * i)
+            qzeros[:, col] |= zeros[:, col * 8 + AWQ_ORDER[i]] << (4 * i)
+    dense = ((q - zp.repeat_interleave(G, 1)) * s.float().repeat_interleave(G, 1)).float()  # (q - zp) * s
+    return {"qweight": _int32(qweight), "qzeros": _int32(qzeros), "scales": s.t().contiguous()}, dense
+
+
+def write_gptq_linear(W, G, sym, desc_act, fmt="gptq"):
+    """AutoGPTQ QuantLinear.pack: qweight [K/8, N] row 8i+j in bits 4j; qzeros [K/G, N/8] col 8c+j in bits 4j
+    holding zp - 1 (v1) or zp (v2); g_idx; act-order groups follow a (random) processing order."""
+    N, K = W.shape
+    order = torch.randperm(K) if desc_act else None
+    q, zp, s, g_idx = minmax_quantize(W, G, sym, order)
+    intweight = q.t()  # [K, N]
+    qweight = torch.zeros(K // 8, N, dtype=torch.int64)
+    for row in range(K // 8):
+        for j in range(8):
+            qweight[row] |= intweight[8 * row + j] << (4 * j)
+    zeros = zp.t() - (1 if fmt == "gptq" else 0)  # [K/G, N]
+    qzeros = torch.zeros(K // G, N // 8, dtype=torch.int64)
+    for col in range(N // 8):
+        for j in range(8):
+            qzeros[:, col] |= zeros[:, 8 * col + j] << (4 * j)
+    dense = ((q - zp[:, g_idx.long()]) * s.float()[:, g_idx.long()]).float()
+    tensors = {"qweight": _int32(qweight), "qzeros": _int32(qzeros), "scales": s.t().contiguous(), "g_idx": g_idx}
+    return tensors, dense
+
+
+def write_checkpoint(path, model, quantization_config, write_linear, sharded=False):
+    """A tiny HF checkpoint: quantized linears via ``write_linear``, everything else fp16 (as AutoAWQ/GPTQ save).
+
+    Returns the float reference model: same architecture, the writer's dequantized weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors, dense = {}, {}
+    for i, _ in enumerate(model.model.layers):
+        for name in LINEARS:
+            prefix = f"model.layers.{i}.{name}"
+            t, d = write_linear(model.get_submodule(prefix).weight.detach().float())
+            tensors.update({f"{prefix}.{k}": v for k, v in t.items()})
+            dense[prefix] = d
+    for k, v in model.state_dict().items():
+        quantized = k.endswith(".weight") and k.rpartition(".")[0] in dense
+        if not quantized and not (k == "lm_head.weight" and model.config.tie_word_embeddings):
+            tensors[k] = v.half().contiguous()
+    if sharded:  # two shards + index, as large checkpoints are saved
+        keys = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        for fname, ks in shards.items():
+            save_file({k: tensors[k] for k in ks}, str(path / fname), metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(cfg, default=str))
+    ref = tiny_model(model.config.model_type)
+    with torch.no_grad():
+        for k, p in ref.state_dict().items():
+            if k.endswith(".weight") and k.rpartition(".")[0] in dense:
+                p.copy_(dense[k.rpartition(".")[0]])
+            else:
+                p.copy_(model.state_dict()[k].half().float())
+    return ref, dense
+
+
+def original_order_weight(layer: QuantLinear) -> torch.Tensor:
+    w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.group_size).double()
+    if isinstance(layer, PermutedInputQuantLinear):
+        w = w[:, torch.argsort(layer.input_perm)]
+    return w
+
+
+def check_import(model, dense, ref, ids):
+    for prefix, d in dense.items():
+        layer = model.get_submodule(prefix)
+        assert isinstance(layer, QuantLinear)
+        # the only difference: the canonical offset z = fp16(-zp*s), at most 2^-11 * 15 * s away
+        bound = d.abs().max().double() * 15 * 2.0 ** -11 + 1e-7
+        assert (original_order_weight(layer) - d.double()).abs().max() <= bound, prefix
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch,G", [("llama", 32), ("qwen2", 64)])
+def test_autoawq_gemm_checkpoint_imports_without_requantization(tmp_path, arch, G):
+    model = tiny_model(arch)
+    qc = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": G, "zero_point": True}
+    ref, dense = write_checkpoint(tmp_path, model, qc, lambda W: write_awq_linear(W, G), sharded=arch == "qwen2")
+    loaded, tok = load_hf_quantized(tmp_path)
+    assert tok is None and loaded.config.quantization_config["method"] == "awq"
+    check_import(loaded, dense, ref, torch.randint(0, 256, (2, 16)))
+    # ...and export_awq writes back the very same tensors
+    export_awq(loaded, tmp_path / "again")
+    a = {}
+    for f in tmp_path.glob("*.safetensors"):
+        a.update(load_file(str(f)))
+    b = load_file(str(tmp_path / "again" / "model.safetensors"))
+    for k in a:
+        if k.endswith(("qweight", "qzeros", "scales")):
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("sym,desc_act,fmt", [(True, False, "gptq"), (False, False, "gptq"), (False, True, "gptq"),
+                                              (True, True, "gptq_v2")])
+def test_gptq_checkpoint_imports_without_requantization(tmp_path, sym, desc_act, fmt):
+    G = 32
+    model = tiny_model("llama")
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": sym, "desc_act": desc_act,
+          "checkpoint_format": fmt}
+    ref, dense = write_checkpoint(tmp_path, model, qc, lambda W: write_gptq_linear(W, G, sym, desc_act, fmt))
+    loaded, _ = load_hf_quantized(tmp_path)
+    permuted = [n for n, m in loaded.named_modules() if isinstance(m, PermutedInputQuantLinear)]
+    assert len(permuted) == (14 if desc_act else 0)
+    check_import(loaded, dense, ref, torch.randint(0, 256, (2, 16)))
+    export_gptq(loaded, tmp_path / "again", checkpoint_format=fmt)
+    a, b = load_file(str(tmp_path / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    for k in a:
+        if k.endswith(("qweight", "qzeros", "scales", "g_idx")):
+            assert torch.equal(a[k], b[k]), k
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["desc_act"] == desc_act
+
+
+def _fp16_exact(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_export_awq_then_import_gives_identical_logits(tmp_path, symmetric):
+    model = _fp16_exact(tiny_model("llama"))
+    quantize_model(model, QuantConfig(group_size=32, symmetric=symmetric), progress=False)
+    export_awq(model, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "awq" and qc["version"] == "gemm" and qc["bits"] == 4
+    assert qc["group_size"] == 32 and qc["zero_point"] is True
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    q = tensors["model.layers.0.mlp.down_proj.qweight"]
+    assert q.dtype == torch.int32 and q.shape == (192, 64 // 8)  # [K, N/8]: packed along N
+    loaded, _ = load_hf_quantized(tmp_path)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            other = loaded.get_submodule(name)
+            for b in ("qweight", "scales", "zeros"):
+                assert torch.equal(getattr(m, b), getattr(other, b)), (name, b)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_export_refuses_what_awq_cannot_hold(tmp_path):
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32, zero_point="float"), progress=False)
+    with pytest.raises(ValueError, match="float zero points"):
+        export_awq(model, tmp_path / "f")
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
+    with pytest.raises(ValueError, match="only W4A16"):
+        export_awq(model, tmp_path / "w4a4")
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method='bitsandbytes' is not supported"),
+    ({"quant_method": "awq", "version": "gemv", "bits": 4, "group_size": 32}, "version='gemv' is not supported"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "bits=8 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+    (None, "no quantization_config"),
+])
+def test_unsupported_checkpoints_are_clear_errors(tmp_path, qc, match):
+    cfg = tiny_model("llama").config.to_dict()
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    with pytest.raises(UnsupportedCheckpointError, match=match) as e:
+        load_hf_quantized(tmp_path)
+    assert "awq" in str(e.value) and "gptq" in str(e.value)  # says what is supported

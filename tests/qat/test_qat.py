@@ -1,0 +1,140 @@
+"""PE-QAT on a tiny random Llama (CPU): fake quant = deployment numerics, training lowers the loss,
+export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import tiny_model
+
+pytest.importorskip("peft")
+
+from nibble.kernels.reference import dequantize, quantize_activations  # noqa: E402
+from nibble.models.convert import set_backend  # noqa: E402
+from nibble.models.serialization import load_quantized  # noqa: E402
+from nibble.nn.quant_linear import QuantLinear  # noqa: E402
+from nibble.qat.fake_quant import FakeQuantLinear, fake_quant_tokens, fake_quant_weight  # noqa: E402
+from nibble.qat.train import export, run_qat, state_path  # noqa: E402
+from nibble.quantize.rtn import rtn_quantize  # noqa: E402
+
+HAVE_ROTATION = importlib.util.find_spec("nibble.models.rotation") is not None
+needs_rotation = pytest.mark.skipif(not HAVE_ROTATION, reason="nibble.models.rotation is not available")
+SEQ = 24
+
+
+def _model():
+    # initializer_range 0.1 (not HF's 0.02) so logits are peaked and 4-bit error is visible in the loss.
+    torch.manual_seed(0)  # the same random model on every call (runs that are compared start equal)
+    return tiny_model(initializer_range=0.1)
+
+
+def _windows(n=4, seed=1):
+    return torch.randint(0, 256, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _train(recipe, steps, windows, **kw):
+    kw = dict(lr=5e-3, quant_lr=1e-2, seq_len=SEQ, batch_size=windows.shape[0], windows=windows, device="cpu",
+              warmup=1, progress=False, gradient_checkpointing=False) | kw
+    return run_qat(_model(), None, recipe, steps, **kw)
+
+
+def _dq(w):
+    return dequantize(w.qweight, w.scales, w.zeros, w.group_size)
+
+
+@pytest.mark.parametrize("clip", ["none", "fixed"])
+def test_fake_quant_weight_is_exactly_the_rtn_grid(clip):
+    lin = torch.nn.Linear(256, 96, bias=False)
+    lin.weight.data[::5, ::17] *= 8  # outlier columns, so the clip search picks ratios < 1
+    layer = FakeQuantLinear.from_linear(lin, clip=clip)
+    want = rtn_quantize(lin.weight.detach(), -1, symmetric=True, clip_search=clip == "fixed")
+    assert torch.equal(layer.quantized_weight().detach(), _dq(want))
+
+
+def test_fake_quant_tokens_is_exactly_quantize_activations_with_identity_gradient():
+    x = (torch.randn(5, 7, 64) * torch.logspace(-2, 1, 64)).requires_grad_()
+    q, s = quantize_activations(x.detach())
+    y = fake_quant_tokens(x)
+    assert torch.equal(y.detach(), q.float() * s.unsqueeze(-1))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_weight_ste_passes_gradients_inside_the_clip_range_only():
+    w = torch.randn(16, 64, requires_grad=True)
+    ratio = torch.full((16, 1), 0.5, requires_grad=True)
+    (fake_quant_weight(w, ratio) * (torch.rand(16, 64) + 0.5)).sum().backward()
+    assert ratio.grad.abs().sum() > 0
+    absmax = w.detach().abs().amax(1, keepdim=True)
+    s = (0.5 * absmax / 7).half().float()
+    inside = (w.detach() / s >= -8) & (w.detach() / s <= 7)
+    beyond = ~inside
+    beyond[torch.arange(16), w.detach().abs().argmax(1)] = False  # the row's amax also moves the scale
+    assert inside.any() and beyond.any()
+    assert (w.grad[inside] != 0).all() and (w.grad[beyond] == 0).all()
+
+
+def test_training_lowers_the_loss_on_a_fixed_batch():
+    losses = []
+    _train("per-token", 8, _windows(), callback=lambda step, loss: losses.append(loss), gradient_checkpointing=True)
+    assert len(losses) == 8
+    assert losses[-1] < 0.85 * losses[0], losses
+
+
+@pytest.mark.parametrize("recipe", ["per-token", pytest.param("hadamard", marks=needs_rotation)])
+def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
+    windows = _windows()
+    qat = _train(recipe, 3, windows)  # a few steps so LoRA and the clip ratios are no longer at their init
+    assert any(p.abs().sum() > 0 for n, p in qat.named_parameters() if "lora_B" in n)
+    ids = windows[:2]
+    with torch.no_grad():
+        fake = qat(input_ids=ids).logits
+    qmodel = export(qat, tmp_path, tokenizer=None)
+    layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
+    assert sum(m.input_hadamard for m in layers) == (2 if recipe == "hadamard" else 0)
+    loaded, _ = load_quantized(tmp_path)
+    set_backend(loaded, "reference")
+    with torch.no_grad():
+        real = loaded(ids).logits
+    # Same INT4 weights and activations; only float32 summation order differs (the integer GEMM is
+    # exact), so the logits agree to float32 rounding, far inside one activation quantization step.
+    err = (real - fake).abs().max() / fake.abs().max()
+    assert err < 1e-4, err
+    assert loaded.config.quantization_config["qat"]["recipe"] == recipe
+
+
+def test_per_channel_recipe_trains_but_refuses_to_export(tmp_path):
+    losses = []
+    qat = _train("per-channel", 2, _windows(), callback=lambda step, loss: losses.append(loss))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any(n.endswith("smooth_log") and p.requires_grad for n, p in qat.named_parameters())
+    with pytest.raises(ValueError, match="per-channel"):
+        export(qat, tmp_path)
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp_path):
+    windows = _windows(n=6)
+    kw = dict(batch_size=2, save_every=2)
+    straight = _train("per-token", 4, windows, out_dir=tmp_path / "a", **kw)
+
+    def kill_after_3(step, loss):
+        if step == 3:
+            raise _Killed  # the state of step 2 is on disk, step 3's work is lost
+
+    with pytest.raises(_Killed):
+        _train("per-token", 4, windows, out_dir=tmp_path / "b", callback=kill_after_3, **kw)
+    assert torch.load(state_path(tmp_path / "b"), weights_only=True)["step"] == 2
+    steps_run = []
+    resumed = _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True,
+                     callback=lambda step, loss: steps_run.append(step), **kw)
+    assert steps_run == [3, 4]
+    want = {n: p for n, p in straight.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in resumed.named_parameters() if p.requires_grad}
+    assert want.keys() == got.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)

@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+from conftest import tiny_model
+from nibble import QuantConfig, quantize_model
+from nibble.kernels.reference import dequantize
+from nibble.quantize.awq import awq_quantize_model, clip_quantize, search_scale
+from nibble.quantize.rtn import rtn_quantize
+
+
+def dense(w):
+    return dequantize(w.qweight, w.scales, w.zeros, w.group_size)
+
+
+def salient_problem(K=256, N=64, T=2048, seed=0):
+    """Inputs where a few channels carry 20x larger activations (the AWQ setting)."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(T, K, generator=g)
+    X[:, torch.randperm(K, generator=g)[:8]] *= 20
+    W = torch.randn(N, K, generator=g) * 0.02
+    return X, W, X.t() @ X / T
+
+
+def output_error(X, W, Wq):
+    return ((X @ Wq.t() - X @ W.t()) ** 2).mean().item()
+
+
+def test_scale_search_protects_salient_channels():
+    X, W, H = salient_problem()
+    s, alpha, errors = search_scale([W], H, X.abs().mean(0), 64)
+    assert len(errors) == 20 and alpha > 0 and min(errors) == errors[int(round(alpha * 20))]
+    # alpha = 0 is plain RTN (min-max): the search can only do better on its objective
+    rtn = dense(rtn_quantize(W, 64, clip_search=False))
+    assert errors[0] == pytest.approx(((W - rtn) @ H * (W - rtn)).sum().item(), rel=1e-4)
+    scaled = dense(rtn_quantize(W * s, 64, clip_search=False)) / s
+    assert output_error(X, W, scaled) < 0.7 * output_error(X, W, rtn)
+
+
+def test_activation_aware_clip_with_identity_hessian_is_rtns_clip_search():
+    W = torch.randn(32, 128) * 0.05
+    a = clip_quantize(W, torch.eye(128), 32)
+    b = rtn_quantize(W, 32, clip_search=True)  # same grid, plain squared weight error
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
+
+
+def test_activation_aware_clip_beats_weight_space_clip_on_the_output():
+    X, W, H = salient_problem(seed=1)
+    aware = output_error(X, W, dense(clip_quantize(W, H, 32)))
+    plain = output_error(X, W, dense(rtn_quantize(W, 32, clip_search=True)))
+    assert aware <= plain
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_folding_keeps_the_float_model_function(arch, kv_heads):
+    # kv_heads == heads: v_proj and o_proj are square-compatible, so o_proj's scales fold into v_proj too
+    model = tiny_model(arch, num_key_value_heads=kv_heads)
+    ids = torch.randint(0, 256, (4, 16))
+    with torch.no_grad():
+        ref = model(ids).logits
+    norm_before = model.model.layers[0].input_layernorm.weight.clone()
+    v_before = model.model.layers[0].self_attn.v_proj.weight.clone()
+    out = awq_quantize_model(model, QuantConfig(group_size=32, method="awq"), ids, progress=False)
+    assert len(out) == 14
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm_before)
+    # v_proj's columns carry the q/k/v input scale; its rows carry o_proj's only when that one folds
+    ratio = model.model.layers[0].self_attn.v_proj.weight / v_before
+    same_for_every_row = torch.allclose(ratio, ratio[:1].expand_as(ratio), rtol=1e-4)
+    assert same_for_every_row == (kv_heads != 4)
+
+
+def test_awq_through_quantize_model_matches_its_returned_weights():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (4, 16))
+    with torch.no_grad():
+        ref = model(ids).logits
+    quantize_model(model, QuantConfig(group_size=32, method="awq"), progress=False, calibration=ids)
+    q = model.model.layers[1].mlp.down_proj
+    assert q.group_size == 32 and q.qweight.shape == (192 // 8, 64)
+    with torch.no_grad():
+        out = model(ids).logits
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.99

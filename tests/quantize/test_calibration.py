@@ -1,0 +1,68 @@
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from nibble.quantize.calibration import (calibration_batches, capture_block_inputs, decoder_layers, forward_block,
+                                         token_batches)
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer: one token per UTF-8 byte."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode("utf-8"))
+
+
+@pytest.mark.parametrize("source", ["c4", "gutenberg"])
+def test_batches_are_seeded_non_overlapping_windows_of_the_text(source):
+    tok = ByteTokenizer()
+    a = calibration_batches(tok, n_samples=16, seq_len=256, source=source, seed=0)
+    assert a.shape == (16, 256) and a.dtype == torch.long
+    assert torch.equal(a, calibration_batches(tok, n_samples=16, seq_len=256, source=source, seed=0))
+    assert not torch.equal(a, calibration_batches(tok, n_samples=16, seq_len=256, source=source, seed=1))
+    assert len({tuple(r.tolist()) for r in a}) == 16
+
+
+def test_jsonl_file_source_and_too_short_text_names_the_minimum(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("\n".join(json.dumps({"text": "x" * 100}) for _ in range(3)))  # 302 bytes with separators
+    assert calibration_batches(ByteTokenizer(), n_samples=2, seq_len=128, source=str(path)).shape == (2, 128)
+    with pytest.raises(ValueError, match=r"has 304 tokens.*at least 512 tokens"):
+        calibration_batches(ByteTokenizer(), n_samples=4, seq_len=128, source=str(path))
+
+
+def test_wikitext2_test_is_refused_for_calibration(tmp_path):
+    path = tmp_path / "wiki.test.raw"
+    path.write_text("x" * 10000)
+    with pytest.raises(ValueError, match="evaluation set"):
+        calibration_batches(ByteTokenizer(), n_samples=2, seq_len=16, source=str(path))
+
+
+def test_token_batches_accepts_tensors_lists_and_dicts():
+    ids = torch.randint(0, 10, (10, 8))
+    assert [b.shape[0] for b in token_batches(ids, 4)] == [4, 4, 2]
+    assert len(token_batches([ids[0], ids[1]], 4)) == 2
+    assert torch.equal(token_batches({"input_ids": ids}, 16)[0], ids)
+    with pytest.raises(ValueError, match="empty"):
+        token_batches(ids[:0], 4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_block_by_block_walk_reproduces_the_model(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 256, (6, 16))
+    inputs, kwargs = capture_block_inputs(model, ids, batch_size=4)
+    assert [x.shape for x in inputs] == [(4, 16, 64), (2, 16, 64)]
+    watch = {"mlp.down_proj": decoder_layers(model)[0].mlp.down_proj}
+    for i, block in enumerate(decoder_layers(model)):
+        inputs, stats = forward_block(block, inputs, kwargs, watch if i == 0 else None)
+        if i == 0:
+            st = stats["mlp.down_proj"]
+            assert st.n == 6 * 16 and st.hessian.shape == (192, 192)
+            torch.testing.assert_close(st.hessian, st.hessian.t())
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1]  # after the final norm
+    got = model.model.norm(torch.cat(inputs))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
