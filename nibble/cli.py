@@ -38,9 +38,10 @@ def quant_config(args, model):
     from nibble.models.convert import default_group_size
 
     if args.quant == "w4a4":
-        return QuantConfig(mode="w4a4", rotation="hadamard" if args.rotate else "none", clip_search=args.clip_search)
+        return QuantConfig(mode="w4a4", rotation="hadamard" if args.rotate else "none",
+                           clip_search=args.clip_search or None)
     cfg = QuantConfig(mode="w4a16", group_size=args.group_size or 128, method=args.method,
-                      clip_search=args.clip_search, zero_point="float" if args.float_zero else "int")
+                      clip_search=args.clip_search or None, zero_point="float" if args.float_zero else "int")
     if args.group_size is None:
         cfg.group_size = default_group_size(model, cfg)
     return cfg
@@ -167,7 +168,8 @@ def _add_model_args(p, quant=True):
         p.add_argument("--group-size", type=int, default=None, help="w4a16 group (default: 128, or 64/32 if K needs)")
         p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn")
         p.add_argument("--rotate", action="store_true", help="w4a4: Hadamard-rotate the model first")
-        p.add_argument("--clip-search", action="store_true", help="RTN with the MSE-optimal clipping search")
+        p.add_argument("--clip-search", action="store_true",
+                       help="RTN with the MSE-optimal clipping search (always on for w4a4's per-channel weights)")
         p.add_argument("--float-zero", action="store_true",
                        help="w4a16: float minimum per group (not AWQ/GPTQ-exportable; often more accurate)")
 
