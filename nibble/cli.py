@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=qat_main)
     p = sub.add_parser("demo", help="the `make demo` job")
     _add_model_args(p, quant=False)
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--ppl-tokens", type=int, default=1024)
     p.set_defaults(func=cmd_demo)
     return parser
