@@ -1,4 +1,4 @@
-"""W4A16 GPU kernels (Triton) for the canonical INT4 format, and the ``nibble::w4a16_linear`` op.
+"""W4A16 GPU kernels for the canonical INT4 format, and the ``nibble::w4a16_linear`` op.
 
 ``torch.ops.nibble.w4a16_linear(x [M, K] fp16/bf16, qweight int32 [K//8, N], scales fp16 [K//G, N],
 zeros fp16 [K//G, N], group_size) -> [M, N]`` in x's dtype, ``y = x @ W.T`` with
@@ -6,7 +6,17 @@ zeros fp16 [K//G, N], group_size) -> [M, N]`` in x's dtype, ``y = x @ W.T`` with
 ``reference.w4a16_matmul``; CUDA inputs run the kernels below. The weight is consumed in the
 canonical layout as stored (no re-layout step).
 
-Design (see benchmarks/notes-w4a16.md for the measurements behind it):
+Dispatch on CUDA (measured on the H200, benchmarks/notes-w4a16.md):
+
+* M <= 64 (except M = 1 with N >= 8192): ``w4a16_mma``, the CUDA C++ tensor-core kernel in
+  ``csrc/w4a16_mma.cu`` (weight as the MMA's A operand straight from the canonical words, raw codes
+  through the MMA, group affine in fp32 per group, cp.async ring per warp), built by nvcc at first
+  use (``cuda_build``). Needs N, K multiples of 32 and a power-of-two group >= 32 (or per column);
+  other shapes, or no nvcc, fall through to the Triton kernels.
+* M = 1 with N >= 8192: the Triton split-K GEMV below (measured faster there).
+* M <= 16 otherwise: Triton GEMV (M <= 2) / tensor-core dot kernel; M > 16: dequantise + cuBLAS.
+
+Triton kernels (design; see benchmarks/notes-w4a16.md for the measurements behind it):
 
 * One packed word ``qweight[i, n]`` holds K rows ``8i .. 8i+7`` of column n. A tile
   ``[BLOCK_K // 8, BLOCK_N]`` is a coalesced 2-D load along N (16-byte vectors); nibble j of every
@@ -37,12 +47,14 @@ small table (``DISPATCH``) tuned offline with ``benchmarks/scripts/w4a16_explore
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
-from nibble.kernels import reference
+from nibble.kernels import cuda_build, reference
 
 try:  # the module must import without triton (CPU-only installs)
     import triton
@@ -708,6 +720,111 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
 
 
 # ----------------------------------------------------------------------------------------------
+# CUDA C++ tensor-core kernel for M <= 64 (csrc/w4a16_mma.cu: layout and numerics are explained there)
+# ----------------------------------------------------------------------------------------------
+MMA_MAX_M = 64
+# Register budget: 4 and 8 token tiles take ~140 / ~250 registers per thread (ptxas, sm_90), so a
+# CTA of 16 warps would not fit the SM's 64K registers.
+MMA_MAX_WARPS = {1: 16, 2: 16, 4: 8, 8: 8}
+_MMA = {"lib": None, "tried": False}
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    token_tiles: int   # tiles of 8 tokens (1, 2, 4, 8): M <= 8 * token_tiles
+    stages: int        # per-warp cp.async ring depth (4 or 8): stages - 1 loads in flight
+    warps: int         # warps per CTA, splitting K; one CTA per 32 output columns
+
+
+def _mma_lib(device):
+    """The compiled library, or None (disabled by NIBBLE_CUDA_KERNELS=0, or no nvcc: said once)."""
+    if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
+        return None
+    if not _MMA["tried"]:
+        _MMA["tried"] = True
+        try:
+            lib = cuda_build.load("w4a16_mma", device)
+        except (cuda_build.CudaBuildError, OSError) as e:
+            warnings.warn(f"nibble: the CUDA W4A16 kernel is unavailable, using the Triton kernels instead ({e})")
+            return None
+        lib.nibble_w4a16_mma.restype = ctypes.c_int
+        lib.nibble_w4a16_mma.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+        lib.nibble_cuda_error_string.restype = ctypes.c_char_p
+        lib.nibble_cuda_error_string.argtypes = [ctypes.c_int]
+        _MMA["lib"] = lib
+    return _MMA["lib"]
+
+
+def _group_shift_steps(group_size: int, K: int) -> int | None:
+    """log2(group / 32) for power-of-two groups >= 32; 30 for one group per column; None otherwise."""
+    if group_size == K:
+        return 30
+    steps = group_size // 32
+    if group_size % 32 or steps & (steps - 1):
+        return None
+    return steps.bit_length() - 1
+
+
+def mma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
+    return (x.is_cuda and x.shape[0] <= MMA_MAX_M and N % 32 == 0 and K % 32 == 0
+            and _group_shift_steps(group_size, K) is not None
+            and torch.cuda.get_device_capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
+
+
+def mma_smem_bytes(cfg: MmaConfig, M: int) -> int:
+    """Shared memory of one CTA: the cp.async ring (per stage 512 B of weights, 128 B of group
+    parameters, 64 B of x per token), reused for the cross-warp reduction (csrc/w4a16_mma.cu)."""
+    ring = cfg.warps * cfg.stages * (640 + 64 * min(M, 8 * cfg.token_tiles))
+    return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
+
+
+MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
+
+
+def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
+    return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS and cfg.stages in (4, 8)
+            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg, M) <= MMA_SMEM_LIMIT)
+
+
+def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
+    """Pure function of the problem: enough warps per SM, at least 16 K steps per warp."""
+    token_tiles = next(t for t in (1, 2, 4, 8) if M <= 8 * t)
+    ctas, warps = N // 32, 4
+    while warps < MMA_MAX_WARPS[token_tiles] and ctas * warps < 32 * num_sms and (K // 32) >= 16 * warps:
+        warps *= 2
+    # 4 stages measured best on the H200 at every issue-3 shape (benchmarks/notes-w4a16.md): deeper
+    # rings cost occupancy and did not add bandwidth
+    return MmaConfig(token_tiles, 4, warps)
+
+
+def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
+    """y = x @ W.T on the tensor cores for M <= 64 (inputs already checked by ``_check``)."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    lib = _mma_lib(x.device)
+    shift = _group_shift_steps(group_size, K)
+    if lib is None or shift is None or M > MMA_MAX_M or N % 32 or K % 32:
+        raise ValueError(f"w4a16_mma needs the compiled kernel, M <= {MMA_MAX_M}, N and K multiples of 32 and a "
+                         f"power-of-two group >= 32 (or per-column); got M={M} N={N} K={K} group={group_size}")
+    cfg = config or select_mma_config(M, N, K, _num_sms(x.device))
+    if not mma_config_valid(cfg, M):
+        raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, stages 4 or 8, "
+                         f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
+        x = x.clone(memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    with torch.cuda.device(x.device):
+        err = lib.nibble_w4a16_mma(
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.stages, cfg.warps, x.data_ptr(),
+            qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), M, N, K, shift,
+            x.stride(0), out.stride(0), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # checks and the public op
 # ----------------------------------------------------------------------------------------------
 def _check(x, qweight, scales, zeros, group_size):
@@ -747,6 +864,9 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
     N = qweight.shape[1]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
+    # M = 1 on wide layers: the Triton GEMV measured faster than the tensor-core kernel (notes-w4a16.md)
+    if config is None and not (M == 1 and N >= 8192) and mma_applicable(x, N, K, group_size):
+        return w4a16_mma(x, qweight, scales, zeros, group_size, out=out)
     cfg = config or select_config(M, N, K, group_size, _num_sms(x.device))
     if cfg.kind == "gemv" and M > 2:
         cfg = replace(DISPATCH[16], split_k=1)

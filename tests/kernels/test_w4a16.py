@@ -199,6 +199,40 @@ def test_gpu_explicit_configs(cfg, M):
             assert_close(out, x, qw, s, z, G)
 
 
+MMA_CONFIGS = [c for c in (W.MmaConfig(t, s, w) for t in (1, 2, 4, 8) for s in (4, 8) for w in (1, 4, 8, 16))
+               if W.mma_config_valid(c, 8 * c.token_tiles)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("cfg", MMA_CONFIGS, ids=lambda c: f"t{c.token_tiles}_s{c.stages}_w{c.warps}")
+def test_gpu_mma_every_config(cfg):
+    """The CUDA tensor-core kernel in every instantiation: SmolLM2's k/v shape (N = 192), one group
+    per column, group 32, K = 65 steps of 32 (uneven split over warps, fewer steps than stages), odd M."""
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+    for (N, K, G) in ((192, 576, 64), (576, 1536, 1536), (1024, 2080, 32)):
+        for M in sorted({1, max(1, 8 * cfg.token_tiles - 3), 8 * cfg.token_tiles}):
+            dtype = torch.bfloat16 if (M + N) % 2 else torch.float16
+            qw, s, z = make_weight(N, K, G, symmetric=(N == 576), device="cuda", seed=N + M)
+            x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+            W.w4a16_mma(x, qw, s, z, G, config=cfg, out=out)
+            torch.cuda.synchronize()
+            assert_close(out, x, qw, s, z, G)
+
+
+@needs_cuda
+def test_gpu_mma_dispatch_and_fallbacks():
+    """M <= 64 with aligned N, K takes the CUDA kernel; odd N or M > 64 take the Triton / cuBLAS paths."""
+    x = torch.randn(4, 512, device="cuda", dtype=torch.float16)
+    assert W.mma_applicable(x, 256, 512, 128) or W._mma_lib(x.device) is None
+    assert not W.mma_applicable(x, 1000, 512, 128)
+    assert not W.mma_applicable(torch.randn(65, 512, device="cuda", dtype=torch.float16), 256, 512, 128)
+    assert not W.mma_applicable(x, 256, 576, 96)  # group not a power of two times 32
+    qw, s, z = make_weight(1000, 512, 128, device="cuda")
+    assert_close(torch.ops.nibble.w4a16_linear(x, qw, s, z, 128), x, qw, s, z, 128)
+
+
 @needs_cuda
 def test_gpu_large_70b_layers():
     for (N, K) in ((28672, 8192), (8192, 28672)):

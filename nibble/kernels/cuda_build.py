@@ -1,0 +1,97 @@
+"""Build nibble's CUDA C++ kernels (``nibble/kernels/csrc/*.cu``) at first use and load them.
+
+Each source is compiled by ``nvcc`` into a shared library for the GPU's own architecture and
+cached under ``$NIBBLE_CACHE_DIR`` (default ``~/.cache/nibble``), keyed by the source's hash, the
+architecture and the nvcc version; later processes load the cached file in milliseconds. The
+libraries export plain C launchers that take raw pointers and a CUDA stream, called through
+``ctypes``: no PyTorch headers, no ninja, a build of a few seconds, and launches land on PyTorch's
+current stream, so CUDA-graph capture records them like any other kernel.
+
+``load(name, device)`` returns the ``ctypes.CDLL`` or raises ``CudaBuildError`` saying what is
+missing (no nvcc, compile error); callers fall back to the Triton kernels and say so once.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+_LIBS: dict = {}
+_LOCK = threading.Lock()
+
+
+class CudaBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NIBBLE_CACHE_DIR") or Path.home() / ".cache" / "nibble")
+
+
+def find_nvcc() -> str | None:
+    """$NVCC, then nvcc on PATH, then $CUDA_HOME/bin/nvcc (as torch.utils.cpp_extension finds it)."""
+    if os.environ.get("NVCC"):
+        return os.environ["NVCC"]
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:  # pragma: no cover - torch without cpp_extension
+        CUDA_HOME = None
+    for home in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return None
+
+
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def library_path(name: str, arch: str, nvcc: str) -> Path:
+    src = (CSRC / f"{name}.cu").read_bytes()
+    key = hashlib.sha256(src + arch.encode() + _nvcc_version(nvcc).encode()).hexdigest()[:16]
+    return cache_dir() / f"{name}-sm{arch}-{key}.so"
+
+
+def build(name: str, arch: str, nvcc: str | None = None) -> Path:
+    """Compile csrc/<name>.cu for sm_<arch> (e.g. "90") unless the cached library exists; return its path."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise CudaBuildError("nibble's CUDA kernels are compiled at first use and need nvcc (the CUDA toolkit); "
+                             "none found on PATH, in $CUDA_HOME or via $NVCC")
+    try:
+        out = library_path(name, arch, nvcc)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CudaBuildError(f"cannot run nvcc at {nvcc!r} ({e}); install the CUDA toolkit or set $NVCC") from e
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp_out), str(CSRC / f"{name}.cu")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CudaBuildError(f"nvcc failed to build {name}.cu for sm_{arch}:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
+    return out
+
+
+def load(name: str, device: torch.device) -> ctypes.CDLL:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    arch = f"{major}{minor}"
+    with _LOCK:
+        if (name, arch) not in _LIBS:
+            _LIBS[(name, arch)] = ctypes.CDLL(str(build(name, arch)))
+        return _LIBS[(name, arch)]
