@@ -320,6 +320,15 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(L) + "\n")
 
 
+def _save(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def write_plots(results: dict, out: Path, log=print) -> list[str]:
     try:
         import matplotlib
@@ -356,10 +365,7 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=110)
-    plt.close(fig)
-    written.append(str(out / "speedup.png"))
+    written.append(_save(fig, out / "speedup.png"))
 
     # 2. VRAM: weights (stacked by kind) and peak, per config, one panel per model
     mgroups = {"model": results.get("configs", {}), **{k: v for k, v in results.get("speed_models", {}).items()
@@ -383,10 +389,7 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out / "vram.png", dpi=110)
-    plt.close(fig)
-    written.append(str(out / "vram.png"))
+    written.append(_save(fig, out / "vram.png"))
 
     # 3. accuracy per task, grouped bars
     cr = results.get("configs", {})
@@ -403,10 +406,7 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
     if names:
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=110)
-    plt.close(fig)
-    written.append(str(out / "accuracy.png"))
+    written.append(_save(fig, out / "accuracy.png"))
     return written
 
 

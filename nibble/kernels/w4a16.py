@@ -163,59 +163,38 @@ def with_split(cfg: Config, M: int, N: int, K: int, group_size: int, num_sms: in
 # ----------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
+    def _planes_ptx(magic: str, pack2: bool) -> str:
+        """PTX: the 8 nibbles of a word as 16-bit ``C + q`` (magic 0x64006400: fp16 1024, 0x43004300:
+        bf16 128). pack2: two neighbouring words in, per nibble one register holding both words'
+        values (prmt gathers the halves); otherwise one word in, nibbles j and j + 4 share a register."""
+        def lop3(dst, src):
+            return f"lop3.b32 {dst}, {src}, 0x000F000F, {magic}, 0xEA;\n"
+        if pack2:
+            body = ".reg .b32 lo, hi, t;\nprmt.b32 lo, $8, $9, 0x5410;\nprmt.b32 hi, $8, $9, 0x7632;\n"
+            for half, word in enumerate(("lo", "hi")):
+                body += lop3(f"${4 * half}", word)
+                for j in (1, 2, 3):
+                    body += f"shr.u32 t, {word}, {4 * j};\n" + lop3(f"${4 * half + j}", "t")
+        else:
+            body = ".reg .b32 t, r;\n" + lop3("r", "$8") + "mov.b32 {$0, $4}, r;\n"
+            for j in (1, 2, 3):
+                body += f"shr.u32 t, $8, {4 * j};\n" + lop3("r", "t") + f"mov.b32 {{${j}, ${j + 4}}}, r;\n"
+        return "{\n" + body + "}"
+
+    _PLANES_PACK2_BF16 = tl.constexpr(_planes_ptx("0x43004300", True))
+    _PLANES_PACK2_F16 = tl.constexpr(_planes_ptx("0x64006400", True))
+    _PLANES_PAIRS_BF16 = tl.constexpr(_planes_ptx("0x43004300", False))
+    _PLANES_PAIRS_F16 = tl.constexpr(_planes_ptx("0x64006400", False))
+
     @triton.jit
     def _planes_asm(w, IS_BF16: tl.constexpr):
-        """8 planes (nibble j of every word) as fp16/bf16 ``C + q`` (C = 1024 / 128), via PTX.
-
-        pack=2: one asm instance takes two neighbouring words (along N) and returns, per nibble,
-        one 32-bit register holding the two 16-bit values (prmt gathers the two words' halves).
-        """
+        """8 planes (nibble j of every word) as fp16/bf16 ``C + q`` (C = 1024 / 128), via PTX, pack=2."""
         if IS_BF16:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 lo, hi, t;
-                prmt.b32 lo, $8, $9, 0x5410;
-                prmt.b32 hi, $8, $9, 0x7632;
-                lop3.b32 $0, lo, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, lo, 4;
-                lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, lo, 8;
-                lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, lo, 12;
-                lop3.b32 $3, t, 0x000F000F, 0x43004300, 0xEA;
-                lop3.b32 $4, hi, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, hi, 4;
-                lop3.b32 $5, t, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, hi, 8;
-                lop3.b32 $6, t, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, hi, 12;
-                lop3.b32 $7, t, 0x000F000F, 0x43004300, 0xEA;
-                }""",
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+            return tl.inline_asm_elementwise(asm=_PLANES_PACK2_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                                             args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
         else:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 lo, hi, t;
-                prmt.b32 lo, $8, $9, 0x5410;
-                prmt.b32 hi, $8, $9, 0x7632;
-                lop3.b32 $0, lo, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 t, lo, 4;
-                lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 t, lo, 8;
-                lop3.b32 $2, t, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 t, lo, 12;
-                lop3.b32 $3, t, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $4, hi, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 t, hi, 4;
-                lop3.b32 $5, t, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 t, hi, 8;
-                lop3.b32 $6, t, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 t, hi, 12;
-                lop3.b32 $7, t, 0x000F000F, 0x64006400, 0xEA;
-                }""",
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+            return tl.inline_asm_elementwise(asm=_PLANES_PACK2_F16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                                             args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
 
     @triton.jit
     def _planes_asm_p1(w, IS_BF16: tl.constexpr):
@@ -224,41 +203,11 @@ if HAS_TRITON:
         Nibbles j and j + 4 land in the low / high half of one 32-bit register, so the weave below
         pairs them (K slots permuted; x is permuted the same way)."""
         if IS_BF16:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t, r;
-                lop3.b32 r, $8, 0x000F000F, 0x43004300, 0xEA;
-                mov.b32 {$0, $4}, r;
-                shr.u32 t, $8, 4;
-                lop3.b32 r, t, 0x000F000F, 0x43004300, 0xEA;
-                mov.b32 {$1, $5}, r;
-                shr.u32 t, $8, 8;
-                lop3.b32 r, t, 0x000F000F, 0x43004300, 0xEA;
-                mov.b32 {$2, $6}, r;
-                shr.u32 t, $8, 12;
-                lop3.b32 r, t, 0x000F000F, 0x43004300, 0xEA;
-                mov.b32 {$3, $7}, r;
-                }""",
-                constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-                args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(asm=_PLANES_PAIRS_BF16, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+                                             args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t, r;
-                lop3.b32 r, $8, 0x000F000F, 0x64006400, 0xEA;
-                mov.b32 {$0, $4}, r;
-                shr.u32 t, $8, 4;
-                lop3.b32 r, t, 0x000F000F, 0x64006400, 0xEA;
-                mov.b32 {$1, $5}, r;
-                shr.u32 t, $8, 8;
-                lop3.b32 r, t, 0x000F000F, 0x64006400, 0xEA;
-                mov.b32 {$2, $6}, r;
-                shr.u32 t, $8, 12;
-                lop3.b32 r, t, 0x000F000F, 0x64006400, 0xEA;
-                mov.b32 {$3, $7}, r;
-                }""",
-                constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-                args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(asm=_PLANES_PAIRS_F16, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+                                             args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
 
     @triton.jit
     def _plane16(w, J: tl.constexpr, IS_BF16: tl.constexpr):

@@ -43,6 +43,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace {
 
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
@@ -64,25 +66,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_8(uint32_t smem_addr, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr), "l"(gmem));
 }
-// src_bytes = 0 fills the 16 bytes with zeros without reading memory (padding tokens)
-__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
-}
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
 
+// Per activation type: the raw-code base B (twice, as the lop3 OR constant, and as a float), 1.0
+// twice, the MMA's type name and the output conversion.
 template <typename T> struct Num;
 
 template <> struct Num<__half> {
   static constexpr uint32_t BASE2 = 0x64006400u;  // 1024, 1024
   static constexpr uint32_t ONE2 = 0x3c003c00u;
   static constexpr float BASE = 1024.f;
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 };
 
@@ -90,14 +84,24 @@ template <> struct Num<__nv_bfloat16> {
   static constexpr uint32_t BASE2 = 0x43004300u;  // 128, 128
   static constexpr uint32_t ONE2 = 0x3f803f80u;
   static constexpr float BASE = 128.f;
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
+
+// c += A (16 x 16, four registers) * B (16 x 8, two registers), fp32 accumulators
+#define NIBBLE_MMA_16816(TYPE)                                                                            \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+      "{%8, %9}, {%0, %1, %2, %3};"                                                                       \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    NIBBLE_MMA_16816("f16");
+  } else {
+    NIBBLE_MMA_16816("bf16");
+  }
+}
 
 // word -> raw code pairs (B + q_j, B + q_{j+4}), j = 0..3
 template <typename T>
@@ -201,9 +205,9 @@ __global__ void w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __rest
         for (int tile = 0; tile < 2; ++tile) {
           const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
                                  r[2 * tile + 1][2 * half + 1]};
-          Num<T>::mma(raw[mt][tile], a, b[half][0], b[half][1]);
+          mma<T>(raw[mt][tile], a, b[half][0], b[half][1]);
         }
-        Num<T>::mma(xsum[mt], ones, b[half][0], b[half][1]);
+        mma<T>(xsum[mt], ones, b[half][0], b[half][1]);
       }
     }
 
