@@ -189,12 +189,10 @@ if HAS_TRITON:
     @triton.jit
     def _planes_asm(w, IS_BF16: tl.constexpr):
         """8 planes (nibble j of every word) as fp16/bf16 ``C + q`` (C = 1024 / 128), via PTX, pack=2."""
-        if IS_BF16:
-            return tl.inline_asm_elementwise(asm=_PLANES_PACK2_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                                             args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise(asm=_PLANES_PACK2_F16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                                             args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        PTX: tl.constexpr = _PLANES_PACK2_BF16 if IS_BF16 else _PLANES_PACK2_F16
+        DT = tl.bfloat16 if IS_BF16 else tl.float16
+        return tl.inline_asm_elementwise(asm=PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                                         args=[w], dtype=(DT,) * 8, is_pure=True, pack=2)
 
     @triton.jit
     def _planes_asm_p1(w, IS_BF16: tl.constexpr):
@@ -202,12 +200,10 @@ if HAS_TRITON:
 
         Nibbles j and j + 4 land in the low / high half of one 32-bit register, so the weave below
         pairs them (K slots permuted; x is permuted the same way)."""
-        if IS_BF16:
-            return tl.inline_asm_elementwise(asm=_PLANES_PAIRS_BF16, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-                                             args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(asm=_PLANES_PAIRS_F16, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-                                             args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        PTX: tl.constexpr = _PLANES_PAIRS_BF16 if IS_BF16 else _PLANES_PAIRS_F16
+        DT = tl.bfloat16 if IS_BF16 else tl.float16
+        return tl.inline_asm_elementwise(asm=PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+                                         args=[w], dtype=(DT,) * 8, is_pure=True, pack=1)
 
     @triton.jit
     def _plane16(w, J: tl.constexpr, IS_BF16: tl.constexpr):
@@ -259,6 +255,15 @@ if HAS_TRITON:
             }""",
             constraints="=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,r",
             args=[w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+    @triton.jit
+    def _planes32(w, ASM: tl.constexpr):
+        """The 8 fp32 planes of a word: PTX (ASM) or portable Triton ops (interpreter); same values."""
+        if ASM:
+            return _planes32_asm(w)
+        else:
+            return (_plane32(w, 0), _plane32(w, 1), _plane32(w, 2), _plane32(w, 3),
+                    _plane32(w, 4), _plane32(w, 5), _plane32(w, 6), _plane32(w, 7))
 
     @triton.jit
     def _gemv_asm(w, x0, x1, x2, x3, x4, x5, x6, x7):
@@ -442,17 +447,7 @@ if HAS_TRITON:
                     part = _mm(x, tl.trans(wt), None, DOT_F32)
                     acc += part * sD[None, :] + xsum[:, None] * zc[None, :]
             else:
-                if ASM_PLANES:
-                    f0, f1, f2, f3, f4, f5, f6, f7 = _planes32_asm(w)
-                else:
-                    f0 = _plane32(w, 0)
-                    f1 = _plane32(w, 1)
-                    f2 = _plane32(w, 2)
-                    f3 = _plane32(w, 3)
-                    f4 = _plane32(w, 4)
-                    f5 = _plane32(w, 5)
-                    f6 = _plane32(w, 6)
-                    f7 = _plane32(w, 7)
+                f0, f1, f2, f3, f4, f5, f6, f7 = _planes32(w, ASM_PLANES)
                 if PERM:
                     x = _perm_x(x, BLOCK_M, BLOCK_K)
                 gi = (k0 + 8 * offs_i) // G
@@ -572,17 +567,7 @@ if HAS_TRITON:
         gi = (8 * offs_i) // G
         st = tl.load(s_ptr + gi[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
         zt = tl.load(z_ptr + gi[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
-        if DQ_ASM:
-            f0, f1, f2, f3, f4, f5, f6, f7 = _planes32_asm(w)
-        else:
-            f0 = _plane32(w, 0)
-            f1 = _plane32(w, 1)
-            f2 = _plane32(w, 2)
-            f3 = _plane32(w, 3)
-            f4 = _plane32(w, 4)
-            f5 = _plane32(w, 5)
-            f6 = _plane32(w, 6)
-            f7 = _plane32(w, 7)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _planes32(w, DQ_ASM)
         se = st * 256.0
         so = st * 16.0
         ze = zt - se
