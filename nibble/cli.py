@@ -169,7 +169,8 @@ def _add_model_args(p, quant=True):
         p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn")
         p.add_argument("--rotate", action="store_true", help="w4a4: Hadamard-rotate the model first")
         p.add_argument("--clip-search", action="store_true",
-                       help="RTN with the MSE-optimal clipping search (always on for w4a4's per-channel weights)")
+                       help="RTN with the MSE-optimal clipping search (always on for w4a4's per-channel weights; "
+                            "gptq and awq always run their own calibrated clipping search)")
         p.add_argument("--float-zero", action="store_true",
                        help="w4a16: float minimum per group (not AWQ/GPTQ-exportable; often more accurate)")
 

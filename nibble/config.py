@@ -17,7 +17,9 @@ class QuantConfig:
     ``mode="w4a4"``: INT4 weights (symmetric, per output channel) and per-token INT4 activations,
     optionally after a fixed Hadamard rotation of the model (``rotation="hadamard"``).
 
-    ``clip_search=None`` picks the mode's default (on for w4a4, off for w4a16).
+    ``clip_search=None`` picks the mode's default (on for w4a4, off for w4a16); it is RTN's
+    weight-space search: ``method="gptq"`` / ``"awq"`` always run their own calibrated clipping
+    searches instead (GPTQ's Hessian-weighted error, AWQ's output error).
     ``group_size=None`` picks the mode's default (128 for w4a16, per-channel for w4a4); ``-1``
     means one group per output channel.
     """

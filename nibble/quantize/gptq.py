@@ -12,12 +12,27 @@ Details, as in the reference implementation:
 - lazy block updates: columns are processed in blocks of 128; inside a block the update is
   applied to the block only, the rest of W gets one matrix product per block;
 - groups: a group's scale and zero are found when the sweep reaches its first column, from the
-  *updated* weights, with rtn's ``quantize_groups`` (same parameters, same optional clipping search);
+  *updated* weights, with rtn's ``quantize_groups`` (min/max);
 - act-order (``act_order=True``): columns are processed by decreasing H_jj, the inputs with most
   activation energy first. With ``static_groups=True`` the group parameters are fixed beforehand on
   the original column order, so groups stay contiguous and no input permutation is needed (this
   is what ``gptq_quantize_model`` uses); otherwise groups are formed in processing order and the
   result carries ``perm`` (canonical row j = input feature perm[j]) and the GPTQ ``g_idx``.
+
+Beyond the reference: ``clip_search`` shrinks each group's range by rtn's grid, scoring each ratio by
+GPTQ's own objective, sum_j (w_j - q_j)^2 / U_jj^2 (``clip_objective="gptq"``), rather than by the
+plain weight error (``"weight"``, rtn's), which would clip the weights of the few inputs with huge
+activations as readily as any other. The plain search made RTN worse on SmolLM2; this one is on in
+``gptq_quantize_model``.
+
+Why act-order and clipping are on by default in ``gptq_quantize_model``: SmolLM2's down_proj inputs
+carry "massive activations" (a few attention-sink tokens with |x| thousands of times the median),
+so H is dominated by a handful of columns. Quantized late, their errors are compensated by bending
+every other column, which helps those few tokens and hurts all the rest; quantized first, the
+other columns absorb their error instead. SmolLM2-135M W4A16 g64, WikiText-2 (README, PTQ table):
+reference GPTQ was worse than RTN (28.17 vs 27.57, 32 x 512 calibration tokens) and act-order brought
+it to 25.14; with the CLI's 128 x 512 tokens act-order gives 24.81, and with the GPTQ-weighted
+clipping 23.86 (16-bit: 20.97).
 """
 from __future__ import annotations
 
@@ -32,11 +47,11 @@ from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
                                          input_groups, skip_from_config)
-from nibble.quantize.clip import weighted_clip_search
-from nibble.quantize.rtn import _check_weight, _codes, quantize_groups
+from nibble.quantize.rtn import _check_weight, _codes, quantize_groups, weighted_clip_search
 
 DEFAULT_PERCDAMP = 0.01
 DEFAULT_BLOCKSIZE = 128
+
 
 @dataclass
 class GPTQResult:
@@ -75,8 +90,11 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
                          clip_objective: str = "gptq") -> GPTQResult:
     """GPTQ-quantize an nn.Linear weight [N, K] given the Hessian H = 2/n X^T X [K, K] of its inputs.
 
-    ``group_size=-1``: per output channel. Runs on the weight's device, in float32.
+    ``group_size=-1``: per output channel. Runs on the weight's device, in float32. Rows are
+    independent given H, so linears that share an input can be quantized as one stacked weight.
     """
+    if clip_objective not in ("gptq", "weight"):
+        raise ValueError(f"clip_objective must be 'gptq' or 'weight', got {clip_objective!r}")
     W = weight.detach().float().clone()
     N, K = W.shape
     G = K if group_size == -1 else group_size
@@ -88,8 +106,6 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    if clip_objective not in ("gptq", "weight"):
-        raise ValueError(f"clip_objective must be 'gptq' or 'weight', got {clip_objective!r}")
 
     perm = None
     if act_order:
@@ -117,38 +133,44 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
         for g in range(n_groups):
             S[:, g:g + 1], Z[:, g:g + 1] = group_params(Wo[:, g * G:(g + 1) * G], cw[g * G:(g + 1) * G])
         del Wo
+        # per-column (s, z) in processing order, gathered once: no device-to-host read per column
+        col_group = (perm if perm is not None else torch.arange(K, device=W.device)) // G
+        S_col, Z_col = S[:, col_group], Z[:, col_group]
 
     codes = torch.zeros(N, K, dtype=torch.uint8, device=W.device)
     loss = torch.zeros((), device=W.device)
-    s = z = None
     for i1 in range(0, K, blocksize):
         i2 = min(i1 + blocksize, K)
         W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
         Err1 = torch.zeros_like(W1)
         U1 = U[i1:i2, i1:i2]
+        if static_groups:
+            S1, Z1 = S_col[:, i1:i2], Z_col[:, i1:i2]
+        else:
+            S1, Z1 = torch.zeros_like(W1), torch.zeros_like(W1)
         for i in range(i2 - i1):
             col = i1 + i
-            if static_groups:
-                g = int(perm[col] if perm is not None else col) // G
-                s, z = S[:, g:g + 1], Z[:, g:g + 1]
-            elif col % G == 0:
-                # the group's current weights: updated in-block columns, plus later columns with this
-                # block's pending (lazy) updates applied
-                end = col + G
-                cur = W1[:, i:min(end, i2) - i1]
-                if end > i2:
-                    rest = W[:, i2:end] - Err1[:, :i] @ U[i1:col, i2:end]
-                    cur = torch.cat([cur, rest], dim=1)
-                s, z = group_params(cur, col_weight[col:end])
-                S[:, col // G], Z[:, col // G] = s[:, 0], z[:, 0]
-            w = W1[:, i:i + 1]
+            if not static_groups:
+                if col % G == 0:
+                    # the group's current weights: updated in-block columns, plus later columns with
+                    # this block's pending (lazy) updates applied
+                    end = col + G
+                    cur = W1[:, i:min(end, i2) - i1]
+                    if end > i2:
+                        rest = W[:, i2:end] - Err1[:, :i] @ U[i1:col, i2:end]
+                        cur = torch.cat([cur, rest], dim=1)
+                    s, z = group_params(cur, col_weight[col:end])
+                    S[:, col // G], Z[:, col // G] = s[:, 0], z[:, 0]
+                S1[:, i], Z1[:, i] = S[:, col // G], Z[:, col // G]
+            w, s, z = W1[:, i], S1[:, i], Z1[:, i]
             q = _codes(w, s, z)
-            codes[:, col] = q[:, 0].to(torch.uint8)
-            d = U1[i, i]
-            err = (w - (q * s + z)) / d
-            loss += (err ** 2).sum() / 2
-            W1[:, i:] -= err @ U1[i:i + 1, i:]
-            Err1[:, i:i + 1] = err
+            Q1[:, i] = q
+            err = (w - (q * s + z)) / U1[i, i]
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
+            Err1[:, i] = err
+        codes[:, i1:i2] = Q1.to(torch.uint8)
+        loss += (Err1 ** 2).sum() / 2
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
     trivial = (torch.arange(K, device=W.device) // G).to(torch.int32)
@@ -163,25 +185,36 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), perm, g_idx, float(loss))
 
 
+def _output_rows(w: Int4Weight, start: int, stop: int) -> Int4Weight:
+    """Rows [start, stop) of a stacked weight (N is the last dim of every canonical tensor)."""
+    return Int4Weight(*(t[:, start:stop].contiguous() for t in (w.qweight, w.scales, w.zeros)), w.group_size)
+
+
 @torch.no_grad()
 def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, true_sequential: bool = True,
-                        blocksize: int = DEFAULT_BLOCKSIZE, progress: bool = True) -> dict[str, Int4Weight]:
+                        blocksize: int = DEFAULT_BLOCKSIZE, clip: bool = True,
+                        progress: bool = True) -> dict[str, Int4Weight]:
     """GPTQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
-    ``config`` is a QuantConfig: group_size, symmetric, zero_point, clip_search are used as RTN uses
-    them; optional ``act_order`` (default False, uses static groups so no input permutation is
-    needed) and ``damp_percent`` (default 0.01) are read when the config has them.
+    ``config`` is a QuantConfig: group_size, symmetric, zero_point as RTN uses them.
+    ``config.clip_search`` (rtn's weight-space search) is not used: each group's range comes from
+    the GPTQ-weighted clipping search (``clip=False``: plain min/max, as the reference GPTQ). Read
+    when the config has them: ``act_order`` (default True: columns by decreasing activation energy, with
+    static groups so the result needs no input permutation; why act-order and clipping are the
+    defaults: module doc) and ``damp_percent`` (default 0.01).
     ``calib``: token ids, LongTensor [n_samples, seq_len] (see ``calibration_batches``).
 
     Blocks are processed one at a time: block i is calibrated on the outputs of the already
     quantized blocks 0..i-1 and, with ``true_sequential``, each of its linear groups (q/k/v, o,
-    gate/up, down) on inputs produced by its already-quantized predecessors.
+    gate/up, down) on inputs produced by its already-quantized predecessors. Linears sharing an
+    input (q/k/v, gate/up) share one Hessian and are quantized as one stacked weight (one sweep
+    over the columns instead of three / two).
 
     Side effect: the float weight of every quantized linear is overwritten with its dequantized
     value (that is how later blocks see the quantization error). Modules in
     ``config.modules_to_not_convert`` are left alone.
     """
-    act_order = bool(getattr(config, "act_order", False))
+    act_order = bool(getattr(config, "act_order", True))
     percdamp = float(getattr(config, "damp_percent", DEFAULT_PERCDAMP))
     skip = skip_from_config(config)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)
@@ -197,14 +230,16 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
                 if group[0] not in stats:
                     continue
                 H = stats.pop(group[0]).hessian
+                stacked = torch.cat([linears[name].weight for name in group])
+                res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric, config.zero_point,
+                                           clip, percdamp, blocksize, act_order, static_groups=act_order)
+                del stacked, H
+                start = 0
                 for name in group:
                     layer = linears[name]
-                    res = gptq_quantize_weight(layer.weight, H, config.group_size, config.symmetric,
-                                               config.zero_point, config.clip_search, percdamp, blocksize,
-                                               act_order, static_groups=act_order)
-                    w = res.weight
+                    w = _output_rows(res.weight, start, start + layer.out_features)
+                    start += layer.out_features
                     layer.weight.copy_(dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype))
                     results[f"{prefix}.{name}"] = w
-                del H
         inputs, _ = forward_block(block, inputs, kwargs)
     return results

@@ -48,6 +48,38 @@ def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round((w - z) / s), 0, MAX_CODE)
 
 
+def group_range(w: torch.Tensor, symmetric: bool, zero_point: str):
+    """(lo, hi) [R, 1] of the rows of w: integer zero points (and symmetric) need 0 inside the range."""
+    lo = w.amin(dim=1, keepdim=True)
+    hi = w.amax(dim=1, keepdim=True)
+    return (lo.clamp(max=0), hi.clamp(min=0)) if zero_point == "int" or symmetric else (lo, hi)
+
+
+def weighted_clip_search(w: torch.Tensor, error, symmetric: bool = False, zero_point: str = "int",
+                         grid: int = 20, min_shrink: float = 0.5):
+    """Per row of ``w`` [R, G] (one group each): (codes, s, z), s and z [R, 1], with the range shrink
+    ratio in linspace(1, min_shrink, grid + 1) that minimises ``error(w - dequantized) -> [R, 1]``.
+
+    RTN scores a ratio by the plain squared weight error; calibrated methods pass the error they
+    care about (AWQ: the group's output error, GPTQ: its Hessian-weighted error).
+    """
+    w = w.float()
+    lo, hi = group_range(w, symmetric, zero_point)
+    s, z = _scale_and_zero(lo, hi, symmetric, zero_point)
+    best = error(w - (_codes(w, s, z) * s + z))
+    for ratio in torch.linspace(1.0, min_shrink, grid + 1)[1:].tolist():
+        s_r, z_r = _scale_and_zero(lo * ratio, hi * ratio, symmetric, zero_point)
+        err = error(w - (_codes(w, s_r, z_r) * s_r + z_r))
+        better = err < best
+        best = torch.where(better, err, best)
+        s, z = torch.where(better, s_r, s), torch.where(better, z_r, z)
+    return _codes(w, s, z), s, z
+
+
+def _squared_error(dw: torch.Tensor) -> torch.Tensor:
+    return (dw ** 2).sum(dim=1, keepdim=True)
+
+
 def quantize_groups(w: torch.Tensor, symmetric: bool = False, zero_point: str = "int",
                     clip_search: bool = True, grid: int = 20, min_shrink: float = 0.5):
     """Quantize rows of ``w`` [R, G] (one group per row): returns (codes, s, z), s and z of shape [R, 1].
@@ -57,17 +89,9 @@ def quantize_groups(w: torch.Tensor, symmetric: bool = False, zero_point: str = 
     if zero_point not in ("int", "float"):
         raise ValueError(f"zero_point must be 'int' or 'float', got {zero_point!r}")
     w = w.float()
-    lo = w.amin(dim=1, keepdim=True).clamp(max=0) if zero_point == "int" or symmetric else w.amin(dim=1, keepdim=True)
-    hi = w.amax(dim=1, keepdim=True).clamp(min=0) if zero_point == "int" or symmetric else w.amax(dim=1, keepdim=True)
-    s, z = _scale_and_zero(lo, hi, symmetric, zero_point)
     if clip_search:
-        best_err = ((_codes(w, s, z) * s + z - w) ** 2).sum(dim=1, keepdim=True)
-        for ratio in torch.linspace(1.0, min_shrink, grid + 1)[1:].tolist():
-            s_r, z_r = _scale_and_zero(lo * ratio, hi * ratio, symmetric, zero_point)
-            err = ((_codes(w, s_r, z_r) * s_r + z_r - w) ** 2).sum(dim=1, keepdim=True)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            s, z = torch.where(better, s_r, s), torch.where(better, z_r, z)
+        return weighted_clip_search(w, _squared_error, symmetric, zero_point, grid, min_shrink)
+    s, z = _scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point)
     return _codes(w, s, z), s, z
 
 
