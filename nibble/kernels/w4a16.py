@@ -660,7 +660,7 @@ MMA_MAX_M = 64
 # Register budget: 4 and 8 token tiles take ~140 / ~250 registers per thread (ptxas, sm_90), so a
 # CTA of 16 warps would not fit the SM's 64K registers.
 MMA_MAX_WARPS = {1: 16, 2: 16, 4: 8, 8: 8}
-_MMA = {"lib": None, "tried": False}
+_MMA_LIBS: dict = {}  # compute capability -> loaded library, or None when it cannot be built
 
 
 @dataclass(frozen=True)
@@ -671,22 +671,25 @@ class MmaConfig:
 
 
 def _mma_lib(device):
-    """The compiled library, or None (disabled by NIBBLE_CUDA_KERNELS=0, or no nvcc: said once)."""
+    """The compiled library for this device's architecture, or None (disabled by
+    NIBBLE_CUDA_KERNELS=0, or no nvcc / a failed build: said once per architecture)."""
     if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
         return None
-    if not _MMA["tried"]:
-        _MMA["tried"] = True
+    arch = torch.cuda.get_device_capability(device)
+    if arch not in _MMA_LIBS:
         try:
             lib = cuda_build.load("w4a16_mma", device)
         except (cuda_build.CudaBuildError, OSError) as e:
             warnings.warn(f"nibble: the CUDA W4A16 kernel is unavailable, using the Triton kernels instead ({e})")
-            return None
-        lib.nibble_w4a16_mma.restype = ctypes.c_int
-        lib.nibble_w4a16_mma.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
-        lib.nibble_cuda_error_string.restype = ctypes.c_char_p
-        lib.nibble_cuda_error_string.argtypes = [ctypes.c_int]
-        _MMA["lib"] = lib
-    return _MMA["lib"]
+            lib = None
+        if lib is not None:
+            lib.nibble_w4a16_mma.restype = ctypes.c_int
+            lib.nibble_w4a16_mma.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
+                                             + [ctypes.c_void_p])
+            lib.nibble_cuda_error_string.restype = ctypes.c_char_p
+            lib.nibble_cuda_error_string.argtypes = [ctypes.c_int]
+        _MMA_LIBS[arch] = lib
+    return _MMA_LIBS[arch]
 
 
 def _group_shift_steps(group_size: int, K: int) -> int | None:

@@ -257,6 +257,8 @@ __global__ void w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __rest
   }
 }
 
+constexpr int kMaxDevices = 64;
+
 size_t smem_bytes(int warps, int mt, int stages, int M) {
   const int m_rows = M < mt * 8 ? M : mt * 8;
   const size_t ring = (size_t)warps * stages * (640 + 64 * m_rows), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);
@@ -267,15 +269,18 @@ template <typename T, int MT, int S>
 cudaError_t launch_ms(const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N, int K,
                       int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
   const size_t smem = smem_bytes(warps, MT, S, M);
-  static bool opted_in = false;  // above 48 KB a kernel must opt in: once, to the device's maximum
-  if (!opted_in) {
-    int device = 0, max_optin = 0;
-    cudaGetDevice(&device);
+  // Above 48 KB a kernel must opt in, per device: once, to the device's maximum.
+  static bool opted_in[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!opted_in[device]) {
+    int max_optin = 0;
     cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    cudaError_t err = cudaFuncSetAttribute(w4a16_mma_kernel<T, MT, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           max_optin);
+    err = cudaFuncSetAttribute(w4a16_mma_kernel<T, MT, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
     if (err != cudaSuccess) return err;
-    opted_in = true;
+    opted_in[device] = true;
   }
   w4a16_mma_kernel<T, MT, S><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
       static_cast<const T*>(x), static_cast<const uint32_t*>(qw), static_cast<const __half*>(s),
