@@ -1,7 +1,8 @@
 """Kernel dispatch: the GPU kernel where one applies, the pure-PyTorch reference otherwise.
 
 Every op here has one signature for every backend; `backend="reference"` forces the reference,
-`backend="triton"` demands the GPU kernel (and says clearly why it cannot run).
+`backend="triton"` demands the GPU kernels (Triton, and for W4A16 at small M the CUDA C++ kernel of
+`csrc/`, which falls back to Triton where it cannot build) and says clearly why they cannot run.
 """
 from __future__ import annotations
 
