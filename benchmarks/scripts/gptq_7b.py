@@ -1,6 +1,8 @@
 """GPTQ wall time and peak GPU memory on a Llama-2-7B-shaped model (random weights), as JSON.
 
     python benchmarks/scripts/gptq_7b.py --json benchmarks/results/gptq-7b-h200.json   # H200
+    python benchmarks/scripts/gptq_7b.py --save-calib ids.pt    # tokenize here; then on the GPU machine
+    python benchmarks/scripts/gptq_7b.py --calib-file ids.pt --json gptq-7b-h200.json
     python benchmarks/scripts/gptq_7b.py --tiny                                         # CPU smoke run
 
 The model is a ``transformers`` LlamaForCausalLM with Llama-2-7B's shape (hidden 4096, intermediate
@@ -74,6 +76,8 @@ def main():
     ap.add_argument("--device", default=None, help="default: cuda if available")
     ap.add_argument("--json", default=None)
     ap.add_argument("--calib-file", default=None, help="torch.save'd LongTensor [n, seq] of token ids to use instead")
+    ap.add_argument("--save-calib", default=None, help="only tokenize the calibration text into this file and exit "
+                    "(on a machine with the tokenizer; carry the file to the GPU machine for --calib-file)")
     ap.add_argument("--tokenizer-model", default=None, help="model whose tokenizer cuts the calibration text "
                     "(a .gguf or HF folder; default: the embedded SmolLM2)")
     args = ap.parse_args()
@@ -84,6 +88,11 @@ def main():
     n_samples = args.n_samples or (8 if args.tiny else 64)
     seq_len = args.seq_len or (128 if args.tiny else 2048)
 
+    if args.save_calib:
+        calib, calib_source = calibration_ids(n_samples, seq_len, shape["vocab_size"], args.tokenizer_model)
+        torch.save(calib, args.save_calib)
+        print(f"wrote {tuple(calib.shape)} ids ({calib_source}) to {args.save_calib}")
+        return
     if args.calib_file:  # ids tokenized elsewhere (the GPU machine may lack the tokenizer's model file)
         calib = torch.load(args.calib_file)[:n_samples, :seq_len] % shape["vocab_size"]
         calib_source = f"{args.calib_file} (C4 excerpt, SmolLM2 tokenizer), ids mod vocab"
