@@ -27,10 +27,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     K, N = codes.shape
     if K % PACK:
         raise ValueError(f"K={K} must be a multiple of {PACK} to pack 4-bit codes into int32 words")
-    c = codes.to(torch.int32)
-    if c.numel() and (int(c.min()) < 0 or int(c.max()) > 15):
+    # range-checked before the int32 cast, so wider integers cannot wrap into range
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
         raise ValueError("4-bit codes must lie in [0, 15]")
-    c = c.reshape(K // PACK, PACK, N) << _SHIFTS.to(c.device).view(1, PACK, 1)
+    c = codes.to(torch.int32).reshape(K // PACK, PACK, N) << _SHIFTS.to(codes.device).view(1, PACK, 1)
     # The OR of disjoint bit fields is their sum; int32 wrap-around on the top nibble is exactly
     # the two's-complement bit pattern we want.
     return c.sum(dim=1, dtype=torch.int32)

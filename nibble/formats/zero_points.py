@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from nibble.formats.int4 import PACK
+from nibble.formats.int4 import PACK, pack_int4, unpack_int4
 
 NATURAL_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 
 
 def zeros_from_zero_points(zp: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -45,18 +44,18 @@ def integer_zero_points(scales: torch.Tensor, zeros: torch.Tensor, max_zp: int =
 
 
 def pack_along_n(values: torch.Tensor, order=NATURAL_ORDER) -> torch.Tensor:
-    """Pack 4-bit values [R, N] into int32 [R, N // 8]: nibble i (bits 4i..4i+3) of word c holds column 8c + order[i]."""
+    """Pack 4-bit values [R, N] into int32 [R, N // 8]: nibble i (bits 4i..4i+3) of word c holds column 8c + order[i].
+
+    The same bit fields as the canonical packing along K, so it is ``pack_int4`` on the transpose
+    with the columns of each group of 8 put in nibble order first.
+    """
     if values.dim() != 2:
         raise ValueError(f"expected a 2-D [rows, N] tensor, got shape {tuple(values.shape)}")
     R, N = values.shape
     if N % PACK:
         raise ValueError(f"N={N} (out_features) must be a multiple of {PACK} to pack 4-bit values along N")
-    v = values.to(torch.int64)
-    if v.numel() and (int(v.min()) < 0 or int(v.max()) > 15):
-        raise ValueError("4-bit values must lie in [0, 15]")
-    v = v.reshape(R, N // PACK, PACK)[:, :, list(order)]  # [R, N/8, nibble]
-    words = (v << _SHIFTS.to(v.device)).sum(dim=-1)          # disjoint bit fields: sum == OR
-    return uint32_to_int32(words)
+    in_nibble_order = values.reshape(R, N // PACK, PACK)[:, :, list(order)].reshape(R, N)
+    return pack_int4(in_nibble_order.t()).t().contiguous()
 
 
 def unpack_along_n(words: torch.Tensor, order=NATURAL_ORDER) -> torch.Tensor:
@@ -64,7 +63,7 @@ def unpack_along_n(words: torch.Tensor, order=NATURAL_ORDER) -> torch.Tensor:
     if words.dtype != torch.int32 or words.dim() != 2:
         raise ValueError(f"expected a 2-D int32 tensor, got {words.dtype} {tuple(words.shape)}")
     R, C = words.shape
-    nibbles = (words.to(torch.int64).unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF  # [R, C, nibble]
+    nibbles = unpack_int4(words.t()).t().reshape(R, C, PACK)  # [R, C, nibble]
     out = torch.empty_like(nibbles)
     out[:, :, list(order)] = nibbles  # column 8c + order[i] <- nibble i
     return out.reshape(R, C * PACK).to(torch.int32)
