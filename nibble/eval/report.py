@@ -433,9 +433,9 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    loader = loader or _default_loader(model_name_or_path, device, dtype)
     model_label = str(model_name_or_path) if model_name_or_path else (
         "custom loader" if loader else "default (SmolLM2-135M-Instruct)")
+    loader = loader or _default_loader(model_name_or_path, device, dtype)
     meta = env_meta(model=model_label, configs=configs,
                     tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, device=str(device),
                     speed_models=list(speed_models), speed_clip_search=speed_clip_search)

@@ -68,7 +68,9 @@ def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, 
     qx: int8 [M, K]; x_scale: float32 [M]; w_scale: [N] (the per-channel weight scale, scales[0]).
     """
     acc = w4a4_accumulate(qx, qweight).float()
-    y = acc * x_scale.float().unsqueeze(-1) * w_scale.float().to(qx.device)
+    # The two scales first: acc * sx alone overflows float32 for a token that held +-Inf (sx =
+    # finfo.max / 7) even where the whole product is representable.
+    y = acc * (x_scale.float().unsqueeze(-1) * w_scale.float().to(qx.device))
     if bias is not None:
         y = y + bias.float()
     # A token that held +-Inf has a huge scale; saturate instead of overflowing to Inf in 16 bits.

@@ -8,13 +8,12 @@ canonical layout as stored (no re-layout step).
 
 Dispatch on CUDA (measured on the H200, benchmarks/notes-w4a16.md):
 
-* M <= 64 (except M = 1 with N >= 8192): ``w4a16_mma``, the CUDA C++ tensor-core kernel in
-  ``csrc/w4a16_mma.cu`` (weight as the MMA's A operand straight from the canonical words, raw codes
-  through the MMA, group affine in fp32 per group, cp.async ring per warp), built by nvcc at first
-  use (``cuda_build``). Needs N, K multiples of 32 and a power-of-two group >= 32 (or per column);
-  other shapes, or no nvcc, fall through to the Triton kernels.
-* M = 1 with N >= 8192: the Triton split-K GEMV below (measured faster there).
-* M <= 16 otherwise: Triton GEMV (M <= 2) / tensor-core dot kernel; M > 16: dequantise + cuBLAS.
+* M <= 64: ``w4a16_mma``, the CUDA C++ tensor-core kernel in ``csrc/w4a16_mma.cu`` (weight as the
+  MMA's A operand straight from the canonical words, raw codes through the MMA, group affine in
+  fp32 per group, cp.async ring per warp), built by nvcc at first use (``cuda_build``). Needs N, K
+  multiples of 32 and a power-of-two group >= 32 (or per column).
+* Shapes it does not take, or no nvcc: the Triton kernels below, Triton GEMV (M <= 2) /
+  tensor-core dot kernel (M <= 16); M > 16 (and every M > 64): dequantise + cuBLAS.
 
 Triton kernels (design; see benchmarks/notes-w4a16.md for the measurements behind it):
 
@@ -657,7 +656,7 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
 # CUDA C++ tensor-core kernel for M <= 64 (csrc/w4a16_mma.cu: layout and numerics are explained there)
 # ----------------------------------------------------------------------------------------------
 MMA_MAX_M = 64
-# Register budget: 4 and 8 token tiles take ~140 / ~250 registers per thread (ptxas, sm_90), so a
+# Register budget: 4 and 8 token tiles take 128 / ~245 registers per thread (ptxas, sm_90), so a
 # CTA of 16 warps would not fit the SM's 64K registers.
 MMA_MAX_WARPS = {1: 16, 2: 16, 4: 8, 8: 8}
 _MMA_LIBS: dict = {}  # compute capability -> loaded library, or None when it cannot be built
@@ -724,10 +723,12 @@ def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
 
 
 def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
-    """Pure function of the problem: enough warps per SM, at least 16 K steps per warp."""
+    """Pure function of the problem: warps per CTA doubled from 4 while the GPU has fewer than 32
+    warps per SM and each warp keeps >= 16 K steps (fewer when there are fewer CTAs than SMs)."""
     token_tiles = next(t for t in (1, 2, 4, 8) if M <= 8 * t)
-    ctas, warps = N // 32, 4
-    while warps < MMA_MAX_WARPS[token_tiles] and ctas * warps < 32 * num_sms and (K // 32) >= 16 * warps:
+    ctas, warps, steps = N // 32, 4, K // 32
+    while (warps < MMA_MAX_WARPS[token_tiles] and ctas * warps < 32 * num_sms
+           and (ctas < num_sms or steps >= 16 * 2 * warps)):
         warps *= 2
     # 4 stages measured best on the H200 at every issue-3 shape (benchmarks/notes-w4a16.md): deeper
     # rings cost occupancy and did not add bandwidth
@@ -801,8 +802,7 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
     N = qweight.shape[1]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
-    # M = 1 on wide layers: the Triton GEMV measured faster than the tensor-core kernel (notes-w4a16.md)
-    if config is None and not (M == 1 and N >= 8192) and mma_applicable(x, N, K, group_size):
+    if config is None and mma_applicable(x, N, K, group_size):
         return w4a16_mma(x, qweight, scales, zeros, group_size, out=out)
     cfg = config or select_config(M, N, K, group_size, _num_sms(x.device))
     if cfg.kind == "gemv" and M > 2:

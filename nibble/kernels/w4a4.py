@@ -255,7 +255,7 @@ def quantize_activations(x: torch.Tensor, input_hadamard: bool = False) -> tuple
 
 
 # ================================================================================================
-# Shared epilogue: [split-K reduction] -> y = acc * sx[m] * sw[n] (+ bias[n])
+# Shared epilogue: [split-K reduction] -> y = acc * (sx[m] * sw[n]) (+ bias[n])
 # ================================================================================================
 
 @_jit
@@ -268,9 +268,18 @@ def _store_out(acc, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym,
     else:
         sx = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
         sw = tl.load(ws_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        y = acc.to(tl.float32) * sx * sw
+        y = acc.to(tl.float32) * (sx * sw)  # scales first, as the reference: acc * sx alone can overflow
         if HAS_BIAS:
             y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        # A token that held +-Inf has a huge scale: saturate to the output type's largest finite
+        # value (as the reference does) instead of overflowing to Inf on the conversion.
+        if y_ptr.dtype.element_ty == tl.float16:
+            ymax = 65504.0
+        elif y_ptr.dtype.element_ty == tl.bfloat16:
+            ymax = 3.3895313892515355e38
+        else:
+            ymax = 3.4028234663852886e38
+        y = tl.minimum(tl.maximum(y, -ymax), ymax)
         tl.store(yp, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -292,3 +292,20 @@ def test_gpu_cuda_graph_capture(M):
         g.replay()
         torch.cuda.synchronize()
         assert_close(y, x, qw, s, z, 128)
+
+
+def test_select_mma_config_rules():
+    """Valid for its M; warps doubled only while the GPU has < 32 warps per SM and each warp keeps
+    >= 16 K steps (unless there are fewer CTAs than SMs); pure."""
+    for M in (1, 8, 9, 16, 17, 32, 33, 64):
+        for N, K in ((4096, 4096), (28672, 8192), (8192, 28672), (11008, 4096), (576, 1536), (96, 64)):
+            cfg = W.select_mma_config(M, N, K, 132)
+            assert cfg == W.select_mma_config(M, N, K, 132)
+            assert W.mma_config_valid(cfg, M) and M <= 8 * cfg.token_tiles < 2 * max(M, 8)
+            ctas, steps = N // 32, K // 32
+            if cfg.warps > 4:
+                half = cfg.warps // 2
+                assert ctas * half < 32 * 132 and (ctas < 132 or steps >= 32 * half)
+    assert W.select_mma_config(1, 12288, 4096, 132).warps == 8   # 128 K steps: 16 per warp at 8 warps
+    assert W.select_mma_config(1, 4096, 4096, 132).warps == 16   # 128 CTAs < 132 SMs: warps are the only parallelism
+    assert W.select_mma_config(1, 28672, 8192, 132).warps == 8   # 896 CTAs x 8 warps fill the GPU

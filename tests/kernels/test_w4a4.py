@@ -265,6 +265,24 @@ def test_interp_matmul_exact(M, N, K, cfg):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K,cfg", [_interp_cases()[0], _interp_cases()[4]])
+def test_interp_matmul_saturates_like_the_reference(M, N, K, cfg, dtype):
+    # Products beyond the output type's range (here: a token scale of float32's max) must saturate
+    # to its largest finite value, as in the reference, never become Inf.
+    qw, ws = _codes_weight(N, K, "cpu")
+    qx = _qx(M, K, "cpu")
+    sx = torch.rand(M) + 0.01
+    sx[0] = torch.finfo(torch.float32).max
+    y = w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, dtype, config=cfg)
+    ref = reference.w4a4_matmul(qx, sx, qw, ws, None, dtype)
+    assert torch.isfinite(y).all() and torch.isfinite(ref).all()
+    sat = ref[0].float().abs() == torch.finfo(dtype).max
+    assert sat.sum() > N // 4 and torch.equal(y[0][sat], ref[0][sat])
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
 def test_interp_act_quant_fused_hadamard_equals_unfused_kernel():
     from nibble.kernels.hadamard import hadamard_transform_triton
     x = _activations(4, 576, torch.bfloat16, "cpu")
@@ -470,11 +488,13 @@ def test_linear_op_nonfinite_and_zero_tokens_stay_finite():
         y = torch.ops.nibble.w4a4_linear(x, qw, ws, None, had)
         assert torch.isfinite(y).all()
         assert (y[2] == 0).all() and (y[3] == 0).all()
-    # without the rotation the codes are exact, so the output is one rounding from the spec
+    # without the rotation the codes are exact, so the output is one rounding from the spec, which
+    # saturates the Inf token's huge products at the largest finite bf16
     y = torch.ops.nibble.w4a4_linear(x, qw, ws, None, False)
     qx, sx = (t.cuda() for t in _ref_quant(x))
     ref = _exact_acc(qx, qw).double() * sx.double()[:, None] * ws.double()[None, :]
-    _ulp_close(y, ref, torch.bfloat16)
+    big = torch.finfo(torch.bfloat16).max
+    _ulp_close(y, ref.clamp(-big, big), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -8,12 +8,19 @@
 // the B operand: 16 output columns per MMA, so at M = 1 one MMA consumes 256 weights and the tensor
 // pipe stays well below the memory rate (with x as A, 15/16 of every MMA would be padding).
 //
-// Fragment layout (g = lane / 4, t = lane % 4). One 16-byte load per lane per 32-deep K step:
-//   lane (g, t) copies the words of columns c .. c+3 (c = tile_col + 4g) at word row 4*step + t,
-//   so 8 lanes cover 128 contiguous bytes of each of 4 word rows. Those four columns become the MMA
-//   rows g / g+8 of two m16 tiles: tile 0 rows (g, g+8) = columns (c, c+1), tile 1 = (c+2, c+3).
-//   The C fragment rows of a lane are then exactly its own four columns, so the lane applies its
-//   own group scales to its own accumulators.
+// Fragment layout (g = lane / 4, t = lane % 4). Per 32-deep K step a warp consumes 4 word rows x
+//   32 columns = 512 bytes; lane (g, t) consumes the 16 bytes of columns c .. c+3 (c = tile_col + 4g)
+//   at word row 4*step + t. Those four columns become the MMA rows g / g+8 of two m16 tiles: tile 0
+//   rows (g, g+8) = columns (c, c+1), tile 1 = (c+2, c+3). The C fragment rows of a lane are then
+//   exactly its own four columns, so the lane applies its own group scales to its own accumulators.
+// The lane that copies a 16-byte piece is not the lane that consumes it: lane L copies row L / 8,
+//   columns 4 (L % 8) .. +3, so each 8-lane phase of the copy is one whole 128-byte line. (Copying
+//   with the consumer's mapping makes every phase touch 4 lines, one sector each: the L2 then serves
+//   4 requests per line, hits 3 of them, and the kernel stalls on L2 throughput at ~45% of HBM
+//   bandwidth -- measured with Nsight Compute on the H200, L2 hit rate 68% on data read once.)
+//   In shared memory row r of the stage sits at 128 r and column quad q at 16 ((q ^ 2r) & 7): both
+//   the copy (one row, 8 quads) and the read-back (quads g = 2p, 2p+1 of 4 rows) hit 8 distinct
+//   16-byte bank groups per phase.
 // The MMA's K order is free as long as A and B agree. One lop3 extracts nibbles (j, j+4) of a word
 // into one register, so for lane t the MMA K slots are
 //   half-step 0: a0/b0 = rows (8w+0, 8w+4), a2/b1 = (8w+1, 8w+5); half-step 1: (8w+2, 8w+6), (8w+3, 8w+7)
@@ -28,12 +35,11 @@
 // (Doing q * s + z in 16 bits per weight costs 8 more instructions per word, and folding B into
 // z in 16 bits would cancel catastrophically; in fp32 the cancellation costs ~2^-14 relative.)
 //
-// Weights go HBM -> shared memory with cp.async (16 bytes per lane, bypassing L1, 256-byte L2
-// lines) through a per-warp ring of S stages, so S - 1 loads per warp are in flight without holding
-// registers. (Plain loads into a register batch do not work: ptxas sinks each load next to its
-// first use to save registers, leaving one load per warp in flight.) A lane reads back only the 16
-// bytes it copied itself, so the loop needs no barrier: cp.async.wait_group orders a thread's own
-// copies.
+// Weights go HBM -> shared memory with cp.async (16 bytes per lane, bypassing L1) through a
+// per-warp ring of S stages, so S - 1 loads per warp are in flight without holding registers.
+// (Plain loads into a register batch do not work: ptxas sinks each load next to its first use to
+// save registers, leaving one load per warp in flight.) Lanes read back pieces other lanes copied,
+// so each step starts with cp.async.wait_group (this thread's copies) and __syncwarp (everyone's).
 //
 // K is split across the warps of a CTA (each owns a contiguous range of 32-deep steps); partial
 // sums meet in shared memory and the CTA writes its 32 output columns. N / 32 CTAs; the launcher
@@ -53,14 +59,8 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
-// Weights go HBM -> shared memory with cp.async (16 bytes per lane, bypassing L1, 256-byte L2
-// lines) in a per-warp ring of S stages, so S - 1 loads per warp are in flight without holding
-// registers. (Plain loads into a register batch do not work: ptxas sinks each load next to its
-// first use to save registers, leaving one 16-byte load per warp in flight.) Each lane reads back
-// only the 16 bytes it copied itself, so no barrier is needed inside the loop: cp.async.wait_group
-// orders a thread's own copies.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_8(uint32_t smem_addr, const void* gmem) {
@@ -112,12 +112,18 @@ __device__ __forceinline__ void raw_codes(uint32_t w, uint32_t (&r)[4]) {
 
 // MT: token tiles of 8 (M <= 8 * MT). S: pipeline stages per warp (S - 1 weight loads in flight).
 // Groups are 2^group_shift_steps 32-deep steps (a shift >= 30 means one group per column).
+// Launch bounds: a register cap of 128 at four token tiles keeps two CTAs of 8 warps per SM. At one
+// tile, a cap of 64 (for 32 warps per SM) made ptxas recompute every address inside the loop: ~210
+// instead of ~120 instructions per step, 60 instead of 47 us on 28672 x 8192; 72 registers and 24
+// warps per SM win. (Moving the nibble shifts to the FMA pipe as IMAD.HI was slower: 52 us.)
 template <typename T, int MT, int S>
-__global__ void w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __restrict__ qweight,
+__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 4 ? 2 : 1)
+    w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __restrict__ qweight,
                                  const __half* __restrict__ scales, const __half* __restrict__ zeros,
                                  T* __restrict__ out, int M, int N, int K, int group_shift_steps, int ldx, int ldo) {
-  // Per warp and stage (bytes): [0, 512) weights, 16 per lane; [512, 640) scales (8 B) + zeros
-  // (8 B) of the step's group for the 8 column quads (copied by the t == 0 lanes); then x, 64 bytes
+  // Per warp and stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales
+  // (8 B) + zeros (8 B) of the step's group for the 8 column quads (lanes 0-7 copy the scales,
+  // 8-15 the zeros: one 64-byte request each); then x, 64 bytes
   // per real token (4 word rows of 16 B), nothing for padding tokens. Everything a step needs is
   // in flight together (x and the group parameters are L2 hits at best; waiting for them inside the
   // step costs a round trip per step), and the ring holds as much weight as it can: at M = 1 the
@@ -127,7 +133,6 @@ __global__ void w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __rest
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile_col = blockIdx.x * 32;
-  const int col = tile_col + 4 * g;
   const int steps = K >> 5;  // step s covers word rows 4s .. 4s+3
   const int s_begin = (int)((long long)steps * warp / warps), s_end = (int)((long long)steps * (warp + 1) / warps);
   const bool one_group = group_shift_steps >= 30;
@@ -137,34 +142,47 @@ __global__ void w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __rest
 
   unsigned char* ring = smem + (size_t)warp * S * stage_bytes;
   const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
+  const int ring_bytes = S * stage_bytes;
   const size_t step_stride = (size_t)4 * N;
-  const uint32_t* wsrc = qweight + (size_t)t * N + col;
+  const int copy_row = lane >> 3, copy_quad = lane & 7;  // the piece this lane copies
+  const uint32_t copy_dst = copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
+  const uint32_t read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;  // the piece this lane consumes
+  // Copy state, advanced step by step (recomputing the addresses of every step cost as many
+  // instructions as the dequantization): the next step to copy and where its pieces come from.
+  int next = s_begin;
+  const uint32_t* wsrc = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
+  const bool copies_sz = lane < 16;  // lanes 0-7: scales, 8-15: zeros
+  const uint32_t sz_dst = 512 + copy_quad * 16 + (lane < 8 ? 0 : 8);
+  const __half* sz_src = (lane < 8 ? scales : zeros) + tile_col + 4 * copy_quad +
+                         (size_t)(one_group ? 0 : s_begin >> group_shift_steps) * N;
   const T* xsrc[MT];
   bool xlive[MT];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int m = mt * 8 + g;
     xlive[mt] = m < m_rows;
-    xsrc[mt] = x + (size_t)(xlive[mt] ? m : 0) * ldx + t * 8;
+    xsrc[mt] = x + (size_t)(xlive[mt] ? m : 0) * ldx + t * 8 + 32 * s_begin;
   }
-  auto issue = [&](int step, int stage) {
-    const uint32_t dst = ring_addr + stage * stage_bytes;
-    cp_async_16(dst + lane * 16, wsrc + step * step_stride);
-    if (t == 0) {
-      const size_t gi = (size_t)(one_group ? 0 : step >> group_shift_steps) * N + col;
-      cp_async_8(dst + 512 + g * 16, scales + gi);
-      cp_async_8(dst + 512 + g * 16 + 8, zeros + gi);
-    }
+  int fill = 0, drain = 0;  // ring offsets of the stage to copy into next and of the stage to read next
+  auto issue = [&]() {
+    if (next < s_end) {
+      const uint32_t dst = ring_addr + fill;
+      cp_async_16(dst + copy_dst, wsrc);
+      if (copies_sz) cp_async_8(dst + sz_dst, sz_src);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      if (xlive[mt]) cp_async_16(dst + 640 + ((mt * 8 + g) * 4 + t) * 16, xsrc[mt] + step * 32);
+      for (int mt = 0; mt < MT; ++mt)
+        if (xlive[mt]) cp_async_16(dst + 640 + ((mt * 8 + g) * 4 + t) * 16, xsrc[mt]);
+      wsrc += step_stride;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) xsrc[mt] += 32;
+      if ((++next & group_mask) == 0) sz_src += N;
+    }
+    cp_async_commit();
+    fill = fill + stage_bytes == ring_bytes ? 0 : fill + stage_bytes;
   };
 
 #pragma unroll
-  for (int p = 0; p < S - 1; ++p) {
-    if (s_begin + p < s_end) issue(s_begin + p, p);
-    cp_async_commit();
-  }
+  for (int p = 0; p < S - 1; ++p) issue();
 
   float acc[MT][2][4], raw[MT][2][4], xsum[MT][4];
 #pragma unroll
@@ -175,14 +193,14 @@ __global__ void w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __rest
     }
   const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
 
-  int slot = 0;
   for (int s = s_begin; s < s_end; ++s) {
-    if (s + S - 1 < s_end) issue(s + S - 1, slot == 0 ? S - 1 : slot - 1);  // refills last step's slot
-    cp_async_commit();
+    __syncwarp();  // every lane has read the stage that is refilled now (last step's)
+    issue();
     cp_async_wait<S - 1>();
-    const unsigned char* here = ring + slot * stage_bytes;
-    slot = slot + 1 == S ? 0 : slot + 1;
-    const uint4 wv = *reinterpret_cast<const uint4*>(here + lane * 16);
+    __syncwarp();  // the pieces of this step were copied by other lanes
+    const unsigned char* here = ring + drain;
+    drain = drain + stage_bytes == ring_bytes ? 0 : drain + stage_bytes;
+    const uint4 wv = *reinterpret_cast<const uint4*>(here + read_src);
     uint4 xv[MT];  // padding tokens: zero, without reading
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -227,7 +245,7 @@ __global__ void w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __rest
 #pragma unroll
           for (int c = 0; c < 4; ++c) {  // C row g -> column c + 2 tile, row g + 8 -> c + 2 tile + 1
             const int j = 2 * tile + (c >> 1);
-            acc[mt][tile][c] += sc[j] * raw[mt][tile][c] + zc[j] * xsum[mt][c & 1];
+            acc[mt][tile][c] = fmaf(sc[j], raw[mt][tile][c], fmaf(zc[j], xsum[mt][c & 1], acc[mt][tile][c]));
             raw[mt][tile][c] = 0.f;
           }
 #pragma unroll
