@@ -63,7 +63,7 @@ def w4a4_accumulate(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
 
 def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n]); float scaling only after the int32 sum.
+    """y[m, n] = acc[m, n] * (x_scale[m] * w_scale[n]) (+ bias[n]); float scaling only after the int32 sum.
 
     qx: int8 [M, K]; x_scale: float32 [M]; w_scale: [N] (the per-channel weight scale, scales[0]).
     """

@@ -15,7 +15,7 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         slow, so INT4 values in [-8, 7] ride in int8): the packed weight tile is
                         unpacked in registers to int8 (q - 8) by a short PTX sequence (one word ->
                         two int8x4 registers, 9 instructions), `tl.dot` int8 x int8 -> int32, float
-                        epilogue acc * sx[m] * sw[n] (+ bias), optional split-K. Triton keeps int8
+                        epilogue acc * (sx[m] * sw[n]) (+ bias), optional split-K. Triton keeps int8
                         wgmma synchronous (int32 accumulators), so tiles are 4-warp 128x128 to fit
                         two programs per SM, whose unpacking and MMAs then overlap.
                         SWAP=True (the transposed product, weight tile as wgmma's register operand
