@@ -27,7 +27,7 @@ from nibble.kernels import w4a16 as W  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,16,64")
-    ap.add_argument("--stages", default="4,8,16")
+    ap.add_argument("--stages", default="4,8", help="ring depths to try (the kernel is built for 4 and 8)")
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
