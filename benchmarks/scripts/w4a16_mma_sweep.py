@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/scripts/w4a16_mma_sweep.py --json $OUT/w4a16-mma-sweep.json
 
 For each issue-3 shape and M in --ms: cuBLAS bf16, tinygemm, the Triton path (the previous
-dispatch) and the CUDA kernel in every (stages, warps) variant, plus the config that
+dispatch) and the CUDA kernel at every warp count, plus the config that
 ``select_mma_config`` picks. Same timing as ``python -m nibble.bench kernels`` (CUDA-graph replay,
 weights rotated past the L2, median). Every variant is first checked against an fp32 product.
 """
@@ -27,7 +27,6 @@ from nibble.kernels import w4a16 as W  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,16,64")
-    ap.add_argument("--stages", default="4,8", help="ring depths to try (the kernel is built for 4 and 8)")
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -51,16 +50,15 @@ def main():
             tcfg = W.select_config(M, N, K, G, sms)
             res["triton"] = bench_us(lambda i: (lambda: W.w4a16_linear_cuda(x, *w4[i], G, config=tcfg)), n4, **TIMING)
             picked = W.select_mma_config(M, N, K, sms)
-            cands = [W.MmaConfig(picked.token_tiles, s, w) for s in map(int, args.stages.split(","))
-                     for w in map(int, args.warps.split(","))]
-            variants = {f"s{c.stages}_w{c.warps}": c for c in cands + [picked] if W.mma_config_valid(c, M)}
+            cands = [W.MmaConfig(picked.token_tiles, w) for w in map(int, args.warps.split(","))]
+            variants = {f"w{c.warps}": c for c in cands + [picked] if W.mma_config_valid(c, M)}
             errs = {}
             for name, cfg in variants.items():
                 y = W.w4a16_mma(x, *w4[0], G, config=cfg).float()
                 errs[name] = ((y - ref).norm() / ref.norm()).item()
                 res[name] = bench_us(lambda i: (lambda: W.w4a16_mma(x, *w4[i], G, config=cfg)), n4, **TIMING)
             best = min(variants, key=lambda k: res[k])
-            pick = f"s{picked.stages}_w{picked.warps}"
+            pick = f"w{picked.warps}"
             floor_us = int4_bytes / 4.8e6  # HBM3e peak 4.8 TB/s
             rows.append(dict(N=N, K=K, M=M, us={k: round(v, 2) for k, v in res.items()}, best=best, picked=pick,
                              max_rel_err=max(errs.values()), floor_us=round(floor_us, 2)))

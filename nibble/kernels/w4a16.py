@@ -659,13 +659,13 @@ MMA_MAX_M = 64
 # Register budget: 4 and 8 token tiles take 128 / ~245 registers per thread (ptxas, sm_90), so a
 # CTA of 16 warps would not fit the SM's 64K registers.
 MMA_MAX_WARPS = {1: 16, 2: 16, 4: 8, 8: 8}
+MMA_RING = 4  # cp.async stages per warp (RING in the .cu)
 _MMA_LIBS: dict = {}  # compute capability -> loaded library, or None when it cannot be built
 
 
 @dataclass(frozen=True)
 class MmaConfig:
     token_tiles: int   # tiles of 8 tokens (1, 2, 4, 8): M <= 8 * token_tiles
-    stages: int        # per-warp cp.async ring depth (4 or 8): stages - 1 loads in flight
     warps: int         # warps per CTA, splitting K; one CTA per 32 output columns
 
 
@@ -683,7 +683,7 @@ def _mma_lib(device):
             lib = None
         if lib is not None:
             lib.nibble_w4a16_mma.restype = ctypes.c_int
-            lib.nibble_w4a16_mma.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
+            lib.nibble_w4a16_mma.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
                                              + [ctypes.c_void_p])
             lib.nibble_cuda_error_string.restype = ctypes.c_char_p
             lib.nibble_cuda_error_string.argtypes = [ctypes.c_int]
@@ -707,10 +707,10 @@ def mma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
 
 
-def mma_smem_bytes(cfg: MmaConfig, M: int) -> int:
-    """Shared memory of one CTA: the cp.async ring (per stage 512 B of weights, 128 B of group
-    parameters, 64 B of x per token), reused for the cross-warp reduction (csrc/w4a16_mma.cu)."""
-    ring = cfg.warps * cfg.stages * (640 + 64 * min(M, 8 * cfg.token_tiles))
+def mma_smem_bytes(cfg: MmaConfig) -> int:
+    """Shared memory of one CTA: the cp.async ring (4 stages of 512 B of weights, 128 B of group
+    parameters, 512 B of x per token tile), reused for the cross-warp reduction (csrc/w4a16_mma.cu)."""
+    ring = cfg.warps * MMA_RING * (640 + 512 * cfg.token_tiles)
     return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
 
 
@@ -718,21 +718,22 @@ MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
 
 
 def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
-    return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS and cfg.stages in (4, 8)
-            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg, M) <= MMA_SMEM_LIMIT)
+    return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
+            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT)
 
 
 def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
     """Pure function of the problem: warps per CTA doubled from 4 while the GPU has fewer than 32
-    warps per SM and each warp keeps >= 16 K steps (fewer when there are fewer CTAs than SMs)."""
+    warps per SM and each warp keeps >= 16 K steps at one token tile, >= 32 at more (fewer when
+    there are fewer CTAs than SMs). Measured on the H200: at M = 16 and N = 12288, K = 4096, four
+    warps of 32 steps beat eight of 16 by 15%; at M = 1 eight of 16 win."""
     token_tiles = next(t for t in (1, 2, 4, 8) if M <= 8 * t)
     ctas, warps, steps = N // 32, 4, K // 32
+    min_steps = 16 if token_tiles == 1 else 32
     while (warps < MMA_MAX_WARPS[token_tiles] and ctas * warps < 32 * num_sms
-           and (ctas < num_sms or steps >= 16 * 2 * warps)):
+           and (ctas < num_sms or steps >= min_steps * 2 * warps)):
         warps *= 2
-    # 4 stages measured best on the H200 at every issue-3 shape (benchmarks/notes-w4a16.md): deeper
-    # rings cost occupancy and did not add bandwidth
-    return MmaConfig(token_tiles, 4, warps)
+    return MmaConfig(token_tiles, warps)
 
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
@@ -746,7 +747,7 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
                          f"power-of-two group >= 32 (or per-column); got M={M} N={N} K={K} group={group_size}")
     cfg = config or select_mma_config(M, N, K, _num_sms(x.device))
     if not mma_config_valid(cfg, M):
-        raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, stages 4 or 8, "
+        raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
@@ -754,7 +755,7 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.stages, cfg.warps, x.data_ptr(),
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(),
             qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), M, N, K, shift,
             x.stride(0), out.stride(0), torch.cuda.current_stream(x.device).cuda_stream)
     if err:

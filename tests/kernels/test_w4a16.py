@@ -199,18 +199,19 @@ def test_gpu_explicit_configs(cfg, M):
             assert_close(out, x, qw, s, z, G)
 
 
-MMA_CONFIGS = [c for c in (W.MmaConfig(t, s, w) for t in (1, 2, 4, 8) for s in (4, 8) for w in (1, 4, 8, 16))
+MMA_CONFIGS = [c for c in (W.MmaConfig(t, w) for t in (1, 2, 4, 8) for w in (1, 4, 8, 16))
                if W.mma_config_valid(c, 8 * c.token_tiles)]
 
 
 @needs_cuda
-@pytest.mark.parametrize("cfg", MMA_CONFIGS, ids=lambda c: f"t{c.token_tiles}_s{c.stages}_w{c.warps}")
+@pytest.mark.parametrize("cfg", MMA_CONFIGS, ids=lambda c: f"t{c.token_tiles}_w{c.warps}")
 def test_gpu_mma_every_config(cfg):
     """The CUDA tensor-core kernel in every instantiation: SmolLM2's k/v shape (N = 192), one group
-    per column, group 32, K = 65 steps of 32 (uneven split over warps, fewer steps than stages), odd M."""
+    per column, group 32, K = 65 steps of 32 (uneven split over warps, fewer steps than stages), 3 groups
+    of 128 (fewer groups than warps: warps own whole groups), odd M."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
         pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
-    for (N, K, G) in ((192, 576, 64), (576, 1536, 1536), (1024, 2080, 32)):
+    for (N, K, G) in ((192, 576, 64), (576, 1536, 1536), (1024, 2080, 32), (96, 384, 128)):
         for M in sorted({1, max(1, 8 * cfg.token_tiles - 3), 8 * cfg.token_tiles}):
             dtype = torch.bfloat16 if (M + N) % 2 else torch.float16
             qw, s, z = make_weight(N, K, G, symmetric=(N == 576), device="cuda", seed=N + M)
@@ -296,7 +297,7 @@ def test_gpu_cuda_graph_capture(M):
 
 def test_select_mma_config_rules():
     """Valid for its M; warps doubled only while the GPU has < 32 warps per SM and each warp keeps
-    >= 16 K steps (unless there are fewer CTAs than SMs); pure."""
+    >= 16 K steps at M <= 8, >= 32 above (unless there are fewer CTAs than SMs); pure."""
     for M in (1, 8, 9, 16, 17, 32, 33, 64):
         for N, K in ((4096, 4096), (28672, 8192), (8192, 28672), (11008, 4096), (576, 1536), (96, 64)):
             cfg = W.select_mma_config(M, N, K, 132)
@@ -305,7 +306,9 @@ def test_select_mma_config_rules():
             ctas, steps = N // 32, K // 32
             if cfg.warps > 4:
                 half = cfg.warps // 2
-                assert ctas * half < 32 * 132 and (ctas < 132 or steps >= 32 * half)
+                min_steps = 16 if M <= 8 else 32
+                assert ctas * half < 32 * 132 and (ctas < 132 or steps >= 2 * min_steps * half)
     assert W.select_mma_config(1, 12288, 4096, 132).warps == 8   # 128 K steps: 16 per warp at 8 warps
     assert W.select_mma_config(1, 4096, 4096, 132).warps == 16   # 128 CTAs < 132 SMs: warps are the only parallelism
     assert W.select_mma_config(1, 28672, 8192, 132).warps == 8   # 896 CTAs x 8 warps fill the GPU
+    assert W.select_mma_config(16, 12288, 4096, 132).warps == 4  # 128 K steps: 32 per warp at 4 warps

@@ -36,12 +36,19 @@
 // z in 16 bits would cancel catastrophically; in fp32 the cancellation costs ~2^-14 relative.)
 //
 // Weights go HBM -> shared memory with cp.async (16 bytes per lane, bypassing L1) through a
-// per-warp ring of S stages, so S - 1 loads per warp are in flight without holding registers.
-// (Plain loads into a register batch do not work: ptxas sinks each load next to its first use to
-// save registers, leaving one load per warp in flight.) Lanes read back pieces other lanes copied,
-// so each step starts with cp.async.wait_group (this thread's copies) and __syncwarp (everyone's).
+// per-warp ring of 4 stages, 2 steps in flight, without holding registers. (Plain loads into a
+// register batch do not work: ptxas sinks each load next to its first use to save registers,
+// leaving one load per warp in flight.) Lanes read back pieces other lanes copied, so each step
+// starts with cp.async.wait_group (this thread's copies) and a warp barrier (everyone's).
 //
-// K is split across the warps of a CTA (each owns a contiguous range of 32-deep steps); partial
+// The kernel is bound by instruction issue long before the tensor cores matter, so the loop is
+// built to issue few: unrolled over the ring (shared-memory addresses are immediates), group
+// boundaries at compile-time positions for groups of 32-128 (no per-step group tests, the first
+// MMA of a group starts from zero instead of zeroing the sums), predicates only in the last
+// rounds. Per 512 bytes of weight: 16 lop3 + 12 shifts + 4 byte-permutes + 6 MMA + ~26 other,
+// ~64 instructions (from ~114 with per-step bookkeeping: 46.6 -> 34.5 us on 28672 x 8192, H200).
+//
+// K is split across the warps of a CTA (each owns a contiguous range of whole groups); partial
 // sums meet in shared memory and the CTA writes its 32 output columns. N / 32 CTAs; the launcher
 // picks warps per CTA so that enough loads are in flight on every SM.
 #include <cuda_bf16.h>
@@ -59,13 +66,16 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
-__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gmem));
+// Predicated copies: a branch around each copy would cost a reconvergence barrier per step.
+__device__ __forceinline__ void cp_async_16(bool pred, uint32_t smem_addr, const void* gmem) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.cg.shared.global.L2::128B [%1], [%2], 16; }"
+               ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_8(bool pred, uint32_t smem_addr, const void* gmem) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.ca.shared.global [%1], [%2], 8; }"
+               ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_8(uint32_t smem_addr, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr), "l"(gmem));
-}
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
 
@@ -87,20 +97,21 @@ template <> struct Num<__nv_bfloat16> {
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
 
-// c += A (16 x 16, four registers) * B (16 x 8, two registers), fp32 accumulators
-#define NIBBLE_MMA_16816(TYPE)                                                                            \
+// c = A (16 x 16, four registers) * B (16 x 8, two registers) + C, fp32 accumulators; C is c, or
+// zero for FRESH (the first MMA of a group: no zeroing instructions after each group's fold).
+#define NIBBLE_MMA_16816(TYPE, C)                                                                         \
   asm("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
-      "{%8, %9}, {%0, %1, %2, %3};"                                                                       \
+      "{%8, %9}, " C ";"                                                                                  \
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                    \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f))
 
-template <typename T>
+template <typename T, bool FRESH>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    NIBBLE_MMA_16816("f16");
-  } else {
-    NIBBLE_MMA_16816("bf16");
-  }
+  constexpr bool F16 = std::is_same_v<T, __half>;
+  if constexpr (F16 && FRESH) NIBBLE_MMA_16816("f16", "{%10, %10, %10, %10}");
+  if constexpr (F16 && !FRESH) NIBBLE_MMA_16816("f16", "{%0, %1, %2, %3}");
+  if constexpr (!F16 && FRESH) NIBBLE_MMA_16816("bf16", "{%10, %10, %10, %10}");
+  if constexpr (!F16 && !FRESH) NIBBLE_MMA_16816("bf16", "{%0, %1, %2, %3}");
 }
 
 // word -> raw code pairs (B + q_j, B + q_{j+4}), j = 0..3
@@ -110,79 +121,96 @@ __device__ __forceinline__ void raw_codes(uint32_t w, uint32_t (&r)[4]) {
   for (int j = 0; j < 4; ++j) r[j] = and_or(w >> (4 * j), 0x000f000fu, Num<T>::BASE2);
 }
 
-// MT: token tiles of 8 (M <= 8 * MT). S: pipeline stages per warp (S - 1 weight loads in flight).
-// Groups are 2^group_shift_steps 32-deep steps (a shift >= 30 means one group per column).
-// Launch bounds: a register cap of 128 at four token tiles keeps two CTAs of 8 warps per SM. At one
-// tile, a cap of 64 (for 32 warps per SM) made ptxas recompute every address inside the loop: ~210
-// instead of ~120 instructions per step, 60 instead of 47 us on 28672 x 8192; 72 registers and 24
-// warps per SM win. (Moving the nibble shifts to the FMA pipe as IMAD.HI was slower: 52 us.)
-template <typename T, int MT, int S>
-__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 4 ? 2 : 1)
+// Ring of RING stages per warp with AHEAD steps in flight: one stage of slack lets a single
+// warp barrier per step order the reads of a stage before its refill. (Measured on the H200: rings
+// of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
+constexpr int RING = 4, AHEAD = RING - 2;
+
+// MT: token tiles of 8 (M <= 8 * MT). GS: steps per group when it divides RING (groups of 32, 64,
+// 128: every group boundary then falls at a fixed position in the unrolled ring), 0 otherwise
+// (group_shift_steps at run time; a shift >= 30 means one group per column).
+// Launch bounds (registers): 64 at one token tile, for 32 resident warps per SM (34.5 instead of
+// 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
+// CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
+template <typename T, int MT, int GS>
+__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __restrict__ qweight,
-                                 const __half* __restrict__ scales, const __half* __restrict__ zeros,
-                                 T* __restrict__ out, int M, int N, int K, int group_shift_steps, int ldx, int ldo) {
-  // Per warp and stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales
-  // (8 B) + zeros (8 B) of the step's group for the 8 column quads (lanes 0-7 copy the scales,
-  // 8-15 the zeros: one 64-byte request each); then x, 64 bytes
-  // per real token (4 word rows of 16 B), nothing for padding tokens. Everything a step needs is
-  // in flight together (x and the group parameters are L2 hits at best; waiting for them inside the
-  // step costs a round trip per step), and the ring holds as much weight as it can: at M = 1 the
-  // stage is 704 bytes, 73% weights. Reused after the loop as [warps][MT * 8][32] floats.
+                     const __half* __restrict__ scales, const __half* __restrict__ zeros,
+                     T* __restrict__ out, int M, int N, int K, int group_shift_steps, int ldx, int ldo) {
+  // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
+  // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
+  // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each);
+  // [640, 640 + 512 MT) x, 64 bytes per token (4 word rows of 16 B), copied for real tokens only
+  // (the slots of padding tokens are zeroed once). Everything a step needs is in flight together
+  // (x and the group parameters are L2 hits at best; waiting for them inside the step costs a
+  // round trip per step). The stage size is a compile-time constant and the loop is unrolled over
+  // the ring, so every shared-memory address is a register plus an immediate.
+  // Reused after the loop as [warps][MT * 8][32] floats.
+  constexpr int STAGE = 640 + 512 * MT, SZ = 512, XS = 640, GSTEP = GS ? GS : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile_col = blockIdx.x * 32;
   const int steps = K >> 5;  // step s covers word rows 4s .. 4s+3
-  const int s_begin = (int)((long long)steps * warp / warps), s_end = (int)((long long)steps * (warp + 1) / warps);
+  // Warps own contiguous ranges of whole groups (any split when there is one group per column),
+  // so a group never straddles two warps and a range always ends a group.
   const bool one_group = group_shift_steps >= 30;
-  const int group_mask = one_group ? -1 : (1 << group_shift_steps) - 1;
+  const int unit_shift = one_group ? 0 : group_shift_steps, units = steps >> unit_shift;
+  const int s_begin = (int)((long long)units * warp / warps) << unit_shift;
+  const int s_end = (int)((long long)units * (warp + 1) / warps) << unit_shift;
+  const int group_steps = one_group ? steps : 1 << group_shift_steps;
   const int m_rows = M < MT * 8 ? M : MT * 8;
-  const int stage_bytes = 640 + 64 * m_rows;
 
-  unsigned char* ring = smem + (size_t)warp * S * stage_bytes;
+  unsigned char* ring = smem + (size_t)warp * RING * STAGE;
   const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
-  const int ring_bytes = S * stage_bytes;
   const size_t step_stride = (size_t)4 * N;
   const int copy_row = lane >> 3, copy_quad = lane & 7;  // the piece this lane copies
-  const uint32_t copy_dst = copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
-  const uint32_t read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;  // the piece this lane consumes
-  // Copy state, advanced step by step (recomputing the addresses of every step cost as many
-  // instructions as the dequantization): the next step to copy and where its pieces come from.
-  int next = s_begin;
+  const uint32_t copy_dst = ring_addr + copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
+  const int read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;  // the piece this lane consumes
+  // Copy state, advanced as steps are issued (recomputing the addresses of every step cost as many
+  // instructions as the dequantization).
   const uint32_t* wsrc = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
   const bool copies_sz = lane < 16;  // lanes 0-7: scales, 8-15: zeros
-  const uint32_t sz_dst = 512 + copy_quad * 16 + (lane < 8 ? 0 : 8);
+  const uint32_t sz_dst = ring_addr + SZ + copy_quad * 16 + (lane < 8 ? 0 : 8);
   const __half* sz_src = (lane < 8 ? scales : zeros) + tile_col + 4 * copy_quad +
                          (size_t)(one_group ? 0 : s_begin >> group_shift_steps) * N;
-  const T* xsrc[MT];
+  const int sz_stride = one_group ? 0 : N;
+  // GS == 0 only: the first step past the current group, for the copies and for the reads
+  int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
+  const T* xsrc[MT];  // x of the round's first step (immediate offsets reach the steps ahead)
   bool xlive[MT];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int m = mt * 8 + g;
     xlive[mt] = m < m_rows;
     xsrc[mt] = x + (size_t)(xlive[mt] ? m : 0) * ldx + t * 8 + 32 * s_begin;
+    if (!xlive[mt])
+#pragma unroll
+      for (int st = 0; st < RING; ++st)
+        *reinterpret_cast<uint4*>(ring + st * STAGE + XS + 512 * mt + 16 * lane) = make_uint4(0u, 0u, 0u, 0u);
   }
-  int fill = 0, drain = 0;  // ring offsets of the stage to copy into next and of the stage to read next
-  auto issue = [&]() {
-    if (next < s_end) {
-      const uint32_t dst = ring_addr + fill;
-      cp_async_16(dst + copy_dst, wsrc);
-      if (copies_sz) cp_async_8(dst + sz_dst, sz_src);
+
+  // Copy step j (`ahead` steps past the round's first) into `stage`. Past the range (only in the
+  // tail rounds) nothing is copied, but a group is still committed, so that "at most AHEAD groups
+  // pending" always means "this step has landed".
+  auto issue = [&](int stage, int j, int ahead, bool live) {
+    const bool closes = GS ? (stage + 1) % GSTEP == 0 : j + 1 == issue_group_end;
+    cp_async_16(live, copy_dst + stage * STAGE, wsrc);
+    cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        if (xlive[mt]) cp_async_16(dst + 640 + ((mt * 8 + g) * 4 + t) * 16, xsrc[mt]);
-      wsrc += step_stride;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) xsrc[mt] += 32;
-      if ((++next & group_mask) == 0) sz_src += N;
-    }
+    for (int mt = 0; mt < MT; ++mt)
+      cp_async_16(live && xlive[mt], ring_addr + stage * STAGE + XS + 512 * mt + 16 * lane, xsrc[mt] + 32 * ahead);
     cp_async_commit();
-    fill = fill + stage_bytes == ring_bytes ? 0 : fill + stage_bytes;
+    wsrc += step_stride;  // past the range: never read
+    if (closes) {
+      sz_src += sz_stride;
+      if (!GS) issue_group_end += group_steps;
+    }
   };
 
 #pragma unroll
-  for (int p = 0; p < S - 1; ++p) issue();
+  for (int p = 0; p < AHEAD; ++p) issue(p, s_begin + p, p, s_begin + p < s_end);
 
   float acc[MT][2][4], raw[MT][2][4], xsum[MT][4];
 #pragma unroll
@@ -193,66 +221,80 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 4 ? 2 : 1)
     }
   const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
 
-  for (int s = s_begin; s < s_end; ++s) {
-    __syncwarp();  // every lane has read the stage that is refilled now (last step's)
-    issue();
-    cp_async_wait<S - 1>();
-    __syncwarp();  // the pieces of this step were copied by other lanes
-    const unsigned char* here = ring + drain;
-    drain = drain + stage_bytes == ring_bytes ? 0 : drain + stage_bytes;
-    const uint4 wv = *reinterpret_cast<const uint4*>(here + read_src);
-    uint4 xv[MT];  // padding tokens: zero, without reading
+  // One round: steps s0 .. s0 + RING - 1 in stages 0 .. RING - 1. Full rounds (every copy they
+  // issue is in range) run without predicates; the last one or two rounds are TAIL rounds.
+  auto round = [&](int s0, auto tail) {
+    constexpr bool TAIL = decltype(tail)::value;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      xv[mt] = xlive[mt] ? *reinterpret_cast<const uint4*>(here + 640 + ((mt * 8 + g) * 4 + t) * 16)
-                         : make_uint4(0u, 0u, 0u, 0u);
-
-    uint32_t r[4][4];  // [column c + j][nibble pair]
-    raw_codes<T>(wv.x, r[0]);
-    raw_codes<T>(wv.y, r[1]);
-    raw_codes<T>(wv.z, r[2]);
-    raw_codes<T>(wv.w, r[3]);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const uint4 xr = xv[mt];  // x[m, 8w + 0..7] as pairs (0,1) (2,3) (4,5) (6,7)
-      const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
-                                {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int tile = 0; tile < 2; ++tile) {
-          const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
-                                 r[2 * tile + 1][2 * half + 1]};
-          mma<T>(raw[mt][tile], a, b[half][0], b[half][1]);
-        }
-        mma<T>(xsum[mt], ones, b[half][0], b[half][1]);
-      }
-    }
-
-    if (((s + 1) & group_mask) == 0 || s + 1 == s_end) {  // group (or this warp's range) ends
-      const uint4 sz = *reinterpret_cast<const uint4*>(here + 512 + g * 16);  // scales, zeros of c..c+3
-      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.x));
-      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.y));
-      const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.z));
-      const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.w));
-      const float sc[4] = {s01.x, s01.y, s23.x, s23.y};
-      const float zc[4] = {z01.x - Num<T>::BASE * s01.x, z01.y - Num<T>::BASE * s01.y,
-                           z23.x - Num<T>::BASE * s23.x, z23.y - Num<T>::BASE * s23.y};
+    for (int i = 0; i < RING; ++i) {
+      const int s = s0 + i;
+      if (TAIL && s >= s_end) break;
+      // Refill the stage read two steps ago: every lane passed the warp barrier below since.
+      issue((i + AHEAD) % RING, s + AHEAD, i + AHEAD, !TAIL || s + AHEAD < s_end);
+      cp_async_wait<AHEAD>();
+      // The pieces of this step were copied by other lanes. (bar.warp.sync itself: __syncwarp()
+      // adds a divergence check and a branch around it.)
+      asm volatile("bar.warp.sync -1;" ::: "memory");
+      const unsigned char* here = ring + i * STAGE;
+      const uint4 wv = *reinterpret_cast<const uint4*>(here + read_src);
+      uint32_t r[4][4];  // [column c + j][nibble pair]
+      raw_codes<T>(wv.x, r[0]);
+      raw_codes<T>(wv.y, r[1]);
+      raw_codes<T>(wv.z, r[2]);
+      raw_codes<T>(wv.w, r[3]);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
+        // x[m, 8w + 0..7] as pairs (0,1) (2,3) (4,5) (6,7) -> the nibble pairs (j, j+4)
+        const uint4 xr = *reinterpret_cast<const uint4*>(here + XS + 512 * mt + 16 * lane);
+        const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
+                                  {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
+        const bool fresh = GS && i % GSTEP == 0;  // a group's first step starts its sums from zero
 #pragma unroll
-        for (int tile = 0; tile < 2; ++tile)
+        for (int half = 0; half < 2; ++half) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {  // C row g -> column c + 2 tile, row g + 8 -> c + 2 tile + 1
-            const int j = 2 * tile + (c >> 1);
-            acc[mt][tile][c] = fmaf(sc[j], raw[mt][tile][c], fmaf(zc[j], xsum[mt][c & 1], acc[mt][tile][c]));
-            raw[mt][tile][c] = 0.f;
+          for (int tile = 0; tile < 2; ++tile) {
+            const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
+                                   r[2 * tile + 1][2 * half + 1]};
+            if (fresh && half == 0) mma<T, true>(raw[mt][tile], a, b[half][0], b[half][1]);
+            else mma<T, false>(raw[mt][tile], a, b[half][0], b[half][1]);
           }
+          if (fresh && half == 0) mma<T, true>(xsum[mt], ones, b[half][0], b[half][1]);
+          else mma<T, false>(xsum[mt], ones, b[half][0], b[half][1]);
+        }
+      }
+
+      if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
+        if (!GS) read_group_end += group_steps;
+        const uint4 sz = *reinterpret_cast<const uint4*>(here + SZ + g * 16);  // scales, zeros of c..c+3
+        const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.x));
+        const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.y));
+        const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.z));
+        const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.w));
+        const float sc[4] = {s01.x, s01.y, s23.x, s23.y};
+        const float zc[4] = {z01.x - Num<T>::BASE * s01.x, z01.y - Num<T>::BASE * s01.y,
+                             z23.x - Num<T>::BASE * s23.x, z23.y - Num<T>::BASE * s23.y};
 #pragma unroll
-        for (int c = 0; c < 4; ++c) xsum[mt][c] = 0.f;
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {  // C row g -> column c + 2 tile, row g + 8 -> c + 2 tile + 1
+              const int j = 2 * tile + (c >> 1);
+              acc[mt][tile][c] = fmaf(sc[j], raw[mt][tile][c], fmaf(zc[j], xsum[mt][c & 1], acc[mt][tile][c]));
+              if (!GS) raw[mt][tile][c] = 0.f;
+            }
+          if (!GS)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) xsum[mt][c] = 0.f;
+        }
       }
     }
-  }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xsrc[mt] += 32 * RING;
+  };
+  int s0 = s_begin;
+  for (; s0 + RING + AHEAD <= s_end; s0 += RING) round(s0, std::false_type{});
+  for (; s0 < s_end; s0 += RING) round(s0, std::true_type{});
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring before the space is reused
 
@@ -277,16 +319,15 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 4 ? 2 : 1)
 
 constexpr int kMaxDevices = 64;
 
-size_t smem_bytes(int warps, int mt, int stages, int M) {
-  const int m_rows = M < mt * 8 ? M : mt * 8;
-  const size_t ring = (size_t)warps * stages * (640 + 64 * m_rows), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);
+size_t smem_bytes(int warps, int mt) {
+  const size_t ring = (size_t)warps * RING * (640 + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int S>
-cudaError_t launch_ms(const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N, int K,
+template <typename T, int MT, int GS>
+cudaError_t launch_gs(const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N, int K,
                       int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
-  const size_t smem = smem_bytes(warps, MT, S, M);
+  const size_t smem = smem_bytes(warps, MT);
   // Above 48 KB a kernel must opt in, per device: once, to the device's maximum.
   static bool opted_in[kMaxDevices] = {};
   int device = 0;
@@ -296,34 +337,35 @@ cudaError_t launch_ms(const void* x, const void* qw, const void* s, const void* 
   if (!opted_in[device]) {
     int max_optin = 0;
     cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    err = cudaFuncSetAttribute(w4a16_mma_kernel<T, MT, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
+    err = cudaFuncSetAttribute(w4a16_mma_kernel<T, MT, GS>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
     if (err != cudaSuccess) return err;
     opted_in[device] = true;
   }
-  w4a16_mma_kernel<T, MT, S><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
+  w4a16_mma_kernel<T, MT, GS><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
       static_cast<const T*>(x), static_cast<const uint32_t*>(qw), static_cast<const __half*>(s),
       static_cast<const __half*>(z), static_cast<T*>(out), M, N, K, group_shift_steps, ldx, ldo);
   return cudaGetLastError();
 }
 
 template <typename T, int MT>
-cudaError_t launch_mt(int stages, const void* x, const void* qw, const void* s, const void* z, void* out, int M,
-                      int N, int K, int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
-  switch (stages) {
-    case 4: return launch_ms<T, MT, 4>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 8: return launch_ms<T, MT, 8>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    default: return cudaErrorInvalidValue;
+cudaError_t launch_mt(const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N, int K,
+                      int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
+  switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
+    case 0: return launch_gs<T, MT, 1>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 1: return launch_gs<T, MT, 2>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 2: return launch_gs<T, MT, 4>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    default: return launch_gs<T, MT, 0>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
   }
 }
 
 template <typename T>
-cudaError_t launch(int mt, int stages, const void* x, const void* qw, const void* s, const void* z, void* out, int M,
-                   int N, int K, int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
+cudaError_t launch(int mt, const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N,
+                   int K, int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
   switch (mt) {
-    case 1: return launch_mt<T, 1>(stages, x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 2: return launch_mt<T, 2>(stages, x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 4: return launch_mt<T, 4>(stages, x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 8: return launch_mt<T, 8>(stages, x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 1: return launch_mt<T, 1>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 2: return launch_mt<T, 2>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 4: return launch_mt<T, 4>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 8: return launch_mt<T, 8>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -332,14 +374,14 @@ cudaError_t launch(int mt, int stages, const void* x, const void* qw, const void
 
 // Host entry point (called through ctypes). Preconditions are checked by the Python caller:
 // N % 32 == 0, K % 32 == 0, M <= 8 * mt, 16-byte aligned x rows (ldx % 8 == 0), group = 32 * 2^group_shift_steps
-// (or one group per column: group_shift_steps >= 30), 1 <= warps <= 32, mt in {1, 2, 4, 8}, stages in {4, 8}.
-extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int stages, int warps, const void* x, const void* qweight,
-                                const void* scales, const void* zeros, void* out, int M, int N, int K,
-                                int group_shift_steps, int ldx, int ldo, void* stream) {
+// (or one group per column: group_shift_steps >= 30), 1 <= warps <= 32, mt in {1, 2, 4, 8}.
+extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, const void* x, const void* qweight, const void* scales,
+                                const void* zeros, void* out, int M, int N, int K, int group_shift_steps, int ldx,
+                                int ldo, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, stages, x, qweight, scales, zeros, out, M, N, K, group_shift_steps,
+  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, x, qweight, scales, zeros, out, M, N, K, group_shift_steps,
                                                     ldx, ldo, warps, st)
-                            : launch<__half>(mt, stages, x, qweight, scales, zeros, out, M, N, K, group_shift_steps, ldx,
+                            : launch<__half>(mt, x, qweight, scales, zeros, out, M, N, K, group_shift_steps, ldx,
                                              ldo, warps, st);
   return (int)err;
 }
