@@ -194,6 +194,29 @@ def summarize(results: dict) -> dict:
     return summary
 
 
+_RUN_KEYS = ("date", "git_commit", "configs", "speed_models", "tasks_limit")
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One results dict from runs that measured different configs (one device call per config when one
+    call would not fit the device's time limit): configs and speed models united in order, the summary
+    recomputed; meta from the first run, plus ``merged_from`` (date, commit, configs of each run)."""
+    meta = dict(reports[0]["meta"])
+    configs, speed = {}, {}
+    for r in reports:
+        for name, res in r.get("configs", {}).items():
+            if name in configs and "error" not in configs[name]:
+                raise ValueError(f"config {name!r} was measured in more than one of the reports")
+            configs[name] = res
+        for model, by_config in r.get("speed_models", {}).items():
+            speed.setdefault(model, {}).update(by_config)
+    meta.update(configs=list(configs), speed_models=list(speed),
+                merged_from=[{k: r["meta"].get(k) for k in _RUN_KEYS} for r in reports])
+    merged = {"meta": meta, "configs": configs, "speed_models": speed}
+    merged["summary"] = summarize(merged)
+    return merged
+
+
 # ---- writing ---------------------------------------------------------------------------------
 def _fmt(v, spec=".3f"):
     if v is None or (isinstance(v, float) and math.isnan(v)):

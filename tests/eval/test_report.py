@@ -67,6 +67,24 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
     assert "WikiText-2 ppl" in md and "piqa acc" in md and "peak MiB" in md
 
 
+def test_reports_of_separate_runs_merge_into_one(tmp_path):
+    """One config per run (as on a time-limited device), merged: same rows, ratios against the bf16 of the
+    other run, each run's identity kept; a config measured twice is refused."""
+    runs = [report.run_report(None, tmp_path / c, configs=(c,), tasks_limit=1, ppl_max_tokens=100, speed=False,
+                              loader=tiny_loader, progress=False, log=lambda *a: None) for c in ("bf16", "w4a16")]
+    merged = report.merge_reports(runs)
+    assert list(merged["configs"]) == merged["meta"]["configs"] == ["bf16", "w4a16"]
+    assert merged["configs"]["w4a16"] == runs[1]["configs"]["w4a16"]
+    assert [m["configs"] for m in merged["meta"]["merged_from"]] == [["bf16"], ["w4a16"]]
+    ratio = merged["summary"]["model"]["w4a16"]["linear_bytes_ratio"]
+    assert 0 < ratio < 0.2 and merged["summary"]["model"]["bf16"]["linear_bytes_ratio"] == 1.0
+    assert "w4a16" not in runs[1]["summary"].get("model", {})  # alone, w4a16 had no bf16 to compare with
+    report.write_markdown(merged, tmp_path / "merged.md")
+    assert "| metric | bf16 | w4a16 |" in (tmp_path / "merged.md").read_text()
+    with pytest.raises(ValueError, match="more than one"):
+        report.merge_reports([runs[0], runs[0]])
+
+
 def test_a_failing_config_is_reported_not_fatal(tmp_path):
     def loader():
         model, tok = tiny_loader()
