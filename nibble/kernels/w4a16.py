@@ -38,8 +38,8 @@ Triton kernels (design; see benchmarks/notes-w4a16.md for the measurements behin
   the fused Triton GEMM for M >= 128; needs a temporary [N, K] buffer).
 * Split-K with an in-kernel fix-up: each K slice writes its fp32 partial tile to a workspace,
   bumps a per-tile counter, and the last slice to arrive sums the partials in a fixed order
-  (deterministic) and writes the output, then resets the counter. One launch, no memset. The
-  counters are per device and shared: two streams running the op at once on one device could race.
+  (deterministic) and writes the output, then resets the counter. One launch, no memset. Each
+  stream has its own counters, so calls on two streams of one device never share one.
 
 The tile configuration comes from ``select_config(M, N, K, group_size)``, a pure function over a
 small table (``DISPATCH``) tuned offline with ``benchmarks/scripts/w4a16_explore.py``.
@@ -587,12 +587,15 @@ _COUNTERS: dict = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device split-K tile counters (int32, all zero between calls: the kernel resets them).
+    """Split-K tile counters of the current stream (int32, all zero between calls: the kernel resets
+    them). Kernels on one stream run in order, so they can share; kernels on two streams could run
+    at once, so each stream gets its own.
 
     Allocated and zeroed eagerly; a buffer first needed during CUDA-graph capture is not cached
     (its zeroing memset is only recorded, not run), so later eager calls cannot see it uninitialised.
     """
-    key = (device.type, device.index)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf

@@ -266,6 +266,20 @@ def test_gpu_split_k_repeatable():
 
 
 @needs_cuda
+def test_gpu_split_k_counters_per_stream():
+    """Split-K tile counters belong to a stream: kernels on two streams of one device never share them."""
+    dev = torch.device("cuda")
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(a):
+        ca = W._counters(dev, 16)
+    with torch.cuda.stream(b):
+        cb = W._counters(dev, 16)
+    assert ca.data_ptr() != cb.data_ptr()
+    with torch.cuda.stream(a):
+        assert W._counters(dev, 16).data_ptr() == ca.data_ptr()
+
+
+@needs_cuda
 def test_gpu_torch_compile():
     qw, s, z = make_weight(1024, 2048, 128, device="cuda")
 
