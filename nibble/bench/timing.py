@@ -18,6 +18,7 @@ Everything imports without CUDA (and without matplotlib); only calling ``bench_u
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -140,6 +141,17 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def source_hash(root: str | os.PathLike | None = None) -> str:
+    """sha256 (first 16 hex digits) of the package's sources (.py and .cu, with their paths; ``root``
+    defaults to the package): which code ran, even where a copy of the working tree carries a stale
+    or dirty git commit."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu") and "__pycache__" not in p.parts):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def env_meta(**extra) -> dict:
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -147,6 +159,7 @@ def env_meta(**extra) -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "git_commit": _git_commit(),
+        "source_sha256": source_hash(),
     }
     try:
         import triton

@@ -281,7 +281,7 @@ def write_markdown(results: dict, path: Path) -> None:
     L = [f"# nibble report: {results['meta'].get('model')}", ""]
     meta = results["meta"]
     L.append(f"GPU: {meta.get('gpu') or 'none (CPU run)'} · torch {meta.get('torch')} · triton {meta.get('triton')} · "
-             f"commit {meta.get('git_commit')} · {meta.get('date')}")
+             f"commit {meta.get('git_commit')} · sources {meta.get('source_sha256', '-')} · {meta.get('date')}")
     if meta.get("ceilings"):
         c = meta["ceilings"]
         L.append(f"Rooflines measured on this device: copy {c['copy_gbps']:.0f} GB/s (read + write), "

@@ -85,6 +85,27 @@ def test_reports_of_separate_runs_merge_into_one(tmp_path):
         report.merge_reports([runs[0], runs[0]])
 
 
+def test_source_hash_follows_the_sources_only(tmp_path):
+    """The report's ``source_sha256``: changes with any .py / .cu byte or path, not with other files."""
+    from nibble.bench.timing import env_meta, source_hash
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "kernels" / "k.cu").write_text("// kernel\n")
+    first = source_hash(tmp_path)
+    assert len(first) == 16 and first == source_hash(tmp_path)
+    (tmp_path / "notes.md").write_text("not code")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "a.py").write_text("stale")
+    assert source_hash(tmp_path) == first
+    (tmp_path / "kernels" / "k.cu").write_text("// kernel, edited\n")
+    edited = source_hash(tmp_path)
+    assert edited != first
+    (tmp_path / "kernels" / "k.cu").rename(tmp_path / "k.cu")
+    assert source_hash(tmp_path) != edited
+    assert env_meta()["source_sha256"] == source_hash()
+
+
 def test_a_failing_config_is_reported_not_fatal(tmp_path):
     def loader():
         model, tok = tiny_loader()
