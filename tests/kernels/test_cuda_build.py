@@ -2,10 +2,24 @@
 from __future__ import annotations
 
 import ctypes
+import fnmatch
+from pathlib import Path
 
 import pytest
 
 from nibble.kernels import cuda_build
+
+
+def test_the_package_ships_every_kernel_source():
+    """A pip-installed nibble builds its CUDA kernels from csrc/ at first use: the package data in
+    pyproject.toml must cover every file there (a wheel without them falls back to Triton)."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(cuda_build.__file__).resolve().parents[2] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("an installed package: no pyproject.toml next to it")
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["nibble.kernels"]
+    sources = sorted(f.name for f in cuda_build.CSRC.iterdir() if f.is_file())
+    assert sources and all(any(fnmatch.fnmatch(f"csrc/{name}", p) for p in patterns) for name in sources), sources
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
