@@ -55,7 +55,7 @@ def to_gptq(weight: Int4Weight, perm: torch.Tensor | None = None, checkpoint_for
     with the act-order g_idx. Raises ValueError for float zero points.
     """
     _check_format(checkpoint_format)
-    K, N, G = weight.in_features, weight.out_features, weight.group_size
+    K, G = weight.in_features, weight.group_size
     zp = integer_zero_points(weight.scales, weight.zeros, what="to_gptq: this weight")
     words = pack_along_n(zp).to(torch.int64)
     if checkpoint_format == "gptq":

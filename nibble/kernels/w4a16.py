@@ -384,7 +384,6 @@ if HAS_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_i = tl.arange(0, BK8)
         offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
         offs_n_ld = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
         offs_m_ld = offs_m % M
 
