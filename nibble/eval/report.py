@@ -194,13 +194,13 @@ def summarize(results: dict) -> dict:
     return summary
 
 
-_RUN_KEYS = ("date", "git_commit", "configs", "speed_models", "tasks_limit")
+_RUN_KEYS = ("date", "git_commit", "source_sha256", "configs", "speed_models", "tasks_limit")
 
 
 def merge_reports(reports: list[dict]) -> dict:
     """One results dict from runs that measured different configs (one device call per config when one
     call would not fit the device's time limit): configs and speed models united in order, the summary
-    recomputed; meta from the first run, plus ``merged_from`` (date, commit, configs of each run)."""
+    recomputed; meta from the first run, plus ``merged_from`` (date, commit, sources, configs of each run)."""
     meta = dict(reports[0]["meta"])
     configs, speed = {}, {}
     for r in reports:

@@ -662,6 +662,7 @@ MMA_MAX_M = 64
 # CTA of 16 warps would not fit the SM's 64K registers.
 MMA_MAX_WARPS = {1: 16, 2: 16, 4: 8, 8: 8}
 MMA_RING = 4  # cp.async stages per warp (RING in the .cu)
+MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
 _MMA_LIBS: dict = {}  # compute capability -> loaded library, or None when it cannot be built
 
 
@@ -715,8 +716,6 @@ def mma_smem_bytes(cfg: MmaConfig) -> int:
     ring = cfg.warps * MMA_RING * (640 + 512 * cfg.token_tiles)
     return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
 
-
-MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
 
 
 def mma_config_valid(cfg: MmaConfig, M: int) -> bool:

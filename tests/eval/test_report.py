@@ -76,6 +76,7 @@ def test_reports_of_separate_runs_merge_into_one(tmp_path):
     assert list(merged["configs"]) == merged["meta"]["configs"] == ["bf16", "w4a16"]
     assert merged["configs"]["w4a16"] == runs[1]["configs"]["w4a16"]
     assert [m["configs"] for m in merged["meta"]["merged_from"]] == [["bf16"], ["w4a16"]]
+    assert [m["source_sha256"] for m in merged["meta"]["merged_from"]] == [r["meta"]["source_sha256"] for r in runs]
     ratio = merged["summary"]["model"]["w4a16"]["linear_bytes_ratio"]
     assert 0 < ratio < 0.2 and merged["summary"]["model"]["bf16"]["linear_bytes_ratio"] == 1.0
     assert "w4a16" not in runs[1]["summary"].get("model", {})  # alone, w4a16 had no bf16 to compare with
