@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -58,7 +60,8 @@ def _nvcc_version(nvcc: str) -> str:
 
 
 def library_path(name: str, arch: str, nvcc: str) -> Path:
-    src = (CSRC / f"{name}.cu").read_bytes()
+    # the source and every shared header it may include (csrc/*.cuh)
+    src = b"".join(p.read_bytes() for p in [CSRC / f"{name}.cu", *sorted(CSRC.glob("*.cuh"))])
     key = hashlib.sha256(src + arch.encode() + _nvcc_version(nvcc).encode()).hexdigest()[:16]
     return cache_dir() / f"{name}-sm{arch}-{key}.so"
 
@@ -95,3 +98,24 @@ def load(name: str, device: torch.device) -> ctypes.CDLL:
         if (name, arch) not in _LIBS:
             _LIBS[(name, arch)] = ctypes.CDLL(str(build(name, arch)))
         return _LIBS[(name, arch)]
+
+
+_AVAILABLE: dict = {}  # (name, arch) -> configured library, or None when it cannot be built
+
+
+def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """``load(name, device)`` with ``configure(lib)`` applied once (its ctypes signatures), or None:
+    switched off by ``NIBBLE_CUDA_KERNELS=0``, or no nvcc / a failed build, said once per library and
+    architecture. Callers fall back to their Triton kernels on None."""
+    if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
+        return None
+    arch = torch.cuda.get_device_capability(device)
+    if (name, arch) not in _AVAILABLE:
+        try:
+            lib = load(name, device)
+            configure(lib)
+        except (CudaBuildError, OSError) as e:
+            warnings.warn(f"nibble: the CUDA kernel {name} is unavailable, using the Triton kernels instead ({e})")
+            lib = None
+        _AVAILABLE[(name, arch)] = lib
+    return _AVAILABLE[(name, arch)]

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -663,7 +662,6 @@ MMA_MAX_M = 64
 MMA_MAX_WARPS = {1: 16, 2: 16, 4: 8, 8: 8}
 MMA_RING = 4  # cp.async stages per warp (RING in the .cu)
 MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
-_MMA_LIBS: dict = {}  # compute capability -> loaded library, or None when it cannot be built
 
 
 @dataclass(frozen=True)
@@ -672,26 +670,16 @@ class MmaConfig:
     warps: int         # warps per CTA, splitting K; one CTA per 32 output columns
 
 
+def _configure_mma(lib) -> None:
+    lib.nibble_w4a16_mma.restype = ctypes.c_int
+    lib.nibble_w4a16_mma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+    lib.nibble_cuda_error_string.restype = ctypes.c_char_p
+    lib.nibble_cuda_error_string.argtypes = [ctypes.c_int]
+
+
 def _mma_lib(device):
-    """The compiled library for this device's architecture, or None (disabled by
-    NIBBLE_CUDA_KERNELS=0, or no nvcc / a failed build: said once per architecture)."""
-    if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
-        return None
-    arch = torch.cuda.get_device_capability(device)
-    if arch not in _MMA_LIBS:
-        try:
-            lib = cuda_build.load("w4a16_mma", device)
-        except (cuda_build.CudaBuildError, OSError) as e:
-            warnings.warn(f"nibble: the CUDA W4A16 kernel is unavailable, using the Triton kernels instead ({e})")
-            lib = None
-        if lib is not None:
-            lib.nibble_w4a16_mma.restype = ctypes.c_int
-            lib.nibble_w4a16_mma.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
-                                             + [ctypes.c_void_p])
-            lib.nibble_cuda_error_string.restype = ctypes.c_char_p
-            lib.nibble_cuda_error_string.argtypes = [ctypes.c_int]
-        _MMA_LIBS[arch] = lib
-    return _MMA_LIBS[arch]
+    """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
+    return cuda_build.library("w4a16_mma", device, _configure_mma)
 
 
 def _group_shift_steps(group_size: int, K: int) -> int | None:

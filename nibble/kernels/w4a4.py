@@ -37,6 +37,7 @@ This module imports without CUDA and without Triton.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -44,8 +45,9 @@ from typing import Optional
 
 import torch
 
-from nibble.kernels import reference
+from nibble.kernels import cuda_build, reference
 from nibble.kernels import hadamard as _had
+from nibble.kernels.w4a16 import select_mma_config
 
 try:
     import triton
@@ -735,6 +737,72 @@ def w4a4_accumulate_triton(qx: torch.Tensor, qweight: torch.Tensor, config: Opti
     return w4a4_matmul_triton(qx, ones_m, qweight, ones_n, None, out_int32=True, config=config)
 
 
+# ----------------------------------------------------------------------------------------------
+# CUDA C++ decode kernel for M <= 16 (csrc/w4a4_mma.cu: the W4A16 kernel's skeleton on int8 MMAs)
+# ----------------------------------------------------------------------------------------------
+MMA_MAX_M = 16
+MMA_MAX_WARPS = 16
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _configure_mma(lib) -> None:
+    lib.nibble_w4a4_mma.restype = ctypes.c_int
+    lib.nibble_w4a4_mma.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p,
+                                    ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p])
+    lib.nibble_w4a4_cuda_error_string.restype = ctypes.c_char_p
+    lib.nibble_w4a4_cuda_error_string.argtypes = [ctypes.c_int]
+
+
+def _mma_lib(device):
+    """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
+    return cuda_build.library("w4a4_mma", device, _configure_mma)
+
+
+def mma_applicable(qx: torch.Tensor, N: int, K: int) -> bool:
+    return (qx.is_cuda and 0 < qx.shape[0] <= MMA_MAX_M and N % 32 == 0 and K % 32 == 0 and K > 0
+            and torch.cuda.get_device_capability(qx.device) >= (8, 0) and _mma_lib(qx.device) is not None)
+
+
+def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+             bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, *,
+             out_int32: bool = False, warps: Optional[int] = None) -> torch.Tensor:
+    """`w4a4_matmul_triton`'s product for M <= 16 on the CUDA kernel (int8 tensor cores, exact int32).
+
+    Warps per CTA follow the W4A16 kernel's rule (``w4a16.select_mma_config``) unless ``warps`` is given.
+    """
+    _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
+    M, K = qx.shape
+    N = qweight.shape[1]
+    lib = _mma_lib(qx.device) if qx.is_cuda else None
+    if lib is None or not 0 < M <= MMA_MAX_M or N % 32 or K % 32 or K == 0:
+        raise ValueError(f"w4a4_mma needs the compiled kernel, 1 <= M <= {MMA_MAX_M}, N and K multiples of 32; "
+                         f"got M={M} N={N} K={K} on {qx.device}")
+    if out_dtype not in _DTYPE_CODES:
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    cfg = select_mma_config(M, N, K, _num_sms(qx.device))
+    warps = cfg.warps if warps is None else warps
+    if not 1 <= warps <= MMA_MAX_WARPS:
+        raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
+    if qx.stride(1) != 1 or qx.stride(0) % 8 or qx.data_ptr() % 8:  # rows are copied as 8-byte pieces
+        qx = qx.contiguous()
+    qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+        if bias.dtype not in _DTYPE_CODES:
+            bias = bias.float()
+    y = torch.empty((M, N), dtype=torch.int32 if out_int32 else out_dtype, device=qx.device)
+    with torch.cuda.device(qx.device):
+        err = lib.nibble_w4a4_mma(
+            3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps, qx.data_ptr(), qweight.data_ptr(),
+            x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
+            None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
+            y.data_ptr(), M, N, K, qx.stride(0), y.stride(0), torch.cuda.current_stream(qx.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
+                           f"(M={M} N={N} K={K} warps={warps})")
+    return y
+
+
 def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
     """Canonical packed [K // 8, N] -> int8 (q - 8) [N, K] (benchmark baseline for the int8 GEMMs)."""
     from nibble.formats.int4 import unpack_int4
@@ -797,6 +865,8 @@ def _w4a4_linear_cuda(x, qweight, w_scale, bias, input_hadamard):
         raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
     qx, sx = quantize_activations_triton(x, input_hadamard)
+    if mma_applicable(qx, qweight.shape[1], qweight.shape[0] * PACK):
+        return w4a4_mma(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
     return w4a4_matmul_triton(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import fnmatch
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,25 @@ def test_broken_nvcc_path_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
-def test_builds_for_sm90_and_caches(tmp_path, monkeypatch):
-    """The kernel source compiles for Hopper on a machine without a GPU; the second call is a cache hit."""
+@pytest.mark.parametrize("name,symbols", [("w4a16_mma", ("nibble_w4a16_mma", "nibble_cuda_error_string")),
+                                          ("w4a4_mma", ("nibble_w4a4_mma", "nibble_w4a4_cuda_error_string"))])
+def test_builds_for_sm90_and_caches(tmp_path, monkeypatch, name, symbols):
+    """Each kernel source compiles for Hopper on a machine without a GPU; the second call is a cache hit."""
     monkeypatch.setenv("NIBBLE_CACHE_DIR", str(tmp_path))
-    path = cuda_build.build("w4a16_mma", "90")
+    path = cuda_build.build(name, "90")
     assert path.parent == tmp_path and path.exists()
     mtime = path.stat().st_mtime_ns
-    assert cuda_build.build("w4a16_mma", "90") == path and path.stat().st_mtime_ns == mtime
+    assert cuda_build.build(name, "90") == path and path.stat().st_mtime_ns == mtime
     lib = ctypes.CDLL(str(path))
-    assert lib.nibble_w4a16_mma and lib.nibble_cuda_error_string
+    assert all(getattr(lib, s) for s in symbols)
+
+
+def test_cache_key_covers_the_shared_headers(tmp_path, monkeypatch):
+    """Editing csrc/*.cuh must rebuild the kernels that include it."""
+    shutil.copytree(cuda_build.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(cuda_build, "CSRC", tmp_path / "csrc")
+    monkeypatch.setattr(cuda_build, "_nvcc_version", lambda nvcc: "nvcc 13.0")
+    before = cuda_build.library_path("w4a16_mma", "90", "nvcc")
+    header = tmp_path / "csrc" / "cp_async.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert cuda_build.library_path("w4a16_mma", "90", "nvcc") != before

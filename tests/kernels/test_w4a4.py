@@ -530,6 +530,84 @@ def test_torch_compile_and_cuda_graph(M):
     assert torch.equal(static_y, torch.ops.nibble.w4a4_linear(x2, qw, ws, b, True))
 
 
+# ---- GPU: the CUDA C++ decode kernel (csrc/w4a4_mma.cu) ------------------------------------------
+
+def _needs_mma_kernel():
+    if not w4a4.mma_applicable(torch.zeros(1, 32, dtype=torch.int8, device="cuda"), 32, 32):
+        pytest.skip("the CUDA W4A4 kernel is not built here (no nvcc or sm < 80)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("warps", [1, 4, 8, 16])
+def test_mma_kernel_int32_accumulators_bit_exact(warps):
+    """Every M of both token tiles, K split unevenly over the warps (65 steps of 32), fewer steps than
+    the ring, the extreme codes and activations; outputs poisoned before each call."""
+    _needs_mma_kernel()
+    gen = torch.Generator().manual_seed(warps)
+    for N, K in ((192, 576), (576, 1536), (1024, 2080), (64, 64), (4096, 4096)):
+        qw, ws = _codes_weight(N, K, "cuda", gen)
+        for M in (1, 2, 3, 7, 8, 9, 15, 16):
+            qx = _qx(M, K, "cuda", gen)
+            _poison_allocator("cuda")
+            acc = w4a4.w4a4_mma(qx, torch.ones(M, device="cuda"), qw, ws, out_int32=True, warps=warps)
+            exact = _exact_acc(qx, qw)
+            assert torch.equal(acc, exact), f"N={N} K={K} M={M}: {(acc != exact).sum().item()} differ"
+    # the extreme products: codes 0 and 15 (values -8, 7) against activations -8 and 7
+    K = 28672
+    qw = pack_int4(torch.tensor([0, 15], dtype=torch.int32).repeat(K * 32 // 2).view(K, 32)).cuda()
+    qx = torch.tensor([-8, 7], dtype=torch.int8).repeat(K // 2).view(1, K).cuda()
+    acc = w4a4.w4a4_mma(qx, torch.ones(1, device="cuda"), qw, torch.ones(32, device="cuda"), out_int32=True,
+                        warps=warps)
+    assert torch.equal(acc, _exact_acc(qx, qw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_scale_dtype", [torch.float16, torch.float32])
+def test_mma_kernel_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
+    _needs_mma_kernel()
+    N, K = 4096, 4096
+    gen = torch.Generator().manual_seed(1)
+    qw, ws = _codes_weight(N, K, "cuda", gen)
+    ws = ws.to(w_scale_dtype)
+    for M in (1, 5, 16):
+        qx = _qx(M, K, "cuda", gen)
+        sx = (torch.rand(M, generator=gen) * 0.1 + 1e-3).cuda()
+        b = None if bias is None else torch.randn(N, generator=gen).to(device="cuda", dtype=bias)
+        _poison_allocator("cuda")
+        y = w4a4.w4a4_mma(qx, sx, qw, ws, b, out_dtype=dtype)
+        assert y.dtype == dtype and y.shape == (M, N)
+        prod = _exact_acc(qx, qw).double() * sx.double()[:, None] * ws.double()[None, :]
+        ref = prod + (0 if b is None else b.double())
+        _ulp_close(y, ref, dtype, terms=prod.abs() + (0 if b is None else b.double().abs()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_decode_op_takes_the_mma_kernel_and_saturates_like_the_reference():
+    """M <= 16 with N, K multiples of 32 runs csrc/w4a4_mma.cu; a token that held Inf saturates."""
+    _needs_mma_kernel()
+    qw, ws = _codes_weight(576, 1536, "cuda")
+    x = _activations(3, 1536, torch.bfloat16, "cuda")
+    x[1, 7] = float("inf")
+    assert w4a4.mma_applicable(w4a4.quantize_activations_triton(x)[0], 576, 1536)
+    y = torch.ops.nibble.w4a4_linear(x, qw, ws, None, False)
+    ref = reference.w4a4_linear(x.cpu(), qw.cpu(), ws.cpu(), None, False)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_mma_kernel_rejects_what_it_cannot_run():
+    qx, sx = torch.zeros(17, 64, dtype=torch.int8), torch.ones(17)
+    qw, ws = _codes_weight(64, 64, "cpu")
+    with pytest.raises(ValueError, match="M <= 16"):
+        w4a4.w4a4_mma(qx, sx, qw, ws)
+    assert not w4a4.mma_applicable(qx[:1], 64, 64)  # CPU tensors
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 def test_cuda_op_rejects_float32_and_mixed_devices():

@@ -58,6 +58,8 @@
 
 #include <type_traits>
 
+#include "cp_async.cuh"
+
 namespace {
 
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
@@ -65,19 +67,6 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-
-// Predicated copies: a branch around each copy would cost a reconvergence barrier per step.
-__device__ __forceinline__ void cp_async_16(bool pred, uint32_t smem_addr, const void* gmem) {
-  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.cg.shared.global.L2::128B [%1], [%2], 16; }"
-               ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_8(bool pred, uint32_t smem_addr, const void* gmem) {
-  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.ca.shared.global [%1], [%2], 8; }"
-               ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
 
 // Per activation type: the raw-code base B (twice, as the lop3 OR constant, and as a float), 1.0
 // twice, the MMA's type name and the output conversion.

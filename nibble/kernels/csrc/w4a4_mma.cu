@@ -1,0 +1,252 @@
+// W4A4 skinny GEMM for M <= 16 (decode) on the INT8 tensor cores, exact in int32:
+//
+//   acc[m, n] = sum_k qx[m, k] * (q[k, n] - 8),   y[m, n] = acc * (x_scale[m] * w_scale[n]) (+ bias[n])
+//   qx int8 [M, K] (per-token INT4 values in [-8, 7]); qweight int32 [K / 8, N] (canonical layout,
+//   codes q in 0..15, nibble j of word (i, n) = K row 8i + j); x_scale float32 [M]; w_scale [N].
+//
+// The skeleton is csrc/w4a16_mma.cu's (its header explains the copy mapping, the swizzled stage and
+// the ring): per warp and 32-deep K step, 512 bytes of weights (4 word rows x 32 columns) go HBM ->
+// shared memory with cp.async, one whole 128-byte line per 8-lane phase; lane (g, t) then consumes
+// the four words of columns c .. c+3 (c = tile_col + 4g) at word row 4 step + t.
+//
+// What differs is the arithmetic, which is much cheaper than W4A16's:
+// - The weight is the A operand of mma.m16n8k32.u8.s8 (rows = output columns, 32 K per MMA). A
+//   word's codes go to the tensor cores as unsigned bytes, no sign fix-up: (w & 0x0F0F0F0F) holds
+//   K rows 8i + {0, 2, 4, 6} and ((w >> 4) & 0x0F0F0F0F) rows 8i + {1, 3, 5, 7}: one shift and two
+//   lop3 per 8 weights. sum_k x (q - 8) = sum_k x q - 8 X with X = sum_k x from one more MMA whose A
+//   is all ones, exact in int32.
+// - Fragment: MMA rows g / g+8 are columns (c, c+1) for tile 0 and (c+2, c+3) for tile 1; a0/a1
+//   (K slots 4t .. 4t+3) are the even rows of those two columns, a2/a3 (K slots 16+4t ..) the odd
+//   rows. B (x^T, 32 x 8 int8) takes the same K order: the lane's 8 bytes x[m, 8i .. 8i+7] split
+//   into even and odd bytes by two byte-permutes. One k32 MMA per tile covers the whole step.
+// - Per-channel scales: no group boundaries, the int32 sums run over the warp's whole K range, meet
+//   across warps in shared memory (exact, order-free), and are scaled once per output.
+// Per step: 4 x 3 ALU instructions for the weights, 2 permutes per token tile, 3 MMAs per token tile.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "cp_async.cuh"
+
+namespace {
+
+constexpr int RING = 4, AHEAD = RING - 2;  // as in w4a16_mma.cu: one warp barrier per step
+
+// c += A (16 x 32 u8, four registers) * B (32 x 8 s8, two registers), int32 accumulators
+__device__ __forceinline__ void mma_u8s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Scale and bias dtypes, chosen at run time (read once per output): 0 float32, 1 float16, 2 bfloat16.
+__device__ __forceinline__ float load_float(const void* p, int dtype, int i) {
+  if (dtype == 1) return __half2float(static_cast<const __half*>(p)[i]);
+  if (dtype == 2) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+// Saturate to the output type's largest finite value (a token that held +-Inf has a huge scale), as
+// the reference clamps; comparisons keep a NaN a NaN.
+__device__ __forceinline__ float clamp_abs(float v, float hi) { return v > hi ? hi : (v < -hi ? -hi : v); }
+template <typename T> __device__ __forceinline__ void store(T* p, float v);
+template <> __device__ __forceinline__ void store<__half>(__half* p, float v) {
+  *p = __float2half_rn(clamp_abs(v, 65504.f));
+}
+template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(clamp_abs(v, 3.3895313892515355e38f));
+}
+template <> __device__ __forceinline__ void store<float>(float* p, float v) { *p = clamp_abs(v, 3.4028234663852886e38f); }
+
+// MT: token tiles of 8 (M <= 8 * MT). T: output type (half, bfloat16, float, or int for the raw
+// int32 accumulators).
+template <typename T, int MT>
+__global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
+    w4a4_mma_kernel(const int8_t* __restrict__ qx, const uint32_t* __restrict__ qweight,
+                    const float* __restrict__ x_scale, const void* __restrict__ w_scale, int w_scale_dtype,
+                    const void* __restrict__ bias, int bias_dtype, T* __restrict__ out, int M, int N, int K,
+                    int ldx, int ldo) {
+  // A stage (bytes): [0, 512) weights (swizzled rows, as in w4a16_mma.cu); [512, 512 + 256 MT) x,
+  // 32 bytes per token (8 per lane: x[m, 8i .. 8i+7], the lane's own slot), copied for real tokens
+  // only (the slots of padding tokens are zeroed once). Reused after the loop as
+  // [warps][MT * 8][32] int32.
+  constexpr int STAGE = 512 + 256 * MT, XS = 512;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile_col = blockIdx.x * 32;
+  const int steps = K >> 5;
+  const int s_begin = (int)((long long)steps * warp / warps), s_end = (int)((long long)steps * (warp + 1) / warps);
+  const int m_rows = M < MT * 8 ? M : MT * 8;
+
+  unsigned char* ring = smem + (size_t)warp * RING * STAGE;
+  const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
+  const size_t step_stride = (size_t)4 * N;
+  const int copy_row = lane >> 3, copy_quad = lane & 7;
+  const uint32_t copy_dst = ring_addr + copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
+  const int read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;
+  const uint32_t* wsrc = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
+  const int8_t* xsrc[MT];  // x of the round's first step
+  bool xlive[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int m = mt * 8 + g;
+    xlive[mt] = m < m_rows;
+    xsrc[mt] = qx + (size_t)(xlive[mt] ? m : 0) * ldx + t * 8 + 32 * s_begin;
+    if (!xlive[mt])
+#pragma unroll
+      for (int st = 0; st < RING; ++st)
+        *reinterpret_cast<uint2*>(ring + st * STAGE + XS + 256 * mt + 8 * lane) = make_uint2(0u, 0u);
+  }
+
+  auto issue = [&](int stage, int ahead, bool live) {
+    cp_async_16(live, copy_dst + stage * STAGE, wsrc);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      cp_async_8(live && xlive[mt], ring_addr + stage * STAGE + XS + 256 * mt + 8 * lane, xsrc[mt] + 32 * ahead);
+    cp_async_commit();
+    wsrc += step_stride;  // past the range: never read
+  };
+
+#pragma unroll
+  for (int p = 0; p < AHEAD; ++p) issue(p, p, s_begin + p < s_end);
+
+  int acc[MT][2][4], xsum[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[mt][0][j] = acc[mt][1][j] = xsum[mt][j] = 0;
+  const uint32_t ones[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
+
+  auto round = [&](int s0, auto tail) {
+    constexpr bool TAIL = decltype(tail)::value;
+#pragma unroll
+    for (int i = 0; i < RING; ++i) {
+      const int s = s0 + i;
+      if (TAIL && s >= s_end) break;
+      issue((i + AHEAD) % RING, i + AHEAD, !TAIL || s + AHEAD < s_end);
+      cp_async_wait<AHEAD>();
+      asm volatile("bar.warp.sync -1;" ::: "memory");  // the pieces of this step were copied by other lanes
+      const unsigned char* here = ring + i * STAGE;
+      const uint4 wv = *reinterpret_cast<const uint4*>(here + read_src);
+      const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};  // columns c .. c+3
+      uint32_t even[4], odd[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        even[j] = w[j] & 0x0F0F0F0Fu;
+        odd[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
+      }
+      const uint32_t a[2][4] = {{even[0], even[1], odd[0], odd[1]}, {even[2], even[3], odd[2], odd[3]}};
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint2 xr = *reinterpret_cast<const uint2*>(here + XS + 256 * mt + 8 * lane);
+        const uint32_t b0 = __byte_perm(xr.x, xr.y, 0x6420), b1 = __byte_perm(xr.x, xr.y, 0x7531);
+        mma_u8s8(acc[mt][0], a[0], b0, b1);
+        mma_u8s8(acc[mt][1], a[1], b0, b1);
+        mma_u8s8(xsum[mt], ones, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xsrc[mt] += 32 * RING;
+  };
+  int s0 = s_begin;
+  for (; s0 + RING + AHEAD <= s_end; s0 += RING) round(s0, std::false_type{});
+  for (; s0 < s_end; s0 += RING) round(s0, std::true_type{});
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // C fragment: c0/c1 = (row g, tokens 2t, 2t+1), c2/c3 = (row g+8, same tokens); rows g / g+8 of
+  // tile `tile` are columns 4g + 2 tile + 0 / 1. Codes were q, not q - 8: subtract 8 X.
+  int* partial = reinterpret_cast<int*>(smem);
+  int* mine = partial + warp * (MT * 8 * 32);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        mine[(mt * 8 + 2 * t + (c & 1)) * 32 + 4 * g + 2 * tile + (c >> 1)] = acc[mt][tile][c] - 8 * xsum[mt][c & 1];
+  __syncthreads();
+  for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
+    int sum = 0;
+    for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
+    const int m = i >> 5, n = tile_col + (i & 31);
+    T* dst = out + (size_t)m * ldo + n;
+    if constexpr (std::is_same_v<T, int>) {
+      *dst = sum;
+    } else {  // the reference's order: the two scales first, then the bias; no FMA contraction
+      float y = __fmul_rn((float)sum, __fmul_rn(x_scale[m], load_float(w_scale, w_scale_dtype, n)));
+      if (bias != nullptr) y = __fadd_rn(y, load_float(bias, bias_dtype, n));
+      store<T>(dst, y);
+    }
+  }
+}
+
+constexpr int kMaxDevices = 64;
+
+size_t smem_bytes(int warps, int mt) {
+  const size_t ring = (size_t)warps * RING * (512 + 256 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(int);
+  return ring > partial ? ring : partial;
+}
+
+template <typename T, int MT>
+cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
+                   int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, int warps, cudaStream_t stream) {
+  const size_t smem = smem_bytes(warps, MT);
+  static bool opted_in[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!opted_in[device]) {
+    int max_optin = 0;
+    cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    err = cudaFuncSetAttribute(w4a4_mma_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
+    if (err != cudaSuccess) return err;
+    opted_in[device] = true;
+  }
+  w4a4_mma_kernel<T, MT><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
+      static_cast<const int8_t*>(qx), static_cast<const uint32_t*>(qw), xs, ws, ws_dtype, bias, bias_dtype,
+      static_cast<T*>(out), M, N, K, ldx, ldo);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_t(int mt, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
+                     const void* bias, int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, int warps,
+                     cudaStream_t stream) {
+  switch (mt) {
+    case 1: return launch<T, 1>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
+    case 2: return launch<T, 2>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+// Host entry point (called through ctypes). Preconditions are checked by the Python caller:
+// N % 32 == 0, K % 32 == 0, M <= 8 * mt, mt in {1, 2}, 1 <= warps <= 16, 8-byte aligned qx rows
+// (ldx % 8 == 0). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators);
+// w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16; bias may be null.
+extern "C" int nibble_w4a4_mma(int out_dtype, int mt, int warps, const void* qx, const void* qweight,
+                               const void* x_scale, const void* w_scale, int w_scale_dtype, const void* bias,
+                               int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const float* xs = static_cast<const float*>(x_scale);
+  cudaError_t err;
+  switch (out_dtype) {
+    case 0: err = launch_t<float>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 1: err = launch_t<__half>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 2: err = launch_t<__nv_bfloat16>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 3: err = launch_t<int>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    default: err = cudaErrorInvalidValue;
+  }
+  return (int)err;
+}
+
+extern "C" const char* nibble_w4a4_cuda_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
