@@ -6,8 +6,10 @@ this file supplies the rest of the forward pass:
 
 - a static KV cache ``[layers, batch, kv_heads, capacity, head_dim]``;
 - prefill: causal SDPA over the prompt itself (flash attention), logits of the last token only;
-- decode: one token, attention over the whole static cache with an additive ``position <= pos``
-  mask built once per step; grouped query heads are folded into the query length (no K/V copies);
+- decode: one token; grouped query heads are folded into the query length (no K/V copies); on
+  CUDA a split-K (flash-decoding) Triton kernel reads the keys up to the current position and spreads
+  them over many programs, elsewhere SDPA runs over the whole static cache with an additive
+  ``position <= pos`` mask built once per step;
 - on CUDA, each prefill shape and each decode batch is one CUDA graph (static input buffers; the
   decode step advances its own position and writes its greedy token back into its input);
 - the glue between the matmuls is three fused Triton kernels on CUDA: residual add + RMSNorm,
@@ -114,6 +116,70 @@ if triton is not None:
         tl.store(out_ptr + i, (s * u).to(out_ptr.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, ml_ptr, S, CHUNK, scale,
+                                 REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 IEEE: tl.constexpr):
+        """Program (sequence x kv head, split): online softmax over keys [split * CHUNK, +CHUNK) that are
+        <= pos, for the REP query heads that share this kv head; partial acc, max and sum out (fp32)."""
+        bh = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        n_splits = tl.num_programs(1)
+        length = tl.load(pos_ptr).to(tl.int32) + 1
+        rows = tl.arange(0, REP_P)
+        cols = tl.arange(0, D)
+        q = tl.load(q_ptr + bh * REP * D + rows[:, None] * D + cols[None, :], mask=rows[:, None] < REP, other=0.0)
+        m = tl.full([REP_P], float("-inf"), tl.float32)
+        l = tl.zeros([REP_P], tl.float32)
+        acc = tl.zeros([REP_P, D], tl.float32)
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, length)
+        for s0 in range(start, end, BLOCK_S):
+            offs = s0 + tl.arange(0, BLOCK_S)
+            valid = offs < end
+            kv_off = bh * S * D + offs[:, None].to(tl.int64) * D + cols[None, :]
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        base = bh * n_splits + split
+        tl.store(part_ptr + base * REP_P * D + rows[:, None] * D + cols[None, :], acc)
+        tl.store(ml_ptr + base * 2 * REP_P + rows, m)
+        tl.store(ml_ptr + base * 2 * REP_P + REP_P + rows, l)
+
+    @triton.jit
+    def _decode_attention_combine_kernel(part_ptr, ml_ptr, out_ptr, REP: tl.constexpr, REP_P: tl.constexpr,
+                                         D: tl.constexpr, SPLITS: tl.constexpr):
+        """Program (sequence x kv head): the splits' partial softmaxes merged, normalised, cast."""
+        bh = tl.program_id(0).to(tl.int64)
+        sp = tl.arange(0, SPLITS)
+        rows = tl.arange(0, REP_P)
+        cols = tl.arange(0, D)
+        ml = ml_ptr + (bh * SPLITS + sp[:, None]) * 2 * REP_P + rows[None, :]
+        m = tl.load(ml)  # [SPLITS, REP_P]; -inf where a split saw no key
+        l = tl.load(ml + REP_P)
+        top = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top[None, :]))
+        total = tl.sum(w * l, 0)
+        part = tl.load(part_ptr + ((bh * SPLITS + sp[:, None, None]) * REP_P + rows[None, :, None]) * D
+                       + cols[None, None, :])
+        y = tl.sum(w[:, :, None] * part, 0) / total[:, None]
+        tl.store(out_ptr + bh * REP * D + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=rows[:, None] < REP)
+
+
 # ---- fused glue: the ops (Triton on CUDA, PyTorch otherwise) -----------------------------------
 # NIBBLE_FUSED_GLUE=0 runs the PyTorch ops on CUDA too (to measure what the fusion buys).
 FUSED_GLUE = os.environ.get("NIBBLE_FUSED_GLUE", "1") != "0"
@@ -195,6 +261,40 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _dispatch(g, kernel, lambda: F.silu(g) * u)
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     scale: float, mask: torch.Tensor) -> torch.Tensor:
+    """One query token per sequence against the cache: q [B, Hkv, rep, D] (the rep query heads that
+    read kv head h, folded), caches [B, Hkv, S, D], keys at positions <= pos [1] valid (``mask``: the
+    same as an additive [1, 1, 1, S] mask, for the PyTorch path). Returns [B, Hkv, rep, D].
+
+    The kernel splits the keys over programs (flash-decoding), so a short batch still spreads over
+    the GPU: SDPA runs one program per (sequence, head), 32 for Llama-2-7B at batch 1, and reads
+    every cache slot up to capacity; the split kernel reads only the keys up to ``pos``.
+    """
+    def plain():
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+
+    def kernel():
+        B, H, rep, D = q.shape
+        S = k_cache.shape[2]
+        qc = q.contiguous()
+        kc, vc = k_cache.contiguous(), v_cache.contiguous()
+        block_s = 64
+        splits = min(triton.next_power_of_2(triton.cdiv(264, B * H)), triton.next_power_of_2(triton.cdiv(S, block_s)))
+        chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
+        rep_p = max(16, triton.next_power_of_2(rep))
+        part = torch.empty(B * H, splits, rep_p, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B * H, splits, 2, rep_p, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(qc)
+        _decode_attention_kernel[(B * H, splits)](qc, kc, vc, pos, part, ml, S, chunk, scale, REP=rep, REP_P=rep_p,
+                                                  D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
+                                                  num_warps=4)
+        _decode_attention_combine_kernel[(B * H,)](part, ml, out, REP=rep, REP_P=rep_p, D=D, SPLITS=splits,
+                                                   num_warps=4)
+        return out
+    return _dispatch(q, kernel, plain)
+
+
 def _rmsnorm_params(norm: nn.Module):
     """(weight, eps) of an HF RMSNorm we can fuse, else None (the module is then called as is)."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
@@ -273,8 +373,7 @@ class Engine:
             y = y.transpose(1, 2).reshape(B, T, -1)
         else:  # one token: query head h reads kv head h // rep, so fold the rep heads into the query length
             qg = q.reshape(B, self.n_kv, rep, self.head_dim)
-            y = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=self.scale)
-            y = y.reshape(B, 1, -1)
+            y = decode_attention(qg, k_cache, v_cache, input_pos, self.scale, mask).reshape(B, 1, -1)
         return attn.o_proj(y)
 
     def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:

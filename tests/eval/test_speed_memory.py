@@ -142,16 +142,36 @@ def glue_outputs(dtype, device):
     return out + [kc, vc]
 
 
+def attention_outputs(dtype, device):
+    """decode_attention: one split (short cache), eight splits of which the last ones see no key, one key."""
+    g = torch.Generator().manual_seed(2)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+    out = []
+    for (B2, H2, rep, D2, S2, p) in ((2, 2, 2, 16, 32, 6), (1, 2, 3, 32, 300, 250), (1, 1, 1, 16, 64, 0)):
+        at = torch.tensor([p], device=device)
+        mask = torch.zeros(S2, dtype=dtype, device=device).masked_fill(torch.arange(S2, device=device) > p,
+                                                                       float("-inf")).view(1, 1, 1, S2)
+        out.append(engine_mod.decode_attention(r(B2, H2, rep, D2), r(B2, H2, S2, D2), r(B2, H2, S2, D2), at,
+                                               D2 ** -0.5, mask))
+    return out
+
+
 @needs_kernel
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatch):
-    fused = glue_outputs(dtype, KERNEL_DEVICE)
+    fused, fused_attn = glue_outputs(dtype, KERNEL_DEVICE), attention_outputs(dtype, KERNEL_DEVICE)
     assert engine_mod._glue_failure is None  # the kernels ran, nothing fell back
     monkeypatch.setattr(engine_mod, "triton", None)
-    plain = glue_outputs(dtype, KERNEL_DEVICE)
+    plain, plain_attn = glue_outputs(dtype, KERNEL_DEVICE), attention_outputs(dtype, KERNEL_DEVICE)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b)
+    # attention sums in another order than SDPA: equal to about one rounding of the dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=4e-3, atol=2e-4)
+    for a, b in zip(fused_attn, plain_attn):
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_a_glue_kernel_that_fails_to_build_falls_back_to_pytorch_with_a_warning(monkeypatch):
