@@ -154,30 +154,27 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        # only the REP real query rows leave the program (the rest pad q to tl.dot's 16-row minimum)
         base = bh * n_splits + split
-        tl.store(part_ptr + base * REP_P * D + rows[:, None] * D + cols[None, :], acc)
-        tl.store(ml_ptr + base * 2 * REP_P + rows, m)
-        tl.store(ml_ptr + base * 2 * REP_P + REP_P + rows, l)
+        real = rows < REP
+        tl.store(part_ptr + (base * REP + rows[:, None]) * D + cols[None, :], acc, mask=real[:, None])
+        tl.store(ml_ptr + base * 2 * REP + rows, m, mask=real)
+        tl.store(ml_ptr + (base * 2 + 1) * REP + rows, l, mask=real)
 
     @triton.jit
-    def _decode_attention_combine_kernel(part_ptr, ml_ptr, out_ptr, REP: tl.constexpr, REP_P: tl.constexpr,
-                                         D: tl.constexpr, SPLITS: tl.constexpr):
-        """Program (sequence x kv head): the splits' partial softmaxes merged, normalised, cast."""
+    def _decode_attention_combine_kernel(part_ptr, ml_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
+                                         SPLITS: tl.constexpr):
+        """Program (sequence x kv head, query row): the splits' partial softmaxes merged, normalised, cast."""
         bh = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1)
         sp = tl.arange(0, SPLITS)
-        rows = tl.arange(0, REP_P)
         cols = tl.arange(0, D)
-        ml = ml_ptr + (bh * SPLITS + sp[:, None]) * 2 * REP_P + rows[None, :]
-        m = tl.load(ml)  # [SPLITS, REP_P]; -inf where a split saw no key
-        l = tl.load(ml + REP_P)
-        top = tl.max(m, 0)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top[None, :]))
-        total = tl.sum(w * l, 0)
-        part = tl.load(part_ptr + ((bh * SPLITS + sp[:, None, None]) * REP_P + rows[None, :, None]) * D
-                       + cols[None, None, :])
-        y = tl.sum(w[:, :, None] * part, 0) / total[:, None]
-        tl.store(out_ptr + bh * REP * D + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=rows[:, None] < REP)
+        m = tl.load(ml_ptr + (bh * SPLITS + sp) * 2 * REP + r)  # -inf where a split saw no key
+        l = tl.load(ml_ptr + ((bh * SPLITS + sp) * 2 + 1) * REP + r)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.max(m, 0)))  # split 0 always sees key 0
+        part = tl.load(part_ptr + ((bh * SPLITS + sp[:, None]) * REP + r) * D + cols[None, :])
+        y = tl.sum(w[:, None] * part, 0) / tl.sum(w * l, 0)
+        tl.store(out_ptr + (bh * REP + r) * D + cols, y.to(out_ptr.dtype.element_ty))
 
 
 # ---- fused glue: the ops (Triton on CUDA, PyTorch otherwise) -----------------------------------
@@ -283,14 +280,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         splits = min(triton.next_power_of_2(triton.cdiv(264, B * H)), triton.next_power_of_2(triton.cdiv(S, block_s)))
         chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
         rep_p = max(16, triton.next_power_of_2(rep))
-        part = torch.empty(B * H, splits, rep_p, D, dtype=torch.float32, device=q.device)
-        ml = torch.empty(B * H, splits, 2, rep_p, dtype=torch.float32, device=q.device)
+        part = torch.empty(B * H, splits, rep, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B * H, splits, 2, rep, dtype=torch.float32, device=q.device)
         out = torch.empty_like(qc)
         _decode_attention_kernel[(B * H, splits)](qc, kc, vc, pos, part, ml, S, chunk, scale, REP=rep, REP_P=rep_p,
                                                   D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
                                                   num_warps=4)
-        _decode_attention_combine_kernel[(B * H,)](part, ml, out, REP=rep, REP_P=rep_p, D=D, SPLITS=splits,
-                                                   num_warps=4)
+        _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, REP=rep, D=D, SPLITS=splits, num_warps=2)
         return out
     return _dispatch(q, kernel, plain)
 
