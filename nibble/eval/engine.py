@@ -60,6 +60,19 @@ if triton is not None:
         """Round float32 to the activation dtype (``like_ptr``'s) and back: where PyTorch rounds a 16-bit op."""
         return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
+    _INTERPRETED = tl.constexpr(_INTERPRET)
+
+    @triton.jit
+    def _add_unfused(a, b):
+        """a + b (float32) kept apart from the products that feed it. LLVM narrows a rounded product
+        of two 16-bit values to a 16-bit multiply and then contracts multiply + add into one fma,
+        which skips the rounding of the product that PyTorch does (RoPE came out one ulp off on a
+        quarter of the elements, H200). An add in inline PTX cannot be contracted."""
+        if _INTERPRETED:  # no PTX in the CPU interpreter, and numpy never contracts
+            return a + b
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
     @triton.jit
     def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -101,8 +114,8 @@ if triton is not None:
         x1 = tl.load(src + offs).to(tl.float32)
         x2 = tl.load(src + HALF + offs).to(tl.float32)
         # HF: q * cos + rotate_half(q) * sin, each product and the sum rounded to the dtype
-        o1 = _round(x1 * c1, q_out_ptr) + _round(-x2 * s1, q_out_ptr)
-        o2 = _round(x2 * c2, q_out_ptr) + _round(x1 * s2, q_out_ptr)
+        o1 = _add_unfused(_round(x1 * c1, q_out_ptr), _round(-x2 * s1, q_out_ptr))
+        o2 = _add_unfused(_round(x2 * c2, q_out_ptr), _round(x1 * s2, q_out_ptr))
         tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty))
         tl.store(dst + HALF + offs, o2.to(q_out_ptr.dtype.element_ty))
 
