@@ -159,8 +159,7 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
                 if tuning is not None:
                     tuning.append(dict(N=N, K=K, M=M, bucket=b, times_us=times, best=best))
         elif "gemm" in ops:
-            run("gemm", lambda i: (lambda: w4a4.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1], None,
-                                                                    torch.bfloat16)), n4)
+            run("gemm", lambda i: (lambda: w4a4.w4a4_matmul(qx, sx, w4[i][0], w4[i][1], None, torch.bfloat16)), n4)
         if "w4a4" in ops:
             run("w4a4", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
         if "w4a4_h" in ops:

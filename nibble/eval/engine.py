@@ -17,7 +17,9 @@ this file supplies the rest of the forward pass:
   of about 43. In a CUDA graph each small kernel still costs a few microseconds, and at 32 layers
   the unfused glue cost more than streaming 4-bit weights: bf16 Llama-2-7B decoded at 7.4 ms/step
   (W4A16 at 8.3) against 3.2 ms for its bf16 weights at the copy roofline (H200, before fusion).
-  ``NIBBLE_FUSED_GLUE=0`` switches the fusion off to measure it.
+  ``NIBBLE_FUSED_GLUE=0`` switches the fusion off to measure it;
+- the projections that read one input (q/k/v, gate/up) go through ``shared_input_forward``: W4A4
+  layers quantize that input once instead of once per layer (a kernel launch each).
 
 The kernels reproduce the Hugging Face modules' bf16 rounding step for step (they round where
 PyTorch rounds), so greedy tokens match ``model.generate``; on the CPU the same functions run as
@@ -34,6 +36,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nibble.models.convert import check_architecture, decoder_layers
+from nibble.nn.quant_linear import shared_input_forward
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -371,8 +374,9 @@ class Engine:
     def _attention(self, i: int, attn: nn.Module, h: torch.Tensor, input_pos, mask) -> torch.Tensor:
         B, T, _ = h.shape
         k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
-        q = rope_and_cache(attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), self.cos, self.sin, input_pos,
-                           k_cache, v_cache, self.n_heads, self.n_kv, self.head_dim)  # [B, T, Hq, D]
+        q, k, v = shared_input_forward((attn.q_proj, attn.k_proj, attn.v_proj), h)
+        q = rope_and_cache(q, k, v, self.cos, self.sin, input_pos, k_cache, v_cache, self.n_heads, self.n_kv,
+                           self.head_dim)  # [B, T, Hq, D]
         rep = self.n_heads // self.n_kv
         if mask is None:  # prefill from position 0: causal attention over the prompt itself
             k, v = k_cache[:, :, :T], v_cache[:, :, :T]
@@ -387,7 +391,7 @@ class Engine:
 
     def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            return mlp.down_proj(silu_mul(*shared_input_forward((mlp.gate_proj, mlp.up_proj), h)))
         return mlp(h)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, prefill: bool) -> torch.Tensor:

@@ -69,3 +69,15 @@ def w4a4_linear(x, qweight, w_scale, bias=None, input_hadamard: bool = False, ba
     b = None if bias is None else bias.to(x2.dtype)
     y = torch.ops.nibble.w4a4_linear(x2, qweight, w_scale, b, input_hadamard)
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto"):
+    """``w4a4_linear`` for several layers that read the same x, ``layers`` = [(qweight, w_scale, bias), ...]:
+    the kernels rotate and quantize x once. Returns the outputs in order."""
+    if not _use_kernel(x, backend):
+        return [reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard) for qweight, w_scale, bias in layers]
+    importlib.import_module("nibble.kernels.w4a4")
+    x2 = _kernel_input(x)
+    ys = torch.ops.nibble.w4a4_linears(x2, [layer[0] for layer in layers], [layer[1] for layer in layers],
+                                       [None if b is None else b.to(x2.dtype) for _, _, b in layers], input_hadamard)
+    return [y.reshape(*x.shape[:-1], -1).to(x.dtype) for y in ys]

@@ -31,7 +31,9 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
 
 Both matrix kernels can return the raw int32 accumulators (tests check them bit-exactly against
 `reference.w4a4_accumulate`). The op `torch.ops.nibble.w4a4_linear` chains quantization and the
-matrix kernel chosen by M; on CPU (and without Triton) it runs `reference.w4a4_linear`.
+matrix kernel chosen by M (`w4a4_matmul`: the CUDA kernel of `csrc/w4a4_mma.cu` for M <= 16, else
+Triton); `torch.ops.nibble.w4a4_linears` does the same for several layers reading one input,
+quantizing it once. On CPU (and without Triton) they run `reference.w4a4_linear`.
 
 This module imports without CUDA and without Triton.
 """
@@ -845,6 +847,35 @@ def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
                 raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
 
 
+def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The product on quantized activations as the op runs it: the CUDA kernel (`w4a4_mma`) for
+    M <= 16 where it applies, the Triton kernels otherwise."""
+    if mma_applicable(qx, qweight.shape[1], qweight.shape[0] * PACK):
+        return w4a4_mma(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
+    return w4a4_matmul_triton(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
+
+
+def _layers(qweights, w_scales, biases) -> list:
+    if not (len(qweights) == len(w_scales) == len(biases)) or not qweights:
+        raise ValueError(f"qweights, w_scales and biases must be non-empty lists of one length, got "
+                         f"{len(qweights)}, {len(w_scales)}, {len(biases)}")
+    return list(zip(qweights, w_scales, biases))
+
+
+def _w4a4_outputs_cuda(x, layers, input_hadamard):
+    """x rotated (optionally) and quantized once, then one product per (qweight, w_scale, bias)."""
+    for qweight, w_scale, bias in layers:
+        _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
+    if triton is None:
+        return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
+                        f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
+    qx, sx = quantize_activations_triton(x, input_hadamard)
+    return [w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype) for qweight, w_scale, bias in layers]
+
+
 @torch.library.custom_op("nibble::w4a4_linear", mutates_args=())
 def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
                 input_hadamard: bool) -> torch.Tensor:
@@ -858,19 +889,34 @@ def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, b
 
 @w4a4_linear.register_kernel("cuda")
 def _w4a4_linear_cuda(x, qweight, w_scale, bias, input_hadamard):
-    _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
-    if triton is None:
-        return reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard)
-    if x.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
-                        f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
-    qx, sx = quantize_activations_triton(x, input_hadamard)
-    if mma_applicable(qx, qweight.shape[1], qweight.shape[0] * PACK):
-        return w4a4_mma(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
-    return w4a4_matmul_triton(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
+    return _w4a4_outputs_cuda(x, [(qweight, w_scale, bias)], input_hadamard)[0]
 
 
 @w4a4_linear.register_fake
 def _w4a4_linear_fake(x, qweight, w_scale, bias, input_hadamard):
     _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
     return x.new_empty((x.shape[0], qweight.shape[1]))
+
+
+@torch.library.custom_op("nibble::w4a4_linears", mutates_args=())
+def w4a4_linears(x: torch.Tensor, qweights: list[torch.Tensor], w_scales: list[torch.Tensor],
+                 biases: list[Optional[torch.Tensor]], input_hadamard: bool) -> list[torch.Tensor]:
+    """`w4a4_linear` for several layers that read the same x (a block's q/k/v or gate/up projections):
+    on CUDA, x is rotated and quantized once for all of them. Returns one output per layer."""
+    layers = _layers(qweights, w_scales, biases)
+    for layer in layers:
+        _check_linear_inputs(x, *layer, input_hadamard)
+    return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
+
+
+@w4a4_linears.register_kernel("cuda")
+def _w4a4_linears_cuda(x, qweights, w_scales, biases, input_hadamard):
+    return _w4a4_outputs_cuda(x, _layers(qweights, w_scales, biases), input_hadamard)
+
+
+@w4a4_linears.register_fake
+def _w4a4_linears_fake(x, qweights, w_scales, biases, input_hadamard):
+    layers = _layers(qweights, w_scales, biases)
+    for layer in layers:
+        _check_linear_inputs(x, *layer, input_hadamard)
+    return [x.new_empty((x.shape[0], qweight.shape[1])) for qweight, _, _ in layers]

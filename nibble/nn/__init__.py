@@ -1,3 +1,3 @@
-from nibble.nn.quant_linear import QuantLinear
+from nibble.nn.quant_linear import QuantLinear, shared_input_forward
 
-__all__ = ["QuantLinear"]
+__all__ = ["QuantLinear", "shared_input_forward"]

@@ -65,12 +65,15 @@ class QuantLinear(nn.Module):
     def weight_int4(self) -> Int4Weight:
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features in its last dimension but this layer expects "
                              f"{self.in_features} (input shape {tuple(x.shape)})")
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"QuantLinear takes float16, bfloat16 or float32 input, got {x.dtype}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         if self.mode == "w4a16":
             return kernels.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
                                         backend=self.backend)
@@ -80,3 +83,18 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"mode={self.mode}, group_size={self.group_size}, input_hadamard={self.input_hadamard}")
+
+
+def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of several layers that read the same ``x`` (a block's q/k/v or gate/up projections).
+
+    W4A4 QuantLinears with one rotation setting and backend quantize ``x`` once for all of them (on
+    CUDA a separate quantization per layer costs a kernel launch each); any other layer is called as is.
+    """
+    if (len(layers) > 1 and all(isinstance(m, QuantLinear) and m.mode == "w4a4" for m in layers)
+            and len({(m.input_hadamard, m.backend) for m in layers}) == 1):
+        for m in layers:
+            m._check_input(x)
+        return kernels.w4a4_linears(x, [(m.qweight, m.scales[0], m.bias) for m in layers], layers[0].input_hadamard,
+                                    backend=layers[0].backend)
+    return [m(x) for m in layers]

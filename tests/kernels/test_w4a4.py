@@ -112,6 +112,22 @@ def test_opcheck_schema_and_fake():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_shared_input_op_equals_one_op_per_layer_on_cpu():
+    (qw1, ws1), (qw2, ws2) = _codes_weight(32, 64, "cpu"), _codes_weight(48, 64, "cpu")
+    x = _activations(5, 64, torch.float32, "cpu")
+    b = torch.randn(48)
+    for had in (False, True):
+        y1, y2 = torch.ops.nibble.w4a4_linears(x, [qw1, qw2], [ws1, ws2], [None, b], had)
+        assert torch.equal(y1, torch.ops.nibble.w4a4_linear(x, qw1, ws1, None, had))
+        assert torch.equal(y2, torch.ops.nibble.w4a4_linear(x, qw2, ws2, b, had))
+    torch.library.opcheck(torch.ops.nibble.w4a4_linears.default, (x, [qw1, qw2], [ws1, ws2], [None, b], False),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="one length"):
+        torch.ops.nibble.w4a4_linears(x, [qw1, qw2], [ws1], [None, b], False)
+    with pytest.raises(ValueError, match="packs K"):  # every layer is checked
+        torch.ops.nibble.w4a4_linears(x, [qw1, _codes_weight(48, 32, "cpu")[0]], [ws1, ws2], [None, None], False)
+
+
 @pytest.mark.parametrize("case", ["x3d", "k_not_mult_8", "k_mismatch", "qweight_dtype", "w_scale_shape",
                                   "w_scale_dtype", "bias_shape", "hadamard_size"])
 def test_clear_errors(case):
@@ -472,6 +488,22 @@ def test_linear_op_with_hadamard(M, N, K):
     assert torch.isfinite(y).all()
     rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
     assert rel < 2e-2, rel  # rare +-1 activation-code flips from rounding the rotation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("M", [1, 7, 16, 17, 100])
+@pytest.mark.parametrize("had", [False, True])
+def test_shared_input_op_equals_one_op_per_layer(M, had):
+    # q/k/v of a GQA block: three widths, one input quantized once; the same kernels per layer
+    K = 576
+    layers = [_codes_weight(N, K, "cuda") for N in (576, 192, 192)]
+    biases = [None, torch.randn(192, device="cuda").bfloat16(), None]
+    x = _activations(M, K, torch.bfloat16, "cuda")
+    _poison_allocator("cuda")
+    ys = torch.ops.nibble.w4a4_linears(x, [q for q, _ in layers], [s for _, s in layers], biases, had)
+    for y, (qw, ws), b in zip(ys, layers, biases):
+        assert torch.equal(y, torch.ops.nibble.w4a4_linear(x, qw, ws, b, had))
 
 
 @pytest.mark.gpu

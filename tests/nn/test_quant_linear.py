@@ -4,7 +4,8 @@ from torch import nn
 
 from nibble.config import QuantConfig
 from nibble.kernels import KernelUnavailableError, reference
-from nibble.nn import QuantLinear
+from nibble import kernels
+from nibble.nn import QuantLinear, shared_input_forward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -27,6 +28,25 @@ def test_w4a4_quantlinear_matches_reference_and_approximates_float():
     y = q(x)
     assert torch.equal(y, reference.w4a4_linear(x, q.qweight, q.scales[0]))
     assert nn.functional.cosine_similarity(y.flatten(), lin(x).detach().flatten(), dim=0) > 0.95
+
+
+def test_shared_input_forward_quantizes_once_for_w4a4_layers_and_matches_each_layer(monkeypatch):
+    torch.manual_seed(0)
+    w4a4 = [QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(mode="w4a4")) for n in (64, 32, 32)]
+    x = torch.randn(2, 3, 128)
+    calls = []
+    shared = kernels.w4a4_linears
+    monkeypatch.setattr(kernels, "w4a4_linears", lambda *a, **k: calls.append(1) or shared(*a, **k))
+    ys = shared_input_forward(w4a4, x)
+    assert len(calls) == 1
+    for y, m in zip(ys, w4a4):
+        assert torch.equal(y, m(x))
+    # anything else (W4A16, nn.Linear, mixed rotation settings) runs layer by layer
+    mixed = [w4a4[0], QuantLinear.from_linear(nn.Linear(128, 16), QuantConfig(group_size=32)), nn.Linear(128, 8)]
+    ys = shared_input_forward(mixed, x)
+    assert len(calls) == 1 and [tuple(y.shape) for y in ys] == [(2, 3, 64), (2, 3, 16), (2, 3, 8)]
+    with pytest.raises(ValueError, match="expects 128"):
+        shared_input_forward(w4a4, torch.randn(2, 127))
 
 
 def test_bad_inputs_give_clear_errors():
