@@ -1,4 +1,5 @@
-// cp.async helpers shared by the CUDA kernels (global -> shared copies that hold no registers).
+// Shared by the CUDA kernels: cp.async helpers (global -> shared copies that hold no registers) and
+// the lane mapping of the skinny kernels' per-warp weight stream.
 #pragma once
 #include <stdint.h>
 
@@ -15,3 +16,27 @@ __device__ __forceinline__ void cp_async_8(bool pred, uint32_t smem_addr, const 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
+
+// The per-warp weight stream of the skinny kernels (w4a16_mma.cu's header explains the choice): a
+// 32-deep K step is 4 word rows x 32 columns = 512 bytes. Lane L copies row L / 8, column quad L % 8,
+// so each 8-lane phase of the copy is one whole 128-byte line; in the stage, row r sits at 128 r and
+// quad q at 16 ((q ^ 2r) & 7), so the copy and the read-back (lane (g, t): quad g of row t) both hit
+// 8 distinct 16-byte bank groups per phase.
+struct WeightStream {
+  int copy_quad;         // the column quad this lane copies
+  uint32_t copy_dst;     // shared address of this lane's copy slot in stage 0
+  int read_src;          // byte offset in a stage of the piece this lane consumes
+  const uint32_t* src;   // global address of this lane's next copy
+  size_t step_stride;    // words from one step to the next (4 rows of N)
+
+  __device__ __forceinline__ WeightStream(uint32_t ring_addr, int lane, const uint32_t* qweight, int N, int s_begin,
+                                          int tile_col) {
+    step_stride = (size_t)4 * N;
+    const int copy_row = lane >> 3, g = lane >> 2, t = lane & 3;
+    copy_quad = lane & 7;
+    copy_dst = ring_addr + copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
+    read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;
+    src = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
+  }
+};
+

@@ -153,16 +153,12 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
 
   unsigned char* ring = smem + (size_t)warp * RING * STAGE;
   const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
-  const size_t step_stride = (size_t)4 * N;
-  const int copy_row = lane >> 3, copy_quad = lane & 7;  // the piece this lane copies
-  const uint32_t copy_dst = ring_addr + copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
-  const int read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;  // the piece this lane consumes
   // Copy state, advanced as steps are issued (recomputing the addresses of every step cost as many
   // instructions as the dequantization).
-  const uint32_t* wsrc = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
+  WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
   const bool copies_sz = lane < 16;  // lanes 0-7: scales, 8-15: zeros
-  const uint32_t sz_dst = ring_addr + SZ + copy_quad * 16 + (lane < 8 ? 0 : 8);
-  const __half* sz_src = (lane < 8 ? scales : zeros) + tile_col + 4 * copy_quad +
+  const uint32_t sz_dst = ring_addr + SZ + ws.copy_quad * 16 + (lane < 8 ? 0 : 8);
+  const __half* sz_src = (lane < 8 ? scales : zeros) + tile_col + 4 * ws.copy_quad +
                          (size_t)(one_group ? 0 : s_begin >> group_shift_steps) * N;
   const int sz_stride = one_group ? 0 : N;
   // GS == 0 only: the first step past the current group, for the copies and for the reads
@@ -185,13 +181,13 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // pending" always means "this step has landed".
   auto issue = [&](int stage, int j, int ahead, bool live) {
     const bool closes = GS ? (stage + 1) % GSTEP == 0 : j + 1 == issue_group_end;
-    cp_async_16(live, copy_dst + stage * STAGE, wsrc);
+    cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
     cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       cp_async_16(live && xlive[mt], ring_addr + stage * STAGE + XS + 512 * mt + 16 * lane, xsrc[mt] + 32 * ahead);
     cp_async_commit();
-    wsrc += step_stride;  // past the range: never read
+    ws.src += ws.step_stride;  // past the range: never read
     if (closes) {
       sz_src += sz_stride;
       if (!GS) issue_group_end += group_steps;
@@ -225,7 +221,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
       // adds a divergence check and a branch around it.)
       asm volatile("bar.warp.sync -1;" ::: "memory");
       const unsigned char* here = ring + i * STAGE;
-      const uint4 wv = *reinterpret_cast<const uint4*>(here + read_src);
+      const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
       uint32_t r[4][4];  // [column c + j][nibble pair]
       raw_codes<T>(wv.x, r[0]);
       raw_codes<T>(wv.y, r[1]);

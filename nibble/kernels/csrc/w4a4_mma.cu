@@ -86,11 +86,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
 
   unsigned char* ring = smem + (size_t)warp * RING * STAGE;
   const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
-  const size_t step_stride = (size_t)4 * N;
-  const int copy_row = lane >> 3, copy_quad = lane & 7;
-  const uint32_t copy_dst = ring_addr + copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
-  const int read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;
-  const uint32_t* wsrc = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
+  WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
   const int8_t* xsrc[MT];  // x of the round's first step
   bool xlive[MT];
 #pragma unroll
@@ -105,12 +101,12 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   }
 
   auto issue = [&](int stage, int ahead, bool live) {
-    cp_async_16(live, copy_dst + stage * STAGE, wsrc);
+    cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       cp_async_8(live && xlive[mt], ring_addr + stage * STAGE + XS + 256 * mt + 8 * lane, xsrc[mt] + 32 * ahead);
     cp_async_commit();
-    wsrc += step_stride;  // past the range: never read
+    ws.src += ws.step_stride;  // past the range: never read
   };
 
 #pragma unroll
@@ -133,7 +129,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
       cp_async_wait<AHEAD>();
       asm volatile("bar.warp.sync -1;" ::: "memory");  // the pieces of this step were copied by other lanes
       const unsigned char* here = ring + i * STAGE;
-      const uint4 wv = *reinterpret_cast<const uint4*>(here + read_src);
+      const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
       const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};  // columns c .. c+3
       uint32_t even[4], odd[4];
 #pragma unroll
