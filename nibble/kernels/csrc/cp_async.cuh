@@ -1,5 +1,5 @@
 // Shared by the CUDA kernels: cp.async helpers (global -> shared copies that hold no registers) and
-// the lane mapping of the skinny kernels' per-warp weight stream.
+// the lane mappings of the skinny kernels' per-warp weight and token streams.
 #pragma once
 #include <stdint.h>
 
@@ -38,5 +38,32 @@ struct WeightStream {
     read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;
     src = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
   }
+};
+
+// The token rows of x in the same stages: per step, lane (g, t) copies the 8 elements
+// x[m, 32 s + 8 t .. + 7] of token m = 8 mt + g (one Piece: 16 bytes of 16-bit x, 8 of int8 x) into
+// its own slot of token tile mt. Padding tokens (m >= m_rows) copy nothing: their slots are zeroed
+// once, in every stage, so they add zeros to the MMAs.
+template <typename TX, typename Piece, int MT>
+struct TokenStream {
+  static constexpr int TILE = 32 * sizeof(Piece);  // bytes of a token tile in a stage
+  const TX* src[MT];  // x of the current round's first step
+  bool live[MT];
+  int slot;  // this lane's byte offset within a tile
+
+  __device__ __forceinline__ TokenStream(const TX* x, int ldx, int m_rows, int lane, int s_begin,
+                                         unsigned char* x_area, int stage_bytes, int stages) {
+    const int g = lane >> 2, t = lane & 3;
+    slot = sizeof(Piece) * lane;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int m = mt * 8 + g;
+      live[mt] = m < m_rows;
+      src[mt] = x + (size_t)(live[mt] ? m : 0) * ldx + t * 8 + 32 * s_begin;
+      if (!live[mt])
+        for (int st = 0; st < stages; ++st) *reinterpret_cast<Piece*>(x_area + st * stage_bytes + offset(mt)) = Piece{};
+    }
+  }
+  __device__ __forceinline__ int offset(int mt) const { return TILE * mt + slot; }
 };
 

@@ -163,18 +163,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const int sz_stride = one_group ? 0 : N;
   // GS == 0 only: the first step past the current group, for the copies and for the reads
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
-  const T* xsrc[MT];  // x of the round's first step (immediate offsets reach the steps ahead)
-  bool xlive[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int m = mt * 8 + g;
-    xlive[mt] = m < m_rows;
-    xsrc[mt] = x + (size_t)(xlive[mt] ? m : 0) * ldx + t * 8 + 32 * s_begin;
-    if (!xlive[mt])
-#pragma unroll
-      for (int st = 0; st < RING; ++st)
-        *reinterpret_cast<uint4*>(ring + st * STAGE + XS + 512 * mt + 16 * lane) = make_uint4(0u, 0u, 0u, 0u);
-  }
+  TokenStream<T, uint4, MT> xstream(x, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
 
   // Copy step j (`ahead` steps past the round's first) into `stage`. Past the range (only in the
   // tail rounds) nothing is copied, but a group is still committed, so that "at most AHEAD groups
@@ -185,7 +174,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      cp_async_16(live && xlive[mt], ring_addr + stage * STAGE + XS + 512 * mt + 16 * lane, xsrc[mt] + 32 * ahead);
+      cp_async_16(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt), xstream.src[mt] + 32 * ahead);
     cp_async_commit();
     ws.src += ws.step_stride;  // past the range: never read
     if (closes) {
@@ -230,7 +219,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         // x[m, 8w + 0..7] as pairs (0,1) (2,3) (4,5) (6,7) -> the nibble pairs (j, j+4)
-        const uint4 xr = *reinterpret_cast<const uint4*>(here + XS + 512 * mt + 16 * lane);
+        const uint4 xr = *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt));
         const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
                                   {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
         const bool fresh = GS && i % GSTEP == 0;  // a group's first step starts its sums from zero
@@ -275,7 +264,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
       }
     }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xsrc[mt] += 32 * RING;
+    for (int mt = 0; mt < MT; ++mt) xstream.src[mt] += 32 * RING;
   };
   int s0 = s_begin;
   for (; s0 + RING + AHEAD <= s_end; s0 += RING) round(s0, std::false_type{});

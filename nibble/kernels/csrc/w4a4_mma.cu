@@ -87,24 +87,13 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   unsigned char* ring = smem + (size_t)warp * RING * STAGE;
   const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
   WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
-  const int8_t* xsrc[MT];  // x of the round's first step
-  bool xlive[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int m = mt * 8 + g;
-    xlive[mt] = m < m_rows;
-    xsrc[mt] = qx + (size_t)(xlive[mt] ? m : 0) * ldx + t * 8 + 32 * s_begin;
-    if (!xlive[mt])
-#pragma unroll
-      for (int st = 0; st < RING; ++st)
-        *reinterpret_cast<uint2*>(ring + st * STAGE + XS + 256 * mt + 8 * lane) = make_uint2(0u, 0u);
-  }
+  TokenStream<int8_t, uint2, MT> xstream(qx, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
 
   auto issue = [&](int stage, int ahead, bool live) {
     cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      cp_async_8(live && xlive[mt], ring_addr + stage * STAGE + XS + 256 * mt + 8 * lane, xsrc[mt] + 32 * ahead);
+      cp_async_8(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt), xstream.src[mt] + 32 * ahead);
     cp_async_commit();
     ws.src += ws.step_stride;  // past the range: never read
   };
@@ -140,7 +129,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
       const uint32_t a[2][4] = {{even[0], even[1], odd[0], odd[1]}, {even[2], even[3], odd[2], odd[3]}};
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const uint2 xr = *reinterpret_cast<const uint2*>(here + XS + 256 * mt + 8 * lane);
+        const uint2 xr = *reinterpret_cast<const uint2*>(here + XS + xstream.offset(mt));
         const uint32_t b0 = __byte_perm(xr.x, xr.y, 0x6420), b1 = __byte_perm(xr.x, xr.y, 0x7531);
         mma_u8s8(acc[mt][0], a[0], b0, b1);
         mma_u8s8(acc[mt][1], a[1], b0, b1);
@@ -148,7 +137,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
       }
     }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xsrc[mt] += 32 * RING;
+    for (int mt = 0; mt < MT; ++mt) xstream.src[mt] += 32 * RING;
   };
   int s0 = s_begin;
   for (; s0 + RING + AHEAD <= s_end; s0 += RING) round(s0, std::false_type{});
