@@ -54,6 +54,6 @@ def test_cache_key_covers_the_shared_headers(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda_build, "CSRC", tmp_path / "csrc")
     monkeypatch.setattr(cuda_build, "_nvcc_version", lambda nvcc: "nvcc 13.0")
     before = cuda_build.library_path("w4a16_mma", "90", "nvcc")
-    header = tmp_path / "csrc" / "cp_async.cuh"
+    header = tmp_path / "csrc" / "skinny.cuh"
     header.write_text(header.read_text() + "\n// edited\n")
     assert cuda_build.library_path("w4a16_mma", "90", "nvcc") != before

@@ -58,7 +58,7 @@
 
 #include <type_traits>
 
-#include "cp_async.cuh"
+#include "skinny.cuh"
 
 namespace {
 
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2;  // the lane's column quad (its MMA rows g, g + 8)
   const int tile_col = blockIdx.x * 32;
   const int steps = K >> 5;  // step s covers word rows 4s .. 4s+3
   // Warps own contiguous ranges of whole groups (any split when there is one group per column),
@@ -165,9 +165,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
   TokenStream<T, uint4, MT> xstream(x, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
 
-  // Copy step j (`ahead` steps past the round's first) into `stage`. Past the range (only in the
-  // tail rounds) nothing is copied, but a group is still committed, so that "at most AHEAD groups
-  // pending" always means "this step has landed".
+  // Copy step j into `stage` (run_pipeline's contract); a group's scales and zeros ride with its
+  // last step.
   auto issue = [&](int stage, int j, int ahead, bool live) {
     const bool closes = GS ? (stage + 1) % GSTEP == 0 : j + 1 == issue_group_end;
     cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
@@ -183,9 +182,6 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     }
   };
 
-#pragma unroll
-  for (int p = 0; p < AHEAD; ++p) issue(p, s_begin + p, p, s_begin + p < s_end);
-
   float acc[MT][2][4], raw[MT][2][4], xsum[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -195,94 +191,66 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     }
   const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
 
-  // One round: steps s0 .. s0 + RING - 1 in stages 0 .. RING - 1. Full rounds (every copy they
-  // issue is in range) run without predicates; the last one or two rounds are TAIL rounds.
-  auto round = [&](int s0, auto tail) {
-    constexpr bool TAIL = decltype(tail)::value;
+  // Step s from stage i: dequantize, MMA, and where a group closes fold its sums into acc.
+  auto step = [&](int i, int s) {
+    const unsigned char* here = ring + i * STAGE;
+    const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
+    uint32_t r[4][4];  // [column c + j][nibble pair]
+    raw_codes<T>(wv.x, r[0]);
+    raw_codes<T>(wv.y, r[1]);
+    raw_codes<T>(wv.z, r[2]);
+    raw_codes<T>(wv.w, r[3]);
 #pragma unroll
-    for (int i = 0; i < RING; ++i) {
-      const int s = s0 + i;
-      if (TAIL && s >= s_end) break;
-      // Refill the stage read two steps ago: every lane passed the warp barrier below since.
-      issue((i + AHEAD) % RING, s + AHEAD, i + AHEAD, !TAIL || s + AHEAD < s_end);
-      cp_async_wait<AHEAD>();
-      // The pieces of this step were copied by other lanes. (bar.warp.sync itself: __syncwarp()
-      // adds a divergence check and a branch around it.)
-      asm volatile("bar.warp.sync -1;" ::: "memory");
-      const unsigned char* here = ring + i * STAGE;
-      const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
-      uint32_t r[4][4];  // [column c + j][nibble pair]
-      raw_codes<T>(wv.x, r[0]);
-      raw_codes<T>(wv.y, r[1]);
-      raw_codes<T>(wv.z, r[2]);
-      raw_codes<T>(wv.w, r[3]);
+    for (int mt = 0; mt < MT; ++mt) {
+      // x[m, 8w + 0..7] as pairs (0,1) (2,3) (4,5) (6,7) -> the nibble pairs (j, j+4)
+      const uint4 xr = *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt));
+      const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
+                                {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
+      const bool fresh = GS && i % GSTEP == 0;  // a group's first step starts its sums from zero
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        // x[m, 8w + 0..7] as pairs (0,1) (2,3) (4,5) (6,7) -> the nibble pairs (j, j+4)
-        const uint4 xr = *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt));
-        const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
-                                  {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
-        const bool fresh = GS && i % GSTEP == 0;  // a group's first step starts its sums from zero
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int tile = 0; tile < 2; ++tile) {
-            const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
-                                   r[2 * tile + 1][2 * half + 1]};
-            if (fresh && half == 0) mma<T, true>(raw[mt][tile], a, b[half][0], b[half][1]);
-            else mma<T, false>(raw[mt][tile], a, b[half][0], b[half][1]);
-          }
-          if (fresh && half == 0) mma<T, true>(xsum[mt], ones, b[half][0], b[half][1]);
-          else mma<T, false>(xsum[mt], ones, b[half][0], b[half][1]);
+        for (int tile = 0; tile < 2; ++tile) {
+          const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
+                                 r[2 * tile + 1][2 * half + 1]};
+          if (fresh && half == 0) mma<T, true>(raw[mt][tile], a, b[half][0], b[half][1]);
+          else mma<T, false>(raw[mt][tile], a, b[half][0], b[half][1]);
         }
-      }
-
-      if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
-        if (!GS) read_group_end += group_steps;
-        const uint4 sz = *reinterpret_cast<const uint4*>(here + SZ + g * 16);  // scales, zeros of c..c+3
-        const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.x));
-        const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.y));
-        const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.z));
-        const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.w));
-        const float sc[4] = {s01.x, s01.y, s23.x, s23.y};
-        const float zc[4] = {z01.x - Num<T>::BASE * s01.x, z01.y - Num<T>::BASE * s01.y,
-                             z23.x - Num<T>::BASE * s23.x, z23.y - Num<T>::BASE * s23.y};
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-          for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {  // C row g -> column c + 2 tile, row g + 8 -> c + 2 tile + 1
-              const int j = 2 * tile + (c >> 1);
-              acc[mt][tile][c] = fmaf(sc[j], raw[mt][tile][c], fmaf(zc[j], xsum[mt][c & 1], acc[mt][tile][c]));
-              if (!GS) raw[mt][tile][c] = 0.f;
-            }
-          if (!GS)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) xsum[mt][c] = 0.f;
-        }
+        if (fresh && half == 0) mma<T, true>(xsum[mt], ones, b[half][0], b[half][1]);
+        else mma<T, false>(xsum[mt], ones, b[half][0], b[half][1]);
       }
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xstream.src[mt] += 32 * RING;
-  };
-  int s0 = s_begin;
-  for (; s0 + RING + AHEAD <= s_end; s0 += RING) round(s0, std::false_type{});
-  for (; s0 < s_end; s0 += RING) round(s0, std::true_type{});
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with its ring before the space is reused
 
-  // C fragment: c0/c1 = (row g, tokens 2t, 2t+1), c2/c3 = (row g+8, same tokens); rows g / g+8 of
-  // tile `tile` are columns 4g + 2 tile + 0 / 1.
+    if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
+      if (!GS) read_group_end += group_steps;
+      const uint4 sz = *reinterpret_cast<const uint4*>(here + SZ + g * 16);  // scales, zeros of c..c+3
+      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.x));
+      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.y));
+      const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.z));
+      const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.w));
+      const float sc[4] = {s01.x, s01.y, s23.x, s23.y};
+      const float zc[4] = {z01.x - Num<T>::BASE * s01.x, z01.y - Num<T>::BASE * s01.y,
+                           z23.x - Num<T>::BASE * s23.x, z23.y - Num<T>::BASE * s23.y};
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {  // C row g -> column c + 2 tile, row g + 8 -> c + 2 tile + 1
+            const int j = 2 * tile + (c >> 1);
+            acc[mt][tile][c] = fmaf(sc[j], raw[mt][tile][c], fmaf(zc[j], xsum[mt][c & 1], acc[mt][tile][c]));
+            if (!GS) raw[mt][tile][c] = 0.f;
+          }
+        if (!GS)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) xsum[mt][c] = 0.f;
+      }
+    }
+  };
+  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });
+
   float* partial = reinterpret_cast<float*>(smem);
-  float* mine = partial + warp * (MT * 8 * 32);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        mine[(mt * 8 + 2 * t + (c & 1)) * 32 + 4 * g + 2 * tile + (c >> 1)] = acc[mt][tile][c];
+  store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });
   __syncthreads();
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
     float sum = 0.f;
@@ -290,8 +258,6 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     out[(size_t)(i >> 5) * ldo + tile_col + (i & 31)] = Num<T>::from_float(sum);
   }
 }
-
-constexpr int kMaxDevices = 64;
 
 size_t smem_bytes(int warps, int mt) {
   const size_t ring = (size_t)warps * RING * (640 + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);
@@ -302,19 +268,8 @@ template <typename T, int MT, int GS>
 cudaError_t launch_gs(const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N, int K,
                       int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
   const size_t smem = smem_bytes(warps, MT);
-  // Above 48 KB a kernel must opt in, per device: once, to the device's maximum.
-  static bool opted_in[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS>>();
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (!opted_in[device]) {
-    int max_optin = 0;
-    cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    err = cudaFuncSetAttribute(w4a16_mma_kernel<T, MT, GS>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
-    if (err != cudaSuccess) return err;
-    opted_in[device] = true;
-  }
   w4a16_mma_kernel<T, MT, GS><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
       static_cast<const T*>(x), static_cast<const uint32_t*>(qw), static_cast<const __half*>(s),
       static_cast<const __half*>(z), static_cast<T*>(out), M, N, K, group_shift_steps, ldx, ldo);

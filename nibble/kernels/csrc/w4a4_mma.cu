@@ -29,7 +29,7 @@
 
 #include <type_traits>
 
-#include "cp_async.cuh"
+#include "skinny.cuh"
 
 namespace {
 
@@ -78,7 +78,6 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
   const int tile_col = blockIdx.x * 32;
   const int steps = K >> 5;
   const int s_begin = (int)((long long)steps * warp / warps), s_end = (int)((long long)steps * (warp + 1) / warps);
@@ -89,7 +88,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
   TokenStream<int8_t, uint2, MT> xstream(qx, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
 
-  auto issue = [&](int stage, int ahead, bool live) {
+  auto issue = [&](int stage, int, int ahead, bool live) {
     cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -98,9 +97,6 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     ws.src += ws.step_stride;  // past the range: never read
   };
 
-#pragma unroll
-  for (int p = 0; p < AHEAD; ++p) issue(p, p, s_begin + p < s_end);
-
   int acc[MT][2][4], xsum[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -108,54 +104,31 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     for (int j = 0; j < 4; ++j) acc[mt][0][j] = acc[mt][1][j] = xsum[mt][j] = 0;
   const uint32_t ones[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
 
-  auto round = [&](int s0, auto tail) {
-    constexpr bool TAIL = decltype(tail)::value;
+  auto step = [&](int i, int) {
+    const unsigned char* here = ring + i * STAGE;
+    const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
+    const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};  // columns c .. c+3
+    uint32_t even[4], odd[4];
 #pragma unroll
-    for (int i = 0; i < RING; ++i) {
-      const int s = s0 + i;
-      if (TAIL && s >= s_end) break;
-      issue((i + AHEAD) % RING, i + AHEAD, !TAIL || s + AHEAD < s_end);
-      cp_async_wait<AHEAD>();
-      asm volatile("bar.warp.sync -1;" ::: "memory");  // the pieces of this step were copied by other lanes
-      const unsigned char* here = ring + i * STAGE;
-      const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
-      const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};  // columns c .. c+3
-      uint32_t even[4], odd[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        even[j] = w[j] & 0x0F0F0F0Fu;
-        odd[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
-      }
-      const uint32_t a[2][4] = {{even[0], even[1], odd[0], odd[1]}, {even[2], even[3], odd[2], odd[3]}};
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint2 xr = *reinterpret_cast<const uint2*>(here + XS + xstream.offset(mt));
-        const uint32_t b0 = __byte_perm(xr.x, xr.y, 0x6420), b1 = __byte_perm(xr.x, xr.y, 0x7531);
-        mma_u8s8(acc[mt][0], a[0], b0, b1);
-        mma_u8s8(acc[mt][1], a[1], b0, b1);
-        mma_u8s8(xsum[mt], ones, b0, b1);
-      }
+    for (int j = 0; j < 4; ++j) {
+      even[j] = w[j] & 0x0F0F0F0Fu;
+      odd[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
     }
+    const uint32_t a[2][4] = {{even[0], even[1], odd[0], odd[1]}, {even[2], even[3], odd[2], odd[3]}};
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xstream.src[mt] += 32 * RING;
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint2 xr = *reinterpret_cast<const uint2*>(here + XS + xstream.offset(mt));
+      const uint32_t b0 = __byte_perm(xr.x, xr.y, 0x6420), b1 = __byte_perm(xr.x, xr.y, 0x7531);
+      mma_u8s8(acc[mt][0], a[0], b0, b1);
+      mma_u8s8(acc[mt][1], a[1], b0, b1);
+      mma_u8s8(xsum[mt], ones, b0, b1);
+    }
   };
-  int s0 = s_begin;
-  for (; s0 + RING + AHEAD <= s_end; s0 += RING) round(s0, std::false_type{});
-  for (; s0 < s_end; s0 += RING) round(s0, std::true_type{});
-  cp_async_wait<0>();
-  __syncthreads();
+  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });
 
-  // C fragment: c0/c1 = (row g, tokens 2t, 2t+1), c2/c3 = (row g+8, same tokens); rows g / g+8 of
-  // tile `tile` are columns 4g + 2 tile + 0 / 1. Codes were q, not q - 8: subtract 8 X.
+  // Codes were q, not q - 8: subtract 8 X.
   int* partial = reinterpret_cast<int*>(smem);
-  int* mine = partial + warp * (MT * 8 * 32);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        mine[(mt * 8 + 2 * t + (c & 1)) * 32 + 4 * g + 2 * tile + (c >> 1)] = acc[mt][tile][c] - 8 * xsum[mt][c & 1];
+  store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c] - 8 * xsum[mt][c & 1]; });
   __syncthreads();
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
     int sum = 0;
@@ -172,8 +145,6 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   }
 }
 
-constexpr int kMaxDevices = 64;
-
 size_t smem_bytes(int warps, int mt) {
   const size_t ring = (size_t)warps * RING * (512 + 256 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(int);
   return ring > partial ? ring : partial;
@@ -183,18 +154,8 @@ template <typename T, int MT>
 cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
                    int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, int warps, cudaStream_t stream) {
   const size_t smem = smem_bytes(warps, MT);
-  static bool opted_in[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = opt_in_shared_memory<w4a4_mma_kernel<T, MT>>();
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (!opted_in[device]) {
-    int max_optin = 0;
-    cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    err = cudaFuncSetAttribute(w4a4_mma_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
-    if (err != cudaSuccess) return err;
-    opted_in[device] = true;
-  }
   w4a4_mma_kernel<T, MT><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
       static_cast<const int8_t*>(qx), static_cast<const uint32_t*>(qw), xs, ws, ws_dtype, bias, bias_dtype,
       static_cast<T*>(out), M, N, K, ldx, ldo);

@@ -1,0 +1,150 @@
+// What the skinny tensor-core kernels (w4a16_mma.cu, w4a4_mma.cu) share: cp.async helpers
+// (global -> shared copies that hold no registers), the lane mappings of their per-warp weight and
+// token streams, and the shared-memory opt-in of their launchers.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+// Predicated copies: a branch around each copy would cost a reconvergence barrier per step.
+// 16 bytes bypass L1 (.cg: weights, read once); 8 bytes go through it (.ca: small, reused data).
+__device__ __forceinline__ void cp_async_16(bool pred, uint32_t smem_addr, const void* gmem) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.cg.shared.global.L2::128B [%1], [%2], 16; }"
+               ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_8(bool pred, uint32_t smem_addr, const void* gmem) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.ca.shared.global [%1], [%2], 8; }"
+               ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
+
+// The per-warp weight stream of the skinny kernels (w4a16_mma.cu's header explains the choice): a
+// 32-deep K step is 4 word rows x 32 columns = 512 bytes. Lane L copies row L / 8, column quad L % 8,
+// so each 8-lane phase of the copy is one whole 128-byte line; in the stage, row r sits at 128 r and
+// quad q at 16 ((q ^ 2r) & 7), so the copy and the read-back (lane (g, t): quad g of row t) both hit
+// 8 distinct 16-byte bank groups per phase.
+struct WeightStream {
+  int copy_quad;         // the column quad this lane copies
+  uint32_t copy_dst;     // shared address of this lane's copy slot in stage 0
+  int read_src;          // byte offset in a stage of the piece this lane consumes
+  const uint32_t* src;   // global address of this lane's next copy
+  size_t step_stride;    // words from one step to the next (4 rows of N)
+
+  __device__ __forceinline__ WeightStream(uint32_t ring_addr, int lane, const uint32_t* qweight, int N, int s_begin,
+                                          int tile_col) {
+    step_stride = (size_t)4 * N;
+    const int copy_row = lane >> 3, g = lane >> 2, t = lane & 3;
+    copy_quad = lane & 7;
+    copy_dst = ring_addr + copy_row * 128 + ((copy_quad ^ (2 * copy_row)) & 7) * 16;
+    read_src = t * 128 + ((g ^ (2 * t)) & 7) * 16;
+    src = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;
+  }
+};
+
+// The token rows of x in the same stages: per step, lane (g, t) copies the 8 elements
+// x[m, 32 s + 8 t .. + 7] of token m = 8 mt + g (one Piece: 16 bytes of 16-bit x, 8 of int8 x) into
+// its own slot of token tile mt. Padding tokens (m >= m_rows) copy nothing: their slots are zeroed
+// once, in every stage, so they add zeros to the MMAs.
+template <typename TX, typename Piece, int MT>
+struct TokenStream {
+  static constexpr int TILE = 32 * sizeof(Piece);  // bytes of a token tile in a stage
+  const TX* src[MT];  // x of the current round's first step
+  bool live[MT];
+  int slot;  // this lane's byte offset within a tile
+
+  __device__ __forceinline__ TokenStream(const TX* x, int ldx, int m_rows, int lane, int s_begin,
+                                         unsigned char* x_area, int stage_bytes, int stages) {
+    const int g = lane >> 2, t = lane & 3;
+    slot = sizeof(Piece) * lane;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int m = mt * 8 + g;
+      live[mt] = m < m_rows;
+      src[mt] = x + (size_t)(live[mt] ? m : 0) * ldx + t * 8 + 32 * s_begin;
+      if (!live[mt])
+        for (int st = 0; st < stages; ++st) *reinterpret_cast<Piece*>(x_area + st * stage_bytes + offset(mt)) = Piece{};
+    }
+  }
+  __device__ __forceinline__ int offset(int mt) const { return TILE * mt + slot; }
+  __device__ __forceinline__ void advance(int steps) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) src[mt] += 32 * steps;
+  }
+};
+
+// The per-warp pipeline both kernels run over the steps [s_begin, s_end) of their K range: a ring of
+// RING stages with AHEAD = RING - 2 steps in flight and one warp barrier per step.
+// issue(stage, s, ahead, live) copies step s (`ahead` steps past the current round's first) into
+// `stage`, or only commits an empty group when !live, so that "at most AHEAD groups pending" always
+// means "this step has landed"; step(i, s) consumes step s from stage i (i is a compile-time
+// position in the unrolled ring, so stage addresses are immediates); end_round() runs after every
+// RING steps. Full rounds (every copy they issue is in range) run without predicates; the last one
+// or two are tail rounds. On return every copy has landed and every warp is done with its ring,
+// whose shared memory the epilogue reuses.
+template <int RING, int AHEAD, typename Issue, typename Step, typename EndRound>
+__device__ __forceinline__ void run_pipeline(int s_begin, int s_end, Issue issue, Step step, EndRound end_round) {
+  static_assert(AHEAD == RING - 2, "one stage of slack lets one warp barrier per step order reads before refills");
+#pragma unroll
+  for (int p = 0; p < AHEAD; ++p) issue(p, s_begin + p, p, s_begin + p < s_end);
+  auto round = [&](int s0, auto tail) {
+    constexpr bool TAIL = decltype(tail)::value;
+#pragma unroll
+    for (int i = 0; i < RING; ++i) {
+      const int s = s0 + i;
+      if (TAIL && s >= s_end) break;
+      // Refill the stage read two steps ago: every lane passed the warp barrier below since.
+      issue((i + AHEAD) % RING, s + AHEAD, i + AHEAD, !TAIL || s + AHEAD < s_end);
+      cp_async_wait<AHEAD>();
+      // The pieces of this step were copied by other lanes. (bar.warp.sync itself: __syncwarp()
+      // adds a divergence check and a branch around it.)
+      asm volatile("bar.warp.sync -1;" ::: "memory");
+      step(i, s);
+    }
+    end_round();
+  };
+  int s0 = s_begin;
+  for (; s0 + RING + AHEAD <= s_end; s0 += RING) round(s0, std::false_type{});
+  for (; s0 < s_end; s0 += RING) round(s0, std::true_type{});
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+// After the loop, every warp's C fragments go to its [8 MT tokens][32 columns] slice of `partial`
+// (shared memory), where the CTA sums the warps. C fragment of lane (g, t): c0/c1 = (row g, tokens
+// 2t, 2t+1), c2/c3 = (row g+8, the same tokens); rows g / g+8 of tile `tile` are columns
+// 4g + 2 tile + 0 / 1. value(mt, tile, c) gives the accumulator to store.
+template <int MT, typename Acc, typename Value>
+__device__ __forceinline__ void store_fragments(Acc* partial, int warp, int lane, Value value) {
+  const int g = lane >> 2, t = lane & 3;
+  Acc* mine = partial + warp * (MT * 8 * 32);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) mine[(mt * 8 + 2 * t + (c & 1)) * 32 + 4 * g + 2 * tile + (c >> 1)] = value(mt, tile, c);
+}
+
+// Above 48 KB of dynamic shared memory a kernel must opt in, per device: once, to the device's
+// maximum. One flag set per kernel (the kernel is the template argument).
+template <auto Kernel>
+cudaError_t opt_in_shared_memory() {
+  constexpr int kMaxDevices = 64;
+  static bool opted_in[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!opted_in[device]) {
+    int max_optin = 0;
+    cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
+    if (err != cudaSuccess) return err;
+    opted_in[device] = true;
+  }
+  return cudaSuccess;
+}
+
