@@ -272,9 +272,12 @@ def hadamard_plan(n: int) -> HadamardPlan:
     # (bf16, n = 128 ... 8192); larger rows need more warps to hold the tile in registers.
     others = [d for d, on in ((dense_pad * a, b > 1), (dense_pad * b, a > 1), (a * b, dense_pad > 1)) if on]
     rows = max([_next_pow2(-(-_MIN_DOT // o)) for o in others] + [max(1, _TILE // row_pad)])
-    tile = rows * row_pad
-    num_warps = 4 if tile <= _TILE else 8 if tile <= 2 * _TILE else 16
-    return HadamardPlan(n, dense, dense_pad, min(dense_pad, _DENSE_CHUNK), a, b, rows, num_warps)
+    return HadamardPlan(n, dense, dense_pad, min(dense_pad, _DENSE_CHUNK), a, b, rows, _warps_for(rows * row_pad))
+
+
+def _warps_for(tile: int) -> int:
+    """Warps for a program holding `tile` float32 elements (beyond 8K elements 4 warps spill)."""
+    return 4 if tile <= _TILE else 8 if tile <= 2 * _TILE else 16
 
 
 @functools.cache
@@ -325,63 +328,72 @@ def _dot_pm1(x, h, acc, TERMS: tl.constexpr):
 
 
 @_jit
-def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, ROWS: tl.constexpr,
-                       DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
-                       TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
-    """Load ROWS rows of n elements and return (row @ H_n.T) * scale as float32 [ROWS, DENSE_PAD * A * B];
-    columns >= n (and masked rows) come back 0. For fusing into other kernels (W4A4 quantization).
+def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo, ROWS: tl.constexpr,
+                       DENSE_PAD: tl.constexpr, DENSE_OUT: tl.constexpr, DENSE_CHUNK: tl.constexpr,
+                       A: tl.constexpr, B: tl.constexpr, TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
+    """Load ROWS rows of n elements and return (row @ H_n.T) * scale as float32 [ROWS, DENSE_OUT * A * B]:
+    the outputs whose dense index lies in [dense_lo, dense_lo + DENSE_OUT), i.e. output columns
+    dense_lo * A * B onwards; columns >= n (and masked rows) come back 0. For fusing into other
+    kernels (W4A4 quantization) with DENSE_OUT = DENSE_PAD, dense_lo = 0: the whole row.
 
     row_offs: [ROWS, 1] int64 offset of each row's first element from x_ptr; row_mask: [ROWS, 1].
     DENSE_PAD, DENSE_CHUNK, A, B from `hadamard_plan(n)`; dense_ptr from `hadamard_dense_operand`
-    (any pointer when DENSE_PAD == 1); scale = 1/sqrt(n); `hadamard_dot_terms(dtype)` gives
-    TERMS_IN, TERMS (tf32 pieces per operand for the first factor, which sees the input, and the rest).
+    (any pointer when DENSE_PAD == 1, where DENSE_OUT must be 1 and dense_lo 0); scale = 1/sqrt(n);
+    `hadamard_dot_terms(dtype)` gives TERMS_IN, TERMS (tf32 pieces per operand for the first factor,
+    which sees the input, and the rest).
 
     The row is a [DENSE_PAD, A, B] tensor and H = H_dense (x) H_A (x) H_B, so each factor is one
     matmul along its own axis on tensor cores. The dense factor comes first, straight from memory in
-    chunks of its axis: its matrix then never has to sit in shared memory whole.
+    chunks of its axis: its matrix then never has to sit in shared memory whole. The A and B factors
+    act within one dense index, so a slice of dense outputs needs only that slice of H_dense's
+    columns: programs that split a row this way each read the whole row and produce their slice.
     """
     AB: tl.constexpr = A * B
     if DENSE_PAD > 1:
         ab = tl.arange(0, AB)[None, :, None]
-        out = tl.arange(0, DENSE_PAD)[None, :]
-        acc = tl.zeros((ROWS * AB, DENSE_PAD), dtype=tl.float32)
+        out = dense_lo + tl.arange(0, DENSE_OUT)[None, :]
+        acc = tl.zeros((ROWS * AB, DENSE_OUT), dtype=tl.float32)
         for k0 in range(0, DENSE_PAD, DENSE_CHUNK):
             k = k0 + tl.arange(0, DENSE_CHUNK)
             # [ROWS, AB, chunk]: the chunk of the dense axis last, ready to be the contraction dim
             ptrs = x_ptr + row_offs[:, :, None] + k[None, None, :] * AB + ab
             mask = row_mask[:, :, None] & (k[None, None, :] < n // AB)
             xk = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            d = tl.load(dense_ptr + k[:, None] * DENSE_PAD + out)  # rows k of H_dense.T
+            d = tl.load(dense_ptr + k[:, None] * DENSE_PAD + out)  # rows k of H_dense.T, the slice's columns
             acc = _dot_pm1(tl.reshape(xk, (ROWS * AB, DENSE_CHUNK)), d, acc, TERMS_IN)
-        x = tl.permute(tl.reshape(acc, (ROWS, A, B, DENSE_PAD)), (0, 3, 1, 2))
+        x = tl.permute(tl.reshape(acc, (ROWS, A, B, DENSE_OUT)), (0, 3, 1, 2))
     else:
         c = tl.arange(0, AB)[None, :]
         x = tl.load(x_ptr + row_offs + c, mask=row_mask & (c < n), other=0.0).to(tl.float32)
         x = tl.reshape(x, (ROWS, 1, A, B))
     if B > 1:
-        zero = tl.zeros((ROWS * DENSE_PAD * A, B), dtype=tl.float32)
+        zero = tl.zeros((ROWS * DENSE_OUT * A, B), dtype=tl.float32)
         terms: tl.constexpr = TERMS if DENSE_PAD > 1 else TERMS_IN
-        x = _dot_pm1(tl.reshape(x, (ROWS * DENSE_PAD * A, B)), _sylvester_tile(B), zero, terms)
-        x = tl.reshape(x, (ROWS, DENSE_PAD, A, B))
+        x = _dot_pm1(tl.reshape(x, (ROWS * DENSE_OUT * A, B)), _sylvester_tile(B), zero, terms)
+        x = tl.reshape(x, (ROWS, DENSE_OUT, A, B))
     if A > 1:
-        zero = tl.zeros((ROWS * DENSE_PAD * B, A), dtype=tl.float32)
-        x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), (ROWS * DENSE_PAD * B, A))
+        zero = tl.zeros((ROWS * DENSE_OUT * B, A), dtype=tl.float32)
+        x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), (ROWS * DENSE_OUT * B, A))
         x = _dot_pm1(x, _sylvester_tile(A), zero, TERMS)
-        x = tl.permute(tl.reshape(x, (ROWS, DENSE_PAD, B, A)), (0, 1, 3, 2))
-    return tl.reshape(x * scale, (ROWS, DENSE_PAD * AB))
+        x = tl.permute(tl.reshape(x, (ROWS, DENSE_OUT, B, A)), (0, 1, 3, 2))
+    return tl.reshape(x * scale, (ROWS, DENSE_OUT * AB))
 
 
 @_jit
 def _hadamard_kernel(x_ptr, y_ptr, dense_ptr, n_rows, n, stride_x, stride_y, scale,
-                     ROWS: tl.constexpr, DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, A: tl.constexpr,
-                     B: tl.constexpr, TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
-    # One program owns ROWS whole rows: each row is read once and written once.
+                     ROWS: tl.constexpr, DENSE_PAD: tl.constexpr, DENSE_OUT: tl.constexpr,
+                     DENSE_CHUNK: tl.constexpr, A: tl.constexpr, B: tl.constexpr, TERMS_IN: tl.constexpr,
+                     TERMS: tl.constexpr):
+    # Program (i, j) owns ROWS rows and the j-th slice of DENSE_OUT dense outputs of each: with
+    # DENSE_OUT = DENSE_PAD (one slice) each row is read once and written once; with narrower slices
+    # a few rows spread over more SMs (each program rereads the rows, from L2).
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    dense_lo = tl.program_id(1) * DENSE_OUT
     row_mask = r < n_rows
     r = r.to(tl.int64)
-    y = hadamard_load_rows(x_ptr, r * stride_x, row_mask, n, dense_ptr, scale, ROWS, DENSE_PAD, DENSE_CHUNK,
-                           A, B, TERMS_IN, TERMS)
-    c = tl.arange(0, DENSE_PAD * A * B)[None, :]
+    y = hadamard_load_rows(x_ptr, r * stride_x, row_mask, n, dense_ptr, scale, dense_lo, ROWS, DENSE_PAD,
+                           DENSE_OUT, DENSE_CHUNK, A, B, TERMS_IN, TERMS)
+    c = dense_lo * A * B + tl.arange(0, DENSE_OUT * A * B)[None, :]
     tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=row_mask & (c < n))
 
 
@@ -394,13 +406,31 @@ def hadamard_dot_terms(dtype: torch.dtype) -> tuple[int, int]:
     return (3, 3) if dtype == torch.float32 else (1, 2)
 
 
-def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+# Rows per SM below which the kernel splits each row's dense outputs over programs: with a dense
+# factor a row is one program of 4-16 warps at ~250 registers, so a handful of rows (decode) ran on
+# a handful of SMs: 39 us for one row of 11008 on an H200, against ~2 us of memory traffic.
+SPLIT_ROW_TILES = 32
+# The narrowest slice: tl.dot's 16-row minimum.
+_SPLIT_OUT = _MIN_DOT
+
+
+def dense_slices(plan: HadamardPlan, row_tiles: int, split: bool | None = None) -> int:
+    """Dense outputs per program for `row_tiles` programs' worth of rows: the whole dense axis, or
+    for few rows (``split`` None: fewer than SPLIT_ROW_TILES) slices of 16, enough to cover its
+    real (unpadded) entries."""
+    if plan.dense_pad == 1 or not (row_tiles < SPLIT_ROW_TILES if split is None else split):
+        return plan.dense_pad
+    return _SPLIT_OUT
+
+
+def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: bool | None = None) -> torch.Tensor:
     """The Triton kernel: y = x @ H_n.T (inverse: x @ H_n) on the last dim, same dtype and shape as x.
 
     x: CUDA tensor (CPU under TRITON_INTERPRET=1), float16/bfloat16/float32, last dim contiguous,
     any leading dims. Products are exact, sums run in the tensor cores' float32 accumulators (not
     IEEE-rounded: about 2^-19 of the largest output, far below 16-bit rounding), and the result is
-    rounded once to x.dtype.
+    rounded once to x.dtype. ``split`` (default: only for a few rows) spreads each row's dense
+    outputs over several programs; the result is the same.
     """
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"hadamard kernel takes float16/bfloat16/float32, got {x.dtype}; "
@@ -422,10 +452,13 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False) -> torch.T
         return y
     dense = hadamard_dense_operand(n, inverse, x.device) if plan.dense_pad > 1 else x2
     terms_in, terms = hadamard_dot_terms(x.dtype)
-    grid = (-(-x2.shape[0] // plan.rows),)
-    _hadamard_kernel[grid](x2, y2, dense, x2.shape[0], n, x2.stride(0), y2.stride(0), 1.0 / math.sqrt(n),
-                           ROWS=plan.rows, DENSE_PAD=plan.dense_pad, DENSE_CHUNK=plan.dense_chunk, A=plan.a,
-                           B=plan.b, TERMS_IN=terms_in, TERMS=terms, num_warps=plan.num_warps)
+    row_tiles = -(-x2.shape[0] // plan.rows)
+    dense_out = dense_slices(plan, row_tiles, split)
+    slices = -(-(plan.dense if dense_out < plan.dense_pad else plan.dense_pad) // dense_out)
+    _hadamard_kernel[(row_tiles, slices)](
+        x2, y2, dense, x2.shape[0], n, x2.stride(0), y2.stride(0), 1.0 / math.sqrt(n), ROWS=plan.rows,
+        DENSE_PAD=plan.dense_pad, DENSE_OUT=dense_out, DENSE_CHUNK=plan.dense_chunk, A=plan.a, B=plan.b,
+        TERMS_IN=terms_in, TERMS=terms, num_warps=_warps_for(plan.rows * dense_out * plan.a * plan.b))
     return y
 
 

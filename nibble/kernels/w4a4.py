@@ -116,8 +116,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
     mask = (rows[:, None] < M) & (c < K)
     if HADAMARD:
         # nibble.kernels.hadamard's fusable loader: float32 (row @ H_K.T) / sqrt(K), zero padded.
-        xf = hadamard_load_rows(x_ptr, r * stride_x, rows[:, None] < M, K, dense_ptr, had_scale, ROWS,
-                                DENSE_PAD, DENSE_CHUNK, HA, HB, TERMS_IN, TERMS)
+        xf = hadamard_load_rows(x_ptr, r * stride_x, rows[:, None] < M, K, dense_ptr, had_scale, 0, ROWS,
+                                DENSE_PAD, DENSE_PAD, DENSE_CHUNK, HA, HB, TERMS_IN, TERMS)
         # The spec rotates in float32 and returns x.dtype; round the same way before quantizing.
         xf = xf.to(x_ptr.dtype.element_ty).to(tl.float32)
         xf = tl.where(mask, xf, 0.0)
@@ -224,6 +224,11 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False) -
     if M == 0 or K == 0:
         s.zero_()
         return q, s
+    if plan is not None and _had.dense_slices(plan, triton.cdiv(M, rows)) < plan.dense_pad:
+        # A few rows with a dense Hadamard factor: fused, each row would be one program on one SM
+        # (39 us for a row of 11008 on an H200). The row-splitting transform spreads it; the fused
+        # kernel rounds the rotation to x.dtype before quantizing too, so the codes are the same.
+        return quantize_activations_triton(_had.hadamard_transform_triton(x), False)
     fmax = float(torch.finfo(x.dtype).max)
     if plan is None and M >= CHUNKED_MIN_M:
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,

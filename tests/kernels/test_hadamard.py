@@ -195,6 +195,21 @@ def test_kernel_on_model_sizes_matches_float64_within_same_dtype_error(n, dtype,
 
 @pytest.mark.interpreter
 @needs_kernel
+@pytest.mark.parametrize("n", [576, 1536, 11008])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_split_over_programs_give_the_unsplit_transform(n, dtype):
+    # few rows spread each row's dense outputs over programs (decode); the sums are the same
+    x = _activations(3, n, device=KERNEL_DEVICE, seed=n).to(dtype)
+    whole, split = had.hadamard_transform_triton(x, split=False), had.hadamard_transform_triton(x, split=True)
+    if x.is_cuda:  # the same MMAs in the same order per output
+        assert torch.equal(split, whole)
+    else:  # numpy may order a narrower matmul's sums differently: float32 last-bit differences
+        torch.testing.assert_close(split, whole, rtol=0, atol=1e-6 * whole.abs().max().item())
+    assert torch.equal(had.hadamard_transform_triton(x), split)  # few rows: split by default
+
+
+@pytest.mark.interpreter
+@needs_kernel
 def test_kernel_handles_leading_dims_row_strides_and_no_rows():
     x = _activations(24, 2 * 192, dtype=torch.float16, device=KERNEL_DEVICE)[:, :192]  # row stride 384
     y = had.hadamard_transform_triton(x)
