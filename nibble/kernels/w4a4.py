@@ -630,16 +630,12 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     return cfg
 
 
-def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias, x_dtypes=(torch.int8,)):
-    """qx (int8 codes; for the fused kernel 16-bit x, with x_scale None) against the weight's shapes,
-    dtypes and device."""
-    for name, t in (("qx", qx), ("qweight", qweight), ("w_scale", w_scale)) + ((("x_scale", x_scale),)
-                                                                              if x_scale is not None else ()):
+def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias):
+    for name, t in (("qx", qx), ("x_scale", x_scale), ("qweight", qweight), ("w_scale", w_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if qx.dim() != 2 or qx.dtype not in x_dtypes:
-        raise ValueError(f"the activations must be {' or '.join(map(str, x_dtypes))} [M, K], got {qx.dtype} "
-                         f"{tuple(qx.shape)}")
+    if qx.dim() != 2 or qx.dtype != torch.int8:
+        raise ValueError(f"qx must be int8 [M, K], got {qx.dtype} {tuple(qx.shape)}")
     if qweight.dim() != 2 or qweight.dtype != torch.int32:
         raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
                          f"{tuple(qweight.shape)}")
@@ -650,7 +646,7 @@ def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias, x_dtypes=(torch.in
         raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but the "
                          f"activations have K={K}")
     N = qweight.shape[1]
-    if x_scale is not None and (x_scale.shape != (M,) or x_scale.dtype != torch.float32):
+    if x_scale.shape != (M,) or x_scale.dtype != torch.float32:
         raise ValueError(f"x_scale must be float32 [{M}], got {x_scale.dtype} {tuple(x_scale.shape)}")
     if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
         raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor (the W4A4 "
@@ -658,7 +654,7 @@ def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias, x_dtypes=(torch.in
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
     if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
         raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
-    devs = {t.device for t in (qx, x_scale, qweight, w_scale, bias) if t is not None}
+    devs = {t.device for t in (qx, x_scale, qweight, w_scale) + (() if bias is None else (bias,))}
     if len(devs) != 1:
         raise ValueError(f"all W4A4 inputs must be on one device, got {sorted(map(str, devs))}")
 
@@ -753,17 +749,12 @@ def w4a4_accumulate_triton(qx: torch.Tensor, qweight: torch.Tensor, config: Opti
 # ----------------------------------------------------------------------------------------------
 MMA_MAX_M = 16
 MMA_MAX_WARPS = 16
-# Fused quantization (16-bit x quantized inside the kernel): one token tile, and the CTA's int8 copy
-# of x (M * K bytes) small enough to keep two CTAs of 16 warps per SM.
-FUSED_MAX_M = 8
-FUSED_MAX_X_BYTES = 65536
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_X_CODES = {torch.int8: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _configure_mma(lib) -> None:
     lib.nibble_w4a4_mma.restype = ctypes.c_int
-    lib.nibble_w4a4_mma.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p,
+    lib.nibble_w4a4_mma.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p,
                                     ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p])
     lib.nibble_w4a4_cuda_error_string.restype = ctypes.c_char_p
     lib.nibble_w4a4_cuda_error_string.argtypes = [ctypes.c_int]
@@ -779,12 +770,6 @@ def mma_applicable(qx: torch.Tensor, N: int, K: int) -> bool:
             and torch.cuda.get_device_capability(qx.device) >= (8, 0) and _mma_lib(qx.device) is not None)
 
 
-def fused_applicable(x: torch.Tensor, N: int, K: int) -> bool:
-    """Whether `w4a4_mma_fused` takes this 16-bit x (quantizing it inside the kernel)."""
-    return (x.dtype in KERNEL_DTYPES and 0 < x.shape[0] <= FUSED_MAX_M and x.shape[0] * K <= FUSED_MAX_X_BYTES
-            and mma_applicable(x, N, K))
-
-
 def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, *,
              out_int32: bool = False, warps: Optional[int] = None) -> torch.Tensor:
@@ -793,57 +778,35 @@ def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_s
     Warps per CTA follow the W4A16 kernel's rule (``w4a16.select_mma_config``) unless ``warps`` is given.
     """
     _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
-    if qx.stride(1) != 1 or qx.stride(0) % 8 or qx.data_ptr() % 8:  # rows are copied as 8-byte pieces
-        qx = qx.contiguous()
-    return _launch_mma(qx, x_scale.contiguous(), qweight, w_scale, bias, out_dtype, out_int32, warps)
-
-
-def w4a4_mma_fused(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, *,
-                   out_int32: bool = False, warps: Optional[int] = None) -> torch.Tensor:
-    """`quantize_activations` then `w4a4_mma` in one kernel, for x float16/bfloat16 [M <= 8, K]
-    (M * K <= FUSED_MAX_X_BYTES): each CTA quantizes x into shared memory itself, with the same
-    arithmetic, so the codes and the outputs are those of the two kernels. ``out_dtype``: x's by default."""
-    _check_matmul_inputs(x, None, qweight, w_scale, bias, x_dtypes=KERNEL_DTYPES)
-    M, K = x.shape
-    if not 0 < M <= FUSED_MAX_M or M * K > FUSED_MAX_X_BYTES:
-        raise ValueError(f"w4a4_mma_fused needs 1 <= M <= {FUSED_MAX_M} and M * K <= {FUSED_MAX_X_BYTES} "
-                         f"(the kernel keeps the quantized x in shared memory); got M={M} K={K}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
-        x = x.clone(memory_format=torch.contiguous_format)
-    return _launch_mma(x, None, qweight, w_scale, bias, out_dtype or x.dtype, out_int32, warps)
-
-
-def _launch_mma(x, x_scale, qweight, w_scale, bias, out_dtype, out_int32, warps):
-    M, K = x.shape
+    M, K = qx.shape
     N = qweight.shape[1]
-    lib = _mma_lib(x.device) if x.is_cuda else None
+    lib = _mma_lib(qx.device) if qx.is_cuda else None
     if lib is None or not 0 < M <= MMA_MAX_M or N % 32 or K % 32 or K == 0:
-        raise ValueError(f"the W4A4 CUDA kernel needs to be built, 1 <= M <= {MMA_MAX_M}, N and K multiples of 32; "
-                         f"got M={M} N={N} K={K} on {x.device}")
+        raise ValueError(f"w4a4_mma needs the compiled kernel, 1 <= M <= {MMA_MAX_M}, N and K multiples of 32; "
+                         f"got M={M} N={N} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = select_mma_config(M, N, K, _num_sms(x.device))
+    cfg = select_mma_config(M, N, K, _num_sms(qx.device))
     warps = cfg.warps if warps is None else warps
     if not 1 <= warps <= MMA_MAX_WARPS:
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
-    qweight, w_scale = qweight.contiguous(), w_scale.contiguous()
+    if qx.stride(1) != 1 or qx.stride(0) % 8 or qx.data_ptr() % 8:  # rows are copied as 8-byte pieces
+        qx = qx.contiguous()
+    qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
     if bias is not None:
         bias = bias.contiguous()
         if bias.dtype not in _DTYPE_CODES:
             bias = bias.float()
-    y = torch.empty((M, N), dtype=torch.int32 if out_int32 else out_dtype, device=x.device)
-    fused = x.dtype != torch.int8
-    with torch.cuda.device(x.device):
+    y = torch.empty((M, N), dtype=torch.int32 if out_int32 else out_dtype, device=qx.device)
+    with torch.cuda.device(qx.device):
         err = lib.nibble_w4a4_mma(
-            3 if out_int32 else _DTYPE_CODES[out_dtype], _X_CODES[x.dtype], 1 if fused else cfg.token_tiles, warps,
-            x.data_ptr(), qweight.data_ptr(), None if fused else x_scale.data_ptr(), w_scale.data_ptr(),
-            _DTYPE_CODES[w_scale.dtype], None if bias is None else bias.data_ptr(),
-            0 if bias is None else _DTYPE_CODES[bias.dtype], y.data_ptr(), M, N, K, x.stride(0), y.stride(0),
-            torch.cuda.current_stream(x.device).cuda_stream)
+            3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps, qx.data_ptr(), qweight.data_ptr(),
+            x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
+            None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
+            y.data_ptr(), M, N, K, qx.stride(0), y.stride(0), torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
-        raise RuntimeError(f"w4a4 CUDA kernel launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
-                           f"(M={M} N={N} K={K} warps={warps} x {x.dtype})")
+        raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
+                           f"(M={M} N={N} K={K} warps={warps})")
     return y
 
 
@@ -914,12 +877,6 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
-    K = x.shape[1]
-    if all(fused_applicable(x, qweight.shape[1], K) for qweight, _, _ in layers):
-        # Decode: each layer's kernel quantizes x itself (no quantization launch); the rotation,
-        # if any, first (the few-row transform, whose output the fused path would quantize too).
-        xr = _had.hadamard_transform_triton(x) if input_hadamard else x
-        return [w4a4_mma_fused(xr, qweight, w_scale, bias) for qweight, w_scale, bias in layers]
     qx, sx = quantize_activations_triton(x, input_hadamard)
     return [w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype) for qweight, w_scale, bias in layers]
 

@@ -633,63 +633,6 @@ def test_decode_op_takes_the_mma_kernel_and_saturates_like_the_reference():
     torch.testing.assert_close(y.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("warps", [None, 1, 16])
-def test_fused_kernel_equals_quantize_then_mma(dtype, warps):
-    """The kernel that quantizes x itself gives exactly the two-kernel result: same codes, same int32
-    sums, same epilogue. Odd M up to 8, K split unevenly, a NaN, an Inf and an all-zero token, x
-    rows misaligned in memory; outputs poisoned before each call."""
-    _needs_mma_kernel()
-    gen = torch.Generator().manual_seed(3)
-    for N, K in ((192, 576), (576, 1536), (1024, 2080), (4096, 4096), (4096, 11008), (64, 32768)):
-        qw, ws = _codes_weight(N, K, "cuda", gen)
-        b = torch.randn(N, generator=gen).to(device="cuda", dtype=dtype)
-        for M in (1, 2, 3, 5, 8):
-            if M * K > w4a4.FUSED_MAX_X_BYTES:
-                continue
-            x = _activations(M, K, dtype, "cuda", gen)
-            if M >= 3:
-                x[0, 5], x[1, 9], x[2] = float("nan"), float("-inf"), 0.0
-            if M == 5:  # rows at an 8-byte (not 16-byte) offset: the kernel reads 16-byte vectors
-                x = torch.zeros(M * K + 4, dtype=dtype, device="cuda")[4:].view(M, K).copy_(x)
-            qx, sx = w4a4.quantize_activations_triton(x)
-            _poison_allocator("cuda")
-            acc = w4a4.w4a4_mma_fused(x, qw, ws, out_int32=True, warps=warps)
-            assert torch.equal(acc, _exact_acc(qx, qw)), f"N={N} K={K} M={M}"
-            y = w4a4.w4a4_mma_fused(x, qw, ws, b, warps=warps)
-            assert y.dtype == dtype and torch.equal(y, w4a4.w4a4_mma(qx, sx, qw, ws, b, out_dtype=dtype, warps=warps))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-@pytest.mark.parametrize("had", [False, True])
-def test_decode_ops_take_the_fused_kernel(had):
-    from nibble.kernels.hadamard import hadamard_transform_triton
-    _needs_mma_kernel()
-    layers = [_codes_weight(N, 1536, "cuda") for N in (576, 192)]
-    x = _activations(2, 1536, torch.bfloat16, "cuda")
-    assert w4a4.fused_applicable(x, 576, 1536)
-    ys = torch.ops.nibble.w4a4_linears(x, [q for q, _ in layers], [s for _, s in layers], [None, None], had)
-    qx, sx = w4a4.quantize_activations_triton(x, had)  # the two-kernel path
-    for y, (qw, ws) in zip(ys, layers):
-        assert torch.equal(y, w4a4.w4a4_mma(qx, sx, qw, ws, out_dtype=x.dtype))
-        ref = reference.w4a4_linear(x.cpu(), qw.cpu(), ws.cpu(), None, had)
-        assert ((y.cpu().double() - ref.double()).norm() / ref.double().norm()).item() < 2e-2
-
-
-def test_fused_kernel_rejects_what_it_cannot_run():
-    qw, ws = _codes_weight(64, 64, "cpu")
-    with pytest.raises(ValueError, match="M <= 8"):
-        w4a4.w4a4_mma_fused(torch.zeros(9, 64, dtype=torch.bfloat16), qw, ws)
-    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
-        w4a4.w4a4_mma_fused(torch.zeros(1, 64), qw, ws)
-    qw, ws = _codes_weight(64, 65536 + 32, "cpu")
-    with pytest.raises(ValueError, match="shared memory"):
-        w4a4.w4a4_mma_fused(torch.zeros(1, 65536 + 32, dtype=torch.float16), qw, ws)
-
-
 def test_mma_kernel_rejects_what_it_cannot_run():
     qx, sx = torch.zeros(17, 64, dtype=torch.int8), torch.ones(17)
     qw, ws = _codes_weight(64, 64, "cpu")

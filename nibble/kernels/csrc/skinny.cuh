@@ -69,19 +69,6 @@ struct TokenStream {
     }
   }
   __device__ __forceinline__ int offset(int mt) const { return TILE * mt + slot; }
-  // Copy the live tokens' pieces of the step `ahead` steps past the round's first into the stage
-  // whose x area starts at shared address `x_addr` (nothing when !copy: past the range).
-  __device__ __forceinline__ void copy(uint32_t x_addr, int ahead, bool copy) const {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      if constexpr (sizeof(Piece) == 16) cp_async_16(copy && live[mt], x_addr + offset(mt), src[mt] + 32 * ahead);
-      else cp_async_8(copy && live[mt], x_addr + offset(mt), src[mt] + 32 * ahead);
-    }
-  }
-  // This lane's piece of token tile mt in the stage whose x area is `x_area` (step s: unused here).
-  __device__ __forceinline__ Piece read(const unsigned char* x_area, int mt, int) const {
-    return *reinterpret_cast<const Piece*>(x_area + offset(mt));
-  }
   __device__ __forceinline__ void advance(int steps) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) src[mt] += 32 * steps;
@@ -92,18 +79,16 @@ struct TokenStream {
 // RING stages with AHEAD = RING - 2 steps in flight and one warp barrier per step.
 // issue(stage, s, ahead, live) copies step s (`ahead` steps past the current round's first) into
 // `stage`, or only commits an empty group when !live, so that "at most AHEAD groups pending" always
-// means "this step has landed"; after_prologue() runs once the first AHEAD copies are in flight;
-// step(i, s) consumes step s from stage i (i is a compile-time position in the unrolled ring, so
-// stage addresses are immediates); end_round() runs after every RING steps. Full rounds (every copy they issue is in range) run without predicates; the last one
+// means "this step has landed"; step(i, s) consumes step s from stage i (i is a compile-time
+// position in the unrolled ring, so stage addresses are immediates); end_round() runs after every
+// RING steps. Full rounds (every copy they issue is in range) run without predicates; the last one
 // or two are tail rounds. On return every copy has landed and every warp is done with its ring,
 // whose shared memory the epilogue reuses.
-template <int RING, int AHEAD, typename Issue, typename AfterPrologue, typename Step, typename EndRound>
-__device__ __forceinline__ void run_pipeline(int s_begin, int s_end, Issue issue, AfterPrologue after_prologue,
-                                             Step step, EndRound end_round) {
+template <int RING, int AHEAD, typename Issue, typename Step, typename EndRound>
+__device__ __forceinline__ void run_pipeline(int s_begin, int s_end, Issue issue, Step step, EndRound end_round) {
   static_assert(AHEAD == RING - 2, "one stage of slack lets one warp barrier per step order reads before refills");
 #pragma unroll
   for (int p = 0; p < AHEAD; ++p) issue(p, s_begin + p, p, s_begin + p < s_end);
-  after_prologue();
   auto round = [&](int s0, auto tail) {
     constexpr bool TAIL = decltype(tail)::value;
 #pragma unroll

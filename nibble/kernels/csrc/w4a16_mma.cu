@@ -171,7 +171,9 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     const bool closes = GS ? (stage + 1) % GSTEP == 0 : j + 1 == issue_group_end;
     cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
     cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
-    xstream.copy(ring_addr + stage * STAGE + XS, ahead, live);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      cp_async_16(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt), xstream.src[mt] + 32 * ahead);
     cp_async_commit();
     ws.src += ws.step_stride;  // past the range: never read
     if (closes) {
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // x[m, 8w + 0..7] as pairs (0,1) (2,3) (4,5) (6,7) -> the nibble pairs (j, j+4)
-      const uint4 xr = xstream.read(here + XS, mt, s);
+      const uint4 xr = *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt));
       const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
                                 {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
       const bool fresh = GS && i % GSTEP == 0;  // a group's first step starts its sums from zero
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
       }
     }
   };
-  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, [] {}, step, [&] { xstream.advance(RING); });
+  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });
 
   float* partial = reinterpret_cast<float*>(smem);
   store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });

@@ -22,12 +22,6 @@
 // - Per-channel scales: no group boundaries, the int32 sums run over the warp's whole K range, meet
 //   across warps in shared memory (exact, order-free), and are scaled once per output.
 // Per step: 4 x 3 ALU instructions for the weights, 2 permutes per token tile, 3 MMAs per token tile.
-//
-// Fused quantization (x 16-bit, M <= 8): the CTA quantizes x itself, as reference.quantize_activations
-// does (non-finite values saturated, scale = amax / 7 and x / scale correctly rounded, ties to
-// even), into an int8 copy in shared memory, while its first weight copies are in flight. Every
-// CTA rereads x (K 16-bit values per token, from L2), which costs far less than the separate
-// quantization kernel's launch at decode sizes; the codes and so the outputs are the same.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -40,12 +34,6 @@
 namespace {
 
 constexpr int RING = 4, AHEAD = RING - 2;  // as in w4a16_mma.cu: one warp barrier per step
-
-// The rings during the loop, the warps' int32 partial sums after it: whichever is larger.
-__host__ __device__ constexpr size_t ring_region_bytes(int warps, int mt, int stage) {
-  return (size_t)warps * RING * stage > (size_t)warps * mt * 8 * 32 * sizeof(int) ? (size_t)warps * RING * stage
-                                                                                   : (size_t)warps * mt * 8 * 32 * sizeof(int);
-}
 
 // c += A (16 x 32 u8, four registers) * B (32 x 8 s8, two registers), int32 accumulators
 __device__ __forceinline__ void mma_u8s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -74,105 +62,19 @@ template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16* 
 }
 template <> __device__ __forceinline__ void store<float>(float* p, float v) { *p = clamp_abs(v, 3.4028234663852886e38f); }
 
-template <typename TX> __device__ __forceinline__ float2 to_float2(uint32_t v);
-template <> __device__ __forceinline__ float2 to_float2<__half>(uint32_t v) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
-template <> __device__ __forceinline__ float2 to_float2<__nv_bfloat16>(uint32_t v) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-
-// NaN -> 0, +-Inf (and anything beyond) -> +-the largest finite value of x's type, as the reference's
-// nan_to_num.
-template <typename TX> __device__ __forceinline__ float saturate(float v) {
-  constexpr float FMAX = std::is_same_v<TX, __half> ? 65504.f : 3.3895313892515355e38f;
-  return v != v ? 0.f : fminf(fmaxf(v, -FMAX), FMAX);
-}
-
-// The 8 values x[k .. k+7] of a row (16 bytes), saturated, as floats.
-template <typename TX> __device__ __forceinline__ void load8(const TX* row, int k, float (&f)[8]) {
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + k));
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 p = to_float2<TX>(w[j]);
-    f[2 * j] = saturate<TX>(p.x);
-    f[2 * j + 1] = saturate<TX>(p.y);
-  }
-}
-
-// Fused quantization: rows 0 .. M-1 of x -> scales[m] and int8 codes xq[m * K + k], the whole CTA
-// working on one token at a time (scratch: one float per warp for the amax).
-template <typename TX>
-__device__ void quantize_tokens(const TX* __restrict__ x, int ldx, int M, int K, int8_t* xq, float* scales,
-                                float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int m = 0; m < M; ++m) {
-    const TX* row = x + (size_t)m * ldx;
-    float amax = 0.f, f[8];
-    for (int k = 8 * threadIdx.x; k < K; k += 8 * blockDim.x) {
-      load8(row, k, f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[j]));
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) scratch[warp] = amax;
-    __syncthreads();
-    amax = 0.f;
-    for (int w = 0; w < warps; ++w) amax = fmaxf(amax, scratch[w]);
-    const float scale = __fdiv_rn(amax, 7.f), safe = scale > 0.f ? scale : 1.f;
-    if (threadIdx.x == 0) scales[m] = scale;
-    for (int k = 8 * threadIdx.x; k < K; k += 8 * blockDim.x) {  // the second read hits L1
-      load8(row, k, f);
-      uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int q = (int)fminf(fmaxf(rintf(__fdiv_rn(f[j], safe)), -8.f), 7.f);
-        packed[j >> 2] |= (uint32_t)(q & 0xff) << (8 * (j & 3));
-      }
-      *reinterpret_cast<uint2*>(xq + (size_t)m * K + k) = make_uint2(packed[0], packed[1]);
-    }
-    __syncthreads();  // scratch is reused by the next token; xq and scales are complete after the last
-  }
-}
-
-// The token rows of the fused variant: the CTA's int8 copy of x in shared memory (rows of K
-// bytes), read directly; lane (g, t) reads token g's codes 32 s + 8 t .. + 7 of step s (zeros for
-// a padding token). Nothing is copied per step.
-struct SmemTokens {
-  const unsigned char* row;  // token g's row + 8 t, or null for a padding token
-  __device__ __forceinline__ SmemTokens(const int8_t* xq, int K, int m_rows, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    row = g < m_rows ? reinterpret_cast<const unsigned char*>(xq) + (size_t)g * K + 8 * t : nullptr;
-  }
-  __device__ __forceinline__ void copy(uint32_t, int, bool) const {}
-  __device__ __forceinline__ uint2 read(const unsigned char*, int, int s) const {
-    return row ? *reinterpret_cast<const uint2*>(row + 32 * s) : make_uint2(0u, 0u);
-  }
-  __device__ __forceinline__ void advance(int) {}
-};
-
-// Shared memory of the fused variant after the ring region: token scales, the amax scratch (one
-// float per warp), then the int8 copy of x.
-constexpr int FUSED_SCALES = 8, FUSED_SCRATCH = 16;
-
 // MT: token tiles of 8 (M <= 8 * MT). T: output type (half, bfloat16, float, or int for the raw
-// int32 accumulators). TX: int8_t for quantized activations (qx, x_scale given), or __half /
-// __nv_bfloat16 for fused quantization (MT == 1; x_scale unused).
-template <typename T, int MT, typename TX>
+// int32 accumulators).
+template <typename T, int MT>
 __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
-    w4a4_mma_kernel(const TX* __restrict__ x, const uint32_t* __restrict__ qweight,
+    w4a4_mma_kernel(const int8_t* __restrict__ qx, const uint32_t* __restrict__ qweight,
                     const float* __restrict__ x_scale, const void* __restrict__ w_scale, int w_scale_dtype,
                     const void* __restrict__ bias, int bias_dtype, T* __restrict__ out, int M, int N, int K,
                     int ldx, int ldo) {
   // A stage (bytes): [0, 512) weights (swizzled rows, as in w4a16_mma.cu); [512, 512 + 256 MT) x,
   // 32 bytes per token (8 per lane: x[m, 8i .. 8i+7], the lane's own slot), copied for real tokens
-  // only (the slots of padding tokens are zeroed once); the fused variant has no x slots. The ring
-  // region is reused after the loop as [warps][MT * 8][32] int32.
-  constexpr bool FUSED = !std::is_same_v<TX, int8_t>;
-  static_assert(!FUSED || MT == 1, "fused quantization is for one token tile");
-  constexpr int STAGE = FUSED ? 512 : 512 + 256 * MT, XS = 512;
+  // only (the slots of padding tokens are zeroed once). Reused after the loop as
+  // [warps][MT * 8][32] int32.
+  constexpr int STAGE = 512 + 256 * MT, XS = 512;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -184,17 +86,13 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   unsigned char* ring = smem + (size_t)warp * RING * STAGE;
   const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
   WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
-  // fused: [ring region][scales][scratch][xq], the ring region as large as the epilogue needs
-  float* fused_scales = reinterpret_cast<float*>(smem + ring_region_bytes(warps, MT, STAGE));
-  int8_t* xq = reinterpret_cast<int8_t*>(fused_scales + FUSED_SCALES + FUSED_SCRATCH);
-  auto xstream = [&] {
-    if constexpr (FUSED) return SmemTokens(xq, K, m_rows, lane);
-    else return TokenStream<int8_t, uint2, MT>(x, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
-  }();
+  TokenStream<int8_t, uint2, MT> xstream(qx, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
 
   auto issue = [&](int stage, int, int ahead, bool live) {
     cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
-    xstream.copy(ring_addr + stage * STAGE + XS, ahead, live);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      cp_async_8(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt), xstream.src[mt] + 32 * ahead);
     cp_async_commit();
     ws.src += ws.step_stride;  // past the range: never read
   };
@@ -206,7 +104,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     for (int j = 0; j < 4; ++j) acc[mt][0][j] = acc[mt][1][j] = xsum[mt][j] = 0;
   const uint32_t ones[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
 
-  auto step = [&](int i, int s) {
+  auto step = [&](int i, int) {
     const unsigned char* here = ring + i * STAGE;
     const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
     const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};  // columns c .. c+3
@@ -219,17 +117,14 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     const uint32_t a[2][4] = {{even[0], even[1], odd[0], odd[1]}, {even[2], even[3], odd[2], odd[3]}};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const uint2 xr = xstream.read(here + XS, mt, s);
+      const uint2 xr = *reinterpret_cast<const uint2*>(here + XS + xstream.offset(mt));
       const uint32_t b0 = __byte_perm(xr.x, xr.y, 0x6420), b1 = __byte_perm(xr.x, xr.y, 0x7531);
       mma_u8s8(acc[mt][0], a[0], b0, b1);
       mma_u8s8(acc[mt][1], a[1], b0, b1);
       mma_u8s8(xsum[mt], ones, b0, b1);
     }
   };
-  auto quantize = [&] {  // while the first weight copies are in flight
-    if constexpr (FUSED) quantize_tokens(x, ldx, m_rows, K, xq, fused_scales, fused_scales + FUSED_SCALES);
-  };
-  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, quantize, step, [&] { xstream.advance(RING); });
+  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });
 
   // Codes were q, not q - 8: subtract 8 X.
   int* partial = reinterpret_cast<int*>(smem);
@@ -243,64 +138,58 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     if constexpr (std::is_same_v<T, int>) {
       *dst = sum;
     } else {  // the reference's order: the two scales first, then the bias; no FMA contraction
-      const float sx = FUSED ? fused_scales[m] : x_scale[m];
-      float y = __fmul_rn((float)sum, __fmul_rn(sx, load_float(w_scale, w_scale_dtype, n)));
+      float y = __fmul_rn((float)sum, __fmul_rn(x_scale[m], load_float(w_scale, w_scale_dtype, n)));
       if (bias != nullptr) y = __fadd_rn(y, load_float(bias, bias_dtype, n));
       store<T>(dst, y);
     }
   }
 }
 
-template <typename T, int MT, typename TX>
-cudaError_t launch(const void* x, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
+size_t smem_bytes(int warps, int mt) {
+  const size_t ring = (size_t)warps * RING * (512 + 256 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(int);
+  return ring > partial ? ring : partial;
+}
+
+template <typename T, int MT>
+cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
                    int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, int warps, cudaStream_t stream) {
-  constexpr bool FUSED = !std::is_same_v<TX, int8_t>;
-  size_t smem = ring_region_bytes(warps, MT, FUSED ? 512 : 512 + 256 * MT);
-  if (FUSED) smem += (FUSED_SCALES + FUSED_SCRATCH) * sizeof(float) + (size_t)M * K;
-  const cudaError_t err = opt_in_shared_memory<w4a4_mma_kernel<T, MT, TX>>();
+  const size_t smem = smem_bytes(warps, MT);
+  const cudaError_t err = opt_in_shared_memory<w4a4_mma_kernel<T, MT>>();
   if (err != cudaSuccess) return err;
-  w4a4_mma_kernel<T, MT, TX><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
-      static_cast<const TX*>(x), static_cast<const uint32_t*>(qw), xs, ws, ws_dtype, bias, bias_dtype,
+  w4a4_mma_kernel<T, MT><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
+      static_cast<const int8_t*>(qx), static_cast<const uint32_t*>(qw), xs, ws, ws_dtype, bias, bias_dtype,
       static_cast<T*>(out), M, N, K, ldx, ldo);
   return cudaGetLastError();
 }
 
-// x_dtype: 0 int8 (quantized, x_scale given, mt 1 or 2), 1 float16 / 2 bfloat16 (fused, mt 1)
 template <typename T>
-cudaError_t launch_t(int x_dtype, int mt, const void* x, const void* qw, const float* xs, const void* ws,
-                     int ws_dtype, const void* bias, int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo,
-                     int warps, cudaStream_t stream) {
-  if (x_dtype == 0 && mt == 1)
-    return launch<T, 1, int8_t>(x, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
-  if (x_dtype == 0 && mt == 2)
-    return launch<T, 2, int8_t>(x, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
-  if (x_dtype == 1 && mt == 1)
-    return launch<T, 1, __half>(x, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
-  if (x_dtype == 2 && mt == 1)
-    return launch<T, 1, __nv_bfloat16>(x, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps,
-                                       stream);
-  return cudaErrorInvalidValue;
+cudaError_t launch_t(int mt, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
+                     const void* bias, int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, int warps,
+                     cudaStream_t stream) {
+  switch (mt) {
+    case 1: return launch<T, 1>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
+    case 2: return launch<T, 2>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 // Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// N % 32 == 0, K % 32 == 0, M <= 8 * mt, 1 <= warps <= 16. x_dtype 0: x is int8 codes with 8-byte
-// aligned rows (ldx % 8 == 0), x_scale float32 [M], mt in {1, 2}; x_dtype 1 / 2: x is float16 /
-// bfloat16 with 16-byte aligned rows (ldx % 8 == 0), quantized in the kernel (x_scale unused), mt 1,
-// M * K bytes of shared memory beside the rings. out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32
-// (raw accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16; bias may be null.
-extern "C" int nibble_w4a4_mma(int out_dtype, int x_dtype, int mt, int warps, const void* x, const void* qweight,
+// N % 32 == 0, K % 32 == 0, M <= 8 * mt, mt in {1, 2}, 1 <= warps <= 16, 8-byte aligned qx rows
+// (ldx % 8 == 0). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators);
+// w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16; bias may be null.
+extern "C" int nibble_w4a4_mma(int out_dtype, int mt, int warps, const void* qx, const void* qweight,
                                const void* x_scale, const void* w_scale, int w_scale_dtype, const void* bias,
                                int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
   switch (out_dtype) {
-    case 0: err = launch_t<float>(x_dtype, mt, x, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
-    case 1: err = launch_t<__half>(x_dtype, mt, x, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
-    case 2: err = launch_t<__nv_bfloat16>(x_dtype, mt, x, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
-    case 3: err = launch_t<int>(x_dtype, mt, x, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 0: err = launch_t<float>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 1: err = launch_t<__half>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 2: err = launch_t<__nv_bfloat16>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 3: err = launch_t<int>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;
