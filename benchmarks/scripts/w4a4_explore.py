@@ -15,21 +15,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import bench_us, rotations
+from nibble.bench.timing import bench_us, rotations, tee
 from nibble.bench.w4a4 import random_w4a4, _dense_bf16
 from nibble.kernels import reference
 from nibble.kernels import w4a4 as W
 
 OUT = os.environ.get("OUT", "/tmp")
-LOG = open(os.path.join(OUT, "w4a4_explore.log"), "w")
+log = tee(os.path.join(OUT, "w4a4_explore.log"))
 TABLE = []
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    LOG.write(s + "\n")
-    LOG.flush()
 
 
 def mma(BM, BN, BK, w, s, split=None, asm=True, group=8):

@@ -176,6 +176,19 @@ def env_meta(**extra) -> dict:
     return meta
 
 
+def tee(path: str | os.PathLike) -> Callable[..., None]:
+    """A print that also writes each line to the file at `path`, flushed at once: the log of a long
+    device run survives its time limit."""
+    f = open(path, "w")
+
+    def say(*parts) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        f.write(line + "\n")
+        f.flush()
+    return say
+
+
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, name: str, *,
                   x: str = "M", y: str = "speedup", series: str = "op", panel: Iterable[str] = ("N", "K"),
                   title: str | None = None) -> dict:
