@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
 from nibble.nn.quant_linear import shared_input_forward
 
@@ -293,7 +294,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qc = q.contiguous()
         kc, vc = k_cache.contiguous(), v_cache.contiguous()
         block_s = 64
-        splits = min(triton.next_power_of_2(triton.cdiv(264, B * H)), triton.next_power_of_2(triton.cdiv(S, block_s)))
+        # about two programs per SM, but no more splits than blocks of keys
+        splits = min(triton.next_power_of_2(triton.cdiv(2 * num_sms(q.device), B * H)),
+                     triton.next_power_of_2(triton.cdiv(S, block_s)))
         chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
         rep_p = max(16, triton.next_power_of_2(rep))
         part = torch.empty(B * H, splits, rep, D, dtype=torch.float32, device=q.device)

@@ -62,13 +62,7 @@ def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend:
 
 def w4a4_linear(x, qweight, w_scale, bias=None, input_hadamard: bool = False, backend: str = "auto"):
     """[online Hadamard] -> per-token INT4 activations -> int8 tensor-core GEMM -> scales (+ bias)."""
-    if not _use_kernel(x, backend):
-        return reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard)
-    importlib.import_module("nibble.kernels.w4a4")
-    x2 = _kernel_input(x)
-    b = None if bias is None else bias.to(x2.dtype)
-    y = torch.ops.nibble.w4a4_linear(x2, qweight, w_scale, b, input_hadamard)
-    return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+    return w4a4_linears(x, [(qweight, w_scale, bias)], input_hadamard, backend)[0]
 
 
 def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto"):

@@ -207,7 +207,7 @@ def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torc
 # n = 64: 3.1 TB/s, 128: 2.0, 4096: 1.8, 8192: 1.4, 1536: 1.1, 576: 0.7, 14336: 0.63,
 # 28672: 0.58, 11008: 0.19. Large rows run one program per SM, so loads and tensor-core work do
 # not overlap; 11008's dense 172 (padded to 256) factor re-reads its matrix from L2 for each row.
-# A few rows (decode) split each row's dense outputs over programs instead (`dense_slices`): W4A4
+# A few rows (decode) split each row's dense outputs over programs instead (`dense_slice_width`): W4A4
 # rotate + quantize of one row of 11008 went from 39 to 11 us (6 of them the quantization).
 
 # The largest padded row one program keeps in registers; covers every size nibble's models use
@@ -408,18 +408,18 @@ def hadamard_dot_terms(dtype: torch.dtype) -> tuple[int, int]:
     return (3, 3) if dtype == torch.float32 else (1, 2)
 
 
-# Rows per SM below which the kernel splits each row's dense outputs over programs: with a dense
-# factor a row is one program of 4-16 warps at ~250 registers, so a handful of rows (decode) ran on
-# a handful of SMs: 39 us for one row of 11008 on an H200, against ~2 us of memory traffic.
+# Programs' worth of rows (row tiles) below which the kernel splits each row's dense outputs over
+# programs: with a dense factor a row tile is one program of 4-16 warps at ~250 registers, so a
+# handful of rows (decode) ran on a handful of SMs: 39 us for one row of 11008 on an H200, against
+# ~2 us of memory traffic.
 SPLIT_ROW_TILES = 32
 # The narrowest slice: tl.dot's 16-row minimum.
 _SPLIT_OUT = _MIN_DOT
 
 
-def dense_slices(plan: HadamardPlan, row_tiles: int, split: bool | None = None) -> int:
-    """Dense outputs per program for `row_tiles` programs' worth of rows: the whole dense axis, or
-    for few rows (``split`` None: fewer than SPLIT_ROW_TILES) slices of 16, enough to cover its
-    real (unpadded) entries."""
+def dense_slice_width(plan: HadamardPlan, row_tiles: int, split: bool | None = None) -> int:
+    """Dense outputs per program for `row_tiles` programs' worth of rows: the whole (padded) dense
+    axis, or for few rows (``split`` None: fewer than SPLIT_ROW_TILES) slices of 16."""
     if plan.dense_pad == 1 or not (row_tiles < SPLIT_ROW_TILES if split is None else split):
         return plan.dense_pad
     return _SPLIT_OUT
@@ -455,8 +455,8 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
     dense = hadamard_dense_operand(n, inverse, x.device) if plan.dense_pad > 1 else x2
     terms_in, terms = hadamard_dot_terms(x.dtype)
     row_tiles = -(-x2.shape[0] // plan.rows)
-    dense_out = dense_slices(plan, row_tiles, split)
-    slices = -(-(plan.dense if dense_out < plan.dense_pad else plan.dense_pad) // dense_out)
+    dense_out = dense_slice_width(plan, row_tiles, split)
+    slices = -(-plan.dense // dense_out)  # enough to cover the real (unpadded) dense entries
     _hadamard_kernel[(row_tiles, slices)](
         x2, y2, dense, x2.shape[0], n, x2.stride(0), y2.stride(0), 1.0 / math.sqrt(n), ROWS=plan.rows,
         DENSE_PAD=plan.dense_pad, DENSE_OUT=dense_out, DENSE_CHUNK=plan.dense_chunk, A=plan.a, B=plan.b,

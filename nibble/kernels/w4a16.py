@@ -734,7 +734,7 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
     if lib is None or shift is None or M > MMA_MAX_M or N % 32 or K % 32:
         raise ValueError(f"w4a16_mma needs the compiled kernel, M <= {MMA_MAX_M}, N and K multiples of 32 and a "
                          f"power-of-two group >= 32 (or per-column); got M={M} N={N} K={K} group={group_size}")
-    cfg = config or select_mma_config(M, N, K, _num_sms(x.device))
+    cfg = config or select_mma_config(M, N, K, num_sms(x.device))
     if not mma_config_valid(cfg, M):
         raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes")
@@ -794,7 +794,7 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
     if config is None and mma_applicable(x, N, K, group_size):
         return w4a16_mma(x, qweight, scales, zeros, group_size, out=out)
-    cfg = config or select_config(M, N, K, group_size, _num_sms(x.device))
+    cfg = config or select_config(M, N, K, group_size, num_sms(x.device))
     if cfg.kind == "gemv" and M > 2:
         cfg = replace(DISPATCH[16], split_k=1)
     if cfg.kind == "dequant":
@@ -808,7 +808,11 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
 _SMS: dict = {}
 
 
-def _num_sms(device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (cached per device); NUM_SMS_DEFAULT (the H200's)
+    for a non-CUDA device, e.g. the Triton interpreter on the CPU."""
+    if device.type != "cuda":
+        return NUM_SMS_DEFAULT
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count

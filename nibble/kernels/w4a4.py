@@ -49,7 +49,7 @@ import torch
 
 from nibble.kernels import cuda_build, reference
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import select_mma_config
+from nibble.kernels.w4a16 import num_sms, select_mma_config
 
 try:
     import triton
@@ -224,7 +224,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False) -
     if M == 0 or K == 0:
         s.zero_()
         return q, s
-    if plan is not None and _had.dense_slices(plan, triton.cdiv(M, rows)) < plan.dense_pad:
+    if plan is not None and _had.dense_slice_width(plan, triton.cdiv(M, rows)) < plan.dense_pad:
         # A few rows with a dense Hadamard factor: fused, each row would be one program on one SM
         # (39 us for a row of 11008 on an H200). The row-splitting transform spreads it; the fused
         # kernel rounds the rotation to x.dtype before quantizing too, so the codes are the same.
@@ -554,18 +554,6 @@ def _w4a4_gemv_kernel(xw_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt
 # Host side: configuration and launch
 # ================================================================================================
 
-_NUM_SMS: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def _mma(BM, BN, BK, warps, stages, group=8):
     return dict(kind="mma", SWAP=False, BM=BM, BN=BN, BK=BK, GROUP_M=group, num_warps=warps, num_stages=stages)
 
@@ -686,8 +674,8 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     qx = qx if qx.stride(1) == 1 else qx.contiguous()
     qweight = qweight.contiguous()
     w_scale = w_scale.contiguous()
-    cfg = dict(config) if config is not None else pick_config(M, N, K, _num_sms(dev))
-    split = int(cfg["split_k"]) if "split_k" in cfg else auto_split(cfg, M, N, K, _num_sms(dev))
+    cfg = dict(config) if config is not None else pick_config(M, N, K, num_sms(dev))
+    split = int(cfg["split_k"]) if "split_k" in cfg else auto_split(cfg, M, N, K, num_sms(dev))
     b = bias.contiguous() if bias is not None else w_scale
     common = dict(HAS_BIAS=bias is not None, OUT_INT=out_int32)
     if cfg["kind"] == "gemv":
@@ -786,7 +774,7 @@ def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_s
                          f"got M={M} N={N} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = select_mma_config(M, N, K, _num_sms(qx.device))
+    cfg = select_mma_config(M, N, K, num_sms(qx.device))
     warps = cfg.warps if warps is None else warps
     if not 1 <= warps <= MMA_MAX_WARPS:
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
@@ -861,17 +849,19 @@ def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, 
     return w4a4_matmul_triton(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
 
 
-def _layers(qweights, w_scales, biases) -> list:
+def _checked_layers(x, qweights, w_scales, biases, input_hadamard) -> list:
+    """[(qweight, w_scale, bias), ...] of layers that read x, each checked against it."""
     if not (len(qweights) == len(w_scales) == len(biases)) or not qweights:
         raise ValueError(f"qweights, w_scales and biases must be non-empty lists of one length, got "
                          f"{len(qweights)}, {len(w_scales)}, {len(biases)}")
-    return list(zip(qweights, w_scales, biases))
+    layers = list(zip(qweights, w_scales, biases))
+    for layer in layers:
+        _check_linear_inputs(x, *layer, input_hadamard)
+    return layers
 
 
 def _w4a4_outputs_cuda(x, layers, input_hadamard):
-    """x rotated (optionally) and quantized once, then one product per (qweight, w_scale, bias)."""
-    for qweight, w_scale, bias in layers:
-        _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
+    """x rotated (optionally) and quantized once, then one product per checked (qweight, w_scale, bias)."""
     if triton is None:
         return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
     if x.dtype not in KERNEL_DTYPES:
@@ -894,7 +884,7 @@ def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, b
 
 @w4a4_linear.register_kernel("cuda")
 def _w4a4_linear_cuda(x, qweight, w_scale, bias, input_hadamard):
-    return _w4a4_outputs_cuda(x, [(qweight, w_scale, bias)], input_hadamard)[0]
+    return _w4a4_outputs_cuda(x, _checked_layers(x, [qweight], [w_scale], [bias], input_hadamard), input_hadamard)[0]
 
 
 @w4a4_linear.register_fake
@@ -908,20 +898,16 @@ def w4a4_linears(x: torch.Tensor, qweights: list[torch.Tensor], w_scales: list[t
                  biases: list[Optional[torch.Tensor]], input_hadamard: bool) -> list[torch.Tensor]:
     """`w4a4_linear` for several layers that read the same x (a block's q/k/v or gate/up projections):
     on CUDA, x is rotated and quantized once for all of them. Returns one output per layer."""
-    layers = _layers(qweights, w_scales, biases)
-    for layer in layers:
-        _check_linear_inputs(x, *layer, input_hadamard)
+    layers = _checked_layers(x, qweights, w_scales, biases, input_hadamard)
     return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
 
 
 @w4a4_linears.register_kernel("cuda")
 def _w4a4_linears_cuda(x, qweights, w_scales, biases, input_hadamard):
-    return _w4a4_outputs_cuda(x, _layers(qweights, w_scales, biases), input_hadamard)
+    return _w4a4_outputs_cuda(x, _checked_layers(x, qweights, w_scales, biases, input_hadamard), input_hadamard)
 
 
 @w4a4_linears.register_fake
 def _w4a4_linears_fake(x, qweights, w_scales, biases, input_hadamard):
-    layers = _layers(qweights, w_scales, biases)
-    for layer in layers:
-        _check_linear_inputs(x, *layer, input_hadamard)
+    layers = _checked_layers(x, qweights, w_scales, biases, input_hadamard)
     return [x.new_empty((x.shape[0], qweight.shape[1])) for qweight, _, _ in layers]

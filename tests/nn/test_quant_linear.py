@@ -34,17 +34,19 @@ def test_shared_input_forward_quantizes_once_for_w4a4_layers_and_matches_each_la
     torch.manual_seed(0)
     w4a4 = [QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(mode="w4a4")) for n in (64, 32, 32)]
     x = torch.randn(2, 3, 128)
-    calls = []
+    calls = []  # layers per call of the shared-input kernels (a lone W4A4 layer is a call with one)
     shared = kernels.w4a4_linears
-    monkeypatch.setattr(kernels, "w4a4_linears", lambda *a, **k: calls.append(1) or shared(*a, **k))
+    monkeypatch.setattr(kernels, "w4a4_linears", lambda x, layers, *a, **k: calls.append(len(layers)) or
+                        shared(x, layers, *a, **k))
     ys = shared_input_forward(w4a4, x)
-    assert len(calls) == 1
+    assert calls == [3]
     for y, m in zip(ys, w4a4):
         assert torch.equal(y, m(x))
     # anything else (W4A16, nn.Linear, mixed rotation settings) runs layer by layer
+    calls.clear()
     mixed = [w4a4[0], QuantLinear.from_linear(nn.Linear(128, 16), QuantConfig(group_size=32)), nn.Linear(128, 8)]
     ys = shared_input_forward(mixed, x)
-    assert len(calls) == 1 and [tuple(y.shape) for y in ys] == [(2, 3, 64), (2, 3, 16), (2, 3, 8)]
+    assert calls == [1] and [tuple(y.shape) for y in ys] == [(2, 3, 64), (2, 3, 16), (2, 3, 8)]
     with pytest.raises(ValueError, match="expects 128"):
         shared_input_forward(w4a4, torch.randn(2, 127))
 
