@@ -1,185 +1,112 @@
-"""W4A4 kernel variants on one device call: correctness smoke first, then timings; short table last.
-(Not run on the device yet: the session used `python -m nibble.bench.w4a4 --tune` instead. Configs
-whose layout breaks the PTX unpack, see test_asm_unpack_layout, run with asm=False.)
+"""W4A4 prefill product on one device call: the wgmma kernel (csrc/w4a4_wgmma.cu) checked, then
+its tile shapes, stage counts and split-K timed against cuBLAS bf16 and the Triton kernel.
 
-PYTHONPATH=. python3 benchmarks/scripts/w4a4_explore.py [--quick]   (logs to $OUT/w4a4_explore.log)
+A wrong result is diagnosed before anything is timed: which K row of the weight each K slot
+actually read (one-hot activations), and whether outputs landed on other (token, channel) cells.
+
+PYTHONPATH=. python3 benchmarks/scripts/w4a4_explore.py [--quick]   (log: $OUT/w4a4_explore.log)
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 from nibble.bench.timing import bench_us, rotations, tee
-from nibble.bench.w4a4 import random_w4a4, _dense_bf16
+from nibble.bench.w4a4 import _dense_bf16, random_w4a4
+from nibble.formats.int4 import unpack_int4
 from nibble.kernels import reference
 from nibble.kernels import w4a4 as W
 
 OUT = os.environ.get("OUT", "/tmp")
 log = tee(os.path.join(OUT, "w4a4_explore.log"))
-TABLE = []
+SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
+          (28672, 8192), (8192, 28672)]
 
 
-def mma(BM, BN, BK, w, s, split=None, asm=True, group=8):
-    c = dict(kind="mma", SWAP=False, BM=BM, BN=BN, BK=BK, GROUP_M=group, num_warps=w, num_stages=s, asm=asm)
-    if split is not None:
-        c["split_k"] = split
-    return c
+def acc_of(qx, qw, cfg=None):
+    M, N = qx.shape[0], qw.shape[1]
+    return W.w4a4_wgmma(qx, torch.ones(M, device="cuda"), qw, torch.ones(N, device="cuda"), out_int32=True,
+                        config=cfg)
 
 
-def gemv(BN, BKW, split=None, w=4):
-    c = dict(kind="gemv", MP=1, BN=BN, BKW=BKW, num_warps=w)
-    if split is not None:
-        c["split_k"] = split
-    return c
+def diagnose(M=64, N=256, K=128) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    qw = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=gen, dtype=torch.int64).to(torch.int32).cuda()
+    qx = torch.randint(-8, 8, (M, K), generator=gen, dtype=torch.int8).cuda()
+    got, exact = acc_of(qx, qw), reference.w4a4_accumulate(qx, qw)
+    if torch.equal(got, exact):
+        log(f"diagnose M={M} N={N} K={K}: exact")
+        return True
+    bad = (got != exact).nonzero()
+    log(f"diagnose M={M} N={N} K={K}: {len(bad)} of {got.numel()} differ; first {bad[:8].tolist()}")
+    # which weight K row each K slot reads: activations one-hot at k, weight rows distinct
+    w = unpack_int4(qw).cuda().to(torch.int32) - 8  # [K, N]
+    mapping = []
+    for k in range(K):
+        x1 = torch.zeros(M, K, dtype=torch.int8, device="cuda")
+        x1[:, k] = 1
+        row = acc_of(x1, qw)[0]
+        hits = [j for j in range(K) if torch.equal(row, w[j])]
+        mapping.append(hits[0] if len(hits) == 1 else hits)
+    log(f"  K slot -> weight row read: {mapping}")
+    # misplaced outputs: does got[m, n] equal exact elsewhere?
+    flat = {v: i for i, v in enumerate(exact.flatten().tolist())}
+    for m, n in bad[:8].tolist():
+        i = flat.get(got[m, n].item())
+        log(f"  out[{m},{n}] = {got[m, n].item()} = exact{divmod(i, N) if i is not None else '?'}")
+    return False
 
 
-def with_split(cfg, M, N, K):
-    if "split_k" in cfg:
-        return cfg
-    c = dict(cfg)
-    if cfg["kind"] == "mma":
-        tiles = -(-M // c["BM"]) * -(-N // c["BN"])
-        c["split_k"] = W._split_for(tiles, -(-K // c["BK"]), 132, 2.0 if M <= 64 else 1.0, 4 if M <= 64 else 8) \
-            if tiles < 132 * (2.0 if M <= 64 else 1.0) else 1
-    else:
-        c["split_k"] = W._split_for(-(-N // c["BN"]), -(-K // 8 // c["BKW"]), 132, 4.0, 4)
-    return c
-
-
-def main():
-    quick = "--quick" in sys.argv
-    dev = torch.device("cuda")
-    p = torch.cuda.get_device_properties(0)
-    log(f"device {p.name} sms={p.multi_processor_count} l2={p.L2_cache_size >> 20}MB torch={torch.__version__}")
-    import triton
-    log("triton", triton.__version__)
-
-    # ---- 1. correctness smoke of each kernel flavour (asm unpack, dp4a, split) ---------------------
-    t0 = time.time()
-    ok_all = True
-    gen = torch.Generator().manual_seed(1)
-    for (M, N, K, cfg) in [(64, 256, 512, mma(64, 128, 128, 4, 4, 1)), (300, 384, 1024, mma(128, 128, 128, 4, 3, 2)),
-                           (1, 512, 1024, gemv(256, 16, 3)), (200, 512, 576, mma(128, 256, 128, 8, 3, 1)),
-                           (7, 1000, 4096, mma(64, 128, 128, 4, 4, 4)), (64, 256, 512, mma(64, 128, 128, 4, 4, 1, asm=False))]:
-        qw = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, generator=gen).to(dev)
-        qx = torch.randint(-8, 8, (M, K), dtype=torch.int8, generator=gen).to(dev)
-        ref = reference.w4a4_accumulate(qx, qw)
-        acc = W.w4a4_accumulate_triton(qx, qw, config=cfg)
-        ok = torch.equal(acc, ref)
-        ok_all &= ok
-        log(f"exact M={M} N={N} K={K} {cfg}: {'OK' if ok else 'WRONG %d' % (acc != ref).sum().item()}")
-    x = (torch.randn(37, 4096, device=dev) * 3).bfloat16()
-    x[0, 1] = float("nan")
-    x[2] = 0
-    q, s = W.quantize_activations(x)
-    qr, sr = reference.quantize_activations(x)
-    log("act-quant exact:", torch.equal(q, qr) and torch.equal(s, sr))
-    from nibble.kernels.hadamard import hadamard_transform_triton
-    for K in (576, 4096, 14336):
-        x = torch.randn(33, K, device=dev).bfloat16()
-        q, s = W.quantize_activations(x, True)
-        q2, s2 = W.quantize_activations(hadamard_transform_triton(x), False)
-        log(f"act-quant fused hadamard K={K} == unfused:", torch.equal(q, q2), torch.equal(s, s2))
-    log(f"[smoke {time.time() - t0:.1f}s incl. compiles] all exact: {ok_all}")
-    asm_ok = ok_all
-
-    # ---- 2. timings -------------------------------------------------------------------------------
-    shapes = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)] if not quick else [(4096, 4096), (28672, 8192)]
-    plans = {
-        1: [("gemv256x16", gemv(256, 16)), ("gemv128x16", gemv(128, 16)), ("gemv256x32", gemv(256, 32)),
-            ("mma64x128", mma(64, 128, 128, 4, 4))],
-        16: [("mma64x128s4", mma(64, 128, 128, 4, 4)), ("mma64x128s3", mma(64, 128, 128, 4, 3)),
-             ("mma64x256w8", mma(64, 256, 128, 8, 3)), ("mma64x64k256", mma(64, 64, 256, 4, 4, asm=False))],
-        128: [("mma128x128", mma(128, 128, 128, 4, 3)), ("mma64x128s4", mma(64, 128, 128, 4, 4)),
-              ("mma128x256w8", mma(128, 256, 128, 8, 3))],
-        1024: [("mma128x128", mma(128, 128, 128, 4, 3)), ("mma128x128s4", mma(128, 128, 128, 4, 4)),
-               ("mma128x256w8", mma(128, 256, 128, 8, 3)), ("mma256x128w8", mma(256, 128, 128, 8, 3, asm=False)),
-               ("mma128x128noasm", mma(128, 128, 128, 4, 3, asm=False))],
-        4096: [("mma128x128", mma(128, 128, 128, 4, 3)), ("mma128x256w8", mma(128, 256, 128, 8, 3)),
-               ("mma256x128w8", mma(256, 128, 128, 8, 3, asm=False))],
-    }
-    if not asm_ok:
-        log("!!! asm unpack or a kernel is WRONG: timing asm=False variants only")
-        for M in plans:
-            plans[M] = [(n + "_noasm", dict(c, asm=False)) for n, c in plans[M] if c["kind"] == "mma"] + \
-                       [(n, c) for n, c in plans[M] if c["kind"] == "gemv"]
-
-    for N, K in shapes:
-        n4 = rotations(K // 2 * N)
-        w4 = [random_w4a4(N, K, dev) for _ in range(n4)]
-        nb = rotations(2 * N * K)
+def main(argv) -> int:
+    quick = "--quick" in argv
+    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+    ok = all([diagnose(), diagnose(M=17, N=260, K=160), diagnose(M=300, N=1024, K=1024),
+              diagnose(M=128, N=512, K=4096)])
+    if not ok:
+        log("wgmma kernel WRONG: stopping before timing")
+        return 1
+    table = []
+    ms = [128, 1024] if quick else [128, 512, 1024, 4096]
+    for N, K in SHAPES[:3] + SHAPES[6:] if quick else SHAPES:
+        n4 = rotations(K // 8 * N * 4)
+        w4 = [random_w4a4(N, K, "cuda") for _ in range(n4)]
+        nb = rotations(N * K * 2)
         wb = [_dense_bf16(*w4[i % n4]) for i in range(nb)]
-        for M, variants in plans.items():
-            if quick and M == 4096:
-                continue
-            x = (torch.randn(M, K, device=dev)).bfloat16()
+        for M in ms:
+            x = (torch.randn(M, K, device="cuda") * torch.logspace(-1, 1, K, device="cuda")).to(torch.bfloat16)
             qx, sx = W.quantize_activations(x)
-            # compile every variant for this shape in parallel threads first (ptxas runs outside the GIL)
-            t0 = time.time()
-            cfgs = [(n, with_split(c, M, N, K)) for n, c in variants]
-            with cf.ThreadPoolExecutor(8) as ex:
-                futs = {ex.submit(W.w4a4_matmul_triton, qx, sx, w4[0][0], w4[0][1], None, torch.bfloat16,
-                                  config=c): n for n, c in cfgs}
-                for f in futs:
-                    try:
-                        f.result()
-                    except Exception as e:
-                        log(f"compile/run {futs[f]} failed: {type(e).__name__}: {str(e)[:300]}")
-            torch.cuda.synchronize()
-            tc = time.time() - t0
-            bf = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb)
-            row = dict(N=N, K=K, M=M, bf16=bf, compile_s=round(tc, 1))
-            for n, c in cfgs:
-                try:
-                    us = bench_us(lambda i, c=c: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1], None,
-                                                                                torch.bfloat16, config=c)), n4)
-                except Exception as e:
-                    us = None
-                    log(f"time {n} failed: {type(e).__name__}: {str(e)[:200]}")
-                row[n] = us
-                log(f"N={N} K={K} M={M} {n:18s} split={c.get('split_k')} {us if us is None else round(us, 2)} us "
-                    f"(bf16 {bf:.1f})")
-            us_q = bench_us(lambda i: (lambda: W.quantize_activations_triton(x, False)), 1)
-            us_qh = bench_us(lambda i: (lambda: W.quantize_activations_triton(x, True)), 1)
-            row["actquant"], row["actquant_h"] = us_q, us_qh
-            if M > 16:
-                w8 = W.unpack_weight_int8(w4[0][0])
-                row["int_mm"] = bench_us(lambda i: (lambda: torch._int_mm(qx, w8.t())), 1)
-                try:
-                    xf8 = qx.to(torch.float8_e4m3fn)
-                    wf8 = w8.to(torch.float8_e4m3fn)
-                    sa = sx[:, None].contiguous()
-                    sb = torch.rand(1, N, device=dev)
-                    row["fp8"] = bench_us(lambda i: (lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=sa, scale_b=sb,
-                                                                               out_dtype=torch.bfloat16)), 1)
-                except Exception as e:
-                    log("fp8 failed", type(e).__name__, str(e)[:200])
-                if M >= 1024:
-                    try:
-                        c8 = dict(mma(128, 128, 128, 4, 3), split_k=1)
-                        row["i8w_128x128"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(
-                            qx, sx, w4[0][0], w4[0][1], None, torch.bfloat16, config=c8, w_int8=w8)), 1)
-                    except Exception as e:
-                        log("int8-weight triton failed", type(e).__name__, str(e)[:200])
-                del w8
-            TABLE.append(row)
-            log(json.dumps(row))
+            qe = W.to_even_odd(qx)
+            row = dict(N=N, K=K, M=M)
+            row["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb)
+            row["triton"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1])), n4)
+            auto = W.wgmma_config(M, N, K)
+            cfgs = {"auto": auto}
+            for bn, st in sorted(W.WGMMA_SHAPES):
+                cfgs[f"bn{bn}s{st}"] = dict(auto, bn=bn, stages=st)
+            if M <= 512:
+                for sp in (1, 2, 4, 8):
+                    cfgs[f"split{sp}"] = dict(auto, split_k=sp)
+            for name, cfg in cfgs.items():
+                row[name] = bench_us(lambda i, c=cfg: (lambda: W.w4a4_wgmma(qx, sx, w4[i][0], w4[i][1], order="even_odd",
+                                                                            config=c)), n4)
+            row["actquant"] = bench_us(lambda i: (lambda: W.quantize_activations_triton(x, False, "even_odd")), 1)
+            row["op"] = bench_us(lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
+            best = min((v, k) for k, v in row.items() if k not in ("N", "K", "M", "bf16", "triton", "actquant", "op"))
+            log(f"{N:6d}x{K:<6d} M={M:5d} bf16 {row['bf16']:8.1f}  triton {row['triton']:8.1f}  wgmma auto "
+                f"{row['auto']:8.1f} ({auto})  best {best[1]} {best[0]:8.1f}  actq {row['actquant']:6.1f}  "
+                f"op {row['op']:8.1f} = {row['bf16'] / row['op']:.2f}x bf16  | " +
+                " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith(("bn", "split"))))
+            table.append(row)
         del w4, wb
         torch.cuda.empty_cache()
-
-    log("\n==== summary (us; bf16 = cuBLAS) ====")
-    for r in TABLE:
-        items = [f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()]
-        log(" ".join(items))
     with open(os.path.join(OUT, "w4a4_explore.json"), "w") as f:
-        json.dump(TABLE, f, indent=1)
+        json.dump(table, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

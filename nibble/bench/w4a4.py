@@ -9,6 +9,7 @@ CUDA-graph replay, weights rotated over enough copies that the working set is se
   actquant    nibble per-token INT4 activation quantization alone (bf16 x -> int8 q + fp32 scales)
   actquant_h  the same with the fused online Hadamard rotation
   gemm        nibble W4A4 matrix kernel alone (int8 q + scales -> bf16), the one the op picks for M
+              (M <= 16: csrc/w4a4_mma.cu; above, on sm_90: csrc/w4a4_wgmma.cu; else Triton)
   w4a4        nibble quantize + matrix kernel together: ``torch.ops.nibble.w4a4_linear`` (no rotation)
   w4a4_h      the same with ``input_hadamard=True``
 
@@ -105,7 +106,8 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
 
     for M in ms:
         x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
-        qx, sx = w4a4.quantize_activations(x)
+        order = w4a4.product_order(M, N, K, dev)  # the activation order the op quantizes into
+        qx, sx = w4a4.quantize_activations(x, order=order)
         flops = 2.0 * M * N * K
         res = {}
 
@@ -129,9 +131,9 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
             run("fp8", lambda i: (lambda: torch._scaled_mm(xf8, wf8[i].t(), scale_a=sa, scale_b=sw_f8,
                                                             out_dtype=torch.bfloat16)), n8)
         if "actquant" in ops:
-            run("actquant", lambda i: (lambda: w4a4.quantize_activations_triton(x, False)), 1)
+            run("actquant", lambda i: (lambda: w4a4.quantize_activations_triton(x, False, order)), 1)
         if "actquant_h" in ops:
-            run("actquant_h", lambda i: (lambda: w4a4.quantize_activations_triton(x, True)), 1)
+            run("actquant_h", lambda i: (lambda: w4a4.quantize_activations_triton(x, True, order)), 1)
         if "gemm" in ops and tune:
             # time every candidate of this M bucket, keep the fastest for the op (w4a4.TUNED)
             b = w4a4.m_bucket(M)
@@ -159,14 +161,19 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
                 if tuning is not None:
                     tuning.append(dict(N=N, K=K, M=M, bucket=b, times_us=times, best=best))
         elif "gemm" in ops:
-            run("gemm", lambda i: (lambda: w4a4.w4a4_matmul(qx, sx, w4[i][0], w4[i][1], None, torch.bfloat16)), n4)
+            run("gemm", lambda i: (lambda: w4a4.w4a4_matmul(qx, sx, w4[i][0], w4[i][1], None, torch.bfloat16, order)), n4)
         if "w4a4" in ops:
             run("w4a4", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
         if "w4a4_h" in ops:
             run("w4a4_h", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, True)), n4)
 
         base = res.get("bf16")
-        cfg = w4a4.pick_config(M, N, K)
+        if order == "even_odd":
+            cfg = dict(kernel="w4a4_wgmma", **w4a4.wgmma_config(M, N, K))
+        elif w4a4.mma_applicable(qx, N, K):
+            cfg = dict(kernel="w4a4_mma")
+        else:
+            cfg = dict(kernel="triton", **w4a4.pick_config(M, N, K))
         for op, us in res.items():
             row = dict(N=N, K=K, M=M, op=op, us=us, speedup=(base / us) if (base and us) else None)
             if us:

@@ -67,7 +67,7 @@ def library_path(name: str, arch: str, nvcc: str) -> Path:
 
 
 def build(name: str, arch: str, nvcc: str | None = None) -> Path:
-    """Compile csrc/<name>.cu for sm_<arch> (e.g. "90") unless the cached library exists; return its path."""
+    """Compile csrc/<name>.cu for sm_<arch> (e.g. "90", or "90a" for wgmma) unless the cached library exists; return its path."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise CudaBuildError("nibble's CUDA kernels are compiled at first use and need nvcc (the CUDA toolkit); "
@@ -90,10 +90,15 @@ def build(name: str, arch: str, nvcc: str | None = None) -> Path:
     return out
 
 
-def load(name: str, device: torch.device) -> ctypes.CDLL:
+def device_arch(device: torch.device, arch_specific: bool = False) -> str:
+    """"90" for an H100/H200; "90a" with arch_specific (wgmma and other sm_90a-only instructions)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(index)
-    arch = f"{major}{minor}"
+    return f"{major}{minor}" + ("a" if arch_specific else "")
+
+
+def load(name: str, device: torch.device, arch_specific: bool = False) -> ctypes.CDLL:
+    arch = device_arch(device, arch_specific)
     with _LOCK:
         if (name, arch) not in _LIBS:
             _LIBS[(name, arch)] = ctypes.CDLL(str(build(name, arch)))
@@ -103,16 +108,17 @@ def load(name: str, device: torch.device) -> ctypes.CDLL:
 _AVAILABLE: dict = {}  # (name, arch) -> configured library, or None when it cannot be built
 
 
-def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
-    """``load(name, device)`` with ``configure(lib)`` applied once (its ctypes signatures), or None:
-    switched off by ``NIBBLE_CUDA_KERNELS=0``, or no nvcc / a failed build, said once per library and
-    architecture. Callers fall back to their Triton kernels on None."""
+def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], None],
+            arch_specific: bool = False) -> ctypes.CDLL | None:
+    """``load(name, device, arch_specific)`` with ``configure(lib)`` applied once (its ctypes
+    signatures), or None: switched off by ``NIBBLE_CUDA_KERNELS=0``, or no nvcc / a failed build,
+    said once per library and architecture. Callers fall back to their Triton kernels on None."""
     if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
         return None
-    arch = torch.cuda.get_device_capability(device)
+    arch = device_arch(device, arch_specific)
     if (name, arch) not in _AVAILABLE:
         try:
-            lib = load(name, device)
+            lib = load(name, device, arch_specific)
             configure(lib)
         except (CudaBuildError, OSError) as e:
             warnings.warn(f"nibble: the CUDA kernel {name} is unavailable, using the Triton kernels instead ({e})")

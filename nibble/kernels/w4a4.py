@@ -10,7 +10,8 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         take int8, so a packed layout would only move the unpacking into the GEMM)
                         and float32 scales [M]. Divisions are correctly rounded (div_rn), rounding
                         is half-to-even (rint): bit-identical to the float32 spec without Hadamard.
-                        (`_act_quant_chunked_kernel`: a two-pass variant for many tokens, off.)
+                        (`_act_quant_chunked_kernel`: a two-pass variant for many tokens of long
+                        rows, where it measured faster.)
 ``_w4a4_mma_kernel``    multi-token GEMM on the INT8 tensor cores (sm_90 `.s4` MMA is emulated and
                         slow, so INT4 values in [-8, 7] ride in int8): the packed weight tile is
                         unpacked in registers to int8 (q - 8) by a short PTX sequence (one word ->
@@ -108,7 +109,8 @@ def _round_half_even(y, INTERPRET: tl.constexpr):
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, had_scale, fmax,
                       ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.constexpr,
                       DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
-                      TERMS_IN: tl.constexpr, TERMS: tl.constexpr, INTERPRET: tl.constexpr):
+                      TERMS_IN: tl.constexpr, TERMS: tl.constexpr, EVEN_ODD: tl.constexpr,
+                      INTERPRET: tl.constexpr):
     # One program owns ROWS whole rows, held in registers: x is read once, q written once.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r = rows[:, None].to(tl.int64)
@@ -132,8 +134,23 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
     y = tl.math.div_rn(xf, tl.broadcast_to(safe[:, None], xf.shape))
     y = _round_half_even(y, INTERPRET)
     y = tl.minimum(tl.maximum(y, -8.0), 7.0)
-    tl.store(q_ptr + r * stride_q + c, y.to(tl.int8), mask=mask)
+    tl.store(q_ptr + r * stride_q + c, _codes(y, EVEN_ODD), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < M)
+
+
+@_jit
+def _codes(y, EVEN_ODD: tl.constexpr):
+    """int8 codes of the float values y [R, C] in the order the product wants: natural, or with
+    EVEN_ODD each 32-column block as its 16 even columns, then its 16 odd ones (the K order of
+    csrc/w4a4_wgmma.cu's weight fragments; a register shuffle here, free in a memory-bound pass).
+    The permutation stays inside 32-column blocks, so the store mask (columns < K, K % 32 == 0)
+    is unchanged."""
+    q = y.to(tl.int8)
+    if EVEN_ODD:
+        R: tl.constexpr = q.shape[0]
+        C: tl.constexpr = q.shape[1]
+        q = tl.reshape(tl.permute(tl.reshape(q, (R, C // 32, 16, 2)), (0, 1, 3, 2)), (R, C))
+    return q
 
 
 @_jit
@@ -145,7 +162,8 @@ def _sanitize(xf, fmax):
 
 @_jit(do_not_specialize=["M"])
 def _act_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fmax,
-                              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_ODD: tl.constexpr,
+                              INTERPRET: tl.constexpr):
     """Many-token variant: two passes over each row in BLOCK_K chunks (the second from L2), so a
     program holds only a chunk and many programs share an SM, keeping enough loads in flight."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -164,15 +182,15 @@ def _act_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fma
         xf = _sanitize(tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32), fmax)
         y = tl.math.div_rn(xf, tl.broadcast_to(safe[:, None], xf.shape))
         y = tl.minimum(tl.maximum(_round_half_even(y, INTERPRET), -8.0), 7.0)
-        tl.store(q_ptr + r * stride_q + c, y.to(tl.int8), mask=mask)
+        tl.store(q_ptr + r * stride_q + c, _codes(y, EVEN_ODD), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
-# Token count from which the chunked act-quant kernel would replace the whole-row one. The
-# whole-row kernel keeps a row per program in registers (about one program per SM) and measured
-# only 0.9-1.9 TB/s at M >= 1024 on the H200; the chunked kernel (37 registers, many programs per
-# SM) is tested bit-exact but not yet timed on the device, so it stays off: set e.g. 256 to use it.
-CHUNKED_MIN_M = 1 << 62
+# Where the chunked act-quant kernel replaces the whole-row one: many tokens of long rows. Measured
+# on the H200 (bf16, even_odd): 4096 x 11008 121 -> 81 us, 4096 x 28672 259 -> 180, 1024 x 28672
+# 70 -> 62; but slower at M = 128 (a program per row, two passes) and for rows of 4096 (22 -> 26).
+CHUNKED_MIN_M = 512
+CHUNKED_MIN_K = 8193
 CHUNK_K = 2048
 
 
@@ -208,9 +226,27 @@ def _check_act_input(x: torch.Tensor) -> None:
         raise TypeError(f"the W4A4 kernels take float16 or bfloat16 activations, got {x.dtype}")
 
 
-def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The act-quant kernel: x [M, K] fp16/bf16 -> (q int8 [M, K], scale float32 [M])."""
+ORDERS = ("natural", "even_odd")
+
+
+def to_even_odd(q: torch.Tensor) -> torch.Tensor:
+    """Codes [M, K] in natural order -> the "even_odd" order of `w4a4_wgmma` (each 32-column block
+    as its 16 even columns, then its 16 odd ones); what the act-quant kernel writes with that order."""
+    M, K = q.shape
+    if K % 32:
+        raise ValueError(f"the even_odd order permutes 32-column blocks: K={K} must be a multiple of 32")
+    return q.reshape(M, K // 32, 16, 2).transpose(-1, -2).reshape(M, K)
+
+
+def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
+                                order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
+    """The act-quant kernel: x [M, K] fp16/bf16 -> (q int8 [M, K], scale float32 [M]); q in
+    `order` ("natural", or "even_odd" for `w4a4_wgmma`)."""
     _check_act_input(x)
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if order == "even_odd" and x.shape[1] % 32:
+        raise ValueError(f"the even_odd order permutes 32-column blocks: K={x.shape[1]} must be a multiple of 32")
     if triton is None:
         raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
     if not (x.is_cuda or _interpreting()):
@@ -228,12 +264,12 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False) -
         # A few rows with a dense Hadamard factor: fused, each row would be one program on one SM
         # (39 us for a row of 11008 on an H200). The row-splitting transform spreads it; the fused
         # kernel rounds the rotation to x.dtype before quantizing too, so the codes are the same.
-        return quantize_activations_triton(_had.hadamard_transform_triton(x), False)
+        return quantize_activations_triton(_had.hadamard_transform_triton(x), False, order)
     fmax = float(torch.finfo(x.dtype).max)
-    if plan is None and M >= CHUNKED_MIN_M:
+    if plan is None and M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K:
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
-                                        BLOCK_K=min(CHUNK_K, _next_pow2(K)), INTERPRET=_interpreting(),
-                                        num_warps=4)
+                                        BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
+                                        INTERPRET=_interpreting(), num_warps=4)
         return q, s
     if plan is not None:
         dense = _had.hadamard_dense_operand(K, False, x.device) if plan.dense_pad > 1 else s
@@ -245,22 +281,26 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False) -
         dense, consts, had_scale = s, dict(DENSE_PAD=1, DENSE_CHUNK=1, HA=1, HB=1, TERMS_IN=1, TERMS=1), 1.0
     grid = (triton.cdiv(M, rows),)
     _act_quant_kernel[grid](x, q, s, dense, M, K, x.stride(0), q.stride(0), had_scale, fmax,
-                            ROWS=rows, BLOCK=block, HADAMARD=plan is not None,
+                            ROWS=rows, BLOCK=block, HADAMARD=plan is not None, EVEN_ODD=order == "even_odd",
                             INTERPRET=_interpreting(), num_warps=num_warps, **consts)
     return q, s
 
 
-def quantize_activations(x: torch.Tensor, input_hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, input_hadamard: bool = False,
+                         order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4 activations (optionally after the online Hadamard rotation).
 
     x: [M, K] float16/bfloat16 -> (q int8 [M, K] in [-8, 7], scale float32 [M]); the Triton kernel
-    on CUDA, `reference.quantize_activations` elsewhere.
+    on CUDA, `reference.quantize_activations` elsewhere. order: see `quantize_activations_triton`.
     """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if kernels_available(x) and x.dtype in KERNEL_DTYPES:
-        return quantize_activations_triton(x, input_hadamard)
+        return quantize_activations_triton(x, input_hadamard, order)
     if input_hadamard:
         x = _had.hadamard_transform_reference(x)
-    return reference.quantize_activations(x)
+    q, s = reference.quantize_activations(x)
+    return (to_even_odd(q) if order == "even_odd" else q), s
 
 
 # ================================================================================================
@@ -798,6 +838,95 @@ def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_s
     return y
 
 
+# ----------------------------------------------------------------------------------------------
+# CUDA C++ GEMM for M > 16 on Hopper (csrc/w4a4_wgmma.cu: asynchronous int8 wgmma, sm_90a only)
+# ----------------------------------------------------------------------------------------------
+WGMMA_CHANNELS = 256  # output channels per CTA
+WGMMA_BK = 128        # K per pipeline stage
+WGMMA_SHAPES = {(64, 6), (128, 4)}  # (token tile, stages) compiled
+
+
+def _configure_wgmma(lib) -> None:
+    lib.nibble_w4a4_wgmma.restype = ctypes.c_int
+    lib.nibble_w4a4_wgmma.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p])
+    lib.nibble_w4a4_wgmma_error_string.restype = ctypes.c_char_p
+    lib.nibble_w4a4_wgmma_error_string.argtypes = [ctypes.c_int]
+
+
+def _wgmma_lib(device):
+    return cuda_build.library("w4a4_wgmma", device, _configure_wgmma, arch_specific=True)
+
+
+def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
+    """Whether `w4a4_wgmma` runs this product: an sm_90 GPU (H100/H200), M > 16 (below, the decode
+    kernel streams the weight faster), N % 4 == 0, K % 32 == 0, and the kernel built."""
+    device = torch.device(device)
+    return (device.type == "cuda" and M > MMA_MAX_M and N > 0 and N % 4 == 0 and K > 0 and K % 32 == 0
+            and torch.cuda.get_device_capability(device) == (9, 0) and _wgmma_lib(device) is not None)
+
+
+def wgmma_config(M: int, N: int, K: int, sms: int = 132) -> dict:
+    """Token tile, stages and split-K for `w4a4_wgmma`: 64-token tiles up to M = 64, else 128.
+    K is split only where the output tiles leave SMs idle AND K is long: each split stores an int32
+    partial of the whole output, which cost more than idle SMs on every 4096-deep layer measured
+    (H200, M = 128: split 1 fastest up to K = 8192; 8192 x 28672 fastest at split 4)."""
+    bn = 64 if M <= 64 else 128
+    tiles = -(-M // bn) * -(-N // WGMMA_CHANNELS)
+    k_tiles = -(-K // WGMMA_BK)
+    split = max(1, min(sms // tiles, k_tiles // 56))
+    return dict(bn=bn, stages=6 if bn == 64 else 4, split_k=split)
+
+
+def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, *,
+               out_int32: bool = False, order: str = "natural", config: Optional[dict] = None) -> torch.Tensor:
+    """`w4a4_matmul_triton`'s product for M > 16 on Hopper's asynchronous int8 tensor cores (exact int32).
+
+    The kernel reads qx in the "even_odd" order (`to_even_odd`; the act-quant kernel writes it with
+    order="even_odd"); natural-order qx is permuted here first. ``config`` overrides `wgmma_config`.
+    """
+    _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
+    M, K = qx.shape
+    N = qweight.shape[1]
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if not wgmma_applicable(M, N, K, qx.device):
+        raise ValueError(f"w4a4_wgmma needs an sm_90 GPU with the compiled kernel, M > {MMA_MAX_M}, N % 4 == 0 "
+                         f"and K % 32 == 0; got M={M} N={N} K={K} on {qx.device}")
+    if out_dtype not in _DTYPE_CODES:
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(qx.device))
+    if (cfg["bn"], cfg["stages"]) not in WGMMA_SHAPES:
+        raise ValueError(f"(bn, stages) must be one of {sorted(WGMMA_SHAPES)}, got {(cfg['bn'], cfg['stages'])}")
+    if order == "natural":
+        qx = to_even_odd(qx)
+    if qx.stride(1) != 1 or qx.stride(0) % 16 or qx.data_ptr() % 16:  # rows are copied in 16-byte chunks
+        qx = qx.contiguous()
+    qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+        if bias.dtype not in _DTYPE_CODES:
+            bias = bias.float()
+    y = torch.empty((M, N), dtype=torch.int32 if out_int32 else out_dtype, device=qx.device)
+    k_tiles = -(-K // WGMMA_BK)
+    per_split = -(-k_tiles // max(1, int(cfg["split_k"])))
+    split = -(-k_tiles // per_split)
+    tiles = -(-M // cfg["bn"]) * -(-N // WGMMA_CHANNELS)
+    part, cnt = _split_buffers(split, M, N, tiles, qx.device)
+    with torch.cuda.device(qx.device):
+        err = _wgmma_lib(qx.device).nibble_w4a4_wgmma(
+            3 if out_int32 else _DTYPE_CODES[out_dtype], cfg["bn"], cfg["stages"], qx.data_ptr(), qweight.data_ptr(),
+            x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
+            None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
+            y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0), y.stride(0), split, per_split,
+            torch.cuda.current_stream(qx.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"w4a4_wgmma launch failed: {_wgmma_lib(qx.device).nibble_w4a4_wgmma_error_string(err).decode()} "
+                           f"(M={M} N={N} K={K} config={cfg})")
+    return y
+
+
 def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
     """Canonical packed [K // 8, N] -> int8 (q - 8) [N, K] (benchmark baseline for the int8 GEMMs)."""
     from nibble.formats.int4 import unpack_int4
@@ -840,12 +969,39 @@ def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
                 raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
 
 
+WGMMA_MIN_FILL = 0.7  # output tiles per SM from which w4a4_wgmma beats the Triton kernel
+
+
+def wgmma_preferred(M: int, N: int, K: int, device) -> bool:
+    """Whether the op runs this product on `w4a4_wgmma`: where it applies and its 256 x 128 output
+    tiles fill most SMs. Below that the Triton kernel (128 x 128 tiles, split-K) was faster on every
+    shape measured (H200, M = 128: 4096^2 20.7 vs 30.1 us, 8192 x 28672 93 vs 99; wgmma wins from
+    ~100 tiles: 28672 x 8192 at M = 128, 57 vs 73 us, and every shape at M >= 1024)."""
+    if not wgmma_applicable(M, N, K, device):
+        return False
+    tiles = -(-M // 128) * -(-N // WGMMA_CHANNELS)
+    return tiles >= WGMMA_MIN_FILL * num_sms(torch.device(device))
+
+
+def product_order(M: int, N: int, K: int, device) -> str:
+    """The activation order `w4a4_matmul` wants for this product: "even_odd" where `w4a4_wgmma` runs it."""
+    return "even_odd" if wgmma_preferred(M, N, K, device) else "natural"
+
+
 def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The product on quantized activations as the op runs it: the CUDA kernel (`w4a4_mma`) for
-    M <= 16 where it applies, the Triton kernels otherwise."""
-    if mma_applicable(qx, qweight.shape[1], qweight.shape[0] * PACK):
+                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                order: str = "natural") -> torch.Tensor:
+    """The product on quantized activations as the op runs it: the CUDA kernels (`w4a4_mma` for
+    M <= 16, `w4a4_wgmma` on Hopper where `wgmma_preferred`) where they apply, the Triton kernels
+    otherwise. qx comes in `order`; pass `product_order(...)`'s to skip a permutation."""
+    M, K = qx.shape
+    N = qweight.shape[1]
+    if order == "even_odd" and not wgmma_applicable(M, N, K, qx.device):
+        raise ValueError("even_odd activations are for w4a4_wgmma only; quantize with order=product_order(...)")
+    if mma_applicable(qx, N, K):
         return w4a4_mma(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
+    if order == "even_odd" or wgmma_preferred(M, N, K, qx.device):
+        return w4a4_wgmma(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype, order=order)
     return w4a4_matmul_triton(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
 
 
@@ -867,8 +1023,12 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
-    qx, sx = quantize_activations_triton(x, input_hadamard)
-    return [w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype) for qweight, w_scale, bias in layers]
+    M, K = x.shape
+    orders = {product_order(M, qweight.shape[1], K, x.device) for qweight, _, _ in layers}
+    order = orders.pop() if len(orders) == 1 else "natural"
+    qx, sx = quantize_activations_triton(x, input_hadamard, order)
+    return [w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype, order=order)
+            for qweight, w_scale, bias in layers]
 
 
 @torch.library.custom_op("nibble::w4a4_linear", mutates_args=())

@@ -51,7 +51,7 @@ def _qx(M, K, device, gen=None):
 def _exact_acc(qx, qweight):
     """Exact int32 qx @ (q - 8): float64 for small problems, cuBLAS int8 (exact integers) for big ones."""
     M, K = qx.shape
-    if qx.is_cuda and M * K * qweight.shape[1] > 2**26:
+    if qx.is_cuda and M * K * qweight.shape[1] > 2**26 and qweight.shape[1] % 8 == 0:
         w8 = w4a4.unpack_weight_int8(qweight)  # [N, K]
         pad = max(0, 17 - M)
         a = torch.cat([qx, qx.new_zeros(pad, K)]) if pad else qx
@@ -245,6 +245,7 @@ def test_asm_unpack_layout():
                                                (4, 5000, torch.float16, True)])
 def test_interp_act_quant_exact(M, K, dtype, chunked, monkeypatch):
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
     x = _activations(M, K, dtype, "cpu")
     x[0, 3] = float("nan")
     x[1, 5] = float("inf")
@@ -331,6 +332,7 @@ def test_act_quant_equals_reference(M, K, dtype):
 @pytest.mark.parametrize("K", [576, 11008, 28672])
 def test_chunked_act_quant_equals_reference(M, K, dtype, monkeypatch):
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1)
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
     x = _activations(M, K, dtype, "cuda")
     x[0, 1] = float("nan")
     x[-1] = 0
@@ -639,6 +641,161 @@ def test_mma_kernel_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="M <= 16"):
         w4a4.w4a4_mma(qx, sx, qw, ws)
     assert not w4a4.mma_applicable(qx[:1], 64, 64)  # CPU tensors
+
+
+# ---- the even_odd activation order (csrc/w4a4_wgmma.cu's K order) ----------------------------------
+
+def test_even_odd_order_is_the_documented_permutation():
+    q = torch.arange(64, dtype=torch.int32).view(1, 64)
+    e = w4a4.to_even_odd(q)[0].tolist()
+    assert e[:16] == list(range(0, 32, 2)) and e[16:32] == list(range(1, 32, 2))
+    assert e[32:48] == list(range(32, 64, 2)) and e[48:] == list(range(33, 64, 2))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        w4a4.to_even_odd(torch.zeros(2, 48, dtype=torch.int8))
+    x = _activations(3, 64, torch.float32, "cpu")
+    q_nat, s_nat = w4a4.quantize_activations(x)
+    q_eo, s_eo = w4a4.quantize_activations(x, order="even_odd")
+    assert torch.equal(q_eo, w4a4.to_even_odd(q_nat)) and torch.equal(s_eo, s_nat)
+    with pytest.raises(ValueError, match="order must be one of"):
+        w4a4.quantize_activations(x, order="odd_even")
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("M,K,dtype,chunked", [(3, 64, torch.bfloat16, False), (5, 96, torch.float16, False),
+                                               (4, 2112, torch.bfloat16, True)])
+def test_interp_act_quant_even_odd(M, K, dtype, chunked, monkeypatch):
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
+    x = _activations(M, K, dtype, "cpu")
+    q, s = w4a4.quantize_activations_triton(x, order="even_odd")
+    qr, sr = reference.quantize_activations(x)
+    assert torch.equal(q, w4a4.to_even_odd(qr)) and torch.equal(s, sr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("K,had", [(576, False), (4096, False), (11008, False), (28672, False), (4096, True),
+                                   (11008, True), (14336, True)])
+def test_act_quant_even_odd_on_gpu(K, had, chunked, monkeypatch):
+    if chunked and had:
+        pytest.skip("the chunked kernel has no fused rotation")
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 62)
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
+    for M in (1, 17, 300):
+        x = _activations(M, K, torch.bfloat16, "cuda")
+        q, s = w4a4.quantize_activations_triton(x, had)
+        qe, se = w4a4.quantize_activations_triton(x, had, order="even_odd")
+        assert torch.equal(qe, w4a4.to_even_odd(q)) and torch.equal(se, s)
+
+
+# ---- GPU: the CUDA C++ Hopper GEMM (csrc/w4a4_wgmma.cu) ----------------------------------------------
+
+def _needs_wgmma_kernel():
+    if not (HAS_CUDA and w4a4.wgmma_applicable(32, 32, 32, "cuda")):
+        pytest.skip("the wgmma W4A4 kernel needs an sm_90 GPU (H100/H200) and nvcc")
+
+
+def _wgmma_configs(M, N, K):
+    """The heuristic config, every compiled (token tile, stages), and a forced split-K."""
+    auto = w4a4.wgmma_config(M, N, K)
+    k_tiles = -(-K // w4a4.WGMMA_BK)
+    cfgs = [None] + [dict(bn=bn, stages=st, split_k=auto["split_k"]) for bn, st in sorted(w4a4.WGMMA_SHAPES)]
+    if k_tiles >= 3:
+        cfgs.append(dict(auto, split_k=3))
+    return cfgs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N,K", REAL_SHAPES + [(100, 576), (4104, 4096), (8192, 28672), (260, 4160)])
+@pytest.mark.parametrize("M", [17, 64, 65, 100, 128, 129, 1000])
+def test_wgmma_int32_accumulators_bit_exact(M, N, K):
+    """Odd M (token tails), N not a multiple of the 256-channel tile, K not a multiple of the
+    128-deep stage (576, 4160), every compiled tile shape, split-K; outputs poisoned."""
+    _needs_wgmma_kernel()
+    gen = torch.Generator().manual_seed(M * 7919 + N * 31 + K)
+    qw, _ = _codes_weight(N, K, "cuda", gen)
+    qx = _qx(M, K, "cuda", gen)
+    exact = _exact_acc(qx, qw)
+    ones_m, ones_n = torch.ones(M, device="cuda"), torch.ones(N, device="cuda")
+    for cfg in _wgmma_configs(M, N, K):
+        _poison_allocator("cuda")
+        acc = w4a4.w4a4_wgmma(qx, ones_m, qw, ones_n, out_int32=True, config=cfg)
+        assert torch.equal(acc, exact), f"config {cfg}: {(acc != exact).sum().item()} of {acc.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_wgmma_extreme_codes_do_not_overflow():
+    """The weight bytes carry 16 (q - 8): the largest sums are 16x the true ones and must still fit."""
+    _needs_wgmma_kernel()
+    K, N = 28672, 256
+    for code, act in ((0, -8), (15, 7), (0, 7)):
+        qw = pack_int4(torch.full((K, N), code, dtype=torch.int32)).cuda()
+        qx = torch.full((40, K), act, dtype=torch.int8, device="cuda")
+        acc = w4a4.w4a4_wgmma(qx, torch.ones(40, device="cuda"), qw, torch.ones(N, device="cuda"), out_int32=True)
+        assert (acc == (code - 8) * act * K).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_scale_dtype", [torch.float16, torch.float32])
+def test_wgmma_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
+    _needs_wgmma_kernel()
+    N, K = 4096, 4096
+    gen = torch.Generator().manual_seed(2)
+    qw, ws = _codes_weight(N, K, "cuda", gen)
+    ws = ws.to(w_scale_dtype)
+    for M, split in ((17, None), (200, 1), (200, 4)):
+        qx = _qx(M, K, "cuda", gen)
+        sx = (torch.rand(M, generator=gen) * 0.1 + 1e-3).cuda()
+        b = None if bias is None else torch.randn(N, generator=gen).to(device="cuda", dtype=bias)
+        cfg = None if split is None else dict(w4a4.wgmma_config(M, N, K), split_k=split)
+        _poison_allocator("cuda")
+        y = w4a4.w4a4_wgmma(qx, sx, qw, ws, b, out_dtype=dtype, config=cfg)
+        assert y.dtype == dtype and y.shape == (M, N)
+        prod = _exact_acc(qx, qw).double() * sx.double()[:, None] * ws.double()[None, :]
+        ref = prod + (0 if b is None else b.double())
+        _ulp_close(y, ref, dtype, terms=prod.abs() + (0 if b is None else b.double().abs()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("had", [False, True])
+def test_prefill_ops_take_the_wgmma_kernel(had, monkeypatch):
+    """Enough tokens on Hopper: the op quantizes in the even_odd order once and runs
+    csrc/w4a4_wgmma.cu for every layer (checked by counting calls); outputs equal the Triton product's, and a token that
+    held Inf saturates like the reference."""
+    _needs_wgmma_kernel()
+    calls = []
+    real = w4a4.w4a4_wgmma
+    monkeypatch.setattr(w4a4, "w4a4_wgmma", lambda *a, **k: calls.append(k.get("order")) or real(*a, **k))
+    K = 4096
+    layers = [_codes_weight(n, K, "cuda") for n in (4096, 4352, 4096)]
+    x = _activations(1000, K, torch.bfloat16, "cuda")
+    assert all(w4a4.wgmma_preferred(1000, qw.shape[1], K, "cuda") for qw, _ in layers)
+    x[5, 9] = float("inf")
+    ys = torch.ops.nibble.w4a4_linears(x, [w for w, _ in layers], [s for _, s in layers], [None] * 3, had)
+    assert calls == ["even_odd"] * 3
+    qx, sx = w4a4.quantize_activations_triton(x, had)
+    for y, (qw, ws) in zip(ys, layers):
+        assert torch.isfinite(y).all()
+        assert torch.equal(y, w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, out_dtype=torch.bfloat16))
+
+
+def test_wgmma_rejects_what_it_cannot_run():
+    qx, sx = torch.zeros(17, 64, dtype=torch.int8), torch.ones(17)
+    qw, ws = _codes_weight(64, 64, "cpu")
+    with pytest.raises(ValueError, match="sm_90"):
+        w4a4.w4a4_wgmma(qx, sx, qw, ws)
+    assert not w4a4.wgmma_applicable(17, 64, 64, "cpu")
+    assert w4a4.product_order(17, 64, 64, "cpu") == "natural"
+    with pytest.raises(ValueError, match="even_odd activations are for w4a4_wgmma"):
+        w4a4.w4a4_matmul(qx, sx, qw, ws, order="even_odd")
 
 
 @pytest.mark.gpu

@@ -141,7 +141,11 @@ cudaError_t opt_in_shared_memory() {
   if (!opted_in[device]) {
     int max_optin = 0;
     cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin);
+    cudaFuncAttributes attr;  // the limit covers static + dynamic shared memory
+    err = cudaFuncGetAttributes(&attr, Kernel);
+    if (err != cudaSuccess) return err;
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               max_optin - (int)attr.sharedSizeBytes);
     if (err != cudaSuccess) return err;
     opted_in[device] = true;
   }

@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "skinny.cuh"
+#include "w4a4_epilogue.cuh"
 
 namespace {
 
@@ -42,25 +43,6 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], const uint32_t (&a)[4], ui
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-// Scale and bias dtypes, chosen at run time (read once per output): 0 float32, 1 float16, 2 bfloat16.
-__device__ __forceinline__ float load_float(const void* p, int dtype, int i) {
-  if (dtype == 1) return __half2float(static_cast<const __half*>(p)[i]);
-  if (dtype == 2) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-
-// Saturate to the output type's largest finite value (a token that held +-Inf has a huge scale), as
-// the reference clamps; comparisons keep a NaN a NaN.
-__device__ __forceinline__ float clamp_abs(float v, float hi) { return v > hi ? hi : (v < -hi ? -hi : v); }
-template <typename T> __device__ __forceinline__ void store(T* p, float v);
-template <> __device__ __forceinline__ void store<__half>(__half* p, float v) {
-  *p = __float2half_rn(clamp_abs(v, 65504.f));
-}
-template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16_rn(clamp_abs(v, 3.3895313892515355e38f));
-}
-template <> __device__ __forceinline__ void store<float>(float* p, float v) { *p = clamp_abs(v, 3.4028234663852886e38f); }
 
 // MT: token tiles of 8 (M <= 8 * MT). T: output type (half, bfloat16, float, or int for the raw
 // int32 accumulators).
@@ -137,10 +119,8 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     T* dst = out + (size_t)m * ldo + n;
     if constexpr (std::is_same_v<T, int>) {
       *dst = sum;
-    } else {  // the reference's order: the two scales first, then the bias; no FMA contraction
-      float y = __fmul_rn((float)sum, __fmul_rn(x_scale[m], load_float(w_scale, w_scale_dtype, n)));
-      if (bias != nullptr) y = __fadd_rn(y, load_float(bias, bias_dtype, n));
-      store<T>(dst, y);
+    } else {
+      *dst = saturate_cast<T>(scale_output(sum, x_scale[m], load_float(w_scale, w_scale_dtype, n), bias, bias_dtype, n));
     }
   }
 }

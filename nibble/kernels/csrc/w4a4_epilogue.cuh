@@ -1,0 +1,33 @@
+// The float epilogue the W4A4 kernels (w4a4_mma.cu, w4a4_wgmma.cu) share: y = acc * (x_scale[m] *
+// w_scale[n]) (+ bias[n]), in the reference's order, saturated to the output type.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+// Scale and bias dtypes, chosen at run time (read once per output): 0 float32, 1 float16, 2 bfloat16.
+__device__ __forceinline__ float load_float(const void* p, int dtype, int i) {
+  if (dtype == 1) return __half2float(static_cast<const __half*>(p)[i]);
+  if (dtype == 2) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+// Saturate to the output type's largest finite value (a token that held +-Inf has a huge scale), as
+// the reference clamps; comparisons keep a NaN a NaN.
+__device__ __forceinline__ float clamp_abs(float v, float hi) { return v > hi ? hi : (v < -hi ? -hi : v); }
+template <typename T> __device__ __forceinline__ T saturate_cast(float v);
+template <> __device__ __forceinline__ __half saturate_cast<__half>(float v) {
+  return __float2half_rn(clamp_abs(v, 65504.f));
+}
+template <> __device__ __forceinline__ __nv_bfloat16 saturate_cast<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(clamp_abs(v, 3.3895313892515355e38f));
+}
+template <> __device__ __forceinline__ float saturate_cast<float>(float v) { return clamp_abs(v, 3.4028234663852886e38f); }
+
+// The reference's order: the two scales first (acc * x_scale alone can overflow for a token that
+// held +-Inf), then the bias; no FMA contraction.
+__device__ __forceinline__ float scale_output(int acc, float x_scale, float w_scale, const void* bias, int bias_dtype,
+                                              int n) {
+  float y = __fmul_rn((float)acc, __fmul_rn(x_scale, w_scale));
+  if (bias != nullptr) y = __fadd_rn(y, load_float(bias, bias_dtype, n));
+  return y;
+}

@@ -1,0 +1,383 @@
+// W4A4 GEMM for many tokens (prefill, batches) on Hopper's asynchronous INT8 tensor cores
+// (wgmma, sm_90a), exact in int32:
+//
+//   acc[m, n] = sum_k qx[m, k] * (q[k, n] - 8),   y[m, n] = acc * (x_scale[m] * w_scale[n]) (+ bias[n])
+//
+// Why a CUDA kernel: Triton keeps an int8 wgmma synchronous (int32 accumulators), so its unpacking
+// and its MMAs serialize. Here the MMAs run asynchronously while the warps unpack the next weights.
+//
+// Roles. The weight is wgmma's A operand, taken from registers: 64 output channels x 32 K per
+// instruction, so a warpgroup unpacks its own INT4 weights straight into the fragments (no int8
+// copy of the weight in shared memory). The activations are B (tokens = wgmma's N), read by the
+// tensor cores from shared memory through a descriptor. A CTA is two warpgroups x 128 channels
+// (two m64 instructions each) x BN tokens; each warp owns 32 channels.
+//
+// Weight fragments. lane (g, t) of a warp reads, per 32-deep K step s, one 16-byte word quad: word
+// row 4 s + t (K rows 32 s + 8 t .. + 7), columns c .. c+3 (c = 4 g within the warp's 32). MMA rows
+// g / g+8 of instruction j are columns c + 2 j / c + 2 j + 1; a0/a1 (K slots 4t .. 4t+3) take the
+// even K rows of those two columns, a2/a3 (K slots 16+4t ..) the odd rows. Nibble arithmetic, 3
+// instructions per word: v = w ^ 0x88888888 turns code q into the 4-bit two's complement of q - 8;
+// v & 0xF0F0F0F0 leaves the odd nibbles in the high half of each byte, i.e. the signed bytes
+// 16 (q - 8); (v << 4) & 0xF0F0F0F0 does the same for the even nibbles. The products are 16x the
+// true ones, exact (|16 (q - 8) x| <= 1024, so K up to 2^21 fits int32); the epilogue shifts by 4.
+//
+// Activation order. The K slots of a step hold K rows 32 s + 2 p (slot p < 16) and 32 s + 2 (p - 16)
+// + 1 (slot p >= 16): even rows first, then odd. So qx must arrive in that "even-odd" order, each
+// 32-column block as its 16 even columns then its 16 odd ones: the activation quantization writes
+// it so (w4a4.py, order="even_odd") at no cost; the tensor cores then read plain rows.
+//
+// Shared memory, per stage: x as BN rows of 128 bytes (128 K), then the weight as 8 boxes of 16 word
+// rows x 32 columns (128 bytes). Both arrive by TMA in its 128-byte swizzle (16-byte chunk c of row r
+// at chunk c ^ (r % 8), every box 1024-byte aligned), which is what wgmma's descriptor expects for
+// x (a K step is the descriptor's start moved by 32 bytes); the weight quads read by the 8 lanes of
+// a phase then fall in 4 bank groups (a 2-way conflict on 4 loads per 128-deep tile: negligible).
+// TMA zero-fills past M, K and N, so tails need no code (zero x times any weight adds nothing).
+//
+// Pipeline: a third warpgroup only issues the TMA copies (one thread), STAGES tiles ahead, each stage
+// guarded by a "full" mbarrier (TMA bytes landed) and an "empty" one (both warpgroups released it).
+// The consumers never meet at a CTA barrier: per 32-deep step they load and unpack their weight
+// quads, issue two wgmmas, commit, and wait until only this step's group is in flight; after the
+// first step of a tile, the previous tile's wgmmas are complete, so its stage is released.
+// (The first version copied with cp.async from all threads and met at __syncthreads per tile, with
+// a proxy fence before the tensor cores could read: 1000 TOPS at best, its MMAs and copies barely
+// overlapping; benchmarks/notes-w4a4.md has the measurements.)
+//
+// Epilogue: lane (g, t) holds channels c .. c+3 of tokens 8 b + 2 t + {0, 1}: one 4-wide store per
+// token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
+// on a tile sums them (exact, order-free) and scales.
+#include <cuda.h>  // CUtensorMap and its enums (the encoder is fetched from the driver at run time)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "skinny.cuh"
+#include "w4a4_epilogue.cuh"
+
+namespace {
+
+constexpr int CONSUMERS = 256;          // two warpgroups compute
+constexpr int THREADS = CONSUMERS + 128;  // and one copies (registers are granted per warpgroup)
+constexpr int CH = 256;                 // output channels per CTA
+constexpr int BK = 128;                 // K per stage
+constexpr int W_BOX = BK / 8 * 128;     // 16 word rows x 32 columns
+constexpr int W_STAGE = CH / 32 * W_BOX;  // 8 boxes
+constexpr int GROUP_M = 8;              // token tiles that share each weight tile while it is in L2
+
+// d += A (64 x 32 s8, registers) * B (32 x BN s8, shared memory descriptor), int32 accumulators.
+template <int BN> struct Wgmma;
+template <> struct Wgmma<64> {
+  static __device__ __forceinline__ void mma(int (&d)[32], const uint32_t* a, uint64_t desc_b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1;"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  }
+};
+template <> struct Wgmma<128> {
+  static __device__ __forceinline__ void mma(int (&d)[64], const uint32_t* a, uint64_t desc_b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, 1;"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+        "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+        "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+        "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  }
+};
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory"); }
+// Keeps the compiler from moving accumulator reads / writes across the asynchronous MMAs.
+template <int R>
+__device__ __forceinline__ void fence_operands(int (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// K-major operand, 128-byte swizzle: start address, leading offset unused (1), 1024 bytes between
+// 8-row groups.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return (uint64_t)((addr >> 4) & 0x3FFF) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; @!done bra WAIT_%=; }"
+      ::"r"(bar), "r"(parity) : "memory");
+}
+// A 2-D box of a tensor map (c0: innermost coordinate) into shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
+__device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
+
+template <typename T> struct Out4;  // four consecutive outputs, one store
+template <> struct Out4<float> { using type = float4; };
+template <> struct Out4<int> { using type = int4; };
+template <> struct Out4<__half> { using type = uint2; };
+template <> struct Out4<__nv_bfloat16> { using type = uint2; };
+
+template <typename T, int BN, int STAGES>
+__global__ void __launch_bounds__(THREADS, 1)
+    w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                      const float* __restrict__ x_scale, const void* __restrict__ w_scale, int w_scale_dtype,
+                      const void* __restrict__ bias, int bias_dtype, T* __restrict__ out, int* __restrict__ partial,
+                      int* __restrict__ counters, int M, int N, int K, int ldo, int tiles_per_split) {
+  constexpr int X_STAGE = BN * BK, STAGE = X_STAGE + W_STAGE, R = BN / 2;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;  // swizzle atoms are 1024-byte aligned
+  const unsigned char* smem = smem_raw + (base - raw);
+  const uint32_t bars = base + STAGES * STAGE;  // full[STAGES], then empty[STAGES]
+  float* token_scale = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE + 16 * STAGES);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
+
+  // Grouped order: GROUP_M token tiles run next to each other over the same weight tiles.
+  const int num_m = (M + BN - 1) / BN, num_n = (N + CH - 1) / CH;
+  const int pid = blockIdx.x, group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
+  const int gm = min(num_m - first_m, GROUP_M);
+  const int m0 = (first_m + (pid % group) % gm) * BN, n0 = ((pid % group) / gm) * CH;
+  const int k_tiles = (K + BK - 1) / BK;
+  const int kt_begin = blockIdx.y * tiles_per_split, kt_end = min(kt_begin + tiles_per_split, k_tiles);
+  const int tiles = kt_end - kt_begin;
+
+  // The epilogue's per-token scales, read once here: loaded in the epilogue, each thread's 32
+  // dependent loads cost ~6 us per CTA (measured).
+  if (tid < BN) token_scale[tid] = m0 + tid < M ? x_scale[m0 + tid] : 0.f;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bars + 8 * s, 1);                  // the producer's expect_tx
+      mbar_init(bars + 8 * (STAGES + s), 2);       // one release per warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= CONSUMERS / 32) {  // the producer warpgroup: one thread issues, the rest idle
+    // 128 x 40 + 256 x 232 registers fit the 64K: the consumers keep two wgmma groups in flight.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (tid == CONSUMERS) {
+      for (int i = 0; i < tiles; ++i) {
+        const int s = i % STAGES, k0 = (kt_begin + i) * BK;
+        if (i >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (i / STAGES - 1) & 1);
+        const uint32_t full = bars + 8 * s, dst = base + s * STAGE;
+        mbar_expect_tx(full, STAGE);
+        tma_load(dst, &x_map, k0, m0, full);
+#pragma unroll
+        for (int b = 0; b < CH / 32; ++b) tma_load(dst + X_STAGE + b * W_BOX, &w_map, n0 + 32 * b, k0 / 8, full);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  int acc[2][R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) acc[0][i] = acc[1][i] = 0;
+  fence_operands(acc[0]);
+  fence_operands(acc[1]);
+
+  // This lane's quad: box wg * 4 + warp % 4, chunk g, word rows 4 step + t (swizzled by row % 8).
+  const int w_read = X_STAGE + (wg * 4 + (warp & 3)) * W_BOX + t * 128;
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % STAGES;
+    mbar_wait(bars + 8 * s, (i / STAGES) & 1);
+    const uint32_t sx = base + s * STAGE;
+    const unsigned char* here = smem + s * STAGE + w_read;
+#pragma unroll
+    for (int k = 0; k < BK / 32; ++k) {
+      const uint4 w = *reinterpret_cast<const uint4*>(here + k * 512 + ((g ^ (t + 4 * (k & 1))) << 4));
+      const uint32_t a0[4] = {even_nibbles(w.x), even_nibbles(w.y), odd_nibbles(w.x), odd_nibbles(w.y)};
+      const uint32_t a1[4] = {even_nibbles(w.z), even_nibbles(w.w), odd_nibbles(w.z), odd_nibbles(w.w)};
+      const uint64_t desc = smem_desc(sx + 32 * k);
+      wgmma_fence();
+      Wgmma<BN>::mma(acc[0], a0, desc);
+      Wgmma<BN>::mma(acc[1], a1, desc);
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous step's group is done: its registers are free
+      // ... and after this tile's first step, so is the previous tile: release its stage.
+      if (k == 0 && i > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + (i + STAGES - 1) % STAGES));
+    }
+  }
+  wgmma_wait<0>();
+  fence_operands(acc[0]);
+  fence_operands(acc[1]);
+
+  // acc[j][4 b + c]: token m0 + 8 b + 2 t + (c & 1), channel ch + 2 j + (c >> 1).
+  const int ch = n0 + wg * 128 + (warp & 3) * 32 + 4 * g;
+  const int splits = gridDim.y;
+  if (splits > 1) {
+    __shared__ int last;
+    int* mine = partial + (size_t)blockIdx.y * M * N;
+#pragma unroll
+    for (int b = 0; b < BN / 8; ++b)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int m = m0 + 8 * b + 2 * t + p;
+        if (m < M && ch < N)
+          *reinterpret_cast<int4*>(mine + (size_t)m * N + ch) =
+              make_int4(acc[0][4 * b + p], acc[0][4 * b + 2 + p], acc[1][4 * b + p], acc[1][4 * b + 2 + p]);
+      }
+    __threadfence();
+    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");  // the producer warp has left
+    if (tid == 0) last = atomicAdd(counters + pid, 1) == splits - 1;
+    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int b = 0; b < BN / 8; ++b)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int m = m0 + 8 * b + 2 * t + p;
+        if (m >= M || ch >= N) continue;
+        for (int s = 0; s < splits; ++s) {
+          if (s == (int)blockIdx.y) continue;
+          const int4 o = __ldcg(reinterpret_cast<const int4*>(partial + ((size_t)s * M + m) * N + ch));
+          acc[0][4 * b + p] += o.x;
+          acc[0][4 * b + 2 + p] += o.y;
+          acc[1][4 * b + p] += o.z;
+          acc[1][4 * b + 2 + p] += o.w;
+        }
+      }
+  }
+
+  if (ch >= N) return;
+  float ws[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
+#pragma unroll
+  for (int b = 0; b < BN / 8; ++b)
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int m = m0 + 8 * b + 2 * t + p;
+      if (m >= M) continue;
+      // Shift out the 16x of the weight bytes (exact: every product was a multiple of 16).
+      const int v[4] = {acc[0][4 * b + p] >> 4, acc[0][4 * b + 2 + p] >> 4, acc[1][4 * b + p] >> 4,
+                        acc[1][4 * b + 2 + p] >> 4};
+      union { typename Out4<T>::type vec; T e[4]; } o;
+      if constexpr (std::is_same_v<T, int>) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o.e[i] = v[i];
+      } else {
+        const float sx = token_scale[m - m0];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o.e[i] = saturate_cast<T>(scale_output(v[i], sx, ws[i], bias, bias_dtype, ch + i));
+      }
+      *reinterpret_cast<typename Out4<T>::type*>(out + (size_t)m * ldo + ch) = o.vec;
+    }
+}
+
+// The tensor maps' encoder lives in the driver; fetched once (no link against libcuda).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr,
+                          uint64_t inner, uint64_t outer, uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer) {
+  static EncodeTiled encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                             &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+    encode = reinterpret_cast<EncodeTiled>(fn);
+  }
+  const cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer}, unit[2] = {1, 1};
+  const CUresult r = encode(map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename T, int BN, int STAGES>
+cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
+                   int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K, int ldx, int ldo,
+                   int splits, int tiles_per_split, cudaStream_t stream) {
+  // stages, alignment slack, 2 mbarriers per stage, the token scales
+  constexpr size_t smem = (size_t)STAGES * (BN * BK + W_STAGE) + 1024 + 16 * STAGES + 4 * BN;
+  CUtensorMap x_map, w_map;
+  cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
+  if (err == cudaSuccess)
+    err = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_INT32, qw, N, K / 8, (uint64_t)N * 4, 32, BK / 8);
+  if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, STAGES>>();
+  if (err != cudaSuccess) return err;
+  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);
+  w4a4_wgmma_kernel<T, BN, STAGES><<<dim3(tiles, splits), dim3(THREADS), smem, stream>>>(
+      x_map, w_map, xs, ws, ws_dtype, bias, bias_dtype, static_cast<T*>(out), static_cast<int*>(partial),
+      static_cast<int*>(counters), M, N, K, ldo, tiles_per_split);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_t(int bn, int stages, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
+                     const void* bias, int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
+                     int ldx, int ldo, int splits, int tiles_per_split, cudaStream_t st) {
+#define NIBBLE_LAUNCH(BN_, S_)                                                                                  \
+  if (bn == BN_ && stages == S_)                                                                                \
+    return launch<T, BN_, S_>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, \
+                              ldo, splits, tiles_per_split, st);
+  NIBBLE_LAUNCH(64, 6)
+  NIBBLE_LAUNCH(128, 4)
+#undef NIBBLE_LAUNCH
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+// Host entry point (called through ctypes). Preconditions are checked by the Python caller:
+// compute capability 9.0, N % 4 == 0, K % 32 == 0, qx in even-odd order with 16-byte aligned rows
+// (ldx % 16 == 0), ldo % 4 == 0, (bn, stages) in {(64, 6), (128, 4)}; with splits > 1, partial is
+// int32 [splits, M, N] and counters int32 [tiles] zeroed. out_dtype: 0 float32, 1 float16,
+// 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16,
+// 2 bfloat16; bias may be null.
+extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int stages, const void* qx, const void* qweight,
+                                 const void* x_scale, const void* w_scale, int w_scale_dtype, const void* bias,
+                                 int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
+                                 int ldx, int ldo, int splits, int tiles_per_split, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const float* xs = static_cast<const float*>(x_scale);
+  cudaError_t err;
+  switch (out_dtype) {
+    case 0: err = launch_t<float>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 1: err = launch_t<__half>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 2: err = launch_t<__nv_bfloat16>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 3: err = launch_t<int>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    default: err = cudaErrorInvalidValue;
+  }
+  return (int)err;
+}
+
+extern "C" const char* nibble_w4a4_wgmma_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
