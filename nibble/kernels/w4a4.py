@@ -2,7 +2,7 @@
 online Hadamard rotation) and INT4 x INT4 matrix products computed exactly in integers.
 
 The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate`, `w4a4_matmul`,
-`w4a4_linear`); docs/ARCHITECTURE.md describes the formats. Three kernels:
+`w4a4_linear`); docs/ARCHITECTURE.md describes the formats. Three Triton kernels:
 
 ``_act_quant_kernel``   one pass over x [M, K] (fp16/bf16): [Hadamard] -> saturate non-finite
                         values -> scale = amax / 7 per row -> q = clamp(rint(x / scale), -8, 7).
@@ -30,11 +30,18 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         over the grid so every SM streams, partials reduced in int32 by the last
                         program of each column tile (deterministic, no float atomics).
 
-Both matrix kernels can return the raw int32 accumulators (tests check them bit-exactly against
+Two CUDA C++ kernels (built by `cuda_build` at first use) take over where they are faster:
+``csrc/w4a4_mma.cu`` (`w4a4_mma`, M <= 16: the W4A16 decode kernel's skeleton on int8 MMAs) and
+``csrc/w4a4_wgmma.cu`` (`w4a4_wgmma`, Hopper only, many tokens: asynchronous int8 wgmma fed by TMA,
+the weight unpacked into register fragments; it reads the activations in an "even_odd" K order,
+which the act-quant kernels write when asked, `order="even_odd"`).
+
+Every matrix kernel can return the raw int32 accumulators (tests check them bit-exactly against
 `reference.w4a4_accumulate`). The op `torch.ops.nibble.w4a4_linear` chains quantization and the
-matrix kernel chosen by M (`w4a4_matmul`: the CUDA kernel of `csrc/w4a4_mma.cu` for M <= 16, else
-Triton); `torch.ops.nibble.w4a4_linears` does the same for several layers reading one input,
-quantizing it once. On CPU (and without Triton) they run `reference.w4a4_linear`.
+matrix kernel `w4a4_matmul` picks: `w4a4_mma` for M <= 16, `w4a4_wgmma` where `wgmma_preferred`
+(its tiles fill the SMs), the Triton kernels otherwise; `torch.ops.nibble.w4a4_linears` does the
+same for several layers reading one input, quantizing it once. On CPU (and without Triton) they
+run `reference.w4a4_linear`.
 
 This module imports without CUDA and without Triton.
 """
@@ -798,6 +805,24 @@ def mma_applicable(qx: torch.Tensor, N: int, K: int) -> bool:
             and torch.cuda.get_device_capability(qx.device) >= (8, 0) and _mma_lib(qx.device) is not None)
 
 
+def _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align):
+    """What both CUDA launchers pass: (qx with rows aligned to `row_align` bytes, y, [out code, qx,
+    qweight, x_scale, w_scale, w_scale code, bias or None, bias code, y]) as ctypes-ready values."""
+    if qx.stride(1) != 1 or qx.stride(0) % row_align or qx.data_ptr() % row_align:  # rows are copied in pieces
+        qx = qx.contiguous()
+    qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+        if bias.dtype not in _DTYPE_CODES:
+            bias = bias.float()
+    y = torch.empty(qx.shape[:1] + qweight.shape[1:], dtype=torch.int32 if out_int32 else out_dtype,
+                    device=qx.device)
+    args = [3 if out_int32 else _DTYPE_CODES[out_dtype], qx.data_ptr(), qweight.data_ptr(), x_scale.data_ptr(),
+            w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype], None if bias is None else bias.data_ptr(),
+            0 if bias is None else _DTYPE_CODES[bias.dtype], y.data_ptr()]
+    return qx, y, args
+
+
 def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, *,
              out_int32: bool = False, warps: Optional[int] = None) -> torch.Tensor:
@@ -818,20 +843,10 @@ def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_s
     warps = cfg.warps if warps is None else warps
     if not 1 <= warps <= MMA_MAX_WARPS:
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
-    if qx.stride(1) != 1 or qx.stride(0) % 8 or qx.data_ptr() % 8:  # rows are copied as 8-byte pieces
-        qx = qx.contiguous()
-    qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-        if bias.dtype not in _DTYPE_CODES:
-            bias = bias.float()
-    y = torch.empty((M, N), dtype=torch.int32 if out_int32 else out_dtype, device=qx.device)
+    qx, y, args = _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align=8)
     with torch.cuda.device(qx.device):
-        err = lib.nibble_w4a4_mma(
-            3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps, qx.data_ptr(), qweight.data_ptr(),
-            x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
-            None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
-            y.data_ptr(), M, N, K, qx.stride(0), y.stride(0), torch.cuda.current_stream(qx.device).cuda_stream)
+        err = lib.nibble_w4a4_mma(args[0], cfg.token_tiles, warps, *args[1:], M, N, K, qx.stride(0), y.stride(0),
+                                  torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
                            f"(M={M} N={N} K={K} warps={warps})")
@@ -901,14 +916,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
         raise ValueError(f"(bn, stages) must be one of {sorted(WGMMA_SHAPES)}, got {(cfg['bn'], cfg['stages'])}")
     if order == "natural":
         qx = to_even_odd(qx)
-    if qx.stride(1) != 1 or qx.stride(0) % 16 or qx.data_ptr() % 16:  # rows are copied in 16-byte chunks
-        qx = qx.contiguous()
-    qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-        if bias.dtype not in _DTYPE_CODES:
-            bias = bias.float()
-    y = torch.empty((M, N), dtype=torch.int32 if out_int32 else out_dtype, device=qx.device)
+    qx, y, args = _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align=16)
     k_tiles = -(-K // WGMMA_BK)
     per_split = -(-k_tiles // max(1, int(cfg["split_k"])))
     split = -(-k_tiles // per_split)
@@ -916,11 +924,8 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     part, cnt = _split_buffers(split, M, N, tiles, qx.device)
     with torch.cuda.device(qx.device):
         err = _wgmma_lib(qx.device).nibble_w4a4_wgmma(
-            3 if out_int32 else _DTYPE_CODES[out_dtype], cfg["bn"], cfg["stages"], qx.data_ptr(), qweight.data_ptr(),
-            x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
-            None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
-            y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0), y.stride(0), split, per_split,
-            torch.cuda.current_stream(qx.device).cuda_stream)
+            args[0], cfg["bn"], cfg["stages"], *args[1:], part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
+            y.stride(0), split, per_split, torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {_wgmma_lib(qx.device).nibble_w4a4_wgmma_error_string(err).decode()} "
                            f"(M={M} N={N} K={K} config={cfg})")

@@ -35,15 +35,17 @@ def test_broken_nvcc_path_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
-@pytest.mark.parametrize("name,symbols", [("w4a16_mma", ("nibble_w4a16_mma", "nibble_cuda_error_string")),
-                                          ("w4a4_mma", ("nibble_w4a4_mma", "nibble_w4a4_cuda_error_string"))])
-def test_builds_for_sm90_and_caches(tmp_path, monkeypatch, name, symbols):
+@pytest.mark.parametrize("name,arch,symbols", [
+    ("w4a16_mma", "90", ("nibble_w4a16_mma", "nibble_cuda_error_string")),
+    ("w4a4_mma", "90", ("nibble_w4a4_mma", "nibble_w4a4_cuda_error_string")),
+    ("w4a4_wgmma", "90a", ("nibble_w4a4_wgmma", "nibble_w4a4_wgmma_error_string"))])
+def test_builds_for_sm90_and_caches(tmp_path, monkeypatch, name, arch, symbols):
     """Each kernel source compiles for Hopper on a machine without a GPU; the second call is a cache hit."""
     monkeypatch.setenv("NIBBLE_CACHE_DIR", str(tmp_path))
-    path = cuda_build.build(name, "90")
+    path = cuda_build.build(name, arch)
     assert path.parent == tmp_path and path.exists()
     mtime = path.stat().st_mtime_ns
-    assert cuda_build.build(name, "90") == path and path.stat().st_mtime_ns == mtime
+    assert cuda_build.build(name, arch) == path and path.stat().st_mtime_ns == mtime
     lib = ctypes.CDLL(str(path))
     assert all(getattr(lib, s) for s in symbols)
 

@@ -604,16 +604,23 @@ def test_mma_kernel_int32_accumulators_bit_exact(warps):
 @pytest.mark.parametrize("w_scale_dtype", [torch.float16, torch.float32])
 def test_mma_kernel_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
     _needs_mma_kernel()
+    _check_scaled_output(lambda qx, sx, qw, ws, b, M: w4a4.w4a4_mma(qx, sx, qw, ws, b, out_dtype=dtype),
+                         (1, 5, 16), dtype, bias, w_scale_dtype, seed=1)
+
+
+def _check_scaled_output(product, ms, dtype, bias, w_scale_dtype, seed):
+    """product(qx, sx, qw, ws, bias, M) on a 4096 x 4096 layer against the exact integer product
+    scaled in float64: within one rounding of `dtype`, for every M in `ms`; outputs poisoned."""
     N, K = 4096, 4096
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     qw, ws = _codes_weight(N, K, "cuda", gen)
     ws = ws.to(w_scale_dtype)
-    for M in (1, 5, 16):
+    for M in ms:
         qx = _qx(M, K, "cuda", gen)
         sx = (torch.rand(M, generator=gen) * 0.1 + 1e-3).cuda()
         b = None if bias is None else torch.randn(N, generator=gen).to(device="cuda", dtype=bias)
         _poison_allocator("cuda")
-        y = w4a4.w4a4_mma(qx, sx, qw, ws, b, out_dtype=dtype)
+        y = product(qx, sx, qw, ws, b, M)
         assert y.dtype == dtype and y.shape == (M, N)
         prod = _exact_acc(qx, qw).double() * sx.double()[:, None] * ws.double()[None, :]
         ref = prod + (0 if b is None else b.double())
@@ -745,22 +752,13 @@ def test_wgmma_extreme_codes_do_not_overflow():
 @pytest.mark.parametrize("bias", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w_scale_dtype", [torch.float16, torch.float32])
 def test_wgmma_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
+    """M = 17 (one 64-token tile), 200 unsplit and split over K (the int32 partials summed by the
+    last CTA before the float epilogue)."""
     _needs_wgmma_kernel()
-    N, K = 4096, 4096
-    gen = torch.Generator().manual_seed(2)
-    qw, ws = _codes_weight(N, K, "cuda", gen)
-    ws = ws.to(w_scale_dtype)
-    for M, split in ((17, None), (200, 1), (200, 4)):
-        qx = _qx(M, K, "cuda", gen)
-        sx = (torch.rand(M, generator=gen) * 0.1 + 1e-3).cuda()
-        b = None if bias is None else torch.randn(N, generator=gen).to(device="cuda", dtype=bias)
-        cfg = None if split is None else dict(w4a4.wgmma_config(M, N, K), split_k=split)
-        _poison_allocator("cuda")
-        y = w4a4.w4a4_wgmma(qx, sx, qw, ws, b, out_dtype=dtype, config=cfg)
-        assert y.dtype == dtype and y.shape == (M, N)
-        prod = _exact_acc(qx, qw).double() * sx.double()[:, None] * ws.double()[None, :]
-        ref = prod + (0 if b is None else b.double())
-        _ulp_close(y, ref, dtype, terms=prod.abs() + (0 if b is None else b.double().abs()))
+    for split in (1, 4):
+        _check_scaled_output(lambda qx, sx, qw, ws, b, M: w4a4.w4a4_wgmma(
+            qx, sx, qw, ws, b, out_dtype=dtype, config=dict(w4a4.wgmma_config(M, 4096, 4096), split_k=split)),
+            (17, 200), dtype, bias, w_scale_dtype, seed=2 + split)
 
 
 @pytest.mark.gpu
