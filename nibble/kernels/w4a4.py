@@ -811,6 +811,8 @@ def _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, ro
     if qx.stride(1) != 1 or qx.stride(0) % row_align or qx.data_ptr() % row_align:  # rows are copied in pieces
         qx = qx.contiguous()
     qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
+    if qweight.data_ptr() % 16:  # weights move in 16-byte copies (a view at an odd word offset)
+        qweight = qweight.clone()
     if bias is not None:
         bias = bias.contiguous()
         if bias.dtype not in _DTYPE_CODES:

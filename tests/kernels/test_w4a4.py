@@ -785,6 +785,25 @@ def test_prefill_ops_take_the_wgmma_kernel(had, monkeypatch):
         assert torch.equal(y, w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, out_dtype=torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_kernels_take_misaligned_views():
+    """qx and qweight as views at offsets that break the kernels' 16-byte copies: handled, exact."""
+    _needs_mma_kernel()
+    N, K = 512, 1024
+    qw_big, _ = _codes_weight(N + 4, K, "cuda")
+    qw = qw_big.view(-1)[1:1 + K // 8 * N].view(K // 8, N)  # one word past an aligned start
+    for M in (3, 300):
+        qx = _qx(M, K + 1, "cuda")[:, 1:]  # rows one byte off
+        exact = _exact_acc(qx.contiguous(), qw.contiguous())
+        kernels = [w4a4.w4a4_mma] if M <= w4a4.MMA_MAX_M else []
+        if w4a4.wgmma_applicable(M, N, K, "cuda"):
+            kernels.append(w4a4.w4a4_wgmma)
+        for kernel in kernels:
+            acc = kernel(qx, torch.ones(M, device="cuda"), qw, torch.ones(N, device="cuda"), out_int32=True)
+            assert torch.equal(acc, exact), kernel.__name__
+
+
 def test_wgmma_rejects_what_it_cannot_run():
     qx, sx = torch.zeros(17, 64, dtype=torch.int8), torch.ones(17)
     qw, ws = _codes_weight(64, 64, "cpu")
