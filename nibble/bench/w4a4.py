@@ -168,12 +168,11 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
             run("w4a4_h", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, True)), n4)
 
         base = res.get("bf16")
-        if order == "even_odd":
-            cfg = dict(kernel="w4a4_wgmma", **w4a4.wgmma_config(M, N, K))
-        elif w4a4.mma_applicable(qx, N, K):
-            cfg = dict(kernel="w4a4_mma")
-        else:
-            cfg = dict(kernel="triton", **w4a4.pick_config(M, N, K))
+        cfg = dict(kernel=w4a4.product_kernel(qx, N, order))
+        if cfg["kernel"] == "w4a4_wgmma":
+            cfg.update(w4a4.wgmma_config(M, N, K))
+        elif cfg["kernel"] == "triton":
+            cfg.update(w4a4.pick_config(M, N, K))
         for op, us in res.items():
             row = dict(N=N, K=K, M=M, op=op, us=us, speedup=(base / us) if (base and us) else None)
             if us:

@@ -236,12 +236,18 @@ def _check_act_input(x: torch.Tensor) -> None:
 ORDERS = ("natural", "even_odd")
 
 
+def _check_order(order: str, K: int) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if order == "even_odd" and K % 32:
+        raise ValueError(f"the even_odd order permutes 32-column blocks: K={K} must be a multiple of 32")
+
+
 def to_even_odd(q: torch.Tensor) -> torch.Tensor:
     """Codes [M, K] in natural order -> the "even_odd" order of `w4a4_wgmma` (each 32-column block
     as its 16 even columns, then its 16 odd ones); what the act-quant kernel writes with that order."""
     M, K = q.shape
-    if K % 32:
-        raise ValueError(f"the even_odd order permutes 32-column blocks: K={K} must be a multiple of 32")
+    _check_order("even_odd", K)
     return q.reshape(M, K // 32, 16, 2).transpose(-1, -2).reshape(M, K)
 
 
@@ -250,10 +256,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     """The act-quant kernel: x [M, K] fp16/bf16 -> (q int8 [M, K], scale float32 [M]); q in
     `order` ("natural", or "even_odd" for `w4a4_wgmma`)."""
     _check_act_input(x)
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    if order == "even_odd" and x.shape[1] % 32:
-        raise ValueError(f"the even_odd order permutes 32-column blocks: K={x.shape[1]} must be a multiple of 32")
+    _check_order(order, x.shape[1])
     if triton is None:
         raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
     if not (x.is_cuda or _interpreting()):
@@ -300,10 +303,9 @@ def quantize_activations(x: torch.Tensor, input_hadamard: bool = False,
     x: [M, K] float16/bfloat16 -> (q int8 [M, K] in [-8, 7], scale float32 [M]); the Triton kernel
     on CUDA, `reference.quantize_activations` elsewhere. order: see `quantize_activations_triton`.
     """
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if kernels_available(x) and x.dtype in KERNEL_DTYPES:
         return quantize_activations_triton(x, input_hadamard, order)
+    _check_order(order, x.shape[-1])
     if input_hadamard:
         x = _had.hadamard_transform_reference(x)
     q, s = reference.quantize_activations(x)
@@ -883,15 +885,18 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0) and _wgmma_lib(device) is not None)
 
 
+def _wgmma_tiles(M: int, N: int, bn: int) -> int:
+    """Output tiles (CTAs per split) of `w4a4_wgmma` with `bn`-token tiles."""
+    return -(-M // bn) * -(-N // WGMMA_CHANNELS)
+
+
 def wgmma_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     """Token tile, stages and split-K for `w4a4_wgmma`: 64-token tiles up to M = 64, else 128.
     K is split only where the output tiles leave SMs idle AND K is long: each split stores an int32
     partial of the whole output, which cost more than idle SMs on every 4096-deep layer measured
     (H200, M = 128: split 1 fastest up to K = 8192; 8192 x 28672 fastest at split 4)."""
     bn = 64 if M <= 64 else 128
-    tiles = -(-M // bn) * -(-N // WGMMA_CHANNELS)
-    k_tiles = -(-K // WGMMA_BK)
-    split = max(1, min(sms // tiles, k_tiles // 56))
+    split = max(1, min(sms // _wgmma_tiles(M, N, bn), -(-K // WGMMA_BK) // 56))
     return dict(bn=bn, stages=6 if bn == 64 else 4, split_k=split)
 
 
@@ -906,8 +911,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
     M, K = qx.shape
     N = qweight.shape[1]
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    _check_order(order, K)
     if not wgmma_applicable(M, N, K, qx.device):
         raise ValueError(f"w4a4_wgmma needs an sm_90 GPU with the compiled kernel, M > {MMA_MAX_M}, N % 4 == 0 "
                          f"and K % 32 == 0; got M={M} N={N} K={K} on {qx.device}")
@@ -922,8 +926,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     k_tiles = -(-K // WGMMA_BK)
     per_split = -(-k_tiles // max(1, int(cfg["split_k"])))
     split = -(-k_tiles // per_split)
-    tiles = -(-M // cfg["bn"]) * -(-N // WGMMA_CHANNELS)
-    part, cnt = _split_buffers(split, M, N, tiles, qx.device)
+    part, cnt = _split_buffers(split, M, N, _wgmma_tiles(M, N, cfg["bn"]), qx.device)
     with torch.cuda.device(qx.device):
         err = _wgmma_lib(qx.device).nibble_w4a4_wgmma(
             args[0], cfg["bn"], cfg["stages"], *args[1:], part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
@@ -986,8 +989,7 @@ def wgmma_preferred(M: int, N: int, K: int, device) -> bool:
     ~100 tiles: 28672 x 8192 at M = 128, 57 vs 73 us, and every shape at M >= 1024)."""
     if not wgmma_applicable(M, N, K, device):
         return False
-    tiles = -(-M // 128) * -(-N // WGMMA_CHANNELS)
-    return tiles >= WGMMA_MIN_FILL * num_sms(torch.device(device))
+    return _wgmma_tiles(M, N, 128) >= WGMMA_MIN_FILL * num_sms(torch.device(device))
 
 
 def product_order(M: int, N: int, K: int, device) -> str:
@@ -995,19 +997,29 @@ def product_order(M: int, N: int, K: int, device) -> str:
     return "even_odd" if wgmma_preferred(M, N, K, device) else "natural"
 
 
-def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                order: str = "natural") -> torch.Tensor:
-    """The product on quantized activations as the op runs it: the CUDA kernels (`w4a4_mma` for
-    M <= 16, `w4a4_wgmma` on Hopper where `wgmma_preferred`) where they apply, the Triton kernels
-    otherwise. qx comes in `order`; pass `product_order(...)`'s to skip a permutation."""
+def product_kernel(qx: torch.Tensor, N: int, order: str = "natural") -> str:
+    """Which kernel `w4a4_matmul` runs for qx [M, K] (in `order`) times an N-column weight:
+    "w4a4_mma" for M <= 16, "w4a4_wgmma" on Hopper where `wgmma_preferred` (or for even_odd qx),
+    else "triton"."""
     M, K = qx.shape
-    N = qweight.shape[1]
     if order == "even_odd" and not wgmma_applicable(M, N, K, qx.device):
         raise ValueError("even_odd activations are for w4a4_wgmma only; quantize with order=product_order(...)")
     if mma_applicable(qx, N, K):
-        return w4a4_mma(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
+        return "w4a4_mma"
     if order == "even_odd" or wgmma_preferred(M, N, K, qx.device):
+        return "w4a4_wgmma"
+    return "triton"
+
+
+def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                order: str = "natural") -> torch.Tensor:
+    """The product on quantized activations as the op runs it, on `product_kernel`'s choice. qx
+    comes in `order`; pass `product_order(...)`'s to skip a permutation."""
+    kernel = product_kernel(qx, qweight.shape[1], order)
+    if kernel == "w4a4_mma":
+        return w4a4_mma(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
+    if kernel == "w4a4_wgmma":
         return w4a4_wgmma(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype, order=order)
     return w4a4_matmul_triton(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
 
