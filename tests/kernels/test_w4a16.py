@@ -281,21 +281,22 @@ def test_gpu_split_k_counters_per_stream():
 
 @needs_cuda
 def test_gpu_torch_compile():
-    qw, s, z = make_weight(1024, 2048, 128, device="cuda")
+    qw, s, z = make_weight(8192, 4096, 128, device="cuda")  # 80 tokens: the wgmma kernel on Hopper
 
     def f(x):
         return torch.ops.nibble.w4a16_linear(x, qw, s, z, 128) * 2 + 1
 
     cf = torch.compile(f, fullgraph=True)
     for M in (1, 4, 80):
-        x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(cf(x), f(x))
 
 
 @needs_cuda
 @pytest.mark.parametrize("M", [1, 2, 8, 200])
-def test_gpu_cuda_graph_capture(M):
-    qw, s, z = make_weight(2048, 4096, 128, device="cuda", seed=M)
+@pytest.mark.parametrize("N", [2048, 8192])  # 200 tokens: dequantise + cuBLAS, or the wgmma kernel (split-K)
+def test_gpu_cuda_graph_capture(M, N):
+    qw, s, z = make_weight(N, 4096, 128, device="cuda", seed=M)
     x = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
     torch.ops.nibble.w4a16_linear(x, qw, s, z, 128)  # warm-up (compile, counters)
     torch.cuda.synchronize()
@@ -307,6 +308,116 @@ def test_gpu_cuda_graph_capture(M):
         g.replay()
         torch.cuda.synchronize()
         assert_close(y, x, qw, s, z, 128)
+
+
+# ---- GPU: the Hopper GEMM for many tokens (csrc/w4a16_wgmma.cu) -------------------------------------
+def _needs_wgmma_kernel():
+    if not (CUDA and W.wgmma_applicable(torch.empty(1, 8, device="cuda"), 256, 256, 128)):
+        pytest.skip("the wgmma W4A16 kernel needs an sm_90 GPU (H100/H200) and nvcc")
+
+
+@needs_cuda
+@pytest.mark.parametrize("bn", W.WGMMA_TOKEN_TILES)
+@pytest.mark.parametrize("G", [32, 64, 128, 256, "column"])
+def test_gpu_wgmma_every_instantiation(bn, G):
+    """Every compiled tile x group layout, both activation dtypes, with and without split-K; odd M,
+    N not a multiple of the 256-channel tile, K not a multiple of the 128-deep stage (per-column
+    groups), outputs poisoned with NaN."""
+    _needs_wgmma_kernel()
+    for (N, K) in ((1000, 1536), (256, 2560), (4104, 640)):
+        g = K if G == "column" else G
+        if K % g:
+            continue
+        for M, split, dtype in ((1, 1, torch.bfloat16), (bn + 1, 3, torch.float16), (2 * bn + 37, 1, torch.bfloat16),
+                                (300, 2, torch.bfloat16)):
+            qw, s, z = make_weight(N, K, g, symmetric=(M % 2 == 0), device="cuda", seed=N + M + bn)
+            x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+            W.w4a16_wgmma(x, qw, s, z, g, config=dict(bn=bn, split_k=split), out=out)
+            torch.cuda.synchronize()
+            assert_close(out, x, qw, s, z, g)
+    for K in (576, 1000):  # one group per column, K % 128 != 0
+        qw, s, z = make_weight(512, K, K, device="cuda", seed=K)
+        x = torch.randn(77, K, device="cuda", dtype=torch.bfloat16)
+        assert_close(W.w4a16_wgmma(x, qw, s, z, K, config=dict(bn=bn, split_k=2)), x, qw, s, z, K)
+
+
+@needs_cuda
+def test_gpu_wgmma_split_k_repeatable_and_counters_left_zero():
+    """The split-K sum runs in split order whoever arrives last: repeated calls are bitwise equal, and
+    the tile counters are back at zero after each call (the next call relies on it)."""
+    _needs_wgmma_kernel()
+    qw, s, z = make_weight(4096, 4096, 128, device="cuda")
+    x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
+    ys = [W.w4a16_wgmma(x, qw, s, z, 128, config=dict(bn=128, split_k=4)) for _ in range(5)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(y, ys[0]) for y in ys[1:])
+    assert int(W._counters(x.device, 64)[:64].abs().sum()) == 0
+    assert_close(ys[0], x, qw, s, z, 128)
+
+
+@needs_cuda
+def test_gpu_wgmma_views_and_strided_out():
+    """Misaligned or strided views of x are copied (the TMA reads 16-byte aligned rows); an `out`
+    the epilogue cannot store into receives a copy."""
+    _needs_wgmma_kernel()
+    qw, s, z = make_weight(512, 1024, 128, device="cuda")
+    base = torch.randn(100 * 1024 + 1, device="cuda", dtype=torch.float16)
+    x = base[1:].view(100, 1024)  # data_ptr % 16 == 2
+    out = torch.full((100, 1024), float("nan"), device="cuda", dtype=torch.float16)[:, 3:515]
+    W.w4a16_wgmma(x, qw, s, z, 128, out=out)
+    assert_close(out, x, qw, s, z, 128)
+
+
+@needs_cuda
+def test_gpu_prefill_takes_the_wgmma_kernel(monkeypatch):
+    """Between 33 and WGMMA_MAX_M tokens the op runs csrc/w4a16_wgmma.cu on Hopper (no dequantised
+    copy of the weight)."""
+    _needs_wgmma_kernel()
+    calls = []
+    real = W.w4a16_wgmma
+    monkeypatch.setattr(W, "w4a16_wgmma", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(W, "dequantize_cuda", None)  # the old path would fail loudly
+    qw, s, z = make_weight(8192, 4096, 128, device="cuda")  # not a small layer (SMALL_LAYER)
+    for M in (33, 128, 1000):
+        x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+        assert_close(torch.ops.nibble.w4a16_linear(x, qw, s, z, 128), x, qw, s, z, 128)
+    assert calls == [33, 128, 1000]
+
+
+def test_wgmma_config_rules():
+    """A compiled tile; split-K only where each split keeps 2 K tiles and the CTAs fit two waves;
+    few tokens take 64-token tiles, many 256; more splits where output tiles are few; pure."""
+    for M in (17, 64, 65, 128, 256, 1024, 2048):
+        for N, K in ((4096, 4096), (28672, 8192), (8192, 28672), (4096, 14336), (576, 1536)):
+            cfg = W.wgmma_config(M, N, K, 132)
+            assert cfg == W.wgmma_config(M, N, K, 132)
+            assert cfg["bn"] in W.WGMMA_TOKEN_TILES and cfg["split_k"] in W.WGMMA_SPLITS
+            tiles = W._wgmma_tiles(M, N, cfg["bn"])
+            assert cfg["split_k"] == 1 or (tiles * cfg["split_k"] <= 2 * 132 and -(-K // 128) // cfg["split_k"] >= 2)
+    assert W.wgmma_config(64, 28672, 8192)["bn"] == 64 and W.wgmma_config(2048, 28672, 8192)["bn"] == 256
+    assert W.wgmma_config(128, 4096, 14336)["split_k"] > W.wgmma_config(128, 28672, 8192)["split_k"] == 1
+    assert W.wgmma_channels(256) == 128 and W.wgmma_channels(128) == 256
+    assert W.wgmma_group_ok(32, 4096) and W.wgmma_group_ok(256, 4096) and W.wgmma_group_ok(576, 576)
+    assert not W.wgmma_group_ok(96, 576) and not W.wgmma_group_ok(16, 4096)
+
+
+def test_large_m_kernel_rules():
+    """The measured dispatch: skinny up to 32 tokens (64 on small layers), dequantise + cuBLAS on
+    small layers up to 512 tokens and everywhere above WGMMA_MAX_M, wgmma between."""
+    assert W.large_m_kernel(32, 28672, 8192) == "skinny" and W.large_m_kernel(33, 28672, 8192) == "wgmma"
+    assert W.large_m_kernel(64, 4096, 4096) == "skinny" and W.large_m_kernel(65, 4096, 4096) == "dequant"
+    assert W.large_m_kernel(512, 4096, 4096) == "dequant" and W.large_m_kernel(513, 4096, 4096) == "wgmma"
+    assert W.large_m_kernel(128, 4096, 11008) == "wgmma"
+    assert W.large_m_kernel(W.WGMMA_MAX_M, 28672, 8192) == "wgmma"
+    assert W.large_m_kernel(W.WGMMA_MAX_M + 1, 28672, 8192) == "dequant"
+
+
+def test_wgmma_rejects_what_it_cannot_run():
+    x = torch.randn(100, 512, dtype=torch.bfloat16)
+    qw, s, z = make_weight(256, 512, 128)
+    with pytest.raises(ValueError, match="sm_90"):
+        W.w4a16_wgmma(x, qw, s, z, 128)
 
 
 def test_select_mma_config_rules():

@@ -1,4 +1,4 @@
-// What the skinny tensor-core kernels (w4a16_mma.cu, w4a4_mma.cu) share: cp.async helpers
+// What the skinny tensor-core kernels (w4a16_mma.cu, w4a4_mma.cu) share: cp.async helpers, a lop3
 // (global -> shared copies that hold no registers), the lane mappings of their per-warp weight and
 // token streams, and the shared-memory opt-in of their launchers.
 #pragma once
@@ -6,6 +6,14 @@
 #include <stdint.h>
 
 #include <type_traits>
+
+// (a & b) | c in one instruction (lut = (0xF0 & 0xCC) | 0xAA); written out because the compiler
+// splits a mask and an OR constant into two.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
 
 // Predicated copies: a branch around each copy would cost a reconvergence barrier per step.
 // 16 bytes bypass L1 (.cg: weights, read once); 8 bytes go through it (.ca: small, reused data).

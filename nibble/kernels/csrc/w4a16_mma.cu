@@ -62,12 +62,6 @@
 
 namespace {
 
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;  // (a & b) | c in one instruction: lut = (0xF0 & 0xCC) | 0xAA
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
 // Per activation type: the raw-code base B (twice, as the lop3 OR constant, and as a float), 1.0
 // twice, the MMA's type name and the output conversion.
 template <typename T> struct Num;

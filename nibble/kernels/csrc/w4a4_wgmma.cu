@@ -45,7 +45,6 @@
 // Epilogue: lane (g, t) holds channels c .. c+3 of tokens 8 b + 2 t + {0, 1}: one 4-wide store per
 // token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
 // on a tile sums them (exact, order-free) and scales.
-#include <cuda.h>  // CUtensorMap and its enums (the encoder is fetched from the driver at run time)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -53,6 +52,7 @@
 
 #include <type_traits>
 
+#include "hopper.cuh"
 #include "skinny.cuh"
 #include "w4a4_epilogue.cuh"
 
@@ -65,77 +65,6 @@ constexpr int BK = 128;                 // K per stage
 constexpr int W_BOX = BK / 8 * 128;     // 16 word rows x 32 columns
 constexpr int W_STAGE = CH / 32 * W_BOX;  // 8 boxes
 constexpr int GROUP_M = 8;              // token tiles that share each weight tile while it is in L2
-
-// d += A (64 x 32 s8, registers) * B (32 x BN s8, shared memory descriptor), int32 accumulators.
-template <int BN> struct Wgmma;
-template <> struct Wgmma<64> {
-  static __device__ __forceinline__ void mma(int (&d)[32], const uint32_t* a, uint64_t desc_b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, 1;"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-  }
-};
-template <> struct Wgmma<128> {
-  static __device__ __forceinline__ void mma(int (&d)[64], const uint32_t* a, uint64_t desc_b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, 1;"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
-        "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
-        "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
-        "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
-        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-  }
-};
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory"); }
-// Keeps the compiler from moving accumulator reads / writes across the asynchronous MMAs.
-template <int R>
-__device__ __forceinline__ void fence_operands(int (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
-
-// K-major operand, 128-byte swizzle: start address, leading offset unused (1), 1024 bytes between
-// 8-row groups.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return (uint64_t)((addr >> 4) & 0x3FFF) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-  asm volatile(
-      "{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; @!done bra WAIT_%=; }"
-      ::"r"(bar), "r"(parity) : "memory");
-}
-// A 2-D box of a tensor map (c0: innermost coordinate) into shared memory; completes on `bar`.
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
 
 __device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
@@ -222,8 +151,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       const uint32_t a1[4] = {even_nibbles(w.z), even_nibbles(w.w), odd_nibbles(w.z), odd_nibbles(w.w)};
       const uint64_t desc = smem_desc(sx + 32 * k);
       wgmma_fence();
-      Wgmma<BN>::mma(acc[0], a0, desc);
-      Wgmma<BN>::mma(acc[1], a1, desc);
+      Wgmma<S8, BN>::mma(acc[0], a0, desc);
+      Wgmma<S8, BN>::mma(acc[1], a1, desc);
       wgmma_commit();
       wgmma_wait<1>();  // the previous step's group is done: its registers are free
       // ... and after this tile's first step, so is the previous tile: release its stage.
@@ -296,30 +225,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       *reinterpret_cast<typename Out4<T>::type*>(out + (size_t)m * ldo + ch) = o.vec;
     }
-}
-
-// The tensor maps' encoder lives in the driver; fetched once (no link against libcuda).
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr,
-                          uint64_t inner, uint64_t outer, uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer) {
-  static EncodeTiled encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult found;
-    void* fn = nullptr;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                                             &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
-    encode = reinterpret_cast<EncodeTiled>(fn);
-  }
-  const cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
-  const cuuint32_t box[2] = {box_inner, box_outer}, unit[2] = {1, 1};
-  const CUresult r = encode(map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, unit,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 template <typename T, int BN, int STAGES>

@@ -1,0 +1,146 @@
+// What the Hopper GEMMs (w4a4_wgmma.cu, w4a16_wgmma.cu; sm_90a) share: warpgroup MMAs with the
+// weight as the register operand A and the activations as B in shared memory, the mbarriers and
+// tensor-map copies (TMA) of their pipelines, and the tensor maps' encoder.
+#pragma once
+#include <cuda.h>  // CUtensorMap and its enums (the encoder is fetched from the driver at run time)
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+// The accumulator registers of one m64nN instruction, in PTX operand order.
+#define NIBBLE_D32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define NIBBLE_D64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define NIBBLE_D128 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+  "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+  "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
+  "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, " \
+  "%123, %124, %125, %126, %127}"
+#define NIBBLE_OPS8(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
+#define NIBBLE_OPS32(C) NIBBLE_OPS8(C, 0), NIBBLE_OPS8(C, 8), NIBBLE_OPS8(C, 16), NIBBLE_OPS8(C, 24)
+#define NIBBLE_OPS64(C) NIBBLE_OPS32(C), NIBBLE_OPS8(C, 32), NIBBLE_OPS8(C, 40), NIBBLE_OPS8(C, 48), NIBBLE_OPS8(C, 56)
+#define NIBBLE_OPS128(C)                                                                                  \
+  NIBBLE_OPS64(C), NIBBLE_OPS8(C, 64), NIBBLE_OPS8(C, 72), NIBBLE_OPS8(C, 80), NIBBLE_OPS8(C, 88), NIBBLE_OPS8(C, 96), \
+      NIBBLE_OPS8(C, 104), NIBBLE_OPS8(C, 112), NIBBLE_OPS8(C, 120)
+
+// d += A (64 x K, four registers per thread) * B (K x BN, shared memory descriptor, K-major).
+// Kind: s8 (K = 32, int32 accumulators), f16 / bf16 (K = 16, fp32 accumulators).
+struct S8 {};
+struct F16 {};
+struct BF16 {};
+template <typename Kind, int BN> struct Wgmma;
+template <> struct Wgmma<S8, 64> {
+  static __device__ __forceinline__ void mma(int (&d)[32], const uint32_t* a, uint64_t desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " NIBBLE_D32 ", {%32, %33, %34, %35}, %36, 1;"
+                 : NIBBLE_OPS32("+r") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+template <> struct Wgmma<S8, 128> {
+  static __device__ __forceinline__ void mma(int (&d)[64], const uint32_t* a, uint64_t desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " NIBBLE_D64 ", {%64, %65, %66, %67}, %68, 1;"
+                 : NIBBLE_OPS64("+r") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+// Floating point (TYPE "f16" or "bf16"): scale-d 1 (accumulate), A and B not negated, B not
+// transposed (K-major).
+#define NIBBLE_WGMMA_F32(KIND, TYPE)                                                                          \
+  template <> struct Wgmma<KIND, 64> {                                                                        \
+    static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t* a, uint64_t desc) {            \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " NIBBLE_D32                 \
+                   ", {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"                                                 \
+                   : NIBBLE_OPS32("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));              \
+    }                                                                                                         \
+  };                                                                                                          \
+  template <> struct Wgmma<KIND, 128> {                                                                       \
+    static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t* a, uint64_t desc) {            \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " NIBBLE_D64                \
+                   ", {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"                                                 \
+                   : NIBBLE_OPS64("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));              \
+    }                                                                                                         \
+  };                                                                                                          \
+  template <> struct Wgmma<KIND, 256> {                                                                       \
+    static __device__ __forceinline__ void mma(float (&d)[128], const uint32_t* a, uint64_t desc) {           \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " NIBBLE_D128               \
+                   ", {%128, %129, %130, %131}, %132, 1, 1, 1, 0;"                                            \
+                   : NIBBLE_OPS128("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));             \
+    }                                                                                                         \
+  };
+NIBBLE_WGMMA_F32(F16, "f16")
+NIBBLE_WGMMA_F32(BF16, "bf16")
+#undef NIBBLE_WGMMA_F32
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory"); }
+// Keeps the compiler from moving accumulator reads / writes across the asynchronous MMAs.
+template <int R>
+__device__ __forceinline__ void fence_operands(int (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void fence_operands(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// K-major operand, 128-byte swizzle: start address, leading offset unused (1), 1024 bytes between
+// 8-row groups. A K step inside a 128-byte row is the start moved by its byte offset.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return (uint64_t)((addr >> 4) & 0x3FFF) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; @!done bra WAIT_%=; }"
+      ::"r"(bar), "r"(parity) : "memory");
+}
+// A 2-D box of a tensor map (c0: innermost coordinate) into shared memory; completes on `bar`
+// with the box's full size in bytes, zero-filled past the tensor's edges.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+// The tensor maps' encoder lives in the driver; fetched once (no link against libcuda).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// A row-major [outer, inner] tensor (rows of row_bytes) read in boxes of [box_outer, box_inner].
+inline cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr, uint64_t inner,
+                                 uint64_t outer, uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer,
+                                 CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+  static EncodeTiled encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                             &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+    encode = reinterpret_cast<EncodeTiled>(fn);
+  }
+  const cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer}, unit[2] = {1, 1};
+  const CUresult r = encode(map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}

@@ -1,0 +1,400 @@
+// W4A16 GEMM for many tokens (prefill, batches) on Hopper's asynchronous tensor cores (wgmma,
+// sm_90a), reading nibble's canonical INT4 layout as stored:
+//
+//   y[m, n] = sum_k x[m, k] * (q[k, n] * s[k / G, n] + z[k / G, n])     fp32 accumulation
+//
+// Why a CUDA kernel: below 64 tokens csrc/w4a16_mma.cu streams the weight; above, the work is the
+// tensor cores', and the weight must reach them dequantized without a round trip through shared
+// memory or HBM (the previous path dequantized the whole weight to bf16, then ran cuBLAS).
+//
+// Roles (those of csrc/w4a4_wgmma.cu, whose header explains the pipeline). The weight is wgmma's A
+// operand, taken from registers: a warpgroup dequantizes its own 128 output channels straight into
+// the fragments of two m64 x k16 instructions. The activations are B (tokens = wgmma's N), read by
+// the tensor cores from shared memory. A CTA is two warpgroups x 128 channels x BN tokens; a third
+// warpgroup issues the TMA copies, STAGES tiles of 128 K ahead, through full / empty mbarriers.
+//
+// Weight fragments. An m64 x k16 fragment gives lane (g, t) of each warp the K pairs (2t, 2t+1) and
+// (2t+8, 2t+9) of rows g and g+8. A k16 step is two word rows of the canonical layout (word row i
+// holds K rows 8i .. 8i+7, nibble j = row 8i + j), and K pair (2t, 2t+1) is exactly byte t of a
+// word. So lane (g, t) reads, per k16 step, the 16-byte quads of its four columns c .. c+3 in both
+// word rows (c = 4g within the warp's 32; rows g / g+8 of instruction j are columns c + 2j / c + 2j +
+// 1), and takes byte t of each word: the K order of the tensor cores is the natural one, so x needs
+// no permutation and arrives by TMA as the caller holds it. The four lanes of a quad read the same
+// bytes (a shared-memory broadcast); each dequantizes only its own byte.
+//
+// Dequantization, exact and in fp32 (6 instructions per register of two weights):
+//   r = rotate(word, 15 - 8t)                 byte t at bits 15..22: low nibble 15..18, high 19..22
+//   lo = float(r & 0x00078000 | 0x3F800000)   = 1 + q_lo / 256 exactly (the nibble in the mantissa)
+//   hi = float(r & 0x00780000 | 0x3F800000)   = 1 + q_hi / 16
+//   w_lo = fma(lo, 256 s, z - 256 s),  w_hi = fma(hi, 16 s, z - 16 s)   then one cvt packs both.
+// The per-group constants are fp32 (s and z are fp16, so 256 s is exact and z - 256 s is off by at
+// most 2^-16 s), and each weight is rounded once, to x's dtype: the same weight the reference
+// rounds. (In 16-bit arithmetic, bf16 scales would cost 2-3 ulp per weight, and folding the magic
+// constant into z in 16 bits cancels catastrophically.)
+//
+// Shared memory, per stage: x as two boxes of BN rows x 64 K (128 bytes, the TMA's 128-byte swizzle
+// that wgmma's descriptor reads; a k16 step moves the descriptor by 32 bytes), the weight as 8 boxes
+// of 16 word rows x 32 columns (same swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then
+// the group's scales and zeros: one row of 256 fp16 per group the stage touches (G >= 128: one;
+// G = 64, 32: two, four). TMA zero-fills past M, N, K: zero x times any finite weight adds nothing.
+//
+// Epilogue: lane (g, t) holds channels c .. c+3 of tokens 8 b + 2 t + {0, 1}: one 4-wide store per
+// token. Split-K (few tiles for the SMs): each split stores its fp32 partial; the last CTA to arrive
+// on a tile sums all of them in split order (deterministic: the same sum whoever arrives last) and
+// resets the tile's counter for the next call.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "hopper.cuh"
+#include "skinny.cuh"
+
+namespace {
+
+constexpr int CONSUMERS = 256;            // two warpgroups compute
+constexpr int THREADS = CONSUMERS + 128;  // and one copies (registers are granted per warpgroup)
+constexpr int BK = 128;                   // K per stage
+constexpr int STEPS = BK / 16;            // k16 steps per stage
+constexpr int X_BOX = 64;                 // x columns per 128-byte swizzled row
+constexpr int W_BOX = BK / 8 * 128;       // 16 word rows x 32 columns
+constexpr int GROUP_M = 8;                // token tiles that share each weight tile while it is in L2
+
+// The CTA's shape for a token tile of BN. Each warpgroup issues J m64 x BN x k16 instructions per
+// step: two of 64 channels up to 128 tokens, one of 64 channels x 256 tokens (the same 128
+// accumulators per thread; every dequantized weight then feeds twice the tokens, which halves
+// the unpacking per MAC where M is large). A lane owns 2J consecutive columns.
+// Per stage: x, the weight boxes, then the scales and zeros of the SZ_ROWS groups it touches
+// (GROUP_STEPS k16 steps per group), padded so that every stage starts 1024-byte aligned.
+template <int BN, int GROUP_STEPS> struct Tile {
+  static constexpr int J = BN == 256 ? 1 : 2;
+  static constexpr int CH = 128 * J;  // output channels per CTA
+  static constexpr int STAGES = BN == 256 ? 3 : BN == 128 ? 4 : 6;
+  static constexpr int SZ_ROWS = STEPS / GROUP_STEPS, SZ_ROW = CH * 2;
+  static constexpr int X_BYTES = BN * BK * 2, W_BYTES = CH / 32 * W_BOX, SZ_BYTES = 2 * SZ_ROWS * SZ_ROW;
+  static constexpr int BYTES = X_BYTES + W_BYTES + SZ_BYTES;  // what the TMA brings per stage
+  static constexpr int STAGE = X_BYTES + W_BYTES + (SZ_BYTES + 1023) / 1024 * 1024;
+  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES;  // + alignment, mbarriers
+};
+
+template <typename E, int N> struct alignas(sizeof(E) * N) Vec { E v[N]; };  // one N-wide access
+
+template <typename T> struct Elem;
+template <> struct Elem<__half> {
+  using Kind = F16;
+  static constexpr CUtensorMapDataType map_type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+};
+template <> struct Elem<__nv_bfloat16> {
+  using Kind = BF16;
+  static constexpr CUtensorMapDataType map_type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+};
+
+// One column's group: w = (1 + q/256) * s256 + z256 for the low nibble of a byte, (1 + q/16) *
+// s16 + z16 for the high one.
+struct Affine {
+  float s256, z256, s16, z16;
+  __device__ __forceinline__ Affine() {}
+  __device__ __forceinline__ Affine(__half s, __half z) {
+    const float sf = __half2float(s), zf = __half2float(z);
+    s256 = 256.f * sf;
+    z256 = zf - s256;
+    s16 = 16.f * sf;
+    z16 = zf - s16;
+  }
+};
+
+// Byte t of `word` (rot = (15 - 8t) mod 32) -> the fragment register of its two weights.
+template <typename T>
+__device__ __forceinline__ uint32_t dequant(uint32_t word, int rot, const Affine& a) {
+  const uint32_t r = __funnelshift_l(word, word, rot);
+  const float lo = __uint_as_float(and_or(r, 0x00078000u, 0x3F800000u));
+  const float hi = __uint_as_float(and_or(r, 0x00780000u, 0x3F800000u));
+  return Elem<T>::pack(fmaf(lo, a.s256, a.z256), fmaf(hi, a.s16, a.z16));
+}
+
+// A lane's 2J consecutive outputs of one token, in one store.
+template <typename T, int J>
+__device__ __forceinline__ void store_outputs(T* dst, const float (&v)[2 * J]) {
+  Vec<uint32_t, J> o;
+#pragma unroll
+  for (int j = 0; j < J; ++j) o.v[j] = Elem<T>::pack(v[2 * j], v[2 * j + 1]);
+  *reinterpret_cast<Vec<uint32_t, J>*>(dst) = o;
+}
+
+// Partial sums other CTAs wrote, read through the L2 (.cg: this SM's L1 is not coherent with them).
+__device__ __forceinline__ void load_l2(const float* p, float (&v)[4]) {
+  const float4 o = __ldcg(reinterpret_cast<const float4*>(p));
+  v[0] = o.x, v[1] = o.y, v[2] = o.z, v[3] = o.w;
+}
+__device__ __forceinline__ void load_l2(const float* p, float (&v)[2]) {
+  const float2 o = __ldcg(reinterpret_cast<const float2*>(p));
+  v[0] = o.x, v[1] = o.y;
+}
+
+// GROUP_STEPS: k16 steps per group inside a stage (2 for G = 32, 4 for 64, 8 for G >= 128).
+template <typename T, int BN, int GROUP_STEPS>
+__global__ void __launch_bounds__(THREADS, 1)
+    w4a16_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                       const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
+                       T* __restrict__ out, float* __restrict__ partial, int* __restrict__ counters, int M, int N,
+                       int K, int group_size, int ldo, int tiles_per_split) {
+  using L = Tile<BN, GROUP_STEPS>;
+  constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, R = BN / 2;
+  constexpr int SZ_ROWS = L::SZ_ROWS, SZ_ROW = L::SZ_ROW, X_STAGE = L::X_BYTES, W_STAGE = L::W_BYTES;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;  // swizzle atoms are 1024-byte aligned
+  const unsigned char* smem = smem_raw + (base - raw);
+  const uint32_t bars = base + STAGES * STAGE;  // full[STAGES], then empty[STAGES]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
+
+  // Grouped order: GROUP_M token tiles run next to each other over the same weight tiles.
+  const int num_m = (M + BN - 1) / BN, num_n = (N + CH - 1) / CH;
+  const int pid = blockIdx.x, group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
+  const int gm = min(num_m - first_m, GROUP_M);
+  const int m0 = (first_m + (pid % group) % gm) * BN, n0 = ((pid % group) / gm) * CH;
+  const int k_tiles = (K + BK - 1) / BK;
+  const int kt_begin = blockIdx.y * tiles_per_split, kt_end = min(kt_begin + tiles_per_split, k_tiles);
+  const int tiles = kt_end - kt_begin;
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bars + 8 * s, 1);             // the producer's expect_tx
+      mbar_init(bars + 8 * (STAGES + s), 2);  // one release per warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= CONSUMERS / 32) {  // the producer warpgroup: one thread issues, the rest idle
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (tid == CONSUMERS) {
+      for (int i = 0; i < tiles; ++i) {
+        const int s = i % STAGES, k0 = (kt_begin + i) * BK;
+        if (i >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (i / STAGES - 1) & 1);
+        const uint32_t full = bars + 8 * s, dst = base + s * STAGE;
+        mbar_expect_tx(full, L::BYTES);
+        tma_load(dst, &x_map, k0, m0, full);
+        tma_load(dst + BN * 128, &x_map, k0 + X_BOX, m0, full);
+#pragma unroll
+        for (int b = 0; b < CH / 32; ++b) tma_load(dst + X_STAGE + b * W_BOX, &w_map, n0 + 32 * b, k0 / 8, full);
+        tma_load(dst + X_STAGE + W_STAGE, &s_map, n0, k0 / group_size, full);
+        tma_load(dst + X_STAGE + W_STAGE + SZ_ROWS * SZ_ROW, &z_map, n0, k0 / group_size, full);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  float acc[J][R];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[j][i] = 0.f;
+    fence_operands(acc[j]);
+  }
+
+  // This lane's columns col .. col + 2J - 1 of the CTA: box col / 32 of the weight stage.
+  const int col = wg * 64 * J + (warp & 3) * 16 * J + 2 * J * g;
+  const int w_read = X_STAGE + col / 32 * W_BOX, w_byte = (col % 32) * 4;
+  const int sz_read = X_STAGE + W_STAGE + 2 * col;
+  const int rot = (15 - 8 * t) & 31;
+  // This lane's words in word row r of a stage, and its columns' scales (z = 0) or zeros (z = 1)
+  // in the stage's group row j.
+  auto words = [&](const unsigned char* stage, int r) {
+    return *reinterpret_cast<const Vec<uint32_t, 2 * J>*>(stage + w_read + r * 128 +
+                                                          ((((w_byte >> 4) ^ (r & 7)) << 4) | (w_byte & 15)));
+  };
+  auto params = [&](const unsigned char* stage, int j, int z) {
+    return *reinterpret_cast<const Vec<__half, 2 * J>*>(stage + sz_read + (z * SZ_ROWS + j) * SZ_ROW);
+  };
+  // Shared-memory loads are issued one step ahead of their use: while the tensor cores read their
+  // operands a load takes hundreds of cycles, and waited on at once it kept the unpacking from
+  // overlapping the MMAs (Nsight Compute: the first shift after each load was the top stall).
+  if (tiles > 0) mbar_wait(bars, 0);
+  Vec<uint32_t, 2 * J> wa = words(smem, 0), wb = words(smem, 1);
+  Vec<__half, 2 * J> sv = params(smem, 0, 0), zv = params(smem, 0, 1);
+  Affine aff[2 * J];
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % STAGES;
+    const uint32_t sx = base + s * STAGE;
+    const unsigned char* here = smem + s * STAGE;
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+      if (k % GROUP_STEPS == 0) {
+#pragma unroll
+        for (int c = 0; c < 2 * J; ++c) aff[c] = Affine(sv.v[c], zv.v[c]);
+      }
+      // The next step's words (and group parameters): this stage's, or the first of the next one.
+      const unsigned char* next = here;
+      int nk = k + 1;
+      if (k == STEPS - 1) {
+        if (i + 1 < tiles) mbar_wait(bars + 8 * ((i + 1) % STAGES), ((i + 1) / STAGES) & 1);
+        next = smem + ((i + 1) % STAGES) * STAGE;  // past the last tile: read, never used
+        nk = 0;
+      }
+      const Vec<uint32_t, 2 * J> na = words(next, 2 * nk), nb = words(next, 2 * nk + 1);
+      if (nk % GROUP_STEPS == 0) {
+        sv = params(next, nk / GROUP_STEPS, 0);
+        zv = params(next, nk / GROUP_STEPS, 1);
+      }
+      // Word rows 2k, 2k+1 of the stage (K 16k .. 16k+7, 16k+8 .. +15); instruction j takes
+      // columns col + 2j (MMA row g) and col + 2j + 1 (row g + 8).
+      uint32_t a[J][4];
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        a[j][0] = dequant<T>(wa.v[2 * j], rot, aff[2 * j]);
+        a[j][1] = dequant<T>(wa.v[2 * j + 1], rot, aff[2 * j + 1]);
+        a[j][2] = dequant<T>(wb.v[2 * j], rot, aff[2 * j]);
+        a[j][3] = dequant<T>(wb.v[2 * j + 1], rot, aff[2 * j + 1]);
+      }
+      const uint64_t desc = smem_desc(sx + (k / 4) * BN * 128 + 32 * (k % 4));
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < J; ++j) Wgmma<typename Elem<T>::Kind, BN>::mma(acc[j], a[j], desc);
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous step's group is done: its registers are free
+      // ... and after this tile's first step, so is the previous tile: release its stage.
+      if (k == 0 && i > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + (i + STAGES - 1) % STAGES));
+      wa = na;
+      wb = nb;
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < J; ++j) fence_operands(acc[j]);
+
+  // acc[j][4 b + c]: token m0 + 8 b + 2 t + (c & 1), channel ch + 2 j + (c >> 1).
+  const int ch = n0 + col;
+  const int splits = gridDim.y;
+  auto token_values = [&](int b, int p, float (&v)[2 * J]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      v[2 * j] = acc[j][4 * b + p];
+      v[2 * j + 1] = acc[j][4 * b + 2 + p];
+    }
+  };
+  if (splits == 1) {
+    if (ch >= N) return;
+#pragma unroll
+    for (int b = 0; b < BN / 8; ++b)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int m = m0 + 8 * b + 2 * t + p;
+        float v[2 * J];
+        token_values(b, p, v);
+        if (m < M) store_outputs<T, J>(out + (size_t)m * ldo + ch, v);
+      }
+    return;
+  }
+  __shared__ int last;
+  float* mine = partial + (size_t)blockIdx.y * M * N;
+#pragma unroll
+  for (int b = 0; b < BN / 8; ++b)
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int m = m0 + 8 * b + 2 * t + p;
+      Vec<float, 2 * J> v;
+      token_values(b, p, v.v);
+      if (m < M && ch < N) *reinterpret_cast<Vec<float, 2 * J>*>(mine + (size_t)m * N + ch) = v;
+    }
+  __threadfence();
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");  // the producer warpgroup has left
+  if (tid == 0) {
+    last = atomicAdd(counters + pid, 1) == splits - 1;
+    if (last) counters[pid] = 0;  // every split has arrived: ready for the next call
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
+  if (!last || ch >= N) return;
+  __threadfence();
+  // Every split's partial, this CTA's own included, in split order.
+  for (int b = 0; b < BN / 8; ++b)
+    for (int p = 0; p < 2; ++p) {
+      const int m = m0 + 8 * b + 2 * t + p;
+      if (m >= M) break;
+      float sum[2 * J] = {};
+      for (int s = 0; s < splits; ++s) {
+        float o[2 * J];
+        load_l2(partial + ((size_t)s * M + m) * N + ch, o);
+#pragma unroll
+        for (int c = 0; c < 2 * J; ++c) sum[c] += o[c];
+      }
+      store_outputs<T, J>(out + (size_t)m * ldo + ch, sum);
+    }
+}
+
+template <typename T, int BN, int GROUP_STEPS>
+cudaError_t launch(const void* x, const void* qw, const void* scales, const void* zeros, void* out, void* partial,
+                   void* counters, int M, int N, int K, int group_size, int ldx, int ldo, int splits,
+                   int tiles_per_split, cudaStream_t stream) {
+  using L = Tile<BN, GROUP_STEPS>;
+  CUtensorMap x_map, w_map, s_map, z_map;
+  const int groups = K / group_size;
+  cudaError_t err = tensor_map_2d(&x_map, Elem<T>::map_type, x, K, M, (uint64_t)ldx * 2, X_BOX, BN);
+  if (err == cudaSuccess)
+    err = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_INT32, qw, N, K / 8, (uint64_t)N * 4, 32, BK / 8);
+  if (err == cudaSuccess)
+    err = tensor_map_2d(&s_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, scales, N, groups, (uint64_t)N * 2, L::CH,
+                        L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (err == cudaSuccess)
+    err = tensor_map_2d(&z_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, zeros, N, groups, (uint64_t)N * 2, L::CH,
+                        L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (err == cudaSuccess) err = opt_in_shared_memory<w4a16_wgmma_kernel<T, BN, GROUP_STEPS>>();
+  if (err != cudaSuccess) return err;
+  const int tiles = ((M + BN - 1) / BN) * ((N + L::CH - 1) / L::CH);
+  w4a16_wgmma_kernel<T, BN, GROUP_STEPS><<<dim3(tiles, splits), dim3(THREADS), L::SMEM, stream>>>(
+      x_map, w_map, s_map, z_map, static_cast<T*>(out), static_cast<float*>(partial), static_cast<int*>(counters),
+      M, N, K, group_size, ldo, tiles_per_split);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_t(int bn, int group_steps, const void* x, const void* qw, const void* s, const void* z, void* out,
+                     void* partial, void* counters, int M, int N, int K, int G, int ldx, int ldo, int splits,
+                     int tiles_per_split, cudaStream_t st) {
+#define NIBBLE_LAUNCH(BN_, GS_)                                                                                  \
+  if (bn == BN_ && group_steps == GS_)                                                                           \
+    return launch<T, BN_, GS_>(x, qw, s, z, out, partial, counters, M, N, K, G, ldx, ldo, splits, tiles_per_split, \
+                               st);
+#define NIBBLE_LAUNCH_GROUPS(BN_) NIBBLE_LAUNCH(BN_, 2) NIBBLE_LAUNCH(BN_, 4) NIBBLE_LAUNCH(BN_, 8)
+  NIBBLE_LAUNCH_GROUPS(64)
+  NIBBLE_LAUNCH_GROUPS(128)
+  NIBBLE_LAUNCH_GROUPS(256)
+#undef NIBBLE_LAUNCH_GROUPS
+#undef NIBBLE_LAUNCH
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+// Host entry point (called through ctypes). Preconditions are checked by the Python caller:
+// compute capability 9.0, N % 8 == 0, K % 16 == 0, group G in {32, 64} or G % 128 == 0 or G == K
+// (one group per column), x 16-byte aligned with ldx % 8 == 0, qweight / scales / zeros 16-byte
+// aligned and contiguous, ldo % 4 == 0, bn in {64, 128, 256}; with splits > 1, partial is float32
+// [splits, M, N] and counters int32 [tiles], zero (the kernel leaves them zero). dtype: 0 float16,
+// 1 bfloat16 (x and out).
+extern "C" int nibble_w4a16_wgmma(int dtype, int bn, const void* x, const void* qweight, const void* scales,
+                                  const void* zeros, void* out, void* partial, void* counters, int M, int N, int K,
+                                  int group_size, int ldx, int ldo, int splits, int tiles_per_split, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int group_steps = group_size == 32 ? 2 : group_size == 64 ? 4 : 8;
+  cudaError_t err;
+  switch (dtype) {
+    case 0: err = launch_t<__half>(bn, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
+    case 1: err = launch_t<__nv_bfloat16>(bn, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
+    default: err = cudaErrorInvalidValue;
+  }
+  return (int)err;
+}
+
+extern "C" const char* nibble_w4a16_wgmma_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
