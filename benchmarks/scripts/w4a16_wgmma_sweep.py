@@ -53,16 +53,17 @@ def main():
             else:
                 variants["previous"] = lambda i: (lambda: W.w4a16_linear_cuda(x, *w4[i], G, config=W.Config(kind="dequant")))
             auto = W.wgmma_config(M, N, K, sms)
-            for bn in W.WGMMA_TOKEN_TILES:
+            for bn, channels in W.WGMMA_TILES:
                 if (bn == 64 and M > 256) or (bn == 256 and M < 256):
                     continue
-                tiles = W._wgmma_tiles(M, N, bn)
+                tiles = W._wgmma_tiles(M, N, bn, channels)
                 for sp in splits:
                     if sp > 1 and (tiles * sp > 2 * sms or k_tiles // sp < 2):
                         continue
-                    tag = f"wgmma_bn{bn}_s{sp}" + ("_auto" if dict(bn=bn, split_k=sp) == auto else "")
-                    variants[tag] = (lambda bn_, sp_: lambda i: (
-                        lambda: W.w4a16_wgmma(x, *w4[i], G, config=dict(bn=bn_, split_k=sp_))))(bn, sp)
+                    cfg = dict(bn=bn, channels=channels, split_k=sp)
+                    tag = f"wgmma_bn{bn}_ch{channels}_s{sp}" + ("_auto" if cfg == auto else "")
+                    variants[tag] = (lambda cfg_: lambda i: (
+                        lambda: W.w4a16_wgmma(x, *w4[i], G, config=cfg_)))(cfg)
             res = {}
             for name, make in variants.items():
                 y = make(0)()

@@ -12,13 +12,13 @@ Dispatch on CUDA (measured on the H200, benchmarks/notes-w4a16.md):
   ``csrc/w4a16_mma.cu`` (weight as the MMA's A operand straight from the canonical words, raw codes
   through the MMA, group affine in fp32 per group, cp.async ring per warp), built by nvcc at first
   use (``cuda_build``). Needs N, K multiples of 32 and a power-of-two group >= 32 (or per column).
-* Many tokens on Hopper (up to WGMMA_MAX_M; small layers from 513): ``w4a16_wgmma``,
+* Many tokens on Hopper (up to WGMMA_MAX_M; small layers from 257): ``w4a16_wgmma``,
   ``csrc/w4a16_wgmma.cu`` (asynchronous wgmma fed by TMA, the weight dequantized in fp32 straight
   into the register fragments), built for sm_90a; tile and split-K from ``wgmma_config``.
   ``large_m_kernel`` says which path a shape takes.
 * Shapes these do not take, or no nvcc: the Triton kernels below, Triton GEMV (M <= 2) /
   tensor-core dot kernel (M <= 16); M > 16: dequantise + cuBLAS (also the measured best for small
-  layers at 65..512 tokens and for every layer above WGMMA_MAX_M).
+  layers at 65..256 tokens and for every layer above WGMMA_MAX_M).
 
 Triton kernels (design; see benchmarks/notes-w4a16.md for the measurements behind it):
 
@@ -761,24 +761,24 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
 # CUDA C++ GEMM for many tokens on Hopper (csrc/w4a16_wgmma.cu: asynchronous 16-bit wgmma, sm_90a)
 # ----------------------------------------------------------------------------------------------
 WGMMA_BK = 128              # K per pipeline stage
-WGMMA_TOKEN_TILES = (64, 128, 256)
+WGMMA_TILES = ((64, 256), (128, 256), (128, 128), (256, 128))  # (tokens, channels) per CTA, compiled
 WGMMA_SPLITS = (1, 2, 3, 4, 6, 8)
 # The config model (`wgmma_config`), fitted to the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py
-# on the H200 (its picks are within 2% of the best config on average over 48 shapes x M): a CTA
+# on the H200 (its picks are within 2% of the best config on average over 40 shapes x M): a CTA
 # takes WGMMA_TILE_US per 128-deep K tile, and each split-K partial costs WGMMA_SPLIT_US per
 # million outputs (stored, then summed by the last CTA).
-WGMMA_TILE_US = {64: 1.6, 128: 1.9, 256: 1.6}
+WGMMA_TILE_US = {(64, 256): 1.8, (128, 256): 1.9, (128, 128): 1.3, (256, 128): 1.8}
 WGMMA_SPLIT_US = 10.0
 # Where the op takes which kernel (measured, benchmarks/notes-w4a16.md session 7): the skinny
 # kernel up to 32 tokens (64 for layers of <= SMALL_LAYER weights), dequantise + cuBLAS for
-# small layers up to 512 tokens and for every layer above WGMMA_MAX_M, the wgmma kernel between.
+# small layers up to 256 tokens and for every layer above WGMMA_MAX_M, the wgmma kernel between.
 SMALL_LAYER = 24 << 20      # N * K; 4096 x 4096 is small, 4096 x 11008 is not
 WGMMA_MAX_M = 2048
 
 
 def _configure_wgmma(lib) -> None:
     lib.nibble_w4a16_wgmma.restype = ctypes.c_int
-    lib.nibble_w4a16_wgmma.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
+    lib.nibble_w4a16_wgmma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
     lib.nibble_w4a16_wgmma_error_string.restype = ctypes.c_char_p
     lib.nibble_w4a16_wgmma_error_string.argtypes = [ctypes.c_int]
 
@@ -799,29 +799,24 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
             and torch.cuda.get_device_capability(x.device) == (9, 0) and _wgmma_lib(x.device) is not None)
 
 
-def wgmma_channels(bn: int) -> int:
-    """Output channels per CTA: two warpgroups x 128, or x 64 with 256-token tiles (csrc/w4a16_wgmma.cu)."""
-    return 128 if bn == 256 else 256
-
-
-def _wgmma_tiles(M: int, N: int, bn: int) -> int:
-    return _cdiv(M, bn) * _cdiv(N, wgmma_channels(bn))
+def _wgmma_tiles(M: int, N: int, bn: int, channels: int) -> int:
+    return _cdiv(M, bn) * _cdiv(N, channels)
 
 
 def wgmma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> dict:
-    """Token tile and split-K of `w4a16_wgmma`: the (bn, split) of least modelled time, waves of
-    CTAs x K tiles per split x WGMMA_TILE_US[bn] + the split-K partials (a pure function)."""
+    """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma`: the choice of least modelled
+    time, waves of CTAs x K tiles per split x WGMMA_TILE_US + the split-K partials (a pure function)."""
     k_tiles = _cdiv(K, WGMMA_BK)
 
-    def modelled_us(bn: int, split: int) -> float:
-        ctas = _wgmma_tiles(M, N, bn) * split
-        return (_cdiv(ctas, num_sms) * _cdiv(k_tiles, split) * WGMMA_TILE_US[bn]
+    def modelled_us(tile: tuple, split: int) -> float:
+        ctas = _wgmma_tiles(M, N, *tile) * split
+        return (_cdiv(ctas, num_sms) * _cdiv(k_tiles, split) * WGMMA_TILE_US[tile]
                 + (WGMMA_SPLIT_US * M * N * split / 1e6 if split > 1 else 0.0))
 
-    shapes = [(bn, split) for bn in WGMMA_TOKEN_TILES for split in WGMMA_SPLITS
-              if split == 1 or (k_tiles // split >= 2 and _wgmma_tiles(M, N, bn) * split <= 2 * num_sms)]
-    bn, split = min(shapes, key=lambda c: modelled_us(*c))
-    return dict(bn=bn, split_k=split)
+    shapes = [(tile, split) for tile in WGMMA_TILES for split in WGMMA_SPLITS
+              if split == 1 or (k_tiles // split >= 2 and _wgmma_tiles(M, N, *tile) * split <= 2 * num_sms)]
+    (bn, channels), split = min(shapes, key=lambda c: modelled_us(*c))
+    return dict(bn=bn, channels=channels, split_k=split)
 
 
 def large_m_kernel(M: int, N: int, K: int) -> str:
@@ -830,14 +825,14 @@ def large_m_kernel(M: int, N: int, K: int) -> str:
     small = N * K <= SMALL_LAYER
     if M <= 32 or (small and M <= MMA_MAX_M):
         return "skinny"
-    if M > WGMMA_MAX_M or (small and M <= 512):
+    if M > WGMMA_MAX_M or (small and M <= 256):
         return "dequant"
     return "wgmma"
 
 
 def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = None, out=None):
     """y = x @ W.T on Hopper's asynchronous tensor cores (inputs already checked by ``_check``).
-    ``config`` (bn, split_k) overrides `wgmma_config`."""
+    ``config`` (bn, channels, split_k) overrides `wgmma_config`."""
     M, K = x.shape
     N = qweight.shape[1]
     if not wgmma_applicable(x, N, K, group_size):
@@ -845,8 +840,9 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
                          f"32, 64, a multiple of 128 or one per column; got N={N} K={K} group={group_size} "
                          f"on {x.device}")
     cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(x.device))
-    if cfg["bn"] not in WGMMA_TOKEN_TILES:
-        raise ValueError(f"bn must be one of {WGMMA_TOKEN_TILES}, got {cfg['bn']}")
+    tile = (cfg["bn"], cfg["channels"])
+    if tile not in WGMMA_TILES:
+        raise ValueError(f"(bn, channels) must be one of {WGMMA_TILES}, got {tile}")
     # The TMA reads 16-byte aligned rows; the epilogue stores 4 outputs (8 bytes) at a time.
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
@@ -857,7 +853,7 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
     k_tiles = _cdiv(K, WGMMA_BK)
     per_split = _cdiv(k_tiles, max(1, int(cfg["split_k"])))
     split = _cdiv(k_tiles, per_split)
-    tiles = _wgmma_tiles(M, N, cfg["bn"])
+    tiles = _wgmma_tiles(M, N, *tile)
     if split > 1:
         part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, tiles)
@@ -866,7 +862,7 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
     lib = _wgmma_lib(x.device)
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_wgmma(
-            int(x.dtype == torch.bfloat16), cfg["bn"], x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
+            int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
             zeros.data_ptr(), y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, group_size, x.stride(0),
             y.stride(0), split, per_split, torch.cuda.current_stream(x.device).cuda_stream)
     if err:

@@ -317,13 +317,14 @@ def _needs_wgmma_kernel():
 
 
 @needs_cuda
-@pytest.mark.parametrize("bn", W.WGMMA_TOKEN_TILES)
+@pytest.mark.parametrize("tile", W.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
 @pytest.mark.parametrize("G", [32, 64, 128, 256, "column"])
-def test_gpu_wgmma_every_instantiation(bn, G):
+def test_gpu_wgmma_every_instantiation(tile, G):
     """Every compiled tile x group layout, both activation dtypes, with and without split-K; odd M,
-    N not a multiple of the 256-channel tile, K not a multiple of the 128-deep stage (per-column
+    N not a multiple of the channel tile, K not a multiple of the 128-deep stage (per-column
     groups), outputs poisoned with NaN."""
     _needs_wgmma_kernel()
+    bn, channels = tile
     for (N, K) in ((1000, 1536), (256, 2560), (4104, 640)):
         g = K if G == "column" else G
         if K % g:
@@ -333,13 +334,13 @@ def test_gpu_wgmma_every_instantiation(bn, G):
             qw, s, z = make_weight(N, K, g, symmetric=(M % 2 == 0), device="cuda", seed=N + M + bn)
             x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-            W.w4a16_wgmma(x, qw, s, z, g, config=dict(bn=bn, split_k=split), out=out)
+            W.w4a16_wgmma(x, qw, s, z, g, config=dict(bn=bn, channels=channels, split_k=split), out=out)
             torch.cuda.synchronize()
             assert_close(out, x, qw, s, z, g)
     for K in (576, 1000):  # one group per column, K % 128 != 0
         qw, s, z = make_weight(512, K, K, device="cuda", seed=K)
         x = torch.randn(77, K, device="cuda", dtype=torch.bfloat16)
-        assert_close(W.w4a16_wgmma(x, qw, s, z, K, config=dict(bn=bn, split_k=2)), x, qw, s, z, K)
+        assert_close(W.w4a16_wgmma(x, qw, s, z, K, config=dict(bn=bn, channels=channels, split_k=2)), x, qw, s, z, K)
 
 
 @needs_cuda
@@ -349,7 +350,7 @@ def test_gpu_wgmma_split_k_repeatable_and_counters_left_zero():
     _needs_wgmma_kernel()
     qw, s, z = make_weight(4096, 4096, 128, device="cuda")
     x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
-    ys = [W.w4a16_wgmma(x, qw, s, z, 128, config=dict(bn=128, split_k=4)) for _ in range(5)]
+    ys = [W.w4a16_wgmma(x, qw, s, z, 128, config=dict(bn=128, channels=256, split_k=4)) for _ in range(5)]
     torch.cuda.synchronize()
     assert all(torch.equal(y, ys[0]) for y in ys[1:])
     assert int(W._counters(x.device, 64)[:64].abs().sum()) == 0
@@ -392,22 +393,22 @@ def test_wgmma_config_rules():
         for N, K in ((4096, 4096), (28672, 8192), (8192, 28672), (4096, 14336), (576, 1536)):
             cfg = W.wgmma_config(M, N, K, 132)
             assert cfg == W.wgmma_config(M, N, K, 132)
-            assert cfg["bn"] in W.WGMMA_TOKEN_TILES and cfg["split_k"] in W.WGMMA_SPLITS
-            tiles = W._wgmma_tiles(M, N, cfg["bn"])
+            tile = (cfg["bn"], cfg["channels"])
+            assert tile in W.WGMMA_TILES and cfg["split_k"] in W.WGMMA_SPLITS
+            tiles = W._wgmma_tiles(M, N, *tile)
             assert cfg["split_k"] == 1 or (tiles * cfg["split_k"] <= 2 * 132 and -(-K // 128) // cfg["split_k"] >= 2)
     assert W.wgmma_config(64, 28672, 8192)["bn"] == 64 and W.wgmma_config(2048, 28672, 8192)["bn"] == 256
     assert W.wgmma_config(128, 4096, 14336)["split_k"] > W.wgmma_config(128, 28672, 8192)["split_k"] == 1
-    assert W.wgmma_channels(256) == 128 and W.wgmma_channels(128) == 256
     assert W.wgmma_group_ok(32, 4096) and W.wgmma_group_ok(256, 4096) and W.wgmma_group_ok(576, 576)
     assert not W.wgmma_group_ok(96, 576) and not W.wgmma_group_ok(16, 4096)
 
 
 def test_large_m_kernel_rules():
     """The measured dispatch: skinny up to 32 tokens (64 on small layers), dequantise + cuBLAS on
-    small layers up to 512 tokens and everywhere above WGMMA_MAX_M, wgmma between."""
+    small layers up to 256 tokens and everywhere above WGMMA_MAX_M, wgmma between."""
     assert W.large_m_kernel(32, 28672, 8192) == "skinny" and W.large_m_kernel(33, 28672, 8192) == "wgmma"
     assert W.large_m_kernel(64, 4096, 4096) == "skinny" and W.large_m_kernel(65, 4096, 4096) == "dequant"
-    assert W.large_m_kernel(512, 4096, 4096) == "dequant" and W.large_m_kernel(513, 4096, 4096) == "wgmma"
+    assert W.large_m_kernel(256, 4096, 4096) == "dequant" and W.large_m_kernel(257, 4096, 4096) == "wgmma"
     assert W.large_m_kernel(128, 4096, 11008) == "wgmma"
     assert W.large_m_kernel(W.WGMMA_MAX_M, 28672, 8192) == "wgmma"
     assert W.large_m_kernel(W.WGMMA_MAX_M + 1, 28672, 8192) == "dequant"

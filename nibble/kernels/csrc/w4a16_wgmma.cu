@@ -60,20 +60,20 @@ constexpr int X_BOX = 64;                 // x columns per 128-byte swizzled row
 constexpr int W_BOX = BK / 8 * 128;       // 16 word rows x 32 columns
 constexpr int GROUP_M = 8;                // token tiles that share each weight tile while it is in L2
 
-// The CTA's shape for a token tile of BN. Each warpgroup issues J m64 x BN x k16 instructions per
-// step: two of 64 channels up to 128 tokens, one of 64 channels x 256 tokens (the same 128
-// accumulators per thread; every dequantized weight then feeds twice the tokens, which halves
-// the unpacking per MAC where M is large). A lane owns 2J consecutive columns.
-// Per stage: x, the weight boxes, then the scales and zeros of the SZ_ROWS groups it touches
-// (GROUP_STEPS k16 steps per group), padded so that every stage starts 1024-byte aligned.
-template <int BN, int GROUP_STEPS> struct Tile {
-  static constexpr int J = BN == 256 ? 1 : 2;
-  static constexpr int CH = 128 * J;  // output channels per CTA
-  static constexpr int STAGES = BN == 256 ? 3 : BN == 128 ? 4 : 6;
+// The CTA: BN tokens x CH channels, CH / 128 = J m64 x BN x k16 instructions per warpgroup and
+// step (a lane owns 2J consecutive columns). 256 channels share each x tile between more weights;
+// 128 channels make twice the CTAs where the output has few tiles; 256 tokens (J = 1, the same
+// 128 accumulators per thread) make every dequantized weight feed twice the tokens, which halves
+// the unpacking per MAC where M is large. Per stage: x, the weight boxes, then the scales and
+// zeros of the SZ_ROWS groups it touches (GROUP_STEPS k16 steps per group), padded so that every
+// stage starts 1024-byte aligned; as many stages as fit (at most 6).
+template <int BN, int CH_, int GROUP_STEPS> struct Tile {
+  static constexpr int CH = CH_, J = CH / 128;
   static constexpr int SZ_ROWS = STEPS / GROUP_STEPS, SZ_ROW = CH * 2;
   static constexpr int X_BYTES = BN * BK * 2, W_BYTES = CH / 32 * W_BOX, SZ_BYTES = 2 * SZ_ROWS * SZ_ROW;
   static constexpr int BYTES = X_BYTES + W_BYTES + SZ_BYTES;  // what the TMA brings per stage
   static constexpr int STAGE = X_BYTES + W_BYTES + (SZ_BYTES + 1023) / 1024 * 1024;
+  static constexpr int STAGES = (227 * 1024 - 1024 - 128) / STAGE < 6 ? (227 * 1024 - 1024 - 128) / STAGE : 6;
   static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES;  // + alignment, mbarriers
 };
 
@@ -140,13 +140,13 @@ __device__ __forceinline__ void load_l2(const float* p, float (&v)[2]) {
 }
 
 // GROUP_STEPS: k16 steps per group inside a stage (2 for G = 32, 4 for 64, 8 for G >= 128).
-template <typename T, int BN, int GROUP_STEPS>
+template <typename T, int BN, int CH_, int GROUP_STEPS>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a16_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                        const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
                        T* __restrict__ out, float* __restrict__ partial, int* __restrict__ counters, int M, int N,
                        int K, int group_size, int ldo, int tiles_per_split) {
-  using L = Tile<BN, GROUP_STEPS>;
+  using L = Tile<BN, CH_, GROUP_STEPS>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, R = BN / 2;
   constexpr int SZ_ROWS = L::SZ_ROWS, SZ_ROW = L::SZ_ROW, X_STAGE = L::X_BYTES, W_STAGE = L::W_BYTES;
   extern __shared__ unsigned char smem_raw[];
@@ -333,11 +333,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-template <typename T, int BN, int GROUP_STEPS>
+template <typename T, int BN, int CH, int GROUP_STEPS>
 cudaError_t launch(const void* x, const void* qw, const void* scales, const void* zeros, void* out, void* partial,
                    void* counters, int M, int N, int K, int group_size, int ldx, int ldo, int splits,
                    int tiles_per_split, cudaStream_t stream) {
-  using L = Tile<BN, GROUP_STEPS>;
+  using L = Tile<BN, CH, GROUP_STEPS>;
   CUtensorMap x_map, w_map, s_map, z_map;
   const int groups = K / group_size;
   cudaError_t err = tensor_map_2d(&x_map, Elem<T>::map_type, x, K, M, (uint64_t)ldx * 2, X_BOX, BN);
@@ -349,27 +349,28 @@ cudaError_t launch(const void* x, const void* qw, const void* scales, const void
   if (err == cudaSuccess)
     err = tensor_map_2d(&z_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, zeros, N, groups, (uint64_t)N * 2, L::CH,
                         L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
-  if (err == cudaSuccess) err = opt_in_shared_memory<w4a16_wgmma_kernel<T, BN, GROUP_STEPS>>();
+  if (err == cudaSuccess) err = opt_in_shared_memory<w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS>>();
   if (err != cudaSuccess) return err;
   const int tiles = ((M + BN - 1) / BN) * ((N + L::CH - 1) / L::CH);
-  w4a16_wgmma_kernel<T, BN, GROUP_STEPS><<<dim3(tiles, splits), dim3(THREADS), L::SMEM, stream>>>(
+  w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS><<<dim3(tiles, splits), dim3(THREADS), L::SMEM, stream>>>(
       x_map, w_map, s_map, z_map, static_cast<T*>(out), static_cast<float*>(partial), static_cast<int*>(counters),
       M, N, K, group_size, ldo, tiles_per_split);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_t(int bn, int group_steps, const void* x, const void* qw, const void* s, const void* z, void* out,
-                     void* partial, void* counters, int M, int N, int K, int G, int ldx, int ldo, int splits,
-                     int tiles_per_split, cudaStream_t st) {
-#define NIBBLE_LAUNCH(BN_, GS_)                                                                                  \
-  if (bn == BN_ && group_steps == GS_)                                                                           \
-    return launch<T, BN_, GS_>(x, qw, s, z, out, partial, counters, M, N, K, G, ldx, ldo, splits, tiles_per_split, \
-                               st);
-#define NIBBLE_LAUNCH_GROUPS(BN_) NIBBLE_LAUNCH(BN_, 2) NIBBLE_LAUNCH(BN_, 4) NIBBLE_LAUNCH(BN_, 8)
-  NIBBLE_LAUNCH_GROUPS(64)
-  NIBBLE_LAUNCH_GROUPS(128)
-  NIBBLE_LAUNCH_GROUPS(256)
+cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, const void* qw, const void* s, const void* z,
+                     void* out, void* partial, void* counters, int M, int N, int K, int G, int ldx, int ldo,
+                     int splits, int tiles_per_split, cudaStream_t st) {
+#define NIBBLE_LAUNCH(BN_, CH_, GS_)                                                                       \
+  if (bn == BN_ && ch == CH_ && group_steps == GS_)                                                        \
+    return launch<T, BN_, CH_, GS_>(x, qw, s, z, out, partial, counters, M, N, K, G, ldx, ldo, splits, \
+                                    tiles_per_split, st);
+#define NIBBLE_LAUNCH_GROUPS(BN_, CH_) NIBBLE_LAUNCH(BN_, CH_, 2) NIBBLE_LAUNCH(BN_, CH_, 4) NIBBLE_LAUNCH(BN_, CH_, 8)
+  NIBBLE_LAUNCH_GROUPS(64, 256)
+  NIBBLE_LAUNCH_GROUPS(128, 256)
+  NIBBLE_LAUNCH_GROUPS(128, 128)
+  NIBBLE_LAUNCH_GROUPS(256, 128)
 #undef NIBBLE_LAUNCH_GROUPS
 #undef NIBBLE_LAUNCH
   return cudaErrorInvalidValue;
@@ -378,20 +379,21 @@ cudaError_t launch_t(int bn, int group_steps, const void* x, const void* qw, con
 }  // namespace
 
 // Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// compute capability 9.0, N % 8 == 0, K % 16 == 0, group G in {32, 64} or G % 128 == 0 or G == K
+// compute capability 9.0, N % 8 == 0, K % 8 == 0, group G in {32, 64} or G % 128 == 0 or G == K
 // (one group per column), x 16-byte aligned with ldx % 8 == 0, qweight / scales / zeros 16-byte
-// aligned and contiguous, ldo % 4 == 0, bn in {64, 128, 256}; with splits > 1, partial is float32
-// [splits, M, N] and counters int32 [tiles], zero (the kernel leaves them zero). dtype: 0 float16,
-// 1 bfloat16 (x and out).
-extern "C" int nibble_w4a16_wgmma(int dtype, int bn, const void* x, const void* qweight, const void* scales,
-                                  const void* zeros, void* out, void* partial, void* counters, int M, int N, int K,
-                                  int group_size, int ldx, int ldo, int splits, int tiles_per_split, void* stream) {
+// aligned and contiguous, ldo % 4 == 0, (bn, channels) in {(64, 256), (128, 256), (128, 128),
+// (256, 128)}; with splits > 1, partial is float32 [splits, M, N] and counters int32 [tiles], zero
+// (the kernel leaves them zero). dtype: 0 float16, 1 bfloat16 (x and out).
+extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, const void* qweight,
+                                  const void* scales, const void* zeros, void* out, void* partial, void* counters,
+                                  int M, int N, int K, int group_size, int ldx, int ldo, int splits,
+                                  int tiles_per_split, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int group_steps = group_size == 32 ? 2 : group_size == 64 ? 4 : 8;
   cudaError_t err;
   switch (dtype) {
-    case 0: err = launch_t<__half>(bn, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
-    case 1: err = launch_t<__nv_bfloat16>(bn, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
+    case 0: err = launch_t<__half>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
+    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;
