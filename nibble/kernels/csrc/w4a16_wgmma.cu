@@ -3,24 +3,25 @@
 //
 //   y[m, n] = sum_k x[m, k] * (q[k, n] * s[k / G, n] + z[k / G, n])     fp32 accumulation
 //
-// Why a CUDA kernel: below 64 tokens csrc/w4a16_mma.cu streams the weight; above, the work is the
+// Why a CUDA kernel: below ~32 tokens csrc/w4a16_mma.cu streams the weight; above, the work is the
 // tensor cores', and the weight must reach them dequantized without a round trip through shared
 // memory or HBM (the previous path dequantized the whole weight to bf16, then ran cuBLAS).
 //
 // Roles (those of csrc/w4a4_wgmma.cu, whose header explains the pipeline). The weight is wgmma's A
-// operand, taken from registers: a warpgroup dequantizes its own 128 output channels straight into
-// the fragments of two m64 x k16 instructions. The activations are B (tokens = wgmma's N), read by
-// the tensor cores from shared memory. A CTA is two warpgroups x 128 channels x BN tokens; a third
-// warpgroup issues the TMA copies, STAGES tiles of 128 K ahead, through full / empty mbarriers.
+// operand, taken from registers: each warpgroup dequantizes its own CH / 2 output channels straight
+// into the fragments of J = CH / 128 m64 x k16 instructions. The activations are B (tokens = wgmma's
+// N), read by the tensor cores from shared memory. A CTA is two warpgroups x CH / 2 channels x BN
+// tokens (the Tile shapes below); a third warpgroup issues the TMA copies, STAGES tiles of 128 K
+// ahead, through full / empty mbarriers.
 //
 // Weight fragments. An m64 x k16 fragment gives lane (g, t) of each warp the K pairs (2t, 2t+1) and
 // (2t+8, 2t+9) of rows g and g+8. A k16 step is two word rows of the canonical layout (word row i
 // holds K rows 8i .. 8i+7, nibble j = row 8i + j), and K pair (2t, 2t+1) is exactly byte t of a
-// word. So lane (g, t) reads, per k16 step, the 16-byte quads of its four columns c .. c+3 in both
-// word rows (c = 4g within the warp's 32; rows g / g+8 of instruction j are columns c + 2j / c + 2j +
-// 1), and takes byte t of each word: the K order of the tensor cores is the natural one, so x needs
-// no permutation and arrives by TMA as the caller holds it. The four lanes of a quad read the same
-// bytes (a shared-memory broadcast); each dequantizes only its own byte.
+// word. So lane (g, t) reads, per k16 step, the words of its 2J consecutive columns c .. (one 16- or
+// 8-byte piece) in both word rows (rows g / g+8 of instruction j are columns c + 2j / c + 2j + 1),
+// and takes byte t of each word: the K order of the tensor cores is the natural one, so x needs no
+// permutation and arrives by TMA as the caller holds it. The four lanes t read the same bytes (a
+// shared-memory broadcast); each dequantizes only its own byte.
 //
 // Dequantization, exact and in fp32 (6 instructions per register of two weights):
 //   r = rotate(word, 15 - 8t)                 byte t at bits 15..22: low nibble 15..18, high 19..22
@@ -29,19 +30,26 @@
 //   w_lo = fma(lo, 256 s, z - 256 s),  w_hi = fma(hi, 16 s, z - 16 s)   then one cvt packs both.
 // The per-group constants are fp32 (s and z are fp16, so 256 s is exact and z - 256 s is off by at
 // most 2^-16 s), and each weight is rounded once, to x's dtype: the same weight the reference
-// rounds. (In 16-bit arithmetic, bf16 scales would cost 2-3 ulp per weight, and folding the magic
-// constant into z in 16 bits cancels catastrophically.)
+// rounds. (In 16-bit arithmetic, bf16 scales would cost 2-3 ulp per weight: measured 1.65x the
+// error of a bf16 product, for 5-10% of speed. Folding the magic constant into z in 16 bits
+// cancels catastrophically.)
+//
+// Where the time goes (Nsight Compute, H200; benchmarks/notes-w4a16.md session 7): the unpacking
+// does not hide behind the asynchronous MMAs as well as the int8 kernel's 3 instructions per word
+// do. Without MMAs it takes ~30% of the kernel's time, without unpacking the MMAs run at ~770
+// TFLOP/s (cuBLAS's rate), together they overlap only in part; hence 256-token tiles where M is
+// large (half the unpacking per MAC).
 //
 // Shared memory, per stage: x as two boxes of BN rows x 64 K (128 bytes, the TMA's 128-byte swizzle
-// that wgmma's descriptor reads; a k16 step moves the descriptor by 32 bytes), the weight as 8 boxes
-// of 16 word rows x 32 columns (same swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then
-// the group's scales and zeros: one row of 256 fp16 per group the stage touches (G >= 128: one;
+// that wgmma's descriptor reads; a k16 step moves the descriptor by 32 bytes), the weight as CH / 32
+// boxes of 16 word rows x 32 columns (same swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)),
+// then the group's scales and zeros: one row of CH fp16 per group the stage touches (G >= 128: one;
 // G = 64, 32: two, four). TMA zero-fills past M, N, K: zero x times any finite weight adds nothing.
 //
-// Epilogue: lane (g, t) holds channels c .. c+3 of tokens 8 b + 2 t + {0, 1}: one 4-wide store per
-// token. Split-K (few tiles for the SMs): each split stores its fp32 partial; the last CTA to arrive
-// on a tile sums all of them in split order (deterministic: the same sum whoever arrives last) and
-// resets the tile's counter for the next call.
+// Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
+// per token. Split-K (few tiles for the SMs): each split stores its fp32 partial; the last CTA to
+// arrive on a tile sums all of them in split order (deterministic: the same sum whoever arrives
+// last) and resets the tile's counter for the next call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
