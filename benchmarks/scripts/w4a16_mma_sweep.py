@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.kernels import GROUP, SHAPES, TIMING, random_int4, tinygemm_mm, tinygemm_pack  # noqa: E402
-from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
+from nibble.bench.kernels import GROUP, SHAPES, TIMING, weight_sets, tinygemm_mm, tinygemm_pack  # noqa: E402
+from nibble.bench.timing import bench_us, env_meta  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 
 
@@ -36,12 +36,9 @@ def main():
     rows = []
     for N, K in SHAPES:
         G = GROUP
-        int4_bytes = K // 8 * N * 4 + 2 * (K // G) * N * 2
-        n4, nb = rotations(int4_bytes), rotations(N * K * 2)
-        w4 = [random_int4(N, K, G, dev) for _ in range(n4)]
-        wb = [W.dequantize_cuda(*w4[i % n4], G, dtype=torch.bfloat16) for i in range(nb)]
+        w4, wb, wf = weight_sets(N, K, G, dev)
+        n4, nb = len(w4), len(wb)
         tg = [tinygemm_pack(*w, G) for w in w4]
-        wf = W.dequantize_cuda(*w4[0], G, dtype=torch.float32)
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ wf.t()
@@ -59,7 +56,7 @@ def main():
                 res[name] = bench_us(lambda i: (lambda: W.w4a16_mma(x, *w4[i], G, config=cfg)), n4, **TIMING)
             best = min(variants, key=lambda k: res[k])
             pick = f"w{picked.warps}"
-            floor_us = int4_bytes / 4.8e6  # HBM3e peak 4.8 TB/s
+            floor_us = (K // 8 * N * 4 + 2 * (K // G) * N * 2) / 4.8e6  # the INT4 layer at HBM3e's 4.8 TB/s
             rows.append(dict(N=N, K=K, M=M, us={k: round(v, 2) for k, v in res.items()}, best=best, picked=pick,
                              max_rel_err=max(errs.values()), floor_us=round(floor_us, 2)))
             print(f"N={N:6d} K={K:6d} M={M:3d} bf16 {res['bf16']:7.1f} tg {res['tinygemm']:7.1f} "

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.kernels import GROUP, SHAPES, TIMING, random_int4  # noqa: E402
-from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
+from nibble.bench.kernels import GROUP, SHAPES, TIMING, weight_sets  # noqa: E402
+from nibble.bench.timing import bench_us, env_meta  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 
 
@@ -38,11 +38,8 @@ def main():
     rows = []
     for N, K in SHAPES:
         G = GROUP
-        int4_bytes = K // 8 * N * 4 + 2 * (K // G) * N * 2
-        n4, nb = rotations(int4_bytes), rotations(N * K * 2)
-        w4 = [random_int4(N, K, G, dev) for _ in range(n4)]
-        wb = [W.dequantize_cuda(*w4[i % n4], G, dtype=torch.bfloat16) for i in range(nb)]
-        wf = W.dequantize_cuda(*w4[0], G, dtype=torch.float32)
+        w4, wb, wf = weight_sets(N, K, G, dev)
+        n4, nb = len(w4), len(wb)
         k_tiles = -(-K // W.WGMMA_BK)
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

@@ -37,6 +37,15 @@ def random_int4(N: int, K: int, G: int, device, gen=None):
     return qweight, scales, zeros
 
 
+def weight_sets(N: int, K: int, G: int, device):
+    """Copies of one random INT4 layer and of its bf16 dequantization, each set past the L2 several
+    times over (for `bench_us` to rotate through), and the fp32 weight to check outputs against."""
+    from nibble.kernels.w4a16 import dequantize_cuda
+    w4 = [random_int4(N, K, G, device) for _ in range(rotations(K // 8 * N * 4 + 2 * (K // G) * N * 2))]
+    wb = [dequantize_cuda(*w4[i % len(w4)], G, dtype=torch.bfloat16) for i in range(rotations(N * K * 2))]
+    return w4, wb, dequantize_cuda(*w4[0], G, dtype=torch.float32)
+
+
 def tinygemm_pack(qweight, scales, zeros, group_size, inner_k_tiles: int = 8):
     """Canonical INT4 -> (packed, scale_and_zero) for ``aten._weight_int4pack_mm`` (torch >= 2.5 layout).
 

@@ -142,12 +142,12 @@ def _git_commit() -> str:
 
 
 def source_hash(root: str | os.PathLike | None = None) -> str:
-    """sha256 (first 16 hex digits) of the package's sources (.py and .cu, with their paths; ``root``
+    """sha256 (first 16 hex digits) of the package's sources (.py, .cu and .cuh, with their paths; ``root``
     defaults to the package): which code ran, even where a copy of the working tree carries a stale
     or dirty git commit."""
     root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu") and "__pycache__" not in p.parts):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu", ".cuh") and "__pycache__" not in p.parts):
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -105,6 +105,16 @@ def load(name: str, device: torch.device, arch_specific: bool = False) -> ctypes
         return _LIBS[(name, arch)]
 
 
+def signatures(entry: str, argtypes: list, error_string: str) -> Callable[[ctypes.CDLL], None]:
+    """A ``configure`` for `library`: the launcher ``entry`` takes ``argtypes`` and returns a CUDA
+    error code, which ``error_string`` turns into its message."""
+    def configure(lib: ctypes.CDLL) -> None:
+        launcher, message = getattr(lib, entry), getattr(lib, error_string)
+        launcher.restype, launcher.argtypes = ctypes.c_int, argtypes
+        message.restype, message.argtypes = ctypes.c_char_p, [ctypes.c_int]
+    return configure
+
+
 _AVAILABLE: dict = {}  # (name, arch) -> configured library, or None when it cannot be built
 
 

@@ -675,16 +675,14 @@ class MmaConfig:
     warps: int         # warps per CTA, splitting K; one CTA per 32 output columns
 
 
-def _configure_mma(lib) -> None:
-    lib.nibble_w4a16_mma.restype = ctypes.c_int
-    lib.nibble_w4a16_mma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
-    lib.nibble_cuda_error_string.restype = ctypes.c_char_p
-    lib.nibble_cuda_error_string.argtypes = [ctypes.c_int]
+_MMA_SIGNATURES = cuda_build.signatures(
+    "nibble_w4a16_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p],
+    "nibble_cuda_error_string")
 
 
 def _mma_lib(device):
     """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
-    return cuda_build.library("w4a16_mma", device, _configure_mma)
+    return cuda_build.library("w4a16_mma", device, _MMA_SIGNATURES)
 
 
 def _group_shift_steps(group_size: int, K: int) -> int | None:
@@ -776,15 +774,13 @@ SMALL_LAYER = 24 << 20      # N * K; 4096 x 4096 is small, 4096 x 11008 is not
 WGMMA_MAX_M = 2048
 
 
-def _configure_wgmma(lib) -> None:
-    lib.nibble_w4a16_wgmma.restype = ctypes.c_int
-    lib.nibble_w4a16_wgmma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
-    lib.nibble_w4a16_wgmma_error_string.restype = ctypes.c_char_p
-    lib.nibble_w4a16_wgmma_error_string.argtypes = [ctypes.c_int]
+_WGMMA_SIGNATURES = cuda_build.signatures(
+    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_void_p],
+    "nibble_w4a16_wgmma_error_string")
 
 
 def _wgmma_lib(device):
-    return cuda_build.library("w4a16_wgmma", device, _configure_wgmma, arch_specific=True)
+    return cuda_build.library("w4a16_wgmma", device, _WGMMA_SIGNATURES, arch_specific=True)
 
 
 def wgmma_group_ok(group_size: int, K: int) -> bool:

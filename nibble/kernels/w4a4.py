@@ -789,17 +789,15 @@ MMA_MAX_WARPS = 16
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _configure_mma(lib) -> None:
-    lib.nibble_w4a4_mma.restype = ctypes.c_int
-    lib.nibble_w4a4_mma.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p,
-                                    ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p])
-    lib.nibble_w4a4_cuda_error_string.restype = ctypes.c_char_p
-    lib.nibble_w4a4_cuda_error_string.argtypes = [ctypes.c_int]
+_MMA_SIGNATURES = cuda_build.signatures(
+    "nibble_w4a4_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                                                   ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p],
+    "nibble_w4a4_cuda_error_string")
 
 
 def _mma_lib(device):
     """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
-    return cuda_build.library("w4a4_mma", device, _configure_mma)
+    return cuda_build.library("w4a4_mma", device, _MMA_SIGNATURES)
 
 
 def mma_applicable(qx: torch.Tensor, N: int, K: int) -> bool:
@@ -865,16 +863,14 @@ WGMMA_BK = 128        # K per pipeline stage
 WGMMA_SHAPES = {(64, 6), (128, 4)}  # (token tile, stages) compiled
 
 
-def _configure_wgmma(lib) -> None:
-    lib.nibble_w4a4_wgmma.restype = ctypes.c_int
-    lib.nibble_w4a4_wgmma.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p])
-    lib.nibble_w4a4_wgmma_error_string.restype = ctypes.c_char_p
-    lib.nibble_w4a4_wgmma_error_string.argtypes = [ctypes.c_int]
+_WGMMA_SIGNATURES = cuda_build.signatures(
+    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p],
+    "nibble_w4a4_wgmma_error_string")
 
 
 def _wgmma_lib(device):
-    return cuda_build.library("w4a4_wgmma", device, _configure_wgmma, arch_specific=True)
+    return cuda_build.library("w4a4_wgmma", device, _WGMMA_SIGNATURES, arch_specific=True)
 
 
 def wgmma_applicable(M: int, N: int, K: int, device) -> bool:

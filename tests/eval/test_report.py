@@ -87,7 +87,7 @@ def test_reports_of_separate_runs_merge_into_one(tmp_path):
 
 
 def test_source_hash_follows_the_sources_only(tmp_path):
-    """The report's ``source_sha256``: changes with any .py / .cu byte or path, not with other files."""
+    """The report's ``source_sha256``: changes with any .py / .cu / .cuh byte or path, not with other files."""
     from nibble.bench.timing import env_meta, source_hash
 
     (tmp_path / "kernels").mkdir()
@@ -103,7 +103,10 @@ def test_source_hash_follows_the_sources_only(tmp_path):
     edited = source_hash(tmp_path)
     assert edited != first
     (tmp_path / "kernels" / "k.cu").rename(tmp_path / "k.cu")
-    assert source_hash(tmp_path) != edited
+    moved = source_hash(tmp_path)
+    assert moved != edited
+    (tmp_path / "kernels" / "shared.cuh").write_text("// a header the kernels include\n")
+    assert source_hash(tmp_path) != moved
     assert env_meta()["source_sha256"] == source_hash()
 
 

@@ -119,6 +119,67 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// The pipeline both GEMMs run: a CTA of two consumer warpgroups (256 threads) and one producer
+// warpgroup; per stage a "full" mbarrier (the producer's expected TMA bytes landed) and an "empty"
+// one (both consumer warpgroups released the stage), full[STAGES] then empty[STAGES] at `bars`.
+constexpr int CONSUMER_THREADS = 256;
+constexpr int GROUP_M = 8;  // token tiles that run next to each other over the same weight tiles
+
+// This CTA's first token and channel (grouped order: GROUP_M token tiles share each weight tile
+// while it is in the L2) and its K stages (split blockIdx.y of the K tiles).
+struct CtaWork {
+  int m0, n0, k_begin, k_tiles;
+};
+__device__ __forceinline__ CtaWork cta_work(int M, int N, int K, int tokens, int channels, int bk,
+                                            int tiles_per_split) {
+  const int num_m = (M + tokens - 1) / tokens, num_n = (N + channels - 1) / channels;
+  const int pid = blockIdx.x, group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
+  const int gm = min(num_m - first_m, GROUP_M);
+  const int k_all = (K + bk - 1) / bk, k_begin = blockIdx.y * tiles_per_split;
+  return {(first_m + (pid % group) % gm) * tokens, ((pid % group) / gm) * channels, k_begin,
+          min(k_begin + tiles_per_split, k_all) - k_begin};
+}
+
+// Thread 0, before the CTA's first barrier.
+template <int STAGES>
+__device__ __forceinline__ void init_stage_barriers(uint32_t bars) {
+  for (int s = 0; s < STAGES; ++s) {
+    mbar_init(bars + 8 * s, 1);             // the producer's expect_tx
+    mbar_init(bars + 8 * (STAGES + s), 2);  // one release per consumer warpgroup
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The producer's one thread: stage i % STAGES is refilled once its previous tile was released;
+// load(shared address of the stage, first K of the tile, full barrier) issues the stage's copies,
+// `bytes` in all.
+template <int STAGES, typename Load>
+__device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_bytes, int bytes, int k_begin,
+                                        int k_tiles, int bk, Load load) {
+  for (int i = 0; i < k_tiles; ++i) {
+    const int s = i % STAGES;
+    if (i >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (i / STAGES - 1) & 1);
+    mbar_expect_tx(bars + 8 * s, bytes);
+    load(base + s * stage_bytes, (k_begin + i) * bk, bars + 8 * s);
+  }
+}
+
+// Split-K, once the consumers stored their partial: whether this CTA is the last of its tile's
+// splits to arrive (then the others' partials are visible to it). The last one resets the
+// tile's counter for the next call.
+__device__ __forceinline__ bool last_split(int* counters, int splits) {
+  __shared__ int last;
+  __threadfence();
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");  // the producer warpgroup has left
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
+    if (last) counters[blockIdx.x] = 0;
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
+  if (last) __threadfence();
+  return last;
+}
+
 // The tensor maps' encoder lives in the driver; fetched once (no link against libcuda).
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,

@@ -55,18 +55,18 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "hopper.cuh"
 #include "skinny.cuh"
 
 namespace {
 
-constexpr int CONSUMERS = 256;            // two warpgroups compute
-constexpr int THREADS = CONSUMERS + 128;  // and one copies (registers are granted per warpgroup)
+constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per warpgroup
 constexpr int BK = 128;                   // K per stage
 constexpr int STEPS = BK / 16;            // k16 steps per stage
 constexpr int X_BOX = 64;                 // x columns per 128-byte swizzled row
 constexpr int W_BOX = BK / 8 * 128;       // 16 word rows x 32 columns
-constexpr int GROUP_M = 8;                // token tiles that share each weight tile while it is in L2
 
 // The CTA: BN tokens x CH channels, CH / 128 = J m64 x BN x k16 instructions per warpgroup and
 // step (a lane owns 2J consecutive columns). 256 channels share each x tile between more weights;
@@ -87,21 +87,21 @@ template <int BN, int CH_, int GROUP_STEPS> struct Tile {
 
 template <typename E, int N> struct alignas(sizeof(E) * N) Vec { E v[N]; };  // one N-wide access
 
-template <typename T> struct Elem;
-template <> struct Elem<__half> {
-  using Kind = F16;
-  static constexpr CUtensorMapDataType map_type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+// The activation type T (__half or __nv_bfloat16): its wgmma kind, its TMA element type, and two
+// fp32 values rounded into one fragment register (low half first).
+template <typename T> struct Elem {
+  static constexpr bool HALF = std::is_same_v<T, __half>;
+  using Kind = std::conditional_t<HALF, F16, BF16>;
+  static constexpr CUtensorMapDataType map_type =
+      HALF ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-};
-template <> struct Elem<__nv_bfloat16> {
-  using Kind = BF16;
-  static constexpr CUtensorMapDataType map_type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
+    if constexpr (HALF) {
+      const __half2 h = __floats2half2_rn(lo, hi);
+      return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+      return *reinterpret_cast<const uint32_t*>(&h);
+    }
   }
 };
 
@@ -166,40 +166,23 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
 
-  // Grouped order: GROUP_M token tiles run next to each other over the same weight tiles.
-  const int num_m = (M + BN - 1) / BN, num_n = (N + CH - 1) / CH;
-  const int pid = blockIdx.x, group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
-  const int gm = min(num_m - first_m, GROUP_M);
-  const int m0 = (first_m + (pid % group) % gm) * BN, n0 = ((pid % group) / gm) * CH;
-  const int k_tiles = (K + BK - 1) / BK;
-  const int kt_begin = blockIdx.y * tiles_per_split, kt_end = min(kt_begin + tiles_per_split, k_tiles);
-  const int tiles = kt_end - kt_begin;
+  const CtaWork work = cta_work(M, N, K, BN, CH, BK, tiles_per_split);
+  const int m0 = work.m0, n0 = work.n0, tiles = work.k_tiles;
 
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8 * s, 1);             // the producer's expect_tx
-      mbar_init(bars + 8 * (STAGES + s), 2);  // one release per warpgroup
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) init_stage_barriers<STAGES>(bars);
   __syncthreads();
 
-  if (warp >= CONSUMERS / 32) {  // the producer warpgroup: one thread issues, the rest idle
+  if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid == CONSUMERS) {
-      for (int i = 0; i < tiles; ++i) {
-        const int s = i % STAGES, k0 = (kt_begin + i) * BK;
-        if (i >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (i / STAGES - 1) & 1);
-        const uint32_t full = bars + 8 * s, dst = base + s * STAGE;
-        mbar_expect_tx(full, L::BYTES);
+    if (tid == CONSUMER_THREADS)
+      produce<STAGES>(bars, base, STAGE, L::BYTES, work.k_begin, tiles, BK, [&](uint32_t dst, int k0, uint32_t full) {
         tma_load(dst, &x_map, k0, m0, full);
         tma_load(dst + BN * 128, &x_map, k0 + X_BOX, m0, full);
 #pragma unroll
         for (int b = 0; b < CH / 32; ++b) tma_load(dst + X_STAGE + b * W_BOX, &w_map, n0 + 32 * b, k0 / 8, full);
         tma_load(dst + X_STAGE + W_STAGE, &s_map, n0, k0 / group_size, full);
         tma_load(dst + X_STAGE + W_STAGE + SZ_ROWS * SZ_ROW, &z_map, n0, k0 / group_size, full);
-      }
-    }
+      });
     return;
   }
 
@@ -305,7 +288,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     return;
   }
-  __shared__ int last;
   float* mine = partial + (size_t)blockIdx.y * M * N;
 #pragma unroll
   for (int b = 0; b < BN / 8; ++b)
@@ -316,15 +298,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       token_values(b, p, v.v);
       if (m < M && ch < N) *reinterpret_cast<Vec<float, 2 * J>*>(mine + (size_t)m * N + ch) = v;
     }
-  __threadfence();
-  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");  // the producer warpgroup has left
-  if (tid == 0) {
-    last = atomicAdd(counters + pid, 1) == splits - 1;
-    if (last) counters[pid] = 0;  // every split has arrived: ready for the next call
-  }
-  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
-  if (!last || ch >= N) return;
-  __threadfence();
+  if (!last_split(counters, splits) || ch >= N) return;
   // Every split's partial, this CTA's own included, in split order.
   for (int b = 0; b < BN / 8; ++b)
     for (int p = 0; p < 2; ++p) {

@@ -58,13 +58,11 @@
 
 namespace {
 
-constexpr int CONSUMERS = 256;          // two warpgroups compute
-constexpr int THREADS = CONSUMERS + 128;  // and one copies (registers are granted per warpgroup)
-constexpr int CH = 256;                 // output channels per CTA
-constexpr int BK = 128;                 // K per stage
-constexpr int W_BOX = BK / 8 * 128;     // 16 word rows x 32 columns
-constexpr int W_STAGE = CH / 32 * W_BOX;  // 8 boxes
-constexpr int GROUP_M = 8;              // token tiles that share each weight tile while it is in L2
+constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per warpgroup
+constexpr int CH = 256;                           // output channels per CTA
+constexpr int BK = 128;                           // K per stage
+constexpr int W_BOX = BK / 8 * 128;               // 16 word rows x 32 columns
+constexpr int W_STAGE = CH / 32 * W_BOX;          // 8 boxes
 
 __device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
@@ -92,41 +90,24 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
 
-  // Grouped order: GROUP_M token tiles run next to each other over the same weight tiles.
-  const int num_m = (M + BN - 1) / BN, num_n = (N + CH - 1) / CH;
-  const int pid = blockIdx.x, group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
-  const int gm = min(num_m - first_m, GROUP_M);
-  const int m0 = (first_m + (pid % group) % gm) * BN, n0 = ((pid % group) / gm) * CH;
-  const int k_tiles = (K + BK - 1) / BK;
-  const int kt_begin = blockIdx.y * tiles_per_split, kt_end = min(kt_begin + tiles_per_split, k_tiles);
-  const int tiles = kt_end - kt_begin;
+  const CtaWork work = cta_work(M, N, K, BN, CH, BK, tiles_per_split);
+  const int m0 = work.m0, n0 = work.n0, tiles = work.k_tiles;
 
   // The epilogue's per-token scales, read once here: loaded in the epilogue, each thread's 32
   // dependent loads cost ~6 us per CTA (measured).
   if (tid < BN) token_scale[tid] = m0 + tid < M ? x_scale[m0 + tid] : 0.f;
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8 * s, 1);                  // the producer's expect_tx
-      mbar_init(bars + 8 * (STAGES + s), 2);       // one release per warpgroup
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) init_stage_barriers<STAGES>(bars);
   __syncthreads();
 
-  if (warp >= CONSUMERS / 32) {  // the producer warpgroup: one thread issues, the rest idle
+  if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     // 128 x 40 + 256 x 232 registers fit the 64K: the consumers keep two wgmma groups in flight.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid == CONSUMERS) {
-      for (int i = 0; i < tiles; ++i) {
-        const int s = i % STAGES, k0 = (kt_begin + i) * BK;
-        if (i >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (i / STAGES - 1) & 1);
-        const uint32_t full = bars + 8 * s, dst = base + s * STAGE;
-        mbar_expect_tx(full, STAGE);
+    if (tid == CONSUMER_THREADS)
+      produce<STAGES>(bars, base, STAGE, STAGE, work.k_begin, tiles, BK, [&](uint32_t dst, int k0, uint32_t full) {
         tma_load(dst, &x_map, k0, m0, full);
 #pragma unroll
         for (int b = 0; b < CH / 32; ++b) tma_load(dst + X_STAGE + b * W_BOX, &w_map, n0 + 32 * b, k0 / 8, full);
-      }
-    }
+      });
     return;
   }
 
@@ -167,7 +148,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int ch = n0 + wg * 128 + (warp & 3) * 32 + 4 * g;
   const int splits = gridDim.y;
   if (splits > 1) {
-    __shared__ int last;
     int* mine = partial + (size_t)blockIdx.y * M * N;
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b)
@@ -178,12 +158,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           *reinterpret_cast<int4*>(mine + (size_t)m * N + ch) =
               make_int4(acc[0][4 * b + p], acc[0][4 * b + 2 + p], acc[1][4 * b + p], acc[1][4 * b + 2 + p]);
       }
-    __threadfence();
-    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");  // the producer warp has left
-    if (tid == 0) last = atomicAdd(counters + pid, 1) == splits - 1;
-    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
-    if (!last) return;
-    __threadfence();
+    if (!last_split(counters, splits)) return;
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b)
 #pragma unroll
