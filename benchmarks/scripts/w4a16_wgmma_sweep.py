@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.kernels import GROUP, SHAPES, TIMING, weight_sets  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta  # noqa: E402
+from nibble.kernels import hopper  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def main():
         G = GROUP
         w4, wb, wf = weight_sets(N, K, G, dev)
         n4, nb = len(w4), len(wb)
-        k_tiles = -(-K // W.WGMMA_BK)
+        k_tiles = -(-K // hopper.STAGE_K)
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ wf.t()
@@ -53,7 +54,7 @@ def main():
             for bn, channels in W.WGMMA_TILES:
                 if (bn == 64 and M > 256) or (bn == 256 and M < 256):
                     continue
-                tiles = W._wgmma_tiles(M, N, bn, channels)
+                tiles = hopper.tile_count(M, N, bn, channels)
                 for sp in splits:
                     if sp > 1 and (tiles * sp > 2 * sms or k_tiles // sp < 2):
                         continue

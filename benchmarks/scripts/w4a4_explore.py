@@ -1,5 +1,5 @@
 """W4A4 prefill product on one device call: the wgmma kernel (csrc/w4a4_wgmma.cu) checked, then
-its tile shapes, stage counts and split-K timed against cuBLAS bf16 and the Triton kernel.
+its tile shapes and split-K timed against cuBLAS bf16 and the Triton kernel.
 
 A wrong result is diagnosed before anything is timed: which K row of the weight each K slot
 actually read (one-hot activations), and whether outputs landed on other (token, channel) cells.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from nibble.bench.timing import bench_us, rotations, tee
 from nibble.bench.w4a4 import _dense_bf16, random_w4a4
 from nibble.formats.int4 import unpack_int4
-from nibble.kernels import reference
+from nibble.kernels import hopper, reference
 from nibble.kernels import w4a4 as W
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -70,7 +70,7 @@ def main(argv) -> int:
         log("wgmma kernel WRONG: stopping before timing")
         return 1
     table = []
-    ms = [128, 1024] if quick else [128, 512, 1024, 4096]
+    ms = [128, 1024] if quick else [64, 128, 256, 512, 1024]
     for N, K in SHAPES[:3] + SHAPES[6:] if quick else SHAPES:
         n4 = rotations(K // 8 * N * 4)
         w4 = [random_w4a4(N, K, "cuda") for _ in range(n4)]
@@ -85,13 +85,14 @@ def main(argv) -> int:
             row["triton"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1])), n4)
             auto = W.wgmma_config(M, N, K)
             cfgs = {"auto": auto}
-            for bn, st in sorted(W.WGMMA_SHAPES):
-                cfgs[f"bn{bn}s{st}"] = dict(auto, bn=bn, stages=st)
-            if M <= 512:
-                for sp in (1, 2, 4, 8):
-                    cfgs[f"split{sp}"] = dict(auto, split_k=sp)
+            for bn, ch in W.WGMMA_TILES:
+                if bn == 64 and M > 256:
+                    continue
+                for sp in (1, 2, 4, 8) if M <= 512 else (1,):
+                    if sp == 1 or (hopper.tile_count(M, N, bn, ch) * sp <= 2 * 132 and K // 128 // sp >= 2):
+                        cfgs[f"bn{bn}_ch{ch}_s{sp}"] = dict(bn=bn, channels=ch, split_k=sp)
             for name, cfg in cfgs.items():
-                row[name] = bench_us(lambda i, c=cfg: (lambda: W.w4a4_wgmma(qx, sx, w4[i][0], w4[i][1], order="even_odd",
+                row[name] = bench_us(lambda i, c=cfg: (lambda: W.w4a4_wgmma(qe, sx, w4[i][0], w4[i][1], order="even_odd",
                                                                             config=c)), n4)
             row["actquant"] = bench_us(lambda i: (lambda: W.quantize_activations_triton(x, False, "even_odd")), 1)
             row["op"] = bench_us(lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
@@ -99,7 +100,7 @@ def main(argv) -> int:
             log(f"{N:6d}x{K:<6d} M={M:5d} bf16 {row['bf16']:8.1f}  triton {row['triton']:8.1f}  wgmma auto "
                 f"{row['auto']:8.1f} ({auto})  best {best[1]} {best[0]:8.1f}  actq {row['actquant']:6.1f}  "
                 f"op {row['op']:8.1f} = {row['bf16'] / row['op']:.2f}x bf16  | " +
-                " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith(("bn", "split"))))
+                " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("bn")))
             table.append(row)
         del w4, wb
         torch.cuda.empty_cache()

@@ -11,8 +11,8 @@ sizes) the real model is loaded fresh, converted, and measured:
   rooflines, on the real model and on random-weight Llama-2-7B / Llama-3-8B-shaped models.
 
 Writes ``report.json`` (everything), ``report.md`` (tables, configs side by side) and
-``speedup.png`` / ``vram.png`` / ``accuracy.png``. Without CUDA the speed and memory-peak parts
-are skipped with a message saying so.
+``speedup.png`` / ``vram.png`` / ``accuracy.png`` (where tasks were scored). Without CUDA the speed
+and memory-peak parts are skipped with a message saying so.
 """
 from __future__ import annotations
 
@@ -414,10 +414,12 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
         ax.grid(alpha=0.3, axis="y")
     written.append(_save(fig, out / "vram.png"))
 
-    # 3. accuracy per task, grouped bars
+    # 3. accuracy per task, grouped bars (where any config was scored)
     cr = results.get("configs", {})
     tasks = list(results["meta"]["tasks"]) + ["average"]
     names = [n for n in configs if "tasks" in cr.get(n, {})]
+    if not names:
+        return written
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 3.8))
     width = 0.8 / max(1, len(names))
     for i, n in enumerate(names):
@@ -426,8 +428,7 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=20, fontsize=8)
     ax.set_ylabel("acc")
     ax.set_title("zero-shot accuracy per task")
-    if names:
-        ax.legend(fontsize=7)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     written.append(_save(fig, out / "accuracy.png"))
     return written

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nibble.kernels import cuda_build, reference
+from nibble.kernels import cuda_build, hopper, reference
 
 try:  # the module must import without triton (CPU-only installs)
     import triton
@@ -758,14 +758,12 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
 # ----------------------------------------------------------------------------------------------
 # CUDA C++ GEMM for many tokens on Hopper (csrc/w4a16_wgmma.cu: asynchronous 16-bit wgmma, sm_90a)
 # ----------------------------------------------------------------------------------------------
-WGMMA_BK = 128              # K per pipeline stage
-WGMMA_TILES = ((64, 256), (128, 256), (128, 128), (256, 128))  # (tokens, channels) per CTA, compiled
-WGMMA_SPLITS = (1, 2, 3, 4, 6, 8)
-# The config model (`wgmma_config`), fitted to the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py
-# on the H200 (its picks are within 2% of the best config on average over 40 shapes x M): a CTA
-# takes WGMMA_TILE_US per 128-deep K tile, and each split-K partial costs WGMMA_SPLIT_US per
-# million outputs (stored, then summed by the last CTA).
+# The compiled CTA shapes (tokens, channels) and the config model (`hopper.pick_config`), fitted to
+# the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (its picks are within 2% of the
+# best config on average over 40 shapes x M): a CTA takes WGMMA_TILE_US per 128-deep K stage, and
+# each split-K partial costs WGMMA_SPLIT_US per million outputs (stored, then summed by the last CTA).
 WGMMA_TILE_US = {(64, 256): 1.8, (128, 256): 1.9, (128, 128): 1.3, (256, 128): 1.8}
+WGMMA_TILES = tuple(WGMMA_TILE_US)
 WGMMA_SPLIT_US = 10.0
 # Where the op takes which kernel (measured, benchmarks/notes-w4a16.md session 7): the skinny
 # kernel up to 32 tokens (64 for layers of <= SMALL_LAYER weights), dequantise + cuBLAS for
@@ -785,7 +783,7 @@ def _wgmma_lib(device):
 
 def wgmma_group_ok(group_size: int, K: int) -> bool:
     """Groups a 128-deep stage of `w4a16_wgmma` can hold whole: 32, 64, multiples of 128, or one per column."""
-    return group_size in (32, 64) or group_size % WGMMA_BK == 0 or group_size == K
+    return group_size in (32, 64) or group_size % hopper.STAGE_K == 0 or group_size == K
 
 
 def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
@@ -795,24 +793,9 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
             and torch.cuda.get_device_capability(x.device) == (9, 0) and _wgmma_lib(x.device) is not None)
 
 
-def _wgmma_tiles(M: int, N: int, bn: int, channels: int) -> int:
-    return _cdiv(M, bn) * _cdiv(N, channels)
-
-
 def wgmma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> dict:
-    """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma`: the choice of least modelled
-    time, waves of CTAs x K tiles per split x WGMMA_TILE_US + the split-K partials (a pure function)."""
-    k_tiles = _cdiv(K, WGMMA_BK)
-
-    def modelled_us(tile: tuple, split: int) -> float:
-        ctas = _wgmma_tiles(M, N, *tile) * split
-        return (_cdiv(ctas, num_sms) * _cdiv(k_tiles, split) * WGMMA_TILE_US[tile]
-                + (WGMMA_SPLIT_US * M * N * split / 1e6 if split > 1 else 0.0))
-
-    shapes = [(tile, split) for tile in WGMMA_TILES for split in WGMMA_SPLITS
-              if split == 1 or (k_tiles // split >= 2 and _wgmma_tiles(M, N, *tile) * split <= 2 * num_sms)]
-    (bn, channels), split = min(shapes, key=lambda c: modelled_us(*c))
-    return dict(bn=bn, channels=channels, split_k=split)
+    """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma` (`hopper.pick_config`)."""
+    return hopper.pick_config(M, N, K, WGMMA_TILE_US, WGMMA_SPLIT_US, num_sms)
 
 
 def large_m_kernel(M: int, N: int, K: int) -> str:
@@ -846,10 +829,10 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
     y = out
     if y is None or y.stride(1) != 1 or y.stride(0) % 4 or y.data_ptr() % 8:
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    k_tiles = _cdiv(K, WGMMA_BK)
+    k_tiles = _cdiv(K, hopper.STAGE_K)
     per_split = _cdiv(k_tiles, max(1, int(cfg["split_k"])))
     split = _cdiv(k_tiles, per_split)
-    tiles = _wgmma_tiles(M, N, *tile)
+    tiles = hopper.tile_count(M, N, *tile)
     if split > 1:
         part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, tiles)

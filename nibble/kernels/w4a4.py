@@ -38,8 +38,8 @@ which the act-quant kernels write when asked, `order="even_odd"`).
 
 Every matrix kernel can return the raw int32 accumulators (tests check them bit-exactly against
 `reference.w4a4_accumulate`). The op `torch.ops.nibble.w4a4_linear` chains quantization and the
-matrix kernel `w4a4_matmul` picks: `w4a4_mma` for M <= 16, `w4a4_wgmma` where `wgmma_preferred`
-(its tiles fill the SMs), the Triton kernels otherwise; `torch.ops.nibble.w4a4_linears` does the
+matrix kernel `w4a4_matmul` picks: `w4a4_mma` for M <= 16, `w4a4_wgmma` above on Hopper
+(`wgmma_preferred`), the Triton kernels otherwise; `torch.ops.nibble.w4a4_linears` does the
 same for several layers reading one input, quantizing it once. On CPU (and without Triton) they
 run `reference.w4a4_linear`.
 
@@ -55,7 +55,7 @@ from typing import Optional
 
 import torch
 
-from nibble.kernels import cuda_build, reference
+from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels import hadamard as _had
 from nibble.kernels.w4a16 import num_sms, select_mma_config
 
@@ -858,9 +858,15 @@ def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_s
 # ----------------------------------------------------------------------------------------------
 # CUDA C++ GEMM for M > 16 on Hopper (csrc/w4a4_wgmma.cu: asynchronous int8 wgmma, sm_90a only)
 # ----------------------------------------------------------------------------------------------
-WGMMA_CHANNELS = 256  # output channels per CTA
-WGMMA_BK = 128        # K per pipeline stage
-WGMMA_SHAPES = {(64, 6), (128, 4)}  # (token tile, stages) compiled
+# The compiled CTA shapes (tokens, channels) and the config model (`hopper.pick_config`), fitted to
+# benchmarks/scripts/w4a4_explore.py on the H200 (its picks are within 2% of the best config on
+# average over 40 shapes x M = 64..1024): a CTA takes WGMMA_TILE_US per 128-deep K stage, and each
+# split-K partial costs WGMMA_SPLIT_US per million outputs. 128 x 128 tiles cost 5% more per channel
+# than 128 x 256 (0.42 for half the channels): they win where the output has few tiles, never at
+# M = 4096, where they measured 1.27x slower on 28672 x 8192.
+WGMMA_TILE_US = {(64, 256): 0.5, (128, 256): 0.8, (128, 128): 0.42}
+WGMMA_SPLIT_US = 30.0
+WGMMA_TILES = tuple(WGMMA_TILE_US)
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
@@ -881,19 +887,9 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0) and _wgmma_lib(device) is not None)
 
 
-def _wgmma_tiles(M: int, N: int, bn: int) -> int:
-    """Output tiles (CTAs per split) of `w4a4_wgmma` with `bn`-token tiles."""
-    return -(-M // bn) * -(-N // WGMMA_CHANNELS)
-
-
 def wgmma_config(M: int, N: int, K: int, sms: int = 132) -> dict:
-    """Token tile, stages and split-K for `w4a4_wgmma`: 64-token tiles up to M = 64, else 128.
-    K is split only where the output tiles leave SMs idle AND K is long: each split stores an int32
-    partial of the whole output, which cost more than idle SMs on every 4096-deep layer measured
-    (H200, M = 128: split 1 fastest up to K = 8192; 8192 x 28672 fastest at split 4)."""
-    bn = 64 if M <= 64 else 128
-    split = max(1, min(sms // _wgmma_tiles(M, N, bn), -(-K // WGMMA_BK) // 56))
-    return dict(bn=bn, stages=6 if bn == 64 else 4, split_k=split)
+    """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`)."""
+    return hopper.pick_config(M, N, K, WGMMA_TILE_US, WGMMA_SPLIT_US, sms)
 
 
 def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -914,18 +910,19 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(qx.device))
-    if (cfg["bn"], cfg["stages"]) not in WGMMA_SHAPES:
-        raise ValueError(f"(bn, stages) must be one of {sorted(WGMMA_SHAPES)}, got {(cfg['bn'], cfg['stages'])}")
+    tile = (cfg["bn"], cfg["channels"])
+    if tile not in WGMMA_TILES:
+        raise ValueError(f"(bn, channels) must be one of {WGMMA_TILES}, got {tile}")
     if order == "natural":
         qx = to_even_odd(qx)
     qx, y, args = _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align=16)
-    k_tiles = -(-K // WGMMA_BK)
+    k_tiles = -(-K // hopper.STAGE_K)
     per_split = -(-k_tiles // max(1, int(cfg["split_k"])))
     split = -(-k_tiles // per_split)
-    part, cnt = _split_buffers(split, M, N, _wgmma_tiles(M, N, cfg["bn"]), qx.device)
+    part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, *tile), qx.device)
     with torch.cuda.device(qx.device):
         err = _wgmma_lib(qx.device).nibble_w4a4_wgmma(
-            args[0], cfg["bn"], cfg["stages"], *args[1:], part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
+            args[0], *tile, *args[1:], part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
             y.stride(0), split, per_split, torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {_wgmma_lib(qx.device).nibble_w4a4_wgmma_error_string(err).decode()} "
@@ -975,17 +972,12 @@ def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
                 raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
 
 
-WGMMA_MIN_FILL = 0.7  # output tiles per SM from which w4a4_wgmma beats the Triton kernel
-
-
 def wgmma_preferred(M: int, N: int, K: int, device) -> bool:
-    """Whether the op runs this product on `w4a4_wgmma`: where it applies and its 256 x 128 output
-    tiles fill most SMs. Below that the Triton kernel (128 x 128 tiles, split-K) was faster on every
-    shape measured (H200, M = 128: 4096^2 20.7 vs 30.1 us, 8192 x 28672 93 vs 99; wgmma wins from
-    ~100 tiles: 28672 x 8192 at M = 128, 57 vs 73 us, and every shape at M >= 1024)."""
-    if not wgmma_applicable(M, N, K, device):
-        return False
-    return _wgmma_tiles(M, N, 128) >= WGMMA_MIN_FILL * num_sms(torch.device(device))
+    """Whether the op runs this product on `w4a4_wgmma`: wherever it applies (Hopper, M > 16). With
+    its 128 x 128 tiles and the fitted config it beat the Triton kernel on every shape at M = 64 to
+    1024 but two (H200: 4096 x 11008 and 4096 x 14336 at M = 128, by 7% and 16%), by up to 3.8x
+    (28672 x 8192 at M = 64); benchmarks/notes-w4a4.md, session 7."""
+    return wgmma_applicable(M, N, K, device)
 
 
 def product_order(M: int, N: int, K: int, device) -> str:

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from nibble.kernels import hopper
 from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize, w4a16_matmul
 
@@ -394,8 +395,8 @@ def test_wgmma_config_rules():
             cfg = W.wgmma_config(M, N, K, 132)
             assert cfg == W.wgmma_config(M, N, K, 132)
             tile = (cfg["bn"], cfg["channels"])
-            assert tile in W.WGMMA_TILES and cfg["split_k"] in W.WGMMA_SPLITS
-            tiles = W._wgmma_tiles(M, N, *tile)
+            assert tile in W.WGMMA_TILES and cfg["split_k"] in hopper.SPLITS
+            tiles = hopper.tile_count(M, N, *tile)
             assert cfg["split_k"] == 1 or (tiles * cfg["split_k"] <= 2 * 132 and -(-K // 128) // cfg["split_k"] >= 2)
     assert W.wgmma_config(64, 28672, 8192)["bn"] == 64 and W.wgmma_config(2048, 28672, 8192)["bn"] == 256
     assert W.wgmma_config(128, 4096, 14336)["split_k"] > W.wgmma_config(128, 28672, 8192)["split_k"] == 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nibble.formats.int4 import pack_int4
-from nibble.kernels import reference
+from nibble.kernels import hopper, reference
 from nibble.kernels import w4a4
 from nibble.kernels.hadamard import hadamard_transform_reference, supported_hadamard_sizes
 from nibble.quantize.rtn import rtn_quantize
@@ -705,10 +705,10 @@ def _needs_wgmma_kernel():
 
 
 def _wgmma_configs(M, N, K):
-    """The heuristic config, every compiled (token tile, stages), and a forced split-K."""
+    """The heuristic config, every compiled (tokens, channels) tile, and a forced split-K."""
     auto = w4a4.wgmma_config(M, N, K)
-    k_tiles = -(-K // w4a4.WGMMA_BK)
-    cfgs = [None] + [dict(bn=bn, stages=st, split_k=auto["split_k"]) for bn, st in sorted(w4a4.WGMMA_SHAPES)]
+    k_tiles = -(-K // hopper.STAGE_K)
+    cfgs = [None] + [dict(bn=bn, channels=ch, split_k=auto["split_k"]) for bn, ch in w4a4.WGMMA_TILES]
     if k_tiles >= 3:
         cfgs.append(dict(auto, split_k=3))
     return cfgs
@@ -719,7 +719,7 @@ def _wgmma_configs(M, N, K):
 @pytest.mark.parametrize("N,K", REAL_SHAPES + [(100, 576), (4104, 4096), (8192, 28672), (260, 4160)])
 @pytest.mark.parametrize("M", [17, 64, 65, 100, 128, 129, 1000])
 def test_wgmma_int32_accumulators_bit_exact(M, N, K):
-    """Odd M (token tails), N not a multiple of the 256-channel tile, K not a multiple of the
+    """Odd M (token tails), N not a multiple of the 128 / 256-channel tiles, K not a multiple of the
     128-deep stage (576, 4160), every compiled tile shape, split-K; outputs poisoned."""
     _needs_wgmma_kernel()
     gen = torch.Generator().manual_seed(M * 7919 + N * 31 + K)

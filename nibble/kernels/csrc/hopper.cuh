@@ -29,6 +29,8 @@
   NIBBLE_OPS64(C), NIBBLE_OPS8(C, 64), NIBBLE_OPS8(C, 72), NIBBLE_OPS8(C, 80), NIBBLE_OPS8(C, 88), NIBBLE_OPS8(C, 96), \
       NIBBLE_OPS8(C, 104), NIBBLE_OPS8(C, 112), NIBBLE_OPS8(C, 120)
 
+template <typename E, int N> struct alignas(sizeof(E) * N) Vec { E v[N]; };  // one N-wide access
+
 // d += A (64 x K, four registers per thread) * B (K x BN, shared memory descriptor, K-major).
 // Kind: s8 (K = 32, int32 accumulators), f16 / bf16 (K = 16, fp32 accumulators).
 struct S8 {};

@@ -85,8 +85,6 @@ template <int BN, int CH_, int GROUP_STEPS> struct Tile {
   static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES;  // + alignment, mbarriers
 };
 
-template <typename E, int N> struct alignas(sizeof(E) * N) Vec { E v[N]; };  // one N-wide access
-
 // The activation type T (__half or __nv_bfloat16): its wgmma kind, its TMA element type, and two
 // fp32 values rounded into one fragment register (low half first).
 template <typename T> struct Elem {

@@ -9,13 +9,14 @@
 // Roles. The weight is wgmma's A operand, taken from registers: 64 output channels x 32 K per
 // instruction, so a warpgroup unpacks its own INT4 weights straight into the fragments (no int8
 // copy of the weight in shared memory). The activations are B (tokens = wgmma's N), read by the
-// tensor cores from shared memory through a descriptor. A CTA is two warpgroups x 128 channels
-// (two m64 instructions each) x BN tokens; each warp owns 32 channels.
+// tensor cores from shared memory through a descriptor. A CTA is two warpgroups x CH / 2 channels
+// (J = CH / 128 m64 instructions each) x BN tokens (the Tile shapes below); each warp owns 16 J
+// channels.
 //
-// Weight fragments. lane (g, t) of a warp reads, per 32-deep K step s, one 16-byte word quad: word
-// row 4 s + t (K rows 32 s + 8 t .. + 7), columns c .. c+3 (c = 4 g within the warp's 32). MMA rows
-// g / g+8 of instruction j are columns c + 2 j / c + 2 j + 1; a0/a1 (K slots 4t .. 4t+3) take the
-// even K rows of those two columns, a2/a3 (K slots 16+4t ..) the odd rows. Nibble arithmetic, 3
+// Weight fragments. lane (g, t) of a warp reads, per 32-deep K step s, the words of its 2J columns
+// c .. (one 16- or 8-byte piece) in word row 4 s + t (K rows 32 s + 8 t .. + 7). MMA rows g / g+8
+// of instruction j are columns c + 2 j / c + 2 j + 1; a0/a1 (K slots 4t .. 4t+3) take the even K
+// rows of those two columns, a2/a3 (K slots 16+4t ..) the odd rows. Nibble arithmetic, 3
 // instructions per word: v = w ^ 0x88888888 turns code q into the 4-bit two's complement of q - 8;
 // v & 0xF0F0F0F0 leaves the odd nibbles in the high half of each byte, i.e. the signed bytes
 // 16 (q - 8); (v << 4) & 0xF0F0F0F0 does the same for the even nibbles. The products are 16x the
@@ -26,10 +27,10 @@
 // 32-column block as its 16 even columns then its 16 odd ones: the activation quantization writes
 // it so (w4a4.py, order="even_odd") at no cost; the tensor cores then read plain rows.
 //
-// Shared memory, per stage: x as BN rows of 128 bytes (128 K), then the weight as 8 boxes of 16 word
-// rows x 32 columns (128 bytes). Both arrive by TMA in its 128-byte swizzle (16-byte chunk c of row r
+// Shared memory, per stage: x as BN rows of 128 bytes (128 K), then the weight as CH / 32 boxes of
+// 16 word rows x 32 columns (128 bytes). Both arrive by TMA in its 128-byte swizzle (16-byte chunk c of row r
 // at chunk c ^ (r % 8), every box 1024-byte aligned), which is what wgmma's descriptor expects for
-// x (a K step is the descriptor's start moved by 32 bytes); the weight quads read by the 8 lanes of
+// x (a K step is the descriptor's start moved by 32 bytes); the weight pieces read by the 8 lanes of
 // a phase then fall in 4 bank groups (a 2-way conflict on 4 loads per 128-deep tile: negligible).
 // TMA zero-fills past M, K and N, so tails need no code (zero x times any weight adds nothing).
 //
@@ -42,8 +43,8 @@
 // a proxy fence before the tensor cores could read: 1000 TOPS at best, its MMAs and copies barely
 // overlapping; benchmarks/notes-w4a4.md has the measurements.)
 //
-// Epilogue: lane (g, t) holds channels c .. c+3 of tokens 8 b + 2 t + {0, 1}: one 4-wide store per
-// token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
+// Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
+// per token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
 // on a tile sums them (exact, order-free) and scales.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -59,27 +60,32 @@
 namespace {
 
 constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per warpgroup
-constexpr int CH = 256;                           // output channels per CTA
 constexpr int BK = 128;                           // K per stage
 constexpr int W_BOX = BK / 8 * 128;               // 16 word rows x 32 columns
-constexpr int W_STAGE = CH / 32 * W_BOX;          // 8 boxes
+
+// The CTA: BN tokens x CH channels, CH / 128 = J m64 x BN x k32 instructions per warpgroup and step
+// (a lane owns 2J consecutive columns). 256 channels share each x tile between more weights; 128
+// make twice the CTAs where the output has few tiles. Stages as measured (H200): 6, but 4 for 128 x
+// 256 (session 6's choice; with the 6 that fit, the same tile ran 8-12% slower in session 7's run).
+template <int BN, int CH_> struct Tile {
+  static constexpr int CH = CH_, J = CH / 128;
+  static constexpr int X_BYTES = BN * BK, W_BYTES = CH / 32 * W_BOX, STAGE = X_BYTES + W_BYTES;
+  static constexpr int STAGES = BN == 128 && CH == 256 ? 4 : 6;
+  // + alignment slack, 2 mbarriers per stage, the token scales
+  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 4 * BN;
+};
 
 __device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
 
-template <typename T> struct Out4;  // four consecutive outputs, one store
-template <> struct Out4<float> { using type = float4; };
-template <> struct Out4<int> { using type = int4; };
-template <> struct Out4<__half> { using type = uint2; };
-template <> struct Out4<__nv_bfloat16> { using type = uint2; };
-
-template <typename T, int BN, int STAGES>
+template <typename T, int BN, int CH_>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                       const float* __restrict__ x_scale, const void* __restrict__ w_scale, int w_scale_dtype,
                       const void* __restrict__ bias, int bias_dtype, T* __restrict__ out, int* __restrict__ partial,
                       int* __restrict__ counters, int M, int N, int K, int ldo, int tiles_per_split) {
-  constexpr int X_STAGE = BN * BK, STAGE = X_STAGE + W_STAGE, R = BN / 2;
+  using L = Tile<BN, CH_>;
+  constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, X_STAGE = L::X_BYTES, R = BN / 2;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
   const uint32_t base = (raw + 1023) & ~1023u;  // swizzle atoms are 1024-byte aligned
@@ -112,14 +118,17 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  int acc[2][R];
+  int acc[J][R];
 #pragma unroll
-  for (int i = 0; i < R; ++i) acc[0][i] = acc[1][i] = 0;
-  fence_operands(acc[0]);
-  fence_operands(acc[1]);
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[j][i] = 0;
+    fence_operands(acc[j]);
+  }
 
-  // This lane's quad: box wg * 4 + warp % 4, chunk g, word rows 4 step + t (swizzled by row % 8).
-  const int w_read = X_STAGE + (wg * 4 + (warp & 3)) * W_BOX + t * 128;
+  // This lane's columns col .. col + 2J - 1 of the CTA: box col / 32, word rows 4 step + t.
+  const int col = wg * 64 * J + (warp & 3) * 16 * J + 2 * J * g;
+  const int w_read = X_STAGE + col / 32 * W_BOX, w_byte = (col % 32) * 4;
   for (int i = 0; i < tiles; ++i) {
     const int s = i % STAGES;
     mbar_wait(bars + 8 * s, (i / STAGES) & 1);
@@ -127,13 +136,21 @@ __global__ void __launch_bounds__(THREADS, 1)
     const unsigned char* here = smem + s * STAGE + w_read;
 #pragma unroll
     for (int k = 0; k < BK / 32; ++k) {
-      const uint4 w = *reinterpret_cast<const uint4*>(here + k * 512 + ((g ^ (t + 4 * (k & 1))) << 4));
-      const uint32_t a0[4] = {even_nibbles(w.x), even_nibbles(w.y), odd_nibbles(w.x), odd_nibbles(w.y)};
-      const uint32_t a1[4] = {even_nibbles(w.z), even_nibbles(w.w), odd_nibbles(w.z), odd_nibbles(w.w)};
+      const int r = 4 * k + t;
+      const Vec<uint32_t, 2 * J> w = *reinterpret_cast<const Vec<uint32_t, 2 * J>*>(
+          here + r * 128 + ((((w_byte >> 4) ^ (r & 7)) << 4) | (w_byte & 15)));
       const uint64_t desc = smem_desc(sx + 32 * k);
+      uint32_t a[J][4];
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        a[j][0] = even_nibbles(w.v[2 * j]);
+        a[j][1] = even_nibbles(w.v[2 * j + 1]);
+        a[j][2] = odd_nibbles(w.v[2 * j]);
+        a[j][3] = odd_nibbles(w.v[2 * j + 1]);
+      }
       wgmma_fence();
-      Wgmma<S8, BN>::mma(acc[0], a0, desc);
-      Wgmma<S8, BN>::mma(acc[1], a1, desc);
+#pragma unroll
+      for (int j = 0; j < J; ++j) Wgmma<S8, BN>::mma(acc[j], a[j], desc);
       wgmma_commit();
       wgmma_wait<1>();  // the previous step's group is done: its registers are free
       // ... and after this tile's first step, so is the previous tile: release its stage.
@@ -141,11 +158,18 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   }
   wgmma_wait<0>();
-  fence_operands(acc[0]);
-  fence_operands(acc[1]);
+#pragma unroll
+  for (int j = 0; j < J; ++j) fence_operands(acc[j]);
 
-  // acc[j][4 b + c]: token m0 + 8 b + 2 t + (c & 1), channel ch + 2 j + (c >> 1).
-  const int ch = n0 + wg * 128 + (warp & 3) * 32 + 4 * g;
+  // acc[j][4 b + c]: token m0 + 8 b + 2 t + (c & 1), channel ch + 2 j + (c >> 1); v[2 j + (c >> 1)].
+  const int ch = n0 + col;
+  auto token_values = [&](int b, int p, int (&v)[2 * J]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      v[2 * j] = acc[j][4 * b + p];
+      v[2 * j + 1] = acc[j][4 * b + 2 + p];
+    }
+  };
   const int splits = gridDim.y;
   if (splits > 1) {
     int* mine = partial + (size_t)blockIdx.y * M * N;
@@ -154,9 +178,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
         const int m = m0 + 8 * b + 2 * t + p;
-        if (m < M && ch < N)
-          *reinterpret_cast<int4*>(mine + (size_t)m * N + ch) =
-              make_int4(acc[0][4 * b + p], acc[0][4 * b + 2 + p], acc[1][4 * b + p], acc[1][4 * b + 2 + p]);
+        Vec<int, 2 * J> v;
+        token_values(b, p, v.v);
+        if (m < M && ch < N) *reinterpret_cast<Vec<int, 2 * J>*>(mine + (size_t)m * N + ch) = v;
       }
     if (!last_split(counters, splits)) return;
 #pragma unroll
@@ -165,72 +189,72 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int p = 0; p < 2; ++p) {
         const int m = m0 + 8 * b + 2 * t + p;
         if (m >= M || ch >= N) continue;
-        for (int s = 0; s < splits; ++s) {
+        for (int s = 0; s < splits; ++s) {  // exact in int32: the order does not matter
           if (s == (int)blockIdx.y) continue;
-          const int4 o = __ldcg(reinterpret_cast<const int4*>(partial + ((size_t)s * M + m) * N + ch));
-          acc[0][4 * b + p] += o.x;
-          acc[0][4 * b + 2 + p] += o.y;
-          acc[1][4 * b + p] += o.z;
-          acc[1][4 * b + 2 + p] += o.w;
+          const int* o = partial + ((size_t)s * M + m) * N + ch;
+#pragma unroll
+          for (int j = 0; j < J; ++j) {
+            acc[j][4 * b + p] += __ldcg(o + 2 * j);
+            acc[j][4 * b + 2 + p] += __ldcg(o + 2 * j + 1);
+          }
         }
       }
   }
 
   if (ch >= N) return;
-  float ws[4];
+  float ws[2 * J];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
+  for (int i = 0; i < 2 * J; ++i) ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
 #pragma unroll
   for (int b = 0; b < BN / 8; ++b)
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int m = m0 + 8 * b + 2 * t + p;
       if (m >= M) continue;
-      // Shift out the 16x of the weight bytes (exact: every product was a multiple of 16).
-      const int v[4] = {acc[0][4 * b + p] >> 4, acc[0][4 * b + 2 + p] >> 4, acc[1][4 * b + p] >> 4,
-                        acc[1][4 * b + 2 + p] >> 4};
-      union { typename Out4<T>::type vec; T e[4]; } o;
-      if constexpr (std::is_same_v<T, int>) {
+      int v[2 * J];
+      token_values(b, p, v);
+      Vec<T, 2 * J> o;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) o.e[i] = v[i];
-      } else {
-        const float sx = token_scale[m - m0];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o.e[i] = saturate_cast<T>(scale_output(v[i], sx, ws[i], bias, bias_dtype, ch + i));
+      for (int i = 0; i < 2 * J; ++i) {
+        const int q = v[i] >> 4;  // shift out the 16x of the weight bytes (exact: every product was a multiple of 16)
+        if constexpr (std::is_same_v<T, int>) {
+          o.v[i] = q;
+        } else {
+          o.v[i] = saturate_cast<T>(scale_output(q, token_scale[m - m0], ws[i], bias, bias_dtype, ch + i));
+        }
       }
-      *reinterpret_cast<typename Out4<T>::type*>(out + (size_t)m * ldo + ch) = o.vec;
+      *reinterpret_cast<Vec<T, 2 * J>*>(out + (size_t)m * ldo + ch) = o;
     }
 }
 
-template <typename T, int BN, int STAGES>
+template <typename T, int BN, int CH>
 cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
                    int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K, int ldx, int ldo,
                    int splits, int tiles_per_split, cudaStream_t stream) {
-  // stages, alignment slack, 2 mbarriers per stage, the token scales
-  constexpr size_t smem = (size_t)STAGES * (BN * BK + W_STAGE) + 1024 + 16 * STAGES + 4 * BN;
   CUtensorMap x_map, w_map;
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
   if (err == cudaSuccess)
     err = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_INT32, qw, N, K / 8, (uint64_t)N * 4, 32, BK / 8);
-  if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, STAGES>>();
+  if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, CH>>();
   if (err != cudaSuccess) return err;
   const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);
-  w4a4_wgmma_kernel<T, BN, STAGES><<<dim3(tiles, splits), dim3(THREADS), smem, stream>>>(
+  w4a4_wgmma_kernel<T, BN, CH><<<dim3(tiles, splits), dim3(THREADS), Tile<BN, CH>::SMEM, stream>>>(
       x_map, w_map, xs, ws, ws_dtype, bias, bias_dtype, static_cast<T*>(out), static_cast<int*>(partial),
       static_cast<int*>(counters), M, N, K, ldo, tiles_per_split);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_t(int bn, int stages, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
+cudaError_t launch_t(int bn, int ch, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
                      const void* bias, int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
                      int ldx, int ldo, int splits, int tiles_per_split, cudaStream_t st) {
-#define NIBBLE_LAUNCH(BN_, S_)                                                                                  \
-  if (bn == BN_ && stages == S_)                                                                                \
-    return launch<T, BN_, S_>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, \
-                              ldo, splits, tiles_per_split, st);
-  NIBBLE_LAUNCH(64, 6)
-  NIBBLE_LAUNCH(128, 4)
+#define NIBBLE_LAUNCH(BN_, CH_)                                                                                  \
+  if (bn == BN_ && ch == CH_)                                                                                    \
+    return launch<T, BN_, CH_>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, \
+                               ldo, splits, tiles_per_split, st);
+  NIBBLE_LAUNCH(64, 256)
+  NIBBLE_LAUNCH(128, 256)
+  NIBBLE_LAUNCH(128, 128)
 #undef NIBBLE_LAUNCH
   return cudaErrorInvalidValue;
 }
@@ -239,11 +263,12 @@ cudaError_t launch_t(int bn, int stages, const void* qx, const void* qw, const f
 
 // Host entry point (called through ctypes). Preconditions are checked by the Python caller:
 // compute capability 9.0, N % 4 == 0, K % 32 == 0, qx in even-odd order with 16-byte aligned rows
-// (ldx % 16 == 0), ldo % 4 == 0, (bn, stages) in {(64, 6), (128, 4)}; with splits > 1, partial is
-// int32 [splits, M, N] and counters int32 [tiles] zeroed. out_dtype: 0 float32, 1 float16,
+// (ldx % 16 == 0), ldo % 4 == 0, (bn, channels) in {(64, 256), (128, 256), (128, 128)}; with
+// splits > 1, partial is int32 [splits, M, N] and counters int32 [tiles], zero (the kernel leaves
+// them zero). out_dtype: 0 float32, 1 float16,
 // 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16,
 // 2 bfloat16; bias may be null.
-extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int stages, const void* qx, const void* qweight,
+extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* qweight,
                                  const void* x_scale, const void* w_scale, int w_scale_dtype, const void* bias,
                                  int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
                                  int ldx, int ldo, int splits, int tiles_per_split, void* stream) {
@@ -251,10 +276,10 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int stages, const void* 
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
   switch (out_dtype) {
-    case 0: err = launch_t<float>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
-    case 1: err = launch_t<__half>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
-    case 2: err = launch_t<__nv_bfloat16>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
-    case 3: err = launch_t<int>(bn, stages, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 0: err = launch_t<float>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 1: err = launch_t<__half>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 2: err = launch_t<__nv_bfloat16>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 3: err = launch_t<int>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;
