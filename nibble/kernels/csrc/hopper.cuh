@@ -1,6 +1,7 @@
 // What the Hopper GEMMs (w4a4_wgmma.cu, w4a16_wgmma.cu; sm_90a) share: warpgroup MMAs with the
-// weight as the register operand A and the activations as B in shared memory, the mbarriers and
-// tensor-map copies (TMA) of their pipelines, and the tensor maps' encoder.
+// weight as the register operand A and the activations as B in shared memory, the weight's stage
+// layout and each lane's columns of it, the mbarriers and tensor-map copies (TMA) of their
+// pipelines, the split-K hand-off, and the tensor maps' encoder.
 #pragma once
 #include <cuda.h>  // CUtensorMap and its enums (the encoder is fetched from the driver at run time)
 #include <cuda_runtime.h>
@@ -121,6 +122,76 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// The weight both GEMMs read: nibble's canonical INT4 words (int32 [K / 8, N], word row i = K rows
+// 8i .. 8i+7 of its column), copied per stage of BK K rows as boxes of 32 columns x BK / 8 word rows
+// (128-byte rows in the TMA's 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)).
+constexpr int BK = 128;              // K per pipeline stage
+constexpr int W_BOX = BK / 8 * 128;  // bytes of one box
+
+// The producer's copies of one stage's CH / 32 weight boxes (columns n0 .., K rows k0 ..) to dst.
+template <int CH>
+__device__ __forceinline__ void load_weight_boxes(uint32_t dst, const CUtensorMap* w_map, int n0, int k0,
+                                                  uint32_t full) {
+#pragma unroll
+  for (int b = 0; b < CH / 32; ++b) tma_load(dst + b * W_BOX, w_map, n0 + 32 * b, k0 / 8, full);
+}
+
+// The weight columns a lane of a consumer warpgroup owns when each warpgroup issues J m64
+// instructions: 2J consecutive columns col .. of the CTA (MMA rows g / g+8 of instruction j are
+// columns col + 2j / col + 2j + 1), and its words of word row r in a stage whose boxes start at
+// byte `boxes` (one 2J-word piece: 16 or 8 bytes of a swizzled row).
+template <int J> struct LaneWeights {
+  int col, offset, byte;
+  __device__ __forceinline__ LaneWeights(int warp, int g, int boxes) {
+    col = (warp >> 2) * 64 * J + (warp & 3) * 16 * J + 2 * J * g;
+    offset = boxes + col / 32 * W_BOX;
+    byte = (col % 32) * 4;
+  }
+  __device__ __forceinline__ Vec<uint32_t, 2 * J> words(const unsigned char* stage, int r) const {
+    return *reinterpret_cast<const Vec<uint32_t, 2 * J>*>(stage + offset + r * 128 +
+                                                          ((((byte >> 4) ^ (r & 7)) << 4) | (byte & 15)));
+  }
+};
+
+// The consumers' accumulators, zeroed and fenced before the first asynchronous MMA.
+template <typename A, int J, int R>
+__device__ __forceinline__ void zero_accumulators(A (&acc)[J][R]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[j][i] = A(0);
+    fence_operands(acc[j]);
+  }
+}
+
+// After the MMAs: acc[j][4 b + c] holds token 8 b + 2 t + (c & 1) of the tile, column col + 2 j +
+// (c >> 1); v gets the lane's 2J columns of token 8 b + 2 t + p in column order.
+template <typename A, int J, int R>
+__device__ __forceinline__ void token_values(const A (&acc)[J][R], int b, int p, A (&v)[2 * J]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    v[2 * j] = acc[j][4 * b + p];
+    v[2 * j + 1] = acc[j][4 * b + 2 + p];
+  }
+}
+
+// Split-K: the CTA's partial sums (token m0 + 8 b + 2 t + p, columns ch ..) into its split, slice
+// blockIdx.y of partial [splits, M, N].
+template <int BN, typename A, int J, int R>
+__device__ __forceinline__ void store_partial(const A (&acc)[J][R], A* partial, int M, int N, int m0, int ch,
+                                              int t) {
+  A* mine = partial + (size_t)blockIdx.y * M * N;
+#pragma unroll
+  for (int b = 0; b < BN / 8; ++b)
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int m = m0 + 8 * b + 2 * t + p;
+      Vec<A, 2 * J> v;
+      token_values(acc, b, p, v.v);
+      if (m < M && ch < N) *reinterpret_cast<Vec<A, 2 * J>*>(mine + (size_t)m * N + ch) = v;
+    }
+}
+
 // The pipeline both GEMMs run: a CTA of two consumer warpgroups (256 threads) and one producer
 // warpgroup; per stage a "full" mbarrier (the producer's expected TMA bytes landed) and an "empty"
 // one (both consumer warpgroups released the stage), full[STAGES] then empty[STAGES] at `bars`.
@@ -132,12 +203,11 @@ constexpr int GROUP_M = 8;  // token tiles that run next to each other over the 
 struct CtaWork {
   int m0, n0, k_begin, k_tiles;
 };
-__device__ __forceinline__ CtaWork cta_work(int M, int N, int K, int tokens, int channels, int bk,
-                                            int tiles_per_split) {
+__device__ __forceinline__ CtaWork cta_work(int M, int N, int K, int tokens, int channels, int tiles_per_split) {
   const int num_m = (M + tokens - 1) / tokens, num_n = (N + channels - 1) / channels;
   const int pid = blockIdx.x, group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
   const int gm = min(num_m - first_m, GROUP_M);
-  const int k_all = (K + bk - 1) / bk, k_begin = blockIdx.y * tiles_per_split;
+  const int k_all = (K + BK - 1) / BK, k_begin = blockIdx.y * tiles_per_split;
   return {(first_m + (pid % group) % gm) * tokens, ((pid % group) / gm) * channels, k_begin,
           min(k_begin + tiles_per_split, k_all) - k_begin};
 }
@@ -157,12 +227,12 @@ __device__ __forceinline__ void init_stage_barriers(uint32_t bars) {
 // `bytes` in all.
 template <int STAGES, typename Load>
 __device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_bytes, int bytes, int k_begin,
-                                        int k_tiles, int bk, Load load) {
+                                        int k_tiles, Load load) {
   for (int i = 0; i < k_tiles; ++i) {
     const int s = i % STAGES;
     if (i >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (i / STAGES - 1) & 1);
     mbar_expect_tx(bars + 8 * s, bytes);
-    load(base + s * stage_bytes, (k_begin + i) * bk, bars + 8 * s);
+    load(base + s * stage_bytes, (k_begin + i) * BK, bars + 8 * s);
   }
 }
 
@@ -206,4 +276,9 @@ inline cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType dtype, co
                             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The weight's tensor map: boxes of 32 columns x BK / 8 word rows, 128-byte swizzle.
+inline cudaError_t weight_map(CUtensorMap* map, const void* qweight, int N, int K) {
+  return tensor_map_2d(map, CU_TENSOR_MAP_DATA_TYPE_INT32, qweight, N, K / 8, (uint64_t)N * 4, 32, BK / 8);
 }

@@ -63,10 +63,8 @@
 namespace {
 
 constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per warpgroup
-constexpr int BK = 128;                   // K per stage
 constexpr int STEPS = BK / 16;            // k16 steps per stage
 constexpr int X_BOX = 64;                 // x columns per 128-byte swizzled row
-constexpr int W_BOX = BK / 8 * 128;       // 16 word rows x 32 columns
 
 // The CTA: BN tokens x CH channels, CH / 128 = J m64 x BN x k16 instructions per warpgroup and
 // step (a lane owns 2J consecutive columns). 256 channels share each x tile between more weights;
@@ -161,10 +159,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   const unsigned char* smem = smem_raw + (base - raw);
   const uint32_t bars = base + STAGES * STAGE;  // full[STAGES], then empty[STAGES]
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
 
-  const CtaWork work = cta_work(M, N, K, BN, CH, BK, tiles_per_split);
+  const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split);
   const int m0 = work.m0, n0 = work.n0, tiles = work.k_tiles;
 
   if (tid == 0) init_stage_barriers<STAGES>(bars);
@@ -173,11 +171,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == CONSUMER_THREADS)
-      produce<STAGES>(bars, base, STAGE, L::BYTES, work.k_begin, tiles, BK, [&](uint32_t dst, int k0, uint32_t full) {
+      produce<STAGES>(bars, base, STAGE, L::BYTES, work.k_begin, tiles, [&](uint32_t dst, int k0, uint32_t full) {
         tma_load(dst, &x_map, k0, m0, full);
         tma_load(dst + BN * 128, &x_map, k0 + X_BOX, m0, full);
-#pragma unroll
-        for (int b = 0; b < CH / 32; ++b) tma_load(dst + X_STAGE + b * W_BOX, &w_map, n0 + 32 * b, k0 / 8, full);
+        load_weight_boxes<CH>(dst + X_STAGE, &w_map, n0, k0, full);
         tma_load(dst + X_STAGE + W_STAGE, &s_map, n0, k0 / group_size, full);
         tma_load(dst + X_STAGE + W_STAGE + SZ_ROWS * SZ_ROW, &z_map, n0, k0 / group_size, full);
       });
@@ -186,24 +183,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   float acc[J][R];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) acc[j][i] = 0.f;
-    fence_operands(acc[j]);
-  }
+  zero_accumulators(acc);
 
-  // This lane's columns col .. col + 2J - 1 of the CTA: box col / 32 of the weight stage.
-  const int col = wg * 64 * J + (warp & 3) * 16 * J + 2 * J * g;
-  const int w_read = X_STAGE + col / 32 * W_BOX, w_byte = (col % 32) * 4;
+  const LaneWeights<J> lane_w(warp, g, X_STAGE);
+  const int col = lane_w.col;
   const int sz_read = X_STAGE + W_STAGE + 2 * col;
   const int rot = (15 - 8 * t) & 31;
-  // This lane's words in word row r of a stage, and its columns' scales (z = 0) or zeros (z = 1)
-  // in the stage's group row j.
-  auto words = [&](const unsigned char* stage, int r) {
-    return *reinterpret_cast<const Vec<uint32_t, 2 * J>*>(stage + w_read + r * 128 +
-                                                          ((((w_byte >> 4) ^ (r & 7)) << 4) | (w_byte & 15)));
-  };
+  // This lane's columns' scales (z = 0) or zeros (z = 1) in the stage's group row j.
   auto params = [&](const unsigned char* stage, int j, int z) {
     return *reinterpret_cast<const Vec<__half, 2 * J>*>(stage + sz_read + (z * SZ_ROWS + j) * SZ_ROW);
   };
@@ -211,7 +197,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // operands a load takes hundreds of cycles, and waited on at once it kept the unpacking from
   // overlapping the MMAs (Nsight Compute: the first shift after each load was the top stall).
   if (tiles > 0) mbar_wait(bars, 0);
-  Vec<uint32_t, 2 * J> wa = words(smem, 0), wb = words(smem, 1);
+  Vec<uint32_t, 2 * J> wa = lane_w.words(smem, 0), wb = lane_w.words(smem, 1);
   Vec<__half, 2 * J> sv = params(smem, 0, 0), zv = params(smem, 0, 1);
   Affine aff[2 * J];
   for (int i = 0; i < tiles; ++i) {
@@ -232,7 +218,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         next = smem + ((i + 1) % STAGES) * STAGE;  // past the last tile: read, never used
         nk = 0;
       }
-      const Vec<uint32_t, 2 * J> na = words(next, 2 * nk), nb = words(next, 2 * nk + 1);
+      const Vec<uint32_t, 2 * J> na = lane_w.words(next, 2 * nk), nb = lane_w.words(next, 2 * nk + 1);
       if (nk % GROUP_STEPS == 0) {
         sv = params(next, nk / GROUP_STEPS, 0);
         zv = params(next, nk / GROUP_STEPS, 1);
@@ -263,16 +249,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
   for (int j = 0; j < J; ++j) fence_operands(acc[j]);
 
-  // acc[j][4 b + c]: token m0 + 8 b + 2 t + (c & 1), channel ch + 2 j + (c >> 1).
   const int ch = n0 + col;
   const int splits = gridDim.y;
-  auto token_values = [&](int b, int p, float (&v)[2 * J]) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      v[2 * j] = acc[j][4 * b + p];
-      v[2 * j + 1] = acc[j][4 * b + 2 + p];
-    }
-  };
   if (splits == 1) {
     if (ch >= N) return;
 #pragma unroll
@@ -281,21 +259,12 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int p = 0; p < 2; ++p) {
         const int m = m0 + 8 * b + 2 * t + p;
         float v[2 * J];
-        token_values(b, p, v);
+        token_values(acc, b, p, v);
         if (m < M) store_outputs<T, J>(out + (size_t)m * ldo + ch, v);
       }
     return;
   }
-  float* mine = partial + (size_t)blockIdx.y * M * N;
-#pragma unroll
-  for (int b = 0; b < BN / 8; ++b)
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int m = m0 + 8 * b + 2 * t + p;
-      Vec<float, 2 * J> v;
-      token_values(b, p, v.v);
-      if (m < M && ch < N) *reinterpret_cast<Vec<float, 2 * J>*>(mine + (size_t)m * N + ch) = v;
-    }
+  store_partial<BN>(acc, partial, M, N, m0, ch, t);
   if (!last_split(counters, splits) || ch >= N) return;
   // Every split's partial, this CTA's own included, in split order.
   for (int b = 0; b < BN / 8; ++b)
@@ -322,7 +291,7 @@ cudaError_t launch(const void* x, const void* qw, const void* scales, const void
   const int groups = K / group_size;
   cudaError_t err = tensor_map_2d(&x_map, Elem<T>::map_type, x, K, M, (uint64_t)ldx * 2, X_BOX, BN);
   if (err == cudaSuccess)
-    err = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_INT32, qw, N, K / 8, (uint64_t)N * 4, 32, BK / 8);
+    err = weight_map(&w_map, qw, N, K);
   if (err == cudaSuccess)
     err = tensor_map_2d(&s_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, scales, N, groups, (uint64_t)N * 2, L::CH,
                         L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);

@@ -60,8 +60,6 @@
 namespace {
 
 constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per warpgroup
-constexpr int BK = 128;                           // K per stage
-constexpr int W_BOX = BK / 8 * 128;               // 16 word rows x 32 columns
 
 // The CTA: BN tokens x CH channels, CH / 128 = J m64 x BN x k32 instructions per warpgroup and step
 // (a lane owns 2J consecutive columns). 256 channels share each x tile between more weights; 128
@@ -93,10 +91,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t bars = base + STAGES * STAGE;  // full[STAGES], then empty[STAGES]
   float* token_scale = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE + 16 * STAGES);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
 
-  const CtaWork work = cta_work(M, N, K, BN, CH, BK, tiles_per_split);
+  const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split);
   const int m0 = work.m0, n0 = work.n0, tiles = work.k_tiles;
 
   // The epilogue's per-token scales, read once here: loaded in the epilogue, each thread's 32
@@ -109,36 +107,26 @@ __global__ void __launch_bounds__(THREADS, 1)
     // 128 x 40 + 256 x 232 registers fit the 64K: the consumers keep two wgmma groups in flight.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == CONSUMER_THREADS)
-      produce<STAGES>(bars, base, STAGE, STAGE, work.k_begin, tiles, BK, [&](uint32_t dst, int k0, uint32_t full) {
+      produce<STAGES>(bars, base, STAGE, STAGE, work.k_begin, tiles, [&](uint32_t dst, int k0, uint32_t full) {
         tma_load(dst, &x_map, k0, m0, full);
-#pragma unroll
-        for (int b = 0; b < CH / 32; ++b) tma_load(dst + X_STAGE + b * W_BOX, &w_map, n0 + 32 * b, k0 / 8, full);
+        load_weight_boxes<CH>(dst + X_STAGE, &w_map, n0, k0, full);
       });
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   int acc[J][R];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) acc[j][i] = 0;
-    fence_operands(acc[j]);
-  }
+  zero_accumulators(acc);
 
-  // This lane's columns col .. col + 2J - 1 of the CTA: box col / 32, word rows 4 step + t.
-  const int col = wg * 64 * J + (warp & 3) * 16 * J + 2 * J * g;
-  const int w_read = X_STAGE + col / 32 * W_BOX, w_byte = (col % 32) * 4;
+  const LaneWeights<J> lane_w(warp, g, X_STAGE);  // word rows 4 step + t of each stage
   for (int i = 0; i < tiles; ++i) {
     const int s = i % STAGES;
     mbar_wait(bars + 8 * s, (i / STAGES) & 1);
     const uint32_t sx = base + s * STAGE;
-    const unsigned char* here = smem + s * STAGE + w_read;
+    const unsigned char* here = smem + s * STAGE;
 #pragma unroll
     for (int k = 0; k < BK / 32; ++k) {
-      const int r = 4 * k + t;
-      const Vec<uint32_t, 2 * J> w = *reinterpret_cast<const Vec<uint32_t, 2 * J>*>(
-          here + r * 128 + ((((w_byte >> 4) ^ (r & 7)) << 4) | (w_byte & 15)));
+      const Vec<uint32_t, 2 * J> w = lane_w.words(here, 4 * k + t);
       const uint64_t desc = smem_desc(sx + 32 * k);
       uint32_t a[J][4];
 #pragma unroll
@@ -161,27 +149,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
   for (int j = 0; j < J; ++j) fence_operands(acc[j]);
 
-  // acc[j][4 b + c]: token m0 + 8 b + 2 t + (c & 1), channel ch + 2 j + (c >> 1); v[2 j + (c >> 1)].
-  const int ch = n0 + col;
-  auto token_values = [&](int b, int p, int (&v)[2 * J]) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      v[2 * j] = acc[j][4 * b + p];
-      v[2 * j + 1] = acc[j][4 * b + 2 + p];
-    }
-  };
+  const int ch = n0 + lane_w.col;
   const int splits = gridDim.y;
   if (splits > 1) {
-    int* mine = partial + (size_t)blockIdx.y * M * N;
-#pragma unroll
-    for (int b = 0; b < BN / 8; ++b)
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int m = m0 + 8 * b + 2 * t + p;
-        Vec<int, 2 * J> v;
-        token_values(b, p, v.v);
-        if (m < M && ch < N) *reinterpret_cast<Vec<int, 2 * J>*>(mine + (size_t)m * N + ch) = v;
-      }
+    store_partial<BN>(acc, partial, M, N, m0, ch, t);
     if (!last_split(counters, splits)) return;
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b)
@@ -212,7 +183,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int m = m0 + 8 * b + 2 * t + p;
       if (m >= M) continue;
       int v[2 * J];
-      token_values(b, p, v);
+      token_values(acc, b, p, v);
       Vec<T, 2 * J> o;
 #pragma unroll
       for (int i = 0; i < 2 * J; ++i) {
@@ -234,7 +205,7 @@ cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* 
   CUtensorMap x_map, w_map;
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
   if (err == cudaSuccess)
-    err = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_INT32, qw, N, K / 8, (uint64_t)N * 4, 32, BK / 8);
+    err = weight_map(&w_map, qw, N, K);
   if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, CH>>();
   if (err != cudaSuccess) return err;
   const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);
