@@ -73,14 +73,8 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "ni
     rows = []
     int4_bytes = K // 8 * N * 4 + 2 * (K // G) * N * 2
     bf16_bytes = N * K * 2
-    # weight copies (rotated) for each op
-    n4 = rotations(int4_bytes)
-    nb = rotations(bf16_bytes)
-    w4 = [random_int4(N, K, G, dev) for _ in range(n4)]
-    wb = None
-    from nibble.kernels.w4a16 import dequantize_cuda
-    if "bf16" in ops:
-        wb = [dequantize_cuda(*w4[i % n4], G, dtype=torch.bfloat16) for i in range(nb)]
+    w4, wb, wf = weight_sets(N, K, G, dev)  # weight copies (rotated) for each op
+    n4, nb = len(w4), len(wb)
     tg = None
     if "tinygemm" in ops:
         try:
@@ -89,20 +83,19 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "ni
             log(f"tinygemm unavailable: {type(e).__name__}: {e}")
     if tg is not None or "nibble" in ops:  # same function? (relative error vs fp32 dequant reference)
         xc = torch.randn(8, K, device=dev, dtype=torch.bfloat16)
-        wf = dequantize_cuda(*w4[0], G, dtype=torch.float32) if "bf16" in ops else None
-        if wf is not None:
-            ref = xc.float() @ wf.t()
-            chk = {}
-            if tg is not None:
-                chk["tinygemm"] = tinygemm_mm(xc, tg[0][0], tg[0][1], G).float()
-            chk["nibble"] = torch.ops.nibble.w4a16_linear(xc, *w4[0], G).float()
-            log(f"N={N} K={K} check rel err vs fp32 ref: " + " ".join(
-                f"{k}={((v - ref).norm() / ref.norm()).item():.2e}" for k, v in chk.items()))
-            del wf, ref
+        ref = xc.float() @ wf.t()
+        chk = {}
+        if tg is not None:
+            chk["tinygemm"] = tinygemm_mm(xc, tg[0][0], tg[0][1], G).float()
+        chk["nibble"] = torch.ops.nibble.w4a16_linear(xc, *w4[0], G).float()
+        log(f"N={N} K={K} check rel err vs fp32 ref: " + " ".join(
+            f"{k}={((v - ref).norm() / ref.norm()).item():.2e}" for k, v in chk.items()))
+        del ref
+    del wf
     for M in ms:
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         res = {}
-        if wb is not None:
+        if "bf16" in ops:
             res["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb, **TIMING)
         if tg is not None:
             try:

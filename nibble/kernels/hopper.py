@@ -22,6 +22,14 @@ def tile_count(M: int, N: int, tokens: int, channels: int) -> int:
     return _cdiv(M, tokens) * _cdiv(N, channels)
 
 
+def split_plan(K: int, split_k: int) -> tuple[int, int]:
+    """(splits, K stages per split) for a requested split-K: every split but the last gets the same
+    number of stages, so fewer splits than asked may remain (10 stages in 4 splits: 3 x 3 + 1)."""
+    k_stages = _cdiv(K, STAGE_K)
+    per_split = _cdiv(k_stages, max(1, int(split_k)))
+    return _cdiv(k_stages, per_split), per_split
+
+
 def pick_config(M: int, N: int, K: int, stage_us: dict, split_us: float, num_sms: int) -> dict:
     """The (tokens, channels) of ``stage_us`` and the split-K of least modelled time (a pure
     function): split only where each split keeps 2 stages and the CTAs fit two waves."""

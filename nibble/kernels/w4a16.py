@@ -829,9 +829,7 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
     y = out
     if y is None or y.stride(1) != 1 or y.stride(0) % 4 or y.data_ptr() % 8:
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    k_tiles = _cdiv(K, hopper.STAGE_K)
-    per_split = _cdiv(k_tiles, max(1, int(cfg["split_k"])))
-    split = _cdiv(k_tiles, per_split)
+    split, per_split = hopper.split_plan(K, cfg["split_k"])
     tiles = hopper.tile_count(M, N, *tile)
     if split > 1:
         part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)

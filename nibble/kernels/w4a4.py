@@ -916,9 +916,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     if order == "natural":
         qx = to_even_odd(qx)
     qx, y, args = _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align=16)
-    k_tiles = -(-K // hopper.STAGE_K)
-    per_split = -(-k_tiles // max(1, int(cfg["split_k"])))
-    split = -(-k_tiles // per_split)
+    split, per_split = hopper.split_plan(K, cfg["split_k"])
     part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, *tile), qx.device)
     with torch.cuda.device(qx.device):
         err = _wgmma_lib(qx.device).nibble_w4a4_wgmma(
