@@ -55,6 +55,22 @@ def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend:
         return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
     importlib.import_module("nibble.kernels.w4a16")
     y = torch.ops.nibble.w4a16_linear(_kernel_input(x), qweight, scales, zeros, group_size)
+    return _finish(y, bias, x)
+
+
+def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
+    """``w4a16_linear`` for several layers that read the same x, ``layers`` = [(qweight, scales, zeros,
+    bias), ...]: on CUDA, decode-sized inputs run them in one kernel launch. Returns the outputs in order."""
+    if not _use_kernel(x, backend):
+        return [reference.w4a16_matmul(x, qw, s, z, group_size, b) for qw, s, z, b in layers]
+    importlib.import_module("nibble.kernels.w4a16")
+    ys = torch.ops.nibble.w4a16_linears(_kernel_input(x), *([layer[i] for layer in layers] for i in range(3)),
+                                        group_size)
+    return [_finish(y, layer[3], x) for y, layer in zip(ys, layers)]
+
+
+def _finish(y, bias, x):
+    """A kernel's [M, N] output with the bias added, in x's leading dims and dtype."""
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)

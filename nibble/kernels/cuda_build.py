@@ -115,6 +115,11 @@ def signatures(entry: str, argtypes: list, error_string: str) -> Callable[[ctype
     return configure
 
 
+def c_array(ctype, values) -> ctypes.c_void_p:
+    """A C array of ``values`` for a launcher's pointer argument (it lives as long as the pointer)."""
+    return ctypes.cast((ctype * len(values))(*values), ctypes.c_void_p)
+
+
 _AVAILABLE: dict = {}  # (name, arch) -> configured library, or None when it cannot be built
 
 

@@ -663,10 +663,13 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
 # ----------------------------------------------------------------------------------------------
 MMA_MAX_M = 64
 # Register budget: 4 and 8 token tiles take 128 / ~245 registers per thread (ptxas, sm_90), so a
-# CTA of 16 warps would not fit the SM's 64K registers.
+# CTA of 16 warps would not fit the SM's 64K registers. (32 warps of one tile, at 64 registers,
+# measured 3-10% slower than 16 on every layer of 1,024-8,192 columns, H200.)
 MMA_MAX_WARPS = {1: 16, 2: 16, 4: 8, 8: 8}
 MMA_RING = 4  # cp.async stages per warp (RING in the .cu)
 MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
+MMA_MAX_WEIGHTS = 3  # weights one launch can serve (MAX_WEIGHTS in csrc/skinny.cuh), up to 32 tokens
+MMA_MANY_MAX_M = 32
 
 
 @dataclass(frozen=True)
@@ -676,7 +679,7 @@ class MmaConfig:
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p],
+    "nibble_w4a16_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 7,
     "nibble_cuda_error_string")
 
 
@@ -708,17 +711,17 @@ def mma_smem_bytes(cfg: MmaConfig) -> int:
     return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
 
 
-
 def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
             and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT)
 
 
 def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
-    """Pure function of the problem: warps per CTA doubled from 4 while the GPU has fewer than 32
-    warps per SM and each warp keeps >= 16 K steps at one token tile, >= 32 at more (fewer when
-    there are fewer CTAs than SMs). Measured on the H200: at M = 16 and N = 12288, K = 4096, four
-    warps of 32 steps beat eight of 16 by 15%; at M = 1 eight of 16 win."""
+    """Pure function of the problem (N: the columns of every weight of the launch together): warps
+    per CTA doubled from 4 while the GPU has fewer than 32 warps per SM and each warp keeps >= 16 K
+    steps at one token tile, >= 32 at more (fewer when there are fewer CTAs than SMs). Measured on
+    the H200: at M = 16 and N = 12288, K = 4096, four warps of 32 steps beat eight of 16 by 15%; at
+    M = 1 eight of 16 win."""
     token_tiles = next(t for t in (1, 2, 4, 8) if M <= 8 * t)
     ctas, warps, steps = N // 32, 4, K // 32
     min_steps = 16 if token_tiles == 1 else 32
@@ -730,29 +733,39 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) ->
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
     """y = x @ W.T on the tensor cores for M <= 64 (inputs already checked by ``_check``)."""
+    return w4a16_mma_many(x, [(qweight, scales, zeros)], group_size, config, None if out is None else [out])[0]
+
+
+def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs=None):
+    """[x @ W_i.T for W_i in weights] in one launch, for up to MMA_MAX_WEIGHTS weights (qweight,
+    scales, zeros) that read the same x, e.g. a block's q/k/v projections; inputs already checked."""
     M, K = x.shape
-    N = qweight.shape[1]
+    ns = [qw.shape[1] for qw, _, _ in weights]
     lib = _mma_lib(x.device)
     shift = _group_shift_steps(group_size, K)
-    if lib is None or shift is None or M > MMA_MAX_M or N % 32 or K % 32:
-        raise ValueError(f"w4a16_mma needs the compiled kernel, M <= {MMA_MAX_M}, N and K multiples of 32 and a "
-                         f"power-of-two group >= 32 (or per-column); got M={M} N={N} K={K} group={group_size}")
-    cfg = config or select_mma_config(M, N, K, num_sms(x.device))
+    if (lib is None or shift is None or M > (MMA_MAX_M if len(weights) == 1 else MMA_MANY_MAX_M) or K % 32
+            or any(n % 32 for n in ns) or not 1 <= len(weights) <= MMA_MAX_WEIGHTS):
+        raise ValueError(f"w4a16_mma needs the compiled kernel, M <= {MMA_MAX_M} ({MMA_MANY_MAX_M} for several "
+                         f"weights), N and K multiples of 32, a power-of-two group >= 32 (or per-column) and 1 to "
+                         f"{MMA_MAX_WEIGHTS} weights; got M={M} N={ns} K={K} group={group_size}")
+    cfg = config or select_mma_config(M, sum(ns), K, num_sms(x.device))
     if not mma_config_valid(cfg, M):
         raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
+    if outs is None:
+        outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
+    pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(),
-            qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), M, N, K, shift,
-            x.stride(0), out.stride(0), torch.cuda.current_stream(x.device).cuda_stream)
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(), M, K, shift, x.stride(0),
+            len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
+            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
-    return out
+    return outs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -939,6 +952,35 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 def _(x, qweight, scales, zeros, group_size):
     torch._check(x.dim() == 2, lambda: "x must be [M, K]")
     return x.new_empty((x.shape[0], qweight.shape[1]))
+
+
+@torch.library.custom_op("nibble::w4a16_linears", mutates_args=())
+def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
+                  zeros: list[torch.Tensor], group_size: int) -> list[torch.Tensor]:
+    """``[w4a16_linear(x, W_i) for W_i in the weights]`` for weights that read the same x (a block's
+    q/k/v or gate/up projections). On CUDA, where the skinny kernel runs, up to 32 tokens, up to three
+    weights share one launch; elsewhere each runs as ``w4a16_linear`` would."""
+    if not len(qweights) == len(scales) == len(zeros) > 0:
+        raise ValueError(f"w4a16_linears needs one scales and zeros tensor per qweight, got {len(qweights)} "
+                         f"qweights, {len(scales)} scales, {len(zeros)} zeros")
+    weights = list(zip(qweights, scales, zeros))
+    for w in weights:
+        _check(x, *w, group_size)
+    if x.device.type != "cuda":
+        return [reference.w4a16_matmul(x, *w, group_size) for w in weights]
+    x = x.contiguous()
+    M, K = x.shape
+    N = sum(qw.shape[1] for qw in qweights)
+    if (0 < M <= MMA_MANY_MAX_M and len(weights) <= MMA_MAX_WEIGHTS and large_m_kernel(M, N, K) == "skinny"
+            and all(mma_applicable(x, qw.shape[1], K, group_size) for qw in qweights)):
+        return w4a16_mma_many(x, weights, group_size)
+    return [w4a16_linear_cuda(x, *w, group_size) for w in weights]
+
+
+@w4a16_linears.register_fake
+def _(x, qweights, scales, zeros, group_size):
+    torch._check(x.dim() == 2, lambda: "x must be [M, K]")
+    return [x.new_empty((x.shape[0], qw.shape[1])) for qw in qweights]
 
 
 def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, out=None):

@@ -786,12 +786,12 @@ def w4a4_accumulate_triton(qx: torch.Tensor, qweight: torch.Tensor, config: Opti
 # ----------------------------------------------------------------------------------------------
 MMA_MAX_M = 16
 MMA_MAX_WARPS = 16
+MMA_MAX_WEIGHTS = 3  # layers one launch can serve (MAX_WEIGHTS in csrc/skinny.cuh)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a4_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                                                   ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p],
+    "nibble_w4a4_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 7,
     "nibble_w4a4_cuda_error_string")
 
 
@@ -805,24 +805,29 @@ def mma_applicable(qx: torch.Tensor, N: int, K: int) -> bool:
             and torch.cuda.get_device_capability(qx.device) >= (8, 0) and _mma_lib(qx.device) is not None)
 
 
-def _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align):
-    """What both CUDA launchers pass: (qx with rows aligned to `row_align` bytes, y, [out code, qx,
-    qweight, x_scale, w_scale, w_scale code, bias or None, bias code, y]) as ctypes-ready values."""
-    if qx.stride(1) != 1 or qx.stride(0) % row_align or qx.data_ptr() % row_align:  # rows are copied in pieces
+def _aligned_rows(qx: torch.Tensor, row_align: int) -> torch.Tensor:
+    """qx with rows at `row_align`-byte boundaries (the kernels copy rows in pieces of that size)."""
+    if qx.stride(1) != 1 or qx.stride(0) % row_align or qx.data_ptr() % row_align:
         qx = qx.contiguous()
+    return qx
+
+
+def _layer_operands(x_scale, qweight, w_scale, bias):
+    """(x_scale, qweight, w_scale, bias) as the CUDA kernels read them: contiguous, weights at a
+    16-byte boundary (they move in 16-byte copies; a view may start at an odd word), bias float32
+    where its dtype has no code."""
     qweight, x_scale, w_scale = qweight.contiguous(), x_scale.contiguous(), w_scale.contiguous()
-    if qweight.data_ptr() % 16:  # weights move in 16-byte copies (a view at an odd word offset)
+    if qweight.data_ptr() % 16:
         qweight = qweight.clone()
     if bias is not None:
         bias = bias.contiguous()
         if bias.dtype not in _DTYPE_CODES:
             bias = bias.float()
-    y = torch.empty(qx.shape[:1] + qweight.shape[1:], dtype=torch.int32 if out_int32 else out_dtype,
-                    device=qx.device)
-    args = [3 if out_int32 else _DTYPE_CODES[out_dtype], qx.data_ptr(), qweight.data_ptr(), x_scale.data_ptr(),
-            w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype], None if bias is None else bias.data_ptr(),
-            0 if bias is None else _DTYPE_CODES[bias.dtype], y.data_ptr()]
-    return qx, y, args
+    return x_scale, qweight, w_scale, bias
+
+
+def _output(qx, N, out_dtype, out_int32):
+    return torch.empty((qx.shape[0], N), dtype=torch.int32 if out_int32 else out_dtype, device=qx.device)
 
 
 def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -832,27 +837,56 @@ def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_s
 
     Warps per CTA follow the W4A16 kernel's rule (``w4a16.select_mma_config``) unless ``warps`` is given.
     """
-    _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
+    return w4a4_mma_many(qx, x_scale, [(qweight, w_scale, bias)], out_dtype, out_int32=out_int32, warps=warps)[0]
+
+
+def mma_many_applicable(qx: torch.Tensor, layers) -> bool:
+    """Whether `w4a4_mma_many` can run these (qweight, w_scale, bias) layers in one launch."""
+    return (len(layers) <= MMA_MAX_WEIGHTS and all(mma_applicable(qx, qw.shape[1], qx.shape[1]) for qw, _, _ in layers)
+            and len({ws.dtype for _, ws, _ in layers}) == 1
+            and len({b.dtype for _, _, b in layers if b is not None}) <= 1)
+
+
+def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype = torch.bfloat16, *,
+                  out_int32: bool = False, warps: Optional[int] = None) -> list[torch.Tensor]:
+    """``[w4a4_mma(qx, x_scale, *layer) for layer in layers]`` in one launch, for up to MMA_MAX_WEIGHTS
+    layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v): their w_scales share a
+    dtype, and so do the biases they have."""
+    for layer in layers:
+        _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
-    N = qweight.shape[1]
+    ns = [qweight.shape[1] for qweight, _, _ in layers]
     lib = _mma_lib(qx.device) if qx.is_cuda else None
-    if lib is None or not 0 < M <= MMA_MAX_M or N % 32 or K % 32 or K == 0:
-        raise ValueError(f"w4a4_mma needs the compiled kernel, 1 <= M <= {MMA_MAX_M}, N and K multiples of 32; "
-                         f"got M={M} N={N} K={K} on {qx.device}")
+    if (lib is None or not 0 < M <= MMA_MAX_M or K % 32 or K == 0 or any(n % 32 for n in ns)
+            or not 1 <= len(layers) <= MMA_MAX_WEIGHTS):
+        raise ValueError(f"w4a4_mma needs the compiled kernel, 1 <= M <= {MMA_MAX_M}, N and K multiples of 32 and "
+                         f"1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={ns} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = select_mma_config(M, N, K, num_sms(qx.device))
+    operands = [_layer_operands(x_scale, *layer) for layer in layers]
+    x_scale = operands[0][0]
+    scale_dtypes = {_DTYPE_CODES[ws.dtype] for _, _, ws, _ in operands}
+    bias_dtypes = {_DTYPE_CODES[b.dtype] for _, _, _, b in operands if b is not None}
+    if len(scale_dtypes) > 1 or len(bias_dtypes) > 1:
+        raise ValueError("the layers of one w4a4_mma_many launch must share the w_scale dtype and the bias dtype")
+    cfg = select_mma_config(M, sum(ns), K, num_sms(qx.device))
     warps = cfg.warps if warps is None else warps
     if not 1 <= warps <= MMA_MAX_WARPS:
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
-    qx, y, args = _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align=8)
+    qx = _aligned_rows(qx, 8)
+    ys = [_output(qx, n, out_dtype, out_int32) for n in ns]
+    pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
+                for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
     with torch.cuda.device(qx.device):
-        err = lib.nibble_w4a4_mma(args[0], cfg.token_tiles, warps, *args[1:], M, N, K, qx.stride(0), y.stride(0),
-                                  torch.cuda.current_stream(qx.device).cuda_stream)
+        err = lib.nibble_w4a4_mma(
+            3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps, qx.data_ptr(), x_scale.data_ptr(),
+            scale_dtypes.pop(), bias_dtypes.pop() if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
+            cuda_build.c_array(ctypes.c_int, ns), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
+            torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
-                           f"(M={M} N={N} K={K} warps={warps})")
-    return y
+                           f"(M={M} N={ns} K={K} warps={warps})")
+    return ys
 
 
 # ----------------------------------------------------------------------------------------------
@@ -915,12 +949,17 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
         raise ValueError(f"(bn, channels) must be one of {WGMMA_TILES}, got {tile}")
     if order == "natural":
         qx = to_even_odd(qx)
-    qx, y, args = _cuda_operands(qx, x_scale, qweight, w_scale, bias, out_dtype, out_int32, row_align=16)
+    qx = _aligned_rows(qx, 16)
+    x_scale, qweight, w_scale, bias = _layer_operands(x_scale, qweight, w_scale, bias)
+    y = _output(qx, N, out_dtype, out_int32)
     split, per_split = hopper.split_plan(K, cfg["split_k"])
     part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, *tile), qx.device)
     with torch.cuda.device(qx.device):
         err = _wgmma_lib(qx.device).nibble_w4a4_wgmma(
-            args[0], *tile, *args[1:], part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
+            3 if out_int32 else _DTYPE_CODES[out_dtype], *tile, qx.data_ptr(), qweight.data_ptr(),
+            x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
+            None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
+            y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
             y.stride(0), split, per_split, torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {_wgmma_lib(qx.device).nibble_w4a4_wgmma_error_string(err).decode()} "
@@ -1032,6 +1071,8 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     orders = {product_order(M, qweight.shape[1], K, x.device) for qweight, _, _ in layers}
     order = orders.pop() if len(orders) == 1 else "natural"
     qx, sx = quantize_activations_triton(x, input_hadamard, order)
+    if len(layers) > 1 and mma_many_applicable(qx, layers):  # decode: one launch for the group
+        return w4a4_mma_many(qx, sx, layers, out_dtype=x.dtype)
     return [w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype, order=order)
             for qweight, w_scale, bias in layers]
 

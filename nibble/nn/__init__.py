@@ -1,3 +1,3 @@
-from nibble.nn.quant_linear import QuantLinear, shared_input_forward
+from nibble.nn.quant_linear import QuantLinear, shared_input_forward, stack_weights
 
-__all__ = ["QuantLinear", "shared_input_forward"]
+__all__ = ["QuantLinear", "shared_input_forward", "stack_weights"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nibble import kernels
@@ -88,13 +89,77 @@ class QuantLinear(nn.Module):
 def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of several layers that read the same ``x`` (a block's q/k/v or gate/up projections).
 
-    W4A4 QuantLinears with one rotation setting and backend quantize ``x`` once for all of them (on
-    CUDA a separate quantization per layer costs a kernel launch each); any other layer is called as is.
+    On CUDA a kernel launch costs a few microseconds, as much as a decode step's matmul streams in
+    weights, so what can share one launch does:
+    - W4A4 QuantLinears with one rotation setting and backend quantize ``x`` once for all of them,
+      and at decode sizes (up to 16 tokens) run their products as one kernel launch;
+    - W4A16 QuantLinears with one group size and backend run as one kernel launch at decode sizes
+      (the skinny kernel's range, up to 32 tokens);
+    - plain ``nn.Linear`` layers whose weights are consecutive rows of one tensor (`stack_weights`)
+      run as one matmul.
+    Any other layer is called as is.
     """
-    if (len(layers) > 1 and all(isinstance(m, QuantLinear) and m.mode == "w4a4" for m in layers)
-            and len({(m.input_hadamard, m.backend) for m in layers}) == 1):
+    layers = list(layers)
+    if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
         for m in layers:
             m._check_input(x)
-        return kernels.w4a4_linears(x, [(m.qweight, m.scales[0], m.bias) for m in layers], layers[0].input_hadamard,
-                                    backend=layers[0].backend)
+        mode, backend = layers[0].mode, layers[0].backend
+        same = len({(m.mode, m.backend, m.input_hadamard, m.group_size) for m in layers}) == 1
+        if same and mode == "w4a4":
+            return kernels.w4a4_linears(x, [(m.qweight, m.scales[0], m.bias) for m in layers],
+                                        layers[0].input_hadamard, backend=backend)
+        if same and mode == "w4a16":
+            return kernels.w4a16_linears(x, [(m.qweight, m.scales, m.zeros, m.bias) for m in layers],
+                                         layers[0].group_size, backend=backend)
+    stacked = _stacked_parameters(layers)
+    if stacked is not None:
+        return list(F.linear(x, *stacked).split([m.out_features for m in layers], dim=-1))
     return [m(x) for m in layers]
+
+
+def stack_weights(layers) -> None:
+    """Make the weights (and biases) of plain ``nn.Linear`` layers that read the same input (same
+    in_features, dtype and device) consecutive rows of one tensor, in place: each layer's parameters
+    become views of the stack, so memory is unchanged and the layers work as before, and
+    `shared_input_forward` runs them as one matmul (gpt-fast's fused wqkv, without a new module).
+    Layers that do not qualify are left alone. Their parameters then share storage (safetensors
+    refuses to save shared tensors: save the model before, or clone the parameters)."""
+    layers = list(layers)
+    if (len(layers) < 2 or not all(type(m) is nn.Linear for m in layers)
+            or len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in layers}) != 1
+            or _stacked_parameters(layers) is not None):
+        return
+    names = ("weight",) if layers[0].bias is None else ("weight", "bias")
+    with torch.no_grad():
+        for name in names:
+            stack = torch.cat([getattr(m, name).detach() for m in layers])
+            row = 0
+            for m in layers:
+                p = getattr(m, name)
+                setattr(m, name, nn.Parameter(stack[row:row + m.out_features], requires_grad=p.requires_grad))
+                row += m.out_features
+
+
+def _stacked_parameters(layers):
+    """(weight [sum N, K], bias [sum N] or None) of plain nn.Linear layers whose parameters are
+    consecutive rows of one tensor each (see `stack_weights`), else None."""
+    if len(layers) < 2 or not all(type(m) is nn.Linear for m in layers) or len({m.bias is None for m in layers}) != 1:
+        return None
+    weight = _consecutive([m.weight for m in layers])
+    bias = None if layers[0].bias is None else _consecutive([m.bias for m in layers])
+    if weight is None or (bias is None) != (layers[0].bias is None):
+        return None
+    return weight, bias
+
+
+def _consecutive(tensors):
+    """One view over tensors that lie back to back, in order, in one storage (rows of equal shape
+    beyond the first dimension, contiguous), else None."""
+    t0 = tensors[0]
+    expected = t0.data_ptr()
+    for t in tensors:
+        if (not t.is_contiguous() or t.shape[1:] != t0.shape[1:] or t.dtype != t0.dtype or t.data_ptr() != expected
+                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()):
+            return None
+        expected += t.numel() * t.element_size()
+    return t0.as_strided((sum(t.shape[0] for t in tensors), *t0.shape[1:]), t0.stride())

@@ -224,6 +224,48 @@ def test_gpu_mma_every_config(cfg):
 
 
 @needs_cuda
+@pytest.mark.parametrize("M", [1, 3, 8, 13, 16, 29, 32])
+def test_gpu_mma_many_weights(M):
+    """Up to three weights in one launch (a block's q/k/v): each output matches its own product;
+    weights of different widths (CTAs numbered across them), groups of 32 / 128 / per column, outputs
+    poisoned, and a non-contiguous output row stride."""
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+    for K, G, ns in ((576, 64, (576, 192, 192)), (2048, 128, (1024, 256)), (1536, 1536, (96, 4096, 32)),
+                     (1024, 32, (320,))):
+        dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
+        weights = [make_weight(n, K, G, symmetric=i == 1, device="cuda", seed=M + n + i) for i, n in enumerate(ns)]
+        x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
+        padded = [torch.full((M, n + 32), float("nan"), device="cuda", dtype=dtype) for n in ns]
+        W.w4a16_mma_many(x, weights, G, outs=[p[:, :n] for p, n in zip(padded, ns)])
+        torch.cuda.synchronize()
+        for p, n, w in zip(padded, ns, weights):
+            assert_close(p[:, :n], x, *w, G)
+            assert torch.isnan(p[:, n:]).all(), "wrote past its columns"
+        for warps in (4, 16 if M <= 16 else 8):
+            ys = W.w4a16_mma_many(x, weights, G, config=W.MmaConfig(W.select_mma_config(M, 32, K).token_tiles, warps))
+            for y, w in zip(ys, weights):
+                assert_close(y, x, *w, G)
+
+
+@needs_cuda
+def test_gpu_w4a16_linears_dispatch():
+    """The grouped op: one launch at decode sizes, per-weight ops above, equal to w4a16_linear either way."""
+    K, G = 1024, 128
+    weights = [make_weight(n, K, G, device="cuda", seed=n) for n in (512, 128, 128)]
+    for M in (1, 24, 48, 100, 300):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        ys = torch.ops.nibble.w4a16_linears(x, *(list(t) for t in zip(*weights)), G)
+        for y, w in zip(ys, weights):
+            assert_close(y, x, *w, G)
+    x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="32 for several"):
+        W.w4a16_mma_many(x, weights, G)
+    with pytest.raises(ValueError, match="one scales and zeros"):
+        torch.ops.nibble.w4a16_linears(x, [weights[0][0]], [], [weights[0][2]], G)
+
+
+@needs_cuda
 def test_gpu_mma_dispatch_and_fallbacks():
     """M <= 64 with aligned N, K takes the CUDA kernel; odd N or M > 64 take the Triton / cuBLAS paths."""
     x = torch.randn(4, 512, device="cuda", dtype=torch.float16)
@@ -420,6 +462,19 @@ def test_wgmma_rejects_what_it_cannot_run():
     qw, s, z = make_weight(256, 512, 128)
     with pytest.raises(ValueError, match="sm_90"):
         W.w4a16_wgmma(x, qw, s, z, 128)
+
+
+def test_w4a16_linears_cpu_matches_per_weight_op():
+    """The grouped op on the CPU: the reference per weight; its checks name the mismatch."""
+    K, G = 256, 64
+    weights = [make_weight(n, K, G, seed=n) for n in (64, 32)]
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    ys = torch.ops.nibble.w4a16_linears(x, *(list(t) for t in zip(*weights)), G)
+    for y, w in zip(ys, weights):
+        torch.testing.assert_close(y, torch.ops.nibble.w4a16_linear(x, *w, G), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="packs K=128"):
+        torch.ops.nibble.w4a16_linears(x, [weights[0][0], make_weight(32, 128, G)[0]], [w[1] for w in weights],
+                                       [w[2] for w in weights], G)
 
 
 def test_select_mma_config_rules():

@@ -574,6 +574,32 @@ def _needs_mma_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 5, 8, 9, 16])
+def test_mma_kernel_many_layers_in_one_launch(M):
+    """Up to three layers of different widths in one launch (CTAs numbered across them): the int32
+    sums exact, the scaled outputs equal to one launch per layer, a bias on some layers only."""
+    _needs_mma_kernel()
+    gen = torch.Generator().manual_seed(M)
+    K = 1056
+    layers = [_codes_weight(N, K, "cuda", gen) for N in (576, 64, 192)]
+    biases = [None, torch.randn(64, device="cuda").bfloat16(), torch.randn(192, device="cuda").bfloat16()]
+    qx = _qx(M, K, "cuda", gen)
+    sx = torch.rand(M, device="cuda") + 0.5
+    _poison_allocator("cuda")
+    accs = w4a4.w4a4_mma_many(qx, torch.ones(M, device="cuda"), [(qw, ws, None) for qw, ws in layers], out_int32=True)
+    for acc, (qw, _) in zip(accs, layers):
+        assert torch.equal(acc, _exact_acc(qx, qw))
+    ys = w4a4.w4a4_mma_many(qx, sx, [(qw, ws, b) for (qw, ws), b in zip(layers, biases)], torch.float16)
+    for y, (qw, ws), b in zip(ys, layers, biases):
+        assert torch.equal(y, w4a4.w4a4_mma(qx, sx, qw, ws, b, torch.float16))
+    with pytest.raises(ValueError, match="share the w_scale dtype"):
+        w4a4.w4a4_mma_many(qx, sx, [(layers[0][0], layers[0][1], None), (layers[1][0], layers[1][1].float(), None)])
+    with pytest.raises(ValueError, match="1 to 3 layers"):
+        w4a4.w4a4_mma_many(qx, sx, [(qw, ws, None) for qw, ws in layers + layers[:1]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("warps", [1, 4, 8, 16])
 def test_mma_kernel_int32_accumulators_bit_exact(warps):
     """Every M of both token tiles, K split unevenly over the warps (65 steps of 32), fewer steps than

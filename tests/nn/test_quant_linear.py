@@ -5,7 +5,7 @@ from torch import nn
 from nibble.config import QuantConfig
 from nibble.kernels import KernelUnavailableError, reference
 from nibble import kernels
-from nibble.nn import QuantLinear, shared_input_forward
+from nibble.nn import QuantLinear, shared_input_forward, stack_weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -42,13 +42,68 @@ def test_shared_input_forward_quantizes_once_for_w4a4_layers_and_matches_each_la
     assert calls == [3]
     for y, m in zip(ys, w4a4):
         assert torch.equal(y, m(x))
-    # anything else (W4A16, nn.Linear, mixed rotation settings) runs layer by layer
+    # anything else (mixed modes, nn.Linear, mixed rotation settings) runs layer by layer
     calls.clear()
     mixed = [w4a4[0], QuantLinear.from_linear(nn.Linear(128, 16), QuantConfig(group_size=32)), nn.Linear(128, 8)]
     ys = shared_input_forward(mixed, x)
     assert calls == [1] and [tuple(y.shape) for y in ys] == [(2, 3, 64), (2, 3, 16), (2, 3, 8)]
     with pytest.raises(ValueError, match="expects 128"):
         shared_input_forward(w4a4, torch.randn(2, 127))
+
+
+def test_shared_input_forward_runs_w4a16_layers_as_one_call(monkeypatch):
+    torch.manual_seed(0)
+    layers = [QuantLinear.from_linear(nn.Linear(128, n, bias=n == 32), QuantConfig(group_size=64)) for n in (64, 32)]
+    x = torch.randn(2, 3, 128)
+    calls = []
+    shared = kernels.w4a16_linears
+    monkeypatch.setattr(kernels, "w4a16_linears", lambda x, layers, *a, **k: calls.append(len(layers)) or
+                        shared(x, layers, *a, **k))
+    ys = shared_input_forward(layers, x)
+    assert calls == [2]
+    for y, m in zip(ys, layers):
+        assert torch.equal(y, m(x))
+    calls.clear()  # different group sizes: layer by layer
+    shared_input_forward([layers[0], QuantLinear.from_linear(nn.Linear(128, 8), QuantConfig(group_size=32))], x)
+    assert calls == []
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_stack_weights_makes_one_matmul_of_dense_layers_in_the_same_memory(bias):
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, n, bias=bias) for n in (64, 16, 16)]
+    x = torch.randn(2, 5, 64)
+    expected = [m(x).detach() for m in layers]
+    params = [[p.detach().clone() for p in m.parameters()] for m in layers]
+    stack_weights(layers)
+    for m, before in zip(layers, params):  # same values, now views of one stack
+        for p, b in zip(m.parameters(), before):
+            assert isinstance(p, nn.Parameter) and torch.equal(p, b)
+    storages = {m.weight.untyped_storage().data_ptr() for m in layers}
+    assert len(storages) == 1 and layers[0].weight.untyped_storage().nbytes() == 96 * 64 * 4
+    calls = []
+    monkeypatch = pytest.MonkeyPatch()
+    linear = nn.functional.linear
+    monkeypatch.setattr(nn.functional, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
+    with torch.no_grad():
+        ys = shared_input_forward(layers, x)
+    monkeypatch.undo()
+    assert calls == [(96, 64)]
+    for y, e, m in zip(ys, expected, layers):
+        torch.testing.assert_close(y, e)
+        torch.testing.assert_close(m(x), e)  # each layer still works alone
+    stack_weights(layers)  # already stacked: unchanged
+    assert layers[0].weight.untyped_storage().nbytes() == 96 * 64 * 4
+
+
+def test_stack_weights_leaves_layers_it_cannot_stack():
+    mixed = [nn.Linear(64, 8), nn.Linear(32, 8)]  # different inputs
+    half = [nn.Linear(64, 8), nn.Linear(64, 8).half()]
+    some_bias = [nn.Linear(64, 8), nn.Linear(64, 8, bias=False)]
+    for layers in (mixed, half, some_bias):
+        ptrs = [m.weight.data_ptr() for m in layers]
+        stack_weights(layers)
+        assert [m.weight.data_ptr() for m in layers] == ptrs
 
 
 def test_bad_inputs_give_clear_errors():

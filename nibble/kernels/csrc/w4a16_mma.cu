@@ -51,6 +51,8 @@
 // K is split across the warps of a CTA (each owns a contiguous range of whole groups); partial
 // sums meet in shared memory and the CTA writes its 32 output columns. N / 32 CTAs; the launcher
 // picks warps per CTA so that enough loads are in flight on every SM.
+// One launch can serve up to three weights that read the same x, each with its own qweight, scales,
+// zeros and output (skinny.cuh: MAX_WEIGHTS).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -78,6 +80,16 @@ template <> struct Num<__nv_bfloat16> {
   static constexpr uint32_t ONE2 = 0x3f803f80u;
   static constexpr float BASE = 128.f;
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+
+// The weights of one launch (skinny.cuh: cta_weight)
+template <typename T>
+struct Weights {
+  const uint32_t* qweight[MAX_WEIGHTS];
+  const __half* scales[MAX_WEIGHTS];
+  const __half* zeros[MAX_WEIGHTS];
+  T* out[MAX_WEIGHTS];
+  int n[MAX_WEIGHTS], ldo[MAX_WEIGHTS], cta_end[MAX_WEIGHTS];
 };
 
 // c = A (16 x 16, four registers) * B (16 x 8, two registers) + C, fp32 accumulators; C is c, or
@@ -115,11 +127,10 @@ constexpr int RING = 4, AHEAD = RING - 2;
 // Launch bounds (registers): 64 at one token tile, for 32 resident warps per SM (34.5 instead of
 // 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
-template <typename T, int MT, int GS>
+template <typename T, int MT, int GS, bool MANY>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
-    w4a16_mma_kernel(const T* __restrict__ x, const uint32_t* __restrict__ qweight,
-                     const __half* __restrict__ scales, const __half* __restrict__ zeros,
-                     T* __restrict__ out, int M, int N, int K, int group_shift_steps, int ldx, int ldo) {
+    w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
+                     int ldx) {
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
   // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
   // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each);
@@ -134,7 +145,12 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // the lane's column quad (its MMA rows g, g + 8)
-  const int tile_col = blockIdx.x * 32;
+  int tile_col;
+  const int which = cta_weight<MANY>(weights.cta_end, tile_col);
+  const uint32_t* __restrict__ qweight = pick(weights.qweight, which);
+  const __half* __restrict__ scales = pick(weights.scales, which);
+  const __half* __restrict__ zeros = pick(weights.zeros, which);
+  const int N = pick(weights.n, which);
   const int steps = K >> 5;  // step s covers word rows 4s .. 4s+3
   // Warps own contiguous ranges of whole groups (any split when there is one group per column),
   // so a group never straddles two warps and a range always ends a group.
@@ -246,6 +262,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   float* partial = reinterpret_cast<float*>(smem);
   store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });
   __syncthreads();
+  T* __restrict__ out = pick(weights.out, which);  // picked here, not held in registers through the loop
+  const int ldo = pick(weights.ldo, which);
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
     float sum = 0.f;
     for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
@@ -258,54 +276,76 @@ size_t smem_bytes(int warps, int mt) {
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int GS>
-cudaError_t launch_gs(const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N, int K,
-                      int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
+template <typename T, int MT, int GS, bool MANY>
+cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
+                      int warps, cudaStream_t stream) {
   const size_t smem = smem_bytes(warps, MT);
-  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS>>();
+  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY>>();
   if (err != cudaSuccess) return err;
-  w4a16_mma_kernel<T, MT, GS><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
-      static_cast<const T*>(x), static_cast<const uint32_t*>(qw), static_cast<const __half*>(s),
-      static_cast<const __half*>(z), static_cast<T*>(out), M, N, K, group_shift_steps, ldx, ldo);
+  w4a16_mma_kernel<T, MT, GS, MANY><<<dim3(ctas), dim3(warps * 32), smem, stream>>>(static_cast<const T*>(x), weights, M, K,
+                                                                             group_shift_steps, ldx);
   return cudaGetLastError();
 }
 
-template <typename T, int MT>
-cudaError_t launch_mt(const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N, int K,
-                      int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
+template <typename T, int MT, bool MANY>
+cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
+                      int warps, cudaStream_t stream) {
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
-    case 0: return launch_gs<T, MT, 1>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 1: return launch_gs<T, MT, 2>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 2: return launch_gs<T, MT, 4>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    default: return launch_gs<T, MT, 0>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 0: return launch_gs<T, MT, 1, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
+    case 1: return launch_gs<T, MT, 2, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
+    case 2: return launch_gs<T, MT, 4, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
+    default: return launch_gs<T, MT, 0, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
   }
 }
 
 template <typename T>
-cudaError_t launch(int mt, const void* x, const void* qw, const void* s, const void* z, void* out, int M, int N,
-                   int K, int group_shift_steps, int ldx, int ldo, int warps, cudaStream_t stream) {
+cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
+                   const void* const* qweights, const void* const* scales, const void* const* zeros,
+                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream) {
+  if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
+  Weights<T> w{};
+  for (int i = 0; i < count; ++i) {
+    w.qweight[i] = static_cast<const uint32_t*>(qweights[i]);
+    w.scales[i] = static_cast<const __half*>(scales[i]);
+    w.zeros[i] = static_cast<const __half*>(zeros[i]);
+    w.out[i] = static_cast<T*>(outs[i]);
+    w.n[i] = ns[i];
+    w.ldo[i] = ldos[i];
+  }
+  const int ctas = number_ctas(count, ns, w.cta_end);
+  // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
+  // token tiles keep a single-weight kernel only (it is at the register limit).
+  const bool many = count > 1;
+#define NIBBLE_LAUNCH_MT(MT) \
+  (many ? launch_mt<T, MT, true>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream) \
+        : launch_mt<T, MT, false>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream))
   switch (mt) {
-    case 1: return launch_mt<T, 1>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 2: return launch_mt<T, 2>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 4: return launch_mt<T, 4>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
-    case 8: return launch_mt<T, 8>(x, qw, s, z, out, M, N, K, group_shift_steps, ldx, ldo, warps, stream);
+    case 1: return NIBBLE_LAUNCH_MT(1);
+    case 2: return NIBBLE_LAUNCH_MT(2);
+    case 4: return NIBBLE_LAUNCH_MT(4);
+    case 8: return many ? cudaErrorInvalidValue : launch_mt<T, 8, false>(x, w, ctas, M, K, group_shift_steps, ldx,
+                                                                        warps, stream);
     default: return cudaErrorInvalidValue;
   }
+#undef NIBBLE_LAUNCH_MT
 }
 
 }  // namespace
 
-// Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// N % 32 == 0, K % 32 == 0, M <= 8 * mt, 16-byte aligned x rows (ldx % 8 == 0), group = 32 * 2^group_shift_steps
-// (or one group per column: group_shift_steps >= 30), 1 <= warps <= 32, mt in {1, 2, 4, 8}.
-extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, const void* x, const void* qweight, const void* scales,
-                                const void* zeros, void* out, int M, int N, int K, int group_shift_steps, int ldx,
-                                int ldo, void* stream) {
+// Host entry point (called through ctypes): `count` weights (1 to 3) that read the same x, their
+// pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
+// caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte aligned x rows (ldx % 8 == 0),
+// group = 32 * 2^group_shift_steps (or one group per column: group_shift_steps >= 30),
+// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}.
+extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, const void* x, int M, int K, int group_shift_steps,
+                                int ldx, int count, const void* const* qweights, const void* const* scales,
+                                const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
+                                void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, x, qweight, scales, zeros, out, M, N, K, group_shift_steps,
-                                                    ldx, ldo, warps, st)
-                            : launch<__half>(mt, x, qweight, scales, zeros, out, M, N, K, group_shift_steps, ldx,
-                                             ldo, warps, st);
+  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights,
+                                                    scales, zeros, outs, ns, ldos, st)
+                            : launch<__half>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights, scales,
+                                             zeros, outs, ns, ldos, st);
   return (int)err;
 }
 

@@ -22,6 +22,8 @@
 // - Per-channel scales: no group boundaries, the int32 sums run over the warp's whole K range, meet
 //   across warps in shared memory (exact, order-free), and are scaled once per output.
 // Per step: 4 x 3 ALU instructions for the weights, 2 permutes per token tile, 3 MMAs per token tile.
+// One launch serves up to three weights that read the same qx (skinny.cuh: MAX_WEIGHTS), each with
+// its own qweight, w_scale, bias and output; the scale and bias dtypes are the launch's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -44,14 +46,21 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The weights of one launch (skinny.cuh: cta_weight); bias entries may be null.
+struct Weights {
+  const uint32_t* qweight[MAX_WEIGHTS];
+  const void* w_scale[MAX_WEIGHTS];
+  const void* bias[MAX_WEIGHTS];
+  void* out[MAX_WEIGHTS];
+  int n[MAX_WEIGHTS], ldo[MAX_WEIGHTS], cta_end[MAX_WEIGHTS];
+};
+
 // MT: token tiles of 8 (M <= 8 * MT). T: output type (half, bfloat16, float, or int for the raw
 // int32 accumulators).
-template <typename T, int MT>
+template <typename T, int MT, bool MANY>
 __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
-    w4a4_mma_kernel(const int8_t* __restrict__ qx, const uint32_t* __restrict__ qweight,
-                    const float* __restrict__ x_scale, const void* __restrict__ w_scale, int w_scale_dtype,
-                    const void* __restrict__ bias, int bias_dtype, T* __restrict__ out, int M, int N, int K,
-                    int ldx, int ldo) {
+    w4a4_mma_kernel(const int8_t* __restrict__ qx, const float* __restrict__ x_scale, const Weights weights,
+                    int w_scale_dtype, int bias_dtype, int M, int K, int ldx) {
   // A stage (bytes): [0, 512) weights (swizzled rows, as in w4a16_mma.cu); [512, 512 + 256 MT) x,
   // 32 bytes per token (8 per lane: x[m, 8i .. 8i+7], the lane's own slot), copied for real tokens
   // only (the slots of padding tokens are zeroed once). Reused after the loop as
@@ -60,7 +69,10 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int tile_col = blockIdx.x * 32;
+  int tile_col;
+  const int which = cta_weight<MANY>(weights.cta_end, tile_col);
+  const uint32_t* __restrict__ qweight = pick(weights.qweight, which);
+  const int N = pick(weights.n, which);
   const int steps = K >> 5;
   const int s_begin = (int)((long long)steps * warp / warps), s_end = (int)((long long)steps * (warp + 1) / warps);
   const int m_rows = M < MT * 8 ? M : MT * 8;
@@ -112,6 +124,10 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   int* partial = reinterpret_cast<int*>(smem);
   store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c] - 8 * xsum[mt][c & 1]; });
   __syncthreads();
+  T* __restrict__ out = static_cast<T*>(pick(weights.out, which));  // picked here: no registers held in the loop
+  const void* __restrict__ w_scale = pick(weights.w_scale, which);
+  const void* __restrict__ bias = pick(weights.bias, which);
+  const int ldo = pick(weights.ldo, which);
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
     int sum = 0;
     for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
@@ -130,46 +146,63 @@ size_t smem_bytes(int warps, int mt) {
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT>
-cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
-                   int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, int warps, cudaStream_t stream) {
+template <typename T, int MT, bool MANY>
+cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ctas, int ws_dtype, int bias_dtype,
+                   int M, int K, int ldx, int warps, cudaStream_t stream) {
   const size_t smem = smem_bytes(warps, MT);
-  const cudaError_t err = opt_in_shared_memory<w4a4_mma_kernel<T, MT>>();
+  const cudaError_t err = opt_in_shared_memory<w4a4_mma_kernel<T, MT, MANY>>();
   if (err != cudaSuccess) return err;
-  w4a4_mma_kernel<T, MT><<<dim3(N / 32), dim3(warps * 32), smem, stream>>>(
-      static_cast<const int8_t*>(qx), static_cast<const uint32_t*>(qw), xs, ws, ws_dtype, bias, bias_dtype,
-      static_cast<T*>(out), M, N, K, ldx, ldo);
+  w4a4_mma_kernel<T, MT, MANY><<<dim3(ctas), dim3(warps * 32), smem, stream>>>(static_cast<const int8_t*>(qx), xs, weights,
+                                                                        ws_dtype, bias_dtype, M, K, ldx);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_t(int mt, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
-                     const void* bias, int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, int warps,
-                     cudaStream_t stream) {
+cudaError_t launch_t(int mt, const void* qx, const float* xs, const Weights& weights, int ctas, int ws_dtype,
+                     int bias_dtype, int M, int K, int ldx, int warps, cudaStream_t stream) {
+  const bool many = weights.cta_end[0] < ctas;  // several weights (skinny.cuh: cta_weight)
+#define NIBBLE_LAUNCH_MT(MT) \
+  (many ? launch<T, MT, true>(qx, xs, weights, ctas, ws_dtype, bias_dtype, M, K, ldx, warps, stream) \
+        : launch<T, MT, false>(qx, xs, weights, ctas, ws_dtype, bias_dtype, M, K, ldx, warps, stream))
   switch (mt) {
-    case 1: return launch<T, 1>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
-    case 2: return launch<T, 2>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, stream);
+    case 1: return NIBBLE_LAUNCH_MT(1);
+    case 2: return NIBBLE_LAUNCH_MT(2);
     default: return cudaErrorInvalidValue;
   }
+#undef NIBBLE_LAUNCH_MT
 }
 
 }  // namespace
 
-// Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// N % 32 == 0, K % 32 == 0, M <= 8 * mt, mt in {1, 2}, 1 <= warps <= 16, 8-byte aligned qx rows
-// (ldx % 8 == 0). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators);
-// w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16; bias may be null.
-extern "C" int nibble_w4a4_mma(int out_dtype, int mt, int warps, const void* qx, const void* qweight,
-                               const void* x_scale, const void* w_scale, int w_scale_dtype, const void* bias,
-                               int bias_dtype, void* out, int M, int N, int K, int ldx, int ldo, void* stream) {
+// Host entry point (called through ctypes): `count` weights (1 to 3) that read the same qx, their
+// pointers, column counts and output row strides in arrays (a null bias: none). Preconditions are
+// checked by the Python caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt, mt in {1, 2},
+// 1 <= warps <= 16, 8-byte aligned qx rows (ldx % 8 == 0). out_dtype: 0 float32, 1 float16,
+// 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype (every weight's): 0 float32,
+// 1 float16, 2 bfloat16.
+extern "C" int nibble_w4a4_mma(int out_dtype, int mt, int warps, const void* qx, const void* x_scale, int w_scale_dtype,
+                               int bias_dtype, int M, int K, int ldx, int count, const void* const* qweights,
+                               const void* const* w_scales, const void* const* biases, void* const* outs,
+                               const int* ns, const int* ldos, void* stream) {
+  if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
+  Weights w{};
+  for (int i = 0; i < count; ++i) {
+    w.qweight[i] = static_cast<const uint32_t*>(qweights[i]);
+    w.w_scale[i] = w_scales[i];
+    w.bias[i] = biases[i];
+    w.out[i] = outs[i];
+    w.n[i] = ns[i];
+    w.ldo[i] = ldos[i];
+  }
+  const int ctas = number_ctas(count, ns, w.cta_end);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
   switch (out_dtype) {
-    case 0: err = launch_t<float>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
-    case 1: err = launch_t<__half>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
-    case 2: err = launch_t<__nv_bfloat16>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
-    case 3: err = launch_t<int>(mt, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, M, N, K, ldx, ldo, warps, st); break;
+    case 0: err = launch_t<float>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st); break;
+    case 1: err = launch_t<__half>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st); break;
+    case 2: err = launch_t<__nv_bfloat16>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st); break;
+    case 3: err = launch_t<int>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;
