@@ -30,14 +30,18 @@ def test_w4a4_quantlinear_matches_reference_and_approximates_float():
     assert nn.functional.cosine_similarity(y.flatten(), lin(x).detach().flatten(), dim=0) > 0.95
 
 
+def _count_layers_per_call(monkeypatch, op: str) -> list:
+    """The layers each call of ``kernels.<op>`` receives, recorded as the tests run."""
+    calls, shared = [], getattr(kernels, op)
+    monkeypatch.setattr(kernels, op, lambda x, layers, *a, **k: calls.append(len(layers)) or shared(x, layers, *a, **k))
+    return calls
+
+
 def test_shared_input_forward_quantizes_once_for_w4a4_layers_and_matches_each_layer(monkeypatch):
     torch.manual_seed(0)
     w4a4 = [QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(mode="w4a4")) for n in (64, 32, 32)]
     x = torch.randn(2, 3, 128)
-    calls = []  # layers per call of the shared-input kernels (a lone W4A4 layer is a call with one)
-    shared = kernels.w4a4_linears
-    monkeypatch.setattr(kernels, "w4a4_linears", lambda x, layers, *a, **k: calls.append(len(layers)) or
-                        shared(x, layers, *a, **k))
+    calls = _count_layers_per_call(monkeypatch, "w4a4_linears")  # a lone W4A4 layer is a call with one
     ys = shared_input_forward(w4a4, x)
     assert calls == [3]
     for y, m in zip(ys, w4a4):
@@ -55,10 +59,7 @@ def test_shared_input_forward_runs_w4a16_layers_as_one_call(monkeypatch):
     torch.manual_seed(0)
     layers = [QuantLinear.from_linear(nn.Linear(128, n, bias=n == 32), QuantConfig(group_size=64)) for n in (64, 32)]
     x = torch.randn(2, 3, 128)
-    calls = []
-    shared = kernels.w4a16_linears
-    monkeypatch.setattr(kernels, "w4a16_linears", lambda x, layers, *a, **k: calls.append(len(layers)) or
-                        shared(x, layers, *a, **k))
+    calls = _count_layers_per_call(monkeypatch, "w4a16_linears")
     ys = shared_input_forward(layers, x)
     assert calls == [2]
     for y, m in zip(ys, layers):
