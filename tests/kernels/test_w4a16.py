@@ -472,6 +472,8 @@ def test_w4a16_linears_cpu_matches_per_weight_op():
     ys = torch.ops.nibble.w4a16_linears(x, *(list(t) for t in zip(*weights)), G)
     for y, w in zip(ys, weights):
         torch.testing.assert_close(y, torch.ops.nibble.w4a16_linear(x, *w, G), rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.nibble.w4a16_linears.default, (x, *(list(t) for t in zip(*weights)), G),
+                          test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="packs K=128"):
         torch.ops.nibble.w4a16_linears(x, [weights[0][0], make_weight(32, 128, G)[0]], [w[1] for w in weights],
                                        [w[2] for w in weights], G)
