@@ -228,13 +228,8 @@ def _dispatch(x: torch.Tensor, kernel, plain):
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as [rows, features] with contiguous rows, any row stride: a view where one exists (the
-    slices of a stacked projection's output), else a contiguous copy."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.contiguous().view(-1, t.shape[-1])
+    slices of a stacked projection's output), else a contiguous copy (``reshape``'s choice)."""
+    return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, t.shape[-1])
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

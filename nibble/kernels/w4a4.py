@@ -840,11 +840,17 @@ def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_s
     return w4a4_mma_many(qx, x_scale, [(qweight, w_scale, bias)], out_dtype, out_int32=out_int32, warps=warps)[0]
 
 
+def _launch_dtypes(layers):
+    """The w_scale dtypes and the bias dtypes of (qweight, w_scale, bias) layers, as sets: one launch
+    takes one of each (a layer without bias adds none)."""
+    return {ws.dtype for _, ws, _ in layers}, {b.dtype for _, _, b in layers if b is not None}
+
+
 def mma_many_applicable(qx: torch.Tensor, layers) -> bool:
     """Whether `w4a4_mma_many` can run these (qweight, w_scale, bias) layers in one launch."""
+    scale_dtypes, bias_dtypes = _launch_dtypes(layers)
     return (len(layers) <= MMA_MAX_WEIGHTS and all(mma_applicable(qx, qw.shape[1], qx.shape[1]) for qw, _, _ in layers)
-            and len({ws.dtype for _, ws, _ in layers}) == 1
-            and len({b.dtype for _, _, b in layers if b is not None}) <= 1)
+            and len(scale_dtypes) == 1 and len(bias_dtypes) <= 1)
 
 
 def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype = torch.bfloat16, *,
@@ -865,8 +871,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     operands = [_layer_operands(x_scale, *layer) for layer in layers]
     x_scale = operands[0][0]
-    scale_dtypes = {_DTYPE_CODES[ws.dtype] for _, _, ws, _ in operands}
-    bias_dtypes = {_DTYPE_CODES[b.dtype] for _, _, _, b in operands if b is not None}
+    scale_dtypes, bias_dtypes = _launch_dtypes([op[1:] for op in operands])
     if len(scale_dtypes) > 1 or len(bias_dtypes) > 1:
         raise ValueError("the layers of one w4a4_mma_many launch must share the w_scale dtype and the bias dtype")
     cfg = select_mma_config(M, sum(ns), K, num_sms(qx.device))
@@ -880,7 +885,8 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
     with torch.cuda.device(qx.device):
         err = lib.nibble_w4a4_mma(
             3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps, qx.data_ptr(), x_scale.data_ptr(),
-            scale_dtypes.pop(), bias_dtypes.pop() if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
+            _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K,
+            qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, ns), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
             torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
