@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
 from nibble.nn.quant_linear import shared_input_forward, stack_weights
@@ -47,6 +48,7 @@ from nibble.nn.quant_linear import shared_input_forward, stack_weights
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
     import triton.language as tl
+    from nibble.kernels.early_launch import after_prior_grids
 except Exception:  # pragma: no cover
     triton = None
 
@@ -60,6 +62,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpret
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _INTERPRET)
+
+
+def _early(x: torch.Tensor) -> bool:
+    """Whether the glue kernels launch early (``nibble.kernels.early_launch``)."""
+    return not _INTERPRET and early_launch(x.device)
 
 
 # ---- fused glue: Triton kernels ----------------------------------------------------------------
@@ -84,8 +91,9 @@ if triton is not None:
 
     @triton.jit
     def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
-                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """One row: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)), HF's LlamaRMSNorm roundings."""
+        after_prior_grids(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -100,9 +108,10 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, kc_ptr, vc_ptr,
-                           T, HQ, HKV, S, q_row, k_row, v_row, D: tl.constexpr, HALF: tl.constexpr):
+                           T, HQ, HKV, S, q_row, k_row, v_row, D: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
         """Program (token, head): rotate q heads into q_out; rotate k and copy v into the cache at pos.
         q, k and v rows (tokens) are ``*_row`` elements apart: views of one stacked q/k/v output."""
+        after_prior_grids(PDL)
         tok = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         b, t = tok // T, tok % T
@@ -130,9 +139,10 @@ if triton is not None:
         tl.store(dst + HALF + offs, o2.to(q_out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_row, u_row, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_row, u_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Program (row, block of n columns); g and u rows ``*_row`` elements apart (views of one
         stacked gate/up output), out contiguous."""
+        after_prior_grids(PDL)
         row = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
@@ -145,9 +155,10 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, ml_ptr, S, CHUNK, scale,
                                  REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 IEEE: tl.constexpr):
+                                 IEEE: tl.constexpr, PDL: tl.constexpr):
         """Program (sequence x kv head, split): online softmax over keys [split * CHUNK, +CHUNK) that are
         <= pos, for the REP query heads that share this kv head; partial acc, max and sum out (fp32)."""
+        after_prior_grids(PDL)
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         n_splits = tl.num_programs(1)
@@ -189,8 +200,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_combine_kernel(part_ptr, ml_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
-                                         SPLITS: tl.constexpr):
+                                         SPLITS: tl.constexpr, PDL: tl.constexpr):
         """Program (sequence x kv head, query row): the splits' partial softmaxes merged, normalised, cast."""
+        after_prior_grids(PDL)
         bh = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1)
         sp = tl.arange(0, SPLITS)
@@ -246,7 +258,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         h = xc if residual is None else torch.empty_like(xc)
         res = xc if residual is None else residual.contiguous()
         _add_rmsnorm_kernel[(xc.numel() // N,)](xc, res, weight, out, h, N, eps, HAS_RES=residual is not None,
-                                                BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
+                                                BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8,
+                                                PDL=_early(xc), launch_pdl=_early(xc))
         return h, out
     return _dispatch(x, kernel, plain)
 
@@ -274,7 +287,8 @@ def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head
         q_out = torch.empty(B, T, n_heads, head_dim, dtype=q.dtype, device=q.device)
         _rope_cache_kernel[(B * T, n_heads + n_kv)](qc, kc, vc, cos, sin, pos, q_out, k_cache, v_cache, T, n_heads,
                                                     n_kv, k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0),
-                                                    D=head_dim, HALF=head_dim // 2, num_warps=1)
+                                                    D=head_dim, HALF=head_dim // 2, num_warps=1, PDL=_early(qc),
+                                                    launch_pdl=_early(qc))
         return q_out
     return _dispatch(q, kernel, plain)
 
@@ -287,7 +301,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         BLOCK = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gc, uc, out, n, gc.stride(0), uc.stride(0), BLOCK=BLOCK,
-                                                        num_warps=4)
+                                                        num_warps=4, PDL=_early(gc), launch_pdl=_early(gc))
         return out
     return _dispatch(g, kernel, lambda: F.silu(g) * u)
 
@@ -321,8 +335,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(qc)
         _decode_attention_kernel[(B * H, splits)](qc, kc, vc, pos, part, ml, S, chunk, scale, REP=rep, REP_P=rep_p,
                                                   D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
-                                                  num_warps=4)
-        _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, REP=rep, D=D, SPLITS=splits, num_warps=2)
+                                                  num_warps=4, PDL=_early(qc), launch_pdl=_early(qc))
+        _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, REP=rep, D=D, SPLITS=splits, num_warps=2,
+                                                       PDL=_early(qc), launch_pdl=_early(qc))
         return out
     return _dispatch(q, kernel, plain)
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from nibble.kernels import cuda_build, hopper, reference
+from nibble.kernels.early_launch import early_launch
 
 try:  # the module must import without triton (CPU-only installs)
     import triton
@@ -679,7 +680,8 @@ class MmaConfig:
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 7,
+    "nibble_w4a16_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
+    + [ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
 
@@ -762,7 +764,8 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
         err = lib.nibble_w4a16_mma(
             int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(), M, K, shift, x.stride(0),
             len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
-            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), torch.cuda.current_stream(x.device).cuda_stream)
+            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device)),
+            torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
     return outs

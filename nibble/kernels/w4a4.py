@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 
 from nibble.kernels import cuda_build, hopper, reference
+from nibble.kernels.early_launch import early_launch
 from nibble.kernels import hadamard as _had
 from nibble.kernels.w4a16 import num_sms, select_mma_config
 
@@ -63,6 +64,7 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+    from nibble.kernels.early_launch import after_prior_grids
     _jit = triton.jit
 except ImportError:  # CPU-only install: the op runs the reference
     triton = tl = libdevice = None
@@ -117,7 +119,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
                       ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.constexpr,
                       DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
                       TERMS_IN: tl.constexpr, TERMS: tl.constexpr, EVEN_ODD: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    after_prior_grids(PDL)  # at decode the product kernel launches under this one (early_launch.py)
     # One program owns ROWS whole rows, held in registers: x is read once, q written once.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r = rows[:, None].to(tl.int64)
@@ -290,9 +293,10 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     else:
         dense, consts, had_scale = s, dict(DENSE_PAD=1, DENSE_CHUNK=1, HA=1, HB=1, TERMS_IN=1, TERMS=1), 1.0
     grid = (triton.cdiv(M, rows),)
+    pdl = not _interpreting() and early_launch(x.device)
     _act_quant_kernel[grid](x, q, s, dense, M, K, x.stride(0), q.stride(0), had_scale, fmax,
                             ROWS=rows, BLOCK=block, HADAMARD=plan is not None, EVEN_ODD=order == "even_odd",
-                            INTERPRET=_interpreting(), num_warps=num_warps, **consts)
+                            INTERPRET=_interpreting(), num_warps=num_warps, PDL=pdl, launch_pdl=pdl, **consts)
     return q, s
 
 
@@ -791,7 +795,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a4_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 7,
+    "nibble_w4a4_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 6
+    + [ctypes.c_int, ctypes.c_void_p],
     "nibble_w4a4_cuda_error_string")
 
 
@@ -888,7 +893,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
             _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K,
             qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, ns), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            torch.cuda.current_stream(qx.device).cuda_stream)
+            int(early_launch(qx.device)), torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
                            f"(M={M} N={ns} K={K} warps={warps})")

@@ -171,6 +171,9 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const __half* sz_src = (lane < 8 ? scales : zeros) + tile_col + 4 * ws.copy_quad +
                          (size_t)(one_group ? 0 : s_begin >> group_shift_steps) * N;
   const int sz_stride = one_group ? 0 : N;
+  ws.prefetch<RING>(s_begin, s_end);
+  prefetch_l2(copies_sz, sz_src);
+  wait_for_prior_grids();  // x is the previous kernel's output
   // GS == 0 only: the first step past the current group, for the copies and for the reads
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
   TokenStream<T, uint4, MT> xstream(x, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
@@ -278,30 +281,29 @@ size_t smem_bytes(int warps, int mt) {
 
 template <typename T, int MT, int GS, bool MANY>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
-                      int warps, cudaStream_t stream) {
+                      int warps, cudaStream_t stream, bool pdl) {
   const size_t smem = smem_bytes(warps, MT);
   const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY>>();
   if (err != cudaSuccess) return err;
-  w4a16_mma_kernel<T, MT, GS, MANY><<<dim3(ctas), dim3(warps * 32), smem, stream>>>(static_cast<const T*>(x), weights, M, K,
-                                                                             group_shift_steps, ldx);
-  return cudaGetLastError();
+  return launch_kernel(w4a16_mma_kernel<T, MT, GS, MANY>, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x),
+                       weights, M, K, group_shift_steps, ldx);
 }
 
 template <typename T, int MT, bool MANY>
 cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
-                      int warps, cudaStream_t stream) {
+                      int warps, cudaStream_t stream, bool pdl) {
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
-    case 0: return launch_gs<T, MT, 1, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
-    case 1: return launch_gs<T, MT, 2, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
-    case 2: return launch_gs<T, MT, 4, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
-    default: return launch_gs<T, MT, 0, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream);
+    case 0: return launch_gs<T, MT, 1, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 1: return launch_gs<T, MT, 2, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 2: return launch_gs<T, MT, 4, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    default: return launch_gs<T, MT, 0, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
   }
 }
 
 template <typename T>
 cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
-                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream) {
+                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
   Weights<T> w{};
   for (int i = 0; i < count; ++i) {
@@ -317,14 +319,14 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
   // token tiles keep a single-weight kernel only (it is at the register limit).
   const bool many = count > 1;
 #define NIBBLE_LAUNCH_MT(MT) \
-  (many ? launch_mt<T, MT, true>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream) \
-        : launch_mt<T, MT, false>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream))
+  (many ? launch_mt<T, MT, true>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl) \
+        : launch_mt<T, MT, false>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl))
   switch (mt) {
     case 1: return NIBBLE_LAUNCH_MT(1);
     case 2: return NIBBLE_LAUNCH_MT(2);
     case 4: return NIBBLE_LAUNCH_MT(4);
     case 8: return many ? cudaErrorInvalidValue : launch_mt<T, 8, false>(x, w, ctas, M, K, group_shift_steps, ldx,
-                                                                        warps, stream);
+                                                                        warps, stream, pdl);
     default: return cudaErrorInvalidValue;
   }
 #undef NIBBLE_LAUNCH_MT
@@ -336,16 +338,16 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
 // caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte aligned x rows (ldx % 8 == 0),
 // group = 32 * 2^group_shift_steps (or one group per column: group_shift_steps >= 30),
-// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}.
+// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. pdl: launch early (skinny.cuh: launch_kernel).
 extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
-                                void* stream) {
+                                int pdl, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights,
-                                                    scales, zeros, outs, ns, ldos, st)
+                                                    scales, zeros, outs, ns, ldos, st, pdl)
                             : launch<__half>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights, scales,
-                                             zeros, outs, ns, ldos, st);
+                                             zeros, outs, ns, ldos, st, pdl);
   return (int)err;
 }
 

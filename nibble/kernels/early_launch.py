@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (Hopper and later): a kernel may start while the previous kernel in
+the stream is still running, and do whatever does not depend on it.
+
+At decode every kernel is short: a norm, RoPE or SiLU kernel takes 2-3 us and a 4096-deep W4A16
+layer 6-18 us, of which about 2 us is the launch and the first DRAM round trip. So every kernel of
+nibble's decode path launches with it, and does two things:
+
+- the glue kernels (the engine's, the W4A4 activation quantization) call `after_prior_grids` first:
+  wait for the previous kernel's writes, then let the next kernel launch at once;
+- the skinny matmuls (csrc/skinny.cuh: wait_for_prior_grids) fetch their first four weight steps
+  into the L2 before they wait (weights are never written by a kernel), then read x. They do not let
+  their own successors launch early (skinny.cuh says why). Prefetching 8 or 16 steps was slower.
+
+A kernel launched after one that does not take part (cuBLAS, PyTorch's own) simply starts when it
+ends, as before. Measured on the H200 (Llama-2-7B shape, batch 1, prompt 512, decode tokens/s, same
+process): W4A16 459 -> 490, W4A4 412 -> 472, bf16 230 -> 235 (its glue kernels overlap each other;
+cuBLAS does not take part). ``NIBBLE_PDL=0`` launches everything the plain way, to measure what this
+buys (``benchmarks/scripts/early_launch_decode.py``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("NIBBLE_PDL", "1") != "0"
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU-only install: nothing launches early
+    triton = None
+
+
+def early_launch(device: torch.device) -> bool:
+    """Whether nibble's kernels launch with programmatic dependent launch on ``device``."""
+    if device.type != "cuda":
+        return False
+    return _early_launch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _early_launch(index: int) -> bool:
+    return ENABLED and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+if triton is not None:
+    @triton.jit
+    def after_prior_grids(PDL: tl.constexpr):
+        """First thing in a Triton kernel launched with ``launch_pdl=PDL``: wait for the previous
+        kernel's writes, then let the next kernel launch (its weight fetches run under this one)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()

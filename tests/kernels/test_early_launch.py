@@ -1,0 +1,144 @@
+"""Programmatic dependent launch (csrc/skinny.cuh: launch_kernel, wait_for_prior_grids; the engine's
+glue kernels): a kernel that starts while the previous one still runs must read that kernel's output,
+never what the buffer held before.
+
+The producer here is a slow copy launched with PDL that lets its dependents start at once, so the
+matmul after it is resident, and would read its input, long before the copy writes
+it. The input buffer holds garbage until then: a missing or misplaced wait gives a wrong product
+(checked on the H200 with the wait removed from the kernel source: these tests fail).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nibble.formats.int4 import pack_int4
+from nibble.kernels import reference, w4a4
+from nibble.kernels.early_launch import early_launch
+from nibble.kernels import w4a16 as W
+
+CUDA = torch.cuda.is_available()
+
+
+def _needs_early_launch():
+    if not (CUDA and early_launch(torch.device("cuda"))):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU (and NIBBLE_PDL unset)")
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        pytest.skip("the CUDA kernels are not built here (no nvcc)")
+
+
+if CUDA:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _slow_copy_kernel(src, dst, n, one, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+        gdc_wait()
+        gdc_launch_dependents()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(src + offs, mask=mask).to(tl.float32)
+        for _ in range(ITERS):  # `one` is 1.0 at run time: the copy is exact, the loop cannot be folded
+            v = v * one
+        tl.store(dst + offs, v.to(dst.dtype.element_ty), mask=mask)
+
+
+def _produce(src: torch.Tensor, dst: torch.Tensor, iters: int = 200000):
+    """dst.copy_(src) after ~0.5 ms (longer than a launch from Python), letting the next kernel launch at its start."""
+    n = src.numel()
+    _slow_copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, 1.0, ITERS=iters, BLOCK=1024, launch_pdl=True)
+
+
+def _make_w4a16(N, K, G, seed):
+    g = torch.Generator().manual_seed(seed)
+    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=g, dtype=torch.int32)).cuda()
+    scales = (torch.rand(K // G, N, generator=g) * 0.02 + 0.002).half().cuda()
+    zeros = (-torch.randint(0, 16, (K // G, N), generator=g).float() * scales.float().cpu()).half().cuda()
+    return qweight, scales, zeros
+
+
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_gpu_w4a16_matmul_waits_for_its_producer(M, graph):
+    _needs_early_launch()
+    K, G, ns = 4096, 128, (4096, 1024, 1024)
+    weights = [_make_w4a16(n, K, G, seed=n + i) for i, n in enumerate(ns)]
+    src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty_like(src)
+
+    def step():
+        _produce(src, x)
+        return W.w4a16_mma_many(x, weights, G)
+
+    if graph:
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ys = step()
+    for _ in range(3):
+        x.fill_(1e4)  # stale input: what the matmul reads if it does not wait
+        src.copy_(torch.randn_like(src))
+        if graph:
+            g.replay()
+        else:
+            ys = step()
+        torch.cuda.synchronize()
+        for y, (qw, s, z) in zip(ys, weights):
+            ref = src.double() @ reference.dequantize(qw, s, z, G).double().t()
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"relative error {err:.3g}: the kernel read its input before the producer wrote it"
+
+
+@pytest.mark.parametrize("M", [1, 9])
+def test_gpu_w4a4_matmul_waits_for_its_producer(M):
+    _needs_early_launch()
+    K, N = 4096, 4096
+    gen = torch.Generator().manual_seed(M)
+    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32)).cuda()
+    w_scale = (torch.rand(N, generator=gen) * 0.02 + 0.001).half().cuda()
+    src = torch.randint(-8, 8, (M, K), generator=gen, dtype=torch.int8).cuda()
+    qx, ones = torch.empty_like(src), torch.ones(M, device="cuda")  # no kernel between producer and product
+    for _ in range(3):
+        qx.fill_(7)
+        _produce(src, qx)
+        acc = w4a4.w4a4_mma(qx, ones, qweight, w_scale, out_int32=True)
+        torch.cuda.synchronize()
+        assert torch.equal(acc, reference.w4a4_accumulate(src, qweight)), "read the input before it was written"
+
+
+def test_gpu_w4a4_decode_chain_waits_for_its_producer():
+    """Producer -> activation quantization -> product, both launched early: the op's result is that of
+    the produced input (the quantization waits for the producer, the product for the quantization)."""
+    _needs_early_launch()
+    K, N, M = 4096, 2048, 3
+    gen = torch.Generator().manual_seed(0)
+    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32)).cuda()
+    w_scale = (torch.rand(N, generator=gen) * 0.02 + 0.001).half().cuda()
+    src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty_like(src)
+    expected = torch.ops.nibble.w4a4_linear(src, qweight, w_scale, None, False)
+    for _ in range(3):
+        x.fill_(1e4)
+        _produce(src, x)
+        y = torch.ops.nibble.w4a4_linear(x, qweight, w_scale, None, False)
+        torch.cuda.synchronize()
+        assert torch.equal(y, expected), "read an input before it was written"
+
+
+def test_gpu_glue_kernels_wait_for_their_producer():
+    """The engine's RMSNorm kernel after an early-launching producer reads the produced rows."""
+    _needs_early_launch()
+    from nibble.eval.engine import add_rmsnorm
+    src = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    x = torch.empty_like(src)
+    for _ in range(3):
+        x.fill_(1e4)
+        _produce(src, x)
+        _, y = add_rmsnorm(x, None, weight, 1e-5)
+        torch.cuda.synchronize()
+        hf = src.float()
+        ref = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(src.dtype)
+        torch.testing.assert_close(y, ref)
