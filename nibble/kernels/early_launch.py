@@ -13,7 +13,7 @@ nibble's decode path launches with it, and does two things:
 
 A kernel launched after one that does not take part (cuBLAS, PyTorch's own) simply starts when it
 ends, as before. Measured on the H200 (Llama-2-7B shape, batch 1, prompt 512, decode tokens/s, same
-process): W4A16 459 -> 490, W4A4 412 -> 472, bf16 230 -> 235 (its glue kernels overlap each other;
+process): W4A16 459 -> 490, W4A4 408 -> 470, bf16 233 -> 238 (its glue kernels overlap each other;
 cuBLAS does not take part). ``NIBBLE_PDL=0`` launches everything the plain way, to measure what this
 buys (``benchmarks/scripts/early_launch_decode.py``).
 """
