@@ -8,8 +8,9 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         values -> scale = amax / 7 per row -> q = clamp(rint(x / scale), -8, 7).
                         Writes int8 q [M, K] (INT4 values in an INT8 container: the tensor cores
                         take int8, so a packed layout would only move the unpacking into the GEMM)
-                        and float32 scales [M]. Divisions are correctly rounded (div_rn), rounding
-                        is half-to-even (rint): bit-identical to the float32 spec without Hadamard.
+                        and float32 scales [M]. The quotients x / scale are the correctly rounded
+                        ones (`_row_quotients`), rounding is half-to-even (rint): bit-identical to
+                        the float32 spec without Hadamard.
                         (`_act_quant_chunked_kernel`: a two-pass variant for many tokens of long
                         rows, where it measured faster.)
 ``_w4a4_mma_kernel``    multi-token GEMM on the INT8 tensor cores (sm_90 `.s4` MMA is emulated and
@@ -114,6 +115,29 @@ def _round_half_even(y, INTERPRET: tl.constexpr):
         return libdevice.rint(y)
 
 
+@_jit
+def _row_quotients(xf, scale, INTERPRET: tl.constexpr):
+    """x / scale[row] for xf [R, C] float32 and scale [R] > 0, correctly rounded like div.rn.f32 but
+    without a division per element: div.rn costs ~70 issue slots, and it made the act-quant kernel
+    compute-bound at many tokens (H200, 4096 x 11008: 147 us with it, 62 us with this).
+    Markstein's correction: with inv = RN(1 / s) and q0 = RN(x inv) (within an ulp of x / s), the
+    remainder r = x - q0 s is exact in one FMA and RN(q0 + r inv) is the correctly rounded quotient,
+    barring underflow. So rows with a tiny scale are first multiplied, x and s alike, by 2^64
+    (exact, the quotient unchanged), keeping 1 / s finite; quotients that still underflow are far
+    below 1/2 and round to 0 either way. (Checked against div.rn on the H200, bf16 and fp16, with
+    quotients on and next to every half-integer: the same codes.) The interpreter's FMA rounds
+    twice, so there it divides."""
+    if INTERPRET:
+        return tl.math.div_rn(xf, tl.broadcast_to(scale[:, None], xf.shape))
+    pre = tl.where(scale < 1.0e-19, 18446744073709551616.0, 1.0)  # 2^64
+    s = scale * pre
+    inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    x = xf * pre[:, None]
+    q0 = x * inv[:, None]
+    r = tl.fma(-q0, tl.broadcast_to(s[:, None], x.shape), x)
+    return tl.fma(r, tl.broadcast_to(inv[:, None], x.shape), q0)
+
+
 @_jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, had_scale, fmax,
                       ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.constexpr,
@@ -141,8 +165,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
     amax = tl.max(tl.abs(xf), axis=1)
     scale = tl.math.div_rn(amax, tl.full(amax.shape, 7.0, tl.float32))
     safe = tl.where(scale > 0.0, scale, 1.0)
-    y = tl.math.div_rn(xf, tl.broadcast_to(safe[:, None], xf.shape))
-    y = _round_half_even(y, INTERPRET)
+    y = _round_half_even(_row_quotients(xf, safe, INTERPRET), INTERPRET)
     y = tl.minimum(tl.maximum(y, -8.0), 7.0)
     tl.store(q_ptr + r * stride_q + c, _codes(y, EVEN_ODD), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < M)
@@ -190,18 +213,19 @@ def _act_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fma
         c = k0 + tl.arange(0, BLOCK_K)[None, :]
         mask = rmask & (c < K)
         xf = _sanitize(tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32), fmax)
-        y = tl.math.div_rn(xf, tl.broadcast_to(safe[:, None], xf.shape))
-        y = tl.minimum(tl.maximum(_round_half_even(y, INTERPRET), -8.0), 7.0)
+        y = _round_half_even(_row_quotients(xf, safe, INTERPRET), INTERPRET)
+        y = tl.minimum(tl.maximum(y, -8.0), 7.0)
         tl.store(q_ptr + r * stride_q + c, _codes(y, EVEN_ODD), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
-# Where the chunked act-quant kernel replaces the whole-row one: many tokens of long rows. Measured
-# on the H200 (bf16, even_odd): 4096 x 11008 121 -> 81 us, 4096 x 28672 259 -> 180, 1024 x 28672
-# 70 -> 62; but slower at M = 128 (a program per row, two passes) and for rows of 4096 (22 -> 26).
+# Where the chunked act-quant kernel replaces the whole-row one: many tokens of rows that pad to
+# 32768. Measured on the H200 (bf16, even_odd, x rotated past the L2): at 1024 x 28672 the whole-row
+# kernel takes 51-53 us, the chunked one 51.5 with divisions; at 4096 x 28672 185 against 169.
+# Shorter rows are faster whole, once the divisions are gone (4096 x 11008: 62 against 80 us).
 CHUNKED_MIN_M = 512
-CHUNKED_MIN_K = 8193
-CHUNK_K = 2048
+CHUNKED_MIN_K = 16385
+CHUNK_K = 4096
 
 
 if triton is not None:
@@ -223,7 +247,8 @@ def _act_plan(K: int, hadamard: bool):
     if block > _MAX_ROW:
         raise ValueError(f"activation quantization keeps one row in registers: K={K} pads to {block} > {_MAX_ROW}")
     rows = max(1, 4096 // block)
-    num_warps = max(4, min(16, rows * block // 1024))
+    # up to 64 elements per thread (H200, many rows of 11008: 8 warps 62 us, 16 warps 66)
+    num_warps = max(4, min(16, rows * block // 2048))
     return rows, block, num_warps, None
 
 
@@ -282,7 +307,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     if plan is None and M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K:
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
                                         BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
-                                        INTERPRET=_interpreting(), num_warps=4)
+                                        INTERPRET=_interpreting(), num_warps=8)
         return q, s
     if plan is not None:
         dense = _had.hadamard_dense_operand(K, False, x.device) if plan.dense_pad > 1 else s

@@ -59,6 +59,27 @@ def _exact_acc(qx, qweight):
     return reference.w4a4_accumulate(qx, qweight)
 
 
+def _half_integer_rows(M, K, dtype, gen=None, subnormal=True):
+    """Rows whose quotients x / scale fall on and a few ulps beside every half-integer (where a
+    quotient rounded the wrong way would flip a code), on scales across the dtype's range, subnormal
+    ones included unless told not to."""
+    low, high = (-130, 121) if dtype == torch.bfloat16 else (-20, 15)
+    if not subnormal:
+        low = -100 if dtype == torch.bfloat16 else -10
+    e = torch.randint(low, high, (M,), generator=gen).float()
+    amax = torch.exp2(e).to(dtype).float()
+    amax[amax == 0] = torch.finfo(dtype).tiny
+    scale = amax / torch.full_like(amax, 7.0)
+    k = torch.randint(-7, 7, (M, K), generator=gen).float() + 0.5
+    x = (k * scale[:, None]).to(dtype)
+    bits = x.view(torch.int16)
+    magnitude = bits & 0x7FFF
+    nudge = torch.randint(-3, 4, bits.shape, generator=gen, dtype=torch.int16)
+    bits += nudge * ((magnitude > 3) & (magnitude < 0x7000))  # stays finite, keeps its sign
+    x[:, 0] = amax.to(dtype)  # |x| < 7 scale elsewhere, so this sets the scale
+    return x
+
+
 def _ref_quant(x):
     """The reference quantizer on the CPU. (On CUDA, PyTorch turns `amax / 7` into `amax * (1/7)`,
     one rounding off the spec's float32 division; the kernel divides exactly, like the CPU.)"""
@@ -255,6 +276,17 @@ def test_interp_act_quant_exact(M, K, dtype, chunked, monkeypatch):
     assert torch.equal(q, qr) and torch.equal(s, sr)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interp_act_quant_half_integer_quotients(dtype):
+    # normal numbers only: the interpreter converts subnormal bf16 to float32 wrongly
+    x = _half_integer_rows(6, 96, dtype, torch.Generator().manual_seed(1), subnormal=False)
+    q, s = w4a4.quantize_activations_triton(x)
+    qr, sr = reference.quantize_activations(x)
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
 def _interp_cases():
     return [
         (1, 40, 96, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2)),
@@ -321,6 +353,26 @@ def test_act_quant_equals_reference(M, K, dtype):
     q, s = w4a4.quantize_activations(x)
     qr, sr = _ref_quant(x)
     assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (M,)
+    assert torch.equal(s.cpu(), sr)
+    assert torch.equal(q.cpu(), qr), f"{(q.cpu() != qr).sum().item()} codes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,chunked", [(1, 4096, False), (7, 11008, False), (600, 4096, False),
+                                         (600, 11008, False), (600, 28672, False), (600, 28672, True),
+                                         (600, 576, True)])
+def test_act_quant_half_integer_quotients(M, K, chunked, dtype, monkeypatch):
+    # The kernels divide without div.rn (w4a4._row_quotients); a quotient off by an ulp would show
+    # here as a code rounded the other way.
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
+    gen = torch.Generator().manual_seed(M * K)
+    x = _half_integer_rows(M, K, dtype, gen).cuda()
+    q, s = w4a4.quantize_activations(x)
+    qr, sr = _ref_quant(x)
+    assert (qr.abs() >= 1).float().mean() > 0.5  # the quotients sit at the half-integers, not near 0
     assert torch.equal(s.cpu(), sr)
     assert torch.equal(q.cpu(), qr), f"{(q.cpu() != qr).sum().item()} codes differ"
 

@@ -175,12 +175,12 @@ __device__ __forceinline__ void token_values(const A (&acc)[J][R], int b, int p,
   }
 }
 
-// Split-K: the CTA's partial sums (token m0 + 8 b + 2 t + p, columns ch ..) into its split, slice
-// blockIdx.y of partial [splits, M, N].
+// Split-K: the CTA's partial sums (token m0 + 8 b + 2 t + p, columns ch ..) into slice `split` of
+// partial [splits, M, N].
 template <int BN, typename A, int J, int R>
 __device__ __forceinline__ void store_partial(const A (&acc)[J][R], A* partial, int M, int N, int m0, int ch,
-                                              int t) {
-  A* mine = partial + (size_t)blockIdx.y * M * N;
+                                              int t, int split) {
+  A* mine = partial + (size_t)split * M * N;
 #pragma unroll
   for (int b = 0; b < BN / 8; ++b)
 #pragma unroll
@@ -198,16 +198,17 @@ __device__ __forceinline__ void store_partial(const A (&acc)[J][R], A* partial, 
 constexpr int CONSUMER_THREADS = 256;
 constexpr int GROUP_M = 8;  // token tiles that run next to each other over the same weight tiles
 
-// This CTA's first token and channel (grouped order: GROUP_M token tiles share each weight tile
-// while it is in the L2) and its K stages (split blockIdx.y of the K tiles).
+// Output tile `pid`'s first token and channel (grouped order: GROUP_M token tiles share each weight
+// tile while it is in the L2) and the K stages of its split `split`.
 struct CtaWork {
   int m0, n0, k_begin, k_tiles;
 };
-__device__ __forceinline__ CtaWork cta_work(int M, int N, int K, int tokens, int channels, int tiles_per_split) {
+__device__ __forceinline__ CtaWork cta_work(int M, int N, int K, int tokens, int channels, int tiles_per_split,
+                                            int pid, int split) {
   const int num_m = (M + tokens - 1) / tokens, num_n = (N + channels - 1) / channels;
-  const int pid = blockIdx.x, group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
+  const int group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
   const int gm = min(num_m - first_m, GROUP_M);
-  const int k_all = (K + BK - 1) / BK, k_begin = blockIdx.y * tiles_per_split;
+  const int k_all = (K + BK - 1) / BK, k_begin = split * tiles_per_split;
   return {(first_m + (pid % group) % gm) * tokens, ((pid % group) / gm) * channels, k_begin,
           min(k_begin + tiles_per_split, k_all) - k_begin};
 }
@@ -222,15 +223,16 @@ __device__ __forceinline__ void init_stage_barriers(uint32_t bars) {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-// The producer's one thread: stage i % STAGES is refilled once its previous tile was released;
-// load(shared address of the stage, first K of the tile, full barrier) issues the stage's copies,
-// `bytes` in all.
+// The producer's one thread: the CTA's K tiles are numbered on from `first` (a persistent CTA
+// continues its ring from one output tile to the next); tile g goes to stage g % STAGES once the
+// stage's previous tile was released. load(shared address of the stage, first K of the tile, full
+// barrier) issues the stage's copies, `bytes` in all.
 template <int STAGES, typename Load>
 __device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_bytes, int bytes, int k_begin,
-                                        int k_tiles, Load load) {
+                                        int k_tiles, int first, Load load) {
   for (int i = 0; i < k_tiles; ++i) {
-    const int s = i % STAGES;
-    if (i >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (i / STAGES - 1) & 1);
+    const int g = first + i, s = g % STAGES;
+    if (g >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (g / STAGES - 1) & 1);
     mbar_expect_tx(bars + 8 * s, bytes);
     load(base + s * stage_bytes, (k_begin + i) * BK, bars + 8 * s);
   }
@@ -239,13 +241,13 @@ __device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_
 // Split-K, once the consumers stored their partial: whether this CTA is the last of its tile's
 // splits to arrive (then the others' partials are visible to it). The last one resets the
 // tile's counter for the next call.
-__device__ __forceinline__ bool last_split(int* counters, int splits) {
+__device__ __forceinline__ bool last_split(int* counters, int splits, int tile) {
   __shared__ int last;
   __threadfence();
-  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");  // the producer warpgroup has left
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");  // the consumers only
   if (threadIdx.x == 0) {
-    last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
-    if (last) counters[blockIdx.x] = 0;
+    last = atomicAdd(counters + tile, 1) == splits - 1;
+    if (last) counters[tile] = 0;
   }
   asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
   if (last) __threadfence();

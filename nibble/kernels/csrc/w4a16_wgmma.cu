@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
 
-  const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split);
+  const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, blockIdx.x, blockIdx.y);
   const int m0 = work.m0, n0 = work.n0, tiles = work.k_tiles;
 
   if (tid == 0) init_stage_barriers<STAGES>(bars);
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == CONSUMER_THREADS)
-      produce<STAGES>(bars, base, STAGE, L::BYTES, work.k_begin, tiles, [&](uint32_t dst, int k0, uint32_t full) {
+      produce<STAGES>(bars, base, STAGE, L::BYTES, work.k_begin, tiles, 0, [&](uint32_t dst, int k0, uint32_t full) {
         tma_load(dst, &x_map, k0, m0, full);
         tma_load(dst + BN * 128, &x_map, k0 + X_BOX, m0, full);
         load_weight_boxes<CH>(dst + X_STAGE, &w_map, n0, k0, full);
@@ -264,8 +264,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     return;
   }
-  store_partial<BN>(acc, partial, M, N, m0, ch, t);
-  if (!last_split(counters, splits) || ch >= N) return;
+  store_partial<BN>(acc, partial, M, N, m0, ch, t, blockIdx.y);
+  if (!last_split(counters, splits, blockIdx.x) || ch >= N) return;
   // Every split's partial, this CTA's own included, in split order.
   for (int b = 0; b < BN / 8; ++b)
     for (int p = 0; p < 2; ++p) {

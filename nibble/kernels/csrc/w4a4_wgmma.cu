@@ -46,6 +46,9 @@
 // Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
 // per token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
 // on a tile sums them (exact, order-free) and scales.
+//
+// Persistent: one CTA per SM walks a list of (tile, split) items, the ring running on from one to
+// the next (see the kernel).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -69,9 +72,17 @@ template <int BN, int CH_> struct Tile {
   static constexpr int CH = CH_, J = CH / 128;
   static constexpr int X_BYTES = BN * BK, W_BYTES = CH / 32 * W_BOX, STAGE = X_BYTES + W_BYTES;
   static constexpr int STAGES = BN == 128 && CH == 256 ? 4 : 6;
-  // + alignment slack, 2 mbarriers per stage, the token scales
-  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 4 * BN;
+  // + alignment slack, 2 mbarriers per stage, the token scales of each consumer warpgroup
+  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 2 * 4 * BN;
 };
+
+// A load issued where it is written (asm volatile keeps its place among the MMAs' asm; ptxas
+// would otherwise sink a plain load next to its first use, the epilogue).
+__device__ __forceinline__ float load_early(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
@@ -81,7 +92,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                       const float* __restrict__ x_scale, const void* __restrict__ w_scale, int w_scale_dtype,
                       const void* __restrict__ bias, int bias_dtype, T* __restrict__ out, int* __restrict__ partial,
-                      int* __restrict__ counters, int M, int N, int K, int ldo, int tiles_per_split) {
+                      int* __restrict__ counters, int M, int N, int K, int ldo, int tiles_per_split, int splits) {
   using L = Tile<BN, CH_>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, X_STAGE = L::X_BYTES, R = BN / 2;
   extern __shared__ unsigned char smem_raw[];
@@ -89,17 +100,15 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t base = (raw + 1023) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const unsigned char* smem = smem_raw + (base - raw);
   const uint32_t bars = base + STAGES * STAGE;  // full[STAGES], then empty[STAGES]
-  float* token_scale = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE + 16 * STAGES);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  // Persistent CTAs: work item w = (output tile w % tiles, split w / tiles), CTA b takes items b,
+  // b + gridDim.x, ...; its K tiles are numbered on across items, so the producer fills the ring
+  // with the next item's first stages while the consumers finish the previous one (its last MMAs,
+  // its epilogue). One wave of CTAs instead of one per item: the pipeline fills once.
+  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH), items = tiles * splits;
 
-  const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split);
-  const int m0 = work.m0, n0 = work.n0, tiles = work.k_tiles;
-
-  // The epilogue's per-token scales, read once here: loaded in the epilogue, each thread's 32
-  // dependent loads cost ~6 us per CTA (measured).
-  if (tid < BN) token_scale[tid] = m0 + tid < M ? x_scale[m0 + tid] : 0.f;
   if (tid == 0) init_stage_barriers<STAGES>(bars);
   __syncthreads();
 
@@ -107,95 +116,117 @@ __global__ void __launch_bounds__(THREADS, 1)
     // 128 x 40 + 256 x 232 registers fit the 64K: the consumers keep two wgmma groups in flight.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == CONSUMER_THREADS)
-      produce<STAGES>(bars, base, STAGE, STAGE, work.k_begin, tiles, [&](uint32_t dst, int k0, uint32_t full) {
-        tma_load(dst, &x_map, k0, m0, full);
-        load_weight_boxes<CH>(dst + X_STAGE, &w_map, n0, k0, full);
-      });
+      for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
+        const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, w % tiles, w / tiles);
+        produce<STAGES>(bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
+                        [&](uint32_t dst, int k0, uint32_t full) {
+                          tma_load(dst, &x_map, k0, work.m0, full);
+                          load_weight_boxes<CH>(dst + X_STAGE, &w_map, work.n0, k0, full);
+                        });
+        first += work.k_tiles;
+      }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  int acc[J][R];
-  zero_accumulators(acc);
-
+  // The epilogue's per-token scales: each warpgroup stages its item's in shared memory (loaded in
+  // the epilogue itself, each thread's 32 dependent loads cost ~6 us per tile, measured); the
+  // global load is issued as the item starts, so the MMAs hide its latency.
+  const int wg = warp >> 2, wg_tid = tid & 127;
+  float* token_scale = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE + 16 * STAGES) + wg * BN;
   const LaneWeights<J> lane_w(warp, g, X_STAGE);  // word rows 4 step + t of each stage
-  for (int i = 0; i < tiles; ++i) {
-    const int s = i % STAGES;
-    mbar_wait(bars + 8 * s, (i / STAGES) & 1);
-    const uint32_t sx = base + s * STAGE;
-    const unsigned char* here = smem + s * STAGE;
-#pragma unroll
-    for (int k = 0; k < BK / 32; ++k) {
-      const Vec<uint32_t, 2 * J> w = lane_w.words(here, 4 * k + t);
-      const uint64_t desc = smem_desc(sx + 32 * k);
-      uint32_t a[J][4];
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        a[j][0] = even_nibbles(w.v[2 * j]);
-        a[j][1] = even_nibbles(w.v[2 * j + 1]);
-        a[j][2] = odd_nibbles(w.v[2 * j]);
-        a[j][3] = odd_nibbles(w.v[2 * j + 1]);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < J; ++j) Wgmma<S8, BN>::mma(acc[j], a[j], desc);
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous step's group is done: its registers are free
-      // ... and after this tile's first step, so is the previous tile: release its stage.
-      if (k == 0 && i > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + (i + STAGES - 1) % STAGES));
-    }
-  }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int j = 0; j < J; ++j) fence_operands(acc[j]);
+  int acc[J][R];
 
-  const int ch = n0 + lane_w.col;
-  const int splits = gridDim.y;
-  if (splits > 1) {
-    store_partial<BN>(acc, partial, M, N, m0, ch, t);
-    if (!last_split(counters, splits)) return;
+  for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
+    const int tile = w % tiles, split = w / tiles;
+    const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, tile, split);
+    const int m0 = work.m0, n0 = work.n0, k_tiles = work.k_tiles;
+    const float my_scale = load_early(x_scale + min(m0 + wg_tid, M - 1));  // tokens past M are never read
+    zero_accumulators(acc);
+    for (int i = 0; i < k_tiles; ++i) {
+      const int s = (first + i) % STAGES;
+      mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);
+      const uint32_t sx = base + s * STAGE;
+      const unsigned char* here = smem + s * STAGE;
+#pragma unroll
+      for (int k = 0; k < BK / 32; ++k) {
+        const Vec<uint32_t, 2 * J> wv = lane_w.words(here, 4 * k + t);
+        const uint64_t desc = smem_desc(sx + 32 * k);
+        uint32_t a[J][4];
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          a[j][0] = even_nibbles(wv.v[2 * j]);
+          a[j][1] = even_nibbles(wv.v[2 * j + 1]);
+          a[j][2] = odd_nibbles(wv.v[2 * j]);
+          a[j][3] = odd_nibbles(wv.v[2 * j + 1]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < J; ++j) Wgmma<S8, BN>::mma(acc[j], a[j], desc);
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous step's group is done: its registers are free
+        // ... and after this tile's first step, so is the previous tile: release its stage.
+        if (k == 0 && i > 0 && wg_tid == 0) mbar_arrive(bars + 8 * (STAGES + (first + i - 1) % STAGES));
+      }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < J; ++j) fence_operands(acc[j]);
+    // The item's last stage, released now: the producer refills it during the epilogue.
+    if (wg_tid == 0) mbar_arrive(bars + 8 * (STAGES + (first + k_tiles - 1) % STAGES));
+    first += k_tiles;
+
+    const int ch = n0 + lane_w.col;
+    if (splits > 1) {
+      store_partial<BN>(acc, partial, M, N, m0, ch, t, split);
+      if (!last_split(counters, splits, tile)) continue;
+#pragma unroll
+      for (int b = 0; b < BN / 8; ++b)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const int m = m0 + 8 * b + 2 * t + p;
+          if (m >= M || ch >= N) continue;
+          for (int s = 0; s < splits; ++s) {  // exact in int32: the order does not matter
+            if (s == split) continue;
+            const int* o = partial + ((size_t)s * M + m) * N + ch;
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+              acc[j][4 * b + p] += __ldcg(o + 2 * j);
+              acc[j][4 * b + 2 + p] += __ldcg(o + 2 * j + 1);
+            }
+          }
+        }
+    }
+
+    // The warpgroup's readers of the previous item's scales are done (they reached this barrier).
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
+    if (wg_tid < BN) token_scale[wg_tid] = my_scale;
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
+    if (ch >= N) continue;
+    float ws[2 * J];
+#pragma unroll
+    for (int i = 0; i < 2 * J; ++i) ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b)
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
         const int m = m0 + 8 * b + 2 * t + p;
-        if (m >= M || ch >= N) continue;
-        for (int s = 0; s < splits; ++s) {  // exact in int32: the order does not matter
-          if (s == (int)blockIdx.y) continue;
-          const int* o = partial + ((size_t)s * M + m) * N + ch;
+        if (m >= M) continue;
+        int v[2 * J];
+        token_values(acc, b, p, v);
+        Vec<T, 2 * J> o;
 #pragma unroll
-          for (int j = 0; j < J; ++j) {
-            acc[j][4 * b + p] += __ldcg(o + 2 * j);
-            acc[j][4 * b + 2 + p] += __ldcg(o + 2 * j + 1);
+        for (int i = 0; i < 2 * J; ++i) {
+          const int q = v[i] >> 4;  // shift out the 16x of the weight bytes (exact: every product was a multiple of 16)
+          if constexpr (std::is_same_v<T, int>) {
+            o.v[i] = q;
+          } else {
+            o.v[i] = saturate_cast<T>(scale_output(q, token_scale[m - m0], ws[i], bias, bias_dtype, ch + i));
           }
         }
+        *reinterpret_cast<Vec<T, 2 * J>*>(out + (size_t)m * ldo + ch) = o;
       }
   }
-
-  if (ch >= N) return;
-  float ws[2 * J];
-#pragma unroll
-  for (int i = 0; i < 2 * J; ++i) ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
-#pragma unroll
-  for (int b = 0; b < BN / 8; ++b)
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int m = m0 + 8 * b + 2 * t + p;
-      if (m >= M) continue;
-      int v[2 * J];
-      token_values(acc, b, p, v);
-      Vec<T, 2 * J> o;
-#pragma unroll
-      for (int i = 0; i < 2 * J; ++i) {
-        const int q = v[i] >> 4;  // shift out the 16x of the weight bytes (exact: every product was a multiple of 16)
-        if constexpr (std::is_same_v<T, int>) {
-          o.v[i] = q;
-        } else {
-          o.v[i] = saturate_cast<T>(scale_output(q, token_scale[m - m0], ws[i], bias, bias_dtype, ch + i));
-        }
-      }
-      *reinterpret_cast<Vec<T, 2 * J>*>(out + (size_t)m * ldo + ch) = o;
-    }
 }
 
 template <typename T, int BN, int CH>
@@ -208,10 +239,14 @@ cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* 
     err = weight_map(&w_map, qw, N, K);
   if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, CH>>();
   if (err != cudaSuccess) return err;
-  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);
-  w4a4_wgmma_kernel<T, BN, CH><<<dim3(tiles, splits), dim3(THREADS), Tile<BN, CH>::SMEM, stream>>>(
+  const int items = ((M + BN - 1) / BN) * ((N + CH - 1) / CH) * splits;
+  int device = 0, sms = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  w4a4_wgmma_kernel<T, BN, CH><<<dim3(items < sms ? items : sms), dim3(THREADS), Tile<BN, CH>::SMEM, stream>>>(
       x_map, w_map, xs, ws, ws_dtype, bias, bias_dtype, static_cast<T*>(out), static_cast<int*>(partial),
-      static_cast<int*>(counters), M, N, K, ldo, tiles_per_split);
+      static_cast<int*>(counters), M, N, K, ldo, tiles_per_split, splits);
   return cudaGetLastError();
 }
 
