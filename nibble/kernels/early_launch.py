@@ -10,6 +10,8 @@ nibble's decode path launches with it, and does two things:
 - the skinny matmuls (csrc/skinny.cuh: wait_for_prior_grids) fetch their first four weight steps
   into the L2 before they wait (weights are never written by a kernel), then read x. They do not let
   their own successors launch early (skinny.cuh says why). Prefetching 8 or 16 steps was slower.
+- the Hopper GEMMs for many tokens (csrc/hopper.cuh: produce) copy the weights of their first
+  pipeline stages into shared memory before they wait, then x (and, W4A4, the token scales).
 
 A kernel launched after one that does not take part (cuBLAS, PyTorch's own) simply starts when it
 ends, as before. Measured on the H200 (Llama-2-7B shape, batch 1, prompt 512, decode tokens/s, same

@@ -590,7 +590,7 @@ if HAS_TRITON:
 _COUNTERS: dict = {}
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """Split-K tile counters of the current stream (int32, all zero between calls: the kernel resets
     them). Kernels on one stream run in order, so they can share; kernels on two streams could run
     at once, so each stream gets its own.
@@ -640,7 +640,7 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
     grid = (tiles, cfg.split_k)
     if cfg.split_k > 1:
         ws = torch.empty(tiles * cfg.split_k * bm * cfg.block_n, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, tiles)
+        cnt = split_counters(x.device, tiles)
     else:
         ws = out  # unused
         cnt = qweight  # unused
@@ -789,7 +789,7 @@ WGMMA_MAX_M = 2048
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_void_p],
+    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 9 + [ctypes.c_void_p],
     "nibble_w4a16_wgmma_error_string")
 
 
@@ -849,7 +849,7 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
     tiles = hopper.tile_count(M, N, *tile)
     if split > 1:
         part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, tiles)
+        cnt = split_counters(x.device, tiles)
     else:
         part = cnt = y  # unused
     lib = _wgmma_lib(x.device)
@@ -857,7 +857,7 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
         err = lib.nibble_w4a16_wgmma(
             int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
             zeros.data_ptr(), y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, group_size, x.stride(0),
-            y.stride(0), split, per_split, torch.cuda.current_stream(x.device).cuda_stream)
+            y.stride(0), split, per_split, int(early_launch(x.device)), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: {lib.nibble_w4a16_wgmma_error_string(err).decode()} "
                            f"(M={M} N={N} K={K} group={group_size} config={cfg})")

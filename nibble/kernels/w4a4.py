@@ -59,7 +59,7 @@ import torch
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import num_sms, select_mma_config
+from nibble.kernels.w4a16 import num_sms, select_mma_config, split_counters
 
 try:
     import triton
@@ -387,6 +387,7 @@ def _finish(acc, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym, part_ptr
         tl.debug_barrier()
         old = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
         if old == split_k - 1:
+            tl.store(cnt_ptr + tile_id, 0)  # zero again for the next call (w4a16.split_counters)
             tot = tl.zeros_like(acc)
             for s in range(0, split_k):
                 tot += tl.load(part_ptr + (s * M + rm).to(tl.int64) * N + rn, mask=mask, other=0,
@@ -799,12 +800,14 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
 
 
 def _split_buffers(split: int, M: int, N: int, tiles: int, dev):
+    """Split-K's int32 partials and the tile counters (shared, zero between calls: every kernel
+    resets its tiles' counters; no memset per call, which would also keep the product from launching
+    early)."""
     if split <= 1:
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
         return dummy, dummy
     part = torch.empty((split * M * N,), dtype=torch.int32, device=dev)
-    cnt = torch.zeros((tiles,), dtype=torch.int32, device=dev)
-    return part, cnt
+    return part, split_counters(torch.device(dev), tiles)
 
 
 def w4a4_accumulate_triton(qx: torch.Tensor, qweight: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
@@ -946,7 +949,7 @@ WGMMA_TILES = tuple(WGMMA_TILE_US)
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p],
+    + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 8 + [ctypes.c_void_p],
     "nibble_w4a4_wgmma_error_string")
 
 
@@ -1001,7 +1004,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
             x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
             None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
             y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
-            y.stride(0), split, per_split, torch.cuda.current_stream(qx.device).cuda_stream)
+            y.stride(0), split, per_split, int(early_launch(qx.device)), torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {_wgmma_lib(qx.device).nibble_w4a4_wgmma_error_string(err).decode()} "
                            f"(M={M} N={N} K={K} config={cfg})")

@@ -3,8 +3,7 @@ glue kernels): a kernel that starts while the previous one still runs must read 
 never what the buffer held before.
 
 The producer here is a slow copy launched with PDL that lets its dependents start at once, so the
-matmul after it is resident, and would read its input, long before the copy writes
-it. The input buffer holds garbage until then: a missing or misplaced wait gives a wrong product
+matmul after it is resident, and would read its input, long before the copy writes it. The input buffer holds garbage until then: a missing or misplaced wait gives a wrong product
 (checked on the H200 with the wait removed from the kernel source: these tests fail).
 """
 from __future__ import annotations
@@ -36,18 +35,22 @@ if CUDA:
     def _slow_copy_kernel(src, dst, n, one, ITERS: tl.constexpr, BLOCK: tl.constexpr):
         gdc_wait()
         gdc_launch_dependents()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        v = tl.load(src + offs, mask=mask).to(tl.float32)
-        for _ in range(ITERS):  # `one` is 1.0 at run time: the copy is exact, the loop cannot be folded
-            v = v * one
-        tl.store(dst + offs, v.to(dst.dtype.element_ty), mask=mask)
+        delay = one
+        for _ in range(ITERS):  # `one` is 1.0 at run time: ~0.5 ms of dependent multiplies, not folded
+            delay = delay * one
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            v = tl.load(src + offs, mask=mask).to(tl.float32) * delay  # exact: delay is 1.0
+            tl.store(dst + offs, v.to(dst.dtype.element_ty), mask=mask)
 
 
 def _produce(src: torch.Tensor, dst: torch.Tensor, iters: int = 200000):
-    """dst.copy_(src) after ~0.5 ms (longer than a launch from Python), letting the next kernel launch at its start."""
+    """dst.copy_(src) after ~0.5 ms (longer than a launch from Python), letting the next kernel launch
+    at its start. Eight CTAs: the other SMs stay free, so even a dependent whose CTA needs a whole SM
+    (the Hopper GEMMs) becomes resident while the copy runs."""
     n = src.numel()
-    _slow_copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, 1.0, ITERS=iters, BLOCK=1024, launch_pdl=True)
+    _slow_copy_kernel[(min(8, triton.cdiv(n, 1024)),)](src, dst, n, 1.0, ITERS=iters, BLOCK=1024, launch_pdl=True)
 
 
 def _make_w4a16(N, K, G, seed):
@@ -91,6 +94,55 @@ def test_gpu_w4a16_matmul_waits_for_its_producer(M, graph):
             assert err < 1e-2, f"relative error {err:.3g}: the kernel read its input before the producer wrote it"
 
 
+@pytest.mark.parametrize("M,split_k", [(64, 1), (300, 1), (300, 3)])
+def test_gpu_w4a16_wgmma_waits_for_its_producer(M, split_k):
+    """The Hopper GEMM copies its first weight tiles before it waits; x only after."""
+    _needs_early_launch()
+    K, N, G = 4096, 2048, 128
+    qw, s, z = _make_w4a16(N, K, G, seed=M)
+    if not W.wgmma_applicable(torch.empty(1, K, device="cuda"), N, K, G):
+        pytest.skip("w4a16_wgmma needs an sm_90 GPU and the built kernel")
+    src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty_like(src)
+    cfg = dict(bn=128, channels=128, split_k=split_k)
+    ref = src.double() @ reference.dequantize(qw, s, z, G).double().t()
+    for _ in range(3):
+        x.fill_(1e4)
+        _produce(src, x)
+        y = W.w4a16_wgmma(x, qw, s, z, G, config=cfg)
+        torch.cuda.synchronize()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"relative error {err:.3g}: the kernel read its input before the producer wrote it"
+
+
+@pytest.mark.parametrize("produced", ["codes", "scales"])
+@pytest.mark.parametrize("M,split_k", [(17, 1), (300, 1), (300, 2)])
+def test_gpu_w4a4_wgmma_waits_for_its_producer(M, split_k, produced):
+    """The persistent Hopper GEMM: its producer waits before copying x, its consumers before reading
+    the token scales."""
+    _needs_early_launch()
+    K, N = 4096, 1024
+    if not w4a4.wgmma_applicable(M, N, K, torch.device("cuda")):
+        pytest.skip("w4a4_wgmma needs an sm_90 GPU and the built kernel")
+    gen = torch.Generator().manual_seed(M)
+    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32)).cuda()
+    w_scale = torch.ones(N, device="cuda", dtype=torch.float16)
+    codes = torch.randint(-8, 8, (M, K), generator=gen, dtype=torch.int8).cuda()
+    scales = torch.rand(M, generator=gen).cuda() + 0.5
+    expected = reference.w4a4_accumulate(codes, qweight).double() * scales.double()[:, None]
+    src, stale = (w4a4.to_even_odd(codes), 7) if produced == "codes" else (scales, 1e4)
+    qx, xs = w4a4.to_even_odd(codes), scales.clone()
+    cfg = dict(bn=128, channels=128, split_k=split_k)
+    for _ in range(3):
+        dst = qx if produced == "codes" else xs
+        dst.fill_(stale)
+        _produce(src, dst)
+        y = w4a4.w4a4_wgmma(qx, xs, qweight, w_scale, None, torch.float32, order="even_odd", config=cfg)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-3,
+                                   msg=f"{produced}: read an input before it was written")
+
+
 @pytest.mark.parametrize("M", [1, 9])
 def test_gpu_w4a4_matmul_waits_for_its_producer(M):
     _needs_early_launch()
@@ -108,11 +160,13 @@ def test_gpu_w4a4_matmul_waits_for_its_producer(M):
         assert torch.equal(acc, reference.w4a4_accumulate(src, qweight)), "read the input before it was written"
 
 
-def test_gpu_w4a4_decode_chain_waits_for_its_producer():
+@pytest.mark.parametrize("M", [3, 200])
+def test_gpu_w4a4_chain_waits_for_its_producer(M):
     """Producer -> activation quantization -> product, both launched early: the op's result is that of
-    the produced input (the quantization waits for the producer, the product for the quantization)."""
+    the produced input (the quantization waits for the producer, the product for the quantization;
+    the decode kernel at M = 3, the Hopper GEMM at 200)."""
     _needs_early_launch()
-    K, N, M = 4096, 2048, 3
+    K, N = 4096, 2048
     gen = torch.Generator().manual_seed(0)
     qweight = pack_int4(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32)).cuda()
     w_scale = (torch.rand(N, generator=gen) * 0.02 + 0.001).half().cuda()

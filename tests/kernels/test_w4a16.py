@@ -314,12 +314,12 @@ def test_gpu_split_k_counters_per_stream():
     dev = torch.device("cuda")
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(a):
-        ca = W._counters(dev, 16)
+        ca = W.split_counters(dev, 16)
     with torch.cuda.stream(b):
-        cb = W._counters(dev, 16)
+        cb = W.split_counters(dev, 16)
     assert ca.data_ptr() != cb.data_ptr()
     with torch.cuda.stream(a):
-        assert W._counters(dev, 16).data_ptr() == ca.data_ptr()
+        assert W.split_counters(dev, 16).data_ptr() == ca.data_ptr()
 
 
 @needs_cuda
@@ -396,7 +396,7 @@ def test_gpu_wgmma_split_k_repeatable_and_counters_left_zero():
     ys = [W.w4a16_wgmma(x, qw, s, z, 128, config=dict(bn=128, channels=256, split_k=4)) for _ in range(5)]
     torch.cuda.synchronize()
     assert all(torch.equal(y, ys[0]) for y in ys[1:])
-    assert int(W._counters(x.device, 64)[:64].abs().sum()) == 0
+    assert int(W.split_counters(x.device, 64)[:64].abs().sum()) == 0
     assert_close(ys[0], x, qw, s, z, 128)
 
 

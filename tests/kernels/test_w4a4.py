@@ -841,6 +841,32 @@ def test_wgmma_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("kernel", ["wgmma", "triton"])
+def test_split_k_counters_left_zero(kernel):
+    """Split-K products share one counter buffer per stream (w4a16.split_counters, no memset per
+    call): each call must leave its tiles' counters at zero, or the next call would finish early."""
+    if kernel == "wgmma":
+        _needs_wgmma_kernel()
+    M, N, K = 200, 1024, 4096
+    qw, ws = _codes_weight(N, K, "cuda")
+    qx, sx = _qx(M, K, "cuda"), torch.rand(M, device="cuda") + 0.5
+    if kernel == "wgmma":
+        run = lambda: w4a4.w4a4_wgmma(qx, sx, qw, ws, None, torch.float32,  # noqa: E731
+                                      config=dict(bn=128, channels=128, split_k=4))
+    else:
+        # a shipped config (the asm unpack's layout is checked for those only), split four ways
+        cfg = dict(next(c for b in w4a4.CANDIDATES.values() for c in b if c["kind"] == "mma"), split_k=4)
+        run = lambda: w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, torch.float32, config=cfg)  # noqa: E731
+    ys = [run() for _ in range(4)]
+    torch.cuda.synchronize()
+    assert int(w4a4.split_counters(qx.device, 64)[:64].abs().sum()) == 0
+    expected = reference.w4a4_accumulate(qx, qw).double() * sx.double()[:, None] * ws.double()
+    for y in ys:
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 @pytest.mark.parametrize("had", [False, True])
 def test_prefill_ops_take_the_wgmma_kernel(had, monkeypatch):
     """Enough tokens on Hopper: the op quantizes in the even_odd order once and runs

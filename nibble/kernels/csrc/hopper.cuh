@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "skinny.cuh"  // launch_kernel, wait_for_prior_grids: early launch
+
 // The accumulator registers of one m64nN instruction, in PTX operand order.
 #define NIBBLE_D32 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -225,16 +227,28 @@ __device__ __forceinline__ void init_stage_barriers(uint32_t bars) {
 
 // The producer's one thread: the CTA's K tiles are numbered on from `first` (a persistent CTA
 // continues its ring from one output tile to the next); tile g goes to stage g % STAGES once the
-// stage's previous tile was released. load(shared address of the stage, first K of the tile, full
-// barrier) issues the stage's copies, `bytes` in all.
-template <int STAGES, typename Load>
+// stage's previous tile was released. load_w / load_x (shared address of the stage, first K of the
+// tile, full barrier) issue the stage's copies of the weight and of x, `bytes` in all.
+// Early launch (skinny.cuh): the kernel may start while the previous one, which writes x, still
+// runs. So the CTA's first STAGES tiles get their weight copies (no kernel writes weights) before
+// wait_for_prior_grids, and their x after it: the ring's first DRAM round trip overlaps the
+// previous kernel.
+template <int STAGES, typename LoadW, typename LoadX>
 __device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_bytes, int bytes, int k_begin,
-                                        int k_tiles, int first, Load load) {
-  for (int i = 0; i < k_tiles; ++i) {
+                                        int k_tiles, int first, LoadW load_w, LoadX load_x) {
+  const int early = first == 0 ? min(STAGES, k_tiles) : 0;
+  for (int i = 0; i < early; ++i) {
+    mbar_expect_tx(bars + 8 * i, bytes);
+    load_w(base + i * stage_bytes, (k_begin + i) * BK, bars + 8 * i);
+  }
+  if (first == 0) wait_for_prior_grids();
+  for (int i = 0; i < early; ++i) load_x(base + i * stage_bytes, (k_begin + i) * BK, bars + 8 * i);
+  for (int i = early; i < k_tiles; ++i) {
     const int g = first + i, s = g % STAGES;
     if (g >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (g / STAGES - 1) & 1);
     mbar_expect_tx(bars + 8 * s, bytes);
-    load(base + s * stage_bytes, (k_begin + i) * BK, bars + 8 * s);
+    load_w(base + s * stage_bytes, (k_begin + i) * BK, bars + 8 * s);
+    load_x(base + s * stage_bytes, (k_begin + i) * BK, bars + 8 * s);
   }
 }
 

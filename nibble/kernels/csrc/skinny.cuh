@@ -43,15 +43,15 @@ __device__ __forceinline__ void prefetch_l2(bool pred, const void* gmem) {
   asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p prefetch.global.L2 [%1]; }" ::"r"((int)pred), "l"(gmem));
 }
 
-// kernel<<<ctas, threads, smem, stream>>>(args...), allowed to start early (see above) when pdl.
+// kernel<<<grid, threads, smem, stream>>>(args...), allowed to start early (see above) when pdl.
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), int ctas, int threads, size_t smem, cudaStream_t stream, bool pdl,
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream, bool pdl,
                           Args... args) {
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = pdl;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(ctas);
+  config.gridDim = grid;
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;

@@ -171,13 +171,17 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == CONSUMER_THREADS)
-      produce<STAGES>(bars, base, STAGE, L::BYTES, work.k_begin, tiles, 0, [&](uint32_t dst, int k0, uint32_t full) {
-        tma_load(dst, &x_map, k0, m0, full);
-        tma_load(dst + BN * 128, &x_map, k0 + X_BOX, m0, full);
-        load_weight_boxes<CH>(dst + X_STAGE, &w_map, n0, k0, full);
-        tma_load(dst + X_STAGE + W_STAGE, &s_map, n0, k0 / group_size, full);
-        tma_load(dst + X_STAGE + W_STAGE + SZ_ROWS * SZ_ROW, &z_map, n0, k0 / group_size, full);
-      });
+      produce<STAGES>(
+          bars, base, STAGE, L::BYTES, work.k_begin, tiles, 0,
+          [&](uint32_t dst, int k0, uint32_t full) {
+            load_weight_boxes<CH>(dst + X_STAGE, &w_map, n0, k0, full);
+            tma_load(dst + X_STAGE + W_STAGE, &s_map, n0, k0 / group_size, full);
+            tma_load(dst + X_STAGE + W_STAGE + SZ_ROWS * SZ_ROW, &z_map, n0, k0 / group_size, full);
+          },
+          [&](uint32_t dst, int k0, uint32_t full) {
+            tma_load(dst, &x_map, k0, m0, full);
+            tma_load(dst + BN * 128, &x_map, k0 + X_BOX, m0, full);
+          });
     return;
   }
 
@@ -285,7 +289,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <typename T, int BN, int CH, int GROUP_STEPS>
 cudaError_t launch(const void* x, const void* qw, const void* scales, const void* zeros, void* out, void* partial,
                    void* counters, int M, int N, int K, int group_size, int ldx, int ldo, int splits,
-                   int tiles_per_split, cudaStream_t stream) {
+                   int tiles_per_split, cudaStream_t stream, bool pdl) {
   using L = Tile<BN, CH, GROUP_STEPS>;
   CUtensorMap x_map, w_map, s_map, z_map;
   const int groups = K / group_size;
@@ -301,20 +305,19 @@ cudaError_t launch(const void* x, const void* qw, const void* scales, const void
   if (err == cudaSuccess) err = opt_in_shared_memory<w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS>>();
   if (err != cudaSuccess) return err;
   const int tiles = ((M + BN - 1) / BN) * ((N + L::CH - 1) / L::CH);
-  w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS><<<dim3(tiles, splits), dim3(THREADS), L::SMEM, stream>>>(
-      x_map, w_map, s_map, z_map, static_cast<T*>(out), static_cast<float*>(partial), static_cast<int*>(counters),
-      M, N, K, group_size, ldo, tiles_per_split);
-  return cudaGetLastError();
+  return launch_kernel(w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS>, dim3(tiles, splits), THREADS, L::SMEM, stream, pdl,
+                       x_map, w_map, s_map, z_map, static_cast<T*>(out), static_cast<float*>(partial),
+                       static_cast<int*>(counters), M, N, K, group_size, ldo, tiles_per_split);
 }
 
 template <typename T>
 cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, const void* qw, const void* s, const void* z,
                      void* out, void* partial, void* counters, int M, int N, int K, int G, int ldx, int ldo,
-                     int splits, int tiles_per_split, cudaStream_t st) {
+                     int splits, int tiles_per_split, cudaStream_t st, bool pdl) {
 #define NIBBLE_LAUNCH(BN_, CH_, GS_)                                                                       \
   if (bn == BN_ && ch == CH_ && group_steps == GS_)                                                        \
     return launch<T, BN_, CH_, GS_>(x, qw, s, z, out, partial, counters, M, N, K, G, ldx, ldo, splits, \
-                                    tiles_per_split, st);
+                                    tiles_per_split, st, pdl);
 #define NIBBLE_LAUNCH_GROUPS(BN_, CH_) NIBBLE_LAUNCH(BN_, CH_, 2) NIBBLE_LAUNCH(BN_, CH_, 4) NIBBLE_LAUNCH(BN_, CH_, 8)
   NIBBLE_LAUNCH_GROUPS(64, 256)
   NIBBLE_LAUNCH_GROUPS(128, 256)
@@ -332,17 +335,18 @@ cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, const void*
 // (one group per column), x 16-byte aligned with ldx % 8 == 0, qweight / scales / zeros 16-byte
 // aligned and contiguous, ldo % 4 == 0, (bn, channels) in {(64, 256), (128, 256), (128, 128),
 // (256, 128)}; with splits > 1, partial is float32 [splits, M, N] and counters int32 [tiles], zero
-// (the kernel leaves them zero). dtype: 0 float16, 1 bfloat16 (x and out).
+// (the kernel leaves them zero). dtype: 0 float16, 1 bfloat16 (x and out). pdl: launch early
+// (skinny.cuh: launch_kernel).
 extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, const void* qweight,
                                   const void* scales, const void* zeros, void* out, void* partial, void* counters,
                                   int M, int N, int K, int group_size, int ldx, int ldo, int splits,
-                                  int tiles_per_split, void* stream) {
+                                  int tiles_per_split, int pdl, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int group_steps = group_size == 32 ? 2 : group_size == 64 ? 4 : 8;
   cudaError_t err;
   switch (dtype) {
-    case 0: err = launch_t<__half>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
-    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st); break;
+    case 0: err = launch_t<__half>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st, pdl); break;
+    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st, pdl); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;

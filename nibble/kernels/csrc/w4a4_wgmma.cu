@@ -118,17 +118,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (tid == CONSUMER_THREADS)
       for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
         const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, w % tiles, w / tiles);
-        produce<STAGES>(bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
-                        [&](uint32_t dst, int k0, uint32_t full) {
-                          tma_load(dst, &x_map, k0, work.m0, full);
-                          load_weight_boxes<CH>(dst + X_STAGE, &w_map, work.n0, k0, full);
-                        });
+        produce<STAGES>(
+            bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
+            [&](uint32_t dst, int k0, uint32_t full) { load_weight_boxes<CH>(dst + X_STAGE, &w_map, work.n0, k0, full); },
+            [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });
         first += work.k_tiles;
       }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  wait_for_prior_grids();  // x_scale, like x, is the previous kernel's output
   // The epilogue's per-token scales: each warpgroup stages its item's in shared memory (loaded in
   // the epilogue itself, each thread's 32 dependent loads cost ~6 us per tile, measured); the
   // global load is issued as the item starts, so the MMAs hide its latency.
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <typename T, int BN, int CH>
 cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
                    int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K, int ldx, int ldo,
-                   int splits, int tiles_per_split, cudaStream_t stream) {
+                   int splits, int tiles_per_split, cudaStream_t stream, bool pdl) {
   CUtensorMap x_map, w_map;
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
   if (err == cudaSuccess)
@@ -244,20 +244,19 @@ cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* 
   err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  w4a4_wgmma_kernel<T, BN, CH><<<dim3(items < sms ? items : sms), dim3(THREADS), Tile<BN, CH>::SMEM, stream>>>(
-      x_map, w_map, xs, ws, ws_dtype, bias, bias_dtype, static_cast<T*>(out), static_cast<int*>(partial),
-      static_cast<int*>(counters), M, N, K, ldo, tiles_per_split, splits);
-  return cudaGetLastError();
+  return launch_kernel(w4a4_wgmma_kernel<T, BN, CH>, items < sms ? items : sms, THREADS, Tile<BN, CH>::SMEM, stream,
+                       pdl, x_map, w_map, xs, ws, ws_dtype, bias, bias_dtype, static_cast<T*>(out),
+                       static_cast<int*>(partial), static_cast<int*>(counters), M, N, K, ldo, tiles_per_split, splits);
 }
 
 template <typename T>
 cudaError_t launch_t(int bn, int ch, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
                      const void* bias, int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
-                     int ldx, int ldo, int splits, int tiles_per_split, cudaStream_t st) {
+                     int ldx, int ldo, int splits, int tiles_per_split, cudaStream_t st, bool pdl) {
 #define NIBBLE_LAUNCH(BN_, CH_)                                                                                  \
   if (bn == BN_ && ch == CH_)                                                                                    \
     return launch<T, BN_, CH_>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, \
-                               ldo, splits, tiles_per_split, st);
+                               ldo, splits, tiles_per_split, st, pdl);
   NIBBLE_LAUNCH(64, 256)
   NIBBLE_LAUNCH(128, 256)
   NIBBLE_LAUNCH(128, 128)
@@ -273,19 +272,19 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const void* qw, const float
 // splits > 1, partial is int32 [splits, M, N] and counters int32 [tiles], zero (the kernel leaves
 // them zero). out_dtype: 0 float32, 1 float16,
 // 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16,
-// 2 bfloat16; bias may be null.
+// 2 bfloat16; bias may be null. pdl: launch early (skinny.cuh: launch_kernel).
 extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* qweight,
                                  const void* x_scale, const void* w_scale, int w_scale_dtype, const void* bias,
                                  int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
-                                 int ldx, int ldo, int splits, int tiles_per_split, void* stream) {
+                                 int ldx, int ldo, int splits, int tiles_per_split, int pdl, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
   switch (out_dtype) {
-    case 0: err = launch_t<float>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
-    case 1: err = launch_t<__half>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
-    case 2: err = launch_t<__nv_bfloat16>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
-    case 3: err = launch_t<int>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st); break;
+    case 0: err = launch_t<float>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
+    case 1: err = launch_t<__half>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
+    case 2: err = launch_t<__nv_bfloat16>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
+    case 3: err = launch_t<int>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;
