@@ -1,11 +1,13 @@
 """Decode speed with and without programmatic dependent launch (nibble/kernels/early_launch.py), in
-one process: the Llama-2-7B-shaped random model, after a 512-token prompt (``--batch``, ``--prompt``).
+one process: the Llama-2-7B-shaped random model, after a 512-token prompt (``--batch``, ``--prompt``);
+with ``--prefill`` the prefill of that prompt is timed too.
 
     PYTHONPATH=. python3 benchmarks/scripts/early_launch_decode.py --json $OUT/early-launch-decode.json
 
 Each (config, on/off) builds a fresh engine (its CUDA graphs are captured with that launch mode) and
-times 128 decode steps, median of 5 runs (``nibble.eval.speed.measure_decode``). The greedy tokens
-of a short generation are recorded too: they must not depend on the launch mode.
+times 128 decode steps, median of 5 runs (``nibble.eval.speed.measure_decode``; prefill:
+``measure_prefill``, median of 10). The greedy tokens of a short generation are recorded too: they
+must not depend on the launch mode.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-2-7b", choices=list(speed.SPEED_MODELS))
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prefill", action="store_true", help="time the prefill of the prompt too")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     speed.require_cuda("early_launch_decode")
@@ -43,10 +46,11 @@ def main() -> None:
             early_launch._early_launch.cache_clear()
             engine = Engine(model, max_batch=args.batch, max_seq_len=args.prompt + 160)
             ms = speed.measure_decode(engine, args.batch, args.prompt, 128, reps=5)
+            prefill = dict(prefill_ms=round(speed.measure_prefill(engine, args.batch, args.prompt), 3)) if args.prefill else {}
             tokens = engine.generate(torch.arange(1, 9, device="cuda")[None], 6)[0].tolist()
             speed.release(engine)
             rows.append(dict(config=name, batch=args.batch, prompt=args.prompt, early_launch=enabled,
-                             ms_per_step=round(ms, 4), tokens_per_s=round(1000 * args.batch / ms, 1),
+                             ms_per_step=round(ms, 4), tokens_per_s=round(1000 * args.batch / ms, 1), **prefill,
                              greedy_tokens=tokens))
             print(rows[-1], flush=True)
         assert rows[-1]["greedy_tokens"] == rows[-2]["greedy_tokens"], f"{name}: tokens depend on the launch mode"

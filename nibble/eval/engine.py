@@ -64,10 +64,10 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _INTERPRET)
 
 
-def _early(x: torch.Tensor) -> dict:
-    """The launch options of a glue kernel on ``x``'s device: whether it launches early, and its
-    ``PDL`` argument to match (``nibble.kernels.early_launch``)."""
-    on = not _INTERPRET and early_launch(x.device)
+def _early(x: torch.Tensor, tokens: int) -> dict:
+    """The launch options of a glue kernel over ``tokens`` tokens on ``x``'s device: whether it
+    launches early, and its ``PDL`` argument to match (``nibble.kernels.early_launch``)."""
+    on = not _INTERPRET and early_launch(x.device, tokens)
     return dict(PDL=on, launch_pdl=on)
 
 
@@ -261,7 +261,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         res = xc if residual is None else residual.contiguous()
         _add_rmsnorm_kernel[(xc.numel() // N,)](xc, res, weight, out, h, N, eps, HAS_RES=residual is not None,
                                                 BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8,
-                                                **_early(xc))
+                                                **_early(xc, xc.numel() // N))
         return h, out
     return _dispatch(x, kernel, plain)
 
@@ -289,7 +289,7 @@ def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head
         q_out = torch.empty(B, T, n_heads, head_dim, dtype=q.dtype, device=q.device)
         _rope_cache_kernel[(B * T, n_heads + n_kv)](qc, kc, vc, cos, sin, pos, q_out, k_cache, v_cache, T, n_heads,
                                                     n_kv, k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0),
-                                                    D=head_dim, HALF=head_dim // 2, num_warps=1, **_early(qc))
+                                                    D=head_dim, HALF=head_dim // 2, num_warps=1, **_early(qc, B * T))
         return q_out
     return _dispatch(q, kernel, plain)
 
@@ -302,7 +302,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         BLOCK = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gc, uc, out, n, gc.stride(0), uc.stride(0), BLOCK=BLOCK,
-                                                        num_warps=4, **_early(gc))
+                                                        num_warps=4, **_early(gc, rows))
         return out
     return _dispatch(g, kernel, lambda: F.silu(g) * u)
 
@@ -334,7 +334,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part = torch.empty(B * H, splits, rep, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B * H, splits, 2, rep, dtype=torch.float32, device=q.device)
         out = torch.empty_like(qc)
-        early = _early(qc)
+        early = _early(qc, B)  # one query token per sequence
         _decode_attention_kernel[(B * H, splits)](qc, kc, vc, pos, part, ml, S, chunk, scale, REP=rep, REP_P=rep_p,
                                                   D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
                                                   num_warps=4, **early)

@@ -764,7 +764,7 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
         err = lib.nibble_w4a16_mma(
             int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(), M, K, shift, x.stride(0),
             len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
-            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device)),
+            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
             torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
@@ -857,7 +857,7 @@ def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = Non
         err = lib.nibble_w4a16_wgmma(
             int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
             zeros.data_ptr(), y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, group_size, x.stride(0),
-            y.stride(0), split, per_split, int(early_launch(x.device)), torch.cuda.current_stream(x.device).cuda_stream)
+            y.stride(0), split, per_split, int(early_launch(x.device, M)), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: {lib.nibble_w4a16_wgmma_error_string(err).decode()} "
                            f"(M={M} N={N} K={K} group={group_size} config={cfg})")

@@ -323,7 +323,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         # more threads, 8 elements each (H200, M = 1: K = 4096 2.42 -> 1.67 us at 16 warps instead
         # of 4, K = 11008 5.70 -> 4.97 and K = 28672 8.14 -> 7.50 at 32 instead of 16).
         num_warps = min(32, max(num_warps, rows * block // 256))
-    pdl = not _interpreting() and early_launch(x.device)
+    pdl = not _interpreting() and early_launch(x.device, M)
     _act_quant_kernel[grid](x, q, s, dense, M, K, x.stride(0), q.stride(0), had_scale, fmax,
                             ROWS=rows, BLOCK=block, HADAMARD=plan is not None, EVEN_ODD=order == "even_odd",
                             INTERPRET=_interpreting(), num_warps=num_warps, PDL=pdl, launch_pdl=pdl, **consts)
@@ -926,7 +926,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
             _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K,
             qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, ns), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            int(early_launch(qx.device)), torch.cuda.current_stream(qx.device).cuda_stream)
+            int(early_launch(qx.device, M)), torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
                            f"(M={M} N={ns} K={K} warps={warps})")
@@ -1004,7 +1004,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
             x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
             None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
             y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
-            y.stride(0), split, per_split, int(early_launch(qx.device)), torch.cuda.current_stream(qx.device).cuda_stream)
+            y.stride(0), split, per_split, int(early_launch(qx.device, M)), torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {_wgmma_lib(qx.device).nibble_w4a4_wgmma_error_string(err).decode()} "
                            f"(M={M} N={N} K={K} config={cfg})")
