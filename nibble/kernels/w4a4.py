@@ -33,7 +33,7 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
 
 Two CUDA C++ kernels (built by `cuda_build` at first use) take over where they are faster:
 ``csrc/w4a4_mma.cu`` (`w4a4_mma`, M <= 16: the W4A16 decode kernel's skeleton on int8 MMAs) and
-``csrc/w4a4_wgmma.cu`` (`w4a4_wgmma`, Hopper only, many tokens: asynchronous int8 wgmma fed by TMA,
+``csrc/w4a4_wgmma.cu`` (`w4a4_wgmma`, Hopper only, many tokens: persistent, asynchronous int8 wgmma fed by TMA,
 the weight unpacked into register fragments; it reads the activations in an "even_odd" K order,
 which the act-quant kernels write when asked, `order="even_odd"`).
 
