@@ -661,7 +661,9 @@ CANDIDATES = {
 # word in consecutive registers. For every config above the generated LLVM IR was checked to pass
 # one word and j = 0..7 to each asm call (tests/kernels/test_w4a4.py::test_asm_unpack_layout); two
 # earlier candidates (64x64x256 and 256x128x128/8 warps) got another layout and were dropped. A new
-# config must pass that check, or run with "asm": False (the plain shift unpack, ~30% more ALU).
+# config must pass that check, or run with "asm": False (the plain shift unpack, ~30% more ALU):
+# any other config gets the plain unpack unless it asks for the asm one (a 64x64x64 / 4-warp tile
+# with the asm unpack gave wrong products on the H200).
 # (bucket, N, K) -> index into CANDIDATES[bucket], measured on an H200 by
 # `python -m nibble.bench.w4a4 --tune` (benchmarks/results/w4a4-h200.json, "tuned").
 TUNED: dict = {
@@ -670,6 +672,12 @@ TUNED: dict = {
     **{(128, n, k): 1 for n, k in ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
                                     (4096, 14336), (8192, 28672))},
 }  # every other (bucket, N, K) measured: the default (index 0) was fastest
+
+
+def _asm_unpack_checked(cfg: dict) -> bool:
+    """Whether ``cfg``'s tile is one whose asm unpack layout the tests check (a shipped candidate)."""
+    key = lambda c: (c.get("SWAP"), c["BM"], c["BN"], c["BK"], c.get("num_warps", 4), c.get("num_stages", 3))  # noqa: E731
+    return any(c["kind"] == "mma" and key(c) == key(cfg) for b in CANDIDATES.values() for c in b)
 
 
 def m_bucket(M: int) -> int:
@@ -793,7 +801,8 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     _w4a4_mma_kernel[(num_m * num_n, split)](
         qx, w_arg, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), SWAP=cfg["SWAP"], W_INT8=w_int8 is not None,
-        EVEN_K=even_k, EVEN_N=N % BN == 0, SPLIT=split > 1, UNPACK_ASM=cfg.get("asm", True) and not _interpreting(),
+        EVEN_K=even_k, EVEN_N=N % BN == 0, SPLIT=split > 1,
+        UNPACK_ASM=cfg.get("asm", _asm_unpack_checked(cfg)) and not _interpreting(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **common)
     return y

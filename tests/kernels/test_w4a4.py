@@ -257,6 +257,27 @@ def test_asm_unpack_layout():
             assert [o.split()[-1] for o in ops[8:]] == [str(i) for i in range(8)], f"{key}: nibbles out of order"
 
 
+def test_asm_unpack_only_for_checked_tiles():
+    """The PTX unpack's register-layout assumption is checked for the shipped tiles only; any other
+    config takes the plain unpack (64x64x64 at 4 warps with the asm one gave wrong products)."""
+    shipped = [c for b in w4a4.CANDIDATES.values() for c in b if c["kind"] == "mma"]
+    assert shipped and all(w4a4._asm_unpack_checked(c) for c in shipped)
+    assert not w4a4._asm_unpack_checked(dict(kind="mma", SWAP=False, BM=64, BN=64, BK=64))
+    assert not w4a4._asm_unpack_checked(dict(shipped[0], num_warps=shipped[0]["num_warps"] * 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_custom_triton_tile_exact(split_k):
+    """A tile outside the shipped candidates (plain unpack) is still exact."""
+    M, N, K = 70, 256, 512
+    qw, _ = _codes_weight(N, K, "cuda")
+    qx = _qx(M, K, "cuda")
+    cfg = dict(kind="mma", SWAP=False, BM=64, BN=64, BK=64, split_k=split_k)
+    assert torch.equal(w4a4.w4a4_accumulate_triton(qx, qw, config=cfg), reference.w4a4_accumulate(qx, qw))
+
+
 # ---- the Triton kernels: tiny cases under the interpreter ------------------------------------------
 
 @pytest.mark.interpreter
