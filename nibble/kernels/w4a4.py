@@ -674,10 +674,16 @@ TUNED: dict = {
 }  # every other (bucket, N, K) measured: the default (index 0) was fastest
 
 
+def _tile_key(cfg: dict) -> tuple:
+    return cfg.get("SWAP"), cfg["BM"], cfg["BN"], cfg["BK"], cfg.get("num_warps", 4), cfg.get("num_stages", 3)
+
+
+_ASM_CHECKED_TILES = frozenset(_tile_key(c) for b in CANDIDATES.values() for c in b if c["kind"] == "mma")
+
+
 def _asm_unpack_checked(cfg: dict) -> bool:
     """Whether ``cfg``'s tile is one whose asm unpack layout the tests check (a shipped candidate)."""
-    key = lambda c: (c.get("SWAP"), c["BM"], c["BN"], c["BK"], c.get("num_warps", 4), c.get("num_stages", 3))  # noqa: E731
-    return any(c["kind"] == "mma" and key(c) == key(cfg) for b in CANDIDATES.values() for c in b)
+    return _tile_key(cfg) in _ASM_CHECKED_TILES
 
 
 def m_bucket(M: int) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nibble.formats.int4 import pack_int4
+from nibble.bench.kernels import random_int4
+from nibble.bench.w4a4 import random_w4a4
 from nibble.kernels import reference, w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels import w4a16 as W
@@ -53,20 +54,12 @@ def _produce(src: torch.Tensor, dst: torch.Tensor, iters: int = 200000):
     _slow_copy_kernel[(min(8, triton.cdiv(n, 1024)),)](src, dst, n, 1.0, ITERS=iters, BLOCK=1024, launch_pdl=True)
 
 
-def _make_w4a16(N, K, G, seed):
-    g = torch.Generator().manual_seed(seed)
-    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=g, dtype=torch.int32)).cuda()
-    scales = (torch.rand(K // G, N, generator=g) * 0.02 + 0.002).half().cuda()
-    zeros = (-torch.randint(0, 16, (K // G, N), generator=g).float() * scales.float().cpu()).half().cuda()
-    return qweight, scales, zeros
-
-
 @pytest.mark.parametrize("M", [1, 5, 16])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_gpu_w4a16_matmul_waits_for_its_producer(M, graph):
     _needs_early_launch()
     K, G, ns = 4096, 128, (4096, 1024, 1024)
-    weights = [_make_w4a16(n, K, G, seed=n + i) for i, n in enumerate(ns)]
+    weights = [random_int4(n, K, G, "cuda") for n in ns]
     src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     x = torch.empty_like(src)
 
@@ -99,7 +92,7 @@ def test_gpu_w4a16_wgmma_waits_for_its_producer(M, split_k):
     """The Hopper GEMM copies its first weight tiles before it waits; x only after."""
     _needs_early_launch()
     K, N, G = 4096, 2048, 128
-    qw, s, z = _make_w4a16(N, K, G, seed=M)
+    qw, s, z = random_int4(N, K, G, "cuda")
     if not W.wgmma_applicable(torch.empty(1, K, device="cuda"), N, K, G):
         pytest.skip("w4a16_wgmma needs an sm_90 GPU and the built kernel")
     src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -125,7 +118,7 @@ def test_gpu_w4a4_wgmma_waits_for_its_producer(M, split_k, produced):
     if not w4a4.wgmma_applicable(M, N, K, torch.device("cuda")):
         pytest.skip("w4a4_wgmma needs an sm_90 GPU and the built kernel")
     gen = torch.Generator().manual_seed(M)
-    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32)).cuda()
+    qweight, _ = random_w4a4(N, K, "cuda")
     w_scale = torch.ones(N, device="cuda", dtype=torch.float16)
     codes = torch.randint(-8, 8, (M, K), generator=gen, dtype=torch.int8).cuda()
     scales = torch.rand(M, generator=gen).cuda() + 0.5
@@ -148,8 +141,7 @@ def test_gpu_w4a4_matmul_waits_for_its_producer(M):
     _needs_early_launch()
     K, N = 4096, 4096
     gen = torch.Generator().manual_seed(M)
-    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32)).cuda()
-    w_scale = (torch.rand(N, generator=gen) * 0.02 + 0.001).half().cuda()
+    qweight, w_scale = random_w4a4(N, K, "cuda")
     src = torch.randint(-8, 8, (M, K), generator=gen, dtype=torch.int8).cuda()
     qx, ones = torch.empty_like(src), torch.ones(M, device="cuda")  # no kernel between producer and product
     for _ in range(3):
@@ -167,9 +159,7 @@ def test_gpu_w4a4_chain_waits_for_its_producer(M):
     the decode kernel at M = 3, the Hopper GEMM at 60)."""
     _needs_early_launch()
     K, N = 4096, 2048
-    gen = torch.Generator().manual_seed(0)
-    qweight = pack_int4(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.int32)).cuda()
-    w_scale = (torch.rand(N, generator=gen) * 0.02 + 0.001).half().cuda()
+    qweight, w_scale = random_w4a4(N, K, "cuda")
     src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     x = torch.empty_like(src)
     expected = torch.ops.nibble.w4a4_linear(src, qweight, w_scale, None, False)
