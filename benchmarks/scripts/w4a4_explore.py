@@ -1,10 +1,10 @@
 """W4A4 prefill product on one device call: the wgmma kernel (csrc/w4a4_wgmma.cu) checked, then
-its tile shapes and split-K timed against cuBLAS bf16 and the Triton kernel.
+its tile shapes and split-K timed against cuBLAS bf16 (and the Triton kernel, with --triton).
 
 A wrong result is diagnosed before anything is timed: which K row of the weight each K slot
 actually read (one-hot activations), and whether outputs landed on other (token, channel) cells.
 
-PYTHONPATH=. python3 benchmarks/scripts/w4a4_explore.py [--quick]   (log: $OUT/w4a4_explore.log)
+PYTHONPATH=. python3 benchmarks/scripts/w4a4_explore.py [--quick] [--triton]   (log: $OUT/w4a4_explore.log)
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def diagnose(M=64, N=256, K=128) -> bool:
 
 
 def main(argv) -> int:
-    quick = "--quick" in argv
+    quick, triton = "--quick" in argv, "--triton" in argv
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     ok = all([diagnose(), diagnose(M=17, N=260, K=160), diagnose(M=300, N=1024, K=1024),
               diagnose(M=128, N=512, K=4096)])
@@ -82,14 +82,15 @@ def main(argv) -> int:
             qe = W.to_even_odd(qx)
             row = dict(N=N, K=K, M=M)
             row["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb)
-            row["triton"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1])), n4)
+            if triton:
+                row["triton"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1])), n4)
             auto = W.wgmma_config(M, N, K)
             cfgs = {"auto": auto}
             for bn, ch in W.WGMMA_TILES:
                 if bn == 64 and M > 256:
                     continue
-                for sp in (1, 2, 4, 8) if M <= 512 else (1,):
-                    if sp == 1 or (hopper.tile_count(M, N, bn, ch) * sp <= 2 * 132 and K // 128 // sp >= 2):
+                for sp in hopper.SPLITS:
+                    if sp == 1 or (hopper.tile_count(M, N, bn, ch) * sp <= 4 * 132 and K // 128 // sp >= 2):
                         cfgs[f"bn{bn}_ch{ch}_s{sp}"] = dict(bn=bn, channels=ch, split_k=sp)
             for name, cfg in cfgs.items():
                 row[name] = bench_us(lambda i, c=cfg: (lambda: W.w4a4_wgmma(qe, sx, w4[i][0], w4[i][1], order="even_odd",
@@ -97,7 +98,7 @@ def main(argv) -> int:
             row["actquant"] = bench_us(lambda i: (lambda: W.quantize_activations_triton(x, False, "even_odd")), 1)
             row["op"] = bench_us(lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
             best = min((v, k) for k, v in row.items() if k not in ("N", "K", "M", "bf16", "triton", "actquant", "op"))
-            log(f"{N:6d}x{K:<6d} M={M:5d} bf16 {row['bf16']:8.1f}  triton {row['triton']:8.1f}  wgmma auto "
+            log(f"{N:6d}x{K:<6d} M={M:5d} bf16 {row['bf16']:8.1f}  triton {row.get('triton', float('nan')):8.1f}  wgmma auto "
                 f"{row['auto']:8.1f} ({auto})  best {best[1]} {best[0]:8.1f}  actq {row['actquant']:6.1f}  "
                 f"op {row['op']:8.1f} = {row['bf16'] / row['op']:.2f}x bf16  | " +
                 " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("bn")))

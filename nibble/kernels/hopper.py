@@ -1,13 +1,17 @@
 """What the two Hopper GEMMs (``csrc/w4a16_wgmma.cu``, ``csrc/w4a4_wgmma.cu``) share on the Python
 side: how many CTAs a tile shape makes, and the choice of tile and split-K by a small cost model.
 
-A CTA computes ``tokens x channels`` outputs over its share of K, in stages of 128. The model,
-fitted per kernel to an H200 sweep (``benchmarks/scripts/*_sweep.py`` / ``w4a4_explore.py``):
-waves of CTAs x K stages per split x the measured time of one stage for the tile shape, plus a
-cost per split-K partial (stored, then summed by the last CTA) per million outputs. Within a few
-percent of the best measured config on the shapes swept (``benchmarks/notes-*.md``).
+A CTA computes ``tokens x channels`` outputs over its share of K, in stages of 128. The model
+(`CostModel`), fitted per kernel to an H200 sweep (``benchmarks/scripts/w4a16_wgmma_sweep.py`` /
+``w4a4_explore.py``; the fit also has a fixed cost per launch, which no choice changes): per wave
+of CTAs (work items, for the persistent W4A4 kernel) the K stages of a split times the tile's time
+per stage plus the tile's fixed cost per item (pipeline ramp, epilogue), and for split-K a cost per
+split and per million outputs and split (partials stored, then summed by the last CTA). Within a few percent of the best
+measured config on the shapes swept (``benchmarks/notes-*.md``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 STAGE_K = 128  # K per pipeline stage in both kernels
 SPLITS = (1, 2, 3, 4, 6, 8)
@@ -30,17 +34,25 @@ def split_plan(K: int, split_k: int) -> tuple[int, int]:
     return _cdiv(k_stages, per_split), per_split
 
 
-def pick_config(M: int, N: int, K: int, stage_us: dict, split_us: float, num_sms: int) -> dict:
-    """The (tokens, channels) of ``stage_us`` and the split-K of least modelled time (a pure
+@dataclass(frozen=True)
+class CostModel:
+    """Modelled microseconds of a config (see the module docstring); ``stage_us`` names the tiles."""
+    stage_us: dict       # (tokens, channels) -> one 128-deep K stage of one CTA
+    item_us: dict        # (tokens, channels) -> a CTA's fixed cost per output tile
+    split_output_us: float  # per million outputs and split, split-K only
+    split_us: float         # per split, split-K only
+
+    def us(self, M: int, N: int, K: int, tile: tuple, split: int, num_sms: int) -> float:
+        waves = _cdiv(tile_count(M, N, *tile) * split, num_sms)
+        t = waves * (_cdiv(_cdiv(K, STAGE_K), split) * self.stage_us[tile] + self.item_us[tile])
+        return t + (self.split_output_us * M * N * split / 1e6 + self.split_us * split if split > 1 else 0.0)
+
+
+def pick_config(M: int, N: int, K: int, model: CostModel, num_sms: int) -> dict:
+    """The (tokens, channels) of ``model`` and the split-K of least modelled time (a pure
     function): split only where each split keeps 2 stages and the CTAs fit two waves."""
     k_stages = _cdiv(K, STAGE_K)
-
-    def modelled_us(tile: tuple, split: int) -> float:
-        ctas = tile_count(M, N, *tile) * split
-        return (_cdiv(ctas, num_sms) * _cdiv(k_stages, split) * stage_us[tile]
-                + (split_us * M * N * split / 1e6 if split > 1 else 0.0))
-
-    shapes = [(tile, split) for tile in stage_us for split in SPLITS
+    shapes = [(tile, split) for tile in model.stage_us for split in SPLITS
               if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) * split <= 2 * num_sms)]
-    (tokens, channels), split = min(shapes, key=lambda c: modelled_us(*c))
+    (tokens, channels), split = min(shapes, key=lambda c: model.us(M, N, K, *c, num_sms))
     return dict(bn=tokens, channels=channels, split_k=split)

@@ -774,13 +774,14 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # ----------------------------------------------------------------------------------------------
 # CUDA C++ GEMM for many tokens on Hopper (csrc/w4a16_wgmma.cu: asynchronous 16-bit wgmma, sm_90a)
 # ----------------------------------------------------------------------------------------------
-# The compiled CTA shapes (tokens, channels) and the config model (`hopper.pick_config`), fitted to
-# the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (its picks are within 2% of the
-# best config on average over 40 shapes x M): a CTA takes WGMMA_TILE_US per 128-deep K stage, and
-# each split-K partial costs WGMMA_SPLIT_US per million outputs (stored, then summed by the last CTA).
-WGMMA_TILE_US = {(64, 256): 1.8, (128, 256): 1.9, (128, 128): 1.3, (256, 128): 1.8}
-WGMMA_TILES = tuple(WGMMA_TILE_US)
-WGMMA_SPLIT_US = 10.0
+# The compiled CTA shapes (tokens, channels) and the config model (`hopper.CostModel`), fitted to
+# the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (session 11, M = 64..512, with
+# session 7's for M = 1024 and 4096: its picks are within 0.6% of the best measured config on
+# average over 48 shapes x M, 14% at worst).
+WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.332, (128, 256): 1.763, (128, 128): 0.988, (256, 128): 1.508},
+                               item_us={(64, 256): 3.16, (128, 256): 5.38, (128, 128): 3.59, (256, 128): 2.74},
+                               split_output_us=2.62, split_us=1.45)
+WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 # Where the op takes which kernel (measured, benchmarks/notes-w4a16.md session 7): the skinny
 # kernel up to 32 tokens (64 for layers of <= SMALL_LAYER weights), dequantise + cuBLAS for
 # small layers up to 256 tokens and for every layer above WGMMA_MAX_M, the wgmma kernel between.
@@ -811,7 +812,7 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
 
 def wgmma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> dict:
     """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma` (`hopper.pick_config`)."""
-    return hopper.pick_config(M, N, K, WGMMA_TILE_US, WGMMA_SPLIT_US, num_sms)
+    return hopper.pick_config(M, N, K, WGMMA_MODEL, num_sms)
 
 
 def large_m_kernel(M: int, N: int, K: int) -> str:

@@ -951,15 +951,16 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
 # ----------------------------------------------------------------------------------------------
 # CUDA C++ GEMM for M > 16 on Hopper (csrc/w4a4_wgmma.cu: asynchronous int8 wgmma, sm_90a only)
 # ----------------------------------------------------------------------------------------------
-# The compiled CTA shapes (tokens, channels) and the config model (`hopper.pick_config`), fitted to
-# benchmarks/scripts/w4a4_explore.py on the H200 (its picks are within 2% of the best config on
-# average over 40 shapes x M = 64..1024): a CTA takes WGMMA_TILE_US per 128-deep K stage, and each
-# split-K partial costs WGMMA_SPLIT_US per million outputs. 128 x 128 tiles cost 5% more per channel
-# than 128 x 256 (0.42 for half the channels): they win where the output has few tiles, never at
-# M = 4096, where they measured 1.27x slower on 28672 x 8192.
-WGMMA_TILE_US = {(64, 256): 0.5, (128, 256): 0.8, (128, 128): 0.42}
-WGMMA_SPLIT_US = 30.0
-WGMMA_TILES = tuple(WGMMA_TILE_US)
+# The compiled CTA shapes (tokens, channels) and the config model (`hopper.CostModel`), fitted to
+# benchmarks/scripts/w4a4_explore.py on the H200 (session 11: its picks are within 0.1% of the best
+# measured config on average over 8 shapes x M = 64..1024, 4% at worst). Per 128-deep stage a 128 x
+# 256 tile costs 15% less per channel than two 128 x 128 ones, but more per item: 128 x 128 wins
+# where the output has few tiles. Split-K is cheap since its partials are summed with one round
+# trip per batch of rows (hopper.cuh: sum_partials): it now runs on the deep 4096-wide layers.
+WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.465, (128, 256): 0.616, (128, 128): 0.363},
+                               item_us={(64, 256): 4.11, (128, 256): 5.46, (128, 128): 4.01},
+                               split_output_us=1.47, split_us=1.16)
+WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
@@ -982,7 +983,7 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
 
 def wgmma_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`)."""
-    return hopper.pick_config(M, N, K, WGMMA_TILE_US, WGMMA_SPLIT_US, sms)
+    return hopper.pick_config(M, N, K, WGMMA_MODEL, sms)
 
 
 def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,

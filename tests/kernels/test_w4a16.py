@@ -387,6 +387,25 @@ def test_gpu_wgmma_every_instantiation(tile, G):
 
 
 @needs_cuda
+@pytest.mark.parametrize("tile", W.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
+def test_gpu_wgmma_split_k_every_split_count(tile):
+    """The last CTA sums the splits' fp32 partials in split order a batch of token rows at a time,
+    storing each batch as it is done (hopper.cuh: sum_partials): every split count up to 8 (5:
+    the last split shorter), token tails inside a batch, a channel tail; outputs poisoned."""
+    _needs_wgmma_kernel()
+    bn, channels = tile
+    N, K = 1000, 4224
+    qw, s, z = make_weight(N, K, 128, device="cuda", seed=bn + channels)
+    for M in (bn + 3, 300):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        for split in (2, 5, 8):
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            W.w4a16_wgmma(x, qw, s, z, 128, config=dict(bn=bn, channels=channels, split_k=split), out=out)
+            torch.cuda.synchronize()
+            assert_close(out, x, qw, s, z, 128)
+
+
+@needs_cuda
 def test_gpu_wgmma_split_k_repeatable_and_counters_left_zero():
     """The split-K sum runs in split order whoever arrives last: repeated calls are bitwise equal, and
     the tile counters are back at zero after each call (the next call relies on it)."""

@@ -212,6 +212,23 @@ def test_module_imports_and_runs_without_triton():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_wgmma_config_model():
+    """The fitted model's picks (H200, benchmarks/results/w4a4-explore-h200.json): split-K on the
+    deep 4096-wide layers at 128 tokens, 128 x 256 tiles from 1024 tokens; splits only where each
+    keeps 2 stages and the CTAs fit two waves; a pure function."""
+    for M in (17, 64, 128, 256, 1024, 4096):
+        for N, K in ((4096, 4096), (12288, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (576, 1536)):
+            cfg = w4a4.wgmma_config(M, N, K)
+            assert cfg == w4a4.wgmma_config(M, N, K)
+            tile = (cfg["bn"], cfg["channels"])
+            assert tile in w4a4.WGMMA_TILES and cfg["split_k"] in hopper.SPLITS
+            assert cfg["split_k"] == 1 or (hopper.tile_count(M, N, *tile) * cfg["split_k"] <= 2 * 132
+                                           and -(-K // 128) // cfg["split_k"] >= 2)
+    assert w4a4.wgmma_config(128, 4096, 11008)["split_k"] >= 3 and w4a4.wgmma_config(128, 4096, 14336)["split_k"] >= 3
+    assert all(w4a4.wgmma_config(1024, n, k) == dict(bn=128, channels=256, split_k=1)
+               for n, k in ((12288, 4096), (14336, 4096), (8192, 28672)))
+
+
 def test_pick_config_covers_decode_and_prefill():
     assert w4a4.pick_config(1, 28672, 8192)["kind"] == "gemv"
     for M in (2, 16, 17, 128, 1024, 4096):
@@ -830,6 +847,28 @@ def test_wgmma_int32_accumulators_bit_exact(M, N, K):
         _poison_allocator("cuda")
         acc = w4a4.w4a4_wgmma(qx, ones_m, qw, ones_n, out_int32=True, config=cfg)
         assert torch.equal(acc, exact), f"config {cfg}: {(acc != exact).sum().item()} of {acc.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tile", w4a4.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
+def test_wgmma_split_k_sums_exact(tile):
+    """The last CTA of each tile adds the other splits' partials a batch of token rows at a time
+    (hopper.cuh: sum_partials): every split count up to 8 (and an uneven 5: the last split shorter),
+    token tails inside a batch of rows, channel tails (lanes past N load clamped columns)."""
+    _needs_wgmma_kernel()
+    bn, ch = tile
+    gen = torch.Generator().manual_seed(bn + ch)
+    N, K = 260, 4224  # 33 stages of 128
+    qw, _ = _codes_weight(N, K, "cuda", gen)
+    for M in (17, bn + 3, 300):
+        qx = _qx(M, K, "cuda", gen)
+        exact = _exact_acc(qx, qw)
+        ones_m, ones_n = torch.ones(M, device="cuda"), torch.ones(N, device="cuda")
+        for split in (2, 5, 8):
+            _poison_allocator("cuda")
+            acc = w4a4.w4a4_wgmma(qx, ones_m, qw, ones_n, out_int32=True, config=dict(bn=bn, channels=ch, split_k=split))
+            assert torch.equal(acc, exact), f"M={M} split={split}: {(acc != exact).sum().item()} differ"
 
 
 @pytest.mark.gpu

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "skinny.cuh"  // launch_kernel, wait_for_prior_grids: early launch
 
 // The accumulator registers of one m64nN instruction, in PTX operand order.
@@ -192,6 +194,61 @@ __device__ __forceinline__ void store_partial(const A (&acc)[J][R], A* partial, 
       token_values(acc, b, p, v.v);
       if (m < M && ch < N) *reinterpret_cast<Vec<A, 2 * J>*>(mine + (size_t)m * N + ch) = v;
     }
+}
+
+// Split-K, in the last CTA to arrive on a tile: acc becomes the sum of the splits' partials in split
+// order (fp32 then rounds the same whichever CTA arrives last; int32 is exact in any order). acc
+// already holds split `own`'s partial and skips it, or (own < 0) starts from zero. Token rows go in
+// batches (values of b) of 32 registers of loads, 8 beside 128 accumulators: all loads of a batch
+// and split are issued before any is used, so a tile costs 2 to 16 L2 round trips per split;
+// done(b) is called on each b once its rows are summed (a caller that stores there frees the
+// registers of every finished batch).
+// (Looping over the splits inside each token row paid a round trip per row and split: ~30 us per
+// million outputs and split for W4A4, 10 for W4A16, which kept split-K off most of the layers that
+// needed it.)
+template <int BN, typename A, int J, int R, typename Done>
+__device__ __forceinline__ void sum_partials(A (&acc)[J][R], const A* partial, int M, int N, int m0, int ch, int t,
+                                             int splits, int own, Done done) {
+  static_assert(sizeof(A) == 4 && (J == 1 || J == 2), "2J 32-bit values: one 8- or 16-byte load");
+  using Word = std::conditional_t<J == 1, int2, int4>;
+  constexpr int LOAD_REGS = BN * J >= 256 ? 8 : 32;  // beside 128 accumulators 16 spilled (ptxas: 168 registers)
+  constexpr int ROWS = LOAD_REGS / (4 * J) < BN / 8 ? LOAD_REGS / (4 * J) : BN / 8;
+  const int c = min(ch, N - 2 * J);  // lanes past N read the last columns (their sums are never stored)
+#pragma unroll
+  for (int b0 = 0; b0 < BN / 8; b0 += ROWS) {
+    if (own < 0)
+#pragma unroll
+      for (int b = b0; b < b0 + ROWS; ++b)
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][4 * b + i] = A(0);
+#pragma unroll 1
+    for (int s = 0; s < splits; ++s) {
+      if (s == own) continue;
+      const A* slice = partial + (size_t)s * M * N;
+      Vec<A, 2 * J> o[ROWS][2];
+#pragma unroll
+      for (int b = b0; b < b0 + ROWS; ++b)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {  // rows past M read row M - 1 (unused): no branch between the loads
+          const int m = min(m0 + 8 * b + 2 * t + p, M - 1);
+          // through the L2 (.cg): this SM's L1 is not coherent with the other CTAs' stores
+          *reinterpret_cast<Word*>(&o[b - b0][p]) = __ldcg(reinterpret_cast<const Word*>(slice + (size_t)m * N + c));
+        }
+#pragma unroll
+      for (int b = b0; b < b0 + ROWS; ++b)
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+          for (int j = 0; j < J; ++j) {
+            acc[j][4 * b + p] += o[b - b0][p].v[2 * j];
+            acc[j][4 * b + 2 + p] += o[b - b0][p].v[2 * j + 1];
+          }
+    }
+#pragma unroll
+    for (int b = b0; b < b0 + ROWS; ++b) done(b);
+  }
 }
 
 // The pipeline both GEMMs run: a CTA of two consumer warpgroups (256 threads) and one producer

@@ -49,7 +49,7 @@
 // Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
 // per token. Split-K (few tiles for the SMs): each split stores its fp32 partial; the last CTA to
 // arrive on a tile sums all of them in split order (deterministic: the same sum whoever arrives
-// last) and resets the tile's counter for the next call.
+// last; hopper.cuh: sum_partials) and resets the tile's counter for the next call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -131,16 +131,6 @@ __device__ __forceinline__ void store_outputs(T* dst, const float (&v)[2 * J]) {
 #pragma unroll
   for (int j = 0; j < J; ++j) o.v[j] = Elem<T>::pack(v[2 * j], v[2 * j + 1]);
   *reinterpret_cast<Vec<uint32_t, J>*>(dst) = o;
-}
-
-// Partial sums other CTAs wrote, read through the L2 (.cg: this SM's L1 is not coherent with them).
-__device__ __forceinline__ void load_l2(const float* p, float (&v)[4]) {
-  const float4 o = __ldcg(reinterpret_cast<const float4*>(p));
-  v[0] = o.x, v[1] = o.y, v[2] = o.z, v[3] = o.w;
-}
-__device__ __forceinline__ void load_l2(const float* p, float (&v)[2]) {
-  const float2 o = __ldcg(reinterpret_cast<const float2*>(p));
-  v[0] = o.x, v[1] = o.y;
 }
 
 // GROUP_STEPS: k16 steps per group inside a stage (2 for G = 32, 4 for 64, 8 for G >= 128).
@@ -254,36 +244,25 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int j = 0; j < J; ++j) fence_operands(acc[j]);
 
   const int ch = n0 + col;
-  const int splits = gridDim.y;
-  if (splits == 1) {
-    if (ch >= N) return;
+  // token rows 8 b + 2 t + {0, 1}: one 2J-wide store per row
+  const auto store_rows = [&](int b) {
 #pragma unroll
-    for (int b = 0; b < BN / 8; ++b)
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int m = m0 + 8 * b + 2 * t + p;
-        float v[2 * J];
-        token_values(acc, b, p, v);
-        if (m < M) store_outputs<T, J>(out + (size_t)m * ldo + ch, v);
-      }
-    return;
-  }
-  store_partial<BN>(acc, partial, M, N, m0, ch, t, blockIdx.y);
-  if (!last_split(counters, splits, blockIdx.x) || ch >= N) return;
-  // Every split's partial, this CTA's own included, in split order.
-  for (int b = 0; b < BN / 8; ++b)
     for (int p = 0; p < 2; ++p) {
       const int m = m0 + 8 * b + 2 * t + p;
-      if (m >= M) break;
-      float sum[2 * J] = {};
-      for (int s = 0; s < splits; ++s) {
-        float o[2 * J];
-        load_l2(partial + ((size_t)s * M + m) * N + ch, o);
-#pragma unroll
-        for (int c = 0; c < 2 * J; ++c) sum[c] += o[c];
-      }
-      store_outputs<T, J>(out + (size_t)m * ldo + ch, sum);
+      float v[2 * J];
+      token_values(acc, b, p, v);
+      if (m < M && ch < N) store_outputs<T, J>(out + (size_t)m * ldo + ch, v);
     }
+  };
+  const int splits = gridDim.y;
+  if (splits > 1) {
+    store_partial<BN>(acc, partial, M, N, m0, ch, t, blockIdx.y);
+    // every split's partial, this CTA's own included (split order), each row stored once summed
+    if (last_split(counters, splits, blockIdx.x)) sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, -1, store_rows);
+    return;
+  }
+#pragma unroll
+  for (int b = 0; b < BN / 8; ++b) store_rows(b);
 }
 
 template <typename T, int BN, int CH, int GROUP_STEPS>

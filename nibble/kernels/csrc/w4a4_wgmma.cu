@@ -45,7 +45,7 @@
 //
 // Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
 // per token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
-// on a tile sums them (exact, order-free) and scales.
+// on a tile adds the others' (exact, order-free; hopper.cuh: sum_partials) and scales.
 //
 // Persistent: one CTA per SM walks a list of (tile, split) items, the ring running on from one to
 // the next (see the kernel).
@@ -180,22 +180,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (splits > 1) {
       store_partial<BN>(acc, partial, M, N, m0, ch, t, split);
       if (!last_split(counters, splits, tile)) continue;
-#pragma unroll
-      for (int b = 0; b < BN / 8; ++b)
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const int m = m0 + 8 * b + 2 * t + p;
-          if (m >= M || ch >= N) continue;
-          for (int s = 0; s < splits; ++s) {  // exact in int32: the order does not matter
-            if (s == split) continue;
-            const int* o = partial + ((size_t)s * M + m) * N + ch;
-#pragma unroll
-            for (int j = 0; j < J; ++j) {
-              acc[j][4 * b + p] += __ldcg(o + 2 * j);
-              acc[j][4 * b + 2 + p] += __ldcg(o + 2 * j + 1);
-            }
-          }
-        }
+      sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, split, [](int) {});
     }
 
     // The warpgroup's readers of the previous item's scales are done (they reached this barrier).
