@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     if constexpr (std::is_same_v<T, int>) {
       *dst = sum;
     } else {
-      *dst = saturate_cast<T>(scale_output(sum, x_scale[m], load_float(w_scale, w_scale_dtype, n), bias, bias_dtype, n));
+      *dst = saturate_cast<T>(scale_output(sum, x_scale[m], load_float(w_scale, w_scale_dtype, n), bias != nullptr,
+                                           bias == nullptr ? 0.f : load_float(bias, bias_dtype, n)));
     }
   }
 }

@@ -188,9 +188,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (wg_tid < BN) token_scale[wg_tid] = my_scale;
     asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
     if (ch >= N) continue;
-    float ws[2 * J];
+    // The lane's channel scales and bias, once per item (scale_output's order: bias added last).
+    float ws[2 * J], bs[2 * J];
 #pragma unroll
-    for (int i = 0; i < 2 * J; ++i) ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
+    for (int i = 0; i < 2 * J; ++i) {
+      ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
+      bs[i] = bias == nullptr ? 0.f : load_float(bias, bias_dtype, ch + i);
+    }
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b)
 #pragma unroll
@@ -199,17 +203,28 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (m >= M) continue;
         int v[2 * J];
         token_values(acc, b, p, v);
-        Vec<T, 2 * J> o;
+        T* dst = out + (size_t)m * ldo + ch;
+        if constexpr (std::is_same_v<T, int>) {
+          Vec<int, 2 * J> o;
 #pragma unroll
-        for (int i = 0; i < 2 * J; ++i) {
-          const int q = v[i] >> 4;  // shift out the 16x of the weight bytes (exact: every product was a multiple of 16)
-          if constexpr (std::is_same_v<T, int>) {
-            o.v[i] = q;
+          for (int i = 0; i < 2 * J; ++i) o.v[i] = v[i] >> 4;  // the 16x of the weight bytes shifted out (exact)
+          *reinterpret_cast<Vec<int, 2 * J>*>(dst) = o;
+        } else {
+          float y[2 * J];
+#pragma unroll
+          for (int i = 0; i < 2 * J; ++i) y[i] = scale_output(v[i] >> 4, token_scale[m - m0], ws[i], bias != nullptr, bs[i]);
+          if constexpr (std::is_same_v<T, float>) {
+            Vec<float, 2 * J> o;
+#pragma unroll
+            for (int i = 0; i < 2 * J; ++i) o.v[i] = saturate_cast<float>(y[i]);
+            *reinterpret_cast<Vec<float, 2 * J>*>(dst) = o;
           } else {
-            o.v[i] = saturate_cast<T>(scale_output(q, token_scale[m - m0], ws[i], bias, bias_dtype, ch + i));
+            Vec<uint32_t, J> o;
+#pragma unroll
+            for (int i = 0; i < J; ++i) o.v[i] = saturate_pack2<T>(y[2 * i], y[2 * i + 1]);
+            *reinterpret_cast<Vec<uint32_t, J>*>(dst) = o;
           }
         }
-        *reinterpret_cast<Vec<T, 2 * J>*>(out + (size_t)m * ldo + ch) = o;
       }
   }
 }
