@@ -1,0 +1,116 @@
+"""Fit the Hopper GEMMs' config models (`nibble.kernels.hopper.CostModel`) to their sweeps, and say how
+far the fitted model's picks are from the best measured config.
+
+    PYTHONPATH=. python3 benchmarks/scripts/fit_cost_model.py
+
+Reads the committed H200 sweeps: `benchmarks/results/w4a4-explore-h200.json` (W4A4, every tile x
+split-K, M = 64..1024) and, for W4A16, `w4a16-wgmma-sweep-s11-h200.json` (M = 64..512) with session
+7's `w4a16-wgmma-sweep-h200.json` for M >= 1024. The model is linear in its parameters: per wave
+of CTAs (work items) the split's K stages x the tile's stage time + the tile's fixed cost per item,
+a fixed cost per launch (which no choice changes, so it is fitted but not kept), and for split-K a
+cost per split and per million outputs and split. Least squares, weighted by 1 / time, on the
+configs within 30% of each (shape, M)'s best: the model has to rank the good configs, not predict
+the bad ones. Prints the CostModel to paste into nibble/kernels/w4a4.py / w4a16.py and the regret.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from nibble.kernels import hopper  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+NEAR_BEST = 1.3
+SMS = 132  # the H200 the sweeps ran on
+
+
+def w4a4_sweep() -> list[tuple]:
+    """(M, N, K, tile, split, us) of every wgmma config in the W4A4 sweep (columns "bn128_ch256_s2")."""
+    rows = []
+    for r in json.loads((RESULTS / "w4a4-explore-h200.json").read_text()):
+        for key, us in r.items():
+            if key.startswith("bn"):
+                bn, ch, sp = key[2:].split("_")
+                rows.append((r["M"], r["N"], r["K"], (int(bn), int(ch[2:])), int(sp[1:]), us))
+    return rows
+
+
+def w4a16_sweep() -> list[tuple]:
+    """The same for W4A16 (ops "wgmma_bn128_ch256_s2[_auto]")."""
+    rows = json.loads((RESULTS / "w4a16-wgmma-sweep-s11-h200.json").read_text())["rows"]
+    rows += [r for r in json.loads((RESULTS / "w4a16-wgmma-sweep-h200.json").read_text())["rows"] if r["M"] >= 1024]
+    out = []
+    for r in rows:
+        if r["op"].startswith("wgmma"):
+            bn, ch, sp = r["op"].removesuffix("_auto").removeprefix("wgmma_bn").split("_")
+            out.append((r["M"], r["N"], r["K"], (int(bn), int(ch[2:])), int(sp[1:]), r["us"]))
+    return out
+
+
+def fit(data: list[tuple], tiles: list[tuple]) -> tuple[hopper.CostModel, float]:
+    """The CostModel of least weighted squared error, and the fitted launch cost (us)."""
+    best = {}
+    for M, N, K, _, _, us in data:
+        best[(M, N, K)] = min(us, best.get((M, N, K), math.inf))
+    T = len(tiles)
+
+    def features(M, N, K, tile, split):
+        waves = -(-hopper.tile_count(M, N, *tile) * split // SMS)
+        f = np.zeros(2 * T + 3)
+        f[tiles.index(tile)] = waves * -(-(-(-K // hopper.STAGE_K)) // split)
+        f[T + tiles.index(tile)] = waves
+        f[2 * T] = 1.0
+        if split > 1:
+            f[2 * T + 1], f[2 * T + 2] = M * N * split / 1e6, split
+        return f
+
+    near = [d for d in data if d[5] <= NEAR_BEST * best[d[:3]]]
+    X = np.array([features(*d[:5]) for d in near])
+    y = np.array([d[5] for d in near])
+    w = 1.0 / y
+    p, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+    if p[2 * T] < 0:  # no negative launch cost: refit without it
+        keep = [i for i in range(X.shape[1]) if i != 2 * T]
+        q, *_ = np.linalg.lstsq((X * w[:, None])[:, keep], y * w, rcond=None)
+        p = np.insert(q, 2 * T, 0.0)
+    model = hopper.CostModel(stage_us={t: round(float(v), 3) for t, v in zip(tiles, p[:T])},
+                             item_us={t: round(float(v), 2) for t, v in zip(tiles, p[T:2 * T])},
+                             split_output_us=round(float(p[2 * T + 1]), 2), split_us=round(float(p[2 * T + 2]), 2))
+    return model, float(p[2 * T])
+
+
+def regret(model: hopper.CostModel, data: list[tuple]) -> list[tuple]:
+    """Per (shape, M): the measured time of the model's pick over the best measured time."""
+    cells: dict = {}
+    for M, N, K, tile, split, us in data:
+        cells.setdefault((M, N, K), {})[(tile, split)] = us
+    out = []
+    for (M, N, K), times in sorted(cells.items()):
+        cfg = hopper.pick_config(M, N, K, model, SMS)
+        picked = times.get(((cfg["bn"], cfg["channels"]), cfg["split_k"]))
+        if picked is None:
+            print(f"  not measured: M={M} N={N} K={K} {cfg}")
+            continue
+        out.append((picked / min(times.values()), (M, N, K), cfg))
+    return out
+
+
+def main() -> None:
+    for name, data, tiles in (("W4A4", w4a4_sweep(), [(64, 256), (128, 256), (128, 128)]),
+                              ("W4A16", w4a16_sweep(), [(64, 256), (128, 256), (128, 128), (256, 128)])):
+        model, launch_us = fit(data, tiles)
+        r = regret(model, data)
+        mean = math.exp(sum(math.log(x[0]) for x in r) / len(r))
+        print(f"{name}: {model}\n  launch {launch_us:.2f} us (not kept); picks {100 * (mean - 1):.1f}% above the best "
+              f"on average over {len(r)} cells; worst {max(r)[0]:.2f}x at M, N, K = {max(r)[1]}")
+
+
+if __name__ == "__main__":
+    main()
