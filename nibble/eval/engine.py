@@ -110,35 +110,43 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, kc_ptr, vc_ptr,
-                           T, HQ, HKV, S, q_row, k_row, v_row, D: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
-        """Program (token, head): rotate q heads into q_out; rotate k and copy v into the cache at pos.
-        q, k and v rows (tokens) are ``*_row`` elements apart: views of one stacked q/k/v output."""
+                           T, HQ, HKV, S, q_row, k_row, v_row, D: tl.constexpr, HALF: tl.constexpr,
+                           HEADS: tl.constexpr, PDL: tl.constexpr):
+        """Program (token, block of HEADS heads): the first blocks rotate q heads into q_out, the
+        rest rotate k heads and copy v into the cache at pos. q, k and v rows (tokens) are ``*_row``
+        elements apart: views of one stacked q/k/v output. (One program per head and token moved
+        256 bytes each: 21 us a layer for 512 tokens of Llama-2-7B, 3.5x the memory time; H200.)"""
         after_prior_grids(PDL)
         tok = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        blk = tl.program_id(1)
+        q_blocks = tl.cdiv(HQ, HEADS)
         b, t = tok // T, tok % T
         p = tl.load(pos_ptr + t).to(tl.int64)
-        offs = tl.arange(0, HALF)
+        offs = tl.arange(0, HALF)[None, :]
         c1 = tl.load(cos_ptr + p * D + offs).to(tl.float32)
         c2 = tl.load(cos_ptr + p * D + HALF + offs).to(tl.float32)
         s1 = tl.load(sin_ptr + p * D + offs).to(tl.float32)
         s2 = tl.load(sin_ptr + p * D + HALF + offs).to(tl.float32)
-        if h < HQ:
+        if blk < q_blocks:
+            h = (blk * HEADS + tl.arange(0, HEADS))[:, None]
+            m = h < HQ
             src = q_ptr + tok * q_row + h * D
             dst = q_out_ptr + tok * HQ * D + h * D
         else:
-            hk = h - HQ
-            src = k_ptr + tok * k_row + hk * D
-            dst = kc_ptr + ((b * HKV + hk) * S + p) * D
-            vals = tl.load(v_ptr + tok * v_row + hk * D + tl.arange(0, D))
-            tl.store(vc_ptr + ((b * HKV + hk) * S + p) * D + tl.arange(0, D), vals)
-        x1 = tl.load(src + offs).to(tl.float32)
-        x2 = tl.load(src + HALF + offs).to(tl.float32)
+            h = ((blk - q_blocks) * HEADS + tl.arange(0, HEADS))[:, None]
+            m = h < HKV
+            src = k_ptr + tok * k_row + h * D
+            dst = kc_ptr + ((b * HKV + h) * S + p) * D
+            d = tl.arange(0, D)[None, :]
+            vals = tl.load(v_ptr + tok * v_row + h * D + d, mask=m)
+            tl.store(vc_ptr + ((b * HKV + h) * S + p) * D + d, vals, mask=m)
+        x1 = tl.load(src + offs, mask=m).to(tl.float32)
+        x2 = tl.load(src + HALF + offs, mask=m).to(tl.float32)
         # HF: q * cos + rotate_half(q) * sin, each product and the sum rounded to the dtype
         o1 = _add_unfused(_round(x1 * c1, q_out_ptr), _round(-x2 * s1, q_out_ptr))
         o2 = _add_unfused(_round(x2 * c2, q_out_ptr), _round(x1 * s2, q_out_ptr))
-        tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty))
-        tl.store(dst + HALF + offs, o2.to(q_out_ptr.dtype.element_ty))
+        tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + offs, o2.to(q_out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_row, u_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -266,6 +274,9 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return _dispatch(x, kernel, plain)
 
 
+ROPE_HEADS = 8  # heads per program of the RoPE + cache kernel
+
+
 def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim):
     """RoPE on q [B, T, Hq*D] and k, then k and v written into the caches [B, Hkv, S, D] at ``pos`` [T].
 
@@ -287,9 +298,11 @@ def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head
     def kernel():
         qc, kc, vc = (_rows(t) for t in (q, k, v))
         q_out = torch.empty(B, T, n_heads, head_dim, dtype=q.dtype, device=q.device)
-        _rope_cache_kernel[(B * T, n_heads + n_kv)](qc, kc, vc, cos, sin, pos, q_out, k_cache, v_cache, T, n_heads,
-                                                    n_kv, k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0),
-                                                    D=head_dim, HALF=head_dim // 2, num_warps=1, **_early(qc, B * T))
+        heads = ROPE_HEADS
+        blocks = triton.cdiv(n_heads, heads) + triton.cdiv(n_kv, heads)
+        _rope_cache_kernel[(B * T, blocks)](qc, kc, vc, cos, sin, pos, q_out, k_cache, v_cache, T, n_heads, n_kv,
+                                            k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0), D=head_dim,
+                                            HALF=head_dim // 2, HEADS=heads, num_warps=4, **_early(qc, B * T))
         return q_out
     return _dispatch(q, kernel, plain)
 

@@ -48,11 +48,12 @@ class CostModel:
         return t + (self.split_output_us * M * N * split / 1e6 + self.split_us * split if split > 1 else 0.0)
 
 
-def pick_config(M: int, N: int, K: int, model: CostModel, num_sms: int) -> dict:
-    """The (tokens, channels) of ``model`` and the split-K of least modelled time (a pure
-    function): split only where each split keeps 2 stages and the CTAs fit two waves."""
+def pick_config(M: int, N: int, K: int, model: CostModel, num_sms: int, tiles=None) -> dict:
+    """The (tokens, channels) of ``model`` (or of ``tiles``, a subset) and the split-K of least
+    modelled time (a pure function): split only where each split keeps 2 stages and the CTAs fit
+    two waves."""
     k_stages = _cdiv(K, STAGE_K)
-    shapes = [(tile, split) for tile in model.stage_us for split in SPLITS
+    shapes = [(tile, split) for tile in (model.stage_us if tiles is None else tiles) for split in SPLITS
               if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) * split <= 2 * num_sms)]
     (tokens, channels), split = min(shapes, key=lambda c: model.us(M, N, K, *c, num_sms))
     return dict(bn=tokens, channels=channels, split_k=split)

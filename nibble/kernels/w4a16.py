@@ -785,12 +785,14 @@ WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 # Where the op takes which kernel (measured, benchmarks/notes-w4a16.md session 7): the skinny
 # kernel up to 32 tokens (64 for layers of <= SMALL_LAYER weights), dequantise + cuBLAS for
 # small layers up to 256 tokens and for every layer above WGMMA_MAX_M, the wgmma kernel between.
-SMALL_LAYER = 24 << 20      # N * K; 4096 x 4096 is small, 4096 x 11008 is not
+# N * K: 4096 x 4096 is small; 4096 x 11008 is not, nor Llama-3-8B's q/k/v as one launch (6144 x 4096).
+SMALL_LAYER = 20 << 20
 WGMMA_MAX_M = 2048
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 9 + [ctypes.c_void_p],
+    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 8
+    + [ctypes.c_int] * 7 + [ctypes.c_void_p],
     "nibble_w4a16_wgmma_error_string")
 
 
@@ -810,9 +812,16 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
             and torch.cuda.get_device_capability(x.device) == (9, 0) and _wgmma_lib(x.device) is not None)
 
 
-def wgmma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> dict:
-    """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma` (`hopper.pick_config`)."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, num_sms)
+def wgmma_tiles(widths) -> tuple:
+    """The CTA shapes one `w4a16_wgmma_many` launch over weights of these widths can run: a tile
+    never spans two weights, so every width but the last must be a multiple of its channels."""
+    return tuple(tile for tile in WGMMA_TILES if all(n % tile[1] == 0 for n in widths[:-1]))
+
+
+def wgmma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT, widths=None) -> dict:
+    """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma` (`hopper.pick_config`) for N
+    columns, or for weights of ``widths`` columns side by side in one launch."""
+    return hopper.pick_config(M, N, K, WGMMA_MODEL, num_sms, wgmma_tiles(widths) if widths else WGMMA_TILES)
 
 
 def large_m_kernel(M: int, N: int, K: int) -> str:
@@ -829,43 +838,54 @@ def large_m_kernel(M: int, N: int, K: int) -> str:
 def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = None, out=None):
     """y = x @ W.T on Hopper's asynchronous tensor cores (inputs already checked by ``_check``).
     ``config`` (bn, channels, split_k) overrides `wgmma_config`."""
+    return w4a16_wgmma_many(x, [(qweight, scales, zeros)], group_size, config, None if out is None else [out])[0]
+
+
+def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=None):
+    """[x @ W_i.T for W_i in weights] in one launch, for up to MMA_MAX_WEIGHTS weights (qweight,
+    scales, zeros) that read the same x (a block's q/k/v or gate/up; inputs already checked),
+    every width but the last a multiple of a tile's channels (`wgmma_tiles`): the kernel runs their
+    columns side by side, each weight writing its own output. ``config`` overrides `wgmma_config`."""
     M, K = x.shape
-    N = qweight.shape[1]
-    if not wgmma_applicable(x, N, K, group_size):
-        raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0 and a group of "
-                         f"32, 64, a multiple of 128 or one per column; got N={N} K={K} group={group_size} "
-                         f"on {x.device}")
-    cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(x.device))
+    widths = [qw.shape[1] for qw, _, _ in weights]
+    N = sum(widths)
+    if not (1 <= len(weights) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
+        raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0, a group of 32, 64, "
+                         f"a multiple of 128 or one per column and 1 to {MMA_MAX_WEIGHTS} weights; got N={widths} "
+                         f"K={K} group={group_size} on {x.device}")
+    cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(x.device), widths)
     tile = (cfg["bn"], cfg["channels"])
-    if tile not in WGMMA_TILES:
-        raise ValueError(f"(bn, channels) must be one of {WGMMA_TILES}, got {tile}")
+    if tile not in wgmma_tiles(widths):
+        raise ValueError(f"(bn, channels) must be one of {wgmma_tiles(widths)} for weights of widths {widths} "
+                         f"(each but the last a multiple of the channels), got {tile}")
     # The TMA reads 16-byte aligned rows; the epilogue stores 4 outputs (8 bytes) at a time.
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
-    qweight, scales, zeros = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (qweight, scales, zeros))
-    y = out
-    if y is None or y.stride(1) != 1 or y.stride(0) % 4 or y.data_ptr() % 8:
-        y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    weights = [tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in w) for w in weights]
+    given = outs if outs is not None else [None] * len(weights)
+    ys = [y if y is not None and y.stride(1) == 1 and y.stride(0) % 4 == 0 and y.data_ptr() % 8 == 0
+          else torch.empty((M, n), dtype=x.dtype, device=x.device) for y, n in zip(given, widths)]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    tiles = hopper.tile_count(M, N, *tile)
     if split > 1:
         part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
-        cnt = split_counters(x.device, tiles)
+        cnt = split_counters(x.device, hopper.tile_count(M, N, *tile))
     else:
-        part = cnt = y  # unused
+        part = cnt = ys[0]  # unused
+    pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), ys)]
     lib = _wgmma_lib(x.device)
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_wgmma(
-            int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
-            zeros.data_ptr(), y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, group_size, x.stride(0),
-            y.stride(0), split, per_split, int(early_launch(x.device, M)), torch.cuda.current_stream(x.device).cuda_stream)
+            int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights), *pointers,
+            cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
+            part.data_ptr(), cnt.data_ptr(), M, K, group_size, x.stride(0), split, per_split,
+            int(early_launch(x.device, M)), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: {lib.nibble_w4a16_wgmma_error_string(err).decode()} "
-                           f"(M={M} N={N} K={K} group={group_size} config={cfg})")
-    if out is not None and y is not out:
-        out.copy_(y)
-        return out
-    return y
+                           f"(M={M} N={widths} K={K} group={group_size} config={cfg})")
+    for y, o in zip(ys, given):
+        if o is not None and y is not o:
+            o.copy_(y)
+    return [y if o is None else o for y, o in zip(ys, given)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -962,8 +982,9 @@ def _(x, qweight, scales, zeros, group_size):
 def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
                   zeros: list[torch.Tensor], group_size: int) -> list[torch.Tensor]:
     """``[w4a16_linear(x, W_i) for W_i in the weights]`` for weights that read the same x (a block's
-    q/k/v or gate/up projections). On CUDA, where the skinny kernel runs, up to 32 tokens, up to three
-    weights share one launch; elsewhere each runs as ``w4a16_linear`` would."""
+    q/k/v or gate/up projections). On CUDA up to three weights share one launch where the skinny
+    kernel runs (up to 32 tokens) and where the Hopper GEMM runs (the group's columns taken
+    together: `large_m_kernel`); elsewhere each runs as ``w4a16_linear`` would."""
     if not len(qweights) == len(scales) == len(zeros) > 0:
         raise ValueError(f"w4a16_linears needs one scales and zeros tensor per qweight, got {len(qweights)} "
                          f"qweights, {len(scales)} scales, {len(zeros)} zeros")
@@ -975,9 +996,14 @@ def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[to
     x = x.contiguous()
     M, K = x.shape
     N = sum(qw.shape[1] for qw in qweights)
-    if (0 < M <= MMA_MANY_MAX_M and len(weights) <= MMA_MAX_WEIGHTS and large_m_kernel(M, N, K) == "skinny"
+    one_launch = 1 < len(weights) <= MMA_MAX_WEIGHTS
+    if (one_launch and 0 < M <= MMA_MANY_MAX_M and large_m_kernel(M, N, K) == "skinny"
             and all(mma_applicable(x, qw.shape[1], K, group_size) for qw in qweights)):
         return w4a16_mma_many(x, weights, group_size)
+    widths = [qw.shape[1] for qw in qweights]
+    if (one_launch and large_m_kernel(M, N, K) == "wgmma" and wgmma_tiles(widths)
+            and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
+        return w4a16_wgmma_many(x, [tuple(t.contiguous() for t in w) for w in weights], group_size)
     return [w4a16_linear_cuda(x, *w, group_size) for w in weights]
 
 

@@ -964,8 +964,8 @@ WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 8 + [ctypes.c_void_p],
+    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 8
+    + [ctypes.c_int] * 3 + [ctypes.c_void_p],
     "nibble_w4a4_wgmma_error_string")
 
 
@@ -981,9 +981,16 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0) and _wgmma_lib(device) is not None)
 
 
-def wgmma_config(M: int, N: int, K: int, sms: int = 132) -> dict:
-    """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`)."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, sms)
+def wgmma_tiles(widths) -> tuple:
+    """The CTA shapes one `w4a4_wgmma_many` launch over weights of these widths can run: a tile
+    never spans two weights, so every width but the last must be a multiple of its channels."""
+    return tuple(tile for tile in WGMMA_TILES if all(n % tile[1] == 0 for n in widths[:-1]))
+
+
+def wgmma_config(M: int, N: int, K: int, sms: int = 132, widths=None) -> dict:
+    """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`) for N
+    columns, or for weights of ``widths`` columns side by side in one launch."""
+    return hopper.pick_config(M, N, K, WGMMA_MODEL, sms, wgmma_tiles(widths) if widths else WGMMA_TILES)
 
 
 def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -994,37 +1001,68 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     The kernel reads qx in the "even_odd" order (`to_even_odd`; the act-quant kernel writes it with
     order="even_odd"); natural-order qx is permuted here first. ``config`` overrides `wgmma_config`.
     """
-    _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
+    return w4a4_wgmma_many(qx, x_scale, [(qweight, w_scale, bias)], out_dtype, out_int32=out_int32, order=order,
+                           config=config)[0]
+
+
+def wgmma_many_applicable(qx: torch.Tensor, layers) -> bool:
+    """Whether `w4a4_wgmma_many` can run these (qweight, w_scale, bias) layers in one launch."""
     M, K = qx.shape
-    N = qweight.shape[1]
+    widths = [qweight.shape[1] for qweight, _, _ in layers]
+    scale_dtypes, bias_dtypes = _launch_dtypes(layers)
+    return (1 <= len(layers) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(M, n, K, qx.device) for n in widths)
+            and len(scale_dtypes) == 1 and len(bias_dtypes) <= 1 and bool(wgmma_tiles(widths)))
+
+
+def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype = torch.bfloat16, *,
+                    out_int32: bool = False, order: str = "natural",
+                    config: Optional[dict] = None) -> list[torch.Tensor]:
+    """``[w4a4_wgmma(qx, x_scale, *layer) for layer in layers]`` in one launch, for up to
+    MMA_MAX_WEIGHTS layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v or
+    gate/up): their w_scales share a dtype, so do the biases they have, and every width but the
+    last is a multiple of a tile's channels (`wgmma_tiles`). The kernel runs their columns side by
+    side; each layer gets its own output. ``config`` overrides `wgmma_config`."""
+    for layer in layers:
+        _check_matmul_inputs(qx, x_scale, *layer)
+    M, K = qx.shape
     _check_order(order, K)
-    if not wgmma_applicable(M, N, K, qx.device):
-        raise ValueError(f"w4a4_wgmma needs an sm_90 GPU with the compiled kernel, M > {MMA_MAX_M}, N % 4 == 0 "
-                         f"and K % 32 == 0; got M={M} N={N} K={K} on {qx.device}")
+    widths = [qweight.shape[1] for qweight, _, _ in layers]
+    N = sum(widths)
+    if not (1 <= len(layers) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(M, n, K, qx.device) for n in widths)):
+        raise ValueError(f"w4a4_wgmma needs an sm_90 GPU with the compiled kernel, M > {MMA_MAX_M}, N % 4 == 0, "
+                         f"K % 32 == 0 and 1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={widths} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(qx.device))
+    cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(qx.device), widths)
     tile = (cfg["bn"], cfg["channels"])
-    if tile not in WGMMA_TILES:
-        raise ValueError(f"(bn, channels) must be one of {WGMMA_TILES}, got {tile}")
+    if tile not in wgmma_tiles(widths):
+        raise ValueError(f"(bn, channels) must be one of {wgmma_tiles(widths)} for layers of widths {widths} "
+                         f"(each but the last a multiple of the channels), got {tile}")
     if order == "natural":
         qx = to_even_odd(qx)
     qx = _aligned_rows(qx, 16)
-    x_scale, qweight, w_scale, bias = _layer_operands(x_scale, qweight, w_scale, bias)
-    y = _output(qx, N, out_dtype, out_int32)
+    operands = [_layer_operands(x_scale, *layer) for layer in layers]
+    x_scale = operands[0][0]
+    scale_dtypes, bias_dtypes = _launch_dtypes([op[1:] for op in operands])
+    if len(scale_dtypes) > 1 or len(bias_dtypes) > 1:
+        raise ValueError("the layers of one w4a4_wgmma_many launch must share the w_scale dtype and the bias dtype")
+    ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
+    pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
+                for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
     split, per_split = hopper.split_plan(K, cfg["split_k"])
     part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, *tile), qx.device)
+    lib = _wgmma_lib(qx.device)
     with torch.cuda.device(qx.device):
-        err = _wgmma_lib(qx.device).nibble_w4a4_wgmma(
-            3 if out_int32 else _DTYPE_CODES[out_dtype], *tile, qx.data_ptr(), qweight.data_ptr(),
-            x_scale.data_ptr(), w_scale.data_ptr(), _DTYPE_CODES[w_scale.dtype],
-            None if bias is None else bias.data_ptr(), 0 if bias is None else _DTYPE_CODES[bias.dtype],
-            y.data_ptr(), part.data_ptr(), cnt.data_ptr(), M, N, K, qx.stride(0),
-            y.stride(0), split, per_split, int(early_launch(qx.device, M)), torch.cuda.current_stream(qx.device).cuda_stream)
+        err = lib.nibble_w4a4_wgmma(
+            3 if out_int32 else _DTYPE_CODES[out_dtype], *tile, qx.data_ptr(), x_scale.data_ptr(),
+            _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K,
+            qx.stride(0), len(layers), *pointers, cuda_build.c_array(ctypes.c_int, widths),
+            cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]), part.data_ptr(), cnt.data_ptr(), split,
+            per_split, int(early_launch(qx.device, M)), torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
-        raise RuntimeError(f"w4a4_wgmma launch failed: {_wgmma_lib(qx.device).nibble_w4a4_wgmma_error_string(err).decode()} "
-                           f"(M={M} N={N} K={K} config={cfg})")
-    return y
+        raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "
+                           f"(M={M} N={widths} K={K} config={cfg})")
+    return ys
 
 
 def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
@@ -1133,6 +1171,8 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     qx, sx = quantize_activations_triton(x, input_hadamard, order)
     if len(layers) > 1 and mma_many_applicable(qx, layers):  # decode: one launch for the group
         return w4a4_mma_many(qx, sx, layers, out_dtype=x.dtype)
+    if len(layers) > 1 and order == "even_odd" and wgmma_many_applicable(qx, layers):  # prefill: one launch too
+        return w4a4_wgmma_many(qx, sx, layers, out_dtype=x.dtype, order=order)
     return [w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype, order=order)
             for qweight, w_scale, bias in layers]
 

@@ -132,15 +132,17 @@ def glue_outputs(dtype, device):
 
     def r(*shape):
         return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
-    B, T, H, KV, D, S = 2, 3, 4, 2, 16, 32
     out = list(engine_mod.add_rmsnorm(r(5, 96), r(5, 96), r(96), 1e-5))
     out += list(engine_mod.add_rmsnorm(r(5, 96), None, r(96), 1e-6))
     out.append(engine_mod.silu_mul(r(3, 200), r(3, 200)))
-    kc, vc = torch.zeros(B, KV, S, D, dtype=dtype, device=device), torch.zeros(B, KV, S, D, dtype=dtype, device=device)
-    pos = torch.tensor([5, 6, 7], device=device)
-    out.append(engine_mod.rope_and_cache(r(B, T, H * D), r(B, T, KV * D), r(B, T, KV * D), r(S, D), r(S, D), pos,
-                                         kc, vc, H, KV, D))
-    return out + [kc, vc]
+    # RoPE heads go ROPE_HEADS = 8 to a program: fewer than a block, and a whole block and a part
+    for B, T, H, KV, D, S in ((2, 3, 4, 2, 16, 32), (1, 2, 12, 10, 32, 8)):
+        kc, vc = (torch.zeros(B, KV, S, D, dtype=dtype, device=device) for _ in range(2))
+        pos = torch.arange(5, 5 + T, device=device)
+        out.append(engine_mod.rope_and_cache(r(B, T, H * D), r(B, T, KV * D), r(B, T, KV * D), r(S, D), r(S, D),
+                                             pos, kc, vc, H, KV, D))
+        out += [kc, vc]
+    return out
 
 
 def attention_outputs(dtype, device):

@@ -433,6 +433,53 @@ def test_gpu_wgmma_views_and_strided_out():
 
 
 @needs_cuda
+@pytest.mark.parametrize("M", [33, 129, 300])
+def test_gpu_wgmma_many_weights(M):
+    """Up to three weights side by side in one launch (hopper.cuh: column_weight), the last one's
+    width not a multiple of the tile: for every tile the widths allow, with and without split-K,
+    each output equals its own launch's bitwise (same tile, same K order) and is close to the
+    reference; outputs poisoned, with a row stride wider than the output."""
+    _needs_wgmma_kernel()
+    K, ns = 1536, (512, 256, 200)
+    for G in (64, 128):
+        weights = [make_weight(n, K, G, symmetric=i == 1, device="cuda", seed=M + n + G) for i, n in enumerate(ns)]
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16 if G == 128 else torch.float16) * 2
+        assert W.wgmma_tiles(ns) == W.WGMMA_TILES
+        for bn, channels in W.wgmma_tiles(ns):
+            for split in (1, 3):
+                cfg = dict(bn=bn, channels=channels, split_k=split)
+                padded = [torch.full((M, n + 16), float("nan"), device="cuda", dtype=x.dtype) for n in ns]
+                W.w4a16_wgmma_many(x, weights, G, config=cfg, outs=[p[:, :n] for p, n in zip(padded, ns)])
+                torch.cuda.synchronize()
+                for p, n, w in zip(padded, ns, weights):
+                    assert torch.isnan(p[:, n:]).all(), "wrote past its columns"
+                    assert torch.equal(p[:, :n], W.w4a16_wgmma(x, *w, G, config=cfg)), f"config {cfg}"
+                    assert_close(p[:, :n], x, *w, G)
+    with pytest.raises(ValueError, match="multiple of the channels"):
+        W.w4a16_wgmma_many(x, weights[::-1], G, config=dict(bn=128, channels=128, split_k=1))
+
+
+@needs_cuda
+def test_gpu_linears_take_one_wgmma_launch(monkeypatch):
+    """Prefill sizes: a group whose columns together make a large layer runs as one wgmma launch
+    (Llama-2-7B's q/k/v at 128 tokens: one wave of tiles instead of three); a group no tile fits
+    (a width but the last not a multiple of 128) runs one product per weight."""
+    _needs_wgmma_kernel()
+    calls = []
+    real = W.w4a16_wgmma_many
+    monkeypatch.setattr(W, "w4a16_wgmma_many", lambda x, ws, *a, **k: calls.append(len(ws)) or real(x, ws, *a, **k))
+    K, G = 4096, 128
+    for ns, launches in (((4096, 1024, 1024), [3]), ((8200, 8192), [1, 1])):
+        calls.clear()
+        weights = [make_weight(n, K, G, device="cuda", seed=n) for n in ns]
+        x = torch.randn(128, K, device="cuda", dtype=torch.bfloat16)
+        ys = torch.ops.nibble.w4a16_linears(x, *(list(t) for t in zip(*weights)), G)
+        assert calls == launches
+        for y, w in zip(ys, weights):
+            assert_close(y, x, *w, G)
+
+
+@needs_cuda
 def test_gpu_prefill_takes_the_wgmma_kernel(monkeypatch):
     """Between 33 and WGMMA_MAX_M tokens the op runs csrc/w4a16_wgmma.cu on Hopper (no dequantised
     copy of the weight)."""
@@ -461,6 +508,10 @@ def test_wgmma_config_rules():
             assert cfg["split_k"] == 1 or (tiles * cfg["split_k"] <= 2 * 132 and -(-K // 128) // cfg["split_k"] >= 2)
     assert W.wgmma_config(64, 28672, 8192)["bn"] == 64 and W.wgmma_config(2048, 28672, 8192)["bn"] == 256
     assert W.wgmma_config(128, 4096, 14336)["split_k"] > W.wgmma_config(128, 28672, 8192)["split_k"] == 1
+    # weights side by side in one launch: tiles whose channels divide every width but the last
+    assert W.wgmma_tiles([4096, 1024, 1024]) == W.WGMMA_TILES and W.wgmma_tiles([576, 192, 192]) == ()
+    assert W.wgmma_tiles([896, 128, 128]) == ((128, 128), (256, 128))
+    assert W.wgmma_config(1024, 1152, 896, 132, widths=[896, 128, 128])["channels"] == 128
     assert W.wgmma_group_ok(32, 4096) and W.wgmma_group_ok(256, 4096) and W.wgmma_group_ok(576, 576)
     assert not W.wgmma_group_ok(96, 576) and not W.wgmma_group_ok(16, 4096)
 
@@ -471,7 +522,7 @@ def test_large_m_kernel_rules():
     assert W.large_m_kernel(32, 28672, 8192) == "skinny" and W.large_m_kernel(33, 28672, 8192) == "wgmma"
     assert W.large_m_kernel(64, 4096, 4096) == "skinny" and W.large_m_kernel(65, 4096, 4096) == "dequant"
     assert W.large_m_kernel(256, 4096, 4096) == "dequant" and W.large_m_kernel(257, 4096, 4096) == "wgmma"
-    assert W.large_m_kernel(128, 4096, 11008) == "wgmma"
+    assert W.large_m_kernel(128, 4096, 11008) == "wgmma" and W.large_m_kernel(128, 6144, 4096) == "wgmma"
     assert W.large_m_kernel(W.WGMMA_MAX_M, 28672, 8192) == "wgmma"
     assert W.large_m_kernel(W.WGMMA_MAX_M + 1, 28672, 8192) == "dequant"
 

@@ -229,6 +229,18 @@ def test_wgmma_config_model():
                for n, k in ((12288, 4096), (14336, 4096), (8192, 28672)))
 
 
+def test_wgmma_tiles_for_layers_side_by_side():
+    """One launch over several layers runs only tiles whose channels divide every width but the
+    last (a tile never spans two layers), and its config is picked among those."""
+    assert w4a4.wgmma_tiles([4096, 1024, 1024]) == w4a4.WGMMA_TILES
+    assert w4a4.wgmma_tiles([11008, 11008]) == w4a4.WGMMA_TILES  # 43 x 256
+    assert w4a4.wgmma_tiles([896, 128, 128]) == ((128, 128),)  # Qwen2-0.5B: 7 x 128
+    assert w4a4.wgmma_tiles([576, 192, 192]) == ()  # SmolLM2: one launch per layer
+    for M in (17, 128, 512, 4096):
+        cfg = w4a4.wgmma_config(M, 896 + 256, 896, widths=[896, 128, 128])
+        assert (cfg["bn"], cfg["channels"]) == (128, 128)
+
+
 def test_pick_config_covers_decode_and_prefill():
     assert w4a4.pick_config(1, 28672, 8192)["kind"] == "gemv"
     for M in (2, 16, 17, 128, 1024, 4096):
@@ -928,25 +940,67 @@ def test_split_k_counters_left_zero(kernel):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 @pytest.mark.parametrize("had", [False, True])
-def test_prefill_ops_take_the_wgmma_kernel(had, monkeypatch):
+@pytest.mark.parametrize("widths,launches", [((4096, 4352, 4096), [3]), ((4100, 4096), [1, 1])])
+def test_prefill_ops_take_the_wgmma_kernel(had, widths, launches, monkeypatch):
     """Enough tokens on Hopper: the op quantizes in the even_odd order once and runs
-    csrc/w4a4_wgmma.cu for every layer (checked by counting calls); outputs equal the Triton product's, and a token that
-    held Inf saturates like the reference."""
+    csrc/w4a4_wgmma.cu, one launch for the group where every width but the last is a multiple of a
+    tile's channels, else one per layer (checked by counting calls); outputs equal the Triton
+    product's, and a token that held Inf saturates like the reference."""
     _needs_wgmma_kernel()
     calls = []
-    real = w4a4.w4a4_wgmma
-    monkeypatch.setattr(w4a4, "w4a4_wgmma", lambda *a, **k: calls.append(k.get("order")) or real(*a, **k))
+    real = w4a4.w4a4_wgmma_many
+    monkeypatch.setattr(w4a4, "w4a4_wgmma_many",
+                        lambda qx, sx, layers, *a, **k: calls.append((len(layers), k.get("order"))) or real(qx, sx, layers, *a, **k))
     K = 4096
-    layers = [_codes_weight(n, K, "cuda") for n in (4096, 4352, 4096)]
+    layers = [_codes_weight(n, K, "cuda") for n in widths]
     x = _activations(1000, K, torch.bfloat16, "cuda")
     assert all(w4a4.wgmma_preferred(1000, qw.shape[1], K, "cuda") for qw, _ in layers)
     x[5, 9] = float("inf")
-    ys = torch.ops.nibble.w4a4_linears(x, [w for w, _ in layers], [s for _, s in layers], [None] * 3, had)
-    assert calls == ["even_odd"] * 3
+    ys = torch.ops.nibble.w4a4_linears(x, [w for w, _ in layers], [s for _, s in layers], [None] * len(widths), had)
+    assert calls == [(n, "even_odd") for n in launches]
     qx, sx = w4a4.quantize_activations_triton(x, had)
     for y, (qw, ws) in zip(ys, layers):
         assert torch.isfinite(y).all()
         assert torch.equal(y, w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, out_dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [17, 100, 300])
+def test_wgmma_many_layers_in_one_launch(M):
+    """Up to three layers side by side in one launch (hopper.cuh: column_weight), the last one's
+    width not a multiple of the tile, K not a multiple of the stage: the int32 sums exact for every
+    tile the widths allow and with split-K, the scaled outputs equal to one launch per layer (a bias
+    on some layers only); outputs poisoned."""
+    _needs_wgmma_kernel()
+    gen = torch.Generator().manual_seed(M)
+    K, widths = 1056, (512, 256, 260)
+    layers = [_codes_weight(n, K, "cuda", gen) for n in widths]
+    biases = [None, torch.randn(256, device="cuda").bfloat16(), torch.randn(260, device="cuda").bfloat16()]
+    qx = _qx(M, K, "cuda", gen)
+    sx = torch.rand(M, device="cuda") + 0.5
+    assert w4a4.wgmma_tiles(widths) == w4a4.WGMMA_TILES
+    for bn, ch in w4a4.wgmma_tiles(widths):
+        for split in (1, 3):
+            cfg = dict(bn=bn, channels=ch, split_k=split)
+            _poison_allocator("cuda")
+            accs = w4a4.w4a4_wgmma_many(qx, torch.ones(M, device="cuda"), [(qw, ws, None) for qw, ws in layers],
+                                        out_int32=True, config=cfg)
+            for acc, (qw, _) in zip(accs, layers):
+                assert torch.equal(acc, _exact_acc(qx, qw)), f"config {cfg}"
+            _poison_allocator("cuda")
+            ys = w4a4.w4a4_wgmma_many(qx, sx, [(qw, ws, b) for (qw, ws), b in zip(layers, biases)], torch.float16,
+                                      config=cfg)
+            for y, (qw, ws), b in zip(ys, layers, biases):
+                assert torch.equal(y, w4a4.w4a4_wgmma(qx, sx, qw, ws, b, torch.float16, config=cfg)), f"config {cfg}"
+    odd = [layers[2], layers[0]]  # 260 columns first: no tile fits
+    assert not w4a4.wgmma_many_applicable(qx, [(qw, ws, None) for qw, ws in odd])
+    with pytest.raises(ValueError, match="multiple of the channels"):
+        w4a4.w4a4_wgmma_many(qx, sx, [(qw, ws, None) for qw, ws in odd], config=dict(bn=128, channels=128, split_k=1))
+    with pytest.raises(ValueError, match="share the w_scale dtype"):
+        w4a4.w4a4_wgmma_many(qx, sx, [(layers[0][0], layers[0][1], None), (layers[1][0], layers[1][1].float(), None)])
+    with pytest.raises(ValueError, match="1 to 3 layers"):
+        w4a4.w4a4_wgmma_many(qx, sx, [(qw, ws, None) for qw, ws in layers + layers[:1]])
 
 
 @pytest.mark.gpu

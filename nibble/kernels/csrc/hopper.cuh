@@ -272,6 +272,17 @@ __device__ __forceinline__ CtaWork cta_work(int M, int N, int K, int tokens, int
           min(k_begin + tiles_per_split, k_all) - k_begin};
 }
 
+// Several weights in one launch (skinny.cuh: MAX_WEIGHTS), their output columns side by side:
+// weight i owns the launch's columns [col_end[i - 1], col_end[i]) (col_end of unused entries is
+// INT_MAX). The weight of the tile whose first column is n0, and that weight's first column
+// (col0). Every weight but the last has a multiple of the tile's channels (the host checks), so a
+// tile never spans two weights, and each weight's tensor map zero-fills its own tail.
+__device__ __forceinline__ int column_weight(const int (&col_end)[MAX_WEIGHTS], int n0, int& col0) {
+  const int which = (n0 >= col_end[0]) + (n0 >= col_end[1]);
+  col0 = which ? pick(col_end, which - 1) : 0;
+  return which;
+}
+
 // Thread 0, before the CTA's first barrier.
 template <int STAGES>
 __device__ __forceinline__ void init_stage_barriers(uint32_t bars) {

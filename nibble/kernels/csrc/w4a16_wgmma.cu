@@ -50,6 +50,10 @@
 // per token. Split-K (few tiles for the SMs): each split stores its fp32 partial; the last CTA to
 // arrive on a tile sums all of them in split order (deterministic: the same sum whoever arrives
 // last; hopper.cuh: sum_partials) and resets the tile's counter for the next call.
+//
+// Several weights that read the same x (a block's q/k/v or gate/up, up to MAX_WEIGHTS, one group
+// size) run as one GEMM over their output columns side by side, as in csrc/w4a4_wgmma.cu: each tile
+// reads its weight's tensor maps and writes its weight's output (hopper.cuh: column_weight).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -133,13 +137,20 @@ __device__ __forceinline__ void store_outputs(T* dst, const float (&v)[2 * J]) {
   *reinterpret_cast<Vec<uint32_t, J>*>(dst) = o;
 }
 
+// The weights of one launch: weight i (its codes, scales and zeros) owns the launch's columns
+// [col_end[i - 1], col_end[i]).
+struct Weights {
+  CUtensorMap w_map[MAX_WEIGHTS], s_map[MAX_WEIGHTS], z_map[MAX_WEIGHTS];
+  void* out[MAX_WEIGHTS];
+  int ldo[MAX_WEIGHTS], col_end[MAX_WEIGHTS];
+};
+
 // GROUP_STEPS: k16 steps per group inside a stage (2 for G = 32, 4 for 64, 8 for G >= 128).
 template <typename T, int BN, int CH_, int GROUP_STEPS>
 __global__ void __launch_bounds__(THREADS, 1)
-    w4a16_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
-                       const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
-                       T* __restrict__ out, float* __restrict__ partial, int* __restrict__ counters, int M, int N,
-                       int K, int group_size, int ldo, int tiles_per_split) {
+    w4a16_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
+                       float* __restrict__ partial, int* __restrict__ counters, int M, int N, int K, int group_size,
+                       int tiles_per_split) {
   using L = Tile<BN, CH_, GROUP_STEPS>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, R = BN / 2;
   constexpr int SZ_ROWS = L::SZ_ROWS, SZ_ROW = L::SZ_ROW, X_STAGE = L::X_BYTES, W_STAGE = L::W_BYTES;
@@ -154,24 +165,31 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, blockIdx.x, blockIdx.y);
   const int m0 = work.m0, n0 = work.n0, tiles = work.k_tiles;
+  int col0;  // the weight's first column in the launch
+  const int which = column_weight(weights.col_end, n0, col0);
 
   if (tid == 0) init_stage_barriers<STAGES>(bars);
   __syncthreads();
 
   if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid == CONSUMER_THREADS)
+    if (tid == CONSUMER_THREADS) {
+      const int wn0 = n0 - col0;
+      const CUtensorMap* w_map = which == 0 ? &weights.w_map[0] : which == 1 ? &weights.w_map[1] : &weights.w_map[2];
+      const CUtensorMap* s_map = which == 0 ? &weights.s_map[0] : which == 1 ? &weights.s_map[1] : &weights.s_map[2];
+      const CUtensorMap* z_map = which == 0 ? &weights.z_map[0] : which == 1 ? &weights.z_map[1] : &weights.z_map[2];
       produce<STAGES>(
           bars, base, STAGE, L::BYTES, work.k_begin, tiles, 0,
           [&](uint32_t dst, int k0, uint32_t full) {
-            load_weight_boxes<CH>(dst + X_STAGE, &w_map, n0, k0, full);
-            tma_load(dst + X_STAGE + W_STAGE, &s_map, n0, k0 / group_size, full);
-            tma_load(dst + X_STAGE + W_STAGE + SZ_ROWS * SZ_ROW, &z_map, n0, k0 / group_size, full);
+            load_weight_boxes<CH>(dst + X_STAGE, w_map, wn0, k0, full);
+            tma_load(dst + X_STAGE + W_STAGE, s_map, wn0, k0 / group_size, full);
+            tma_load(dst + X_STAGE + W_STAGE + SZ_ROWS * SZ_ROW, z_map, wn0, k0 / group_size, full);
           },
           [&](uint32_t dst, int k0, uint32_t full) {
             tma_load(dst, &x_map, k0, m0, full);
             tma_load(dst + BN * 128, &x_map, k0 + X_BOX, m0, full);
           });
+    }
     return;
   }
 
@@ -244,6 +262,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int j = 0; j < J; ++j) fence_operands(acc[j]);
 
   const int ch = n0 + col;
+  T* out = static_cast<T*>(pick(weights.out, which)) + (ch - col0);
+  const int ldo = pick(weights.ldo, which);
   // token rows 8 b + 2 t + {0, 1}: one 2J-wide store per row
   const auto store_rows = [&](int b) {
 #pragma unroll
@@ -251,7 +271,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int m = m0 + 8 * b + 2 * t + p;
       float v[2 * J];
       token_values(acc, b, p, v);
-      if (m < M && ch < N) store_outputs<T, J>(out + (size_t)m * ldo + ch, v);
+      if (m < M && ch < N) store_outputs<T, J>(out + (size_t)m * ldo, v);
     }
   };
   const int splits = gridDim.y;
@@ -266,36 +286,38 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 template <typename T, int BN, int CH, int GROUP_STEPS>
-cudaError_t launch(const void* x, const void* qw, const void* scales, const void* zeros, void* out, void* partial,
-                   void* counters, int M, int N, int K, int group_size, int ldx, int ldo, int splits,
-                   int tiles_per_split, cudaStream_t stream, bool pdl) {
+cudaError_t launch(const void* x, int count, const void* const* qweights, const void* const* scales,
+                   const void* const* zeros, const int* ns, Weights& w, void* partial, void* counters, int M, int N,
+                   int K, int group_size, int ldx, int splits, int tiles_per_split, cudaStream_t stream, bool pdl) {
   using L = Tile<BN, CH, GROUP_STEPS>;
-  CUtensorMap x_map, w_map, s_map, z_map;
+  CUtensorMap x_map;
   const int groups = K / group_size;
   cudaError_t err = tensor_map_2d(&x_map, Elem<T>::map_type, x, K, M, (uint64_t)ldx * 2, X_BOX, BN);
-  if (err == cudaSuccess)
-    err = weight_map(&w_map, qw, N, K);
-  if (err == cudaSuccess)
-    err = tensor_map_2d(&s_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, scales, N, groups, (uint64_t)N * 2, L::CH,
-                        L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
-  if (err == cudaSuccess)
-    err = tensor_map_2d(&z_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, zeros, N, groups, (uint64_t)N * 2, L::CH,
-                        L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  for (int i = 0; i < count && err == cudaSuccess; ++i) {
+    err = weight_map(&w.w_map[i], qweights[i], ns[i], K);
+    if (err == cudaSuccess)
+      err = tensor_map_2d(&w.s_map[i], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, scales[i], ns[i], groups, (uint64_t)ns[i] * 2,
+                          L::CH, L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (err == cudaSuccess)
+      err = tensor_map_2d(&w.z_map[i], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, zeros[i], ns[i], groups, (uint64_t)ns[i] * 2,
+                          L::CH, L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  }
   if (err == cudaSuccess) err = opt_in_shared_memory<w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS>>();
   if (err != cudaSuccess) return err;
   const int tiles = ((M + BN - 1) / BN) * ((N + L::CH - 1) / L::CH);
   return launch_kernel(w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS>, dim3(tiles, splits), THREADS, L::SMEM, stream, pdl,
-                       x_map, w_map, s_map, z_map, static_cast<T*>(out), static_cast<float*>(partial),
-                       static_cast<int*>(counters), M, N, K, group_size, ldo, tiles_per_split);
+                       x_map, w, static_cast<float*>(partial), static_cast<int*>(counters), M, N, K, group_size,
+                       tiles_per_split);
 }
 
 template <typename T>
-cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, const void* qw, const void* s, const void* z,
-                     void* out, void* partial, void* counters, int M, int N, int K, int G, int ldx, int ldo,
-                     int splits, int tiles_per_split, cudaStream_t st, bool pdl) {
-#define NIBBLE_LAUNCH(BN_, CH_, GS_)                                                                       \
-  if (bn == BN_ && ch == CH_ && group_steps == GS_)                                                        \
-    return launch<T, BN_, CH_, GS_>(x, qw, s, z, out, partial, counters, M, N, K, G, ldx, ldo, splits, \
+cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, const void* const* qw,
+                     const void* const* s, const void* const* z, const int* ns, Weights& w, void* partial,
+                     void* counters, int M, int N, int K, int G, int ldx, int splits, int tiles_per_split,
+                     cudaStream_t st, bool pdl) {
+#define NIBBLE_LAUNCH(BN_, CH_, GS_)                                                                          \
+  if (bn == BN_ && ch == CH_ && group_steps == GS_)                                                           \
+    return launch<T, BN_, CH_, GS_>(x, count, qw, s, z, ns, w, partial, counters, M, N, K, G, ldx, splits, \
                                     tiles_per_split, st, pdl);
 #define NIBBLE_LAUNCH_GROUPS(BN_, CH_) NIBBLE_LAUNCH(BN_, CH_, 2) NIBBLE_LAUNCH(BN_, CH_, 4) NIBBLE_LAUNCH(BN_, CH_, 8)
   NIBBLE_LAUNCH_GROUPS(64, 256)
@@ -310,22 +332,36 @@ cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, const void*
 }  // namespace
 
 // Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// compute capability 9.0, N % 8 == 0, K % 8 == 0, group G in {32, 64} or G % 128 == 0 or G == K
-// (one group per column), x 16-byte aligned with ldx % 8 == 0, qweight / scales / zeros 16-byte
-// aligned and contiguous, ldo % 4 == 0, (bn, channels) in {(64, 256), (128, 256), (128, 128),
-// (256, 128)}; with splits > 1, partial is float32 [splits, M, N] and counters int32 [tiles], zero
-// (the kernel leaves them zero). dtype: 0 float16, 1 bfloat16 (x and out). pdl: launch early
+// compute capability 9.0, K % 8 == 0, group G in {32, 64} or G % 128 == 0 or G == K (one group per
+// column), x 16-byte aligned with ldx % 8 == 0, (bn, channels) in {(64, 256), (128, 256), (128,
+// 128), (256, 128)}; count (1 to MAX_WEIGHTS) weights of ns[i] columns, ns[i] % 8 == 0 and every
+// ns[i] but the last a multiple of `channels` (a tile never spans two weights), each with its
+// qweight, scales and zeros (16-byte aligned, contiguous) and output (ldos[i] % 4 == 0); with
+// splits > 1, partial is float32 [splits, M, sum ns] and counters int32 [tiles], zero (the kernel
+// leaves them zero). dtype: 0 float16, 1 bfloat16 (x and outputs). pdl: launch early
 // (skinny.cuh: launch_kernel).
-extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, const void* qweight,
-                                  const void* scales, const void* zeros, void* out, void* partial, void* counters,
-                                  int M, int N, int K, int group_size, int ldx, int ldo, int splits,
-                                  int tiles_per_split, int pdl, void* stream) {
+extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, int count,
+                                  const void* const* qweights, const void* const* scales, const void* const* zeros,
+                                  void* const* outs, const int* ns, const int* ldos, void* partial, void* counters,
+                                  int M, int K, int group_size, int ldx, int splits, int tiles_per_split, int pdl,
+                                  void* stream) {
+  if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
+  Weights w{};
+  int N = 0;
+  for (int i = 0; i < MAX_WEIGHTS; ++i) {
+    if (i < count) {
+      w.out[i] = outs[i];
+      w.ldo[i] = ldos[i];
+      N += ns[i];
+    }
+    w.col_end[i] = i < count ? N : INT_MAX;
+  }
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int group_steps = group_size == 32 ? 2 : group_size == 64 ? 4 : 8;
   cudaError_t err;
   switch (dtype) {
-    case 0: err = launch_t<__half>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st, pdl); break;
-    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, qweight, scales, zeros, out, partial, counters, M, N, K, group_size, ldx, ldo, splits, tiles_per_split, st, pdl); break;
+    case 0: err = launch_t<__half>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, counters, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
+    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, counters, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;

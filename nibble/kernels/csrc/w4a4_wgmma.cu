@@ -49,6 +49,12 @@
 //
 // Persistent: one CTA per SM walks a list of (tile, split) items, the ring running on from one to
 // the next (see the kernel).
+//
+// Several weights that read the same x (a block's q/k/v or gate/up projections, up to MAX_WEIGHTS)
+// run as one GEMM over their output columns side by side (hopper.cuh: column_weight), each tile
+// reading its weight's tensor map and writing its weight's output. At prefill sizes the separate
+// products leave SMs idle: Llama-2-7B's q, k and v at 128 tokens are 3 x 32 tiles of 128 x 128, one
+// wave each, where the group's 96 tiles are one wave in all.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -87,12 +93,20 @@ __device__ __forceinline__ float load_early(const float* p) {
 __device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
 
+// The weights of one launch: weight i owns the launch's columns [col_end[i - 1], col_end[i]).
+struct Weights {
+  CUtensorMap map[MAX_WEIGHTS];
+  const void* w_scale[MAX_WEIGHTS];
+  const void* bias[MAX_WEIGHTS];
+  void* out[MAX_WEIGHTS];
+  int ldo[MAX_WEIGHTS], col_end[MAX_WEIGHTS];
+};
+
 template <typename T, int BN, int CH_>
 __global__ void __launch_bounds__(THREADS, 1)
-    w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
-                      const float* __restrict__ x_scale, const void* __restrict__ w_scale, int w_scale_dtype,
-                      const void* __restrict__ bias, int bias_dtype, T* __restrict__ out, int* __restrict__ partial,
-                      int* __restrict__ counters, int M, int N, int K, int ldo, int tiles_per_split, int splits) {
+    w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
+                      const float* __restrict__ x_scale, int w_scale_dtype, int bias_dtype, int* __restrict__ partial,
+                      int* __restrict__ counters, int M, int N, int K, int tiles_per_split, int splits) {
   using L = Tile<BN, CH_>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, X_STAGE = L::X_BYTES, R = BN / 2;
   extern __shared__ unsigned char smem_raw[];
@@ -118,9 +132,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (tid == CONSUMER_THREADS)
       for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
         const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, w % tiles, w / tiles);
+        int col0;
+        const int which = column_weight(weights.col_end, work.n0, col0);
+        const CUtensorMap* w_map = which == 0 ? &weights.map[0] : which == 1 ? &weights.map[1] : &weights.map[2];
         produce<STAGES>(
             bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
-            [&](uint32_t dst, int k0, uint32_t full) { load_weight_boxes<CH>(dst + X_STAGE, &w_map, work.n0, k0, full); },
+            [&](uint32_t dst, int k0, uint32_t full) { load_weight_boxes<CH>(dst + X_STAGE, w_map, work.n0 - col0, k0, full); },
             [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });
         first += work.k_tiles;
       }
@@ -188,12 +205,19 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (wg_tid < BN) token_scale[wg_tid] = my_scale;
     asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
     if (ch >= N) continue;
+    int col0;
+    const int which = column_weight(weights.col_end, n0, col0);
+    const int wch = ch - col0;  // the lane's first column in its weight
+    const void* w_scale = pick(weights.w_scale, which);
+    const void* bias = pick(weights.bias, which);
+    T* out = static_cast<T*>(pick(weights.out, which));
+    const int ldo = pick(weights.ldo, which);
     // The lane's channel scales and bias, once per item (scale_output's order: bias added last).
     float ws[2 * J], bs[2 * J];
 #pragma unroll
     for (int i = 0; i < 2 * J; ++i) {
-      ws[i] = load_float(w_scale, w_scale_dtype, ch + i);
-      bs[i] = bias == nullptr ? 0.f : load_float(bias, bias_dtype, ch + i);
+      ws[i] = load_float(w_scale, w_scale_dtype, wch + i);
+      bs[i] = bias == nullptr ? 0.f : load_float(bias, bias_dtype, wch + i);
     }
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b)
@@ -203,7 +227,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (m >= M) continue;
         int v[2 * J];
         token_values(acc, b, p, v);
-        T* dst = out + (size_t)m * ldo + ch;
+        T* dst = out + (size_t)m * ldo + wch;
         if constexpr (std::is_same_v<T, int>) {
           Vec<int, 2 * J> o;
 #pragma unroll
@@ -230,13 +254,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 template <typename T, int BN, int CH>
-cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype, const void* bias,
-                   int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K, int ldx, int ldo,
-                   int splits, int tiles_per_split, cudaStream_t stream, bool pdl) {
-  CUtensorMap x_map, w_map;
+cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ws_dtype, int bias_dtype,
+                   void* partial, void* counters, int M, int N, int K, int ldx, int splits, int tiles_per_split,
+                   cudaStream_t stream, bool pdl) {
+  CUtensorMap x_map;
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
-  if (err == cudaSuccess)
-    err = weight_map(&w_map, qw, N, K);
   if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, CH>>();
   if (err != cudaSuccess) return err;
   const int items = ((M + BN - 1) / BN) * ((N + CH - 1) / CH) * splits;
@@ -245,18 +267,18 @@ cudaError_t launch(const void* qx, const void* qw, const float* xs, const void* 
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   return launch_kernel(w4a4_wgmma_kernel<T, BN, CH>, items < sms ? items : sms, THREADS, Tile<BN, CH>::SMEM, stream,
-                       pdl, x_map, w_map, xs, ws, ws_dtype, bias, bias_dtype, static_cast<T*>(out),
-                       static_cast<int*>(partial), static_cast<int*>(counters), M, N, K, ldo, tiles_per_split, splits);
+                       pdl, x_map, weights, xs, ws_dtype, bias_dtype, static_cast<int*>(partial),
+                       static_cast<int*>(counters), M, N, K, tiles_per_split, splits);
 }
 
 template <typename T>
-cudaError_t launch_t(int bn, int ch, const void* qx, const void* qw, const float* xs, const void* ws, int ws_dtype,
-                     const void* bias, int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
-                     int ldx, int ldo, int splits, int tiles_per_split, cudaStream_t st, bool pdl) {
-#define NIBBLE_LAUNCH(BN_, CH_)                                                                                  \
-  if (bn == BN_ && ch == CH_)                                                                                    \
-    return launch<T, BN_, CH_>(qx, qw, xs, ws, ws_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, \
-                               ldo, splits, tiles_per_split, st, pdl);
+cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weights& weights, int ws_dtype,
+                     int bias_dtype, void* partial, void* counters, int M, int N, int K, int ldx, int splits,
+                     int tiles_per_split, cudaStream_t st, bool pdl) {
+#define NIBBLE_LAUNCH(BN_, CH_)                                                                                \
+  if (bn == BN_ && ch == CH_)                                                                                  \
+    return launch<T, BN_, CH_>(qx, xs, weights, ws_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, \
+                               tiles_per_split, st, pdl);
   NIBBLE_LAUNCH(64, 256)
   NIBBLE_LAUNCH(128, 256)
   NIBBLE_LAUNCH(128, 128)
@@ -267,24 +289,42 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const void* qw, const float
 }  // namespace
 
 // Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// compute capability 9.0, N % 4 == 0, K % 32 == 0, qx in even-odd order with 16-byte aligned rows
-// (ldx % 16 == 0), ldo % 4 == 0, (bn, channels) in {(64, 256), (128, 256), (128, 128)}; with
-// splits > 1, partial is int32 [splits, M, N] and counters int32 [tiles], zero (the kernel leaves
-// them zero). out_dtype: 0 float32, 1 float16,
-// 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16,
-// 2 bfloat16; bias may be null. pdl: launch early (skinny.cuh: launch_kernel).
-extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* qweight,
-                                 const void* x_scale, const void* w_scale, int w_scale_dtype, const void* bias,
-                                 int bias_dtype, void* out, void* partial, void* counters, int M, int N, int K,
-                                 int ldx, int ldo, int splits, int tiles_per_split, int pdl, void* stream) {
+// compute capability 9.0, K % 32 == 0, qx in even-odd order with 16-byte aligned rows (ldx % 16 ==
+// 0), (bn, channels) in {(64, 256), (128, 256), (128, 128)}; count (1 to MAX_WEIGHTS) weights of
+// ns[i] columns, ns[i] % 4 == 0 and every ns[i] but the last a multiple of `channels` (a tile never
+// spans two weights), each with its qweight, w_scale, bias (may be null) and output (ldos[i] % 4 ==
+// 0); with splits > 1, partial is int32 [splits, M, sum ns] and counters int32 [tiles], zero (the
+// kernel leaves them zero). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw
+// accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16. pdl: launch early
+// (skinny.cuh: launch_kernel).
+extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* x_scale,
+                                 int w_scale_dtype, int bias_dtype, int M, int K, int ldx, int count,
+                                 const void* const* qweights, const void* const* w_scales, const void* const* biases,
+                                 void* const* outs, const int* ns, const int* ldos, void* partial, void* counters,
+                                 int splits, int tiles_per_split, int pdl, void* stream) {
+  if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
+  Weights w{};
+  int N = 0;
+  for (int i = 0; i < MAX_WEIGHTS; ++i) {
+    if (i < count) {
+      const cudaError_t err = weight_map(&w.map[i], qweights[i], ns[i], K);
+      if (err != cudaSuccess) return (int)err;
+      w.w_scale[i] = w_scales[i];
+      w.bias[i] = biases[i];
+      w.out[i] = outs[i];
+      w.ldo[i] = ldos[i];
+      N += ns[i];
+    }
+    w.col_end[i] = i < count ? N : INT_MAX;
+  }
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
   switch (out_dtype) {
-    case 0: err = launch_t<float>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
-    case 1: err = launch_t<__half>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
-    case 2: err = launch_t<__nv_bfloat16>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
-    case 3: err = launch_t<int>(bn, channels, qx, qweight, xs, w_scale, w_scale_dtype, bias, bias_dtype, out, partial, counters, M, N, K, ldx, ldo, splits, tiles_per_split, st, pdl); break;
+    case 0: err = launch_t<float>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
+    case 1: err = launch_t<__half>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
+    case 2: err = launch_t<__nv_bfloat16>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
+    case 3: err = launch_t<int>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;
