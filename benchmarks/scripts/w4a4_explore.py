@@ -1,5 +1,5 @@
 """W4A4 prefill product on one device call: the wgmma kernel (csrc/w4a4_wgmma.cu) checked, then
-its tile shapes, split-K and stream-K timed against cuBLAS bf16 (and the Triton kernel, with --triton).
+its tile shapes and split-K timed against cuBLAS bf16 (and the Triton kernel, with --triton).
 
 A wrong result is diagnosed before anything is timed: which K row of the weight each K slot
 actually read (one-hot activations), and whether outputs landed on other (token, channel) cells.
@@ -92,7 +92,6 @@ def main(argv) -> int:
                 for sp in hopper.SPLITS:
                     if sp == 1 or (hopper.tile_count(M, N, bn, ch) * sp <= 4 * 132 and K // 128 // sp >= 2):
                         cfgs[f"bn{bn}_ch{ch}_s{sp}"] = dict(bn=bn, channels=ch, split_k=sp)
-                cfgs[f"bn{bn}_ch{ch}_sk"] = dict(bn=bn, channels=ch, split_k=1, stream_k=True)
             for name, cfg in cfgs.items():
                 row[name] = bench_us(lambda i, c=cfg: (lambda: W.w4a4_wgmma(qe, sx, w4[i][0], w4[i][1], order="even_odd",
                                                                             config=c)), n4)

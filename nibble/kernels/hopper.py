@@ -34,13 +34,6 @@ def split_plan(K: int, split_k: int) -> tuple[int, int]:
     return _cdiv(k_stages, per_split), per_split
 
 
-def stream_k_parts(tiles: int, k_stages: int, ctas: int) -> int:
-    """The most pieces stream-K cuts one tile into when ``ctas`` CTAs share the tiles' K stages
-    evenly (csrc/w4a4_wgmma.cu: Schedule): each CTA takes at least ``tiles * k_stages // ctas``."""
-    per_cta = tiles * k_stages // ctas
-    return min(ctas, _cdiv(k_stages, per_cta) + 1)
-
-
 @dataclass(frozen=True)
 class CostModel:
     """Modelled microseconds of a config (see the module docstring); ``stage_us`` names the tiles."""

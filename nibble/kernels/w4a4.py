@@ -1021,8 +1021,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     MMA_MAX_WEIGHTS layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v or
     gate/up): their w_scales share a dtype, so do the biases they have, and every width but the
     last is a multiple of a tile's channels (`wgmma_tiles`). The kernel runs their columns side by
-    side; each layer gets its own output. ``config`` overrides `wgmma_config`: bn, channels, split_k,
-    and stream_k (True: the tiles' K stages shared out evenly over the SMs; split_k unused)."""
+    side; each layer gets its own output. ``config`` overrides `wgmma_config`."""
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
@@ -1050,15 +1049,8 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
                 for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
-    tiles = hopper.tile_count(M, N, *tile)
-    if cfg.get("stream_k"):  # the kernel runs one CTA per SM (at most one per K stage)
-        k_stages = -(-K // hopper.STAGE_K)
-        split = per_split = 0
-        parts = hopper.stream_k_parts(tiles, k_stages, min(num_sms(qx.device), tiles * k_stages))
-    else:
-        split, per_split = hopper.split_plan(K, cfg["split_k"])
-        parts = split
-    part, cnt = _split_buffers(parts, M, N, tiles, qx.device)
+    split, per_split = hopper.split_plan(K, cfg["split_k"])
+    part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, *tile), qx.device)
     lib = _wgmma_lib(qx.device)
     with torch.cuda.device(qx.device):
         err = lib.nibble_w4a4_wgmma(

@@ -229,20 +229,6 @@ def test_wgmma_config_model():
                for n, k in ((12288, 4096), (14336, 4096), (8192, 28672)))
 
 
-def test_stream_k_parts_bounds_the_pieces_of_every_tile():
-    """The partials buffer holds stream_k_parts slices: no tile is cut into more pieces (the CTA
-    ranges of csrc/w4a4_wgmma.cu's Schedule, recomputed here)."""
-    for tiles, k_stages, ctas in ((48, 32, 132), (344, 32, 132), (2, 224, 132), (1, 2, 2), (96, 86, 132),
-                                  (7, 3, 21), (132, 1, 132)):
-        units = tiles * k_stages
-        owner = [((u + 1) * ctas - 1) // units for u in range(units)]
-        assert all(owner[u] <= owner[u + 1] for u in range(units - 1)) and owner[0] == 0 and owner[-1] == ctas - 1
-        starts = [b * units // ctas for b in range(ctas)]
-        assert all(owner[starts[b]] == b for b in range(ctas))
-        most = max(owner[t * k_stages + k_stages - 1] - owner[t * k_stages] + 1 for t in range(tiles))
-        assert most <= hopper.stream_k_parts(tiles, k_stages, ctas)
-
-
 def test_wgmma_tiles_for_layers_side_by_side():
     """One launch over several layers runs only tiles whose channels divide every width but the
     last (a tile never spans two layers), and its config is picked among those."""
@@ -895,36 +881,6 @@ def test_wgmma_split_k_sums_exact(tile):
             _poison_allocator("cuda")
             acc = w4a4.w4a4_wgmma(qx, ones_m, qw, ones_n, out_int32=True, config=dict(bn=bn, channels=ch, split_k=split))
             assert torch.equal(acc, exact), f"M={M} split={split}: {(acc != exact).sum().item()} differ"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tile", w4a4.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
-def test_wgmma_stream_k_exact(tile):
-    """Stream-K (the tiles' K stages shared out evenly over the SMs): tiles whole, cut in two, cut
-    into dozens of pieces (few tiles, deep K), fewer stages than SMs (one stage per CTA), three
-    layers side by side; int32 sums exact and scaled outputs equal to the unsplit kernel's."""
-    _needs_wgmma_kernel()
-    bn, ch = tile
-    gen = torch.Generator().manual_seed(bn * ch)
-    sk = dict(bn=bn, channels=ch, split_k=1, stream_k=True)
-    for M, N, K in ((17, 260, 28672), (300, 4104, 4096), (bn + 5, 1024, 1056), (20, 256, 256), (1000, 11008, 4096)):
-        qw, ws = _codes_weight(N, K, "cuda", gen)
-        qx = _qx(M, K, "cuda", gen)
-        _poison_allocator("cuda")
-        acc = w4a4.w4a4_wgmma(qx, torch.ones(M, device="cuda"), qw, torch.ones(N, device="cuda"), out_int32=True,
-                              config=sk)
-        exact = _exact_acc(qx, qw)
-        assert torch.equal(acc, exact), f"M={M} N={N} K={K}: {(acc != exact).sum().item()} differ"
-        sx = torch.rand(M, device="cuda") + 0.5
-        y = w4a4.w4a4_wgmma(qx, sx, qw, ws, None, torch.bfloat16, config=sk)
-        assert torch.equal(y, w4a4.w4a4_wgmma(qx, sx, qw, ws, None, torch.bfloat16, config=dict(sk, stream_k=False)))
-    layers = [_codes_weight(n, 4096, "cuda", gen) for n in (512, 256, 260)]
-    qx = _qx(200, 4096, "cuda", gen)
-    accs = w4a4.w4a4_wgmma_many(qx, torch.ones(200, device="cuda"), [(qw, ws, None) for qw, ws in layers],
-                                out_int32=True, config=sk)
-    for acc, (qw, _) in zip(accs, layers):
-        assert torch.equal(acc, _exact_acc(qx, qw))
 
 
 @pytest.mark.gpu

@@ -258,24 +258,18 @@ constexpr int CONSUMER_THREADS = 256;
 constexpr int GROUP_M = 8;  // token tiles that run next to each other over the same weight tiles
 
 // Output tile `pid`'s first token and channel (grouped order: GROUP_M token tiles share each weight
-// tile while it is in the L2); with cta_work, also the K stages of its split `split`.
-struct TileOrigin {
-  int m0, n0;
-};
-__device__ __forceinline__ TileOrigin tile_origin(int M, int N, int tokens, int channels, int pid) {
-  const int num_m = (M + tokens - 1) / tokens, num_n = (N + channels - 1) / channels;
-  const int group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
-  const int gm = min(num_m - first_m, GROUP_M);
-  return {(first_m + (pid % group) % gm) * tokens, ((pid % group) / gm) * channels};
-}
+// tile while it is in the L2) and the K stages of its split `split`.
 struct CtaWork {
   int m0, n0, k_begin, k_tiles;
 };
 __device__ __forceinline__ CtaWork cta_work(int M, int N, int K, int tokens, int channels, int tiles_per_split,
                                             int pid, int split) {
-  const TileOrigin at = tile_origin(M, N, tokens, channels, pid);
+  const int num_m = (M + tokens - 1) / tokens, num_n = (N + channels - 1) / channels;
+  const int group = GROUP_M * num_n, first_m = (pid / group) * GROUP_M;
+  const int gm = min(num_m - first_m, GROUP_M);
   const int k_all = (K + BK - 1) / BK, k_begin = split * tiles_per_split;
-  return {at.m0, at.n0, k_begin, min(k_begin + tiles_per_split, k_all) - k_begin};
+  return {(first_m + (pid % group) % gm) * tokens, ((pid % group) / gm) * channels, k_begin,
+          min(k_begin + tiles_per_split, k_all) - k_begin};
 }
 
 // Several weights in one launch (skinny.cuh: MAX_WEIGHTS), their output columns side by side:

@@ -47,12 +47,8 @@
 // per token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
 // on a tile adds the others' (exact, order-free; hopper.cuh: sum_partials) and scales.
 //
-// Persistent: one CTA per SM walks a list of pieces (an output tile over a range of its K stages),
-// the ring running on from one to the next (see the kernel), in one of two schedules (Schedule):
-// split-K, or stream-K, where the tiles' K stages are laid end to end and each CTA takes an equal
-// share, so that no SM idles through a last, partial wave of tiles (11008 x 4096 at M = 1024 makes
-// 2.6 waves of 128 x 256 tiles); a tile cut between CTAs is summed by the last to arrive, as in
-// split-K.
+// Persistent: one CTA per SM walks a list of (tile, split) items, the ring running on from one to
+// the next (see the kernel).
 //
 // Several weights that read the same x (a block's q/k/v or gate/up projections, up to MAX_WEIGHTS)
 // run as one GEMM over their output columns side by side (hopper.cuh: column_weight), each tile
@@ -106,60 +102,6 @@ struct Weights {
   int ldo[MAX_WEIGHTS], col_end[MAX_WEIGHTS];
 };
 
-// A CTA's pieces of work: output tile `tile` over K stages [k_begin, k_begin + k_tiles), piece
-// `part` of the tile's `parts` (parts > 1: the pieces' int32 partials are summed by the last CTA
-// to arrive; hopper.cuh: store_partial, last_split, sum_partials).
-struct Piece {
-  int tile, k_begin, k_tiles, part, parts;
-};
-
-// The two schedules of the persistent CTAs (gridDim.x = G of them).
-// Split-K (splits >= 1): item w = (tile w % tiles, split w / tiles), CTA b takes items b, b + G, ...
-// Stream-K (splits == 0): the U = tiles x k_all stages of all tiles in a row (tile by tile), CTA b
-// takes stages [b U / G, (b + 1) U / G); its pieces are where that range meets the tiles, the
-// piece starting at stage u of a tile being part (b - owner(tile's first stage)) of (owner(last
-// stage) - owner(first stage) + 1), owner(u) = ((u + 1) G - 1) / U the CTA whose range holds u.
-class Schedule {
- public:
-  __device__ __forceinline__ Schedule(int tiles, int k_all, int splits, int tiles_per_split)
-      : tiles_(tiles), k_all_(k_all), splits_(splits), per_split_(tiles_per_split) {
-    if (splits > 0) {
-      pos_ = blockIdx.x;
-      end_ = (int64_t)tiles * splits;
-    } else {
-      units_ = (int64_t)tiles * k_all;
-      pos_ = blockIdx.x * units_ / gridDim.x;
-      end_ = (blockIdx.x + 1) * units_ / gridDim.x;
-    }
-  }
-  __device__ __forceinline__ bool next(Piece& p) {
-    if (pos_ >= end_) return false;
-    if (splits_ > 0) {
-      const int split = (int)(pos_ / tiles_);
-      p.tile = (int)(pos_ % tiles_);
-      p.k_begin = split * per_split_;
-      p.k_tiles = min(p.k_begin + per_split_, k_all_) - p.k_begin;
-      p.part = split;
-      p.parts = splits_;
-      pos_ += gridDim.x;
-    } else {
-      p.tile = (int)(pos_ / k_all_);
-      p.k_begin = (int)(pos_ % k_all_);
-      p.k_tiles = (int)min((int64_t)(k_all_ - p.k_begin), end_ - pos_);
-      const int64_t first = (int64_t)p.tile * k_all_;
-      p.part = (int)(blockIdx.x - owner(first));
-      p.parts = (int)(owner(first + k_all_ - 1) - owner(first) + 1);
-      pos_ += p.k_tiles;
-    }
-    return true;
-  }
-
- private:
-  __device__ __forceinline__ int64_t owner(int64_t u) const { return ((u + 1) * gridDim.x - 1) / units_; }
-  int tiles_, k_all_, splits_, per_split_;
-  int64_t pos_, end_, units_ = 1;
-};
-
 template <typename T, int BN, int CH_>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
@@ -175,11 +117,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // Persistent CTAs walk their Schedule; the K stages of a CTA are numbered on across its pieces,
-  // so the producer fills the ring with the next piece's first stages while the consumers finish
-  // the previous one (its last MMAs, its epilogue). One wave of CTAs instead of one per piece: the
-  // pipeline fills once.
-  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH), k_all = (K + BK - 1) / BK;
+  // Persistent CTAs: work item w = (output tile w % tiles, split w / tiles), CTA b takes items b,
+  // b + gridDim.x, ...; its K tiles are numbered on across items, so the producer fills the ring
+  // with the next item's first stages while the consumers finish the previous one (its last MMAs,
+  // its epilogue). One wave of CTAs instead of one per item: the pipeline fills once.
+  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH), items = tiles * splits;
 
   if (tid == 0) init_stage_barriers<STAGES>(bars);
   __syncthreads();
@@ -187,20 +129,18 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     // 128 x 40 + 256 x 232 registers fit the 64K: the consumers keep two wgmma groups in flight.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid == CONSUMER_THREADS) {
-      Schedule schedule(tiles, k_all, splits, tiles_per_split);
-      Piece piece;
-      for (int first = 0; schedule.next(piece); first += piece.k_tiles) {
-        const TileOrigin at = tile_origin(M, N, BN, CH, piece.tile);
+    if (tid == CONSUMER_THREADS)
+      for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
+        const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, w % tiles, w / tiles);
         int col0;
-        const int which = column_weight(weights.col_end, at.n0, col0);
+        const int which = column_weight(weights.col_end, work.n0, col0);
         const CUtensorMap* w_map = which == 0 ? &weights.map[0] : which == 1 ? &weights.map[1] : &weights.map[2];
         produce<STAGES>(
-            bars, base, STAGE, STAGE, piece.k_begin, piece.k_tiles, first,
-            [&](uint32_t dst, int k0, uint32_t full) { load_weight_boxes<CH>(dst + X_STAGE, w_map, at.n0 - col0, k0, full); },
-            [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, at.m0, full); });
+            bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
+            [&](uint32_t dst, int k0, uint32_t full) { load_weight_boxes<CH>(dst + X_STAGE, w_map, work.n0 - col0, k0, full); },
+            [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });
+        first += work.k_tiles;
       }
-    }
     return;
   }
 
@@ -214,11 +154,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   const LaneWeights<J> lane_w(warp, g, X_STAGE);  // word rows 4 step + t of each stage
   int acc[J][R];
 
-  Schedule schedule(tiles, k_all, splits, tiles_per_split);
-  Piece piece;
-  for (int first = 0; schedule.next(piece);) {
-    const TileOrigin at = tile_origin(M, N, BN, CH, piece.tile);
-    const int m0 = at.m0, n0 = at.n0, k_tiles = piece.k_tiles;
+  for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
+    const int tile = w % tiles, split = w / tiles;
+    const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, tile, split);
+    const int m0 = work.m0, n0 = work.n0, k_tiles = work.k_tiles;
     const float my_scale = load_early(x_scale + min(m0 + wg_tid, M - 1));  // tokens past M are never read
     zero_accumulators(acc);
     for (int i = 0; i < k_tiles; ++i) {
@@ -255,10 +194,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     first += k_tiles;
 
     const int ch = n0 + lane_w.col;
-    if (piece.parts > 1) {
-      store_partial<BN>(acc, partial, M, N, m0, ch, t, piece.part);
-      if (!last_split(counters, piece.parts, piece.tile)) continue;
-      sum_partials<BN>(acc, partial, M, N, m0, ch, t, piece.parts, piece.part, [](int) {});
+    if (splits > 1) {
+      store_partial<BN>(acc, partial, M, N, m0, ch, t, split);
+      if (!last_split(counters, splits, tile)) continue;
+      sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, split, [](int) {});
     }
 
     // The warpgroup's readers of the previous item's scales are done (they reached this barrier).
@@ -322,14 +261,12 @@ cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int 
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
   if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, CH>>();
   if (err != cudaSuccess) return err;
-  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH), k_all = (K + BK - 1) / BK;
+  const int items = ((M + BN - 1) / BN) * ((N + CH - 1) / CH) * splits;
   int device = 0, sms = 0;
   err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  // stream-K: every SM, each with at least one stage; split-K: at most one CTA per item
-  const int64_t work = splits > 0 ? (int64_t)tiles * splits : (int64_t)tiles * k_all;
-  return launch_kernel(w4a4_wgmma_kernel<T, BN, CH>, (int)(work < sms ? work : sms), THREADS, Tile<BN, CH>::SMEM, stream,
+  return launch_kernel(w4a4_wgmma_kernel<T, BN, CH>, items < sms ? items : sms, THREADS, Tile<BN, CH>::SMEM, stream,
                        pdl, x_map, weights, xs, ws_dtype, bias_dtype, static_cast<int*>(partial),
                        static_cast<int*>(counters), M, N, K, tiles_per_split, splits);
 }
@@ -353,13 +290,11 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weig
 
 // Host entry point (called through ctypes). Preconditions are checked by the Python caller:
 // compute capability 9.0, K % 32 == 0, qx in even-odd order with 16-byte aligned rows (ldx % 16 ==
-// 0), (bn, channels) in {(64, 256), (128, 256), (128, 128)}; splits >= 1 (split-K, K stages
-// tiles_per_split per split) or 0 (stream-K over one CTA per SM); count (1 to MAX_WEIGHTS) weights of
+// 0), (bn, channels) in {(64, 256), (128, 256), (128, 128)}; count (1 to MAX_WEIGHTS) weights of
 // ns[i] columns, ns[i] % 4 == 0 and every ns[i] but the last a multiple of `channels` (a tile never
 // spans two weights), each with its qweight, w_scale, bias (may be null) and output (ldos[i] % 4 ==
-// 0); where tiles are cut (splits > 1, or stream-K), partial is int32 [parts, M, sum ns] (parts:
-// splits, or the most pieces a tile is cut into) and counters int32 [tiles], zero (the kernel leaves
-// them zero). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw
+// 0); with splits > 1, partial is int32 [splits, M, sum ns] and counters int32 [tiles], zero (the
+// kernel leaves them zero). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw
 // accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16. pdl: launch early
 // (skinny.cuh: launch_kernel).
 extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* x_scale,
