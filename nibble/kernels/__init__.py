@@ -60,7 +60,8 @@ def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend:
 
 def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     """``w4a16_linear`` for several layers that read the same x, ``layers`` = [(qweight, scales, zeros,
-    bias), ...]: on CUDA, decode-sized inputs run them in one kernel launch. Returns the outputs in order."""
+    bias), ...]: on CUDA, one kernel launch where the skinny kernel (decode sizes) or the Hopper GEMM
+    (prefill sizes) runs. Returns the outputs in order."""
     if not _use_kernel(x, backend):
         return [reference.w4a16_matmul(x, qw, s, z, group_size, b) for qw, s, z, b in layers]
     importlib.import_module("nibble.kernels.w4a16")
@@ -83,7 +84,8 @@ def w4a4_linear(x, qweight, w_scale, bias=None, input_hadamard: bool = False, ba
 
 def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto"):
     """``w4a4_linear`` for several layers that read the same x, ``layers`` = [(qweight, w_scale, bias), ...]:
-    the kernels rotate and quantize x once. Returns the outputs in order."""
+    the kernels rotate and quantize x once, then run the products in one launch where a kernel takes
+    several weights. Returns the outputs in order."""
     if not _use_kernel(x, backend):
         return [reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard) for qweight, w_scale, bias in layers]
     importlib.import_module("nibble.kernels.w4a4")

@@ -91,10 +91,11 @@ def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
 
     On CUDA a kernel launch costs a few microseconds, as much as a decode step's matmul streams in
     weights, so what can share one launch does:
-    - W4A4 QuantLinears with one rotation setting and backend quantize ``x`` once for all of them,
-      and at decode sizes (up to 16 tokens) run their products as one kernel launch;
-    - W4A16 QuantLinears with one group size and backend run as one kernel launch at decode sizes
-      (the skinny kernel's range, up to 32 tokens);
+    - W4A4 QuantLinears with one rotation setting and backend quantize ``x`` once for all of them
+      and run their products as one kernel launch (the decode kernel up to 16 tokens, the Hopper
+      GEMM above, where a tile fits every width but the last);
+    - W4A16 QuantLinears with one group size and backend run as one kernel launch where the skinny
+      kernel runs (up to 32 tokens) and where the Hopper GEMM runs (the group's columns together);
     - plain ``nn.Linear`` layers whose weights are consecutive rows of one tensor (`stack_weights`)
       run as one matmul.
     Any other layer is called as is.
