@@ -303,11 +303,10 @@ def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head
     def kernel():
         qc, kc, vc = (_rows(t) for t in (q, k, v))
         q_out = torch.empty(B, T, n_heads, head_dim, dtype=q.dtype, device=q.device)
-        heads = ROPE_HEADS
-        blocks = triton.cdiv(n_heads, heads) + triton.cdiv(n_kv, heads)
+        blocks = triton.cdiv(n_heads, ROPE_HEADS) + triton.cdiv(n_kv, ROPE_HEADS)
         _rope_cache_kernel[(B * T, blocks)](qc, kc, vc, cos, sin, pos, q_out, k_cache, v_cache, T, n_heads, n_kv,
                                             k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0), D=head_dim,
-                                            HALF=head_dim // 2, HEADS=heads, num_warps=4, **_early(qc, B * T))
+                                            HALF=head_dim // 2, HEADS=ROPE_HEADS, num_warps=4, **_early(qc, B * T))
         return q_out
     return _dispatch(q, kernel, plain)
 

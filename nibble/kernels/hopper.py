@@ -34,6 +34,13 @@ def split_plan(K: int, split_k: int) -> tuple[int, int]:
     return _cdiv(k_stages, per_split), per_split
 
 
+def tiles_side_by_side(tiles, widths) -> tuple:
+    """The CTA shapes of ``tiles`` that one launch over weights of ``widths`` columns side by side
+    can run (both GEMMs' ``*_wgmma_many``): a tile never spans two weights, so every width but the
+    last must be a multiple of its channels."""
+    return tuple(tile for tile in tiles if all(n % tile[1] == 0 for n in widths[:-1]))
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Modelled microseconds of a config (see the module docstring); ``stage_us`` names the tiles."""

@@ -813,9 +813,9 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
 
 
 def wgmma_tiles(widths) -> tuple:
-    """The CTA shapes one `w4a16_wgmma_many` launch over weights of these widths can run: a tile
-    never spans two weights, so every width but the last must be a multiple of its channels."""
-    return tuple(tile for tile in WGMMA_TILES if all(n % tile[1] == 0 for n in widths[:-1]))
+    """The CTA shapes one `w4a16_wgmma_many` launch over weights of these widths can run
+    (`hopper.tiles_side_by_side`)."""
+    return hopper.tiles_side_by_side(WGMMA_TILES, widths)
 
 
 def wgmma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT, widths=None) -> dict:

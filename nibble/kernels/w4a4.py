@@ -982,9 +982,9 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
 
 
 def wgmma_tiles(widths) -> tuple:
-    """The CTA shapes one `w4a4_wgmma_many` launch over weights of these widths can run: a tile
-    never spans two weights, so every width but the last must be a multiple of its channels."""
-    return tuple(tile for tile in WGMMA_TILES if all(n % tile[1] == 0 for n in widths[:-1]))
+    """The CTA shapes one `w4a4_wgmma_many` launch over weights of these widths can run
+    (`hopper.tiles_side_by_side`)."""
+    return hopper.tiles_side_by_side(WGMMA_TILES, widths)
 
 
 def wgmma_config(M: int, N: int, K: int, sms: int = 132, widths=None) -> dict:
