@@ -23,7 +23,10 @@ this file supplies the rest of the forward pass:
   each group is one kernel launch where it can be: 16-bit layers have their weights stacked into one
   tensor (``stack_weights``, in place, same memory) and run as one matmul; W4A16 layers run as one
   launch of the skinny kernel at decode sizes and of the Hopper GEMM at prefill sizes; W4A4 layers
-  quantize that input once, then run as one launch too. Both sides get the fusion: at batch 1,
+  quantize that input once, then run as one launch too. W4A4 goes one step further on CUDA: the
+  RMSNorm kernel quantizes its output for the q/k/v and gate/up projections itself
+  (`add_rmsnorm_quantize`): their 16-bit input is never written and read back, and two launches a
+  layer go. Both sides get the grouping: at batch 1,
   Llama-2-7B's q, k and v take 39.9 us in bf16 and 16.9 us in W4A16 as three launches, 27.6 and
   10.5 us as one (H200); at 128 tokens 41.7 us in bf16, 73.0 in W4A16 and 55.1 in W4A4 as three,
   28.3, 35.5 and 20.8 as one. The glue kernels read the slices of a stacked output in place (any
@@ -43,15 +46,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import shared_input_forward, stack_weights
+from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
     import triton.language as tl
     from nibble.kernels.early_launch import after_prior_grids
+    from nibble.kernels.w4a4 import store_int4_rows
 except Exception:  # pragma: no cover
     triton = None
 
@@ -97,21 +102,30 @@ if triton is not None:
                                          is_pure=True, pack=1)
 
     @triton.jit
-    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
-                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """One row: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)), HF's LlamaRMSNorm roundings."""
+    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, N, eps, fmax,
+                            HAS_RES: tl.constexpr, QUANT: tl.constexpr, EVEN_ODD: tl.constexpr,
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """One row: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)), HF's LlamaRMSNorm roundings.
+        QUANT: out is not written in 16 bits but quantized for W4A4 projections (int8 codes to
+        out_ptr, the token's scale to scale_ptr), exactly as the act-quant kernel quantizes it."""
         after_prior_grids(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
         h = tl.load(x_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
-            h = _round(h + tl.load(res_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32), out_ptr)
+            h = _round(h + tl.load(res_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32), res_out_ptr)
             tl.store(res_out_ptr + row * N + cols, h.to(res_out_ptr.dtype.element_ty), mask=m)
         var = tl.sum(h * h, axis=0) / N
-        y = _round(h * tl.rsqrt(var + eps), out_ptr)
+        y = _round(h * tl.rsqrt(var + eps), res_out_ptr)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+        if QUANT:
+            y = _round(w * y, res_out_ptr)
+            one = tl.arange(0, 1)
+            store_int4_rows(y[None, :], out_ptr + row * N + cols[None, :], m[None, :], scale_ptr + row + one,
+                            one < 1, fmax, EVEN_ODD, _INTERPRETED)
+        else:
+            tl.store(out_ptr + row * N + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, kc_ptr, vc_ptr,
@@ -267,16 +281,51 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         return h, weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
     def kernel():
-        xc = x.contiguous()
-        N = xc.shape[-1]
-        out = torch.empty_like(xc)
-        h = xc if residual is None else torch.empty_like(xc)
-        res = xc if residual is None else residual.contiguous()
-        _add_rmsnorm_kernel[(xc.numel() // N,)](xc, res, weight, out, h, N, eps, HAS_RES=residual is not None,
-                                                BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8,
-                                                **_early(xc, xc.numel() // N))
+        h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps, torch.empty_like)
         return h, out
     return _dispatch(x, kernel, plain)
+
+
+def add_rmsnorm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                         order: str = "natural"):
+    """(h, q, scale): h as `add_rmsnorm` returns it, and norm(h) [rows, N] quantized per token for
+    W4A4 projections (`nibble.kernels.w4a4.quantize_activations` in ``order``). On CUDA in one
+    kernel: norm(h) is never written in 16 bits, and the act-quant launch goes (at 512 tokens of
+    Llama-2-7B's rows ~3.6 us a projection group, H200)."""
+    def plain():
+        h, y = add_rmsnorm(x, residual, weight, eps)
+        return (h, *w4a4.quantize_activations(y.reshape(-1, y.shape[-1]), False, order))
+
+    def kernel():
+        w4a4.check_order(order, x.shape[-1])
+        return _launch_add_rmsnorm(x, residual, weight, eps, lambda t: torch.empty(
+            t.numel() // t.shape[-1], t.shape[-1], dtype=torch.int8, device=t.device), order)
+    return _dispatch(x, kernel, plain)
+
+
+def _launch_add_rmsnorm(x, residual, weight, eps, new_out, order=None):
+    """`_add_rmsnorm_kernel` over x's rows: (h, out, scales), out from ``new_out(x)``; quantized
+    (int8 codes, float32 scales) when an ``order`` is given."""
+    xc = x.contiguous()
+    N = xc.shape[-1]
+    rows = xc.numel() // N
+    out = new_out(xc)
+    h = xc if residual is None else torch.empty_like(xc)
+    res = xc if residual is None else residual.contiguous()
+    scales = torch.empty(rows, dtype=torch.float32, device=x.device) if order else None
+    block = triton.next_power_of_2(N)
+    _add_rmsnorm_kernel[(rows,)](xc, res, weight, out, h, out if scales is None else scales, N, eps,
+                                 float(torch.finfo(x.dtype).max), HAS_RES=residual is not None,
+                                 QUANT=scales is not None, EVEN_ODD=order == "even_odd", BLOCK=block,
+                                 num_warps=_norm_warps(block), **_early(xc, rows))
+    return h, out, scales
+
+
+def _norm_warps(block: int) -> int:
+    """Warps of an `_add_rmsnorm_kernel` program (one row, padded to ``block``). 4 to 32 warps at
+    rows of 4096, plain or quantizing, 1 to 4096 rows: within 3% of each other up to 1024 rows,
+    4 the fastest at 4096 (H200, benchmarks/scripts/fused_quantization.py)."""
+    return 4 if block <= 4096 else 8
 
 
 ROPE_HEADS = 8  # heads per program of the RoPE + cache kernel
@@ -430,10 +479,23 @@ class Engine:
             return h, norm(h)
         return add_rmsnorm(x, residual, *p)
 
-    def _attention(self, i: int, attn: nn.Module, h: torch.Tensor, input_pos, mask) -> torch.Tensor:
-        B, T, _ = h.shape
+    def _norm_projections(self, x, residual, norm, layers):
+        """(h, [layer(norm(h)) for layer in layers]) with h = x + residual. W4A4 layers on CUDA get
+        norm(h) quantized by the norm's kernel (`add_rmsnorm_quantize`); the rest go through
+        `shared_input_forward`."""
+        p = _rmsnorm_params(norm)
+        operands = w4a4_operands(layers, x.dtype) if p is not None and x.is_cuda and _use_triton(x) else None
+        if operands is None:
+            h, y = self._add_norm(x, residual, norm)
+            return h, shared_input_forward(layers, y)
+        B, T, K = x.shape
+        order = w4a4.activation_order(B * T, K, [qweight.shape[1] for qweight, _, _ in operands], x.device)
+        h, q, scale = add_rmsnorm_quantize(x, residual, *p, order)
+        return h, [y.view(B, T, -1) for y in w4a4.w4a4_products(q, scale, operands, x.dtype, order)]
+
+    def _attention(self, i: int, attn: nn.Module, q, k, v, input_pos, mask) -> torch.Tensor:
+        B, T, _ = q.shape
         k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
-        q, k, v = shared_input_forward((attn.q_proj, attn.k_proj, attn.v_proj), h)
         q = rope_and_cache(q, k, v, self.cos, self.sin, input_pos, k_cache, v_cache, self.n_heads, self.n_kv,
                            self.head_dim)  # [B, T, Hq, D]
         rep = self.n_heads // self.n_kv
@@ -448,21 +510,26 @@ class Engine:
             y = decode_attention(qg, k_cache, v_cache, input_pos, self.scale, mask).reshape(B, 1, -1)
         return attn.o_proj(y)
 
-    def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp: nn.Module, x, residual, norm):
+        """(h, mlp(norm(h))) with h = x + residual."""
         if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return mlp.down_proj(silu_mul(*shared_input_forward((mlp.gate_proj, mlp.up_proj), h)))
-        return mlp(h)
+            h, (gate, up) = self._norm_projections(x, residual, norm, (mlp.gate_proj, mlp.up_proj))
+            return h, mlp.down_proj(silu_mul(gate, up))
+        h, y = self._add_norm(x, residual, norm)
+        return h, mlp(y)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, prefill: bool) -> torch.Tensor:
         """Logits of the last position, ``[B, vocab]``. ``input_pos`` [T]: the positions of ``tokens``."""
         mask = None if prefill else self._mask_values[(self.positions > input_pos).long()].view(1, 1, 1, -1)
-        x, h = self._add_norm(self.embed(tokens), None, self.layers[0].input_layernorm)
+        x, residual = self.embed(tokens), None  # x: what the next norm adds to the residual stream
         with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
             for i, layer in enumerate(self.layers):
-                x, h = self._add_norm(self._attention(i, layer.self_attn, h, input_pos, mask), x,
-                                      layer.post_attention_layernorm)
-                nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-                x, h = self._add_norm(self._mlp(layer.mlp, h), x, nxt)
+                attn = layer.self_attn
+                residual, qkv = self._norm_projections(x, residual, layer.input_layernorm,
+                                                       (attn.q_proj, attn.k_proj, attn.v_proj))
+                x = self._attention(i, attn, *qkv, input_pos, mask)
+                residual, x = self._mlp(layer.mlp, x, residual, layer.post_attention_layernorm)
+        _, h = self._add_norm(x, residual, self.norm)
         return self.lm_head(h[:, -1])
 
     # ---- graph-or-eager runners ----------------------------------------------------------

@@ -159,16 +159,34 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
         xf = tl.where(mask, xf, 0.0)
     else:
         xf = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    # Saturate non-finite values: NaN -> 0, +-Inf -> +-finfo(x.dtype).max.
-    xf = tl.where(xf != xf, 0.0, xf)
-    xf = tl.minimum(tl.maximum(xf, -fmax), fmax)
-    amax = tl.max(tl.abs(xf), axis=1)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, 7.0, tl.float32))
+    store_int4_rows(xf, q_ptr + r * stride_q + c, mask, s_ptr + rows, rows < M, fmax, EVEN_ODD, INTERPRET)
+
+
+@_jit
+def store_int4_rows(xf, q_ptrs, q_mask, s_ptrs, s_mask, fmax, EVEN_ODD: tl.constexpr, INTERPRET: tl.constexpr):
+    """Whole rows xf [R, C] (float32, 0 where masked off) -> their int8 codes at q_ptrs [R, C] and
+    float32 scales at s_ptrs [R]: the spec's per-token quantization, for any kernel that holds whole
+    rows (this file's, and the engine's RMSNorm, which quantizes its output for W4A4 projections)."""
+    xf = _sanitize(xf, fmax)
+    scale = _int4_scale(tl.max(tl.abs(xf), axis=1))
+    _store_int4_codes(xf, scale, q_ptrs, q_mask, EVEN_ODD, INTERPRET)
+    tl.store(s_ptrs, scale, mask=s_mask)
+
+
+@_jit
+def _int4_scale(amax):
+    """A token's scale from its largest magnitude: amax / 7, correctly rounded (the spec divides)."""
+    return tl.math.div_rn(amax, tl.full(amax.shape, 7.0, tl.float32))
+
+
+@_jit
+def _store_int4_codes(xf, scale, q_ptrs, q_mask, EVEN_ODD: tl.constexpr, INTERPRET: tl.constexpr):
+    """Codes clamp(rint(xf / scale), -8, 7) of sanitized rows xf [R, C] (all of a row or a chunk of
+    it) with their rows' scales [R] (0 for a zero row: codes 0), stored at q_ptrs in the product's order."""
     safe = tl.where(scale > 0.0, scale, 1.0)
     y = _round_half_even(_row_quotients(xf, safe, INTERPRET), INTERPRET)
     y = tl.minimum(tl.maximum(y, -8.0), 7.0)
-    tl.store(q_ptr + r * stride_q + c, _codes(y, EVEN_ODD), mask=mask)
-    tl.store(s_ptr + rows, scale, mask=rows < M)
+    tl.store(q_ptrs, _codes(y, EVEN_ODD), mask=q_mask)
 
 
 @_jit
@@ -207,15 +225,12 @@ def _act_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fma
         c = k0 + tl.arange(0, BLOCK_K)[None, :]
         xf = _sanitize(tl.load(x_ptr + r * stride_x + c, mask=rmask & (c < K), other=0.0).to(tl.float32), fmax)
         amax = tl.maximum(amax, tl.max(tl.abs(xf), axis=1))
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, 7.0, tl.float32))
-    safe = tl.where(scale > 0.0, scale, 1.0)
+    scale = _int4_scale(amax)
     for k0 in range(0, K, BLOCK_K):
         c = k0 + tl.arange(0, BLOCK_K)[None, :]
         mask = rmask & (c < K)
         xf = _sanitize(tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32), fmax)
-        y = _round_half_even(_row_quotients(xf, safe, INTERPRET), INTERPRET)
-        y = tl.minimum(tl.maximum(y, -8.0), 7.0)
-        tl.store(q_ptr + r * stride_q + c, _codes(y, EVEN_ODD), mask=mask)
+        _store_int4_codes(xf, scale, q_ptr + r * stride_q + c, mask, EVEN_ODD, INTERPRET)
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
@@ -264,7 +279,7 @@ def _check_act_input(x: torch.Tensor) -> None:
 ORDERS = ("natural", "even_odd")
 
 
-def _check_order(order: str, K: int) -> None:
+def check_order(order: str, K: int) -> None:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if order == "even_odd" and K % 32:
@@ -275,7 +290,7 @@ def to_even_odd(q: torch.Tensor) -> torch.Tensor:
     """Codes [M, K] in natural order -> the "even_odd" order of `w4a4_wgmma` (each 32-column block
     as its 16 even columns, then its 16 odd ones); what the act-quant kernel writes with that order."""
     M, K = q.shape
-    _check_order("even_odd", K)
+    check_order("even_odd", K)
     return q.reshape(M, K // 32, 16, 2).transpose(-1, -2).reshape(M, K)
 
 
@@ -284,7 +299,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     """The act-quant kernel: x [M, K] fp16/bf16 -> (q int8 [M, K], scale float32 [M]); q in
     `order` ("natural", or "even_odd" for `w4a4_wgmma`)."""
     _check_act_input(x)
-    _check_order(order, x.shape[1])
+    check_order(order, x.shape[1])
     if triton is None:
         raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
     if not (x.is_cuda or _interpreting()):
@@ -339,7 +354,7 @@ def quantize_activations(x: torch.Tensor, input_hadamard: bool = False,
     """
     if kernels_available(x) and x.dtype in KERNEL_DTYPES:
         return quantize_activations_triton(x, input_hadamard, order)
-    _check_order(order, x.shape[-1])
+    check_order(order, x.shape[-1])
     if input_hadamard:
         x = _had.hadamard_transform_reference(x)
     q, s = reference.quantize_activations(x)
@@ -1025,7 +1040,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
-    _check_order(order, K)
+    check_order(order, K)
     widths = [qweight.shape[1] for qweight, _, _ in layers]
     N = sum(widths)
     if not (1 <= len(layers) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(M, n, K, qx.device) for n in widths)):
@@ -1165,15 +1180,28 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
-    M, K = x.shape
-    orders = {product_order(M, qweight.shape[1], K, x.device) for qweight, _, _ in layers}
-    order = orders.pop() if len(orders) == 1 else "natural"
+    order = activation_order(*x.shape, [qweight.shape[1] for qweight, _, _ in layers], x.device)
     qx, sx = quantize_activations_triton(x, input_hadamard, order)
-    if len(layers) > 1 and mma_many_applicable(qx, layers):  # decode: one launch for the group
-        return w4a4_mma_many(qx, sx, layers, out_dtype=x.dtype)
-    if len(layers) > 1 and order == "even_odd" and wgmma_many_applicable(qx, layers):  # prefill: one launch too
-        return w4a4_wgmma_many(qx, sx, layers, out_dtype=x.dtype, order=order)
-    return [w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype, order=order)
+    return w4a4_products(qx, sx, layers, x.dtype, order)
+
+
+def activation_order(M: int, K: int, widths, device) -> str:
+    """The order to quantize x [M, K] into for the products with weights of ``widths`` columns:
+    "even_odd" where `w4a4_wgmma` runs every one of them."""
+    orders = {product_order(M, N, K, device) for N in widths}
+    return orders.pop() if len(orders) == 1 else "natural"
+
+
+def w4a4_products(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype,
+                  order: str = "natural") -> list[torch.Tensor]:
+    """The products of quantized activations qx [M, K] (in `order`, from `activation_order`) with
+    each layer (qweight, w_scale, bias): one launch for the group where a kernel takes several
+    weights (the decode kernel up to 16 tokens, the Hopper GEMM above), else one per layer."""
+    if len(layers) > 1 and mma_many_applicable(qx, layers):
+        return w4a4_mma_many(qx, x_scale, layers, out_dtype=out_dtype)
+    if len(layers) > 1 and order == "even_odd" and wgmma_many_applicable(qx, layers):
+        return w4a4_wgmma_many(qx, x_scale, layers, out_dtype=out_dtype, order=order)
+    return [w4a4_matmul(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype, order=order)
             for qweight, w_scale, bias in layers]
 
 

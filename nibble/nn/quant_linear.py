@@ -118,6 +118,20 @@ def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
     return [m(x) for m in layers]
 
 
+def w4a4_operands(layers, dtype: torch.dtype):
+    """[(qweight, w_scale, bias), ...] for `nibble.kernels.w4a4.w4a4_products` when ``layers`` are
+    W4A4 QuantLinears that would quantize one shared input alike (no online rotation, the default
+    backend), so a caller may hand them that input quantized (the engine's RMSNorm does); else None.
+    Biases come in ``dtype``, the activations'."""
+    layers = list(layers)
+    if not layers or not all(isinstance(m, QuantLinear) and m.mode == "w4a4" and not m.input_hadamard
+                             and m.backend == "auto" for m in layers):
+        return None
+    if len({m.in_features for m in layers}) != 1:
+        return None
+    return [(m.qweight, m.scales[0], None if m.bias is None else m.bias.to(dtype)) for m in layers]
+
+
 def stack_weights(layers) -> None:
     """Make the weights (and biases) of plain ``nn.Linear`` layers that read the same input (same
     in_features, dtype and device) consecutive rows of one tensor, in place: each layer's parameters

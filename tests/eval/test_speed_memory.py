@@ -177,6 +177,57 @@ def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatc
         torch.testing.assert_close(a, b, **tol)
 
 
+@needs_kernel
+@pytest.mark.interpreter
+# (the interpreter does not round to bfloat16 as the GPU does: bf16 on CUDA only)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if torch.cuda.is_available() else [torch.float16])
+@pytest.mark.parametrize("order", ["natural", "even_odd"])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rmsnorm_quantizing_for_w4a4_equals_the_norm_then_the_act_quant(dtype, order, with_residual):
+    from nibble.kernels import reference, w4a4
+    g = torch.Generator().manual_seed(3)
+    rows, n = 7, 96
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    x[2] = 0  # a zero token (no residual): scale 0, codes 0, no NaN
+    x[4, 5], x[5, 7] = float("inf"), float("nan")  # saturated as the act-quant kernel saturates
+    res = (torch.randn(rows, n, generator=g) * 3).to(dtype) if with_residual else None
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+    args = [t.to(KERNEL_DEVICE) if t is not None else None for t in (x, res, w)]
+    h, q, scale = engine_mod.add_rmsnorm_quantize(args[0].view(1, rows, n), None if res is None else
+                                                  args[1].view(1, rows, n), args[2], 1e-5, order)
+    assert engine_mod._glue_failure is None
+    assert q.shape == (rows, n) and q.dtype == torch.int8 and scale.shape == (rows,)
+    # exactly what the unfused kernels give: the norm kernel, then the act-quant kernel
+    h2, y2 = engine_mod.add_rmsnorm(*(t.view(1, rows, n) if t is not None else None for t in args[:2]), args[2], 1e-5)
+    torch.testing.assert_close(h, h2, rtol=0, atol=0, equal_nan=True)
+    assert_quantized_equal((q, scale), w4a4.quantize_activations(y2.view(rows, n), False, order))
+    # and the spec on PyTorch's norm (its sum may round in another order: an ulp in rare elements)
+    h_ref = x if res is None else res + x
+    hf = h_ref.float()
+    y = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(h.view(rows, n).cpu(), h_ref, equal_nan=True)
+    assert_quantized_close((q, scale), reference.quantize_activations(y), order)
+
+
+def assert_quantized_equal(got, want):
+    assert got[0].dtype == torch.int8 and got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def assert_quantized_close(got, spec, order):
+    """Codes and scales of a kernel vs the spec's on PyTorch's 16-bit values, which may differ from
+    the kernel's by an ulp in rare elements: scales equal to ~an ulp, codes by at most 1, rarely."""
+    from nibble.kernels import w4a4
+    q, scale = (t.cpu() for t in got)
+    q_ref, s_ref = spec
+    if order == "even_odd":
+        q_ref = w4a4.to_even_odd(q_ref)
+    assert torch.isfinite(scale).all()
+    torch.testing.assert_close(scale, s_ref, rtol=1e-2, atol=0)
+    diff = (q.int() - q_ref.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.02
+
+
 def test_a_glue_kernel_that_fails_to_build_falls_back_to_pytorch_with_a_warning(monkeypatch):
     class Broken:
         def __getitem__(self, grid):
@@ -238,18 +289,23 @@ def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens,
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bf16", "w4a16"])
-def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode):
+@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w4a4"])
+def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode, monkeypatch):
     model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=512,
                        num_attention_heads=8, num_key_value_heads=2).cuda()
-    if mode == "w4a16":
-        quantize_model(model, QuantConfig(mode="w4a16", group_size=64), progress=False)
+    if mode != "bf16":
+        quantize_model(model, QuantConfig(mode="w4a16", group_size=64) if mode == "w4a16" else QuantConfig(mode="w4a4"),
+                       progress=False)
+    fused = []  # W4A4: the norms quantize for the q/k/v and gate/up projections
+    norm_quantize = engine_mod.add_rmsnorm_quantize
+    monkeypatch.setattr(engine_mod, "add_rmsnorm_quantize", lambda *a: fused.append(a[-1]) or norm_quantize(*a))
     prompt = torch.randint(0, 256, (2, 16), device="cuda")
     engine = Engine(model, max_batch=2, max_seq_len=64)
     assert engine.cuda_graphs
     tokens = engine.generate(prompt, 32)
     assert ("decode", 2) in engine._graphs and ("prefill", 2, 16) in engine._graphs
     assert torch.equal(engine.generate(prompt, 32), tokens)  # replaying the graphs is deterministic
+    assert (len(fused) > 0) == (mode == "w4a4")
     assert_greedy_equal_up_to_near_ties(model, prompt, tokens, hf_greedy(model, prompt, 32), tol=0.05)
 
 

@@ -160,14 +160,25 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int m0 = work.m0, n0 = work.n0, k_tiles = work.k_tiles;
     const float my_scale = load_early(x_scale + min(m0 + wg_tid, M - 1));  // tokens past M are never read
     zero_accumulators(acc);
+    // With two m64 instructions a step (J = 2: 128 x 256 and 64 x 256 tiles) the weight words are
+    // read from shared memory one step ahead, while the step before runs on the tensor cores; read
+    // at their use, the load's latency sat between every two steps' MMAs (2-8% of the product's
+    // time, H200). With one instruction a step (128 x 128) reading ahead measured 2-5% slower, so
+    // those read at use (benchmarks/results/w4a4-load-ahead-ab-h200.json).
+    constexpr bool AHEAD = J > 1;
+    Vec<uint32_t, 2 * J> wv;
+    if (AHEAD) {
+      mbar_wait(bars + 8 * (first % STAGES), (first / STAGES) & 1);
+      wv = lane_w.words(smem + (first % STAGES) * STAGE, t);
+    }
     for (int i = 0; i < k_tiles; ++i) {
       const int s = (first + i) % STAGES;
-      mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);
+      if (!AHEAD) mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);
       const uint32_t sx = base + s * STAGE;
       const unsigned char* here = smem + s * STAGE;
 #pragma unroll
       for (int k = 0; k < BK / 32; ++k) {
-        const Vec<uint32_t, 2 * J> wv = lane_w.words(here, 4 * k + t);
+        if (!AHEAD) wv = lane_w.words(here, 4 * k + t);
         const uint64_t desc = smem_desc(sx + 32 * k);
         uint32_t a[J][4];
 #pragma unroll
@@ -181,6 +192,17 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int j = 0; j < J; ++j) Wgmma<S8, BN>::mma(acc[j], a[j], desc);
         wgmma_commit();
+        if (AHEAD) {  // the next step's words: this stage's, or the next tile's first once it has landed
+          const unsigned char* next = here;  // (past the item's last tile: read, never used)
+          int next_k = k + 1;
+          if (k == BK / 32 - 1) {
+            const int n = first + i + 1;
+            if (i + 1 < k_tiles) mbar_wait(bars + 8 * (n % STAGES), (n / STAGES) & 1);
+            next = smem + (n % STAGES) * STAGE;
+            next_k = 0;
+          }
+          wv = lane_w.words(next, 4 * next_k + t);
+        }
         wgmma_wait<1>();  // the previous step's group is done: its registers are free
         // ... and after this tile's first step, so is the previous tile: release its stage.
         if (k == 0 && i > 0 && wg_tid == 0) mbar_arrive(bars + 8 * (STAGES + (first + i - 1) % STAGES));

@@ -1,0 +1,72 @@
+"""A/B of two builds of the W4A4 Hopper GEMM (`csrc/w4a4_wgmma.cu`): each build's library is
+loaded in turn in place of the shipped one and times `w4a4_wgmma` on the same inputs with the
+config the op picks (CUDA graphs, weights rotated past the L2, median; the builds timed A, B, B, A
+and each one's two medians averaged, so neither always runs first). The int32 products of every
+build must equal the first build's.
+
+    nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a \\
+        -I nibble/kernels/csrc a.cu -o a.so     # one per variant
+    PYTHONPATH=. python3 benchmarks/scripts/wgmma_ab.py a.so b.so --json ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
+from nibble.kernels import w4a4  # noqa: E402
+
+SHAPES = ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
+          (28672, 8192), (8192, 28672))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("libs", nargs="+", help="shared libraries built from csrc/w4a4_wgmma.cu variants")
+    ap.add_argument("--ms", default="128,512,1024,4096")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    libs = []
+    for path in args.libs:
+        lib = ctypes.CDLL(str(Path(path).resolve()))
+        w4a4._WGMMA_SIGNATURES(lib)
+        libs.append(lib)
+    names = [Path(p).stem for p in args.libs]
+    order = list(range(len(libs))) + list(reversed(range(len(libs))))
+    dev, rows = torch.device("cuda"), []
+    for N, K in SHAPES:
+        n_rot = rotations(K * N // 2)
+        weights = [torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=dev) for _ in range(n_rot)]
+        w_scale = torch.rand(N, device=dev, dtype=torch.bfloat16) / 64
+        for M in (int(m) for m in args.ms.split(",")):
+            qx = torch.randint(-8, 8, (M, K), dtype=torch.int8, device=dev)
+            sx = torch.rand(M, device=dev) / 8
+            cfg = w4a4.wgmma_config(M, N, K)
+            times: dict = {n: [] for n in names}
+            ref = None
+            for i in order:
+                w4a4._wgmma_lib = lambda _d, lib=libs[i]: lib
+                acc = w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, out_int32=True, order="even_odd")
+                if ref is None:
+                    ref = acc
+                assert torch.equal(acc, ref), f"{names[i]} differs from {names[order[0]]} at M={M} N={N} K={K}"
+                times[names[i]].append(bench_us(
+                    lambda j: lambda: w4a4.w4a4_wgmma(qx, sx, weights[j], w_scale, order="even_odd"), n_rot))
+            row = dict(N=N, K=K, M=M, config=cfg, **{n: sum(t) / len(t) for n, t in times.items()})
+            rows.append(row)
+            base = row[names[0]]
+            print(f"{N:5d} x {K:5d} M={M:5d} {cfg['bn']}x{cfg['channels']}/{cfg['split_k']}: "
+                  + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in names), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": env_meta(libs=args.libs), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
