@@ -90,6 +90,25 @@ __device__ __forceinline__ float load_early(const float* p) {
   return v;
 }
 
+// A float32 / float16 / bfloat16 value (load_float's dtype codes) as its bits, loaded where it is
+// written, like load_early; float_of_bits decodes it.
+__device__ __forceinline__ uint32_t load_bits_early(const void* p, int dtype, int i) {
+  uint32_t v;
+  if (dtype == 0) {
+    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(static_cast<const uint32_t*>(p) + i));
+  } else {
+    unsigned short h;
+    asm volatile("ld.global.nc.b16 %0, [%1];" : "=h"(h) : "l"(static_cast<const unsigned short*>(p) + i));
+    v = h;
+  }
+  return v;
+}
+__device__ __forceinline__ float float_of_bits(uint32_t v, int dtype) {
+  if (dtype == 1) return __half2float(__ushort_as_half(static_cast<unsigned short>(v)));
+  if (dtype == 2) return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v)));
+  return __uint_as_float(v);
+}
+
 __device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
 
@@ -159,6 +178,20 @@ __global__ void __launch_bounds__(THREADS, 1)
     const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, tile, split);
     const int m0 = work.m0, n0 = work.n0, k_tiles = work.k_tiles;
     const float my_scale = load_early(x_scale + min(m0 + wg_tid, M - 1));  // tokens past M are never read
+    // The lane's channel scales and bias are loaded here too, as raw bits, for the same reason:
+    // loaded in the epilogue, their DRAM round trip was the bulk of its ~2.2 us per item.
+    const int ch = n0 + lane_w.col;
+    int col0;
+    const int which = column_weight(weights.col_end, n0, col0);
+    const int wch = ch - col0;  // the lane's first column in its weight
+    const void* w_scale = pick(weights.w_scale, which);
+    const void* bias = pick(weights.bias, which);
+    uint32_t ws_bits[2 * J], bias_bits[2 * J];
+#pragma unroll
+    for (int i = 0; i < 2 * J; ++i) {
+      ws_bits[i] = ch < N ? load_bits_early(w_scale, w_scale_dtype, wch + i) : 0u;
+      bias_bits[i] = ch < N && bias != nullptr ? load_bits_early(bias, bias_dtype, wch + i) : 0u;
+    }
     zero_accumulators(acc);
     // With two m64 instructions a step (J = 2: 128 x 256 and 64 x 256 tiles) the weight words are
     // read from shared memory one step ahead, while the step before runs on the tensor cores; read
@@ -215,7 +248,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (wg_tid == 0) mbar_arrive(bars + 8 * (STAGES + (first + k_tiles - 1) % STAGES));
     first += k_tiles;
 
-    const int ch = n0 + lane_w.col;
     if (splits > 1) {
       store_partial<BN>(acc, partial, M, N, m0, ch, t, split);
       if (!last_split(counters, splits, tile)) continue;
@@ -227,19 +259,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (wg_tid < BN) token_scale[wg_tid] = my_scale;
     asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
     if (ch >= N) continue;
-    int col0;
-    const int which = column_weight(weights.col_end, n0, col0);
-    const int wch = ch - col0;  // the lane's first column in its weight
-    const void* w_scale = pick(weights.w_scale, which);
-    const void* bias = pick(weights.bias, which);
     T* out = static_cast<T*>(pick(weights.out, which));
     const int ldo = pick(weights.ldo, which);
-    // The lane's channel scales and bias, once per item (scale_output's order: bias added last).
-    float ws[2 * J], bs[2 * J];
+    float ws[2 * J], bs[2 * J];  // scale_output's order: bias added last
 #pragma unroll
     for (int i = 0; i < 2 * J; ++i) {
-      ws[i] = load_float(w_scale, w_scale_dtype, wch + i);
-      bs[i] = bias == nullptr ? 0.f : load_float(bias, bias_dtype, wch + i);
+      ws[i] = float_of_bits(ws_bits[i], w_scale_dtype);
+      bs[i] = float_of_bits(bias_bits[i], bias_dtype);
     }
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b)
