@@ -1,10 +1,9 @@
 """The W4A4 activation quantization (no Hadamard, even_odd order, bf16) at prefill sizes: the op's
-choice (`quantize_activations_triton`: csrc/act_quant.cu for many tokens of rows up to 16384), the
-Triton kernel it would run otherwise, and (with --chunked) the two-pass chunked Triton kernel at
-other chunks, warps and rows per program (CUDA graphs, x rotated past the L2, median); each
-variant's codes and scales checked equal to the op's first.
+choice (`quantize_activations_triton`) against the two-pass chunked kernel at other chunks, warps
+and rows per program (CUDA graphs, x rotated past the L2, median); each variant's codes and scales
+checked equal to the op's first.
 
-    PYTHONPATH=. python3 benchmarks/scripts/act_quant_variants.py [--chunked] --json out.json
+    PYTHONPATH=. python3 benchmarks/scripts/act_quant_variants.py --json out.json
 """
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ks", default="4096,11008,14336")
     ap.add_argument("--ms", default="128,512,1024,4096")
-    ap.add_argument("--chunked", action="store_true", help="also the chunked kernel's variants")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
@@ -49,17 +47,13 @@ def main() -> None:
             ref = w4a4.quantize_activations_triton(xs[0], False, "even_odd")
             row = dict(M=M, K=K, op=bench_us(lambda i: lambda: w4a4.quantize_activations_triton(xs[i], False, "even_odd"),
                                                n_rot))
-            cuda_min_m, w4a4.CUDA_ACT_QUANT_MIN_M = w4a4.CUDA_ACT_QUANT_MIN_M, 1 << 30
-            got = w4a4.quantize_activations_triton(xs[0], False, "even_odd")
-            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (M, K, "triton")
-            row["triton"] = bench_us(lambda i: lambda: w4a4.quantize_activations_triton(xs[i], False, "even_odd"), n_rot)
-            w4a4.CUDA_ACT_QUANT_MIN_M = cuda_min_m
-            for chunk, warps, r in VARIANTS if args.chunked else ():
+            for chunk, warps, r in VARIANTS:
                 got = chunked(xs[0], chunk, warps, r)
                 assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (M, K, chunk, warps, r)
                 row[f"chunked_{chunk}_{warps}w_{r}r"] = bench_us(lambda i: lambda: chunked(xs[i], chunk, warps, r), n_rot)
             rows.append(row)
-            print(f"M={M:5d} K={K:5d}: op {row['op']:7.2f} us, triton {row['triton']:7.2f} us; "
+            best = min((k for k in row if k.startswith("chunked")), key=row.get)
+            print(f"M={M:5d} K={K:5d}: op {row['op']:7.2f} us, best chunked {best} {row[best]:7.2f} us; "
                   + " ".join(f"{k[8:]} {row[k]:.1f}" for k in row if k.startswith("chunked")), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))

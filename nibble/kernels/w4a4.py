@@ -31,9 +31,7 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         over the grid so every SM streams, partials reduced in int32 by the last
                         program of each column tile (deterministic, no float atomics).
 
-CUDA C++ kernels (built by `cuda_build` at first use) take over where they are faster:
-``csrc/act_quant.cu`` (the activation quantization for many tokens, bit-identical to the Triton
-kernel: rows kept in their 16-bit type, unpadded, so more rows share an SM),
+Two CUDA C++ kernels (built by `cuda_build` at first use) take over where they are faster:
 ``csrc/w4a4_mma.cu`` (`w4a4_mma`, M <= 16: the W4A16 decode kernel's skeleton on int8 MMAs) and
 ``csrc/w4a4_wgmma.cu`` (`w4a4_wgmma`, Hopper only, many tokens: persistent, asynchronous int8 wgmma fed by TMA,
 the weight unpacked into register fragments; it reads the activations in an "even_odd" K order,
@@ -298,9 +296,8 @@ def to_even_odd(q: torch.Tensor) -> torch.Tensor:
 
 def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
                                 order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
-    """The act-quant kernels: x [M, K] fp16/bf16 -> (q int8 [M, K], scale float32 [M]); q in
-    `order` ("natural", or "even_odd" for `w4a4_wgmma`). Triton's, and for many tokens of rows up
-    to 16384 without rotation the CUDA kernel of csrc/act_quant.cu (bit-identical)."""
+    """The act-quant kernel: x [M, K] fp16/bf16 -> (q int8 [M, K], scale float32 [M]); q in
+    `order` ("natural", or "even_odd" for `w4a4_wgmma`)."""
     _check_act_input(x)
     check_order(order, x.shape[1])
     if triton is None:
@@ -327,8 +324,6 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
                                         BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
                                         INTERPRET=_interpreting(), num_warps=8)
         return q, s
-    if plan is None and _cuda_act_quant(x, q, s, order):
-        return q, s
     if plan is not None:
         dense = _had.hadamard_dense_operand(K, False, x.device) if plan.dense_pad > 1 else s
         terms_in, terms = _had.hadamard_dot_terms(x.dtype)
@@ -348,36 +343,6 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
                             ROWS=rows, BLOCK=block, HADAMARD=plan is not None, EVEN_ODD=order == "even_odd",
                             INTERPRET=_interpreting(), num_warps=num_warps, PDL=pdl, launch_pdl=pdl, **consts)
     return q, s
-
-
-# Where the CUDA act-quant kernel (csrc/act_quant.cu: a row in its 16-bit type, unpadded, in
-# registers) replaces the Triton one: many tokens (fewer are decode sizes, whose Triton launch starts
-# early under the kernel before it) of rows up to 16384 without the online rotation.
-CUDA_ACT_QUANT_MIN_M = 65
-CUDA_ACT_QUANT_MAX_K = 16384
-_ACT_QUANT_SIGNATURES = cuda_build.signatures(
-    "nibble_act_quant", [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p], "nibble_act_quant_error_string")
-
-
-def _cuda_act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, order: str) -> bool:
-    """Quantize x [M, K] into q, s with csrc/act_quant.cu where it applies (`CUDA_ACT_QUANT_*`,
-    16-byte aligned rows, the library built); False where it does not, and nothing is written."""
-    M, K = x.shape
-    if not (x.is_cuda and M >= CUDA_ACT_QUANT_MIN_M and K <= CUDA_ACT_QUANT_MAX_K and K % 8 == 0
-            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
-        return False
-    lib = cuda_build.library("act_quant", x.device, _ACT_QUANT_SIGNATURES)
-    if lib is None:
-        return False
-    with torch.cuda.device(x.device):
-        err = lib.nibble_act_quant(_DTYPE_CODES[x.dtype], x.data_ptr(), q.data_ptr(), s.data_ptr(), M, K,
-                                   x.stride(0), q.stride(0), float(torch.finfo(x.dtype).max),
-                                   int(order == "even_odd"), torch.cuda.current_stream(x.device).cuda_stream)
-    if err:
-        raise RuntimeError(f"act_quant launch failed: {lib.nibble_act_quant_error_string(err).decode()} "
-                           f"(M={M} K={K})")
-    return True
 
 
 def quantize_activations(x: torch.Tensor, input_hadamard: bool = False,

@@ -39,8 +39,7 @@ def test_broken_nvcc_path_is_a_clear_error(tmp_path):
     ("w4a16_mma", "90", ("nibble_w4a16_mma", "nibble_cuda_error_string")),
     ("w4a4_mma", "90", ("nibble_w4a4_mma", "nibble_w4a4_cuda_error_string")),
     ("w4a4_wgmma", "90a", ("nibble_w4a4_wgmma", "nibble_w4a4_wgmma_error_string")),
-    ("w4a16_wgmma", "90a", ("nibble_w4a16_wgmma", "nibble_w4a16_wgmma_error_string")),
-    ("act_quant", "90", ("nibble_act_quant", "nibble_act_quant_error_string"))])
+    ("w4a16_wgmma", "90a", ("nibble_w4a16_wgmma", "nibble_w4a16_wgmma_error_string"))])
 def test_builds_for_sm90_and_caches(tmp_path, monkeypatch, name, arch, symbols):
     """Each kernel source compiles for Hopper on a machine without a GPU; the second call is a cache hit."""
     monkeypatch.setenv("NIBBLE_CACHE_DIR", str(tmp_path))

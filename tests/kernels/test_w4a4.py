@@ -471,49 +471,6 @@ def test_act_quant_nonfinite_zero_and_huge_rows(dtype, M):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("order", ["natural", "even_odd"])
-def test_cuda_act_quant_equals_the_triton_kernel_and_the_spec(dtype, order):
-    # csrc/act_quant.cu quantizes many tokens; the Triton kernel, switched to for the same rows, and
-    # the spec must give the same codes and scales bit for bit
-    gen = torch.Generator().manual_seed(5)
-    info = torch.finfo(dtype)
-    cases = []
-    for M, K in ((65, 4096), (300, 11008), (1000, 576), (129, 14336), (77, 16384), (200, 1544), (96, 64)):
-        x = _activations(M, K, dtype, "cuda", gen)
-        x[0, 3], x[1], x[2, 5], x[3, :], x[4] = float("nan"), 0, float("inf"), info.max, info.tiny
-        cases.append(x)
-    cases += [_half_integer_rows(600, K, dtype, gen).cuda() for K in (4096, 11008)]
-    for x in cases:
-        M, K = x.shape
-        if order == "even_odd" and K % 32:
-            continue
-        _poison_allocator("cuda")
-        q = torch.full((M, K), 99, dtype=torch.int8, device="cuda")
-        s = torch.full((M,), float("nan"), device="cuda")
-        assert w4a4._cuda_act_quant(x, q, s, order)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(w4a4, "CUDA_ACT_QUANT_MIN_M", 1 << 30)
-            q_triton, s_triton = w4a4.quantize_activations_triton(x, False, order)
-        assert torch.equal(q, q_triton) and torch.equal(s, s_triton), f"M={M} K={K}"
-        q_ref, s_ref = _ref_quant(x)
-        assert torch.equal(s.cpu(), s_ref)
-        assert torch.equal(q.cpu(), w4a4.to_even_odd(q_ref) if order == "even_odd" else q_ref)
-    # where it does not apply the Triton kernel runs: decode sizes, rows past 16384, unaligned rows
-    x = _activations(200, 4096, dtype, "cuda", gen)
-    unaligned = torch.empty(200, 4104, dtype=dtype, device="cuda")[:, 1:4097]
-    unaligned.copy_(x)
-    for y in (x[:64], _activations(100, 16416, dtype, "cuda", gen), unaligned):
-        q, s = (torch.empty(y.shape, dtype=torch.int8, device="cuda"), torch.empty(y.shape[0], device="cuda"))
-        assert not w4a4._cuda_act_quant(y, q, s, order)
-        q, s = w4a4.quantize_activations_triton(y, False, order)
-        q_ref, s_ref = _ref_quant(y)
-        assert torch.equal(s.cpu(), s_ref)
-        assert torch.equal(q.cpu(), w4a4.to_even_odd(q_ref) if order == "even_odd" else q_ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [576, 1536, 4096, 11008, 14336])
 @pytest.mark.parametrize("M", [1, 17, 100])
 def test_act_quant_fused_hadamard(M, K, dtype):
