@@ -290,8 +290,8 @@ def add_rmsnorm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight:
                          order: str = "natural"):
     """(h, q, scale): h as `add_rmsnorm` returns it, and norm(h) [rows, N] quantized per token for
     W4A4 projections (`nibble.kernels.w4a4.quantize_activations` in ``order``). On CUDA in one
-    kernel: norm(h) is never written in 16 bits, and the act-quant launch goes (at 512 tokens of
-    Llama-2-7B's rows ~3.6 us a projection group, H200)."""
+    kernel: norm(h) is never written in 16 bits, and the act-quant launch goes (rows of 4096, H200:
+    9.3 -> 8.0 us at 512 tokens, 52 -> 35 at 4096; benchmarks/scripts/fused_quantization.py)."""
     def plain():
         h, y = add_rmsnorm(x, residual, weight, eps)
         return (h, *w4a4.quantize_activations(y.reshape(-1, y.shape[-1]), False, order))
@@ -481,10 +481,11 @@ class Engine:
 
     def _norm_projections(self, x, residual, norm, layers):
         """(h, [layer(norm(h)) for layer in layers]) with h = x + residual. W4A4 layers on CUDA get
-        norm(h) quantized by the norm's kernel (`add_rmsnorm_quantize`); the rest go through
-        `shared_input_forward`."""
+        norm(h) quantized by the norm's kernel (`add_rmsnorm_quantize`; 16-bit activations, which
+        the op would quantize alike); the rest go through `shared_input_forward`."""
         p = _rmsnorm_params(norm)
-        operands = w4a4_operands(layers, x.dtype) if p is not None and x.is_cuda and _use_triton(x) else None
+        fusable = p is not None and x.is_cuda and triton is not None and x.dtype in w4a4.KERNEL_DTYPES
+        operands = w4a4_operands(layers, x.dtype) if fusable else None
         if operands is None:
             h, y = self._add_norm(x, residual, norm)
             return h, shared_input_forward(layers, y)
