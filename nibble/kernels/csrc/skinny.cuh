@@ -91,14 +91,17 @@ __device__ __forceinline__ int cta_weight(const int (&cta_end)[MAX_WEIGHTS], int
   return which;
 }
 
-// cta_end for `count` weights of ns[i] columns (32 per CTA); returns the CTAs of the launch.
-inline int number_ctas(int count, const int* ns, int (&cta_end)[MAX_WEIGHTS]) {
-  int ctas = 0;
+// The running ends of `count` weights of ns[i] columns, `per` columns a unit: weight i owns units
+// [ends[i - 1], ends[i]), unused entries INT_MAX. Returns the units of the launch: its CTAs for the
+// skinny kernels (32 columns each), its columns for the Hopper GEMMs (per = 1: hopper.cuh's
+// column_weight).
+inline int running_ends(int count, const int* ns, int per, int (&ends)[MAX_WEIGHTS]) {
+  int total = 0;
   for (int i = 0; i < MAX_WEIGHTS; ++i) {
-    if (i < count) ctas += ns[i] / 32;
-    cta_end[i] = i < count ? ctas : INT_MAX;
+    if (i < count) total += ns[i] / per;
+    ends[i] = i < count ? total : INT_MAX;
   }
-  return ctas;
+  return total;
 }
 
 // The per-warp weight stream of the skinny kernels (w4a16_mma.cu's header explains the choice): a

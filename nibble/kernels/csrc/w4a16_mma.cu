@@ -314,7 +314,7 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
     w.n[i] = ns[i];
     w.ldo[i] = ldos[i];
   }
-  const int ctas = number_ctas(count, ns, w.cta_end);
+  const int ctas = running_ends(count, ns, 32, w.cta_end);
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
   const bool many = count > 1;

@@ -347,14 +347,10 @@ extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x
                                   void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   Weights w{};
-  int N = 0;
-  for (int i = 0; i < MAX_WEIGHTS; ++i) {
-    if (i < count) {
-      w.out[i] = outs[i];
-      w.ldo[i] = ldos[i];
-      N += ns[i];
-    }
-    w.col_end[i] = i < count ? N : INT_MAX;
+  const int N = running_ends(count, ns, 1, w.col_end);
+  for (int i = 0; i < count; ++i) {
+    w.out[i] = outs[i];
+    w.ldo[i] = ldos[i];
   }
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int group_steps = group_size == 32 ? 2 : group_size == 64 ? 4 : 8;

@@ -11,6 +11,26 @@ __device__ __forceinline__ float load_float(const void* p, int dtype, int i) {
   return static_cast<const float*>(p)[i];
 }
 
+// A float32 / float16 / bfloat16 value as its raw bits, loaded where it is written (asm volatile:
+// ptxas cannot sink it to its first use; w4a4_wgmma.cu issues it a whole mainloop ahead);
+// float_of_bits decodes it.
+__device__ __forceinline__ uint32_t load_bits_early(const void* p, int dtype, int i) {
+  uint32_t v;
+  if (dtype == 0) {
+    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(static_cast<const uint32_t*>(p) + i));
+  } else {
+    unsigned short h;
+    asm volatile("ld.global.nc.b16 %0, [%1];" : "=h"(h) : "l"(static_cast<const unsigned short*>(p) + i));
+    v = h;
+  }
+  return v;
+}
+__device__ __forceinline__ float float_of_bits(uint32_t v, int dtype) {
+  if (dtype == 1) return __half2float(__ushort_as_half(static_cast<unsigned short>(v)));
+  if (dtype == 2) return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v)));
+  return __uint_as_float(v);
+}
+
 // Saturate to the output type's largest finite value (a token that held +-Inf has a huge scale), as
 // the reference clamps; comparisons keep a NaN a NaN.
 __device__ __forceinline__ float clamp_abs(float v, float hi) { return v > hi ? hi : (v < -hi ? -hi : v); }

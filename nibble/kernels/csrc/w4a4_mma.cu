@@ -196,7 +196,7 @@ extern "C" int nibble_w4a4_mma(int out_dtype, int mt, int warps, const void* qx,
     w.n[i] = ns[i];
     w.ldo[i] = ldos[i];
   }
-  const int ctas = number_ctas(count, ns, w.cta_end);
+  const int ctas = running_ends(count, ns, 32, w.cta_end);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;

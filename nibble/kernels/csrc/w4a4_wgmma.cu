@@ -90,25 +90,6 @@ __device__ __forceinline__ float load_early(const float* p) {
   return v;
 }
 
-// A float32 / float16 / bfloat16 value (load_float's dtype codes) as its bits, loaded where it is
-// written, like load_early; float_of_bits decodes it.
-__device__ __forceinline__ uint32_t load_bits_early(const void* p, int dtype, int i) {
-  uint32_t v;
-  if (dtype == 0) {
-    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(static_cast<const uint32_t*>(p) + i));
-  } else {
-    unsigned short h;
-    asm volatile("ld.global.nc.b16 %0, [%1];" : "=h"(h) : "l"(static_cast<const unsigned short*>(p) + i));
-    v = h;
-  }
-  return v;
-}
-__device__ __forceinline__ float float_of_bits(uint32_t v, int dtype) {
-  if (dtype == 1) return __half2float(__ushort_as_half(static_cast<unsigned short>(v)));
-  if (dtype == 2) return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v)));
-  return __uint_as_float(v);
-}
-
 __device__ __forceinline__ uint32_t even_nibbles(uint32_t w) { return ((w << 4) ^ 0x80808080u) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t odd_nibbles(uint32_t w) { return (w ^ 0x80808080u) & 0xF0F0F0F0u; }
 
@@ -352,18 +333,14 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
                                  int splits, int tiles_per_split, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   Weights w{};
-  int N = 0;
-  for (int i = 0; i < MAX_WEIGHTS; ++i) {
-    if (i < count) {
-      const cudaError_t err = weight_map(&w.map[i], qweights[i], ns[i], K);
-      if (err != cudaSuccess) return (int)err;
-      w.w_scale[i] = w_scales[i];
-      w.bias[i] = biases[i];
-      w.out[i] = outs[i];
-      w.ldo[i] = ldos[i];
-      N += ns[i];
-    }
-    w.col_end[i] = i < count ? N : INT_MAX;
+  const int N = running_ends(count, ns, 1, w.col_end);
+  for (int i = 0; i < count; ++i) {
+    const cudaError_t err = weight_map(&w.map[i], qweights[i], ns[i], K);
+    if (err != cudaSuccess) return (int)err;
+    w.w_scale[i] = w_scales[i];
+    w.bias[i] = biases[i];
+    w.out[i] = outs[i];
+    w.ldo[i] = ldos[i];
   }
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
