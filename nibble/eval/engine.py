@@ -281,7 +281,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         return h, weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
     def kernel():
-        h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps, torch.empty_like)
+        h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps)
         return h, out
     return _dispatch(x, kernel, plain)
 
@@ -298,21 +298,23 @@ def add_rmsnorm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight:
 
     def kernel():
         w4a4.check_order(order, x.shape[-1])
-        return _launch_add_rmsnorm(x, residual, weight, eps, lambda t: torch.empty(
-            t.numel() // t.shape[-1], t.shape[-1], dtype=torch.int8, device=t.device), order)
+        return _launch_add_rmsnorm(x, residual, weight, eps, order)
     return _dispatch(x, kernel, plain)
 
 
-def _launch_add_rmsnorm(x, residual, weight, eps, new_out, order=None):
-    """`_add_rmsnorm_kernel` over x's rows: (h, out, scales), out from ``new_out(x)``; quantized
-    (int8 codes, float32 scales) when an ``order`` is given."""
+def _launch_add_rmsnorm(x, residual, weight, eps, order=None):
+    """`_add_rmsnorm_kernel` over x's rows: (h, out, scales); out like x and scales None, or with an
+    ``order`` the int8 codes [rows, N] in that order and their float32 scales [rows]."""
     xc = x.contiguous()
     N = xc.shape[-1]
     rows = xc.numel() // N
-    out = new_out(xc)
     h = xc if residual is None else torch.empty_like(xc)
     res = xc if residual is None else residual.contiguous()
-    scales = torch.empty(rows, dtype=torch.float32, device=x.device) if order else None
+    if order is None:
+        out, scales = torch.empty_like(xc), None
+    else:
+        out = torch.empty(rows, N, dtype=torch.int8, device=x.device)
+        scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(N)
     _add_rmsnorm_kernel[(rows,)](xc, res, weight, out, h, out if scales is None else scales, N, eps,
                                  float(torch.finfo(x.dtype).max), HAS_RES=residual is not None,
