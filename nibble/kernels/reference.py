@@ -78,6 +78,16 @@ def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, 
     return y.clamp(-big, big).to(out_dtype)
 
 
+def w4a4_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate: tuple, up: tuple,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A SwiGLU MLP's SiLU(gate) * up on quantized activations, as Hugging Face computes it from
+    the two products: each rounded to out_dtype, then ``F.silu(g) * u`` in out_dtype. gate, up:
+    (qweight, w_scale, bias)."""
+    g = w4a4_matmul(qx, x_scale, *gate, out_dtype=out_dtype)
+    u = w4a4_matmul(qx, x_scale, *up, out_dtype=out_dtype)
+    return torch.nn.functional.silu(g) * u
+
+
 def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, input_hadamard: bool = False) -> torch.Tensor:
     """The whole W4A4 layer on any leading dims: [optional online Hadamard] -> per-token quantize -> int matmul."""

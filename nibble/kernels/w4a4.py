@@ -980,7 +980,7 @@ WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 8
-    + [ctypes.c_int] * 3 + [ctypes.c_void_p],
+    + [ctypes.c_int] * 4 + [ctypes.c_void_p],
     "nibble_w4a4_wgmma_error_string")
 
 
@@ -1040,19 +1040,76 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
-    check_order(order, K)
     widths = [qweight.shape[1] for qweight, _, _ in layers]
-    N = sum(widths)
     if not (1 <= len(layers) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(M, n, K, qx.device) for n in widths)):
         raise ValueError(f"w4a4_wgmma needs an sm_90 GPU with the compiled kernel, M > {MMA_MAX_M}, N % 4 == 0, "
                          f"K % 32 == 0 and 1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={widths} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(qx.device), widths)
-    tile = (cfg["bn"], cfg["channels"])
-    if tile not in wgmma_tiles(widths):
-        raise ValueError(f"(bn, channels) must be one of {wgmma_tiles(widths)} for layers of widths {widths} "
-                         f"(each but the last a multiple of the channels), got {tile}")
+    cfg = dict(config) if config is not None else wgmma_config(M, sum(widths), K, num_sms(qx.device), widths)
+    tiles = wgmma_tiles(widths)
+    if (cfg["bn"], cfg["channels"]) not in tiles:
+        raise ValueError(f"(bn, channels) must be one of {tiles} for layers of widths {widths} "
+                         f"(each but the last a multiple of the channels), got {(cfg['bn'], cfg['channels'])}")
+    ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
+    _launch_wgmma(qx, x_scale, layers, ys, 3 if out_int32 else _DTYPE_CODES[out_dtype], order, cfg, gated=False)
+    return ys
+
+
+def gated_applicable(qx: torch.Tensor, gate, up) -> bool:
+    """Whether `w4a4_wgmma_silu_mul` runs this gate and up (qweight, w_scale, bias): where
+    `w4a4_wgmma` runs each, with equal widths, one w_scale dtype, and a bias on both or neither."""
+    M, K = qx.shape
+    N = gate[0].shape[1]
+    return (up[0].shape[1] == N and wgmma_applicable(M, N, K, qx.device) and gate[1].dtype == up[1].dtype
+            and (gate[2] is None) == (up[2] is None) and (gate[2] is None or gate[2].dtype == up[2].dtype))
+
+
+# From how many tokens the engine runs a gate/up pair as one gated GEMM. Its epilogue (SiLU and
+# twice the scaling per output, while the tensor cores wait) costs about what the glue kernel it
+# replaces did, so it pays only on big prefills: Llama-2-7B W4A4 prefill against the products and
+# the glue kernel 0.98x at 128 tokens, 1.00x at 512, 1.016x at 1024, 1.027x at 4096 (H200,
+# benchmarks/scripts/gated_prefill_ab.py).
+GATED_MIN_TOKENS = 1024
+
+
+def gated_preferred(qx: torch.Tensor, gate, up) -> bool:
+    """Whether the engine runs this gate and up as `w4a4_wgmma_silu_mul`: where it applies, from
+    GATED_MIN_TOKENS tokens."""
+    return qx.shape[0] >= GATED_MIN_TOKENS and gated_applicable(qx, gate, up)
+
+
+def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_dtype: torch.dtype = torch.bfloat16,
+                        *, order: str = "natural", config: Optional[dict] = None) -> torch.Tensor:
+    """SiLU(gate(x)) * up(x) for a SwiGLU MLP's gate and up layers (qweight, w_scale, bias) on one
+    launch of `w4a4_wgmma` whose epilogue multiplies (csrc/w4a4_wgmma.cu: GATED): the same values,
+    to the bit, as the two products rounded to ``out_dtype`` (float16 or bfloat16) and the engine's
+    glue kernel (``nibble.eval.engine.silu_mul``) on them, without their 2N-wide output. The tile
+    and split-K are `wgmma_config`'s for a 2N-column product; ``config`` overrides them."""
+    for layer in (gate, up):
+        _check_matmul_inputs(qx, x_scale, *layer)
+    if not gated_applicable(qx, gate, up):
+        raise ValueError(f"w4a4_wgmma_silu_mul needs an sm_90 GPU with the compiled kernel, M > {MMA_MAX_M}, "
+                         f"N % 4 == 0, K % 32 == 0 (as w4a4_wgmma), gate and up of one width and w_scale dtype, "
+                         f"and a bias on both or neither; got M, K = {tuple(qx.shape)}, widths "
+                         f"{gate[0].shape[1]} and {up[0].shape[1]}, on {qx.device}")
+    if out_dtype not in KERNEL_DTYPES:
+        raise TypeError(f"out_dtype must be float16 or bfloat16, got {out_dtype}")
+    M, K = qx.shape
+    N = gate[0].shape[1]
+    cfg = dict(config) if config is not None else wgmma_config(M, 2 * N, K, num_sms(qx.device))
+    if (cfg["bn"], cfg["channels"]) not in WGMMA_TILES:
+        raise ValueError(f"(bn, channels) must be one of {WGMMA_TILES}, got {(cfg['bn'], cfg['channels'])}")
+    y = _output(qx, N, out_dtype, False)
+    _launch_wgmma(qx, x_scale, [gate, up], [y, y], _DTYPE_CODES[out_dtype], order, cfg, gated=True)
+    return y
+
+
+def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict, gated: bool) -> None:
+    """One launch of csrc/w4a4_wgmma.cu over checked layers into the outputs ys (its entry point's
+    contract); gated: SiLU(gate) * up into ys[0], the launch's columns twice the layers' width."""
+    M, K = qx.shape
+    check_order(order, K)
     if order == "natural":
         qx = to_even_odd(qx)
     qx = _aligned_rows(qx, 16)
@@ -1060,24 +1117,24 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     x_scale = operands[0][0]
     scale_dtypes, bias_dtypes = _launch_dtypes([op[1:] for op in operands])
     if len(scale_dtypes) > 1 or len(bias_dtypes) > 1:
-        raise ValueError("the layers of one w4a4_wgmma_many launch must share the w_scale dtype and the bias dtype")
-    ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
+        raise ValueError("the layers of one w4a4_wgmma launch must share the w_scale dtype and the bias dtype")
+    widths = [qweight.shape[1] for _, qweight, _, _ in operands]
+    N = sum(widths)
     pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
                 for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, *tile), qx.device)
+    part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, cfg["bn"], cfg["channels"]), qx.device)
     lib = _wgmma_lib(qx.device)
     with torch.cuda.device(qx.device):
         err = lib.nibble_w4a4_wgmma(
-            3 if out_int32 else _DTYPE_CODES[out_dtype], *tile, qx.data_ptr(), x_scale.data_ptr(),
-            _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K,
-            qx.stride(0), len(layers), *pointers, cuda_build.c_array(ctypes.c_int, widths),
-            cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]), part.data_ptr(), cnt.data_ptr(), split,
-            per_split, int(early_launch(qx.device, M)), torch.cuda.current_stream(qx.device).cuda_stream)
+            out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
+            _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
+            cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
+            part.data_ptr(), cnt.data_ptr(), split, per_split, int(gated), int(early_launch(qx.device, M)),
+            torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "
-                           f"(M={M} N={widths} K={K} config={cfg})")
-    return ys
+                           f"(M={M} N={widths} K={K} config={cfg}{', gated' if gated else ''})")
 
 
 def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from nibble import QuantConfig, QuantLinear, quantize_model
 from nibble.eval import engine as engine_mod
 from nibble.eval import memory, speed
 from nibble.eval.engine import Engine
+from nibble.kernels import w4a4
 from nibble.models.convert import weight_bytes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -299,6 +300,10 @@ def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode, monkeypatch):
     fused = []  # W4A4: the norms quantize for the q/k/v and gate/up projections
     norm_quantize = engine_mod.add_rmsnorm_quantize
     monkeypatch.setattr(engine_mod, "add_rmsnorm_quantize", lambda *a: fused.append(a[-1]) or norm_quantize(*a))
+    gated = []  # W4A4 on Hopper: the gate/up GEMM multiplies in its epilogue (forced at 32 tokens)
+    monkeypatch.setattr(w4a4, "GATED_MIN_TOKENS", 17)
+    silu_mul_product = w4a4.w4a4_wgmma_silu_mul
+    monkeypatch.setattr(w4a4, "w4a4_wgmma_silu_mul", lambda *a, **k: gated.append(1) or silu_mul_product(*a, **k))
     prompt = torch.randint(0, 256, (2, 16), device="cuda")
     engine = Engine(model, max_batch=2, max_seq_len=64)
     assert engine.cuda_graphs
@@ -306,7 +311,32 @@ def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode, monkeypatch):
     assert ("decode", 2) in engine._graphs and ("prefill", 2, 16) in engine._graphs
     assert torch.equal(engine.generate(prompt, 32), tokens)  # replaying the graphs is deterministic
     assert (len(fused) > 0) == (mode == "w4a4")
+    assert (len(gated) > 0) == (mode == "w4a4" and w4a4.wgmma_applicable(32, 512, 256, "cuda"))
     assert_greedy_equal_up_to_near_ties(model, prompt, tokens, hf_greedy(model, prompt, 32), tol=0.05)
+
+
+@gpu
+@pytest.mark.gpu
+def test_w4a4_gated_gemm_prefill_equals_the_products_and_glue_kernel(monkeypatch):
+    """The W4A4 engine's prefill with gate/up as one GEMM that multiplies in its epilogue gives the
+    logits of the two products then the SiLU(gate) * up kernel, to the bit (Hopper; forced at 74
+    tokens, and off at 74 by default: GATED_MIN_TOKENS)."""
+    if not w4a4.wgmma_applicable(64, 512, 256, "cuda"):
+        pytest.skip("the gated GEMM runs on Hopper (sm_90) only")
+    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=576).cuda()
+    quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
+    prompt = torch.randint(0, 256, (2, 37), device="cuda")
+    positions = torch.arange(37, device="cuda")
+    calls = []
+    monkeypatch.setattr(w4a4, "GATED_MIN_TOKENS", 17)
+    silu_mul_product = w4a4.w4a4_wgmma_silu_mul
+    monkeypatch.setattr(w4a4, "w4a4_wgmma_silu_mul", lambda *a, **k: calls.append(1) or silu_mul_product(*a, **k))
+    with torch.no_grad():
+        logits = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, True)
+        assert len(calls) == model.config.num_hidden_layers
+        monkeypatch.setattr(w4a4, "GATED_MIN_TOKENS", 1024)
+        unfused = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, True)
+    assert len(calls) == model.config.num_hidden_layers and torch.equal(logits, unfused)
 
 
 @gpu

@@ -1003,6 +1003,77 @@ def test_wgmma_many_layers_in_one_launch(M):
         w4a4.w4a4_wgmma_many(qx, sx, [(qw, ws, None) for qw, ws in layers + layers[:1]])
 
 
+def _gated_layers(N, K, gen, bias, w_scale_dtype=torch.float16):
+    """A gate and an up layer (qweight, w_scale, bias) of N x K; scales that put the products
+    around 1 to 30, where SiLU bends and the bf16 roundings of both factors matter."""
+    layers = []
+    for _ in range(2):
+        qw, _ = _codes_weight(N, K, "cuda", gen)
+        ws = ((torch.rand(N, generator=gen) + 0.5) * 2.0 / K ** 0.5).to(device="cuda", dtype=w_scale_dtype)
+        b = None if bias is None else torch.randn(N, generator=gen).to(device="cuda", dtype=bias)
+        layers.append((qw, ws, b))
+    return layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K,bias", [(11008, 4096, None), (14336, 4096, None), (1536, 576, None),
+                                      (260, 1056, torch.bfloat16), (4100, 4096, torch.float32)])
+@pytest.mark.parametrize("M", [17, 100, 129, 512])
+def test_wgmma_silu_mul_equals_the_products_then_the_glue_kernel(M, N, K, bias, dtype):
+    """The gated launch (csrc/w4a4_wgmma.cu: GATED) against the two products rounded to dtype and
+    the engine's SiLU(gate) * up kernel on them, to the bit: every tile, with and without split-K,
+    N not a multiple of the tile's 64 / 128 gate columns (260, 4100), K not a multiple of the
+    stage (576, 1056), a bias on both; within a rounding or two of Hugging Face's F.silu(g) * u in
+    PyTorch (the reference); outputs poisoned."""
+    _needs_wgmma_kernel()
+    from nibble.eval import engine
+    gen = torch.Generator().manual_seed(M * 31 + N + K)
+    gate, up = _gated_layers(N, K, gen, bias)
+    qx = _qx(M, K, "cuda", gen)
+    sx = (torch.rand(M, generator=gen) * 0.5 + 0.5).cuda()
+    unfused = engine.silu_mul(*(w4a4.w4a4_wgmma(qx, sx, *layer, dtype) for layer in (gate, up)))
+    ref = reference.w4a4_silu_mul(qx, sx, gate, up, dtype)
+    assert torch.isfinite(unfused).all() and unfused.abs().max() > 1
+    torch.testing.assert_close(unfused.float(), ref.float(), rtol=2 ** -6, atol=1e-5)
+    k_tiles = -(-K // hopper.STAGE_K)
+    configs = [None] + [dict(bn=bn, channels=ch, split_k=split) for bn, ch in w4a4.WGMMA_TILES
+                        for split in ((1, 3) if k_tiles >= 6 else (1,))]
+    for cfg in configs:
+        _poison_allocator("cuda")
+        y = w4a4.w4a4_wgmma_silu_mul(qx, sx, gate, up, dtype, config=cfg)
+        assert y.shape == (M, N) and y.dtype == dtype
+        assert torch.equal(y, unfused), f"config {cfg}: {(y != unfused).sum().item()} of {y.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_wgmma_silu_mul_saturates_and_checks_its_inputs():
+    """A token that held +-Inf (a huge scale) gives what the unfused path gives; wrong pairs are refused."""
+    _needs_wgmma_kernel()
+    from nibble.eval import engine
+    gen = torch.Generator().manual_seed(5)
+    M, N, K = 40, 512, 1024
+    gate, up = _gated_layers(N, K, gen, None)
+    qx = _qx(M, K, "cuda", gen)
+    sx = (torch.rand(M, generator=gen) + 0.5).cuda()
+    sx[3] = torch.finfo(torch.bfloat16).max / 7
+    y = w4a4.w4a4_wgmma_silu_mul(qx, sx, gate, up, torch.bfloat16, order="natural")
+    assert torch.equal(y, engine.silu_mul(*w4a4.w4a4_wgmma_many(qx, sx, [gate, up], torch.bfloat16)))
+    assert not torch.isnan(y).any()
+    narrow = (gate[0][:, :256].contiguous(), gate[1][:256].contiguous(), None)
+    assert not w4a4.gated_applicable(qx, narrow, up)
+    with pytest.raises(ValueError, match="one width"):
+        w4a4.w4a4_wgmma_silu_mul(qx, sx, narrow, up)
+    with pytest.raises(ValueError, match="bias on both or neither"):
+        w4a4.w4a4_wgmma_silu_mul(qx, sx, gate, (*up[:2], torch.zeros(N, device="cuda")))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        w4a4.w4a4_wgmma_silu_mul(qx, sx, gate, up, torch.float32)
+    with pytest.raises(ValueError, match="sm_90"):
+        w4a4.w4a4_wgmma_silu_mul(qx[:16], sx[:16], gate, up)  # 16 tokens: the decode kernel's
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_kernels_take_misaligned_views():

@@ -55,6 +55,14 @@
 // reading its weight's tensor map and writing its weight's output. At prefill sizes the separate
 // products leave SMs idle: Llama-2-7B's q, k and v at 128 tokens are 3 x 32 tiles of 128 x 128, one
 // wave each, where the group's 96 tiles are one wave in all.
+//
+// GATED: the MLP's gate and up weights (N columns each) as one GEMM whose epilogue writes
+// SiLU(gate) * up, N columns, instead of the 2N columns of the two products. A tile of CH "gated"
+// columns copies CH / 2 columns of each weight (gate's boxes, then up's: two tensor maps), and each
+// lane's MMA rows pair a gate column with the same up column (hopper.cuh: LaneWeights), so the
+// epilogue multiplies in registers. The 2N-wide output and the glue kernel that read it back went:
+// at 512 tokens of Llama-2-7B, 34 MB of traffic a layer. The SiLU is the engine's glue kernel's to
+// the bit (its PTX: ex2.approx, div.full), so fused and unfused prefills give the same tokens.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -102,7 +110,62 @@ struct Weights {
   int ldo[MAX_WEIGHTS], col_end[MAX_WEIGHTS];
 };
 
-template <typename T, int BN, int CH_>
+// The GATED epilogue: SiLU(gate) * up as the engine computes it from the two products, to the bit.
+// The products round to T (saturate_pack2, as the plain epilogue stores them), then the engine's
+// glue kernel (nibble/eval/engine.py: _silu_mul_kernel) takes over: its instructions (Triton's
+// exp and division: ex2.approx of -g log2(e), div.full), SiLU rounded to T, times up, rounded once.
+// Counted in instructions, because the epilogue is time the tensor cores wait: per output about
+// 20 instead of the 34 of a plain transcription (2-3 us per 128 x 256 item, H200).
+template <typename T>
+__device__ __forceinline__ float low_half(uint32_t d) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(static_cast<unsigned short>(d)));
+  else return __uint_as_float(d << 16);
+}
+template <typename T>
+__device__ __forceinline__ float high_half(uint32_t d) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(static_cast<unsigned short>(d >> 16)));
+  else return __uint_as_float(d & 0xFFFF0000u);
+}
+
+// Two floats rounded to T and packed by one instruction (lo in the low half), without saturation:
+// an overflow is Inf, as in the glue kernel's bf16 / fp16 multiply.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, __half>) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// SiLU(g) rounded to T. -g log2(e) in one multiply is (0 - g) log2(e) to the bit, and the flush to
+// zero changes no result: a subnormal argument or result of ex2 still gives 1 + e = 1.
+template <typename T>
+__device__ __forceinline__ float silu_rounded(float g) {
+  float s;
+  asm("{ .reg .f32 e; mul.f32 e, %1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 e, e, 0f3F800000;"
+      " div.full.f32 %0, %1, e; }" : "=f"(s) : "f"(g));
+  return low_half<T>(pack2<T>(s, s));
+}
+
+// The J outputs of one token from its J gate / up accumulator pairs v[2i] / v[2i + 1].
+template <typename T, int J>
+__device__ __forceinline__ void store_silu_mul(T* dst, const int (&v)[2 * J], float x_scale, const float (&ws)[2 * J],
+                                               bool has_bias, const float (&bs)[2 * J]) {
+  float y[J];
+#pragma unroll
+  for (int i = 0; i < J; ++i) {
+    const uint32_t gu = saturate_pack2<T>(scale_output(v[2 * i] >> 4, x_scale, ws[2 * i], has_bias, bs[2 * i]),
+                                          scale_output(v[2 * i + 1] >> 4, x_scale, ws[2 * i + 1], has_bias, bs[2 * i + 1]));
+    y[i] = __fmul_rn(silu_rounded<T>(low_half<T>(gu)), high_half<T>(gu));
+  }
+  if constexpr (J == 2) {
+    *reinterpret_cast<uint32_t*>(dst) = pack2<T>(y[0], y[1]);
+  } else {
+    *reinterpret_cast<unsigned short*>(dst) = static_cast<unsigned short>(pack2<T>(y[0], y[0]));
+  }
+}
+
+template <typename T, int BN, int CH_, bool GATED>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
                       const float* __restrict__ x_scale, int w_scale_dtype, int bias_dtype, int* __restrict__ partial,
@@ -137,7 +200,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         const CUtensorMap* w_map = which == 0 ? &weights.map[0] : which == 1 ? &weights.map[1] : &weights.map[2];
         produce<STAGES>(
             bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
-            [&](uint32_t dst, int k0, uint32_t full) { load_weight_boxes<CH>(dst + X_STAGE, w_map, work.n0 - col0, k0, full); },
+            [&](uint32_t dst, int k0, uint32_t full) {
+              if constexpr (GATED) {  // the tile's columns of gate, then the same columns of up
+                load_weight_boxes<CH / 2>(dst + X_STAGE, &weights.map[0], work.n0 / 2, k0, full);
+                load_weight_boxes<CH / 2>(dst + X_STAGE + CH / 64 * W_BOX, &weights.map[1], work.n0 / 2, k0, full);
+              } else {
+                load_weight_boxes<CH>(dst + X_STAGE, w_map, work.n0 - col0, k0, full);
+              }
+            },
             [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });
         first += work.k_tiles;
       }
@@ -151,7 +221,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // global load is issued as the item starts, so the MMAs hide its latency.
   const int wg = warp >> 2, wg_tid = tid & 127;
   float* token_scale = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE + 16 * STAGES) + wg * BN;
-  const LaneWeights<J> lane_w(warp, g, X_STAGE);  // word rows 4 step + t of each stage
+  const LaneWeights<J, GATED> lane_w(warp, g, X_STAGE, CH / 64 * W_BOX);  // word rows 4 step + t of each stage
   int acc[J][R];
 
   for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
@@ -164,14 +234,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int ch = n0 + lane_w.col;
     int col0;
     const int which = column_weight(weights.col_end, n0, col0);
-    const int wch = ch - col0;  // the lane's first column in its weight
+    const int wch = GATED ? ch / 2 : ch - col0;  // the lane's first column in its weight (GATED: in gate and up)
     const void* w_scale = pick(weights.w_scale, which);
     const void* bias = pick(weights.bias, which);
-    uint32_t ws_bits[2 * J], bias_bits[2 * J];
+    uint32_t ws_bits[2 * J], bias_bits[2 * J];  // GATED: of gate, up, gate, up ...
 #pragma unroll
     for (int i = 0; i < 2 * J; ++i) {
-      ws_bits[i] = ch < N ? load_bits_early(w_scale, w_scale_dtype, wch + i) : 0u;
-      bias_bits[i] = ch < N && bias != nullptr ? load_bits_early(bias, bias_dtype, wch + i) : 0u;
+      const void* w_scale_i = GATED ? weights.w_scale[i % 2] : w_scale;
+      const void* bias_i = GATED ? weights.bias[i % 2] : bias;
+      const int col = GATED ? wch + i / 2 : wch + i;
+      ws_bits[i] = ch < N ? load_bits_early(w_scale_i, w_scale_dtype, col) : 0u;
+      bias_bits[i] = ch < N && bias_i != nullptr ? load_bits_early(bias_i, bias_dtype, col) : 0u;
     }
     zero_accumulators(acc);
     // With two m64 instructions a step (J = 2: 128 x 256 and 64 x 256 tiles) the weight words are
@@ -257,7 +330,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         int v[2 * J];
         token_values(acc, b, p, v);
         T* dst = out + (size_t)m * ldo + wch;
-        if constexpr (std::is_same_v<T, int>) {
+        if constexpr (GATED) {
+          store_silu_mul<T, J>(dst, v, token_scale[m - m0], ws, bias != nullptr, bs);
+        } else if constexpr (std::is_same_v<T, int>) {
           Vec<int, 2 * J> o;
 #pragma unroll
           for (int i = 0; i < 2 * J; ++i) o.v[i] = v[i] >> 4;  // the 16x of the weight bytes shifted out (exact)
@@ -282,32 +357,33 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <typename T, int BN, int CH>
+template <typename T, int BN, int CH, bool GATED>
 cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ws_dtype, int bias_dtype,
                    void* partial, void* counters, int M, int N, int K, int ldx, int splits, int tiles_per_split,
                    cudaStream_t stream, bool pdl) {
+  constexpr auto kernel = w4a4_wgmma_kernel<T, BN, CH, GATED>;
   CUtensorMap x_map;
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
-  if (err == cudaSuccess) err = opt_in_shared_memory<w4a4_wgmma_kernel<T, BN, CH>>();
+  if (err == cudaSuccess) err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   const int items = ((M + BN - 1) / BN) * ((N + CH - 1) / CH) * splits;
   int device = 0, sms = 0;
   err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  return launch_kernel(w4a4_wgmma_kernel<T, BN, CH>, items < sms ? items : sms, THREADS, Tile<BN, CH>::SMEM, stream,
-                       pdl, x_map, weights, xs, ws_dtype, bias_dtype, static_cast<int*>(partial),
-                       static_cast<int*>(counters), M, N, K, tiles_per_split, splits);
+  return launch_kernel(kernel, items < sms ? items : sms, THREADS, Tile<BN, CH>::SMEM, stream, pdl, x_map, weights,
+                       xs, ws_dtype, bias_dtype, static_cast<int*>(partial), static_cast<int*>(counters), M, N, K,
+                       tiles_per_split, splits);
 }
 
-template <typename T>
+template <typename T, bool GATED = false>
 cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weights& weights, int ws_dtype,
                      int bias_dtype, void* partial, void* counters, int M, int N, int K, int ldx, int splits,
                      int tiles_per_split, cudaStream_t st, bool pdl) {
-#define NIBBLE_LAUNCH(BN_, CH_)                                                                                \
-  if (bn == BN_ && ch == CH_)                                                                                  \
-    return launch<T, BN_, CH_>(qx, xs, weights, ws_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, \
-                               tiles_per_split, st, pdl);
+#define NIBBLE_LAUNCH(BN_, CH_)                                                                                   \
+  if (bn == BN_ && ch == CH_)                                                                                     \
+    return launch<T, BN_, CH_, GATED>(qx, xs, weights, ws_dtype, bias_dtype, partial, counters, M, N, K, ldx,      \
+                                      splits, tiles_per_split, st, pdl);
   NIBBLE_LAUNCH(64, 256)
   NIBBLE_LAUNCH(128, 256)
   NIBBLE_LAUNCH(128, 128)
@@ -326,14 +402,19 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weig
 // kernel leaves them zero). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw
 // accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16. pdl: launch early
 // (skinny.cuh: launch_kernel).
+// gated: SiLU(gate) * up into outs[0] (ldos[0]) of ns[0] columns, from count = 2 weights (gate, up)
+// of ns[0] == ns[1] columns, both or neither with a bias; out_dtype 1 or 2. The launch then has 2 ns[0]
+// "gated" columns (partial: int32 [splits, M, 2 ns[0]]).
 extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* x_scale,
                                  int w_scale_dtype, int bias_dtype, int M, int K, int ldx, int count,
                                  const void* const* qweights, const void* const* w_scales, const void* const* biases,
                                  void* const* outs, const int* ns, const int* ldos, void* partial, void* counters,
-                                 int splits, int tiles_per_split, int pdl, void* stream) {
+                                 int splits, int tiles_per_split, int gated, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
+  if (gated && (count != 2 || ns[0] != ns[1] || (out_dtype != 1 && out_dtype != 2))) return (int)cudaErrorInvalidValue;
   Weights w{};
-  const int N = running_ends(count, ns, 1, w.col_end);
+  const int gated_columns = 2 * ns[0];
+  const int N = gated ? running_ends(1, &gated_columns, 1, w.col_end) : running_ends(count, ns, 1, w.col_end);
   for (int i = 0; i < count; ++i) {
     const cudaError_t err = weight_map(&w.map[i], qweights[i], ns[i], K);
     if (err != cudaSuccess) return (int)err;
@@ -345,13 +426,18 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
-  switch (out_dtype) {
-    case 0: err = launch_t<float>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
-    case 1: err = launch_t<__half>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
-    case 2: err = launch_t<__nv_bfloat16>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
-    case 3: err = launch_t<int>(bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, tiles_per_split, st, pdl); break;
+#define NIBBLE_ARGS bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, \
+                    tiles_per_split, st, pdl
+  if (gated)
+    err = out_dtype == 1 ? launch_t<__half, true>(NIBBLE_ARGS) : launch_t<__nv_bfloat16, true>(NIBBLE_ARGS);
+  else switch (out_dtype) {
+    case 0: err = launch_t<float>(NIBBLE_ARGS); break;
+    case 1: err = launch_t<__half>(NIBBLE_ARGS); break;
+    case 2: err = launch_t<__nv_bfloat16>(NIBBLE_ARGS); break;
+    case 3: err = launch_t<int>(NIBBLE_ARGS); break;
     default: err = cudaErrorInvalidValue;
   }
+#undef NIBBLE_ARGS
   return (int)err;
 }
 
