@@ -1068,8 +1068,8 @@ def gated_applicable(qx: torch.Tensor, gate, up) -> bool:
 # From how many tokens the engine runs a gate/up pair as one gated GEMM. Its epilogue (SiLU and
 # twice the scaling per output, while the tensor cores wait) costs about what the glue kernel it
 # replaces did, so it pays only on big prefills: Llama-2-7B W4A4 prefill against the products and
-# the glue kernel 0.98x at 128 tokens, 1.00x at 512, 1.016x at 1024, 1.027x at 4096 (H200,
-# benchmarks/scripts/gated_prefill_ab.py).
+# the glue kernel, two runs, 0.98-0.99x at 128 tokens, 1.00x at 512, 1.00-1.02x at 1024, 1.03x at
+# 4096 (H200, benchmarks/scripts/gated_prefill_ab.py).
 GATED_MIN_TOKENS = 1024
 
 

@@ -60,9 +60,11 @@
 // SiLU(gate) * up, N columns, instead of the 2N columns of the two products. A tile of CH "gated"
 // columns copies CH / 2 columns of each weight (gate's boxes, then up's: two tensor maps), and each
 // lane's MMA rows pair a gate column with the same up column (hopper.cuh: LaneWeights), so the
-// epilogue multiplies in registers. The 2N-wide output and the glue kernel that read it back went:
-// at 512 tokens of Llama-2-7B, 34 MB of traffic a layer. The SiLU is the engine's glue kernel's to
-// the bit (its PTX: ex2.approx, div.full), so fused and unfused prefills give the same tokens.
+// epilogue multiplies in registers. The 2N-wide output and the glue kernel that read it back go
+// (at 512 tokens of Llama-2-7B, 34 MB of traffic a layer), but the epilogue, time the tensor cores
+// wait, grows by about as much (benchmarks/results/gated-gemm-h200.json), so the engine uses it
+// from 1024 tokens (w4a4.py: GATED_MIN_TOKENS). The SiLU is the engine's glue kernel's to the bit
+// (its PTX: ex2.approx, div.full), so fused and unfused prefills give the same tokens.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -114,8 +116,10 @@ struct Weights {
 // The products round to T (saturate_pack2, as the plain epilogue stores them), then the engine's
 // glue kernel (nibble/eval/engine.py: _silu_mul_kernel) takes over: its instructions (Triton's
 // exp and division: ex2.approx of -g log2(e), div.full), SiLU rounded to T, times up, rounded once.
-// Counted in instructions, because the epilogue is time the tensor cores wait: per output about
-// 20 instead of the 34 of a plain transcription (2-3 us per 128 x 256 item, H200).
+// Counted in instructions, because the epilogue is time the tensor cores wait: a plain
+// transcription (34 PTX instructions an output: saturation by compares, one conversion per value)
+// made Llama-2-7B's 512-token prefill 0.25 ms slower than the unfused path; this one (~20: paired
+// conversions, one multiply for -g log2(e), ex2 flushing to zero) breaks even there (H200).
 template <typename T>
 __device__ __forceinline__ float low_half(uint32_t d) {
   if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(static_cast<unsigned short>(d)));
