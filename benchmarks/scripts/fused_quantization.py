@@ -7,8 +7,6 @@ kernels' warps swept. The fused result is checked equal to the unfused one befor
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
+from nibble.bench.timing import bench_us, rotations, token_sweep_main  # noqa: E402
 from nibble.eval import engine  # noqa: E402
 from nibble.kernels import w4a4  # noqa: E402
 
@@ -56,16 +54,7 @@ def time_norm(M: int, N: int, say) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    args = ap.parse_args()
-    tokens = [int(t) for t in args.tokens.split(",")]
-    rows = []
-    for M in tokens:
-        rows += time_norm(M, 4096, print)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
+    token_sweep_main(__doc__, TOKENS, lambda tokens: [row for M in tokens for row in time_norm(M, 4096, print)])
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ checked equal to the unfused one before it is timed.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
+from nibble.bench.timing import bench_us, rotations, token_sweep_main  # noqa: E402
 from nibble.eval import engine  # noqa: E402
 from nibble.kernels import w4a4  # noqa: E402
 
@@ -72,16 +70,7 @@ def time_shape(N: int, K: int, tokens, say) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    args = ap.parse_args()
-    tokens = [int(t) for t in args.tokens.split(",")]
-    rows = []
-    for N, K in SHAPES:
-        rows += time_shape(N, K, tokens, print)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
+    token_sweep_main(__doc__, TOKENS, lambda tokens: [row for N, K in SHAPES for row in time_shape(N, K, tokens, print)])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Small API, used by every kernel family's benchmark:
 - ``rotations(bytes_per_set)`` -> how many input sets make the working set exceed the L2
   several times over.
 - ``env_meta()`` -> dict with GPU name, torch / triton / CUDA versions, git commit, date.
+- ``token_sweep_main(doc, tokens, rows_for)``: the command line of a script that sweeps token counts.
 - ``write_results(rows, meta, out_dir, name)`` -> writes ``name.json`` (meta + rows) and
   ``name.png`` (speedup vs M, one panel per (N, K) shape, one line per op).
 
@@ -187,6 +188,20 @@ def tee(path: str | os.PathLike) -> Callable[..., None]:
         f.write(line + "\n")
         f.flush()
     return say
+
+
+def token_sweep_main(doc: str, default_tokens: Sequence[int], rows_for: Callable[[list[int]], list[dict]]) -> None:
+    """The command line of a benchmark script that sweeps token counts: ``--tokens`` (comma-separated,
+    default ``default_tokens``) and ``--json`` (the rows ``rows_for(tokens)`` times, with `env_meta`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--tokens", default=",".join(map(str, default_tokens)))
+    args = ap.parse_args()
+    rows = rows_for([int(t) for t in args.tokens.split(",")])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
 
 
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, name: str, *,

@@ -76,6 +76,11 @@ template <typename V>
 __device__ __forceinline__ V pick(const V (&a)[MAX_WEIGHTS], int i) {
   return i == 0 ? a[0] : i == 1 ? a[1] : a[2];
 }
+// &a[i] by selects: the tensor map of weight i in a __grid_constant__ parameter, read in place.
+template <typename V>
+__device__ __forceinline__ const V* pick_address(const V (&a)[MAX_WEIGHTS], int i) {
+  return i == 0 ? &a[0] : i == 1 ? &a[1] : &a[2];
+}
 
 // The weight this CTA computes, and its first column in that weight. A launch of one weight is its
 // own instantiation (MANY = false): weight 0 at compile time, so its pointers are kernel parameters

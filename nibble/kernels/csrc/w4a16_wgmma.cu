@@ -175,9 +175,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == CONSUMER_THREADS) {
       const int wn0 = n0 - col0;
-      const CUtensorMap* w_map = which == 0 ? &weights.w_map[0] : which == 1 ? &weights.w_map[1] : &weights.w_map[2];
-      const CUtensorMap* s_map = which == 0 ? &weights.s_map[0] : which == 1 ? &weights.s_map[1] : &weights.s_map[2];
-      const CUtensorMap* z_map = which == 0 ? &weights.z_map[0] : which == 1 ? &weights.z_map[1] : &weights.z_map[2];
+      const CUtensorMap* w_map = pick_address(weights.w_map, which);
+      const CUtensorMap* s_map = pick_address(weights.s_map, which);
+      const CUtensorMap* z_map = pick_address(weights.z_map, which);
       produce<STAGES>(
           bars, base, STAGE, L::BYTES, work.k_begin, tiles, 0,
           [&](uint32_t dst, int k0, uint32_t full) {

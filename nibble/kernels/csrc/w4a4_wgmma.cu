@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, w % tiles, w / tiles);
         int col0;
         const int which = column_weight(weights.col_end, work.n0, col0);
-        const CUtensorMap* w_map = which == 0 ? &weights.map[0] : which == 1 ? &weights.map[1] : &weights.map[2];
+        const CUtensorMap* w_map = pick_address(weights.map, which);
         produce<STAGES>(
             bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
             [&](uint32_t dst, int k0, uint32_t full) {
