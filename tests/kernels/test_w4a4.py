@@ -1099,6 +1099,10 @@ def test_wgmma_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="sm_90"):
         w4a4.w4a4_wgmma(qx, sx, qw, ws)
     assert not w4a4.wgmma_applicable(17, 64, 64, "cpu")
+    gate = up = (qw, ws, None)
+    assert not w4a4.gated_applicable(qx, gate, up) and not w4a4.gated_preferred(torch.zeros(4096, 64), gate, up)
+    with pytest.raises(ValueError, match="sm_90"):
+        w4a4.w4a4_wgmma_silu_mul(qx, sx, gate, up)
     assert w4a4.product_order(17, 64, 64, "cpu") == "natural"
     with pytest.raises(ValueError, match="even_odd activations are for w4a4_wgmma"):
         w4a4.w4a4_matmul(qx, sx, qw, ws, order="even_odd")
