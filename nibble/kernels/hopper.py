@@ -64,3 +64,16 @@ def pick_config(M: int, N: int, K: int, model: CostModel, num_sms: int, tiles=No
               if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) * split <= 2 * num_sms)]
     (tokens, channels), split = min(shapes, key=lambda c: model.us(M, N, K, *c, num_sms))
     return dict(bn=tokens, channels=channels, split_k=split)
+
+
+def launch_config(config, M: int, K: int, widths, model: CostModel, num_sms: int, kernel: str) -> dict:
+    """The config of one launch of a Hopper GEMM (``kernel`` names it in errors) over weights of
+    ``widths`` columns side by side: ``config`` (bn, channels, split_k) as given, else
+    `pick_config`'s; either way a tile the widths allow (`tiles_side_by_side`), or a ValueError
+    that names those tiles."""
+    tiles = tiles_side_by_side(tuple(model.stage_us), widths)
+    tile = None if config is None else (config["bn"], config["channels"])
+    if not tiles or (tile is not None and tile not in tiles):
+        raise ValueError(f"{kernel}: (bn, channels) must be one of {tiles} for weights of widths {list(widths)} "
+                         f"(each but the last a multiple of the channels), got {tile or 'none that fits'}")
+    return dict(config) if config is not None else pick_config(M, sum(widths), K, model, num_sms, tiles)

@@ -853,11 +853,8 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
         raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0, a group of 32, 64, "
                          f"a multiple of 128 or one per column and 1 to {MMA_MAX_WEIGHTS} weights; got N={widths} "
                          f"K={K} group={group_size} on {x.device}")
-    cfg = dict(config) if config is not None else wgmma_config(M, N, K, num_sms(x.device), widths)
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, num_sms(x.device), "w4a16_wgmma")
     tile = (cfg["bn"], cfg["channels"])
-    if tile not in wgmma_tiles(widths):
-        raise ValueError(f"(bn, channels) must be one of {wgmma_tiles(widths)} for weights of widths {widths} "
-                         f"(each but the last a multiple of the channels), got {tile}")
     # The TMA reads 16-byte aligned rows; the epilogue stores 4 outputs (8 bytes) at a time.
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)

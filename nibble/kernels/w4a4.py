@@ -1046,11 +1046,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
                          f"K % 32 == 0 and 1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={widths} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = dict(config) if config is not None else wgmma_config(M, sum(widths), K, num_sms(qx.device), widths)
-    tiles = wgmma_tiles(widths)
-    if (cfg["bn"], cfg["channels"]) not in tiles:
-        raise ValueError(f"(bn, channels) must be one of {tiles} for layers of widths {widths} "
-                         f"(each but the last a multiple of the channels), got {(cfg['bn'], cfg['channels'])}")
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, num_sms(qx.device), "w4a4_wgmma")
     ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
     _launch_wgmma(qx, x_scale, layers, ys, 3 if out_int32 else _DTYPE_CODES[out_dtype], order, cfg, gated=False)
     return ys
@@ -1061,8 +1057,9 @@ def gated_applicable(qx: torch.Tensor, gate, up) -> bool:
     `w4a4_wgmma` runs each, with equal widths, one w_scale dtype, and a bias on both or neither."""
     M, K = qx.shape
     N = gate[0].shape[1]
-    return (up[0].shape[1] == N and wgmma_applicable(M, N, K, qx.device) and gate[1].dtype == up[1].dtype
-            and (gate[2] is None) == (up[2] is None) and (gate[2] is None or gate[2].dtype == up[2].dtype))
+    scale_dtypes, bias_dtypes = _launch_dtypes([gate, up])
+    return (up[0].shape[1] == N and wgmma_applicable(M, N, K, qx.device) and len(scale_dtypes) == 1
+            and len(bias_dtypes) <= 1 and (gate[2] is None) == (up[2] is None))
 
 
 # From how many tokens the engine runs a gate/up pair as one gated GEMM. Its epilogue (SiLU and
@@ -1097,9 +1094,8 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
         raise TypeError(f"out_dtype must be float16 or bfloat16, got {out_dtype}")
     M, K = qx.shape
     N = gate[0].shape[1]
-    cfg = dict(config) if config is not None else wgmma_config(M, 2 * N, K, num_sms(qx.device))
-    if (cfg["bn"], cfg["channels"]) not in WGMMA_TILES:
-        raise ValueError(f"(bn, channels) must be one of {WGMMA_TILES}, got {(cfg['bn'], cfg['channels'])}")
+    # the gated columns of gate and up interleave inside every tile: one 2N-wide "weight"
+    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA_MODEL, num_sms(qx.device), "w4a4_wgmma_silu_mul")
     y = _output(qx, N, out_dtype, False)
     _launch_wgmma(qx, x_scale, [gate, up], [y, y], _DTYPE_CODES[out_dtype], order, cfg, gated=True)
     return y

@@ -239,6 +239,13 @@ def test_wgmma_tiles_for_layers_side_by_side():
     for M in (17, 128, 512, 4096):
         cfg = w4a4.wgmma_config(M, 896 + 256, 896, widths=[896, 128, 128])
         assert (cfg["bn"], cfg["channels"]) == (128, 128)
+        launch = hopper.launch_config(None, M, 896, [896, 128, 128], w4a4.WGMMA_MODEL, 132, "w4a4_wgmma")
+        assert launch == cfg
+    with pytest.raises(ValueError, match=r"must be one of \(\) .* got none that fits"):
+        hopper.launch_config(None, 64, 576, [576, 192, 192], w4a4.WGMMA_MODEL, 132, "w4a4_wgmma")
+    with pytest.raises(ValueError, match="multiple of the channels"):
+        hopper.launch_config(dict(bn=128, channels=256, split_k=1), 64, 896, [896, 128, 128], w4a4.WGMMA_MODEL, 132,
+                             "w4a4_wgmma")
 
 
 def test_pick_config_covers_decode_and_prefill():
