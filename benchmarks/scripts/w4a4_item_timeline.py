@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,6 @@ from nibble.bench.w4a4 import random_w4a4  # noqa: E402
 from nibble.kernels import cuda_build  # noqa: E402
 from nibble.kernels import w4a4 as W  # noqa: E402
 
-CSRC = Path(W.__file__).resolve().parent / "csrc"
 STAMPS = 8  # per item: 0 item start, 1 first stage landed, 2 MMAs done, 3 scales staged, 4 stores done
 # (text in the shipped kernel -> the same text with a stamp); each must occur exactly once
 EDITS = [
@@ -37,8 +35,10 @@ EDITS = [
     ("  for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {\n    const int tile = w % tiles, split = w / tiles;",
      "  for (int w = blockIdx.x, first = 0, item = 0; w < items; w += gridDim.x, ++item) {\n"
      "    const int tile = w % tiles, split = w / tiles;\n    STAMP(item, 0)"),
-    ("      mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);\n",
-     "      mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);\n      if (i == 0) STAMP(item, 1)\n"),
+    # (the first stage has landed at the first iteration: waited for there, or before the loop
+    # where the words are read a step ahead)
+    ("      if (!AHEAD) mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);\n",
+     "      if (!AHEAD) mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);\n      if (i == 0) STAMP(item, 1)\n"),
     ("    for (int j = 0; j < J; ++j) fence_operands(acc[j]);\n    // The item's last stage",
      "    for (int j = 0; j < J; ++j) fence_operands(acc[j]);\n    STAMP(item, 2)\n    // The item's last stage"),
     ("    if (wg_tid < BN) token_scale[wg_tid] = my_scale;\n    asm volatile(\"bar.sync %0, 128;\" ::\"r\"(2 + wg) : \"memory\");\n",
@@ -54,16 +54,7 @@ SHAPES = [(128, 12288, 4096, (128, 128)), (128, 4096, 4096, (128, 128)), (512, 1
 
 
 def build(tmp: Path) -> ctypes.CDLL:
-    src = (CSRC / "w4a4_wgmma.cu").read_text()
-    for old, new in EDITS:
-        if src.count(old) != 1:
-            raise SystemExit(f"the kernel changed: this script's stamp anchor is gone:\n{old}")
-        src = src.replace(old, new)
-    (tmp / "timed.cu").write_text(src + READ)
-    subprocess.run([cuda_build.find_nvcc() or "nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-                    "-gencode=arch=compute_90a,code=sm_90a", f"-I{CSRC}", "-o", str(tmp / "timed.so"),
-                    str(tmp / "timed.cu")], check=True)
-    lib = ctypes.CDLL(str(tmp / "timed.so"))
+    lib = cuda_build.build_edited("w4a4_wgmma", EDITS, tmp, append=READ)
     W._WGMMA_SIGNATURES(lib)
     lib.nibble_read_times.argtypes = [ctypes.c_void_p]
     return lib

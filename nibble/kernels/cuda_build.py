@@ -81,13 +81,39 @@ def build(name: str, arch: str, nvcc: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp_out), str(CSRC / f"{name}.cu")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise CudaBuildError(f"nvcc failed to build {name}.cu for sm_{arch}:\n{proc.stderr[-4000:]}")
+        _compile(nvcc, CSRC / f"{name}.cu", tmp_out, arch)
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
     return out
+
+
+def _compile(nvcc: str, src: Path, out: Path, arch: str) -> None:
+    """nvcc: ``src`` -> the shared library ``out`` for sm_<arch>, csrc/ on the include path (so a
+    copy of a kernel elsewhere finds its headers)."""
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-I{CSRC}",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(out), str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CudaBuildError(f"nvcc failed to build {src.name} for sm_{arch}:\n{proc.stderr[-4000:]}")
+
+
+def build_edited(name: str, edits, out_dir: Path, arch: str = "90a", append: str = "") -> ctypes.CDLL:
+    """An experiment's variant of a kernel, loaded: csrc/<name>.cu with each (old, new) of ``edits``
+    replaced (each ``old`` must occur exactly once, or the kernel changed under the experiment) and
+    ``append`` added, compiled into ``out_dir`` (benchmarks/scripts: an instrumented or restructured
+    copy; the package's sources and cache are untouched)."""
+    src = (CSRC / f"{name}.cu").read_text()
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise CudaBuildError(f"csrc/{name}.cu changed: the edit anchored on {old.splitlines()[0]!r} "
+                                 f"occurs {src.count(old)} times, not once")
+        src = src.replace(old, new)
+    cu, so = Path(out_dir) / f"{name}_edited.cu", Path(out_dir) / f"{name}_edited.so"
+    cu.write_text(src + append)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CudaBuildError("building a kernel variant needs nvcc; none found on PATH, in $CUDA_HOME or via $NVCC")
+    _compile(nvcc, cu, so, arch)
+    return ctypes.CDLL(str(so))
 
 
 def device_arch(device: torch.device, arch_specific: bool = False) -> str:

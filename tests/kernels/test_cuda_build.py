@@ -34,6 +34,23 @@ def test_broken_nvcc_path_is_a_clear_error(tmp_path):
         cuda_build.build("w4a16_mma", "90", nvcc=str(tmp_path / "no-such-nvcc"))
 
 
+def test_an_edited_variant_refuses_an_anchor_that_is_not_there_once(tmp_path):
+    """Experiments build edited copies of a kernel (`build_edited`); an edit whose text the kernel
+    no longer holds exactly once says so instead of building something else."""
+    for anchor in ("text no kernel holds", "#include"):
+        with pytest.raises(cuda_build.CudaBuildError, match="changed: the edit anchored on"):
+            cuda_build.build_edited("w4a4_wgmma", [(anchor, "")], tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+def test_builds_an_edited_variant(tmp_path):
+    """An edited copy outside csrc/ finds its headers and loads (the one-warpgroup experiment's edit)."""
+    lib = cuda_build.build_edited("w4a4_wgmma", [("static constexpr int CH = CH_, J = CH / 128;",
+                                                  "static constexpr int CH = CH_, J = CH / 128;  // edited")], tmp_path)
+    assert hasattr(lib, "nibble_w4a4_wgmma") and (tmp_path / "w4a4_wgmma_edited.cu").read_text().count("// edited") == 1
+
+
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 @pytest.mark.parametrize("name,arch,symbols", [
     ("w4a16_mma", "90", ("nibble_w4a16_mma", "nibble_cuda_error_string")),
