@@ -27,43 +27,52 @@ SHAPES = ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 409
           (28672, 8192), (8192, 28672))
 
 
+def time_builds(builds, shapes, ms, say=print) -> list[dict]:
+    """Rows {N, K, M, config (the op's pick), <build name>: us} for builds (name, library, config, or
+    None for the op's pick) of csrc/w4a4_wgmma.cu on the same inputs: every build's int32 products
+    must equal the first one's; timed A, B, ..., B, A and each build's two medians averaged."""
+    order = list(range(len(builds))) + list(reversed(range(len(builds))))
+    shipped, dev, rows = w4a4._wgmma_lib, torch.device("cuda"), []
+    for N, K in shapes:
+        n_rot = rotations(K * N // 2)
+        weights = [torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=dev) for _ in range(n_rot)]
+        w_scale = torch.rand(N, device=dev, dtype=torch.bfloat16) / 64
+        for M in ms:
+            qx = torch.randint(-8, 8, (M, K), dtype=torch.int8, device=dev)
+            sx = torch.rand(M, device=dev) / 8
+            cfg = w4a4.wgmma_config(M, N, K)
+            times: dict = {name: [] for name, _, _ in builds}
+            ref = None
+            for i in order:
+                name, lib, config = builds[i]
+                w4a4._wgmma_lib = lambda _d, lib=lib: lib
+                acc = w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, out_int32=True, order="even_odd", config=config)
+                if ref is None:
+                    ref = acc
+                assert torch.equal(acc, ref), f"{name} differs from {builds[order[0]][0]} at M={M} N={N} K={K}"
+                times[name].append(bench_us(lambda j: lambda: w4a4.w4a4_wgmma(
+                    qx, sx, weights[j], w_scale, order="even_odd", config=config), n_rot))
+            row = dict(N=N, K=K, M=M, config=cfg, **{n: sum(t) / len(t) for n, t in times.items()})
+            rows.append(row)
+            base = row[builds[0][0]]
+            say(f"{N:5d} x {K:5d} M={M:5d} {cfg['bn']}x{cfg['channels']}/{cfg['split_k']}: "
+                + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
+    w4a4._wgmma_lib = shipped
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("libs", nargs="+", help="shared libraries built from csrc/w4a4_wgmma.cu variants")
     ap.add_argument("--ms", default="128,512,1024,4096")
     ap.add_argument("--json")
     args = ap.parse_args()
-    libs = []
+    builds = []
     for path in args.libs:
         lib = ctypes.CDLL(str(Path(path).resolve()))
         w4a4._WGMMA_SIGNATURES(lib)
-        libs.append(lib)
-    names = [Path(p).stem for p in args.libs]
-    order = list(range(len(libs))) + list(reversed(range(len(libs))))
-    dev, rows = torch.device("cuda"), []
-    for N, K in SHAPES:
-        n_rot = rotations(K * N // 2)
-        weights = [torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=dev) for _ in range(n_rot)]
-        w_scale = torch.rand(N, device=dev, dtype=torch.bfloat16) / 64
-        for M in (int(m) for m in args.ms.split(",")):
-            qx = torch.randint(-8, 8, (M, K), dtype=torch.int8, device=dev)
-            sx = torch.rand(M, device=dev) / 8
-            cfg = w4a4.wgmma_config(M, N, K)
-            times: dict = {n: [] for n in names}
-            ref = None
-            for i in order:
-                w4a4._wgmma_lib = lambda _d, lib=libs[i]: lib
-                acc = w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, out_int32=True, order="even_odd")
-                if ref is None:
-                    ref = acc
-                assert torch.equal(acc, ref), f"{names[i]} differs from {names[order[0]]} at M={M} N={N} K={K}"
-                times[names[i]].append(bench_us(
-                    lambda j: lambda: w4a4.w4a4_wgmma(qx, sx, weights[j], w_scale, order="even_odd"), n_rot))
-            row = dict(N=N, K=K, M=M, config=cfg, **{n: sum(t) / len(t) for n, t in times.items()})
-            rows.append(row)
-            base = row[names[0]]
-            print(f"{N:5d} x {K:5d} M={M:5d} {cfg['bn']}x{cfg['channels']}/{cfg['split_k']}: "
-                  + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in names), flush=True)
+        builds.append((Path(path).stem, lib, None))
+    rows = time_builds(builds, SHAPES, [int(m) for m in args.ms.split(",")], lambda line: print(line, flush=True))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": env_meta(libs=args.libs), "rows": rows}, indent=1))
 
