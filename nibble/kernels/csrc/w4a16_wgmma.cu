@@ -128,13 +128,11 @@ __device__ __forceinline__ uint32_t dequant(uint32_t word, int rot, const Affine
   return Elem<T>::pack(fmaf(lo, a.s256, a.z256), fmaf(hi, a.s16, a.z16));
 }
 
-// A lane's 2J consecutive outputs of one token, in one store.
+// A lane's 2J consecutive outputs of one token, in one store where `live` (hopper.cuh: store_if).
 template <typename T, int J>
-__device__ __forceinline__ void store_outputs(T* dst, const float (&v)[2 * J]) {
-  Vec<uint32_t, J> o;
-#pragma unroll
-  for (int j = 0; j < J; ++j) o.v[j] = Elem<T>::pack(v[2 * j], v[2 * j + 1]);
-  *reinterpret_cast<Vec<uint32_t, J>*>(dst) = o;
+__device__ __forceinline__ void store_outputs(bool live, T* dst, const float (&v)[2 * J]) {
+  if constexpr (J == 2) store_if(live, dst, Elem<T>::pack(v[0], v[1]), Elem<T>::pack(v[2], v[3]));
+  else store_if(live, dst, Elem<T>::pack(v[0], v[1]));
 }
 
 // The weights of one launch: weight i (its codes, scales and zeros) owns the launch's columns
@@ -262,16 +260,15 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int j = 0; j < J; ++j) fence_operands(acc[j]);
 
   const int ch = n0 + col;
-  T* out = static_cast<T*>(pick(weights.out, which)) + (ch - col0);
-  const int ldo = pick(weights.ldo, which);
-  // token rows 8 b + 2 t + {0, 1}: one 2J-wide store per row
+  const size_t ldo = pick(weights.ldo, which);
+  T* const row_out = static_cast<T*>(pick(weights.out, which)) + (m0 + 2 * t) * ldo + (ch - col0);
+  // token rows 8 b + 2 t + {0, 1}: one 2J-wide store per row, predicated (no branch per token)
   const auto store_rows = [&](int b) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      const int m = m0 + 8 * b + 2 * t + p;
       float v[2 * J];
       token_values(acc, b, p, v);
-      if (m < M && ch < N) store_outputs<T, J>(out + (size_t)m * ldo, v);
+      store_outputs<T, J>(m0 + 8 * b + 2 * t + p < M && ch < N, row_out + (8 * b + p) * ldo, v);
     }
   };
   const int splits = gridDim.y;

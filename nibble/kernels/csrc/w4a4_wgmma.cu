@@ -63,7 +63,7 @@
 // epilogue multiplies in registers. The 2N-wide output and the glue kernel that read it back go
 // (at 512 tokens of Llama-2-7B, 34 MB of traffic a layer), but the epilogue, time the tensor cores
 // wait, grows by about as much (benchmarks/results/gated-gemm-h200.json), so the engine uses it
-// from 1024 tokens (w4a4.py: GATED_MIN_TOKENS). The SiLU is the engine's glue kernel's to the bit
+// from 512 tokens (w4a4.py: GATED_MIN_TOKENS). The SiLU is the engine's glue kernel's to the bit
 // (its PTX: ex2.approx, div.full), so fused and unfused prefills give the same tokens.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -82,12 +82,13 @@ constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per wa
 
 // The CTA: BN tokens x CH channels, CH / 128 = J m64 x BN x k32 instructions per warpgroup and step
 // (a lane owns 2J consecutive columns). 256 channels share each x tile between more weights; 128
-// make twice the CTAs where the output has few tiles. Stages as measured (H200): 6, but 4 for 128 x
-// 256 (session 6's choice; with the 6 that fit, the same tile ran 8-12% slower in session 7's run).
+// make twice the CTAs where the output has few tiles. Four stages each, as measured (H200, session
+// 15: benchmarks/results/w4a4-stages-h200.json): 3, 5 or 6 for 128 x 256 ran 2-13% slower, 6 or 8
+// for 128 x 128 1.5-4% slower than 4.
 template <int BN, int CH_> struct Tile {
   static constexpr int CH = CH_, J = CH / 128;
   static constexpr int X_BYTES = BN * BK, W_BYTES = CH / 32 * W_BOX, STAGE = X_BYTES + W_BYTES;
-  static constexpr int STAGES = BN == 128 && CH == 256 ? 4 : 6;
+  static constexpr int STAGES = 4;
   // + alignment slack, 2 mbarriers per stage, the token scales of each consumer warpgroup
   static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 2 * 4 * BN;
 };
@@ -151,10 +152,10 @@ __device__ __forceinline__ float silu_rounded(float g) {
   return low_half<T>(pack2<T>(s, s));
 }
 
-// The J outputs of one token from its J gate / up accumulator pairs v[2i] / v[2i + 1].
+// The J outputs of one token from its J gate / up accumulator pairs v[2i] / v[2i + 1] (stored where live).
 template <typename T, int J>
-__device__ __forceinline__ void store_silu_mul(T* dst, const int (&v)[2 * J], float x_scale, const float (&ws)[2 * J],
-                                               bool has_bias, const float (&bs)[2 * J]) {
+__device__ __forceinline__ void store_silu_mul(bool live, T* dst, const int (&v)[2 * J], float x_scale,
+                                               const float (&ws)[2 * J], bool has_bias, const float (&bs)[2 * J]) {
   float y[J];
 #pragma unroll
   for (int i = 0; i < J; ++i) {
@@ -163,8 +164,8 @@ __device__ __forceinline__ void store_silu_mul(T* dst, const int (&v)[2 * J], fl
     y[i] = __fmul_rn(silu_rounded<T>(low_half<T>(gu)), high_half<T>(gu));
   }
   if constexpr (J == 2) {
-    *reinterpret_cast<uint32_t*>(dst) = pack2<T>(y[0], y[1]);
-  } else {
+    store_if(live, dst, pack2<T>(y[0], y[1]));
+  } else if (live) {
     *reinterpret_cast<unsigned short*>(dst) = static_cast<unsigned short>(pack2<T>(y[0], y[0]));
   }
 }
@@ -317,47 +318,57 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (wg_tid < BN) token_scale[wg_tid] = my_scale;
     asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
     if (ch >= N) continue;
-    T* out = static_cast<T*>(pick(weights.out, which));
-    const int ldo = pick(weights.ldo, which);
     float ws[2 * J], bs[2 * J];  // scale_output's order: bias added last
 #pragma unroll
     for (int i = 0; i < 2 * J; ++i) {
       ws[i] = float_of_bits(ws_bits[i], w_scale_dtype);
       bs[i] = float_of_bits(bias_bits[i], bias_dtype);
     }
+    // The lane's outputs of token 8 b + 2 t + p sit at row_out + (8 b + p) ldo. The loop has no
+    // branch: tokens past M are computed and their stores predicated off. The epilogue is time the
+    // tensor cores wait, and its code is fetched cold at every launch in a model (other kernels ran
+    // in between): a branch per token (the bounds test, with its reconvergence) took the bf16 128 x
+    // 256 tile's epilogue to 39 SASS instructions a token; four copies of the loop specialised for
+    // bias and tail took it to 21 and ran faster back to back, but 15% slower for gate/up inside a
+    // Llama-2-7B prefill. One branch-free copy, ~25 a token, is the fastest there (H200, session 15).
+    const bool has_bias = bias != nullptr;
+    const size_t ldo = pick(weights.ldo, which);
+    T* const row_out = static_cast<T*>(pick(weights.out, which)) + (m0 + 2 * t) * ldo + wch;
+    const float* tile_scale = token_scale + 2 * t;
 #pragma unroll
-    for (int b = 0; b < BN / 8; ++b)
+    for (int b = 0; b < BN / 8; ++b) {
+      const float2 xs = *reinterpret_cast<const float2*>(tile_scale + 8 * b);  // tokens 8 b + 2 t + {0, 1}
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
-        const int m = m0 + 8 * b + 2 * t + p;
-        if (m >= M) continue;
+        const bool live = m0 + 8 * b + 2 * t + p < M;
         int v[2 * J];
         token_values(acc, b, p, v);
-        T* dst = out + (size_t)m * ldo + wch;
+        T* dst = row_out + (8 * b + p) * ldo;
+        [[maybe_unused]] const float x_scale = p ? xs.y : xs.x;
         if constexpr (GATED) {
-          store_silu_mul<T, J>(dst, v, token_scale[m - m0], ws, bias != nullptr, bs);
+          store_silu_mul<T, J>(live, dst, v, x_scale, ws, has_bias, bs);
         } else if constexpr (std::is_same_v<T, int>) {
           Vec<int, 2 * J> o;
 #pragma unroll
           for (int i = 0; i < 2 * J; ++i) o.v[i] = v[i] >> 4;  // the 16x of the weight bytes shifted out (exact)
-          *reinterpret_cast<Vec<int, 2 * J>*>(dst) = o;
+          if (live) *reinterpret_cast<Vec<int, 2 * J>*>(dst) = o;
         } else {
           float y[2 * J];
 #pragma unroll
-          for (int i = 0; i < 2 * J; ++i) y[i] = scale_output(v[i] >> 4, token_scale[m - m0], ws[i], bias != nullptr, bs[i]);
+          for (int i = 0; i < 2 * J; ++i) y[i] = scale_output(v[i] >> 4, x_scale, ws[i], has_bias, bs[i]);
           if constexpr (std::is_same_v<T, float>) {
             Vec<float, 2 * J> o;
 #pragma unroll
             for (int i = 0; i < 2 * J; ++i) o.v[i] = saturate_cast<float>(y[i]);
-            *reinterpret_cast<Vec<float, 2 * J>*>(dst) = o;
+            if (live) *reinterpret_cast<Vec<float, 2 * J>*>(dst) = o;
+          } else if constexpr (J == 2) {
+            store_if(live, dst, saturate_pack2<T>(y[0], y[1]), saturate_pack2<T>(y[2], y[3]));
           } else {
-            Vec<uint32_t, J> o;
-#pragma unroll
-            for (int i = 0; i < J; ++i) o.v[i] = saturate_pack2<T>(y[2 * i], y[2 * i + 1]);
-            *reinterpret_cast<Vec<uint32_t, J>*>(dst) = o;
+            store_if(live, dst, saturate_pack2<T>(y[0], y[1]));
           }
         }
       }
+    }
   }
 }
 
