@@ -1065,9 +1065,10 @@ def gated_applicable(qx: torch.Tensor, gate, up) -> bool:
 # From how many tokens the engine runs a gate/up pair as one gated GEMM. Its epilogue (SiLU and
 # twice the scaling per output, while the tensor cores wait) costs about what the glue kernel it
 # replaces did, so it pays only on big prefills: Llama-2-7B W4A4 prefill against the products and
-# the glue kernel, two runs, 0.98-0.99x at 128 tokens, 1.00x at 512, 1.00-1.02x at 1024, 1.03x at
-# 4096 (H200, benchmarks/scripts/gated_prefill_ab.py).
-GATED_MIN_TOKENS = 1024
+# the glue kernel (H200, benchmarks/scripts/gated_prefill_ab.py), with session 15's branch-free
+# epilogue 0.985x at 128 tokens, 1.014x at 512, 1.04x at 1024, 1.035x at 4096 (session 14's
+# epilogue: 0.98-0.99x, 1.00x, 1.00-1.02x, 1.03x).
+GATED_MIN_TOKENS = 512
 
 
 def gated_preferred(qx: torch.Tensor, gate, up) -> bool:
