@@ -41,11 +41,7 @@ def main() -> None:
         engines[name] = Engine(model, max_batch=max(b for b, _ in shapes), max_seq_len=max(t for _, t in shapes))
         for shape in shapes:
             speed.measure_prefill(engines[name], *shape)
-    times = {(name, shape): [] for name in engines for shape in shapes}
-    for r in range(args.rounds):
-        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-            for shape in shapes:
-                times[name, shape].append(speed.measure_prefill(engines[name], *shape))
+    times = speed.alternating_prefills(engines, shapes, args.rounds)
     rows = []
     for shape in shapes:
         gated, unfused = (statistics.median(times[n, shape]) for n in ("gated", "unfused"))

@@ -37,14 +37,9 @@ def main() -> None:
         model = speed.random_model(args.model)
         speed.quantize_in_place(model, quant_config(name, model, clip_search=False))
         engines[name] = Engine(model, max_batch=max(b for b, _ in shapes), max_seq_len=max(t for _, t in shapes))
-    times = {(name, shape): [] for name in args.configs for shape in shapes}
-    for r in range(args.rounds):
-        names = args.configs if r % 2 == 0 else list(reversed(args.configs))
-        for shape in shapes:
-            for name in names:
-                times[name, shape].append(speed.measure_prefill(engines[name], *shape))
-        print(f"round {r}: " + "  ".join(f"{n} {b}x{t} {times[n, (b, t)][-1]:.2f} ms" for n in args.configs
-                                          for b, t in shapes), flush=True)
+    times = speed.alternating_prefills(engines, shapes, args.rounds, lambda r, times: print(
+        f"round {r}: " + "  ".join(f"{n} {b}x{t} {times[n, (b, t)][-1]:.2f} ms" for n in args.configs
+                                   for b, t in shapes), flush=True))
     base = args.configs[0]
     rows = []
     for shape in shapes:

@@ -27,16 +27,29 @@ SHAPES = ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 409
           (28672, 8192), (8192, 28672))
 
 
+def package_and_builds(kernels, paths) -> dict:
+    """{"package": the package's own build of ``kernels``' Hopper GEMM (the module `w4a4` or
+    `w4a16`), then <file stem>: each shared library of ``paths`` (other builds of the same source),
+    loaded with the package's ctypes signatures}."""
+    libs = {"package": kernels._wgmma_lib(torch.device("cuda"))}
+    for path in paths:
+        libs[Path(path).stem] = ctypes.CDLL(str(Path(path).resolve()))
+        kernels._WGMMA_SIGNATURES(libs[Path(path).stem])
+    return libs
+
+
 def time_builds(builds, shapes, ms, say=print) -> list[dict]:
     """Rows {N, K, M, config (the op's pick), <build name>: us} for builds (name, library, config, or
-    None for the op's pick) of csrc/w4a4_wgmma.cu on the same inputs: every build's int32 products
-    must equal the first one's; timed A, B, ..., B, A and each build's two medians averaged."""
+    None for the op's pick) of csrc/w4a4_wgmma.cu on the same inputs: every build's int32 products,
+    and its bf16 outputs with and without a bias, must equal the first one's; timed A, B, ..., B, A
+    and each build's two medians averaged."""
     order = list(range(len(builds))) + list(reversed(range(len(builds))))
     shipped, dev, rows = w4a4._wgmma_lib, torch.device("cuda"), []
     for N, K in shapes:
         n_rot = rotations(K * N // 2)
         weights = [torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=dev) for _ in range(n_rot)]
         w_scale = torch.rand(N, device=dev, dtype=torch.bfloat16) / 64
+        bias = torch.randn(N, device=dev, dtype=torch.bfloat16)
         for M in ms:
             qx = torch.randint(-8, 8, (M, K), dtype=torch.int8, device=dev)
             sx = torch.rand(M, device=dev) / 8
@@ -46,10 +59,13 @@ def time_builds(builds, shapes, ms, say=print) -> list[dict]:
             for i in order:
                 name, lib, config = builds[i]
                 w4a4._wgmma_lib = lambda _d, lib=lib: lib
-                acc = w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, out_int32=True, order="even_odd", config=config)
+                outs = [w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, out_int32=True, order="even_odd", config=config)]
+                outs += [w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, b, order="even_odd", config=config)
+                         for b in (None, bias)]
                 if ref is None:
-                    ref = acc
-                assert torch.equal(acc, ref), f"{name} differs from {builds[order[0]][0]} at M={M} N={N} K={K}"
+                    ref = outs
+                assert all(torch.equal(o, r) for o, r in zip(outs, ref)), \
+                    f"{name} differs from {builds[order[0]][0]} at M={M} N={N} K={K}"
                 times[name].append(bench_us(lambda j: lambda: w4a4.w4a4_wgmma(
                     qx, sx, weights[j], w_scale, order="even_odd", config=config), n_rot))
             row = dict(N=N, K=K, M=M, config=cfg, **{n: sum(t) / len(t) for n, t in times.items()})

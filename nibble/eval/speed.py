@@ -133,6 +133,22 @@ def measure_prefill(engine: Engine, batch: int, T: int, reps: int = 10, warmup: 
     return _median_ms(lambda: engine.prefill(prompt), reps, warmup)
 
 
+def alternating_prefills(engines: dict, shapes, rounds: int, say=None) -> dict:
+    """{(name, (batch, T)): [ms, one per round]}: `measure_prefill` of every engine of ``engines``
+    ({name: Engine}) at every prompt shape, in rounds whose engine order alternates (as given, then
+    reversed), so that no engine always runs first: an A/B of engines in one process.
+    ``say(round, times)`` is called after each round."""
+    times = {(name, shape): [] for name in engines for shape in shapes}
+    for r in range(rounds):
+        names = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for shape in shapes:
+            for name in names:
+                times[name, shape].append(measure_prefill(engines[name], *shape))
+        if say is not None:
+            say(r, times)
+    return times
+
+
 def measure_decode(engine: Engine, batch: int, prompt_len: int, tokens: int, reps: int = 3, seed: int = 0) -> float:
     """Median milliseconds of one decode step, over ``reps`` runs of ``tokens`` steps after a ``prompt_len`` prefill."""
     vocab = engine.embed.weight.shape[0]

@@ -252,6 +252,19 @@ def test_linear_flops_per_token_is_twice_the_decoder_linear_weights():
     assert speed.linear_flops_per_token(model) == 2 * n
 
 
+def test_alternating_prefills_alternate_the_engine_order_every_round(monkeypatch):
+    calls = []
+    monkeypatch.setattr(speed, "measure_prefill", lambda engine, b, t: calls.append((engine, (b, t))) or len(calls))
+    seen = []
+    times = speed.alternating_prefills({"a": "A", "b": "B", "c": "C"}, [(1, 8), (2, 4)], 3,
+                                       lambda r, times: seen.append(r))
+    order = [engine for engine, _ in calls]
+    assert order == ["A", "B", "C"] * 2 + ["C", "B", "A"] * 2 + ["A", "B", "C"] * 2
+    assert [shape for _, shape in calls[:6]] == [(1, 8)] * 3 + [(2, 4)] * 3
+    assert seen == [0, 1, 2]
+    assert times["a", (1, 8)] == [1, 9, 13] and times["c", (2, 4)] == [6, 10, 18]
+
+
 def test_speed_models_have_the_published_shapes():
     cfg = speed.SPEED_MODELS["llama-3-8b"]
     assert (cfg["intermediate_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (14336, 8, 128256)

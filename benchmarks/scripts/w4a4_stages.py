@@ -1,0 +1,69 @@
+"""How many pipeline stages should each tile of the W4A4 Hopper GEMM (`csrc/w4a4_wgmma.cu`) have?
+The kernel's `Tile::STAGES` (4 for 128 x 256, 6 for the others) dates from session 6-7's
+non-persistent kernel; this rebuilds it with other counts (`cuda_build.build_edited`) and times
+every build on the same inputs (`wgmma_ab.time_builds`: int32 products checked equal, CUDA graphs,
+weights rotated past the L2, medians, builds timed A, B, ..., B, A). nvcc runs where the script
+runs: ``--build-only DIR`` compiles the variants (on a machine without a GPU), ``--prebuilt DIR``
+loads them.
+
+    PYTHONPATH=. python3 benchmarks/scripts/w4a4_stages.py --build-only .exp/stages
+    PYTHONPATH=. python3 benchmarks/scripts/w4a4_stages.py --prebuilt .exp/stages --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES = ((12288, 4096), (22016, 4096), (4096, 4096), (4096, 11008), (28672, 8192))
+ANCHOR = "static constexpr int STAGES = BN == 128 && CH == 256 ? 4 : 6;"
+# name -> (stages of 128 x 256, stages of the other tiles); "shipped" is the package's own build
+VARIANTS = {"s5_6": (5, 6), "s6_6": (6, 6), "s3_6": (3, 6), "s4_8": (4, 8), "s4_4": (4, 4)}
+
+
+def build_all(out_dir: Path) -> None:
+    from nibble.kernels import cuda_build
+    for name, (wide, other) in VARIANTS.items():
+        d = out_dir / name
+        d.mkdir(parents=True, exist_ok=True)
+        edit = f"static constexpr int STAGES = BN == 128 && CH == 256 ? {wide} : {other};"
+        cuda_build.build_edited("w4a4_wgmma", [(ANCHOR, edit)], d)
+        print(f"built {d}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build-only", type=Path)
+    ap.add_argument("--prebuilt", type=Path)
+    ap.add_argument("--ms", default="128,512,1024,4096")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.build_only:
+        build_all(args.build_only)
+        return
+    import torch
+
+    from nibble.bench.timing import env_meta
+    from nibble.kernels import w4a4
+    from wgmma_ab import time_builds
+    if args.prebuilt is None:
+        import tempfile
+        args.prebuilt = Path(tempfile.mkdtemp())
+        build_all(args.prebuilt)
+    builds = [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)]
+    for name in VARIANTS:
+        lib = ctypes.CDLL(str(args.prebuilt / name / "w4a4_wgmma_edited.so"))
+        w4a4._WGMMA_SIGNATURES(lib)
+        builds.append((name, lib, None))
+    rows = time_builds(builds, SHAPES, [int(m) for m in args.ms.split(",")], lambda line: print(line, flush=True))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": env_meta(variants=VARIANTS), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
