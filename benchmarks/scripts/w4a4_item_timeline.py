@@ -44,7 +44,7 @@ EDITS = [
     ("    if (wg_tid < BN) token_scale[wg_tid] = my_scale;\n    asm volatile(\"bar.sync %0, 128;\" ::\"r\"(2 + wg) : \"memory\");\n",
      "    if (wg_tid < BN) token_scale[wg_tid] = my_scale;\n    asm volatile(\"bar.sync %0, 128;\" ::\"r\"(2 + wg) : \"memory\");\n"
      "    STAMP(item, 3)\n"),
-    ("          }\n        }\n      }\n  }\n}", "          }\n        }\n      }\n    STAMP(item, 4)\n  }\n}"),
+    ("          }\n        }\n      }\n    }\n  }\n}", "          }\n        }\n      }\n    }\n    STAMP(item, 4)\n  }\n}"),
 ]
 READ = ('\nextern "C" int nibble_read_times(void* h) { return (int)cudaMemcpyFromSymbol(h, g_t, sizeof(g_t)); }\n'
         'extern "C" int nibble_zero_times() { static unsigned long long z[132 * 64]; '

@@ -1,6 +1,7 @@
 """How many pipeline stages should each tile of the W4A4 Hopper GEMM (`csrc/w4a4_wgmma.cu`) have?
-The kernel's `Tile::STAGES` (4 for 128 x 256, 6 for the others) dates from session 6-7's
-non-persistent kernel; this rebuilds it with other counts (`cuda_build.build_edited`) and times
+The kernel's `Tile::STAGES` (4 for every tile since session 15, when this script measured 4 against
+the 6 that session 7 had left on the 128 x 128 and 64 x 256 tiles: benchmarks/results/
+w4a4-stages-h200.json); this rebuilds it with other counts (`cuda_build.build_edited`) and times
 every build on the same inputs (`wgmma_ab.time_builds`: int32 products checked equal, CUDA graphs,
 weights rotated past the L2, medians, builds timed A, B, ..., B, A). nvcc runs where the script
 runs: ``--build-only DIR`` compiles the variants (on a machine without a GPU), ``--prebuilt DIR``
@@ -21,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPES = ((12288, 4096), (22016, 4096), (4096, 4096), (4096, 11008), (28672, 8192))
-ANCHOR = "static constexpr int STAGES = BN == 128 && CH == 256 ? 4 : 6;"
-# name -> (stages of 128 x 256, stages of the other tiles); "shipped" is the package's own build
-VARIANTS = {"s5_6": (5, 6), "s6_6": (6, 6), "s3_6": (3, 6), "s4_8": (4, 8), "s4_4": (4, 4)}
+ANCHOR = "static constexpr int STAGES = 4;"
+# name -> (stages of 128 x 256, stages of the other tiles); "shipped" is the package's own build (4, 4)
+VARIANTS = {"s4_6": (4, 6), "s5_4": (5, 4), "s6_4": (6, 4), "s3_4": (3, 4), "s4_8": (4, 8), "s4_3": (4, 3)}
 
 
 def build_all(out_dir: Path) -> None:
