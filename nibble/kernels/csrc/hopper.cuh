@@ -213,18 +213,20 @@ __device__ __forceinline__ void token_values(const A (&acc)[J][R], int b, int p,
   }
 }
 
-// One token's 4 or 8 bytes of 16-bit outputs, stored where `live` (a token inside M) by a
-// predicated store, so that the epilogues have no branch per token: they are time the tensor cores
-// wait, and in a model their code is fetched cold at every launch (w4a4_wgmma.cu measures it). The
-// 8-byte form is written in PTX anyway: nvcc 13.0 splits a plain uint2 store of two packed words
-// into two 4-byte ones.
-__device__ __forceinline__ void store_if(bool live, void* dst, uint32_t lo) {
-  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p st.global.b32 [%0], %1; }" ::"l"(dst), "r"(lo),
-               "r"((int)live));
-}
-__device__ __forceinline__ void store_if(bool live, void* dst, uint32_t lo, uint32_t hi) {
-  asm volatile("{ .reg .pred p; setp.ne.b32 p, %3, 0; @p st.global.v2.b32 [%0], {%1, %2}; }" ::"l"(dst), "r"(lo),
-               "r"(hi), "r"((int)live));
+// One token's packed 16-bit outputs (WORDS = J words: 4 or 8 bytes), stored where `live` (a token
+// inside M) by a predicated store, so that the epilogues have no branch per token: they are time
+// the tensor cores wait, and in a model their code is fetched cold at every launch (w4a4_wgmma.cu
+// measures it). Written in PTX also because nvcc 13.0 splits a plain store of two packed words
+// (a uint2 or an aligned Vec) into two 4-byte ones.
+template <int WORDS>
+__device__ __forceinline__ void store_if(bool live, void* dst, const Vec<uint32_t, WORDS>& o) {
+  static_assert(WORDS == 1 || WORDS == 2, "one token's outputs are 1 or 2 packed words");
+  if constexpr (WORDS == 1)
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p st.global.b32 [%0], %1; }" ::"l"(dst), "r"(o.v[0]),
+                 "r"((int)live));
+  else
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %3, 0; @p st.global.v2.b32 [%0], {%1, %2}; }" ::"l"(dst),
+                 "r"(o.v[0]), "r"(o.v[1]), "r"((int)live));
 }
 
 // Split-K: the CTA's partial sums (token m0 + 8 b + 2 t + p, columns ch ..) into slice `split` of

@@ -131,8 +131,10 @@ __device__ __forceinline__ uint32_t dequant(uint32_t word, int rot, const Affine
 // A lane's 2J consecutive outputs of one token, in one store where `live` (hopper.cuh: store_if).
 template <typename T, int J>
 __device__ __forceinline__ void store_outputs(bool live, T* dst, const float (&v)[2 * J]) {
-  if constexpr (J == 2) store_if(live, dst, Elem<T>::pack(v[0], v[1]), Elem<T>::pack(v[2], v[3]));
-  else store_if(live, dst, Elem<T>::pack(v[0], v[1]));
+  Vec<uint32_t, J> o;
+#pragma unroll
+  for (int j = 0; j < J; ++j) o.v[j] = Elem<T>::pack(v[2 * j], v[2 * j + 1]);
+  store_if(live, dst, o);
 }
 
 // The weights of one launch: weight i (its codes, scales and zeros) owns the launch's columns

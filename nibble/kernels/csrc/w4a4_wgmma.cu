@@ -164,7 +164,7 @@ __device__ __forceinline__ void store_silu_mul(bool live, T* dst, const int (&v)
     y[i] = __fmul_rn(silu_rounded<T>(low_half<T>(gu)), high_half<T>(gu));
   }
   if constexpr (J == 2) {
-    store_if(live, dst, pack2<T>(y[0], y[1]));
+    store_if<1>(live, dst, {pack2<T>(y[0], y[1])});
   } else if (live) {
     *reinterpret_cast<unsigned short*>(dst) = static_cast<unsigned short>(pack2<T>(y[0], y[0]));
   }
@@ -361,10 +361,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
             for (int i = 0; i < 2 * J; ++i) o.v[i] = saturate_cast<float>(y[i]);
             if (live) *reinterpret_cast<Vec<float, 2 * J>*>(dst) = o;
-          } else if constexpr (J == 2) {
-            store_if(live, dst, saturate_pack2<T>(y[0], y[1]), saturate_pack2<T>(y[2], y[3]));
           } else {
-            store_if(live, dst, saturate_pack2<T>(y[0], y[1]));
+            Vec<uint32_t, J> o;
+#pragma unroll
+            for (int i = 0; i < J; ++i) o.v[i] = saturate_pack2<T>(y[2 * i], y[2 * i + 1]);
+            store_if(live, dst, o);
           }
         }
       }
