@@ -16,10 +16,17 @@ import argparse
 import ctypes
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from nibble.bench.timing import env_meta  # noqa: E402
+from nibble.kernels import cuda_build, w4a4  # noqa: E402
+from wgmma_ab import time_builds  # noqa: E402
 
 SHAPES = ((12288, 4096), (22016, 4096), (4096, 4096), (4096, 11008), (28672, 8192))
 ANCHOR = "static constexpr int STAGES = 4;"
@@ -28,13 +35,21 @@ VARIANTS = {"s4_6": (4, 6), "s5_4": (5, 4), "s6_4": (6, 4), "s3_4": (3, 4), "s4_
 
 
 def build_all(out_dir: Path) -> None:
-    from nibble.kernels import cuda_build
     for name, (wide, other) in VARIANTS.items():
         d = out_dir / name
         d.mkdir(parents=True, exist_ok=True)
         edit = f"static constexpr int STAGES = BN == 128 && CH == 256 ? {wide} : {other};"
         cuda_build.build_edited("w4a4_wgmma", [(ANCHOR, edit)], d)
         print(f"built {d}", flush=True)
+
+
+def time_variants(prebuilt: Path, ms) -> list[dict]:
+    builds = [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)]
+    for name in VARIANTS:
+        lib = ctypes.CDLL(str(prebuilt / name / "w4a4_wgmma_edited.so"))
+        w4a4._WGMMA_SIGNATURES(lib)
+        builds.append((name, lib, None))
+    return time_builds(builds, SHAPES, ms, lambda line: print(line, flush=True))
 
 
 def main() -> None:
@@ -47,21 +62,11 @@ def main() -> None:
     if args.build_only:
         build_all(args.build_only)
         return
-    import torch
-
-    from nibble.bench.timing import env_meta
-    from nibble.kernels import w4a4
-    from wgmma_ab import time_builds
-    if args.prebuilt is None:
-        import tempfile
-        args.prebuilt = Path(tempfile.mkdtemp())
-        build_all(args.prebuilt)
-    builds = [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)]
-    for name in VARIANTS:
-        lib = ctypes.CDLL(str(args.prebuilt / name / "w4a4_wgmma_edited.so"))
-        w4a4._WGMMA_SIGNATURES(lib)
-        builds.append((name, lib, None))
-    rows = time_builds(builds, SHAPES, [int(m) for m in args.ms.split(",")], lambda line: print(line, flush=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.prebuilt is None:
+            args.prebuilt = Path(tmp)
+            build_all(args.prebuilt)
+        rows = time_variants(args.prebuilt, [int(m) for m in args.ms.split(",")])
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": env_meta(variants=VARIANTS), "rows": rows}, indent=1))
 

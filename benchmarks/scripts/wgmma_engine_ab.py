@@ -31,7 +31,7 @@ from wgmma_ab import package_and_builds  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("others", nargs="+", help="shared libraries built from other versions of csrc/w4a4_wgmma.cu")
+    ap.add_argument("others", nargs="+", help="shared libraries built from other versions of the kernel's source")
     ap.add_argument("--model", default="llama-2-7b", choices=list(speed.SPEED_MODELS))
     ap.add_argument("--config", default="w4a4", choices=("w4a4", "w4a16"))
     ap.add_argument("--shapes", default="1x128,1x512,8x128,8x512", help="batch x tokens, comma-separated")
@@ -66,8 +66,8 @@ def main() -> None:
             f"{name} {ms:.3f} ms ({ms / median['package']:.3f}x the package's time)" for name, ms in median.items()),
             flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": env_meta(model=args.model, config=args.config, others=args.others), "rows": rows},
-                                              indent=1))
+        meta = env_meta(model=args.model, config=args.config, others=args.others)
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
