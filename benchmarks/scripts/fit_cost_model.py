@@ -4,9 +4,11 @@ far the fitted model's picks are from the best measured config.
     PYTHONPATH=. python3 benchmarks/scripts/fit_cost_model.py
 
 Reads the committed H200 sweeps: `benchmarks/results/w4a4-explore-h200.json` (W4A4, every tile x
-split-K, M = 64..1024) and, for W4A16, `w4a16-wgmma-sweep-s11-h200.json` (M = 64..512) with session
-7's `w4a16-wgmma-sweep-h200.json` for M >= 1024. The model is linear in its parameters: per wave
-of CTAs (work items) the split's K stages x the tile's stage time + the tile's fixed cost per item,
+split-K, M = 64..1024) and, for W4A16, `w4a16-wgmma-sweep-s16-h200.json` (M = 64..512) with the
+unsplit configs of session 7's `w4a16-wgmma-sweep-h200.json` for M >= 1024 (its split-K was the
+last-CTA sum since replaced by clusters). Each sweep records how many clusters of each split fit
+on its GPU at once (the waves count in those). The model is linear in its parameters: per wave of
+tiles the split's K stages x the tile's stage time + the tile's fixed cost per item,
 a fixed cost per launch (which no choice changes, so it is fitted but not kept), and for split-K a
 cost per split and per million outputs and split. Least squares, weighted by 1 / time, on the
 configs within 30% of each (shape, M)'s best: the model has to rank the good configs, not predict
@@ -28,33 +30,39 @@ from nibble.kernels import hopper  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 NEAR_BEST = 1.3
-SMS = 132  # the H200 the sweeps ran on
 
 
-def w4a4_sweep() -> list[tuple]:
-    """(M, N, K, tile, split, us) of every wgmma config in the W4A4 sweep (columns "bn128_ch256_s2")."""
+def _clusters(recorded: dict) -> dict:
+    return {int(split): n for split, n in recorded.items()}
+
+
+def w4a4_sweep() -> tuple[list[tuple], dict]:
+    """(M, N, K, tile, split, us) of every wgmma config in the W4A4 sweep (columns "bn128_ch256_s2"),
+    and the sweep GPU's resident clusters."""
+    sweep = json.loads((RESULTS / "w4a4-explore-h200.json").read_text())
     rows = []
-    for r in json.loads((RESULTS / "w4a4-explore-h200.json").read_text()):
+    for r in sweep["rows"]:
         for key, us in r.items():
             if key.startswith("bn"):
                 bn, ch, sp = key[2:].split("_")
                 rows.append((r["M"], r["N"], r["K"], (int(bn), int(ch[2:])), int(sp[1:]), us))
-    return rows
+    return rows, _clusters(sweep["clusters"])
 
 
-def w4a16_sweep() -> list[tuple]:
+def w4a16_sweep() -> tuple[list[tuple], dict]:
     """The same for W4A16 (ops "wgmma_bn128_ch256_s2[_auto]")."""
-    rows = json.loads((RESULTS / "w4a16-wgmma-sweep-s11-h200.json").read_text())["rows"]
-    rows += [r for r in json.loads((RESULTS / "w4a16-wgmma-sweep-h200.json").read_text())["rows"] if r["M"] >= 1024]
+    sweep = json.loads((RESULTS / "w4a16-wgmma-sweep-s16-h200.json").read_text())
+    rows = sweep["rows"] + [r for r in json.loads((RESULTS / "w4a16-wgmma-sweep-h200.json").read_text())["rows"]
+                            if r["M"] >= 1024 and r["op"].removesuffix("_auto").endswith("_s1")]
     out = []
     for r in rows:
         if r["op"].startswith("wgmma"):
             bn, ch, sp = r["op"].removesuffix("_auto").removeprefix("wgmma_bn").split("_")
             out.append((r["M"], r["N"], r["K"], (int(bn), int(ch[2:])), int(sp[1:]), r["us"]))
-    return out
+    return out, _clusters(sweep["meta"]["clusters"])
 
 
-def fit(data: list[tuple], tiles: list[tuple]) -> tuple[hopper.CostModel, float]:
+def fit(data: list[tuple], tiles: list[tuple], clusters: dict) -> tuple[hopper.CostModel, float]:
     """The CostModel of least weighted squared error, and the fitted launch cost (us)."""
     best = {}
     for M, N, K, _, _, us in data:
@@ -62,7 +70,7 @@ def fit(data: list[tuple], tiles: list[tuple]) -> tuple[hopper.CostModel, float]
     T = len(tiles)
 
     def features(M, N, K, tile, split):
-        waves = -(-hopper.tile_count(M, N, *tile) * split // SMS)
+        waves = -(-hopper.tile_count(M, N, *tile) // clusters[split])
         f = np.zeros(2 * T + 3)
         f[tiles.index(tile)] = waves * -(-(-(-K // hopper.STAGE_K)) // split)
         f[T + tiles.index(tile)] = waves
@@ -86,14 +94,14 @@ def fit(data: list[tuple], tiles: list[tuple]) -> tuple[hopper.CostModel, float]
     return model, float(p[2 * T])
 
 
-def regret(model: hopper.CostModel, data: list[tuple]) -> list[tuple]:
+def regret(model: hopper.CostModel, data: list[tuple], clusters: dict) -> list[tuple]:
     """Per (shape, M): the measured time of the model's pick over the best measured time."""
     cells: dict = {}
     for M, N, K, tile, split, us in data:
         cells.setdefault((M, N, K), {})[(tile, split)] = us
     out = []
     for (M, N, K), times in sorted(cells.items()):
-        cfg = hopper.pick_config(M, N, K, model, SMS)
+        cfg = hopper.pick_config(M, N, K, model, clusters)
         picked = times.get(((cfg["bn"], cfg["channels"]), cfg["split_k"]))
         if picked is None:
             print(f"  not measured: M={M} N={N} K={K} {cfg}")
@@ -103,10 +111,10 @@ def regret(model: hopper.CostModel, data: list[tuple]) -> list[tuple]:
 
 
 def main() -> None:
-    for name, data, tiles in (("W4A4", w4a4_sweep(), [(64, 256), (128, 256), (128, 128)]),
-                              ("W4A16", w4a16_sweep(), [(64, 256), (128, 256), (128, 128), (256, 128)])):
-        model, launch_us = fit(data, tiles)
-        r = regret(model, data)
+    for name, (data, clusters), tiles in (("W4A4", w4a4_sweep(), [(64, 256), (128, 256), (128, 128)]),
+                                          ("W4A16", w4a16_sweep(), [(64, 256), (128, 256), (128, 128), (256, 128)])):
+        model, launch_us = fit(data, tiles, clusters)
+        r = regret(model, data, clusters)
         mean = math.exp(sum(math.log(x[0]) for x in r) / len(r))
         print(f"{name}: {model}\n  launch {launch_us:.2f} us (not kept); picks {100 * (mean - 1):.1f}% above the best "
               f"on average over {len(r)} cells; worst {max(r)[0]:.2f}x at M, N, K = {max(r)[1]}")

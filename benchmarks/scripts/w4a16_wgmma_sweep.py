@@ -36,6 +36,7 @@ def main():
     splits = [int(v) for v in args.splits.split(",")]
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    clusters = W.wgmma_clusters(dev)
     rows = []
     for N, K in SHAPES:
         G = GROUP
@@ -50,7 +51,7 @@ def main():
                 variants["previous"] = lambda i: (lambda: W.w4a16_mma(x, *w4[i], G))
             else:
                 variants["previous"] = lambda i: (lambda: W.w4a16_linear_cuda(x, *w4[i], G, config=W.Config(kind="dequant")))
-            auto = W.wgmma_config(M, N, K, sms)
+            auto = W.wgmma_config(M, N, K, clusters)
             for bn, channels in W.WGMMA_TILES:
                 if (bn == 64 and M > 256) or (bn == 256 and M < 256):
                     continue
@@ -81,8 +82,8 @@ def main():
                   flush=True)
         del w4, wb, wf
         torch.cuda.empty_cache()
-    Path(args.json).write_text(json.dumps(dict(meta=env_meta(benchmark="w4a16-wgmma-sweep",
-                                                            command=" ".join(sys.argv)), rows=rows), indent=1))
+    Path(args.json).write_text(json.dumps(dict(meta=env_meta(benchmark="w4a16-wgmma-sweep", command=" ".join(sys.argv),
+                                                            clusters=clusters), rows=rows), indent=1))
 
 
 if __name__ == "__main__":

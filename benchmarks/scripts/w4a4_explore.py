@@ -70,6 +70,8 @@ def main(argv) -> int:
         log("wgmma kernel WRONG: stopping before timing")
         return 1
     table = []
+    clusters = W.wgmma_clusters("cuda")
+    log(f"clusters resident at once, by split: {clusters}")
     ms = [128, 1024] if quick else [64, 128, 256, 512, 1024]
     for N, K in SHAPES[:3] + SHAPES[6:] if quick else SHAPES:
         n4 = rotations(K // 8 * N * 4)
@@ -84,7 +86,7 @@ def main(argv) -> int:
             row["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb)
             if triton:
                 row["triton"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1])), n4)
-            auto = W.wgmma_config(M, N, K)
+            auto = W.wgmma_config(M, N, K, W.wgmma_clusters("cuda"))
             cfgs = {"auto": auto}
             for bn, ch in W.WGMMA_TILES:
                 if bn == 64 and M > 256:
@@ -106,7 +108,7 @@ def main(argv) -> int:
         del w4, wb
         torch.cuda.empty_cache()
     with open(os.path.join(OUT, "w4a4_explore.json"), "w") as f:
-        json.dump(table, f, indent=1)
+        json.dump({"clusters": clusters, "rows": table}, f, indent=1)
     return 0
 
 

@@ -32,9 +32,10 @@ EDITS = [
     ("namespace {\n", "__device__ unsigned long long g_t[132 * 64];\n#define STAMP(item, idx) if (tid == 0 && (item) < 8) "
      "{ unsigned long long t_; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t_)); "
      "g_t[blockIdx.x * 64 + (item) * 8 + (idx)] = t_; }\nnamespace {\n"),
-    ("  for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {\n    const int tile = w % tiles, split = w / tiles;",
+    ("  for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {\n"
+     "    const int tile = SPLIT ? w / splits : w, split = SPLIT ? w % splits : 0;",
      "  for (int w = blockIdx.x, first = 0, item = 0; w < items; w += gridDim.x, ++item) {\n"
-     "    const int tile = w % tiles, split = w / tiles;\n    STAMP(item, 0)"),
+     "    const int tile = SPLIT ? w / splits : w, split = SPLIT ? w % splits : 0;\n    STAMP(item, 0)"),
     # (the first stage has landed at the first iteration: waited for there, or before the loop
     # where the words are read a step ahead)
     ("      if (!AHEAD) mbar_wait(bars + 8 * s, ((first + i) / STAGES) & 1);\n",

@@ -53,7 +53,7 @@ def time_builds(builds, shapes, ms, say=print) -> list[dict]:
         for M in ms:
             qx = torch.randint(-8, 8, (M, K), dtype=torch.int8, device=dev)
             sx = torch.rand(M, device=dev) / 8
-            cfg = w4a4.wgmma_config(M, N, K)
+            cfg = w4a4.wgmma_config(M, N, K, w4a4.wgmma_clusters(dev))
             times: dict = {name: [] for name, _, _ in builds}
             ref = None
             for i in order:

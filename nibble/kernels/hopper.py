@@ -4,13 +4,17 @@ side: how many CTAs a tile shape makes, and the choice of tile and split-K by a 
 A CTA computes ``tokens x channels`` outputs over its share of K, in stages of 128. The model
 (`CostModel`), fitted per kernel to an H200 sweep (``benchmarks/scripts/w4a16_wgmma_sweep.py`` /
 ``w4a4_explore.py``; the fit also has a fixed cost per launch, which no choice changes): per wave
-of CTAs (work items, for the persistent W4A4 kernel) the K stages of a split times the tile's time
-per stage plus the tile's fixed cost per item (pipeline ramp, epilogue), and for split-K a cost per
-split and per million outputs and split (partials stored, then summed by the last CTA). Within a few percent of the best
-measured config on the shapes swept (``benchmarks/notes-*.md``).
+of tiles the K stages of a split times the tile's time per stage plus the tile's fixed cost per
+item (pipeline ramp, epilogue), and for split-K a cost per split and per million outputs and split
+(partials stored, then each split's CTA sums its share of the tile's rows). The splits of a tile
+run as one thread-block cluster, whose CTAs share a GPC: a wave holds as many tiles as clusters of
+that size fit on the GPU at once (``clusters``, measured by the kernels' libraries), which is fewer
+than SMs / split. Within a few percent of the best measured config on the shapes swept
+(``benchmarks/notes-*.md``).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 STAGE_K = 128  # K per pipeline stage in both kernels
@@ -34,6 +38,31 @@ def split_plan(K: int, split_k: int) -> tuple[int, int]:
     return _cdiv(k_stages, per_split), per_split
 
 
+def ideal_clusters(num_sms: int) -> dict:
+    """{split: clusters of that many CTAs resident at once} if every SM could take part (where no
+    GPU was asked: CPU tests, the fit of an old sweep)."""
+    return {split: num_sms // split for split in SPLITS}
+
+
+_RESIDENT: dict = {}
+
+
+def resident_clusters(key, query) -> dict:
+    """{split: clusters resident at once} from a kernel library's ``nibble_*_wgmma_clusters(splits,
+    int *clusters)`` on the current device (one CTA per SM; split 1: the SMs), asked once per
+    ``key`` (the kernel and the device)."""
+    if key not in _RESIDENT:
+        out = {}
+        for split in SPLITS:
+            n = ctypes.c_int(0)
+            err = query(split, ctypes.byref(n))
+            if err or n.value < 1:
+                raise RuntimeError(f"cannot size clusters of {split} CTAs on this GPU (CUDA error {err})")
+            out[split] = n.value
+        _RESIDENT[key] = out
+    return _RESIDENT[key]
+
+
 def tiles_side_by_side(tiles, widths) -> tuple:
     """The CTA shapes of ``tiles`` that one launch over weights of ``widths`` columns side by side
     can run (both GEMMs' ``*_wgmma_many``): a tile never spans two weights, so every width but the
@@ -49,24 +78,25 @@ class CostModel:
     split_output_us: float  # per million outputs and split, split-K only
     split_us: float         # per split, split-K only
 
-    def us(self, M: int, N: int, K: int, tile: tuple, split: int, num_sms: int) -> float:
-        waves = _cdiv(tile_count(M, N, *tile) * split, num_sms)
+    def us(self, M: int, N: int, K: int, tile: tuple, split: int, clusters: dict) -> float:
+        """``clusters``: {split: clusters resident at once} (`ideal_clusters`, `resident_clusters`)."""
+        waves = _cdiv(tile_count(M, N, *tile), clusters[split])
         t = waves * (_cdiv(_cdiv(K, STAGE_K), split) * self.stage_us[tile] + self.item_us[tile])
         return t + (self.split_output_us * M * N * split / 1e6 + self.split_us * split if split > 1 else 0.0)
 
 
-def pick_config(M: int, N: int, K: int, model: CostModel, num_sms: int, tiles=None) -> dict:
+def pick_config(M: int, N: int, K: int, model: CostModel, clusters: dict, tiles=None) -> dict:
     """The (tokens, channels) of ``model`` (or of ``tiles``, a subset) and the split-K of least
-    modelled time (a pure function): split only where each split keeps 2 stages and the CTAs fit
-    two waves."""
+    modelled time on a GPU that holds ``clusters`` ({split: clusters resident at once}; a pure
+    function): split only where each split keeps 2 stages and the tiles fit two waves."""
     k_stages = _cdiv(K, STAGE_K)
     shapes = [(tile, split) for tile in (model.stage_us if tiles is None else tiles) for split in SPLITS
-              if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) * split <= 2 * num_sms)]
-    (tokens, channels), split = min(shapes, key=lambda c: model.us(M, N, K, *c, num_sms))
+              if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) <= 2 * clusters[split])]
+    (tokens, channels), split = min(shapes, key=lambda c: model.us(M, N, K, *c, clusters))
     return dict(bn=tokens, channels=channels, split_k=split)
 
 
-def launch_config(config, M: int, K: int, widths, model: CostModel, num_sms: int, kernel: str) -> dict:
+def launch_config(config, M: int, K: int, widths, model: CostModel, clusters: dict, kernel: str) -> dict:
     """The config of one launch of a Hopper GEMM (``kernel`` names it in errors) over weights of
     ``widths`` columns side by side: ``config`` (bn, channels, split_k) as given, else
     `pick_config`'s; either way a tile the widths allow (`tiles_side_by_side`), or a ValueError
@@ -76,4 +106,4 @@ def launch_config(config, M: int, K: int, widths, model: CostModel, num_sms: int
     if not tiles or (tile is not None and tile not in tiles):
         raise ValueError(f"{kernel}: (bn, channels) must be one of {tiles} for weights of widths {list(widths)} "
                          f"(each but the last a multiple of the channels), got {tile or 'none that fits'}")
-    return dict(config) if config is not None else pick_config(M, sum(widths), K, model, num_sms, tiles)
+    return dict(config) if config is not None else pick_config(M, sum(widths), K, model, clusters, tiles)

@@ -775,12 +775,13 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # CUDA C++ GEMM for many tokens on Hopper (csrc/w4a16_wgmma.cu: asynchronous 16-bit wgmma, sm_90a)
 # ----------------------------------------------------------------------------------------------
 # The compiled CTA shapes (tokens, channels) and the config model (`hopper.CostModel`), fitted to
-# the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (session 11, M = 64..512, with
-# session 7's for M = 1024 and 4096: its picks are within 0.6% of the best measured config on
-# average over 48 shapes x M, 14% at worst).
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.332, (128, 256): 1.763, (128, 128): 0.988, (256, 128): 1.508},
-                               item_us={(64, 256): 3.16, (128, 256): 5.38, (128, 128): 3.59, (256, 128): 2.74},
-                               split_output_us=2.62, split_us=1.45)
+# the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (session 16, M = 64..512, with
+# session 7's unsplit configs for M = 1024 and 4096; `fit_cost_model.py`: its picks are within 0.4%
+# of the best measured config on average over 48 shapes x M, 8% at worst). Split-K runs in
+# clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many).
+WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.367, (128, 256): 1.765, (128, 128): 0.946, (256, 128): 1.499},
+                               item_us={(64, 256): 4.58, (128, 256): 4.92, (128, 128): 5.94, (256, 128): 1.72},
+                               split_output_us=1.8, split_us=0.39)
 WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 # Where the op takes which kernel (measured, benchmarks/notes-w4a16.md session 7): the skinny
 # kernel up to 32 tokens (64 for layers of <= SMALL_LAYER weights), dequantise + cuBLAS for
@@ -791,13 +792,21 @@ WGMMA_MAX_M = 2048
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 8
+    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 7
     + [ctypes.c_int] * 7 + [ctypes.c_void_p],
     "nibble_w4a16_wgmma_error_string")
 
 
 def _wgmma_lib(device):
     return cuda_build.library("w4a16_wgmma", device, _WGMMA_SIGNATURES, arch_specific=True)
+
+
+def wgmma_clusters(device) -> dict:
+    """{split: clusters of `w4a16_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`)."""
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        return hopper.resident_clusters(("w4a16", torch.cuda.current_device()),
+                                        _wgmma_lib(device).nibble_w4a16_wgmma_clusters)
 
 
 def wgmma_group_ok(group_size: int, K: int) -> bool:
@@ -818,10 +827,12 @@ def wgmma_tiles(widths) -> tuple:
     return hopper.tiles_side_by_side(WGMMA_TILES, widths)
 
 
-def wgmma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT, widths=None) -> dict:
+def wgmma_config(M: int, N: int, K: int, clusters: dict | None = None, widths=None) -> dict:
     """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma` (`hopper.pick_config`) for N
-    columns, or for weights of ``widths`` columns side by side in one launch."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, num_sms, wgmma_tiles(widths) if widths else WGMMA_TILES)
+    columns, or for weights of ``widths`` columns side by side in one launch, on a GPU that holds
+    ``clusters`` (`wgmma_clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
+    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(NUM_SMS_DEFAULT),
+                              wgmma_tiles(widths) if widths else WGMMA_TILES)
 
 
 def large_m_kernel(M: int, N: int, K: int) -> str:
@@ -853,7 +864,7 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
         raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0, a group of 32, 64, "
                          f"a multiple of 128 or one per column and 1 to {MMA_MAX_WEIGHTS} weights; got N={widths} "
                          f"K={K} group={group_size} on {x.device}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, num_sms(x.device), "w4a16_wgmma")
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, wgmma_clusters(x.device), "w4a16_wgmma")
     tile = (cfg["bn"], cfg["channels"])
     # The TMA reads 16-byte aligned rows; the epilogue stores 4 outputs (8 bytes) at a time.
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -863,18 +874,15 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
     ys = [y if y is not None and y.stride(1) == 1 and y.stride(0) % 4 == 0 and y.data_ptr() % 8 == 0
           else torch.empty((M, n), dtype=x.dtype, device=x.device) for y, n in zip(given, widths)]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    if split > 1:
-        part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
-        cnt = split_counters(x.device, hopper.tile_count(M, N, *tile))
-    else:
-        part = cnt = ys[0]  # unused
+    # split-K's fp32 partials (the splits of a tile are one cluster: no counters)
+    part = torch.empty(split * M * N, dtype=torch.float32, device=x.device) if split > 1 else ys[0]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), ys)]
     lib = _wgmma_lib(x.device)
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_wgmma(
             int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights), *pointers,
             cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            part.data_ptr(), cnt.data_ptr(), M, K, group_size, x.stride(0), split, per_split,
+            part.data_ptr(), M, K, group_size, x.stride(0), split, per_split,
             int(early_launch(x.device, M)), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: {lib.nibble_w4a16_wgmma_error_string(err).decode()} "

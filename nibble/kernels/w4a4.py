@@ -967,25 +967,35 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
 # CUDA C++ GEMM for M > 16 on Hopper (csrc/w4a4_wgmma.cu: asynchronous int8 wgmma, sm_90a only)
 # ----------------------------------------------------------------------------------------------
 # The compiled CTA shapes (tokens, channels) and the config model (`hopper.CostModel`), fitted to
-# benchmarks/scripts/w4a4_explore.py on the H200 (session 11: its picks are within 0.1% of the best
-# measured config on average over 8 shapes x M = 64..1024, 4% at worst). Per 128-deep stage a 128 x
-# 256 tile costs 15% less per channel than two 128 x 128 ones, but more per item: 128 x 128 wins
-# where the output has few tiles. Split-K is cheap since its partials are summed with one round
-# trip per batch of rows (hopper.cuh: sum_partials): it now runs on the deep 4096-wide layers.
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.465, (128, 256): 0.616, (128, 128): 0.363},
-                               item_us={(64, 256): 4.11, (128, 256): 5.46, (128, 128): 4.01},
-                               split_output_us=1.47, split_us=1.16)
+# benchmarks/scripts/w4a4_explore.py on the H200 (session 16, `fit_cost_model.py`: its picks are the
+# best measured config in all 40 cells of 8 shapes x M = 64..1024). Per 128-deep stage a 128 x 256
+# tile costs 17% less per channel than two 128 x 128 ones, but more per item: 128 x 128 wins where
+# the output has few tiles. Split-K runs in clusters (hopper.cuh: RowShare), ~1 us per split; the
+# H200 holds 66 / 39 / 30 / 17 / 15 clusters of 2 / 3 / 4 / 6 / 8 CTAs, so the 32 tiles of a
+# 4096-wide layer at 128 tokens take 3 splits, not 4. (64 x 256's fixed cost fits at ~0: only its
+# per-stage cost tells it apart.)
+WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.508, (128, 256): 0.589, (128, 128): 0.354},
+                               item_us={(64, 256): -0.05, (128, 256): 2.3, (128, 128): 1.4},
+                               split_output_us=1.27, split_us=0.83)
 WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 8
+    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 7
     + [ctypes.c_int] * 4 + [ctypes.c_void_p],
     "nibble_w4a4_wgmma_error_string")
 
 
 def _wgmma_lib(device):
     return cuda_build.library("w4a4_wgmma", device, _WGMMA_SIGNATURES, arch_specific=True)
+
+
+def wgmma_clusters(device) -> dict:
+    """{split: clusters of `w4a4_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`)."""
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        return hopper.resident_clusters(("w4a4", torch.cuda.current_device()),
+                                        _wgmma_lib(device).nibble_w4a4_wgmma_clusters)
 
 
 def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
@@ -1002,10 +1012,12 @@ def wgmma_tiles(widths) -> tuple:
     return hopper.tiles_side_by_side(WGMMA_TILES, widths)
 
 
-def wgmma_config(M: int, N: int, K: int, sms: int = 132, widths=None) -> dict:
+def wgmma_config(M: int, N: int, K: int, clusters: Optional[dict] = None, widths=None) -> dict:
     """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`) for N
-    columns, or for weights of ``widths`` columns side by side in one launch."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, sms, wgmma_tiles(widths) if widths else WGMMA_TILES)
+    columns, or for weights of ``widths`` columns side by side in one launch, on a GPU that holds
+    ``clusters`` (`wgmma_clusters`; default: an H200's 132 SMs, every one usable)."""
+    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(132),
+                              wgmma_tiles(widths) if widths else WGMMA_TILES)
 
 
 def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -1046,7 +1058,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
                          f"K % 32 == 0 and 1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={widths} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, num_sms(qx.device), "w4a4_wgmma")
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, wgmma_clusters(qx.device), "w4a4_wgmma")
     ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
     _launch_wgmma(qx, x_scale, layers, ys, 3 if out_int32 else _DTYPE_CODES[out_dtype], order, cfg, gated=False)
     return ys
@@ -1096,7 +1108,7 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
     M, K = qx.shape
     N = gate[0].shape[1]
     # the gated columns of gate and up interleave inside every tile: one 2N-wide "weight"
-    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA_MODEL, num_sms(qx.device), "w4a4_wgmma_silu_mul")
+    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA_MODEL, wgmma_clusters(qx.device), "w4a4_wgmma_silu_mul")
     y = _output(qx, N, out_dtype, False)
     _launch_wgmma(qx, x_scale, [gate, up], [y, y], _DTYPE_CODES[out_dtype], order, cfg, gated=True)
     return y
@@ -1120,14 +1132,15 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
     pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
                 for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    part, cnt = _split_buffers(split, M, N, hopper.tile_count(M, N, cfg["bn"], cfg["channels"]), qx.device)
+    # split-K's int32 partials (the splits of a tile are one cluster: no counters)
+    part = torch.empty(split * M * N if split > 1 else 1, dtype=torch.int32, device=qx.device)
     lib = _wgmma_lib(qx.device)
     with torch.cuda.device(qx.device):
         err = lib.nibble_w4a4_wgmma(
             out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
             _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            part.data_ptr(), cnt.data_ptr(), split, per_split, int(gated), int(early_launch(qx.device, M)),
+            part.data_ptr(), split, per_split, int(gated), int(early_launch(qx.device, M)),
             torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "

@@ -43,21 +43,31 @@ __device__ __forceinline__ void prefetch_l2(bool pred, const void* gmem) {
   asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p prefetch.global.L2 [%1]; }" ::"r"((int)pred), "l"(gmem));
 }
 
-// kernel<<<grid, threads, smem, stream>>>(args...), allowed to start early (see above) when pdl.
+// kernel<<<grid, threads, smem, stream>>>(args...) in thread-block clusters of `cluster` CTAs
+// (dim3(1): none), allowed to start early (see above) when pdl.
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream, bool pdl,
-                          Args... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = pdl;
+cudaError_t launch_cluster_kernel(void (*kernel)(Params...), dim3 grid, dim3 cluster, int threads, size_t smem,
+                                  cudaStream_t stream, bool pdl, Args... args) {
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = pdl;
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = cluster.x;
+  attrs[1].val.clusterDim.y = cluster.y;
+  attrs[1].val.clusterDim.z = cluster.z;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = 1;
+  config.attrs = attrs;
+  config.numAttrs = cluster.x * cluster.y * cluster.z > 1 ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream, bool pdl,
+                          Args... args) {
+  return launch_cluster_kernel(kernel, grid, dim3(1), threads, smem, stream, pdl, args...);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }

@@ -47,9 +47,9 @@
 // G = 64, 32: two, four). TMA zero-fills past M, N, K: zero x times any finite weight adds nothing.
 //
 // Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
-// per token. Split-K (few tiles for the SMs): each split stores its fp32 partial; the last CTA to
-// arrive on a tile sums all of them in split order (deterministic: the same sum whoever arrives
-// last; hopper.cuh: sum_partials) and resets the tile's counter for the next call.
+// per token. Split-K (few tiles for the SMs): the splits of a tile are one cluster; each stores its
+// fp32 partial, then sums every split's partials of its share of the tile's rows in split order
+// (bitwise repeatable) and stores them (hopper.cuh: RowShare).
 //
 // Several weights that read the same x (a block's q/k/v or gate/up, up to MAX_WEIGHTS, one group
 // size) run as one GEMM over their output columns side by side, as in csrc/w4a4_wgmma.cu: each tile
@@ -146,11 +146,11 @@ struct Weights {
 };
 
 // GROUP_STEPS: k16 steps per group inside a stage (2 for G = 32, 4 for 64, 8 for G >= 128).
-template <typename T, int BN, int CH_, int GROUP_STEPS>
+// SPLIT: split-K in clusters (gridDim.y > 1), a kernel of its own as in csrc/w4a4_wgmma.cu.
+template <typename T, int BN, int CH_, int GROUP_STEPS, bool SPLIT>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a16_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
-                       float* __restrict__ partial, int* __restrict__ counters, int M, int N, int K, int group_size,
-                       int tiles_per_split) {
+                       float* __restrict__ partial, int M, int N, int K, int group_size, int tiles_per_split) {
   using L = Tile<BN, CH_, GROUP_STEPS>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, R = BN / 2;
   constexpr int SZ_ROWS = L::SZ_ROWS, SZ_ROW = L::SZ_ROW, X_STAGE = L::X_BYTES, W_STAGE = L::W_BYTES;
@@ -264,29 +264,33 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int ch = n0 + col;
   const size_t ldo = pick(weights.ldo, which);
   T* const row_out = static_cast<T*>(pick(weights.out, which)) + (m0 + 2 * t) * ldo + (ch - col0);
+  const int splits = gridDim.y;  // one cluster (hopper.cuh: RowShare)
+  const RowShare share = SPLIT ? row_share(BN / 8, blockIdx.y, splits) : RowShare{0, BN / 8};
   // token rows 8 b + 2 t + {0, 1}: one 2J-wide store per row, predicated (no branch per token)
+  const int row_base = 2 * t - 8 * share.lo;
+  const unsigned rows = ch < N ? share.stored_rows(m0, M) : 0u;
   const auto store_rows = [&](int b) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       float v[2 * J];
       token_values(acc, b, p, v);
-      store_outputs<T, J>(m0 + 8 * b + 2 * t + p < M && ch < N, row_out + (8 * b + p) * ldo, v);
+      store_outputs<T, J>((unsigned)(row_base + 8 * b + p) < rows, row_out + (8 * b + p) * ldo, v);
     }
   };
-  const int splits = gridDim.y;
-  if (splits > 1) {
-    store_partial<BN>(acc, partial, M, N, m0, ch, t, blockIdx.y);
-    // every split's partial, this CTA's own included (split order), each row stored once summed
-    if (last_split(counters, splits, blockIdx.x)) sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, -1, store_rows);
+  if constexpr (SPLIT) {
+    // every row: the share's sums run over every split's partial, this CTA's own included (split order)
+    store_partial<BN>(acc, partial, M, N, m0, ch, t, blockIdx.y, RowShare{0, 0});
+    cluster_sync_partials();
+    sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, -1, share, store_rows);
     return;
   }
 #pragma unroll
   for (int b = 0; b < BN / 8; ++b) store_rows(b);
 }
 
-template <typename T, int BN, int CH, int GROUP_STEPS>
+template <typename T, int BN, int CH, int GROUP_STEPS, bool SPLIT>
 cudaError_t launch(const void* x, int count, const void* const* qweights, const void* const* scales,
-                   const void* const* zeros, const int* ns, Weights& w, void* partial, void* counters, int M, int N,
+                   const void* const* zeros, const int* ns, Weights& w, void* partial, int M, int N,
                    int K, int group_size, int ldx, int splits, int tiles_per_split, cudaStream_t stream, bool pdl) {
   using L = Tile<BN, CH, GROUP_STEPS>;
   CUtensorMap x_map;
@@ -301,23 +305,24 @@ cudaError_t launch(const void* x, int count, const void* const* qweights, const 
       err = tensor_map_2d(&w.z_map[i], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, zeros[i], ns[i], groups, (uint64_t)ns[i] * 2,
                           L::CH, L::SZ_ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
   }
-  if (err == cudaSuccess) err = opt_in_shared_memory<w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS>>();
+  if (err == cudaSuccess) err = opt_in_shared_memory<w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS, SPLIT>>();
   if (err != cudaSuccess) return err;
   const int tiles = ((M + BN - 1) / BN) * ((N + L::CH - 1) / L::CH);
-  return launch_kernel(w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS>, dim3(tiles, splits), THREADS, L::SMEM, stream, pdl,
-                       x_map, w, static_cast<float*>(partial), static_cast<int*>(counters), M, N, K, group_size,
-                       tiles_per_split);
+  return launch_cluster_kernel(w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS, SPLIT>, dim3(tiles, splits), dim3(1, splits),
+                               THREADS, L::SMEM, stream, pdl, x_map, w, static_cast<float*>(partial), M, N, K,
+                               group_size, tiles_per_split);
 }
 
 template <typename T>
 cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, const void* const* qw,
-                     const void* const* s, const void* const* z, const int* ns, Weights& w, void* partial,
-                     void* counters, int M, int N, int K, int G, int ldx, int splits, int tiles_per_split,
+                     const void* const* s, const void* const* z, const int* ns, Weights& w, void* partial, int M, int N, int K, int G, int ldx, int splits, int tiles_per_split,
                      cudaStream_t st, bool pdl) {
 #define NIBBLE_LAUNCH(BN_, CH_, GS_)                                                                          \
   if (bn == BN_ && ch == CH_ && group_steps == GS_)                                                           \
-    return launch<T, BN_, CH_, GS_>(x, count, qw, s, z, ns, w, partial, counters, M, N, K, G, ldx, splits, \
-                                    tiles_per_split, st, pdl);
+    return splits > 1 ? launch<T, BN_, CH_, GS_, true>(x, count, qw, s, z, ns, w, partial, M, N, K, G, ldx, \
+                                                       splits, tiles_per_split, st, pdl)                        \
+                      : launch<T, BN_, CH_, GS_, false>(x, count, qw, s, z, ns, w, partial, M, N, K, G, ldx, \
+                                                        splits, tiles_per_split, st, pdl);
 #define NIBBLE_LAUNCH_GROUPS(BN_, CH_) NIBBLE_LAUNCH(BN_, CH_, 2) NIBBLE_LAUNCH(BN_, CH_, 4) NIBBLE_LAUNCH(BN_, CH_, 8)
   NIBBLE_LAUNCH_GROUPS(64, 256)
   NIBBLE_LAUNCH_GROUPS(128, 256)
@@ -336,13 +341,11 @@ cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, 
 // 128), (256, 128)}; count (1 to MAX_WEIGHTS) weights of ns[i] columns, ns[i] % 8 == 0 and every
 // ns[i] but the last a multiple of `channels` (a tile never spans two weights), each with its
 // qweight, scales and zeros (16-byte aligned, contiguous) and output (ldos[i] % 4 == 0); with
-// splits > 1, partial is float32 [splits, M, sum ns] and counters int32 [tiles], zero (the kernel
-// leaves them zero). dtype: 0 float16, 1 bfloat16 (x and outputs). pdl: launch early
-// (skinny.cuh: launch_kernel).
+// 1 < splits <= 8 (a cluster of CTAs), partial is float32 [splits, M, sum ns]. dtype: 0 float16,
+// 1 bfloat16 (x and outputs). pdl: launch early (skinny.cuh: launch_cluster_kernel).
 extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, int count,
                                   const void* const* qweights, const void* const* scales, const void* const* zeros,
-                                  void* const* outs, const int* ns, const int* ldos, void* partial, void* counters,
-                                  int M, int K, int group_size, int ldx, int splits, int tiles_per_split, int pdl,
+                                  void* const* outs, const int* ns, const int* ldos, void* partial, int M, int K, int group_size, int ldx, int splits, int tiles_per_split, int pdl,
                                   void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   Weights w{};
@@ -355,10 +358,19 @@ extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x
   const int group_steps = group_size == 32 ? 2 : group_size == 64 ? 4 : 8;
   cudaError_t err;
   switch (dtype) {
-    case 0: err = launch_t<__half>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, counters, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
-    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, counters, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
+    case 0: err = launch_t<__half>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
+    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
     default: err = cudaErrorInvalidValue;
   }
+  return (int)err;
+}
+
+// How many clusters of `splits` CTAs (1: single CTAs) of the GEMM fit on the current device at once
+// (hopper.cuh: resident_clusters; every tile takes a whole SM), for the config model.
+extern "C" int nibble_w4a16_wgmma_clusters(int splits, int* clusters) {
+  constexpr auto kernel = w4a16_wgmma_kernel<__nv_bfloat16, 128, 256, 8, true>;
+  cudaError_t err = opt_in_shared_memory<kernel>();
+  if (err == cudaSuccess) err = resident_clusters<kernel>(splits, THREADS, Tile<128, 256, 8>::SMEM, *clusters);
   return (int)err;
 }
 

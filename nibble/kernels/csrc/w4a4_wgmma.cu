@@ -44,8 +44,9 @@
 // overlapping; benchmarks/notes-w4a4.md has the measurements.)
 //
 // Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
-// per token. Split-K (few tiles for the SMs): each split stores its int32 partial, the last CTA to arrive
-// on a tile adds the others' (exact, order-free; hopper.cuh: sum_partials) and scales.
+// per token. Split-K (few tiles for the SMs): the splits of a tile are one cluster; each adds the
+// others' int32 partials of its share of the tile's rows to its own (exact, order-free) and scales
+// them (hopper.cuh: RowShare).
 //
 // Persistent: one CTA per SM walks a list of (tile, split) items, the ring running on from one to
 // the next (see the kernel).
@@ -170,11 +171,13 @@ __device__ __forceinline__ void store_silu_mul(bool live, T* dst, const int (&v)
   }
 }
 
-template <typename T, int BN, int CH_, bool GATED>
+// SPLIT: split-K in clusters (splits > 1). A kernel of its own, so that the unsplit one carries none
+// of its code: compiled in, even unused, it made the unsplit products 1-5% slower (H200).
+template <typename T, int BN, int CH_, bool GATED, bool SPLIT>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
                       const float* __restrict__ x_scale, int w_scale_dtype, int bias_dtype, int* __restrict__ partial,
-                      int* __restrict__ counters, int M, int N, int K, int tiles_per_split, int splits) {
+                      int M, int N, int K, int tiles_per_split, int splits) {
   using L = Tile<BN, CH_>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, X_STAGE = L::X_BYTES, R = BN / 2;
   extern __shared__ unsigned char smem_raw[];
@@ -185,10 +188,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // Persistent CTAs: work item w = (output tile w % tiles, split w / tiles), CTA b takes items b,
+  // Persistent CTAs: work item w = (output tile w / splits, split w % splits), CTA b takes items b,
   // b + gridDim.x, ...; its K tiles are numbered on across items, so the producer fills the ring
   // with the next item's first stages while the consumers finish the previous one (its last MMAs,
-  // its epilogue). One wave of CTAs instead of one per item: the pipeline fills once.
+  // its epilogue). One wave of CTAs instead of one per item: the pipeline fills once. With split-K
+  // the grid is a whole number of clusters of `splits` CTAs, so a CTA's split is always its rank in
+  // its cluster and the cluster walks whole tiles.
   const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH), items = tiles * splits;
 
   if (tid == 0) init_stage_barriers<STAGES>(bars);
@@ -199,7 +204,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == CONSUMER_THREADS)
       for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
-        const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, w % tiles, w / tiles);
+        const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, SPLIT ? w / splits : w, SPLIT ? w % splits : 0);
         int col0;
         const int which = column_weight(weights.col_end, work.n0, col0);
         const CUtensorMap* w_map = pick_address(weights.map, which);
@@ -215,6 +220,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             },
             [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });
         first += work.k_tiles;
+        if constexpr (SPLIT) {  // the consumers' barrier of this item (hopper.cuh: cluster_arrive_relaxed)
+          if (w != (int)blockIdx.x) cluster_wait();
+          cluster_arrive_relaxed();
+        }
       }
     return;
   }
@@ -230,7 +239,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   int acc[J][R];
 
   for (int w = blockIdx.x, first = 0; w < items; w += gridDim.x) {
-    const int tile = w % tiles, split = w / tiles;
+    const int tile = SPLIT ? w / splits : w, split = SPLIT ? w % splits : 0;
     const CtaWork work = cta_work(M, N, K, BN, CH, tiles_per_split, tile, split);
     const int m0 = work.m0, n0 = work.n0, k_tiles = work.k_tiles;
     const float my_scale = load_early(x_scale + min(m0 + wg_tid, M - 1));  // tokens past M are never read
@@ -307,10 +316,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (wg_tid == 0) mbar_arrive(bars + 8 * (STAGES + (first + k_tiles - 1) % STAGES));
     first += k_tiles;
 
-    if (splits > 1) {
-      store_partial<BN>(acc, partial, M, N, m0, ch, t, split);
-      if (!last_split(counters, splits, tile)) continue;
-      sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, split, [](int) {});
+    // the token rows this CTA finishes
+    const RowShare share = SPLIT ? row_share(BN / 8, split, splits) : RowShare{0, BN / 8};
+    if constexpr (SPLIT) {
+      store_partial<BN>(acc, partial, M, N, m0, ch, t, split, share);
+      cluster_sync_partials();
+      sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, split, share, [](int) {});
     }
 
     // The warpgroup's readers of the previous item's scales are done (they reached this barrier).
@@ -335,12 +346,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     const size_t ldo = pick(weights.ldo, which);
     T* const row_out = static_cast<T*>(pick(weights.out, which)) + (m0 + 2 * t) * ldo + wch;
     const float* tile_scale = token_scale + 2 * t;
+    const int row_base = 2 * t - 8 * share.lo;  // token row 8 b + 2 t + p, relative to the share
+    const unsigned rows = share.stored_rows(m0, M);
 #pragma unroll
     for (int b = 0; b < BN / 8; ++b) {
       const float2 xs = *reinterpret_cast<const float2*>(tile_scale + 8 * b);  // tokens 8 b + 2 t + {0, 1}
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
-        const bool live = m0 + 8 * b + 2 * t + p < M;
+        const bool live = (unsigned)(row_base + 8 * b + p) < rows;
         int v[2 * J];
         token_values(acc, b, p, v);
         T* dst = row_out + (8 * b + p) * ldo;
@@ -373,33 +386,34 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <typename T, int BN, int CH, bool GATED>
+template <typename T, int BN, int CH, bool GATED, bool SPLIT>
 cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ws_dtype, int bias_dtype,
-                   void* partial, void* counters, int M, int N, int K, int ldx, int splits, int tiles_per_split,
+                   void* partial, int M, int N, int K, int ldx, int splits, int tiles_per_split,
                    cudaStream_t stream, bool pdl) {
-  constexpr auto kernel = w4a4_wgmma_kernel<T, BN, CH, GATED>;
+  constexpr auto kernel = w4a4_wgmma_kernel<T, BN, CH, GATED, SPLIT>;
+  constexpr size_t smem = Tile<BN, CH>::SMEM;
   CUtensorMap x_map;
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
   if (err == cudaSuccess) err = opt_in_shared_memory<kernel>();
+  int clusters = 0;  // one CTA per SM, or as many clusters of `splits` as fit
+  if (err == cudaSuccess) err = resident_clusters<kernel>(splits, THREADS, smem, clusters);
   if (err != cudaSuccess) return err;
-  const int items = ((M + BN - 1) / BN) * ((N + CH - 1) / CH) * splits;
-  int device = 0, sms = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  return launch_kernel(kernel, items < sms ? items : sms, THREADS, Tile<BN, CH>::SMEM, stream, pdl, x_map, weights,
-                       xs, ws_dtype, bias_dtype, static_cast<int*>(partial), static_cast<int*>(counters), M, N, K,
-                       tiles_per_split, splits);
+  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);
+  return launch_cluster_kernel(kernel, dim3((tiles < clusters ? tiles : clusters) * splits), dim3(splits), THREADS,
+                               smem, stream, pdl, x_map, weights, xs, ws_dtype, bias_dtype, static_cast<int*>(partial),
+                               M, N, K, tiles_per_split, splits);
 }
 
 template <typename T, bool GATED = false>
 cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weights& weights, int ws_dtype,
-                     int bias_dtype, void* partial, void* counters, int M, int N, int K, int ldx, int splits,
+                     int bias_dtype, void* partial, int M, int N, int K, int ldx, int splits,
                      int tiles_per_split, cudaStream_t st, bool pdl) {
 #define NIBBLE_LAUNCH(BN_, CH_)                                                                                   \
   if (bn == BN_ && ch == CH_)                                                                                     \
-    return launch<T, BN_, CH_, GATED>(qx, xs, weights, ws_dtype, bias_dtype, partial, counters, M, N, K, ldx,      \
-                                      splits, tiles_per_split, st, pdl);
+    return splits > 1 ? launch<T, BN_, CH_, GATED, true>(qx, xs, weights, ws_dtype, bias_dtype, partial, M, N, K,   \
+                                                          ldx, splits, tiles_per_split, st, pdl)                    \
+                      : launch<T, BN_, CH_, GATED, false>(qx, xs, weights, ws_dtype, bias_dtype, partial, M, N, K,  \
+                                                          ldx, splits, tiles_per_split, st, pdl);
   NIBBLE_LAUNCH(64, 256)
   NIBBLE_LAUNCH(128, 256)
   NIBBLE_LAUNCH(128, 128)
@@ -414,18 +428,16 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weig
 // 0), (bn, channels) in {(64, 256), (128, 256), (128, 128)}; count (1 to MAX_WEIGHTS) weights of
 // ns[i] columns, ns[i] % 4 == 0 and every ns[i] but the last a multiple of `channels` (a tile never
 // spans two weights), each with its qweight, w_scale, bias (may be null) and output (ldos[i] % 4 ==
-// 0); with splits > 1, partial is int32 [splits, M, sum ns] and counters int32 [tiles], zero (the
-// kernel leaves them zero). out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw
+// 0); with 1 < splits <= 8 (a cluster of CTAs), partial is int32 [splits, M, sum ns]. out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw
 // accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16. pdl: launch early
-// (skinny.cuh: launch_kernel).
+// (skinny.cuh: launch_cluster_kernel).
 // gated: SiLU(gate) * up into outs[0] (ldos[0]) of ns[0] columns, from count = 2 weights (gate, up)
 // of ns[0] == ns[1] columns, both or neither with a bias; out_dtype 1 or 2. The launch then has 2 ns[0]
 // "gated" columns (partial: int32 [splits, M, 2 ns[0]]).
 extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* x_scale,
                                  int w_scale_dtype, int bias_dtype, int M, int K, int ldx, int count,
                                  const void* const* qweights, const void* const* w_scales, const void* const* biases,
-                                 void* const* outs, const int* ns, const int* ldos, void* partial, void* counters,
-                                 int splits, int tiles_per_split, int gated, int pdl, void* stream) {
+                                 void* const* outs, const int* ns, const int* ldos, void* partial, int splits, int tiles_per_split, int gated, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   if (gated && (count != 2 || ns[0] != ns[1] || (out_dtype != 1 && out_dtype != 2))) return (int)cudaErrorInvalidValue;
   Weights w{};
@@ -442,7 +454,7 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
-#define NIBBLE_ARGS bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, counters, M, N, K, ldx, splits, \
+#define NIBBLE_ARGS bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, M, N, K, ldx, splits, \
                     tiles_per_split, st, pdl
   if (gated)
     err = out_dtype == 1 ? launch_t<__half, true>(NIBBLE_ARGS) : launch_t<__nv_bfloat16, true>(NIBBLE_ARGS);
@@ -454,6 +466,15 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
     default: err = cudaErrorInvalidValue;
   }
 #undef NIBBLE_ARGS
+  return (int)err;
+}
+
+// How many clusters of `splits` CTAs (1: single CTAs) of the GEMM fit on the current device at once
+// (hopper.cuh: resident_clusters; every tile takes a whole SM), for the config model.
+extern "C" int nibble_w4a4_wgmma_clusters(int splits, int* clusters) {
+  constexpr auto kernel = w4a4_wgmma_kernel<__nv_bfloat16, 128, 256, false, true>;
+  cudaError_t err = opt_in_shared_memory<kernel>();
+  if (err == cudaSuccess) err = resident_clusters<kernel>(splits, THREADS, Tile<128, 256>::SMEM, *clusters);
   return (int)err;
 }
 
