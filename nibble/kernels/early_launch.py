@@ -18,6 +18,11 @@ ends, as before. Measured on the H200 (Llama-2-7B shape, batch 1, prompt 512, de
 process): W4A16 459 -> 490, W4A4 408 -> 470, bf16 233 -> 238 (its glue kernels overlap each other;
 cuBLAS does not take part). ``NIBBLE_PDL=0`` launches everything the plain way, to measure what this
 buys (``benchmarks/scripts/early_launch_decode.py``).
+
+One pair goes further: W4A4's activation quantization and the Hopper product it feeds launch early
+up to w4a4.PRODUCT_EARLY_TOKENS (128) tokens, so the product's first weight stages are copied while
+the quantization runs (H200, the op alone at 128 tokens: 1-1.6 us of 17-60 us;
+``benchmarks/scripts/w4a4_early_launch_ab.py``).
 """
 from __future__ import annotations
 
@@ -38,14 +43,16 @@ except ImportError:  # CPU-only install: nothing launches early
 
 # Early launch is for decode-sized launches. At prefill the kernels are long and their grids run in
 # several waves, and it cost time (H200, Llama-2-7B shape, same process, off -> on: prefill 8 x 512
-# tokens bf16 89.4 -> 91.6 ms, W4A16 93.0 -> 96.6, W4A4 58.8 -> 63.6; 1 x 128 bf16 5.09 -> 5.27).
+# tokens bf16 89.4 -> 91.6 ms, W4A16 93.0 -> 96.6, W4A4 58.8 -> 63.6; 1 x 128 bf16 5.09 -> 5.27),
+# except for the one pair above.
 MAX_TOKENS = 64
 
 
-def early_launch(device: torch.device, tokens: int = 1) -> bool:
+def early_launch(device: torch.device, tokens: int = 1, max_tokens: int = MAX_TOKENS) -> bool:
     """Whether a kernel over ``tokens`` rows (tokens) launches with programmatic dependent launch on
-    ``device``: an sm_90+ GPU, at most MAX_TOKENS tokens, and NIBBLE_PDL not 0."""
-    if device.type != "cuda" or tokens > MAX_TOKENS:
+    ``device``: an sm_90+ GPU, at most ``max_tokens`` tokens (MAX_TOKENS, or a kernel pair's own
+    measured limit: w4a4.PRODUCT_EARLY_TOKENS), and NIBBLE_PDL not 0."""
+    if device.type != "cuda" or tokens > max_tokens:
         return False
     return _early_launch(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -241,6 +241,13 @@ def _act_quant_chunked_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fma
 CHUNKED_MIN_M = 512
 CHUNKED_MIN_K = 16385
 CHUNK_K = 4096
+# The activation quantization and the Hopper product after it launch early (early_launch.py) up to
+# this many tokens, beyond the other kernels' MAX_TOKENS: the quantization lets the product launch
+# at once, whose producer then copies its first stages' weights while the quantization runs. H200,
+# same process, 64 -> 128 (benchmarks/results/w4a4-early-launch-128-ab-h200.json): the op at M = 128
+# 18.35 -> 17.03 us on 12288 x 4096, 28.1 -> 26.8 on 4096 x 14336; Llama-2-7B W4A4 prefill 1 x 128
+# 3.455 -> 3.414 ms, 1 x 512 and 8 x 128 unchanged (their products are over 128 tokens).
+PRODUCT_EARLY_TOKENS = 128
 
 
 if triton is not None:
@@ -338,7 +345,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         # more threads, 8 elements each (H200, M = 1: K = 4096 2.42 -> 1.67 us at 16 warps instead
         # of 4, K = 11008 5.70 -> 4.97 and K = 28672 8.14 -> 7.50 at 32 instead of 16).
         num_warps = min(32, max(num_warps, rows * block // 256))
-    pdl = not _interpreting() and early_launch(x.device, M)
+    pdl = not _interpreting() and early_launch(x.device, M, PRODUCT_EARLY_TOKENS)
     _act_quant_kernel[grid](x, q, s, dense, M, K, x.stride(0), q.stride(0), had_scale, fmax,
                             ROWS=rows, BLOCK=block, HADAMARD=plan is not None, EVEN_ODD=order == "even_odd",
                             INTERPRET=_interpreting(), num_warps=num_warps, PDL=pdl, launch_pdl=pdl, **consts)
@@ -1140,7 +1147,7 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
             out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
             _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            part.data_ptr(), split, per_split, int(gated), int(early_launch(qx.device, M)),
+            part.data_ptr(), split, per_split, int(gated), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)),
             torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "

@@ -189,10 +189,16 @@ def test_gpu_glue_kernels_wait_for_their_producer():
 
 
 def test_early_launch_is_for_decode_sized_launches():
-    """Up to MAX_TOKENS tokens only (at prefill it measured slower), and never off CUDA."""
+    """Up to MAX_TOKENS tokens only (at prefill it measured slower), or a kernel pair's own limit
+    (W4A4's quantization and product: 128), and never off CUDA."""
     from nibble.kernels import early_launch as el
+    from nibble.kernels import w4a4
+    assert el.MAX_TOKENS < w4a4.PRODUCT_EARLY_TOKENS
     assert not el.early_launch(torch.device("cpu"), 1)
+    assert not el.early_launch(torch.device("cpu"), 1, w4a4.PRODUCT_EARLY_TOKENS)
     if CUDA:
         dev = torch.device("cuda")
         assert not el.early_launch(dev, el.MAX_TOKENS + 1)
         assert el.early_launch(dev, el.MAX_TOKENS) == el.early_launch(dev, 1)
+        assert el.early_launch(dev, w4a4.PRODUCT_EARLY_TOKENS, w4a4.PRODUCT_EARLY_TOKENS) == el.early_launch(dev, 1)
+        assert not el.early_launch(dev, w4a4.PRODUCT_EARLY_TOKENS + 1, w4a4.PRODUCT_EARLY_TOKENS)
