@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 STAGE_K = 128  # K per pipeline stage in both kernels
 SPLITS = (1, 2, 3, 4, 6, 8)
+MAX_SPLIT = 8  # the largest portable thread-block cluster
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -99,11 +100,14 @@ def pick_config(M: int, N: int, K: int, model: CostModel, clusters: dict, tiles=
 def launch_config(config, M: int, K: int, widths, model: CostModel, clusters: dict, kernel: str) -> dict:
     """The config of one launch of a Hopper GEMM (``kernel`` names it in errors) over weights of
     ``widths`` columns side by side: ``config`` (bn, channels, split_k) as given, else
-    `pick_config`'s; either way a tile the widths allow (`tiles_side_by_side`), or a ValueError
-    that names those tiles."""
+    `pick_config`'s; either way a tile the widths allow (`tiles_side_by_side`) and 1 to MAX_SPLIT
+    splits, or a ValueError that names what is allowed."""
     tiles = tiles_side_by_side(tuple(model.stage_us), widths)
     tile = None if config is None else (config["bn"], config["channels"])
     if not tiles or (tile is not None and tile not in tiles):
         raise ValueError(f"{kernel}: (bn, channels) must be one of {tiles} for weights of widths {list(widths)} "
                          f"(each but the last a multiple of the channels), got {tile or 'none that fits'}")
+    if config is not None and not 1 <= int(config.get("split_k", 1)) <= MAX_SPLIT:
+        raise ValueError(f"{kernel}: split_k must be 1 to {MAX_SPLIT} (the splits of a tile are one cluster of "
+                         f"CTAs, at most {MAX_SPLIT}), got {config['split_k']}")
     return dict(config) if config is not None else pick_config(M, sum(widths), K, model, clusters, tiles)

@@ -247,6 +247,9 @@ def test_wgmma_tiles_for_layers_side_by_side():
         assert launch == cfg
     with pytest.raises(ValueError, match=r"must be one of \(\) .* got none that fits"):
         hopper.launch_config(None, 64, 576, [576, 192, 192], w4a4.WGMMA_MODEL, hopper.ideal_clusters(132), "w4a4_wgmma")
+    with pytest.raises(ValueError, match="split_k must be 1 to 8"):
+        hopper.launch_config(dict(bn=128, channels=128, split_k=16), 64, 4096, [4096], w4a4.WGMMA_MODEL,
+                             hopper.ideal_clusters(132), "w4a4_wgmma")
     with pytest.raises(ValueError, match="multiple of the channels"):
         hopper.launch_config(dict(bn=128, channels=256, split_k=1), 64, 896, [896, 128, 128], w4a4.WGMMA_MODEL, hopper.ideal_clusters(132),
                              "w4a4_wgmma")
