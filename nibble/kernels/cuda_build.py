@@ -149,6 +149,19 @@ def c_array(ctype, values) -> ctypes.c_void_p:
 _AVAILABLE: dict = {}  # (name, arch) -> configured library, or None when it cannot be built
 
 
+_ASKED: dict = {}
+
+
+def ask_once(question: str, device: torch.device, ask: Callable[[], object]):
+    """``ask()`` run with ``device`` current the first time ``question`` is asked of that device;
+    its answer from then on (a library's query of the GPU, kept off the launch path)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if (question, index) not in _ASKED:
+        with torch.cuda.device(index):
+            _ASKED[question, index] = ask()
+    return _ASKED[question, index]
+
+
 def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], None],
             arch_specific: bool = False) -> ctypes.CDLL | None:
     """``load(name, device, arch_specific)`` with ``configure(lib)`` applied once (its ctypes

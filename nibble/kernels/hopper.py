@@ -45,23 +45,17 @@ def ideal_clusters(num_sms: int) -> dict:
     return {split: num_sms // split for split in SPLITS}
 
 
-_RESIDENT: dict = {}
-
-
-def resident_clusters(key, query) -> dict:
+def resident_clusters(query) -> dict:
     """{split: clusters resident at once} from a kernel library's ``nibble_*_wgmma_clusters(splits,
-    int *clusters)`` on the current device (one CTA per SM; split 1: the SMs), asked once per
-    ``key`` (the kernel and the device)."""
-    if key not in _RESIDENT:
-        out = {}
-        for split in SPLITS:
-            n = ctypes.c_int(0)
-            err = query(split, ctypes.byref(n))
-            if err or n.value < 1:
-                raise RuntimeError(f"cannot size clusters of {split} CTAs on this GPU (CUDA error {err})")
-            out[split] = n.value
-        _RESIDENT[key] = out
-    return _RESIDENT[key]
+    int *clusters)`` on the current device (one CTA per SM; split 1: the SMs)."""
+    out = {}
+    for split in SPLITS:
+        n = ctypes.c_int(0)
+        err = query(split, ctypes.byref(n))
+        if err or n.value < 1:
+            raise RuntimeError(f"cannot size clusters of {split} CTAs on this GPU (CUDA error {err})")
+        out[split] = n.value
+    return out
 
 
 def tiles_side_by_side(tiles, widths) -> tuple:

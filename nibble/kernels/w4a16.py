@@ -802,11 +802,11 @@ def _wgmma_lib(device):
 
 
 def wgmma_clusters(device) -> dict:
-    """{split: clusters of `w4a16_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`)."""
+    """{split: clusters of `w4a16_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`,
+    asked once per device)."""
     device = torch.device(device)
-    with torch.cuda.device(device):
-        return hopper.resident_clusters(("w4a16", torch.cuda.current_device()),
-                                        _wgmma_lib(device).nibble_w4a16_wgmma_clusters)
+    return cuda_build.ask_once("w4a16_wgmma clusters", device, lambda: hopper.resident_clusters(
+        _wgmma_lib(device).nibble_w4a16_wgmma_clusters))
 
 
 def wgmma_group_ok(group_size: int, K: int) -> bool:

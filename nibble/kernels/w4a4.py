@@ -998,11 +998,11 @@ def _wgmma_lib(device):
 
 
 def wgmma_clusters(device) -> dict:
-    """{split: clusters of `w4a4_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`)."""
+    """{split: clusters of `w4a4_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`,
+    asked once per device)."""
     device = torch.device(device)
-    with torch.cuda.device(device):
-        return hopper.resident_clusters(("w4a4", torch.cuda.current_device()),
-                                        _wgmma_lib(device).nibble_w4a4_wgmma_clusters)
+    return cuda_build.ask_once("w4a4_wgmma clusters", device, lambda: hopper.resident_clusters(
+        _wgmma_lib(device).nibble_w4a4_wgmma_clusters))
 
 
 def wgmma_applicable(M: int, N: int, K: int, device) -> bool:

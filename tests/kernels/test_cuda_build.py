@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from nibble.kernels import cuda_build
 
@@ -90,3 +91,33 @@ def test_cache_key_covers_the_shared_headers(tmp_path, monkeypatch):
     header = tmp_path / "csrc" / "skinny.cuh"
     header.write_text(header.read_text() + "\n// edited\n")
     assert cuda_build.library_path("w4a16_mma", "90", "nvcc") != before
+
+
+def test_ask_once_asks_each_device_once(monkeypatch):
+    """A library's query of the GPU (the Hopper GEMMs' resident clusters) runs once per device, with
+    that device current; later calls, on every launch, get the first answer."""
+    import contextlib
+    current = []
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext(current.append(index)))
+    monkeypatch.setattr(cuda_build, "_ASKED", {})
+    asked = []
+    ask = lambda: asked.append(1) or len(asked)  # noqa: E731
+    assert [cuda_build.ask_once("q", torch.device("cuda", 1), ask) for _ in range(3)] == [1, 1, 1]
+    assert cuda_build.ask_once("q", torch.device("cuda", 0), ask) == 2
+    assert cuda_build.ask_once("other", torch.device("cuda", 0), ask) == 3
+    assert current == [1, 0, 0]
+
+
+def test_resident_clusters_reads_the_library_query():
+    """{split: clusters} from the library's ``nibble_*_wgmma_clusters(split, int *out)``; a CUDA error or
+    no cluster that fits is an error that says which split."""
+    from nibble.kernels import hopper
+
+    def query(split, out):
+        out._obj.value = 132 // split - (split == 4) * 3
+        return 0
+    assert hopper.resident_clusters(query) == {1: 132, 2: 66, 3: 44, 4: 30, 6: 22, 8: 16}
+    with pytest.raises(RuntimeError, match=r"clusters of 1 CTAs on this GPU \(CUDA error 1\)"):
+        hopper.resident_clusters(lambda split, out: 1)
+    with pytest.raises(RuntimeError, match="clusters of 1 CTAs"):
+        hopper.resident_clusters(lambda split, out: 0)  # leaves 0: nothing fits

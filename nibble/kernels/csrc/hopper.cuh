@@ -272,7 +272,9 @@ __device__ __forceinline__ void cluster_sync_partials() {
 }
 // The producer thread's part in the consumers' barrier of each item (it stores nothing): arrive
 // once the item's copies are issued, wait for that phase only before arriving at the next.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
 
 // After cluster_sync_partials: the rows of `share` in acc become the sum of the splits' partials
@@ -312,7 +314,8 @@ __device__ __forceinline__ void sum_partials(A (&acc)[J][R], const A* partial, i
         for (int p = 0; p < 2; ++p) {  // rows past M read row M - 1 (unused): no branch between the loads
           const int m = min(m0 + 8 * b + 2 * t + p, M - 1);
           // through the L2 (.cg): this SM's L1 is not coherent with the other CTAs' stores
-          if (share.mine(b)) *reinterpret_cast<Word*>(&o[b - b0][p]) = __ldcg(reinterpret_cast<const Word*>(slice + (size_t)m * N + c));
+          if (share.mine(b))
+            *reinterpret_cast<Word*>(&o[b - b0][p]) = __ldcg(reinterpret_cast<const Word*>(slice + (size_t)m * N + c));
         }
 #pragma unroll
       for (int b = b0; b < b0 + ROWS; ++b)

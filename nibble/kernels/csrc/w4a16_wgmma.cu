@@ -315,7 +315,8 @@ cudaError_t launch(const void* x, int count, const void* const* qweights, const 
 
 template <typename T>
 cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, const void* const* qw,
-                     const void* const* s, const void* const* z, const int* ns, Weights& w, void* partial, int M, int N, int K, int G, int ldx, int splits, int tiles_per_split,
+                     const void* const* s, const void* const* z, const int* ns, Weights& w, void* partial, int M,
+                     int N, int K, int G, int ldx, int splits, int tiles_per_split,
                      cudaStream_t st, bool pdl) {
 #define NIBBLE_LAUNCH(BN_, CH_, GS_)                                                                          \
   if (bn == BN_ && ch == CH_ && group_steps == GS_)                                                           \

@@ -428,16 +428,17 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weig
 // 0), (bn, channels) in {(64, 256), (128, 256), (128, 128)}; count (1 to MAX_WEIGHTS) weights of
 // ns[i] columns, ns[i] % 4 == 0 and every ns[i] but the last a multiple of `channels` (a tile never
 // spans two weights), each with its qweight, w_scale, bias (may be null) and output (ldos[i] % 4 ==
-// 0); with 1 < splits <= 8 (a cluster of CTAs), partial is int32 [splits, M, sum ns]. out_dtype: 0 float32, 1 float16, 2 bfloat16, 3 int32 (raw
-// accumulators); w_scale_dtype / bias_dtype: 0 float32, 1 float16, 2 bfloat16. pdl: launch early
-// (skinny.cuh: launch_cluster_kernel).
+// 0); with 1 < splits <= 8 (a cluster of CTAs), partial is int32 [splits, M, sum ns]. out_dtype: 0
+// float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0 float32,
+// 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_cluster_kernel).
 // gated: SiLU(gate) * up into outs[0] (ldos[0]) of ns[0] columns, from count = 2 weights (gate, up)
 // of ns[0] == ns[1] columns, both or neither with a bias; out_dtype 1 or 2. The launch then has 2 ns[0]
 // "gated" columns (partial: int32 [splits, M, 2 ns[0]]).
 extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* x_scale,
                                  int w_scale_dtype, int bias_dtype, int M, int K, int ldx, int count,
                                  const void* const* qweights, const void* const* w_scales, const void* const* biases,
-                                 void* const* outs, const int* ns, const int* ldos, void* partial, int splits, int tiles_per_split, int gated, int pdl, void* stream) {
+                                 void* const* outs, const int* ns, const int* ldos, void* partial, int splits,
+                                 int tiles_per_split, int gated, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   if (gated && (count != 2 || ns[0] != ns[1] || (out_dtype != 1 && out_dtype != 2))) return (int)cudaErrorInvalidValue;
   Weights w{};
