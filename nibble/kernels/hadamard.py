@@ -205,10 +205,10 @@ def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torc
 # ----------------------------------------------------------------------------------------------
 # Measured on an H200, 64 MiB of bfloat16 per call, read + written (copy roofline ~4.3 TB/s):
 # n = 64: 3.1 TB/s, 128: 2.0, 4096: 1.8, 8192: 1.4, 1536: 1.1, 576: 0.7, 14336: 0.63,
-# 28672: 0.58, 11008: 0.19 (0.71 since its dense factor's matrix is read K-major and in 16 bits,
-# below). Large rows run one program per SM, so loads and tensor-core work do not overlap. A few
-# rows (decode) split each row's dense outputs over programs instead (`dense_slice_width`): W4A4
-# rotate + quantize of one row of 11008 went from 39 to 11 us (6 of them the quantization).
+# 28672: 0.58, 11008: 0.19 (0.56 since its dense factor's matrix is read K-major, below). Large
+# rows run one program per SM, so loads and tensor-core work do not overlap. A few rows (decode)
+# split each row's dense outputs over programs instead (`dense_slice_width`): W4A4 rotate +
+# quantize of one row of 11008 went from 39 to 11 us (6 of them the quantization), 7 us now.
 
 # The largest padded row one program keeps in registers; covers every size nibble's models use
 # (28672 pads to 32 * 1024), and the largest dense factor (172, padded).
@@ -236,15 +236,13 @@ class HadamardPlan:
     dense: the order of the part done as a matmul against a stored +-1 matrix (H_m, or
     H_m (x) H_{2^j} when 2^j < 16 is too small for tl.dot); 1 when n is a power of two >= 16.
     a, b: the Sylvester part 2^k = a * b, each 1 or >= 16, multiplied by in-register +-1 tiles.
-    dense_chunk: the dense axis's inputs per step of the matmul; dense_in: dense rounded up to
-    whole chunks (the steps that run). Padding (dense_pad > dense) sits at the end of each row, so callers see a plain
+    Padding (dense_pad > dense) sits at the end of each row, so callers see a plain
     [rows, row_pad] tile whose columns >= n are zero.
     """
     n: int
     dense: int
     dense_pad: int
     dense_chunk: int
-    dense_in: int
     a: int
     b: int
     rows: int
@@ -276,8 +274,7 @@ def hadamard_plan(n: int) -> HadamardPlan:
     # (bf16, n = 128 ... 8192); larger rows need more warps to hold the tile in registers.
     others = [d for d, on in ((dense_pad * a, b > 1), (dense_pad * b, a > 1), (a * b, dense_pad > 1)) if on]
     rows = max([_next_pow2(-(-_MIN_DOT // o)) for o in others] + [max(1, _TILE // row_pad)])
-    chunk = min(dense_pad, _DENSE_CHUNK)
-    return HadamardPlan(n, dense, dense_pad, chunk, -(-dense // chunk) * chunk, a, b, rows, _warps_for(rows * row_pad))
+    return HadamardPlan(n, dense, dense_pad, min(dense_pad, _DENSE_CHUNK), a, b, rows, _warps_for(rows * row_pad))
 
 
 def _warps_for(tile: int) -> int:
@@ -337,15 +334,14 @@ def _dot_pm1(x, h, acc, TERMS: tl.constexpr):
 @_jit
 def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo, ROWS: tl.constexpr,
                        DENSE_PAD: tl.constexpr, DENSE_OUT: tl.constexpr, DENSE_CHUNK: tl.constexpr,
-                       DENSE_IN: tl.constexpr, A: tl.constexpr, B: tl.constexpr, TERMS_IN: tl.constexpr,
-                       TERMS: tl.constexpr):
+                       A: tl.constexpr, B: tl.constexpr, TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
     """Load ROWS rows of n elements and return (row @ H_n.T) * scale as float32 [ROWS, DENSE_OUT * A * B]:
     the outputs whose dense index lies in [dense_lo, dense_lo + DENSE_OUT), i.e. output columns
     dense_lo * A * B onwards; columns >= n (and masked rows) come back 0. For fusing into other
     kernels (W4A4 quantization) with DENSE_OUT = DENSE_PAD, dense_lo = 0: the whole row.
 
     row_offs: [ROWS, 1] int64 offset of each row's first element from x_ptr; row_mask: [ROWS, 1].
-    DENSE_PAD, DENSE_CHUNK, DENSE_IN, A, B from `hadamard_plan(n)`; dense_ptr from `hadamard_dense_operand`
+    DENSE_PAD, DENSE_CHUNK, A, B from `hadamard_plan(n)`; dense_ptr from `hadamard_dense_operand`
     (any pointer when DENSE_PAD == 1, where DENSE_OUT must be 1 and dense_lo 0); scale = 1/sqrt(n);
     `hadamard_dot_terms(dtype)` gives TERMS_IN, TERMS (tf32 pieces per operand for the first factor,
     which sees the input, and the rest).
@@ -361,7 +357,10 @@ def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo,
         ab = tl.arange(0, AB)[None, :, None]
         out = dense_lo + tl.arange(0, DENSE_OUT)[None, :]
         acc = tl.zeros((ROWS * AB, DENSE_OUT), dtype=tl.float32)
-        for k0 in range(0, DENSE_IN, DENSE_CHUNK):  # whole chunks past the dense axis would add only zeros
+        # All of the padded axis, though its last chunks add zeros: stopping the loop at 192 of 256
+        # (11008's 172 in whole chunks) made the 4-warp programs' sums lose bits on the H200 (max
+        # error 0.0023 against 0.0018 in float16, deterministic) for ~10% of the time.
+        for k0 in range(0, DENSE_PAD, DENSE_CHUNK):
             k = k0 + tl.arange(0, DENSE_CHUNK)
             # [ROWS, AB, chunk]: the chunk of the dense axis last, ready to be the contraction dim
             ptrs = x_ptr + row_offs[:, :, None] + k[None, None, :] * AB + ab
@@ -372,9 +371,6 @@ def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo,
             # memory, so a copy of an [in, out] tile had to transpose element by element (4-byte
             # cp.async, one L1 wavefront per lane: 35 us for 128 rows of 11008 on an H200, the L1
             # 81% busy and the tensor cores idle); from [out, in] it is 16-byte copies (13 us).
-            # (16-bit operands for 16-bit rows, exact products too, ran 16% faster, but the slice
-            # widths' results then differed by up to 2^-15 of the largest output, where tf32's
-            # agree bit for bit, and W4A4 with rotation lost accuracy in the tests.)
             d = tl.trans(tl.load(dense_ptr + out.T * DENSE_PAD + k[None, :]))
             acc = _dot_pm1(xk, d, acc, TERMS_IN)
         x = tl.permute(tl.reshape(acc, (ROWS, A, B, DENSE_OUT)), (0, 3, 1, 2))
@@ -398,8 +394,8 @@ def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo,
 @_jit
 def _hadamard_kernel(x_ptr, y_ptr, dense_ptr, n_rows, n, stride_x, stride_y, scale,
                      ROWS: tl.constexpr, DENSE_PAD: tl.constexpr, DENSE_OUT: tl.constexpr,
-                     DENSE_CHUNK: tl.constexpr, DENSE_IN: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
-                     TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
+                     DENSE_CHUNK: tl.constexpr, A: tl.constexpr, B: tl.constexpr, TERMS_IN: tl.constexpr,
+                     TERMS: tl.constexpr):
     # Program (i, j) owns ROWS rows and the j-th slice of DENSE_OUT dense outputs of each: with
     # DENSE_OUT = DENSE_PAD (one slice) each row is read once and written once; with narrower slices
     # a few rows spread over more SMs (each program rereads the rows, from L2).
@@ -408,7 +404,7 @@ def _hadamard_kernel(x_ptr, y_ptr, dense_ptr, n_rows, n, stride_x, stride_y, sca
     row_mask = r < n_rows
     r = r.to(tl.int64)
     y = hadamard_load_rows(x_ptr, r * stride_x, row_mask, n, dense_ptr, scale, dense_lo, ROWS, DENSE_PAD,
-                           DENSE_OUT, DENSE_CHUNK, DENSE_IN, A, B, TERMS_IN, TERMS)
+                           DENSE_OUT, DENSE_CHUNK, A, B, TERMS_IN, TERMS)
     c = dense_lo * A * B + tl.arange(0, DENSE_OUT * A * B)[None, :]
     tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=row_mask & (c < n))
 
@@ -446,7 +442,7 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
     any leading dims. Products are exact, sums run in the tensor cores' float32 accumulators (not
     IEEE-rounded: about 2^-19 of the largest output, far below 16-bit rounding), and the result is
     rounded once to x.dtype. ``split`` (default: only for a few rows) spreads each row's dense
-    outputs over several programs; the result agrees to the tensor cores' accumulation error.
+    outputs over several programs; the result is the same.
     """
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"hadamard kernel takes float16/bfloat16/float32, got {x.dtype}; "
@@ -473,9 +469,8 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
     slices = -(-plan.dense // dense_out)  # enough to cover the real (unpadded) dense entries
     _hadamard_kernel[(row_tiles, slices)](
         x2, y2, dense, x2.shape[0], n, x2.stride(0), y2.stride(0), 1.0 / math.sqrt(n), ROWS=plan.rows,
-        DENSE_PAD=plan.dense_pad, DENSE_OUT=dense_out, DENSE_CHUNK=plan.dense_chunk, DENSE_IN=plan.dense_in,
-        A=plan.a, B=plan.b, TERMS_IN=terms_in, TERMS=terms,
-        num_warps=_warps_for(plan.rows * dense_out * plan.a * plan.b))
+        DENSE_PAD=plan.dense_pad, DENSE_OUT=dense_out, DENSE_CHUNK=plan.dense_chunk, A=plan.a, B=plan.b,
+        TERMS_IN=terms_in, TERMS=terms, num_warps=_warps_for(plan.rows * dense_out * plan.a * plan.b))
     return y
 
 

@@ -141,9 +141,8 @@ def _row_quotients(xf, scale, INTERPRET: tl.constexpr):
 @_jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, had_scale, fmax,
                       ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.constexpr,
-                      DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, DENSE_IN: tl.constexpr,
-                      HA: tl.constexpr, HB: tl.constexpr, TERMS_IN: tl.constexpr, TERMS: tl.constexpr,
-                      EVEN_ODD: tl.constexpr,
+                      DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
+                      TERMS_IN: tl.constexpr, TERMS: tl.constexpr, EVEN_ODD: tl.constexpr,
                       INTERPRET: tl.constexpr, PDL: tl.constexpr):
     after_prior_grids(PDL)  # at decode the product kernel launches under this one (early_launch.py)
     # One program owns ROWS whole rows, held in registers: x is read once, q written once.
@@ -154,7 +153,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
     if HADAMARD:
         # nibble.kernels.hadamard's fusable loader: float32 (row @ H_K.T) / sqrt(K), zero padded.
         xf = hadamard_load_rows(x_ptr, r * stride_x, rows[:, None] < M, K, dense_ptr, had_scale, 0, ROWS,
-                                DENSE_PAD, DENSE_PAD, DENSE_CHUNK, DENSE_IN, HA, HB, TERMS_IN, TERMS)
+                                DENSE_PAD, DENSE_PAD, DENSE_CHUNK, HA, HB, TERMS_IN, TERMS)
         # The spec rotates in float32 and returns x.dtype; round the same way before quantizing.
         xf = xf.to(x_ptr.dtype.element_ty).to(tl.float32)
         xf = tl.where(mask, xf, 0.0)
@@ -335,12 +334,11 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     if plan is not None:
         dense = _had.hadamard_dense_operand(K, False, x.device) if plan.dense_pad > 1 else s
         terms_in, terms = _had.hadamard_dot_terms(x.dtype)
-        consts = dict(DENSE_PAD=plan.dense_pad, DENSE_CHUNK=plan.dense_chunk, DENSE_IN=plan.dense_in,
-                      HA=plan.a, HB=plan.b, TERMS_IN=terms_in, TERMS=terms)
+        consts = dict(DENSE_PAD=plan.dense_pad, DENSE_CHUNK=plan.dense_chunk, HA=plan.a, HB=plan.b,
+                      TERMS_IN=terms_in, TERMS=terms)
         had_scale = 1.0 / math.sqrt(K)
     else:
-        dense, consts, had_scale = s, dict(DENSE_PAD=1, DENSE_CHUNK=1, DENSE_IN=1, HA=1, HB=1, TERMS_IN=1,
-                                          TERMS=1), 1.0
+        dense, consts, had_scale = s, dict(DENSE_PAD=1, DENSE_CHUNK=1, HA=1, HB=1, TERMS_IN=1, TERMS=1), 1.0
     grid = (triton.cdiv(M, rows),)
     if plan is None and x.is_cuda and grid[0] < num_sms(x.device):
         # Fewer programs than SMs (decode): each row's latency is the kernel's, so spread it over

@@ -492,8 +492,8 @@ def test_act_quant_fused_hadamard(M, K, dtype):
     x = _activations(M, K, dtype, "cuda")
     q, s = w4a4.quantize_activations(x, input_hadamard=True)
     # Same arithmetic as the unfused kernel chain (one row per program; M < 32 rotates with the
-    # row-splitting transform, as the chain does by default), so identical codes...
-    q2, s2 = w4a4.quantize_activations(hadamard_transform_triton(x), input_hadamard=False)
+    # row-splitting transform), so identical codes...
+    q2, s2 = w4a4.quantize_activations(hadamard_transform_triton(x, split=False), input_hadamard=False)
     assert torch.equal(q, q2) and torch.equal(s, s2)
     # ...and the float32 spec up to rare +-1 flips where the rotated value rounds differently.
     qr, sr = reference.quantize_activations(hadamard_transform_reference(x))
