@@ -59,7 +59,7 @@ import torch
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import num_sms, select_mma_config, split_counters
+from nibble.kernels.w4a16 import NUM_SMS_DEFAULT, num_sms, select_mma_config, split_counters
 
 try:
     import triton
@@ -1022,8 +1022,8 @@ def wgmma_tiles(widths) -> tuple:
 def wgmma_config(M: int, N: int, K: int, clusters: Optional[dict] = None, widths=None) -> dict:
     """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`) for N
     columns, or for weights of ``widths`` columns side by side in one launch, on a GPU that holds
-    ``clusters`` (`wgmma_clusters`; default: an H200's 132 SMs, every one usable)."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(132),
+    ``clusters`` (`wgmma_clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
+    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(NUM_SMS_DEFAULT),
                               wgmma_tiles(widths) if widths else WGMMA_TILES)
 
 

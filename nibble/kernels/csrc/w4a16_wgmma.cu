@@ -346,8 +346,8 @@ cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, 
 // 1 bfloat16 (x and outputs). pdl: launch early (skinny.cuh: launch_cluster_kernel).
 extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, int count,
                                   const void* const* qweights, const void* const* scales, const void* const* zeros,
-                                  void* const* outs, const int* ns, const int* ldos, void* partial, int M, int K, int group_size, int ldx, int splits, int tiles_per_split, int pdl,
-                                  void* stream) {
+                                  void* const* outs, const int* ns, const int* ldos, void* partial, int M, int K,
+                                  int group_size, int ldx, int splits, int tiles_per_split, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   Weights w{};
   const int N = running_ends(count, ns, 1, w.col_end);
