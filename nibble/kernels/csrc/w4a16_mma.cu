@@ -265,8 +265,13 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   float* partial = reinterpret_cast<float*>(smem);
   store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });
   __syncthreads();
-  T* __restrict__ out = pick(weights.out, which);  // picked here, not held in registers through the loop
-  const int ldo = pick(weights.ldo, which);
+  // The output's weight is worked out from blockIdx again, not held through the loop: at one token
+  // tile and 64 registers, `which` kept live made ptxas spill 16 bytes of the several-weight kernel
+  // (groups of 128) and reload them every ring round. H200, M = 1: Llama-2-7B's q/k/v 10.8 -> 10.0
+  // us, gate/up 20.5 -> 17.5 (benchmarks/results/w4a16-grouped-spill-h200.json).
+  const int out_weight = cta_weight<MANY>(weights.cta_end, tile_col);
+  T* __restrict__ out = pick(weights.out, out_weight);
+  const int ldo = pick(weights.ldo, out_weight);
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
     float sum = 0.f;
     for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];

@@ -1,0 +1,215 @@
+"""Variants of the skinny W4A16 kernel (csrc/w4a16_mma.cu), built from the package's sources with
+a few edits each, and timed side by side.
+
+    PYTHONPATH=. python3 benchmarks/scripts/w4a16_skinny_variants.py --set ring --build .exp/skinny   # nvcc only
+    PYTHONPATH=. python3 benchmarks/scripts/w4a16_skinny_variants.py --set ring --libs .exp/skinny --json $OUT/v.json
+
+Sets (results under benchmarks/results/):
+- ``ring`` (w4a16-ring-depth-h200): bytes in flight. RING stages per warp, AHEAD steps in flight
+  and MIN_CTAS resident 512-thread CTAs in the one-token-tile launch bounds (2: the shipped
+  64-register cap; 1: up to 128). Sessions 4 and 8 measured rings of 8 no faster, but under the
+  64-register cap ptxas spills 28-48 bytes there; here the cap is lifted with it.
+- ``spill`` (w4a16-grouped-spill-h200): the several-weight kernel's output weight held through the
+  loop (the previous source: a 16-byte spill per ring round at one token tile) or the 64-register
+  cap lifted for it, against the shipped kernel.
+- ``prefetch`` (w4a16-l2-prefetch-h200): more bytes in flight without registers: once a ring round,
+  an L2 prefetch of 4 steps that lie `distance` steps past the copies.
+
+For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
+output first checked bit for bit against the first variant at the same warps (none of these edits
+changes a sum). Same timing as ``python -m nibble.bench kernels``.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nibble.kernels import cuda_build  # noqa: E402
+
+RING = "constexpr int RING = 4, AHEAD = RING - 2;"
+BOUNDS = "MT == 1 || MT == 4 ? 2 : 1)"
+
+
+def ring(depth: int, ahead: int, min_ctas: int) -> dict:
+    return {"skinny.cuh": [("static_assert(AHEAD == RING - 2,", "static_assert(AHEAD <= RING - 2,")],
+            "w4a16_mma.cu": [(RING, f"constexpr int RING = {depth}, AHEAD = {ahead};"),
+                             (BOUNDS, f"MT == 4 ? 2 : MT == 1 ? {min_ctas} : 1)")]}
+
+
+PIPELINE = "run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });"
+
+
+def prefetch(distance: int) -> dict:
+    """At the end of every ring round, lanes 0-15 pull the 4 x 4 rows of the steps `distance` past the
+    next one to copy into the L2 (one prefetch instruction a round; no registers hold the data)."""
+    return {"w4a16_mma.cu": [(PIPELINE, f"""const int pf_lane = lane < 16;
+  const int pf_off = (4 * ({distance} + ((lane >> 2) & 3)) + (lane & 3) - (lane >> 3)) * N - 4 * (lane & 7);
+  int pf_step = s_begin + AHEAD + {distance} + ((lane >> 2) & 3);
+  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] {{
+    xstream.advance(RING);
+    pf_step += RING;
+    prefetch_l2(pf_lane && pf_step < s_end, ws.src + pf_off);
+  }});""")]}
+
+
+# set -> variant -> {file: [(old, new)]}; the first variant of a set is the reference for exactness
+SETS = {
+    "ring": {
+        "r4a2": {},  # shipped
+        "r4a2_nocap": ring(4, 2, 1),
+        "r8a6_cap": ring(8, 6, 2),  # sessions 4 / 8 (spills)
+        "r8a4": ring(8, 4, 1),
+        "r8a6": ring(8, 6, 1),
+        "r12a10": ring(12, 10, 1),
+        "r16a14": ring(16, 14, 1),
+    },
+    "spill": {
+        "shipped": {},
+        "which_held": {"w4a16_mma.cu": [("const int out_weight = cta_weight<MANY>(weights.cta_end, tile_col);",
+                                         "const int out_weight = which;")]},
+        "many_nocap": {"w4a16_mma.cu": [(BOUNDS, "(MT == 1 && !MANY) || MT == 4 ? 2 : 1)")]},
+    },
+    "prefetch": {"shipped": {}, "pf0": prefetch(0), "pf4": prefetch(4), "pf8": prefetch(8), "pf16": prefetch(16)},
+}
+SMEM_LIMIT = 227 * 1024
+
+
+def build(out_dir: Path, name: str, edits: dict) -> Path:
+    d = out_dir / name
+    d.mkdir(parents=True, exist_ok=True)
+    for h in cuda_build.CSRC.glob("*.cuh"):
+        shutil.copy(h, d / h.name)
+    for fname in ("w4a16_mma.cu", *edits):
+        src = (cuda_build.CSRC / fname).read_text()
+        for old, new in edits.get(fname, []):
+            assert src.count(old) == 1, (fname, old)
+            src = src.replace(old, new)
+        (d / fname).write_text(src)
+    so = d / "w4a16_mma.so"
+    cuda_build._compile(cuda_build.find_nvcc(), d / "w4a16_mma.cu", so, "90")
+    return so
+
+
+def ring_depth(edits: dict) -> int:
+    for old, new in edits.get("w4a16_mma.cu", []):
+        if old == RING:
+            return int(new.split("=")[1].split(",")[0])
+    return 4
+
+
+def smem_bytes(ring: int, warps: int, mt: int) -> int:
+    return max(warps * ring * (640 + 512 * mt), warps * mt * 8 * 32 * 4)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", type=Path, help="only compile every variant into this folder")
+    ap.add_argument("--libs", type=Path, help="the folder --build filled")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--set", choices=SETS, required=True)
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--cases", choices=["issue3", "grouped", "all"], default="all")
+    args = ap.parse_args()
+    variants = SETS[args.set]
+    if args.build:
+        with ThreadPoolExecutor(len(variants)) as pool:
+            for so in pool.map(lambda n: build(args.build, n, variants[n]), variants):
+                print(so)
+        return
+
+    import torch
+    import torch.nn.functional as F
+    from nibble.bench.kernels import GROUP, TIMING, random_int4
+    from nibble.bench.timing import bench_us, env_meta, rotations
+    from nibble.kernels import w4a16 as W
+    from nibble.kernels.early_launch import early_launch
+
+    dev = torch.device("cuda")
+    G = GROUP
+    libs = {}
+    for name in variants:
+        libs[name] = ctypes.CDLL(str(args.libs / name / "w4a16_mma.so"))
+        W._MMA_SIGNATURES(libs[name])
+
+    def call(lib, x, weights, mt, warps, outs):
+        M, K = x.shape
+        ns = [qw.shape[1] for qw, _, _ in weights]
+        ptrs = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
+        err = lib.nibble_w4a16_mma(int(x.dtype == torch.bfloat16), mt, warps, x.data_ptr(), M, K,
+                                   W._group_shift_steps(G, K), x.stride(0), len(weights), *ptrs,
+                                   cuda_build.c_array(ctypes.c_int, ns),
+                                   cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]),
+                                   int(early_launch(dev, M)), torch.cuda.current_stream().cuda_stream)
+        if err:
+            raise RuntimeError(lib.nibble_cuda_error_string(err).decode())
+
+    # (label, [(N, K)] of one launch): the issue-3 shapes; Llama-2-7B's and Llama-3-8B's grouped launches
+    cases = []
+    if args.cases in ("issue3", "all"):
+        cases += [(f"{n}x{k}", [(n, k)]) for n, k in
+                  [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
+                   (28672, 8192), (8192, 28672)]]
+    if args.cases in ("grouped", "all"):
+        cases += [("qkv 3x4096x4096", [(4096, 4096)] * 3), ("gate/up 2x11008x4096", [(11008, 4096)] * 2)]
+    if args.cases == "grouped":
+        cases += [("L3 qkv 4096+2x1024", [(4096, 4096), (1024, 4096), (1024, 4096)]),
+                  ("L3 gate/up 2x14336x4096", [(14336, 4096)] * 2)]
+    first = next(iter(variants))
+    rows = []
+    for label, shapes in cases:
+        K = shapes[0][1]
+        per_set = sum(n * K // 2 + 4 * (K // G) * n for n, _ in shapes)
+        sets = [[random_int4(n, K, G, dev) for n, _ in shapes] for _ in range(rotations(per_set))]
+        wb = None
+        if len(shapes) == 1:
+            n = shapes[0][0]
+            wb = [torch.randn(n, K, device=dev, dtype=torch.bfloat16) for _ in range(rotations(2 * n * K))]
+        for M in map(int, args.ms.split(",")):
+            mt = 1 if M <= 8 else 2
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            res = {}
+            if wb is not None:
+                res["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), len(wb), **TIMING)
+            picked = W.select_mma_config(M, sum(n for n, _ in shapes), K)
+            for warps in (4, 8, 16):
+                outs_for = [[torch.empty(M, n, device=dev, dtype=x.dtype) for n, _ in shapes] for _ in sets]
+                shipped = [torch.full((M, n), float("nan"), device=dev, dtype=x.dtype) for n, _ in shapes]
+                call(libs[first], x, sets[0], mt, warps, shipped)
+                for name, edits in variants.items():
+                    if smem_bytes(ring_depth(edits), warps, mt) > SMEM_LIMIT:
+                        continue
+                    got = [torch.full_like(o, float("nan")) for o in shipped]
+                    call(libs[name], x, sets[0], mt, warps, got)
+                    torch.cuda.synchronize()
+                    same = all(torch.equal(a, b) for a, b in zip(got, shipped))
+                    us = bench_us(lambda i: (lambda: call(libs[name], x, sets[i], mt, warps, outs_for[i])),
+                                  len(sets), **TIMING)
+                    res[f"{name}/w{warps}"] = us
+                    rows.append(dict(case=label, M=M, variant=name, warps=warps, us=round(us, 3), exact=same,
+                                     picked=warps == picked.warps))
+                    if not same:
+                        print(f"MISMATCH {label} M={M} {name} w{warps}", flush=True)
+            base = res.get("bf16")
+            ship = res.get(f"{first}/w{picked.warps}")
+            best = min((k for k in res if k != "bf16"), key=res.get)
+            print(f"{label:22s} M={M:2d} shipped(w{picked.warps}) {ship:7.2f} us"
+                  + (f" {base / ship:4.2f}x" if base else "")
+                  + f" | best {best} {res[best]:7.2f} us" + (f" {base / res[best]:4.2f}x" if base else "")
+                  + " | " + " ".join(f"{k}={v:.1f}" for k, v in sorted(res.items())), flush=True)
+            if base:
+                rows.append(dict(case=label, M=M, variant="bf16", warps=None, us=round(base, 3)))
+        sets = wb = None
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(dict(meta=env_meta(), set=args.set, variants=variants, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
