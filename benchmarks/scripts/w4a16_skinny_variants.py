@@ -72,7 +72,7 @@ SETS = {
     },
     "spill": {
         "shipped": {},
-        "which_held": {"w4a16_mma.cu": [("const int out_weight = GATED ? 0 : cta_weight<MANY>(weights.cta_end, tile_col);",
+        "which_held": {"w4a16_mma.cu": [("const int out_weight = cta_weight<MANY>(weights.cta_end, tile_col);",
                                          "const int out_weight = which;")]},
         "many_nocap": {"w4a16_mma.cu": [(BOUNDS, "(MT == 1 && !MANY) || MT == 4 ? 2 : 1)")]},
     },
@@ -145,7 +145,7 @@ def main():
         err = lib.nibble_w4a16_mma(int(x.dtype == torch.bfloat16), mt, warps, x.data_ptr(), M, K,
                                    W._group_shift_steps(G, K), x.stride(0), len(weights), *ptrs,
                                    cuda_build.c_array(ctypes.c_int, ns),
-                                   cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), 0,
+                                   cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]),
                                    int(early_launch(dev, M)), torch.cuda.current_stream().cuda_stream)
         if err:
             raise RuntimeError(lib.nibble_cuda_error_string(err).decode())

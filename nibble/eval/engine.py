@@ -29,9 +29,7 @@ this file supplies the rest of the forward pass:
   layer go. From 512 tokens on Hopper the gate and up products are one GEMM whose epilogue
   computes SiLU(gate) * up (`w4a4.w4a4_wgmma_silu_mul`): their 2N-wide output is never written
   (Llama-2-7B prefill 1.4% faster at 1 x 512, 3.5% at 8 x 512; at 128 tokens the epilogue costs
-  more than it saves). W4A16 does the same at decode sizes (up to 16 tokens): one launch of the
-  skinny kernel writes SiLU(gate) * up (`w4a16.w4a16_mma_silu_mul`), and the glue kernel between
-  gate/up and down_proj goes.
+  more than it saves).
   Both sides get the grouping: at batch 1,
   Llama-2-7B's q, k and v take 39.9 us in bf16 and 16.9 us in W4A16 as three launches, 27.6 and
   10.5 us as one (H200); at 128 tokens 41.7 us in bf16, 73.0 in W4A16 and 55.1 in W4A4 as three,
@@ -52,11 +50,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nibble.kernels import w4a4, w4a16
+from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands, w4a16_gated_operands
+from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -499,10 +497,6 @@ class Engine:
         operands = w4a4_operands(layers, x.dtype) if fusable else None
         if operands is None:
             h, y = self._add_norm(x, residual, norm)
-            gated_w4a16 = w4a16_gated_operands(*layers) if gated and FUSED_GLUE else None
-            y2 = y.reshape(-1, y.shape[-1])
-            if gated_w4a16 is not None and w4a16.gated_applicable(y2, *gated_w4a16):
-                return h, w4a16.w4a16_mma_silu_mul(y2, *gated_w4a16).view(*y.shape[:-1], -1)
             ys = shared_input_forward(layers, y)
             return h, silu_mul(*ys) if gated else ys
         B, T, K = x.shape

@@ -34,14 +34,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype)
 
 
-def w4a16_silu_mul(x: torch.Tensor, gate: tuple, up: tuple, group_size: int) -> torch.Tensor:
-    """A SwiGLU MLP's SiLU(gate) * up, as Hugging Face computes it from the two products: each
-    rounded to x.dtype, then ``F.silu(g) * u`` in x.dtype. gate, up: (qweight, scales, zeros)."""
-    g = w4a16_matmul(x, *gate, group_size)
-    u = w4a16_matmul(x, *up, group_size)
-    return torch.nn.functional.silu(g) * u
-
-
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4: returns (q int8 [..., K] in [-8, 7], scale float32 [...]).
 

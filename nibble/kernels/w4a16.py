@@ -681,7 +681,7 @@ class MmaConfig:
 
 _MMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a16_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
+    + [ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
 
@@ -754,76 +754,21 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     if not mma_config_valid(cfg, M):
         raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes")
-    if outs is None:
-        outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
-    _launch_mma(lib, x, weights, outs, group_size, cfg, gated=False)
-    return outs
-
-
-def _launch_mma(lib, x, weights, outs, group_size: int, cfg: MmaConfig, gated: bool) -> None:
-    """One launch of csrc/w4a16_mma.cu (its entry point's contract; inputs checked by the caller)."""
-    M, K = x.shape
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
     weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
+    if outs is None:
+        outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(), M, K,
-            _group_shift_steps(group_size, K), x.stride(0), len(weights), *pointers,
-            cuda_build.c_array(ctypes.c_int, [qw.shape[1] for qw, _, _ in weights]),
-            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(gated),
-            int(early_launch(x.device, M)), torch.cuda.current_stream(x.device).cuda_stream)
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(), M, K, shift, x.stride(0),
+            len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
+            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
+            torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} "
-                           f"({cfg}{', gated' if gated else ''})")
-
-
-# SiLU(gate) * up in the skinny kernel's epilogue (csrc/w4a16_mma.cu: GATED), for decode sizes: one
-# and two token tiles, each weight's half of a CTA as wide as the unfused launch's CTAs (at most 8
-# warps), so the sums and the result are the unfused path's to the bit.
-GATED_MAX_M = 16
-
-
-def gated_applicable(x: torch.Tensor, gate, up, group_size: int, config: MmaConfig | None = None) -> bool:
-    """Whether `w4a16_mma_silu_mul` runs this gate and up ((qweight, scales, zeros) each) with
-    ``config`` (by default, twice the warps of the unfused launch, at most 16: not for layers so
-    narrow that the unfused launch takes 16-warp CTAs)."""
-    N, K = gate[0].shape[1], x.shape[-1]
-    if not (x.dim() == 2 and 0 < x.shape[0] <= GATED_MAX_M and x.dtype in (torch.float16, torch.bfloat16)
-            and up[0].shape[1] == N and gate[0].shape[0] * PACK == K == up[0].shape[0] * PACK
-            and mma_applicable(x, N, K, group_size)):
-        return False
-    cfg = config or _gated_config(x.shape[0], N, K, x.device)
-    return cfg.warps % 2 == 0 and cfg.token_tiles <= 2 and mma_config_valid(cfg, x.shape[0])
-
-
-def _gated_config(M: int, N: int, K: int, device) -> MmaConfig:
-    unfused = select_mma_config(M, 2 * N, K, num_sms(device))
-    return MmaConfig(unfused.token_tiles, 2 * unfused.warps)
-
-
-def w4a16_mma_silu_mul(x, gate, up, group_size: int, config: MmaConfig | None = None, out=None):
-    """SiLU(x @ G.T) * (x @ U.T) in one launch, G and U given as (qweight, scales, zeros): the values
-    of ``w4a16_mma_many(x, [gate, up])`` put through the engine's glue kernel
-    (``nibble.eval.engine.silu_mul``), without their 2N-wide output and that kernel. ``config``:
-    the CTA's warps, both halves together (default: twice the unfused launch's, which gives its
-    sums to the bit; another split of K rounds differently)."""
-    if not gated_applicable(x, gate, up, group_size, config):
-        raise ValueError(f"w4a16_mma_silu_mul needs the compiled kernel, 1 <= M <= {GATED_MAX_M} tokens of 16-bit "
-                         f"x, gate and up of one shape with N, K multiples of 32, a power-of-two group >= 32 and "
-                         f"an even number of warps <= {MMA_MAX_WARPS[1]} (by default twice the unfused launch's); "
-                         f"got x {tuple(x.shape)} {x.dtype}, gate N={gate[0].shape[1]}, up N={up[0].shape[1]}, "
-                         f"group={group_size}, config={config}")
-    for w in (gate, up):
-        _check(x, *w, group_size)
-    M, K = x.shape
-    N = gate[0].shape[1]
-    cfg = config or _gated_config(M, N, K, x.device)
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _launch_mma(_mma_lib(x.device), x, [gate, up], [out, out], group_size, cfg, gated=True)
-    return out
+        raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
+    return outs
 
 
 # ----------------------------------------------------------------------------------------------

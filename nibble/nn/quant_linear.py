@@ -132,19 +132,6 @@ def w4a4_operands(layers, dtype: torch.dtype):
     return [(m.qweight, m.scales[0], None if m.bias is None else m.bias.to(dtype)) for m in layers]
 
 
-def w4a16_gated_operands(gate, up):
-    """((qweight, scales, zeros) of gate, the same of up, group size) for
-    `nibble.kernels.w4a16.w4a16_mma_silu_mul` when ``gate`` and ``up`` are bias-free W4A16
-    QuantLinears of one shape and group size on the default backend; else None."""
-    layers = (gate, up)
-    if not all(isinstance(m, QuantLinear) and m.mode == "w4a16" and m.bias is None and m.backend == "auto"
-               for m in layers):
-        return None
-    if len({(m.in_features, m.out_features, m.group_size) for m in layers}) != 1:
-        return None
-    return (gate.qweight, gate.scales, gate.zeros), (up.qweight, up.scales, up.zeros), gate.group_size
-
-
 def stack_weights(layers) -> None:
     """Make the weights (and biases) of plain ``nn.Linear`` layers that read the same input (same
     in_features, dtype and device) consecutive rows of one tensor, in place: each layer's parameters

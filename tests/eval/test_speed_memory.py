@@ -16,7 +16,7 @@ from nibble import QuantConfig, quantize_model
 from nibble.eval import engine as engine_mod
 from nibble.eval import memory, speed
 from nibble.eval.engine import Engine
-from nibble.kernels import w4a4, w4a16
+from nibble.kernels import w4a4
 from nibble.models.convert import weight_bytes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -326,30 +326,6 @@ def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode, monkeypatch):
     assert (len(fused) > 0) == (mode == "w4a4")
     assert (len(gated) > 0) == (mode == "w4a4" and w4a4.wgmma_applicable(32, 512, 256, "cuda"))
     assert_greedy_equal_up_to_near_ties(model, prompt, tokens, hf_greedy(model, prompt, 32), tol=0.05)
-
-
-@gpu
-@pytest.mark.gpu
-def test_w4a16_gated_decode_equals_the_products_and_glue_kernel(monkeypatch):
-    """The W4A16 engine with gate/up as one skinny launch that multiplies in its epilogue gives the
-    logits of the grouped products then the SiLU(gate) * up kernel, to the bit (8 tokens: the
-    decode kernel's sizes; off when w4a16.GATED_MAX_M is 0; an MLP wide enough for the default
-    gated config)."""
-    if not w4a16.mma_applicable(torch.empty(8, 256, device="cuda", dtype=torch.bfloat16), 2304, 256, 64):
-        pytest.skip("the skinny CUDA kernel is not built here")
-    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=2304).cuda()
-    quantize_model(model, QuantConfig(mode="w4a16", group_size=64), progress=False)
-    prompt = torch.randint(0, 256, (2, 4), device="cuda")
-    positions = torch.arange(4, device="cuda")
-    calls = []
-    silu_mul_skinny = w4a16.w4a16_mma_silu_mul
-    monkeypatch.setattr(w4a16, "w4a16_mma_silu_mul", lambda *a, **k: calls.append(1) or silu_mul_skinny(*a, **k))
-    with torch.no_grad():
-        logits = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, True)
-        assert len(calls) == model.config.num_hidden_layers
-        monkeypatch.setattr(w4a16, "GATED_MAX_M", 0)
-        unfused = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, True)
-    assert len(calls) == model.config.num_hidden_layers and torch.equal(logits, unfused)
 
 
 @gpu

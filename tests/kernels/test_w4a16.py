@@ -249,61 +249,6 @@ def test_gpu_mma_many_weights(M):
 
 
 @needs_cuda
-@pytest.mark.parametrize("M", [1, 3, 8, 11, 16])
-def test_gpu_mma_silu_mul_equals_the_products_then_the_glue_kernel(M):
-    """The gated launch (csrc/w4a16_mma.cu: GATED) against the grouped launch's two products and the
-    engine's SiLU(gate) * up kernel on them, to the bit, whenever each weight's half of the CTA is
-    as wide as the unfused launch's CTAs (the default, where it fits; 2, 4 and 8 warps a half
-    explicitly); within a rounding or two of Hugging Face's F.silu(g) * u (the reference); groups of
-    32, 64, 128 and one per column, both dtypes, an asymmetric gate and a symmetric up; outputs
-    poisoned, one with a row stride wider than N."""
-    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
-    from nibble.eval import engine
-    from nibble.kernels.reference import w4a16_silu_mul
-    # (K, G, N): the first two wide enough for the default (unfused CTAs of <= 8 warps)
-    for K, G, N in ((1024, 128, 2240), (576, 64, 2304), (512, 32, 96), (768, 768, 256)):
-        dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
-        gate = make_weight(N, K, G, device="cuda", seed=M + N)
-        up = make_weight(N, K, G, symmetric=True, device="cuda", seed=M + N + 1)
-        x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
-        ref = w4a16_silu_mul(x, gate, up, G)
-        tiles = W.select_mma_config(M, 2 * N, K).token_tiles
-        cases = [(None, None)] if W.gated_applicable(x, gate, up, G) else []
-        assert bool(cases) == (N > 2000), "the default gated config should fit exactly the wide layers"
-        cases += [(W.MmaConfig(tiles, 2 * w), W.MmaConfig(tiles, w)) for w in (2, 4, 8)]
-        for gated_cfg, unfused_cfg in cases:
-            unfused = engine.silu_mul(*W.w4a16_mma_many(x, [gate, up], G, config=unfused_cfg))
-            assert torch.isfinite(unfused).all() and unfused.abs().max() > 1
-            torch.testing.assert_close(unfused.float(), ref.float(), rtol=2 ** -6,
-                                       atol=1e-3 * ref.float().abs().max().item())
-            padded = torch.full((M, N + 32), float("nan"), device="cuda", dtype=dtype)
-            for out in (None, padded[:, :N]):
-                y = W.w4a16_mma_silu_mul(x, gate, up, G, config=gated_cfg, out=out)
-                assert y.shape == (M, N) and y.dtype == dtype
-                assert torch.equal(y, unfused), \
-                    f"K={K} G={G} {gated_cfg}: {(y != unfused).sum().item()} of {y.numel()} differ"
-            assert torch.isnan(padded[:, N:]).all(), "wrote past its columns"
-
-
-@needs_cuda
-def test_gpu_mma_silu_mul_checks_its_inputs():
-    """What the gated launch cannot run is refused with the requirements, never run wrong."""
-    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
-    K, G, N = 512, 128, 2304
-    gate, up = make_weight(N, K, G, device="cuda", seed=1), make_weight(N, K, G, device="cuda", seed=2)
-    x = torch.randn(W.GATED_MAX_M + 1, K, device="cuda", dtype=torch.bfloat16)
-    assert W.gated_applicable(x[:4], gate, up, G)
-    narrow = make_weight(N - 32, K, G, device="cuda")
-    for bad_x, bad_up, cfg in ((x, up, None), (x[:4].float(), up, None), (x[:4], narrow, None),
-                               (x[:4], up, W.MmaConfig(1, 5)), (x[:4], up, W.MmaConfig(1, 32))):
-        assert not W.gated_applicable(bad_x, gate, bad_up, G, cfg)
-        with pytest.raises(ValueError, match="w4a16_mma_silu_mul needs"):
-            W.w4a16_mma_silu_mul(bad_x, gate, bad_up, G, config=cfg)
-
-
-@needs_cuda
 def test_gpu_w4a16_linears_dispatch():
     """The grouped op: one launch at decode sizes, per-weight ops above, equal to w4a16_linear either way."""
     K, G = 1024, 128

@@ -60,7 +60,6 @@
 
 #include <type_traits>
 
-#include "silu.cuh"
 #include "skinny.cuh"
 
 namespace {
@@ -74,7 +73,6 @@ template <> struct Num<__half> {
   static constexpr uint32_t ONE2 = 0x3c003c00u;
   static constexpr float BASE = 1024.f;
   static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-  static __device__ __forceinline__ float rounded(float v) { return __half2float(__float2half_rn(v)); }
 };
 
 template <> struct Num<__nv_bfloat16> {
@@ -82,7 +80,6 @@ template <> struct Num<__nv_bfloat16> {
   static constexpr uint32_t ONE2 = 0x3f803f80u;
   static constexpr float BASE = 128.f;
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  static __device__ __forceinline__ float rounded(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 };
 
 // The weights of one launch (skinny.cuh: cta_weight)
@@ -121,8 +118,7 @@ __device__ __forceinline__ void raw_codes(uint32_t w, uint32_t (&r)[4]) {
 
 // Ring of RING stages per warp with AHEAD steps in flight: one stage of slack lets a single
 // warp barrier per step order the reads of a stage before its refill. (Measured on the H200: rings
-// of 6 and 8 stages were no faster, nor rings of 8 to 16 with the register cap lifted for them, nor
-// L2 prefetches running 4 to 16 steps ahead of the copies: benchmarks/notes-w4a16.md, session 18.)
+// of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
 constexpr int RING = 4, AHEAD = RING - 2;
 
 // MT: token tiles of 8 (M <= 8 * MT). GS: steps per group when it divides RING (groups of 32, 64,
@@ -131,12 +127,7 @@ constexpr int RING = 4, AHEAD = RING - 2;
 // Launch bounds (registers): 64 at one token tile, for 32 resident warps per SM (34.5 instead of
 // 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
-// GATED (with MANY; weights = gate, up of N columns each): a CTA's first half of warps computes 32
-// columns of gate, the second half the same columns of up, each half splitting K as a CTA of that
-// many warps would; the epilogue writes SiLU(gate) * up (silu.cuh), N columns, instead of the 2N of
-// the two products, and the engine's glue kernel between them and down_proj goes. With the halves
-// as wide as the unfused launch's CTAs, the sums are the unfused ones, to the bit.
-template <typename T, int MT, int GS, bool MANY, bool GATED = false>
+template <typename T, int MT, int GS, bool MANY>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
                      int ldx) {
@@ -154,21 +145,19 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // the lane's column quad (its MMA rows g, g + 8)
-  // The warps that share this CTA's weight and split its K range, and this warp's place among them.
-  const int team = GATED ? warps >> 1 : warps, rank = GATED && warp >= team ? warp - team : warp;
   int tile_col;
-  const int which = GATED ? (tile_col = blockIdx.x * 32, warp >= team) : cta_weight<MANY>(weights.cta_end, tile_col);
+  const int which = cta_weight<MANY>(weights.cta_end, tile_col);
   const uint32_t* __restrict__ qweight = pick(weights.qweight, which);
   const __half* __restrict__ scales = pick(weights.scales, which);
   const __half* __restrict__ zeros = pick(weights.zeros, which);
-  const int N = GATED ? weights.n[0] : pick(weights.n, which);  // gate and up: the same width
+  const int N = pick(weights.n, which);
   const int steps = K >> 5;  // step s covers word rows 4s .. 4s+3
   // Warps own contiguous ranges of whole groups (any split when there is one group per column),
   // so a group never straddles two warps and a range always ends a group.
   const bool one_group = group_shift_steps >= 30;
   const int unit_shift = one_group ? 0 : group_shift_steps, units = steps >> unit_shift;
-  const int s_begin = (int)((long long)units * rank / team) << unit_shift;
-  const int s_end = (int)((long long)units * (rank + 1) / team) << unit_shift;
+  const int s_begin = (int)((long long)units * warp / warps) << unit_shift;
+  const int s_end = (int)((long long)units * (warp + 1) / warps) << unit_shift;
   const int group_steps = one_group ? steps : 1 << group_shift_steps;
   const int m_rows = M < MT * 8 ? M : MT * 8;
 
@@ -280,24 +269,13 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // tile and 64 registers, `which` kept live made ptxas spill 16 bytes of the several-weight kernel
   // (groups of 128) and reload them every ring round. H200, M = 1: Llama-2-7B's q/k/v 10.8 -> 10.0
   // us, gate/up 20.5 -> 17.5 (benchmarks/results/w4a16-grouped-spill-h200.json).
-  const int out_weight = GATED ? 0 : cta_weight<MANY>(weights.cta_end, tile_col);
+  const int out_weight = cta_weight<MANY>(weights.cta_end, tile_col);
   T* __restrict__ out = pick(weights.out, out_weight);
   const int ldo = pick(weights.ldo, out_weight);
-  // a team's partial sums, added in warp order (as an unfused CTA of `team` warps adds them)
-  auto team_sum = [&](int first, int i) {
-    float sum = 0.f;
-    for (int w = first; w < first + team; ++w) sum += partial[w * (MT * 8 * 32) + i];
-    return sum;
-  };
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
-    T y;
-    if constexpr (GATED) {
-      // each product rounded to T as the unfused launch stores it
-      y = Num<T>::from_float(silu_mul_rounded<T>(Num<T>::rounded(team_sum(0, i)), Num<T>::rounded(team_sum(team, i))));
-    } else {
-      y = Num<T>::from_float(team_sum(0, i));
-    }
-    out[(size_t)(i >> 5) * ldo + tile_col + (i & 31)] = y;
+    float sum = 0.f;
+    for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
+    out[(size_t)(i >> 5) * ldo + tile_col + (i & 31)] = Num<T>::from_float(sum);
   }
 }
 
@@ -306,31 +284,31 @@ size_t smem_bytes(int warps, int mt) {
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int GS, bool MANY, bool GATED>
+template <typename T, int MT, int GS, bool MANY>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, GATED>;
-  const cudaError_t err = opt_in_shared_memory<kernel>();
+  const size_t smem = smem_bytes(warps, MT);
+  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY>>();
   if (err != cudaSuccess) return err;
-  return launch_kernel(kernel, ctas, warps * 32, smem_bytes(warps, MT), stream, pdl, static_cast<const T*>(x), weights,
-                       M, K, group_shift_steps, ldx);
+  return launch_kernel(w4a16_mma_kernel<T, MT, GS, MANY>, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x),
+                       weights, M, K, group_shift_steps, ldx);
 }
 
-template <typename T, int MT, bool MANY, bool GATED = false>
+template <typename T, int MT, bool MANY>
 cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl) {
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
-    case 0: return launch_gs<T, MT, 1, MANY, GATED>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    case 1: return launch_gs<T, MT, 2, MANY, GATED>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    case 2: return launch_gs<T, MT, 4, MANY, GATED>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    default: return launch_gs<T, MT, 0, MANY, GATED>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 0: return launch_gs<T, MT, 1, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 1: return launch_gs<T, MT, 2, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 2: return launch_gs<T, MT, 4, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    default: return launch_gs<T, MT, 0, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
   }
 }
 
 template <typename T>
 cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
-                   void* const* outs, const int* ns, const int* ldos, bool gated, cudaStream_t stream, bool pdl) {
+                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
   Weights<T> w{};
   for (int i = 0; i < count; ++i) {
@@ -340,13 +318,6 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
     w.out[i] = static_cast<T*>(outs[i]);
     w.n[i] = ns[i];
     w.ldo[i] = ldos[i];
-  }
-  if (gated) {  // decode sizes only: one and two token tiles
-    if (count != 2 || ns[0] != ns[1] || warps % 2) return cudaErrorInvalidValue;
-    const int ctas = ns[0] / 32;
-    if (mt == 1) return launch_mt<T, 1, true, true>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    if (mt == 2) return launch_mt<T, 2, true, true>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    return cudaErrorInvalidValue;
   }
   const int ctas = running_ends(count, ns, 32, w.cta_end);
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
@@ -372,18 +343,16 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
 // caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte aligned x rows (ldx % 8 == 0),
 // group = 32 * 2^group_shift_steps (or one group per column: group_shift_steps >= 30),
-// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. gated: count = 2 weights of equal N (gate,
-// up), SiLU(gate) * up into outs[0], mt in {1, 2}, an even number of warps (half for each weight).
-// pdl: launch early (skinny.cuh: launch_kernel).
+// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. pdl: launch early (skinny.cuh: launch_kernel).
 extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
-                                int gated, int pdl, void* stream) {
+                                int pdl, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights,
-                                                    scales, zeros, outs, ns, ldos, gated, st, pdl)
+                                                    scales, zeros, outs, ns, ldos, st, pdl)
                             : launch<__half>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights, scales,
-                                             zeros, outs, ns, ldos, gated, st, pdl);
+                                             zeros, outs, ns, ldos, st, pdl);
   return (int)err;
 }
 

@@ -74,7 +74,6 @@
 #include <type_traits>
 
 #include "hopper.cuh"
-#include "silu.cuh"
 #include "skinny.cuh"
 #include "w4a4_epilogue.cuh"
 
@@ -115,13 +114,45 @@ struct Weights {
   int ldo[MAX_WEIGHTS], col_end[MAX_WEIGHTS];
 };
 
-// The GATED epilogue: SiLU(gate) * up as the engine computes it from the two products, to the bit:
-// the products round to T (saturate_pack2, as the plain epilogue stores them), then silu.cuh.
+// The GATED epilogue: SiLU(gate) * up as the engine computes it from the two products, to the bit.
+// The products round to T (saturate_pack2, as the plain epilogue stores them), then the engine's
+// glue kernel (nibble/eval/engine.py: _silu_mul_kernel) takes over: its instructions (Triton's
+// exp and division: ex2.approx of -g log2(e), div.full), SiLU rounded to T, times up, rounded once.
 // Counted in instructions, because the epilogue is time the tensor cores wait: a plain
 // transcription (34 PTX instructions an output: saturation by compares, one conversion per value)
 // made Llama-2-7B's 512-token prefill 0.25 ms slower than the unfused path; this one (~20: paired
 // conversions, one multiply for -g log2(e), ex2 flushing to zero) breaks even there (H200).
-//
+template <typename T>
+__device__ __forceinline__ float low_half(uint32_t d) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(static_cast<unsigned short>(d)));
+  else return __uint_as_float(d << 16);
+}
+template <typename T>
+__device__ __forceinline__ float high_half(uint32_t d) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(static_cast<unsigned short>(d >> 16)));
+  else return __uint_as_float(d & 0xFFFF0000u);
+}
+
+// Two floats rounded to T and packed by one instruction (lo in the low half), without saturation:
+// an overflow is Inf, as in the glue kernel's bf16 / fp16 multiply.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, __half>) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// SiLU(g) rounded to T. -g log2(e) in one multiply is (0 - g) log2(e) to the bit, and the flush to
+// zero changes no result: a subnormal argument or result of ex2 still gives 1 + e = 1.
+template <typename T>
+__device__ __forceinline__ float silu_rounded(float g) {
+  float s;
+  asm("{ .reg .f32 e; mul.f32 e, %1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 e, e, 0f3F800000;"
+      " div.full.f32 %0, %1, e; }" : "=f"(s) : "f"(g));
+  return low_half<T>(pack2<T>(s, s));
+}
+
 // The J outputs of one token from its J gate / up accumulator pairs v[2i] / v[2i + 1] (stored where live).
 template <typename T, int J>
 __device__ __forceinline__ void store_silu_mul(bool live, T* dst, const int (&v)[2 * J], float x_scale,
@@ -131,7 +162,7 @@ __device__ __forceinline__ void store_silu_mul(bool live, T* dst, const int (&v)
   for (int i = 0; i < J; ++i) {
     const uint32_t gu = saturate_pack2<T>(scale_output(v[2 * i] >> 4, x_scale, ws[2 * i], has_bias, bs[2 * i]),
                                           scale_output(v[2 * i + 1] >> 4, x_scale, ws[2 * i + 1], has_bias, bs[2 * i + 1]));
-    y[i] = silu_mul_rounded<T>(low_half<T>(gu), high_half<T>(gu));
+    y[i] = __fmul_rn(silu_rounded<T>(low_half<T>(gu)), high_half<T>(gu));
   }
   if constexpr (J == 2) {
     store_if<1>(live, dst, {pack2<T>(y[0], y[1])});
