@@ -14,6 +14,8 @@ Sets (results under benchmarks/results/):
   cap lifted for it, against the shipped kernel.
 - ``prefetch`` (w4a16-l2-prefetch-h200): more bytes in flight without registers: once a ring round,
   an L2 prefetch of 4 steps that lie `distance` steps past the copies.
+- ``decompose`` (w4a16-decompose-h200): the loop without its arithmetic, and without its weight
+  copies.
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
 output first checked bit for bit against the first variant at the same warps (none of these edits
@@ -77,6 +79,15 @@ SETS = {
         "many_nocap": {"w4a16_mma.cu": [(BOUNDS, "(MT == 1 && !MANY) || MT == 4 ? 2 : 1)")]},
     },
     "prefetch": {"shipped": {}, "pf0": prefetch(0), "pf4": prefetch(4), "pf8": prefetch(8), "pf16": prefetch(16)},
+    # where the time goes: the loop without its arithmetic (copies, waits and barriers only), and
+    # without its weight copies (the arithmetic on whatever the ring holds); M >= 1 always, but the
+    # compiler cannot know it, so the code stays and only its effect goes. Outputs are not exact.
+    "decompose": {
+        "shipped": {},
+        "no_compute": {"w4a16_mma.cu": [("auto step = [&](int i, int s) {", "auto step = [&](int i, int s) {\n    if (M > 0) return;")]},
+        "no_weights": {"w4a16_mma.cu": [("cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);",
+                                         "cp_async_16(live && M < 0, ws.copy_dst + stage * STAGE, ws.src);")]},
+    },
 }
 SMEM_LIMIT = 227 * 1024
 
