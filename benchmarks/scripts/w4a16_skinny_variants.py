@@ -16,6 +16,7 @@ Sets (results under benchmarks/results/):
   an L2 prefetch of 4 steps that lie `distance` steps past the copies.
 - ``decompose`` (w4a16-decompose-h200): the loop without its arithmetic, and without its weight
   copies.
+- ``tma`` (w4a16-tma-stream-h200): the weight stream by TMA boxes into an mbarrier ring (see TMA).
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
 output first checked bit for bit against the first variant at the same warps (none of these edits
@@ -61,6 +62,53 @@ def prefetch(distance: int) -> dict:
   }});""")]}
 
 
+# The weight stream by TMA (the Hopper GEMMs' copies, hopper.cuh): per warp a ring of RING 512-byte
+# stages in the 128-byte swizzle, one mbarrier each; lane 0 issues a 32-column x 4-word-row box per
+# step (one predicated instruction pair), every lane waits on the stage's barrier. x and the group
+# parameters stay on cp.async. sm_90 only (an experiment: the product kernel also builds for sm_80).
+TMA = {"w4a16_mma.cu": [
+    ('#include "skinny.cuh"\n', '#include "skinny.cuh"\n#include "hopper.cuh"\n'),
+    ("  int n[MAX_WEIGHTS], ldo[MAX_WEIGHTS], cta_end[MAX_WEIGHTS];",
+     "  int n[MAX_WEIGHTS], ldo[MAX_WEIGHTS], cta_end[MAX_WEIGHTS];\n  CUtensorMap map[MAX_WEIGHTS];"),
+    ("w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights,",
+     "w4a16_mma_kernel(const T* __restrict__ x, const __grid_constant__ Weights<T> weights,"),
+    ("  ws.prefetch<RING>(s_begin, s_end);", """  ws.prefetch<RING>(s_begin, s_end);
+  // the weight rings after every warp's cp.async ring, 1024-byte aligned (the swizzle's period)
+  const uint32_t smem_addr = (uint32_t)__cvta_generic_to_shared(smem);
+  const uint32_t wring_all = (smem_addr + warps * RING * STAGE + 1023) & ~1023u;
+  const uint32_t wring = wring_all + warp * RING * 512, bars = wring_all + warps * RING * 512 + warp * RING * 8;
+  const unsigned char* wring_gen = smem + (wring - smem_addr);
+  if (lane == 0) {
+#pragma unroll
+    for (int st = 0; st < RING; ++st) mbar_init(bars + 8 * st, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  const CUtensorMap* wmap = pick_address(weights.map, which);
+  // lane (g, t) reads quad g of word row t: in the swizzle, chunk g ^ (line % 8), the line 4 * (stage % 2) + t
+  const int read_w = (lane & 3) * 128 + ((g ^ (lane & 3)) << 4);
+  int phase = 0;"""),
+    ("    cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);", """    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %0, 0; @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], 512;"
+        " @p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5}], [%1]; }"
+        ::"r"((int)(live && lane == 0)), "r"(bars + 8 * stage), "r"(wring + stage * 512), "l"(wmap), "r"(tile_col),
+        "r"(4 * j) : "memory");"""),
+    ("    const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);",
+     "    mbar_wait(bars + 8 * i, phase);\n"
+     "    const uint4 wv = *reinterpret_cast<const uint4*>(wring_gen + i * 512 + (read_w ^ (i & 1 ? 64 : 0)));"),
+    ("run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });",
+     "run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); phase ^= 1; });"),
+    ("  return ring > partial ? ring : partial;",
+     "  return (ring > partial ? ring : partial) + 1024 + (size_t)warps * RING * (512 + 8);"),
+    ("  const int ctas = running_ends(count, ns, 32, w.cta_end);", """  const int ctas = running_ends(count, ns, 32, w.cta_end);
+  for (int i = 0; i < count; ++i) {
+    const cudaError_t e = tensor_map_2d(&w.map[i], CU_TENSOR_MAP_DATA_TYPE_INT32, qweights[i], ns[i], K / 8,
+                                        (uint64_t)ns[i] * 4, 32, 4);
+    if (e != cudaSuccess) return e;
+  }"""),
+]}
+
+
 # set -> variant -> {file: [(old, new)]}; the first variant of a set is the reference for exactness
 SETS = {
     "ring": {
@@ -82,6 +130,8 @@ SETS = {
     # where the time goes: the loop without its arithmetic (copies, waits and barriers only), and
     # without its weight copies (the arithmetic on whatever the ring holds); M >= 1 always, but the
     # compiler cannot know it, so the code stays and only its effect goes. Outputs are not exact.
+    "tma": {"shipped": {}, "tma": TMA,
+            "tma_nocap": {"w4a16_mma.cu": TMA["w4a16_mma.cu"] + [(BOUNDS, "MT == 4 ? 2 : 1)")]}},
     "decompose": {
         "shipped": {},
         "no_compute": {"w4a16_mma.cu": [("auto step = [&](int i, int s) {", "auto step = [&](int i, int s) {\n    if (M > 0) return;")]},
