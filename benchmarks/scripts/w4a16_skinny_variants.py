@@ -19,15 +19,14 @@ Sets (results under benchmarks/results/):
 - ``tma`` (w4a16-tma-stream-h200): the weight stream by TMA boxes into an mbarrier ring (see TMA).
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
-output first checked bit for bit against the first variant at the same warps (none of these edits
-changes a sum). Same timing as ``python -m nibble.bench kernels``.
+output first checked bit for bit against the first variant at the same warps (no edit but
+``decompose``'s changes a sum). Same timing as ``python -m nibble.bench kernels``.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import json
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -142,20 +141,10 @@ SETS = {
 SMEM_LIMIT = 227 * 1024
 
 
-def build(out_dir: Path, name: str, edits: dict) -> Path:
-    d = out_dir / name
-    d.mkdir(parents=True, exist_ok=True)
-    for h in cuda_build.CSRC.glob("*.cuh"):
-        shutil.copy(h, d / h.name)
-    for fname in ("w4a16_mma.cu", *edits):
-        src = (cuda_build.CSRC / fname).read_text()
-        for old, new in edits.get(fname, []):
-            assert src.count(old) == 1, (fname, old)
-            src = src.replace(old, new)
-        (d / fname).write_text(src)
-    so = d / "w4a16_mma.so"
-    cuda_build._compile(cuda_build.find_nvcc(), d / "w4a16_mma.cu", so, "90")
-    return so
+def build(out_dir: Path, name: str, edits: dict) -> None:
+    kernel = edits.get("w4a16_mma.cu", [])
+    headers = {file: pairs for file, pairs in edits.items() if file != "w4a16_mma.cu"}
+    cuda_build.build_edited("w4a16_mma", kernel, out_dir / name, arch="90", header_edits=headers)
 
 
 def ring_depth(edits: dict) -> int:
@@ -181,8 +170,7 @@ def main():
     variants = SETS[args.set]
     if args.build:
         with ThreadPoolExecutor(len(variants)) as pool:
-            for so in pool.map(lambda n: build(args.build, n, variants[n]), variants):
-                print(so)
+            list(pool.map(lambda n: build(args.build, n, variants[n]), variants))
         return
 
     import torch
@@ -196,7 +184,7 @@ def main():
     G = GROUP
     libs = {}
     for name in variants:
-        libs[name] = ctypes.CDLL(str(args.libs / name / "w4a16_mma.so"))
+        libs[name] = ctypes.CDLL(str(args.libs / name / "w4a16_mma_edited.so"))
         W._MMA_SIGNATURES(libs[name])
 
     def call(lib, x, weights, mt, warps, outs):

@@ -96,19 +96,29 @@ def _compile(nvcc: str, src: Path, out: Path, arch: str) -> None:
         raise CudaBuildError(f"nvcc failed to build {src.name} for sm_{arch}:\n{proc.stderr[-4000:]}")
 
 
-def build_edited(name: str, edits, out_dir: Path, arch: str = "90a", append: str = "") -> ctypes.CDLL:
+def build_edited(name: str, edits, out_dir: Path, arch: str = "90a", append: str = "",
+                 header_edits: dict | None = None) -> ctypes.CDLL:
     """An experiment's variant of a kernel, loaded: csrc/<name>.cu with each (old, new) of ``edits``
     replaced (each ``old`` must occur exactly once, or the kernel changed under the experiment) and
     ``append`` added, compiled into ``out_dir`` (benchmarks/scripts: an instrumented or restructured
-    copy; the package's sources and cache are untouched)."""
-    src = (CSRC / f"{name}.cu").read_text()
-    for old, new in edits:
-        if src.count(old) != 1:
-            raise CudaBuildError(f"csrc/{name}.cu changed: the edit anchored on {old.splitlines()[0]!r} "
-                                 f"occurs {src.count(old)} times, not once")
-        src = src.replace(old, new)
+    copy; the package's sources and cache are untouched). With ``header_edits`` ({"skinny.cuh":
+    edits}) every csrc/ header is copied beside it, those named edited: quoted includes look in the
+    including file's folder first, so the copy and the headers it includes all see the edits."""
+    def edited(file: str, pairs) -> str:
+        src = (CSRC / file).read_text()
+        for old, new in pairs:
+            if src.count(old) != 1:
+                raise CudaBuildError(f"csrc/{file} changed: the edit anchored on {old.splitlines()[0]!r} "
+                                     f"occurs {src.count(old)} times, not once")
+            src = src.replace(old, new)
+        return src
+    sources = {f"{name}.cu": edited(f"{name}.cu", edits) + append}
+    if header_edits:
+        sources.update({h.name: edited(h.name, header_edits.get(h.name, [])) for h in sorted(CSRC.glob("*.cuh"))})
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for file, src in sources.items():
+        (Path(out_dir) / (f"{name}_edited.cu" if file == f"{name}.cu" else file)).write_text(src)
     cu, so = Path(out_dir) / f"{name}_edited.cu", Path(out_dir) / f"{name}_edited.so"
-    cu.write_text(src + append)
     nvcc = find_nvcc()
     if nvcc is None:
         raise CudaBuildError("building a kernel variant needs nvcc; none found on PATH, in $CUDA_HOME or via $NVCC")

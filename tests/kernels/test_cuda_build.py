@@ -57,6 +57,28 @@ def test_the_experiment_scripts_edits_still_anchor_in_the_kernel(script, monkeyp
     assert [source.count(old) for old, _ in edits] == [1] * len(edits)
 
 
+def test_the_skinny_kernel_variants_still_anchor_in_the_sources(monkeypatch):
+    """benchmarks/scripts/w4a16_skinny_variants.py rebuilds csrc/w4a16_mma.cu (and headers) with the
+    edits of each variant; every text it replaces must be in the current sources exactly once."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"))
+    module = importlib.import_module("w4a16_skinny_variants")
+    for variants in module.SETS.values():
+        for edits in variants.values():
+            for file, pairs in edits.items():
+                source = (cuda_build.CSRC / file).read_text()
+                assert [source.count(old) for old, _ in pairs] == [1] * len(pairs), (file, pairs)
+
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+def test_builds_an_edited_variant_with_an_edited_header(tmp_path):
+    """Header edits reach the kernel and the headers that include the edited one (all copied beside)."""
+    lib = cuda_build.build_edited("w4a16_mma", [], tmp_path, arch="90",
+                                  header_edits={"skinny.cuh": [("constexpr int MAX_WEIGHTS = 3;",
+                                                                "constexpr int MAX_WEIGHTS = 3;  // edited")]})
+    assert hasattr(lib, "nibble_w4a16_mma") and (tmp_path / "skinny.cuh").read_text().count("// edited") == 1
+    assert {p.name for p in tmp_path.glob("*.cuh")} == {p.name for p in cuda_build.CSRC.glob("*.cuh")}
+
+
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 def test_builds_an_edited_variant(tmp_path):
     """An edited copy outside csrc/ finds its headers and loads (the one-warpgroup experiment's edit)."""
