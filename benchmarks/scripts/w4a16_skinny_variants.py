@@ -95,8 +95,7 @@ TMA = {"w4a16_mma.cu": [
     ("    const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);",
      "    mbar_wait(bars + 8 * i, phase);\n"
      "    const uint4 wv = *reinterpret_cast<const uint4*>(wring_gen + i * 512 + (read_w ^ (i & 1 ? 64 : 0)));"),
-    ("run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });",
-     "run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); phase ^= 1; });"),
+    (PIPELINE, PIPELINE.replace("xstream.advance(RING); }", "xstream.advance(RING); phase ^= 1; }")),
     ("  return ring > partial ? ring : partial;",
      "  return (ring > partial ? ring : partial) + 1024 + (size_t)warps * RING * (512 + 8);"),
     ("  const int ctas = running_ends(count, ns, 32, w.cta_end);", """  const int ctas = running_ends(count, ns, 32, w.cta_end);
@@ -126,11 +125,11 @@ SETS = {
         "many_nocap": {"w4a16_mma.cu": [(BOUNDS, "(MT == 1 && !MANY) || MT == 4 ? 2 : 1)")]},
     },
     "prefetch": {"shipped": {}, "pf0": prefetch(0), "pf4": prefetch(4), "pf8": prefetch(8), "pf16": prefetch(16)},
+    "tma": {"shipped": {}, "tma": TMA,
+            "tma_nocap": {"w4a16_mma.cu": TMA["w4a16_mma.cu"] + [(BOUNDS, "MT == 4 ? 2 : 1)")]}},
     # where the time goes: the loop without its arithmetic (copies, waits and barriers only), and
     # without its weight copies (the arithmetic on whatever the ring holds); M >= 1 always, but the
     # compiler cannot know it, so the code stays and only its effect goes. Outputs are not exact.
-    "tma": {"shipped": {}, "tma": TMA,
-            "tma_nocap": {"w4a16_mma.cu": TMA["w4a16_mma.cu"] + [(BOUNDS, "MT == 4 ? 2 : 1)")]}},
     "decompose": {
         "shipped": {},
         "no_compute": {"w4a16_mma.cu": [("auto step = [&](int i, int s) {", "auto step = [&](int i, int s) {\n    if (M > 0) return;")]},
@@ -178,7 +177,6 @@ def main():
     from nibble.bench.kernels import GROUP, TIMING, random_int4
     from nibble.bench.timing import bench_us, env_meta, rotations
     from nibble.kernels import w4a16 as W
-    from nibble.kernels.early_launch import early_launch
 
     dev = torch.device("cuda")
     G = GROUP
@@ -187,17 +185,10 @@ def main():
         libs[name] = ctypes.CDLL(str(args.libs / name / "w4a16_mma_edited.so"))
         W._MMA_SIGNATURES(libs[name])
 
-    def call(lib, x, weights, mt, warps, outs):
-        M, K = x.shape
-        ns = [qw.shape[1] for qw, _, _ in weights]
-        ptrs = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
-        err = lib.nibble_w4a16_mma(int(x.dtype == torch.bfloat16), mt, warps, x.data_ptr(), M, K,
-                                   W._group_shift_steps(G, K), x.stride(0), len(weights), *ptrs,
-                                   cuda_build.c_array(ctypes.c_int, ns),
-                                   cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]),
-                                   int(early_launch(dev, M)), torch.cuda.current_stream().cuda_stream)
-        if err:
-            raise RuntimeError(lib.nibble_cuda_error_string(err).decode())
+    def call(name, x, weights, mt, warps, outs):
+        """The package's op on variant `name`'s library (read at every launch, so also while a graph is captured)."""
+        W._mma_lib = lambda _device, lib=libs[name]: lib
+        W.w4a16_mma_many(x, weights, G, config=W.MmaConfig(mt, warps), outs=outs)
 
     # (label, [(N, K)] of one launch): the issue-3 shapes; Llama-2-7B's and Llama-3-8B's grouped launches
     cases = []
@@ -230,15 +221,15 @@ def main():
             for warps in (4, 8, 16):
                 outs_for = [[torch.empty(M, n, device=dev, dtype=x.dtype) for n, _ in shapes] for _ in sets]
                 shipped = [torch.full((M, n), float("nan"), device=dev, dtype=x.dtype) for n, _ in shapes]
-                call(libs[first], x, sets[0], mt, warps, shipped)
+                call(first, x, sets[0], mt, warps, shipped)
                 for name, edits in variants.items():
                     if smem_bytes(ring_depth(edits), warps, mt) > SMEM_LIMIT:
                         continue
                     got = [torch.full_like(o, float("nan")) for o in shipped]
-                    call(libs[name], x, sets[0], mt, warps, got)
+                    call(name, x, sets[0], mt, warps, got)
                     torch.cuda.synchronize()
                     same = all(torch.equal(a, b) for a, b in zip(got, shipped))
-                    us = bench_us(lambda i: (lambda: call(libs[name], x, sets[i], mt, warps, outs_for[i])),
+                    us = bench_us(lambda i: (lambda: call(name, x, sets[i], mt, warps, outs_for[i])),
                                   len(sets), **TIMING)
                     res[f"{name}/w{warps}"] = us
                     rows.append(dict(case=label, M=M, variant=name, warps=warps, us=round(us, 3), exact=same,
