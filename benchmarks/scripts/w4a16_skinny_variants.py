@@ -137,7 +137,6 @@ SETS = {
                                          "cp_async_16(live && M < 0, ws.copy_dst + stage * STAGE, ws.src);")]},
     },
 }
-SMEM_LIMIT = 227 * 1024
 
 
 def build(out_dir: Path, name: str, edits: dict) -> None:
@@ -151,10 +150,6 @@ def ring_depth(edits: dict) -> int:
         if old == RING:
             return int(new.split("=")[1].split(",")[0])
     return 4
-
-
-def smem_bytes(ring: int, warps: int, mt: int) -> int:
-    return max(warps * ring * (640 + 512 * mt), warps * mt * 8 * 32 * 4)
 
 
 def main():
@@ -223,7 +218,7 @@ def main():
                 shipped = [torch.full((M, n), float("nan"), device=dev, dtype=x.dtype) for n, _ in shapes]
                 call(first, x, sets[0], mt, warps, shipped)
                 for name, edits in variants.items():
-                    if smem_bytes(ring_depth(edits), warps, mt) > SMEM_LIMIT:
+                    if W.mma_smem_bytes(W.MmaConfig(mt, warps), ring_depth(edits)) > W.MMA_SMEM_LIMIT:
                         continue
                     got = [torch.full_like(o, float("nan")) for o in shipped]
                     call(name, x, sets[0], mt, warps, got)

@@ -706,10 +706,11 @@ def mma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
 
 
-def mma_smem_bytes(cfg: MmaConfig) -> int:
+def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING) -> int:
     """Shared memory of one CTA: the cp.async ring (4 stages of 512 B of weights, 128 B of group
-    parameters, 512 B of x per token tile), reused for the cross-warp reduction (csrc/w4a16_mma.cu)."""
-    ring = cfg.warps * MMA_RING * (640 + 512 * cfg.token_tiles)
+    parameters, 512 B of x per token tile), reused for the cross-warp reduction (csrc/w4a16_mma.cu).
+    ``ring_stages``: another ring depth, for the experiments that rebuild the kernel with one."""
+    ring = cfg.warps * ring_stages * (640 + 512 * cfg.token_tiles)
     return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
 
 
