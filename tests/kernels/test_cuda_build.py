@@ -69,6 +69,17 @@ def test_the_skinny_kernel_variants_still_anchor_in_the_sources(monkeypatch):
                 assert [source.count(old) for old, _ in pairs] == [1] * len(pairs), (file, pairs)
 
 
+def test_the_tma_stream_experiment_still_builds_on_the_skinny_kernel(tmp_path, monkeypatch):
+    """benchmarks/scripts/w4a16_tma_stream.cu is appended to csrc/w4a16_mma.cu and uses its helpers
+    (Num, mma, raw_codes, store_fragments): its edit must anchor, and with nvcc it must build."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"))
+    module = importlib.import_module("w4a16_tma_stream")
+    assert (cuda_build.CSRC / "w4a16_mma.cu").read_text().count(module.ANCHOR) == 1
+    if cuda_build.find_nvcc() is None:
+        pytest.skip("building needs nvcc (the CUDA toolkit)")
+    assert hasattr(module.build(tmp_path, "copy"), "nibble_w4a16_tma")
+
+
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 def test_builds_an_edited_variant_with_an_edited_header(tmp_path):
     """Header edits reach the kernel and the headers that include the edited one (all copied beside)."""
