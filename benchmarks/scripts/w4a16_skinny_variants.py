@@ -17,6 +17,8 @@ Sets (results under benchmarks/results/):
 - ``decompose`` (w4a16-decompose-h200): the loop without its arithmetic, and without its weight
   copies.
 - ``tma`` (w4a16-tma-stream-h200): the weight stream by TMA boxes into an mbarrier ring (see TMA).
+- ``xcache`` (w4a16-x-through-l1-h200): x copied through the L1 (cp.async.ca) or around it,
+  against the kernel's own choice (x_through_l1).
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
 output first checked bit for bit against the first variant at the same warps (no edit but
@@ -107,6 +109,9 @@ TMA = {"w4a16_mma.cu": [
 ]}
 
 
+X_COPY = "      cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),"
+
+
 # set -> variant -> {file: [(old, new)]}; the first variant of a set is the reference for exactness
 SETS = {
     "ring": {
@@ -127,6 +132,15 @@ SETS = {
     "prefetch": {"shipped": {}, "pf0": prefetch(0), "pf4": prefetch(4), "pf8": prefetch(8), "pf16": prefetch(16)},
     "tma": {"shipped": {}, "tma": TMA,
             "tma_nocap": {"w4a16_mma.cu": TMA["w4a16_mma.cu"] + [(BOUNDS, "MT == 4 ? 2 : 1)")]}},
+    # x through the L1 (cp.async.ca) or around it (.cg) whatever x_through_l1 in the kernel picks:
+    # the CTAs of an SM read the same steps of x (for other columns) at about the same time, and at
+    # 16 tokens x is twice the weight's bytes. (The committed result predates the rule: its
+    # "shipped" is today's x_cg.)
+    "xcache": {
+        "shipped": {},
+        "x_cg": {"w4a16_mma.cu": [(X_COPY, X_COPY.replace("cp_async_16<X_L1>(", "cp_async_16<false>("))]},
+        "x_ca": {"w4a16_mma.cu": [(X_COPY, X_COPY.replace("cp_async_16<X_L1>(", "cp_async_16<true>("))]},
+    },
     # where the time goes: the loop without its arithmetic (copies, waits and barriers only), and
     # without its weight copies (the arithmetic on whatever the ring holds); M >= 1 always, but the
     # compiler cannot know it, so the code stays and only its effect goes. Outputs are not exact.

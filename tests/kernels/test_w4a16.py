@@ -249,6 +249,26 @@ def test_gpu_mma_many_weights(M):
 
 
 @needs_cuda
+@pytest.mark.parametrize("M", [1, 5, 8, 13, 16])
+def test_gpu_mma_x_through_l1(M):
+    """Layers with more CTAs than SMs copy x through the L1 at one token tile, and at two when K <=
+    4096 (csrc/w4a16_mma.cu: x_through_l1); the others bypass it. Both sides of the rule, single and
+    several weights, groups of 64 / 128, outputs poisoned."""
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+    for ns, K, G in (((8192,), 4096, 128), ((8192,), 4160, 64), ((4096, 4096, 4096), 4096, 128),
+                     ((12288,), 8192, 128), ((2048,), 4096, 128)):
+        dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
+        weights = [make_weight(n, K, G, device="cuda", seed=M + n + K + i) for i, n in enumerate(ns)]
+        x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
+        outs = [torch.full((M, n), float("nan"), device="cuda", dtype=dtype) for n in ns]
+        W.w4a16_mma_many(x, weights, G, outs=outs)
+        torch.cuda.synchronize()
+        for out, w in zip(outs, weights):
+            assert_close(out, x, *w, G)
+
+
+@needs_cuda
 def test_gpu_w4a16_linears_dispatch():
     """The grouped op: one launch at decode sizes, per-weight ops above, equal to w4a16_linear either way."""
     K, G = 1024, 128

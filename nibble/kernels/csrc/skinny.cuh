@@ -17,10 +17,16 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 }
 
 // Predicated copies: a branch around each copy would cost a reconvergence barrier per step.
-// 16 bytes bypass L1 (.cg: weights, read once); 8 bytes go through it (.ca: small, reused data).
+// 16 bytes bypass L1 (.cg: weights, read once) unless L1 (.ca: data other CTAs of the SM read too);
+// 8 bytes go through it (.ca: small, reused data).
+template <bool L1 = false>
 __device__ __forceinline__ void cp_async_16(bool pred, uint32_t smem_addr, const void* gmem) {
-  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.cg.shared.global.L2::128B [%1], [%2], 16; }"
-               ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
+  if constexpr (L1)
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.ca.shared.global [%1], [%2], 16; }"
+                 ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
+  else
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.cg.shared.global.L2::128B [%1], [%2], 16; }"
+                 ::"r"((int)pred), "r"(smem_addr), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_8(bool pred, uint32_t smem_addr, const void* gmem) {
   asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p cp.async.ca.shared.global [%1], [%2], 8; }"

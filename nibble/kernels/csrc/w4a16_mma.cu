@@ -127,7 +127,8 @@ constexpr int RING = 4, AHEAD = RING - 2;
 // Launch bounds (registers): 64 at one token tile, for 32 resident warps per SM (34.5 instead of
 // 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
-template <typename T, int MT, int GS, bool MANY>
+// X_L1: x copied through the L1 (see x_through_l1).
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
                      int ldx) {
@@ -186,7 +187,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      cp_async_16(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt), xstream.src[mt] + 32 * ahead);
+      cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),
+                        xstream.src[mt] + 32 * ahead);
     cp_async_commit();
     ws.src += ws.step_stride;  // past the range: never read
     if (closes) {
@@ -284,25 +286,43 @@ size_t smem_bytes(int warps, int mt) {
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int GS, bool MANY>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl) {
   const size_t smem = smem_bytes(warps, MT);
-  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY>>();
+  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY, X_L1>>();
   if (err != cudaSuccess) return err;
-  return launch_kernel(w4a16_mma_kernel<T, MT, GS, MANY>, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x),
+  return launch_kernel(w4a16_mma_kernel<T, MT, GS, MANY, X_L1>, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x),
                        weights, M, K, group_shift_steps, ldx);
 }
 
-template <typename T, int MT, bool MANY>
+template <typename T, int MT, bool MANY, bool X_L1>
 cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl) {
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
-    case 0: return launch_gs<T, MT, 1, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    case 1: return launch_gs<T, MT, 2, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    case 2: return launch_gs<T, MT, 4, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    default: return launch_gs<T, MT, 0, MANY>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 0: return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 1: return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 2: return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    default: return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
   }
+}
+
+// Whether x goes through the L1 (cp.async.ca). The CTAs an SM holds stream other columns over the
+// same K steps at about the same time, so where there are more CTAs than SMs their copies of x can
+// hit in the L1 instead of each going to the L2; at 8 tokens x is as many bytes as the weight, at 16
+// twice. H200, bit-exact (benchmarks/results/w4a16-x-through-l1-h200.json): M = 8, 12288 x 4096
+// 11.8 -> 10.2 us, Llama-2-7B gate/up 21.4 -> 18.1, q/k/v 12.3 -> 10.8; M = 16, gate/up 30.0 ->
+// 24.9, 12288 x 4096 14.1 -> 13.5; M = 1 unchanged. Not with one CTA per SM (nothing to share: 0-2%
+// slower), nor at two token tiles with K > 4096 (28672 x 8192 and 8192 x 28672 at M = 16 3-6%
+// slower); four and eight token tiles were not measured.
+bool x_through_l1(int mt, int ctas, int K) {
+  constexpr int kMaxDevices = 64;
+  static int sms_of[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  if (sms_of[device] == 0 && cudaDeviceGetAttribute(&sms_of[device], cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return false;
+  return ctas > sms_of[device] && (mt == 1 || (mt == 2 && K <= 4096));
 }
 
 template <typename T>
@@ -322,16 +342,16 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
   const int ctas = running_ends(count, ns, 32, w.cta_end);
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
-  const bool many = count > 1;
-#define NIBBLE_LAUNCH_MT(MT) \
-  (many ? launch_mt<T, MT, true>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl) \
-        : launch_mt<T, MT, false>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl))
+  const bool many = count > 1, x_l1 = x_through_l1(mt, ctas, K);
+#define NIBBLE_LAUNCH_MT(MT, X_L1) \
+  (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl) \
+        : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl))
   switch (mt) {
-    case 1: return NIBBLE_LAUNCH_MT(1);
-    case 2: return NIBBLE_LAUNCH_MT(2);
-    case 4: return NIBBLE_LAUNCH_MT(4);
-    case 8: return many ? cudaErrorInvalidValue : launch_mt<T, 8, false>(x, w, ctas, M, K, group_shift_steps, ldx,
-                                                                        warps, stream, pdl);
+    case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
+    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
+    case 4: return NIBBLE_LAUNCH_MT(4, false);
+    case 8: return many ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
+                                                                               ldx, warps, stream, pdl);
     default: return cudaErrorInvalidValue;
   }
 #undef NIBBLE_LAUNCH_MT
