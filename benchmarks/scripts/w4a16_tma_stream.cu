@@ -117,7 +117,6 @@ __global__ void __launch_bounds__(32 * 9, MT == 1 ? 3 : 1)
   } else {
     const int g = lane >> 2, t = lane & 3;
     float raw[MT][2][4], xsum[MT][4];
-    const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
     for (int c = warp; c < chunks; c += consumers) {
       const int s = ring_stage(c, consumers, stages);
       mbar_wait(full + 8 * s, (c / stages) & 1);
@@ -136,41 +135,14 @@ __global__ void __launch_bounds__(32 * 9, MT == 1 ? 3 : 1)
           uint4 xr = make_uint4(0, 0, 0, 0);
           if (8 * mt + g < m_rows)
             xr = *reinterpret_cast<const uint4*>(here + W + xb * x_box + (8 * mt + g) * 16 * XR + 16 * (r % XR));
-          const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
-                                    {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-#pragma unroll
-            for (int tile = 0; tile < 2; ++tile) {
-              const uint32_t a[4] = {q[2 * tile][2 * half], q[2 * tile + 1][2 * half], q[2 * tile][2 * half + 1],
-                                     q[2 * tile + 1][2 * half + 1]};
-              if (fresh && half == 0) mma<T, true>(raw[mt][tile], a, b[half][0], b[half][1]);
-              else mma<T, false>(raw[mt][tile], a, b[half][0], b[half][1]);
-            }
-            if (fresh && half == 0) mma<T, true>(xsum[mt], ones, b[half][0], b[half][1]);
-            else mma<T, false>(xsum[mt], ones, b[half][0], b[half][1]);
-          }
+          step_mmas<T>(raw[mt], xsum[mt], q, xr, fresh);
         }
         if ((i + 1) % GS == 0) {  // a group (or the chunk's part of one) closes
           const int row = min(i / GS, lay.sz_rows - 1);
-          const uint2 sv = *reinterpret_cast<const uint2*>(here + lay.sz + 64 * row + 8 * g);
-          const uint2 zv = *reinterpret_cast<const uint2*>(here + lay.zs + 64 * row + 8 * g);
-          const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x));
-          const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
-          const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zv.x));
-          const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zv.y));
-          const float sc[4] = {s01.x, s01.y, s23.x, s23.y};
-          const float zc[4] = {z01.x - Num<T>::BASE * s01.x, z01.y - Num<T>::BASE * s01.y,
-                               z23.x - Num<T>::BASE * s23.x, z23.y - Num<T>::BASE * s23.y};
+          const GroupFold<T> fold(*reinterpret_cast<const uint2*>(here + lay.sz + 64 * row + 8 * g),
+                                  *reinterpret_cast<const uint2*>(here + lay.zs + 64 * row + 8 * g));
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-              for (int cc = 0; cc < 4; ++cc) {
-                const int j = 2 * tile + (cc >> 1);
-                acc[mt][tile][cc] = fmaf(sc[j], raw[mt][tile][cc], fmaf(zc[j], xsum[mt][cc & 1], acc[mt][tile][cc]));
-              }
+          for (int mt = 0; mt < MT; ++mt) fold(acc[mt], raw[mt], xsum[mt]);
         }
       }
       __syncwarp();

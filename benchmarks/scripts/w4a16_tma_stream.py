@@ -7,7 +7,9 @@ chunk and release it: what the copies alone cost.
     PYTHONPATH=. python3 benchmarks/scripts/w4a16_tma_stream.py --build .exp/tma      # nvcc only
     PYTHONPATH=. python3 benchmarks/scripts/w4a16_tma_stream.py --libs .exp/tma --json $OUT/tma.json
 
-Result (H200, sources of session 19): benchmarks/results/w4a16-tma-stream-ctawide-h200.json.
+Results (H200, session 19): benchmarks/results/w4a16-tma-stream-ctawide-h200.json and -m16-h200.json,
+measured with the form of commit 75afc85 (the same arithmetic written out; this form shares the
+shipped kernel's step_mmas / GroupFold, and ptxas schedules it a little differently).
 """
 from __future__ import annotations
 

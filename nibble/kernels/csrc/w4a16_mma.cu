@@ -116,6 +116,57 @@ __device__ __forceinline__ void raw_codes(uint32_t w, uint32_t (&r)[4]) {
   for (int j = 0; j < 4; ++j) r[j] = and_or(w >> (4 * j), 0x000f000fu, Num<T>::BASE2);
 }
 
+// One 32-deep step's MMAs for one token tile: A = the raw codes r ([column c + j][nibble pair]),
+// B = the lane's 16 bytes of x (x[m, 8w .. 8w+7] of its word row w) permuted from pairs (0,1) (2,3)
+// (4,5) (6,7) to the nibble pairs (j, j+4). R += (B + q) x per column, X += x (the all-ones MMA);
+// `fresh` (a group's first step) starts both from zero.
+template <typename T>
+__device__ __forceinline__ void step_mmas(float (&raw)[2][4], float (&xsum)[4], const uint32_t (&r)[4][4], uint4 xr,
+                                          bool fresh) {
+  const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
+  const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
+                            {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile) {
+      const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
+                             r[2 * tile + 1][2 * half + 1]};
+      if (fresh && half == 0) mma<T, true>(raw[tile], a, b[half][0], b[half][1]);
+      else mma<T, false>(raw[tile], a, b[half][0], b[half][1]);
+    }
+    if (fresh && half == 0) mma<T, true>(xsum, ones, b[half][0], b[half][1]);
+    else mma<T, false>(xsum, ones, b[half][0], b[half][1]);
+  }
+}
+
+// A closed group folded into the lane's sums, in fp32: sum (q s + z) x = s R + (z - B s) X for its
+// columns c .. c+3, from their fp16 scales and zeros (two half2 words each).
+template <typename T>
+struct GroupFold {
+  float s[4], zb[4];  // s and z - B s of column c + j
+  __device__ __forceinline__ GroupFold(uint2 scales, uint2 zeros) {
+    const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&scales.x));
+    const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&scales.y));
+    const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zeros.x));
+    const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zeros.y));
+    s[0] = s01.x, s[1] = s01.y, s[2] = s23.x, s[3] = s23.y;
+    zb[0] = z01.x - Num<T>::BASE * s01.x, zb[1] = z01.y - Num<T>::BASE * s01.y;
+    zb[2] = z23.x - Num<T>::BASE * s23.x, zb[3] = z23.y - Num<T>::BASE * s23.y;
+  }
+  // C fragment: row g of tile t is column c + 2t, row g + 8 is c + 2t + 1; c & 1 picks the token.
+  __device__ __forceinline__ void operator()(float (&acc)[2][4], const float (&raw)[2][4],
+                                             const float (&xsum)[4]) const {
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = 2 * tile + (c >> 1);
+        acc[tile][c] = fmaf(s[j], raw[tile][c], fmaf(zb[j], xsum[c & 1], acc[tile][c]));
+      }
+  }
+};
+
 // Ring of RING stages per warp with AHEAD steps in flight: one stage of slack lets a single
 // warp barrier per step order the reads of a stage before its refill. (Measured on the H200: rings
 // of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
@@ -204,7 +255,6 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     for (int j = 0; j < 4; ++j) {
       acc[mt][0][j] = acc[mt][1][j] = raw[mt][0][j] = raw[mt][1][j] = xsum[mt][j] = 0.f;
     }
-  const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
 
   // Step s from stage i: dequantize, MMA, and where a group closes fold its sums into acc.
   auto step = [&](int i, int s) {
@@ -216,49 +266,20 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     raw_codes<T>(wv.z, r[2]);
     raw_codes<T>(wv.w, r[3]);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      // x[m, 8w + 0..7] as pairs (0,1) (2,3) (4,5) (6,7) -> the nibble pairs (j, j+4)
-      const uint4 xr = *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt));
-      const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
-                                {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
-      const bool fresh = GS && i % GSTEP == 0;  // a group's first step starts its sums from zero
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int tile = 0; tile < 2; ++tile) {
-          const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
-                                 r[2 * tile + 1][2 * half + 1]};
-          if (fresh && half == 0) mma<T, true>(raw[mt][tile], a, b[half][0], b[half][1]);
-          else mma<T, false>(raw[mt][tile], a, b[half][0], b[half][1]);
-        }
-        if (fresh && half == 0) mma<T, true>(xsum[mt], ones, b[half][0], b[half][1]);
-        else mma<T, false>(xsum[mt], ones, b[half][0], b[half][1]);
-      }
-    }
+    for (int mt = 0; mt < MT; ++mt)  // a group's first step starts its sums from zero
+      step_mmas<T>(raw[mt], xsum[mt], r, *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
+                   GS && i % GSTEP == 0);
 
     if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
       if (!GS) read_group_end += group_steps;
       const uint4 sz = *reinterpret_cast<const uint4*>(here + SZ + g * 16);  // scales, zeros of c..c+3
-      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.x));
-      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.y));
-      const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&sz.z));
-      const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&sz.w));
-      const float sc[4] = {s01.x, s01.y, s23.x, s23.y};
-      const float zc[4] = {z01.x - Num<T>::BASE * s01.x, z01.y - Num<T>::BASE * s01.y,
-                           z23.x - Num<T>::BASE * s23.x, z23.y - Num<T>::BASE * s23.y};
+      const GroupFold<T> fold(make_uint2(sz.x, sz.y), make_uint2(sz.z, sz.w));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {  // C row g -> column c + 2 tile, row g + 8 -> c + 2 tile + 1
-            const int j = 2 * tile + (c >> 1);
-            acc[mt][tile][c] = fmaf(sc[j], raw[mt][tile][c], fmaf(zc[j], xsum[mt][c & 1], acc[mt][tile][c]));
-            if (!GS) raw[mt][tile][c] = 0.f;
-          }
+        fold(acc[mt], raw[mt], xsum[mt]);
         if (!GS)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) xsum[mt][c] = 0.f;
+          for (int c = 0; c < 4; ++c) raw[mt][0][c] = raw[mt][1][c] = xsum[mt][c] = 0.f;
       }
     }
   };
