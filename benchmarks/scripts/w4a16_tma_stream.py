@@ -45,10 +45,14 @@ def build(out_dir: Path, name: str) -> ctypes.CDLL:
                                    out_dir / name, arch="90", append="\n" + SOURCE.read_text())
 
 
+# nibble_w4a16_tma's ctypes signature (and its error string's), as the package configures its launchers
+CONFIGURE = cuda_build.signatures(
+    "nibble_w4a16_tma", [ctypes.c_int] * 5 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
+    + [ctypes.c_int, ctypes.c_void_p], "nibble_cuda_error_string")
+
+
 def tma_lib(lib):
-    lib.nibble_w4a16_tma.restype = ctypes.c_int
-    lib.nibble_w4a16_tma.argtypes = ([ctypes.c_int] * 5 + [ctypes.c_void_p] + [ctypes.c_int] * 5
-                                     + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p])
+    CONFIGURE(lib)
     return lib
 
 

@@ -71,7 +71,7 @@ def test_the_skinny_kernel_variants_still_anchor_in_the_sources(monkeypatch):
 
 def test_the_tma_stream_experiment_still_builds_on_the_skinny_kernel(tmp_path, monkeypatch):
     """benchmarks/scripts/w4a16_tma_stream.cu is appended to csrc/w4a16_mma.cu and uses its helpers
-    (Num, mma, raw_codes, store_fragments): its edit must anchor, and with nvcc it must build."""
+    (raw_codes, step_mmas, GroupFold, store_fragments): its edit must anchor, and with nvcc it must build."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"))
     module = importlib.import_module("w4a16_tma_stream")
     assert (cuda_build.CSRC / "w4a16_mma.cu").read_text().count(module.ANCHOR) == 1
