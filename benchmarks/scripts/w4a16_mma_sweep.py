@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ def main():
             tcfg = W.select_config(M, N, K, G, sms)
             res["triton"] = bench_us(lambda i: (lambda: W.w4a16_linear_cuda(x, *w4[i], G, config=tcfg)), n4, **TIMING)
             picked = W.select_mma_config(M, N, K, sms)
-            cands = [W.MmaConfig(picked.token_tiles, w) for w in map(int, args.warps.split(","))]
+            cands = [replace(picked, warps=w) for w in map(int, args.warps.split(","))]
             variants = {f"w{c.warps}": c for c in cands + [picked] if W.mma_config_valid(c, M)}
             errs = {}
             for name, cfg in variants.items():

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ def main():
         picked = W.select_mma_config(1, N, K, sms)
         res = {}
         for warps in sorted({4, 8, picked.warps}):
-            cfg = W.MmaConfig(1, warps)
+            cfg = replace(picked, warps=warps)
             res[warps] = bench_us(lambda i: (lambda: W.w4a16_mma(x, *sets[i], GROUP, config=cfg)), len(sets), **TIMING)
         ctas = N // 32
         row = dict(N=N, K=K, ctas=ctas, ctas_per_sm=round(ctas / sms, 2), max_ctas_per_sm=math.ceil(ctas / sms),

@@ -14,15 +14,17 @@ Sets (results under benchmarks/results/):
   cap lifted for it, against the shipped kernel.
 - ``prefetch`` (w4a16-l2-prefetch-h200): more bytes in flight without registers: once a ring round,
   an L2 prefetch of 4 steps that lie `distance` steps past the copies.
+- ``layout`` (w4a16-weight-layout-h200): the canonical weight layout against a tile-major copy
+  of it, each with and without the arithmetic (the DRAM locality of the weight stream).
 - ``decompose`` (w4a16-decompose-h200): the loop without its arithmetic, and without its weight
   copies.
 - ``tma`` (w4a16-tma-stream-h200): the weight stream by TMA boxes into an mbarrier ring (see TMA).
 - ``xcache`` (w4a16-x-through-l1-h200): x copied through the L1 (cp.async.ca) or around it,
-  against the kernel's own choice (x_through_l1).
+  against the op's own choice (w4a16.x_through_l1).
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
-output first checked bit for bit against the first variant at the same warps (no edit but
-``decompose``'s changes a sum). Same timing as ``python -m nibble.bench kernels``.
+output first checked bit for bit against the first variant at the same warps (only the variants
+without arithmetic, in ``decompose`` and ``layout``, change a sum). Same timing as ``python -m nibble.bench kernels``.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import ctypes
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -109,6 +112,27 @@ TMA = {"w4a16_mma.cu": [
 ]}
 
 
+NO_COMPUTE = ("auto step = [&](int i, int s) {", "auto step = [&](int i, int s) {\n    if (M > 0) return;")
+
+# The weight stream over a tile-major weight (`tile_major` below): the stream is handed K instead of
+# N, its step is 4 rows of 32 words, and a CTA's words start at tile_col * K / 8.
+TILE_MAJOR = {
+    "w4a16_mma.cu": [("WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);",
+                      "WeightStream ws(ring_addr, lane, qweight, K, s_begin, tile_col);")],
+    "skinny.cuh": [("step_stride = (size_t)4 * N;", "step_stride = 128;"),
+                   ("src = qweight + (size_t)(4 * s_begin + copy_row) * N + tile_col + 4 * copy_quad;",
+                    "src = qweight + (size_t)tile_col * (N >> 3) + (4 * s_begin + copy_row) * 32 + 4 * copy_quad;")],
+}
+
+
+def tile_major(qweight):
+    """[K / 8, N] canonical words -> the same words as [N / 32][K / 8][32], viewed as [K / 8, N]."""
+    rows, n = qweight.shape
+    return qweight.view(rows, n // 32, 32).permute(1, 0, 2).contiguous().view(rows, n)
+
+
+WEIGHT_LAYOUT = {"tile": tile_major, "tile_copy": tile_major}
+
 X_COPY = "      cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),"
 
 
@@ -132,7 +156,7 @@ SETS = {
     "prefetch": {"shipped": {}, "pf0": prefetch(0), "pf4": prefetch(4), "pf8": prefetch(8), "pf16": prefetch(16)},
     "tma": {"shipped": {}, "tma": TMA,
             "tma_nocap": {"w4a16_mma.cu": TMA["w4a16_mma.cu"] + [(BOUNDS, "MT == 4 ? 2 : 1)")]}},
-    # x through the L1 (cp.async.ca) or around it (.cg) whatever x_through_l1 in the kernel picks:
+    # x through the L1 (cp.async.ca) or around it (.cg) whatever w4a16.x_through_l1 picks:
     # the CTAs of an SM read the same steps of x (for other columns) at about the same time, and at
     # 16 tokens x is twice the weight's bytes. (The committed result predates the rule: its
     # "shipped" is today's x_cg.)
@@ -141,12 +165,22 @@ SETS = {
         "x_cg": {"w4a16_mma.cu": [(X_COPY, X_COPY.replace("cp_async_16<X_L1>(", "cp_async_16<false>("))]},
         "x_ca": {"w4a16_mma.cu": [(X_COPY, X_COPY.replace("cp_async_16<X_L1>(", "cp_async_16<true>("))]},
     },
+    # DRAM locality of the weight stream: the canonical layout, where a CTA's 32 columns are a
+    # 128-byte piece of every word row (rows 4 N bytes apart), against a tile-major copy of the same
+    # words ([N / 32][K / 8][32]: a CTA's K range one contiguous block, a step 512 contiguous bytes),
+    # each with and without its arithmetic (the copy ceiling). Same arithmetic: outputs exact.
+    "layout": {
+        "shipped": {},
+        "tile": TILE_MAJOR,
+        "copy": {"w4a16_mma.cu": [NO_COMPUTE]},
+        "tile_copy": {"w4a16_mma.cu": TILE_MAJOR["w4a16_mma.cu"] + [NO_COMPUTE], "skinny.cuh": TILE_MAJOR["skinny.cuh"]},
+    },
     # where the time goes: the loop without its arithmetic (copies, waits and barriers only), and
     # without its weight copies (the arithmetic on whatever the ring holds); M >= 1 always, but the
     # compiler cannot know it, so the code stays and only its effect goes. Outputs are not exact.
     "decompose": {
         "shipped": {},
-        "no_compute": {"w4a16_mma.cu": [("auto step = [&](int i, int s) {", "auto step = [&](int i, int s) {\n    if (M > 0) return;")]},
+        "no_compute": {"w4a16_mma.cu": [NO_COMPUTE]},
         "no_weights": {"w4a16_mma.cu": [("cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);",
                                          "cp_async_16(live && M < 0, ws.copy_dst + stage * STAGE, ws.src);")]},
     },
@@ -194,10 +228,10 @@ def main():
         libs[name] = ctypes.CDLL(str(args.libs / name / "w4a16_mma_edited.so"))
         W._MMA_SIGNATURES(libs[name])
 
-    def call(name, x, weights, mt, warps, outs):
+    def call(name, x, weights, cfg, outs):
         """The package's op on variant `name`'s library (read at every launch, so also while a graph is captured)."""
         W._mma_lib = lambda _device, lib=libs[name]: lib
-        W.w4a16_mma_many(x, weights, G, config=W.MmaConfig(mt, warps), outs=outs)
+        W.w4a16_mma_many(x, weights, G, config=cfg, outs=outs)
 
     # (label, [(N, K)] of one launch): the issue-3 shapes; Llama-2-7B's and Llama-3-8B's grouped launches
     cases = []
@@ -216,30 +250,35 @@ def main():
         K = shapes[0][1]
         per_set = sum(n * K // 2 + 4 * (K // G) * n for n, _ in shapes)
         sets = [[random_int4(n, K, G, dev) for n, _ in shapes] for _ in range(rotations(per_set))]
+        laid_out = {name: [[(WEIGHT_LAYOUT[name](q), s, z) for q, s, z in ws] for ws in sets]
+                    for name in variants if name in WEIGHT_LAYOUT}
         wb = None
         if len(shapes) == 1:
             n = shapes[0][0]
             wb = [torch.randn(n, K, device=dev, dtype=torch.bfloat16) for _ in range(rotations(2 * n * K))]
         for M in map(int, args.ms.split(",")):
-            mt = 1 if M <= 8 else 2
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             res = {}
             if wb is not None:
                 res["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), len(wb), **TIMING)
             picked = W.select_mma_config(M, sum(n for n, _ in shapes), K)
             for warps in (4, 8, 16):
+                cfg = replace(picked, warps=warps)
+                if not W.mma_config_valid(cfg, M):
+                    continue
                 outs_for = [[torch.empty(M, n, device=dev, dtype=x.dtype) for n, _ in shapes] for _ in sets]
                 shipped = [torch.full((M, n), float("nan"), device=dev, dtype=x.dtype) for n, _ in shapes]
-                call(first, x, sets[0], mt, warps, shipped)
+                call(first, x, sets[0], cfg, shipped)
                 for name, edits in variants.items():
-                    if W.mma_smem_bytes(W.MmaConfig(mt, warps), ring_depth(edits)) > W.MMA_SMEM_LIMIT:
+                    if W.mma_smem_bytes(cfg, ring_depth(edits)) > W.MMA_SMEM_LIMIT:
                         continue
+                    mine = laid_out.get(name, sets)
                     got = [torch.full_like(o, float("nan")) for o in shipped]
-                    call(name, x, sets[0], mt, warps, got)
+                    call(name, x, mine[0], cfg, got)
                     torch.cuda.synchronize()
                     same = all(torch.equal(a, b) for a, b in zip(got, shipped))
-                    us = bench_us(lambda i: (lambda: call(name, x, sets[i], mt, warps, outs_for[i])),
-                                  len(sets), **TIMING)
+                    us = bench_us(lambda i: (lambda: call(name, x, mine[i], cfg, outs_for[i])),
+                                  len(mine), **TIMING)
                     res[f"{name}/w{warps}"] = us
                     rows.append(dict(case=label, M=M, variant=name, warps=warps, us=round(us, 3), exact=same,
                                      picked=warps == picked.warps))
@@ -254,7 +293,7 @@ def main():
                   + " | " + " ".join(f"{k}={v:.1f}" for k, v in sorted(res.items())), flush=True)
             if base:
                 rows.append(dict(case=label, M=M, variant="bf16", warps=None, us=round(base, 3)))
-        sets = wb = None
+        sets = wb = laid_out = None
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(dict(meta=env_meta(), set=args.set, variants=variants, rows=rows), indent=1))

@@ -1,12 +1,21 @@
 // An experiment (benchmarks/scripts/w4a16_tma_stream.py appends this to csrc/w4a16_mma.cu, whose
 // helpers it uses, and builds it for sm_90): the W4A16 skinny product with the weight streamed by
-// TMA. Measured on the H200 0.59-0.81x the speed of the shipped cp.async kernel at M = 1
-// (benchmarks/notes-w4a16.md, session 19); not part of the package.
+// TMA. Measured on the H200 0.59-0.81x the speed of the shipped cp.async kernel at M = 1, and
+// 0.72-0.81x with every warp its own producer (benchmarks/notes-w4a16.md, sessions 19 and 20); not
+// part of the package.
 #ifndef NIBBLE_TMA_COPY_ONLY
 #define NIBBLE_TMA_COPY_ONLY 0
 #endif
+#ifndef NIBBLE_TMA_SELF_FED
+#define NIBBLE_TMA_SELF_FED 0
+#endif
 namespace {
 constexpr bool COPY_ONLY = NIBBLE_TMA_COPY_ONLY;  // consumers wait for each chunk and release it, no arithmetic
+// No producer warp: lane 0 of every warp copies its own chunks into its own stages and refills a
+// stage as soon as the warp has read it (no "empty" barriers). Every warp is a consumer, so the
+// arithmetic has as many warps as the shipped kernel's, and each keeps stages / consumers chunks in
+// flight instead of the shipped kernel's 2 steps.
+constexpr bool SELF_FED = NIBBLE_TMA_SELF_FED;
 
 // One producer warp per CTA, one lane of it copying whole chunks of CR word rows (CR * 8 deep: the
 // weight's CR rows x 32 columns as one box, the chunk's x rows, its groups' scales and zeros) into
@@ -46,7 +55,7 @@ __device__ __forceinline__ int ring_stage(int c, int consumers, int stages) {
 }
 
 template <typename T, int MT, int GS, int CR, bool MANY>
-__global__ void __launch_bounds__(32 * 9, MT == 1 ? 3 : 1)
+__global__ void __launch_bounds__(SELF_FED ? 512 : 32 * 9, MT == 1 ? (SELF_FED ? 2 : 3) : 1)
     w4a16_tma_kernel(const __grid_constant__ TmaWeights<T> weights, int K, int stages, TmaLayout lay) {
 #if __CUDA_ARCH__ >= 900
   constexpr int NS = CR / 4, XR = CR < 32 ? CR : 32, W = 128 * CR;  // steps per chunk, word rows per x box
@@ -55,7 +64,7 @@ __global__ void __launch_bounds__(32 * 9, MT == 1 ? 3 : 1)
   const uint32_t base = (smem_addr + 1023) & ~1023u;  // the swizzle's period
   unsigned char* ring = smem + (base - smem_addr);
   const uint32_t full = base + stages * lay.stage, empty = full + 8 * stages;
-  const int consumers = (blockDim.x >> 5) - 1;
+  const int consumers = (blockDim.x >> 5) - (SELF_FED ? 0 : 1);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = (K + 8 * CR - 1) / (8 * CR);
   const int m_rows = lay.m_rows, x_box = m_rows * 16 * XR;
@@ -73,31 +82,43 @@ __global__ void __launch_bounds__(32 * 9, MT == 1 ? 3 : 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[mt][0][j] = acc[mt][1][j] = 0.f;
 
-  if (warp == consumers) {  // the producer
+  int tile_col;
+  const int which = cta_weight<MANY>(weights.cta_end, tile_col);
+  const CUtensorMap* qmap = pick_address(weights.qweight, which);
+  const CUtensorMap* smap = pick_address(weights.scales, which);
+  const CUtensorMap* zmap = pick_address(weights.zeros, which);
+  const int bytes = W + 16 * CR * m_rows + 128 * lay.sz_rows;
+  auto load_w = [&](uint32_t dst, int c, uint32_t bar) {
+    // the chunk's first group row
+    const int row = lay.group_log2 >= 30 ? 0 : lay.group_log2 <= 7 ? c * lay.sz_rows : (8 * CR * c) >> lay.group_log2;
+    tma_load(dst, qmap, tile_col, CR * c, bar);
+    tma_load(dst + lay.sz, smap, tile_col, row, bar);
+    tma_load(dst + lay.zs, zmap, tile_col, row, bar);
+  };
+  auto load_x = [&](uint32_t dst, int c, uint32_t bar) {
+#pragma unroll
+    for (int b = 0; b < CR / XR; ++b) tma_load(dst + W + b * x_box, &weights.x, 8 * (CR * c + XR * b), 0, bar);
+  };
+  if (SELF_FED && lane == 0) {  // this warp's first stages: the weights now, x once the previous kernel is done
+    for (int c = warp; c < min(stages, chunks); c += consumers) {
+      const int s = ring_stage(c, consumers, stages);
+      mbar_expect_tx(full + 8 * s, bytes);
+      load_w(base + s * lay.stage, c, full + 8 * s);
+    }
+    wait_for_prior_grids();
+    for (int c = warp; c < min(stages, chunks); c += consumers) {
+      const int s = ring_stage(c, consumers, stages);
+      load_x(base + s * lay.stage, c, full + 8 * s);
+    }
+  }
+  if (!SELF_FED && warp == consumers) {  // the producer
     if (lane == 0) {
-      int tile_col;
-      const int which = cta_weight<MANY>(weights.cta_end, tile_col);
-      const CUtensorMap* qmap = pick_address(weights.qweight, which);
-      const CUtensorMap* smap = pick_address(weights.scales, which);
-      const CUtensorMap* zmap = pick_address(weights.zeros, which);
 #ifdef NIBBLE_TMA_PREFETCH
       asm volatile("prefetch.tensormap [%0];" ::"l"(qmap) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(smap) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(zmap) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(&weights.x) : "memory");
 #endif
-      const int bytes = W + 16 * CR * m_rows + 128 * lay.sz_rows;
-      auto load_w = [&](uint32_t dst, int c, uint32_t bar) {
-        // the chunk's first group row
-        const int row = lay.group_log2 >= 30 ? 0 : lay.group_log2 <= 7 ? c * lay.sz_rows : (8 * CR * c) >> lay.group_log2;
-        tma_load(dst, qmap, tile_col, CR * c, bar);
-        tma_load(dst + lay.sz, smap, tile_col, row, bar);
-        tma_load(dst + lay.zs, zmap, tile_col, row, bar);
-      };
-      auto load_x = [&](uint32_t dst, int c, uint32_t bar) {
-#pragma unroll
-        for (int b = 0; b < CR / XR; ++b) tma_load(dst + W + b * x_box, &weights.x, 8 * (CR * c + XR * b), 0, bar);
-      };
       const int early = min(stages, chunks);
       for (int c = 0; c < early; ++c) {
         mbar_expect_tx(full + 8 * c, bytes);
@@ -146,7 +167,15 @@ __global__ void __launch_bounds__(32 * 9, MT == 1 ? 3 : 1)
         }
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty + 8 * s);
+      if (!SELF_FED) {
+        if (lane == 0) mbar_arrive(empty + 8 * s);
+      } else if (lane == 0 && c + stages < chunks) {  // the stage's next fill: chunk c + stages
+        // the warp's reads of the stage (generic proxy) before the TMA's writes (async proxy)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_expect_tx(full + 8 * s, bytes);
+        load_w(base + s * lay.stage, c + stages, full + 8 * s);
+        load_x(base + s * lay.stage, c + stages, full + 8 * s);
+      }
     }
   }
   __syncthreads();  // every chunk consumed: the ring is free for the cross-warp sums
@@ -154,7 +183,6 @@ __global__ void __launch_bounds__(32 * 9, MT == 1 ? 3 : 1)
   if (warp < consumers)
     store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });
   __syncthreads();
-  int tile_col;
   const int out_weight = cta_weight<MANY>(weights.cta_end, tile_col);
   T* __restrict__ out = pick(weights.out, out_weight);
   const int ldo = pick(weights.ldo, out_weight);
@@ -176,7 +204,7 @@ cudaError_t launch_tma_gs(const TmaWeights<T>& w, int ctas, int K, int consumers
   if (err != cudaSuccess) return err;
   const size_t ring = (size_t)stages * lay.stage, partial = (size_t)consumers * MT * 8 * 32 * 4;
   const size_t smem = (ring > partial ? ring : partial) + 1024 + 16 * stages;
-  return launch_kernel(w4a16_tma_kernel<T, MT, GS, CR, MANY>, ctas, 32 * (consumers + 1), smem, stream, pdl, w, K,
+  return launch_kernel(w4a16_tma_kernel<T, MT, GS, CR, MANY>, ctas, 32 * (consumers + !SELF_FED), smem, stream, pdl, w, K,
                        stages, lay);
 }
 
@@ -199,7 +227,7 @@ cudaError_t launch_tma(int mt, int chunk_rows, int consumers, int stages, const 
                        int group_shift_steps, int ldx, int count, const void* const* qweights,
                        const void* const* scales, const void* const* zeros, void* const* outs, const int* ns,
                        const int* ldos, cudaStream_t stream, bool pdl) {
-  if (count < 1 || count > MAX_WEIGHTS || consumers < 1 || consumers > 8 || stages % consumers ||
+  if (count < 1 || count > MAX_WEIGHTS || consumers < 1 || consumers > (SELF_FED ? 16 : 8) || stages % consumers ||
       (chunk_rows != 16 && chunk_rows != 32 && chunk_rows != 64) || (mt != 1 && mt != 2))
     return cudaErrorInvalidValue;
   TmaLayout lay;

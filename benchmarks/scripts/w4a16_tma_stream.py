@@ -9,7 +9,10 @@ chunk and release it: what the copies alone cost.
 
 Results (H200, session 19): benchmarks/results/w4a16-tma-stream-ctawide-h200.json and -m16-h200.json,
 measured with the form of commit 75afc85 (the same arithmetic written out; this form shares the
-shipped kernel's step_mmas / GroupFold, and ptxas schedules it a little differently).
+shipped kernel's step_mmas / GroupFold, and ptxas schedules it a little differently). ``self`` /
+``self_copy`` (session 20, NIBBLE_TMA_SELF_FED): no producer warp, every warp copies its own chunks
+into its own stages (``--variants self:16x8x16,...``, up to 16 warps):
+benchmarks/results/w4a16-tma-stream-self-fed-h200.json, 0.72-0.81x the shipped kernel.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import argparse
 import ctypes
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,7 +38,9 @@ SINGLE = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 409
           (28672, 8192), (8192, 28672)]
 GROUPED = {"llama2 qkv": ([4096] * 3, 4096), "llama2 gate/up": ([11008] * 2, 4096),
            "llama3 qkv": ([4096, 1024, 1024], 4096), "llama3 gate/up": ([14336] * 2, 4096)}
-VARIANTS = {"full": "", "copy": "#define NIBBLE_TMA_COPY_ONLY 1\n"}
+SELF_FED = "#define NIBBLE_TMA_SELF_FED 1\n"
+VARIANTS = {"full": "", "copy": "#define NIBBLE_TMA_COPY_ONLY 1\n", "self": SELF_FED,
+            "self_copy": SELF_FED + "#define NIBBLE_TMA_COPY_ONLY 1\n"}
 SOURCE = Path(__file__).with_name("w4a16_tma_stream.cu")
 ANCHOR = '#include "skinny.cuh"\n'  # the TMA kernel needs hopper.cuh (which includes skinny.cuh)
 
@@ -131,7 +137,7 @@ def time_case(libs, name, ns, K, M, variants, log):
         except RuntimeError as e:
             row[key] = None
             log(f"  {key}: {e}")
-    best = min((k for k in row if k.startswith("tma_full") and row[k]), key=lambda k: row[k])
+    best = min((k for k in row if k.startswith("tma_") and "copy" not in k and row[k]), key=lambda k: row[k])
     log(f"{name:16s} M={M:3d} " + " ".join(f"{k}={v:.2f}" for k, v in row.items() if isinstance(v, float))
         + f"  best {best} x{row['shipped'] / row[best]:.3f} shipped" + (f" x{row['bf16'] / row[best]:.2f} bf16" if "bf16" in row else ""))
     torch.cuda.empty_cache()
@@ -151,12 +157,14 @@ def main():
     args = ap.parse_args()
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.build:
-        for name in VARIANTS:
-            build(args.build, name)
+        with ThreadPoolExecutor(len(VARIANTS)) as pool:
+            list(pool.map(lambda name: build(args.build, name), VARIANTS))
         return
     libs = {name: tma_lib(ctypes.CDLL(str(args.libs / name / "w4a16_mma_edited.so"))) for name in VARIANTS}
     if not args.no_check:
-        check(libs["full"], log)
+        for name in ("full", "self"):
+            log(f"checking {name}")
+            check(libs[name], log)
     if args.check_only:
         return
     variants = [(v.split(":")[0], tuple(int(n) for n in v.split(":")[1].split("x"))) for v in args.variants.split(",")]

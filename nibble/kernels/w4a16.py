@@ -675,12 +675,13 @@ MMA_MANY_MAX_M = 32
 
 @dataclass(frozen=True)
 class MmaConfig:
-    token_tiles: int   # tiles of 8 tokens (1, 2, 4, 8): M <= 8 * token_tiles
-    warps: int         # warps per CTA, splitting K; one CTA per 32 output columns
+    token_tiles: int     # tiles of 8 tokens (1, 2, 4, 8): M <= 8 * token_tiles
+    warps: int           # warps per CTA, splitting K; one CTA per 32 output columns
+    x_l1: bool = False   # x copied through the L1 (1 or 2 token tiles; see x_through_l1)
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
+    "nibble_w4a16_mma", [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
     + [ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
@@ -716,7 +717,21 @@ def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING) -> int:
 
 def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
-            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT)
+            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT
+            and (not cfg.x_l1 or cfg.token_tiles <= 2))
+
+
+def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:
+    """Whether the kernel copies x through the L1 (cp.async.ca) rather than around it (.cg). The CTAs
+    an SM holds stream other columns over the same K steps at about the same time, so where there
+    are more CTAs than SMs their copies of x can hit in the L1 instead of each going to the L2; at 8
+    tokens x is as many bytes as the weight, at 16 twice. H200, bit-exact either way
+    (benchmarks/results/w4a16-x-through-l1-h200.json): M = 8, 12288 x 4096 11.8 -> 10.2 us,
+    Llama-2-7B gate/up 21.4 -> 18.1, q/k/v 12.3 -> 10.8; M = 16, gate/up 30.0 -> 24.9, 12288 x 4096
+    14.1 -> 13.5; M = 1 unchanged. Not with one CTA per SM (nothing to share: 0-2% slower), nor at
+    two token tiles with K > 4096 (28672 x 8192 and 8192 x 28672 at M = 16: 3-6% slower); four and
+    eight token tiles were not measured."""
+    return ctas > num_sms and (token_tiles == 1 or (token_tiles == 2 and K <= 4096))
 
 
 def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
@@ -724,14 +739,14 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) ->
     per CTA doubled from 4 while the GPU has fewer than 32 warps per SM and each warp keeps >= 16 K
     steps at one token tile, >= 32 at more (fewer when there are fewer CTAs than SMs). Measured on
     the H200: at M = 16 and N = 12288, K = 4096, four warps of 32 steps beat eight of 16 by 15%; at
-    M = 1 eight of 16 win."""
+    M = 1 eight of 16 win. x through the L1 where ``x_through_l1`` says."""
     token_tiles = next(t for t in (1, 2, 4, 8) if M <= 8 * t)
     ctas, warps, steps = N // 32, 4, K // 32
     min_steps = 16 if token_tiles == 1 else 32
     while (warps < MMA_MAX_WARPS[token_tiles] and ctas * warps < 32 * num_sms
            and (ctas < num_sms or steps >= min_steps * 2 * warps)):
         warps *= 2
-    return MmaConfig(token_tiles, warps)
+    return MmaConfig(token_tiles, warps, x_through_l1(token_tiles, ctas, K, num_sms))
 
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
@@ -754,7 +769,8 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     cfg = config or select_mma_config(M, sum(ns), K, num_sms(x.device))
     if not mma_config_valid(cfg, M):
         raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
-                         f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes")
+                         f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes, "
+                         f"x_l1 at 1 or 2 token tiles only")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
     weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
@@ -763,8 +779,8 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, x.data_ptr(), M, K, shift, x.stride(0),
-            len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
+            x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
             cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
             torch.cuda.current_stream(x.device).cuda_stream)
     if err:

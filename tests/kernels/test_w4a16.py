@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -200,12 +201,12 @@ def test_gpu_explicit_configs(cfg, M):
             assert_close(out, x, qw, s, z, G)
 
 
-MMA_CONFIGS = [c for c in (W.MmaConfig(t, w) for t in (1, 2, 4, 8) for w in (1, 4, 8, 16))
+MMA_CONFIGS = [c for c in (W.MmaConfig(t, w, l1) for t in (1, 2, 4, 8) for w in (1, 4, 8, 16) for l1 in (False, True))
                if W.mma_config_valid(c, 8 * c.token_tiles)]
 
 
 @needs_cuda
-@pytest.mark.parametrize("cfg", MMA_CONFIGS, ids=lambda c: f"t{c.token_tiles}_w{c.warps}")
+@pytest.mark.parametrize("cfg", MMA_CONFIGS, ids=lambda c: f"t{c.token_tiles}_w{c.warps}" + "_l1" * c.x_l1)
 def test_gpu_mma_every_config(cfg):
     """The CUDA tensor-core kernel in every instantiation: SmolLM2's k/v shape (N = 192), one group
     per column, group 32, K = 65 steps of 32 (uneven split over warps, fewer steps than stages), 3 groups
@@ -251,9 +252,9 @@ def test_gpu_mma_many_weights(M):
 @needs_cuda
 @pytest.mark.parametrize("M", [1, 5, 8, 13, 16])
 def test_gpu_mma_x_through_l1(M):
-    """Layers with more CTAs than SMs copy x through the L1 at one token tile, and at two when K <=
-    4096 (csrc/w4a16_mma.cu: x_through_l1); the others bypass it. Both sides of the rule, single and
-    several weights, groups of 64 / 128, outputs poisoned."""
+    """x copied through the L1 or around it (``MmaConfig.x_l1``) gives the same bits and the
+    reference's values, on layers on both sides of ``x_through_l1`` (more CTAs than SMs or fewer, K
+    up to 4096 or deeper), single and several weights, groups of 64 / 128, outputs poisoned."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
         pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
     for ns, K, G in (((8192,), 4096, 128), ((8192,), 4160, 64), ((4096, 4096, 4096), 4096, 128),
@@ -261,11 +262,17 @@ def test_gpu_mma_x_through_l1(M):
         dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
         weights = [make_weight(n, K, G, device="cuda", seed=M + n + K + i) for i, n in enumerate(ns)]
         x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
-        outs = [torch.full((M, n), float("nan"), device="cuda", dtype=dtype) for n in ns]
-        W.w4a16_mma_many(x, weights, G, outs=outs)
-        torch.cuda.synchronize()
-        for out, w in zip(outs, weights):
-            assert_close(out, x, *w, G)
+        picked = W.select_mma_config(M, sum(ns), K, W.num_sms(x.device))
+        got = {}
+        for x_l1 in (False, True):
+            outs = [torch.full((M, n), float("nan"), device="cuda", dtype=dtype) for n in ns]
+            W.w4a16_mma_many(x, weights, G, config=replace(picked, x_l1=x_l1), outs=outs)
+            torch.cuda.synchronize()
+            for out, w in zip(outs, weights):
+                assert_close(out, x, *w, G)
+            got[x_l1] = outs
+        for around, through in zip(got[False], got[True]):
+            torch.testing.assert_close(through, around, rtol=0, atol=0)
 
 
 @needs_cuda
@@ -585,3 +592,19 @@ def test_select_mma_config_rules():
     assert W.select_mma_config(1, 4096, 4096, 132).warps == 16   # 128 CTAs < 132 SMs: warps are the only parallelism
     assert W.select_mma_config(1, 28672, 8192, 132).warps == 8   # 896 CTAs x 8 warps fill the GPU
     assert W.select_mma_config(16, 12288, 4096, 132).warps == 4  # 128 K steps: 32 per warp at 4 warps
+
+
+def test_x_through_l1_rule():
+    """x goes through the L1 only where an SM holds several CTAs, at one token tile, or two with K <=
+    4096; the config says so, and a config asking for it at four or eight tiles is refused."""
+    assert W.select_mma_config(1, 12288, 4096, 132).x_l1
+    assert W.select_mma_config(8, 28672, 8192, 132).x_l1
+    assert W.select_mma_config(16, 12288, 4096, 132).x_l1
+    assert not W.select_mma_config(16, 28672, 8192, 132).x_l1  # deeper, at two tiles: 3-6% slower
+    assert not W.select_mma_config(1, 4096, 4096, 132).x_l1    # 128 CTAs on 132 SMs: nothing to share
+    assert not W.select_mma_config(1, 4224, 4096, 132).x_l1    # 132 CTAs: still one per SM
+    assert W.select_mma_config(1, 4256, 4096, 132).x_l1
+    assert not W.select_mma_config(32, 12288, 4096, 132).x_l1  # four tiles: not measured
+    assert W.select_mma_config(16, 4096, 4096, 64).x_l1        # the SM count is the device's
+    assert not W.mma_config_valid(W.MmaConfig(4, 4, x_l1=True), 32)
+    assert W.mma_config_valid(W.MmaConfig(2, 4, x_l1=True), 16)

@@ -178,7 +178,8 @@ constexpr int RING = 4, AHEAD = RING - 2;
 // Launch bounds (registers): 64 at one token tile, for 32 resident warps per SM (34.5 instead of
 // 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
-// X_L1: x copied through the L1 (see x_through_l1).
+// X_L1: x copied through the L1 (cp.async.ca) instead of around it; the caller picks (w4a16.py:
+// x_through_l1, where the measurements are).
 template <typename T, int MT, int GS, bool MANY, bool X_L1>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
@@ -328,26 +329,8 @@ cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M,
   }
 }
 
-// Whether x goes through the L1 (cp.async.ca). The CTAs an SM holds stream other columns over the
-// same K steps at about the same time, so where there are more CTAs than SMs their copies of x can
-// hit in the L1 instead of each going to the L2; at 8 tokens x is as many bytes as the weight, at 16
-// twice. H200, bit-exact (benchmarks/results/w4a16-x-through-l1-h200.json): M = 8, 12288 x 4096
-// 11.8 -> 10.2 us, Llama-2-7B gate/up 21.4 -> 18.1, q/k/v 12.3 -> 10.8; M = 16, gate/up 30.0 ->
-// 24.9, 12288 x 4096 14.1 -> 13.5; M = 1 unchanged. Not with one CTA per SM (nothing to share: 0-2%
-// slower), nor at two token tiles with K > 4096 (28672 x 8192 and 8192 x 28672 at M = 16 3-6%
-// slower); four and eight token tiles were not measured.
-bool x_through_l1(int mt, int ctas, int K) {
-  constexpr int kMaxDevices = 64;
-  static int sms_of[kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
-  if (sms_of[device] == 0 && cudaDeviceGetAttribute(&sms_of[device], cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return false;
-  return ctas > sms_of[device] && (mt == 1 || (mt == 2 && K <= 4096));
-}
-
 template <typename T>
-cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
+cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
                    void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
@@ -363,15 +346,15 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
   const int ctas = running_ends(count, ns, 32, w.cta_end);
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
-  const bool many = count > 1, x_l1 = x_through_l1(mt, ctas, K);
+  const bool many = count > 1;
 #define NIBBLE_LAUNCH_MT(MT, X_L1) \
   (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl) \
         : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl))
   switch (mt) {
     case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
     case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
-    case 4: return NIBBLE_LAUNCH_MT(4, false);
-    case 8: return many ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
+    case 4: return x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH_MT(4, false);
+    case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
                                                                                ldx, warps, stream, pdl);
     default: return cudaErrorInvalidValue;
   }
@@ -384,15 +367,16 @@ cudaError_t launch(int mt, int warps, const void* x, int M, int K, int group_shi
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
 // caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte aligned x rows (ldx % 8 == 0),
 // group = 32 * 2^group_shift_steps (or one group per column: group_shift_steps >= 30),
-// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. pdl: launch early (skinny.cuh: launch_kernel).
-extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, const void* x, int M, int K, int group_shift_steps,
+// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through the L1 (mt 1 and 2 only: four and
+// eight tiles were not measured with it). pdl: launch early (skinny.cuh: launch_kernel).
+extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
                                 int pdl, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights,
+  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights,
                                                     scales, zeros, outs, ns, ldos, st, pdl)
-                            : launch<__half>(mt, warps, x, M, K, group_shift_steps, ldx, count, qweights, scales,
+                            : launch<__half>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights, scales,
                                              zeros, outs, ns, ldos, st, pdl);
   return (int)err;
 }
