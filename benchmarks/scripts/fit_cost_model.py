@@ -12,7 +12,8 @@ tiles the split's K stages x the tile's stage time + the tile's fixed cost per i
 a fixed cost per launch (which no choice changes, so it is fitted but not kept), and for split-K a
 cost per split and per million outputs and split. Least squares, weighted by 1 / time, on the
 configs within 30% of each (shape, M)'s best: the model has to rank the good configs, not predict
-the bad ones. Prints the CostModel to paste into nibble/kernels/w4a4.py / w4a16.py and the regret.
+the bad ones. The tiles are the package models' own (a new tile: add it there first, then sweep it).
+Prints the CostModel to paste into nibble/kernels/w4a4.py / w4a16.py and the regret.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from nibble.kernels import hopper  # noqa: E402
+from nibble.kernels import w4a4, w4a16  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 NEAR_BEST = 1.3
@@ -111,8 +113,8 @@ def regret(model: hopper.CostModel, data: list[tuple], clusters: dict) -> list[t
 
 
 def main() -> None:
-    for name, (data, clusters), tiles in (("W4A4", w4a4_sweep(), [(64, 256), (128, 256), (128, 128)]),
-                                          ("W4A16", w4a16_sweep(), [(64, 256), (128, 256), (128, 128), (256, 128)])):
+    for name, (data, clusters), tiles in (("W4A4", w4a4_sweep(), list(w4a4.WGMMA_TILES)),
+                                          ("W4A16", w4a16_sweep(), list(w4a16.WGMMA_TILES))):
         model, launch_us = fit(data, tiles, clusters)
         r = regret(model, data, clusters)
         mean = math.exp(sum(math.log(x[0]) for x in r) / len(r))

@@ -30,15 +30,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="64,128,256,512,1024,4096")
     ap.add_argument("--splits", default="1,2,3,4,6,8")
+    ap.add_argument("--tiles", default=None, help="tokens x channels of the tiles to time (default: every one), "
+                                                  "e.g. 64x128,128x128")
+    ap.add_argument("--shapes", default=None, help="N x K of the shapes to time (default: the issue-3 ones)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     splits = [int(v) for v in args.splits.split(",")]
+    pairs = lambda s: [tuple(int(v) for v in p.split("x")) for p in s.split(",")]  # noqa: E731
+    tiles_timed = pairs(args.tiles) if args.tiles else W.WGMMA_TILES
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = W.wgmma_clusters(dev)
     rows = []
-    for N, K in SHAPES:
+    for N, K in pairs(args.shapes) if args.shapes else SHAPES:
         G = GROUP
         w4, wb, wf = weight_sets(N, K, G, dev)
         n4, nb = len(w4), len(wb)
@@ -52,7 +57,7 @@ def main():
             else:
                 variants["previous"] = lambda i: (lambda: W.w4a16_linear_cuda(x, *w4[i], G, config=W.Config(kind="dequant")))
             auto = W.wgmma_config(M, N, K, clusters)
-            for bn, channels in W.WGMMA_TILES:
+            for bn, channels in tiles_timed:
                 if (bn == 64 and M > 256) or (bn == 256 and M < 256):
                     continue
                 tiles = hopper.tile_count(M, N, bn, channels)
@@ -75,7 +80,7 @@ def main():
             for name, us in res.items():
                 rows.append(dict(op=name, M=M, N=N, K=K, us=round(us, 3), speedup=round(base / us, 4)))
             best = min((k for k in res if k.startswith("wgmma")), key=res.get)
-            auto_name = next(k for k in res if k.endswith("_auto"))
+            auto_name = next((k for k in res if k.endswith("_auto")), best)
             print(f"N={N:6d} K={K:6d} M={M:5d} bf16 {base:8.2f} previous x{base / res['previous']:.2f}  "
                   f"best {best} x{base / res[best]:.2f}  auto {auto_name} x{base / res[auto_name]:.2f}  | "
                   + " ".join(f"{k.replace('wgmma_', '')}={v:.1f}" for k, v in res.items() if k.startswith("wgmma")),

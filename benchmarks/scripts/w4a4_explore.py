@@ -4,7 +4,8 @@ its tile shapes and split-K timed against cuBLAS bf16 (and the Triton kernel, wi
 A wrong result is diagnosed before anything is timed: which K row of the weight each K slot
 actually read (one-hot activations), and whether outputs landed on other (token, channel) cells.
 
-PYTHONPATH=. python3 benchmarks/scripts/w4a4_explore.py [--quick] [--triton]   (log: $OUT/w4a4_explore.log)
+PYTHONPATH=. python3 benchmarks/scripts/w4a4_explore.py [--quick] [--triton] [--tiles 64x128,...] [--ms 64,128]
+    [--shapes 4096x11008,...]   (log: $OUT/w4a4_explore.log)
 """
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def diagnose(M=64, N=256, K=128) -> bool:
 
 def main(argv) -> int:
     quick, triton = "--quick" in argv, "--triton" in argv
+    opt = {k: v for k, v in zip(argv, argv[1:]) if k in ("--tiles", "--ms", "--shapes")}
+    pairs = lambda s: [tuple(int(v) for v in p.split("x")) for p in s.split(",")]  # noqa: E731
+    tiles = pairs(opt["--tiles"]) if "--tiles" in opt else W.WGMMA_TILES
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     ok = all([diagnose(), diagnose(M=17, N=260, K=160), diagnose(M=300, N=1024, K=1024),
               diagnose(M=128, N=512, K=4096)])
@@ -73,7 +77,9 @@ def main(argv) -> int:
     clusters = W.wgmma_clusters("cuda")
     log(f"clusters resident at once, by split: {clusters}")
     ms = [128, 1024] if quick else [64, 128, 256, 512, 1024]
-    for N, K in SHAPES[:3] + SHAPES[6:] if quick else SHAPES:
+    ms = [int(m) for m in opt["--ms"].split(",")] if "--ms" in opt else ms
+    shapes = SHAPES[:3] + SHAPES[6:] if quick else SHAPES
+    for N, K in pairs(opt["--shapes"]) if "--shapes" in opt else shapes:
         n4 = rotations(K // 8 * N * 4)
         w4 = [random_w4a4(N, K, "cuda") for _ in range(n4)]
         nb = rotations(N * K * 2)
@@ -88,7 +94,7 @@ def main(argv) -> int:
                 row["triton"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1])), n4)
             auto = W.wgmma_config(M, N, K, W.wgmma_clusters("cuda"))
             cfgs = {"auto": auto}
-            for bn, ch in W.WGMMA_TILES:
+            for bn, ch in tiles:
                 if bn == 64 and M > 256:
                     continue
                 for sp in hopper.SPLITS:

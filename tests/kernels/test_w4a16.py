@@ -536,7 +536,7 @@ def test_wgmma_config_rules():
     assert W.wgmma_config(128, 4096, 14336)["split_k"] > W.wgmma_config(128, 28672, 8192)["split_k"] == 1
     # weights side by side in one launch: tiles whose channels divide every width but the last
     assert W.wgmma_tiles([4096, 1024, 1024]) == W.WGMMA_TILES and W.wgmma_tiles([576, 192, 192]) == ()
-    assert W.wgmma_tiles([896, 128, 128]) == ((128, 128), (256, 128))
+    assert W.wgmma_tiles([896, 128, 128]) == ((128, 128), (256, 128), (64, 128))
     assert W.wgmma_config(1024, 1152, 896, widths=[896, 128, 128])["channels"] == 128
     assert W.wgmma_group_ok(32, 4096) and W.wgmma_group_ok(256, 4096) and W.wgmma_group_ok(576, 576)
     assert not W.wgmma_group_ok(96, 576) and not W.wgmma_group_ok(16, 4096)
