@@ -729,8 +729,9 @@ def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:
     (benchmarks/results/w4a16-x-through-l1-h200.json): M = 8, 12288 x 4096 11.8 -> 10.2 us,
     Llama-2-7B gate/up 21.4 -> 18.1, q/k/v 12.3 -> 10.8; M = 16, gate/up 30.0 -> 24.9, 12288 x 4096
     14.1 -> 13.5; M = 1 unchanged. Not with one CTA per SM (nothing to share: 0-2% slower), nor at
-    two token tiles with K > 4096 (28672 x 8192 and 8192 x 28672 at M = 16: 3-6% slower); four and
-    eight token tiles were not measured."""
+    two token tiles with K > 4096 (28672 x 8192 and 8192 x 28672 at M = 16: 3-6% slower), nor at
+    four (17-32 tokens: 5-40% slower on every layer, w4a16-x-through-l1-four-tiles-h200.json: a
+    step's x is 2 KB a warp there); eight token tiles were not measured."""
     return ctas > num_sms and (token_tiles == 1 or (token_tiles == 2 and K <= 4096))
 
 

@@ -365,10 +365,11 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
 
 // Host entry point (called through ctypes): `count` weights (1 to 3) that read the same x, their
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
-// caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte aligned x rows (ldx % 8 == 0),
-// group = 32 * 2^group_shift_steps (or one group per column: group_shift_steps >= 30),
-// 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through the L1 (mt 1 and 2 only: four and
-// eight tiles were not measured with it). pdl: launch early (skinny.cuh: launch_kernel).
+// caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte
+// aligned x rows (ldx % 8 == 0), group = 32 * 2^group_shift_steps (or one group per column:
+// group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through
+// the L1 (mt 1 and 2 only: slower at four tiles, not measured at eight). pdl: launch early
+// (skinny.cuh: launch_kernel).
 extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,

@@ -73,9 +73,9 @@ constexpr int X_BOX = 64;                 // x columns per 128-byte swizzled row
 // The CTA: BN tokens x CH channels, CH / 128 = J m64 x BN x k16 instructions per warpgroup and
 // step (a lane owns 2J consecutive columns). 256 channels share each x tile between more weights;
 // 128 channels make twice the CTAs where the output has few tiles, 64 x 128 twice again (picked at
-// 64 tokens on some layers: H200, session 20, 8192 x 28672 109.9 -> 97.9 us); 256 tokens (J = 1, the same
-// 128 accumulators per thread) make every dequantized weight feed twice the tokens, which halves
-// the unpacking per MAC where M is large. Per stage: x, the weight boxes, then the scales and
+// 64 tokens on some layers: H200, session 20, 8192 x 28672 109.9 -> 97.9 us); 256 tokens (J = 1,
+// the same 128 accumulators per thread) make every dequantized weight feed twice the tokens, which
+// halves the unpacking per MAC where M is large. Per stage: x, the weight boxes, then the scales and
 // zeros of the SZ_ROWS groups it touches (GROUP_STEPS k16 steps per group), padded so that every
 // stage starts 1024-byte aligned; as many stages as fit (at most 6).
 template <int BN, int CH_, int GROUP_STEPS> struct Tile {
@@ -338,14 +338,14 @@ cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, 
 
 }  // namespace
 
-// Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// compute capability 9.0, K % 8 == 0, group G in {32, 64} or G % 128 == 0 or G == K (one group per
-// column), x 16-byte aligned with ldx % 8 == 0, (bn, channels) in {(64, 256), (128, 256), (128,
-// 128), (256, 128), (64, 128)}; count (1 to MAX_WEIGHTS) weights of ns[i] columns, ns[i] % 8 == 0 and every
+// Host entry point (called through ctypes). Preconditions are checked by the Python caller: compute
+// capability 9.0, K % 8 == 0, group G in {32, 64} or G % 128 == 0 or G == K (one group per column),
+// x 16-byte aligned with ldx % 8 == 0, (bn, channels) in {(64, 256), (128, 256), (128, 128), (256,
+// 128), (64, 128)}; count (1 to MAX_WEIGHTS) weights of ns[i] columns, ns[i] % 8 == 0 and every
 // ns[i] but the last a multiple of `channels` (a tile never spans two weights), each with its
-// qweight, scales and zeros (16-byte aligned, contiguous) and output (ldos[i] % 4 == 0); with
-// 1 < splits <= 8 (a cluster of CTAs), partial is float32 [splits, M, sum ns]. dtype: 0 float16,
-// 1 bfloat16 (x and outputs). pdl: launch early (skinny.cuh: launch_cluster_kernel).
+// qweight, scales and zeros (16-byte aligned, contiguous) and output (ldos[i] % 4 == 0); with 1 <
+// splits <= 8 (a cluster of CTAs), partial is float32 [splits, M, sum ns]. dtype: 0 float16, 1
+// bfloat16 (x and outputs). pdl: launch early (skinny.cuh: launch_cluster_kernel).
 extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, int count,
                                   const void* const* qweights, const void* const* scales, const void* const* zeros,
                                   void* const* outs, const int* ns, const int* ldos, void* partial, int M, int K,

@@ -86,9 +86,9 @@ constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per wa
 // make twice the CTAs where the output has few tiles; 64 x 128 twice again, at nearly the time per
 // stage of 128 x 128 (the stage's latency, not its MMAs, sets it): up to 64 tokens, and the 4096 x
 // 4096 o_proj at 128 (H200, session 20: benchmarks/results/w4a4-explore-64x128-h200.json, 12288 x
-// 4096 at 64 tokens 16.0 -> 13.2 us, 4096 x 4096 at 128 13.5 -> 10.7). Four stages each, as measured (H200, session
-// 15: benchmarks/results/w4a4-stages-h200.json): 3, 5 or 6 for 128 x 256 ran 2-13% slower, 6 or 8
-// for 128 x 128 1.5-4% slower than 4.
+// 4096 at 64 tokens 16.0 -> 13.2 us, 4096 x 4096 at 128 13.5 -> 10.7). Four stages each, as
+// measured (H200, session 15: benchmarks/results/w4a4-stages-h200.json): 3, 5 or 6 for 128 x 256
+// ran 2-13% slower, 6 or 8 for 128 x 128 1.5-4% slower than 4.
 template <int BN, int CH_> struct Tile {
   static constexpr int CH = CH_, J = CH / 128;
   static constexpr int X_BYTES = BN * BK, W_BYTES = CH / 32 * W_BOX, STAGE = X_BYTES + W_BYTES;
@@ -427,14 +427,14 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weig
 
 }  // namespace
 
-// Host entry point (called through ctypes). Preconditions are checked by the Python caller:
-// compute capability 9.0, K % 32 == 0, qx in even-odd order with 16-byte aligned rows (ldx % 16 ==
-// 0), (bn, channels) in {(64, 256), (128, 256), (128, 128), (64, 128)}; count (1 to MAX_WEIGHTS) weights of
+// Host entry point (called through ctypes). Preconditions are checked by the Python caller: compute
+// capability 9.0, K % 32 == 0, qx in even-odd order with 16-byte aligned rows (ldx % 16 == 0), (bn,
+// channels) in {(64, 256), (128, 256), (128, 128), (64, 128)}; count (1 to MAX_WEIGHTS) weights of
 // ns[i] columns, ns[i] % 4 == 0 and every ns[i] but the last a multiple of `channels` (a tile never
 // spans two weights), each with its qweight, w_scale, bias (may be null) and output (ldos[i] % 4 ==
 // 0); with 1 < splits <= 8 (a cluster of CTAs), partial is int32 [splits, M, sum ns]. out_dtype: 0
-// float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0 float32,
-// 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_cluster_kernel).
+// float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0
+// float32, 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_cluster_kernel).
 // gated: SiLU(gate) * up into outs[0] (ldos[0]) of ns[0] columns, from count = 2 weights (gate, up)
 // of ns[0] == ns[1] columns, both or neither with a bias; out_dtype 1 or 2. The launch then has 2 ns[0]
 // "gated" columns (partial: int32 [splits, M, 2 ns[0]]).
