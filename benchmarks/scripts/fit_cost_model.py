@@ -12,7 +12,8 @@ tiles the split's K stages x the tile's stage time + the tile's fixed cost per i
 a fixed cost per launch (which no choice changes, so it is fitted but not kept), and for split-K a
 cost per split and per million outputs and split. Least squares, weighted by 1 / time, on the
 configs within 30% of each (shape, M)'s best: the model has to rank the good configs, not predict
-the bad ones. The tiles are the package models' own (a new tile: add it there first, then sweep it).
+the bad ones. The tiles (and the tokens each was swept up to) are the package models' own (a new
+tile: add it there first, then sweep it).
 Prints the CostModel to paste into nibble/kernels/w4a4.py / w4a16.py and the regret.
 """
 from __future__ import annotations
@@ -64,8 +65,10 @@ def w4a16_sweep() -> tuple[list[tuple], dict]:
     return out, _clusters(sweep["meta"]["clusters"])
 
 
-def fit(data: list[tuple], tiles: list[tuple], clusters: dict) -> tuple[hopper.CostModel, float]:
-    """The CostModel of least weighted squared error, and the fitted launch cost (us)."""
+def fit(data: list[tuple], package: hopper.CostModel, clusters: dict) -> tuple[hopper.CostModel, float]:
+    """The CostModel of least weighted squared error over the package model's tiles (keeping its
+    tokens bounds), and the fitted launch cost (us)."""
+    tiles = list(package.stage_us)
     best = {}
     for M, N, K, _, _, us in data:
         best[(M, N, K)] = min(us, best.get((M, N, K), math.inf))
@@ -92,7 +95,8 @@ def fit(data: list[tuple], tiles: list[tuple], clusters: dict) -> tuple[hopper.C
         p = np.insert(q, 2 * T, 0.0)
     model = hopper.CostModel(stage_us={t: round(float(v), 3) for t, v in zip(tiles, p[:T])},
                              item_us={t: round(float(v), 2) for t, v in zip(tiles, p[T:2 * T])},
-                             split_output_us=round(float(p[2 * T + 1]), 2), split_us=round(float(p[2 * T + 2]), 2))
+                             split_output_us=round(float(p[2 * T + 1]), 2), split_us=round(float(p[2 * T + 2]), 2),
+                             max_tokens=package.max_tokens)
     return model, float(p[2 * T])
 
 
@@ -113,9 +117,9 @@ def regret(model: hopper.CostModel, data: list[tuple], clusters: dict) -> list[t
 
 
 def main() -> None:
-    for name, (data, clusters), tiles in (("W4A4", w4a4_sweep(), list(w4a4.WGMMA_TILES)),
-                                          ("W4A16", w4a16_sweep(), list(w4a16.WGMMA_TILES))):
-        model, launch_us = fit(data, tiles, clusters)
+    for name, (data, clusters), package in (("W4A4", w4a4_sweep(), w4a4.WGMMA_MODEL),
+                                            ("W4A16", w4a16_sweep(), w4a16.WGMMA_MODEL)):
+        model, launch_us = fit(data, package, clusters)
         r = regret(model, data, clusters)
         mean = math.exp(sum(math.log(x[0]) for x in r) / len(r))
         print(f"{name}: {model}\n  launch {launch_us:.2f} us (not kept); picks {100 * (mean - 1):.1f}% above the best "

@@ -15,7 +15,7 @@ than SMs / split. Within a few percent of the best measured config on the shapes
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 STAGE_K = 128  # K per pipeline stage in both kernels
 SPLITS = (1, 2, 3, 4, 6, 8)
@@ -72,6 +72,9 @@ class CostModel:
     item_us: dict        # (tokens, channels) -> a CTA's fixed cost per output tile
     split_output_us: float  # per million outputs and split, split-K only
     split_us: float         # per split, split-K only
+    # (tokens, channels) -> the most tokens the tile was swept at: above, the fit says nothing of
+    # it, and `pick_config` leaves it out (tiles not named: no bound)
+    max_tokens: dict = field(default_factory=dict)
 
     def us(self, M: int, N: int, K: int, tile: tuple, split: int, clusters: dict) -> float:
         """``clusters``: {split: clusters resident at once} (`ideal_clusters`, `resident_clusters`)."""
@@ -83,9 +86,11 @@ class CostModel:
 def pick_config(M: int, N: int, K: int, model: CostModel, clusters: dict, tiles=None) -> dict:
     """The (tokens, channels) of ``model`` (or of ``tiles``, a subset) and the split-K of least
     modelled time on a GPU that holds ``clusters`` ({split: clusters resident at once}; a pure
-    function): split only where each split keeps 2 stages and the tiles fit two waves."""
+    function): split only where each split keeps 2 stages and the tiles fit two waves, and no tile
+    above the tokens it was swept at (``model.max_tokens``)."""
     k_stages = _cdiv(K, STAGE_K)
-    shapes = [(tile, split) for tile in (model.stage_us if tiles is None else tiles) for split in SPLITS
+    shapes = [(tile, split) for tile in (model.stage_us if tiles is None else tiles)
+              if M <= model.max_tokens.get(tile, M) for split in SPLITS
               if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) <= 2 * clusters[split])]
     (tokens, channels), split = min(shapes, key=lambda c: model.us(M, N, K, *c, clusters))
     return dict(bn=tokens, channels=channels, split_k=split)

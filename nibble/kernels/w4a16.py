@@ -796,13 +796,13 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (session 16, M = 64..512, with
 # session 20's 64 x 128 tile added and session 7's unsplit configs for M = 1024 and 4096;
 # `fit_cost_model.py`: its picks are within 0.7% of the best measured config on average over 48
-# shapes x M, 8% at worst). Split-K runs in
-# clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many).
+# shapes x M, 8% at worst; 64 x 128 was swept up to 256 tokens only, so it is not picked above).
+# Split-K runs in clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many).
 WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.388, (128, 256): 1.79, (128, 128): 0.952, (256, 128): 1.504,
                                          (64, 128): 0.804},
                                item_us={(64, 256): 3.6, (128, 256): 3.75, (128, 128): 5.59, (256, 128): 1.45,
                                         (64, 128): 4.01},
-                               split_output_us=1.78, split_us=0.52)
+                               split_output_us=1.78, split_us=0.52, max_tokens={(64, 128): 256})
 WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 # Where the op takes which kernel (measured, benchmarks/notes-w4a16.md session 7): the skinny
 # kernel up to 32 tokens (64 for layers of <= SMALL_LAYER weights), dequantise + cuBLAS for

@@ -537,6 +537,11 @@ def test_wgmma_config_rules():
     # weights side by side in one launch: tiles whose channels divide every width but the last
     assert W.wgmma_tiles([4096, 1024, 1024]) == W.WGMMA_TILES and W.wgmma_tiles([576, 192, 192]) == ()
     assert W.wgmma_tiles([896, 128, 128]) == ((128, 128), (256, 128), (64, 128))
+    # no tile above the tokens it was swept at: 64 x 128 up to 256
+    assert all(W.wgmma_config(M, N, K)["bn"] != 64 or W.wgmma_config(M, N, K)["channels"] != 128
+               for M in (257, 512, 2048) for N, K in ((576, 576), (1152, 896), (4096, 4096), (12288, 4096)))
+    assert W.wgmma_config(64, 8192, 28672, {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}) == dict(
+        bn=64, channels=128, split_k=2)
     assert W.wgmma_config(1024, 1152, 896, widths=[896, 128, 128])["channels"] == 128
     assert W.wgmma_group_ok(32, 4096) and W.wgmma_group_ok(256, 4096) and W.wgmma_group_ok(576, 576)
     assert not W.wgmma_group_ok(96, 576) and not W.wgmma_group_ok(16, 4096)

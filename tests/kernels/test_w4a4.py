@@ -214,8 +214,8 @@ def test_module_imports_and_runs_without_triton():
 
 def test_wgmma_config_model():
     """The fitted model's picks (H200, benchmarks/results/w4a4-explore-h200.json): split-K on the
-    deep 4096-wide layers at 128 tokens, 64 x 128 tiles at 64 tokens, 128 x 256 tiles from 1024 tokens; splits only where each
-    keeps 2 stages and the CTAs fit two waves; a pure function."""
+    deep 4096-wide layers at 128 tokens, 64 x 128 tiles at 64 tokens, 128 x 256 tiles from 1024
+    tokens; splits only where each keeps 2 stages and the CTAs fit two waves; a pure function."""
     for M in (17, 64, 128, 256, 1024, 4096):
         for N, K in ((4096, 4096), (12288, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (576, 1536)):
             cfg = w4a4.wgmma_config(M, N, K)
@@ -245,9 +245,10 @@ def test_wgmma_tiles_for_layers_side_by_side():
     assert w4a4.wgmma_tiles([11008, 11008]) == w4a4.WGMMA_TILES  # 43 x 256
     assert w4a4.wgmma_tiles([896, 128, 128]) == ((128, 128), (64, 128))  # Qwen2-0.5B: 7 x 128
     assert w4a4.wgmma_tiles([576, 192, 192]) == ()  # SmolLM2: one launch per layer
-    for M in (17, 128, 512, 4096):
+    for M in (17, 128, 256, 257, 512, 4096):
         cfg = w4a4.wgmma_config(M, 896 + 256, 896, widths=[896, 128, 128])
-        assert cfg["channels"] == 128
+        # 64 x 128 up to the 256 tokens it was swept at (WGMMA_MODEL.max_tokens), 128 x 128 above
+        assert (cfg["bn"], cfg["channels"]) == ((64, 128) if M <= 256 else (128, 128))
         launch = hopper.launch_config(None, M, 896, [896, 128, 128], w4a4.WGMMA_MODEL, hopper.ideal_clusters(132), "w4a4_wgmma")
         assert launch == cfg
     with pytest.raises(ValueError, match=r"must be one of \(\) .* got none that fits"):
