@@ -4,9 +4,11 @@ far the fitted model's picks are from the best measured config.
     PYTHONPATH=. python3 benchmarks/scripts/fit_cost_model.py
 
 Reads the committed H200 sweeps: `benchmarks/results/w4a4-explore-h200.json` (W4A4, every tile x
-split-K, M = 64..1024) and, for W4A16, `w4a16-wgmma-sweep-s16-h200.json` (M = 64..512) with the
-unsplit configs of session 7's `w4a16-wgmma-sweep-h200.json` for M >= 1024 (its split-K was the
-last-CTA sum since replaced by clusters). Each sweep records how many clusters of each split fit
+split-K, the issue's shapes at M = 64..1024) with `w4a4-explore-small-models-h200.json` (SmolLM2-135M's,
+Qwen2-0.5B's and Llama-3.2-1B's layers at M = 64..4096) and, for W4A16, `w4a16-wgmma-sweep-s16-h200.json`
+(M = 64..512) with `w4a16-wgmma-sweep-small-models-h200.json` and the unsplit configs of session 7's
+`w4a16-wgmma-sweep-h200.json` for M >= 1024 (its split-K was the last-CTA sum since replaced by
+clusters). Each sweep records how many clusters of each split fit
 on its GPU at once (the waves count in those). The model is linear in its parameters: per wave of
 tiles the split's K stages x the tile's stage time + the tile's fixed cost per item,
 a fixed cost per launch (which no choice changes, so it is fitted but not kept), and for split-K a
@@ -32,6 +34,8 @@ from nibble.kernels import hopper  # noqa: E402
 from nibble.kernels import w4a4, w4a16  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+# The issue-3 shapes (M = 64..1024) and the small models' layers (M = 64..4096, session 21)
+W4A4_SWEEPS = ("w4a4-explore-h200.json", "w4a4-explore-small-models-h200.json")
 NEAR_BEST = 1.3
 
 
@@ -40,22 +44,25 @@ def _clusters(recorded: dict) -> dict:
 
 
 def w4a4_sweep() -> tuple[list[tuple], dict]:
-    """(M, N, K, tile, split, us) of every wgmma config in the W4A4 sweep (columns "bn128_ch256_s2"),
+    """(M, N, K, tile, split, us) of every wgmma config in the W4A4 sweeps (columns "bn128_ch256_s2"),
     and the sweep GPU's resident clusters."""
-    sweep = json.loads((RESULTS / "w4a4-explore-h200.json").read_text())
+    sweeps = [json.loads((RESULTS / name).read_text()) for name in W4A4_SWEEPS]
+    assert all(s["clusters"] == sweeps[0]["clusters"] for s in sweeps), "sweeps from GPUs of different clusters"
     rows = []
-    for r in sweep["rows"]:
+    for r in (r for s in sweeps for r in s["rows"]):
         for key, us in r.items():
             if key.startswith("bn"):
                 bn, ch, sp = key[2:].split("_")
                 rows.append((r["M"], r["N"], r["K"], (int(bn), int(ch[2:])), int(sp[1:]), us))
-    return rows, _clusters(sweep["clusters"])
+    return rows, _clusters(sweeps[0]["clusters"])
 
 
 def w4a16_sweep() -> tuple[list[tuple], dict]:
     """The same for W4A16 (ops "wgmma_bn128_ch256_s2[_auto]")."""
     sweep = json.loads((RESULTS / "w4a16-wgmma-sweep-s16-h200.json").read_text())
-    rows = sweep["rows"] + [r for r in json.loads((RESULTS / "w4a16-wgmma-sweep-h200.json").read_text())["rows"]
+    small = json.loads((RESULTS / "w4a16-wgmma-sweep-small-models-h200.json").read_text())
+    assert small["meta"]["clusters"] == sweep["meta"]["clusters"], "sweeps from GPUs of different clusters"
+    rows = sweep["rows"] + small["rows"] + [r for r in json.loads((RESULTS / "w4a16-wgmma-sweep-h200.json").read_text())["rows"]
                             if r["M"] >= 1024 and r["op"].removesuffix("_auto").endswith("_s1")]
     out = []
     for r in rows:

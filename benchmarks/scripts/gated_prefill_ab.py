@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import env_meta  # noqa: E402
+from nibble.bench.timing import env_meta, shape_list  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.eval.engine import Engine  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json")
     args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = shape_list(args.shapes)
     model = speed.random_model(args.model)
     speed.quantize_in_place(model, quant_config("w4a4", model, clip_search=False))
     engines = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import env_meta  # noqa: E402
+from nibble.bench.timing import env_meta, shape_list  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.eval.engine import Engine  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = shape_list(args.shapes)
     engines = {}
     for name in args.configs:
         model = speed.random_model(args.model)

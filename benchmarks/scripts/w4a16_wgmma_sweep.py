@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.kernels import GROUP, SHAPES, TIMING, weight_sets  # noqa: E402
-from nibble.bench.timing import bench_us, env_meta  # noqa: E402
+from nibble.bench.timing import bench_us, env_meta, shape_list  # noqa: E402
 from nibble.kernels import hopper  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 
@@ -37,14 +37,13 @@ def main():
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     splits = [int(v) for v in args.splits.split(",")]
-    pairs = lambda s: [tuple(int(v) for v in p.split("x")) for p in s.split(",")]  # noqa: E731
-    tiles_timed = pairs(args.tiles) if args.tiles else W.WGMMA_TILES
+    tiles_timed = shape_list(args.tiles) if args.tiles else W.WGMMA_TILES
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = W.wgmma_clusters(dev)
     rows = []
-    for N, K in pairs(args.shapes) if args.shapes else SHAPES:
-        G = GROUP
+    for N, K in shape_list(args.shapes) if args.shapes else SHAPES:
+        G = GROUP if K % GROUP == 0 else 64  # SmolLM2's 576-deep layers take groups of 64
         w4, wb, wf = weight_sets(N, K, G, dev)
         n4, nb = len(w4), len(wb)
         k_tiles = -(-K // hopper.STAGE_K)
@@ -78,7 +77,7 @@ def main():
                 res[name] = bench_us(make, nb if name == "bf16" else n4, **TIMING)
             base = res["bf16"]
             for name, us in res.items():
-                rows.append(dict(op=name, M=M, N=N, K=K, us=round(us, 3), speedup=round(base / us, 4)))
+                rows.append(dict(op=name, M=M, N=N, K=K, group_size=G, us=round(us, 3), speedup=round(base / us, 4)))
             best = min((k for k in res if k.startswith("wgmma")), key=res.get)
             auto_name = next((k for k in res if k.endswith("_auto")), best)
             print(f"N={N:6d} K={K:6d} M={M:5d} bf16 {base:8.2f} previous x{base / res['previous']:.2f}  "

@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import bench_us, rotations, tee
+from nibble.bench.timing import bench_us, rotations, shape_list, tee
 from nibble.bench.w4a4 import _dense_bf16, random_w4a4
 from nibble.formats.int4 import unpack_int4
 from nibble.kernels import hopper, reference
@@ -65,8 +65,7 @@ def diagnose(M=64, N=256, K=128) -> bool:
 def main(argv) -> int:
     quick, triton = "--quick" in argv, "--triton" in argv
     opt = {k: v for k, v in zip(argv, argv[1:]) if k in ("--tiles", "--ms", "--shapes")}
-    pairs = lambda s: [tuple(int(v) for v in p.split("x")) for p in s.split(",")]  # noqa: E731
-    tiles = pairs(opt["--tiles"]) if "--tiles" in opt else W.WGMMA_TILES
+    tiles = shape_list(opt["--tiles"]) if "--tiles" in opt else W.WGMMA_TILES
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     ok = all([diagnose(), diagnose(M=17, N=260, K=160), diagnose(M=300, N=1024, K=1024),
               diagnose(M=128, N=512, K=4096)])
@@ -79,7 +78,7 @@ def main(argv) -> int:
     ms = [128, 1024] if quick else [64, 128, 256, 512, 1024]
     ms = [int(m) for m in opt["--ms"].split(",")] if "--ms" in opt else ms
     shapes = SHAPES[:3] + SHAPES[6:] if quick else SHAPES
-    for N, K in pairs(opt["--shapes"]) if "--shapes" in opt else shapes:
+    for N, K in shape_list(opt["--shapes"]) if "--shapes" in opt else shapes:
         n4 = rotations(K // 8 * N * 4)
         w4 = [random_w4a4(N, K, "cuda") for _ in range(n4)]
         nb = rotations(N * K * 2)

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nibble.bench.timing import env_meta  # noqa: E402
+from nibble.bench.timing import env_meta, shape_list  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.eval.engine import Engine  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json")
     args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = shape_list(args.shapes)
     kernels = {"w4a4": w4a4, "w4a16": w4a16}[args.config]
     libs = package_and_builds(kernels, args.others)
     shipped = kernels._wgmma_lib

@@ -153,6 +153,11 @@ def source_hash(root: str | os.PathLike | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def shape_list(text: str) -> list[tuple[int, ...]]:
+    """"4096x4096,1x128" -> [(4096, 4096), (1, 128)]: the shapes the benchmark scripts take on the command line."""
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+
+
 def env_meta(**extra) -> dict:
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

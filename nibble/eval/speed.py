@@ -30,6 +30,8 @@ SPEED_MODELS = {
                        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0),
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
 }
 PREFILL_SHAPES = ((1, 128), (1, 512), (8, 128), (8, 512))  # (batch, prompt tokens)
 DECODE_BATCHES = (1, 8)

@@ -8,17 +8,17 @@ canonical layout as stored (no re-layout step).
 
 Dispatch on CUDA (measured on the H200, benchmarks/notes-w4a16.md):
 
-* Few tokens (M <= 32; <= 64 on small layers): ``w4a16_mma``, the CUDA C++ tensor-core kernel in
+* Few tokens (M <= 32; <= 64 for a tiny layer): ``w4a16_mma``, the CUDA C++ tensor-core kernel in
   ``csrc/w4a16_mma.cu`` (weight as the MMA's A operand straight from the canonical words, raw codes
   through the MMA, group affine in fp32 per group, cp.async ring per warp), built by nvcc at first
   use (``cuda_build``). Needs N, K multiples of 32 and a power-of-two group >= 32 (or per column).
-* Many tokens on Hopper (up to WGMMA_MAX_M; small layers from 257): ``w4a16_wgmma``,
+* Many tokens on Hopper (up to WGMMA_MAX_M; not for a tiny layer alone): ``w4a16_wgmma``,
   ``csrc/w4a16_wgmma.cu`` (asynchronous wgmma fed by TMA, the weight dequantized in fp32 straight
   into the register fragments), built for sm_90a; tile and split-K from ``wgmma_config``.
   ``large_m_kernel`` says which path a shape takes.
 * Shapes these do not take, or no nvcc: the Triton kernels below, Triton GEMV (M <= 2) /
-  tensor-core dot kernel (M <= 16); M > 16: dequantise + cuBLAS (also the measured best for small
-  layers at 65..256 tokens and for every layer above WGMMA_MAX_M).
+  tensor-core dot kernel (M <= 16); M > 16: dequantise + cuBLAS (also the measured best for a tiny
+  layer alone above 64 tokens and for every layer above WGMMA_MAX_M).
 
 Triton kernels (design; see benchmarks/notes-w4a16.md for the measurements behind it):
 
@@ -793,22 +793,32 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # CUDA C++ GEMM for many tokens on Hopper (csrc/w4a16_wgmma.cu: asynchronous 16-bit wgmma, sm_90a)
 # ----------------------------------------------------------------------------------------------
 # The compiled CTA shapes (tokens, channels) and the config model (`hopper.CostModel`), fitted to
-# the sweep of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (session 16, M = 64..512, with
-# session 20's 64 x 128 tile added and session 7's unsplit configs for M = 1024 and 4096;
-# `fit_cost_model.py`: its picks are within 0.7% of the best measured config on average over 48
-# shapes x M, 8% at worst; 64 x 128 was swept up to 256 tokens only, so it is not picked above).
+# the sweeps of benchmarks/scripts/w4a16_wgmma_sweep.py on the H200 (session 16, M = 64..512, with
+# session 20's 64 x 128 tile, session 21's small models' layers at M = 64..4096 and session 7's
+# unsplit configs for M = 1024 and 4096; `fit_cost_model.py`: its picks are within 0.5% of the best
+# measured config on average over the 48 issue-shape cells, 5% at worst, and 1.9% over the 84
+# small-model cells, 20% at worst; the previous model's were 14% off on the small models, up to
+# 2.1x). The 64-token tiles were swept up to 256 tokens only, so they are not picked above.
 # Split-K runs in clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many).
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.388, (128, 256): 1.79, (128, 128): 0.952, (256, 128): 1.504,
-                                         (64, 128): 0.804},
-                               item_us={(64, 256): 3.6, (128, 256): 3.75, (128, 128): 5.59, (256, 128): 1.45,
-                                        (64, 128): 4.01},
-                               split_output_us=1.78, split_us=0.52, max_tokens={(64, 128): 256})
+WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (128, 128): 0.975, (256, 128): 1.45,
+                                         (64, 128): 0.8},
+                               item_us={(64, 256): 2.53, (128, 256): 3.15, (128, 128): 4.02, (256, 128): 3.32,
+                                        (64, 128): 3.78},
+                               split_output_us=1.73, split_us=0.63, max_tokens={(64, 256): 256, (64, 128): 256})
 WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
-# Where the op takes which kernel (measured, benchmarks/notes-w4a16.md session 7): the skinny
-# kernel up to 32 tokens (64 for layers of <= SMALL_LAYER weights), dequantise + cuBLAS for
-# small layers up to 256 tokens and for every layer above WGMMA_MAX_M, the wgmma kernel between.
-# N * K: 4096 x 4096 is small; 4096 x 11008 is not, nor Llama-3-8B's q/k/v as one launch (6144 x 4096).
-SMALL_LAYER = 20 << 20
+# Where the op takes which kernel (H200, benchmarks/notes-w4a16.md sessions 7 and 21): the skinny
+# kernel up to 32 tokens, the wgmma kernel from 33 to WGMMA_MAX_M tokens, dequantise + cuBLAS above.
+# A tiny layer alone (N * K <= TINY_LAYER: SmolLM2's, Qwen2-0.5B's o_proj and down_proj,
+# Llama-3.2-1B's o_proj) never takes the wgmma kernel: its fixed cost per tile outweighs the few K
+# stages, and the skinny kernel to 64 tokens, dequantise + cuBLAS above, were faster on every one
+# swept but at 64 tokens on 896 x 4864 (results/w4a16-wgmma-sweep-small-models-h200.json; at
+# 512-2048 tokens by 1.1-2x). Several weights in one launch (q/k/v, gate/up) take it however small:
+# dequantise + cuBLAS would be two launches per weight (Llama-3.2-1B's q/k/v so, against one wgmma
+# launch, made its prefill 3% slower at 512-1024 tokens, results/dispatch-ab-w4a16-tiny-groups-dequant-h200.json). Above
+# TINY_LAYER the wgmma kernel won from 65 tokens on every layer swept (4096 x 4096 at 128 tokens 24.2
+# -> 20.9 us, 2048 x 8192 28.0 -> 20.8, Qwen2-0.5B's gate/up 13.4 -> 10.8) but by 3-10% on Qwen2-0.5B's
+# gate/up at 512-2048, and at 33-64 on all but 4096 x 4096 (7% slower at 64 there).
+TINY_LAYER = 8 << 20
 WGMMA_MAX_M = 2048
 
 
@@ -856,13 +866,14 @@ def wgmma_config(M: int, N: int, K: int, clusters: dict | None = None, widths=No
                               wgmma_tiles(widths) if widths else WGMMA_TILES)
 
 
-def large_m_kernel(M: int, N: int, K: int) -> str:
-    """Which CUDA path the op takes on Hopper: "skinny" (`w4a16_mma`), "wgmma" (`w4a16_wgmma`) or
-    "dequant" (dequantise + cuBLAS); measured on the H200 (see SMALL_LAYER, WGMMA_MAX_M)."""
-    small = N * K <= SMALL_LAYER
-    if M <= 32 or (small and M <= MMA_MAX_M):
+def large_m_kernel(M: int, N: int, K: int, weights: int = 1) -> str:
+    """Which CUDA path the op takes on Hopper for a launch of ``weights`` weights of N columns in all:
+    "skinny" (`w4a16_mma`), "wgmma" (`w4a16_wgmma`) or "dequant" (dequantise + cuBLAS); measured on
+    the H200 (see TINY_LAYER, WGMMA_MAX_M)."""
+    tiny = weights == 1 and N * K <= TINY_LAYER
+    if M <= 32 or (tiny and M <= MMA_MAX_M):
         return "skinny"
-    if M > WGMMA_MAX_M or (small and M <= 256):
+    if M > WGMMA_MAX_M or tiny:
         return "dequant"
     return "wgmma"
 
@@ -926,11 +937,19 @@ def _check(x, qweight, scales, zeros, group_size):
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise TypeError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
     M, K = x.shape
-    N = qweight.shape[1]
     if K % PACK:
         raise ValueError(f"K={K} must be a multiple of 8 (8 4-bit codes per int32 word)")
     if qweight.shape[0] * PACK != K:
         raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK}")
+    _check_weight(qweight, scales, zeros, group_size)
+    devs = {t.device for t in (x, qweight, scales, zeros)}
+    if len(devs) != 1:
+        raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(str(d) for d in devs)}")
+
+
+def _check_weight(qweight, scales, zeros, group_size):
+    """The weight's own consistency: the group divides K, scales and zeros hold one row per group."""
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
     if group_size <= 0 or K % group_size or group_size % PACK:
         raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
     for name, t in (("scales", scales), ("zeros", zeros)):
@@ -939,9 +958,6 @@ def _check(x, qweight, scales, zeros, group_size):
         if tuple(t.shape) != (K // group_size, N):
             raise ValueError(f"{name} must have shape {(K // group_size, N)} for K={K}, N={N}, group {group_size}; "
                              f"got {tuple(t.shape)}")
-    devs = {t.device for t in (x, qweight, scales, zeros)}
-    if len(devs) != 1:
-        raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(str(d) for d in devs)}")
 
 
 def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | None = None, out=None):
@@ -1009,8 +1025,8 @@ def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[to
                   zeros: list[torch.Tensor], group_size: int) -> list[torch.Tensor]:
     """``[w4a16_linear(x, W_i) for W_i in the weights]`` for weights that read the same x (a block's
     q/k/v or gate/up projections). On CUDA up to three weights share one launch where the skinny
-    kernel runs (up to 32 tokens) and where the Hopper GEMM runs (the group's columns taken
-    together: `large_m_kernel`); elsewhere each runs as ``w4a16_linear`` would."""
+    kernel runs (up to 32 tokens) and where the Hopper GEMM runs (`large_m_kernel` of the launch);
+    elsewhere each runs as ``w4a16_linear`` would."""
     if not len(qweights) == len(scales) == len(zeros) > 0:
         raise ValueError(f"w4a16_linears needs one scales and zeros tensor per qweight, got {len(qweights)} "
                          f"qweights, {len(scales)} scales, {len(zeros)} zeros")
@@ -1023,11 +1039,11 @@ def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[to
     M, K = x.shape
     N = sum(qw.shape[1] for qw in qweights)
     one_launch = 1 < len(weights) <= MMA_MAX_WEIGHTS
-    if (one_launch and 0 < M <= MMA_MANY_MAX_M and large_m_kernel(M, N, K) == "skinny"
+    if (one_launch and 0 < M <= MMA_MANY_MAX_M and large_m_kernel(M, N, K, len(weights)) == "skinny"
             and all(mma_applicable(x, qw.shape[1], K, group_size) for qw in qweights)):
         return w4a16_mma_many(x, weights, group_size)
     widths = [qw.shape[1] for qw in qweights]
-    if (one_launch and large_m_kernel(M, N, K) == "wgmma" and wgmma_tiles(widths)
+    if (one_launch and large_m_kernel(M, N, K, len(weights)) == "wgmma" and wgmma_tiles(widths)
             and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
         return w4a16_wgmma_many(x, [tuple(t.contiguous() for t in w) for w in weights], group_size)
     return [w4a16_linear_cuda(x, *w, group_size) for w in weights]
@@ -1041,6 +1057,9 @@ def _(x, qweights, scales, zeros, group_size):
 
 def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, out=None):
     """Dense W [N, K] (nn.Linear layout) in ``dtype``: one Triton pass on CUDA, the reference elsewhere."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise TypeError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    _check_weight(qweight, scales, zeros, group_size)
     K, N = qweight.shape[0] * PACK, qweight.shape[1]
     if qweight.device.type != "cuda" or not HAS_TRITON:
         return reference.dequantize(qweight, scales, zeros, group_size, dtype=dtype)

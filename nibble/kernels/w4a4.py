@@ -974,19 +974,21 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
 # CUDA C++ GEMM for M > 16 on Hopper (csrc/w4a4_wgmma.cu: asynchronous int8 wgmma, sm_90a only)
 # ----------------------------------------------------------------------------------------------
 # The compiled CTA shapes (tokens, channels) and the config model (`hopper.CostModel`), fitted to
-# benchmarks/scripts/w4a4_explore.py on the H200 (session 16, with session 20's 64 x 128 tile added;
+# benchmarks/scripts/w4a4_explore.py on the H200 (session 16, with session 20's 64 x 128 tile added
+# and session 21's small models: SmolLM2-135M's, Qwen2-0.5B's and Llama-3.2-1B's layers at M = 64..4096;
 # `fit_cost_model.py`: its picks are within 0.1% of the best measured config on average over the 40
-# cells of 8 shapes x M = 64..1024, 3% at worst). Per 128-deep stage a 128 x 256 tile costs 17% less
-# per channel than two 128 x 128 ones, but more per item: 128 x 128 wins where the output has few
-# tiles, and 64 x 128, whose stage takes about as long as 128 x 128's for half the MACs, where it
-# has fewer still (64 tokens; the 4096 x 4096 o_proj at 128; swept up to 256 tokens only, so not
-# picked above). Split-K runs in clusters (hopper.cuh: RowShare), ~1 us per split; the H200 holds
-# 66 / 39 / 30 / 17 / 15 clusters of 2 / 3 / 4 / 6 / 8 CTAs, so the 32 tiles of a 4096-wide layer
-# at 128 tokens take 3 splits, not 4. (64 x 256's fixed cost fits at ~0: only its per-stage cost
-# tells it apart.)
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.519, (128, 256): 0.587, (128, 128): 0.359, (64, 128): 0.325},
-                               item_us={(64, 256): -0.01, (128, 256): 2.49, (128, 128): 1.28, (64, 128): -0.28},
-                               split_output_us=1.33, split_us=0.76, max_tokens={(64, 128): 256})
+# cells of the issue's 8 shapes x M = 64..1024, 3% at worst, and 0.5% over the 84 small-model
+# cells, 9% at worst). Per 128-deep stage a 128 x 256 tile costs 17% less per channel than two
+# 128 x 128 ones, but more per item: 128 x 128 wins where the output has few tiles, and 64 x 128,
+# whose stage takes about as long as 128 x 128's for half the MACs, where it has fewer still (64
+# tokens; the 4096 x 4096 o_proj at 128). The 64-token tiles were swept up to 256 tokens only, so
+# they are not picked above (unbounded, the previous model took 64 x 256 for the small models' layers
+# at 512-4096 tokens, up to 17% slower than 128 x 128). Split-K runs in clusters (hopper.cuh:
+# RowShare), ~1 us per split; the H200 holds 66 / 39 / 30 / 17 / 15 clusters of 2 / 3 / 4 / 6 / 8
+# CTAs, so the 32 tiles of a 4096-wide layer at 128 tokens take 3 splits, not 4.
+WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.516, (128, 256): 0.59, (128, 128): 0.365, (64, 128): 0.328},
+                               item_us={(64, 256): 1.17, (128, 256): 2.96, (128, 128): 1.51, (64, 128): 0.8},
+                               split_output_us=1.54, split_us=0.71, max_tokens={(64, 256): 256, (64, 128): 256})
 WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 
 

@@ -98,6 +98,19 @@ def test_input_checks(bad):
         torch.ops.nibble.w4a16_linear(x, qw, s, z, G)
 
 
+def test_dequantize_checks_the_weight():
+    """The dense dequantization (the op's many-token path, the benchmarks' bf16 copy) refuses a group
+    that does not divide K, or scales of another group, instead of reading past their rows."""
+    qw, s, z = make_weight(32, 576, 64)
+    assert W.dequantize_cuda(qw, s, z, 64, dtype=torch.float32).shape == (32, 576)
+    with pytest.raises(ValueError, match="dividing K=576"):
+        W.dequantize_cuda(qw, s, z, 128)
+    with pytest.raises(ValueError, match=r"shape \(4, 32\)"):
+        W.dequantize_cuda(qw, s[:8], z[:8], 72 * 2)
+    with pytest.raises(ValueError, match=r"scales must have shape \(18, 32\)"):
+        W.dequantize_cuda(qw, s, z, 32)
+
+
 def test_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
             "import torch, nibble.kernels.w4a16 as W\n"
@@ -487,15 +500,17 @@ def test_gpu_wgmma_many_weights(M):
 
 @needs_cuda
 def test_gpu_linears_take_one_wgmma_launch(monkeypatch):
-    """Prefill sizes: a group whose columns together make a large layer runs as one wgmma launch
-    (Llama-2-7B's q/k/v at 128 tokens: one wave of tiles instead of three); a group no tile fits
-    (a width but the last not a multiple of 128) runs one product per weight."""
+    """Prefill sizes: a group runs as one wgmma launch (Llama-2-7B's q/k/v at 128 tokens: one wave of
+    tiles instead of three), a tiny one too (Llama-3.2-1B's: one launch, not a dequantization and a
+    cuBLAS product per weight); a group no tile fits (a width but the last not a multiple of 128)
+    runs one product per weight, and a tiny layer alone dequantize + cuBLAS (`large_m_kernel`)."""
     _needs_wgmma_kernel()
     calls = []
     real = W.w4a16_wgmma_many
     monkeypatch.setattr(W, "w4a16_wgmma_many", lambda x, ws, *a, **k: calls.append(len(ws)) or real(x, ws, *a, **k))
-    K, G = 4096, 128
-    for ns, launches in (((4096, 1024, 1024), [3]), ((8200, 8192), [1, 1])):
+    G = 128
+    for ns, K, launches in (((4096, 1024, 1024), 4096, [3]), ((2048, 512, 512), 2048, [3]),
+                            ((8200, 8192), 4096, [1, 1]), ((2048,), 2048, [])):
         calls.clear()
         weights = [make_weight(n, K, G, device="cuda", seed=n) for n in ns]
         x = torch.randn(128, K, device="cuda", dtype=torch.bfloat16)
@@ -514,7 +529,7 @@ def test_gpu_prefill_takes_the_wgmma_kernel(monkeypatch):
     real = W.w4a16_wgmma
     monkeypatch.setattr(W, "w4a16_wgmma", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     monkeypatch.setattr(W, "dequantize_cuda", None)  # the old path would fail loudly
-    qw, s, z = make_weight(8192, 4096, 128, device="cuda")  # not a small layer (SMALL_LAYER)
+    qw, s, z = make_weight(8192, 4096, 128, device="cuda")  # not a tiny layer (TINY_LAYER)
     for M in (33, 128, 1000):
         x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
         assert_close(torch.ops.nibble.w4a16_linear(x, qw, s, z, 128), x, qw, s, z, 128)
@@ -548,12 +563,19 @@ def test_wgmma_config_rules():
 
 
 def test_large_m_kernel_rules():
-    """The measured dispatch: skinny up to 32 tokens (64 on small layers), dequantise + cuBLAS on
-    small layers up to 256 tokens and everywhere above WGMMA_MAX_M, wgmma between."""
+    """The measured dispatch: skinny up to 32 tokens, wgmma to WGMMA_MAX_M, dequantise + cuBLAS above;
+    a tiny layer alone (<= TINY_LAYER weights) skinny up to 64 tokens and dequantise + cuBLAS above."""
     assert W.large_m_kernel(32, 28672, 8192) == "skinny" and W.large_m_kernel(33, 28672, 8192) == "wgmma"
-    assert W.large_m_kernel(64, 4096, 4096) == "skinny" and W.large_m_kernel(65, 4096, 4096) == "dequant"
-    assert W.large_m_kernel(256, 4096, 4096) == "dequant" and W.large_m_kernel(257, 4096, 4096) == "wgmma"
+    assert W.large_m_kernel(33, 4096, 4096) == "wgmma" and W.large_m_kernel(128, 4096, 4096) == "wgmma"
     assert W.large_m_kernel(128, 4096, 11008) == "wgmma" and W.large_m_kernel(128, 6144, 4096) == "wgmma"
+    assert W.large_m_kernel(64, 2 * 4864, 896, 2) == "wgmma"  # Qwen2-0.5B's gate/up in one launch
+    for N, K in ((576, 576), (3072, 576), (896, 4864), (2048, 2048), (3072, 2048)):  # tiny
+        assert N * K <= W.TINY_LAYER
+        assert W.large_m_kernel(64, N, K) == "skinny" and W.large_m_kernel(65, N, K) == "dequant"
+        assert W.large_m_kernel(W.WGMMA_MAX_M, N, K) == "dequant"
+        # several tiny weights in one launch: one wgmma launch, not two launches per weight
+        assert W.large_m_kernel(32, N, K, 3) == "skinny" and W.large_m_kernel(33, N, K, 3) == "wgmma"
+        assert W.large_m_kernel(W.WGMMA_MAX_M + 1, N, K, 2) == "dequant"
     assert W.large_m_kernel(W.WGMMA_MAX_M, 28672, 8192) == "wgmma"
     assert W.large_m_kernel(W.WGMMA_MAX_M + 1, 28672, 8192) == "dequant"
 
