@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nibble.bench.timing import side_stream
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
@@ -553,7 +554,7 @@ class Engine:
             return body()
         if key not in self._graphs:
             token, pos = self.token.clone(), self.pos.clone()  # warm-up must not move the decode state
-            stream = torch.cuda.Stream()
+            stream = side_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # Triton compilation, cuBLAS handles, allocator warm-up

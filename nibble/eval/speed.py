@@ -21,6 +21,7 @@ import time
 import torch
 from torch import nn
 
+from nibble.bench.timing import side_stream
 from nibble.config import QuantConfig
 from nibble.eval.engine import Engine
 from nibble.eval.memory import decode_stream_bytes, linear_bytes, weight_memory
@@ -102,11 +103,17 @@ def quantize_in_place(model: nn.Module, config: QuantConfig | None) -> float:
 
 
 def release(*objs) -> None:
+    """Close these engines and give the memory of everything dropped back to the driver, cuBLAS's
+    per-stream workspaces included (the next measurement's peak must not count them)."""
     for o in objs:
         if isinstance(o, Engine):
             o.close()
     gc.collect()
     if torch.cuda.is_available():
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            torch.cuda.synchronize()
+            clear_workspaces()
         torch.cuda.empty_cache()
 
 
@@ -186,7 +193,7 @@ def measure_decode_linears(engine: Engine, batch: int, reps: int = 10, warmup: i
             m.gate_proj(h), m.up_proj(h), m.down_proj(mid)
         engine.lm_head(h[:, -1])
     with torch.inference_mode():
-        stream = torch.cuda.Stream()
+        stream = side_stream(engine.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             body()
