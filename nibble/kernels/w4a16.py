@@ -806,18 +806,20 @@ WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (1
                                         (64, 128): 3.78},
                                split_output_us=1.73, split_us=0.63, max_tokens={(64, 256): 256, (64, 128): 256})
 WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
-# Where the op takes which kernel (H200, benchmarks/notes-w4a16.md sessions 7 and 21): the skinny
-# kernel up to 32 tokens, the wgmma kernel from 33 to WGMMA_MAX_M tokens, dequantise + cuBLAS above.
-# A tiny layer alone (N * K <= TINY_LAYER: SmolLM2's, Qwen2-0.5B's o_proj and down_proj,
-# Llama-3.2-1B's o_proj) never takes the wgmma kernel: its fixed cost per tile outweighs the few K
-# stages, and the skinny kernel to 64 tokens, dequantise + cuBLAS above, were faster on every one
-# swept but at 64 tokens on 896 x 4864 (results/w4a16-wgmma-sweep-small-models-h200.json; at
-# 512-2048 tokens by 1.1-2x). Several weights in one launch (q/k/v, gate/up) take it however small:
-# dequantise + cuBLAS would be two launches per weight (Llama-3.2-1B's q/k/v so, against one wgmma
-# launch, made its prefill 3% slower at 512-1024 tokens, results/dispatch-ab-w4a16-tiny-groups-dequant-h200.json). Above
-# TINY_LAYER the wgmma kernel won from 65 tokens on every layer swept (4096 x 4096 at 128 tokens 24.2
-# -> 20.9 us, 2048 x 8192 28.0 -> 20.8, Qwen2-0.5B's gate/up 13.4 -> 10.8) but by 3-10% on Qwen2-0.5B's
-# gate/up at 512-2048, and at 33-64 on all but 4096 x 4096 (7% slower at 64 there).
+# Where the op takes which kernel (H200, benchmarks/notes-w4a16.md sessions 7 and 21): the skinny kernel
+# up to 32 tokens, the wgmma kernel from 33 to WGMMA_MAX_M tokens, dequantise + cuBLAS above. A tiny
+# layer alone (N * K <= TINY_LAYER: SmolLM2's, Qwen2-0.5B's o_proj and down_proj, Llama-3.2-1B's o_proj)
+# never takes the wgmma kernel, whose fixed cost per tile outweighs a few K stages: the skinny kernel to
+# 64 tokens and dequantise + cuBLAS above were the faster in 49 of the 54 tiny-layer cells swept up to
+# 2,048 tokens, by up to 2x (192 x 576 at 1,024: 5.2 against 10.0 us; the wgmma kernel won by 6-28% at
+# 64 tokens on 576 x 1536, 896 x 4864 and 2048 x 2048, and by 2-8% at 1,024-2,048 on two layers;
+# results/w4a16-wgmma-sweep-small-models-h200.json). Several weights in one launch (q/k/v, gate/up) take
+# it however small: dequantise + cuBLAS would be two launches per weight (so done, Llama-3.2-1B's
+# prefill ran 2-3% slower at 512-1024 tokens, results/dispatch-ab-w4a16-tiny-groups-dequant-h200.json).
+# Above TINY_LAYER the wgmma kernel was the faster from 65 tokens on every layer swept (4096 x 4096 at
+# 128 tokens 24.2 -> 20.9 us, 2048 x 8192 28.0 -> 20.8, Qwen2-0.5B's gate/up launch 13.4 -> 10.8) but
+# that gate/up launch at 512-2048 (3-10% slower), and at 64 tokens on all but 4096 x 4096 (7% slower
+# than the skinny kernel there).
 TINY_LAYER = 8 << 20
 WGMMA_MAX_M = 2048
 
