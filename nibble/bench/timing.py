@@ -162,8 +162,8 @@ def side_stream(device=None) -> "torch.cuda.Stream":
     cuBLAS workspace (32 MiB on the H200) per (handle, stream) for the life of the process, so each new
     stream that runs a cuBLAS call holds one more; the report's peak memory grew by 224 MiB per config
     measured that way (H200, session 21)."""
-    index = torch.cuda.current_device() if device is None or torch.device(device).index is None \
-        else torch.device(device).index
+    device = torch.device("cuda" if device is None else device)
+    index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
