@@ -21,6 +21,10 @@ Sets (results under benchmarks/results/):
 - ``tma`` (w4a16-tma-stream-h200): the weight stream by TMA boxes into an mbarrier ring (see TMA).
 - ``xcache`` (w4a16-x-through-l1-h200): x copied through the L1 (cp.async.ca) or around it,
   against the op's own choice (w4a16.x_through_l1).
+- ``trigger``, ``single_wave``, ``early_start`` (w4a16-successor-*-h200): letting the next kernel
+  launch early (griddepcontrol.launch_dependents) after the loop or at the start, with the CTAs per
+  SM capped by shared memory or not; ``--decode llama-2-7b`` adds the engine's decode, one engine
+  per variant (``--kernel-rounds 3 --picked-warps`` for the committed runs).
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
 output first checked bit for bit against the first variant at the same warps (only the variants
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -136,6 +141,59 @@ WEIGHT_LAYOUT = {"tile": tile_major, "tile_copy": tile_major}
 X_COPY = "      cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),"
 
 
+# Letting the successor launch early (`griddepcontrol.launch_dependents`; skinny.cuh says why the
+# shipped kernel does not): after the loop, or as soon as x is read; and, so that the successor's
+# CTAs cannot double up on an SM this launch leaves idle or half full (session 9: 4096 x 11008 back
+# to back 9.8 -> 12.2 us), at most ceil(CTAs / SMs) CTAs per SM, by asking for the shared memory
+# that leaves no room for one more (the L1 shrinks with it).
+PARTIAL = "  float* partial = reinterpret_cast<float*>(smem);\n"
+TRIGGER_AFTER_LOOP = (PARTIAL, '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n' + PARTIAL)
+WAIT = "  wait_for_prior_grids();  // x is the previous kernel's output\n"
+TRIGGER_AT_START = (WAIT, WAIT + '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n')
+CAP = [("size_t smem_bytes(int warps, int mt) {", """size_t residency_capped(size_t smem, int ctas) {
+  int dev = 0, sms = 1, per_sm = 0, optin = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  const int cap = (ctas + sms - 1) / sms;
+  long want = ((long)per_sm / cap - 1024) & ~127L;  // 1 KB per CTA is the system's
+  if (want > optin) want = optin;
+  return want > (long)smem ? (size_t)want : smem;
+}
+size_t smem_bytes(int warps, int mt) {"""),
+       ("  const size_t smem = smem_bytes(warps, MT);", "  const size_t smem = residency_capped(smem_bytes(warps, MT), ctas);")]
+
+# Early successor only where the launch is one wave: ceil(CTAs / SMs) CTAs fit an SM at once
+# (cudaOccupancy at the kernel's own shared memory), the shared memory then raised to that cap, and
+# the trigger at the start (a run-time flag); with `cg`, not for kernels that copy x through the L1
+# (the larger shared memory takes it from the L1).
+def single_wave(x_l1_too: bool) -> list:
+    flag = "1" if x_l1_too else "!X_L1"
+    return [("int ldx) {", "int ldx, int trigger) {"),
+            (WAIT, WAIT + '  if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'),
+            ("  const size_t smem = smem_bytes(warps, MT);\n  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY, X_L1>>();\n  if (err != cudaSuccess) return err;",
+             f"""  size_t smem = smem_bytes(warps, MT);
+  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY, X_L1>>();
+  if (err != cudaSuccess) return err;
+  int dev = 0, sms = 1, fit = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, w4a16_mma_kernel<T, MT, GS, MANY, X_L1>, warps * 32, smem);
+  const int trigger = ({flag}) && (ctas + sms - 1) / sms <= fit;
+  if (trigger) smem = residency_capped(smem, ctas);"""),
+            ("weights, M, K, group_shift_steps, ldx);", "weights, M, K, group_shift_steps, ldx, trigger);"),
+            CAP[0]]
+
+# The successor launched at the start at one and two token tiles only (at four, back to back 4-7%
+# slower), the shared memory capped as above there, or only where x does not go through the L1.
+def early_start(cap_with_l1: bool) -> list:
+    cap_when = "MT <= 2" if cap_with_l1 else "MT <= 2 && !X_L1"
+    return [(WAIT, WAIT + '  if (MT <= 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'),
+            CAP[0],
+            ("  const size_t smem = smem_bytes(warps, MT);",
+             f"  const size_t smem = {cap_when} ? residency_capped(smem_bytes(warps, MT), ctas) : smem_bytes(warps, MT);")]
+
 # set -> variant -> {file: [(old, new)]}; the first variant of a set is the reference for exactness
 SETS = {
     "ring": {
@@ -175,6 +233,31 @@ SETS = {
         "copy": {"w4a16_mma.cu": [NO_COMPUTE]},
         "tile_copy": {"w4a16_mma.cu": TILE_MAJOR["w4a16_mma.cu"] + [NO_COMPUTE], "skinny.cuh": TILE_MAJOR["skinny.cuh"]},
     },
+    "trigger": {
+        "shipped": {},
+        "trigger": {"w4a16_mma.cu": [TRIGGER_AFTER_LOOP]},
+        "cap": {"w4a16_mma.cu": CAP},
+        "trigger_cap": {"w4a16_mma.cu": [TRIGGER_AFTER_LOOP] + CAP},
+        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
+    },
+    "early_start": {
+        "shipped": {},
+        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
+        "early_start": {"w4a16_mma.cu": early_start(True)},
+        "early_start_l1": {"w4a16_mma.cu": early_start(False)},
+    },
+    "single_wave": {
+        "shipped": {},
+        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
+        "early_start": {
+        "shipped": {},
+        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
+        "early_start": {"w4a16_mma.cu": early_start(True)},
+        "early_start_l1": {"w4a16_mma.cu": early_start(False)},
+    },
+    "single_wave": {"w4a16_mma.cu": single_wave(True)},
+        "single_wave_cg": {"w4a16_mma.cu": single_wave(False)},
+    },
     # where the time goes: the loop without its arithmetic (copies, waits and barriers only), and
     # without its weight copies (the arithmetic on whatever the ring holds); M >= 1 always, but the
     # compiler cannot know it, so the code stays and only its effect goes. Outputs are not exact.
@@ -207,7 +290,15 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--set", choices=SETS, required=True)
     ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--cases", choices=["issue3", "grouped", "all"], default="all")
+    ap.add_argument("--cases", choices=["issue3", "grouped", "all", "none"], default="all")
+    ap.add_argument("--kernel-rounds", type=int, default=1, help="time every variant this many times, each round "
+                    "in another order; the median counts (successive timings of one kernel drift by a few %%)")
+    ap.add_argument("--picked-warps", action="store_true", help="only the warps the op picks")
+    ap.add_argument("--decode", nargs="*", default=[], metavar="MODEL",
+                    help="also time W4A16 decode of these random-weight models (nibble.eval.speed.SPEED_MODELS), "
+                    "one engine per variant, each capturing its graphs on its variant, replayed in alternating rounds")
+    ap.add_argument("--batches", default="1,8", help="decode batches (--decode)")
+    ap.add_argument("--rounds", type=int, default=4, help="decode rounds, even: each order runs as often (--decode)")
     args = ap.parse_args()
     variants = SETS[args.set]
     if args.build:
@@ -257,33 +348,41 @@ def main():
             n = shapes[0][0]
             wb = [torch.randn(n, K, device=dev, dtype=torch.bfloat16) for _ in range(rotations(2 * n * K))]
         for M in map(int, args.ms.split(",")):
+            if len(shapes) > 1 and M > W.MMA_MANY_MAX_M:
+                continue
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             res = {}
             if wb is not None:
                 res["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), len(wb), **TIMING)
             picked = W.select_mma_config(M, sum(n for n, _ in shapes), K)
-            for warps in (4, 8, 16):
+            for warps in (picked.warps,) if args.picked_warps else (4, 8, 16):
                 cfg = replace(picked, warps=warps)
                 if not W.mma_config_valid(cfg, M):
                     continue
                 outs_for = [[torch.empty(M, n, device=dev, dtype=x.dtype) for n, _ in shapes] for _ in sets]
                 shipped = [torch.full((M, n), float("nan"), device=dev, dtype=x.dtype) for n, _ in shapes]
                 call(first, x, sets[0], cfg, shipped)
-                for name, edits in variants.items():
-                    if W.mma_smem_bytes(cfg, ring_depth(edits)) > W.MMA_SMEM_LIMIT:
-                        continue
-                    mine = laid_out.get(name, sets)
+                fitting = [name for name, edits in variants.items()
+                           if W.mma_smem_bytes(cfg, ring_depth(edits)) <= W.MMA_SMEM_LIMIT]
+                exact = {}
+                for name in fitting:
                     got = [torch.full_like(o, float("nan")) for o in shipped]
-                    call(name, x, mine[0], cfg, got)
+                    call(name, x, laid_out.get(name, sets)[0], cfg, got)
                     torch.cuda.synchronize()
-                    same = all(torch.equal(a, b) for a, b in zip(got, shipped))
-                    us = bench_us(lambda i: (lambda: call(name, x, mine[i], cfg, outs_for[i])),
-                                  len(mine), **TIMING)
-                    res[f"{name}/w{warps}"] = us
-                    rows.append(dict(case=label, M=M, variant=name, warps=warps, us=round(us, 3), exact=same,
-                                     picked=warps == picked.warps))
-                    if not same:
+                    exact[name] = all(torch.equal(a, b) for a, b in zip(got, shipped))
+                    if not exact[name]:
                         print(f"MISMATCH {label} M={M} {name} w{warps}", flush=True)
+                times = {name: [] for name in fitting}
+                for r in range(args.kernel_rounds):  # each round in another order (a rotation)
+                    for name in fitting[r % len(fitting):] + fitting[:r % len(fitting)]:
+                        mine = laid_out.get(name, sets)
+                        times[name].append(bench_us(lambda i: (lambda: call(name, x, mine[i], cfg, outs_for[i])),
+                                                    len(mine), **TIMING))
+                for name in fitting:
+                    us = statistics.median(times[name])
+                    res[f"{name}/w{warps}"] = us
+                    rows.append(dict(case=label, M=M, variant=name, warps=warps, us=round(us, 3), exact=exact[name],
+                                     picked=warps == picked.warps, rounds=[round(t, 3) for t in times[name]]))
             base = res.get("bf16")
             ship = res.get(f"{first}/w{picked.warps}")
             best = min((k for k in res if k != "bf16"), key=res.get)
@@ -295,8 +394,53 @@ def main():
                 rows.append(dict(case=label, M=M, variant="bf16", warps=None, us=round(base, 3)))
         sets = wb = laid_out = None
         torch.cuda.empty_cache()
+    for name in args.decode:
+        rows += decode_ab(name, libs, list(map(int, args.batches.split(","))), args.rounds)
     if args.json:
         args.json.write_text(json.dumps(dict(meta=env_meta(), set=args.set, variants=variants, rows=rows), indent=1))
+
+
+def decode_ab(model_name: str, libs: dict, batches, rounds: int) -> list[dict]:
+    """W4A16 decode of a random-weight model after a 128-token prompt, one engine per variant library
+    (the skinny kernel's launches are captured into each engine's graphs from its own library), timed in
+    alternating rounds (128 steps, median of 3 runs each); the greedy tokens must not depend on the variant."""
+    import statistics
+
+    import torch
+    from nibble.eval import speed
+    from nibble.eval.engine import Engine
+    from nibble.eval.report import quant_config
+    from nibble.kernels import w4a16 as W
+
+    def use(name):
+        W._mma_lib = lambda _device, lib=libs[name]: lib
+
+    model = speed.random_model(model_name)
+    speed.quantize_in_place(model, quant_config("w4a16", model, clip_search=False))
+    rows = []
+    for batch in batches:
+        engines, tokens = {}, {}
+        for name in libs:
+            use(name)
+            engines[name] = Engine(model, max_batch=batch, max_seq_len=128 + 160)
+            speed.measure_decode(engines[name], batch, 128, 8, reps=1)
+            tokens[name] = engines[name].generate(torch.arange(1, 9, device="cuda")[None], 6)[0].tolist()
+        times = {name: [] for name in libs}
+        for r in range(rounds):
+            for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+                use(name)
+                times[name].append(speed.measure_decode(engines[name], batch, 128, 128, reps=3))
+        first = next(iter(libs))
+        for name in libs:
+            ms = statistics.median(times[name])
+            rows.append(dict(case=f"decode {model_name}", batch=batch, variant=name, ms_per_step=ms, rounds=times[name],
+                             tokens_per_s=1000 * batch / ms, same_tokens=tokens[name] == tokens[first]))
+            print(f"decode {model_name} b={batch} {name:12s} {ms:.4f} ms/step {1000 * batch / ms:8.1f} tok/s "
+                  f"({statistics.median(times[first]) / ms:.3f}x {first}) tokens {'same' if rows[-1]['same_tokens'] else 'DIFFER'}",
+                  flush=True)
+        speed.release(*engines.values())
+    speed.release(model)
+    return rows
 
 
 if __name__ == "__main__":
