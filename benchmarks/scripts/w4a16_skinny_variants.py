@@ -21,10 +21,13 @@ Sets (results under benchmarks/results/):
 - ``tma`` (w4a16-tma-stream-h200): the weight stream by TMA boxes into an mbarrier ring (see TMA).
 - ``xcache`` (w4a16-x-through-l1-h200): x copied through the L1 (cp.async.ca) or around it,
   against the op's own choice (w4a16.x_through_l1).
-- ``trigger``, ``single_wave``, ``early_start`` (w4a16-successor-*-h200): letting the next kernel
-  launch early (griddepcontrol.launch_dependents) after the loop or at the start, with the CTAs per
-  SM capped by shared memory or not; ``--decode llama-2-7b`` adds the engine's decode, one engine
-  per variant (``--kernel-rounds 3 --picked-warps`` for the committed runs).
+- ``trigger``, ``single_wave``, ``early_start`` (w4a16-successor-*-h200; these sets are in this
+  script at commit b2e5fdd, before the kernel took them as its successor modes): letting the next
+  kernel launch early (griddepcontrol.launch_dependents) after the loop or at the start, with the
+  CTAs per SM capped by shared memory or not (``--kernel-rounds 3 --picked-warps --decode
+  llama-2-7b``).
+
+``--decode MODEL`` adds the engine's decode, one engine per variant library, in alternating rounds.
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
 output first checked bit for bit against the first variant at the same warps (only the variants
@@ -141,59 +144,6 @@ WEIGHT_LAYOUT = {"tile": tile_major, "tile_copy": tile_major}
 X_COPY = "      cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),"
 
 
-# Letting the successor launch early (`griddepcontrol.launch_dependents`; skinny.cuh says why the
-# shipped kernel does not): after the loop, or as soon as x is read; and, so that the successor's
-# CTAs cannot double up on an SM this launch leaves idle or half full (session 9: 4096 x 11008 back
-# to back 9.8 -> 12.2 us), at most ceil(CTAs / SMs) CTAs per SM, by asking for the shared memory
-# that leaves no room for one more (the L1 shrinks with it).
-PARTIAL = "  float* partial = reinterpret_cast<float*>(smem);\n"
-TRIGGER_AFTER_LOOP = (PARTIAL, '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n' + PARTIAL)
-WAIT = "  wait_for_prior_grids();  // x is the previous kernel's output\n"
-TRIGGER_AT_START = (WAIT, WAIT + '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n')
-CAP = [("size_t smem_bytes(int warps, int mt) {", """size_t residency_capped(size_t smem, int ctas) {
-  int dev = 0, sms = 1, per_sm = 0, optin = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  const int cap = (ctas + sms - 1) / sms;
-  long want = ((long)per_sm / cap - 1024) & ~127L;  // 1 KB per CTA is the system's
-  if (want > optin) want = optin;
-  return want > (long)smem ? (size_t)want : smem;
-}
-size_t smem_bytes(int warps, int mt) {"""),
-       ("  const size_t smem = smem_bytes(warps, MT);", "  const size_t smem = residency_capped(smem_bytes(warps, MT), ctas);")]
-
-# Early successor only where the launch is one wave: ceil(CTAs / SMs) CTAs fit an SM at once
-# (cudaOccupancy at the kernel's own shared memory), the shared memory then raised to that cap, and
-# the trigger at the start (a run-time flag); with `cg`, not for kernels that copy x through the L1
-# (the larger shared memory takes it from the L1).
-def single_wave(x_l1_too: bool) -> list:
-    flag = "1" if x_l1_too else "!X_L1"
-    return [("int ldx) {", "int ldx, int trigger) {"),
-            (WAIT, WAIT + '  if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'),
-            ("  const size_t smem = smem_bytes(warps, MT);\n  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY, X_L1>>();\n  if (err != cudaSuccess) return err;",
-             f"""  size_t smem = smem_bytes(warps, MT);
-  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY, X_L1>>();
-  if (err != cudaSuccess) return err;
-  int dev = 0, sms = 1, fit = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, w4a16_mma_kernel<T, MT, GS, MANY, X_L1>, warps * 32, smem);
-  const int trigger = ({flag}) && (ctas + sms - 1) / sms <= fit;
-  if (trigger) smem = residency_capped(smem, ctas);"""),
-            ("weights, M, K, group_shift_steps, ldx);", "weights, M, K, group_shift_steps, ldx, trigger);"),
-            CAP[0]]
-
-# The successor launched at the start at one and two token tiles only (at four, back to back 4-7%
-# slower), the shared memory capped as above there, or only where x does not go through the L1.
-def early_start(cap_with_l1: bool) -> list:
-    cap_when = "MT <= 2" if cap_with_l1 else "MT <= 2 && !X_L1"
-    return [(WAIT, WAIT + '  if (MT <= 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'),
-            CAP[0],
-            ("  const size_t smem = smem_bytes(warps, MT);",
-             f"  const size_t smem = {cap_when} ? residency_capped(smem_bytes(warps, MT), ctas) : smem_bytes(warps, MT);")]
-
 # set -> variant -> {file: [(old, new)]}; the first variant of a set is the reference for exactness
 SETS = {
     "ring": {
@@ -232,31 +182,6 @@ SETS = {
         "tile": TILE_MAJOR,
         "copy": {"w4a16_mma.cu": [NO_COMPUTE]},
         "tile_copy": {"w4a16_mma.cu": TILE_MAJOR["w4a16_mma.cu"] + [NO_COMPUTE], "skinny.cuh": TILE_MAJOR["skinny.cuh"]},
-    },
-    "trigger": {
-        "shipped": {},
-        "trigger": {"w4a16_mma.cu": [TRIGGER_AFTER_LOOP]},
-        "cap": {"w4a16_mma.cu": CAP},
-        "trigger_cap": {"w4a16_mma.cu": [TRIGGER_AFTER_LOOP] + CAP},
-        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
-    },
-    "early_start": {
-        "shipped": {},
-        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
-        "early_start": {"w4a16_mma.cu": early_start(True)},
-        "early_start_l1": {"w4a16_mma.cu": early_start(False)},
-    },
-    "single_wave": {
-        "shipped": {},
-        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
-        "early_start": {
-        "shipped": {},
-        "start_cap": {"w4a16_mma.cu": [TRIGGER_AT_START] + CAP},
-        "early_start": {"w4a16_mma.cu": early_start(True)},
-        "early_start_l1": {"w4a16_mma.cu": early_start(False)},
-    },
-    "single_wave": {"w4a16_mma.cu": single_wave(True)},
-        "single_wave_cg": {"w4a16_mma.cu": single_wave(False)},
     },
     # where the time goes: the loop without its arithmetic (copies, waits and barriers only), and
     # without its weight copies (the arithmetic on whatever the ring holds); M >= 1 always, but the

@@ -8,8 +8,11 @@ nibble's decode path (up to MAX_TOKENS tokens; at prefill it measured slower) la
 - the glue kernels (the engine's, the W4A4 activation quantization) call `after_prior_grids` first:
   wait for the previous kernel's writes, then let the next kernel launch at once;
 - the skinny matmuls (csrc/skinny.cuh: wait_for_prior_grids) fetch their first four weight steps
-  into the L2 before they wait (weights are never written by a kernel), then read x. They do not let
-  their own successors launch early (skinny.cuh says why). Prefetching 8 or 16 steps was slower.
+  into the L2 before they wait (weights are never written by a kernel), then read x. Prefetching 8
+  or 16 steps was slower. Past their wait they let the next kernel launch too, where that measured
+  faster, in a way that keeps its CTAs from doubling up on the SMs (skinny.cuh: Successor;
+  `w4a16.successor_launch`, `w4a4.mma_successor`): Llama-2-7B W4A16 decode 1.055x at batch 1,
+  1.074x at 8 (H200, benchmarks/results/successor-ab-h200.json).
 - the Hopper GEMMs for many tokens (csrc/hopper.cuh: produce) copy the weights of their first
   pipeline stages into shared memory before they wait, then x (and, W4A4, the token scales).
 

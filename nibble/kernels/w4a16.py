@@ -673,16 +673,23 @@ MMA_MAX_WEIGHTS = 3  # weights one launch can serve (MAX_WEIGHTS in csrc/skinny.
 MMA_MANY_MAX_M = 32
 
 
+# When the next kernel in the stream may launch, with early launch on (csrc/skinny.cuh: Successor):
+# when this one ends; at once, this launch's CTAs per SM capped at ceil(CTAs / SMs) by shared
+# memory; at once where those CTAs fill an SM anyway, else at the end.
+SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class MmaConfig:
     token_tiles: int     # tiles of 8 tokens (1, 2, 4, 8): M <= 8 * token_tiles
     warps: int           # warps per CTA, splitting K; one CTA per 32 output columns
     x_l1: bool = False   # x copied through the L1 (1 or 2 token tiles; see x_through_l1)
+    successor: int = SUCCESSOR_AT_END  # when the next kernel may launch (see successor_launch)
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a16_mma", [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int, ctypes.c_void_p],
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
 
@@ -718,7 +725,8 @@ def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING) -> int:
 def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
             and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT
-            and (not cfg.x_l1 or cfg.token_tiles <= 2))
+            and (not cfg.x_l1 or cfg.token_tiles <= 2)
+            and cfg.successor in (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL))
 
 
 def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:
@@ -735,6 +743,23 @@ def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:
     return ctas > num_sms and (token_tiles == 1 or (token_tiles == 2 and K <= 4096))
 
 
+def successor_launch(token_tiles: int, M: int, x_l1: bool) -> int:
+    """When the next kernel in the stream may launch (SUCCESSOR_*; csrc/skinny.cuh says how each
+    works). Launched at once, the successor's launch and first fetches hide under this kernel; capped,
+    this launch cannot leave an SM a free slot for a successor's CTA to double up in. H200
+    (benchmarks/results/w4a16-successor-*-h200.json, the op back to back and the engine's decode, each
+    way in alternating rounds): capped at one and two token tiles, the 4096-deep layers at M <= 4 run
+    7-12% faster back to back (12288 x 4096 10.0 -> 8.9 us, 4096 x 11008 9.6 -> 8.8), 4096 x 11008 at
+    M = 16 12.4 -> 11.3, the 70B layers within +-3%; Llama-2-7B and Llama-3-8B decode 5-7% faster at
+    batch 1 and 8. But capped shared memory shrinks the L1, which x goes through above 4 tokens where
+    `x_through_l1` says (8192 x 28672 at M = 8: 42.9 -> 47.9 us, 14336 x 4096 at M = 16 16.3 -> 18.3):
+    there the successor launches at once only where the CTAs fill the SMs anyway. At four and eight
+    tiles it launches at the end (capped, back to back 4-7% slower at M = 32)."""
+    if token_tiles > 2:
+        return SUCCESSOR_AT_END
+    return SUCCESSOR_CAPPED if M <= 4 or not x_l1 else SUCCESSOR_IF_FULL
+
+
 def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
     """Pure function of the problem (N: the columns of every weight of the launch together): warps
     per CTA doubled from 4 while the GPU has fewer than 32 warps per SM and each warp keeps >= 16 K
@@ -747,7 +772,8 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) ->
     while (warps < MMA_MAX_WARPS[token_tiles] and ctas * warps < 32 * num_sms
            and (ctas < num_sms or steps >= min_steps * 2 * warps)):
         warps *= 2
-    return MmaConfig(token_tiles, warps, x_through_l1(token_tiles, ctas, K, num_sms))
+    x_l1 = x_through_l1(token_tiles, ctas, K, num_sms)
+    return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1))
 
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
@@ -783,7 +809,7 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
             int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
             x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
             cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
-            torch.cuda.current_stream(x.device).cuda_stream)
+            cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
     return outs

@@ -59,7 +59,8 @@ import torch
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import NUM_SMS_DEFAULT, num_sms, select_mma_config, split_counters
+from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, num_sms, select_mma_config,
+                                   split_counters)
 
 try:
     import triton
@@ -866,13 +867,24 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _MMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a4_mma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int, ctypes.c_void_p],
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "nibble_w4a4_cuda_error_string")
 
 
 def _mma_lib(device):
     """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
     return cuda_build.library("w4a4_mma", device, _MMA_SIGNATURES)
+
+
+def mma_successor(M: int) -> int:
+    """When the next kernel may launch after this product (w4a16.SUCCESSOR_*; csrc/skinny.cuh): at once,
+    this launch's CTAs per SM capped, up to 4 tokens; at the end above. H200
+    (benchmarks/results/successor-ab-h200.json, alternating rounds): capped at M <= 4, the product back
+    to back 8-17% faster on the 4096-wide and 4096-deep layers (4096 x 11008 at M = 1 8.67 -> 7.92 us),
+    the 70B layers within 2%, Llama-2-7B / Llama-3-8B W4A4 decode at batch 1 1.006x / 1.010x. Above 4
+    tokens W4A16's rule (capped where x misses the L1, which qx always goes through here, else only
+    where the CTAs fill the SMs) cost decode at batch 16 3-4% and 28672 x 8192 at M = 16 9%."""
+    return SUCCESSOR_CAPPED if M <= 4 else SUCCESSOR_AT_END
 
 
 def mma_applicable(qx: torch.Tensor, N: int, K: int) -> bool:
@@ -907,12 +919,14 @@ def _output(qx, N, out_dtype, out_int32):
 
 def w4a4_mma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, *,
-             out_int32: bool = False, warps: Optional[int] = None) -> torch.Tensor:
+             out_int32: bool = False, warps: Optional[int] = None, successor: Optional[int] = None) -> torch.Tensor:
     """`w4a4_matmul_triton`'s product for M <= 16 on the CUDA kernel (int8 tensor cores, exact int32).
 
-    Warps per CTA follow the W4A16 kernel's rule (``w4a16.select_mma_config``) unless ``warps`` is given.
+    Warps per CTA follow the W4A16 kernel's rule (``w4a16.select_mma_config``) unless ``warps`` is
+    given; ``successor``: see `w4a4_mma_many`.
     """
-    return w4a4_mma_many(qx, x_scale, [(qweight, w_scale, bias)], out_dtype, out_int32=out_int32, warps=warps)[0]
+    return w4a4_mma_many(qx, x_scale, [(qweight, w_scale, bias)], out_dtype, out_int32=out_int32, warps=warps,
+                         successor=successor)[0]
 
 
 def _launch_dtypes(layers):
@@ -929,10 +943,12 @@ def mma_many_applicable(qx: torch.Tensor, layers) -> bool:
 
 
 def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype = torch.bfloat16, *,
-                  out_int32: bool = False, warps: Optional[int] = None) -> list[torch.Tensor]:
+                  out_int32: bool = False, warps: Optional[int] = None,
+                  successor: Optional[int] = None) -> list[torch.Tensor]:
     """``[w4a4_mma(qx, x_scale, *layer) for layer in layers]`` in one launch, for up to MMA_MAX_WEIGHTS
     layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v): their w_scales share a
-    dtype, and so do the biases they have."""
+    dtype, and so do the biases they have. ``successor``: when the next kernel may launch
+    (w4a16.SUCCESSOR_*), by default `mma_successor`'s."""
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
@@ -953,6 +969,9 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
     warps = cfg.warps if warps is None else warps
     if not 1 <= warps <= MMA_MAX_WARPS:
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
+    successor = mma_successor(M) if successor is None else successor
+    if successor not in (0, 1, 2):
+        raise ValueError(f"successor must be one of w4a16.SUCCESSOR_* (0, 1, 2), got {successor}")
     qx = _aligned_rows(qx, 8)
     ys = [_output(qx, n, out_dtype, out_int32) for n in ns]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
@@ -963,7 +982,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
             _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K,
             qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, ns), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            int(early_launch(qx.device, M)), torch.cuda.current_stream(qx.device).cuda_stream)
+            int(early_launch(qx.device, M)), successor, torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
                            f"(M={M} N={ns} K={K} warps={warps})")

@@ -289,6 +289,48 @@ def test_gpu_mma_x_through_l1(M):
 
 
 @needs_cuda
+@pytest.mark.parametrize("M", [1, 4, 5, 16, 24])
+def test_gpu_mma_successor_modes(M):
+    """Every successor mode (skinny.cuh: Successor; the capped one raises a launch's shared memory up
+    to a whole SM's) gives the reference's values and the plain launch's bits, in a CUDA graph of four
+    launches back to back, each reading the one before's output: layers with fewer CTAs than SMs, a
+    few per SM and several waves, one and two weights a launch, outputs poisoned before the replay."""
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+    for n1, n2, G in ((4096, 4096, 128), (12288, 4096, 64), (28672, 4096, 128), (2048, 4096, 32)):
+        wa = [make_weight(n2, n1, G, device="cuda", seed=M + n1), make_weight(64, n1, G, device="cuda", seed=M)]
+        wb = [make_weight(n1, n2, G, device="cuda", seed=M + n2)]
+        x = torch.randn(M, n1, device="cuda", dtype=torch.bfloat16)
+        got = {}
+        for mode in (W.SUCCESSOR_AT_END, W.SUCCESSOR_CAPPED, W.SUCCESSOR_IF_FULL):
+            layers = [wa, wb, wa, wb]
+            outs = [[torch.empty(M, qw.shape[1], device="cuda", dtype=x.dtype) for qw, _, _ in ws] for ws in layers]
+
+            def chain():
+                src = x
+                for ws, o in zip(layers, outs):
+                    cfg = W.select_mma_config(M, sum(qw.shape[1] for qw, _, _ in ws), src.shape[1])
+                    W.w4a16_mma_many(src, ws, G, config=replace(cfg, successor=mode), outs=o)
+                    src = o[0]
+            chain()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+            for o in outs:
+                for t in o:
+                    t.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            for src, ws, o in zip([x] + [o[0] for o in outs[:-1]], layers, outs):
+                for out, w in zip(o, ws):
+                    assert_close(out, src, *w, G)
+            got[mode] = [t.clone() for o in outs for t in o]
+        for mode in (W.SUCCESSOR_CAPPED, W.SUCCESSOR_IF_FULL):
+            for a, b in zip(got[mode], got[W.SUCCESSOR_AT_END]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_cuda
 def test_gpu_w4a16_linears_dispatch():
     """The grouped op: one launch at decode sizes, per-weight ops above, equal to w4a16_linear either way."""
     K, G = 1024, 128
@@ -635,3 +677,20 @@ def test_x_through_l1_rule():
     assert W.select_mma_config(16, 4096, 4096, 64).x_l1        # the SM count is the device's
     assert not W.mma_config_valid(W.MmaConfig(4, 4, x_l1=True), 32)
     assert W.mma_config_valid(W.MmaConfig(2, 4, x_l1=True), 16)
+
+
+def test_successor_launch_rule():
+    """The next kernel launches at once at one and two token tiles: capped up to 4 tokens, and above
+    where x does not go through the L1; where it does, only if the CTAs fill the SMs; at the end from
+    four tiles. The config carries it; a config with another value is refused."""
+    pick = W.select_mma_config
+    assert pick(1, 12288, 4096, 132).successor == W.SUCCESSOR_CAPPED    # x_l1, but 1 token
+    assert pick(4, 12288, 4096, 132).successor == W.SUCCESSOR_CAPPED
+    assert pick(5, 12288, 4096, 132).successor == W.SUCCESSOR_IF_FULL   # x_l1 at 5 tokens: keep the L1
+    assert pick(16, 12288, 4096, 132).successor == W.SUCCESSOR_IF_FULL
+    assert pick(16, 4096, 11008, 132).successor == W.SUCCESSOR_CAPPED   # 128 CTAs: x around the L1
+    assert pick(16, 28672, 8192, 132).successor == W.SUCCESSOR_CAPPED   # two tiles, K > 4096: around
+    assert pick(17, 4096, 4096, 132).successor == W.SUCCESSOR_AT_END    # four tiles
+    assert pick(64, 4096, 4096, 132).successor == W.SUCCESSOR_AT_END
+    assert W.MmaConfig(1, 8).successor == W.SUCCESSOR_AT_END            # explicit configs: as before
+    assert not W.mma_config_valid(W.MmaConfig(1, 8, successor=3), 1)

@@ -722,6 +722,40 @@ def test_mma_kernel_many_layers_in_one_launch(M):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 4, 5, 16])
+def test_mma_kernel_successor_modes(M):
+    """Every successor mode (w4a16.SUCCESSOR_*; skinny.cuh) keeps the int32 sums exact, in a CUDA graph
+    of launches back to back (the capped mode raises a launch's shared memory up to a whole SM's):
+    fewer CTAs than SMs, a few per SM and several waves, one and three layers a launch; a mode the
+    kernel does not know is refused."""
+    _needs_mma_kernel()
+    gen = torch.Generator().manual_seed(M)
+    K = 4096
+    launches = [[_codes_weight(N, K, "cuda", gen)] for N in (4096, 12288, 28672)] + \
+        [[_codes_weight(N, K, "cuda", gen) for N in (4096, 1024, 1024)]]
+    qx, ones = _qx(M, K, "cuda", gen), torch.ones(M, device="cuda")
+    for successor in (0, 1, 2):
+        def run():
+            return [w4a4.w4a4_mma_many(qx, ones, [(qw, ws, None) for qw, ws in layers], out_int32=True,
+                                       successor=successor) for layers in launches]
+        run()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            accs = run()
+        for acc in accs:
+            for a in acc:
+                a.fill_(-1)
+        g.replay()
+        torch.cuda.synchronize()
+        for acc, layers in zip(accs, launches):
+            for a, (qw, _) in zip(acc, layers):
+                assert torch.equal(a, _exact_acc(qx, qw)), f"successor {successor}"
+    with pytest.raises(ValueError, match="successor must be"):
+        w4a4.w4a4_mma(qx, ones, *launches[0][0], successor=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("warps", [1, 4, 8, 16])
 def test_mma_kernel_int32_accumulators_bit_exact(warps):
     """Every M of both token tiles, K split unevenly over the warps (65 steps of 32), fewer steps than

@@ -37,13 +37,59 @@ __device__ __forceinline__ void cp_async_8(bool pred, uint32_t smem_addr, const 
 // may start while the previous kernel in the stream still runs (the glue kernels before a matmul let
 // it). Before wait_for_prior_grids it may only read what no kernel writes (the weights); after it,
 // the previous grid's writes (x) are visible. A no-op where the kernel was launched the plain way.
-// The matmuls do not let their own successors start early: a copy of the same matmul launched into
-// the SMs it still occupies doubled up CTAs on some SMs (H200, 4096 x 11008 at M = 1 back to back:
-// 9.8 -> 12.2 us), while the glue after it gained little (W4A16 decode 490 -> 500 tokens/s).
 __device__ __forceinline__ void wait_for_prior_grids() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// The matmul's own successor may launch early too: once the matmul is past its own wait (so at most
+// two grids are in flight: a trigger before it would let a chain of early launches fill the SMs
+// with CTAs waiting on each other), so that the successor's CTAs take SM slots as they free and run
+// up to their own wait while the matmul streams: its launch and first fetches hide under the matmul.
+// The danger is CTAs doubling up: a copy of the same matmul launched into SMs this one leaves idle or
+// half full ran two CTAs where its grid wanted one (H200, 4096 x 11008 at M = 1 back to back: 9.8 ->
+// 12.2 us). Hence three modes (w4a16.py: successor_launch and w4a4.py: mma_successor pick one;
+// benchmarks/results/w4a16-successor-*-h200.json, successor-ab-h200.json):
+//   SUCCESSOR_AT_END   the successor launches when this kernel ends (no trigger);
+//   SUCCESSOR_CAPPED   at once, with at most ceil(CTAs / SMs) CTAs of this launch per SM: the launch
+//                      asks for the shared memory that leaves no room for one more, so the successor
+//                      takes only the slots this grid never needed (the L1 shrinks with it);
+//   SUCCESSOR_IF_FULL  at once where ceil(CTAs / SMs) CTAs fill an SM's slots anyway (nowhere for the
+//                      successor to double up), else at the end; shared memory unchanged.
+enum Successor { SUCCESSOR_AT_END = 0, SUCCESSOR_CAPPED = 1, SUCCESSOR_IF_FULL = 2 };
+
+__device__ __forceinline__ void let_successor_launch(int trigger) {
+#if __CUDA_ARCH__ >= 900
+  if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The dynamic shared memory to launch `ctas` CTAs of `threads` threads of `Kernel` with, which needs
+// `smem` bytes, in mode `successor` (above); `trigger` gets the kernel's let_successor_launch flag.
+// Without early launch (pdl false) nothing launches early and nothing changes.
+template <auto Kernel>
+size_t successor_smem(int successor, bool pdl, int ctas, int threads, size_t smem, int& trigger) {
+  trigger = 0;
+  if (!pdl || successor == SUCCESSOR_AT_END) return smem;
+  int device = 0, sms = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int per_sm = (ctas + sms - 1) / sms;
+  if (successor == SUCCESSOR_CAPPED) {
+    int smem_per_sm = 0, reserved = 0, optin = 0;
+    cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);  // 1 KB on sm_90
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    long capped = ((long)smem_per_sm / per_sm - reserved) & ~127L;  // per_sm + 1 CTAs no longer fit
+    if (capped > optin) capped = optin;
+    trigger = 1;
+    return capped > (long)smem ? (size_t)capped : smem;  // more CTAs than that do not fit anyway
+  }
+  int fit = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, Kernel, threads, smem);
+  trigger = per_sm >= fit;
+  return smem;
 }
 __device__ __forceinline__ void prefetch_l2(bool pred, const void* gmem) {
   asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p prefetch.global.L2 [%1]; }" ::"r"((int)pred), "l"(gmem));

@@ -183,7 +183,7 @@ constexpr int RING = 4, AHEAD = RING - 2;
 template <typename T, int MT, int GS, bool MANY, bool X_L1>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
-                     int ldx) {
+                     int ldx, int trigger) {
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
   // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
   // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each);
@@ -230,6 +230,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // GS == 0 only: the first step past the current group, for the copies and for the reads
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
   TokenStream<T, uint4, MT> xstream(x, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
+  let_successor_launch(trigger);  // after the wait: at most two grids in flight (skinny.cuh)
 
   // Copy step j into `stage` (run_pipeline's contract); a group's scales and zeros ride with its
   // last step.
@@ -310,29 +311,39 @@ size_t smem_bytes(int warps, int mt) {
 
 template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
-                      int warps, cudaStream_t stream, bool pdl) {
-  const size_t smem = smem_bytes(warps, MT);
-  const cudaError_t err = opt_in_shared_memory<w4a16_mma_kernel<T, MT, GS, MANY, X_L1>>();
+                      int warps, cudaStream_t stream, bool pdl, int successor) {
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
+  const cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
-  return launch_kernel(w4a16_mma_kernel<T, MT, GS, MANY, X_L1>, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x),
-                       weights, M, K, group_shift_steps, ldx);
+  int trigger = 0;
+  const size_t smem = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem_bytes(warps, MT), trigger);
+  return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, M, K,
+                       group_shift_steps, ldx, trigger);
 }
 
 template <typename T, int MT, bool MANY, bool X_L1>
 cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
-                      int warps, cudaStream_t stream, bool pdl) {
+                      int warps, cudaStream_t stream, bool pdl, int successor) {
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
-    case 0: return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    case 1: return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    case 2: return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
-    default: return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl);
+    case 0:
+      return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
+    case 1:
+      return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
+    case 2:
+      return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
+    default:
+      return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
   }
 }
 
 template <typename T>
 cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
-                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl) {
+                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl, int successor) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
   Weights<T> w{};
   for (int i = 0; i < count; ++i) {
@@ -348,14 +359,14 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
   // token tiles keep a single-weight kernel only (it is at the register limit).
   const bool many = count > 1;
 #define NIBBLE_LAUNCH_MT(MT, X_L1) \
-  (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl) \
-        : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl))
+  (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor) \
+        : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor))
   switch (mt) {
     case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
     case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
     case 4: return x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH_MT(4, false);
     case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
-                                                                               ldx, warps, stream, pdl);
+                                                                               ldx, warps, stream, pdl, successor);
     default: return cudaErrorInvalidValue;
   }
 #undef NIBBLE_LAUNCH_MT
@@ -369,16 +380,16 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
 // aligned x rows (ldx % 8 == 0), group = 32 * 2^group_shift_steps (or one group per column:
 // group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through
 // the L1 (mt 1 and 2 only: slower at four tiles, not measured at eight). pdl: launch early
-// (skinny.cuh: launch_kernel).
+// (skinny.cuh: launch_kernel); successor: when the next kernel may launch (skinny.cuh: Successor).
 extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
-                                int pdl, void* stream) {
+                                int pdl, int successor, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights,
-                                                    scales, zeros, outs, ns, ldos, st, pdl)
+                                                    scales, zeros, outs, ns, ldos, st, pdl, successor)
                             : launch<__half>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights, scales,
-                                             zeros, outs, ns, ldos, st, pdl);
+                                             zeros, outs, ns, ldos, st, pdl, successor);
   return (int)err;
 }
 

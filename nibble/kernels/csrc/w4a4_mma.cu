@@ -60,7 +60,7 @@ struct Weights {
 template <typename T, int MT, bool MANY>
 __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
     w4a4_mma_kernel(const int8_t* __restrict__ qx, const float* __restrict__ x_scale, const Weights weights,
-                    int w_scale_dtype, int bias_dtype, int M, int K, int ldx) {
+                    int w_scale_dtype, int bias_dtype, int M, int K, int ldx, int trigger) {
   // A stage (bytes): [0, 512) weights (swizzled rows, as in w4a16_mma.cu); [512, 512 + 256 MT) x,
   // 32 bytes per token (8 per lane: x[m, 8i .. 8i+7], the lane's own slot), copied for real tokens
   // only (the slots of padding tokens are zeroed once). Reused after the loop as
@@ -82,6 +82,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
   ws.prefetch<RING>(s_begin, s_end);
   wait_for_prior_grids();  // qx and x_scale are the previous kernel's output
+  let_successor_launch(trigger);
   TokenStream<int8_t, uint2, MT> xstream(qx, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
 
   auto issue = [&](int stage, int, int ahead, bool live) {
@@ -151,21 +152,24 @@ size_t smem_bytes(int warps, int mt) {
 
 template <typename T, int MT, bool MANY>
 cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ctas, int ws_dtype, int bias_dtype,
-                   int M, int K, int ldx, int warps, cudaStream_t stream, bool pdl) {
-  const size_t smem = smem_bytes(warps, MT);
-  const cudaError_t err = opt_in_shared_memory<w4a4_mma_kernel<T, MT, MANY>>();
+                   int M, int K, int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
+  constexpr auto kernel = w4a4_mma_kernel<T, MT, MANY>;
+  const cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
-  return launch_kernel(w4a4_mma_kernel<T, MT, MANY>, ctas, warps * 32, smem, stream, pdl, static_cast<const int8_t*>(qx),
-                       xs, weights, ws_dtype, bias_dtype, M, K, ldx);
+  int trigger = 0;
+  const size_t smem = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem_bytes(warps, MT), trigger);
+  return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const int8_t*>(qx), xs, weights, ws_dtype,
+                       bias_dtype, M, K, ldx, trigger);
 }
 
 template <typename T>
 cudaError_t launch_t(int mt, const void* qx, const float* xs, const Weights& weights, int ctas, int ws_dtype,
-                     int bias_dtype, int M, int K, int ldx, int warps, cudaStream_t stream, bool pdl) {
+                     int bias_dtype, int M, int K, int ldx, int warps, cudaStream_t stream, bool pdl,
+                     int successor) {
   const bool many = weights.cta_end[0] < ctas;  // several weights (skinny.cuh: cta_weight)
 #define NIBBLE_LAUNCH_MT(MT) \
-  (many ? launch<T, MT, true>(qx, xs, weights, ctas, ws_dtype, bias_dtype, M, K, ldx, warps, stream, pdl) \
-        : launch<T, MT, false>(qx, xs, weights, ctas, ws_dtype, bias_dtype, M, K, ldx, warps, stream, pdl))
+  (many ? launch<T, MT, true>(qx, xs, weights, ctas, ws_dtype, bias_dtype, M, K, ldx, warps, stream, pdl, successor) \
+        : launch<T, MT, false>(qx, xs, weights, ctas, ws_dtype, bias_dtype, M, K, ldx, warps, stream, pdl, successor))
   switch (mt) {
     case 1: return NIBBLE_LAUNCH_MT(1);
     case 2: return NIBBLE_LAUNCH_MT(2);
@@ -181,11 +185,12 @@ cudaError_t launch_t(int mt, const void* qx, const float* xs, const Weights& wei
 // checked by the Python caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt, mt in {1, 2},
 // 1 <= warps <= 16, 8-byte aligned qx rows (ldx % 8 == 0). out_dtype: 0 float32, 1 float16,
 // 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype (every weight's): 0 float32,
-// 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_kernel).
+// 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_kernel); successor: when the next
+// kernel may launch (skinny.cuh: Successor).
 extern "C" int nibble_w4a4_mma(int out_dtype, int mt, int warps, const void* qx, const void* x_scale, int w_scale_dtype,
                                int bias_dtype, int M, int K, int ldx, int count, const void* const* qweights,
                                const void* const* w_scales, const void* const* biases, void* const* outs,
-                               const int* ns, const int* ldos, int pdl, void* stream) {
+                               const int* ns, const int* ldos, int pdl, int successor, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   Weights w{};
   for (int i = 0; i < count; ++i) {
@@ -201,11 +206,14 @@ extern "C" int nibble_w4a4_mma(int out_dtype, int mt, int warps, const void* qx,
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
   switch (out_dtype) {
-    case 0: err = launch_t<float>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st, pdl); break;
-    case 1: err = launch_t<__half>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st, pdl); break;
-    case 2: err = launch_t<__nv_bfloat16>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st, pdl); break;
-    case 3: err = launch_t<int>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st, pdl); break;
+#define NIBBLE_LAUNCH_OUT(T) \
+  launch_t<T>(mt, qx, xs, w, ctas, w_scale_dtype, bias_dtype, M, K, ldx, warps, st, pdl, successor)
+    case 0: err = NIBBLE_LAUNCH_OUT(float); break;
+    case 1: err = NIBBLE_LAUNCH_OUT(__half); break;
+    case 2: err = NIBBLE_LAUNCH_OUT(__nv_bfloat16); break;
+    case 3: err = NIBBLE_LAUNCH_OUT(int); break;
     default: err = cudaErrorInvalidValue;
+#undef NIBBLE_LAUNCH_OUT
   }
   return (int)err;
 }
