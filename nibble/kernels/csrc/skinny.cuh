@@ -65,31 +65,61 @@ __device__ __forceinline__ void let_successor_launch(int trigger) {
 #endif
 }
 
-// The dynamic shared memory to launch `ctas` CTAs of `threads` threads of `Kernel` with, which needs
-// `smem` bytes, in mode `successor` (above); `trigger` gets the kernel's let_successor_launch flag.
-// Without early launch (pdl false) nothing launches early and nothing changes.
-template <auto Kernel>
-size_t successor_smem(int successor, bool pdl, int ctas, int threads, size_t smem, int& trigger) {
-  trigger = 0;
-  if (!pdl || successor == SUCCESSOR_AT_END) return smem;
-  int device = 0, sms = 1;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int per_sm = (ctas + sms - 1) / sms;
-  if (successor == SUCCESSOR_CAPPED) {
-    int smem_per_sm = 0, reserved = 0, optin = 0;
-    cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);  // 1 KB on sm_90
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    long capped = ((long)smem_per_sm / per_sm - reserved) & ~127L;  // per_sm + 1 CTAs no longer fit
-    if (capped > optin) capped = optin;
-    trigger = 1;
-    return capped > (long)smem ? (size_t)capped : smem;  // more CTAs than that do not fit anyway
+// What successor_smem needs of the device, read once per device (it runs at every launch):
+// SMs, shared memory per SM, per CTA reserved by the system, per CTA at most.
+struct SmLimits {
+  int sms, smem_per_sm, reserved, optin;
+};
+inline cudaError_t sm_limits(int device, SmLimits& limits) {
+  constexpr int kMaxDevices = 64;
+  static SmLimits known[kMaxDevices] = {};
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  SmLimits& l = known[device];
+  if (l.sms == 0) {
+    const cudaDeviceAttr attrs[] = {cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                    cudaDevAttrReservedSharedMemoryPerBlock,  // 1 KB on sm_90
+                                    cudaDevAttrMaxSharedMemoryPerBlockOptin};
+    int* values[] = {&l.sms, &l.smem_per_sm, &l.reserved, &l.optin};
+    for (int i = 3; i >= 0; --i) {  // sms last: nonzero marks the entry complete
+      const cudaError_t err = cudaDeviceGetAttribute(values[i], attrs[i], device);
+      if (err != cudaSuccess) return err;
+    }
   }
-  int fit = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, Kernel, threads, smem);
+  limits = l;
+  return cudaSuccess;
+}
+
+// The launch of `ctas` CTAs of `threads` threads of `Kernel` in mode `successor` (above): `smem`, the
+// dynamic shared memory the kernel needs (a function of `threads` for a given kernel), becomes what
+// to launch with; `trigger` gets the kernel's let_successor_launch flag. Without early launch (pdl
+// false) nothing launches early and nothing changes.
+template <auto Kernel>
+cudaError_t successor_smem(int successor, bool pdl, int ctas, int threads, size_t& smem, int& trigger) {
+  trigger = 0;
+  if (!pdl || successor == SUCCESSOR_AT_END) return cudaSuccess;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  SmLimits l;
+  if ((err = sm_limits(device, l)) != cudaSuccess) return err;
+  const int per_sm = (ctas + l.sms - 1) / l.sms;
+  if (successor == SUCCESSOR_CAPPED) {
+    long capped = ((long)l.smem_per_sm / per_sm - l.reserved) & ~127L;  // per_sm + 1 CTAs no longer fit
+    if (capped > l.optin) capped = l.optin;
+    if (capped > (long)smem) smem = (size_t)capped;  // else more CTAs than that do not fit anyway
+    trigger = 1;
+    return cudaSuccess;
+  }
+  // CTAs that fit an SM, per device and warps (the kernel's shared memory follows from its warps)
+  constexpr int kMaxDevices = 64, kMaxWarps = 32;
+  static int fits[kMaxDevices][kMaxWarps + 1] = {};
+  const int warps = threads / 32;
+  if (warps < 1 || warps > kMaxWarps) return cudaErrorInvalidValue;
+  int& fit = fits[device][warps];
+  if (fit == 0 && (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, Kernel, threads, smem)) != cudaSuccess)
+    return err;
   trigger = per_sm >= fit;
-  return smem;
+  return cudaSuccess;
 }
 __device__ __forceinline__ void prefetch_l2(bool pred, const void* gmem) {
   asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p prefetch.global.L2 [%1]; }" ::"r"((int)pred), "l"(gmem));

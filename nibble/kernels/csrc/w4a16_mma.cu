@@ -313,10 +313,11 @@ template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
   constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
-  const cudaError_t err = opt_in_shared_memory<kernel>();
+  cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
-  const size_t smem = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem_bytes(warps, MT), trigger);
+  size_t smem = smem_bytes(warps, MT);
+  if ((err = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem, trigger)) != cudaSuccess) return err;
   return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, M, K,
                        group_shift_steps, ldx, trigger);
 }

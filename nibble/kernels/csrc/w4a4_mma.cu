@@ -154,10 +154,11 @@ template <typename T, int MT, bool MANY>
 cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ctas, int ws_dtype, int bias_dtype,
                    int M, int K, int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
   constexpr auto kernel = w4a4_mma_kernel<T, MT, MANY>;
-  const cudaError_t err = opt_in_shared_memory<kernel>();
+  cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
-  const size_t smem = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem_bytes(warps, MT), trigger);
+  size_t smem = smem_bytes(warps, MT);
+  if ((err = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem, trigger)) != cudaSuccess) return err;
   return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const int8_t*>(qx), xs, weights, ws_dtype,
                        bias_dtype, M, K, ldx, trigger);
 }
