@@ -115,11 +115,7 @@ def decode_ab(config: str, model_name: str, batches, rounds: int, say=print) -> 
                 engines[name] = Engine(model, max_batch=batch, max_seq_len=128 + 160)
                 speed.measure_decode(engines[name], batch, 128, 8, reps=1)  # captures under this way
                 tokens[name] = engines[name].generate(torch.arange(1, 9, device="cuda")[None], 6)[0].tolist()
-        times = {name: [] for name in WAYS}
-        for r in range(rounds):
-            for name in (WAYS if r % 2 == 0 else WAYS[::-1]):
-                with way(name):
-                    times[name].append(speed.measure_decode(engines[name], batch, 128, 128, reps=3))
+        times = speed.alternating_decodes(engines, batch, 128, 128, rounds)  # graphs captured above: no way needed
         ms = {name: statistics.median(times[name]) for name in WAYS}
         for name in WAYS:
             rows.append(dict(case=f"decode {model_name}", config=config, batch=batch, way=name, ms_per_step=ms[name],

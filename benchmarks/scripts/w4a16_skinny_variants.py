@@ -350,11 +350,7 @@ def decode_ab(model_name: str, libs: dict, batches, rounds: int) -> list[dict]:
             engines[name] = Engine(model, max_batch=batch, max_seq_len=128 + 160)
             speed.measure_decode(engines[name], batch, 128, 8, reps=1)
             tokens[name] = engines[name].generate(torch.arange(1, 9, device="cuda")[None], 6)[0].tolist()
-        times = {name: [] for name in libs}
-        for r in range(rounds):
-            for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                use(name)
-                times[name].append(speed.measure_decode(engines[name], batch, 128, 128, reps=3))
+        times = speed.alternating_decodes(engines, batch, 128, 128, rounds)  # graphs captured above
         first = next(iter(libs))
         for name in libs:
             ms = statistics.median(times[name])

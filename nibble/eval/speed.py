@@ -149,13 +149,18 @@ def alternating_prefills(engines: dict, shapes, rounds: int, say=None) -> dict:
     ``say(round, times)`` is called after each round."""
     times = {(name, shape): [] for name in engines for shape in shapes}
     for r in range(rounds):
-        names = list(engines) if r % 2 == 0 else list(reversed(engines))
+        names = _round_order(engines, r)
         for shape in shapes:
             for name in names:
                 times[name, shape].append(measure_prefill(engines[name], *shape))
         if say is not None:
             say(r, times)
     return times
+
+
+def _round_order(engines: dict, r: int) -> list:
+    """The engines' names in round ``r`` of an A/B: as given, then reversed, so none always runs first."""
+    return list(engines) if r % 2 == 0 else list(reversed(engines))
 
 
 def measure_decode(engine: Engine, batch: int, prompt_len: int, tokens: int, reps: int = 3, seed: int = 0) -> float:
@@ -174,6 +179,17 @@ def measure_decode(engine: Engine, batch: int, prompt_len: int, tokens: int, rep
         end.synchronize()
         times.append(start.elapsed_time(end) / tokens)
     return statistics.median(times)
+
+
+def alternating_decodes(engines: dict, batch: int, prompt_len: int, tokens: int, rounds: int,
+                        reps: int = 3) -> dict:
+    """{name: [ms per step, one per round]}: `measure_decode` of every engine of ``engines`` ({name:
+    Engine}) in rounds whose order alternates as `alternating_prefills`' does."""
+    times = {name: [] for name in engines}
+    for r in range(rounds):
+        for name in _round_order(engines, r):
+            times[name].append(measure_decode(engines[name], batch, prompt_len, tokens, reps=reps))
+    return times
 
 
 def measure_decode_linears(engine: Engine, batch: int, reps: int = 10, warmup: int = 3) -> float:

@@ -677,6 +677,7 @@ MMA_MANY_MAX_M = 32
 # when this one ends; at once, this launch's CTAs per SM capped at ceil(CTAs / SMs) by shared
 # memory; at once where those CTAs fill an SM anyway, else at the end.
 SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL = 0, 1, 2
+SUCCESSORS = (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL)
 
 
 @dataclass(frozen=True)
@@ -726,7 +727,7 @@ def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
             and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT
             and (not cfg.x_l1 or cfg.token_tiles <= 2)
-            and cfg.successor in (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL))
+            and cfg.successor in SUCCESSORS)
 
 
 def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:

@@ -59,8 +59,8 @@ import torch
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, num_sms, select_mma_config,
-                                   split_counters)
+from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, num_sms,
+                                   select_mma_config, split_counters)
 
 try:
     import triton
@@ -970,8 +970,8 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
     if not 1 <= warps <= MMA_MAX_WARPS:
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
     successor = mma_successor(M) if successor is None else successor
-    if successor not in (0, 1, 2):
-        raise ValueError(f"successor must be one of w4a16.SUCCESSOR_* (0, 1, 2), got {successor}")
+    if successor not in SUCCESSORS:
+        raise ValueError(f"successor must be one of w4a16.SUCCESSOR_* {SUCCESSORS}, got {successor}")
     qx = _aligned_rows(qx, 8)
     ys = [_output(qx, n, out_dtype, out_int32) for n in ns]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])

@@ -265,6 +265,16 @@ def test_alternating_prefills_alternate_the_engine_order_every_round(monkeypatch
     assert times["a", (1, 8)] == [1, 9, 13] and times["c", (2, 4)] == [6, 10, 18]
 
 
+def test_alternating_decodes_alternate_the_engine_order_every_round(monkeypatch):
+    calls = []
+    monkeypatch.setattr(speed, "measure_decode", lambda engine, b, p, t, reps: calls.append((engine, b, p, t, reps))
+                        or len(calls))
+    times = speed.alternating_decodes({"a": "A", "b": "B"}, 8, 128, 64, 4, reps=2)
+    assert [c[0] for c in calls] == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    assert all(c[1:] == (8, 128, 64, 2) for c in calls)
+    assert times == {"a": [1, 4, 5, 8], "b": [2, 3, 6, 7]}
+
+
 def test_speed_models_have_the_published_shapes():
     cfg = speed.SPEED_MODELS["llama-3-8b"]
     assert (cfg["intermediate_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (14336, 8, 128256)
