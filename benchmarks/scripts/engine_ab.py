@@ -1,0 +1,80 @@
+"""Decode A/B of versions of the engine (`nibble/eval/engine.py`) in one process: the package's
+and other copies of the file (e.g. `git show <commit>:nibble/eval/engine.py > old_engine.py`), each
+engine capturing its own graphs, on random-weight models, in alternating rounds; the greedy tokens
+of each compared with the first other version's (the baseline).
+
+    git show HEAD~1:nibble/eval/engine.py > .exp/old_engine.py
+    PYTHONPATH=. python3 benchmarks/scripts/engine_ab.py --other old=.exp/old_engine.py --json $OUT/ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nibble.bench.timing import env_meta  # noqa: E402
+from nibble.eval import engine as new_engine  # noqa: E402
+from nibble.eval import speed  # noqa: E402
+from nibble.eval.report import quant_config  # noqa: E402
+
+
+def load_engine_module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(f"nibble_engine_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--other", nargs="+", required=True, metavar="NAME=PATH",
+                    help="other engine.py versions; the first is the baseline")
+    ap.add_argument("--configs", nargs="*", default=["bf16", "w4a16", "w4a4"])
+    ap.add_argument("--models", nargs="*", default=["llama-2-7b"], choices=list(speed.SPEED_MODELS))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=4, help="even: each version runs first as often")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    speed.require_cuda("engine_ab")
+    others = dict(o.split("=", 1) for o in args.other)
+    versions = {name: load_engine_module(name, path) for name, path in others.items()}
+    versions["package"] = new_engine
+    base = next(iter(others))
+    rows = []
+    for model_name in args.models:
+        for config in args.configs:
+            model = speed.random_model(model_name)
+            if config != "bf16":
+                speed.quantize_in_place(model, quant_config(config, model, clip_search=False))
+            for batch in (int(b) for b in args.batches.split(",")):
+                engines = {name: mod.Engine(model, max_batch=batch, max_seq_len=args.prompt + 160)
+                           for name, mod in versions.items()}
+                prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(0)).cuda()
+                tokens = {name: e.generate(prompt, 12).tolist() for name, e in engines.items()}
+                times = speed.alternating_decodes(engines, batch, args.prompt, 128, args.rounds)
+                for name, t in times.items():
+                    ms = statistics.median(t)
+                    rows.append(dict(model=model_name, config=config, batch=batch, prompt=args.prompt, engine=name,
+                                     ms_per_step=ms, rounds=t, speedup=statistics.median(times[base]) / ms,
+                                     same_tokens=tokens[name] == tokens[base]))
+                    print(f"{model_name} {config:6s} b={batch:2d} decode {name:10s} {ms:.4f} ms/step "
+                          f"({rows[-1]['speedup']:.3f}x {base}) tokens "
+                          f"{'same' if rows[-1]['same_tokens'] else 'DIFFER'}", flush=True)
+                for e in engines.values():
+                    e.close()
+                speed.release()
+            speed.release(model)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
