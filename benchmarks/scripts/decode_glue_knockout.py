@@ -2,9 +2,7 @@
 random-weight model with one glue op at a time replaced by no kernel at all (its output left
 unwritten: the tokens are garbage, the timing is what a perfect fusion of that op could save), one
 engine per (config, knockout), each capturing its graph under its knockout, timed in alternating
-rounds. Not a correctness test: only the "none" rows run the real model. (Session 23 measured
-RoPE and the attention's combine as knockouts too, then fused both into the attention kernel:
-results/decode-glue-knockout-h200.json.)
+rounds. Not a correctness test: only the "none" rows run the real model.
 
     PYTHONPATH=. python3 benchmarks/scripts/decode_glue_knockout.py --json $OUT/knockout.json
 """
@@ -27,8 +25,18 @@ from nibble.eval import speed  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
 
 
-def _no_attention(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, scale, arrivals=None):
+def _no_rope(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim):
+    return torch.empty(q.shape[0], q.shape[1], n_heads, head_dim, dtype=q.dtype, device=q.device)
+
+
+def _no_attention(q, k_cache, v_cache, pos, scale, mask):
     return torch.empty_like(q)
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
 
 
 def _no_norm(x, residual, weight, eps):
@@ -41,10 +49,13 @@ def _no_silu(g, u):
 
 KNOCKOUTS = {
     "none": {},
+    "rope": {"rope_and_cache": _no_rope},
+    "combine": {"_decode_attention_combine_kernel": _NoLaunch()},
     "attention": {"decode_attention": _no_attention},
     "norm": {"add_rmsnorm": _no_norm},
     "silu": {"silu_mul": _no_silu},
-    "all": {"decode_attention": _no_attention, "add_rmsnorm": _no_norm, "silu_mul": _no_silu},
+    "all": {"rope_and_cache": _no_rope, "decode_attention": _no_attention, "add_rmsnorm": _no_norm,
+            "silu_mul": _no_silu},
 }
 
 

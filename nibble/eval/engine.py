@@ -8,15 +8,14 @@ this file supplies the rest of the forward pass:
 - prefill: causal SDPA over the prompt itself (cuDNN's attention where it runs, else flash: on the
   H200 13 against 20 us a layer of Llama-2-7B at 512 tokens), logits of the last token only;
 - decode: one token; grouped query heads are folded into the query length (no K/V copies); on
-  CUDA one split-K (flash-decoding) Triton kernel applies RoPE, writes the new key and value into
-  the cache and reads the keys up to the current position, spread over many programs (the last
-  program of a head merges the splits), elsewhere RoPE, the cache write and SDPA over the whole
-  static cache with a ``position <= pos`` mask;
+  CUDA a split-K (flash-decoding) Triton kernel reads the keys up to the current position and spreads
+  them over many programs, elsewhere SDPA runs over the whole static cache with an additive
+  ``position <= pos`` mask built once per step;
 - on CUDA, each prefill shape and each decode batch is one CUDA graph (static input buffers; the
   decode step advances its own position and writes its greedy token back into its input);
-- the glue between the matmuls is fused Triton kernels on CUDA: residual add + RMSNorm, RoPE +
-  KV-cache write (prefill; decode's attention kernel does its own), SiLU(gate) * up, so a decode step
-  runs about 8 kernels a layer instead of about 43. In a CUDA graph each small kernel still costs a few microseconds, and at 32 layers
+- the glue between the matmuls is three fused Triton kernels on CUDA: residual add + RMSNorm,
+  RoPE + KV-cache write, SiLU(gate) * up, so a decode step runs about 13 kernels a layer instead
+  of about 43. In a CUDA graph each small kernel still costs a few microseconds, and at 32 layers
   the unfused glue cost more than streaming 4-bit weights: bf16 Llama-2-7B decoded at 7.4 ms/step
   (W4A16 at 8.3) against 3.2 ms for its bf16 weights at the copy roofline (H200, before fusion).
   ``NIBBLE_FUSED_GLUE=0`` switches the fusion off to measure it;
@@ -188,57 +187,30 @@ if triton is not None:
 
 
     @triton.jit
-    def _rope_row(x_ptr, c, s, cols, rot, sgn, m, like_ptr):
-        """RoPE of the rows at x_ptr (+ cols): x * cos + rotate_half(x) * sin, where rotate_half(x)[d]
-        is sgn[d] * x[rot[d]]; each product and the sum rounded to like_ptr's dtype, as HF rounds."""
-        x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        xr = tl.load(x_ptr + rot, mask=m, other=0.0).to(tl.float32)
-        return _add_unfused(_round(x * c, like_ptr), _round(sgn * xr * s, like_ptr))
-
-    @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, part_ptr, ml_ptr,
-                                 cnt_ptr, out_ptr, HKV, S, CHUNK, q_row, k_row, v_row, scale,
-                                 REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                                 BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        """Program (sequence x kv head, split) of one decode step: RoPE on the REP query heads that
-        read this kv head and on its new key; online softmax over the keys [split * CHUNK, +CHUNK)
-        that are <= pos; the program whose chunk holds pos writes the new key and value into the
-        caches (and uses them from registers: no program reads them back). With several splits,
-        each stores its partial acc, max and sum (fp32), and the last to arrive on its kv head
-        merges them (flash-decoding's combine, without a launch of its own: ~45 us a step of
-        Llama-2-7B on the H200, and RoPE's launch as much)."""
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, ml_ptr, S, CHUNK, scale,
+                                 REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 IEEE: tl.constexpr, PDL: tl.constexpr):
+        """Program (sequence x kv head, split): online softmax over keys [split * CHUNK, +CHUNK) that are
+        <= pos, for the REP query heads that share this kv head; partial acc, max and sum out (fp32)."""
         after_prior_grids(PDL)
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
-        b, h = bh // HKV, bh % HKV
-        p = tl.load(pos_ptr).to(tl.int64)
+        n_splits = tl.num_programs(1)
+        length = tl.load(pos_ptr).to(tl.int32) + 1
         rows = tl.arange(0, REP_P)
         cols = tl.arange(0, D)
-        rot = (cols + D // 2) % D
-        sgn = tl.where(cols < D // 2, -1.0, 1.0)
-        c = tl.load(cos_ptr + p * D + cols).to(tl.float32)
-        s = tl.load(sin_ptr + p * D + cols).to(tl.float32)
-        real = rows < REP
-        q_rows = q_ptr + b * q_row + (h * REP + rows[:, None]) * D
-        q = _rope_row(q_rows, c[None, :], s[None, :], cols[None, :], rot[None, :], sgn[None, :], real[:, None],
-                      out_ptr).to(out_ptr.dtype.element_ty)
-        k_new = _rope_row(k_ptr + b * k_row + h * D, c, s, cols, rot, sgn, cols < D, out_ptr).to(kc_ptr.dtype.element_ty)
-        v_new = tl.load(v_ptr + b * v_row + h * D + cols)
-        start = split * CHUNK
-        end = tl.minimum(start + CHUNK, p + 1)
-        own = (start <= p) & (p < end)
-        tl.store(kc_ptr + (bh * S + p) * D + cols, k_new, mask=own & (cols < D))
-        tl.store(vc_ptr + (bh * S + p) * D + cols, v_new, mask=own & (cols < D))
+        q = tl.load(q_ptr + bh * REP * D + rows[:, None] * D + cols[None, :], mask=rows[:, None] < REP, other=0.0)
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
         acc = tl.zeros([REP_P, D], tl.float32)
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, length)
         for s0 in range(start, end, BLOCK_S):
             offs = s0 + tl.arange(0, BLOCK_S)
             valid = offs < end
             kv_off = bh * S * D + offs[:, None].to(tl.int64) * D + cols[None, :]
-            new = offs[:, None] == p
-            k = tl.where(new, k_new[None, :], tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0))
-            v = tl.where(new, v_new[None, :], tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0))
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
@@ -246,34 +218,35 @@ if triton is not None:
             sc = tl.where(valid[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             alpha = tl.exp(m - m_new)
-            pr = tl.exp(sc - m_new[:, None])
-            l = l * alpha + tl.sum(pr, 1)
+            p = tl.exp(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         # only the REP real query rows leave the program (the rest pad q to tl.dot's 16-row minimum)
-        out_rows = out_ptr + (bh * REP + rows[:, None]) * D + cols[None, :]
-        if SPLITS == 1:
-            tl.store(out_rows, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None])
-        else:
-            base = bh * SPLITS + split
-            tl.store(part_ptr + (base * REP + rows[:, None]) * D + cols[None, :], acc, mask=real[:, None])
-            tl.store(ml_ptr + base * 2 * REP + rows, m, mask=real)
-            tl.store(ml_ptr + (base * 2 + 1) * REP + rows, l, mask=real)
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == SPLITS - 1:
-                tl.store(cnt_ptr + bh, 0)  # zero again for the next step
-                sp = tl.arange(0, SPLITS)
-                for r in tl.static_range(REP):
-                    mr = tl.load(ml_ptr + (bh * SPLITS + sp) * 2 * REP + r, cache_modifier=".cg")
-                    lr = tl.load(ml_ptr + ((bh * SPLITS + sp) * 2 + 1) * REP + r, cache_modifier=".cg")
-                    w = tl.where(mr == float("-inf"), 0.0, tl.exp(mr - tl.max(mr, 0)))  # split 0 sees key 0
-                    part = tl.load(part_ptr + ((bh * SPLITS + sp[:, None]) * REP + r) * D + cols[None, :],
-                                   cache_modifier=".cg")
-                    y = tl.sum(w[:, None] * part, 0) / tl.sum(w * lr, 0)
-                    tl.store(out_ptr + (bh * REP + r) * D + cols, y.to(out_ptr.dtype.element_ty))
+        base = bh * n_splits + split
+        real = rows < REP
+        tl.store(part_ptr + (base * REP + rows[:, None]) * D + cols[None, :], acc, mask=real[:, None])
+        tl.store(ml_ptr + base * 2 * REP + rows, m, mask=real)
+        tl.store(ml_ptr + (base * 2 + 1) * REP + rows, l, mask=real)
+
+    @triton.jit
+    def _decode_attention_combine_kernel(part_ptr, ml_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
+                                         SPLITS: tl.constexpr, PDL: tl.constexpr):
+        """Program (sequence x kv head, query row): the splits' partial softmaxes merged, normalised, cast."""
+        after_prior_grids(PDL)
+        bh = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        cols = tl.arange(0, D)
+        m = tl.load(ml_ptr + (bh * SPLITS + sp) * 2 * REP + r)  # -inf where a split saw no key
+        l = tl.load(ml_ptr + ((bh * SPLITS + sp) * 2 + 1) * REP + r)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.max(m, 0)))  # split 0 always sees key 0
+        part = tl.load(part_ptr + ((bh * SPLITS + sp[:, None]) * REP + r) * D + cols[None, :])
+        y = tl.sum(w[:, None] * part, 0) / tl.sum(w * l, 0)
+        tl.store(out_ptr + (bh * REP + r) * D + cols, y.to(out_ptr.dtype.element_ty))
 
 
 # ---- fused glue: the ops (Triton on CUDA, PyTorch otherwise) -----------------------------------
@@ -365,25 +338,23 @@ def _norm_warps(block: int) -> int:
 ROPE_HEADS = 8  # heads per program of the RoPE + cache kernel
 
 
-def _rope_and_cache_plain(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim):
-    B, T = q.shape[:2]
-    c, s = cos[pos], sin[pos]
-
-    def rope(x, heads):
-        x = x.reshape(B, T, heads, head_dim).transpose(1, 2)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * c + torch.cat((-x2, x1), dim=-1) * s
-    k_cache.index_copy_(2, pos, rope(k, n_kv))
-    v_cache.index_copy_(2, pos, v.reshape(B, T, n_kv, head_dim).transpose(1, 2))
-    return rope(q, n_heads).transpose(1, 2)
-
-
 def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim):
     """RoPE on q [B, T, Hq*D] and k, then k and v written into the caches [B, Hkv, S, D] at ``pos`` [T].
 
     Returns the rotated q as [B, T, Hq, D]. cos/sin: the full tables [S, D].
     """
     B, T = q.shape[:2]
+
+    def plain():
+        c, s = cos[pos], sin[pos]
+
+        def rope(x, heads):
+            x = x.view(B, T, heads, head_dim).transpose(1, 2)
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * c + torch.cat((-x2, x1), dim=-1) * s
+        k_cache.index_copy_(2, pos, rope(k, n_kv))
+        v_cache.index_copy_(2, pos, v.view(B, T, n_kv, head_dim).transpose(1, 2))
+        return rope(q, n_heads).transpose(1, 2)
 
     def kernel():
         qc, kc, vc = (_rows(t) for t in (q, k, v))
@@ -393,8 +364,7 @@ def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head
                                             k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0), D=head_dim,
                                             HALF=head_dim // 2, HEADS=ROPE_HEADS, num_warps=4, **_early(qc, B * T))
         return q_out
-    return _dispatch(q, kernel, lambda: _rope_and_cache_plain(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads,
-                                                              n_kv, head_dim))
+    return _dispatch(q, kernel, plain)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -410,45 +380,39 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _dispatch(g, kernel, lambda: F.silu(g) * u)
 
 
-def decode_attention(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads: int, scale: float,
-                     arrivals: torch.Tensor | None = None) -> torch.Tensor:
-    """One decode step's attention: RoPE on the new token's q [B, 1, Hq*D] and k [B, 1, Hkv*D], k and
-    v written into the caches [B, Hkv, S, D] at ``pos`` [1], then each query head against its kv
-    head's keys at positions <= pos. Returns [B, Hkv, rep, D] (query head h is row h % rep of kv
-    head h // rep). cos/sin: the full tables [S, D]. ``arrivals``: int32 zeros, one per sequence x
-    kv head (the engine keeps one; the kernel leaves it zero), else one is allocated per call.
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     scale: float, mask: torch.Tensor) -> torch.Tensor:
+    """One query token per sequence against the cache: q [B, Hkv, rep, D] (the rep query heads that
+    read kv head h, folded), caches [B, Hkv, S, D], keys at positions <= pos [1] valid (``mask``: the
+    same as an additive [1, 1, 1, S] mask, for the PyTorch path). Returns [B, Hkv, rep, D].
 
-    On CUDA one kernel does all of it (`_decode_attention_kernel`). It splits the keys over programs
-    (flash-decoding), so a short batch still spreads over the GPU (SDPA runs one program per
-    sequence and head, 32 for Llama-2-7B at batch 1, over every cache slot up to capacity; the split
-    kernel reads only the keys up to ``pos``).
+    The kernel splits the keys over programs (flash-decoding), so a short batch still spreads over
+    the GPU: SDPA runs one program per (sequence, head), 32 for Llama-2-7B at batch 1, and reads
+    every cache slot up to capacity; the split kernel reads only the keys up to ``pos``.
     """
-    B, _, n_kv, S, D = (*q.shape[:2], *k_cache.shape[1:])
-    rep = n_heads // n_kv
-
     def plain():
-        qr = _rope_and_cache_plain(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, D)
-        seen = (torch.arange(S, device=q.device) <= pos).view(1, 1, 1, S)  # True where a key is attended
-        return F.scaled_dot_product_attention(qr.reshape(B, n_kv, rep, D), k_cache, v_cache, attn_mask=seen,
-                                              scale=scale)
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
 
     def kernel():
-        qc, kc, vc = (_rows(t) for t in (q, k, v))
+        B, H, rep, D = q.shape
+        S = k_cache.shape[2]
+        qc = q.contiguous()
+        kc, vc = k_cache.contiguous(), v_cache.contiguous()
         block_s = 64
         # about two programs per SM, but no more splits than blocks of keys
-        splits = min(triton.next_power_of_2(triton.cdiv(2 * num_sms(q.device), B * n_kv)),
+        splits = min(triton.next_power_of_2(triton.cdiv(2 * num_sms(q.device), B * H)),
                      triton.next_power_of_2(triton.cdiv(S, block_s)))
         chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
-        part = torch.empty(B * n_kv, splits, rep, D, dtype=torch.float32, device=q.device)
-        ml = torch.empty(B * n_kv, splits, 2, rep, dtype=torch.float32, device=q.device)
-        counts = torch.zeros(B * n_kv, dtype=torch.int32, device=q.device) if arrivals is None else arrivals
-        if counts.dtype != torch.int32 or counts.numel() < B * n_kv or counts.device != q.device:
-            raise ValueError(f"arrivals must be int32 with at least {B * n_kv} entries on {q.device}")
-        out = torch.empty(B, n_kv, rep, D, dtype=q.dtype, device=q.device)
-        _decode_attention_kernel[(B * n_kv, splits)](
-            qc, kc, vc, cos, sin, pos, k_cache, v_cache, part, ml, counts, out, n_kv, S, chunk, qc.stride(0),
-            kc.stride(0), vc.stride(0), scale, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=D,
-            SPLITS=splits, BLOCK_S=block_s, IEEE=q.dtype == torch.float32, num_warps=4, **_early(qc, B))
+        rep_p = max(16, triton.next_power_of_2(rep))
+        part = torch.empty(B * H, splits, rep, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B * H, splits, 2, rep, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(qc)
+        early = _early(qc, B)  # one query token per sequence
+        _decode_attention_kernel[(B * H, splits)](qc, kc, vc, pos, part, ml, S, chunk, scale, REP=rep, REP_P=rep_p,
+                                                  D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
+                                                  num_warps=4, **early)
+        _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, REP=rep, D=D, SPLITS=splits, num_warps=2,
+                                                       **early)
         return out
     return _dispatch(q, kernel, plain)
 
@@ -507,7 +471,7 @@ class Engine:
             shape = (len(self.layers), max_batch, self.n_kv, self.capacity, self.head_dim)
             self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self._arrivals = torch.zeros(max_batch * self.n_kv, dtype=torch.int32, device=self.device)
+            self._mask_values = torch.tensor([0.0, float("-inf")], dtype=self.dtype, device=self.device)
             # Decode state lives on the device: the token to feed and its position.
             self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
             self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -544,22 +508,22 @@ class Engine:
         ys = [y.view(B, T, -1) for y in w4a4.w4a4_products(q, scale, operands, x.dtype, order)]
         return h, silu_mul(*ys) if gated else ys
 
-    def _attention(self, i: int, attn: nn.Module, q, k, v, input_pos, prefill: bool) -> torch.Tensor:
+    def _attention(self, i: int, attn: nn.Module, q, k, v, input_pos, mask) -> torch.Tensor:
         B, T, _ = q.shape
         k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
-        if prefill:  # from position 0: causal attention over the prompt itself
-            q = rope_and_cache(q, k, v, self.cos, self.sin, input_pos, k_cache, v_cache, self.n_heads, self.n_kv,
-                               self.head_dim)  # [B, T, Hq, D]
+        q = rope_and_cache(q, k, v, self.cos, self.sin, input_pos, k_cache, v_cache, self.n_heads, self.n_kv,
+                           self.head_dim)  # [B, T, Hq, D]
+        rep = self.n_heads // self.n_kv
+        if mask is None:  # prefill from position 0: causal attention over the prompt itself
             k, v = k_cache[:, :, :T], v_cache[:, :, :T]
-            rep = self.n_heads // self.n_kv
             if rep > 1:
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
-            y = y.transpose(1, 2)
-        else:  # one token: query head h reads kv head h // rep (the rep heads folded into the query length)
-            y = decode_attention(q, k, v, self.cos, self.sin, input_pos, k_cache, v_cache, self.n_heads,
-                                 self.scale, self._arrivals)
-        return attn.o_proj(y.reshape(B, T, -1))
+            y = y.transpose(1, 2).reshape(B, T, -1)
+        else:  # one token: query head h reads kv head h // rep, so fold the rep heads into the query length
+            qg = q.reshape(B, self.n_kv, rep, self.head_dim)
+            y = decode_attention(qg, k_cache, v_cache, input_pos, self.scale, mask).reshape(B, 1, -1)
+        return attn.o_proj(y)
 
     def _mlp(self, mlp: nn.Module, x, residual, norm):
         """(h, mlp(norm(h))) with h = x + residual."""
@@ -571,13 +535,14 @@ class Engine:
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, prefill: bool) -> torch.Tensor:
         """Logits of the last position, ``[B, vocab]``. ``input_pos`` [T]: the positions of ``tokens``."""
+        mask = None if prefill else self._mask_values[(self.positions > input_pos).long()].view(1, 1, 1, -1)
         x, residual = self.embed(tokens), None  # x: what the next norm adds to the residual stream
         with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 residual, qkv = self._norm_projections(x, residual, layer.input_layernorm,
                                                        (attn.q_proj, attn.k_proj, attn.v_proj))
-                x = self._attention(i, attn, *qkv, input_pos, prefill)
+                x = self._attention(i, attn, *qkv, input_pos, mask)
                 residual, x = self._mlp(layer.mlp, x, residual, layer.post_attention_layernorm)
         _, h = self._add_norm(x, residual, self.norm)
         return self.lm_head(h[:, -1])
