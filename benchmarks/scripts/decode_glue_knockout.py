@@ -84,8 +84,7 @@ def main() -> None:
     rows = []
     for config in args.configs:
         model = speed.random_model(args.model)
-        if config != "bf16":
-            speed.quantize_in_place(model, quant_config(config, model, clip_search=False))
+        speed.quantize_in_place(model, quant_config(config, model, clip_search=False))
         engines = {}
         for name in args.knockouts:
             with knocked_out(name):

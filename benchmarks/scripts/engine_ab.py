@@ -52,8 +52,7 @@ def main() -> None:
     for model_name in args.models:
         for config in args.configs:
             model = speed.random_model(model_name)
-            if config != "bf16":
-                speed.quantize_in_place(model, quant_config(config, model, clip_search=False))
+            speed.quantize_in_place(model, quant_config(config, model, clip_search=False))
             for batch in (int(b) for b in args.batches.split(",")):
                 engines = {name: mod.Engine(model, max_batch=batch, max_seq_len=args.prompt + 160)
                            for name, mod in versions.items()}
