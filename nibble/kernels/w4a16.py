@@ -826,7 +826,9 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # measured config on average over the 48 issue-shape cells, 5% at worst, and 1.9% over the 84
 # small-model cells, 20% at worst; the previous model's were 14% off on the small models, up to
 # 2.1x). The 64-token tiles were swept up to 256 tokens only, so they are not picked above.
-# Split-K runs in clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many).
+# Split-K runs in clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many);
+# its costs were fitted with the partials through global memory, before shared memory made a split
+# cheaper (4096 x 11008 at 128 tokens in 3 splits: 38.5 -> 33.9 us; w4a4.py, notes-w4a16.md).
 WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (128, 128): 0.975, (256, 128): 1.45,
                                          (64, 128): 0.8},
                                item_us={(64, 256): 2.53, (128, 256): 3.15, (128, 128): 4.02, (256, 128): 3.32,
@@ -852,7 +854,7 @@ WGMMA_MAX_M = 2048
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 7
+    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6
     + [ctypes.c_int] * 7 + [ctypes.c_void_p],
     "nibble_w4a16_wgmma_error_string")
 
@@ -920,7 +922,6 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
     columns side by side, each weight writing its own output. ``config`` overrides `wgmma_config`."""
     M, K = x.shape
     widths = [qw.shape[1] for qw, _, _ in weights]
-    N = sum(widths)
     if not (1 <= len(weights) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
         raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0, a group of 32, 64, "
                          f"a multiple of 128 or one per column and 1 to {MMA_MAX_WEIGHTS} weights; got N={widths} "
@@ -935,15 +936,13 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
     ys = [y if y is not None and y.stride(1) == 1 and y.stride(0) % 4 == 0 and y.data_ptr() % 8 == 0
           else torch.empty((M, n), dtype=x.dtype, device=x.device) for y, n in zip(given, widths)]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    # split-K's fp32 partials (the splits of a tile are one cluster: no counters)
-    part = torch.empty(split * M * N, dtype=torch.float32, device=x.device) if split > 1 else ys[0]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), ys)]
     lib = _wgmma_lib(x.device)
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_wgmma(
             int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights), *pointers,
             cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            part.data_ptr(), M, K, group_size, x.stride(0), split, per_split,
+            M, K, group_size, x.stride(0), split, per_split,
             int(early_launch(x.device, M)), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: {lib.nibble_w4a16_wgmma_error_string(err).decode()} "

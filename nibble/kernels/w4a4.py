@@ -1004,7 +1004,10 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
 # they are not picked above (unbounded, the previous model took 64 x 256 for the small models' layers
 # at 512-4096 tokens, up to 17% slower than 128 x 128). Split-K runs in clusters (hopper.cuh:
 # RowShare), ~1 us per split; the H200 holds 66 / 39 / 30 / 17 / 15 clusters of 2 / 3 / 4 / 6 / 8
-# CTAs, so the 32 tiles of a 4096-wide layer at 128 tokens take 3 splits, not 4.
+# CTAs, so the 32 tiles of a 4096-wide layer at 128 tokens take 3 splits, not 4. The split costs
+# were fitted when the partials went through global memory; through shared memory (session 24) a
+# split costs less (4096 x 11008 at 128 tokens in 3 splits of 128 x 128: 19.6 -> 17.4 us), and on
+# the configs timed both ways the model's picks stayed the fastest (benchmarks/notes-w4a4.md).
 WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.516, (128, 256): 0.59, (128, 128): 0.365, (64, 128): 0.328},
                                item_us={(64, 256): 1.17, (128, 256): 2.96, (128, 128): 1.51, (64, 128): 0.8},
                                split_output_us=1.54, split_us=0.71, max_tokens={(64, 256): 256, (64, 128): 256})
@@ -1012,7 +1015,7 @@ WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 7
+    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 6
     + [ctypes.c_int] * 4 + [ctypes.c_void_p],
     "nibble_w4a4_wgmma_error_string")
 
@@ -1159,19 +1162,16 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
     if len(scale_dtypes) > 1 or len(bias_dtypes) > 1:
         raise ValueError("the layers of one w4a4_wgmma launch must share the w_scale dtype and the bias dtype")
     widths = [qweight.shape[1] for _, qweight, _, _ in operands]
-    N = sum(widths)
     pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
                 for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    # split-K's int32 partials (the splits of a tile are one cluster: no counters)
-    part = torch.empty(split * M * N if split > 1 else 1, dtype=torch.int32, device=qx.device)
     lib = _wgmma_lib(qx.device)
     with torch.cuda.device(qx.device):
         err = lib.nibble_w4a4_wgmma(
             out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
             _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            part.data_ptr(), split, per_split, int(gated), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)),
+            split, per_split, int(gated), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)),
             torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "

@@ -230,13 +230,19 @@ __device__ __forceinline__ void store_if(bool live, void* dst, const Vec<uint32_
 }
 
 // Split-K. The splits of an output tile run as one thread-block cluster (launched with cluster
-// dimension `splits` along the split axis), so they are resident together and meet at a cluster
-// barrier: each stores the token rows the others sum to partial [splits, M, N], then sums its own
-// share of the tile's rows (RowShare: groups b of 8 tokens) over every split and runs the epilogue
-// on them. The reduction and the epilogue are spread over the splits' CTAs. (Before, the last CTA to
-// arrive on a tile, found by an atomic counter, summed every split's rows and ran the whole
-// epilogue alone while the other CTAs of the tile idled: W4A4 4096 x 4096 at M = 128 in 6 splits of
-// 128 x 256 tiles took 41.7 us, now 17.4; H200.)
+// dimension `splits` along the split axis), so they are resident together and can read each
+// other's shared memory (DSMEM). After its mainloop each CTA stores the token rows the others sum
+// into its own ring (free by then: the CTA has no next item), meets them at a cluster barrier,
+// sums its share of the tile's rows (RowShare: groups b of 8 tokens) over every split, reading
+// the others' rings, and meets them once more (until then another may still read its ring, which
+// must not be reused nor its CTA exit); its epilogue stores the share. The reduction and the
+// epilogue are spread over the splits' CTAs. H200, against the same hand-off through global memory (partials stored, a
+// __threadfence, loads through the L2): W4A4 4096 x 11008 at M = 128 in 3 splits of 128 x 128
+// 19.6 -> 17.4 us, W4A16 38.5 -> 33.9, 8192 x 28672 in 2 splits 53.3 -> 50.3 and 129 -> 122
+// (benchmarks/results/split-k-dsmem-h200.json; the partials' data is what cost: without any it
+// took 14.5 us). (Before that, the last CTA to arrive on a tile, found by an atomic counter, summed
+// every split's rows and ran the whole epilogue alone while the other CTAs of the tile idled: W4A4
+// 4096 x 4096 at M = 128 in 6 splits of 128 x 256 tiles took 41.7 us, then 17.4.)
 struct RowShare {
   int lo, hi;  // groups [lo, hi) of the tile's BN / 8
   __device__ __forceinline__ bool mine(int b) const { return lo <= b && b < hi; }
@@ -248,51 +254,75 @@ __device__ __forceinline__ RowShare row_share(int groups, int split, int splits)
   return {groups * split / splits, groups * (split + 1) / splits};
 }
 
-// The CTA's partial sums (token m0 + 8 b + 2 t + p, columns ch ..) of the rows outside `skip` into
-// slice `split` of partial.
+// The pipeline both GEMMs run: a CTA of two consumer warpgroups (256 threads) and one producer
+// warpgroup; per stage a "full" mbarrier (the producer's expected TMA bytes landed) and an "empty"
+// one (both consumer warpgroups released the stage), full[STAGES] then empty[STAGES] at `bars`.
+constexpr int CONSUMER_THREADS = 256;
+
+// The partials in a ring: consumer thread i keeps its 2J values of token row 8 b + 2 t + p at slot
+// (2 b + p) * 256 + i, 8J bytes each. Consecutive threads write consecutive slots (no bank
+// conflicts), and the thread of the same index in another split's CTA owns the same outputs, so
+// it reads the same slot there. BN * 512 * J bytes: within every tile's ring (static_asserts).
+template <int BN, int J>
+constexpr int partial_bytes() { return BN / 8 * 2 * CONSUMER_THREADS * 8 * J; }
+template <int J>
+__device__ __forceinline__ uint32_t partial_slot(uint32_t ring, int b, int p, int thread) {
+  return ring + ((2 * b + p) * CONSUMER_THREADS + thread) * 8 * J;
+}
+
+// Both consumer warpgroups' MMAs are done reading the ring (named barrier 1; the W4A4 epilogue uses
+// 2 and 3), so the partials may overwrite it.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// The CTA's partial sums of the token rows outside `skip` into its own ring, for the other splits.
 template <int BN, typename A, int J, int R>
-__device__ __forceinline__ void store_partial(const A (&acc)[J][R], A* partial, int M, int N, int m0, int ch,
-                                              int t, int split, RowShare skip) {
-  A* mine = partial + (size_t)split * M * N;
+__device__ __forceinline__ void store_partial(const A (&acc)[J][R], uint32_t ring, int thread, RowShare skip) {
+  static_assert(sizeof(A) == 4 && (J == 1 || J == 2), "2J 32-bit values: one 8- or 16-byte access");
 #pragma unroll
   for (int b = 0; b < BN / 8; ++b)
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      const int m = m0 + 8 * b + 2 * t + p;
+      if (skip.mine(b)) continue;
       Vec<A, 2 * J> v;
       token_values(acc, b, p, v.v);
-      if (!skip.mine(b) && m < M && ch < N) *reinterpret_cast<Vec<A, 2 * J>*>(mine + (size_t)m * N + ch) = v;
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(v.v);
+      const uint32_t at = partial_slot<J>(ring, b, p, thread);
+      if constexpr (J == 1) asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(at), "r"(w[0]), "r"(w[1]) : "memory");
+      else asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                        : "memory");
     }
 }
 
-// Every thread of the cluster's consumers: the partials stored before are visible after.
+// Every consumer thread of the cluster: what each stored to shared memory before is visible to
+// the others after (release / acquire at cluster scope), and none is still reading another's.
+// (Split into an arrive after the sums and a wait after the epilogue, to hide the second barrier:
+// W4A4 no faster, W4A16 up to 4% slower with its stores moved out of the sums' batches; H200.)
 __device__ __forceinline__ void cluster_sync_partials() {
-  __threadfence();
   asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// The producer thread's part in the consumers' barrier of each item (it stores nothing): arrive
-// once the item's copies are issued, wait for that phase only before arriving at the next.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+
+// `ring` (a shared address of this CTA) as the same address in cluster CTA `rank`'s shared memory.
+__device__ __forceinline__ uint32_t cluster_address(uint32_t ring, int rank) {
+  uint32_t there;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(there) : "r"(ring), "r"(rank));
+  return there;
 }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
 
 // After cluster_sync_partials: the rows of `share` in acc become the sum of the splits' partials
 // in split order (fp32 then rounds the same on every call; int32 is exact in any order). acc
-// already holds split `own`'s partial and skips it, or (own < 0) starts from zero. Token rows go in
-// batches (values of b) of 32 registers of loads, 8 beside 128 accumulators: all loads of a batch
-// and split are issued before any is used, so a tile costs 2 to 16 L2 round trips per split;
-// done(b) is called on each b once its rows are summed (a caller that stores there frees the
-// registers of every finished batch). Rows outside the share are not loaded (their acc is
-// meaningless after).
+// already holds split `own`'s partial and skips it, or (own < 0) starts from zero, every split's
+// partial read from its ring (this CTA's own included). Token rows go in batches (values of b) of
+// 32 registers of loads, 8 beside 128 accumulators: all loads of a batch and split are issued
+// before any is used (batches of 64 registers: W4A4 as fast, W4A16 up to 5% slower; H200); done(b)
+// is called on each b once its rows are summed (a caller that stores there overlaps its stores
+// with the next batch's loads). Rows outside the share are not loaded (their acc is meaningless
+// after).
 template <int BN, typename A, int J, int R, typename Done>
-__device__ __forceinline__ void sum_partials(A (&acc)[J][R], const A* partial, int M, int N, int m0, int ch, int t,
-                                             int splits, int own, RowShare share, Done done) {
-  static_assert(sizeof(A) == 4 && (J == 1 || J == 2), "2J 32-bit values: one 8- or 16-byte load");
-  using Word = std::conditional_t<J == 1, int2, int4>;
+__device__ __forceinline__ void sum_partials(A (&acc)[J][R], uint32_t ring, int thread, int splits, int own,
+                                             RowShare share, Done done) {
+  static_assert(sizeof(A) == 4 && (J == 1 || J == 2), "2J 32-bit values: one 8- or 16-byte access");
   constexpr int LOAD_REGS = BN * J >= 256 ? 8 : 32;  // beside 128 accumulators 16 spilled (ptxas: 168 registers)
   constexpr int ROWS = LOAD_REGS / (4 * J) < BN / 8 ? LOAD_REGS / (4 * J) : BN / 8;
-  const int c = min(ch, N - 2 * J);  // lanes past N read the last columns (their sums are never stored)
 #pragma unroll
   for (int b0 = 0; b0 < BN / 8; b0 += ROWS) {
     if (share.hi <= b0 || b0 + ROWS <= share.lo) continue;  // no row of this batch is ours
@@ -306,16 +336,20 @@ __device__ __forceinline__ void sum_partials(A (&acc)[J][R], const A* partial, i
 #pragma unroll 1
     for (int s = 0; s < splits; ++s) {
       if (s == own) continue;
-      const A* slice = partial + (size_t)s * M * N;
-      Vec<A, 2 * J> o[ROWS][2];
+      const uint32_t there = cluster_address(ring, s);
+      uint32_t o[ROWS][2][2 * J];
 #pragma unroll
       for (int b = b0; b < b0 + ROWS; ++b)
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {  // rows past M read row M - 1 (unused): no branch between the loads
-          const int m = min(m0 + 8 * b + 2 * t + p, M - 1);
-          // through the L2 (.cg): this SM's L1 is not coherent with the other CTAs' stores
-          if (share.mine(b))
-            *reinterpret_cast<Word*>(&o[b - b0][p]) = __ldcg(reinterpret_cast<const Word*>(slice + (size_t)m * N + c));
+        for (int p = 0; p < 2; ++p) {
+          if (!share.mine(b)) continue;
+          uint32_t* w = o[b - b0][p];
+          const uint32_t at = partial_slot<J>(there, b, p, thread);
+          if constexpr (J == 1)
+            asm volatile("ld.shared::cluster.v2.b32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(at) : "memory");
+          else
+            asm volatile("ld.shared::cluster.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at) : "memory");
         }
 #pragma unroll
       for (int b = b0; b < b0 + ROWS; ++b)
@@ -323,8 +357,8 @@ __device__ __forceinline__ void sum_partials(A (&acc)[J][R], const A* partial, i
         for (int p = 0; p < 2; ++p)
 #pragma unroll
           for (int j = 0; j < J; ++j) {
-            acc[j][4 * b + p] += o[b - b0][p].v[2 * j];
-            acc[j][4 * b + 2 + p] += o[b - b0][p].v[2 * j + 1];
+            acc[j][4 * b + p] += reinterpret_cast<const A&>(o[b - b0][p][2 * j]);
+            acc[j][4 * b + 2 + p] += reinterpret_cast<const A&>(o[b - b0][p][2 * j + 1]);
           }
     }
 #pragma unroll
@@ -332,10 +366,6 @@ __device__ __forceinline__ void sum_partials(A (&acc)[J][R], const A* partial, i
   }
 }
 
-// The pipeline both GEMMs run: a CTA of two consumer warpgroups (256 threads) and one producer
-// warpgroup; per stage a "full" mbarrier (the producer's expected TMA bytes landed) and an "empty"
-// one (both consumer warpgroups released the stage), full[STAGES] then empty[STAGES] at `bars`.
-constexpr int CONSUMER_THREADS = 256;
 constexpr int GROUP_M = 8;  // token tiles that run next to each other over the same weight tiles
 
 // Output tile `pid`'s first token and channel (grouped order: GROUP_M token tiles share each weight

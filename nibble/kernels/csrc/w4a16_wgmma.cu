@@ -48,8 +48,9 @@
 //
 // Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
 // per token. Split-K (few tiles for the SMs): the splits of a tile are one cluster; each stores its
-// fp32 partial, then sums every split's partials of its share of the tile's rows in split order
-// (bitwise repeatable) and stores them (hopper.cuh: RowShare).
+// fp32 partial in its shared memory, then sums every split's partials of its share of the tile's
+// rows in split order (bitwise repeatable), read from their shared memory, and stores them
+// (hopper.cuh: RowShare).
 //
 // Several weights that read the same x (a block's q/k/v or gate/up, up to MAX_WEIGHTS, one group
 // size) run as one GEMM over their output columns side by side, as in csrc/w4a4_wgmma.cu: each tile
@@ -86,6 +87,7 @@ template <int BN, int CH_, int GROUP_STEPS> struct Tile {
   static constexpr int STAGE = X_BYTES + W_BYTES + (SZ_BYTES + 1023) / 1024 * 1024;
   static constexpr int STAGES = (227 * 1024 - 1024 - 128) / STAGE < 6 ? (227 * 1024 - 1024 - 128) / STAGE : 6;
   static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES;  // + alignment, mbarriers
+  static_assert(partial_bytes<BN, J>() <= STAGES * STAGE, "split-K's partials go through the ring");
 };
 
 // The activation type T (__half or __nv_bfloat16): its wgmma kind, its TMA element type, and two
@@ -151,7 +153,7 @@ struct Weights {
 template <typename T, int BN, int CH_, int GROUP_STEPS, bool SPLIT>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a16_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
-                       float* __restrict__ partial, int M, int N, int K, int group_size, int tiles_per_split) {
+                       int M, int N, int K, int group_size, int tiles_per_split) {
   using L = Tile<BN, CH_, GROUP_STEPS>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, R = BN / 2;
   constexpr int SZ_ROWS = L::SZ_ROWS, SZ_ROW = L::SZ_ROW, X_STAGE = L::X_BYTES, W_STAGE = L::W_BYTES;
@@ -280,9 +282,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   if constexpr (SPLIT) {
     // every row: the share's sums run over every split's partial, this CTA's own included (split order)
-    store_partial<BN>(acc, partial, M, N, m0, ch, t, blockIdx.y, RowShare{0, 0});
+    consumers_sync();
+    store_partial<BN>(acc, base, tid, RowShare{0, 0});
     cluster_sync_partials();
-    sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, -1, share, store_rows);
+    sum_partials<BN>(acc, base, tid, splits, -1, share, store_rows);
+    cluster_sync_partials();  // the other splits are done reading this ring
     return;
   }
 #pragma unroll
@@ -291,7 +295,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 template <typename T, int BN, int CH, int GROUP_STEPS, bool SPLIT>
 cudaError_t launch(const void* x, int count, const void* const* qweights, const void* const* scales,
-                   const void* const* zeros, const int* ns, Weights& w, void* partial, int M, int N,
+                   const void* const* zeros, const int* ns, Weights& w, int M, int N,
                    int K, int group_size, int ldx, int splits, int tiles_per_split, cudaStream_t stream, bool pdl) {
   using L = Tile<BN, CH, GROUP_STEPS>;
   CUtensorMap x_map;
@@ -310,21 +314,20 @@ cudaError_t launch(const void* x, int count, const void* const* qweights, const 
   if (err != cudaSuccess) return err;
   const int tiles = ((M + BN - 1) / BN) * ((N + L::CH - 1) / L::CH);
   return launch_cluster_kernel(w4a16_wgmma_kernel<T, BN, CH, GROUP_STEPS, SPLIT>, dim3(tiles, splits), dim3(1, splits),
-                               THREADS, L::SMEM, stream, pdl, x_map, w, static_cast<float*>(partial), M, N, K,
-                               group_size, tiles_per_split);
+                               THREADS, L::SMEM, stream, pdl, x_map, w, M, N, K, group_size, tiles_per_split);
 }
 
 template <typename T>
 cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, const void* const* qw,
-                     const void* const* s, const void* const* z, const int* ns, Weights& w, void* partial, int M,
+                     const void* const* s, const void* const* z, const int* ns, Weights& w, int M,
                      int N, int K, int G, int ldx, int splits, int tiles_per_split,
                      cudaStream_t st, bool pdl) {
 #define NIBBLE_LAUNCH(BN_, CH_, GS_)                                                                          \
   if (bn == BN_ && ch == CH_ && group_steps == GS_)                                                           \
-    return splits > 1 ? launch<T, BN_, CH_, GS_, true>(x, count, qw, s, z, ns, w, partial, M, N, K, G, ldx, \
-                                                       splits, tiles_per_split, st, pdl)                        \
-                      : launch<T, BN_, CH_, GS_, false>(x, count, qw, s, z, ns, w, partial, M, N, K, G, ldx, \
-                                                        splits, tiles_per_split, st, pdl);
+    return splits > 1 ? launch<T, BN_, CH_, GS_, true>(x, count, qw, s, z, ns, w, M, N, K, G, ldx, splits,     \
+                                                       tiles_per_split, st, pdl)                                \
+                      : launch<T, BN_, CH_, GS_, false>(x, count, qw, s, z, ns, w, M, N, K, G, ldx, splits,    \
+                                                        tiles_per_split, st, pdl);
 #define NIBBLE_LAUNCH_GROUPS(BN_, CH_) NIBBLE_LAUNCH(BN_, CH_, 2) NIBBLE_LAUNCH(BN_, CH_, 4) NIBBLE_LAUNCH(BN_, CH_, 8)
   NIBBLE_LAUNCH_GROUPS(64, 256)
   NIBBLE_LAUNCH_GROUPS(128, 256)
@@ -343,12 +346,12 @@ cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, 
 // x 16-byte aligned with ldx % 8 == 0, (bn, channels) in {(64, 256), (128, 256), (128, 128), (256,
 // 128), (64, 128)}; count (1 to MAX_WEIGHTS) weights of ns[i] columns, ns[i] % 8 == 0 and every
 // ns[i] but the last a multiple of `channels` (a tile never spans two weights), each with its
-// qweight, scales and zeros (16-byte aligned, contiguous) and output (ldos[i] % 4 == 0); with 1 <
-// splits <= 8 (a cluster of CTAs), partial is float32 [splits, M, sum ns]. dtype: 0 float16, 1
-// bfloat16 (x and outputs). pdl: launch early (skinny.cuh: launch_cluster_kernel).
+// qweight, scales and zeros (16-byte aligned, contiguous) and output (ldos[i] % 4 == 0); 1 <= splits
+// <= 8 (the splits of a tile are a cluster of CTAs). dtype: 0 float16, 1 bfloat16 (x and outputs).
+// pdl: launch early (skinny.cuh: launch_cluster_kernel).
 extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x, int count,
                                   const void* const* qweights, const void* const* scales, const void* const* zeros,
-                                  void* const* outs, const int* ns, const int* ldos, void* partial, int M, int K,
+                                  void* const* outs, const int* ns, const int* ldos, int M, int K,
                                   int group_size, int ldx, int splits, int tiles_per_split, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   Weights w{};
@@ -361,8 +364,8 @@ extern "C" int nibble_w4a16_wgmma(int dtype, int bn, int channels, const void* x
   const int group_steps = group_size == 32 ? 2 : group_size == 64 ? 4 : 8;
   cudaError_t err;
   switch (dtype) {
-    case 0: err = launch_t<__half>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
-    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, partial, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
+    case 0: err = launch_t<__half>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
+    case 1: err = launch_t<__nv_bfloat16>(bn, channels, group_steps, x, count, qweights, scales, zeros, ns, w, M, N, K, group_size, ldx, splits, tiles_per_split, st, pdl); break;
     default: err = cudaErrorInvalidValue;
   }
   return (int)err;

@@ -45,11 +45,12 @@
 //
 // Epilogue: lane (g, t) holds channels c .. c+2J-1 of tokens 8 b + 2 t + {0, 1}: one 2J-wide store
 // per token. Split-K (few tiles for the SMs): the splits of a tile are one cluster; each adds the
-// others' int32 partials of its share of the tile's rows to its own (exact, order-free) and scales
-// them (hopper.cuh: RowShare).
+// others' int32 partials of its share of the tile's rows to its own (exact, order-free), read from
+// their shared memory, and scales them (hopper.cuh: RowShare).
 //
-// Persistent: one CTA per SM walks a list of (tile, split) items, the ring running on from one to
-// the next (see the kernel).
+// Persistent: one CTA per SM walks a list of tiles, the ring running on from one to the next (see
+// the kernel). Not with split-K: there a CTA's ring holds its partials after the mainloop, so each
+// CTA computes one (tile, split) item and the grid has them all.
 //
 // Several weights that read the same x (a block's q/k/v or gate/up projections, up to MAX_WEIGHTS)
 // run as one GEMM over their output columns side by side (hopper.cuh: column_weight), each tile
@@ -93,6 +94,7 @@ template <int BN, int CH_> struct Tile {
   static constexpr int CH = CH_, J = CH / 128;
   static constexpr int X_BYTES = BN * BK, W_BYTES = CH / 32 * W_BOX, STAGE = X_BYTES + W_BYTES;
   static constexpr int STAGES = 4;
+  static_assert(partial_bytes<BN, J>() <= STAGES * STAGE, "split-K's partials go through the ring");
   // + alignment slack, 2 mbarriers per stage, the token scales of each consumer warpgroup
   static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 2 * 4 * BN;
 };
@@ -179,8 +181,8 @@ __device__ __forceinline__ void store_silu_mul(bool live, T* dst, const int (&v)
 template <typename T, int BN, int CH_, bool GATED, bool SPLIT>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
-                      const float* __restrict__ x_scale, int w_scale_dtype, int bias_dtype, int* __restrict__ partial,
-                      int M, int N, int K, int tiles_per_split, int splits) {
+                      const float* __restrict__ x_scale, int w_scale_dtype, int bias_dtype, int M, int N, int K,
+                      int tiles_per_split, int splits) {
   using L = Tile<BN, CH_>;
   constexpr int J = L::J, CH = L::CH, STAGES = L::STAGES, STAGE = L::STAGE, X_STAGE = L::X_BYTES, R = BN / 2;
   extern __shared__ unsigned char smem_raw[];
@@ -195,8 +197,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   // b + gridDim.x, ...; its K tiles are numbered on across items, so the producer fills the ring
   // with the next item's first stages while the consumers finish the previous one (its last MMAs,
   // its epilogue). One wave of CTAs instead of one per item: the pipeline fills once. With split-K
-  // the grid is a whole number of clusters of `splits` CTAs, so a CTA's split is always its rank in
-  // its cluster and the cluster walks whole tiles.
+  // the grid has every item (the ring holds the partials after the mainloop, so nothing may refill
+  // it), in clusters of `splits` CTAs: a CTA's split is its rank in its cluster.
   const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH), items = tiles * splits;
 
   if (tid == 0) init_stage_barriers<STAGES>(bars);
@@ -223,12 +225,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             },
             [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });
         first += work.k_tiles;
-        if constexpr (SPLIT) {  // the consumers' barrier of this item (hopper.cuh: cluster_arrive_relaxed)
-          if (w != (int)blockIdx.x) cluster_wait();
-          cluster_arrive_relaxed();
-        }
       }
-    return;
+    return;  // exited threads count as arrived at the consumers' cluster barriers
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -322,9 +320,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     // the token rows this CTA finishes
     const RowShare share = SPLIT ? row_share(BN / 8, split, splits) : RowShare{0, BN / 8};
     if constexpr (SPLIT) {
-      store_partial<BN>(acc, partial, M, N, m0, ch, t, split, share);
+      consumers_sync();
+      store_partial<BN>(acc, base, tid, share);
       cluster_sync_partials();
-      sum_partials<BN>(acc, partial, M, N, m0, ch, t, splits, split, share, [](int) {});
+      sum_partials<BN>(acc, base, tid, splits, split, share, [](int) {});
+      cluster_sync_partials();  // the other splits are done reading this ring
     }
 
     // The warpgroup's readers of the previous item's scales are done (they reached this barrier).
@@ -390,33 +390,36 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 template <typename T, int BN, int CH, bool GATED, bool SPLIT>
-cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ws_dtype, int bias_dtype,
-                   void* partial, int M, int N, int K, int ldx, int splits, int tiles_per_split,
-                   cudaStream_t stream, bool pdl) {
+cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ws_dtype, int bias_dtype, int M,
+                   int N, int K, int ldx, int splits, int tiles_per_split, cudaStream_t stream, bool pdl) {
   constexpr auto kernel = w4a4_wgmma_kernel<T, BN, CH, GATED, SPLIT>;
   constexpr size_t smem = Tile<BN, CH>::SMEM;
   CUtensorMap x_map;
   cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
   if (err == cudaSuccess) err = opt_in_shared_memory<kernel>();
-  int clusters = 0;  // one CTA per SM, or as many clusters of `splits` as fit
-  if (err == cudaSuccess) err = resident_clusters<kernel>(splits, THREADS, smem, clusters);
+  int ctas = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);  // one per tile, and with split-K per item
+  if (SPLIT) {
+    ctas *= splits;
+  } else {  // persistent: at most one CTA per SM
+    int sms = 0;
+    if (err == cudaSuccess) err = resident_clusters<kernel>(1, THREADS, smem, sms);
+    if (ctas > sms) ctas = sms;
+  }
   if (err != cudaSuccess) return err;
-  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);
-  return launch_cluster_kernel(kernel, dim3((tiles < clusters ? tiles : clusters) * splits), dim3(splits), THREADS,
-                               smem, stream, pdl, x_map, weights, xs, ws_dtype, bias_dtype, static_cast<int*>(partial),
-                               M, N, K, tiles_per_split, splits);
+  return launch_cluster_kernel(kernel, dim3(ctas), dim3(splits), THREADS, smem, stream, pdl, x_map, weights, xs,
+                               ws_dtype, bias_dtype, M, N, K, tiles_per_split, splits);
 }
 
 template <typename T, bool GATED = false>
 cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weights& weights, int ws_dtype,
-                     int bias_dtype, void* partial, int M, int N, int K, int ldx, int splits,
-                     int tiles_per_split, cudaStream_t st, bool pdl) {
+                     int bias_dtype, int M, int N, int K, int ldx, int splits, int tiles_per_split,
+                     cudaStream_t st, bool pdl) {
 #define NIBBLE_LAUNCH(BN_, CH_)                                                                                   \
   if (bn == BN_ && ch == CH_)                                                                                     \
-    return splits > 1 ? launch<T, BN_, CH_, GATED, true>(qx, xs, weights, ws_dtype, bias_dtype, partial, M, N, K,   \
-                                                          ldx, splits, tiles_per_split, st, pdl)                    \
-                      : launch<T, BN_, CH_, GATED, false>(qx, xs, weights, ws_dtype, bias_dtype, partial, M, N, K,  \
-                                                          ldx, splits, tiles_per_split, st, pdl);
+    return splits > 1 ? launch<T, BN_, CH_, GATED, true>(qx, xs, weights, ws_dtype, bias_dtype, M, N, K, ldx,   \
+                                                          splits, tiles_per_split, st, pdl)                          \
+                      : launch<T, BN_, CH_, GATED, false>(qx, xs, weights, ws_dtype, bias_dtype, M, N, K, ldx,  \
+                                                          splits, tiles_per_split, st, pdl);
   NIBBLE_LAUNCH(64, 256)
   NIBBLE_LAUNCH(128, 256)
   NIBBLE_LAUNCH(128, 128)
@@ -432,17 +435,17 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weig
 // channels) in {(64, 256), (128, 256), (128, 128), (64, 128)}; count (1 to MAX_WEIGHTS) weights of
 // ns[i] columns, ns[i] % 4 == 0 and every ns[i] but the last a multiple of `channels` (a tile never
 // spans two weights), each with its qweight, w_scale, bias (may be null) and output (ldos[i] % 4 ==
-// 0); with 1 < splits <= 8 (a cluster of CTAs), partial is int32 [splits, M, sum ns]. out_dtype: 0
+// 0); 1 <= splits <= 8 (the splits of a tile are a cluster of CTAs). out_dtype: 0
 // float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0
 // float32, 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_cluster_kernel).
 // gated: SiLU(gate) * up into outs[0] (ldos[0]) of ns[0] columns, from count = 2 weights (gate, up)
 // of ns[0] == ns[1] columns, both or neither with a bias; out_dtype 1 or 2. The launch then has 2 ns[0]
-// "gated" columns (partial: int32 [splits, M, 2 ns[0]]).
+// "gated" columns.
 extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void* qx, const void* x_scale,
                                  int w_scale_dtype, int bias_dtype, int M, int K, int ldx, int count,
                                  const void* const* qweights, const void* const* w_scales, const void* const* biases,
-                                 void* const* outs, const int* ns, const int* ldos, void* partial, int splits,
-                                 int tiles_per_split, int gated, int pdl, void* stream) {
+                                 void* const* outs, const int* ns, const int* ldos, int splits, int tiles_per_split,
+                                 int gated, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   if (gated && (count != 2 || ns[0] != ns[1] || (out_dtype != 1 && out_dtype != 2))) return (int)cudaErrorInvalidValue;
   Weights w{};
@@ -459,8 +462,7 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
-#define NIBBLE_ARGS bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, partial, M, N, K, ldx, splits, \
-                    tiles_per_split, st, pdl
+#define NIBBLE_ARGS bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, M, N, K, ldx, splits, tiles_per_split, st, pdl
   if (gated)
     err = out_dtype == 1 ? launch_t<__half, true>(NIBBLE_ARGS) : launch_t<__nv_bfloat16, true>(NIBBLE_ARGS);
   else switch (out_dtype) {
