@@ -47,7 +47,7 @@ def main() -> int:
                 continue
             t1 = time.perf_counter()
             try:
-                results["speed_models"][m][c] = report.measure_speed_model(m, c, clip_search=False)
+                results["speed_models"][m][c] = report.measure_speed_models(m, [c], rounds=1)[c]
             except Exception as e:  # keep going: one broken config must not hide the others
                 import traceback
                 traceback.print_exc()

@@ -1,9 +1,10 @@
 """Prefill latency of bf16 against nibble configs, interleaved in one process: one random-weight
 model per config (Llama-2-7B's shape by default) stays resident, and each round times every config
 once per prompt shape (`nibble.eval.speed.measure_prefill`: CUDA-graph replays, median of 10), the
-config order alternating from round to round. The report times each config once, one after
-another; this shows how much its ratios move with the run (the bf16 baseline alone moved 8% between
-two device calls of one session).
+config order alternating from round to round, every model resident. (The report rebuilds one
+model at a time, for its peak memory, and since session 24 times its speed models in rounds of
+alternating order too; before, it timed each config once, one after another, and its ratios moved
+with the run: the bf16 baseline alone moved 8% between two device calls of one session.)
 
     PYTHONPATH=. python3 benchmarks/scripts/prefill_repeats.py --configs bf16 w4a4 --rounds 5
 """

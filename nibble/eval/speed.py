@@ -149,7 +149,7 @@ def alternating_prefills(engines: dict, shapes, rounds: int, say=None) -> dict:
     ``say(round, times)`` is called after each round."""
     times = {(name, shape): [] for name in engines for shape in shapes}
     for r in range(rounds):
-        names = _round_order(engines, r)
+        names = round_order(engines, r)
         for shape in shapes:
             for name in names:
                 times[name, shape].append(measure_prefill(engines[name], *shape))
@@ -158,9 +158,9 @@ def alternating_prefills(engines: dict, shapes, rounds: int, say=None) -> dict:
     return times
 
 
-def _round_order(engines: dict, r: int) -> list:
-    """The engines' names in round ``r`` of an A/B: as given, then reversed, so none always runs first."""
-    return list(engines) if r % 2 == 0 else list(reversed(engines))
+def round_order(names, r: int) -> list:
+    """``names`` (or a dict's keys) in round ``r`` of an A/B: as given, then reversed, so none always runs first."""
+    return list(names) if r % 2 == 0 else list(reversed(list(names)))
 
 
 def measure_decode(engine: Engine, batch: int, prompt_len: int, tokens: int, reps: int = 3, seed: int = 0) -> float:
@@ -187,7 +187,7 @@ def alternating_decodes(engines: dict, batch: int, prompt_len: int, tokens: int,
     Engine}) in rounds whose order alternates as `alternating_prefills`' does."""
     times = {name: [] for name in engines}
     for r in range(rounds):
-        for name in _round_order(engines, r):
+        for name in round_order(engines, r):
             times[name].append(measure_decode(engines[name], batch, prompt_len, tokens, reps=reps))
     return times
 

@@ -178,6 +178,38 @@ def test_speed_tables_targets_and_plots_from_measured_numbers(tmp_path):
     assert all((tmp_path / p).stat().st_size > 1000 for p in ("speedup.png", "vram.png"))
 
 
+def test_speed_models_alternate_the_config_order_and_keep_the_median_round(monkeypatch):
+    """Each config is rebuilt and timed in every round, the order alternating (bf16 not always first);
+    memory is measured once; each row is the round with the median time, all rounds' times kept;
+    a config that fails is reported and not tried again."""
+    order, peaks = [], []
+    prefill_ms = {"bf16": iter([10.0, 12.0, 11.0]), "w4a4": iter([6.0, 7.0, 5.0])}
+    monkeypatch.setattr(report.speed_mod, "random_model", lambda name: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(report.speed_mod, "quantize_in_place", lambda model, qc: 0.0)
+    monkeypatch.setattr(report.mem_mod, "weight_memory", lambda model: {"total_bytes": 1})
+    monkeypatch.setattr(report.mem_mod, "peak_memory", lambda model: peaks.append(1) or {"peak_bytes": 2})
+    monkeypatch.setattr(report.speed_mod, "release", lambda *a: None)
+
+    def speed_benchmark(model, label, log=print):
+        name = label.split("/")[1].split(" ")[0]
+        order.append(name)
+        if name == "w4a4-hadamard":
+            raise RuntimeError("no kernel")
+        ms = next(prefill_ms[name])
+        return [dict(model=label, phase="prefill", batch=1, tokens=128, ms=ms),
+                dict(model=label, phase="decode", batch=1, ms_per_step=ms / 10)]
+
+    monkeypatch.setattr(report.speed_mod, "speed_benchmark", speed_benchmark)
+    res = report.measure_speed_models("llama-2-7b", ["bf16", "w4a4-hadamard", "w4a4"], rounds=3, log=lambda *_: None)
+    assert order == ["bf16", "w4a4-hadamard", "w4a4", "w4a4", "bf16", "bf16", "w4a4"]
+    assert list(res) == ["bf16", "w4a4-hadamard", "w4a4"] and len(peaks) == 3
+    assert res["w4a4-hadamard"]["error"] == "RuntimeError: no kernel"
+    assert [r["ms"] for r in res["bf16"]["speed"] if r["phase"] == "prefill"] == [11.0]
+    assert res["bf16"]["speed"][0]["round_ms"] == [10.0, 12.0, 11.0]
+    assert res["bf16"]["speed"][0]["model"] == "llama-2-7b/bf16" and res["w4a4"]["speed"][1]["ms_per_step"] == 0.6
+    assert res["w4a4"]["speed_rounds"] == 3
+
+
 def test_report_cli_arguments_reach_run_report(tmp_path, monkeypatch):
     parser = report.add_report_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--out", str(tmp_path), "--configs", "bf16", "--limit", "1", "--tasks", "piqa",
