@@ -962,12 +962,10 @@ def _check(x, qweight, scales, zeros, group_size):
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"w4a16_linear: activations must be float16 or bfloat16, got {x.dtype} "
                         f"(cast fp32 activations with x.half() / x.bfloat16() first)")
-    if qweight.dtype != torch.int32 or qweight.dim() != 2:
-        raise TypeError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
     M, K = x.shape
     if K % PACK:
         raise ValueError(f"K={K} must be a multiple of 8 (8 4-bit codes per int32 word)")
-    if qweight.shape[0] * PACK != K:
+    if _packed_k(qweight) != K:
         raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK}")
     _check_weight(qweight, scales, zeros, group_size)
     devs = {t.device for t in (x, qweight, scales, zeros)}
@@ -975,9 +973,17 @@ def _check(x, qweight, scales, zeros, group_size):
         raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(str(d) for d in devs)}")
 
 
+def _packed_k(qweight) -> int:
+    """K of a canonical packed weight (int32 [K // 8, N]), or a TypeError saying what it must be."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise TypeError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    return qweight.shape[0] * PACK
+
+
 def _check_weight(qweight, scales, zeros, group_size):
-    """The weight's own consistency: the group divides K, scales and zeros hold one row per group."""
-    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    """The weight's own consistency: packed int32 words, the group divides K, scales and zeros hold
+    one row per group."""
+    K, N = _packed_k(qweight), qweight.shape[1]
     if group_size <= 0 or K % group_size or group_size % PACK:
         raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
     for name, t in (("scales", scales), ("zeros", zeros)):
@@ -1085,8 +1091,6 @@ def _(x, qweights, scales, zeros, group_size):
 
 def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, out=None):
     """Dense W [N, K] (nn.Linear layout) in ``dtype``: one Triton pass on CUDA, the reference elsewhere."""
-    if qweight.dtype != torch.int32 or qweight.dim() != 2:
-        raise TypeError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
     _check_weight(qweight, scales, zeros, group_size)
     K, N = qweight.shape[0] * PACK, qweight.shape[1]
     if qweight.device.type != "cuda" or not HAS_TRITON:
