@@ -366,6 +366,21 @@ __device__ __forceinline__ void sum_partials(A (&acc)[J][R], uint32_t ring, int 
   }
 }
 
+// The whole hand-off of split `split` of `splits`, after its mainloop: the rows of `share` in acc
+// become the sum over the splits, done(b) as in sum_partials. ORDERED (fp32, bitwise repeatable):
+// every split's partial is stored and summed in split order, this CTA's own read back from its
+// ring; else (int32, exact in any order) acc keeps this CTA's own and only the others' rows are
+// stored.
+template <bool ORDERED, int BN, typename A, int J, int R, typename Done>
+__device__ __forceinline__ void split_k_sum(A (&acc)[J][R], uint32_t ring, int thread, int split, int splits,
+                                            RowShare share, Done done) {
+  consumers_sync();
+  store_partial<BN>(acc, ring, thread, ORDERED ? RowShare{0, 0} : share);
+  cluster_sync_partials();
+  sum_partials<BN>(acc, ring, thread, splits, ORDERED ? -1 : split, share, done);
+  cluster_sync_partials();  // the other splits are done reading this ring
+}
+
 constexpr int GROUP_M = 8;  // token tiles that run next to each other over the same weight tiles
 
 // Output tile `pid`'s first token and channel (grouped order: GROUP_M token tiles share each weight

@@ -282,11 +282,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   if constexpr (SPLIT) {
     // every row: the share's sums run over every split's partial, this CTA's own included (split order)
-    consumers_sync();
-    store_partial<BN>(acc, base, tid, RowShare{0, 0});
-    cluster_sync_partials();
-    sum_partials<BN>(acc, base, tid, splits, -1, share, store_rows);
-    cluster_sync_partials();  // the other splits are done reading this ring
+    split_k_sum<true, BN>(acc, base, tid, blockIdx.y, splits, share, store_rows);
     return;
   }
 #pragma unroll

@@ -320,11 +320,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // the token rows this CTA finishes
     const RowShare share = SPLIT ? row_share(BN / 8, split, splits) : RowShare{0, BN / 8};
     if constexpr (SPLIT) {
-      consumers_sync();
-      store_partial<BN>(acc, base, tid, share);
-      cluster_sync_partials();
-      sum_partials<BN>(acc, base, tid, splits, split, share, [](int) {});
-      cluster_sync_partials();  // the other splits are done reading this ring
+      split_k_sum<false, BN>(acc, base, tid, split, splits, share, [](int) {});
     }
 
     // The warpgroup's readers of the previous item's scales are done (they reached this barrier).
