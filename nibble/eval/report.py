@@ -136,8 +136,8 @@ def measure_speed_models(model_name: str, configs, rounds: int = SPEED_ROUNDS, c
     in the first, and each speed row is the round with the median time (all rounds' times kept in
     ``round_ms``). Measured once each, one after another with bf16 first, the ratios moved with
     the run: on an H200, bf16 prefilled 1 x 512 tokens of Llama-2-7B in 10.67 ms where rounds
-    alternating in one process read 11.06-11.70 ms, so W4A4 read 1.56x against 1.67x
-    (benchmarks/results/prefill-repeats-split-dsmem-llama2-7b-h200.json). A config that fails is
+    alternating in one process right after read 11.06-11.70 ms, so W4A4 read 1.56x against 1.67x
+    (benchmarks/results/prefill-repeats-report-machine-llama2-7b-h200.json). A config that fails is
     reported with its error and left out of the later rounds."""
     res: dict = {}
     runs: dict = {name: [] for name in configs}
@@ -157,8 +157,8 @@ def measure_speed_models(model_name: str, configs, rounds: int = SPEED_ROUNDS, c
                                  "peak": mem_mod.peak_memory(model)}
                     log(f"[{model_name}/{name}] weights {mem_mod.format_bytes(res[name]['weights']['total_bytes'])}, "
                         f"peak (512 prefill + 128 decode) {mem_mod.format_bytes(res[name]['peak']['peak_bytes'])}")
-                runs[name].append(speed_mod.speed_benchmark(model, f"{model_name}/{name} (round {r + 1}/{rounds})",
-                                                            log=log))
+                log(f"[{model_name}/{name}] speed, round {r + 1} of {rounds}")
+                runs[name].append(speed_mod.speed_benchmark(model, f"{model_name}/{name}", log=log))
             except Exception as e:
                 log(f"[{model_name}/{name}] FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
                 res[name] = {"config": name, "error": f"{type(e).__name__}: {e}"}
@@ -179,8 +179,7 @@ def _median_rows(runs: list[list[dict]]) -> list[dict]:
     for rows in zip(*runs):
         key = "ms" if rows[0]["phase"] == "prefill" else "ms_per_step"
         ranked = sorted(rows, key=lambda row: row[key])
-        label = rows[0]["model"].split(" (round")[0]
-        out.append({**ranked[len(ranked) // 2], "model": label, "round_ms": [row[key] for row in rows]})
+        out.append({**ranked[len(ranked) // 2], "round_ms": [row[key] for row in rows]})
     return out
 
 

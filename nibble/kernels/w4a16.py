@@ -965,8 +965,9 @@ def _check(x, qweight, scales, zeros, group_size):
     M, K = x.shape
     if K % PACK:
         raise ValueError(f"K={K} must be a multiple of 8 (8 4-bit codes per int32 word)")
-    if _packed_k(qweight) != K:
-        raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK}")
+    packed = _packed_k(qweight)
+    if packed != K:
+        raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={packed}")
     _check_weight(qweight, scales, zeros, group_size)
     devs = {t.device for t in (x, qweight, scales, zeros)}
     if len(devs) != 1:
