@@ -51,11 +51,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nibble.bench.timing import side_stream
-from nibble import kernels
-from nibble.kernels import reference, w4a4, w4a16
+from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
+from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands, w4a16_operands
+from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -280,10 +280,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(h, norm(h)) with h = x + residual (h = x when residual is None), as HF's RMSNorm computes it."""
+    def plain():
+        h = x if residual is None else residual + x
+        hf = h.float()
+        return h, weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
     def kernel():
         h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps)
         return h, out
-    return _dispatch(x, kernel, lambda: reference.add_rmsnorm(x, residual, weight, eps))
+    return _dispatch(x, kernel, plain)
 
 
 def add_rmsnorm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -395,7 +400,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kc, vc = k_cache.contiguous(), v_cache.contiguous()
         block_s = 64
         # about two programs per SM, but no more splits than blocks of keys
-        splits = min(triton.next_power_of_2(triton.cdiv(2 * w4a16.num_sms(q.device), B * H)),
+        splits = min(triton.next_power_of_2(triton.cdiv(2 * num_sms(q.device), B * H)),
                      triton.next_power_of_2(triton.cdiv(S, block_s)))
         chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
         rep_p = max(16, triton.next_power_of_2(rep))
@@ -487,14 +492,9 @@ class Engine:
         norm's kernel (`add_rmsnorm_quantize`; 16-bit activations, which the op would quantize
         alike), and a gated pair on the Hopper GEMM is one launch that multiplies in its epilogue
         (`w4a4.w4a4_wgmma_silu_mul`) where that pays (`w4a4.gated_preferred`); the rest go through
-        `shared_input_forward`. W4A16 layers on CUDA at decode sizes (`w4a16.norm_fusable`) run the
-        residual add and the norm inside their projections' launch (`kernels.w4a16_norm_linears`)."""
+        `shared_input_forward`."""
         p = _rmsnorm_params(norm)
         fusable = p is not None and x.is_cuda and triton is not None and x.dtype in w4a4.KERNEL_DTYPES
-        w16 = w4a16_operands(layers) if fusable and FUSED_GLUE and residual is not None else None
-        if w16 is not None and p[0].dtype == x.dtype and w4a16.norm_fusable(x.numel() // x.shape[-1], x.shape[-1]):
-            h, ys = kernels.w4a16_norm_linears(x, residual, *p, *w16)
-            return h, silu_mul(*ys) if gated else ys
         operands = w4a4_operands(layers, x.dtype) if fusable else None
         if operands is None:
             h, y = self._add_norm(x, residual, norm)

@@ -70,21 +70,6 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     return [_finish(y, layer[3], x) for y, layer in zip(ys, layers)]
 
 
-def w4a16_norm_linears(x, residual, norm_weight, eps: float, layers, group_size: int, backend: str = "auto"):
-    """(h, [norm(h) @ W_i.T + b_i]) with h = x + residual and norm Hugging Face's RMSNorm
-    (`reference.add_rmsnorm`), ``layers`` as for ``w4a16_linears``: a decoder layer's residual add,
-    RMSNorm and q/k/v or gate/up projections, on CUDA one kernel launch at decode sizes
-    (``w4a16.norm_fusable``). x, residual and norm_weight are 16-bit, of one dtype."""
-    if not _use_kernel(x, backend):
-        h, y = reference.add_rmsnorm(x, residual, norm_weight, eps)
-        return h, [reference.w4a16_matmul(y, qw, s, z, group_size, b) for qw, s, z, b in layers]
-    importlib.import_module("nibble.kernels.w4a16")
-    K = x.shape[-1]
-    h, *ys = torch.ops.nibble.w4a16_norm_linears(x.reshape(-1, K), residual.reshape(-1, K), norm_weight, eps,
-                                                 *([layer[i] for layer in layers] for i in range(3)), group_size)
-    return h.view(x.shape), [_finish(y, layer[3], x) for y, layer in zip(ys, layers)]
-
-
 def _finish(y, bias, x):
     """A kernel's [M, N] output with the bias added, in x's leading dims and dtype."""
     if bias is not None:

@@ -34,15 +34,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(h, norm(h)) with h = x + residual (h = x when residual is None) and norm Hugging Face's
-    LlamaRMSNorm, rounding where it rounds: h in x.dtype, mean(h^2) and the scaling in float32, the
-    result back to x.dtype, then times ``weight``."""
-    h = x if residual is None else residual + x
-    hf = h.float()
-    return h, weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-
-
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4: returns (q int8 [..., K] in [-8, 7], scale float32 [...]).
 

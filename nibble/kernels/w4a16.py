@@ -685,12 +685,13 @@ class MmaConfig:
     token_tiles: int     # tiles of 8 tokens (1, 2, 4, 8): M <= 8 * token_tiles
     warps: int           # warps per CTA, splitting K; one CTA per 32 output columns
     x_l1: bool = False   # x copied through the L1 (1 or 2 token tiles; see x_through_l1)
+    x_resident: bool = False  # x copied once per CTA instead of every step (1 token tile; see x_resident)
     successor: int = SUCCESSOR_AT_END  # when the next kernel may launch (see successor_launch)
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_mma", [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 9
-    + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
+    "nibble_w4a16_mma", [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
 
@@ -715,32 +716,26 @@ def mma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
 
 
-def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING) -> int:
+def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING, M: int = 0, K: int = 0) -> int:
     """Shared memory of one CTA: the cp.async ring (4 stages of 512 B of weights, 128 B of group
-    parameters, 512 B of x per token tile), reused for the cross-warp reduction (csrc/w4a16_mma.cu).
+    parameters, 512 B of x per token tile, none where x is resident), reused for the cross-warp
+    reduction, then with ``x_resident`` M token rows of 2 K + 64 bytes (csrc/w4a16_mma.cu).
     ``ring_stages``: another ring depth, for the experiments that rebuild the kernel with one."""
-    ring = cfg.warps * ring_stages * (640 + 512 * cfg.token_tiles)
-    return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
+    x_stage = 0 if cfg.x_resident else 512 * cfg.token_tiles
+    ring = max(cfg.warps * ring_stages * (640 + x_stage), cfg.warps * cfg.token_tiles * 8 * 32 * 4)
+    return ring + (min(M, 8) * (2 * K + 64) if cfg.x_resident else 0)
 
 
-# The skinny kernel as the RMSNorm before its projections too (NORM in csrc/w4a16_mma.cu: every CTA
-# computes norm(x + residual) for all K into shared memory, and the norm's own launch goes): up to
-# NORM_MAX_M tokens whose rows, 2 K + 64 bytes each, take at most NORM_MAX_BYTES: four tokens of
-# 4096 (Llama-2-7B, Llama-3-8B), which beside a ring of 8 warps (20 KB: no x in its stages) still
-# leave room for four CTAs per SM, as many as the unfused kernel runs.
-NORM_MAX_M = 4
-NORM_MAX_BYTES = NORM_MAX_M * (2 * 4096 + 64)
-
-
-def norm_fusable(M: int, K: int) -> bool:
-    return 0 < M <= NORM_MAX_M and M * (2 * K + 64) <= NORM_MAX_BYTES
-
-
-def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
+def mma_config_valid(cfg: MmaConfig, M: int, K: int = 0) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
-            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT
+            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles]
+            and mma_smem_bytes(cfg, M=M, K=K) <= MMA_SMEM_LIMIT
             and (not cfg.x_l1 or cfg.token_tiles <= 2)
+            and (not cfg.x_resident or (cfg.token_tiles == 1 and not cfg.x_l1))
             and cfg.successor in SUCCESSORS)
+
+
+X_RESIDENT = 2  # the launcher's x_mode for a resident x (XMode in csrc/w4a16_mma.cu; 0/1: around/through the L1)
 
 
 def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:
@@ -787,7 +782,7 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) ->
            and (ctas < num_sms or steps >= min_steps * 2 * warps)):
         warps *= 2
     x_l1 = x_through_l1(token_tiles, ctas, K, num_sms)
-    return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1))
+    return MmaConfig(token_tiles, warps, x_l1=x_l1, successor=successor_launch(token_tiles, M, x_l1))
 
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
@@ -795,11 +790,9 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
     return w4a16_mma_many(x, [(qweight, scales, zeros)], group_size, config, None if out is None else [out])[0]
 
 
-def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs=None, norm=None):
+def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs=None):
     """[x @ W_i.T for W_i in weights] in one launch, for up to MMA_MAX_WEIGHTS weights (qweight,
-    scales, zeros) that read the same x, e.g. a block's q/k/v projections; inputs already checked.
-    ``norm`` = (residual, weight, eps, h_out): the weights read norm(h) instead, h = x + residual
-    written to h_out, all [M, K] (``norm_fusable`` sizes; ``w4a16_norm_linears``)."""
+    scales, zeros) that read the same x, e.g. a block's q/k/v projections; inputs already checked."""
     M, K = x.shape
     ns = [qw.shape[1] for qw, _, _ in weights]
     lib = _mma_lib(x.device)
@@ -810,29 +803,23 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
                          f"weights), N and K multiples of 32, a power-of-two group >= 32 (or per-column) and 1 to "
                          f"{MMA_MAX_WEIGHTS} weights; got M={M} N={ns} K={K} group={group_size}")
     cfg = config or select_mma_config(M, sum(ns), K, num_sms(x.device))
-    if norm is not None:  # x is not copied: no L1 choice, and M <= 4 launches its successor capped
-        if not norm_fusable(M, K) or cfg.token_tiles != 1:
-            raise ValueError(f"the norm fuses into one token tile of at most {NORM_MAX_M} tokens and "
-                             f"{NORM_MAX_BYTES} bytes of rows, got M={M} K={K} ({cfg})")
-        cfg = replace(cfg, x_l1=False, successor=successor_launch(1, M, False))
-    if not mma_config_valid(cfg, M):
-        raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
+    if not mma_config_valid(cfg, M, K):
+        raise ValueError(f"{cfg} is not a valid config for M={M}, K={K}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes, "
-                         f"x_l1 at 1 or 2 token tiles only")
+                         f"x_l1 at 1 or 2 token tiles only, x_resident at one token tile and not with x_l1")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
     weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
     if outs is None:
         outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
-    residual, norm_weight, eps, h_out = norm if norm is not None else (None, None, 0.0, None)
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, X_RESIDENT if cfg.x_resident else int(cfg.x_l1),
+            x.data_ptr(), M, K, shift,
             x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
-            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]),
-            *(None if t is None else t.data_ptr() for t in (residual, norm_weight, h_out)), eps,
-            int(early_launch(x.device, M)), cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
+            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
+            cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
     return outs
@@ -1110,41 +1097,6 @@ def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[to
 def _(x, qweights, scales, zeros, group_size):
     torch._check(x.dim() == 2, lambda: "x must be [M, K]")
     return [x.new_empty((x.shape[0], qw.shape[1])) for qw in qweights]
-
-
-@torch.library.custom_op("nibble::w4a16_norm_linears", mutates_args=())
-def w4a16_norm_linears(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       qweights: list[torch.Tensor], scales: list[torch.Tensor], zeros: list[torch.Tensor],
-                       group_size: int) -> list[torch.Tensor]:
-    """``[h, *w4a16_linears(norm(h), ...)]`` with h = x + residual and norm Hugging Face's RMSNorm
-    (``norm_weight``, ``eps``; `reference.add_rmsnorm`): a decoder layer's residual add, RMSNorm and
-    q/k/v or gate/up projections. On CUDA, where the skinny kernel runs and ``norm_fusable`` says, one
-    launch that is the norm too (each CTA normalizes the few tokens itself); elsewhere the norm, then
-    ``w4a16_linears``."""
-    if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"w4a16_norm_linears: residual must be shaped like x {tuple(x.shape)} and norm_weight "
-                         f"[{x.shape[-1]}], got {tuple(residual.shape)} and {tuple(norm_weight.shape)}")
-    if residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
-        raise TypeError(f"w4a16_norm_linears: x, residual and norm_weight must share one dtype, got {x.dtype}, "
-                        f"{residual.dtype}, {norm_weight.dtype}")
-    weights = list(zip(qweights, scales, zeros))
-    for w in weights:
-        _check(x, *w, group_size)
-    M, K = x.shape
-    if (x.device.type == "cuda" and norm_fusable(M, K) and 0 < len(weights) <= MMA_MAX_WEIGHTS
-            and all(mma_applicable(x, qw.shape[1], K, group_size) for qw in qweights)):
-        h = torch.empty_like(x, memory_format=torch.contiguous_format)
-        ys = w4a16_mma_many(x, weights, group_size,
-                            norm=(residual.contiguous(), norm_weight.contiguous(), float(eps), h))
-        return [h, *ys]
-    h, y = reference.add_rmsnorm(x, residual, norm_weight, eps)
-    return [h, *w4a16_linears(y, qweights, scales, zeros, group_size)]
-
-
-@w4a16_norm_linears.register_fake
-def _(x, residual, norm_weight, eps, qweights, scales, zeros, group_size):
-    torch._check(x.dim() == 2, lambda: "x must be [M, K]")
-    return [torch.empty_like(x), *(x.new_empty((x.shape[0], qw.shape[1])) for qw in qweights)]
 
 
 def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, out=None):

@@ -132,20 +132,6 @@ def w4a4_operands(layers, dtype: torch.dtype):
     return [(m.qweight, m.scales[0], None if m.bias is None else m.bias.to(dtype)) for m in layers]
 
 
-def w4a16_operands(layers):
-    """([(qweight, scales, zeros, bias), ...], group_size) for `nibble.kernels.w4a16_norm_linears`
-    when ``layers`` are W4A16 QuantLinears of one group size and input width on the default backend,
-    which may then take their input as norm(x + residual) in the same launch (the engine does); else
-    None."""
-    layers = list(layers)
-    if not layers or not all(isinstance(m, QuantLinear) and m.mode == "w4a16" and m.backend == "auto"
-                             for m in layers):
-        return None
-    if len({(m.in_features, m.group_size) for m in layers}) != 1:
-        return None
-    return [(m.qweight, m.scales, m.zeros, m.bias) for m in layers], layers[0].group_size
-
-
 def stack_weights(layers) -> None:
     """Make the weights (and biases) of plain ``nn.Linear`` layers that read the same input (same
     in_features, dtype and device) consecutive rows of one tensor, in place: each layer's parameters

@@ -18,7 +18,6 @@ import torch
 
 from nibble.kernels import hopper
 from nibble.kernels import w4a16 as W
-from nibble.kernels.reference import add_rmsnorm as reference_add_rmsnorm
 from nibble.kernels.reference import dequantize, w4a16_matmul
 
 CUDA = torch.cuda.is_available()
@@ -643,73 +642,6 @@ def test_w4a16_linears_cpu_matches_per_weight_op():
     with pytest.raises(ValueError, match="packs K=128"):
         torch.ops.nibble.w4a16_linears(x, [weights[0][0], make_weight(32, 128, G)[0]], [w[1] for w in weights],
                                        [w[2] for w in weights], G)
-
-
-def norm_inputs(M, K, dtype, device="cpu", seed=0):
-    """x (what a layer adds to its residual stream), the residual, an RMSNorm weight: fresh, nonzero."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = (torch.randn(M, K, generator=g, device=device) * 2).to(dtype)
-    residual = (torch.randn(M, K, generator=g, device=device) * 3).to(dtype)
-    weight = (torch.rand(K, generator=g, device=device) + 0.5).to(dtype)
-    return x, residual, weight
-
-
-def test_w4a16_norm_linears_cpu_is_the_norm_then_the_products():
-    """The fused op's CPU path: h = x + residual, then `reference.add_rmsnorm` and the grouped
-    products; its checks name what is wrong."""
-    K, G = 256, 64
-    weights = [make_weight(n, K, G, seed=n) for n in (64, 96)]
-    x, residual, nw = norm_inputs(3, K, torch.bfloat16)
-    h, *ys = torch.ops.nibble.w4a16_norm_linears(x, residual, nw, 1e-5, *(list(t) for t in zip(*weights)), G)
-    h_ref, y_ref = reference_add_rmsnorm(x, residual, nw, 1e-5)
-    assert torch.equal(h, residual + x) and torch.equal(h, h_ref)
-    for y, w in zip(ys, weights):
-        torch.testing.assert_close(y, torch.ops.nibble.w4a16_linear(y_ref, *w, G), rtol=0, atol=0)
-    torch.library.opcheck(torch.ops.nibble.w4a16_norm_linears.default,
-                          (x, residual, nw, 1e-5, *(list(t) for t in zip(*weights)), G),
-                          test_utils=("test_schema", "test_faketensor"))
-    with pytest.raises(ValueError, match="residual must be shaped like x"):
-        torch.ops.nibble.w4a16_norm_linears(x, residual[:2], nw, 1e-5, *(list(t) for t in zip(*weights)), G)
-    with pytest.raises(TypeError, match="one dtype"):
-        torch.ops.nibble.w4a16_norm_linears(x, residual, nw.float(), 1e-5, *(list(t) for t in zip(*weights)), G)
-
-
-def test_norm_fusable_sizes():
-    assert W.norm_fusable(1, 4096) and W.norm_fusable(4, 4096) and W.norm_fusable(1, 8192)
-    assert not W.norm_fusable(5, 576) and W.norm_fusable(2, 8192) and not W.norm_fusable(3, 8192) and not W.norm_fusable(0, 4096)
-
-
-@needs_cuda
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-def test_gpu_mma_norm_fused(M):
-    """The skinny kernel as the RMSNorm before its projections (NORM): h = x + residual to the bit,
-    the products within the kernel's tolerance of the reference's products of norm(h), on one to three
-    weights of different widths, groups of 32 / 64 / 128 / per column, K from 256 to 8192, outputs and
-    h poisoned, a strided output; the op gives the same bits."""
-    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
-    for K, G, ns in ((4096, 128, (4096, 1024, 1024)), (576, 64, (576, 192, 192)), (2048, 32, (5632, 5632)),
-                     (1536, 1536, (96,)), (8192, 128, (1024,)), (256, 128, (512, 256))):
-        if not W.norm_fusable(M, K):
-            continue
-        dtype = torch.bfloat16 if (M + K // 32) % 2 else torch.float16
-        weights = [make_weight(n, K, G, symmetric=i == 1, device="cuda", seed=M + n + i) for i, n in enumerate(ns)]
-        x, residual, nw = norm_inputs(M, K, dtype, "cuda", seed=M + K)
-        h_ref, y_ref = reference_add_rmsnorm(x, residual, nw, 1e-6)
-        h = torch.full_like(x, float("nan"))
-        padded = [torch.full((M, n + 32), float("nan"), device="cuda", dtype=dtype) for n in ns]
-        W.w4a16_mma_many(x, weights, G, outs=[p[:, :n] for p, n in zip(padded, ns)], norm=(residual, nw, 1e-6, h))
-        torch.cuda.synchronize()
-        assert torch.equal(h, h_ref)
-        for p, n, w in zip(padded, ns, weights):
-            assert_close(p[:, :n], y_ref, *w, G)
-            assert torch.isnan(p[:, n:]).all(), "wrote past its columns"
-        h_op, *ys = torch.ops.nibble.w4a16_norm_linears(x, residual, nw, 1e-6, *(list(t) for t in zip(*weights)), G)
-        assert torch.equal(h_op, h)
-        for y, p, n in zip(ys, padded, ns):
-            assert torch.equal(y, p[:, :n])
-    with pytest.raises(ValueError, match="one token tile"):
-        W.w4a16_mma_many(x, weights, G, config=W.MmaConfig(2, 4), norm=(residual, nw, 1e-6, h))
 
 
 def test_select_mma_config_rules():

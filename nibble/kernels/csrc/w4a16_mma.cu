@@ -53,13 +53,6 @@
 // picks warps per CTA so that enough loads are in flight on every SM.
 // One launch can serve up to three weights that read the same x, each with its own qweight, scales,
 // zeros and output (skinny.cuh: MAX_WEIGHTS).
-//
-// NORM (decode sizes, M <= NORM_MAX_M): x is not the projections' input but what a decoder layer adds
-// to its residual stream, and the launch is also the RMSNorm before the projections. Each CTA
-// computes h = x + residual and norm(h) for all K itself (8-32 KB, L2 hits) into a resident buffer,
-// which the loop reads in place of copied x; CTA 0 writes h out. The norm's own launch goes, and with
-// it a kernel boundary per norm: two per decoder layer, ~1.7 us each on the critical path of a decode
-// step (H200; notes-w4a16.md, session 25).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -88,127 +81,6 @@ template <> struct Num<__nv_bfloat16> {
   static constexpr float BASE = 128.f;
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
-
-// NORM's extra operands: norm(h) = T(weight * T(h * rsqrt(mean(h^2) + eps))), h = T(x + residual), as
-// Hugging Face's LlamaRMSNorm rounds it; residual and h_out are [M, K], contiguous.
-template <typename T>
-struct NormInput {
-  const T* residual;
-  const T* weight;
-  T* h_out;
-  float eps;
-};
-constexpr int NORM_MAX_M = 4;
-// A resident token row is 2 K + 64 bytes apart: a step's 16-byte reads of different tokens then fall
-// in different banks (2 K alone is a multiple of 128 bytes).
-__host__ __device__ constexpr int norm_row_bytes(int K) { return 2 * K + 64; }
-
-template <typename T> struct Pair;
-template <> struct Pair<__half> {
-  using V = __half2;
-  static __device__ __forceinline__ float2 to_float2(uint32_t v) { return __half22float2(*reinterpret_cast<const V*>(&v)); }
-  static __device__ __forceinline__ uint32_t from_float2(float a, float b) {
-    const V v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-template <> struct Pair<__nv_bfloat16> {
-  using V = __nv_bfloat162;
-  static __device__ __forceinline__ float2 to_float2(uint32_t v) { return __bfloat1622float2(*reinterpret_cast<const V*>(&v)); }
-  static __device__ __forceinline__ uint32_t from_float2(float a, float b) {
-    const V v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-
-// 8 elements at a time, each as PyTorch rounds its 16-bit op: f(a, b) on the floats of a pair.
-template <typename T, typename F>
-__device__ __forceinline__ uint4 map8(uint4 a, uint4 b, F f) {
-  const uint32_t* pa = &a.x;
-  const uint32_t* pb = &b.x;
-  uint4 r;
-  uint32_t* pr = &r.x;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 fa = Pair<T>::to_float2(pa[j]), fb = Pair<T>::to_float2(pb[j]);
-    pr[j] = Pair<T>::from_float2(f(fa.x, fb.x), f(fa.y, fb.y));
-  }
-  return r;
-}
-
-// The CTA's M tokens of norm(x + residual) into `xres` (rows norm_row_bytes(K) apart), all threads
-// of the CTA; CTA 0 writes h = x + residual to h_out. Thread `tid` takes the 8-column chunks
-// 8 (tid + threads j) of every token: a unit is (token, chunk). `red` ([warps][NORM_MAX_M] floats of
-// shared memory) is free until the loop starts. The latency is what matters here (the kernel waits
-// for it before its first MMA): the loads of NORM_BATCH units are in flight together (one L2 round
-// trip for 4096-wide rows up to two tokens; looping unit by unit cost one per unit, and the fused
-// launch lost to the norm kernel it replaced), and the norm weight, which no kernel writes, is
-// pulled into the L1 before the wait. x and the residual are earlier kernels' outputs: read after
-// wait_for_prior_grids (called here), from the L2 (.cg: never a line the L1 kept from before).
-constexpr int NORM_BATCH = 4;
-template <typename T>
-__device__ __forceinline__ void rmsnorm_into(unsigned char* xres, const T* x, int ldx, const NormInput<T>& nrm, int M,
-                                             int K, float* red) {
-  const int tid = threadIdx.x, threads = blockDim.x, lane = tid & 31, warp = tid >> 5;
-  const int row_bytes = norm_row_bytes(K), per_token = (K / 8 + threads - 1) / threads, units = M * per_token;
-  for (int j = 0; j < per_token; ++j)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(nrm.weight + min(8 * (tid + threads * j), K - 8)));
-  wait_for_prior_grids();
-  float ss[NORM_MAX_M] = {};
-  for (int u0 = 0; u0 < units; u0 += NORM_BATCH) {
-    uint4 a[NORM_BATCH], r[NORM_BATCH];
-#pragma unroll
-    for (int b = 0; b < NORM_BATCH; ++b) {  // every load first: one round trip for the batch
-      const int u = u0 + b, m = u / per_token, col = 8 * (tid + threads * (u % per_token));
-      if (u < units && col < K) {
-        a[b] = __ldcg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + col));
-        r[b] = __ldcg(reinterpret_cast<const uint4*>(nrm.residual + (size_t)m * K + col));
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < NORM_BATCH; ++b) {
-      const int u = u0 + b, m = u / per_token, col = 8 * (tid + threads * (u % per_token));
-      if (u >= units || col >= K) continue;
-      const uint4 h = map8<T>(a[b], r[b], [](float p, float q) { return p + q; });
-      float sq = 0.f;
-      const uint32_t* ph = &h.x;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = Pair<T>::to_float2(ph[j]);
-        sq = fmaf(f.x, f.x, fmaf(f.y, f.y, sq));
-      }
-#pragma unroll
-      for (int mm = 0; mm < NORM_MAX_M; ++mm) ss[mm] += m == mm ? sq : 0.f;
-      *reinterpret_cast<uint4*>(xres + m * row_bytes + 2 * col) = h;
-      if (blockIdx.x == 0) *reinterpret_cast<uint4*>(nrm.h_out + (size_t)m * K + col) = h;
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < NORM_MAX_M; ++m) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
-    if (lane == 0) red[warp * NORM_MAX_M + m] = ss[m];
-  }
-  __syncthreads();
-  float rstd[NORM_MAX_M];
-#pragma unroll
-  for (int m = 0; m < NORM_MAX_M; ++m) {
-    float total = 0.f;
-    for (int w = 0; w < threads / 32; ++w) total += red[w * NORM_MAX_M + m];
-    rstd[m] = rsqrtf(total / (float)K + nrm.eps);
-  }
-  for (int u = 0; u < units; ++u) {  // the chunks this thread wrote above
-    const int m = u / per_token, col = 8 * (tid + threads * (u % per_token));
-    if (col >= K) continue;
-    float s = rstd[0];
-#pragma unroll
-    for (int mm = 1; mm < NORM_MAX_M; ++mm) s = m == mm ? rstd[mm] : s;
-    uint4* here = reinterpret_cast<uint4*>(xres + m * row_bytes + 2 * col);
-    const uint4 y = map8<T>(*here, *here, [s](float p, float) { return p * s; });
-    *here = map8<T>(*reinterpret_cast<const uint4*>(nrm.weight + col), y, [](float w, float v) { return w * v; });
-  }
-  __syncthreads();
-}
 
 // The weights of one launch (skinny.cuh: cta_weight)
 template <typename T>
@@ -300,15 +172,16 @@ struct GroupFold {
 // of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
 constexpr int RING = 4, AHEAD = RING - 2;
 
+// RESIDENT (one token tile): x is not copied step by step through the ring but once, each warp its
+// own K range of every token, into rows after the ring that the loop reads in place. A resident row
+// is 2 K + 64 bytes: a step's 16-byte reads of different tokens then fall in different banks.
+__host__ __device__ constexpr int resident_row_bytes(int K) { return 2 * K + 64; }
 // Shared memory of a CTA: the ring, reused after the loop for the cross-warp sums ([warps][MT * 8][32]
-// floats), then NORM's resident x (norm_m token rows of K; none without NORM).
-__host__ __device__ constexpr int ring_bytes(int warps, int mt, bool norm) {
-  return warps * RING * (norm ? 640 : 640 + 512 * mt) > warps * mt * 8 * 32 * 4
-             ? warps * RING * (norm ? 640 : 640 + 512 * mt)
+// floats), then RESIDENT's rows.
+__host__ __device__ constexpr int ring_bytes(int warps, int mt, bool resident) {
+  return warps * RING * (resident ? 640 : 640 + 512 * mt) > warps * mt * 8 * 32 * 4
+             ? warps * RING * (resident ? 640 : 640 + 512 * mt)
              : warps * mt * 8 * 32 * 4;
-}
-inline int smem_bytes(int warps, int mt, int norm_m, int K) {
-  return ring_bytes(warps, mt, norm_m > 0) + norm_m * norm_row_bytes(K);
 }
 
 // MT: token tiles of 8 (M <= 8 * MT). GS: steps per group when it divides RING (groups of 32, 64,
@@ -318,12 +191,12 @@ inline int smem_bytes(int warps, int mt, int norm_m, int K) {
 // 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
 // X_L1: x copied through the L1 (cp.async.ca) instead of around it; the caller picks (w4a16.py:
-// x_through_l1, where the measurements are). NORM: see the header (one token tile, x not copied).
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool NORM>
+// x_through_l1, where the measurements are). RESIDENT: see resident_row_bytes.
+template <typename T, int MT, int GS, bool MANY, bool X_L1, bool RESIDENT>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
-                     int ldx, int trigger, const NormInput<T> nrm) {
-  static_assert(!NORM || (MT == 1 && !X_L1), "the norm's resident x serves one token tile");
+                     int ldx, int trigger) {
+  static_assert(!RESIDENT || (MT == 1 && !X_L1), "resident x: one token tile, copied once");
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
   // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
   // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each);
@@ -332,9 +205,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // (x and the group parameters are L2 hits at best; waiting for them inside the step costs a
   // round trip per step). The stage size is a compile-time constant and the loop is unrolled over
   // the ring, so every shared-memory address is a register plus an immediate.
-  // Reused after the loop as [warps][MT * 8][32] floats. NORM: stages without x; the resident x
-  // follows the ring (smem_bytes).
-  constexpr int STAGE = NORM ? 640 : 640 + 512 * MT, SZ = 512, XS = 640, GSTEP = GS ? GS : 1;
+  // Reused after the loop as [warps][MT * 8][32] floats.
+  constexpr int STAGE = RESIDENT ? 640 : 640 + 512 * MT, SZ = 512, XS = 640, GSTEP = GS ? GS : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -357,18 +229,6 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
 
   unsigned char* ring = smem + (size_t)warp * RING * STAGE;
   const uint32_t ring_addr = (uint32_t)__cvta_generic_to_shared(ring);
-  // NORM: lane (g, t) reads x[m, 32 s + 8 t .. + 7] of the resident rows, token m = g; the lanes of
-  // padding tokens read the last real token (their output columns are never written). The norm runs
-  // before the copy state below is set up, so that none of it is live through the norm's registers
-  // (set up first, the grouped kernel spilled in its loop).
-  // (An offset from smem, not a pointer: 32 bits of shared address, one register.)
-  int x_round = 0;  // where this lane's piece of the current round's first step sits in smem
-  if constexpr (NORM) {
-    WeightStream(ring_addr, lane, qweight, N, s_begin, tile_col).prefetch<RING>(s_begin, s_end);
-    const int xres = ring_bytes(warps, MT, true);
-    rmsnorm_into<T>(smem + xres, x, ldx, nrm, M, K, reinterpret_cast<float*>(smem));  // waits for x
-    x_round = xres + min(g, M - 1) * norm_row_bytes(K) + 16 * (lane & 3) + 64 * s_begin;
-  }
   // Copy state, advanced as steps are issued (recomputing the addresses of every step cost as many
   // instructions as the dequantization).
   WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
@@ -377,14 +237,27 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const __half* sz_src = (lane < 8 ? scales : zeros) + tile_col + 4 * ws.copy_quad +
                          (size_t)(one_group ? 0 : s_begin >> group_shift_steps) * N;
   const int sz_stride = one_group ? 0 : N;
-  if constexpr (!NORM) {
-    ws.prefetch<RING>(s_begin, s_end);
-    prefetch_l2(copies_sz, sz_src);
-    wait_for_prior_grids();  // x is the previous kernel's output
-  }
+  ws.prefetch<RING>(s_begin, s_end);
+  prefetch_l2(copies_sz, sz_src);
+  wait_for_prior_grids();  // x is the previous kernel's output
   // GS == 0 only: the first step past the current group, for the copies and for the reads
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
-  TokenStream<T, uint4, MT> xstream(x, ldx, NORM ? 0 : m_rows, lane, s_begin, ring + XS, STAGE, NORM ? 0 : RING);
+  TokenStream<T, uint4, MT> xstream(x, ldx, RESIDENT ? 0 : m_rows, lane, s_begin, ring + XS, STAGE,
+                                    RESIDENT ? 0 : RING);
+  // RESIDENT: each warp copies its own K range of every real token in one cp.async group, the oldest,
+  // so the first step's wait and warp barrier cover it. Lane (g, t) reads x[m, 32 s + 8 t .. + 7] of
+  // token m = g; the lanes of padding tokens read the last real token (their columns are never
+  // written). An offset from smem, not a pointer: one register of shared address.
+  int x_round = 0;  // this lane's piece of the current round's first step
+  if constexpr (RESIDENT) {
+    const int xres = ring_bytes(warps, MT, true), row = resident_row_bytes(K), chunks = 4 * (s_end - s_begin);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem) + xres + 64 * s_begin;
+    for (int m = 0; m < m_rows; ++m)
+      for (int c = lane; c < chunks; c += 32)
+        cp_async_16(true, base + m * row + 16 * c, x + (size_t)m * ldx + 32 * s_begin + 8 * c);
+    cp_async_commit();
+    x_round = xres + min(g, m_rows - 1) * row + 16 * (lane & 3) + 64 * s_begin;
+  }
   let_successor_launch(trigger);  // after the wait: at most two grids in flight (skinny.cuh)
 
   // Copy step j into `stage` (run_pipeline's contract); a group's scales and zeros ride with its
@@ -395,7 +268,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      if constexpr (!NORM)
+      if constexpr (!RESIDENT)
         cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),
                           xstream.src[mt] + 32 * ahead);
     cp_async_commit();
@@ -426,7 +299,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)  // a group's first step starts its sums from zero
       step_mmas<T>(raw[mt], xsum[mt], r,
-                   *reinterpret_cast<const uint4*>(NORM ? smem + x_round + 64 * i : here + XS + xstream.offset(mt)),
+                   *reinterpret_cast<const uint4*>(RESIDENT ? smem + x_round + 64 * i : here + XS + xstream.offset(mt)),
                    GS && i % GSTEP == 0);
 
     if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
@@ -443,7 +316,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     }
   };
   run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] {
-    if constexpr (NORM) x_round += 64 * RING;
+    if constexpr (RESIDENT) x_round += 64 * RING;
     else xstream.advance(RING);
   });
 
@@ -464,26 +337,29 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   }
 }
 
+// resident_m: the token rows RESIDENT keeps (0 without it)
+size_t smem_bytes(int warps, int mt, int resident_m, int K) {
+  return (size_t)ring_bytes(warps, mt, resident_m > 0) + (size_t)resident_m * resident_row_bytes(K);
+}
 
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool NORM>
-cudaError_t launch_gs(const void* x, const Weights<T>& weights, const NormInput<T>& nrm, int ctas, int M, int K,
-                      int group_shift_steps, int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, NORM>;
+template <typename T, int MT, int GS, bool MANY, bool X_L1, bool RESIDENT>
+cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
+                      int warps, cudaStream_t stream, bool pdl, int successor) {
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, RESIDENT>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
-  size_t smem = smem_bytes(warps, MT, NORM ? M : 0, K);
+  size_t smem = smem_bytes(warps, MT, RESIDENT ? (M < 8 * MT ? M : 8 * MT) : 0, K);
   if ((err = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem, trigger)) != cudaSuccess) return err;
   return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, M, K,
-                       group_shift_steps, ldx, trigger, nrm);
+                       group_shift_steps, ldx, trigger);
 }
 
-template <typename T, int MT, bool MANY, bool X_L1, bool NORM = false>
-cudaError_t launch_mt(const void* x, const Weights<T>& weights, const NormInput<T>& nrm, int ctas, int M, int K,
-                      int group_shift_steps, int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
-#define NIBBLE_LAUNCH_GS(GS)                                                                                    \
-  launch_gs<T, MT, GS, MANY, X_L1, NORM>(x, weights, nrm, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, \
-                                         successor)
+template <typename T, int MT, bool MANY, bool X_L1, bool RESIDENT = false>
+cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
+                      int warps, cudaStream_t stream, bool pdl, int successor) {
+#define NIBBLE_LAUNCH_GS(GS) \
+  launch_gs<T, MT, GS, MANY, X_L1, RESIDENT>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor)
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
     case 0: return NIBBLE_LAUNCH_GS(1);
     case 1: return NIBBLE_LAUNCH_GS(2);
@@ -493,11 +369,13 @@ cudaError_t launch_mt(const void* x, const Weights<T>& weights, const NormInput<
 #undef NIBBLE_LAUNCH_GS
 }
 
+// How x reaches the loop (w4a16.py: MmaConfig.x_l1 and x_resident pick one)
+enum XMode { X_AROUND_L1 = 0, X_THROUGH_L1 = 1, X_RESIDENT = 2 };
+
 template <typename T>
-cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
+cudaError_t launch(int mt, int warps, int x_mode, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
-                   void* const* outs, const int* ns, const int* ldos, const NormInput<T>& nrm, cudaStream_t stream,
-                   bool pdl, int successor) {
+                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl, int successor) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
   Weights<T> w{};
   for (int i = 0; i < count; ++i) {
@@ -511,23 +389,20 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
   const int ctas = running_ends(count, ns, 32, w.cta_end);
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
-  const bool many = count > 1;
-#define NIBBLE_LAUNCH_MT(MT, X_L1, ...)                                                                            \
-  (many ? launch_mt<T, MT, true, X_L1, ##__VA_ARGS__>(x, w, nrm, ctas, M, K, group_shift_steps, ldx, warps, stream, \
-                                                     pdl, successor)                                              \
-        : launch_mt<T, MT, false, X_L1, ##__VA_ARGS__>(x, w, nrm, ctas, M, K, group_shift_steps, ldx, warps,      \
-                                                      stream, pdl, successor))
-  if (nrm.weight != nullptr)
-    return mt != 1 || x_l1 || M > NORM_MAX_M || nrm.residual == nullptr || nrm.h_out == nullptr
-               ? cudaErrorInvalidValue
-               : NIBBLE_LAUNCH_MT(1, false, true);
+  const bool many = count > 1, x_l1 = x_mode == X_THROUGH_L1;
+#define NIBBLE_LAUNCH_MT(MT, X_L1, ...)                                                                             \
+  (many ? launch_mt<T, MT, true, X_L1, ##__VA_ARGS__>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,  \
+                                                     successor)                                                     \
+        : launch_mt<T, MT, false, X_L1, ##__VA_ARGS__>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, \
+                                                      successor))
+  if (x_mode == X_RESIDENT) return mt == 1 ? NIBBLE_LAUNCH_MT(1, false, true) : cudaErrorInvalidValue;
+  if (x_mode != X_AROUND_L1 && x_mode != X_THROUGH_L1) return cudaErrorInvalidValue;
   switch (mt) {
     case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
     case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
     case 4: return x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH_MT(4, false);
-    case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, nrm, ctas, M, K,
-                                                                               group_shift_steps, ldx, warps,
-                                                                               stream, pdl, successor);
+    case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
+                                                                               ldx, warps, stream, pdl, successor);
     default: return cudaErrorInvalidValue;
   }
 #undef NIBBLE_LAUNCH_MT
@@ -539,25 +414,19 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
 // caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte
 // aligned x rows (ldx % 8 == 0), group = 32 * 2^group_shift_steps (or one group per column:
-// group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through
-// the L1 (mt 1 and 2 only: slower at four tiles, not measured at eight). pdl: launch early
-// (skinny.cuh: launch_kernel); successor: when the next kernel may launch (skinny.cuh: Successor).
-// norm_weight non-null: the launch is also the RMSNorm before the projections (NORM in the header:
-// x is added to `residual` [M, K], h = x + residual goes to `h_out` [M, K], the projections read
-// norm(h) with `norm_weight` [K] and `eps`; mt 1, no x_l1, M <= NORM_MAX_M, 16-byte aligned rows).
-extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
+// group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_mode (XMode): x
+// around the L1, through it (mt 1 and 2 only: slower at four tiles, not measured at eight), or
+// resident (mt 1 only). pdl: launch early (skinny.cuh: launch_kernel); successor: when the next
+// kernel may launch (skinny.cuh: Successor).
+extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_mode, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
-                                const void* residual, const void* norm_weight, void* h_out, float eps,
                                 int pdl, int successor, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-#define NIBBLE_LAUNCH(T)                                                                                            \
-  launch<T>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights, scales, zeros, outs, ns, ldos, \
-            NormInput<T>{static_cast<const T*>(residual), static_cast<const T*>(norm_weight), static_cast<T*>(h_out), \
-                         eps},                                                                                      \
-            st, pdl, successor)
-  const cudaError_t err = is_bf16 ? NIBBLE_LAUNCH(__nv_bfloat16) : NIBBLE_LAUNCH(__half);
-#undef NIBBLE_LAUNCH
+  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_mode, x, M, K, group_shift_steps, ldx, count, qweights,
+                                                    scales, zeros, outs, ns, ldos, st, pdl, successor)
+                            : launch<__half>(mt, warps, x_mode, x, M, K, group_shift_steps, ldx, count, qweights, scales,
+                                             zeros, outs, ns, ldos, st, pdl, successor);
   return (int)err;
 }
 
