@@ -685,7 +685,6 @@ class MmaConfig:
     token_tiles: int     # tiles of 8 tokens (1, 2, 4, 8): M <= 8 * token_tiles
     warps: int           # warps per CTA, splitting K; one CTA per 32 output columns
     x_l1: bool = False   # x copied through the L1 (1 or 2 token tiles; see x_through_l1)
-    x_resident: bool = False  # x copied once per CTA instead of every step (1 token tile; see x_resident)
     successor: int = SUCCESSOR_AT_END  # when the next kernel may launch (see successor_launch)
 
 
@@ -716,26 +715,19 @@ def mma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
 
 
-def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING, M: int = 0, K: int = 0) -> int:
+def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING) -> int:
     """Shared memory of one CTA: the cp.async ring (4 stages of 512 B of weights, 128 B of group
-    parameters, 512 B of x per token tile, none where x is resident), reused for the cross-warp
-    reduction, then with ``x_resident`` M token rows of 2 K + 64 bytes (csrc/w4a16_mma.cu).
+    parameters, 512 B of x per token tile), reused for the cross-warp reduction (csrc/w4a16_mma.cu).
     ``ring_stages``: another ring depth, for the experiments that rebuild the kernel with one."""
-    x_stage = 0 if cfg.x_resident else 512 * cfg.token_tiles
-    ring = max(cfg.warps * ring_stages * (640 + x_stage), cfg.warps * cfg.token_tiles * 8 * 32 * 4)
-    return ring + (min(M, 8) * (2 * K + 64) if cfg.x_resident else 0)
+    ring = cfg.warps * ring_stages * (640 + 512 * cfg.token_tiles)
+    return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
 
 
-def mma_config_valid(cfg: MmaConfig, M: int, K: int = 0) -> bool:
+def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
-            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles]
-            and mma_smem_bytes(cfg, M=M, K=K) <= MMA_SMEM_LIMIT
+            and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT
             and (not cfg.x_l1 or cfg.token_tiles <= 2)
-            and (not cfg.x_resident or (cfg.token_tiles == 1 and not cfg.x_l1))
             and cfg.successor in SUCCESSORS)
-
-
-X_RESIDENT = 2  # the launcher's x_mode for a resident x (XMode in csrc/w4a16_mma.cu; 0/1: around/through the L1)
 
 
 def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:
@@ -782,7 +774,7 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) ->
            and (ctas < num_sms or steps >= min_steps * 2 * warps)):
         warps *= 2
     x_l1 = x_through_l1(token_tiles, ctas, K, num_sms)
-    return MmaConfig(token_tiles, warps, x_l1=x_l1, successor=successor_launch(token_tiles, M, x_l1))
+    return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1))
 
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
@@ -803,10 +795,10 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
                          f"weights), N and K multiples of 32, a power-of-two group >= 32 (or per-column) and 1 to "
                          f"{MMA_MAX_WEIGHTS} weights; got M={M} N={ns} K={K} group={group_size}")
     cfg = config or select_mma_config(M, sum(ns), K, num_sms(x.device))
-    if not mma_config_valid(cfg, M, K):
-        raise ValueError(f"{cfg} is not a valid config for M={M}, K={K}: M <= 8 * token_tiles, "
+    if not mma_config_valid(cfg, M):
+        raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes, "
-                         f"x_l1 at 1 or 2 token tiles only, x_resident at one token tile and not with x_l1")
+                         f"x_l1 at 1 or 2 token tiles only")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
     weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
@@ -815,8 +807,7 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, X_RESIDENT if cfg.x_resident else int(cfg.x_l1),
-            x.data_ptr(), M, K, shift,
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
             x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
             cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
             cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)

@@ -172,18 +172,6 @@ struct GroupFold {
 // of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
 constexpr int RING = 4, AHEAD = RING - 2;
 
-// RESIDENT (one token tile): x is not copied step by step through the ring but once, each warp its
-// own K range of every token, into rows after the ring that the loop reads in place. A resident row
-// is 2 K + 64 bytes: a step's 16-byte reads of different tokens then fall in different banks.
-__host__ __device__ constexpr int resident_row_bytes(int K) { return 2 * K + 64; }
-// Shared memory of a CTA: the ring, reused after the loop for the cross-warp sums ([warps][MT * 8][32]
-// floats), then RESIDENT's rows.
-__host__ __device__ constexpr int ring_bytes(int warps, int mt, bool resident) {
-  return warps * RING * (resident ? 640 : 640 + 512 * mt) > warps * mt * 8 * 32 * 4
-             ? warps * RING * (resident ? 640 : 640 + 512 * mt)
-             : warps * mt * 8 * 32 * 4;
-}
-
 // MT: token tiles of 8 (M <= 8 * MT). GS: steps per group when it divides RING (groups of 32, 64,
 // 128: every group boundary then falls at a fixed position in the unrolled ring), 0 otherwise
 // (group_shift_steps at run time; a shift >= 30 means one group per column).
@@ -191,12 +179,11 @@ __host__ __device__ constexpr int ring_bytes(int warps, int mt, bool resident) {
 // 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
 // X_L1: x copied through the L1 (cp.async.ca) instead of around it; the caller picks (w4a16.py:
-// x_through_l1, where the measurements are). RESIDENT: see resident_row_bytes.
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool RESIDENT>
+// x_through_l1, where the measurements are).
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
                      int ldx, int trigger) {
-  static_assert(!RESIDENT || (MT == 1 && !X_L1), "resident x: one token tile, copied once");
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
   // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
   // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each);
@@ -206,7 +193,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // round trip per step). The stage size is a compile-time constant and the loop is unrolled over
   // the ring, so every shared-memory address is a register plus an immediate.
   // Reused after the loop as [warps][MT * 8][32] floats.
-  constexpr int STAGE = RESIDENT ? 640 : 640 + 512 * MT, SZ = 512, XS = 640, GSTEP = GS ? GS : 1;
+  constexpr int STAGE = 640 + 512 * MT, SZ = 512, XS = 640, GSTEP = GS ? GS : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -242,22 +229,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   wait_for_prior_grids();  // x is the previous kernel's output
   // GS == 0 only: the first step past the current group, for the copies and for the reads
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
-  TokenStream<T, uint4, MT> xstream(x, ldx, RESIDENT ? 0 : m_rows, lane, s_begin, ring + XS, STAGE,
-                                    RESIDENT ? 0 : RING);
-  // RESIDENT: each warp copies its own K range of every real token in one cp.async group, the oldest,
-  // so the first step's wait and warp barrier cover it. Lane (g, t) reads x[m, 32 s + 8 t .. + 7] of
-  // token m = g; the lanes of padding tokens read the last real token (their columns are never
-  // written). An offset from smem, not a pointer: one register of shared address.
-  int x_round = 0;  // this lane's piece of the current round's first step
-  if constexpr (RESIDENT) {
-    const int xres = ring_bytes(warps, MT, true), row = resident_row_bytes(K), chunks = 4 * (s_end - s_begin);
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem) + xres + 64 * s_begin;
-    for (int m = 0; m < m_rows; ++m)
-      for (int c = lane; c < chunks; c += 32)
-        cp_async_16(true, base + m * row + 16 * c, x + (size_t)m * ldx + 32 * s_begin + 8 * c);
-    cp_async_commit();
-    x_round = xres + min(g, m_rows - 1) * row + 16 * (lane & 3) + 64 * s_begin;
-  }
+  TokenStream<T, uint4, MT> xstream(x, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
   let_successor_launch(trigger);  // after the wait: at most two grids in flight (skinny.cuh)
 
   // Copy step j into `stage` (run_pipeline's contract); a group's scales and zeros ride with its
@@ -268,9 +240,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      if constexpr (!RESIDENT)
-        cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),
-                          xstream.src[mt] + 32 * ahead);
+      cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),
+                        xstream.src[mt] + 32 * ahead);
     cp_async_commit();
     ws.src += ws.step_stride;  // past the range: never read
     if (closes) {
@@ -298,8 +269,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     raw_codes<T>(wv.w, r[3]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)  // a group's first step starts its sums from zero
-      step_mmas<T>(raw[mt], xsum[mt], r,
-                   *reinterpret_cast<const uint4*>(RESIDENT ? smem + x_round + 64 * i : here + XS + xstream.offset(mt)),
+      step_mmas<T>(raw[mt], xsum[mt], r, *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
                    GS && i % GSTEP == 0);
 
     if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
@@ -315,10 +285,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
       }
     }
   };
-  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] {
-    if constexpr (RESIDENT) x_round += 64 * RING;
-    else xstream.advance(RING);
-  });
+  run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });
 
   float* partial = reinterpret_cast<float*>(smem);
   store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });
@@ -337,43 +304,45 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   }
 }
 
-// resident_m: the token rows RESIDENT keeps (0 without it)
-size_t smem_bytes(int warps, int mt, int resident_m, int K) {
-  return (size_t)ring_bytes(warps, mt, resident_m > 0) + (size_t)resident_m * resident_row_bytes(K);
+size_t smem_bytes(int warps, int mt) {
+  const size_t ring = (size_t)warps * RING * (640 + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);
+  return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool RESIDENT>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, RESIDENT>;
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
-  size_t smem = smem_bytes(warps, MT, RESIDENT ? (M < 8 * MT ? M : 8 * MT) : 0, K);
+  size_t smem = smem_bytes(warps, MT);
   if ((err = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem, trigger)) != cudaSuccess) return err;
   return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, M, K,
                        group_shift_steps, ldx, trigger);
 }
 
-template <typename T, int MT, bool MANY, bool X_L1, bool RESIDENT = false>
+template <typename T, int MT, bool MANY, bool X_L1>
 cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-#define NIBBLE_LAUNCH_GS(GS) \
-  launch_gs<T, MT, GS, MANY, X_L1, RESIDENT>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor)
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
-    case 0: return NIBBLE_LAUNCH_GS(1);
-    case 1: return NIBBLE_LAUNCH_GS(2);
-    case 2: return NIBBLE_LAUNCH_GS(4);
-    default: return NIBBLE_LAUNCH_GS(0);
+    case 0:
+      return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
+    case 1:
+      return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
+    case 2:
+      return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
+    default:
+      return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
   }
-#undef NIBBLE_LAUNCH_GS
 }
 
-// How x reaches the loop (w4a16.py: MmaConfig.x_l1 and x_resident pick one)
-enum XMode { X_AROUND_L1 = 0, X_THROUGH_L1 = 1, X_RESIDENT = 2 };
-
 template <typename T>
-cudaError_t launch(int mt, int warps, int x_mode, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
+cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
                    void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl, int successor) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
@@ -389,14 +358,10 @@ cudaError_t launch(int mt, int warps, int x_mode, const void* x, int M, int K, i
   const int ctas = running_ends(count, ns, 32, w.cta_end);
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
-  const bool many = count > 1, x_l1 = x_mode == X_THROUGH_L1;
-#define NIBBLE_LAUNCH_MT(MT, X_L1, ...)                                                                             \
-  (many ? launch_mt<T, MT, true, X_L1, ##__VA_ARGS__>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,  \
-                                                     successor)                                                     \
-        : launch_mt<T, MT, false, X_L1, ##__VA_ARGS__>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, \
-                                                      successor))
-  if (x_mode == X_RESIDENT) return mt == 1 ? NIBBLE_LAUNCH_MT(1, false, true) : cudaErrorInvalidValue;
-  if (x_mode != X_AROUND_L1 && x_mode != X_THROUGH_L1) return cudaErrorInvalidValue;
+  const bool many = count > 1;
+#define NIBBLE_LAUNCH_MT(MT, X_L1) \
+  (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor) \
+        : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor))
   switch (mt) {
     case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
     case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
@@ -414,18 +379,17 @@ cudaError_t launch(int mt, int warps, int x_mode, const void* x, int M, int K, i
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
 // caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte
 // aligned x rows (ldx % 8 == 0), group = 32 * 2^group_shift_steps (or one group per column:
-// group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_mode (XMode): x
-// around the L1, through it (mt 1 and 2 only: slower at four tiles, not measured at eight), or
-// resident (mt 1 only). pdl: launch early (skinny.cuh: launch_kernel); successor: when the next
-// kernel may launch (skinny.cuh: Successor).
-extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_mode, const void* x, int M, int K, int group_shift_steps,
+// group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through
+// the L1 (mt 1 and 2 only: slower at four tiles, not measured at eight). pdl: launch early
+// (skinny.cuh: launch_kernel); successor: when the next kernel may launch (skinny.cuh: Successor).
+extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
                                 int pdl, int successor, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_mode, x, M, K, group_shift_steps, ldx, count, qweights,
+  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights,
                                                     scales, zeros, outs, ns, ldos, st, pdl, successor)
-                            : launch<__half>(mt, warps, x_mode, x, M, K, group_shift_steps, ldx, count, qweights, scales,
+                            : launch<__half>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights, scales,
                                              zeros, outs, ns, ldos, st, pdl, successor);
   return (int)err;
 }
