@@ -70,21 +70,20 @@ def main() -> None:
         n_rot = rotations(sum(n * K // 2 for n in ns))
         weights = [[random_int4(n, K, G, dev) for n in ns] for _ in range(n_rot)]
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-        outs, times = {}, {}
+        outs, times = {}, {name: [] for name in libs}
+        for name, lib in libs.items():
+            W._mma_lib = lambda d, lib=lib: lib
+            outs[name] = W.w4a16_mma_many(x, weights[0], G)
         for r in range(2):
-            for name, lib in (libs.items() if r % 2 == 0 else list(libs.items())[::-1]):
-                W._mma_lib = lambda d, lib=lib: lib
-                outs[name] = W.w4a16_mma_many(x, weights[0], G)
-                times.setdefault(name, []).append(
-                    bench_us(lambda i: (lambda: W.w4a16_mma_many(x, weights[i], G)), n_rot))
+            for name in speed.round_order(libs, r):
+                W._mma_lib = lambda d, lib=libs[name]: lib
+                times[name].append(bench_us(lambda i: (lambda: W.w4a16_mma_many(x, weights[i], G)), n_rot))
         W._mma_lib = shipped_lib
         base = statistics.median(times["shipped"])
         for name, t in times.items():
-            same = all(torch.equal(a, b) for a, b in zip(outs[name], outs["shipped"]))
-            rows.append(dict(layer=label, M=1, way=name, us=statistics.median(t), rounds=t,
-                             speedup=base / statistics.median(t), bit_exact=same))
-            print(f"{label:15s} M=1 {name:9s} {statistics.median(t):7.2f} us ({base / statistics.median(t):.3f}x)"
-                  f"{'' if same else ' DIFFER'}", flush=True)
+            us, same = statistics.median(t), all(torch.equal(a, b) for a, b in zip(outs[name], outs["shipped"]))
+            rows.append(dict(layer=label, M=1, way=name, us=us, rounds=t, speedup=base / us, bit_exact=same))
+            print(f"{label:15s} M=1 {name:9s} {us:7.2f} us ({base / us:.3f}x){'' if same else ' DIFFER'}", flush=True)
     for batch in (int(b) for b in args.batches.split(",") if b):
         model = speed.random_model("llama-2-7b")
         speed.quantize_in_place(model, quant_config("w4a16", model, clip_search=False))
