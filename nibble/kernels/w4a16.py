@@ -830,14 +830,10 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # its costs were fitted with the partials through global memory, before shared memory made a split
 # cheaper (4096 x 11008 at 128 tokens in 3 splits: 38.5 -> 33.9 us; w4a4.py, notes-w4a16.md).
 WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (128, 128): 0.975, (256, 128): 1.45,
-                                         (64, 128): 0.8, (16, 256): 0.7, (16, 128): 0.4, (32, 256): 0.8,
-                                         (32, 128): 0.45},
+                                         (64, 128): 0.8},
                                item_us={(64, 256): 2.53, (128, 256): 3.15, (128, 128): 4.02, (256, 128): 3.32,
-                                        (64, 128): 3.78, (16, 256): 3.0, (16, 128): 3.0, (32, 256): 3.0,
-                                        (32, 128): 3.0},
-                               split_output_us=1.73, split_us=0.63,
-                               max_tokens={(64, 256): 256, (64, 128): 256, (16, 256): 16, (16, 128): 16,
-                                           (32, 256): 32, (32, 128): 32})
+                                        (64, 128): 3.78},
+                               split_output_us=1.73, split_us=0.63, max_tokens={(64, 256): 256, (64, 128): 256})
 WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 # Where the op takes which kernel (H200, benchmarks/notes-w4a16.md sessions 7 and 21): the skinny kernel
 # up to 32 tokens, the wgmma kernel from 33 to WGMMA_MAX_M tokens, dequantise + cuBLAS above. A tiny

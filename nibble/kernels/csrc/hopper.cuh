@@ -12,8 +12,6 @@
 #include "skinny.cuh"  // launch_kernel, wait_for_prior_grids: early launch
 
 // The accumulator registers of one m64nN instruction, in PTX operand order.
-#define NIBBLE_D8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
-#define NIBBLE_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define NIBBLE_D32 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -30,8 +28,7 @@
   "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, " \
   "%123, %124, %125, %126, %127}"
 #define NIBBLE_OPS8(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
-#define NIBBLE_OPS16(C) NIBBLE_OPS8(C, 0), NIBBLE_OPS8(C, 8)
-#define NIBBLE_OPS32(C) NIBBLE_OPS16(C), NIBBLE_OPS8(C, 16), NIBBLE_OPS8(C, 24)
+#define NIBBLE_OPS32(C) NIBBLE_OPS8(C, 0), NIBBLE_OPS8(C, 8), NIBBLE_OPS8(C, 16), NIBBLE_OPS8(C, 24)
 #define NIBBLE_OPS64(C) NIBBLE_OPS32(C), NIBBLE_OPS8(C, 32), NIBBLE_OPS8(C, 40), NIBBLE_OPS8(C, 48), NIBBLE_OPS8(C, 56)
 #define NIBBLE_OPS128(C)                                                                                  \
   NIBBLE_OPS64(C), NIBBLE_OPS8(C, 64), NIBBLE_OPS8(C, 72), NIBBLE_OPS8(C, 80), NIBBLE_OPS8(C, 88), NIBBLE_OPS8(C, 96), \
@@ -60,20 +57,6 @@ template <> struct Wgmma<S8, 128> {
 // Floating point (TYPE "f16" or "bf16"): scale-d 1 (accumulate), A and B not negated, B not
 // transposed (K-major).
 #define NIBBLE_WGMMA_F32(KIND, TYPE)                                                                          \
-  template <> struct Wgmma<KIND, 16> {                                                                        \
-    static __device__ __forceinline__ void mma(float (&d)[8], const uint32_t* a, uint64_t desc) {             \
-      asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE " " NIBBLE_D8                  \
-                   ", {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"                                                   \
-                   : NIBBLE_OPS8("+f", 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));            \
-    }                                                                                                         \
-  };                                                                                                          \
-  template <> struct Wgmma<KIND, 32> {                                                                        \
-    static __device__ __forceinline__ void mma(float (&d)[16], const uint32_t* a, uint64_t desc) {            \
-      asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " " NIBBLE_D16                 \
-                   ", {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"                                                 \
-                   : NIBBLE_OPS16("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));              \
-    }                                                                                                         \
-  };                                                                                                          \
   template <> struct Wgmma<KIND, 64> {                                                                        \
     static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t* a, uint64_t desc) {            \
       asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " NIBBLE_D32                 \

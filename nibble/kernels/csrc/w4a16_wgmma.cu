@@ -330,10 +330,6 @@ cudaError_t launch_t(int bn, int ch, int group_steps, const void* x, int count, 
   NIBBLE_LAUNCH_GROUPS(128, 128)
   NIBBLE_LAUNCH_GROUPS(256, 128)
   NIBBLE_LAUNCH_GROUPS(64, 128)
-  NIBBLE_LAUNCH_GROUPS(16, 256)
-  NIBBLE_LAUNCH_GROUPS(16, 128)
-  NIBBLE_LAUNCH_GROUPS(32, 256)
-  NIBBLE_LAUNCH_GROUPS(32, 128)
 #undef NIBBLE_LAUNCH_GROUPS
 #undef NIBBLE_LAUNCH
   return cudaErrorInvalidValue;
