@@ -686,13 +686,11 @@ class MmaConfig:
     warps: int           # warps per CTA, splitting K; one CTA per 32 output columns
     x_l1: bool = False   # x copied through the L1 (1 or 2 token tiles; see x_through_l1)
     successor: int = SUCCESSOR_AT_END  # when the next kernel may launch (see successor_launch)
-    tail_blocks: int = 0  # the last column blocks, cut along K into `pieces` CTAs each (see tail_split)
-    pieces: int = 1
 
 
 _MMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a16_mma", [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
 
@@ -729,28 +727,7 @@ def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
             and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT
             and (not cfg.x_l1 or cfg.token_tiles <= 2)
-            and cfg.successor in SUCCESSORS
-            and ((cfg.tail_blocks, cfg.pieces) == (0, 1)
-                 or (cfg.tail_blocks > 0 and 2 <= cfg.pieces <= MMA_TAIL_MAX_PIECES and cfg.token_tiles <= 2)))
-
-
-# The tail split (csrc/w4a16_mma.cu: Tail): compiled for groups of 128 at one and two token tiles.
-MMA_TAIL_GROUP = 128
-MMA_TAIL_MAX_PIECES = 8
-
-
-def tail_split(blocks: int, num_sms: int) -> tuple[int, int]:
-    """(tail blocks, pieces each) for a launch of ``blocks`` column blocks of 32: its time follows
-    the most blocks any SM streams (csrc/w4a16_mma.cu: Tail), so where they fall unevenly (blocks
-    not a multiple of the SMs) the last ``blocks % num_sms`` are cut along K into the pieces that
-    leave the least work on the busiest SM, e.g. 11008 columns on 132 SMs: 344 blocks, 80 in thirds,
-    at most 2 2/3 blocks an SM instead of 3. (0, 1): no tail (the blocks fit evenly, fewer blocks
-    than SMs, or no cut gains)."""
-    rounds, tail = divmod(blocks, num_sms)
-    if rounds == 0 or tail == 0:
-        return 0, 1
-    load, pieces = min((_cdiv(tail * p, num_sms) / p, p) for p in range(1, MMA_TAIL_MAX_PIECES + 1))
-    return (tail, pieces) if pieces > 1 else (0, 1)
+            and cfg.successor in SUCCESSORS)
 
 
 def x_through_l1(token_tiles: int, ctas: int, K: int, num_sms: int) -> bool:
@@ -784,7 +761,7 @@ def successor_launch(token_tiles: int, M: int, x_l1: bool) -> int:
     return SUCCESSOR_CAPPED if M <= 4 or not x_l1 else SUCCESSOR_IF_FULL
 
 
-def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT, group_size: int | None = None) -> MmaConfig:
+def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
     """Pure function of the problem (N: the columns of every weight of the launch together): warps
     per CTA doubled from 4 while the GPU has fewer than 32 warps per SM and each warp keeps >= 16 K
     steps at one token tile, >= 32 at more (fewer when there are fewer CTAs than SMs). Measured on
@@ -797,8 +774,7 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT, gr
            and (ctas < num_sms or steps >= min_steps * 2 * warps)):
         warps *= 2
     x_l1 = x_through_l1(token_tiles, ctas, K, num_sms)
-    tail = tail_split(ctas, num_sms) if group_size == MMA_TAIL_GROUP and token_tiles <= 2 else (0, 1)
-    return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1), *tail)
+    return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1))
 
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
@@ -818,34 +794,23 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
         raise ValueError(f"w4a16_mma needs the compiled kernel, M <= {MMA_MAX_M} ({MMA_MANY_MAX_M} for several "
                          f"weights), N and K multiples of 32, a power-of-two group >= 32 (or per-column) and 1 to "
                          f"{MMA_MAX_WEIGHTS} weights; got M={M} N={ns} K={K} group={group_size}")
-    cfg = config or select_mma_config(M, sum(ns), K, num_sms(x.device), group_size)
+    cfg = config or select_mma_config(M, sum(ns), K, num_sms(x.device))
     if not mma_config_valid(cfg, M):
         raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes, "
                          f"x_l1 at 1 or 2 token tiles only")
-    if cfg.tail_blocks and (group_size != MMA_TAIL_GROUP or cfg.tail_blocks > sum(ns) // 32
-                            or cfg.pieces > K // MMA_TAIL_GROUP):
-        raise ValueError(f"{cfg}: a tail split needs groups of {MMA_TAIL_GROUP}, at most {sum(ns) // 32} tail "
-                         f"blocks (the launch's column blocks of 32) and at most K / 128 = {K // 128} pieces; "
-                         f"got group={group_size}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
     weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
     if outs is None:
         outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
-    partials = counters = None
-    if cfg.tail_blocks:
-        partials = torch.empty(cfg.tail_blocks * cfg.pieces * cfg.token_tiles * 8 * 32, dtype=torch.float32,
-                               device=x.device)
-        counters = split_counters(x.device, cfg.tail_blocks)
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
             int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
             x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
-            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), cfg.tail_blocks, cfg.pieces,
-            None if partials is None else partials.data_ptr(), None if counters is None else counters.data_ptr(),
-            int(early_launch(x.device, M)), cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
+            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
+            cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
     return outs

@@ -289,53 +289,6 @@ def test_gpu_mma_x_through_l1(M):
 
 
 @needs_cuda
-@pytest.mark.parametrize("M", [1, 3, 8, 11, 16])
-def test_gpu_mma_tail_split(M):
-    """The tail split (csrc/w4a16_mma.cu: Tail): the last column blocks cut along K into 2-8 pieces,
-    each launch against the reference and the launch without a split (the pieces add in another
-    order: a rounding apart at most), two calls bit-equal, the counters left zero, in a CUDA graph
-    too; single and several weights (the tail in the last), whole and split blocks side by side,
-    as many pieces as groups, every warp count, outputs poisoned. Other groups or more than two
-    token tiles are refused."""
-    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
-    G = W.MMA_TAIL_GROUP
-    for ns, K, tail, pieces in (((11008,), 4096, 80, 3), ((2048, 1024), 1024, 40, 8), ((320,), 512, 10, 4),
-                                ((4096, 4096, 1024), 4096, 7, 2)):
-        dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
-        weights = [make_weight(n, K, G, device="cuda", seed=M + n + i) for i, n in enumerate(ns)]
-        x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
-        plain = W.select_mma_config(M, sum(ns), K, W.num_sms(x.device))
-        ref = W.w4a16_mma_many(x, weights, G, config=plain)
-        for warps in (1, 4, plain.warps):
-            cfg = W.MmaConfig(plain.token_tiles, warps, plain.x_l1, plain.successor, tail, pieces)
-            outs = [torch.full((M, n), float("nan"), device="cuda", dtype=dtype) for n in ns]
-            W.w4a16_mma_many(x, weights, G, config=cfg, outs=outs)
-            again = W.w4a16_mma_many(x, weights, G, config=cfg)
-            torch.cuda.synchronize()
-            assert not W.split_counters(x.device, tail)[:tail].any(), "counters not left zero"
-            for out, y, r, w in zip(outs, again, ref, weights):
-                assert_close(out, x, *w, G)
-                torch.testing.assert_close(y, out, rtol=0, atol=0)
-                torch.testing.assert_close(out, r, rtol=2 ** -7, atol=1e-3 * r.abs().max().item())
-        g = torch.cuda.CUDAGraph()
-        outs = [torch.empty((M, n), device="cuda", dtype=dtype) for n in ns]
-        with torch.cuda.graph(g):
-            for _ in range(3):
-                W.w4a16_mma_many(x, weights, G, config=cfg, outs=outs)
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        for out, y in zip(outs, again):
-            torch.testing.assert_close(out, y, rtol=0, atol=0)
-    qw, s, z = make_weight(4096, 4096, 64, device="cuda", seed=M)
-    with pytest.raises(ValueError, match="tail split"):
-        W.w4a16_mma(torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16), qw, s, z, 64,
-                    config=W.MmaConfig(2, 4, tail_blocks=4, pieces=2))
-
-
-@needs_cuda
 @pytest.mark.parametrize("M", [1, 4, 5, 16, 24])
 def test_gpu_mma_successor_modes(M):
     """Every successor mode (skinny.cuh: Successor; the capped one raises a launch's shared memory up

@@ -174,17 +174,17 @@ __device__ __forceinline__ const V* pick_address(const V (&a)[MAX_WEIGHTS], int 
   return i == 0 ? &a[0] : i == 1 ? &a[1] : &a[2];
 }
 
-// The weight column block `block` belongs to, and its first column in that weight. A launch of one
-// weight is its own instantiation (MANY = false): weight 0 at compile time, so its pointers are
-// kernel parameters at fixed offsets, read as the kernel starts, not after a comparison and selects.
+// The weight this CTA computes, and its first column in that weight. A launch of one weight is its
+// own instantiation (MANY = false): weight 0 at compile time, so its pointers are kernel parameters
+// at fixed offsets, read as the kernel starts, not after a comparison and selects.
 template <bool MANY>
-__device__ __forceinline__ int cta_weight(const int (&cta_end)[MAX_WEIGHTS], int block, int& tile_col) {
+__device__ __forceinline__ int cta_weight(const int (&cta_end)[MAX_WEIGHTS], int& tile_col) {
   if constexpr (!MANY) {
-    tile_col = block * 32;
+    tile_col = blockIdx.x * 32;
     return 0;
   }
-  const int which = (block >= cta_end[0]) + (block >= cta_end[1]);
-  tile_col = (block - (which ? pick(cta_end, which - 1) : 0)) * 32;
+  const int which = (blockIdx.x >= cta_end[0]) + (blockIdx.x >= cta_end[1]);
+  tile_col = (blockIdx.x - (which ? pick(cta_end, which - 1) : 0)) * 32;
   return which;
 }
 

@@ -167,21 +167,6 @@ struct GroupFold {
   }
 };
 
-// The tail of a launch whose column blocks fall unevenly on the SMs (w4a16.py: tail_split). The time
-// of a launch follows the most blocks any SM streams (benchmarks/notes-w4a16.md, session 18: 11008
-// x 4096 at M = 1 is 344 blocks, 3 on some SMs and 2 on others, and takes what 12288 x 4096 takes).
-// So its last blocks are cut along K into `pieces` CTAs each, whole groups per piece, and the
-// pieces spread over the SMs: 344 blocks = 264 whole + 80 in thirds, at most 2 2/3 blocks' work
-// per SM instead of 3. The whole blocks are CTAs [0, whole), as without a tail; the pieces follow.
-// A piece stores its sums (fp32, [MT * 8][32]) in `partials` and counts itself in its block's
-// counter; the last to arrive adds the block's pieces in piece order (the same bits on every
-// call), writes the output and zeroes the counter.
-struct Tail {
-  int whole, pieces;  // CTAs of whole blocks; pieces per tail block (1: no tail)
-  float* partials;    // [tail blocks][pieces][MT * 8][32]
-  int* counters;      // [tail blocks], zero between launches
-};
-
 // Ring of RING stages per warp with AHEAD steps in flight: one stage of slack lets a single
 // warp barrier per step order the reads of a stage before its refill. (Measured on the H200: rings
 // of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
@@ -195,14 +180,10 @@ constexpr int RING = 4, AHEAD = RING - 2;
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
 // X_L1: x copied through the L1 (cp.async.ca) instead of around it; the caller picks (w4a16.py:
 // x_through_l1, where the measurements are).
-// PIECE: this CTA is a piece of a tail block (Tail), a path of its own: sharing one with the whole
-// blocks' made ptxas keep the piece's bookkeeping live through their loop, which at 64 registers
-// spilled 8-24 bytes a ring round. Compiled for groups of 128 at one and two token tiles only
-// (TAIL_GS): at other groups the whole blocks' path spilled even so (ptxas, sm_90).
-constexpr int TAIL_GS = 4;
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool PIECE>
-__device__ __forceinline__ void skinny_product(const T* __restrict__ x, const Weights<T>& weights, const Tail& tail,
-                                               int M, int K, int group_shift_steps, int ldx, int trigger) {
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
+__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
+    w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
+                     int ldx, int trigger) {
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
   // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
   // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each);
@@ -217,24 +198,19 @@ __device__ __forceinline__ void skinny_product(const T* __restrict__ x, const We
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // the lane's column quad (its MMA rows g, g + 8)
-  // a piece's tail block and its place in it (the blocks are numbered across the weights)
-  const int tail_cta = PIECE ? (int)blockIdx.x - tail.whole : 0, piece = PIECE ? tail_cta % tail.pieces : 0;
   int tile_col;
-  const int which = cta_weight<MANY>(weights.cta_end, PIECE ? tail.whole + tail_cta / tail.pieces : blockIdx.x,
-                                     tile_col);
+  const int which = cta_weight<MANY>(weights.cta_end, tile_col);
   const uint32_t* __restrict__ qweight = pick(weights.qweight, which);
   const __half* __restrict__ scales = pick(weights.scales, which);
   const __half* __restrict__ zeros = pick(weights.zeros, which);
   const int N = pick(weights.n, which);
   const int steps = K >> 5;  // step s covers word rows 4s .. 4s+3
-  // Warps own contiguous ranges of whole groups (any split when there is one group per column) of
-  // the CTA's K range (a piece's: whole groups too), so a group never straddles two warps and a
-  // range always ends a group.
+  // Warps own contiguous ranges of whole groups (any split when there is one group per column),
+  // so a group never straddles two warps and a range always ends a group.
   const bool one_group = group_shift_steps >= 30;
   const int unit_shift = one_group ? 0 : group_shift_steps, units = steps >> unit_shift;
-  const int u0 = PIECE ? units * piece / tail.pieces : 0, u1 = PIECE ? units * (piece + 1) / tail.pieces : units;
-  const int s_begin = (u0 + (int)((long long)(u1 - u0) * warp / warps)) << unit_shift;
-  const int s_end = (u0 + (int)((long long)(u1 - u0) * (warp + 1) / warps)) << unit_shift;
+  const int s_begin = (int)((long long)units * warp / warps) << unit_shift;
+  const int s_end = (int)((long long)units * (warp + 1) / warps) << unit_shift;
   const int group_steps = one_group ? steps : 1 << group_shift_steps;
   const int m_rows = M < MT * 8 ? M : MT * 8;
 
@@ -318,51 +294,14 @@ __device__ __forceinline__ void skinny_product(const T* __restrict__ x, const We
   // tile and 64 registers, `which` kept live made ptxas spill 16 bytes of the several-weight kernel
   // (groups of 128) and reload them every ring round. H200, M = 1: Llama-2-7B's q/k/v 10.8 -> 10.0
   // us, gate/up 20.5 -> 17.5 (benchmarks/results/w4a16-grouped-spill-h200.json).
-  const int out_weight = cta_weight<MANY>(weights.cta_end, PIECE ? tail.whole + tail_cta / tail.pieces : blockIdx.x,
-                                          tile_col);
+  const int out_weight = cta_weight<MANY>(weights.cta_end, tile_col);
   T* __restrict__ out = pick(weights.out, out_weight);
   const int ldo = pick(weights.ldo, out_weight);
-  constexpr int SUMS = MT * 8 * 32;  // one CTA's [MT * 8][32] sums
-  if constexpr (!PIECE) {
-    for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
-      float sum = 0.f;
-      for (int w = 0; w < warps; ++w) sum += partial[w * SUMS + i];
-      out[(size_t)(i >> 5) * ldo + tile_col + (i & 31)] = Num<T>::from_float(sum);
-    }
-    return;
-  }
-  // A piece (Tail): its sums to the partials (through the L2), then the block's counter.
-  const int t = tail_cta / tail.pieces;
-  float* const pieces = tail.partials + (size_t)t * tail.pieces * SUMS;
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
     float sum = 0.f;
-    for (int w = 0; w < warps; ++w) sum += partial[w * SUMS + i];
-    __stcg(pieces + piece * SUMS + i, sum);
-  }
-  __threadfence();
-  __syncthreads();
-  const int arrived = threadIdx.x == 0 ? atomicAdd(tail.counters + t, 1) : 0;
-  if (!__syncthreads_or(threadIdx.x == 0 && arrived == tail.pieces - 1)) return;
-  __threadfence();  // the last piece of the block: every other piece's sums are visible
-  for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
-    float sum = 0.f;
-    for (int q = 0; q < tail.pieces; ++q) sum += __ldcg(pieces + q * SUMS + i);
+    for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
     out[(size_t)(i >> 5) * ldo + tile_col + (i & 31)] = Num<T>::from_float(sum);
   }
-  if (threadIdx.x == 0) tail.counters[t] = 0;
-}
-
-template <typename T, int MT, int GS, bool MANY, bool X_L1>
-__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
-    w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, const Tail tail, int M, int K,
-                     int group_shift_steps, int ldx, int trigger) {
-  if constexpr (TAIL_GS == GS && MT <= 2) {
-    if ((int)blockIdx.x >= tail.whole) {
-      skinny_product<T, MT, GS, MANY, X_L1, true>(x, weights, tail, M, K, group_shift_steps, ldx, trigger);
-      return;
-    }
-  }
-  skinny_product<T, MT, GS, MANY, X_L1, false>(x, weights, tail, M, K, group_shift_steps, ldx, trigger);
 }
 
 size_t smem_bytes(int warps, int mt) {
@@ -371,33 +310,33 @@ size_t smem_bytes(int warps, int mt) {
 }
 
 template <typename T, int MT, int GS, bool MANY, bool X_L1>
-cudaError_t launch_gs(const void* x, const Weights<T>& weights, const Tail& tail, int ctas, int M, int K,
-                      int group_shift_steps, int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
+cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
+                      int warps, cudaStream_t stream, bool pdl, int successor) {
   constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
   size_t smem = smem_bytes(warps, MT);
   if ((err = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem, trigger)) != cudaSuccess) return err;
-  return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, tail, M, K,
+  return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, M, K,
                        group_shift_steps, ldx, trigger);
 }
 
 template <typename T, int MT, bool MANY, bool X_L1>
-cudaError_t launch_mt(const void* x, const Weights<T>& weights, const Tail& tail, int ctas, int M, int K,
-                      int group_shift_steps, int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
+cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
+                      int warps, cudaStream_t stream, bool pdl, int successor) {
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
     case 0:
-      return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, tail, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
     case 1:
-      return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, tail, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
     case 2:
-      return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, tail, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
     default:
-      return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, tail, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
   }
 }
@@ -405,8 +344,7 @@ cudaError_t launch_mt(const void* x, const Weights<T>& weights, const Tail& tail
 template <typename T>
 cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
-                   void* const* outs, const int* ns, const int* ldos, int tail_blocks, int pieces, float* partials,
-                   int* counters, cudaStream_t stream, bool pdl, int successor) {
+                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl, int successor) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
   Weights<T> w{};
   for (int i = 0; i < count; ++i) {
@@ -417,23 +355,18 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
     w.n[i] = ns[i];
     w.ldo[i] = ldos[i];
   }
-  const int blocks = running_ends(count, ns, 32, w.cta_end);
-  if (tail_blocks < 0 || tail_blocks > blocks ||
-      (tail_blocks > 0 && (pieces < 2 || mt > 2 || group_shift_steps != 2 || pieces > (K >> 7))))
-    return cudaErrorInvalidValue;
-  const Tail tail{blocks - tail_blocks, tail_blocks > 0 ? pieces : 1, partials, counters};
-  const int ctas = blocks + tail_blocks * (tail.pieces - 1);
+  const int ctas = running_ends(count, ns, 32, w.cta_end);
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
   const bool many = count > 1;
 #define NIBBLE_LAUNCH_MT(MT, X_L1) \
-  (many ? launch_mt<T, MT, true, X_L1>(x, w, tail, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor) \
-        : launch_mt<T, MT, false, X_L1>(x, w, tail, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor))
+  (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor) \
+        : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor))
   switch (mt) {
     case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
     case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
     case 4: return x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH_MT(4, false);
-    case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, tail, ctas, M, K, group_shift_steps,
+    case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
                                                                                ldx, warps, stream, pdl, successor);
     default: return cudaErrorInvalidValue;
   }
@@ -449,23 +382,15 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
 // group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through
 // the L1 (mt 1 and 2 only: slower at four tiles, not measured at eight). pdl: launch early
 // (skinny.cuh: launch_kernel); successor: when the next kernel may launch (skinny.cuh: Successor).
-// tail_blocks, pieces: the last tail_blocks column blocks cut into 2 <= pieces <= K / 128 CTAs each
-// along K (Tail; 0, 1: none; groups of 128 and mt <= 2 only), with float partials[tail_blocks *
-// pieces * 8 * mt * 32] and int counters[tail_blocks], zero, which the launch leaves zero.
 extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
-                                int tail_blocks, int pieces, void* partials, void* counters, int pdl, int successor,
-                                void* stream) {
+                                int pdl, int successor, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights,
-                                                    scales, zeros, outs, ns, ldos, tail_blocks, pieces,
-                                                    static_cast<float*>(partials), static_cast<int*>(counters), st, pdl,
-                                                    successor)
+                                                    scales, zeros, outs, ns, ldos, st, pdl, successor)
                             : launch<__half>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights, scales,
-                                             zeros, outs, ns, ldos, tail_blocks, pieces,
-                                                    static_cast<float*>(partials), static_cast<int*>(counters), st, pdl,
-                                                    successor);
+                                             zeros, outs, ns, ldos, st, pdl, successor);
   return (int)err;
 }
 

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(512, MT == 1 ? 2 : 1)
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int tile_col;
-  const int which = cta_weight<MANY>(weights.cta_end, blockIdx.x, tile_col);
+  const int which = cta_weight<MANY>(weights.cta_end, tile_col);
   const uint32_t* __restrict__ qweight = pick(weights.qweight, which);
   const int N = pick(weights.n, which);
   const int steps = K >> 5;
