@@ -2,7 +2,8 @@
 (the shipped kernel: its first 4 steps, every lane its own 16-byte piece, so 8 lanes ask for each
 128-byte line), against variants of csrc/w4a16_mma.cu that ask once per line, for the first 4 or 16
 steps or the warp's whole K range: Llama-2-7B W4A16 decode, each way's decode captured in its own
-CUDA graph, alternating rounds, greedy tokens compared; and the op back to back on its decode layers.
+CUDA graph, alternating rounds, greedy tokens compared (w4a16_skinny_variants.decode_ab); and the op
+back to back on its decode layers.
 
     PYTHONPATH=. python3 benchmarks/scripts/w4a16_prefetch_depth_ab.py --json $OUT/prefetch-depth-ab.json
 
@@ -27,10 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from nibble.bench.kernels import random_int4  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
 from nibble.eval import speed  # noqa: E402
-from nibble.eval.engine import Engine  # noqa: E402
-from nibble.eval.report import quant_config  # noqa: E402
 from nibble.kernels import cuda_build  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
+from w4a16_skinny_variants import decode_ab  # noqa: E402  (this folder: the skinny-kernel variants' decode A/B)
 
 SHIPPED = "  ws.prefetch<RING>(s_begin, s_end);\n"
 
@@ -84,27 +84,10 @@ def main() -> None:
             us, same = statistics.median(t), all(torch.equal(a, b) for a, b in zip(outs[name], outs["shipped"]))
             rows.append(dict(layer=label, M=1, way=name, us=us, rounds=t, speedup=base / us, bit_exact=same))
             print(f"{label:15s} M=1 {name:9s} {us:7.2f} us ({base / us:.3f}x){'' if same else ' DIFFER'}", flush=True)
-    for batch in (int(b) for b in args.batches.split(",") if b):
-        model = speed.random_model("llama-2-7b")
-        speed.quantize_in_place(model, quant_config("w4a16", model, clip_search=False))
-        prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(0)).cuda()
-        engines, tokens = {}, {}
-        for name, lib in libs.items():  # each decode graph is captured with its own kernels
-            W._mma_lib = lambda d, lib=lib: lib
-            engines[name] = Engine(model, max_batch=batch, max_seq_len=128 + 160)
-            tokens[name] = engines[name].generate(prompt, 12).tolist()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if batches:  # each engine's decode graph is captured with its own library's kernels
+        rows += decode_ab("llama-2-7b", libs, batches, args.rounds)
         W._mma_lib = shipped_lib
-        times = speed.alternating_decodes(engines, batch, 128, 128, args.rounds)
-        base = statistics.median(times["shipped"])
-        for name, t in times.items():
-            ms = statistics.median(t)
-            rows.append(dict(model="llama-2-7b", config="w4a16", batch=batch, way=name, ms_per_step=ms, rounds=t,
-                             speedup=base / ms, same_tokens=tokens[name] == tokens["shipped"]))
-            print(f"llama-2-7b w4a16 decode b={batch} {name:9s} {ms:.4f} ms/step ({base / ms:.3f}x) "
-                  f"tokens {'same' if tokens[name] == tokens['shipped'] else 'DIFFER'}", flush=True)
-        for e in engines.values():
-            e.close()
-        speed.release(model)
     Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
 
 
