@@ -58,15 +58,18 @@ def test_the_experiment_scripts_edits_still_anchor_in_the_kernel(script, monkeyp
 
 
 def test_the_skinny_kernel_variants_still_anchor_in_the_sources(monkeypatch):
-    """benchmarks/scripts/w4a16_skinny_variants.py rebuilds csrc/w4a16_mma.cu (and headers) with the
-    edits of each variant; every text it replaces must be in the current sources exactly once."""
+    """benchmarks/scripts/w4a16_skinny_variants.py and w4a16_shared_x.py rebuild csrc/w4a16_mma.cu (and
+    headers) with the edits of each variant; every text they replace must be in the current sources
+    exactly once."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"))
-    module = importlib.import_module("w4a16_skinny_variants")
-    for variants in module.SETS.values():
-        for edits in variants.values():
-            for file, pairs in edits.items():
-                source = (cuda_build.CSRC / file).read_text()
-                assert [source.count(old) for old, _ in pairs] == [1] * len(pairs), (file, pairs)
+    variants = importlib.import_module("w4a16_skinny_variants")
+    shared_x = importlib.import_module("w4a16_shared_x")
+    edit_sets = [*(edits for v in variants.SETS.values() for edits in v.values()),
+                 {"w4a16_mma.cu": shared_x.KERNEL_EDITS, **shared_x.HEADER_EDITS}]
+    for edits in edit_sets:
+        for file, pairs in edits.items():
+            source = (cuda_build.CSRC / file).read_text()
+            assert [source.count(old) for old, _ in pairs] == [1] * len(pairs), (file, pairs)
 
 
 def test_the_tma_stream_experiment_still_builds_on_the_skinny_kernel(tmp_path, monkeypatch):
