@@ -55,8 +55,8 @@ def _precompile_task(args):
     qw, ws = random_w4a4(N, K, dev)
     x = torch.randn(M, K, device=dev).to(torch.bfloat16)
     errs = []
-    for fn in ([lambda: w4a4.quantize_activations_triton(x, False)] if "actquant" in ops or "w4a4" in ops else []) + \
-              ([lambda: w4a4.quantize_activations_triton(x, True)] if "actquant_h" in ops or "w4a4_h" in ops else []):
+    for fn in ([lambda: w4a4.quantize_activations_gpu(x, False)] if "actquant" in ops or "w4a4" in ops else []) + \
+              ([lambda: w4a4.quantize_activations_gpu(x, True)] if "actquant_h" in ops or "w4a4_h" in ops else []):
         try:
             fn()
         except Exception as e:
@@ -131,9 +131,9 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
             run("fp8", lambda i: (lambda: torch._scaled_mm(xf8, wf8[i].t(), scale_a=sa, scale_b=sw_f8,
                                                             out_dtype=torch.bfloat16)), n8)
         if "actquant" in ops:
-            run("actquant", lambda i: (lambda: w4a4.quantize_activations_triton(x, False, order)), 1)
+            run("actquant", lambda i: (lambda: w4a4.quantize_activations_gpu(x, False, order)), 1)
         if "actquant_h" in ops:
-            run("actquant_h", lambda i: (lambda: w4a4.quantize_activations_triton(x, True, order)), 1)
+            run("actquant_h", lambda i: (lambda: w4a4.quantize_activations_gpu(x, True, order)), 1)
         if "gemm" in ops and tune:
             # time every candidate of this M bucket, keep the fastest for the op (w4a4.TUNED)
             b = w4a4.m_bucket(M)

@@ -31,11 +31,14 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         over the grid so every SM streams, partials reduced in int32 by the last
                         program of each column tile (deterministic, no float atomics).
 
-Two CUDA C++ kernels (built by `cuda_build` at first use) take over where they are faster:
-``csrc/w4a4_mma.cu`` (`w4a4_mma`, M <= 16: the W4A16 decode kernel's skeleton on int8 MMAs) and
+Three CUDA C++ kernels (built by `cuda_build` at first use) take over where they are faster:
+``csrc/w4a4_mma.cu`` (`w4a4_mma`, M <= 16: the W4A16 decode kernel's skeleton on int8 MMAs),
 ``csrc/w4a4_wgmma.cu`` (`w4a4_wgmma`, Hopper only, many tokens: persistent, asynchronous int8 wgmma fed by TMA,
 the weight unpacked into register fragments; it reads the activations in an "even_odd" K order,
-which the act-quant kernels write when asked, `order="even_odd"`).
+which the act-quant kernels write when asked, `order="even_odd"`) and ``csrc/rotate_quantize.cu``
+(`rotate_quantize`, sm_90+, up to 16 rows: the online Hadamard and the quantization in one launch,
+each row a thread-block cluster, for sizes with a dense Hadamard factor; `quantize_activations_gpu`
+picks it).
 
 Every matrix kernel can return the raw int32 accumulators (tests check them bit-exactly against
 `reference.w4a4_accumulate`). The op `torch.ops.nibble.w4a4_linear` chains quantization and the
@@ -353,15 +356,110 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     return q, s
 
 
+# ----------------------------------------------------------------------------------------------
+# CUDA C++ rotate + quantize for a few rows (csrc/rotate_quantize.cu): the online Hadamard and the
+# quantization in one launch, each row a thread-block cluster, the dense factor on the tensor cores
+# ----------------------------------------------------------------------------------------------
+_ROTATE_QUANTIZE_SIGNATURES = cuda_build.signatures(
+    "nibble_rotate_quantize", [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int]
+    + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p],
+    "nibble_rotate_quantize_error_string")
+# Rows up to which `rotate_quantize` runs instead of the Triton path (decode sizes).
+ROTATE_QUANTIZE_MAX_M = 16
+
+
+def _rotate_quantize_lib(device):
+    """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
+    return cuda_build.library("rotate_quantize", device, _ROTATE_QUANTIZE_SIGNATURES)
+
+
+@functools.cache
+def rotate_quantize_plan(K: int) -> tuple[int, int] | None:
+    """(m, log2 2^k) with K = m * 2^k (`hadamard.hadamard_factors`) where the kernel takes K: a dense
+    factor (1 < m <= 256: a row is a cluster of ceil(m / 16) <= 16 CTAs) and 8 <= 2^k <= 128 (ldmatrix
+    reads 8-column rows; a CTA's 16 rows of 2^k stay short: at 512 and 1024, 14336 = 28 x 512 and 28672
+    = 28 x 1024, two CTAs a row were slower than the Triton path, 15.3 / 28.7 against 10.3 / 18.0 us
+    for one row, H200); None otherwise."""
+    try:
+        m, p = _had.hadamard_factors(K)
+    except ValueError:
+        return None
+    return (m, p.bit_length() - 1) if 1 < m <= 256 and 8 <= p <= 128 else None
+
+
+def rotate_quantize_smem(m: int, log2p: int) -> int:
+    """Shared memory of one CTA (csrc/rotate_quantize.cu: smem_bytes)."""
+    p, mp = 1 << log2p, -(-m // 16) * 16
+    return mp * (p + 8) * 2 + 16 * (p + 4) * 4 + 9 * 4
+
+
+@functools.cache
+def _dense_factor(m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """H_m (+-1, unnormalised) in the activations' type, zero padded to a multiple of 16: the A
+    operand of the kernel's dense stage."""
+    mp = -(-m // 16) * 16
+    h = torch.zeros(mp, mp, dtype=torch.float64)
+    h[:m, :m] = _had._base_matrix(m)
+    return h.to(device=device, dtype=dtype)
+
+
+def rotate_quantize_applicable(x: torch.Tensor) -> bool:
+    """Whether `rotate_quantize` takes x: a CUDA float16/bfloat16 [M, K], 1 <= M <= ROTATE_QUANTIZE_MAX_M,
+    on sm_90+ (thread-block clusters), K a size with a dense factor the kernel handles, the kernel compiled."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in KERNEL_DTYPES and 1 <= x.shape[0] <= ROTATE_QUANTIZE_MAX_M):
+        return False
+    plan = rotate_quantize_plan(x.shape[1])
+    if plan is None or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 48 << 10)
+    return rotate_quantize_smem(*plan) <= limit - 1024 and _rotate_quantize_lib(x.device) is not None
+
+
+def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA rotate + quantize kernel: x [M, K] -> (q int8 [M, K], scale float32 [M]) of x @ H_K.T
+    (H_K orthonormal), as `quantize_activations(x, input_hadamard=True)`; call where
+    `rotate_quantize_applicable(x)`. Codes match the float32 spec up to rare +-1 flips where a rotated
+    value rounds the other way (the dense factor's sums run in tensor-core float32; it goes before
+    the butterflies, so a row whose rotation overflows float32 saturates in another pattern)."""
+    check_order(order, x.shape[1])
+    M, K = x.shape
+    m, log2p = rotate_quantize_plan(K)
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte pieces
+        x = x.clone(memory_format=torch.contiguous_format)
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    lib = _rotate_quantize_lib(x.device)
+    with torch.cuda.device(x.device):
+        err = lib.nibble_rotate_quantize(
+            int(x.dtype == torch.bfloat16), x.data_ptr(), M, x.stride(0), q.data_ptr(), q.stride(0), s.data_ptr(),
+            _dense_factor(m, x.dtype, x.device).data_ptr(), m, log2p, 1.0 / math.sqrt(K),
+            float(torch.finfo(x.dtype).max), int(order == "even_odd"),
+            int(early_launch(x.device, M, PRODUCT_EARLY_TOKENS)), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        message = lib.nibble_rotate_quantize_error_string(err).decode()
+        raise RuntimeError(f"rotate_quantize launch failed: {message} (K={K})")
+    return q, s
+
+
+def quantize_activations_gpu(x: torch.Tensor, input_hadamard: bool = False,
+                             order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
+    """The act-quant kernel for x on the GPU: `rotate_quantize` for the online Hadamard where it
+    applies, else the Triton kernel (`quantize_activations_triton`)."""
+    if input_hadamard and rotate_quantize_applicable(x):
+        return rotate_quantize(x, order)
+    return quantize_activations_triton(x, input_hadamard, order)
+
+
 def quantize_activations(x: torch.Tensor, input_hadamard: bool = False,
                          order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4 activations (optionally after the online Hadamard rotation).
 
-    x: [M, K] float16/bfloat16 -> (q int8 [M, K] in [-8, 7], scale float32 [M]); the Triton kernel
-    on CUDA, `reference.quantize_activations` elsewhere. order: see `quantize_activations_triton`.
+    x: [M, K] float16/bfloat16 -> (q int8 [M, K] in [-8, 7], scale float32 [M]); the GPU kernels
+    (`quantize_activations_gpu`) on CUDA, `reference.quantize_activations` elsewhere. order: see
+    `quantize_activations_triton`.
     """
     if kernels_available(x) and x.dtype in KERNEL_DTYPES:
-        return quantize_activations_triton(x, input_hadamard, order)
+        return quantize_activations_gpu(x, input_hadamard, order)
     check_order(order, x.shape[-1])
     if input_hadamard:
         x = _had.hadamard_transform_reference(x)
@@ -1279,7 +1377,7 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
         raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
     order = activation_order(*x.shape, [qweight.shape[1] for qweight, _, _ in layers], x.device)
-    qx, sx = quantize_activations_triton(x, input_hadamard, order)
+    qx, sx = quantize_activations_gpu(x, input_hadamard, order)
     return w4a4_products(qx, sx, layers, x.dtype, order)
 
 

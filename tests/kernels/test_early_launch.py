@@ -171,6 +171,26 @@ def test_gpu_w4a4_chain_waits_for_its_producer(M):
         assert torch.equal(y, expected), "read an input before it was written"
 
 
+@pytest.mark.parametrize("M", [1, 5])
+def test_gpu_w4a4_rotated_chain_waits_for_its_producer(M):
+    """Producer -> rotate + quantize (csrc/rotate_quantize.cu, a cluster per row) -> product, both
+    launched early: the op's result is that of the produced input."""
+    _needs_early_launch()
+    K, N = 11008, 1024
+    qweight, w_scale = random_w4a4(N, K, "cuda")
+    src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    if not w4a4.rotate_quantize_applicable(src):
+        pytest.skip("the CUDA rotate + quantize kernel is not built here")
+    x = torch.empty_like(src)
+    expected = torch.ops.nibble.w4a4_linear(src, qweight, w_scale, None, True)
+    for _ in range(3):
+        x.fill_(1e4)
+        _produce(src, x)
+        y = torch.ops.nibble.w4a4_linear(x, qweight, w_scale, None, True)
+        torch.cuda.synchronize()
+        assert torch.equal(y, expected), "read an input before it was written"
+
+
 def test_gpu_glue_kernels_wait_for_their_producer():
     """The engine's RMSNorm kernel after an early-launching producer reads the produced rows."""
     _needs_early_launch()

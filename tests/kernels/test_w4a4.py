@@ -496,10 +496,10 @@ def test_act_quant_nonfinite_zero_and_huge_rows(dtype, M):
 def test_act_quant_fused_hadamard(M, K, dtype):
     from nibble.kernels.hadamard import hadamard_transform_triton
     x = _activations(M, K, dtype, "cuda")
-    q, s = w4a4.quantize_activations(x, input_hadamard=True)
+    q, s = w4a4.quantize_activations_triton(x, input_hadamard=True)
     # Same arithmetic as the unfused kernel chain (one row per program; M < 32 rotates with the
     # row-splitting transform), so identical codes...
-    q2, s2 = w4a4.quantize_activations(hadamard_transform_triton(x, split=False), input_hadamard=False)
+    q2, s2 = w4a4.quantize_activations_triton(hadamard_transform_triton(x, split=False), input_hadamard=False)
     assert torch.equal(q, q2) and torch.equal(s, s2)
     # ...and the float32 spec up to rare +-1 flips where the rotated value rounds differently.
     qr, sr = reference.quantize_activations(hadamard_transform_reference(x))
@@ -507,6 +507,77 @@ def test_act_quant_fused_hadamard(M, K, dtype):
     d = (q.int() - qr.int()).abs()
     assert d.max() <= 1 and d.float().mean() < 0.01, f"{int((d > 0).sum())} flips of {d.numel()}"
 
+
+
+def _rotate_quantize_or_skip(x):
+    if not w4a4.rotate_quantize_applicable(x):
+        pytest.skip("the CUDA rotate + quantize kernel is not available here (nvcc, sm_90+, shared memory)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [576, 1536, 11008, 18944])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_rotate_quantize_matches_the_spec(M, K, dtype):
+    """csrc/rotate_quantize.cu against the float32 spec (rotate, round to x's type, quantize): scales
+    to the rotation's rounding, codes up to rare +-1 flips; the even_odd order is the natural codes
+    permuted; every output written (the allocator poisoned first); a strided view reads its rows."""
+    x = _activations(M, K, dtype, "cuda")
+    _rotate_quantize_or_skip(x)
+    _poison_allocator("cuda")
+    q, s = w4a4.rotate_quantize(x)
+    qr, sr = reference.quantize_activations(hadamard_transform_reference(x))
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == (M, K) and s.shape == (M,)
+    assert torch.allclose(s, sr.to(s.device), rtol=2 ** -6, atol=0)
+    d = (q.int() - qr.to(q.device).int()).abs()
+    assert d.max() <= 1 and d.float().mean() < 0.01, f"{int((d > 0).sum())} flips of {d.numel()}"
+    qe, se = w4a4.rotate_quantize(x, "even_odd")
+    assert torch.equal(se, s) and torch.equal(qe, w4a4.to_even_odd(q))
+    x2 = _activations(2 * M, K, dtype, "cuda")[::2]
+    q2, s2 = w4a4.rotate_quantize(x2)
+    q3, s3 = w4a4.rotate_quantize(x2.contiguous())
+    assert torch.equal(q2, q3) and torch.equal(s2, s3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotate_quantize_saturates_and_zero_rows(dtype):
+    """A non-finite input saturates as the spec does, after the rotation spread it over the row (the
+    codes +-7 and the largest scale); all-zero rows get scale 0 and codes 0, never NaN."""
+    K = 11008
+    x = _activations(5, K, dtype, "cuda")
+    x[0, 3] = float("nan")
+    x[1, 4] = float("inf")
+    x[2] = 0
+    x[3, 9] = -float("inf")
+    _rotate_quantize_or_skip(x)
+    q, s = w4a4.rotate_quantize(x)
+    qr, sr = reference.quantize_activations(hadamard_transform_reference(x))
+    assert torch.isfinite(s).all() and s[2] == 0 and (q[2] == 0).all()
+    assert torch.allclose(s, sr.to(s.device), rtol=2 ** -6, atol=0)
+    d = (q.int() - qr.to(q.device).int()).abs()
+    assert d.max() <= 1 and d.float().mean() < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_rotated_act_quant_takes_the_cuda_kernel_where_it_applies():
+    """quantize_activations(input_hadamard=True) runs rotate_quantize for a few rows with a dense
+    factor, the Triton kernels elsewhere: many rows, powers of two, 2^k < 8 (12 * 4 = 48) or > 128."""
+    x = _activations(5, 11008, torch.bfloat16, "cuda")
+    _rotate_quantize_or_skip(x)
+    q, s = w4a4.quantize_activations(x, input_hadamard=True)
+    q2, s2 = w4a4.rotate_quantize(x)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    many = _activations(w4a4.ROTATE_QUANTIZE_MAX_M + 1, 11008, torch.bfloat16, "cuda")
+    assert not w4a4.rotate_quantize_applicable(many)
+    assert all(w4a4.rotate_quantize_plan(k) is None for k in (4096, 48, 14336, 28672))
+    small = _activations(5, 48, torch.bfloat16, "cuda")
+    q, s = w4a4.quantize_activations(small, input_hadamard=True)
+    qr, sr = reference.quantize_activations(hadamard_transform_reference(small))
+    assert (q.int() - qr.to(q.device).int()).abs().max() <= 1
 
 # ---- GPU: the integer part, bit-exact ------------------------------------------------------------
 
