@@ -152,41 +152,24 @@ def test_gpu_w4a4_matmul_waits_for_its_producer(M):
         assert torch.equal(acc, reference.w4a4_accumulate(src, qweight)), "read the input before it was written"
 
 
-@pytest.mark.parametrize("M", [3, 60])
-def test_gpu_w4a4_chain_waits_for_its_producer(M):
+@pytest.mark.parametrize("M,K,rotated", [(3, 4096, False), (60, 4096, False), (1, 11008, True), (5, 11008, True)])
+def test_gpu_w4a4_chain_waits_for_its_producer(M, K, rotated):
     """Producer -> activation quantization -> product, both launched early: the op's result is that of
     the produced input (the quantization waits for the producer, the product for the quantization;
-    the decode kernel at M = 3, the Hopper GEMM at 60)."""
+    the decode kernel at M = 3, the Hopper GEMM at 60; rotated, the rotate + quantize kernel, a
+    cluster per row, csrc/rotate_quantize.cu)."""
     _needs_early_launch()
-    K, N = 4096, 2048
+    N = 2048
     qweight, w_scale = random_w4a4(N, K, "cuda")
     src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    x = torch.empty_like(src)
-    expected = torch.ops.nibble.w4a4_linear(src, qweight, w_scale, None, False)
-    for _ in range(3):
-        x.fill_(1e4)
-        _produce(src, x)
-        y = torch.ops.nibble.w4a4_linear(x, qweight, w_scale, None, False)
-        torch.cuda.synchronize()
-        assert torch.equal(y, expected), "read an input before it was written"
-
-
-@pytest.mark.parametrize("M", [1, 5])
-def test_gpu_w4a4_rotated_chain_waits_for_its_producer(M):
-    """Producer -> rotate + quantize (csrc/rotate_quantize.cu, a cluster per row) -> product, both
-    launched early: the op's result is that of the produced input."""
-    _needs_early_launch()
-    K, N = 11008, 1024
-    qweight, w_scale = random_w4a4(N, K, "cuda")
-    src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    if not w4a4.rotate_quantize_applicable(src):
+    if rotated and not w4a4.rotate_quantize_applicable(src):
         pytest.skip("the CUDA rotate + quantize kernel is not built here")
     x = torch.empty_like(src)
-    expected = torch.ops.nibble.w4a4_linear(src, qweight, w_scale, None, True)
+    expected = torch.ops.nibble.w4a4_linear(src, qweight, w_scale, None, rotated)
     for _ in range(3):
         x.fill_(1e4)
         _produce(src, x)
-        y = torch.ops.nibble.w4a4_linear(x, qweight, w_scale, None, True)
+        y = torch.ops.nibble.w4a4_linear(x, qweight, w_scale, None, rotated)
         torch.cuda.synchronize()
         assert torch.equal(y, expected), "read an input before it was written"
 
