@@ -32,8 +32,9 @@ from nibble.kernels import reference, w4a4  # noqa: E402
 from nibble.kernels.hadamard import hadamard_transform_reference  # noqa: E402
 
 APPLICABLE = w4a4.rotate_quantize_applicable
-# Random-weight models: nibble.eval.speed's, and a Qwen2-7B-shaped Llama (its MLP is 18944 = 148 x 128 wide).
-MODELS = {"llama-2-7b": ("llama-2-7b", {}),
+# Random-weight models: nibble.eval.speed's (MLPs of 11008 = 172 x 64 and 14336 = 28 x 512), and a
+# Qwen2-7B-shaped Llama (its MLP is 18944 = 148 x 128 wide).
+MODELS = {"llama-2-7b": ("llama-2-7b", {}), "llama-3-8b": ("llama-3-8b", {}),
           "qwen2-7b-shaped": ("llama-2-7b", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064))}
 
@@ -143,7 +144,7 @@ def model_rows(models, batches, prefills, rounds):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ks", default="576,1536,11008,14336,18944,28672",
+    ap.add_argument("--ks", default="576,1536,4096,11008,14336,18944,28672",
                     help="row sizes; those the kernel does not take are skipped")
     ap.add_argument("--ms", default="1,2,4,8,16")
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))

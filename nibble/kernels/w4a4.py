@@ -37,8 +37,7 @@ Three CUDA C++ kernels (built by `cuda_build` at first use) take over where they
 the weight unpacked into register fragments; it reads the activations in an "even_odd" K order,
 which the act-quant kernels write when asked, `order="even_odd"`) and ``csrc/rotate_quantize.cu``
 (`rotate_quantize`, sm_90+, up to 16 rows: the online Hadamard and the quantization in one launch,
-each row a thread-block cluster, for sizes with a dense Hadamard factor; `quantize_activations_gpu`
-picks it).
+each row a thread-block cluster; `quantize_activations_gpu` picks it).
 
 Every matrix kernel can return the raw int32 accumulators (tests check them bit-exactly against
 `reference.w4a4_accumulate`). The op `torch.ops.nibble.w4a4_linear` chains quantization and the
@@ -364,8 +363,12 @@ _ROTATE_QUANTIZE_SIGNATURES = cuda_build.signatures(
     "nibble_rotate_quantize", [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int]
     + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p],
     "nibble_rotate_quantize_error_string")
-# Rows up to which `rotate_quantize` runs instead of the Triton path (decode sizes).
+# Where `rotate_quantize` runs instead of the Triton path: up to 16 rows (decode sizes), and at most
+# 192 CTAs a launch (rows x CTAs a row). H200 (benchmarks/results/rotate-quantize-cluster-ab-h200.json):
+# faster at every size and 1-16 rows below that (11008 at M = 1 8.1 -> 6.4 us, 14336 10.3 -> 6.9,
+# 28672 18.6 -> 8.9) but at 16 rows of 14 CTAs (224: 14336 10.9 -> 15.2 us, 28672 20.4 -> 20.1).
 ROTATE_QUANTIZE_MAX_M = 16
+ROTATE_QUANTIZE_MAX_CTAS = 192
 
 
 def _rotate_quantize_lib(device):
@@ -374,45 +377,55 @@ def _rotate_quantize_lib(device):
 
 
 @functools.cache
-def rotate_quantize_plan(K: int) -> tuple[int, int] | None:
-    """(m, log2 2^k) with K = m * 2^k (`hadamard.hadamard_factors`) where the kernel takes K: a dense
-    factor (1 < m <= 256: a row is a cluster of ceil(m / 16) <= 16 CTAs) and 8 <= 2^k <= 128 (ldmatrix
-    reads 8-column rows; a CTA's 16 rows of 2^k stay short: at 512 and 1024, 14336 = 28 x 512 and 28672
-    = 28 x 1024, two CTAs a row were slower than the Triton path, 15.3 / 28.7 against 10.3 / 18.0 us
-    for one row, H200); None otherwise."""
+def rotate_quantize_plan(K: int) -> tuple[int, int, int] | None:
+    """(m, s, log2 p) with K = m * s * p where the kernel takes K, or None. With H_K = H_m (x) H_{2^k}
+    (`hadamard.hadamard_factors`) and H_{2^k} = H_s (x) H_p (Sylvester's, natural index order), the
+    row is viewed as [m s, p]: the dense factor H_m (x) H_s on the tensor cores, then butterflies over
+    p. p is 64, or 128 where m * 2^k / 64 rows would pass 256 (a row is a cluster of at most 16 CTAs
+    of 16 rows), or 2^k itself when smaller (at least 8: ldmatrix reads 8-column rows). Rows of p >
+    128 were slower than the Triton path: 14336 = 28 x 512 as two CTAs of 16 x 512, 15.3 against 10.3
+    us for one row (H200), so a CTA keeps 16 short rows. Sizes: 11008 = 172 x 64; 14336 = (28 x 8) x 64;
+    18944 = 148 x 128; 28672 = (28 x 8) x 128; 4096 = 64 x 64; 1536 = (12 x 2) x 64; 576 = 36 x 16."""
     try:
-        m, p = _had.hadamard_factors(K)
+        m, p2k = _had.hadamard_factors(K)
     except ValueError:
         return None
-    return (m, p.bit_length() - 1) if 1 < m <= 256 and 8 <= p <= 128 else None
+    p = min(p2k, 64 if m * p2k // 64 <= 256 else 128)
+    s = p2k // p
+    return (m, s, p.bit_length() - 1) if 8 <= p and m * s <= 256 else None
 
 
-def rotate_quantize_smem(m: int, log2p: int) -> int:
-    """Shared memory of one CTA (csrc/rotate_quantize.cu: smem_bytes)."""
-    p, mp = 1 << log2p, -(-m // 16) * 16
-    return mp * (p + 8) * 2 + 16 * (p + 4) * 4 + 9 * 4
+def rotate_quantize_smem(rows: int, log2p: int) -> int:
+    """Shared memory of one CTA for a row viewed as [rows, 2^log2p] (csrc/rotate_quantize.cu: smem_bytes)."""
+    p, padded = 1 << log2p, -(-rows // 16) * 16
+    return padded * (p + 8) * 2 + 16 * (p + 4) * 4 + 9 * 4
 
 
 @functools.cache
-def _dense_factor(m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """H_m (+-1, unnormalised) in the activations' type, zero padded to a multiple of 16: the A
-    operand of the kernel's dense stage."""
-    mp = -(-m // 16) * 16
-    h = torch.zeros(mp, mp, dtype=torch.float64)
-    h[:m, :m] = _had._base_matrix(m)
+def _dense_factor(m: int, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """H_m (x) H_s (+-1, unnormalised) in the activations' type, zero padded to a multiple of 16: the
+    A operand of the kernel's dense stage."""
+    rows = m * s
+    padded = -(-rows // 16) * 16
+    h = torch.zeros(padded, padded, dtype=torch.float64)
+    h[:rows, :rows] = torch.kron(_had._base_matrix(m), _had._sylvester(s))
     return h.to(device=device, dtype=dtype)
 
 
 def rotate_quantize_applicable(x: torch.Tensor) -> bool:
-    """Whether `rotate_quantize` takes x: a CUDA float16/bfloat16 [M, K], 1 <= M <= ROTATE_QUANTIZE_MAX_M,
-    on sm_90+ (thread-block clusters), K a size with a dense factor the kernel handles, the kernel compiled."""
+    """Whether `rotate_quantize` takes x: a CUDA float16/bfloat16 [M, K], 1 <= M <= ROTATE_QUANTIZE_MAX_M
+    and at most ROTATE_QUANTIZE_MAX_CTAS CTAs, on sm_90+ (thread-block clusters), K a size the kernel
+    handles (`rotate_quantize_plan`), the kernel compiled."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in KERNEL_DTYPES and 1 <= x.shape[0] <= ROTATE_QUANTIZE_MAX_M):
         return False
     plan = rotate_quantize_plan(x.shape[1])
     if plan is None or torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
+    m, s, log2p = plan
+    if x.shape[0] * -(-m * s // 16) > ROTATE_QUANTIZE_MAX_CTAS:
+        return False
     limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 48 << 10)
-    return rotate_quantize_smem(*plan) <= limit - 1024 and _rotate_quantize_lib(x.device) is not None
+    return rotate_quantize_smem(m * s, log2p) <= limit - 1024 and _rotate_quantize_lib(x.device) is not None
 
 
 def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,7 +436,7 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tens
     the butterflies, so a row whose rotation overflows float32 saturates in another pattern)."""
     check_order(order, x.shape[1])
     M, K = x.shape
-    m, log2p = rotate_quantize_plan(K)
+    m, sylvester, log2p = rotate_quantize_plan(K)
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte pieces
         x = x.clone(memory_format=torch.contiguous_format)
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
@@ -432,7 +445,7 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tens
     with torch.cuda.device(x.device):
         err = lib.nibble_rotate_quantize(
             int(x.dtype == torch.bfloat16), x.data_ptr(), M, x.stride(0), q.data_ptr(), q.stride(0), s.data_ptr(),
-            _dense_factor(m, x.dtype, x.device).data_ptr(), m, log2p, 1.0 / math.sqrt(K),
+            _dense_factor(m, sylvester, x.dtype, x.device).data_ptr(), m * sylvester, log2p, 1.0 / math.sqrt(K),
             float(torch.finfo(x.dtype).max), int(order == "even_odd"),
             int(early_launch(x.device, M, PRODUCT_EARLY_TOKENS)), torch.cuda.current_stream(x.device).cuda_stream)
     if err:

@@ -509,15 +509,30 @@ def test_act_quant_fused_hadamard(M, K, dtype):
 
 
 
+@pytest.mark.parametrize("K", [64, 576, 1536, 2048, 2816])
+def test_rotate_quantize_plan_is_the_hadamard_matrix(K):
+    """The CUDA kernel's view of a row, [m s, p] with dense factor H_m (x) H_s and butterflies over p,
+    is H_K itself (2816 = 44 x 64; 1536 = (12 x 2) x 64; 2048 = 32 x 64)."""
+    from nibble.kernels.hadamard import _sylvester, hadamard_matrix
+    m, s, log2p = w4a4.rotate_quantize_plan(K)
+    rows = m * s
+    dense = w4a4._dense_factor(m, s, torch.float64, torch.device("cpu"))
+    assert rows * (1 << log2p) == K and not dense[rows:].any() and not dense[:, rows:].any()
+    h = torch.kron(dense[:rows, :rows], _sylvester(1 << log2p)) / K ** 0.5
+    assert torch.allclose(h, hadamard_matrix(K, torch.float64), rtol=0, atol=1e-12)
+
+
 def _rotate_quantize_or_skip(x):
-    if not w4a4.rotate_quantize_applicable(x):
+    """Skip unless the kernel runs here for rows like x's (one row: the dispatch's row and CTA caps
+    do not apply to the tests that call it directly)."""
+    if not w4a4.rotate_quantize_applicable(x[:1]):
         pytest.skip("the CUDA rotate + quantize kernel is not available here (nvcc, sm_90+, shared memory)")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("K", [576, 1536, 11008, 18944])
+@pytest.mark.parametrize("K", [64, 576, 1536, 4096, 11008, 14336, 18944, 28672])
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_rotate_quantize_matches_the_spec(M, K, dtype):
     """csrc/rotate_quantize.cu against the float32 spec (rotate, round to x's type, quantize): scales
@@ -564,8 +579,9 @@ def test_rotate_quantize_saturates_and_zero_rows(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_rotated_act_quant_takes_the_cuda_kernel_where_it_applies():
-    """quantize_activations(input_hadamard=True) runs rotate_quantize for a few rows with a dense
-    factor, the Triton kernels elsewhere: many rows, powers of two, 2^k < 8 (12 * 4 = 48) or > 128."""
+    """quantize_activations(input_hadamard=True) runs rotate_quantize for up to ROTATE_QUANTIZE_MAX_M
+    rows and ROTATE_QUANTIZE_MAX_CTAS CTAs, the Triton kernels for more and for sizes it does not take
+    (12 x 4 = 48)."""
     x = _activations(5, 11008, torch.bfloat16, "cuda")
     _rotate_quantize_or_skip(x)
     q, s = w4a4.quantize_activations(x, input_hadamard=True)
@@ -573,7 +589,12 @@ def test_rotated_act_quant_takes_the_cuda_kernel_where_it_applies():
     assert torch.equal(q, q2) and torch.equal(s, s2)
     many = _activations(w4a4.ROTATE_QUANTIZE_MAX_M + 1, 11008, torch.bfloat16, "cuda")
     assert not w4a4.rotate_quantize_applicable(many)
-    assert all(w4a4.rotate_quantize_plan(k) is None for k in (4096, 48, 14336, 28672))
+    # 16 rows of 14336 are 16 x 14 CTAs, past ROTATE_QUANTIZE_MAX_CTAS: the Triton path, the same codes
+    wide = _activations(16, 14336, torch.bfloat16, "cuda")
+    assert not w4a4.rotate_quantize_applicable(wide) and w4a4.rotate_quantize_applicable(wide[:8])
+    qr, sr = reference.quantize_activations(hadamard_transform_reference(wide))
+    assert (w4a4.quantize_activations(wide, input_hadamard=True)[0].int() - qr.to("cuda").int()).abs().max() <= 1
+    assert w4a4.rotate_quantize_plan(48) is None  # 12 x 4: rows of 4 are too short for ldmatrix
     small = _activations(5, 48, torch.bfloat16, "cuda")
     q, s = w4a4.quantize_activations(small, input_hadamard=True)
     qr, sr = reference.quantize_activations(hadamard_transform_reference(small))

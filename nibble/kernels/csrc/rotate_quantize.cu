@@ -1,18 +1,20 @@
-// W4A4's online rotation and per-token quantization in one launch for a few rows (decode), for
-// K = m * 2^k with a dense factor (m > 1: 11008 = 172 * 64, 14336 = 28 * 512, ...):
+// W4A4's online rotation and per-token quantization in one launch for a few rows (decode):
 //
 //   y = (x @ H_K.T) / sqrt(K) rounded to x's type, saturated (NaN -> 0, +-Inf -> +-max);
 //   scale = amax|y| / 7;  q = clamp(rint(y / scale), -8, 7)      (reference.quantize_activations)
 //
-// with H_K = H_m (x) H_{2^k} (nibble/kernels/hadamard.py). The Triton path for a few rows is two
-// launches: the transform, each row's dense outputs split over programs, then the quantization,
-// one program a row. One CTA a row is too slow (commit d00f331: 15.5 us for a row of 11008 against
+// with H_K = H_m (x) H_{2^k} (nibble/kernels/hadamard.py) = D (x) H_p, D = H_m (x) H_s and
+// 2^k = s p (Sylvester's factors in natural index order): the host (w4a4.rotate_quantize_plan)
+// picks p (64 or 128, or 2^k when smaller) and passes D as the dense factor and m s as its order,
+// here `m`; e.g. 11008 = 172 x 64, 14336 = (28 x 8) x 64, 4096 = 64 x 64. The Triton path for a
+// few rows is two launches: the transform, each row's dense outputs split over programs, then the
+// quantization, one program a row. One CTA a row is too slow (commit d00f331: 15.5 us for a row of 11008 against
 // 7.2): the dense factor alone is ~1,000 MMAs in dependent chains on one SM. So a row is one
 // thread-block cluster of C = mp / 16 CTAs (mp = m rounded up to 16), CTA r owning output rows
-// [16 r, 16 r + 16) of the row viewed as Y [m, 2^k] (element i * 2^k + j):
+// [16 r, 16 r + 16) of the row viewed as Y [m, p] (element i * p + j):
 //
-// - Each CTA stages the whole row X [mp][2^k] in its own 16-bit type (rows >= m zero; x is an L2
-//   hit) and computes its 16 rows of Z = H_m X on mma.m16n8k16: A = 16 rows of H_m (+-1, exact in
+// - Each CTA stages the whole row X [mp][p] in its own 16-bit type (rows >= m zero; x is an L2
+//   hit) and computes its 16 rows of Z = D X on mma.m16n8k16: A = 16 rows of D (+-1, exact in
 //   16 bits, zero padded, from global memory), B = X by ldmatrix.trans. Inputs are exact, sums are
 //   the tensor cores' float32 accumulators (as the Triton kernel's). The dense factor goes first
 //   because its inputs are then x itself, exact in 16 bits.
@@ -20,11 +22,11 @@
 // - The rotated values rounded to x's type and saturated; each CTA's amax meets the others' through
 //   distributed shared memory (two cluster barriers), then each quantizes its own rows: correctly
 //   rounded amax / 7 and y / scale, round half to even, codes in natural or "even_odd" order (each
-//   32-column block as its 16 even columns, then its 16 odd ones: w4a4_wgmma's K order; 2^k >= 16
-//   keeps a block inside one CTA's rows).
+//   32-column block as its 16 even columns, then its 16 odd ones: w4a4_wgmma's K order; a CTA's
+//   16 p outputs start at a multiple of 32, so a block never straddles two CTAs).
 //
-// Shared memory: X [mp][2^k + 8] 16-bit (the 16-byte pad puts ldmatrix's 8 rows on distinct bank
-// groups), Y [16][2^k + 4] float32, one float per warp and one for the CTA's amax.
+// Shared memory: X [mp][p + 8] 16-bit (the 16-byte pad puts ldmatrix's 8 rows on distinct bank
+// groups), Y [16][p + 4] float32, one float per warp and one for the CTA's amax.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -65,7 +67,7 @@ size_t smem_bytes(int m, int log2p) {
 }
 
 // grid (C, rows), clusters of (C, 1, 1): blockIdx.x is the CTA's rank in its row's cluster.
-// dense: H_m [mp][mp] in T, zero padded; row_scale = 1 / sqrt(K) in float32; fmax = the largest finite T.
+// dense: D [mp][mp] in T, zero padded; row_scale = 1 / sqrt(K) in float32; fmax = the largest finite T.
 template <typename T>
 __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __restrict__ x, int ldx,
                                                                   int8_t* __restrict__ q, int ldq,
@@ -87,13 +89,13 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
   wait_for_prior_grids();  // x is the previous kernel's output
   let_successor_launch(trigger);
 
-  // 1. The whole row, 16 bytes a thread (2^k >= 8: a piece never straddles two sub-rows).
+  // 1. The whole row, 16 bytes a thread (p >= 8: a piece never straddles two sub-rows).
   for (int e = threadIdx.x * 8; e < mp << log2p; e += THREADS * 8) {
     const int i = e >> log2p, j = e & (p - 1);
     *reinterpret_cast<uint4*>(xs + i * xs_stride + j) =
         i < m ? *reinterpret_cast<const uint4*>(xr + e) : make_uint4(0, 0, 0, 0);
   }
-  // This CTA's 16 rows of H_m as A fragments, loaded while the row lands: a0 / a1 = rows g / g + 8,
+  // This CTA's 16 rows of D as A fragments, loaded while the row lands: a0 / a1 = rows g / g + 8,
   // columns 2t, 2t + 1 of the k-tile; a2 / a3 the same 8 columns on.
   uint32_t a[MAX_TILES][4];
   const uint32_t* a_src = reinterpret_cast<const uint32_t*>(dense + (size_t)(rank * 16 + g) * mp + 2 * t);
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
   }
   __syncthreads();
 
-  // 2. Z = H_m X for this CTA's 16 rows, one 8-column tile a warp at a time. ldmatrix.x2.trans: lanes
+  // 2. Z = D X for this CTA's 16 rows, one 8-column tile a warp at a time. ldmatrix.x2.trans: lanes
   // 0-15 name rows k = 16 kt + lane of X (8 columns each); lane (g, t) receives X[2t, 2t+1][g] and
   // X[2t+8, 2t+9][g] of the tile, the B fragment.
   const uint32_t xs_addr = (uint32_t)__cvta_generic_to_shared(xs);
@@ -130,7 +132,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
   }
   __syncthreads();
 
-  // 3. Sylvester butterflies over j: pass h pairs j and j + h for every j with bit h clear.
+  // 3. Sylvester butterflies over j (H_p): pass h pairs j and j + h for every j with bit h clear.
   const int n_here = rows_here << log2p;
   for (int log2h = 0; log2h < log2p; ++log2h) {
     const int h = 1 << log2h;
@@ -211,9 +213,10 @@ cudaError_t launch(const void* x, int M, int ldx, void* q, int ldq, float* scale
 }  // namespace
 
 // Host entry point (called through ctypes). Preconditions checked by the Python caller
-// (w4a4.rotate_quantize_applicable): sm_90+, K = m * 2^log2p with 1 < m <= 256 and 2^log2p >= 16,
-// x rows 16-byte aligned (ldx % 8 == 0), q rows 4-byte aligned (ldq % 4 == 0), dense = H_m zero
-// padded to a multiple of 16 in x's type, smem_bytes(m, log2p) within the per-CTA limit.
+// (w4a4.rotate_quantize_applicable): sm_90+, K = m * 2^log2p with m <= 256 and 2^log2p >= 8, x
+// rows 16-byte aligned (ldx % 8 == 0), q rows 4-byte aligned (ldq % 4 == 0), dense = the dense
+// factor of order m zero padded to a multiple of 16 in x's type, smem_bytes(m, log2p) within the
+// per-CTA limit.
 extern "C" int nibble_rotate_quantize(int is_bf16, const void* x, int M, int ldx, void* q, int ldq, float* scales,
                                       const void* dense, int m, int log2p, float row_scale, float fmax, int even_odd,
                                       int pdl, void* stream) {
