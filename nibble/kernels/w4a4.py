@@ -412,20 +412,26 @@ def _dense_factor(m: int, s: int, dtype: torch.dtype, device: torch.device) -> t
     return h.to(device=device, dtype=dtype)
 
 
-def rotate_quantize_applicable(x: torch.Tensor) -> bool:
-    """Whether `rotate_quantize` takes x: a CUDA float16/bfloat16 [M, K], 1 <= M <= ROTATE_QUANTIZE_MAX_M
-    and at most ROTATE_QUANTIZE_MAX_CTAS CTAs, on sm_90+ (thread-block clusters), K a size the kernel
-    handles (`rotate_quantize_plan`), the kernel compiled."""
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in KERNEL_DTYPES and 1 <= x.shape[0] <= ROTATE_QUANTIZE_MAX_M):
+def _rotate_quantize_runs(x: torch.Tensor) -> bool:
+    """Whether the kernel runs for rows like x's: CUDA float16/bfloat16 on sm_90+ (thread-block
+    clusters), a row size it takes (`rotate_quantize_plan`) within the shared memory, the kernel built."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in KERNEL_DTYPES):
         return False
     plan = rotate_quantize_plan(x.shape[1])
     if plan is None or torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     m, s, log2p = plan
-    if x.shape[0] * -(-m * s // 16) > ROTATE_QUANTIZE_MAX_CTAS:
-        return False
     limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 48 << 10)
     return rotate_quantize_smem(m * s, log2p) <= limit - 1024 and _rotate_quantize_lib(x.device) is not None
+
+
+def rotate_quantize_applicable(x: torch.Tensor) -> bool:
+    """Whether `quantize_activations_gpu` takes `rotate_quantize` for x: the kernel runs for its rows,
+    1 <= M <= ROTATE_QUANTIZE_MAX_M, and the launch has at most ROTATE_QUANTIZE_MAX_CTAS CTAs."""
+    if not (_rotate_quantize_runs(x) and 1 <= x.shape[0] <= ROTATE_QUANTIZE_MAX_M):
+        return False
+    m, s, _ = rotate_quantize_plan(x.shape[1])
+    return x.shape[0] * -(-m * s // 16) <= ROTATE_QUANTIZE_MAX_CTAS
 
 
 def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,13 +440,20 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tens
     `rotate_quantize_applicable(x)`. Codes match the float32 spec up to rare +-1 flips where a rotated
     value rounds the other way (the dense factor's sums run in tensor-core float32; it goes before
     the butterflies, so a row whose rotation overflows float32 saturates in another pattern)."""
+    _check_act_input(x)
     check_order(order, x.shape[1])
     M, K = x.shape
+    if not _rotate_quantize_runs(x):
+        raise ValueError(f"rotate_quantize needs a CUDA tensor on an sm_90+ GPU, the kernel built (nvcc) and a row "
+                         f"size it takes (rotate_quantize_plan: K = m s p, p >= 8, m s <= 256); got {x.device}, K={K}; "
+                         f"quantize_activations(x, input_hadamard=True) runs on any device")
     m, sylvester, log2p = rotate_quantize_plan(K)
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte pieces
         x = x.clone(memory_format=torch.contiguous_format)
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, s
     lib = _rotate_quantize_lib(x.device)
     with torch.cuda.device(x.device):
         err = lib.nibble_rotate_quantize(

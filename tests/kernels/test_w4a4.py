@@ -522,10 +522,19 @@ def test_rotate_quantize_plan_is_the_hadamard_matrix(K):
     assert torch.allclose(h, hadamard_matrix(K, torch.float64), rtol=0, atol=1e-12)
 
 
+def test_rotate_quantize_says_what_it_needs():
+    """Called directly where the CUDA kernel cannot run (a CPU tensor, a size it does not take), it
+    says so; the op runs anywhere."""
+    with pytest.raises(ValueError, match="CUDA tensor on an sm_90"):
+        w4a4.rotate_quantize(torch.randn(2, 11008, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        w4a4.rotate_quantize(torch.randn(2, 11008))
+
+
 def _rotate_quantize_or_skip(x):
-    """Skip unless the kernel runs here for rows like x's (one row: the dispatch's row and CTA caps
-    do not apply to the tests that call it directly)."""
-    if not w4a4.rotate_quantize_applicable(x[:1]):
+    """Skip unless the kernel runs here for rows like x's (the dispatch's row and CTA caps do not
+    apply to the tests that call it directly)."""
+    if not w4a4._rotate_quantize_runs(x):
         pytest.skip("the CUDA rotate + quantize kernel is not available here (nvcc, sm_90+, shared memory)")
 
 
