@@ -7,7 +7,8 @@ CUDA-graph replay, weights rotated over enough copies that the working set is se
   int8        cuBLAS INT8 ``torch._int_mm`` on int8 operands, int32 out, no quantization (M > 16 only)
   fp8         cuBLAS FP8 ``torch._scaled_mm`` e4m3 x e4m3 with per-row / per-column scales, bf16 out
   actquant    nibble per-token INT4 activation quantization alone (bf16 x -> int8 q + fp32 scales)
-  actquant_h  the same with the fused online Hadamard rotation
+  actquant_h  the same with the online Hadamard rotation, the kernel the op picks for M (up to 16
+              rows on sm_90: csrc/rotate_quantize.cu; else the fused Triton kernel)
   gemm        nibble W4A4 matrix kernel alone (int8 q + scales -> bf16), the one the op picks for M
               (M <= 16: csrc/w4a4_mma.cu; above, on sm_90: csrc/w4a4_wgmma.cu; else Triton)
   w4a4        nibble quantize + matrix kernel together: ``torch.ops.nibble.w4a4_linear`` (no rotation)
