@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
   const int rows_here = min(16, m - 16 * rank);  // output rows of Y this CTA owns
   T* xs = reinterpret_cast<T*>(smem);
   float* ys = reinterpret_cast<float*>(smem + (size_t)mp * xs_stride * sizeof(T));
-  float* red = ys + 16 * ys_stride;  // [WARPS] warp maxima, then [WARPS] the CTA's
+  float* red = ys + 16 * ys_stride;  // [WARPS] warp maxima, then red[WARPS]: the CTA's
   const T* __restrict__ xr = x + (size_t)blockIdx.y * ldx;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
