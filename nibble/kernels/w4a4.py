@@ -54,6 +54,7 @@ import ctypes
 import functools
 import math
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -414,15 +415,34 @@ def _dense_factor(m: int, s: int, dtype: torch.dtype, device: torch.device) -> t
 
 def _rotate_quantize_runs(x: torch.Tensor) -> bool:
     """Whether the kernel runs for rows like x's: CUDA float16/bfloat16 on sm_90+ (thread-block
-    clusters), a row size it takes (`rotate_quantize_plan`) within the shared memory, the kernel built."""
+    clusters), a row size it takes (`rotate_quantize_plan`) within the shared memory, the kernel built,
+    and the GPU able to hold a row's cluster (asked once per device and row size)."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in KERNEL_DTYPES):
         return False
-    plan = rotate_quantize_plan(x.shape[1])
-    if plan is None or torch.cuda.get_device_capability(x.device) < (9, 0):
+    return _rotate_quantize_runs_on(x.device, x.shape[1])
+
+
+def _rotate_quantize_runs_on(device: torch.device, K: int) -> bool:
+    plan = rotate_quantize_plan(K)
+    if plan is None or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     m, s, log2p = plan
-    limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 48 << 10)
-    return rotate_quantize_smem(m * s, log2p) <= limit - 1024 and _rotate_quantize_lib(x.device) is not None
+    limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 48 << 10)
+    if rotate_quantize_smem(m * s, log2p) > limit - 1024:
+        return False
+    lib = _rotate_quantize_lib(device)
+    if lib is None:
+        return False
+
+    def clusters_fit() -> bool:
+        n = ctypes.c_int(0)
+        err = lib.nibble_rotate_quantize_clusters(m * s, log2p, ctypes.byref(n))
+        if err:
+            warnings.warn(f"nibble: cannot size rotate_quantize's clusters of {-(-m * s // 16)} CTAs on this GPU "
+                          f"({lib.nibble_rotate_quantize_error_string(err).decode()}); using the Triton kernels "
+                          f"for K={K}")
+        return not err and n.value > 0
+    return cuda_build.ask_once(f"rotate_quantize clusters, rows of {m * s} x 2^{log2p}", device, clusters_fit)
 
 
 def rotate_quantize_applicable(x: torch.Tensor) -> bool:
@@ -444,9 +464,10 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tens
     check_order(order, x.shape[1])
     M, K = x.shape
     if not _rotate_quantize_runs(x):
-        raise ValueError(f"rotate_quantize needs a CUDA tensor on an sm_90+ GPU, the kernel built (nvcc) and a row "
-                         f"size it takes (rotate_quantize_plan: K = m s p, p >= 8, m s <= 256); got {x.device}, K={K}; "
-                         f"quantize_activations(x, input_hadamard=True) runs on any device")
+        raise ValueError(f"rotate_quantize needs a CUDA tensor on an sm_90+ GPU that holds a row's thread-block "
+                         f"cluster, the kernel built (nvcc) and a row size it takes (rotate_quantize_plan: K = m s p, "
+                         f"p >= 8, m s <= 256); got {x.device}, K={K}; quantize_activations(x, input_hadamard=True) "
+                         f"runs on any device")
     m, sylvester, log2p = rotate_quantize_plan(K)
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte pieces
         x = x.clone(memory_format=torch.contiguous_format)

@@ -107,7 +107,8 @@ def test_builds_an_edited_variant(tmp_path):
     ("w4a4_mma", "90", ("nibble_w4a4_mma", "nibble_w4a4_cuda_error_string")),
     ("w4a4_wgmma", "90a", ("nibble_w4a4_wgmma", "nibble_w4a4_wgmma_error_string")),
     ("w4a16_wgmma", "90a", ("nibble_w4a16_wgmma", "nibble_w4a16_wgmma_error_string")),
-    ("rotate_quantize", "90", ("nibble_rotate_quantize", "nibble_rotate_quantize_error_string"))])
+    ("rotate_quantize", "90", ("nibble_rotate_quantize", "nibble_rotate_quantize_clusters",
+                                          "nibble_rotate_quantize_error_string"))])
 def test_builds_for_sm90_and_caches(tmp_path, monkeypatch, name, arch, symbols):
     """Each kernel source compiles for Hopper on a machine without a GPU; the second call is a cache hit."""
     monkeypatch.setenv("NIBBLE_CACHE_DIR", str(tmp_path))

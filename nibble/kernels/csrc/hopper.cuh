@@ -447,12 +447,13 @@ __device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_
 }
 
 // How many clusters of `splits` CTAs of Kernel (`threads` threads, `smem` bytes of dynamic shared
-// memory, one CTA per SM) can be resident at once on the current device, cached per device. The
+// memory, one CTA per SM) can be resident at once on the current device, cached per device and
+// `splits` (a kernel's first threads and smem stand for its later calls of the same splits). The
 // SMs of a cluster share a GPC, so this can be fewer than SMs / splits: on the H200, 30 clusters of
 // 4 (not 33) and 15 of 8 (not 16), so 32 tiles in 4 splits run in two rounds.
 template <auto Kernel>
 cudaError_t resident_clusters(int splits, int threads, size_t smem, int& clusters) {
-  constexpr int kMaxDevices = 64, kMaxSplits = 8;
+  constexpr int kMaxDevices = 64, kMaxSplits = 16;
   static int known[kMaxDevices][kMaxSplits + 1] = {};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);

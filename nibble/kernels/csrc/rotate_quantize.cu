@@ -34,8 +34,8 @@
 
 #include <type_traits>
 
-#include "hopper.cuh"  // cluster_sync_partials, cluster_address
-#include "skinny.cuh"  // launch_cluster_kernel, wait_for_prior_grids, let_successor_launch
+#include "hopper.cuh"  // cluster_sync_partials, cluster_address, resident_clusters
+#include "skinny.cuh"  // mma, launch_cluster_kernel, wait_for_prior_grids, let_successor_launch
 
 namespace {
 
@@ -45,20 +45,6 @@ template <typename T>
 __device__ __forceinline__ float round_to(float v) {
   if constexpr (std::is_same_v<T, __half>) return __half2float(__float2half_rn(v));
   else return __bfloat162float(__float2bfloat16_rn(v));
-}
-
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 size_t smem_bytes(int m, int log2p) {
@@ -123,7 +109,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
         uint32_t b0, b1;
         asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                      : "=r"(b0), "=r"(b1) : "r"(row_addr + kt * 16 * xs_stride * (uint32_t)sizeof(T)));
-        mma_16816<T>(c, a[kt], b0, b1);
+        mma<T, false>(c, a[kt], b0, b1);
       }
     }
     // C fragment: c0 / c1 = Z[g][2t, 2t+1], c2 / c3 = Z[g + 8][...] of the tile
@@ -198,13 +184,9 @@ template <typename T>
 cudaError_t launch(const void* x, int M, int ldx, void* q, int ldq, float* scales, const void* dense, int m,
                    int log2p, float row_scale, float fmax, int even_odd, cudaStream_t stream, bool pdl) {
   constexpr auto kernel = rotate_quantize_kernel<T>;
-  cudaError_t err = opt_in_shared_memory<kernel>();
+  const cudaError_t err = opt_in_shared_memory<kernel, true>();  // 172 = 11 tiles of 16: clusters over 8
   if (err != cudaSuccess) return err;
   const int tiles = (m + 15) >> 4;
-  if (tiles > 8) {  // clusters of 9-16 CTAs (172 = 11 tiles of 16) are allowed on sm_90, not portable
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (err != cudaSuccess) return err;
-  }
   return launch_cluster_kernel(kernel, dim3(tiles, M), dim3(tiles), THREADS, smem_bytes(m, log2p), stream, pdl,
                                static_cast<const T*>(x), ldx, static_cast<int8_t*>(q), ldq, scales,
                                static_cast<const T*>(dense), m, log2p, row_scale, fmax, even_odd, (int)pdl);
@@ -224,6 +206,20 @@ extern "C" int nibble_rotate_quantize(int is_bf16, const void* x, int M, int ldx
   const cudaError_t err =
       is_bf16 ? launch<__nv_bfloat16>(x, M, ldx, q, ldq, scales, dense, m, log2p, row_scale, fmax, even_odd, st, pdl)
               : launch<__half>(x, M, ldx, q, ldq, scales, dense, m, log2p, row_scale, fmax, even_odd, st, pdl);
+  return (int)err;
+}
+
+// How many of a row's clusters (m rounded up to 16, over 16, CTAs of smem_bytes(m, log2p)) the current
+// device holds at once: 0 where it holds none (a cluster's CTAs share a GPC, which a GPU partition or
+// another GPU may not offer at 9-16 CTAs; the Python side keeps the Triton path there), or the error.
+extern "C" int nibble_rotate_quantize_clusters(int m, int log2p, int* clusters) {
+  constexpr auto kernel = rotate_quantize_kernel<__nv_bfloat16>;  // __half's takes the same resources
+  cudaError_t err = opt_in_shared_memory<kernel, true>();
+  if (err == cudaSuccess) err = resident_clusters<kernel>((m + 15) >> 4, THREADS, smem_bytes(m, log2p), *clusters);
+  if (err == cudaErrorInvalidConfiguration) {  // resident_clusters: none fits
+    *clusters = 0;
+    err = cudaSuccess;
+  }
   return (int)err;
 }
 

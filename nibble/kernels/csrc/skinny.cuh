@@ -1,7 +1,10 @@
-// What the skinny tensor-core kernels (w4a16_mma.cu, w4a4_mma.cu) share: cp.async helpers, a lop3
-// (global -> shared copies that hold no registers), the lane mappings of their per-warp weight and
-// token streams, and the shared-memory opt-in of their launchers.
+// What the skinny tensor-core kernels (w4a16_mma.cu, w4a4_mma.cu; rotate_quantize.cu too) share:
+// cp.async helpers (global -> shared copies that hold no registers), a lop3, the 16-bit mma.sync,
+// the lane mappings of their per-warp weight and token streams, and the shared-memory opt-in of
+// their launchers.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
 #include <stdint.h>
@@ -14,6 +17,23 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
+}
+
+// c = A (16 x 16, four registers) * B (16 x 8, two registers) + C, fp32 accumulators; C is c, or
+// zero for FRESH (the first MMA of a group: no zeroing instructions after each group's fold).
+#define NIBBLE_MMA_16816(TYPE, C)                                                                         \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+      "{%8, %9}, " C ";"                                                                                  \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f))
+
+template <typename T, bool FRESH>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  constexpr bool F16 = std::is_same_v<T, __half>;
+  if constexpr (F16 && FRESH) NIBBLE_MMA_16816("f16", "{%10, %10, %10, %10}");
+  if constexpr (F16 && !FRESH) NIBBLE_MMA_16816("f16", "{%0, %1, %2, %3}");
+  if constexpr (!F16 && FRESH) NIBBLE_MMA_16816("bf16", "{%10, %10, %10, %10}");
+  if constexpr (!F16 && !FRESH) NIBBLE_MMA_16816("bf16", "{%0, %1, %2, %3}");
 }
 
 // Predicated copies: a branch around each copy would cost a reconvergence barrier per step.
@@ -316,8 +336,9 @@ __device__ __forceinline__ void store_fragments(Acc* partial, int warp, int lane
 }
 
 // Above 48 KB of dynamic shared memory a kernel must opt in, per device: once, to the device's
-// maximum. One flag set per kernel (the kernel is the template argument).
-template <auto Kernel>
+// maximum. One flag set per kernel (the kernel is the template argument). LARGE_CLUSTERS opts in
+// to clusters of 9-16 CTAs too (sm_90 allows them, but they are not portable).
+template <auto Kernel, bool LARGE_CLUSTERS = false>
 cudaError_t opt_in_shared_memory() {
   constexpr int kMaxDevices = 64;
   static bool opted_in[kMaxDevices] = {};
@@ -334,6 +355,10 @@ cudaError_t opt_in_shared_memory() {
     err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                max_optin - (int)attr.sharedSizeBytes);
     if (err != cudaSuccess) return err;
+    if constexpr (LARGE_CLUSTERS) {
+      err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (err != cudaSuccess) return err;
+    }
     opted_in[device] = true;
   }
   return cudaSuccess;

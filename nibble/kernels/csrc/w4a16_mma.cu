@@ -92,23 +92,6 @@ struct Weights {
   int n[MAX_WEIGHTS], ldo[MAX_WEIGHTS], cta_end[MAX_WEIGHTS];
 };
 
-// c = A (16 x 16, four registers) * B (16 x 8, two registers) + C, fp32 accumulators; C is c, or
-// zero for FRESH (the first MMA of a group: no zeroing instructions after each group's fold).
-#define NIBBLE_MMA_16816(TYPE, C)                                                                         \
-  asm("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
-      "{%8, %9}, " C ";"                                                                                  \
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                    \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f))
-
-template <typename T, bool FRESH>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  constexpr bool F16 = std::is_same_v<T, __half>;
-  if constexpr (F16 && FRESH) NIBBLE_MMA_16816("f16", "{%10, %10, %10, %10}");
-  if constexpr (F16 && !FRESH) NIBBLE_MMA_16816("f16", "{%0, %1, %2, %3}");
-  if constexpr (!F16 && FRESH) NIBBLE_MMA_16816("bf16", "{%10, %10, %10, %10}");
-  if constexpr (!F16 && !FRESH) NIBBLE_MMA_16816("bf16", "{%0, %1, %2, %3}");
-}
-
 // word -> raw code pairs (B + q_j, B + q_{j+4}), j = 0..3
 template <typename T>
 __device__ __forceinline__ void raw_codes(uint32_t w, uint32_t (&r)[4]) {
