@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import skip_without_cuda_kernel
 from nibble.bench.kernels import random_int4
 from nibble.bench.w4a4 import random_w4a4
 from nibble.kernels import reference, w4a4
@@ -24,7 +25,7 @@ def _needs_early_launch():
     if not (CUDA and early_launch(torch.device("cuda"))):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU (and NIBBLE_PDL unset)")
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("the CUDA kernels are not built here (no nvcc)")
+        skip_without_cuda_kernel("the CUDA kernels are not built here (no nvcc)")
 
 
 if CUDA:
@@ -94,7 +95,7 @@ def test_gpu_w4a16_wgmma_waits_for_its_producer(M, split_k):
     K, N, G = 4096, 2048, 128
     qw, s, z = random_int4(N, K, G, "cuda")
     if not W.wgmma_applicable(torch.empty(1, K, device="cuda"), N, K, G):
-        pytest.skip("w4a16_wgmma needs an sm_90 GPU and the built kernel")
+        skip_without_cuda_kernel("w4a16_wgmma needs an sm_90 GPU and the built kernel")
     src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     x = torch.empty_like(src)
     cfg = dict(bn=128, channels=128, split_k=split_k)
@@ -116,7 +117,7 @@ def test_gpu_w4a4_wgmma_waits_for_its_producer(M, split_k, produced):
     _needs_early_launch()
     K, N = 4096, 1024
     if not w4a4.wgmma_applicable(M, N, K, torch.device("cuda")):
-        pytest.skip("w4a4_wgmma needs an sm_90 GPU and the built kernel")
+        skip_without_cuda_kernel("w4a4_wgmma needs an sm_90 GPU and the built kernel")
     gen = torch.Generator().manual_seed(M)
     qweight, _ = random_w4a4(N, K, "cuda")
     w_scale = torch.ones(N, device="cuda", dtype=torch.float16)
@@ -163,7 +164,7 @@ def test_gpu_w4a4_chain_waits_for_its_producer(M, K, rotated):
     qweight, w_scale = random_w4a4(N, K, "cuda")
     src = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     if rotated and not w4a4.rotate_quantize_applicable(src):
-        pytest.skip("the CUDA rotate + quantize kernel is not built here")
+        skip_without_cuda_kernel("the CUDA rotate + quantize kernel is not built here")
     x = torch.empty_like(src)
     expected = torch.ops.nibble.w4a4_linear(src, qweight, w_scale, None, rotated)
     for _ in range(3):

@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import skip_without_cuda_kernel
 from nibble.kernels import hopper
 from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize, w4a16_matmul
@@ -83,18 +84,18 @@ def test_input_checks(bad):
     G = 64
     exc = ValueError
     if bad == "fp32":
-        x, exc = x.float(), TypeError
+        x, exc, says = x.float(), TypeError, "float16 or bfloat16, got torch.float32"
     elif bad == "k_not_group":
-        G = 48
+        G, says = 48, "group_size=48 must be a positive multiple of 8 dividing K=128"
     elif bad == "k_not_8":
-        x = torch.randn(2, 124, dtype=torch.float16)
+        x, says = torch.randn(2, 124, dtype=torch.float16), "K=124 must be a multiple of 8"
     elif bad == "shape":
-        s = s[:1]
+        s, says = s[:1], r"scales must have shape \(2, 32\)"
     elif bad == "scales_dtype":
-        s, exc = s.float(), TypeError
+        s, exc, says = s.float(), TypeError, "scales must be float16"
     elif bad == "x3d":
-        x = x[None]
-    with pytest.raises(exc):
+        x, says = x[None], r"shape \[M, K\]"
+    with pytest.raises(exc, match=says):
         torch.ops.nibble.w4a16_linear(x, qw, s, z, G)
 
 
@@ -185,13 +186,17 @@ def test_gpu_shapes(shape_g, M):
 @pytest.mark.parametrize("M", [1, 2, 5, 16, 33, 64, 65, 300])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_poisoned_out_every_bucket(M, dtype):
+    """Every M bucket writes every output of a NaN-filled `out`: the dispatch's own path (on Hopper
+    the CUDA kernels, or dequantize + cuBLAS), and the Triton bucket `select_config` names for M (gemv,
+    dot with split-K, dequantize), the path of GPUs the CUDA kernels do not run on."""
     N, K, G = 3072, 2048, 128
     qw, s, z = make_weight(N, K, G, device="cuda", seed=M)
     x = torch.randn(M, K, device="cuda", dtype=dtype) * 3
-    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    W.w4a16_linear_cuda(x, qw, s, z, G, out=out)
-    torch.cuda.synchronize()
-    assert_close(out, x, qw, s, z, G)
+    for config in (None, W.select_config(M, N, K, G, W.num_sms(x.device))):
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        W.w4a16_linear_cuda(x, qw, s, z, G, config=config, out=out)
+        torch.cuda.synchronize()
+        assert_close(out, x, qw, s, z, G)
 
 
 @needs_cuda
@@ -199,12 +204,13 @@ def test_gpu_poisoned_out_every_bucket(M, dtype):
     W.Config(kind="gemv", block_n=512, block_k=64, num_warps=4, num_stages=1, split_k=3),
     W.Config(block_m=16, block_n=64, num_warps=4, num_stages=3, trans=True, split_k=5),
 ], ids=lambda c: f"{c.kind}_m{c.block_m}_n{c.block_n}_k{c.block_k}_s{c.split_k}_t{int(c.trans)}_f{int(c.factored)}_a{c.dq_asm}")
-@pytest.mark.parametrize("M", [1, 2, 7])
+@pytest.mark.parametrize("M", [1, 2, 7, 16])
 def test_gpu_explicit_configs(cfg, M):
-    """Every kernel variant the dispatch table may name, incl. odd N (masked) and K % BLOCK_K != 0."""
+    """Every kernel variant the dispatch table may name, incl. odd N (masked), K % BLOCK_K != 0 and
+    the factored epilogue (groups of 128, a multiple of the dot kernel's K block)."""
     if cfg.kind == "gemv" and M > 2:
         pytest.skip("gemv handles M <= 2")
-    for (N, K, G) in ((1000, 576, 64), (520, 4864, 32)):
+    for (N, K, G) in ((1000, 576, 64), (520, 4864, 32), (1000, 1664, 128)):
         for dtype in (torch.float16, torch.bfloat16):
             qw, s, z = make_weight(N, K, G, symmetric=(N == 1000), device="cuda", seed=N + M)
             x = torch.randn(M, K, device="cuda", dtype=dtype)
@@ -225,7 +231,7 @@ def test_gpu_mma_every_config(cfg):
     per column, group 32, K = 65 steps of 32 (uneven split over warps, fewer steps than stages), 3 groups
     of 128 (fewer groups than warps: warps own whole groups), odd M."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
     for (N, K, G) in ((192, 576, 64), (576, 1536, 1536), (1024, 2080, 32), (96, 384, 128)):
         for M in sorted({1, max(1, 8 * cfg.token_tiles - 3), 8 * cfg.token_tiles}):
             dtype = torch.bfloat16 if (M + N) % 2 else torch.float16
@@ -244,7 +250,7 @@ def test_gpu_mma_many_weights(M):
     weights of different widths (CTAs numbered across them), groups of 32 / 128 / per column, outputs
     poisoned, and a non-contiguous output row stride."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
     for K, G, ns in ((576, 64, (576, 192, 192)), (2048, 128, (1024, 256)), (1536, 1536, (96, 4096, 32)),
                      (1024, 32, (320,))):
         dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
@@ -269,7 +275,7 @@ def test_gpu_mma_x_through_l1(M):
     reference's values, on layers on both sides of ``x_through_l1`` (more CTAs than SMs or fewer, K
     up to 4096 or deeper), single and several weights, groups of 64 / 128, outputs poisoned."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
     for ns, K, G in (((8192,), 4096, 128), ((8192,), 4160, 64), ((4096, 4096, 4096), 4096, 128),
                      ((12288,), 8192, 128), ((2048,), 4096, 128)):
         dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
@@ -296,7 +302,7 @@ def test_gpu_mma_successor_modes(M):
     launches back to back, each reading the one before's output: layers with fewer CTAs than SMs, a
     few per SM and several waves, one and two weights a launch, outputs poisoned before the replay."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        pytest.skip("CUDA kernel not built here (no nvcc or sm < 80)")
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
     for n1, n2, G in ((4096, 4096, 128), (12288, 4096, 64), (28672, 4096, 128), (2048, 4096, 32)):
         wa = [make_weight(n2, n1, G, device="cuda", seed=M + n1), make_weight(64, n1, G, device="cuda", seed=M)]
         wb = [make_weight(n1, n2, G, device="cuda", seed=M + n2)]
@@ -381,13 +387,18 @@ def test_gpu_noncontiguous_and_device_mix():
 
 @needs_cuda
 def test_gpu_split_k_repeatable():
-    """The split-K fix-up sums partials in a fixed order: repeated calls are bitwise equal."""
+    """The Triton kernels' split-K fix-up sums partials in a fixed order: repeated calls are bitwise
+    equal, and right. (The op takes the CUDA kernels at these sizes on Hopper: the Triton configs
+    are named here.)"""
     qw, s, z = make_weight(4096, 4096, 128, device="cuda")
     for M in (1, 2, 9):
         x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-        ys = [torch.ops.nibble.w4a16_linear(x, qw, s, z, 128) for _ in range(5)]
+        cfg = W.select_config(M, 4096, 4096, 128, W.num_sms(x.device))
+        assert cfg.split_k > 1
+        ys = [W.w4a16_linear_cuda(x, qw, s, z, 128, config=cfg) for _ in range(5)]
         for y in ys[1:]:
             assert torch.equal(y, ys[0])
+        assert_close(ys[0], x, qw, s, z, 128)
 
 
 @needs_cuda
@@ -438,7 +449,7 @@ def test_gpu_cuda_graph_capture(M, N):
 # ---- GPU: the Hopper GEMM for many tokens (csrc/w4a16_wgmma.cu) -------------------------------------
 def _needs_wgmma_kernel():
     if not (CUDA and W.wgmma_applicable(torch.empty(1, 8, device="cuda"), 256, 256, 128)):
-        pytest.skip("the wgmma W4A16 kernel needs an sm_90 GPU (H100/H200) and nvcc")
+        skip_without_cuda_kernel("the wgmma W4A16 kernel needs an sm_90 GPU (H100/H200) and nvcc")
 
 
 @needs_cuda
