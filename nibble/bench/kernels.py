@@ -63,10 +63,6 @@ def tinygemm_mm(x, packed, sz, group_size):
     return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
 
 
-def _sets(n_rot, make):
-    return [make() for _ in range(n_rot)]
-
-
 def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "nibble"), log=print):
     import nibble.kernels.w4a16  # noqa: F401  registers torch.ops.nibble.w4a16_linear
     dev = torch.device("cuda")

@@ -20,10 +20,6 @@ class KernelUnavailableError(RuntimeError):
     pass
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
-
-
 def _use_kernel(x: torch.Tensor, backend: str) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
