@@ -416,13 +416,16 @@ def _dense_factor(m: int, s: int, dtype: torch.dtype, device: torch.device) -> t
 def _rotate_quantize_runs(x: torch.Tensor) -> bool:
     """Whether the kernel runs for rows like x's: CUDA float16/bfloat16 on sm_90+ (thread-block
     clusters), a row size it takes (`rotate_quantize_plan`) within the shared memory, the kernel built,
-    and the GPU able to hold a row's cluster (asked once per device and row size)."""
+    and the GPU able to hold a row's cluster."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in KERNEL_DTYPES):
         return False
     return _rotate_quantize_runs_on(x.device, x.shape[1])
 
 
+@functools.cache
 def _rotate_quantize_runs_on(device: torch.device, K: int) -> bool:
+    """`_rotate_quantize_runs` for rows of K on ``device``: fixed for the process, so worked out once
+    (the dispatch asks, then `rotate_quantize` asks again, at every decode step)."""
     plan = rotate_quantize_plan(K)
     if plan is None or torch.cuda.get_device_capability(device) < (9, 0):
         return False
@@ -433,16 +436,14 @@ def _rotate_quantize_runs_on(device: torch.device, K: int) -> bool:
     lib = _rotate_quantize_lib(device)
     if lib is None:
         return False
-
-    def clusters_fit() -> bool:
-        n = ctypes.c_int(0)
+    n = ctypes.c_int(0)
+    with torch.cuda.device(device):
         err = lib.nibble_rotate_quantize_clusters(m * s, log2p, ctypes.byref(n))
-        if err:
-            warnings.warn(f"nibble: cannot size rotate_quantize's clusters of {-(-m * s // 16)} CTAs on this GPU "
-                          f"({lib.nibble_rotate_quantize_error_string(err).decode()}); using the Triton kernels "
-                          f"for K={K}")
-        return not err and n.value > 0
-    return cuda_build.ask_once(f"rotate_quantize clusters, rows of {m * s} x 2^{log2p}", device, clusters_fit)
+    if err:
+        warnings.warn(f"nibble: cannot size rotate_quantize's clusters of {-(-m * s // 16)} CTAs on this GPU "
+                      f"({lib.nibble_rotate_quantize_error_string(err).decode()}); using the Triton kernels "
+                      f"for K={K}")
+    return not err and n.value > 0
 
 
 def rotate_quantize_applicable(x: torch.Tensor) -> bool:

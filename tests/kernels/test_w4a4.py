@@ -634,8 +634,8 @@ def test_rotate_quantize_needs_a_rows_cluster_resident(monkeypatch):
     GPU (or a partition of one) cannot, the op keeps the Triton path and the kernel called directly
     says what it needs."""
     import ctypes
+    import functools
 
-    from nibble.kernels import cuda_build
     x = _activations(3, 11008, torch.bfloat16, "cuda")
     lib = w4a4._rotate_quantize_lib(x.device)
     if lib is None or torch.cuda.get_device_capability() < (9, 0):
@@ -645,8 +645,9 @@ def test_rotate_quantize_needs_a_rows_cluster_resident(monkeypatch):
         n = ctypes.c_int(-1)
         assert lib.nibble_rotate_quantize_clusters(m * s, log2p, ctypes.byref(n)) == 0 and n.value >= 1, K
     assert w4a4._rotate_quantize_runs(x)
-    monkeypatch.setattr(cuda_build, "_ASKED", {})
-    # the query answers success and leaves the count at the caller's 0: no cluster fits
+    # the answer worked out afresh for this test (it is kept per device and row size), from a query
+    # that answers success and leaves the count at the caller's 0: no cluster fits
+    monkeypatch.setattr(w4a4, "_rotate_quantize_runs_on", functools.cache(w4a4._rotate_quantize_runs_on.__wrapped__))
     monkeypatch.setattr(lib, "nibble_rotate_quantize_clusters", lambda m, log2p, clusters: 0)
     assert not w4a4.rotate_quantize_applicable(x)
     with pytest.raises(ValueError, match="holds a row's thread-block cluster"):
