@@ -93,11 +93,12 @@ def _poisoned_cuda_outputs(monkeypatch):
     type's largest integer: never a code, scale or sum a kernel writes), so an output a kernel leaves
     unwritten cannot look right. Poisoning the caching allocator's free memory does not do it: blocks
     of up to 1 MiB come from another pool, and a loop over configs gets back the previous call's
-    block, which holds the same answer."""
+    block, which holds the same answer. What torch.compile makes while it compiles is left alone:
+    fake tensors hold no memory, and leaves that require grad refuse in-place fills."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def poisoned(t):
-        if t.is_cuda and t.numel():
+        if type(t) is torch.Tensor and t.is_cuda and t.numel() and not t.requires_grad:
             if t.dtype == torch.bool:
                 t.fill_(True)
             elif t.is_floating_point() or t.is_complex():
