@@ -44,10 +44,11 @@ def use_cuda_kernel(on: bool) -> None:
 
 
 class Arm:
-    """An engine whose calls run with the CUDA kernel on or off (graphs capture what runs)."""
+    """An engine whose calls run under ``use(setting)``, then ``use(default)`` again (graphs capture
+    what runs): here the CUDA kernel on or off."""
 
-    def __init__(self, engine: Engine, cuda: bool):
-        self.engine, self.cuda = engine, cuda
+    def __init__(self, engine: Engine, setting, use=use_cuda_kernel, default=True):
+        self.engine, self.setting, self.use, self.default = engine, setting, use, default
 
     def __getattr__(self, name):
         attr = getattr(self.engine, name)
@@ -55,11 +56,11 @@ class Arm:
             return attr
 
         def call(*args, **kwargs):
-            use_cuda_kernel(self.cuda)
+            self.use(self.setting)
             try:
                 return attr(*args, **kwargs)
             finally:
-                use_cuda_kernel(True)
+                self.use(self.default)
         return call
 
 

@@ -6,7 +6,8 @@ layer 6-18 us, of which about 2 us is the launch and the first DRAM round trip. 
 nibble's decode path (up to MAX_TOKENS tokens; at prefill it measured slower) launches with it:
 
 - the glue kernels (the engine's, the W4A4 activation quantization) call `after_prior_grids` first:
-  wait for the previous kernel's writes, then let the next kernel launch at once;
+  wait for the previous kernel's writes, then let the next kernel launch at once (the CUDA rotate +
+  quantize kernel only where `w4a4.rotate_quantize_successor` measured faster);
 - the skinny matmuls (csrc/skinny.cuh: wait_for_prior_grids) fetch their first four weight steps
   into the L2 before they wait (weights are never written by a kernel), then read x. Prefetching 8
   or 16 steps was slower. Past their wait they let the next kernel launch too, where that measured

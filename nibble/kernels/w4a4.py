@@ -362,7 +362,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
 # ----------------------------------------------------------------------------------------------
 _ROTATE_QUANTIZE_SIGNATURES = cuda_build.signatures(
     "nibble_rotate_quantize", [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int]
-    + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p],
+    + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int] * 3 + [ctypes.c_void_p],
     "nibble_rotate_quantize_error_string")
 # Where `rotate_quantize` runs instead of the Triton path: up to 16 rows (decode sizes), and at most
 # 192 CTAs a launch (rows x CTAs a row). H200 (benchmarks/results/rotate-quantize-cluster-ab-h200.json):
@@ -455,12 +455,28 @@ def rotate_quantize_applicable(x: torch.Tensor) -> bool:
     return x.shape[0] * -(-m * s // 16) <= ROTATE_QUANTIZE_MAX_CTAS
 
 
-def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
+def rotate_quantize_successor(M: int, product_warps: int) -> bool:
+    """Whether `rotate_quantize` over M rows lets the next kernel, the product (`w4a4_mma`, CTAs of
+    ``product_warps`` warps), launch early: up to 4 rows, and above 8 where the product's CTAs have
+    more than 4 warps. H200 (benchmarks/results/rotate-quantize-successor-ab-h200.json), W4A4 +
+    Hadamard decode (the down_proj's rotation), ms a step, letting it / not: batch 8 Llama-2-7B 2.561
+    / 2.523, Llama-3-8B 2.657 / 2.591, Qwen2-7B-shaped 2.571 / 2.441; batch 1 1.987 / 2.001, 2.236 /
+    2.249, 2.160 / 2.183; batch 16 Llama-2-7B 2.957 / 2.990, Qwen2 2.742 / 2.757. The op alone agrees (8 rows
+    of 11008 / 14336 / 18944 before a 4096 / 4096 / 3584-wide product: 1.3 / 2.4 / 5.2 us faster
+    without), and at 16 rows before the 4-warp CTAs of 11008 / 12288 / 14336 / 18944-wide products
+    (4096 / 3584 deep) it cost 7.5 / 7.7 / 5.6 / 2.6 us; before 8- and 16-warp CTAs it gained 0.6-1.3."""
+    return M <= 4 or (M > 8 and product_warps > 4)
+
+
+def rotate_quantize(x: torch.Tensor, order: str = "natural",
+                    product_warps: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA rotate + quantize kernel: x [M, K] -> (q int8 [M, K], scale float32 [M]) of x @ H_K.T
     (H_K orthonormal), as `quantize_activations(x, input_hadamard=True)`; call where
     `rotate_quantize_applicable(x)`. Codes match the float32 spec up to rare +-1 flips where a rotated
     value rounds the other way (the dense factor's sums run in tensor-core float32; it goes before
-    the butterflies, so a row whose rotation overflows float32 saturates in another pattern)."""
+    the butterflies, so a row whose rotation overflows float32 saturates in another pattern).
+    product_warps: the warps of the next kernel's CTAs, where it is `w4a4_mma`
+    (`rotate_quantize_successor`; None: taken as the most it runs)."""
     _check_act_input(x)
     check_order(order, x.shape[1])
     M, K = x.shape
@@ -476,25 +492,27 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural") -> tuple[torch.Tens
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, s
+    lets_product_launch = rotate_quantize_successor(M, MMA_MAX_WARPS if product_warps is None else product_warps)
     lib = _rotate_quantize_lib(x.device)
     with torch.cuda.device(x.device):
         err = lib.nibble_rotate_quantize(
             int(x.dtype == torch.bfloat16), x.data_ptr(), M, x.stride(0), q.data_ptr(), q.stride(0), s.data_ptr(),
             _dense_factor(m, sylvester, x.dtype, x.device).data_ptr(), m * sylvester, log2p, 1.0 / math.sqrt(K),
             float(torch.finfo(x.dtype).max), int(order == "even_odd"),
-            int(early_launch(x.device, M, PRODUCT_EARLY_TOKENS)), torch.cuda.current_stream(x.device).cuda_stream)
+            int(early_launch(x.device, M, PRODUCT_EARLY_TOKENS)), int(lets_product_launch),
+            torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         message = lib.nibble_rotate_quantize_error_string(err).decode()
         raise RuntimeError(f"rotate_quantize launch failed: {message} (K={K})")
     return q, s
 
 
-def quantize_activations_gpu(x: torch.Tensor, input_hadamard: bool = False,
-                             order: str = "natural") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_gpu(x: torch.Tensor, input_hadamard: bool = False, order: str = "natural",
+                             product_warps: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The act-quant kernel for x on the GPU: `rotate_quantize` for the online Hadamard where it
-    applies, else the Triton kernel (`quantize_activations_triton`)."""
+    applies (product_warps: see there), else the Triton kernel (`quantize_activations_triton`)."""
     if input_hadamard and rotate_quantize_applicable(x):
-        return rotate_quantize(x, order)
+        return rotate_quantize(x, order, product_warps)
     return quantize_activations_triton(x, input_hadamard, order)
 
 
@@ -1424,8 +1442,11 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
-    order = activation_order(*x.shape, [qweight.shape[1] for qweight, _, _ in layers], x.device)
-    qx, sx = quantize_activations_gpu(x, input_hadamard, order)
+    M, K = x.shape
+    widths = [qweight.shape[1] for qweight, _, _ in layers]
+    order = activation_order(M, K, widths, x.device)
+    product_warps = select_mma_config(M, sum(widths), K, num_sms(x.device)).warps if M <= MMA_MAX_M else None
+    qx, sx = quantize_activations_gpu(x, input_hadamard, order, product_warps)
     return w4a4_products(qx, sx, layers, x.dtype, order)
 
 

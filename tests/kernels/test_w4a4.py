@@ -556,7 +556,7 @@ def _rotate_quantize_or_skip(x):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [64, 576, 1536, 4096, 11008, 14336, 18944, 28672])
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
 def test_rotate_quantize_matches_the_spec(M, K, dtype):
     """csrc/rotate_quantize.cu against the float32 spec (rotate, round to x's type, quantize): scales
     to the rotation's rounding, codes up to rare +-1 flips; the even_odd order is the natural codes

@@ -182,14 +182,14 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
 
 template <typename T>
 cudaError_t launch(const void* x, int M, int ldx, void* q, int ldq, float* scales, const void* dense, int m,
-                   int log2p, float row_scale, float fmax, int even_odd, cudaStream_t stream, bool pdl) {
+                   int log2p, float row_scale, float fmax, int even_odd, cudaStream_t stream, bool pdl, bool trigger) {
   constexpr auto kernel = rotate_quantize_kernel<T>;
   const cudaError_t err = opt_in_shared_memory<kernel, true>();  // 172 = 11 tiles of 16: clusters over 8
   if (err != cudaSuccess) return err;
   const int tiles = (m + 15) >> 4;
   return launch_cluster_kernel(kernel, dim3(tiles, M), dim3(tiles), THREADS, smem_bytes(m, log2p), stream, pdl,
                                static_cast<const T*>(x), ldx, static_cast<int8_t*>(q), ldq, scales,
-                               static_cast<const T*>(dense), m, log2p, row_scale, fmax, even_odd, (int)pdl);
+                               static_cast<const T*>(dense), m, log2p, row_scale, fmax, even_odd, (int)(pdl && trigger));
 }
 
 }  // namespace
@@ -198,14 +198,17 @@ cudaError_t launch(const void* x, int M, int ldx, void* q, int ldq, float* scale
 // (w4a4.rotate_quantize_applicable): sm_90+, K = m * 2^log2p with m <= 256 and 2^log2p >= 8, x
 // rows 16-byte aligned (ldx % 8 == 0), q rows 4-byte aligned (ldq % 4 == 0), dense = the dense
 // factor of order m zero padded to a multiple of 16 in x's type, smem_bytes(m, log2p) within the
-// per-CTA limit.
+// per-CTA limit. pdl: the kernel may launch early (skinny.cuh); trigger: it lets the next kernel
+// launch early too, once past its own wait (w4a4.rotate_quantize_successor says where that pays).
 extern "C" int nibble_rotate_quantize(int is_bf16, const void* x, int M, int ldx, void* q, int ldq, float* scales,
                                       const void* dense, int m, int log2p, float row_scale, float fmax, int even_odd,
-                                      int pdl, void* stream) {
+                                      int pdl, int trigger, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const cudaError_t err =
-      is_bf16 ? launch<__nv_bfloat16>(x, M, ldx, q, ldq, scales, dense, m, log2p, row_scale, fmax, even_odd, st, pdl)
-              : launch<__half>(x, M, ldx, q, ldq, scales, dense, m, log2p, row_scale, fmax, even_odd, st, pdl);
+      is_bf16 ? launch<__nv_bfloat16>(x, M, ldx, q, ldq, scales, dense, m, log2p, row_scale, fmax, even_odd, st, pdl,
+                                      trigger)
+              : launch<__half>(x, M, ldx, q, ldq, scales, dense, m, log2p, row_scale, fmax, even_odd, st, pdl,
+                               trigger);
   return (int)err;
 }
 
