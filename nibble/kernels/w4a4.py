@@ -1445,7 +1445,8 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     M, K = x.shape
     widths = [qweight.shape[1] for qweight, _, _ in layers]
     order = activation_order(M, K, widths, x.device)
-    product_warps = select_mma_config(M, sum(widths), K, num_sms(x.device)).warps if M <= MMA_MAX_M else None
+    rotated_decode = input_hadamard and M <= MMA_MAX_M  # the product's CTAs decide rotate_quantize's trigger
+    product_warps = select_mma_config(M, sum(widths), K, num_sms(x.device)).warps if rotated_decode else None
     qx, sx = quantize_activations_gpu(x, input_hadamard, order, product_warps)
     return w4a4_products(qx, sx, layers, x.dtype, order)
 
