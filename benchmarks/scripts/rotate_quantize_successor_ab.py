@@ -33,7 +33,6 @@ from nibble.eval import speed  # noqa: E402
 from nibble.eval.engine import Engine  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
 from nibble.kernels import w4a4 as W  # noqa: E402
-from nibble.kernels.w4a16 import num_sms  # noqa: E402
 from rotate_quantize_ab import MODELS, Arm  # noqa: E402  (this folder)
 
 SHAPES = [(4096, 4096), (11008, 4096), (12288, 4096), (14336, 4096), (28672, 8192), (4096, 11008), (4096, 14336),
@@ -77,7 +76,7 @@ def shape_rows(N: int, K: int, ms: list[int], rounds: int) -> list[dict]:
     rows = []
     for M in ms:
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        row = dict(N=N, K=K, M=M, rq_applies=APPLICABLE(x), mma=str(W.select_mma_config(M, N, K, num_sms(x.device))))
+        row = dict(N=N, K=K, M=M, rq_applies=APPLICABLE(x), mma=str(W.mma_config(M, [N], K, x.device)))
         use("shipped")
         qx, sx = W.quantize_activations_gpu(x, True)
         row["rotate_us"] = bench_us(lambda i: (lambda: W.quantize_activations_gpu(x, True)))

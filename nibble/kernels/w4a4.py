@@ -62,8 +62,8 @@ import torch
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, num_sms,
-                                   select_mma_config, split_counters)
+from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, MmaConfig,
+                                   num_sms, select_mma_config, split_counters)
 
 try:
     import triton
@@ -1106,6 +1106,12 @@ def mma_many_applicable(qx: torch.Tensor, layers) -> bool:
             and len(scale_dtypes) == 1 and len(bias_dtypes) <= 1)
 
 
+def mma_config(M: int, widths, K: int, device) -> MmaConfig:
+    """The launch config `w4a4_mma_many` runs M tokens of K with weights of ``widths`` columns in (the
+    W4A16 kernel's rule: ``w4a16.select_mma_config``)."""
+    return select_mma_config(M, sum(widths), K, num_sms(device))
+
+
 def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype = torch.bfloat16, *,
                   out_int32: bool = False, warps: Optional[int] = None,
                   successor: Optional[int] = None) -> list[torch.Tensor]:
@@ -1129,7 +1135,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
     scale_dtypes, bias_dtypes = _launch_dtypes([op[1:] for op in operands])
     if len(scale_dtypes) > 1 or len(bias_dtypes) > 1:
         raise ValueError("the layers of one w4a4_mma_many launch must share the w_scale dtype and the bias dtype")
-    cfg = select_mma_config(M, sum(ns), K, num_sms(qx.device))
+    cfg = mma_config(M, ns, K, qx.device)
     warps = cfg.warps if warps is None else warps
     if not 1 <= warps <= MMA_MAX_WARPS:
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
@@ -1446,7 +1452,7 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     widths = [qweight.shape[1] for qweight, _, _ in layers]
     order = activation_order(M, K, widths, x.device)
     rotated_decode = input_hadamard and M <= MMA_MAX_M  # the product's CTAs decide rotate_quantize's trigger
-    product_warps = select_mma_config(M, sum(widths), K, num_sms(x.device)).warps if rotated_decode else None
+    product_warps = mma_config(M, widths, K, x.device).warps if rotated_decode else None
     qx, sx = quantize_activations_gpu(x, input_hadamard, order, product_warps)
     return w4a4_products(qx, sx, layers, x.dtype, order)
 
