@@ -1186,7 +1186,7 @@ WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
 
 _WGMMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int] * 5 + [ctypes.c_void_p],
+    + [ctypes.c_int] * 4 + [ctypes.c_void_p],
     "nibble_w4a4_wgmma_error_string")
 
 
@@ -1252,8 +1252,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     MMA_MAX_WEIGHTS layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v or
     gate/up): their w_scales share a dtype, so do the biases they have, and every width but the
     last is a multiple of a tile's channels (`wgmma_tiles`). The kernel runs their columns side by
-    side; each layer gets its own output. ``config`` overrides `wgmma_config`; ``pair=False`` in it
-    keeps the CTAs from pairing up where `pairs_share_x` would (same results)."""
+    side; each layer gets its own output. ``config`` overrides `wgmma_config`."""
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
@@ -1319,13 +1318,6 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
     return y
 
 
-def pairs_share_x(M: int, N: int, bn: int, channels: int, splits: int, gated: bool = False) -> bool:
-    """Whether a `w4a4_wgmma` launch of N columns in ``bn x channels`` tiles and ``splits`` K splits
-    runs its CTAs in pairs that copy x once for both (csrc/w4a4_wgmma.cu: Pairs): one token tile
-    (M <= bn), an even number of tiles, unsplit, not gated."""
-    return not gated and splits == 1 and M <= bn and hopper.tile_count(M, N, bn, channels) % 2 == 0
-
-
 def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict, gated: bool) -> None:
     """One launch of csrc/w4a4_wgmma.cu over checked layers into the outputs ys (its entry point's
     contract); gated: SiLU(gate) * up into ys[0], the launch's columns twice the layers' width."""
@@ -1343,15 +1335,13 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
     pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
                 for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    columns = 2 * widths[0] if gated else sum(widths)
-    pair = cfg.get("pair", True) and pairs_share_x(M, columns, cfg["bn"], cfg["channels"], split, gated)
     lib = _wgmma_lib(qx.device)
     with torch.cuda.device(qx.device):
         err = lib.nibble_w4a4_wgmma(
             out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
             _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
             cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            split, per_split, int(gated), int(pair), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)),
+            split, per_split, int(gated), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)),
             torch.cuda.current_stream(qx.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "

@@ -255,18 +255,6 @@ def test_wgmma_config_model():
                for n, k in ((12288, 4096), (14336, 4096), (8192, 28672)))
 
 
-def test_pairs_share_x_where_one_token_tile_has_an_even_number_of_tiles():
-    """CTAs pair up to copy x once (csrc/w4a4_wgmma.cu: Pairs) only where both take the same x and
-    walk items in step: one token tile, an even number of tiles, unsplit, not gated."""
-    assert w4a4.pairs_share_x(128, 12288, 128, 128, 1)  # 96 tiles
-    assert w4a4.pairs_share_x(17, 12288 + 4, 64, 128, 1) is False  # 97 tiles
-    assert w4a4.pairs_share_x(64, 4096 * 3, 64, 256, 1)
-    assert not w4a4.pairs_share_x(129, 12288, 128, 128, 1)  # two token tiles
-    assert not w4a4.pairs_share_x(128, 12288, 128, 128, 2)  # split-K clusters
-    assert not w4a4.pairs_share_x(128, 2 * 11008, 128, 128, 1, gated=True)
-    assert w4a4.pairs_share_x(128, 2 * 11008, 128, 128, 1)  # 172 tiles
-
-
 def test_wgmma_tiles_for_layers_side_by_side():
     """One launch over several layers runs only tiles whose channels divide every width but the
     last (a tile never spans two layers), and its config is picked among those."""
@@ -1050,8 +1038,7 @@ def _wgmma_configs(M, N, K):
     """The heuristic config, every compiled (tokens, channels) tile, and a forced split-K."""
     auto = w4a4.wgmma_config(M, N, K)
     k_tiles = -(-K // hopper.STAGE_K)
-    cfgs = [None, dict(auto, pair=False)] + [dict(bn=bn, channels=ch, split_k=auto["split_k"])
-                                             for bn, ch in w4a4.WGMMA_TILES]
+    cfgs = [None] + [dict(bn=bn, channels=ch, split_k=auto["split_k"]) for bn, ch in w4a4.WGMMA_TILES]
     if k_tiles >= 3:
         cfgs.append(dict(auto, split_k=3))
     return cfgs
@@ -1096,35 +1083,6 @@ def test_wgmma_split_k_sums_exact(tile):
         for split in splits:
             acc = w4a4.w4a4_wgmma(qx, ones_m, qw, ones_n, out_int32=True, config=dict(bn=bn, channels=ch, split_k=split))
             assert torch.equal(acc, exact), f"M={M} split={split}: {(acc != exact).sum().item()} differ"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tile", w4a4.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
-def test_wgmma_pairs_share_x_exact(tile):
-    """One token tile, an even number of tiles: the CTAs run in pairs, each copying half of the
-    tokens into both (csrc/w4a4_wgmma.cu: Pairs). Exact, and equal to unpaired launches in int32 and
-    scaled: token tails (the second half of the tile partly or wholly past M), a channel tail, more
-    tiles than resident pairs (each pair walks several items, its producers handing stages over),
-    several layers side by side; outputs poisoned. Odd tile counts run unpaired."""
-    _needs_wgmma_kernel()
-    bn, ch = tile
-    gen = torch.Generator().manual_seed(bn * 3 + ch)
-    cfg = dict(bn=bn, channels=ch, split_k=1)
-    cases = [(17, [4 * ch], 1056), (bn // 2 + 5, [2 * ch - 4], 4224), (bn, [ch * 150], 384),
-             (bn - 1, [ch, ch, 2 * ch], 1056), (bn, [3 * ch], 1056)]
-    for M, widths, K in cases:
-        layers = [_codes_weight(n, K, "cuda", gen) for n in widths]
-        qx = _qx(M, K, "cuda", gen)
-        sx = torch.rand(M, device="cuda") + 0.5
-        assert w4a4.pairs_share_x(M, sum(widths), bn, ch, 1) == (sum(-(-n // ch) for n in widths) % 2 == 0)
-        ones = torch.ones(M, device="cuda")
-        accs = w4a4.w4a4_wgmma_many(qx, ones, [(qw, ws, None) for qw, ws in layers], out_int32=True, config=cfg)
-        for acc, (qw, _) in zip(accs, layers):
-            assert torch.equal(acc, _exact_acc(qx, qw)), f"M={M} widths={widths}"
-        ys = {pair: w4a4.w4a4_wgmma_many(qx, sx, [(qw, ws, None) for qw, ws in layers], torch.bfloat16,
-                                         config=dict(cfg, pair=pair)) for pair in (True, False)}
-        assert all(torch.equal(a, b) for a, b in zip(ys[True], ys[False])), f"M={M} widths={widths}"
 
 
 @pytest.mark.gpu

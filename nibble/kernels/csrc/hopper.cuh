@@ -126,16 +126,6 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
-// tma_load into the same shared address and mbarrier of every CTA of the cluster in `ctas` (a bit
-// per rank): each lands the box's full size on its own barrier.
-__device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
-                                                   uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;"
-      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(ctas) : "memory");
-}
-
 // The weight both GEMMs read: nibble's canonical INT4 words (int32 [K / 8, N], word row i = K rows
 // 8i .. 8i+7 of its column), copied per stage of BK K rows as boxes of 32 columns x BK / 8 word rows
 // (128-byte rows in the TMA's 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)).
@@ -303,11 +293,11 @@ __device__ __forceinline__ void store_partial(const A (&acc)[J][R], uint32_t rin
     }
 }
 
-// Every (not exited) thread of the cluster: what each stored to shared memory before is visible
-// to the others after (release / acquire at cluster scope), and none is still reading another's.
-// (Split into an arrive after the sums and a wait after the epilogue, to hide split-K's second
-// barrier: W4A4 no faster, W4A16 up to 4% slower with its stores moved out of the sums' batches; H200.)
-__device__ __forceinline__ void cluster_sync() {
+// Every consumer thread of the cluster: what each stored to shared memory before is visible to
+// the others after (release / acquire at cluster scope), and none is still reading another's.
+// (Split into an arrive after the sums and a wait after the epilogue, to hide the second barrier:
+// W4A4 no faster, W4A16 up to 4% slower with its stores moved out of the sums' batches; H200.)
+__device__ __forceinline__ void cluster_sync_partials() {
   asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
@@ -318,7 +308,7 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t ring, int rank) {
   return there;
 }
 
-// After cluster_sync: the rows of `share` in acc become the sum of the splits' partials
+// After cluster_sync_partials: the rows of `share` in acc become the sum of the splits' partials
 // in split order (fp32 then rounds the same on every call; int32 is exact in any order). acc
 // already holds split `own`'s partial and skips it, or (own < 0) starts from zero, every split's
 // partial read from its ring (this CTA's own included). Token rows go in batches (values of b) of
@@ -386,9 +376,9 @@ __device__ __forceinline__ void split_k_sum(A (&acc)[J][R], uint32_t ring, int t
                                             RowShare share, Done done) {
   consumers_sync();
   store_partial<BN>(acc, ring, thread, ORDERED ? RowShare{0, 0} : share);
-  cluster_sync();
+  cluster_sync_partials();
   sum_partials<BN>(acc, ring, thread, splits, ORDERED ? -1 : split, share, done);
-  cluster_sync();  // the other splits are done reading this ring
+  cluster_sync_partials();  // the other splits are done reading this ring
 }
 
 constexpr int GROUP_M = 8;  // token tiles that run next to each other over the same weight tiles
@@ -419,14 +409,12 @@ __device__ __forceinline__ int column_weight(const int (&col_end)[MAX_WEIGHTS], 
   return which;
 }
 
-// Thread 0, before the CTA's first barrier. PAIR (w4a4_wgmma.cu): a third barrier per stage,
-// "other's empty", on which the other CTA's producer tells this one that its consumers released the stage.
-template <int STAGES, bool PAIR = false>
+// Thread 0, before the CTA's first barrier.
+template <int STAGES>
 __device__ __forceinline__ void init_stage_barriers(uint32_t bars) {
   for (int s = 0; s < STAGES; ++s) {
     mbar_init(bars + 8 * s, 1);             // the producer's expect_tx
     mbar_init(bars + 8 * (STAGES + s), 2);  // one release per consumer warpgroup
-    if (PAIR) mbar_init(bars + 8 * (2 * STAGES + s), 1);
   }
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
@@ -439,16 +427,9 @@ __device__ __forceinline__ void init_stage_barriers(uint32_t bars) {
 // runs. So the CTA's first STAGES tiles get their weight copies (no kernel writes weights) before
 // wait_for_prior_grids, and their x after it: the ring's first DRAM round trip overlaps the
 // previous kernel.
-//
-// PAIR: two CTAs whose producers each copy half of x into both (w4a4_wgmma.cu: Pairs). A stage is
-// refilled once the consumers of both CTAs released it: each producer, having seen its own CTA's
-// release, says so on the other's third barrier (`other_bars`: this CTA's barriers' address in the
-// other CTA, cluster_address), then waits for the other's word on its own. The producers carry the
-// handshake (an arrive on another CTA's barrier among the consumers' MMAs made ptxas serialise them).
-template <int STAGES, bool PAIR = false, typename LoadW, typename LoadX>
+template <int STAGES, typename LoadW, typename LoadX>
 __device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_bytes, int bytes, int k_begin,
-                                        int k_tiles, int first, LoadW load_w, LoadX load_x,
-                                        uint32_t other_bars = 0) {
+                                        int k_tiles, int first, LoadW load_w, LoadX load_x) {
   const int early = first == 0 ? min(STAGES, k_tiles) : 0;
   for (int i = 0; i < early; ++i) {
     mbar_expect_tx(bars + 8 * i, bytes);
@@ -458,15 +439,7 @@ __device__ __forceinline__ void produce(uint32_t bars, uint32_t base, int stage_
   for (int i = 0; i < early; ++i) load_x(base + i * stage_bytes, (k_begin + i) * BK, bars + 8 * i);
   for (int i = early; i < k_tiles; ++i) {
     const int g = first + i, s = g % STAGES;
-    if (g >= STAGES) {
-      const int parity = (g / STAGES - 1) & 1;
-      mbar_wait(bars + 8 * (STAGES + s), parity);
-      if (PAIR) {
-        asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];"
-                     ::"r"(other_bars + 8 * (2 * STAGES + s)) : "memory");
-        mbar_wait(bars + 8 * (2 * STAGES + s), parity);
-      }
-    }
+    if (g >= STAGES) mbar_wait(bars + 8 * (STAGES + s), (g / STAGES - 1) & 1);
     mbar_expect_tx(bars + 8 * s, bytes);
     load_w(base + s * stage_bytes, (k_begin + i) * BK, bars + 8 * s);
     load_x(base + s * stage_bytes, (k_begin + i) * BK, bars + 8 * s);

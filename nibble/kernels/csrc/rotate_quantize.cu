@@ -34,7 +34,7 @@
 
 #include <type_traits>
 
-#include "hopper.cuh"  // cluster_sync, cluster_address, resident_clusters
+#include "hopper.cuh"  // cluster_sync_partials, cluster_address, resident_clusters
 #include "skinny.cuh"  // mma, launch_cluster_kernel, wait_for_prior_grids, let_successor_launch
 
 namespace {
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
     for (int w = 1; w < WARPS; ++w) amax = fmaxf(amax, red[w]);
     red[WARPS] = amax;
   }
-  cluster_sync();  // every CTA's red[WARPS] written and visible
+  cluster_sync_partials();  // every CTA's red[WARPS] written and visible
   const uint32_t mine = (uint32_t)__cvta_generic_to_shared(red + WARPS);
   amax = 0.f;
   for (int r = 0; r < tiles; ++r) {
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_address(mine, r)) : "memory");
     amax = fmaxf(amax, v);
   }
-  cluster_sync();  // no CTA exits while another still reads its amax
+  cluster_sync_partials();  // no CTA exits while another still reads its amax
   const float scale = __fdiv_rn(amax, 7.f), safe = scale > 0.f ? scale : 1.f;
   if (rank == 0 && threadIdx.x == 0) scales[blockIdx.y] = scale;
 

@@ -52,14 +52,6 @@
 // the kernel). Not with split-K: there a CTA's ring holds its partials after the mainloop, so each
 // CTA computes one (tile, split) item and the grid has them all.
 //
-// Pairs (PAIR): where the output is one token tile wide (M <= BN: prefill of a prompt or a batch of
-// up to 128 tokens), every CTA reads the same x, 16 KB per stage of a 128 x 128 tile beside its 8 KB
-// of weight, so x is two thirds of what the L2 serves. Two CTAs of a cluster take neighbouring
-// channel tiles (consecutive items: cta_work) and each copies half of the tokens' rows into both
-// (TMA multicast): x crosses the L2 once per pair. A stage is then refilled by both producers, once
-// both CTAs' consumers released it (hopper.cuh: produce). Every copy into a CTA and every arrive on
-// its barriers precedes a wait of its own, so neither CTA can exit while the other still writes to it.
-//
 // Several weights that read the same x (a block's q/k/v or gate/up projections, up to MAX_WEIGHTS)
 // run as one GEMM over their output columns side by side (hopper.cuh: column_weight), each tile
 // reading its weight's tensor map and writing its weight's output. At prefill sizes the separate
@@ -103,8 +95,8 @@ template <int BN, int CH_> struct Tile {
   static constexpr int X_BYTES = BN * BK, W_BYTES = CH / 32 * W_BOX, STAGE = X_BYTES + W_BYTES;
   static constexpr int STAGES = 4;
   static_assert(partial_bytes<BN, J>() <= STAGES * STAGE, "split-K's partials go through the ring");
-  // + alignment slack, 3 mbarriers per stage (2 but in pairs), the token scales of each consumer warpgroup
-  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 24 * STAGES + 2 * 4 * BN;
+  // + alignment slack, 2 mbarriers per stage, the token scales of each consumer warpgroup
+  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 2 * 4 * BN;
 };
 
 // A load issued where it is written (asm volatile keeps its place among the MMAs' asm; ptxas
@@ -186,8 +178,7 @@ __device__ __forceinline__ void store_silu_mul(bool live, T* dst, const int (&v)
 
 // SPLIT: split-K in clusters (splits > 1). A kernel of its own, so that the unsplit one carries none
 // of its code: compiled in, even unused, it made the unsplit products 1-5% slower (H200).
-// PAIR: unsplit, in clusters of two CTAs that share x (see "Pairs" at the top).
-template <typename T, int BN, int CH_, bool GATED, bool SPLIT, bool PAIR>
+template <typename T, int BN, int CH_, bool GATED, bool SPLIT>
 __global__ void __launch_bounds__(THREADS, 1)
     w4a4_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ Weights weights,
                       const float* __restrict__ x_scale, int w_scale_dtype, int bias_dtype, int M, int N, int K,
@@ -198,7 +189,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
   const uint32_t base = (raw + 1023) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const unsigned char* smem = smem_raw + (base - raw);
-  const uint32_t bars = base + STAGES * STAGE;  // full[STAGES], empty[STAGES], in pairs other's empty[STAGES]
+  const uint32_t bars = base + STAGES * STAGE;  // full[STAGES], then empty[STAGES]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -210,11 +201,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   // it), in clusters of `splits` CTAs: a CTA's split is its rank in its cluster.
   const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH), items = tiles * splits;
 
-  if (tid == 0) init_stage_barriers<STAGES, PAIR>(bars);
-  if constexpr (PAIR) cluster_sync();  // the other CTA's copies land on barriers initialised here
-  else __syncthreads();
+  if (tid == 0) init_stage_barriers<STAGES>(bars);
+  __syncthreads();
 
-  const int rank = PAIR ? blockIdx.x & 1 : 0;  // in its pair
   if (warp >= CONSUMER_THREADS / 32) {  // the producer warpgroup: one thread issues, the rest idle
     // 128 x 40 + 256 x 232 registers fit the 64K: the consumers keep two wgmma groups in flight.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -224,7 +213,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         int col0;
         const int which = column_weight(weights.col_end, work.n0, col0);
         const CUtensorMap* w_map = pick_address(weights.map, which);
-        produce<STAGES, PAIR>(
+        produce<STAGES>(
             bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,
             [&](uint32_t dst, int k0, uint32_t full) {
               if constexpr (GATED) {  // the tile's columns of gate, then the same columns of up
@@ -234,13 +223,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 load_weight_boxes<CH>(dst + X_STAGE, w_map, work.n0 - col0, k0, full);
               }
             },
-            [&](uint32_t dst, int k0, uint32_t full) {
-              if constexpr (PAIR)  // this CTA's half of the tokens, into both CTAs
-                tma_load_multicast(dst + rank * X_STAGE / 2, &x_map, k0, work.m0 + rank * BN / 2, full, 3);
-              else
-                tma_load(dst, &x_map, k0, work.m0, full);
-            },
-            PAIR ? cluster_address(bars, rank ^ 1) : 0);
+            [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });
         first += work.k_tiles;
       }
     return;  // exited threads count as arrived at the consumers' cluster barriers
@@ -252,7 +235,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // the epilogue itself, each thread's 32 dependent loads cost ~6 us per tile, measured); the
   // global load is issued as the item starts, so the MMAs hide its latency.
   const int wg = warp >> 2, wg_tid = tid & 127;
-  float* token_scale = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE + 24 * STAGES) + wg * BN;
+  float* token_scale = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE + 16 * STAGES) + wg * BN;
   const LaneWeights<J, GATED> lane_w(warp, g, X_STAGE, CH / 64 * W_BOX);  // word rows 4 step + t of each stage
   int acc[J][R];
 
@@ -402,47 +385,42 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <typename T, int BN, int CH, bool GATED, bool SPLIT, bool PAIR>
+template <typename T, int BN, int CH, bool GATED, bool SPLIT>
 cudaError_t launch(const void* qx, const float* xs, const Weights& weights, int ws_dtype, int bias_dtype, int M,
                    int N, int K, int ldx, int splits, int tiles_per_split, cudaStream_t stream, bool pdl) {
-  constexpr auto kernel = w4a4_wgmma_kernel<T, BN, CH, GATED, SPLIT, PAIR>;
+  constexpr auto kernel = w4a4_wgmma_kernel<T, BN, CH, GATED, SPLIT>;
   constexpr size_t smem = Tile<BN, CH>::SMEM;
-  const int tiles = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);
-  // A pair's tiles are consecutive items of one token tile (cta_work), so its CTAs walk items in step.
-  if (PAIR && (M > BN || tiles % 2)) return cudaErrorInvalidValue;
-  CUtensorMap x_map;  // a pair's CTA copies half of the tile's tokens
-  cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, PAIR ? BN / 2 : BN);
+  CUtensorMap x_map;
+  cudaError_t err = tensor_map_2d(&x_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, qx, K, M, ldx, BK, BN);
   if (err == cudaSuccess) err = opt_in_shared_memory<kernel>();
-  int ctas = tiles;  // one per tile, and with split-K per item
+  int ctas = ((M + BN - 1) / BN) * ((N + CH - 1) / CH);  // one per tile, and with split-K per item
   if (SPLIT) {
     ctas *= splits;
-  } else {  // persistent: at most one CTA per SM (a pair: per SM of the resident pairs)
-    int clusters = 0;
-    if (err == cudaSuccess) err = resident_clusters<kernel>(PAIR ? 2 : 1, THREADS, smem, clusters);
-    if (ctas > (PAIR ? 2 : 1) * clusters) ctas = (PAIR ? 2 : 1) * clusters;
+  } else {  // persistent: at most one CTA per SM
+    int sms = 0;
+    if (err == cudaSuccess) err = resident_clusters<kernel>(1, THREADS, smem, sms);
+    if (ctas > sms) ctas = sms;
   }
   if (err != cudaSuccess) return err;
-  return launch_cluster_kernel(kernel, dim3(ctas), dim3(PAIR ? 2 : splits), THREADS, smem, stream, pdl, x_map,
-                               weights, xs, ws_dtype, bias_dtype, M, N, K, tiles_per_split, splits);
+  return launch_cluster_kernel(kernel, dim3(ctas), dim3(splits), THREADS, smem, stream, pdl, x_map, weights, xs,
+                               ws_dtype, bias_dtype, M, N, K, tiles_per_split, splits);
 }
 
 template <typename T, bool GATED = false>
 cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weights& weights, int ws_dtype,
-                     int bias_dtype, int M, int N, int K, int ldx, int splits, int tiles_per_split, bool pair,
+                     int bias_dtype, int M, int N, int K, int ldx, int splits, int tiles_per_split,
                      cudaStream_t st, bool pdl) {
-  if (pair && (GATED || splits > 1)) return cudaErrorInvalidValue;
-#define NIBBLE_ARGS qx, xs, weights, ws_dtype, bias_dtype, M, N, K, ldx, splits, tiles_per_split, st, pdl
-#define NIBBLE_LAUNCH(BN_, CH_)                                                                   \
-  if (bn == BN_ && ch == CH_)                                                                     \
-    return splits > 1 ? launch<T, BN_, CH_, GATED, true, false>(NIBBLE_ARGS)                      \
-           : pair     ? launch<T, BN_, CH_, GATED, false, !GATED>(NIBBLE_ARGS)                    \
-                      : launch<T, BN_, CH_, GATED, false, false>(NIBBLE_ARGS);
+#define NIBBLE_LAUNCH(BN_, CH_)                                                                                   \
+  if (bn == BN_ && ch == CH_)                                                                                     \
+    return splits > 1 ? launch<T, BN_, CH_, GATED, true>(qx, xs, weights, ws_dtype, bias_dtype, M, N, K, ldx,   \
+                                                          splits, tiles_per_split, st, pdl)                          \
+                      : launch<T, BN_, CH_, GATED, false>(qx, xs, weights, ws_dtype, bias_dtype, M, N, K, ldx,  \
+                                                          splits, tiles_per_split, st, pdl);
   NIBBLE_LAUNCH(64, 256)
   NIBBLE_LAUNCH(128, 256)
   NIBBLE_LAUNCH(128, 128)
   NIBBLE_LAUNCH(64, 128)
 #undef NIBBLE_LAUNCH
-#undef NIBBLE_ARGS
   return cudaErrorInvalidValue;
 }
 
@@ -455,8 +433,7 @@ cudaError_t launch_t(int bn, int ch, const void* qx, const float* xs, const Weig
 // spans two weights), each with its qweight, w_scale, bias (may be null) and output (ldos[i] % 4 ==
 // 0); 1 <= splits <= 8 (the splits of a tile are a cluster of CTAs). out_dtype: 0
 // float32, 1 float16, 2 bfloat16, 3 int32 (raw accumulators); w_scale_dtype / bias_dtype: 0
-// float32, 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_cluster_kernel). pair: CTAs
-// in pairs that share x (PAIR; unsplit, not gated, one token tile, an even number of tiles).
+// float32, 1 float16, 2 bfloat16. pdl: launch early (skinny.cuh: launch_cluster_kernel).
 // gated: SiLU(gate) * up into outs[0] (ldos[0]) of ns[0] columns, from count = 2 weights (gate, up)
 // of ns[0] == ns[1] columns, both or neither with a bias; out_dtype 1 or 2. The launch then has 2 ns[0]
 // "gated" columns.
@@ -464,7 +441,7 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
                                  int w_scale_dtype, int bias_dtype, int M, int K, int ldx, int count,
                                  const void* const* qweights, const void* const* w_scales, const void* const* biases,
                                  void* const* outs, const int* ns, const int* ldos, int splits, int tiles_per_split,
-                                 int gated, int pair, int pdl, void* stream) {
+                                 int gated, int pdl, void* stream) {
   if (count < 1 || count > MAX_WEIGHTS) return (int)cudaErrorInvalidValue;
   if (gated && (count != 2 || ns[0] != ns[1] || (out_dtype != 1 && out_dtype != 2))) return (int)cudaErrorInvalidValue;
   Weights w{};
@@ -481,8 +458,7 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const float* xs = static_cast<const float*>(x_scale);
   cudaError_t err;
-#define NIBBLE_ARGS \
-  bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, M, N, K, ldx, splits, tiles_per_split, pair != 0, st, pdl
+#define NIBBLE_ARGS bn, channels, qx, xs, w, w_scale_dtype, bias_dtype, M, N, K, ldx, splits, tiles_per_split, st, pdl
   if (gated)
     err = out_dtype == 1 ? launch_t<__half, true>(NIBBLE_ARGS) : launch_t<__nv_bfloat16, true>(NIBBLE_ARGS);
   else switch (out_dtype) {
@@ -499,7 +475,7 @@ extern "C" int nibble_w4a4_wgmma(int out_dtype, int bn, int channels, const void
 // How many clusters of `splits` CTAs (1: single CTAs) of the GEMM fit on the current device at once
 // (hopper.cuh: resident_clusters; every tile takes a whole SM), for the config model.
 extern "C" int nibble_w4a4_wgmma_clusters(int splits, int* clusters) {
-  constexpr auto kernel = w4a4_wgmma_kernel<__nv_bfloat16, 128, 256, false, true, false>;
+  constexpr auto kernel = w4a4_wgmma_kernel<__nv_bfloat16, 128, 256, false, true>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err == cudaSuccess) err = resident_clusters<kernel>(splits, THREADS, Tile<128, 256>::SMEM, *clusters);
   return (int)err;
