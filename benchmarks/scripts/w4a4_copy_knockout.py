@@ -11,21 +11,14 @@ without a copy is what that copy costs on its critical path. nvcc runs where the
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-from nibble.bench.timing import env_meta  # noqa: E402
-from nibble.kernels import cuda_build, w4a4  # noqa: E402
-from wgmma_ab import SHAPES, time_builds  # noqa: E402
+from nibble.kernels import cuda_build  # noqa: E402
+from wgmma_ab import SHAPES, time_builds, variant_builds, variants_main  # noqa: E402
 
 STAGE_BYTES = "            bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,"
 X_COPY = "            [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });"
@@ -45,30 +38,10 @@ def build_all(out_dir: Path) -> None:
         print(f"built {out_dir / name}", flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--build-only", type=Path)
-    ap.add_argument("--prebuilt", type=Path)
-    ap.add_argument("--ms", default="128,1024")
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    if args.build_only:
-        build_all(args.build_only)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.prebuilt is None:
-            args.prebuilt = Path(tmp)
-            build_all(args.prebuilt)
-        builds = [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)]
-        for name in KNOCKOUTS:
-            lib = ctypes.CDLL(str(args.prebuilt / name / "w4a4_wgmma_edited.so"))
-            w4a4._WGMMA_SIGNATURES(lib)
-            builds.append((name, lib, None))
-        rows = time_builds(builds, SHAPES, [int(m) for m in args.ms.split(",")], lambda line: print(line, flush=True),
-                           exact=False)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": env_meta(variants=list(KNOCKOUTS)), "rows": rows}, indent=1))
+def time_knockouts(prebuilt: Path, ms) -> list[dict]:
+    return time_builds(variant_builds(prebuilt, KNOCKOUTS), SHAPES, ms, lambda line: print(line, flush=True),
+                       exact=False)
 
 
 if __name__ == "__main__":
-    main()
+    variants_main(__doc__, build_all, time_knockouts, "128,1024", dict(variants=list(KNOCKOUTS)))

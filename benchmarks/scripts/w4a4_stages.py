@@ -12,21 +12,14 @@ loads them.
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-from nibble.bench.timing import env_meta  # noqa: E402
-from nibble.kernels import cuda_build, w4a4  # noqa: E402
-from wgmma_ab import time_builds  # noqa: E402
+from nibble.kernels import cuda_build  # noqa: E402
+from wgmma_ab import time_builds, variant_builds, variants_main  # noqa: E402
 
 SHAPES = ((12288, 4096), (22016, 4096), (4096, 4096), (4096, 11008), (28672, 8192))
 ANCHOR = "static constexpr int STAGES = 4;"
@@ -44,32 +37,8 @@ def build_all(out_dir: Path) -> None:
 
 
 def time_variants(prebuilt: Path, ms) -> list[dict]:
-    builds = [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)]
-    for name in VARIANTS:
-        lib = ctypes.CDLL(str(prebuilt / name / "w4a4_wgmma_edited.so"))
-        w4a4._WGMMA_SIGNATURES(lib)
-        builds.append((name, lib, None))
-    return time_builds(builds, SHAPES, ms, lambda line: print(line, flush=True))
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--build-only", type=Path)
-    ap.add_argument("--prebuilt", type=Path)
-    ap.add_argument("--ms", default="128,512,1024,4096")
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    if args.build_only:
-        build_all(args.build_only)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.prebuilt is None:
-            args.prebuilt = Path(tmp)
-            build_all(args.prebuilt)
-        rows = time_variants(args.prebuilt, [int(m) for m in args.ms.split(",")])
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": env_meta(variants=VARIANTS), "rows": rows}, indent=1))
+    return time_builds(variant_builds(prebuilt, VARIANTS), SHAPES, ms, lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":
-    main()
+    variants_main(__doc__, build_all, time_variants, "128,512,1024,4096", dict(variants=VARIANTS))

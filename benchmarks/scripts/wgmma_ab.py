@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -76,6 +77,40 @@ def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]
                 + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
     w4a4._wgmma_lib = shipped
     return rows
+
+
+def variant_builds(prebuilt: Path, names) -> list:
+    """Builds for `time_builds`: the package's own ("shipped"), then each variant ``names`` built by
+    `cuda_build.build_edited` into ``prebuilt`` / name, loaded with the package's ctypes signatures."""
+    builds = [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)]
+    for name in names:
+        lib = ctypes.CDLL(str(prebuilt / name / "w4a4_wgmma_edited.so"))
+        w4a4._WGMMA_SIGNATURES(lib)
+        builds.append((name, lib, None))
+    return builds
+
+
+def variants_main(doc: str, build_all, time_variants, default_ms: str, meta: dict) -> None:
+    """The command line of a script that rebuilds csrc/w4a4_wgmma.cu as variants and times them:
+    ``--build-only DIR`` runs build_all(DIR) (nvcc, no GPU needed), ``--prebuilt DIR`` loads what it
+    built, neither builds into a temporary folder; time_variants(folder, ms) returns the rows, which
+    ``--json`` writes with ``meta``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--build-only", type=Path)
+    ap.add_argument("--prebuilt", type=Path)
+    ap.add_argument("--ms", default=default_ms)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.build_only:
+        build_all(args.build_only)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.prebuilt is None:
+            args.prebuilt = Path(tmp)
+            build_all(args.prebuilt)
+        rows = time_variants(args.prebuilt, [int(m) for m in args.ms.split(",")])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": env_meta(**meta), "rows": rows}, indent=1))
 
 
 def main() -> None:
