@@ -28,15 +28,19 @@ SHAPES = ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 409
           (28672, 8192), (8192, 28672))
 
 
+def load_build(kernels, path) -> ctypes.CDLL:
+    """Another build of the Hopper GEMM of ``kernels`` (the module `w4a4` or `w4a16`), the shared
+    library at ``path``, loaded with the package's ctypes signatures."""
+    lib = ctypes.CDLL(str(Path(path).resolve()))
+    kernels._WGMMA_SIGNATURES(lib)
+    return lib
+
+
 def package_and_builds(kernels, paths) -> dict:
-    """{"package": the package's own build of ``kernels``' Hopper GEMM (the module `w4a4` or
-    `w4a16`), then <file stem>: each shared library of ``paths`` (other builds of the same source),
-    loaded with the package's ctypes signatures}."""
-    libs = {"package": kernels._wgmma_lib(torch.device("cuda"))}
-    for path in paths:
-        libs[Path(path).stem] = ctypes.CDLL(str(Path(path).resolve()))
-        kernels._WGMMA_SIGNATURES(libs[Path(path).stem])
-    return libs
+    """{"package": the package's own build of ``kernels``' Hopper GEMM, then <file stem>: each
+    shared library of ``paths`` (other builds of the same source, `load_build`)}."""
+    return {"package": kernels._wgmma_lib(torch.device("cuda")),
+            **{Path(path).stem: load_build(kernels, path) for path in paths}}
 
 
 def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]:
@@ -82,12 +86,8 @@ def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]
 def variant_builds(prebuilt: Path, names) -> list:
     """Builds for `time_builds`: the package's own ("shipped"), then each variant ``names`` built by
     `cuda_build.build_edited` into ``prebuilt`` / name, loaded with the package's ctypes signatures."""
-    builds = [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)]
-    for name in names:
-        lib = ctypes.CDLL(str(prebuilt / name / "w4a4_wgmma_edited.so"))
-        w4a4._WGMMA_SIGNATURES(lib)
-        builds.append((name, lib, None))
-    return builds
+    return [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)] + [
+        (name, load_build(w4a4, prebuilt / name / "w4a4_wgmma_edited.so"), None) for name in names]
 
 
 def variants_main(doc: str, build_all, time_variants, default_ms: str, meta: dict) -> None:
@@ -119,11 +119,7 @@ def main() -> None:
     ap.add_argument("--ms", default="128,512,1024,4096")
     ap.add_argument("--json")
     args = ap.parse_args()
-    builds = []
-    for path in args.libs:
-        lib = ctypes.CDLL(str(Path(path).resolve()))
-        w4a4._WGMMA_SIGNATURES(lib)
-        builds.append((Path(path).stem, lib, None))
+    builds = [(Path(path).stem, load_build(w4a4, path), None) for path in args.libs]
     rows = time_builds(builds, SHAPES, [int(m) for m in args.ms.split(",")], lambda line: print(line, flush=True))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": env_meta(libs=args.libs), "rows": rows}, indent=1))
