@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
+from nibble.bench.w4a4 import random_w4a4  # noqa: E402
 from nibble.kernels import w4a4  # noqa: E402
 
 SHAPES = ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
@@ -79,6 +80,31 @@ def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]
             base = row[builds[0][0]]
             say(f"{N:5d} x {K:5d} M={M:5d} {cfg['bn']}x{cfg['channels']}/{cfg['split_k']}: "
                 + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
+    w4a4._wgmma_lib = shipped
+    return rows
+
+
+def time_ops(builds, shapes, ms, say=print) -> list[dict]:
+    """The op (quantize + GEMM) with each build's GEMM: outputs equal to the first build's, timed A, B, ..., B, A."""
+    order = list(range(len(builds))) + list(reversed(range(len(builds))))
+    shipped, dev, rows = w4a4._wgmma_lib, torch.device("cuda"), []
+    for N, K in shapes:
+        n_rot = rotations(K // 8 * N * 4)
+        ws = [random_w4a4(N, K, dev) for _ in range(n_rot)]
+        for M in ms:
+            x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
+            times, ref = {name: [] for name, _, _ in builds}, None
+            for i in order:
+                name, lib, _ = builds[i]
+                w4a4._wgmma_lib = lambda _d, lib=lib: lib
+                out = w4a4.w4a4_linear(x, ws[0][0], ws[0][1], None, False)
+                ref = out if ref is None else ref
+                assert torch.equal(out, ref), f"{name} differs at M={M} N={N} K={K}"
+                times[name].append(bench_us(lambda j: lambda: w4a4.w4a4_linear(x, ws[j][0], ws[j][1], None, False), n_rot))
+            row = dict(N=N, K=K, M=M, op="w4a4_linear", **{n: sum(t) / len(t) for n, t in times.items()})
+            rows.append(row)
+            base = row[builds[0][0]]
+            say(f"op {N:5d} x {K:5d} M={M:4d}: " + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
     w4a4._wgmma_lib = shipped
     return rows
 

@@ -45,15 +45,16 @@ def test_an_edited_variant_refuses_an_anchor_that_is_not_there_once(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("script", ["w4a4_item_timeline", "w4a4_one_warpgroup", "w4a4_stages", "w4a4_copy_knockout"])
+@pytest.mark.parametrize("script", ["w4a4_item_timeline", "w4a4_one_warpgroup", "w4a4_stages", "w4a4_copy_knockout",
+                                    "w4a4_lean_registers", "w4a4_successor_trigger"])
 def test_the_experiment_scripts_edits_still_anchor_in_the_kernel(script, monkeypatch):
     """The scripts that rebuild csrc/w4a4_wgmma.cu with edits name texts of the kernel; when the
     kernel changes under them they fail on the device (it happened twice). Each text must be there
     exactly once in the current source."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"))
     module = importlib.import_module(script)
-    knockouts = [pair for edits in getattr(module, "KNOCKOUTS", {}).values() for pair in edits]
-    edits = getattr(module, "EDITS", None) or knockouts or [(module.ANCHOR, "")]
+    variants = {**getattr(module, "KNOCKOUTS", {}), **getattr(module, "VARIANT_EDITS", {})}
+    edits = getattr(module, "EDITS", None) or [pair for pairs in variants.values() for pair in pairs] or [(module.ANCHOR, "")]
     source = (cuda_build.CSRC / "w4a4_wgmma.cu").read_text()
     assert [source.count(old) for old, _ in edits] == [1] * len(edits)
 
