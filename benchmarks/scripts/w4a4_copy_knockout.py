@@ -12,13 +12,13 @@ without a copy is what that copy costs on its critical path. nvcc runs where the
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nibble.kernels import cuda_build  # noqa: E402
-from wgmma_ab import SHAPES, time_builds, variant_builds, variants_main  # noqa: E402
+from wgmma_ab import SHAPES, build_variants, time_builds, variant_builds, variants_main  # noqa: E402
 
 STAGE_BYTES = "            bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,"
 X_COPY = "            [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });"
@@ -32,16 +32,10 @@ KNOCKOUTS = {  # name -> edits of csrc/w4a4_wgmma.cu
 }
 
 
-def build_all(out_dir: Path) -> None:
-    for name, edits in KNOCKOUTS.items():
-        cuda_build.build_edited("w4a4_wgmma", edits, out_dir / name)
-        print(f"built {out_dir / name}", flush=True)
-
-
 def time_knockouts(prebuilt: Path, ms) -> list[dict]:
     return time_builds(variant_builds(prebuilt, KNOCKOUTS), SHAPES, ms, lambda line: print(line, flush=True),
                        exact=False)
 
 
 if __name__ == "__main__":
-    variants_main(__doc__, build_all, time_knockouts, "128,1024", dict(variants=list(KNOCKOUTS)))
+    variants_main(__doc__, partial(build_variants, KNOCKOUTS), time_knockouts, "128,1024", dict(variants=list(KNOCKOUTS)))

@@ -14,13 +14,13 @@ the product's writes. Timed against the shipped build in one process: the GEMM b
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nibble.kernels import cuda_build  # noqa: E402
-from wgmma_ab import SHAPES, time_builds, time_ops, variant_builds, variants_main  # noqa: E402
+from wgmma_ab import build_variants, time_product_and_op, variants_main  # noqa: E402
 
 WAIT = "  wait_for_prior_grids();  // x_scale, like x, is the previous kernel's output\n"
 LAST_MAINLOOP = "    first += k_tiles;\n"
@@ -31,17 +31,6 @@ VARIANT_EDITS = {
 }
 
 
-def build_all(out_dir: Path) -> None:
-    for name, edits in VARIANT_EDITS.items():
-        cuda_build.build_edited("w4a4_wgmma", edits, out_dir / name)
-        print(f"built {out_dir / name}", flush=True)
-
-
-def time_variants(prebuilt: Path, ms) -> list[dict]:
-    builds = variant_builds(prebuilt, VARIANT_EDITS)
-    say = lambda line: print(line, flush=True)  # noqa: E731
-    return time_builds(builds, SHAPES, ms, say) + time_ops(builds, SHAPES, ms, say)
-
-
 if __name__ == "__main__":
-    variants_main(__doc__, build_all, time_variants, "64,128", dict(variants=list(VARIANT_EDITS)))
+    variants_main(__doc__, partial(build_variants, VARIANT_EDITS), partial(time_product_and_op, names=VARIANT_EDITS),
+                  "64,128", dict(variants=list(VARIANT_EDITS)))

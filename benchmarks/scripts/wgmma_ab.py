@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
 from nibble.bench.w4a4 import random_w4a4  # noqa: E402
-from nibble.kernels import w4a4  # noqa: E402
+from nibble.kernels import cuda_build, w4a4  # noqa: E402
 
 SHAPES = ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
           (28672, 8192), (8192, 28672))
@@ -107,6 +107,22 @@ def time_ops(builds, shapes, ms, say=print) -> list[dict]:
             say(f"op {N:5d} x {K:5d} M={M:4d}: " + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
     w4a4._wgmma_lib = shipped
     return rows
+
+
+def build_variants(variant_edits: dict, out_dir: Path) -> None:
+    """Each name -> (old, new) edits of ``variant_edits``: csrc/w4a4_wgmma.cu built with them into
+    ``out_dir`` / name (`cuda_build.build_edited`: nvcc, no GPU needed)."""
+    for name, edits in variant_edits.items():
+        cuda_build.build_edited("w4a4_wgmma", edits, out_dir / name)
+        print(f"built {out_dir / name}", flush=True)
+
+
+def time_product_and_op(prebuilt: Path, ms, names) -> list[dict]:
+    """The shipped build and the variants ``names`` built into ``prebuilt``: the product alone
+    (`time_builds`), then the op around it (`time_ops`), on SHAPES at each M of ``ms``."""
+    builds = variant_builds(prebuilt, names)
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    return time_builds(builds, SHAPES, ms, say) + time_ops(builds, SHAPES, ms, say)
 
 
 def variant_builds(prebuilt: Path, names) -> list:
