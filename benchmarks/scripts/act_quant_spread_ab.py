@@ -12,10 +12,14 @@ scales checked equal to the shipped kernel's. Timed: `w4a4_linear` (quantize
 the arms' order, median of rounds.
 
     PYTHONPATH=. python3 benchmarks/scripts/act_quant_spread_ab.py --ms 64,128 --json out.json
+
+With --cluster-lib, also arms "clusterC": benchmarks/scripts/quantize_rows_cluster.cu (CUDA), each row
+split over a thread-block cluster of C CTAs (build it first with --build-cluster-lib PATH.so; nvcc, no GPU).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
@@ -29,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.timing import bench_us, env_meta, rotations, shape_list  # noqa: E402
 from nibble.bench.w4a4 import random_w4a4  # noqa: E402
-from nibble.kernels import reference, w4a4  # noqa: E402
+from nibble.kernels import cuda_build, reference, w4a4  # noqa: E402
 from nibble.kernels.early_launch import after_prior_grids, early_launch  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402
 
@@ -124,20 +128,59 @@ def arms_for(K: int) -> dict:
     return arms
 
 
+def cluster_quantizer(lib, cluster: int):
+    """x -> (q, scales) by benchmarks/scripts/quantize_rows_cluster.cu, each row over a cluster of CTAs."""
+    def quantize(x):
+        M, K = x.shape
+        q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+        s = torch.empty((M,), dtype=torch.float32, device=x.device)
+        pdl = early_launch(x.device, M, w4a4.PRODUCT_EARLY_TOKENS)
+        err = lib.nibble_quantize_rows_cluster(cluster, x.data_ptr(), x.stride(0), q.data_ptr(), q.stride(0), s.data_ptr(),
+                                               M, K, float(torch.finfo(x.dtype).max), 1, int(pdl),
+                                               torch.cuda.current_stream().cuda_stream)
+        if err:
+            raise RuntimeError(f"quantize_rows_cluster: CUDA error {err} (cluster {cluster}, K {K})")
+        return q, s
+    return quantize
+
+
+def load_cluster_lib(path):
+    lib = ctypes.CDLL(str(Path(path).resolve()))
+    lib.nibble_quantize_rows_cluster.restype = ctypes.c_int
+    lib.nibble_quantize_rows_cluster.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                                                 ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=SHAPES, help="N x K, comma-separated")
     ap.add_argument("--ms", default="64,128")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-spread", action="store_true", help="leave out the rows-a-program arms")
+    ap.add_argument("--cluster-lib", help="quantize_rows_cluster.cu built (--build-cluster-lib): arms cluster2, 4, 8")
+    ap.add_argument("--build-cluster-lib", help="compile benchmarks/scripts/quantize_rows_cluster.cu to this .so and exit")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.build_cluster_lib:
+        cuda_build._compile(cuda_build.find_nvcc(), Path(__file__).with_name("quantize_rows_cluster.cu"),
+                            Path(args.build_cluster_lib), "90a")
+        return
     dev = torch.device("cuda")
     shipped_quantize = w4a4.quantize_activations_gpu
+    cluster_lib = load_cluster_lib(args.cluster_lib) if args.cluster_lib else None
     results = []
     for N, K in shape_list(args.shapes):
         n4 = rotations(K // 8 * N * 4)
         ws = [random_w4a4(N, K, dev) for _ in range(n4)]
-        arms = arms_for(K)
+        arms = {"legacy": (None, legacy_quantize)}
+        if not args.no_spread:
+            arms.update({name: (p, lambda x, p=p: spread_quantize(x, *p)) for name, p in arms_for(K).items()})
+        if cluster_lib is not None:
+            arms.update({f"cluster{c}": (c, cluster_quantizer(cluster_lib, c)) for c in (1, 2, 4, 8)
+                         if -(-K // (32 * c)) * 32 <= 8 * 8 * 256})
+        names = ["shipped", *arms]
         for M in (int(m) for m in args.ms.split(",")):
             x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
             cfg = w4a4.wgmma_config(M, N, K, w4a4.wgmma_clusters(dev))
@@ -145,22 +188,16 @@ def main() -> None:
             ref = shipped_quantize(x, False, "even_odd")
             spec_q, spec_s = reference.quantize_activations(x)
             assert torch.equal(ref[0], w4a4.to_even_odd(spec_q)) and torch.equal(ref[1], spec_s), (N, K, M, "spec")
-            for name, (r, bk, warps) in arms.items():
-                got = spread_quantize(x, r, bk, warps)
+            for name, (_, quantize) in arms.items():
+                got = quantize(x)
                 assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (N, K, M, name)
-
-            got = legacy_quantize(x)
-            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (N, K, M, "legacy")
 
             def quantizer(arm):
                 if arm == "shipped":
                     return shipped_quantize
-                if arm == "legacy":
-                    return lambda x, input_hadamard=False, order="natural", product_warps=None: legacy_quantize(x)
-                r, bk, warps = arms[arm]
-                return lambda x, input_hadamard=False, order="natural", product_warps=None: spread_quantize(x, r, bk, warps)
+                quantize = arms[arm][1]
+                return lambda x, input_hadamard=False, order="natural", product_warps=None: quantize(x)
 
-            names = ["shipped", "legacy", *arms]
             op = {a: [] for a in names}
             alone = {}
             for rnd in range(args.rounds):
@@ -177,7 +214,7 @@ def main() -> None:
             med = {a: statistics.median(v) for a, v in op.items()}
             best = min(names, key=med.get)
             results.append(dict(N=N, K=K, M=M, config=cfg, product_ctas=tiles * cfg["split_k"], op_us=med, quantize_us=alone,
-                                op_rounds=op, arms={a: arms.get(a) for a in names}))
+                                op_rounds=op, arms={a: arms[a][0] if a in arms else None for a in names}))
             print(f"{N:6d} x {K:6d} M={M:4d} ({tiles * cfg['split_k']} product CTAs): shipped {med['shipped']:6.2f} us "
                   f"(q {alone['shipped']:5.2f}), best {best} {med[best]:6.2f} ({med['shipped'] / med[best]:.3f}x); "
                   + " ".join(f"{a} {med[a]:.2f}/{alone[a]:.2f}" for a in names[1:]), flush=True)
