@@ -23,7 +23,7 @@ from wgmma_ab import SHAPES, build_variants, time_builds, variant_builds, varian
 STAGE_BYTES = "            bars, base, STAGE, STAGE, work.k_begin, work.k_tiles, first,"
 X_COPY = "            [&](uint32_t dst, int k0, uint32_t full) { tma_load(dst, &x_map, k0, work.m0, full); });"
 W_COPY = "                load_weight_boxes<CH>(dst + X_STAGE, w_map, work.n0 - col0, k0, full);"
-KNOCKOUTS = {  # name -> edits of csrc/w4a4_wgmma.cu
+VARIANT_EDITS = {  # name -> edits of csrc/w4a4_wgmma.cu
     "no_x": [(STAGE_BYTES, STAGE_BYTES.replace("STAGE, work", "STAGE - X_STAGE, work")),
              (X_COPY, "            [&](uint32_t, int, uint32_t) {});")],
     "no_w": [(STAGE_BYTES, STAGE_BYTES.replace("STAGE, work", "STAGE - L::W_BYTES, work")), (W_COPY, "")],
@@ -33,9 +33,9 @@ KNOCKOUTS = {  # name -> edits of csrc/w4a4_wgmma.cu
 
 
 def time_knockouts(prebuilt: Path, ms) -> list[dict]:
-    return time_builds(variant_builds(prebuilt, KNOCKOUTS), SHAPES, ms, lambda line: print(line, flush=True),
+    return time_builds(variant_builds(prebuilt, VARIANT_EDITS), SHAPES, ms, lambda line: print(line, flush=True),
                        exact=False)
 
 
 if __name__ == "__main__":
-    variants_main(__doc__, partial(build_variants, KNOCKOUTS), time_knockouts, "128,1024", dict(variants=list(KNOCKOUTS)))
+    variants_main(__doc__, partial(build_variants, VARIANT_EDITS), time_knockouts, "128,1024", dict(variants=list(VARIANT_EDITS)))
