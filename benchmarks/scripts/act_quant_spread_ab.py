@@ -4,7 +4,8 @@ stages while it runs (early_launch.py). The shipped kernel gives each row its ow
 132 SMs at 128 tokens), so the product's CTAs mostly wait for SMs to empty.
 
 Arms: the op as shipped; "legacy", the op with session 30's quantization (rint and a float-to-int
-conversion per value, -q0 in the remainder's FMA: the kernel copied below); and the op with its
+conversion per value, -q0 in the remainder's FMA: the kernel copied below); "clamped", session 31's
+(the shipped arithmetic with its never-active clamp of the quotients to [-8, 7]); and the op with its
 quantization replaced by the shipped code holding ROWS rows per program, either whole rows in
 registers ("whole") or two passes over BLOCK_K-wide chunks ("chunk"). Every variant's codes and
 scales checked equal to the shipped kernel's. Timed: `w4a4_linear` (quantize
@@ -80,8 +81,9 @@ def spread_quantize(x, rows, block_k, warps):
 
 @triton.jit
 def legacy_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fmax, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
-    """Session 30's act-quant (no Hadamard, even_odd): per value rint, a float-to-int conversion and -q0."""
+                  CLAMPED: tl.constexpr, PDL: tl.constexpr):
+    """Session 30's act-quant (no Hadamard, even_odd): per value rint, a float-to-int conversion and -q0;
+    with CLAMPED session 31's: the shipped arithmetic with its quotients still clamped to [-8, 7]."""
     after_prior_grids(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r = rows[:, None].to(tl.int64)
@@ -90,20 +92,24 @@ def legacy_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, fmax, ROWS: tl.
     xf = w4a4._sanitize(tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32), fmax)
     scale = w4a4._int4_scale(tl.max(tl.abs(xf), axis=1))
     safe = tl.where(scale > 0.0, scale, 1.0)
-    pre = tl.where(safe < 1.0e-19, 18446744073709551616.0, 1.0)
-    sp = safe * pre
-    inv = tl.math.div_rn(tl.full(sp.shape, 1.0, tl.float32), sp)
-    x = xf * pre[:, None]
-    q0 = x * inv[:, None]
-    rem = tl.fma(-q0, tl.broadcast_to(sp[:, None], x.shape), x)
-    y = libdevice.rint(tl.fma(rem, tl.broadcast_to(inv[:, None], x.shape), q0))
-    y = tl.minimum(tl.maximum(y, -8.0), 7.0)
-    tl.store(q_ptr + r * stride_q + c, w4a4._codes(y.to(tl.int8), True), mask=mask)
+    if CLAMPED:
+        q = w4a4._round_to_int8(tl.minimum(tl.maximum(w4a4._row_quotients(xf, safe, False), -8.0), 7.0))
+    else:
+        pre = tl.where(safe < 1.0e-19, 18446744073709551616.0, 1.0)
+        sp = safe * pre
+        inv = tl.math.div_rn(tl.full(sp.shape, 1.0, tl.float32), sp)
+        x = xf * pre[:, None]
+        q0 = x * inv[:, None]
+        rem = tl.fma(-q0, tl.broadcast_to(sp[:, None], x.shape), x)
+        y = libdevice.rint(tl.fma(rem, tl.broadcast_to(inv[:, None], x.shape), q0))
+        q = tl.minimum(tl.maximum(y, -8.0), 7.0).to(tl.int8)
+    tl.store(q_ptr + r * stride_q + c, w4a4._codes(q, True), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
-def legacy_quantize(x):
-    """The shipped launch (`quantize_activations_triton`'s rows, block and warps) of legacy_kernel."""
+def legacy_quantize(x, clamped=False):
+    """The shipped whole-row launch (`quantize_activations_triton`'s rows, block and warps) of legacy_kernel
+    (where the shipped op takes the chunked kernel, M >= 512 of K > 16384, this stays whole-row)."""
     M, K = x.shape
     rows, block, warps, _ = w4a4._act_plan(K, False)
     if triton.cdiv(M, rows) < w4a4.num_sms(x.device):
@@ -112,7 +118,8 @@ def legacy_quantize(x):
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     pdl = early_launch(x.device, M, w4a4.PRODUCT_EARLY_TOKENS)
     legacy_kernel[(triton.cdiv(M, rows),)](x, q, s, M, K, x.stride(0), q.stride(0), float(torch.finfo(x.dtype).max),
-                                           ROWS=rows, BLOCK=block, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                                           ROWS=rows, BLOCK=block, CLAMPED=clamped, PDL=pdl, num_warps=warps,
+                                           launch_pdl=pdl)
     return q, s
 
 
@@ -174,7 +181,7 @@ def main() -> None:
     for N, K in shape_list(args.shapes):
         n4 = rotations(K // 8 * N * 4)
         ws = [random_w4a4(N, K, dev) for _ in range(n4)]
-        arms = {"legacy": (None, legacy_quantize)}
+        arms = {"legacy": (None, legacy_quantize), "clamped": (None, lambda x: legacy_quantize(x, clamped=True))}
         if not args.no_spread:
             arms.update({name: (p, lambda x, p=p: spread_quantize(x, *p)) for name, p in arms_for(K).items()})
         if cluster_lib is not None:

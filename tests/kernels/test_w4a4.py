@@ -350,7 +350,8 @@ def test_custom_triton_tile_exact(split_k):
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
 @pytest.mark.parametrize("M,K,dtype,chunked", [(3, 64, torch.bfloat16, False), (5, 200, torch.float16, False),
                                                (2, 96, torch.bfloat16, False), (5, 200, torch.bfloat16, True),
-                                               (4, 5000, torch.float16, True)])
+                                               (4, 5000, torch.float16, True), (3, 360, torch.bfloat16, False),
+                                               (2, 11008, torch.bfloat16, False)])
 def test_interp_act_quant_exact(M, K, dtype, chunked, monkeypatch):
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
@@ -1000,7 +1001,7 @@ def test_even_odd_order_is_the_documented_permutation():
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
 @pytest.mark.parametrize("M,K,dtype,chunked", [(3, 64, torch.bfloat16, False), (5, 96, torch.float16, False),
-                                               (4, 2112, torch.bfloat16, True)])
+                                               (4, 2112, torch.bfloat16, True), (3, 2720, torch.float16, False)])
 def test_interp_act_quant_even_odd(M, K, dtype, chunked, monkeypatch):
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
