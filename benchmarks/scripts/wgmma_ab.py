@@ -109,11 +109,12 @@ def time_ops(builds, shapes, ms, say=print) -> list[dict]:
     return rows
 
 
-def build_variants(variant_edits: dict, out_dir: Path) -> None:
+def build_variants(variant_edits: dict, out_dir: Path, header_edits: dict | None = None) -> None:
     """Each name -> (old, new) edits of ``variant_edits``: csrc/w4a4_wgmma.cu built with them into
-    ``out_dir`` / name (`cuda_build.build_edited`: nvcc, no GPU needed)."""
+    ``out_dir`` / name (`cuda_build.build_edited`: nvcc, no GPU needed), every variant with
+    ``header_edits`` ({"hopper.cuh": edits}) too."""
     for name, edits in variant_edits.items():
-        cuda_build.build_edited("w4a4_wgmma", edits, out_dir / name)
+        cuda_build.build_edited("w4a4_wgmma", edits, out_dir / name, header_edits=header_edits)
         print(f"built {out_dir / name}", flush=True)
 
 
