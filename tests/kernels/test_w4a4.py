@@ -981,6 +981,20 @@ def test_mma_kernel_rejects_what_it_cannot_run():
     assert not w4a4.mma_applicable(qx[:1], 64, 64)  # CPU tensors
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quotients_never_leave_the_int4_range(dtype):
+    """The act-quant kernels do not clamp rint(x / scale) to [-8, 7] (w4a4._store_int4_codes): with
+    |x| <= amax and scale = RN(amax / 7), every correctly rounded quotient rounds into [-7, 7]. Checked
+    for every finite positive value of the dtype as amax (x = amax is the largest quotient a row has;
+    the kernels' 2^64 rescaling of tiny scales leaves quotients unchanged)."""
+    bits = torch.arange(1, 0x7C00 if dtype == torch.float16 else 0x7F80, dtype=torch.int32).to(torch.int16)
+    amax = bits.view(dtype).float()
+    scale = amax / 7  # float32, correctly rounded, as the kernels' div_rn
+    quotient = amax / scale
+    assert (scale > 0).all() and quotient.max() < 7.5 and torch.round(quotient).max() == 7
+    assert quotient.max() <= 7 * (1 + 2.0 ** -14)
+
+
 # ---- the even_odd activation order (csrc/w4a4_wgmma.cu's K order) ----------------------------------
 
 def test_even_odd_order_is_the_documented_permutation():
