@@ -1,9 +1,8 @@
 """W4A4's Hopper GEMM with 256-deep pipeline stages instead of 128. The fitted cost model says a
-128-deep stage of the 128 x 128 tile takes 0.365 us and of the 128 x 256 tile 0.59 us: twice the
-MMAs for 0.23 us more, so ~0.13 us of every stage is a fixed cost (its barrier wait and release, the
-step that starts on a fresh stage) and the MMAs themselves run near the int8 peak (0.26 us for a
-128 x 128 stage at 1.98 GHz). Stages twice as deep would pay it half as often: a 128 x 128 tile's
-mainloop ~15% shorter if the cost is per stage, unchanged if it is per step.
+128-deep stage of the 128 x 128 tile takes 0.365 us and of the 128 x 256 tile 0.59 us, 0.295 us per
+128 x 128 share of its MMAs (the int8 peak: 0.26 us at 1.98 GHz). If the 128 x 128 tile's extra ~0.07 us
+is a fixed cost per stage (its barrier wait and release, the step that starts on a fresh stage),
+stages twice as deep pay it half as often: its mainloop ~10% shorter; unchanged if it is per step.
 
 Variant "deep": hopper.cuh's BK = 256 (weight boxes of 32 word rows), x copied as two 128-byte-wide
 boxes per stage (the TMA's 128-byte swizzle caps a box row at 128 bytes) and each k32 step's wgmma
