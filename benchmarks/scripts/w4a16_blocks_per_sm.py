@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.kernels import GROUP, TIMING, random_int4  # noqa: E402
-from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
+from nibble.bench.kernels import GROUP, TIMING, int4_bytes, int4_sets  # noqa: E402
+from nibble.bench.timing import bench_us, env_meta  # noqa: E402
 from nibble.kernels import w4a16  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> None:
         per_sm = [2 + q / 8 for q in range(33)]  # 2 .. 6 blocks per SM
         widths = sorted({round(b * sms) * 32 for b in per_sm} | {11008, 12288, 14336, 22016})
         for N in widths:
-            ws = [random_int4(N, K, GROUP, dev) for _ in range(rotations(K // 8 * N * 4 + 2 * (K // GROUP) * N * 2))]
+            ws = int4_sets(N, K, GROUP, dev)
             x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
             pick = w4a16.select_mma_config(1, N, K, sms)
             t_fixed = bench_us(lambda i: (lambda: w4a16.w4a16_mma(x, *ws[i], GROUP, config=fixed)), len(ws), **TIMING)
@@ -48,7 +48,7 @@ def main() -> None:
             blocks = N // 32
             row = dict(N=N, K=K, blocks=blocks, blocks_per_sm=blocks / sms, most_on_an_sm=-(-blocks // sms),
                        fixed_config=str(fixed), fixed_us=t_fixed, pick_config=str(pick), pick_us=t_pick,
-                       bytes=K // 8 * N * 4 + 2 * (K // GROUP) * N * 2)
+                       bytes=int4_bytes(N, K, GROUP))
             rows.append(row)
             print(f"K={K:5d} N={N:6d} blocks/SM {blocks / sms:5.2f} (most {row['most_on_an_sm']}): fixed {t_fixed:6.2f} us "
                   f"({row['bytes'] / t_fixed / 1e3:5.0f} GB/s)  pick {t_pick:6.2f} us", flush=True)

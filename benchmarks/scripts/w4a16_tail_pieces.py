@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.kernels import GROUP, TIMING, random_int4  # noqa: E402
-from nibble.bench.timing import bench_us, env_meta, rotations, shape_list  # noqa: E402
+from nibble.bench.kernels import GROUP, TIMING, int4_sets  # noqa: E402
+from nibble.bench.timing import bench_us, env_meta, shape_list  # noqa: E402
 from nibble.kernels import cuda_build, w4a16  # noqa: E402
 
 EDITS = [
@@ -82,7 +82,7 @@ def main() -> None:
                    else cuda_build.build_edited("w4a16_mma", EDITS, Path(tmp)))
         w4a16._MMA_SIGNATURES(variant)
         for N, K in shape_list(args.shapes):
-            ws = [random_int4(N, K, GROUP, dev) for _ in range(rotations(K // 8 * N * 4 + 2 * (K // GROUP) * N * 2))]
+            ws = int4_sets(N, K, GROUP, dev)
             x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
             cfg = w4a16.select_mma_config(1, N, K, w4a16.num_sms(dev))
             row = dict(N=N, K=K, config=str(cfg), blocks=N // 32)

@@ -37,11 +37,21 @@ def random_int4(N: int, K: int, G: int, device, gen=None):
     return qweight, scales, zeros
 
 
+def int4_bytes(N: int, K: int, G: int) -> int:
+    """Bytes of an INT4 layer: packed codes plus fp16 scales and zeros."""
+    return K // 8 * N * 4 + 2 * (K // G) * N * 2
+
+
+def int4_sets(N: int, K: int, G: int, device) -> list:
+    """Random INT4 layers (`random_int4`), enough of them past the L2 for `bench_us` to rotate through."""
+    return [random_int4(N, K, G, device) for _ in range(rotations(int4_bytes(N, K, G)))]
+
+
 def weight_sets(N: int, K: int, G: int, device):
     """Copies of one random INT4 layer and of its bf16 dequantization, each set past the L2 several
     times over (for `bench_us` to rotate through), and the fp32 weight to check outputs against."""
     from nibble.kernels.w4a16 import dequantize_cuda
-    w4 = [random_int4(N, K, G, device) for _ in range(rotations(K // 8 * N * 4 + 2 * (K // G) * N * 2))]
+    w4 = int4_sets(N, K, G, device)
     wb = [dequantize_cuda(*w4[i % len(w4)], G, dtype=torch.bfloat16) for i in range(rotations(N * K * 2))]
     return w4, wb, dequantize_cuda(*w4[0], G, dtype=torch.float32)
 
@@ -67,7 +77,7 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "ni
     import nibble.kernels.w4a16  # noqa: F401  registers torch.ops.nibble.w4a16_linear
     dev = torch.device("cuda")
     rows = []
-    int4_bytes = K // 8 * N * 4 + 2 * (K // G) * N * 2
+    layer_bytes = int4_bytes(N, K, G)
     bf16_bytes = N * K * 2
     w4, wb, wf = weight_sets(N, K, G, dev)  # weight copies (rotated) for each op
     n4, nb = len(w4), len(wb)
@@ -103,7 +113,7 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "ni
                 lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4, **TIMING)
         base = res.get("bf16")
         for op, us in res.items():
-            nbytes = {"bf16": bf16_bytes, "tinygemm": int4_bytes, "nibble": int4_bytes}[op] + 2 * M * (K + N)
+            nbytes = {"bf16": bf16_bytes, "tinygemm": layer_bytes, "nibble": layer_bytes}[op] + 2 * M * (K + N)
             rows.append(dict(op=op, M=M, N=N, K=K, group_size=G, us=round(us, 3),
                              speedup=round(base / us, 4) if base else None,
                              GBps=round(nbytes / us / 1e3, 1), TFLOPs=round(2 * M * N * K / us / 1e6, 2)))
