@@ -11,7 +11,8 @@ other half to the other part through shared memory (lane-private slots, 64 KB fo
 the other part's sums of its own half (exact), then runs the epilogue for its half. Registers: 640
 threads at 96, the producer down to 24 and the consumers up to 112 (no spill). Stages: a part holds its
 tile and its previous one until its next tile's first step, so two parts hold four stages: "k_parts"
-has 6 (128 x 128) / 8 (64 x 128) stages, "k_parts_4_stages" the shipped 4. Diagnostics: "one_part_busy"
+has 6 (128 x 128) / 8 (64 x 128) stages, "k_parts_4_stages" the shipped 4. "token_halves": the other
+split of the 128 x 128 tile over four warpgroups (`token_halves_edits`). Diagnostics: "one_part_busy"
 (the four warpgroups, part 0 taking every K tile and part 1 none: exact, the cost of the layout alone),
 "unused_64k" (the shipped kernel asking 64 KB more shared memory than it uses, as the exchange does)
 and "no_exchange" (the parts' sums never combined: wrong outputs, timed only).
@@ -34,12 +35,13 @@ from wgmma_ab import SHAPES, build_variants, time_builds, time_ops, variant_buil
 SMEM = "  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 2 * 4 * BN;"
 
 
-def k_parts_edits(stages128: int, stages64: int, busy_parts: int = 2, exchange: bool = True) -> list:
-    """csrc/w4a4_wgmma.cu's edits: two K parts for the unsplit J = 1 tiles, with these stage counts;
-    busy_parts 1: part 1 takes no K tile; exchange False: the parts' sums are not combined."""
-    kw = "(J == 1 && !SPLIT ? 2 : 1)"
-    first = "IDLE ? part * k_tiles : part" if busy_parts == 1 else "part"
-    step = "IDLE ? 1 : KW" if busy_parts == 1 else "KW"
+def k_parts_edits(stages128: int, stages64: int, busy_parts: int = 2, exchange: bool = True,
+                  kw: str = "(J == 1 && !SPLIT ? 2 : 1)", first: str = "part", step: str = "KW") -> list:
+    """csrc/w4a4_wgmma.cu's edits: two K parts for the unsplit J = 1 tiles (where ``kw`` is 2), with
+    these stage counts; busy_parts 1: part 1 takes no K tile; exchange False: the parts' sums are not
+    combined; ``first`` / ``step``: a warpgroup's first K tile and its stride."""
+    if busy_parts == 1:
+        first, step = "IDLE ? part * k_tiles : part", "IDLE ? 1 : KW"
     return [
         ("constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per warpgroup\n",
          f"constexpr bool IDLE = {str(busy_parts == 1).lower()}, EXCHANGE = {str(exchange).lower()};\n"),
@@ -109,8 +111,33 @@ def k_parts_edits(stages128: int, stages64: int, busy_parts: int = 2, exchange: 
     ]
 
 
+def token_halves_edits() -> tuple[list, dict]:
+    """The other way to give 64 channels two warpgroups, for the 128 x 128 tile: "token halves", each
+    warpgroup of a 64-channel half taking 64 of the 128 tokens over the whole K (m64 n64 k32
+    instructions, x read from its token half of the stage, 32 accumulators: no exchange, and room in
+    112 registers), every warpgroup releasing every stage (four releases). Returns the kernel's edits
+    and hopper.cuh's."""
+    edits = [(old, new) for old, new in k_parts_edits(4, 4, exchange=False, kw="(J == 1 && !SPLIT && BN == 128 ? 2 : 1)",
+                                                     first="0", step="1")]
+    edits += [
+        ("X_STAGE = L::X_BYTES, R = BN / 2;", "X_STAGE = L::X_BYTES, R = BN / 2 / KW;"),
+        ("  if (tid == 0) init_stage_barriers<STAGES>(bars);", "  if (tid == 0) init_stage_barriers<STAGES, 2 * KW>(bars);"),
+        ("        const uint64_t desc = smem_desc(sx + 32 * k);",
+         "        const uint64_t desc = smem_desc(sx + part * (BN / KW) * 128 + 32 * k);"),
+        ("        for (int j = 0; j < J; ++j) Wgmma<S8, BN>::mma(acc[j], a[j], desc);",
+         "        for (int j = 0; j < J; ++j) Wgmma<S8, BN / KW>::mma(acc[j], a[j], desc);"),
+    ]
+    header = {"hopper.cuh": [
+        ("template <int STAGES>\n__device__ __forceinline__ void init_stage_barriers(uint32_t bars) {",
+         "template <int STAGES, int RELEASES = 2>\n__device__ __forceinline__ void init_stage_barriers(uint32_t bars) {"),
+        ("    mbar_init(bars + 8 * (STAGES + s), 2);  // one release per consumer warpgroup",
+         "    mbar_init(bars + 8 * (STAGES + s), RELEASES);")]}
+    return edits, header
+
+
+TOKEN_HALVES, HEADER_EDITS = token_halves_edits()  # the header edit leaves the other variants' code as it is
 VARIANT_EDITS = {"k_parts": k_parts_edits(6, 8), "k_parts_4_stages": k_parts_edits(4, 4),
-                 "one_part_busy": k_parts_edits(4, 4, busy_parts=1),
+                 "one_part_busy": k_parts_edits(4, 4, busy_parts=1), "token_halves": TOKEN_HALVES,
                  "unused_64k": [(SMEM, SMEM[:-1] + " + 65536;")]}
 KNOCKOUT_EDITS = {"no_exchange": k_parts_edits(6, 8, exchange=False)}
 
@@ -126,5 +153,6 @@ def time_variants(prebuilt: Path, ms) -> list[dict]:
 
 
 if __name__ == "__main__":
-    variants_main(__doc__, partial(build_variants, {**VARIANT_EDITS, **KNOCKOUT_EDITS}), time_variants, "64,128",
+    variants_main(__doc__, partial(build_variants, {**VARIANT_EDITS, **KNOCKOUT_EDITS}, header_edits=HEADER_EDITS),
+                  time_variants, "64,128",
                   dict(variants=list(VARIANT_EDITS), knockouts=list(KNOCKOUT_EDITS)))
