@@ -117,8 +117,8 @@ def token_halves_edits() -> tuple[list, dict]:
     instructions, x read from its token half of the stage, 32 accumulators: no exchange, and room in
     112 registers), every warpgroup releasing every stage (four releases). Returns the kernel's edits
     and hopper.cuh's."""
-    edits = [(old, new) for old, new in k_parts_edits(4, 4, exchange=False, kw="(J == 1 && !SPLIT && BN == 128 ? 2 : 1)",
-                                                     first="0", step="1")]
+    # k_parts' skeleton with every warpgroup on every K tile and no exchange (its 64 KB stays unused)
+    edits = k_parts_edits(4, 4, exchange=False, kw="(J == 1 && !SPLIT && BN == 128 ? 2 : 1)", first="0", step="1")
     edits += [
         ("X_STAGE = L::X_BYTES, R = BN / 2;", "X_STAGE = L::X_BYTES, R = BN / 2 / KW;"),
         ("  if (tid == 0) init_stage_barriers<STAGES>(bars);", "  if (tid == 0) init_stage_barriers<STAGES, 2 * KW>(bars);"),
