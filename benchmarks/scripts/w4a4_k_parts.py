@@ -35,16 +35,14 @@ from wgmma_ab import SHAPES, build_variants, time_builds, time_ops, variant_buil
 SMEM = "  static constexpr size_t SMEM = (size_t)STAGES * STAGE + 1024 + 16 * STAGES + 2 * 4 * BN;"
 
 
-def k_parts_edits(stages128: int, stages64: int, busy_parts: int = 2, exchange: bool = True,
-                  kw: str = "(J == 1 && !SPLIT ? 2 : 1)", first: str = "part", step: str = "KW") -> list:
+def k_parts_edits(stages128: int, stages64: int, exchange: bool = True, kw: str = "(J == 1 && !SPLIT ? 2 : 1)",
+                  first: str = "part", step: str = "KW") -> list:
     """csrc/w4a4_wgmma.cu's edits: two K parts for the unsplit J = 1 tiles (where ``kw`` is 2), with
-    these stage counts; busy_parts 1: part 1 takes no K tile; exchange False: the parts' sums are not
-    combined; ``first`` / ``step``: a warpgroup's first K tile and its stride."""
-    if busy_parts == 1:
-        first, step = "IDLE ? part * k_tiles : part", "IDLE ? 1 : KW"
+    these stage counts; exchange False: the parts' sums are not combined; ``first`` / ``step``: a
+    warpgroup's first K tile and its stride (C++ expressions of its part, k_tiles and KW)."""
     return [
         ("constexpr int THREADS = CONSUMER_THREADS + 128;  // registers are granted per warpgroup\n",
-         f"constexpr bool IDLE = {str(busy_parts == 1).lower()}, EXCHANGE = {str(exchange).lower()};\n"),
+         f"constexpr bool EXCHANGE = {str(exchange).lower()};\n"),
         ("template <int BN, int CH_> struct Tile {", "template <int BN, int CH_, bool SPLIT = false> struct Tile {"),
         ("  static constexpr int STAGES = 4;\n",
          f"  static constexpr int KW = {kw};\n"
@@ -137,7 +135,7 @@ def token_halves_edits() -> tuple[list, dict]:
 
 TOKEN_HALVES, HEADER_EDITS = token_halves_edits()  # the header edit leaves the other variants' code as it is
 VARIANT_EDITS = {"k_parts": k_parts_edits(6, 8), "k_parts_4_stages": k_parts_edits(4, 4),
-                 "one_part_busy": k_parts_edits(4, 4, busy_parts=1), "token_halves": TOKEN_HALVES,
+                 "one_part_busy": k_parts_edits(4, 4, first="part * k_tiles", step="1"), "token_halves": TOKEN_HALVES,
                  "unused_64k": [(SMEM, SMEM[:-1] + " + 65536;")]}
 KNOCKOUT_EDITS = {"no_exchange": k_parts_edits(6, 8, exchange=False)}
 
