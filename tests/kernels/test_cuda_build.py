@@ -47,7 +47,7 @@ def test_an_edited_variant_refuses_an_anchor_that_is_not_there_once(tmp_path):
 
 @pytest.mark.parametrize("script", ["w4a4_item_timeline", "w4a4_one_warpgroup", "w4a4_stages", "w4a4_copy_knockout",
                                     "w4a4_lean_registers", "w4a4_successor_trigger", "w4a4_tensormap_prefetch",
-                                    "w4a4_deep_stages", "w4a4_grid_barrier", "w4a4_k_parts"])
+                                    "w4a4_deep_stages", "w4a4_grid_barrier", "w4a4_k_parts", "w4a4_stream_k"])
 def test_the_experiment_scripts_edits_still_anchor_in_the_kernel(script, monkeypatch):
     """The scripts that rebuild csrc/w4a4_wgmma.cu with edits name texts of the kernel; when the
     kernel changes under them they fail on the device (it happened twice). Each text must be there
