@@ -25,16 +25,11 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wgmma_ab import SHAPES, build_variants, time_builds, variant_builds, variants_main  # noqa: E402
+from wgmma_ab import SHAPES, build_variants, time_builds, time_ops, variant_builds, variants_main  # noqa: E402
 
-from nibble.bench.timing import bench_us, rotations  # noqa: E402
-from nibble.bench.w4a4 import random_w4a4  # noqa: E402
-from nibble.kernels import hopper, w4a4  # noqa: E402
 
 HELPERS = """\
 // Stream-K (this script's variant): a CTA's tail piece hands its int32 sums on through its own slot.
@@ -126,41 +121,15 @@ TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
 
 
 def forced(bn: int, channels: int) -> dict:
+    """The config of this tile, unsplit (the stream-K kernel)."""
     return {"bn": bn, "channels": channels, "split_k": 1}
-
-
-def time_ops(shipped, stream_k, best: dict, ms, say) -> list[dict]:
-    """The op (quantize + product) with the shipped library at its pick, and with the stream-K library
-    at the tile that timed fastest for its product (``best`` by (N, K, M)); outputs equal; A, B, B, A."""
-    pick, lib_of, dev, rows = hopper.pick_config, w4a4._wgmma_lib, torch.device("cuda"), []
-    arms = [("shipped", shipped, None), ("stream_k", stream_k, "best")]
-    for N, K in SHAPES:
-        n_rot = rotations(K // 8 * N * 4)
-        ws = [random_w4a4(N, K, dev) for _ in range(n_rot)]
-        for M in ms:
-            x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
-            times, ref = {name: [] for name, _, _ in arms}, None
-            for name, lib, cfg in arms + arms[::-1]:
-                w4a4._wgmma_lib = lambda _d, lib=lib: lib
-                hopper.pick_config = pick if cfg is None else (lambda *a, c=forced(*best[N, K, M]), **k: dict(c))
-                out = w4a4.w4a4_linear(x, ws[0][0], ws[0][1], None, False)
-                ref = out if ref is None else ref
-                assert torch.equal(out, ref), f"{name} differs at M={M} N={N} K={K}"
-                times[name].append(bench_us(lambda j: lambda: w4a4.w4a4_linear(x, ws[j][0], ws[j][1], None, False), n_rot))
-            hopper.pick_config = pick
-            row = dict(N=N, K=K, M=M, op="w4a4_linear", stream_k_tile=list(best[N, K, M]),
-                       **{n: sum(t) / len(t) for n, t in times.items()})
-            rows.append(row)
-            say(f"op {N:5d} x {K:5d} M={M:4d}: shipped {row['shipped']:7.2f} us  stream_k "
-                f"{row['stream_k']:7.2f} us ({row['shipped'] / row['stream_k']:.3f}x) at {best[N, K, M]}")
-    w4a4._wgmma_lib = lib_of
-    return rows
 
 
 def time_variants(prebuilt: Path, ms) -> list[dict]:
     """The product: the shipped library at the op's pick, then stream-K at each tile (split 1), all
-    exact against the first; then the op, stream-K at its fastest tile per (shape, M); then, at 128
-    tokens on the 4096-deep and 4096-wide layers, the knockout beside the shipped and stream-K 128 x 128."""
+    exact against the first; then the op (quantization + product), stream-K at its fastest tile per
+    (shape, M); then, at 128 tokens on the 4096-deep and 4096-wide layers, the knockout beside the
+    shipped and stream-K 128 x 128."""
     say = lambda line: print(line, flush=True)  # noqa: E731
     (_, shipped, _), (_, stream_k, _) = variant_builds(prebuilt, VARIANT_EDITS)
     builds = [("shipped", shipped, None)] + [(f"sk_{bn}x{ch}", stream_k, forced(bn, ch)) for bn, ch in TILES]
@@ -170,7 +139,8 @@ def time_variants(prebuilt: Path, ms) -> list[dict]:
         name = min((b[0] for b in builds[1:]), key=lambda n: row[n])
         best[row["N"], row["K"], row["M"]] = tuple(int(v) for v in name[3:].split("x"))
         row["stream_k_best"] = name
-    rows += time_ops(shipped, stream_k, best, ms, say)
+    rows += time_ops([("shipped", shipped, None), ("stream_k", stream_k, lambda n, k, m: forced(*best[n, k, m]))],
+                     SHAPES, ms, say)
     deep = [(n, k) for n, k in SHAPES if n != k and 4096 in (n, k)]  # the 4096-deep and the 4096-wide layers
     knockout = variant_builds(prebuilt, KNOCKOUT_EDITS)[1][1]
     return rows + time_builds(builds[:2] + [("no_handoff_128x128", knockout, forced(128, 128))], deep, [128], say,

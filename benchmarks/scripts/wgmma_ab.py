@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
 from nibble.bench.w4a4 import random_w4a4  # noqa: E402
-from nibble.kernels import cuda_build, w4a4  # noqa: E402
+from nibble.kernels import cuda_build, hopper, w4a4  # noqa: E402
 
 SHAPES = ((4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
           (28672, 8192), (8192, 28672))
@@ -85,9 +85,10 @@ def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]
 
 
 def time_ops(builds, shapes, ms, say=print) -> list[dict]:
-    """The op (quantize + GEMM) with each build's GEMM: outputs equal to the first build's, timed A, B, ..., B, A."""
+    """The op (quantize + GEMM) with each build's GEMM: outputs equal to the first build's, timed A, B, ..., B, A.
+    A build's config (None: the op's pick) may be a function of (N, K, M)."""
     order = list(range(len(builds))) + list(reversed(range(len(builds))))
-    shipped, dev, rows = w4a4._wgmma_lib, torch.device("cuda"), []
+    shipped, pick, dev, rows = w4a4._wgmma_lib, hopper.pick_config, torch.device("cuda"), []
     for N, K in shapes:
         n_rot = rotations(K // 8 * N * 4)
         ws = [random_w4a4(N, K, dev) for _ in range(n_rot)]
@@ -95,8 +96,11 @@ def time_ops(builds, shapes, ms, say=print) -> list[dict]:
             x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
             times, ref = {name: [] for name, _, _ in builds}, None
             for i in order:
-                name, lib, _ = builds[i]
+                name, lib, config = builds[i]
                 w4a4._wgmma_lib = lambda _d, lib=lib: lib
+                if callable(config):
+                    config = config(N, K, M)
+                hopper.pick_config = pick if config is None else lambda *_a, c=config, **_k: dict(c)
                 out = w4a4.w4a4_linear(x, ws[0][0], ws[0][1], None, False)
                 ref = out if ref is None else ref
                 assert torch.equal(out, ref), f"{name} differs at M={M} N={N} K={K}"
@@ -105,7 +109,7 @@ def time_ops(builds, shapes, ms, say=print) -> list[dict]:
             rows.append(row)
             base = row[builds[0][0]]
             say(f"op {N:5d} x {K:5d} M={M:4d}: " + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
-    w4a4._wgmma_lib = shipped
+    w4a4._wgmma_lib, hopper.pick_config = shipped, pick
     return rows
 
 
