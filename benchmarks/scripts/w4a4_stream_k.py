@@ -13,7 +13,8 @@ int32 sums, each thread its own in a lane-private slot (int4 stores, 512 contigu
 instruction), and raises its flag (st.release.gpu); the CTA holding a tile's head (its last piece,
 which ends its range) waits for the flags of the CTAs after it that hold the rest of the tile, adds
 their sums (exact) and runs the epilogue. Tails come first in their CTAs and heads last, so a head
-rarely waits. The split-K (cluster) kernel is untouched. Partials and flags are static device
+waits only where a CTA's whole range lies inside one tile (benchmarks/notes-w4a4.md, session 34, says
+what that wait costs). The split-K (cluster) kernel is untouched. Partials and flags are static device
 arrays of the library (this script only: one launch at a time).
 
     PYTHONPATH=. python3 benchmarks/scripts/w4a4_stream_k.py --build-only .exp/streamk
@@ -132,13 +133,13 @@ def time_variants(prebuilt: Path, ms) -> list[dict]:
     shipped and stream-K 128 x 128."""
     say = lambda line: print(line, flush=True)  # noqa: E731
     (_, shipped, _), (_, stream_k, _) = variant_builds(prebuilt, VARIANT_EDITS)
-    builds = [("shipped", shipped, None)] + [(f"sk_{bn}x{ch}", stream_k, forced(bn, ch)) for bn, ch in TILES]
+    tile_of = {f"sk_{bn}x{ch}": (bn, ch) for bn, ch in TILES}
+    builds = [("shipped", shipped, None)] + [(name, stream_k, forced(*tile)) for name, tile in tile_of.items()]
     rows = time_builds(builds, SHAPES, ms, say)
     best = {}
     for row in rows:
-        name = min((b[0] for b in builds[1:]), key=lambda n: row[n])
-        best[row["N"], row["K"], row["M"]] = tuple(int(v) for v in name[3:].split("x"))
-        row["stream_k_best"] = name
+        row["stream_k_best"] = min(tile_of, key=lambda n: row[n])
+        best[row["N"], row["K"], row["M"]] = tile_of[row["stream_k_best"]]
     rows += time_ops([("shipped", shipped, None), ("stream_k", stream_k, lambda n, k, m: forced(*best[n, k, m]))],
                      SHAPES, ms, say)
     deep = [(n, k) for n, k in SHAPES if n != k and 4096 in (n, k)]  # the 4096-deep and the 4096-wide layers
