@@ -95,15 +95,7 @@ def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, 
     body: Callable[[], None]
     if graph:
         try:
-            g = torch.cuda.CUDAGraph()
-            s = side_stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                round_robin(n_rot)()  # warm the side stream (allocator, cuBLAS workspace)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                round_robin(calls)()
+            g, _ = capture_graph(round_robin(calls), warmup=round_robin(n_rot))
             torch.cuda.synchronize()
             body = g.replay
         except Exception:  # capture not supported by this op: fall back to eager launches
@@ -154,6 +146,25 @@ def source_hash(root: str | os.PathLike | None = None) -> str:
 
 
 _SIDE_STREAMS: dict = {}
+
+
+def capture_graph(body: Callable[[], object], device=None, warmups: int = 1,
+                  warmup: Callable[[], object] | None = None):
+    """(graph, output): ``body()`` captured into a CUDA graph, after ``warmups`` eager calls of
+    ``warmup`` (default: ``body``; Triton compilation, cuBLAS handles, allocator) on the device's side
+    stream, which the capture then runs on too. The same stream matters: scratch kept per stream
+    (`w4a16.split_counters`: split-K counters, the spread decode kernel's exchange slots) then exists
+    before the capture, instead of being allocated and zeroed by a memset recorded into the graph."""
+    stream = side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            (warmup or body)()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = body()
+    return graph, out
 
 
 def side_stream(device=None) -> "torch.cuda.Stream":

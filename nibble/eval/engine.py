@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nibble.bench.timing import side_stream
+from nibble.bench.timing import capture_graph
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
@@ -554,16 +554,7 @@ class Engine:
             return body()
         if key not in self._graphs:
             token, pos = self.token.clone(), self.pos.clone()  # warm-up must not move the decode state
-            stream = side_stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # Triton compilation, cuBLAS handles, allocator warm-up
-                    body()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = body()
-            self._graphs[key] = (graph, out)
+            self._graphs[key] = capture_graph(body, self.device, warmups=2)
             self.token.copy_(token)
             self.pos.copy_(pos)
         graph, out = self._graphs[key]

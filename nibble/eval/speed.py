@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from nibble.bench.timing import side_stream
+from nibble.bench.timing import capture_graph
 from nibble.config import QuantConfig
 from nibble.eval.engine import Engine
 from nibble.eval.memory import decode_stream_bytes, linear_bytes, weight_memory
@@ -209,14 +209,7 @@ def measure_decode_linears(engine: Engine, batch: int, reps: int = 10, warmup: i
             m.gate_proj(h), m.up_proj(h), m.down_proj(mid)
         engine.lm_head(h[:, -1])
     with torch.inference_mode():
-        stream = side_stream(engine.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
+        graph, _ = capture_graph(body, engine.device)
         ms = _median_ms(graph.replay, reps, warmup)
     del graph
     return ms
