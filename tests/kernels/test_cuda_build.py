@@ -67,15 +67,17 @@ def test_the_experiment_scripts_edits_still_anchor_in_the_kernel(script, monkeyp
 
 
 def test_the_skinny_kernel_variants_still_anchor_in_the_sources(monkeypatch):
-    """benchmarks/scripts/w4a16_skinny_variants.py, w4a16_shared_x.py and w4a16_tail_pieces.py rebuild csrc/w4a16_mma.cu (and
-    headers) with the edits of each variant; every text they replace must be in the current sources
-    exactly once."""
+    """benchmarks/scripts/w4a16_skinny_variants.py, w4a16_shared_x.py, w4a16_tail_pieces.py and w4a16_spread.py
+    rebuild csrc/w4a16_mma.cu (and headers) with the edits of each variant; every text they replace must
+    be in the current sources exactly once."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"))
     variants = importlib.import_module("w4a16_skinny_variants")
     shared_x = importlib.import_module("w4a16_shared_x")
     tail = importlib.import_module("w4a16_tail_pieces")
+    spread = importlib.import_module("w4a16_spread")
     edit_sets = [*(edits for v in variants.SETS.values() for edits in v.values()),
-                 {"w4a16_mma.cu": shared_x.KERNEL_EDITS, **shared_x.HEADER_EDITS}, {"w4a16_mma.cu": tail.EDITS}]
+                 {"w4a16_mma.cu": shared_x.KERNEL_EDITS, **shared_x.HEADER_EDITS}, {"w4a16_mma.cu": tail.EDITS},
+                 {"w4a16_mma.cu": spread.EDITS, **spread.HEADER_EDITS}]
     for edits in edit_sets:
         for file, pairs in edits.items():
             source = (cuda_build.CSRC / file).read_text()
