@@ -13,8 +13,8 @@ from torch import nn
 
 from conftest import tiny_model
 from nibble import QuantConfig, quantize_model
-from nibble.eval import engine as engine_mod
 from nibble.bench import timing
+from nibble.eval import engine as engine_mod
 from nibble.eval import memory, speed
 from nibble.eval.engine import Engine
 from nibble.kernels import w4a4
