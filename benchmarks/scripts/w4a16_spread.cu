@@ -212,7 +212,7 @@ cudaError_t launch_spread(const T* x, const Weights<T>& w, int ctas, const Sprea
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
-  size_t smem = (size_t)warps * RING * 1152 + (size_t)warps * 2 * (256 * sizeof(float) + sizeof(int));
+  size_t smem = smem_bytes(warps, 1) + (size_t)warps * 2 * (256 * sizeof(float) + sizeof(int));  // + segment slots
   if ((err = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem, trigger)) != cudaSuccess) return err;
   return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, x, w, M, K, group_shift_steps, ldx, trigger, spread);
 }

@@ -69,7 +69,7 @@ def spread_grid(blocks: int, K: int, per_sm: int, warps: int, sms: int) -> int:
     """The spread kernel's grid, or 0 where it cannot spread (w4a16_spread.cu: no CTA range shorter than
     a block, no warp range longer than one)."""
     ctas, units = min(blocks, per_sm * sms), K // GROUP
-    return ctas if -(-(-(-blocks * units // ctas)) // warps) <= units else 0
+    return ctas if w4a16._cdiv(w4a16._cdiv(blocks * units, ctas), warps) <= units else 0
 
 
 def spread_call(lib, x, weights, cfg, ctas):
@@ -79,7 +79,7 @@ def spread_call(lib, x, weights, cfg, ctas):
     slots = w4a16.split_counters(x.device, 2 * 256 * ctas)  # zero between calls: the kernel resets them
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     err = lib.nibble_w4a16_mma_spread(
-        int(x.dtype == torch.bfloat16), cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, (GROUP // 32).bit_length() - 1,
+        int(x.dtype == torch.bfloat16), cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, w4a16._group_shift_steps(GROUP, K),
         x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
         cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), ctas, slots.data_ptr(),
         int(early_launch(x.device, M)), cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)

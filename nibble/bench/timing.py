@@ -9,6 +9,8 @@ Small API, used by every kernel family's benchmark:
   device's), replays are timed with CUDA events after a warm-up, and the median is returned.
 - ``rotations(bytes_per_set)`` -> how many input sets make the working set exceed the L2
   several times over.
+- ``capture_graph(body, ...)`` -> (graph, output): ``body`` warmed up and captured on the device's
+  side stream (``bench_us``, the engine's decode graphs and the speed benchmark capture through it).
 - ``env_meta()`` -> dict with GPU name, torch / triton / CUDA versions, git commit, date.
 - ``token_sweep_main(doc, tokens, rows_for)``: the command line of a script that sweeps token counts.
 - ``write_results(rows, meta, out_dir, name)`` -> writes ``name.json`` (meta + rows) and
@@ -168,8 +170,8 @@ def capture_graph(body: Callable[[], object], device=None, warmups: int = 1,
 
 
 def side_stream(device=None) -> "torch.cuda.Stream":
-    """The side stream of ``device`` (default: the current one) on which work is warmed up before a
-    CUDA-graph capture, one per device for the process. Not a fresh stream per capture: PyTorch keeps a
+    """The side stream of ``device`` (default: the current one) on which CUDA graphs are warmed up and
+    captured (``capture_graph``), one per device for the process. Not a fresh stream per capture: PyTorch keeps a
     cuBLAS workspace (32 MiB on the H200) per (handle, stream) for the life of the process, so each new
     stream that runs a cuBLAS call holds one more; the report's peak memory grew by 224 MiB per config
     measured that way (H200, session 21)."""
