@@ -44,8 +44,10 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
      """template <typename T, int MT, int GS, bool MANY, bool X_L1, int COLS>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) || MT == 4 ? 2 : 1)"""),
     # one column block: x in each warp's own stages, as shipped; more: a ring per K range after them
-    ("constexpr int STAGE = 640 + 512 * MT, SZ = 512, XS = 640, GSTEP = GS ? GS : 1;",
-     "constexpr int STAGE = COLS == 1 ? 640 + 512 * MT : 640, XSTAGE = COLS == 1 ? STAGE : 512 * MT, SZ = 512,\n"
+    ("""  constexpr bool RUNNING = running_fold(MT);
+  constexpr int SZ = 512, XS = stage_x_offset(MT), STAGE = XS + 512 * MT, GSTEP = GS ? GS : 1;""",
+     "  constexpr bool RUNNING = false;  // the fold of session 27's kernel at every tile count\n"
+     "  constexpr int STAGE = COLS == 1 ? 640 + 512 * MT : 640, XSTAGE = COLS == 1 ? STAGE : 512 * MT, SZ = 512,\n"
      "                GSTEP = GS ? GS : 1, cols = COLS;"),
     ("""  const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;""",
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) ||
      "  unsigned char* xring = COLS == 1 ? ring + 640\n"
      "                                  : smem + (size_t)all_warps * RING * STAGE + (size_t)warp * RING * XSTAGE;\n"
      "  const uint32_t xring_addr = (uint32_t)__cvta_generic_to_shared(ring) + (uint32_t)(xring - ring);"),
-    ("  const bool copies_sz = lane < 16;", "  const bool copies_sz = lane < 16 && col_live;"),
+    ("  const bool copies_sz = lane < (RUNNING ? 24 : 16);", "  const bool copies_sz = lane < 16 && col_live;"),
     ("  ws.prefetch<RING>(s_begin, s_end);", "  ws.prefetch<RING>(s_begin, col_live ? s_end : s_begin);"),
     ("ring + XS, STAGE, RING);", "xring, XSTAGE, RING);"),
     ("    cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);",
@@ -90,7 +92,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) ||
   for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
     float sum = 0.f;"""),
     ("""size_t smem_bytes(int warps, int mt) {
-  const size_t ring = (size_t)warps * RING * (640 + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);""",
+  const size_t ring = (size_t)warps * RING * (stage_x_offset(mt) + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);""",
      """int xshare_cols() {
   const char* e = getenv("NIBBLE_XSHARE_COLS");
   return e ? atoi(e) : 1;

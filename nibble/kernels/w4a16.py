@@ -717,9 +717,10 @@ def mma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
 
 def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING) -> int:
     """Shared memory of one CTA: the cp.async ring (4 stages of 512 B of weights, 128 B of group
-    parameters, 512 B of x per token tile), reused for the cross-warp reduction (csrc/w4a16_mma.cu).
+    parameters, 192 at four token tiles, where the next group's scales come too, 512 B of x per token
+    tile), reused for the cross-warp reduction (csrc/w4a16_mma.cu: smem_bytes).
     ``ring_stages``: another ring depth, for the experiments that rebuild the kernel with one."""
-    ring = cfg.warps * ring_stages * (640 + 512 * cfg.token_tiles)
+    ring = cfg.warps * ring_stages * ((704 if cfg.token_tiles == 4 else 640) + 512 * cfg.token_tiles)
     return max(ring, cfg.warps * cfg.token_tiles * 8 * 32 * 4)
 
 

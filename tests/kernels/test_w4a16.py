@@ -229,10 +229,11 @@ MMA_CONFIGS = [c for c in (W.MmaConfig(t, w, l1) for t in (1, 2, 4, 8) for w in 
 def test_gpu_mma_every_config(cfg):
     """The CUDA tensor-core kernel in every instantiation: SmolLM2's k/v shape (N = 192), one group
     per column, group 32, K = 65 steps of 32 (uneven split over warps, fewer steps than stages), 3 groups
-    of 128 (fewer groups than warps: warps own whole groups), odd M."""
+    of 128 (fewer groups than warps: warps own whole groups), groups of 256 (group ends counted at run
+    time), odd M."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
         skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
-    for (N, K, G) in ((192, 576, 64), (576, 1536, 1536), (1024, 2080, 32), (96, 384, 128)):
+    for (N, K, G) in ((192, 576, 64), (576, 1536, 1536), (1024, 2080, 32), (96, 384, 128), (256, 1024, 256)):
         for M in sorted({1, max(1, 8 * cfg.token_tiles - 3), 8 * cfg.token_tiles}):
             dtype = torch.bfloat16 if (M + N) % 2 else torch.float16
             qw, s, z = make_weight(N, K, G, symmetric=(N == 576), device="cuda", seed=N + M)
@@ -241,6 +242,33 @@ def test_gpu_mma_every_config(cfg):
             W.w4a16_mma(x, qw, s, z, G, config=cfg, out=out)
             torch.cuda.synchronize()
             assert_close(out, x, qw, s, z, G)
+
+
+@needs_cuda
+@pytest.mark.parametrize("G", [64, 128, 256])
+@pytest.mark.parametrize("M", [1, 16, 29, 64])
+def test_gpu_mma_zero_and_far_apart_scales(M, G):
+    """Groups whose scale is 0 (a constant group: the weight is its zero), the smallest fp16
+    subnormal, and neighbours 10^6 apart: from four token tiles the kernel keeps its sums in units
+    of the current group's scale (csrc/w4a16_mma.cu: RunningFold), which must neither divide by a
+    zero scale nor lose the sums across such steps."""
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
+    N, K = 512, 2048
+    qw, s, z = make_weight(N, K, G, device="cuda", seed=M + G)
+    groups = K // G
+    s[1::4] = 0                                  # constant groups: weight = z
+    s[2::4, ::3] = 2.0 ** -24                    # the smallest fp16 subnormal
+    s[3::4, 1::2] *= 1000                        # next to ...
+    s[0::4, 1::2] /= 1000                        # ... far smaller ones
+    z[1::4] = torch.randn(z[1::4].shape, device="cuda").half() * 0.01
+    assert (s == 0).any() and groups >= 4
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        W.w4a16_mma(x, qw, s, z, G, out=out)
+        torch.cuda.synchronize()
+        assert_close(out, x, qw, s, z, G)
 
 
 @needs_cuda

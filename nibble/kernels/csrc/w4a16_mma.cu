@@ -34,6 +34,8 @@
 // X = sum x. At the end of each group, in fp32:  sum (q s + z) x = s R + (z - B s) X.
 // (Doing q * s + z in 16 bits per weight costs 8 more instructions per word, and folding B into
 // z in 16 bits would cancel catastrophically; in fp32 the cancellation costs ~2^-14 relative.)
+// At four token tiles, where two sets of accumulators do not fit the registers, R runs on in the
+// output accumulators themselves, rescaled at each group's end (RunningFold).
 //
 // Weights go HBM -> shared memory with cp.async (16 bytes per lane, bypassing L1) through a
 // per-warp ring of 4 stages, 2 steps in flight, without holding registers. (Plain loads into a
@@ -103,7 +105,7 @@ __device__ __forceinline__ void raw_codes(uint32_t w, uint32_t (&r)[4]) {
 // B = the lane's 16 bytes of x (x[m, 8w .. 8w+7] of its word row w) permuted from pairs (0,1) (2,3)
 // (4,5) (6,7) to the nibble pairs (j, j+4). R += (B + q) x per column, X += x (the all-ones MMA);
 // `fresh` (a group's first step) starts both from zero.
-template <typename T>
+template <typename T, bool RUNNING = false>
 __device__ __forceinline__ void step_mmas(float (&raw)[2][4], float (&xsum)[4], const uint32_t (&r)[4][4], uint4 xr,
                                           bool fresh) {
   const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
@@ -115,12 +117,19 @@ __device__ __forceinline__ void step_mmas(float (&raw)[2][4], float (&xsum)[4], 
     for (int tile = 0; tile < 2; ++tile) {
       const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
                              r[2 * tile + 1][2 * half + 1]};
-      if (fresh && half == 0) mma<T, true>(raw[tile], a, b[half][0], b[half][1]);
+      if (!RUNNING && fresh && half == 0) mma<T, true>(raw[tile], a, b[half][0], b[half][1]);
       else mma<T, false>(raw[tile], a, b[half][0], b[half][1]);
     }
     if (fresh && half == 0) mma<T, true>(xsum, ones, b[half][0], b[half][1]);
     else mma<T, false>(xsum, ones, b[half][0], b[half][1]);
   }
+}
+
+// Four fp16 values (two half2 words: a column quad's scales, zeros) as floats.
+__device__ __forceinline__ void quad_to_float(uint2 h, float (&f)[4]) {
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+  f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
 }
 
 // A closed group folded into the lane's sums, in fp32: sum (q s + z) x = s R + (z - B s) X for its
@@ -129,13 +138,11 @@ template <typename T>
 struct GroupFold {
   float s[4], zb[4];  // s and z - B s of column c + j
   __device__ __forceinline__ GroupFold(uint2 scales, uint2 zeros) {
-    const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&scales.x));
-    const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&scales.y));
-    const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zeros.x));
-    const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zeros.y));
-    s[0] = s01.x, s[1] = s01.y, s[2] = s23.x, s[3] = s23.y;
-    zb[0] = z01.x - Num<T>::BASE * s01.x, zb[1] = z01.y - Num<T>::BASE * s01.y;
-    zb[2] = z23.x - Num<T>::BASE * s23.x, zb[3] = z23.y - Num<T>::BASE * s23.y;
+    float z[4];
+    quad_to_float(scales, s);
+    quad_to_float(zeros, z);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) zb[j] = z[j] - Num<T>::BASE * s[j];
   }
   // C fragment: row g of tile t is column c + 2t, row g + 8 is c + 2t + 1; c & 1 picks the token.
   __device__ __forceinline__ void operator()(float (&acc)[2][4], const float (&raw)[2][4],
@@ -149,6 +156,50 @@ struct GroupFold {
       }
   }
 };
+
+// RunningFold: the raw sums go into the output accumulators themselves, kept in units of the current
+// group's scale u (s, or 2^-60 where s = 0), so no second set of accumulators is held: at a group's
+// close  T = u A + (z - B s) X  is the true sum so far, and A = T / u' carries it into the next group
+// (u' = 1 after the warp's last group). Per column: si = u / u', zi = (z - B s) / u'.
+// A zero scale's codes then add u R (R = sum (B + q) x): below 2^-60 |R|, far under any rounding.
+template <typename T>
+struct RunningFold {
+  float si[4], zi[4];
+  __device__ __forceinline__ RunningFold(uint2 scales, uint2 zeros, uint2 next, bool last) {
+    float s[4], z[4], n[4];
+    quad_to_float(scales, s);
+    quad_to_float(zeros, z);
+    quad_to_float(next, n);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // (rcp.approx instead: 4 more registers, and four tiles of groups of 128 spill 68 bytes)
+      const float inv = last ? 1.f : __frcp_rn(n[j] != 0.f ? n[j] : 0x1p-60f);
+      si[j] = (s[j] != 0.f ? s[j] : 0x1p-60f) * inv;
+      zi[j] = (z[j] - Num<T>::BASE * s[j]) * inv;
+    }
+  }
+  __device__ __forceinline__ void operator()(float (&acc)[2][4], const float (&xsum)[4]) const {
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = 2 * tile + (c >> 1);
+        acc[tile][c] = fmaf(si[j], acc[tile][c], zi[j] * xsum[c & 1]);
+      }
+  }
+};
+
+// Where the kernel folds with RunningFold: at four token tiles (17-32 tokens), where the second set
+// of accumulators spilled 44-440 bytes at the 128-register cap (none with RunningFold): 4-12% faster
+// at 32 tokens on every issue-3 shape, 2% slower to 6% faster at 17 (H200). Elsewhere the fold's
+// dependence (a group's first MMAs wait for the previous group's fold; with a fresh set they do not)
+// costs more than the registers buy: 3-8% slower at 1 and 8 tokens, 4-13% at 16 even where 80
+// registers let 24 warps share an SM instead of 16, 6-12% at eight tiles (33-64 tokens), whose
+// spills cost less than the dependence (benchmarks/notes-w4a16.md, session 36).
+__host__ __device__ constexpr bool running_fold(int mt) { return mt == 4; }
+// Byte offset of x in a stage: the weights' 512 bytes, then the group parameters (scales and zeros;
+// with RunningFold the next group's scales too), then x.
+__host__ __device__ constexpr int stage_x_offset(int mt) { return running_fold(mt) ? 704 : 640; }
 
 // Ring of RING stages per warp with AHEAD steps in flight: one stage of slack lets a single
 // warp barrier per step order the reads of a stage before its refill. (Measured on the H200: rings
@@ -169,14 +220,16 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
                      int ldx, int trigger) {
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
   // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
-  // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each);
-  // [640, 640 + 512 MT) x, 64 bytes per token (4 word rows of 16 B), copied for real tokens only
+  // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each; with
+  // RunningFold lanes 16-23 copy the next group's scales into [640, 704), where the warp has one);
+  // [XS, XS + 512 MT) x, 64 bytes per token (4 word rows of 16 B), copied for real tokens only
   // (the slots of padding tokens are zeroed once). Everything a step needs is in flight together
   // (x and the group parameters are L2 hits at best; waiting for them inside the step costs a
   // round trip per step). The stage size is a compile-time constant and the loop is unrolled over
   // the ring, so every shared-memory address is a register plus an immediate.
   // Reused after the loop as [warps][MT * 8][32] floats.
-  constexpr int STAGE = 640 + 512 * MT, SZ = 512, XS = 640, GSTEP = GS ? GS : 1;
+  constexpr bool RUNNING = running_fold(MT);
+  constexpr int SZ = 512, XS = stage_x_offset(MT), STAGE = XS + 512 * MT, GSTEP = GS ? GS : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -202,13 +255,14 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // Copy state, advanced as steps are issued (recomputing the addresses of every step cost as many
   // instructions as the dequantization).
   WeightStream ws(ring_addr, lane, qweight, N, s_begin, tile_col);
-  const bool copies_sz = lane < 16;  // lanes 0-7: scales, 8-15: zeros
-  const uint32_t sz_dst = ring_addr + SZ + ws.copy_quad * 16 + (lane < 8 ? 0 : 8);
-  const __half* sz_src = (lane < 8 ? scales : zeros) + tile_col + 4 * ws.copy_quad +
-                         (size_t)(one_group ? 0 : s_begin >> group_shift_steps) * N;
+  const bool copies_sz = lane < (RUNNING ? 24 : 16);  // lanes 0-7: scales, 8-15: zeros, 16-23: next scales
+  const bool copies_next = RUNNING && lane >= 16;
+  const uint32_t sz_dst = ring_addr + SZ + (copies_next ? 128 + ws.copy_quad * 8 : ws.copy_quad * 16 + (lane < 8 ? 0 : 8));
+  const __half* sz_src = (lane < 8 || copies_next ? scales : zeros) + tile_col + 4 * ws.copy_quad +
+                         (size_t)(one_group ? 0 : (s_begin >> group_shift_steps) + copies_next) * N;
   const int sz_stride = one_group ? 0 : N;
   ws.prefetch<RING>(s_begin, s_end);
-  prefetch_l2(copies_sz, sz_src);
+  prefetch_l2(copies_sz && !copies_next, sz_src);
   wait_for_prior_grids();  // x is the previous kernel's output
   // GS == 0 only: the first step past the current group, for the copies and for the reads
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
@@ -220,7 +274,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   auto issue = [&](int stage, int j, int ahead, bool live) {
     const bool closes = GS ? (stage + 1) % GSTEP == 0 : j + 1 == issue_group_end;
     cp_async_16(live, ws.copy_dst + stage * STAGE, ws.src);
-    cp_async_8(live && closes && copies_sz, sz_dst + stage * STAGE, sz_src);
+    cp_async_8(live && closes && copies_sz && (!copies_next || j + 1 < s_end), sz_dst + stage * STAGE, sz_src);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       cp_async_16<X_L1>(live && xstream.live[mt], ring_addr + stage * STAGE + XS + xstream.offset(mt),
@@ -252,19 +306,31 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     raw_codes<T>(wv.w, r[3]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)  // a group's first step starts its sums from zero
-      step_mmas<T>(raw[mt], xsum[mt], r, *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
-                   GS && i % GSTEP == 0);
+      step_mmas<T, RUNNING>(RUNNING ? acc[mt] : raw[mt], xsum[mt], r,
+                            *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)), GS && i % GSTEP == 0);
 
     if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
       if (!GS) read_group_end += group_steps;
       const uint4 sz = *reinterpret_cast<const uint4*>(here + SZ + g * 16);  // scales, zeros of c..c+3
-      const GroupFold<T> fold(make_uint2(sz.x, sz.y), make_uint2(sz.z, sz.w));
+      if constexpr (RUNNING) {
+        const RunningFold<T> fold(make_uint2(sz.x, sz.y), make_uint2(sz.z, sz.w),
+                                  *reinterpret_cast<const uint2*>(here + SZ + 128 + g * 8), s + 1 == s_end);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        fold(acc[mt], raw[mt], xsum[mt]);
-        if (!GS)
+        for (int mt = 0; mt < MT; ++mt) {
+          fold(acc[mt], xsum[mt]);
+          if (!GS)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) raw[mt][0][c] = raw[mt][1][c] = xsum[mt][c] = 0.f;
+            for (int c = 0; c < 4; ++c) xsum[mt][c] = 0.f;
+        }
+      } else {
+        const GroupFold<T> fold(make_uint2(sz.x, sz.y), make_uint2(sz.z, sz.w));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          fold(acc[mt], raw[mt], xsum[mt]);
+          if (!GS)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) raw[mt][0][c] = raw[mt][1][c] = xsum[mt][c] = 0.f;
+        }
       }
     }
   };
@@ -288,7 +354,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
 }
 
 size_t smem_bytes(int warps, int mt) {
-  const size_t ring = (size_t)warps * RING * (640 + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);
+  const size_t ring = (size_t)warps * RING * (stage_x_offset(mt) + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);
   return ring > partial ? ring : partial;
 }
 
