@@ -208,6 +208,41 @@ def running(condition: str, mt2_cap: bool = False) -> dict:
     return {"w4a16_mma.cu": edits}
 
 
+# The copy issued after the step's wait and warp barrier instead of before them ("late"): the
+# barrier then orders every lane's reads of the previous step before the refill of its stage, so a
+# ring of RING stages keeps RING - 1 steps in flight instead of RING - 2, with the same unrolled ring
+# (session 18's deeper rings needed more registers, so fewer warps, and their bytes in flight per SM
+# barely grew).
+PIPELINE_ROUND = """      issue((i + AHEAD) % RING, s + AHEAD, i + AHEAD, !TAIL || s + AHEAD < s_end);
+      cp_async_wait<AHEAD>();
+      // The pieces of this step were copied by other lanes. (bar.warp.sync itself: __syncwarp()
+      // adds a divergence check and a branch around it.)
+      asm volatile("bar.warp.sync -1;" ::: "memory");
+"""
+LATE_ROUND = """      cp_async_wait<AHEAD - 1>();
+      asm volatile("bar.warp.sync -1;" ::: "memory");
+      issue((i + AHEAD) % RING, s + AHEAD, i + AHEAD, !TAIL || s + AHEAD < s_end);
+"""
+
+
+def late(ahead: int) -> dict:
+    return {"skinny.cuh": [("static_assert(AHEAD == RING - 2,", "static_assert(AHEAD <= RING - 1,"),
+                           (PIPELINE_ROUND, LATE_ROUND)],
+            "w4a16_mma.cu": [(RING, f"constexpr int RING = 4, AHEAD = {ahead};")]}
+
+
+# Or the copy issued early, as shipped, 3 steps ahead in the same ring, with a second warp barrier
+# after each step's reads (the stage refilled next).
+def second_barrier(ahead: int) -> dict:
+    return {"skinny.cuh": [("static_assert(AHEAD == RING - 2,", "static_assert(AHEAD <= RING - 1,"),
+                           ("      step(i, s);\n", '      step(i, s);\n      asm volatile("bar.warp.sync -1;" ::: "memory");\n')],
+            "w4a16_mma.cu": [(RING, f"constexpr int RING = 4, AHEAD = {ahead};")]}
+
+
+SETS["late"] = {"shipped": {}, "late_a3": late(3), "late_a2": late(2), "early_a3": second_barrier(3),
+                "early_a2_2bar": second_barrier(2)}
+
+
 # Session 36 (w4a16-running-fold-*-h200): the shipped kernel folds with RunningFold at four token
 # tiles only; "never" is the kernel before it (SASS-identical, all 88 instantiations).
 SETS["running"] = {"never": running("false"), "shipped": {}, "from2": running("mt >= 2"),
