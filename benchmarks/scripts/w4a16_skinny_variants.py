@@ -27,6 +27,13 @@ Sets (results under benchmarks/results/):
   CTAs per SM capped by shared memory or not (``--kernel-rounds 3 --picked-warps --decode
   llama-2-7b``).
 
+- ``running`` (w4a16-running-fold-*-h200): the raw sums kept in the output accumulators, rescaled per
+  group (RunningFold; shipped at four token tiles), at other tile counts, with the two-tile kernel
+  capped at 80 registers or not.
+- ``late`` (w4a16-steps-in-flight-*-h200): 3 steps in flight in the same 4-stage ring, the copy issued
+  after the step's barrier or before it with a second barrier.
+
+``--variants a,b,...`` times only those variants of the set (the first is the reference).
 ``--decode MODEL`` adds the engine's decode, one engine per variant library, in alternating rounds.
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
