@@ -250,6 +250,17 @@ SETS["late"] = {"shipped": {}, "late_a3": late(3), "late_a2": late(2), "early_a3
                 "early_a2_2bar": second_barrier(2)}
 
 
+# What the tensor pipe costs the loop (knockouts, outputs wrong): the x-sum MMAs (2 of the 6 a step and
+# token tile) left out, the second m16 tile's MMAs left out (2 more), or both.
+XSUM_MMAS = """    if (fresh && half == 0) mma<T, true>(xsum, ones, b[half][0], b[half][1]);
+    else mma<T, false>(xsum, ones, b[half][0], b[half][1]);
+"""
+TILE_LOOP = "    for (int tile = 0; tile < 2; ++tile) {"
+SETS["mmas"] = {"shipped": {}, "no_xsum": {"w4a16_mma.cu": [(XSUM_MMAS, "")]},
+                "one_tile": {"w4a16_mma.cu": [(TILE_LOOP, TILE_LOOP.replace("tile < 2", "tile < 1"))]},
+                "neither": {"w4a16_mma.cu": [(XSUM_MMAS, ""), (TILE_LOOP, TILE_LOOP.replace("tile < 2", "tile < 1"))]}}
+
+
 # Session 36 (w4a16-running-fold-*-h200): the shipped kernel folds with RunningFold at four token
 # tiles only; "never" is the kernel before it (SASS-identical, all 88 instantiations).
 SETS["running"] = {"never": running("false"), "shipped": {}, "from2": running("mt >= 2"),
