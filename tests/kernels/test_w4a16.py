@@ -249,9 +249,9 @@ def test_gpu_mma_every_config(cfg):
 @pytest.mark.parametrize("M", [1, 16, 29, 64])
 def test_gpu_mma_zero_and_far_apart_scales(M, G):
     """Groups whose scale is 0 (a constant group: the weight is its zero), the smallest fp16
-    subnormal, and neighbours 10^6 apart: from four token tiles the kernel keeps its sums in units
-    of the current group's scale (csrc/w4a16_mma.cu: RunningFold), which must neither divide by a
-    zero scale nor lose the sums across such steps."""
+    subnormal, and neighbours 10^6 apart: at four token tiles (here M = 29) the kernel keeps its sums
+    in units of the current group's scale (csrc/w4a16_mma.cu: RunningFold), which must neither divide
+    by a zero scale nor lose the sums across such steps; the other M take the fresh-sum fold."""
     if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
         skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
     N, K = 512, 2048
