@@ -34,6 +34,8 @@ Sets (results under benchmarks/results/):
   after the step's barrier or before it with a second barrier.
 
 ``--variants a,b,...`` times only those variants of the set (the first is the reference).
+``--summarize RUN.json --variants a,b,...`` prints a run's table at the op's warps (the .log files of the
+session-36 sets).
 ``--decode MODEL`` adds the engine's decode, one engine per variant library, in alternating rounds.
 
 For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -232,33 +235,30 @@ LATE_ROUND = """      cp_async_wait<AHEAD - 1>();
 """
 
 
-def late(ahead: int) -> dict:
-    return {"skinny.cuh": [("static_assert(AHEAD == RING - 2,", "static_assert(AHEAD <= RING - 1,"),
-                           (PIPELINE_ROUND, LATE_ROUND)],
+# Or the copy issued early, as shipped, with a second warp barrier after each step's reads (the
+# stage refilled next).
+SECOND_BARRIER = ("      step(i, s);\n", '      step(i, s);\n      asm volatile("bar.warp.sync -1;" ::: "memory");\n')
+
+
+def four_stages(ahead: int, order_edit: tuple) -> dict:
+    """The 4-stage ring with `ahead` steps in flight, its pipeline round edited by `order_edit`."""
+    return {"skinny.cuh": [("static_assert(AHEAD == RING - 2,", "static_assert(AHEAD <= RING - 1,"), order_edit],
             "w4a16_mma.cu": [(RING, f"constexpr int RING = 4, AHEAD = {ahead};")]}
 
 
-# Or the copy issued early, as shipped, 3 steps ahead in the same ring, with a second warp barrier
-# after each step's reads (the stage refilled next).
-def second_barrier(ahead: int) -> dict:
-    return {"skinny.cuh": [("static_assert(AHEAD == RING - 2,", "static_assert(AHEAD <= RING - 1,"),
-                           ("      step(i, s);\n", '      step(i, s);\n      asm volatile("bar.warp.sync -1;" ::: "memory");\n')],
-            "w4a16_mma.cu": [(RING, f"constexpr int RING = 4, AHEAD = {ahead};")]}
-
-
-SETS["late"] = {"shipped": {}, "late_a3": late(3), "late_a2": late(2), "early_a3": second_barrier(3),
-                "early_a2_2bar": second_barrier(2)}
+LATE = (PIPELINE_ROUND, LATE_ROUND)
+SETS["late"] = {"shipped": {}, "late_a3": four_stages(3, LATE), "late_a2": four_stages(2, LATE),
+                "early_a3": four_stages(3, SECOND_BARRIER), "early_a2_2bar": four_stages(2, SECOND_BARRIER)}
 
 
 # What the tensor pipe costs the loop (knockouts, outputs wrong): the x-sum MMAs (2 of the 6 a step and
 # token tile) left out, the second m16 tile's MMAs left out (2 more), or both.
-XSUM_MMAS = """    if (fresh && half == 0) mma<T, true>(xsum, ones, b[half][0], b[half][1]);
+NO_XSUM = ("""    if (fresh && half == 0) mma<T, true>(xsum, ones, b[half][0], b[half][1]);
     else mma<T, false>(xsum, ones, b[half][0], b[half][1]);
-"""
-TILE_LOOP = "    for (int tile = 0; tile < 2; ++tile) {"
-SETS["mmas"] = {"shipped": {}, "no_xsum": {"w4a16_mma.cu": [(XSUM_MMAS, "")]},
-                "one_tile": {"w4a16_mma.cu": [(TILE_LOOP, TILE_LOOP.replace("tile < 2", "tile < 1"))]},
-                "neither": {"w4a16_mma.cu": [(XSUM_MMAS, ""), (TILE_LOOP, TILE_LOOP.replace("tile < 2", "tile < 1"))]}}
+""", "")
+ONE_TILE = ("    for (int tile = 0; tile < 2; ++tile) {", "    for (int tile = 0; tile < 1; ++tile) {")
+SETS["mmas"] = {"shipped": {}, "no_xsum": {"w4a16_mma.cu": [NO_XSUM]}, "one_tile": {"w4a16_mma.cu": [ONE_TILE]},
+                "neither": {"w4a16_mma.cu": [NO_XSUM, ONE_TILE]}}
 
 
 # Session 36 (w4a16-running-fold-*-h200): the shipped kernel folds with RunningFold at four token
@@ -281,12 +281,43 @@ def ring_depth(edits: dict) -> int:
     return 4
 
 
+ISSUE3_BIG = ["4096x11008", "4096x14336", "8192x28672", "11008x4096", "12288x4096", "14336x4096", "28672x8192"]
+
+
+def summarize(rows: list, names: list) -> list:
+    """The table of a run's --json rows, per M and case, at the warps the op picks: each variant's time
+    and the first's time over it, then the geometric mean against bf16 over the >= 64 MB shapes."""
+    times, bf16, picked = {}, {}, {}
+    for r in rows:
+        key = (r["M"], r["case"])
+        if r["variant"] == "bf16":
+            bf16[key] = r["us"]
+            continue
+        times[key + (r["variant"], r["warps"])] = r["us"]
+        if r["picked"]:
+            picked[key] = r["warps"]
+    lines = []
+    for M in sorted({m for m, _ in picked}):
+        cases = [c for m, c in picked if m == M]
+        us = {c: [times[(M, c, n, picked[M, c])] for n in names] for c in cases}
+        for c in cases:
+            lines.append(f"{M} {c:22s} w{picked[M, c]:<2d} " + " ".join(
+                f"{n} {u:6.2f} ({us[c][0] / u:.3f})" for n, u in zip(names, us[c])))
+        big = [c for c in ISSUE3_BIG if c in us]
+        lines.append(f"{M} geomean big vs bf16: " + " ".join(
+            f"{n} {math.exp(statistics.fmean(math.log(bf16[M, c] / us[c][i]) for c in big)):.3f}"
+            for i, n in enumerate(names)))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--summarize", type=Path, metavar="JSON", help="only print the table of a run's --json "
+                    "(`summarize`) for the variants of --variants, the first the reference")
     ap.add_argument("--build", type=Path, help="only compile every variant into this folder")
     ap.add_argument("--libs", type=Path, help="the folder --build filled")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--set", choices=SETS, required=True)
+    ap.add_argument("--set", choices=SETS)
     ap.add_argument("--variants", help="comma-separated: only these variants of the set (the first the reference)")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--cases", choices=["issue3", "grouped", "all", "none"], default="all")
@@ -299,6 +330,11 @@ def main():
     ap.add_argument("--batches", default="1,8", help="decode batches (--decode)")
     ap.add_argument("--rounds", type=int, default=4, help="decode rounds, even: each order runs as often (--decode)")
     args = ap.parse_args()
+    if args.summarize:
+        print("\n".join(summarize(json.loads(args.summarize.read_text())["rows"], args.variants.split(","))))
+        return
+    if args.set is None:
+        ap.error("--set is required (or --summarize)")
     variants = SETS[args.set]
     if args.variants:
         variants = {name: variants[name] for name in args.variants.split(",")}
