@@ -32,13 +32,16 @@ Sets (results under benchmarks/results/):
   capped at 80 registers or not.
 - ``late`` (w4a16-steps-in-flight-*-h200): 3 steps in flight in the same 4-stage ring, the copy issued
   after the step's barrier or before it with a second barrier.
+- ``chains`` (w4a16-mma-chains-h200): each step's two K halves into their own raw and x sums (no MMA
+  waits for the other half's result) at one token tile, under an 80- or 96-register cap, and the
+  shipped code under the 80 cap.
 
 ``--variants a,b,...`` times only those variants of the set (the first is the reference).
 ``--summarize RUN.json --variants a,b,...`` prints a run's table at the op's warps (the .log files of the
 session-36 sets).
 ``--decode MODEL`` adds the engine's decode, one engine per variant library, in alternating rounds.
 
-For every case at each M: cuBLAS bf16 (single weights) and every (variant, warps) that fits, each
+For every case at each M: cuBLAS in x's dtype (single weights; rows named "bf16" whatever --dtype) and every (variant, warps) that fits, each
 output first checked bit for bit against the first variant at the same warps (only the variants
 without arithmetic, in ``decompose`` and ``layout``, change a sum). Same timing as ``python -m nibble.bench kernels``.
 """
@@ -268,6 +271,70 @@ SETS["running"] = {"never": running("false"), "shipped": {}, "from2": running("m
                    "from4": running("mt >= 4")}
 
 
+# Shorter dependent MMA chains at one token tile (session 36's lead): each step's two K halves add
+# into their own raw sums and x sums (half 1 no longer waits for half 0's result), folded together at
+# the group's end. 12 more registers, so the one-tile cap goes from 64 to 80 ("cap80": the shipped
+# code under the same cap, the control: 8-warp CTAs keep 3 an SM, 4 become 3 on the 70B layers).
+HALVES_STEP = """// (chains set) Both K halves of a step into their own sums.
+template <typename T>
+__device__ __forceinline__ void step_halves(float (&raw0)[2][4], float (&xs0)[4], float (&raw1)[2][4], float (&xs1)[4],
+                                            const uint32_t (&r)[4][4], uint4 xr, bool fresh) {
+  const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
+  const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
+                            {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float (&raw)[2][4] = half == 0 ? raw0 : raw1;
+    float (&xsum)[4] = half == 0 ? xs0 : xs1;
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile) {
+      const uint32_t a[4] = {r[2 * tile][2 * half], r[2 * tile + 1][2 * half], r[2 * tile][2 * half + 1],
+                             r[2 * tile + 1][2 * half + 1]};
+      if (fresh) mma<T, true>(raw[tile], a, b[half][0], b[half][1]);
+      else mma<T, false>(raw[tile], a, b[half][0], b[half][1]);
+    }
+    if (fresh) mma<T, true>(xsum, ones, b[half][0], b[half][1]);
+    else mma<T, false>(xsum, ones, b[half][0], b[half][1]);
+  }
+}
+
+// Four fp16 values"""
+HALVES = [
+    ("// Four fp16 values", HALVES_STEP),
+    ("""  __device__ __forceinline__ void operator()(float (&acc)[2][4], const float (&raw)[2][4],
+                                             const float (&xsum)[4]) const {""",
+     """  __device__ __forceinline__ void operator()(float (&acc)[2][4], const float (&raw)[2][4],
+                                             const float (&xsum)[4], const float (&raw1)[2][4],
+                                             const float (&xsum1)[4]) const {"""),
+    ("acc[tile][c] = fmaf(s[j], raw[tile][c], fmaf(zb[j], xsum[c & 1], acc[tile][c]));",
+     "acc[tile][c] = fmaf(s[j], raw[tile][c] + raw1[tile][c], fmaf(zb[j], xsum[c & 1] + xsum1[c & 1], acc[tile][c]));"),
+    ("float acc[MT][2][4], raw[MT][2][4], xsum[MT][4];", "float acc[MT][2][4], raw[MT][2][4], xsum[MT][4], raw1[MT][2][4], xsum1[MT][4];"),
+    ("acc[mt][0][j] = acc[mt][1][j] = raw[mt][0][j] = raw[mt][1][j] = xsum[mt][j] = 0.f;",
+     "acc[mt][0][j] = acc[mt][1][j] = raw[mt][0][j] = raw[mt][1][j] = xsum[mt][j] = raw1[mt][0][j] = raw1[mt][1][j] = xsum1[mt][j] = 0.f;"),
+    ("""      step_mmas<T, RUNNING>(RUNNING ? acc[mt] : raw[mt], xsum[mt], r,
+                            *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)), GS && i % GSTEP == 0);""",
+     """      if constexpr (RUNNING)
+        step_mmas<T, true>(acc[mt], xsum[mt], r, *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
+                           GS && i % GSTEP == 0);
+      else
+        step_halves<T>(raw[mt], xsum[mt], raw1[mt], xsum1[mt], r,
+                       *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)), GS && i % GSTEP == 0);"""),
+    ("fold(acc[mt], raw[mt], xsum[mt]);", "fold(acc[mt], raw[mt], xsum[mt], raw1[mt], xsum1[mt]);"),
+    ("for (int c = 0; c < 4; ++c) raw[mt][0][c] = raw[mt][1][c] = xsum[mt][c] = 0.f;",
+     "for (int c = 0; c < 4; ++c) raw[mt][0][c] = raw[mt][1][c] = xsum[mt][c] = raw1[mt][0][c] = raw1[mt][1][c] = xsum1[mt][c] = 0.f;"),
+]
+
+
+def one_tile_cap(regs: int) -> tuple:
+    """The one-tile kernel capped at `regs` registers instead of 2 CTAs of 512 threads (64)."""
+    return (BOUNDS, f"MT == 4 ? 2 : 1) __maxnreg__(MT == 1 ? {regs} : MT == 4 ? 128 : 255)")
+
+
+SETS["chains"] = {"shipped": {}, "cap80": {"w4a16_mma.cu": [one_tile_cap(80)]},
+                  "halves_cap80": {"w4a16_mma.cu": HALVES + [one_tile_cap(80)]},
+                  "halves_cap96": {"w4a16_mma.cu": HALVES + [one_tile_cap(96)]}}
+
+
 def build(out_dir: Path, name: str, edits: dict) -> None:
     kernel = edits.get("w4a16_mma.cu", [])
     headers = {file: pairs for file, pairs in edits.items() if file != "w4a16_mma.cu"}
@@ -320,6 +387,7 @@ def main():
     ap.add_argument("--set", choices=SETS)
     ap.add_argument("--variants", help="comma-separated: only these variants of the set (the first the reference)")
     ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="x, and cuBLAS's weight")
     ap.add_argument("--cases", choices=["issue3", "grouped", "all", "none"], default="all")
     ap.add_argument("--kernel-rounds", type=int, default=1, help="time every variant this many times, each round "
                     "in another order; the median counts (successive timings of one kernel drift by a few %%)")
@@ -350,6 +418,7 @@ def main():
     from nibble.kernels import w4a16 as W
 
     dev = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
     G = GROUP
     libs = {}
     for name in variants:
@@ -383,11 +452,11 @@ def main():
         wb = None
         if len(shapes) == 1:
             n = shapes[0][0]
-            wb = [torch.randn(n, K, device=dev, dtype=torch.bfloat16) for _ in range(rotations(2 * n * K))]
+            wb = [torch.randn(n, K, device=dev, dtype=dtype) for _ in range(rotations(2 * n * K))]
         for M in map(int, args.ms.split(",")):
             if len(shapes) > 1 and M > W.MMA_MANY_MAX_M:
                 continue
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(M, K, device=dev, dtype=dtype)
             res = {}
             if wb is not None:
                 res["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), len(wb), **TIMING)
@@ -436,7 +505,8 @@ def main():
     for name in args.decode:
         rows += decode_ab(name, libs, list(map(int, args.batches.split(","))), args.rounds)
     if args.json:
-        args.json.write_text(json.dumps(dict(meta=env_meta(), set=args.set, variants=variants, rows=rows), indent=1))
+        args.json.write_text(json.dumps(dict(meta=env_meta(), set=args.set, dtype=args.dtype, variants=variants,
+                                             rows=rows), indent=1))
 
 
 def decode_ab(model_name: str, libs: dict, batches, rounds: int) -> list[dict]:

@@ -765,14 +765,19 @@ def successor_launch(token_tiles: int, M: int, x_l1: bool) -> int:
 def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
     """Pure function of the problem (N: the columns of every weight of the launch together): warps
     per CTA doubled from 4 while the GPU has fewer than 32 warps per SM and each warp keeps >= 16 K
-    steps at one token tile, >= 32 at more (fewer when there are fewer CTAs than SMs). Measured on
-    the H200: at M = 16 and N = 12288, K = 4096, four warps of 32 steps beat eight of 16 by 15%; at
-    M = 1 eight of 16 win. x through the L1 where ``x_through_l1`` says."""
+    steps at one token tile, >= 32 at more (fewer when there are fewer CTAs than SMs); at one token
+    tile, only where the doubled grid still fits on the GPU at once (32 warps an SM) or each warp
+    keeps >= 32 steps. Measured on the H200: at M = 16 and N = 12288, K = 4096, four warps of 32
+    steps beat eight of 16 by 15%; at M = 1 eight of 16 win (12288 x 4096: 8%), but not where eight
+    leave a second wave of CTAs: Llama-2-7B's gate/up launch (688 CTAs) at M = 1 runs 2.7% faster at
+    four warps on average over 12 runs (benchmarks/notes-w4a16.md, session 37). x through the L1
+    where ``x_through_l1`` says."""
     token_tiles = next(t for t in (1, 2, 4, 8) if M <= 8 * t)
     ctas, warps, steps = N // 32, 4, K // 32
     min_steps = 16 if token_tiles == 1 else 32
     while (warps < MMA_MAX_WARPS[token_tiles] and ctas * warps < 32 * num_sms
-           and (ctas < num_sms or steps >= min_steps * 2 * warps)):
+           and (ctas < num_sms or steps >= min_steps * 2 * warps)
+           and (token_tiles > 1 or ctas * 2 * warps <= 32 * num_sms or steps >= 32 * 2 * warps)):
         warps *= 2
     x_l1 = x_through_l1(token_tiles, ctas, K, num_sms)
     return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1))

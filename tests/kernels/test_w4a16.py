@@ -685,7 +685,8 @@ def test_w4a16_linears_cpu_matches_per_weight_op():
 
 def test_select_mma_config_rules():
     """Valid for its M; warps doubled only while the GPU has < 32 warps per SM and each warp keeps
-    >= 16 K steps at M <= 8, >= 32 above (unless there are fewer CTAs than SMs); pure."""
+    >= 16 K steps at M <= 8, >= 32 above (unless there are fewer CTAs than SMs), and at M <= 8 only
+    where the doubled grid fits at once or each warp keeps >= 32 steps; pure."""
     for M in (1, 8, 9, 16, 17, 32, 33, 64):
         for N, K in ((4096, 4096), (28672, 8192), (8192, 28672), (11008, 4096), (576, 1536), (96, 64)):
             cfg = W.select_mma_config(M, N, K, 132)
@@ -696,10 +697,14 @@ def test_select_mma_config_rules():
                 half = cfg.warps // 2
                 min_steps = 16 if M <= 8 else 32
                 assert ctas * half < 32 * 132 and (ctas < 132 or steps >= 2 * min_steps * half)
+                assert M > 8 or ctas * cfg.warps <= 32 * 132 or steps >= 32 * cfg.warps
     assert W.select_mma_config(1, 12288, 4096, 132).warps == 8   # 128 K steps: 16 per warp at 8 warps
     assert W.select_mma_config(1, 4096, 4096, 132).warps == 16   # 128 CTAs < 132 SMs: warps are the only parallelism
     assert W.select_mma_config(1, 28672, 8192, 132).warps == 8   # 896 CTAs x 8 warps fill the GPU
     assert W.select_mma_config(16, 12288, 4096, 132).warps == 4  # 128 K steps: 32 per warp at 4 warps
+    assert W.select_mma_config(1, 22016, 4096, 132).warps == 4   # 688 CTAs x 8 warps: a second wave
+    assert W.select_mma_config(8, 28672, 4096, 132).warps == 4
+    assert W.select_mma_config(16, 22016, 4096, 132).warps == 4  # (two tiles: the steps rule already)
 
 
 def test_x_through_l1_rule():
