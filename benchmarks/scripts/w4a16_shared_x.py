@@ -44,9 +44,9 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
      """template <typename T, int MT, int GS, bool MANY, bool X_L1, int COLS>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) || MT == 4 ? 2 : 1)"""),
     # one column block: x in each warp's own stages, as shipped; more: a ring per K range after them
-    ("""  constexpr bool RUNNING = running_fold(MT);
+    ("""  constexpr bool RUNNING = running_fold(MT), TWO_BASES = two_bases<T>(MT);
   constexpr int SZ = 512, XS = stage_x_offset(MT), STAGE = XS + 512 * MT, GSTEP = GS ? GS : 1;""",
-     "  constexpr bool RUNNING = false;  // the fold of session 27's kernel at every tile count\n"
+     "  constexpr bool RUNNING = false, TWO_BASES = false;  // session 27's fold and codes at every tile count\n"
      "  constexpr int STAGE = COLS == 1 ? 640 + 512 * MT : 640, XSTAGE = COLS == 1 ? STAGE : 512 * MT, SZ = 512,\n"
      "                GSTEP = GS ? GS : 1, cols = COLS;"),
     ("""  const int warps = blockDim.x >> 5;

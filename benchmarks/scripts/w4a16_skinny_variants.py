@@ -35,6 +35,8 @@ Sets (results under benchmarks/results/):
 - ``chains`` (w4a16-mma-chains-h200): each step's two K halves into their own raw and x sums (no MMA
   waits for the other half's result) at one token tile, under an 80- or 96-register cap, and the
   shipped code under the 80 cap.
+- ``bases`` (w4a16-fp16-bases-h200, ``--dtype float16``): fp16's raw codes with one shift a word (the
+  shipped kernel, one and two token tiles) against a shift per nibble pair, and at four tiles too.
 
 ``--variants a,b,...`` times only those variants of the set (the first is the reference).
 ``--summarize RUN.json --variants a,b,...`` prints a run's table at the op's warps (the .log files of the
@@ -275,11 +277,14 @@ SETS["running"] = {"never": running("false"), "shipped": {}, "from2": running("m
 # into their own raw sums and x sums (half 1 no longer waits for half 0's result), folded together at
 # the group's end. 12 more registers, so the one-tile cap goes from 64 to 80 ("cap80": the shipped
 # code under the same cap, the control: 8-warp CTAs keep 3 an SM, 4 become 3 on the 70B layers).
+# Measured on the sources of commit 571658d, before fp16's one-shift codes (the bf16 kernels are the
+# same since); the edits now anchor on today's fold and step.
 HALVES_STEP = """// (chains set) Both K halves of a step into their own sums.
-template <typename T>
+template <typename T, bool TWO_BASES>
 __device__ __forceinline__ void step_halves(float (&raw0)[2][4], float (&xs0)[4], float (&raw1)[2][4], float (&xs1)[4],
                                             const uint32_t (&r)[4][4], uint4 xr, bool fresh) {
-  const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
+  uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
+  if constexpr (TWO_BASES) ones[0] = Num<T>::BASE2, ones[2] = Num<T>::BASE2_ODD;
   const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
                             {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
 #pragma unroll
@@ -306,19 +311,23 @@ HALVES = [
      """  __device__ __forceinline__ void operator()(float (&acc)[2][4], const float (&raw)[2][4],
                                              const float (&xsum)[4], const float (&raw1)[2][4],
                                              const float (&xsum1)[4]) const {"""),
-    ("acc[tile][c] = fmaf(s[j], raw[tile][c], fmaf(zb[j], xsum[c & 1], acc[tile][c]));",
-     "acc[tile][c] = fmaf(s[j], raw[tile][c] + raw1[tile][c], fmaf(zb[j], xsum[c & 1] + xsum1[c & 1], acc[tile][c]));"),
+    ("""        const float r = TWO_BASES ? raw[tile][c] - xsum[c & 1] : raw[tile][c];
+        acc[tile][c] = fmaf(s[j], r, fmaf(zb[j], xsum[(TWO_BASES ? 2 : 0) + (c & 1)], acc[tile][c]));""",
+     """        const int x = (TWO_BASES ? 2 : 0) + (c & 1);
+        const float r = raw[tile][c] + raw1[tile][c] - (TWO_BASES ? xsum[c & 1] + xsum1[c & 1] : 0.f);
+        acc[tile][c] = fmaf(s[j], r, fmaf(zb[j], xsum[x] + xsum1[x], acc[tile][c]));"""),
     ("float acc[MT][2][4], raw[MT][2][4], xsum[MT][4];", "float acc[MT][2][4], raw[MT][2][4], xsum[MT][4], raw1[MT][2][4], xsum1[MT][4];"),
     ("acc[mt][0][j] = acc[mt][1][j] = raw[mt][0][j] = raw[mt][1][j] = xsum[mt][j] = 0.f;",
      "acc[mt][0][j] = acc[mt][1][j] = raw[mt][0][j] = raw[mt][1][j] = xsum[mt][j] = raw1[mt][0][j] = raw1[mt][1][j] = xsum1[mt][j] = 0.f;"),
-    ("""      step_mmas<T, RUNNING>(RUNNING ? acc[mt] : raw[mt], xsum[mt], r,
-                            *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)), GS && i % GSTEP == 0);""",
+    ("""      step_mmas<T, RUNNING, TWO_BASES>(RUNNING ? acc[mt] : raw[mt], xsum[mt], r,
+                                       *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
+                                       GS && i % GSTEP == 0);""",
      """      if constexpr (RUNNING)
-        step_mmas<T, true>(acc[mt], xsum[mt], r, *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
-                           GS && i % GSTEP == 0);
+        step_mmas<T, true, false>(acc[mt], xsum[mt], r, *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
+                                  GS && i % GSTEP == 0);
       else
-        step_halves<T>(raw[mt], xsum[mt], raw1[mt], xsum1[mt], r,
-                       *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)), GS && i % GSTEP == 0);"""),
+        step_halves<T, TWO_BASES>(raw[mt], xsum[mt], raw1[mt], xsum1[mt], r,
+                                  *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)), GS && i % GSTEP == 0);"""),
     ("fold(acc[mt], raw[mt], xsum[mt]);", "fold(acc[mt], raw[mt], xsum[mt], raw1[mt], xsum1[mt]);"),
     ("for (int c = 0; c < 4; ++c) raw[mt][0][c] = raw[mt][1][c] = xsum[mt][c] = 0.f;",
      "for (int c = 0; c < 4; ++c) raw[mt][0][c] = raw[mt][1][c] = xsum[mt][c] = raw1[mt][0][c] = raw1[mt][1][c] = xsum1[mt][c] = 0.f;"),
@@ -329,6 +338,14 @@ def one_tile_cap(regs: int) -> tuple:
     """The one-tile kernel capped at `regs` registers instead of 2 CTAs of 512 threads (64)."""
     return (BOUNDS, f"MT == 4 ? 2 : 1) __maxnreg__(MT == 1 ? {regs} : MT == 4 ? 128 : 255)")
 
+
+# fp16's raw codes with one shift a word (odd nibble pairs read at bits 4-7 over 64; the x-sum MMA's
+# rows g weighted by the bases: the shipped kernel since session 37, at one and two token tiles)
+# against one base for every pair (a shift per pair, as bf16 must), and at four tiles too; time with
+# --dtype float16 (bf16 compiles to the same SASS in all three).
+SETS["bases"] = {"one_base": {"w4a16_mma.cu": [("  return Num<T>::ONE_SHIFT && mt <= 2;", "  return false;")]},
+                 "shipped": {}, "from1to4": {"w4a16_mma.cu": [("  return Num<T>::ONE_SHIFT && mt <= 2;",
+                                                               "  return Num<T>::ONE_SHIFT && mt <= 4;")]}}
 
 SETS["chains"] = {"shipped": {}, "cap80": {"w4a16_mma.cu": [one_tile_cap(80)]},
                   "halves_cap80": {"w4a16_mma.cu": HALVES + [one_tile_cap(80)]},

@@ -1,10 +1,10 @@
-"""Kernel benchmarks: ``python -m nibble.bench kernels [--quick] [--out DIR]``.
+"""Kernel benchmarks: ``python -m nibble.bench kernels [--quick] [--dtype float16] [--out DIR]``.
 
-W4A16 at each shape (N, K) and M: cuBLAS bf16 (``F.linear``), PyTorch's tinygemm
-(``aten._weight_int4pack_mm``) and nibble (``torch.ops.nibble.w4a16_linear``), all bf16
-activations, group 128, timed with ``nibble.bench.timing.bench_us`` (CUDA-graph replay, weights
-rotated over several copies so the working set is well past the L2). Writes
-``DIR/w4a16-<gpu>.json`` and ``.png`` (speedup over bf16 vs M).
+W4A16 at each shape (N, K) and M: cuBLAS (``F.linear``, op "bf16" or "fp16"), PyTorch's tinygemm
+(``aten._weight_int4pack_mm``, bf16 only) and nibble (``torch.ops.nibble.w4a16_linear``), bf16
+activations (or fp16 with ``--dtype float16``), group 128, timed with ``nibble.bench.timing.bench_us``
+(CUDA-graph replay, weights rotated over several copies so the working set is well past the L2).
+Writes ``DIR/w4a16-<gpu>[-fp16].json`` and ``.png`` (speedup over cuBLAS vs M).
 """
 from __future__ import annotations
 
@@ -47,12 +47,12 @@ def int4_sets(N: int, K: int, G: int, device) -> list:
     return [random_int4(N, K, G, device) for _ in range(rotations(int4_bytes(N, K, G)))]
 
 
-def weight_sets(N: int, K: int, G: int, device):
-    """Copies of one random INT4 layer and of its bf16 dequantization, each set past the L2 several
-    times over (for `bench_us` to rotate through), and the fp32 weight to check outputs against."""
+def weight_sets(N: int, K: int, G: int, device, dtype=torch.bfloat16):
+    """Copies of one random INT4 layer and of its dequantization to ``dtype``, each set past the L2
+    several times over (for `bench_us` to rotate through), and the fp32 weight to check outputs against."""
     from nibble.kernels.w4a16 import dequantize_cuda
     w4 = int4_sets(N, K, G, device)
-    wb = [dequantize_cuda(*w4[i % len(w4)], G, dtype=torch.bfloat16) for i in range(rotations(N * K * 2))]
+    wb = [dequantize_cuda(*w4[i % len(w4)], G, dtype=dtype) for i in range(rotations(N * K * 2))]
     return w4, wb, dequantize_cuda(*w4[0], G, dtype=torch.float32)
 
 
@@ -73,22 +73,31 @@ def tinygemm_mm(x, packed, sz, group_size):
     return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
 
 
-def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "nibble"), log=print):
+def baseline_op(dtype) -> str:
+    """The name of cuBLAS's rows for activations of ``dtype``."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "nibble"), log=print,
+                dtype=torch.bfloat16):
+    """Rows (op, M, N, K, us, speedup over cuBLAS, GB/s, TFLOP/s) of the ``ops`` at every M of ``ms``,
+    activations of ``dtype`` (tinygemm takes bf16 only)."""
     import nibble.kernels.w4a16  # noqa: F401  registers torch.ops.nibble.w4a16_linear
     dev = torch.device("cuda")
+    base_op = baseline_op(dtype)
     rows = []
     layer_bytes = int4_bytes(N, K, G)
     bf16_bytes = N * K * 2
-    w4, wb, wf = weight_sets(N, K, G, dev)  # weight copies (rotated) for each op
+    w4, wb, wf = weight_sets(N, K, G, dev, dtype)  # weight copies (rotated) for each op
     n4, nb = len(w4), len(wb)
     tg = None
-    if "tinygemm" in ops:
+    if "tinygemm" in ops and dtype == torch.bfloat16:
         try:
             tg = [tinygemm_pack(*w4[i], G) for i in range(n4)]
         except Exception as e:  # pragma: no cover - depends on torch build
             log(f"tinygemm unavailable: {type(e).__name__}: {e}")
     if tg is not None or "nibble" in ops:  # same function? (relative error vs fp32 dequant reference)
-        xc = torch.randn(8, K, device=dev, dtype=torch.bfloat16)
+        xc = torch.randn(8, K, device=dev, dtype=dtype)
         ref = xc.float() @ wf.t()
         chk = {}
         if tg is not None:
@@ -99,10 +108,10 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "ni
         del ref
     del wf
     for M in ms:
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=dev, dtype=dtype)
         res = {}
-        if "bf16" in ops:
-            res["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb, **TIMING)
+        if "cublas" in ops:
+            res[base_op] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb, **TIMING)
         if tg is not None:
             try:
                 res["tinygemm"] = bench_us(lambda i: (lambda: tinygemm_mm(x, tg[i][0], tg[i][1], G)), n4, **TIMING)
@@ -111,26 +120,27 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("bf16", "tinygemm", "ni
         if "nibble" in ops:
             res["nibble"] = bench_us(
                 lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4, **TIMING)
-        base = res.get("bf16")
+        base = res.get(base_op)
         for op, us in res.items():
-            nbytes = {"bf16": bf16_bytes, "tinygemm": layer_bytes, "nibble": layer_bytes}[op] + 2 * M * (K + N)
+            nbytes = (bf16_bytes if op == base_op else layer_bytes) + 2 * M * (K + N)
             rows.append(dict(op=op, M=M, N=N, K=K, group_size=G, us=round(us, 3),
                              speedup=round(base / us, 4) if base else None,
                              GBps=round(nbytes / us / 1e3, 1), TFLOPs=round(2 * M * N * K / us / 1e6, 2)))
         log(f"N={N:6d} K={K:6d} M={M:5d} " + " ".join(f"{op}={us:8.2f}us" for op, us in res.items())
-            + (f"  nibble x{base / res['nibble']:.2f} bf16" if base and "nibble" in res else "")
+            + (f"  nibble x{base / res['nibble']:.2f} {base_op}" if base and "nibble" in res else "")
             + (f" x{res['tinygemm'] / res['nibble']:.2f} tinygemm" if "tinygemm" in res and "nibble" in res else ""))
     del w4, wb, tg
     torch.cuda.empty_cache()
     return rows
 
 
-def summarize(rows, big_bytes: int = 64 << 20):
-    """Per M: geomean speedup of nibble vs bf16 (all shapes, and shapes with >= 64 MB bf16 weight) and vs tinygemm."""
+def summarize(rows, big_bytes: int = 64 << 20, base_op: str = "bf16"):
+    """Per M: geomean speedup of nibble vs cuBLAS (``base_op``'s rows; all shapes, and shapes with
+    >= 64 MB of 16-bit weight) and vs tinygemm. (The keys say bf16 whatever ``base_op``.)"""
     out = []
     for M in sorted({r["M"] for r in rows}):
         nib = {(r["N"], r["K"]): r for r in rows if r["op"] == "nibble" and r["M"] == M}
-        bf = {(r["N"], r["K"]): r for r in rows if r["op"] == "bf16" and r["M"] == M}
+        bf = {(r["N"], r["K"]): r for r in rows if r["op"] == base_op and r["M"] == M}
         tg = {(r["N"], r["K"]): r for r in rows if r["op"] == "tinygemm" and r["M"] == M}
         all_sp = [bf[k]["us"] / nib[k]["us"] for k in nib if k in bf]
         big_sp = [bf[k]["us"] / nib[k]["us"] for k in nib if k in bf and k[0] * k[1] * 2 >= big_bytes]
@@ -146,7 +156,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m nibble.bench kernels")
     ap.add_argument("--quick", action="store_true", help="3 shapes x 4 M values")
     ap.add_argument("--out", default="benchmarks/results", help="output folder (JSON + PNG)")
-    ap.add_argument("--name", default=None, help="file stem (default w4a16-<gpu>)")
+    ap.add_argument("--name", default=None, help="file stem (default w4a16-<gpu>, w4a16-<gpu>-fp16 for fp16)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                    help="activations, and cuBLAS's weight (tinygemm runs in bf16 only)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("nibble.bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -157,18 +169,23 @@ def main(argv=None):
     rows = []
     gpu = torch.cuda.get_device_name().lower()
     tag = "h200" if "h200" in gpu else "h100" if "h100" in gpu else gpu.replace("nvidia", "").strip().replace(" ", "-")
-    name = args.name or f"w4a16-{tag}"
-    cmd = "python -m nibble.bench kernels" + (" --quick" if args.quick else "")
+    dtype = getattr(torch, args.dtype)
+    base_op = baseline_op(dtype)
+    name = args.name or f"w4a16-{tag}" + ("-fp16" if dtype == torch.float16 else "")
+    cmd = ("python -m nibble.bench kernels" + (" --quick" if args.quick else "")
+           + (" --dtype float16" if dtype == torch.float16 else ""))
     for N, K in shapes:
-        rows += bench_shape(N, K, ms)
+        rows += bench_shape(N, K, ms, dtype=dtype)
         # partial results after every shape (a run cut short still leaves its numbers)
         write_results(rows, env_meta(benchmark="w4a16", command=cmd, partial=True), args.out, name)
-    summary = summarize(rows)
-    print("\n   M  geo(all)  geo(>=64MB)  min(all)  geo(vs tinygemm)  min(vs tinygemm)")
+    summary = summarize(rows, base_op=base_op)
+    print(f"\n   M  vs cuBLAS {base_op}: geo(all)  geo(>=64MB)  min(all);  geo(vs tinygemm)  min(vs tinygemm)")
     for s in summary:
+        vs_tinygemm = (f"  {s['geomean_vs_tinygemm']:15.2f}x  {s['min_vs_tinygemm']:15.2f}x"
+                       if s["geomean_vs_tinygemm"] == s["geomean_vs_tinygemm"] else "  (no tinygemm in fp16)")
         print(f"{s['M']:5d}  {s['geomean_vs_bf16']:7.2f}x  {s['geomean_vs_bf16_big']:10.2f}x  {s['min_vs_bf16']:7.2f}x"
-              f"  {s['geomean_vs_tinygemm']:15.2f}x  {s['min_vs_tinygemm']:15.2f}x")
-    meta = env_meta(benchmark="w4a16", group_size=GROUP, activations="bfloat16", command=cmd, summary=summary)
-    paths = write_results(rows, meta, args.out, name, title=f"W4A16 speedup over cuBLAS bf16 ({meta.get('gpu')})")
+              + vs_tinygemm)
+    meta = env_meta(benchmark="w4a16", group_size=GROUP, activations=args.dtype, command=cmd, summary=summary)
+    paths = write_results(rows, meta, args.out, name, title=f"W4A16 speedup over cuBLAS {base_op} ({meta.get('gpu')})")
     print("wrote", paths)
     return 0

@@ -508,6 +508,34 @@ def test_gpu_wgmma_every_instantiation(tile, G):
 
 
 @needs_cuda
+@pytest.mark.parametrize("G", [32, 128])
+def test_gpu_wgmma_rounds_each_weight_once(G):
+    """The Hopper GEMM dequantizes to the weight the reference rounds, bit for bit, in both
+    activation dtypes (bf16 through fp32, fp16 in 16-bit fused multiply-adds): one-hot rows of x
+    make each output one weight, accumulated exactly. Scales 10^4 apart, integer zero points (as
+    GPTQ / AWQ store them: then q s + z is exact in fp32, and so is the reference's weight before
+    its one rounding), and zero scales (the weight is z) included."""
+    _needs_wgmma_kernel()
+    N, K = 512, 1024
+    qw, s, z = make_weight(N, K, G, device="cuda", seed=G)
+    s[1::4] *= 100
+    s[2::4] /= 100
+    zp = torch.randint(0, 16, s.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(G))
+    z = (-zp * s.float()).half()
+    s[3::4, ::5] = 0
+    rows = torch.randperm(K, device="cuda")[:160]
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.zeros(len(rows), K, device="cuda", dtype=dtype)
+        x[torch.arange(len(rows)), rows] = 1
+        want = dequantize(qw, s, z, G).to(dtype)[:, rows].t()
+        for tile in W.WGMMA_TILES:
+            out = torch.full((len(rows), N), float("nan"), device="cuda", dtype=dtype)
+            W.w4a16_wgmma(x, qw, s, z, G, config=dict(bn=tile[0], channels=tile[1], split_k=1), out=out)
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), (dtype, tile)
+
+
+@needs_cuda
 @pytest.mark.parametrize("tile", W.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
 def test_gpu_wgmma_split_k_every_split_count(tile):
     """Each CTA of a tile's cluster sums the splits' fp32 partials of its share of the token rows in

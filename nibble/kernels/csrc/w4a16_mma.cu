@@ -28,10 +28,17 @@
 // pairs with one byte-permute per register. Every K row is covered exactly once.
 //
 // Dequant without conversions, factored out of the inner loop: a nibble OR-ed into the mantissa of
-// B = 1024 (fp16 0x6400) or B = 128 (bf16 0x4300), where the ulp is 1, is the exact float B + q.
-// Those raw codes go through the MMA as they are (3 shifts + 4 lop3 per 8 weights, nothing else),
-// summed per group in fp32 as R = sum (B + q) x; one extra MMA with an all-ones A gives
-// X = sum x. At the end of each group, in fp32:  sum (q s + z) x = s R + (z - B s) X.
+// B = 128 (bf16 0x4300), where the ulp is 1, is the exact float B + q. Those raw codes go through
+// the MMA as they are (3 shifts + 4 lop3 per 8 weights, nothing else), summed per group in fp32 as
+// R = sum (B + q) x; one extra MMA with an all-ones A gives X = sum x. At the end of each group, in
+// fp32:  sum (q s + z) x = s R + (z - B s) X.
+// fp16's 10-bit mantissa also holds a nibble at bits 4-7: over B = 64 (0x5400, ulp 1/16 at bit 0)
+// it reads as 64 + q, over 1024 (0x6400) a nibble at bits 0-3 as 1024 + q. So the pairs (j, j+4) of
+// even j (bits 0-3 / 16-19, B = 1024) and odd j (bits 4-7 / 20-23, B = 64) need one shift a word,
+// not three (Marlin's trick; at one and two token tiles, `two_bases`): 1 shift + 4 lop3 per 8 weights.
+// The x-sum MMA then carries two rows: its A holds B in rows 0-7 (1024 in the K slots of even j, 64
+// in those of odd j) and 1 in rows 8-15, giving W = sum B x and X = sum x at once, and
+// sum (q s + z) x = s (R - W) + z X.
 // (Doing q * s + z in 16 bits per weight costs 8 more instructions per word, and folding B into
 // z in 16 bits would cancel catastrophically; in fp32 the cancellation costs ~2^-14 relative.)
 // At four token tiles, where two sets of accumulators do not fit the registers, R runs on in the
@@ -47,7 +54,7 @@
 // built to issue few: unrolled over the ring (shared-memory addresses are immediates), group
 // boundaries at compile-time positions for groups of 32-128 (no per-step group tests, the first
 // MMA of a group starts from zero instead of zeroing the sums), predicates only in the last
-// rounds. Per 512 bytes of weight: 16 lop3 + 12 shifts + 4 byte-permutes + 6 MMA + ~26 other,
+// rounds. Per 512 bytes of weight: 16 lop3 + 12 shifts (fp16: 4) + 4 byte-permutes + 6 MMA + ~26 other,
 // ~64 instructions (from ~114 with per-step bookkeeping: 46.6 -> 34.5 us on 28672 x 8192, H200).
 //
 // K is split across the warps of a CTA (each owns a contiguous range of whole groups); partial
@@ -66,18 +73,21 @@
 
 namespace {
 
-// Per activation type: the raw-code base B (twice, as the lop3 OR constant, and as a float), 1.0
-// twice, the MMA's type name and the output conversion.
+// Per activation type: the raw-code base B (twice, as the lop3 OR constant, and as a float), with
+// ONE_SHIFT the base of nibbles at bits 4-7 (twice), 1.0 twice, and the output conversion.
 template <typename T> struct Num;
 
 template <> struct Num<__half> {
-  static constexpr uint32_t BASE2 = 0x64006400u;  // 1024, 1024
+  static constexpr bool ONE_SHIFT = true;
+  static constexpr uint32_t BASE2 = 0x64006400u;      // 1024, 1024: nibbles at bits 0-3 / 16-19
+  static constexpr uint32_t BASE2_ODD = 0x54005400u;  // 64, 64: nibbles at bits 4-7 / 20-23
   static constexpr uint32_t ONE2 = 0x3c003c00u;
   static constexpr float BASE = 1024.f;
   static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 };
 
 template <> struct Num<__nv_bfloat16> {
+  static constexpr bool ONE_SHIFT = false;
   static constexpr uint32_t BASE2 = 0x43004300u;  // 128, 128
   static constexpr uint32_t ONE2 = 0x3f803f80u;
   static constexpr float BASE = 128.f;
@@ -94,21 +104,42 @@ struct Weights {
   int n[MAX_WEIGHTS], ldo[MAX_WEIGHTS], cta_end[MAX_WEIGHTS];
 };
 
-// word -> raw code pairs (B + q_j, B + q_{j+4}), j = 0..3
+// Where the kernel reads fp16 codes with one shift a word (TWO_BASES): at one and two token tiles.
+// H200, fp16, against a shift per pair (benchmarks/notes-w4a16.md, session 37): M = 1 1-8% faster
+// (geomean of the >= 64 MB shapes 2.94x -> 3.04x cuBLAS fp16), M = 8 1-7%, M = 16 0-3%; at four tiles
+// (RunningFold) 1-3% slower, eight not measured.
 template <typename T>
+__host__ __device__ constexpr bool two_bases(int mt) {
+  return Num<T>::ONE_SHIFT && mt <= 2;
+}
+
+// word -> raw code pairs (B_j + q_j, B_j + q_{j+4}), j = 0..3. (TWO_BASES defaults to one base here
+// and below for benchmarks/scripts/w4a16_spread.cu and w4a16_tma_stream.cu, which reuse these helpers.)
+template <typename T, bool TWO_BASES = false>
 __device__ __forceinline__ void raw_codes(uint32_t w, uint32_t (&r)[4]) {
+  if constexpr (TWO_BASES) {
+    const uint32_t w8 = w >> 8;
+    r[0] = and_or(w, 0x000f000fu, Num<T>::BASE2);
+    r[1] = and_or(w, 0x00f000f0u, Num<T>::BASE2_ODD);
+    r[2] = and_or(w8, 0x000f000fu, Num<T>::BASE2);
+    r[3] = and_or(w8, 0x00f000f0u, Num<T>::BASE2_ODD);
+  } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) r[j] = and_or(w >> (4 * j), 0x000f000fu, Num<T>::BASE2);
+    for (int j = 0; j < 4; ++j) r[j] = and_or(w >> (4 * j), 0x000f000fu, Num<T>::BASE2);
+  }
 }
 
 // One 32-deep step's MMAs for one token tile: A = the raw codes r ([column c + j][nibble pair]),
 // B = the lane's 16 bytes of x (x[m, 8w .. 8w+7] of its word row w) permuted from pairs (0,1) (2,3)
-// (4,5) (6,7) to the nibble pairs (j, j+4). R += (B + q) x per column, X += x (the all-ones MMA);
+// (4,5) (6,7) to the nibble pairs (j, j+4). R += (B + q) x per column, X += x (the x-sum MMA; with
+// TWO_BASES its rows g give W += B x: the low K half of each MMA takes even j, the high half odd j);
 // `fresh` (a group's first step) starts both from zero.
-template <typename T, bool RUNNING = false>
+template <typename T, bool RUNNING = false, bool TWO_BASES = false>
 __device__ __forceinline__ void step_mmas(float (&raw)[2][4], float (&xsum)[4], const uint32_t (&r)[4][4], uint4 xr,
                                           bool fresh) {
-  const uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
+  // A fragment: a0 / a2 = rows g, K slots 2t.. / 2t+8.., a1 / a3 = rows g + 8
+  uint32_t ones[4] = {Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2, Num<T>::ONE2};
+  if constexpr (TWO_BASES) ones[0] = Num<T>::BASE2, ones[2] = Num<T>::BASE2_ODD;
   const uint32_t b[2][2] = {{__byte_perm(xr.x, xr.z, 0x5410), __byte_perm(xr.x, xr.z, 0x7632)},
                             {__byte_perm(xr.y, xr.w, 0x5410), __byte_perm(xr.y, xr.w, 0x7632)}};
 #pragma unroll
@@ -132,17 +163,19 @@ __device__ __forceinline__ void quad_to_float(uint2 h, float (&f)[4]) {
   f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
 }
 
-// A closed group folded into the lane's sums, in fp32: sum (q s + z) x = s R + (z - B s) X for its
-// columns c .. c+3, from their fp16 scales and zeros (two half2 words each).
-template <typename T>
+// A closed group folded into the lane's sums, in fp32: sum (q s + z) x = s R + (z - B s) X (one
+// base) or s (R - W) + z X (TWO_BASES) for its columns c .. c+3, from their fp16 scales and zeros
+// (two half2 words each). The x-sum MMA's C fragment: c0 / c1 (tokens 2t, 2t+1) are its rows g,
+// c2 / c3 its rows g + 8; with one base every row is X, with TWO_BASES rows g are W, rows g + 8 X.
+template <typename T, bool TWO_BASES = false>
 struct GroupFold {
-  float s[4], zb[4];  // s and z - B s of column c + j
+  float s[4], zb[4];  // s and z - B s (TWO_BASES: z; W carries B) of column c + j
   __device__ __forceinline__ GroupFold(uint2 scales, uint2 zeros) {
     float z[4];
     quad_to_float(scales, s);
     quad_to_float(zeros, z);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) zb[j] = z[j] - Num<T>::BASE * s[j];
+    for (int j = 0; j < 4; ++j) zb[j] = TWO_BASES ? z[j] : z[j] - Num<T>::BASE * s[j];
   }
   // C fragment: row g of tile t is column c + 2t, row g + 8 is c + 2t + 1; c & 1 picks the token.
   __device__ __forceinline__ void operator()(float (&acc)[2][4], const float (&raw)[2][4],
@@ -152,7 +185,8 @@ struct GroupFold {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = 2 * tile + (c >> 1);
-        acc[tile][c] = fmaf(s[j], raw[tile][c], fmaf(zb[j], xsum[c & 1], acc[tile][c]));
+        const float r = TWO_BASES ? raw[tile][c] - xsum[c & 1] : raw[tile][c];
+        acc[tile][c] = fmaf(s[j], r, fmaf(zb[j], xsum[(TWO_BASES ? 2 : 0) + (c & 1)], acc[tile][c]));
       }
   }
 };
@@ -228,7 +262,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // round trip per step). The stage size is a compile-time constant and the loop is unrolled over
   // the ring, so every shared-memory address is a register plus an immediate.
   // Reused after the loop as [warps][MT * 8][32] floats.
-  constexpr bool RUNNING = running_fold(MT);
+  constexpr bool RUNNING = running_fold(MT), TWO_BASES = two_bases<T>(MT);
   constexpr int SZ = 512, XS = stage_x_offset(MT), STAGE = XS + 512 * MT, GSTEP = GS ? GS : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
@@ -300,14 +334,15 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
     const unsigned char* here = ring + i * STAGE;
     const uint4 wv = *reinterpret_cast<const uint4*>(here + ws.read_src);
     uint32_t r[4][4];  // [column c + j][nibble pair]
-    raw_codes<T>(wv.x, r[0]);
-    raw_codes<T>(wv.y, r[1]);
-    raw_codes<T>(wv.z, r[2]);
-    raw_codes<T>(wv.w, r[3]);
+    raw_codes<T, TWO_BASES>(wv.x, r[0]);
+    raw_codes<T, TWO_BASES>(wv.y, r[1]);
+    raw_codes<T, TWO_BASES>(wv.z, r[2]);
+    raw_codes<T, TWO_BASES>(wv.w, r[3]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)  // a group's first step starts its sums from zero
-      step_mmas<T, RUNNING>(RUNNING ? acc[mt] : raw[mt], xsum[mt], r,
-                            *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)), GS && i % GSTEP == 0);
+      step_mmas<T, RUNNING, TWO_BASES>(RUNNING ? acc[mt] : raw[mt], xsum[mt], r,
+                                       *reinterpret_cast<const uint4*>(here + XS + xstream.offset(mt)),
+                                       GS && i % GSTEP == 0);
 
     if (GS ? (i + 1) % GSTEP == 0 : s + 1 == read_group_end) {  // the group closes; its parameters came with this step
       if (!GS) read_group_end += group_steps;
@@ -323,7 +358,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
             for (int c = 0; c < 4; ++c) xsum[mt][c] = 0.f;
         }
       } else {
-        const GroupFold<T> fold(make_uint2(sz.x, sz.y), make_uint2(sz.z, sz.w));
+        const GroupFold<T, TWO_BASES> fold(make_uint2(sz.x, sz.y), make_uint2(sz.z, sz.w));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           fold(acc[mt], raw[mt], xsum[mt]);

@@ -23,7 +23,7 @@
 // permutation and arrives by TMA as the caller holds it. The four lanes t read the same bytes (a
 // shared-memory broadcast); each dequantizes only its own byte.
 //
-// Dequantization, exact and in fp32 (6 instructions per register of two weights):
+// Dequantization for bf16 x, exact and in fp32 (6 instructions per register of two weights):
 //   r = rotate(word, 15 - 8t)                 byte t at bits 15..22: low nibble 15..18, high 19..22
 //   lo = float(r & 0x00078000 | 0x3F800000)   = 1 + q_lo / 256 exactly (the nibble in the mantissa)
 //   hi = float(r & 0x00780000 | 0x3F800000)   = 1 + q_hi / 16
@@ -33,6 +33,12 @@
 // rounds. (In 16-bit arithmetic, bf16 scales would cost 2-3 ulp per weight: measured 1.65x the
 // error of a bf16 product, for 5-10% of speed. Folding the magic constant into z in 16 bits
 // cancels catastrophically.)
+// For fp16 x the scales and zeros are already x's type, so 16-bit arithmetic rounds each weight
+// once too (4 instructions per register):
+//   v = byte_perm(word, 0x64646464, [t, 4, t, 4]) & 0xFFF0FF0F   halves 0x640L, 0x64H0: the fp16
+//                                              1024 + q_lo (ulp 1), 1024 + 16 q_hi (ulp 16)
+//   q = v * (1, 1/16) - (1024, 64)             (q_lo, q_hi), exactly
+//   w = q * (s, s) + (z, z)                    one fused multiply-add: q s + z rounded once
 //
 // Where the time goes (Nsight Compute, H200; benchmarks/notes-w4a16.md session 7): the unpacking
 // does not hide behind the asynchronous MMAs as well as the int8 kernel's 3 instructions per word
@@ -108,8 +114,9 @@ template <typename T> struct Elem {
   }
 };
 
-// One column's group: w = (1 + q/256) * s256 + z256 for the low nibble of a byte, (1 + q/16) *
-// s16 + z16 for the high one.
+// One column's group. bf16: w = (1 + q/256) * s256 + z256 for the low nibble of a byte, (1 + q/16)
+// * s16 + z16 for the high one. fp16: s and z, each twice.
+template <typename T, bool HALF = Elem<T>::HALF>
 struct Affine {
   float s256, z256, s16, z16;
   __device__ __forceinline__ Affine() {}
@@ -122,13 +129,36 @@ struct Affine {
   }
 };
 
-// Byte t of `word` (rot = (15 - 8t) mod 32) -> the fragment register of its two weights.
 template <typename T>
-__device__ __forceinline__ uint32_t dequant(uint32_t word, int rot, const Affine& a) {
-  const uint32_t r = __funnelshift_l(word, word, rot);
-  const float lo = __uint_as_float(and_or(r, 0x00078000u, 0x3F800000u));
-  const float hi = __uint_as_float(and_or(r, 0x00780000u, 0x3F800000u));
-  return Elem<T>::pack(fmaf(lo, a.s256, a.z256), fmaf(hi, a.s16, a.z16));
+struct Affine<T, true> {
+  __half2 s2, z2;
+  __device__ __forceinline__ Affine() {}
+  __device__ __forceinline__ Affine(__half s, __half z) : s2(__half2half2(s)), z2(__half2half2(z)) {}
+};
+
+// What a lane needs to find its byte t in a word: bf16 the rotation (15 - 8t) mod 32, fp16 the
+// byte_perm selector [t, 4, t, 4].
+template <typename T>
+__device__ __forceinline__ uint32_t byte_select(int t) {
+  return Elem<T>::HALF ? 0x4040u | (t << 8) | t : (15 - 8 * t) & 31;
+}
+
+// Byte t of `word` (`byte_select`) -> the fragment register of its two weights.
+template <typename T>
+__device__ __forceinline__ uint32_t dequant(uint32_t word, uint32_t select, const Affine<T>& a) {
+  if constexpr (Elem<T>::HALF) {
+    const auto half2_of = [](uint32_t u) { return *reinterpret_cast<const __half2*>(&u); };
+    const uint32_t v = __byte_perm(word, 0x64646464u, select) & 0xfff0ff0fu;
+    // (1, 1/16) and (-1024, -64), low half first
+    const __half2 q = __hfma2(half2_of(v), half2_of(0x2c003c00u), half2_of(0xd400e400u));
+    const __half2 w = __hfma2(q, a.s2, a.z2);
+    return *reinterpret_cast<const uint32_t*>(&w);
+  } else {
+    const uint32_t r = __funnelshift_l(word, word, select);
+    const float lo = __uint_as_float(and_or(r, 0x00078000u, 0x3F800000u));
+    const float hi = __uint_as_float(and_or(r, 0x00780000u, 0x3F800000u));
+    return Elem<T>::pack(fmaf(lo, a.s256, a.z256), fmaf(hi, a.s16, a.z16));
+  }
 }
 
 // A lane's 2J consecutive outputs of one token, in one store where `live` (hopper.cuh: store_if).
@@ -203,7 +233,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const LaneWeights<J> lane_w(warp, g, X_STAGE);
   const int col = lane_w.col;
   const int sz_read = X_STAGE + W_STAGE + 2 * col;
-  const int rot = (15 - 8 * t) & 31;
+  const uint32_t select = byte_select<T>(t);
   // This lane's columns' scales (z = 0) or zeros (z = 1) in the stage's group row j.
   auto params = [&](const unsigned char* stage, int j, int z) {
     return *reinterpret_cast<const Vec<__half, 2 * J>*>(stage + sz_read + (z * SZ_ROWS + j) * SZ_ROW);
@@ -214,7 +244,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (tiles > 0) mbar_wait(bars, 0);
   Vec<uint32_t, 2 * J> wa = lane_w.words(smem, 0), wb = lane_w.words(smem, 1);
   Vec<__half, 2 * J> sv = params(smem, 0, 0), zv = params(smem, 0, 1);
-  Affine aff[2 * J];
+  Affine<T> aff[2 * J];
   for (int i = 0; i < tiles; ++i) {
     const int s = i % STAGES;
     const uint32_t sx = base + s * STAGE;
@@ -223,7 +253,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int k = 0; k < STEPS; ++k) {
       if (k % GROUP_STEPS == 0) {
 #pragma unroll
-        for (int c = 0; c < 2 * J; ++c) aff[c] = Affine(sv.v[c], zv.v[c]);
+        for (int c = 0; c < 2 * J; ++c) aff[c] = Affine<T>(sv.v[c], zv.v[c]);
       }
       // The next step's words (and group parameters): this stage's, or the first of the next one.
       const unsigned char* next = here;
@@ -243,10 +273,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       uint32_t a[J][4];
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        a[j][0] = dequant<T>(wa.v[2 * j], rot, aff[2 * j]);
-        a[j][1] = dequant<T>(wa.v[2 * j + 1], rot, aff[2 * j + 1]);
-        a[j][2] = dequant<T>(wb.v[2 * j], rot, aff[2 * j]);
-        a[j][3] = dequant<T>(wb.v[2 * j + 1], rot, aff[2 * j + 1]);
+        a[j][0] = dequant<T>(wa.v[2 * j], select, aff[2 * j]);
+        a[j][1] = dequant<T>(wa.v[2 * j + 1], select, aff[2 * j + 1]);
+        a[j][2] = dequant<T>(wb.v[2 * j], select, aff[2 * j]);
+        a[j][3] = dequant<T>(wb.v[2 * j + 1], select, aff[2 * j + 1]);
       }
       const uint64_t desc = smem_desc(sx + (k / 4) * BN * 128 + 32 * (k % 4));
       wgmma_fence();
