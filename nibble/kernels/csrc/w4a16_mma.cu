@@ -28,10 +28,10 @@
 // pairs with one byte-permute per register. Every K row is covered exactly once.
 //
 // Dequant without conversions, factored out of the inner loop: a nibble OR-ed into the mantissa of
-// B = 128 (bf16 0x4300), where the ulp is 1, is the exact float B + q. Those raw codes go through
-// the MMA as they are (3 shifts + 4 lop3 per 8 weights, nothing else), summed per group in fp32 as
-// R = sum (B + q) x; one extra MMA with an all-ones A gives X = sum x. At the end of each group, in
-// fp32:  sum (q s + z) x = s R + (z - B s) X.
+// B = 1024 (fp16 0x6400) or B = 128 (bf16 0x4300), where the ulp is 1, is the exact float B + q.
+// Those raw codes go through the MMA as they are (3 shifts + 4 lop3 per 8 weights, nothing else),
+// summed per group in fp32 as R = sum (B + q) x; one extra MMA with an all-ones A gives X = sum x.
+// At the end of each group, in fp32:  sum (q s + z) x = s R + (z - B s) X.
 // fp16's 10-bit mantissa also holds a nibble at bits 4-7: over B = 64 (0x5400, ulp 1/16 at bit 0)
 // it reads as 64 + q, over 1024 (0x6400) a nibble at bits 0-3 as 1024 + q. So the pairs (j, j+4) of
 // even j (bits 0-3 / 16-19, B = 1024) and odd j (bits 4-7 / 20-23, B = 64) need one shift a word,
