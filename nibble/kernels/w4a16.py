@@ -769,9 +769,9 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) ->
     tile, only where the doubled grid still fits on the GPU at once (32 warps an SM) or each warp
     keeps >= 32 steps. Measured on the H200: at M = 16 and N = 12288, K = 4096, four warps of 32
     steps beat eight of 16 by 15%; at M = 1 eight of 16 win (12288 x 4096: 8%), but not where eight
-    leave a second wave of CTAs: Llama-2-7B's gate/up launch (688 CTAs) at M = 1 runs 2.7% faster at
-    four warps on average over 12 runs (benchmarks/notes-w4a16.md, session 37). x through the L1
-    where ``x_through_l1`` says."""
+    leave a second wave of CTAs: Llama-2-7B's gate/up launch (688 CTAs) runs 2-6% faster at four
+    warps at M = 1-8, a 70B-shaped q/k/v (320 CTAs) 7-11% faster at eight than at sixteen
+    (benchmarks/notes-w4a16.md, session 37). x through the L1 where ``x_through_l1`` says."""
     token_tiles = next(t for t in (1, 2, 4, 8) if M <= 8 * t)
     ctas, warps, steps = N // 32, 4, K // 32
     min_steps = 16 if token_tiles == 1 else 32

@@ -728,7 +728,7 @@ def test_select_mma_config_rules():
                 assert M > 8 or ctas * cfg.warps <= 32 * 132 or steps >= 32 * cfg.warps
     assert W.select_mma_config(1, 12288, 4096, 132).warps == 8   # 128 K steps: 16 per warp at 8 warps
     assert W.select_mma_config(1, 4096, 4096, 132).warps == 16   # 128 CTAs < 132 SMs: warps are the only parallelism
-    assert W.select_mma_config(1, 28672, 8192, 132).warps == 8   # 896 CTAs x 8 warps fill the GPU
+    assert W.select_mma_config(1, 28672, 8192, 132).warps == 8   # 896 CTAs x 8 warps: two waves, but 32 steps a warp
     assert W.select_mma_config(16, 12288, 4096, 132).warps == 4  # 128 K steps: 32 per warp at 4 warps
     assert W.select_mma_config(1, 22016, 4096, 132).warps == 4   # 688 CTAs x 8 warps: a second wave
     assert W.select_mma_config(8, 28672, 4096, 132).warps == 4
