@@ -30,7 +30,7 @@ from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.kernels import cuda_build  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
-from w4a16_skinny_variants import decode_ab  # noqa: E402  (this folder: the skinny-kernel variants' decode A/B)
+from w4a16_skinny_variants import decode_ab, library_installers  # noqa: E402  (this folder: the skinny-kernel variants' decode A/B)
 
 SHIPPED = "  ws.prefetch<RING>(s_begin, s_end);\n"
 
@@ -86,7 +86,7 @@ def main() -> None:
             print(f"{label:15s} M=1 {name:9s} {us:7.2f} us ({base / us:.3f}x){'' if same else ' DIFFER'}", flush=True)
     batches = [int(b) for b in args.batches.split(",") if b]
     if batches:  # each engine's decode graph is captured with its own library's kernels
-        rows += decode_ab("llama-2-7b", libs, batches, args.rounds)
+        rows += decode_ab("llama-2-7b", library_installers(libs), batches, args.rounds)
         W._mma_lib = shipped_lib
     Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
 

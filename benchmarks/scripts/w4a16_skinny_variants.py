@@ -442,9 +442,11 @@ def main():
         libs[name] = ctypes.CDLL(str(args.libs / name / "w4a16_mma_edited.so"))
         W._MMA_SIGNATURES(libs[name])
 
+    use = library_installers(libs)
+
     def call(name, x, weights, cfg, outs):
-        """The package's op on variant `name`'s library (read at every launch, so also while a graph is captured)."""
-        W._mma_lib = lambda _device, lib=libs[name]: lib
+        """The package's op on variant `name`'s library."""
+        use[name]()
         W.w4a16_mma_many(x, weights, G, config=cfg, outs=outs)
 
     # (label, [(N, K)] of one launch): the issue-3 shapes; Llama-2-7B's and Llama-3-8B's grouped launches
@@ -520,40 +522,48 @@ def main():
         sets = wb = laid_out = None
         torch.cuda.empty_cache()
     for name in args.decode:
-        rows += decode_ab(name, libs, list(map(int, args.batches.split(","))), args.rounds)
+        rows += decode_ab(name, use, list(map(int, args.batches.split(","))), args.rounds)
     if args.json:
         args.json.write_text(json.dumps(dict(meta=env_meta(), set=args.set, dtype=args.dtype, variants=variants,
                                              rows=rows), indent=1))
 
 
-def decode_ab(model_name: str, libs: dict, batches, rounds: int) -> list[dict]:
-    """W4A16 decode of a random-weight model after a 128-token prompt, one engine per variant library
-    (the skinny kernel's launches are captured into each engine's graphs from its own library), timed in
-    alternating rounds (128 steps, median of 3 runs each); the greedy tokens must not depend on the variant."""
+def library_installers(libs: dict) -> dict:
+    """{name: a callable that makes the op launch the skinny kernel from that variant's library} for
+    `decode_ab` and the kernel timings (`w4a16._mma_lib` is read at every launch, so also while a graph
+    is captured)."""
+    from nibble.kernels import w4a16 as W
+
+    def install(lib):
+        W._mma_lib = lambda _device: lib
+    return {name: (lambda lib=lib: install(lib)) for name, lib in libs.items()}
+
+
+def decode_ab(model_name: str, variants: dict, batches, rounds: int) -> list[dict]:
+    """W4A16 decode of a random-weight model after a 128-token prompt, one engine per variant
+    (``variants``: {name: a callable that installs it}, e.g. `library_installers`; each engine captures
+    its graphs while its variant is installed), timed in alternating rounds (128 steps, median of 3 runs
+    each); the greedy tokens are compared with the first variant's (the reduction order may change them)."""
     import statistics
 
     import torch
     from nibble.eval import speed
     from nibble.eval.engine import Engine
     from nibble.eval.report import quant_config
-    from nibble.kernels import w4a16 as W
-
-    def use(name):
-        W._mma_lib = lambda _device, lib=libs[name]: lib
 
     model = speed.random_model(model_name)
     speed.quantize_in_place(model, quant_config("w4a16", model, clip_search=False))
     rows = []
     for batch in batches:
         engines, tokens = {}, {}
-        for name in libs:
-            use(name)
+        for name, install in variants.items():
+            install()
             engines[name] = Engine(model, max_batch=batch, max_seq_len=128 + 160)
             speed.measure_decode(engines[name], batch, 128, 8, reps=1)
             tokens[name] = engines[name].generate(torch.arange(1, 9, device="cuda")[None], 6)[0].tolist()
         times = speed.alternating_decodes(engines, batch, 128, 128, rounds)  # graphs captured above
-        first = next(iter(libs))
-        for name in libs:
+        first = next(iter(variants))
+        for name in variants:
             ms = statistics.median(times[name])
             rows.append(dict(case=f"decode {model_name}", batch=batch, variant=name, ms_per_step=ms, rounds=times[name],
                              tokens_per_s=1000 * batch / ms, same_tokens=tokens[name] == tokens[first]))

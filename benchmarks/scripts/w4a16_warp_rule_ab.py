@@ -1,7 +1,7 @@
 """The skinny kernel's warps per CTA (`w4a16.select_mma_config`) against a previous version of the
 rule: the launches whose pick differs timed at every warp count (M = 1-8), then W4A16 decode of
 random-weight Llama-2-7B and Llama-3-8B with each rule's picks captured into its own engine's
-graphs, in alternating rounds (128-token prompt, 128 steps).
+graphs, in alternating rounds (128-token prompt, 128 steps; `w4a16_skinny_variants.decode_ab`).
 
     git show <commit>:nibble/kernels/w4a16.py > .exp/old_w4a16.py
     PYTHONPATH=. python3 benchmarks/scripts/w4a16_warp_rule_ab.py --old .exp/old_w4a16.py --json $OUT/ab.json
@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from nibble.bench.kernels import GROUP, TIMING, random_int4  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
 from nibble.eval import speed  # noqa: E402
-from nibble.eval.engine import Engine  # noqa: E402
-from nibble.eval.report import quant_config  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
+from w4a16_skinny_variants import decode_ab  # noqa: E402  (this folder)
 
 # (label, [(N, K)] of one launch): the several-weight decode launches of Llama-2-7B, Llama-3-8B and a
 # Llama-70B-shaped q/k/v, and the 70B MLP layer (whose pick stays)
@@ -73,26 +72,12 @@ def main() -> None:
             rows.append(dict(case=label, M=M, old=old, new=new, us=us))
         sets = None
         torch.cuda.empty_cache()
+    # each engine captures its graphs under its rule; the warps split K, so the sums' order changes and
+    # the random model's greedy tokens may differ
+    installers = {name: (lambda rule=rule: setattr(W, "select_mma_config", rule)) for name, rule in rules.items()}
     for model_name in ("llama-2-7b", "llama-3-8b"):
-        model = speed.random_model(model_name)
-        speed.quantize_in_place(model, quant_config("w4a16", model, clip_search=False))
-        for batch in (1, 8):
-            engines, tokens = {}, {}
-            for name, rule in rules.items():  # each engine captures its graphs under its rule
-                W.select_mma_config = rule
-                engines[name] = Engine(model, max_batch=batch, max_seq_len=128 + 160)
-                speed.measure_decode(engines[name], batch, 128, 8, reps=1)
-                tokens[name] = engines[name].generate(torch.arange(1, 9, device="cuda")[None], 6)[0].tolist()
-            W.select_mma_config = rules["new"]
-            times = speed.alternating_decodes(engines, batch, 128, 128, args.rounds)
-            old, new = statistics.median(times["old"]), statistics.median(times["new"])
-            # the warps split K, so the sums' order changes: greedy tokens of random weights may differ
-            print(f"decode {model_name} b={batch} old {old:.4f} new {new:.4f} ms/step ({old / new:.4f}x) "
-                  f"tokens {'same' if tokens['old'] == tokens['new'] else 'differ'}", flush=True)
-            rows.append(dict(case=f"decode {model_name}", batch=batch, old_ms=old, new_ms=new, rounds=times,
-                             same_tokens=tokens["old"] == tokens["new"]))
-            speed.release(*engines.values())
-        speed.release(model)
+        rows += decode_ab(model_name, installers, (1, 8), args.rounds)
+    W.select_mma_config = rules["new"]
     if args.json:
         args.json.write_text(json.dumps(dict(meta=env_meta(), rows=rows), indent=1))
 

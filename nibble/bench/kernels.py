@@ -87,7 +87,7 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "
     base_op = baseline_op(dtype)
     rows = []
     layer_bytes = int4_bytes(N, K, G)
-    bf16_bytes = N * K * 2
+    dense_bytes = N * K * 2  # cuBLAS's 16-bit weight
     w4, wb, wf = weight_sets(N, K, G, dev, dtype)  # weight copies (rotated) for each op
     n4, nb = len(w4), len(wb)
     tg = None
@@ -122,7 +122,7 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "
                 lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4, **TIMING)
         base = res.get(base_op)
         for op, us in res.items():
-            nbytes = (bf16_bytes if op == base_op else layer_bytes) + 2 * M * (K + N)
+            nbytes = (dense_bytes if op == base_op else layer_bytes) + 2 * M * (K + N)
             rows.append(dict(op=op, M=M, N=N, K=K, group_size=G, us=round(us, 3),
                              speedup=round(base / us, 4) if base else None,
                              GBps=round(nbytes / us / 1e3, 1), TFLOPs=round(2 * M * N * K / us / 1e6, 2)))
@@ -182,7 +182,7 @@ def main(argv=None):
     print(f"\n   M  vs cuBLAS {base_op}: geo(all)  geo(>=64MB)  min(all);  geo(vs tinygemm)  min(vs tinygemm)")
     for s in summary:
         vs_tinygemm = (f"  {s['geomean_vs_tinygemm']:15.2f}x  {s['min_vs_tinygemm']:15.2f}x"
-                       if s["geomean_vs_tinygemm"] == s["geomean_vs_tinygemm"] else "  (no tinygemm in fp16)")
+                       if not math.isnan(s["geomean_vs_tinygemm"]) else "  (no tinygemm in fp16)")
         print(f"{s['M']:5d}  {s['geomean_vs_bf16']:7.2f}x  {s['geomean_vs_bf16_big']:10.2f}x  {s['min_vs_bf16']:7.2f}x"
               + vs_tinygemm)
     meta = env_meta(benchmark="w4a16", group_size=GROUP, activations=args.dtype, command=cmd, summary=summary)
