@@ -557,14 +557,9 @@ if HAS_TRITON:
                     SPLIT_K, BLOCK_M, BLOCK_N, USE_SPLIT, False)
 
     @triton.jit
-    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_on, stride_ok,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DQ_ASM: tl.constexpr, K_MAJOR: tl.constexpr):
-        """Dense W [N, K] in out's dtype: W = q * s + z in fp32, rounded once.
-
-        K_MAJOR (out's columns contiguous, stride_on == 1, i.e. W^T [K, N] row-major): plane j of the
-        words is K row 8i + j of every column, so each plane is stored as it stands, BLOCK_N
-        contiguous values a row. Otherwise (nn.Linear's [N, K] row-major) the planes are re-woven into
-        [BN, BK] first, and a lane's stores are one K run of one row."""
+    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DQ_ASM: tl.constexpr):
+        """Dense W [N, K] (nn.Linear layout) in out's dtype: W = q * s + z in fp32, rounded once."""
         BK8: tl.constexpr = BLOCK_K // 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -581,23 +576,12 @@ if HAS_TRITON:
         ze = zt - se
         zo = zt - so
         ty = out_ptr.dtype.element_ty
-        w0, w1, w2, w3 = (f0 * se + ze).to(ty), (f1 * so + zo).to(ty), (f2 * se + ze).to(ty), (f3 * so + zo).to(ty)
-        w4, w5, w6, w7 = (f4 * se + ze).to(ty), (f5 * so + zo).to(ty), (f6 * se + ze).to(ty), (f7 * so + zo).to(ty)
-        if K_MAJOR:
-            dst = out_ptr + (8 * offs_i[:, None]) * stride_ok + offs_n[None, :]
-            tl.store(dst, w0, mask=mask)
-            tl.store(dst + stride_ok, w1, mask=mask)
-            tl.store(dst + 2 * stride_ok, w2, mask=mask)
-            tl.store(dst + 3 * stride_ok, w3, mask=mask)
-            tl.store(dst + 4 * stride_ok, w4, mask=mask)
-            tl.store(dst + 5 * stride_ok, w5, mask=mask)
-            tl.store(dst + 6 * stride_ok, w6, mask=mask)
-            tl.store(dst + 7 * stride_ok, w7, mask=mask)
-        else:
-            wt = _weave_t(w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_N, BLOCK_K)  # [BN, BK]
-            offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-            tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :] * stride_ok, wt,
-                     mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+        wt = _weave_t((f0 * se + ze).to(ty), (f1 * so + zo).to(ty), (f2 * se + ze).to(ty), (f3 * so + zo).to(ty),
+                      (f4 * se + ze).to(ty), (f5 * so + zo).to(ty), (f6 * se + ze).to(ty), (f7 * so + zo).to(ty),
+                      BLOCK_N, BLOCK_K)  # [BN, BK]
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], wt,
+                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1037,7 +1021,7 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
     if cfg.kind == "gemv" and M > 2:
         cfg = replace(DISPATCH[16], split_k=1)
     if cfg.kind == "dequant":
-        w = dequantize_cuda(qweight, scales, zeros, group_size, out=kmajor_weight(N, K, x.dtype, x.device))
+        w = dequantize_cuda(qweight, scales, zeros, group_size, dtype=x.dtype)
         if out is None:
             return torch.nn.functional.linear(x, w)
         return torch.mm(x, w.t(), out=out)
@@ -1113,37 +1097,14 @@ def _(x, qweights, scales, zeros, group_size):
 
 
 def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, out=None):
-    """Dense W [N, K] (nn.Linear layout) in ``dtype``: one Triton pass on CUDA, the reference elsewhere.
-    ``out`` may be any [N, K] tensor whose rows or whose columns are contiguous (``kmajor_weight``)."""
+    """Dense W [N, K] (nn.Linear layout) in ``dtype``: one Triton pass on CUDA, the reference elsewhere."""
     _check_weight(qweight, scales, zeros, group_size)
     K, N = qweight.shape[0] * PACK, qweight.shape[1]
     if qweight.device.type != "cuda" or not HAS_TRITON:
-        w = reference.dequantize(qweight, scales, zeros, group_size, dtype=dtype)
-        return w if out is None else out.copy_(w)
+        return reference.dequantize(qweight, scales, zeros, group_size, dtype=dtype)
     if out is None:
         out = torch.empty((N, K), dtype=dtype, device=qweight.device)
-    return _dequantize_triton(qweight, scales, zeros, group_size, out)
-
-
-def kmajor_weight(N: int, K: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """An empty [N, K] weight stored as W^T [K, N] row-major: `dequantize_cuda` writes it with whole
-    rows of N per store, and cuBLAS reads either layout."""
-    return torch.empty((K, N), dtype=dtype, device=device).t()
-
-
-# Dequantization tiles (BLOCK_N, BLOCK_K) per output layout: K-major stores plane rows of BLOCK_N
-# values; [N, K] stores re-woven [BLOCK_N, BLOCK_K] tiles.
-DEQUANT_TILES = {True: (128, 64), False: (64, 128)}
-
-
-def _dequantize_triton(qweight, scales, zeros, group_size, out, tile=None):
-    K, N = qweight.shape[0] * PACK, qweight.shape[1]
-    if tuple(out.shape) != (N, K) or not (out.stride(1) == 1 or out.stride(0) == 1):
-        raise ValueError(f"out must be [N, K] = {(N, K)} with contiguous rows or columns, got {tuple(out.shape)} "
-                         f"strides {out.stride()}")
-    k_major = out.stride(0) == 1
-    bn, bk = tile or DEQUANT_TILES[k_major]
+    bn, bk = 64, 128
     _dequant_kernel[(_cdiv(N, bn), _cdiv(K, bk))](qweight, scales, zeros, out, N, K, group_size,
-                                                 out.stride(0), out.stride(1), BLOCK_N=bn, BLOCK_K=bk,
-                                                 DQ_ASM=not _INTERPRET, K_MAJOR=k_major, num_warps=4)
+                                                 BLOCK_N=bn, BLOCK_K=bk, DQ_ASM=not _INTERPRET, num_warps=4)
     return out

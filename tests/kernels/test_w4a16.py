@@ -155,21 +155,6 @@ def test_interpreter_tiny(M, N, K, G, dtype, kind):
     assert_close(out, x, qw, s, z, G)
 
 
-@needs_interp
-@pytest.mark.parametrize("k_major", [False, True])
-def test_interpreter_dequantize_both_layouts(k_major):
-    """The dequantization kernel writes the reference's rounded weights into [N, K] row-major and into
-    its K-major form (W^T rows, the op's many-token path), masked at an N and K no tile divides.
-    (Not bf16: the interpreter's cast to bf16 truncates; the GPU test checks it.)"""
-    N, K, G = 200, 192, 64
-    qw, s, z = make_weight(N, K, G, seed=7)
-    for dtype in (torch.float16, torch.float32):
-        out = W.kmajor_weight(N, K, dtype, "cpu") if k_major else torch.empty(N, K, dtype=dtype)
-        out.fill_(float("nan"))
-        W._dequantize_triton(qw, s, z, G, out)
-        assert torch.equal(out, dequantize(qw, s, z, G).to(dtype))
-
-
 # ------------------------------------------------------------------------------------------ GPU
 # (N, K) from real models: Llama-2-7B q/o (4096, 4096), up (11008, 4096), down (4096, 11008);
 # Llama-3-8B k/v (1024, 4096), up (14336, 4096), down (4096, 14336); Qwen2-0.5B (896, 896),
@@ -406,22 +391,6 @@ def test_gpu_mma_dispatch_and_fallbacks():
     assert not W.mma_applicable(x, 256, 576, 96)  # group not a power of two times 32
     qw, s, z = make_weight(1000, 512, 128, device="cuda")
     assert_close(torch.ops.nibble.w4a16_linear(x, qw, s, z, 128), x, qw, s, z, 128)
-
-
-@needs_cuda
-@pytest.mark.parametrize("k_major", [False, True])
-def test_gpu_dequantize_both_layouts(k_major):
-    """`dequantize_cuda` into [N, K] and into the K-major weight the op's many-token path hands cuBLAS:
-    the reference's weights rounded once, bit for bit, every element written (NaN-filled first)."""
-    for (N, K, G) in ((1000, 576, 64), (4104, 4096, 128), (520, 4864, 32)):
-        qw, s, z = make_weight(N, K, G, device="cuda", seed=N)
-        for dtype in (torch.float16, torch.bfloat16):
-            out = W.kmajor_weight(N, K, dtype, "cuda") if k_major else torch.empty(N, K, dtype=dtype, device="cuda")
-            out.fill_(float("nan"))
-            W.dequantize_cuda(qw, s, z, G, out=out)
-            assert torch.equal(out, dequantize(qw, s, z, G).to(dtype))
-    with pytest.raises(ValueError, match="contiguous rows or columns"):
-        W.dequantize_cuda(qw, s, z, G, out=torch.empty(K, 2 * N, device="cuda")[:, ::2].t())
 
 
 @needs_cuda
