@@ -37,6 +37,8 @@ Sets (results under benchmarks/results/):
   shipped code under the 80 cap.
 - ``bases`` (w4a16-fp16-bases-h200, ``--dtype float16``): fp16's raw codes with one shift a word (the
   shipped kernel, one and two token tiles) against a shift per nibble pair, and at four tiles too.
+- ``tiles`` (w4a16-token-tile-grid-h200, ``--ms 16``): 9-16 tokens as one-token-tile CTAs, two per
+  column block (a grid dimension for the token tile), against the two-tile kernel.
 
 ``--variants a,b,...`` times only those variants of the set (the first is the reference).
 ``--summarize RUN.json --variants a,b,...`` prints a run's table at the op's warps (the .log files of the
@@ -350,6 +352,21 @@ SETS["bases"] = {"one_base": {"w4a16_mma.cu": [("  return Num<T>::ONE_SHIFT && m
 SETS["chains"] = {"shipped": {}, "cap80": {"w4a16_mma.cu": [one_tile_cap(80)]},
                   "halves_cap80": {"w4a16_mma.cu": HALVES + [one_tile_cap(80)]},
                   "halves_cap96": {"w4a16_mma.cu": HALVES + [one_tile_cap(96)]}}
+
+
+# (tiles set) 9-16 tokens as two CTAs of one token tile each over the same columns (grid.y = the
+# token tile): 64 registers a warp instead of 107, the weight read twice through the L2.
+TILE_GRID = {"w4a16_mma.cu": [
+    ("  const int m_rows = M < MT * 8 ? M : MT * 8;",
+     "  const int m_left = M - (int)blockIdx.y * (8 * MT), m_rows = m_left < MT * 8 ? m_left : MT * 8;"),
+    ("TokenStream<T, uint4, MT> xstream(x, ldx", "TokenStream<T, uint4, MT> xstream(x + (size_t)blockIdx.y * (8 * MT) * ldx, ldx"),
+    ("  const int ldo = pick(weights.ldo, out_weight);",
+     "  const int ldo = pick(weights.ldo, out_weight);\n  out += (size_t)blockIdx.y * (8 * MT) * ldo;"),
+    ("successor_smem<kernel>(successor, pdl, ctas,", "successor_smem<kernel>(successor, pdl, ctas * ((M + 8 * MT - 1) / (8 * MT)),"),
+    ("return launch_kernel(kernel, ctas,", "return launch_kernel(kernel, dim3(ctas, (M + 8 * MT - 1) / (8 * MT)),"),
+    ("    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);",
+     "    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);")]}
+SETS["tiles"] = {"shipped": {}, "tile_grid": TILE_GRID}
 
 
 def build(out_dir: Path, name: str, edits: dict) -> None:
