@@ -1,4 +1,4 @@
-"""The `nibble` command: generate, quantize, info, eval, report, qat, demo."""
+"""The `nibble` command: generate, quantize, info, eval, report, qat, build-kernels, demo."""
 from __future__ import annotations
 
 import argparse
@@ -121,6 +121,23 @@ def cmd_eval(args):
         print(json.dumps(evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size), indent=2))
 
 
+def cmd_build_kernels(args):
+    from nibble.kernels.cuda_build import CudaBuildError, prebuild
+
+    arch = args.arch
+    if arch is None:
+        if not torch.cuda.is_available():
+            raise SystemExit("error: no CUDA GPU visible to read its architecture from; pass --arch "
+                             "(90 for H100/H200, 80 for A100, 89 for L4/L40, ...)")
+        arch = "".join(map(str, torch.cuda.get_device_capability()))
+    try:
+        paths = prebuild(arch, jobs=args.jobs)
+    except (CudaBuildError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
 @torch.no_grad()
 def cmd_demo(args):
     """SmolLM2 -> W4A16 g64 -> side-by-side generations, bytes, logits cosine, perplexity on a slice."""
@@ -209,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("qat", help="PE-QAT: LoRA + fake-quant training, then export a W4A4 model")
     add_qat_arguments(p)
     p.set_defaults(func=qat_main)
+    p = sub.add_parser("build-kernels", help="compile the CUDA kernels ahead of first use (nvcc; cached)")
+    p.add_argument("--arch", help="compute capability as digits, e.g. 90 (H100/H200); default: this machine's GPU")
+    p.add_argument("--jobs", type=int, default=None, help="nvcc processes at a time (default: the CPUs)")
+    p.set_defaults(func=cmd_build_kernels)
     p = sub.add_parser("demo", help="the `make demo` job")
     _add_model_args(p, quant=False)
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -55,3 +55,33 @@ def test_asking_for_cuda_without_a_gpu_is_a_clear_error(model_dir):
 def test_quantize_without_a_quant_mode_is_refused(model_dir, tmp_path):
     with pytest.raises(SystemExit, match="needs --quant"):
         main(["quantize", "--model", str(model_dir), "--quant", "none", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):
+    """`nibble build-kernels --arch 90` compiles the five libraries, the Hopper GEMMs for sm_90a, and
+    prints where each lies; for another arch the sm_90a ones are left out (nvcc stubbed)."""
+    from nibble.kernels import cuda_build
+
+    built = []
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "nvcc")
+    monkeypatch.setattr(cuda_build, "build",
+                        lambda name, arch, nvcc=None, quiet=False: built.append((name, arch, quiet)) or f"/c/{name}")
+    main(["build-kernels", "--arch", "90", "--jobs", "2"])
+    assert sorted(built) == sorted((n, "90a" if hopper else "90", True) for n, hopper in cuda_build.LIBRARIES.items())
+    assert capsys.readouterr().out.splitlines() == [f"{n}: /c/{n}" for n in cuda_build.LIBRARIES]
+    built.clear()
+    main(["build-kernels", "--arch", "80"])
+    assert sorted(built) == sorted((n, "80", True) for n, hopper in cuda_build.LIBRARIES.items() if not hopper)
+
+
+def test_build_kernels_says_what_it_needs(monkeypatch):
+    from nibble.kernels import cuda_build
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="pass --arch"):
+        main(["build-kernels"])
+    with pytest.raises(SystemExit, match="compute capability as digits"):
+        main(["build-kernels", "--arch", "sm_90"])
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    with pytest.raises(SystemExit, match="need nvcc"):
+        main(["build-kernels", "--arch", "90"])

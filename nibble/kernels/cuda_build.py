@@ -4,8 +4,12 @@ Each source is compiled by ``nvcc`` into a shared library for the GPU's own arch
 cached under ``$NIBBLE_CACHE_DIR`` (default ``~/.cache/nibble``), keyed by the source's hash, the
 architecture and the nvcc version; later processes load the cached file in milliseconds. The
 libraries export plain C launchers that take raw pointers and a CUDA stream, called through
-``ctypes``: no PyTorch headers, no ninja, a build of a few seconds, and launches land on PyTorch's
-current stream, so CUDA-graph capture records them like any other kernel.
+``ctypes``: no PyTorch headers, no ninja, and launches land on PyTorch's current stream, so
+CUDA-graph capture records them like any other kernel.
+
+A build takes 5-60 s per library (`LIBRARIES`; ~3 min for all five, one after another, on a
+2-core machine), so a process that meets an uncached kernel says so on stderr while nvcc runs;
+``nibble build-kernels`` (`prebuild`) builds them all ahead, in parallel, with a progress bar.
 
 ``load(name, device)`` returns the ``ctypes.CDLL`` or raises ``CudaBuildError`` saying what is
 missing (no nvcc, compile error); callers fall back to the Triton kernels and say so once.
@@ -17,8 +21,10 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 import warnings
 from typing import Callable
 from pathlib import Path
@@ -26,6 +32,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+# Every kernel library (csrc/<name>.cu) and whether it needs sm_90a, the architecture-specific
+# target of wgmma and setmaxnreg (Hopper only), rather than the GPU's portable one.
+LIBRARIES = {"w4a16_mma": False, "w4a16_wgmma": True, "w4a4_mma": False, "w4a4_wgmma": True,
+             "rotate_quantize": False}
 _LIBS: dict = {}
 _LOCK = threading.Lock()
 
@@ -66,8 +76,9 @@ def library_path(name: str, arch: str, nvcc: str) -> Path:
     return cache_dir() / f"{name}-sm{arch}-{key}.so"
 
 
-def build(name: str, arch: str, nvcc: str | None = None) -> Path:
-    """Compile csrc/<name>.cu for sm_<arch> (e.g. "90", or "90a" for wgmma) unless the cached library exists; return its path."""
+def build(name: str, arch: str, nvcc: str | None = None, quiet: bool = False) -> Path:
+    """Compile csrc/<name>.cu for sm_<arch> (e.g. "90", or "90a" for wgmma) unless the cached library
+    exists; return its path. A compile says so on stderr, before and after, unless ``quiet``."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise CudaBuildError("nibble's CUDA kernels are compiled at first use and need nvcc (the CUDA toolkit); "
@@ -79,11 +90,45 @@ def build(name: str, arch: str, nvcc: str | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"nibble: compiling the CUDA kernel {name} for sm_{arch} with nvcc, once (5-60 s; cached in "
+              f"{out.parent}; `nibble build-kernels` builds every kernel ahead)", file=sys.stderr, flush=True)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         _compile(nvcc, CSRC / f"{name}.cu", tmp_out, arch)
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
+    if not quiet:
+        print(f"nibble: built {name} for sm_{arch} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return out
+
+
+def prebuild(arch: str, jobs: int | None = None, progress: bool = True) -> dict[str, Path]:
+    """Build every kernel library for GPUs of compute capability ``arch`` ("90" for H100/H200, "80"
+    for A100, ...) ahead of first use, ``jobs`` nvcc processes at a time (default: the CPUs, at most
+    one per library); {name: cached path}. The Hopper GEMMs (sm_90a) are built for "90" only: other
+    GPUs never run them."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm.auto import tqdm
+
+    if not (arch.isdigit() and len(arch) >= 2):
+        raise ValueError(f"arch must be a compute capability as digits, e.g. 90 for H100/H200 or 80 for A100; got {arch!r}")
+    targets = {name: arch + "a" if specific else arch for name, specific in LIBRARIES.items()
+               if not specific or arch == "90"}
+    nvcc = find_nvcc()
+    if nvcc is None:  # the error build() gives, before any thread starts
+        build(next(iter(targets)), arch)
+    jobs = jobs or min(len(targets), os.cpu_count() or 1)
+    paths = {}
+    with ThreadPoolExecutor(max(1, jobs)) as pool, tqdm(total=len(targets), desc=f"nibble kernels for sm_{arch}",
+                                                        unit="library", disable=not progress) as bar:
+        futures = {pool.submit(build, name, target, nvcc, True): name for name, target in targets.items()}
+        for done in as_completed(futures):
+            paths[futures[done]] = done.result()
+            bar.set_postfix_str(futures[done])
+            bar.update()
+    return {name: paths[name] for name in targets}
 
 
 def _compile(nvcc: str, src: Path, out: Path, arch: str) -> None:
@@ -133,8 +178,8 @@ def device_arch(device: torch.device, arch_specific: bool = False) -> str:
     return f"{major}{minor}" + ("a" if arch_specific else "")
 
 
-def load(name: str, device: torch.device, arch_specific: bool = False) -> ctypes.CDLL:
-    arch = device_arch(device, arch_specific)
+def load(name: str, device: torch.device) -> ctypes.CDLL:
+    arch = device_arch(device, LIBRARIES[name])
     with _LOCK:
         if (name, arch) not in _LIBS:
             _LIBS[(name, arch)] = ctypes.CDLL(str(build(name, arch)))
@@ -172,17 +217,16 @@ def ask_once(question: str, device: torch.device, ask: Callable[[], object]):
     return _ASKED[question, index]
 
 
-def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], None],
-            arch_specific: bool = False) -> ctypes.CDLL | None:
-    """``load(name, device, arch_specific)`` with ``configure(lib)`` applied once (its ctypes
-    signatures), or None: switched off by ``NIBBLE_CUDA_KERNELS=0``, or no nvcc / a failed build,
-    said once per library and architecture. Callers fall back to their Triton kernels on None."""
+def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """``load(name, device)`` with ``configure(lib)`` applied once (its ctypes signatures), or None:
+    switched off by ``NIBBLE_CUDA_KERNELS=0``, or no nvcc / a failed build, said once per library
+    and architecture. Callers fall back to their Triton kernels on None."""
     if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
         return None
-    arch = device_arch(device, arch_specific)
+    arch = device_arch(device, LIBRARIES[name])
     if (name, arch) not in _AVAILABLE:
         try:
-            lib = load(name, device, arch_specific)
+            lib = load(name, device)
             configure(lib)
         except (CudaBuildError, OSError) as e:
             warnings.warn(f"nibble: the CUDA kernel {name} is unavailable, using the Triton kernels instead ({e})")

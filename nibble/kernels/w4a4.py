@@ -1191,7 +1191,7 @@ _WGMMA_SIGNATURES = cuda_build.signatures(
 
 
 def _wgmma_lib(device):
-    return cuda_build.library("w4a4_wgmma", device, _WGMMA_SIGNATURES, arch_specific=True)
+    return cuda_build.library("w4a4_wgmma", device, _WGMMA_SIGNATURES)
 
 
 def wgmma_clusters(device) -> dict:

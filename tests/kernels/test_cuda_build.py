@@ -25,6 +25,25 @@ def test_the_package_ships_every_kernel_source():
     assert sources and all(any(fnmatch.fnmatch(f"csrc/{name}", p) for p in patterns) for name in sources), sources
 
 
+def test_libraries_name_every_kernel_source():
+    """`LIBRARIES` (what `prebuild` builds, and which need sm_90a) covers csrc/*.cu exactly."""
+    assert set(cuda_build.LIBRARIES) == {p.stem for p in cuda_build.CSRC.glob("*.cu")}
+
+
+def test_a_first_use_build_says_so_and_a_cached_one_does_not(tmp_path, monkeypatch, capsys):
+    """An uncached kernel takes nvcc 5-60 s: the process says so on stderr, before and after; a cache
+    hit, or a quiet build (`prebuild`'s, under its progress bar), says nothing."""
+    monkeypatch.setenv("NIBBLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cuda_build, "_nvcc_version", lambda nvcc: "nvcc 13.0")
+    monkeypatch.setattr(cuda_build, "_compile", lambda nvcc, src, out, arch: out.write_bytes(b"so"))
+    path = cuda_build.build("rotate_quantize", "90", nvcc="nvcc")
+    err = capsys.readouterr().err
+    assert "compiling the CUDA kernel rotate_quantize for sm_90" in err and "built rotate_quantize for sm_90 in" in err
+    assert cuda_build.build("rotate_quantize", "90", nvcc="nvcc") == path and not capsys.readouterr().err
+    cuda_build.build("w4a4_mma", "90", nvcc="nvcc", quiet=True)
+    assert not capsys.readouterr().err
+
+
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     with pytest.raises(cuda_build.CudaBuildError, match="nvcc"):
