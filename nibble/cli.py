@@ -122,14 +122,14 @@ def cmd_eval(args):
 
 
 def cmd_build_kernels(args):
-    from nibble.kernels.cuda_build import CudaBuildError, prebuild
+    from nibble.kernels.cuda_build import CudaBuildError, device_arch, prebuild
 
     arch = args.arch
     if arch is None:
         if not torch.cuda.is_available():
             raise SystemExit("error: no CUDA GPU visible to read its architecture from; pass --arch "
                              "(90 for H100/H200, 80 for A100, 89 for L4/L40, ...)")
-        arch = "".join(map(str, torch.cuda.get_device_capability()))
+        arch = device_arch(torch.device("cuda"))
     try:
         paths = prebuild(arch, jobs=args.jobs)
     except (CudaBuildError, ValueError) as e:

@@ -116,14 +116,11 @@ def prebuild(arch: str, jobs: int | None = None, progress: bool = True) -> dict[
         raise ValueError(f"arch must be a compute capability as digits, e.g. 90 for H100/H200 or 80 for A100; got {arch!r}")
     targets = {name: arch + "a" if specific else arch for name, specific in LIBRARIES.items()
                if not specific or arch == "90"}
-    nvcc = find_nvcc()
-    if nvcc is None:  # the error build() gives, before any thread starts
-        build(next(iter(targets)), arch)
     jobs = jobs or min(len(targets), os.cpu_count() or 1)
     paths = {}
     with ThreadPoolExecutor(max(1, jobs)) as pool, tqdm(total=len(targets), desc=f"nibble kernels for sm_{arch}",
                                                         unit="library", disable=not progress) as bar:
-        futures = {pool.submit(build, name, target, nvcc, True): name for name, target in targets.items()}
+        futures = {pool.submit(build, name, target, None, True): name for name, target in targets.items()}
         for done in as_completed(futures):
             paths[futures[done]] = done.result()
             bar.set_postfix_str(futures[done])
