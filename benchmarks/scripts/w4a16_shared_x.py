@@ -39,10 +39,10 @@ KERNEL_EDITS = [
     # at 16 tokens: 12288 x 4096 13.6 -> 15.8 us). One token tile above one block: ptxas spills 8-40
     # bytes at the shipped 64-register cap, and one CTA an SM of up to 16 warps is what it is for, so
     # the cap is lifted there.
-    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1, bool WIDE>
-__global__ void __launch_bounds__(MT <= 2 && !WIDE ? 512 : 256, WIDE ? 3 : MT == 1 || MT == 4 ? 2 : 1)""",
-     """template <typename T, int MT, int GS, bool MANY, bool X_L1, bool WIDE, int COLS>
-__global__ void __launch_bounds__(MT <= 2 && !WIDE ? 512 : 256, WIDE ? 3 : (MT == 1 && COLS == 1) || MT == 4 ? 2 : 1)"""),
+    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1>
+__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)""",
+     """template <typename T, int MT, int GS, bool MANY, bool X_L1, int COLS>
+__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) || MT == 4 ? 2 : 1)"""),
     # one column block: x in each warp's own stages, as shipped; more: a ring per K range after them
     ("""  constexpr bool RUNNING = running_fold(MT), TWO_BASES = two_bases<T>(MT);
   constexpr int SZ = 512, XS = stage_x_offset(MT), STAGE = XS + 512 * MT, GSTEP = GS ? GS : 1;""",
@@ -101,10 +101,10 @@ __global__ void __launch_bounds__(MT <= 2 && !WIDE ? 512 : 256, WIDE ? 3 : (MT =
 size_t smem_bytes(int warps, int mt, int cols) {
   const size_t ring = (size_t)cols * warps * RING * 640 + (size_t)warps * RING * 512 * mt,
                partial = (size_t)cols * warps * mt * 8 * 32 * sizeof(float);"""),
-    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1, bool WIDE>
+    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, WIDE>;
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
@@ -113,10 +113,10 @@ cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M,
   return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, M, K,
                        group_shift_steps, ldx, trigger);
 }""",
-     """template <typename T, int MT, int GS, bool MANY, bool X_L1, bool WIDE, int COLS>
+     """template <typename T, int MT, int GS, bool MANY, bool X_L1, int COLS>
 cudaError_t launch_cols(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps,
                         int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, WIDE, COLS>;
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, COLS>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   if (COLS > 1 && warps > 15) return cudaErrorInvalidValue;  // named barriers 1..15
@@ -130,27 +130,24 @@ cudaError_t launch_cols(const void* x, const Weights<T>& weights, int ctas, int 
 }
 
 // Column blocks a CTA from NIBBLE_XSHARE_COLS: single weights, one or two token tiles, groups of 128.
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool WIDE>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
   const int cols = xshare_cols();
   if constexpr (!MANY && MT <= 2 && GS == 4) {
     switch (cols) {
-      case 2:
-        return launch_cols<T, MT, GS, MANY, X_L1, WIDE, 2>(x, weights, ctas, M, K, group_shift_steps, ldx, warps,
-                                                             stream, pdl, successor);
-      case 3:
-        return launch_cols<T, MT, GS, MANY, X_L1, WIDE, 3>(x, weights, ctas, M, K, group_shift_steps, ldx, warps,
-                                                             stream, pdl, successor);
-      case 4:
-        return launch_cols<T, MT, GS, MANY, X_L1, WIDE, 4>(x, weights, ctas, M, K, group_shift_steps, ldx, warps,
-                                                             stream, pdl, successor);
+      case 2: return launch_cols<T, MT, GS, MANY, X_L1, 2>(x, weights, ctas, M, K, group_shift_steps, ldx, warps,
+                                                           stream, pdl, successor);
+      case 3: return launch_cols<T, MT, GS, MANY, X_L1, 3>(x, weights, ctas, M, K, group_shift_steps, ldx, warps,
+                                                           stream, pdl, successor);
+      case 4: return launch_cols<T, MT, GS, MANY, X_L1, 4>(x, weights, ctas, M, K, group_shift_steps, ldx, warps,
+                                                           stream, pdl, successor);
       default: break;
     }
   }
   if (cols != 1) return cudaErrorInvalidValue;
-  return launch_cols<T, MT, GS, MANY, X_L1, WIDE, 1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream,
-                                                     pdl, successor);
+  return launch_cols<T, MT, GS, MANY, X_L1, 1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                               successor);
 }"""),
 ]
 HEADER_EDITS = {"skinny.cuh": [

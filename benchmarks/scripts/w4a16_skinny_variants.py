@@ -364,8 +364,8 @@ TILE_GRID = {"w4a16_mma.cu": [
      "  const int ldo = pick(weights.ldo, out_weight);\n  out += (size_t)blockIdx.y * (8 * MT) * ldo;"),
     ("successor_smem<kernel>(successor, pdl, ctas,", "successor_smem<kernel>(successor, pdl, ctas * ((M + 8 * MT - 1) / (8 * MT)),"),
     ("return launch_kernel(kernel, ctas,", "return launch_kernel(kernel, dim3(ctas, (M + 8 * MT - 1) / (8 * MT)),"),
-    ("    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true, false) : NIBBLE_LAUNCH_MT(2, false, false);",
-     "    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(1, true, false) : NIBBLE_LAUNCH_MT(1, false, false);")]}
+    ("    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);",
+     "    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);")]}
 SETS["tiles"] = {"shipped": {}, "tile_grid": TILE_GRID}
 
 

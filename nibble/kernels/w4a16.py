@@ -686,15 +686,10 @@ class MmaConfig:
     warps: int           # warps per CTA, splitting K; one CTA per 32 output columns
     x_l1: bool = False   # x copied through the L1 (1 or 2 token tiles; see x_through_l1)
     successor: int = SUCCESSOR_AT_END  # when the next kernel may launch (see successor_launch)
-    wide: bool = False   # one token tile at 80 registers instead of 64 (see wide_pays)
 
-
-# The one-tile kernel under 80 registers instead of 64 (WIDE in the .cu, CTAs of up to 8 warps): an
-# SM then holds 24 of its warps (three CTAs of 8, six of 4) instead of 32.
-MMA_WIDE_MAX_WARPS, MMA_WIDE_WARPS_PER_SM, MMA_WIDE_MIN_M = 8, 24, 2
 
 _MMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_mma", [ctypes.c_int] * 5 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
+    "nibble_w4a16_mma", [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
     + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
@@ -733,7 +728,6 @@ def mma_config_valid(cfg: MmaConfig, M: int) -> bool:
     return (M <= 8 * cfg.token_tiles and cfg.token_tiles in MMA_MAX_WARPS
             and 1 <= cfg.warps <= MMA_MAX_WARPS[cfg.token_tiles] and mma_smem_bytes(cfg) <= MMA_SMEM_LIMIT
             and (not cfg.x_l1 or cfg.token_tiles <= 2)
-            and (not cfg.wide or (cfg.token_tiles == 1 and cfg.warps <= MMA_WIDE_MAX_WARPS))
             and cfg.successor in SUCCESSORS)
 
 
@@ -786,17 +780,7 @@ def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) ->
            and (token_tiles > 1 or ctas * 2 * warps <= 32 * num_sms or steps >= 32 * 2 * warps)):
         warps *= 2
     x_l1 = x_through_l1(token_tiles, ctas, K, num_sms)
-    return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1),
-                     wide_pays(M, ctas, warps, num_sms))
-
-
-def wide_pays(M: int, ctas: int, warps: int, num_sms: int) -> bool:
-    """Whether the 80-register one-tile kernel runs a launch of ``ctas`` CTAs of ``warps`` warps
-    (`MmaConfig.wide`): from MMA_WIDE_MIN_M to 8 tokens, where the whole grid still fits on the GPU at
-    once at 24 warps an SM. ptxas schedules the loop differently with the room; H200
-    (benchmarks/notes-w4a16.md, session 39): PENDING."""
-    return (MMA_WIDE_MIN_M <= M <= 8 and warps <= MMA_WIDE_MAX_WARPS
-            and ctas <= num_sms * (MMA_WIDE_WARPS_PER_SM // warps))
+    return MmaConfig(token_tiles, warps, x_l1, successor_launch(token_tiles, M, x_l1))
 
 
 def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = None, out=None):
@@ -820,7 +804,7 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     if not mma_config_valid(cfg, M):
         raise ValueError(f"{cfg} is not a valid config for M={M}: M <= 8 * token_tiles, "
                          f"warps <= {MMA_MAX_WARPS.get(cfg.token_tiles)}, shared memory <= {MMA_SMEM_LIMIT} bytes, "
-                         f"x_l1 at 1 or 2 token tiles only, wide at one token tile and <= {MMA_WIDE_MAX_WARPS} warps")
+                         f"x_l1 at 1 or 2 token tiles only")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.clone(memory_format=torch.contiguous_format)
     weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
@@ -829,8 +813,8 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, int(cfg.wide), cfg.warps, int(cfg.x_l1), x.data_ptr(),
-            M, K, shift, x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
+            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
+            x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
             cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
             cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
     if err:

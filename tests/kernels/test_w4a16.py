@@ -220,14 +220,12 @@ def test_gpu_explicit_configs(cfg, M):
             assert_close(out, x, qw, s, z, G)
 
 
-MMA_CONFIGS = [c for c in (W.MmaConfig(t, w, l1, wide=wide) for t in (1, 2, 4, 8) for w in (1, 4, 8, 16)
-                            for l1 in (False, True) for wide in (False, True))
+MMA_CONFIGS = [c for c in (W.MmaConfig(t, w, l1) for t in (1, 2, 4, 8) for w in (1, 4, 8, 16) for l1 in (False, True))
                if W.mma_config_valid(c, 8 * c.token_tiles)]
 
 
 @needs_cuda
-@pytest.mark.parametrize("cfg", MMA_CONFIGS,
-                         ids=lambda c: f"t{c.token_tiles}_w{c.warps}" + "_l1" * c.x_l1 + "_wide" * c.wide)
+@pytest.mark.parametrize("cfg", MMA_CONFIGS, ids=lambda c: f"t{c.token_tiles}_w{c.warps}" + "_l1" * c.x_l1)
 def test_gpu_mma_every_config(cfg):
     """The CUDA tensor-core kernel in every instantiation: SmolLM2's k/v shape (N = 192), one group
     per column, group 32, K = 65 steps of 32 (uneven split over warps, fewer steps than stages), 3 groups
@@ -244,25 +242,6 @@ def test_gpu_mma_every_config(cfg):
             W.w4a16_mma(x, qw, s, z, G, config=cfg, out=out)
             torch.cuda.synchronize()
             assert_close(out, x, qw, s, z, G)
-
-
-@needs_cuda
-@pytest.mark.parametrize("M", [1, 2, 5, 8])
-def test_gpu_mma_wide_is_the_same_kernel(M):
-    """The 80-register one-tile kernel (MmaConfig.wide) runs the same arithmetic in the same order as
-    the 64-register one: equal outputs bit for bit, single and several weights, both dtypes."""
-    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
-        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
-    K, G = 4096, 128
-    weights = [make_weight(n, K, G, device="cuda", seed=M + n) for n in (1024, 256, 256)]
-    for dtype in (torch.float16, torch.bfloat16):
-        x = torch.randn(M, K, device="cuda", dtype=dtype)
-        for warps in (4, 8):
-            for ws in (weights[:1], weights):
-                narrow, wide = (W.w4a16_mma_many(x, ws, G, config=W.MmaConfig(1, warps, wide=w)) for w in (False, True))
-                for a, b, w in zip(narrow, wide, ws):
-                    assert torch.equal(a, b), f"wide differs at M={M} warps={warps} {dtype}"
-                    assert_close(b, x, *w, G)
 
 
 @needs_cuda
@@ -770,23 +749,6 @@ def test_x_through_l1_rule():
     assert W.select_mma_config(16, 4096, 4096, 64).x_l1        # the SM count is the device's
     assert not W.mma_config_valid(W.MmaConfig(4, 4, x_l1=True), 32)
     assert W.mma_config_valid(W.MmaConfig(2, 4, x_l1=True), 16)
-
-
-def test_wide_rule():
-    """The 80-register one-tile kernel from 2 to 8 tokens, where every CTA of the launch fits on the GPU
-    at once at 24 warps an SM; one token, two tiles, 16-warp CTAs and grids that need a fourth CTA of 8
-    warps on some SM keep the 64-register kernel; a config asking for it elsewhere is refused."""
-    pick = W.select_mma_config
-    assert not pick(1, 12288, 4096, 132).wide           # one token
-    assert pick(2, 12288, 4096, 132).wide                # 384 CTAs of 8 warps: 3 an SM
-    assert pick(8, 11008, 4096, 132).wide
-    assert not pick(8, 14336, 4096, 132).wide           # 448 CTAs: a fourth on some SMs
-    assert pick(8, 2 * 11008, 4096, 132).wide            # Llama-2-7B gate/up: 688 CTAs of 4 warps, 6 an SM
-    assert not pick(8, 4096, 11008, 132).wide           # 16-warp CTAs
-    assert not pick(9, 12288, 4096, 132).wide           # two token tiles
-    assert not W.mma_config_valid(W.MmaConfig(2, 8, wide=True), 16)
-    assert not W.mma_config_valid(W.MmaConfig(1, 16, wide=True), 8)
-    assert W.mma_config_valid(W.MmaConfig(1, 8, wide=True), 8)
 
 
 def test_successor_launch_rule():

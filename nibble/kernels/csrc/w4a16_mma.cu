@@ -246,13 +246,10 @@ constexpr int RING = 4, AHEAD = RING - 2;
 // Launch bounds (registers): 64 at one token tile, for 32 resident warps per SM (34.5 instead of
 // 37.2 us at 72-79 registers and 24 warps on 28672 x 8192, H200); 128 at four token tiles, for two
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
-// WIDE (one token tile, up to 8 warps): 80 registers, three CTAs of 8 warps an SM instead of four.
-// ptxas schedules the loop differently with the room: at 2-8 tokens the 4096-deep layers whose grid
-// needs no fourth CTA on any SM run 7-11% faster (the caller picks: w4a16.py, select_mma_config).
 // X_L1: x copied through the L1 (cp.async.ca) instead of around it; the caller picks (w4a16.py:
 // x_through_l1, where the measurements are).
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool WIDE>
-__global__ void __launch_bounds__(MT <= 2 && !WIDE ? 512 : 256, WIDE ? 3 : MT == 1 || MT == 4 ? 2 : 1)
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
+__global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
                      int ldx, int trigger) {
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
@@ -396,10 +393,10 @@ size_t smem_bytes(int warps, int mt) {
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool WIDE>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, WIDE>;
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
@@ -409,30 +406,30 @@ cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M,
                        group_shift_steps, ldx, trigger);
 }
 
-template <typename T, int MT, bool MANY, bool X_L1, bool WIDE = false>
+template <typename T, int MT, bool MANY, bool X_L1>
 cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
     case 0:
-      return launch_gs<T, MT, 1, MANY, X_L1, WIDE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
     case 1:
-      return launch_gs<T, MT, 2, MANY, X_L1, WIDE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
     case 2:
-      return launch_gs<T, MT, 4, MANY, X_L1, WIDE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
     default:
-      return launch_gs<T, MT, 0, MANY, X_L1, WIDE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+      return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
                                              successor);
   }
 }
 
 template <typename T>
-cudaError_t launch(int mt, bool wide, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx,
-                   int count, const void* const* qweights, const void* const* scales, const void* const* zeros,
+cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
+                   const void* const* qweights, const void* const* scales, const void* const* zeros,
                    void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl, int successor) {
-  if (count < 1 || count > MAX_WEIGHTS || (wide && (mt != 1 || warps > 8))) return cudaErrorInvalidValue;
+  if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
   Weights<T> w{};
   for (int i = 0; i < count; ++i) {
     w.qweight[i] = static_cast<const uint32_t*>(qweights[i]);
@@ -446,15 +443,13 @@ cudaError_t launch(int mt, bool wide, int warps, bool x_l1, const void* x, int M
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
   const bool many = count > 1;
-#define NIBBLE_LAUNCH_MT(MT, X_L1, WIDE) \
-  (many ? launch_mt<T, MT, true, X_L1, WIDE>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor) \
-        : launch_mt<T, MT, false, X_L1, WIDE>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor))
+#define NIBBLE_LAUNCH_MT(MT, X_L1) \
+  (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor) \
+        : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor))
   switch (mt) {
-    case 1:
-      if (wide) return x_l1 ? NIBBLE_LAUNCH_MT(1, true, true) : NIBBLE_LAUNCH_MT(1, false, true);
-      return x_l1 ? NIBBLE_LAUNCH_MT(1, true, false) : NIBBLE_LAUNCH_MT(1, false, false);
-    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true, false) : NIBBLE_LAUNCH_MT(2, false, false);
-    case 4: return x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH_MT(4, false, false);
+    case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
+    case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
+    case 4: return x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH_MT(4, false);
     case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
                                                                                ldx, warps, stream, pdl, successor);
     default: return cudaErrorInvalidValue;
@@ -468,19 +463,18 @@ cudaError_t launch(int mt, bool wide, int warps, bool x_l1, const void* x, int M
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
 // caller: every N % 32 == 0, K % 32 == 0, M <= 8 * mt (mt <= 4 for several weights), 16-byte
 // aligned x rows (ldx % 8 == 0), group = 32 * 2^group_shift_steps (or one group per column:
-// group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. wide: the
-// 80-register one-tile kernel (mt 1, warps <= 8; see WIDE). x_l1: x through the L1 (mt 1 and 2
-// only: slower at four tiles, not measured at eight). pdl: launch early (skinny.cuh: launch_kernel);
-// successor: when the next kernel may launch (skinny.cuh: Successor).
-extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int wide, int warps, int x_l1, const void* x, int M, int K,
-                                int group_shift_steps, int ldx, int count, const void* const* qweights,
-                                const void* const* scales, const void* const* zeros, void* const* outs, const int* ns,
-                                const int* ldos, int pdl, int successor, void* stream) {
+// group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through
+// the L1 (mt 1 and 2 only: slower at four tiles, not measured at eight). pdl: launch early
+// (skinny.cuh: launch_kernel); successor: when the next kernel may launch (skinny.cuh: Successor).
+extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
+                                int ldx, int count, const void* const* qweights, const void* const* scales,
+                                const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
+                                int pdl, int successor, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, wide != 0, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx,
-                                                    count, qweights, scales, zeros, outs, ns, ldos, st, pdl, successor)
-                            : launch<__half>(mt, wide != 0, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count,
-                                             qweights, scales, zeros, outs, ns, ldos, st, pdl, successor);
+  cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights,
+                                                    scales, zeros, outs, ns, ldos, st, pdl, successor)
+                            : launch<__half>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights, scales,
+                                             zeros, outs, ns, ldos, st, pdl, successor);
   return (int)err;
 }
 
