@@ -114,13 +114,12 @@ def prebuild(arch: str, jobs: int | None = None, progress: bool = True) -> dict[
 
     if not (arch.isdigit() and len(arch) >= 2):
         raise ValueError(f"arch must be a compute capability as digits, e.g. 90 for H100/H200 or 80 for A100; got {arch!r}")
-    targets = {name: arch + "a" if specific else arch for name, specific in LIBRARIES.items()
-               if not specific or arch == "90"}
+    targets = {name: target(name, arch) for name, specific in LIBRARIES.items() if not specific or arch == "90"}
     jobs = jobs or min(len(targets), os.cpu_count() or 1)
     paths = {}
     with ThreadPoolExecutor(max(1, jobs)) as pool, tqdm(total=len(targets), desc=f"nibble kernels for sm_{arch}",
                                                         unit="library", disable=not progress) as bar:
-        futures = {pool.submit(build, name, target, None, True): name for name, target in targets.items()}
+        futures = {pool.submit(build, name, built_for, None, True): name for name, built_for in targets.items()}
         for done in as_completed(futures):
             paths[futures[done]] = done.result()
             bar.set_postfix_str(futures[done])
@@ -168,15 +167,21 @@ def build_edited(name: str, edits, out_dir: Path, arch: str = "90a", append: str
     return ctypes.CDLL(str(so))
 
 
-def device_arch(device: torch.device, arch_specific: bool = False) -> str:
-    """"90" for an H100/H200; "90a" with arch_specific (wgmma and other sm_90a-only instructions)."""
+def device_arch(device: torch.device) -> str:
+    """"90" for an H100/H200, "80" for an A100: the GPU's compute capability as digits."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(index)
-    return f"{major}{minor}" + ("a" if arch_specific else "")
+    return f"{major}{minor}"
+
+
+def target(name: str, arch: str) -> str:
+    """What nvcc builds library ``name`` for on GPUs of ``arch``: "90a" (wgmma and other sm_90a-only
+    instructions) for the libraries `LIBRARIES` marks, else ``arch`` itself."""
+    return arch + "a" if LIBRARIES[name] else arch
 
 
 def load(name: str, device: torch.device) -> ctypes.CDLL:
-    arch = device_arch(device, LIBRARIES[name])
+    arch = target(name, device_arch(device))
     with _LOCK:
         if (name, arch) not in _LIBS:
             _LIBS[(name, arch)] = ctypes.CDLL(str(build(name, arch)))
@@ -220,7 +225,7 @@ def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], 
     and architecture. Callers fall back to their Triton kernels on None."""
     if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
         return None
-    arch = device_arch(device, LIBRARIES[name])
+    arch = target(name, device_arch(device))
     if (name, arch) not in _AVAILABLE:
         try:
             lib = load(name, device)
