@@ -1,5 +1,5 @@
-"""What the Hopper W4A16 GEMM (`csrc/w4a16_wgmma.cu`) could do at 16 / 32 tokens if its weights cost
-fewer instructions to unpack: knockout builds, timed against the skinny kernel the op runs there.
+"""What the Hopper W4A16 GEMM (`csrc/w4a16_wgmma.cu`) could do at 16 / 32 tokens (and more) if its weights cost
+fewer instructions to unpack: knockout builds, timed against the op (the skinny kernel at 16 tokens).
 
 Session 26 ran 16- and 32-token tiles (m64n16k16 / m64n32k16) at 1.5-2.5x the skinny kernel's time,
 its exact fp32 dequantization (6 instructions a register of two weights) the suspect. The skinny
@@ -12,6 +12,10 @@ group. The variants here replace the bf16 dequantization by the instruction coun
     raw3    prmt + imad + lop3 a register (x as it is, byte t of a word)
     raw3x   raw3 + one more wgmma a step (the x sums the fold needs, against a constant A)
     none    the loaded word straight into the MMA (the unpacking's upper bound)
+
+A variant named with "_big" keeps the shipped tiles (64-256 tokens x 128-256 channels) instead of the
+16- and 32-token ones: what free or cheap unpacking would buy at 64 to 4,096 tokens (`--ms 128,1024`),
+each variant at its best tile and split.
 
     PYTHONPATH=. python3 benchmarks/scripts/w4a16_wgmma_raw_knockout.py --build-only DIR   # here
     PYTHONPATH=. python3 benchmarks/scripts/w4a16_wgmma_raw_knockout.py --prebuilt DIR --json out.json  # H200
@@ -83,7 +87,8 @@ X_SUMS = [
 # "_wD": D steps' MMAs in flight instead of one (the A registers of a step in flight are not kept
 # apart from the next step's here, so outputs are wrong; a kept kernel would hold D sets)
 VARIANTS = ("exact", "raw2", "raw3", "raw3x", "none", "none_w2", "none_w3", "raw2_w2", "raw2_w3", "raw3x_w3",
-            "none_r4", "raw2_r4", "raw3x_r4", "exact_2cta", "raw2_2cta", "raw3x_2cta", "none_2cta")
+            "none_r4", "raw2_r4", "raw3x_r4", "exact_2cta", "raw2_2cta", "raw3x_2cta", "none_2cta",
+            "exact_big", "raw2_big", "none_big")
 # "_2cta": two CTAs an SM (registers 96 a consumer thread, half the shared memory each)
 TWO_CTAS = [
     ("__launch_bounds__(THREADS, 1)", "__launch_bounds__(THREADS, 2)"),
@@ -99,10 +104,10 @@ RELEASE = "if (k == 0 && i > 0 && (tid & 127) == 0)"
 
 
 def edits(variant: str) -> list:
-    ring, two = variant.endswith("_r4"), variant.endswith("_2cta")
-    base, _, depth = variant.removesuffix("_r4").removesuffix("_2cta").partition("_w")
+    ring, two, big = variant.endswith("_r4"), variant.endswith("_2cta"), variant.endswith("_big")
+    base, _, depth = variant.removesuffix("_r4").removesuffix("_2cta").removesuffix("_big").partition("_w")
     depth = "3" if ring else depth
-    out = [('#include "skinny.cuh"\n', '#include "skinny.cuh"\n' + SMALL_WGMMA), (LAUNCHES, SMALL_LAUNCHES)]
+    out = [] if big else [('#include "skinny.cuh"\n', '#include "skinny.cuh"\n' + SMALL_WGMMA), (LAUNCHES, SMALL_LAUNCHES)]
     if base != "exact":
         out.append((DEQUANT, RAW["raw3" if base == "raw3x" else base]))
     if base == "raw3x":
@@ -141,6 +146,7 @@ def main() -> None:
         build_all(args.build_only)
         return
     dev = torch.device("cuda")
+    shipped = W._wgmma_lib
     libs, variants = {}, args.variants.split(",")
     for v in variants:
         lib = ctypes.CDLL(str(args.prebuilt / v / "w4a16_wgmma_edited.so"))
@@ -158,32 +164,36 @@ def main() -> None:
         for M in map(int, args.ms.split(",")):
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ wf.t()
+            W._wgmma_lib = shipped
             res = {"bf16": bench_us(lambda i: (lambda: F.linear(x, wb[i])), len(wb), **TIMING),
-                   "skinny": bench_us(lambda i: (lambda: W.w4a16_mma(x, *w4[i], GROUP)), len(w4), **TIMING)}
-            for bn, ch in TILES:
-                if not M <= bn < 2 * M:  # the one token tile that fits M
-                    continue
+                   "op": bench_us(lambda i: (lambda: W.w4a16_linear(x, *w4[i], GROUP)), len(w4), **TIMING)}
+            for bn, ch in TILES + list(W.WGMMA_TILES):
+                small = (bn, ch) in TILES
+                if not (M <= bn < 2 * M if small else bn < 2 * M and M <= W.WGMMA_MODEL.max_tokens.get((bn, ch), M)):
+                    continue  # small: the one token tile that fits M; big: the tiles swept at M
                 for sp in map(int, args.splits.split(",")):
                     if sp > 1 and (hopper.tile_count(M, N, bn, ch) * sp > 2 * sms or k_tiles // sp < 2):
                         continue
                     cfg = dict(bn=bn, channels=ch, split_k=sp)
                     for v, lib in libs.items():
+                        if small == v.endswith("_big"):
+                            continue
                         W._wgmma_lib = lambda _d, lib=lib: lib
                         y = W.w4a16_wgmma(x, *w4[0], GROUP, config=cfg)
                         torch.cuda.synchronize()
-                        if v.split("_")[0] == "exact":  # the only build meant to be right
+                        if v.split("_")[0] == "exact":  # the only builds meant to be right
                             err = ((y.float() - ref).norm() / ref.norm()).item()
                             assert err < 1e-2, f"exact build wrong at {N}x{K} M={M} {cfg}: {err}"
                         res[f"{v}_bn{bn}_ch{ch}_s{sp}"] = bench_us(
                             lambda i: (lambda: W.w4a16_wgmma(x, *w4[i], GROUP, config=cfg)), len(w4), **TIMING)
             best = {v: min((u, k) for k, u in res.items() if k.split("_bn")[0] == v) for v in variants}
-            print(f"{N}x{K} M={M} bf16 {res['bf16']:.2f} skinny {res['skinny']:.2f} | " + " ".join(
+            print(f"{N}x{K} M={M} bf16 {res['bf16']:.2f} op {res['op']:.2f} | " + " ".join(
                 f"{v} {u:.2f} ({k.split('_', 1)[1]})" for v, (u, k) in best.items()), flush=True)
             rows.append(dict(N=N, K=K, M=M, **{k: round(u, 3) for k, u in res.items()}))
     for M in map(int, args.ms.split(",")):
         big = [r for r in rows if r["M"] == M and r["N"] * r["K"] * 2 >= 64 * 2**20]
-        for v in ("skinny", *variants):
-            sp = [r["bf16"] / (r[v] if v == "skinny" else min(u for k, u in r.items() if k.split("_bn")[0] == v))
+        for v in ("op", *variants):
+            sp = [r["bf16"] / (r[v] if v == "op" else min(u for k, u in r.items() if k.split("_bn")[0] == v))
                   for r in big]
             print(f"M={M} {v}: geomean vs bf16 on the >= 64 MB shapes {statistics.geometric_mean(sp):.3f}x")
     if args.json:

@@ -1,20 +1,22 @@
-"""Kernel benchmarks: ``python -m nibble.bench kernels [--quick] [--dtype float16] [--out DIR]``.
+"""Kernel benchmarks: ``python -m nibble.bench kernels [--quick] [--dtype float16] [--rounds R] [--out DIR]``.
 
 W4A16 at each shape (N, K) and M: cuBLAS (``F.linear``, op "bf16" or "fp16"), PyTorch's tinygemm
 (``aten._weight_int4pack_mm``, bf16 only) and nibble (``torch.ops.nibble.w4a16_linear``), bf16
 activations (or fp16 with ``--dtype float16``), group 128, timed with ``nibble.bench.timing.bench_us``
-(CUDA-graph replay, weights rotated over several copies so the working set is well past the L2).
+(CUDA-graph replay, weights rotated over several copies so the working set is well past the L2), the
+three ops in ``--rounds`` interleaved rounds (``bench_rounds``), each cell the median of its rounds.
 Writes ``DIR/w4a16-<gpu>[-fp16].json`` and ``.png`` (speedup over cuBLAS vs M).
 """
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import bench_us, env_meta, geomean, rotations, write_results
+from nibble.bench.timing import bench_rounds, env_meta, geomean, rotations, write_results
 from nibble.formats.int4 import unpack_int4
 
 # (N, K): Llama-2-7B q/k/v/o (4096, 4096), fused qkv (12288, 4096), Llama-2-7B MLP (11008 / 4096),
@@ -26,6 +28,7 @@ QUICK_SHAPES = [(4096, 4096), (14336, 4096), (28672, 8192)]
 QUICK_MS = [1, 16, 128, 1024]
 GROUP = 128
 TIMING = dict(warmup_ms=10, reps=20)  # per measurement: ~10 ms warm-up, median of 20 graph replays
+ROUNDS = 3  # interleaved rounds per cell (bench_rounds says why)
 
 
 def random_int4(N: int, K: int, G: int, device, gen=None):
@@ -79,9 +82,10 @@ def baseline_op(dtype) -> str:
 
 
 def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "nibble"), log=print,
-                dtype=torch.bfloat16):
-    """Rows (op, M, N, K, us, speedup over cuBLAS, GB/s, TFLOP/s) of the ``ops`` at every M of ``ms``,
-    activations of ``dtype`` (tinygemm takes bf16 only)."""
+                dtype=torch.bfloat16, rounds: int = ROUNDS):
+    """Rows (op, M, N, K, us: the median of ``rounds`` interleaved rounds, us_rounds, speedup over
+    cuBLAS, GB/s, TFLOP/s) of the ``ops`` at every M of ``ms``, activations of ``dtype`` (tinygemm
+    takes bf16 only)."""
     import nibble.kernels.w4a16  # noqa: F401  registers torch.ops.nibble.w4a16_linear
     dev = torch.device("cuda")
     base_op = baseline_op(dtype)
@@ -109,21 +113,20 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "
     del wf
     for M in ms:
         x = torch.randn(M, K, device=dev, dtype=dtype)
-        res = {}
+        arms = {}
         if "cublas" in ops:
-            res[base_op] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb, **TIMING)
+            arms[base_op] = (lambda i: (lambda: F.linear(x, wb[i])), nb)
         if tg is not None:
-            try:
-                res["tinygemm"] = bench_us(lambda i: (lambda: tinygemm_mm(x, tg[i][0], tg[i][1], G)), n4, **TIMING)
-            except Exception as e:  # pragma: no cover
-                log(f"tinygemm M={M} failed: {type(e).__name__}: {str(e)[:200]}")
+            arms["tinygemm"] = (lambda i: (lambda: tinygemm_mm(x, tg[i][0], tg[i][1], G)), n4)
         if "nibble" in ops:
-            res["nibble"] = bench_us(
-                lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4, **TIMING)
+            arms["nibble"] = (lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4)
+        times = bench_rounds(arms, rounds, optional=("tinygemm",), log=log, **TIMING)
+        res = {op: statistics.median(t) for op, t in times.items() if t}
         base = res.get(base_op)
         for op, us in res.items():
             nbytes = (dense_bytes if op == base_op else layer_bytes) + 2 * M * (K + N)
             rows.append(dict(op=op, M=M, N=N, K=K, group_size=G, us=round(us, 3),
+                             us_rounds=[round(t, 3) for t in times[op]],
                              speedup=round(base / us, 4) if base else None,
                              GBps=round(nbytes / us / 1e3, 1), TFLOPs=round(2 * M * N * K / us / 1e6, 2)))
         log(f"N={N:6d} K={K:6d} M={M:5d} " + " ".join(f"{op}={us:8.2f}us" for op, us in res.items())
@@ -159,7 +162,11 @@ def main(argv=None):
     ap.add_argument("--name", default=None, help="file stem (default w4a16-<gpu>, w4a16-<gpu>-fp16 for fp16)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                     help="activations, and cuBLAS's weight (tinygemm runs in bf16 only)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help=f"interleaved rounds per cell, its figure their median (default {ROUNDS})")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         print("nibble.bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -173,9 +180,9 @@ def main(argv=None):
     base_op = baseline_op(dtype)
     name = args.name or f"w4a16-{tag}" + ("-fp16" if dtype == torch.float16 else "")
     cmd = ("python -m nibble.bench kernels" + (" --quick" if args.quick else "")
-           + (" --dtype float16" if dtype == torch.float16 else ""))
+           + (" --dtype float16" if dtype == torch.float16 else "") + f" --rounds {args.rounds}")
     for N, K in shapes:
-        rows += bench_shape(N, K, ms, dtype=dtype)
+        rows += bench_shape(N, K, ms, dtype=dtype, rounds=args.rounds)
         # partial results after every shape (a run cut short still leaves its numbers)
         write_results(rows, env_meta(benchmark="w4a16", command=cmd, partial=True), args.out, name)
     summary = summarize(rows, base_op=base_op)
@@ -185,7 +192,8 @@ def main(argv=None):
                        if not math.isnan(s["geomean_vs_tinygemm"]) else "  (no tinygemm in fp16)")
         print(f"{s['M']:5d}  {s['geomean_vs_cublas']:7.2f}x  {s['geomean_vs_cublas_big']:10.2f}x  "
               f"{s['min_vs_cublas']:7.2f}x" + vs_tinygemm)
-    meta = env_meta(benchmark="w4a16", group_size=GROUP, activations=args.dtype, command=cmd, summary=summary)
+    meta = env_meta(benchmark="w4a16", group_size=GROUP, activations=args.dtype, rounds=args.rounds, command=cmd,
+                    summary=summary)
     paths = write_results(rows, meta, args.out, name, title=f"W4A16 speedup over cuBLAS {base_op} ({meta.get('gpu')})")
     print("wrote", paths)
     return 0

@@ -7,6 +7,8 @@ Small API, used by every kernel family's benchmark:
   sets (rotating copies of the weights, so that repeated calls do not time the 60 MB L2).
   Calls are captured into a CUDA graph (many launches per replay, launch gaps shrink to the
   device's), replays are timed with CUDA events after a warm-up, and the median is returned.
+- ``bench_rounds(arms, rounds)`` -> {arm: [us per round]}: several ops timed by ``bench_us`` in
+  interleaved rounds, each round in another order; a cell's figure is the median over its rounds.
 - ``rotations(bytes_per_set)`` -> how many input sets make the working set exceed the L2
   several times over.
 - ``capture_graph(body, ...)`` -> (graph, output): ``body`` warmed up and captured on the device's
@@ -120,6 +122,37 @@ def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, 
         return {"us": med_us, "min_us": min(times) * 1000.0 / calls, "calls_per_replay": calls,
                 "n_rot": n_rot, "mode": mode, "replay_ms": times}
     return med_us
+
+
+def bench_rounds(arms: dict, rounds: int = 3, optional=(), measure: Callable[..., float] | None = None,
+                 log=print, **timing) -> dict:
+    """{arm: [microseconds, one per round]} for ``arms`` ({name: (fn_factory, n_rot)}, what
+    `bench_us` takes), timed in ``rounds`` interleaved rounds: round r times every arm once, starting
+    at the r-th (so each arm runs early and late). Why rounds: one `bench_us` window lasts ~50 ms,
+    and under compute-bound products the H200 draws up to its 700 W cap, its SM clock moving between
+    ~1450 and 1950 MHz from one 100 ms sample to the next (benchmarks/results/power-cap-order-h200.log
+    and its -smi- log): one window per op put up to +-10% of noise on a ratio of two ops; medians
+    over interleaved rounds share the clock's phases between the ops. An arm named in ``optional`` that
+    raises (an op this shape or GPU does not run) is tried once: its list stays empty and ``log``
+    says why; any other arm's error propagates. ``measure`` (default `bench_us`) and ``timing`` (its
+    keywords) time one arm once."""
+    measure = measure or bench_us
+    names = list(arms)
+    times: dict = {name: [] for name in names}
+    failed: set = set()
+    for r in range(rounds if names else 0):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in failed:
+                continue
+            try:
+                times[name].append(measure(*arms[name], **timing))
+            except Exception as e:
+                if name not in optional:
+                    raise
+                failed.add(name)
+                times[name] = []
+                log(f"  {name} unavailable: {type(e).__name__}: {str(e)[:160]}")
+    return times
 
 
 def _git_commit() -> str:

@@ -1,7 +1,8 @@
-"""W4A4 kernel benchmark: ``python -m nibble.bench.w4a4 [--quick] [--out DIR] [--shapes N,K ...] [--ms M ...]``.
+"""W4A4 kernel benchmark: ``python -m nibble.bench.w4a4 [--quick] [--out DIR] [--shapes N,K ...] [--ms M ...] [--rounds R]``.
 
 At each weight shape (N, K) and token count M, the median time (``nibble.bench.timing.bench_us``:
-CUDA-graph replay, weights rotated over enough copies that the working set is several times the L2) of
+CUDA-graph replay, weights rotated over enough copies that the working set is several times the L2;
+the ops timed in ``--rounds`` interleaved rounds, ``bench_rounds``, each cell the median of its rounds) of
 
   bf16        cuBLAS bf16 ``F.linear`` (the baseline every speedup is against)
   int8        cuBLAS INT8 ``torch._int_mm`` on int8 operands, int32 out, no quantization (M > 16 only)
@@ -20,12 +21,13 @@ effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import bench_us, env_meta, geomean, rotations, write_results
+from nibble.bench.timing import bench_rounds, bench_us, env_meta, geomean, rotations, write_results
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
           (28672, 8192), (8192, 28672)]
@@ -33,6 +35,7 @@ MS = [1, 16, 128, 1024, 4096]
 QUICK_SHAPES = [(4096, 4096), (14336, 4096), (28672, 8192)]
 QUICK_MS = [1, 16, 128, 1024]
 OPS = ("bf16", "int8", "fp8", "actquant", "actquant_h", "gemm", "w4a4", "w4a4_h")
+ROUNDS = 3
 
 
 def random_w4a4(N: int, K: int, device, gen=None):
@@ -88,7 +91,7 @@ def precompile(shapes, ms, ops, tune, procs=8, log=print):
     log(f"precompiled {len(tasks)} (shape, M) cases in {time.time() - t0:.1f}s with {procs} processes")
 
 
-def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None):
+def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None, rounds: int = ROUNDS):
     from nibble.kernels import w4a4
 
     dev = torch.device("cuda")
@@ -110,38 +113,49 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
         order = w4a4.product_order(M, N, K, dev)  # the activation order the op quantizes into
         qx, sx = w4a4.quantize_activations(x, order=order)
         flops = 2.0 * M * N * K
-        res = {}
-
-        def run(op, factory, n_rot):
-            try:
-                r = bench_us(factory, n_rot, return_all=True, warmup_ms=10.0, reps=20)
-                res[op] = r["us"]
-                log(f"  N={N:6d} K={K:6d} M={M:5d} {op:11s} {r['us']:10.2f} us  ({r['mode']})")
-            except Exception as e:  # an op unsupported at this shape: recorded as missing
-                res[op] = None
-                log(f"  N={N:6d} K={K:6d} M={M:5d} {op:11s} unavailable: {type(e).__name__}: {str(e)[:160]}")
-
+        arms = {}
         if "bf16" in ops:
-            run("bf16", lambda i: (lambda: F.linear(x, wb[i])), nb)
+            arms["bf16"] = (lambda i: (lambda: F.linear(x, wb[i])), nb)
         if "int8" in ops and M > 16:
             xi8 = qx.contiguous()
-            run("int8", lambda i: (lambda: torch._int_mm(xi8, w8[i].t())), n8)
+            arms["int8"] = (lambda i: (lambda: torch._int_mm(xi8, w8[i].t())), n8)
         if "fp8" in ops:
             xf8 = qx.to(torch.float8_e4m3fn)
             sa = sx[:, None].contiguous()
-            run("fp8", lambda i: (lambda: torch._scaled_mm(xf8, wf8[i].t(), scale_a=sa, scale_b=sw_f8,
-                                                            out_dtype=torch.bfloat16)), n8)
+            arms["fp8"] = (lambda i: (lambda: torch._scaled_mm(xf8, wf8[i].t(), scale_a=sa, scale_b=sw_f8,
+                                                               out_dtype=torch.bfloat16)), n8)
         if "actquant" in ops:
-            run("actquant", lambda i: (lambda: w4a4.quantize_activations_gpu(x, False, order)), 1)
+            arms["actquant"] = (lambda i: (lambda: w4a4.quantize_activations_gpu(x, False, order)), 1)
         if "actquant_h" in ops:
-            run("actquant_h", lambda i: (lambda: w4a4.quantize_activations_gpu(x, True, order)), 1)
+            arms["actquant_h"] = (lambda i: (lambda: w4a4.quantize_activations_gpu(x, True, order)), 1)
+        if "gemm" in ops and not tune:
+            arms["gemm"] = (lambda i: (lambda: w4a4.w4a4_matmul(qx, sx, w4[i][0], w4[i][1], None, torch.bfloat16,
+                                                                 order)), n4)
+        if "w4a4" in ops:
+            arms["w4a4"] = (lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
+        if "w4a4_h" in ops:
+            arms["w4a4_h"] = (lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, True)), n4)
+
+        def measure(factory, n_rot, **timing):
+            r = bench_us(factory, n_rot, return_all=True, **timing)
+            if r["mode"] != "graph":
+                log(f"  N={N:6d} K={K:6d} M={M:5d}: an op timed eagerly (its CUDA-graph capture failed)")
+            return r["us"]
+
+        # every op may be missing at a shape (e.g. int8 / fp8 where cuBLAS lacks them): recorded as None
+        times = bench_rounds(arms, rounds, optional=tuple(arms), measure=measure, log=log, warmup_ms=10.0, reps=20)
+        res = {op: statistics.median(t) if t else None for op, t in times.items()}
+        for op, us in res.items():
+            if us:
+                log(f"  N={N:6d} K={K:6d} M={M:5d} {op:11s} {us:10.2f} us  (rounds: "
+                    + ", ".join(f"{t:.2f}" for t in times[op]) + ")")
         if "gemm" in ops and tune:
             # time every candidate of this M bucket, keep the fastest for the op (w4a4.TUNED)
             b = w4a4.m_bucket(M)
-            times = []
+            candidate_us = []
             for idx, c in enumerate(w4a4.CANDIDATES[b]):
                 if c["kind"] == "gemv" and M > c["MP"]:
-                    times.append(None)
+                    candidate_us.append(None)
                     continue
                 cfg = dict(c, split_k=w4a4.auto_split(c, M, N, K))
                 try:
@@ -151,22 +165,16 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
                 except Exception as e:
                     t = None
                     log(f"  candidate {idx} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                times.append(t)
+                candidate_us.append(t)
                 log(f"  N={N:6d} K={K:6d} M={M:5d} cand{idx} {cfg['kind']} "
                     f"{ {k: v for k, v in cfg.items() if k not in ('kind', 'SWAP')} } {t}")
-            valid = [(t, i) for i, t in enumerate(times) if t]
+            valid = [(t, i) for i, t in enumerate(candidate_us) if t]
             if valid:
                 best = min(valid)[1]
                 w4a4.TUNED[(b, N, K)] = best
-                res["gemm"] = times[best]
+                res["gemm"] = candidate_us[best]
                 if tuning is not None:
-                    tuning.append(dict(N=N, K=K, M=M, bucket=b, times_us=times, best=best))
-        elif "gemm" in ops:
-            run("gemm", lambda i: (lambda: w4a4.w4a4_matmul(qx, sx, w4[i][0], w4[i][1], None, torch.bfloat16, order)), n4)
-        if "w4a4" in ops:
-            run("w4a4", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, False)), n4)
-        if "w4a4_h" in ops:
-            run("w4a4_h", lambda i: (lambda: torch.ops.nibble.w4a4_linear(x, w4[i][0], w4[i][1], None, True)), n4)
+                    tuning.append(dict(N=N, K=K, M=M, bucket=b, times_us=candidate_us, best=best))
 
         base = res.get("bf16")
         cfg = dict(kernel=w4a4.product_kernel(qx, N, order))
@@ -175,7 +183,8 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None)
         elif cfg["kernel"] == "triton":
             cfg.update(w4a4.pick_config(M, N, K))
         for op, us in res.items():
-            row = dict(N=N, K=K, M=M, op=op, us=us, speedup=(base / us) if (base and us) else None)
+            row = dict(N=N, K=K, M=M, op=op, us=us, us_rounds=times.get(op),
+                       speedup=(base / us) if (base and us) else None)
             if us:
                 if op in ("actquant", "actquant_h"):
                     row["tb_s"] = (M * K * 2 + M * K + 4 * M) / us / 1e6
@@ -221,7 +230,11 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="store_true",
                    help="time every candidate config per (M bucket, shape), use the fastest (w4a4.TUNED)")
     p.add_argument("--procs", type=int, default=8, help="processes that pre-compile the kernels (0: none)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"interleaved rounds per cell, its figure their median (default {ROUNDS})")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         print("the W4A4 benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -238,7 +251,7 @@ def main(argv=None) -> int:
     import os
     os.makedirs(a.out, exist_ok=True)
     for N, K in shapes:
-        rows += bench_shape(N, K, ms, ops, tune=a.tune, tuning=tuning)
+        rows += bench_shape(N, K, ms, ops, tune=a.tune, tuning=tuning, rounds=a.rounds)
         with open(os.path.join(a.out, "w4a4-partial.json"), "w") as f:  # survives a timeout
             json.dump({"rows": rows, "tuning": tuning}, f, default=str)
     summarize(rows)
@@ -246,7 +259,7 @@ def main(argv=None) -> int:
         from nibble.kernels import w4a4
         print("TUNED =", {k: v for k, v in sorted(w4a4.TUNED.items())})
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
-    meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning,
+    meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning, rounds=a.rounds,
                     note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)")
     paths = write_results([r for r in rows if r["op"] != "bf16"], meta, a.out, a.name or f"w4a4-{gpu}",
                           title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")

@@ -1,0 +1,53 @@
+"""`bench_rounds` on the CPU, with a stand-in for `bench_us`: which arm runs when, and what a failing
+arm leaves behind. (The kernel benchmarks take each cell's median of these rounds.)"""
+import pytest
+
+from nibble.bench.timing import bench_rounds
+
+
+def _recorder(fail=()):
+    calls = []
+
+    def measure(factory, n_rot, **timing):
+        name = factory(0)()
+        calls.append((name, n_rot, timing))
+        if name in fail:
+            raise RuntimeError(f"{name} does not run here")
+        return 10.0 * len(calls)
+    return measure, calls
+
+
+def _arms(*names):
+    return {name: ((lambda i, name=name: (lambda: name)), k + 1) for k, name in enumerate(names)}
+
+
+def test_each_round_starts_one_arm_later_and_every_arm_runs_once_a_round():
+    measure, calls = _recorder()
+    times = bench_rounds(_arms("bf16", "tinygemm", "nibble"), 4, measure=measure, reps=7)
+    assert [c[0] for c in calls] == ["bf16", "tinygemm", "nibble", "tinygemm", "nibble", "bf16",
+                                     "nibble", "bf16", "tinygemm", "bf16", "tinygemm", "nibble"]
+    assert all(c[2] == {"reps": 7} for c in calls)  # bench_us's keywords pass through
+    assert {c[0]: c[1] for c in calls} == {"bf16": 1, "tinygemm": 2, "nibble": 3}
+    assert times == {"bf16": [10.0, 60.0, 80.0, 100.0], "tinygemm": [20.0, 40.0, 90.0, 110.0],
+                     "nibble": [30.0, 50.0, 70.0, 120.0]}
+
+
+def test_an_optional_arm_that_fails_is_tried_once_and_said():
+    measure, calls = _recorder(fail={"tinygemm"})
+    said = []
+    times = bench_rounds(_arms("bf16", "tinygemm", "nibble"), 3, optional=("tinygemm",), measure=measure,
+                         log=said.append)
+    assert [c[0] for c in calls].count("tinygemm") == 1
+    assert times["tinygemm"] == [] and len(times["bf16"]) == len(times["nibble"]) == 3
+    assert len(said) == 1 and "tinygemm unavailable" in said[0] and "does not run here" in said[0]
+
+
+def test_a_required_arm_that_fails_raises():
+    measure, _ = _recorder(fail={"nibble"})
+    with pytest.raises(RuntimeError, match="nibble does not run here"):
+        bench_rounds(_arms("bf16", "nibble"), 3, optional=("tinygemm",), measure=measure)
+
+
+def test_no_arms_no_rounds():
+    measure, calls = _recorder()
+    assert bench_rounds({}, 3, measure=measure) == {} and calls == []
