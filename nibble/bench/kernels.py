@@ -16,7 +16,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import bench_rounds, env_meta, geomean, rotations, write_results
+from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, env_meta, geomean, rotations,
+                                 write_results)
 from nibble.formats.int4 import unpack_int4
 
 # (N, K): Llama-2-7B q/k/v/o (4096, 4096), fused qkv (12288, 4096), Llama-2-7B MLP (11008 / 4096),
@@ -28,7 +29,6 @@ QUICK_SHAPES = [(4096, 4096), (14336, 4096), (28672, 8192)]
 QUICK_MS = [1, 16, 128, 1024]
 GROUP = 128
 TIMING = dict(warmup_ms=10, reps=20)  # per measurement: ~10 ms warm-up, median of 20 graph replays
-ROUNDS = 3  # interleaved rounds per cell (bench_rounds says why)
 
 
 def random_int4(N: int, K: int, G: int, device, gen=None):
@@ -162,11 +162,8 @@ def main(argv=None):
     ap.add_argument("--name", default=None, help="file stem (default w4a16-<gpu>, w4a16-<gpu>-fp16 for fp16)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                     help="activations, and cuBLAS's weight (tinygemm runs in bf16 only)")
-    ap.add_argument("--rounds", type=int, default=ROUNDS,
-                    help=f"interleaved rounds per cell, its figure their median (default {ROUNDS})")
+    add_rounds_argument(ap)
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         print("nibble.bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2

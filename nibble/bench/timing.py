@@ -8,7 +8,8 @@ Small API, used by every kernel family's benchmark:
   Calls are captured into a CUDA graph (many launches per replay, launch gaps shrink to the
   device's), replays are timed with CUDA events after a warm-up, and the median is returned.
 - ``bench_rounds(arms, rounds)`` -> {arm: [us per round]}: several ops timed by ``bench_us`` in
-  interleaved rounds, each round in another order; a cell's figure is the median over its rounds.
+  interleaved rounds, each round in another order; a cell's figure is the median over its rounds
+  (``add_rounds_argument``: the benchmarks' ``--rounds``).
 - ``rotations(bytes_per_set)`` -> how many input sets make the working set exceed the L2
   several times over.
 - ``capture_graph(body, ...)`` -> (graph, output): ``body`` warmed up and captured on the device's
@@ -22,6 +23,7 @@ Everything imports without CUDA (and without matplotlib); only calling ``bench_u
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import json
@@ -124,7 +126,20 @@ def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, 
     return med_us
 
 
-def bench_rounds(arms: dict, rounds: int = 3, optional=(), measure: Callable[..., float] | None = None,
+ROUNDS = 3  # interleaved rounds per benchmark cell (bench_rounds says why)
+
+
+def add_rounds_argument(parser) -> None:
+    """``--rounds R`` (default ROUNDS, at least 1) on a benchmark's command line, for `bench_rounds`."""
+    def at_least_one(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"must be a whole number of rounds, at least 1; got {text!r}")
+        return int(text)
+    parser.add_argument("--rounds", type=at_least_one, default=ROUNDS,
+                        help=f"interleaved rounds per cell, its figure their median (default {ROUNDS})")
+
+
+def bench_rounds(arms: dict, rounds: int = ROUNDS, optional=(), measure: Callable[..., float] | None = None,
                  log=print, **timing) -> dict:
     """{arm: [microseconds, one per round]} for ``arms`` ({name: (fn_factory, n_rot)}, what
     `bench_us` takes), timed in ``rounds`` interleaved rounds: round r times every arm once, starting

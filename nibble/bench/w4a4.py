@@ -1,8 +1,8 @@
-"""W4A4 kernel benchmark: ``python -m nibble.bench.w4a4 [--quick] [--out DIR] [--shapes N,K ...] [--ms M ...] [--rounds R]``.
+"""W4A4 kernel benchmark: ``python -m nibble.bench.w4a4 [--quick] [--out DIR] [--shapes N,K ...] [--ms M ...]``.
 
 At each weight shape (N, K) and token count M, the median time (``nibble.bench.timing.bench_us``:
 CUDA-graph replay, weights rotated over enough copies that the working set is several times the L2;
-the ops timed in ``--rounds`` interleaved rounds, ``bench_rounds``, each cell the median of its rounds) of
+the ops timed in ``--rounds`` (3) interleaved rounds, ``bench_rounds``, each cell the median of its rounds) of
 
   bf16        cuBLAS bf16 ``F.linear`` (the baseline every speedup is against)
   int8        cuBLAS INT8 ``torch._int_mm`` on int8 operands, int32 out, no quantization (M > 16 only)
@@ -27,7 +27,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import bench_rounds, bench_us, env_meta, geomean, rotations, write_results
+from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean,
+                                 rotations, write_results)
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
           (28672, 8192), (8192, 28672)]
@@ -35,7 +36,6 @@ MS = [1, 16, 128, 1024, 4096]
 QUICK_SHAPES = [(4096, 4096), (14336, 4096), (28672, 8192)]
 QUICK_MS = [1, 16, 128, 1024]
 OPS = ("bf16", "int8", "fp8", "actquant", "actquant_h", "gemm", "w4a4", "w4a4_h")
-ROUNDS = 3
 
 
 def random_w4a4(N: int, K: int, device, gen=None):
@@ -230,11 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="store_true",
                    help="time every candidate config per (M bucket, shape), use the fastest (w4a4.TUNED)")
     p.add_argument("--procs", type=int, default=8, help="processes that pre-compile the kernels (0: none)")
-    p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help=f"interleaved rounds per cell, its figure their median (default {ROUNDS})")
+    add_rounds_argument(p)
     a = p.parse_args(argv)
-    if a.rounds < 1:
-        p.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         print("the W4A4 benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -51,3 +51,13 @@ def test_a_required_arm_that_fails_raises():
 def test_no_arms_no_rounds():
     measure, calls = _recorder()
     assert bench_rounds({}, 3, measure=measure) == {} and calls == []
+
+
+@pytest.mark.parametrize("main", ["nibble.bench.kernels", "nibble.bench.w4a4"])
+@pytest.mark.parametrize("bad", ["0", "-2", "two"])
+def test_the_benchmarks_refuse_fewer_than_one_round(main, bad, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(main).main(["--rounds", bad])
+    assert exit_.value.code == 2 and "--rounds" in capsys.readouterr().err
