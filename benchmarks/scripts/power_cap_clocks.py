@@ -1,0 +1,103 @@
+"""The SM clock and board power each op runs at under sustained load: W4A16 (the op) against cuBLAS bf16, each
+replayed back to back for ~1.5 s while `nvidia-smi` samples every 50 ms; per op the median clock and power over
+its last second, and its time per call (benchmarks/notes-w4a16.md, session 40).
+
+    PYTHONPATH=. python3 benchmarks/scripts/power_cap_clocks.py --ms 1,16,128,1024,4096 --json clocks.json
+"""
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nibble.bench.kernels import GROUP, weight_sets
+from nibble.bench.timing import capture_graph, env_meta
+from nibble.kernels import w4a16 as W
+
+
+def sustained(run_graph, seconds: float = 1.5, ahead: int = 4):
+    """(steady-from, end) wall times of `seconds` of back-to-back replays, and us per replay over the steady
+    part (its last second). The host keeps `ahead` replays queued, waiting on the oldest one's event only,
+    so the GPU never idles between replays (a synchronize every few replays would time the host's round
+    trips too)."""
+    t0 = time.time()
+    steady, first, queued = None, None, []
+    while time.time() - t0 < seconds:
+        if steady is None and time.time() - t0 > seconds - 1.0:
+            steady, first, replays = datetime.datetime.now(), torch.cuda.Event(enable_timing=True), 0
+            first.record()
+        run_graph()
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        queued.append(done)
+        if steady is not None:
+            replays += 1
+        if len(queued) > ahead:
+            queued.pop(0).synchronize()
+    queued[-1].synchronize()
+    return steady, datetime.datetime.now(), first.elapsed_time(queued[-1]) * 1000.0 / replays
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--ms", default="1,16,128,1024,4096", help="token counts, comma-separated")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "50"], stdout=log)
+    periods, rows = [], []
+    try:
+        for N, K in [(28672, 8192), (12288, 4096)]:
+            w4, wb, _ = weight_sets(N, K, GROUP, dev)
+            for M in map(int, args.ms.split(",")):
+                x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+                ops = {"bf16": (lambda i: F.linear(x, wb[i % len(wb)]), len(wb)),
+                       "w4a16": (lambda i: W.w4a16_linear(x, *w4[i % len(w4)], GROUP), len(w4))}
+                graphs, calls = {}, {}
+                for name, (call, sets) in ops.items():
+                    # a replay of ~2 ms (at least one call per weight copy), as `bench_us` sizes its graphs
+                    call(0)  # first call: the kernel library loaded, cuBLAS's handle made
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for i in range(sets):
+                        call(i)
+                    end.record()
+                    end.synchronize()
+                    per_call = start.elapsed_time(end) / sets
+                    calls[name] = max(sets, round(2.0 / per_call / sets) * sets)
+                    graphs[name] = capture_graph(lambda call=call, n=calls[name]: [call(i) for i in range(n)])[0]
+                for name in ("bf16", "w4a16", "w4a16", "bf16"):
+                    steady, end, us = sustained(graphs[name].replay)
+                    periods.append((N, K, M, name, steady, end, us / calls[name]))
+                    time.sleep(0.5)  # the board's draw settles between ops
+                del graphs
+            del w4, wb
+            torch.cuda.empty_cache()
+    finally:
+        smi.terminate()
+        smi.wait()
+    log.seek(0)
+    samples = []
+    for line in log.read().splitlines():
+        stamp, clock, power = [v.strip() for v in line.split(",")]
+        samples.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f"), float(clock), float(power)))
+    for N, K, M, name, steady, end, us in periods:
+        inside = [(c, p) for t, c, p in samples if steady <= t <= end]
+        row = dict(N=N, K=K, M=M, op=name, us=round(us, 2), samples=len(inside),
+                   sm_mhz=statistics.median(c for c, _ in inside) if inside else None,
+                   watts=statistics.median(p for _, p in inside) if inside else None)
+        rows.append(row)
+        print(row, flush=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=env_meta(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
