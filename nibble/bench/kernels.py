@@ -120,7 +120,7 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "
             arms["tinygemm"] = (lambda i: (lambda: tinygemm_mm(x, tg[i][0], tg[i][1], G)), n4)
         if "nibble" in ops:
             arms["nibble"] = (lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4)
-        times = bench_rounds(arms, rounds, optional=("tinygemm",), log=log, **TIMING)
+        times = bench_rounds(arms, rounds, optional=("tinygemm",), log=lambda line: log(f"M={M}{line}"), **TIMING)
         res = {op: statistics.median(t) for op, t in times.items() if t}
         base = res.get(base_op)
         for op, us in res.items():

@@ -143,7 +143,8 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
             return r["us"]
 
         # every op may be missing at a shape (e.g. int8 / fp8 where cuBLAS lacks them): recorded as None
-        times = bench_rounds(arms, rounds, optional=tuple(arms), measure=measure, log=log, warmup_ms=10.0, reps=20)
+        times = bench_rounds(arms, rounds, optional=tuple(arms), measure=measure, warmup_ms=10.0, reps=20,
+                             log=lambda line: log(f"  N={N:6d} K={K:6d} M={M:5d}{line}"))
         res = {op: statistics.median(t) if t else None for op, t in times.items()}
         for op, us in res.items():
             if us:
