@@ -7,16 +7,13 @@ its last second, and its time per call (benchmarks/notes-w4a16.md, session 40).
 import argparse
 import datetime
 import json
-import statistics
-import subprocess
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 from nibble.bench.kernels import GROUP, weight_sets
-from nibble.bench.timing import capture_graph, env_meta
+from nibble.bench.timing import ClockSampler, capture_graph, env_meta
 from nibble.kernels import w4a16 as W
 
 
@@ -49,11 +46,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,128,1024,4096", help="token counts, comma-separated")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                            "-lms", "50"], stdout=log)
     periods, rows = [], []
-    try:
+    with ClockSampler() as clocks:
         for N, K in [(28672, 8192), (12288, 4096)]:
             w4, wb, _ = weight_sets(N, K, GROUP, dev)
             for M in map(int, args.ms.split(",")):
@@ -80,19 +74,8 @@ def main() -> None:
                 del graphs
             del w4, wb
             torch.cuda.empty_cache()
-    finally:
-        smi.terminate()
-        smi.wait()
-    log.seek(0)
-    samples = []
-    for line in log.read().splitlines():
-        stamp, clock, power = [v.strip() for v in line.split(",")]
-        samples.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f"), float(clock), float(power)))
     for N, K, M, name, steady, end, us in periods:
-        inside = [(c, p) for t, c, p in samples if steady <= t <= end]
-        row = dict(N=N, K=K, M=M, op=name, us=round(us, 2), samples=len(inside),
-                   sm_mhz=statistics.median(c for c, _ in inside) if inside else None,
-                   watts=statistics.median(p for _, p in inside) if inside else None)
+        row = dict(N=N, K=K, M=M, op=name, us=round(us, 2), **clocks.during(steady, end))
         rows.append(row)
         print(row, flush=True)
     with open(args.json, "w") as f:

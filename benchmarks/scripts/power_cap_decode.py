@@ -10,13 +10,11 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
-import tempfile
 import time
 
 import torch
 
-from nibble.bench.timing import env_meta
+from nibble.bench.timing import ClockSampler, env_meta
 from nibble.config import QuantConfig
 from nibble.eval.engine import Engine
 from nibble.eval.speed import quantize_in_place, random_model
@@ -51,29 +49,15 @@ def main() -> None:
     for engine in engines.values():  # graphs captured before any timing
         engine.prefill(prompt)
         engine.decode(2, collect=False)
-    log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                            "-lms", "50"], stdout=log)
     periods = []
-    try:
+    with ClockSampler() as clocks:
         time.sleep(1.0)  # idle: the board cools to its idle draw
         for name in ("bf16", "w4a16", "w4a16", "bf16"):
             periods += [(name, *r) for r in runs(engines[name], prompt, args.seconds)]
             time.sleep(1.0)
-    finally:
-        smi.terminate()
-        smi.wait()
-    log.seek(0)
-    samples = []
-    for line in log.read().splitlines():
-        stamp, clock, power = [v.strip() for v in line.split(",")]
-        samples.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f"), float(clock), float(power)))
     rows = []
     for name, begin, end, ms in periods:
-        inside = [(c, p) for t, c, p in samples if begin <= t <= end]
-        rows.append(dict(config=name, ms_per_step=round(ms, 4), samples=len(inside),
-                         sm_mhz=statistics.median(c for c, _ in inside) if inside else None,
-                         watts=statistics.median(p for _, p in inside) if inside else None))
+        rows.append(dict(config=name, ms_per_step=round(ms, 4), **clocks.during(begin, end)))
     for name in ("bf16", "w4a16"):
         mine = [r for r in rows if r["config"] == name]
         print(name, "first runs:", [(r["ms_per_step"], r["sm_mhz"], r["watts"]) for r in mine[:4]], flush=True)

@@ -10,14 +10,13 @@ Each printed row: (us, CUDA-graph calls per replay, start and end in seconds aft
 """
 import argparse
 import datetime
-import subprocess
 import time
 
 import torch
 import torch.nn.functional as F
 
 from nibble.bench.kernels import GROUP, TIMING, weight_sets
-from nibble.bench.timing import bench_us
+from nibble.bench.timing import ClockSampler, bench_us
 from nibble.kernels import hopper
 from nibble.kernels import w4a16 as W
 
@@ -30,11 +29,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     clusters = W.wgmma_clusters(dev)
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
-                            "--format=csv,noheader", "-lms", "50"], stdout=open(args.smi_log, "w"))
-    print("T0", datetime.datetime.now(), flush=True)
-    t0 = time.time()
-    try:
+    with ClockSampler(log_path=args.smi_log):
+        print("T0", datetime.datetime.now(), flush=True)
+        t0 = time.time()
         for N, K in [(14336, 4096), (12288, 4096), (8192, 28672)]:
             w4, wb, _ = weight_sets(N, K, GROUP, dev)
             for M in (128, 1024):
@@ -50,8 +47,6 @@ def main() -> None:
                         r = bench_us(*arms[name], return_all=True, **TIMING)
                         res[name] = (round(r["us"], 2), r["calls_per_replay"], start, round(time.time() - t0, 3))
                     print(N, K, M, pick, list(order), res, flush=True)
-    finally:
-        smi.terminate()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Small API, used by every kernel family's benchmark:
 - ``bench_rounds(arms, rounds)`` -> {arm: [us per round]}: several ops timed by ``bench_us`` in
   interleaved rounds, each round in another order; a cell's figure is the median over its rounds
   (``add_rounds_argument``: the benchmarks' ``--rounds``).
+- ``ClockSampler()``: ``nvidia-smi`` sampling the SM clock and board power while a ``with`` block runs
+  (what a measurement ran at, under the H200's power cap).
 - ``rotations(bytes_per_set)`` -> how many input sets make the working set exceed the L2
   several times over.
 - ``capture_graph(body, ...)`` -> (graph, output): ``body`` warmed up and captured on the device's
@@ -168,6 +170,41 @@ def bench_rounds(arms: dict, rounds: int = ROUNDS, optional=(), measure: Callabl
                 times[name] = []
                 log(f"  {name} unavailable: {type(e).__name__}: {str(e)[:160]}")
     return times
+
+
+class ClockSampler:
+    """``nvidia-smi`` sampling the GPU's SM clock, board power and temperature every ``period_ms`` while the
+    ``with`` block runs (a copy of its CSV at ``log_path`` if given); then `during` says what a span of the
+    block, between two ``datetime.datetime.now()`` stamps, ran at. Used by the power-cap scripts
+    (benchmarks/scripts/power_cap_*.py, benchmarks/notes-w4a16.md session 40)."""
+
+    QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu"
+
+    def __init__(self, period_ms: int = 50, log_path: str | os.PathLike | None = None):
+        self.period_ms, self.log_path = period_ms, log_path
+        self.samples: list = []  # (datetime, MHz, W, degrees C)
+
+    def __enter__(self) -> "ClockSampler":
+        import tempfile
+        self._log = open(self.log_path, "w+") if self.log_path else tempfile.TemporaryFile("w+")
+        self._smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                      "-lms", str(self.period_ms)], stdout=self._log)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._smi.terminate()
+        self._smi.wait()
+        self._log.seek(0)
+        for line in self._log.read().splitlines():
+            stamp, *values = [v.strip() for v in line.split(",")]
+            self.samples.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f"), *map(float, values)))
+        self._log.close()
+
+    def during(self, begin: datetime.datetime, end: datetime.datetime) -> dict:
+        """Median SM MHz and board watts of the samples between ``begin`` and ``end`` (None without any)."""
+        inside = [(mhz, watts) for t, mhz, watts, _ in self.samples if begin <= t <= end]
+        return dict(samples=len(inside), sm_mhz=statistics.median(m for m, _ in inside) if inside else None,
+                    watts=statistics.median(w for _, w in inside) if inside else None)
 
 
 def _git_commit() -> str:

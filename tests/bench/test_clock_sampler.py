@@ -1,0 +1,30 @@
+"""`ClockSampler` on the CPU, with a stand-in `nvidia-smi` on the PATH that prints fixed samples: the CSV it
+reads back and the medians of a span."""
+import datetime
+import os
+import stat
+
+from nibble.bench.timing import ClockSampler
+
+SAMPLES = """2026/12/02 15:08:05.470, 1980, 153.46, 39
+2026/12/02 15:08:05.570, 1650, 202.20, 40
+2026/12/02 15:08:05.671, 1500, 663.00, 53
+2026/12/02 15:08:05.772, 1700, 690.50, 54
+"""
+
+
+def test_samples_come_back_and_a_span_takes_their_medians(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncat <<'END'\n" + SAMPLES + "END\nexec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    log = tmp_path / "smi.csv"
+    with ClockSampler(period_ms=50, log_path=log) as clocks:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=10)
+        while log.read_text().count("\n") < 4 and datetime.datetime.now() < deadline:
+            pass
+    assert [s[1:] for s in clocks.samples] == [(1980, 153.46, 39), (1650, 202.2, 40), (1500, 663.0, 53),
+                                               (1700, 690.5, 54)]
+    begin, end = datetime.datetime(2026, 12, 2, 15, 8, 5, 500000), datetime.datetime(2026, 12, 2, 15, 8, 5, 800000)
+    assert clocks.during(begin, end) == dict(samples=3, sm_mhz=1650, watts=663.0)
+    assert clocks.during(end, end + datetime.timedelta(seconds=1)) == dict(samples=0, sm_mhz=None, watts=None)
