@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.bench.kernels import GROUP, weight_sets
-from nibble.bench.timing import ClockSampler, capture_graph, env_meta
+from nibble.bench.timing import ClockSampler, capture_graph, env_meta, sized_calls
 from nibble.kernels import w4a16 as W
 
 
@@ -52,21 +52,13 @@ def main() -> None:
             w4, wb, _ = weight_sets(N, K, GROUP, dev)
             for M in map(int, args.ms.split(",")):
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-                ops = {"bf16": (lambda i: F.linear(x, wb[i % len(wb)]), len(wb)),
-                       "w4a16": (lambda i: W.w4a16_linear(x, *w4[i % len(w4)], GROUP), len(w4))}
+                ops = {"bf16": (lambda i: (lambda: F.linear(x, wb[i])), len(wb)),
+                       "w4a16": (lambda i: (lambda: W.w4a16_linear(x, *w4[i], GROUP)), len(w4))}
                 graphs, calls = {}, {}
-                for name, (call, sets) in ops.items():
-                    # a replay of ~2 ms (at least one call per weight copy), as `bench_us` sizes its graphs
-                    call(0)  # first call: the kernel library loaded, cuBLAS's handle made
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for i in range(sets):
-                        call(i)
-                    end.record()
-                    end.synchronize()
-                    per_call = start.elapsed_time(end) / sets
-                    calls[name] = max(sets, round(2.0 / per_call / sets) * sets)
-                    graphs[name] = capture_graph(lambda call=call, n=calls[name]: [call(i) for i in range(n)])[0]
+                for name, (factory, sets) in ops.items():
+                    # a replay of ~2 ms, every weight copy in turn, as `bench_us` sizes its graphs
+                    round_robin, calls[name] = sized_calls(factory, sets)
+                    graphs[name] = capture_graph(round_robin(calls[name]), warmup=round_robin(sets))[0]
                 for name in ("bf16", "w4a16", "w4a16", "bf16"):
                     steady, end, us = sustained(graphs[name].replay)
                     periods.append((N, K, M, name, steady, end, us / calls[name]))

@@ -7,6 +7,8 @@ Small API, used by every kernel family's benchmark:
   sets (rotating copies of the weights, so that repeated calls do not time the 60 MB L2).
   Calls are captured into a CUDA graph (many launches per replay, launch gaps shrink to the
   device's), replays are timed with CUDA events after a warm-up, and the median is returned.
+- ``sized_calls(fn_factory, n_rot)`` -> (round_robin, calls): the body `bench_us` captures, sized to
+  a ~2 ms replay, for scripts that replay a graph of their own.
 - ``bench_rounds(arms, rounds)`` -> {arm: [us per round]}: several ops timed by ``bench_us`` in
   interleaved rounds, each round in another order; a cell's figure is the median over its rounds
   (``add_rounds_argument``: the benchmarks' ``--rounds``).
@@ -34,6 +36,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -67,22 +70,13 @@ def _event_time_ms(fn: Callable[[], None], iters: int) -> float:
     return start.elapsed_time(end)
 
 
-def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, *, graph: bool = True,
-             target_replay_ms: float = 2.0, max_calls_per_replay: int = 1000, warmup_ms: float = 25.0,
-             reps: int = 30, max_total_ms: float = 300.0, return_all: bool = False):
-    """Median time of one call in microseconds.
-
-    fn_factory(i) for i in range(n_rot) must return a zero-arg callable (e.g. a lambda closing over
-    the i-th weight copy). The callables are invoked round-robin. With ``graph=True`` a CUDA graph
-    of ``calls`` launches is captured (calls chosen so a replay lasts ~target_replay_ms and is a
-    multiple of n_rot), replayed for ``warmup_ms``, then ``reps`` replays are timed one by one with
-    events; the result is median(replay) / calls. If capture fails (an op that cannot be captured)
-    it falls back to eager timing and says so in the returned dict when ``return_all``.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("bench_us needs a CUDA device")
+def sized_calls(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, target_replay_ms: float = 2.0,
+                max_calls_per_replay: int = 1000) -> tuple[Callable[[int], Callable[[], None]], int]:
+    """(round_robin, calls): ``round_robin(k)`` is a body making k calls of ``fn_factory(i)()`` round-robin
+    over the ``n_rot`` input sets, and ``calls`` (a multiple of n_rot) the number that fills a replay of
+    ~``target_replay_ms``, from an eager timing of one round after each callable's first call
+    (compilation, handle creation). What `bench_us` captures, and any script that replays its own graph."""
     fns = [fn_factory(i) for i in range(n_rot)]
-    # First calls: compilation, autotune-free warm-up, handle creation.
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -97,7 +91,24 @@ def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, 
     est_ms = _event_time_ms(round_robin(n_rot), 1) / n_rot
     calls = max(n_rot, int(target_replay_ms / max(est_ms, 1e-4)))
     calls = min(max(calls, n_rot), max(max_calls_per_replay, n_rot))
-    calls = int(math.ceil(calls / n_rot) * n_rot)
+    return round_robin, int(math.ceil(calls / n_rot) * n_rot)
+
+
+def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, *, graph: bool = True,
+             target_replay_ms: float = 2.0, max_calls_per_replay: int = 1000, warmup_ms: float = 25.0,
+             reps: int = 30, max_total_ms: float = 300.0, return_all: bool = False):
+    """Median time of one call in microseconds.
+
+    fn_factory(i) for i in range(n_rot) must return a zero-arg callable (e.g. a lambda closing over
+    the i-th weight copy). The callables are invoked round-robin. With ``graph=True`` a CUDA graph
+    of ``calls`` launches is captured (calls chosen so a replay lasts ~target_replay_ms and is a
+    multiple of n_rot), replayed for ``warmup_ms``, then ``reps`` replays are timed one by one with
+    events; the result is median(replay) / calls. If capture fails (an op that cannot be captured)
+    it falls back to eager timing and says so in the returned dict when ``return_all``.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_us needs a CUDA device")
+    round_robin, calls = sized_calls(fn_factory, n_rot, target_replay_ms, max_calls_per_replay)
 
     mode = "graph"
     body: Callable[[], None]
@@ -185,7 +196,6 @@ class ClockSampler:
         self.samples: list = []  # (datetime, MHz, W, degrees C)
 
     def __enter__(self) -> "ClockSampler":
-        import tempfile
         self._log = open(self.log_path, "w+") if self.log_path else tempfile.TemporaryFile("w+")
         self._smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
                                       "-lms", str(self.period_ms)], stdout=self._log)

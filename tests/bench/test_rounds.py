@@ -61,3 +61,19 @@ def test_the_benchmarks_refuse_fewer_than_one_round(main, bad, capsys):
     with pytest.raises(SystemExit) as exit_:
         importlib.import_module(main).main(["--rounds", bad])
     assert exit_.value.code == 2 and "--rounds" in capsys.readouterr().err
+
+
+def test_sized_calls_fill_a_replay_in_whole_rounds_of_the_input_sets(monkeypatch):
+    # on the CPU: no synchronize, and an eager round of 3 sets timed at 0.3 ms (0.1 ms a call)
+    from nibble.bench import timing
+
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(timing, "_event_time_ms", lambda fn, iters: (fn(), 0.3)[1])
+    made = []
+    round_robin, calls = timing.sized_calls(lambda i: (lambda: made.append(i)), 3, target_replay_ms=2.0)
+    assert calls == 21  # 2 ms / 0.1 ms = 20 calls, up to whole rounds of 3 sets
+    assert made == [0, 1, 2, 0, 1, 2]  # each set's first call, then the timed round
+    made.clear()
+    round_robin(5)()
+    assert made == [0, 1, 2, 0, 1]
+    assert timing.sized_calls(lambda i: (lambda: None), 3, max_calls_per_replay=10)[1] == 12  # capped, whole rounds
