@@ -322,6 +322,82 @@ def test_gpu_mma_x_through_l1(M):
             torch.testing.assert_close(through, around, rtol=0, atol=0)
 
 
+def rel_err(got, truth):
+    return ((got.double() - truth).norm() / truth.norm().clamp_min(1e-30)).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 3, 8, 13, 16])
+def test_gpu_mma_residual_norm_fusion(M):
+    """A residual add + RMSNorm taken into the launches around it (csrc/w4a16_mma.cu: NormFusion): the
+    producer's h, h * g and sums of squares, and the consumer's normalized products, against the
+    reference (`reference.w4a16_into_norm` / `w4a16_from_norm`) and against float64 truth of
+    RMSNorm(h) @ W.T: every buffer poisoned first, one to three consumer weights, groups of 128 (the one
+    size compiled with it), a consumer config through the L1 (x_l1) and around it."""
+    from nibble.kernels.reference import w4a16_from_norm, w4a16_into_norm
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
+    G = W.NORM_FUSION_GROUP
+    for hidden, K, ns in ((384, 1536, (384, 128, 128)), (4096, 4096, (11008, 11008)), (2048, 5504, (2048,))):
+        dtype = torch.bfloat16 if (M + hidden) % 2 else torch.float16
+        producer = make_weight(hidden, K, G, device="cuda", seed=M + K)
+        consumers = [make_weight(n, hidden, G, device="cuda", seed=M + n + i) for i, n in enumerate(ns)]
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        residual = torch.randn(M, hidden, device="cuda", dtype=dtype) * 4
+        g = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+        assert W.norm_fusion_applicable(x, [producer], G) and W.norm_fusion_applicable(residual, consumers, G)
+        h_ref, weighted_ref, sq_ref = w4a16_into_norm(x, *producer, G, residual, g)
+
+        h = residual.clone()
+        count = hidden // 32
+        weighted = torch.full((M, hidden), float("nan"), device="cuda", dtype=dtype)
+        sq = torch.full((M, -(-count // 4) * 4), float("nan"), device="cuda")
+        W.w4a16_mma_many(x, [producer], G, outs=[weighted], into_norm=(h, g, weighted, sq))
+        torch.cuda.synchronize()
+        assert torch.isfinite(h).all() and torch.isfinite(weighted).all() and torch.isfinite(sq[:, :count]).all()
+        assert rel_err(h, h_ref.double()) < 2 ** -8 and rel_err(weighted, weighted_ref.double()) < 2 ** -8
+        torch.testing.assert_close(sq[:, :count], (h.float() ** 2).view(M, -1, 32).sum(-1), rtol=1e-5, atol=0)
+        assert torch.isnan(sq[:, count:]).all(), "wrote past its sums"
+
+        eps = 1e-5
+        truth_x = h.double() / torch.sqrt((h.double() ** 2).mean(-1, keepdim=True) + eps) * g.double()
+        picked = W.select_mma_config(M, sum(ns), hidden, W.num_sms(x.device))
+        for x_l1 in (False, True):
+            outs = [torch.full((M, n), float("nan"), device="cuda", dtype=dtype) for n in ns]
+            W.w4a16_mma_many(weighted, consumers, G, config=replace(picked, x_l1=x_l1), outs=outs,
+                             from_norm=(sq, count, eps))
+            torch.cuda.synchronize()
+            for out, w in zip(outs, consumers):
+                assert torch.isfinite(out).all()
+                ref = w4a16_from_norm(weighted, *w, G, sq[:, :count], eps)
+                truth = truth_x @ dequantize(*w, G).double().t().cuda()
+                base = rel_err(truth_x.to(dtype) @ dequantize(*w, G).to(dtype).t().cuda(), truth)
+                assert rel_err(out, truth) <= 2 * base + 1e-6 and rel_err(out, ref.double()) <= 2 * base + 1e-6
+
+        normed = W.w4a16_mma_into_norm(x, producer, G, residual.clone(), g)  # the public pair, end to end
+        ys = W.w4a16_mma_from_norm(normed, consumers, G, eps)
+        for y, out in zip(ys, outs):
+            torch.testing.assert_close(y, out, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_gpu_mma_residual_norm_fusion_checks():
+    if not W.mma_applicable(torch.empty(1, 32, device="cuda"), 32, 32, 32):
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
+    w = make_weight(256, 256, 128, device="cuda")
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual must be"):
+        W.w4a16_mma_into_norm(x, w, 128, torch.zeros(2, 256, device="cuda", dtype=torch.float16), g)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        W.w4a16_mma_into_norm(x, w, 128, torch.zeros(2, 256, device="cuda", dtype=torch.bfloat16), g[:128])
+    with pytest.raises(ValueError, match="decode sizes"):
+        W.w4a16_mma_into_norm(torch.randn(17, 256, device="cuda", dtype=torch.bfloat16), w, 128,
+                              torch.zeros(17, 256, device="cuda", dtype=torch.bfloat16), g)
+    assert not W.norm_fusion_applicable(torch.randn(17, 256, device="cuda", dtype=torch.bfloat16), [w], 128)
+    assert not W.norm_fusion_applicable(x, [make_weight(256, 256, 64, device="cuda")], 64)
+
+
 @needs_cuda
 @pytest.mark.parametrize("M", [1, 4, 5, 16, 24])
 def test_gpu_mma_successor_modes(M):
