@@ -39,9 +39,9 @@ KERNEL_EDITS = [
     # at 16 tokens: 12288 x 4096 13.6 -> 15.8 us). One token tile above one block: ptxas spills 8-40
     # bytes at the shipped 64-register cap, and one CTA an SM of up to 16 warps is what it is for, so
     # the cap is lifted there.
-    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1, int FUSE>
+    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)""",
-     """template <typename T, int MT, int GS, bool MANY, bool X_L1, int FUSE, int COLS>
+     """template <typename T, int MT, int GS, bool MANY, bool X_L1, int COLS>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) || MT == 4 ? 2 : 1)"""),
     # one column block: x in each warp's own stages, as shipped; more: a ring per K range after them
     ("""  constexpr bool RUNNING = running_fold(MT), TWO_BASES = two_bases<T>(MT);
@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) ||
     ("run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });",
      "run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); }, 1 + warp, 32 * cols);"),
     ("store_fragments<MT>(partial, warp, lane,", "store_fragments<MT>(partial, all_warp, lane,"),
-    ("""    for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
-      float sum = 0.f;""",
+    ("""  for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
+    float sum = 0.f;""",
      """  if (COLS > 1) {
     const int width = 32 * cols, col0 = blockIdx.x * width;
     for (int i = threadIdx.x; i < m_rows * width; i += blockDim.x) {
@@ -89,8 +89,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) ||
     }
     return;
   }
-    for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
-      float sum = 0.f;"""),
+  for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
+    float sum = 0.f;"""),
     ("""size_t smem_bytes(int warps, int mt) {
   const size_t ring = (size_t)warps * RING * (stage_x_offset(mt) + 512 * mt), partial = (size_t)warps * mt * 8 * 32 * sizeof(float);""",
      """int xshare_cols() {
@@ -101,10 +101,10 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, (MT == 1 && COLS == 1) ||
 size_t smem_bytes(int warps, int mt, int cols) {
   const size_t ring = (size_t)cols * warps * RING * 640 + (size_t)warps * RING * 512 * mt,
                partial = (size_t)cols * warps * mt * 8 * 32 * sizeof(float);"""),
-    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1, int FUSE>
+    ("""template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, FUSE>;
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
@@ -116,7 +116,7 @@ cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M,
      """template <typename T, int MT, int GS, bool MANY, bool X_L1, int COLS>
 cudaError_t launch_cols(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps,
                         int ldx, int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, FUSE_NONE, COLS>;
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, COLS>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   if (COLS > 1 && warps > 15) return cudaErrorInvalidValue;  // named barriers 1..15
@@ -129,12 +129,10 @@ cudaError_t launch_cols(const void* x, const Weights<T>& weights, int ctas, int 
                        group_shift_steps, ldx, trigger);
 }
 
-// Column blocks a CTA from NIBBLE_XSHARE_COLS: single weights, one or two token tiles, groups of 128
-// (no NormFusion: the variant predates it).
-template <typename T, int MT, int GS, bool MANY, bool X_L1, int FUSE>
+// Column blocks a CTA from NIBBLE_XSHARE_COLS: single weights, one or two token tiles, groups of 128.
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-  if (FUSE) return cudaErrorInvalidValue;
   const int cols = xshare_cols();
   if constexpr (!MANY && MT <= 2 && GS == 4) {
     switch (cols) {

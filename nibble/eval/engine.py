@@ -29,12 +29,7 @@ this file supplies the rest of the forward pass:
   layer go. From 512 tokens on Hopper the gate and up products are one GEMM whose epilogue
   computes SiLU(gate) * up (`w4a4.w4a4_wgmma_silu_mul`): their 2N-wide output is never written
   (Llama-2-7B prefill 1.4% faster at 1 x 512, 3.5% at 8 x 512; at 128 tokens the epilogue costs
-  more than it saves). W4A16 at decode sizes (up to 16 tokens, groups of 128) goes further still: the
-  residual add + RMSNorm between two blocks needs no kernel at all. The output projection's launch
-  (o_proj, down_proj) adds its output to the residual stream and leaves h times the norm's weight and
-  per-token partial sums of h^2; the projections after the norm divide their outputs by the root
-  mean square in their epilogue (`Engine._out_projection`, csrc/w4a16_mma.cu: NormFusion;
-  ``NIBBLE_NORM_IN_MATMULS=0`` keeps the norm kernels).
+  more than it saves).
   Both sides get the grouping: at batch 1,
   Llama-2-7B's q, k and v take 39.9 us in bf16 and 16.9 us in W4A16 as three launches, 27.6 and
   10.5 us as one (H200); at 128 tokens 41.7 us in bf16, 73.0 in W4A16 and 55.1 in W4A4 as three,
@@ -42,10 +37,8 @@ this file supplies the rest of the forward pass:
   row stride).
 
 The kernels reproduce the Hugging Face modules' bf16 rounding step for step (they round where
-PyTorch rounds), so greedy tokens match ``model.generate`` (W4A16 with the norms in its launches: up
-to near-ties, the norm's roundings moving into the launches' fp32 epilogues); on the CPU the same
-functions run as plain PyTorch. Only the linears differ between bf16 and nibble models, and where
-nibble's kernels take glue into their launches (W4A4's quantizing norm, W4A16's norms at decode).
+PyTorch rounds), so greedy tokens match ``model.generate``; on the CPU the same functions run as
+plain PyTorch. Only the linears differ between bf16 and nibble models.
 """
 from __future__ import annotations
 
@@ -58,11 +51,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nibble.bench.timing import capture_graph
-from nibble.kernels import w4a4, w4a16
+from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import QuantLinear, shared_input_forward, stack_weights, w4a4_operands
+from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -259,9 +252,6 @@ if triton is not None:
 # ---- fused glue: the ops (Triton on CUDA, PyTorch otherwise) -----------------------------------
 # NIBBLE_FUSED_GLUE=0 runs the PyTorch ops on CUDA too (to measure what the fusion buys).
 FUSED_GLUE = os.environ.get("NIBBLE_FUSED_GLUE", "1") != "0"
-# NIBBLE_NORM_IN_MATMULS=0 keeps the residual add + RMSNorm a kernel of its own at W4A16 decode sizes
-# (`Engine._out_projection` says what it does instead).
-NORM_IN_MATMULS = os.environ.get("NIBBLE_NORM_IN_MATMULS", "1") != "0"
 _glue_failure: str | None = None  # set when a glue kernel failed to compile: the PyTorch ops take over
 
 
@@ -502,15 +492,8 @@ class Engine:
         norm's kernel (`add_rmsnorm_quantize`; 16-bit activations, which the op would quantize
         alike), and a gated pair on the Hopper GEMM is one launch that multiplies in its epilogue
         (`w4a4.w4a4_wgmma_silu_mul`) where that pays (`w4a4.gated_preferred`); the rest go through
-        `shared_input_forward`. After `_out_projection` left a `w4a16.NormedInput`, the norm is finished
-        inside the projections' launch (`w4a16.w4a16_mma_from_norm`)."""
+        `shared_input_forward`."""
         p = _rmsnorm_params(norm)
-        if isinstance(x, w4a16.NormedInput):
-            B, T, _ = residual.shape
-            ys = w4a16.w4a16_mma_from_norm(x, [(m.qweight, m.scales, m.zeros) for m in layers], layers[0].group_size,
-                                           p[1])
-            ys = [(y if m.bias is None else y + m.bias.to(y.dtype)).view(B, T, -1) for y, m in zip(ys, layers)]
-            return residual, silu_mul(*ys) if gated else ys
         fusable = p is not None and x.is_cuda and triton is not None and x.dtype in w4a4.KERNEL_DTYPES
         operands = w4a4_operands(layers, x.dtype) if fusable else None
         if operands is None:
@@ -540,50 +523,13 @@ class Engine:
         else:  # one token: query head h reads kv head h // rep, so fold the rep heads into the query length
             qg = q.reshape(B, self.n_kv, rep, self.head_dim)
             y = decode_attention(qg, k_cache, v_cache, input_pos, self.scale, mask).reshape(B, 1, -1)
-        return y  # o_proj's input (`_out_projection`)
+        return attn.o_proj(y)
 
-    def _out_projection(self, proj: nn.Module, y, residual, norm, layers):
-        """(residual, x) after a block's output projection ``proj`` (o_proj, down_proj) on ``y``: x = proj(y),
-        for the next norm to add to the residual. Where ``proj`` and the projections ``layers`` that read
-        ``norm``'s output are W4A16 launches of the skinny kernel (decode sizes; `_norm_fusion`), the norm
-        needs no kernel of its own: proj's launch adds its output to the residual (in place) and leaves
-        x a `w4a16.NormedInput`, from which `_norm_projections` finishes the norm inside their launch
-        (csrc/w4a16_mma.cu: NormFusion). Greedy tokens then match ``generate`` up to near-ties (the
-        norm's roundings move to the launches' fp32 epilogues)."""
-        fused = self._norm_fusion(proj, y, residual, norm, layers)
-        if fused is None:
-            return residual, proj(y)
-        B, T, N = residual.shape
-        normed = w4a16.w4a16_mma_into_norm(y.reshape(B * T, -1), (proj.qweight, proj.scales, proj.zeros),
-                                           proj.group_size, residual.view(B * T, N), fused)
-        return residual, normed
-
-    def _norm_fusion(self, proj, y, residual, norm, layers):
-        """The norm's weight where `_out_projection` can take the norm into the launches around it, else None."""
-        p = _rmsnorm_params(norm) if norm is not None else None
-        quant = [proj, *layers]
-        if not (NORM_IN_MATMULS and p is not None and residual is not None and y.is_cuda and layers
-                and all(isinstance(m, QuantLinear) and m.mode == "w4a16" and m.backend == "auto" for m in quant)
-                and proj.bias is None and len({m.group_size for m in layers}) == 1
-                and p[0].dtype == y.dtype and residual.is_contiguous()):
-            return None
-        B, T, N = residual.shape
-        y2, h2 = y.reshape(B * T, -1), residual.view(B * T, N)
-        if not (w4a16.norm_fusion_applicable(y2, [(proj.qweight, proj.scales, proj.zeros)], proj.group_size)
-                and w4a16.norm_fusion_applicable(h2, [(m.qweight, m.scales, m.zeros) for m in layers],
-                                                 layers[0].group_size)):
-            return None
-        return p[0]
-
-    def _gated(self, mlp: nn.Module) -> bool:
-        return self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-
-    def _mlp(self, mlp: nn.Module, x, residual, norm, next_norm=None, next_layers=()):
-        """(h, mlp(norm(h))) with h = x + residual (`_out_projection`: ``next_norm`` and ``next_layers``
-        are the norm after the block and the projections that read it)."""
-        if self._gated(mlp):
+    def _mlp(self, mlp: nn.Module, x, residual, norm):
+        """(h, mlp(norm(h))) with h = x + residual."""
+        if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             h, act = self._norm_projections(x, residual, norm, (mlp.gate_proj, mlp.up_proj), gated=True)
-            return self._out_projection(mlp.down_proj, act, h, next_norm, next_layers)
+            return h, mlp.down_proj(act)
         h, y = self._add_norm(x, residual, norm)
         return h, mlp(y)
 
@@ -593,18 +539,11 @@ class Engine:
         x, residual = self.embed(tokens), None  # x: what the next norm adds to the residual stream
         with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
             for i, layer in enumerate(self.layers):
-                attn, mlp = layer.self_attn, layer.mlp
+                attn = layer.self_attn
                 residual, qkv = self._norm_projections(x, residual, layer.input_layernorm,
                                                        (attn.q_proj, attn.k_proj, attn.v_proj))
-                y = self._attention(i, attn, *qkv, input_pos, mask)
-                # the projections after each norm, where the norm can go into their launch
-                gate_up = (mlp.gate_proj, mlp.up_proj) if self._gated(mlp) else ()
-                residual, x = self._out_projection(attn.o_proj, y, residual, layer.post_attention_layernorm, gate_up)
-                following = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                qkv_next = () if following is None else (following.self_attn.q_proj, following.self_attn.k_proj,
-                                                         following.self_attn.v_proj)
-                residual, x = self._mlp(mlp, x, residual, layer.post_attention_layernorm,
-                                        None if following is None else following.input_layernorm, qkv_next)
+                x = self._attention(i, attn, *qkv, input_pos, mask)
+                residual, x = self._mlp(layer.mlp, x, residual, layer.post_attention_layernorm)
         _, h = self._add_norm(x, residual, self.norm)
         return self.lm_head(h[:, -1])
 

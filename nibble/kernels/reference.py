@@ -34,28 +34,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype)
 
 
-def w4a16_into_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int, residual: torch.Tensor, norm_weight: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A W4A16 product that ends in a residual add before an RMSNorm (x [M, K] -> N = the residual's
-    width): h = (x @ W.T rounded to x.dtype) + residual, rounded; returns (h, h * norm_weight rounded,
-    the sums of h^2 over each 32 columns in float32 [M, N / 32]). With `w4a16_from_norm` on the
-    latter two, the product after the norm: RMSNorm(h) = (h * norm_weight) / rms(h) per token."""
-    y = w4a16_matmul(x, qweight, scales, zeros, group_size)
-    h = (y.float() + residual.float()).to(x.dtype)
-    sq = (h.float() ** 2).view(h.shape[0], -1, 32).sum(-1)
-    return h, (h.float() * norm_weight.float()).to(x.dtype), sq
-
-
-def w4a16_from_norm(x_weighted: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int, sq: torch.Tensor, eps: float) -> torch.Tensor:
-    """The W4A16 product after an RMSNorm from `w4a16_into_norm`'s parts: (x_weighted @ W.T) / rms per
-    token, rms = sqrt(sum(sq) / K + eps) (K = x_weighted's width), accumulated in float32."""
-    w = dequantize(qweight, scales, zeros, group_size).to(x_weighted.device)
-    rms = torch.sqrt(sq.float().sum(-1, keepdim=True) / x_weighted.shape[-1] + eps)
-    return ((x_weighted.float() @ w.t()) / rms).to(x_weighted.dtype)
-
-
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4: returns (q int8 [..., K] in [-8, 7], scale float32 [...]).
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 
@@ -691,23 +690,13 @@ class MmaConfig:
 
 _MMA_SIGNATURES = cuda_build.signatures(
     "nibble_w4a16_mma", [ctypes.c_int] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-       ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float],
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "nibble_cuda_error_string")
 
 
 def _mma_lib(device):
     """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
     return cuda_build.library("w4a16_mma", device, _MMA_SIGNATURES)
-
-
-def _ptr(t):
-    return None if t is None else t.data_ptr()
-
-
-def _stride(t) -> int:
-    return 0 if t is None else t.stride(0)
 
 
 def _group_shift_steps(group_size: int, K: int) -> int | None:
@@ -799,12 +788,9 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
     return w4a16_mma_many(x, [(qweight, scales, zeros)], group_size, config, None if out is None else [out])[0]
 
 
-def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs=None, *,
-                   into_norm: tuple | None = None, from_norm: tuple | None = None):
+def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs=None):
     """[x @ W_i.T for W_i in weights] in one launch, for up to MMA_MAX_WEIGHTS weights (qweight,
-    scales, zeros) that read the same x, e.g. a block's q/k/v projections; inputs already checked.
-    ``into_norm`` = (residual, norm_weight, weighted, sq) and ``from_norm`` = (sq, count, eps): the
-    launch's sides of a fused residual add + RMSNorm (`w4a16_mma_into_norm`, `w4a16_mma_from_norm`)."""
+    scales, zeros) that read the same x, e.g. a block's q/k/v projections; inputs already checked."""
     M, K = x.shape
     ns = [qw.shape[1] for qw, _, _ in weights]
     lib = _mma_lib(x.device)
@@ -825,85 +811,15 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     if outs is None:
         outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
-    residual, norm_weight, weighted, sq_out = into_norm or (None, None, None, None)
-    sq_in, count, eps = from_norm or (None, 0, 0.0)
     with torch.cuda.device(x.device):
         err = lib.nibble_w4a16_mma(
             int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
             x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
             cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
-            cfg.successor, torch.cuda.current_stream(x.device).cuda_stream,
-            _ptr(residual), _stride(residual), _ptr(norm_weight), _ptr(weighted), _stride(weighted), _ptr(sq_out),
-            _stride(sq_out), _ptr(sq_in), _stride(sq_in), count, eps, 1.0 / K)
+            cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
     return outs
-
-
-# ----------------------------------------------------------------------------------------------
-# a decoder's residual add + RMSNorm inside the decode launches around it (csrc/w4a16_mma.cu: NormFusion)
-# ----------------------------------------------------------------------------------------------
-NORM_FUSION_MAX_M = 16  # two token tiles
-NORM_FUSION_GROUP = 128  # the one group size compiled with it (csrc/w4a16_mma.cu: FusionSide)
-
-
-class NormedInput(NamedTuple):
-    """What the launch before an RMSNorm leaves for the launches after it (`w4a16_mma_into_norm`):
-    h * the norm's weight, and per token the sums of h^2 over each 32 of its columns (the first
-    ``count`` of each float32 row of ``sq``; rows padded to a multiple of 4)."""
-    weighted: torch.Tensor
-    sq: torch.Tensor
-    count: int
-
-
-def norm_fusion_applicable(x: torch.Tensor, weights, group_size: int) -> bool:
-    """Whether the skinny kernel runs the launch of ``weights`` [(qweight, scales, zeros), ...] on x
-    (its activations, [M, K]) with a side of a fused residual add + RMSNorm: decode sizes (M <= 16),
-    16-bit x, groups of 128, a launch of <= MMA_MAX_WEIGHTS weights that `w4a16_linears` would give the
-    skinny kernel."""
-    M, K = x.shape
-    ns = [qw.shape[1] for qw, _, _ in weights]
-    return (0 < M <= NORM_FUSION_MAX_M and x.dtype in (torch.float16, torch.bfloat16) and group_size == NORM_FUSION_GROUP
-            and 1 <= len(ns) <= MMA_MAX_WEIGHTS and large_m_kernel(M, sum(ns), K, len(ns)) == "skinny"
-            and all(mma_applicable(x, n, K, group_size) for n in ns))
-
-
-def _rows_16b(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % 8 == 0)
-
-
-def w4a16_mma_into_norm(x, weight, group_size, residual, norm_weight) -> NormedInput:
-    """The decode launch before a residual add and an RMSNorm (a layer's o_proj or down_proj): y = x @ W.T,
-    h = y + residual written over ``residual`` ([M, N], rounded as PyTorch adds), and what
-    `w4a16_mma_from_norm` needs to finish the norm inside the next launch: RMSNorm(h) = h * g / rms(h).
-    The norm's own kernel and its launch go (reference: `reference.w4a16_into_norm`). ``weight`` =
-    (qweight, scales, zeros); `norm_fusion_applicable` must hold (else ValueError)."""
-    M, K = x.shape
-    N = weight[0].shape[1]
-    if not norm_fusion_applicable(x, [weight], group_size):
-        raise ValueError(f"w4a16_mma_into_norm runs decode sizes (1 to {NORM_FUSION_MAX_M} tokens, 16-bit x) on the "
-                         f"skinny kernel; got x {tuple(x.shape)} {x.dtype} for a {K} x {N} weight, group {group_size}")
-    if residual.shape != (M, N) or residual.dtype != x.dtype or not _rows_16b(residual):
-        raise ValueError(f"w4a16_mma_into_norm: residual must be [{M}, {N}] {x.dtype} with 16-byte aligned rows, "
-                         f"got {tuple(residual.shape)} {residual.dtype} strides {residual.stride()}")
-    if norm_weight.shape != (N,) or norm_weight.dtype != x.dtype or not _rows_16b(norm_weight):
-        raise ValueError(f"w4a16_mma_into_norm: norm_weight must be [{N}] {x.dtype}, contiguous and 16-byte "
-                         f"aligned, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
-    count = N // 32
-    weighted = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    sq = torch.empty((M, -(-count // 4) * 4), dtype=torch.float32, device=x.device)
-    w4a16_mma_many(x, [weight], group_size, outs=[weighted], into_norm=(residual, norm_weight, weighted, sq))
-    return NormedInput(weighted, sq, count)
-
-
-def w4a16_mma_from_norm(normed: NormedInput, weights, group_size, eps: float) -> list[torch.Tensor]:
-    """The decode launch after `w4a16_mma_into_norm` (a layer's q/k/v or gate/up, up to
-    MMA_MAX_WEIGHTS weights): [RMSNorm(h) @ W_i.T] = [(h * g) @ W_i.T / rms(h)], the division in the
-    epilogue (reference: `reference.w4a16_from_norm`). `norm_fusion_applicable` must hold (else ValueError)."""
-    if not norm_fusion_applicable(normed.weighted, weights, group_size):
-        raise ValueError(f"w4a16_mma_from_norm runs decode sizes (1 to {NORM_FUSION_MAX_M} tokens) on the skinny "
-                         f"kernel; got {tuple(normed.weighted.shape)} for {len(weights)} weights, group {group_size}")
-    return w4a16_mma_many(normed.weighted, list(weights), group_size, from_norm=(normed.sq, normed.count, eps))
 
 
 # ----------------------------------------------------------------------------------------------

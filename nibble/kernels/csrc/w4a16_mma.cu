@@ -94,32 +94,6 @@ template <> struct Num<__nv_bfloat16> {
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
 
-// A decoder's residual add and RMSNorm, taken into the decode launches on either side of them so that
-// they need no kernel of their own (a launch costs ~1.7 us on the critical path of a decode step, as
-// long as o_proj's whole matmul; the engine fuses two a layer). RMSNorm(h) W^T = (h g) W^T / rms(h),
-// with rms(h) one number per token: so the launch before the norm (o_proj, down_proj: the PRODUCER)
-// adds its output to the residual stream and writes h (over the residual), h g (g the norm's weight,
-// as x of the next launch) and, per token, its CTA's sum of h^2 over its 32 columns; the launch
-// after it (q/k/v, gate/up: the CONSUMER) reads h g as its x and multiplies each token's outputs by
-// 1 / sqrt(sum h^2 / K + eps), the partial sums added in a fixed order (no atomics: the same bits
-// every call). Roundings: h = bf16(bf16(y) + residual) as PyTorch adds, h g rounded once, the scale
-// in fp32 after the product (the module rounds h / rms, then its product with g). Either pointer
-// null: that side is off.
-struct NormFusion {
-  void* residual;           // PRODUCER: [M, ld_residual] in and out (h), one weight a launch
-  const void* norm_weight;  // [N]
-  void* x_out;              // [M, ld_x_out]: h g
-  float* sq_out;            // [M, sq_out_ld]: column j = the sum of h^2 over columns 32 j .. 32 j + 31
-  const float* sq_in;       // CONSUMER: [M, sq_in_ld], sq_in_count of each row summed
-  int ld_residual, ld_x_out, sq_out_ld, sq_in_ld, sq_in_count;
-  float eps, inv_k;         // inv_k = 1 / (the norm's width)
-};
-
-// Which side of a NormFusion a kernel instantiation takes (one each: both in one kernel left ptxas
-// spilling 16 bytes of the one-tile kernel at its 64-register cap).
-enum FusionSide { FUSE_NONE = 0, FUSE_CONSUMER = 1, FUSE_PRODUCER = 2 };
-
-
 // The weights of one launch (skinny.cuh: cta_weight)
 template <typename T>
 struct Weights {
@@ -128,7 +102,6 @@ struct Weights {
   const __half* zeros[MAX_WEIGHTS];
   T* out[MAX_WEIGHTS];
   int n[MAX_WEIGHTS], ldo[MAX_WEIGHTS], cta_end[MAX_WEIGHTS];
-  NormFusion fuse;
 };
 
 // Where the kernel reads fp16 codes with one shift a word (TWO_BASES): at one and two token tiles.
@@ -182,9 +155,6 @@ __device__ __forceinline__ void step_mmas(float (&raw)[2][4], float (&xsum)[4], 
     else mma<T, false>(xsum, ones, b[half][0], b[half][1]);
   }
 }
-
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // Four fp16 values (two half2 words: a column quad's scales, zeros) as floats.
 __device__ __forceinline__ void quad_to_float(uint2 h, float (&f)[4]) {
@@ -270,82 +240,6 @@ __host__ __device__ constexpr int stage_x_offset(int mt) { return running_fold(m
 // of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
 constexpr int RING = 4, AHEAD = RING - 2;
 
-// What the epilogue with a NormFusion side reads beyond the CTA's sums, loaded before the sums'
-// cross-warp exchange so that their L2 round trip overlaps it. (Copied into shared memory as the
-// kernel started, the consumer's partial sums took 4 KB a CTA at 8 tokens: q/k/v and gate/up then
-// needed the 196 KB shared-memory carveout where the kernels around them run in 164, and Llama-2-7B's
-// decode at batch 8 ran 9% slower, H200.) The epilogue's work items are the output loop's: item k of
-// a thread is (token i >> 5, column i & 31) with i = threadIdx.x + k blockDim, at most ITEMS of them
-// (blockDim >= 128: four or more warps, w4a16.py keeps to that). CONSUMER: item (m, j) holds the
-// partial sums j, j + 32, ... of token m (4 a float4; 2 float4 held, more added at once: hidden sizes
-// up to 8192 wait on nothing); PRODUCER: the residual and the norm's weight at its column.
-template <typename T, int MT, int FUSE>
-struct FusionLoads {
-  static constexpr int ITEMS = 2 * MT, HELD = 2;
-  float4 part[ITEMS][HELD];
-  float more[ITEMS];
-  T residual[ITEMS], weight[ITEMS];
-
-  __device__ __forceinline__ FusionLoads(const NormFusion& f, int m_rows, int tile_col) {
-    if constexpr (FUSE != FUSE_NONE) {
-#pragma unroll
-      for (int k = 0; k < ITEMS; ++k) {
-        const int i = threadIdx.x + k * blockDim.x, m = i >> 5, col = i & 31;
-        if (i >= m_rows * 32) break;
-        if constexpr (FUSE == FUSE_CONSUMER) {
-          const float4* row = reinterpret_cast<const float4*>(f.sq_in + (size_t)m * f.sq_in_ld);
-          const int chunks = f.sq_in_count >> 2;
-          more[k] = 0.f;
-#pragma unroll
-          for (int h = 0; h < HELD; ++h) part[k][h] = col + 32 * h < chunks ? row[col + 32 * h] : make_float4(0.f, 0.f, 0.f, 0.f);
-          for (int c = col + 32 * HELD; c < chunks; c += 32) {
-            const float4 v = row[c];
-            more[k] += (v.x + v.y) + (v.z + v.w);
-          }
-        } else if constexpr (FUSE == FUSE_PRODUCER) {
-          residual[k] = static_cast<const T*>(f.residual)[(size_t)m * f.ld_residual + tile_col + col];
-          weight[k] = static_cast<const T*>(f.norm_weight)[tile_col + col];
-        }
-      }
-    }
-  }
-};
-
-// The epilogue with a NormFusion side: the CTA's warps' partial sums (`partial`) added up, then the
-// CONSUMER's outputs divided by their token's rms, or the PRODUCER's added to the residual. A warp's
-// 32 lanes are one token's 32 columns (m_rows * 32 and blockDim are multiples of 32), so its shuffles
-// sum one token, in a fixed order.
-template <typename T, int MT, int FUSE>
-__device__ __forceinline__ void fused_epilogue(const float* partial, const NormFusion& f, const FusionLoads<T, MT, FUSE>& in,
-                                               T* __restrict__ out, int ldo, int tile_col, int m_rows) {
-  const int warps = blockDim.x >> 5;
-#pragma unroll
-  for (int k = 0; k < FusionLoads<T, MT, FUSE>::ITEMS; ++k) {
-    const int i = threadIdx.x + k * blockDim.x, m = i >> 5, col = i & 31;
-    if (i >= m_rows * 32) break;
-    float sum = 0.f;
-    for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
-    if constexpr (FUSE == FUSE_CONSUMER) {
-      float sq = in.more[k];
-#pragma unroll
-      for (int h = 0; h < FusionLoads<T, MT, FUSE>::HELD; ++h)
-        sq += (in.part[k][h].x + in.part[k][h].y) + (in.part[k][h].z + in.part[k][h].w);
-#pragma unroll
-      for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(~0u, sq, o);
-      out[(size_t)m * ldo + tile_col + col] = Num<T>::from_float(sum / sqrtf(sq * f.inv_k + f.eps));
-    } else {
-      const T h = Num<T>::from_float(to_float(Num<T>::from_float(sum)) + to_float(in.residual[k]));
-      const float hf = to_float(h);
-      static_cast<T*>(f.residual)[(size_t)m * f.ld_residual + tile_col + col] = h;
-      static_cast<T*>(f.x_out)[(size_t)m * f.ld_x_out + tile_col + col] = Num<T>::from_float(hf * to_float(in.weight[k]));
-      float sq = hf * hf;
-#pragma unroll
-      for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(~0u, sq, o);
-      if (col == 0) f.sq_out[(size_t)m * f.sq_out_ld + (tile_col >> 5)] = sq;
-    }
-  }
-}
-
 // MT: token tiles of 8 (M <= 8 * MT). GS: steps per group when it divides RING (groups of 32, 64,
 // 128: every group boundary then falls at a fixed position in the unrolled ring), 0 otherwise
 // (group_shift_steps at run time; a shift >= 30 means one group per column).
@@ -354,10 +248,7 @@ __device__ __forceinline__ void fused_epilogue(const float* partial, const NormF
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
 // X_L1: x copied through the L1 (cp.async.ca) instead of around it; the caller picks (w4a16.py:
 // x_through_l1, where the measurements are).
-// FUSE: the side of a NormFusion the launch takes (FusionSide; one and two token tiles, groups of 128:
-// at groups of 64 the one-tile consumer spilled 32 bytes; FUSE_NONE compiles as if NormFusion did not
-// exist).
-template <typename T, int MT, int GS, bool MANY, bool X_L1, int FUSE>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
                      int ldx, int trigger) {
@@ -481,8 +372,6 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });
 
   float* partial = reinterpret_cast<float*>(smem);
-  // (a NormFusion producer computes one weight: its tile_col is blockIdx.x * 32)
-  [[maybe_unused]] const FusionLoads<T, MT, FUSE> fusion_in(weights.fuse, m_rows, blockIdx.x * 32);
   store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });
   __syncthreads();
   // The output's weight is worked out from blockIdx again, not held through the loop: at one token
@@ -492,14 +381,10 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const int out_weight = cta_weight<MANY>(weights.cta_end, tile_col);
   T* __restrict__ out = pick(weights.out, out_weight);
   const int ldo = pick(weights.ldo, out_weight);
-  if constexpr (FUSE != FUSE_NONE) {
-    fused_epilogue<T, MT, FUSE>(partial, weights.fuse, fusion_in, out, ldo, tile_col, m_rows);
-  } else {
-    for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
-      float sum = 0.f;
-      for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
-      out[(size_t)(i >> 5) * ldo + tile_col + (i & 31)] = Num<T>::from_float(sum);
-    }
+  for (int i = threadIdx.x; i < m_rows * 32; i += blockDim.x) {
+    float sum = 0.f;
+    for (int w = 0; w < warps; ++w) sum += partial[w * (MT * 8 * 32) + i];
+    out[(size_t)(i >> 5) * ldo + tile_col + (i & 31)] = Num<T>::from_float(sum);
   }
 }
 
@@ -508,10 +393,10 @@ size_t smem_bytes(int warps, int mt) {
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int GS, bool MANY, bool X_L1, int FUSE>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, FUSE>;
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
@@ -521,38 +406,31 @@ cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M,
                        group_shift_steps, ldx, trigger);
 }
 
-template <typename T, int MT, bool MANY, bool X_L1, int FUSE>
+template <typename T, int MT, bool MANY, bool X_L1>
 cudaError_t launch_mt(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
                       int warps, cudaStream_t stream, bool pdl, int successor) {
-  if (FUSE != FUSE_NONE && group_shift_steps != 2) return cudaErrorInvalidValue;
   switch (group_shift_steps) {  // groups of 32, 64, 128 get the compile-time schedule
     case 0:
-      return launch_gs<T, MT, 1, MANY, X_L1, FUSE_NONE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream,
-                                                   pdl, successor);
+      return launch_gs<T, MT, 1, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
     case 1:
-      return launch_gs<T, MT, 2, MANY, X_L1, FUSE_NONE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream,
-                                                   pdl, successor);
+      return launch_gs<T, MT, 2, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
     case 2:
-      return launch_gs<T, MT, 4, MANY, X_L1, FUSE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream,
-                                                   pdl, successor);
+      return launch_gs<T, MT, 4, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
     default:
-      return launch_gs<T, MT, 0, MANY, X_L1, FUSE_NONE>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream,
-                                                   pdl, successor);
+      return launch_gs<T, MT, 0, MANY, X_L1>(x, weights, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
+                                             successor);
   }
 }
 
 template <typename T>
 cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, int group_shift_steps, int ldx, int count,
                    const void* const* qweights, const void* const* scales, const void* const* zeros,
-                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl, int successor,
-                   const NormFusion& fuse) {
+                   void* const* outs, const int* ns, const int* ldos, cudaStream_t stream, bool pdl, int successor) {
   if (count < 1 || count > MAX_WEIGHTS) return cudaErrorInvalidValue;
-  const bool fused = fuse.sq_in || fuse.sq_out;
-  if (fused && (mt > 2 || warps < 4 || (fuse.sq_in && fuse.sq_out) || (fuse.sq_out && count > 1) ||
-                (fuse.sq_in && (fuse.sq_in_ld % 4 || fuse.sq_in_count % 4))))
-    return cudaErrorInvalidValue;  // one and two token tiles, >= 4 warps, one side; a producer computes one weight
   Weights<T> w{};
-  w.fuse = fuse;
   for (int i = 0; i < count; ++i) {
     w.qweight[i] = static_cast<const uint32_t*>(qweights[i]);
     w.scales[i] = static_cast<const __half*>(scales[i]);
@@ -565,28 +443,18 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
   // Several weights in one launch up to 32 tokens (the decode sizes the grouping is for); eight
   // token tiles keep a single-weight kernel only (it is at the register limit).
   const bool many = count > 1;
-#define NIBBLE_LAUNCH(MT, MANY, X_L1, FUSE) \
-  launch_mt<T, MT, MANY, X_L1, FUSE>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor)
 #define NIBBLE_LAUNCH_MT(MT, X_L1) \
-  (many ? NIBBLE_LAUNCH(MT, true, X_L1, FUSE_NONE) : NIBBLE_LAUNCH(MT, false, X_L1, FUSE_NONE))
-#define NIBBLE_CONSUMER(MT, X_L1) \
-  (many ? NIBBLE_LAUNCH(MT, true, X_L1, FUSE_CONSUMER) : NIBBLE_LAUNCH(MT, false, X_L1, FUSE_CONSUMER))
-  if (fuse.sq_out)
-    return mt == 1 ? (x_l1 ? NIBBLE_LAUNCH(1, false, true, FUSE_PRODUCER) : NIBBLE_LAUNCH(1, false, false, FUSE_PRODUCER))
-                   : (x_l1 ? NIBBLE_LAUNCH(2, false, true, FUSE_PRODUCER) : NIBBLE_LAUNCH(2, false, false, FUSE_PRODUCER));
-  if (fuse.sq_in)
-    return mt == 1 ? (x_l1 ? NIBBLE_CONSUMER(1, true) : NIBBLE_CONSUMER(1, false))
-                   : (x_l1 ? NIBBLE_CONSUMER(2, true) : NIBBLE_CONSUMER(2, false));
+  (many ? launch_mt<T, MT, true, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor) \
+        : launch_mt<T, MT, false, X_L1>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl, successor))
   switch (mt) {
     case 1: return x_l1 ? NIBBLE_LAUNCH_MT(1, true) : NIBBLE_LAUNCH_MT(1, false);
     case 2: return x_l1 ? NIBBLE_LAUNCH_MT(2, true) : NIBBLE_LAUNCH_MT(2, false);
     case 4: return x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH_MT(4, false);
-    case 8: return many || x_l1 ? cudaErrorInvalidValue : NIBBLE_LAUNCH(8, false, false, FUSE_NONE);
+    case 8: return many || x_l1 ? cudaErrorInvalidValue : launch_mt<T, 8, false, false>(x, w, ctas, M, K, group_shift_steps,
+                                                                               ldx, warps, stream, pdl, successor);
     default: return cudaErrorInvalidValue;
   }
 #undef NIBBLE_LAUNCH_MT
-#undef NIBBLE_CONSUMER
-#undef NIBBLE_LAUNCH
 }
 
 }  // namespace
@@ -598,21 +466,15 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
 // group_shift_steps >= 30), 1 <= warps <= 16 (8 at mt >= 4), mt in {1, 2, 4, 8}. x_l1: x through
 // the L1 (mt 1 and 2 only: slower at four tiles, not measured at eight). pdl: launch early
 // (skinny.cuh: launch_kernel); successor: when the next kernel may launch (skinny.cuh: Successor).
-// The rest is a NormFusion (null residual and sq_in: none); at one and two token tiles only, the
-// residual's and x_out's rows 16-byte aligned, sq_in_ld a multiple of 4.
 extern "C" int nibble_w4a16_mma(int is_bf16, int mt, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
                                 int ldx, int count, const void* const* qweights, const void* const* scales,
                                 const void* const* zeros, void* const* outs, const int* ns, const int* ldos,
-                                int pdl, int successor, void* stream, void* residual, int ld_residual,
-                                const void* norm_weight, void* x_out, int ld_x_out, float* sq_out, int sq_out_ld,
-                                const float* sq_in, int sq_in_ld, int sq_in_count, float eps, float inv_k) {
+                                int pdl, int successor, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const NormFusion fuse{residual, norm_weight, x_out, sq_out, sq_in, ld_residual, ld_x_out, sq_out_ld, sq_in_ld,
-                        sq_in_count, eps, inv_k};
   cudaError_t err = is_bf16 ? launch<__nv_bfloat16>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights,
-                                                    scales, zeros, outs, ns, ldos, st, pdl, successor, fuse)
+                                                    scales, zeros, outs, ns, ldos, st, pdl, successor)
                             : launch<__half>(mt, warps, x_l1 != 0, x, M, K, group_shift_steps, ldx, count, qweights, scales,
-                                             zeros, outs, ns, ldos, st, pdl, successor, fuse);
+                                             zeros, outs, ns, ldos, st, pdl, successor);
   return (int)err;
 }
 
