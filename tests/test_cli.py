@@ -40,6 +40,16 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_quantize_lm_head_from_the_cli(model_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--quantize-lm-head",
+          "--out", str(out)])
+    capsys.readouterr()
+    main(["info", str(out)])
+    info = json.loads(capsys.readouterr().out)
+    assert info["quantized_linears"] == 2 * 7 + 1 and info["quantization_config"]["modules_to_not_convert"] == []
+
+
 def test_w4a4_with_rotation_from_the_cli(model_dir, capsys):
     main(["generate", "the sea", "--model", str(model_dir), "--device", "cpu", "--quant", "w4a4", "--rotate",
           "--max-new-tokens", "3", "--no-chat"])

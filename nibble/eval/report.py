@@ -51,15 +51,20 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
     """The QuantConfig a report config name stands for (``None`` for the 16-bit baseline ``bf16``).
 
     ``w4a16`` uses group size 128, or the largest of 64 / 32 that divides every linear's in_features
-    of ``model`` (SmolLM2's 576 needs 64); ``w4a16-g64`` names it explicitly.
+    of ``model`` (SmolLM2's 576 needs 64); ``w4a16-g64`` names it explicitly. ``-lmhead`` on a quantized
+    config quantizes lm_head too (``w4a16-lmhead``, ``w4a4-hadamard-lmhead``).
     """
     parts = name.lower().split("-")
     if parts[0] in ("bf16", "fp16", "16bit"):
         if len(parts) > 1:
             raise ValueError(f"unknown config {name!r}")
         return None
+    kw = {}
+    if "lmhead" in parts[1:]:
+        parts.remove("lmhead")
+        kw["modules_to_not_convert"] = []
     if parts[0] == "w4a16":
-        kw = dict(mode="w4a16")
+        kw.update(mode="w4a16")
         for p in parts[1:]:
             if p.startswith("g") and p[1:].isdigit():
                 kw["group_size"] = int(p[1:])
@@ -70,14 +75,15 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
         if "group_size" not in kw and model is not None:
             kw["group_size"] = default_group_size(model)
     elif parts[0] == "w4a4":
-        kw = dict(mode="w4a4")
+        kw.update(mode="w4a4")
         for p in parts[1:]:
             if p == "hadamard":
                 kw["rotation"] = "hadamard"
             else:
                 raise ValueError(f"unknown config {name!r}: w4a4 takes -hadamard")
     else:
-        raise ValueError(f"unknown config {name!r}; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard")
+        raise ValueError(f"unknown config {name!r}; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard "
+                         "(a quantized config takes -lmhead to quantize lm_head too)")
     return QuantConfig(**{**kw, **overrides})
 
 
@@ -277,7 +283,8 @@ def _describe(r: dict) -> str:
         return r.get("dtype", "16-bit")
     g = "per-channel" if qc["group_size"] == -1 else f"g{qc['group_size']}"
     rot = " hadamard" if qc.get("rotation") == "hadamard" else ""
-    return f"{qc['mode']} {g} {qc['method']}{rot}" + ("" if qc.get("clip_search") else " noclip")
+    head = "" if "lm_head" in qc.get("modules_to_not_convert", ["lm_head"]) else " +lm_head"
+    return f"{qc['mode']} {g} {qc['method']}{rot}" + ("" if qc.get("clip_search") else " noclip") + head
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -477,12 +484,13 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
 # ---- the entry point -------------------------------------------------------------------------
 def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIGS, tasks_limit=None,
                speed_models=DEFAULT_SPEED_MODELS, *, tasks=ALL_TASKS, ppl_max_tokens=None, ppl_seq_len=None,
-               batch_size=16, device=None, dtype=None, accuracy=True, speed=True, speed_clip_search=False,
+               batch_size=16, device=None, dtype=None, model=True, accuracy=True, speed=True, speed_clip_search=False,
                speed_rounds=SPEED_ROUNDS, loader: Callable | None = None, progress=True, log=print) -> dict:
     """Measure every config in ``configs`` and write report.md / report.json / PNGs to ``out_dir``.
 
     ``loader()`` -> (model, tokenizer) overrides loading ``model_name_or_path`` (it is called once per
-    config: quantization is in place). Speed models are quantized with RTN without the clipping
+    config: quantization is in place). ``model=False`` skips the real model (its accuracy, memory and speed): only
+    the speed models run. Speed models are quantized with RTN without the clipping
     search (``speed_clip_search``): their weights are random, so only the time would change; each is
     timed in ``speed_rounds`` rounds of alternating config order (`measure_speed_models`).
     Returns the results dict (also in report.json).
@@ -498,7 +506,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model_label = str(model_name_or_path) if model_name_or_path else (
+    model_label = "none (speed models only)" if not model else str(model_name_or_path) if model_name_or_path else (
         "custom loader" if loader else "default (SmolLM2-135M-Instruct)")
     loader = loader or _default_loader(model_name_or_path, device, dtype)
     meta = env_meta(model=model_label, configs=configs,
@@ -511,7 +519,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
         log("no CUDA GPU visible: peak memory and speed are skipped (they are measured on the GPU only); "
             "running accuracy and weight bytes on the CPU")
     results = {"meta": meta, "configs": {}, "speed_models": {}}
-    for name in configs:
+    for name in configs if model else ():
         t0 = time.perf_counter()
         try:
             results["configs"][name] = _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_len,
@@ -551,6 +559,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="rounds of alternating config order on each speed model (median row kept)")
     parser.add_argument("--no-speed", action="store_true", help="skip every speed measurement")
     parser.add_argument("--no-accuracy", action="store_true", help="skip perplexity and tasks")
+    parser.add_argument("--no-model", action="store_true",
+                        help="skip the real model (accuracy, memory, speed): only the speed models")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     return parser
 
@@ -559,7 +569,7 @@ def report_main(args: argparse.Namespace) -> int:
     results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
                          speed_models=args.speed_models, tasks=args.tasks, ppl_max_tokens=args.ppl_max_tokens,
                          ppl_seq_len=args.ppl_seq_len, batch_size=args.batch_size, device=args.device,
-                         accuracy=not args.no_accuracy, speed=not args.no_speed, speed_rounds=args.speed_rounds)
+                         model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed, speed_rounds=args.speed_rounds)
     failed = [n for n, r in results["configs"].items() if "error" in r]
     return 1 if failed and len(failed) == len(results["configs"]) else 0
 

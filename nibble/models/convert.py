@@ -26,6 +26,29 @@ def _skipped(name: str, config: QuantConfig) -> bool:
     return any(name == s or name.endswith("." + s) for s in config.modules_to_not_convert)
 
 
+def linears_to_convert(model: nn.Module, config: QuantConfig) -> list[str]:
+    """Full names of the nn.Linear modules ``quantize_model`` replaces: every linear of the decoder
+    layers, and ``lm_head`` too once ``config.modules_to_not_convert`` no longer names it (it does by
+    default, as in AutoAWQ / GPTQ checkpoints), less whatever ``modules_to_not_convert`` names."""
+    names = [f"model.layers.{i}.{n}" for i, layer in enumerate(decoder_layers(model))
+             for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        names.append("lm_head")
+    return [n for n in names if not _skipped(n, config)]
+
+
+def untie_lm_head(model: nn.Module) -> None:
+    """Give lm_head a weight of its own (a copy of the embedding's, when they are tied) and drop the tie
+    from the config, so that transformers never re-ties them: for changes to lm_head alone (rotation
+    folds the final norm into it; quantization replaces it)."""
+    embed, head = model.model.embed_tokens, model.lm_head
+    if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
+        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    model.config.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5 keeps the tying map on the model
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+
+
 def quantized_linears(model: nn.Module):
     """(name, QuantLinear) for every converted layer."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
@@ -33,7 +56,9 @@ def quantized_linears(model: nn.Module):
 
 def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress: bool = True,
                    calibration=None) -> nn.Module:
-    """Quantize every nn.Linear of the decoder layers in place (lm_head and embeddings stay 16-bit).
+    """Quantize the linears of the decoder layers in place; embeddings stay 16-bit, and so does lm_head
+    unless it is taken out of ``config.modules_to_not_convert`` (then it is quantized with RTN, in the
+    config's mode, whatever ``method`` the decoder layers use, and untied from the embedding).
 
     For ``rotation="hadamard"`` the model is first rotated (calibration-free, same function in
     16 bits) so per-token activation quantization meets no outlier channels. ``method="gptq"`` /
@@ -50,19 +75,18 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
             raise ValueError(f"method={config.method!r} needs calibration data (see nibble.quantize.calibration)")
         from nibble.quantize import calibrated_quantizers
         calibrated = calibrated_quantizers[config.method](model, config, calibration)
-    layers = decoder_layers(model)
-    for i, layer in enumerate(tqdm(layers, desc=f"quantizing {config.mode}", disable=not progress)):
-        for name, module in list(layer.named_modules()):
-            full = f"model.layers.{i}.{name}"
-            if not isinstance(module, nn.Linear) or _skipped(full, config):
-                continue
-            if full in calibrated:
-                q = QuantLinear.from_weight(calibrated[full], module.bias, config.mode,
-                                            getattr(module, "input_hadamard", False), dtype=module.weight.dtype)
-            else:
-                q = QuantLinear.from_linear(module, config)
-            parent_name, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent_name) if parent_name else layer, child, q)
+    names = linears_to_convert(model, config)
+    if "lm_head" in names:
+        untie_lm_head(model)
+    for name in tqdm(names, desc=f"quantizing {config.mode}", disable=not progress):
+        module = model.get_submodule(name)
+        if name in calibrated:
+            q = QuantLinear.from_weight(calibrated[name], module.bias, config.mode,
+                                        getattr(module, "input_hadamard", False), dtype=module.weight.dtype)
+        else:
+            q = QuantLinear.from_linear(module, config)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, q)
     model.config.quantization_config = config.to_dict()
     return model
 
@@ -91,8 +115,7 @@ def default_group_size(model: nn.Module, config: QuantConfig | None = None) -> i
 
     SmolLM2-135M has hidden 576 = 4.5 * 128, so its default is 64.
     """
-    ks = {m.in_features for i, layer in enumerate(decoder_layers(model)) for n, m in layer.named_modules()
-          if isinstance(m, nn.Linear) and not (config and _skipped(f"model.layers.{i}.{n}", config))}
+    ks = {model.get_submodule(n).in_features for n in linears_to_convert(model, config or QuantConfig())}
     for g in (128, 64, 32):
         if all(k % g == 0 for k in ks):
             return g

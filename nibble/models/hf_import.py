@@ -193,6 +193,9 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
     if not linears:
         raise ValueError("model has no QuantLinear layers: quantize it with nibble.quantize_model first")
     for name, m in linears:
+        if name == "lm_head":
+            raise ValueError(f"lm_head is quantized: {quantization_config['quant_method']} checkpoints keep lm_head in "
+                             "16 bits; quantize with modules_to_not_convert=['lm_head'] (the default) to export")
         if m.mode != "w4a16" or m.input_hadamard:
             raise ValueError(f"{name} is a {m.mode} layer: only W4A16 models (16-bit activations, no rotation) can "
                              f"be exported to {quantization_config['quant_method']}")

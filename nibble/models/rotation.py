@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
-from nibble.models.convert import check_architecture, decoder_layers
+from nibble.models.convert import check_architecture, decoder_layers, untie_lm_head
 from nibble.nn.hadamard import HadamardInputLinear
 
 
@@ -49,7 +49,7 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False) -
             raise ValueError(f"rotation folds RMSNorm (x / rms(x) * w) weights; found {type(norm).__name__}")
 
     embed, head = model.model.embed_tokens, model.lm_head
-    _untie(model)
+    untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
     g = torch.Generator().manual_seed(seed)
     signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double().to(embed.weight.device)
 
@@ -80,16 +80,6 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value)  # one rounding, to the parameter's own dtype
-
-
-def _untie(model: nn.Module) -> None:
-    """lm_head reads the final norm, whose weight it absorbs: it cannot share the embedding's matrix."""
-    embed, head = model.model.embed_tokens, model.lm_head
-    if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
-        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
-    model.config.tie_word_embeddings = False
-    if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5 keeps the tying map on the model
-        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
 
 
 def _rotate_readers(linears, norm: nn.Module, times_q) -> None:

@@ -70,13 +70,11 @@ _LAYER_KWARGS = {
 # ----------------------------------------------------------------------------------------------
 
 def quantizable_linears(model: nn.Module) -> list[str]:
-    """Full names of the linears `quantize_model` converts (decoder layers, not modules_to_not_convert)."""
+    """Full names of the linears a W4A4 `quantize_model` converts by default (decoder layers, not lm_head)."""
     from nibble.config import QuantConfig
-    from nibble.models.convert import _skipped, decoder_layers
+    from nibble.models.convert import linears_to_convert
 
-    cfg = QuantConfig(mode="w4a4")
-    return [f"model.layers.{i}.{n}" for i, layer in enumerate(decoder_layers(model)) for n, m in layer.named_modules()
-            if isinstance(m, nn.Linear) and not _skipped(f"model.layers.{i}.{n}", cfg)]
+    return linears_to_convert(model, QuantConfig(mode="w4a4"))
 
 
 def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: float | None = None,

@@ -33,8 +33,16 @@ def test_config_names_map_to_quant_configs():
     qc = report.quant_config("w4a4-hadamard")
     assert (qc.mode, qc.rotation, qc.group_size, qc.symmetric) == ("w4a4", "hadamard", -1, True)
     assert report.quant_config("w4a16", clip_search=False).clip_search is False
+    assert report.quant_config("w4a16").modules_to_not_convert == ["lm_head"]
+    qc = report.quant_config("w4a4-hadamard-lmhead")
+    assert (qc.mode, qc.rotation, qc.modules_to_not_convert) == ("w4a4", "hadamard", [])
+    assert report.quant_config("w4a16-lmhead-g64").group_size == 64
+    assert report._describe({"quant_config": qc.to_dict()}) == "w4a4 per-channel rtn hadamard +lm_head"
+    assert report._describe({"quant_config": report.quant_config("w4a16").to_dict()}) == "w4a16 g128 rtn noclip"
     with pytest.raises(ValueError, match="unknown config"):
         report.quant_config("w3a16")
+    with pytest.raises(ValueError, match="unknown config"):
+        report.quant_config("bf16-lmhead")
 
 
 def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
@@ -219,3 +227,14 @@ def test_report_cli_arguments_reach_run_report(tmp_path, monkeypatch):
     assert report.report_main(args) == 0
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["configs"]["bf16"]["tasks"]["piqa"]["n"] == 1 and data["meta"]["tasks_limit"] == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the speed models would run for minutes")
+def test_without_the_model_only_the_speed_models_run(tmp_path):
+    def no_loader():
+        raise AssertionError("the real model must not be loaded")
+
+    results = report.run_report(None, tmp_path, configs=("bf16", "w4a16-lmhead"), loader=no_loader, model=False,
+                                log=lambda *_: None)
+    assert results["configs"] == {} and results["speed_models"] == {"llama-2-7b": {"skipped": report.NO_GPU}}
+    assert results["meta"]["model"] == "none (speed models only)" and (tmp_path / "report.md").exists()

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from nibble import QuantConfig, quantize_model
+from nibble import QuantConfig, QuantLinear, quantize_model
 from nibble.bench import timing
 from nibble.eval import engine as engine_mod
-from nibble.eval import memory, speed
+from nibble.eval import memory, report, speed
 from nibble.eval.engine import Engine
 from nibble.kernels import w4a4
 from nibble.models.convert import weight_bytes
@@ -65,6 +65,16 @@ def test_weight_kinds_add_up_to_the_state_dict_bytes(tied, mode):
         assert k["embeddings"]["quantized_bytes"] == k["lm_head"]["quantized_bytes"] == 0
 
 
+def test_a_quantized_lm_head_is_filed_under_lm_head():
+    model = tiny_model()  # tied: quantizing lm_head unties it, the embedding keeps its float table
+    quantize_model(model, QuantConfig(mode="w4a16", group_size=32, modules_to_not_convert=[]), progress=False)
+    mem = memory.weight_memory(model)
+    h, v = model.config.hidden_size, model.config.vocab_size
+    assert not mem["tied_lm_head"] and mem["kinds"]["embeddings"]["bytes"] == v * h * 4
+    assert mem["kinds"]["lm_head"]["quantized_bytes"] == v * h // 2 + 2 * (v * h // 32) * 2  # codes + fp16 scales, zeros
+    assert mem["quantized_bytes"] == weight_bytes(model)["quantized_bytes"]
+
+
 def test_quantized_linears_take_about_a_quarter_of_16_bit_plus_scales():
     dense = tiny_model(dtype=torch.bfloat16)
     q = tiny_model(dtype=torch.bfloat16)
@@ -108,9 +118,10 @@ def test_engine_greedy_tokens_equal_hf_generate_on_cpu(arch):
     assert torch.equal(engine.generate(prompt[:1, :5], 6), hf_greedy(model, prompt[:1, :5], 6))
 
 
-def test_engine_runs_quantized_linears_and_matches_hf_generate():
+@pytest.mark.parametrize("skip", [["lm_head"], []])
+def test_engine_runs_quantized_linears_and_matches_hf_generate(skip):
     model = tiny_model(initializer_range=0.2)
-    quantize_model(model, QuantConfig(mode="w4a16", group_size=32), progress=False)
+    quantize_model(model, QuantConfig(mode="w4a16", group_size=32, modules_to_not_convert=skip), progress=False)
     prompt = torch.randint(0, 256, (1, 7))
     assert torch.equal(Engine(model, max_seq_len=32).generate(prompt, 12), hf_greedy(model, prompt, 12))
 
@@ -314,13 +325,14 @@ def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens,
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w4a4"])
+@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w4a4", "w4a16-lmhead"])
 def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode, monkeypatch):
     model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=512,
                        num_attention_heads=8, num_key_value_heads=2).cuda()
     if mode != "bf16":
-        quantize_model(model, QuantConfig(mode="w4a16", group_size=64) if mode == "w4a16" else QuantConfig(mode="w4a4"),
+        quantize_model(model, report.quant_config(mode, group_size=64 if mode.startswith("w4a16") else -1),
                        progress=False)
+        assert isinstance(model.lm_head, QuantLinear) == mode.endswith("lmhead")
     fused = []  # W4A4: the norms quantize for the q/k/v and gate/up projections
     norm_quantize = engine_mod.add_rmsnorm_quantize
     monkeypatch.setattr(engine_mod, "add_rmsnorm_quantize", lambda *a: fused.append(a[-1]) or norm_quantize(*a))

@@ -54,3 +54,42 @@ def test_unknown_architecture_is_a_clear_error():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="unknown model architecture 'gpt2'.*llama, qwen2, mistral"):
         quantize_model(model, QuantConfig(), progress=False)
+
+
+@pytest.mark.parametrize("arch,mode", [("llama", "w4a16"), ("mistral", "w4a16"), ("qwen2", "w4a4")])
+def test_lm_head_is_quantized_once_modules_to_not_convert_leaves_it_out(arch, mode):
+    model = tiny_model(arch)  # llama and qwen2: lm_head tied to the embedding; mistral: its own
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    head, embed = model.lm_head.weight.detach().clone(), model.model.embed_tokens.weight.detach().clone()
+    ids = torch.randint(0, 256, (2, 12))
+    config = QuantConfig(mode=mode, group_size=32 if mode == "w4a16" else None, modules_to_not_convert=[])
+    with torch.no_grad():
+        ref = model(ids).logits
+        quantize_model(model, config, progress=False)
+        out = model(ids).logits
+    assert tied == (arch != "mistral")
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.mode == mode
+    assert len([m for m in model.modules() if isinstance(m, QuantLinear)]) == 2 * 7 + 1
+    # the embedding is untouched and untied for good: transformers' tie_weights must not re-tie it
+    assert torch.equal(model.model.embed_tokens.weight, embed) and model.config.tie_word_embeddings is False
+    model.tie_weights()
+    assert isinstance(model.lm_head, QuantLinear) and not hasattr(model.lm_head, "weight")
+    # lm_head is plain RTN of its float weight in the config's mode
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        lin = nn.Linear(64, 256, bias=False)
+        lin.weight.copy_(head)
+        torch.testing.assert_close(model.lm_head(x), QuantLinear.from_linear(lin, config)(x), rtol=0, atol=0)
+    cos = nn.functional.cosine_similarity(ref.flatten(), out.flatten(), dim=0)
+    assert cos > (0.98 if mode == "w4a16" else 0.85)
+    assert model.generate(ids[:1, :4], max_new_tokens=6, do_sample=False).shape == (1, 10)
+
+
+def test_default_keeps_lm_head_and_skips_by_suffix():
+    from nibble.models.convert import linears_to_convert
+
+    model = tiny_model()
+    names = linears_to_convert(model, QuantConfig())
+    assert len(names) == 14 and "lm_head" not in names
+    names = linears_to_convert(model, QuantConfig(modules_to_not_convert=["mlp.down_proj"]))
+    assert len(names) == 13 and names[-1] == "lm_head" and not any(n.endswith("down_proj") for n in names)

@@ -221,6 +221,11 @@ def test_export_refuses_what_awq_cannot_hold(tmp_path):
     quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
     with pytest.raises(ValueError, match="only W4A16"):
         export_awq(model, tmp_path / "w4a4")
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=[]), progress=False)
+    for export in (export_awq, export_gptq):
+        with pytest.raises(ValueError, match="lm_head is quantized.*modules_to_not_convert=\\['lm_head'\\]"):
+            export(model, tmp_path / "head")
 
 
 @pytest.mark.parametrize("qc,match", [

@@ -73,3 +73,15 @@ def test_missing_files_and_non_quantized_dirs_are_clear_errors(tmp_path, saved):
         load_quantized(tmp_path / "plain")
     with pytest.raises(ValueError, match="run nibble.quantize_model first"):
         save_quantized(model, tmp_path / "x")
+
+
+def test_a_quantized_lm_head_roundtrips_untied(tmp_path):
+    model = tiny_model("llama")  # tied: quantizing lm_head unties it
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=[]), progress=False)
+    save_quantized(model, tmp_path)
+    loaded, _ = load_quantized(tmp_path)
+    assert type(loaded.lm_head).__name__ == "QuantLinear" and loaded.config.tie_word_embeddings is False
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
