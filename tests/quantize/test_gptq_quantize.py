@@ -158,3 +158,17 @@ def test_gptq_model_defaults_to_act_order_and_clipping():
     assert torch.equal(default, dense(run(act_order=True, clip=True)))
     assert not torch.equal(default, dense(run(act_order=False)))
     assert not torch.equal(default, dense(run(clip=False)))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_calibrated_model_quantizes_lm_head_with_rtn(method):
+    """Calibration covers the decoder layers; an lm_head left out of modules_to_not_convert is RTN."""
+    from nibble import QuantLinear
+
+    model = tiny_model("llama")
+    head = model.lm_head.weight.detach().clone()
+    cfg = QuantConfig(group_size=32, method=method, modules_to_not_convert=[])
+    quantize_model(model, cfg, progress=False, calibration=torch.randint(0, 256, (4, 16)))
+    assert isinstance(model.lm_head, QuantLinear)
+    torch.testing.assert_close(dense(model.lm_head.weight_int4()), dense(rtn_quantize(head, 32, clip_search=False)),
+                               rtol=0, atol=0)
