@@ -1,6 +1,8 @@
 """Whole-model conversion: replace the linears of a Hugging Face causal LM by QuantLinear."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -34,6 +36,10 @@ def linears_to_convert(model: nn.Module, config: QuantConfig) -> list[str]:
              for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         names.append("lm_head")
+    unmatched = [s for s in config.modules_to_not_convert if not any(n == s or n.endswith("." + s) for n in names)]
+    if unmatched:
+        warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
+                      f"{names[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')", stacklevel=2)
     return [n for n in names if not _skipped(n, config)]
 
 

@@ -93,3 +93,9 @@ def test_default_keeps_lm_head_and_skips_by_suffix():
     assert len(names) == 14 and "lm_head" not in names
     names = linears_to_convert(model, QuantConfig(modules_to_not_convert=["mlp.down_proj"]))
     assert len(names) == 13 and names[-1] == "lm_head" and not any(n.endswith("down_proj") for n in names)
+
+
+def test_a_skip_entry_that_matches_nothing_warns():
+    with pytest.warns(UserWarning, match=r"\['dwn_proj'\] match no linear"):
+        quantize_model(tiny_model(), QuantConfig(group_size=32, modules_to_not_convert=["lm_head", "dwn_proj"]),
+                       progress=False)
