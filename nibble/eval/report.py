@@ -489,8 +489,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     """Measure every config in ``configs`` and write report.md / report.json / PNGs to ``out_dir``.
 
     ``loader()`` -> (model, tokenizer) overrides loading ``model_name_or_path`` (it is called once per
-    config: quantization is in place). ``model=False`` skips the real model (its accuracy, memory and speed): only
-    the speed models run. Speed models are quantized with RTN without the clipping
+    config: quantization is in place); ``model=False`` skips the real model (its accuracy, memory and
+    speed), so that only the speed models run. Speed models are quantized with RTN without the clipping
     search (``speed_clip_search``): their weights are random, so only the time would change; each is
     timed in ``speed_rounds`` rounds of alternating config order (`measure_speed_models`).
     Returns the results dict (also in report.json).
@@ -569,7 +569,8 @@ def report_main(args: argparse.Namespace) -> int:
     results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
                          speed_models=args.speed_models, tasks=args.tasks, ppl_max_tokens=args.ppl_max_tokens,
                          ppl_seq_len=args.ppl_seq_len, batch_size=args.batch_size, device=args.device,
-                         model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed, speed_rounds=args.speed_rounds)
+                         model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed,
+                         speed_rounds=args.speed_rounds)
     failed = [n for n, r in results["configs"].items() if "error" in r]
     return 1 if failed and len(failed) == len(results["configs"]) else 0
 

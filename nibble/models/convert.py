@@ -24,8 +24,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
+def _matches(name: str, entry: str) -> bool:
+    """A modules_to_not_convert entry names a module by its full name or a dotted suffix of it."""
+    return name == entry or name.endswith("." + entry)
+
+
 def _skipped(name: str, config: QuantConfig) -> bool:
-    return any(name == s or name.endswith("." + s) for s in config.modules_to_not_convert)
+    return any(_matches(name, s) for s in config.modules_to_not_convert)
 
 
 def linears_to_convert(model: nn.Module, config: QuantConfig) -> list[str]:
@@ -36,7 +41,7 @@ def linears_to_convert(model: nn.Module, config: QuantConfig) -> list[str]:
              for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         names.append("lm_head")
-    unmatched = [s for s in config.modules_to_not_convert if not any(n == s or n.endswith("." + s) for n in names)]
+    unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in names)]
     if unmatched:
         warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
                       f"{names[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')", stacklevel=2)
