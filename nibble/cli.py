@@ -191,8 +191,9 @@ def _add_model_args(p, quant=True):
                        help="RTN with the MSE-optimal clipping search (always on for w4a4's per-channel weights; "
                             "gptq and awq always run their own calibrated clipping search)")
         p.add_argument("--quantize-lm-head", action="store_true",
-                       help="quantize lm_head too (RTN, untied from the embedding; kept 16-bit by default, as "
-                            "AutoAWQ / GPTQ do): a smaller, faster decode step, at some accuracy")
+                       help="quantize lm_head too (RTN; kept 16-bit by default, as AutoAWQ / GPTQ do): a faster "
+                            "decode step, at some accuracy; a head tied to the embedding is untied, and the embedding "
+                            "keeps its 16-bit table, so such a model grows")
         p.add_argument("--float-zero", action="store_true",
                        help="w4a16: float minimum per group (not AWQ/GPTQ-exportable; often more accurate)")
 
