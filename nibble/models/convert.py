@@ -69,7 +69,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
                    calibration=None) -> nn.Module:
     """Quantize the linears of the decoder layers in place; embeddings stay 16-bit, and so does lm_head
     unless it is taken out of ``config.modules_to_not_convert`` (then it is quantized with RTN, in the
-    config's mode, whatever ``method`` the decoder layers use, and untied from the embedding).
+    config's mode, whatever ``method`` the decoder layers use, and untied from the embedding, which keeps
+    its 16-bit table: a tied model grows by the INT4 head, while a decode step reads less).
 
     For ``rotation="hadamard"`` the model is first rotated (calibration-free, same function in
     16 bits) so per-token activation quantization meets no outlier channels. ``method="gptq"`` /
