@@ -33,27 +33,29 @@ def _skipped(name: str, config: QuantConfig) -> bool:
     return any(_matches(name, s) for s in config.modules_to_not_convert)
 
 
-def linears_to_convert(model: nn.Module, config: QuantConfig) -> list[str]:
-    """Full names of the nn.Linear modules ``quantize_model`` replaces: every linear of the decoder
-    layers, and ``lm_head`` too once ``config.modules_to_not_convert`` no longer names it (it does by
-    default, as in AutoAWQ / GPTQ checkpoints), less whatever ``modules_to_not_convert`` names."""
+def _candidate_linears(model: nn.Module) -> list[str]:
+    """Full names of every linear quantize_model may convert: the decoder layers' and lm_head."""
     names = [f"model.layers.{i}.{n}" for i, layer in enumerate(decoder_layers(model))
              for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         names.append("lm_head")
-    unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in names)]
-    if unmatched:
-        warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
-                      f"{names[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')", stacklevel=2)
-    return [n for n in names if not _skipped(n, config)]
+    return names
+
+
+def linears_to_convert(model: nn.Module, config: QuantConfig) -> list[str]:
+    """Full names of the nn.Linear modules ``quantize_model`` replaces: every linear of the decoder
+    layers, and ``lm_head`` too once ``config.modules_to_not_convert`` no longer names it (it does by
+    default, as in AutoAWQ / GPTQ checkpoints), less whatever ``modules_to_not_convert`` names."""
+    return [n for n in _candidate_linears(model) if not _skipped(n, config)]
 
 
 def untie_lm_head(model: nn.Module) -> None:
-    """Give lm_head a weight of its own (a copy of the embedding's, when they are tied) and drop the tie
-    from the config, so that transformers never re-ties them: for changes to lm_head alone (rotation
-    folds the final norm into it; quantization replaces it)."""
+    """Drop the tie of lm_head to the embedding from the config, so that transformers never re-ties them,
+    and give a tied lm_head.weight a copy of the embedding's: for changes to lm_head alone (rotation folds
+    the final norm into it; quantization replaces it, after which it holds no float weight to copy)."""
     embed, head = model.model.embed_tokens, model.lm_head
-    if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
+    weight = getattr(head, "weight", None)
+    if weight is not None and (weight is embed.weight or weight.data_ptr() == embed.weight.data_ptr()):
         head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
     model.config.tie_word_embeddings = False
     if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5 keeps the tying map on the model
@@ -78,6 +80,12 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     """
     config = config or QuantConfig()
     check_architecture(model)
+    candidates = _candidate_linears(model)  # a typo in the skips is said before any calibration runs
+    unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in candidates)]
+    if unmatched:
+        warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
+                      f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')",
+                      stacklevel=2)
     if config.rotation == "hadamard":
         from nibble.models.rotation import rotate_model
         rotate_model(model, seed=config.rotation_seed)
@@ -88,8 +96,6 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         from nibble.quantize import calibrated_quantizers
         calibrated = calibrated_quantizers[config.method](model, config, calibration)
     names = linears_to_convert(model, config)
-    if "lm_head" in names:
-        untie_lm_head(model)
     for name in tqdm(names, desc=f"quantizing {config.mode}", disable=not progress):
         module = model.get_submodule(name)
         if name in calibrated:
@@ -99,6 +105,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
             q = QuantLinear.from_linear(module, config)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, q)
+    if "lm_head" in names:  # after the head is replaced: a tied head's float weight is never copied
+        untie_lm_head(model)
     model.config.quantization_config = config.to_dict()
     return model
 
