@@ -62,23 +62,48 @@ def maybe_quantize(args, model, tokenizer=None):
     return quantize_model(model, cfg, calibration=calibration)
 
 
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool) -> str:
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True) -> str:
+    """The greedy continuation of ``prompt``, decoded. Run by nibble's engine (a static KV cache; on a GPU,
+    CUDA graphs: the decode speeds nibble reports) unless ``engine`` is False or the model is one the
+    engine cannot run (then by transformers' ``generate``, said on stderr); both give the same tokens up
+    to near-ties, and stop at the model's end-of-sequence token."""
     if chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
     else:
         text = prompt
     ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    eos = model.generation_config.eos_token_id
+    eos = {e for e in (eos if isinstance(eos, list) else [eos, tokenizer.eos_token_id]) if e is not None}
+    new = _engine_tokens(model, ids, max_new_tokens, eos or None) if engine else None
+    if new is None:
+        with torch.no_grad():
+            new = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)[0, ids.shape[1]:]
+    ends = [i for i, t in enumerate(new.tolist()) if t in eos]
+    return tokenizer.decode(new[:ends[0]] if ends else new, skip_special_tokens=True).strip()
+
+
+def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens) -> torch.Tensor | None:
+    """Up to ``max_new_tokens`` greedy tokens after ``ids`` [1, T] from nibble's engine (it stops soon
+    after one of ``stop_tokens``), or None where it cannot run this model."""
+    from nibble.eval.engine import Engine
+
+    try:
+        engine = Engine(model, max_batch=1, max_seq_len=ids.shape[1] + max_new_tokens)
+    except ValueError as e:
+        print(f"nibble: {e}; generating with transformers' generate instead", file=sys.stderr)
+        return None
+    try:
+        return engine.generate(ids, max_new_tokens, stop_tokens=stop_tokens)[0]
+    finally:
+        engine.close()
 
 
 def cmd_generate(args):
     model, tok = load(args.model, _device(args.device))
     model = maybe_quantize(args, model, tok)
-    print(generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat))
+    print(generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat, engine=not args.hf_generate))
 
 
 def cmd_quantize(args):
@@ -206,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--hf-generate", action="store_true",
+                   help="decode with transformers' model.generate instead of nibble's engine (static KV cache, "
+                        "CUDA graphs on a GPU; the same greedy tokens up to near-ties)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("quantize", help="model in, quantized directory out")
     _add_model_args(p)

@@ -56,6 +56,61 @@ def test_w4a4_with_rotation_from_the_cli(model_dir, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def _count_engine_generates(monkeypatch):
+    from nibble.eval.engine import Engine
+
+    calls, generate = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
+    return calls
+
+
+def test_generate_runs_on_nibbles_engine_and_says_what_transformers_says(model_dir, monkeypatch, capsys):
+    calls = _count_engine_generates(monkeypatch)
+    args = ["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--group-size", "32",
+            "--max-new-tokens", "8", "--no-chat"]
+    main(args)
+    by_engine = capsys.readouterr().out
+    assert calls == [1]
+    main(args + ["--hf-generate"])
+    assert calls == [1] and capsys.readouterr().out == by_engine and by_engine.strip()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_generate_on_the_gpu_decodes_with_the_engines_cuda_graphs(model_dir, monkeypatch, capsys):
+    from nibble.eval import engine
+
+    calls, captures, capture = _count_engine_generates(monkeypatch), [], engine.capture_graph
+    monkeypatch.setattr(engine, "capture_graph", lambda *a, **k: captures.append(1) or capture(*a, **k))
+    main(["generate", "the capital", "--model", str(model_dir), "--device", "cuda", "--group-size", "32",
+          "--max-new-tokens", "20", "--no-chat"])
+    assert calls == [1] and len(captures) >= 1 and capsys.readouterr().out.strip()
+
+
+def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, capsys):
+    from nibble.eval.engine import Engine
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    a, b = tok("the capital").input_ids[:2]
+    monkeypatch.setattr(Engine, "generate", lambda self, ids, n, stop_tokens: torch.tensor([[a, tok.eos_token_id, b]]))
+    main(["generate", "x", "--model", str(model_dir), "--device", "cpu", "--quant", "none", "--no-chat"])
+    assert capsys.readouterr().out.strip() == tok.decode([a]).strip()
+
+
+def test_a_model_the_engine_cannot_run_falls_back_to_transformers_generate(model_dir, monkeypatch, capsys):
+    from nibble.eval import engine
+
+    def refuse(self, model, **kwargs):
+        raise ValueError("max_seq_len=20 exceeds the model's sliding window (16)")
+    monkeypatch.setattr(engine.Engine, "__init__", refuse)
+    main(["generate", "the sea", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
+          "--max-new-tokens", "4", "--no-chat"])
+    out = capsys.readouterr()
+    assert out.out.strip() and "sliding window" in out.err and "transformers' generate" in out.err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_asking_for_cuda_without_a_gpu_is_a_clear_error(model_dir):
     with pytest.raises(SystemExit, match="no CUDA GPU is visible"):

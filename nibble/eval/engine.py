@@ -426,6 +426,11 @@ def _rmsnorm_params(norm: nn.Module):
 
 
 # ---- the engine --------------------------------------------------------------------------------
+# `Engine.generate` with stop tokens asks the GPU whether to go on every this many decode steps: each
+# question waits for the steps queued before it (the CUDA graphs' launches no longer run ahead).
+STOP_CHECK_STEPS = 16
+
+
 class Engine:
     """Greedy generation with a static KV cache (and CUDA graphs on CUDA).
 
@@ -615,15 +620,25 @@ class Engine:
         return torch.stack(out, dim=1) if collect else None
 
     @torch.inference_mode()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy continuation of ``prompt`` [B, T]: the ``max_new_tokens`` new tokens, [B, max_new_tokens]."""
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, stop_tokens=None) -> torch.Tensor:
+        """Greedy continuation of ``prompt`` [B, T]: the ``max_new_tokens`` new tokens, [B, max_new_tokens].
+
+        ``stop_tokens`` (token ids, e.g. the model's end-of-sequence ids): stop early once every
+        sequence has produced one, returning [B, n <= max_new_tokens] (a sequence that stopped first
+        runs on until the others do; callers cut each at its first stop token). On CUDA the check
+        waits for the device, so it runs every STOP_CHECK_STEPS steps, on the CPU every step.
+        """
         B, T = prompt.shape
         self._check_batch(B, T + max_new_tokens)
         self.prefill(prompt)
-        first = self.token[:B, 0].clone()
-        if max_new_tokens == 1:
-            return first[:, None]
-        return torch.cat([first[:, None], self.decode(max_new_tokens - 1)], dim=1)
+        out = [self.token[:B, :1].clone()]
+        stop = None if stop_tokens is None else torch.tensor(sorted(stop_tokens), device=self.device)
+        every = STOP_CHECK_STEPS if self.device.type == "cuda" else 1
+        left = max_new_tokens - 1
+        while left > 0 and not (stop is not None and torch.isin(torch.cat(out, 1), stop).any(1).all()):
+            out.append(self.decode(min(every, left)))
+            left -= out[-1].shape[1]
+        return torch.cat(out, dim=1)
 
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()

@@ -118,6 +118,20 @@ def test_engine_greedy_tokens_equal_hf_generate_on_cpu(arch):
     assert torch.equal(engine.generate(prompt[:1, :5], 6), hf_greedy(model, prompt[:1, :5], 6))
 
 
+def test_engine_generate_stops_once_every_sequence_made_a_stop_token():
+    model = tiny_model(initializer_range=0.2)
+    prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    engine = Engine(model, max_batch=2, max_seq_len=40)
+    full = engine.generate(prompt, 24)
+    # a stop token for each sequence: its first new token that did not come earlier in it, from step 2 on
+    firsts = [next(i for i in range(2, 24) if row[i] not in row[:i]) for row in full.tolist()]
+    stops = {full[b, i].item() for b, i in enumerate(firsts)}
+    ends = [min(i for i, t in enumerate(row) if t in stops) for row in full.tolist()]
+    out = engine.generate(prompt, 24, stop_tokens=stops)
+    assert torch.equal(out, full[:, :max(ends) + 1])  # the CPU checks every step
+    assert torch.equal(engine.generate(prompt, 24, stop_tokens={-1}), full)  # never made: all 24
+
+
 @pytest.mark.parametrize("skip", [["lm_head"], []])
 def test_engine_runs_quantized_linears_and_matches_hf_generate(skip):
     model = tiny_model(initializer_range=0.2)
@@ -383,6 +397,20 @@ def test_cuda_graph_engine_equals_the_eager_engine():
     graphed = Engine(model, max_seq_len=48).generate(prompt, 24)
     eager = Engine(model, max_seq_len=48, cuda_graphs=False).generate(prompt, 24)
     assert torch.equal(graphed, eager)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_graph_engine_asks_about_stop_tokens_every_few_steps():
+    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2).cuda()
+    prompt = torch.randint(0, 256, (2, 8), device="cuda")
+    engine = Engine(model, max_batch=2, max_seq_len=64)
+    full = engine.generate(prompt, 40)
+    firsts = [next(i for i in range(2, 40) if row[i] not in row[:i]) for row in full.tolist()]
+    stops = {full[b, i].item() for b, i in enumerate(firsts)}
+    last = max(min(i for i, t in enumerate(row) if t in stops) for row in full.tolist())
+    every = engine_mod.STOP_CHECK_STEPS
+    assert torch.equal(engine.generate(prompt, 40, stop_tokens=stops), full[:, :min(40, 1 + every * -(-last // every))])
 
 
 @gpu
