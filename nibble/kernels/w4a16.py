@@ -712,7 +712,7 @@ def _group_shift_steps(group_size: int, K: int) -> int | None:
 def mma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
     return (x.is_cuda and x.shape[0] <= MMA_MAX_M and N % 32 == 0 and K % 32 == 0
             and _group_shift_steps(group_size, K) is not None
-            and torch.cuda.get_device_capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
+            and cuda_build.capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
 
 
 def mma_smem_bytes(cfg: MmaConfig, ring_stages: int = MMA_RING) -> int:
@@ -886,7 +886,7 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
     """Whether `w4a16_wgmma` can run this product: an sm_90 GPU (H100/H200), N % 8 == 0 (16-byte
     rows of scales for the TMA), a group `wgmma_group_ok` accepts, and the kernel built."""
     return (x.is_cuda and N > 0 and N % 8 == 0 and wgmma_group_ok(group_size, K)
-            and torch.cuda.get_device_capability(x.device) == (9, 0) and _wgmma_lib(x.device) is not None)
+            and cuda_build.capability(x.device) == (9, 0) and _wgmma_lib(x.device) is not None)
 
 
 def wgmma_tiles(widths) -> tuple:
@@ -1042,12 +1042,13 @@ def num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-@torch.library.custom_op("nibble::w4a16_linear", mutates_args=())
-def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
+def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+           group_size: int) -> torch.Tensor:
     """y = x @ dequantize(qweight, scales, zeros, group_size).T, x [M, K] fp16/bf16 -> [M, N] in x.dtype.
 
-    Non-contiguous inputs are made contiguous; fp32 activations are rejected (TypeError).
+    Non-contiguous inputs are made contiguous; fp32 activations are rejected (TypeError). The body of
+    the custom op `torch.ops.nibble.w4a16_linear`; `nibble.kernels` calls it directly outside
+    torch.compile (`kernels.eager_or_op`).
     """
     _check(x, qweight, scales, zeros, group_size)
     if x.device.type == "cuda":
@@ -1055,19 +1056,12 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return reference.w4a16_matmul(x, qweight, scales, zeros, group_size)
 
 
-@w4a16_linear.register_fake
-def _(x, qweight, scales, zeros, group_size):
-    torch._check(x.dim() == 2, lambda: "x must be [M, K]")
-    return x.new_empty((x.shape[0], qweight.shape[1]))
-
-
-@torch.library.custom_op("nibble::w4a16_linears", mutates_args=())
-def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
-                  zeros: list[torch.Tensor], group_size: int) -> list[torch.Tensor]:
-    """``[w4a16_linear(x, W_i) for W_i in the weights]`` for weights that read the same x (a block's
-    q/k/v or gate/up projections). On CUDA up to three weights share one launch where the skinny
-    kernel runs (up to 32 tokens) and where the Hopper GEMM runs (`large_m_kernel` of the launch);
-    elsewhere each runs as ``w4a16_linear`` would."""
+def linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor], zeros: list[torch.Tensor],
+            group_size: int) -> list[torch.Tensor]:
+    """``[linear(x, W_i) for W_i in the weights]`` for weights that read the same x (a block's q/k/v or
+    gate/up projections). On CUDA up to three weights share one launch where the skinny kernel runs
+    (up to 32 tokens) and where the Hopper GEMM runs (`large_m_kernel` of the launch); elsewhere each
+    runs as ``linear`` would. The body of `torch.ops.nibble.w4a16_linears`."""
     if not len(qweights) == len(scales) == len(zeros) > 0:
         raise ValueError(f"w4a16_linears needs one scales and zeros tensor per qweight, got {len(qweights)} "
                          f"qweights, {len(scales)} scales, {len(zeros)} zeros")
@@ -1088,6 +1082,26 @@ def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[to
             and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
         return w4a16_wgmma_many(x, [tuple(t.contiguous() for t in w) for w in weights], group_size)
     return [w4a16_linear_cuda(x, *w, group_size) for w in weights]
+
+
+@torch.library.custom_op("nibble::w4a16_linear", mutates_args=())
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """`linear` as a custom op (what torch.compile traces into its graphs)."""
+    return linear(x, qweight, scales, zeros, group_size)
+
+
+@w4a16_linear.register_fake
+def _(x, qweight, scales, zeros, group_size):
+    torch._check(x.dim() == 2, lambda: "x must be [M, K]")
+    return x.new_empty((x.shape[0], qweight.shape[1]))
+
+
+@torch.library.custom_op("nibble::w4a16_linears", mutates_args=())
+def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
+                  zeros: list[torch.Tensor], group_size: int) -> list[torch.Tensor]:
+    """`linears` as a custom op."""
+    return linears(x, qweights, scales, zeros, group_size)
 
 
 @w4a16_linears.register_fake

@@ -427,7 +427,7 @@ def _rotate_quantize_runs_on(device: torch.device, K: int) -> bool:
     """`_rotate_quantize_runs` for rows of K on ``device``: fixed for the process, so worked out once
     (the dispatch asks, then `rotate_quantize` asks again, at every decode step)."""
     plan = rotate_quantize_plan(K)
-    if plan is None or torch.cuda.get_device_capability(device) < (9, 0):
+    if plan is None or cuda_build.capability(device) < (9, 0):
         return False
     m, s, log2p = plan
     limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 48 << 10)
@@ -1053,7 +1053,7 @@ def mma_successor(M: int) -> int:
 
 def mma_applicable(qx: torch.Tensor, N: int, K: int) -> bool:
     return (qx.is_cuda and 0 < qx.shape[0] <= MMA_MAX_M and N % 32 == 0 and K % 32 == 0 and K > 0
-            and torch.cuda.get_device_capability(qx.device) >= (8, 0) and _mma_lib(qx.device) is not None)
+            and cuda_build.capability(qx.device) >= (8, 0) and _mma_lib(qx.device) is not None)
 
 
 def _aligned_rows(qx: torch.Tensor, row_align: int) -> torch.Tensor:
@@ -1207,7 +1207,7 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
     kernel streams the weight faster), N % 4 == 0, K % 32 == 0, and the kernel built."""
     device = torch.device(device)
     return (device.type == "cuda" and M > MMA_MAX_M and N > 0 and N % 4 == 0 and K > 0 and K % 32 == 0
-            and torch.cuda.get_device_capability(device) == (9, 0) and _wgmma_lib(device) is not None)
+            and cuda_build.capability(device) == (9, 0) and _wgmma_lib(device) is not None)
 
 
 def wgmma_tiles(widths) -> tuple:
@@ -1477,20 +1477,24 @@ def w4a4_products(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
             for qweight, w_scale, bias in layers]
 
 
+def linears(x: torch.Tensor, qweights: list[torch.Tensor], w_scales: list[torch.Tensor],
+            biases: list[Optional[torch.Tensor]], input_hadamard: bool) -> list[torch.Tensor]:
+    """[online Hadamard] -> per-token INT4 activations -> exact int GEMM -> scales (+ bias), x: [M, K],
+    for one or several layers that read x (a block's q/k/v or gate/up projections): on CUDA, x is
+    rotated and quantized once for all of them; on any other device `reference.w4a4_linear` runs.
+    Returns one output per layer. The body of the custom ops `torch.ops.nibble.w4a4_linear(s)`;
+    `nibble.kernels` calls it directly outside torch.compile (`kernels.eager_or_op`)."""
+    layers = _checked_layers(x, qweights, w_scales, biases, input_hadamard)
+    if x.device.type == "cuda":
+        return _w4a4_outputs_cuda(x, layers, input_hadamard)
+    return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
+
+
 @torch.library.custom_op("nibble::w4a4_linear", mutates_args=())
 def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
                 input_hadamard: bool) -> torch.Tensor:
-    """[online Hadamard] -> per-token INT4 activations -> exact int GEMM -> scales (+ bias). x: [M, K].
-
-    Every device without a registered kernel (CPU, ...) runs `reference.w4a4_linear`.
-    """
-    _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard)
-    return reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard)
-
-
-@w4a4_linear.register_kernel("cuda")
-def _w4a4_linear_cuda(x, qweight, w_scale, bias, input_hadamard):
-    return _w4a4_outputs_cuda(x, _checked_layers(x, [qweight], [w_scale], [bias], input_hadamard), input_hadamard)[0]
+    """`linears` of one layer as a custom op (what torch.compile traces into its graphs)."""
+    return linears(x, [qweight], [w_scale], [bias], input_hadamard)[0]
 
 
 @w4a4_linear.register_fake
@@ -1502,15 +1506,8 @@ def _w4a4_linear_fake(x, qweight, w_scale, bias, input_hadamard):
 @torch.library.custom_op("nibble::w4a4_linears", mutates_args=())
 def w4a4_linears(x: torch.Tensor, qweights: list[torch.Tensor], w_scales: list[torch.Tensor],
                  biases: list[Optional[torch.Tensor]], input_hadamard: bool) -> list[torch.Tensor]:
-    """`w4a4_linear` for several layers that read the same x (a block's q/k/v or gate/up projections):
-    on CUDA, x is rotated and quantized once for all of them. Returns one output per layer."""
-    layers = _checked_layers(x, qweights, w_scales, biases, input_hadamard)
-    return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
-
-
-@w4a4_linears.register_kernel("cuda")
-def _w4a4_linears_cuda(x, qweights, w_scales, biases, input_hadamard):
-    return _w4a4_outputs_cuda(x, _checked_layers(x, qweights, w_scales, biases, input_hadamard), input_hadamard)
+    """`linears` as a custom op."""
+    return linears(x, qweights, w_scales, biases, input_hadamard)
 
 
 @w4a4_linears.register_fake
