@@ -633,9 +633,14 @@ class Engine:
         self.prefill(prompt)
         out = [self.token[:B, :1].clone()]
         stop = None if stop_tokens is None else torch.tensor(sorted(stop_tokens), device=self.device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # each sequence made a stop token
         every = STOP_CHECK_STEPS if self.device.type == "cuda" else 1
         left = max_new_tokens - 1
-        while left > 0 and not (stop is not None and torch.isin(torch.cat(out, 1), stop).any(1).all()):
+        while left > 0:
+            if stop is not None:
+                stopped |= torch.isin(out[-1], stop).any(1)  # only the tokens since the last check
+                if stopped.all():
+                    break
             out.append(self.decode(min(every, left)))
             left -= out[-1].shape[1]
         return torch.cat(out, dim=1)

@@ -167,17 +167,10 @@ def build_edited(name: str, edits, out_dir: Path, arch: str = "90a", append: str
     return ctypes.CDLL(str(so))
 
 
-_CAPABILITIES: dict = {}  # device index -> (major, minor)
-
-
 def capability(device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability``, asked once per device: the kernels' dispatch asks at
-    every call, and each question costs the host microseconds an eager forward pays per layer."""
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITIES:
-        _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
-    return _CAPABILITIES[index]
+    """``torch.cuda.get_device_capability``, asked once per device (`ask_once`): the kernels' dispatch
+    asks at every call, and each question costs the host microseconds an eager forward pays per layer."""
+    return ask_once("capability", torch.device(device), lambda: tuple(torch.cuda.get_device_capability()))
 
 
 def device_arch(device: torch.device) -> str:
