@@ -1,8 +1,9 @@
-"""Greedy generation as a user runs it: transformers' `model.generate` against `nibble.Engine` (what
-`nibble generate` decodes with), on a random-weight model built on the GPU, bf16 and W4A16; wall-clock
-time of a whole call (prompt + new tokens) after a warm-up call, median of a few.
+"""Greedy generation as a user runs it: transformers' `model.generate` (eager, or with a static cache,
+whose decode step transformers compiles) against `nibble.Engine` (what `nibble generate` decodes with),
+on a random-weight model built on the GPU, bf16 and nibble's configs; wall-clock time of a whole call
+(prompt + new tokens) after a warm-up call, median of a few.
 
-    PYTHONPATH=. python3 benchmarks/scripts/generate_speed.py --json $OUT/generate-speed.json
+    PYTHONPATH=. python3 benchmarks/scripts/generate_speed.py --configs bf16 w4a16 w4a4 --json $OUT/generate-speed.json
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ways", nargs="*", default=["transformers generate", "nibble.Engine"],
+                    help='any of "transformers generate", "transformers generate, static cache" (its first call '
+                         'compiles for minutes), "nibble.Engine"')
     ap.add_argument("--json")
     args = ap.parse_args()
     speed.require_cuda("generate_speed")
@@ -53,12 +57,16 @@ def main() -> None:
         model.generation_config.eos_token_id = None  # random weights: make every call produce --new tokens
         engine = Engine(model, max_seq_len=args.prompt + args.new)
         ways = {"transformers generate": lambda: model.generate(ids, max_new_tokens=args.new, do_sample=False),
+                # transformers compiles the decode step (torch.compile, CUDA graphs) when the cache is static
+                "transformers generate, static cache": lambda: model.generate(
+                    ids, max_new_tokens=args.new, do_sample=False, cache_implementation="static"),
                 "nibble.Engine": lambda: engine.generate(ids, args.new)}
-        for way, fn in ways.items():
+        for way in args.ways:
+            fn = ways[way]
             s = wall_s(fn, args.reps)
             rows.append(dict(model=args.model, config=config, way=way, prompt=args.prompt, new_tokens=args.new,
                              seconds=s, tokens_per_s=args.new / s))
-            print(f"{args.model} {config:6s} {way:22s} {s:7.3f} s for {args.prompt} + {args.new} tokens: "
+            print(f"{args.model} {config:6s} {way:36s} {s:7.3f} s for {args.prompt} + {args.new} tokens: "
                   f"{args.new / s:7.1f} new tokens/s", flush=True)
         speed.release(engine, model)
     if args.json:

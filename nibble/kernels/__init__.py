@@ -6,6 +6,7 @@ Every op here has one signature for every backend; `backend="reference"` forces 
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -42,8 +43,14 @@ def eager_or_op(module: str, name: str):
     or the op itself while torch.compile traces: called directly, it skips the op's dispatch, which costs
     the host ~17 us a call (torch 2.13, CPU; more than a decode-sized kernel takes on the GPU) that
     every eager forward (transformers' ``generate``, for one) pays once per layer."""
+    body, op = _body_and_op(module, name)
+    return op if torch.compiler.is_compiling() else body
+
+
+@functools.cache
+def _body_and_op(module: str, name: str):
     body = getattr(importlib.import_module(f"nibble.kernels.{module}"), name)  # the import registers the op
-    return getattr(torch.ops.nibble, f"{module}_{name}") if torch.compiler.is_compiling() else body
+    return body, getattr(torch.ops.nibble, f"{module}_{name}")
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:

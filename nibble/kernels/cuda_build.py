@@ -17,6 +17,7 @@ missing (no nvcc, compile error); callers fall back to the Triton kernels and sa
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -203,12 +204,44 @@ def signatures(entry: str, argtypes: list, error_string: str) -> Callable[[ctype
     return configure
 
 
-def c_array(ctype, values) -> ctypes.c_void_p:
-    """A C array of ``values`` for a launcher's pointer argument (it lives as long as the pointer)."""
-    return ctypes.cast((ctype * len(values))(*values), ctypes.c_void_p)
+def c_array(ctype, values) -> ctypes.Array:
+    """A C array of ``values`` for a launcher's pointer argument (ctypes passes its address; the
+    launcher copies what it needs into the kernel's parameters before it returns)."""
+    return (ctype * len(values))(*values)
 
 
+@functools.lru_cache(maxsize=4096)
+def constant_array(ctype, values: tuple) -> ctypes.Array:
+    """`c_array` of values that come back call after call (a layer's weight pointers and widths:
+    an eager forward passes the same ones at every token), built once. Never written: the
+    launchers take them as const."""
+    return c_array(ctype, values)
+
+
+def pointer_arrays(columns) -> list:
+    """A `constant_array` of pointers for each column of tensors (None: a null pointer), e.g. the
+    qweights, scales and zeros of the weights one launch computes."""
+    return [constant_array(ctypes.c_void_p, tuple(None if t is None else t.data_ptr() for t in ts)) for ts in columns]
+
+
+def launch(launcher, device: torch.device, *args) -> int:
+    """``launcher(*args, stream)`` with ``device`` current and its current stream last (PyTorch's,
+    so CUDA-graph capture records the launch); returns the launcher's CUDA error code. An eager
+    forward launches once per layer and token, so this asks the raw stream handle (what Inductor's
+    generated code asks) and switches devices only when ``device`` is not current: the public
+    `torch.cuda.current_stream` and `torch.cuda.device` cost the host several microseconds each."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    if torch._C._cuda_getDevice() == index:
+        return launcher(*args, stream)
+    with torch.cuda.device(index):
+        return launcher(*args, stream)
+
+
+ENABLED = os.environ.get("NIBBLE_CUDA_KERNELS", "1") != "0"
 _AVAILABLE: dict = {}  # (name, arch) -> configured library, or None when it cannot be built
+_ANSWERED: dict = {}  # (name, device) -> the same, for a device with an index
+_UNASKED = object()
 
 
 _ASKED: dict = {}
@@ -226,10 +259,14 @@ def ask_once(question: str, device: torch.device, ask: Callable[[], object]):
 
 def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     """``load(name, device)`` with ``configure(lib)`` applied once (its ctypes signatures), or None:
-    switched off by ``NIBBLE_CUDA_KERNELS=0``, or no nvcc / a failed build, said once per library
-    and architecture. Callers fall back to their Triton kernels on None."""
-    if os.environ.get("NIBBLE_CUDA_KERNELS", "1") == "0":
+    switched off by ``NIBBLE_CUDA_KERNELS=0`` (read when nibble is imported, as ``NIBBLE_PDL`` is), or no
+    nvcc / a failed build, said once per library and architecture. Callers fall back to their Triton
+    kernels on None."""
+    if not ENABLED:
         return None
+    known = _ANSWERED.get((name, device), _UNASKED)  # asked at every launch: one lookup
+    if known is not _UNASKED:
+        return known
     arch = target(name, device_arch(device))
     if (name, arch) not in _AVAILABLE:
         try:
@@ -239,4 +276,6 @@ def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], 
             warnings.warn(f"nibble: the CUDA kernel {name} is unavailable, using the Triton kernels instead ({e})")
             lib = None
         _AVAILABLE[(name, arch)] = lib
+    if getattr(device, "index", None) is not None:  # "cuda" alone means whichever device is current
+        _ANSWERED[(name, device)] = _AVAILABLE[(name, arch)]
     return _AVAILABLE[(name, arch)]

@@ -52,6 +52,7 @@ small table (``DISPATCH``) tuned offline with ``benchmarks/scripts/w4a16_explore
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -762,6 +763,7 @@ def successor_launch(token_tiles: int, M: int, x_l1: bool) -> int:
     return SUCCESSOR_CAPPED if M <= 4 or not x_l1 else SUCCESSOR_IF_FULL
 
 
+@functools.lru_cache(maxsize=None)
 def select_mma_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> MmaConfig:
     """Pure function of the problem (N: the columns of every weight of the launch together): warps
     per CTA doubled from 4 while the GPU has fewer than 32 warps per SM and each warp keeps >= 16 K
@@ -810,13 +812,13 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     weights = [(qw.contiguous(), s.contiguous(), z.contiguous()) for qw, s, z in weights]
     if outs is None:
         outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
-    pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
-    with torch.cuda.device(x.device):
-        err = lib.nibble_w4a16_mma(
-            int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, shift,
-            x.stride(0), len(weights), *pointers, cuda_build.c_array(ctypes.c_int, ns),
-            cuda_build.c_array(ctypes.c_int, [o.stride(0) for o in outs]), int(early_launch(x.device, M)),
-            cfg.successor, torch.cuda.current_stream(x.device).cuda_stream)
+    err = cuda_build.launch(
+        lib.nibble_w4a16_mma, x.device, int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1),
+        x.data_ptr(), M, K, shift, x.stride(0), len(weights), *cuda_build.pointer_arrays(zip(*weights)),
+        cuda_build.c_array(ctypes.c_void_p, [o.data_ptr() for o in outs]),
+        cuda_build.constant_array(ctypes.c_int, tuple(ns)),
+        cuda_build.constant_array(ctypes.c_int, tuple(o.stride(0) for o in outs)), int(early_launch(x.device, M)),
+        cfg.successor)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
     return outs
@@ -942,14 +944,13 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
     ys = [y if y is not None and y.stride(1) == 1 and y.stride(0) % 4 == 0 and y.data_ptr() % 8 == 0
           else torch.empty((M, n), dtype=x.dtype, device=x.device) for y, n in zip(given, widths)]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), ys)]
     lib = _wgmma_lib(x.device)
-    with torch.cuda.device(x.device):
-        err = lib.nibble_w4a16_wgmma(
-            int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights), *pointers,
-            cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            M, K, group_size, x.stride(0), split, per_split,
-            int(early_launch(x.device, M)), torch.cuda.current_stream(x.device).cuda_stream)
+    err = cuda_build.launch(
+        lib.nibble_w4a16_wgmma, x.device, int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights),
+        *cuda_build.pointer_arrays(zip(*weights)), cuda_build.c_array(ctypes.c_void_p, [y.data_ptr() for y in ys]),
+        cuda_build.constant_array(ctypes.c_int, tuple(widths)),
+        cuda_build.constant_array(ctypes.c_int, tuple(y.stride(0) for y in ys)),
+        M, K, group_size, x.stride(0), split, per_split, int(early_launch(x.device, M)))
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: {lib.nibble_w4a16_wgmma_error_string(err).decode()} "
                            f"(M={M} N={widths} K={K} group={group_size} config={cfg})")
@@ -975,9 +976,9 @@ def _check(x, qweight, scales, zeros, group_size):
     if packed != K:
         raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={packed}")
     _check_weight(qweight, scales, zeros, group_size)
-    devs = {t.device for t in (x, qweight, scales, zeros)}
-    if len(devs) != 1:
-        raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(str(d) for d in devs)}")
+    if not x.device == qweight.device == scales.device == zeros.device:
+        devs = {str(t.device) for t in (x, qweight, scales, zeros)}
+        raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(devs)}")
 
 
 def _packed_k(qweight) -> int:
@@ -1028,18 +1029,13 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
     return _launch(x, qweight, scales, zeros, group_size, cfg, out=out)
 
 
-_SMS: dict = {}
-
-
 def num_sms(device: torch.device) -> int:
-    """The device's streaming multiprocessors (cached per device); NUM_SMS_DEFAULT (the H200's)
+    """The device's streaming multiprocessors (asked once per device); NUM_SMS_DEFAULT (the H200's)
     for a non-CUDA device, e.g. the Triton interpreter on the CPU."""
     if device.type != "cuda":
         return NUM_SMS_DEFAULT
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    return cuda_build.ask_once("multiprocessors", device,
+                               lambda: torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
 
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

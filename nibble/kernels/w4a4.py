@@ -494,13 +494,11 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural",
         return q, s
     lets_product_launch = rotate_quantize_successor(M, MMA_MAX_WARPS if product_warps is None else product_warps)
     lib = _rotate_quantize_lib(x.device)
-    with torch.cuda.device(x.device):
-        err = lib.nibble_rotate_quantize(
-            int(x.dtype == torch.bfloat16), x.data_ptr(), M, x.stride(0), q.data_ptr(), q.stride(0), s.data_ptr(),
-            _dense_factor(m, sylvester, x.dtype, x.device).data_ptr(), m * sylvester, log2p, 1.0 / math.sqrt(K),
-            float(torch.finfo(x.dtype).max), int(order == "even_odd"),
-            int(early_launch(x.device, M, PRODUCT_EARLY_TOKENS)), int(lets_product_launch),
-            torch.cuda.current_stream(x.device).cuda_stream)
+    err = cuda_build.launch(
+        lib.nibble_rotate_quantize, x.device, int(x.dtype == torch.bfloat16), x.data_ptr(), M, x.stride(0),
+        q.data_ptr(), q.stride(0), s.data_ptr(), _dense_factor(m, sylvester, x.dtype, x.device).data_ptr(),
+        m * sylvester, log2p, 1.0 / math.sqrt(K), float(torch.finfo(x.dtype).max), int(order == "even_odd"),
+        int(early_launch(x.device, M, PRODUCT_EARLY_TOKENS)), int(lets_product_launch))
     if err:
         message = lib.nibble_rotate_quantize_error_string(err).decode()
         raise RuntimeError(f"rotate_quantize launch failed: {message} (K={K})")
@@ -1144,15 +1142,14 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
         raise ValueError(f"successor must be one of w4a16.SUCCESSOR_* {SUCCESSORS}, got {successor}")
     qx = _aligned_rows(qx, 8)
     ys = [_output(qx, n, out_dtype, out_int32) for n in ns]
-    pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
-                for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
-    with torch.cuda.device(qx.device):
-        err = lib.nibble_w4a4_mma(
-            3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps, qx.data_ptr(), x_scale.data_ptr(),
-            _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K,
-            qx.stride(0), len(layers), *pointers,
-            cuda_build.c_array(ctypes.c_int, ns), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            int(early_launch(qx.device, M)), successor, torch.cuda.current_stream(qx.device).cuda_stream)
+    err = cuda_build.launch(
+        lib.nibble_w4a4_mma, qx.device, 3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps,
+        qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
+        _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers),
+        *cuda_build.pointer_arrays(list(zip(*operands))[1:]),  # qweights, w_scales, biases
+        cuda_build.c_array(ctypes.c_void_p, [y.data_ptr() for y in ys]), cuda_build.constant_array(ctypes.c_int, tuple(ns)),
+        cuda_build.constant_array(ctypes.c_int, tuple(y.stride(0) for y in ys)), int(early_launch(qx.device, M)),
+        successor)
     if err:
         raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
                            f"(M={M} N={ns} K={K} warps={warps})")
@@ -1332,17 +1329,16 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
     if len(scale_dtypes) > 1 or len(bias_dtypes) > 1:
         raise ValueError("the layers of one w4a4_wgmma launch must share the w_scale dtype and the bias dtype")
     widths = [qweight.shape[1] for _, qweight, _, _ in operands]
-    pointers = [cuda_build.c_array(ctypes.c_void_p, [None if t is None else t.data_ptr() for t in ts])
-                for ts in (*list(zip(*operands))[1:], ys)]  # qweights, w_scales, biases, outputs
     split, per_split = hopper.split_plan(K, cfg["split_k"])
     lib = _wgmma_lib(qx.device)
-    with torch.cuda.device(qx.device):
-        err = lib.nibble_w4a4_wgmma(
-            out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
-            _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers), *pointers,
-            cuda_build.c_array(ctypes.c_int, widths), cuda_build.c_array(ctypes.c_int, [y.stride(0) for y in ys]),
-            split, per_split, int(gated), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)),
-            torch.cuda.current_stream(qx.device).cuda_stream)
+    err = cuda_build.launch(
+        lib.nibble_w4a4_wgmma, qx.device, out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(),
+        _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0),
+        len(layers), *cuda_build.pointer_arrays(list(zip(*operands))[1:]),  # qweights, w_scales, biases
+        cuda_build.c_array(ctypes.c_void_p, [y.data_ptr() for y in ys]),
+        cuda_build.constant_array(ctypes.c_int, tuple(widths)),
+        cuda_build.constant_array(ctypes.c_int, tuple(y.stride(0) for y in ys)),
+        split, per_split, int(gated), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)))
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "
                            f"(M={M} N={widths} K={K} config={cfg}{', gated' if gated else ''})")

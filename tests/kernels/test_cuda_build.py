@@ -190,3 +190,19 @@ def test_resident_clusters_reads_the_library_query():
         hopper.resident_clusters(lambda split, out: 1)
     with pytest.raises(RuntimeError, match="clusters of 1 CTAs"):
         hopper.resident_clusters(lambda split, out: 0)  # leaves 0: nothing fits
+
+
+def test_launch_arrays_hold_the_values_and_repeat_without_a_rebuild():
+    """The launchers' C arrays: `c_array` holds what it was given; `constant_array` (a layer's weight
+    pointers and widths, passed at every eager call) is built once per distinct values; `pointer_arrays`
+    takes one array per column of tensors, None as a null pointer."""
+    import ctypes
+    assert list(cuda_build.c_array(ctypes.c_int, [3, -1, 7])) == [3, -1, 7]
+    a = cuda_build.constant_array(ctypes.c_int, (4096, 11008))
+    assert list(a) == [4096, 11008]
+    assert cuda_build.constant_array(ctypes.c_int, (4096, 11008)) is a
+    assert cuda_build.constant_array(ctypes.c_int, (4096, 11009)) is not a
+    t, u = torch.zeros(3), torch.ones(5)
+    qweights, biases = cuda_build.pointer_arrays([(t, u), (None, u)])
+    assert list(qweights) == [t.data_ptr(), u.data_ptr()]
+    assert list(biases) == [None, u.data_ptr()]  # ctypes reads a null c_void_p back as None

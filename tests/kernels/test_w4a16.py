@@ -414,6 +414,38 @@ def test_gpu_noncontiguous_and_device_mix():
 
 
 @needs_cuda
+@pytest.mark.parametrize("M", [1, 13, 100])
+def test_gpu_launches_follow_new_weights_and_the_current_stream(M):
+    """What the launchers keep between eager calls are pointer values, not tensors: weights freed and
+    others allocated (the caching allocator hands blocks back) are each read as themselves. And a
+    launch lands on the current stream: queued behind a sleep on a side stream, its poisoned output
+    is still untouched once the default stream is idle, and right once the side stream is done."""
+    K, N, G = 512, 256, 128
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    if not W.mma_applicable(x[:1], N, K, G):
+        skip_without_cuda_kernel("CUDA kernel not built here (no nvcc or sm < 80)")
+    for seed in range(3):
+        qw, s, z = make_weight(N, K, G, device="cuda", seed=seed)
+        assert_close(torch.ops.nibble.w4a16_linear(x, qw, s, z, G), x, qw, s, z, G)
+        del qw, s, z
+    qw, s, z = make_weight(N, K, G, device="cuda", seed=7)
+    many = W.w4a16_mma_many if M <= 32 else W.w4a16_wgmma_many
+    if M > 32 and not W.wgmma_applicable(x, N, K, G):
+        pytest.skip("the Hopper GEMM runs on sm_90 only")
+    assert_close(many(x, [(qw, s, z)], G)[0], x, qw, s, z, G)  # loads the kernel: a first load waits for the GPU
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clocks ahead of the launch on this stream
+        many(x, [(qw, s, z)], G, outs=[out])
+    torch.cuda.default_stream().synchronize()
+    assert torch.isnan(out).all(), "the launch ran on another stream than the current one"
+    side.synchronize()
+    assert_close(out, x, qw, s, z, G)
+
+
+@needs_cuda
 def test_gpu_split_k_repeatable():
     """The Triton kernels' split-K fix-up sums partials in a fixed order: repeated calls are bitwise
     equal, and right. (The op takes the CUDA kernels at these sizes on Hopper: the Triton configs

@@ -99,3 +99,22 @@ def test_a_skip_entry_that_matches_nothing_warns():
     with pytest.warns(UserWarning, match=r"\['dwn_proj'\] match no linear"):
         quantize_model(tiny_model(), QuantConfig(group_size=32, modules_to_not_convert=["lm_head", "dwn_proj"]),
                        progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers compiles a static-cache decode on a GPU only")
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_gpu_static_cache_generate_compiles_the_quantized_layers(mode):
+    """transformers' own fast decode, ``generate(cache_implementation="static")``, runs each step as a
+    torch.compile'd graph (CUDA graphs): nibble's layers trace into it as custom ops, without a graph
+    break, and the tokens are eager ``generate``'s."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(dtype=torch.bfloat16, hidden_size=256, intermediate_size=512).cuda()
+    quantize_model(model, QuantConfig(mode=mode), progress=False)
+    ids = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(0)).cuda()
+    eager = model.generate(ids, max_new_tokens=8, do_sample=False)
+    counters.clear()
+    static = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert counters["stats"]["unique_graphs"] >= 1, "the decode step was not compiled"
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    assert torch.equal(static, eager)
