@@ -69,6 +69,7 @@ def main() -> None:
             print(f"{args.model} {config:6s} {way:36s} {s:7.3f} s for {args.prompt} + {args.new} tokens: "
                   f"{args.new / s:7.1f} new tokens/s", flush=True)
         speed.release(engine, model)
+        torch._dynamo.reset()  # each config compiles afresh: compiled frames are shared by code, across models
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
 

@@ -6,8 +6,7 @@ Every op here has one signature for every backend; `backend="reference"` forces 
 """
 from __future__ import annotations
 
-import functools
-import importlib
+import importlib.util
 
 import torch
 
@@ -15,6 +14,7 @@ from nibble.kernels import reference
 
 BACKENDS = ("auto", "reference", "triton")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class KernelUnavailableError(RuntimeError):
@@ -33,24 +33,18 @@ def _use_kernel(x: torch.Tensor, backend: str) -> bool:
         if not x.is_cuda:
             raise KernelUnavailableError(f"the Triton kernels need CUDA tensors; the input is on {x.device}: move "
                                          "the model and inputs to the GPU with .to('cuda')")
-        if importlib.util.find_spec("triton") is None:
+        if not _HAS_TRITON:
             raise KernelUnavailableError("the GPU kernels need the `triton` package: pip install triton")
     return x.is_cuda
 
 
-def eager_or_op(module: str, name: str):
-    """The function behind custom op ``torch.ops.nibble.<module>_<name>`` (``nibble.kernels.<module>.<name>``),
-    or the op itself while torch.compile traces: called directly, it skips the op's dispatch, which costs
-    the host ~17 us a call (torch 2.13, CPU; more than a decode-sized kernel takes on the GPU) that
-    every eager forward (transformers' ``generate``, for one) pays once per layer."""
-    body, op = _body_and_op(module, name)
+def eager_or_op(body, op):
+    """``body``, the Python function behind custom op ``op``, when called eagerly; ``op`` while
+    torch.compile traces (the op is what its graphs hold). Called directly, the body skips the op's
+    dispatch, which costs the host ~17 us a call (torch 2.13, CPU; more than a decode-sized kernel
+    takes on the GPU) that every eager forward (transformers' ``generate``, for one) pays per layer.
+    Nothing else may run here while tracing: an import, for one, breaks the graph at every layer."""
     return op if torch.compiler.is_compiling() else body
-
-
-@functools.cache
-def _body_and_op(module: str, name: str):
-    body = getattr(importlib.import_module(f"nibble.kernels.{module}"), name)  # the import registers the op
-    return body, getattr(torch.ops.nibble, f"{module}_{name}")
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +59,7 @@ def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend:
     """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
     if not _use_kernel(x, backend):
         return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
-    y = eager_or_op("w4a16", "linear")(_kernel_input(x), qweight, scales, zeros, group_size)
+    y = eager_or_op(w4a16.linear, torch.ops.nibble.w4a16_linear)(_kernel_input(x), qweight, scales, zeros, group_size)
     return _finish(y, bias, x)
 
 
@@ -75,8 +69,8 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     (prefill sizes) runs. Returns the outputs in order."""
     if not _use_kernel(x, backend):
         return [reference.w4a16_matmul(x, qw, s, z, group_size, b) for qw, s, z, b in layers]
-    ys = eager_or_op("w4a16", "linears")(_kernel_input(x), *([layer[i] for layer in layers] for i in range(3)),
-                                         group_size)
+    linears = eager_or_op(w4a16.linears, torch.ops.nibble.w4a16_linears)
+    ys = linears(_kernel_input(x), *([layer[i] for layer in layers] for i in range(3)), group_size)
     return [_finish(y, layer[3], x) for y, layer in zip(ys, layers)]
 
 
@@ -99,6 +93,12 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     if not _use_kernel(x, backend):
         return [reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard) for qweight, w_scale, bias in layers]
     x2 = _kernel_input(x)
-    ys = eager_or_op("w4a4", "linears")(x2, [layer[0] for layer in layers], [layer[1] for layer in layers],
-                                        [None if b is None else b.to(x2.dtype) for _, _, b in layers], input_hadamard)
+    linears = eager_or_op(w4a4.linears, torch.ops.nibble.w4a4_linears)
+    ys = linears(x2, [layer[0] for layer in layers], [layer[1] for layer in layers],
+                 [None if b is None else b.to(x2.dtype) for _, _, b in layers], input_hadamard)
     return [y.reshape(*x.shape[:-1], -1).to(x.dtype) for y in ys]
+
+
+# The kernel modules register the custom ops (torch.ops.nibble.*) as they are imported; they import this
+# package's submodules, so they come last.
+from nibble.kernels import w4a16, w4a4  # noqa: E402

@@ -107,6 +107,25 @@ def test_stack_weights_leaves_layers_it_cannot_stack():
         assert [m.weight.data_ptr() for m in layers] == ptrs
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_quantized_layers_trace_into_one_graph(monkeypatch, mode):
+    """Under torch.compile a QuantLinear, alone or with the layers that share its input, is nibble's
+    custom op in the graph with nothing around it that breaks the graph (fullgraph=True fails at a
+    break; an import in the dispatch once broke it at every layer, and transformers' static-cache
+    generate then recompiled per layer). On the CPU the kernel dispatch is forced, so the op (whose
+    CPU body is the reference) is what gets traced."""
+    monkeypatch.setattr(kernels, "_use_kernel", lambda x, backend: True)
+    layers = [QuantLinear.from_linear(nn.Linear(256, n, dtype=torch.bfloat16), QuantConfig(mode=mode))
+              for n in (64, 32, 32)]
+    x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    one = torch.compile(layers[0], fullgraph=True, backend="eager")
+    torch.testing.assert_close(one(x), layers[0](x))
+    shared = torch.compile(lambda t: shared_input_forward(layers, t), fullgraph=True, backend="eager")
+    for y, layer in zip(shared(x), layers):
+        torch.testing.assert_close(y, layer(x))
+
+
 def test_bad_inputs_give_clear_errors():
     q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
     with pytest.raises(ValueError, match="expects 64"):
