@@ -102,19 +102,26 @@ def test_a_skip_entry_that_matches_nothing_warns():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers compiles a static-cache decode on a GPU only")
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_gpu_static_cache_generate_compiles_the_quantized_layers(mode):
+@pytest.mark.parametrize("mode,min_cos", [("w4a16", 0.999), ("w4a4", 0.95)])
+def test_gpu_static_cache_generate_compiles_the_quantized_layers(mode, min_cos):
     """transformers' own fast decode, ``generate(cache_implementation="static")``, runs each step as a
     torch.compile'd graph (CUDA graphs): nibble's layers trace into it as custom ops, without a graph
-    break, and the tokens are eager ``generate``'s."""
+    break, and each step's logits are an eager forward's over the same tokens (teacher-forced, so a
+    near-tie that tips one token cannot derail the comparison; W4A4's activation codes amplify the
+    rounding differences between the compiled step and the eager pass: cosine 0.985 at worst on the
+    CPU, through the reference)."""
     from torch._dynamo.utils import counters
 
     model = tiny_model(dtype=torch.bfloat16, hidden_size=256, intermediate_size=512).cuda()
     quantize_model(model, QuantConfig(mode=mode), progress=False)
     ids = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(0)).cuda()
-    eager = model.generate(ids, max_new_tokens=8, do_sample=False)
     counters.clear()
-    static = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                         output_logits=True, return_dict_in_generate=True)
     assert counters["stats"]["unique_graphs"] >= 1, "the decode step was not compiled"
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
-    assert torch.equal(static, eager)
+    with torch.no_grad():
+        eager = model(out.sequences[:, :-1]).logits[0, ids.shape[1] - 1:].float()
+    steps = torch.stack(out.logits, 1)[0].float()
+    cos = nn.functional.cosine_similarity(steps, eager, dim=-1)
+    assert cos.min() >= min_cos, f"compiled decode steps against the eager forward: cosine {cos.tolist()}"
