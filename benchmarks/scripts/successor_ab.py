@@ -43,10 +43,12 @@ def way(name: str):
     saved = W.successor_launch, W4.mma_successor
     if name == "at_end":
         W.successor_launch = W4.mma_successor = lambda *_a, **_k: W.SUCCESSOR_AT_END
+    W.select_mma_config.cache_clear()  # its configs hold the successor mode: memoized, they would outlive the swap
     try:
         yield
     finally:
         W.successor_launch, W4.mma_successor = saved
+        W.select_mma_config.cache_clear()
 
 
 def kernel_ab(ms, rounds: int, say=print) -> list[dict]:

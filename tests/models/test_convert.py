@@ -101,6 +101,23 @@ def test_a_skip_entry_that_matches_nothing_warns():
                        progress=False)
 
 
+@pytest.mark.parametrize("mode,rotation", [("w4a16", "none"), ("w4a4", "none"), ("w4a4", "hadamard")])
+def test_a_converted_model_compiles_into_one_graph(monkeypatch, mode, rotation):
+    """A converted model, its online rotations included, compiles whole with fullgraph=True (any graph
+    break fails it) and gives the eager logits. On the CPU the kernel dispatch is forced, so nibble's
+    custom ops (whose CPU bodies are the reference) are what gets traced."""
+    from nibble import kernels
+    monkeypatch.setattr(kernels, "_use_kernel", lambda x, backend: True)
+    model = tiny_model(dtype=torch.bfloat16)
+    config = QuantConfig(mode=mode, rotation=rotation) if mode == "w4a4" else QuantConfig(mode=mode, group_size=32)
+    quantize_model(model, config, progress=False)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
+        assert torch.equal(compiled, model(ids).logits)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers compiles a static-cache decode on a GPU only")
 @pytest.mark.parametrize("mode,min_cos", [("w4a16", 0.999), ("w4a4", 0.95)])
 def test_gpu_static_cache_generate_compiles_the_quantized_layers(mode, min_cos):
