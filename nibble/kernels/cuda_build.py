@@ -240,8 +240,6 @@ def launch(launcher, device: torch.device, *args) -> int:
 
 ENABLED = os.environ.get("NIBBLE_CUDA_KERNELS", "1") != "0"
 _AVAILABLE: dict = {}  # (name, arch) -> configured library, or None when it cannot be built
-_ANSWERED: dict = {}  # (name, device) -> the same, for a device with an index
-_UNASKED = object()
 
 
 _ASKED: dict = {}
@@ -264,9 +262,10 @@ def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], 
     kernels on None."""
     if not ENABLED:
         return None
-    known = _ANSWERED.get((name, device), _UNASKED)  # asked at every launch: one lookup
-    if known is not _UNASKED:
-        return known
+    return ask_once(f"library {name}", device, lambda: _library_for_arch(name, device, configure))  # every launch asks
+
+
+def _library_for_arch(name: str, device: torch.device, configure) -> ctypes.CDLL | None:
     arch = target(name, device_arch(device))
     if (name, arch) not in _AVAILABLE:
         try:
@@ -276,6 +275,4 @@ def library(name: str, device: torch.device, configure: Callable[[ctypes.CDLL], 
             warnings.warn(f"nibble: the CUDA kernel {name} is unavailable, using the Triton kernels instead ({e})")
             lib = None
         _AVAILABLE[(name, arch)] = lib
-    if getattr(device, "index", None) is not None:  # "cuda" alone means whichever device is current
-        _ANSWERED[(name, device)] = _AVAILABLE[(name, arch)]
     return _AVAILABLE[(name, arch)]
