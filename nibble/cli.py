@@ -62,11 +62,14 @@ def maybe_quantize(args, model, tokenizer=None):
     return quantize_model(model, cfg, calibration=calibration)
 
 
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True) -> str:
-    """The greedy continuation of ``prompt``, decoded. Run by nibble's engine (a static KV cache; on a GPU,
-    CUDA graphs: the decode speeds nibble reports) unless ``engine`` is False or the model is one the
-    engine cannot run (then by transformers' ``generate``, said on stderr); both give the same tokens up
-    to near-ties, and stop at the model's end-of-sequence token."""
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
+                  sampling=None) -> str:
+    """The continuation of ``prompt``, decoded: greedy, or sampled as ``sampling`` (an
+    `engine.Sampling`) says. Run by nibble's engine (a static KV cache; on a GPU, CUDA graphs: the
+    decode speeds nibble reports) unless ``engine`` is False or the model is one the engine cannot run
+    (then by transformers' ``generate``, said on stderr); greedy, both give the same tokens up to
+    near-ties (sampled, the same distribution, not the same draws); both stop at the model's
+    end-of-sequence token."""
     if chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
@@ -75,18 +78,21 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
     eos = model.generation_config.eos_token_id
     eos = {e for e in (eos if isinstance(eos, list) else [eos, tokenizer.eos_token_id]) if e is not None}
-    new = _engine_tokens(model, ids, max_new_tokens, eos or None) if engine else None
+    new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling) if engine else None
     if new is None:
+        # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
+        draws = {} if sampling is None or sampling.greedy else dict(
+            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
         with torch.no_grad():
-            new = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+            new = model.generate(ids, max_new_tokens=max_new_tokens, **({"do_sample": False} | draws),
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)[0, ids.shape[1]:]
     ends = [i for i, t in enumerate(new.tolist()) if t in eos]
     return tokenizer.decode(new[:ends[0]] if ends else new, skip_special_tokens=True).strip()
 
 
-def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens) -> torch.Tensor | None:
-    """Up to ``max_new_tokens`` greedy tokens after ``ids`` [1, T] from nibble's engine (it stops soon
-    after one of ``stop_tokens``), or None where it cannot run this model."""
+def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, sampling=None) -> torch.Tensor | None:
+    """Up to ``max_new_tokens`` tokens after ``ids`` [1, T] from nibble's engine, greedy or as ``sampling``
+    says (it stops soon after one of ``stop_tokens``), or None where it cannot run this model."""
     from nibble.eval.engine import Engine
 
     try:
@@ -95,15 +101,26 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens) -
         print(f"nibble: {e}; generating with transformers' generate instead", file=sys.stderr)
         return None
     try:
-        return engine.generate(ids, max_new_tokens, stop_tokens=stop_tokens)[0]
+        kwargs = {} if sampling is None else dict(temperature=sampling.temperature, top_k=sampling.top_k,
+                                                  top_p=sampling.top_p)
+        return engine.generate(ids, max_new_tokens, stop_tokens=stop_tokens, **kwargs)[0]
     finally:
         engine.close()
 
 
 def cmd_generate(args):
+    from nibble.eval.engine import Sampling
+
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before the model loads
+    except ValueError as e:
+        raise SystemExit(f"nibble generate: {e}") from None
     model, tok = load(args.model, _device(args.device))
     model = maybe_quantize(args, model, tok)
-    print(generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat, engine=not args.hf_generate))
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    print(generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
+                        sampling=sampling))
 
 
 def cmd_quantize(args):
@@ -234,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-generate", action="store_true",
                    help="decode with transformers' model.generate instead of nibble's engine (static KV cache, "
                         "CUDA graphs on a GPU; the same greedy tokens up to near-ties)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; above 0: sample from softmax(logits / temperature)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the smallest set of most likely tokens whose probability reaches p")
+    p.add_argument("--seed", type=int, default=None, help="seed PyTorch's generators (repeatable samples)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("quantize", help="model in, quantized directory out")
     _add_model_args(p)

@@ -94,9 +94,35 @@ def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, 
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     a, b = tok("the capital").input_ids[:2]
-    monkeypatch.setattr(Engine, "generate", lambda self, ids, n, stop_tokens: torch.tensor([[a, tok.eos_token_id, b]]))
+    monkeypatch.setattr(Engine, "generate", lambda self, ids, n, stop_tokens, **sampling: torch.tensor([[a, tok.eos_token_id, b]]))
     main(["generate", "x", "--model", str(model_dir), "--device", "cpu", "--quant", "none", "--no-chat"])
     assert capsys.readouterr().out.strip() == tok.decode([a]).strip()
+
+
+def test_generate_samples_with_a_seed_and_top_k_1_is_greedy(model_dir, capsys):
+    args = ["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--group-size", "32",
+            "--max-new-tokens", "12", "--no-chat"]
+
+    def text(*flags):
+        main(args + list(flags))
+        return capsys.readouterr().out
+
+    greedy = {way: text(*way) for way in ((), ("--hf-generate",))}
+    assert greedy[()] == greedy["--hf-generate",]
+    for way in greedy:
+        assert text(*way, "--temperature", "3", "--top-k", "1") == greedy[way]
+        seeded = [text(*way, "--temperature", "1.5", "--top-p", "0.9", "--seed", "7") for _ in range(2)]
+        assert seeded[0] == seeded[1] != greedy[way]
+
+
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
+                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "0"], "top_k must be")])
+def test_generate_refuses_bad_sampling_settings_before_loading_the_model(flags, message, monkeypatch):
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a: pytest.fail("loaded the model before checking the flags"))
+    with pytest.raises(SystemExit, match=message):
+        main(["generate", "x", "--model", "nowhere"] + flags)
 
 
 def test_a_model_the_engine_cannot_run_falls_back_to_transformers_generate(model_dir, monkeypatch, capsys):

@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ways", nargs="*", default=["transformers generate", "nibble.Engine"],
                     help='any of "transformers generate", "transformers generate, static cache" (its first call '
-                         'compiles for minutes), "nibble.Engine"')
+                         'compiles for minutes), "nibble.Engine", "nibble.Engine, sampled" (temperature 0.7, top-p 0.9)')
     ap.add_argument("--json")
     args = ap.parse_args()
     speed.require_cuda("generate_speed")
@@ -60,7 +60,9 @@ def main() -> None:
                 # transformers compiles the decode step (torch.compile, CUDA graphs) when the cache is static
                 "transformers generate, static cache": lambda: model.generate(
                     ids, max_new_tokens=args.new, do_sample=False, cache_implementation="static"),
-                "nibble.Engine": lambda: engine.generate(ids, args.new)}
+                "nibble.Engine": lambda: engine.generate(ids, args.new),
+                # sampled: the draw (a sort of the vocabulary for top-p) inside each step's graph
+                "nibble.Engine, sampled": lambda: engine.generate(ids, args.new, temperature=0.7, top_p=0.9)}
         for way in args.ways:
             fn = ways[way]
             s = wall_s(fn, args.reps)

@@ -12,7 +12,10 @@ this file supplies the rest of the forward pass:
   them over many programs, elsewhere SDPA runs over the whole static cache with an additive
   ``position <= pos`` mask built once per step;
 - on CUDA, each prefill shape and each decode batch is one CUDA graph (static input buffers; the
-  decode step advances its own position and writes its greedy token back into its input);
+  decode step advances its own position and writes its next token back into its input);
+- the next token is the greedy one, or sampled (`Sampling`: temperature, top-k, top-p) on the device
+  inside the step's graph, without a host sync (gpt-fast's exponential race in place of
+  ``torch.multinomial``);
 - the glue between the matmuls is three fused Triton kernels on CUDA: residual add + RMSNorm,
   RoPE + KV-cache write, SiLU(gate) * up, so a decode step runs about 13 kernels a layer instead
   of about 43. In a CUDA graph each small kernel still costs a few microseconds, and at 32 layers
@@ -42,8 +45,10 @@ plain PyTorch. Only the linears differ between bf16 and nibble models.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -431,8 +436,66 @@ def _rmsnorm_params(norm: nn.Module):
 STOP_CHECK_STEPS = 16
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the engine picks each next token. ``temperature`` 0 (the default) is greedy decoding; above 0
+    the token is drawn from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens
+    (None: all) and to the smallest set of them whose probability reaches ``top_p`` (1: all), as
+    transformers' ``generate(do_sample=True, ...)`` filters them. Draws come from PyTorch's random
+    generator of the logits' device: ``torch.manual_seed`` makes them repeat."""
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise ValueError(f"top_k must be an integer >= 1, or None for every token; got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+GREEDY = Sampling()
+
+
+def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tensor:
+    """The next token of each row of ``logits`` [B, V] under ``sampling``: [B] int64.
+
+    Sampling runs on the logits' device without a host sync, so a CUDA graph can hold it: an
+    exponential race instead of ``torch.multinomial``: with E_i ~ Exp(1) independent, argmax_i
+    p_i / E_i is i with probability p_i (the Gumbel-max trick, -log E_i being Gumbel)."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    probs = sampling_logits(logits, sampling).softmax(-1)
+    # Exp(1) draws of exactly 0 (u = 1 in -log u) would make 0 / 0 a NaN, which argmax would pick
+    race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(-1)
+
+
+def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """float32 logits / temperature with the tokens top-k and top-p leave out at -inf (transformers'
+    temperature, top-k and top-p warpers, in that order): the distribution `next_tokens` draws from."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if sampling.top_p < 1:
+        ranked, order = logits.sort(-1, descending=True)
+        probs = ranked.softmax(-1)
+        # a token goes once the tokens ranked above it hold top_p of the mass; the first always stays
+        ranked = ranked.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, -math.inf)
+        logits = torch.empty_like(logits).scatter_(-1, order, ranked)
+    return logits
+
+
 class Engine:
-    """Greedy generation with a static KV cache (and CUDA graphs on CUDA).
+    """Generation with a static KV cache (and CUDA graphs on CUDA): greedy, or sampled (`Sampling`).
 
     ``max_batch`` x ``max_seq_len`` sizes the cache; any batch up to ``max_batch`` runs. A prompt
     is a ``[batch, T]`` tensor of token ids (equal lengths, no padding).
@@ -482,6 +545,7 @@ class Engine:
             self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graphs: dict = {}
         self._batch = self._len = 0  # the live sequences: batch and length (host copies)
+        self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
 
     # ---- the forward pass ------------------------------------------------------------------
     def _add_norm(self, x, residual, norm):
@@ -573,10 +637,11 @@ class Engine:
             raise ValueError(f"{T} positions exceed this engine's max_seq_len={self.max_seq_len}")
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+    def prefill(self, prompt: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tensor:
         """Start new sequences from ``prompt`` [B, T]: fills the cache, returns the last logits [B, V].
 
-        Also sets the decode state: the greedy next token and position T.
+        Also sets the decode state: the next token (picked by ``sampling``, which the decode steps of
+        these sequences keep) and position T.
         """
         B, T = prompt.shape
         self._check_batch(B, T)
@@ -589,22 +654,23 @@ class Engine:
         else:
             buf = prompt.to(self.device)
         logits = self._run(key, lambda: self.forward(buf, self.positions[:T], prefill=True))
-        self.token[:B, 0].copy_(logits.argmax(-1))
+        self.token[:B, 0].copy_(next_tokens(logits, sampling))
         self.pos.fill_(T)
-        self._batch, self._len = B, T
+        self._batch, self._len, self._sampling = B, T, sampling
         return logits
 
-    def _decode_body(self, B: int) -> torch.Tensor:
+    def _decode_body(self, B: int, sampling: Sampling) -> torch.Tensor:
         logits = self.forward(self.token[:B], self.pos, prefill=False)
-        self.token[:B, 0].copy_(logits.argmax(-1))
+        self.token[:B, 0].copy_(next_tokens(logits, sampling))
         self.pos.add_(1)
         return logits
 
     @torch.inference_mode()
     def decode(self, steps: int, collect: bool = True) -> torch.Tensor | None:
-        """``steps`` greedy decode steps after ``prefill``; returns the tokens produced [B, steps] if ``collect``.
+        """``steps`` decode steps after ``prefill``; returns the tokens produced [B, steps] if ``collect``.
 
-        Each step feeds ``self.token`` at ``self.pos``; nothing leaves the device between steps.
+        Each step feeds ``self.token`` at ``self.pos`` and picks the next as ``prefill``'s sampling
+        says (a CUDA graph per batch and sampling); nothing leaves the device between steps.
         """
         B = self._batch
         if B == 0:
@@ -613,24 +679,29 @@ class Engine:
             raise ValueError(f"{self._len} + {steps} positions exceed this engine's max_seq_len={self.max_seq_len}")
         self._len += steps
         out = []
+        sampling = self._sampling
+        key = ("decode", B) if sampling.greedy else ("decode", B, sampling)
         for _ in range(steps):
-            self._run(("decode", B), lambda: self._decode_body(B))
+            self._run(key, lambda: self._decode_body(B, sampling))
             if collect:
                 out.append(self.token[:B, 0].clone())
         return torch.stack(out, dim=1) if collect else None
 
     @torch.inference_mode()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, stop_tokens=None) -> torch.Tensor:
-        """Greedy continuation of ``prompt`` [B, T]: the ``max_new_tokens`` new tokens, [B, max_new_tokens].
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
+        """Continuation of ``prompt`` [B, T]: the ``max_new_tokens`` new tokens, [B, max_new_tokens];
+        greedy by default, sampled for ``temperature`` > 0 (see `Sampling`, which checks the three).
 
         ``stop_tokens`` (token ids, e.g. the model's end-of-sequence ids): stop early once every
         sequence has produced one, returning [B, n <= max_new_tokens] (a sequence that stopped first
         runs on until the others do; callers cut each at its first stop token). On CUDA the check
         waits for the device, so it runs every STOP_CHECK_STEPS steps, on the CPU every step.
         """
+        sampling = Sampling(temperature, top_k, top_p)
         B, T = prompt.shape
         self._check_batch(B, T + max_new_tokens)
-        self.prefill(prompt)
+        self.prefill(prompt, sampling)
         out = [self.token[:B, :1].clone()]
         stop = None if stop_tokens is None else torch.tensor(sorted(stop_tokens), device=self.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # each sequence made a stop token

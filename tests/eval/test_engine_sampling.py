@@ -1,0 +1,108 @@
+"""The engine's sampled decoding: the filters against transformers' warpers, the draws against the
+distribution they leave, seeds, and the CUDA graph path (GPU tests skip without CUDA)."""
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from conftest import tiny_model
+from nibble.eval.engine import GREEDY, Engine, Sampling, next_tokens, sampling_logits
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_filters_leave_out_the_tokens_transformers_warpers_leave_out(seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        V = int(torch.randint(2, 400, (1,), generator=g))
+        logits = torch.randn(5, V, generator=g) * float(1 + 4 * torch.rand(1, generator=g))
+        temperature = float(0.1 + 2 * torch.rand(1, generator=g))
+        top_k = int(torch.randint(1, V + 4, (1,), generator=g)) if seed % 2 else None
+        top_p = float(0.01 + torch.rand(1, generator=g)) if seed % 3 else 1.0
+        top_p = min(top_p, 1.0)
+        ours = sampling_logits(logits, Sampling(temperature, top_k, top_p))
+        ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k is not None:
+            ref = TopKLogitsWarper(top_k)(None, ref)
+        if top_p < 1:
+            ref = TopPLogitsWarper(top_p)(None, ref)
+        assert torch.equal(ours == -torch.inf, ref == -torch.inf)
+        kept = ours > -torch.inf
+        torch.testing.assert_close(ours[kept], ref[kept])
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.7), Sampling(1.3, top_k=3), Sampling(1.0, top_p=0.75),
+                                      Sampling(0.9, top_k=4, top_p=0.9)])
+def test_draws_follow_the_filtered_softmax(sampling):
+    logits = torch.tensor([2.0, 1.5, -0.5, 0.7, 1.1, -2.0, 0.0, 1.9])
+    expect = sampling_logits(logits[None], sampling).softmax(-1)[0].double()
+    n = 40000
+    torch.manual_seed(0)
+    drawn = next_tokens(logits.expand(n, -1), sampling)
+    freq = torch.bincount(drawn, minlength=logits.numel()).double() / n
+    assert torch.all(freq[expect == 0] == 0)  # a token the filters leave out is never drawn
+    sigma = (expect * (1 - expect) / n).sqrt()
+    assert torch.all((freq - expect).abs() <= 5 * sigma + 1e-12), (freq, expect)
+
+
+def test_a_nucleus_smaller_than_the_top_token_keeps_the_top_token():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    assert torch.equal(next_tokens(logits, Sampling(1.0, top_p=1e-6)), logits.argmax(-1))
+
+
+def test_greedy_sampling_is_the_argmax():
+    logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(2))
+    for sampling in (GREEDY, Sampling(0.0, top_k=5, top_p=0.5), Sampling(3.0, top_k=1)):
+        assert sampling.greedy and torch.equal(next_tokens(logits, sampling), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature must be"), (dict(temperature=float("nan")), "temperature must be"),
+    (dict(top_k=0), "top_k must be"), (dict(top_k=2.5), "top_k must be"),
+    (dict(top_p=0.0), "top_p must be"), (dict(top_p=1.5), "top_p must be")])
+def test_bad_sampling_settings_say_what_is_allowed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Sampling(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_model(), max_seq_len=16).generate(torch.zeros(1, 4, dtype=torch.long), 4, **kwargs)
+
+
+def _sampled_runs(engine, prompt, n, **kwargs):
+    torch.manual_seed(5)
+    first = engine.generate(prompt, n, **kwargs)
+    torch.manual_seed(5)
+    again = engine.generate(prompt, n, **kwargs)
+    torch.manual_seed(6)
+    other = engine.generate(prompt, n, **kwargs)
+    return first, again, other
+
+
+def test_engine_samples_repeat_with_the_seed_and_top_k_1_is_greedy():
+    model = tiny_model(initializer_range=0.2)
+    prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    engine = Engine(model, max_batch=2, max_seq_len=48)
+    greedy = engine.generate(prompt, 24)
+    first, again, other = _sampled_runs(engine, prompt, 24, temperature=5.0)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert not torch.equal(first, greedy)  # flattened by the temperature: 48 draws all greedy is ~impossible
+    assert first.min() >= 0 and first.max() < model.config.vocab_size
+    assert torch.equal(engine.generate(prompt, 24, temperature=5.0, top_k=1), greedy)
+    assert torch.equal(engine.generate(prompt, 24), greedy)  # sampling left no state behind
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_graph_engine_samples_inside_its_decode_graph():
+    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2).cuda()
+    prompt = torch.randint(0, 256, (2, 8), device="cuda")
+    engine = Engine(model, max_batch=2, max_seq_len=64)
+    greedy = engine.generate(prompt, 40)
+    first, again, other = _sampled_runs(engine, prompt, 40, temperature=5.0, top_p=0.95)
+    assert ("decode", 2, Sampling(5.0, top_p=0.95)) in engine._graphs and ("decode", 2) in engine._graphs
+    assert torch.equal(first, again) and not torch.equal(first, other) and not torch.equal(first, greedy)
+    assert first.min() >= 0 and first.max() < model.config.vocab_size
+    assert torch.equal(engine.generate(prompt, 40, temperature=5.0, top_k=1), greedy)
+    # the graph's draws follow the same distribution as eager ones: a near-uniform one at a high
+    # temperature spreads the 80 tokens over many ids
+    assert len(set(first.flatten().tolist())) > 40
