@@ -622,8 +622,9 @@ class Engine:
         if not self.cuda_graphs:
             return body()
         if key not in self._graphs:
-            token, pos = self.token.clone(), self.pos.clone()  # warm-up must not move the decode state
-            self._graphs[key] = capture_graph(body, self.device, warmups=2)
+            token, pos = self.token.clone(), self.pos.clone()  # warm-up must not move the decode state,
+            with torch.random.fork_rng(devices=[self.device]):  # nor the random draws (sampling): a
+                self._graphs[key] = capture_graph(body, self.device, warmups=2)  # seed repeats them
             self.token.copy_(token)
             self.pos.copy_(pos)
         graph, out = self._graphs[key]
