@@ -63,13 +63,14 @@ def maybe_quantize(args, model, tokenizer=None):
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
-                  sampling=None) -> str:
+                  sampling=None, streamer=None) -> str:
     """The continuation of ``prompt``, decoded: greedy, or sampled as ``sampling`` (an
     `engine.Sampling`) says. Run by nibble's engine (a static KV cache; on a GPU, CUDA graphs: the
     decode speeds nibble reports) unless ``engine`` is False or the model is one the engine cannot run
     (then by transformers' ``generate``, said on stderr); greedy, both give the same tokens up to
     near-ties (sampled, the same distribution, not the same draws); both stop at the model's
-    end-of-sequence token."""
+    end-of-sequence token. ``streamer`` (e.g. transformers' ``TextStreamer``) is given the prompt,
+    then the new tokens as they come, then ``end()``, from either way as transformers' generate does."""
     if chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
@@ -78,21 +79,24 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
     eos = model.generation_config.eos_token_id
     eos = {e for e in (eos if isinstance(eos, list) else [eos, tokenizer.eos_token_id]) if e is not None}
-    new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling) if engine else None
+    new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling, streamer) if engine else None
     if new is None:
         # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
         draws = {} if sampling is None or sampling.greedy else dict(
             do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
         with torch.no_grad():
             new = model.generate(ids, max_new_tokens=max_new_tokens, **({"do_sample": False} | draws),
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)[0, ids.shape[1]:]
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                                 streamer=streamer)[0, ids.shape[1]:]
     ends = [i for i, t in enumerate(new.tolist()) if t in eos]
     return tokenizer.decode(new[:ends[0]] if ends else new, skip_special_tokens=True).strip()
 
 
-def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, sampling=None) -> torch.Tensor | None:
+def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, sampling=None,
+                   streamer=None) -> torch.Tensor | None:
     """Up to ``max_new_tokens`` tokens after ``ids`` [1, T] from nibble's engine, greedy or as ``sampling``
-    says (it stops soon after one of ``stop_tokens``), or None where it cannot run this model."""
+    says, up to the first of ``stop_tokens``, handed to ``streamer`` as they come (see `generate_text`);
+    or None where the engine cannot run this model."""
     from nibble.eval.engine import Engine
 
     try:
@@ -103,7 +107,20 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
     try:
         kwargs = {} if sampling is None else dict(temperature=sampling.temperature, top_k=sampling.top_k,
                                                   top_p=sampling.top_p)
-        return engine.generate(ids, max_new_tokens, stop_tokens=stop_tokens, **kwargs)[0]
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        chunks = []
+        for chunk in engine.stream(ids, max_new_tokens, stop_tokens=stop_tokens, **kwargs):
+            chunk = chunk[0].cpu()
+            ends = [i for i, t in enumerate(chunk.tolist()) if t in (stop_tokens or ())]
+            chunks.append(chunk[:ends[0] + 1] if ends else chunk)
+            if streamer is not None:
+                streamer.put(chunks[-1])
+            if ends:
+                break
+        if streamer is not None:
+            streamer.end()
+        return torch.cat(chunks)
     finally:
         engine.close()
 
@@ -119,8 +136,12 @@ def cmd_generate(args):
     model = maybe_quantize(args, model, tok)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    print(generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
-                        sampling=sampling))
+    from transformers import TextStreamer
+
+    # the text appears word by word as the tokens come (transformers' streamer, on either way of generating)
+    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
+                  sampling=sampling, streamer=streamer)
 
 
 def cmd_quantize(args):

@@ -59,8 +59,8 @@ def test_w4a4_with_rotation_from_the_cli(model_dir, capsys):
 def _count_engine_generates(monkeypatch):
     from nibble.eval.engine import Engine
 
-    calls, generate = [], Engine.generate
-    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
+    calls, stream = [], Engine.stream
+    monkeypatch.setattr(Engine, "stream", lambda self, *a, **k: calls.append(1) or stream(self, *a, **k))
     return calls
 
 
@@ -87,6 +87,36 @@ def test_generate_on_the_gpu_decodes_with_the_engines_cuda_graphs(model_dir, mon
     assert calls == [1] and len(captures) >= 1 and capsys.readouterr().out.strip()
 
 
+class RecordingStreamer:
+    """What transformers' generate calls on a streamer: put(tokens) then end()."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, tokens):
+        self.puts.append(tokens.reshape(-1).tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+def test_a_streamer_gets_the_prompt_then_the_new_tokens_as_they_come_from_either_way(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import generate_text
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = tok("the capital").input_ids
+    seen = {}
+    for engine in (True, False):
+        streamer = RecordingStreamer()
+        text = generate_text(model, tok, "the capital", 10, chat=False, engine=engine, streamer=streamer)
+        assert streamer.puts[0] == prompt_ids and streamer.ends == 1
+        assert len(streamer.puts) == 1 + 10  # on the CPU the engine hands over every token as it comes
+        seen[engine] = (text, sum(streamer.puts[1:], []))
+    assert seen[True] == seen[False]
+
+
 def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, capsys):
     from nibble.eval.engine import Engine
 
@@ -94,7 +124,7 @@ def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, 
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     a, b = tok("the capital").input_ids[:2]
-    monkeypatch.setattr(Engine, "generate", lambda self, ids, n, stop_tokens, **sampling: torch.tensor([[a, tok.eos_token_id, b]]))
+    monkeypatch.setattr(Engine, "stream", lambda self, ids, n, stop_tokens, **sampling: iter([torch.tensor([[a, tok.eos_token_id, b]])]))
     main(["generate", "x", "--model", str(model_dir), "--device", "cpu", "--quant", "none", "--no-chat"])
     assert capsys.readouterr().out.strip() == tok.decode([a]).strip()
 

@@ -688,7 +688,6 @@ class Engine:
                 out.append(self.token[:B, 0].clone())
         return torch.stack(out, dim=1) if collect else None
 
-    @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
         """Continuation of ``prompt`` [B, T]: the ``max_new_tokens`` new tokens, [B, max_new_tokens];
@@ -699,23 +698,36 @@ class Engine:
         runs on until the others do; callers cut each at its first stop token). On CUDA the check
         waits for the device, so it runs every STOP_CHECK_STEPS steps, on the CPU every step.
         """
+        return torch.cat(list(self.stream(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p)), dim=1)
+
+    def stream(self, prompt: torch.Tensor, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float = 1.0):
+        """`generate`'s tokens as they come: an iterator of [B, n] chunks, the first token, then each
+        stretch of steps between two stop checks (STOP_CHECK_STEPS on CUDA, one on the CPU), which
+        `generate` concatenates. The settings are checked here, before the first chunk is asked for."""
         sampling = Sampling(temperature, top_k, top_p)
         B, T = prompt.shape
         self._check_batch(B, T + max_new_tokens)
+        return self._stream(prompt, max_new_tokens, stop_tokens, sampling)
+
+    @torch.inference_mode()  # a generator: each step of it runs in inference mode
+    def _stream(self, prompt, max_new_tokens, stop_tokens, sampling):
+        B = prompt.shape[0]
         self.prefill(prompt, sampling)
-        out = [self.token[:B, :1].clone()]
+        chunk = self.token[:B, :1].clone()
+        yield chunk
         stop = None if stop_tokens is None else torch.tensor(sorted(stop_tokens), device=self.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # each sequence made a stop token
         every = STOP_CHECK_STEPS if self.device.type == "cuda" else 1
         left = max_new_tokens - 1
         while left > 0:
             if stop is not None:
-                stopped |= torch.isin(out[-1], stop).any(1)  # only the tokens since the last check
+                stopped |= torch.isin(chunk, stop).any(1)  # only the tokens since the last check
                 if stopped.all():
-                    break
-            out.append(self.decode(min(every, left)))
-            left -= out[-1].shape[1]
-        return torch.cat(out, dim=1)
+                    return
+            chunk = self.decode(min(every, left))
+            left -= chunk.shape[1]
+            yield chunk
 
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()

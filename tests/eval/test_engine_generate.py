@@ -1,5 +1,6 @@
-"""The engine's sampled decoding: the filters against transformers' warpers, the draws against the
-distribution they leave, seeds, and the CUDA graph path (GPU tests skip without CUDA)."""
+"""The engine's generation beyond greedy tokens: sampled decoding (the filters against transformers'
+warpers, the draws against the distribution they leave, seeds, the CUDA graph path; GPU tests skip
+without CUDA) and streamed chunks."""
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -106,3 +107,16 @@ def test_cuda_graph_engine_samples_inside_its_decode_graph():
     # the graph's draws follow the same distribution as eager ones: a near-uniform one at a high
     # temperature spreads the 80 tokens over many ids
     assert len(set(first.flatten().tolist())) > 40
+
+
+def test_stream_hands_over_generates_tokens_chunk_by_chunk():
+    model = tiny_model(initializer_range=0.2)
+    prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    engine = Engine(model, max_batch=2, max_seq_len=48)
+    chunks = list(engine.stream(prompt, 20))
+    assert [c.shape for c in chunks] == [(2, 1)] * 20  # the CPU checks for stop tokens, and hands over, every step
+    assert torch.equal(torch.cat(chunks, dim=1), engine.generate(prompt, 20))
+    with pytest.raises(ValueError, match="temperature must be"):
+        engine.stream(prompt, 20, temperature=-1.0)  # checked when called, not when first iterated
+    with pytest.raises(ValueError, match="max_seq_len=48"):
+        engine.stream(prompt, 60)
