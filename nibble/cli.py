@@ -128,8 +128,10 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
 def cmd_generate(args):
     from nibble.eval.engine import Sampling
 
-    try:
-        sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before the model loads
+    try:  # the settings are checked before the model loads
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     except ValueError as e:
         raise SystemExit(f"nibble generate: {e}") from None
     model, tok = load(args.model, _device(args.device))

@@ -146,8 +146,9 @@ def test_generate_samples_with_a_seed_and_top_k_1_is_greedy(model_dir, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
-                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "0"], "top_k must be")])
-def test_generate_refuses_bad_sampling_settings_before_loading_the_model(flags, message, monkeypatch):
+                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "0"], "top_k must be"),
+                                            (["--max-new-tokens", "0"], "max-new-tokens must be")])
+def test_generate_refuses_bad_settings_before_loading_the_model(flags, message, monkeypatch):
     import nibble.cli as cli
 
     monkeypatch.setattr(cli, "load", lambda *a: pytest.fail("loaded the model before checking the flags"))

@@ -46,6 +46,7 @@ plain PyTorch. Only the linears differ between bf16 and nibble models.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
@@ -706,6 +707,8 @@ class Engine:
         stretch of steps between two stop checks (STOP_CHECK_STEPS on CUDA, one on the CPU), which
         `generate` concatenates. The settings are checked here, before the first chunk is asked for."""
         sampling = Sampling(temperature, top_k, top_p)
+        if not (isinstance(max_new_tokens, numbers.Integral) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         B, T = prompt.shape
         self._check_batch(B, T + max_new_tokens)
         return self._stream(prompt, max_new_tokens, stop_tokens, sampling)

@@ -120,3 +120,6 @@ def test_stream_hands_over_generates_tokens_chunk_by_chunk():
         engine.stream(prompt, 20, temperature=-1.0)  # checked when called, not when first iterated
     with pytest.raises(ValueError, match="max_seq_len=48"):
         engine.stream(prompt, 60)
+    for n in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="max_new_tokens must be"):
+            engine.generate(prompt, n)
