@@ -449,12 +449,12 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+        if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
-        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+        if self.top_k is not None and not (isinstance(self.top_k, numbers.Integral) and self.top_k >= 1):
             raise ValueError(f"top_k must be an integer >= 1, or None for every token; got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
 
     @property
@@ -623,9 +623,11 @@ class Engine:
         if not self.cuda_graphs:
             return body()
         if key not in self._graphs:
-            token, pos = self.token.clone(), self.pos.clone()  # warm-up must not move the decode state,
-            with torch.random.fork_rng(devices=[self.device]):  # nor the random draws (sampling): a
-                self._graphs[key] = capture_graph(body, self.device, warmups=2)  # seed repeats them
+            # The warm-ups must not move the decode state, nor the generator the sampled steps draw from
+            # (a seed repeats a call's draws whether or not it captured the graph).
+            token, pos = self.token.clone(), self.pos.clone()
+            with torch.random.fork_rng(devices=[self.device]):
+                self._graphs[key] = capture_graph(body, self.device, warmups=2)
             self.token.copy_(token)
             self.pos.copy_(pos)
         graph, out = self._graphs[key]
