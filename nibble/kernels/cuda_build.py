@@ -224,6 +224,14 @@ def pointer_arrays(columns) -> list:
     return [constant_array(ctypes.c_void_p, tuple(None if t is None else t.data_ptr() for t in ts)) for ts in columns]
 
 
+def weight_arrays(columns, outs, widths) -> list:
+    """The arguments every several-weight launcher takes after its weight count, in this order: the
+    `pointer_arrays` of the weights' ``columns`` (e.g. qweights, scales, zeros), the ``outs``' pointers,
+    the weights' ``widths`` (output columns) and the outs' row strides."""
+    return [*pointer_arrays(columns), c_array(ctypes.c_void_p, [o.data_ptr() for o in outs]),
+            constant_array(ctypes.c_int, tuple(widths)), constant_array(ctypes.c_int, tuple(o.stride(0) for o in outs))]
+
+
 def launch(launcher, device: torch.device, *args) -> int:
     """``launcher(*args, stream)`` with ``device`` current and its current stream last (PyTorch's,
     so CUDA-graph capture records the launch); returns the launcher's CUDA error code. An eager

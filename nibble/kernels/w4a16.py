@@ -814,10 +814,8 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
         outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
     err = cuda_build.launch(
         lib.nibble_w4a16_mma, x.device, int(x.dtype == torch.bfloat16), cfg.token_tiles, cfg.warps, int(cfg.x_l1),
-        x.data_ptr(), M, K, shift, x.stride(0), len(weights), *cuda_build.pointer_arrays(zip(*weights)),
-        cuda_build.c_array(ctypes.c_void_p, [o.data_ptr() for o in outs]),
-        cuda_build.constant_array(ctypes.c_int, tuple(ns)),
-        cuda_build.constant_array(ctypes.c_int, tuple(o.stride(0) for o in outs)), int(early_launch(x.device, M)),
+        x.data_ptr(), M, K, shift, x.stride(0), len(weights), *cuda_build.weight_arrays(zip(*weights), outs, ns),
+        int(early_launch(x.device, M)),
         cfg.successor)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
@@ -947,9 +945,7 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
     lib = _wgmma_lib(x.device)
     err = cuda_build.launch(
         lib.nibble_w4a16_wgmma, x.device, int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights),
-        *cuda_build.pointer_arrays(zip(*weights)), cuda_build.c_array(ctypes.c_void_p, [y.data_ptr() for y in ys]),
-        cuda_build.constant_array(ctypes.c_int, tuple(widths)),
-        cuda_build.constant_array(ctypes.c_int, tuple(y.stride(0) for y in ys)),
+        *cuda_build.weight_arrays(zip(*weights), ys, widths),
         M, K, group_size, x.stride(0), split, per_split, int(early_launch(x.device, M)))
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: {lib.nibble_w4a16_wgmma_error_string(err).decode()} "

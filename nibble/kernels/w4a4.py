@@ -1146,9 +1146,8 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
         lib.nibble_w4a4_mma, qx.device, 3 if out_int32 else _DTYPE_CODES[out_dtype], cfg.token_tiles, warps,
         qx.data_ptr(), x_scale.data_ptr(), _DTYPE_CODES[scale_dtypes.pop()],
         _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0), len(layers),
-        *cuda_build.pointer_arrays(list(zip(*operands))[1:]),  # qweights, w_scales, biases
-        cuda_build.c_array(ctypes.c_void_p, [y.data_ptr() for y in ys]), cuda_build.constant_array(ctypes.c_int, tuple(ns)),
-        cuda_build.constant_array(ctypes.c_int, tuple(y.stride(0) for y in ys)), int(early_launch(qx.device, M)),
+        *cuda_build.weight_arrays(list(zip(*operands))[1:], ys, ns),  # qweights, w_scales, biases
+        int(early_launch(qx.device, M)),
         successor)
     if err:
         raise RuntimeError(f"w4a4_mma launch failed: {lib.nibble_w4a4_cuda_error_string(err).decode()} "
@@ -1334,10 +1333,7 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
     err = cuda_build.launch(
         lib.nibble_w4a4_wgmma, qx.device, out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(),
         _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0),
-        len(layers), *cuda_build.pointer_arrays(list(zip(*operands))[1:]),  # qweights, w_scales, biases
-        cuda_build.c_array(ctypes.c_void_p, [y.data_ptr() for y in ys]),
-        cuda_build.constant_array(ctypes.c_int, tuple(widths)),
-        cuda_build.constant_array(ctypes.c_int, tuple(y.stride(0) for y in ys)),
+        len(layers), *cuda_build.weight_arrays(list(zip(*operands))[1:], ys, widths),  # qweights, w_scales, biases
         split, per_split, int(gated), int(early_launch(qx.device, M, PRODUCT_EARLY_TOKENS)))
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "

@@ -206,3 +206,17 @@ def test_launch_arrays_hold_the_values_and_repeat_without_a_rebuild():
     qweights, biases = cuda_build.pointer_arrays([(t, u), (None, u)])
     assert list(qweights) == [t.data_ptr(), u.data_ptr()]
     assert list(biases) == [None, u.data_ptr()]  # ctypes reads a null c_void_p back as None
+
+
+def test_weight_arrays_are_the_launchers_argument_groups_in_order():
+    """`weight_arrays`: one pointer array per column of the weights (all qweights, all scales, ...),
+    then the outputs' pointers, the widths and the outputs' row strides."""
+    import ctypes
+    weights = [(torch.zeros(4, 3), torch.ones(2, 3)), (torch.zeros(4, 5), torch.ones(2, 5))]  # (qweight, scales)
+    outs = [torch.empty(7, 3), torch.empty(7, 16)[:, :5]]
+    qweights, scales, out_ptrs, widths, strides = cuda_build.weight_arrays(zip(*weights), outs, [3, 5])
+    assert list(qweights) == [w[0].data_ptr() for w in weights]
+    assert list(scales) == [w[1].data_ptr() for w in weights]
+    assert list(out_ptrs) == [o.data_ptr() for o in outs]
+    assert list(widths) == [3, 5] and list(strides) == [3, 16]  # the second output's rows are 16 apart
+    assert widths._type_ is ctypes.c_int and strides._type_ is ctypes.c_int
