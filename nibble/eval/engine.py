@@ -6,11 +6,13 @@ this file supplies the rest of the forward pass:
 
 - a static KV cache ``[layers, batch, kv_heads, capacity, head_dim]``;
 - prefill: causal SDPA over the prompt itself (cuDNN's attention where it runs, else flash: on the
-  H200 13 against 20 us a layer of Llama-2-7B at 512 tokens), logits of the last token only;
-- decode: one token; grouped query heads are folded into the query length (no K/V copies); on
-  CUDA a split-K (flash-decoding) Triton kernel reads the keys up to the current position and spreads
-  them over many programs, elsewhere SDPA runs over the whole static cache with an additive
-  ``position <= pos`` mask built once per step;
+  H200 13 against 20 us a layer of Llama-2-7B at 512 tokens), logits of each prompt's last token only.
+  Prompts of different lengths are padded at the end: causal attention keeps the pads out of every
+  real token's result, and a sequence's decode overwrites its pads' cache slots before it reads them;
+- decode: one token per sequence, each at its own position; grouped query heads are folded into the
+  query length (no K/V copies); on CUDA a split-K (flash-decoding) Triton kernel reads each sequence's
+  keys up to its position and spreads them over many programs, elsewhere SDPA runs over the whole static
+  cache with an additive ``position <= pos`` mask built once per step;
 - on CUDA, each prefill shape and each decode batch is one CUDA graph (static input buffers; the
   decode step advances its own position and writes its next token back into its input);
 - the next token is the greedy one, or sampled (`Sampling`: temperature, top-k, top-p) on the device
@@ -140,18 +142,19 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, kc_ptr, vc_ptr,
-                           T, HQ, HKV, S, q_row, k_row, v_row, D: tl.constexpr, HALF: tl.constexpr,
+                           T, HQ, HKV, S, q_row, k_row, v_row, pos_row, D: tl.constexpr, HALF: tl.constexpr,
                            HEADS: tl.constexpr, PDL: tl.constexpr):
         """Program (token, block of HEADS heads): the first blocks rotate q heads into q_out, the
-        rest rotate k heads and copy v into the cache at pos. q, k and v rows (tokens) are ``*_row``
-        elements apart: views of one stacked q/k/v output. (One program per head and token moved
-        256 bytes each: 21 us a layer for 512 tokens of Llama-2-7B, 3.5x the memory time; H200.)"""
+        rest rotate k heads and copy v into the cache at the token's position (sequence b's positions
+        are ``pos_row`` elements apart: 0 where every sequence has the same). q, k and v rows (tokens)
+        are ``*_row`` elements apart: views of one stacked q/k/v output. (One program per head and
+        token moved 256 bytes each: 21 us a layer for 512 tokens of Llama-2-7B, 3.5x the memory time; H200.)"""
         after_prior_grids(PDL)
         tok = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1)
         q_blocks = tl.cdiv(HQ, HEADS)
         b, t = tok // T, tok % T
-        p = tl.load(pos_ptr + t).to(tl.int64)
+        p = tl.load(pos_ptr + b * pos_row + t).to(tl.int64)
         offs = tl.arange(0, HALF)[None, :]
         c1 = tl.load(cos_ptr + p * D + offs).to(tl.float32)
         c2 = tl.load(cos_ptr + p * D + HALF + offs).to(tl.float32)
@@ -193,16 +196,17 @@ if triton is not None:
 
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, ml_ptr, S, CHUNK, scale,
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, ml_ptr, S, HKV, CHUNK, scale,
                                  REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                                  IEEE: tl.constexpr, PDL: tl.constexpr):
         """Program (sequence x kv head, split): online softmax over keys [split * CHUNK, +CHUNK) that are
-        <= pos, for the REP query heads that share this kv head; partial acc, max and sum out (fp32)."""
+        <= the sequence's pos, for the REP query heads that share this kv head; partial acc, max and sum
+        out (fp32)."""
         after_prior_grids(PDL)
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         n_splits = tl.num_programs(1)
-        length = tl.load(pos_ptr).to(tl.int32) + 1
+        length = tl.load(pos_ptr + bh // HKV).to(tl.int32) + 1
         rows = tl.arange(0, REP_P)
         cols = tl.arange(0, D)
         q = tl.load(q_ptr + bh * REP * D + rows[:, None] * D + cols[None, :], mask=rows[:, None] < REP, other=0.0)
@@ -345,30 +349,36 @@ ROPE_HEADS = 8  # heads per program of the RoPE + cache kernel
 
 
 def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim):
-    """RoPE on q [B, T, Hq*D] and k, then k and v written into the caches [B, Hkv, S, D] at ``pos`` [T].
+    """RoPE on q [B, T, Hq*D] and k, then k and v written into the caches [B, Hkv, S, D] at the tokens'
+    positions ``pos``: [T] (every sequence's) or [B, T] (each its own).
 
     Returns the rotated q as [B, T, Hq, D]. cos/sin: the full tables [S, D].
     """
     B, T = q.shape[:2]
+    pos = pos.expand(B, T)
 
     def plain():
-        c, s = cos[pos], sin[pos]
+        c, s = cos[pos][:, None], sin[pos][:, None]  # [B, 1, T, D]
 
         def rope(x, heads):
             x = x.view(B, T, heads, head_dim).transpose(1, 2)
             x1, x2 = x.chunk(2, dim=-1)
             return x * c + torch.cat((-x2, x1), dim=-1) * s
-        k_cache.index_copy_(2, pos, rope(k, n_kv))
-        v_cache.index_copy_(2, pos, v.view(B, T, n_kv, head_dim).transpose(1, 2))
+        # the indices [B, 1] and [B, T] around a slice put their dims first: the cache rows as [B, T, Hkv, D]
+        rows = torch.arange(B, device=pos.device)[:, None]
+        k_cache[rows, :, pos] = rope(k, n_kv).transpose(1, 2)
+        v_cache[rows, :, pos] = v.view(B, T, n_kv, head_dim)
         return rope(q, n_heads).transpose(1, 2)
 
     def kernel():
         qc, kc, vc = (_rows(t) for t in (q, k, v))
+        p = pos if pos.stride(1) == 1 or T == 1 else pos.contiguous()
         q_out = torch.empty(B, T, n_heads, head_dim, dtype=q.dtype, device=q.device)
         blocks = triton.cdiv(n_heads, ROPE_HEADS) + triton.cdiv(n_kv, ROPE_HEADS)
-        _rope_cache_kernel[(B * T, blocks)](qc, kc, vc, cos, sin, pos, q_out, k_cache, v_cache, T, n_heads, n_kv,
-                                            k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0), D=head_dim,
-                                            HALF=head_dim // 2, HEADS=ROPE_HEADS, num_warps=4, **_early(qc, B * T))
+        _rope_cache_kernel[(B * T, blocks)](qc, kc, vc, cos, sin, p, q_out, k_cache, v_cache, T, n_heads, n_kv,
+                                            k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0), p.stride(0),
+                                            D=head_dim, HALF=head_dim // 2, HEADS=ROPE_HEADS, num_warps=4,
+                                            **_early(qc, B * T))
         return q_out
     return _dispatch(q, kernel, plain)
 
@@ -389,8 +399,8 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      scale: float, mask: torch.Tensor) -> torch.Tensor:
     """One query token per sequence against the cache: q [B, Hkv, rep, D] (the rep query heads that
-    read kv head h, folded), caches [B, Hkv, S, D], keys at positions <= pos [1] valid (``mask``: the
-    same as an additive [1, 1, 1, S] mask, for the PyTorch path). Returns [B, Hkv, rep, D].
+    read kv head h, folded), caches [B, Hkv, S, D], sequence b's keys at positions <= pos[b] valid (pos
+    [B]; ``mask``: the same as an additive [B, 1, 1, S] mask, for the PyTorch path). Returns [B, Hkv, rep, D].
 
     The kernel splits the keys over programs (flash-decoding), so a short batch still spreads over
     the GPU: SDPA runs one program per (sequence, head), 32 for Llama-2-7B at batch 1, and reads
@@ -402,7 +412,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     def kernel():
         B, H, rep, D = q.shape
         S = k_cache.shape[2]
-        qc = q.contiguous()
+        qc, p = q.contiguous(), pos.expand(B).contiguous()
         kc, vc = k_cache.contiguous(), v_cache.contiguous()
         block_s = 64
         # about two programs per SM, but no more splits than blocks of keys
@@ -414,7 +424,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ml = torch.empty(B * H, splits, 2, rep, dtype=torch.float32, device=q.device)
         out = torch.empty_like(qc)
         early = _early(qc, B)  # one query token per sequence
-        _decode_attention_kernel[(B * H, splits)](qc, kc, vc, pos, part, ml, S, chunk, scale, REP=rep, REP_P=rep_p,
+        _decode_attention_kernel[(B * H, splits)](qc, kc, vc, p, part, ml, S, H, chunk, scale, REP=rep, REP_P=rep_p,
                                                   D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
                                                   num_warps=4, **early)
         _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, REP=rep, D=D, SPLITS=splits, num_warps=2,
@@ -495,11 +505,40 @@ def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits
 
 
+def prompt_batch(prompt) -> tuple[torch.Tensor, list[int]]:
+    """A batch of prompts as the engine runs it: token ids [B, T] (int64, on the prompt's device) and
+    each prompt's length. ``prompt`` is a [B, T] tensor of ids (every length T), or a list of B
+    prompts, each a 1-D tensor or a list of ids, of any lengths >= 1: they are padded at the end to
+    the longest with id 0, which no real token's result sees (see the module's docstring)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.dtype in (torch.bool, torch.complex64, torch.complex128) \
+                or prompt.numel() == 0:
+            raise ValueError(f"a prompt tensor must hold integer token ids as [batch, length] with length >= 1, "
+                             f"got {prompt.dtype} of shape {list(prompt.shape)} (one prompt: ids[None]; prompts "
+                             f"of different lengths: a list of them)")
+        return prompt.long(), [prompt.shape[1]] * prompt.shape[0]
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError(f"prompt must be a [batch, length] tensor of token ids or a non-empty list of prompts "
+                         f"(token ids, not text: tokenize first), got {type(prompt).__name__}")
+    rows = []
+    for i, p in enumerate(prompt):
+        ids = p if isinstance(p, torch.Tensor) else torch.tensor(p) if isinstance(p, (list, tuple)) else None
+        if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"prompt {i} must be a non-empty 1-D tensor or list of integer token ids, got "
+                             + (f"{ids.dtype} of shape {list(ids.shape)}" if ids is not None else type(p).__name__))
+        rows.append(ids.long())
+    if len({r.device for r in rows}) > 1:
+        raise ValueError("the prompts of one batch must be on one device")
+    return nn.utils.rnn.pad_sequence(rows, batch_first=True), [len(r) for r in rows]
+
+
 class Engine:
     """Generation with a static KV cache (and CUDA graphs on CUDA): greedy, or sampled (`Sampling`).
 
-    ``max_batch`` x ``max_seq_len`` sizes the cache; any batch up to ``max_batch`` runs. A prompt
-    is a ``[batch, T]`` tensor of token ids (equal lengths, no padding).
+    ``max_batch`` x ``max_seq_len`` sizes the cache; any batch up to ``max_batch`` runs. A batch of
+    prompts is a ``[batch, T]`` tensor of token ids, or a list of prompts of any lengths (1-D tensors
+    or lists of ids), which the engine pads at the end (see `prompt_batch`): each sequence then runs at
+    its own position, as it would alone.
     """
 
     def __init__(self, model: nn.Module, max_batch: int = 1, max_seq_len: int | None = None,
@@ -541,11 +580,13 @@ class Engine:
             self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self._mask_values = torch.tensor([0.0, float("-inf")], dtype=self.dtype, device=self.device)
-            # Decode state lives on the device: the token to feed and its position.
+            # Decode state lives on the device: each sequence's token to feed and its position; and
+            # where prefill finds each prompt's last token (its length - 1).
             self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
-            self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            self.last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._graphs: dict = {}
-        self._batch = self._len = 0  # the live sequences: batch and length (host copies)
+        self._batch = self._len = 0  # the live sequences: batch and longest length (host copies)
         self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
 
     # ---- the forward pass ------------------------------------------------------------------
@@ -581,10 +622,11 @@ class Engine:
     def _attention(self, i: int, attn: nn.Module, q, k, v, input_pos, mask) -> torch.Tensor:
         B, T, _ = q.shape
         k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
-        q = rope_and_cache(q, k, v, self.cos, self.sin, input_pos, k_cache, v_cache, self.n_heads, self.n_kv,
+        pos = input_pos if mask is None else input_pos[:, None]  # [T] shared, or [B, 1]
+        q = rope_and_cache(q, k, v, self.cos, self.sin, pos, k_cache, v_cache, self.n_heads, self.n_kv,
                            self.head_dim)  # [B, T, Hq, D]
         rep = self.n_heads // self.n_kv
-        if mask is None:  # prefill from position 0: causal attention over the prompt itself
+        if mask is None:  # prefill from position 0: causal attention over the prompts themselves
             k, v = k_cache[:, :, :T], v_cache[:, :, :T]
             if rep > 1:
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -603,9 +645,13 @@ class Engine:
         h, y = self._add_norm(x, residual, norm)
         return h, mlp(y)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, prefill: bool) -> torch.Tensor:
-        """Logits of the last position, ``[B, vocab]``. ``input_pos`` [T]: the positions of ``tokens``."""
-        mask = None if prefill else self._mask_values[(self.positions > input_pos).long()].view(1, 1, 1, -1)
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of one position per sequence. Prefill (``last`` given): ``tokens`` [B, T]
+        at positions ``input_pos`` [T] from 0, logits at positions ``last`` [B]. Decode (``last`` None):
+        one token per sequence [B, 1], sequence b's at position ``input_pos[b]``."""
+        B = tokens.shape[0]
+        mask = None if last is not None else \
+            self._mask_values[(self.positions > input_pos[:, None]).long()].view(B, 1, 1, -1)
         x, residual = self.embed(tokens), None  # x: what the next norm adds to the residual stream
         with sdpa_kernel(_SDPA_BACKENDS, set_priority=True):
             for i, layer in enumerate(self.layers):
@@ -615,6 +661,8 @@ class Engine:
                 x = self._attention(i, attn, *qkv, input_pos, mask)
                 residual, x = self._mlp(layer.mlp, x, residual, layer.post_attention_layernorm)
         _, h = self._add_norm(x, residual, self.norm)
+        if last is not None:
+            h = h.gather(1, last.view(B, 1, 1).expand(B, 1, h.shape[-1]))
         return self.lm_head(h[:, -1])
 
     # ---- graph-or-eager runners ----------------------------------------------------------
@@ -641,40 +689,47 @@ class Engine:
             raise ValueError(f"{T} positions exceed this engine's max_seq_len={self.max_seq_len}")
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tensor:
-        """Start new sequences from ``prompt`` [B, T]: fills the cache, returns the last logits [B, V].
+    def prefill(self, prompt, sampling: Sampling = GREEDY) -> torch.Tensor:
+        """Start new sequences from ``prompt`` ([B, T], or a list of B prompts: `prompt_batch`): fills the
+        cache, returns the logits of each prompt's last token [B, V].
 
-        Also sets the decode state: the next token (picked by ``sampling``, which the decode steps of
-        these sequences keep) and position T.
+        Also sets the decode state: each sequence's next token (picked by ``sampling``, which the decode
+        steps of these sequences keep) and position (its prompt's length).
         """
-        B, T = prompt.shape
+        return self._prefill(*prompt_batch(prompt), sampling)
+
+    def _prefill(self, tokens: torch.Tensor, lengths: list[int], sampling: Sampling) -> torch.Tensor:
+        (B, T), longest = tokens.shape, max(lengths)
         self._check_batch(B, T)
         key = ("prefill", B, T)
         if self.cuda_graphs:
             if key not in self._graphs:
                 self._graphs[key + ("input",)] = torch.zeros(B, T, dtype=torch.long, device=self.device)
             buf = self._graphs[key + ("input",)]
-            buf.copy_(prompt)
+            buf.copy_(tokens)
         else:
-            buf = prompt.to(self.device)
-        logits = self._run(key, lambda: self.forward(buf, self.positions[:T], prefill=True))
+            buf = tokens.to(self.device)
+        lengths = torch.tensor(lengths, device=self.device)
+        self.last[:B].copy_(lengths - 1)
+        logits = self._run(key, lambda: self.forward(buf, self.positions[:T], self.last[:B]))
         self.token[:B, 0].copy_(next_tokens(logits, sampling))
-        self.pos.fill_(T)
-        self._batch, self._len, self._sampling = B, T, sampling
+        self.pos[:B].copy_(lengths)
+        self._batch, self._len, self._sampling = B, longest, sampling
         return logits
 
     def _decode_body(self, B: int, sampling: Sampling) -> torch.Tensor:
-        logits = self.forward(self.token[:B], self.pos, prefill=False)
+        logits = self.forward(self.token[:B], self.pos[:B])
         self.token[:B, 0].copy_(next_tokens(logits, sampling))
-        self.pos.add_(1)
+        self.pos[:B].add_(1)
         return logits
 
     @torch.inference_mode()
     def decode(self, steps: int, collect: bool = True) -> torch.Tensor | None:
         """``steps`` decode steps after ``prefill``; returns the tokens produced [B, steps] if ``collect``.
 
-        Each step feeds ``self.token`` at ``self.pos`` and picks the next as ``prefill``'s sampling
-        says (a CUDA graph per batch and sampling); nothing leaves the device between steps.
+        Each step feeds each sequence's ``self.token`` at its ``self.pos`` and picks the next as
+        ``prefill``'s sampling says (a CUDA graph per batch and sampling); nothing leaves the device
+        between steps.
         """
         B = self._batch
         if B == 0:
@@ -691,10 +746,11 @@ class Engine:
                 out.append(self.token[:B, 0].clone())
         return torch.stack(out, dim=1) if collect else None
 
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
+    def generate(self, prompt, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
-        """Continuation of ``prompt`` [B, T]: the ``max_new_tokens`` new tokens, [B, max_new_tokens];
-        greedy by default, sampled for ``temperature`` > 0 (see `Sampling`, which checks the three).
+        """Continuation of each of the B prompts (``prompt``: [B, T], or a list of prompts of any lengths,
+        see `prompt_batch`): the ``max_new_tokens`` new tokens, [B, max_new_tokens]; greedy by default,
+        sampled for ``temperature`` > 0 (see `Sampling`, which checks the three).
 
         ``stop_tokens`` (token ids, e.g. the model's end-of-sequence ids): stop early once every
         sequence has produced one, returning [B, n <= max_new_tokens] (a sequence that stopped first
@@ -703,7 +759,7 @@ class Engine:
         """
         return torch.cat(list(self.stream(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p)), dim=1)
 
-    def stream(self, prompt: torch.Tensor, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
+    def stream(self, prompt, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
                top_k: int | None = None, top_p: float = 1.0):
         """`generate`'s tokens as they come: an iterator of [B, n] chunks, the first token, then each
         stretch of steps between two stop checks (STOP_CHECK_STEPS on CUDA, one on the CPU), which
@@ -711,14 +767,14 @@ class Engine:
         sampling = Sampling(temperature, top_k, top_p)
         if not (isinstance(max_new_tokens, numbers.Integral) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        B, T = prompt.shape
-        self._check_batch(B, T + max_new_tokens)
-        return self._stream(prompt, max_new_tokens, stop_tokens, sampling)
+        tokens, lengths = prompt_batch(prompt)
+        self._check_batch(len(lengths), max(lengths) + max_new_tokens)
+        return self._stream(tokens, lengths, max_new_tokens, stop_tokens, sampling)
 
     @torch.inference_mode()  # a generator: each step of it runs in inference mode
-    def _stream(self, prompt, max_new_tokens, stop_tokens, sampling):
-        B = prompt.shape[0]
-        self.prefill(prompt, sampling)
+    def _stream(self, tokens, lengths, max_new_tokens, stop_tokens, sampling):
+        B = len(lengths)
+        self._prefill(tokens, lengths, sampling)
         chunk = self.token[:B, :1].clone()
         yield chunk
         stop = None if stop_tokens is None else torch.tensor(sorted(stop_tokens), device=self.device)

@@ -163,11 +163,12 @@ def glue_outputs(dtype, device):
     out += list(engine_mod.add_rmsnorm(r(5, 96), None, r(96), 1e-6))
     out.append(engine_mod.silu_mul(r(3, 200), r(3, 200)))
     # RoPE heads go ROPE_HEADS = 8 to a program: fewer than a block, and a whole block and a part
-    for B, T, H, KV, D, S in ((2, 3, 4, 2, 16, 32), (1, 2, 12, 10, 32, 8)):
-        kc, vc = (torch.zeros(B, KV, S, D, dtype=dtype, device=device) for _ in range(2))
-        pos = torch.arange(5, 5 + T, device=device)
+    # positions shared by the batch [T] (prefill), each sequence's own [B, 1] (decode), and [B, T]
+    for B, T, H, KV, D, S, pos in ((2, 3, 4, 2, 16, 32, [5, 6, 7]), (1, 2, 12, 10, 32, 8, [5, 6]),
+                                   (3, 1, 4, 2, 16, 32, [[9], [0], [31]]), (2, 2, 4, 1, 16, 16, [[3, 4], [12, 13]])):
+        kc, vc = (r(B, KV, S, D) for _ in range(2))  # slots the call does not write keep their values
         out.append(engine_mod.rope_and_cache(r(B, T, H * D), r(B, T, KV * D), r(B, T, KV * D), r(S, D), r(S, D),
-                                             pos, kc, vc, H, KV, D))
+                                             torch.tensor(pos, device=device), kc, vc, H, KV, D))
         out += [kc, vc]
     return out
 
@@ -179,10 +180,12 @@ def attention_outputs(dtype, device):
     def r(*shape):
         return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
     out = []
-    for (B2, H2, rep, D2, S2, p) in ((2, 2, 2, 16, 32, 6), (1, 2, 3, 32, 300, 250), (1, 1, 1, 16, 64, 0)):
-        at = torch.tensor([p], device=device)
-        mask = torch.zeros(S2, dtype=dtype, device=device).masked_fill(torch.arange(S2, device=device) > p,
-                                                                       float("-inf")).view(1, 1, 1, S2)
+    # one position for the batch ([1]), or each sequence its own ([B]: short and long ones side by side)
+    for (B2, H2, rep, D2, S2, p) in ((2, 2, 2, 16, 32, [6]), (1, 2, 3, 32, 300, [250]), (1, 1, 1, 16, 64, [0]),
+                                     (3, 2, 2, 16, 300, [0, 280, 37])):
+        at = torch.tensor(p, device=device)
+        mask = torch.zeros(len(p), S2, dtype=dtype, device=device).masked_fill(
+            torch.arange(S2, device=device) > at[:, None], float("-inf")).view(len(p), 1, 1, S2)
         out.append(engine_mod.decode_attention(r(B2, H2, rep, D2), r(B2, H2, S2, D2), r(B2, H2, S2, D2), at,
                                                D2 ** -0.5, mask))
     return out
