@@ -28,6 +28,7 @@ from nibble.eval.report import quant_config  # noqa: E402
 def load_engine_module(name: str, path: str):
     spec = importlib.util.spec_from_file_location(f"nibble_engine_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -379,16 +379,16 @@ def test_w4a4_gated_gemm_prefill_equals_the_products_and_glue_kernel(monkeypatch
     model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=576).cuda()
     quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
     prompt = torch.randint(0, 256, (2, 37), device="cuda")
-    positions = torch.arange(37, device="cuda")
+    positions, last = torch.arange(37, device="cuda"), torch.tensor([36, 20], device="cuda")
     calls = []
     monkeypatch.setattr(w4a4, "GATED_MIN_TOKENS", 17)
     silu_mul_product = w4a4.w4a4_wgmma_silu_mul
     monkeypatch.setattr(w4a4, "w4a4_wgmma_silu_mul", lambda *a, **k: calls.append(1) or silu_mul_product(*a, **k))
     with torch.no_grad():
-        logits = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, True)
+        logits = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, last)
         assert len(calls) == model.config.num_hidden_layers
         monkeypatch.setattr(w4a4, "GATED_MIN_TOKENS", 1024)
-        unfused = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, True)
+        unfused = Engine(model, max_batch=2, max_seq_len=64, cuda_graphs=False).forward(prompt, positions, last)
     assert len(calls) == model.config.num_hidden_layers and torch.equal(logits, unfused)
 
 
