@@ -34,17 +34,19 @@ def load(model: str | None, device: str, dtype: torch.dtype | None = None):
 
 
 def quant_config(args, model):
+    """The QuantConfig the quantization arguments ask for; ``model`` None leaves W4A16's default group
+    at 128 (what `main` builds to check the arguments before any model loads)."""
     from nibble.config import QuantConfig
     from nibble.models.convert import default_group_size
 
     skip = [] if args.quantize_lm_head else ["lm_head"]
+    common = dict(method=args.method, rotation="hadamard" if args.rotate else "none",
+                  clip_search=args.clip_search or None, modules_to_not_convert=skip)
     if args.quant == "w4a4":
-        return QuantConfig(mode="w4a4", rotation="hadamard" if args.rotate else "none",
-                           clip_search=args.clip_search or None, modules_to_not_convert=skip)
-    cfg = QuantConfig(mode="w4a16", group_size=args.group_size or 128, method=args.method,
-                      clip_search=args.clip_search or None, zero_point="float" if args.float_zero else "int",
-                      modules_to_not_convert=skip)
-    if args.group_size is None:
+        return QuantConfig(mode="w4a4", group_size=args.group_size, **common)  # refused unless None or -1
+    cfg = QuantConfig(mode="w4a16", group_size=args.group_size or 128,
+                      zero_point="float" if args.float_zero else "int", **common)
+    if args.group_size is None and model is not None:
         cfg.group_size = default_group_size(model, cfg)
     return cfg
 
@@ -320,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if getattr(args, "quant", "none") != "none":
+        try:  # a combination QuantConfig refuses is said before the model loads (and calibration runs)
+            quant_config(args, None)
+        except ValueError as e:
+            raise SystemExit(f"nibble {args.command}: {e}") from None
     args.func(args)
 
 

@@ -15,7 +15,8 @@ QUANT_METHOD = "nibble"
 class QuantConfig:
     """``mode="w4a16"``: INT4 weights, 16-bit activations (group-wise, asymmetric by default).
     ``mode="w4a4"``: INT4 weights (symmetric, per output channel) and per-token INT4 activations,
-    optionally after a fixed Hadamard rotation of the model (``rotation="hadamard"``).
+    optionally after a fixed Hadamard rotation of the model (``rotation="hadamard"``); its weights by
+    RTN or GPTQ (QuaRot's pairing: GPTQ on the rotated weights, calibrated on 16-bit activations).
 
     ``clip_search=None`` picks the mode's default (on for w4a4, off for w4a16); it is RTN's
     weight-space search: ``method="gptq"`` / ``"awq"`` always run their own calibrated clipping
@@ -55,8 +56,9 @@ class QuantConfig:
             if not self.symmetric or self.group_size != -1:
                 raise ValueError("w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1): "
                                  "its integer GEMM applies one weight scale per output channel after the int32 sum")
-            if self.method != "rtn":
-                raise ValueError("w4a4 supports method='rtn' (use PE-QAT to recover accuracy)")
+            if self.method == "awq":
+                raise ValueError("w4a4 supports method='rtn' or 'gptq': AWQ's per-channel scales would move "
+                                 "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")
         elif self.rotation != "none":
             raise ValueError("rotation='hadamard' is for w4a4 (it spreads activation outliers before per-token quantization)")
 

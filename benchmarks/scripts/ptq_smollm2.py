@@ -1,6 +1,10 @@
-"""Calibrated PTQ on SmolLM2-135M, W4A16: WikiText-2 perplexity of 16-bit, RTN, AWQ and GPTQ, as JSON.
+"""Calibrated PTQ on SmolLM2-135M: WikiText-2 perplexity of 16-bit, RTN, AWQ and GPTQ, as JSON.
 
     python benchmarks/scripts/ptq_smollm2.py --json benchmarks/results/ptq-smollm2-cpu.json
+    python benchmarks/scripts/ptq_smollm2.py --mode w4a4-hadamard --rows "16bit;rtn;gptq" --json ...
+
+``--mode``: W4A16 (groups of ``--group-size``), or W4A4 (per-channel weights, per-token activations),
+``w4a4-hadamard`` after the fixed Hadamard rotation (AWQ is W4A16 only).
 
 Rows are separated by ";", each ``method[:key=value,...]``: method ``16bit`` | ``rtn`` | ``awq`` |
 ``gptq``; keys ``zero`` (int | float), ``clip`` (0 | 1: rtn's weight-MSE search for rtn, the method's
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.config import QuantConfig  # noqa: E402
 from nibble.eval.perplexity import wikitext2_perplexity  # noqa: E402
+from nibble.eval.tasks import evaluate_tasks  # noqa: E402
 from nibble.models.convert import quantize_model  # noqa: E402
 from nibble.models.loading import load_model  # noqa: E402
 from nibble.quantize import calibrated_quantizers  # noqa: E402
@@ -47,9 +52,13 @@ def parse_row(spec: str) -> tuple[str, dict]:
     return method, opts
 
 
-def quantize(model, method: str, opts: dict, group_size: int, calib) -> None:
-    cfg = QuantConfig(mode="w4a16", group_size=group_size, method=method, zero_point=opts.get("zero", "int"),
-                      clip_search=method == "rtn" and opts.get("clip") == "1")
+def quantize(model, mode: str, method: str, opts: dict, group_size: int, calib) -> None:
+    if mode == "w4a16":
+        cfg = QuantConfig(mode="w4a16", group_size=group_size, method=method, zero_point=opts.get("zero", "int"),
+                          clip_search=method == "rtn" and opts.get("clip") == "1")
+    else:  # RTN's clipping search on by default, as for every W4A4 model
+        cfg = QuantConfig(mode="w4a4", rotation="hadamard" if mode == "w4a4-hadamard" else "none", method=method,
+                          clip_search=method == "rtn" and opts.get("clip", "1") == "1")
     if "act_order" in opts:
         cfg.act_order = opts["act_order"] == "1"
     if "damp" in opts:
@@ -67,26 +76,33 @@ def quantize(model, method: str, opts: dict, group_size: int, calib) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
+    ap.add_argument("--mode", choices=["w4a16", "w4a4", "w4a4-hadamard"], default="w4a16")
     ap.add_argument("--rows", default=DEFAULT_ROWS)
-    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=64, help="w4a16's (w4a4: per channel)")
+    ap.add_argument("--device", default="cpu", help="where the model is quantized and evaluated")
     ap.add_argument("--max-tokens", type=int, default=40960, help="0: the whole test split")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--tasks", action="store_true", help="also the seven zero-shot tasks (acc) of every row")
+    ap.add_argument("--tasks-limit", type=int, default=None, help="with --tasks: the first N documents of each")
+    ap.add_argument("--batch-size", type=int, default=1, help="of the perplexity windows and the task scoring")
     ap.add_argument("--json", default=None)
     ap.add_argument("--append", action="store_true", help="keep the rows already in --json (same protocol only)")
     args = ap.parse_args()
 
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=args.device)
     calib = calibration_batches(tok, args.calib_samples, args.calib_len, "c4")
-    out = dict(model=args.model or "SmolLM2-135M-Instruct (embedded GGUF)", mode="w4a16", group_size=args.group_size,
+    out = dict(model=args.model or "SmolLM2-135M-Instruct (embedded GGUF)", mode=args.mode,
+               group_size=args.group_size if args.mode == "w4a16" else -1, device=args.device,
                eval=dict(dataset="wikitext2 test", max_tokens=args.max_tokens or None, seq_len=args.seq_len),
                calibration=dict(source="c4 excerpt", n_samples=args.calib_samples, seq_len=args.calib_len, seed=0),
                torch=torch.__version__, host=platform.processor() or platform.machine(),
                threads=torch.get_num_threads(), rows=[])
     if args.append and args.json and Path(args.json).exists():
         old = json.loads(Path(args.json).read_text())
-        if any(old[k] != out[k] for k in ("model", "group_size", "eval", "calibration")):
+        old = {"mode": "w4a16", **old}  # files from before --mode were all W4A16
+        if any(old[k] != out[k] for k in ("model", "mode", "group_size", "eval", "calibration")):
             raise SystemExit(f"{args.json} was measured with another protocol; not appending to it")
         out["rows"] = old["rows"]
     for spec in args.rows.split(";"):
@@ -94,12 +110,18 @@ def main():
         m = model if method == "16bit" else copy.deepcopy(model)
         t0 = time.time()
         if method != "16bit":
-            quantize(m, method, opts, args.group_size, calib)
+            quantize(m, args.mode, method, opts, args.group_size, calib)
         t1 = time.time()
-        r = wikitext2_perplexity(m, tok, seq_len=args.seq_len, max_tokens=args.max_tokens or None, progress=False)
+        r = wikitext2_perplexity(m, tok, seq_len=args.seq_len, max_tokens=args.max_tokens or None,
+                                 batch_size=args.batch_size, progress=False)
         out["rows"].append(dict(row=spec, method=method, options=opts, ppl=r["ppl"], tokens=r["tokens"],
                                 quantize_s=round(t1 - t0, 1), eval_s=round(time.time() - t1, 1)))
-        print(f"{spec:40s} ppl {r['ppl']:.3f}  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
+        if args.tasks:
+            tasks = evaluate_tasks(m, tok, limit=args.tasks_limit, batch_size=max(args.batch_size, 16), progress=False)
+            out["rows"][-1]["tasks"] = {k: v["acc"] for k, v in tasks.items()}
+            out["rows"][-1]["tasks_limit"] = args.tasks_limit
+        print(f"{spec:40s} ppl {r['ppl']:.3f}" + (f", seven-task acc {tasks['average']['acc']:.3f}" if args.tasks else "")
+              + f"  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
         del m
         add_gap_closed(out["rows"])
         if args.json:  # after every row, so a long run that is cut short still leaves its numbers

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from nibble.kernels.hadamard import hadamard_transform
+
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
 _FORBIDDEN = ("wiki.test", "wikitext2")
 
@@ -159,7 +161,8 @@ def forward_block(block: nn.Module, inputs: list, kwargs_list: list, watch: dict
     seen = set()
 
     def hook(module, args, out, name):
-        stats[name].add(args[0])
+        # what the weight multiplies: a HadamardInputLinear (rotated W4A4 down_proj) rotates its input first
+        stats[name].add(hadamard_transform(args[0]) if getattr(module, "input_hadamard", False) else args[0])
         seen.add(name)
         if not keep_outputs and len(seen) == len(watch):
             raise _Stop
