@@ -120,8 +120,8 @@ def main():
             tasks = evaluate_tasks(m, tok, limit=args.tasks_limit, batch_size=max(args.batch_size, 16), progress=False)
             out["rows"][-1]["tasks"] = {k: v["acc"] for k, v in tasks.items()}
             out["rows"][-1]["tasks_limit"] = args.tasks_limit
-        print(f"{spec:40s} ppl {r['ppl']:.3f}" + (f", seven-task acc {tasks['average']['acc']:.3f}" if args.tasks else "")
-              + f"  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
+        acc = f", seven-task acc {tasks['average']['acc']:.3f}" if args.tasks else ""
+        print(f"{spec:40s} ppl {r['ppl']:.3f}{acc}  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
         del m
         add_gap_closed(out["rows"])
         if args.json:  # after every row, so a long run that is cut short still leaves its numbers

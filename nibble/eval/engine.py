@@ -510,9 +510,11 @@ def prompt_batch(prompt) -> tuple[torch.Tensor, list[int]]:
     each prompt's length. ``prompt`` is a [B, T] tensor of ids (every length T), or a list of B
     prompts, each a 1-D tensor or a list of ids, of any lengths >= 1: they are padded at the end to
     the longest with id 0, which no real token's result sees (see the module's docstring)."""
+    def ids_dtype(t: torch.Tensor) -> bool:
+        return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
     if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.dtype in (torch.bool, torch.complex64, torch.complex128) \
-                or prompt.numel() == 0:
+        if prompt.dim() != 2 or prompt.numel() == 0 or not ids_dtype(prompt):
             raise ValueError(f"a prompt tensor must hold integer token ids as [batch, length] with length >= 1, "
                              f"got {prompt.dtype} of shape {list(prompt.shape)} (one prompt: ids[None]; prompts "
                              f"of different lengths: a list of them)")
@@ -523,7 +525,7 @@ def prompt_batch(prompt) -> tuple[torch.Tensor, list[int]]:
     rows = []
     for i, p in enumerate(prompt):
         ids = p if isinstance(p, torch.Tensor) else torch.tensor(p) if isinstance(p, (list, tuple)) else None
-        if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        if ids is None or ids.dim() != 1 or ids.numel() == 0 or not ids_dtype(ids):
             raise ValueError(f"prompt {i} must be a non-empty 1-D tensor or list of integer token ids, got "
                              + (f"{ids.dtype} of shape {list(ids.shape)}" if ids is not None else type(p).__name__))
         rows.append(ids.long())
