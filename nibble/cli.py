@@ -73,14 +73,8 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     near-ties (sampled, the same distribution, not the same draws); both stop at the model's
     end-of-sequence token. ``streamer`` (e.g. transformers' ``TextStreamer``) is given the prompt,
     then the new tokens as they come, then ``end()``, from either way as transformers' generate does."""
-    if chat and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    else:
-        text = prompt
-    ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
-    eos = model.generation_config.eos_token_id
-    eos = {e for e in (eos if isinstance(eos, list) else [eos, tokenizer.eos_token_id]) if e is not None}
+    ids = torch.tensor([_prompt_ids(tokenizer, prompt, chat)], device=next(model.parameters()).device)
+    eos = _stop_ids(model, tokenizer)
     new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling, streamer) if engine else None
     if new is None:
         # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
@@ -90,7 +84,60 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
             new = model.generate(ids, max_new_tokens=max_new_tokens, **({"do_sample": False} | draws),
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                                  streamer=streamer)[0, ids.shape[1]:]
-    ends = [i for i, t in enumerate(new.tolist()) if t in eos]
+    return _decode_until_stop(tokenizer, new, eos)
+
+
+def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool, engine: bool = True,
+                   sampling=None, batch_size: int = 8) -> list[str]:
+    """The continuations of several prompts, as `generate_text` gives each. nibble's engine runs them
+    ``batch_size`` at a time, each batch one ragged batch (every prompt at its own length, no padding
+    that the model sees; greedy, each continuation is the one the prompt gets alone, up to near-ties);
+    without the engine (``engine`` False, or a model it cannot run) they go one by one through
+    transformers' ``generate``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    eos = _stop_ids(model, tokenizer)
+    ids = [_prompt_ids(tokenizer, p, chat) for p in prompts]
+    runner = None
+    if engine and prompts:
+        from nibble.eval.engine import Engine
+        try:
+            runner = Engine(model, max_batch=min(batch_size, len(ids)),
+                            max_seq_len=max(map(len, ids)) + max_new_tokens)
+        except ValueError as e:
+            print(f"nibble: {e}; generating with transformers' generate instead", file=sys.stderr)
+    if runner is None:
+        return [generate_text(model, tokenizer, p, max_new_tokens, chat, engine=False, sampling=sampling)
+                for p in prompts]
+    kwargs = {} if sampling is None else dict(temperature=sampling.temperature, top_k=sampling.top_k,
+                                              top_p=sampling.top_p)
+    device = next(model.parameters()).device
+    texts = []
+    try:
+        for start in range(0, len(ids), batch_size):
+            batch = [torch.tensor(t, device=device) for t in ids[start:start + batch_size]]
+            new = runner.generate(batch, max_new_tokens, stop_tokens=eos or None, **kwargs).cpu()
+            texts += [_decode_until_stop(tokenizer, row, eos) for row in new]
+    finally:
+        runner.close()
+    return texts
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt's token ids, in the chat template when ``chat`` and the tokenizer has one."""
+    if chat and tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    return tokenizer(prompt).input_ids
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return {e for e in (eos if isinstance(eos, list) else [eos, tokenizer.eos_token_id]) if e is not None}
+
+
+def _decode_until_stop(tokenizer, new: torch.Tensor, stop_ids) -> str:
+    ends = [i for i, t in enumerate(new.tolist()) if t in stop_ids]
     return tokenizer.decode(new[:ends[0]] if ends else new, skip_special_tokens=True).strip()
 
 
@@ -136,15 +183,32 @@ def cmd_generate(args):
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     except ValueError as e:
         raise SystemExit(f"nibble generate: {e}") from None
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise SystemExit(f"nibble generate: cannot read --prompts-file: {e}") from None
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise SystemExit("nibble generate: give a prompt, several, or --prompts-file (one prompt a line)")
+    if args.batch_size < 1:
+        raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
     model, tok = load(args.model, _device(args.device))
     model = maybe_quantize(args, model, tok)
     if args.seed is not None:
         torch.manual_seed(args.seed)
+    if len(prompts) > 1:
+        texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
+                               engine=not args.hf_generate, sampling=sampling, batch_size=args.batch_size)
+        for i, (prompt, text) in enumerate(zip(prompts, texts), 1):
+            print(f"[{i}] {prompt}\n{text}\n")
+        return
     from transformers import TextStreamer
 
     # the text appears word by word as the tokens come (transformers' streamer, on either way of generating)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    generate_text(model, tok, args.prompt, args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
+    generate_text(model, tok, prompts[0], args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
                   sampling=sampling, streamer=streamer)
 
 
@@ -270,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("generate", help="prompt in, text out")
     _add_model_args(p)
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="*", help="one prompt (its text streams as it comes) or several (run as batches "
+                                             "by the engine, each printed after its prompt)")
+    p.add_argument("--prompts-file", default=None, help="more prompts, one a line (blank lines skipped)")
+    p.add_argument("--batch-size", type=int, default=8, help="several prompts: how many the engine runs at once")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--hf-generate", action="store_true",

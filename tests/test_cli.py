@@ -117,6 +117,36 @@ def test_a_streamer_gets_the_prompt_then_the_new_tokens_as_they_come_from_either
     assert seen[True] == seen[False]
 
 
+def test_several_prompts_run_as_ragged_batches_and_each_gets_what_it_gets_alone(model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import generate_text, generate_texts
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    prompts = ["the capital", "a haiku about the sea of france", "the", "paris is"]
+    alone = [generate_text(model, tok, p, 6, chat=False) for p in prompts]
+    assert len({len(tok(p).input_ids) for p in prompts}) == 4 and len(set(alone)) > 1
+    for batch_size in (4, 3, 1):  # one batch, a full and a partial one, one at a time
+        assert generate_texts(model, tok, prompts, 6, chat=False, batch_size=batch_size) == alone
+    assert generate_texts(model, tok, prompts, 6, chat=False, engine=False) == alone
+    listed = tmp_path / "prompts.txt"
+    listed.write_text("a haiku about the sea of france\n\nthe\n")
+    main(["generate", "the capital", "--prompts-file", str(listed), "--model", str(model_dir), "--device", "cpu",
+          "--quant", "none", "--max-new-tokens", "6", "--no-chat", "--batch-size", "2"])
+    assert capsys.readouterr().out == "".join(f"[{i}] {p}\n{t}\n\n" for i, (p, t) in
+                                              enumerate(zip(prompts[:3], alone[:3]), 1))
+
+
+@pytest.mark.parametrize("flags, message", [([], "give a prompt"), (["x", "--batch-size", "0"], "batch-size must be"),
+                                            (["--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file")])
+def test_generate_refuses_a_missing_prompt_or_batch_before_loading_the_model(flags, message, monkeypatch):
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a: pytest.fail("loaded the model before checking the flags"))
+    with pytest.raises(SystemExit, match=message):
+        main(["generate", "--model", "nowhere"] + flags)
+
+
 def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, capsys):
     from nibble.eval.engine import Engine
 
