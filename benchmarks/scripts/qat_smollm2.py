@@ -1,5 +1,6 @@
 """PE-QAT on SmolLM2-135M: WikiText-2 test perplexity of 16-bit, W4A4 RTN (per-token, Hadamard)
-and PE-QAT (per-token, Hadamard), written as JSON.
+and PE-QAT (per-token, Hadamard), written as JSON. ``--inits rtn,gptq`` also trains each recipe from
+GPTQ's weights (and adds the W4A4 GPTQ rows those runs start from).
 
     python benchmarks/scripts/qat_smollm2.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --steps 100 --seq-len 1024 --batch-size 8 --json benchmarks/results/qat-smollm2.json
@@ -32,6 +33,7 @@ from nibble.models.convert import quantize_model, set_backend  # noqa: E402
 from nibble.models.loading import load_model  # noqa: E402
 from nibble.models.serialization import load_quantized, save_quantized  # noqa: E402
 from nibble.qat.train import export, run_qat  # noqa: E402
+from nibble.quantize.calibration import calibration_batches  # noqa: E402
 
 
 def log(*a):
@@ -43,6 +45,7 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--recipes", default="per-token,hadamard")
+    ap.add_argument("--inits", default="rtn", help="comma-separated PE-QAT starts: rtn, gptq")
     ap.add_argument("--steps", type=int, default=100, help="steps per recipe (the most, with --train-seconds)")
     ap.add_argument("--train-seconds", type=float, default=None,
                     help="fit the step count to this many seconds per recipe, timed by a 4-step probe run")
@@ -99,14 +102,21 @@ def main():
     evaluate("16-bit", m16)
     del m16
 
+    recipes = [r for r in args.recipes.split(",") if r]
+    inits = [i for i in args.inits.split(",") if i]
+    calibration = calibration_batches(tok) if "gptq" in inits else None
     if not args.skip_rtn:
-        for name, rotation in (("W4A4 RTN per-token", "none"), ("W4A4 RTN Hadamard", "hadamard")):
+        # the W4A4 models the PE-QAT runs start from (RTN's for both inits: what the gaps are measured against)
+        rotations = {"per-token": "none", "hadamard": "hadamard"}
+        baselines = [(f"W4A4 {method.upper()} {'Hadamard' if recipe == 'hadamard' else recipe}", rotations[recipe],
+                      method) for method in dict.fromkeys(["rtn", *inits]) for recipe in recipes if recipe in rotations]
+        for name, rotation, method in baselines:
             m = copy.deepcopy(base).to(device)
-            quantize_model(m, QuantConfig(mode="w4a4", rotation=rotation), progress=False)
+            quantize_model(m, QuantConfig(mode="w4a4", rotation=rotation, method=method), progress=False,
+                           calibration=calibration)
             evaluate(name, deployed(m.cpu(), name.replace(" ", "_")))
             del m
 
-    recipes = [r for r in args.recipes.split(",") if r]
     if args.train_seconds and recipes:
         times = []
 
@@ -123,12 +133,12 @@ def main():
         results["probe"] = {"recipe": recipes[-1], "seconds_per_step": round(step_s, 4), "steps": args.steps}
         log(f"probe: {step_s:.3f} s/step -> {args.steps} steps per recipe")
 
-    for recipe in recipes:
+    for recipe, init in [(r, i) for i in inits for r in recipes]:
         m = copy.deepcopy(base)
         t = time.time()
         qat = run_qat(m, tok, recipe, args.steps, args.lr, args.seq_len, args.batch_size,
-                      out_dir=tmp / f"state-{recipe}", device=device, objective=args.objective,
-                      quant_lr=args.quant_lr, save_every=10**9,
+                      out_dir=tmp / f"state-{recipe}-{init}", device=device, objective=args.objective,
+                      quant_lr=args.quant_lr, save_every=10**9, init=init, calibration=calibration,
                       gradient_checkpointing=not args.no_gradient_checkpointing,
                       progress=os.environ.get("QAT_PROGRESS", "0") == "1")
         if device.startswith("cuda"):
@@ -136,8 +146,10 @@ def main():
         train_s = time.time() - t
         meta = qat.qat_meta
         qmodel = export(qat)
-        evaluate(f"PE-QAT {recipe}", deployed(qmodel.cpu(), f"qat_{recipe}"),
-                 {"recipe": recipe, "steps": args.steps, "batch_size": args.batch_size, "train_seq_len": args.seq_len,
+        name = f"PE-QAT {recipe}" + (" from GPTQ" if init == "gptq" else "")
+        evaluate(name, deployed(qmodel.cpu(), f"qat_{recipe}_{init}"),
+                 {"recipe": recipe, "init": init, "steps": args.steps, "batch_size": args.batch_size,
+                  "train_seq_len": args.seq_len,
                   "train_tokens": meta["tokens_total"], "train_minutes": round(train_s / 60, 2),
                   "objective": args.objective, "lr": args.lr, "quant_lr": args.quant_lr, "lora_rank": meta["rank"],
                   "gradient_checkpointing": not args.no_gradient_checkpointing,
@@ -148,7 +160,8 @@ def main():
     if "16-bit" in rows and any(k.startswith("W4A4 RTN") for k in rows):
         best_rtn = min(v for k, v in rows.items() if k.startswith("W4A4 RTN"))
         gap = best_rtn - rows["16-bit"]
-        results["gap_closed"] = {k: round((best_rtn - v) / gap, 4) for k, v in rows.items() if k.startswith("PE-QAT")}
+        results["gap_closed"] = {k: round((best_rtn - v) / gap, 4) for k, v in rows.items()
+                                 if k.startswith(("PE-QAT", "W4A4 GPTQ"))}
     results["total_seconds"] = round(time.time() - t_start, 1)
     Path(args.json).write_text(json.dumps(results, indent=2))
     log(json.dumps({k: results[k] for k in ("gap_closed", "total_seconds") if k in results}))

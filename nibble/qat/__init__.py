@@ -3,6 +3,7 @@
     from nibble.qat.train import run_qat, export
     qat = run_qat(model, tokenizer, "hadamard", steps=200, out_dir="out")
     qmodel = export(qat, "out", tokenizer)      # a nibble W4A4 checkpoint, load with load_quantized
+    run_qat(model, tokenizer, "hadamard", steps=50, init="gptq")   # trained on from GPTQ's weights
 
 `fake_quant.py` holds the quantizers and layers, `train.py` the recipes, loop and command line,
 `export.py` the conversion to QuantLinear "w4a4".

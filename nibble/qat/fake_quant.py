@@ -5,6 +5,8 @@ learnable quantization parameters), and peft wraps it in `FakeQuantLoraLinear`, 
 
     y = Qa(x) @ Qw(W + s * B A).T + b
 
+(W is the frozen 16-bit weight, or a start weight such as GPTQ's compensated one, see `from_linear`.)
+
 - ``Qw``: the deployed weight grid, symmetric INT4 per output channel, built by the same code that
   quantizes for real (`nibble.quantize.rtn`'s `quantize_groups` / `_scale_and_zero` / `_codes`):
   ``s = fp16(ratio * amax / 7)``, ``codes = clamp(round(w / s + 8), 0, 15)``, ``w_q = (codes - 8) * s``.
@@ -125,10 +127,20 @@ class FakeQuantLinear(nn.Linear):
             self.act_clip_logit = nn.Parameter(torch.full((in_features,), 4.0, **f32))
         if smoothing:
             self.smooth_log = nn.Parameter(torch.zeros(in_features, **f32))
+        self.register_buffer("start_weight", None)  # set by `set_start`
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> "FakeQuantLinear":
-        """Wrap ``linear``'s weight and bias (shared, not copied); clip ratios start from rtn's MSE search."""
+    def from_linear(cls, linear: nn.Linear, start: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    **kwargs) -> "FakeQuantLinear":
+        """Wrap ``linear``'s weight and bias (shared, not copied); clip ratios start from rtn's MSE search.
+
+        ``start``: (weight [N, K], scales [N, 1]): quantization starts from that weight on that grid
+        (symmetric, one float16 scale per output channel) instead of from ``linear.weight`` on rtn's, as
+        GPTQ's compensated weights and scales (`nibble.qat.train.gptq_start`): the weight is kept as
+        ``start_weight`` (the LoRA delta is added to it) and the clip ratios are set so that the grid at
+        step 0 has exactly those scales. ``linear.weight`` stays the 16-bit weight the teacher runs
+        (`quantization_disabled`).
+        """
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     input_hadamard=getattr(linear, "input_hadamard", False), device=w.device, dtype=w.dtype, **kwargs)
@@ -137,9 +149,29 @@ class FakeQuantLinear(nn.Linear):
         layer.weight.requires_grad_(False)
         if layer.bias is not None:
             layer.bias.requires_grad_(False)
-        if layer.clip != "none":
+        if start is not None:
+            layer.set_start(*start)
+        elif layer.clip != "none":
             layer.init_clip_from_search()
         return layer
+
+    @torch.no_grad()
+    def set_start(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        """Start quantization from ``weight`` on the grid of ``scales``: see `from_linear`."""
+        if self.clip == "none" or self.smoothing:
+            raise ValueError("a start weight needs a clip ratio to hold its scales and no smoothing (which rescales "
+                             "the weight the grid sees): recipes 'per-token' and 'hadamard' take one")
+        N, K = self.weight.shape
+        if tuple(weight.shape) != (N, K) or tuple(scales.shape) != (N, 1):
+            raise ValueError(f"start must be (weight [{N}, {K}], scales [{N}, 1]), got {tuple(weight.shape)} and "
+                             f"{tuple(scales.shape)}")
+        w = weight.float().to(self.weight.device)
+        self.start_weight = w
+        # weight_grid takes s = fp16(ratio * amax / 7): this ratio gives back the float16 scale (the float32
+        # product is within an ulp of 7 s, far inside half a float16 ulp of s).
+        amax = w.abs().amax(dim=1, keepdim=True)
+        scales = scales.float().to(w.device)
+        self.set_clip_ratio(torch.where(amax > 0, 7 * scales / amax, torch.ones_like(amax)))
 
     @torch.no_grad()
     def init_clip_from_search(self, weight: torch.Tensor | None = None) -> None:
@@ -150,7 +182,11 @@ class FakeQuantLinear(nn.Linear):
         # Snap to the search's own grid (rtn's default: 20 ratios from 1 down to 0.5), so a fixed clip
         # reproduces rtn_quantize's scales exactly.
         grid = torch.linspace(1.0, 0.5, 21, device=w.device)
-        ratio = grid[((s_search / s_full) - grid).abs().argmin(dim=1)].unsqueeze(1)
+        self.set_clip_ratio(grid[((s_search / s_full) - grid).abs().argmin(dim=1)].unsqueeze(1))
+
+    @torch.no_grad()
+    def set_clip_ratio(self, ratio: torch.Tensor) -> None:
+        """A fixed clip holds ``ratio`` exactly; a learned one starts at it, at most `MAX_INIT_RATIO`."""
         if self.clip == "fixed":
             self.clip_ratio.copy_(ratio)
         else:
@@ -164,8 +200,8 @@ class FakeQuantLinear(nn.Linear):
         return None
 
     def effective_weight(self, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """W (+ LoRA delta), times the smoothing factors: the float32 weight that gets quantized."""
-        w = self.weight.float()
+        """W or the start weight, + LoRA delta, times the smoothing factors: the float32 weight that gets quantized."""
+        w = self.weight.float() if self.start_weight is None else self.start_weight
         if delta is not None:
             w = w + delta.float()
         if self.smoothing:

@@ -17,6 +17,13 @@ Recipes (`RECIPES`):
 Every recipe: base weights frozen, LoRA (peft) on every linear `quantize_model` would convert
 (not lm_head), adapters merged into the weight *before* fake quantization (`fake_quant.py`).
 
+Start (``init``): ``"rtn"`` quantizes ``W + s B A`` from the 16-bit weights W, as above. ``"gptq"``
+(per-token and hadamard recipes) first runs GPTQ on the (rotated) model, as `quantize_model` with
+``method="gptq"`` does, and trains ``Qw(W_gptq + s B A)`` on GPTQ's scales: step 0 is exactly the
+W4A4 GPTQ model, and LoRA starts from its error-compensated weights instead of from RTN's. The
+16-bit W stays the teacher. (A learned clip ratio starts at most at `fake_quant.MAX_INIT_RATIO`, so
+for the per-token recipe step 0 is GPTQ's codes on slightly narrower scales where its ratio is higher.)
+
 Objective: KL(p_16bit || p_quant) of the next-token distributions (``objective="kl"``, default),
 with next-token cross-entropy (``"ce"``) and their sum (``"ce+kl"``) available. Why KL: what QAT
 has to recover is the 16-bit model, and the gap we report is to that model's perplexity. The 16-bit
@@ -52,6 +59,7 @@ from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
 
 RECIPES = ("per-token", "hadamard", "per-channel")
+INITS = ("rtn", "gptq")
 OBJECTIVES = ("kl", "ce", "ce+kl")
 STATE_DIR = "qat-state"
 STATE_FILE = "state.pt"
@@ -77,10 +85,44 @@ def quantizable_linears(model: nn.Module) -> list[str]:
     return linears_to_convert(model, QuantConfig(mode="w4a4"))
 
 
+@torch.no_grad()
+def gptq_start(model: nn.Module, names: list[str], calibration, progress: bool = True) -> dict:
+    """GPTQ's W4A4 start of the linears ``names``: {name: (weight [N, K], scales [N, 1])}.
+
+    The weight is GPTQ's compensated weight (each column as GPTQ rounded it, after the error feedback
+    of the columns before it), not its dequantized one: on those scales it rounds to GPTQ's codes
+    exactly, but it lies anywhere within its rounding bins, as a 16-bit weight does, where the
+    dequantized weight sits at their centres, half a step from any change of code, and LoRA's small
+    early deltas would move nothing. The model's own weights are given back afterwards (GPTQ
+    overwrites them with their quantized values so that later blocks calibrate on the quantized
+    model): they stay the 16-bit teacher.
+    """
+    from nibble.config import QuantConfig
+    from nibble.quantize.gptq import gptq_quantize_model
+
+    originals = {name: model.get_submodule(name).weight.detach().clone() for name in names}
+    compensated = {}
+    weights = gptq_quantize_model(model, QuantConfig(mode="w4a4", method="gptq"), calibration, progress=progress,
+                                  compensated=compensated)
+    for name, w in originals.items():
+        model.get_submodule(name).weight.copy_(w)
+    return {name: (compensated[name], weights[name].scales.t()) for name in names}
+
+
+def _check_init(recipe: str, init: str) -> None:
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if init == "gptq" and recipe == "per-channel":
+        raise ValueError("init='gptq' is for the deployable recipes ('per-token', 'hadamard'): the per-channel "
+                         "recipe's learned smoothing rescales the weight that GPTQ would have quantized")
+
+
 def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: float | None = None,
-                      rotation_seed: int = 0) -> nn.Module:
+                      rotation_seed: int = 0, init: str = "rtn", calibration=None, progress: bool = True) -> nn.Module:
     """Rotate (hadamard recipe), swap every quantizable linear for a FakeQuantLinear, add LoRA with peft.
 
+    ``init="gptq"`` starts quantization from GPTQ's weights, calibrated on ``calibration`` (token ids
+    [n, seq_len], see `nibble.quantize.calibration.calibration_batches`); see the module doc.
     Returns the PeftModel; only LoRA and the recipe's quantization parameters are trainable.
     """
     from peft import LoraConfig, get_peft_model
@@ -89,6 +131,9 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
 
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    _check_init(recipe, init)
+    if init == "gptq" and calibration is None:
+        raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_architecture(model)
     if recipe == "hadamard":
         from nibble.models.rotation import rotate_model
@@ -96,10 +141,12 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     for p in model.parameters():
         p.requires_grad_(False)
     names = quantizable_linears(model)
+    starts = gptq_start(model, names, calibration, progress) if init == "gptq" else {}
     for name in names:
         parent, _, child = name.rpartition(".")
         linear = model.get_submodule(name)
-        setattr(model.get_submodule(parent), child, FakeQuantLinear.from_linear(linear, **_LAYER_KWARGS[recipe]))
+        layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
+        setattr(model.get_submodule(parent), child, layer)
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
                         target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
@@ -108,7 +155,8 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
         for p in (getattr(m, a, None) for a in ("clip_logit", "act_clip_logit", "smooth_log")):
             if p is not None:
                 p.requires_grad_(True)
-    peft_model.qat_meta = {"recipe": recipe, "rank": rank, "alpha": config.lora_alpha, "rotation_seed": rotation_seed}
+    peft_model.qat_meta = {"recipe": recipe, "init": init, "rank": rank, "alpha": config.lora_alpha,
+                           "rotation_seed": rotation_seed}
     return peft_model
 
 
@@ -210,8 +258,10 @@ def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dic
 def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> int:
     """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    fixed = ("recipe", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed", "objective", "sources")
-    diff = {k: (state["settings"].get(k), settings.get(k)) for k in fixed if state["settings"].get(k) != settings.get(k)}
+    fixed = ("recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed", "objective",
+             "sources")
+    saved = {"init": "rtn", **state["settings"]}  # states written before init existed started from RTN
+    diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
     if diff:
         raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
                          "the same settings or pick another --out")
@@ -241,13 +291,16 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             batch_size: int = 8, out_dir=None, resume: bool = False, device=None, *, objective: str = "kl",
             rank: int = 16, alpha: float | None = None, quant_lr: float = 1e-2, warmup: int | None = None,
             save_every: int = 50, seed: int = 0, rotation_seed: int = 0, sources=DEFAULT_SOURCES,
-            windows: torch.Tensor | None = None, gradient_checkpointing: bool = True, max_grad_norm: float = 1.0,
-            progress: bool = True, callback=None) -> nn.Module:
+            windows: torch.Tensor | None = None, init: str = "rtn", calibration=None,
+            gradient_checkpointing: bool = True, max_grad_norm: float = 1.0, progress: bool = True,
+            callback=None) -> nn.Module:
     """Train ``model`` (a float HF causal LM, modified in place) with PE-QAT; returns the PeftModel.
 
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
     given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
-    the clip/smoothing parameters. ``out_dir`` (optional) receives the resumable state every
+    the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
+    on ``calibration`` (default: `calibration_batches(tokenizer)`, what `nibble quantize` uses); a
+    resumed run computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint.
@@ -258,13 +311,19 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError(f"steps must be >= 1, got {steps}")
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
+    _check_init(recipe, init)  # before any calibration text is tokenized
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed)
+    if init == "gptq" and calibration is None:
+        if tokenizer is None:
+            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
+        from nibble.quantize.calibration import calibration_batches
+        calibration = calibration_batches(tokenizer)
+    peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
     if windows is None:
         windows = training_windows(tokenizer, seq_len, sources)
     elif windows.dim() != 2 or windows.shape[1] != seq_len:
@@ -336,6 +395,9 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--recipe", choices=RECIPES, default="per-token",
                         help="per-token: deployable, learned weight clipping; hadamard: rotate first; "
                              "per-channel: the original PE-QAT (fake quant only, not exportable)")
+    parser.add_argument("--init", choices=INITS, default="rtn",
+                        help="rtn: quantize from the 16-bit weights; gptq: start from GPTQ's weights (calibrated on "
+                             "128 x 512 tokens of the C4 excerpt), so step 0 is the W4A4 GPTQ model")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
     parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
@@ -363,7 +425,7 @@ def qat_main(args) -> None:
     model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                     resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                     quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
-                    sources=tuple(s for s in args.calib.split(",") if s))
+                    sources=tuple(s for s in args.calib.split(",") if s), init=args.init)
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")

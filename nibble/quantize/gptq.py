@@ -59,6 +59,9 @@ class GPTQResult:
     perm: torch.Tensor | None    # the layer computes x[..., perm] @ W.T; None: natural order
     g_idx: torch.Tensor          # GPTQ-checkpoint g_idx (int32 [K]) over the original input order
     loss: float                  # sum over columns of (w - q)^2 / [H^-1]_jj / 2: GPTQ's output-error proxy
+    # With keep_compensated: each column as GPTQ rounded it, after the error feedback of the columns before
+    # it (float32 [N, K], the codes' order); rtn's _codes of it with the result's scales are the codes.
+    compensated: torch.Tensor | None = None
 
 
 def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
@@ -87,11 +90,12 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
                          symmetric: bool = False, zero_point: str = "int", clip_search: bool = False,
                          percdamp: float = DEFAULT_PERCDAMP, blocksize: int = DEFAULT_BLOCKSIZE,
                          act_order: bool = False, static_groups: bool = False,
-                         clip_objective: str = "gptq") -> GPTQResult:
+                         clip_objective: str = "gptq", keep_compensated: bool = False) -> GPTQResult:
     """GPTQ-quantize an nn.Linear weight [N, K] given the Hessian H = 2/n X^T X [K, K] of its inputs.
 
     ``group_size=-1``: per output channel. Runs on the weight's device, in float32. Rows are
     independent given H, so linears that share an input can be quantized as one stacked weight.
+    ``keep_compensated``: also return the weights as GPTQ rounded them (`GPTQResult.compensated`).
     """
     if clip_objective not in ("gptq", "weight"):
         raise ValueError(f"clip_objective must be 'gptq' or 'weight', got {clip_objective!r}")
@@ -138,6 +142,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
         S_col, Z_col = S[:, col_group], Z[:, col_group]
 
     codes = torch.zeros(N, K, dtype=torch.uint8, device=W.device)
+    compensated = torch.empty_like(W) if keep_compensated else None
     loss = torch.zeros((), device=W.device)
     for i1 in range(0, K, blocksize):
         i2 = min(i1 + blocksize, K)
@@ -166,6 +171,8 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
             w, s, z = W1[:, i], S1[:, i], Z1[:, i]
             q = _codes(w, s, z)
             Q1[:, i] = q
+            if compensated is not None:
+                compensated[:, col] = w  # before the update below turns column i into q * s + z
             err = (w - (q * s + z)) / U1[i, i]
             W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
             Err1[:, i] = err
@@ -175,14 +182,16 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
 
     trivial = (torch.arange(K, device=W.device) // G).to(torch.int32)
     if perm is None:
-        return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), None, trivial, float(loss))
+        return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), None, trivial, float(loss), compensated)
     if static_groups:  # groups were fixed on the original order: undo the processing order
         original = torch.empty_like(codes)
         original[:, perm] = codes
-        return GPTQResult(Int4Weight.from_codes(original, S, Z, G), None, trivial, float(loss))
+        if compensated is not None:
+            compensated[:, perm] = compensated.clone()
+        return GPTQResult(Int4Weight.from_codes(original, S, Z, G), None, trivial, float(loss), compensated)
     g_idx = torch.empty_like(trivial)
     g_idx[perm] = trivial
-    return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), perm, g_idx, float(loss))
+    return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), perm, g_idx, float(loss), compensated)
 
 
 def _output_rows(w: Int4Weight, start: int, stop: int) -> Int4Weight:
@@ -192,8 +201,8 @@ def _output_rows(w: Int4Weight, start: int, stop: int) -> Int4Weight:
 
 @torch.no_grad()
 def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, true_sequential: bool = True,
-                        blocksize: int = DEFAULT_BLOCKSIZE, clip: bool = True,
-                        progress: bool = True) -> dict[str, Int4Weight]:
+                        blocksize: int = DEFAULT_BLOCKSIZE, clip: bool = True, progress: bool = True,
+                        compensated: dict | None = None) -> dict[str, Int4Weight]:
     """GPTQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig: group_size, symmetric, zero_point as RTN uses them.
@@ -212,7 +221,8 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
 
     Side effect: the float weight of every quantized linear is overwritten with its dequantized
     value (that is how later blocks see the quantization error). Modules in
-    ``config.modules_to_not_convert`` are left alone.
+    ``config.modules_to_not_convert`` are left alone. ``compensated``: a dict that receives each
+    linear's weight as GPTQ rounded it (`GPTQResult.compensated`), by the same names.
     """
     act_order = bool(getattr(config, "act_order", True))
     percdamp = float(getattr(config, "damp_percent", DEFAULT_PERCDAMP))
@@ -232,14 +242,18 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
                 H = stats.pop(group[0]).hessian
                 stacked = torch.cat([linears[name].weight for name in group])
                 res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric, config.zero_point,
-                                           clip, percdamp, blocksize, act_order, static_groups=act_order)
+                                           clip, percdamp, blocksize, act_order, static_groups=act_order,
+                                           keep_compensated=compensated is not None)
                 del stacked, H
                 start = 0
                 for name in group:
                     layer = linears[name]
-                    w = _output_rows(res.weight, start, start + layer.out_features)
-                    start += layer.out_features
+                    stop = start + layer.out_features
+                    w = _output_rows(res.weight, start, stop)
                     layer.weight.copy_(dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype))
                     results[f"{prefix}.{name}"] = w
+                    if compensated is not None:
+                        compensated[f"{prefix}.{name}"] = res.compensated[start:stop].clone()
+                    start = stop
         inputs, _ = forward_block(block, inputs, kwargs)
     return results

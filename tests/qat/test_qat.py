@@ -138,3 +138,69 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     assert want.keys() == got.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@needs_rotation
+def test_gptq_start_is_exactly_the_rotated_gptq_model_and_the_teacher_stays_16_bit():
+    import copy
+
+    from nibble.config import QuantConfig
+    from nibble.models.convert import quantize_model
+    from nibble.models.rotation import rotate_model
+    from nibble.qat.fake_quant import fake_quant_layers, quantization_disabled
+    from nibble.qat.train import prepare_qat_model
+
+    calib = _windows(n=6, seed=2)
+    model = _model()
+    gptq = quantize_model(copy.deepcopy(model), QuantConfig(mode="w4a4", rotation="hadamard", method="gptq"),
+                          progress=False, calibration=calib)
+    set_backend(gptq, "reference")
+    rotated = rotate_model(copy.deepcopy(model), seed=0)
+    qat = prepare_qat_model(model, "hadamard", init="gptq", calibration=calib, progress=False)
+    layers = fake_quant_layers(qat)
+    assert len(layers) == 14
+    for name, layer in layers:
+        short = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+        want = gptq.get_submodule(short)
+        assert torch.equal(layer.quantized_weight().detach(), _dq(want.weight_int4()).float()), name
+        assert torch.equal(layer.weight, rotated.get_submodule(short).weight), name  # the teacher's weight
+    ids = _windows(n=2, seed=3)
+    with torch.no_grad():
+        fake = qat(input_ids=ids).logits
+        real = gptq(ids).logits
+        with qat.disable_adapter(), quantization_disabled(qat):
+            teacher = qat(input_ids=ids).logits
+        original = _model()(ids).logits
+    assert (real - fake).abs().max() / fake.abs().max() < 1e-4
+    torch.testing.assert_close(teacher, original, rtol=1e-4, atol=1e-4)  # rotation keeps the 16-bit function
+    assert (teacher - fake).abs().max() > 1e-2  # and 4-bit is visibly not it
+
+
+def test_gptq_start_trains_and_exports_the_weights_it_trained(tmp_path):
+    windows = _windows()
+    qat = _train("per-token", 3, windows, init="gptq", calibration=_windows(n=6, seed=2))
+    assert qat.qat_meta["init"] == "gptq"
+    ids = windows[:2]
+    with torch.no_grad():
+        fake = qat(input_ids=ids).logits
+    loaded = export(qat, tmp_path)
+    set_backend(loaded, "reference")
+    with torch.no_grad():
+        real = loaded(ids).logits
+    assert (real - fake).abs().max() / fake.abs().max() < 1e-4
+    assert loaded.config.quantization_config["qat"]["init"] == "gptq"
+
+
+def test_gptq_start_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="deployable recipes"):
+        _train("per-channel", 1, _windows(), init="gptq", calibration=_windows())
+    with pytest.raises(ValueError, match="init must be one of"):
+        _train("per-token", 1, _windows(), init="awq")
+    with pytest.raises(ValueError, match="calibration token ids, or a tokenizer"):
+        _train("per-token", 1, _windows(), init="gptq")
+    lin = torch.nn.Linear(64, 8)
+    w, scales = lin.weight.detach(), torch.full((8, 1), 0.01)
+    with pytest.raises(ValueError, match=r"start must be \(weight \[8, 64\], scales \[8, 1\]\)"):
+        FakeQuantLinear.from_linear(lin, start=(w, scales.t()), clip="fixed")
+    with pytest.raises(ValueError, match="clip ratio"):
+        FakeQuantLinear.from_linear(lin, start=(w, scales), clip="none")

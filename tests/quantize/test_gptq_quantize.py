@@ -6,7 +6,7 @@ from nibble import QuantConfig, quantize_model
 from nibble.formats.gptq import to_gptq
 from nibble.kernels.reference import dequantize
 from nibble.quantize.gptq import gptq_quantize_model, gptq_quantize_weight
-from nibble.quantize.rtn import rtn_quantize
+from nibble.quantize.rtn import _codes, rtn_quantize
 
 
 def dense(w):
@@ -35,6 +35,20 @@ def test_gptq_lowers_the_output_error_of_rtn(G, act_order, static):
     err = output_error(X, W, dense(res.weight), res.perm)
     assert err < 0.8 * rtn
     assert (res.perm is not None) == (act_order and not static)
+
+
+@pytest.mark.parametrize("G, symmetric", [(32, False), (-1, True)])
+@pytest.mark.parametrize("act_order,static", [(False, False), (True, True), (True, False)])
+def test_the_compensated_weights_round_to_the_codes_from_inside_their_bins(G, symmetric, act_order, static):
+    X, W, H = correlated_problem()
+    res = gptq_quantize_weight(W, H, G, symmetric=symmetric, clip_search=True, act_order=act_order,
+                               static_groups=static, keep_compensated=True)
+    per_column = G if G > 0 else W.shape[1]
+    s, z = (t.float().t().repeat_interleave(per_column, dim=1) for t in (res.weight.scales, res.weight.zeros))
+    assert torch.equal(_codes(res.compensated, s, z), res.weight.codes().float())
+    offset = (res.compensated - dense(res.weight)) / s  # where in its bin each weight lies, in steps
+    assert offset[(offset.abs() < 0.5)].std() > 0.2  # spread over the bins, not at their centres
+    assert gptq_quantize_weight(W, H, G, symmetric=symmetric).compensated is None
 
 
 def test_with_uncorrelated_inputs_gptq_is_rtn():
@@ -142,6 +156,11 @@ def test_gptq_model_returns_every_decoder_linear_and_respects_skips():
     assert (w.in_features, w.out_features, w.group_size) == (64, 32, 32)
     # side effect: the float weight now holds the dequantized value
     torch.testing.assert_close(model.model.layers[1].self_attn.k_proj.weight, dense(w))
+    compensated = {}
+    again = gptq_quantize_model(tiny_model("qwen2"), cfg, torch.randint(0, 256, (4, 16)), progress=False,
+                                compensated=compensated)
+    assert compensated.keys() == again.keys()
+    assert all(compensated[k].shape == (again[k].out_features, again[k].in_features) for k in again)
 
 
 def test_gptq_model_defaults_to_act_order_and_clipping():
