@@ -210,6 +210,21 @@ def test_a_model_the_engine_cannot_run_falls_back_to_transformers_generate(model
     assert out.out.strip() and "sliding window" in out.err and "transformers' generate" in out.err
 
 
+def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir, tmp_path, capsys):
+    from nibble.models.serialization import load_quantized
+
+    out = tmp_path / "qat"
+    main(["qat", "--model", str(model_dir), "--device", "cpu", "--recipe", "hadamard", "--init", "gptq", "--steps", "2",
+          "--seq-len", "32", "--batch-size", "2", "--out", str(out)])
+    assert "saved the W4A4 model" in capsys.readouterr().out
+    model, _ = load_quantized(out)
+    config = model.config.quantization_config
+    assert config["mode"] == "w4a4" and config["rotation"] == "hadamard" and config["qat"]["init"] == "gptq"
+    with pytest.raises(ValueError, match="other settings"):  # its saved state is not resumed from another start
+        main(["qat", "--model", str(model_dir), "--device", "cpu", "--recipe", "hadamard", "--steps", "2",
+              "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_asking_for_cuda_without_a_gpu_is_a_clear_error(model_dir):
     with pytest.raises(SystemExit, match="no CUDA GPU is visible"):

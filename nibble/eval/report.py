@@ -1,7 +1,7 @@
 """``nibble report``: accuracy, memory and speed of several quantization configs, side by side.
 
 For each config (``bf16``, ``w4a16``, ``w4a4``, ``w4a4-hadamard``; also ``w4a16-g64`` style group
-sizes) the real model is loaded fresh, converted, and measured:
+sizes, and ``-gptq`` / ``-awq`` for calibrated weights) the real model is loaded fresh, converted, and measured:
 
 - accuracy: WikiText-2 test perplexity (whole test set unless ``ppl_max_tokens``) and the seven
   zero-shot tasks (``tasks_limit`` documents each) - runs on the CPU too, slowly;
@@ -52,7 +52,8 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
 
     ``w4a16`` uses group size 128, or the largest of 64 / 32 that divides every linear's in_features
     of ``model`` (SmolLM2's 576 needs 64); ``w4a16-g64`` names it explicitly. ``-lmhead`` on a quantized
-    config quantizes lm_head too (``w4a16-lmhead``, ``w4a4-hadamard-lmhead``).
+    config quantizes lm_head too (``w4a16-lmhead``, ``w4a4-hadamard-lmhead``). ``-gptq`` (both modes) and
+    ``-awq`` (W4A16) pick the calibrated method (``w4a16-g64-awq``, ``w4a4-hadamard-gptq``).
     """
     parts = name.lower().split("-")
     if parts[0] in ("bf16", "fp16", "16bit"):
@@ -69,9 +70,9 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
             if p.startswith("g") and p[1:].isdigit():
                 kw["group_size"] = int(p[1:])
             elif p in ("gptq", "awq"):
-                raise ValueError(f"{name!r}: the report quantizes with RTN (calibrated methods need calibration data)")
+                kw["method"] = p
             else:
-                raise ValueError(f"unknown config {name!r}: w4a16 takes -gN (group size)")
+                raise ValueError(f"unknown config {name!r}: w4a16 takes -gN (group size), -gptq, -awq")
         if "group_size" not in kw and model is not None:
             kw["group_size"] = default_group_size(model)
     elif parts[0] == "w4a4":
@@ -79,11 +80,13 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
         for p in parts[1:]:
             if p == "hadamard":
                 kw["rotation"] = "hadamard"
+            elif p == "gptq":
+                kw["method"] = p
             else:
-                raise ValueError(f"unknown config {name!r}: w4a4 takes -hadamard")
+                raise ValueError(f"unknown config {name!r}: w4a4 takes -hadamard, -gptq")
     else:
-        raise ValueError(f"unknown config {name!r}; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard "
-                         "(a quantized config takes -lmhead to quantize lm_head too)")
+        raise ValueError(f"unknown config {name!r}; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard (a quantized "
+                         "config takes -lmhead to quantize lm_head too, and -gptq, or -awq for w4a16)")
     return QuantConfig(**{**kw, **overrides})
 
 
@@ -109,7 +112,11 @@ def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_l
     res = {"config": name, "quant_config": qc.to_dict() if qc else None,
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "device": str(next(model.parameters()).device)}
-    res["quantize_s"] = speed_mod.quantize_in_place(model, qc)
+    calibration = None
+    if qc is not None and qc.method != "rtn":
+        from nibble.quantize.calibration import calibration_batches
+        calibration = calibration_batches(tokenizer)
+    res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration)
     if accuracy:
         t0 = time.perf_counter()
         res["perplexity"] = wikitext2_perplexity(model, tokenizer, seq_len=ppl_seq_len, max_tokens=ppl_max_tokens,
@@ -154,7 +161,7 @@ def measure_speed_models(model_name: str, configs, rounds: int = SPEED_ROUNDS, c
             model = None
             try:
                 model = speed_mod.random_model(model_name)
-                qc = quant_config(name, model, clip_search=clip_search)
+                qc = quant_config(name, model, clip_search=clip_search, method="rtn")
                 quantize_s = speed_mod.quantize_in_place(model, qc)
                 if r == 0:
                     log(f"[{model_name}/{name}] built and quantized in {quantize_s:.1f} s (RTN, clip_search={clip_search})")
@@ -491,7 +498,9 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     ``loader()`` -> (model, tokenizer) overrides loading ``model_name_or_path`` (it is called once per
     config: quantization is in place); ``model=False`` skips the real model (its accuracy, memory and
     speed), so that only the speed models run. Speed models are quantized with RTN without the clipping
-    search (``speed_clip_search``): their weights are random, so only the time would change; each is
+    search (``speed_clip_search``), those of calibrated configs too (the same format and kernels; the
+    random weights have no text to calibrate on): their weights are random, so only the time would
+    change; each is
     timed in ``speed_rounds`` rounds of alternating config order (`measure_speed_models`).
     Returns the results dict (also in report.json).
     """
@@ -546,7 +555,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--model", default=None, help="a .gguf file or local HF directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", default="report", help="output folder for report.md, report.json and the PNGs")
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
-                        help="bf16, w4a16 (or w4a16-g64 ...), w4a4, w4a4-hadamard")
+                        help="bf16, w4a16 (or w4a16-g64 ...), w4a4, w4a4-hadamard; -gptq (or -awq, w4a16) for "
+                             "calibrated weights (speed models: RTN), -lmhead to quantize lm_head too")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     parser.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=list(ALL_TASKS))
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")

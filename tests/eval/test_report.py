@@ -39,6 +39,13 @@ def test_config_names_map_to_quant_configs():
     assert report.quant_config("w4a16-lmhead-g64").group_size == 64
     assert report._describe({"quant_config": qc.to_dict()}) == "w4a4 per-channel rtn hadamard +lm_head"
     assert report._describe({"quant_config": report.quant_config("w4a16").to_dict()}) == "w4a16 g128 rtn noclip"
+    qc = report.quant_config("w4a4-hadamard-gptq")
+    assert (qc.mode, qc.rotation, qc.method) == ("w4a4", "hadamard", "gptq")
+    assert report._describe({"quant_config": qc.to_dict()}) == "w4a4 per-channel gptq hadamard"
+    assert report.quant_config("w4a4-hadamard-gptq", method="rtn").method == "rtn"  # what the speed models take
+    assert (report.quant_config("w4a16-g64-awq").method, report.quant_config("w4a16-g64-awq").group_size) == ("awq", 64)
+    with pytest.raises(ValueError, match="w4a4 takes -hadamard, -gptq"):
+        report.quant_config("w4a4-awq")
     with pytest.raises(ValueError, match="unknown config"):
         report.quant_config("w3a16")
     with pytest.raises(ValueError, match="unknown config"):
@@ -73,6 +80,16 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| metric | bf16 | w4a16 | w4a4 |" in md
     assert "WikiText-2 ppl" in md and "piqa acc" in md and "peak MiB" in md
+
+
+def test_calibrated_configs_are_calibrated_on_the_c4_excerpt(tmp_path):
+    results = report.run_report(None, tmp_path, configs=("w4a4-hadamard", "w4a4-hadamard-gptq"), tasks_limit=1,
+                                ppl_max_tokens=300, speed=False, loader=tiny_loader, progress=False, log=lambda *a: None)
+    rtn, gptq = (results["configs"][c] for c in ("w4a4-hadamard", "w4a4-hadamard-gptq"))
+    assert "error" not in gptq, gptq.get("error")
+    assert gptq["quant_config"]["method"] == "gptq" and rtn["quant_config"]["method"] == "rtn"
+    assert gptq["perplexity"]["ppl"] != rtn["perplexity"]["ppl"]  # other weights
+    assert gptq["quantize_s"] > rtn["quantize_s"]  # the calibration pass is timed with it
 
 
 def test_reports_of_separate_runs_merge_into_one(tmp_path):
