@@ -498,10 +498,9 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     ``loader()`` -> (model, tokenizer) overrides loading ``model_name_or_path`` (it is called once per
     config: quantization is in place); ``model=False`` skips the real model (its accuracy, memory and
     speed), so that only the speed models run. Speed models are quantized with RTN without the clipping
-    search (``speed_clip_search``), those of calibrated configs too (the same format and kernels; the
-    random weights have no text to calibrate on): their weights are random, so only the time would
-    change; each is
-    timed in ``speed_rounds`` rounds of alternating config order (`measure_speed_models`).
+    search (``speed_clip_search``), those of calibrated configs too (the same format and kernels): their
+    weights are random, so only the time would change; each is timed in ``speed_rounds`` rounds of
+    alternating config order (`measure_speed_models`).
     Returns the results dict (also in report.json).
     """
     from nibble.bench.timing import env_meta

@@ -19,8 +19,8 @@ Every recipe: base weights frozen, LoRA (peft) on every linear `quantize_model` 
 
 Start (``init``): ``"rtn"`` quantizes ``W + s B A`` from the 16-bit weights W, as above. ``"gptq"``
 (per-token and hadamard recipes) first runs GPTQ on the (rotated) model, as `quantize_model` with
-``method="gptq"`` does, and trains ``Qw(W_gptq + s B A)`` on GPTQ's scales: step 0 is exactly the
-W4A4 GPTQ model, and LoRA starts from its error-compensated weights instead of from RTN's. The
+``method="gptq"`` does, and trains ``Qw(W_gptq + s B A)`` on GPTQ's scales, W_gptq being GPTQ's
+compensated weights (`gptq_start` says why those): step 0 is exactly the W4A4 GPTQ model. The
 16-bit W stays the teacher. (A learned clip ratio starts at most at `fake_quant.MAX_INIT_RATIO`, so
 for the per-token recipe step 0 is GPTQ's codes on slightly narrower scales where its ratio is higher.)
 

@@ -84,7 +84,8 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
 
 def test_calibrated_configs_are_calibrated_on_the_c4_excerpt(tmp_path):
     results = report.run_report(None, tmp_path, configs=("w4a4-hadamard", "w4a4-hadamard-gptq"), tasks_limit=1,
-                                ppl_max_tokens=300, speed=False, loader=tiny_loader, progress=False, log=lambda *a: None)
+                                ppl_max_tokens=300, speed=False, loader=tiny_loader, progress=False,
+                                log=lambda *a: None)
     rtn, gptq = (results["configs"][c] for c in ("w4a4-hadamard", "w4a4-hadamard-gptq"))
     assert "error" not in gptq, gptq.get("error")
     assert gptq["quant_config"]["method"] == "gptq" and rtn["quant_config"]["method"] == "rtn"
