@@ -106,7 +106,7 @@ def main():
     inits = [i for i in args.inits.split(",") if i]
     calibration = calibration_batches(tok) if "gptq" in inits else None
     if not args.skip_rtn:
-        # the W4A4 models the PE-QAT runs start from (RTN's for both inits: what the gaps are measured against)
+        # the W4A4 models the PE-QAT runs start from: RTN's (the gaps are measured from them), GPTQ's for its init
         rotations = {"per-token": "none", "hadamard": "hadamard"}
         baselines = [(f"W4A4 {method.upper()} {'Hadamard' if recipe == 'hadamard' else recipe}", rotations[recipe],
                       method) for method in dict.fromkeys(["rtn", *inits]) for recipe in recipes if recipe in rotations]
