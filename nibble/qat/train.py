@@ -299,8 +299,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
     given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
-    on ``calibration`` (default: `calibration_batches(tokenizer)`, what `nibble quantize` uses); a
-    resumed run computes them again. ``out_dir`` (optional) receives the resumable state every
+    on ``calibration`` (default: `calibration_batches(tokenizer)`, what `nibble quantize` uses); it keeps
+    a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
+    computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint.
