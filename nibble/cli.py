@@ -56,12 +56,10 @@ def maybe_quantize(args, model, tokenizer=None):
 
     if args.quant == "none" or getattr(model.config, "quantization_config", None):
         return model
+    from nibble.quantize.calibration import calibration_for
+
     cfg = quant_config(args, model)
-    calibration = None
-    if cfg.method != "rtn":
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer)
-    return quantize_model(model, cfg, calibration=calibration)
+    return quantize_model(model, cfg, calibration=calibration_for(cfg, tokenizer))
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
@@ -100,27 +98,37 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ch
     ids = [_prompt_ids(tokenizer, p, chat) for p in prompts]
     runner = None
     if engine and prompts:
-        from nibble.eval.engine import Engine
-        try:
-            runner = Engine(model, max_batch=min(batch_size, len(ids)),
-                            max_seq_len=max(map(len, ids)) + max_new_tokens)
-        except ValueError as e:
-            print(f"nibble: {e}; generating with transformers' generate instead", file=sys.stderr)
+        runner = _open_engine(model, min(batch_size, len(ids)), max(map(len, ids)) + max_new_tokens)
     if runner is None:
         return [generate_text(model, tokenizer, p, max_new_tokens, chat, engine=False, sampling=sampling)
                 for p in prompts]
-    kwargs = {} if sampling is None else dict(temperature=sampling.temperature, top_k=sampling.top_k,
-                                              top_p=sampling.top_p)
     device = next(model.parameters()).device
     texts = []
     try:
         for start in range(0, len(ids), batch_size):
             batch = [torch.tensor(t, device=device) for t in ids[start:start + batch_size]]
-            new = runner.generate(batch, max_new_tokens, stop_tokens=eos or None, **kwargs).cpu()
+            new = runner.generate(batch, max_new_tokens, stop_tokens=eos or None, **_sampling_kwargs(sampling)).cpu()
             texts += [_decode_until_stop(tokenizer, row, eos) for row in new]
     finally:
         runner.close()
     return texts
+
+
+def _open_engine(model, max_batch: int, max_seq_len: int):
+    """nibble's engine for this model, or None (said on stderr) where it cannot run it."""
+    from nibble.eval.engine import Engine
+
+    try:
+        return Engine(model, max_batch=max_batch, max_seq_len=max_seq_len)
+    except ValueError as e:
+        print(f"nibble: {e}; generating with transformers' generate instead", file=sys.stderr)
+        return None
+
+
+def _sampling_kwargs(sampling) -> dict:
+    """`Engine.generate` / `stream`'s keyword arguments for ``sampling`` (None: greedy)."""
+    return {} if sampling is None else dict(temperature=sampling.temperature, top_k=sampling.top_k,
+                                            top_p=sampling.top_p)
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -146,20 +154,14 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
     """Up to ``max_new_tokens`` tokens after ``ids`` [1, T] from nibble's engine, greedy or as ``sampling``
     says, up to the first of ``stop_tokens``, handed to ``streamer`` as they come (see `generate_text`);
     or None where the engine cannot run this model."""
-    from nibble.eval.engine import Engine
-
-    try:
-        engine = Engine(model, max_batch=1, max_seq_len=ids.shape[1] + max_new_tokens)
-    except ValueError as e:
-        print(f"nibble: {e}; generating with transformers' generate instead", file=sys.stderr)
+    engine = _open_engine(model, 1, ids.shape[1] + max_new_tokens)
+    if engine is None:
         return None
     try:
-        kwargs = {} if sampling is None else dict(temperature=sampling.temperature, top_k=sampling.top_k,
-                                                  top_p=sampling.top_p)
         if streamer is not None:
             streamer.put(ids.cpu())
         chunks = []
-        for chunk in engine.stream(ids, max_new_tokens, stop_tokens=stop_tokens, **kwargs):
+        for chunk in engine.stream(ids, max_new_tokens, stop_tokens=stop_tokens, **_sampling_kwargs(sampling)):
             chunk = chunk[0].cpu()
             ends = [i for i, t in enumerate(chunk.tolist()) if t in (stop_tokens or ())]
             chunks.append(chunk[:ends[0] + 1] if ends else chunk)

@@ -31,6 +31,7 @@ from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.tasks import ALL_TASKS
 from nibble.models.convert import default_group_size
+from nibble.quantize.calibration import calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
 DEFAULT_SPEED_MODELS = ("llama-2-7b",)
@@ -112,11 +113,7 @@ def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_l
     res = {"config": name, "quant_config": qc.to_dict() if qc else None,
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "device": str(next(model.parameters()).device)}
-    calibration = None
-    if qc is not None and qc.method != "rtn":
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer)
-    res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration)
+    res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration_for(qc, tokenizer))
     if accuracy:
         t0 = time.perf_counter()
         res["perplexity"] = wikitext2_perplexity(model, tokenizer, seq_len=ppl_seq_len, max_tokens=ppl_max_tokens,
