@@ -26,11 +26,15 @@ def load(model: str | None, device: str, dtype: torch.dtype | None = None):
     from nibble.models.loading import load_model
     from nibble.models.serialization import load_quantized
 
-    if model and (Path(model) / "config.json").exists():
-        cfg = json.loads((Path(model) / "config.json").read_text())
-        if cfg.get("quantization_config", {}).get("quant_method") == "nibble":
-            return load_quantized(model, device=device, dtype=dtype)
+    if _nibble_checkpoint(model):
+        return load_quantized(model, device=device, dtype=dtype)
     return load_model(model, dtype=dtype, device=device)
+
+
+def _nibble_checkpoint(model: str | None) -> bool:
+    config = Path(model) / "config.json" if model else None
+    return bool(config and config.exists() and
+                json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") == "nibble")
 
 
 def quant_config(args, model):
@@ -51,15 +55,21 @@ def quant_config(args, model):
     return cfg
 
 
-def maybe_quantize(args, model, tokenizer=None):
+def load_for_command(args, device: str):
+    """(model, tokenizer) as a command runs them: a nibble checkpoint as saved, a float model as it is with
+    ``--quant none``, else the float model quantized as the arguments say (GPTQ / AWQ calibrated on the C4
+    excerpt). A model quantized for a GPU is read into host memory and quantized onto the GPU one decoder
+    layer at a time (`quantize_model`'s ``device``): the GPU never holds its 16-bit weights, so a model that
+    fits the GPU only in 4 bits runs."""
     from nibble.models.convert import quantize_model
-
-    if args.quant == "none" or getattr(model.config, "quantization_config", None):
-        return model
+    from nibble.models.loading import default_dtype
     from nibble.quantize.calibration import calibration_for
 
+    if args.quant == "none" or _nibble_checkpoint(args.model):
+        return load(args.model, device)
+    model, tok = load(args.model, "cpu", dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
-    return quantize_model(model, cfg, calibration=calibration_for(cfg, tokenizer))
+    return quantize_model(model, cfg, calibration=calibration_for(cfg, tok), device=device), tok
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
@@ -196,8 +206,7 @@ def cmd_generate(args):
         raise SystemExit("nibble generate: give a prompt, several, or --prompts-file (one prompt a line)")
     if args.batch_size < 1:
         raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
-    model, tok = load(args.model, _device(args.device))
-    model = maybe_quantize(args, model, tok)
+    model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if len(prompts) > 1:
@@ -218,10 +227,9 @@ def cmd_quantize(args):
     from nibble.models.convert import weight_bytes
     from nibble.models.serialization import save_quantized
 
-    model, tok = load(args.model, _device(args.device))
     if args.quant == "none":
         raise SystemExit("error: nibble quantize needs --quant w4a16 or w4a4")
-    model = maybe_quantize(args, model, tok)
+    model, tok = load_for_command(args, _device(args.device))
     out = save_quantized(model, args.out, tok)
     wb = weight_bytes(model)
     print(f"saved {out}: quantized linears {wb['quantized_bytes'] / 2**20:.1f} MiB "
@@ -244,8 +252,7 @@ def cmd_info(args):
 
 
 def cmd_eval(args):
-    model, tok = load(args.model, _device(args.device))
-    model = maybe_quantize(args, model, tok)
+    model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
         from nibble.eval.perplexity import wikitext2_perplexity
         print(json.dumps(wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,

@@ -68,7 +68,7 @@ def quantized_linears(model: nn.Module):
 
 
 def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress: bool = True,
-                   calibration=None) -> nn.Module:
+                   calibration=None, device: str | torch.device | None = None) -> nn.Module:
     """Quantize the linears of the decoder layers in place; embeddings stay 16-bit, and so does lm_head
     unless it is taken out of ``config.modules_to_not_convert`` (then it is quantized with RTN, in the
     config's mode, whatever ``method`` the decoder layers use, and untied from the embedding, which keeps
@@ -77,9 +77,18 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     For ``rotation="hadamard"`` the model is first rotated (calibration-free, same function in
     16 bits) so per-token activation quantization meets no outlier channels. ``method="gptq"`` /
     ``"awq"`` need ``calibration`` (token batches, see nibble.quantize.calibration).
+
+    ``device``: where the work runs and where the quantized model ends up (default: where the model
+    is). A model held elsewhere, e.g. a 16-bit model in host memory that the GPU could not hold, moves
+    there one decoder layer at a time: the device holds the embeddings, lm_head, the layers quantized
+    so far and one 16-bit layer, never the whole 16-bit model. The results are those of quantizing
+    on the device (the arithmetic is the same; the rotation's float64 algebra runs there too).
     """
     config = config or QuantConfig()
     check_architecture(model)
+    if device is not None:
+        device = _work_device(device)
+        move_all_but_layers(model, device)
     candidates = _candidate_linears(model)  # a typo in the skips is said before any calibration runs
     unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in candidates)]
     if unmatched:
@@ -88,13 +97,14 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
                       stacklevel=2)
     if config.rotation == "hadamard":
         from nibble.models.rotation import rotate_model
-        rotate_model(model, seed=config.rotation_seed)
+        rotate_model(model, seed=config.rotation_seed, device=device)
     calibrated = {}
     if config.method != "rtn":
         if calibration is None:
             raise ValueError(f"method={config.method!r} needs calibration data (see nibble.quantize.calibration)")
         from nibble.quantize import calibrated_quantizers
-        calibrated = calibrated_quantizers[config.method](model, config, calibration)
+        calibrated = calibrated_quantizers[config.method](model, config, calibration, progress=progress,
+                                                          device=device)
     names = linears_to_convert(model, config)
     for name in tqdm(names, desc=f"quantizing {config.mode}", disable=not progress):
         module = model.get_submodule(name)
@@ -102,13 +112,35 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
             q = QuantLinear.from_weight(calibrated[name], module.bias, config.mode,
                                         getattr(module, "input_hadamard", False), dtype=module.weight.dtype)
         else:
-            q = QuantLinear.from_linear(module, config)
+            q = QuantLinear.from_linear(module if device is None else module.to(device), config)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, q)
     if "lm_head" in names:  # after the head is replaced: a tied head's float weight is never copied
         untie_lm_head(model)
+    if device is not None:
+        model.to(device)  # what the layers keep in 16 bits: norms, linears left unconverted
     model.config.quantization_config = config.to_dict()
     return model
+
+
+def _work_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"quantize_model(device={str(device)!r}): no CUDA GPU is visible; quantize on the CPU "
+                         "(device='cpu' or None) or run where a GPU is")
+    return device
+
+
+def move_all_but_layers(model: nn.Module, device: torch.device) -> None:
+    """Move everything of ``model`` to ``device`` except its decoder layers (the embeddings, the final norm,
+    the rotary tables, lm_head), which stay where they are until each is quantized on its turn."""
+    inner = model.model
+    layers = inner.layers
+    inner.layers = nn.ModuleList()  # out of the tree while model.to walks it
+    try:
+        model.to(device)
+    finally:
+        inner.layers = layers
 
 
 def weight_bytes(model: nn.Module) -> dict:

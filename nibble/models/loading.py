@@ -41,7 +41,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
     """
     device = torch.device(device)
-    dtype = dtype or _default_dtype(device)
+    dtype = dtype or default_dtype(device)
     path = default_model_path() if name_or_path is None else Path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
         model, tokenizer = load_gguf(path, dtype=dtype)
@@ -56,7 +56,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     return model.to(device), tokenizer
 
 
-def _default_dtype(device: torch.device) -> torch.dtype:
+def default_dtype(device: torch.device) -> torch.dtype:
     # bf16 halves GPU memory and runs on tensor cores; most CPUs lack fast bf16 matmuls.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

@@ -24,13 +24,17 @@ from nibble.models.convert import check_architecture, decoder_layers, untie_lm_h
 from nibble.nn.hadamard import HadamardInputLinear
 
 
-def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False) -> nn.Module:
+def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
+                 device: str | torch.device | None = None) -> nn.Module:
     """Rotate a Hugging Face Llama / Qwen2 / Mistral causal LM in place; returns it.
 
     online_o_proj: also rotate o_proj's input online (hidden = heads * head_dim must be a
     supported Hadamard size). QuaRot instead rotates V offline per head and mixes heads online;
     the product of the two is the same full Hadamard, and nibble's kernel does it in one pass.
     (The offline V rotation would only matter for a quantized KV cache, which nibble has not.)
+
+    device: where the float64 algebra runs (default: each weight's own device). Every result is
+    written back where its parameter lives, so a model in host memory can be rotated on a GPU.
     """
     check_architecture(model)
     cfg = model.config
@@ -51,21 +55,24 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False) -
     embed, head = model.model.embed_tokens, model.lm_head
     untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
     g = torch.Generator().manual_seed(seed)
-    signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double().to(embed.weight.device)
+    signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double()
+
+    def f64(t: torch.Tensor) -> torch.Tensor:  # moved in its own dtype, widened where the algebra runs
+        return t.detach().to(device or t.device).to(torch.float64)
 
     def times_q(m: torch.Tensor) -> torch.Tensor:
         # m @ Q = (m @ H_d) * s, without ever forming Q: rows of m take the inverse transform.
         return hadamard_transform_reference(m, inverse=True) * signs.to(m.device)
 
     with torch.no_grad():
-        _set(embed.weight, times_q(_f64(embed.weight)))
+        _rotate_rows(embed.weight, times_q, f64)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            _rotate_readers((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, times_q)
-            _rotate_readers((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, times_q)
-            attn.o_proj = _rotate_writer(attn.o_proj, times_q, online_o_proj)
-            mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, True)
-        _rotate_readers((head,), model.model.norm, times_q)
+            _rotate_readers((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, times_q, f64)
+            _rotate_readers((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, times_q, f64)
+            attn.o_proj = _rotate_writer(attn.o_proj, times_q, online_o_proj, f64)
+            mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, True, f64)
+        _rotate_readers((head,), model.model.norm, times_q, f64)
     return model
 
 
@@ -74,29 +81,35 @@ def _norms(model: nn.Module) -> list[nn.Module]:
     return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.model.norm]
 
 
-def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(torch.float64)
-
-
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:
-    param.copy_(value)  # one rounding, to the parameter's own dtype
+    param.copy_(value.to(param.dtype))  # one rounding, to the parameter's dtype, then back to its device
 
 
-def _rotate_readers(linears, norm: nn.Module, times_q) -> None:
+ROW_SLAB = 4096  # rows rotated at a time: a float64 copy of Llama-3's 128K x 4096 embedding is 4 GiB
+
+
+def _rotate_rows(param: torch.Tensor, row_map, f64) -> None:
+    """param <- row_map(param) for a map that takes each row on its own, a slab of rows at a time, so that
+    the float64 copies (the transform makes a few) of a vocabulary-sized matrix are never whole."""
+    for rows in param.split(ROW_SLAB):  # views of param: written in place
+        _set(rows, row_map(f64(rows)))
+
+
+def _rotate_readers(linears, norm: nn.Module, times_q, f64) -> None:
     """x_n = x / rms(x) * w feeds each linear: fold w into its columns (W -> W diag(w)), then rotate
     its input (W -> W Q). The norm keeps weight 1."""
-    w = _f64(norm.weight)
+    w = f64(norm.weight)
     for lin in linears:
-        _set(lin.weight, times_q(_f64(lin.weight) * w))
+        _rotate_rows(lin.weight, lambda m: times_q(m * w), f64)
     norm.weight.fill_(1.0)
 
 
-def _rotate_writer(lin: nn.Linear, times_q, online: bool) -> nn.Linear:
+def _rotate_writer(lin: nn.Linear, times_q, online: bool, f64) -> nn.Linear:
     """Output rotated into the stream: W -> Q^T W = (W^T Q)^T, b -> b Q. With `online`, also give it an
     online Hadamard on its input (weight W @ H^T), rounded once."""
-    w = times_q(_f64(lin.weight).T).T
+    w = times_q(f64(lin.weight).T).T
     if lin.bias is not None:
-        _set(lin.bias, times_q(_f64(lin.bias)))
+        _set(lin.bias, times_q(f64(lin.bias)))
     if online:
         return HadamardInputLinear.from_linear(lin, weight=w)
     _set(lin.weight, w)

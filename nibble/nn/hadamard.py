@@ -37,6 +37,7 @@ class HadamardInputLinear(nn.Linear):
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         # Rows of W transformed as rows: W @ H.T. The online transform then gives (x @ H.T) @ (W @ H.T).T = x @ W.T.
         folded = hadamard_transform_reference(w.detach().to(torch.float64))
-        layer.weight = nn.Parameter(folded.to(linear.weight.dtype), requires_grad=linear.weight.requires_grad)
+        layer.weight = nn.Parameter(folded.to(linear.weight.dtype).to(linear.weight.device),
+                                    requires_grad=linear.weight.requires_grad)
         layer.bias = linear.bias
         return layer

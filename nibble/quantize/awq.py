@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from nibble.formats.int4 import Int4Weight
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
-                                         input_groups, skip_from_config)
+                                         input_groups, onloaded, skip_from_config)
 from nibble.quantize.rtn import _check_weight, quantize_groups, rtn_quantize, weighted_clip_search
 
 N_GRID = 20
@@ -121,7 +121,8 @@ def _fold(prev: nn.Module, s: torch.Tensor) -> None:
 
 @torch.no_grad()
 def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, n_grid: int = N_GRID,
-                       clip: bool = True, clip_qk: bool = False, progress: bool = True) -> dict[str, Int4Weight]:
+                       clip: bool = True, clip_qk: bool = False, progress: bool = True,
+                       device: torch.device | None = None) -> dict[str, Int4Weight]:
     """AWQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig (group_size, symmetric, zero_point). ``calib``: token ids,
@@ -134,37 +135,39 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     computes the same function as before in float, and the returned weights are the quantized
     *scaled* weights: they are only valid for this modified model. Statistics are collected on the
     float model, one block at a time (block i+1 sees the float outputs of block i, as in AutoAWQ).
+    ``device``: where each block is moved for its turn, as in ``gptq_quantize_model``.
     """
     skip = skip_from_config(config)
     qargs = dict(symmetric=config.symmetric, zero_point=config.zero_point)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)
     results = {}
-    for i, block in enumerate(tqdm(decoder_layers(model), desc="AWQ", disable=not progress)):
+    for i, decoder_layer in enumerate(tqdm(decoder_layers(model), desc="AWQ", disable=not progress)):
         prefix = f"model.layers.{i}"
-        linears = block_linears(block, prefix, skip)
-        groups = input_groups(linears)
-        outputs, stats = forward_block(block, inputs, kwargs, {g[0]: linears[g[0]] for g in groups})
-        stats = {name: stats[g[0]] for g in groups for name in g}  # one set of statistics per shared input
-        input_scale = {}
-        for prev_name, names in _scale_groups(block, linears):
-            st = stats[names[0]]
-            H = st.hessian / 2  # X^T X / n
-            s, _, _ = search_scale([linears[n].weight for n in names], H, st.mean_abs, config.group_size,
-                                   n_grid=n_grid, **qargs)
-            _fold(block.get_submodule(prev_name), s)
-            for n in names:
-                linears[n].weight.mul_(s.to(linears[n].weight.dtype))
-                input_scale[n] = s
-        for name, layer in linears.items():
-            H = stats[name].hessian / 2
-            if name in input_scale:
-                s = input_scale[name]
-                H = H / (s.unsqueeze(0) * s.unsqueeze(1))
-            if clip and (clip_qk or not name.endswith(NO_CLIP)):
-                w = clip_quantize(layer.weight, H, config.group_size, **qargs)
-            else:
-                w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)
-            results[f"{prefix}.{name}"] = w
-        del stats
-        inputs = outputs
+        with onloaded(decoder_layer, device) as block:
+            linears = block_linears(block, prefix, skip)
+            groups = input_groups(linears)
+            outputs, stats = forward_block(block, inputs, kwargs, {g[0]: linears[g[0]] for g in groups})
+            stats = {name: stats[g[0]] for g in groups for name in g}  # one set of statistics per shared input
+            input_scale = {}
+            for prev_name, names in _scale_groups(block, linears):
+                st = stats[names[0]]
+                H = st.hessian / 2  # X^T X / n
+                s, _, _ = search_scale([linears[n].weight for n in names], H, st.mean_abs, config.group_size,
+                                       n_grid=n_grid, **qargs)
+                _fold(block.get_submodule(prev_name), s)
+                for n in names:
+                    linears[n].weight.mul_(s.to(linears[n].weight.dtype))
+                    input_scale[n] = s
+            for name, layer in linears.items():
+                H = stats[name].hessian / 2
+                if name in input_scale:
+                    s = input_scale[name]
+                    H = H / (s.unsqueeze(0) * s.unsqueeze(1))
+                if clip and (clip_qk or not name.endswith(NO_CLIP)):
+                    w = clip_quantize(layer.weight, H, config.group_size, **qargs)
+                else:
+                    w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)
+                results[f"{prefix}.{name}"] = w
+            del stats
+            inputs = outputs
     return results

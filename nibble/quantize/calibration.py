@@ -13,6 +13,7 @@ mean |x|, never storing the activations), and its outputs become the next block'
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -103,7 +104,7 @@ def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
     Returns ``(inputs, kwargs)``: per batch, block 0's input hidden states and the keyword arguments
     the model passed to it (rotary position embeddings, mask, ...), reused for every block.
     """
-    device = next(model.parameters()).device
+    device = model.get_input_embeddings().weight.device  # the layers may still be elsewhere (offloaded)
     inputs, kwargs_list = [], []
 
     def grab(module, args, kwargs):
@@ -122,6 +123,21 @@ def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
     finally:
         handle.remove()
     return inputs, kwargs_list
+
+
+@contextmanager
+def onloaded(block: nn.Module, device: torch.device | None):
+    """``block`` on ``device`` while the body runs, then back where it was (None: it stays put). How the
+    calibrated quantizers walk a model kept in host memory: one 16-bit block on the device at a time."""
+    home = next(block.parameters()).device
+    if device is None or device == home:
+        yield block
+        return
+    block.to(device)
+    try:
+        yield block
+    finally:
+        block.to(home)
 
 
 class InputStats:

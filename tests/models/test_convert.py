@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -142,3 +144,89 @@ def test_gpu_static_cache_generate_compiles_the_quantized_layers(mode, min_cos):
     steps = torch.stack(out.logits, 1)[0].float()
     cos = nn.functional.cosine_similarity(steps, eager, dim=-1)
     assert cos.min() >= min_cos, f"compiled decode steps against the eager forward: cosine {cos.tolist()}"
+
+
+# ---- quantize_model(device=...): a model in host memory quantized onto the GPU one layer at a time ------
+DEVICE_CONFIGS = [  # (QuantConfig kwargs, with calibration)
+    (dict(mode="w4a16", group_size=32), False),
+    (dict(mode="w4a4", rotation="hadamard"), False),
+    (dict(mode="w4a16", group_size=32, method="gptq"), True),
+    (dict(mode="w4a16", group_size=32, method="awq"), True),
+    (dict(mode="w4a4", rotation="hadamard", method="gptq"), True),
+    (dict(mode="w4a16", group_size=32, modules_to_not_convert=[]), False),  # lm_head quantized too
+]
+
+
+def _quantize_both_ways(arch, kwargs, calibrated, dtype, device):
+    """The same random model quantized as it stands on ``device`` and from host memory with ``device=``."""
+    torch.manual_seed(1)
+    host = tiny_model(arch, dtype=dtype, num_hidden_layers=3)
+    on_device = tiny_model(arch, dtype=dtype, num_hidden_layers=3).to(device)
+    on_device.load_state_dict(host.state_dict())
+    calib = torch.randint(0, 256, (6, 24), generator=torch.Generator().manual_seed(3)) if calibrated else None
+    quantize_model(on_device, QuantConfig(**kwargs), progress=False, calibration=calib)
+    quantize_model(host, QuantConfig(**kwargs), progress=False, calibration=calib, device=device)
+    return on_device, host
+
+
+def _assert_same_model(a, b, device):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sb[k].device.type == torch.device(device).type, k
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    assert [type(m) for m in a.modules()] == [type(m) for m in b.modules()]
+    ids = torch.randint(0, 256, (2, 10), device=device)
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+@pytest.mark.parametrize("kwargs,calibrated", DEVICE_CONFIGS)
+def test_quantizing_through_the_device_argument_equals_quantizing_in_place(kwargs, calibrated):
+    """On the CPU the layers do not move, but the walk is the one that moves them (every config's path)."""
+    a, b = _quantize_both_ways("llama", kwargs, calibrated, torch.float32, "cpu")
+    _assert_same_model(a, b, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no GPU is visible")
+def test_a_device_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        quantize_model(tiny_model(), QuantConfig(group_size=32), progress=False, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to quantize onto")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kwargs,calibrated", DEVICE_CONFIGS)
+def test_gpu_a_model_in_host_memory_quantized_onto_the_gpu_equals_one_quantized_there(arch, kwargs, calibrated):
+    """Every tensor ends on the GPU, equal bit for bit to quantizing the model after moving it there whole."""
+    a, b = _quantize_both_ways(arch, kwargs, calibrated, torch.bfloat16, "cuda")
+    _assert_same_model(a, b, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to quantize onto")
+@pytest.mark.parametrize("kwargs,calibrated", DEVICE_CONFIGS[:3])
+def test_gpu_quantizing_from_host_memory_never_holds_the_16_bit_layers(kwargs, calibrated):
+    """The GPU's peak from host memory is under the whole model's way by at least half the 16-bit decoder
+    layers (one layer at a time instead of all; what else the peak holds, GPTQ's work, is the same)."""
+    model = tiny_model("llama", dtype=torch.bfloat16, num_hidden_layers=24, hidden_size=256, intermediate_size=768,
+                       vocab_size=512)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    calib = torch.randint(0, 512, (2, 16)) if calibrated else None
+    # a first run on a copy allocates what stays for the process (cuBLAS's workspaces), not the model's
+    quantize_model(copy.deepcopy(model), QuantConfig(**kwargs), progress=False, calibration=calib, device="cuda")
+
+    def peak(quantize) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        quantize()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    whole = copy.deepcopy(model)
+    peak_whole = peak(lambda: quantize_model(whole.to("cuda"), QuantConfig(**kwargs), progress=False,
+                                             calibration=calib))
+    peak_host = peak(lambda: quantize_model(model, QuantConfig(**kwargs), progress=False, calibration=calib,
+                                            device="cuda"))
+    assert all(t.is_cuda for t in model.state_dict().values())
+    assert peak_host + layer_bytes / 2 < peak_whole, (peak_host, peak_whole, layer_bytes)
