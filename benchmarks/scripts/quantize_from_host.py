@@ -8,8 +8,8 @@ Random bf16 weights in the shapes of `nibble.eval.speed.SPEED_MODELS` (built on 
 memory: memory and time do not depend on the values). Each row: a model, a config, a way ("whole": moved to the
 GPU, then quantized there; "from host": quantized from host memory, one decoder layer at a time), the seconds
 from the call (or the move) to the last QuantLinear, the peak of `torch.cuda.max_memory_allocated` over that
-span, and what the quantized model holds after. GPTQ (`--gptq`) runs from host memory only (64 x 2,048 random
-calibration ids, as `gptq_7b.py` without the tokenizer); its on-GPU peak is `gptq_7b.py`'s row.
+span, and what the quantized model holds after. GPTQ (`--configs w4a16-gptq`) calibrates on 64 x 2,048 uniformly
+random ids (`gptq_7b.py` without the tokenizer); `--layers N` keeps the first N decoder layers (a quicker GPTQ).
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ CONFIGS = {"w4a16": dict(mode="w4a16", group_size=128), "w4a4-hadamard": dict(mo
            "w4a16-gptq": dict(mode="w4a16", group_size=128, method="gptq")}
 
 
-def host_model(name: str) -> torch.nn.Module:
+def host_model(name: str, layers: int | None) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = random_model(name, "cuda").to("cpu")  # built where initialization is fast
+    overrides = {} if layers is None else dict(num_hidden_layers=layers)
+    model = random_model(name, "cuda", **overrides).to("cpu")  # built where initialization is fast
     release()
     return model
 
@@ -84,36 +85,30 @@ def decode_check(model, prompt_len: int = 128, new_tokens: int = 128) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["llama-2-7b", "llama-3-8b"])
-    ap.add_argument("--configs", nargs="+", default=["w4a16", "w4a4-hadamard"], choices=[c for c in CONFIGS
-                                                                                         if "gptq" not in c])
-    ap.add_argument("--gptq", action="store_true", help="also GPTQ (W4A16 g128) from host memory, first model only")
+    ap.add_argument("--configs", nargs="+", default=["w4a16", "w4a4-hadamard"], choices=list(CONFIGS))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=[])
     for name in args.models:
         for config in args.configs:
-            host = host_model(name)
+            host = host_model(name, args.layers)
             bf16_gib = sum(p.numel() * p.element_size() for p in host.parameters()) / GIB
-            whole, row_whole = measure(copy.deepcopy(host), config, "whole")
-            quantized, row_host = measure(host, config, "from host")
+            calib = torch.randint(0, host.config.vocab_size, (64, 2048), generator=torch.Generator().manual_seed(0)) \
+                if "gptq" in config else None
+            whole, row_whole = measure(copy.deepcopy(host), config, "whole", calib)
+            quantized, row_host = measure(host, config, "from host", calib)
             equal = same_state(whole, quantized)
             del whole
             release()
             extra = decode_check(quantized) if config == "w4a16" else {}
             for row in (row_whole, row_host):
-                result["rows"].append(dict(model=name, bf16_model_gib=round(bf16_gib, 3), **row,
-                                           equal_to_whole=equal, **(extra if row is row_host else {})))
+                result["rows"].append(dict(model=name, layers=host.config.num_hidden_layers,
+                                           bf16_model_gib=round(bf16_gib, 3), **row, equal_to_whole=equal,
+                                           **(extra if row is row_host else {})))
             print(json.dumps(result["rows"][-1]), flush=True)
             del quantized
             release()
-    if args.gptq:
-        name = args.models[0]
-        host = host_model(name)
-        calib = torch.randint(0, host.config.vocab_size, (64, 2048), generator=torch.Generator().manual_seed(0))
-        quantized, row = measure(host, "w4a16-gptq", "from host", calibration=calib)
-        result["rows"].append(dict(model=name, **row, calibration="64 x 2048 uniform random ids"))
-        del quantized
-        release()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
