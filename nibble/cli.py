@@ -85,23 +85,38 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     eos = _stop_ids(model, tokenizer)
     new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling, streamer) if engine else None
     if new is None:
-        # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
-        draws = {} if sampling is None or sampling.greedy else dict(
-            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
-        with torch.no_grad():
-            new = model.generate(ids, max_new_tokens=max_new_tokens, **({"do_sample": False} | draws),
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                                 streamer=streamer)[0, ids.shape[1]:]
+        new = _transformers_tokens(model, tokenizer, ids.tolist(), max_new_tokens, sampling, streamer)[0]
     return _decode_until_stop(tokenizer, new, eos)
+
+
+@torch.no_grad()
+def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None,
+                         streamer=None) -> torch.Tensor:
+    """transformers' ``generate`` on a batch of prompts of any lengths, padded on the left as it wants them (an
+    attention mask keeps the pads out, and transformers counts each row's positions from its first real token);
+    the new tokens, [batch, <= max_new_tokens]."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    device = next(model.parameters()).device
+    # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
+    draws = {} if sampling is None or sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                         **({"do_sample": False} | draws), pad_token_id=pad, streamer=streamer)
+    return out[:, width:].cpu()
 
 
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool, engine: bool = True,
                    sampling=None, batch_size: int = 8) -> list[str]:
-    """The continuations of several prompts, as `generate_text` gives each. nibble's engine runs them
-    ``batch_size`` at a time, each batch one ragged batch (every prompt at its own length, no padding
-    that the model sees; greedy, each continuation is the one the prompt gets alone, up to near-ties);
-    without the engine (``engine`` False, or a model it cannot run) they go one by one through
-    transformers' ``generate``."""
+    """The continuations of several prompts, as `generate_text` gives each, ``batch_size`` at a time. nibble's
+    engine runs each batch as one ragged batch (every prompt at its own length, no padding that the model sees);
+    without it (``engine`` False, or a model it cannot run) transformers' ``generate`` runs the batch padded on
+    the left. Greedy, each continuation is the one the prompt gets alone, up to near-ties."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     eos = _stop_ids(model, tokenizer)
@@ -109,18 +124,20 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ch
     runner = None
     if engine and prompts:
         runner = _open_engine(model, min(batch_size, len(ids)), max(map(len, ids)) + max_new_tokens)
-    if runner is None:
-        return [generate_text(model, tokenizer, p, max_new_tokens, chat, engine=False, sampling=sampling)
-                for p in prompts]
     device = next(model.parameters()).device
     texts = []
     try:
         for start in range(0, len(ids), batch_size):
-            batch = [torch.tensor(t, device=device) for t in ids[start:start + batch_size]]
-            new = runner.generate(batch, max_new_tokens, stop_tokens=eos or None, **_sampling_kwargs(sampling)).cpu()
+            batch = ids[start:start + batch_size]
+            if runner is None:
+                new = _transformers_tokens(model, tokenizer, batch, max_new_tokens, sampling)
+            else:
+                new = runner.generate([torch.tensor(t, device=device) for t in batch], max_new_tokens,
+                                      stop_tokens=eos or None, **_sampling_kwargs(sampling)).cpu()
             texts += [_decode_until_stop(tokenizer, row, eos) for row in new]
     finally:
-        runner.close()
+        if runner is not None:
+            runner.close()
     return texts
 
 
