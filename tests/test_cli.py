@@ -232,6 +232,24 @@ def test_asking_for_cuda_without_a_gpu_is_a_clear_error(model_dir):
         main(["generate", "x", "--model", str(model_dir), "--device", "cuda"])
 
 
+def test_a_model_quantized_for_a_gpu_is_read_into_host_memory_and_quantized_onto_it(model_dir, monkeypatch):
+    """The CLI never puts the 16-bit model on the GPU: it loads it on the CPU, in bf16, and hands quantize_model
+    the GPU (which moves the layers one at a time; tests/models/test_convert.py checks that on a GPU)."""
+    from nibble.models import convert
+
+    seen = []
+
+    def spy(model, config, calibration=None, device=None, **kwargs):
+        seen.append((next(model.parameters()).device.type, next(model.parameters()).dtype, device, config.mode))
+        raise KeyboardInterrupt  # stop here: this machine may have no GPU to go on with
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(convert, "quantize_model", spy)
+    with pytest.raises(KeyboardInterrupt):
+        main(["quantize", "--model", str(model_dir), "--device", "cuda", "--quant", "w4a4", "--out", "unused"])
+    assert seen == [("cpu", torch.bfloat16, "cuda", "w4a4")]
+
+
 def test_quantize_without_a_quant_mode_is_refused(model_dir, tmp_path):
     with pytest.raises(SystemExit, match="needs --quant"):
         main(["quantize", "--model", str(model_dir), "--quant", "none", "--device", "cpu", "--out", str(tmp_path)])
