@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.config import QuantConfig  # noqa: E402
 from nibble.eval.engine import Engine  # noqa: E402
-from nibble.eval.speed import random_model, release  # noqa: E402
+from nibble.eval.memory import peak_memory  # noqa: E402
+from nibble.eval.speed import measure_decode, random_model, release  # noqa: E402
 from nibble.models.convert import quantize_model  # noqa: E402
 
 GIB = 2 ** 30
@@ -66,20 +67,13 @@ def same_state(a, b) -> bool:
 
 
 def decode_check(model, prompt_len: int = 128, new_tokens: int = 128) -> dict:
-    """The host-quantized model in nibble's engine: tokens/s at batch 1 and the GPU peak while it runs."""
-    torch.cuda.reset_peak_memory_stats()
+    """The host-quantized model in nibble's engine, as the report measures it: decode tokens/s at batch 1
+    (`speed.measure_decode`) and the GPU peak of a prefill + decode (`memory.peak_memory`)."""
     engine = Engine(model, max_batch=1, max_seq_len=prompt_len + new_tokens)
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), device="cuda")
-    engine.generate(ids, 8)  # captures the graphs
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = engine.generate(ids, new_tokens)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    row = dict(decode_tokens_per_s=round(out.shape[1] / dt, 1), peak_gib_with_engine=round(
-        torch.cuda.max_memory_allocated() / GIB, 3))
-    engine.close()
-    return row
+    step_ms = measure_decode(engine, 1, prompt_len, new_tokens)
+    release(engine)
+    peak = peak_memory(model, prompt_len, new_tokens)["peak_bytes"]
+    return dict(decode_tokens_per_s=round(1000 / step_ms, 1), peak_gib_with_engine=round(peak / GIB, 3))
 
 
 def main():
