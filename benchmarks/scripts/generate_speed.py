@@ -61,7 +61,7 @@ def main() -> None:
                 "transformers generate, static cache": lambda: model.generate(
                     ids, max_new_tokens=args.new, do_sample=False, cache_implementation="static"),
                 "nibble.Engine": lambda: engine.generate(ids, args.new),
-                # sampled: the draw (a sort of the vocabulary for top-p) inside each step's graph
+                # sampled: the draw (one Triton program a row: top-p by rejection) inside each step's graph
                 "nibble.Engine, sampled": lambda: engine.generate(ids, args.new, temperature=0.7, top_p=0.9)}
         for way in args.ways:
             fn = ways[way]

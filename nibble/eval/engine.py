@@ -17,7 +17,8 @@ this file supplies the rest of the forward pass:
   decode step advances its own position and writes its next token back into its input);
 - the next token is the greedy one, or sampled (`Sampling`: temperature, top-k, top-p) on the device
   inside the step's graph, without a host sync (gpt-fast's exponential race in place of
-  ``torch.multinomial``);
+  ``torch.multinomial``); on CUDA one Triton program a row finds the race's winner in the top-p
+  nucleus by rejection, where a sort of the vocabulary took ~0.1 ms a step;
 - the glue between the matmuls is three fused Triton kernels on CUDA: residual add + RMSNorm,
   RoPE + KV-cache write, SiLU(gate) * up, so a decode step runs about 13 kernels a layer instead
   of about 43. In a CUDA graph each small kernel still costs a few microseconds, and at 32 layers
@@ -53,6 +54,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -259,6 +261,72 @@ if triton is not None:
         tl.store(out_ptr + (bh * REP + r) * D + cols, y.to(out_ptr.dtype.element_ty))
 
 
+    @triton.jit
+    def _sample_logits(x_row, offs, V, inv_t, kth):
+        """s = x * inv_t (``x.float() / temperature`` as CUDA computes it: times the fp32 reciprocal),
+        -inf past the row and below the top-k threshold."""
+        s = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
+        return tl.where(s >= kth, s, float("-inf"))
+
+    @triton.jit
+    def _first_argmax(key, idx):
+        """The smallest index among the lanes that hold the largest key (torch.argmax's choice)."""
+        return tl.min(tl.where(key == tl.max(key, 0), idx, 2147483647), 0)
+
+    @triton.jit
+    def _sample_kernel(x_ptr, race_ptr, kth_ptr, out_ptr, V, row_stride, inv_t, top_p, TINY: tl.constexpr,
+                       HAS_KTH: tl.constexpr, TOP_P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Program (row): the token `_sample_plain` draws, without sorting the vocabulary.
+
+        The race's winner is argmax of s - log E (= of p / E). Top-p keeps a token when the tokens
+        strictly more likely hold less than top_p of the mass: the kept set is a prefix of the ranking,
+        so rejection finds the nucleus's winner. If the winner is outside it, so is every token as
+        likely or less, and the winner among the more likely ones, with the same draws, is the next
+        candidate (a race's winner within a set does not depend on how the set's best fared outside
+        it). Each round is a pass over the row; the top token always stays, so it ends, and a round
+        keeps its candidate with probability >= top_p. Every lane keeps its own running max, sums and
+        leader across the row's blocks; the lanes are reduced once a pass (a reduction a block made
+        the passes wait on barriers: 3x slower, H200)."""
+        after_prior_grids(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        x_row, race_row = x_ptr + row * row_stride, race_ptr + row * V
+        lanes = tl.arange(0, BLOCK)
+        kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
+        top = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's max, and its race leader
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, V, BLOCK):
+            offs = start + lanes
+            s = _sample_logits(x_row, offs, V, inv_t, kth)
+            e = tl.maximum(tl.load(race_row + offs, mask=offs < V, other=1.0), TINY)
+            key = tl.where(s > float("-inf"), s - tl.log(e), float("-inf"))
+            best_i = tl.where(key > best, offs, best_i)
+            best = tl.maximum(key, best)
+            top = tl.maximum(top, s)
+        token = _first_argmax(best, best_i)
+        if TOP_P:
+            m = tl.max(top, 0)
+            done = m < m  # False
+            while not done:
+                cand = tl.load(x_row + token).to(tl.float32) * inv_t
+                total = tl.zeros([BLOCK], tl.float32)
+                above = tl.zeros([BLOCK], tl.float32)
+                best = tl.full([BLOCK], float("-inf"), tl.float32)
+                for start in range(0, V, BLOCK):
+                    offs = start + lanes
+                    s = _sample_logits(x_row, offs, V, inv_t, kth)
+                    e = tl.maximum(tl.load(race_row + offs, mask=offs < V, other=1.0), TINY)
+                    p = tl.exp(s - m)  # 0 at -inf
+                    total += p
+                    more = s > cand
+                    above += tl.where(more, p, 0.0)
+                    key = tl.where(more, s - tl.log(e), float("-inf"))
+                    best_i = tl.where(key > best, offs, best_i)
+                    best = tl.maximum(key, best)
+                done = tl.sum(above, 0) < top_p * tl.sum(total, 0)
+                token = tl.where(done, token, _first_argmax(best, best_i))
+        tl.store(out_ptr + row, token.to(tl.int64))
+
 # ---- fused glue: the ops (Triton on CUDA, PyTorch otherwise) -----------------------------------
 # NIBBLE_FUSED_GLUE=0 runs the PyTorch ops on CUDA too (to measure what the fusion buys).
 FUSED_GLUE = os.environ.get("NIBBLE_FUSED_GLUE", "1") != "0"
@@ -452,7 +520,8 @@ class Sampling:
     """How the engine picks each next token. ``temperature`` 0 (the default) is greedy decoding; above 0
     the token is drawn from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens
     (None: all) and to the smallest set of them whose probability reaches ``top_p`` (1: all), as
-    transformers' ``generate(do_sample=True, ...)`` filters them. Draws come from PyTorch's random
+    transformers' ``generate(do_sample=True, ...)`` filters them (tokens tied with the last one either
+    filter keeps all stay, where transformers' sort keeps some of them). Draws come from PyTorch's random
     generator of the logits' device: ``torch.manual_seed`` makes them repeat."""
     temperature: float = 0.0
     top_k: int | None = None
@@ -480,9 +549,38 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
 
     Sampling runs on the logits' device without a host sync, so a CUDA graph can hold it: an
     exponential race instead of ``torch.multinomial``: with E_i ~ Exp(1) independent, argmax_i
-    p_i / E_i is i with probability p_i (the Gumbel-max trick, -log E_i being Gumbel)."""
+    p_i / E_i is i with probability p_i (the Gumbel-max trick, -log E_i being Gumbel). On CUDA one
+    Triton program a row draws it (`_sample_kernel`: no sort of the vocabulary for top-p), from the
+    same draws as the PyTorch ops (`_sample_plain`), so a seed gives the same tokens either way."""
     if sampling.greedy:
         return logits.argmax(-1)
+
+    def kernel():
+        B, V = logits.shape
+        x = logits if logits.stride(-1) == 1 else logits.contiguous()
+        inv_t = float(np.float32(1.0) / np.float32(sampling.temperature))
+        kth = None
+        if sampling.top_k is not None and sampling.top_k < V:
+            x = x.float() / sampling.temperature  # the values top-k ranks are the ones the kernel reads
+            kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1].contiguous()
+            inv_t = 1.0
+        race = torch.empty(B, V, dtype=torch.float32, device=x.device).exponential_()
+        out = torch.empty(B, dtype=torch.long, device=x.device)
+        _sample_kernel[(B,)](x, race, race if kth is None else kth, out, V, x.stride(0), inv_t,
+                             float(sampling.top_p), TINY=torch.finfo(torch.float32).tiny, HAS_KTH=kth is not None,
+                             TOP_P=sampling.top_p < 1, BLOCK=SAMPLE_BLOCK, num_warps=SAMPLE_WARPS, **_early(x, B))
+        return out
+    return _dispatch(logits, kernel, lambda: _sample_plain(logits, sampling))
+
+
+# Vocabulary entries a sampling program reads at a time, and its warps: a pass is bound by the latency of
+# one SM's loads, so more warps (16 of 4-16) go faster; 2,048-16,384 entries at 8-16 warps were no better
+# (H200, `benchmarks/results/session49-h200/sampling-tiles-h200.json`).
+SAMPLE_BLOCK, SAMPLE_WARPS = 4096, 16
+
+
+def _sample_plain(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """`next_tokens`'s draw by PyTorch ops: the filters (`sampling_logits`, top-p by a sort), the race."""
     probs = sampling_logits(logits, sampling).softmax(-1)
     # Exp(1) draws of exactly 0 (u = 1 in -log u) would make 0 / 0 a NaN, which argmax would pick
     race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
@@ -497,11 +595,12 @@ def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
     if sampling.top_p < 1:
-        ranked, order = logits.sort(-1, descending=True)
+        ranked = logits.sort(-1, descending=True).values
         probs = ranked.softmax(-1)
-        # a token goes once the tokens ranked above it hold top_p of the mass; the first always stays
-        ranked = ranked.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, -math.inf)
-        logits = torch.empty_like(logits).scatter_(-1, order, ranked)
+        # a token stays while the tokens ranked above it hold less than top_p of the mass (the first always
+        # does), and so does every token tied with the last one kept, whatever order the sort gave them
+        kept = (probs.cumsum(-1) - probs < sampling.top_p).sum(-1, keepdim=True)
+        logits = logits.masked_fill(logits < ranked.gather(-1, kept - 1), -math.inf)
     return logits
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from nibble.bench.timing import capture_graph
 from nibble.config import QuantConfig
-from nibble.eval.engine import Engine
+from nibble.eval.engine import GREEDY, Engine, Sampling
 from nibble.eval.memory import decode_stream_bytes, linear_bytes, weight_memory
 
 SPEED_MODELS = {
@@ -164,15 +164,17 @@ def round_order(names, r: int) -> list:
     return list(names) if r % 2 == 0 else list(reversed(list(names)))
 
 
-def measure_decode(engine: Engine, batch: int, prompt_len: int, tokens: int, reps: int = 3, seed: int = 0) -> float:
-    """Median milliseconds of one decode step, over ``reps`` runs of ``tokens`` steps after a ``prompt_len`` prefill."""
+def measure_decode(engine: Engine, batch: int, prompt_len: int, tokens: int, reps: int = 3, seed: int = 0,
+                   sampling: Sampling = GREEDY) -> float:
+    """Median milliseconds of one decode step, over ``reps`` runs of ``tokens`` steps after a ``prompt_len`` prefill,
+    each step's token picked by ``sampling`` (greedy by default)."""
     vocab = engine.embed.weight.shape[0]
     prompt = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).to(engine.device)
-    engine.prefill(prompt)
+    engine.prefill(prompt, sampling)
     engine.decode(2, collect=False)  # captures the decode graph
     times = []
     for _ in range(reps):
-        engine.prefill(prompt)
+        engine.prefill(prompt, sampling)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         engine.decode(tokens, collect=False)

@@ -47,6 +47,15 @@ def test_draws_follow_the_filtered_softmax(sampling):
     assert torch.all((freq - expect).abs() <= 5 * sigma + 1e-12), (freq, expect)
 
 
+def test_tokens_tied_with_the_last_one_a_filter_keeps_all_stay():
+    # probabilities ~.47 / .17 / .17 / .17 / .02: top-p .6 ends inside the tied tokens, top-k 2 too
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, -1.0]])
+    for sampling in (Sampling(1.0, top_p=0.6), Sampling(1.0, top_k=2), Sampling(1.0, top_k=3, top_p=0.55)):
+        assert torch.equal(sampling_logits(logits, sampling) > -torch.inf, torch.tensor([[True] * 4 + [False]]))
+    assert torch.equal(sampling_logits(logits, Sampling(1.0, top_p=0.4)) > -torch.inf,
+                       torch.tensor([[True] + [False] * 4]))
+
+
 def test_a_nucleus_smaller_than_the_top_token_keeps_the_top_token():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)

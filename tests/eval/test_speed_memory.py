@@ -258,6 +258,38 @@ def assert_quantized_close(got, spec, order):
     assert diff.max() <= 1 and (diff > 0).float().mean() < 0.02
 
 
+@needs_kernel
+@pytest.mark.interpreter
+def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw():
+    """Same seed, same draws: the kernel's tokens equal `_sample_plain`'s (sort-based top-p) row for row,
+    over vocabularies of one to several program blocks, temperatures, top-k and top-p (tiny ones, where
+    the rejection takes many rounds), logits in fp32 and bf16, a strided batch, -inf logits."""
+    g = torch.Generator().manual_seed(4)
+    dtypes = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32, torch.float16]
+    cases, rounds = 0, 0
+    for case in range(48):
+        V = int(torch.randint(2, 3 * engine_mod.SAMPLE_BLOCK, (1,), generator=g)) if case % 4 else 2 + case
+        B = 1 + case % 3
+        logits = torch.randn(B, V + 5, generator=g) * float(0.5 + 6 * torch.rand(1, generator=g))
+        logits[:, torch.randint(0, V + 5, (V // 10,), generator=g)] = -torch.inf  # tokens a model rules out
+        logits = logits.to(dtypes[case % 2]).to(KERNEL_DEVICE)[:, 2:V + 2]  # rows V + 5 apart
+        top_k = int(torch.randint(1, V + 3, (1,), generator=g)) if case % 3 == 0 else None
+        top_p = (0.9, 0.5, 1e-3, 1.0, float(torch.rand(1, generator=g)) + 1e-4)[case % 5]
+        sampling = engine_mod.Sampling(float(0.2 + 2 * torch.rand(1, generator=g)), top_k, top_p)
+        if sampling.greedy:
+            continue
+        for seed in range(4):
+            torch.manual_seed(seed)
+            ours = engine_mod.next_tokens(logits, sampling)
+            torch.manual_seed(seed)
+            theirs = engine_mod._sample_plain(logits, sampling)
+            assert ours.dtype == torch.int64 and torch.equal(ours, theirs), (case, V, sampling, seed)
+            rounds += int((ours != logits.float().argmax(-1)).sum())
+        cases += 1
+    assert engine_mod._glue_failure is None  # the kernel ran, nothing fell back
+    assert cases > 30 and rounds > 50  # most draws were not the top token: the race itself was tested
+
+
 def test_a_glue_kernel_that_fails_to_build_falls_back_to_pytorch_with_a_warning(monkeypatch):
     class Broken:
         def __getitem__(self, grid):
