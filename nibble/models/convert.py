@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -74,15 +75,20 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     config's mode, whatever ``method`` the decoder layers use, and untied from the embedding, which keeps
     its 16-bit table: a tied model grows by the INT4 head, while a decode step reads less).
 
-    For ``rotation="hadamard"`` the model is first rotated (calibration-free, same function in
-    16 bits) so per-token activation quantization meets no outlier channels. ``method="gptq"`` /
-    ``"awq"`` need ``calibration`` (token batches, see nibble.quantize.calibration).
+    For ``rotation="hadamard"`` the model is rotated (calibration-free, same function in 16 bits; each
+    decoder layer just before it is quantized) so per-token activation quantization meets no outlier
+    channels. ``method="gptq"`` / ``"awq"`` need ``calibration`` (token batches, see
+    nibble.quantize.calibration).
 
+    The decoder layers are quantized one at a time (`layer_turns`), so at most one of them is in 16 bits
+    apart from the model's own weights: the rotated or calibrated copy of a layer is never kept.
     ``device``: where the work runs and where the quantized model ends up (default: where the model
     is). A model held elsewhere, e.g. a 16-bit model in host memory that the GPU could not hold, moves
     there one decoder layer at a time: the device holds the embeddings, lm_head, the layers quantized
-    so far and one 16-bit layer, never the whole 16-bit model. The results are those of quantizing
-    on the device (the arithmetic is the same; the rotation's float64 algebra runs there too).
+    so far and one 16-bit layer, never the whole 16-bit model, and nothing is written back to host
+    memory (a model transformers loaded from safetensors stays a mapping of its files there). The results
+    are those of quantizing on the device (the arithmetic is the same; the rotation's float64 algebra
+    runs there too).
     """
     config = config or QuantConfig()
     check_architecture(model)
@@ -95,32 +101,63 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
                       f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')",
                       stacklevel=2)
+    rotate_layer = None
     if config.rotation == "hadamard":
-        from nibble.models.rotation import rotate_model
-        rotate_model(model, seed=config.rotation_seed, device=device)
-    calibrated = {}
+        from nibble.models.rotation import rotate_all_but_layers
+        rotate_layer = rotate_all_but_layers(model, seed=config.rotation_seed, device=device)
+    names = linears_to_convert(model, config)
+    turn = layer_turns(model, config, names, device, rotate_layer)
     if config.method != "rtn":
         if calibration is None:
             raise ValueError(f"method={config.method!r} needs calibration data (see nibble.quantize.calibration)")
         from nibble.quantize import calibrated_quantizers
-        calibrated = calibrated_quantizers[config.method](model, config, calibration, progress=progress,
-                                                          device=device)
-    names = linears_to_convert(model, config)
-    for name in tqdm(names, desc=f"quantizing {config.mode}", disable=not progress):
-        module = model.get_submodule(name)
-        if name in calibrated:
-            q = QuantLinear.from_weight(calibrated[name], module.bias, config.mode,
-                                        getattr(module, "input_hadamard", False), dtype=module.weight.dtype)
-        else:
-            q = QuantLinear.from_linear(module if device is None else module.to(device), config)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, q)
+        calibrated_quantizers[config.method](model, config, calibration, progress=progress, onload=turn)
+    else:
+        for i, layer in enumerate(tqdm(decoder_layers(model), desc=f"quantizing {config.mode}", disable=not progress)):
+            with turn(i, layer):
+                pass
     if "lm_head" in names:  # after the head is replaced: a tied head's float weight is never copied
+        _convert(model, "lm_head", config, None, device)
         untie_lm_head(model)
     if device is not None:
-        model.to(device)  # what the layers keep in 16 bits: norms, linears left unconverted
+        model.to(device)  # the rest of the model, already there unless a layer's turn never came
     model.config.quantization_config = config.to_dict()
     return model
+
+
+def layer_turns(model: nn.Module, config: QuantConfig, names: list[str], device: torch.device | None, rotate_layer):
+    """The context manager ``turn(i, layer)`` that ``quantize_model`` walks the decoder layers with, and hands
+    the calibrated quantizers as their ``onload``: decoder layer i moved to ``device`` (None: where it is) and
+    rotated (``rotate_layer``: `rotation.rotate_all_but_layers`'s, or None), given to the body with a dict for
+    what a calibrated quantizer makes of its linears ({full name: Int4Weight}); then its linears in ``names``
+    become QuantLinears, from that dict or by RTN. So one 16-bit layer exists at a time: a model in host
+    memory never has a rotated or calibrated 16-bit copy written back there, and the device holds the
+    quantized layers and the one at its turn."""
+    @contextmanager
+    def turn(i: int, layer: nn.Module):
+        if device is not None:
+            layer.to(device)
+        if rotate_layer is not None:
+            rotate_layer(layer)
+        calibrated = {}
+        yield layer, calibrated
+        prefix = f"model.layers.{i}."
+        for name in names:
+            if name.startswith(prefix):
+                _convert(model, name, config, calibrated.get(name), device)
+    return turn
+
+
+def _convert(model: nn.Module, name: str, config: QuantConfig, weight, device: torch.device | None) -> None:
+    """Linear ``name`` replaced by its QuantLinear: of ``weight`` (a calibrated quantizer's Int4Weight), else RTN."""
+    module = model.get_submodule(name)
+    if weight is not None:
+        q = QuantLinear.from_weight(weight, module.bias, config.mode, getattr(module, "input_hadamard", False),
+                                    dtype=module.weight.dtype)
+    else:
+        q = QuantLinear.from_linear(module if device is None else module.to(device), config)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, q)
 
 
 def _work_device(device) -> torch.device:

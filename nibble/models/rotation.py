@@ -16,6 +16,8 @@ rounded back to its dtype once.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -36,6 +38,17 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
     device: where the float64 algebra runs (default: each weight's own device). Every result is
     written back where its parameter lives, so a model in host memory can be rotated on a GPU.
     """
+    rotate_layer = rotate_all_but_layers(model, seed, online_o_proj, device)
+    for layer in decoder_layers(model):
+        rotate_layer(layer)
+    return model
+
+
+def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
+                          device: str | torch.device | None = None) -> Callable[[nn.Module], None]:
+    """`rotate_model` of everything but the decoder layers (the embedding; lm_head, which absorbs the final
+    norm), after checking the whole model can be rotated; returns the function that rotates one decoder
+    layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn."""
     check_architecture(model)
     cfg = model.config
     layers = decoder_layers(model)
@@ -52,7 +65,6 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
         if not type(norm).__name__.endswith("RMSNorm") or getattr(norm, "bias", None) is not None:
             raise ValueError(f"rotation folds RMSNorm (x / rms(x) * w) weights; found {type(norm).__name__}")
 
-    embed, head = model.model.embed_tokens, model.lm_head
     untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
     g = torch.Generator().manual_seed(seed)
     signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double()
@@ -64,16 +76,18 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
         # m @ Q = (m @ H_d) * s, without ever forming Q: rows of m take the inverse transform.
         return hadamard_transform_reference(m, inverse=True) * signs.to(m.device)
 
+    @torch.no_grad()
+    def rotate_layer(layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        _rotate_readers((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, times_q, f64)
+        _rotate_readers((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, times_q, f64)
+        attn.o_proj = _rotate_writer(attn.o_proj, times_q, online_o_proj, f64)
+        mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, True, f64)
+
     with torch.no_grad():
-        _rotate_rows(embed.weight, times_q, f64)
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            _rotate_readers((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, times_q, f64)
-            _rotate_readers((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, times_q, f64)
-            attn.o_proj = _rotate_writer(attn.o_proj, times_q, online_o_proj, f64)
-            mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, True, f64)
-        _rotate_readers((head,), model.model.norm, times_q, f64)
-    return model
+        _rotate_rows(model.model.embed_tokens.weight, times_q, f64)
+        _rotate_readers((model.lm_head,), model.model.norm, times_q, f64)
+    return rotate_layer
 
 
 def _norms(model: nn.Module) -> list[nn.Module]:
@@ -82,7 +96,10 @@ def _norms(model: nn.Module) -> list[nn.Module]:
 
 
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:
-    param.copy_(value.to(param.dtype))  # one rounding, to the parameter's dtype, then back to its device
+    """param's values become value, rounded once to param's dtype (where value is), in new storage: a
+    parameter that transformers mapped from a safetensors file would copy every page written into process
+    memory for good (copy-on-write), where dropping the mapped one costs nothing."""
+    param.data = value.to(param.dtype).to(param.device)
 
 
 ROW_SLAB = 4096  # rows rotated at a time: a float64 copy of Llama-3's 128K x 4096 embedding is 4 GiB
@@ -91,8 +108,10 @@ ROW_SLAB = 4096  # rows rotated at a time: a float64 copy of Llama-3's 128K x 40
 def _rotate_rows(param: torch.Tensor, row_map, f64) -> None:
     """param <- row_map(param) for a map that takes each row on its own, a slab of rows at a time, so that
     the float64 copies (the transform makes a few) of a vocabulary-sized matrix are never whole."""
-    for rows in param.split(ROW_SLAB):  # views of param: written in place
-        _set(rows, row_map(f64(rows)))
+    out = torch.empty_like(param)  # new storage, as `_set` says why
+    for rows, dst in zip(param.split(ROW_SLAB), out.split(ROW_SLAB)):
+        dst.copy_(row_map(f64(rows)).to(dst.dtype))
+    param.data = out
 
 
 def _rotate_readers(linears, norm: nn.Module, times_q, f64) -> None:

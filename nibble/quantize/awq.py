@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from nibble.formats.int4 import Int4Weight
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
-                                         input_groups, onloaded, skip_from_config)
+                                         in_place, input_groups, skip_from_config)
 from nibble.quantize.rtn import _check_weight, quantize_groups, rtn_quantize, weighted_clip_search
 
 N_GRID = 20
@@ -122,7 +122,7 @@ def _fold(prev: nn.Module, s: torch.Tensor) -> None:
 @torch.no_grad()
 def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, n_grid: int = N_GRID,
                        clip: bool = True, clip_qk: bool = False, progress: bool = True,
-                       device: torch.device | None = None) -> dict[str, Int4Weight]:
+                       onload=None) -> dict[str, Int4Weight]:
     """AWQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig (group_size, symmetric, zero_point). ``calib``: token ids,
@@ -135,7 +135,7 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     computes the same function as before in float, and the returned weights are the quantized
     *scaled* weights: they are only valid for this modified model. Statistics are collected on the
     float model, one block at a time (block i+1 sees the float outputs of block i, as in AutoAWQ).
-    ``device``: where each block is moved for its turn, as in ``gptq_quantize_model``.
+    ``onload``: how each block is reached, as in ``gptq_quantize_model``.
     """
     skip = skip_from_config(config)
     qargs = dict(symmetric=config.symmetric, zero_point=config.zero_point)
@@ -143,7 +143,7 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     results = {}
     for i, decoder_layer in enumerate(tqdm(decoder_layers(model), desc="AWQ", disable=not progress)):
         prefix = f"model.layers.{i}"
-        with onloaded(decoder_layer, device) as block:
+        with (onload or in_place)(i, decoder_layer) as (block, block_results):
             linears = block_linears(block, prefix, skip)
             groups = input_groups(linears)
             outputs, stats = forward_block(block, inputs, kwargs, {g[0]: linears[g[0]] for g in groups})
@@ -167,7 +167,8 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
                     w = clip_quantize(layer.weight, H, config.group_size, **qargs)
                 else:
                     w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)
-                results[f"{prefix}.{name}"] = w
+                block_results[f"{prefix}.{name}"] = w
             del stats
             inputs = outputs
+        results.update(block_results)
     return results

@@ -126,18 +126,11 @@ def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
 
 
 @contextmanager
-def onloaded(block: nn.Module, device: torch.device | None):
-    """``block`` on ``device`` while the body runs, then back where it was (None: it stays put). How the
-    calibrated quantizers walk a model kept in host memory: one 16-bit block on the device at a time."""
-    home = next(block.parameters()).device
-    if device is None or device == home:
-        yield block
-        return
-    block.to(device)
-    try:
-        yield block
-    finally:
-        block.to(home)
+def in_place(i: int, layer: nn.Module):
+    """The calibrated quantizers' default ``onload(i, layer)``: decoder layer i as it is, and the dict that
+    receives its quantized weights. ``quantize_model`` passes its own, which moves each layer to the GPU,
+    rotates it and converts it at its turn (``nibble.models.convert.layer_turns``)."""
+    yield layer, {}
 
 
 class InputStats:

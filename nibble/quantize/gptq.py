@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
-                                         input_groups, onloaded, skip_from_config)
+                                         in_place, input_groups, skip_from_config)
 from nibble.quantize.rtn import _check_weight, _codes, quantize_groups, weighted_clip_search
 
 DEFAULT_PERCDAMP = 0.01
@@ -202,7 +202,7 @@ def _output_rows(w: Int4Weight, start: int, stop: int) -> Int4Weight:
 @torch.no_grad()
 def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, true_sequential: bool = True,
                         blocksize: int = DEFAULT_BLOCKSIZE, clip: bool = True, progress: bool = True,
-                        compensated: dict | None = None, device: torch.device | None = None) -> dict[str, Int4Weight]:
+                        compensated: dict | None = None, onload=None) -> dict[str, Int4Weight]:
     """GPTQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig: group_size, symmetric, zero_point as RTN uses them.
@@ -224,8 +224,9 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     ``config.modules_to_not_convert`` are left alone. ``compensated``: a dict that receives each
     linear's weight as GPTQ rounded it (`GPTQResult.compensated`), by the same names.
 
-    ``device``: where each block is moved for its turn (and moved back after; the results stay there),
-    for a model whose layers are kept in host memory (see ``quantize_model``); None: where it is.
+    ``onload(i, layer)``: a context manager giving block i to work on and the dict its results go to
+    (``calibration.in_place``, the default: the block where it is); ``quantize_model``'s moves each block to
+    its device, rotates it, and converts it when GPTQ is done with it.
     """
     act_order = bool(getattr(config, "act_order", True))
     percdamp = float(getattr(config, "damp_percent", DEFAULT_PERCDAMP))
@@ -234,7 +235,7 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     results = {}
     for i, decoder_layer in enumerate(tqdm(decoder_layers(model), desc="GPTQ", disable=not progress)):
         prefix = f"model.layers.{i}"
-        with onloaded(decoder_layer, device) as block:
+        with (onload or in_place)(i, decoder_layer) as (block, block_results):
             linears = block_linears(block, prefix, skip)
             groups = input_groups(linears)  # linears sharing one input share one Hessian
             for step in (groups if true_sequential else [sum(groups, [])]):
@@ -255,11 +256,12 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
                         layer = linears[name]
                         stop = start + layer.out_features
                         w = _output_rows(res.weight, start, stop)
-                        layer.weight.copy_(dequantize(w.qweight, w.scales, w.zeros, w.group_size)
-                                           .to(layer.weight.dtype))
-                        results[f"{prefix}.{name}"] = w
+                        # new storage, not written in place (rotation._set says why)
+                        layer.weight.data = dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype)
+                        block_results[f"{prefix}.{name}"] = w
                         if compensated is not None:
                             compensated[f"{prefix}.{name}"] = res.compensated[start:stop].clone()
                         start = stop
             inputs, _ = forward_block(block, inputs, kwargs)
+        results.update(block_results)
     return results

@@ -1,5 +1,3 @@
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -188,6 +186,48 @@ def test_quantizing_through_the_device_argument_equals_quantizing_in_place(kwarg
     _assert_same_model(a, b, "cpu")
 
 
+@pytest.mark.parametrize("kwargs,calibrated", DEVICE_CONFIGS)
+def test_one_decoder_layer_at_a_time_is_rotated_or_calibrated_and_then_quantized(kwargs, calibrated, monkeypatch):
+    """Whenever a linear is converted or a down_proj rotated, the decoder layers read: quantized, then at most
+    one in the works (rotated, calibrated, half converted), then untouched. So the 16-bit copies that rotation
+    and GPTQ / AWQ write never pile up: a model loaded from safetensors (a mapping of its files) keeps them
+    out of host memory, and on a GPU the weights that came from host memory stay one layer."""
+    from nibble.nn.hadamard import HadamardInputLinear
+    torch.manual_seed(2)
+    model = tiny_model("llama", num_hidden_layers=4)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    layers = model.model.layers
+    checks = []
+
+    def state(i, layer):
+        linears = [m for m in layer.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+        if all(isinstance(m, QuantLinear) for m in linears):
+            return "quantized"
+        untouched = not any(isinstance(m, (QuantLinear, HadamardInputLinear)) for m in linears) and all(
+            torch.equal(v, original[f"model.layers.{i}.{k}"]) for k, v in layer.state_dict().items())
+        return "untouched" if untouched else "in the works"
+
+    def check():
+        states = [state(i, layer) for i, layer in enumerate(layers)]
+        order = {"quantized": 0, "in the works": 1, "untouched": 2}
+        assert states == sorted(states, key=order.get) and states.count("in the works") <= 1, states
+        checks.append(states)
+
+    def spy(cls, name):
+        real = getattr(cls, name).__func__
+        monkeypatch.setattr(cls, name, classmethod(lambda c, *a, **k: (check(), real(c, *a, **k))[1]))
+    spy(QuantLinear, "from_linear")
+    spy(QuantLinear, "from_weight")
+    spy(HadamardInputLinear, "from_linear")
+    calib = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3)) if calibrated else None
+    quantize_model(model, QuantConfig(**kwargs), progress=False, calibration=calib, device="cpu")
+    check()
+    assert checks[-1] == ["quantized"] * 4 and len(checks) > 4 * 7
+    assert any(states.count("untouched") == 3 for states in checks)  # the first layer's turn was seen
+    # ... and one of those mid-layer: rotated or calibrated, not yet converted
+    assert any("in the works" in states for states in checks)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no GPU is visible")
 def test_a_device_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA GPU is visible"):
@@ -206,27 +246,28 @@ def test_gpu_a_model_in_host_memory_quantized_onto_the_gpu_equals_one_quantized_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to quantize onto")
 @pytest.mark.parametrize("kwargs,calibrated", DEVICE_CONFIGS[:3])
 def test_gpu_quantizing_from_host_memory_never_holds_the_16_bit_layers(kwargs, calibrated):
-    """The GPU's peak from host memory is under the whole model's way by at least half the 16-bit decoder
-    layers (one layer at a time instead of all; what else the peak holds, GPTQ's work, is the same)."""
-    model = tiny_model("llama", dtype=torch.bfloat16, num_hidden_layers=24, hidden_size=256, intermediate_size=768,
-                       vocab_size=512)
-    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    """From host memory the GPU's peak grows with the model's depth by the quantized layers only: twice the
+    decoder layers add less than half their 16-bit bytes to it, where the model moved whole first adds them
+    all. (Differences of depth: what the peak holds besides, GPTQ's work, is the same at every depth.)"""
     calib = torch.randint(0, 512, (2, 16)) if calibrated else None
-    # a first run on a copy allocates what stays for the process (cuBLAS's workspaces), not the model's
-    quantize_model(copy.deepcopy(model), QuantConfig(**kwargs), progress=False, calibration=calib, device="cuda")
 
-    def peak(quantize) -> int:
+    def peak(layers: int, from_host: bool) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = tiny_model("llama", dtype=torch.bfloat16, num_hidden_layers=layers, hidden_size=256,
+                           intermediate_size=768, vocab_size=512)
+        layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        quantize()
+        quantize_model(model if from_host else model.to("cuda"), QuantConfig(**kwargs), progress=False,
+                       calibration=calib, device="cuda" if from_host else None)
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
+        assert all(t.is_cuda for t in model.state_dict().values())
+        return torch.cuda.max_memory_allocated() - before, layer_bytes
 
-    whole = copy.deepcopy(model)
-    peak_whole = peak(lambda: quantize_model(whole.to("cuda"), QuantConfig(**kwargs), progress=False,
-                                             calibration=calib))
-    peak_host = peak(lambda: quantize_model(model, QuantConfig(**kwargs), progress=False, calibration=calib,
-                                            device="cuda"))
-    assert all(t.is_cuda for t in model.state_dict().values())
-    assert peak_host + layer_bytes / 2 < peak_whole, (peak_host, peak_whole, layer_bytes)
+    peak(4, True)  # allocates what stays for the process (cuBLAS's workspaces), not the model's
+    (host_12, bytes_12), (host_24, bytes_24) = peak(12, True), peak(24, True)
+    (whole_12, _), (whole_24, _) = peak(12, False), peak(24, False)
+    added = bytes_24 - bytes_12
+    assert host_24 - host_12 < added / 2, (host_12, host_24, added)
+    assert whole_24 - whole_12 >= added, (whole_12, whole_24, added)  # the way that holds them all tells apart
