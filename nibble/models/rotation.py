@@ -108,10 +108,13 @@ ROW_SLAB = 4096  # rows rotated at a time: a float64 copy of Llama-3's 128K x 40
 def _rotate_rows(param: torch.Tensor, row_map, f64) -> None:
     """param <- row_map(param) for a map that takes each row on its own, a slab of rows at a time, so that
     the float64 copies (the transform makes a few) of a vocabulary-sized matrix are never whole."""
-    out = torch.empty_like(param)  # new storage, as `_set` says why
+    # New storage in host memory, as `_set` says why; in place on a GPU, where a second vocabulary-sized
+    # copy would only raise the peak (f64 copies each slab first, so a slab never reads what it wrote).
+    out = torch.empty_like(param) if param.device.type == "cpu" else param
     for rows, dst in zip(param.split(ROW_SLAB), out.split(ROW_SLAB)):
         dst.copy_(row_map(f64(rows)).to(dst.dtype))
-    param.data = out
+    if out is not param:
+        param.data = out
 
 
 def _rotate_readers(linears, norm: nn.Module, times_q, f64) -> None:
