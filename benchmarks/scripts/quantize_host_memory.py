@@ -76,6 +76,8 @@ def main() -> None:
         speed.random_model(name, device="cuda" if torch.cuda.is_available() else "cpu", **layers).save_pretrained(out)
         print(f"wrote a random {name}{f' of {args.layers} layers' if args.layers else ''} to {out}")
         return
+    if not args.checkpoint:
+        ap.error("give a checkpoint directory, or --save-random MODEL DIR to write one")
     rows = []
     for config in args.configs:
         # as nibble.models.loading.load_model reads a directory (which also wants a tokenizer there)

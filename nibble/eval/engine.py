@@ -306,7 +306,9 @@ if triton is not None:
         token = _first_argmax(best, best_i)
         if TOP_P:
             m = tl.max(top, 0)
-            done = m < m  # False
+            # a row with no finite max (every token ruled out, or a logit at +inf) keeps the race's winner: the
+            # mass is NaN there, and the rounds would never end
+            done = tl.abs(m) == float("inf")
             while not done:
                 cand = tl.load(x_row + token).to(tl.float32) * inv_t
                 total = tl.zeros([BLOCK], tl.float32)

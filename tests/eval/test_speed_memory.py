@@ -288,6 +288,11 @@ def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw():
         cases += 1
     assert engine_mod._glue_failure is None  # the kernel ran, nothing fell back
     assert cases > 30 and rounds > 50  # most draws were not the top token: the race itself was tested
+    # rows without a finite max end too (no endless rounds): every token ruled out, or one logit at +inf
+    odd = torch.randn(2, 300).to(KERNEL_DEVICE)
+    odd[0] = -torch.inf
+    odd[1, 7] = torch.inf
+    assert engine_mod.next_tokens(odd, engine_mod.Sampling(0.8, top_p=0.9)).tolist()[1] == 7
 
 
 def test_a_glue_kernel_that_fails_to_build_falls_back_to_pytorch_with_a_warning(monkeypatch):
