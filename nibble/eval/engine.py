@@ -17,8 +17,8 @@ this file supplies the rest of the forward pass:
   decode step advances its own position and writes its next token back into its input);
 - the next token is the greedy one, or sampled (`Sampling`: temperature, top-k, top-p) on the device
   inside the step's graph, without a host sync (gpt-fast's exponential race in place of
-  ``torch.multinomial``); on CUDA one Triton program a row finds the race's winner in the top-p
-  nucleus by rejection, where a sort of the vocabulary took ~0.1 ms a step;
+  ``torch.multinomial``); on CUDA Triton programs over chunks of each row find the race's winner in
+  the top-p nucleus by rejection, where a sort of the vocabulary took ~0.1 ms a step;
 - the glue between the matmuls is three fused Triton kernels on CUDA: residual add + RMSNorm,
   RoPE + KV-cache write, SiLU(gate) * up, so a decode step runs about 13 kernels a layer instead
   of about 43. In a CUDA graph each small kernel still costs a few microseconds, and at 32 layers
@@ -268,62 +268,136 @@ if triton is not None:
         return tl.where(s >= kth, s, float("-inf"))
 
     @triton.jit
+    def _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY: tl.constexpr):
+        """(s, the race's key s - log E): argmax of the key is argmax of p / E; -inf where s is."""
+        s = _sample_logits(x_row, offs, V, inv_t, kth)
+        e = tl.maximum(tl.load(race_row + offs, mask=offs < V, other=1.0), TINY)
+        return s, tl.where(s > float("-inf"), s - tl.log(e), float("-inf"))
+
+    @triton.jit
     def _first_argmax(key, idx):
         """The smallest index among the lanes that hold the largest key (torch.argmax's choice)."""
         return tl.min(tl.where(key == tl.max(key, 0), idx, 2147483647), 0)
 
     @triton.jit
-    def _sample_kernel(x_ptr, race_ptr, kth_ptr, out_ptr, V, row_stride, inv_t, top_p, TINY: tl.constexpr,
-                       HAS_KTH: tl.constexpr, TOP_P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Program (row): the token `_sample_plain` draws, without sorting the vocabulary.
-
-        The race's winner is argmax of s - log E (= of p / E). Top-p keeps a token when the tokens
-        strictly more likely hold less than top_p of the mass: the kept set is a prefix of the ranking,
-        so rejection finds the nucleus's winner. If the winner is outside it, so is every token as
-        likely or less, and the winner among the more likely ones, with the same draws, is the next
-        candidate (a race's winner within a set does not depend on how the set's best fared outside
-        it). Each round is a pass over the row; the top token always stays, so it ends, and a round
-        keeps its candidate with probability >= top_p. Every lane keeps its own running max, sums and
-        leader across the row's blocks; the lanes are reduced once a pass (reductions every block made
-        the passes wait on barriers: 1.3x the time at 32,000 tokens, H200)."""
-        after_prior_grids(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        x_row, race_row = x_ptr + row * row_stride, race_ptr + row * V
+    def _race_pass(x_row, race_row, start, stop, V, inv_t, kth, TINY: tl.constexpr, BLOCK: tl.constexpr):
+        """Over entries [start, stop): each lane's max of s, and its race leader (key, index). Lanes keep their
+        own across blocks, reduced once by the caller (a reduction every block makes the pass wait on
+        barriers: 1.3x the time at 32,000 tokens in one program a row, H200)."""
         lanes = tl.arange(0, BLOCK)
-        kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
-        top = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's max, and its race leader
+        top = tl.full([BLOCK], float("-inf"), tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
-            offs = start + lanes
-            s = _sample_logits(x_row, offs, V, inv_t, kth)
-            e = tl.maximum(tl.load(race_row + offs, mask=offs < V, other=1.0), TINY)
-            key = tl.where(s > float("-inf"), s - tl.log(e), float("-inf"))
+        for block in range(start, stop, BLOCK):
+            offs = block + lanes
+            s, key = _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY)
             best_i = tl.where(key > best, offs, best_i)
             best = tl.maximum(key, best)
             top = tl.maximum(top, s)
-        token = _first_argmax(best, best_i)
+        return top, best, best_i
+
+    @triton.jit
+    def _nucleus_pass(x_row, race_row, start, stop, V, inv_t, kth, m, cand, TINY: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """Over entries [start, stop), per lane: the mass exp(s - m) in all and in the tokens more likely than
+        the candidate (logit ``cand``), and the race leader among those."""
+        lanes = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], tl.float32)
+        above = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32)
+        for block in range(start, stop, BLOCK):
+            offs = block + lanes
+            s, key = _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY)
+            p = tl.exp(s - m)  # 0 at -inf
+            total += p
+            more = s > cand
+            above += tl.where(more, p, 0.0)
+            key = tl.where(more, key, float("-inf"))
+            best_i = tl.where(key > best, offs, best_i)
+            best = tl.maximum(key, best)
+        return total, above, best, best_i
+
+    @triton.jit
+    def _row_state(part_ptr, idx_ptr, tok_ptr, fin_ptr, stage, row, B, P, top_p, PMAX: tl.constexpr):
+        """What a row's chunks left after stage ``stage`` - 1: its max m, its candidate token, and whether the
+        candidate is final (top-p keeps it; or the row has no finite max: its mass is NaN, and rounds would
+        never end). ``part`` [stages, 3, B, P]: stage 0 holds each chunk's max and race leader (fields 0, 2),
+        a round each chunk's mass in all, above the candidate, and leader among the more likely (0, 1, 2);
+        ``idx`` [stages, B, P] the leaders' tokens; ``tok`` / ``fin`` [stages, B] each round's candidate."""
+        chunks = tl.arange(0, PMAX)
+        real = chunks < P
+        m = tl.max(tl.load(part_ptr + row * P + chunks, mask=real, other=float("-inf")), 0)
+        prev = stage - 1
+        key = tl.load(part_ptr + ((prev * 3 + 2) * B + row) * P + chunks, mask=real, other=float("-inf"))
+        leader = _first_argmax(key, tl.load(idx_ptr + (prev * B + row) * P + chunks, mask=real, other=2147483647))
+        if prev == 0:
+            fin = tl.abs(m) == float("inf")
+            token = leader
+        else:
+            total = tl.sum(tl.load(part_ptr + ((prev * 3) * B + row) * P + chunks, mask=real, other=0.0), 0)
+            above = tl.sum(tl.load(part_ptr + ((prev * 3 + 1) * B + row) * P + chunks, mask=real, other=0.0), 0)
+            fin_prev = tl.load(fin_ptr + prev * B + row) != 0  # then this stage's parts were never written
+            fin = fin_prev | (above < top_p * total)
+            token = tl.where(fin, tl.load(tok_ptr + prev * B + row), leader)
+        return m, token, fin
+
+    @triton.jit
+    def _sample_first_kernel(x_ptr, race_ptr, kth_ptr, part_ptr, idx_ptr, V, row_stride, inv_t,
+                             TINY: tl.constexpr, HAS_KTH: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        """Program (chunk, row), stage 0 of `next_tokens`'s draw: the chunk's max of s and its race leader."""
+        after_prior_grids(PDL)
+        c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        P, B = tl.num_programs(0), tl.num_programs(1)
+        kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
+        top, best, best_i = _race_pass(x_ptr + row * row_stride, race_ptr + row * V, c * CHUNK, (c + 1) * CHUNK,
+                                       V, inv_t, kth, TINY, BLOCK)
+        tl.store(part_ptr + row * P + c, tl.max(top, 0))
+        tl.store(part_ptr + (2 * B + row) * P + c, tl.max(best, 0))
+        tl.store(idx_ptr + row * P + c, _first_argmax(best, best_i))
+
+    @triton.jit
+    def _sample_round_kernel(x_ptr, race_ptr, kth_ptr, part_ptr, idx_ptr, tok_ptr, fin_ptr, V, row_stride, inv_t,
+                             top_p, stage, TINY: tl.constexpr, HAS_KTH: tl.constexpr, CHUNK: tl.constexpr,
+                             BLOCK: tl.constexpr, PMAX: tl.constexpr, PDL: tl.constexpr):
+        """Program (chunk, row), a top-p round over the chunk: the last stage's candidate is tested here (the
+        mass above it) and the next one found (the leader among the more likely), unless it was final."""
+        after_prior_grids(PDL)
+        c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        P, B = tl.num_programs(0), tl.num_programs(1)
+        m, token, fin = _row_state(part_ptr, idx_ptr, tok_ptr, fin_ptr, stage, row, B, P, top_p, PMAX)
+        if c == 0:
+            tl.store(tok_ptr + stage * B + row, token)
+            tl.store(fin_ptr + stage * B + row, fin.to(tl.int32))
+        if not fin:
+            x_row = x_ptr + row * row_stride
+            kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
+            cand = tl.load(x_row + token).to(tl.float32) * inv_t
+            total, above, best, best_i = _nucleus_pass(x_row, race_ptr + row * V, c * CHUNK, (c + 1) * CHUNK, V,
+                                                       inv_t, kth, m, cand, TINY, BLOCK)
+            tl.store(part_ptr + ((stage * 3) * B + row) * P + c, tl.sum(total, 0))
+            tl.store(part_ptr + ((stage * 3 + 1) * B + row) * P + c, tl.sum(above, 0))
+            tl.store(part_ptr + ((stage * 3 + 2) * B + row) * P + c, tl.max(best, 0))
+            tl.store(idx_ptr + (stage * B + row) * P + c, _first_argmax(best, best_i))
+
+    @triton.jit
+    def _sample_last_kernel(x_ptr, race_ptr, kth_ptr, part_ptr, idx_ptr, tok_ptr, fin_ptr, out_ptr, V, P,
+                            row_stride, inv_t, top_p, stage, TINY: tl.constexpr, HAS_KTH: tl.constexpr,
+                            TOP_P: tl.constexpr, BLOCK: tl.constexpr, PMAX: tl.constexpr, PDL: tl.constexpr):
+        """Program (row): the token. Rounds the chunks' launches did not settle go on here, each a pass over
+        the whole row (each round keeps its candidate with probability >= top_p, so they are few)."""
+        after_prior_grids(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        B = tl.num_programs(0)
+        m, token, done = _row_state(part_ptr, idx_ptr, tok_ptr, fin_ptr, stage, row, B, P, top_p, PMAX)
         if TOP_P:
-            m = tl.max(top, 0)
-            # a row with no finite max (every token ruled out, or a logit at +inf) keeps the race's winner: the
-            # mass is NaN there, and the rounds would never end
-            done = tl.abs(m) == float("inf")
+            x_row = x_ptr + row * row_stride
+            kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
             while not done:
                 cand = tl.load(x_row + token).to(tl.float32) * inv_t
-                total = tl.zeros([BLOCK], tl.float32)
-                above = tl.zeros([BLOCK], tl.float32)
-                best = tl.full([BLOCK], float("-inf"), tl.float32)
-                for start in range(0, V, BLOCK):
-                    offs = start + lanes
-                    s = _sample_logits(x_row, offs, V, inv_t, kth)
-                    e = tl.maximum(tl.load(race_row + offs, mask=offs < V, other=1.0), TINY)
-                    p = tl.exp(s - m)  # 0 at -inf
-                    total += p
-                    more = s > cand
-                    above += tl.where(more, p, 0.0)
-                    key = tl.where(more, s - tl.log(e), float("-inf"))
-                    best_i = tl.where(key > best, offs, best_i)
-                    best = tl.maximum(key, best)
+                total, above, best, best_i = _nucleus_pass(x_row, race_ptr + row * V, 0, V, V, inv_t, kth, m, cand,
+                                                           TINY, BLOCK)
                 done = tl.sum(above, 0) < top_p * tl.sum(total, 0)
                 token = tl.where(done, token, _first_argmax(best, best_i))
         tl.store(out_ptr + row, token.to(tl.int64))
@@ -551,9 +625,20 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
 
     Sampling runs on the logits' device without a host sync, so a CUDA graph can hold it: an
     exponential race instead of ``torch.multinomial``: with E_i ~ Exp(1) independent, argmax_i
-    p_i / E_i is i with probability p_i (the Gumbel-max trick, -log E_i being Gumbel). On CUDA one
-    Triton program a row draws it (`_sample_kernel`: no sort of the vocabulary for top-p), from the
-    same draws as the PyTorch ops (`_sample_plain`), so a seed gives the same tokens either way."""
+    p_i / E_i is i with probability p_i (the Gumbel-max trick, -log E_i being Gumbel). On CUDA Triton
+    kernels draw it without sorting the vocabulary, from the same draws as the PyTorch ops (`_sample_plain`),
+    so a seed gives the same tokens either way. Top-p keeps a token when the tokens strictly more likely
+    hold less than top_p of the mass: the kept set is a prefix of the ranking, so rejection finds the
+    nucleus's winner. If the race's winner is outside it, so is every token as likely or less, and the
+    winner among the more likely ones, with the same draws, is the next candidate (a race's winner within
+    a set does not depend on how the set's best fared outside it); the top token always stays, so the
+    rounds end, and each keeps its candidate with probability >= top_p. Launches: each row's chunks of
+    SAMPLE_CHUNK entries, a program each, find their max and race leader (`_sample_first_kernel`); then
+    SAMPLE_ROUNDS rounds over the chunks each test the last candidate (the mass above it) and find the next
+    (`_sample_round_kernel`, reading what the chunks left before it: `_row_state`); the last launch, a
+    program a row, goes on over whole rows where a row's candidate is still rejected (rare) and writes the
+    token (`_sample_last_kernel`). One program a row for all of it took 66 us a step at Llama-3's 128,256
+    tokens, batch 1, against 17 in chunks (H200)."""
     if sampling.greedy:
         return logits.argmax(-1)
 
@@ -568,17 +653,35 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
             inv_t = 1.0
         race = torch.empty(B, V, dtype=torch.float32, device=x.device).exponential_()
         out = torch.empty(B, dtype=torch.long, device=x.device)
-        _sample_kernel[(B,)](x, race, race if kth is None else kth, out, V, x.stride(0), inv_t,
-                             float(sampling.top_p), TINY=torch.finfo(torch.float32).tiny, HAS_KTH=kth is not None,
-                             TOP_P=sampling.top_p < 1, BLOCK=SAMPLE_BLOCK, num_warps=SAMPLE_WARPS, **_early(x, B))
+        top_p = sampling.top_p < 1
+        chunk = SAMPLE_CHUNK
+        P = triton.cdiv(V, chunk)
+        rounds = SAMPLE_ROUNDS if top_p else 0
+        part = torch.empty(rounds + 1, 3, B, P, dtype=torch.float32, device=x.device)
+        idx = torch.empty(rounds + 1, B, P, dtype=torch.int32, device=x.device)
+        state = torch.empty(2, rounds + 1, B, dtype=torch.int32, device=x.device)  # each round's candidate, final?
+        kth = race if kth is None else kth
+        consts = dict(TINY=torch.finfo(torch.float32).tiny, HAS_KTH=kth is not race, BLOCK=SAMPLE_BLOCK,
+                      num_warps=SAMPLE_WARPS, **_early(x, B))
+        pmax = triton.next_power_of_2(P)
+        _sample_first_kernel[(P, B)](x, race, kth, part, idx, V, x.stride(0), inv_t, CHUNK=chunk, **consts)
+        for stage in range(1, rounds + 1):
+            _sample_round_kernel[(P, B)](x, race, kth, part, idx, state[0], state[1], V, x.stride(0), inv_t,
+                                         float(sampling.top_p), stage, CHUNK=chunk, PMAX=pmax, **consts)
+        _sample_last_kernel[(B,)](x, race, kth, part, idx, state[0], state[1], out, V, P, x.stride(0), inv_t,
+                                  float(sampling.top_p), rounds + 1, TOP_P=top_p, PMAX=pmax, **consts)
         return out
     return _dispatch(logits, kernel, lambda: _sample_plain(logits, sampling))
 
 
-# Vocabulary entries a sampling program reads at a time, and its warps: a pass is bound by the latency of
-# one SM's loads, so more warps (16 of 4-16) go faster; 2,048-16,384 entries at 8-16 warps were no better
-# (H200, `benchmarks/results/session49-h200/sampling-tiles-h200.json`).
-SAMPLE_BLOCK, SAMPLE_WARPS = 4096, 16
+# The sampling draw's launches (`next_tokens`): rows in chunks of SAMPLE_CHUNK vocabulary entries, a program
+# each, read SAMPLE_BLOCK at a time by SAMPLE_WARPS warps; SAMPLE_ROUNDS top-p rounds over the chunks, the rest
+# over whole rows in the last launch, which waits for its slowest row: at batch 8 and top-p 0.9 one row in two
+# batches needs a second round, so rounds over chunks (~2 us each where every row is settled) pay there. H200,
+# bf16, top-p 0.9 (0.5), batch 1 / 8, us: 17.2 / 22.9 (19.2 / 30.8) at 128,256 tokens, 19.9 / 19.7 at 32,000;
+# 8,192 x 2,048 x 8 warps with 2 rounds 20.0-24.7 / 25.2-29.1 (22.3 / 45.0), with 1 round 20.7 / 48.5 (30.0 /
+# 86.4) (`benchmarks/results/session50-h200/sampling-chunks-*.json`).
+SAMPLE_CHUNK, SAMPLE_BLOCK, SAMPLE_WARPS, SAMPLE_ROUNDS = 8192, 4096, 16, 3
 
 
 def _sample_plain(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

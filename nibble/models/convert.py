@@ -130,9 +130,10 @@ def layer_turns(model: nn.Module, config: QuantConfig, names: list[str], device:
     the calibrated quantizers as their ``onload``: decoder layer i moved to ``device`` (None: where it is) and
     rotated (``rotate_layer``: `rotation.rotate_all_but_layers`'s, or None), given to the body with a dict for
     what a calibrated quantizer makes of its linears ({full name: Int4Weight}); then its linears in ``names``
-    become QuantLinears, from that dict or by RTN. So one 16-bit layer exists at a time: a model in host
-    memory never has a rotated or calibrated 16-bit copy written back there, and the device holds the
-    quantized layers and the one at its turn."""
+    become QuantLinears, from that dict (each result taken out of it: the QuantLinear holds a copy, and the
+    quantizer's own dict of every layer's results, filled after the turn, must not keep a second one) or by
+    RTN. So one 16-bit layer exists at a time: a model in host memory never has a rotated or calibrated
+    16-bit copy written back there, and the device holds the quantized layers and the one at its turn."""
     @contextmanager
     def turn(i: int, layer: nn.Module):
         if device is not None:
@@ -144,7 +145,7 @@ def layer_turns(model: nn.Module, config: QuantConfig, names: list[str], device:
         prefix = f"model.layers.{i}."
         for name in names:
             if name.startswith(prefix):
-                _convert(model, name, config, calibrated.get(name), device)
+                _convert(model, name, config, calibrated.pop(name, None), device)
     return turn
 
 

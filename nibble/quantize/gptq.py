@@ -226,7 +226,8 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
 
     ``onload(i, layer)``: a context manager giving block i to work on and the dict its results go to
     (``calibration.in_place``, the default: the block where it is); ``quantize_model``'s moves each block to
-    its device, rotates it, and converts it when GPTQ is done with it.
+    its device, rotates it, and converts it when GPTQ is done with it, taking the block's results out of the
+    dict (each QuantLinear holds its own copy), so that the dict returned is then empty.
     """
     act_order = bool(getattr(config, "act_order", True))
     percdamp = float(getattr(config, "damp_percent", DEFAULT_PERCDAMP))

@@ -260,15 +260,20 @@ def assert_quantized_close(got, spec, order):
 
 @needs_kernel
 @pytest.mark.interpreter
-def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw():
-    """Same seed, same draws: the kernel's tokens equal `_sample_plain`'s (sort-based top-p) row for row,
-    over vocabularies of one to several program blocks, temperatures, top-k and top-p (tiny ones, where
-    the rejection takes many rounds), logits in fp32 and bf16, a strided batch, -inf logits."""
+@pytest.mark.parametrize("launches", [None, (512, 128, 0), (640, 128, 3)])
+def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, launches):
+    """Same seed, same draws: the kernels' tokens equal `_sample_plain`'s (sort-based top-p) row for row,
+    over vocabularies of one to several chunks and blocks, temperatures, top-k and top-p (tiny ones, where
+    the rejection takes many rounds, over chunks and then over whole rows), logits in fp32 and bf16, a
+    strided batch, -inf logits. ``launches``: (chunk, block, rounds over chunks), None as shipped."""
+    if launches is not None:
+        for name, value in zip(("SAMPLE_CHUNK", "SAMPLE_BLOCK", "SAMPLE_ROUNDS"), launches):
+            monkeypatch.setattr(engine_mod, name, value)
     g = torch.Generator().manual_seed(4)
     dtypes = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32, torch.float16]
     cases, rounds = 0, 0
     for case in range(48):
-        V = int(torch.randint(2, 3 * engine_mod.SAMPLE_BLOCK, (1,), generator=g)) if case % 4 else 2 + case
+        V = int(torch.randint(2, 3 * engine_mod.SAMPLE_CHUNK, (1,), generator=g)) if case % 4 else 2 + case
         B = 1 + case % 3
         logits = torch.randn(B, V + 5, generator=g) * float(0.5 + 6 * torch.rand(1, generator=g))
         logits[:, torch.randint(0, V + 5, (V // 10,), generator=g)] = -torch.inf  # tokens a model rules out

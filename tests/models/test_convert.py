@@ -228,6 +228,23 @@ def test_one_decoder_layer_at_a_time_is_rotated_or_calibrated_and_then_quantized
     assert any("in the works" in states for states in checks)
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_the_layer_turns_leave_the_calibrated_quantizer_no_copy_of_its_results(monkeypatch, method):
+    """Each QuantLinear copies its calibrated Int4Weight; the quantizer's returned dict gathers every layer's
+    results after its turn, so the turns take them out as they convert: otherwise a GPU quantizing from host
+    memory keeps a second copy of every quantized weight until the end (the GPU memory test below found it)."""
+    import nibble.quantize as quantizers
+    returned = []
+    quantizer = quantizers.calibrated_quantizers[method]
+    monkeypatch.setitem(quantizers.calibrated_quantizers, method,
+                        lambda *args, **kwargs: returned.append(quantizer(*args, **kwargs)))
+    model = tiny_model(num_hidden_layers=3)
+    quantize_model(model, QuantConfig(group_size=32, method=method), progress=False,
+                   calibration=torch.randint(0, 256, (4, 16)))
+    assert len([m for m in model.modules() if isinstance(m, QuantLinear)]) == 3 * 7
+    assert returned == [{}]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no GPU is visible")
 def test_a_device_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA GPU is visible"):
