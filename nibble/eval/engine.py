@@ -343,14 +343,39 @@ if triton is not None:
         return m, token, fin
 
     @triton.jit
-    def _sample_first_kernel(x_ptr, race_ptr, kth_ptr, part_ptr, idx_ptr, V, row_stride, inv_t,
-                             TINY: tl.constexpr, HAS_KTH: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
-        """Program (chunk, row), stage 0 of `next_tokens`'s draw: the chunk's max of s and its race leader."""
+    def _sample_topk_kernel(x_ptr, cand_ptr, V, row_stride, inv_t, CHUNK: tl.constexpr, CHUNK_P2: tl.constexpr,
+                            KP: tl.constexpr, PDL: tl.constexpr):
+        """Program (chunk, row): the chunk's KP largest s, -inf where it has fewer (bitonic, `tl.topk`). The
+        row's k-th largest (k <= KP) is the k-th largest of its chunks' (`_sample_first_kernel`)."""
+        after_prior_grids(PDL)
+        c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        lanes = tl.arange(0, CHUNK_P2)
+        offs = c * CHUNK + lanes
+        s = tl.load(x_ptr + row * row_stride + offs, mask=(offs < V) & (lanes < CHUNK), other=float("-inf"))
+        top = tl.topk(s.to(tl.float32) * inv_t, KP)
+        tl.store(cand_ptr + (row * tl.num_programs(0) + c) * KP + tl.arange(0, KP), top)
+
+    @triton.jit
+    def _sample_first_kernel(x_ptr, race_ptr, kth_ptr, cand_ptr, part_ptr, idx_ptr, V, row_stride, inv_t, top_k,
+                             TINY: tl.constexpr, HAS_KTH: tl.constexpr, KP: tl.constexpr, PMAX: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Program (chunk, row), stage 0 of `next_tokens`'s draw: the chunk's max of s and its race leader.
+        The top-k threshold: read from ``kth`` (HAS_KTH, KP = 0), or (KP > 0) the top_k-th largest of the
+        row's chunks' KP largest, which every program finds and the first writes to ``kth``."""
         after_prior_grids(PDL)
         c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
         P, B = tl.num_programs(0), tl.num_programs(1)
-        kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
+        if KP > 0:
+            offs = tl.arange(0, PMAX * KP)
+            cands = tl.load(cand_ptr + row * P * KP + offs, mask=offs < P * KP, other=float("-inf"))
+            ranked = tl.topk(cands, KP)  # descending
+            kth = tl.max(tl.where(tl.arange(0, KP) == top_k - 1, ranked, float("-inf")), 0)
+            if c == 0:
+                tl.store(kth_ptr + row, kth)
+        elif HAS_KTH:
+            kth = tl.load(kth_ptr + row)
+        else:
+            kth = float("-inf")
         top, best, best_i = _race_pass(x_ptr + row * row_stride, race_ptr + row * V, c * CHUNK, (c + 1) * CHUNK,
                                        V, inv_t, kth, TINY, BLOCK)
         tl.store(part_ptr + row * P + c, tl.max(top, 0))
@@ -638,7 +663,9 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
     (`_sample_round_kernel`, reading what the chunks left before it: `_row_state`); the last launch, a
     program a row, goes on over whole rows where a row's candidate is still rejected (rare) and writes the
     token (`_sample_last_kernel`). One program a row for all of it took 66 us a step at Llama-3's 128,256
-    tokens, batch 1, against 17 in chunks (H200)."""
+    tokens, batch 1, against 17 in chunks (H200). A top_k up to SAMPLE_TOPK_MAX takes one launch more, each
+    chunk's largest (`_sample_topk_kernel`), whose top_k-th the first launch finds (42 us with top-p where
+    `torch.topk` made it 125)."""
     if sampling.greedy:
         return logits.argmax(-1)
 
@@ -646,16 +673,21 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
         B, V = logits.shape
         x = logits if logits.stride(-1) == 1 else logits.contiguous()
         inv_t = float(np.float32(1.0) / np.float32(sampling.temperature))
-        kth = None
+        chunk = SAMPLE_CHUNK
+        P = triton.cdiv(V, chunk)
+        kth, cands, kp = None, None, 0
         if sampling.top_k is not None and sampling.top_k < V:
-            x = x.float() / sampling.temperature  # the values top-k ranks are the ones the kernel reads
-            kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1].contiguous()
-            inv_t = 1.0
+            if sampling.top_k <= min(SAMPLE_TOPK_MAX, triton.next_power_of_2(chunk)):
+                kp = triton.next_power_of_2(sampling.top_k)
+                cands = torch.empty(B, P, kp, dtype=torch.float32, device=x.device)
+                kth = torch.empty(B, dtype=torch.float32, device=x.device)  # the first launch writes it
+            else:
+                x = x.float() / sampling.temperature  # the values top-k ranks are the ones the kernels read
+                kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1].contiguous()
+                inv_t = 1.0
         race = torch.empty(B, V, dtype=torch.float32, device=x.device).exponential_()
         out = torch.empty(B, dtype=torch.long, device=x.device)
         top_p = sampling.top_p < 1
-        chunk = SAMPLE_CHUNK
-        P = triton.cdiv(V, chunk)
         rounds = SAMPLE_ROUNDS if top_p else 0
         part = torch.empty(rounds + 1, 3, B, P, dtype=torch.float32, device=x.device)
         idx = torch.empty(rounds + 1, B, P, dtype=torch.int32, device=x.device)
@@ -664,7 +696,12 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
         consts = dict(TINY=torch.finfo(torch.float32).tiny, HAS_KTH=kth is not race, BLOCK=SAMPLE_BLOCK,
                       num_warps=SAMPLE_WARPS, **_early(x, B))
         pmax = triton.next_power_of_2(P)
-        _sample_first_kernel[(P, B)](x, race, kth, part, idx, V, x.stride(0), inv_t, CHUNK=chunk, **consts)
+        if kp:
+            _sample_topk_kernel[(P, B)](x, cands, V, x.stride(0), inv_t, CHUNK=chunk, KP=kp,
+                                        CHUNK_P2=triton.next_power_of_2(chunk), PDL=consts["PDL"],
+                                        launch_pdl=consts["launch_pdl"], num_warps=SAMPLE_WARPS)
+        _sample_first_kernel[(P, B)](x, race, kth, race if cands is None else cands, part, idx, V, x.stride(0), inv_t,
+                                     sampling.top_k or 0, KP=kp, PMAX=pmax, CHUNK=chunk, **consts)
         for stage in range(1, rounds + 1):
             _sample_round_kernel[(P, B)](x, race, kth, part, idx, state[0], state[1], V, x.stride(0), inv_t,
                                          float(sampling.top_p), stage, CHUNK=chunk, PMAX=pmax, **consts)
@@ -682,6 +719,8 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
 # 8,192 x 2,048 x 8 warps with 2 rounds 20.0-24.7 / 25.2-29.1 (22.3 / 45.0), with 1 round 20.7 / 48.5 (30.0 /
 # 86.4) (`benchmarks/results/session50-h200/sampling-chunks-*.json`).
 SAMPLE_CHUNK, SAMPLE_BLOCK, SAMPLE_WARPS, SAMPLE_ROUNDS = 8192, 4096, 16, 3
+# top_k up to this many is found in the launches (each chunk's largest, `_sample_topk_kernel`), beyond by torch.topk
+SAMPLE_TOPK_MAX = 128
 
 
 def _sample_plain(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

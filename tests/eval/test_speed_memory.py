@@ -263,7 +263,8 @@ def assert_quantized_close(got, spec, order):
 @pytest.mark.parametrize("launches", [None, (512, 128, 0), (640, 128, 3)])
 def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, launches):
     """Same seed, same draws: the kernels' tokens equal `_sample_plain`'s (sort-based top-p) row for row,
-    over vocabularies of one to several chunks and blocks, temperatures, top-k and top-p (tiny ones, where
+    over vocabularies of one to several chunks and blocks, temperatures, top-k (in the launches and by
+    torch.topk) and top-p (tiny ones, where
     the rejection takes many rounds, over chunks and then over whole rows), logits in fp32 and bf16, a
     strided batch, -inf logits. ``launches``: (chunk, block, rounds over chunks), None as shipped."""
     if launches is not None:
@@ -278,7 +279,8 @@ def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, laun
         logits = torch.randn(B, V + 5, generator=g) * float(0.5 + 6 * torch.rand(1, generator=g))
         logits[:, torch.randint(0, V + 5, (V // 10,), generator=g)] = -torch.inf  # tokens a model rules out
         logits = logits.to(dtypes[case % 2]).to(KERNEL_DEVICE)[:, 2:V + 2]  # rows V + 5 apart
-        top_k = int(torch.randint(1, V + 3, (1,), generator=g)) if case % 3 == 0 else None
+        # top-k over the chunks' largest (up to SAMPLE_TOPK_MAX), and by torch.topk beyond
+        top_k = int(torch.randint(1, (V + 3) if case % 2 else 140, (1,), generator=g)) if case % 3 == 0 else None
         top_p = (0.9, 0.5, 1e-3, 1.0, float(torch.rand(1, generator=g)) + 1e-4)[case % 5]
         sampling = engine_mod.Sampling(float(0.2 + 2 * torch.rand(1, generator=g)), top_k, top_p)
         if sampling.greedy:
