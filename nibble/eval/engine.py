@@ -319,6 +319,16 @@ if triton is not None:
         return total, above, best, best_i
 
     @triton.jit
+    def _part(part_ptr, stage, field, row, B, P):
+        """Where a row's chunks keep field ``field`` of stage ``stage`` in ``part`` [stages, 3, B, P]."""
+        return part_ptr + ((stage * 3 + field) * B + row) * P
+
+    @triton.jit
+    def _row_kth(kth_ptr, row, HAS_KTH: tl.constexpr):
+        """The row's top-k threshold, -inf without one."""
+        return tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
+
+    @triton.jit
     def _row_state(part_ptr, idx_ptr, tok_ptr, fin_ptr, stage, row, B, P, top_p, PMAX: tl.constexpr):
         """What a row's chunks left after stage ``stage`` - 1: its max m, its candidate token, and whether the
         candidate is final (top-p keeps it; or the row has no finite max: its mass is NaN, and rounds would
@@ -327,16 +337,16 @@ if triton is not None:
         ``idx`` [stages, B, P] the leaders' tokens; ``tok`` / ``fin`` [stages, B] each round's candidate."""
         chunks = tl.arange(0, PMAX)
         real = chunks < P
-        m = tl.max(tl.load(part_ptr + row * P + chunks, mask=real, other=float("-inf")), 0)
+        m = tl.max(tl.load(_part(part_ptr, 0, 0, row, B, P) + chunks, mask=real, other=float("-inf")), 0)
         prev = stage - 1
-        key = tl.load(part_ptr + ((prev * 3 + 2) * B + row) * P + chunks, mask=real, other=float("-inf"))
+        key = tl.load(_part(part_ptr, prev, 2, row, B, P) + chunks, mask=real, other=float("-inf"))
         leader = _first_argmax(key, tl.load(idx_ptr + (prev * B + row) * P + chunks, mask=real, other=2147483647))
         if prev == 0:
             fin = tl.abs(m) == float("inf")
             token = leader
         else:
-            total = tl.sum(tl.load(part_ptr + ((prev * 3) * B + row) * P + chunks, mask=real, other=0.0), 0)
-            above = tl.sum(tl.load(part_ptr + ((prev * 3 + 1) * B + row) * P + chunks, mask=real, other=0.0), 0)
+            total = tl.sum(tl.load(_part(part_ptr, prev, 0, row, B, P) + chunks, mask=real, other=0.0), 0)
+            above = tl.sum(tl.load(_part(part_ptr, prev, 1, row, B, P) + chunks, mask=real, other=0.0), 0)
             fin_prev = tl.load(fin_ptr + prev * B + row) != 0  # then this stage's parts were never written
             fin = fin_prev | (above < top_p * total)
             token = tl.where(fin, tl.load(tok_ptr + prev * B + row), leader)
@@ -372,14 +382,12 @@ if triton is not None:
             kth = tl.max(tl.where(tl.arange(0, KP) == top_k - 1, ranked, float("-inf")), 0)
             if c == 0:
                 tl.store(kth_ptr + row, kth)
-        elif HAS_KTH:
-            kth = tl.load(kth_ptr + row)
         else:
-            kth = float("-inf")
+            kth = _row_kth(kth_ptr, row, HAS_KTH)
         top, best, best_i = _race_pass(x_ptr + row * row_stride, race_ptr + row * V, c * CHUNK, (c + 1) * CHUNK,
                                        V, inv_t, kth, TINY, BLOCK)
-        tl.store(part_ptr + row * P + c, tl.max(top, 0))
-        tl.store(part_ptr + (2 * B + row) * P + c, tl.max(best, 0))
+        tl.store(_part(part_ptr, 0, 0, row, B, P) + c, tl.max(top, 0))
+        tl.store(_part(part_ptr, 0, 2, row, B, P) + c, tl.max(best, 0))
         tl.store(idx_ptr + row * P + c, _first_argmax(best, best_i))
 
     @triton.jit
@@ -397,13 +405,12 @@ if triton is not None:
             tl.store(fin_ptr + stage * B + row, fin.to(tl.int32))
         if not fin:
             x_row = x_ptr + row * row_stride
-            kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
             cand = tl.load(x_row + token).to(tl.float32) * inv_t
             total, above, best, best_i = _nucleus_pass(x_row, race_ptr + row * V, c * CHUNK, (c + 1) * CHUNK, V,
-                                                       inv_t, kth, m, cand, TINY, BLOCK)
-            tl.store(part_ptr + ((stage * 3) * B + row) * P + c, tl.sum(total, 0))
-            tl.store(part_ptr + ((stage * 3 + 1) * B + row) * P + c, tl.sum(above, 0))
-            tl.store(part_ptr + ((stage * 3 + 2) * B + row) * P + c, tl.max(best, 0))
+                                                       inv_t, _row_kth(kth_ptr, row, HAS_KTH), m, cand, TINY, BLOCK)
+            tl.store(_part(part_ptr, stage, 0, row, B, P) + c, tl.sum(total, 0))
+            tl.store(_part(part_ptr, stage, 1, row, B, P) + c, tl.sum(above, 0))
+            tl.store(_part(part_ptr, stage, 2, row, B, P) + c, tl.max(best, 0))
             tl.store(idx_ptr + (stage * B + row) * P + c, _first_argmax(best, best_i))
 
     @triton.jit
@@ -418,7 +425,7 @@ if triton is not None:
         m, token, done = _row_state(part_ptr, idx_ptr, tok_ptr, fin_ptr, stage, row, B, P, top_p, PMAX)
         if TOP_P:
             x_row = x_ptr + row * row_stride
-            kth = tl.load(kth_ptr + row) if HAS_KTH else float("-inf")
+            kth = _row_kth(kth_ptr, row, HAS_KTH)
             while not done:
                 cand = tl.load(x_row + token).to(tl.float32) * inv_t
                 total, above, best, best_i = _nucleus_pass(x_row, race_ptr + row * V, 0, V, V, inv_t, kth, m, cand,

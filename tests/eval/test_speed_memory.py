@@ -264,9 +264,8 @@ def assert_quantized_close(got, spec, order):
 def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, launches):
     """Same seed, same draws: the kernels' tokens equal `_sample_plain`'s (sort-based top-p) row for row,
     over vocabularies of one to several chunks and blocks, temperatures, top-k (in the launches and by
-    torch.topk) and top-p (tiny ones, where
-    the rejection takes many rounds, over chunks and then over whole rows), logits in fp32 and bf16, a
-    strided batch, -inf logits. ``launches``: (chunk, block, rounds over chunks), None as shipped."""
+    torch.topk) and top-p (tiny ones, where the rejection takes many rounds, over chunks and then over whole
+    rows), logits in fp32 and bf16, a strided batch, -inf logits. ``launches``: (chunk, block, rounds over chunks), None as shipped."""
     if launches is not None:
         for name, value in zip(("SAMPLE_CHUNK", "SAMPLE_BLOCK", "SAMPLE_ROUNDS"), launches):
             monkeypatch.setattr(engine_mod, name, value)
