@@ -61,11 +61,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nibble.bench.timing import capture_graph
-from nibble.kernels import w4a4, w4a16
+from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import QuantLinear, shared_input_forward, stack_weights, w4a4_operands
+from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -119,21 +119,15 @@ if triton is not None:
     @triton.jit
     def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, N, eps, fmax,
                             HAS_RES: tl.constexpr, QUANT: tl.constexpr, EVEN_ODD: tl.constexpr,
-                            CONSUME: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
         """One row: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)), HF's LlamaRMSNorm roundings.
         QUANT: out is not written in 16 bits but quantized for W4A4 projections (int8 codes to
-        out_ptr, the token's scale to scale_ptr), exactly as the act-quant kernel quantizes it.
-        CONSUME: x is the float32 sum the MLP launch accumulates (`w4a16.w4a16_mlp_accumulate`):
-        rounded to the activations' dtype as down_proj's own output would be, and left zero for the
-        next layer's launch."""
+        out_ptr, the token's scale to scale_ptr), exactly as the act-quant kernel quantizes it."""
         after_prior_grids(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
         h = tl.load(x_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
-        if CONSUME:
-            h = _round(h, res_out_ptr)
-            tl.store(x_ptr + row * N + cols, tl.zeros_like(h), mask=m)
         if HAS_RES:
             h = _round(h + tl.load(res_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32), res_out_ptr)
             tl.store(res_out_ptr + row * N + cols, h.to(res_out_ptr.dtype.element_ty), mask=m)
@@ -505,18 +499,17 @@ def _launch_add_rmsnorm(x, residual, weight, eps, order=None):
     xc = x.contiguous()
     N = xc.shape[-1]
     rows = xc.numel() // N
+    h = xc if residual is None else torch.empty_like(xc)
     res = xc if residual is None else residual.contiguous()
-    consume = xc.dtype == torch.float32 and res.dtype != torch.float32  # the MLP launch's sum (_mlp)
-    h = xc if residual is None else torch.empty_like(res)
     if order is None:
-        out, scales = torch.empty_like(res), None
+        out, scales = torch.empty_like(xc), None
     else:
         out = torch.empty(rows, N, dtype=torch.int8, device=x.device)
         scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(N)
     _add_rmsnorm_kernel[(rows,)](xc, res, weight, out, h, out if scales is None else scales, N, eps,
                                  float(torch.finfo(x.dtype).max), HAS_RES=residual is not None,
-                                 QUANT=scales is not None, EVEN_ODD=order == "even_odd", CONSUME=consume, BLOCK=block,
+                                 QUANT=scales is not None, EVEN_ODD=order == "even_odd", BLOCK=block,
                                  num_warps=_norm_warps(block), **_early(xc, rows))
     return h, out, scales
 
@@ -844,23 +837,9 @@ class Engine:
             self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
             self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)
             self.last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-            self._mlp_sum = self._mlp_sum_buffer(cfg.hidden_size)
         self._graphs: dict = {}
         self._batch = self._len = 0  # the live sequences: batch and longest length (host copies)
         self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
-
-    def _mlp_sum_buffer(self, hidden: int) -> torch.Tensor | None:
-        """Where a W4A16 MLP of up to w4a16.MLP_MAX_M tokens adds its output in one launch (`_mlp`), or
-        None where the model cannot: the sum stays float32 until the next norm's kernel reads it and
-        leaves it zero, so every norm must be an RMSNorm the engine's kernel computes."""
-        norms = [self.norm, *(n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
-        mlps = [layer.mlp for layer in self.layers]
-        if not (FUSED_GLUE and self.silu and self.device.type == "cuda" and all(_rmsnorm_params(n) for n in norms)
-                and all(isinstance(getattr(mlp, name, None), QuantLinear) and getattr(mlp, name).mode == "w4a16"
-                        and getattr(mlp, name).bias is None and getattr(mlp, name).backend == "auto"
-                        for mlp in mlps for name in ("gate_proj", "up_proj", "down_proj"))):
-            return None
-        return torch.zeros(min(self.max_batch, w4a16.MLP_MAX_M), hidden, dtype=torch.float32, device=self.device)
 
     # ---- the forward pass ------------------------------------------------------------------
     def _add_norm(self, x, residual, norm):
@@ -911,17 +890,7 @@ class Engine:
         return attn.o_proj(y)
 
     def _mlp(self, mlp: nn.Module, x, residual, norm):
-        """(h, mlp(norm(h))) with h = x + residual. A W4A16 MLP at decode sizes runs as one launch that
-        leaves mlp(norm(h)) as a float32 sum for the next norm (`_mlp_sum_buffer`)."""
-        B, T, _ = x.shape
-        if self._mlp_sum is not None and B * T <= self._mlp_sum.shape[0]:
-            weights = [(m.qweight, m.scales, m.zeros) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-            group = mlp.down_proj.group_size
-            if w4a16.mlp_applicable(x.view(B * T, -1), *weights, group):
-                h, y = self._add_norm(x, residual, norm)
-                out = self._mlp_sum[:B * T]
-                w4a16.w4a16_mlp_accumulate(y.view(B * T, -1), *weights, group, out)
-                return h, out.view(B, T, -1)
+        """(h, mlp(norm(h))) with h = x + residual."""
         if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             h, act = self._norm_projections(x, residual, norm, (mlp.gate_proj, mlp.up_proj), gated=True)
             return h, mlp.down_proj(act)

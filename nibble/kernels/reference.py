@@ -34,15 +34,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype)
 
 
-def w4a16_mlp(x: torch.Tensor, gate: tuple, up: tuple, down: tuple, group_size: int) -> torch.Tensor:
-    """A SwiGLU MLP of W4A16 weights ((qweight, scales, zeros) each) as Hugging Face computes it:
-    gate and up rounded to x.dtype, ``F.silu(g) * u`` in x.dtype, then down_proj, in float32 (the
-    single-launch kernel, `w4a16.w4a16_mlp_accumulate`, returns down_proj's sum before rounding)."""
-    g, u = (w4a16_matmul(x, *w, group_size) for w in (gate, up))
-    a = torch.nn.functional.silu(g) * u
-    return a.float() @ dequantize(*down, group_size).to(x.device).t()
-
-
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4: returns (q int8 [..., K] in [-8, 7], scale float32 [...]).
 

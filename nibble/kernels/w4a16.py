@@ -695,20 +695,9 @@ _MMA_SIGNATURES = cuda_build.signatures(
     "nibble_cuda_error_string")
 
 
-_MLP_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_mlp", [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4
-    + [ctypes.c_int] * 6 + [ctypes.c_void_p],
-    "nibble_cuda_error_string")
-
-
-def _configure_mma(lib) -> None:
-    _MMA_SIGNATURES(lib)
-    _MLP_SIGNATURES(lib)
-
-
 def _mma_lib(device):
     """The compiled kernel for this device, or None (see ``cuda_build.library``)."""
-    return cuda_build.library("w4a16_mma", device, _configure_mma)
+    return cuda_build.library("w4a16_mma", device, _MMA_SIGNATURES)
 
 
 def _group_shift_steps(group_size: int, K: int) -> int | None:
@@ -831,57 +820,6 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
     return outs
-
-
-# The MLP of a decode step in one launch (csrc/w4a16_mma.cu: mlp_down)
-MLP_MAX_M = 8
-
-
-@dataclass(frozen=True)
-class MlpConfig:
-    warps: int = 8              # per CTA: half on the CTA's 32 gate channels, half on the same up channels
-    prefetch_down: bool = True  # the CTA's down_proj rows pulled into the L2 as it starts
-
-
-def mlp_applicable(x: torch.Tensor, gate, up, down, group_size: int) -> bool:
-    """Whether `w4a16_mlp_accumulate` runs ``x`` through these (qweight, scales, zeros) weights: CUDA,
-    at most MLP_MAX_M tokens, widths multiples of 32, one power-of-two group of 32 or more that divides
-    both K's (not one group per column), and the compiled kernel."""
-    (gq, _, _), (uq, _, _), (dq, _, _) = gate, up, down
-    K, inter, hidden = gq.shape[0] * PACK, gq.shape[1], dq.shape[1]
-    return (x.is_cuda and 0 < x.shape[0] <= MLP_MAX_M and x.dtype in (torch.float16, torch.bfloat16)
-            and tuple(uq.shape) == tuple(gq.shape) and dq.shape[0] * PACK == inter
-            and K % 32 == 0 and inter % 32 == 0 and hidden % 32 == 0
-            and group_size < K and group_size < inter and K % group_size == 0 and inter % group_size == 0
-            and _group_shift_steps(group_size, K) is not None
-            and cuda_build.capability(x.device) >= (8, 0) and _mma_lib(x.device) is not None)
-
-
-def w4a16_mlp_accumulate(x, gate, up, down, group_size, out, config: MlpConfig | None = None):
-    """out += down(SiLU(gate(x)) * up(x)) for x [M <= 8, K] and out [M, hidden] float32, in one launch
-    (weights: (qweight, scales, zeros); `mlp_applicable` holds). The launch adds its CTAs' partials in
-    the L2 in no fixed order, so out must start at zero, and repeated calls agree to float32 rounding,
-    not bit for bit. gate and up are rounded to x's dtype, as their own launches would write them."""
-    M, K = x.shape
-    inter, hidden = gate[0].shape[1], down[0].shape[1]
-    cfg = config or MlpConfig()
-    if out.dtype != torch.float32 or tuple(out.shape) != (M, hidden) or out.stride(1) != 1 or out.stride(0) % 4 \
-            or out.data_ptr() % 16:
-        raise ValueError(f"w4a16_mlp_accumulate needs out float32 [{M}, {hidden}] with 16-byte aligned rows; got "
-                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)
-    lib = _mma_lib(x.device)
-    weights = [tuple(t.contiguous() for t in w) for w in (gate, up, down)]
-    x_l1 = x_through_l1(1, inter // 32, K, num_sms(x.device))
-    err = cuda_build.launch(
-        lib.nibble_w4a16_mlp, x.device, int(x.dtype == torch.bfloat16), cfg.warps, int(x_l1), x.data_ptr(), M, K,
-        _group_shift_steps(group_size, K), x.stride(0), *cuda_build.pointer_arrays(zip(*weights)), out.data_ptr(),
-        inter, hidden, out.stride(0), int(early_launch(x.device, M)), successor_launch(1, M, x_l1),
-        int(cfg.prefetch_down))
-    if err:
-        raise RuntimeError(f"w4a16_mlp launch failed: {lib.nibble_cuda_error_string(err).decode()} ({cfg})")
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

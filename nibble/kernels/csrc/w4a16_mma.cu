@@ -84,7 +84,6 @@ template <> struct Num<__half> {
   static constexpr uint32_t ONE2 = 0x3c003c00u;
   static constexpr float BASE = 1024.f;
   static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 };
 
 template <> struct Num<__nv_bfloat16> {
@@ -93,7 +92,6 @@ template <> struct Num<__nv_bfloat16> {
   static constexpr uint32_t ONE2 = 0x3f803f80u;
   static constexpr float BASE = 128.f;
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 };
 
 // The weights of one launch (skinny.cuh: cta_weight)
@@ -237,16 +235,6 @@ __host__ __device__ constexpr bool running_fold(int mt) { return mt == 4; }
 // with RunningFold the next group's scales too), then x.
 __host__ __device__ constexpr int stage_x_offset(int mt) { return running_fold(mt) ? 704 : 640; }
 
-// out[0 .. 3] += v[0 .. 3] in the L2 (four consecutive floats, 16-byte aligned), not returning.
-__device__ __forceinline__ void red_add_v4(float* out, float v0, float v1, float v2, float v3) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(out), "f"(v0), "f"(v1), "f"(v2),
-               "f"(v3) : "memory");
-#else
-  atomicAdd(out, v0), atomicAdd(out + 1, v1), atomicAdd(out + 2, v2), atomicAdd(out + 3, v3);
-#endif
-}
-
 // Ring of RING stages per warp with AHEAD steps in flight: one stage of slack lets a single
 // warp barrier per step order the reads of a stage before its refill. (Measured on the H200: rings
 // of 6 and 8 stages were no faster; the extra shared memory is better spent on resident warps.)
@@ -260,108 +248,10 @@ constexpr int RING = 4, AHEAD = RING - 2;
 // CTAs of 8 warps per SM. Two and eight tiles take what they need (~110 and ~250).
 // X_L1: x copied through the L1 (cp.async.ca) instead of around it; the caller picks (w4a16.py:
 // x_through_l1, where the measurements are).
-// The MLP launch (decode: up to 8 tokens, one token tile). After the loop each CTA holds the sums of
-// its 32 gate channels (warps [0, k_warps)) and the same 32 up channels (the others). It forms
-// a = SiLU(gate) * up for those channels (gate and up rounded to T as their own launches would write
-// them, SiLU rounded as PyTorch's, a in T) and multiplies a into down_proj's 32 K rows of the same
-// channels: in the canonical layout 4 word rows x H columns, 64 KB contiguous at H = 4096, i.e. one
-// 32-deep K step of the skinny loop over every output column. Warp w takes column tiles w, w + warps,
-// ... Their weights go into the warp's ring (free after the loop) by cp.async, up to a ring's worth
-// at once, issued before the gate / up sums are reduced so the copies overlap it; the group's
-// scales and zeros (one row each, for every column) were copied into shared memory as the kernel
-// started. The sums go into the float32 output by vector reductions in the L2: every CTA adds a
-// partial of the whole [M, H] output, in whatever order the CTAs get there (so not bit-reproducible
-// from run to run: a rounding of float32). The caller zeroes the output first.
-// Shared memory: [ring][partial sums: warps x 8 tokens x 32 floats][scales row, zeros row: 2 x 2H B].
-__host__ __device__ constexpr size_t mlp_ring_bytes(int warps) { return (size_t)warps * RING * (stage_x_offset(1) + 512); }
-__host__ __device__ constexpr size_t mlp_smem_bytes(int warps, int hidden) {
-  return mlp_ring_bytes(warps) + (size_t)warps * 8 * 32 * sizeof(float) + 4 * (size_t)hidden;
-}
-
-// As the kernel starts: the scales and zeros rows of the group of the CTA's channels, into `dst`.
-template <typename T>
-__device__ __forceinline__ void mlp_copy_group_params(unsigned char* dst, const Weights<T>& weights, int group_shift_steps) {
-  const int H = weights.n[2], chunks = H / 8;  // 16-byte chunks of a row of H halves
-  const size_t row = (size_t)(blockIdx.x >> group_shift_steps) * H;
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(dst);
-  for (int i = threadIdx.x; i < 2 * chunks; i += blockDim.x) {
-    const __half* src = (i < chunks ? weights.scales[2] : weights.zeros[2]) + row + 8 * (i < chunks ? i : i - chunks);
-    cp_async_16(true, base + 16 * i, src);
-  }
-  cp_async_commit();
-}
-
-template <typename T>
-__device__ __forceinline__ void mlp_epilogue(const float (&acc)[2][4], unsigned char* smem, unsigned char* ring,
-                                             uint32_t ring_addr, const Weights<T>& weights, int m_rows, int k_warps, int knock) {
-  constexpr bool TWO_BASES = two_bases<T>(1);
-  constexpr int ROUND = RING * (stage_x_offset(1) + 512) / 512;  // down tiles a warp's ring holds
-  __shared__ __align__(16) T act[8 * 32];  // [token][channel], zeros for padding tokens
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, g = lane >> 2, t = lane & 3;
-  const int H = weights.n[2];
-  const int tiles = (H / 32 - warp + warps - 1) / warps;  // this warp's column tiles
-  WeightStream down(ring_addr, lane, weights.qweight[2], H, blockIdx.x, 32 * warp);
-  const size_t tile_stride = (size_t)32 * warps;  // words from one of the warp's tiles to the next
-  auto issue = [&](int first) {
-    for (int j = first; j < tiles && j < first + ROUND; ++j)
-      cp_async_16(true, down.copy_dst + 512 * (j - first), down.src + j * tile_stride);
-    cp_async_commit();
-  };
-  issue(0);
-
-  float* partial = reinterpret_cast<float*>(smem + mlp_ring_bytes(warps));
-  store_fragments<1>(partial, warp, lane, [&](int, int tile, int c) { return acc[tile][c]; });
-  __syncthreads();
-  for (int i = threadIdx.x; i < 8 * 32; i += blockDim.x) {
-    float a = 0.f;
-    if (i < m_rows * 32) {
-      float gate = 0.f, up = 0.f;
-      for (int w = 0; w < k_warps; ++w) gate += partial[w * 256 + i], up += partial[(w + k_warps) * 256 + i];
-      const float gf = Num<T>::to_float(Num<T>::from_float(gate)), uf = Num<T>::to_float(Num<T>::from_float(up));
-      a = Num<T>::to_float(Num<T>::from_float(gf / (1.f + expf(-gf)))) * uf;
-    }
-    act[i] = Num<T>::from_float(a);
-  }
-  __syncthreads();
-
-  if (knock & 4) { cp_async_wait<0>(); if (threadIdx.x < 8) weights.out[0][threadIdx.x] = act[threadIdx.x]; return; }
-  const uint4 xr = *reinterpret_cast<const uint4*>(act + g * 32 + 8 * t);  // token g, channels 8t .. 8t+7
-  const unsigned char* params = smem + mlp_ring_bytes(warps) + (size_t)warps * 8 * 32 * sizeof(float);
-  float* out = reinterpret_cast<float*>(weights.out[0]);
-  const int ldo = weights.ldo[0];
-  for (int first = 0; first < tiles; first += ROUND) {
-    cp_async_wait<0>();
-    asm volatile("bar.warp.sync -1;" ::: "memory");
-    for (int j = first; j < tiles && j < first + ROUND; ++j) {
-      const int col = (warp + j * warps) * 32 + 4 * g;  // the lane's column quad
-      const uint4 wv = *reinterpret_cast<const uint4*>(ring + 512 * (j - first) + down.read_src);
-      uint32_t r[4][4];
-      raw_codes<T, TWO_BASES>(wv.x, r[0]);
-      raw_codes<T, TWO_BASES>(wv.y, r[1]);
-      raw_codes<T, TWO_BASES>(wv.z, r[2]);
-      raw_codes<T, TWO_BASES>(wv.w, r[3]);
-      float raw[2][4] = {}, xsum[4] = {}, sum[2][4] = {};
-      step_mmas<T, false, TWO_BASES>(raw, xsum, r, xr, true);
-      GroupFold<T, TWO_BASES>(*reinterpret_cast<const uint2*>(params + 2 * col),
-                              *reinterpret_cast<const uint2*>(params + 2 * (H + col)))(sum, raw, xsum);
-      // C fragment: token 2t + (c & 1), column col + 2 tile + (c >> 1)
-      if (knock & 8) { if (sum[0][0] == 12345.f) out[0] = 1.f; continue; }
-      if (2 * t < m_rows) red_add_v4(out + (size_t)(2 * t) * ldo + col, sum[0][0], sum[0][2], sum[1][0], sum[1][2]);
-      if (2 * t + 1 < m_rows)
-        red_add_v4(out + (size_t)(2 * t + 1) * ldo + col, sum[0][1], sum[0][3], sum[1][1], sum[1][3]);
-    }
-    if (first + ROUND < tiles) {
-      asm volatile("bar.warp.sync -1;" ::: "memory");  // every lane has read the round before its refill
-      issue(first + ROUND);
-    }
-  }
-}
-
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool MLP = false>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 1)
     w4a16_mma_kernel(const T* __restrict__ x, const Weights<T> weights, int M, int K, int group_shift_steps,
                      int ldx, int trigger) {
-  static_assert(!MLP || (MT == 1 && !MANY), "the MLP launch runs one token tile of three weights");
   // A stage (bytes): [0, 512) weights (swizzled rows, see the header); [512, 640) scales (8 B) +
   // zeros (8 B) of the 8 column quads, copied only into the stage of a group's last step, where the
   // group is closed (lanes 0-7 copy the scales, 8-15 the zeros: one 64-byte request each; with
@@ -379,10 +269,7 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // the lane's column quad (its MMA rows g, g + 8)
   int tile_col;
-  // MLP: warps [0, warps / 2) compute the CTA's 32 gate channels, the others the same up channels,
-  // each half splitting K as a whole CTA does.
-  const int k_warps = MLP ? warps >> 1 : warps, k_warp = MLP && warp >= k_warps ? warp - k_warps : warp;
-  const int which = MLP ? (tile_col = blockIdx.x * 32, warp >= k_warps) : cta_weight<MANY>(weights.cta_end, tile_col);
+  const int which = cta_weight<MANY>(weights.cta_end, tile_col);
   const uint32_t* __restrict__ qweight = pick(weights.qweight, which);
   const __half* __restrict__ scales = pick(weights.scales, which);
   const __half* __restrict__ zeros = pick(weights.zeros, which);
@@ -392,8 +279,8 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   // so a group never straddles two warps and a range always ends a group.
   const bool one_group = group_shift_steps >= 30;
   const int unit_shift = one_group ? 0 : group_shift_steps, units = steps >> unit_shift;
-  const int s_begin = (int)((long long)units * k_warp / k_warps) << unit_shift;
-  const int s_end = (int)((long long)units * (k_warp + 1) / k_warps) << unit_shift;
+  const int s_begin = (int)((long long)units * warp / warps) << unit_shift;
+  const int s_end = (int)((long long)units * (warp + 1) / warps) << unit_shift;
   const int group_steps = one_group ? steps : 1 << group_shift_steps;
   const int m_rows = M < MT * 8 ? M : MT * 8;
 
@@ -410,19 +297,11 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   const int sz_stride = one_group ? 0 : N;
   ws.prefetch<RING>(s_begin, s_end);
   prefetch_l2(copies_sz && !copies_next, sz_src);
-  if constexpr (MLP) {
-    if (trigger & 2) {  // pull the CTA's 4 word rows of down_proj into the L2 while gate / up stream
-      const unsigned char* rows = reinterpret_cast<const unsigned char*>(weights.qweight[2] + (size_t)4 * blockIdx.x * weights.n[2]);
-      for (int i = threadIdx.x; i < weights.n[2] / 8; i += blockDim.x) prefetch_l2(true, rows + 128 * i);
-    }
-    mlp_copy_group_params(smem + mlp_smem_bytes(warps, weights.n[2]) - 4 * (size_t)weights.n[2], weights,
-                          group_shift_steps);
-  }
   wait_for_prior_grids();  // x is the previous kernel's output
   // GS == 0 only: the first step past the current group, for the copies and for the reads
   int issue_group_end = min(s_begin + group_steps, s_end), read_group_end = issue_group_end;
   TokenStream<T, uint4, MT> xstream(x, ldx, m_rows, lane, s_begin, ring + XS, STAGE, RING);
-  let_successor_launch(trigger & 1);  // after the wait: at most two grids in flight (skinny.cuh)
+  let_successor_launch(trigger);  // after the wait: at most two grids in flight (skinny.cuh)
 
   // Copy step j into `stage` (run_pipeline's contract); a group's scales and zeros ride with its
   // last step.
@@ -492,10 +371,6 @@ __global__ void __launch_bounds__(MT <= 2 ? 512 : 256, MT == 1 || MT == 4 ? 2 : 
   };
   run_pipeline<RING, AHEAD>(s_begin, s_end, issue, step, [&] { xstream.advance(RING); });
 
-  if constexpr (MLP) {
-    mlp_epilogue<T>(acc[0], smem, ring, ring_addr, weights, m_rows, k_warps, trigger);
-    return;
-  }
   float* partial = reinterpret_cast<float*>(smem);
   store_fragments<MT>(partial, warp, lane, [&](int mt, int tile, int c) { return acc[mt][tile][c]; });
   __syncthreads();
@@ -518,17 +393,17 @@ size_t smem_bytes(int warps, int mt) {
   return ring > partial ? ring : partial;
 }
 
-template <typename T, int MT, int GS, bool MANY, bool X_L1, bool MLP = false>
+template <typename T, int MT, int GS, bool MANY, bool X_L1>
 cudaError_t launch_gs(const void* x, const Weights<T>& weights, int ctas, int M, int K, int group_shift_steps, int ldx,
-                      int warps, cudaStream_t stream, bool pdl, int successor, int mlp_flags = 0) {
-  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1, MLP>;
+                      int warps, cudaStream_t stream, bool pdl, int successor) {
+  constexpr auto kernel = w4a16_mma_kernel<T, MT, GS, MANY, X_L1>;
   cudaError_t err = opt_in_shared_memory<kernel>();
   if (err != cudaSuccess) return err;
   int trigger = 0;
-  size_t smem = MLP ? mlp_smem_bytes(warps, weights.n[2]) : smem_bytes(warps, MT);
+  size_t smem = smem_bytes(warps, MT);
   if ((err = successor_smem<kernel>(successor, pdl, ctas, warps * 32, smem, trigger)) != cudaSuccess) return err;
   return launch_kernel(kernel, ctas, warps * 32, smem, stream, pdl, static_cast<const T*>(x), weights, M, K,
-                       group_shift_steps, ldx, trigger | mlp_flags);
+                       group_shift_steps, ldx, trigger);
 }
 
 template <typename T, int MT, bool MANY, bool X_L1>
@@ -582,53 +457,7 @@ cudaError_t launch(int mt, int warps, bool x_l1, const void* x, int M, int K, in
 #undef NIBBLE_LAUNCH_MT
 }
 
-template <typename T, bool X_L1>
-cudaError_t launch_mlp(const void* x, int M, int K, int group_shift_steps, int ldx, const void* const* qweights,
-                       const void* const* scales, const void* const* zeros, float* out, int inter, int hidden, int ldo,
-                       int warps, cudaStream_t stream, bool pdl, int successor, int prefetch_down) {
-  Weights<T> w{};
-  for (int i = 0; i < 3; ++i) {
-    w.qweight[i] = static_cast<const uint32_t*>(qweights[i]);
-    w.scales[i] = static_cast<const __half*>(scales[i]);
-    w.zeros[i] = static_cast<const __half*>(zeros[i]);
-    w.n[i] = i < 2 ? inter : hidden;
-    w.cta_end[i] = INT_MAX;
-  }
-  w.out[0] = reinterpret_cast<T*>(out);
-  w.ldo[0] = ldo;
-  const int ctas = inter / 32, flags = prefetch_down & ~1 ? prefetch_down & ~1 : prefetch_down ? 2 : 0;
-  switch (group_shift_steps) {
-    case 0: return launch_gs<T, 1, 1, false, X_L1, true>(x, w, ctas, M, K, 0, ldx, warps, stream, pdl, successor, flags);
-    case 1: return launch_gs<T, 1, 2, false, X_L1, true>(x, w, ctas, M, K, 1, ldx, warps, stream, pdl, successor, flags);
-    case 2: return launch_gs<T, 1, 4, false, X_L1, true>(x, w, ctas, M, K, 2, ldx, warps, stream, pdl, successor, flags);
-    default:
-      return launch_gs<T, 1, 0, false, X_L1, true>(x, w, ctas, M, K, group_shift_steps, ldx, warps, stream, pdl,
-                                                    successor, flags);
-  }
-}
-
 }  // namespace
-
-// The MLP of a decode step in one launch (mlp_down above): out [M, hidden] float32, zeroed by the
-// caller, gets += down_proj(SiLU(gate_proj(x)) * up_proj(x)) for M <= 8 tokens. qweights / scales /
-// zeros: gate, up, down. Checked by the Python caller: inter % 32 == 0, hidden % 32 == 0, K % 32 == 0,
-// a power-of-two group of 32 or more dividing K and inter (group = 32 * 2^group_shift_steps), warps
-// even, 2 to 16; ldo % 4 == 0 and out 16-byte aligned.
-extern "C" int nibble_w4a16_mlp(int is_bf16, int warps, int x_l1, const void* x, int M, int K, int group_shift_steps,
-                                int ldx, const void* const* qweights, const void* const* scales,
-                                const void* const* zeros, void* out, int inter, int hidden, int ldo, int pdl,
-                                int successor, int prefetch_down, void* stream) {
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (M < 1 || M > 8 || warps < 2 || warps > 16 || warps % 2) return (int)cudaErrorInvalidValue;
-  float* o = static_cast<float*>(out);
-#define NIBBLE_MLP(T, L1) \
-  launch_mlp<T, L1>(x, M, K, group_shift_steps, ldx, qweights, scales, zeros, o, inter, hidden, ldo, warps, st, pdl, \
-                    successor, prefetch_down)
-  const cudaError_t err = is_bf16 ? (x_l1 ? NIBBLE_MLP(__nv_bfloat16, true) : NIBBLE_MLP(__nv_bfloat16, false))
-                                  : (x_l1 ? NIBBLE_MLP(__half, true) : NIBBLE_MLP(__half, false));
-#undef NIBBLE_MLP
-  return (int)err;
-}
 
 // Host entry point (called through ctypes): `count` weights (1 to 3) that read the same x, their
 // pointers, column counts and output row strides in arrays. Preconditions are checked by the Python
