@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -413,6 +414,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_errors() -> tuple:
+    """The exceptions nibble raises about what a user gave it (a path that is not a model or a checkpoint,
+    a missing data file or package, a setting the model or config refuses, a kernel that cannot build):
+    their messages say what to fix, so the command prints them as one line, not a traceback."""
+    from nibble.kernels import KernelUnavailableError
+    from nibble.kernels.cuda_build import CudaBuildError
+    from nibble.models.serialization import CheckpointError
+
+    return (FileNotFoundError, NotADirectoryError, ModuleNotFoundError, ValueError, CheckpointError, CudaBuildError,
+            KernelUnavailableError)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if getattr(args, "quant", "none") != "none":
@@ -420,7 +433,12 @@ def main(argv=None):
             quant_config(args, None)
         except ValueError as e:
             raise SystemExit(f"nibble {args.command}: {e}") from None
-    args.func(args)
+    try:
+        args.func(args)
+    except user_errors() as e:
+        if os.environ.get("NIBBLE_TRACEBACK") == "1":
+            raise
+        raise SystemExit(f"nibble {args.command}: {e}\n(NIBBLE_TRACEBACK=1 shows where it was raised)") from None
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
     model, _ = load_quantized(out)
     config = model.config.quantization_config
     assert config["mode"] == "w4a4" and config["rotation"] == "hadamard" and config["qat"]["init"] == "gptq"
-    with pytest.raises(ValueError, match="other settings"):  # its saved state is not resumed from another start
+    with pytest.raises(SystemExit, match="other settings"):  # its saved state is not resumed from another start
         main(["qat", "--model", str(model_dir), "--device", "cpu", "--recipe", "hadamard", "--steps", "2",
               "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
 
@@ -248,6 +248,25 @@ def test_a_model_quantized_for_a_gpu_is_read_into_host_memory_and_quantized_onto
     with pytest.raises(KeyboardInterrupt):
         main(["quantize", "--model", str(model_dir), "--device", "cuda", "--quant", "w4a4", "--out", "unused"])
     assert seen == [("cpu", torch.bfloat16, "cuda", "w4a4")]
+
+
+@pytest.mark.parametrize("command, message", [
+    (["generate", "x", "--model", "/nonexistent/model"], "is not a local .gguf file or directory"),
+    (["info", "{tmp}"], "not a nibble checkpoint directory"),
+    (["quantize", "--model", "{model}", "--quant", "w4a16", "--group-size", "48", "--out", "{tmp}/q"],
+     "not divisible by group_size=48"),
+])
+def test_a_users_mistake_is_one_line_not_a_traceback(command, message, model_dir, tmp_path, monkeypatch):
+    """What the user gave that cannot work is said as ``nibble <command>: <what to fix>`` (exit status 1,
+    no traceback), unless NIBBLE_TRACEBACK=1 asks for the exception itself."""
+    argv = [a.format(tmp=tmp_path, model=model_dir) for a in command] + ["--device", "cpu"] * (command[0] != "info")
+    with pytest.raises(SystemExit, match=f"^nibble {command[0]}: .*{message}") as exit_:
+        main(argv)
+    assert "NIBBLE_TRACEBACK=1" in str(exit_.value)
+    monkeypatch.setenv("NIBBLE_TRACEBACK", "1")
+    with pytest.raises(Exception, match=message) as raised:
+        main(argv)
+    assert not isinstance(raised.value, SystemExit)
 
 
 def test_quantize_without_a_quant_mode_is_refused(model_dir, tmp_path):
