@@ -30,8 +30,10 @@ from nibble.eval import speed  # noqa: E402
 from nibble.eval.engine import GREEDY, Engine, Sampling  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
 
+# "greedy": the kernel way is the engine's argmax in chunks, the sort way torch.argmax (`--setting greedy`: the
+# engine's decode steps greedy both ways)
 SETTINGS = {"t0.7 top-p 0.9": Sampling(0.7, top_p=0.9), "t0.7 top-k 50 top-p 0.9": Sampling(0.7, 50, 0.9),
-            "t1.0": Sampling(1.0), "t0.7 top-p 0.5": Sampling(0.7, top_p=0.5)}
+            "t1.0": Sampling(1.0), "t0.7 top-p 0.5": Sampling(0.7, top_p=0.5), "greedy": GREEDY}
 
 
 def sort_next_tokens(logits, sampling=GREEDY):

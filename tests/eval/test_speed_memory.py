@@ -301,6 +301,45 @@ def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, laun
     assert engine_mod.next_tokens(odd, engine_mod.Sampling(0.8, top_p=0.9)).tolist()[1] == 7
 
 
+@needs_kernel
+@pytest.mark.interpreter
+@pytest.mark.parametrize("chunk", [None, 256])
+def test_greedy_kernel_picks_torch_argmax_tokens(monkeypatch, chunk):
+    """`next_tokens` greedy (chunks, then rows) equals ``torch.argmax`` row for row: ties inside a chunk and
+    across chunks (the first index), NaN (the first NaN wins, over +inf too), +-inf, -0.0 against +0.0,
+    rows of one token and rows wholly -inf, fp32 and 16-bit logits, strided rows; one chunk or many
+    (``chunk``: SAMPLE_CHUNK, None as shipped)."""
+    if chunk is not None:
+        monkeypatch.setattr(engine_mod, "SAMPLE_CHUNK", chunk)
+        monkeypatch.setattr(engine_mod, "SAMPLE_BLOCK", 64)
+    size = engine_mod.SAMPLE_CHUNK
+    g = torch.Generator().manual_seed(5)
+    dtypes = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32, torch.float16]
+    for case in range(14):
+        V = (1, 2, size, size + 1, 3 * size - 7)[case % 5] if case < 10 else int(torch.randint(2, 3 * size, (1,), generator=g))
+        B = 1 + case % 3
+        x = torch.randn(B, V + 3, generator=g)
+        cols = lambda n: torch.randint(0, V, (n,), generator=g)  # noqa: E731
+        if V > 1:
+            x[0, cols(3)] = x[0].max() + 1  # ties for the top, maybe in different chunks
+            x[-1, cols(2)] = -torch.inf
+        if case % 4 == 1:
+            x[0, cols(2)] = torch.nan
+        if case % 4 == 2:
+            x[-1, cols(1)] = torch.inf
+            x[-1, cols(1)] = torch.nan  # NaN beats +inf
+        if case % 7 == 3:
+            x[0] = -torch.inf  # no finite logit: the first index
+        if case % 5 == 4:
+            x[B - 1, 1:V + 1] = -x[B - 1, 1:V + 1].abs()
+            first, later = sorted(torch.randperm(V, generator=g)[:2].tolist())
+            x[B - 1, 1 + first], x[B - 1, 1 + later] = -0.0, 0.0  # they tie: the first (-0.0) wins
+        logits = x.to(dtypes[case % 2]).to(KERNEL_DEVICE)[:, 1:V + 1]  # rows V + 3 apart
+        ours = engine_mod.next_tokens(logits)
+        assert ours.dtype == torch.int64 and torch.equal(ours, logits.argmax(-1)), (case, V, ours, logits.argmax(-1))
+    assert engine_mod._glue_failure is None
+
+
 def test_a_glue_kernel_that_fails_to_build_falls_back_to_pytorch_with_a_warning(monkeypatch):
     class Broken:
         def __getitem__(self, grid):
