@@ -224,6 +224,8 @@ def cmd_generate(args):
         raise SystemExit("nibble generate: give a prompt, several, or --prompts-file (one prompt a line)")
     if args.batch_size < 1:
         raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
+    if args.stats and len(prompts) > 1:
+        raise SystemExit("nibble generate: --stats times one prompt; give a single one")
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -237,8 +239,46 @@ def cmd_generate(args):
 
     # the text appears word by word as the tokens come (transformers' streamer, on either way of generating)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    if args.stats:
+        streamer = TimedStreamer(streamer)
     generate_text(model, tok, prompts[0], args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
                   sampling=sampling, streamer=streamer)
+    if args.stats:
+        print(f"nibble: {streamer.summary()}", file=sys.stderr)
+
+
+class TimedStreamer:
+    """A streamer (transformers' ``put`` / ``end``) that passes everything on to ``inner`` and times it:
+    the prompt's put starts the clock, each later put is new tokens. nibble's engine hands them over 16 at
+    a time on a GPU (transformers' generate one at a time), and its first ones include the prefill and
+    the capture of the step's CUDA graphs, so the rate is also given from the first hand-over on."""
+
+    def __init__(self, inner):
+        self.inner, self.prompt_tokens, self.start, self.puts = inner, None, None, []
+
+    def put(self, value) -> None:
+        now = time.perf_counter()
+        if self.start is None:
+            self.start, self.prompt_tokens = now, value.numel()
+        else:
+            self.puts.append((now, value.numel()))
+        self.inner.put(value)
+
+    def end(self) -> None:
+        self.inner.end()
+
+    def summary(self) -> str:
+        new = sum(n for _, n in self.puts)
+        if not new:
+            return f"{self.prompt_tokens} prompt tokens, no new token"
+        elapsed = self.puts[-1][0] - self.start
+        line = f"{self.prompt_tokens} prompt tokens, {new} new in {elapsed:.2f} s ({new / elapsed:.1f} tokens/s)"
+        later = new - self.puts[0][1]
+        if later:
+            steady = later / (self.puts[-1][0] - self.puts[0][0])
+            line += (f"; {steady:.1f} tokens/s after the first {self.puts[0][1]}, which include the prefill (and, "
+                     "on a GPU, the engine's graph capture)")
+        return line
 
 
 def cmd_quantize(args):
@@ -376,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the smallest set of most likely tokens whose probability reaches p")
     p.add_argument("--seed", type=int, default=None, help="seed PyTorch's generators (repeatable samples)")
+    p.add_argument("--stats", action="store_true",
+                   help="one prompt: say on stderr how many tokens came and how fast (after the first, which "
+                        "include the prefill and the engine's graph capture, too)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("quantize", help="model in, quantized directory out")
     _add_model_args(p)

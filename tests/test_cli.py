@@ -1,5 +1,7 @@
 """The `nibble` command end to end on a tiny local model directory (no network, seconds)."""
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,7 +141,8 @@ def test_several_prompts_run_as_ragged_batches_and_each_gets_what_it_gets_alone(
 
 
 @pytest.mark.parametrize("flags, message", [([], "give a prompt"), (["x", "--batch-size", "0"], "batch-size must be"),
-                                            (["--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file")])
+                                            (["--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file"),
+                                            (["a", "b", "--stats"], "--stats times one prompt")])
 def test_generate_refuses_a_missing_prompt_or_batch_before_loading_the_model(flags, message, monkeypatch):
     import nibble.cli as cli
 
@@ -174,6 +177,35 @@ def test_generate_samples_with_a_seed_and_top_k_1_is_greedy(model_dir, capsys):
         assert text(*way, "--temperature", "3", "--top-k", "1") == greedy[way]
         seeded = [text(*way, "--temperature", "1.5", "--top-p", "0.9", "--seed", "7") for _ in range(2)]
         assert seeded[0] == seeded[1] != greedy[way]
+
+
+@pytest.mark.parametrize("way", [[], ["--hf-generate"]])
+def test_generate_stats_say_how_many_tokens_came_and_how_fast(model_dir, capsys, way):
+    main(["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
+          "--max-new-tokens", "5", "--no-chat", "--stats"] + way)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"nibble: \d+ prompt tokens, \d new in [\d.]+ s \([\d.]+ tokens/s\); [\d.]+ tokens/s after "
+                        r"the first 1, which include the prefill \(and, on a GPU, the engine's graph capture\)", err), err
+
+
+def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeypatch):
+    from nibble.cli import TimedStreamer
+
+    seen = []
+    inner = SimpleNamespace(put=seen.append, end=lambda: seen.append("end"))
+    clock = iter([10.0, 11.0, 11.5, 12.0])
+    monkeypatch.setattr("nibble.cli.time.perf_counter", lambda: next(clock))
+    timed = TimedStreamer(inner)
+    for value in (torch.zeros(1, 7), torch.zeros(16), torch.zeros(16), torch.zeros(4)):
+        timed.put(value)
+    timed.end()
+    assert len(seen) == 5 and seen[-1] == "end"
+    assert timed.summary() == ("7 prompt tokens, 36 new in 2.00 s (18.0 tokens/s); 20.0 tokens/s after the first 16, "
+                               "which include the prefill (and, on a GPU, the engine's graph capture)")
+    only_prompt = TimedStreamer(inner)
+    monkeypatch.setattr("nibble.cli.time.perf_counter", lambda: 20.0)
+    only_prompt.put(torch.zeros(1, 3))
+    assert only_prompt.summary() == "3 prompt tokens, no new token"
 
 
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
