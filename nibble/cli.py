@@ -207,12 +207,10 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
 def cmd_generate(args):
     from nibble.eval.engine import Sampling
 
-    try:  # the settings are checked before the model loads
-        sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    except ValueError as e:
-        raise SystemExit(f"nibble generate: {e}") from None
+    # the settings are checked before the model loads (a ValueError is said by `main`)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
@@ -471,12 +469,9 @@ def user_errors() -> tuple:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if getattr(args, "quant", "none") != "none":
-        try:  # a combination QuantConfig refuses is said before the model loads (and calibration runs)
-            quant_config(args, None)
-        except ValueError as e:
-            raise SystemExit(f"nibble {args.command}: {e}") from None
     try:
+        if getattr(args, "quant", "none") != "none":
+            quant_config(args, None)  # a combination QuantConfig refuses is said before the model loads
         args.func(args)
     except user_errors() as e:
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
