@@ -23,19 +23,26 @@ def _device(name: str | None) -> str:
 
 
 def load(model: str | None, device: str, dtype: torch.dtype | None = None):
-    """A nibble-quantized directory, a local HF directory, a .gguf file, or None for the embedded SmolLM2."""
+    """A quantized checkpoint (nibble, AutoAWQ or GPTQ), a local HF directory, a .gguf file, or None for the
+    embedded SmolLM2."""
     from nibble.models.loading import load_model
     from nibble.models.serialization import load_quantized
 
-    if _nibble_checkpoint(model):
+    if _quantized_checkpoint(model):
         return load_quantized(model, device=device, dtype=dtype)
     return load_model(model, dtype=dtype, device=device)
 
 
-def _nibble_checkpoint(model: str | None) -> bool:
+def _quantized_checkpoint(model: str | None) -> bool:
+    """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
+    AutoAWQ's or GPTQ's), not a float model to quantize."""
+    from nibble.models.serialization import HF_QUANT_METHODS
+
     config = Path(model) / "config.json" if model else None
-    return bool(config and config.exists() and
-                json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") == "nibble")
+    if not (config and config.exists()):
+        return False
+    method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+    return method in ("nibble", *HF_QUANT_METHODS)
 
 
 def quant_config(args, model):
@@ -66,7 +73,7 @@ def load_for_command(args, device: str):
     from nibble.models.loading import default_dtype
     from nibble.quantize.calibration import calibration_for
 
-    if args.quant == "none" or _nibble_checkpoint(args.model):
+    if args.quant == "none" or _quantized_checkpoint(args.model):
         return load(args.model, device)
     model, tok = load(args.model, "cpu", dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
@@ -285,8 +292,12 @@ def cmd_quantize(args):
 
     if args.quant == "none":
         raise SystemExit("error: nibble quantize needs --quant w4a16 or w4a4")
+    if args.format != "nibble" and not _quantized_checkpoint(args.model) and (
+            args.quant != "w4a16" or args.float_zero or args.quantize_lm_head):
+        raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
+                         "drop --quant w4a4 / --float-zero / --quantize-lm-head, or write --format nibble")
     model, tok = load_for_command(args, _device(args.device))
-    out = save_quantized(model, args.out, tok)
+    out = save_quantized(model, args.out, tok, format=args.format)
     wb = weight_bytes(model)
     print(f"saved {out}: quantized linears {wb['quantized_bytes'] / 2**20:.1f} MiB "
           f"({wb['ratio']:.3f}x of {wb['bf16_bytes'] / 2**20:.1f} MiB in 16 bits)")
@@ -376,7 +387,8 @@ def cmd_demo(args):
 
 
 def _add_model_args(p, quant=True):
-    p.add_argument("--model", default=None, help="nibble dir, HF dir or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="a quantized dir (nibble, AutoAWQ or GPTQ: run as it is), an HF "
+                                                 "dir or a .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     if quant:
         p.add_argument("--quant", choices=["w4a16", "w4a4", "none"], default="w4a16")
@@ -421,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="model in, quantized directory out")
     _add_model_args(p)
     p.add_argument("--out", required=True)
+    p.add_argument("--format", choices=["nibble", "awq", "gptq"], default="nibble",
+                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ checkpoint for other tools (w4a16 with "
+                        "integer zero points and a 16-bit lm_head); given a quantized --model, its weights are "
+                        "written in this format as they are, not quantized again")
     p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("info", help="what a quantized directory holds")
     p.add_argument("dir")

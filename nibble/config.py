@@ -74,7 +74,7 @@ class QuantConfig:
     def from_dict(cls, d: dict) -> "QuantConfig":
         if d.get("quant_method") != QUANT_METHOD:
             raise ValueError(f"not a nibble quantization_config (quant_method={d.get('quant_method')!r}); "
-                             "AutoAWQ/GPTQ checkpoints load through nibble.models.hf_import")
+                             "nibble.load_quantized reads nibble, AutoAWQ (awq) and GPTQ (gptq) checkpoints")
         if d.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"checkpoint format_version {d.get('format_version')!r} is not supported by this nibble "
                              f"(it reads version {FORMAT_VERSION}); upgrade nibble or re-quantize the model")

@@ -42,6 +42,27 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_awq_and_gptq_checkpoints_are_written_and_run_from_the_cli(model_dir, tmp_path, capsys):
+    from nibble import load_quantized
+
+    awq, gptq = tmp_path / "awq", tmp_path / "gptq"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--format", "awq",
+          "--out", str(awq)])
+    capsys.readouterr()
+    assert json.loads((awq / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    main(["info", str(awq)])
+    assert json.loads(capsys.readouterr().out)["quantization_config"]["imported_from"]["quant_method"] == "awq"
+    main(["generate", "the capital", "--model", str(awq), "--device", "cpu", "--max-new-tokens", "3", "--no-chat"])
+    assert capsys.readouterr().out.strip()
+    # a quantized --model is written in the other format as it is, not quantized again
+    main(["quantize", "--model", str(awq), "--device", "cpu", "--format", "gptq", "--out", str(gptq)])
+    ids = torch.randint(0, 300, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(awq)[0](ids).logits, load_quantized(gptq)[0](ids).logits)
+    with pytest.raises(SystemExit, match="nibble quantize: --format awq holds W4A16 weights"):
+        main(["quantize", "--model", str(model_dir), "--quant", "w4a4", "--format", "awq", "--out", str(tmp_path / "x")])
+
+
 def test_quantize_lm_head_from_the_cli(model_dir, tmp_path, capsys):
     out = tmp_path / "q"
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--quantize-lm-head",

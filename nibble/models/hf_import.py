@@ -28,7 +28,7 @@ from nibble.config import QuantConfig
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from nibble.models.convert import check_architecture, quantized_linears
-from nibble.nn.quant_linear import QuantLinear
+from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
@@ -39,18 +39,6 @@ _QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 
 class UnsupportedCheckpointError(ValueError):
     pass
-
-
-class PermutedInputQuantLinear(QuantLinear):
-    """A QuantLinear whose canonical weight is stored in permuted input order (GPTQ act-order):
-    y = x[..., input_perm] @ W.T + b."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.register_buffer("input_perm", torch.arange(self.in_features, device=self.qweight.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.index_select(-1, self.input_perm.to(x.device)))
 
 
 # ---------------------------------------------------------------------------------------------- import
@@ -157,7 +145,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         cls = PermutedInputQuantLinear if perm is not None else QuantLinear
         layer = cls.from_weight(weight.to(device), None if bias is None else bias.to(device, dtype), "w4a16", dtype=dtype)
         if perm is not None:
-            layer.input_perm.copy_(perm)
+            layer.set_input_perm(perm)
             permuted.append(prefix)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)

@@ -70,8 +70,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     if quant_method is not None:
         # transformers would hand these to AutoAWQ/optimum, which nibble does not depend on.
         raise ValueError(f"{path} holds a quantized checkpoint (quant_method={quant_method!r}), not a float model; "
-                         "load it with nibble.models.serialization.load_quantized (nibble) or "
-                         "nibble.models.hf_import.load_hf_quantized (awq, gptq)")
+                         "load it with nibble.load_quantized (nibble, awq and gptq checkpoints)")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; nibble loads the "

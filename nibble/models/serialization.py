@@ -1,5 +1,9 @@
 """save_quantized / load_quantized: safetensors + config.json with a `quantization_config`.
 
+nibble's own format holds every mode and option; AutoAWQ GEMM and GPTQ checkpoints are read and
+written too (`format=`, and load_quantized tells them apart by their ``quant_method``; the layouts
+are converted losslessly by nibble.models.hf_import).
+
 Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
 looks whole. Every tensor's sha256 goes into the safetensors metadata and is checked on load, so
 a truncated or edited file is an error, never silently wrong output.
@@ -18,10 +22,11 @@ from torch import nn
 
 from nibble.config import QuantConfig
 from nibble.models.convert import check_architecture, quantized_linears
-from nibble.nn.quant_linear import QuantLinear
+from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+HF_QUANT_METHODS = ("awq", "gptq")  # other libraries' checkpoints that load_quantized reads (hf_import)
 
 
 class CheckpointError(RuntimeError):
@@ -40,8 +45,17 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save_quantized(model: nn.Module, directory, tokenizer=None) -> Path:
-    """Write ``model`` (converted by quantize_model) to ``directory``; the tokenizer too if given."""
+def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "nibble") -> Path:
+    """Write ``model`` (converted by quantize_model, or loaded by load_quantized) to ``directory``; the
+    tokenizer too if given. ``format``: ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` /
+    ``"gptq"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read (W4A16 models
+    with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` / `export_gptq`
+    say what they refuse)."""
+    if format in ("awq", "gptq"):
+        from nibble.models.hf_import import export_awq, export_gptq
+        return (export_awq if format == "awq" else export_gptq)(model, directory, tokenizer)
+    if format != "nibble":
+        raise ValueError(f"format must be 'nibble', 'awq' or 'gptq', got {format!r}")
     qc = getattr(model.config, "quantization_config", None)
     if not qc or qc.get("quant_method") != "nibble":
         raise ValueError("model has no nibble quantization_config: run nibble.quantize_model first")
@@ -60,8 +74,10 @@ def save_quantized(model: nn.Module, directory, tokenizer=None) -> Path:
                 "nibble_aliases": json.dumps(aliases)}
     _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
     config = model.config.to_dict()
-    config["quantization_config"] = {**qc, "online_hadamard_modules":
-                                     [n for n, m in quantized_linears(model) if m.input_hadamard]}
+    linears = quantized_linears(model)
+    config["quantization_config"] = {**qc, "online_hadamard_modules": [n for n, m in linears if m.input_hadamard],
+                                     "input_permuted_modules": [n for n, m in linears
+                                                                if isinstance(m, PermutedInputQuantLinear)]}
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
@@ -90,7 +106,9 @@ def _read_checked(path: Path) -> tuple[dict, dict]:
 
 
 def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
-    """Rebuild a model written by save_quantized (no float weights are materialised first).
+    """Rebuild a model written by save_quantized (no float weights are materialised first), or read an
+    AutoAWQ GEMM / GPTQ checkpoint as it stands (`nibble.models.hf_import.load_hf_quantized`: its codes,
+    scales and zero points, not requantized), as the directory's ``quantization_config`` says.
 
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved.
     """
@@ -106,8 +124,12 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     qc_dict = raw.pop("quantization_config", None)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
+    if qc_dict.get("quant_method") in HF_QUANT_METHODS:
+        from nibble.models.hf_import import load_hf_quantized
+        return load_hf_quantized(directory, device, dtype)
     qc = QuantConfig.from_dict(qc_dict)
     online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
+    permuted = set(qc_dict.get("input_permuted_modules", []))
     tensors, aliases = _read_checked(directory / WEIGHTS)
     config = AutoConfig.for_model(**raw)
     dtype = dtype or getattr(config, "torch_dtype", None) or torch.float32
@@ -120,8 +142,9 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         parent, _, child = name.rpartition(".")
         old = model.get_submodule(name)
         group_size = old.in_features // tensors[name + ".scales"].shape[0]
-        q = QuantLinear(old.in_features, old.out_features, old.bias is not None, group_size, qc.mode,
-                        name in online_hadamard, dtype=dtype, device="meta")
+        cls = PermutedInputQuantLinear if name in permuted else QuantLinear
+        q = cls(old.in_features, old.out_features, old.bias is not None, group_size, qc.mode,
+                name in online_hadamard, dtype=dtype, device="meta")
         setattr(model.get_submodule(parent), child, q)
     for alias, target in aliases.items():
         tensors[alias] = tensors[target]

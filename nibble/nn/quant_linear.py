@@ -1,6 +1,8 @@
 """QuantLinear: a drop-in replacement for nn.Linear holding INT4 weights in the canonical format."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,6 +88,44 @@ class QuantLinear(nn.Module):
                 f"mode={self.mode}, group_size={self.group_size}, input_hadamard={self.input_hadamard}")
 
 
+class PermutedInputQuantLinear(QuantLinear):
+    """A QuantLinear whose canonical weight lists its inputs in another order: y = x[..., input_perm] @ W.T + b.
+
+    GPTQ with act-order (``desc_act``) quantizes the inputs in the order of their Hessian diagonal and
+    forms its groups in that order, so the groups of the original order are not contiguous; stored in
+    that order instead they are, and the kernels run unchanged on x gathered once per call.
+    ``input_order``, a digest of the permutation, lets `shared_input_forward` see which layers share
+    one (q/k/v, gate/up: GPTQ finds the same order for layers that read the same input) without
+    comparing the tensors on the device, a host sync per call.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("input_perm", torch.arange(self.in_features, device=self.qweight.device))
+        self.input_order = None if self.input_perm.is_meta else _permutation_digest(self.input_perm)
+
+    def set_input_perm(self, perm: torch.Tensor) -> None:
+        self.input_perm.copy_(perm)
+        self.input_order = _permutation_digest(self.input_perm)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.input_order = _permutation_digest(self.input_perm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.input_perm.to(x.device)))
+
+
+def _permutation_digest(perm: torch.Tensor) -> str:
+    """sha1 of ``perm`` after checking it is a permutation of range(len(perm)): a corrupt one would
+    gather the wrong inputs silently."""
+    perm = perm.detach().cpu().long()
+    if perm.dim() != 1 or not torch.equal(perm.sort().values, torch.arange(perm.numel())):
+        raise ValueError(f"input_perm must be a permutation of 0..{perm.numel() - 1}; the checkpoint's is not "
+                         "(a corrupt g_idx or input_perm)")
+    return hashlib.sha1(perm.numpy().tobytes()).hexdigest()
+
+
 def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of several layers that read the same ``x`` (a block's q/k/v or gate/up projections).
 
@@ -96,6 +136,7 @@ def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
       GEMM above, where a tile fits every width but the last);
     - W4A16 QuantLinears with one group size and backend run as one kernel launch where the skinny
       kernel runs (up to 32 tokens) and where the Hopper GEMM runs (the group's columns together);
+      layers with an input permutation (`PermutedInputQuantLinear`) join only layers of the same one;
     - plain ``nn.Linear`` layers whose weights are consecutive rows of one tensor (`stack_weights`)
       run as one matmul.
     Any other layer is called as is.
@@ -105,12 +146,15 @@ def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
         for m in layers:
             m._check_input(x)
         mode, backend = layers[0].mode, layers[0].backend
-        same = len({(m.mode, m.backend, m.input_hadamard, m.group_size) for m in layers}) == 1
+        same = len({(m.mode, m.backend, m.input_hadamard, m.group_size, getattr(m, "input_order", None))
+                    for m in layers}) == 1
+        # layers with one input permutation (GPTQ act-order) share x gathered once
+        xs = x.index_select(-1, layers[0].input_perm) if same and hasattr(layers[0], "input_perm") else x
         if same and mode == "w4a4":
-            return kernels.w4a4_linears(x, [(m.qweight, m.scales[0], m.bias) for m in layers],
+            return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
                                         layers[0].input_hadamard, backend=backend)
         if same and mode == "w4a16":
-            return kernels.w4a16_linears(x, [(m.qweight, m.scales, m.zeros, m.bias) for m in layers],
+            return kernels.w4a16_linears(xs, [(m.qweight, m.scales, m.zeros, m.bias) for m in layers],
                                          layers[0].group_size, backend=backend)
     stacked = _stacked_parameters(layers)
     if stacked is not None:

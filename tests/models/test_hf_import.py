@@ -13,11 +13,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from conftest import tiny_model
-from nibble import QuantConfig, quantize_model
+from nibble import Engine, QuantConfig, load_quantized, quantize_model, save_quantized
 from nibble.kernels.reference import dequantize
-from nibble.models.hf_import import (PermutedInputQuantLinear, UnsupportedCheckpointError, export_awq, export_gptq,
-                                     load_hf_quantized)
-from nibble.nn.quant_linear import QuantLinear
+from nibble.models.hf_import import UnsupportedCheckpointError, export_awq, export_gptq, load_hf_quantized
+from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear, shared_input_forward
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -65,11 +64,11 @@ def write_awq_linear(W, G):
     return {"qweight": _int32(qweight), "qzeros": _int32(qzeros), "scales": s.t().contiguous()}, dense
 
 
-def write_gptq_linear(W, G, sym, desc_act, fmt="gptq"):
+def write_gptq_linear(W, G, sym, desc_act, fmt="gptq", order=None):
     """AutoGPTQ QuantLinear.pack: qweight [K/8, N] row 8i+j in bits 4j; qzeros [K/G, N/8] col 8c+j in bits 4j
-    holding zp - 1 (v1) or zp (v2); g_idx; act-order groups follow a (random) processing order."""
+    holding zp - 1 (v1) or zp (v2); g_idx; act-order groups follow a processing order (``order``, else random)."""
     N, K = W.shape
-    order = torch.randperm(K) if desc_act else None
+    order = (torch.randperm(K) if order is None else order) if desc_act else None
     q, zp, s, g_idx = minmax_quantize(W, G, sym, order)
     intweight = q.t()  # [K, N]
     qweight = torch.zeros(K // 8, N, dtype=torch.int64)
@@ -243,3 +242,85 @@ def test_unsupported_checkpoints_are_clear_errors(tmp_path, qc, match):
     with pytest.raises(UnsupportedCheckpointError, match=match) as e:
         load_hf_quantized(tmp_path)
     assert "awq" in str(e.value) and "gptq" in str(e.value)  # says what is supported
+
+
+def _act_order_checkpoint(path, shared: bool):
+    """A GPTQ act-order checkpoint of the tiny model. ``shared``: the layers of a block that read the same
+    input share one processing order, as GPTQ finds them (one Hessian); else every layer its own."""
+    G, orders = 32, {}
+
+    def write(W):
+        order = orders.setdefault(W.shape[1], torch.randperm(W.shape[1])) if shared else None
+        return write_gptq_linear(W, G, False, True, "gptq", order)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": False, "desc_act": True}
+    return write_checkpoint(path, tiny_model("llama"), qc, write)[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("shared", [True, False])
+def test_act_order_layers_that_share_an_input_run_together_only_in_one_order(tmp_path, shared, device):
+    # The engine runs q/k/v and gate/up through shared_input_forward, one launch a group: layers whose
+    # inputs are permuted must see x in their own order there too (they once got x unpermuted).
+    ref = _act_order_checkpoint(tmp_path, shared)
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    model, _ = load_hf_quantized(tmp_path, device=device, dtype=dtype)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert (len({m.input_order for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) == 1) == shared
+    for layers in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        for tokens in (1, 5, 40):
+            x = torch.randn(1, tokens, 64, device=device, dtype=dtype)
+            for got, layer in zip(shared_input_forward(layers, x), layers):
+                torch.testing.assert_close(got, layer(x), rtol=1e-3, atol=1e-3)
+    ids = torch.randint(0, 256, (1, 19), device=device)
+    with torch.no_grad():
+        want = ref.to(device)(ids).logits[:, -1].float()
+    got = Engine(model, max_seq_len=64).prefill(ids).float()
+    tol = 1e-3 if device == "cpu" else 2e-2
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_an_act_order_import_saved_by_nibble_loads_back_permuted(tmp_path):
+    ref = _act_order_checkpoint(tmp_path / "gptq", shared=True)
+    model, _ = load_quantized(tmp_path / "gptq")  # a GPTQ directory loads through the one entry point
+    save_quantized(model, tmp_path / "nibble")
+    qc = json.loads((tmp_path / "nibble" / "config.json").read_text())["quantization_config"]
+    assert len(qc["input_permuted_modules"]) == 14
+    again, _ = load_quantized(tmp_path / "nibble")
+    for name in qc["input_permuted_modules"]:
+        layer = again.get_submodule(name)
+        assert isinstance(layer, PermutedInputQuantLinear)
+        assert layer.input_order == model.get_submodule(name).input_order
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+        assert (again(ids).logits - ref(ids).logits).abs().max() <= 1e-3 * ref(ids).logits.abs().max()
+    save_quantized(again, tmp_path / "gptq-again", format="gptq")  # and back to GPTQ, the same tensors
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("gptq", "gptq-again"))
+    for k in a:
+        if k.endswith(("qweight", "qzeros", "scales", "g_idx")):
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_save_quantized_writes_the_formats_other_tools_read(tmp_path):
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        want = model(ids).logits
+    for fmt in ("awq", "gptq"):
+        save_quantized(model, tmp_path / fmt, format=fmt)
+        assert json.loads((tmp_path / fmt / "config.json").read_text())["quantization_config"]["quant_method"] == fmt
+        loaded, _ = load_quantized(tmp_path / fmt)
+        with torch.no_grad():  # fp16 scales and non-quantized tensors in those formats: within their rounding
+            assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
+    with pytest.raises(ValueError, match="format must be 'nibble', 'awq' or 'gptq'"):
+        save_quantized(model, tmp_path / "x", format="exl2")
+
+
+def test_a_corrupt_input_permutation_is_refused():
+    layer = PermutedInputQuantLinear(64, 32, group_size=32)
+    perm = torch.arange(64)
+    perm[3] = 5  # 5 twice, 3 never: inputs would be dropped silently
+    with pytest.raises(ValueError, match="permutation of 0..63"):
+        layer.set_input_perm(perm)

@@ -79,7 +79,7 @@ def test_quantized_checkpoints_are_pointed_elsewhere(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method='awq'.*load_hf_quantized"):
+    with pytest.raises(ValueError, match="quant_method='awq'.*nibble.load_quantized"):
         load_model(tmp_path)
 
 
