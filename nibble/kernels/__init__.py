@@ -74,6 +74,15 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     return [_finish(y, layer[3], x) for y, layer in zip(ys, layers)]
 
 
+def gather_columns(x, index, backend: str = "auto"):
+    """x[..., index]: the input of a layer whose weight lists its inputs in another order (GPTQ act-order,
+    `nibble.nn.quant_linear.PermutedInputQuantLinear`). On CUDA a Triton kernel that takes part in early
+    launch, so the matmul after it still starts under it at decode sizes."""
+    if not _use_kernel(x, backend) or not w4a16.HAS_TRITON or torch.compiler.is_compiling():
+        return reference.gather_columns(x, index)
+    return w4a16.gather_columns(x, index)
+
+
 def _finish(y, bias, x):
     """A kernel's [M, N] output with the bias added, in x's leading dims and dtype."""
     if bias is not None:

@@ -34,6 +34,11 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype)
 
 
+def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[..., index]: the input of a layer that lists its inputs in another order (GPTQ act-order)."""
+    return x.index_select(-1, index.to(x.device))
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4: returns (q int8 [..., K] in [-8, 7], scale float32 [...]).
 

@@ -64,6 +64,7 @@ from nibble.kernels.early_launch import early_launch
 try:  # the module must import without triton (CPU-only installs)
     import triton
     import triton.language as tl
+    from nibble.kernels.early_launch import after_prior_grids
     HAS_TRITON = True
 except Exception:  # pragma: no cover - exercised only where triton is missing
     triton = None
@@ -583,6 +584,31 @@ if HAS_TRITON:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], wt,
                  mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+
+    @triton.jit
+    def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, block of columns): out[row, j] = x[row, index[j]], rows of K contiguous."""
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = j < K
+        src = tl.load(index_ptr + j, mask=m, other=0)  # no kernel writes the permutation: read it before the wait
+        after_prior_grids(PDL)
+        row = tl.program_id(0).to(tl.int64) * K
+        tl.store(out_ptr + row + j, tl.load(x_ptr + row + src, mask=m), mask=m)
+
+
+def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[..., index] on CUDA (`reference.gather_columns`): a GPTQ act-order layer's input in its stored order.
+    PyTorch's gather would be a kernel that does not take part in early launch (`early_launch.py`), so the
+    matmul after it could not start under it either: in a decode step that cost more than the gather."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = x2.shape
+    out = torch.empty_like(x2)
+    pdl = not _INTERPRET and early_launch(x.device, M)
+    BLOCK = 1024
+    _gather_columns_kernel[(M, _cdiv(K, BLOCK))](x2, index, out, K, BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl,
+                                                 num_warps=4)
+    return out.view(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------

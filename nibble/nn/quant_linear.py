@@ -113,7 +113,7 @@ class PermutedInputQuantLinear(QuantLinear):
         self.input_order = _permutation_digest(self.input_perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.index_select(-1, self.input_perm.to(x.device)))
+        return super().forward(kernels.gather_columns(x, self.input_perm, backend=self.backend))
 
 
 def _permutation_digest(perm: torch.Tensor) -> str:
@@ -149,7 +149,7 @@ def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
         same = len({(m.mode, m.backend, m.input_hadamard, m.group_size, getattr(m, "input_order", None))
                     for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once
-        xs = x.index_select(-1, layers[0].input_perm) if same and hasattr(layers[0], "input_perm") else x
+        xs = kernels.gather_columns(x, layers[0].input_perm, backend) if same and hasattr(layers[0], "input_perm") else x
         if same and mode == "w4a4":
             return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
                                         layers[0].input_hadamard, backend=backend)

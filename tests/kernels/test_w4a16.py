@@ -798,3 +798,18 @@ def test_successor_launch_rule():
     assert pick(64, 4096, 4096, 132).successor == W.SUCCESSOR_AT_END
     assert W.MmaConfig(1, 8).successor == W.SUCCESSOR_AT_END            # explicit configs: as before
     assert not W.mma_config_valid(W.MmaConfig(1, 8, successor=3), 1)
+
+
+# --------------------------------------------------------------------- act-order input gather
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interp), pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("M,K", [(1, 64), (3, 4096), (17, 1100), (128, 11008)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gather_columns_kernel_is_index_select(device, M, K, dtype):
+    # a GPTQ act-order layer's input in its stored order (PermutedInputQuantLinear); leading dims, and a
+    # transposed input the launcher must make contiguous
+    g = torch.Generator().manual_seed(M * K)
+    x = torch.randn(2, M, K, generator=g).to(device, dtype)
+    index = torch.randperm(K, generator=g).to(device)
+    assert torch.equal(W.gather_columns(x, index), x.index_select(-1, index))
+    xt = torch.randn(K, M, generator=g).to(device, dtype).t()
+    assert torch.equal(W.gather_columns(xt, index), xt.index_select(-1, index))
