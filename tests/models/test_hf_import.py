@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from conftest import tiny_model
 from nibble import Engine, QuantConfig, load_quantized, quantize_model, save_quantized
