@@ -40,9 +40,7 @@ this file supplies the rest of the forward pass:
   Llama-2-7B's q, k and v take 39.9 us in bf16 and 16.9 us in W4A16 as three launches, 27.6 and
   10.5 us as one (H200); at 128 tokens 41.7 us in bf16, 73.0 in W4A16 and 55.1 in W4A4 as three,
   28.3, 35.5 and 20.8 as one. The glue kernels read the slices of a stacked output in place (any
-  row stride). GPTQ act-order layers (`PermutedInputQuantLinear`) get their input in their stored
-  order from the glue (the norm scatters its columns, SiLU * up gathers its own), so only o_proj's
-  needs a gather of its own.
+  row stride).
 
 The kernels reproduce the Hugging Face modules' bf16 rounding step for step (they round where
 PyTorch rounds), so greedy tokens match ``model.generate``; on the CPU the same functions run as
@@ -67,8 +65,7 @@ from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import (PermutedInputQuantLinear, shared_input_forward, shared_input_perm, stack_weights,
-                                    w4a4_operands)
+from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -120,21 +117,16 @@ if triton is not None:
                                          is_pure=True, pack=1)
 
     @triton.jit
-    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, scatter_ptr, N, eps, fmax,
+    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, N, eps, fmax,
                             HAS_RES: tl.constexpr, QUANT: tl.constexpr, EVEN_ODD: tl.constexpr,
-                            SCATTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
         """One row: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)), HF's LlamaRMSNorm roundings.
         QUANT: out is not written in 16 bits but quantized for W4A4 projections (int8 codes to
-        out_ptr, the token's scale to scale_ptr), exactly as the act-quant kernel quantizes it.
-        SCATTER: column j of out goes to column scatter[j] (GPTQ act-order layers' input order)."""
-        cols = tl.arange(0, BLOCK)
-        m = cols < N
-        if SCATTER:  # no kernel writes the permutation: read it before the wait
-            dst = tl.load(scatter_ptr + cols, mask=m, other=0)
-        else:
-            dst = cols
+        out_ptr, the token's scale to scale_ptr), exactly as the act-quant kernel quantizes it."""
         after_prior_grids(PDL)
         row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
         h = tl.load(x_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
             h = _round(h + tl.load(res_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32), res_out_ptr)
@@ -148,7 +140,7 @@ if triton is not None:
             store_int4_rows(y[None, :], out_ptr + row * N + cols[None, :], m[None, :], scale_ptr + row + one,
                             one < 1, fmax, EVEN_ODD, _INTERPRETED)
         else:
-            tl.store(out_ptr + row * N + dst, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(out_ptr + row * N + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, kc_ptr, vc_ptr,
@@ -192,21 +184,15 @@ if triton is not None:
         tl.store(dst + HALF + offs, o2.to(q_out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, columns_ptr, n, g_row, u_row, GATHER: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_row, u_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Program (row, block of n columns); g and u rows ``*_row`` elements apart (views of one
-        stacked gate/up output), out contiguous. GATHER: out column i from g and u column columns[i]
-        (the input order of a GPTQ act-order down_proj)."""
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        if GATHER:  # no kernel writes the permutation: read it before the wait
-            src = tl.load(columns_ptr + i, mask=m, other=0)
-        else:
-            src = i
+        stacked gate/up output), out contiguous."""
         after_prior_grids(PDL)
         row = tl.program_id(0).to(tl.int64)
-        g = tl.load(g_ptr + row * g_row + src, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * u_row + src, mask=m, other=0.0).to(tl.float32)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        g = tl.load(g_ptr + row * g_row + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * u_row + i, mask=m, other=0.0).to(tl.float32)
         s = _round(g / (1.0 + tl.exp(-g)), out_ptr)
         tl.store(out_ptr + row * n + i, (s * u).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -516,21 +502,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, t.shape[-1])
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                scatter: torch.Tensor | None = None):
-    """(h, norm(h)) with h = x + residual (h = x when residual is None), as HF's RMSNorm computes it.
-    ``scatter``: norm(h)'s column j written to column scatter[j] (the inverse of the input permutation of
-    the GPTQ act-order layers it feeds, which then need no gather of their own)."""
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h, norm(h)) with h = x + residual (h = x when residual is None), as HF's RMSNorm computes it."""
     def plain():
         h = x if residual is None else residual + x
         hf = h.float()
-        y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-        if scatter is not None:
-            y = torch.empty_like(y).index_copy_(-1, scatter, y)
-        return h, y
+        return h, weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
     def kernel():
-        h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps, scatter=scatter)
+        h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps)
         return h, out
     return _dispatch(x, kernel, plain)
 
@@ -551,10 +531,9 @@ def add_rmsnorm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight:
     return _dispatch(x, kernel, plain)
 
 
-def _launch_add_rmsnorm(x, residual, weight, eps, order=None, scatter=None):
-    """`_add_rmsnorm_kernel` over x's rows: (h, out, scales); out like x (its columns scattered as
-    `add_rmsnorm` says) and scales None, or with an ``order`` the int8 codes [rows, N] in that order and
-    their float32 scales [rows]."""
+def _launch_add_rmsnorm(x, residual, weight, eps, order=None):
+    """`_add_rmsnorm_kernel` over x's rows: (h, out, scales); out like x and scales None, or with an
+    ``order`` the int8 codes [rows, N] in that order and their float32 scales [rows]."""
     xc = x.contiguous()
     N = xc.shape[-1]
     rows = xc.numel() // N
@@ -566,11 +545,9 @@ def _launch_add_rmsnorm(x, residual, weight, eps, order=None, scatter=None):
         out = torch.empty(rows, N, dtype=torch.int8, device=x.device)
         scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(N)
-    _add_rmsnorm_kernel[(rows,)](xc, res, weight, out, h, out if scales is None else scales,
-                                 out if scatter is None else scatter, N, eps,
+    _add_rmsnorm_kernel[(rows,)](xc, res, weight, out, h, out if scales is None else scales, N, eps,
                                  float(torch.finfo(x.dtype).max), HAS_RES=residual is not None,
-                                 QUANT=scales is not None, EVEN_ODD=order == "even_odd",
-                                 SCATTER=scatter is not None, BLOCK=block,
+                                 QUANT=scales is not None, EVEN_ODD=order == "even_odd", BLOCK=block,
                                  num_warps=_norm_warps(block), **_early(xc, rows))
     return h, out, scales
 
@@ -620,23 +597,17 @@ def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head
     return _dispatch(q, kernel, plain)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU(g) * u, rounded as PyTorch rounds ``F.silu(g) * u``; ``columns``: only those, in that order
-    (a GPTQ act-order down_proj's input permutation: the layer then needs no gather of its own)."""
-    def plain():
-        y = F.silu(g) * u
-        return y if columns is None else y.index_select(-1, columns)
-
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SiLU(g) * u, rounded as PyTorch rounds ``F.silu(g) * u``."""
     def kernel():
         gc, uc = _rows(g), _rows(u)
         rows, n = gc.shape
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         BLOCK = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gc, uc, out, out if columns is None else columns, n,
-                                                        gc.stride(0), uc.stride(0), GATHER=columns is not None,
-                                                        BLOCK=BLOCK, num_warps=4, **_early(gc, rows))
+        _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gc, uc, out, n, gc.stride(0), uc.stride(0), BLOCK=BLOCK,
+                                                        num_warps=4, **_early(gc, rows))
         return out
-    return _dispatch(g, kernel, plain)
+    return _dispatch(g, kernel, lambda: F.silu(g) * u)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
@@ -925,7 +896,6 @@ class Engine:
             self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)
             self.last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._graphs: dict = {}
-        self._scatters: dict = {}  # input permutation (its data_ptr) -> its inverse, for the norm kernel
         self._batch = self._len = 0  # the live sequences: batch and longest length (host copies)
         self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
 
@@ -937,35 +907,27 @@ class Engine:
             return h, norm(h)
         return add_rmsnorm(x, residual, *p)
 
-    def _norm_projections(self, x, residual, norm, layers, gated: bool = False, act_columns=None):
+    def _norm_projections(self, x, residual, norm, layers, gated: bool = False):
         """(h, [layer(norm(h)) for layer in layers]) with h = x + residual; gated (layers = gate, up):
-        (h, SiLU(gate(norm(h))) * up(norm(h))), only its ``act_columns`` if given (`silu_mul`). W4A4
-        layers on CUDA get norm(h) quantized by the norm's kernel (`add_rmsnorm_quantize`; 16-bit
-        activations, which the op would quantize alike), and a gated pair on the Hopper GEMM is one
-        launch that multiplies in its epilogue (`w4a4.w4a4_wgmma_silu_mul`) where that pays
-        (`w4a4.gated_preferred`); the rest go through `shared_input_forward`, GPTQ act-order layers
-        of one input order with norm(h) written in that order (`shared_input_perm`): no gather."""
+        (h, SiLU(gate(norm(h))) * up(norm(h))). W4A4 layers on CUDA get norm(h) quantized by the
+        norm's kernel (`add_rmsnorm_quantize`; 16-bit activations, which the op would quantize
+        alike), and a gated pair on the Hopper GEMM is one launch that multiplies in its epilogue
+        (`w4a4.w4a4_wgmma_silu_mul`) where that pays (`w4a4.gated_preferred`); the rest go through
+        `shared_input_forward`."""
         p = _rmsnorm_params(norm)
         fusable = p is not None and x.is_cuda and triton is not None and x.dtype in w4a4.KERNEL_DTYPES
         operands = w4a4_operands(layers, x.dtype) if fusable else None
         if operands is None:
-            perm = shared_input_perm(layers) if p is not None else None
-            if perm is None:
-                h, y = self._add_norm(x, residual, norm)
-            else:
-                if perm.data_ptr() not in self._scatters:
-                    self._scatters[perm.data_ptr()] = torch.argsort(perm)
-                h, y = add_rmsnorm(x, residual, *p, scatter=self._scatters[perm.data_ptr()])
-            ys = shared_input_forward(layers, y, x_in_order=perm is not None)
-            return h, silu_mul(*ys, columns=act_columns) if gated else ys
+            h, y = self._add_norm(x, residual, norm)
+            ys = shared_input_forward(layers, y)
+            return h, silu_mul(*ys) if gated else ys
         B, T, K = x.shape
         order = w4a4.activation_order(B * T, K, [qweight.shape[1] for qweight, _, _ in operands], x.device)
         h, q, scale = add_rmsnorm_quantize(x, residual, *p, order)
-        if (gated and act_columns is None and FUSED_GLUE and order == "even_odd"
-                and w4a4.gated_preferred(q, *operands)):
+        if gated and FUSED_GLUE and order == "even_odd" and w4a4.gated_preferred(q, *operands):
             return h, w4a4.w4a4_wgmma_silu_mul(q, scale, *operands, x.dtype, order=order).view(B, T, -1)
         ys = [y.view(B, T, -1) for y in w4a4.w4a4_products(q, scale, operands, x.dtype, order)]
-        return h, silu_mul(*ys, columns=act_columns) if gated else ys
+        return h, silu_mul(*ys) if gated else ys
 
     def _attention(self, i: int, attn: nn.Module, q, k, v, input_pos, mask) -> torch.Tensor:
         B, T, _ = q.shape
@@ -988,13 +950,8 @@ class Engine:
     def _mlp(self, mlp: nn.Module, x, residual, norm):
         """(h, mlp(norm(h))) with h = x + residual."""
         if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            down = mlp.down_proj
-            if isinstance(down, PermutedInputQuantLinear):  # GPTQ act-order: SiLU * up written in its input order
-                h, act = self._norm_projections(x, residual, norm, (mlp.gate_proj, mlp.up_proj), gated=True,
-                                                act_columns=down.input_perm)
-                return h, down.forward_in_order(act)
             h, act = self._norm_projections(x, residual, norm, (mlp.gate_proj, mlp.up_proj), gated=True)
-            return h, down(act)
+            return h, mlp.down_proj(act)
         h, y = self._add_norm(x, residual, norm)
         return h, mlp(y)
 

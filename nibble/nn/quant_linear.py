@@ -113,12 +113,7 @@ class PermutedInputQuantLinear(QuantLinear):
         self.input_order = _permutation_digest(self.input_perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_in_order(kernels.gather_columns(x, self.input_perm, backend=self.backend))
-
-    def forward_in_order(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer on x already in its stored input order, x = x_original[..., input_perm] (the engine's
-        glue kernels write it so, instead of a gather of its own)."""
-        return super().forward(x)
+        return super().forward(kernels.gather_columns(x, self.input_perm, backend=self.backend))
 
 
 def _permutation_digest(perm: torch.Tensor) -> str:
@@ -131,7 +126,7 @@ def _permutation_digest(perm: torch.Tensor) -> str:
     return hashlib.sha1(perm.numpy().tobytes()).hexdigest()
 
 
-def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> list[torch.Tensor]:
+def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of several layers that read the same ``x`` (a block's q/k/v or gate/up projections).
 
     On CUDA a kernel launch costs a few microseconds, as much as a decode step's matmul streams in
@@ -141,9 +136,7 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
       GEMM above, where a tile fits every width but the last);
     - W4A16 QuantLinears with one group size and backend run as one kernel launch where the skinny
       kernel runs (up to 32 tokens) and where the Hopper GEMM runs (the group's columns together);
-      layers with an input permutation (`PermutedInputQuantLinear`) join only layers of the same one,
-      and x is gathered once for them (not at all with ``x_in_order``: the caller wrote x in that order,
-      see `shared_input_perm`);
+      layers with an input permutation (`PermutedInputQuantLinear`) join only layers of the same one;
     - plain ``nn.Linear`` layers whose weights are consecutive rows of one tensor (`stack_weights`)
       run as one matmul.
     Any other layer is called as is.
@@ -152,38 +145,21 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
     if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
         for m in layers:
             m._check_input(x)
-        if _one_launch(layers):
-            first = layers[0]
-            perm = getattr(first, "input_perm", None)
-            xs = x if perm is None or x_in_order else kernels.gather_columns(x, perm, first.backend)
-            if first.mode == "w4a4":
-                return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
-                                            first.input_hadamard, backend=first.backend)
+        mode, backend = layers[0].mode, layers[0].backend
+        same = len({(m.mode, m.backend, m.input_hadamard, m.group_size, getattr(m, "input_order", None))
+                    for m in layers}) == 1
+        # layers with one input permutation (GPTQ act-order) share x gathered once
+        xs = kernels.gather_columns(x, layers[0].input_perm, backend) if same and hasattr(layers[0], "input_perm") else x
+        if same and mode == "w4a4":
+            return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
+                                        layers[0].input_hadamard, backend=backend)
+        if same and mode == "w4a16":
             return kernels.w4a16_linears(xs, [(m.qweight, m.scales, m.zeros, m.bias) for m in layers],
-                                         first.group_size, backend=first.backend)
-    if x_in_order:
-        raise ValueError("x_in_order: x is in the input order of layers that run as one launch (shared_input_perm), "
-                         "and these layers do not")
+                                         layers[0].group_size, backend=backend)
     stacked = _stacked_parameters(layers)
     if stacked is not None:
         return list(F.linear(x, *stacked).split([m.out_features for m in layers], dim=-1))
     return [m(x) for m in layers]
-
-
-def _one_launch(layers) -> bool:
-    """Whether QuantLinears that read one x run as one kernel launch in `shared_input_forward`."""
-    return len({(m.mode, m.backend, m.input_hadamard, m.group_size, getattr(m, "input_order", None))
-                for m in layers}) == 1
-
-
-def shared_input_perm(layers) -> torch.Tensor | None:
-    """The input permutation of layers that `shared_input_forward` runs as one launch, every one a
-    `PermutedInputQuantLinear` of the same order; else None. A caller that writes their x in that order
-    (x_original[..., perm]) passes ``x_in_order=True`` and saves the gather."""
-    layers = list(layers)
-    if len(layers) < 2 or not all(isinstance(m, PermutedInputQuantLinear) for m in layers) or not _one_launch(layers):
-        return None
-    return layers[0].input_perm
 
 
 def w4a4_operands(layers, dtype: torch.dtype):

@@ -162,10 +162,6 @@ def glue_outputs(dtype, device):
     out = list(engine_mod.add_rmsnorm(r(5, 96), r(5, 96), r(96), 1e-5))
     out += list(engine_mod.add_rmsnorm(r(5, 96), None, r(96), 1e-6))
     out.append(engine_mod.silu_mul(r(3, 200), r(3, 200)))
-    # written in the input order of GPTQ act-order layers: the norm's columns scattered, SiLU * up's gathered
-    scatter, columns = (torch.randperm(n, generator=g).to(device) for n in (96, 2000))
-    out += list(engine_mod.add_rmsnorm(r(5, 96), r(5, 96), r(96), 1e-5, scatter=scatter))
-    out.append(engine_mod.silu_mul(r(3, 2000), r(3, 2000), columns=columns))
     # RoPE heads go ROPE_HEADS = 8 to a program: fewer than a block, and a whole block and a part
     # positions shared by the batch [T] (prefill), each sequence's own [B, 1] (decode), and [B, T]
     for B, T, H, KV, D, S, pos in ((2, 3, 4, 2, 16, 32, [5, 6, 7]), (1, 2, 12, 10, 32, 8, [5, 6]),

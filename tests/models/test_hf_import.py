@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from nibble import Engine, QuantConfig, load_quantized, quantize_model, save_quantized
-from nibble.eval import engine as engine_mod
 from nibble.kernels.reference import dequantize
 from nibble.models.hf_import import UnsupportedCheckpointError, export_awq, export_gptq, load_hf_quantized
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear, shared_input_forward
@@ -276,7 +275,6 @@ def test_act_order_layers_that_share_an_input_run_together_only_in_one_order(tmp
     with torch.no_grad():
         want = ref.to(device)(ids).logits[:, -1].float()
     got = Engine(model, max_seq_len=64).prefill(ids).float()
-    assert engine_mod._glue_failure is None  # the glue kernels ran where they run (the scatter, the gather)
     tol = 1e-3 if device == "cpu" else 2e-2
     assert (got - want).abs().max() <= tol * want.abs().max()
 
