@@ -105,8 +105,11 @@ class PermutedInputQuantLinear(QuantLinear):
         self.input_order = None if self.input_perm.is_meta else _permutation_digest(self.input_perm)
 
     def set_input_perm(self, perm: torch.Tensor) -> None:
+        if perm.shape != self.input_perm.shape:
+            raise ValueError(f"input_perm must hold {self.in_features} indices (in_features), got shape "
+                             f"{tuple(perm.shape)}")
+        self.input_order = _permutation_digest(perm)  # checked before the layer takes it
         self.input_perm.copy_(perm)
-        self.input_order = _permutation_digest(self.input_perm)
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -149,7 +152,8 @@ def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
         same = len({(m.mode, m.backend, m.input_hadamard, m.group_size, getattr(m, "input_order", None))
                     for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once
-        xs = kernels.gather_columns(x, layers[0].input_perm, backend) if same and hasattr(layers[0], "input_perm") else x
+        permuted = same and hasattr(layers[0], "input_perm")
+        xs = kernels.gather_columns(x, layers[0].input_perm, backend) if permuted else x
         if same and mode == "w4a4":
             return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
                                         layers[0].input_hadamard, backend=backend)

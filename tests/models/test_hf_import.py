@@ -323,3 +323,6 @@ def test_a_corrupt_input_permutation_is_refused():
     perm[3] = 5  # 5 twice, 3 never: inputs would be dropped silently
     with pytest.raises(ValueError, match="permutation of 0..63"):
         layer.set_input_perm(perm)
+    with pytest.raises(ValueError, match="must hold 64 indices"):
+        layer.set_input_perm(torch.arange(63))
+    assert torch.equal(layer.input_perm, torch.arange(64))  # refused permutations are never taken
