@@ -32,6 +32,7 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
+QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 _QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
@@ -57,7 +58,7 @@ def read_quantization_config(directory) -> dict:
                                          f"(nibble imports {SUPPORTED}; quantize a float model with nibble instead)")
     method = str(qc.get("quant_method", "")).lower()
     bits = qc.get("bits", qc.get("w_bit"))
-    if method not in ("awq", "gptq"):
+    if method not in QUANT_METHODS:
         raise UnsupportedCheckpointError(f"quant_method={qc.get('quant_method')!r} is not supported; nibble imports {SUPPORTED}")
     if bits != 4:
         raise UnsupportedCheckpointError(f"{method} checkpoint with bits={bits!r} is not supported; nibble imports {SUPPORTED}")

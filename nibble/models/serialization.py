@@ -22,11 +22,12 @@ from torch import nn
 
 from nibble.config import QuantConfig
 from nibble.models.convert import check_architecture, quantized_linears
+from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
+from nibble.models.hf_import import export_awq, export_gptq, load_hf_quantized
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-HF_QUANT_METHODS = ("awq", "gptq")  # other libraries' checkpoints that load_quantized reads (hf_import)
 
 
 class CheckpointError(RuntimeError):
@@ -51,8 +52,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     ``"gptq"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read (W4A16 models
     with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` / `export_gptq`
     say what they refuse)."""
-    if format in ("awq", "gptq"):
-        from nibble.models.hf_import import export_awq, export_gptq
+    if format in HF_QUANT_METHODS:
         return (export_awq if format == "awq" else export_gptq)(model, directory, tokenizer)
     if format != "nibble":
         raise ValueError(f"format must be 'nibble', 'awq' or 'gptq', got {format!r}")
@@ -125,7 +125,6 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
     if qc_dict.get("quant_method") in HF_QUANT_METHODS:
-        from nibble.models.hf_import import load_hf_quantized
         return load_hf_quantized(directory, device, dtype)
     qc = QuantConfig.from_dict(qc_dict)
     online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
