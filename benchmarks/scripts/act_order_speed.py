@@ -2,10 +2,12 @@
 
 A GPTQ checkpoint quantized with ``desc_act`` imports as `PermutedInputQuantLinear` layers, which gather
 x into their stored input order before the matmul (one gather per group of layers that share an order:
-q/k/v, gate/up; one for o_proj, one for down_proj). This builds a random-weight model, quantizes it to
-W4A16 (g128), copies it with every decoder linear permuted (random orders, shared within q/k/v and
-gate/up as GPTQ finds them), and times decode steps and prefills of both in alternating rounds (H200;
-the values differ, the work does not; tests/models/test_hf_import.py checks the permuted layers' outputs).
+q/k/v, gate/up; one for o_proj), down_proj's order folded into gate/up's outputs at import
+(`fold_mlp_input_orders`). This builds a random-weight model, quantizes it to W4A16 (g128), copies it
+with every decoder linear permuted (random orders, shared within q/k/v and gate/up as GPTQ finds them),
+"act-order" with four gathers a layer (the import before the fold) and "folded" with three (as imported
+now), and times decode steps and prefills of all in alternating rounds (H200; the values differ, the
+work does not; tests/models/test_hf_import.py checks the permuted layers' outputs and the fold).
 
     PYTHONPATH=. python3 benchmarks/scripts/act_order_speed.py --json $OUT/act-order.json
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from nibble import Engine, QuantConfig  # noqa: E402
 from nibble.bench.timing import env_meta  # noqa: E402
 from nibble.eval import speed  # noqa: E402
+from nibble.models.hf_import import fold_mlp_input_orders  # noqa: E402
 from nibble.nn.quant_linear import PermutedInputQuantLinear  # noqa: E402
 
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -65,7 +68,9 @@ def main() -> None:
         model = speed.random_model(model_name)
         speed.quantize_in_place(model, QuantConfig(mode="w4a16", group_size=128))
         permuted = permuted_copy(model)
-        models = {"plain": model, "act-order": permuted}
+        folded = copy.deepcopy(permuted)
+        fold_mlp_input_orders(folded)
+        models = {"plain": model, "act-order": permuted, "folded": folded}
         for batch in (int(b) for b in args.batches.split(",")):
             engines = {name: Engine(m, max_batch=batch, max_seq_len=args.prompt + 160) for name, m in models.items()}
             times = speed.alternating_decodes(engines, batch, args.prompt, 128, args.rounds)
@@ -92,7 +97,7 @@ def main() -> None:
                       flush=True)
         for e in engines.values():
             e.close()
-        speed.release(model, permuted)
+        speed.release(model, permuted, folded)
         if args.json:
             Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
 

@@ -9,7 +9,10 @@ whose ``quantization_config`` is
 
 and builds the model with nibble ``QuantLinear`` layers holding exactly the checkpoint's codes,
 scales and zero points (no requantization; see nibble.formats.awq / gptq for the layouts). GPTQ
-act-order layers whose g_idx is not k // G keep an input permutation (``input_perm``).
+act-order layers whose g_idx is not k // G keep an input permutation (``input_perm``), gathered
+before their matmul, except down_proj's, which moves into gate_proj's and up_proj's output channels
+(`fold_mlp_input_orders`): an exported act-order import holds the same model, its MLP tensors in
+that order.
 
 ``export_awq(model, dir)`` / ``export_gptq(model, dir)`` write a nibble W4A16 model in those
 layouts with a matching ``quantization_config``, readable by AutoAWQ / transformers / vLLM.
@@ -164,6 +167,8 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         model.tie_weights()
     from nibble.models.serialization import _rebuild_non_persistent_buffers
     _rebuild_non_persistent_buffers(model, device)
+    folded = set(fold_mlp_input_orders(model))
+    permuted = [name for name in permuted if name not in folded]
     nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
                             symmetric=info["sym"], zero_point="int", clip_search=False, method=info["method"])
     model.config.quantization_config = {**nibble_qc.to_dict(), "imported_from": info["raw"],
@@ -173,6 +178,35 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model, tokenizer
+
+
+@torch.no_grad()
+def fold_mlp_input_orders(model: nn.Module) -> list[str]:
+    """Take the gather off every MLP's down_proj whose input is permuted (GPTQ act-order), in place.
+
+    down_proj reads SiLU(gate_proj(x)) * up_proj(x), formed channel by channel, so gate_proj's and
+    up_proj's output channels permuted by down_proj's input order hand it its input already in that
+    order: down_proj becomes a plain QuantLinear and a decode step launches one gather a layer fewer.
+    Exact: every output is the same sum as before, stored in another place. (q/k/v and gate/up read
+    the residual stream, whose order every layer shares; o_proj reads the attention's heads: their
+    orders stay gathers.) Returns the names of the down_projs folded.
+    """
+    folded = []
+    for name, mlp in model.named_modules():
+        down = getattr(mlp, "down_proj", None)
+        if not isinstance(down, PermutedInputQuantLinear):
+            continue
+        perm = down.input_perm
+        for proj in (mlp.gate_proj, mlp.up_proj):
+            if isinstance(proj, QuantLinear):
+                proj.permute_outputs(perm)
+            else:  # a 16-bit nn.Linear
+                proj.weight = nn.Parameter(proj.weight[perm].contiguous(), requires_grad=proj.weight.requires_grad)
+                if proj.bias is not None:
+                    proj.bias = nn.Parameter(proj.bias[perm].contiguous(), requires_grad=proj.bias.requires_grad)
+        mlp.down_proj = down.without_input_perm()
+        folded.append(f"{name}.down_proj")
+    return folded
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -23,7 +23,7 @@ from torch import nn
 from nibble.config import QuantConfig
 from nibble.models.convert import check_architecture, quantized_linears
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
-from nibble.models.hf_import import export_awq, export_gptq, load_hf_quantized
+from nibble.models.hf_import import export_awq, export_gptq, fold_mlp_input_orders, load_hf_quantized
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
@@ -154,6 +154,9 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     _rebuild_non_persistent_buffers(model, device)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors:
         model.tie_weights()
+    folded = set(fold_mlp_input_orders(model))  # saves from before the fold listed permuted down_projs
+    if folded:
+        qc_dict["input_permuted_modules"] = [n for n in qc_dict["input_permuted_modules"] if n not in folded]
     model.config.quantization_config = qc_dict
     model.eval()
     tokenizer = None

@@ -83,6 +83,14 @@ class QuantLinear(nn.Module):
         return kernels.w4a4_linear(x, self.qweight, self.scales[0], self.bias, self.input_hadamard,
                                    backend=self.backend)
 
+    @torch.no_grad()
+    def permute_outputs(self, perm: torch.Tensor) -> None:
+        """Output channel i becomes the old channel perm[i]: the canonical words, scales and zeros hold one
+        column per output channel, so the codes move as they are (nothing is requantized)."""
+        self.qweight, self.scales, self.zeros = (t[:, perm].contiguous() for t in (self.qweight, self.scales, self.zeros))
+        if self.bias is not None:
+            self.bias = self.bias[perm].contiguous()
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"mode={self.mode}, group_size={self.group_size}, input_hadamard={self.input_hadamard}")
@@ -117,6 +125,17 @@ class PermutedInputQuantLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(kernels.gather_columns(x, self.input_perm, backend=self.backend))
+
+    def without_input_perm(self) -> QuantLinear:
+        """The same weight as a plain QuantLinear that takes its input already in the stored order
+        (its buffers shared, not copied): for a caller that produces x in that order
+        (`nibble.models.hf_import.fold_mlp_input_orders`)."""
+        plain = QuantLinear(self.in_features, self.out_features, self.bias is not None, self.group_size, self.mode,
+                            self.input_hadamard, device="meta")
+        for name in ("qweight", "scales", "zeros", "bias"):
+            setattr(plain, name, getattr(self, name))
+        plain.backend = self.backend
+        return plain
 
 
 def _permutation_digest(perm: torch.Tensor) -> str:

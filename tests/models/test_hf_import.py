@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from conftest import tiny_model
 from nibble import Engine, QuantConfig, load_quantized, quantize_model, save_quantized
 from nibble.kernels.reference import dequantize
-from nibble.models.hf_import import UnsupportedCheckpointError, export_awq, export_gptq, load_hf_quantized
+from nibble.models.hf_import import (UnsupportedCheckpointError, export_awq, export_gptq, fold_mlp_input_orders,
+                                     load_hf_quantized)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear, shared_input_forward
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -129,10 +130,26 @@ def original_order_weight(layer: QuantLinear) -> torch.Tensor:
     return w
 
 
-def check_import(model, dense, ref, ids):
+def down_proj_orders(path) -> dict:
+    """{"model.layers.i.mlp": down_proj's stored input order} of an act-order checkpoint: the order the
+    import moves into gate_proj's and up_proj's output channels (`fold_mlp_input_orders`)."""
+    tensors = load_file(str(path / "model.safetensors"))
+    return {k[: -len(".down_proj.g_idx")]: torch.argsort(v.long(), stable=True)
+            for k, v in tensors.items() if k.endswith("mlp.down_proj.g_idx")}
+
+
+def check_import(model, dense, ref, ids, down_orders=None):
+    down_orders = down_orders or {}
     for prefix, d in dense.items():
         layer = model.get_submodule(prefix)
         assert isinstance(layer, QuantLinear)
+        parent, _, child = prefix.rpartition(".")
+        if child == "down_proj":
+            assert not isinstance(layer, PermutedInputQuantLinear), prefix  # its order moved into gate / up
+            if parent in down_orders:
+                d = d[:, down_orders[parent]]  # its inputs in stored order
+        elif parent in down_orders and child in ("gate_proj", "up_proj"):
+            d = d[down_orders[parent]]  # their outputs in down_proj's stored order
         # the only difference: the canonical offset z = fp16(-zp*s), at most 2^-11 * 15 * s away
         bound = d.abs().max().double() * 15 * 2.0 ** -11 + 1e-7
         assert (original_order_weight(layer) - d.double()).abs().max() <= bound, prefix
@@ -170,14 +187,27 @@ def test_gptq_checkpoint_imports_without_requantization(tmp_path, sym, desc_act,
     ref, dense = write_checkpoint(tmp_path, model, qc, lambda W: write_gptq_linear(W, G, sym, desc_act, fmt))
     loaded, _ = load_hf_quantized(tmp_path)
     permuted = [n for n, m in loaded.named_modules() if isinstance(m, PermutedInputQuantLinear)]
-    assert len(permuted) == (14 if desc_act else 0)
-    check_import(loaded, dense, ref, torch.randint(0, 256, (2, 16)))
+    assert len(permuted) == (12 if desc_act else 0)  # 2 layers x 6: down_proj's order is folded
+    assert set(loaded.config.quantization_config["input_permuted_modules"]) == set(permuted)
+    ids = torch.randint(0, 256, (2, 16))
+    check_import(loaded, dense, ref, ids, down_proj_orders(tmp_path) if desc_act else None)
     export_gptq(loaded, tmp_path / "again", checkpoint_format=fmt)
-    a, b = load_file(str(tmp_path / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
-    for k in a:
-        if k.endswith(("qweight", "qzeros", "scales", "g_idx")):
-            assert torch.equal(a[k], b[k]), k
+    assert_same_gptq_model(tmp_path, tmp_path / "again", loaded, ids)
     assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["desc_act"] == desc_act
+
+
+def assert_same_gptq_model(original, exported, model, ids):
+    """An exported import holds the original GPTQ tensors, but for the MLPs of act-order layers, whose
+    down_proj order the import folded into gate_proj / up_proj: those hold the same model (logits equal)."""
+    a, b = (load_file(str(d / "model.safetensors")) for d in (original, exported))
+    folded = {k[: -len(".down_proj.g_idx")] for k, v in b.items()
+              if k.endswith("mlp.down_proj.g_idx") and not torch.equal(v, a[k])}
+    for k in a:
+        if k.endswith(("qweight", "qzeros", "scales", "g_idx")) and not k.startswith(tuple(folded)):
+            assert torch.equal(a[k], b[k]), k
+    again, _ = load_hf_quantized(exported)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
 
 
 def _fp16_exact(model):
@@ -284,7 +314,7 @@ def test_an_act_order_import_saved_by_nibble_loads_back_permuted(tmp_path):
     model, _ = load_quantized(tmp_path / "gptq")  # a GPTQ directory loads through the one entry point
     save_quantized(model, tmp_path / "nibble")
     qc = json.loads((tmp_path / "nibble" / "config.json").read_text())["quantization_config"]
-    assert len(qc["input_permuted_modules"]) == 14
+    assert len(qc["input_permuted_modules"]) == 12
     again, _ = load_quantized(tmp_path / "nibble")
     for name in qc["input_permuted_modules"]:
         layer = again.get_submodule(name)
@@ -294,11 +324,8 @@ def test_an_act_order_import_saved_by_nibble_loads_back_permuted(tmp_path):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
         assert (again(ids).logits - ref(ids).logits).abs().max() <= 1e-3 * ref(ids).logits.abs().max()
-    save_quantized(again, tmp_path / "gptq-again", format="gptq")  # and back to GPTQ, the same tensors
-    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("gptq", "gptq-again"))
-    for k in a:
-        if k.endswith(("qweight", "qzeros", "scales", "g_idx")):
-            assert torch.equal(a[k], b[k]), k
+    save_quantized(again, tmp_path / "gptq-again", format="gptq")  # and back to GPTQ
+    assert_same_gptq_model(tmp_path / "gptq", tmp_path / "gptq-again", again, ids)
 
 
 def test_save_quantized_writes_the_formats_other_tools_read(tmp_path):
@@ -326,3 +353,39 @@ def test_a_corrupt_input_permutation_is_refused():
     with pytest.raises(ValueError, match="must hold 64 indices"):
         layer.set_input_perm(torch.arange(63))
     assert torch.equal(layer.input_perm, torch.arange(64))  # refused permutations are never taken
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("gate_up", ["int4", "16-bit"])
+def test_down_proj_order_folds_into_gate_and_up(tmp_path, gate_up, device):
+    # down_proj's input order moved into gate_proj's and up_proj's output channels: the same model with a
+    # gather fewer. A nibble save from before the fold lists permuted down_projs; load_quantized folds them.
+    skip = ["lm_head"] + (["mlp.gate_proj", "mlp.up_proj"] if gate_up == "16-bit" else [])
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=skip), progress=False)
+    g = torch.Generator().manual_seed(0)
+    for layer in model.model.layers:
+        down = layer.mlp.down_proj
+        layer.mlp.down_proj = PermutedInputQuantLinear.from_weight(down.weight_int4(), dtype=torch.float32)
+        layer.mlp.down_proj.set_input_perm(torch.randperm(down.in_features, generator=g))
+    save_quantized(model, tmp_path)
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in range(len(model.model.layers))]
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["input_permuted_modules"] == downs
+
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    model = model.to(device, dtype)
+    ids = torch.randint(0, 256, (2, 12), device=device)
+    with torch.no_grad():
+        want = model(ids).logits
+    loaded, _ = load_quantized(tmp_path, device=device, dtype=dtype)
+    assert loaded.config.quantization_config["input_permuted_modules"] == []
+    assert fold_mlp_input_orders(model) == downs and fold_mlp_input_orders(model) == []
+    for m in (model, loaded):
+        assert all(type(layer.mlp.down_proj) is QuantLinear for layer in m.model.layers)
+        with torch.no_grad():
+            got = m(ids).logits
+        if device == "cpu":  # CPU matmuls may sum a column differently where it sits elsewhere
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # nibble's kernels sum every output column alike, wherever it sits
+            assert torch.equal(got, want)

@@ -1,0 +1,74 @@
+"""The act-order gather (`nibble.kernels.gather_columns`, x[..., perm]) against a whole-row variant.
+
+The shipped kernel runs a program per (row, 1,024 columns), each loading its 1,024 entries of the row at
+random places: every program of a row touches most of the row's sectors, so at prefill a row crosses the
+L2 once per program. The variant loads each row once, coalesced, and permutes it inside the program
+(`tl.gather`). Times both and PyTorch's index_select, CUDA graphs, 3 interleaved rounds, median; every
+output checked against index_select first (H200).
+
+    PYTHONPATH=. python3 benchmarks/scripts/gather_columns_ab.py --json $OUT/gather-columns-ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nibble.bench.timing import bench_rounds, env_meta  # noqa: E402
+from nibble.kernels import w4a16  # noqa: E402
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, K, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < K
+    src = tl.load(index_ptr + offs, mask=m, other=0)
+    row = tl.program_id(0).to(tl.int64) * K
+    tl.store(out_ptr + row + offs, tl.gather(tl.load(x_ptr + row + offs, mask=m), src, 0), mask=m)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, warps: int) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _gather_rows_kernel[(x.shape[0],)](x, index, out, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]),
+                                       num_warps=warps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,8,128,512,2048")
+    ap.add_argument("--ks", default="4096,8192,11008,14336")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+    for K in (int(k) for k in args.ks.split(",")):
+        index = torch.randperm(K, device="cuda")
+        for M in (int(m) for m in args.ms.split(",")):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            want = x.index_select(1, index)
+            arms = {"shipped": lambda: w4a16.gather_columns(x, index), "index_select": lambda: x.index_select(1, index)}
+            for warps in (4, 8, 16):
+                arms[f"row_w{warps}"] = lambda warps=warps: gather_rows(x, index, warps)
+            for name, fn in arms.items():
+                assert torch.equal(fn(), want), (name, M, K)
+            times = bench_rounds({name: (lambda i, fn=fn: fn, 1) for name, fn in arms.items()}, args.rounds)
+            base = statistics.median(times["shipped"])
+            for name, t in times.items():
+                us = statistics.median(t)
+                rows.append(dict(M=M, K=K, op=name, us=us, rounds=t, vs_shipped=base / us))
+                print(f"M={M:5d} K={K:6d} {name:12s} {us:8.2f} us ({base / us:.3f}x shipped)", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
