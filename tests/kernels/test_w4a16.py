@@ -802,11 +802,12 @@ def test_successor_launch_rule():
 
 # --------------------------------------------------------------------- act-order input gather
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interp), pytest.param("cuda", marks=needs_cuda)])
-@pytest.mark.parametrize("M,K", [(1, 64), (3, 4096), (17, 1100), (128, 11008)])
+@pytest.mark.parametrize("M,K", [(1, 64), (3, 4096), (17, 1100), (40, 200), (128, 11008), (33, 16400)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gather_columns_kernel_is_index_select(device, M, K, dtype):
     # a GPTQ act-order layer's input in its stored order (PermutedInputQuantLinear); leading dims, and a
-    # transposed input the launcher must make contiguous
+    # transposed input the launcher must make contiguous; both kernels (a row per program above 64 rows
+    # of at most GATHER_ROW_MAX_K: 80 x 200, 256 x 11008; 66 x 16400 is wider)
     g = torch.Generator().manual_seed(M * K)
     x = torch.randn(2, M, K, generator=g).to(device, dtype)
     index = torch.randperm(K, generator=g).to(device)

@@ -385,7 +385,7 @@ def test_down_proj_order_folds_into_gate_and_up(tmp_path, gate_up, device):
         assert all(type(layer.mlp.down_proj) is QuantLinear for layer in m.model.layers)
         with torch.no_grad():
             got = m(ids).logits
-        if device == "cpu":  # CPU matmuls may sum a column differently where it sits elsewhere
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        else:  # nibble's kernels sum every output column alike, wherever it sits
+        if device == "cpu":  # the reference path: the same sums, bit for bit
             assert torch.equal(got, want)
+        else:  # the GPU's launches may round a column differently where it sits elsewhere (1 ulp of fp16 seen)
+            assert (got - want).abs().max() <= 2e-3 * want.abs().max()
