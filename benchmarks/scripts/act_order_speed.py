@@ -1,13 +1,14 @@
 """What GPTQ act-order costs nibble's engine: the same W4A16 model with and without input permutations.
 
-A GPTQ checkpoint quantized with ``desc_act`` imports as `PermutedInputQuantLinear` layers, which gather
-x into their stored input order before the matmul (one gather per group of layers that share an order:
-q/k/v, gate/up; one for o_proj), down_proj's order folded into gate/up's outputs at import
-(`fold_mlp_input_orders`). This builds a random-weight model, quantizes it to W4A16 (g128), copies it
-with every decoder linear permuted (random orders, shared within q/k/v and gate/up as GPTQ finds them),
-"act-order" with four gathers a layer (the import before the fold) and "folded" with three (as imported
-now), and times decode steps and prefills of all in alternating rounds (H200; the values differ, the
-work does not; tests/models/test_hf_import.py checks the permuted layers' outputs and the fold).
+A GPTQ checkpoint quantized with ``desc_act`` imports as `PermutedInputQuantLinear` layers, which take
+x in their stored input order: the engine's RMSNorm kernel writes q/k/v's and gate/up's input in their
+order (`shared_input_perm`), o_proj's is gathered (`gather_columns`), and down_proj's order is folded
+into gate/up's outputs at import (`fold_mlp_input_orders`). This builds a random-weight model, quantizes
+it to W4A16 (g128), copies it with every decoder linear permuted (random orders, shared within q/k/v and
+gate/up as GPTQ finds them), "act-order" as the import was before the fold (down_proj gathers too) and
+"folded" as imported now, and times decode steps and prefills of all in alternating rounds (H200; the
+values differ, the work does not; tests/models/test_hf_import.py checks the permuted layers' outputs,
+the fold and the engine's logits).
 
     PYTHONPATH=. python3 benchmarks/scripts/act_order_speed.py --json $OUT/act-order.json
 """

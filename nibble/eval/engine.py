@@ -65,7 +65,7 @@ from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import shared_input_forward, stack_weights, w4a4_operands
+from nibble.nn.quant_linear import shared_input_forward, shared_input_perm, stack_weights, w4a4_operands
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -117,16 +117,21 @@ if triton is not None:
                                          is_pure=True, pack=1)
 
     @triton.jit
-    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, N, eps, fmax,
+    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, columns_ptr, N, eps, fmax,
                             HAS_RES: tl.constexpr, QUANT: tl.constexpr, EVEN_ODD: tl.constexpr,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+                            GATHER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """One row: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)), HF's LlamaRMSNorm roundings.
         QUANT: out is not written in 16 bits but quantized for W4A4 projections (int8 codes to
-        out_ptr, the token's scale to scale_ptr), exactly as the act-quant kernel quantizes it."""
-        after_prior_grids(PDL)
-        row = tl.program_id(0).to(tl.int64)
+        out_ptr, the token's scale to scale_ptr), exactly as the act-quant kernel quantizes it.
+        GATHER: out's column j is column columns[j] (GPTQ act-order layers' input order), permuted
+        inside the program, so the stores stay coalesced (scattered stores of a row cost more than a
+        gather kernel: benchmarks/notes-w4a16.md, session 52)."""
         cols = tl.arange(0, BLOCK)
         m = cols < N
+        if GATHER:  # no kernel writes the permutation: read it before the wait
+            src = tl.load(columns_ptr + cols, mask=m, other=0)
+        after_prior_grids(PDL)
+        row = tl.program_id(0).to(tl.int64)
         h = tl.load(x_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
             h = _round(h + tl.load(res_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32), res_out_ptr)
@@ -140,7 +145,10 @@ if triton is not None:
             store_int4_rows(y[None, :], out_ptr + row * N + cols[None, :], m[None, :], scale_ptr + row + one,
                             one < 1, fmax, EVEN_ODD, _INTERPRETED)
         else:
-            tl.store(out_ptr + row * N + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+            out = (w * y).to(out_ptr.dtype.element_ty)
+            if GATHER:
+                out = tl.gather(out, src, 0)
+            tl.store(out_ptr + row * N + cols, out, mask=m)
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, kc_ptr, vc_ptr,
@@ -502,15 +510,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, t.shape[-1])
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(h, norm(h)) with h = x + residual (h = x when residual is None), as HF's RMSNorm computes it."""
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                columns: torch.Tensor | None = None):
+    """(h, norm(h)) with h = x + residual (h = x when residual is None), as HF's RMSNorm computes it;
+    ``columns``: norm(h)[..., columns] instead (the input order of GPTQ act-order layers: they then
+    need no gather of their own)."""
     def plain():
         h = x if residual is None else residual + x
         hf = h.float()
-        return h, weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+        y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+        return h, y if columns is None else y.index_select(-1, columns)
 
     def kernel():
-        h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps)
+        h, out, _ = _launch_add_rmsnorm(x, residual, weight, eps, columns=columns)
         return h, out
     return _dispatch(x, kernel, plain)
 
@@ -531,9 +543,10 @@ def add_rmsnorm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight:
     return _dispatch(x, kernel, plain)
 
 
-def _launch_add_rmsnorm(x, residual, weight, eps, order=None):
-    """`_add_rmsnorm_kernel` over x's rows: (h, out, scales); out like x and scales None, or with an
-    ``order`` the int8 codes [rows, N] in that order and their float32 scales [rows]."""
+def _launch_add_rmsnorm(x, residual, weight, eps, order=None, columns=None):
+    """`_add_rmsnorm_kernel` over x's rows: (h, out, scales); out like x (only ``columns``, in that
+    order, if given) and scales None, or with an ``order`` the int8 codes [rows, N] in that order and
+    their float32 scales [rows]."""
     xc = x.contiguous()
     N = xc.shape[-1]
     rows = xc.numel() // N
@@ -545,9 +558,10 @@ def _launch_add_rmsnorm(x, residual, weight, eps, order=None):
         out = torch.empty(rows, N, dtype=torch.int8, device=x.device)
         scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(N)
-    _add_rmsnorm_kernel[(rows,)](xc, res, weight, out, h, out if scales is None else scales, N, eps,
-                                 float(torch.finfo(x.dtype).max), HAS_RES=residual is not None,
-                                 QUANT=scales is not None, EVEN_ODD=order == "even_odd", BLOCK=block,
+    _add_rmsnorm_kernel[(rows,)](xc, res, weight, out, h, out if scales is None else scales,
+                                 out if columns is None else columns, N, eps, float(torch.finfo(x.dtype).max),
+                                 HAS_RES=residual is not None, QUANT=scales is not None,
+                                 EVEN_ODD=order == "even_odd", GATHER=columns is not None, BLOCK=block,
                                  num_warps=_norm_warps(block), **_early(xc, rows))
     return h, out, scales
 
@@ -913,13 +927,15 @@ class Engine:
         norm's kernel (`add_rmsnorm_quantize`; 16-bit activations, which the op would quantize
         alike), and a gated pair on the Hopper GEMM is one launch that multiplies in its epilogue
         (`w4a4.w4a4_wgmma_silu_mul`) where that pays (`w4a4.gated_preferred`); the rest go through
-        `shared_input_forward`."""
+        `shared_input_forward`, GPTQ act-order layers of one input order with norm(h) written in that
+        order by the norm's kernel (`shared_input_perm`): no gather launch of their own."""
         p = _rmsnorm_params(norm)
         fusable = p is not None and x.is_cuda and triton is not None and x.dtype in w4a4.KERNEL_DTYPES
         operands = w4a4_operands(layers, x.dtype) if fusable else None
         if operands is None:
-            h, y = self._add_norm(x, residual, norm)
-            ys = shared_input_forward(layers, y)
+            perm = shared_input_perm(layers) if p is not None else None
+            h, y = self._add_norm(x, residual, norm) if perm is None else add_rmsnorm(x, residual, *p, columns=perm)
+            ys = shared_input_forward(layers, y, x_in_order=perm is not None)
             return h, silu_mul(*ys) if gated else ys
         B, T, K = x.shape
         order = w4a4.activation_order(B * T, K, [qweight.shape[1] for qweight, _, _ in operands], x.device)

@@ -187,10 +187,10 @@ def fold_mlp_input_orders(model: nn.Module) -> list[str]:
     down_proj reads SiLU(gate_proj(x)) * up_proj(x), formed channel by channel, so gate_proj's and
     up_proj's output channels permuted by down_proj's input order hand it its input already in that
     order: down_proj becomes a plain QuantLinear and a decode step launches one gather a layer fewer.
-    The same model: every output is the same sum as before, stored in another place (bit for bit on
-    the reference path; GPU launches may round a moved column differently, by an ulp). (q/k/v and gate/up read
-    the residual stream, whose order every layer shares; o_proj reads the attention's heads: their
-    orders stay gathers.) Returns the names of the down_projs folded.
+    Exact: every output is the same sum as before, stored in another place (the logits equal bit for
+    bit, on the reference path and on the GPU). (q/k/v and gate/up read the residual stream, whose
+    order every layer shares; o_proj reads the attention's heads: their orders stay gathers.)
+    Returns the names of the down_projs folded.
     """
     folded = []
     for name, mlp in model.named_modules():

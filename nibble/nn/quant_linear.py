@@ -148,7 +148,23 @@ def _permutation_digest(perm: torch.Tensor) -> str:
     return hashlib.sha1(perm.numpy().tobytes()).hexdigest()
 
 
-def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
+def _one_launch_key(m: QuantLinear) -> tuple:
+    """QuantLinears with equal keys that read one input run as one launch (`shared_input_forward`)."""
+    return m.mode, m.backend, m.input_hadamard, m.group_size, getattr(m, "input_order", None)
+
+
+def shared_input_perm(layers) -> torch.Tensor | None:
+    """The input permutation of ``layers`` when they are GPTQ act-order layers (`PermutedInputQuantLinear`)
+    that `shared_input_forward` runs as one launch in one input order, else None: a caller that writes
+    their input in that order (the engine's RMSNorm kernel) passes it with ``x_in_order=True``."""
+    layers = list(layers)
+    if (len(layers) > 1 and all(isinstance(m, PermutedInputQuantLinear) for m in layers)
+            and len({_one_launch_key(m) for m in layers}) == 1):
+        return layers[0].input_perm
+    return None
+
+
+def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> list[torch.Tensor]:
     """The outputs of several layers that read the same ``x`` (a block's q/k/v or gate/up projections).
 
     On CUDA a kernel launch costs a few microseconds, as much as a decode step's matmul streams in
@@ -158,20 +174,24 @@ def shared_input_forward(layers, x: torch.Tensor) -> list[torch.Tensor]:
       GEMM above, where a tile fits every width but the last);
     - W4A16 QuantLinears with one group size and backend run as one kernel launch where the skinny
       kernel runs (up to 32 tokens) and where the Hopper GEMM runs (the group's columns together);
-      layers with an input permutation (`PermutedInputQuantLinear`) join only layers of the same one;
+      layers with an input permutation (`PermutedInputQuantLinear`) join only layers of the same one,
+      and x is gathered once for them (not at all with ``x_in_order``: the caller wrote x in that
+      order, `shared_input_perm`);
     - plain ``nn.Linear`` layers whose weights are consecutive rows of one tensor (`stack_weights`)
       run as one matmul.
     Any other layer is called as is.
     """
     layers = list(layers)
+    if x_in_order and shared_input_perm(layers) is None:
+        raise ValueError("x_in_order=True is for layers of one input permutation that run as one launch "
+                         "(shared_input_perm)")
     if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
         for m in layers:
             m._check_input(x)
         mode, backend = layers[0].mode, layers[0].backend
-        same = len({(m.mode, m.backend, m.input_hadamard, m.group_size, getattr(m, "input_order", None))
-                    for m in layers}) == 1
+        same = len({_one_launch_key(m) for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once
-        permuted = same and hasattr(layers[0], "input_perm")
+        permuted = same and hasattr(layers[0], "input_perm") and not x_in_order
         xs = kernels.gather_columns(x, layers[0].input_perm, backend) if permuted else x
         if same and mode == "w4a4":
             return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],

@@ -161,6 +161,9 @@ def glue_outputs(dtype, device):
         return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
     out = list(engine_mod.add_rmsnorm(r(5, 96), r(5, 96), r(96), 1e-5))
     out += list(engine_mod.add_rmsnorm(r(5, 96), None, r(96), 1e-6))
+    # in a GPTQ act-order layer's input order (permuted inside the program; masked tail of the row)
+    out += list(engine_mod.add_rmsnorm(r(5, 96), r(5, 96), r(96), 1e-5,
+                                       columns=torch.randperm(96, generator=g).to(device)))
     out.append(engine_mod.silu_mul(r(3, 200), r(3, 200)))
     # RoPE heads go ROPE_HEADS = 8 to a program: fewer than a block, and a whole block and a part
     # positions shared by the batch [T] (prefill), each sequence's own [B, 1] (decode), and [B, T]
