@@ -65,7 +65,8 @@ from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
-from nibble.nn.quant_linear import shared_input_forward, shared_input_perm, stack_weights, w4a4_operands
+from nibble.nn.quant_linear import (PermutedInputQuantLinear, shared_input_forward, shared_input_perm, stack_weights,
+                                    w4a4_operands)
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -253,20 +254,27 @@ if triton is not None:
         tl.store(ml_ptr + (base * 2 + 1) * REP + rows, l, mask=real)
 
     @triton.jit
-    def _decode_attention_combine_kernel(part_ptr, ml_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
-                                         SPLITS: tl.constexpr, PDL: tl.constexpr):
-        """Program (sequence x kv head, query row): the splits' partial softmaxes merged, normalised, cast."""
-        after_prior_grids(PDL)
+    def _decode_attention_combine_kernel(part_ptr, ml_ptr, out_ptr, scatter_ptr, H, REP: tl.constexpr,
+                                         D: tl.constexpr, SPLITS: tl.constexpr, SCATTER: tl.constexpr,
+                                         PDL: tl.constexpr):
+        """Program (sequence x kv head, query row): the splits' partial softmaxes merged, normalised, cast.
+        SCATTER: the row's column c (of H * REP * D) stored at scatter[c] (o_proj's input order, for a
+        GPTQ act-order o_proj: D scattered stores a program, where a gather kernel would be a launch)."""
         bh = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1)
-        sp = tl.arange(0, SPLITS)
         cols = tl.arange(0, D)
+        if SCATTER:  # no kernel writes the permutation: read it before the wait
+            dst = (bh // H) * (H * REP * D) + tl.load(scatter_ptr + ((bh % H) * REP + r) * D + cols)
+        else:
+            dst = (bh * REP + r) * D + cols
+        after_prior_grids(PDL)
+        sp = tl.arange(0, SPLITS)
         m = tl.load(ml_ptr + (bh * SPLITS + sp) * 2 * REP + r)  # -inf where a split saw no key
         l = tl.load(ml_ptr + ((bh * SPLITS + sp) * 2 + 1) * REP + r)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.max(m, 0)))  # split 0 always sees key 0
         part = tl.load(part_ptr + ((bh * SPLITS + sp[:, None]) * REP + r) * D + cols[None, :])
         y = tl.sum(w[:, None] * part, 0) / tl.sum(w * l, 0)
-        tl.store(out_ptr + (bh * REP + r) * D + cols, y.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _sample_logits(x_row, offs, V, inv_t, kth):
@@ -625,17 +633,23 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float, mask: torch.Tensor) -> torch.Tensor:
+                     scale: float, mask: torch.Tensor, scatter: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against the cache: q [B, Hkv, rep, D] (the rep query heads that
     read kv head h, folded), caches [B, Hkv, S, D], sequence b's keys at positions <= pos[b] valid (pos
-    [B]; ``mask``: the same as an additive [B, 1, 1, S] mask, for the PyTorch path). Returns [B, Hkv, rep, D].
+    [B]; ``mask``: the same as an additive [B, 1, 1, S] mask, for the PyTorch path). Returns [B, Hkv, rep, D];
+    ``scatter``: with each sequence's Hkv * rep * D columns c stored at scatter[c] instead (the inverse of a
+    GPTQ act-order o_proj's input order: the layer then needs no gather of its own).
 
     The kernel splits the keys over programs (flash-decoding), so a short batch still spreads over
     the GPU: SDPA runs one program per (sequence, head), 32 for Llama-2-7B at batch 1, and reads
     every cache slot up to capacity; the split kernel reads only the keys up to ``pos``.
     """
     def plain():
-        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+        if scatter is None:
+            return y
+        y = y.reshape(y.shape[0], -1)
+        return torch.empty_like(y).index_copy_(-1, scatter, y).view(q.shape)
 
     def kernel():
         B, H, rep, D = q.shape
@@ -655,7 +669,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _decode_attention_kernel[(B * H, splits)](qc, kc, vc, p, part, ml, S, H, chunk, scale, REP=rep, REP_P=rep_p,
                                                   D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
                                                   num_warps=4, **early)
-        _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, REP=rep, D=D, SPLITS=splits, num_warps=2,
+        _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, out if scatter is None else scatter, H, REP=rep,
+                                                       D=D, SPLITS=splits, SCATTER=scatter is not None, num_warps=2,
                                                        **early)
         return out
     return _dispatch(q, kernel, plain)
@@ -895,6 +910,10 @@ class Engine:
             stack_weights([attn.q_proj, attn.k_proj, attn.v_proj])
             if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj")):
                 stack_weights([mlp.gate_proj, mlp.up_proj])
+        # where decode attention stores its output for a GPTQ act-order o_proj: its input order's inverse
+        self._o_proj_scatters = [torch.argsort(layer.self_attn.o_proj.input_perm)
+                                 if isinstance(layer.self_attn.o_proj, PermutedInputQuantLinear) else None
+                                 for layer in self.layers]
         with torch.inference_mode():
             self.positions = torch.arange(self.capacity, device=self.device)
             cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device),
@@ -960,7 +979,10 @@ class Engine:
             y = y.transpose(1, 2).reshape(B, T, -1)
         else:  # one token: query head h reads kv head h // rep, so fold the rep heads into the query length
             qg = q.reshape(B, self.n_kv, rep, self.head_dim)
-            y = decode_attention(qg, k_cache, v_cache, input_pos, self.scale, mask).reshape(B, 1, -1)
+            scatter = self._o_proj_scatters[i]
+            y = decode_attention(qg, k_cache, v_cache, input_pos, self.scale, mask, scatter).reshape(B, 1, -1)
+            if scatter is not None:  # y is in o_proj's input order already
+                return attn.o_proj.forward_in_order(y)
         return attn.o_proj(y)
 
     def _mlp(self, mlp: nn.Module, x, residual, norm):

@@ -124,7 +124,12 @@ class PermutedInputQuantLinear(QuantLinear):
         self.input_order = _permutation_digest(self.input_perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(kernels.gather_columns(x, self.input_perm, backend=self.backend))
+        return self.forward_in_order(kernels.gather_columns(x, self.input_perm, backend=self.backend))
+
+    def forward_in_order(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on x already in its stored input order, x = x_original[..., input_perm] (the engine's
+        decode attention writes it so, instead of a gather of its own)."""
+        return super().forward(x)
 
     def without_input_perm(self) -> QuantLinear:
         """The same weight as a plain QuantLinear that takes its input already in the stored order

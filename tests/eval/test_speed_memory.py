@@ -189,8 +189,10 @@ def attention_outputs(dtype, device):
         at = torch.tensor(p, device=device)
         mask = torch.zeros(len(p), S2, dtype=dtype, device=device).masked_fill(
             torch.arange(S2, device=device) > at[:, None], float("-inf")).view(len(p), 1, 1, S2)
-        out.append(engine_mod.decode_attention(r(B2, H2, rep, D2), r(B2, H2, S2, D2), r(B2, H2, S2, D2), at,
-                                               D2 ** -0.5, mask))
+        args = (r(B2, H2, rep, D2), r(B2, H2, S2, D2), r(B2, H2, S2, D2), at, D2 ** -0.5, mask)
+        out.append(engine_mod.decode_attention(*args))
+        # stored in a GPTQ act-order o_proj's input order (each sequence's columns scattered)
+        out.append(engine_mod.decode_attention(*args, torch.randperm(H2 * rep * D2, generator=g).to(device)))
     return out
 
 

@@ -303,10 +303,14 @@ def test_act_order_layers_that_share_an_input_run_together_only_in_one_order(tmp
                 torch.testing.assert_close(got, layer(x), rtol=1e-3, atol=1e-3)
     ids = torch.randint(0, 256, (1, 19), device=device)
     with torch.no_grad():
-        want = ref.to(device)(ids).logits[:, -1].float()
-    got = Engine(model, max_seq_len=64).prefill(ids).float()
+        want = ref.to(device)(ids).logits[:, -2:].float()
+    engine = Engine(model, max_seq_len=64)
+    got = [engine.prefill(ids[:, :-1]).float()]  # the prompt, then one decode step (o_proj: its own path)
+    with torch.inference_mode():
+        got.append(engine.forward(ids[:, -1:], torch.tensor([18], device=device)).float())
     tol = 1e-3 if device == "cpu" else 2e-2
-    assert (got - want).abs().max() <= tol * want.abs().max()
+    for g, w in zip(got, want.unbind(1)):
+        assert (g - w).abs().max() <= tol * w.abs().max()
 
 
 def test_an_act_order_import_saved_by_nibble_loads_back_permuted(tmp_path):
