@@ -9,8 +9,8 @@ whose ``quantization_config`` is
 
 and builds the model with nibble ``QuantLinear`` layers holding exactly the checkpoint's codes,
 scales and zero points (no requantization; see nibble.formats.awq / gptq for the layouts). GPTQ
-act-order layers whose g_idx is not k // G keep an input permutation (``input_perm``), gathered
-before their matmul, except down_proj's, which moves into gate_proj's and up_proj's output channels
+act-order layers whose g_idx is not k // G keep an input permutation (``input_perm``), except
+down_proj, whose order moves into gate_proj's and up_proj's output channels
 (`fold_mlp_input_orders`): an exported act-order import holds the same model, its MLP tensors in
 that order.
 
@@ -188,9 +188,10 @@ def fold_mlp_input_orders(model: nn.Module) -> list[str]:
     up_proj's output channels permuted by down_proj's input order hand it its input already in that
     order: down_proj becomes a plain QuantLinear and a decode step launches one gather a layer fewer.
     Exact: every output is the same sum as before, stored in another place (the logits equal bit for
-    bit, on the reference path and on the GPU). (q/k/v and gate/up read the residual stream, whose
-    order every layer shares; o_proj reads the attention's heads: their orders stay gathers.)
-    Returns the names of the down_projs folded.
+    bit, on the reference path and on the GPU). The other orders cannot fold: q/k/v and gate/up read
+    the residual stream, whose order every layer shares, and o_proj the attention's heads, which an
+    order may cross; they stay on their layers (`nibble.Engine` writes those inputs in order from its
+    norm and decode-attention kernels). Returns the names of the down_projs folded.
     """
     folded = []
     for name, mlp in model.named_modules():
