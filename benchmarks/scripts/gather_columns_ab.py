@@ -1,10 +1,12 @@
-"""The act-order gather (`nibble.kernels.gather_columns`, x[..., perm]) against a whole-row variant.
+"""The act-order gather (`nibble.kernels.gather_columns`, x[..., perm]): its two kernels at every size.
 
-The shipped kernel runs a program per (row, 1,024 columns), each loading its 1,024 entries of the row at
-random places: every program of a row touches most of the row's sectors, so at prefill a row crosses the
-L2 once per program. The variant loads each row once, coalesced, and permutes it inside the program
-(`tl.gather`). Times both and PyTorch's index_select, CUDA graphs, 3 interleaved rounds, median; every
-output checked against index_select first (H200).
+The column-block kernel runs a program per (row, 1,024 columns), each loading its 1,024 entries of the
+row at random places: every program of a row touches most of the row's sectors, so at prefill a row
+crosses the L2 once per program. The row kernel loads each row once, coalesced, and permutes it inside
+the program (`tl.gather`); the op takes it above 64 rows (session 53, where this script first timed it
+against the column kernel as the op then was: results/session53-h200/gather-columns-ab.json). Times the
+op, the row kernel at 4 / 8 / 16 warps and PyTorch's index_select, CUDA graphs, 3 interleaved rounds,
+median; every output checked against index_select first (H200).
 
     PYTHONPATH=. python3 benchmarks/scripts/gather_columns_ab.py --json $OUT/gather-columns-ab.json
 """
@@ -18,7 +20,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -26,19 +27,11 @@ from nibble.bench.timing import bench_rounds, env_meta  # noqa: E402
 from nibble.kernels import w4a16  # noqa: E402
 
 
-@triton.jit
-def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, K, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    m = offs < K
-    src = tl.load(index_ptr + offs, mask=m, other=0)
-    row = tl.program_id(0).to(tl.int64) * K
-    tl.store(out_ptr + row + offs, tl.gather(tl.load(x_ptr + row + offs, mask=m), src, 0), mask=m)
-
-
 def gather_rows(x: torch.Tensor, index: torch.Tensor, warps: int) -> torch.Tensor:
+    """The whole-row kernel at any row count and ``warps`` (the op takes it above 64 rows, at 8 warps)."""
     out = torch.empty_like(x)
-    _gather_rows_kernel[(x.shape[0],)](x, index, out, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]),
-                                       num_warps=warps)
+    w4a16._gather_rows_kernel[(x.shape[0],)](x, index, out, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]),
+                                             num_warps=warps)
     return out
 
 
