@@ -570,14 +570,19 @@ def _launch_add_rmsnorm(x, residual, weight, eps, order=None, columns=None):
                                  out if columns is None else columns, N, eps, float(torch.finfo(x.dtype).max),
                                  HAS_RES=residual is not None, QUANT=scales is not None,
                                  EVEN_ODD=order == "even_odd", GATHER=columns is not None, BLOCK=block,
-                                 num_warps=_norm_warps(block), **_early(xc, rows))
+                                 num_warps=_norm_warps(block, columns is not None), **_early(xc, rows))
     return h, out, scales
 
 
-def _norm_warps(block: int) -> int:
+def _norm_warps(block: int, permuted: bool = False) -> int:
     """Warps of an `_add_rmsnorm_kernel` program (one row, padded to ``block``). 4 to 32 warps at
     rows of 4096, plain or quantizing, 1 to 4096 rows: within 3% of each other up to 1024 rows,
-    4 the fastest at 4096 (H200, benchmarks/scripts/fused_quantization.py)."""
+    4 the fastest at 4096 (H200, benchmarks/scripts/fused_quantization.py). A row permuted in the
+    program (``permuted``: GPTQ act-order) moves its values across the warps: 16 warps, rows of 4096, 1 / 8 /
+    128 rows 1.90 / 1.92 / 3.51 us against 2.00 / 2.06 / 4.27 at 4 (the plain norm 1.66 / 1.75 / 2.59;
+    benchmarks/scripts/act_order_glue_ab.py)."""
+    if permuted:
+        return 16
     return 4 if block <= 4096 else 8
 
 
