@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import bench_rounds, env_meta  # noqa: E402
+from nibble.bench.timing import env_meta, time_against  # noqa: E402
 from nibble.eval import engine  # noqa: E402
 
 
@@ -48,12 +47,7 @@ def main() -> None:
                     engine._norm_warps = shipped_warps
             assert torch.equal(permuted()[1], want) and engine._glue_failure is None, warps
             arms[f"norm_columns_w{warps}"] = permuted
-        times = bench_rounds({k: (lambda i, f=f: f, 1) for k, f in arms.items()}, args.rounds)
-        base = statistics.median(times["norm"])
-        for name, t in times.items():
-            us = statistics.median(t)
-            rows.append(dict(op=name, rows=M, N=N, us=us, rounds=t, vs_plain=base / us))
-            print(f"rows={M:4d} {name:16s} {us:7.2f} us ({base / us:.3f}x plain)", flush=True)
+        rows += time_against(arms, "norm", args.rounds, rows=M, N=N)
     H, rep, D, S = 32, 1, 128, args.cache
     for B in (1, 8):
         q = torch.randn(B, H, rep, D, device=dev, dtype=dt)
@@ -63,12 +57,7 @@ def main() -> None:
         inv = torch.argsort(torch.randperm(H * rep * D, device=dev))
         arms = {"attention": lambda: engine.decode_attention(q, kc, vc, pos, D ** -0.5, mask),
                 "attention_scatter": lambda: engine.decode_attention(q, kc, vc, pos, D ** -0.5, mask, inv)}
-        times = bench_rounds({k: (lambda i, f=f: f, 1) for k, f in arms.items()}, args.rounds)
-        base = statistics.median(times["attention"])
-        for name, t in times.items():
-            us = statistics.median(t)
-            rows.append(dict(op=name, batch=B, cache=S, us=us, rounds=t, vs_plain=base / us))
-            print(f"batch={B} {name:18s} {us:7.2f} us ({base / us:.3f}x plain)", flush=True)
+        rows += time_against(arms, "attention", args.rounds, batch=B, cache=S)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import bench_rounds, env_meta  # noqa: E402
+from nibble.bench.timing import env_meta, time_against  # noqa: E402
 from nibble.kernels import w4a16  # noqa: E402
 
 
@@ -53,12 +52,7 @@ def main() -> None:
                 arms[f"row_w{warps}"] = lambda warps=warps: gather_rows(x, index, warps)
             for name, fn in arms.items():
                 assert torch.equal(fn(), want), (name, M, K)
-            times = bench_rounds({name: (lambda i, fn=fn: fn, 1) for name, fn in arms.items()}, args.rounds)
-            base = statistics.median(times["shipped"])
-            for name, t in times.items():
-                us = statistics.median(t)
-                rows.append(dict(M=M, K=K, op=name, us=us, rounds=t, vs_shipped=base / us))
-                print(f"M={M:5d} K={K:6d} {name:12s} {us:8.2f} us ({base / us:.3f}x shipped)", flush=True)
+            rows += time_against(arms, "shipped", args.rounds, M=M, K=K)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
 

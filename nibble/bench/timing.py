@@ -11,7 +11,8 @@ Small API, used by every kernel family's benchmark:
   a ~2 ms replay, for scripts that replay a graph of their own.
 - ``bench_rounds(arms, rounds)`` -> {arm: [us per round]}: several ops timed by ``bench_us`` in
   interleaved rounds, each round in another order; a cell's figure is the median over its rounds
-  (``add_rounds_argument``: the benchmarks' ``--rounds``).
+  (``add_rounds_argument``: the benchmarks' ``--rounds``); ``time_against(arms, base)``: the same as
+  result rows with each arm's ratio to one of them.
 - ``ClockSampler()``: ``nvidia-smi`` sampling the SM clock and board power while a ``with`` block runs
   (what a measurement ran at, under the H200's power cap).
 - ``rotations(bytes_per_set)`` -> how many input sets make the working set exceed the L2
@@ -181,6 +182,20 @@ def bench_rounds(arms: dict, rounds: int = ROUNDS, optional=(), measure: Callabl
                 times[name] = []
                 log(f"  {name} unavailable: {type(e).__name__}: {str(e)[:160]}")
     return times
+
+
+def time_against(arms: dict, base: str, rounds: int = ROUNDS, log=print, **labels) -> list[dict]:
+    """``arms`` ({name: zero-argument callable}, one input set each) timed by `bench_rounds`; a row per arm:
+    ``labels``, op, us (the median over the rounds), rounds, vs_base (``arms[base]``'s us over the arm's:
+    above 1, faster than it), each also said through ``log``."""
+    times = bench_rounds({name: (lambda i, fn=fn: fn, 1) for name, fn in arms.items()}, rounds)
+    ref = statistics.median(times[base])
+    rows = []
+    for name, t in times.items():
+        us = statistics.median(t)
+        rows.append(dict(labels, op=name, us=us, rounds=t, vs_base=ref / us))
+        log(" ".join(f"{k}={v}" for k, v in labels.items()), f"{name:18s} {us:8.2f} us ({ref / us:.3f}x {base})")
+    return rows
 
 
 class ClockSampler:

@@ -77,3 +77,15 @@ def test_sized_calls_fill_a_replay_in_whole_rounds_of_the_input_sets(monkeypatch
     round_robin(5)()
     assert made == [0, 1, 2, 0, 1]
     assert timing.sized_calls(lambda i: (lambda: None), 3, max_calls_per_replay=10)[1] == 12  # capped, whole rounds
+
+
+def test_time_against_gives_each_arm_its_median_and_its_ratio_to_the_base(monkeypatch):
+    from nibble.bench import timing
+    per_round = {"base": iter([10.0, 12.0, 11.0]), "half": iter([5.0, 6.0, 4.0])}
+    monkeypatch.setattr(timing, "bench_us", lambda factory, n_rot: next(per_round[factory(0)()]))
+    said = []
+    rows = timing.time_against({"base": lambda: "base", "half": lambda: "half"}, "base", 3,
+                               log=lambda *parts: said.append(" ".join(parts)), M=8)
+    assert [(r["op"], r["M"], r["us"], r["vs_base"]) for r in rows] == [("base", 8, 11.0, 1.0), ("half", 8, 5.0, 2.2)]
+    assert rows[1]["rounds"] == [5.0, 6.0, 4.0]
+    assert len(said) == 2 and "2.200x base" in said[1]
