@@ -624,10 +624,10 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
     out = torch.empty_like(x2)
-    pdl = not _INTERPRET and early_launch(x.device, M)
     if M > EARLY_LAUNCH_MAX_TOKENS and K <= GATHER_ROW_MAX_K:
         _gather_rows_kernel[(M,)](x2, index, out, K, BLOCK=triton.next_power_of_2(K), num_warps=8)
         return out.view(x.shape)
+    pdl = not _INTERPRET and early_launch(x.device, M)
     BLOCK = 1024
     _gather_columns_kernel[(M, _cdiv(K, BLOCK))](x2, index, out, K, BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl,
                                                  num_warps=4)

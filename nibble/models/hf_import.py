@@ -137,7 +137,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not prefixes:
         raise ValueError(f"{directory}: config says {info['method']} but no tensor ends in .qweight")
-    group_sizes, permuted = set(), []
+    group_sizes = set()
     for prefix in prefixes:
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
         bias = tensors.pop(f"{prefix}.bias", None)
@@ -150,7 +150,6 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         layer = cls.from_weight(weight.to(device), None if bias is None else bias.to(device, dtype), "w4a16", dtype=dtype)
         if perm is not None:
             layer.set_input_perm(perm)
-            permuted.append(prefix)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
         group_sizes.add(-1 if weight.group_size == weight.in_features else weight.group_size)
@@ -167,12 +166,11 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         model.tie_weights()
     from nibble.models.serialization import _rebuild_non_persistent_buffers
     _rebuild_non_persistent_buffers(model, device)
-    folded = set(fold_mlp_input_orders(model))
-    permuted = [name for name in permuted if name not in folded]
+    fold_mlp_input_orders(model)
     nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
                             symmetric=info["sym"], zero_point="int", clip_search=False, method=info["method"])
     model.config.quantization_config = {**nibble_qc.to_dict(), "imported_from": info["raw"],
-                                        "input_permuted_modules": permuted}
+                                        "input_permuted_modules": input_permuted_modules(model)}
     model.eval()
     tokenizer = None
     if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
@@ -194,7 +192,7 @@ def fold_mlp_input_orders(model: nn.Module) -> list[str]:
     norm and decode-attention kernels). Returns the names of the down_projs folded.
     """
     folded = []
-    for name, mlp in model.named_modules():
+    for name, mlp in list(model.named_modules()):  # the loop replaces modules
         down = getattr(mlp, "down_proj", None)
         if not isinstance(down, PermutedInputQuantLinear):
             continue
@@ -209,6 +207,12 @@ def fold_mlp_input_orders(model: nn.Module) -> list[str]:
         mlp.down_proj = down.without_input_perm()
         folded.append(f"{name}.down_proj")
     return folded
+
+
+def input_permuted_modules(model: nn.Module) -> list[str]:
+    """Names of the model's layers that take their inputs permuted (`PermutedInputQuantLinear`): what a
+    quantization_config lists as ``input_permuted_modules``."""
+    return [name for name, m in quantized_linears(model) if isinstance(m, PermutedInputQuantLinear)]
 
 
 # ---------------------------------------------------------------------------------------------- export

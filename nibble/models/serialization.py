@@ -23,7 +23,8 @@ from torch import nn
 from nibble.config import QuantConfig
 from nibble.models.convert import check_architecture, quantized_linears
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
-from nibble.models.hf_import import export_awq, export_gptq, fold_mlp_input_orders, load_hf_quantized
+from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
+                                     load_hf_quantized)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
@@ -76,8 +77,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     config = model.config.to_dict()
     linears = quantized_linears(model)
     config["quantization_config"] = {**qc, "online_hadamard_modules": [n for n, m in linears if m.input_hadamard],
-                                     "input_permuted_modules": [n for n, m in linears
-                                                                if isinstance(m, PermutedInputQuantLinear)]}
+                                     "input_permuted_modules": input_permuted_modules(model)}
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
@@ -154,9 +154,8 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     _rebuild_non_persistent_buffers(model, device)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors:
         model.tie_weights()
-    folded = set(fold_mlp_input_orders(model))  # saves from before the fold listed permuted down_projs
-    if folded:
-        qc_dict["input_permuted_modules"] = [n for n in qc_dict["input_permuted_modules"] if n not in folded]
+    if fold_mlp_input_orders(model):  # saves from before the fold listed permuted down_projs
+        qc_dict["input_permuted_modules"] = input_permuted_modules(model)
     model.config.quantization_config = qc_dict
     model.eval()
     tokenizer = None

@@ -187,7 +187,8 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
     Any other layer is called as is.
     """
     layers = list(layers)
-    if x_in_order and shared_input_perm(layers) is None:
+    perm = shared_input_perm(layers)
+    if x_in_order and perm is None:
         raise ValueError("x_in_order=True is for layers of one input permutation that run as one launch "
                          "(shared_input_perm)")
     if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
@@ -196,8 +197,7 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
         mode, backend = layers[0].mode, layers[0].backend
         same = len({_one_launch_key(m) for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once
-        permuted = same and hasattr(layers[0], "input_perm") and not x_in_order
-        xs = kernels.gather_columns(x, layers[0].input_perm, backend) if permuted else x
+        xs = kernels.gather_columns(x, perm, backend) if perm is not None and not x_in_order else x
         if same and mode == "w4a4":
             return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
                                         layers[0].input_hadamard, backend=backend)
