@@ -15,11 +15,9 @@ DEMO_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 
 
 def _device(name: str | None) -> str:
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda asked for, but no CUDA GPU is visible; use --device cpu")
-    return name
+    from nibble.config import resolve_device
+
+    return str(resolve_device(name))
 
 
 def load(model: str | None, device: str, dtype: torch.dtype | None = None):
@@ -291,7 +289,7 @@ def cmd_quantize(args):
     from nibble.models.serialization import save_quantized
 
     if args.quant == "none":
-        raise SystemExit("error: nibble quantize needs --quant w4a16 or w4a4")
+        raise ValueError("--quant none writes nothing to quantize: give --quant w4a16 or w4a4")
     if args.format != "nibble" and not _quantized_checkpoint(args.model) and (
             args.quant != "w4a16" or args.float_zero or args.quantize_lm_head):
         raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
@@ -331,18 +329,15 @@ def cmd_eval(args):
 
 
 def cmd_build_kernels(args):
-    from nibble.kernels.cuda_build import CudaBuildError, device_arch, prebuild
+    from nibble.kernels.cuda_build import device_arch, prebuild
 
     arch = args.arch
     if arch is None:
         if not torch.cuda.is_available():
-            raise SystemExit("error: no CUDA GPU visible to read its architecture from; pass --arch "
+            raise ValueError("no CUDA GPU visible to read its architecture from; pass --arch "
                              "(90 for H100/H200, 80 for A100, 89 for L4/L40, ...)")
         arch = device_arch(torch.device("cuda"))
-    try:
-        paths = prebuild(arch, jobs=args.jobs)
-    except (CudaBuildError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+    paths = prebuild(arch, jobs=args.jobs)  # a CudaBuildError or a refused arch: main says it in one line
     for name, path in paths.items():
         print(f"{name}: {path}")
 
@@ -354,6 +349,10 @@ def cmd_demo(args):
     from nibble.eval.perplexity import wikitext2_perplexity
     from nibble.models.convert import default_group_size, quantize_model, weight_bytes
 
+    if _quantized_checkpoint(args.model):
+        raise ValueError(f"{args.model} is already quantized, and the demo compares a 16-bit model with its W4A16 "
+                         "copy: give it a 16-bit model (an HF dir or a .gguf), or run this one with `nibble "
+                         "generate --model` / `nibble eval ppl --model`")
     t0 = time.time()
     device = _device(args.device)
     model, tok = load(args.model, device)
@@ -387,8 +386,8 @@ def cmd_demo(args):
 
 
 def _add_model_args(p, quant=True):
-    p.add_argument("--model", default=None, help="a quantized dir (nibble, AutoAWQ or GPTQ: run as it is), an HF "
-                                                 "dir or a .gguf (default: embedded SmolLM2-135M)")
+    quantized = "a quantized dir (nibble, AutoAWQ or GPTQ: run as it is), " if quant else ""
+    p.add_argument("--model", default=None, help=f"{quantized}an HF dir or a .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     if quant:
         p.add_argument("--quant", choices=["w4a16", "w4a4", "none"], default="w4a16")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from nibble.formats.int4 import FORMAT_VERSION
 
 MODES = ("w4a16", "w4a4")
@@ -80,3 +82,15 @@ class QuantConfig:
                              f"(it reads version {FORMAT_VERSION}); upgrade nibble or re-quantize the model")
         fields = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in fields})
+
+
+def resolve_device(device=None) -> torch.device:
+    """``device`` as a torch.device; None picks the GPU when one is visible, else the CPU. A CUDA device
+    asked for where no GPU is visible is refused by name (ValueError), before any work."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but no CUDA GPU is visible: use the CPU (device 'cpu', "
+                         "CLI --device cpu) or run where a GPU is")
+    return device

@@ -279,10 +279,11 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
               "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-def test_asking_for_cuda_without_a_gpu_is_a_clear_error(model_dir):
-    with pytest.raises(SystemExit, match="no CUDA GPU is visible"):
-        main(["generate", "x", "--model", str(model_dir), "--device", "cuda"])
+@pytest.mark.parametrize("command", [["generate", "x"], ["eval", "ppl"], ["qat", "--steps", "1", "--out", "unused"]])
+def test_asking_for_cuda_without_a_gpu_is_a_clear_error(command, model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=f"^nibble {command[0]}: device 'cuda' asked for, but no CUDA GPU is visible"):
+        main(command + ["--model", str(model_dir), "--device", "cuda"])
 
 
 def test_a_model_quantized_for_a_gpu_is_read_into_host_memory_and_quantized_onto_it(model_dir, monkeypatch):
@@ -323,8 +324,16 @@ def test_a_users_mistake_is_one_line_not_a_traceback(command, message, model_dir
 
 
 def test_quantize_without_a_quant_mode_is_refused(model_dir, tmp_path):
-    with pytest.raises(SystemExit, match="needs --quant"):
+    with pytest.raises(SystemExit, match="^nibble quantize: --quant none writes nothing"):
         main(["quantize", "--model", str(model_dir), "--quant", "none", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_the_demo_refuses_a_model_that_is_already_quantized(model_dir, tmp_path, capsys):
+    """It compares a 16-bit model with its W4A16 copy; a quantized directory as its "16-bit" side would
+    compare the checkpoint with itself requantized, under the wrong labels."""
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="^nibble demo: .* is already quantized"):
+        main(["demo", "--model", str(tmp_path), "--device", "cpu"])
 
 
 def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):
@@ -348,10 +357,10 @@ def test_build_kernels_says_what_it_needs(monkeypatch):
     from nibble.kernels import cuda_build
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="pass --arch"):
+    with pytest.raises(SystemExit, match="^nibble build-kernels: .*pass --arch"):
         main(["build-kernels"])
-    with pytest.raises(SystemExit, match="compute capability as digits"):
+    with pytest.raises(SystemExit, match="^nibble build-kernels: .*compute capability as digits"):
         main(["build-kernels", "--arch", "sm_90"])
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
-    with pytest.raises(SystemExit, match="need nvcc"):
+    with pytest.raises(SystemExit, match="^nibble build-kernels: .*need nvcc"):
         main(["build-kernels", "--arch", "90"])

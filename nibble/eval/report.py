@@ -8,7 +8,8 @@ sizes, and ``-gptq`` / ``-awq`` for calibrated weights) the real model is loaded
 - memory: weight bytes by module kind (CPU too), and on CUDA the peak memory of a 512-token
   prefill + 128-token decode;
 - speed (CUDA only): prefill latency and decode tokens/s through ``nibble.eval.engine`` with their
-  rooflines, on the real model and on random-weight Llama-2-7B / Llama-3-8B-shaped models.
+  rooflines, on the real model and on random-weight models shaped as `speed.SPEED_MODELS` lists them
+  (Llama-2-7B, Llama-3-8B, Llama-3.2-1B; Llama-2-7B alone by default).
 
 Writes ``report.json`` (everything), ``report.md`` (tables, configs side by side) and
 ``speedup.png`` / ``vram.png`` / ``accuracy.png`` (where tasks were scored). Without CUDA the speed
@@ -26,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from nibble.config import QuantConfig
+from nibble.config import QuantConfig, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.tasks import ALL_TASKS
@@ -510,7 +511,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     model_label = "none (speed models only)" if not model else str(model_name_or_path) if model_name_or_path else (
         "custom loader" if loader else "default (SmolLM2-135M-Instruct)")
     loader = loader or _default_loader(model_name_or_path, device, dtype)

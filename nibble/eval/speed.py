@@ -8,8 +8,8 @@ Every number comes with the figure that says how good it is:
   the device's measured bf16 matmul rate.
 
 Timing: CUDA events around CUDA-graph replays, after warm-up; the median of several repeats.
-The speed models are random-weight Llama-2-7B- and Llama-3-8B-shaped models built directly on the
-GPU in bf16 (speed does not depend on the values) and quantized in place, layer by layer, so two
+The speed models (`SPEED_MODELS`) are random-weight Llama-2-7B-, Llama-3-8B- and Llama-3.2-1B-shaped models
+built directly on the GPU in bf16 (speed does not depend on the values) and quantized in place, layer by layer, so two
 copies of the weights never sit on the GPU together.
 """
 from __future__ import annotations

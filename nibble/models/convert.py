@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import QuantConfig
+from nibble.config import QuantConfig, resolve_device
 from nibble.nn.quant_linear import QuantLinear
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -93,7 +93,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     config = config or QuantConfig()
     check_architecture(model)
     if device is not None:
-        device = _work_device(device)
+        device = resolve_device(device)
         move_all_but_layers(model, device)
     candidates = _candidate_linears(model)  # a typo in the skips is said before any calibration runs
     unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in candidates)]
@@ -109,7 +109,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     turn = layer_turns(model, config, names, device, rotate_layer)
     if config.method != "rtn":
         if calibration is None:
-            raise ValueError(f"method={config.method!r} needs calibration data (see nibble.quantize.calibration)")
+            raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble.quantize."
+                             "calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 excerpt, "
+                             "what `nibble quantize` uses) or your own LongTensor [n, seq_len]")
         from nibble.quantize import calibrated_quantizers
         calibrated_quantizers[config.method](model, config, calibration, progress=progress, onload=turn)
     else:
@@ -159,14 +161,6 @@ def _convert(model: nn.Module, name: str, config: QuantConfig, weight, device: t
         q = QuantLinear.from_linear(module if device is None else module.to(device), config)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, q)
-
-
-def _work_device(device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"quantize_model(device={str(device)!r}): no CUDA GPU is visible; quantize on the CPU "
-                         "(device='cpu' or None) or run where a GPU is")
-    return device
 
 
 def move_all_but_layers(model: nn.Module, device: torch.device) -> None:

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from nibble.config import resolve_device
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
 
@@ -313,7 +314,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     _check_init(recipe, init)  # before any calibration text is tokenized
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
     model.config.use_cache = False
@@ -419,9 +420,7 @@ def add_qat_arguments(parser) -> None:
 def qat_main(args) -> None:
     from nibble.models.loading import load_model
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda asked for, but no CUDA GPU is visible; use --device cpu")
+    device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                     resume=args.resume, device=device, objective=args.objective, rank=args.rank,

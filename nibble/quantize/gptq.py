@@ -81,8 +81,8 @@ def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
                                   "positive definite (more calibration data would help)")
                 return U
         damp = damp * 10
-    raise RuntimeError("GPTQ: the calibration Hessian is not positive definite even with 10x damping; "
-                       "use more (or more varied) calibration samples")
+    raise RuntimeError(f"GPTQ: the calibration Hessian is not positive definite even with {percdamp * 1000:g} "
+                       "relative damping (1000x the default); use more (or more varied) calibration samples")
 
 
 @torch.no_grad()
