@@ -89,7 +89,10 @@ def resolve_device(device=None) -> torch.device:
     asked for where no GPU is visible is refused by name (ValueError), before any work."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device torch knows: use 'cpu', 'cuda' or 'cuda:N'") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but no CUDA GPU is visible: use the CPU (device 'cpu', "
                          "CLI --device cpu) or run where a GPU is")
