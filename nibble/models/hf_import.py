@@ -23,11 +23,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nibble.config import QuantConfig
+from nibble.config import QuantConfig, resolve_device
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from nibble.models.convert import check_architecture, quantized_linears
@@ -93,9 +93,13 @@ def _read_safetensors(directory: Path) -> dict:
         raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only")
     tensors = {}
     for name in files:
-        with safe_open(str(directory / name), "pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(directory / name), "pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:  # safetensors' own message names no file
+            raise ValueError(f"{directory / name} is missing, truncated or corrupt ({e}); re-download the checkpoint "
+                             "or re-save it") from e
     return tensors
 
 
@@ -121,10 +125,10 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(directory)
+    device = resolve_device(device)  # "cuda" without a GPU is refused by name, not deep in torch
     if not (directory / CONFIG).exists():
         raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
     info = read_quantization_config(directory)
-    device = torch.device(device)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
     raw = json.loads((directory / CONFIG).read_text())
     raw.pop("quantization_config", None)

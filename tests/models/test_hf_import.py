@@ -6,6 +6,7 @@ g_idx), independently of nibble's converters; nibble's import must reproduce the
 weights and the logits of a float model holding those weights.
 """
 import json
+import re
 
 import pytest
 import torch
@@ -407,3 +408,24 @@ def test_x_in_order_is_only_for_layers_of_one_input_order():
     assert shared_input_perm(permuted) is None  # two orders: two launches, each its own gather
     permuted[1].set_input_perm(permuted[0].input_perm.clone())
     assert torch.equal(shared_input_perm(permuted), permuted[0].input_perm)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_truncated_checkpoint_file_is_named(tmp_path, sharded):
+    qc = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
+    write_checkpoint(tmp_path, tiny_model("llama"), qc, lambda W: write_awq_linear(W, 32), sharded=sharded)
+    f = sorted(tmp_path.glob("*.safetensors"))[-1]
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{f} is missing, truncated or corrupt") + ".*re-download"):
+        load_quantized(tmp_path)
+
+
+def test_bad_devices_are_refused_by_name(tmp_path, monkeypatch):
+    save_quantized(quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False), tmp_path,
+                   format="gptq")
+    with pytest.raises(ValueError, match="device 'gpu' is not a device torch knows"):
+        load_hf_quantized(tmp_path, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # not "Torch not compiled with CUDA enabled"
+    for load in (load_quantized, load_hf_quantized):
+        with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
+            load(tmp_path, device="cuda")

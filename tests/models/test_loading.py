@@ -1,8 +1,10 @@
 """load_model: routing between the default GGUF, .gguf files and local Hugging Face directories."""
 import json
+import re
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -10,6 +12,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHe
                           PreTrainedTokenizerFast)
 
 import nibble.models.loading as loading
+from conftest import tiny_model
+from nibble import QuantConfig, quantize_model, save_quantized
 from nibble.models.loading import default_model_path, load_model
 
 
@@ -104,3 +108,93 @@ def test_other_files_are_rejected(tmp_path):
     (tmp_path / "model.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match="neither a .gguf file nor a Hugging Face model directory"):
         load_model(tmp_path / "model.bin")
+
+
+def _save_conftest_tiny(directory, arch):
+    """conftest's tiny model (llama/qwen2 tie lm_head to embed_tokens, mistral does not) with a tokenizer."""
+    model = tiny_model(arch)
+    model.save_pretrained(directory)
+    _save_tokenizer(directory)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_tied_and_untied_checkpoints_load_without_warnings(arch, tmp_path, recwarn):
+    # A tied lm_head is not in the file and rotary inv_freq is never saved: neither counts as missing.
+    original = _save_conftest_tiny(tmp_path, arch)
+    model, _ = load_model(tmp_path)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=0, atol=0)
+    assert not [w for w in recwarn if "not part of the model" in str(w.message)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_missing_weights_are_refused_not_randomly_initialised(arch, tmp_path):
+    _save_conftest_tiny(tmp_path, arch)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "layers.1." not in k}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: the checkpoint lacks 9 of the model's weights, "
+                                                   "e.g. ['model.layers.1.input_layernorm.weight'")) as e:
+        load_model(tmp_path)
+    assert "lm_head" not in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_quantized_checkpoint_without_quantization_config_is_named(fmt, tmp_path):
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path, format=fmt)
+    _save_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]  # now it reads as a 16-bit llama whose weights are all missing
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="looks like a quantized checkpoint whose config.json has no "
+                                         "quantization_config.*qweight.*nibble.load_quantized"):
+        load_model(tmp_path)
+
+
+def test_extra_tensors_are_warned_about(tmp_path):
+    original = _save_conftest_tiny(tmp_path, "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.extra.weight"] = torch.zeros(2)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) in the checkpoint are not part of the model.*model.extra"):
+        model, _ = load_model(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([[1, 2]])).logits, original(torch.tensor([[1, 2]])).logits)
+
+
+def test_wrongly_shaped_weights_are_refused(tmp_path):
+    _save_conftest_tiny(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"do not match the shapes config.json implies.*\(192, 64\)"):
+        load_model(tmp_path)
+
+
+def test_missing_weight_file_is_a_clear_error(tmp_path):
+    _save_conftest_tiny(tmp_path, "llama")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: could not read the model's weights") +
+                       ".*model.save_pretrained"):
+        load_model(tmp_path)
+
+
+def test_truncated_weight_file_is_named(tmp_path):
+    _save_conftest_tiny(tmp_path, "llama")
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{f} is truncated or corrupt") + ".*re-download"):
+        load_model(tmp_path)
+
+
+def test_bad_devices_are_refused_before_loading(tmp_path, monkeypatch):
+    # tmp_path holds no model: the device is checked first, so its error is the one raised.
+    with pytest.raises(ValueError, match="device 'gpu' is not a device torch knows"):
+        load_model(tmp_path, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
+        load_model(tmp_path, device="cuda")

@@ -85,3 +85,13 @@ def test_a_quantized_lm_head_roundtrips_untied(tmp_path):
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_bad_devices_are_refused_by_name(saved, monkeypatch):
+    _, path = saved
+    # "gpu" used to pass torch.device's check late and surface as "weights do not match the saved architecture".
+    with pytest.raises(ValueError, match="device 'gpu' is not a device torch knows"):
+        load_quantized(path, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # not "Torch not compiled with CUDA enabled"
+    with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
+        load_quantized(path, device="cuda")
