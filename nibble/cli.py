@@ -54,11 +54,62 @@ def quant_config(args, model):
                   clip_search=args.clip_search or None, modules_to_not_convert=skip)
     if args.quant == "w4a4":
         return QuantConfig(mode="w4a4", group_size=args.group_size, **common)  # refused unless None or -1
-    cfg = QuantConfig(mode="w4a16", group_size=args.group_size or 128,
+    # `is None`, not `or`: --group-size 0 must reach QuantConfig's refusal, not become 128
+    cfg = QuantConfig(mode="w4a16", group_size=128 if args.group_size is None else args.group_size,
                       zero_point="float" if args.float_zero else "int", **common)
     if args.group_size is None and model is not None:
         cfg.group_size = default_group_size(model, cfg)
     return cfg
+
+
+# The quantization options (`_add_model_args`) and their defaults: one away from its default was asked for.
+QUANT_OPTIONS = {"quant": "w4a16", "group_size": None, "method": "rtn", "rotate": False, "clip_search": False,
+                 "quantize_lm_head": False, "float_zero": False, "calib_samples": None, "calib_seq_len": None}
+
+
+def _option(name: str) -> str:
+    """An argument's command-line spelling: ``group_size`` -> ``--group-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def _flags(args, names) -> list[str]:
+    """The options among the quantization ones ``names`` that ``args`` sets away from their defaults."""
+    return [_option(n) for n in names if getattr(args, n) != QUANT_OPTIONS[n]]
+
+
+def check_quant_args(args) -> None:
+    """Refuse quantization options that would be silently ignored, before any model loads: any of them with a
+    quantized --model (it is used as it is), with --quant none, and the options of one mode or method given
+    to another; then the combinations QuantConfig refuses."""
+    if _quantized_checkpoint(args.model):
+        given = _flags(args, QUANT_OPTIONS)
+        if given:
+            used = ("its weights are written as they are (in --format's layout)" if args.command == "quantize"
+                    else "it runs as it is")
+            raise ValueError(f"{args.model} is already quantized: {used}, so {', '.join(given)} "
+                             f"{'does' if len(given) == 1 else 'do'} not apply; drop "
+                             f"{'it' if len(given) == 1 else 'them'}, or give the 16-bit model to quantize it that way")
+        return
+    if args.quant == "none":
+        given = _flags(args, [n for n in QUANT_OPTIONS if n != "quant"])
+        if given:
+            raise ValueError(f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} how to quantize, and --quant "
+                             f"none runs the model unquantized: drop {'it' if len(given) == 1 else 'them'}, or give "
+                             "--quant w4a16 or w4a4")
+        return
+    if args.quant == "w4a4" and args.float_zero:
+        raise ValueError("--float-zero is a w4a16 option (a float minimum per group); w4a4's weights are symmetric, "
+                         "with no zero point: drop it")
+    calib = _flags(args, ["calib_samples", "calib_seq_len"])
+    if calib and args.method == "rtn":
+        one = len(calib) == 1
+        raise ValueError(f"{', '.join(calib)} {'sizes' if one else 'size'} the calibration of --method gptq / awq; "
+                         f"RTN calibrates nothing: drop {'it' if one else 'them'}, or give --method gptq or awq")
+    for name, least in (("calib_samples", 1), ("calib_seq_len", 2)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ValueError(f"{_option(name)} must be >= {least}, got {value}")
+    quant_config(args, None)  # a combination QuantConfig refuses
 
 
 def load_for_command(args, device: str):
@@ -75,7 +126,8 @@ def load_for_command(args, device: str):
         return load(args.model, device)
     model, tok = load(args.model, "cpu", dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
-    return quantize_model(model, cfg, calibration=calibration_for(cfg, tok), device=device), tok
+    sizes = {k: v for k, v in (("n_samples", args.calib_samples), ("seq_len", args.calib_seq_len)) if v is not None}
+    return quantize_model(model, cfg, calibration=calibration_for(cfg, tok, **sizes), device=device), tok
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
@@ -316,7 +368,24 @@ def cmd_info(args):
                       "total_state_bytes": total}, indent=2))
 
 
+# `nibble eval`'s options of one `what` only (--batch-size is both's)
+EVAL_OPTIONS = {"ppl": ("seq_len", "max_tokens"), "tasks": ("tasks", "limit")}
+
+
 def cmd_eval(args):
+    # checked before the model loads: an option of the other `what` would be silently ignored, and a count too
+    # small would fail only once the model is loaded (or print NaN)
+    other = "tasks" if args.what == "ppl" else "ppl"
+    wrong = [_option(n) for n in EVAL_OPTIONS[other] if getattr(args, n) is not None]
+    if wrong:
+        raise ValueError(f"{' and '.join(wrong)} belong{'s' * (len(wrong) == 1)} to `nibble eval {other}`; `eval "
+                         f"{args.what}` takes {', '.join(map(_option, EVAL_OPTIONS[args.what]))} and --batch-size: "
+                         f"drop {' and '.join(wrong)}")
+    # a window of 2 tokens predicts one: the shortest stream or window that scores anything
+    for name, least in (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ValueError(f"{_option(name)} must be >= {least}, got {value}")
     model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
         from nibble.eval.perplexity import wikitext2_perplexity
@@ -403,6 +472,11 @@ def _add_model_args(p, quant=True):
                             "keeps its 16-bit table, so such a model grows")
         p.add_argument("--float-zero", action="store_true",
                        help="w4a16: float minimum per group (not AWQ/GPTQ-exportable; often more accurate)")
+        p.add_argument("--calib-samples", type=int, default=None,
+                       help="gptq / awq: calibration windows of the C4 excerpt (default: 128; fewer: faster, "
+                            "less accurate)")
+        p.add_argument("--calib-seq-len", type=int, default=None,
+                       help="gptq / awq: tokens per calibration window (default: 512)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -443,11 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks")
     p.add_argument("what", choices=["ppl", "tasks"])
     _add_model_args(p)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="ppl: window length (default: the model's context, at most 2048)")
     p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
-    p.add_argument("--tasks", default=None, help="comma-separated (default: all seven)")
+    p.add_argument("--tasks", default=None, help="tasks: comma-separated (default: all seven)")
     p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
     p.set_defaults(func=cmd_eval)
     from nibble.eval.report import add_report_arguments, report_main
     from nibble.qat.train import add_qat_arguments, qat_main
@@ -485,9 +560,9 @@ def user_errors() -> tuple:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "quant", "none") != "none":
-            quant_config(args, None)  # a combination QuantConfig refuses is said before the model loads
-        args.func(args)
+        if hasattr(args, "quant"):
+            check_quant_args(args)  # said before the model loads
+        return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
     except user_errors() as e:
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise

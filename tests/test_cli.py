@@ -364,3 +364,97 @@ def test_build_kernels_says_what_it_needs(monkeypatch):
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     with pytest.raises(SystemExit, match="^nibble build-kernels: .*need nvcc"):
         main(["build-kernels", "--arch", "90"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["ppl", "--limit", "3"], "--limit belongs to `nibble eval tasks`; `eval ppl` takes --seq-len, --max-tokens and "
+                              "--batch-size: drop --limit"),
+    (["ppl", "--tasks", "piqa", "--limit", "3"], "--tasks and --limit belong to `nibble eval tasks`"),
+    (["tasks", "--max-tokens", "512", "--seq-len", "64"], "--seq-len and --max-tokens belong to `nibble eval ppl`; "
+                                                          "`eval tasks` takes --tasks, --limit"),
+    (["tasks", "--limit", "0"], "--limit must be >= 1, got 0"),
+    (["ppl", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["tasks", "--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["ppl", "--max-tokens", "0"], "--max-tokens must be >= 2, got 0"),
+    (["ppl", "--seq-len", "1"], "--seq-len must be >= 2, got 1")])
+def test_eval_refuses_options_it_would_ignore_or_fail_on_before_loading_the_model(flags, message, monkeypatch):
+    """`eval ppl --limit N` ran the whole split; `eval tasks --limit 0` printed "acc": NaN (not JSON) and exited 0."""
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the flags"))
+    with pytest.raises(SystemExit, match="^nibble eval: " + re.escape(message)):
+        main(["eval"] + flags + ["--model", "nowhere", "--quant", "none"])
+
+
+@pytest.fixture
+def quantized_dir(tmp_path):
+    """What `_quantized_checkpoint` reads of a nibble checkpoint: its config's quantization_config."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "nibble"}}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("command, used", [(["quantize", "--out", "unused"], "its weights are written as they are"),
+                                           (["generate", "x"], "it runs as it is"),
+                                           (["eval", "ppl"], "it runs as it is")])
+@pytest.mark.parametrize("flags, named", [
+    (["--group-size", "32"], "--group-size does not apply; drop it"),
+    (["--quant", "w4a4", "--rotate"], "--quant, --rotate do not apply; drop them"),
+    (["--method", "gptq", "--calib-samples", "8"], "--method, --calib-samples do")])
+def test_quantization_flags_given_with_an_already_quantized_model_are_refused(command, used, flags, named,
+                                                                              quantized_dir, monkeypatch):
+    """They were silently ignored: `quantize --model <checkpoint> --group-size 32` wrote the checkpoint's own groups."""
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the flags"))
+    with pytest.raises(SystemExit, match=f"^nibble {command[0]}: {quantized_dir} is already quantized: {used}.* "
+                                         f"{named}"):
+        main(command + ["--model", str(quantized_dir)] + flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--quant", "none", "--rotate"], "--rotate sets how to quantize, and --quant none runs the model unquantized"),
+    (["--quant", "none", "--group-size", "32", "--float-zero"], "--group-size, --float-zero set how to quantize"),
+    (["--quant", "w4a4", "--float-zero"], "--float-zero is a w4a16 option"),
+    (["--group-size", "0"], "group_size must be "),  # QuantConfig's message, which ends "got 0"
+    (["--calib-samples", "8"], "--calib-samples sizes the calibration of --method gptq / awq; RTN calibrates "
+                               "nothing: drop it"),
+    (["--method", "gptq", "--calib-seq-len", "1"], "--calib-seq-len must be >= 2, got 1"),
+    (["--method", "awq", "--calib-samples", "0"], "--calib-samples must be >= 1, got 0")])
+def test_quantization_flags_that_would_be_ignored_are_refused_before_loading_the_model(flags, message, monkeypatch):
+    """`--quant none --rotate` and `--quant w4a4 --float-zero` ran without them; `--group-size 0` became 128 (and the
+    error then blamed 128)."""
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the flags"))
+    for command in (["generate", "x"], ["eval", "ppl"]):
+        with pytest.raises(SystemExit, match=f"^nibble {command[0]}: {re.escape(message)}"):
+            main(command + ["--model", "nowhere"] + flags)
+
+
+def test_quantize_calibrates_on_as_many_windows_of_as_many_tokens_as_asked(model_dir, tmp_path, monkeypatch, capsys):
+    from nibble.quantize import calibration
+
+    asked = []
+
+    def batches(tokenizer, n_samples=128, seq_len=512, **kwargs):
+        asked.append((n_samples, seq_len))
+        if len(asked) > 1:
+            raise KeyboardInterrupt  # seen what it asks for: GPTQ on 128 x 512 tokens would take a while
+        return torch.randint(0, 256, (n_samples, seq_len))
+    monkeypatch.setattr(calibration, "calibration_batches", batches)
+    argv = ["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--method", "gptq"]
+    main(argv + ["--calib-samples", "4", "--calib-seq-len", "16", "--out", str(tmp_path / "a")])
+    assert "saved" in capsys.readouterr().out
+    with pytest.raises(KeyboardInterrupt):
+        main(argv + ["--out", str(tmp_path / "b")])  # the defaults: calibration_batches' own
+    assert asked == [(4, 16), (128, 512)]
+
+
+def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
+    from nibble.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    for flag, value, least in (("--steps", "0", 1), ("--seq-len", "1", 2), ("--batch-size", "0", 1),
+                               ("--save-every", "0", 1)):
+        with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be >= {least}, got {value}"):
+            main(["qat", "--out", "unused", "--device", "cpu", flag, value])

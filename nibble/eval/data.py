@@ -6,6 +6,7 @@ is `../shared/data` next to the checkout, which is also how CI lays it out.
 """
 
 import os
+import warnings
 from pathlib import Path
 
 ENV_VAR = "NIBBLE_DATA"
@@ -14,21 +15,25 @@ ENV_VAR = "NIBBLE_DATA"
 _REPO = Path(__file__).resolve().parents[2]
 
 
+def _env_dir() -> Path | None:
+    """The folder $NIBBLE_DATA names, if it is set."""
+    return Path(os.environ[ENV_VAR]).expanduser() if os.environ.get(ENV_VAR) else None
+
+
 def search_dirs() -> list[Path]:
     """Candidate data folders, most specific first."""
-    dirs = []
-    if os.environ.get(ENV_VAR):
-        dirs.append(Path(os.environ[ENV_VAR]).expanduser())
-    dirs += [
+    env = _env_dir()
+    return [env] * (env is not None) + [
         _REPO.parent / "shared" / "data",
         Path.cwd().parent / "shared" / "data",
         Path.cwd() / "shared" / "data",
     ]
-    return dirs
 
 
 def _how_to_fix(dirs: list[Path]) -> str:
-    searched = "\n".join(f"  {d}{'' if d.is_dir() else '  (no such folder)'}" for d in dirs)
+    env = _env_dir()
+    searched = "\n".join(f"  {d}{f'  ({ENV_VAR})' if d == env else ''}{'' if d.is_dir() else '  (no such folder)'}"
+                         for d in dirs)
     return (
         f"Searched:\n{searched}\n"
         f"Fix: set {ENV_VAR} to a folder with the shared data layout "
@@ -42,6 +47,7 @@ def data_dir() -> Path:
     dirs = search_dirs()
     for d in dirs:
         if d.is_dir():
+            _warn_past_env(d, "is not a folder")
             return d
     raise FileNotFoundError(f"No evaluation data folder found.\n{_how_to_fix(dirs)}")
 
@@ -52,5 +58,14 @@ def data_file(relpath: str) -> Path:
     for d in dirs:
         path = d / relpath
         if path.is_file():
+            _warn_past_env(d, f"has no {relpath}")
             return path
     raise FileNotFoundError(f"Evaluation data file {relpath!r} not found.\n{_how_to_fix(dirs)}")
+
+
+def _warn_past_env(found: Path, lack: str) -> None:
+    """Say so when $NIBBLE_DATA is set but the data came from a folder after it: the search goes on past it (it
+    is the first candidate, not the only one), but a user who set it expects that folder's copy."""
+    env = _env_dir()
+    if env is not None and found != env:
+        warnings.warn(f"{ENV_VAR}={env} {lack}; reading {found} instead", stacklevel=3)

@@ -876,6 +876,20 @@ def prompt_batch(prompt) -> tuple[torch.Tensor, list[int]]:
     return nn.utils.rnn.pad_sequence(rows, batch_first=True), [len(r) for r in rows]
 
 
+def _stop_list(stop_tokens) -> list[int] | None:
+    """``stop_tokens`` as a list of ids (None or empty: None): one id (e.g. ``tokenizer.eos_token_id``, as
+    transformers' ``eos_token_id`` takes it), or an iterable / tensor of them."""
+    if stop_tokens is None:
+        return None
+    if isinstance(stop_tokens, torch.Tensor):
+        stop_tokens = stop_tokens.flatten().tolist()
+    ids = [stop_tokens] if isinstance(stop_tokens, numbers.Integral) else list(stop_tokens)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"stop_tokens must be token ids (integers), one or several, got {stop_tokens!r} (a "
+                         "tokenizer without an end-of-sequence token has eos_token_id None: leave it out)")
+    return sorted(ids) or None
+
+
 class Engine:
     """Generation with a static KV cache (and CUDA graphs on CUDA): greedy, or sampled (`Sampling`).
 
@@ -898,8 +912,18 @@ class Engine:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.silu = getattr(cfg, "hidden_act", None) in _SILU_ACTS
+        if not (isinstance(max_batch, numbers.Integral) and max_batch >= 1):
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        context = getattr(cfg, "max_position_embeddings", None)
+        if max_seq_len is not None and not (isinstance(max_seq_len, numbers.Integral) and max_seq_len >= 1):
+            raise ValueError(f"max_seq_len must be an integer >= 1 (None: the model's context), got {max_seq_len!r}")
+        if max_seq_len is not None and context and max_seq_len > context:
+            warnings.warn(f"max_seq_len={max_seq_len} exceeds the model's context ({context} = "
+                          "config.max_position_embeddings): positions past it are beyond what the model was "
+                          "trained on", stacklevel=2)
         self.max_batch = max_batch
-        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
+        self.max_seq_len = context if max_seq_len is None else max_seq_len
+        self.vocab_size = self.embed.weight.shape[0]  # the embedding's rows: the ids a prompt may hold
         # the cache length is padded to a multiple of 16 so the decode mask is aligned for SDPA
         self.capacity = -(-self.max_seq_len // 16) * 16
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -1105,7 +1129,7 @@ class Engine:
         see `prompt_batch`): the ``max_new_tokens`` new tokens, [B, max_new_tokens]; greedy by default,
         sampled for ``temperature`` > 0 (see `Sampling`, which checks the three).
 
-        ``stop_tokens`` (token ids, e.g. the model's end-of-sequence ids): stop early once every
+        ``stop_tokens`` (a token id or several, e.g. the model's end-of-sequence ids): stop early once every
         sequence has produced one, returning [B, n <= max_new_tokens] (a sequence that stopped first
         runs on until the others do; callers cut each at its first stop token). On CUDA the check
         waits for the device, so it runs every STOP_CHECK_STEPS steps, on the CPU every step.
@@ -1118,11 +1142,25 @@ class Engine:
         stretch of steps between two stop checks (STOP_CHECK_STEPS on CUDA, one on the CPU), which
         `generate` concatenates. The settings are checked here, before the first chunk is asked for."""
         sampling = Sampling(temperature, top_k, top_p)
+        if temperature == 0 and (top_k is not None or top_p != 1):
+            # one message (no values in it): Python's warning filter says it once, not at every call
+            warnings.warn("top_k / top_p filter sampled tokens only: with temperature 0 decoding is greedy and "
+                          "they are ignored; give a temperature > 0 to sample", stacklevel=2)
         if not (isinstance(max_new_tokens, numbers.Integral) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stop = _stop_list(stop_tokens)
         tokens, lengths = prompt_batch(prompt)
         self._check_batch(len(lengths), max(lengths) + max_new_tokens)
-        return self._stream(tokens, lengths, max_new_tokens, stop_tokens, sampling)
+        self._check_ids(tokens)
+        return self._stream(tokens, lengths, max_new_tokens, stop, sampling)
+
+    def _check_ids(self, tokens: torch.Tensor) -> None:
+        """Refuse ids outside the embedding (an IndexError deep in the forward, or a device assert on CUDA):
+        one min/max and one host sync a generate call, before the prefill; never in the decode loop."""
+        low, high = torch.stack(torch.aminmax(tokens)).tolist()
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}) (the model's vocabulary: "
+                             f"{self.vocab_size} tokens), got ids from {low} to {high}")
 
     @torch.inference_mode()  # a generator: each step of it runs in inference mode
     def _stream(self, tokens, lengths, max_new_tokens, stop_tokens, sampling):
@@ -1130,7 +1168,7 @@ class Engine:
         self._prefill(tokens, lengths, sampling)
         chunk = self.token[:B, :1].clone()
         yield chunk
-        stop = None if stop_tokens is None else torch.tensor(sorted(stop_tokens), device=self.device)
+        stop = None if stop_tokens is None else torch.tensor(stop_tokens, dtype=torch.long, device=self.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # each sequence made a stop token
         every = STOP_CHECK_STEPS if self.device.type == "cuda" else 1
         left = max_new_tokens - 1

@@ -73,6 +73,8 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
     i.e. `windows * (seq_len - 1)`. `device` is where the input ids go (default: the device of
     the model's first parameter).
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (windows per forward pass), got {batch_size}")
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     seq_len = _clamp_to_context(model, seq_len)
     if seq_len < 2:
@@ -138,6 +140,9 @@ def wikitext2_perplexity(
     `max_tokens` keeps only the first tokens of the stream, for quick runs; without `seq_len`
     the window then shrinks to fit, so e.g. `max_tokens=1024` scores one 1024-token window.
     """
+    if max_tokens is not None and max_tokens < 2:
+        # said here: the window it would shrink to is what `perplexity` would refuse, by another name
+        raise ValueError(f"max_tokens must be >= 2 (a window of 2 tokens predicts one), got {max_tokens}")
     # The split is far longer than the model's context on purpose (it is cut into windows), so
     # HF's "sequence length is longer than the specified maximum" warning would only mislead.
     verbosity = hf_logging.get_verbosity()

@@ -183,6 +183,8 @@ def loglikelihood(model, tokenizer, requests, batch_size=16, progress=True, desc
     Inputs longer than the model's context lose tokens on the left, as in lm-eval. Requests whose
     model inputs are identical (e.g. BoolQ's one-token " no" / " yes") share one forward pass.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (inputs per forward pass), got {batch_size}")
     max_len = context_length(model)
     inputs: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}  # input ids -> (request index, targets)
     for i, (context, continuation) in enumerate(requests):
@@ -251,6 +253,8 @@ def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16,
         raise ValueError(f"Unknown task(s) {unknown}; choose from {list(ALL_TASKS)}.")
     if not tasks:
         raise ValueError(f"No tasks given; choose from {list(ALL_TASKS)}.")
+    if limit is not None and limit < 1:  # no document would score NaN, which is not even JSON
+        raise ValueError(f"limit must be >= 1 document per task (None: all of them), got {limit}")
     results = {}
     for name in tasks:
         task = TASKS[name]

@@ -314,6 +314,16 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     _check_init(recipe, init)  # before any calibration text is tokenized
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and seq_len > context:
+        # clamped as `nibble eval` clamps perplexity's seq_len: windows past the context train positions the model
+        # never learned, at a quadratic cost (SmolLM2 at --seq-len 100000: one step ran over 170 s on a CPU)
+        if windows is not None:
+            raise ValueError(f"windows of seq_len={seq_len} exceed the model's context ({context} = "
+                             "config.max_position_embeddings): cut them to at most that")
+        warnings.warn(f"seq_len={seq_len} exceeds the model's context ({context} = config.max_position_embeddings); "
+                      f"using {context}.", stacklevel=2)
+        seq_len = context
     device = resolve_device(device)
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
@@ -403,7 +413,8 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
     parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help="tokens per training window (beyond the model's context: clamped to it, with a warning)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
@@ -421,6 +432,10 @@ def qat_main(args) -> None:
     from nibble.models.loading import load_model
 
     device = resolve_device(args.device)
+    # said before the model loads (run_qat checks steps too, but only once it has the model)
+    for name, least in (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                     resume=args.resume, device=device, objective=args.objective, rank=args.rank,

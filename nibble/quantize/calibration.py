@@ -65,10 +65,11 @@ def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = 512, sou
     return ids[: windows * seq_len].reshape(windows, seq_len)[pick].contiguous()
 
 
-def calibration_for(config, tokenizer) -> torch.Tensor | None:
+def calibration_for(config, tokenizer, **sizes) -> torch.Tensor | None:
     """The calibration `quantize_model` needs for ``config``: None for RTN (or no config), else
-    `calibration_batches` of ``tokenizer`` with its defaults (128 x 512 tokens of the C4 excerpt)."""
-    return None if config is None or config.method == "rtn" else calibration_batches(tokenizer)
+    `calibration_batches` of ``tokenizer``, by default 128 x 512 tokens of the C4 excerpt (``sizes``:
+    its ``n_samples`` / ``seq_len`` instead)."""
+    return None if config is None or config.method == "rtn" else calibration_batches(tokenizer, **sizes)
 
 
 def token_batches(calib, batch_size: int) -> list[torch.Tensor]:

@@ -1,6 +1,8 @@
 """The engine's generation beyond greedy tokens of one prompt length: sampled decoding (the filters
 against transformers' warpers, the draws against the distribution they leave, seeds, the CUDA graph
 path; GPU tests skip without CUDA), streamed chunks, and batches of prompts of different lengths."""
+import warnings
+
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -217,3 +219,54 @@ def test_cuda_graph_engine_runs_prompts_of_different_lengths(mode):
         ragged = engine.generate(prompts, 40)
         assert ("prefill", 3, 8) in engine._graphs
         assert (ragged == tokens).float().mean() > 0.95, (ragged, tokens)
+
+
+def test_stop_tokens_may_be_one_id_as_transformers_takes_eos_token_id():
+    model = tiny_model(initializer_range=0.2)
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    engine = Engine(model, max_seq_len=40)
+    full = engine.generate(prompt, 20)
+    eos = full[0, 2].item()
+    cut = engine.generate(prompt, 20, stop_tokens=[eos])
+    assert cut.shape[1] < 20 and torch.equal(cut, full[:, :cut.shape[1]])
+    for one in (eos, torch.tensor(eos), torch.tensor([eos]), {eos}):
+        assert torch.equal(engine.generate(prompt, 20, stop_tokens=one), cut)
+    assert torch.equal(engine.generate(prompt, 20, stop_tokens=[]), full)  # none: no stop
+    for bad in ([None], [eos, "x"], [1.5]):
+        with pytest.raises(ValueError, match="stop_tokens must be token ids"):
+            engine.generate(prompt, 20, stop_tokens=bad)
+
+
+@pytest.mark.parametrize("ids", [[[3, 256]], [[-1, 2]]])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_its_size(ids):
+    engine = Engine(tiny_model(), max_batch=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\) \(the model's vocabulary: 256 tokens\)"):
+        engine.generate(torch.tensor(ids), 2)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.generate([[1, 2, 3], ids[0]], 2)  # a ragged batch alike
+    assert engine.generate(torch.tensor([[0, 255]]), 2).shape == (1, 2)
+
+
+def test_engine_sizes_are_checked_when_it_is_built():
+    model = tiny_model()  # max_position_embeddings 256
+    for kwargs, message in ((dict(max_seq_len=0), "max_seq_len must be an integer >= 1"),
+                            (dict(max_seq_len=-4), "max_seq_len must be"), (dict(max_batch=0), "max_batch must be"),
+                            (dict(max_batch=1.5), "max_batch must be")):
+        with pytest.raises(ValueError, match=message):
+            Engine(model, **kwargs)
+    with pytest.warns(UserWarning, match=r"max_seq_len=300 exceeds the model's context \(256"):
+        assert Engine(model, max_seq_len=300).max_seq_len == 300
+    assert Engine(model).max_seq_len == 256
+
+
+def test_top_k_or_top_p_without_a_temperature_warn_that_decoding_is_greedy():
+    engine = Engine(tiny_model(initializer_range=0.2), max_seq_len=16)
+    prompt = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(0))
+    greedy = engine.generate(prompt, 4)
+    for kwargs in (dict(top_k=5), dict(top_p=0.5)):
+        with pytest.warns(UserWarning, match="with temperature 0 decoding is greedy"):
+            assert torch.equal(engine.generate(prompt, 4, **kwargs), greedy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.generate(prompt, 4, temperature=1.0, top_k=5)
+        engine.generate(prompt, 4)

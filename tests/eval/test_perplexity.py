@@ -103,3 +103,35 @@ def test_nibble_data_env_is_searched_first(monkeypatch, tmp_path):
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
     assert data.data_dir() == tmp_path
     assert wikitext2_text() == "\n\n".join(["", " = A = \n", "", " b c \n"])
+
+
+def test_an_empty_batch_or_a_stream_too_short_to_predict_a_token_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("nibble.eval.perplexity.wikitext2_text", lambda: "no file read")
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        perplexity(tiny_model(), list(range(40)), seq_len=16, batch_size=0, progress=False)
+    for n in (0, 1):  # it was "seq_len must be at least 2 ..., got 0": the window max_tokens shrank it to
+        with pytest.raises(ValueError, match=rf"max_tokens must be >= 2 \(a window of 2 tokens predicts one\), got {n}"):
+            wikitext2_perplexity(tiny_model(), ByteTokenizer(), max_tokens=n, progress=False)
+
+
+def test_a_file_nibble_data_lacks_is_read_from_the_next_folder_with_a_warning(monkeypatch, tmp_path):
+    """NIBBLE_DATA names the data folder; when it lacks a file, the file found further down the search (as
+    data_file documents) is read, but no longer silently."""
+    env, fallback = tmp_path / "env", tmp_path / "shared" / "data"
+    (fallback / "wikitext2").mkdir(parents=True)
+    (fallback / "wikitext2" / "wiki.test.raw").write_text(" b c \n", encoding="utf-8")
+    env.mkdir()
+    monkeypatch.setenv("NIBBLE_DATA", str(env))
+    monkeypatch.setattr(data, "_REPO", tmp_path / "repo")
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=f"NIBBLE_DATA={env} has no wikitext2/wiki.test.raw; reading {fallback}"):
+        assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path / "nowhere"))
+    with pytest.warns(UserWarning, match=f"NIBBLE_DATA={tmp_path / 'nowhere'} is not a folder; reading {fallback}"):
+        assert data.data_dir() == fallback
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nowhere'}  \\(NIBBLE_DATA\\)  \\(no such folder\\)"):
+        data.data_file("piqa/valid.jsonl")
+    monkeypatch.setenv("NIBBLE_DATA", str(fallback))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # found where NIBBLE_DATA points: nothing to say
+        data.data_file("wikitext2/wiki.test.raw")

@@ -72,7 +72,11 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
     assert data["configs"]["w4a16"]["quant_config"]["group_size"] == 64  # the tiny model's 64-wide linears
     # the quantized linears shrink; accuracy of a random model is whatever it is, but it is there
     s = data["summary"]["model"]
-    assert s["w4a16"]["linear_bytes_ratio"] < 0.2 and s["bf16"]["linear_bytes_ratio"] == 1.0
+    # against their bytes in 16 bits, though this float32 run holds 4 bytes a weight: 4 bits + a 16-bit scale and
+    # zero per 64 weights = 0.28125x
+    assert data["configs"]["bf16"]["dtype"] == "float32"
+    assert s["w4a16"]["linear_bytes_ratio"] == pytest.approx(0.28125) and s["bf16"]["linear_bytes_ratio"] == 1.0
+    assert s["bf16"]["weight_bytes_ratio"] == 1.0 and 0.28125 < s["w4a16"]["weight_bytes_ratio"] < 1
     if not torch.cuda.is_available():
         assert "skipped" in data["configs"]["bf16"]["peak"] and "CUDA" in data["configs"]["bf16"]["speed"]["skipped"]
         assert data["speed_models"]["llama-2-7b"] == {"skipped": report.NO_GPU}
@@ -110,7 +114,7 @@ def test_reports_of_separate_runs_merge_into_one(tmp_path):
     assert [m["configs"] for m in merged["meta"]["merged_from"]] == [["bf16"], ["w4a16"]]
     assert [m["source_sha256"] for m in merged["meta"]["merged_from"]] == [r["meta"]["source_sha256"] for r in runs]
     ratio = merged["summary"]["model"]["w4a16"]["linear_bytes_ratio"]
-    assert 0 < ratio < 0.2 and merged["summary"]["model"]["bf16"]["linear_bytes_ratio"] == 1.0
+    assert ratio == pytest.approx(0.28125) and merged["summary"]["model"]["bf16"]["linear_bytes_ratio"] == 1.0
     assert "w4a16" not in runs[1]["summary"].get("model", {})  # alone, w4a16 had no bf16 to compare with
     report.write_markdown(merged, tmp_path / "merged.md")
     assert "| metric | bf16 | w4a16 |" in (tmp_path / "merged.md").read_text()
@@ -155,6 +159,41 @@ def test_a_failing_config_is_reported_not_fatal(tmp_path):
     assert "perplexity" in results["configs"]["bf16"]
     assert results["configs"]["w4a16"]["error"] == "RuntimeError: boom"
     assert "**w4a16 failed**" in (tmp_path / "report.md").read_text()
+
+
+def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monkeypatch, capsys):
+    """What succeeded is written, and the exit status is 1 with the failed config named at the end (it was 0
+    unless every config failed)."""
+    from nibble.cli import main
+
+    def loader():
+        model, tok = tiny_loader()
+        loader.calls += 1
+        if loader.calls == 2:
+            raise RuntimeError("boom")
+        return model, tok
+    loader.calls = 0
+    monkeypatch.setattr(report, "_default_loader", lambda *a: loader)
+    argv = ["report", "--out", str(tmp_path), "--configs", "bf16", "w4a16", "--limit", "1", "--tasks", "boolq",
+            "--ppl-max-tokens", "300", "--speed-models", "--device", "cpu"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip().endswith("1 config failed (the others are in "
+                                                    f"{tmp_path / 'report.md'}): w4a16: RuntimeError: boom")
+    assert "perplexity" in json.loads((tmp_path / "report.json").read_text())["configs"]["bf16"]
+    loader.calls = -5  # no failure
+    assert main(argv) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be >= 1"),
+                                             (dict(batch_size=0), "batch_size must be >= 1"),
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2")])
+def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
+    def no_loader():
+        raise AssertionError("the model must not be loaded")
+
+    with pytest.raises(ValueError, match=message):
+        report.run_report(None, tmp_path, configs=("bf16",), speed=False, loader=no_loader, log=lambda *_: None,
+                          **kwargs)
 
 
 def fake_speed_rows(config: str, prefill_ms: dict, decode_tps: dict) -> list[dict]:

@@ -230,3 +230,13 @@ def test_limit_keeps_the_first_documents_of_every_task():
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown task.*'piqa'"):
         evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "mmlu"])
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(limit=0), "limit must be >= 1 document per task"),
+                                             (dict(limit=-2), "limit must be >= 1"),
+                                             (dict(batch_size=0), "batch_size must be >= 1")])
+def test_no_documents_or_an_empty_batch_is_a_clear_error(kwargs, message):
+    """limit=0 scored no document: acc NaN, which json.dumps writes as NaN (not JSON); batch_size=0 raised
+    range()'s "arg 3 must not be zero"."""
+    with pytest.raises(ValueError, match=message):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), ["boolq"], progress=False, **kwargs)

@@ -204,3 +204,23 @@ def test_gptq_start_refuses_what_it_cannot_do():
         FakeQuantLinear.from_linear(lin, start=(w, scales.t()), clip="fixed")
     with pytest.raises(ValueError, match="clip ratio"):
         FakeQuantLinear.from_linear(lin, start=(w, scales), clip="none")
+
+
+def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):
+    """It was taken as asked: SmolLM2 at --seq-len 100000 ran one step for minutes, on positions it never saw."""
+
+    class ByteTokenizer:
+        def encode(self, text, add_special_tokens=True):
+            return list(text.encode("utf-8"))
+
+    text = tmp_path / "calib.txt"
+    text.write_text("the capital of france is paris. " * 8)  # 256 bytes: 8 windows of 32
+    torch.manual_seed(0)
+    model = tiny_model(max_position_embeddings=32)
+    with pytest.warns(UserWarning, match=r"seq_len=1000 exceeds the model's context \(32 = config.max_position"):
+        qat = run_qat(model, ByteTokenizer(), "per-token", 1, seq_len=1000, batch_size=1, device="cpu",
+                      sources=(str(text),), progress=False, gradient_checkpointing=False)
+    assert qat.qat_meta["seq_len"] == 32 and qat.qat_meta["tokens_this_run"] == 32
+    with pytest.raises(ValueError, match="windows of seq_len=40 exceed the model's context"):
+        run_qat(tiny_model(max_position_embeddings=32), None, "per-token", 1, seq_len=40, device="cpu",
+                windows=torch.zeros(2, 40, dtype=torch.long), progress=False)
