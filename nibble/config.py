@@ -10,7 +10,20 @@ from nibble.formats.int4 import FORMAT_VERSION
 MODES = ("w4a16", "w4a4")
 METHODS = ("rtn", "gptq", "awq")
 ROTATIONS = ("none", "hadamard")
+ZERO_POINTS = ("int", "float")
 QUANT_METHOD = "nibble"
+
+
+def check_group_size(group_size) -> None:
+    """Refuse a group size no GPU path runs: every W4A16 kernel reads a group's codes in whole int32 words of 8
+    (`nibble.kernels.w4a16`); the CUDA kernels take 32, 64, 128 and larger powers of two (the Hopper GEMM
+    multiples of 128 too), Triton and dequantize + cuBLAS any other multiple of 8."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size must be an int (e.g. 128) or -1 (per output channel), got {group_size!r}")
+    if group_size != -1 and (group_size <= 0 or group_size % 8):
+        raise ValueError(f"group_size must be -1 (one group per output channel) or a positive multiple of 8 that "
+                         f"divides in_features: 32, 64 or 128 (nibble's CUDA kernels; 256, 512, ... too), or "
+                         f"another multiple of 8 such as 16 or 48 (its Triton kernels); got {group_size}")
 
 
 @dataclass
@@ -44,6 +57,19 @@ class QuantConfig:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.zero_point not in ZERO_POINTS:
+            raise ValueError(f"zero_point must be one of {ZERO_POINTS}, got {self.zero_point!r}")
+        for name in ("symmetric", "clip_search"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (the mode's default), got {value!r}")
+        if isinstance(self.modules_to_not_convert, str):  # one name, not its characters
+            self.modules_to_not_convert = [self.modules_to_not_convert]
+        if not (isinstance(self.modules_to_not_convert, (list, tuple))
+                and all(isinstance(n, str) for n in self.modules_to_not_convert)):
+            raise ValueError(f"modules_to_not_convert must be a list of module names (or name suffixes), e.g. "
+                            f"['lm_head'], got {self.modules_to_not_convert!r}")
+        self.modules_to_not_convert = list(self.modules_to_not_convert)
         if self.group_size is None:
             self.group_size = 128 if self.mode == "w4a16" else -1
         if self.symmetric is None:
@@ -52,8 +78,7 @@ class QuantConfig:
             # A per-channel range is set by the largest of K weights, so clipping it pays (W4A4); for
             # W4A16 groups of 64-128 the weight-MSE search measured worse perplexity on SmolLM2.
             self.clip_search = self.mode == "w4a4"
-        if self.group_size == 0 or self.group_size < -1:
-            raise ValueError(f"group_size must be positive or -1 (per channel), got {self.group_size}")
+        check_group_size(self.group_size)
         if self.mode == "w4a4":
             if not self.symmetric or self.group_size != -1:
                 raise ValueError("w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1): "

@@ -55,9 +55,27 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
+def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int) -> None:
+    """The shapes the kernels' own checks (`w4a16._check`) ask for, checked before the reference runs, which
+    would otherwise broadcast or multiply mismatched tensors into a bare shape error. Shape arithmetic only
+    (every layer call on the CPU passes here); dtypes are the reference's to take as they come."""
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got shape {tuple(qweight.shape)}")
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    if x.shape[-1] != K:
+        raise ValueError(f"x has K={x.shape[-1]} in its last dimension but qweight {tuple(qweight.shape)} packs K={K}")
+    if group_size <= 0 or K % group_size or group_size % 8:
+        raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (K // group_size, N):
+            raise ValueError(f"{name} must have shape {(K // group_size, N)} for K={K}, N={N}, group {group_size}; "
+                             f"got {tuple(t.shape)}")
+
+
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
     """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
     if not _use_kernel(x, backend):
+        _check_w4a16_shapes(x, qweight, scales, zeros, group_size)
         return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
     y = eager_or_op(w4a16.linear, torch.ops.nibble.w4a16_linear)(_kernel_input(x), qweight, scales, zeros, group_size)
     return _finish(y, bias, x)
@@ -68,6 +86,8 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     bias), ...]: on CUDA, one kernel launch where the skinny kernel (decode sizes) or the Hopper GEMM
     (prefill sizes) runs. Returns the outputs in order."""
     if not _use_kernel(x, backend):
+        for qw, s, z, _ in layers:
+            _check_w4a16_shapes(x, qw, s, z, group_size)
         return [reference.w4a16_matmul(x, qw, s, z, group_size, b) for qw, s, z, b in layers]
     linears = eager_or_op(w4a16.linears, torch.ops.nibble.w4a16_linears)
     ys = linears(_kernel_input(x), *([layer[i] for layer in layers] for i in range(3)), group_size)

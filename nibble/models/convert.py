@@ -92,6 +92,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     """
     config = config or QuantConfig()
     check_architecture(model)
+    check_not_quantized(model)
     if device is not None:
         device = resolve_device(device)
         move_all_but_layers(model, device)
@@ -127,6 +128,19 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     return model
 
 
+def check_not_quantized(model: nn.Module) -> None:
+    """Refuse a model that is quantized already: quantizing it again would leave its config saying one
+    quantization and its layers holding another (or both), which nothing can load back."""
+    done = quantized_linears(model)
+    qc = getattr(model.config, "quantization_config", None)
+    if done or qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        what = (f"{len(done)} of its linears are QuantLinear ({done[0][0]}, ...)" if done else
+                f"its config has a quantization_config (quant_method {method!r})")
+        raise ValueError(f"the model is quantized already: {what}; quantize_model takes a 16-bit model: load the "
+                         "16-bit model again (nibble.models.loading.load_model) and quantize that")
+
+
 def layer_turns(model: nn.Module, config: QuantConfig, names: list[str], device: torch.device | None, rotate_layer):
     """The context manager ``turn(i, layer)`` that ``quantize_model`` walks the decoder layers with, and hands
     the calibrated quantizers as their ``onload``: decoder layer i moved to ``device`` (None: where it is) and
@@ -158,7 +172,10 @@ def _convert(model: nn.Module, name: str, config: QuantConfig, weight, device: t
         q = QuantLinear.from_weight(weight, module.bias, config.mode, getattr(module, "input_hadamard", False),
                                     dtype=module.weight.dtype)
     else:
-        q = QuantLinear.from_linear(module if device is None else module.to(device), config)
+        try:
+            q = QuantLinear.from_linear(module if device is None else module.to(device), config)
+        except ValueError as e:  # the layer it is about, which RTN cannot know
+            raise ValueError(f"{name}: {e}") from e
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, q)
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nibble import kernels
-from nibble.config import QuantConfig
+from nibble.config import QuantConfig, check_group_size
 from nibble.formats.int4 import PACK, Int4Weight
 from nibble.quantize.rtn import rtn_quantize
 
@@ -27,6 +27,7 @@ class QuantLinear(nn.Module):
                  mode: str = "w4a16", input_hadamard: bool = False, dtype: torch.dtype = torch.float16,
                  device=None):
         super().__init__()
+        check_group_size(group_size)
         group_size = in_features if group_size == -1 else group_size
         if in_features % PACK or in_features % group_size:
             raise ValueError(f"in_features={in_features} must be divisible by 8 and by group_size={group_size}")

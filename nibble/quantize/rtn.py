@@ -17,6 +17,8 @@ import torch
 from nibble.formats.int4 import Int4Weight
 
 MAX_CODE = 15
+MIN_SCALE = 2.0 ** -24  # float16's smallest subnormal
+FP16_MAX = torch.finfo(torch.float16).max
 
 
 def _check_weight(weight: torch.Tensor, group_size: int) -> None:
@@ -32,16 +34,35 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
         raise ValueError("weight contains NaN or Inf; fix the checkpoint before quantizing")
 
 
+def _stored_scale(s: torch.Tensor) -> torch.Tensor:
+    """s rounded to float16, then kept >= its smallest subnormal: a constant group (all zeros, say) has a
+    range of 0, and a scale that is 0 once stored makes its codes 0 / 0. The clamp comes after the rounding,
+    since any float32 floor below float16's subnormals rounds to 0 again."""
+    return s.half().float().clamp(min=MIN_SCALE)
+
+
 def _scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_point: str):
-    """Per-group (s, z) for the range [lo, hi], both rounded to float16 as they will be stored."""
+    """Per-group (s, z) for the range [lo, hi], both rounded to float16 as they will be stored; s > 0, and s or
+    z not finite where the range is too wide for float16 (which `_check_stored` refuses)."""
     if symmetric:
-        s = (torch.maximum(hi, -lo) / 7).clamp(min=1e-8).half().float()
+        s = _stored_scale(torch.maximum(hi, -lo) / 7)
         return s, (-8 * s).half().float()
-    s = ((hi - lo) / MAX_CODE).clamp(min=1e-8).half().float()
+    s = _stored_scale((hi - lo) / MAX_CODE)
     if zero_point == "float":
         return s, lo.half().float()
     zp = torch.clamp(torch.round(-lo / s), 0, MAX_CODE)
     return s, (-zp * s).half().float()
+
+
+def _check_stored(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
+    """Refuse groups of ``w`` [R, G] whose full-range (s, z) [R, 1] overflow float16 (one host sync per call:
+    the clipping search's narrower ranges need no check of their own, an overflowing one never wins)."""
+    bad = ~(torch.isfinite(s) & torch.isfinite(z)).squeeze(1)
+    if bad.any():
+        amax = w[bad].abs().max().item()
+        raise ValueError(f"weights up to |w| = {amax:.4g} need a scale or zero point beyond float16's range "
+                         f"(+-{FP16_MAX:g}), in which nibble stores them: keep this layer in 16 bits "
+                         "(QuantConfig.modules_to_not_convert) or scale the weight down before quantizing")
 
 
 def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -66,6 +87,7 @@ def weighted_clip_search(w: torch.Tensor, error, symmetric: bool = False, zero_p
     w = w.float()
     lo, hi = group_range(w, symmetric, zero_point)
     s, z = _scale_and_zero(lo, hi, symmetric, zero_point)
+    _check_stored(w, s, z)
     best = error(w - (_codes(w, s, z) * s + z))
     for ratio in torch.linspace(1.0, min_shrink, grid + 1)[1:].tolist():
         s_r, z_r = _scale_and_zero(lo * ratio, hi * ratio, symmetric, zero_point)
@@ -92,6 +114,7 @@ def quantize_groups(w: torch.Tensor, symmetric: bool = False, zero_point: str = 
     if clip_search:
         return weighted_clip_search(w, _squared_error, symmetric, zero_point, grid, min_shrink)
     s, z = _scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point)
+    _check_stored(w, s, z)
     return _codes(w, s, z), s, z
 
 

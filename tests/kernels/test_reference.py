@@ -77,3 +77,27 @@ def test_w4a4_matmul_scales_after_the_integer_sum():
     # and it approximates the float product (4-bit noise, no bias)
     dense = x @ reference.dequantize(w.qweight, w.scales, w.zeros, K).t()
     assert torch.nn.functional.cosine_similarity(y.flatten(), dense.flatten(), dim=0) > 0.97
+
+
+def test_the_w4a16_ops_on_the_cpu_check_shapes_before_the_reference_runs():
+    """Scales of another group size once reached the reference's broadcast: a bare "size of tensor a (256) must
+    match ..." instead of the shapes the layer needs."""
+    from nibble import kernels
+
+    w = rtn_quantize(torch.randn(64, 256), 64)
+    x = torch.randn(3, 256)
+    qw, s, z = w.qweight, w.scales, w.zeros
+    cases = [
+        ((x, qw, s, z, 128), r"scales must have shape \(2, 64\) for K=256, N=64, group 128; got \(4, 64\)"),
+        ((x, qw, s.t(), z.t(), 64), r"scales must have shape \(4, 64\) .*got \(64, 4\)"),
+        ((x, qw, s, z[:3], 64), r"zeros must have shape \(4, 64\) .*got \(3, 64\)"),
+        ((x, qw, s, z, 0), "group_size=0 must be a positive multiple of 8 dividing K=256"),
+        ((x, qw, s, z, -64), "group_size=-64 must be a positive multiple of 8"),
+        ((torch.randn(3, 128), qw, s, z, 64), r"x has K=128 in its last dimension but qweight \(32, 64\) packs K=256"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            kernels.w4a16_linear(*args)
+        with pytest.raises(ValueError, match=match):
+            kernels.w4a16_linears(args[0], [(*args[1:4], None), (qw, s, z, None)], args[4])
+    torch.testing.assert_close(kernels.w4a16_linear(x, qw, s, z, 64), reference.w4a16_matmul(x, qw, s, z, 64))

@@ -1,9 +1,12 @@
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 from conftest import tiny_model
 from nibble import QuantConfig, QuantLinear, quantize_model
+from nibble.kernels.reference import dequantize
 from nibble.models.convert import default_group_size, weight_bytes
 
 
@@ -288,3 +291,61 @@ def test_gpu_quantizing_from_host_memory_never_holds_the_16_bit_layers(kwargs, c
     added = bytes_24 - bytes_12
     assert host_24 - host_12 < added / 2, (host_12, host_24, added)
     assert whole_24 - whole_12 >= added, (whole_12, whole_24, added)  # the way that holds them all tells apart
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(zero_point="float"), dict(symmetric=True), dict(clip_search=True),
+                                    dict(mode="w4a4")])
+def test_a_group_of_zero_weights_leaves_the_output_finite(kwargs):
+    """One all-zero group (pruned or padded weights) once gave a NaN zero point under the default W4A16 RTN,
+    and the NaN every logit."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 12))
+    down = model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        down.weight[3, :32] = 0
+        down.weight[7] = 0  # a whole row: W4A4's per-channel group
+    config = QuantConfig(**kwargs) if "mode" in kwargs else QuantConfig(group_size=32, **kwargs)
+    quantize_model(model, config, progress=False)
+    q = model.model.layers[0].mlp.down_proj
+    assert torch.isfinite(q.scales).all() and torch.isfinite(q.zeros).all()
+    dense = dequantize(q.qweight, q.scales, q.zeros, q.group_size)
+    assert torch.equal(dense[7], torch.zeros(dense.shape[1]))
+    if q.group_size == 32:
+        assert torch.equal(dense[3, :32], torch.zeros(32))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_a_weight_float16_scales_cannot_hold_is_refused_by_layer_name():
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[5, 9] = 1e6
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.self_attn\.o_proj: weights up to \|w\| = 1e\+06 .*"
+                                         "float16's range"):
+        quantize_model(model, QuantConfig(group_size=32), progress=False)
+
+
+def test_quantizing_a_quantized_model_again_is_refused():
+    """A second quantize_model once left a config saying one mode over layers of another, which no load read back."""
+    model = tiny_model()
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    for config in (QuantConfig(mode="w4a4"), QuantConfig(group_size=32)):
+        with pytest.raises(ValueError, match="quantized already: 14 of its linears are QuantLinear.*load the 16-bit "
+                                             "model again"):
+            quantize_model(model, config, progress=False)
+    assert model.config.quantization_config["mode"] == "w4a16"
+    assert {m.mode for m in model.modules() if isinstance(m, QuantLinear)} == {"w4a16"}
+    fresh = tiny_model()
+    fresh.config.quantization_config = {"quant_method": "gptq", "bits": 4}  # as transformers loads a GPTQ model
+    with pytest.raises(ValueError, match="quantization_config \\(quant_method 'gptq'\\).*load the 16-bit model again"):
+        quantize_model(fresh, QuantConfig(group_size=32), progress=False)
+
+
+def test_modules_to_not_convert_given_as_one_name_keeps_that_module():
+    """A string was once read as its characters, none of which matched lm_head, which then got quantized."""
+    model = tiny_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the characters also warned of entries matching nothing
+        quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert="lm_head"), progress=False)
+    assert type(model.lm_head) is nn.Linear
+    assert model.config.quantization_config["modules_to_not_convert"] == ["lm_head"]

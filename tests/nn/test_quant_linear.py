@@ -154,3 +154,50 @@ def test_config_validation():
     with pytest.raises(ValueError, match="mode"):
         QuantConfig(mode="w8a8")
     assert QuantConfig.from_dict(QuantConfig(mode="w4a4").to_dict()) == QuantConfig(mode="w4a4")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(zero_point="bogus"), r"zero_point must be one of \('int', 'float'\), got 'bogus'"),
+    (dict(group_size="64"), "group_size must be an int.*got '64'"),
+    (dict(group_size=64.0), "group_size must be an int"),
+    (dict(group_size=True), "group_size must be an int"),
+    (dict(group_size=0), "positive multiple of 8.*got 0"),
+    (dict(group_size=-2), "-1 \\(one group per output channel\\) or a positive multiple of 8.*got -2"),
+    (dict(group_size=4), "32, 64 or 128.*got 4"),
+    (dict(group_size=12), "multiple of 8.*got 12"),
+    (dict(symmetric="yes"), "symmetric must be True, False or None"),
+    (dict(symmetric=1), "symmetric must be True, False or None"),
+    (dict(clip_search="no"), "clip_search must be True, False or None"),
+    (dict(modules_to_not_convert=["lm_head", 3]), "modules_to_not_convert must be a list of module names"),
+    (dict(modules_to_not_convert=None), "modules_to_not_convert must be a list of module names"),
+])
+def test_config_refuses_bad_fields_when_made(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantConfig(**kwargs)
+
+
+def test_config_takes_one_module_name_as_a_list_of_one():
+    assert QuantConfig(modules_to_not_convert="lm_head").modules_to_not_convert == ["lm_head"]
+    assert QuantConfig(modules_to_not_convert=("lm_head", "mlp.down_proj")).modules_to_not_convert == \
+        ["lm_head", "mlp.down_proj"]
+    config = QuantConfig(modules_to_not_convert="mlp.down_proj", group_size=48)
+    assert QuantConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("group_size", [0, -5, 4, 2, "64"])
+def test_quantlinear_refuses_group_sizes_no_kernel_runs(group_size):
+    """group_size=0 once raised ZeroDivisionError and -5 said "divisible by -5"; 1-7 ran on the CPU only."""
+    with pytest.raises(ValueError, match="group_size must be"):
+        QuantLinear(256, 64, group_size=group_size)
+
+
+@pytest.mark.parametrize("group_size", [16, 48])
+def test_groups_of_other_multiples_of_8_run(group_size):
+    """Multiples of 8 other than 32 / 64 / 128 have GPU kernels too (Triton, dequantize + cuBLAS), so they stay."""
+    lin = nn.Linear(192, 24)
+    q = QuantLinear.from_linear(lin, QuantConfig(group_size=group_size))
+    x = torch.randn(3, 192)
+    w = reference.dequantize(q.qweight, q.scales, q.zeros, group_size)
+    torch.testing.assert_close(q(x), x @ w.t() + lin.bias.detach(), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        assert nn.functional.cosine_similarity(q(x).flatten(), lin(x).flatten(), dim=0) > 0.99

@@ -75,3 +75,64 @@ def test_smollm2_q4_1_linears_are_reproduced_exactly_by_g32_float_min_rtn():
         w = b.codes.float() * b.d.float().repeat_interleave(32, 1) + b.m.float().repeat_interleave(32, 1)
         q = rtn_quantize(w, 32, zero_point="float", clip_search=False)
         assert torch.equal(_dq(q), w)
+
+
+# Every way RTN places its levels, as QuantConfig reaches them: W4A16 (int / float zero points, symmetric, with
+# or without the clipping search, grouped or per channel) and W4A4's symmetric per-channel search.
+PLACEMENTS = [dict(symmetric=s, zero_point=zp, clip_search=c)
+              for s, zp in ((False, "int"), (False, "float"), (True, "int")) for c in (False, True)]
+
+
+def _placement(kw):
+    return f"sym{int(kw['symmetric'])}-{kw['zero_point']}-clip{int(kw['clip_search'])}"
+
+
+@pytest.mark.parametrize("group_size", [64, -1])
+@pytest.mark.parametrize("kw", PLACEMENTS, ids=_placement)
+def test_constant_groups_get_finite_scales_and_keep_their_value(group_size, kw):
+    """An all-zero group (pruned or padded rows) once stored a scale of 0 (a float32 floor that float16 rounds
+    to 0) and an integer zero point of 0 / 0 = NaN, which reached the model's output."""
+    w = torch.randn(6, 128) * 0.02
+    g = 128 if group_size == -1 else group_size
+    c = float(torch.randn(()).sign() * 10 ** (torch.rand(()) * 4 - 2))  # |c| in [0.01, 100]
+    w[1, :g] = 0
+    w[3, g:2 * g] = c if group_size != -1 else 0
+    w[4, :g] = c
+    q = rtn_quantize(w, group_size, **kw)
+    assert torch.isfinite(q.scales).all() and torch.isfinite(q.zeros).all() and (q.scales > 0).all()
+    d = _dq(q)
+    assert torch.equal(d[1, :g], torch.zeros(g))
+    assert ((d[4, :g] - c).abs() <= 2 ** -10 * abs(c)).all()  # float16's own rounding of c, about
+    assert torch.isfinite(d).all()
+
+
+@pytest.mark.parametrize("big", [1e6, -1e5])
+@pytest.mark.parametrize("kw", PLACEMENTS[::2], ids=_placement)
+def test_weights_float16_scales_cannot_hold_are_refused(big, kw):
+    w = torch.randn(4, 128) * 0.02
+    w[2, 70] = big
+    with pytest.raises(ValueError, match=r"\|w\| = 1e\+0[56] need a scale or zero point beyond float16's range.*"
+                                         "modules_to_not_convert"):
+        rtn_quantize(w, 64, **kw)
+
+
+def test_gptq_and_awq_scales_of_a_zero_group_are_finite():
+    """GPTQ and AWQ place their levels with RTN's helpers: a zero group (GPTQ zeroes the columns of inputs that
+    calibration never saw) gets a scale above 0 there too."""
+    from nibble.quantize.awq import clip_quantize
+    from nibble.quantize.gptq import gptq_quantize_weight
+
+    w = torch.randn(32, 128) * 0.02
+    w[5, 64:] = 0
+    x = torch.randn(256, 128)
+    x[:, 32:64] = 0  # inputs never active: GPTQ zeroes their weights, a whole group of every row
+    H = 2 * x.t() @ x / x.shape[0]
+    gptq = [gptq_quantize_weight(w, H, 32, clip_search=c, act_order=a, static_groups=a).weight
+            for c in (False, True) for a in (False, True)]
+    # AWQ quantizes w as it is; GPTQ moves each column's error into later columns, never into dead inputs
+    awq = clip_quantize(w, H / 2, 32)
+    for q, zero in [(q, (slice(None), slice(32, 64))) for q in gptq] + [(awq, (5, slice(64, None)))]:
+        assert torch.isfinite(q.scales).all() and torch.isfinite(q.zeros).all() and (q.scales > 0).all()
+        d = _dq(q)
+        assert torch.isfinite(d).all()
+        assert torch.equal(d[zero], torch.zeros_like(d[zero]))
