@@ -110,6 +110,17 @@ def _finish(y, bias, x):
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
+def _check_w4a4_shapes(x, qweight, w_scale) -> None:
+    """As `_check_w4a16_shapes`, for W4A4's per-channel weights: w_scale [1, N] or [N]."""
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got shape {tuple(qweight.shape)}")
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    if x.shape[-1] != K:
+        raise ValueError(f"x has K={x.shape[-1]} in its last dimension but qweight {tuple(qweight.shape)} packs K={K}")
+    if w_scale.numel() != N:
+        raise ValueError(f"w_scale must hold one scale per output channel, N={N}; got shape {tuple(w_scale.shape)}")
+
+
 def w4a4_linear(x, qweight, w_scale, bias=None, input_hadamard: bool = False, backend: str = "auto"):
     """[online Hadamard] -> per-token INT4 activations -> int8 tensor-core GEMM -> scales (+ bias)."""
     return w4a4_linears(x, [(qweight, w_scale, bias)], input_hadamard, backend)[0]
@@ -120,6 +131,8 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     the kernels rotate and quantize x once, then run the products in one launch where a kernel takes
     several weights. Returns the outputs in order."""
     if not _use_kernel(x, backend):
+        for qweight, w_scale, _ in layers:
+            _check_w4a4_shapes(x, qweight, w_scale)
         return [reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard) for qweight, w_scale, bias in layers]
     x2 = _kernel_input(x)
     linears = eager_or_op(w4a4.linears, torch.ops.nibble.w4a4_linears)

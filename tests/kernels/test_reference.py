@@ -101,3 +101,23 @@ def test_the_w4a16_ops_on_the_cpu_check_shapes_before_the_reference_runs():
         with pytest.raises(ValueError, match=match):
             kernels.w4a16_linears(args[0], [(*args[1:4], None), (qw, s, z, None)], args[4])
     torch.testing.assert_close(kernels.w4a16_linear(x, qw, s, z, 64), reference.w4a16_matmul(x, qw, s, z, 64))
+
+
+def test_the_w4a4_ops_on_the_cpu_check_shapes_before_the_reference_runs():
+    """A K or a scale count that does not match reached the reference's matmul as a bare shape error."""
+    from nibble import kernels
+
+    w = rtn_quantize(torch.randn(64, 256), -1, symmetric=True)
+    x = torch.randn(3, 256)
+    qw, s = w.qweight, w.scales[0]
+    cases = [
+        ((torch.randn(3, 128), qw, s), r"x has K=128 in its last dimension but qweight \(32, 64\) packs K=256"),
+        ((x, qw, s[:32]), r"w_scale must hold one scale per output channel, N=64; got shape \(32,\)"),
+        ((x, qw.flatten(), s), r"qweight must be a 2-D int32 tensor"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            kernels.w4a4_linear(*args)
+        with pytest.raises(ValueError, match=match):
+            kernels.w4a4_linears(args[0], [(*args[1:], None), (qw, s, None)])
+    torch.testing.assert_close(kernels.w4a4_linear(x, qw, w.scales), reference.w4a4_linear(x, qw, s))
