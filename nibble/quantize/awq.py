@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from nibble.formats.int4 import Int4Weight
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
                                          in_place, input_groups, skip_from_config)
-from nibble.quantize.rtn import _check_weight, quantize_groups, rtn_quantize, weighted_clip_search
+from nibble.quantize.rtn import ScaleOverflowError, _check_weight, quantize_groups, rtn_quantize, weighted_clip_search
 
 N_GRID = 20
 # AutoAWQ leaves q/k unclipped: their errors go through the softmax, which the linear-output
@@ -57,16 +57,21 @@ def search_scale(weights: list, H: torch.Tensor, x_mean: torch.Tensor, group_siz
     K = H.shape[0]
     G = K if group_size == -1 else group_size
     x_mean = x_mean.float()
-    errors, best = [], (float("inf"), None, None)
+    errors, best, overflow = [], (float("inf"), None, None), None
     for r in range(n_grid):
         alpha = r / n_grid
         s = x_mean.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        err = sum(float(_output_error(w.float() - _fake_quant(w.float() * s, G, symmetric, zero_point) / s, H))
-                  for w in weights)
+        try:
+            err = sum(float(_output_error(w.float() - _fake_quant(w.float() * s, G, symmetric, zero_point) / s, H))
+                      for w in weights)
+        except ScaleOverflowError as e:  # this alpha scales some weights past float16: a candidate the layer cannot store
+            err, overflow = float("inf"), e
         errors.append(err)
         if err < best[0]:
             best = (err, s, alpha)
+    if best[1] is None:
+        raise overflow
     return best[1], best[2], errors
 
 

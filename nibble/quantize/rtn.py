@@ -34,6 +34,10 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
         raise ValueError("weight contains NaN or Inf; fix the checkpoint before quantizing")
 
 
+class ScaleOverflowError(ValueError):
+    """Weights whose group scale or zero point would not fit float16 (`_check_stored`)."""
+
+
 def _stored_scale(s: torch.Tensor) -> torch.Tensor:
     """s rounded to float16, then kept >= its smallest subnormal: a constant group (all zeros, say) has a
     range of 0, and a scale that is 0 once stored makes its codes 0 / 0. The clamp comes after the rounding,
@@ -60,7 +64,7 @@ def _check_stored(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
     bad = ~(torch.isfinite(s) & torch.isfinite(z)).squeeze(1)
     if bad.any():
         amax = w[bad].abs().max().item()
-        raise ValueError(f"weights up to |w| = {amax:.4g} need a scale or zero point beyond float16's range "
+        raise ScaleOverflowError(f"weights up to |w| = {amax:.4g} need a scale or zero point beyond float16's range "
                          f"(+-{FP16_MAX:g}), in which nibble stores them: keep this layer in 16 bits "
                          "(QuantConfig.modules_to_not_convert) or scale the weight down before quantizing")
 

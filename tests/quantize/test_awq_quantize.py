@@ -25,6 +25,23 @@ def output_error(X, W, Wq):
     return ((X @ Wq.t() - X @ W.t()) ** 2).mean().item()
 
 
+def test_scale_search_skips_scalings_that_overflow_float16():
+    """An alpha that scales a weight past float16's range is a candidate the layer cannot store: skipped (its error
+    infinite), not a failure of the whole search; with every alpha overflowing, the overflow is said."""
+    from nibble.quantize.rtn import ScaleOverflowError
+
+    X, W, H = salient_problem()
+    W[:, 0] = 3e4 * torch.sign(torch.randn(W.shape[0]))  # fits float16 unscaled, not scaled 100x
+    x_mean = X.abs().mean(0)
+    x_mean[0] = 1e4 * x_mean.max()
+    s, alpha, errors = search_scale([W], H, x_mean, 64)
+    assert errors[-1] == float("inf") and torch.isfinite(torch.tensor(errors[0]))
+    assert errors[round(alpha * len(errors))] == min(errors) < float("inf")
+    assert torch.isfinite(s).all() and (W * s).abs().max() < 57_000
+    with pytest.raises(ScaleOverflowError, match="beyond float16's range"):
+        search_scale([W * 10], H, x_mean, 64)
+
+
 def test_scale_search_protects_salient_channels():
     X, W, H = salient_problem()
     s, alpha, errors = search_scale([W], H, X.abs().mean(0), 64)
