@@ -72,6 +72,15 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_least(args, minimums) -> None:
+    """Refuse an option below its least value, ``minimums`` [(name, least), ...], before any model loads (an
+    option left unset, None, passes)."""
+    for name, least in minimums:
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ValueError(f"{_option(name)} must be >= {least}, got {value}")
+
+
 def _flags(args, names) -> list[str]:
     """The options among the quantization ones ``names`` that ``args`` sets away from their defaults."""
     return [_option(n) for n in names if getattr(args, n) != QUANT_OPTIONS[n]]
@@ -105,10 +114,7 @@ def check_quant_args(args) -> None:
         one = len(calib) == 1
         raise ValueError(f"{', '.join(calib)} {'sizes' if one else 'size'} the calibration of --method gptq / awq; "
                          f"RTN calibrates nothing: drop {'it' if one else 'them'}, or give --method gptq or awq")
-    for name, least in (("calib_samples", 1), ("calib_seq_len", 2)):
-        value = getattr(args, name)
-        if value is not None and value < least:
-            raise ValueError(f"{_option(name)} must be >= {least}, got {value}")
+    check_least(args, (("calib_samples", 1), ("calib_seq_len", 2)))
     quant_config(args, None)  # a combination QuantConfig refuses
 
 
@@ -382,10 +388,7 @@ def cmd_eval(args):
                          f"{args.what}` takes {', '.join(map(_option, EVAL_OPTIONS[args.what]))} and --batch-size: "
                          f"drop {' and '.join(wrong)}")
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
-    for name, least in (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)):
-        value = getattr(args, name)
-        if value is not None and value < least:
-            raise ValueError(f"{_option(name)} must be >= {least}, got {value}")
+    check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
     model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
         from nibble.eval.perplexity import wikitext2_perplexity

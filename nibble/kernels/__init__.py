@@ -55,21 +55,30 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
-def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int) -> None:
-    """The shapes the kernels' own checks (`w4a16._check`) ask for, checked before the reference runs, which
-    would otherwise broadcast or multiply mismatched tensors into a bare shape error. Shape arithmetic only
-    (every layer call on the CPU passes here); dtypes are the reference's to take as they come."""
+def _packed_k_n(x, qweight) -> tuple[int, int]:
+    """(K, N) of a canonical packed weight [K // 8, N] whose K is x's last dimension, else a ValueError saying
+    which: checked before the CPU reference runs, which would multiply mismatched tensors into a bare shape
+    error. Shape arithmetic only (every layer call on the CPU passes here)."""
     if qweight.dim() != 2:
         raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got shape {tuple(qweight.shape)}")
     K, N = qweight.shape[0] * 8, qweight.shape[1]
     if x.shape[-1] != K:
         raise ValueError(f"x has K={x.shape[-1]} in its last dimension but qweight {tuple(qweight.shape)} packs K={K}")
-    if group_size <= 0 or K % group_size or group_size % 8:
-        raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
-    for name, t in (("scales", scales), ("zeros", zeros)):
-        if tuple(t.shape) != (K // group_size, N):
-            raise ValueError(f"{name} must have shape {(K // group_size, N)} for K={K}, N={N}, group {group_size}; "
-                             f"got {tuple(t.shape)}")
+    return K, N
+
+
+def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int) -> None:
+    """The shapes the GPU op's checks ask for (`w4a16._check_weight`), on the CPU path; dtypes of scales and
+    zeros are the reference's to take as they come."""
+    _packed_k_n(x, qweight)
+    w4a16._check_weight(qweight, scales, zeros, group_size, scale_dtype=None)
+
+
+def _check_w4a4_shapes(x, qweight, w_scale) -> None:
+    """As `_check_w4a16_shapes`, for W4A4's per-channel weights: w_scale [1, N] or [N]."""
+    N = _packed_k_n(x, qweight)[1]
+    if w_scale.numel() != N:
+        raise ValueError(f"w_scale must hold one scale per output channel, N={N}; got shape {tuple(w_scale.shape)}")
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
@@ -108,17 +117,6 @@ def _finish(y, bias, x):
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
-
-
-def _check_w4a4_shapes(x, qweight, w_scale) -> None:
-    """As `_check_w4a16_shapes`, for W4A4's per-channel weights: w_scale [1, N] or [N]."""
-    if qweight.dim() != 2:
-        raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got shape {tuple(qweight.shape)}")
-    K, N = qweight.shape[0] * 8, qweight.shape[1]
-    if x.shape[-1] != K:
-        raise ValueError(f"x has K={x.shape[-1]} in its last dimension but qweight {tuple(qweight.shape)} packs K={K}")
-    if w_scale.numel() != N:
-        raise ValueError(f"w_scale must hold one scale per output channel, N={N}; got shape {tuple(w_scale.shape)}")
 
 
 def w4a4_linear(x, qweight, w_scale, bias=None, input_hadamard: bool = False, backend: str = "auto"):

@@ -1033,14 +1033,14 @@ def _packed_k(qweight) -> int:
     return qweight.shape[0] * PACK
 
 
-def _check_weight(qweight, scales, zeros, group_size):
+def _check_weight(qweight, scales, zeros, group_size, scale_dtype=torch.float16):
     """The weight's own consistency: packed int32 words, the group divides K, scales and zeros hold
-    one row per group."""
+    one row per group, in ``scale_dtype`` (None: any, as the CPU reference takes them)."""
     K, N = _packed_k(qweight), qweight.shape[1]
     if group_size <= 0 or K % group_size or group_size % PACK:
         raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
     for name, t in (("scales", scales), ("zeros", zeros)):
-        if t.dtype != torch.float16:
+        if scale_dtype is not None and t.dtype != scale_dtype:
             raise TypeError(f"{name} must be float16, got {t.dtype}")
         if tuple(t.shape) != (K // group_size, N):
             raise ValueError(f"{name} must have shape {(K // group_size, N)} for K={K}, N={N}, group {group_size}; "

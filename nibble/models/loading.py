@@ -85,13 +85,13 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: could not load a tokenizer from it (cause above); save one there with "
                          "tokenizer.save_pretrained(DIR)") from e
-    _check_safetensors_headers(path)
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
         # instead of transformers' error that tells the user to change an option they never set.
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                            output_loading_info=True, ignore_mismatched_sizes=True)
     except (OSError, SafetensorError) as e:  # no weight file, a shard the index lists is gone, an unreadable file
+        _check_safetensors_headers(path)  # names the file when one is truncated or corrupt
         raise ValueError(f"{path}: could not read the model's weights ({e}); re-download the model or save it there "
                          "with model.save_pretrained(DIR)") from e
     _check_loading_info(path, info)
@@ -99,8 +99,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
 
 
 def _check_safetensors_headers(path: Path) -> None:
-    """Read every safetensors header (no tensor data): a truncated or corrupt file is named here, where
-    transformers' error would not say which file it was."""
+    """Read every safetensors header (no tensor data), once loading has failed: a truncated or corrupt file is
+    named here, where transformers' error would not say which file it was."""
     for file in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(str(file), "pt"):

@@ -429,13 +429,12 @@ def add_qat_arguments(parser) -> None:
 
 
 def qat_main(args) -> None:
+    from nibble.cli import check_least
     from nibble.models.loading import load_model
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
-    for name, least in (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)):
-        if getattr(args, name) < least:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    check_least(args, (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)))
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                     resume=args.resume, device=device, objective=args.objective, rank=args.rank,
