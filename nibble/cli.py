@@ -109,13 +109,28 @@ def check_quant_args(args) -> None:
     if args.quant == "w4a4" and args.float_zero:
         raise ValueError("--float-zero is a w4a16 option (a float minimum per group); w4a4's weights are symmetric, "
                          "with no zero point: drop it")
-    calib = _flags(args, ["calib_samples", "calib_seq_len"])
-    if calib and args.method == "rtn":
-        one = len(calib) == 1
-        raise ValueError(f"{', '.join(calib)} {'sizes' if one else 'size'} the calibration of --method gptq / awq; "
-                         f"RTN calibrates nothing: drop {'it' if one else 'them'}, or give --method gptq or awq")
-    check_least(args, (("calib_samples", 1), ("calib_seq_len", 2)))
+    if args.clip_search and args.method != "rtn" and not args.quantize_lm_head:
+        raise ValueError(f"--clip-search is RTN's clipping search, and --method {args.method} runs its own calibrated "
+                         "one: drop it (it applies only to a head quantized by RTN, with --quantize-lm-head)")
+    check_calibration_sizes(args, args.method != "rtn", "--method gptq / awq", "RTN")
     quant_config(args, None)  # a combination QuantConfig refuses
+
+
+def calibration_sizes(args) -> dict:
+    """`calibration_batches`' ``n_samples`` / ``seq_len`` that --calib-samples / --calib-seq-len give."""
+    return {k: getattr(args, n) for k, n in (("n_samples", "calib_samples"), ("seq_len", "calib_seq_len"))
+            if getattr(args, n) is not None}
+
+
+def check_calibration_sizes(args, calibrated: bool, calibrating: str, other: str) -> None:
+    """Refuse --calib-samples / --calib-seq-len below their minimum, or given where nothing is calibrated
+    (``calibrated`` False: ``calibrating`` names the options that would calibrate, ``other`` the choice made)."""
+    given = [_option(n) for n in ("calib_samples", "calib_seq_len") if getattr(args, n) is not None]
+    if given and not calibrated:
+        one = len(given) == 1
+        raise ValueError(f"{', '.join(given)} {'sizes' if one else 'size'} the calibration of {calibrating}; "
+                         f"{other} calibrates nothing: drop {'it' if one else 'them'}, or give {calibrating}")
+    check_least(args, (("calib_samples", 1), ("calib_seq_len", 2)))
 
 
 def load_for_command(args, device: str):
@@ -124,16 +139,16 @@ def load_for_command(args, device: str):
     excerpt). A model quantized for a GPU is read into host memory and quantized onto the GPU one decoder
     layer at a time (`quantize_model`'s ``device``): the GPU never holds its 16-bit weights, so a model that
     fits the GPU only in 4 bits runs."""
+    from nibble.config import default_dtype
     from nibble.models.convert import quantize_model
-    from nibble.models.loading import default_dtype
     from nibble.quantize.calibration import calibration_for
 
     if args.quant == "none" or _quantized_checkpoint(args.model):
         return load(args.model, device)
     model, tok = load(args.model, "cpu", dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
-    sizes = {k: v for k, v in (("n_samples", args.calib_samples), ("seq_len", args.calib_seq_len)) if v is not None}
-    return quantize_model(model, cfg, calibration=calibration_for(cfg, tok, **sizes), device=device), tok
+    calibration = calibration_for(cfg, tok, **calibration_sizes(args))
+    return quantize_model(model, cfg, calibration=calibration, device=device), tok
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
@@ -167,6 +182,8 @@ def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tok
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
     device = next(model.parameters()).device
+    if sampling is not None:
+        sampling.warn_if_filters_unused()  # as the engine does
     # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
     draws = {} if sampling is None or sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
@@ -468,7 +485,8 @@ def _add_model_args(p, quant=True):
         p.add_argument("--rotate", action="store_true", help="w4a4: Hadamard-rotate the model first")
         p.add_argument("--clip-search", action="store_true",
                        help="RTN with the MSE-optimal clipping search (always on for w4a4's per-channel weights; "
-                            "gptq and awq always run their own calibrated clipping search)")
+                            "gptq and awq run their own calibrated one, so with them it applies only to "
+                            "--quantize-lm-head's head)")
         p.add_argument("--quantize-lm-head", action="store_true",
                        help="quantize lm_head too (RTN; kept 16-bit by default, as AutoAWQ / GPTQ do): a faster "
                             "decode step, at some accuracy; a head tied to the embedding is untied, and the embedding "

@@ -122,3 +122,8 @@ def resolve_device(device=None) -> torch.device:
         raise ValueError(f"device {str(device)!r} asked for, but no CUDA GPU is visible: use the CPU (device 'cpu', "
                          "CLI --device cpu) or run where a GPU is")
     return device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 halves GPU memory and runs on tensor cores; most CPUs lack fast bf16 matmuls.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -201,6 +201,15 @@ def test_generate_samples_with_a_seed_and_top_k_1_is_greedy(model_dir, capsys):
 
 
 @pytest.mark.parametrize("way", [[], ["--hf-generate"]])
+def test_generate_warns_that_top_k_and_top_p_without_a_temperature_are_ignored(model_dir, way):
+    """The engine warned; transformers' generate (--hf-generate) ran greedily without a word."""
+    for flags in (["--top-k", "5"], ["--top-p", "0.5"]):
+        with pytest.warns(UserWarning, match="with temperature 0 decoding is greedy"):
+            main(["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
+                  "--max-new-tokens", "2", "--no-chat"] + flags + way)
+
+
+@pytest.mark.parametrize("way", [[], ["--hf-generate"]])
 def test_generate_stats_say_how_many_tokens_came_and_how_fast(model_dir, capsys, way):
     main(["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
           "--max-new-tokens", "5", "--no-chat", "--stats"] + way)
@@ -277,6 +286,29 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
     with pytest.raises(SystemExit, match="other settings"):  # its saved state is not resumed from another start
         main(["qat", "--model", str(model_dir), "--device", "cpu", "--recipe", "hadamard", "--steps", "2",
               "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
+
+
+def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_rtn(model_dir, monkeypatch):
+    from nibble.models import loading
+    from nibble.quantize import calibration
+
+    asked = []
+
+    def batches(tokenizer, n_samples=128, seq_len=512, **kwargs):
+        asked.append((n_samples, seq_len))
+        raise KeyboardInterrupt  # seen what it asks for
+
+    monkeypatch.setattr(calibration, "calibration_batches", batches)
+    args = ["qat", "--model", str(model_dir), "--device", "cpu", "--steps", "1", "--out", "unused"]
+    with pytest.raises(KeyboardInterrupt):
+        main(args + ["--init", "gptq", "--calib-samples", "4", "--calib-seq-len", "32"])
+    assert asked == [(4, 32)]
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit, match="^nibble qat: --calib-samples sizes the calibration of --init gptq; --init "
+                                         "rtn calibrates nothing: drop it"):
+        main(args + ["--calib-samples", "4"])
+    with pytest.raises(SystemExit, match="^nibble qat: --calib-seq-len must be >= 2, got 1"):
+        main(args + ["--init", "gptq", "--calib-seq-len", "1"])
 
 
 @pytest.mark.parametrize("command", [["generate", "x"], ["eval", "ppl"], ["qat", "--steps", "1", "--out", "unused"]])
@@ -419,7 +451,8 @@ def test_quantization_flags_given_with_an_already_quantized_model_are_refused(co
     (["--calib-samples", "8"], "--calib-samples sizes the calibration of --method gptq / awq; RTN calibrates "
                                "nothing: drop it"),
     (["--method", "gptq", "--calib-seq-len", "1"], "--calib-seq-len must be >= 2, got 1"),
-    (["--method", "awq", "--calib-samples", "0"], "--calib-samples must be >= 1, got 0")])
+    (["--method", "awq", "--calib-samples", "0"], "--calib-samples must be >= 1, got 0"),
+    (["--method", "gptq", "--clip-search"], "--clip-search is RTN's clipping search, and --method gptq runs its own")])
 def test_quantization_flags_that_would_be_ignored_are_refused_before_loading_the_model(flags, message, monkeypatch):
     """`--quant none --rotate` and `--quant w4a4 --float-zero` ran without them; `--group-size 0` became 128 (and the
     error then blamed 128)."""

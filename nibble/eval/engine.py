@@ -720,6 +720,13 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def warn_if_filters_unused(self, stacklevel: int = 2) -> None:
+        """Warn that top-k / top-p were given to greedy decoding (temperature 0), which ignores them."""
+        if self.temperature == 0 and (self.top_k is not None or self.top_p != 1):
+            # one message (no values in it): Python's warning filter says it once, not at every call
+            warnings.warn("top_k / top_p filter sampled tokens only: with temperature 0 decoding is greedy and "
+                          "they are ignored; give a temperature > 0 to sample", stacklevel=stacklevel + 1)
+
 
 GREEDY = Sampling()
 
@@ -1142,10 +1149,7 @@ class Engine:
         stretch of steps between two stop checks (STOP_CHECK_STEPS on CUDA, one on the CPU), which
         `generate` concatenates. The settings are checked here, before the first chunk is asked for."""
         sampling = Sampling(temperature, top_k, top_p)
-        if temperature == 0 and (top_k is not None or top_p != 1):
-            # one message (no values in it): Python's warning filter says it once, not at every call
-            warnings.warn("top_k / top_p filter sampled tokens only: with temperature 0 decoding is greedy and "
-                          "they are ignored; give a temperature > 0 to sample", stacklevel=2)
+        sampling.warn_if_filters_unused(stacklevel=3)
         if not (isinstance(max_new_tokens, numbers.Integral) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stop = _stop_list(stop_tokens)

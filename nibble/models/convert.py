@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from nibble.config import QuantConfig, resolve_device
 from nibble.nn.quant_linear import QuantLinear
+from nibble.quantize.rtn import naming
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -172,10 +173,8 @@ def _convert(model: nn.Module, name: str, config: QuantConfig, weight, device: t
         q = QuantLinear.from_weight(weight, module.bias, config.mode, getattr(module, "input_hadamard", False),
                                     dtype=module.weight.dtype)
     else:
-        try:
+        with naming(name):
             q = QuantLinear.from_linear(module if device is None else module.to(device), config)
-        except ValueError as e:  # the layer it is about, which RTN cannot know
-            raise ValueError(f"{name}: {e}") from e
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, q)
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from nibble.config import resolve_device
+from nibble.config import default_dtype, resolve_device
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import load_gguf
 
@@ -59,11 +59,6 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
                                 "downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) "
                                 "and pass the local path")
     return model.to(device), tokenizer
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    # bf16 halves GPU memory and runs on tensor cores; most CPUs lack fast bf16 matmuls.
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

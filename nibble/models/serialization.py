@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nibble.config import QuantConfig, resolve_device
+from nibble.config import QuantConfig, default_dtype, resolve_device
 from nibble.models.convert import check_architecture, quantized_linears
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
@@ -110,6 +110,8 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     AutoAWQ GEMM / GPTQ checkpoint as it stands (`nibble.models.hf_import.load_hf_quantized`: its codes,
     scales and zero points, not requantized), as the directory's ``quantization_config`` says.
 
+    ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
+    a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`).
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -133,9 +135,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     permuted = set(qc_dict.get("input_permuted_modules", []))
     tensors, aliases = _read_checked(directory / WEIGHTS)
     config = AutoConfig.for_model(**raw)
-    dtype = dtype or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = dtype or _saved_dtype(raw, device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_architecture(model)
@@ -164,6 +164,17 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model, tokenizer
+
+
+def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:
+    """The dtype the model was saved in, its activations' and non-quantized weights' default. A model saved in
+    float32, or with none recorded (quantized on the CPU, where nibble loads float32, or read from a GGUF), loads
+    as `default_dtype` gives for the device: bfloat16 on a GPU, whose kernels compute in 16 bits anyway, so its
+    embeddings, norms and attention do not run in float32 at twice the memory."""
+    saved = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")), None)
+    if not isinstance(saved, torch.dtype) or saved == torch.float32:
+        return default_dtype(device)
+    return saved
 
 
 def _place(name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:

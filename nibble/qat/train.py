@@ -410,6 +410,10 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--init", choices=INITS, default="rtn",
                         help="rtn: quantize from the 16-bit weights; gptq: start from GPTQ's weights (calibrated on "
                              "128 x 512 tokens of the C4 excerpt), so step 0 is the W4A4 GPTQ model")
+    parser.add_argument("--calib-samples", type=int, default=None,
+                        help="--init gptq: GPTQ's calibration windows of the C4 excerpt (default: 128; fewer: faster)")
+    parser.add_argument("--calib-seq-len", type=int, default=None,
+                        help="--init gptq: tokens per calibration window (default: 512)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
     parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
@@ -429,17 +433,23 @@ def add_qat_arguments(parser) -> None:
 
 
 def qat_main(args) -> None:
-    from nibble.cli import check_least
+    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least
     from nibble.models.loading import load_model
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
     check_least(args, (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)))
+    check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
+    _check_init(args.recipe, args.init)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    calibration = None
+    if args.init == "gptq" and calibration_sizes(args):
+        from nibble.quantize.calibration import calibration_batches
+        calibration = calibration_batches(tokenizer, **calibration_sizes(args))
     model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                     resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                     quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
-                    sources=tuple(s for s in args.calib.split(",") if s), init=args.init)
+                    sources=tuple(s for s in args.calib.split(",") if s), init=args.init, calibration=calibration)
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")

@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from nibble.formats.int4 import Int4Weight
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
                                          in_place, input_groups, skip_from_config)
-from nibble.quantize.rtn import ScaleOverflowError, _check_weight, quantize_groups, rtn_quantize, weighted_clip_search
+from nibble.quantize.rtn import (ScaleOverflowError, _check_weight, naming, quantize_groups, rtn_quantize,
+                                 weighted_clip_search)
 
 N_GRID = 20
 # AutoAWQ leaves q/k unclipped: their errors go through the softmax, which the linear-output
@@ -157,8 +158,9 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
             for prev_name, names in _scale_groups(block, linears):
                 st = stats[names[0]]
                 H = st.hessian / 2  # X^T X / n
-                s, _, _ = search_scale([linears[n].weight for n in names], H, st.mean_abs, config.group_size,
-                                       n_grid=n_grid, **qargs)
+                with naming(", ".join(f"{prefix}.{n}" for n in names)):
+                    s, _, _ = search_scale([linears[n].weight for n in names], H, st.mean_abs, config.group_size,
+                                           n_grid=n_grid, **qargs)
                 _fold(block.get_submodule(prev_name), s)
                 for n in names:
                     linears[n].weight.mul_(s.to(linears[n].weight.dtype))
@@ -168,10 +170,11 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
                 if name in input_scale:
                     s = input_scale[name]
                     H = H / (s.unsqueeze(0) * s.unsqueeze(1))
-                if clip and (clip_qk or not name.endswith(NO_CLIP)):
-                    w = clip_quantize(layer.weight, H, config.group_size, **qargs)
-                else:
-                    w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)
+                with naming(f"{prefix}.{name}"):
+                    if clip and (clip_qk or not name.endswith(NO_CLIP)):
+                        w = clip_quantize(layer.weight, H, config.group_size, **qargs)
+                    else:
+                        w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)
                 block_results[f"{prefix}.{name}"] = w
             del stats
             inputs = outputs

@@ -47,7 +47,7 @@ from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
                                          in_place, input_groups, skip_from_config)
-from nibble.quantize.rtn import _check_weight, _codes, quantize_groups, weighted_clip_search
+from nibble.quantize.rtn import _check_weight, _codes, naming, quantize_groups, weighted_clip_search
 
 DEFAULT_PERCDAMP = 0.01
 DEFAULT_BLOCKSIZE = 128
@@ -248,9 +248,10 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
                         continue
                     H = stats.pop(group[0]).hessian
                     stacked = torch.cat([linears[name].weight for name in group])
-                    res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric, config.zero_point,
-                                               clip, percdamp, blocksize, act_order, static_groups=act_order,
-                                               keep_compensated=compensated is not None)
+                    with naming(", ".join(f"{prefix}.{name}" for name in group)):
+                        res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric,
+                                                   config.zero_point, clip, percdamp, blocksize, act_order,
+                                                   static_groups=act_order, keep_compensated=compensated is not None)
                     del stacked, H
                     start = 0
                     for name in group:

@@ -12,6 +12,8 @@ whole group get clipped when that lowers the error of the other 127 weights.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from nibble.formats.int4 import Int4Weight
@@ -36,6 +38,16 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
 
 class ScaleOverflowError(ValueError):
     """Weights whose group scale or zero point would not fit float16 (`_check_stored`)."""
+
+
+@contextmanager
+def naming(layer: str):
+    """A ValueError raised quantizing ``layer`` (one name, or several of a stacked weight) says which layer it is
+    about, which the quantizer, given a bare weight, cannot."""
+    try:
+        yield
+    except ValueError as e:
+        raise type(e)(f"{layer}: {e}") from e
 
 
 def _stored_scale(s: torch.Tensor) -> torch.Tensor:

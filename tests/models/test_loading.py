@@ -67,7 +67,7 @@ def test_load_local_hf_directory(model_type, tmp_path):
     assert load_model(str(tmp_path), dtype=torch.bfloat16)[0].dtype == torch.bfloat16
 
 
-def testdefault_dtype_is_bf16_on_cuda_only():
+def test_default_dtype_is_bf16_on_cuda_only():
     assert loading.default_dtype(torch.device("cuda")) == torch.bfloat16
     assert loading.default_dtype(torch.device("cpu")) == torch.float32
 

@@ -95,3 +95,34 @@ def test_bad_devices_are_refused_by_name(saved, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # not "Torch not compiled with CUDA enabled"
     with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
         load_quantized(path, device="cuda")
+
+
+@pytest.mark.parametrize("saved_as,device,expected", [
+    ("float32", "cpu", torch.float32), ("float32", "cuda", torch.bfloat16),  # quantized on the CPU, run on a GPU
+    (None, "cpu", torch.float32), (None, "cuda", torch.bfloat16),           # a GGUF model records no dtype
+    ("bfloat16", "cpu", torch.bfloat16), ("float16", "cuda", torch.float16), ("bogus", "cuda", torch.bfloat16)])
+def test_the_default_dtype_is_the_saved_one_but_float32_on_a_gpu(saved_as, device, expected):
+    from nibble.models.serialization import _saved_dtype
+    assert _saved_dtype({"dtype": saved_as}, torch.device(device)) == expected
+
+
+def test_a_model_saved_in_float32_loads_in_its_dtype_on_the_cpu(saved):
+    model, path = saved
+    assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
+    loaded, _ = load_quantized(path)
+    assert loaded.model.embed_tokens.weight.dtype == torch.float32
+    loaded, _ = load_quantized(path, dtype=torch.bfloat16)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_quantized_on_the_cpu_runs_in_bf16_on_the_gpu(saved):
+    model, path = saved
+    loaded, _ = load_quantized(path, device="cuda")
+    assert {p.dtype for p in loaded.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = loaded(ids.cuda()).logits.float().cpu()
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()

@@ -239,3 +239,17 @@ def test_a_rotated_down_projs_hessian_is_of_the_input_its_weight_multiplies():
     torch.testing.assert_close(stats["plain"].hessian, 2 * X.t() @ X / X.shape[0])
     Xr = hadamard_transform_reference(X.double()).float()
     torch.testing.assert_close(stats["rotated"].hessian, 2 * Xr.t() @ Xr / X.shape[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_weight_float16_cannot_scale_is_refused_with_its_layers_name(method):
+    """RTN's refusal (rtn.ScaleOverflowError) named the layer; the calibrated methods quantize bare (stacked)
+    weights and said only the magnitude."""
+    from nibble.quantize.rtn import ScaleOverflowError
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = 1e6
+    cfg = QuantConfig(group_size=32, method=method)
+    name = r"^model\.layers\.1\.mlp\.down_proj: "
+    with pytest.raises(ScaleOverflowError, match=name + r"weights up to \|w\| = 1(\.\d+)?e\+06"):  # AWQ's: scaled
+        quantize_model(model, cfg, progress=False, calibration=torch.randint(0, 256, (4, 16)))
