@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,14 +85,30 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
         # instead of transformers' error that tells the user to change an option they never set.
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+        with _without_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
     except (OSError, SafetensorError) as e:  # no weight file, a shard the index lists is gone, an unreadable file
         _check_safetensors_headers(path)  # names the file when one is truncated or corrupt
         raise ValueError(f"{path}: could not read the model's weights ({e}); re-download the model or save it there "
                          "with model.save_pretrained(DIR)") from e
     _check_loading_info(path, info)
     return model.eval(), tokenizer
+
+
+@contextmanager
+def _without_load_report():
+    """transformers' LOAD REPORT (a table of missing, wrongly shaped and extra tensors, logged as a warning) left
+    out: `_check_loading_info` says each of those in one line, refusing the first two, where the table printed
+    first would scroll the refusal away."""
+    def no_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addFilter(no_report)
+    try:
+        yield
+    finally:
+        logger.removeFilter(no_report)
 
 
 def _check_safetensors_headers(path: Path) -> None:

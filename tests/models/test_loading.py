@@ -141,6 +141,27 @@ def test_missing_weights_are_refused_not_randomly_initialised(arch, tmp_path):
     assert "lm_head" not in str(e.value)
 
 
+def test_transformers_load_report_is_left_to_nibbles_one_line(tmp_path):
+    """transformers logged a table of the missing tensors before nibble's refusal, which scrolled it away."""
+    import logging
+    _save_conftest_tiny(tmp_path, "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "layers.1." not in k}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    logger = logging.getLogger("transformers.modeling_utils")
+    seen = logging.Handler()
+    seen.emit = lambda record: messages.append(record.getMessage())
+    messages = []
+    logger.addHandler(seen)  # gets what the logger's filters let through
+    try:
+        with pytest.raises(ValueError, match="the checkpoint lacks 9 of the model's weights"):
+            load_model(tmp_path)
+    finally:
+        logger.removeHandler(seen)
+    assert not [m for m in messages if "LOAD REPORT" in m]
+    assert not logger.filters  # the filter is gone once loading is done
+
+
 @pytest.mark.parametrize("fmt", ["nibble", "awq"])
 def test_quantized_checkpoint_without_quantization_config_is_named(fmt, tmp_path):
     model = tiny_model("llama")
