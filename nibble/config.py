@@ -127,3 +127,18 @@ def resolve_device(device=None) -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     # bf16 halves GPU memory and runs on tensor cores; most CPUs lack fast bf16 matmuls.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    """``dtype`` as a float torch.dtype (None stays None: the caller's default), also from its name ("bfloat16",
+    "torch.float16", as transformers takes it); anything else is refused by name before any work."""
+    if dtype is None or dtype in FLOAT_DTYPES:
+        return dtype
+    named = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if named not in FLOAT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one nibble runs a model in: use torch.bfloat16, torch.float16 or "
+                         "torch.float32 (or their names)")
+    return named

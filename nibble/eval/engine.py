@@ -1154,7 +1154,8 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stop = _stop_list(stop_tokens)
         tokens, lengths = prompt_batch(prompt)
-        self._check_batch(len(lengths), max(lengths) + max_new_tokens)
+        # the cache holds the prompt and every new token but the last, which no step reads
+        self._check_batch(len(lengths), max(lengths) + max_new_tokens - 1)
         self._check_ids(tokens)
         return self._stream(tokens, lengths, max_new_tokens, stop, sampling)
 

@@ -116,7 +116,7 @@ def _finish(y, bias, x):
     """A kernel's [M, N] output with the bias added, in x's leading dims and dtype."""
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)  # N, not -1: x may hold no token
 
 
 def w4a4_linear(x, qweight, w_scale, bias=None, input_hadamard: bool = False, backend: str = "auto"):
@@ -136,7 +136,7 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     linears = eager_or_op(w4a4.linears, torch.ops.nibble.w4a4_linears)
     ys = linears(x2, [layer[0] for layer in layers], [layer[1] for layer in layers],
                  [None if b is None else b.to(x2.dtype) for _, _, b in layers], input_hadamard)
-    return [y.reshape(*x.shape[:-1], -1).to(x.dtype) for y in ys]
+    return [y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype) for y in ys]
 
 
 # The kernel modules register the custom ops (torch.ops.nibble.*) as they are imported; they import this

@@ -44,7 +44,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale = amax|x| / 7 per row; q = clamp(round_half_even(x / scale), -8, 7). Non-finite values are
     saturated first (NaN -> 0, +-Inf -> +-finfo(x.dtype).max) so one bad value cannot turn a whole
-    row into NaN. All-zero rows get scale 0 and q 0.
+    row into NaN. All-zero rows get scale 0 and q 0. (`w4a4_linear`'s online Hadamard comes first: there a
+    NaN spreads over its whole token, which then quantizes to zeros; docs/ARCHITECTURE.md.)
     """
     finfo = torch.finfo(x.dtype)
     xf = torch.nan_to_num(x, nan=0.0, posinf=finfo.max, neginf=-finfo.max).float()
@@ -102,4 +103,4 @@ def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
     lead = x.shape[:-1]
     qx, sx = quantize_activations(x.reshape(-1, x.shape[-1]))
     y = w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
-    return y.reshape(*lead, -1)
+    return y.reshape(*lead, y.shape[-1])  # N, not -1: x may hold no token

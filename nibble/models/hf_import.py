@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nibble.config import QuantConfig, resolve_device
+from nibble.config import QuantConfig, resolve_device, resolve_dtype
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from nibble.models.convert import check_architecture, quantized_linears
@@ -126,6 +126,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
 
     directory = Path(directory)
     device = resolve_device(device)  # "cuda" without a GPU is refused by name, not deep in torch
+    dtype = resolve_dtype(dtype)
     if not (directory / CONFIG).exists():
         raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
     info = read_quantization_config(directory)

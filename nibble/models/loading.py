@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from nibble.config import default_dtype, resolve_device
+from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import load_gguf
 
@@ -48,7 +48,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
     """
     device = resolve_device(device)  # before any work: "cuda" without a GPU, or "gpu", is refused by name
-    dtype = dtype or default_dtype(device)
+    dtype = resolve_dtype(dtype) or default_dtype(device)
     path = default_model_path() if name_or_path is None else Path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
         model, tokenizer = load_gguf(path, dtype=dtype)

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nibble.config import QuantConfig, default_dtype, resolve_device
+from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import check_architecture, quantized_linears
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
@@ -119,6 +119,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     directory = Path(directory)
     # First: "cuda" without a GPU would fail deep in torch, and "gpu" as weights that "do not match".
     device = resolve_device(device)
+    dtype = resolve_dtype(dtype)
     if not (directory / CONFIG).exists():
         raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble checkpoint directory")
     try:

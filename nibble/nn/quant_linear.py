@@ -10,6 +10,8 @@ from torch import nn
 from nibble import kernels
 from nibble.config import QuantConfig, check_group_size
 from nibble.formats.int4 import PACK, Int4Weight
+from nibble.kernels.hadamard import hadamard_transform
+from nibble.kernels.reference import dequantize
 from nibble.quantize.rtn import rtn_quantize
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -60,7 +62,9 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "QuantLinear":
-        """Quantize an nn.Linear with round-to-nearest (+ clipping search) per ``config``."""
+        """Quantize an nn.Linear with round-to-nearest (+ clipping search) per ``config``: its mode, group_size,
+        symmetric, zero_point and clip_search. Its rotation and method are `quantize_model`'s, whole-model steps
+        (which call this for the layers RTN quantizes, the rotation done first)."""
         weight = rtn_quantize(linear.weight.detach(), config.group_size, config.symmetric, config.zero_point,
                               config.clip_search)
         return cls.from_weight(weight, linear.bias, config.mode, getattr(linear, "input_hadamard", False),
@@ -78,11 +82,35 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _WithInputGradient.apply(x, self)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "w4a16":
             return kernels.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
                                         backend=self.backend)
         return kernels.w4a4_linear(x, self.qweight, self.scales[0], self.bias, self.input_hadamard,
                                    backend=self.backend)
+
+    def _input_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """dL/dx for dL/dy = ``grad``: grad @ W with W the dequantized weight (`_WithInputGradient` says why)."""
+        w = dequantize(self.qweight, self.scales, self.zeros, self.group_size).to(grad.device)
+        g = (grad.float() @ w).to(grad.dtype)
+        return hadamard_transform(g, inverse=True) if self.input_hadamard else g  # y = q(x H^T) W^T
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` cast every floating buffer, and would cast the
+        INT4 format's float16 scales and zeros too: a bf16 model would then multiply by other weights than it
+        was quantized to (bf16 keeps 8 bits of a scale), write a checkpoint off the format, and be refused by
+        the GPU kernels and the AWQ / GPTQ export. They follow the module's device, never its dtype."""
+        format_buffers = {name: self._buffers[name] for name in ("scales", "zeros")}
+        super()._apply(fn, recurse)
+        for name, kept in format_buffers.items():
+            moved = self._buffers[name]
+            if moved.dtype != kept.dtype:
+                self._buffers[name] = kept.to(moved.device)
+        return self
 
     @torch.no_grad()
     def permute_outputs(self, perm: torch.Tensor) -> None:
@@ -124,13 +152,18 @@ class PermutedInputQuantLinear(QuantLinear):
         super()._load_from_state_dict(*args, **kwargs)
         self.input_order = _permutation_digest(self.input_perm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_in_order(kernels.gather_columns(x, self.input_perm, backend=self.backend))
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return super()._product(kernels.gather_columns(x, self.input_perm, backend=self.backend))
+
+    def _input_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        g = super()._input_gradient(grad)  # of x[..., input_perm]
+        return torch.empty_like(g).index_copy_(-1, self.input_perm.to(g.device), g)
 
     def forward_in_order(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on x already in its stored input order, x = x_original[..., input_perm] (the engine's
-        decode attention writes it so, instead of a gather of its own)."""
-        return super().forward(x)
+        decode attention writes it so, instead of a gather of its own). Inference only (no gradient)."""
+        self._check_input(x)
+        return QuantLinear._product(self, x)
 
     def without_input_perm(self) -> QuantLinear:
         """The same weight as a plain QuantLinear that takes its input already in the stored order
@@ -142,6 +175,24 @@ class PermutedInputQuantLinear(QuantLinear):
             setattr(plain, name, getattr(self, name))
         plain.backend = self.backend
         return plain
+
+
+class _WithInputGradient(torch.autograd.Function):
+    """A QuantLinear's product with a gradient for its input: dL/dx = dL/dy @ W, W the dequantized weight. For
+    W4A16 that is the product's own gradient; for W4A4 the straight-through one (the activations' rounding
+    passed as the identity, as PE-QAT's fake quantization does), through the online Hadamard's transpose.
+    The GPU kernels write their outputs into fresh tensors, so without this no gradient would reach x there,
+    and the CPU reference's W4A4 would pass one only through each token's scale. The weights are buffers:
+    frozen, as under LoRA."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return layer._product(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.layer._input_gradient(grad), None
 
 
 def _permutation_digest(perm: torch.Tensor) -> str:

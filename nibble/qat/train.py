@@ -259,8 +259,10 @@ def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dic
 def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> int:
     """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next."""
     state = torch.load(path, map_location="cpu", weights_only=True)
+    # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
+    # keep driving the run while its settings (and the export's config) recorded the new
     fixed = ("recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed", "objective",
-             "sources")
+             "sources", "lr", "quant_lr")
     saved = {"init": "rtn", **state["settings"]}  # states written before init existed started from RTN
     diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
     if diff:

@@ -196,9 +196,11 @@ def test_a_ragged_batch_is_checked_against_the_cache_by_its_longest_prompt():
     engine = Engine(tiny_model(), max_batch=2, max_seq_len=16)
     tokens, lengths = prompt_batch([[1, 2, 3], list(range(10))])
     assert tokens.shape == (2, 10) and lengths == [3, 10] and tokens[0, 3:].eq(0).all()
-    with pytest.raises(ValueError, match="max_seq_len=16"):
-        engine.generate([[1, 2, 3], list(range(10))], 7)
-    assert engine.generate([[1, 2, 3], list(range(10))], 6).shape == (2, 6)
+    with pytest.raises(ValueError, match="17 positions exceed this engine's max_seq_len=16"):
+        engine.generate([[1, 2, 3], list(range(10))], 8)
+    # the cache holds the prompt and the new tokens but the last (which no step reads): 10 + 7 - 1 = 16
+    assert engine.generate([[1, 2, 3], list(range(10))], 7).shape == (2, 7)
+    assert engine.generate([list(range(16))], 1).shape == (1, 1)  # a prompt that fills the cache: one token
     with pytest.raises(ValueError, match="max_batch"):
         engine.generate([[1]] * 3, 2)
 

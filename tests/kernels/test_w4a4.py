@@ -659,6 +659,54 @@ def test_rotate_quantize_needs_a_rows_cluster_resident(monkeypatch):
     assert torch.allclose(s, sr.to(s.device), rtol=2 ** -6, atol=0)
     assert (q.int() - qr.to(q.device).int()).abs().max() <= 1
 
+def _nonfinite_tokens(M, K, dtype, device):
+    """Rows 0-3: a NaN, one +Inf, +Inf and -Inf, nothing wrong (and the rest ordinary rows)."""
+    x = _activations(M, K, dtype, device)
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    x[2, 3], x[2, 9] = float("inf"), -float("inf")
+    return x
+
+
+def _check_rotated_nonfinite(q, s, x):
+    """The spec (docs/ARCHITECTURE.md): the rotation spreads a non-finite value over its token before the
+    saturation, so a NaN token quantizes to zeros, one Inf to +-7 everywhere, +Inf with -Inf to zeros where they
+    cancel and +-7 elsewhere: exact codes, the reference's, on those tokens."""
+    qr, sr = reference.quantize_activations(hadamard_transform_reference(x.cpu()))
+    fmax = torch.finfo(x.dtype).max
+    assert s[0] == 0 and (q[0] == 0).all()
+    assert torch.equal(q[:3].cpu(), qr[:3]) and torch.equal(s[:3].cpu(), sr[:3])
+    assert (q[1].abs() == 7).all() and s[1] == sr[1] == torch.tensor(fmax / 7, dtype=torch.float32)
+    assert ((q[2] == 0) | (q[2].abs() == 7)).all() and (q[2] == 0).any()
+    assert torch.isfinite(s).all() and (q[3:].int() - qr[3:].to(q.device).int()).abs().max() <= 1
+
+
+def test_rotated_reference_spreads_a_nonfinite_value_over_its_token():
+    x = _nonfinite_tokens(5, 256, torch.bfloat16, "cpu")
+    q, s = reference.quantize_activations(hadamard_transform_reference(x))
+    _check_rotated_nonfinite(q, s, x)
+    qweight, w_scale = _codes_weight(24, 256, "cpu")
+    bias = torch.randn(24).bfloat16()
+    y = reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard=True)
+    assert torch.equal(y[0], bias) and torch.isfinite(y).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("M", [5, 300])  # the CUDA rotate + quantize kernel's rows, then the Triton kernels'
+@pytest.mark.parametrize("K", [576, 11008])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotated_act_quant_and_layer_with_nonfinite_tokens(M, K, dtype):
+    from nibble import kernels
+    x = _nonfinite_tokens(M, K, dtype, "cuda")
+    q, s = w4a4.quantize_activations(x, input_hadamard=True)
+    _check_rotated_nonfinite(q, s, x)
+    qweight, w_scale = _codes_weight(256, K, "cuda")
+    bias = torch.randn(256, device="cuda").to(dtype)
+    y = kernels.w4a4_linear(x, qweight, w_scale, bias, input_hadamard=True)
+    assert torch.equal(y[0], bias) and torch.isfinite(y).all()
+
+
 # ---- GPU: the integer part, bit-exact ------------------------------------------------------------
 
 def _configs_for(M, N, K):

@@ -126,3 +126,12 @@ def test_a_model_quantized_on_the_cpu_runs_in_bf16_on_the_gpu(saved):
         out = loaded(ids.cuda()).logits.float().cpu()
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert (out - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_dtypes_are_taken_by_name_and_others_refused_before_loading(saved):
+    _, path = saved
+    loaded, _ = load_quantized(path, dtype="bfloat16")  # as transformers' from_pretrained takes it
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    for bad in ("float8", torch.int8, "int32", 3):
+        with pytest.raises(ValueError, match=f"dtype {bad!r} is not one nibble runs a model in"):
+            load_quantized(path, dtype=bad)

@@ -201,3 +201,94 @@ def test_groups_of_other_multiples_of_8_run(group_size):
     torch.testing.assert_close(q(x), x @ w.t() + lin.bias.detach(), rtol=0, atol=1e-5)
     with torch.no_grad():
         assert nn.functional.cosine_similarity(q(x).flatten(), lin(x).flatten(), dim=0) > 0.99
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                    reason="needs CUDA")])]
+
+
+def _layer(kind: str, device: str, dtype=torch.bfloat16) -> QuantLinear:
+    from nibble.nn.quant_linear import PermutedInputQuantLinear
+    lin = nn.Linear(256, 48, dtype=torch.float32)
+    mode = "w4a16" if kind in ("w4a16", "permuted") else "w4a4"
+    q = QuantLinear.from_linear(lin, QuantConfig(mode=mode, group_size=64 if mode == "w4a16" else None))
+    if kind == "permuted":
+        p = PermutedInputQuantLinear(256, 48, True, 64, "w4a16", dtype=torch.float32)
+        p.load_state_dict({**q.state_dict(), "input_perm": torch.randperm(256)})
+        q = p
+    q.input_hadamard = kind == "w4a4-hadamard"
+    return q.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4", "w4a4-hadamard"])
+def test_the_input_gradient_is_that_of_the_dequantized_weight(kind, device):
+    """dL/dx = dL/dy @ W (W dequantized; W4A4: straight through the activations' rounding, and through the
+    Hadamard's transpose). Before, the GPU kernels passed no gradient at all and the CPU's W4A4 one only
+    through each token's scale (one non-zero entry a token)."""
+    from nibble.kernels.hadamard import hadamard_transform_reference
+    q = _layer(kind, device)
+    x = torch.randn(3, 5, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(3, 5, 48, device=device, dtype=torch.bfloat16)
+    y = q(x)
+    with torch.no_grad():
+        assert torch.equal(y, q(x))  # the same product with or without the gradient
+    (y.float() * r.float()).sum().backward()
+    w = reference.dequantize(q.qweight, q.scales, q.zeros, q.group_size).cpu()  # [48, 256], stored input order
+    expected = r.float().cpu() @ w
+    if kind == "w4a4-hadamard":
+        expected = hadamard_transform_reference(expected.bfloat16(), inverse=True)  # rotates the 16-bit gradient
+    if kind == "permuted":
+        expected = torch.empty_like(expected).index_copy_(-1, q.input_perm.cpu(), expected)
+    assert x.grad.dtype == torch.bfloat16 and x.grad.shape == x.shape
+    torch.testing.assert_close(x.grad.float().cpu(), expected.bfloat16().float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_a_quantized_models_gradient_is_its_dequantized_twins():
+    """Gradients through a whole W4A16 model (LoRA-style training on the quantized base) equal those of the
+    dense model holding the dequantized weights."""
+    from conftest import tiny_model
+    from nibble import quantize_model
+    from nibble.models.convert import quantized_linears
+    model = tiny_model("llama")
+    twin = tiny_model("llama")
+    twin.load_state_dict(model.state_dict())
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    for name, m in quantized_linears(model):
+        twin.get_submodule(name).weight.data = reference.dequantize(m.qweight, m.scales, m.zeros, m.group_size)
+    ids = torch.randint(0, 256, (2, 7))
+    for net in (model, twin):
+        net.model.embed_tokens.weight.grad = None
+        net(ids, labels=ids).loss.backward()
+    g, g_twin = model.model.embed_tokens.weight.grad, twin.model.embed_tokens.weight.grad
+    assert g.abs().sum() > 0 and torch.allclose(g, g_twin, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("kind", ["w4a16", "w4a4", "w4a4-hadamard"])
+def test_casting_a_layer_keeps_its_float16_scales(kind, device):
+    """``module.to(torch.bfloat16)`` cast the format's float16 scales and zeros too: other weights, a
+    checkpoint off the format, and a GPU op that refuses them. They follow the device, not the dtype."""
+    q = _layer(kind, "cpu", dtype=torch.float32)
+    scales, zeros = q.scales.clone(), q.zeros.clone()
+    for cast in (lambda m: m.to(device=device, dtype=torch.bfloat16), lambda m: m.half(), lambda m: m.float(),
+                 lambda m: m.to(torch.float64).to(device)):
+        q = cast(q)
+        assert q.scales.dtype == q.zeros.dtype == torch.float16 and q.qweight.dtype == torch.int32
+        assert torch.equal(q.scales.cpu(), scales) and torch.equal(q.zeros.cpu(), zeros)
+        assert q.scales.device.type == q.qweight.device.type == q.bias.device.type
+    q = q.to(device=device, dtype=torch.bfloat16)
+    assert q.bias.dtype == torch.bfloat16
+    fresh = QuantLinear.from_weight(q.weight_int4(), q.bias, q.mode, q.input_hadamard, dtype=torch.bfloat16)
+    x = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
+    assert torch.equal(q(x), fresh(x))
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4", "w4a4-hadamard"])
+def test_no_tokens_give_an_empty_output(kind, device):
+    """W4A4 raised reshape's "cannot reshape tensor of 0 elements"; nn.Linear returns [..., 0, N]."""
+    q = _layer(kind, device)
+    for shape in ((0, 256), (2, 0, 256)):
+        y = q(torch.randn(shape, device=device, dtype=torch.bfloat16))
+        assert y.shape == (*shape[:-1], 48) and y.dtype == torch.bfloat16

@@ -138,6 +138,10 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     assert want.keys() == got.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+    # the optimizer's restored state would keep the saved learning rate, whatever the settings then record
+    for other in (dict(lr=0.5), dict(quant_lr=0.5)):
+        with pytest.raises(ValueError, match=f"other settings.*'{next(iter(other))}'"):
+            _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw, **other)
 
 
 @needs_rotation
