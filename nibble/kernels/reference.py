@@ -44,8 +44,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale = amax|x| / 7 per row; q = clamp(round_half_even(x / scale), -8, 7). Non-finite values are
     saturated first (NaN -> 0, +-Inf -> +-finfo(x.dtype).max) so one bad value cannot turn a whole
-    row into NaN. All-zero rows get scale 0 and q 0. (`w4a4_linear`'s online Hadamard comes first: there a
-    NaN spreads over its whole token, which then quantizes to zeros; docs/ARCHITECTURE.md.)
+    row into NaN. All-zero rows get scale 0 and q 0. (Under the online Hadamard a non-finite value spreads
+    over its whole token first: `rotate_quantize_activations`.)
     """
     finfo = torch.finfo(x.dtype)
     xf = torch.nan_to_num(x, nan=0.0, posinf=finfo.max, neginf=-finfo.max).float()
@@ -55,6 +55,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.clamp(torch.round(xf / safe.unsqueeze(-1)), -8, 7).to(torch.int8)
     return q, scale
+
+
+def rotate_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online Hadamard (x @ H.T, float32 sums rounded once to x's type), then `quantize_activations`. A token
+    whose float32 rotated values are not all finite held a NaN or +-Inf, which the rotation spread over every value
+    of it: it quantizes to zeros (scale 0), its output the bias alone, as in every kernel (docs/ARCHITECTURE.md)."""
+    from nibble.kernels.hadamard import hadamard_transform_reference
+    y = hadamard_transform_reference(x.to(torch.promote_types(x.dtype, torch.float32)))
+    y = torch.where(torch.isfinite(y).all(dim=-1, keepdim=True), y, torch.zeros_like(y)).to(x.dtype)
+    return quantize_activations(y)
 
 
 def w4a4_accumulate(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
@@ -97,10 +107,8 @@ def w4a4_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate: tuple, up: tupl
 def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, input_hadamard: bool = False) -> torch.Tensor:
     """The whole W4A4 layer on any leading dims: [optional online Hadamard] -> per-token quantize -> int matmul."""
-    if input_hadamard:
-        from nibble.kernels.hadamard import hadamard_transform_reference
-        x = hadamard_transform_reference(x)
     lead = x.shape[:-1]
-    qx, sx = quantize_activations(x.reshape(-1, x.shape[-1]))
+    x2 = x.reshape(-1, x.shape[-1])
+    qx, sx = rotate_quantize_activations(x2) if input_hadamard else quantize_activations(x2)
     y = w4a4_matmul(qx, sx, qweight, w_scale, bias, out_dtype=x.dtype)
     return y.reshape(*lead, y.shape[-1])  # N, not -1: x may hold no token

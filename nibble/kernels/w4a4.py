@@ -525,9 +525,7 @@ def quantize_activations(x: torch.Tensor, input_hadamard: bool = False,
     if kernels_available(x) and x.dtype in KERNEL_DTYPES:
         return quantize_activations_gpu(x, input_hadamard, order)
     check_order(order, x.shape[-1])
-    if input_hadamard:
-        x = _had.hadamard_transform_reference(x)
-    q, s = reference.quantize_activations(x)
+    q, s = (reference.rotate_quantize_activations if input_hadamard else reference.quantize_activations)(x)
     return (to_even_odd(q) if order == "even_odd" else q), s
 
 

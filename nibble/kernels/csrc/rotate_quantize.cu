@@ -1,7 +1,8 @@
 // W4A4's online rotation and per-token quantization in one launch for a few rows (decode):
 //
 //   y = (x @ H_K.T) / sqrt(K) rounded to x's type, saturated (NaN -> 0, +-Inf -> +-max);
-//   scale = amax|y| / 7;  q = clamp(rint(y / scale), -8, 7)      (reference.quantize_activations)
+//   scale = amax|y| / 7;  q = clamp(rint(y / scale), -8, 7)      (reference.rotate_quantize_activations)
+//   (a row whose float32 y is not all finite, x having held NaN or +-Inf: scale 0, q 0)
 //
 // with H_K = H_m (x) H_{2^k} (nibble/kernels/hadamard.py) = D (x) H_p, D = H_m (x) H_s and
 // 2^k = s p (Sylvester's factors in natural index order): the host (w4a4.rotate_quantize_plan)
@@ -32,6 +33,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cfloat>  // FLT_MAX
+#include <cmath>   // INFINITY
 #include <type_traits>
 
 #include "hopper.cuh"  // cluster_sync_partials, cluster_address, resident_clusters
@@ -133,14 +136,17 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
   }
 
   // 4. The rotated values as the spec rounds them, saturated; the row's largest magnitude from
-  // every CTA of the cluster.
+  // every CTA of the cluster. A float32 sum that is not finite came from a NaN or +-Inf in x, which the
+  // rotation spread over the whole row: it counts as an infinite amax, and the row quantizes to zeros
+  // (reference.rotate_quantize_activations; the Triton kernels' tf32 split turns such a row NaN anyway).
   float amax = 0.f;
   for (int n = threadIdx.x; n < n_here; n += THREADS) {
     float* y = ys + (n >> log2p) * ys_stride + (n & (p - 1));
-    float v = round_to<T>(*y * row_scale);
+    const float r = *y * row_scale;
+    float v = round_to<T>(r);
     v = v != v ? 0.f : fminf(fmaxf(v, -fmax), fmax);
     *y = v;
-    amax = fmaxf(amax, fabsf(v));
+    amax = fmaxf(amax, fabsf(r) <= FLT_MAX ? fabsf(v) : INFINITY);  // NaN compares false: infinite too
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -159,7 +165,8 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
     amax = fmaxf(amax, v);
   }
   cluster_sync_partials();  // no CTA exits while another still reads its amax
-  const float scale = __fdiv_rn(amax, 7.f), safe = scale > 0.f ? scale : 1.f;
+  const bool zeroed = amax > FLT_MAX;  // the row held a non-finite value (step 4)
+  const float scale = zeroed ? 0.f : __fdiv_rn(amax, 7.f), safe = scale > 0.f ? scale : 1.f;
   if (rank == 0 && threadIdx.x == 0) scales[blockIdx.y] = scale;
 
   // 5. Codes of this CTA's rows, 4 outputs a thread (one 32-bit store): in even_odd order output
@@ -172,7 +179,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
       const int pos = o + u, within = pos & 31;
       const int n = even_odd ? (pos & ~31) | (within < 16 ? 2 * within : 2 * (within - 16) + 1) : pos;
       const float v = ys[(n >> log2p) * ys_stride + (n & (p - 1))];
-      const int code = (int)fminf(fmaxf(rintf(__fdiv_rn(v, safe)), -8.f), 7.f);
+      const int code = zeroed ? 0 : (int)fminf(fmaxf(rintf(__fdiv_rn(v, safe)), -8.f), 7.f);
       word |= (uint32_t)(code & 0xFF) << (8 * u);
     }
     *reinterpret_cast<uint32_t*>(qr + o) = word;
