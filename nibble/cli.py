@@ -377,13 +377,14 @@ def cmd_quantize(args):
 
 
 def cmd_info(args):
+    from nibble.eval.memory import weight_memory
     from nibble.models.convert import quantized_linears, weight_bytes
     from nibble.models.serialization import load_quantized
 
     model, _ = load_quantized(args.dir)
     qc = model.config.quantization_config
     wb = weight_bytes(model)
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    total = weight_memory(model)["total_bytes"]  # a tied lm_head counted once, as the file holds it
     print(json.dumps({"quantization_config": qc, "architecture": model.config.model_type,
                       "quantized_linears": len(quantized_linears(model)),
                       "quantized_linear_bytes": wb["quantized_bytes"], "same_linears_in_16bit_bytes": wb["bf16_bytes"],

@@ -5,8 +5,10 @@ nibble never downloads data: it reads the offline copies laid out as in `shared/
 is `../shared/data` next to the checkout, which is also how CI lays it out.
 """
 
+import json
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 ENV_VAR = "NIBBLE_DATA"
@@ -69,3 +71,32 @@ def _warn_past_env(found: Path, lack: str) -> None:
     env = _env_dir()
     if env is not None and found != env:
         warnings.warn(f"{ENV_VAR}={env} {lack}; reading {found} instead", stacklevel=3)
+
+
+class DataFormatError(ValueError):
+    """A data file that is there but does not hold what nibble reads from it."""
+
+
+@contextmanager
+def parsing(where):
+    """An error of reading records from ``where`` (a file, or several, or a line of one): bad UTF-8, a line that
+    is not JSON, a missing key, a value of another kind, as one DataFormatError that names it and what to do."""
+    try:
+        yield
+    except DataFormatError:
+        raise
+    except (UnicodeDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise DataFormatError(f"{where}: not in the format nibble reads ({type(e).__name__}: {e}); copy the file "
+                              "again from the shared data folder (its README.md gives every file's format)") from e
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON records of ``path``, one a line (blank lines skipped); a bad line is named by its number."""
+    with parsing(path), open(path, encoding="utf-8") as f:
+        lines = list(f)
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            with parsing(f"{path}, line {number}"):
+                records.append(json.loads(line))
+    return records

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from nibble.eval.data import data_file
+from nibble.eval.data import data_file, parsing
 
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
 # that is not comparable with them.
@@ -108,7 +108,8 @@ def wikitext2_text() -> str:
 
     `wiki.test.raw` holds the HF rows one per line, with empty rows written as `" \\n"`.
     """
-    with open(data_file("wikitext2/wiki.test.raw"), encoding="utf-8", newline="") as f:
+    path = data_file("wikitext2/wiki.test.raw")
+    with parsing(path), open(path, encoding="utf-8", newline="") as f:
         rows = ["" if line == " \n" else line for line in f]
     return "\n\n".join(rows)
 

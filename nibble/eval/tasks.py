@@ -33,7 +33,6 @@ Notes on the shared copies (the README there says where each comes from):
   lm-eval's `preprocess` removes, so `preprocess` is applied again.
 """
 
-import json
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -43,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from nibble.eval.data import data_file
+from nibble.eval.data import DataFormatError, data_file, parsing, read_jsonl
 from nibble.eval.perplexity import context_length, encode, eval_mode, model_device, model_logits
 
 
@@ -59,8 +58,7 @@ def _multiple_choice(context: str, choices: list[str], gold: int) -> Doc:
 
 
 def _jsonl(relpath: str) -> list[dict]:
-    with open(data_file(relpath), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(data_file(relpath))
 
 
 def load_piqa() -> list[Doc]:
@@ -144,16 +142,17 @@ def load_winogrande() -> list[Doc]:
 class Task(NamedTuple):
     load: Callable[[], list[Doc]]
     has_acc_norm: bool
+    files: tuple[str, ...]  # what `load` reads, for its errors
 
 
 TASKS = {
-    "piqa": Task(load_piqa, True),
-    "hellaswag": Task(load_hellaswag, True),
-    "winogrande": Task(load_winogrande, False),
-    "arc_easy": Task(load_arc_easy, True),
-    "arc_challenge": Task(load_arc_challenge, True),
-    "boolq": Task(load_boolq, False),
-    "openbookqa": Task(load_openbookqa, True),
+    "piqa": Task(load_piqa, True, ("piqa/valid.jsonl", "piqa/valid-labels.lst")),
+    "hellaswag": Task(load_hellaswag, True, ("hellaswag/hellaswag_val_full.txt",)),
+    "winogrande": Task(load_winogrande, False, ("winogrande/winogrande_dev_llmfoundry.jsonl",)),
+    "arc_easy": Task(load_arc_easy, True, ("arc/ARC-Easy-Test.jsonl",)),
+    "arc_challenge": Task(load_arc_challenge, True, ("arc/ARC-Challenge-Test.jsonl",)),
+    "boolq": Task(load_boolq, False, ("boolq/val.jsonl",)),
+    "openbookqa": Task(load_openbookqa, True, ("openbookqa/openbook_qa_test_llmfoundry.jsonl",)),
 }
 ALL_TASKS = tuple(TASKS)
 
@@ -258,7 +257,11 @@ def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16,
     results = {}
     for name in tasks:
         task = TASKS[name]
-        docs = task.load()[:limit]
+        files = " and ".join(str(data_file(f)) for f in task.files)
+        with parsing(files):
+            docs = task.load()[:limit]
+        if not docs:
+            raise DataFormatError(f"{files}: no {name} document in it; copy the file again from the shared data folder")
         requests = [r for doc in docs for r in doc.requests]
         lls = loglikelihood(model, tokenizer, requests, batch_size=batch_size, progress=progress, desc=name)
         results[name] = score_docs(docs, lls, task.has_acc_norm)

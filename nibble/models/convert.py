@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 
 from nibble.config import QuantConfig, resolve_device
 from nibble.nn.quant_linear import QuantLinear
-from nibble.quantize.rtn import naming
+from nibble.formats.int4 import PACK
+from nibble.quantize.rtn import group_size_error, naming
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -78,8 +79,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
 
     For ``rotation="hadamard"`` the model is rotated (calibration-free, same function in 16 bits; each
     decoder layer just before it is quantized) so per-token activation quantization meets no outlier
-    channels. ``method="gptq"`` / ``"awq"`` need ``calibration`` (token batches, see
-    nibble.quantize.calibration).
+    channels; it folds the final norm into lm_head, so a head tied to the embedding is untied (the embedding
+    keeps its 16-bit table). ``method="gptq"`` / ``"awq"`` need ``calibration`` (token ids of this model's
+    vocabulary, see nibble.quantize.calibration). Every refusal (a width the group size does not divide,
+    calibration missing or of another vocabulary) comes before the model is touched.
 
     The decoder layers are quantized one at a time (`layer_turns`), so at most one of them is in 16 bits
     apart from the model's own weights: the rotated or calibrated copy of a layer is never kept.
@@ -94,26 +97,31 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     config = config or QuantConfig()
     check_architecture(model)
     check_not_quantized(model)
+    # every refusal before the model is touched (moved, rotated, a layer converted), so that it stays as it was
+    names = linears_to_convert(model, config)
+    check_widths(model, names, config)
+    if config.method != "rtn" and calibration is None:
+        raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble.quantize."
+                         "calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 excerpt, "
+                         "what `nibble quantize` uses) or your own LongTensor [n, seq_len]")
+    if config.method != "rtn":
+        check_calibration_ids(model, calibration)
     if device is not None:
         device = resolve_device(device)
-        move_all_but_layers(model, device)
     candidates = _candidate_linears(model)  # a typo in the skips is said before any calibration runs
     unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in candidates)]
     if unmatched:
         warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
                       f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')",
                       stacklevel=2)
+    if device is not None:
+        move_all_but_layers(model, device)
     rotate_layer = None
     if config.rotation == "hadamard":
         from nibble.models.rotation import rotate_all_but_layers
         rotate_layer = rotate_all_but_layers(model, seed=config.rotation_seed, device=device)
-    names = linears_to_convert(model, config)
     turn = layer_turns(model, config, names, device, rotate_layer)
     if config.method != "rtn":
-        if calibration is None:
-            raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble.quantize."
-                             "calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 excerpt, "
-                             "what `nibble quantize` uses) or your own LongTensor [n, seq_len]")
         from nibble.quantize import calibrated_quantizers
         calibrated_quantizers[config.method](model, config, calibration, progress=progress, onload=turn)
     else:
@@ -127,6 +135,33 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         model.to(device)  # the rest of the model, already there unless a layer's turn never came
     model.config.quantization_config = config.to_dict()
     return model
+
+
+def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> None:
+    """Refuse a group size (or a width INT4 cannot pack) of any linear in ``names`` before any of them is
+    converted: found half-way, it left the model half quantized, and a retry refused as quantized already."""
+    for name in names:
+        K = model.get_submodule(name).in_features
+        if K % PACK:
+            raise ValueError(f"{name}: in_features={K} is not a multiple of {PACK}, which INT4 packing needs ({PACK} "
+                             "codes a 32-bit word): keep it in 16 bits (QuantConfig.modules_to_not_convert)")
+        if config.group_size != -1 and K % config.group_size:
+            raise ValueError(f"{name}: {group_size_error(K, config.group_size)}")
+
+
+def check_calibration_ids(model: nn.Module, calibration) -> None:
+    """Calibration must be token ids of this model's vocabulary: ids made by another model's tokenizer failed
+    deep in the embedding (an IndexError on the CPU, a device-side assert on a GPU)."""
+    if not (isinstance(calibration, torch.Tensor) and calibration.dim() == 2 and not calibration.is_floating_point()
+            and calibration.numel()):
+        raise ValueError("calibration must be token ids, an integer tensor [n_samples, seq_len]; got "
+                         f"{type(calibration).__name__} {tuple(getattr(calibration, 'shape', ()))}")
+    vocab = model.get_input_embeddings().num_embeddings
+    lo, hi = int(calibration.min()), int(calibration.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"calibration token ids run from {lo} to {hi}, but the model's vocabulary has {vocab} tokens: "
+                         "make them with this model's tokenizer (nibble.quantize.calibration.calibration_for(config, "
+                         "tokenizer))")
 
 
 def check_not_quantized(model: nn.Module) -> None:

@@ -21,10 +21,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
-from nibble.models.convert import check_architecture, quantized_linears
+from nibble.models.convert import check_architecture
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      load_hf_quantized)
+from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
@@ -75,8 +76,10 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
                 "nibble_aliases": json.dumps(aliases)}
     _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
     config = model.config.to_dict()
-    linears = quantized_linears(model)
-    config["quantization_config"] = {**qc, "online_hadamard_modules": [n for n, m in linears if m.input_hadamard],
+    # QuantLinears with the online Hadamard, and 16-bit linears that kept theirs (a rotated model's down_proj left
+    # out of the quantization): each holds a weight for a rotated input, meaningless without the rotation
+    online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
+    config["quantization_config"] = {**qc, "online_hadamard_modules": online,
                                      "input_permuted_modules": input_permuted_modules(model)}
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
     if tokenizer is not None:
@@ -148,6 +151,13 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         q = cls(old.in_features, old.out_features, old.bias is not None, group_size, qc.mode,
                 name in online_hadamard, dtype=dtype, device="meta")
         setattr(model.get_submodule(parent), child, q)
+    for name in online_hadamard:  # 16-bit linears that rotate their input (a quantized one was built above)
+        old = model.get_submodule(name)
+        if not isinstance(old, QuantLinear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child,
+                    HadamardInputLinear(old.in_features, old.out_features, old.bias is not None, device="meta",
+                                        dtype=dtype))
     for alias, target in aliases.items():
         tensors[alias] = tensors[target]
     try:

@@ -12,7 +12,6 @@ mean |x|, never storing the activations), and its outputs become the next block'
 """
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,10 +36,13 @@ def calibration_text(source: str = "c4") -> str:
     if any(f in str(path).lower() for f in _FORBIDDEN):
         raise ValueError(f"refusing to calibrate on {path}: WikiText-2 test is the evaluation set, calibrating on it "
                          "would inflate every perplexity we report. Use source='c4' or 'gutenberg'.")
-    text = path.read_text(encoding="utf-8")
+    from nibble.eval.data import parsing, read_jsonl
     if path.suffix == ".jsonl":
-        text = "\n\n".join(json.loads(line)["text"] for line in text.splitlines() if line.strip())
-    return text
+        records = read_jsonl(path)
+        with parsing(path):
+            return "\n\n".join(r["text"] for r in records)
+    with parsing(path):
+        return path.read_text(encoding="utf-8")
 
 
 def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = 512, source: str = "c4",

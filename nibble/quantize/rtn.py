@@ -30,10 +30,18 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
     K = weight.shape[1]
     if group_size <= 0 or K % group_size:
-        raise ValueError(f"in_features={K} is not divisible by group_size={group_size}; "
-                         f"pick a group size that divides it (e.g. 32 or 64) or -1 for per-channel")
+        raise ValueError(group_size_error(K, group_size))
     if not torch.isfinite(weight).all():
         raise ValueError("weight contains NaN or Inf; fix the checkpoint before quantizing")
+
+
+def group_size_error(K: int, group_size: int) -> str:
+    """What to say of in_features K that group_size does not divide: the group sizes that do (multiples of 8,
+    which every kernel runs, up to 128: the largest three)."""
+    fits = [g for g in range(128, 7, -8) if K % g == 0][:3]
+    which = f" ({', '.join(map(str, fits))} do)" if fits else ""
+    return (f"in_features={K} is not divisible by group_size={group_size}; pick a group size that divides "
+            f"it{which} or -1 for per-channel")
 
 
 class ScaleOverflowError(ValueError):

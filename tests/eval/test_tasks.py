@@ -240,3 +240,29 @@ def test_no_documents_or_an_empty_batch_is_a_clear_error(kwargs, message):
     range()'s "arg 3 must not be zero"."""
     with pytest.raises(ValueError, match=message):
         evaluate_tasks(BigramLM(), ByteTokenizer(), ["boolq"], progress=False, **kwargs)
+
+
+_BAD_FILES = [
+    ("piqa", "piqa/valid.jsonl", '{"goal": "a", "sol1": "b", "sol2": "c"}\n{"goal": "cut sho', r"valid\.jsonl, line 2: not in the format"),
+    ("piqa", "piqa/valid.jsonl", '{"question": "a", "sol1": "b", "sol2": "c"}\n', r"KeyError: 'goal'"),
+    ("boolq", "boolq/val.jsonl", '{"passage": "p", "question": "q", "label": true}\n', r"KeyError: True"),
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl",
+     '{"question": {"stem": "s", "choices": [{"label": "A", "text": "t"}]}, "answerKey": "ZA"}\n', r"'ZA' is not in list"),
+    ("hellaswag", "hellaswag/hellaswag_val_full.txt", "", r"no hellaswag document in it"),
+    ("winogrande", "winogrande/winogrande_dev_llmfoundry.jsonl", b'{"context_options": ["\xe9"]}\n',
+     r"UnicodeDecodeError"),
+]
+
+
+@pytest.mark.parametrize("task,relpath,content,message", _BAD_FILES, ids=[f"{t[0]}-{i}" for i, t in enumerate(_BAD_FILES)])
+def test_a_malformed_data_file_is_named_with_what_to_do(task, relpath, content, message, monkeypatch, tmp_path):
+    """A truncated line read as "Expecting value: line 2 column 1", a missing key as a bare KeyError traceback."""
+    from nibble.eval.data import DataFormatError
+    path = tmp_path / relpath
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    if task == "piqa":
+        (tmp_path / "piqa/valid-labels.lst").write_text("0\n")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    with pytest.raises(DataFormatError, match=f"{tmp_path}.*{message}.*copy the file again from the shared data"):
+        evaluate_tasks(None, None, tasks=[task], progress=False)

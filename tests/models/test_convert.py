@@ -7,7 +7,7 @@ from torch import nn
 from conftest import tiny_model
 from nibble import QuantConfig, QuantLinear, quantize_model
 from nibble.kernels.reference import dequantize
-from nibble.models.convert import default_group_size, weight_bytes
+from nibble.models.convert import default_group_size, quantized_linears, weight_bytes
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -349,3 +349,28 @@ def test_modules_to_not_convert_given_as_one_name_keeps_that_module():
         quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert="lm_head"), progress=False)
     assert type(model.lm_head) is nn.Linear
     assert model.config.quantization_config["modules_to_not_convert"] == ["lm_head"]
+
+
+def test_a_width_the_group_size_refuses_is_said_before_any_layer_is_converted():
+    """A down_proj of 192 inputs refused group_size=128 after six linears of layer 0 were converted: the model
+    was half quantized, and quantizing it again with 64 was refused as quantized already."""
+    model = tiny_model("llama", hidden_size=128, intermediate_size=192)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: in_features=192 is not divisible by "
+                                         r"group_size=128; pick a group size that divides it \(96, 64, 48 do\)"):
+        quantize_model(model, QuantConfig(group_size=128), progress=False)
+    assert not quantized_linears(model)
+    quantize_model(model, QuantConfig(group_size=64), progress=False)
+    assert len(quantized_linears(model)) == 14
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibration_ids_outside_the_vocabulary_are_refused_first(method):
+    model = tiny_model("llama")  # 256 tokens
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = QuantConfig(group_size=32, method=method, rotation="none")
+    with pytest.raises(ValueError, match="calibration token ids run from 0 to 999, but the model's vocabulary has "
+                                         "256 tokens: make them with this model's tokenizer"):
+        quantize_model(model, cfg, progress=False, calibration=torch.arange(1000).reshape(10, 100))
+    with pytest.raises(ValueError, match="calibration must be token ids"):
+        quantize_model(model, cfg, progress=False, calibration=torch.rand(4, 16))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -135,3 +135,20 @@ def test_dtypes_are_taken_by_name_and_others_refused_before_loading(saved):
     for bad in ("float8", torch.int8, "int32", 3):
         with pytest.raises(ValueError, match=f"dtype {bad!r} is not one nibble runs a model in"):
             load_quantized(path, dtype=bad)
+
+
+def test_a_rotated_16_bit_down_proj_keeps_its_online_hadamard_through_the_roundtrip(tmp_path):
+    """W4A4 + Hadamard with down_proj kept in 16 bits: the rotation left it a float HadamardInputLinear (its weight
+    W @ H.T, for a rotated input), which the checkpoint did not record, so it loaded as a plain nn.Linear: SmolLM2's
+    perplexity went from 83 to 3.7e9, without a word."""
+    from nibble.nn.hadamard import HadamardInputLinear
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard", modules_to_not_convert=["lm_head", "down_proj"]),
+                   progress=False)
+    assert isinstance(model.model.layers[0].mlp.down_proj, HadamardInputLinear)
+    save_quantized(model, tmp_path)
+    loaded, _ = load_quantized(tmp_path)
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, HadamardInputLinear)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
