@@ -12,8 +12,8 @@ sizes, and ``-gptq`` / ``-awq`` for calibrated weights) the real model is loaded
   (Llama-2-7B, Llama-3-8B, Llama-3.2-1B; Llama-2-7B alone by default).
 
 Writes ``report.json`` (everything), ``report.md`` (tables, configs side by side) and
-``speedup.png`` / ``vram.png`` / ``accuracy.png`` (where tasks were scored). Without CUDA the speed
-and memory-peak parts are skipped with a message saying so.
+``speedup.png`` (where speed was timed) / ``vram.png`` / ``accuracy.png`` (where tasks were scored). Without
+CUDA the speed and memory-peak parts are skipped with a message saying so.
 """
 from __future__ import annotations
 
@@ -437,7 +437,8 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
     if any(_rows(r) for r in results.get("configs", {}).values()):
         groups = {"model": results["configs"], **groups}
 
-    # 1. prefill speedup vs prompt length (+ decode speedup at "T = decode"), one panel per model
+    # 1. prefill speedup vs prompt length (+ decode speedup at "T = decode"), one panel per model; none where
+    # nothing was timed (no CUDA): an empty plot would read as a failed run
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5 * max(1, len(groups)), 3.8), squeeze=False)
     for ax, (g, by_config) in zip(axes.flat, groups.items()):
         base = {(x["phase"], x["batch"], x["tokens"]): x for x in _rows(by_config.get("bf16", {}))}
@@ -458,7 +459,10 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    written.append(_save(fig, out / "speedup.png"))
+    if groups:
+        written.append(_save(fig, out / "speedup.png"))
+    else:
+        plt.close(fig)
 
     # 2. VRAM: weights (stacked by kind) and peak, per config, one panel per model
     mgroups = {"model": results.get("configs", {}), **{k: v for k, v in results.get("speed_models", {}).items()

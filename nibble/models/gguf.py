@@ -7,6 +7,7 @@ pre-tokenizer the file names in `tokenizer.ggml.pre` (SmolLM's digit splitting, 
 from __future__ import annotations
 
 import functools
+import struct
 import re
 from importlib.metadata import version
 from pathlib import Path
@@ -87,6 +88,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     with no_init_weights():
         model = LlamaForCausalLM(config)
     model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
+    missing = sorted(set(model.state_dict()) - set(state_dict))
+    if missing:  # load_state_dict would say it as a traceback of its own
+        raise ValueError(f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}: the GGUF is "
+                         "incomplete, or its architecture has tensors nibble's llama loader does not build")
     model.load_state_dict(state_dict, strict=True)
     return model.to(dtype).eval(), _tokenizer(reader, path, config)
 
@@ -138,7 +143,10 @@ def _open(path: Path) -> gguf.GGUFReader:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
     stat = path.stat()
-    reader = _read(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    try:
+        reader = _read(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    except (ValueError, IndexError, struct.error) as e:  # numpy's view of a short file, the header past its end
+        raise ValueError(f"{path} is truncated or corrupt ({e}); download or convert it again") from e
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; nibble loads GGUF files of "

@@ -57,9 +57,13 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
     results = report.run_report(None, tmp_path, configs=("bf16", "w4a16", "w4a4"), tasks_limit=2,
                                 ppl_max_tokens=300, loader=tiny_loader, progress=False, log=logs.append)
 
-    assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "speedup.png", "vram.png",
-                                                    "accuracy.png"}
+    written = {p.name for p in tmp_path.iterdir()}
+    assert written >= {"report.md", "report.json", "vram.png", "accuracy.png"}
     data = json.loads((tmp_path / "report.json").read_text())
+    # a speed plot only where something was timed (CUDA): on the CPU it was an empty chart
+    timed = any(report._rows(r) for r in data["configs"].values()) or any(
+        "skipped" not in v for v in data["speed_models"].values())
+    assert ("speedup.png" in written) == timed
     assert set(data) >= {"meta", "configs", "speed_models", "summary"}
     assert list(data["configs"]) == ["bf16", "w4a16", "w4a4"]
     for name, r in data["configs"].items():

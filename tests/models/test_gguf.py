@@ -1,4 +1,6 @@
 """GGUF loading: the shipped SmolLM2 Q4_1 file, and tiny synthetic GGUF files for the edge cases."""
+from types import SimpleNamespace
+
 import gguf
 import numpy as np
 import pytest
@@ -218,3 +220,16 @@ def test_unknown_tensor(tiny, tmp_path):
 def test_unsupported_pre_tokenizer(tiny, tmp_path):
     with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe' is not supported"):
         load_gguf(_write_gguf(tmp_path / "bpe.gguf", tiny, pre="llama-bpe"))
+
+
+def test_a_truncated_or_incomplete_gguf_is_named_in_one_line(tiny, tmp_path):
+    """A cut file gave numpy's "When changing to a larger dtype..." and a missing tensor load_state_dict's traceback."""
+    data = _write_gguf(tmp_path / "whole.gguf", tiny).read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * 0.6)])
+    with pytest.raises(ValueError, match=r"cut\.gguf is truncated or corrupt \(.*\); download or convert it again"):
+        load_gguf(tmp_path / "cut.gguf")
+    state = {k: v for k, v in tiny.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
+    fewer = SimpleNamespace(config=tiny.config, state_dict=lambda: state)
+    with pytest.raises(ValueError, match=r"fewer\.gguf lacks 1 of the model's tensors, e.g. "
+                                         r"\['model\.layers\.1\.mlp\.down_proj\.weight'\]"):
+        load_gguf(_write_gguf(tmp_path / "fewer.gguf", fewer))
