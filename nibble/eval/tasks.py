@@ -57,13 +57,25 @@ def _multiple_choice(context: str, choices: list[str], gold: int) -> Doc:
     return Doc([(context, " " + c) for c in choices], choices, gold)
 
 
+# Each task's data files under the data folder (data.py), named once for its loader and its errors.
+FILES = {
+    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
+    "hellaswag": ("hellaswag/hellaswag_val_full.txt",),
+    "winogrande": ("winogrande/winogrande_dev_llmfoundry.jsonl",),
+    "arc_easy": ("arc/ARC-Easy-Test.jsonl",),
+    "arc_challenge": ("arc/ARC-Challenge-Test.jsonl",),
+    "boolq": ("boolq/val.jsonl",),
+    "openbookqa": ("openbookqa/openbook_qa_test_llmfoundry.jsonl",),
+}
+
+
 def _jsonl(relpath: str) -> list[dict]:
     return read_jsonl(data_file(relpath))
 
 
 def load_piqa() -> list[Doc]:
-    docs = _jsonl("piqa/valid.jsonl")
-    labels = data_file("piqa/valid-labels.lst").read_text().split()
+    docs = _jsonl(FILES["piqa"][0])
+    labels = data_file(FILES["piqa"][1]).read_text().split()
     if len(labels) != len(docs):
         raise ValueError(f"piqa: {len(docs)} questions but {len(labels)} labels; the two files must align.")
     return [
@@ -86,25 +98,25 @@ def _load_arc(relpath: str) -> list[Doc]:
 
 
 def load_arc_easy() -> list[Doc]:
-    return _load_arc("arc/ARC-Easy-Test.jsonl")
+    return _load_arc(FILES["arc_easy"][0])
 
 
 def load_arc_challenge() -> list[Doc]:
-    return _load_arc("arc/ARC-Challenge-Test.jsonl")
+    return _load_arc(FILES["arc_challenge"][0])
 
 
 def load_boolq() -> list[Doc]:
     gold = {"false": 0, "true": 1}
     return [
         _multiple_choice(f"{d['passage']}\nQuestion: {d['question']}?\nAnswer:", ["no", "yes"], gold[d["label"]])
-        for d in _jsonl("boolq/val.jsonl")
+        for d in _jsonl(FILES["boolq"][0])
     ]
 
 
 def load_openbookqa() -> list[Doc]:
     return [
         _multiple_choice(d["query"], d["choices"], d["gold"])
-        for d in _jsonl("openbookqa/openbook_qa_test_llmfoundry.jsonl")
+        for d in _jsonl(FILES["openbookqa"][0])
     ]
 
 
@@ -121,7 +133,7 @@ _OPEN_PHRASE = re.compile(r"(?<=[.!?] )[a-z][^.!?]*$")
 
 
 def load_hellaswag() -> list[Doc]:
-    lines = data_file("hellaswag/hellaswag_val_full.txt").read_text(encoding="utf-8").split("\n")
+    lines = data_file(FILES["hellaswag"][0]).read_text(encoding="utf-8").split("\n")
     out = []
     # 6 lines per task: context, gold index, 4 endings
     for i in range(0, len(lines) - 5, 6):
@@ -133,7 +145,7 @@ def load_hellaswag() -> list[Doc]:
 
 def load_winogrande() -> list[Doc]:
     out = []
-    for d in _jsonl("winogrande/winogrande_dev_llmfoundry.jsonl"):
+    for d in _jsonl(FILES["winogrande"][0]):
         contexts = d["context_options"]
         out.append(Doc([(c, " " + d["continuation"]) for c in contexts], contexts, d["gold"]))
     return out
@@ -142,17 +154,16 @@ def load_winogrande() -> list[Doc]:
 class Task(NamedTuple):
     load: Callable[[], list[Doc]]
     has_acc_norm: bool
-    files: tuple[str, ...]  # what `load` reads, for its errors
 
 
 TASKS = {
-    "piqa": Task(load_piqa, True, ("piqa/valid.jsonl", "piqa/valid-labels.lst")),
-    "hellaswag": Task(load_hellaswag, True, ("hellaswag/hellaswag_val_full.txt",)),
-    "winogrande": Task(load_winogrande, False, ("winogrande/winogrande_dev_llmfoundry.jsonl",)),
-    "arc_easy": Task(load_arc_easy, True, ("arc/ARC-Easy-Test.jsonl",)),
-    "arc_challenge": Task(load_arc_challenge, True, ("arc/ARC-Challenge-Test.jsonl",)),
-    "boolq": Task(load_boolq, False, ("boolq/val.jsonl",)),
-    "openbookqa": Task(load_openbookqa, True, ("openbookqa/openbook_qa_test_llmfoundry.jsonl",)),
+    "piqa": Task(load_piqa, True),
+    "hellaswag": Task(load_hellaswag, True),
+    "winogrande": Task(load_winogrande, False),
+    "arc_easy": Task(load_arc_easy, True),
+    "arc_challenge": Task(load_arc_challenge, True),
+    "boolq": Task(load_boolq, False),
+    "openbookqa": Task(load_openbookqa, True),
 }
 ALL_TASKS = tuple(TASKS)
 
@@ -257,7 +268,7 @@ def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16,
     results = {}
     for name in tasks:
         task = TASKS[name]
-        files = " and ".join(str(data_file(f)) for f in task.files)
+        files = " and ".join(str(data_file(f)) for f in FILES[name])
         with parsing(files):
             docs = task.load()[:limit]
         if not docs:

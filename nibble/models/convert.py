@@ -100,11 +100,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     # every refusal before the model is touched (moved, rotated, a layer converted), so that it stays as it was
     names = linears_to_convert(model, config)
     check_widths(model, names, config)
-    if config.method != "rtn" and calibration is None:
-        raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble.quantize."
-                         "calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 excerpt, "
-                         "what `nibble quantize` uses) or your own LongTensor [n, seq_len]")
     if config.method != "rtn":
+        if calibration is None:
+            raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble."
+                             "quantize.calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 "
+                             "excerpt, what `nibble quantize` uses) or your own LongTensor [n, seq_len]")
         check_calibration_ids(model, calibration)
     if device is not None:
         device = resolve_device(device)

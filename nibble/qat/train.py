@@ -444,10 +444,10 @@ def qat_main(args) -> None:
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     _check_init(args.recipe, args.init)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
-    calibration = None
-    if args.init == "gptq" and calibration_sizes(args):
+    calibration, sizes = None, calibration_sizes(args)
+    if args.init == "gptq" and sizes:
         from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer, **calibration_sizes(args))
+        calibration = calibration_batches(tokenizer, **sizes)
     model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                     resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                     quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
