@@ -573,9 +573,9 @@ def user_errors() -> tuple:
     their messages say what to fix, so the command prints them as one line, not a traceback."""
     from nibble.kernels import KernelUnavailableError
     from nibble.kernels.cuda_build import CudaBuildError
-    from nibble.models.serialization import CheckpointError
 
-    return (FileNotFoundError, NotADirectoryError, ModuleNotFoundError, ValueError, CheckpointError, CudaBuildError,
+    # ValueError covers nibble.models.serialization.CheckpointError
+    return (FileNotFoundError, NotADirectoryError, ModuleNotFoundError, ValueError, CudaBuildError,
             KernelUnavailableError)
 
 

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from nibble.formats.int4 import FORMAT_VERSION
+from nibble.formats.int4 import FORMAT_VERSION, PACK
 
 MODES = ("w4a16", "w4a4")
 METHODS = ("rtn", "gptq", "awq")
@@ -24,6 +24,22 @@ def check_group_size(group_size) -> None:
         raise ValueError(f"group_size must be -1 (one group per output channel) or a positive multiple of 8 that "
                          f"divides in_features: 32, 64 or 128 (nibble's CUDA kernels; 256, 512, ... too), or "
                          f"another multiple of 8 such as 16 or 48 (its Triton kernels); got {group_size}")
+
+
+def width_error(in_features: int, group_size: int) -> str | None:
+    """What is wrong with quantizing a linear of ``in_features`` in groups of ``group_size`` (-1: one group a
+    row), or None: INT4 packs 8 codes to an int32 word along in_features, and a group must divide the row. The one
+    statement of the rule (QuantLinear, RTN and quantize_model's check before any layer turns); where the group
+    does not divide, it names the group sizes that do (multiples of 8, which every kernel runs, up to 128)."""
+    if in_features % PACK:
+        return (f"in_features={in_features} is not a multiple of {PACK}, which INT4 packing needs ({PACK} codes a "
+                "32-bit word): keep the layer in 16 bits (QuantConfig.modules_to_not_convert)")
+    if group_size != -1 and in_features % group_size:
+        fits = [g for g in range(128, 7, -8) if in_features % g == 0][:3]
+        which = f" ({', '.join(map(str, fits))} do)" if fits else ""
+        return (f"in_features={in_features} is not divisible by group_size={group_size}; pick a group size that "
+                f"divides it{which} or -1 for per-channel")
+    return None
 
 
 @dataclass

@@ -8,10 +8,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import QuantConfig, resolve_device
+from nibble.config import QuantConfig, resolve_device, width_error
 from nibble.nn.quant_linear import QuantLinear
-from nibble.formats.int4 import PACK
-from nibble.quantize.rtn import group_size_error, naming
+from nibble.quantize.rtn import naming
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -141,12 +140,8 @@ def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> Non
     """Refuse a group size (or a width INT4 cannot pack) of any linear in ``names`` before any of them is
     converted: found half-way, it left the model half quantized, and a retry refused as quantized already."""
     for name in names:
-        K = model.get_submodule(name).in_features
-        if K % PACK:
-            raise ValueError(f"{name}: in_features={K} is not a multiple of {PACK}, which INT4 packing needs ({PACK} "
-                             "codes a 32-bit word): keep it in 16 bits (QuantConfig.modules_to_not_convert)")
-        if config.group_size != -1 and K % config.group_size:
-            raise ValueError(f"{name}: {group_size_error(K, config.group_size)}")
+        if error := width_error(model.get_submodule(name).in_features, config.group_size):
+            raise ValueError(f"{name}: {error}")
 
 
 def check_calibration_ids(model: nn.Module, calibration) -> None:

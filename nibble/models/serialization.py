@@ -32,8 +32,10 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(ValueError):
+    """A nibble checkpoint that is missing, truncated, edited or not nibble's. A ValueError like every other
+    "this file is bad" error nibble raises (an AutoAWQ / GPTQ checkpoint, a GGUF, a float model's weights), so one
+    ``except ValueError`` catches them all."""
 
 
 def _sha256(t: torch.Tensor) -> str:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nibble import kernels
-from nibble.config import QuantConfig, check_group_size
+from nibble.config import QuantConfig, check_group_size, width_error
 from nibble.formats.int4 import PACK, Int4Weight
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
@@ -30,9 +30,9 @@ class QuantLinear(nn.Module):
                  device=None):
         super().__init__()
         check_group_size(group_size)
+        if error := width_error(in_features, group_size):
+            raise ValueError(error)
         group_size = in_features if group_size == -1 else group_size
-        if in_features % PACK or in_features % group_size:
-            raise ValueError(f"in_features={in_features} must be divisible by 8 and by group_size={group_size}")
         if mode not in ("w4a16", "w4a4"):
             raise ValueError(f"mode must be 'w4a16' or 'w4a4', got {mode!r}")
         if mode == "w4a4" and group_size != in_features:

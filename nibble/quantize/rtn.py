@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from nibble.config import width_error
 from nibble.formats.int4 import Int4Weight
 
 MAX_CODE = 15
@@ -28,20 +29,12 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
         raise ValueError(f"expected a 2-D [out_features, in_features] weight, got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
-    K = weight.shape[1]
-    if group_size <= 0 or K % group_size:
-        raise ValueError(group_size_error(K, group_size))
+    if group_size <= 0:
+        raise ValueError(f"group_size must be positive here (the row's width for per-channel), got {group_size}")
+    if error := width_error(weight.shape[1], group_size):
+        raise ValueError(error)
     if not torch.isfinite(weight).all():
         raise ValueError("weight contains NaN or Inf; fix the checkpoint before quantizing")
-
-
-def group_size_error(K: int, group_size: int) -> str:
-    """What to say of in_features K that group_size does not divide: the group sizes that do (multiples of 8,
-    which every kernel runs, up to 128: the largest three)."""
-    fits = [g for g in range(128, 7, -8) if K % g == 0][:3]
-    which = f" ({', '.join(map(str, fits))} do)" if fits else ""
-    return (f"in_features={K} is not divisible by group_size={group_size}; pick a group size that divides "
-            f"it{which} or -1 for per-channel")
 
 
 class ScaleOverflowError(ValueError):
