@@ -122,7 +122,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     The model's ``config.quantization_config`` becomes the nibble one (method awq/gptq), with the
     original under ``"imported_from"``, so ``save_quantized`` can write it in nibble's format.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
     device = resolve_device(device)  # "cuda" without a GPU is refused by name, not deep in torch
@@ -177,10 +177,8 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     model.config.quantization_config = {**nibble_qc.to_dict(), "imported_from": info["raw"],
                                         "input_permuted_modules": input_permuted_modules(model)}
     model.eval()
-    tokenizer = None
-    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return model, tokenizer
+    from nibble.models.serialization import load_companions
+    return model, load_companions(model, directory)
 
 
 @torch.no_grad()
@@ -265,11 +263,10 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
     config["quantization_config"] = {**quantization_config, "bits": 4, "group_size": group_size,
                                      "modules_to_not_convert": not_converted or None}
     config["torch_dtype"] = config["dtype"] = "float16"
-    from nibble.models.serialization import _atomic_write
+    from nibble.models.serialization import _atomic_write, save_companions
     _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+    save_companions(model, directory, tokenizer)
     return directory
 
 

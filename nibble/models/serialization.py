@@ -30,6 +30,7 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 class CheckpointError(ValueError):
@@ -84,9 +85,32 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     config["quantization_config"] = {**qc, "online_hadamard_modules": online,
                                      "input_permuted_modules": input_permuted_modules(model)}
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
+    save_companions(model, directory, tokenizer)
+    return directory
+
+
+def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
+    """What a checkpoint holds beside its weights and config.json: the generation config (an Instruct model's
+    end-of-turn tokens and sampling defaults live there only: Llama-3-Instruct's config.json names
+    <|end_of_text|>, its generation_config.json <|eot_id|> too) and the tokenizer, as ``save_pretrained`` writes
+    them."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    return directory
+
+
+def load_companions(model: nn.Module, directory: Path):
+    """The tokenizer saved beside a checkpoint (None without one), and its generation config into ``model``: what
+    ``from_pretrained`` reads besides the weights (`save_companions`)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    if (directory / GENERATION_CONFIG).exists():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return None
 
 
 def _read_checked(path: Path) -> tuple[dict, dict]:
@@ -119,7 +143,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`).
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
     # First: "cuda" without a GPU would fail deep in torch, and "gpu" as weights that "do not match".
@@ -173,10 +197,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         qc_dict["input_permuted_modules"] = input_permuted_modules(model)
     model.config.quantization_config = qc_dict
     model.eval()
-    tokenizer = None
-    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return model, tokenizer
+    return model, load_companions(model, directory)
 
 
 def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:

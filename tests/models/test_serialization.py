@@ -153,3 +153,19 @@ def test_a_rotated_16_bit_down_proj_keeps_its_online_hadamard_through_the_roundt
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
+def test_generation_config_survives_the_roundtrip(tmp_path, fmt):
+    """An Instruct model's end-of-turn token and sampling defaults live in generation_config.json only (Llama-3's
+    <|eot_id|>): a checkpoint without it decoded past the end of the turn, and an imported AutoAWQ / GPTQ one lost
+    the file it ships."""
+    from transformers import GenerationConfig
+    model = tiny_model("llama")
+    model.config.eos_token_id = 2
+    model.generation_config = GenerationConfig(eos_token_id=[2, 7], do_sample=True, temperature=0.6, top_p=0.9)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path, format=fmt)
+    loaded, _ = load_quantized(tmp_path)
+    g = loaded.generation_config
+    assert (g.eos_token_id, g.do_sample, g.temperature, g.top_p) == ([2, 7], True, 0.6, 0.9)
