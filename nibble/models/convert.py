@@ -132,8 +132,23 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         untie_lm_head(model)
     if device is not None:
         model.to(device)  # the rest of the model, already there unless a layer's turn never came
-    model.config.quantization_config = config.to_dict()
+    mark_quantized(model, config.to_dict())
     return model
+
+
+def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
+    """Record ``quantization_config`` as the model's, and turn its ``save_pretrained`` into a refusal that names
+    `nibble.save_quantized`: transformers wrote the INT4 buffers without the checksums, permutations and online
+    Hadamards nibble's loader needs, and ``from_pretrained`` skips quant_method "nibble" with a warning and
+    returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too)."""
+    model.config.quantization_config = quantization_config
+    model.save_pretrained = _save_pretrained_refused
+
+
+def _save_pretrained_refused(*args, **kwargs):
+    raise ValueError("a nibble-quantized model is saved with nibble.save_quantized(model, directory, tokenizer) "
+                     "(format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained would write a "
+                     "checkpoint that transformers loads as random weights and nibble cannot load")
 
 
 def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> None:

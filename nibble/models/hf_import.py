@@ -30,7 +30,7 @@ from torch import nn
 from nibble.config import QuantConfig, resolve_device, resolve_dtype
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
-from nibble.models.convert import check_architecture, quantized_linears
+from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
@@ -174,8 +174,8 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     fold_mlp_input_orders(model)
     nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
                             symmetric=info["sym"], zero_point="int", clip_search=False, method=info["method"])
-    model.config.quantization_config = {**nibble_qc.to_dict(), "imported_from": info["raw"],
-                                        "input_permuted_modules": input_permuted_modules(model)}
+    mark_quantized(model, {**nibble_qc.to_dict(), "imported_from": info["raw"],
+                           "input_permuted_modules": input_permuted_modules(model)})
     model.eval()
     from nibble.models.serialization import load_companions
     return model, load_companions(model, directory)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
-from nibble.models.convert import check_architecture
+from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      load_hf_quantized)
@@ -195,7 +195,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         model.tie_weights()
     if fold_mlp_input_orders(model):  # saves from before the fold listed permuted down_projs
         qc_dict["input_permuted_modules"] = input_permuted_modules(model)
-    model.config.quantization_config = qc_dict
+    mark_quantized(model, qc_dict)
     model.eval()
     return model, load_companions(model, directory)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from nibble.config import QuantConfig
 from nibble.formats.int4 import Int4Weight
+from nibble.models.convert import mark_quantized
 from nibble.nn.quant_linear import QuantLinear
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, weight_grid
 
@@ -61,8 +62,7 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
         p.requires_grad_(False)
     rotation = "hadamard" if meta.get("recipe") == "hadamard" else "none"
     qc = QuantConfig(mode="w4a4", rotation=rotation, rotation_seed=meta.get("rotation_seed", 0), clip_search=False)
-    base.config.quantization_config = {**qc.to_dict(), "qat": {k: v for k, v in meta.items()
-                                                               if isinstance(v, (int, float, str, list))}}
+    mark_quantized(base, {**qc.to_dict(), "qat": {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list))}})
     base.config.use_cache = True
     base.eval()
     if out_dir is not None:

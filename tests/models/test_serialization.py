@@ -169,3 +169,16 @@ def test_generation_config_survives_the_roundtrip(tmp_path, fmt):
     loaded, _ = load_quantized(tmp_path)
     g = loaded.generation_config
     assert (g.eos_token_id, g.do_sample, g.temperature, g.top_p) == ([2, 7], True, 0.6, 0.9)
+
+
+def test_save_pretrained_is_refused_with_the_way_to_save(saved, tmp_path):
+    """transformers' save_pretrained wrote the INT4 buffers without what nibble's loader needs, and from_pretrained
+    read that directory (or a save_quantized one) as random linears after a warning."""
+    import copy
+    import pickle
+    model, path = saved
+    loaded, _ = load_quantized(path)
+    for m in (model, loaded, copy.deepcopy(loaded), pickle.loads(pickle.dumps(loaded))):
+        with pytest.raises(ValueError, match=r"nibble\.save_quantized\(model, directory, tokenizer\)"):
+            m.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
