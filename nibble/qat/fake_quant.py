@@ -30,6 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from nibble.kernels.hadamard import hadamard_transform
@@ -244,21 +245,43 @@ class FakeQuantLoraLinear(LoraLinear):
     unquantized ``B A x`` branch. Registered with ``LoraConfig._register_custom_module``."""
 
     def lora_delta(self) -> torch.Tensor | None:
-        """``sum scaling * B @ A`` over the active adapters, float32; None when adapters are off."""
+        """``sum scaling * B @ A`` over the active adapters not merged into the weight, float32; None when there
+        are none (or adapters are off)."""
         if self.disable_adapters:
             return None
         delta = None
         for name in self.active_adapters:
-            if name not in self.lora_A:
+            if name not in self.lora_A or name in self.merged_adapters:
                 continue
             a, b = self.lora_A[name].weight.float(), self.lora_B[name].weight.float()
             d = (b @ a) * self.scaling[name]
             delta = d if delta is None else delta + d
         return delta
 
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """peft's merge (``merge_and_unload``) adds ``s B A`` to the base layer's ``weight``; a layer started from
+        GPTQ quantizes its ``start_weight`` instead (`effective_weight`), so its delta goes there, or the unloaded
+        model would run without its adapters. The merged model is still fake quantized: `export` deploys it."""
+        base = self.get_base_layer()
+        if base.start_weight is None:
+            return super().merge(safe_merge, adapter_names)
+        for name in check_adapters_to_merge(self, adapter_names):
+            if name in self.lora_A:
+                base.start_weight += self.get_delta_weight(name).float()
+                self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        base = self.get_base_layer()
+        if base.start_weight is None:
+            return super().unmerge()
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.lora_A:
+                base.start_weight -= self.get_delta_weight(name).float()
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.merged:
-            raise RuntimeError("PE-QAT layers are never merged in place; use nibble.qat.export")
         base = self.get_base_layer()
         with torch.autocast(x.device.type, enabled=False):
             delta = self.lora_delta()

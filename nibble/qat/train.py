@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -118,6 +119,21 @@ def _check_init(recipe: str, init: str) -> None:
                          "recipe's learned smoothing rescales the weight that GPTQ would have quantized")
 
 
+class QatPeftModel(PeftModel):
+    """The PeftModel PE-QAT trains. peft's ``save_pretrained`` writes the LoRA weights only: a recipe that also
+    learns quantizer parameters (per-token: clip ratios; per-channel: clips and smoothing) would come back from
+    ``PeftModel.from_pretrained`` without them (SmolLM2-sized logits 0.4 apart), so it is refused there with what
+    keeps them. ``merge_and_unload`` works (`FakeQuantLoraLinear.merge`)."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        learned = [n for n, p in self.named_parameters() if p.requires_grad and ".lora_" not in n]
+        if learned:
+            raise ValueError(f"a peft adapter holds LoRA weights only, not the {len(learned)} quantizer parameters "
+                             f"this recipe learns (e.g. {learned[0]}): run_qat(out_dir=...) / nibble qat --out keep "
+                             "them (qat-state, resumable), and nibble.qat.export writes the deployable W4A4 model")
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
 def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: float | None = None,
                       rotation_seed: int = 0, init: str = "rtn", calibration=None, progress: bool = True) -> nn.Module:
     """Rotate (hadamard recipe), swap every quantizable linear for a FakeQuantLinear, add LoRA with peft.
@@ -126,7 +142,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     [n, seq_len], see `nibble.quantize.calibration.calibration_batches`); see the module doc.
     Returns the PeftModel; only LoRA and the recipe's quantization parameters are trainable.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     from nibble.models.convert import check_architecture
 
@@ -151,7 +167,8 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
                         target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
-    peft_model = get_peft_model(model, config)
+    config.base_model_name_or_path = getattr(model, "name_or_path", None)  # as get_peft_model records it
+    peft_model = QatPeftModel(model, config)
     for _, m in fake_quant_layers(peft_model):  # peft freezes everything that is not "lora_"
         for p in (getattr(m, a, None) for a in ("clip_logit", "act_clip_logit", "smooth_log")):
             if p is not None:

@@ -228,3 +228,29 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
     with pytest.raises(ValueError, match="windows of seq_len=40 exceed the model's context"):
         run_qat(tiny_model(max_position_embeddings=32), None, "per-token", 1, seq_len=40, device="cpu",
                 windows=torch.zeros(2, 40, dtype=torch.long), progress=False)
+
+
+@pytest.mark.parametrize("init", ["rtn", "gptq"])
+def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
+    """merge_and_unload: a GPTQ-started layer quantizes its start weight, so peft's merge into `weight` dropped the
+    adapters without a word; save_pretrained: an adapter holds no learned clip ratios (loaded back 0.4 apart)."""
+    import copy
+    windows = _windows()
+    kw = dict(init="gptq", calibration=_windows(n=6, seed=2)) if init == "gptq" else {}
+    qat = _train("per-token", 3, windows, **kw)
+    ids = windows[:2]
+    with torch.no_grad():
+        trained = qat(input_ids=ids).logits
+        merged = copy.deepcopy(qat)
+        merged.merge_adapter()  # merged in place, still wrapped: runs without adding B A again
+        assert torch.equal(merged(input_ids=ids).logits, trained)
+        merged.unmerge_adapter()
+        assert torch.equal(merged(input_ids=ids).logits, trained)
+        unloaded = copy.deepcopy(qat).merge_and_unload()
+        assert not any(hasattr(m, "lora_A") for m in unloaded.modules())
+        assert (unloaded(input_ids=ids).logits - trained).abs().max() < 1e-5
+        exported = export(copy.deepcopy(qat))
+        set_backend(exported, "reference")
+        assert (exported(ids).logits - trained).abs().max() / trained.abs().max() < 1e-4
+    with pytest.raises(ValueError, match=r"not the 14 quantizer parameters this recipe learns .*nibble\.qat\.export"):
+        qat.save_pretrained(tmp_path / "adapter")
