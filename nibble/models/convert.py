@@ -174,17 +174,18 @@ def check_calibration_ids(model: nn.Module, calibration) -> None:
                          "tokenizer))")
 
 
-def check_not_quantized(model: nn.Module) -> None:
+def check_not_quantized(model: nn.Module, taker: str = "quantize_model") -> None:
     """Refuse a model that is quantized already: quantizing it again would leave its config saying one
-    quantization and its layers holding another (or both), which nothing can load back."""
+    quantization and its layers holding another (or both), which nothing can load back; PE-QAT (``taker``) wraps
+    16-bit linears only."""
     done = quantized_linears(model)
     qc = getattr(model.config, "quantization_config", None)
     if done or qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         what = (f"{len(done)} of its linears are QuantLinear ({done[0][0]}, ...)" if done else
                 f"its config has a quantization_config (quant_method {method!r})")
-        raise ValueError(f"the model is quantized already: {what}; quantize_model takes a 16-bit model: load the "
-                         "16-bit model again (nibble.models.loading.load_model) and quantize that")
+        raise ValueError(f"the model is quantized already: {what}; {taker} takes a 16-bit model: load the "
+                         "16-bit model again (nibble.models.loading.load_model) and give it that")
 
 
 def layer_turns(model: nn.Module, config: QuantConfig, names: list[str], device: torch.device | None, rotate_layer):

@@ -144,7 +144,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     """
     from peft import LoraConfig
 
-    from nibble.models.convert import check_architecture
+    from nibble.models.convert import check_architecture, check_not_quantized
 
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
@@ -152,6 +152,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_architecture(model)
+    check_not_quantized(model, "PE-QAT")
     if recipe == "hadamard":
         from nibble.models.rotation import rotate_model
         rotate_model(model, seed=rotation_seed)
@@ -324,7 +325,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
-    with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint.
+    with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload``
+    gives the trained fake-quant model; its ``save_pretrained`` refuses a recipe that learns quantizer parameters,
+    `QatPeftModel`).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")

@@ -35,7 +35,8 @@ def _windows(n=4, seed=1):
 def _train(recipe, steps, windows, **kw):
     kw = dict(lr=5e-3, quant_lr=1e-2, seq_len=SEQ, batch_size=windows.shape[0], windows=windows, device="cpu",
               warmup=1, progress=False, gradient_checkpointing=False) | kw
-    return run_qat(_model(), None, recipe, steps, **kw)
+    model = kw.pop("model", None) or _model()
+    return run_qat(model, None, recipe, steps, **kw)
 
 
 def _dq(w):
@@ -208,6 +209,16 @@ def test_gptq_start_refuses_what_it_cannot_do():
         FakeQuantLinear.from_linear(lin, start=(w, scales.t()), clip="fixed")
     with pytest.raises(ValueError, match="clip ratio"):
         FakeQuantLinear.from_linear(lin, start=(w, scales), clip="none")
+
+
+def test_a_quantized_model_is_refused_by_name():
+    """peft said "No target_modules passed" of a model whose linears are QuantLinear already."""
+    from nibble.config import QuantConfig
+    from nibble.models.convert import quantize_model
+    quantized = quantize_model(_model(), QuantConfig(group_size=32), progress=False)
+    with pytest.raises(ValueError, match="quantized already: 14 of its linears are QuantLinear .*PE-QAT takes a "
+                                         "16-bit model"):
+        _train("per-token", 1, _windows(), model=quantized)
 
 
 def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):

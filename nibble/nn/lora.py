@@ -1,0 +1,71 @@
+"""LoRA adapters (peft) on nibble's quantized layers: QLoRA-style fine-tuning of a nibble model.
+
+peft wraps the layer types it knows and refuses the others by name ("Target module QuantLinear(...) is not
+supported"), so a `QuantLinear` is taught to it per config, as peft's custom-module API takes it:
+
+    config = nibble.nn.lora.lora_config(r=16, target_modules=["q_proj", "v_proj"])   # a peft LoraConfig
+    model = peft.get_peft_model(quantized_model, config)
+
+y = QuantLinear(x) + s B A x: the INT4 layer runs its own kernel as in inference, the adapter is a 16-bit (float32
+by default) branch beside it, as peft's GPTQ and bitsandbytes layers do. The frozen INT4 weight passes the gradient
+to x (`QuantLinear`'s dequantized-weight backward), so adapters of every layer, not only the last, learn. An adapter
+cannot be merged into INT4 codes without quantizing again: merging is refused (a W4A4 model fine-tuned to be
+deployed is PE-QAT's job, `nibble.qat`, whose adapters are merged before the fake quantization).
+"""
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig
+from peft.tuners.lora.layer import LoraLayer
+from torch import nn
+
+from nibble.nn.quant_linear import QuantLinear
+
+
+class QuantLoraLinear(nn.Module, LoraLayer):
+    """peft's LoRA layer around a `QuantLinear`: the quantized product plus the adapters' ``s B A x``."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, r: int = 0,
+                 lora_alpha: int = 1, **kwargs):
+        super().__init__()
+        LoraLayer.__init__(self, base_layer)
+        if config.use_dora:
+            raise ValueError("DoRA rescales the weight's columns, which a QuantLinear's INT4 codes cannot follow: "
+                             "use plain LoRA (use_dora=False) on nibble layers")
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features  # peft's guess warns of an unknown layer type
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        raise ValueError("a LoRA adapter cannot be merged into a nibble layer's INT4 weights without quantizing "
+                         "them again: merge it into the 16-bit model and quantize that (nibble.quantize_model), or "
+                         "keep it as a branch (unload the adapter with peft's unload() to drop it)")
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = self.base_layer(x)
+        if self.disable_adapters:
+            return result
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            a, b = self.lora_A[name], self.lora_B[name]
+            xa = self._cast_input_dtype(x, a.weight.dtype)
+            result = result + (b(a(self.lora_dropout[name](xa))) * self.scaling[name]).to(result.dtype)
+        return result
+
+    def __repr__(self) -> str:
+        return "lora." + super().__repr__()
+
+
+def lora_config(**kwargs) -> LoraConfig:
+    """A peft ``LoraConfig(**kwargs)`` whose targets may be nibble `QuantLinear` layers (`QuantLoraLinear`), for
+    ``peft.get_peft_model``; 16-bit layers (lm_head, ``modules_to_not_convert``) get peft's own LoRA."""
+    if kwargs.get("target_modules") == "all-linear":  # peft expands it to the nn.Linear layers alone
+        raise ValueError("target_modules='all-linear' finds torch's nn.Linear layers only, not nibble's: name the "
+                         "projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
+                         "'down_proj']")
+    config = LoraConfig(**kwargs)
+    config._register_custom_module({QuantLinear: QuantLoraLinear})
+    return config
