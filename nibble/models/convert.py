@@ -96,6 +96,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     config = config or QuantConfig()
     check_architecture(model)
     check_not_quantized(model)
+    if any(p.is_meta for p in model.parameters()):  # said before "Tensor.item() cannot be called on meta tensors"
+        raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
+                         "load its weights first; a saved quantized model loads with nibble.load_quantized")
     # every refusal before the model is touched (moved, rotated, a layer converted), so that it stays as it was
     names = linears_to_convert(model, config)
     check_widths(model, names, config)
@@ -140,9 +143,17 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     """Record ``quantization_config`` as the model's, and turn its ``save_pretrained`` into a refusal that names
     `nibble.save_quantized`: transformers wrote the INT4 buffers without the checksums, permutations and online
     Hadamards nibble's loader needs, and ``from_pretrained`` skips quant_method "nibble" with a warning and
-    returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too)."""
+    returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). A quantized
+    lm_head refuses ``resize_token_embeddings`` too, before the embedding is resized."""
     model.config.quantization_config = quantization_config
     model.save_pretrained = _save_pretrained_refused
+    if isinstance(model.get_output_embeddings(), QuantLinear):
+        model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
+
+
+def _resize_refused(*args, **kwargs):
+    raise ValueError("lm_head is quantized (QuantLinear): resize the vocabulary (resize_token_embeddings) of the "
+                     "16-bit model, then quantize it")
 
 
 def _save_pretrained_refused(*args, **kwargs):

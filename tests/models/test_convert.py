@@ -374,3 +374,18 @@ def test_calibration_ids_outside_the_vocabulary_are_refused_first(method):
     with pytest.raises(ValueError, match="calibration must be token ids"):
         quantize_model(model, cfg, progress=False, calibration=torch.rand(4, 16))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_what_transformers_would_leave_half_done_is_refused_first():
+    """resize_token_embeddings resized the embedding, then failed on a quantized head ("no attribute 'weight'");
+    an empty (meta) model failed in the quantizer on "Tensor.item() cannot be called on meta tensors"."""
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=[]), progress=False)
+    rows = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match="lm_head is quantized .* of the 16-bit model, then quantize it"):
+        model.resize_token_embeddings(rows + 16)
+    assert model.get_input_embeddings().num_embeddings == rows
+    with torch.device("meta"):
+        empty = tiny_model("llama")
+    with pytest.raises(ValueError, match="on the meta device .* load its weights first"):
+        quantize_model(empty, QuantConfig(group_size=32), progress=False)
