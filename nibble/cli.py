@@ -86,6 +86,26 @@ def _flags(args, names) -> list[str]:
     return [_option(n) for n in names if getattr(args, n) != QUANT_OPTIONS[n]]
 
 
+def check_out(out: str, model: str | None) -> None:
+    """Refuse an ``--out`` the command could not write, before a model loads (the work of a GPTQ calibration or a
+    whole report was lost to a traceback at the end), and the ``--model`` folder itself (the 16-bit source was
+    replaced)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out} is a file: give a folder")
+    if model and Path(model).is_dir() and path.resolve() == Path(model).resolve():
+        raise ValueError(f"--out {out} is the --model folder: writing there would replace the model it reads; "
+                         "give another folder")
+    nearest = path.absolute()  # the folder, or the nearest of its parents that exists (the command creates the rest)
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ValueError(f"--out {out} cannot be created: {nearest} is a file")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} cannot be written ({nearest}: permission denied): give a folder you can write "
+                         "to")
+
+
 def check_quant_args(args) -> None:
     """Refuse quantization options that would be silently ignored, before any model loads: any of them with a
     quantized --model (it is used as it is), with --quant none, and the options of one mode or method given
@@ -575,8 +595,9 @@ def user_errors() -> tuple:
     from nibble.kernels.cuda_build import CudaBuildError
 
     # ValueError covers nibble.models.serialization.CheckpointError
-    return (FileNotFoundError, NotADirectoryError, ModuleNotFoundError, ValueError, CudaBuildError,
-            KernelUnavailableError)
+    # FloatingPointError: a training run that diverged (PE-QAT), said with the rates to lower
+    return (FileNotFoundError, NotADirectoryError, PermissionError, ModuleNotFoundError, ValueError, CudaBuildError,
+            KernelUnavailableError, FloatingPointError)
 
 
 def main(argv=None):
@@ -584,6 +605,8 @@ def main(argv=None):
     try:
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads
+        if getattr(args, "out", None):
+            check_out(args.out, getattr(args, "model", None))
         return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
     except user_errors() as e:
         if os.environ.get("NIBBLE_TRACEBACK") == "1":

@@ -494,3 +494,23 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
                                ("--save-every", "0", 1)):
         with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be >= {least}, got {value}"):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
+    for flag, value in (("--lr", "nan"), ("--quant-lr", "-5")):
+        with pytest.raises(SystemExit, match=f"^nibble qat: {flag[2:].replace('-', '_')} must be a finite number > 0"):
+            main(["qat", "--out", "unused", "--device", "cpu", flag, value])
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp_path, monkeypatch):
+    """A read-only --out, or a file, failed with a traceback once GPTQ or a whole report had run; --out naming the
+    --model folder replaced the 16-bit source."""
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking --out"))
+    file = tmp_path / "file"
+    file.write_text("")
+    for out, message in ((file, "is a file: give a folder"), (file / "q", "cannot be created: .* is a file"),
+                         (model_dir, "is the --model folder")):
+        with pytest.raises(SystemExit, match=f"^nibble quantize: --out {out} {message}"):
+            main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])
+    monkeypatch.setattr(cli.os, "access", lambda *a: False)
+    with pytest.raises(SystemExit, match=r"^nibble report: --out .* cannot be written \(.*: permission denied\)"):
+        main(["report", "--model", str(model_dir), "--out", str(tmp_path / "r")])

@@ -6,7 +6,8 @@ are converted losslessly by nibble.models.hf_import).
 
 Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
 looks whole. Every tensor's sha256 goes into the safetensors metadata and is checked on load, so
-a truncated or edited file is an error, never silently wrong output.
+a truncated or edited file is an error, never silently wrong output; so does the digest of the
+quantization_config that reads the weights, so weights beside another save's config.json are refused.
 """
 from __future__ import annotations
 
@@ -75,15 +76,18 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
             continue
         seen[key] = name
         tensors[name] = t.detach().contiguous().cpu()
-    metadata = {"format": "pt", "nibble_checksums": json.dumps({k: _sha256(v) for k, v in tensors.items()}),
-                "nibble_aliases": json.dumps(aliases)}
-    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
     config = model.config.to_dict()
     # QuantLinears with the online Hadamard, and 16-bit linears that kept theirs (a rotated model's down_proj left
     # out of the quantization): each holds a weight for a rotated input, meaningless without the rotation
     online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
     config["quantization_config"] = {**qc, "online_hadamard_modules": online,
                                      "input_permuted_modules": input_permuted_modules(model)}
+    metadata = {"format": "pt", "nibble_checksums": json.dumps({k: _sha256(v) for k, v in tensors.items()}),
+                "nibble_aliases": json.dumps(aliases),
+                "nibble_quantization_config": _digest(config["quantization_config"])}
+    # two files, each replaced atomically: the digest of the config that reads the weights goes with them, so a save
+    # interrupted between the two (new weights, old config.json) is refused on load, not run as another model
+    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
     save_companions(model, directory, tokenizer)
     return directory
@@ -113,9 +117,15 @@ def load_companions(model: nn.Module, directory: Path):
     return None
 
 
-def _read_checked(path: Path) -> tuple[dict, dict]:
+def _digest(quantization_config: dict) -> str:
+    return hashlib.sha256(json.dumps(quantization_config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _read_checked(path: Path, quantization_config: dict) -> tuple[dict, dict]:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: not a nibble checkpoint directory")
+    if not os.access(path, os.R_OK):  # safetensors says "No such file or directory" of it
+        raise PermissionError(f"cannot read {path}: permission denied (the file is there; fix its permissions)")
     try:
         tensors = load_file(str(path))
         from safetensors import safe_open
@@ -131,6 +141,11 @@ def _read_checked(path: Path) -> tuple[dict, dict]:
     bad = [k for k, v in tensors.items() if _sha256(v) != checksums[k]]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
+    saved_with = metadata.get("nibble_quantization_config")  # absent from checkpoints saved before it was written
+    if saved_with is not None and saved_with != _digest(quantization_config):
+        raise CheckpointError(f"{path} was saved with another quantization_config than {path.parent / CONFIG} "
+                              "holds (a save into this directory interrupted between the two files, or an edited "
+                              "config.json): save the model again")
     return tensors, json.loads(metadata.get("nibble_aliases", "{}"))
 
 
@@ -163,7 +178,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     qc = QuantConfig.from_dict(qc_dict)
     online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
     permuted = set(qc_dict.get("input_permuted_modules", []))
-    tensors, aliases = _read_checked(directory / WEIGHTS)
+    tensors, aliases = _read_checked(directory / WEIGHTS, qc_dict)
     config = AutoConfig.for_model(**raw)
     dtype = dtype or _saved_dtype(raw, device)
     with torch.device("meta"):

@@ -45,6 +45,7 @@ uninterrupted one would have.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 import warnings
@@ -239,6 +240,14 @@ def _param_groups(model: nn.Module, lr: float, quant_lr: float):
     return groups
 
 
+def check_learning_rates(lr: float, quant_lr: float) -> None:
+    """NaN trained and was exported as an all-NaN model (and written to config.json as the invalid JSON NaN); a
+    negative rate ascends the loss."""
+    for name, value in (("lr", lr), ("quant_lr", quant_lr)):
+        if not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0 (e.g. 1e-3), got {value!r}")
+
+
 def lr_factor(step: int, steps: int, warmup: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine from 1 to 0 at ``steps``."""
     if step < warmup:
@@ -333,6 +342,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    check_learning_rates(lr, quant_lr)
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     _check_init(recipe, init)  # before any calibration text is tokenized
@@ -372,6 +382,10 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if resume:
         if path.exists():
             start = load_state(path, peft_model, optimizer, scheduler, settings)
+            # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished
+            # run): set this schedule's for the step to come (the same where steps did not change)
+            for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+                group["lr"] = base * lr_factor(start, steps, warmup)
         else:
             warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
 
@@ -396,9 +410,13 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
         optimizer.step()
         scheduler.step()
+        # the parameters as this step left them, not only the loss computed before it: a last step's NaN update
+        # was exported as an all-NaN model (one sync a step, with the loss's)
+        updated_finite = torch.stack([torch.isfinite(p).all() for g in optimizer.param_groups for p in g["params"]])
         value = loss.item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"PE-QAT loss became {value} at step {step}; lower lr / quant_lr")
+        if not (math.isfinite(value) and bool(updated_finite.all())):
+            what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
+            raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
         loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
         first_loss = value if first_loss is None else first_loss
         n_tok += ids.numel()
@@ -461,6 +479,7 @@ def qat_main(args) -> None:
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
     check_least(args, (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)))
+    check_learning_rates(args.lr, args.quant_lr)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     _check_init(args.recipe, args.init)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)

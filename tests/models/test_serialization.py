@@ -182,3 +182,20 @@ def test_save_pretrained_is_refused_with_the_way_to_save(saved, tmp_path):
         with pytest.raises(ValueError, match=r"nibble\.save_quantized\(model, directory, tokenizer\)"):
             m.save_pretrained(tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_weights_under_another_quantization_config_are_refused(tmp_path):
+    """A re-save into a directory interrupted between its two files left the new (rotated) weights beside the old
+    config.json: it loaded without a word and ran as another model (SmolLM2 perplexity 112 -> 1e9)."""
+    import shutil
+    for name, rotation in (("old", "none"), ("new", "hadamard")):
+        model = tiny_model("llama")
+        quantize_model(model, QuantConfig(mode="w4a4", rotation=rotation), progress=False)
+        save_quantized(model, tmp_path / name)
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    config["max_position_embeddings"] += 1  # other keys of config.json may be edited
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    load_quantized(tmp_path / "old")
+    shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="saved with another quantization_config than .*config.json holds"):
+        load_quantized(tmp_path / "old")

@@ -265,3 +265,45 @@ def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
         assert (exported(ids).logits - trained).abs().max() / trained.abs().max() < 1e-4
     with pytest.raises(ValueError, match=r"not the 14 quantizer parameters this recipe learns .*nibble\.qat\.export"):
         qat.save_pretrained(tmp_path / "adapter")
+
+
+def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates(tmp_path, monkeypatch):
+    """The restored optimizer held the finished schedule's last rate, 0: the first step of the extension was lost."""
+    from nibble.qat.train import lr_factor
+    windows = _windows()
+    _train("per-token", 2, windows, out_dir=tmp_path, batch_size=2)
+    rates = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        rates.append([g["lr"] for g in self.param_groups])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    with pytest.warns(UserWarning, match="stretched"):
+        _train("per-token", 4, windows, out_dir=tmp_path, batch_size=2, resume=True)
+    assert rates == [[base * lr_factor(s, 4, 1) for base in (5e-3, 1e-2)] for s in (2, 3)]
+    assert all(r > 0 for r in rates[0])
+
+
+@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1.0), dict(quant_lr=0.0), dict(lr=float("inf"))])
+def test_learning_rates_that_cannot_train_are_refused(bad):
+    """lr=NaN trained, exported an all-NaN model and wrote NaN (invalid JSON) into its config.json; a negative one
+    ascended the loss."""
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"^{name} must be a finite number > 0"):
+        _train("per-token", 1, _windows(), **bad)
+
+
+def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
+    """The loss is computed before the update: a last step whose update was NaN went unnoticed into the export."""
+    step = torch.optim.AdamW.step
+
+    def poisoning_step(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        self.param_groups[0]["params"][0].data.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
+    with pytest.raises(FloatingPointError, match="trained parameters became NaN or Inf at step 0"):
+        _train("per-token", 1, _windows())
