@@ -422,6 +422,9 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
+PLOTS = ("speedup.png", "vram.png", "accuracy.png")
+
+
 def write_plots(results: dict, out: Path, log=print) -> list[str]:
     try:
         import matplotlib
@@ -467,7 +470,9 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
     # 2. VRAM: weights (stacked by kind) and peak, per config, one panel per model
     mgroups = {"model": results.get("configs", {}), **{k: v for k, v in results.get("speed_models", {}).items()
                                                         if "skipped" not in v}}
-    fig, axes = plt.subplots(1, len(mgroups), figsize=(5 * len(mgroups), 3.8), squeeze=False)
+    mgroups = {g: by_config for g, by_config in mgroups.items()
+               if any("weights" in by_config.get(n, {}) for n in configs)}  # no empty axes
+    fig, axes = plt.subplots(1, max(1, len(mgroups)), figsize=(5 * max(1, len(mgroups)), 3.8), squeeze=False)
     for ax, (g, by_config) in zip(axes.flat, mgroups.items()):
         names = [n for n in configs if "weights" in by_config.get(n, {})]
         bottom = [0.0] * len(names)
@@ -486,7 +491,10 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3, axis="y")
-    written.append(_save(fig, out / "vram.png"))
+    if mgroups:
+        written.append(_save(fig, out / "vram.png"))
+    else:
+        plt.close(fig)
 
     # 3. accuracy per task, grouped bars (where any config was scored)
     cr = results.get("configs", {})
@@ -571,6 +579,9 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     (out / "report.json").write_text(json.dumps(results, indent=1, default=str))
     write_markdown(results, out / "report.md")
     results["plots"] = write_plots(results, out, log)
+    for stale in PLOTS:  # an earlier run's plot beside this report would read as this run's
+        if str(out / stale) not in results["plots"]:
+            (out / stale).unlink(missing_ok=True)
     log(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(results['plots'])} plots")
     return results
 
@@ -599,7 +610,25 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def check_report_args(args: argparse.Namespace) -> None:
+    """Refuse options this run would ignore (or a run with nothing to measure), before anything loads, as the
+    other commands do: it exited 0 with an empty report and a blank plot."""
+    accuracy_options = [flag for flag, given in (("--limit", args.limit is not None),
+                                                 ("--tasks", args.tasks != list(ALL_TASKS)),
+                                                 ("--ppl-max-tokens", args.ppl_max_tokens is not None),
+                                                 ("--ppl-seq-len", args.ppl_seq_len is not None)) if given]
+    if args.no_model and args.model is not None:
+        raise ValueError("--no-model skips the model that --model names: drop one of them")
+    if args.no_model and args.no_speed:
+        raise ValueError("--no-model with --no-speed leaves nothing to measure: drop one of them")
+    for skip, why in (("--no-model", args.no_model), ("--no-accuracy", args.no_accuracy)):
+        if why and accuracy_options:
+            raise ValueError(f"{' and '.join(accuracy_options)} set the accuracy runs that {skip} skips: drop "
+                             f"{'them' if len(accuracy_options) > 1 else 'it'} or {skip}")
+
+
 def report_main(args: argparse.Namespace) -> int:
+    check_report_args(args)
     results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
                          speed_models=args.speed_models, tasks=args.tasks, ppl_max_tokens=args.ppl_max_tokens,
                          ppl_seq_len=args.ppl_seq_len, batch_size=args.batch_size, device=args.device,

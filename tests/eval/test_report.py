@@ -305,3 +305,26 @@ def test_without_the_model_only_the_speed_models_run(tmp_path):
                                 log=lambda *_: None)
     assert results["configs"] == {} and results["speed_models"] == {"llama-2-7b": {"skipped": report.NO_GPU}}
     assert results["meta"]["model"] == "none (speed models only)" and (tmp_path / "report.md").exists()
+
+
+def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path):
+    """A run without accuracy kept the earlier run's accuracy.png (of other configs) beside its report."""
+    for name in report.PLOTS:
+        (tmp_path / name).write_bytes(b"an earlier run's plot")
+    results = report.run_report(None, tmp_path, configs=("bf16",), accuracy=False, speed=False, loader=tiny_loader,
+                                progress=False, log=lambda *_: None)
+    assert {p.name for p in tmp_path.glob("*.png")} == {"vram.png"} and results["plots"] == [str(tmp_path / "vram.png")]
+    assert (tmp_path / "vram.png").read_bytes() != b"an earlier run's plot"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-model", "--model", "x"], "--no-model skips the model that --model names"),
+    (["--no-model", "--no-speed"], "leaves nothing to measure"),
+    (["--no-accuracy", "--limit", "3", "--tasks", "piqa"], "--limit and --tasks set the accuracy runs that "
+                                                           "--no-accuracy skips"),
+    (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips")])
+def test_report_refuses_options_it_would_ignore(flags, message, monkeypatch, tmp_path):
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran with options it ignores"))
+    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path)] + flags)
+    with pytest.raises(ValueError, match=message):
+        report.report_main(args)
