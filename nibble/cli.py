@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
@@ -427,15 +428,23 @@ def cmd_eval(args):
                          f"drop {' and '.join(wrong)}")
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
+    from nibble.bench.timing import env_meta
+
     model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
         from nibble.eval.perplexity import wikitext2_perplexity
-        print(json.dumps(wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
-                                              batch_size=args.batch_size), indent=2))
+        result = wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
+                                      batch_size=args.batch_size)
     else:
         from nibble.eval.tasks import ALL_TASKS, evaluate_tasks
         tasks = args.tasks.split(",") if args.tasks else ALL_TASKS
-        print(json.dumps(evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size), indent=2))
+        result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
+    # what was measured, beside the numbers (--quant defaults to w4a16: a bare number did not say which model it was)
+    setup = env_meta(model=args.model or "default (SmolLM2-135M-Instruct)",
+                     quantization=getattr(model.config, "quantization_config", None) or "none (16-bit)",
+                     dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                     device=str(next(model.parameters()).device))
+    print(json.dumps({**result, "setup": setup}, indent=2, default=str))
 
 
 def cmd_build_kernels(args):
@@ -500,9 +509,11 @@ def _add_model_args(p, quant=True):
     p.add_argument("--model", default=None, help=f"{quantized}an HF dir or a .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     if quant:
-        p.add_argument("--quant", choices=["w4a16", "w4a4", "none"], default="w4a16")
+        p.add_argument("--quant", choices=["w4a16", "w4a4", "none"], default="w4a16",
+                       help="quantize a float --model this way first (none: run it in 16 bits)")
         p.add_argument("--group-size", type=int, default=None, help="w4a16 group (default: 128, or 64/32 if K needs)")
-        p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn")
+        p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn",
+                       help="round to nearest, or calibrated on the C4 excerpt (gptq, awq)")
         p.add_argument("--rotate", action="store_true", help="w4a4: Hadamard-rotate the model first")
         p.add_argument("--clip-search", action="store_true",
                        help="RTN with the MSE-optimal clipping search (always on for w4a4's per-channel weights; "
@@ -521,16 +532,29 @@ def _add_model_args(p, quant=True):
                        help="gptq / awq: tokens per calibration window (default: 512)")
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's help ends with its default where one is set and the text does not say it already (`nibble
+    eval` quantizes to W4A16 unless --quant says otherwise: a help that hid it measured another model than meant)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not unset and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nibble", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpWithDefaults)
     p = sub.add_parser("generate", help="prompt in, text out")
     _add_model_args(p)
     p.add_argument("prompt", nargs="*", help="one prompt (its text streams as it comes) or several (run as batches "
                                              "by the engine, each printed after its prompt)")
     p.add_argument("--prompts-file", default=None, help="more prompts, one a line (blank lines skipped)")
     p.add_argument("--batch-size", type=int, default=8, help="several prompts: how many the engine runs at once")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--hf-generate", action="store_true",
                    help="decode with transformers' model.generate instead of nibble's engine (static KV cache, "
@@ -547,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("quantize", help="model in, quantized directory out")
     _add_model_args(p)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
     p.add_argument("--format", choices=["nibble", "awq", "gptq"], default="nibble",
                    help="nibble (every mode), or an AutoAWQ GEMM / GPTQ checkpoint for other tools (w4a16 with "
                         "integer zero points and a 16-bit lm_head); given a quantized --model, its weights are "
@@ -581,8 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_build_kernels)
     p = sub.add_parser("demo", help="the `make demo` job")
     _add_model_args(p, quant=False)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--ppl-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each model generates")
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="WikiText-2 tokens the perplexities are taken on")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -514,3 +514,18 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
     monkeypatch.setattr(cli.os, "access", lambda *a: False)
     with pytest.raises(SystemExit, match=r"^nibble report: --out .* cannot be written \(.*: permission denied\)"):
         main(["report", "--model", str(model_dir), "--out", str(tmp_path / "r")])
+
+
+def test_eval_says_what_it_measured(model_dir, capsys):
+    """--quant defaults to w4a16: the printed numbers did not say which model, quantization, dtype or device."""
+    for quant, want in (([], "w4a16"), (["--quant", "none"], None)):
+        main(["eval", "ppl", "--model", str(model_dir), "--device", "cpu", "--max-tokens", "64", "--seq-len", "32"]
+             + quant)
+        out = json.loads(capsys.readouterr().out)
+        setup = out["setup"]
+        assert out["ppl"] > 1 and setup["model"] == str(model_dir)
+        assert (setup["dtype"], setup["device"]) == ("float32", "cpu") and setup["git_commit"]
+        assert (setup["quantization"]["mode"] if want else setup["quantization"]) == (want or "none (16-bit)")
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "(default: w4a16)" in " ".join(capsys.readouterr().out.split())

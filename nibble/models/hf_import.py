@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nibble.config import QuantConfig, resolve_device, resolve_dtype
+from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
@@ -35,6 +35,7 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
+QUANTIZED_BY = "quantized_by"  # the key of a nibble export's quantization_config saying how it was made
 QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -172,8 +173,11 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     from nibble.models.serialization import _rebuild_non_persistent_buffers
     _rebuild_non_persistent_buffers(model, device)
     fold_mlp_input_orders(model)
+    made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
+    made = made if made.get("library") == "nibble" and made.get("method") in METHODS else {}
     nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
-                            symmetric=info["sym"], zero_point="int", clip_search=False, method=info["method"])
+                            symmetric=info["sym"], zero_point="int", clip_search=bool(made.get("clip_search")),
+                            method=made.get("method", info["method"]))
     mark_quantized(model, {**nibble_qc.to_dict(), "imported_from": info["raw"],
                            "input_permuted_modules": input_permuted_modules(model)})
     model.eval()
@@ -260,8 +264,13 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     not_converted = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]  # e.g. lm_head
+    # how the weights were made: the layout's name (quant_method) does not say (an RTN model exported as AWQ read
+    # back as AWQ-calibrated); AutoAWQ, transformers and vLLM ignore the extra key
+    made = getattr(model.config, "quantization_config", None) or {}
     config["quantization_config"] = {**quantization_config, "bits": 4, "group_size": group_size,
-                                     "modules_to_not_convert": not_converted or None}
+                                     "modules_to_not_convert": not_converted or None,
+                                     QUANTIZED_BY: {"library": "nibble", "method": made.get("method"),
+                                                    "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
     from nibble.models.serialization import _atomic_write, save_companions
     _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))

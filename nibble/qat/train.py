@@ -466,7 +466,7 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--calib", default=",".join(DEFAULT_SOURCES),
                         help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the LoRA init and the data order")
     parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")

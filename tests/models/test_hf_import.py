@@ -345,6 +345,8 @@ def test_save_quantized_writes_the_formats_other_tools_read(tmp_path):
         loaded, _ = load_quantized(tmp_path / fmt)
         with torch.no_grad():  # fp16 scales and non-quantized tensors in those formats: within their rounding
             assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
+        qc = loaded.config.quantization_config  # RTN, said as such (it read back as AWQ / GPTQ-calibrated)
+        assert (qc["method"], qc["clip_search"], qc["imported_from"]["quant_method"]) == ("rtn", False, fmt)
     with pytest.raises(ValueError, match="format must be 'nibble', 'awq' or 'gptq'"):
         save_quantized(model, tmp_path / "x", format="exl2")
 
