@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -325,6 +327,8 @@ def cmd_generate(args):
         raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:
         raise SystemExit("nibble generate: --stats times one prompt; give a single one")
+    if args.seed is not None and not 0 <= args.seed < 2**64:  # torch's generators take 64 bits
+        raise ValueError(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -472,6 +476,7 @@ def cmd_demo(args):
         raise ValueError(f"{args.model} is already quantized, and the demo compares a 16-bit model with its W4A16 "
                          "copy: give it a 16-bit model (an HF dir or a .gguf), or run this one with `nibble "
                          "generate --model` / `nibble eval ppl --model`")
+    check_least(args, (("max_new_tokens", 1), ("ppl_tokens", 2)))
     t0 = time.time()
     device = _device(args.device)
     model, tok = load(args.model, device)
@@ -624,6 +629,18 @@ def user_errors() -> tuple:
             KernelUnavailableError, FloatingPointError)
 
 
+@contextlib.contextmanager
+def _warnings_said_as(prefix: str):
+    """Warnings as one line, ``nibble <command>: warning: ...``, as the errors are said: Python's own form printed
+    the source path and line of nibble's code that raised it."""
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, *args, **kwargs: f"{prefix}: warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = shown
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
@@ -631,7 +648,8 @@ def main(argv=None):
             check_quant_args(args)  # said before the model loads
         if getattr(args, "out", None):
             check_out(args.out, getattr(args, "model", None))
-        return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
+        with _warnings_said_as(f"nibble {args.command}"):
+            return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
     except user_errors() as e:
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise

@@ -243,7 +243,9 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
 
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
                                             (["--top-p", "0"], "top_p must be"), (["--top-k", "0"], "top_k must be"),
-                                            (["--max-new-tokens", "0"], "max-new-tokens must be")])
+                                            (["--max-new-tokens", "0"], "max-new-tokens must be"),
+                                            (["--seed", str(2**64)], r"--seed must be from 0 to 2\*\*64 - 1"),
+                                            (["--seed", "-1"], "--seed must be from 0")])
 def test_generate_refuses_bad_settings_before_loading_the_model(flags, message, monkeypatch):
     import nibble.cli as cli
 
@@ -529,3 +531,23 @@ def test_eval_says_what_it_measured(model_dir, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "(default: w4a16)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_demo_refuses_bad_counts_and_warnings_are_one_line(monkeypatch, capsys):
+    import warnings
+
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the counts"))
+    with pytest.raises(SystemExit, match="^nibble demo: --max-new-tokens must be >= 1, got 0"):
+        main(["demo", "--max-new-tokens", "0"])
+
+    def warn(args):
+        warnings.warn("the cache is cold", stacklevel=1)
+
+    monkeypatch.setattr(cli, "cmd_info", warn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: print(warnings.formatwarning(*a), end=""))
+        main(["info", "x"])
+    assert capsys.readouterr().out == "nibble info: warning: the cache is cold\n"

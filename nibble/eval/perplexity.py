@@ -29,8 +29,11 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of `text` from a Hugging Face tokenizer or a `tokenizers.Tokenizer`."""
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    """Token ids of `text` from a Hugging Face tokenizer or a `tokenizers.Tokenizer`. A whole corpus is one text,
+    cut into windows afterwards: transformers' warning that it is longer than the model's context ("will result in
+    indexing errors") is silenced (``verbose``)."""
+    quiet = {"verbose": False} if hasattr(tokenizer, "model_max_length") else {}
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens, **quiet)
     return list(getattr(ids, "ids", ids))  # `tokenizers` returns an Encoding
 
 

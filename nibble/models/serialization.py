@@ -32,6 +32,7 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
+METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the quantization_config's digest
 
 
 class CheckpointError(ValueError):
@@ -82,9 +83,10 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
     config["quantization_config"] = {**qc, "online_hadamard_modules": online,
                                      "input_permuted_modules": input_permuted_modules(model)}
-    metadata = {"format": "pt", "nibble_checksums": json.dumps({k: _sha256(v) for k, v in tensors.items()}),
-                "nibble_aliases": json.dumps(aliases),
-                "nibble_quantization_config": _digest(config["quantization_config"])}
+    # One metadata key: safetensors writes its metadata from a hash map, in another order each run, so several keys
+    # (transformers' "format" among them) made the same model's file differ byte for byte between two saves.
+    metadata = {METADATA: json.dumps({"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,
+                                      "quantization_config": _digest(config["quantization_config"])})}
     # two files, each replaced atomically: the digest of the config that reads the weights goes with them, so a save
     # interrupted between the two (new weights, old config.json) is refused on load, not run as another model
     _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
@@ -133,20 +135,25 @@ def _read_checked(path: Path, quantization_config: dict) -> tuple[dict, dict]:
             metadata = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-save or re-download it") from e
-    if "nibble_checksums" not in metadata:
+    if METADATA in metadata:
+        ours = json.loads(metadata[METADATA])
+    elif "nibble_checksums" in metadata:  # saved before session 56: its keys one by one, no config digest
+        ours = {"checksums": json.loads(metadata["nibble_checksums"]),
+                "aliases": json.loads(metadata.get("nibble_aliases", "{}"))}
+    else:
         raise CheckpointError(f"{path} has no nibble checksums: it was not written by nibble.save_quantized")
-    checksums = json.loads(metadata["nibble_checksums"])
+    checksums = ours["checksums"]
     if set(checksums) != set(tensors):
         raise CheckpointError(f"{path}: tensor names do not match the checksum table; the file was edited")
     bad = [k for k, v in tensors.items() if _sha256(v) != checksums[k]]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
-    saved_with = metadata.get("nibble_quantization_config")  # absent from checkpoints saved before it was written
+    saved_with = ours.get("quantization_config")
     if saved_with is not None and saved_with != _digest(quantization_config):
         raise CheckpointError(f"{path} was saved with another quantization_config than {path.parent / CONFIG} "
                               "holds (a save into this directory interrupted between the two files, or an edited "
                               "config.json): save the model again")
-    return tensors, json.loads(metadata.get("nibble_aliases", "{}"))
+    return tensors, ours.get("aliases", {})
 
 
 def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):

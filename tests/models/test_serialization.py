@@ -199,3 +199,29 @@ def test_weights_under_another_quantization_config_are_refused(tmp_path):
     shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
     with pytest.raises(CheckpointError, match="saved with another quantization_config than .*config.json holds"):
         load_quantized(tmp_path / "old")
+
+
+def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved, tmp_path):
+    """safetensors orders several metadata keys anew each process (a hash map): the same model saved twice gave
+    files that differed byte for byte. Checkpoints written with the earlier keys still load."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+    model, path = saved
+    code = ("import sys, torch; from nibble import load_quantized, save_quantized; "
+            "m, _ = load_quantized(sys.argv[1]); save_quantized(m, sys.argv[2])")
+    for out in ("a", "b"):  # separate processes: the hash map's seed differs between them
+        subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / out)], check=True)
+    a, b = ((tmp_path / out / "model.safetensors").read_bytes() for out in ("a", "b"))
+    assert a == b == (path / "model.safetensors").read_bytes()
+    from safetensors import safe_open
+    with safe_open(path / "model.safetensors", "pt") as f:
+        ours = json.loads(f.metadata()["nibble"])
+    save_file(load_file(path / "model.safetensors"), path / "model.safetensors",  # the metadata as session 55 wrote it
+              metadata={"format": "pt", "nibble_checksums": json.dumps(ours["checksums"]),
+                        "nibble_aliases": json.dumps(ours["aliases"])})
+    loaded, _ = load_quantized(path)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
