@@ -62,7 +62,9 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
         p.requires_grad_(False)
     rotation = "hadamard" if meta.get("recipe") == "hadamard" else "none"
     qc = QuantConfig(mode="w4a4", rotation=rotation, rotation_seed=meta.get("rotation_seed", 0), clip_search=False)
-    mark_quantized(base, {**qc.to_dict(), "qat": {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list))}})
+    # the run's settings and losses, not its wall-clock time: the same run exports the same config.json
+    recorded = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list)) and k != "seconds_this_run"}
+    mark_quantized(base, {**qc.to_dict(), "qat": recorded})
     base.config.use_cache = True
     base.eval()
     if out_dir is not None:

@@ -194,6 +194,7 @@ def test_gptq_start_trains_and_exports_the_weights_it_trained(tmp_path):
         real = loaded(ids).logits
     assert (real - fake).abs().max() / fake.abs().max() < 1e-4
     assert loaded.config.quantization_config["qat"]["init"] == "gptq"
+    assert "seconds_this_run" not in loaded.config.quantization_config["qat"]  # the same run, the same config.json
 
 
 def test_gptq_start_refuses_what_it_cannot_do():
