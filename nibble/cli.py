@@ -89,14 +89,18 @@ def _flags(args, names) -> list[str]:
     return [_option(n) for n in names if getattr(args, n) != QUANT_OPTIONS[n]]
 
 
-def check_out(out: str, model: str | None) -> None:
+def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     """Refuse an ``--out`` the command could not write, before a model loads (the work of a GPTQ calibration or a
-    whole report was lost to a traceback at the end), and the ``--model`` folder itself (the 16-bit source was
-    replaced)."""
+    whole report was lost to a traceback at the end), and, for a command that writes a model there, the ``--model``
+    folder itself (the 16-bit source was replaced)."""
+    if not out.strip():  # an unset "$OUTDIR": it wrote into the current folder
+        raise ValueError("--out is empty: give the folder to write to")
     path = Path(out)
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"--out {out} is a link to {os.readlink(path)}, which does not exist")
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file: give a folder")
-    if model and Path(model).is_dir() and path.resolve() == Path(model).resolve():
+    if writes_model and model and Path(model).is_dir() and path.resolve() == Path(model).resolve():
         raise ValueError(f"--out {out} is the --model folder: writing there would replace the model it reads; "
                          "give another folder")
     nearest = path.absolute()  # the folder, or the nearest of its parents that exists (the command creates the rest)
@@ -107,6 +111,11 @@ def check_out(out: str, model: str | None) -> None:
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out} cannot be written ({nearest}: permission denied): give a folder you can write "
                          "to")
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not 0 <= seed < 2**64:  # torch's generators take 64 bits
+        raise ValueError(f"--seed must be from 0 to 2**64 - 1, got {seed}")
 
 
 def check_quant_args(args) -> None:
@@ -327,8 +336,7 @@ def cmd_generate(args):
         raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:
         raise SystemExit("nibble generate: --stats times one prompt; give a single one")
-    if args.seed is not None and not 0 <= args.seed < 2**64:  # torch's generators take 64 bits
-        raise ValueError(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
+    check_seed(args.seed)
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -646,8 +654,8 @@ def main(argv=None):
     try:
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads
-        if getattr(args, "out", None):
-            check_out(args.out, getattr(args, "model", None))
+        if getattr(args, "out", None) is not None:
+            check_out(args.out, getattr(args, "model", None), writes_model=args.command != "report")
         with _warnings_said_as(f"nibble {args.command}"):
             return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
     except user_errors() as e:

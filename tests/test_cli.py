@@ -509,10 +509,16 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
     monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking --out"))
     file = tmp_path / "file"
     file.write_text("")
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "nowhere")
     for out, message in ((file, "is a file: give a folder"), (file / "q", "cannot be created: .* is a file"),
-                         (model_dir, "is the --model folder")):
+                         (model_dir, "is the --model folder"), (dangling, "is a link to .*nowhere, which does not")):
         with pytest.raises(SystemExit, match=f"^nibble quantize: --out {out} {message}"):
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])
+    with pytest.raises(SystemExit, match="^nibble quantize: --out is empty"):  # an unset "$OUTDIR"
+        main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", ""])
+    with pytest.raises(SystemExit, match="^nibble qat: --seed must be from 0 to"):
+        main(["qat", "--model", str(model_dir), "--out", str(tmp_path / "qat"), "--seed", "-1"])
     monkeypatch.setattr(cli.os, "access", lambda *a: False)
     with pytest.raises(SystemExit, match=r"^nibble report: --out .* cannot be written \(.*: permission denied\)"):
         main(["report", "--model", str(model_dir), "--out", str(tmp_path / "r")])

@@ -908,6 +908,8 @@ class Engine:
 
     def __init__(self, model: nn.Module, max_batch: int = 1, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None):
+        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # a PeftModel: its adapters wrap the
+            model = model.get_base_model()  # base model's layers, which the engine calls
         check_architecture(model)
         self.model = model.eval()
         cfg = model.config

@@ -1,6 +1,7 @@
 """Whole-model conversion: replace the linears of a Hugging Face causal LM by QuantLinear."""
 from __future__ import annotations
 
+import functools
 import warnings
 from contextlib import contextmanager
 
@@ -146,7 +147,7 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). A quantized
     lm_head refuses ``resize_token_embeddings`` too, before the embedding is resized."""
     model.config.quantization_config = quantization_config
-    model.save_pretrained = _save_pretrained_refused
+    model.save_pretrained = functools.partial(_save_pretrained_guarded, model)  # a copy's partial holds the copy
     if isinstance(model.get_output_embeddings(), QuantLinear):
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
 
@@ -156,7 +157,9 @@ def _resize_refused(*args, **kwargs):
                      "16-bit model, then quantize it")
 
 
-def _save_pretrained_refused(*args, **kwargs):
+def _save_pretrained_guarded(model: nn.Module, *args, **kwargs):
+    if getattr(model, "_hf_peft_config_loaded", False):  # adapters added by transformers' add_adapter: it writes them
+        return type(model).save_pretrained(model, *args, **kwargs)  # alone (Trainer's checkpoints of a LoRA run)
     raise ValueError("a nibble-quantized model is saved with nibble.save_quantized(model, directory, tokenizer) "
                      "(format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained would write a "
                      "checkpoint that transformers loads as random weights and nibble cannot load")

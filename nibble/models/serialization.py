@@ -59,6 +59,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     ``"gptq"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read (W4A16 models
     with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` / `export_gptq`
     say what they refuse)."""
+    check_no_adapters(model)
     if format in HF_QUANT_METHODS:
         return (export_awq if format == "awq" else export_gptq)(model, directory, tokenizer)
     if format != "nibble":
@@ -95,16 +96,26 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     return directory
 
 
+def check_no_adapters(model: nn.Module) -> None:
+    """A model wearing peft adapters wrote a checkpoint of wrapped layers that nothing could load back."""
+    if any(hasattr(m, "lora_A") for m in model.modules()):
+        raise ValueError("the model holds peft adapters: save the adapter with its save_pretrained, and the quantized "
+                         "model without them (peft's unload()) with nibble.save_quantized")
+
+
 def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
     """What a checkpoint holds beside its weights and config.json: the generation config (an Instruct model's
     end-of-turn tokens and sampling defaults live there only: Llama-3-Instruct's config.json names
     <|end_of_text|>, its generation_config.json <|eot_id|> too) and the tokenizer, as ``save_pretrained`` writes
     them."""
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        # as the model holds it: GenerationConfig.save_pretrained refuses flags it calls unused (a temperature
+        # without do_sample, as Hub models ship them and transformers loads with a warning), which failed the
+        # command after all its work
+        _atomic_write(directory / GENERATION_CONFIG, lambda p: generation_config.to_json_file(p))
 
 
 def load_companions(model: nn.Module, directory: Path):
@@ -113,7 +124,11 @@ def load_companions(model: nn.Module, directory: Path):
     from transformers import AutoTokenizer, GenerationConfig
 
     if (directory / GENERATION_CONFIG).exists():
-        model.generation_config = GenerationConfig.from_pretrained(directory)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(directory)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
+                                  "then stops on config.json's eos_token_id alone)") from e
     if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return None

@@ -4,7 +4,9 @@ peft wraps the layer types it knows and refuses the others by name ("Target modu
 supported"), so a `QuantLinear` is taught to it per config, as peft's custom-module API takes it:
 
     config = nibble.nn.lora.lora_config(r=16, target_modules=["q_proj", "v_proj"])   # a peft LoraConfig
-    model = peft.get_peft_model(quantized_model, config)
+    model = peft.get_peft_model(quantized_model, config)        # train; model.save_pretrained(dir): the adapter
+    model = nibble.nn.lora.load_adapter(quantized_model, dir)   # back onto the quantized model (peft's
+                                                                # PeftModel.from_pretrained, taught QuantLinear)
 
 y = QuantLinear(x) + s B A x: the INT4 layer runs its own kernel as in inference, the adapter is a 16-bit (float32
 by default) branch beside it, as peft's GPTQ and bitsandbytes layers do. The frozen INT4 weight passes the gradient
@@ -15,7 +17,7 @@ deployed is PE-QAT's job, `nibble.qat`, whose adapters are merged before the fak
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
@@ -32,6 +34,9 @@ class QuantLoraLinear(nn.Module, LoraLayer):
         if config.use_dora:
             raise ValueError("DoRA rescales the weight's columns, which a QuantLinear's INT4 codes cannot follow: "
                              "use plain LoRA (use_dora=False) on nibble layers")
+        if config.init_lora_weights not in (True, False, "gaussian"):  # pissa, olora, ... factor the 16-bit weight
+            raise ValueError(f"init_lora_weights={config.init_lora_weights!r} starts from the layer's 16-bit weight, "
+                             "which a nibble layer holds only as INT4 codes: use True (the default) or 'gaussian'")
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
 
@@ -43,7 +48,15 @@ class QuantLoraLinear(nn.Module, LoraLayer):
                          "them again: merge it into the 16-bit model and quantize that (nibble.quantize_model), or "
                          "keep it as a branch (unload the adapter with peft's unload() to drop it)")
 
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """``s B A`` [out, in]: what the adapter adds to the weight (peft's SVD adapter combination reads it)."""
+        return (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if adapter_names is not None and not self.disable_adapters:  # a batch whose rows name their adapters
+            return self._mixed_batch_forward(x, adapter_names=adapter_names)
         result = self.base_layer(x)
         if self.disable_adapters:
             return result
@@ -69,3 +82,11 @@ def lora_config(**kwargs) -> LoraConfig:
     config = LoraConfig(**kwargs)
     config._register_custom_module({QuantLinear: QuantLoraLinear})
     return config
+
+
+def load_adapter(model: nn.Module, directory, **kwargs) -> PeftModel:
+    """``PeftModel.from_pretrained(model, directory)`` for a nibble model: an adapter's saved config does not hold the
+    registration of `QuantLoraLinear` (peft said "QuantLinear is not supported")."""
+    config = LoraConfig.from_pretrained(directory)
+    config._register_custom_module({QuantLinear: QuantLoraLinear})
+    return PeftModel.from_pretrained(model, directory, config=config, **kwargs)

@@ -473,13 +473,14 @@ def add_qat_arguments(parser) -> None:
 
 
 def qat_main(args) -> None:
-    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least
+    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
     from nibble.models.loading import load_model
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
     check_least(args, (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)))
     check_learning_rates(args.lr, args.quant_lr)
+    check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     _check_init(args.recipe, args.init)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)

@@ -225,3 +225,24 @@ def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved,
     ids = torch.randint(0, 256, (1, 7))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_generation_config_transformers_calls_invalid_is_kept_and_a_broken_file_is_named(tmp_path):
+    """Hub models ship flags GenerationConfig.save_pretrained refuses (a temperature without do_sample): the save
+    failed after all the work, leaving no tokenizer; a truncated file failed every load with a traceback."""
+    import warnings
+
+    from transformers import GenerationConfig
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.generation_config = GenerationConfig(do_sample=False, temperature=0.6, eos_token_id=[2, 7])
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded, _ = load_quantized(tmp_path)
+    assert (loaded.generation_config.temperature, loaded.generation_config.eos_token_id) == (0.6, [2, 7])
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, ')
+    with pytest.raises(CheckpointError, match="generation_config.json cannot be read .* fix or delete it"):
+        load_quantized(tmp_path)

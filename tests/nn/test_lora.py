@@ -95,3 +95,97 @@ def test_what_cannot_be_done_is_refused_by_name():
     adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
     with pytest.raises(ValueError, match="cannot be merged into a nibble layer's INT4 weights"):
         adapted.merge_and_unload()
+
+
+def test_a_batch_whose_rows_name_their_adapters_runs_each_its_own():
+    """peft's adapter_names (mixed-batch inference) was dropped: every row got the active adapter."""
+    torch.manual_seed(0)
+    quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
+    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
+    adapted.add_adapter("b", lora_config(r=4, target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    adapted.eval()
+    ids = torch.randint(0, 256, (3, 7))
+    with torch.no_grad():
+        mixed = adapted(input_ids=ids, adapter_names=["__base__", "b", "default"]).logits
+        with adapted.disable_adapter():
+            base = adapted(input_ids=ids).logits
+        adapted.set_adapter("b")
+        only_b = adapted(input_ids=ids).logits
+        adapted.set_adapter("default")
+        only_default = adapted(input_ids=ids).logits
+    torch.testing.assert_close(mixed, torch.stack([base[0], only_b[1], only_default[2]]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(only_b, only_default)
+
+
+def test_svd_combination_and_refused_inits():
+    quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
+    with pytest.raises(ValueError, match="init_lora_weights='pissa' starts from the layer's 16-bit weight"):
+        peft.get_peft_model(copy.deepcopy(quantized), lora_config(r=4, target_modules=TARGETS, init_lora_weights="pissa"))
+    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
+    adapted.add_adapter("b", lora_config(r=4, target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    # SVD keeps rank 4: the combination of one adapter with another at weight 0 is that adapter's delta again
+    adapted.add_weighted_adapter(["default", "b"], [1.0, 0.0], "combined", combination_type="svd")
+    layer = next(m for m in adapted.modules() if isinstance(m, QuantLoraLinear))
+    want = layer.get_delta_weight("default")
+    assert want.abs().max() > 0
+    torch.testing.assert_close(layer.get_delta_weight("combined"), want, rtol=1e-3, atol=1e-5)
+
+
+def test_adapters_save_their_own_way_and_the_quantized_model_refuses_them(tmp_path):
+    """transformers' add_adapter + save_pretrained (Trainer's checkpoints) writes the adapter alone: it was refused
+    with the quantized model's save; save_quantized of a model wearing adapters wrote what nothing could load."""
+    from nibble import load_quantized, save_quantized
+    quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
+    save_quantized(quantized, tmp_path / "base")
+    model, _ = load_quantized(tmp_path / "base")
+    model.add_adapter(lora_config(r=4, target_modules=TARGETS), adapter_name="a")
+    model.save_pretrained(tmp_path / "adapter")
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()  # the adapter alone
+    with pytest.raises(ValueError, match="holds peft adapters: save the adapter with its save_pretrained"):
+        save_quantized(model, tmp_path / "wrapped")
+    with pytest.raises(ValueError, match="holds peft adapters"):
+        save_quantized(peft.get_peft_model(load_quantized(tmp_path / "base")[0], lora_config(r=4, target_modules=TARGETS)),
+                       tmp_path / "wrapped", format="awq")
+    assert not (tmp_path / "wrapped").exists()
+
+
+def test_the_engine_runs_a_peft_model_with_its_adapters():
+    from nibble.eval.engine import Engine
+    torch.manual_seed(0)
+    quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
+    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        want = adapted.generate(input_ids=ids, max_new_tokens=5, do_sample=False)[:, 6:]
+        with adapted.disable_adapter():
+            base = adapted.generate(input_ids=ids, max_new_tokens=5, do_sample=False)[:, 6:]
+    assert not torch.equal(want, base)  # the adapters change the tokens: the engine must keep them
+    assert torch.equal(Engine(adapted, max_seq_len=16).generate(ids, 5), want)
+
+
+def test_a_saved_adapter_loads_back_onto_the_quantized_model(tmp_path):
+    from nibble.nn.lora import load_adapter
+    quantized = quantize_model(tiny_model("llama"), QuantConfig(mode="w4a4", rotation="hadamard"), progress=False)
+    fresh = copy.deepcopy(quantized)
+    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    adapted.save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(load_adapter(fresh, tmp_path)(input_ids=ids).logits, adapted(input_ids=ids).logits)
