@@ -134,6 +134,12 @@ class QatPeftModel(PeftModel):
                              "them (qat-state, resumable), and nibble.qat.export writes the deployable W4A4 model")
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def merge_and_unload(self, *args, **kwargs) -> nn.Module:
+        """peft's, keeping the run's description (`export` records the recipe and rotation from it)."""
+        merged = self.base_model.merge_and_unload(*args, **kwargs)
+        merged.qat_meta = dict(getattr(self, "qat_meta", {}))
+        return merged
+
 
 def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: float | None = None,
                       rotation_seed: int = 0, init: str = "rtn", calibration=None, progress: bool = True) -> nn.Module:
@@ -295,6 +301,9 @@ def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> int:
     if diff:
         raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
                          "the same settings or pick another --out")
+    if state["step"] > settings["steps"]:  # it trained nothing and recorded the shorter run
+        raise ValueError(f"{path} holds a run at step {state['step']}, past steps={settings['steps']}: resume with "
+                         f"steps >= {state['step']}, or pick another --out")
     if state["settings"].get("steps") != settings.get("steps"):
         warnings.warn(f"resuming a run planned for {state['settings'].get('steps')} steps with steps="
                       f"{settings.get('steps')}: the cosine schedule is stretched to the new length", stacklevel=3)

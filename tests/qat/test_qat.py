@@ -261,6 +261,7 @@ def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
         unloaded = copy.deepcopy(qat).merge_and_unload()
         assert not any(hasattr(m, "lora_A") for m in unloaded.modules())
         assert (unloaded(input_ids=ids).logits - trained).abs().max() < 1e-5
+        assert export(unloaded).config.quantization_config["qat"]["init"] == init  # the run's description kept
         exported = export(copy.deepcopy(qat))
         set_backend(exported, "reference")
         assert (exported(ids).logits - trained).abs().max() / trained.abs().max() < 1e-4
@@ -285,6 +286,8 @@ def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates
         _train("per-token", 4, windows, out_dir=tmp_path, batch_size=2, resume=True)
     assert rates == [[base * lr_factor(s, 4, 1) for base in (5e-3, 1e-2)] for s in (2, 3)]
     assert all(r > 0 for r in rates[0])
+    with pytest.raises(ValueError, match="holds a run at step 4, past steps=3"):  # it trained nothing, recorded 3
+        _train("per-token", 3, windows, out_dir=tmp_path, batch_size=2, resume=True)
 
 
 @pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1.0), dict(quant_lr=0.0), dict(lr=float("inf"))])
