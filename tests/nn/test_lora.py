@@ -30,6 +30,19 @@ def _dequantized_twin(model):
     return twin
 
 
+def _adapted(quantized, *more: str, std: float = 0.1):
+    """``quantized`` under peft LoRA adapters ("default" and ``more``) whose B is random (peft starts it at 0, where an
+    adapter adds nothing and its A gets no gradient)."""
+    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
+    for name in more:
+        adapted.add_adapter(name, lora_config(r=4, target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, std)
+    return adapted
+
+
 def _lora_grads(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -101,12 +114,7 @@ def test_a_batch_whose_rows_name_their_adapters_runs_each_its_own():
     """peft's adapter_names (mixed-batch inference) was dropped: every row got the active adapter."""
     torch.manual_seed(0)
     quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
-    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
-    adapted.add_adapter("b", lora_config(r=4, target_modules=TARGETS))
-    with torch.no_grad():
-        for n, p in adapted.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    adapted = _adapted(quantized, "b")
     adapted.eval()
     ids = torch.randint(0, 256, (3, 7))
     with torch.no_grad():
@@ -125,12 +133,7 @@ def test_svd_combination_and_refused_inits():
     quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
     with pytest.raises(ValueError, match="init_lora_weights='pissa' starts from the layer's 16-bit weight"):
         peft.get_peft_model(copy.deepcopy(quantized), lora_config(r=4, target_modules=TARGETS, init_lora_weights="pissa"))
-    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
-    adapted.add_adapter("b", lora_config(r=4, target_modules=TARGETS))
-    with torch.no_grad():
-        for n, p in adapted.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    adapted = _adapted(quantized, "b")
     # SVD keeps rank 4: the combination of one adapter with another at weight 0 is that adapter's delta again
     adapted.add_weighted_adapter(["default", "b"], [1.0, 0.0], "combined", combination_type="svd")
     layer = next(m for m in adapted.modules() if isinstance(m, QuantLoraLinear))
@@ -162,11 +165,7 @@ def test_the_engine_runs_a_peft_model_with_its_adapters():
     from nibble.eval.engine import Engine
     torch.manual_seed(0)
     quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
-    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
-    with torch.no_grad():
-        for n, p in adapted.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
+    adapted = _adapted(quantized, std=0.3)
     ids = torch.randint(0, 256, (1, 6))
     with torch.no_grad():
         want = adapted.generate(input_ids=ids, max_new_tokens=5, do_sample=False)[:, 6:]
@@ -180,11 +179,7 @@ def test_a_saved_adapter_loads_back_onto_the_quantized_model(tmp_path):
     from nibble.nn.lora import load_adapter
     quantized = quantize_model(tiny_model("llama"), QuantConfig(mode="w4a4", rotation="hadamard"), progress=False)
     fresh = copy.deepcopy(quantized)
-    adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
-    with torch.no_grad():
-        for n, p in adapted.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    adapted = _adapted(quantized)
     adapted.save_pretrained(tmp_path)
     ids = torch.randint(0, 256, (2, 7))
     with torch.no_grad():
