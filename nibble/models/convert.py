@@ -144,8 +144,9 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     """Record ``quantization_config`` as the model's, and turn its ``save_pretrained`` into a refusal that names
     `nibble.save_quantized`: transformers wrote the INT4 buffers without the checksums, permutations and online
     Hadamards nibble's loader needs, and ``from_pretrained`` skips quant_method "nibble" with a warning and
-    returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). A quantized
-    lm_head refuses ``resize_token_embeddings`` too, before the embedding is resized."""
+    returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). Adapters added
+    by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
+    ``resize_token_embeddings`` too, before the embedding is resized."""
     model.config.quantization_config = quantization_config
     model.save_pretrained = functools.partial(_save_pretrained_guarded, model)  # a copy's partial holds the copy
     if isinstance(model.get_output_embeddings(), QuantLinear):
