@@ -452,10 +452,10 @@ def cmd_eval(args):
         tasks = args.tasks.split(",") if args.tasks else ALL_TASKS
         result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
     # what was measured, beside the numbers (--quant defaults to w4a16: a bare number did not say which model it was)
+    weight = next(model.parameters())
     setup = env_meta(model=args.model or "default (SmolLM2-135M-Instruct)",
                      quantization=getattr(model.config, "quantization_config", None) or "none (16-bit)",
-                     dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-                     device=str(next(model.parameters()).device))
+                     dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device))
     print(json.dumps({**result, "setup": setup}, indent=2, default=str))
 
 

@@ -7,8 +7,8 @@ pre-tokenizer the file names in `tokenizer.ggml.pre` (SmolLM's digit splitting, 
 from __future__ import annotations
 
 import functools
-import struct
 import re
+import struct
 from importlib.metadata import version
 from pathlib import Path
 from typing import Iterable, NamedTuple

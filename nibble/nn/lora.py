@@ -79,14 +79,16 @@ def lora_config(**kwargs) -> LoraConfig:
         raise ValueError("target_modules='all-linear' finds torch's nn.Linear layers only, not nibble's: name the "
                          "projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
                          "'down_proj']")
-    config = LoraConfig(**kwargs)
-    config._register_custom_module({QuantLinear: QuantLoraLinear})
-    return config
+    return _taught_quant_layers(LoraConfig(**kwargs))
 
 
 def load_adapter(model: nn.Module, directory, **kwargs) -> PeftModel:
     """``PeftModel.from_pretrained(model, directory)`` for a nibble model: an adapter's saved config does not hold the
     registration of `QuantLoraLinear` (peft said "QuantLinear is not supported")."""
-    config = LoraConfig.from_pretrained(directory)
-    config._register_custom_module({QuantLinear: QuantLoraLinear})
+    config = _taught_quant_layers(LoraConfig.from_pretrained(directory))
     return PeftModel.from_pretrained(model, directory, config=config, **kwargs)
+
+
+def _taught_quant_layers(config: LoraConfig) -> LoraConfig:
+    config._register_custom_module({QuantLinear: QuantLoraLinear})  # peft's custom-module API, one config at a time
+    return config
