@@ -278,19 +278,21 @@ def state_path(out_dir) -> Path:
     return Path(out_dir) / STATE_DIR / STATE_FILE
 
 
-def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict) -> None:
-    """Atomic: written to a temp file, fsynced, renamed; a kill mid-write leaves the previous state."""
+def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
+    """Atomic: written to a temp file, fsynced, renamed; a kill mid-write leaves the previous state. ``losses``
+    (the run's first loss and its running average) go with it, so a resumed run records the whole run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"step": step, "settings": settings, "trainable": _trainable_state(model),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp)
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "losses": losses}, tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> int:
-    """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next."""
+def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> tuple[int, dict]:
+    """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next and the
+    losses saved with it (none in states written before they were)."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
@@ -315,7 +317,7 @@ def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> int:
     model.load_state_dict(trainable, strict=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    return state["step"]
+    return state["step"], state.get("losses", {})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,10 +389,10 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
     path = state_path(out_dir) if out_dir is not None else None
-    start = 0
+    start, losses = 0, {}
     if resume:
         if path.exists():
-            start = load_state(path, peft_model, optimizer, scheduler, settings)
+            start, losses = load_state(path, peft_model, optimizer, scheduler, settings)
             # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished
             # run): set this schedule's for the step to come (the same where steps did not change)
             for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
@@ -401,7 +403,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     peft_model.train()
     n_tok = 0
     t0 = time.time()
-    loss_ema = first_loss = None
+    first_loss, loss_ema = losses.get("first"), losses.get("average")
     bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
                unit="step")
     for step in bar:
@@ -432,7 +434,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         bar.set_postfix(loss=f"{value:.4f}", avg=f"{loss_ema:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
         done = step + 1
         if path is not None and (done % save_every == 0 or done == steps):
-            save_state(path, peft_model, optimizer, scheduler, done, settings)
+            save_state(path, peft_model, optimizer, scheduler, done, settings,
+                       losses={"first": first_loss, "average": loss_ema})
         if callback is not None:
             callback(done, value)
     bar.close()

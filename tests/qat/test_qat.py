@@ -139,6 +139,12 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     assert want.keys() == got.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+    # the record is the whole run's: the first loss of step 1, the running average through step 4
+    for key in ("first_loss", "final_loss"):
+        assert resumed.qat_meta[key] == pytest.approx(straight.qat_meta[key], rel=1e-5), key
+    again = _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw)  # finished: trains nothing
+    assert again.qat_meta["tokens_this_run"] == 0
+    assert again.qat_meta["final_loss"] == resumed.qat_meta["final_loss"] is not None
     # the optimizer's restored state would keep the saved learning rate, whatever the settings then record
     for other in (dict(lr=0.5), dict(quant_lr=0.5)):
         with pytest.raises(ValueError, match=f"other settings.*'{next(iter(other))}'"):
