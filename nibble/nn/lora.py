@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from peft import LoraConfig, PeftModel
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
@@ -38,6 +39,7 @@ class QuantLoraLinear(nn.Module, LoraLayer):
             raise ValueError(f"init_lora_weights={config.init_lora_weights!r} starts from the layer's 16-bit weight, "
                              "which a nibble layer holds only as INT4 codes: use True (the default) or 'gaussian'")
         self._active_adapter = adapter_name
+        config.targets_int4 = True  # read by the adapter's 16-bit layers (`Lora16BitLinear.merge`)
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
@@ -72,9 +74,30 @@ class QuantLoraLinear(nn.Module, LoraLayer):
         return "lora." + super().__repr__()
 
 
+class Lora16BitLinear(PeftLoraLinear):
+    """peft's own LoRA layer on a 16-bit ``nn.Linear`` (lm_head, ``modules_to_not_convert``) of a nibble model.
+
+    peft's ``merge_and_unload`` merges and unwraps module by module: the 16-bit layers it met before the first
+    nibble layer refused were already merged, and the refused call left a changed model (``disable_adapter`` no
+    longer gave the base model, a save lost their adapters). This layer refuses the merge of an adapter that also
+    sits on nibble layers first, so a refused merge changes nothing; adapters on 16-bit layers alone still merge.
+    """
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: LoraConfig, **kwargs) -> None:
+        self.adapter_configs = {**getattr(self, "adapter_configs", {}), adapter_name: config}
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        for name in self.active_adapters if adapter_names is None else adapter_names:
+            if getattr(self.adapter_configs.get(name), "targets_int4", False):
+                QuantLoraLinear.merge(self)
+        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+
+
 def lora_config(**kwargs) -> LoraConfig:
     """A peft ``LoraConfig(**kwargs)`` whose targets may be nibble `QuantLinear` layers (`QuantLoraLinear`), for
-    ``peft.get_peft_model``; 16-bit layers (lm_head, ``modules_to_not_convert``) get peft's own LoRA."""
+    ``peft.get_peft_model``; 16-bit layers (lm_head, ``modules_to_not_convert``) get peft's own LoRA
+    (`Lora16BitLinear`, which refuses to merge an adapter that also sits on nibble layers)."""
     if kwargs.get("target_modules") == "all-linear":  # peft expands it to the nn.Linear layers alone
         raise ValueError("target_modules='all-linear' finds torch's nn.Linear layers only, not nibble's: name the "
                          "projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
@@ -90,5 +113,6 @@ def load_adapter(model: nn.Module, directory, **kwargs) -> PeftModel:
 
 
 def _taught_quant_layers(config: LoraConfig) -> LoraConfig:
-    config._register_custom_module({QuantLinear: QuantLoraLinear})  # peft's custom-module API, one config at a time
+    # peft's custom-module API, one config at a time
+    config._register_custom_module({QuantLinear: QuantLoraLinear, nn.Linear: Lora16BitLinear})
     return config

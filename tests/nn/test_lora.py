@@ -110,6 +110,37 @@ def test_what_cannot_be_done_is_refused_by_name():
         adapted.merge_and_unload()
 
 
+def test_a_refused_merge_leaves_the_16_bit_layers_before_it_unmerged():
+    """peft merges module by module: a 16-bit layer ahead of the first nibble one was merged and unwrapped before the
+    refusal, so ``disable_adapter`` no longer gave the base model and a save lost its adapter."""
+    torch.manual_seed(0)
+    quantized = quantize_model(tiny_model("llama"), QuantConfig(
+        group_size=32, modules_to_not_convert=["lm_head", "model.layers.0.self_attn.q_proj"]), progress=False)
+    adapted = _adapted(copy.deepcopy(quantized))
+    adapted.eval()
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        with adapted.disable_adapter():
+            base = adapted(input_ids=ids).logits
+        before = adapted(input_ids=ids).logits
+        saved = peft.get_peft_model_state_dict(adapted)
+        for merge in (adapted.merge_adapter, adapted.merge_and_unload):
+            with pytest.raises(ValueError, match="cannot be merged into a nibble layer's INT4 weights"):
+                merge()
+            assert torch.equal(adapted(input_ids=ids).logits, before)
+            with adapted.disable_adapter():
+                assert torch.equal(adapted(input_ids=ids).logits, base)
+            assert peft.get_peft_model_state_dict(adapted).keys() == saved.keys()
+    # an adapter on 16-bit layers alone merges as peft's own does
+    only_16_bit = peft.get_peft_model(quantized, lora_config(r=4, target_modules=["layers.0.self_attn.q_proj"]))
+    with torch.no_grad():
+        only_16_bit.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.normal_()
+        adapted_logits = only_16_bit(input_ids=ids).logits
+        merged = only_16_bit.merge_and_unload()
+        assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_a_batch_whose_rows_name_their_adapters_runs_each_its_own():
     """peft's adapter_names (mixed-batch inference) was dropped: every row got the active adapter."""
     torch.manual_seed(0)
