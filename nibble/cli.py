@@ -585,10 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="model in, quantized directory out")
     _add_model_args(p)
     p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
-    p.add_argument("--format", choices=["nibble", "awq", "gptq"], default="nibble",
-                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ checkpoint for other tools (w4a16 with "
-                        "integer zero points and a 16-bit lm_head); given a quantized --model, its weights are "
-                        "written in this format as they are, not quantized again")
+    p.add_argument("--format", choices=["nibble", "awq", "gptq", "gptq_v2"], default="nibble",
+                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (v1, or v2, which holds zero points of 0) "
+                        "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
+                        "quantized --model, its weights are written in this format as they are, not quantized again")
     p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("info", help="what a quantized directory holds")
     p.add_argument("dir")

@@ -10,11 +10,12 @@ A GPTQ linear with W [N, K] and group size G stores::
     W[n, k] = (q[k, n] - zp[g_idx[k], n]) * s[g_idx[k], n]
 
 Zero points, two conventions (``checkpoint_format``):
-- ``"gptq"`` (v1, the historical one): qzeros holds zp - 1. We follow GPTQModel and exllama,
-  which convert between v1 and v2 word-wise: ``v1_word = v2_word - 0x11111111 (mod 2^32)``.
-  For zp in [1, 15] that is exactly "each nibble is zp - 1"; a zp of 0 borrows from the next
-  nibble, which old readers that unpack nibble-wise and add 1 misread. Write ``"gptq_v2"`` when
-  asymmetric groups may have zp = 0 and the reader is not GPTQModel/exllama.
+- ``"gptq"`` (v1, the historical one): qzeros holds zp - 1. We read it as GPTQModel does, word-wise:
+  ``v2_word = v1_word + 0x11111111 (mod 2^32)``. For zp in [1, 15] that is exactly "each nibble is
+  zp - 1"; a zp of 0 (an asymmetric group with no negative weight: all positive, or all zero) would
+  be -1, which borrows from the next nibble, and the readers that unpack nibble-wise and add 1
+  (AutoGPTQ, vLLM's gptq kernel) read 16 there and the next column's zero point one off. So
+  ``to_gptq`` refuses to write such a weight in v1 and names v2.
 - ``"gptq_v2"``: qzeros holds zp itself.
 
 Act-order (``desc_act``) checkpoints have a g_idx that is not ``k // G``: the members of a group
@@ -59,6 +60,11 @@ def to_gptq(weight: Int4Weight, perm: torch.Tensor | None = None, checkpoint_for
     zp = integer_zero_points(weight.scales, weight.zeros, what="to_gptq: this weight")
     words = pack_along_n(zp).to(torch.int64)
     if checkpoint_format == "gptq":
+        if not bool(zp.all()):
+            raise ValueError(f"{int((zp == 0).sum())} groups have zero point 0 (no negative weight), which GPTQ's v1 "
+                             "format stores as -1: AutoGPTQ and vLLM's gptq kernel would read 16 there and move the "
+                             "next output's group a step; write GPTQ v2 instead (save_quantized's format / nibble "
+                             "quantize --format gptq_v2), which GPTQModel, transformers and vLLM read")
         words = words - _ONES
     qzeros = uint32_to_int32(words)
     g_idx = trivial_g_idx(K, G, weight.qweight.device)

@@ -5,7 +5,8 @@ whose ``quantization_config`` is
 
 - AutoAWQ: ``quant_method: awq``, ``version: gemm``, ``bits: 4``, ``zero_point: true``;
 - GPTQ (AutoGPTQ, GPTQModel, optimum): ``quant_method: gptq``, ``bits: 4``, symmetric or not,
-  ``desc_act`` true or false, ``checkpoint_format`` ``gptq`` (v1, the default) or ``gptq_v2``,
+  ``desc_act`` true or false, ``checkpoint_format`` (or transformers' ``format``) ``gptq`` (v1, the
+  default) or ``gptq_v2``,
 
 and builds the model with nibble ``QuantLinear`` layers holding exactly the checkpoint's codes,
 scales and zero points (no requantization; see nibble.formats.awq / gptq for the layouts). GPTQ
@@ -20,6 +21,7 @@ layouts with a matching ``quantization_config``, readable by AutoAWQ / transform
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from torch import nn
 from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
+from nibble.formats.zero_points import unpack_along_n
 from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
@@ -37,6 +40,7 @@ SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=tru
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
 QUANTIZED_BY = "quantized_by"  # the key of a nibble export's quantization_config saying how it was made
 QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
+EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)  # save_quantized's format names for them: "gptq" is v1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 _QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
@@ -77,7 +81,12 @@ def read_quantization_config(directory) -> dict:
             raise UnsupportedCheckpointError(f"AWQ with zero_point=false is not supported; nibble imports {SUPPORTED}")
         out.update(sym=False, desc_act=False, checkpoint_format=None)
     else:
-        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        # transformers' GPTQConfig and GPTQModel name it `format`, AutoGPTQ and optimum `checkpoint_format`
+        named = {key: str(qc[key]).lower() for key in ("checkpoint_format", "format") if qc.get(key) is not None}
+        if len(set(named.values())) > 1:
+            raise UnsupportedCheckpointError(f"the quantization_config says {named}: which zero-point convention its "
+                                             "qzeros use is unclear; make the two agree")
+        fmt = next(iter(named.values()), "gptq")
         if fmt not in CHECKPOINT_FORMATS:
             raise UnsupportedCheckpointError(f"GPTQ checkpoint_format={fmt!r} is not supported; nibble imports {SUPPORTED}")
         out.update(sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)), checkpoint_format=fmt)
@@ -110,9 +119,31 @@ def _convert_layer(info: dict, t: dict, prefix: str):
         if info["method"] == "awq":
             return from_awq(t["qweight"], t["qzeros"], t["scales"], info["group_size"]), None
         return from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"],
-                         info["checkpoint_format"])
+                         _symmetric_zeros_format(info, t["qzeros"]))
     except (KeyError, ValueError) as e:
         raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
+
+
+def _symmetric_zeros_format(info: dict, qzeros: torch.Tensor) -> str:
+    """The convention a GPTQ layer's qzeros are read in: the config's, checked against ``sym``, whose zero point is 8
+    (v1 stores 7). A v1-labelled symmetric file that stores 8 holds v2 zeros (GPTQModel v5 wrote such files; vLLM
+    reads them as v2): read as v2, said once per load; read as labelled, every weight was a step off."""
+    fmt = info["checkpoint_format"]
+    if not info["sym"]:
+        return fmt
+    stored = unpack_along_n(qzeros)
+    if bool((stored == (7 if fmt == "gptq" else 8)).all()):
+        return fmt
+    if fmt == "gptq" and bool((stored == 8).all()):
+        if not info.get("said_v2_zeros"):
+            warnings.warn("this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7) "
+                          "but stores 8, the gptq_v2 convention: read as gptq_v2", stacklevel=4)
+            info["said_v2_zeros"] = True
+        return "gptq_v2"
+    values = sorted(set(stored.flatten().tolist()))[:8]
+    raise ValueError(f"quantization_config says sym=true, whose zero points are all 8 (stored as "
+                     f"{7 if fmt == 'gptq' else 8} in checkpoint_format={fmt!r}), but qzeros hold {values}: the "
+                     "config does not describe the tensors (an asymmetric checkpoint says sym=false)")
 
 
 def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
@@ -244,8 +275,6 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
     else:
         raise ValueError(f"layers use different group sizes {sorted(group_sizes)}; the {quantization_config['quant_method']} "
                          "quantization_config holds one")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:
         for k, v in convert(name, m).items():
@@ -273,6 +302,8 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
                                                     "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
     from nibble.models.serialization import _atomic_write, save_companions
+    directory = Path(directory)  # made once every layer converted: a refused one leaves no empty folder
+    directory.mkdir(parents=True, exist_ok=True)
     _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
     save_companions(model, directory, tokenizer)
@@ -310,5 +341,8 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
             return to_gptq(m.weight_int4(), getattr(m, "input_perm", None), checkpoint_format)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
+    # both names of the zero-point convention: transformers' GPTQConfig and GPTQModel read `format`, AutoGPTQ and
+    # optimum `checkpoint_format`
     return _export(model, directory, {"quant_method": "gptq", "sym": bool(qc.get("symmetric", False)),
-                                      "desc_act": desc_act, "checkpoint_format": checkpoint_format}, convert, tokenizer)
+                                      "desc_act": desc_act, "checkpoint_format": checkpoint_format,
+                                      "format": checkpoint_format}, convert, tokenizer)

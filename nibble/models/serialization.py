@@ -23,6 +23,7 @@ from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import check_architecture, mark_quantized
+from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      load_hf_quantized)
@@ -56,14 +57,17 @@ def _atomic_write(path: Path, write) -> None:
 def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "nibble") -> Path:
     """Write ``model`` (converted by quantize_model, or loaded by load_quantized) to ``directory``; the
     tokenizer too if given. ``format``: ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` /
-    ``"gptq"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read (W4A16 models
-    with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` / `export_gptq`
-    say what they refuse)."""
+    ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
+    (W4A16 models with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` /
+    `export_gptq` say what they refuse; GPTQ's v1 cannot hold a zero point of 0, which v2 can:
+    `nibble.formats.gptq`)."""
     check_no_adapters(model)
-    if format in HF_QUANT_METHODS:
-        return (export_awq if format == "awq" else export_gptq)(model, directory, tokenizer)
+    if format == "awq":
+        return export_awq(model, directory, tokenizer)
+    if format in EXPORT_FORMATS:
+        return export_gptq(model, directory, tokenizer, checkpoint_format=format)
     if format != "nibble":
-        raise ValueError(f"format must be 'nibble', 'awq' or 'gptq', got {format!r}")
+        raise ValueError(f"format must be one of {('nibble', *EXPORT_FORMATS)}, got {format!r}")
     qc = getattr(model.config, "quantization_config", None)
     if not qc or qc.get("quant_method") != "nibble":
         raise ValueError("model has no nibble quantization_config: run nibble.quantize_model first")

@@ -4,6 +4,7 @@ import torch
 
 from nibble.formats.gptq import from_gptq, to_gptq
 from nibble.formats.int4 import Int4Weight
+from nibble.formats.zero_points import pack_along_n
 from nibble.kernels.reference import dequantize
 from nibble.quantize.rtn import rtn_quantize
 
@@ -43,15 +44,16 @@ def gptq_dequant_reference(qweight, qzeros, scales, g_idx, checkpoint_format) ->
     return ((q - zp[g]) * scales.double()[g]).t()
 
 
-def random_canonical(K, N, G, symmetric, seed=0) -> Int4Weight:
+def random_canonical(K, N, G, symmetric, seed=0, min_zp=0) -> Int4Weight:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
     s = (torch.rand(N, K // G, generator=gen) * 0.05 + 1e-3).half().float()
-    zp = torch.full_like(s, 8) if symmetric else torch.randint(0, 16, s.shape, generator=gen).float()
+    zp = torch.full_like(s, 8) if symmetric else torch.randint(min_zp, 16, s.shape, generator=gen).float()
     return Int4Weight.from_codes(codes, s, (-zp * s).half().float(), G)
 
 
-def random_gptq(K, N, G, seed=0, act_order=False):
+def random_gptq(K, N, G, seed=0, act_order=False, checkpoint_format="gptq_v2"):
+    """Random GPTQ tensors; v1's zero points in [1, 15], the ones it can hold (`test_v1_refuses_a_zero_point_of_0`)."""
     gen = torch.Generator().manual_seed(seed)
     words = lambda r, c: torch.randint(-2 ** 31, 2 ** 31, (r, c), generator=gen, dtype=torch.int64).to(torch.int32)
     scales = (torch.rand(K // G, N, generator=gen) * 0.05 + 1e-3).half()
@@ -60,7 +62,10 @@ def random_gptq(K, N, G, seed=0, act_order=False):
         order = torch.randperm(K, generator=gen)
         g_idx = torch.empty(K, dtype=torch.int32)
         g_idx[order] = (torch.arange(K) // G).to(torch.int32)
-    return words(K // 8, N), words(K // G, N // 8), scales, g_idx
+    qzeros = words(K // G, N // 8)
+    if checkpoint_format == "gptq":
+        qzeros = pack_along_n(torch.randint(0, 15, (K // G, N), generator=gen, dtype=torch.int32))
+    return words(K // 8, N), qzeros, scales, g_idx
 
 
 GROUPS = [32, 64, 128, -1]
@@ -79,7 +84,7 @@ def assert_same_weight(a: Int4Weight, b: Int4Weight):
 def test_canonical_to_gptq_to_canonical_is_bit_exact(G, symmetric, fmt):
     K, N = 256, 48
     Gk = K if G == -1 else G
-    w = random_canonical(K, N, Gk, symmetric)
+    w = random_canonical(K, N, Gk, symmetric, min_zp=1 if fmt == "gptq" else 0)
     t = to_gptq(w, checkpoint_format=fmt)
     assert torch.equal(t["qweight"], w.qweight)  # the K-packed qweight is the canonical one
     assert torch.equal(t["g_idx"], (torch.arange(K) // Gk).to(torch.int32))
@@ -92,11 +97,21 @@ def test_canonical_to_gptq_to_canonical_is_bit_exact(G, symmetric, fmt):
 @pytest.mark.parametrize("G", GROUPS)
 def test_gptq_to_canonical_to_gptq_is_bit_exact(G, fmt):
     K, N = 256, 64
-    qweight, qzeros, scales, g_idx = random_gptq(K, N, K if G == -1 else G)
+    qweight, qzeros, scales, g_idx = random_gptq(K, N, K if G == -1 else G, checkpoint_format=fmt)
     w, perm = from_gptq(qweight, qzeros, scales, g_idx, G, checkpoint_format=fmt)
     back = to_gptq(w, perm, checkpoint_format=fmt)
     for name, t in {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}.items():
         assert torch.equal(back[name], t), name
+
+
+def test_v1_refuses_a_zero_point_of_0():
+    """v1 stores zp - 1: a zp of 0 borrowed from the next nibble, and AutoGPTQ / vLLM (nibble-wise + 1) read that group
+    at 16 and the next output's at its zp - 1 (a group with no negative weight has zp 0)."""
+    w = rtn_quantize(torch.randn(16, 64) + torch.tensor([4.0, 0.0]).repeat_interleave(32), 32)  # group 0 all positive
+    zp_v2 = unpack_n_reference(to_gptq(w, checkpoint_format="gptq_v2")["qzeros"])
+    assert (zp_v2[0] == 0).all() and (zp_v2[1] > 0).all()
+    with pytest.raises(ValueError, match="16 groups have zero point 0 .* --format gptq_v2"):
+        to_gptq(w, checkpoint_format="gptq")
 
 
 def test_symmetric_zero_points_in_both_conventions():
@@ -110,7 +125,7 @@ def test_symmetric_zero_points_in_both_conventions():
 def test_dequantized_gptq_layer_matches_the_gptq_formula(G, fmt):
     K, N = 256, 64
     Gk = K if G == -1 else G
-    qweight, qzeros, scales, g_idx = random_gptq(K, N, Gk, seed=2)
+    qweight, qzeros, scales, g_idx = random_gptq(K, N, Gk, seed=2, checkpoint_format=fmt)
     expected = gptq_dequant_reference(qweight, qzeros, scales, g_idx, fmt)
     w, perm = from_gptq(qweight, qzeros, scales, g_idx, G, checkpoint_format=fmt)
     got = dequantize(w.qweight, w.scales, w.zeros, w.group_size).double()
@@ -123,7 +138,7 @@ def test_dequantized_gptq_layer_matches_the_gptq_formula(G, fmt):
 @pytest.mark.parametrize("G", [32, 128])
 def test_act_order_g_idx_is_handled_by_permuting_the_input(G, fmt):
     K, N = 256, 32
-    qweight, qzeros, scales, g_idx = random_gptq(K, N, G, seed=3, act_order=True)
+    qweight, qzeros, scales, g_idx = random_gptq(K, N, G, seed=3, act_order=True, checkpoint_format=fmt)
     w, perm = from_gptq(qweight, qzeros, scales, g_idx, G, checkpoint_format=fmt)
     assert perm is not None and perm.shape == (K,)
     assert (g_idx[perm].long() == torch.arange(K) // G).all()  # groups are contiguous after the permutation

@@ -197,6 +197,33 @@ def test_gptq_checkpoint_imports_without_requantization(tmp_path, sym, desc_act,
     assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["desc_act"] == desc_act
 
 
+def test_gptq_zero_point_labels_are_read_as_transformers_and_vllm_read_them(tmp_path):
+    """transformers' GPTQConfig names the convention `format` (nibble read only `checkpoint_format`: a v2 file was
+    read as v1, every zero point one high); a symmetric file labelled v1 that stores v2's 8 (GPTQModel v5 wrote such)
+    ran every weight a step off; other zero points under sym=true are a config that does not describe the tensors."""
+    G, ids = 32, torch.randint(0, 256, (2, 16))
+    model = tiny_model("llama")
+
+    def load(name, qc, sym, fmt):
+        torch.manual_seed(0)
+        ref, dense = write_checkpoint(tmp_path / name, model, {"quant_method": "gptq", "bits": 4, "group_size": G,
+                                                               "desc_act": False, **qc},
+                                      lambda W: write_gptq_linear(W, G, sym, False, fmt))
+        return ref, dense, tmp_path / name
+
+    ref, dense, path = load("format-key", {"sym": False, "format": "gptq_v2"}, False, "gptq_v2")
+    check_import(load_hf_quantized(path)[0], dense, ref, ids)
+    ref, dense, path = load("mislabelled", {"sym": True, "checkpoint_format": "gptq"}, True, "gptq_v2")
+    with pytest.warns(UserWarning, match="stores 8, the gptq_v2 convention: read as gptq_v2"):
+        check_import(load_hf_quantized(path)[0], dense, ref, ids)
+    _, _, path = load("not-symmetric", {"sym": True, "checkpoint_format": "gptq"}, False, "gptq")
+    with pytest.raises(ValueError, match=r"down_proj: cannot read .*says sym=true, whose zero points are all 8 .* qzeros hold"):
+        load_hf_quantized(path)
+    _, _, path = load("disagree", {"sym": False, "checkpoint_format": "gptq", "format": "gptq_v2"}, False, "gptq")
+    with pytest.raises(UnsupportedCheckpointError, match="make the two agree"):
+        load_hf_quantized(path)
+
+
 def assert_same_gptq_model(original, exported, model, ids):
     """An exported import holds the original GPTQ tensors, but for the MLPs of act-order layers, whose
     down_proj order the import folded into gate_proj / up_proj: those hold the same model (logits equal)."""
@@ -339,15 +366,19 @@ def test_save_quantized_writes_the_formats_other_tools_read(tmp_path):
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         want = model(ids).logits
-    for fmt in ("awq", "gptq"):
+    for fmt in ("awq", "gptq", "gptq_v2"):
         save_quantized(model, tmp_path / fmt, format=fmt)
-        assert json.loads((tmp_path / fmt / "config.json").read_text())["quantization_config"]["quant_method"] == fmt
+        written = json.loads((tmp_path / fmt / "config.json").read_text())["quantization_config"]
+        method = fmt.removesuffix("_v2")
+        assert written["quant_method"] == method
+        if method == "gptq":  # the convention under both its names (transformers reads `format`)
+            assert written["checkpoint_format"] == written["format"] == fmt
         loaded, _ = load_quantized(tmp_path / fmt)
         with torch.no_grad():  # fp16 scales and non-quantized tensors in those formats: within their rounding
             assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
         qc = loaded.config.quantization_config  # RTN, said as such (it read back as AWQ / GPTQ-calibrated)
-        assert (qc["method"], qc["clip_search"], qc["imported_from"]["quant_method"]) == ("rtn", False, fmt)
-    with pytest.raises(ValueError, match="format must be 'nibble', 'awq' or 'gptq'"):
+        assert (qc["method"], qc["clip_search"], qc["imported_from"]["quant_method"]) == ("rtn", False, method)
+    with pytest.raises(ValueError, match=r"format must be one of \('nibble', 'awq', 'gptq', 'gptq_v2'\)"):
         save_quantized(model, tmp_path / "x", format="exl2")
 
 
