@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
     p.add_argument("--format", choices=["nibble", "awq", "gptq", "gptq_v2"], default="nibble",
-                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (v1, or v2, which holds zero points of 0) "
+                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (gptq: v1, or v2 where a zero point is 0, said) "
                         "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
                         "quantized --model, its weights are written in this format as they are, not quantized again")
     p.set_defaults(func=cmd_quantize)

@@ -15,7 +15,7 @@ Zero points, two conventions (``checkpoint_format``):
   zp - 1"; a zp of 0 (an asymmetric group with no negative weight: all positive, or all zero) would
   be -1, which borrows from the next nibble, and the readers that unpack nibble-wise and add 1
   (AutoGPTQ, vLLM's gptq kernel) read 16 there and the next column's zero point one off. So
-  ``to_gptq`` refuses to write such a weight in v1 and names v2.
+  ``to_gptq`` refuses to write such a weight in v1 and names v2 (`export_gptq` picks v2 for it).
 - ``"gptq_v2"``: qzeros holds zp itself.
 
 Act-order (``desc_act``) checkpoints have a g_idx that is not ``k // G``: the members of a group
@@ -57,14 +57,14 @@ def to_gptq(weight: Int4Weight, perm: torch.Tensor | None = None, checkpoint_for
     """
     _check_format(checkpoint_format)
     K, G = weight.in_features, weight.group_size
-    zp = integer_zero_points(weight.scales, weight.zeros, what="to_gptq: this weight")
+    zp = _zero_points(weight)
     words = pack_along_n(zp).to(torch.int64)
     if checkpoint_format == "gptq":
         if not bool(zp.all()):
             raise ValueError(f"{int((zp == 0).sum())} groups have zero point 0 (no negative weight), which GPTQ's v1 "
                              "format stores as -1: AutoGPTQ and vLLM's gptq kernel would read 16 there and move the "
-                             "next output's group a step; write GPTQ v2 instead (save_quantized's format / nibble "
-                             "quantize --format gptq_v2), which GPTQModel, transformers and vLLM read")
+                             "next output's group a step; write checkpoint_format 'gptq_v2', which GPTQModel, "
+                             "transformers and vLLM read")
         words = words - _ONES
     qzeros = uint32_to_int32(words)
     g_idx = trivial_g_idx(K, G, weight.qweight.device)
@@ -78,6 +78,15 @@ def to_gptq(weight: Int4Weight, perm: torch.Tensor | None = None, checkpoint_for
         g_idx = torch.empty_like(g_idx)
         g_idx[perm] = trivial_g_idx(K, G, weight.qweight.device)
     return {"qweight": qweight, "qzeros": qzeros, "scales": weight.scales.clone(), "g_idx": g_idx}
+
+
+def holds_in_v1(weight: Int4Weight) -> bool:
+    """Whether ``weight``'s zero points fit GPTQ's v1 format (none is 0)."""
+    return bool(_zero_points(weight).all())
+
+
+def _zero_points(weight: Int4Weight) -> torch.Tensor:
+    return integer_zero_points(weight.scales, weight.zeros, what="to_gptq: this weight")
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None,

@@ -31,7 +31,7 @@ from torch import nn
 
 from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
 from nibble.formats.awq import from_awq, to_awq
-from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
+from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
 from nibble.formats.zero_points import unpack_along_n
 from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
@@ -40,7 +40,7 @@ SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=tru
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
 QUANTIZED_BY = "quantized_by"  # the key of a nibble export's quantization_config saying how it was made
 QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
-EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)  # save_quantized's format names for them: "gptq" is v1
+EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)  # save_quantized's format names for them (`export_gptq` for "gptq")
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 _QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
@@ -328,13 +328,26 @@ def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
     return _export(model, directory, {"quant_method": "awq", "version": "gemm", "zero_point": True}, convert, tokenizer)
 
 
-def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: str = "gptq") -> Path:
+def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: str | None = None) -> Path:
     """Write a nibble W4A16 model as a GPTQ checkpoint (qweight/qzeros/scales/g_idx + config.json with
-    ``quantization_config: {quant_method: gptq, bits: 4, group_size, sym, desc_act, checkpoint_format}``)."""
-    if checkpoint_format not in CHECKPOINT_FORMATS:
-        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    ``quantization_config: {quant_method: gptq, bits: 4, group_size, sym, desc_act, checkpoint_format}``).
+
+    ``checkpoint_format``: ``"gptq"`` (v1), ``"gptq_v2"``, or None: v1, which every reader takes, unless a zero point
+    is 0, which v1 cannot hold (`nibble.formats.gptq`): then v2, said in a warning (a refusal would come after the
+    whole quantization run)."""
+    if checkpoint_format not in (None, *CHECKPOINT_FORMATS):
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS} or None, got {checkpoint_format!r}")
     qc = getattr(model.config, "quantization_config", None) or {}
-    desc_act = any(hasattr(m, "input_perm") for _, m in quantized_linears(model))
+    linears = quantized_linears(model)
+    desc_act = any(hasattr(m, "input_perm") for _, m in linears)
+    if checkpoint_format is None:
+        checkpoint_format = "gptq"
+        held = [name for name, m in linears if not holds_in_v1(m.weight_int4())]
+        if held:
+            checkpoint_format = "gptq_v2"
+            warnings.warn(f"{len(held)} layers ({held[0]}, ...) have groups with zero point 0 (no negative weight), "
+                          "which GPTQ's v1 format cannot hold: written as checkpoint_format 'gptq_v2' (GPTQModel, "
+                          "transformers and vLLM read it; AutoGPTQ does not)", stacklevel=2)
 
     def convert(name, m):
         try:

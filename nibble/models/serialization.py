@@ -59,13 +59,13 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     tokenizer too if given. ``format``: ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` /
     ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
     (W4A16 models with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` /
-    `export_gptq` say what they refuse; GPTQ's v1 cannot hold a zero point of 0, which v2 can:
-    `nibble.formats.gptq`)."""
+    `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
+    warning: `nibble.formats.gptq`)."""
     check_no_adapters(model)
     if format == "awq":
         return export_awq(model, directory, tokenizer)
-    if format in EXPORT_FORMATS:
-        return export_gptq(model, directory, tokenizer, checkpoint_format=format)
+    if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)
+        return export_gptq(model, directory, tokenizer, checkpoint_format=None if format == "gptq" else format)
     if format != "nibble":
         raise ValueError(f"format must be one of {('nibble', *EXPORT_FORMATS)}, got {format!r}")
     qc = getattr(model.config, "quantization_config", None)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nibble.formats.gptq import from_gptq, to_gptq
+from nibble.formats.gptq import from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import Int4Weight
 from nibble.formats.zero_points import pack_along_n
 from nibble.kernels.reference import dequantize
@@ -110,7 +110,8 @@ def test_v1_refuses_a_zero_point_of_0():
     w = rtn_quantize(torch.randn(16, 64) + torch.tensor([4.0, 0.0]).repeat_interleave(32), 32)  # group 0 all positive
     zp_v2 = unpack_n_reference(to_gptq(w, checkpoint_format="gptq_v2")["qzeros"])
     assert (zp_v2[0] == 0).all() and (zp_v2[1] > 0).all()
-    with pytest.raises(ValueError, match="16 groups have zero point 0 .* --format gptq_v2"):
+    assert not holds_in_v1(w) and holds_in_v1(rtn_quantize(torch.randn(16, 64) - 4.0, 32))
+    with pytest.raises(ValueError, match="16 groups have zero point 0 .* write checkpoint_format 'gptq_v2'"):
         to_gptq(w, checkpoint_format="gptq")
 
 

@@ -378,6 +378,17 @@ def test_save_quantized_writes_the_formats_other_tools_read(tmp_path):
             assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
         qc = loaded.config.quantization_config  # RTN, said as such (it read back as AWQ / GPTQ-calibrated)
         assert (qc["method"], qc["clip_search"], qc["imported_from"]["quant_method"]) == ("rtn", False, method)
+    # a group with no negative weight has zero point 0, which v1 cannot hold: "gptq" writes v2 then, and says so
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.zeros[0, 3] = 0.0
+    with pytest.warns(UserWarning, match=r"1 layers \(model.layers.1.mlp.up_proj, ...\) have groups with zero point 0"):
+        save_quantized(model, tmp_path / "zp0", format="gptq")
+    assert json.loads((tmp_path / "zp0" / "config.json").read_text())["quantization_config"]["format"] == "gptq_v2"
+    loaded, _ = load_quantized(tmp_path / "zp0")
+    assert torch.equal(loaded.model.layers[1].mlp.up_proj.zeros, model.model.layers[1].mlp.up_proj.zeros)
+    with pytest.raises(ValueError, match="up_proj: 1 groups have zero point 0"):
+        export_gptq(model, tmp_path / "v1", checkpoint_format="gptq")
+    assert not (tmp_path / "v1").exists()
     with pytest.raises(ValueError, match=r"format must be one of \('nibble', 'awq', 'gptq', 'gptq_v2'\)"):
         save_quantized(model, tmp_path / "x", format="exl2")
 
