@@ -177,10 +177,12 @@ def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> Non
 def check_calibration_ids(model: nn.Module, calibration) -> None:
     """Calibration must be token ids of this model's vocabulary: ids made by another model's tokenizer failed
     deep in the embedding (an IndexError on the CPU, a device-side assert on a GPU)."""
+    # bool is refused too: an attention mask given by mistake calibrated on tokens 0 and 1
     if not (isinstance(calibration, torch.Tensor) and calibration.dim() == 2 and not calibration.is_floating_point()
-            and calibration.numel()):
+            and not calibration.is_complex() and calibration.dtype != torch.bool and calibration.numel()):
         raise ValueError("calibration must be token ids, an integer tensor [n_samples, seq_len]; got "
-                         f"{type(calibration).__name__} {tuple(getattr(calibration, 'shape', ()))}")
+                         f"{type(calibration).__name__} {getattr(calibration, 'dtype', '')} "
+                         f"{tuple(getattr(calibration, 'shape', ()))}")
     vocab = model.get_input_embeddings().num_embeddings
     lo, hi = int(calibration.min()), int(calibration.max())
     if lo < 0 or hi >= vocab:

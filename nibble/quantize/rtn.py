@@ -21,6 +21,7 @@ from nibble.formats.int4 import Int4Weight
 
 MAX_CODE = 15
 MIN_SCALE = 2.0 ** -24  # float16's smallest subnormal
+FP16_MIN_NORMAL = 2.0 ** -14
 FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -52,10 +53,13 @@ def naming(layer: str):
 
 
 def _stored_scale(s: torch.Tensor) -> torch.Tensor:
-    """s rounded to float16, then kept >= its smallest subnormal: a constant group (all zeros, say) has a
-    range of 0, and a scale that is 0 once stored makes its codes 0 / 0. The clamp comes after the rounding,
-    since any float32 floor below float16's subnormals rounds to 0 again."""
-    return s.half().float().clamp(min=MIN_SCALE)
+    """s as float16 stores it, kept >= its smallest subnormal: a constant group (all zeros, say) has a range of
+    0, and a scale that is 0 once stored makes its codes 0 / 0 (the clamp comes after the rounding, since any
+    float32 floor below float16's subnormals rounds to 0 again). Below float16's normal range its values are
+    2^-24 apart, coarse next to the scale: rounded to nearest, a scale that went down left the group's top weights
+    past the last level (1.9 steps off at |w| ~ 1e-6), so those round up, and the levels still span the range."""
+    subnormal = torch.ceil(s / MIN_SCALE) * MIN_SCALE  # exact: multiples of 2^-24 below 2^-14
+    return torch.where(s < FP16_MIN_NORMAL, subnormal, s.half().float()).clamp(min=MIN_SCALE)
 
 
 def _scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_point: str):

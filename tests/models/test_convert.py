@@ -371,8 +371,9 @@ def test_calibration_ids_outside_the_vocabulary_are_refused_first(method):
     with pytest.raises(ValueError, match="calibration token ids run from 0 to 999, but the model's vocabulary has "
                                          "256 tokens: make them with this model's tokenizer"):
         quantize_model(model, cfg, progress=False, calibration=torch.arange(1000).reshape(10, 100))
-    with pytest.raises(ValueError, match="calibration must be token ids"):
-        quantize_model(model, cfg, progress=False, calibration=torch.rand(4, 16))
+    for wrong in (torch.rand(4, 16), torch.rand(4, 16) > 0.5):  # floats; an attention mask, which GPTQ took
+        with pytest.raises(ValueError, match="calibration must be token ids"):
+            quantize_model(model, cfg, progress=False, calibration=wrong)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
