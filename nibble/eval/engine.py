@@ -897,6 +897,41 @@ def _stop_list(stop_tokens) -> list[int] | None:
     return sorted(ids) or None
 
 
+def _rotary_table(rotary: nn.Module, rows: int, used: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [rows, head_dim] of positions 0..rows-1 (``used`` of them reachable), from the model's rotary module.
+
+    'dynamic' and 'longrope' ropes pick their frequencies by the longest position of a call (transformers'
+    `dynamic_rope_update`), unscaled while it stays within the original context: one call for the whole table
+    scaled every position once the cache outgrew that context (a 10-token prompt's logits 1.8 off for dynamic, 5.6
+    for longrope). Positions within it come from a call within it; past it, from the whole table's call, where
+    transformers recomputes the frequencies as a sequence grows (and keeps the keys cached before at the old ones),
+    which no static table follows: said when those positions are reachable."""
+    device = rotary.inv_freq.device
+
+    def table(n: int):
+        cos, sin = rotary(torch.zeros(1, dtype=dtype, device=device), torch.arange(n, device=device)[None])
+        return cos[0], sin[0]
+
+    rope_type = getattr(rotary, "rope_type", "default")
+    if not ("dynamic" in rope_type or rope_type == "longrope"):
+        cos, sin = table(rows)
+        return cos.contiguous(), sin.contiguous()
+    params = getattr(rotary.config, "rope_parameters", None) or {}
+    original = (params.get("original_max_position_embeddings") if rope_type == "longrope" else None) \
+        or rotary.original_max_seq_len
+    table(1)  # a short call first puts back the unscaled frequencies if an earlier one had grown them
+    cos, sin = table(min(rows, original))
+    if rows > original:
+        if used > original:
+            warnings.warn(f"this model's {rope_type!r} rope rescales its frequencies with a sequence's length past "
+                          f"{original} positions, which the engine's one table cannot follow: sequences longer than "
+                          f"that may decode otherwise than transformers' generate; keep max_seq_len <= {original}",
+                          stacklevel=3)
+        long_cos, long_sin = table(rows)
+        cos, sin = torch.cat([cos, long_cos[original:]]), torch.cat([sin, long_sin[original:]])
+    return cos.contiguous(), sin.contiguous()
+
+
 class Engine:
     """Generation with a static KV cache (and CUDA graphs on CUDA): greedy, or sampled (`Sampling`).
 
@@ -954,9 +989,7 @@ class Engine:
                                  for layer in self.layers]
         with torch.inference_mode():
             self.positions = torch.arange(self.capacity, device=self.device)
-            cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device),
-                                              self.positions[None])
-            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [S, D]
+            self.cos, self.sin = _rotary_table(model.model.rotary_emb, self.capacity, self.max_seq_len, self.dtype)
             shape = (len(self.layers), max_batch, self.n_kv, self.capacity, self.head_dim)
             self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

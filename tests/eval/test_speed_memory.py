@@ -5,6 +5,7 @@ without CUDA) check graph-captured greedy tokens against ``model.generate`` for 
 """
 import math
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -116,6 +117,30 @@ def test_engine_greedy_tokens_equal_hf_generate_on_cpu(arch):
     assert torch.equal(engine.generate(prompt, 24), hf_greedy(model, prompt, 24))
     # a second, shorter sequence reuses the cache from position 0
     assert torch.equal(engine.generate(prompt[:1, :5], 6), hf_greedy(model, prompt[:1, :5], 6))
+
+
+@pytest.mark.parametrize("rope,context,max_seq_len,warns", [
+    ({"rope_type": "linear", "factor": 2.0}, 64, 64, False),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 32}, 64, 64, False),
+    ({"rope_type": "dynamic", "factor": 4.0}, 60, None, False),  # the cache's 64 rows outgrow the context
+    ({"rope_type": "dynamic", "factor": 4.0}, 64, 128, True),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+      "original_max_position_embeddings": 32}, 64, 64, True),
+])
+def test_scaled_ropes_run_a_prompt_within_the_context_as_transformers_does(rope, context, max_seq_len, warns):
+    """'dynamic' and 'longrope' frequencies follow the longest position of a call: one table for the whole cache
+    scaled every position once the cache outgrew the context (logits 1.8 / 5.6 off on a 10-token prompt)."""
+    model = tiny_model(rope_parameters={**rope, "rope_theta": 10000.0}, max_position_embeddings=context,
+                       head_dim=16, initializer_range=0.3)
+    prompt = torch.randint(0, 256, (1, 10))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine = Engine(model, max_seq_len=max_seq_len)
+    assert any("rescales its frequencies" in str(w.message) for w in said) == warns
+    with torch.no_grad():
+        torch.testing.assert_close(engine.prefill(prompt), model(prompt).logits[:, -1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(engine.generate(prompt, 12), hf_greedy(model, prompt, 12))
 
 
 def test_engine_generate_stops_once_every_sequence_made_a_stop_token():
