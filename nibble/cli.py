@@ -276,6 +276,8 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat and tokenizer.chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
+        # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
+        return tokenizer(prompt, add_special_tokens=False).input_ids
     return tokenizer(prompt).input_ids
 
 

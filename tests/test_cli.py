@@ -10,8 +10,7 @@ from conftest import tiny_model
 from nibble.cli import main
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def _tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -19,8 +18,30 @@ def model_dir(tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["the capital of france is paris", "a haiku about the sea"] * 20, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    bpe.train_from_iterator(["the capital of france is paris", "a haiku about the sea", "[INST] [/INST]"] * 20,
+                            trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_chat_prompt_holds_one_bos_when_the_template_and_the_tokenizer_both_write_it():
+    """Llama's and Mistral's tokenizers add BOS to every text and their templates begin with it: the rendered
+    template, tokenized again with the tokenizer's own, gave the model two."""
+    from tokenizers import processors
+
+    from nibble.cli import _prompt_ids
+    tok = _tiny_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
+    chat = _prompt_ids(tok, "the capital of france", chat=True)
+    assert chat == list(tok.apply_chat_template([{"role": "user", "content": "the capital of france"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert chat.count(tok.bos_token_id) == 1
+    assert _prompt_ids(tok, "the capital", chat=False)[0] == tok.bos_token_id  # no template: the tokenizer's BOS
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = _tiny_tokenizer()
     d = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     tiny_model(vocab_size=len(tok)).save_pretrained(d)
