@@ -35,3 +35,14 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, **overrides):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype).eval()
+
+
+def past_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
+    """``tokens`` [B, n] with each row's tokens after its first stop token replaced by it: what the engine returns
+    for a sequence that stopped while others ran on."""
+    out = tokens.clone()
+    for row in out:
+        ends = [i for i, t in enumerate(row.tolist()) if t in stops]
+        if ends:
+            row[ends[0]:] = row[ends[0]]
+    return out

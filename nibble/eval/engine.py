@@ -1002,6 +1002,7 @@ class Engine:
         self._graphs: dict = {}
         self._batch = self._len = 0  # the live sequences: batch and longest length (host copies)
         self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
+        self._generation = 0  # counts prefills: an open stream sees that another took the decode state
 
     # ---- the forward pass ------------------------------------------------------------------
     def _add_norm(self, x, residual, norm):
@@ -1134,6 +1135,7 @@ class Engine:
         self.token[:B, 0].copy_(next_tokens(logits, sampling))
         self.pos[:B].copy_(lengths)
         self._batch, self._len, self._sampling = B, longest, sampling
+        self._generation += 1
         return logits
 
     def _decode_body(self, B: int, sampling: Sampling) -> torch.Tensor:
@@ -1171,10 +1173,12 @@ class Engine:
         see `prompt_batch`): the ``max_new_tokens`` new tokens, [B, max_new_tokens]; greedy by default,
         sampled for ``temperature`` > 0 (see `Sampling`, which checks the three).
 
-        ``stop_tokens`` (a token id or several, e.g. the model's end-of-sequence ids): stop early once every
-        sequence has produced one, returning [B, n <= max_new_tokens] (a sequence that stopped first
-        runs on until the others do; callers cut each at its first stop token). On CUDA the check
-        waits for the device, so it runs every STOP_CHECK_STEPS steps, on the CPU every step.
+        ``stop_tokens`` (a token id or several, e.g. ``model.generation_config.eos_token_id``; none by default:
+        unlike transformers' generate, the engine reads no generation config): stop early once every sequence
+        has produced one, returning [B, n <= max_new_tokens]; a sequence that stopped first repeats its stop
+        token until the others do. On CUDA the check waits for the device, so it runs every STOP_CHECK_STEPS
+        steps (a batch may run up to that many steps past its last stop, the same token repeated), on the CPU
+        every step.
         """
         return torch.cat(list(self.stream(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p)), dim=1)
 
@@ -1206,18 +1210,36 @@ class Engine:
     def _stream(self, tokens, lengths, max_new_tokens, stop_tokens, sampling):
         B = len(lengths)
         self._prefill(tokens, lengths, sampling)
-        chunk = self.token[:B, :1].clone()
-        yield chunk
+        generation = self._generation
         stop = None if stop_tokens is None else torch.tensor(stop_tokens, dtype=torch.long, device=self.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # each sequence made a stop token
+        ended = torch.zeros(B, dtype=torch.long, device=self.device)  # and which one, first
+
+        def settled(chunk):
+            """``chunk`` with each sequence's tokens after its first stop token replaced by that token: the batch
+            runs on until every sequence stopped, and what a finished one made meanwhile (a next turn of the
+            conversation, say) read as part of its answer; transformers pads such rows too."""
+            if stop is None:
+                return chunk
+            hit = torch.isin(chunk, stop)
+            first = chunk.gather(1, hit.int().argmax(1, keepdim=True))[:, 0]
+            ended.copy_(torch.where(stopped, ended, first))
+            past = stopped[:, None] | (hit.cumsum(1) - hit.int() > 0)
+            stopped.logical_or_(hit.any(1))
+            return torch.where(past, ended[:, None], chunk)
+
+        chunk = settled(self.token[:B, :1].clone())
+        yield chunk
         every = STOP_CHECK_STEPS if self.device.type == "cuda" else 1
         left = max_new_tokens - 1
         while left > 0:
-            if stop is not None:
-                stopped |= torch.isin(chunk, stop).any(1)  # only the tokens since the last check
-                if stopped.all():
-                    return
-            chunk = self.decode(min(every, left))
+            if stop is not None and stopped.all():
+                return
+            if self._generation != generation:  # the decode state below is another generation's now
+                raise RuntimeError("this engine started another generation (prefill, generate or stream) while "
+                                   "this stream was open, and holds that one's sequences now: an engine runs one "
+                                   "generation at a time; use an Engine per concurrent stream")
+            chunk = settled(self.decode(min(every, left)))
             left -= chunk.shape[1]
             yield chunk
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from conftest import tiny_model
+from conftest import past_stop, tiny_model
 from nibble import QuantConfig, quantize_model
 from nibble.eval.engine import GREEDY, Engine, Sampling, next_tokens, prompt_batch, sampling_logits
 
@@ -172,12 +172,31 @@ def test_a_ragged_batch_stops_and_samples_per_sequence():
     full = engine.generate(prompts, 24)
     stops = {full[0, 3].item()}
     ends = [next((i for i, t in enumerate(row) if t in stops), 23) for row in full.tolist()]
-    assert torch.equal(engine.generate(prompts, 24, stop_tokens=stops), full[:, :max(ends) + 1])
+    stopped = engine.generate(prompts, 24, stop_tokens=stops)
+    # row 0 stopped first: it repeats its stop token, not what it made next (a next turn, say)
+    assert torch.equal(stopped, past_stop(full[:, :max(ends) + 1], stops)) and ends[0] < max(ends)
+    assert not torch.equal(stopped, full[:, :max(ends) + 1])
     assert torch.equal(engine.generate(prompts, 24, temperature=3.0, top_k=1), full)  # top_k=1 is greedy
     torch.manual_seed(0)
     first = engine.generate(prompts, 24, temperature=3.0)
     torch.manual_seed(0)
     assert torch.equal(engine.generate(prompts, 24, temperature=3.0), first)
+
+
+def test_a_stream_resumed_after_another_generation_took_the_engine_is_refused():
+    """The decode state is the engine's: two open streams (or a generate between two chunks) yielded each other's
+    tokens."""
+    model = tiny_model(initializer_range=0.2)
+    engine = Engine(model, max_seq_len=32)
+    a, b = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 7))
+    alone = engine.generate(a, 6)
+    stream = engine.stream(a, 6)
+    assert torch.equal(next(stream), alone[:, :1])
+    assert torch.equal(next(stream), alone[:, 1:2])
+    engine.generate(b, 4)
+    with pytest.raises(RuntimeError, match="started another generation .* an Engine per concurrent stream"):
+        next(stream)
+    assert torch.equal(torch.cat(list(engine.stream(a, 6)), dim=1), alone)  # a new stream runs as before
 
 
 @pytest.mark.parametrize("prompt, message", [
