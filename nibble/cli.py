@@ -322,7 +322,7 @@ def cmd_generate(args):
     from nibble.eval.engine import Sampling
 
     # the settings are checked before the model loads (a ValueError is said by `main`)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = list(args.prompt)
@@ -576,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA graphs on a GPU; the same greedy tokens up to near-ties)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; above 0: sample from softmax(logits / temperature)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only (0: all)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the smallest set of most likely tokens whose probability reaches p")
     p.add_argument("--seed", type=int, default=None, help="seed PyTorch's generators (repeatable samples)")
@@ -652,7 +652,14 @@ def _warnings_said_as(prefix: str):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse takes one run of positionals: `generate "a" --max-new-tokens 5 "b"` left "b" over (and its
+    # parse_intermixed_args does not take subcommands): what is left that is not an option is more prompts
+    args, left = parser.parse_known_args(argv)
+    if args.command == "generate" and not any(a.startswith("-") for a in left):
+        args.prompt, left = [*args.prompt, *left], []
+    if left:
+        parser.error(f"unrecognized arguments: {' '.join(left)}")
     try:
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads

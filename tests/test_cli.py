@@ -222,6 +222,21 @@ def test_generate_samples_with_a_seed_and_top_k_1_is_greedy(model_dir, capsys):
         assert text(*way, "--temperature", "3", "--top-k", "1") == greedy[way]
         seeded = [text(*way, "--temperature", "1.5", "--top-p", "0.9", "--seed", "7") for _ in range(2)]
         assert seeded[0] == seeded[1] != greedy[way]
+        # --top-k 0 is no top-k filter, as transformers takes it (it was refused, naming Python's None)
+        assert text(*way, "--temperature", "1.5", "--top-k", "0", "--seed", "7") == \
+            text(*way, "--temperature", "1.5", "--seed", "7")
+
+
+def test_generate_takes_prompts_before_between_and_after_the_options(model_dir, capsys):
+    """argparse took one run of positionals: a prompt after an option was "unrecognized arguments"."""
+    flags = ["--model", str(model_dir), "--device", "cpu", "--quant", "none", "--max-new-tokens", "3", "--no-chat"]
+    main(["generate", "the capital", "a haiku"] + flags)
+    together = capsys.readouterr().out
+    main(["generate", "the capital"] + flags[:4] + ["a haiku"] + flags[4:])
+    assert capsys.readouterr().out == together
+    with pytest.raises(SystemExit):
+        main(["generate", "the capital"] + flags + ["--bogus", "x"])
+    assert "unrecognized arguments: --bogus x" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("way", [[], ["--hf-generate"]])
@@ -263,7 +278,7 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
 
 
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
-                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "0"], "top_k must be"),
+                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "-1"], "top_k must be"),
                                             (["--max-new-tokens", "0"], "max-new-tokens must be"),
                                             (["--seed", str(2**64)], r"--seed must be from 0 to 2\*\*64 - 1"),
                                             (["--seed", "-1"], "--seed must be from 0")])

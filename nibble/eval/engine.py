@@ -695,10 +695,14 @@ def _rmsnorm_params(norm: nn.Module):
 STOP_CHECK_STEPS = 16
 
 
+def _number(value, kind=numbers.Real) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)  # True is an int to Python, not a setting
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How the engine picks each next token. ``temperature`` 0 (the default) is greedy decoding; above 0
-    the token is drawn from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens
+    """How the engine picks each next token. ``temperature`` 0 (the default, or below 1e-30) is greedy decoding;
+    above 0 the token is drawn from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens
     (None: all) and to the smallest set of them whose probability reaches ``top_p`` (1: all), as
     transformers' ``generate(do_sample=True, ...)`` filters them (tokens tied with the last one either
     filter keeps all stay, where transformers' sort keeps some of them). Draws come from PyTorch's random
@@ -708,17 +712,18 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
-        if self.top_k is not None and not (isinstance(self.top_k, numbers.Integral) and self.top_k >= 1):
+        if self.top_k is not None and not (_number(self.top_k, numbers.Integral) and self.top_k >= 1):
             raise ValueError(f"top_k must be an integer >= 1, or None for every token; got {self.top_k!r}")
-        if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below MIN_TEMPERATURE the draw is the argmax to float32's precision, and logits / temperature overflow
+        # to +-inf, whose softmax is NaN everywhere (every token came out 0)
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def warn_if_filters_unused(self, stacklevel: int = 2) -> None:
         """Warn that top-k / top-p were given to greedy decoding (temperature 0), which ignores them."""
@@ -729,6 +734,7 @@ class Sampling:
 
 
 GREEDY = Sampling()
+MIN_TEMPERATURE = 1e-30
 
 
 def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tensor:
@@ -871,12 +877,17 @@ def prompt_batch(prompt) -> tuple[torch.Tensor, list[int]]:
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)) or not prompt:
         raise ValueError(f"prompt must be a [batch, length] tensor of token ids or a non-empty list of prompts "
                          f"(token ids, not text: tokenize first), got {type(prompt).__name__}")
+    if all(isinstance(p, numbers.Integral) for p in prompt):
+        raise ValueError("prompt must be a list of prompts, each a list of token ids: one prompt is [ids] (a "
+                         "tokenizer's input_ids for one text are one prompt's ids)")
     rows = []
     for i, p in enumerate(prompt):
-        ids = p if isinstance(p, torch.Tensor) else torch.tensor(p) if isinstance(p, (list, tuple)) else None
+        ids = p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.long if not p else None) \
+            if isinstance(p, (list, tuple)) else None
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or not ids_dtype(ids):
-            raise ValueError(f"prompt {i} must be a non-empty 1-D tensor or list of integer token ids, got "
-                             + (f"{ids.dtype} of shape {list(ids.shape)}" if ids is not None else type(p).__name__))
+            got = (type(p).__name__ if ids is None else "an empty one" if ids.numel() == 0 else
+                   f"{ids.dtype} of shape {list(ids.shape)}")
+            raise ValueError(f"prompt {i} must be a non-empty 1-D tensor or list of integer token ids, got {got}")
         rows.append(ids.long())
     if len({r.device for r in rows}) > 1:
         raise ValueError("the prompts of one batch must be on one device")
@@ -890,8 +901,9 @@ def _stop_list(stop_tokens) -> list[int] | None:
         return None
     if isinstance(stop_tokens, torch.Tensor):
         stop_tokens = stop_tokens.flatten().tolist()
-    ids = [stop_tokens] if isinstance(stop_tokens, numbers.Integral) else list(stop_tokens)
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+    one = isinstance(stop_tokens, numbers.Number) or not hasattr(stop_tokens, "__iter__")
+    ids = [stop_tokens] if one else list(stop_tokens)
+    if not all(_number(t, numbers.Integral) for t in ids):
         raise ValueError(f"stop_tokens must be token ids (integers), one or several, got {stop_tokens!r} (a "
                          "tokenizer without an end-of-sequence token has eos_token_id None: leave it out)")
     return sorted(ids) or None

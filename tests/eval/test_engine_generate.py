@@ -66,14 +66,16 @@ def test_a_nucleus_smaller_than_the_top_token_keeps_the_top_token():
 
 def test_greedy_sampling_is_the_argmax():
     logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(2))
-    for sampling in (GREEDY, Sampling(0.0, top_k=5, top_p=0.5), Sampling(3.0, top_k=1)):
+    # a temperature below float32's reach is its limit, greedy (logits / 1e-40 overflowed: every token came out 0)
+    for sampling in (GREEDY, Sampling(0.0, top_k=5, top_p=0.5), Sampling(3.0, top_k=1), Sampling(1e-40)):
         assert sampling.greedy and torch.equal(next_tokens(logits, sampling), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.1), "temperature must be"), (dict(temperature=float("nan")), "temperature must be"),
     (dict(top_k=0), "top_k must be"), (dict(top_k=2.5), "top_k must be"),
-    (dict(top_p=0.0), "top_p must be"), (dict(top_p=1.5), "top_p must be")])
+    (dict(top_p=0.0), "top_p must be"), (dict(top_p=1.5), "top_p must be"),
+    (dict(temperature=True, top_k=5), "temperature must be"), (dict(temperature=1.0, top_k=True), "top_k must be")])
 def test_bad_sampling_settings_say_what_is_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)
@@ -203,7 +205,7 @@ def test_a_stream_resumed_after_another_generation_took_the_engine_is_refused():
     ([], "non-empty list of prompts"), ("hello", "tokenize first"), (torch.tensor([1, 2, 3]), r"ids\[None\]"),
     (torch.ones(2, 3), "integer token ids"), (torch.zeros(2, 0, dtype=torch.long), "length >= 1"),
     ([[1, 2], []], "prompt 1 must be"), ([[1, 2], [0.5]], "prompt 1 must be"), ([torch.ones(2, 2).long()], "prompt 0"),
-    ([[1], "ab"], "prompt 1 must be")])
+    ([[1], "ab"], "prompt 1 must be"), ([5, 6, 7], r"one prompt is \[ids\]"), ([[1, 2], []], "got an empty one")])
 def test_bad_prompts_say_what_a_prompt_must_be(prompt, message):
     with pytest.raises(ValueError, match=message):
         prompt_batch(prompt)
@@ -253,7 +255,7 @@ def test_stop_tokens_may_be_one_id_as_transformers_takes_eos_token_id():
     for one in (eos, torch.tensor(eos), torch.tensor([eos]), {eos}):
         assert torch.equal(engine.generate(prompt, 20, stop_tokens=one), cut)
     assert torch.equal(engine.generate(prompt, 20, stop_tokens=[]), full)  # none: no stop
-    for bad in ([None], [eos, "x"], [1.5]):
+    for bad in ([None], [eos, "x"], [1.5], 5.0, True):
         with pytest.raises(ValueError, match="stop_tokens must be token ids"):
             engine.generate(prompt, 20, stop_tokens=bad)
 
