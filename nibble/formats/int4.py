@@ -45,6 +45,12 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return codes.reshape(-1, qweight.shape[1]).to(torch.uint8)
 
 
+def is_symmetric(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether every zero is -8 times its scale, W = (q - 8) * s (exact in float16: a power of two), the only
+    weights W4A4's integer product holds: it reads q - 8 and applies s, with no zero point of its own."""
+    return torch.equal(zeros, scales * -8)
+
+
 @dataclass
 class Int4Weight:
     """One quantized linear weight in the canonical format (nn.Linear's W is [N, K])."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from nibble import kernels
 from nibble.config import QuantConfig, check_group_size, width_error
-from nibble.formats.int4 import PACK, Int4Weight
+from nibble.formats.int4 import PACK, Int4Weight, is_symmetric
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
 from nibble.quantize.rtn import rtn_quantize
@@ -53,6 +53,7 @@ class QuantLinear(nn.Module):
                     input_hadamard: bool = False, dtype: torch.dtype = torch.float16) -> "QuantLinear":
         layer = cls(weight.in_features, weight.out_features, bias is not None, weight.group_size, mode,
                     input_hadamard, dtype=bias.dtype if bias is not None else dtype, device=weight.qweight.device)
+        layer._check_zeros(weight.scales, weight.zeros)
         layer.qweight.copy_(weight.qweight)
         layer.scales.copy_(weight.scales)
         layer.zeros.copy_(weight.zeros)
@@ -69,6 +70,20 @@ class QuantLinear(nn.Module):
                               config.clip_search)
         return cls.from_weight(weight, linear.bias, config.mode, getattr(linear, "input_hadamard", False),
                                dtype=linear.weight.dtype)
+
+    def _check_zeros(self, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """W4A4's product reads every weight as (q - 8) * s and never its zero: refuse others, which it would
+        silently compute as another weight."""
+        if self.mode == "w4a4" and not scales.is_meta and not is_symmetric(scales, zeros):
+            raise ValueError("a w4a4 QuantLinear needs symmetric weights (zeros == -8 * scales): its integer product "
+                             "has no zero point; quantize with symmetric=True or use mode='w4a16'")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        scales, zeros = state_dict.get(prefix + "scales"), state_dict.get(prefix + "zeros")
+        # a missing key or a wrong shape is nn.Module's to report; checked before the copy leaves the layer as it was
+        if scales is not None and zeros is not None and scales.shape == zeros.shape == self.scales.shape:
+            self._check_zeros(scales, zeros)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def weight_int4(self) -> Int4Weight:
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)

@@ -292,3 +292,18 @@ def test_no_tokens_give_an_empty_output(kind, device):
     for shape in ((0, 256), (2, 0, 256)):
         y = q(torch.randn(shape, device=device, dtype=torch.bfloat16))
         assert y.shape == (*shape[:-1], 48) and y.dtype == torch.bfloat16
+
+
+def test_a_w4a4_layer_refuses_weights_with_zero_points():
+    """W4A4's product reads (q - 8) * s and never the zeros: an asymmetric weight was taken without a word and
+    the layer computed another function (45% relative error against the weight it held)."""
+    from nibble.quantize.rtn import rtn_quantize
+    w = torch.randn(32, 64) + 0.5  # rows not centred on 0: their zero points are not 8
+    asymmetric = rtn_quantize(w, -1, symmetric=False)
+    with pytest.raises(ValueError, match="symmetric weights"):
+        QuantLinear.from_weight(asymmetric, mode="w4a4")
+    layer = QuantLinear.from_weight(rtn_quantize(w, -1, symmetric=True), mode="w4a4")
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match="symmetric weights"):
+        layer.load_state_dict(QuantLinear.from_weight(asymmetric, mode="w4a16").state_dict())
+    assert all(torch.equal(t, before[k]) for k, t in layer.state_dict().items())  # refused before the copy
