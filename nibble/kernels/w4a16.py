@@ -1047,6 +1047,13 @@ def _check_weight(qweight, scales, zeros, group_size, scale_dtype=torch.float16)
                              f"got {tuple(t.shape)}")
 
 
+def check_bias(bias, N: int) -> None:
+    """A layer's bias is one value per output channel, [N], on every path: a [N, 1] or [M, N] one would broadcast
+    into another sum without an error."""
+    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
+
+
 def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | None = None, out=None):
     """CUDA path (also usable directly with an explicit Config, e.g. by the benchmark sweep)."""
     if not HAS_TRITON:
