@@ -14,6 +14,7 @@ from nibble.kernels import reference
 
 BACKENDS = ("auto", "reference", "triton")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -55,6 +56,16 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
+def check_activations(x: torch.Tensor) -> None:
+    """What a layer's product takes on every path: float32 runs the kernels in bfloat16 and returns float32, but
+    any other dtype would come back cast (integers truncated) or overflow the reference's float32."""
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"activations must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("activations must have at least one dimension, the last holding the input features; got a "
+                         "0-d tensor")
+
+
 def _packed_k_n(x, qweight) -> tuple[int, int]:
     """(K, N) of a canonical packed weight [K // 8, N] whose K is x's last dimension, else a ValueError saying
     which: checked before the CPU reference runs, which would multiply mismatched tensors into a bare shape
@@ -77,6 +88,7 @@ def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int, bias) -> Non
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
     """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
+    check_activations(x)
     if not _use_kernel(x, backend):
         _check_w4a16_shapes(x, qweight, scales, zeros, group_size, bias)
         return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
@@ -88,6 +100,7 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     """``w4a16_linear`` for several layers that read the same x, ``layers`` = [(qweight, scales, zeros,
     bias), ...]: on CUDA, one kernel launch where the skinny kernel (decode sizes) or the Hopper GEMM
     (prefill sizes) runs. Returns the outputs in order."""
+    check_activations(x)
     if not _use_kernel(x, backend):
         for qw, s, z, b in layers:
             _check_w4a16_shapes(x, qw, s, z, group_size, b)
@@ -123,6 +136,7 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     """``w4a4_linear`` for several layers that read the same x, ``layers`` = [(qweight, w_scale, bias), ...]:
     the kernels rotate and quantize x once, then run the products in one launch where a kernel takes
     several weights. Returns the outputs in order."""
+    check_activations(x)
     qweights, w_scales, biases = ([layer[i] for layer in layers] for i in range(3))
     if not _use_kernel(x, backend):
         x2 = x.reshape(-1, x.shape[-1])

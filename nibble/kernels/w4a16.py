@@ -1037,7 +1037,7 @@ def _check_weight(qweight, scales, zeros, group_size, scale_dtype=torch.float16)
     """The weight's own consistency: packed int32 words, the group divides K, scales and zeros hold
     one row per group, in ``scale_dtype`` (None: any, as the CPU reference takes them)."""
     K, N = _packed_k(qweight), qweight.shape[1]
-    if group_size <= 0 or K % group_size or group_size % PACK:
+    if not isinstance(group_size, int) or group_size <= 0 or K % group_size or group_size % PACK:
         raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
     for name, t in (("scales", scales), ("zeros", zeros)):
         if scale_dtype is not None and t.dtype != scale_dtype:

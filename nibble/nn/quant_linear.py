@@ -14,9 +14,6 @@ from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
 from nibble.quantize.rtn import rtn_quantize
 
-INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 class QuantLinear(nn.Module):
     """y = x @ W.T + b with W stored as INT4 (buffers ``qweight``, ``scales``, ``zeros``).
 
@@ -89,11 +86,10 @@ class QuantLinear(nn.Module):
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
 
     def _check_input(self, x: torch.Tensor) -> None:
+        kernels.check_activations(x)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features in its last dimension but this layer expects "
                              f"{self.in_features} (input shape {tuple(x.shape)})")
-        if x.dtype not in INPUT_DTYPES:
-            raise TypeError(f"QuantLinear takes float16, bfloat16 or float32 input, got {x.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)

@@ -148,3 +148,21 @@ def test_a_bias_of_another_shape_than_one_per_output_channel_is_refused(mode):
                 op(bad)
     torch.testing.assert_close(linear(bias), linear(None) + bias)
 
+
+def test_the_layer_ops_refuse_activations_they_would_cast_or_cannot_read():
+    """An int32 x came back truncated to int32 from W4A16 and a float64 one overflowed W4A4's float32 reference;
+    a 0-d x and a float group size met an IndexError and a repeat_interleave error."""
+    from nibble import kernels
+
+    w = rtn_quantize(torch.randn(64, 256), -1, symmetric=True)
+    ops = {"w4a16": lambda x, g=256: kernels.w4a16_linear(x, w.qweight, w.scales, w.zeros, g),
+           "w4a4": lambda x: kernels.w4a4_linear(x, w.qweight, w.scales[0])}
+    x = torch.randn(3, 256) * 8
+    for op in ops.values():
+        for dtype in (torch.int32, torch.float64, torch.bool):
+            with pytest.raises(TypeError, match=f"activations must be float16, bfloat16 or float32, got {dtype}"):
+                op(x.to(dtype))
+        with pytest.raises(ValueError, match="at least one dimension"):
+            op(torch.tensor(1.5))
+    with pytest.raises(ValueError, match="group_size=256.0 must be a positive multiple of 8"):
+        ops["w4a16"](x, 256.0)

@@ -134,6 +134,8 @@ def test_bad_inputs_give_clear_errors():
         q(torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         q(torch.ones(2, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        q(torch.tensor(0.5))
     with pytest.raises(ValueError, match="divisible"):
         QuantLinear.from_linear(nn.Linear(96, 16), QuantConfig(group_size=64))
 
