@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 
@@ -93,22 +94,37 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _WithInputGradient.apply(x, self)
-        return self._product(x)
+        if self.differentiated(x):
+            function = _WithTangent if fwAD.unpack_dual(x).tangent is not None else _WithInputGradient
+            return function.apply(x, self.bias, self)
+        return self._product(x, self.bias)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def differentiated(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` needs the gradient `_WithInputGradient` gives: one is wanted for x or for a
+        trainable bias, or x carries a forward-mode tangent (``torch.func.jvp``, ``jacfwd``), which the GPU kernels
+        would drop and W4A4's reference would take through the rounding."""
+        if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+            return True
+        return fwAD.unpack_dual(x).tangent is not None
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "w4a16":
-            return kernels.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+            return kernels.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias,
                                         backend=self.backend)
-        return kernels.w4a4_linear(x, self.qweight, self.scales[0], self.bias, self.input_hadamard,
-                                   backend=self.backend)
+        return kernels.w4a4_linear(x, self.qweight, self.scales[0], bias, self.input_hadamard, backend=self.backend)
+
+    def _dequantized(self, device) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.zeros, self.group_size).to(device)
 
     def _input_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """dL/dx for dL/dy = ``grad``: grad @ W with W the dequantized weight (`_WithInputGradient` says why)."""
-        w = dequantize(self.qweight, self.scales, self.zeros, self.group_size).to(grad.device)
-        g = (grad.float() @ w).to(grad.dtype)
+        g = (grad.float() @ self._dequantized(grad.device)).to(grad.dtype)
         return hadamard_transform(g, inverse=True) if self.input_hadamard else g  # y = q(x H^T) W^T
+
+    def _output_tangent(self, tangent: torch.Tensor) -> torch.Tensor:
+        """dy for dx = ``tangent``, the forward-mode twin of `_input_gradient`: tangent @ W.T, after the Hadamard."""
+        t = hadamard_transform(tangent) if self.input_hadamard else tangent
+        return (t.float() @ self._dequantized(t.device).t()).to(t.dtype)
 
     def _apply(self, fn, recurse=True):
         """``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` cast every floating buffer, and would cast the
@@ -163,18 +179,21 @@ class PermutedInputQuantLinear(QuantLinear):
         super()._load_from_state_dict(*args, **kwargs)
         self.input_order = _permutation_digest(self.input_perm)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return super()._product(kernels.gather_columns(x, self.input_perm, backend=self.backend))
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return super()._product(kernels.gather_columns(x, self.input_perm, backend=self.backend), bias)
 
     def _input_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         g = super()._input_gradient(grad)  # of x[..., input_perm]
         return torch.empty_like(g).index_copy_(-1, self.input_perm.to(g.device), g)
 
+    def _output_tangent(self, tangent: torch.Tensor) -> torch.Tensor:
+        return super()._output_tangent(tangent.index_select(-1, self.input_perm.to(tangent.device)))
+
     def forward_in_order(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on x already in its stored input order, x = x_original[..., input_perm] (the engine's
         decode attention writes it so, instead of a gather of its own). Inference only (no gradient)."""
         self._check_input(x)
-        return QuantLinear._product(self, x)
+        return QuantLinear._product(self, x, self.bias)
 
     def without_input_perm(self) -> QuantLinear:
         """The same weight as a plain QuantLinear that takes its input already in the stored order
@@ -194,16 +213,34 @@ class _WithInputGradient(torch.autograd.Function):
     passed as the identity, as PE-QAT's fake quantization does), through the online Hadamard's transpose.
     The GPU kernels write their outputs into fresh tensors, so without this no gradient would reach x there,
     and the CPU reference's W4A4 would pass one only through each token's scale. The weights are buffers:
-    frozen, as under LoRA."""
+    frozen, as under LoRA; the bias is an input of its own, so that a trainable one gets its gradient too.
+    The setup_context form lets torch.func transform it; forward mode is `_WithTangent`'s."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-        ctx.layer = layer
-        return layer._product(x)
+    def forward(x: torch.Tensor, bias: torch.Tensor | None, layer: QuantLinear) -> torch.Tensor:
+        return layer._product(x, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layer = inputs[2]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.layer._input_gradient(grad), None
+        grad_x = ctx.layer._input_gradient(grad) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_bias, None
+
+
+class _WithTangent(_WithInputGradient):
+    """`_WithInputGradient` with forward mode, the same Jacobian: for an x with a tangent only, since torch.compile
+    refuses to trace a Function that defines a jvp."""
+
+    @staticmethod
+    def jvp(ctx, x_tangent, bias_tangent, _):
+        y_tangent = ctx.layer._output_tangent(x_tangent)
+        return y_tangent if bias_tangent is None else y_tangent + bias_tangent.to(y_tangent.dtype)
 
 
 def _permutation_digest(perm: torch.Tensor) -> str:
@@ -247,7 +284,8 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
       order, `shared_input_perm`);
     - plain ``nn.Linear`` layers whose weights are consecutive rows of one tensor (`stack_weights`)
       run as one matmul.
-    Any other layer is called as is.
+    Any other layer is called as is, and so is every layer when a gradient or a tangent is wanted (the shared
+    launches have none: `QuantLinear.differentiated`).
     """
     layers = list(layers)
     perm = shared_input_perm(layers)
@@ -257,6 +295,11 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
     if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
         for m in layers:
             m._check_input(x)
+        if any(m.differentiated(x) for m in layers):
+            if x_in_order:
+                raise ValueError("x_in_order=True is for inference (the layers' gradient is of x in its own order): "
+                                 "pass x in its original order, or run under torch.no_grad()")
+            return [m(x) for m in layers]
         mode, backend = layers[0].mode, layers[0].backend
         same = len({_one_launch_key(m) for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once
