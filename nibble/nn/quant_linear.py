@@ -175,9 +175,12 @@ class PermutedInputQuantLinear(QuantLinear):
         self.input_order = _permutation_digest(perm)  # checked before the layer takes it
         self.input_perm.copy_(perm)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self.input_order = _permutation_digest(self.input_perm)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        perm = state_dict.get(prefix + "input_perm")
+        if perm is not None and not perm.is_meta:
+            _permutation_digest(perm)  # refused before the copy, which would leave the layer gathering wrong inputs
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.input_order = None if self.input_perm.is_meta else _permutation_digest(self.input_perm)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return super()._product(kernels.gather_columns(x, self.input_perm, backend=self.backend), bias)

@@ -383,3 +383,15 @@ def test_shared_input_forward_refuses_a_gradient_of_x_in_stored_order():
     assert all(torch.equal(y, m(x)) for y, m in zip(ys, layers))
     with pytest.raises(ValueError, match="x_in_order=True is for inference"):
         shared_input_forward(layers, x[:, perm].requires_grad_(), x_in_order=True)
+
+
+def test_a_refused_input_perm_leaves_the_layer_as_it_was():
+    """The permutation was checked after nn.Module had copied it in: after the ValueError the layer gathered
+    the corrupt order's inputs."""
+    q = _layer("permuted", "cpu", dtype=torch.float32)
+    x = torch.randn(3, 256)
+    before, perm = q(x), q.input_perm.clone()
+    corrupt = {**q.state_dict(), "input_perm": torch.randint(0, 256, (256,))}
+    with pytest.raises(ValueError, match="input_perm must be a permutation"):
+        q.load_state_dict(corrupt)
+    assert torch.equal(q.input_perm, perm) and torch.equal(q(x), before)
