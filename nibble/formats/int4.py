@@ -42,7 +42,7 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"qweight must be a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
     shifts = _SHIFTS.to(qweight.device).view(1, PACK, 1)
     codes = (qweight.unsqueeze(1) >> shifts) & 0xF
-    return codes.reshape(-1, qweight.shape[1]).to(torch.uint8)
+    return codes.reshape(qweight.shape[0] * PACK, qweight.shape[1]).to(torch.uint8)  # -1 is ambiguous for N = 0
 
 
 def is_symmetric(scales: torch.Tensor, zeros: torch.Tensor) -> bool:

@@ -27,6 +27,9 @@ class QuantLinear(nn.Module):
                  mode: str = "w4a16", input_hadamard: bool = False, dtype: torch.dtype = torch.float16,
                  device=None):
         super().__init__()
+        if out_features < 1:
+            raise ValueError(f"out_features={out_features}: a layer without outputs has nothing to quantize; keep it "
+                             "as nn.Linear")
         check_group_size(group_size)
         if error := width_error(in_features, group_size):
             raise ValueError(error)

@@ -4,7 +4,7 @@ import torch
 from nibble.formats.int4 import Int4Weight, pack_int4, unpack_int4
 
 
-@pytest.mark.parametrize("K,N", [(8, 1), (64, 3), (576, 1536), (4096, 24)])
+@pytest.mark.parametrize("K,N", [(8, 1), (64, 3), (576, 1536), (4096, 24), (8, 0), (0, 5)])
 def test_pack_unpack_roundtrip_is_bit_exact(K, N):
     codes = torch.randint(0, 16, (K, N), dtype=torch.uint8)
     packed = pack_int4(codes)

@@ -395,3 +395,14 @@ def test_a_refused_input_perm_leaves_the_layer_as_it_was():
     with pytest.raises(ValueError, match="input_perm must be a permutation"):
         q.load_state_dict(corrupt)
     assert torch.equal(q.input_perm, perm) and torch.equal(q(x), before)
+
+
+def test_a_layer_without_inputs_or_outputs_is_refused_when_made():
+    """QuantLinear(64, 0) was made and failed at its first call (reshape's "-1 is ambiguous"), from_linear of an
+    nn.Linear(64, 0) in torch.cat, and QuantLinear(0, 8, group_size=-1) with a ZeroDivisionError."""
+    with pytest.raises(ValueError, match="out_features=0: a layer without outputs"):
+        QuantLinear(64, 0)
+    with pytest.raises(ValueError, match=r"an empty weight \(0, 64\) has nothing to quantize"):
+        QuantLinear.from_linear(nn.Linear(64, 0), QuantConfig(group_size=32))
+    with pytest.raises(ValueError, match="in_features=0: a layer without inputs"):
+        QuantLinear(0, 8, group_size=-1)
