@@ -24,8 +24,10 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int = 128,
-                 mode: str = "w4a16", input_hadamard: bool = False, dtype: torch.dtype = torch.float16,
+                 mode: str = "w4a16", input_hadamard: bool = False, dtype: torch.dtype | None = None,
                  device=None):
+        """``dtype`` is the bias's (the default dtype, as nn.Linear's); the buffers start at zero, so a layer not
+        yet loaded computes 0, never what uninitialised memory held."""
         super().__init__()
         if out_features < 1:
             raise ValueError(f"out_features={out_features}: a layer without outputs has nothing to quantize; keep it "
@@ -44,14 +46,14 @@ class QuantLinear(nn.Module):
         self.mode, self.input_hadamard = mode, input_hadamard
         self.backend = "auto"
         groups = in_features // group_size
-        self.register_buffer("qweight", torch.empty(in_features // PACK, out_features, dtype=torch.int32, device=device))
-        self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, device=device))
-        self.register_buffer("zeros", torch.empty(groups, out_features, dtype=torch.float16, device=device))
-        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("qweight", torch.zeros(in_features // PACK, out_features, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16, device=device))
+        self.register_buffer("zeros", torch.zeros(groups, out_features, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
     @classmethod
     def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
-                    input_hadamard: bool = False, dtype: torch.dtype = torch.float16) -> "QuantLinear":
+                    input_hadamard: bool = False, dtype: torch.dtype | None = None) -> "QuantLinear":
         layer = cls(weight.in_features, weight.out_features, bias is not None, weight.group_size, mode,
                     input_hadamard, dtype=bias.dtype if bias is not None else dtype, device=weight.qweight.device)
         layer._check_zeros(weight.scales, weight.zeros)

@@ -406,3 +406,15 @@ def test_a_layer_without_inputs_or_outputs_is_refused_when_made():
         QuantLinear.from_linear(nn.Linear(64, 0), QuantConfig(group_size=32))
     with pytest.raises(ValueError, match="in_features=0: a layer without inputs"):
         QuantLinear(0, 8, group_size=-1)
+
+
+def test_a_layer_made_by_its_constructor_is_zero_and_keeps_a_float32_bias():
+    """The bias defaulted to float16, so a state dict of from_linear(float32 Linear) loaded "All keys matched" and
+    rounded its bias; before a load, the buffers held whatever torch.empty found (NaN, 1e4, ...)."""
+    fresh = QuantLinear(64, 16, group_size=32)
+    assert fresh.bias.dtype == torch.get_default_dtype()
+    assert torch.equal(fresh(torch.randn(3, 64)), torch.zeros(3, 16))
+    q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
+    fresh.load_state_dict(q.state_dict())
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), q(x))
