@@ -496,7 +496,8 @@ def _hadamard_op(x: torch.Tensor, inverse: bool) -> torch.Tensor:
     return hadamard_transform_reference(x, inverse)
 
 
-def _kernel_fits(n: int) -> bool:
+def kernel_fits(n: int) -> bool:
+    """Whether the Triton kernel runs size n (`hadamard_plan`), a stricter rule than the reference's."""
     try:
         hadamard_plan(n)
     except ValueError:
@@ -506,7 +507,7 @@ def _kernel_fits(n: int) -> bool:
 
 @_hadamard_op.register_kernel("cuda")
 def _hadamard_op_cuda(x: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if triton is None or x.dtype not in KERNEL_DTYPES or not _kernel_fits(x.shape[-1]):
+    if triton is None or x.dtype not in KERNEL_DTYPES or not kernel_fits(x.shape[-1]):
         return hadamard_transform_reference(x, inverse)
     return hadamard_transform_triton(x.contiguous(), inverse)
 

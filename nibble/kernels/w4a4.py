@@ -265,7 +265,9 @@ def _act_plan(K: int, hadamard: bool):
         try:
             plan = _had.hadamard_plan(K)
         except ValueError as e:
-            near = [n for n in _had.supported_hadamard_sizes(2 * K + 64) if abs(n - K) <= max(64, K // 8)]
+            # the reference's sizes that the fused kernel runs too, in whole int32 words of codes
+            near = [n for n in _had.supported_hadamard_sizes(2 * K + 64)
+                    if abs(n - K) <= max(64, K // 8) and n % PACK == 0 and _had.kernel_fits(n)]
             raise ValueError(f"input_hadamard=True needs a supported Hadamard size; K={K} is not one ({e}). "
                              f"Supported sizes near {K}: {near[:12]}") from None
         return plan.rows, plan.row_pad, plan.num_warps, plan
