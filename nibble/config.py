@@ -31,6 +31,8 @@ def width_error(in_features: int, group_size: int) -> str | None:
     row), or None: INT4 packs 8 codes to an int32 word along in_features, and a group must divide the row. The one
     statement of the rule (QuantLinear, RTN and quantize_model's check before any layer turns); where the group
     does not divide, it names the group sizes that do (multiples of 8, which every kernel runs, up to 128)."""
+    if in_features < 1:
+        return f"in_features={in_features}: a layer without inputs has nothing to quantize; keep it in 16 bits"
     if in_features % PACK:
         return (f"in_features={in_features} is not a multiple of {PACK}, which INT4 packing needs ({PACK} codes a "
                 "32-bit word): keep the layer in 16 bits (QuantConfig.modules_to_not_convert)")

@@ -24,6 +24,9 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Pack codes [K, N] with values in [0, 15] into int32 [K // 8, N], eight rows per word."""
     if codes.dim() != 2:
         raise ValueError(f"pack_int4 expects a 2-D [K, N] tensor of codes, got shape {tuple(codes.shape)}")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"pack_int4 takes integer codes, got {codes.dtype}: round them and cast to an integer dtype "
+                        "first (a fractional code would be truncated)")
     K, N = codes.shape
     if K % PACK:
         raise ValueError(f"K={K} must be a multiple of {PACK} to pack 4-bit codes into int32 words")
@@ -42,7 +45,13 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"qweight must be a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
     shifts = _SHIFTS.to(qweight.device).view(1, PACK, 1)
     codes = (qweight.unsqueeze(1) >> shifts) & 0xF
-    return codes.reshape(-1, qweight.shape[1]).to(torch.uint8)
+    return codes.reshape(qweight.shape[0] * PACK, qweight.shape[1]).to(torch.uint8)  # -1 is ambiguous for N = 0
+
+
+def is_symmetric(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether every zero is -8 times its scale, W = (q - 8) * s (exact in float16: a power of two), the only
+    weights W4A4's integer product holds: it reads q - 8 and applies s, with no zero point of its own."""
+    return torch.equal(zeros, scales * -8)
 
 
 @dataclass
@@ -66,9 +75,12 @@ class Int4Weight:
         return self.qweight.shape[1]
 
     def validate(self) -> None:
+        from nibble.config import check_group_size  # nibble.config imports this module
+        if self.qweight.dtype != torch.int32 or self.qweight.dim() != 2:
+            raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {self.qweight.dtype} "
+                             f"{tuple(self.qweight.shape)}")
         K, N, G = self.in_features, self.out_features, self.group_size
-        if self.qweight.dtype != torch.int32:
-            raise ValueError(f"qweight must be int32, got {self.qweight.dtype}")
+        check_group_size(G)
         if G <= 0 or K % G:
             raise ValueError(f"in_features={K} is not divisible by group_size={G}")
         for name in ("scales", "zeros"):

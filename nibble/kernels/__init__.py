@@ -14,6 +14,7 @@ from nibble.kernels import reference
 
 BACKENDS = ("auto", "reference", "triton")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -55,6 +56,16 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
+def check_activations(x: torch.Tensor) -> None:
+    """What a layer's product takes on every path: float32 runs the kernels in bfloat16 and returns float32, but
+    any other dtype would come back cast (integers truncated) or overflow the reference's float32."""
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"activations must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("activations must have at least one dimension, the last holding the input features; got a "
+                         "0-d tensor")
+
+
 def _packed_k_n(x, qweight) -> tuple[int, int]:
     """(K, N) of a canonical packed weight [K // 8, N] whose K is x's last dimension, else a ValueError saying
     which: checked before the CPU reference runs, which would multiply mismatched tensors into a bare shape
@@ -67,24 +78,19 @@ def _packed_k_n(x, qweight) -> tuple[int, int]:
     return K, N
 
 
-def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int) -> None:
-    """The shapes the GPU op's checks ask for (`w4a16._check_weight`), on the CPU path; dtypes of scales and
-    zeros are the reference's to take as they come."""
-    _packed_k_n(x, qweight)
-    w4a16._check_weight(qweight, scales, zeros, group_size, scale_dtype=None)
-
-
-def _check_w4a4_shapes(x, qweight, w_scale) -> None:
-    """As `_check_w4a16_shapes`, for W4A4's per-channel weights: w_scale [1, N] or [N]."""
+def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int, bias) -> None:
+    """The shapes the GPU op's checks ask for (`w4a16._check_weight`; the bias, which the op does not take, is
+    `_finish`'s), on the CPU path; dtypes of scales and zeros are the reference's to take as they come."""
     N = _packed_k_n(x, qweight)[1]
-    if w_scale.numel() != N:
-        raise ValueError(f"w_scale must hold one scale per output channel, N={N}; got shape {tuple(w_scale.shape)}")
+    w4a16._check_weight(qweight, scales, zeros, group_size, scale_dtype=None)
+    w4a16.check_bias(bias, N)
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
     """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
+    check_activations(x)
     if not _use_kernel(x, backend):
-        _check_w4a16_shapes(x, qweight, scales, zeros, group_size)
+        _check_w4a16_shapes(x, qweight, scales, zeros, group_size, bias)
         return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
     y = eager_or_op(w4a16.linear, torch.ops.nibble.w4a16_linear)(_kernel_input(x), qweight, scales, zeros, group_size)
     return _finish(y, bias, x)
@@ -94,9 +100,10 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     """``w4a16_linear`` for several layers that read the same x, ``layers`` = [(qweight, scales, zeros,
     bias), ...]: on CUDA, one kernel launch where the skinny kernel (decode sizes) or the Hopper GEMM
     (prefill sizes) runs. Returns the outputs in order."""
+    check_activations(x)
     if not _use_kernel(x, backend):
-        for qw, s, z, _ in layers:
-            _check_w4a16_shapes(x, qw, s, z, group_size)
+        for qw, s, z, b in layers:
+            _check_w4a16_shapes(x, qw, s, z, group_size, b)
         return [reference.w4a16_matmul(x, qw, s, z, group_size, b) for qw, s, z, b in layers]
     linears = eager_or_op(w4a16.linears, torch.ops.nibble.w4a16_linears)
     ys = linears(_kernel_input(x), *([layer[i] for layer in layers] for i in range(3)), group_size)
@@ -114,6 +121,7 @@ def gather_columns(x, index, backend: str = "auto"):
 
 def _finish(y, bias, x):
     """A kernel's [M, N] output with the bias added, in x's leading dims and dtype."""
+    w4a16.check_bias(bias, y.shape[-1])
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)  # N, not -1: x may hold no token
@@ -128,14 +136,16 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     """``w4a4_linear`` for several layers that read the same x, ``layers`` = [(qweight, w_scale, bias), ...]:
     the kernels rotate and quantize x once, then run the products in one launch where a kernel takes
     several weights. Returns the outputs in order."""
+    check_activations(x)
+    qweights, w_scales, biases = ([layer[i] for layer in layers] for i in range(3))
     if not _use_kernel(x, backend):
-        for qweight, w_scale, _ in layers:
-            _check_w4a4_shapes(x, qweight, w_scale)
-        return [reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard) for qweight, w_scale, bias in layers]
-    x2 = _kernel_input(x)
-    linears = eager_or_op(w4a4.linears, torch.ops.nibble.w4a4_linears)
-    ys = linears(x2, [layer[0] for layer in layers], [layer[1] for layer in layers],
-                 [None if b is None else b.to(x2.dtype) for _, _, b in layers], input_hadamard)
+        x2 = x.reshape(-1, x.shape[-1])
+        checked = w4a4._checked_layers(x2, qweights, w_scales, biases, input_hadamard)  # the GPU op's checks
+        ys = [reference.w4a4_linear(x2, *layer, input_hadamard) for layer in checked]
+    else:
+        x2 = _kernel_input(x)
+        ys = eager_or_op(w4a4.linears, torch.ops.nibble.w4a4_linears)(
+            x2, qweights, w_scales, [None if b is None else b.to(x2.dtype) for b in biases], input_hadamard)
     return [y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype) for y in ys]
 
 

@@ -133,10 +133,12 @@ def _factor(n: int) -> tuple[int, int] | None:
 
 def hadamard_factors(n: int) -> tuple[int, int]:
     """(m, 2^k) with n = m * 2^k and H_n = H_m (x) H_{2^k}; ValueError naming the rule if unsupported."""
+    if n < 1:
+        raise ValueError(f"a Hadamard matrix needs a size of at least 1, got {n}")
     f = _factor(n)
     if f is None:
-        lo = next((s for s in range(n - 1, 0, -1) if _factor(s)), None)
-        hi = next(s for s in range(max(n + 1, 1), 2 * max(n, 1) + 2) if _factor(s))
+        lo = next(s for s in range(n - 1, 0, -1) if _factor(s))  # 1 always is
+        hi = next(s for s in range(n + 1, 2 * n + 1) if _factor(s))  # so is the power of two in (n, 2n]
         raise ValueError(
             f"no Hadamard matrix of size {n}: nibble builds n = m * 2^k with m = 1, m = q + 1 "
             f"(q prime, q % 4 == 3; Paley I), m = 2(q + 1) (q prime, q % 4 == 1; Paley II) or m = 172 "
@@ -179,11 +181,21 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 # Reference
 # ----------------------------------------------------------------------------------------------
 
+def _check_transform_input(x: torch.Tensor) -> None:
+    """A rotation is of real numbers along a last dimension: integers and bools came back truncated, complex
+    numbers without their imaginary part."""
+    if not x.is_floating_point():
+        raise TypeError(f"the Hadamard transform takes a real floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("the Hadamard transform rotates the last dimension; got a 0-d tensor")
+
+
 def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """y = x @ H_n.T (inverse: x @ H_n) on the last dim; float32 math (float64 for float64 x), x.dtype out.
 
     The row is viewed as [m, 2^k]: a Sylvester butterfly over the 2^k axis, then H_m over the m axis.
     """
+    _check_transform_input(x)
     n = x.shape[-1]
     m, p = hadamard_factors(n)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -484,7 +496,8 @@ def _hadamard_op(x: torch.Tensor, inverse: bool) -> torch.Tensor:
     return hadamard_transform_reference(x, inverse)
 
 
-def _kernel_fits(n: int) -> bool:
+def kernel_fits(n: int) -> bool:
+    """Whether the Triton kernel runs size n (`hadamard_plan`), a stricter rule than the reference's."""
     try:
         hadamard_plan(n)
     except ValueError:
@@ -494,14 +507,15 @@ def _kernel_fits(n: int) -> bool:
 
 @_hadamard_op.register_kernel("cuda")
 def _hadamard_op_cuda(x: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if triton is None or x.dtype not in KERNEL_DTYPES or not _kernel_fits(x.shape[-1]):
+    if triton is None or x.dtype not in KERNEL_DTYPES or not kernel_fits(x.shape[-1]):
         return hadamard_transform_reference(x, inverse)
     return hadamard_transform_triton(x.contiguous(), inverse)
 
 
 @_hadamard_op.register_fake
 def _hadamard_op_fake(x: torch.Tensor, inverse: bool) -> torch.Tensor:
-    hadamard_factors(x.shape[-1])  # fail at trace time, not at run time
+    _check_transform_input(x)  # fail at trace time, not at run time
+    hadamard_factors(x.shape[-1])
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

@@ -621,6 +621,7 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     above that, a program per whole row, which reads the row once instead of once per column block
     (H200, bf16, 128 rows: 1.1x at K = 4,096, 1.9x at 14,336; 2,048 rows 1.3-3.6x;
     benchmarks/scripts/gather_columns_ab.py, benchmarks/results/session53-h200/)."""
+    check_triton_device(x)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
     out = torch.empty_like(x2)
@@ -667,7 +668,15 @@ def _pow2_divisor(g: int, cap: int) -> int:
     return b
 
 
+def check_triton_device(x: torch.Tensor) -> None:
+    """The Triton launches need a CUDA tensor (or the interpreter); elsewhere Triton fails with "0 active drivers"."""
+    if not (x.is_cuda or _INTERPRET):
+        raise ValueError(f"the W4A16 Triton kernels need CUDA tensors, got device {x.device} (or set "
+                         "TRITON_INTERPRET=1 before importing nibble to run them on CPU)")
+
+
 def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
+    check_triton_device(x)
     M, K = x.shape
     N = qweight.shape[1]
     if out is None:
@@ -842,6 +851,8 @@ def w4a16_mma(x, qweight, scales, zeros, group_size, config: MmaConfig | None = 
 def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs=None):
     """[x @ W_i.T for W_i in weights] in one launch, for up to MMA_MAX_WEIGHTS weights (qweight,
     scales, zeros) that read the same x, e.g. a block's q/k/v projections; inputs already checked."""
+    if not x.is_cuda:
+        raise ValueError(f"w4a16_mma is a CUDA kernel: it needs CUDA tensors, got device {x.device}")
     M, K = x.shape
     ns = [qw.shape[1] for qw, _, _ in weights]
     lib = _mma_lib(x.device)
@@ -1037,7 +1048,7 @@ def _check_weight(qweight, scales, zeros, group_size, scale_dtype=torch.float16)
     """The weight's own consistency: packed int32 words, the group divides K, scales and zeros hold
     one row per group, in ``scale_dtype`` (None: any, as the CPU reference takes them)."""
     K, N = _packed_k(qweight), qweight.shape[1]
-    if group_size <= 0 or K % group_size or group_size % PACK:
+    if not isinstance(group_size, int) or group_size <= 0 or K % group_size or group_size % PACK:
         raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
     for name, t in (("scales", scales), ("zeros", zeros)):
         if scale_dtype is not None and t.dtype != scale_dtype:
@@ -1047,10 +1058,18 @@ def _check_weight(qweight, scales, zeros, group_size, scale_dtype=torch.float16)
                              f"got {tuple(t.shape)}")
 
 
+def check_bias(bias, N: int) -> None:
+    """A layer's bias is one value per output channel, [N], on every path: a [N, 1] or [M, N] one would broadcast
+    into another sum without an error."""
+    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
+
+
 def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | None = None, out=None):
     """CUDA path (also usable directly with an explicit Config, e.g. by the benchmark sweep)."""
     if not HAS_TRITON:
         raise RuntimeError("nibble's W4A16 CUDA kernels need triton; install it or run on CPU")
+    check_triton_device(x)
     x = x.contiguous()
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     M, K = x.shape

@@ -63,7 +63,7 @@ from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels import hadamard as _had
 from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, MmaConfig,
-                                   num_sms, select_mma_config, split_counters)
+                                   check_bias, num_sms, select_mma_config, split_counters)
 
 try:
     import triton
@@ -265,7 +265,9 @@ def _act_plan(K: int, hadamard: bool):
         try:
             plan = _had.hadamard_plan(K)
         except ValueError as e:
-            near = [n for n in _had.supported_hadamard_sizes(2 * K + 64) if abs(n - K) <= max(64, K // 8)]
+            # the reference's sizes that the fused kernel runs too, in whole int32 words of codes
+            near = [n for n in _had.supported_hadamard_sizes(2 * K + 64)
+                    if abs(n - K) <= max(64, K // 8) and n % PACK == 0 and _had.kernel_fits(n)]
             raise ValueError(f"input_hadamard=True needs a supported Hadamard size; K={K} is not one ({e}). "
                              f"Supported sizes near {K}: {near[:12]}") from None
         return plan.rows, plan.row_pad, plan.num_warps, plan
@@ -921,8 +923,7 @@ def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias):
         raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor (the W4A4 "
                          f"weight scale, scales[0] of a symmetric per-channel Int4Weight); got "
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
-    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    check_bias(bias, N)
     devs = {t.device for t in (qx, x_scale, qweight, w_scale) + (() if bias is None else (bias,))}
     if len(devs) != 1:
         raise ValueError(f"all W4A4 inputs must be on one device, got {sorted(map(str, devs))}")
@@ -1365,8 +1366,7 @@ def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
     if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
         raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor, got "
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
-    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    check_bias(bias, N)
     devs = {t.device for t in (x, qweight, w_scale) + (() if bias is None else (bias,))}
     if len(devs) != 1:
         raise ValueError(f"x, qweight, w_scale and bias must be on one device, got {sorted(map(str, devs))}")

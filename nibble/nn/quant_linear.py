@@ -4,18 +4,16 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 
 from nibble import kernels
 from nibble.config import QuantConfig, check_group_size, width_error
-from nibble.formats.int4 import PACK, Int4Weight
+from nibble.formats.int4 import PACK, Int4Weight, is_symmetric
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
 from nibble.quantize.rtn import rtn_quantize
-
-INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 class QuantLinear(nn.Module):
     """y = x @ W.T + b with W stored as INT4 (buffers ``qweight``, ``scales``, ``zeros``).
@@ -26,9 +24,14 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int = 128,
-                 mode: str = "w4a16", input_hadamard: bool = False, dtype: torch.dtype = torch.float16,
+                 mode: str = "w4a16", input_hadamard: bool = False, dtype: torch.dtype | None = None,
                  device=None):
+        """``dtype`` is the bias's (the default dtype, as nn.Linear's); the buffers start at zero, so a layer not
+        yet loaded computes 0, never what uninitialised memory held."""
         super().__init__()
+        if out_features < 1:
+            raise ValueError(f"out_features={out_features}: a layer without outputs has nothing to quantize; keep it "
+                             "as nn.Linear")
         check_group_size(group_size)
         if error := width_error(in_features, group_size):
             raise ValueError(error)
@@ -43,16 +46,17 @@ class QuantLinear(nn.Module):
         self.mode, self.input_hadamard = mode, input_hadamard
         self.backend = "auto"
         groups = in_features // group_size
-        self.register_buffer("qweight", torch.empty(in_features // PACK, out_features, dtype=torch.int32, device=device))
-        self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, device=device))
-        self.register_buffer("zeros", torch.empty(groups, out_features, dtype=torch.float16, device=device))
-        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("qweight", torch.zeros(in_features // PACK, out_features, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16, device=device))
+        self.register_buffer("zeros", torch.zeros(groups, out_features, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
     @classmethod
     def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
-                    input_hadamard: bool = False, dtype: torch.dtype = torch.float16) -> "QuantLinear":
+                    input_hadamard: bool = False, dtype: torch.dtype | None = None) -> "QuantLinear":
         layer = cls(weight.in_features, weight.out_features, bias is not None, weight.group_size, mode,
                     input_hadamard, dtype=bias.dtype if bias is not None else dtype, device=weight.qweight.device)
+        layer._check_zeros(weight.scales, weight.zeros)
         layer.qweight.copy_(weight.qweight)
         layer.scales.copy_(weight.scales)
         layer.zeros.copy_(weight.zeros)
@@ -70,34 +74,62 @@ class QuantLinear(nn.Module):
         return cls.from_weight(weight, linear.bias, config.mode, getattr(linear, "input_hadamard", False),
                                dtype=linear.weight.dtype)
 
+    def _check_zeros(self, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """W4A4's product reads every weight as (q - 8) * s and never its zero: refuse others, which it would
+        silently compute as another weight."""
+        if self.mode == "w4a4" and not scales.is_meta and not is_symmetric(scales, zeros):
+            raise ValueError("a w4a4 QuantLinear needs symmetric weights (zeros == -8 * scales): its integer product "
+                             "has no zero point; quantize with symmetric=True or use mode='w4a16'")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        scales, zeros = state_dict.get(prefix + "scales"), state_dict.get(prefix + "zeros")
+        # a missing key or a wrong shape is nn.Module's to report; checked before the copy leaves the layer as it was
+        if scales is not None and zeros is not None and scales.shape == zeros.shape == self.scales.shape:
+            self._check_zeros(scales, zeros)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def weight_int4(self) -> Int4Weight:
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
 
     def _check_input(self, x: torch.Tensor) -> None:
+        kernels.check_activations(x)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features in its last dimension but this layer expects "
                              f"{self.in_features} (input shape {tuple(x.shape)})")
-        if x.dtype not in INPUT_DTYPES:
-            raise TypeError(f"QuantLinear takes float16, bfloat16 or float32 input, got {x.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _WithInputGradient.apply(x, self)
-        return self._product(x)
+        if self.differentiated(x):
+            function = _WithTangent if fwAD.unpack_dual(x).tangent is not None else _WithInputGradient
+            return function.apply(x, self.bias, self)
+        return self._product(x, self.bias)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def differentiated(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` needs the gradient `_WithInputGradient` gives: one is wanted for x or for a
+        trainable bias, or x carries a forward-mode tangent (``torch.func.jvp``, ``jacfwd``), which the GPU kernels
+        would drop and W4A4's reference would take through the rounding."""
+        if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+            return True
+        return fwAD.unpack_dual(x).tangent is not None
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "w4a16":
-            return kernels.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+            return kernels.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias,
                                         backend=self.backend)
-        return kernels.w4a4_linear(x, self.qweight, self.scales[0], self.bias, self.input_hadamard,
-                                   backend=self.backend)
+        return kernels.w4a4_linear(x, self.qweight, self.scales[0], bias, self.input_hadamard, backend=self.backend)
+
+    def _dequantized(self, device) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.zeros, self.group_size).to(device)
 
     def _input_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """dL/dx for dL/dy = ``grad``: grad @ W with W the dequantized weight (`_WithInputGradient` says why)."""
-        w = dequantize(self.qweight, self.scales, self.zeros, self.group_size).to(grad.device)
-        g = (grad.float() @ w).to(grad.dtype)
+        g = (grad.float() @ self._dequantized(grad.device)).to(grad.dtype)
         return hadamard_transform(g, inverse=True) if self.input_hadamard else g  # y = q(x H^T) W^T
+
+    def _output_tangent(self, tangent: torch.Tensor) -> torch.Tensor:
+        """dy for dx = ``tangent``, the forward-mode twin of `_input_gradient`: tangent @ W.T, after the Hadamard."""
+        t = hadamard_transform(tangent) if self.input_hadamard else tangent
+        return (t.float() @ self._dequantized(t.device).t()).to(t.dtype)
 
     def _apply(self, fn, recurse=True):
         """``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` cast every floating buffer, and would cast the
@@ -148,22 +180,28 @@ class PermutedInputQuantLinear(QuantLinear):
         self.input_order = _permutation_digest(perm)  # checked before the layer takes it
         self.input_perm.copy_(perm)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self.input_order = _permutation_digest(self.input_perm)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        perm = state_dict.get(prefix + "input_perm")
+        if perm is not None and not perm.is_meta:
+            _permutation_digest(perm)  # refused before the copy, which would leave the layer gathering wrong inputs
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.input_order = None if self.input_perm.is_meta else _permutation_digest(self.input_perm)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return super()._product(kernels.gather_columns(x, self.input_perm, backend=self.backend))
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return super()._product(kernels.gather_columns(x, self.input_perm, backend=self.backend), bias)
 
     def _input_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         g = super()._input_gradient(grad)  # of x[..., input_perm]
         return torch.empty_like(g).index_copy_(-1, self.input_perm.to(g.device), g)
 
+    def _output_tangent(self, tangent: torch.Tensor) -> torch.Tensor:
+        return super()._output_tangent(tangent.index_select(-1, self.input_perm.to(tangent.device)))
+
     def forward_in_order(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on x already in its stored input order, x = x_original[..., input_perm] (the engine's
         decode attention writes it so, instead of a gather of its own). Inference only (no gradient)."""
         self._check_input(x)
-        return QuantLinear._product(self, x)
+        return QuantLinear._product(self, x, self.bias)
 
     def without_input_perm(self) -> QuantLinear:
         """The same weight as a plain QuantLinear that takes its input already in the stored order
@@ -183,16 +221,34 @@ class _WithInputGradient(torch.autograd.Function):
     passed as the identity, as PE-QAT's fake quantization does), through the online Hadamard's transpose.
     The GPU kernels write their outputs into fresh tensors, so without this no gradient would reach x there,
     and the CPU reference's W4A4 would pass one only through each token's scale. The weights are buffers:
-    frozen, as under LoRA."""
+    frozen, as under LoRA; the bias is an input of its own, so that a trainable one gets its gradient too.
+    The setup_context form lets torch.func transform it; forward mode is `_WithTangent`'s."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-        ctx.layer = layer
-        return layer._product(x)
+    def forward(x: torch.Tensor, bias: torch.Tensor | None, layer: QuantLinear) -> torch.Tensor:
+        return layer._product(x, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layer = inputs[2]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.layer._input_gradient(grad), None
+        grad_x = ctx.layer._input_gradient(grad) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_bias, None
+
+
+class _WithTangent(_WithInputGradient):
+    """`_WithInputGradient` with forward mode, the same Jacobian: for an x with a tangent only, since torch.compile
+    refuses to trace a Function that defines a jvp."""
+
+    @staticmethod
+    def jvp(ctx, x_tangent, bias_tangent, _):
+        y_tangent = ctx.layer._output_tangent(x_tangent)
+        return y_tangent if bias_tangent is None else y_tangent + bias_tangent.to(y_tangent.dtype)
 
 
 def _permutation_digest(perm: torch.Tensor) -> str:
@@ -236,7 +292,8 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
       order, `shared_input_perm`);
     - plain ``nn.Linear`` layers whose weights are consecutive rows of one tensor (`stack_weights`)
       run as one matmul.
-    Any other layer is called as is.
+    Any other layer is called as is, and so is every layer when a gradient or a tangent is wanted (the shared
+    launches have none: `QuantLinear.differentiated`).
     """
     layers = list(layers)
     perm = shared_input_perm(layers)
@@ -246,6 +303,11 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
     if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
         for m in layers:
             m._check_input(x)
+        if any(m.differentiated(x) for m in layers):
+            if x_in_order:
+                raise ValueError("x_in_order=True is for inference (the layers' gradient is of x in its own order): "
+                                 "pass x in its original order, or run under torch.no_grad()")
+            return [m(x) for m in layers]
         mode, backend = layers[0].mode, layers[0].backend
         same = len({_one_launch_key(m) for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once

@@ -30,6 +30,8 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
         raise ValueError(f"expected a 2-D [out_features, in_features] weight, got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    if not weight.numel():
+        raise ValueError(f"an empty weight {tuple(weight.shape)} has nothing to quantize; keep the layer in 16 bits")
     if group_size <= 0:
         raise ValueError(f"group_size must be positive here (the row's width for per-channel), got {group_size}")
     if error := width_error(weight.shape[1], group_size):

@@ -4,7 +4,7 @@ import torch
 from nibble.formats.int4 import Int4Weight, pack_int4, unpack_int4
 
 
-@pytest.mark.parametrize("K,N", [(8, 1), (64, 3), (576, 1536), (4096, 24)])
+@pytest.mark.parametrize("K,N", [(8, 1), (64, 3), (576, 1536), (4096, 24), (8, 0), (0, 5)])
 def test_pack_unpack_roundtrip_is_bit_exact(K, N):
     codes = torch.randint(0, 16, (K, N), dtype=torch.uint8)
     packed = pack_int4(codes)
@@ -28,6 +28,10 @@ def test_pack_rejects_bad_codes_and_shapes():
         pack_int4(torch.zeros(12, 2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="int32"):
         unpack_int4(torch.zeros(2, 2, dtype=torch.int64))
+    codes = torch.randint(0, 16, (8, 2))
+    for fractional in (codes + torch.rand(8, 2) * 0.9, codes > 7):  # were packed truncated
+        with pytest.raises(TypeError, match=f"integer codes, got {fractional.dtype}"):
+            pack_int4(fractional)
 
 
 def test_int4weight_validates_shapes_and_divisibility():
@@ -41,3 +45,8 @@ def test_int4weight_validates_shapes_and_divisibility():
         Int4Weight(q, torch.ones(1, 4, dtype=torch.float16), s, 32)
     with pytest.raises(ValueError, match="float16"):
         Int4Weight(q, s.float(), s, 32)
+    # a group size no kernel reads (not whole words of 8 codes), and a qweight that is not 2-D, named as such
+    with pytest.raises(ValueError, match="positive multiple of 8.*got 4"):
+        Int4Weight(q, torch.ones(16, 4, dtype=torch.float16), torch.ones(16, 4, dtype=torch.float16), 4)
+    with pytest.raises(ValueError, match=r"qweight must be a 2-D int32 tensor \[K // 8, N\], got torch.int32 \(1, 8, 4\)"):
+        Int4Weight(q[None], s, s, 32)

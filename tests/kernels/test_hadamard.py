@@ -81,6 +81,20 @@ def test_unsupported_size_is_a_clear_error(n):
         hadamard_transform_reference(torch.zeros(2, n))
 
 
+def test_inputs_the_transform_cannot_rotate_are_clear_errors():
+    """Integers and bools came back truncated, a complex tensor without its imaginary part; a 0-d tensor met an
+    IndexError and an empty last dimension a message naming "None" as a supported size."""
+    from nibble.kernels.hadamard import hadamard_transform
+    x = torch.randn(2, 8) * 4
+    for bad in (x.long(), x > 0, torch.complex(x, torch.randn(2, 8))):
+        with pytest.raises(TypeError, match=f"real floating-point tensor, got {bad.dtype}"):
+            hadamard_transform(bad)
+    with pytest.raises(ValueError, match="0-d tensor"):
+        hadamard_transform(torch.tensor(1.5))
+    with pytest.raises(ValueError, match="size of at least 1, got 0"):
+        hadamard_transform(torch.randn(2, 0))
+
+
 def test_supported_sizes_list_holds_the_model_sizes_and_follows_the_rule():
     sizes = supported_hadamard_sizes(30000)
     assert set(MODEL_SIZES) <= set(sizes)

@@ -104,20 +104,65 @@ def test_the_w4a16_ops_on_the_cpu_check_shapes_before_the_reference_runs():
 
 
 def test_the_w4a4_ops_on_the_cpu_check_shapes_before_the_reference_runs():
-    """A K or a scale count that does not match reached the reference's matmul as a bare shape error."""
+    """A K or a scale count that does not match reached the reference's matmul as a bare shape error; a [N, 1]
+    scale with as many tokens as channels broadcast along the tokens without one. The CPU path now asks for the
+    shapes the GPU op does: a [N] scale, nothing that broadcasts."""
     from nibble import kernels
 
     w = rtn_quantize(torch.randn(64, 256), -1, symmetric=True)
-    x = torch.randn(3, 256)
+    x = torch.randn(64, 256)
     qw, s = w.qweight, w.scales[0]
     cases = [
-        ((torch.randn(3, 128), qw, s), r"x has K=128 in its last dimension but qweight \(32, 64\) packs K=256"),
-        ((x, qw, s[:32]), r"w_scale must hold one scale per output channel, N=64; got shape \(32,\)"),
-        ((x, qw.flatten(), s), r"qweight must be a 2-D int32 tensor"),
+        ((torch.randn(3, 128), qw, s), r"qweight \(32, 64\) packs K=256 rows but x has K=128"),
+        ((x, qw, s[:32]), r"w_scale must be a per-channel \[64\] .*got torch.float16 \(32,\)"),
+        ((x, qw, s[:, None]), r"w_scale must be a per-channel \[64\] .*got torch.float16 \(64, 1\)"),
+        ((x, qw, w.scales), r"w_scale must be a per-channel \[64\] .*got torch.float16 \(1, 64\)"),
+        ((x, qw.flatten(), s), r"qweight must be the canonical packed int32"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
             kernels.w4a4_linear(*args)
         with pytest.raises(ValueError, match=match):
             kernels.w4a4_linears(args[0], [(*args[1:], None), (qw, s, None)])
-    torch.testing.assert_close(kernels.w4a4_linear(x, qw, w.scales), reference.w4a4_linear(x, qw, s))
+    torch.testing.assert_close(kernels.w4a4_linear(x, qw, s), reference.w4a4_linear(x, qw, s))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_a_bias_of_another_shape_than_one_per_output_channel_is_refused(mode):
+    """A [N, 1] bias with as many tokens as channels, or a [M, N] one, broadcast into another sum on the CPU
+    path (and on W4A16's GPU path, which adds the bias after the op)."""
+    from nibble import kernels
+
+    w = rtn_quantize(torch.randn(64, 256), -1, symmetric=True)
+    x = torch.randn(64, 256)
+    if mode == "w4a16":
+        linear = lambda bias: kernels.w4a16_linear(x, w.qweight, w.scales, w.zeros, 256, bias)
+        linears = lambda bias: kernels.w4a16_linears(x, [(w.qweight, w.scales, w.zeros, bias)], 256)
+    else:
+        linear = lambda bias: kernels.w4a4_linear(x, w.qweight, w.scales[0], bias)
+        linears = lambda bias: kernels.w4a4_linears(x, [(w.qweight, w.scales[0], bias)])
+    bias = torch.randn(64)
+    for bad in (bias[:, None], bias.expand(64, 64), torch.arange(64)):
+        for op in (linear, linears):
+            with pytest.raises(ValueError, match=r"bias must be a float tensor of shape \[64\]"):
+                op(bad)
+    torch.testing.assert_close(linear(bias), linear(None) + bias)
+
+
+def test_the_layer_ops_refuse_activations_they_would_cast_or_cannot_read():
+    """An int32 x came back truncated to int32 from W4A16 and a float64 one overflowed W4A4's float32 reference;
+    a 0-d x and a float group size met an IndexError and a repeat_interleave error."""
+    from nibble import kernels
+
+    w = rtn_quantize(torch.randn(64, 256), -1, symmetric=True)
+    ops = {"w4a16": lambda x, g=256: kernels.w4a16_linear(x, w.qweight, w.scales, w.zeros, g),
+           "w4a4": lambda x: kernels.w4a4_linear(x, w.qweight, w.scales[0])}
+    x = torch.randn(3, 256) * 8
+    for op in ops.values():
+        for dtype in (torch.int32, torch.float64, torch.bool):
+            with pytest.raises(TypeError, match=f"activations must be float16, bfloat16 or float32, got {dtype}"):
+                op(x.to(dtype))
+        with pytest.raises(ValueError, match="at least one dimension"):
+            op(torch.tensor(1.5))
+    with pytest.raises(ValueError, match="group_size=256.0 must be a positive multiple of 8"):
+        ops["w4a16"](x, 256.0)

@@ -99,6 +99,23 @@ def test_input_checks(bad):
         torch.ops.nibble.w4a16_linear(x, qw, s, z, G)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the Triton kernels on CPU")
+def test_the_gpu_entry_points_refuse_cpu_tensors_by_name():
+    """Called with CPU tensors they failed inside Triton ("0 active drivers") or torch ("Torch not compiled with
+    CUDA enabled")."""
+    qw, s, z = make_weight(32, 128, 64)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    calls = {"Triton kernels need CUDA tensors": [
+        lambda: W.w4a16_linear_cuda(x, qw, s, z, 64),
+        lambda: W._launch(x, qw, s, z, 64, W.select_config(2, 32, 128, 64)),
+        lambda: W.gather_columns(x, torch.randperm(128))],
+        "w4a16_mma is a CUDA kernel": [lambda: W.w4a16_mma(x, qw, s, z, 64)]}
+    for says, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=f"{says}.*got device cpu"):
+                fn()
+
+
 def test_dequantize_checks_the_weight():
     """The dense dequantization (the op's many-token path, the benchmarks' bf16 copy) refuses a group
     that does not divide K, or scales of another group, instead of reading past their rows."""

@@ -1381,3 +1381,13 @@ def test_cuda_op_rejects_float32_and_mixed_devices():
         torch.ops.nibble.w4a4_linear(torch.randn(2, 64, device="cuda"), qw, ws, None, False)
     with pytest.raises(ValueError, match="one device"):
         torch.ops.nibble.w4a4_linear(torch.randn(2, 64, device="cuda").bfloat16(), qw.cpu(), ws, None, False)
+
+
+def test_the_fused_hadamard_refusal_names_sizes_it_runs():
+    """It listed the reference's sizes near K: for K=344, 11 of the 12 it named were refused by the kernel too."""
+    import re
+    from nibble.kernels import hadamard
+    with pytest.raises(ValueError, match="Supported sizes near 344") as refused:
+        w4a4._act_plan(344, True)
+    near = [int(n) for n in re.search(r"near 344: \[([\d, ]+)\]", str(refused.value)).group(1).split(",")]
+    assert near and all(n % 8 == 0 and hadamard.kernel_fits(n) for n in near)

@@ -134,6 +134,8 @@ def test_bad_inputs_give_clear_errors():
         q(torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         q(torch.ones(2, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        q(torch.tensor(0.5))
     with pytest.raises(ValueError, match="divisible"):
         QuantLinear.from_linear(nn.Linear(96, 16), QuantConfig(group_size=64))
 
@@ -292,3 +294,127 @@ def test_no_tokens_give_an_empty_output(kind, device):
     for shape in ((0, 256), (2, 0, 256)):
         y = q(torch.randn(shape, device=device, dtype=torch.bfloat16))
         assert y.shape == (*shape[:-1], 48) and y.dtype == torch.bfloat16
+
+
+def test_a_w4a4_layer_refuses_weights_with_zero_points():
+    """W4A4's product reads (q - 8) * s and never the zeros: an asymmetric weight was taken without a word and
+    the layer computed another function (45% relative error against the weight it held)."""
+    from nibble.quantize.rtn import rtn_quantize
+    w = torch.randn(32, 64) + 0.5  # rows not centred on 0: their zero points are not 8
+    asymmetric = rtn_quantize(w, -1, symmetric=False)
+    with pytest.raises(ValueError, match="symmetric weights"):
+        QuantLinear.from_weight(asymmetric, mode="w4a4")
+    layer = QuantLinear.from_weight(rtn_quantize(w, -1, symmetric=True), mode="w4a4")
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match="symmetric weights"):
+        layer.load_state_dict(QuantLinear.from_weight(asymmetric, mode="w4a16").state_dict())
+    assert all(torch.equal(t, before[k]) for k, t in layer.state_dict().items())  # refused before the copy
+
+
+def _jacobian(q: QuantLinear) -> torch.Tensor:
+    """dy/dx [N, K] of a float32 layer as its gradient defines it: the dequantized weight (straight through W4A4's
+    rounding), after the Hadamard and in the input order the layer reads."""
+    from nibble.kernels.hadamard import hadamard_matrix
+    w = reference.dequantize(q.qweight, q.scales, q.zeros, q.group_size)
+    if q.input_hadamard:
+        w = w @ hadamard_matrix(q.in_features)
+    if hasattr(q, "input_perm"):
+        w = torch.empty_like(w).index_copy_(-1, q.input_perm, w)
+    return w
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4", "w4a4-hadamard"])
+def test_torch_func_transforms_agree_with_backward(kind):
+    """torch.func.grad / jacrev raised "must override the setup_context staticmethod", and forward mode (jvp,
+    jacfwd) skipped the straight-through gradient: W4A4's Jacobian came out of the reference's rounding."""
+    q = _layer(kind, "cpu", dtype=torch.float32)
+    x = torch.randn(256)
+    expected = _jacobian(q)
+    for jacobian in (torch.func.jacrev, torch.func.jacfwd):
+        torch.testing.assert_close(jacobian(q)(x), expected, rtol=1e-5, atol=1e-6)
+    r = torch.randn(48)
+    xs = torch.randn(5, 256)
+    grads = torch.func.vmap(torch.func.grad(lambda v: (q(v) * r).sum()))(xs)
+    torch.testing.assert_close(grads, (r @ expected).expand(5, -1), rtol=1e-5, atol=1e-6)
+    _, tangent = torch.func.jvp(q, (xs,), (xs.flip(0),))
+    torch.testing.assert_close(tangent, xs.flip(0) @ expected.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4"])
+def test_a_trainable_bias_gets_its_gradient_whether_or_not_x_wants_one(kind):
+    """The bias is a buffer a user may train (BitFit); its gradient was lost whenever x required grad (every layer
+    after the first trainable one), since the autograd.Function returned none for it."""
+    q = _layer(kind, "cpu", dtype=torch.float32)
+    q.bias.requires_grad_(True)
+    r = torch.randn(3, 5, 48)
+    for x in (torch.randn(3, 5, 256), torch.randn(3, 5, 256, requires_grad=True)):
+        q.bias.grad = None
+        (q(x) * r).sum().backward()
+        torch.testing.assert_close(q.bias.grad, r.sum((0, 1)))
+        if x.requires_grad:
+            torch.testing.assert_close(x.grad, r @ _jacobian(q), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_shared_input_forward_gives_each_layers_gradient(mode):
+    """shared_input_forward ran the one-launch op for layers that want a gradient: none reached x on the GPU,
+    and on the CPU W4A4's went through the rounding (zero) instead of straight through."""
+    layers = [QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(mode=mode, group_size=None if mode == "w4a4"
+                                                                      else 64)) for n in (64, 32)]
+    x = torch.randn(2, 3, 128, requires_grad=True)
+    rs = [torch.randn(2, 3, m.out_features) for m in layers]
+    sum((y * r).sum() for y, r in zip(shared_input_forward(layers, x), rs)).backward()
+    expected = sum(r @ reference.dequantize(m.qweight, m.scales, m.zeros, m.group_size) for m, r in zip(layers, rs))
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_input_forward_refuses_a_gradient_of_x_in_stored_order():
+    from nibble.nn.quant_linear import PermutedInputQuantLinear
+    perm = torch.randperm(128)
+    layers = []
+    for n in (64, 32):
+        q = QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(group_size=64))
+        p = PermutedInputQuantLinear(128, n, True, 64, "w4a16", dtype=torch.float32)
+        p.load_state_dict({**q.state_dict(), "input_perm": perm})
+        layers.append(p)
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        ys = shared_input_forward(layers, x[:, perm], x_in_order=True)
+    assert all(torch.equal(y, m(x)) for y, m in zip(ys, layers))
+    with pytest.raises(ValueError, match="x_in_order=True is for inference"):
+        shared_input_forward(layers, x[:, perm].requires_grad_(), x_in_order=True)
+
+
+def test_a_refused_input_perm_leaves_the_layer_as_it_was():
+    """The permutation was checked after nn.Module had copied it in: after the ValueError the layer gathered
+    the corrupt order's inputs."""
+    q = _layer("permuted", "cpu", dtype=torch.float32)
+    x = torch.randn(3, 256)
+    before, perm = q(x), q.input_perm.clone()
+    corrupt = {**q.state_dict(), "input_perm": torch.randint(0, 256, (256,))}
+    with pytest.raises(ValueError, match="input_perm must be a permutation"):
+        q.load_state_dict(corrupt)
+    assert torch.equal(q.input_perm, perm) and torch.equal(q(x), before)
+
+
+def test_a_layer_without_inputs_or_outputs_is_refused_when_made():
+    """QuantLinear(64, 0) was made and failed at its first call (reshape's "-1 is ambiguous"), from_linear of an
+    nn.Linear(64, 0) in torch.cat, and QuantLinear(0, 8, group_size=-1) with a ZeroDivisionError."""
+    with pytest.raises(ValueError, match="out_features=0: a layer without outputs"):
+        QuantLinear(64, 0)
+    with pytest.raises(ValueError, match=r"an empty weight \(0, 64\) has nothing to quantize"):
+        QuantLinear.from_linear(nn.Linear(64, 0), QuantConfig(group_size=32))
+    with pytest.raises(ValueError, match="in_features=0: a layer without inputs"):
+        QuantLinear(0, 8, group_size=-1)
+
+
+def test_a_layer_made_by_its_constructor_is_zero_and_keeps_a_float32_bias():
+    """The bias defaulted to float16, so a state dict of from_linear(float32 Linear) loaded "All keys matched" and
+    rounded its bias; before a load, the buffers held whatever torch.empty found (NaN, 1e4, ...)."""
+    fresh = QuantLinear(64, 16, group_size=32)
+    assert fresh.bias.dtype == torch.get_default_dtype()
+    assert torch.equal(fresh(torch.randn(3, 64)), torch.zeros(3, 16))
+    q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
+    fresh.load_state_dict(q.state_dict())
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), q(x))
