@@ -606,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
     p.set_defaults(func=cmd_eval)
     from nibble.eval.report import add_report_arguments, report_main
-    from nibble.qat.train import add_qat_arguments, qat_main
+    from nibble.qat.command import add_qat_arguments, qat_main
 
     p = sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side")
     add_report_arguments(p)

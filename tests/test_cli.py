@@ -593,3 +593,22 @@ def test_demo_refuses_bad_counts_and_warnings_are_one_line(monkeypatch, capsys):
         monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: print(warnings.formatwarning(*a), end=""))
         main(["info", "x"])
     assert capsys.readouterr().out == "nibble info: warning: the cache is cold\n"
+
+
+def test_the_command_line_works_without_peft_and_nibble_qat_names_the_extra():
+    """Building the parser imported nibble.qat.train, hence peft (the `qat` extra): without it every command, --help
+    included, was a traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['peft'] = None\n"
+            "from nibble.cli import main\n"
+            "try:\n    main(['info', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "try:\n    main(['qat', '--out', 'nowhere'])\nexcept SystemExit as e:\n    print(e)\n"
+            "try:\n    import nibble.nn.lora\nexcept ModuleNotFoundError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "usage: nibble info" in done.stdout
+    assert "nibble qat: nibble qat trains LoRA adapters with peft, which is not installed: pip install 'nibble[qat]'" \
+        in done.stdout
+    assert "peft is not installed: pip install 'nibble[qat]'" in done.stdout.splitlines()[-1]

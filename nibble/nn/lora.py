@@ -17,10 +17,17 @@ deployed is PE-QAT's job, `nibble.qat`, whose adapters are merged before the fak
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig, PeftModel
-from peft.tuners.lora.layer import Linear as PeftLoraLinear
-from peft.tuners.lora.layer import LoraLayer
 from torch import nn
+
+try:
+    from peft import LoraConfig, PeftModel
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+    from peft.tuners.lora.layer import LoraLayer
+except ModuleNotFoundError as e:
+    if (e.name or "").partition(".")[0] != "peft":
+        raise
+    raise ModuleNotFoundError("nibble.nn.lora puts peft's LoRA on nibble layers, and peft is not installed: pip "
+                              "install 'nibble[qat]'") from e
 
 from nibble.nn.quant_linear import QuantLinear
 

@@ -58,15 +58,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from nibble.config import resolve_device
+from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
 
-RECIPES = ("per-token", "hadamard", "per-channel")
-INITS = ("rtn", "gptq")
-OBJECTIVES = ("kl", "ce", "ce+kl")
 STATE_DIR = "qat-state"
 STATE_FILE = "state.pt"
-DEFAULT_SOURCES = ("c4", "gutenberg")
 
 # Recipe -> how each FakeQuantLinear is built.
 _LAYER_KWARGS = {
@@ -112,7 +109,7 @@ def gptq_start(model: nn.Module, names: list[str], calibration, progress: bool =
     return {name: (compensated[name], weights[name].scales.t()) for name in names}
 
 
-def _check_init(recipe: str, init: str) -> None:
+def check_init(recipe: str, init: str) -> None:
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     if init == "gptq" and recipe == "per-channel":
@@ -155,7 +152,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
 
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    _check_init(recipe, init)
+    check_init(recipe, init)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_architecture(model)
@@ -356,7 +353,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     check_learning_rates(lr, quant_lr)
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
-    _check_init(recipe, init)  # before any calibration text is tokenized
+    check_init(recipe, init)  # before any calibration text is tokenized
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and seq_len > context:
         # clamped as `nibble eval` clamps perplexity's seq_len: windows past the context train positions the model
@@ -446,75 +443,3 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                                tokens_total=steps * batch_size * seq_len, first_loss=first_loss,
                                final_loss=loss_ema)
     return peft_model
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line (wired by nibble/cli.py as `nibble qat`)
-# ----------------------------------------------------------------------------------------------
-
-def add_qat_arguments(parser) -> None:
-    """The `nibble qat` options (it owns --model and --device too)."""
-    parser.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--recipe", choices=RECIPES, default="per-token",
-                        help="per-token: deployable, learned weight clipping; hadamard: rotate first; "
-                             "per-channel: the original PE-QAT (fake quant only, not exportable)")
-    parser.add_argument("--init", choices=INITS, default="rtn",
-                        help="rtn: quantize from the 16-bit weights; gptq: start from GPTQ's weights (calibrated on "
-                             "128 x 512 tokens of the C4 excerpt), so step 0 is the W4A4 GPTQ model")
-    parser.add_argument("--calib-samples", type=int, default=None,
-                        help="--init gptq: GPTQ's calibration windows of the C4 excerpt (default: 128; fewer: faster)")
-    parser.add_argument("--calib-seq-len", type=int, default=None,
-                        help="--init gptq: tokens per calibration window (default: 512)")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
-    parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
-    parser.add_argument("--seq-len", type=int, default=512,
-                        help="tokens per training window (beyond the model's context: clamped to it, with a warning)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
-                        help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE")
-    parser.add_argument("--calib", default=",".join(DEFAULT_SOURCES),
-                        help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths")
-    parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the LoRA init and the data order")
-    parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")
-    parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
-
-
-def qat_main(args) -> None:
-    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
-    from nibble.models.loading import load_model
-
-    device = resolve_device(args.device)
-    # said before the model loads (run_qat checks steps too, but only once it has the model)
-    check_least(args, (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)))
-    check_learning_rates(args.lr, args.quant_lr)
-    check_seed(args.seed)
-    check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
-    _check_init(args.recipe, args.init)
-    model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
-    calibration, sizes = None, calibration_sizes(args)
-    if args.init == "gptq" and sizes:
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer, **sizes)
-    model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
-                    resume=args.resume, device=device, objective=args.objective, rank=args.rank,
-                    quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
-                    sources=tuple(s for s in args.calib.split(",") if s), init=args.init, calibration=calibration)
-    if args.recipe == "per-channel":
-        print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
-              f"state in {state_path(args.out)}")
-        return
-    qmodel = export(model, args.out, tokenizer)
-    print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
-          f"{args.out}`)")
-    if args.eval_ppl:
-        import json
-
-        from nibble.eval.perplexity import wikitext2_perplexity
-        from nibble.models.serialization import load_quantized
-        qmodel, _ = load_quantized(args.out, device=device)
-        print(json.dumps(wikitext2_perplexity(qmodel, tokenizer), indent=2))

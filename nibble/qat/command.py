@@ -1,0 +1,84 @@
+"""`nibble qat` (wired by nibble/cli.py): its options, and the run that trains, exports and evaluates. Apart from
+`train.py` so that the command line builds without peft (the `qat` extra), which only the run needs."""
+from __future__ import annotations
+
+import torch
+
+from nibble.config import resolve_device
+from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
+
+
+def add_qat_arguments(parser) -> None:
+    """The `nibble qat` options (it owns --model and --device too)."""
+    parser.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--recipe", choices=RECIPES, default="per-token",
+                        help="per-token: deployable, learned weight clipping; hadamard: rotate first; "
+                             "per-channel: the original PE-QAT (fake quant only, not exportable)")
+    parser.add_argument("--init", choices=INITS, default="rtn",
+                        help="rtn: quantize from the 16-bit weights; gptq: start from GPTQ's weights (calibrated on "
+                             "128 x 512 tokens of the C4 excerpt), so step 0 is the W4A4 GPTQ model")
+    parser.add_argument("--calib-samples", type=int, default=None,
+                        help="--init gptq: GPTQ's calibration windows of the C4 excerpt (default: 128; fewer: faster)")
+    parser.add_argument("--calib-seq-len", type=int, default=None,
+                        help="--init gptq: tokens per calibration window (default: 512)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
+    parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help="tokens per training window (beyond the model's context: clamped to it, with a warning)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
+                        help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE")
+    parser.add_argument("--calib", default=",".join(DEFAULT_SOURCES),
+                        help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths")
+    parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the LoRA init and the data order")
+    parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")
+    parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
+
+
+def qat_main(args) -> None:
+    try:
+        from nibble.qat.export import export
+        from nibble.qat.train import check_init, check_learning_rates, run_qat, state_path
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "peft":
+            raise
+        raise ModuleNotFoundError("nibble qat trains LoRA adapters with peft, which is not installed: "
+                                  "pip install 'nibble[qat]'") from e
+    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
+    from nibble.models.loading import load_model
+
+    device = resolve_device(args.device)
+    # said before the model loads (run_qat checks steps too, but only once it has the model)
+    check_least(args, (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1)))
+    check_learning_rates(args.lr, args.quant_lr)
+    check_seed(args.seed)
+    check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
+    check_init(args.recipe, args.init)
+    model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+    calibration, sizes = None, calibration_sizes(args)
+    if args.init == "gptq" and sizes:
+        from nibble.quantize.calibration import calibration_batches
+        calibration = calibration_batches(tokenizer, **sizes)
+    model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
+                    resume=args.resume, device=device, objective=args.objective, rank=args.rank,
+                    quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
+                    sources=tuple(s for s in args.calib.split(",") if s), init=args.init, calibration=calibration)
+    if args.recipe == "per-channel":
+        print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
+              f"state in {state_path(args.out)}")
+        return
+    qmodel = export(model, args.out, tokenizer)
+    print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
+          f"{args.out}`)")
+    if args.eval_ppl:
+        import json
+
+        from nibble.eval.perplexity import wikitext2_perplexity
+        from nibble.models.serialization import load_quantized
+        qmodel, _ = load_quantized(args.out, device=device)
+        print(json.dumps(wikitext2_perplexity(qmodel, tokenizer), indent=2))
