@@ -232,14 +232,19 @@ class ClockSampler:
                     watts=statistics.median(w for _, w in inside) if inside else None)
 
 
-def _git_commit() -> str:
+def git_commit(package: Path = Path(__file__).resolve().parents[1]) -> str:
+    """The commit of nibble's own checkout (``package`` is its nibble/ folder), "-dirty" if it has changes;
+    "no-commit" for an installed nibble, whose folder a repository around it (a project's .venv) answered for."""
     try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True,
+                             text=True, timeout=5)
         if out.returncode != 0:
             return "no-commit"
-        commit = out.stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        top, commit = (out.stdout.split("\n") + ["", ""])[:2]
+        if Path(top).resolve() != package.resolve().parent:
+            return "no-commit"
+        commit = commit.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package,
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except Exception:
@@ -298,12 +303,15 @@ def shape_list(text: str) -> list[tuple[int, ...]]:
 
 
 def env_meta(**extra) -> dict:
+    from nibble import __version__
+
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "git_commit": _git_commit(),
+        "nibble": __version__,
+        "git_commit": git_commit(),
         "source_sha256": source_hash(),
     }
     try:

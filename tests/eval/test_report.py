@@ -150,6 +150,33 @@ def test_source_hash_follows_the_sources_only(tmp_path):
     assert env_meta()["source_sha256"] == source_hash()
 
 
+def test_the_commit_is_nibbles_own_checkouts_never_a_repository_around_an_installed_nibble(tmp_path):
+    """An installed nibble inside a project's .venv recorded that project's HEAD (and its -dirty) as nibble's."""
+    import subprocess
+
+    from nibble.bench.timing import env_meta, git_commit
+
+    def repo(path):
+        path.mkdir(parents=True)
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run(["git", "init", "-q"], cwd=path, check=True)
+        (path / "nibble").mkdir(exist_ok=True)
+        (path / "nibble" / "a.py").write_text("x = 1\n")
+        subprocess.run([*git, "add", "-A"], cwd=path, check=True)
+        subprocess.run([*git, "commit", "-qm", "c"], cwd=path, check=True)
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True).stdout.strip()
+
+    head = repo(tmp_path / "checkout")
+    assert git_commit(tmp_path / "checkout" / "nibble") == head
+    (tmp_path / "checkout" / "nibble" / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path / "checkout" / "nibble") == head + "-dirty"
+    repo(tmp_path / "project")
+    installed = tmp_path / "project" / ".venv" / "site-packages" / "nibble"
+    installed.mkdir(parents=True)
+    assert git_commit(installed) == "no-commit"
+    assert env_meta()["nibble"] == __import__("nibble").__version__
+
+
 def test_a_failing_config_is_reported_not_fatal(tmp_path):
     def loader():
         model, tok = tiny_loader()
