@@ -625,6 +625,9 @@ def check_report_args(args: argparse.Namespace) -> None:
         if why and accuracy_options:
             raise ValueError(f"{' and '.join(accuracy_options)} set the accuracy runs that {skip} skips: drop "
                              f"{'them' if len(accuracy_options) > 1 else 'it'} or {skip}")
+    if args.no_model and not torch.cuda.is_available():
+        raise ValueError("--no-model runs the speed models alone, which are timed on a CUDA GPU, and none is visible: "
+                         "drop --no-model to measure the model's accuracy and weights here")
 
 
 def report_main(args: argparse.Namespace) -> int:

@@ -352,6 +352,16 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips")])
 def test_report_refuses_options_it_would_ignore(flags, message, monkeypatch, tmp_path):
     monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran with options it ignores"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU's refusals; without one, the next test
     args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path)] + flags)
     with pytest.raises(ValueError, match=message):
+        report.report_main(args)
+
+
+def test_report_without_a_gpu_refuses_to_run_the_speed_models_alone(monkeypatch, tmp_path):
+    """--no-model on a machine without CUDA measured nothing, said it ran accuracy on the CPU and exited 0."""
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran with nothing to measure"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path), "--no-model"])
+    with pytest.raises(ValueError, match="--no-model runs the speed models alone, which are timed on a CUDA GPU"):
         report.report_main(args)
