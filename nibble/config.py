@@ -160,3 +160,8 @@ def resolve_dtype(dtype) -> torch.dtype | None:
         raise ValueError(f"dtype {dtype!r} is not one nibble runs a model in: use torch.bfloat16, torch.float16 or "
                          "torch.float32 (or their names)")
     return named
+
+
+# what a path that does not exist is told: a Hub id, most likely
+NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
+                   "pass the local path")

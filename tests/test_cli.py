@@ -379,7 +379,9 @@ def test_a_model_quantized_for_a_gpu_is_read_into_host_memory_and_quantized_onto
 
 @pytest.mark.parametrize("command, message", [
     (["generate", "x", "--model", "/nonexistent/model"], "is not a local .gguf file or directory"),
-    (["info", "{tmp}"], "not a nibble checkpoint directory"),
+    (["info", "{tmp}"], "not a nibble, AutoAWQ or GPTQ checkpoint directory"),
+    (["info", "TheBloke/Llama-2-7B-GPTQ"], "is not a local checkpoint directory. nibble never downloads models"),
+    (["info", "{model}/config.json"], "is a file: a checkpoint is the directory"),
     (["quantize", "--model", "{model}", "--quant", "w4a16", "--group-size", "48", "--out", "{tmp}/q"],
      "not divisible by group_size=48"),
 ])

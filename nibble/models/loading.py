@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from nibble.config import default_dtype, resolve_device, resolve_dtype
+from nibble.config import NEVER_DOWNLOADS, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import load_gguf
 
@@ -57,9 +57,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     elif path.exists():
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
     else:
-        raise FileNotFoundError(f"{name_or_path!r} is not a local .gguf file or directory. nibble never "
-                                "downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) "
-                                "and pass the local path")
+        raise FileNotFoundError(f"{name_or_path!r} is not a local .gguf file or directory. {NEVER_DOWNLOADS}")
     return model.to(device), tokenizer
 
 
@@ -80,7 +78,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: could not load a tokenizer from it (cause above); save one there with "
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the CLI prints one line, no chain
+        raise ValueError(f"{path}: could not load a tokenizer from it ({cause}); save one there with "
                          "tokenizer.save_pretrained(DIR)") from e
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
+from nibble.config import NEVER_DOWNLOADS, QuantConfig, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
@@ -190,8 +190,12 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     # First: "cuda" without a GPU would fail deep in torch, and "gpu" as weights that "do not match".
     device = resolve_device(device)
     dtype = resolve_dtype(dtype)
+    if not directory.exists():
+        raise FileNotFoundError(f"{str(directory)!r} is not a local checkpoint directory. {NEVER_DOWNLOADS}")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file: a checkpoint is the directory of its config.json and weights")
     if not (directory / CONFIG).exists():
-        raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble checkpoint directory")
+        raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble, AutoAWQ or GPTQ checkpoint directory")
     try:
         raw = json.loads((directory / CONFIG).read_text())
     except json.JSONDecodeError as e:
