@@ -90,7 +90,12 @@ def build(name: str, arch: str, nvcc: str | None = None, quiet: bool = False) ->
         raise CudaBuildError(f"cannot run nvcc at {nvcc!r} ({e}); install the CUDA toolkit or set $NVCC") from e
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there, a read-only place: say which setting chose it
+        raise CudaBuildError(f"cannot use {out.parent} as the kernel cache folder ({e.strerror}; it is "
+                             f"{'$NIBBLE_CACHE_DIR' if os.environ.get('NIBBLE_CACHE_DIR') else 'the default'}): "
+                             "point NIBBLE_CACHE_DIR at a writable folder") from e
     if not quiet:
         print(f"nibble: compiling the CUDA kernel {name} for sm_{arch} with nvcc, once (5-60 s; cached in "
               f"{out.parent}; `nibble build-kernels` builds every kernel ahead)", file=sys.stderr, flush=True)

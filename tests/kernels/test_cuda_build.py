@@ -44,6 +44,17 @@ def test_a_first_use_build_says_so_and_a_cached_one_does_not(tmp_path, monkeypat
     assert not capsys.readouterr().err
 
 
+def test_a_cache_folder_that_cannot_be_made_names_nibble_cache_dir(tmp_path, monkeypatch):
+    """NIBBLE_CACHE_DIR naming a file was FileExistsError's traceback; an uncreatable one did not say which setting."""
+    monkeypatch.setattr(cuda_build, "_nvcc_version", lambda nvcc: "nvcc 13.0")
+    monkeypatch.setattr(cuda_build, "_compile", lambda *a: pytest.fail("compiled without a cache folder"))
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("NIBBLE_CACHE_DIR", str(tmp_path / "a-file"))
+    with pytest.raises(cuda_build.CudaBuildError, match=r"cannot use .*a-file as the kernel cache folder .*"
+                                                        r"\$NIBBLE_CACHE_DIR.*point NIBBLE_CACHE_DIR at a writable"):
+        cuda_build.build("rotate_quantize", "90", nvcc="nvcc")
+
+
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     with pytest.raises(cuda_build.CudaBuildError, match="nvcc"):
