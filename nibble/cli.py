@@ -177,6 +177,10 @@ def load_for_command(args, device: str):
 
     if args.quant == "none" or _quantized_checkpoint(args.model):
         return load(args.model, device)
+    if args.method != "rtn":  # its calibration text, before the model loads
+        from nibble.eval.data import require_data
+        from nibble.quantize.calibration import SOURCES
+        require_data([SOURCES["c4"]])
     model, tok = load(args.model, "cpu", dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
     calibration = calibration_for(cfg, tok, **calibration_sizes(args))
@@ -443,6 +447,12 @@ def cmd_eval(args):
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
     from nibble.bench.timing import env_meta
+    from nibble.eval.data import require_data
+    from nibble.eval.perplexity import WIKITEXT2_TEST
+    from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
+
+    tasks = args.tasks.split(",") if args.tasks else ALL_TASKS
+    require_data([WIKITEXT2_TEST] if args.what == "ppl" else task_files(tasks))
 
     model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
@@ -450,8 +460,6 @@ def cmd_eval(args):
         result = wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
                                       batch_size=args.batch_size)
     else:
-        from nibble.eval.tasks import ALL_TASKS, evaluate_tasks
-        tasks = args.tasks.split(",") if args.tasks else ALL_TASKS
         result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
     # what was measured, beside the numbers (--quant defaults to w4a16: a bare number did not say which model it was)
     weight = next(model.parameters())
@@ -487,6 +495,9 @@ def cmd_demo(args):
                          "copy: give it a 16-bit model (an HF dir or a .gguf), or run this one with `nibble "
                          "generate --model` / `nibble eval ppl --model`")
     check_least(args, (("max_new_tokens", 1), ("ppl_tokens", 2)))
+    from nibble.eval.data import require_data
+    from nibble.eval.perplexity import WIKITEXT2_TEST
+    require_data([WIKITEXT2_TEST])  # its last step, after minutes of work on a CPU
     t0 = time.time()
     device = _device(args.device)
     model, tok = load(args.model, device)

@@ -614,3 +614,24 @@ def test_the_command_line_works_without_peft_and_nibble_qat_names_the_extra():
     assert "nibble qat: nibble qat trains LoRA adapters with peft, which is not installed: pip install 'nibble[qat]'" \
         in done.stdout
     assert "peft is not installed: pip install 'nibble[qat]'" in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command, missing", [
+    (["eval", "ppl"], "'wikitext2/wiki.test.raw'"),
+    (["eval", "tasks", "--tasks", "piqa,boolq"], "'piqa/valid.jsonl', 'piqa/valid-labels.lst', 'boolq/val.jsonl'"),
+    (["quantize", "--method", "gptq", "--out", "{tmp}/q"], "'c4/c4_demo.jsonl'"),
+    (["demo"], "'wikitext2/wiki.test.raw'"),
+    (["qat", "--out", "{tmp}/q", "--eval-ppl"], "'c4/c4_demo.jsonl', 'gutenberg/pg1342_pride_and_prejudice.txt', "
+                                                "'wikitext2/wiki.test.raw'"),
+    (["report", "--out", "{tmp}/r", "--configs", "bf16", "w4a16-gptq", "--tasks", "boolq", "--no-speed"],
+     "'wikitext2/wiki.test.raw', 'boolq/val.jsonl', 'c4/c4_demo.jsonl'"),
+])
+def test_missing_data_is_said_before_the_model_loads(command, missing, tmp_path, monkeypatch):
+    """The data files were found missing after the model loaded and quantized: `nibble demo` after 3.5 minutes."""
+    import nibble.eval.data as data
+    import nibble.models.loading as loading
+
+    monkeypatch.setattr(data, "search_dirs", lambda: [tmp_path / "no-data"])
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit, match=f"Evaluation data files? {re.escape(missing)} not found"):
+        main([a.format(tmp=tmp_path) for a in command] + ["--device", "cpu"])

@@ -22,11 +22,15 @@ def _env_dir() -> Path | None:
     return Path(os.environ[ENV_VAR]).expanduser() if os.environ.get(ENV_VAR) else None
 
 
+def _checkout() -> bool:
+    """Whether nibble runs from its repository (an installed one has no ../shared/data of its own)."""
+    return (_REPO / "pyproject.toml").is_file() and (_REPO / "nibble").is_dir()
+
+
 def search_dirs() -> list[Path]:
     """Candidate data folders, most specific first."""
     env = _env_dir()
-    return [env] * (env is not None) + [
-        _REPO.parent / "shared" / "data",
+    return [env] * (env is not None) + [_REPO.parent / "shared" / "data"] * _checkout() + [
         Path.cwd().parent / "shared" / "data",
         Path.cwd() / "shared" / "data",
     ]
@@ -39,9 +43,20 @@ def _how_to_fix(dirs: list[Path]) -> str:
     return (
         f"Searched:\n{searched}\n"
         f"Fix: set {ENV_VAR} to a folder with the shared data layout "
-        "(wikitext2/wiki.test.raw, piqa/valid.jsonl, ...; see shared/data/README.md), "
-        "or place that folder at ../shared/data next to the nibble checkout."
+        "(wikitext2/wiki.test.raw, piqa/valid.jsonl, ...; its README.md says each file's source and hash)"
+        + (", or place that folder at ../shared/data next to the nibble checkout." if _checkout() else ".")
     )
+
+
+def require_data(relpaths) -> None:
+    """Refuse a run whose data files are not all there, naming every missing one, before the work that would
+    read them last: a model loaded and quantized first (minutes for a 7B one; `nibble demo` 3.5 on a CPU) was
+    lost to a missing perplexity file."""
+    dirs = search_dirs()
+    missing = [r for r in dict.fromkeys(relpaths) if not any((d / r).is_file() for d in dirs)]
+    if missing:
+        raise FileNotFoundError(f"Evaluation data file{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
+                                f"not found.\n{_how_to_fix(dirs)}")
 
 
 def data_dir() -> Path:
@@ -69,8 +84,12 @@ def _warn_past_env(found: Path, lack: str) -> None:
     """Say so when $NIBBLE_DATA is set but the data came from a folder after it: the search goes on past it (it
     is the first candidate, not the only one), but a user who set it expects that folder's copy."""
     env = _env_dir()
-    if env is not None and found != env:
+    if env is not None and found != env and (env, found, lack) not in _SAID:
+        _SAID.add((env, found, lack))  # once a process: each read of the file came to say it again
         warnings.warn(f"{ENV_VAR}={env} {lack}; reading {found} instead", stacklevel=3)
+
+
+_SAID: set = set()
 
 
 class DataFormatError(ValueError):

@@ -28,6 +28,8 @@ from nibble.eval.data import data_file, parsing
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
+WIKITEXT2_TEST = "wikitext2/wiki.test.raw"  # the data file every perplexity here is taken on
+
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """Token ids of `text` from a Hugging Face tokenizer or a `tokenizers.Tokenizer`. A whole corpus is one text,
     cut into windows afterwards: transformers' warning that it is longer than the model's context ("will result in
@@ -111,7 +113,7 @@ def wikitext2_text() -> str:
 
     `wiki.test.raw` holds the HF rows one per line, with empty rows written as `" \\n"`.
     """
-    path = data_file("wikitext2/wiki.test.raw")
+    path = data_file(WIKITEXT2_TEST)
     with parsing(path), open(path, encoding="utf-8", newline="") as f:
         rows = ["" if line == " \n" else line for line in f]
     return "\n\n".join(rows)

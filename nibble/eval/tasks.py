@@ -69,6 +69,11 @@ FILES = {
 }
 
 
+def task_files(tasks) -> list[str]:
+    """The data files ``tasks`` read (`nibble.eval.data.require_data` checks them before a model loads)."""
+    return [f for t in check_tasks(tasks) for f in FILES[t]]
+
+
 def _jsonl(relpath: str) -> list[dict]:
     return read_jsonl(data_file(relpath))
 
@@ -251,18 +256,24 @@ def score_docs(docs: list[Doc], lls: list[float], has_acc_norm: bool) -> dict:
     return result
 
 
-def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16, progress=True) -> dict:
-    """Zero-shot accuracy per task: {task: {acc, acc_norm?, n}, "average": {acc}}.
-
-    `limit` keeps the first `limit` documents of each task (as lm-eval's --limit). "average" is the
-    unweighted mean of `acc` over the tasks run.
-    """
+def check_tasks(tasks) -> list[str]:
+    """``tasks`` (one name or several) as a list of known task names, else a ValueError naming the choices."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"Unknown task(s) {unknown}; choose from {list(ALL_TASKS)}.")
     if not tasks:
         raise ValueError(f"No tasks given; choose from {list(ALL_TASKS)}.")
+    return tasks
+
+
+def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16, progress=True) -> dict:
+    """Zero-shot accuracy per task: {task: {acc, acc_norm?, n}, "average": {acc}}.
+
+    `limit` keeps the first `limit` documents of each task (as lm-eval's --limit). "average" is the
+    unweighted mean of `acc` over the tasks run.
+    """
+    tasks = check_tasks(tasks)
     if limit is not None and limit < 1:  # no document would score NaN, which is not even JSON
         raise ValueError(f"limit must be >= 1 document per task (None: all of them), got {limit}")
     results = {}

@@ -50,7 +50,10 @@ def qat_main(args) -> None:
         raise ModuleNotFoundError("nibble qat trains LoRA adapters with peft, which is not installed: "
                                   "pip install 'nibble[qat]'") from e
     from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
+    from nibble.eval.data import require_data
+    from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
+    from nibble.quantize.calibration import SOURCES
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -59,6 +62,9 @@ def qat_main(args) -> None:
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_init(args.recipe, args.init)
+    sources = tuple(s for s in args.calib.split(",") if s)
+    require_data([SOURCES[s] for s in sources if s in SOURCES] + [SOURCES["c4"]] * (args.init == "gptq")
+                 + [WIKITEXT2_TEST] * args.eval_ppl)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     calibration, sizes = None, calibration_sizes(args)
     if args.init == "gptq" and sizes:
@@ -67,7 +73,7 @@ def qat_main(args) -> None:
     model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                     resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                     quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
-                    sources=tuple(s for s in args.calib.split(",") if s), init=args.init, calibration=calibration)
+                    sources=sources, init=args.init, calibration=calibration)
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")

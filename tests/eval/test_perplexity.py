@@ -95,6 +95,13 @@ def test_missing_data_file_names_the_file_the_folders_and_the_fix(monkeypatch, t
     assert "wikitext2/wiki.test.raw" in msg
     assert str(tmp_path / "nowhere") in msg and str(tmp_path / "shared" / "data") in msg
     assert "set NIBBLE_DATA" in msg
+    # an installed nibble has no checkout whose ../shared/data to search or to name in the fix
+    assert "checkout" not in msg
+    assert data.search_dirs()[1:] == [tmp_path.parent / "shared" / "data", tmp_path / "shared" / "data"]
+    (tmp_path / "repo" / "nibble").mkdir(parents=True)
+    (tmp_path / "repo" / "pyproject.toml").write_text("")
+    with pytest.raises(FileNotFoundError, match="next to the nibble checkout"):
+        wikitext2_text()
 
 
 def test_nibble_data_env_is_searched_first(monkeypatch, tmp_path):
@@ -126,6 +133,9 @@ def test_a_file_nibble_data_lacks_is_read_from_the_next_folder_with_a_warning(mo
     monkeypatch.chdir(tmp_path)
     with pytest.warns(UserWarning, match=f"NIBBLE_DATA={env} has no wikitext2/wiki.test.raw; reading {fallback}"):
         assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once a process (each read of the file said it again)
+        data.data_file("wikitext2/wiki.test.raw")
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path / "nowhere"))
     with pytest.warns(UserWarning, match=f"NIBBLE_DATA={tmp_path / 'nowhere'} is not a folder; reading {fallback}"):
         assert data.data_dir() == fallback
