@@ -571,7 +571,10 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nibble import __version__
+
     parser = argparse.ArgumentParser(prog="nibble", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"nibble {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpWithDefaults)
     p = sub.add_parser("generate", help="prompt in, text out")

@@ -635,3 +635,11 @@ def test_missing_data_is_said_before_the_model_loads(command, missing, tmp_path,
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     with pytest.raises(SystemExit, match=f"Evaluation data files? {re.escape(missing)} not found"):
         main([a.format(tmp=tmp_path) for a in command] + ["--device", "cpu"])
+
+
+def test_version(capsys):
+    import nibble
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"nibble {nibble.__version__}"
