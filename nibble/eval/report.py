@@ -296,6 +296,27 @@ def _fmt(v, spec=".3f"):
     return format(v, spec)
 
 
+def _with_stderr(task: dict, metric: str) -> str:
+    """``0.6470 ± 0.0112``: a task's metric beside its standard error (lm-eval prints both)."""
+    value, stderr = task.get(metric), task.get(f"{metric}_stderr")
+    return _fmt(value, ".4f") + (f" ± {stderr:.4f}" if value is not None and stderr is not None else "")
+
+
+def _accuracy_protocol(results: dict) -> str:
+    """What the accuracy rows measured, which report.json holds and the table does not say: a --limit run looked
+    like a full one, and "WikiText-2 ppl" like lm-eval's word perplexity."""
+    meta, runs = results["meta"], [r for r in results["configs"].values() if "perplexity" in r]
+    ppl = runs[0]["perplexity"]
+    docs = sorted({r["tasks"][t]["n"] for r in runs for t in meta["tasks"] if t in r.get("tasks", {})})
+    limit = (f"the first {meta['tasks_limit']} documents of each task (--limit: a subset, for testing; "
+             f"n = {', '.join(map(str, docs))})" if meta.get("tasks_limit") else "every document of each task")
+    cut = f"the first {meta['ppl_max_tokens']:,} tokens of " if meta.get("ppl_max_tokens") else ""
+    return (f"Accuracy: zero-shot, lm-eval's formats and metrics, ± its standard error, on {limit}; average: the "
+            f"mean acc of {', '.join(meta['tasks'])}. WikiText-2 ppl: token-level (GPTQ's protocol, not lm-eval's "
+            f"word perplexity) on {cut}the test set, in {ppl['windows']:,} non-overlapping "
+            f"window{'s' * (ppl['windows'] != 1)} of {ppl['seq_len']:,} tokens ({ppl['tokens']:,} predicted).")
+
+
 def _mib(n):
     return "-" if n is None else f"{n / 2**20:,.1f}"
 
@@ -370,11 +391,10 @@ def write_markdown(results: dict, path: Path) -> None:
             rows.append(["WikiText-2 ppl"] + [_fmt(cr.get(n, {}).get("perplexity", {}).get("ppl")) for n in configs])
             task_names = [t for t in results["meta"]["tasks"]] + ["average"]
             for t in task_names:
-                rows.append([f"{t} acc"] + [_fmt(cr.get(n, {}).get("tasks", {}).get(t, {}).get("acc"), ".4f")
-                                            for n in configs])
-                if any("acc_norm" in cr.get(n, {}).get("tasks", {}).get(t, {}) for n in configs):
-                    rows.append([f"{t} acc_norm"] + [_fmt(cr.get(n, {}).get("tasks", {}).get(t, {}).get("acc_norm"), ".4f")
-                                                     for n in configs])
+                for metric in ("acc", "acc_norm"):
+                    cells = [_with_stderr(cr.get(n, {}).get("tasks", {}).get(t, {}), metric) for n in configs]
+                    if metric == "acc" or any(c != "-" for c in cells):
+                        rows.append([f"{t} {metric}"] + cells)
         for kind in mem_mod.KINDS:
             rows.append([f"{kind} MiB"] + [_mib(cr.get(n, {}).get("weights", {}).get("kinds", {}).get(kind, {}).get("bytes"))
                                            for n in configs])
@@ -384,6 +404,8 @@ def write_markdown(results: dict, path: Path) -> None:
                     [_mib(cr.get(n, {}).get("peak", {}).get("peak_bytes")) for n in configs])
         rows.append(["peak / bf16"] + [_fmt(ratios.get(n, {}).get("peak_ratio")) for n in configs])
         L += _table(["metric"] + list(configs), rows)
+        if any("perplexity" in r for r in cr.values()):
+            L += ["", _accuracy_protocol(results)]
         skipped = next((r["peak"]["skipped"] for r in cr.values() if "skipped" in r.get("peak", {})), None)
         if skipped:
             L += ["", f"Peak memory and speed {skipped}."]

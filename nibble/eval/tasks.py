@@ -4,7 +4,9 @@ Every document turns into one log-likelihood request `(context, continuation)` p
 prediction is the choice with the highest summed continuation log-likelihood (`acc`), or the
 highest log-likelihood divided by the choice's length in characters (`acc_norm`: lm-eval's
 `len(choice)` on the choice string *without* the leading space). Ties go to the first choice
-(`np.argmax`). No few-shot examples, no description, no BOS token (lm-eval's HF default).
+(`np.argmax`). No few-shot examples, no description, no BOS token: lm-eval's HF model as it was until it
+followed the tokenizer's default (which adds BOS for Llama and Mistral tokenizers, not SmolLM2's): for those
+models current lm-eval's numbers differ by that token. Every metric comes with lm-eval's standard error.
 
 Formats replicated (`{x}` = a field of the shared file; data files are in `shared/data`):
 
@@ -139,6 +141,10 @@ _OPEN_PHRASE = re.compile(r"(?<=[.!?] )[a-z][^.!?]*$")
 
 def load_hellaswag() -> list[Doc]:
     lines = data_file(FILES["hellaswag"][0]).read_text(encoding="utf-8").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if len(lines) % 6:  # a file cut mid-task lost its last one without a word
+        raise ValueError(f"{len(lines)} lines, not whole tasks of 6 (context, gold, 4 endings)")
     out = []
     # 6 lines per task: context, gold index, 4 endings
     for i in range(0, len(lines) - 5, 6):
@@ -238,8 +244,19 @@ def loglikelihood(model, tokenizer, requests, batch_size=16, progress=True, desc
     return scores
 
 
+def _check_golds(docs: list[Doc], files: str) -> None:
+    """A gold that is no index of its choices (a 1-based label, a letter) could never be hit: it scored as a miss
+    without a word (WinoGrande with 1/2 labels: acc 0.30 for 0.55). lm-eval checks it too."""
+    for i, doc in enumerate(docs):
+        if not (isinstance(doc.gold, int) and not isinstance(doc.gold, bool) and 0 <= doc.gold < len(doc.choices)):
+            raise DataFormatError(f"{files}: document {i} has the gold answer {doc.gold!r}, not the index of one of "
+                                  f"its {len(doc.choices)} choices (0 to {len(doc.choices) - 1}); copy the file "
+                                  "again from the shared data folder")
+
+
 def score_docs(docs: list[Doc], lls: list[float], has_acc_norm: bool) -> dict:
-    """acc (and acc_norm) over `docs`, given the log-likelihood of every request in order."""
+    """acc (and acc_norm) over `docs`, given the log-likelihood of every request in order, each with its standard
+    error as lm-eval gives it (the sample standard deviation of the hits over sqrt(n))."""
     hits, hits_norm = [], []
     pos = 0
     for doc in docs:
@@ -249,11 +266,17 @@ def score_docs(docs: list[Doc], lls: list[float], has_acc_norm: bool) -> dict:
         if has_acc_norm:
             lengths = np.array([len(c) for c in doc.choices], dtype=np.float64)
             hits_norm.append(int(np.argmax(doc_lls / lengths)) == doc.gold)
-    result = {"acc": float(np.mean(hits))}
+    result = {"acc": float(np.mean(hits)), "acc_stderr": _stderr(hits)}
     if has_acc_norm:
-        result["acc_norm"] = float(np.mean(hits_norm))
+        result["acc_norm"], result["acc_norm_stderr"] = float(np.mean(hits_norm)), _stderr(hits_norm)
     result["n"] = len(docs)
     return result
+
+
+def _stderr(hits: list[bool]) -> float:
+    """lm-eval's `mean_stderr`: sqrt(sample variance / n); 0 for one document (no spread to estimate)."""
+    n = len(hits)
+    return float(np.std(hits, ddof=1) / np.sqrt(n)) if n > 1 else 0.0
 
 
 def check_tasks(tasks) -> list[str]:
@@ -284,6 +307,7 @@ def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16,
             docs = task.load()[:limit]
         if not docs:
             raise DataFormatError(f"{files}: no {name} document in it; copy the file again from the shared data folder")
+        _check_golds(docs, files)
         requests = [r for doc in docs for r in doc.requests]
         lls = loglikelihood(model, tokenizer, requests, batch_size=batch_size, progress=progress, desc=name)
         results[name] = score_docs(docs, lls, task.has_acc_norm)

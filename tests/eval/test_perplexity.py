@@ -6,6 +6,7 @@ import torch
 
 from conftest import tiny_model
 from nibble.eval import data
+from nibble.eval.data import DataFormatError
 from nibble.eval.perplexity import perplexity, wikitext2_perplexity, wikitext2_text
 
 
@@ -110,6 +111,22 @@ def test_nibble_data_env_is_searched_first(monkeypatch, tmp_path):
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
     assert data.data_dir() == tmp_path
     assert wikitext2_text() == "\n\n".join(["", " = A = \n", "", " b c \n"])
+
+
+def test_a_copy_with_windows_line_ends_reads_as_the_same_text_and_an_empty_one_is_named(monkeypatch, tmp_path):
+    """CRLF rows kept their "\\r" (15.75 for 15.15); an empty file was "seq_len must be at least 2 ..., got 0"."""
+    rows = " \n = A = \n \n b c\rd \n"  # a lone \r inside a row is the row's own
+    (tmp_path / "wikitext2").mkdir()
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    path = tmp_path / "wikitext2" / "wiki.test.raw"
+    path.write_bytes(rows.encode())
+    lf = wikitext2_text()
+    path.write_bytes(rows.replace("\n", "\r\n").encode())
+    assert wikitext2_text() == lf and "b c\rd" in lf
+    for empty in ("", " \n \n"):
+        path.write_text(empty)
+        with pytest.raises(DataFormatError, match="wiki.test.raw: no text in it"):
+            wikitext2_perplexity(tiny_model(), ByteTokenizer(), progress=False)
 
 
 def test_an_empty_batch_or_a_stream_too_short_to_predict_a_token_is_a_clear_error(monkeypatch):

@@ -88,6 +88,13 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| metric | bf16 | w4a16 | w4a4 |" in md
     assert "WikiText-2 ppl" in md and "piqa acc" in md and "peak MiB" in md
+    # what was measured, said beside the numbers (a --limit run read as a full one), each acc with its stderr
+    piqa = data["configs"]["w4a16"]["tasks"]["piqa"]
+    assert "| piqa acc | " in md and f"{piqa['acc']:.4f} ± {piqa['acc_stderr']:.4f}" in md
+    assert ("on the first 2 documents of each task (--limit: a subset, for testing; n = 2)" in md
+            and f"average: the mean acc of {', '.join(ALL_TASKS)}" in md)
+    assert "token-level (GPTQ's protocol, not lm-eval's word perplexity) on the first 300 tokens of the test set, " \
+           "in 1 non-overlapping window of 256 tokens (255 predicted)" in md
 
 
 def test_calibrated_configs_are_calibrated_on_the_c4_excerpt(tmp_path, monkeypatch):

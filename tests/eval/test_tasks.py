@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
+from nibble.eval import data
+from nibble.eval.data import DataFormatError
 from nibble.eval.tasks import (
     ALL_TASKS,
     Doc,
@@ -197,8 +199,12 @@ def test_score_docs_takes_argmax_of_loglikelihood_and_of_loglikelihood_per_chara
     lls = [-2.0, -4.0,  # acc picks 0 (-2 > -4); acc_norm picks 1 (-2/1 < -4/4)
            -2.0, -4.0,
            -3.0, -3.0, -8.0]  # ties go to the first choice in both
-    assert score_docs(docs, lls, has_acc_norm=True) == {"acc": 2 / 3, "acc_norm": 2 / 3, "n": 3}
-    assert score_docs(docs, lls, has_acc_norm=False) == {"acc": 2 / 3, "n": 3}
+    # lm-eval's standard error of a mean of hits: sqrt(p (1 - p) / (n - 1))
+    se = math.sqrt(2 / 3 * 1 / 3 / 2)
+    assert score_docs(docs, lls, has_acc_norm=True) == pytest.approx(
+        {"acc": 2 / 3, "acc_stderr": se, "acc_norm": 2 / 3, "acc_norm_stderr": se, "n": 3})
+    assert score_docs(docs, lls, has_acc_norm=False) == pytest.approx({"acc": 2 / 3, "acc_stderr": se, "n": 3})
+    assert score_docs(docs[:1], lls[:2], has_acc_norm=False) == {"acc": 1.0, "acc_stderr": 0.0, "n": 1}
 
 
 def test_uniform_model_acc_picks_the_shortest_choice_and_acc_norm_the_longest():
@@ -206,8 +212,11 @@ def test_uniform_model_acc_picks_the_shortest_choice_and_acc_norm_the_longest():
     # choice, acc_norm (ll / len(choice)) the longest. PIQA's first 3 docs (sol lengths, gold):
     # 164 < 166, gold 0 | 30 < 34, gold 1 | 65 > 55, gold 1
     out = evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "boolq"], limit=3, progress=False)
-    assert out["piqa"] == {"acc": 2 / 3, "acc_norm": 1 / 3, "n": 3}
-    assert out["boolq"] == {"acc": 1 / 3, "n": 3}  # " no" is shorter than " yes"; labels false, true, true
+    se = math.sqrt(2 / 3 * 1 / 3 / 2)
+    assert out["piqa"] == pytest.approx({"acc": 2 / 3, "acc_stderr": se, "acc_norm": 1 / 3, "acc_norm_stderr": se,
+                                         "n": 3})
+    # " no" is shorter than " yes"; labels false, true, true
+    assert out["boolq"] == pytest.approx({"acc": 1 / 3, "acc_stderr": se, "n": 3})
     assert out["average"] == {"acc": pytest.approx(0.5)}
 
 
@@ -266,3 +275,30 @@ def test_a_malformed_data_file_is_named_with_what_to_do(task, relpath, content, 
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
     with pytest.raises(DataFormatError, match=f"{tmp_path}.*{message}.*copy the file again from the shared data"):
         evaluate_tasks(None, None, tasks=[task], progress=False)
+
+
+def test_a_gold_that_is_no_index_of_the_choices_is_refused_naming_the_file(tmp_path, monkeypatch):
+    """WinoGrande with 1/2 labels (dev-labels.lst's convention) scored acc 0.30 for 0.55: a gold of 2 is never hit."""
+    import json
+
+    folder = tmp_path / "winogrande"
+    folder.mkdir()
+    docs = [{"context_options": ["The cat sat", "The dog sat"], "continuation": "on the mat.", "gold": gold}
+            for gold in (1, 2)]
+    (folder / "winogrande_dev_llmfoundry.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    with pytest.raises(DataFormatError, match=r"winogrande_dev_llmfoundry.jsonl: document 1 has the gold answer 2, "
+                                              r"not the index of one of its 2 choices \(0 to 1\)"):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), "winogrande", progress=False)
+
+
+def test_a_hellaswag_file_cut_mid_task_is_refused(tmp_path, monkeypatch):
+    """Its last, partial task was dropped without a word (only n showed it)."""
+    whole = data.data_file("hellaswag/hellaswag_val_full.txt").read_text(encoding="utf-8").split("\n")[:12]
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "hellaswag_val_full.txt").write_text("\n".join(whole[:11]) + "\n", encoding="utf-8")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    with pytest.raises(DataFormatError, match="11 lines, not whole tasks of 6"):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), "hellaswag", progress=False)
+    (tmp_path / "hellaswag" / "hellaswag_val_full.txt").write_text("\n".join(whole) + "\n", encoding="utf-8")
+    assert evaluate_tasks(BigramLM(), ByteTokenizer(), "hellaswag", progress=False)["hellaswag"]["n"] == 2
