@@ -66,8 +66,11 @@ def test_newer_format_version_is_refused(saved):
 
 
 def test_missing_files_and_non_quantized_dirs_are_clear_errors(tmp_path, saved):
-    with pytest.raises(CheckpointError, match="config.json is missing"):
+    with pytest.raises(FileNotFoundError, match="nowhere' is not a local checkpoint directory. nibble never downloads"):
         load_quantized(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json is missing: not a nibble, AutoAWQ or GPTQ checkpoint"):
+        load_quantized(tmp_path / "empty")
     model = tiny_model()
     model.save_pretrained(tmp_path / "plain")
     with pytest.raises(CheckpointError, match="no quantization_config"):
