@@ -32,7 +32,7 @@ def to_awq(weight: Int4Weight) -> dict:
 
     Raises ValueError for float zero points or out_features not divisible by 8.
     """
-    zp = integer_zero_points(weight.scales, weight.zeros, what="to_awq: this weight")
+    zp = integer_zero_points(weight.scales, weight.zeros, what="this weight")
     codes = unpack_int4(weight.qweight)  # [K, N]
     return {
         "qweight": pack_along_n(codes, AWQ_ORDER),

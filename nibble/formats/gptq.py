@@ -86,7 +86,7 @@ def holds_in_v1(weight: Int4Weight) -> bool:
 
 
 def _zero_points(weight: Int4Weight) -> torch.Tensor:
-    return integer_zero_points(weight.scales, weight.zeros, what="to_gptq: this weight")
+    return integer_zero_points(weight.scales, weight.zeros)
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None,

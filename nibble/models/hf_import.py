@@ -35,6 +35,7 @@ from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_g
 from nibble.formats.zero_points import unpack_along_n
 from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
+from nibble.quantize.rtn import naming
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
@@ -255,29 +256,36 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
-def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
+def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
+    """(the QuantLinears, the one group size, -1 for per channel) of a model an AutoAWQ / GPTQ checkpoint can hold,
+    else a ValueError saying what it cannot."""
     linears = quantized_linears(model)
     if not linears:
         raise ValueError("model has no QuantLinear layers: quantize it with nibble.quantize_model first")
     for name, m in linears:
         if name == "lm_head":
-            raise ValueError(f"lm_head is quantized: {quantization_config['quant_method']} checkpoints keep lm_head in "
-                             "16 bits; quantize with modules_to_not_convert=['lm_head'] (the default) to export")
+            raise ValueError(f"lm_head is quantized: {method} checkpoints keep lm_head in 16 bits; quantize with "
+                             "modules_to_not_convert=['lm_head'] (the default) to export")
         if m.mode != "w4a16" or m.input_hadamard:
             raise ValueError(f"{name} is a {m.mode} layer: only W4A16 models (16-bit activations, no rotation) can "
-                             f"be exported to {quantization_config['quant_method']}")
+                             f"be exported to {method}")
     per_channel = {m.group_size == m.in_features for _, m in linears}
     group_sizes = {m.group_size for _, m in linears}
     if len(group_sizes) == 1:
-        group_size = group_sizes.pop()
-    elif per_channel == {True}:
-        group_size = -1
-    else:
-        raise ValueError(f"layers use different group sizes {sorted(group_sizes)}; the {quantization_config['quant_method']} "
-                         "quantization_config holds one")
+        return linears, group_sizes.pop()
+    if per_channel == {True}:
+        return linears, -1
+    raise ValueError(f"layers use different group sizes {sorted(group_sizes)}; the {method} quantization_config "
+                     "holds one")
+
+
+def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
+    linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:
-        for k, v in convert(name, m).items():
+        with naming(name):
+            converted = convert(m)
+        for k, v in converted.items():
             tensors[f"{name}.{k}"] = v.contiguous().cpu()
         if m.bias is not None:
             tensors[f"{name}.bias"] = m.bias.detach().half().cpu()
@@ -317,14 +325,10 @@ def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
     Non-quantized tensors (embeddings, norms, lm_head, biases) are written in float16, as AutoAWQ
     does. Raises ValueError for float zero points, w4a4 layers or permuted (act-order) layers.
     """
-    def convert(name, m):
+    def convert(m):
         if hasattr(m, "input_perm"):
-            raise ValueError(f"{name} has an input permutation (GPTQ act-order), which AWQ cannot express; "
-                             "use export_gptq")
-        try:
-            return to_awq(m.weight_int4())
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
+            raise ValueError("it has an input permutation (GPTQ act-order), which AWQ cannot express; use export_gptq")
+        return to_awq(m.weight_int4())
     return _export(model, directory, {"quant_method": "awq", "version": "gemm", "zero_point": True}, convert, tokenizer)
 
 
@@ -338,22 +342,22 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
     if checkpoint_format not in (None, *CHECKPOINT_FORMATS):
         raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS} or None, got {checkpoint_format!r}")
     qc = getattr(model.config, "quantization_config", None) or {}
-    linears = quantized_linears(model)
+    linears, _ = _exportable_linears(model, "gptq")  # refused before the warning below could say "written"
     desc_act = any(hasattr(m, "input_perm") for _, m in linears)
     if checkpoint_format is None:
-        checkpoint_format = "gptq"
-        held = [name for name, m in linears if not holds_in_v1(m.weight_int4())]
+        held = []
+        for name, m in linears:
+            with naming(name):
+                if not holds_in_v1(m.weight_int4()):
+                    held.append(name)
+        checkpoint_format = "gptq_v2" if held else "gptq"
         if held:
-            checkpoint_format = "gptq_v2"
             warnings.warn(f"{len(held)} layers ({held[0]}, ...) have groups with zero point 0 (no negative weight), "
                           "which GPTQ's v1 format cannot hold: written as checkpoint_format 'gptq_v2' (GPTQModel, "
                           "transformers and vLLM read it; AutoGPTQ does not)", stacklevel=2)
 
-    def convert(name, m):
-        try:
-            return to_gptq(m.weight_int4(), getattr(m, "input_perm", None), checkpoint_format)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
+    def convert(m):
+        return to_gptq(m.weight_int4(), getattr(m, "input_perm", None), checkpoint_format)
     # both names of the zero-point convention: transformers' GPTQConfig and GPTQModel read `format`, AutoGPTQ and
     # optimum `checkpoint_format`
     return _export(model, directory, {"quant_method": "gptq", "sym": bool(qc.get("symmetric", False)),

@@ -46,8 +46,8 @@ class ScaleOverflowError(ValueError):
 
 @contextmanager
 def naming(layer: str):
-    """A ValueError raised quantizing ``layer`` (one name, or several of a stacked weight) says which layer it is
-    about, which the quantizer, given a bare weight, cannot."""
+    """A ValueError raised quantizing ``layer`` (one name, or several of a stacked weight), or converting it to
+    another tool's layout, says which layer it is about, which the code given a bare weight cannot."""
     try:
         yield
     except ValueError as e:

@@ -7,6 +7,7 @@ weights and the logits of a float model holding those weights.
 """
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -271,17 +272,22 @@ def test_export_awq_then_import_gives_identical_logits(tmp_path, symmetric):
 def test_export_refuses_what_awq_cannot_hold(tmp_path):
     model = tiny_model("llama")
     quantize_model(model, QuantConfig(group_size=32, zero_point="float"), progress=False)
-    with pytest.raises(ValueError, match="float zero points"):
-        export_awq(model, tmp_path / "f")
+    for export in (export_awq, export_gptq):  # the layer named, whichever GPTQ format is chosen
+        with pytest.raises(ValueError, match=r"^model\.layers\.0\.\S+: this weight has float zero points"):
+            export(model, tmp_path / "f")
     model = tiny_model("llama")
     quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
     with pytest.raises(ValueError, match="only W4A16"):
         export_awq(model, tmp_path / "w4a4")
     model = tiny_model("llama")
     quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=[]), progress=False)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.zeros[0, 0] = 0.0  # a zero point of 0: GPTQ would choose v2
     for export in (export_awq, export_gptq):
-        with pytest.raises(ValueError, match="lm_head is quantized.*modules_to_not_convert=\\['lm_head'\\]"):
-            export(model, tmp_path / "head")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # refused before any "written as gptq_v2"
+            with pytest.raises(ValueError, match="lm_head is quantized.*modules_to_not_convert=\\['lm_head'\\]"):
+                export(model, tmp_path / "head")
 
 
 @pytest.mark.parametrize("qc,match", [
