@@ -695,13 +695,18 @@ def _rmsnorm_params(norm: nn.Module):
 STOP_CHECK_STEPS = 16
 
 
+# Below it the draw is the argmax to float32's precision, and logits / temperature overflow to +-inf, whose softmax
+# is NaN everywhere (every token came out 0): decoding is greedy.
+MIN_TEMPERATURE = 1e-30
+
+
 def _number(value, kind=numbers.Real) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)  # True is an int to Python, not a setting
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the engine picks each next token. ``temperature`` 0 (the default, or below 1e-30) is greedy decoding;
+    """How the engine picks each next token. ``temperature`` 0 (the default, or below MIN_TEMPERATURE) is greedy;
     above 0 the token is drawn from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens
     (None: all) and to the smallest set of them whose probability reaches ``top_p`` (1: all), as
     transformers' ``generate(do_sample=True, ...)`` filters them (tokens tied with the last one either
@@ -721,20 +726,17 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        # below MIN_TEMPERATURE the draw is the argmax to float32's precision, and logits / temperature overflow
-        # to +-inf, whose softmax is NaN everywhere (every token came out 0)
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def warn_if_filters_unused(self, stacklevel: int = 2) -> None:
         """Warn that top-k / top-p were given to greedy decoding (temperature 0), which ignores them."""
-        if self.temperature == 0 and (self.top_k is not None or self.top_p != 1):
+        if self.temperature < MIN_TEMPERATURE and (self.top_k is not None or self.top_p != 1):
             # one message (no values in it): Python's warning filter says it once, not at every call
             warnings.warn("top_k / top_p filter sampled tokens only: with temperature 0 decoding is greedy and "
                           "they are ignored; give a temperature > 0 to sample", stacklevel=stacklevel + 1)
 
 
 GREEDY = Sampling()
-MIN_TEMPERATURE = 1e-30
 
 
 def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tensor:
@@ -882,8 +884,11 @@ def prompt_batch(prompt) -> tuple[torch.Tensor, list[int]]:
                          "tokenizer's input_ids for one text are one prompt's ids)")
     rows = []
     for i, p in enumerate(prompt):
-        ids = p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.long if not p else None) \
-            if isinstance(p, (list, tuple)) else None
+        ids = None
+        if isinstance(p, torch.Tensor):
+            ids = p
+        elif isinstance(p, (list, tuple)):  # an empty one is said as such, not as torch.tensor([])'s float32
+            ids = torch.tensor(p) if p else torch.zeros(0, dtype=torch.long)
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or not ids_dtype(ids):
             got = (type(p).__name__ if ids is None else "an empty one" if ids.numel() == 0 else
                    f"{ids.dtype} of shape {list(ids.shape)}")
@@ -1014,7 +1019,7 @@ class Engine:
         self._graphs: dict = {}
         self._batch = self._len = 0  # the live sequences: batch and longest length (host copies)
         self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
-        self._generation = 0  # counts prefills: an open stream sees that another took the decode state
+        self._generation = 0  # counts prefills and decodes: an open stream sees another moved the decode state
 
     # ---- the forward pass ------------------------------------------------------------------
     def _add_norm(self, x, residual, norm):
@@ -1167,6 +1172,7 @@ class Engine:
         B = self._batch
         if B == 0:
             raise RuntimeError("call prefill(prompt) before decode()")
+        self._generation += 1  # an open stream's next chunk must not start past steps it did not take
         if self._len + steps > self.max_seq_len:
             raise ValueError(f"{self._len} + {steps} positions exceed this engine's max_seq_len={self.max_seq_len}")
         self._len += steps
@@ -1248,10 +1254,11 @@ class Engine:
             if stop is not None and stopped.all():
                 return
             if self._generation != generation:  # the decode state below is another generation's now
-                raise RuntimeError("this engine started another generation (prefill, generate or stream) while "
+                raise RuntimeError("this engine ran another generation (prefill, decode, generate or stream) while "
                                    "this stream was open, and holds that one's sequences now: an engine runs one "
                                    "generation at a time; use an Engine per concurrent stream")
             chunk = settled(self.decode(min(every, left)))
+            generation = self._generation
             left -= chunk.shape[1]
             yield chunk
 

@@ -267,6 +267,7 @@ def summarize(results: dict) -> dict:
 
 
 _RUN_KEYS = ("date", "git_commit", "source_sha256", "configs", "speed_models", "tasks_limit")
+_PROTOCOL_KEYS = ("tasks", "tasks_limit", "ppl_max_tokens", "ppl_seq_len")
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -274,6 +275,11 @@ def merge_reports(reports: list[dict]) -> dict:
     call would not fit the device's time limit): configs and speed models united in order, the summary
     recomputed; meta from the first run, plus ``merged_from`` (date, commit, sources, configs of each run)."""
     meta = dict(reports[0]["meta"])
+    # the accuracy rows sit side by side and report.md says once how they were measured: the same way, or refused
+    protocols = {tuple(str(r["meta"].get(k)) for k in _PROTOCOL_KEYS) for r in reports}
+    if len(protocols) > 1:
+        raise ValueError(f"the reports measured accuracy differently ({', '.join(_PROTOCOL_KEYS)}: "
+                         f"{sorted(protocols)}): merge runs of one protocol")
     configs, speed = {}, {}
     for r in reports:
         for name, res in r.get("configs", {}).items():
@@ -579,7 +585,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
         "custom loader" if loader else "default (SmolLM2-135M-Instruct)")
     loader = loader or _default_loader(model_name_or_path, device, dtype)
     meta = env_meta(model=model_label, configs=configs,
-                    tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, device=str(device),
+                    tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, ppl_seq_len=ppl_seq_len,
+                    device=str(device),
                     speed_models=list(speed_models), speed_clip_search=speed_clip_search, speed_rounds=speed_rounds)
     cuda = torch.cuda.is_available()
     if cuda and speed:

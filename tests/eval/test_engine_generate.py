@@ -69,6 +69,8 @@ def test_greedy_sampling_is_the_argmax():
     # a temperature below float32's reach is its limit, greedy (logits / 1e-40 overflowed: every token came out 0)
     for sampling in (GREEDY, Sampling(0.0, top_k=5, top_p=0.5), Sampling(3.0, top_k=1), Sampling(1e-40)):
         assert sampling.greedy and torch.equal(next_tokens(logits, sampling), logits.argmax(-1))
+    with pytest.warns(UserWarning, match="decoding is greedy"):  # as greedy as temperature 0, and said so
+        Sampling(1e-40, top_k=5).warn_if_filters_unused()
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -196,7 +198,12 @@ def test_a_stream_resumed_after_another_generation_took_the_engine_is_refused():
     assert torch.equal(next(stream), alone[:, :1])
     assert torch.equal(next(stream), alone[:, 1:2])
     engine.generate(b, 4)
-    with pytest.raises(RuntimeError, match="started another generation .* an Engine per concurrent stream"):
+    with pytest.raises(RuntimeError, match="ran another generation .* an Engine per concurrent stream"):
+        next(stream)
+    stream = engine.stream(a, 6)
+    next(stream)
+    engine.decode(2)  # steps the stream did not take: its next chunk would skip them
+    with pytest.raises(RuntimeError, match="ran another generation"):
         next(stream)
     assert torch.equal(torch.cat(list(engine.stream(a, 6)), dim=1), alone)  # a new stream runs as before
 

@@ -131,6 +131,11 @@ def test_reports_of_separate_runs_merge_into_one(tmp_path):
     assert "| metric | bf16 | w4a16 |" in (tmp_path / "merged.md").read_text()
     with pytest.raises(ValueError, match="more than one"):
         report.merge_reports([runs[0], runs[0]])
+    # report.md says once how the accuracy rows were measured: a run of another --limit is refused, not mislabelled
+    other = json.loads(json.dumps(runs[1], default=str))
+    other["meta"]["tasks_limit"] = 100
+    with pytest.raises(ValueError, match="measured accuracy differently .* merge runs of one protocol"):
+        report.merge_reports([runs[0], other])
 
 
 def test_source_hash_follows_the_sources_only(tmp_path):
