@@ -326,6 +326,8 @@ def cmd_generate(args):
     from nibble.eval.engine import Sampling
 
     # the settings are checked before the model loads (a ValueError is said by `main`)
+    if args.top_k is not None and args.top_k < 0:  # Sampling's message names None, which no command line can write
+        raise ValueError(f"--top-k must be >= 1, or 0 for every token; got {args.top_k}")
     sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -637,6 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each model generates")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="WikiText-2 tokens the perplexities are taken on")
     p.set_defaults(func=cmd_demo)
+    parser.commands = sub.choices  # each command's parser, which says its own usage in an error
     return parser
 
 
@@ -670,10 +673,11 @@ def main(argv=None):
     # argparse takes one run of positionals: `generate "a" --max-new-tokens 5 "b"` left "b" over (and its
     # parse_intermixed_args does not take subcommands): what is left that is not an option is more prompts
     args, left = parser.parse_known_args(argv)
-    if args.command == "generate" and not any(a.startswith("-") for a in left):
+    # an option is "-x" or "--xy" without a space, as argparse reads one ("- a list item" is a prompt)
+    if args.command == "generate" and not any(a.startswith("-") and " " not in a for a in left):
         args.prompt, left = [*args.prompt, *left], []
     if left:
-        parser.error(f"unrecognized arguments: {' '.join(left)}")
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(left)}")
     try:
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads

@@ -234,9 +234,12 @@ def test_generate_takes_prompts_before_between_and_after_the_options(model_dir, 
     together = capsys.readouterr().out
     main(["generate", "the capital"] + flags[:4] + ["a haiku"] + flags[4:])
     assert capsys.readouterr().out == together
+    main(["generate", "the capital"] + flags + ["- a list item"])  # a prompt, as argparse reads it
+    assert "- a list item" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["generate", "the capital"] + flags + ["--bogus", "x"])
-    assert "unrecognized arguments: --bogus x" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage: nibble generate" in err and "unrecognized arguments: --bogus x" in err
 
 
 @pytest.mark.parametrize("way", [[], ["--hf-generate"]])
@@ -278,7 +281,7 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
 
 
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
-                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "-1"], "top_k must be"),
+                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "-1"], "--top-k must be >= 1, or 0 for every token"),
                                             (["--max-new-tokens", "0"], "max-new-tokens must be"),
                                             (["--seed", str(2**64)], r"--seed must be from 0 to 2\*\*64 - 1"),
                                             (["--seed", "-1"], "--seed must be from 0")])
