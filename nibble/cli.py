@@ -177,10 +177,9 @@ def load_for_command(args, device: str):
 
     if args.quant == "none" or _quantized_checkpoint(args.model):
         return load(args.model, device)
-    if args.method != "rtn":  # its calibration text, before the model loads
-        from nibble.eval.data import require_data
-        from nibble.quantize.calibration import SOURCES
-        require_data([SOURCES["c4"]])
+    from nibble.eval.data import require_data
+    from nibble.quantize.calibration import calibration_files
+    require_data(calibration_files(args.method))  # before the model loads
     model, tok = load(args.model, "cpu", dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
     calibration = calibration_for(cfg, tok, **calibration_sizes(args))

@@ -646,3 +646,12 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"nibble {nibble.__version__}"
+
+
+def test_a_qat_calibration_file_that_is_not_there_is_said_before_the_model_loads(tmp_path, monkeypatch):
+    import nibble.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit, match=r"calibration source '\S+no-such.txt': neither one of \['c4', 'gutenberg'\] "
+                                         "nor a file"):
+        main(["qat", "--out", str(tmp_path / "q"), "--calib", f"c4,{tmp_path / 'no-such.txt'}", "--device", "cpu"])

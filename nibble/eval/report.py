@@ -35,8 +35,7 @@ from nibble.eval.data import require_data
 from nibble.eval.perplexity import WIKITEXT2_TEST
 from nibble.eval.tasks import ALL_TASKS, task_files
 from nibble.models.convert import default_group_size
-from nibble.quantize.calibration import SOURCES as CALIBRATION_SOURCES
-from nibble.quantize.calibration import calibration_for
+from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
 DEFAULT_SPEED_MODELS = ("llama-2-7b",)
@@ -578,8 +577,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
     if model:  # the files the model's runs read, checked before the first config loads it
-        calibrated = any(getattr(quant_config(c), "method", "rtn") != "rtn" for c in configs)
-        require_data(([WIKITEXT2_TEST] + task_files(tasks)) * accuracy + [CALIBRATION_SOURCES["c4"]] * calibrated)
+        require_data(([WIKITEXT2_TEST] + task_files(tasks)) * accuracy
+                     + [f for c in configs for f in calibration_files(getattr(quant_config(c), "method", None))])
     device = resolve_device(device)
     model_label = "none (speed models only)" if not model else str(model_name_or_path) if model_name_or_path else (
         "custom loader" if loader else "default (SmolLM2-135M-Instruct)")

@@ -53,7 +53,7 @@ def qat_main(args) -> None:
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
-    from nibble.quantize.calibration import SOURCES
+    from nibble.quantize.calibration import calibration_files, source_data_files
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -63,7 +63,7 @@ def qat_main(args) -> None:
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_init(args.recipe, args.init)
     sources = tuple(s for s in args.calib.split(",") if s)
-    require_data([SOURCES[s] for s in sources if s in SOURCES] + [SOURCES["c4"]] * (args.init == "gptq")
+    require_data(source_data_files(sources) + calibration_files("gptq" if args.init == "gptq" else None)
                  + [WIKITEXT2_TEST] * args.eval_ppl)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
     calibration, sizes = None, calibration_sizes(args)
@@ -78,7 +78,7 @@ def qat_main(args) -> None:
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")
         return
-    qmodel = export(model, args.out, tokenizer)
+    export(model, args.out, tokenizer)
     print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
           f"{args.out}`)")
     if args.eval_ppl:

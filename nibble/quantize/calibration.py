@@ -21,18 +21,18 @@ from torch import nn
 from nibble.kernels.hadamard import hadamard_transform
 
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
+DEFAULT_SOURCE = "c4"
 _FORBIDDEN = ("wiki.test", "wikitext2")
 
 
-def calibration_text(source: str = "c4") -> str:
+def calibration_text(source: str = DEFAULT_SOURCE) -> str:
     """The raw calibration text: ``"c4"``, ``"gutenberg"`` or a path to a .txt / .jsonl (``{"text": ...}`` per line)."""
     if source in SOURCES:
         from nibble.eval.data import data_file
         path = data_file(SOURCES[source])
     else:
+        source_data_files([source])  # refuses a path that is no file
         path = Path(source).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"calibration source {source!r} is neither one of {sorted(SOURCES)} nor a file")
     if any(f in str(path).lower() for f in _FORBIDDEN):
         raise ValueError(f"refusing to calibrate on {path}: WikiText-2 test is the evaluation set, calibrating on it "
                          "would inflate every perplexity we report. Use source='c4' or 'gutenberg'.")
@@ -45,7 +45,7 @@ def calibration_text(source: str = "c4") -> str:
         return path.read_text(encoding="utf-8")
 
 
-def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = 512, source: str = "c4",
+def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = 512, source: str = DEFAULT_SOURCE,
                         seed: int = 0) -> torch.Tensor:
     """``n_samples`` random non-overlapping windows of ``seq_len`` tokens: LongTensor [n_samples, seq_len].
 
@@ -72,6 +72,22 @@ def calibration_for(config, tokenizer, **sizes) -> torch.Tensor | None:
     `calibration_batches` of ``tokenizer``, by default 128 x 512 tokens of the C4 excerpt (``sizes``:
     its ``n_samples`` / ``seq_len`` instead)."""
     return None if config is None or config.method == "rtn" else calibration_batches(tokenizer, **sizes)
+
+
+def calibration_files(method: str | None) -> list[str]:
+    """The shared-data files `calibration_for` reads for a config of ``method`` (none for RTN), for
+    `nibble.eval.data.require_data` to check before a model loads."""
+    return [] if method in (None, "rtn") else source_data_files([DEFAULT_SOURCE])
+
+
+def source_data_files(sources) -> list[str]:
+    """The shared-data files of calibration ``sources`` (names in SOURCES); a source that is neither such a name
+    nor a file is refused here, before any work."""
+    missing = [s for s in sources if s not in SOURCES and not Path(s).expanduser().is_file()]
+    if missing:
+        raise FileNotFoundError(f"calibration source{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}: "
+                                f"neither one of {sorted(SOURCES)} nor a file")
+    return [SOURCES[s] for s in sources if s in SOURCES]
 
 
 def token_batches(calib, batch_size: int) -> list[torch.Tensor]:
