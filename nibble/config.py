@@ -1,6 +1,7 @@
 """QuantConfig: what to quantize and how; serialised as the checkpoint's `quantization_config`."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -165,3 +166,16 @@ def resolve_dtype(dtype) -> torch.dtype | None:
 # what a path that does not exist is told: a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
                    "pass the local path")
+
+
+@contextmanager
+def optional_dependency(package: str, extra: str, what: str):
+    """Imports under it that miss the optional ``package`` fail as one line saying what needs it and the pip extra
+    that brings it (ModuleNotFoundError, which the CLI says as such), not as "No module named ..."."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != package:
+            raise
+        raise ModuleNotFoundError(f"{what} needs {package}, which is not installed: pip install 'nibble[{extra}]'",
+                                  name=package) from e

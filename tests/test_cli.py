@@ -614,9 +614,10 @@ def test_the_command_line_works_without_peft_and_nibble_qat_names_the_extra():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "usage: nibble info" in done.stdout
-    assert "nibble qat: nibble qat trains LoRA adapters with peft, which is not installed: pip install 'nibble[qat]'" \
+    assert "nibble qat: nibble qat (LoRA adapters) needs peft, which is not installed: pip install 'nibble[qat]'" \
         in done.stdout
-    assert "peft is not installed: pip install 'nibble[qat]'" in done.stdout.splitlines()[-1]
+    assert done.stdout.splitlines()[-1] == ("LoRA on nibble layers (nibble.nn.lora) needs peft, which is not "
+                                            "installed: pip install 'nibble[qat]'")
 
 
 @pytest.mark.parametrize("command, missing", [

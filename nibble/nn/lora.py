@@ -19,17 +19,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-try:
+from nibble.config import optional_dependency
+
+with optional_dependency("peft", "qat", "LoRA on nibble layers (nibble.nn.lora)"):
     from peft import LoraConfig, PeftModel
     from peft.tuners.lora.layer import Linear as PeftLoraLinear
     from peft.tuners.lora.layer import LoraLayer
-except ModuleNotFoundError as e:
-    if (e.name or "").partition(".")[0] != "peft":
-        raise
-    raise ModuleNotFoundError("nibble.nn.lora puts peft's LoRA on nibble layers, and peft is not installed: pip "
-                              "install 'nibble[qat]'") from e
 
 from nibble.nn.quant_linear import QuantLinear
+
+
+MERGE_REFUSED = ("a LoRA adapter cannot be merged into a nibble layer's INT4 weights without quantizing them again: "
+                 "merge it into the 16-bit model and quantize that (nibble.quantize_model), or keep it as a branch "
+                 "(unload the adapter with peft's unload() to drop it)")
 
 
 class QuantLoraLinear(nn.Module, LoraLayer):
@@ -46,16 +48,14 @@ class QuantLoraLinear(nn.Module, LoraLayer):
             raise ValueError(f"init_lora_weights={config.init_lora_weights!r} starts from the layer's 16-bit weight, "
                              "which a nibble layer holds only as INT4 codes: use True (the default) or 'gaussian'")
         self._active_adapter = adapter_name
-        config.targets_int4 = True  # read by the adapter's 16-bit layers (`Lora16BitLinear.merge`)
+        config._nibble_targets_int4 = True  # read by the adapter's 16-bit layers (`Lora16BitLinear.merge`)
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         return module.in_features, module.out_features  # peft's guess warns of an unknown layer type
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError("a LoRA adapter cannot be merged into a nibble layer's INT4 weights without quantizing "
-                         "them again: merge it into the 16-bit model and quantize that (nibble.quantize_model), or "
-                         "keep it as a branch (unload the adapter with peft's unload() to drop it)")
+        raise ValueError(MERGE_REFUSED)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """``s B A`` [out, in]: what the adapter adds to the weight (peft's SVD adapter combination reads it)."""
@@ -96,8 +96,8 @@ class Lora16BitLinear(PeftLoraLinear):
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         for name in self.active_adapters if adapter_names is None else adapter_names:
-            if getattr(self.adapter_configs.get(name), "targets_int4", False):
-                QuantLoraLinear.merge(self)
+            if getattr(self.adapter_configs.get(name), "_nibble_targets_int4", False):
+                raise ValueError(MERGE_REFUSED)
         super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nibble.config import resolve_device
+from nibble.config import optional_dependency, resolve_device
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 
 
@@ -41,14 +41,9 @@ def add_qat_arguments(parser) -> None:
 
 
 def qat_main(args) -> None:
-    try:
+    with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
         from nibble.qat.train import check_init, check_learning_rates, run_qat, state_path
-    except ModuleNotFoundError as e:
-        if (e.name or "").partition(".")[0] != "peft":
-            raise
-        raise ModuleNotFoundError("nibble qat trains LoRA adapters with peft, which is not installed: "
-                                  "pip install 'nibble[qat]'") from e
     from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
