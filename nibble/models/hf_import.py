@@ -115,12 +115,13 @@ def _read_safetensors(directory: Path) -> dict:
 
 
 def _convert_layer(info: dict, t: dict, prefix: str):
-    """(Int4Weight, perm or None) of one quantized linear from its checkpoint tensors."""
+    """(Int4Weight, perm or None, the zero-point convention read: `_symmetric_zeros_format`) of one quantized
+    linear from its checkpoint tensors."""
     try:
         if info["method"] == "awq":
-            return from_awq(t["qweight"], t["qzeros"], t["scales"], info["group_size"]), None
-        return from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"],
-                         _symmetric_zeros_format(info, t["qzeros"]))
+            return from_awq(t["qweight"], t["qzeros"], t["scales"], info["group_size"]), None, None
+        fmt = _symmetric_zeros_format(info, t["qzeros"])
+        return *from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"], fmt), fmt
     except (KeyError, ValueError) as e:
         raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
 
@@ -128,7 +129,7 @@ def _convert_layer(info: dict, t: dict, prefix: str):
 def _symmetric_zeros_format(info: dict, qzeros: torch.Tensor) -> str:
     """The convention a GPTQ layer's qzeros are read in: the config's, checked against ``sym``, whose zero point is 8
     (v1 stores 7). A v1-labelled symmetric file that stores 8 holds v2 zeros (GPTQModel v5 wrote such files; vLLM
-    reads them as v2): read as v2, said once per load; read as labelled, every weight was a step off."""
+    reads them as v2): read as v2 (the loader says so); read as labelled, every weight was a step off."""
     fmt = info["checkpoint_format"]
     if not info["sym"]:
         return fmt
@@ -136,10 +137,6 @@ def _symmetric_zeros_format(info: dict, qzeros: torch.Tensor) -> str:
     if bool((stored == (7 if fmt == "gptq" else 8)).all()):
         return fmt
     if fmt == "gptq" and bool((stored == 8).all()):
-        if not info.get("said_v2_zeros"):
-            warnings.warn("this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7) "
-                          "but stores 8, the gptq_v2 convention: read as gptq_v2", stacklevel=4)
-            info["said_v2_zeros"] = True
         return "gptq_v2"
     values = sorted(set(stored.flatten().tolist()))[:8]
     raise ValueError(f"quantization_config says sym=true, whose zero points are all 8 (stored as "
@@ -175,11 +172,13 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not prefixes:
         raise ValueError(f"{directory}: config says {info['method']} but no tensor ends in .qweight")
-    group_sizes = set()
+    group_sizes, relabelled = set(), []
     for prefix in prefixes:
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
         bias = tensors.pop(f"{prefix}.bias", None)
-        weight, perm = _convert_layer(info, t, prefix)
+        weight, perm, read_as = _convert_layer(info, t, prefix)
+        if read_as != info["checkpoint_format"]:
+            relabelled.append(prefix)
         old = model.get_submodule(prefix)
         if (old.in_features, old.out_features) != (weight.in_features, weight.out_features):
             raise ValueError(f"{prefix}: checkpoint holds a {weight.out_features}x{weight.in_features} weight but the "
@@ -192,6 +191,10 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         setattr(model.get_submodule(parent), child, layer)
         group_sizes.add(-1 if weight.group_size == weight.in_features else weight.group_size)
 
+    if relabelled:
+        warnings.warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
+                      f"{len(relabelled)} of its layers ({relabelled[0]}, ...) store 8, the gptq_v2 convention: read "
+                      "as gptq_v2", stacklevel=2)
     state = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = getattr(config, "tie_word_embeddings", False)

@@ -215,7 +215,8 @@ def test_gptq_zero_point_labels_are_read_as_transformers_and_vllm_read_them(tmp_
     ref, dense, path = load("format-key", {"sym": False, "format": "gptq_v2"}, False, "gptq_v2")
     check_import(load_hf_quantized(path)[0], dense, ref, ids)
     ref, dense, path = load("mislabelled", {"sym": True, "checkpoint_format": "gptq"}, True, "gptq_v2")
-    with pytest.warns(UserWarning, match="stores 8, the gptq_v2 convention: read as gptq_v2"):
+    with pytest.warns(UserWarning, match=r"but 14 of its layers \(model.layers.0.mlp.down_proj, ...\) store 8, the "
+                                         "gptq_v2 convention: read as gptq_v2"):
         check_import(load_hf_quantized(path)[0], dense, ref, ids)
     _, _, path = load("not-symmetric", {"sym": True, "checkpoint_format": "gptq"}, False, "gptq")
     with pytest.raises(ValueError, match=r"down_proj: cannot read .*says sym=true, whose zero points are all 8 .* qzeros hold"):
