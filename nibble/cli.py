@@ -573,6 +573,7 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from nibble import __version__
+    from nibble.models.serialization import SAVE_FORMATS
 
     parser = argparse.ArgumentParser(prog="nibble", description=__doc__)
     parser.add_argument("--version", action="version", version=f"nibble {__version__}")
@@ -602,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="model in, quantized directory out")
     _add_model_args(p)
     p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
-    p.add_argument("--format", choices=["nibble", "awq", "gptq", "gptq_v2"], default="nibble",
+    p.add_argument("--format", choices=SAVE_FORMATS, default="nibble",
                    help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (gptq: v1, or v2 where a zero point is 0, said) "
                         "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
                         "quantized --model, its weights are written in this format as they are, not quantized again")

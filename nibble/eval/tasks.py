@@ -291,7 +291,7 @@ def check_tasks(tasks) -> list[str]:
 
 
 def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16, progress=True) -> dict:
-    """Zero-shot accuracy per task: {task: {acc, acc_norm?, n}, "average": {acc}}.
+    """Zero-shot accuracy per task: {task: {acc, acc_stderr, acc_norm?, acc_norm_stderr?, n}, "average": {acc}}.
 
     `limit` keeps the first `limit` documents of each task (as lm-eval's --limit). "average" is the
     unweighted mean of `acc` over the tasks run.

@@ -15,7 +15,8 @@ Zero points, two conventions (``checkpoint_format``):
   zp - 1"; a zp of 0 (an asymmetric group with no negative weight: all positive, or all zero) would
   be -1, which borrows from the next nibble, and the readers that unpack nibble-wise and add 1
   (AutoGPTQ, vLLM's gptq kernel) read 16 there and the next column's zero point one off. So
-  ``to_gptq`` refuses to write such a weight in v1 and names v2 (`export_gptq` picks v2 for it).
+  ``to_gptq`` refuses to write such a weight in v1 and names v2 (`export_gptq` without a checkpoint_format picks
+  v2 then).
 - ``"gptq_v2"``: qzeros holds zp itself.
 
 Act-order (``desc_act``) checkpoints have a g_idx that is not ``k // G``: the members of a group
@@ -53,7 +54,7 @@ def to_gptq(weight: Int4Weight, perm: torch.Tensor | None = None, checkpoint_for
 
     ``perm`` (optional, [K]): the weight is stored in permuted input order (canonical row j is
     original input feature perm[j]), as act-order GPTQ produces it; the result is in original order
-    with the act-order g_idx. Raises ValueError for float zero points.
+    with the act-order g_idx. Raises ValueError for float zero points, and in v1 for a zero point of 0.
     """
     _check_format(checkpoint_format)
     K, G = weight.in_features, weight.group_size

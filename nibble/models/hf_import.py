@@ -38,10 +38,11 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
-            f"bits=4, sym or asym, desc_act true/false, checkpoint_format in {CHECKPOINT_FORMATS})"
+            f"bits=4, sym or asym, desc_act true/false, checkpoint_format (or format) in {CHECKPOINT_FORMATS})"
 QUANTIZED_BY = "quantized_by"  # the key of a nibble export's quantization_config saying how it was made
 QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
-EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)  # save_quantized's format names for them (`export_gptq` for "gptq")
+# save_quantized's names for them: "gptq" is v1, or v2 where a zero point is 0 (`export_gptq`)
+EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 _QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
@@ -87,9 +88,9 @@ def read_quantization_config(directory) -> dict:
         if len(set(named.values())) > 1:
             raise UnsupportedCheckpointError(f"the quantization_config says {named}: which zero-point convention its "
                                              "qzeros use is unclear; make the two agree")
-        fmt = next(iter(named.values()), "gptq")
+        key, fmt = next(iter(named.items()), ("checkpoint_format", "gptq"))
         if fmt not in CHECKPOINT_FORMATS:
-            raise UnsupportedCheckpointError(f"GPTQ checkpoint_format={fmt!r} is not supported; nibble imports {SUPPORTED}")
+            raise UnsupportedCheckpointError(f"GPTQ {key}={fmt!r} is not supported; nibble imports {SUPPORTED}")
         out.update(sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)), checkpoint_format=fmt)
     return out
 

@@ -34,6 +34,7 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the quantization_config's digest
+SAVE_FORMATS = ("nibble", *EXPORT_FORMATS)  # save_quantized's, and nibble quantize --format's
 
 
 class CheckpointError(ValueError):
@@ -67,7 +68,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)
         return export_gptq(model, directory, tokenizer, checkpoint_format=None if format == "gptq" else format)
     if format != "nibble":
-        raise ValueError(f"format must be one of {('nibble', *EXPORT_FORMATS)}, got {format!r}")
+        raise ValueError(f"format must be one of {SAVE_FORMATS}, got {format!r}")
     qc = getattr(model.config, "quantization_config", None)
     if not qc or qc.get("quant_method") != "nibble":
         raise ValueError("model has no nibble quantization_config: run nibble.quantize_model first")
