@@ -163,10 +163,6 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return named
 
 
-# what a path that does not exist is told: a Hub id, most likely
-NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
-                   "pass the local path")
-
 
 @contextmanager
 def optional_dependency(package: str, extra: str, what: str):

@@ -53,7 +53,7 @@ def require_data(relpaths) -> None:
     read them last: a model loaded and quantized first (minutes for a 7B one; `nibble demo` 3.5 on a CPU) was
     lost to a missing perplexity file."""
     dirs = search_dirs()
-    missing = [r for r in dict.fromkeys(relpaths) if not any((d / r).is_file() for d in dirs)]
+    missing = [r for r in dict.fromkeys(relpaths) if _find(r, dirs) is None]
     if missing:
         raise FileNotFoundError(f"Evaluation data file{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
                                 f"not found.\n{_how_to_fix(dirs)}")
@@ -71,13 +71,18 @@ def data_dir() -> Path:
 
 def data_file(relpath: str) -> Path:
     """Path of `relpath` (e.g. "wikitext2/wiki.test.raw") in the first data folder that has it."""
-    dirs = search_dirs()
-    for d in dirs:
-        path = d / relpath
-        if path.is_file():
-            _warn_past_env(d, f"has no {relpath}")
-            return path
-    raise FileNotFoundError(f"Evaluation data file {relpath!r} not found.\n{_how_to_fix(dirs)}")
+    require_data([relpath])
+    folder = _find(relpath, search_dirs())
+    _warn_past_env(folder, f"has no {relpath}")
+    return folder / relpath
+
+
+def _find(relpath: str, dirs: list[Path]) -> Path | None:
+    """The first of ``dirs`` that holds ``relpath``."""
+    return next((d for d in dirs if (d / relpath).is_file()), None)
+
+
+_SAID: set = set()  # the fallbacks said, (NIBBLE_DATA, the folder read, what it lacked)
 
 
 def _warn_past_env(found: Path, lack: str) -> None:
@@ -87,9 +92,6 @@ def _warn_past_env(found: Path, lack: str) -> None:
     if env is not None and found != env and (env, found, lack) not in _SAID:
         _SAID.add((env, found, lack))  # once a process: each read of the file came to say it again
         warnings.warn(f"{ENV_VAR}={env} {lack}; reading {found} instead", stacklevel=3)
-
-
-_SAID: set = set()
 
 
 class DataFormatError(ValueError):

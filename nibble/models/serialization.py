@@ -21,9 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nibble.config import NEVER_DOWNLOADS, QuantConfig, default_dtype, resolve_device, resolve_dtype
+from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS
+from nibble.models.loading import NEVER_DOWNLOADS
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      load_hf_quantized)
