@@ -26,9 +26,8 @@ from nibble.eval.data import DataFormatError, data_file, parsing
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
 # that is not comparable with them.
 DEFAULT_MAX_SEQ_LEN = 2048
-
-
 WIKITEXT2_TEST = "wikitext2/wiki.test.raw"  # the data file every perplexity here is taken on
+
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """Token ids of `text` from a Hugging Face tokenizer or a `tokenizers.Tokenizer`. A whole corpus is one text,

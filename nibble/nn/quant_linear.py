@@ -15,6 +15,7 @@ from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
 from nibble.quantize.rtn import rtn_quantize
 
+
 class QuantLinear(nn.Module):
     """y = x @ W.T + b with W stored as INT4 (buffers ``qweight``, ``scales``, ``zeros``).
 
