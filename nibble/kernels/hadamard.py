@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nibble.kernels.triton_device import check_triton_device
+
 try:
     import triton
     import triton.language as tl
@@ -462,9 +464,7 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
     if triton is None:
         raise ImportError("the hadamard kernel needs the `triton` package (pip install triton); "
                           "hadamard_transform runs the reference without it")
-    if not (x.is_cuda or triton.knobs.runtime.interpret):
-        raise ValueError(f"hadamard kernel needs a CUDA tensor, got device {x.device} "
-                         f"(or set TRITON_INTERPRET=1 before importing nibble to run it on CPU)")
+    check_triton_device(x, "Hadamard")
     if x.dim() == 0 or x.stride(-1) != 1:
         raise ValueError("hadamard kernel needs at least 1 dim and a contiguous last dim; call .contiguous()")
     n = x.shape[-1]

@@ -61,6 +61,7 @@ import torch
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import MAX_TOKENS as EARLY_LAUNCH_MAX_TOKENS
 from nibble.kernels.early_launch import early_launch
+from nibble.kernels.triton_device import check_triton_device
 
 try:  # the module must import without triton (CPU-only installs)
     import triton
@@ -621,7 +622,7 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     above that, a program per whole row, which reads the row once instead of once per column block
     (H200, bf16, 128 rows: 1.1x at K = 4,096, 1.9x at 14,336; 2,048 rows 1.3-3.6x;
     benchmarks/scripts/gather_columns_ab.py, benchmarks/results/session53-h200/)."""
-    check_triton_device(x)
+    check_triton_device(x, "W4A16 Triton")
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
     out = torch.empty_like(x2)
@@ -668,15 +669,8 @@ def _pow2_divisor(g: int, cap: int) -> int:
     return b
 
 
-def check_triton_device(x: torch.Tensor) -> None:
-    """The Triton launches need a CUDA tensor (or the interpreter); elsewhere Triton fails with "0 active drivers"."""
-    if not (x.is_cuda or _INTERPRET):
-        raise ValueError(f"the W4A16 Triton kernels need CUDA tensors, got device {x.device} (or set "
-                         "TRITON_INTERPRET=1 before importing nibble to run them on CPU)")
-
-
 def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
-    check_triton_device(x)
+    check_triton_device(x, "W4A16 Triton")
     M, K = x.shape
     N = qweight.shape[1]
     if out is None:
@@ -1069,7 +1063,7 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
     """CUDA path (also usable directly with an explicit Config, e.g. by the benchmark sweep)."""
     if not HAS_TRITON:
         raise RuntimeError("nibble's W4A16 CUDA kernels need triton; install it or run on CPU")
-    check_triton_device(x)
+    check_triton_device(x, "W4A16 Triton")
     x = x.contiguous()
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     M, K = x.shape

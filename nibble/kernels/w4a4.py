@@ -53,7 +53,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 import warnings
 from typing import Optional
 
@@ -61,6 +60,7 @@ import torch
 
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
+from nibble.kernels.triton_device import check_triton_device, interpreting
 from nibble.kernels import hadamard as _had
 from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, MmaConfig,
                                    check_bias, num_sms, select_mma_config, split_counters)
@@ -86,18 +86,9 @@ _LOW_NIBBLES = tl.constexpr(0x0F0F0F0F) if tl is not None else 0x0F0F0F0F
 _MAX_ROW = _had.MAX_KERNEL_ROW  # act-quant keeps a whole row in registers (28672 pads to 32768)
 
 
-def _interpreting() -> bool:
-    if triton is None:
-        return False
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except AttributeError:  # older triton
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def kernels_available(t: torch.Tensor) -> bool:
     """True when the Triton kernels can run on tensors like ``t`` (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    return triton is not None and (t.is_cuda or _interpreting())
+    return triton is not None and (t.is_cuda or interpreting())
 
 
 def _next_pow2(x: int) -> int:
@@ -315,8 +306,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     check_order(order, x.shape[1])
     if triton is None:
         raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
-    if not (x.is_cuda or _interpreting()):
-        raise ValueError(f"the W4A4 kernels need a CUDA tensor, got device {x.device}")
+    check_triton_device(x, "W4A4")
     M, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -335,7 +325,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     if plan is None and M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K:
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
                                         BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
-                                        INTERPRET=_interpreting(), num_warps=8)
+                                        INTERPRET=interpreting(), num_warps=8)
         return q, s
     if plan is not None:
         dense = _had.hadamard_dense_operand(K, False, x.device) if plan.dense_pad > 1 else s
@@ -351,10 +341,10 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         # more threads, 8 elements each (H200, M = 1: K = 4096 2.42 -> 1.67 us at 16 warps instead
         # of 4, K = 11008 5.70 -> 4.97 and K = 28672 8.14 -> 7.50 at 32 instead of 16).
         num_warps = min(32, max(num_warps, rows * block // 256))
-    pdl = not _interpreting() and early_launch(x.device, M, PRODUCT_EARLY_TOKENS)
+    pdl = not interpreting() and early_launch(x.device, M, PRODUCT_EARLY_TOKENS)
     _act_quant_kernel[grid](x, q, s, dense, M, K, x.stride(0), q.stride(0), had_scale, fmax,
                             ROWS=rows, BLOCK=block, HADAMARD=plan is not None, EVEN_ODD=order == "even_odd",
-                            INTERPRET=_interpreting(), num_warps=num_warps, PDL=pdl, launch_pdl=pdl, **consts)
+                            INTERPRET=interpreting(), num_warps=num_warps, PDL=pdl, launch_pdl=pdl, **consts)
     return q, s
 
 
@@ -941,8 +931,7 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     if triton is None:
         raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
     _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
-    if not (qx.is_cuda or _interpreting()):
-        raise ValueError(f"the W4A4 kernels need CUDA tensors, got device {qx.device}")
+    check_triton_device(qx, "W4A4")
     if out_dtype not in KERNEL_DTYPES + (torch.float32,):
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     M, K = qx.shape
@@ -976,7 +965,7 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
         xw = qx.view(torch.int32)  # [M, K // 4]
         _w4a4_gemv_kernel[(n_tiles, split)](
             xw, qweight, x_scale, w_scale, b, y, part, cnt, M, N, KW, xw.stride(0), y.stride(0), kw_per, split,
-            MP=MP, BN=cfg["BN"], BKW=BKW, SPLIT=split > 1, USE_ASM=not _interpreting(),
+            MP=MP, BN=cfg["BN"], BKW=BKW, SPLIT=split > 1, USE_ASM=not interpreting(),
             PREFETCH=bool(cfg.get("prefetch", False)),
             num_warps=cfg.get("num_warps", 4), **common)
         return y
@@ -992,7 +981,7 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
         qx, w_arg, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), SWAP=cfg["SWAP"], W_INT8=w_int8 is not None,
         EVEN_K=even_k, EVEN_N=N % BN == 0, SPLIT=split > 1,
-        UNPACK_ASM=cfg.get("asm", _asm_unpack_checked(cfg)) and not _interpreting(),
+        UNPACK_ASM=cfg.get("asm", _asm_unpack_checked(cfg)) and not interpreting(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **common)
     return y

@@ -100,15 +100,20 @@ def test_input_checks(bad):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the Triton kernels on CPU")
+@pytest.mark.skipif(W.triton is None, reason="without triton the entry points say they need it first")
 def test_the_gpu_entry_points_refuse_cpu_tensors_by_name():
     """Called with CPU tensors they failed inside Triton ("0 active drivers") or torch ("Torch not compiled with
-    CUDA enabled")."""
+    CUDA enabled"); every kernel family says it with one check (`triton_device.check_triton_device`)."""
+    from nibble.kernels import hadamard, w4a4
+
     qw, s, z = make_weight(32, 128, 64)
     x = torch.randn(2, 128, dtype=torch.float16)
-    calls = {"Triton kernels need CUDA tensors": [
+    calls = {"W4A16 Triton kernels need CUDA tensors": [
         lambda: W.w4a16_linear_cuda(x, qw, s, z, 64),
         lambda: W._launch(x, qw, s, z, 64, W.select_config(2, 32, 128, 64)),
         lambda: W.gather_columns(x, torch.randperm(128))],
+        "W4A4 kernels need CUDA tensors": [lambda: w4a4.quantize_activations_triton(x)],
+        "Hadamard kernels need CUDA tensors": [lambda: hadamard.hadamard_transform_triton(x)],
         "w4a16_mma is a CUDA kernel": [lambda: W.w4a16_mma(x, qw, s, z, 64)]}
     for says, fns in calls.items():
         for fn in fns:
