@@ -32,6 +32,7 @@ from torch import nn
 from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
+from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
 from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
@@ -91,7 +92,9 @@ def read_quantization_config(directory) -> dict:
         key, fmt = next(iter(named.items()), ("checkpoint_format", "gptq"))
         if fmt not in CHECKPOINT_FORMATS:
             raise UnsupportedCheckpointError(f"GPTQ {key}={fmt!r} is not supported; nibble imports {SUPPORTED}")
-        out.update(sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)), checkpoint_format=fmt)
+        # sym: None where the config does not say (GPTQ's default is symmetric; such files load as their zeros are)
+        out.update(sym=None if qc.get("sym") is None else bool(qc["sym"]), desc_act=bool(qc.get("desc_act", False)),
+                   checkpoint_format=fmt)
     return out
 
 
@@ -132,7 +135,7 @@ def _symmetric_zeros_format(info: dict, qzeros: torch.Tensor) -> str:
     (v1 stores 7). A v1-labelled symmetric file that stores 8 holds v2 zeros (GPTQModel v5 wrote such files; vLLM
     reads them as v2): read as v2 (the loader says so); read as labelled, every weight was a step off."""
     fmt = info["checkpoint_format"]
-    if not info["sym"]:
+    if not info["sym"]:  # False, or not said
         return fmt
     stored = unpack_along_n(qzeros)
     if bool((stored == (7 if fmt == "gptq" else 8)).all()):
@@ -173,7 +176,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not prefixes:
         raise ValueError(f"{directory}: config says {info['method']} but no tensor ends in .qweight")
-    group_sizes, relabelled = set(), []
+    group_sizes, relabelled, symmetric = set(), [], True  # the zeros' own word where the config says nothing
     for prefix in prefixes:
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
         bias = tensors.pop(f"{prefix}.bias", None)
@@ -191,6 +194,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
         group_sizes.add(-1 if weight.group_size == weight.in_features else weight.group_size)
+        symmetric &= is_symmetric(weight.scales, weight.zeros)
 
     if relabelled:
         warnings.warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
@@ -212,7 +216,8 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
     made = made if made.get("library") == "nibble" and made.get("method") in METHODS else {}
     nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
-                            symmetric=info["sym"], zero_point="int", clip_search=bool(made.get("clip_search")),
+                            symmetric=symmetric if info["sym"] is None else info["sym"], zero_point="int",
+                            clip_search=bool(made.get("clip_search")),
                             method=made.get("method", info["method"]))
     mark_quantized(model, {**nibble_qc.to_dict(), "imported_from": info["raw"],
                            "input_permuted_modules": input_permuted_modules(model)})

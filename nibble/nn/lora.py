@@ -55,7 +55,10 @@ class QuantLoraLinear(nn.Module, LoraLayer):
         return module.in_features, module.out_features  # peft's guess warns of an unknown layer type
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(MERGE_REFUSED)
+        # an adapter this layer does not hold merges elsewhere (on 16-bit layers): nothing to refuse here, as peft's
+        # own layers skip it; refusing it too left the 16-bit layers peft had merged before this one merged
+        if any(name in self.lora_A for name in (self.active_adapters if adapter_names is None else adapter_names)):
+            raise ValueError(MERGE_REFUSED)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """``s B A`` [out, in]: what the adapter adds to the weight (peft's SVD adapter combination reads it)."""

@@ -221,6 +221,11 @@ def test_gptq_zero_point_labels_are_read_as_transformers_and_vllm_read_them(tmp_
     _, _, path = load("not-symmetric", {"sym": True, "checkpoint_format": "gptq"}, False, "gptq")
     with pytest.raises(ValueError, match=r"down_proj: cannot read .*says sym=true, whose zero points are all 8 .* qzeros hold"):
         load_hf_quantized(path)
+    # a config that does not say sym (GPTQ's default is symmetric) loads as its zeros are, and is recorded so
+    ref, dense, path = load("unsaid", {"checkpoint_format": "gptq"}, False, "gptq")
+    unsaid = load_hf_quantized(path)[0]
+    check_import(unsaid, dense, ref, ids)
+    assert unsaid.config.quantization_config["symmetric"] is False
     _, _, path = load("disagree", {"sym": False, "checkpoint_format": "gptq", "format": "gptq_v2"}, False, "gptq")
     with pytest.raises(UnsupportedCheckpointError, match="make the two agree"):
         load_hf_quantized(path)
