@@ -1240,6 +1240,8 @@ class Engine:
             if stop is None:
                 return chunk
             hit = torch.isin(chunk, stop)
+            if not bool(hit.any() | stopped.any()):  # the common chunk: nothing to settle (one sync a chunk)
+                return chunk
             first = chunk.gather(1, hit.int().argmax(1, keepdim=True))[:, 0]
             ended.copy_(torch.where(stopped, ended, first))
             past = stopped[:, None] | (hit.cumsum(1) - hit.int() > 0)

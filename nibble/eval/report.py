@@ -316,9 +316,10 @@ def _accuracy_protocol(results: dict) -> str:
     limit = (f"the first {meta['tasks_limit']} documents of each task (--limit: a subset, for testing; "
              f"n = {', '.join(map(str, docs))})" if meta.get("tasks_limit") else "every document of each task")
     cut = f"the first {meta['ppl_max_tokens']:,} tokens of " if meta.get("ppl_max_tokens") else ""
-    return (f"Accuracy: zero-shot, lm-eval's formats and metrics, ± its standard error, on {limit}; average: the "
-            f"mean acc of {', '.join(meta['tasks'])}. WikiText-2 ppl: token-level (GPTQ's protocol, not lm-eval's "
-            f"word perplexity) on {cut}the test set, in {ppl['windows']:,} non-overlapping "
+    stderr = any("acc_stderr" in r.get("tasks", {}).get(t, {}) for r in runs for t in meta["tasks"])  # older: none
+    return (f"Accuracy: zero-shot, lm-eval's formats and metrics{', ± its standard error' * stderr}, on {limit}; "
+            f"average: the mean acc of {', '.join(meta['tasks'])}. WikiText-2 ppl: token-level (GPTQ's protocol, "
+            f"not lm-eval's word perplexity) on {cut}the test set, in {ppl['windows']:,} non-overlapping "
             f"window{'s' * (ppl['windows'] != 1)} of {ppl['seq_len']:,} tokens ({ppl['tokens']:,} predicted).")
 
 
