@@ -6,25 +6,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from nibble.formats.int4 import FORMAT_VERSION, PACK
+from nibble.formats.int4 import FORMAT_VERSION, PACK, check_group_size
 
 MODES = ("w4a16", "w4a4")
 METHODS = ("rtn", "gptq", "awq")
 ROTATIONS = ("none", "hadamard")
 ZERO_POINTS = ("int", "float")
 QUANT_METHOD = "nibble"
-
-
-def check_group_size(group_size) -> None:
-    """Refuse a group size no GPU path runs: every W4A16 kernel reads a group's codes in whole int32 words of 8
-    (`nibble.kernels.w4a16`); the CUDA kernels take 32, 64, 128 and larger powers of two (the Hopper GEMM
-    multiples of 128 too), Triton and dequantize + cuBLAS any other multiple of 8."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise ValueError(f"group_size must be an int (e.g. 128) or -1 (per output channel), got {group_size!r}")
-    if group_size != -1 and (group_size <= 0 or group_size % 8):
-        raise ValueError(f"group_size must be -1 (one group per output channel) or a positive multiple of 8 that "
-                         f"divides in_features: 32, 64 or 128 (nibble's CUDA kernels; 256, 512, ... too), or "
-                         f"another multiple of 8 such as 16 or 48 (its Triton kernels); got {group_size}")
 
 
 def width_error(in_features: int, group_size: int) -> str | None:

@@ -54,6 +54,18 @@ def is_symmetric(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     return torch.equal(zeros, scales * -8)
 
 
+def check_group_size(group_size) -> None:
+    """Refuse a group size no GPU path runs: every W4A16 kernel reads a group's codes in whole int32 words of 8
+    (`nibble.kernels.w4a16`); the CUDA kernels take 32, 64, 128 and larger powers of two (the Hopper GEMM
+    multiples of 128 too), Triton and dequantize + cuBLAS any other multiple of 8."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size must be an int (e.g. 128) or -1 (per output channel), got {group_size!r}")
+    if group_size != -1 and (group_size <= 0 or group_size % 8):
+        raise ValueError(f"group_size must be -1 (one group per output channel) or a positive multiple of 8 that "
+                         f"divides in_features: 32, 64 or 128 (nibble's CUDA kernels; 256, 512, ... too), or "
+                         f"another multiple of 8 such as 16 or 48 (its Triton kernels); got {group_size}")
+
+
 @dataclass
 class Int4Weight:
     """One quantized linear weight in the canonical format (nn.Linear's W is [N, K])."""
@@ -75,13 +87,14 @@ class Int4Weight:
         return self.qweight.shape[1]
 
     def validate(self) -> None:
-        from nibble.config import check_group_size  # nibble.config imports this module
         if self.qweight.dtype != torch.int32 or self.qweight.dim() != 2:
             raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {self.qweight.dtype} "
                              f"{tuple(self.qweight.shape)}")
         K, N, G = self.in_features, self.out_features, self.group_size
         check_group_size(G)
-        if G <= 0 or K % G:
+        if G == -1:  # a caller's shorthand, which only the quantizers and QuantLinear take
+            raise ValueError(f"Int4Weight.group_size is a group's width (in_features={K} for one group a row), not -1")
+        if K % G:
             raise ValueError(f"in_features={K} is not divisible by group_size={G}")
         for name in ("scales", "zeros"):
             t = getattr(self, name)

@@ -140,7 +140,7 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     qweights, w_scales, biases = ([layer[i] for layer in layers] for i in range(3))
     if not _use_kernel(x, backend):
         x2 = x.reshape(-1, x.shape[-1])
-        checked = w4a4._checked_layers(x2, qweights, w_scales, biases, input_hadamard)  # the GPU op's checks
+        checked = w4a4.checked_layers(x2, qweights, w_scales, biases, input_hadamard)  # the GPU op's checks
         ys = [reference.w4a4_linear(x2, *layer, input_hadamard) for layer in checked]
     else:
         x2 = _kernel_input(x)

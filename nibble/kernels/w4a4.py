@@ -1409,7 +1409,7 @@ def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, 
     return w4a4_matmul_triton(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
 
 
-def _checked_layers(x, qweights, w_scales, biases, input_hadamard) -> list:
+def checked_layers(x, qweights, w_scales, biases, input_hadamard) -> list:
     """[(qweight, w_scale, bias), ...] of layers that read x, each checked against it."""
     if not (len(qweights) == len(w_scales) == len(biases)) or not qweights:
         raise ValueError(f"qweights, w_scales and biases must be non-empty lists of one length, got "
@@ -1463,7 +1463,7 @@ def linears(x: torch.Tensor, qweights: list[torch.Tensor], w_scales: list[torch.
     rotated and quantized once for all of them; on any other device `reference.w4a4_linear` runs.
     Returns one output per layer. The body of the custom ops `torch.ops.nibble.w4a4_linear(s)`;
     `nibble.kernels` calls it directly outside torch.compile (`kernels.eager_or_op`)."""
-    layers = _checked_layers(x, qweights, w_scales, biases, input_hadamard)
+    layers = checked_layers(x, qweights, w_scales, biases, input_hadamard)
     if x.device.type == "cuda":
         return _w4a4_outputs_cuda(x, layers, input_hadamard)
     return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
@@ -1491,5 +1491,5 @@ def w4a4_linears(x: torch.Tensor, qweights: list[torch.Tensor], w_scales: list[t
 
 @w4a4_linears.register_fake
 def _w4a4_linears_fake(x, qweights, w_scales, biases, input_hadamard):
-    layers = _checked_layers(x, qweights, w_scales, biases, input_hadamard)
+    layers = checked_layers(x, qweights, w_scales, biases, input_hadamard)
     return [x.new_empty((x.shape[0], qweight.shape[1])) for qweight, _, _ in layers]

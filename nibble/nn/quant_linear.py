@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nibble import kernels
-from nibble.config import QuantConfig, check_group_size, width_error
-from nibble.formats.int4 import PACK, Int4Weight, is_symmetric
+from nibble.config import QuantConfig, width_error
+from nibble.formats.int4 import PACK, Int4Weight, check_group_size, is_symmetric
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
 from nibble.quantize.rtn import rtn_quantize

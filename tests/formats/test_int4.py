@@ -50,3 +50,6 @@ def test_int4weight_validates_shapes_and_divisibility():
         Int4Weight(q, torch.ones(16, 4, dtype=torch.float16), torch.ones(16, 4, dtype=torch.float16), 4)
     with pytest.raises(ValueError, match=r"qweight must be a 2-D int32 tensor \[K // 8, N\], got torch.int32 \(1, 8, 4\)"):
         Int4Weight(q[None], s, s, 32)
+    # -1 is the quantizers' shorthand; a weight holds the width itself (it was "not divisible by group_size=-1")
+    with pytest.raises(ValueError, match=r"group_size is a group's width \(in_features=64 for one group a row\)"):
+        Int4Weight(q, s[:1], s[:1], -1)
