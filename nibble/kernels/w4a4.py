@@ -259,8 +259,9 @@ def _act_plan(K: int, hadamard: bool):
             # the reference's sizes that the fused kernel runs too, in whole int32 words of codes
             near = [n for n in _had.supported_hadamard_sizes(2 * K + 64)
                     if abs(n - K) <= max(64, K // 8) and n % PACK == 0 and _had.kernel_fits(n)]
+            sizes = near[:12] or f"none within {max(64, K // 8)} of it"
             raise ValueError(f"input_hadamard=True needs a supported Hadamard size; K={K} is not one ({e}). "
-                             f"Supported sizes near {K}: {near[:12]}") from None
+                             f"Supported sizes near {K}: {sizes}") from None
         return plan.rows, plan.row_pad, plan.num_warps, plan
     block = _next_pow2(K)
     if block > _MAX_ROW:
