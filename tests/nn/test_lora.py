@@ -131,24 +131,19 @@ def test_a_refused_merge_leaves_the_16_bit_layers_before_it_unmerged():
             with adapted.disable_adapter():
                 assert torch.equal(adapted(input_ids=ids).logits, base)
             assert peft.get_peft_model_state_dict(adapted).keys() == saved.keys()
-    # an adapter on 16-bit layers alone merges as peft's own does, beside one on nibble layers too (whose layers
-    # refused every merge: the 16-bit layers merged before them stayed merged)
+    # an adapter on 16-bit layers alone merges as peft's own does: by itself, and beside one on nibble layers too
+    # (whose layers refused every merge: the 16-bit layers merged before them stayed merged)
     beside = peft.get_peft_model(copy.deepcopy(quantized), lora_config(r=4, target_modules=TARGETS))
     beside.add_adapter("b", lora_config(r=4, target_modules=["layers.0.self_attn.q_proj"]))
     beside.set_adapter("b")
-    with torch.no_grad():
-        beside.base_model.model.model.layers[0].self_attn.q_proj.lora_B["b"].weight.normal_()
-        adapted_logits = beside(input_ids=ids).logits
-        merged = beside.merge_and_unload()
-        assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
-        torch.testing.assert_close(merged(input_ids=ids).logits, adapted_logits, rtol=1e-4, atol=1e-4)
     only_16_bit = peft.get_peft_model(quantized, lora_config(r=4, target_modules=["layers.0.self_attn.q_proj"]))
-    with torch.no_grad():
-        only_16_bit.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.normal_()
-        adapted_logits = only_16_bit(input_ids=ids).logits
-        merged = only_16_bit.merge_and_unload()
-        assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
-        torch.testing.assert_close(merged(input_ids=ids).logits, adapted_logits, rtol=1e-4, atol=1e-4)
+    for adapted, name in ((beside, "b"), (only_16_bit, "default")):
+        with torch.no_grad():
+            adapted.base_model.model.model.layers[0].self_attn.q_proj.lora_B[name].weight.normal_()
+            adapted_logits = adapted(input_ids=ids).logits
+            merged = adapted.merge_and_unload()
+            assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+            torch.testing.assert_close(merged(input_ids=ids).logits, adapted_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_batch_whose_rows_name_their_adapters_runs_each_its_own():
