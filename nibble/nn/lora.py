@@ -41,15 +41,19 @@ class QuantLoraLinear(nn.Module, LoraLayer):
                  lora_alpha: int = 1, **kwargs):
         super().__init__()
         LoraLayer.__init__(self, base_layer)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: LoraConfig, **kwargs) -> None:
+        """Every adapter this layer takes, the first and those peft's ``add_adapter`` adds later, is checked here."""
         if config.use_dora:
             raise ValueError("DoRA rescales the weight's columns, which a QuantLinear's INT4 codes cannot follow: "
                              "use plain LoRA (use_dora=False) on nibble layers")
         if config.init_lora_weights not in (True, False, "gaussian"):  # pissa, olora, ... factor the 16-bit weight
             raise ValueError(f"init_lora_weights={config.init_lora_weights!r} starts from the layer's 16-bit weight, "
                              "which a nibble layer holds only as INT4 codes: use True (the default) or 'gaussian'")
-        self._active_adapter = adapter_name
         config._nibble_targets_int4 = True  # read by the adapter's 16-bit layers (`Lora16BitLinear.merge`)
-        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         return module.in_features, module.out_features  # peft's guess warns of an unknown layer type
@@ -100,7 +104,9 @@ class Lora16BitLinear(PeftLoraLinear):
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         for name in self.active_adapters if adapter_names is None else adapter_names:
             if getattr(self.adapter_configs.get(name), "_nibble_targets_int4", False):
-                raise ValueError(MERGE_REFUSED)
+                raise ValueError(f"adapter {name!r} also sits on nibble layers (its LoraConfig was given to a "
+                                 f"QuantLinear; a config serves one model: make another for a model without nibble "
+                                 f"layers): {MERGE_REFUSED}")
         super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
 

@@ -58,6 +58,8 @@ def qat_main(args) -> None:
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_init(args.recipe, args.init)
     sources = tuple(s for s in args.calib.split(",") if s)
+    if not sources:  # it failed after the model loaded, in torch.cat
+        raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")
     require_data(source_data_files(sources) + calibration_files("gptq" if args.init == "gptq" else None)
                  + [WIKITEXT2_TEST] * args.eval_ppl)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
@@ -65,10 +67,16 @@ def qat_main(args) -> None:
     if args.init == "gptq" and sizes:
         from nibble.quantize.calibration import calibration_batches
         calibration = calibration_batches(tokenizer, **sizes)
-    model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
-                    resume=args.resume, device=device, objective=args.objective, rank=args.rank,
-                    quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
-                    sources=sources, init=args.init, calibration=calibration)
+    try:
+        model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
+                        resume=args.resume, device=device, objective=args.objective, rank=args.rank,
+                        quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
+                        sources=sources, init=args.init, calibration=calibration)
+    except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
+        path = state_path(args.out)
+        kept = (f"the state of step {torch.load(path, map_location='cpu', weights_only=True)['step']} is in {path}: "
+                "the same command with --resume continues from it") if path.exists() else "no state was saved yet"
+        raise SystemExit(f"nibble qat: interrupted; {kept}") from None
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")

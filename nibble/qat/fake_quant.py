@@ -282,6 +282,8 @@ class FakeQuantLoraLinear(LoraLinear):
                 base.start_weight -= self.get_delta_weight(name).float()
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.disable_adapters and self.merged:  # as peft's layers: adapters off is the base weight, merged or not
+            self.unmerge()
         base = self.get_base_layer()
         with torch.autocast(x.device.type, enabled=False):
             delta = self.lora_delta()

@@ -110,15 +110,7 @@ def test_what_cannot_be_done_is_refused_by_name():
         adapted.merge_and_unload()
 
 
-def test_a_refused_merge_leaves_the_16_bit_layers_before_it_unmerged():
-    """peft merges module by module: a 16-bit layer ahead of the first nibble one was merged and unwrapped before the
-    refusal, so ``disable_adapter`` no longer gave the base model and a save lost its adapter."""
-    torch.manual_seed(0)
-    quantized = quantize_model(tiny_model("llama"), QuantConfig(
-        group_size=32, modules_to_not_convert=["lm_head", "model.layers.0.self_attn.q_proj"]), progress=False)
-    adapted = _adapted(copy.deepcopy(quantized))
-    adapted.eval()
-    ids = torch.randint(0, 256, (2, 7))
+def _refused_merge_changes_nothing(adapted, ids):
     with torch.no_grad():
         with adapted.disable_adapter():
             base = adapted(input_ids=ids).logits
@@ -131,6 +123,20 @@ def test_a_refused_merge_leaves_the_16_bit_layers_before_it_unmerged():
             with adapted.disable_adapter():
                 assert torch.equal(adapted(input_ids=ids).logits, base)
             assert peft.get_peft_model_state_dict(adapted).keys() == saved.keys()
+
+
+def test_a_refused_merge_leaves_the_16_bit_layers_before_it_unmerged():
+    """peft merges module by module: a 16-bit layer ahead of the first nibble one was merged and unwrapped before the
+    refusal, so ``disable_adapter`` no longer gave the base model and a save lost its adapter."""
+    torch.manual_seed(0)
+    quantized = quantize_model(tiny_model("llama"), QuantConfig(
+        group_size=32, modules_to_not_convert=["lm_head", "model.layers.0.self_attn.q_proj"]), progress=False)
+    ids = torch.randint(0, 256, (2, 7))
+    for active in ("default", "c"):  # an adapter added later (add_adapter) too: its 16-bit layers were not told
+        adapted = _adapted(copy.deepcopy(quantized), "c")
+        adapted.set_adapter(active)
+        adapted.eval()
+        _refused_merge_changes_nothing(adapted, ids)
     # an adapter on 16-bit layers alone merges as peft's own does: by itself, and beside one on nibble layers too
     # (whose layers refused every merge: the 16-bit layers merged before them stayed merged)
     beside = peft.get_peft_model(copy.deepcopy(quantized), lora_config(r=4, target_modules=TARGETS))

@@ -260,8 +260,13 @@ def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
     with torch.no_grad():
         trained = qat(input_ids=ids).logits
         merged = copy.deepcopy(qat)
+        with merged.disable_adapter():
+            untrained = merged(input_ids=ids).logits
         merged.merge_adapter()  # merged in place, still wrapped: runs without adding B A again
         assert torch.equal(merged(input_ids=ids).logits, trained)
+        with merged.disable_adapter():  # the base again (it ran the merged adapters: the teacher is run so)
+            assert torch.equal(merged(input_ids=ids).logits, untrained)
+        merged.merge_adapter()
         merged.unmerge_adapter()
         assert torch.equal(merged(input_ids=ids).logits, trained)
         unloaded = copy.deepcopy(qat).merge_and_unload()
