@@ -57,14 +57,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def rotate_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The online Hadamard (x @ H.T, float32 sums rounded once to x's type), then `quantize_activations`. A token
-    whose float32 rotated values are not all finite held a NaN or +-Inf, which the rotation spread over every value
-    of it: it quantizes to zeros (scale 0), its output the bias alone, as in every kernel (docs/ARCHITECTURE.md)."""
+def rotate_activations(x: torch.Tensor) -> torch.Tensor:
+    """The online Hadamard as W4A4 applies it: x @ H.T, float32 sums rounded once to x's type. A token whose float32
+    rotated values are not all finite held a NaN or +-Inf, which the rotation spread over every value of it: it
+    becomes zeros, so it quantizes to scale 0 and its output is the bias alone, as in every kernel
+    (docs/ARCHITECTURE.md)."""
     from nibble.kernels.hadamard import hadamard_transform_reference
     y = hadamard_transform_reference(x.to(torch.promote_types(x.dtype, torch.float32)))
-    y = torch.where(torch.isfinite(y).all(dim=-1, keepdim=True), y, torch.zeros_like(y)).to(x.dtype)
-    return quantize_activations(y)
+    return torch.where(torch.isfinite(y).all(dim=-1, keepdim=True), y, torch.zeros_like(y)).to(x.dtype)
+
+
+def rotate_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotate_activations`, then `quantize_activations`."""
+    return quantize_activations(rotate_activations(x))
 
 
 def w4a4_accumulate(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:

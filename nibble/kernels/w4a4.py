@@ -253,19 +253,9 @@ if triton is not None:
 def _act_plan(K: int, hadamard: bool):
     """(ROWS, BLOCK, num_warps, had_consts or None) for rows of length K."""
     if hadamard:
-        try:
-            plan = _had.hadamard_plan(K)
-        except ValueError as e:
-            # the reference's sizes that the fused kernel runs too, in whole int32 words of codes
-            near = [n for n in _had.supported_hadamard_sizes(2 * K + 64)
-                    if abs(n - K) <= max(64, K // 8) and n % PACK == 0 and _had.kernel_fits(n)]
-            sizes = near[:12] or f"none within {max(64, K // 8)} of it"
-            raise ValueError(f"input_hadamard=True needs a supported Hadamard size; K={K} is not one ({e}). "
-                             f"Supported sizes near {K}: {sizes}") from None
+        plan = _had.hadamard_plan(K)  # callers check `_had.kernel_fits(K)` first
         return plan.rows, plan.row_pad, plan.num_warps, plan
-    block = _next_pow2(K)
-    if block > _MAX_ROW:
-        raise ValueError(f"activation quantization keeps one row in registers: K={K} pads to {block} > {_MAX_ROW}")
+    block = _next_pow2(K)  # over _MAX_ROW: the chunked kernel runs it
     rows = max(1, 4096 // block)
     # up to 64 elements per thread (H200, many rows of 11008: 8 warps 62 us, 16 warps 66)
     num_warps = max(4, min(16, rows * block // 2048))
@@ -311,6 +301,12 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     M, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if input_hadamard and not _had.kernel_fits(K):
+        # A size the reference rotates but the fused kernel cannot hold in one program (a dense
+        # factor over 256, or a row over 32768): the reference's rotation (float32 sums, a
+        # non-finite token zeroed, rounded once to x.dtype), then the plain kernel; the codes are
+        # the reference's. Every supported model's sizes take the fused kernel.
+        return quantize_activations_triton(reference.rotate_activations(x), False, order)
     rows, block, num_warps, plan = _act_plan(K, bool(input_hadamard))
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -323,7 +319,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         # kernel rounds the rotation to x.dtype before quantizing too, so the codes are the same.
         return quantize_activations_triton(_had.hadamard_transform_triton(x), False, order)
     fmax = float(torch.finfo(x.dtype).max)
-    if plan is None and M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K:
+    if plan is None and (block > _MAX_ROW or M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K):
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
                                         BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
                                         INTERPRET=interpreting(), num_warps=8)
@@ -1361,13 +1357,10 @@ def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
     if len(devs) != 1:
         raise ValueError(f"x, qweight, w_scale and bias must be on one device, got {sorted(map(str, devs))}")
     if input_hadamard:
-        if x.is_cuda and triton is not None:
-            _act_plan(K, True)  # the fused kernel's limits, with the supported sizes in the message
-        else:
-            try:
-                _had.hadamard_factors(K)
-            except ValueError as e:
-                raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
+        try:
+            _had.hadamard_factors(K)
+        except ValueError as e:
+            raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
 
 
 def wgmma_preferred(M: int, N: int, K: int, device) -> bool:

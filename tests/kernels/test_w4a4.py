@@ -1383,11 +1383,54 @@ def test_cuda_op_rejects_float32_and_mixed_devices():
         torch.ops.nibble.w4a4_linear(torch.randn(2, 64, device="cuda").bfloat16(), qw.cpu(), ws, None, False)
 
 
-def test_the_fused_hadamard_refusal_names_sizes_it_runs():
-    """It listed the reference's sizes near K: for K=344, 11 of the 12 it named were refused by the kernel too."""
-    import re
+def _sizes_the_fused_rotation_cannot_hold():
+    """Hadamard sizes the reference rotates but the fused Triton kernel refuses (`kernel_fits`): a dense
+    factor over 256 (344 = 172 x 2; 288 = 36 x 8, which `rotate_quantize` takes at up to 16 rows) or a row
+    over 32768 (44032 = 172 x 256)."""
     from nibble.kernels import hadamard
-    with pytest.raises(ValueError, match="Supported sizes near 344") as refused:
-        w4a4._act_plan(344, True)
-    near = [int(n) for n in re.search(r"near 344: \[([\d, ]+)\]", str(refused.value)).group(1).split(",")]
-    assert near and all(n % 8 == 0 and hadamard.kernel_fits(n) for n in near)
+    sizes = [344, 288, 44032]
+    assert all(hadamard.hadamard_factors(k) and not hadamard.kernel_fits(k) for k in sizes)
+    return sizes
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=[pytest.mark.interpreter, pytest.mark.skipif(
+        not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")]),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")])])
+@pytest.mark.parametrize("K", _sizes_the_fused_rotation_cannot_hold())
+def test_act_quant_rotates_sizes_the_fused_kernel_cannot_hold(K, device):
+    """rotate_model takes every size the reference rotates; the Triton path refused ~2,190 of them up to
+    16,384 at the first forward on a GPU. It rotates those by the reference and quantizes after: the
+    reference's codes exactly, a non-finite token zeroed as everywhere."""
+    M = 3 if K > 4096 else 37
+    x = _activations(M, K, torch.bfloat16, device)
+    x[1, 7] = float("inf")
+    qr, sr = reference.rotate_quantize_activations(x)
+    q, s = w4a4.quantize_activations_triton(x, input_hadamard=True)
+    assert s[1] == 0 and s[0] > 0 and torch.equal(q, qr) and torch.equal(s, sr)
+    if K > 32768:  # rows the whole-row kernel cannot hold take the chunked one, at any M
+        assert all(map(torch.equal, w4a4.quantize_activations_triton(x), reference.quantize_activations(x)))
+    for order in ("natural", "even_odd") if K % 32 == 0 else ("natural",):
+        q, s = w4a4.quantize_activations(x, input_hadamard=True, order=order)
+        want = w4a4.to_even_odd(qr) if order == "even_odd" else qr
+        assert (q.int() - want.int()).abs().max() <= 1  # rotate_quantize (GPU, <= 16 rows): rare flips
+        assert torch.allclose(s, sr, rtol=2 ** -6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("M", [1, 5, 17, 100])
+def test_linear_op_with_hadamard_beyond_the_fused_kernel(M):
+    K, N = 344, 200
+    qw, ws = _codes_weight(N, K, "cuda")
+    x = _activations(M, K, torch.bfloat16, "cuda")
+    y = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y.copy_(torch.ops.nibble.w4a4_linear(x, qw, ws, None, True))
+    qx, sx = reference.rotate_quantize_activations(x)
+    prod = _exact_acc(qx, qw).double() * sx.double()[:, None] * ws.double()[None, :]
+    _ulp_close(y, prod, torch.bfloat16, terms=prod.abs())
+    K = _first_unsupported_hadamard(K)
+    with pytest.raises(ValueError, match=f"input_hadamard=True needs a supported Hadamard size.*{K}"):
+        torch.ops.nibble.w4a4_linear(_activations(M, K, torch.bfloat16, "cuda"), *_codes_weight(N, K, "cuda"),
+                                     None, True)
