@@ -178,8 +178,10 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
         for p in (getattr(m, a, None) for a in ("clip_logit", "act_clip_logit", "smooth_log")):
             if p is not None:
                 p.requires_grad_(True)
-    peft_model.qat_meta = {"recipe": recipe, "init": init, "rank": rank, "alpha": config.lora_alpha,
-                           "rotation_seed": rotation_seed}
+    # on the base model, which the rotation changed: `export` of either model records it (the PeftModel's
+    # attribute lookups fall through to it)
+    model.qat_meta = {"recipe": recipe, "init": init, "rank": rank, "alpha": config.lora_alpha,
+                      "rotation_seed": rotation_seed}
     return peft_model
 
 
@@ -439,7 +441,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if gradient_checkpointing:
         peft_model.get_base_model().gradient_checkpointing_disable()
     peft_model.eval()
-    peft_model.qat_meta = dict(settings, tokens_this_run=n_tok, seconds_this_run=round(time.time() - t0, 1),
-                               tokens_total=steps * batch_size * seq_len, first_loss=first_loss,
-                               final_loss=loss_ema)
+    peft_model.get_base_model().qat_meta = dict(
+        settings, tokens_this_run=n_tok, seconds_this_run=round(time.time() - t0, 1),
+        tokens_total=steps * batch_size * seq_len, first_loss=first_loss, final_loss=loss_ema)
     return peft_model

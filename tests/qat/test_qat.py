@@ -90,7 +90,12 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     ids = windows[:2]
     with torch.no_grad():
         fake = qat(input_ids=ids).logits
+    import copy
+    via_base = export(copy.deepcopy(qat).get_base_model())  # recorded rotation none for the hadamard recipe
     qmodel = export(qat, tmp_path, tokenizer=None)
+    assert via_base.config.quantization_config == qmodel.config.quantization_config
+    assert qmodel.config.quantization_config["rotation"] == ("hadamard" if recipe == "hadamard" else "none")
+    assert qmodel.config.quantization_config["qat"]["final_loss"] is not None
     layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
     assert sum(m.input_hadamard for m in layers) == (2 if recipe == "hadamard" else 0)
