@@ -7,6 +7,7 @@ supported"), so a `QuantLinear` is taught to it per config, as peft's custom-mod
     model = peft.get_peft_model(quantized_model, config)        # train; model.save_pretrained(dir): the adapter
     model = nibble.nn.lora.load_adapter(quantized_model, dir)   # back onto the quantized model (peft's
                                                                 # PeftModel.from_pretrained, taught QuantLinear)
+    nibble.nn.lora.load_adapter(model, dir2, "other")           # one more onto the PeftModel
 
 y = QuantLinear(x) + s B A x: the INT4 layer runs its own kernel as in inference, the adapter is a 16-bit (float32
 by default) branch beside it, as peft's GPTQ and bitsandbytes layers do. The frozen INT4 weight passes the gradient
@@ -121,11 +122,21 @@ def lora_config(**kwargs) -> LoraConfig:
     return _taught_quant_layers(LoraConfig(**kwargs))
 
 
-def load_adapter(model: nn.Module, directory, **kwargs) -> PeftModel:
-    """``PeftModel.from_pretrained(model, directory)`` for a nibble model: an adapter's saved config does not hold the
-    registration of `QuantLoraLinear` (peft said "QuantLinear is not supported")."""
+def load_adapter(model: nn.Module, directory, adapter_name: str = "default", is_trainable: bool = False,
+                 **kwargs) -> PeftModel:
+    """``PeftModel.from_pretrained(model, directory)`` for a nibble model, or for a PeftModel (one more adapter, as
+    peft's ``model.load_adapter(directory, adapter_name)``; returns the model): an adapter's saved config does not
+    hold the registration of `QuantLoraLinear` (peft said "QuantLinear is not supported")."""
     config = _taught_quant_layers(LoraConfig.from_pretrained(directory))
-    return PeftModel.from_pretrained(model, directory, config=config, **kwargs)
+    if not isinstance(model, PeftModel):
+        return PeftModel.from_pretrained(model, directory, adapter_name=adapter_name, is_trainable=is_trainable,
+                                        config=config, **kwargs)
+    if adapter_name in model.peft_config:
+        raise ValueError(f"this PeftModel holds an adapter named {adapter_name!r} already: pass another adapter_name")
+    config.inference_mode = not is_trainable
+    model.add_adapter(adapter_name, config)  # peft's load_adapter then takes the taught config it finds
+    model.load_adapter(directory, adapter_name, is_trainable=is_trainable, **kwargs)
+    return model
 
 
 def _taught_quant_layers(config: LoraConfig) -> LoraConfig:

@@ -220,9 +220,21 @@ def test_the_engine_runs_a_peft_model_with_its_adapters():
 def test_a_saved_adapter_loads_back_onto_the_quantized_model(tmp_path):
     from nibble.nn.lora import load_adapter
     quantized = quantize_model(tiny_model("llama"), QuantConfig(mode="w4a4", rotation="hadamard"), progress=False)
-    fresh = copy.deepcopy(quantized)
+    fresh, clean = copy.deepcopy(quantized), copy.deepcopy(quantized)
     adapted = _adapted(quantized)
     adapted.save_pretrained(tmp_path)
     ids = torch.randint(0, 256, (2, 7))
     with torch.no_grad():
-        assert torch.equal(load_adapter(fresh, tmp_path)(input_ids=ids).logits, adapted(input_ids=ids).logits)
+        loaded = load_adapter(fresh, tmp_path)
+        assert torch.equal(loaded(input_ids=ids).logits, adapted(input_ids=ids).logits)
+    # a second adapter onto the PeftModel (peft's own load_adapter said "QuantLinear is not supported")
+    other = _adapted(clean, std=0.2)
+    other.save_pretrained(tmp_path / "other")
+    assert load_adapter(loaded, tmp_path / "other", "other") is loaded
+    with torch.no_grad():
+        loaded.set_adapter("other")
+        assert torch.equal(loaded(input_ids=ids).logits, other(input_ids=ids).logits)
+        loaded.set_adapter("default")
+        assert torch.equal(loaded(input_ids=ids).logits, adapted(input_ids=ids).logits)
+    with pytest.raises(ValueError, match="adapter named 'other' already"):
+        load_adapter(loaded, tmp_path / "other", "other")
