@@ -949,6 +949,16 @@ def _rotary_table(rotary: nn.Module, rows: int, used: int, dtype: torch.dtype) -
     return cos.contiguous(), sin.contiguous()
 
 
+def sliding_layers(config) -> bool:
+    """Whether some layer attends over a sliding window: as transformers picks each layer's mask, by
+    ``config.layer_types`` where the config has it (a Qwen2 whose ``max_window_layers`` covers every layer slides
+    nowhere), else wherever a ``sliding_window`` is set and not switched off (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return "sliding_attention" in types
+    return getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) is not None
+
+
 class Engine:
     """Generation with a static KV cache (and CUDA graphs on CUDA): greedy, or sampled (`Sampling`).
 
@@ -990,7 +1000,7 @@ class Engine:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        window = getattr(cfg, "sliding_window", None) if sliding_layers(cfg) else None
         if window and self.max_seq_len > window:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's sliding window ({window}); "
                              "this engine attends over the whole cache")

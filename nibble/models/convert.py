@@ -21,6 +21,9 @@ def check_architecture(model: nn.Module) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unknown model architecture {model_type!r}: nibble converts causal LMs of the "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
+    if not (isinstance(getattr(model, "lm_head", None), nn.Module) and hasattr(getattr(model, "model", None), "layers")):
+        raise ValueError(f"nibble converts causal LMs (a decoder under .model and its .lm_head, as *ForCausalLM); got "
+                         f"{type(model).__name__}: load the model with transformers' AutoModelForCausalLM")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -85,6 +85,10 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
         seen[key] = name
         tensors[name] = t.detach().contiguous().cpu()
     config = model.config.to_dict()
+    # the dtype the float weights have now (a `.to(dtype)` after the model was built left config.dtype behind), as
+    # transformers' save_pretrained records it: `load_quantized` loads in it by default
+    config.pop("torch_dtype", None)
+    config["dtype"] = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
     # QuantLinears with the online Hadamard, and 16-bit linears that kept theirs (a rotated model's down_proj left
     # out of the quantization): each holds a weight for a rotated input, meaningless without the rotation
     online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
@@ -231,15 +235,16 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
             setattr(model.get_submodule(parent), child,
                     HadamardInputLinear(old.in_features, old.out_features, old.bias is not None, device="meta",
                                         dtype=dtype))
-    for alias, target in aliases.items():
-        tensors[alias] = tensors[target]
+    placed = {k: _place(k, v, device, dtype) for k, v in tensors.items()}
+    for alias, target in aliases.items():  # one tensor, as saved: placed once, not one copy per name
+        placed[alias] = placed[target]
     try:
-        model.load_state_dict({k: _place(k, v, device, dtype) for k, v in tensors.items()}, strict=True, assign=True)
+        model.load_state_dict(placed, strict=True, assign=True)
     except RuntimeError as e:
         raise CheckpointError(f"{directory}: weights do not match the saved architecture ({e})") from e
     _rebuild_non_persistent_buffers(model, device)
-    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
-        model.tie_weights()
+    if config.tie_word_embeddings and "lm_head.weight" not in tensors:  # stored as the embedding's alias, or not
+        model.tie_weights()  # one Parameter again, as transformers' from_pretrained leaves it
     if fold_mlp_input_orders(model):  # saves from before the fold listed permuted down_projs
         qc_dict["input_permuted_modules"] = input_permuted_modules(model)
     mark_quantized(model, qc_dict)

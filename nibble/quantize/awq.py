@@ -152,7 +152,7 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
         with (onload or in_place)(i, decoder_layer) as (block, block_results):
             linears = block_linears(block, prefix, skip)
             groups = input_groups(linears)
-            outputs, stats = forward_block(block, inputs, kwargs, {g[0]: linears[g[0]] for g in groups})
+            outputs, stats = forward_block(block, inputs, kwargs[i], {g[0]: linears[g[0]] for g in groups})
             stats = {name: stats[g[0]] for g in groups for name in g}  # one set of statistics per shared input
             input_scale = {}
             for prev_name, names in _scale_groups(block, linears):

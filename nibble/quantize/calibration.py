@@ -5,8 +5,9 @@ data folder, or any .txt/.jsonl file) into ``n_samples`` random non-overlapping 
 ``seq_len`` tokens. WikiText-2 test is refused: it is the evaluation set.
 
 Memory: the walk never holds more than one decoder block's activations. ``capture_block_inputs``
-runs the model only up to block 0 and keeps that block's input hidden states (n_samples x seq_len x
-hidden, e.g. 32 x 512 x 576 fp32 = 38 MB for SmolLM2-135M); each block is then run on them
+runs the model only up to block 0 (past stand-ins, to the first block of each attention type) and keeps
+block 0's input hidden states (n_samples x seq_len x hidden, e.g. 32 x 512 x 576 fp32 = 38 MB for
+SmolLM2-135M); each block is then run on them
 (``forward_block``, with hooks that reduce what a linear sees to a K x K Hessian and a K-vector of
 mean |x|, never storing the activations), and its outputs become the next block's inputs.
 """
@@ -116,32 +117,58 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers(model)
 
 
+class _StandIn(nn.Module):
+    """Decoder layer i while `capture_block_inputs` runs the model: records what the model hands it, passes the
+    hidden states on, and stops the forward after the last layer whose arguments are wanted."""
+
+    def __init__(self, i: int, record):
+        super().__init__()
+        self.i, self.record = i, record
+
+    def forward(self, hidden_states, **kwargs):
+        self.record(self.i, hidden_states, kwargs)
+        return hidden_states
+
+
 @torch.no_grad()
 def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
-    """Run the model up to its first decoder block on every calibration batch.
+    """Run the model up to its first decoder block on every calibration batch, in eval mode (dropout off).
 
-    Returns ``(inputs, kwargs)``: per batch, block 0's input hidden states and the keyword arguments
-    the model passed to it (rotary position embeddings, mask, ...), reused for every block.
+    Returns ``(inputs, kwargs)``: per batch, block 0's input hidden states; ``kwargs[i]``, per batch, the
+    keyword arguments the model passes to block i (rotary position embeddings, mask, ...). Blocks of one
+    attention type get the same ones, but a model whose ``config.layer_types`` mixes full and sliding-window
+    attention (a Qwen2 with ``max_window_layers`` below its depth) gives each type its own mask: the model runs
+    up to the first block of every type, each block replaced by a `_StandIn` meanwhile, so no block computes
+    (nor needs to be on the embedding's device).
     """
     device = model.get_input_embeddings().weight.device  # the layers may still be elsewhere (offloaded)
-    inputs, kwargs_list = [], []
+    layers = decoder_layers(model)
+    types = list(getattr(model.config, "layer_types", None) or [None] * len(layers))[:len(layers)]
+    first = {types.index(t): t for t in dict.fromkeys(types)}  # block -> the type it is the first of
+    last = max(first)
+    inputs, by_type = [], {t: [] for t in first.values()}
 
-    def grab(module, args, kwargs):
-        kwargs = dict(kwargs)
-        inputs.append(args[0] if args else kwargs.pop("hidden_states"))
-        kwargs_list.append(kwargs)
-        raise _Stop
+    def record(i, hidden_states, kwargs):
+        if i == 0:
+            inputs.append(hidden_states)
+        if i in first:
+            by_type[first[i]].append(dict(kwargs))
+        if i == last:
+            raise _Stop
 
-    handle = decoder_layers(model)[0].register_forward_pre_hook(grab, with_kwargs=True)
+    training = model.training
+    model.model.layers = nn.ModuleList(_StandIn(i, record) for i in range(len(layers)))
     try:
+        model.eval()
         for batch in token_batches(calib, batch_size):
             try:
                 model(batch.to(device), use_cache=False)
             except _Stop:
                 pass
     finally:
-        handle.remove()
-    return inputs, kwargs_list
+        model.model.layers = layers
+        model.train(training)
+    return inputs, [by_type[t] for t in types]
 
 
 @contextmanager
@@ -184,7 +211,8 @@ def _block_output(out):
 @torch.no_grad()
 def forward_block(block: nn.Module, inputs: list, kwargs_list: list, watch: dict | None = None,
                   keep_outputs: bool = True):
-    """Run ``block`` on every calibration batch; return (outputs or None, {name: InputStats}) for the
+    """Run ``block`` (in eval mode) on every calibration batch, with ``kwargs_list`` the keyword arguments of each
+    (`capture_block_inputs`' ``kwargs[i]`` for block i); return (outputs or None, {name: InputStats}) for the
     linears in ``watch`` ({name: module}), whose inputs are reduced on the fly.
 
     With ``keep_outputs=False`` each batch stops as soon as every watched linear has seen its input
@@ -203,9 +231,10 @@ def forward_block(block: nn.Module, inputs: list, kwargs_list: list, watch: dict
 
     handles = [m.register_forward_hook(lambda mod, args, out, name=name: hook(mod, args, out, name))
                for name, m in watch.items()]
-    outputs = []
+    outputs, training = [], block.training
+    block.eval()
     try:
-        for x, kw in zip(inputs, kwargs_list):
+        for x, kw in zip(inputs, kwargs_list, strict=True):
             seen.clear()
             try:
                 y = _block_output(block(x, **kw))
@@ -214,6 +243,7 @@ def forward_block(block: nn.Module, inputs: list, kwargs_list: list, watch: dict
             if keep_outputs:
                 outputs.append(y)
     finally:
+        block.train(training)
         for h in handles:
             h.remove()
     return (outputs if keep_outputs else None), stats

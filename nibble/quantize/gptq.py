@@ -241,7 +241,7 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
             groups = input_groups(linears)  # linears sharing one input share one Hessian
             for step in (groups if true_sequential else [sum(groups, [])]):
                 watched = [g[0] for g in groups if g[0] in step]
-                _, stats = forward_block(block, inputs, kwargs, {n: linears[n] for n in watched},
+                _, stats = forward_block(block, inputs, kwargs[i], {n: linears[n] for n in watched},
                                          keep_outputs=False)
                 for group in groups:
                     if group[0] not in stats:
@@ -264,6 +264,6 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
                         if compensated is not None:
                             compensated[f"{prefix}.{name}"] = res.compensated[start:stop].clone()
                         start = stop
-            inputs, _ = forward_block(block, inputs, kwargs)
+            inputs, _ = forward_block(block, inputs, kwargs[i])
         results.update(block_results)
     return results

@@ -289,6 +289,21 @@ def test_engine_sizes_are_checked_when_it_is_built():
     assert Engine(model).max_seq_len == 256
 
 
+def test_a_sliding_window_is_refused_only_where_a_layer_slides():
+    """A Qwen2 whose max_window_layers covers every layer attends to the whole sequence in transformers (its
+    layer_types are all full attention) but was refused for its sliding_window."""
+    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(8\)"):
+        Engine(tiny_model("mistral", sliding_window=8), max_seq_len=16)
+    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(8\)"):
+        Engine(tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), max_seq_len=16)
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert set(model.config.layer_types) == {"full_attention"}
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)[:, 12:]
+    assert torch.equal(Engine(model, max_seq_len=24).generate(ids, 6), want)
+
+
 def test_top_k_or_top_p_without_a_temperature_warn_that_decoding_is_greedy():
     engine = Engine(tiny_model(initializer_range=0.2), max_seq_len=16)
     prompt = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(0))

@@ -59,6 +59,18 @@ def test_unknown_architecture_is_a_clear_error():
         quantize_model(model, QuantConfig(), progress=False)
 
 
+@pytest.mark.parametrize("cls", ["LlamaForSequenceClassification", "LlamaModel", "Qwen2ForTokenClassification"])
+def test_a_model_of_a_family_but_not_a_causal_lm_is_refused_by_name(cls, tmp_path):
+    """A classification head quantized and saved, then nothing loaded it back; a bare LlamaModel crashed."""
+    import transformers
+    from nibble.eval.engine import Engine
+    from conftest import tiny_config
+    model = getattr(transformers, cls)(tiny_config("qwen2" if "Qwen2" in cls else "llama"))
+    for call in (lambda: quantize_model(model, QuantConfig(group_size=32), progress=False), lambda: Engine(model)):
+        with pytest.raises(ValueError, match=f"nibble converts causal LMs .*got {cls}.*AutoModelForCausalLM"):
+            call()
+
+
 @pytest.mark.parametrize("arch,mode", [("llama", "w4a16"), ("mistral", "w4a16"), ("qwen2", "w4a4")])
 def test_lm_head_is_quantized_once_modules_to_not_convert_leaves_it_out(arch, mode):
     model = tiny_model(arch)  # llama and qwen2: lm_head tied to the embedding; mistral: its own

@@ -31,10 +31,27 @@ def test_save_load_roundtrip_gives_identical_logits(tmp_path, arch, mode):
     assert qc["mode"] == mode and not list(tmp_path.glob("*.tmp"))
 
 
-def test_tied_embeddings_survive_the_roundtrip(saved):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_tied_embeddings_survive_the_roundtrip(saved, dtype):
+    """In another dtype than saved (a model quantized on the CPU, loaded on a GPU) lm_head got its own copy of the
+    embedding, which an edit of the embedding no longer reached and a re-save stored twice."""
     _, path = saved
-    loaded, _ = load_quantized(path)
-    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    loaded, _ = load_quantized(path, dtype=dtype)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_the_dtype_the_model_holds_is_recorded(tmp_path):
+    """config.dtype stayed what the model was built in: a model saved after .to(float16) loaded back in bfloat16."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    model.to(torch.float16)
+    save_quantized(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float16"
+    loaded, _ = load_quantized(tmp_path)
+    ids = torch.randint(0, 256, (2, 9))
+    assert loaded.model.embed_tokens.weight.dtype == torch.float16
+    with torch.no_grad():  # (.to() also cast the rotary inv_freq, which a load rebuilds in float32)
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=2e-3)
 
 
 def test_truncated_file_is_a_clear_error(saved):

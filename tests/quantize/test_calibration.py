@@ -49,20 +49,28 @@ def test_token_batches_accepts_tensors_lists_and_dicts():
         token_batches(ids[:0], 4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_block_by_block_walk_reproduces_the_model(arch):
-    model = tiny_model(arch)
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}), ("qwen2", {}),
+    # layer 1 slides over 4 tokens, layer 0 attends to all: each block must be walked with its own mask (every block
+    # had block 0's: layer 1 calibrated 22% off its real output)
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # dropout in a model left in training mode: calibration measures the eval-mode activations
+    ("llama", dict(attention_dropout=0.5))])
+def test_block_by_block_walk_reproduces_the_model(arch, overrides):
+    model = tiny_model(arch, **overrides).train(bool(overrides.get("attention_dropout")))
     ids = torch.randint(0, 256, (6, 16))
     inputs, kwargs = capture_block_inputs(model, ids, batch_size=4)
+    assert len(kwargs) == len(decoder_layers(model)) and all(len(kw) == 2 for kw in kwargs)
     assert [x.shape for x in inputs] == [(4, 16, 64), (2, 16, 64)]
     watch = {"mlp.down_proj": decoder_layers(model)[0].mlp.down_proj}
     for i, block in enumerate(decoder_layers(model)):
-        inputs, stats = forward_block(block, inputs, kwargs, watch if i == 0 else None)
+        inputs, stats = forward_block(block, inputs, kwargs[i], watch if i == 0 else None)
         if i == 0:
             st = stats["mlp.down_proj"]
             assert st.n == 6 * 16 and st.hessian.shape == (192, 192)
             torch.testing.assert_close(st.hessian, st.hessian.t())
+    assert model.training == bool(overrides.get("attention_dropout"))  # the mode it was in
     with torch.no_grad():
-        want = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1]  # after the final norm
+        want = model.eval()(ids, output_hidden_states=True, use_cache=False).hidden_states[-1]  # after the final norm
     got = model.model.norm(torch.cat(inputs))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
