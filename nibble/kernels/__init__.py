@@ -56,6 +56,14 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
+def _check_no_gradient(x: torch.Tensor, biases) -> None:
+    """The products have no backward of their own: the GPU kernels' outputs carry none (a gradient was lost without a
+    word), and the CPU reference's W4A4 one would not be the straight-through gradient a QuantLinear gives."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(b is not None and b.requires_grad for b in biases)):
+        raise ValueError("nibble.kernels' linear functions give no gradient: call the layer (nibble.nn.QuantLinear, "
+                         "whose dL/dx is that of its dequantized weight) or run them under torch.no_grad()")
+
+
 def check_activations(x: torch.Tensor) -> None:
     """What a layer's product takes on every path: float32 runs the kernels in bfloat16 and returns float32, but
     any other dtype would come back cast (integers truncated) or overflow the reference's float32."""
@@ -89,6 +97,7 @@ def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int, bias) -> Non
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
     """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
     check_activations(x)
+    _check_no_gradient(x, [bias])
     if not _use_kernel(x, backend):
         _check_w4a16_shapes(x, qweight, scales, zeros, group_size, bias)
         return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
@@ -101,6 +110,7 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     bias), ...]: on CUDA, one kernel launch where the skinny kernel (decode sizes) or the Hopper GEMM
     (prefill sizes) runs. Returns the outputs in order."""
     check_activations(x)
+    _check_no_gradient(x, [layer[3] for layer in layers])
     if not _use_kernel(x, backend):
         for qw, s, z, b in layers:
             _check_w4a16_shapes(x, qw, s, z, group_size, b)
@@ -138,6 +148,7 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     several weights. Returns the outputs in order."""
     check_activations(x)
     qweights, w_scales, biases = ([layer[i] for layer in layers] for i in range(3))
+    _check_no_gradient(x, biases)
     if not _use_kernel(x, backend):
         x2 = x.reshape(-1, x.shape[-1])
         checked = w4a4.checked_layers(x2, qweights, w_scales, biases, input_hadamard)  # the GPU op's checks

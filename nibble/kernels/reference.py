@@ -57,6 +57,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@torch.library.custom_op("nibble::rounded", mutates_args=())
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype) that torch.compile keeps: Inductor (precision casts not emulated) fuses a float32 -> 16-bit ->
+    float32 round trip away, so a compiled W4A4 reference quantized the unrounded rotation (other scales on every
+    token than eager). As an op, the rounding is a tensor of ``dtype`` it cannot see through."""
+    return x.to(dtype, copy=True)  # an op's output may not alias its input
+
+
+rounded.register_fake(lambda x, dtype: torch.empty_like(x, dtype=dtype))
+rounded.register_autograd(lambda ctx, grad: (grad.to(ctx.dtype), None),
+                          setup_context=lambda ctx, inputs, output: setattr(ctx, "dtype", inputs[0].dtype))
+
+
 def rotate_activations(x: torch.Tensor) -> torch.Tensor:
     """The online Hadamard as W4A4 applies it: x @ H.T, float32 sums rounded once to x's type. A token whose float32
     rotated values are not all finite held a NaN or +-Inf, which the rotation spread over every value of it: it
@@ -64,7 +77,7 @@ def rotate_activations(x: torch.Tensor) -> torch.Tensor:
     (docs/ARCHITECTURE.md)."""
     from nibble.kernels.hadamard import hadamard_transform_reference
     y = hadamard_transform_reference(x.to(torch.promote_types(x.dtype, torch.float32)))
-    return torch.where(torch.isfinite(y).all(dim=-1, keepdim=True), y, torch.zeros_like(y)).to(x.dtype)
+    return rounded(torch.where(torch.isfinite(y).all(dim=-1, keepdim=True), y, torch.zeros_like(y)), x.dtype)
 
 
 def rotate_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,6 +146,19 @@ def test_op_gradient_is_the_opposite_transform():
     assert torch.autograd.gradcheck(lambda t: hadamard_transform(t, inverse=True), (x,))
 
 
+def test_every_torch_func_transform_gives_the_hadamard_matrix():
+    """torch.func.grad / jacrev refused the op (no setup_context) and jvp / jacfwd took it for a constant."""
+    x, t = _activations(3, 24, dtype=torch.float64), _activations(3, 24, dtype=torch.float64)
+    h = hadamard_matrix(24, torch.float64)  # y = x @ H.T: the Jacobian of a row is H
+    torch.testing.assert_close(torch.func.jacfwd(hadamard_transform)(x[0]), h)
+    torch.testing.assert_close(torch.func.jacrev(hadamard_transform)(x[0]), h)
+    torch.testing.assert_close(torch.func.jvp(hadamard_transform, (x,), (t,))[1], t @ h.T)
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(lambda r: (hadamard_transform(r) * t[0]).sum()))(x),
+                               (t[0] @ h).expand(3, -1))
+    torch.testing.assert_close(torch.func.vmap(hadamard_transform, in_dims=1)(x.T.contiguous()),  # rows as columns
+                               hadamard_transform(x))
+
+
 def test_op_traces_into_one_graph_under_torch_compile():
     f = torch.compile(lambda t: hadamard_transform(t * 2) + 1, fullgraph=True, backend="aot_eager")
     x = _activations(4, 40, dtype=torch.float32)
