@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nibble.kernels import reference
 
@@ -44,8 +45,14 @@ def eager_or_op(body, op):
     torch.compile traces (the op is what its graphs hold). Called directly, the body skips the op's
     dispatch, which costs the host ~17 us a call (torch 2.13, CPU; more than a decode-sized kernel
     takes on the GPU) that every eager forward (transformers' ``generate``, for one) pays per layer.
-    Nothing else may run here while tracing: an import, for one, breaks the graph at every layer."""
-    return op if torch.compiler.is_compiling() else body
+    Nothing else may run here while tracing: an import, for one, breaks the graph at every layer. Under a
+    dispatch mode (FakeTensorMode, make_fx, profilers' modes) the op too: the body would launch kernels on tensors
+    without data, where the op answers with its fake implementation."""
+    return op if _traced() else body
+
+
+def _traced() -> bool:
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +131,7 @@ def gather_columns(x, index, backend: str = "auto"):
     """x[..., index]: the input of a layer whose weight lists its inputs in another order (GPTQ act-order,
     `nibble.nn.quant_linear.PermutedInputQuantLinear`). On CUDA a Triton kernel that takes part in early
     launch, so the matmul after it still starts under it at decode sizes."""
-    if not _use_kernel(x, backend) or not w4a16.HAS_TRITON or torch.compiler.is_compiling():
+    if not _use_kernel(x, backend) or not w4a16.HAS_TRITON or _traced():
         return reference.gather_columns(x, index)
     return w4a16.gather_columns(x, index)
 

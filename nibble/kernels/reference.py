@@ -58,16 +58,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.custom_op("nibble::rounded", mutates_args=())
-def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x.to(dtype) that torch.compile keeps: Inductor (precision casts not emulated) fuses a float32 -> 16-bit ->
-    float32 round trip away, so a compiled W4A4 reference quantized the unrounded rotation (other scales on every
-    token than eager). As an op, the rounding is a tensor of ``dtype`` it cannot see through."""
+def _rounded_op(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype, copy=True)  # an op's output may not alias its input
 
 
-rounded.register_fake(lambda x, dtype: torch.empty_like(x, dtype=dtype))
-rounded.register_autograd(lambda ctx, grad: (grad.to(ctx.dtype), None),
-                          setup_context=lambda ctx, inputs, output: setattr(ctx, "dtype", inputs[0].dtype))
+_rounded_op.register_fake(lambda x, dtype: torch.empty_like(x, dtype=dtype))
+_rounded_op.register_autograd(lambda ctx, grad: (grad.to(ctx.dtype), None),
+                              setup_context=lambda ctx, inputs, output: setattr(ctx, "dtype", inputs[0].dtype))
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype), kept by torch.compile: Inductor (precision casts not emulated) fuses a float32 -> 16-bit ->
+    float32 round trip away, so a compiled W4A4 reference quantized the unrounded rotation (other scales on every
+    token than eager). In a compiled graph the rounding is an op whose ``dtype`` output it cannot see through."""
+    return _rounded_op(x, dtype) if torch.compiler.is_compiling() else x.to(dtype)
 
 
 def rotate_activations(x: torch.Tensor) -> torch.Tensor:

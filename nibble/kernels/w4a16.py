@@ -1031,6 +1031,17 @@ def _check(x, qweight, scales, zeros, group_size):
         raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(devs)}")
 
 
+def _checked_weights(x, qweights, scales, zeros, group_size) -> list[tuple]:
+    """`_check` of every weight that reads x, as [(qweight, scales, zeros), ...]."""
+    if not len(qweights) == len(scales) == len(zeros) > 0:
+        raise ValueError(f"w4a16_linears needs one scales and zeros tensor per qweight, got {len(qweights)} "
+                         f"qweights, {len(scales)} scales, {len(zeros)} zeros")
+    weights = list(zip(qweights, scales, zeros))
+    for w in weights:
+        _check(x, *w, group_size)
+    return weights
+
+
 def _packed_k(qweight) -> int:
     """K of a canonical packed weight (int32 [K // 8, N]), or a TypeError saying what it must be."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
@@ -1116,12 +1127,7 @@ def linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Te
     gate/up projections). On CUDA up to three weights share one launch where the skinny kernel runs
     (up to 32 tokens) and where the Hopper GEMM runs (`large_m_kernel` of the launch); elsewhere each
     runs as ``linear`` would. The body of `torch.ops.nibble.w4a16_linears`."""
-    if not len(qweights) == len(scales) == len(zeros) > 0:
-        raise ValueError(f"w4a16_linears needs one scales and zeros tensor per qweight, got {len(qweights)} "
-                         f"qweights, {len(scales)} scales, {len(zeros)} zeros")
-    weights = list(zip(qweights, scales, zeros))
-    for w in weights:
-        _check(x, *w, group_size)
+    weights = _checked_weights(x, qweights, scales, zeros, group_size)
     if x.device.type != "cuda":
         return [reference.w4a16_matmul(x, *w, group_size) for w in weights]
     x = x.contiguous()
@@ -1147,7 +1153,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 @w4a16_linear.register_fake
 def _(x, qweight, scales, zeros, group_size):
-    torch._check(x.dim() == 2, lambda: "x must be [M, K]")
+    _check(x, qweight, scales, zeros, group_size)  # shapes, dtypes, devices: refused at trace time as at run time
     return x.new_empty((x.shape[0], qweight.shape[1]))
 
 
@@ -1160,8 +1166,8 @@ def w4a16_linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[to
 
 @w4a16_linears.register_fake
 def _(x, qweights, scales, zeros, group_size):
-    torch._check(x.dim() == 2, lambda: "x must be [M, K]")
-    return [x.new_empty((x.shape[0], qw.shape[1])) for qw in qweights]
+    return [x.new_empty((x.shape[0], qw.shape[1])) for qw, _, _ in _checked_weights(x, qweights, scales, zeros,
+                                                                                      group_size)]
 
 
 def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, out=None):

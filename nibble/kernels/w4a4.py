@@ -1338,8 +1338,11 @@ def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
 def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K] (flatten leading dims first), got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    # what the bodies take (the CUDA one 16-bit only), checked here so the op's fake refuses at trace time too
+    allowed = KERNEL_DTYPES if x.is_cuda and triton is not None else KERNEL_DTYPES + (torch.float32,)
+    if x.dtype not in allowed:
+        raise TypeError(f"x must be float16 or bfloat16 (float32 too on the CPU), got {x.dtype} on {x.device.type} "
+                        f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
     if qweight.dim() != 2 or qweight.dtype != torch.int32:
         raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
                          f"{tuple(qweight.shape)}")
@@ -1418,9 +1421,6 @@ def _w4a4_outputs_cuda(x, layers, input_hadamard):
     """x rotated (optionally) and quantized once, then one product per checked (qweight, w_scale, bias)."""
     if triton is None:
         return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
-    if x.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"the W4A4 CUDA kernels take float16 or bfloat16 activations, got {x.dtype} "
-                        f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
     M, K = x.shape
     widths = [qweight.shape[1] for qweight, _, _ in layers]
     order = activation_order(M, K, widths, x.device)

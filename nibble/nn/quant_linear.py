@@ -136,8 +136,11 @@ class QuantLinear(nn.Module):
         """``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` cast every floating buffer, and would cast the
         INT4 format's float16 scales and zeros too: a bf16 model would then multiply by other weights than it
         was quantized to (bf16 keeps 8 bits of a scale), write a checkpoint off the format, and be refused by
-        the GPU kernels and the AWQ / GPTQ export. They follow the module's device, never its dtype."""
-        format_buffers = {name: self._buffers[name] for name in ("scales", "zeros")}
+        the GPU kernels and the AWQ / GPTQ export. ``module.type(dtype)`` casts integer buffers as well, which
+        destroyed the packed words (int32 bit patterns). The format's buffers follow the module's device, never
+        its dtype."""
+        format_buffers = {name: t for name, t in self._buffers.items()
+                          if t is not None and (name in ("scales", "zeros") or not t.is_floating_point())}
         super()._apply(fn, recurse)
         for name, kept in format_buffers.items():
             moved = self._buffers[name]

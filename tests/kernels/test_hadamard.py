@@ -163,6 +163,9 @@ def test_op_traces_into_one_graph_under_torch_compile():
     f = torch.compile(lambda t: hadamard_transform(t * 2) + 1, fullgraph=True, backend="aot_eager")
     x = _activations(4, 40, dtype=torch.float32)
     assert torch.allclose(f(x), hadamard_transform_reference(x * 2) + 1)
+    xg = x.clone().requires_grad_()  # with a gradient too (Dynamo cannot trace the eager Function's jvp)
+    f(xg).sum().backward()
+    assert torch.allclose(xg.grad, 2 * hadamard_transform_reference(torch.ones_like(x), inverse=True), atol=1e-6)
 
 
 def test_module_imports_and_runs_the_reference_without_triton():

@@ -97,6 +97,31 @@ def test_input_checks(bad):
         x, says = x[None], r"shape \[M, K\]"
     with pytest.raises(exc, match=says):
         torch.ops.nibble.w4a16_linear(x, qw, s, z, G)
+    # the fake implementations refuse at trace time what the op refuses at run time (they checked x's rank only)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (x, qw, s, z)]
+        for call in (lambda: torch.ops.nibble.w4a16_linear(*fakes, G),
+                     lambda: torch.ops.nibble.w4a16_linears(fakes[0], [fakes[1]], [fakes[2]], [fakes[3]], G)):
+            with pytest.raises(exc, match=says):
+                call()
+
+
+def test_the_kernels_functions_take_the_ops_under_a_dispatch_mode():
+    """Under FakeTensorMode (make_fx, memory estimators) the functions ran the kernels' bodies on tensors without
+    data (on a GPU: launches on fake tensors); the ops answer with their fake implementations."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from nibble import kernels
+    from nibble.formats.int4 import pack_int4
+    mode = FakeTensorMode()
+    w4a4_weight = (pack_int4(torch.randint(0, 16, (128, 24), dtype=torch.int32)), torch.rand(24).half())
+    cuda = [FakeTensor(mode, t.to("meta"), torch.device("cuda", 0))  # no GPU needed: fake CUDA tensors
+            for t in (torch.randn(3, 128, dtype=torch.float16), *make_weight(48, 128, 32), *w4a4_weight)]
+    x, qw, s, z, qw4, s4 = cuda
+    with mode:
+        y = kernels.w4a16_linear(x, qw, s, z, 32)
+        y4 = kernels.w4a4_linear(x, qw4, s4, None, True)
+    assert (y.shape, y.device.type, y4.shape, y4.dtype) == ((3, 48), "cuda", (3, 24), torch.float16)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the Triton kernels on CPU")

@@ -137,6 +137,18 @@ def test_a_compiled_w4a4_hadamard_layer_on_the_cpu_is_the_eager_one(dtype):
     assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
 
 
+def test_module_type_casts_keep_the_packed_words():
+    """module.type(torch.float16) cast the int32 words to float16, destroying them (the layer failed at its next
+    forward); like .half(), it casts the bias and leaves the format's buffers alone."""
+    layer = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
+    words, x = layer.qweight.clone(), torch.randn(3, 64)
+    want = layer(x)
+    layer.type(torch.float16)
+    assert layer.qweight.dtype == torch.int32 and torch.equal(layer.qweight, words)
+    assert layer.scales.dtype == torch.float16 and layer.bias.dtype == torch.float16
+    torch.testing.assert_close(layer.type(torch.float32)(x), want, rtol=0, atol=1e-3)  # the bias went through fp16
+
+
 def test_the_kernels_linear_functions_refuse_to_lose_a_gradient():
     """On a GPU their outputs carried no gradient, without a word; a QuantLinear gives it."""
     layer = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(mode="w4a4"))
