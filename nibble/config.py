@@ -95,6 +95,12 @@ class QuantConfig:
                                  "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")
         elif self.rotation != "none":
             raise ValueError("rotation='hadamard' is for w4a4 (it spreads activation outliers before per-token quantization)")
+        if self.symmetric and self.zero_point == "float":
+            # the symmetric grid, (q - 8) * s, has no zero point to make a float: it was ignored, and the
+            # checkpoint still said zero_point 'float'
+            raise ValueError("zero_point='float' (CLI --float-zero: a float minimum per group) is for asymmetric w4a16 "
+                             "weights; symmetric ones (symmetric=True, and every w4a4 config) have no zero point: "
+                             "drop it, or set symmetric=False in w4a16")
 
     @property
     def activation_bits(self) -> int:
@@ -113,7 +119,10 @@ class QuantConfig:
             raise ValueError(f"checkpoint format_version {d.get('format_version')!r} is not supported by this nibble "
                              f"(it reads version {FORMAT_VERSION}); upgrade nibble or re-quantize the model")
         fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        d = {k: v for k, v in d.items() if k in fields}
+        if d.get("symmetric") and d.get("zero_point") == "float":
+            d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
+        return cls(**d)
 
 
 def resolve_device(device=None) -> torch.device:

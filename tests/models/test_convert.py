@@ -402,3 +402,15 @@ def test_what_transformers_would_leave_half_done_is_refused_first():
         empty = tiny_model("llama")
     with pytest.raises(ValueError, match="on the meta device .* load its weights first"):
         quantize_model(empty, QuantConfig(group_size=32), progress=False)
+
+
+def test_a_symmetric_config_refuses_a_float_zero_point_it_would_ignore():
+    """Symmetric weights have no zero point: zero_point='float' was ignored (the same weights as 'int') and the
+    checkpoint's quantization_config said 'float'. Configs saved so still load, as what their weights are."""
+    for kwargs in (dict(mode="w4a16", symmetric=True), dict(mode="w4a4")):
+        with pytest.raises(ValueError, match=r"zero_point='float' \(CLI --float-zero: a float minimum per group\) is "
+                                             r"for asymmetric w4a16 weights; symmetric ones .* have no zero point"):
+            QuantConfig(zero_point="float", **kwargs)
+    assert QuantConfig(zero_point="float").zero_point == "float"  # asymmetric w4a16
+    saved = {**QuantConfig(mode="w4a4").to_dict(), "zero_point": "float"}
+    assert QuantConfig.from_dict(saved) == QuantConfig(mode="w4a4")
