@@ -1,6 +1,7 @@
 """QuantConfig: what to quantize and how; serialised as the checkpoint's `quantization_config`."""
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -31,6 +32,14 @@ def width_error(in_features: int, group_size: int) -> str | None:
         return (f"in_features={in_features} is not divisible by group_size={group_size}; pick a group size that "
                 f"divides it{which} or -1 for per-channel")
     return None
+
+
+def check_count(name: str, value, least: int = 1) -> None:
+    """Refuse a count option of the quantizers (``blocksize``, ``batch_size``, ``n_grid``, ...) that is not an
+    integer >= ``least``, by its name: a negative GPTQ blocksize returned a layer of zeros as if quantized, and a 0
+    surfaced as range()'s or split()'s message (AWQ's n_grid=0 as ``raise None``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
                                          in_place, input_groups, skip_from_config)
@@ -55,6 +56,7 @@ def search_scale(weights: list, H: torch.Tensor, x_mean: torch.Tensor, group_siz
 
     Returns ``(s, alpha, errors)``; ``errors[r]`` is the output error at alpha = r / n_grid.
     """
+    check_count("n_grid", n_grid)
     K = H.shape[0]
     G = K if group_size == -1 else group_size
     x_mean = x_mean.float()
@@ -143,6 +145,7 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     float model, one block at a time (block i+1 sees the float outputs of block i, as in AutoAWQ).
     ``onload``: how each block is reached, as in ``gptq_quantize_model``.
     """
+    check_count("n_grid", n_grid)  # before the calibration runs
     skip = skip_from_config(config)
     qargs = dict(symmetric=config.symmetric, zero_point=config.zero_point)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)

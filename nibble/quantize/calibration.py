@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from nibble.config import check_count
 from nibble.kernels.hadamard import hadamard_transform
 
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
@@ -94,6 +95,7 @@ def source_data_files(sources) -> list[str]:
 def token_batches(calib, batch_size: int) -> list[torch.Tensor]:
     """Normalise calibration input (LongTensor [n, L], a list of such tensors / of 1-D tensors, or a
     dict with ``input_ids``) to a list of LongTensor batches of at most ``batch_size`` rows."""
+    check_count("batch_size", batch_size)
     if isinstance(calib, dict):
         calib = calib["input_ids"]
     if isinstance(calib, torch.Tensor):

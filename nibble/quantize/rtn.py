@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nibble.config import width_error
+from nibble.config import check_count, width_error
 from nibble.formats.int4 import Int4Weight
 
 MAX_CODE = 15
@@ -107,6 +107,9 @@ def weighted_clip_search(w: torch.Tensor, error, symmetric: bool = False, zero_p
     RTN scores a ratio by the plain squared weight error; calibrated methods pass the error they
     care about (AWQ: the group's output error, GPTQ: its Hessian-weighted error).
     """
+    check_count("grid", grid)
+    if not 0 < min_shrink <= 1:
+        raise ValueError(f"min_shrink must be in (0, 1], the smallest fraction of a group's range tried, got {min_shrink!r}")
     w = w.float()
     lo, hi = group_range(w, symmetric, zero_point)
     s, z = _scale_and_zero(lo, hi, symmetric, zero_point)
@@ -149,6 +152,7 @@ def rtn_quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = 
     ``group_size=-1`` means one group per output channel. Work is done on the weight's device in
     chunks of ``chunk_rows`` groups, so a 7B-sized layer stays within a few hundred MB of scratch.
     """
+    check_count("chunk_rows", chunk_rows)
     N, K = weight.shape if weight.dim() == 2 else (0, 0)
     group_size = K if group_size == -1 else group_size
     _check_weight(weight, group_size)

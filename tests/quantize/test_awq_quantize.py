@@ -100,3 +100,20 @@ def test_awq_through_quantize_model_matches_its_returned_weights():
         out = model(ids).logits
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
     assert cos > 0.99
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(n_grid=0), "n_grid must be an integer >= 1, got 0"),  # raise None
+                                             (dict(n_grid=-2), "n_grid must be an integer >= 1, got -2"),
+                                             (dict(batch_size=0), "batch_size must be an integer >= 1, got 0")])
+def test_awq_options_out_of_range_are_refused_by_name(kwargs, message):
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        awq_quantize_model(model, QuantConfig(group_size=32, method="awq"), torch.randint(0, 256, (2, 8)),
+                           progress=False, **kwargs)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    if "n_grid" in kwargs:
+        X, W, H = salient_problem(K=64, N=16, T=256)
+        with pytest.raises(ValueError, match=message):
+            search_scale([W], H, X.abs().mean(0), 32, **kwargs)
+

@@ -139,3 +139,15 @@ def test_gptq_and_awq_scales_of_a_zero_group_are_finite():
         d = _dq(q)
         assert torch.isfinite(d).all()
         assert torch.equal(d[zero], torch.zeros_like(d[zero]))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(chunk_rows=0), "chunk_rows must be an integer >= 1, got 0"),
+    (dict(chunk_rows=-1), "chunk_rows must be an integer >= 1, got -1"),
+    (dict(grid=0), "grid must be an integer >= 1, got 0"),
+    (dict(grid=2.5), "grid must be an integer >= 1, got 2.5"),
+    (dict(min_shrink=0), r"min_shrink must be in \(0, 1\]")])
+def test_rtn_options_out_of_range_are_refused_by_name(kwargs, message):
+    """chunk_rows=0 failed in range(), -1 in torch.cat of nothing."""
+    with pytest.raises(ValueError, match=message):
+        rtn_quantize(torch.randn(8, 64), 32, **kwargs)
