@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 
 from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
-                                         in_place, input_groups, skip_from_config)
+from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
+                                         forward_block, in_place, input_groups, skip_from_config)
 from nibble.quantize.rtn import (ScaleOverflowError, _check_weight, naming, quantize_groups, rtn_quantize,
                                  weighted_clip_search)
 
@@ -59,6 +59,9 @@ def search_scale(weights: list, H: torch.Tensor, x_mean: torch.Tensor, group_siz
     check_count("n_grid", n_grid)
     K = H.shape[0]
     G = K if group_size == -1 else group_size
+    for w in weights:  # a NaN weight made every candidate's scale NaN, and the refusal blamed its size
+        _check_weight(w, G)
+    check_statistics(H, x_mean)
     x_mean = x_mean.float()
     errors, best, overflow = [], (float("inf"), None, None), None
     for r in range(n_grid):
@@ -74,7 +77,8 @@ def search_scale(weights: list, H: torch.Tensor, x_mean: torch.Tensor, group_siz
         if err < best[0]:
             best = (err, s, alpha)
     if best[1] is None:
-        raise overflow
+        raise overflow or ValueError("no scale gives a finite output error: the calibration inputs are so large that "
+                                     "the error of each candidate overflows float32")
     return best[1], best[2], errors
 
 
@@ -86,6 +90,7 @@ def clip_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int, symmet
     N, K = weight.shape
     G = K if group_size == -1 else group_size
     _check_weight(weight, G)
+    check_statistics(H)
     ng = K // G
     w = weight.float().reshape(N * ng, G)  # row n * ng + g: group g of output n (rtn's order)
     Hb = torch.stack([H[g * G:(g + 1) * G, g * G:(g + 1) * G] for g in range(ng)]).float()  # [ng, G, G]

@@ -206,6 +206,16 @@ class InputStats:
         return self.abs_sum / self.n
 
 
+def check_statistics(*stats: torch.Tensor) -> None:
+    """Refuse statistics of a linear's calibration inputs (its Hessian, mean |x|) that are not finite: every
+    candidate's error was then NaN, and GPTQ blamed the amount of calibration data (its damping), AWQ the weights
+    or nothing (``raise None``). The quantizers call it under `naming`, which says the layer."""
+    if not all(torch.isfinite(t).all() for t in stats):
+        raise ValueError("the statistics of its calibration inputs are not finite: the inputs hold Inf or NaN (a "
+                         "16-bit model overflowing on the calibration text: calibrate it in bfloat16 or float32, "
+                         "load_model(..., dtype=torch.float32)), or are so large that X^T X overflows float32")
+
+
 def _block_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 

@@ -48,8 +48,8 @@ from tqdm.auto import tqdm
 from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
-                                         in_place, input_groups, skip_from_config)
+from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
+                                         forward_block, in_place, input_groups, skip_from_config)
 from nibble.quantize.rtn import _check_weight, _codes, naming, quantize_groups, weighted_clip_search
 
 DEFAULT_PERCDAMP = 0.01
@@ -118,6 +118,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     _check_weight(W, G)
     if hessian.shape != (K, K):
         raise ValueError(f"Hessian must be [{K}, {K}] for a weight with in_features={K}, got {tuple(hessian.shape)}")
+    check_statistics(hessian)
     n_groups = K // G
     H = hessian.detach().float().to(W.device).clone()
     dead = torch.diag(H) == 0

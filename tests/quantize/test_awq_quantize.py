@@ -117,3 +117,20 @@ def test_awq_options_out_of_range_are_refused_by_name(kwargs, message):
         with pytest.raises(ValueError, match=message):
             search_scale([W], H, X.abs().mean(0), 32, **kwargs)
 
+
+def test_scale_search_says_what_is_not_finite_and_never_raises_none():
+    """A NaN weight was blamed on its size ('weights up to |w| = nan need a scale'); non-finite statistics made every
+    candidate's error NaN, so that no overflow was caught and `raise overflow` raised None (a TypeError)."""
+    X, W, H = salient_problem(K=64, N=16, T=256)
+    x_mean = X.abs().mean(0)
+    bad = W.clone()
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="^weight contains NaN or Inf"):
+        search_scale([bad], H, x_mean, 32)
+    for h, m in ((H.clone().fill_diagonal_(float("inf")), x_mean), (H, x_mean.clone().fill_(float("inf")))):
+        with pytest.raises(ValueError, match="^the statistics of its calibration inputs are not finite"):
+            search_scale([W], h, m, 32)
+    with pytest.raises(ValueError, match="^no scale gives a finite output error"):  # finite, but past float32
+        search_scale([W * 1000], H / H.abs().max() * 1e38, x_mean, 32)
+    with pytest.raises(ValueError, match="^the statistics of its calibration inputs are not finite"):
+        clip_quantize(W, H.clone().fill_diagonal_(float("nan")), 32)

@@ -293,3 +293,23 @@ def test_a_hessian_damping_cannot_fix_is_said_with_the_damping_tried_and_the_lay
         gptq_quantize_model(tiny_model("llama"), QuantConfig(group_size=32, method="gptq"),
                             torch.randint(0, 256, (1, 4)), progress=False, percdamp=1e-12)
 
+
+def fp16_model_overflowing_at_down_proj():
+    model = tiny_model("llama", dtype=torch.float16)
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight.mul_(1e4)  # down_proj's input reaches inf
+    return model
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibration_inputs_a_16_bit_model_overflows_on_are_said_with_the_layer(method):
+    """GPTQ blamed the amount of calibration data (its damping), unnamed; AWQ the weights ('weights up to |w| = nan'),
+    or raised None."""
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: the statistics of its calibration "
+                                         r"inputs are not finite: .* calibrate it in bfloat16 or float32"):
+        quantize_model(fp16_model_overflowing_at_down_proj(), QuantConfig(group_size=32, method=method),
+                       progress=False, calibration=torch.randint(0, 256, (2, 16)))
+    _, W, H = correlated_problem(K=64, N=16, T=256)
+    H[3, 5] = float("inf")
+    with pytest.raises(ValueError, match="the statistics of its calibration inputs are not finite"):
+        gptq_quantize_weight(W, H, 32)
