@@ -12,6 +12,7 @@ whole group get clipped when that lowers the error of the other 127 weights.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -23,6 +24,7 @@ MAX_CODE = 15
 MIN_SCALE = 2.0 ** -24  # float16's smallest subnormal
 FP16_MIN_NORMAL = 2.0 ** -14
 FP16_MAX = torch.finfo(torch.float16).max
+NOT_FINITE = "weight contains NaN or Inf; fix the checkpoint before quantizing"
 
 
 def _check_weight(weight: torch.Tensor, group_size: int) -> None:
@@ -37,7 +39,7 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
     if error := width_error(weight.shape[1], group_size):
         raise ValueError(error)
     if not torch.isfinite(weight).all():
-        raise ValueError("weight contains NaN or Inf; fix the checkpoint before quantizing")
+        raise ValueError(NOT_FINITE)
 
 
 class ScaleOverflowError(ValueError):
@@ -86,6 +88,23 @@ def _check_stored(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
         raise ScaleOverflowError(f"weights up to |w| = {amax:.4g} need a scale or zero point beyond float16's range "
                          f"(+-{FP16_MAX:g}), in which nibble stores them: keep this layer in 16 bits "
                          "(QuantConfig.modules_to_not_convert) or scale the weight down before quantizing")
+
+
+def check_values(weight: torch.Tensor, group_size: int, symmetric: bool, zero_point: str, scales: bool = True) -> None:
+    """What rtn_quantize refuses in the values of ``weight`` [N, K] (of a width ``group_size`` divides), without
+    quantizing it, so that quantize_model can check every layer before it converts any: NaN or Inf, and with
+    ``scales`` a group whose full-range scale or zero point float16 cannot hold (`_check_stored`). One pass, the
+    weight's min and max, unless its amax lets some group overflow; only then are the groups' ranges taken."""
+    lo, hi = torch.aminmax(weight.detach())  # NaN propagates into both
+    amax = float(torch.maximum(-lo, hi))
+    if not math.isfinite(amax):
+        raise ValueError(NOT_FINITE)
+    # no group's scale or zero point exceeds 8/7 amax (symmetric: z = -8 amax / 7; an integer zero point is within
+    # half a step, 1/15 amax, of the minimum), with a margin for their rounding to float16
+    if not scales or amax * 8 / 7 * (1 + 2 ** -9) < FP16_MAX:
+        return
+    w = weight.detach().float().reshape(-1, group_size)
+    _check_stored(w, *_scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point))
 
 
 def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
