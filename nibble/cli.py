@@ -54,12 +54,12 @@ def quant_config(args, model):
 
     skip = [] if args.quantize_lm_head else ["lm_head"]
     common = dict(method=args.method, rotation="hadamard" if args.rotate else "none",
-                  clip_search=args.clip_search or None, modules_to_not_convert=skip)
-    if args.quant == "w4a4":
-        return QuantConfig(mode="w4a4", group_size=args.group_size, **common)  # refused unless None or -1
+                  clip_search=args.clip_search or None, modules_to_not_convert=skip,
+                  zero_point="float" if args.float_zero else "int")
+    if args.quant == "w4a4":  # a group size other than None or -1, and --float-zero, refused by QuantConfig
+        return QuantConfig(mode="w4a4", group_size=args.group_size, **common)
     # `is None`, not `or`: --group-size 0 must reach QuantConfig's refusal, not become 128
-    cfg = QuantConfig(mode="w4a16", group_size=128 if args.group_size is None else args.group_size,
-                      zero_point="float" if args.float_zero else "int", **common)
+    cfg = QuantConfig(mode="w4a16", group_size=128 if args.group_size is None else args.group_size, **common)
     if args.group_size is None and model is not None:
         cfg.group_size = default_group_size(model, cfg)
     return cfg
@@ -138,9 +138,6 @@ def check_quant_args(args) -> None:
                              f"none runs the model unquantized: drop {'it' if len(given) == 1 else 'them'}, or give "
                              "--quant w4a16 or w4a4")
         return
-    if args.quant == "w4a4" and args.float_zero:
-        raise ValueError("--float-zero is a w4a16 option (a float minimum per group); w4a4's weights are symmetric, "
-                         "with no zero point: drop it")
     if args.clip_search and args.method != "rtn" and not args.quantize_lm_head:
         raise ValueError(f"--clip-search is RTN's clipping search, and --method {args.method} runs its own calibrated "
                          "one: drop it (it applies only to a head quantized by RTN, with --quantize-lm-head)")

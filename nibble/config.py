@@ -1,6 +1,7 @@
 """QuantConfig: what to quantize and how; serialised as the checkpoint's `quantization_config`."""
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -31,6 +32,14 @@ def width_error(in_features: int, group_size: int) -> str | None:
         return (f"in_features={in_features} is not divisible by group_size={group_size}; pick a group size that "
                 f"divides it{which} or -1 for per-channel")
     return None
+
+
+def check_count(name: str, value, least: int = 1) -> None:
+    """Refuse a count option of the quantizers (``blocksize``, ``batch_size``, ``n_grid``, ...) that is not an
+    integer >= ``least``, by its name: a negative GPTQ blocksize returned a layer of zeros as if quantized, and a 0
+    surfaced as range()'s or split()'s message (AWQ's n_grid=0 as ``raise None``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass
@@ -95,6 +104,12 @@ class QuantConfig:
                                  "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")
         elif self.rotation != "none":
             raise ValueError("rotation='hadamard' is for w4a4 (it spreads activation outliers before per-token quantization)")
+        if self.symmetric and self.zero_point == "float":
+            # the symmetric grid, (q - 8) * s, has no zero point to make a float: it was ignored, and the
+            # checkpoint still said zero_point 'float'
+            raise ValueError("zero_point='float' (CLI --float-zero: a float minimum per group) is for asymmetric w4a16 "
+                             "weights; symmetric ones (symmetric=True, and every w4a4 config) have no zero point: "
+                             "drop it, or set symmetric=False in w4a16")
 
     @property
     def activation_bits(self) -> int:
@@ -113,7 +128,10 @@ class QuantConfig:
             raise ValueError(f"checkpoint format_version {d.get('format_version')!r} is not supported by this nibble "
                              f"(it reads version {FORMAT_VERSION}); upgrade nibble or re-quantize the model")
         fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        d = {k: v for k, v in d.items() if k in fields}
+        if d.get("symmetric") and d.get("zero_point") == "float":
+            d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
+        return cls(**d)
 
 
 def resolve_device(device=None) -> torch.device:

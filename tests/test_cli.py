@@ -492,7 +492,8 @@ def test_quantization_flags_given_with_an_already_quantized_model_are_refused(co
 @pytest.mark.parametrize("flags, message", [
     (["--quant", "none", "--rotate"], "--rotate sets how to quantize, and --quant none runs the model unquantized"),
     (["--quant", "none", "--group-size", "32", "--float-zero"], "--group-size, --float-zero set how to quantize"),
-    (["--quant", "w4a4", "--float-zero"], "--float-zero is a w4a16 option"),
+    (["--quant", "w4a4", "--float-zero"], "zero_point='float' (CLI --float-zero: a float minimum per group) is for "
+                                          "asymmetric w4a16 weights"),  # QuantConfig's rule
     (["--group-size", "0"], "group_size must be "),  # QuantConfig's message, which ends "got 0"
     (["--calib-samples", "8"], "--calib-samples sizes the calibration of --method gptq / awq; RTN calibrates "
                                "nothing: drop it"),

@@ -59,14 +59,13 @@ def quantize(model, mode: str, method: str, opts: dict, group_size: int, calib) 
     else:  # RTN's clipping search on by default, as for every W4A4 model
         cfg = QuantConfig(mode="w4a4", rotation="hadamard" if mode == "w4a4-hadamard" else "none", method=method,
                           clip_search=method == "rtn" and opts.get("clip", "1") == "1")
-    if "act_order" in opts:
-        cfg.act_order = opts["act_order"] == "1"
-    if "damp" in opts:
-        cfg.damp_percent = float(opts["damp"])
-    # quantize_model passes no per-method options, so this row's clip flag goes in through the registry
+    # quantize_model passes no per-method options, so this row's go in through the registry
+    kwargs = {name: parse(opts[key]) for key, name, parse in (("clip", "clip", "1".__eq__),
+                                                              ("act_order", "act_order", "1".__eq__),
+                                                              ("damp", "percdamp", float)) if key in opts}
     quantizers = dict(calibrated_quantizers)
-    if method != "rtn" and "clip" in opts:
-        calibrated_quantizers[method] = functools.partial(quantizers[method], clip=opts["clip"] == "1")
+    if method != "rtn" and kwargs:
+        calibrated_quantizers[method] = functools.partial(quantizers[method], **kwargs)
     try:
         quantize_model(model, cfg, progress=False, calibration=None if method == "rtn" else calib)
     finally:

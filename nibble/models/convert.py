@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from nibble.config import QuantConfig, resolve_device, width_error
 from nibble.nn.quant_linear import QuantLinear
-from nibble.quantize.rtn import naming
+from nibble.quantize.rtn import check_values, naming
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -84,8 +84,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     decoder layer just before it is quantized) so per-token activation quantization meets no outlier
     channels; it folds the final norm into lm_head, so a head tied to the embedding is untied (the embedding
     keeps its 16-bit table). ``method="gptq"`` / ``"awq"`` need ``calibration`` (token ids of this model's
-    vocabulary, see nibble.quantize.calibration). Every refusal (a width the group size does not divide,
-    calibration missing or of another vocabulary) comes before the model is touched.
+    vocabulary, see nibble.quantize.calibration). Every refusal of what was given (a width the group size does not
+    divide, a weight holding NaN or Inf or, for RTN, too large for float16 scales, calibration missing or of another
+    vocabulary) comes before the model is touched.
 
     The decoder layers are quantized one at a time (`layer_turns`), so at most one of them is in 16 bits
     apart from the model's own weights: the rotated or calibrated copy of a layer is never kept.
@@ -106,6 +107,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     # every refusal before the model is touched (moved, rotated, a layer converted), so that it stays as it was
     names = linears_to_convert(model, config)
     check_widths(model, names, config)
+    check_weights(model, names, config)
     if config.method != "rtn":
         if calibration is None:
             raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble."
@@ -175,6 +177,20 @@ def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> Non
     for name in names:
         if error := width_error(model.get_submodule(name).in_features, config.group_size):
             raise ValueError(f"{name}: {error}")
+
+
+def check_weights(model: nn.Module, names: list[str], config: QuantConfig) -> None:
+    """Refuse a weight of ``names`` that holds NaN or Inf, or whose RTN scales or zero points float16 cannot hold,
+    before any of them is converted (as `check_widths`): found at its layer's turn, it left the model half quantized.
+    Each weight is read where it is (a model quantized onto a device from host memory moves nothing for it), one
+    min and max each unless a group may overflow (`rtn.check_values`). The scales are checked only for the layers
+    RTN quantizes as they are now: GPTQ and AWQ change the weights first, and so does the rotation."""
+    by_rtn = set() if config.rotation != "none" else set(names) if config.method == "rtn" else {"lm_head"}
+    for name in names:
+        weight = model.get_submodule(name).weight
+        with naming(name):
+            check_values(weight, weight.shape[1] if config.group_size == -1 else config.group_size, config.symmetric,
+                         config.zero_point, scales=name in by_rtn)
 
 
 def check_calibration_ids(model: nn.Module, calibration) -> None:

@@ -181,7 +181,9 @@ class FakeQuantLinear(nn.Linear):
         _, s_search, _ = quantize_groups(w, symmetric=True, clip_search=True)
         _, s_full, _ = quantize_groups(w, symmetric=True, clip_search=False)
         # Snap to the search's own grid (rtn's default: 20 ratios from 1 down to 0.5), so a fixed clip
-        # reproduces rtn_quantize's scales exactly.
+        # reproduces rtn_quantize's scales, exactly where they are float16 normals: a row whose scale is below
+        # 2^-14 (amax below ~4e-4) stores it rounded up to a multiple of 2^-24, and the quotient of two such can
+        # snap to a neighbouring ratio.
         grid = torch.linspace(1.0, 0.5, 21, device=w.device)
         self.set_clip_ratio(grid[((s_search / s_full) - grid).abs().argmin(dim=1)].unsqueeze(1))
 

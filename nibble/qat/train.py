@@ -7,7 +7,8 @@ Recipes (`RECIPES`):
   from rtn's MSE clip search. Exports to QuantLinear "w4a4".
 - ``hadamard``: `rotate_model` first (RMSNorm folded, residual stream rotated by a seeded
   Hadamard, online Hadamard before down_proj); nothing learned but LoRA. The weight clip ratio is
-  fixed at what rtn's search picks on the rotated weights, so step 0 is exactly W4A4 Hadamard RTN.
+  fixed at what rtn's search picks on the rotated weights, so step 0 is W4A4 Hadamard RTN (exactly, but for rows
+  whose scale is below float16's normal range: `FakeQuantLinear.init_clip_from_search`).
   Exports to QuantLinear "w4a4" with ``input_hadamard`` on down_proj.
 - ``per-channel``: the original PE-QAT (for comparison): per-input-channel activation scales with
   learnable clipping, learnable per-channel smoothing (``x / m``, ``W * m`` folded into the weight

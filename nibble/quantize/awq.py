@@ -26,9 +26,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
-                                         in_place, input_groups, skip_from_config)
+from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
+                                         forward_block, in_place, input_groups, skip_from_config)
 from nibble.quantize.rtn import (ScaleOverflowError, _check_weight, naming, quantize_groups, rtn_quantize,
                                  weighted_clip_search)
 
@@ -55,8 +56,12 @@ def search_scale(weights: list, H: torch.Tensor, x_mean: torch.Tensor, group_siz
 
     Returns ``(s, alpha, errors)``; ``errors[r]`` is the output error at alpha = r / n_grid.
     """
+    check_count("n_grid", n_grid)
     K = H.shape[0]
     G = K if group_size == -1 else group_size
+    for w in weights:  # a NaN weight made every candidate's scale NaN, and the refusal blamed its size
+        _check_weight(w, G)
+    check_statistics(H, x_mean)
     x_mean = x_mean.float()
     errors, best, overflow = [], (float("inf"), None, None), None
     for r in range(n_grid):
@@ -72,7 +77,8 @@ def search_scale(weights: list, H: torch.Tensor, x_mean: torch.Tensor, group_siz
         if err < best[0]:
             best = (err, s, alpha)
     if best[1] is None:
-        raise overflow
+        raise overflow or ValueError("no scale gives a finite output error: the calibration inputs are so large that "
+                                     "the error of each candidate overflows float32")
     return best[1], best[2], errors
 
 
@@ -84,6 +90,7 @@ def clip_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int, symmet
     N, K = weight.shape
     G = K if group_size == -1 else group_size
     _check_weight(weight, G)
+    check_statistics(H)
     ng = K // G
     w = weight.float().reshape(N * ng, G)  # row n * ng + g: group g of output n (rtn's order)
     Hb = torch.stack([H[g * G:(g + 1) * G, g * G:(g + 1) * G] for g in range(ng)]).float()  # [ng, G, G]
@@ -143,6 +150,7 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     float model, one block at a time (block i+1 sees the float outputs of block i, as in AutoAWQ).
     ``onload``: how each block is reached, as in ``gptq_quantize_model``.
     """
+    check_count("n_grid", n_grid)  # before the calibration runs
     skip = skip_from_config(config)
     qargs = dict(symmetric=config.symmetric, zero_point=config.zero_point)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from nibble.config import check_count
 from nibble.kernels.hadamard import hadamard_transform
 
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
@@ -94,6 +95,7 @@ def source_data_files(sources) -> list[str]:
 def token_batches(calib, batch_size: int) -> list[torch.Tensor]:
     """Normalise calibration input (LongTensor [n, L], a list of such tensors / of 1-D tensors, or a
     dict with ``input_ids``) to a list of LongTensor batches of at most ``batch_size`` rows."""
+    check_count("batch_size", batch_size)
     if isinstance(calib, dict):
         calib = calib["input_ids"]
     if isinstance(calib, torch.Tensor):
@@ -202,6 +204,16 @@ class InputStats:
     @property
     def mean_abs(self) -> torch.Tensor:
         return self.abs_sum / self.n
+
+
+def check_statistics(*stats: torch.Tensor) -> None:
+    """Refuse statistics of a linear's calibration inputs (its Hessian, mean |x|) that are not finite: every
+    candidate's error was then NaN, and GPTQ blamed the amount of calibration data (its damping), AWQ the weights
+    or nothing (``raise None``). The quantizers call it under `naming`, which says the layer."""
+    if not all(torch.isfinite(t).all() for t in stats):
+        raise ValueError("the statistics of its calibration inputs are not finite: the inputs hold Inf or NaN (a "
+                         "16-bit model overflowing on the calibration text: calibrate it in bfloat16 or float32, "
+                         "load_model(..., dtype=torch.float32)), or are so large that X^T X overflows float32")
 
 
 def _block_output(out):

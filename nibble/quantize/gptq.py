@@ -36,6 +36,8 @@ clipping 23.86 (16-bit: 20.97).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -43,10 +45,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, decoder_layers, forward_block,
-                                         in_place, input_groups, skip_from_config)
+from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
+                                         forward_block, in_place, input_groups, skip_from_config)
 from nibble.quantize.rtn import _check_weight, _codes, naming, quantize_groups, weighted_clip_search
 
 DEFAULT_PERCDAMP = 0.01
@@ -62,6 +65,14 @@ class GPTQResult:
     # With keep_compensated: each column as GPTQ rounded it, after the error feedback of the columns before
     # it (float32 [N, K], the codes' order); rtn's _codes of it with the result's scales are the codes.
     compensated: torch.Tensor | None = None
+
+
+def _check_options(percdamp: float, blocksize: int) -> None:
+    check_count("blocksize", blocksize)
+    # 0 retried "x10" from 0; a negative or NaN damping reached the Cholesky
+    if not (isinstance(percdamp, numbers.Real) and 0 < percdamp < math.inf):
+        raise ValueError(f"percdamp must be a finite number > 0 (the damping relative to mean(diag H); default "
+                         f"{DEFAULT_PERCDAMP}), got {percdamp!r}")
 
 
 def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
@@ -81,8 +92,9 @@ def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
                                   "positive definite (more calibration data would help)")
                 return U
         damp = damp * 10
-    raise RuntimeError(f"GPTQ: the calibration Hessian is not positive definite even with {percdamp * 1000:g} "
-                       "relative damping (1000x the default); use more (or more varied) calibration samples")
+    raise ValueError(f"GPTQ: the calibration Hessian is not positive definite even with {percdamp * 1000:g} "
+                     f"relative damping (1000x percdamp={percdamp:g}); use more (or more varied) calibration samples, "
+                     "or a larger percdamp")
 
 
 @torch.no_grad()
@@ -99,12 +111,14 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     """
     if clip_objective not in ("gptq", "weight"):
         raise ValueError(f"clip_objective must be 'gptq' or 'weight', got {clip_objective!r}")
+    _check_options(percdamp, blocksize)
     W = weight.detach().float().clone()
     N, K = W.shape
     G = K if group_size == -1 else group_size
     _check_weight(W, G)
     if hessian.shape != (K, K):
         raise ValueError(f"Hessian must be [{K}, {K}] for a weight with in_features={K}, got {tuple(hessian.shape)}")
+    check_statistics(hessian)
     n_groups = K // G
     H = hessian.detach().float().to(W.device).clone()
     dead = torch.diag(H) == 0
@@ -201,16 +215,19 @@ def _output_rows(w: Int4Weight, start: int, stop: int) -> Int4Weight:
 
 @torch.no_grad()
 def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, true_sequential: bool = True,
-                        blocksize: int = DEFAULT_BLOCKSIZE, clip: bool = True, progress: bool = True,
-                        compensated: dict | None = None, onload=None) -> dict[str, Int4Weight]:
+                        blocksize: int = DEFAULT_BLOCKSIZE, clip: bool = True, act_order: bool = True,
+                        percdamp: float = DEFAULT_PERCDAMP, progress: bool = True, compensated: dict | None = None,
+                        onload=None) -> dict[str, Int4Weight]:
     """GPTQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig: group_size, symmetric, zero_point as RTN uses them.
     ``config.clip_search`` (rtn's weight-space search) is not used: each group's range comes from
-    the GPTQ-weighted clipping search (``clip=False``: plain min/max, as the reference GPTQ). Read
-    when the config has them: ``act_order`` (default True: columns by decreasing activation energy, with
-    static groups so the result needs no input permutation; why act-order and clipping are the
-    defaults: module doc) and ``damp_percent`` (default 0.01).
+    the GPTQ-weighted clipping search (``clip=False``: plain min/max, as the reference GPTQ).
+    ``act_order``: columns by decreasing activation energy, with static groups so the result needs no input
+    permutation (why act-order and clipping are the defaults: module doc); ``percdamp``: the damping, relative
+    to mean(diag H). Like ``blocksize`` and ``clip`` (and AWQ's ``n_grid``) they are arguments here, not QuantConfig
+    fields: the config holds what quantize_model and the CLI take and the checkpoint records, and each
+    calibrated method's own search settings stay its function's.
     ``calib``: token ids, LongTensor [n_samples, seq_len] (see ``calibration_batches``).
 
     Blocks are processed one at a time: block i is calibrated on the outputs of the already
@@ -229,8 +246,7 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     its device, rotates it, and converts it when GPTQ is done with it, taking the block's results out of the
     dict (each QuantLinear holds its own copy), so that the dict returned is then empty.
     """
-    act_order = bool(getattr(config, "act_order", True))
-    percdamp = float(getattr(config, "damp_percent", DEFAULT_PERCDAMP))
+    _check_options(percdamp, blocksize)  # before the calibration runs
     skip = skip_from_config(config)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)
     results = {}

@@ -12,17 +12,19 @@ whole group get clipped when that lowers the error of the other 127 weights.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
 
-from nibble.config import width_error
+from nibble.config import check_count, width_error
 from nibble.formats.int4 import Int4Weight
 
 MAX_CODE = 15
 MIN_SCALE = 2.0 ** -24  # float16's smallest subnormal
 FP16_MIN_NORMAL = 2.0 ** -14
 FP16_MAX = torch.finfo(torch.float16).max
+NOT_FINITE = "weight contains NaN or Inf; fix the checkpoint before quantizing"
 
 
 def _check_weight(weight: torch.Tensor, group_size: int) -> None:
@@ -37,7 +39,7 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
     if error := width_error(weight.shape[1], group_size):
         raise ValueError(error)
     if not torch.isfinite(weight).all():
-        raise ValueError("weight contains NaN or Inf; fix the checkpoint before quantizing")
+        raise ValueError(NOT_FINITE)
 
 
 class ScaleOverflowError(ValueError):
@@ -88,6 +90,23 @@ def _check_stored(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
                          "(QuantConfig.modules_to_not_convert) or scale the weight down before quantizing")
 
 
+def check_values(weight: torch.Tensor, group_size: int, symmetric: bool, zero_point: str, scales: bool = True) -> None:
+    """What rtn_quantize refuses in the values of ``weight`` [N, K] (of a width ``group_size`` divides), without
+    quantizing it, so that quantize_model can check every layer before it converts any: NaN or Inf, and with
+    ``scales`` a group whose full-range scale or zero point float16 cannot hold (`_check_stored`). One pass, the
+    weight's min and max, unless its amax lets some group overflow; only then are the groups' ranges taken."""
+    lo, hi = torch.aminmax(weight.detach())  # NaN propagates into both
+    amax = float(torch.maximum(-lo, hi))
+    if not math.isfinite(amax):
+        raise ValueError(NOT_FINITE)
+    # no group's scale or zero point exceeds 8/7 amax (symmetric: z = -8 amax / 7; an integer zero point is within
+    # half a step, 1/15 amax, of the minimum), with a margin for their rounding to float16
+    if not scales or amax * 8 / 7 * (1 + 2 ** -9) < FP16_MAX:
+        return
+    w = weight.detach().float().reshape(-1, group_size)
+    _check_stored(w, *_scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point))
+
+
 def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round((w - z) / s), 0, MAX_CODE)
 
@@ -107,6 +126,9 @@ def weighted_clip_search(w: torch.Tensor, error, symmetric: bool = False, zero_p
     RTN scores a ratio by the plain squared weight error; calibrated methods pass the error they
     care about (AWQ: the group's output error, GPTQ: its Hessian-weighted error).
     """
+    check_count("grid", grid)
+    if not 0 < min_shrink <= 1:
+        raise ValueError(f"min_shrink must be in (0, 1], the smallest fraction of a group's range tried, got {min_shrink!r}")
     w = w.float()
     lo, hi = group_range(w, symmetric, zero_point)
     s, z = _scale_and_zero(lo, hi, symmetric, zero_point)
@@ -149,6 +171,7 @@ def rtn_quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = 
     ``group_size=-1`` means one group per output channel. Work is done on the weight's device in
     chunks of ``chunk_rows`` groups, so a 7B-sized layer stays within a few hundred MB of scratch.
     """
+    check_count("chunk_rows", chunk_rows)
     N, K = weight.shape if weight.dim() == 2 else (0, 0)
     group_size = K if group_size == -1 else group_size
     _check_weight(weight, group_size)

@@ -402,3 +402,43 @@ def test_what_transformers_would_leave_half_done_is_refused_first():
         empty = tiny_model("llama")
     with pytest.raises(ValueError, match="on the meta device .* load its weights first"):
         quantize_model(empty, QuantConfig(group_size=32), progress=False)
+
+
+NOT_FINITE = "weight contains NaN or Inf; fix the checkpoint"
+
+
+# GPTQ and AWQ change a weight before its scales are taken: only its turn can tell whether float16 holds them
+@pytest.mark.parametrize("value, refusal, method, device", [
+    *[(v, NOT_FINITE, m, d) for v in (float("nan"), float("-inf"))
+      for m, d in (("rtn", None), ("rtn", "cpu"), ("gptq", None), ("awq", "cpu"))],
+    *[(1e6, r"weights up to \|w\| = 1e\+06 need a scale or zero point", "rtn", d) for d in (None, "cpu")]])
+def test_a_weight_rtn_would_refuse_is_said_before_any_layer_is_converted(value, refusal, method, device):
+    """A NaN / Inf weight, or one float16's scales cannot hold, in layer 1 was found at its turn: layer 0 was
+    converted by then, and a retry after fixing the weight was refused as quantized already."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 7] = value
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = QuantConfig(group_size=32, method=method)
+    calibration = None if method == "rtn" else torch.randint(0, 256, (2, 8))
+    with pytest.raises(ValueError, match=rf"^model\.layers\.1\.mlp\.down_proj: {refusal}"):
+        quantize_model(model, config, progress=False, calibration=calibration, device=device)
+    assert not quantized_linears(model) and getattr(model.config, "quantization_config", None) is None
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) or (v.isnan() == after[k].isnan()).all() for k, v in before.items())
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 7] = 0.01
+    quantize_model(model, config, progress=False, calibration=calibration, device=device)
+    assert len(quantized_linears(model)) == 14
+
+
+def test_a_symmetric_config_refuses_a_float_zero_point_it_would_ignore():
+    """Symmetric weights have no zero point: zero_point='float' was ignored (the same weights as 'int') and the
+    checkpoint's quantization_config said 'float'. Configs saved so still load, as what their weights are."""
+    for kwargs in (dict(mode="w4a16", symmetric=True), dict(mode="w4a4")):
+        with pytest.raises(ValueError, match=r"zero_point='float' \(CLI --float-zero: a float minimum per group\) is "
+                                             r"for asymmetric w4a16 weights; symmetric ones .* have no zero point"):
+            QuantConfig(zero_point="float", **kwargs)
+    assert QuantConfig(zero_point="float").zero_point == "float"  # asymmetric w4a16
+    saved = {**QuantConfig(mode="w4a4").to_dict(), "zero_point": "float"}
+    assert QuantConfig.from_dict(saved) == QuantConfig(mode="w4a4")

@@ -100,3 +100,37 @@ def test_awq_through_quantize_model_matches_its_returned_weights():
         out = model(ids).logits
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
     assert cos > 0.99
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(n_grid=0), "n_grid must be an integer >= 1, got 0"),  # raise None
+                                             (dict(n_grid=-2), "n_grid must be an integer >= 1, got -2"),
+                                             (dict(batch_size=0), "batch_size must be an integer >= 1, got 0")])
+def test_awq_options_out_of_range_are_refused_by_name(kwargs, message):
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        awq_quantize_model(model, QuantConfig(group_size=32, method="awq"), torch.randint(0, 256, (2, 8)),
+                           progress=False, **kwargs)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    if "n_grid" in kwargs:
+        X, W, H = salient_problem(K=64, N=16, T=256)
+        with pytest.raises(ValueError, match=message):
+            search_scale([W], H, X.abs().mean(0), 32, **kwargs)
+
+
+def test_scale_search_says_what_is_not_finite_and_never_raises_none():
+    """A NaN weight was blamed on its size ('weights up to |w| = nan need a scale'); non-finite statistics made every
+    candidate's error NaN, so that no overflow was caught and `raise overflow` raised None (a TypeError)."""
+    X, W, H = salient_problem(K=64, N=16, T=256)
+    x_mean = X.abs().mean(0)
+    bad = W.clone()
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="^weight contains NaN or Inf"):
+        search_scale([bad], H, x_mean, 32)
+    for h, m in ((H.clone().fill_diagonal_(float("inf")), x_mean), (H, x_mean.clone().fill_(float("inf")))):
+        with pytest.raises(ValueError, match="^the statistics of its calibration inputs are not finite"):
+            search_scale([W], h, m, 32)
+    with pytest.raises(ValueError, match="^no scale gives a finite output error"):  # finite, but past float32
+        search_scale([W * 1000], H / H.abs().max() * 1e38, x_mean, 32)
+    with pytest.raises(ValueError, match="^the statistics of its calibration inputs are not finite"):
+        clip_quantize(W, H.clone().fill_diagonal_(float("nan")), 32)

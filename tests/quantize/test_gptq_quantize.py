@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 
@@ -5,6 +7,7 @@ from conftest import tiny_model
 from nibble import QuantConfig, quantize_model
 from nibble.formats.gptq import to_gptq
 from nibble.kernels.reference import dequantize
+from nibble.quantize import calibrated_quantizers
 from nibble.quantize.gptq import gptq_quantize_model, gptq_quantize_weight
 from nibble.quantize.rtn import _codes, rtn_quantize
 
@@ -131,16 +134,16 @@ def correlated_tiny_model():
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_calibrated_methods_beat_rtn_on_the_calibration_data(act_order):
+def test_calibrated_methods_beat_rtn_on_the_calibration_data(act_order, monkeypatch):
+    monkeypatch.setitem(calibrated_quantizers, "gptq", functools.partial(gptq_quantize_model, act_order=act_order))
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = correlated_tiny_model()(ids).logits
     errors = {}
     for method in ("rtn", "gptq", "awq"):
         model = correlated_tiny_model()
-        cfg = QuantConfig(group_size=32, method=method, clip_search=False)
-        cfg.act_order = act_order
-        quantize_model(model, cfg, progress=False, calibration=ids)
+        quantize_model(model, QuantConfig(group_size=32, method=method, clip_search=False), progress=False,
+                       calibration=ids)
         with torch.no_grad():
             errors[method] = ((model(ids).logits - ref) ** 2).mean().item()
     assert errors["gptq"] < 0.2 * errors["rtn"]
@@ -166,11 +169,9 @@ def test_gptq_model_returns_every_decoder_linear_and_respects_skips():
 def test_gptq_model_defaults_to_act_order_and_clipping():
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
 
-    def run(act_order=None, **kw):
+    def run(**kw):
         torch.manual_seed(0)
         cfg = QuantConfig(group_size=32, method="gptq")
-        if act_order is not None:
-            cfg.act_order = act_order
         return gptq_quantize_model(tiny_model("llama"), cfg, ids, progress=False, **kw)["model.layers.1.mlp.down_proj"]
 
     default = dense(run())
@@ -253,3 +254,62 @@ def test_a_weight_float16_cannot_scale_is_refused_with_its_layers_name(method):
     name = r"^model\.layers\.1\.mlp\.down_proj: "
     with pytest.raises(ScaleOverflowError, match=name + r"weights up to \|w\| = 1(\.\d+)?e\+06"):  # AWQ's: scaled
         quantize_model(model, cfg, progress=False, calibration=torch.randint(0, 256, (4, 16)))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(blocksize=-1), "blocksize must be an integer >= 1, got -1"),  # returned a layer of zeros
+    (dict(blocksize=0), "blocksize must be an integer >= 1, got 0"),
+    (dict(blocksize=64.0), "blocksize must be an integer >= 1, got 64.0"),
+    (dict(percdamp=0.0), r"percdamp must be a finite number > 0 \(the damping relative to mean\(diag H\); default "
+                         r"0.01\), got 0.0"),
+    (dict(percdamp=-0.5), "percdamp must be a finite number > 0"),
+    (dict(percdamp=float("nan")), "percdamp must be a finite number > 0")])
+def test_gptq_options_out_of_range_are_refused_by_name(kwargs, message):
+    _, W, H = correlated_problem(K=64, N=16, T=256)
+    with pytest.raises(ValueError, match=message):
+        gptq_quantize_weight(W, H, 32, **kwargs)
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):  # before the calibration runs
+        gptq_quantize_model(model, QuantConfig(group_size=32, method="gptq"), torch.randint(0, 256, (2, 8)),
+                            progress=False, **kwargs)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_gptq_batch_size_below_one_is_refused_by_name():
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):  # was torch's split_size
+        gptq_quantize_model(tiny_model("llama"), QuantConfig(group_size=32, method="gptq"),
+                            torch.randint(0, 256, (2, 8)), progress=False, batch_size=0)
+
+
+def test_a_hessian_damping_cannot_fix_is_said_with_the_damping_tried_and_the_layer():
+    """It claimed '(1000x the default)' of any percdamp, and as a RuntimeError, which `naming` left unnamed."""
+    X = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))  # rank 4: damping alone makes H definite
+    with pytest.raises(ValueError, match=r"^GPTQ: the calibration Hessian is not positive definite even with 1e-09 "
+                                         r"relative damping \(1000x percdamp=1e-12\); use more"):
+        gptq_quantize_weight(torch.randn(16, 64), 2 * X.t() @ X / 4, 32, percdamp=1e-12)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.q_proj, model\.layers\.0\.self_attn\.k_proj, "
+                                         r"model\.layers\.0\.self_attn\.v_proj: GPTQ: the calibration Hessian"):
+        gptq_quantize_model(tiny_model("llama"), QuantConfig(group_size=32, method="gptq"),
+                            torch.randint(0, 256, (1, 4)), progress=False, percdamp=1e-12)
+
+
+def fp16_model_overflowing_at_down_proj():
+    model = tiny_model("llama", dtype=torch.float16)
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight.mul_(1e4)  # down_proj's input reaches inf
+    return model
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibration_inputs_a_16_bit_model_overflows_on_are_said_with_the_layer(method):
+    """GPTQ blamed the amount of calibration data (its damping), unnamed; AWQ the weights ('weights up to |w| = nan'),
+    or raised None."""
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: the statistics of its calibration "
+                                         r"inputs are not finite: .* calibrate it in bfloat16 or float32"):
+        quantize_model(fp16_model_overflowing_at_down_proj(), QuantConfig(group_size=32, method=method),
+                       progress=False, calibration=torch.randint(0, 256, (2, 16)))
+    _, W, H = correlated_problem(K=64, N=16, T=256)
+    H[3, 5] = float("inf")
+    with pytest.raises(ValueError, match="the statistics of its calibration inputs are not finite"):
+        gptq_quantize_weight(W, H, 32)

@@ -139,3 +139,40 @@ def test_gptq_and_awq_scales_of_a_zero_group_are_finite():
         d = _dq(q)
         assert torch.isfinite(d).all()
         assert torch.equal(d[zero], torch.zeros_like(d[zero]))
+
+
+@pytest.mark.parametrize("symmetric,zero_point", [(False, "int"), (False, "float"), (True, "int")])
+def test_check_values_refuses_what_rtn_quantize_refuses_without_quantizing(symmetric, zero_point):
+    """quantize_model checks every weight up front with it (a refusal at a layer's turn left the model half
+    quantized); near float16's edge it must agree with rtn_quantize group by group, all-positive, all-negative and
+    mixed groups alike."""
+    from nibble.quantize.rtn import ScaleOverflowError, check_values
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        w = (torch.rand(4, 64, generator=g) * 2 - 1) * (54_000 + 16_000 * torch.rand(1, generator=g))
+        w = (w.abs(), -w.abs(), w)[trial % 3]
+        outcomes = []
+        for check in (lambda: rtn_quantize(w, 32, symmetric, zero_point, clip_search=False),
+                      lambda: check_values(w, 32, symmetric, zero_point)):
+            try:
+                check()
+                outcomes.append(None)
+            except ScaleOverflowError as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1]
+    w[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="weight contains NaN or Inf"):
+        check_values(w.bfloat16(), 32, symmetric, zero_point, scales=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(chunk_rows=0), "chunk_rows must be an integer >= 1, got 0"),
+    (dict(chunk_rows=-1), "chunk_rows must be an integer >= 1, got -1"),
+    (dict(grid=0), "grid must be an integer >= 1, got 0"),
+    (dict(grid=2.5), "grid must be an integer >= 1, got 2.5"),
+    (dict(min_shrink=0), r"min_shrink must be in \(0, 1\]")])
+def test_rtn_options_out_of_range_are_refused_by_name(kwargs, message):
+    """chunk_rows=0 failed in range(), -1 in torch.cat of nothing."""
+    with pytest.raises(ValueError, match=message):
+        rtn_quantize(torch.randn(8, 64), 32, **kwargs)
