@@ -19,6 +19,7 @@ import torch
 
 from nibble.config import check_count, width_error
 from nibble.formats.int4 import Int4Weight
+from nibble.kernels.reference import rounded
 
 MAX_CODE = 15
 MIN_SCALE = 2.0 ** -24  # float16's smallest subnormal
@@ -56,6 +57,12 @@ def naming(layer: str):
         raise type(e)(f"{layer}: {e}") from e
 
 
+def _float16(t: torch.Tensor) -> torch.Tensor:
+    """t as float16 stores it, in float32; kept under torch.compile, whose fusion dropped the round trip (a compiled
+    PE-QAT layer trained on other scales than its export's: `reference.rounded`)."""
+    return rounded(t, torch.float16).float()
+
+
 def _stored_scale(s: torch.Tensor) -> torch.Tensor:
     """s as float16 stores it, kept >= its smallest subnormal: a constant group (all zeros, say) has a range of
     0, and a scale that is 0 once stored makes its codes 0 / 0 (the clamp comes after the rounding, since any
@@ -63,7 +70,7 @@ def _stored_scale(s: torch.Tensor) -> torch.Tensor:
     2^-24 apart, coarse next to the scale: rounded to nearest, a scale that went down left the group's top weights
     past the last level (1.9 steps off at |w| ~ 1e-6), so those round up, and the levels still span the range."""
     subnormal = torch.ceil(s / MIN_SCALE) * MIN_SCALE  # exact: multiples of 2^-24 below 2^-14
-    return torch.where(s < FP16_MIN_NORMAL, subnormal, s.half().float()).clamp(min=MIN_SCALE)
+    return torch.where(s < FP16_MIN_NORMAL, subnormal, _float16(s)).clamp(min=MIN_SCALE)
 
 
 def _scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_point: str):
@@ -71,12 +78,12 @@ def _scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_po
     z not finite where the range is too wide for float16 (which `_check_stored` refuses)."""
     if symmetric:
         s = _stored_scale(torch.maximum(hi, -lo) / 7)
-        return s, (-8 * s).half().float()
+        return s, _float16(-8 * s)
     s = _stored_scale((hi - lo) / MAX_CODE)
     if zero_point == "float":
-        return s, lo.half().float()
+        return s, _float16(lo)
     zp = torch.clamp(torch.round(-lo / s), 0, MAX_CODE)
-    return s, (-zp * s).half().float()
+    return s, _float16(-zp * s)
 
 
 def _check_stored(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
