@@ -158,7 +158,7 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     _check_no_gradient(x, biases)
     if not _use_kernel(x, backend):
         x2 = x.reshape(-1, x.shape[-1])
-        checked = w4a4.checked_layers(x2, qweights, w_scales, biases, input_hadamard)  # the GPU op's checks
+        checked = w4a4.checked_layers(x2, qweights, w_scales, biases, input_hadamard, kernels=False)  # the op's
         ys = [reference.w4a4_linear(x2, *layer, input_hadamard) for layer in checked]
     else:
         x2 = _kernel_input(x)

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from nibble.kernels.triton_device import check_triton_device
 
@@ -154,6 +155,13 @@ def supported_hadamard_sizes(limit: int) -> list[int]:
 
 
 @functools.cache
+def _base_matrix_on(m: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`_base_matrix` where the reference runs, copied there once: a copy per call synchronised with the host, which
+    a CUDA graph cannot capture (the GPU's fallback for sizes the kernels cannot hold runs the reference)."""
+    return _base_matrix(m).to(device=device, dtype=dtype)
+
+
+@functools.cache
 def _base_matrix(m: int) -> torch.Tensor:
     """The +-1 (unnormalised) H_m, float64 on CPU; cached, never modified."""
     return _construction(m)()  # each construction's H H^T = m I is a test (a check here broke compiled graphs)
@@ -207,7 +215,7 @@ def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torc
         y = torch.stack((lo + hi, lo - hi), dim=-2).view(-1, m, p)
         h *= 2
     if m > 1:
-        hm = _base_matrix(m).to(device=x.device, dtype=cdt)
+        hm = _base_matrix_on(m, x.device, cdt)
         y = (hm.T if inverse else hm) @ y  # y[i] = sum_j H_m[i, j] y[j]; Sylvester is symmetric
     return (y * (1.0 / math.sqrt(n))).reshape(x.shape).to(x.dtype)
 
@@ -537,10 +545,11 @@ def _hadamard_op_vmap(info, in_dims, x, inverse):
 
 
 class _Hadamard(torch.autograd.Function):
-    """The op with its derivatives in every mode, for eager calls. The transform is linear: y = x @ H.T gives dL/dx =
-    dL/dy @ H (the opposite transform) and an output tangent that is the transform of the input's. The op's
-    register_autograd serves reverse mode outside torch.func only (torch.func.grad / jacrev refused it, and forward
-    mode took the transform for a constant); Dynamo cannot trace a Function's jvp, so compiled graphs take the op."""
+    """The op with its derivatives in every mode, taken under a torch.func transform or forward-mode AD. The transform
+    is linear: y = x @ H.T gives dL/dx = dL/dy @ H (the opposite transform) and an output tangent that is the
+    transform of the input's. The op's register_autograd serves reverse mode outside torch.func only (torch.func.grad
+    / jacrev refused it, and forward mode took the transform for a constant); elsewhere the op is called directly:
+    the Function cost ~40 us a call on the host, and Dynamo cannot trace its jvp."""
 
     generate_vmap_rule = True
 
@@ -563,4 +572,6 @@ def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """y = x @ H_n.T (inverse: x @ H_n) on the last dim, via torch.ops.nibble.hadamard_transform:
     the Triton kernel on CUDA, the reference elsewhere; differentiable (torch.func included) and
     torch.compile-safe."""
-    return _hadamard_op(x, inverse) if torch.compiler.is_compiling() else _Hadamard.apply(x, inverse)
+    if torch._C._are_functorch_transforms_active() or fwAD._current_level >= 0:
+        return _Hadamard.apply(x, inverse)
+    return _hadamard_op(x, inverse)  # its own register_autograd: reverse mode, eager and compiled

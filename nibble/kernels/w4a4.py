@@ -1335,11 +1335,12 @@ def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
 # The op
 # ================================================================================================
 
-def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard):
+def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard, kernels: bool = True):
+    """What the op's body takes (``kernels``: the GPU kernels run CUDA x, 16-bit only), checked by its fake too, so
+    a compiled graph refuses at trace time; the reference path (``kernels=False``) takes float32 on any device."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K] (flatten leading dims first), got shape {tuple(x.shape)}")
-    # what the bodies take (the CUDA one 16-bit only), checked here so the op's fake refuses at trace time too
-    allowed = KERNEL_DTYPES if x.is_cuda and triton is not None else KERNEL_DTYPES + (torch.float32,)
+    allowed = KERNEL_DTYPES if kernels and x.is_cuda and triton is not None else KERNEL_DTYPES + (torch.float32,)
     if x.dtype not in allowed:
         raise TypeError(f"x must be float16 or bfloat16 (float32 too on the CPU), got {x.dtype} on {x.device.type} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
@@ -1406,14 +1407,15 @@ def w4a4_matmul(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, 
     return w4a4_matmul_triton(qx, x_scale, qweight, w_scale, bias, out_dtype=out_dtype)
 
 
-def checked_layers(x, qweights, w_scales, biases, input_hadamard) -> list:
-    """[(qweight, w_scale, bias), ...] of layers that read x, each checked against it."""
+def checked_layers(x, qweights, w_scales, biases, input_hadamard, kernels: bool = True) -> list:
+    """[(qweight, w_scale, bias), ...] of layers that read x, each checked against it (``kernels``: see
+    `_check_linear_inputs`)."""
     if not (len(qweights) == len(w_scales) == len(biases)) or not qweights:
         raise ValueError(f"qweights, w_scales and biases must be non-empty lists of one length, got "
                          f"{len(qweights)}, {len(w_scales)}, {len(biases)}")
     layers = list(zip(qweights, w_scales, biases))
     for layer in layers:
-        _check_linear_inputs(x, *layer, input_hadamard)
+        _check_linear_inputs(x, *layer, input_hadamard, kernels)
     return layers
 
 

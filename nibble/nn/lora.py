@@ -133,8 +133,12 @@ def load_adapter(model: nn.Module, directory, adapter_name: str = "default", is_
                                         config=config, **kwargs)
     if adapter_name in model.peft_config:
         raise ValueError(f"this PeftModel holds an adapter named {adapter_name!r} already: pass another adapter_name")
+    # what peft's load_adapter does for a config it reads itself, which it skips for one the model already holds
+    model._check_new_adapter_config(config, is_trainable=is_trainable)
     config.inference_mode = not is_trainable
-    model.add_adapter(adapter_name, config)  # peft's load_adapter then takes the taught config it finds
+    model.add_adapter(adapter_name, config)  # leaves the new adapter frozen
+    if is_trainable:
+        model.set_requires_grad(adapter_name)
     model.load_adapter(directory, adapter_name, is_trainable=is_trainable, **kwargs)
     return model
 

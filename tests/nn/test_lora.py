@@ -238,3 +238,6 @@ def test_a_saved_adapter_loads_back_onto_the_quantized_model(tmp_path):
         assert torch.equal(loaded(input_ids=ids).logits, adapted(input_ids=ids).logits)
     with pytest.raises(ValueError, match="adapter named 'other' already"):
         load_adapter(loaded, tmp_path / "other", "other")
+    load_adapter(loaded, tmp_path / "other", "trained", is_trainable=True)  # it was left frozen
+    trainable = [p.requires_grad for n, p in loaded.named_parameters() if ".trained." in n]
+    assert trainable and all(trainable)
