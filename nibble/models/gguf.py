@@ -144,7 +144,7 @@ def _open(path: Path) -> gguf.GGUFReader:
             raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
     stat = path.stat()
     try:
-        reader = _read(path.resolve(), stat.st_mtime_ns, stat.st_size)
+        reader = _read(path.resolve(), stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
     except (ValueError, IndexError, struct.error) as e:  # numpy's view of a short file, the header past its end
         raise ValueError(f"{path} is truncated or corrupt ({e}); download or convert it again") from e
     arch = _field(reader, "general.architecture", path)
@@ -169,10 +169,12 @@ class _Reader(gguf.GGUFReader):
 
 
 @functools.lru_cache(maxsize=1)
-def _read(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
+def _read(path: Path, dev: int, ino: int, ctime_ns: int, mtime_ns: int, size: int) -> gguf.GGUFReader:
     # Parsing still costs seconds; load_gguf then read_q4_1_blocks on the same file (the
-    # quantization workflow) parse it once. The reader is read-only, so sharing it is safe;
-    # mtime and size key out a rewritten file.
+    # quantization workflow) parse it once. The reader is read-only, so sharing it is safe.
+    # The stat fields key out a rewritten or replaced file: mtime and size alone served the old
+    # model for another of the same size whose mtime was kept (cp -p, rsync -a, tar x); a
+    # replacement is another inode, and ctime is set by every change (utime cannot set it back).
     return _Reader(path)
 
 

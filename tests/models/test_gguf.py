@@ -233,3 +233,23 @@ def test_a_truncated_or_incomplete_gguf_is_named_in_one_line(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"fewer\.gguf lacks 1 of the model's tensors, e.g. "
                                          r"\['model\.layers\.1\.mlp\.down_proj\.weight'\]"):
         load_gguf(_write_gguf(tmp_path / "fewer.gguf", fewer))
+
+
+def test_a_file_replaced_by_another_of_the_same_size_and_time_is_read_anew(tiny, tmp_path):
+    """The parsed reader was cached by path, mtime and size: a file replaced by another model of the same size whose
+    mtime was kept (cp -p, rsync -a, tar x) loaded as the model it replaced."""
+    import os
+    import shutil
+    path = _write_gguf(tmp_path / "a.gguf", tiny)
+    first, _ = load_gguf(path)
+    torch.manual_seed(1)
+    other = _write_gguf(tmp_path / "b.gguf", LlamaForCausalLM(TINY).eval())
+    stat = path.stat()
+    shutil.copyfile(other, tmp_path / "new")
+    os.utime(tmp_path / "new", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(tmp_path / "new", path)
+    assert path.stat().st_size == stat.st_size
+    second, _ = load_gguf(path)
+    assert not torch.equal(second.model.embed_tokens.weight, first.model.embed_tokens.weight)
+    assert torch.equal(second.model.embed_tokens.weight, load_gguf(other)[0].model.embed_tokens.weight)
+
