@@ -103,6 +103,12 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     if writes_model and model and Path(model).is_dir() and path.resolve() == Path(model).resolve():
         raise ValueError(f"--out {out} is the --model folder: writing there would replace the model it reads; "
                          "give another folder")
+    # the save owns the folder (it removes the weight and tokenizer files it does not write): a quantized
+    # checkpoint there is one being written again, anything else a model the user keeps
+    if (writes_model and path.is_dir() and not _quantized_checkpoint(out)
+            and ((path / "config.json").exists() or any(path.glob("*.safetensors")))):
+        raise ValueError(f"--out {out} holds a model that is not a quantized checkpoint (its config.json or "
+                         "*.safetensors): writing there would replace it; give another folder, or empty this one")
     nearest = path.absolute()  # the folder, or the nearest of its parents that exists (the command creates the rest)
     while not nearest.exists():
         nearest = nearest.parent

@@ -542,6 +542,11 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 
 
+def test_an_out_holding_a_quantized_checkpoint_is_written_again(quantized_dir):
+    from nibble.cli import check_out
+    check_out(str(quantized_dir), None)
+
+
 def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp_path, monkeypatch):
     """A read-only --out, or a file, failed with a traceback once GPTQ or a whole report had run; --out naming the
     --model folder replaced the 16-bit source."""
@@ -552,8 +557,11 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
     file.write_text("")
     dangling = tmp_path / "link"
     dangling.symlink_to(tmp_path / "nowhere")
+    other = tmp_path / "other"  # another 16-bit model: its weights, config and tokenizer were replaced
+    tiny_model().save_pretrained(other)
     for out, message in ((file, "is a file: give a folder"), (file / "q", "cannot be created: .* is a file"),
-                         (model_dir, "is the --model folder"), (dangling, "is a link to .*nowhere, which does not")):
+                         (model_dir, "is the --model folder"), (dangling, "is a link to .*nowhere, which does not"),
+                         (other, "holds a model that is not a quantized checkpoint")):
         with pytest.raises(SystemExit, match=f"^nibble quantize: --out {out} {message}"):
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])
     with pytest.raises(SystemExit, match="^nibble quantize: --out is empty"):  # an unset "$OUTDIR"

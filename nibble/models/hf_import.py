@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
@@ -99,6 +98,8 @@ def read_quantization_config(directory) -> dict:
 
 
 def _read_safetensors(directory: Path) -> dict:
+    """Every tensor of the checkpoint: the files its index names, or without one every *.safetensors in
+    ``directory``."""
     index = directory / f"{WEIGHTS}.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -106,12 +107,16 @@ def _read_safetensors(directory: Path) -> dict:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only")
-    tensors = {}
+    tensors, held_by = {}, {}
     for name in files:
         try:
             with safe_open(str(directory / name), "pt") as f:
                 for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                    if key in held_by:  # the file read last won it: another checkpoint's copy beside this one
+                        raise ValueError(f"tensor {key!r} is in both {directory / held_by[key]} and {directory / name}"
+                                         ": one of them is not this checkpoint's (a backup or an earlier model's "
+                                         "file?); move it out of the folder")
+                    tensors[key], held_by[key] = f.get_tensor(key), name
         except (SafetensorError, OSError) as e:  # safetensors' own message names no file
             raise ValueError(f"{directory / name} is missing, truncated or corrupt ({e}); re-download the checkpoint "
                              "or re-save it") from e
@@ -318,12 +323,10 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
                                      QUANTIZED_BY: {"library": "nibble", "method": made.get("method"),
                                                     "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
-    from nibble.models.serialization import _atomic_write, save_companions
+    from nibble.models.serialization import write_checkpoint
     directory = Path(directory)  # made once every layer converted: a refused one leaves no empty folder
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
-    save_companions(model, directory, tokenizer)
+    write_checkpoint(model, directory, tensors, {"format": "pt"}, config, tokenizer)
     return directory
 
 

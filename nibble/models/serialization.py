@@ -7,7 +7,9 @@ are converted losslessly by nibble.models.hf_import).
 Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
 looks whole. Every tensor's sha256 goes into the safetensors metadata and is checked on load, so
 a truncated or edited file is an error, never silently wrong output; so does the digest of the
-quantization_config that reads the weights, so weights beside another save's config.json are refused.
+quantization_config that reads the weights, so weights beside another save's config.json are refused. A save owns
+its directory: the weight files, index, tokenizer files and generation config of an earlier checkpoint there that it
+does not write again are removed, since every reader would take them for this model's.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the quantization_config's digest
+# what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 SAVE_FORMATS = ("nibble", *EXPORT_FORMATS)  # save_quantized's, and nibble quantize --format's
 
 
@@ -98,12 +103,23 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     # (transformers' "format" among them) made the same model's file differ byte for byte between two saves.
     metadata = {METADATA: json.dumps({"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,
                                       "quantization_config": _digest(config["quantization_config"])})}
+    write_checkpoint(model, directory, tensors, metadata, config, tokenizer)
+    return directory
+
+
+def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata: dict, config: dict,
+                     tokenizer=None) -> None:
+    """Write a checkpoint's files into ``directory``: the weights, config.json, then the companions; and remove the
+    other weight files and index an earlier checkpoint left there, which the importer, transformers and vLLM would
+    read as this model's (an index wins over model.safetensors)."""
     # two files, each replaced atomically: the digest of the config that reads the weights goes with them, so a save
     # interrupted between the two (new weights, old config.json) is refused on load, not run as another model
     _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
+    for stale in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json"]:
+        if stale.name != WEIGHTS:
+            stale.unlink(missing_ok=True)
     _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
     save_companions(model, directory, tokenizer)
-    return directory
 
 
 def check_no_adapters(model: nn.Module) -> None:
@@ -117,11 +133,16 @@ def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
     """What a checkpoint holds beside its weights and config.json: the generation config (an Instruct model's
     end-of-turn tokens and sampling defaults live there only: Llama-3-Instruct's config.json names
     <|end_of_text|>, its generation_config.json <|eot_id|> too) and the tokenizer, as ``save_pretrained`` writes
-    them."""
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+    them. Those files of an earlier checkpoint in ``directory`` that this save does not write are removed: loaded
+    with this model they were another model's tokenizer, or its chat template on this tokenizer."""
+    written = set() if tokenizer is None else {Path(p).name for p in tokenizer.save_pretrained(directory)}
+    for name in TOKENIZER_FILES:
+        if name not in written:
+            (directory / name).unlink(missing_ok=True)
     generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
+    if generation_config is None:
+        (directory / GENERATION_CONFIG).unlink(missing_ok=True)
+    else:
         # as the model holds it: GenerationConfig.save_pretrained refuses flags it calls unused (a temperature
         # without do_sample, as Hub models ship them and transformers loads with a warning), which failed the
         # command after all its work

@@ -485,3 +485,20 @@ def test_bad_devices_are_refused_by_name(tmp_path, monkeypatch):
     for load in (load_quantized, load_hf_quantized):
         with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
             load(tmp_path, device="cuda")
+
+
+def _export(tmp_path, name="q", fmt="awq", **overrides):
+    model = quantize_model(tiny_model("llama", **overrides), QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path / name, format=fmt)
+    return model, tmp_path / name
+
+
+def test_a_tensor_held_by_two_files_is_refused_naming_both(tmp_path):
+    """Without an index every *.safetensors is read, and the file that sorted last won a key both held: an export
+    beside a backup of the earlier model's loaded as the backup, without a word."""
+    import shutil
+    _, path = _export(tmp_path)
+    shutil.copy(path / "model.safetensors", path / "model_old.safetensors")
+    with pytest.raises(ValueError, match=r"tensor 'model\.[^']+' is in both .*/model\.safetensors and "
+                                         r".*/model_old\.safetensors"):
+        load_quantized(path)

@@ -221,6 +221,66 @@ def test_weights_under_another_quantization_config_are_refused(tmp_path):
         load_quantized(tmp_path / "old")
 
 
+def _tokenizer(chat_template=None):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=chat_template)
+
+
+def _quantized(arch="llama"):
+    model = tiny_model(arch)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    return model
+
+
+def _reshard(directory):
+    """The folder's model.safetensors as two shards and an index, as transformers, AutoAWQ and GPTQModel write a
+    large model."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(directory / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, directory / file, metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
+def test_a_save_into_a_sharded_checkpoints_folder_leaves_none_of_its_shards(tmp_path, fmt):
+    """An export wrote model.safetensors beside an earlier checkpoint's shards and index, which the importer (like
+    transformers and vLLM) follows: the folder loaded as the earlier model, without a word."""
+    old, new = _quantized(), _quantized()
+    save_quantized(old, tmp_path / "d", format=fmt)
+    _reshard(tmp_path / "d")
+    save_quantized(new, tmp_path / "d", format=fmt)
+    assert sorted(p.name for p in (tmp_path / "d").glob("model*")) == ["model.safetensors"]
+    save_quantized(new, tmp_path / "ref", format=fmt)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "d")[0](ids).logits, load_quantized(tmp_path / "ref")[0](ids).logits)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_save_replaces_the_tokenizer_and_generation_config_an_earlier_save_left(tmp_path, fmt):
+    """A tokenizer without a chat template saved where another's was kept that chat_template.jinja (nibble generate
+    then prompted the model with another's template), and a save without a tokenizer kept the earlier model's."""
+    model = _quantized()
+    save_quantized(model, tmp_path, _tokenizer(chat_template="{{ 'EARLIER MODEL' }}"), format=fmt)
+    save_quantized(model, tmp_path, _tokenizer(), format=fmt)
+    assert load_quantized(tmp_path)[1].chat_template is None
+    model.generation_config = None
+    save_quantized(model, tmp_path, format=fmt)
+    loaded, tokenizer = load_quantized(tmp_path)
+    assert tokenizer is None and not (tmp_path / "generation_config.json").exists()
+
+
 def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved, tmp_path):
     """safetensors orders several metadata keys anew each process (a hash map): the same model saved twice gave
     files that differed byte for byte. Checkpoints written with the earlier keys still load."""
