@@ -97,9 +97,9 @@ def read_quantization_config(directory) -> dict:
     return out
 
 
-def _read_safetensors(directory: Path) -> dict:
-    """Every tensor of the checkpoint: the files its index names, or without one every *.safetensors in
-    ``directory``."""
+def _read_safetensors(directory: Path) -> tuple[dict, dict]:
+    """(every tensor of the checkpoint, each file's safetensors metadata): the files its index names, or without
+    one every *.safetensors in ``directory``."""
     index = directory / f"{WEIGHTS}.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -107,10 +107,11 @@ def _read_safetensors(directory: Path) -> dict:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only")
-    tensors, held_by = {}, {}
+    tensors, held_by, metadata = {}, {}, {}
     for name in files:
         try:
             with safe_open(str(directory / name), "pt") as f:
+                metadata[name] = f.metadata() or {}
                 for key in f.keys():
                     if key in held_by:  # the file read last won it: another checkpoint's copy beside this one
                         raise ValueError(f"tensor {key!r} is in both {directory / held_by[key]} and {directory / name}"
@@ -120,7 +121,7 @@ def _read_safetensors(directory: Path) -> dict:
         except (SafetensorError, OSError) as e:  # safetensors' own message names no file
             raise ValueError(f"{directory / name} is missing, truncated or corrupt ({e}); re-download the checkpoint "
                              "or re-save it") from e
-    return tensors
+    return tensors, metadata
 
 
 def _convert_layer(info: dict, t: dict, prefix: str):
@@ -171,12 +172,15 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     info = read_quantization_config(directory)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
     raw = json.loads((directory / CONFIG).read_text())
-    raw.pop("quantization_config", None)
-    config = AutoConfig.for_model(**raw)
+    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_architecture(model)
-    tensors = _read_safetensors(directory)
+    tensors, metadata = _read_safetensors(directory)
+    from nibble.models.serialization import METADATA, _rebuild_non_persistent_buffers, check_config_digest
+    for name, meta in metadata.items():  # a nibble export carries the digest of the config.json written with it
+        if METADATA in meta:
+            check_config_digest(directory / name, json.loads(meta[METADATA]), raw)
 
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not prefixes:
@@ -215,7 +219,6 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
                          f"unexpected {unexpected[:5]})")
     if tied:
         model.tie_weights()
-    from nibble.models.serialization import _rebuild_non_persistent_buffers
     _rebuild_non_persistent_buffers(model, device)
     fold_mlp_input_orders(model)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
@@ -323,10 +326,11 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
                                      QUANTIZED_BY: {"library": "nibble", "method": made.get("method"),
                                                     "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
-    from nibble.models.serialization import write_checkpoint
+    from nibble.models.serialization import METADATA, write_checkpoint
     directory = Path(directory)  # made once every layer converted: a refused one leaves no empty folder
     directory.mkdir(parents=True, exist_ok=True)
-    write_checkpoint(model, directory, tensors, {"format": "pt"}, config, tokenizer)
+    # "format": transformers 4 refuses a file without it; METADATA: the config's digest, which other readers ignore
+    write_checkpoint(model, directory, tensors, {"format": "pt", METADATA: {}}, config, tokenizer)
     return directory
 
 

@@ -7,9 +7,10 @@ are converted losslessly by nibble.models.hf_import).
 Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
 looks whole. Every tensor's sha256 goes into the safetensors metadata and is checked on load, so
 a truncated or edited file is an error, never silently wrong output; so does the digest of the
-quantization_config that reads the weights, so weights beside another save's config.json are refused. A save owns
-its directory: the weight files, index, tokenizer files and generation config of an earlier checkpoint there that it
-does not write again are removed, since every reader would take them for this model's.
+config.json that reads the weights (every field that changes what they compute), so weights beside another
+save's config.json are refused; the AutoAWQ / GPTQ exports carry that digest too. A save owns its directory:
+the weight files, index, tokenizer files and generation config of an earlier checkpoint there that it does not
+write again are removed, since every reader would take them for this model's.
 """
 from __future__ import annotations
 
@@ -36,10 +37,14 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the quantization_config's digest
+METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
 # what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# config.json fields the config digest leaves out: what the weights compute does not depend on them (the load's
+# default dtype, generation's special tokens, provenance), so editing them is no reason to refuse the weights
+NOT_DIGESTED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "bos_token_id",
+                "eos_token_id", "pad_token_id")
 SAVE_FORMATS = ("nibble", *EXPORT_FORMATS)  # save_quantized's, and nibble quantize --format's
 
 
@@ -99,27 +104,44 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
     config["quantization_config"] = {**qc, "online_hadamard_modules": online,
                                      "input_permuted_modules": input_permuted_modules(model)}
-    # One metadata key: safetensors writes its metadata from a hash map, in another order each run, so several keys
-    # (transformers' "format" among them) made the same model's file differ byte for byte between two saves.
-    metadata = {METADATA: json.dumps({"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,
-                                      "quantization_config": _digest(config["quantization_config"])})}
+    # nibble's key alone: no other reader reads this file, so it needs no "format" (the exports' transformers key)
+    metadata = {METADATA: {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases}}
     write_checkpoint(model, directory, tensors, metadata, config, tokenizer)
     return directory
 
 
 def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata: dict, config: dict,
                      tokenizer=None) -> None:
-    """Write a checkpoint's files into ``directory``: the weights, config.json, then the companions; and remove the
-    other weight files and index an earlier checkpoint left there, which the importer, transformers and vLLM would
-    read as this model's (an index wins over model.safetensors)."""
+    """Write a checkpoint's files into ``directory``: the weights, with the digest of ``config`` added to
+    ``metadata[METADATA]``, then config.json, then the companions; and remove the other weight files and index an
+    earlier checkpoint left there, which the importer, transformers and vLLM would read as this model's (an index
+    wins over model.safetensors)."""
+    text = json.dumps(config, indent=2, default=str)
+    metadata = {**metadata, METADATA: json.dumps({**metadata[METADATA], "config": config_digest(json.loads(text))})}
     # two files, each replaced atomically: the digest of the config that reads the weights goes with them, so a save
     # interrupted between the two (new weights, old config.json) is refused on load, not run as another model
-    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
+    _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
     for stale in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json"]:
         if stale.name != WEIGHTS:
             stale.unlink(missing_ok=True)
-    _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
+    _atomic_write(directory / CONFIG, lambda p: p.write_text(text))
     save_companions(model, directory, tokenizer)
+
+
+def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
+    """save_file, its metadata then put in key order: safetensors writes it from a hash map, in another order each
+    run, and the AutoAWQ / GPTQ exports need two keys (transformers 4 refuses a file without "format")."""
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        # the same entries in another order, as compact as safetensors writes them: the same length (were it longer,
+        # it would overwrite the tensors; the file is left as written then, valid, its metadata in any order)
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:
+            f.seek(8)
+            f.write(text.ljust(size))
 
 
 def check_no_adapters(model: nn.Module) -> None:
@@ -165,11 +187,32 @@ def load_companions(model: nn.Module, directory: Path):
     return None
 
 
-def _digest(quantization_config: dict) -> str:
-    return hashlib.sha256(json.dumps(quantization_config, sort_keys=True, default=str).encode()).hexdigest()
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _read_checked(path: Path, quantization_config: dict) -> tuple[dict, dict]:
+def config_digest(config: dict) -> str:
+    """The digest of config.json (as read from the file) that the weights saved with it carry: every field but
+    those that do not change what the weights compute (`NOT_DIGESTED`)."""
+    return _digest({k: v for k, v in config.items() if k not in NOT_DIGESTED})
+
+
+def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
+    """Refuse the weights file ``path`` when the digest it carries (``saved_with``: its metadata's) is not that of
+    ``config``, the config.json beside it. Checkpoints of sessions 56-57 carry the quantization_config's alone."""
+    if "config" in saved_with:
+        same = saved_with["config"] == config_digest(config)
+    elif "quantization_config" in saved_with:
+        same = saved_with["quantization_config"] == _digest(config.get("quantization_config"))
+    else:  # written before the digest, or by another tool
+        return
+    if not same:
+        raise CheckpointError(f"{path} was saved with another config than {path.parent / CONFIG} holds (a save into "
+                              "this directory interrupted between the two files, or an edited config.json): save the "
+                              "model again")
+
+
+def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: not a nibble checkpoint directory")
     if not os.access(path, os.R_OK):  # safetensors says "No such file or directory" of it
@@ -194,11 +237,7 @@ def _read_checked(path: Path, quantization_config: dict) -> tuple[dict, dict]:
     bad = [k for k, v in tensors.items() if _sha256(v) != checksums[k]]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
-    saved_with = ours.get("quantization_config")
-    if saved_with is not None and saved_with != _digest(quantization_config):
-        raise CheckpointError(f"{path} was saved with another quantization_config than {path.parent / CONFIG} "
-                              "holds (a save into this directory interrupted between the two files, or an edited "
-                              "config.json): save the model again")
+    check_config_digest(path, ours, config)
     return tensors, ours.get("aliases", {})
 
 
@@ -227,7 +266,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         raw = json.loads((directory / CONFIG).read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{directory / CONFIG} is not valid JSON ({e})") from e
-    qc_dict = raw.pop("quantization_config", None)
+    qc_dict = raw.get("quantization_config")
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
     if qc_dict.get("quant_method") in HF_QUANT_METHODS:
@@ -235,7 +274,8 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     qc = QuantConfig.from_dict(qc_dict)
     online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
     permuted = set(qc_dict.get("input_permuted_modules", []))
-    tensors, aliases = _read_checked(directory / WEIGHTS, qc_dict)
+    tensors, aliases = _read_checked(directory / WEIGHTS, raw)
+    raw.pop("quantization_config")
     config = AutoConfig.for_model(**raw)
     dtype = dtype or _saved_dtype(raw, device)
     with torch.device("meta"):

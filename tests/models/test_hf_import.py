@@ -502,3 +502,23 @@ def test_a_tensor_held_by_two_files_is_refused_naming_both(tmp_path):
     with pytest.raises(ValueError, match=r"tensor 'model\.[^']+' is in both .*/model\.safetensors and "
                                          r".*/model_old\.safetensors"):
         load_quantized(path)
+
+
+@pytest.mark.parametrize("old,new", [("gptq", "gptq_v2"), ("awq", "awq")])
+def test_an_export_interrupted_between_its_two_files_is_refused(tmp_path, old, new):
+    """Exports carried no digest of their config: v2 weights beside a v1 export's config.json read every zero point a
+    step off, and another model's weights beside a config of other RoPE loaded as a third model."""
+    import shutil
+    _export(tmp_path, "old", old)
+    _export(tmp_path, "new", new, rope_theta=5e5)
+    shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
+    with pytest.raises(ValueError, match="saved with another config than .*config.json holds"):
+        load_quantized(tmp_path / "old")
+
+
+def test_an_exports_bytes_do_not_depend_on_the_metadatas_order(tmp_path):
+    """safetensors writes its metadata from a hash map: with two keys the same export differed byte for byte."""
+    _, path = _export(tmp_path)
+    with open(path / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"]) == ["format", "nibble"]

@@ -213,12 +213,50 @@ def test_weights_under_another_quantization_config_are_refused(tmp_path):
         quantize_model(model, QuantConfig(mode="w4a4", rotation=rotation), progress=False)
         save_quantized(model, tmp_path / name)
     config = json.loads((tmp_path / "old" / "config.json").read_text())
-    config["max_position_embeddings"] += 1  # other keys of config.json may be edited
+    config["eos_token_id"], config["_name_or_path"] = 7, "elsewhere"  # keys that do not change what the weights mean
     (tmp_path / "old" / "config.json").write_text(json.dumps(config))
     load_quantized(tmp_path / "old")
     shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
-    with pytest.raises(CheckpointError, match="saved with another quantization_config than .*config.json holds"):
+    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
         load_quantized(tmp_path / "old")
+
+
+@pytest.mark.parametrize("key,value", [("rope_theta", 5e5), ("rms_norm_eps", 1e-3), ("hidden_act", "gelu")])
+def test_weights_under_another_architecture_config_are_refused(tmp_path, key, value):
+    """The digest covered the quantization_config alone: weights saved beside another model's config.json of the same
+    shapes and QuantConfig (another RoPE theta, norm epsilon or activation) loaded without a word as another model."""
+    import shutil
+    for name, overrides in (("old", {}), ("new", {key: value})):
+        model = tiny_model("llama", **overrides)
+        quantize_model(model, QuantConfig(group_size=32), progress=False)
+        save_quantized(model, tmp_path / name)
+    shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
+        load_quantized(tmp_path / "old")
+
+
+def test_checkpoints_whose_digest_covers_the_quantization_config_alone_still_load(saved):
+    """Sessions 56-57 stored the digest of the quantization_config only: those checkpoints load, and weights beside
+    another quantization_config are still refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from nibble.models.serialization import _digest
+    model, path = saved
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(path / "model.safetensors", "pt") as f:
+        ours = json.loads(f.metadata()["nibble"])
+    del ours["config"]
+    ours["quantization_config"] = _digest(config["quantization_config"])
+    save_file(load_file(path / "model.safetensors"), path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
+    loaded, _ = load_quantized(path)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    config["quantization_config"]["clip_search"] = not config["quantization_config"]["clip_search"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="saved with another config than"):
+        load_quantized(path)
 
 
 def _tokenizer(chat_template=None):
