@@ -33,7 +33,7 @@ from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
-from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
+from nibble.models.convert import check_architecture, mark_quantized, quantized_linears, untie_lm_head
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 
@@ -218,7 +218,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         raise ValueError(f"{directory}: checkpoint does not match the architecture (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")
     if tied:
-        model.tie_weights()
+        _tie_lm_head(model, directory, stored="lm_head.weight" in state)
     _rebuild_non_persistent_buffers(model, device)
     fold_mlp_input_orders(model)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
@@ -232,6 +232,22 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     model.eval()
     from nibble.models.serialization import load_companions
     return model, load_companions(model, directory)
+
+
+def _tie_lm_head(model: nn.Module, directory: Path, stored: bool) -> None:
+    """Tie lm_head to the embedding, as config.json's tie_word_embeddings says, where the checkpoint agrees: a head
+    of its own (``stored``) that differs from the embedding (a fine-tune whose config kept its tied base's setting)
+    is kept, as transformers keeps it, and a quantized one (GPTQModel's lm_head=True) has no float weight to share;
+    tie_weights() replaced the first by the embedding and hung the embedding on the second."""
+    head, embed = model.lm_head, model.get_input_embeddings()
+    if isinstance(head, QuantLinear) or (stored and not torch.equal(head.weight, embed.weight)):
+        if not isinstance(head, QuantLinear):
+            warnings.warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
+                          "differs from the embedding: kept untied, as stored (transformers does the same)",
+                          stacklevel=3)
+        untie_lm_head(model)  # the config then says what the model holds
+    else:
+        model.tie_weights()
 
 
 @torch.no_grad()

@@ -522,3 +522,43 @@ def test_an_exports_bytes_do_not_depend_on_the_metadatas_order(tmp_path):
     with open(path / "model.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert list(header["__metadata__"]) == sorted(header["__metadata__"]) == ["format", "nibble"]
+
+
+def test_a_stored_lm_head_is_kept_when_the_config_says_tied(tmp_path):
+    """A fine-tune whose config kept its base's tie_word_embeddings: the import tied lm_head to the embedding and threw
+    the stored head away (transformers keeps it, and warns). A head equal to the embedding is tied."""
+    model, path = _export(tmp_path, tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(path / "model.safetensors")  # as another tool wrote it: no digest of the config
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="lm_head.weight differs from the embedding.*kept untied"):
+        loaded, _ = load_quantized(path)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.half().float())
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded, _ = load_quantized(path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_a_quantized_lm_head_is_not_tied_to_the_embedding(tmp_path):
+    """GPTQModel's lm_head=True beside tie_word_embeddings: tie_weights() hung the embedding on the quantized head as
+    a stray lm_head.weight, which a nibble save recorded as an alias its load refused."""
+    from nibble.formats.gptq import to_gptq
+    quantized_head = quantize_model(tiny_model("llama"), QuantConfig(group_size=32, modules_to_not_convert=[]),
+                                    progress=False)
+    _, path = _export(tmp_path, fmt="gptq")  # tied, its 16-bit head stored once as the embedding
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({f"lm_head.{k}": v.contiguous() for k, v in to_gptq(quantized_head.lm_head.weight_int4()).items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    imported, _ = load_quantized(path)
+    assert isinstance(imported.lm_head, QuantLinear) and not list(imported.lm_head.parameters())
+    save_quantized(imported, tmp_path / "nibble")
+    loaded, _ = load_quantized(tmp_path / "nibble")
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, imported(ids).logits)
