@@ -79,6 +79,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
             raise ValueError(f"{path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the "
                              f"installed gguf package (v{version('gguf')}) cannot dequantize; convert the model "
                              "to a float, Q8_0, Q4_x/Q5_x or K-quant GGUF") from None
+        bad = int((~np.isfinite(weight)).sum())
+        if bad:  # GGUF has no checksum: the model would answer NaN logits, found only at generation
+            raise ValueError(f"{path}: tensor {tensor.name} holds {bad} NaN or Inf value(s): the file is corrupt; "
+                             "download or convert it again")
         # The reader yields weights in ggml's [N, K] row order: already nn.Linear's [out, in].
         weight = np.require(weight.reshape(_torch_shape(tensor)), requirements="W")  # torch wants writable memory
         state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config)

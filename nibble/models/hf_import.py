@@ -124,6 +124,13 @@ def _read_safetensors(directory: Path) -> tuple[dict, dict]:
     return tensors, metadata
 
 
+def _check_finite(t: torch.Tensor, name: str) -> None:
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:  # the model would output NaN, found only at generation
+        raise ValueError(f"{name} holds {bad} NaN or Inf value(s): the checkpoint is corrupt, or its quantization "
+                         "overflowed float16; re-download it or quantize the model again")
+
+
 def _convert_layer(info: dict, t: dict, prefix: str):
     """(Int4Weight, perm or None, the zero-point convention read: `_symmetric_zeros_format`) of one quantized
     linear from its checkpoint tensors."""
@@ -190,6 +197,9 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
         bias = tensors.pop(f"{prefix}.bias", None)
         weight, perm, read_as = _convert_layer(info, t, prefix)
+        for what, value in (("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
+            if value is not None:
+                _check_finite(value, f"{directory}: {prefix}.{what}")
         if read_as != info["checkpoint_format"]:
             relabelled.append(prefix)
         old = model.get_submodule(prefix)
@@ -209,6 +219,9 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         warnings.warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
                       f"{len(relabelled)} of its layers ({relabelled[0]}, ...) store 8, the gptq_v2 convention: read "
                       "as gptq_v2", stacklevel=2)
+    for k, v in tensors.items():
+        if v.is_floating_point():
+            _check_finite(v, f"{directory}: {k}")
     state = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = getattr(config, "tie_word_embeddings", False)

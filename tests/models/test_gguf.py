@@ -253,3 +253,13 @@ def test_a_file_replaced_by_another_of_the_same_size_and_time_is_read_anew(tiny,
     assert not torch.equal(second.model.embed_tokens.weight, first.model.embed_tokens.weight)
     assert torch.equal(second.model.embed_tokens.weight, load_gguf(other)[0].model.embed_tokens.weight)
 
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_weight_is_refused_naming_the_tensor(tiny, tmp_path, value):
+    """A NaN in one weight loaded, and the model answered NaN logits (token 0 again and again) at generation."""
+    weights = {k: v.clone() for k, v in tiny.state_dict().items()}
+    weights["model.layers.0.mlp.down_proj.weight"][5, 7] = value
+    damaged = SimpleNamespace(config=tiny.config, state_dict=lambda: weights)
+    with pytest.raises(ValueError, match=r"bad\.gguf: tensor blk\.0\.ffn_down\.weight holds 1 NaN or Inf value\(s\): the "
+                                         "file is corrupt"):
+        load_gguf(_write_gguf(tmp_path / "bad.gguf", damaged))

@@ -545,6 +545,20 @@ def test_a_stored_lm_head_is_kept_when_the_config_says_tied(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("fmt,tensor", [("awq", "scales"), ("gptq", "scales"), ("gptq", "bias")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_scales_are_refused_naming_the_layer(tmp_path, fmt, tensor, value):
+    """fp16 scales that overflowed (a known GPTQ failure) or a damaged file imported as a model that outputs NaN."""
+    _, path = _export(tmp_path, fmt=fmt)
+    tensors = load_file(path / "model.safetensors")
+    name = f"model.layers.1.self_attn.q_proj.{tensor}"
+    tensors.setdefault(name, torch.zeros(tensors["model.layers.1.self_attn.q_proj.scales"].shape[1]).half())
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model\.layers\.1\.self_attn\.q_proj\.{tensor} holds 1 NaN or Inf value.*corrupt"):
+        load_quantized(path)
+
+
 def test_a_quantized_lm_head_is_not_tied_to_the_embedding(tmp_path):
     """GPTQModel's lm_head=True beside tie_word_embeddings: tie_weights() hung the embedding on the quantized head as
     a stray lm_head.weight, which a nibble save recorded as an alias its load refused."""
