@@ -286,7 +286,8 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         old = model.get_submodule(name)
         group_size = old.in_features // tensors[name + ".scales"].shape[0]
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
-        q = cls(old.in_features, old.out_features, old.bias is not None, group_size, qc.mode,
+        # the bias the checkpoint holds, not the architecture's: an imported AutoGPTQ model has one on every linear
+        q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, group_size, qc.mode,
                 name in online_hadamard, dtype=dtype, device="meta")
         setattr(model.get_submodule(parent), child, q)
     for name in online_hadamard:  # 16-bit linears that rotate their input (a quantized one was built above)

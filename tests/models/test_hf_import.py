@@ -559,6 +559,24 @@ def test_non_finite_scales_are_refused_naming_the_layer(tmp_path, fmt, tensor, v
         load_quantized(path)
 
 
+def test_a_gptq_checkpoint_with_a_bias_on_every_linear_roundtrips_through_nibbles_format(tmp_path):
+    """AutoGPTQ before 0.5 gave every quantized linear a bias: imported with them, saved in nibble's format, the
+    checkpoint was refused on load ("Unexpected key(s) ... q_proj.bias") because the layers were built from the
+    architecture, which has none."""
+    _, path = _export(tmp_path, fmt="gptq")
+    tensors = load_file(path / "model.safetensors")
+    for k in [k for k in tensors if k.endswith(".qweight")]:
+        tensors[k.removesuffix("qweight") + "bias"] = torch.randn(tensors[k].shape[1]).half()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    imported, _ = load_quantized(path)
+    save_quantized(imported, tmp_path / "nibble")
+    loaded, _ = load_quantized(tmp_path / "nibble")
+    assert loaded.model.layers[0].self_attn.q_proj.bias is not None
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, imported(ids).logits)
+
+
 def test_a_quantized_lm_head_is_not_tied_to_the_embedding(tmp_path):
     """GPTQModel's lm_head=True beside tie_word_embeddings: tie_weights() hung the embedding on the quantized head as
     a stray lm_head.weight, which a nibble save recorded as an alias its load refused."""
