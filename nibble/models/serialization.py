@@ -5,8 +5,8 @@ written too (`format=`, and load_quantized tells them apart by their ``quant_met
 are converted losslessly by nibble.models.hf_import).
 
 Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
-looks whole. Every tensor's sha256 goes into the safetensors metadata and is checked on load, so
-a truncated or edited file is an error, never silently wrong output; so does the digest of the
+looks whole. Every tensor's sha256 (of its dtype, shape and data) goes into the safetensors metadata and is
+checked on load, so a truncated or edited file is an error, never silently wrong output; so does the digest of the
 config.json that reads the weights (every field that changes what they compute), so weights beside another
 save's config.json are refused; the AutoAWQ / GPTQ exports carry that digest too. A save owns its directory:
 the weight files, index, tokenizer files and generation config of an earlier checkpoint there that it does not
@@ -38,6 +38,9 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
+CHECKSUM_VERSION = 2  # 2: the checksums cover each tensor's dtype and shape too (1, or none said: its data alone)
+# the canonical format's tensors (docs/ARCHITECTURE.md), whatever dtype the model runs in
+FORMAT_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "zeros": torch.float16}
 # what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -54,8 +57,12 @@ class CheckpointError(ValueError):
     ``except ValueError`` catches them all."""
 
 
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+def _sha256(t: torch.Tensor, typed: bool = True) -> str:
+    """The checksum of a tensor's data and, ``typed`` (checkpoints of CHECKSUM_VERSION 2), of its dtype and shape:
+    over the data alone, one edited byte of the header ("F16" to "I16") loaded the same bytes as another model."""
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode() if typed else b"")
+    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -105,7 +112,8 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     config["quantization_config"] = {**qc, "online_hadamard_modules": online,
                                      "input_permuted_modules": input_permuted_modules(model)}
     # nibble's key alone: no other reader reads this file, so it needs no "format" (the exports' transformers key)
-    metadata = {METADATA: {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases}}
+    metadata = {METADATA: {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,
+                           "checksum_version": CHECKSUM_VERSION}}
     write_checkpoint(model, directory, tensors, metadata, config, tokenizer)
     return directory
 
@@ -234,7 +242,8 @@ def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
     checksums = ours["checksums"]
     if set(checksums) != set(tensors):
         raise CheckpointError(f"{path}: tensor names do not match the checksum table; the file was edited")
-    bad = [k for k, v in tensors.items() if _sha256(v) != checksums[k]]
+    typed = ours.get("checksum_version", 1) >= 2
+    bad = [k for k, v in tensors.items() if _sha256(v, typed) != checksums[k]]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
     check_config_digest(path, ours, config)
@@ -283,6 +292,11 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     check_architecture(model)
     for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")}:
         parent, _, child = name.rpartition(".")
+        for part, want in FORMAT_DTYPES.items():  # a checkpoint whose checksums cover its data alone, or a converter's
+            held = tensors.get(f"{name}.{part}", torch.empty(0, dtype=want)).dtype  # a missing one: said below
+            if held != want:
+                raise CheckpointError(f"{directory / WEIGHTS}: {name}.{part} is {held}, where nibble's format holds "
+                                      f"{want}: the file was edited or written by another tool; save the model again")
         old = model.get_submodule(name)
         group_size = old.in_features // tensors[name + ".scales"].shape[0]
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear

@@ -73,6 +73,43 @@ def test_edited_bytes_fail_the_checksum(saved):
         load_quantized(path)
 
 
+def _edit_header(path, key, old, new):
+    """The checkpoint's safetensors header with ``key``'s entry ``old`` replaced by ``new`` (of the same length)."""
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    start = data.index(json.dumps(key).encode(), 8, 8 + size)
+    at = data.index(old, start, 8 + size)
+    f.write_bytes(data[:at] + new + data[at + len(old):])
+
+
+@pytest.mark.parametrize("key,old,new", [("model.layers.0.self_attn.q_proj.scales", b'"F16"', b'"I16"'),
+                                         ("model.layers.0.self_attn.q_proj.qweight", b'"I32"', b'"F32"'),
+                                         ("model.norm.weight", b'"F32"', b'"I32"')])
+def test_a_tensors_dtype_edited_in_the_header_fails_the_checksum(saved, key, old, new):
+    """The checksums covered the data alone: the same bytes read under another dtype of the same width (one edited
+    header byte) loaded as another model (int16 scales: every logit off), or failed at the first forward."""
+    _, path = saved
+    _edit_header(path, key, old, new)
+    with pytest.raises(CheckpointError, match=f"checksum mismatch in 1 tensor.*{key}"):
+        load_quantized(path)
+
+
+def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved):
+    """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way."""
+    from safetensors.torch import load_file, save_file
+
+    from nibble.models.serialization import _sha256
+    _, path = saved
+    _edit_header(path, "model.layers.0.self_attn.q_proj.scales", b'"F16"', b'"I16"')
+    tensors = load_file(path / "model.safetensors")
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(
+        {"checksums": {k: _sha256(v, typed=False) for k, v in tensors.items()}, "aliases": {}})})
+    with pytest.raises(CheckpointError, match=r"q_proj\.scales is torch\.int16, where nibble's format holds "
+                                              r"torch\.float16: the file was edited"):
+        load_quantized(path)
+
+
 def test_newer_format_version_is_refused(saved):
     _, path = saved
     cfg = json.loads((path / "config.json").read_text())
@@ -241,14 +278,15 @@ def test_checkpoints_whose_digest_covers_the_quantization_config_alone_still_loa
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from nibble.models.serialization import _digest
+    from nibble.models.serialization import _digest, _sha256
     model, path = saved
     config = json.loads((path / "config.json").read_text())
     with safe_open(path / "model.safetensors", "pt") as f:
-        ours = json.loads(f.metadata()["nibble"])
-    del ours["config"]
-    ours["quantization_config"] = _digest(config["quantization_config"])
-    save_file(load_file(path / "model.safetensors"), path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
+        aliases = json.loads(f.metadata()["nibble"])["aliases"]
+    tensors = load_file(path / "model.safetensors")
+    ours = {"checksums": {k: _sha256(v, typed=False) for k, v in tensors.items()}, "aliases": aliases,
+            "quantization_config": _digest(config["quantization_config"])}
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
     loaded, _ = load_quantized(path)
     ids = torch.randint(0, 256, (1, 7))
     with torch.no_grad():
@@ -336,8 +374,11 @@ def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved,
     from safetensors import safe_open
     with safe_open(path / "model.safetensors", "pt") as f:
         ours = json.loads(f.metadata()["nibble"])
-    save_file(load_file(path / "model.safetensors"), path / "model.safetensors",  # the metadata as session 55 wrote it
-              metadata={"format": "pt", "nibble_checksums": json.dumps(ours["checksums"]),
+    from nibble.models.serialization import _sha256
+    tensors = load_file(path / "model.safetensors")
+    save_file(tensors, path / "model.safetensors",  # the metadata as session 55 wrote it: checksums of the data alone
+              metadata={"format": "pt", "nibble_checksums": json.dumps({k: _sha256(v, typed=False)
+                                                                        for k, v in tensors.items()}),
                         "nibble_aliases": json.dumps(ours["aliases"])})
     loaded, _ = load_quantized(path)
     ids = torch.randint(0, 256, (1, 7))
