@@ -302,6 +302,21 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
+def model_to_save(model) -> nn.Module:
+    """The causal LM a save writes: torch.compile's wrapper taken off (its state_dict names every tensor
+    "_orig_mod.", which no load places: the save went through and nothing read it back), and anything else than a
+    *ForCausalLM refused (its decoder alone saved keys without "model.", an Engine failed on a missing method)."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"a save takes the model (a *ForCausalLM), got {type(model).__name__}")
+    # a model wearing peft adapters wrote a checkpoint of wrapped layers that nothing could load back
+    if any(hasattr(m, "lora_A") for m in model.modules()):
+        raise ValueError("the model holds peft adapters: save the adapter with its save_pretrained, and the quantized "
+                         "model without them (peft's unload()) with nibble.save_quantized")
+    check_architecture(model)
+    return model
+
+
 def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
     """(the QuantLinears, the one group size, -1 for per channel) of a model an AutoAWQ / GPTQ checkpoint can hold,
     else a ValueError saying what it cannot."""
@@ -370,6 +385,8 @@ def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
     Non-quantized tensors (embeddings, norms, lm_head, biases) are written in float16, as AutoAWQ
     does. Raises ValueError for float zero points, w4a4 layers or permuted (act-order) layers.
     """
+    model = model_to_save(model)
+
     def convert(m):
         if hasattr(m, "input_perm"):
             raise ValueError("it has an input permutation (GPTQ act-order), which AWQ cannot express; use export_gptq")
@@ -386,6 +403,7 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
     whole quantization run)."""
     if checkpoint_format not in (None, *CHECKPOINT_FORMATS):
         raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS} or None, got {checkpoint_format!r}")
+    model = model_to_save(model)
     qc = getattr(model.config, "quantization_config", None) or {}
     linears, _ = _exportable_linears(model, "gptq")  # refused before the warning below could say "written"
     desc_act = any(hasattr(m, "input_perm") for _, m in linears)

@@ -30,7 +30,7 @@ from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.loading import NEVER_DOWNLOADS
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
-                                     load_hf_quantized)
+                                     load_hf_quantized, model_to_save)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
@@ -80,7 +80,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     (W4A16 models with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` /
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
     warning: `nibble.formats.gptq`)."""
-    check_no_adapters(model)
+    model = model_to_save(model)
     if format == "awq":
         return export_awq(model, directory, tokenizer)
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)
@@ -150,13 +150,6 @@ def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
         if len(text) <= size:
             f.seek(8)
             f.write(text.ljust(size))
-
-
-def check_no_adapters(model: nn.Module) -> None:
-    """A model wearing peft adapters wrote a checkpoint of wrapped layers that nothing could load back."""
-    if any(hasattr(m, "lora_A") for m in model.modules()):
-        raise ValueError("the model holds peft adapters: save the adapter with its save_pretrained, and the quantized "
-                         "model without them (peft's unload()) with nibble.save_quantized")
 
 
 def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:

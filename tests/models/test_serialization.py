@@ -405,3 +405,20 @@ def test_a_generation_config_transformers_calls_invalid_is_kept_and_a_broken_fil
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, ')
     with pytest.raises(CheckpointError, match="generation_config.json cannot be read .* fix or delete it"):
         load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_compiled_model_is_saved_as_the_model_and_other_objects_are_refused(tmp_path, fmt):
+    """torch.compile's wrapper saved every tensor as "_orig_mod....", which no load placed (the save went through, the
+    load failed); the decoder alone (model.model) saved keys without "model.", and an Engine failed on .modules()."""
+    from nibble import Engine
+    model = _quantized()
+    save_quantized(torch.compile(model), tmp_path / "compiled", format=fmt)
+    save_quantized(model, tmp_path / "plain", format=fmt)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "compiled" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    with pytest.raises(ValueError, match="nibble converts causal LMs .* got LlamaModel"):
+        save_quantized(model.model, tmp_path / "decoder", format=fmt)
+    with pytest.raises(TypeError, match="a save takes the model .*, got Engine"):
+        save_quantized(Engine(model, max_seq_len=16), tmp_path / "engine", format=fmt)
+    assert not (tmp_path / "decoder").exists() and not (tmp_path / "engine").exists()
