@@ -46,6 +46,17 @@ def _quantized_checkpoint(model: str | None) -> bool:
     return method in ("nibble", *HF_QUANT_METHODS)
 
 
+def check_tokenizer(args) -> None:
+    """Refuse a quantized checkpoint saved without a tokenizer (save_quantized's default) before it loads, for a
+    command that tokenizes: it failed on the first prompt with "'NoneType' object has no attribute ..."."""
+    from nibble.models.serialization import holds_tokenizer
+
+    if _quantized_checkpoint(args.model) and not holds_tokenizer(Path(args.model)):
+        raise ValueError(f"{args.model} holds no tokenizer (tokenizer.json / tokenizer_config.json), which nibble "
+                         f"{args.command} needs: save it there with tokenizer.save_pretrained(DIR), or pass it to "
+                         "save_quantized(model, DIR, tokenizer)")
+
+
 def quant_config(args, model):
     """The QuantConfig the quantization arguments ask for; ``model`` None leaves W4A16's default group
     at 128 (what `main` builds to check the arguments before any model loads)."""
@@ -350,6 +361,7 @@ def cmd_generate(args):
     if args.stats and len(prompts) > 1:
         raise SystemExit("nibble generate: --stats times one prompt; give a single one")
     check_seed(args.seed)
+    check_tokenizer(args)
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -453,6 +465,7 @@ def cmd_eval(args):
                          f"drop {' and '.join(wrong)}")
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
+    check_tokenizer(args)
     from nibble.bench.timing import env_meta
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST

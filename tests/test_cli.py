@@ -682,3 +682,17 @@ def test_a_qat_run_stopped_with_ctrl_c_says_what_it_kept_and_how_to_go_on(tmp_pa
     with pytest.raises(SystemExit, match=r"nibble qat: interrupted; the state of step 50 is in .*state.pt: the same "
                                          "command with --resume continues from it"):
         main(["qat", "--out", str(tmp_path / "q"), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["eval", "ppl"]])
+def test_a_checkpoint_saved_without_a_tokenizer_is_refused_before_it_loads(tmp_path, command, monkeypatch):
+    """save_quantized's tokenizer is optional: generate and eval failed on the first prompt with "'NoneType' object has
+    no attribute 'chat_template'" (or 'encode'), as a traceback."""
+    import nibble.cli as cli
+    from nibble import QuantConfig, quantize_model, save_quantized
+
+    save_quantized(quantize_model(tiny_model(), QuantConfig(group_size=32), progress=False), tmp_path)
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking its tokenizer"))
+    with pytest.raises(SystemExit, match=f"^nibble {command[0]}: {tmp_path} holds no tokenizer .* save it there with "
+                                         r"tokenizer\.save_pretrained\(DIR\)"):
+        main(command + ["--model", str(tmp_path)])

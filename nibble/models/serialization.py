@@ -183,9 +183,13 @@ def load_companions(model: nn.Module, directory: Path):
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
                                   "then stops on config.json's eos_token_id alone)") from e
-    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
+    if holds_tokenizer(directory):
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return None
+
+
+def holds_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
 
 
 def _digest(value) -> str:
