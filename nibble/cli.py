@@ -37,11 +37,13 @@ def load(model: str | None, device: str, dtype: torch.dtype | None = None):
 def _quantized_checkpoint(model: str | None) -> bool:
     """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
     AutoAWQ's or GPTQ's), not a float model to quantize."""
-    from nibble.models.serialization import HF_QUANT_METHODS
+    from nibble.models.serialization import GPTQ_CONFIG, HF_QUANT_METHODS
 
     config = Path(model) / "config.json" if model else None
     if not (config and config.exists()):
         return False
+    if (config.parent / GPTQ_CONFIG).exists():  # AutoGPTQ's settings, read by load_quantized
+        return True
     method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
     return method in ("nibble", *HF_QUANT_METHODS)
 

@@ -45,6 +45,7 @@ QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values t
 EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+GPTQ_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too (before 0.5: only here)
 _QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 
 
@@ -60,9 +61,9 @@ def read_quantization_config(directory) -> dict:
     directory = Path(directory)
     raw = json.loads((directory / CONFIG).read_text())
     qc = dict(raw.get("quantization_config") or {})
-    extra = directory / "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too
-    if extra.exists():
-        qc = {**json.loads(extra.read_text()), **qc}
+    extra = directory / GPTQ_CONFIG
+    if extra.exists():  # a GPTQ checkpoint's (AutoGPTQ before 0.4 named no quant_method)
+        qc = {"quant_method": "gptq", **json.loads(extra.read_text()), **qc}
     if not qc:
         raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized checkpoint "
                                          f"(nibble imports {SUPPORTED}; quantize a float model with nibble instead)")

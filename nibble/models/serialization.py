@@ -26,7 +26,7 @@ from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import check_architecture, mark_quantized
-from nibble.models.hf_import import EXPORT_FORMATS
+from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
 from nibble.models.loading import NEVER_DOWNLOADS
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
@@ -273,6 +273,8 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{directory / CONFIG} is not valid JSON ({e})") from e
     qc_dict = raw.get("quantization_config")
+    if qc_dict is None and (directory / GPTQ_CONFIG).exists():  # AutoGPTQ before 0.5: its settings there alone
+        return load_hf_quantized(directory, device, dtype)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
     if qc_dict.get("quant_method") in HF_QUANT_METHODS:
