@@ -183,9 +183,20 @@ def load_companions(model: nn.Module, directory: Path):
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
                                   "then stops on config.json's eos_token_id alone)") from e
-    if holds_tokenizer(directory):
+    if not holds_tokenizer(directory):
+        return None
+    redo = "re-save the tokenizer there with tokenizer.save_pretrained(DIR)"
+    for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
+        try:  # transformers' error names no file: "Expecting value: line 3 column 17 (char 38)"
+            if file.exists():
+                json.loads(file.read_text())
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{file} cannot be read ({e}): {redo}") from e
+    try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return None
+    except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{directory}: its tokenizer cannot be read ({cause}); {redo}") from e
 
 
 def holds_tokenizer(directory: Path) -> bool:

@@ -422,3 +422,17 @@ def test_a_compiled_model_is_saved_as_the_model_and_other_objects_are_refused(tm
     with pytest.raises(TypeError, match="a save takes the model .*, got Engine"):
         save_quantized(Engine(model, max_seq_len=16), tmp_path / "engine", format=fmt)
     assert not (tmp_path / "decoder").exists() and not (tmp_path / "engine").exists()
+
+
+def test_a_damaged_tokenizer_file_is_named(tmp_path):
+    """A cut tokenizer.json failed every load with "Expecting value: line 3 column 17 (char 38)" alone, and a
+    missing one with transformers' "Couldn't instantiate the backend tokenizer" list (nibble info too)."""
+    save_quantized(_quantized(), tmp_path, _tokenizer())
+    f = tmp_path / "tokenizer.json"
+    text = f.read_text()
+    f.write_text(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json cannot be read \(.*\): re-save the tokenizer there"):
+        load_quantized(tmp_path)
+    f.unlink()
+    with pytest.raises(CheckpointError, match="its tokenizer cannot be read .*; re-save the tokenizer there"):
+        load_quantized(tmp_path)
