@@ -37,6 +37,7 @@ def load(model: str | None, device: str, dtype: torch.dtype | None = None):
 def _quantized_checkpoint(model: str | None) -> bool:
     """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
     AutoAWQ's or GPTQ's), not a float model to quantize."""
+    from nibble.models.loading import read_json_object
     from nibble.models.serialization import GPTQ_CONFIG, HF_QUANT_METHODS
 
     config = Path(model) / "config.json" if model else None
@@ -44,7 +45,8 @@ def _quantized_checkpoint(model: str | None) -> bool:
         return False
     if (config.parent / GPTQ_CONFIG).exists():  # AutoGPTQ's settings, read by load_quantized
         return True
-    method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+    qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
     return method in ("nibble", *HF_QUANT_METHODS)
 
 

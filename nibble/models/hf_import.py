@@ -34,6 +34,7 @@ from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_g
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
 from nibble.models.convert import check_architecture, mark_quantized, quantized_linears, untie_lm_head
+from nibble.models.loading import read_config, read_json_object
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 
@@ -59,11 +60,11 @@ def read_quantization_config(directory) -> dict:
     """The checkpoint's quantization settings, validated: {"method", "group_size", "sym", "desc_act",
     "checkpoint_format", "raw"}. Raises UnsupportedCheckpointError naming what nibble supports."""
     directory = Path(directory)
-    raw = json.loads((directory / CONFIG).read_text())
+    raw = read_config(directory / CONFIG)
     qc = dict(raw.get("quantization_config") or {})
     extra = directory / GPTQ_CONFIG
     if extra.exists():  # a GPTQ checkpoint's (AutoGPTQ before 0.4 named no quant_method)
-        qc = {"quant_method": "gptq", **json.loads(extra.read_text()), **qc}
+        qc = {"quant_method": "gptq", **read_json_object(extra), **qc}
     if not qc:
         raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized checkpoint "
                                          f"(nibble imports {SUPPORTED}; quantize a float model with nibble instead)")
@@ -73,7 +74,10 @@ def read_quantization_config(directory) -> dict:
         raise UnsupportedCheckpointError(f"quant_method={qc.get('quant_method')!r} is not supported; nibble imports {SUPPORTED}")
     if bits != 4:
         raise UnsupportedCheckpointError(f"{method} checkpoint with bits={bits!r} is not supported; nibble imports {SUPPORTED}")
-    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    group_size = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group_size, int) or isinstance(group_size, bool):  # int() read 64.5 as 64, and failed on null
+        raise UnsupportedCheckpointError(f"{method} checkpoint with group_size={group_size!r}: it must be an integer "
+                                         "(-1 for per channel); the quantization_config is damaged")
     out = {"method": method, "group_size": group_size, "raw": qc}
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
@@ -103,7 +107,10 @@ def _read_safetensors(directory: Path) -> tuple[dict, dict]:
     one every *.safetensors in ``directory``."""
     index = directory / f"{WEIGHTS}.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (the file of each tensor): re-download the checkpoint")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
@@ -179,7 +186,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
     info = read_quantization_config(directory)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
-    raw = json.loads((directory / CONFIG).read_text())
+    raw = read_config(directory / CONFIG)
     config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -203,10 +210,13 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
                 _check_finite(value, f"{directory}: {prefix}.{what}")
         if read_as != info["checkpoint_format"]:
             relabelled.append(prefix)
-        old = model.get_submodule(prefix)
+        old = named_layer(model, prefix, directory)
         if (old.in_features, old.out_features) != (weight.in_features, weight.out_features):
             raise ValueError(f"{prefix}: checkpoint holds a {weight.out_features}x{weight.in_features} weight but the "
                              f"architecture expects {old.out_features}x{old.in_features}")
+        if bias is not None and tuple(bias.shape) != (weight.out_features,):
+            raise ValueError(f"{directory}: {prefix}.bias has shape {tuple(bias.shape)}, where the layer's "
+                             f"{weight.out_features} outputs need ({weight.out_features},): the checkpoint is damaged")
         cls = PermutedInputQuantLinear if perm is not None else QuantLinear
         layer = cls.from_weight(weight.to(device), None if bias is None else bias.to(device, dtype), "w4a16", dtype=dtype)
         if perm is not None:
@@ -224,7 +234,10 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         if v.is_floating_point():
             _check_finite(v, f"{directory}: {k}")
     state = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor of another shape than config.json implies
+        raise ValueError(f"{directory}: weights do not match the architecture config.json describes ({e})") from e
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")
                and not any(k.startswith(p + ".") for p in prefixes)]
@@ -246,6 +259,17 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     model.eval()
     from nibble.models.serialization import load_companions
     return model, load_companions(model, directory)
+
+
+def named_layer(model: nn.Module, name: str, directory: Path) -> nn.Module:
+    """The model's module ``name``, which the checkpoint's weights name: torch's AttributeError ("ModuleList has no
+    attribute '1'") said nothing of a config.json with fewer layers than the weights."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError as e:
+        raise ValueError(f"{directory}: the weights hold {name}, which the model config.json describes has not "
+                         f"({e}; num_hidden_layers {model.config.num_hidden_layers}): the config.json belongs to "
+                         "another model") from e
 
 
 def _tie_lm_head(model: nn.Module, directory: Path, stored: bool) -> None:

@@ -27,10 +27,10 @@ from torch import nn
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import NEVER_DOWNLOADS
+from nibble.models.loading import NEVER_DOWNLOADS, read_config
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
-                                     load_hf_quantized, model_to_save)
+                                     load_hf_quantized, model_to_save, named_layer)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
@@ -280,9 +280,9 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     if not (directory / CONFIG).exists():
         raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble, AutoAWQ or GPTQ checkpoint directory")
     try:
-        raw = json.loads((directory / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{directory / CONFIG} is not valid JSON ({e})") from e
+        raw = read_config(directory / CONFIG)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
     qc_dict = raw.get("quantization_config")
     if qc_dict is None and (directory / GPTQ_CONFIG).exists():  # AutoGPTQ before 0.5: its settings there alone
         return load_hf_quantized(directory, device, dtype)
@@ -291,6 +291,10 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     if qc_dict.get("quant_method") in HF_QUANT_METHODS:
         return load_hf_quantized(directory, device, dtype)
     qc = QuantConfig.from_dict(qc_dict)
+    for key in ("online_hadamard_modules", "input_permuted_modules"):
+        if not isinstance(qc_dict.get(key, []), list):
+            raise CheckpointError(f"{directory / CONFIG}: quantization_config.{key} must be a list of module names, "
+                                  f"got {qc_dict[key]!r}: the file was edited; save the model again")
     online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
     permuted = set(qc_dict.get("input_permuted_modules", []))
     tensors, aliases = _read_checked(directory / WEIGHTS, raw)
@@ -307,7 +311,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
             if held != want:
                 raise CheckpointError(f"{directory / WEIGHTS}: {name}.{part} is {held}, where nibble's format holds "
                                       f"{want}: the file was edited or written by another tool; save the model again")
-        old = model.get_submodule(name)
+        old = named_layer(model, name, directory)
         group_size = old.in_features // tensors[name + ".scales"].shape[0]
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
         # the bias the checkpoint holds, not the architecture's: an imported AutoGPTQ model has one on every linear

@@ -615,3 +615,43 @@ def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_
     with torch.no_grad():
         want = model(ids).logits
         assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+def _without_digest(path):
+    """The export's weights as another tool writes them: no digest of config.json, which may then be edited."""
+    save_file(load_file(path / "model.safetensors"), path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("group_size null", r"gptq checkpoint with group_size=None: it must be an integer"),
+    ("group_size 64.5", r"gptq checkpoint with group_size=64\.5: it must be an integer"),
+    ("index without weight_map", r"model\.safetensors\.index\.json has no weight_map"),
+    ("index not JSON", r"model\.safetensors\.index\.json is not valid JSON \(.*\); re-download"),
+    ("quantize_config.json not JSON", r"quantize_config\.json is not valid JSON"),
+    ("vocabulary of 320", r"weights do not match the architecture config\.json describes \(Error"),
+    ("fewer layers", r"the weights hold model\.layers\.1\..*, which the model config\.json describes has not .*"
+                     r"num_hidden_layers 1\): the config\.json belongs to another model"),
+    ("a bias of 7", r"q_proj\.bias has shape \(7,\), where the layer's 64 outputs need \(64,\)")])
+def test_a_structurally_damaged_checkpoint_is_named(tmp_path, damage, message):
+    """Raw KeyError, TypeError, JSONDecodeError (no file named) and torch's RuntimeError / AttributeError ("ModuleList
+    has no attribute '1'"), as tracebacks in the CLI."""
+    _, path = _export(tmp_path, fmt="gptq")
+    _without_digest(path)
+    config = json.loads((path / "config.json").read_text())
+    if damage.startswith("group_size"):
+        config["quantization_config"]["group_size"] = None if damage.endswith("null") else 64.5
+    elif damage == "vocabulary of 320":
+        config["vocab_size"] = 320
+    elif damage == "fewer layers":
+        config["num_hidden_layers"] = 1
+    elif damage.startswith("index"):
+        (path / "model.safetensors.index.json").write_text("{]" if damage.endswith("JSON") else "{}")
+    elif damage == "quantize_config.json not JSON":
+        (path / "quantize_config.json").write_text('{"bits": 4,')
+    else:
+        tensors = load_file(path / "model.safetensors")
+        tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(7).half()
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_quantized(path)

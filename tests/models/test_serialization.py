@@ -436,3 +436,34 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
     f.unlink()
     with pytest.raises(CheckpointError, match="its tokenizer cannot be read .*; re-save the tokenizer there"):
         load_quantized(tmp_path)
+
+
+def _damaged(config, damage):
+    if damage == "a list":
+        return [1, 2]
+    if damage == "null":
+        return None
+    if damage == "no model_type":
+        del config["model_type"]
+    elif damage == "qc a string":
+        config["quantization_config"] = "awq"
+    elif damage == "modules null":
+        config["quantization_config"]["online_hadamard_modules"] = None
+    return config
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("a list", r"config\.json holds \[1, 2\], not a JSON object"),
+    ("null", r"config\.json holds null, not a JSON object"),
+    ("no model_type", r"config\.json names no model_type"),
+    ("qc a string", r"config\.json: quantization_config must be an object, got 'awq'"),
+    ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None")])
+def test_a_structurally_damaged_config_is_named(saved, damage, message):
+    """A config.json that is valid JSON but not what a config holds failed with raw TypeError / AttributeError
+    tracebacks ("pop expected at most 1 argument", "'str' object has no attribute 'get'") naming no file (nibble info
+    too)."""
+    _, path = saved
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(_damaged(config, damage)))
+    with pytest.raises(CheckpointError, match=message):
+        load_quantized(path)
