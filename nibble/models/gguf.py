@@ -70,9 +70,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     path = Path(path)
     reader = _open(path)
     config = _llama_config(reader, path)
+    # Skip the random init: every parameter is overwritten by the strict load below.
+    with no_init_weights():
+        model = LlamaForCausalLM(config)
+    model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state_dict = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
+        _check_place(tensor, name, expected, config, path)  # before the Q/K unpermute, which a wrong shape fails
         try:
             weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
@@ -88,16 +94,27 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
         state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config)
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    # Skip the random init: every parameter is overwritten by the strict load below.
-    with no_init_weights():
-        model = LlamaForCausalLM(config)
-    model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
-    missing = sorted(set(model.state_dict()) - set(state_dict))
+    missing = sorted(set(expected) - set(state_dict))
     if missing:  # load_state_dict would say it as a traceback of its own
         raise ValueError(f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}: the GGUF is "
                          "incomplete, or its architecture has tensors nibble's llama loader does not build")
     model.load_state_dict(state_dict, strict=True)
     return model.to(dtype).eval(), _tokenizer(reader, path, config)
+
+
+def _check_place(tensor: gguf.ReaderTensor, name: str, expected: dict, config: LlamaConfig, path: Path) -> None:
+    """Refuse a tensor the model the metadata describes has no place for, or of another shape than it implies, by
+    name: load_state_dict said either as a traceback of its own (unexpected keys, a size mismatch)."""
+    implies = (f"(block_count {config.num_hidden_layers}, embedding_length {config.hidden_size}, feed_forward_length "
+               f"{config.intermediate_size}, head_count {config.num_attention_heads}, head_count_kv "
+               f"{config.num_key_value_heads}, {config.vocab_size} tokens)")
+    fix = "the file is corrupt or its metadata belongs to another model; download or convert it again"
+    if name not in expected:
+        raise ValueError(f"{path}: tensor {tensor.name} has no place in the model its metadata describes {implies}: {fix}")
+    shape = _torch_shape(tensor)
+    if shape != expected[name]:
+        raise ValueError(f"{path}: tensor {tensor.name} is {'x'.join(map(str, shape))} but the metadata {implies} "
+                         f"implies {'x'.join(map(str, expected[name]))}: {fix}")
 
 
 def read_q4_1_blocks(path: str | Path, names: Iterable[str] | None = None) -> dict[str, Q4_1Blocks]:
@@ -192,7 +209,11 @@ def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
             raise ValueError(f"{path}: GGUF metadata key {key!r} is missing; the file is incomplete or not a "
                              "llama.cpp model file")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except UnicodeDecodeError as e:  # the gguf package's error names neither the file nor the key
+        raise ValueError(f"{path}: GGUF metadata key {key!r} holds text that is not UTF-8 ({e}): the file is "
+                         "corrupt; download or convert it again") from e
 
 
 def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
@@ -204,6 +225,12 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         raise ValueError(f"{path}: rope scaling {rope_scaling!r} is not supported by nibble's GGUF loader; "
                          "load the original Hugging Face directory instead")
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
+    # said here: LlamaConfig refused them with its validator's error, or a division by zero came first
+    if not (heads > 0 and kv_heads > 0 and heads % kv_heads == 0 and hidden % heads == 0):
+        raise ValueError(f"{path}: head_count {heads} and head_count_kv {kv_heads} do not fit embedding_length "
+                         f"{hidden} (head_count_kv must divide head_count, and head_count embedding_length): the "
+                         "file's metadata is corrupt; download or convert it again")
     head_dim = meta("attention.key_length", hidden // heads)
     if meta("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count != head dim {head_dim}) "
@@ -215,7 +242,7 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         intermediate_size=meta("feed_forward_length"),
         num_hidden_layers=meta("block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=meta("attention.head_count_kv", heads),
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=meta("context_length"),
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
@@ -270,7 +297,11 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                          f"{' or '.join(map(repr, _PRE_TOKENIZERS))}. Load the original Hugging Face directory instead")
     tokens = meta("tokens")
     merges = [tuple(merge.split(" ", 1)) for merge in meta("merges")]
-    tokenizer = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    try:
+        tokenizer = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    except Exception as e:  # the tokenizers library raises Exception itself ("Token '!\"' out of vocabulary")
+        raise ValueError(f"{path}: its tokenizer cannot be built ({e}): the file's tokenizer metadata is corrupt; "
+                         "download or convert it again") from e
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre](bool(meta("add_space_prefix", False)))
     tokenizer.decoder = decoders.ByteLevel()
     types = meta("token_type")
@@ -283,6 +314,9 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
 
     def token(key):
         index = meta(key, None)
+        if index is not None and not 0 <= index < len(tokens):
+            raise ValueError(f"{path}: tokenizer.ggml.{key} is {index}, beyond its {len(tokens)} tokens: the file's "
+                             "metadata is corrupt; download or convert it again")
         return None if index is None else tokens[index]
 
     bos = token("bos_token_id")
