@@ -103,8 +103,8 @@ def read_quantization_config(directory) -> dict:
 
 
 def _read_safetensors(directory: Path) -> tuple[dict, dict]:
-    """(every tensor of the checkpoint, each file's safetensors metadata): the files its index names, or without
-    one every *.safetensors in ``directory``."""
+    """(every tensor of the checkpoint, each file's (safetensors metadata, tensor names)): the files its index names,
+    or without one every *.safetensors in ``directory``."""
     index = directory / f"{WEIGHTS}.index.json"
     if index.exists():
         weight_map = read_json_object(index).get("weight_map")
@@ -119,7 +119,7 @@ def _read_safetensors(directory: Path) -> tuple[dict, dict]:
     for name in files:
         try:
             with safe_open(str(directory / name), "pt") as f:
-                metadata[name] = f.metadata() or {}
+                metadata[name] = (f.metadata() or {}, list(f.keys()))
                 for key in f.keys():
                     if key in held_by:  # the file read last won it: another checkpoint's copy beside this one
                         raise ValueError(f"tensor {key!r} is in both {directory / held_by[key]} and {directory / name}"
@@ -191,11 +191,15 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_architecture(model)
-    tensors, metadata = _read_safetensors(directory)
-    from nibble.models.serialization import METADATA, _rebuild_non_persistent_buffers, check_config_digest
-    for name, meta in metadata.items():  # a nibble export carries the digest of the config.json written with it
+    tensors, files = _read_safetensors(directory)
+    from nibble.models.serialization import (METADATA, _rebuild_non_persistent_buffers, check_checksums,
+                                             check_config_digest)
+    for name, (meta, keys) in files.items():  # a nibble export: its checksums, the digest of its config.json
         if METADATA in meta:
-            check_config_digest(directory / name, json.loads(meta[METADATA]), raw)
+            ours = json.loads(meta[METADATA])
+            if "checksums" in ours:
+                check_checksums(directory / name, {k: tensors[k] for k in keys}, ours)
+            check_config_digest(directory / name, ours, raw)
 
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not prefixes:
@@ -395,11 +399,13 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
                                      QUANTIZED_BY: {"library": "nibble", "method": made.get("method"),
                                                     "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
-    from nibble.models.serialization import METADATA, write_checkpoint
+    from nibble.models.serialization import CHECKSUM_VERSION, METADATA, _sha256, write_checkpoint
     directory = Path(directory)  # made once every layer converted: a refused one leaves no empty folder
     directory.mkdir(parents=True, exist_ok=True)
-    # "format": transformers 4 refuses a file without it; METADATA: the config's digest, which other readers ignore
-    write_checkpoint(model, directory, tensors, {"format": "pt", METADATA: {}}, config, tokenizer)
+    # "format": transformers 4 refuses a file without it; METADATA: nibble's checksums (the layout has none) and the
+    # config's digest, which other readers ignore
+    ours = {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "checksum_version": CHECKSUM_VERSION}
+    write_checkpoint(model, directory, tensors, {"format": "pt", METADATA: ours}, config, tokenizer)
     return directory
 
 

@@ -8,7 +8,8 @@ Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-wri
 looks whole. Every tensor's sha256 (of its dtype, shape and data) goes into the safetensors metadata and is
 checked on load, so a truncated or edited file is an error, never silently wrong output; so does the digest of the
 config.json that reads the weights (every field that changes what they compute), so weights beside another
-save's config.json are refused; the AutoAWQ / GPTQ exports carry that digest too. A save owns its directory:
+save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that digest too, checked on
+import (other readers ignore them). A save owns its directory:
 the weight files, index, tokenizer files and generation config of an earlier checkpoint there that it does not
 write again are removed, since every reader would take them for this model's.
 """
@@ -247,6 +248,14 @@ def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
                 "aliases": json.loads(metadata.get("nibble_aliases", "{}"))}
     else:
         raise CheckpointError(f"{path} has no nibble checksums: it was not written by nibble.save_quantized")
+    check_checksums(path, tensors, ours)
+    check_config_digest(path, ours, config)
+    return tensors, ours.get("aliases", {})
+
+
+def check_checksums(path: Path, tensors: dict, ours: dict) -> None:
+    """Refuse the weights file ``path`` whose ``tensors`` do not match the checksum table its metadata holds
+    (``ours``: nibble's, or an export's)."""
     checksums = ours["checksums"]
     if set(checksums) != set(tensors):
         raise CheckpointError(f"{path}: tensor names do not match the checksum table; the file was edited")
@@ -254,8 +263,6 @@ def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
     bad = [k for k, v in tensors.items() if _sha256(v, typed) != checksums[k]]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
-    check_config_digest(path, ours, config)
-    return tensors, ours.get("aliases", {})
 
 
 def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):

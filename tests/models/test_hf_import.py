@@ -655,3 +655,14 @@ def test_a_structurally_damaged_checkpoint_is_named(tmp_path, damage, message):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_quantized(path)
+
+
+def test_a_flipped_byte_in_an_export_fails_its_checksum(tmp_path):
+    """AWQ / GPTQ files carry no checksum: one flipped byte loaded as a slightly different model without a word."""
+    _, path = _export(tmp_path, fmt="gptq")
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x55
+    f.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.safetensors: checksum mismatch in 1 tensor"):
+        load_quantized(path)
