@@ -150,9 +150,14 @@ def test_bad_devices_are_refused_by_name(saved, monkeypatch):
     # "gpu" used to pass torch.device's check late and surface as "weights do not match the saved architecture".
     with pytest.raises(ValueError, match="device 'gpu' is not a device torch knows"):
         load_quantized(path, device="gpu")
+    # "meta" failed as "buffers the checkpoint does not hold", "mps" as "weights do not match the saved architecture"
+    for other in ("meta", "mps"):
+        with pytest.raises(ValueError, match=f"device '{other}' is not one nibble runs on: use 'cpu', 'cuda'"):
+            load_quantized(path, device=other)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # not "Torch not compiled with CUDA enabled"
-    with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
-        load_quantized(path, device="cuda")
+    for cuda in ("cuda", 0):  # 0: torch's spelling of cuda:0, which was "not a device torch knows"
+        with pytest.raises(ValueError, match="device 'cuda(:0)?' asked for, but no CUDA GPU is visible"):
+            load_quantized(path, device=cuda)
 
 
 @pytest.mark.parametrize("saved_as,device,expected", [
