@@ -157,12 +157,19 @@ def _decode_q4_1(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return codes, d, m
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic bytes, whatever its name (a download cache's blob)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    if not is_gguf(path):
+        raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
     stat = path.stat()
     try:
         reader = _read(path.resolve(), stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
-from nibble.models.gguf import load_gguf
+from nibble.models.gguf import is_gguf, load_gguf
 
 # what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
@@ -81,7 +81,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     device = resolve_device(device)  # before any work: "cuda" without a GPU, or "gpu", is refused by name
     dtype = resolve_dtype(dtype) or default_dtype(device)
     path = default_model_path() if name_or_path is None else Path(name_or_path)
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):  # "MODEL.GGUF", or a blob without a suffix
         model, tokenizer = load_gguf(path, dtype=dtype)
     elif path.is_dir():
         model, tokenizer = _load_hf_dir(path, dtype)

@@ -310,3 +310,12 @@ def test_metadata_text_that_is_not_utf8_is_named(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"bad\.gguf: GGUF metadata key 'tokenizer\.ggml\.tokens' holds text that "
                                          r"is not UTF-8"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("name", ["MODEL.GGUF", "blob"])
+def test_a_gguf_is_known_by_its_magic_bytes_not_its_suffix(tiny, tmp_path, name):
+    """An upper-case suffix, or a download cache's blob, was "neither a .gguf file nor a Hugging Face model
+    directory"."""
+    from nibble.models.loading import load_model
+    model, _ = load_model(_write_gguf(tmp_path / name, tiny))
+    assert torch.equal(model.model.embed_tokens.weight, tiny.model.embed_tokens.weight)
