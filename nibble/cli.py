@@ -46,7 +46,7 @@ def _quantized_checkpoint(model: str | None) -> bool:
     if (config.parent / GPTQ_CONFIG).exists():  # AutoGPTQ's settings, read by load_quantized
         return True
     qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None
     return method in ("nibble", *HF_QUANT_METHODS)
 
 

@@ -84,7 +84,7 @@ def read_quantization_config(directory) -> dict:
         if version != "gemm":
             raise UnsupportedCheckpointError(f"AWQ version={qc.get('version')!r} is not supported (its packing differs "
                                              f"from GEMM's); nibble imports {SUPPORTED}")
-        if not qc.get("zero_point", True):
+        if qc.get("zero_point") is not None and not qc["zero_point"]:  # null: not said, AutoAWQ's default true
             raise UnsupportedCheckpointError(f"AWQ with zero_point=false is not supported; nibble imports {SUPPORTED}")
         out.update(sym=False, desc_act=False, checkpoint_format=None)
     else:

@@ -295,7 +295,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         return load_hf_quantized(directory, device, dtype)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
-    if qc_dict.get("quant_method") in HF_QUANT_METHODS:
+    if str(qc_dict.get("quant_method")).lower() in HF_QUANT_METHODS:  # as the importer reads it: "AWQ" too
         return load_hf_quantized(directory, device, dtype)
     qc = QuantConfig.from_dict(qc_dict)
     for key in ("online_hadamard_modules", "input_permuted_modules"):

@@ -666,3 +666,15 @@ def test_a_flipped_byte_in_an_export_fails_its_checksum(tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"model\.safetensors: checksum mismatch in 1 tensor"):
         load_quantized(path)
+
+
+def test_an_upper_case_quant_method_and_a_null_zero_point_are_read_as_the_importer_reads_them(tmp_path):
+    """"AWQ" was "not a nibble quantization_config" (the importer lower-cases it, but was never reached), and
+    zero_point null (not said: AutoAWQ's default, true) "AWQ with zero_point=false"."""
+    _, path = _export(tmp_path)
+    _without_digest(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(quant_method="AWQ", zero_point=None)
+    (path / "config.json").write_text(json.dumps(config))
+    loaded, _ = load_quantized(path)
+    assert loaded.config.quantization_config["imported_from"]["quant_method"] == "AWQ"
