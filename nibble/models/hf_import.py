@@ -331,6 +331,17 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
+def checkpoint_dir(directory) -> Path:
+    """The folder a save writes, refused where it cannot be one: "" wrote the checkpoint into the current folder, and
+    a file failed in pathlib's mkdir as a bare FileExistsError."""
+    if not str(directory).strip():
+        raise ValueError("the directory to save to is empty: give the folder to write the checkpoint to")
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file: a checkpoint is a folder (its config.json, weights and tokenizer)")
+    return directory
+
+
 def model_to_save(model) -> nn.Module:
     """The causal LM a save writes: torch.compile's wrapper taken off (its state_dict names every tensor
     "_orig_mod.", which no load places: the save went through and nothing read it back), and anything else than a
@@ -370,6 +381,7 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
 
 
 def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
+    directory = checkpoint_dir(directory)
     linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:
@@ -400,8 +412,7 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
                                                     "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
     from nibble.models.serialization import CHECKSUM_VERSION, METADATA, _sha256, write_checkpoint
-    directory = Path(directory)  # made once every layer converted: a refused one leaves no empty folder
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)  # made once every layer converted: a refused one leaves none
     # "format": transformers 4 refuses a file without it; METADATA: nibble's checksums (the layout has none) and the
     # config's digest, which other readers ignore
     ours = {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "checksum_version": CHECKSUM_VERSION}

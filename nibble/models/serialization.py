@@ -8,10 +8,10 @@ Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-wri
 looks whole. Every tensor's sha256 (of its dtype, shape and data) goes into the safetensors metadata and is
 checked on load, so a truncated or edited file is an error, never silently wrong output; so does the digest of the
 config.json that reads the weights (every field that changes what they compute), so weights beside another
-save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that digest too, checked on
-import (other readers ignore them). A save owns its directory:
-the weight files, index, tokenizer files and generation config of an earlier checkpoint there that it does not
-write again are removed, since every reader would take them for this model's.
+save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that digest too, which the
+importer checks (other readers ignore them). A save owns its directory: the weight files, index, tokenizer files
+and generation config of an earlier checkpoint there that it does not write again are removed, since every reader
+would take them for this model's.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
 from nibble.models.loading import NEVER_DOWNLOADS, read_config
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
-                                     load_hf_quantized, model_to_save, named_layer)
+                                     checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
@@ -68,9 +68,13 @@ def _sha256(t: torch.Tensor, typed: bool = True) -> str:
 
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except (SafetensorError, OSError) as e:  # safetensors' "I/O error: File too large" names no file
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {path} ({e}; a full disk?): what the folder held is unchanged") from e
     os.replace(tmp, path)
 
 
@@ -82,6 +86,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
     warning: `nibble.formats.gptq`)."""
     model = model_to_save(model)
+    checkpoint_dir(directory)  # before an export converts every layer
     if format == "awq":
         return export_awq(model, directory, tokenizer)
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)
@@ -91,7 +96,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     qc = getattr(model.config, "quantization_config", None)
     if not qc or qc.get("quant_method") != "nibble":
         raise ValueError("model has no nibble quantization_config: run nibble.quantize_model first")
-    directory = Path(directory)
+    directory = checkpoint_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors, seen = {}, {}
     aliases = {}
@@ -230,6 +235,9 @@ def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
 
 
 def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
+    if not path.exists() and (path.parent / f"{WEIGHTS}.index.json").exists():  # config.json says nibble's
+        raise CheckpointError(f"{path.parent} holds shards (model.safetensors.index.json), but a nibble checkpoint is "
+                              f"one {WEIGHTS}: merge the shards into one file, or fetch the checkpoint as nibble wrote it")
     if not path.exists():
         raise CheckpointError(f"{path} is missing: not a nibble checkpoint directory")
     if not os.access(path, os.R_OK):  # safetensors says "No such file or directory" of it
@@ -319,7 +327,12 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
                 raise CheckpointError(f"{directory / WEIGHTS}: {name}.{part} is {held}, where nibble's format holds "
                                       f"{want}: the file was edited or written by another tool; save the model again")
         old = named_layer(model, name, directory)
-        group_size = old.in_features // tensors[name + ".scales"].shape[0]
+        rows = tensors[name + ".scales"].shape[0]
+        if rows == 0 or old.in_features % rows:  # a division by zero, or a group size QuantLinear called wrong
+            raise CheckpointError(f"{directory / WEIGHTS}: {name}.scales has {rows} rows, which do not split the "
+                                  f"layer's {old.in_features} inputs into groups: the file was edited or written by "
+                                  "another tool; save the model again")
+        group_size = old.in_features // rows
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
         # the bias the checkpoint holds, not the architecture's: an imported AutoGPTQ model has one on every linear
         q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, group_size, qc.mode,

@@ -472,3 +472,59 @@ def test_a_structurally_damaged_config_is_named(saved, damage, message):
     (path / "config.json").write_text(json.dumps(_damaged(config, damage)))
     with pytest.raises(CheckpointError, match=message):
         load_quantized(path)
+
+
+def test_a_resharded_nibble_checkpoint_is_named_as_such(saved):
+    """Resharded by another tool: "model.safetensors is missing: not a nibble checkpoint directory", of a folder whose
+    config.json says it is one."""
+    _, path = saved
+    _reshard(path)
+    with pytest.raises(CheckpointError, match=r"holds shards \(model\.safetensors\.index\.json\), but a nibble "
+                                              r"checkpoint is one model\.safetensors"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_scales_whose_rows_do_not_split_the_inputs_are_refused(saved, rows):
+    """A converter's file (checksums right): 0 rows of scales was a ZeroDivisionError, 3 a group size of 42 that
+    QuantLinear refused in its own words."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from nibble.models.serialization import _sha256
+    _, path = saved
+    with safe_open(path / "model.safetensors", "pt") as f:
+        ours = json.loads(f.metadata()["nibble"])
+    tensors = load_file(path / "model.safetensors")
+    for part in ("scales", "zeros"):
+        name = f"model.layers.0.mlp.up_proj.{part}"
+        tensors[name] = tensors[name][:1].repeat(rows, 1)
+    ours["checksums"] = {k: _sha256(v) for k, v in tensors.items()}
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
+    with pytest.raises(CheckpointError, match=rf"up_proj\.scales has {rows} rows, which do not split the layer's 64 "
+                                              "inputs into groups"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(tmp_path, fmt, monkeypatch):
+    """"" wrote the checkpoint into the current folder, a file was a bare FileExistsError from pathlib, and a full
+    disk safetensors' "I/O error: File too large", naming no file."""
+    import nibble.models.serialization as serialization
+    model = _quantized()
+    with pytest.raises(ValueError, match="the directory to save to is empty"):
+        save_quantized(model, "", format=fmt)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="file is a file: a checkpoint is a folder"):
+        save_quantized(model, tmp_path / "file", format=fmt)
+    save_quantized(model, tmp_path / "q", format=fmt)
+    before = (tmp_path / "q" / "model.safetensors").read_bytes()
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").close()
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(serialization, "save_file", full)
+    with pytest.raises(OSError, match=r"cannot write .*model\.safetensors \(.*No space left on device; a full disk\?\): "
+                                      "what the folder held is unchanged"):
+        save_quantized(model, tmp_path / "q", format=fmt)
+    assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
