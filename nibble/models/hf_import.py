@@ -151,6 +151,23 @@ def _convert_layer(info: dict, t: dict, prefix: str):
         raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
 
 
+def _layout(t: dict, nibble_zeros: bool, layer: nn.Module) -> tuple[str | None, str]:
+    """(the tool whose layout a layer's tensors ``t`` are in, what says so), told by their names and qweight's shape;
+    (None, "") where they do not tell. A config.json of another format beside them failed on a wrong K or group size
+    ("AWQ qweight has K=32 rows ...")."""
+    if "qzeros" not in t and nibble_zeros:
+        return "nibble", "zeros, not qzeros"
+    if "g_idx" in t:
+        return "gptq", "a g_idx"
+    k, n = layer.in_features, layer.out_features
+    shape = tuple(t["qweight"].shape) if "qweight" in t else None
+    if shape == (k, n // 8):
+        return "awq", f"a {k}x{n // 8} qweight, packed along the outputs"
+    if shape == (k // 8, n):
+        return "gptq", f"a {k // 8}x{n} qweight, packed along the inputs"
+    return None, ""
+
+
 def _symmetric_zeros_format(info: dict, qzeros: torch.Tensor) -> str:
     """The convention a GPTQ layer's qzeros are read in: the config's, checked against ``sym``, whose zero point is 8
     (v1 stores 7). A v1-labelled symmetric file that stores 8 holds v2 zeros (GPTQModel v5 wrote such files; vLLM
@@ -208,13 +225,18 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     for prefix in prefixes:
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
         bias = tensors.pop(f"{prefix}.bias", None)
+        old = named_layer(model, prefix, directory)
+        layout, held = _layout(t, f"{prefix}.zeros" in tensors, old)
+        if layout not in (None, info["method"]):
+            raise ValueError(f"{directory / CONFIG} says {info['method']}, but {prefix} holds {layout}'s tensors "
+                             f"({held}): the config.json belongs to another checkpoint; restore the one written with "
+                             "these weights")
         weight, perm, read_as = _convert_layer(info, t, prefix)
         for what, value in (("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
             if value is not None:
                 _check_finite(value, f"{directory}: {prefix}.{what}")
         if read_as != info["checkpoint_format"]:
             relabelled.append(prefix)
-        old = named_layer(model, prefix, directory)
         if (old.in_features, old.out_features) != (weight.in_features, weight.out_features):
             raise ValueError(f"{prefix}: checkpoint holds a {weight.out_features}x{weight.in_features} weight but the "
                              f"architecture expects {old.out_features}x{old.in_features}")

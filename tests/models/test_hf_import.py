@@ -678,3 +678,22 @@ def test_an_upper_case_quant_method_and_a_null_zero_point_are_read_as_the_import
     (path / "config.json").write_text(json.dumps(config))
     loaded, _ = load_quantized(path)
     assert loaded.config.quantization_config["imported_from"]["quant_method"] == "AWQ"
+
+
+@pytest.mark.parametrize("config_of,weights_of,message", [
+    ("awq", "gptq", r"says awq, but model\.layers\.0\.\w+\.\w+ holds gptq's tensors \(a g_idx\)"),
+    ("gptq", "awq", r"says gptq, but model\.layers\.0\.\w+\.\w+ holds awq's tensors \(a \d+x\d+ qweight, packed "
+                    r"along the outputs\)"),
+    ("awq", "nibble", r"says awq, but model\.layers\.0\.\w+\.\w+ holds nibble's tensors \(zeros, not qzeros\)")])
+def test_a_config_of_another_format_beside_the_weights_is_named(tmp_path, config_of, weights_of, message):
+    """A config.json copied from a checkpoint of another format: "AWQ qweight has K=32 rows, which must be divisible
+    by 8 and by group_size=64", "group_size=64 disagrees with the tensors", "cannot read its awq tensors ('qzeros')"."""
+    import shutil
+    model = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
+    for fmt in (config_of, weights_of):
+        save_quantized(model, tmp_path / fmt, format=fmt)
+    shutil.copy(tmp_path / config_of / "config.json", tmp_path / weights_of / "config.json")
+    tensors = load_file(tmp_path / weights_of / "model.safetensors")  # as another tool wrote them: no digest
+    save_file(tensors, tmp_path / weights_of / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message + ": the config.json belongs to another checkpoint"):
+        load_quantized(tmp_path / weights_of)
