@@ -105,7 +105,7 @@ def read_quantization_config(directory) -> dict:
 def _read_safetensors(directory: Path) -> tuple[dict, dict]:
     """(every tensor of the checkpoint, each file's (safetensors metadata, tensor names)): the files its index names,
     or without one every *.safetensors in ``directory``."""
-    index = directory / f"{WEIGHTS}.index.json"
+    index, weight_map = directory / f"{WEIGHTS}.index.json", {}
     if index.exists():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -129,6 +129,11 @@ def _read_safetensors(directory: Path) -> tuple[dict, dict]:
         except (SafetensorError, OSError) as e:  # safetensors' own message names no file
             raise ValueError(f"{directory / name} is missing, truncated or corrupt ({e}); re-download the checkpoint "
                              "or re-save it") from e
+    astray = [(key, file) for key, file in weight_map.items() if held_by.get(key) != file]
+    if astray:  # else a layer missing a tensor failed as "cannot read its awq tensors ('qzeros')"
+        key, file = astray[0]
+        raise ValueError(f"{index} names {file} for {key!r} ({len(astray)} such tensor(s)), but that file does not hold "
+                         "it: the shards and the index are of different saves; re-download the checkpoint")
     return tensors, metadata
 
 
@@ -196,7 +201,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     device = resolve_device(device)  # "cuda" without a GPU is refused by name, not deep in torch
     dtype = resolve_dtype(dtype)
     if not (directory / CONFIG).exists():
@@ -358,7 +363,7 @@ def checkpoint_dir(directory) -> Path:
     a file failed in pathlib's mkdir as a bare FileExistsError."""
     if not str(directory).strip():
         raise ValueError("the directory to save to is empty: give the folder to write the checkpoint to")
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory} is a file: a checkpoint is a folder (its config.json, weights and tokenizer)")
     return directory

@@ -80,7 +80,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     """
     device = resolve_device(device)  # before any work: "cuda" without a GPU, or "gpu", is refused by name
     dtype = resolve_dtype(dtype) or default_dtype(device)
-    path = default_model_path() if name_or_path is None else Path(name_or_path)
+    path = default_model_path() if name_or_path is None else Path(name_or_path).expanduser()
     if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):  # "MODEL.GGUF", or a blob without a suffix
         model, tokenizer = load_gguf(path, dtype=dtype)
     elif path.is_dir():

@@ -284,7 +284,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory = Path(directory)
+    directory = Path(directory).expanduser()  # "~/model" as a shell would read it
     # First: "cuda" without a GPU would fail deep in torch, and "gpu" as weights that "do not match".
     device = resolve_device(device)
     dtype = resolve_dtype(dtype)

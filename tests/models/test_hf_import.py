@@ -697,3 +697,21 @@ def test_a_config_of_another_format_beside_the_weights_is_named(tmp_path, config
     save_file(tensors, tmp_path / weights_of / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=message + ": the config.json belongs to another checkpoint"):
         load_quantized(tmp_path / weights_of)
+
+
+def test_an_index_that_names_the_wrong_shard_is_named_and_a_home_path_is_expanded(tmp_path, monkeypatch):
+    """A layer missing a tensor the index put in another shard failed as "cannot read its awq tensors ('qzeros')";
+    load_quantized("~/x") said "nibble never downloads models"."""
+    qc = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
+    write_checkpoint(tmp_path / "q", tiny_model("llama"), qc, lambda W: write_awq_linear(W, 32), sharded=True)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    load_quantized("~/q")
+    index = tmp_path / "q" / "model.safetensors.index.json"
+    config = json.loads(index.read_text())
+    key = next(k for k in config["weight_map"] if k.endswith("qzeros"))
+    shards = sorted(set(config["weight_map"].values()))
+    config["weight_map"][key] = next(s for s in shards if s != config["weight_map"][key])
+    index.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"index\.json names .* for '{re.escape(key)}' \(1 such tensor\(s\)\), but that "
+                                         "file does not hold it"):
+        load_quantized(tmp_path / "q")
