@@ -127,19 +127,20 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
 def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata: dict, config: dict,
                      tokenizer=None) -> None:
     """Write a checkpoint's files into ``directory``: the weights, with the digest of ``config`` added to
-    ``metadata[METADATA]``, then config.json, then the companions; and remove the other weight files and index an
+    ``metadata[METADATA]``, then the companions, then config.json; and remove the other weight files and index an
     earlier checkpoint left there, which the importer, transformers and vLLM would read as this model's (an index
     wins over model.safetensors)."""
     text = json.dumps(config, indent=2, default=str)
     metadata = {**metadata, METADATA: json.dumps({**metadata[METADATA], "config": config_digest(json.loads(text))})}
-    # two files, each replaced atomically: the digest of the config that reads the weights goes with them, so a save
-    # interrupted between the two (new weights, old config.json) is refused on load, not run as another model
+    # each file replaced atomically, config.json last: the digest of the config that reads the weights goes with
+    # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
+    # config.json) is refused on load, not run as another model or with another model's tokenizer
     _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
     for stale in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json"]:
         if stale.name != WEIGHTS:
             stale.unlink(missing_ok=True)
-    _atomic_write(directory / CONFIG, lambda p: p.write_text(text))
     save_companions(model, directory, tokenizer)
+    _atomic_write(directory / CONFIG, lambda p: p.write_text(text))
 
 
 def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:

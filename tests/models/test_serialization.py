@@ -528,3 +528,20 @@ def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(t
                                       "what the folder held is unchanged"):
         save_quantized(model, tmp_path / "q", format=fmt)
     assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
+
+
+def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_path, monkeypatch):
+    """config.json was written before the tokenizer: a save interrupted between them loaded the new weights with the
+    earlier model's tokenizer (or its chat template) without a word. config.json is written last now."""
+    import nibble.models.serialization as serialization
+    first, second = _quantized(), _quantized()
+    save_quantized(first, tmp_path, _tokenizer(chat_template="{{ 'EARLIER MODEL' }}"))
+    second.config.rope_theta = first.config.rope_parameters["rope_theta"] * 2  # another config.json
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(serialization, "save_companions", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_quantized(second, tmp_path, _tokenizer())
+    with pytest.raises(CheckpointError, match="saved with another config than"):
+        load_quantized(tmp_path)
