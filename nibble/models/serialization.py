@@ -86,7 +86,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
     warning: `nibble.formats.gptq`)."""
     model = model_to_save(model)
-    checkpoint_dir(directory)  # before an export converts every layer
+    directory = checkpoint_dir(directory)  # before an export converts every layer
     if format == "awq":
         return export_awq(model, directory, tokenizer)
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)
@@ -96,7 +96,6 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     qc = getattr(model.config, "quantization_config", None)
     if not qc or qc.get("quant_method") != "nibble":
         raise ValueError("model has no nibble quantization_config: run nibble.quantize_model first")
-    directory = checkpoint_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors, seen = {}, {}
     aliases = {}
