@@ -37,13 +37,28 @@ def load(model: str | None, device: str, dtype: torch.dtype | None = None):
 def _quantized_checkpoint(model: str | None) -> bool:
     """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
     AutoAWQ's or GPTQ's), not a float model to quantize."""
-    from nibble.models.serialization import HF_QUANT_METHODS
+    from nibble.models.loading import read_json_object
+    from nibble.models.serialization import GPTQ_CONFIG, HF_QUANT_METHODS
 
     config = Path(model) / "config.json" if model else None
     if not (config and config.exists()):
         return False
-    method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+    if (config.parent / GPTQ_CONFIG).exists():  # AutoGPTQ's settings, read by load_quantized
+        return True
+    qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
+    method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None
     return method in ("nibble", *HF_QUANT_METHODS)
+
+
+def check_tokenizer(args) -> None:
+    """Refuse a quantized checkpoint saved without a tokenizer (save_quantized's default) before it loads, for a
+    command that tokenizes: it failed on the first prompt with "'NoneType' object has no attribute ..."."""
+    from nibble.models.serialization import holds_tokenizer
+
+    if _quantized_checkpoint(args.model) and not holds_tokenizer(Path(args.model)):
+        raise ValueError(f"{args.model} holds no tokenizer (tokenizer.json / tokenizer_config.json), which nibble "
+                         f"{args.command} needs: save it there with tokenizer.save_pretrained(DIR), or pass it to "
+                         "save_quantized(model, DIR, tokenizer)")
 
 
 def quant_config(args, model):
@@ -103,6 +118,12 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     if writes_model and model and Path(model).is_dir() and path.resolve() == Path(model).resolve():
         raise ValueError(f"--out {out} is the --model folder: writing there would replace the model it reads; "
                          "give another folder")
+    # the save owns the folder (it removes the weight and tokenizer files it does not write): a quantized
+    # checkpoint there is one being written again, anything else a model the user keeps
+    if (writes_model and path.is_dir() and not _quantized_checkpoint(out)
+            and ((path / "config.json").exists() or any(path.glob("*.safetensors")))):
+        raise ValueError(f"--out {out} holds a model that is not a quantized checkpoint (its config.json or "
+                         "*.safetensors): writing there would replace it; give another folder, or empty this one")
     nearest = path.absolute()  # the folder, or the nearest of its parents that exists (the command creates the rest)
     while not nearest.exists():
         nearest = nearest.parent
@@ -341,6 +362,7 @@ def cmd_generate(args):
     if args.stats and len(prompts) > 1:
         raise SystemExit("nibble generate: --stats times one prompt; give a single one")
     check_seed(args.seed)
+    check_tokenizer(args)
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -444,6 +466,7 @@ def cmd_eval(args):
                          f"drop {' and '.join(wrong)}")
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
+    check_tokenizer(args)
     from nibble.bench.timing import env_meta
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST

@@ -139,10 +139,14 @@ def resolve_device(device=None) -> torch.device:
     asked for where no GPU is visible is refused by name (ValueError), before any work."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, int) and not isinstance(device, bool):  # torch's spelling of cuda:N, which torch.device
+        device = f"cuda:{device}"  # refuses without a GPU as "Cannot access accelerator device"
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a device torch knows: use 'cpu', 'cuda' or 'cuda:N'") from e
+    if device.type not in ("cpu", "cuda"):  # "meta" failed as buffers the checkpoint lacks, "mps" as other weights
+        raise ValueError(f"device {str(device)!r} is not one nibble runs on: use 'cpu', 'cuda' or 'cuda:N'")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but no CUDA GPU is visible: use the CPU (device 'cpu', "
                          "CLI --device cpu) or run where a GPU is")

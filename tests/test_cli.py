@@ -543,6 +543,11 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 
 
+def test_an_out_holding_a_quantized_checkpoint_is_written_again(quantized_dir):
+    from nibble.cli import check_out
+    check_out(str(quantized_dir), None)
+
+
 def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp_path, monkeypatch):
     """A read-only --out, or a file, failed with a traceback once GPTQ or a whole report had run; --out naming the
     --model folder replaced the 16-bit source."""
@@ -553,8 +558,11 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
     file.write_text("")
     dangling = tmp_path / "link"
     dangling.symlink_to(tmp_path / "nowhere")
+    other = tmp_path / "other"  # another 16-bit model: its weights, config and tokenizer were replaced
+    tiny_model().save_pretrained(other)
     for out, message in ((file, "is a file: give a folder"), (file / "q", "cannot be created: .* is a file"),
-                         (model_dir, "is the --model folder"), (dangling, "is a link to .*nowhere, which does not")):
+                         (model_dir, "is the --model folder"), (dangling, "is a link to .*nowhere, which does not"),
+                         (other, "holds a model that is not a quantized checkpoint")):
         with pytest.raises(SystemExit, match=f"^nibble quantize: --out {out} {message}"):
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])
     with pytest.raises(SystemExit, match="^nibble quantize: --out is empty"):  # an unset "$OUTDIR"
@@ -675,3 +683,17 @@ def test_a_qat_run_stopped_with_ctrl_c_says_what_it_kept_and_how_to_go_on(tmp_pa
     with pytest.raises(SystemExit, match=r"nibble qat: interrupted; the state of step 50 is in .*state.pt: the same "
                                          "command with --resume continues from it"):
         main(["qat", "--out", str(tmp_path / "q"), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["eval", "ppl"]])
+def test_a_checkpoint_saved_without_a_tokenizer_is_refused_before_it_loads(tmp_path, command, monkeypatch):
+    """save_quantized's tokenizer is optional: generate and eval failed on the first prompt with "'NoneType' object has
+    no attribute 'chat_template'" (or 'encode'), as a traceback."""
+    import nibble.cli as cli
+    from nibble import QuantConfig, quantize_model, save_quantized
+
+    save_quantized(quantize_model(tiny_model(), QuantConfig(group_size=32), progress=False), tmp_path)
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking its tokenizer"))
+    with pytest.raises(SystemExit, match=f"^nibble {command[0]}: {tmp_path} holds no tokenizer .* save it there with "
+                                         r"tokenizer\.save_pretrained\(DIR\)"):
+        main(command + ["--model", str(tmp_path)])

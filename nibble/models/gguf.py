@@ -70,30 +70,51 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     path = Path(path)
     reader = _open(path)
     config = _llama_config(reader, path)
+    # Skip the random init: every parameter is overwritten by the strict load below.
+    with no_init_weights():
+        model = LlamaForCausalLM(config)
+    model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state_dict = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
+        _check_place(tensor, name, expected, config, path)  # before the Q/K unpermute, which a wrong shape fails
         try:
             weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
             raise ValueError(f"{path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the "
                              f"installed gguf package (v{version('gguf')}) cannot dequantize; convert the model "
                              "to a float, Q8_0, Q4_x/Q5_x or K-quant GGUF") from None
+        bad = int((~np.isfinite(weight)).sum())
+        if bad:  # GGUF has no checksum: the model would answer NaN logits, found only at generation
+            raise ValueError(f"{path}: tensor {tensor.name} holds {bad} NaN or Inf value(s): the file is corrupt; "
+                             "download or convert it again")
         # The reader yields weights in ggml's [N, K] row order: already nn.Linear's [out, in].
         weight = np.require(weight.reshape(_torch_shape(tensor)), requirements="W")  # torch wants writable memory
         state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config)
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    # Skip the random init: every parameter is overwritten by the strict load below.
-    with no_init_weights():
-        model = LlamaForCausalLM(config)
-    model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
-    missing = sorted(set(model.state_dict()) - set(state_dict))
+    missing = sorted(set(expected) - set(state_dict))
     if missing:  # load_state_dict would say it as a traceback of its own
         raise ValueError(f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}: the GGUF is "
                          "incomplete, or its architecture has tensors nibble's llama loader does not build")
     model.load_state_dict(state_dict, strict=True)
     return model.to(dtype).eval(), _tokenizer(reader, path, config)
+
+
+def _check_place(tensor: gguf.ReaderTensor, name: str, expected: dict, config: LlamaConfig, path: Path) -> None:
+    """Refuse a tensor the model the metadata describes has no place for, or of another shape than it implies, by
+    name: load_state_dict said either as a traceback of its own (unexpected keys, a size mismatch)."""
+    implies = (f"(block_count {config.num_hidden_layers}, embedding_length {config.hidden_size}, feed_forward_length "
+               f"{config.intermediate_size}, head_count {config.num_attention_heads}, head_count_kv "
+               f"{config.num_key_value_heads}, {config.vocab_size} tokens)")
+    fix = "the file is corrupt or its metadata belongs to another model; download or convert it again"
+    if name not in expected:
+        raise ValueError(f"{path}: tensor {tensor.name} has no place in the model its metadata describes {implies}: {fix}")
+    shape = _torch_shape(tensor)
+    if shape != expected[name]:
+        raise ValueError(f"{path}: tensor {tensor.name} is {'x'.join(map(str, shape))} but the metadata {implies} "
+                         f"implies {'x'.join(map(str, expected[name]))}: {fix}")
 
 
 def read_q4_1_blocks(path: str | Path, names: Iterable[str] | None = None) -> dict[str, Q4_1Blocks]:
@@ -136,15 +157,22 @@ def _decode_q4_1(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return codes, d, m
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic bytes, whatever its name (a download cache's blob)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    if not is_gguf(path):
+        raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
     stat = path.stat()
     try:
-        reader = _read(path.resolve(), stat.st_mtime_ns, stat.st_size)
+        reader = _read(path.resolve(), stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
     except (ValueError, IndexError, struct.error) as e:  # numpy's view of a short file, the header past its end
         raise ValueError(f"{path} is truncated or corrupt ({e}); download or convert it again") from e
     arch = _field(reader, "general.architecture", path)
@@ -169,10 +197,12 @@ class _Reader(gguf.GGUFReader):
 
 
 @functools.lru_cache(maxsize=1)
-def _read(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
+def _read(path: Path, dev: int, ino: int, ctime_ns: int, mtime_ns: int, size: int) -> gguf.GGUFReader:
     # Parsing still costs seconds; load_gguf then read_q4_1_blocks on the same file (the
-    # quantization workflow) parse it once. The reader is read-only, so sharing it is safe;
-    # mtime and size key out a rewritten file.
+    # quantization workflow) parse it once. The reader is read-only, so sharing it is safe.
+    # The stat fields key out a rewritten or replaced file: mtime and size alone served the old
+    # model for another of the same size whose mtime was kept (cp -p, rsync -a, tar x); a
+    # replacement is another inode, and ctime is set by every change (utime cannot set it back).
     return _Reader(path)
 
 
@@ -186,7 +216,11 @@ def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
             raise ValueError(f"{path}: GGUF metadata key {key!r} is missing; the file is incomplete or not a "
                              "llama.cpp model file")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except UnicodeDecodeError as e:  # the gguf package's error names neither the file nor the key
+        raise ValueError(f"{path}: GGUF metadata key {key!r} holds text that is not UTF-8 ({e}): the file is "
+                         "corrupt; download or convert it again") from e
 
 
 def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
@@ -198,6 +232,12 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         raise ValueError(f"{path}: rope scaling {rope_scaling!r} is not supported by nibble's GGUF loader; "
                          "load the original Hugging Face directory instead")
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
+    # said here: LlamaConfig refused them with its validator's error, or a division by zero came first
+    if not (heads > 0 and kv_heads > 0 and heads % kv_heads == 0 and hidden % heads == 0):
+        raise ValueError(f"{path}: head_count {heads} and head_count_kv {kv_heads} do not fit embedding_length "
+                         f"{hidden} (head_count_kv must divide head_count, and head_count embedding_length): the "
+                         "file's metadata is corrupt; download or convert it again")
     head_dim = meta("attention.key_length", hidden // heads)
     if meta("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count != head dim {head_dim}) "
@@ -209,7 +249,7 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         intermediate_size=meta("feed_forward_length"),
         num_hidden_layers=meta("block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=meta("attention.head_count_kv", heads),
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=meta("context_length"),
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
@@ -264,7 +304,11 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                          f"{' or '.join(map(repr, _PRE_TOKENIZERS))}. Load the original Hugging Face directory instead")
     tokens = meta("tokens")
     merges = [tuple(merge.split(" ", 1)) for merge in meta("merges")]
-    tokenizer = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    try:
+        tokenizer = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    except Exception as e:  # the tokenizers library raises Exception itself ("Token '!\"' out of vocabulary")
+        raise ValueError(f"{path}: its tokenizer cannot be built ({e}): the file's tokenizer metadata is corrupt; "
+                         "download or convert it again") from e
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre](bool(meta("add_space_prefix", False)))
     tokenizer.decoder = decoders.ByteLevel()
     types = meta("token_type")
@@ -277,6 +321,9 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
 
     def token(key):
         index = meta(key, None)
+        if index is not None and not 0 <= index < len(tokens):
+            raise ValueError(f"{path}: tokenizer.ggml.{key} is {index}, beyond its {len(tokens)} tokens: the file's "
+                             "metadata is corrupt; download or convert it again")
         return None if index is None else tokens[index]
 
     bos = token("bos_token_id")

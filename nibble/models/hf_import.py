@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
@@ -34,7 +33,8 @@ from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
-from nibble.models.convert import check_architecture, mark_quantized, quantized_linears
+from nibble.models.convert import check_architecture, mark_quantized, quantized_linears, untie_lm_head
+from nibble.models.loading import read_config, read_json_object
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 
@@ -46,6 +46,7 @@ QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values t
 EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+GPTQ_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too (before 0.5: only here)
 _QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 
 
@@ -59,11 +60,11 @@ def read_quantization_config(directory) -> dict:
     """The checkpoint's quantization settings, validated: {"method", "group_size", "sym", "desc_act",
     "checkpoint_format", "raw"}. Raises UnsupportedCheckpointError naming what nibble supports."""
     directory = Path(directory)
-    raw = json.loads((directory / CONFIG).read_text())
+    raw = read_config(directory / CONFIG)
     qc = dict(raw.get("quantization_config") or {})
-    extra = directory / "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too
-    if extra.exists():
-        qc = {**json.loads(extra.read_text()), **qc}
+    extra = directory / GPTQ_CONFIG
+    if extra.exists():  # a GPTQ checkpoint's (AutoGPTQ before 0.4 named no quant_method)
+        qc = {"quant_method": "gptq", **read_json_object(extra), **qc}
     if not qc:
         raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized checkpoint "
                                          f"(nibble imports {SUPPORTED}; quantize a float model with nibble instead)")
@@ -73,14 +74,17 @@ def read_quantization_config(directory) -> dict:
         raise UnsupportedCheckpointError(f"quant_method={qc.get('quant_method')!r} is not supported; nibble imports {SUPPORTED}")
     if bits != 4:
         raise UnsupportedCheckpointError(f"{method} checkpoint with bits={bits!r} is not supported; nibble imports {SUPPORTED}")
-    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    group_size = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group_size, int) or isinstance(group_size, bool):  # int() read 64.5 as 64, and failed on null
+        raise UnsupportedCheckpointError(f"{method} checkpoint with group_size={group_size!r}: it must be an integer "
+                                         "(-1 for per channel); the quantization_config is damaged")
     out = {"method": method, "group_size": group_size, "raw": qc}
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise UnsupportedCheckpointError(f"AWQ version={qc.get('version')!r} is not supported (its packing differs "
                                              f"from GEMM's); nibble imports {SUPPORTED}")
-        if not qc.get("zero_point", True):
+        if qc.get("zero_point") is not None and not qc["zero_point"]:  # null: not said, AutoAWQ's default true
             raise UnsupportedCheckpointError(f"AWQ with zero_point=false is not supported; nibble imports {SUPPORTED}")
         out.update(sym=False, desc_act=False, checkpoint_format=None)
     else:
@@ -98,24 +102,46 @@ def read_quantization_config(directory) -> dict:
     return out
 
 
-def _read_safetensors(directory: Path) -> dict:
-    index = directory / f"{WEIGHTS}.index.json"
+def _read_safetensors(directory: Path) -> tuple[dict, dict]:
+    """(every tensor of the checkpoint, each file's (safetensors metadata, tensor names)): the files its index names,
+    or without one every *.safetensors in ``directory``."""
+    index, weight_map = directory / f"{WEIGHTS}.index.json", {}
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (the file of each tensor): re-download the checkpoint")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only")
-    tensors = {}
+    tensors, held_by, metadata = {}, {}, {}
     for name in files:
         try:
             with safe_open(str(directory / name), "pt") as f:
+                metadata[name] = (f.metadata() or {}, list(f.keys()))
                 for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                    if key in held_by:  # the file read last won it: another checkpoint's copy beside this one
+                        raise ValueError(f"tensor {key!r} is in both {directory / held_by[key]} and {directory / name}"
+                                         ": one of them is not this checkpoint's (a backup or an earlier model's "
+                                         "file?); move it out of the folder")
+                    tensors[key], held_by[key] = f.get_tensor(key), name
         except (SafetensorError, OSError) as e:  # safetensors' own message names no file
             raise ValueError(f"{directory / name} is missing, truncated or corrupt ({e}); re-download the checkpoint "
                              "or re-save it") from e
-    return tensors
+    astray = [(key, file) for key, file in weight_map.items() if held_by.get(key) != file]
+    if astray:  # else a layer missing a tensor failed as "cannot read its awq tensors ('qzeros')"
+        key, file = astray[0]
+        raise ValueError(f"{index} names {file} for {key!r} ({len(astray)} such tensor(s)), but that file does not hold "
+                         "it: the shards and the index are of different saves; re-download the checkpoint")
+    return tensors, metadata
+
+
+def _check_finite(t: torch.Tensor, name: str) -> None:
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:  # the model would output NaN, found only at generation
+        raise ValueError(f"{name} holds {bad} NaN or Inf value(s): the checkpoint is corrupt, or its quantization "
+                         "overflowed float16; re-download it or quantize the model again")
 
 
 def _convert_layer(info: dict, t: dict, prefix: str):
@@ -128,6 +154,23 @@ def _convert_layer(info: dict, t: dict, prefix: str):
         return *from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"], fmt), fmt
     except (KeyError, ValueError) as e:
         raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
+
+
+def _layout(t: dict, nibble_zeros: bool, layer: nn.Module) -> tuple[str | None, str]:
+    """(the tool whose layout a layer's tensors ``t`` are in, what says so), told by their names and qweight's shape;
+    (None, "") where they do not tell. A config.json of another format beside them failed on a wrong K or group size
+    ("AWQ qweight has K=32 rows ...")."""
+    if "qzeros" not in t and nibble_zeros:
+        return "nibble", "zeros, not qzeros"
+    if "g_idx" in t:
+        return "gptq", "a g_idx"
+    k, n = layer.in_features, layer.out_features
+    shape = tuple(t["qweight"].shape) if "qweight" in t else None
+    if shape == (k, n // 8):
+        return "awq", f"a {k}x{n // 8} qweight, packed along the outputs"
+    if shape == (k // 8, n):
+        return "gptq", f"a {k // 8}x{n} qweight, packed along the inputs"
+    return None, ""
 
 
 def _symmetric_zeros_format(info: dict, qzeros: torch.Tensor) -> str:
@@ -158,20 +201,27 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     device = resolve_device(device)  # "cuda" without a GPU is refused by name, not deep in torch
     dtype = resolve_dtype(dtype)
     if not (directory / CONFIG).exists():
         raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
     info = read_quantization_config(directory)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
-    raw = json.loads((directory / CONFIG).read_text())
-    raw.pop("quantization_config", None)
-    config = AutoConfig.for_model(**raw)
+    raw = read_config(directory / CONFIG)
+    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_architecture(model)
-    tensors = _read_safetensors(directory)
+    tensors, files = _read_safetensors(directory)
+    from nibble.models.serialization import (METADATA, _rebuild_non_persistent_buffers, check_checksums,
+                                             check_config_digest)
+    for name, (meta, keys) in files.items():  # a nibble export: its checksums, the digest of its config.json
+        if METADATA in meta:
+            ours = json.loads(meta[METADATA])
+            if "checksums" in ours:
+                check_checksums(directory / name, {k: tensors[k] for k in keys}, ours)
+            check_config_digest(directory / name, ours, raw)
 
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not prefixes:
@@ -180,13 +230,24 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     for prefix in prefixes:
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
         bias = tensors.pop(f"{prefix}.bias", None)
+        old = named_layer(model, prefix, directory)
+        layout, held = _layout(t, f"{prefix}.zeros" in tensors, old)
+        if layout not in (None, info["method"]):
+            raise ValueError(f"{directory / CONFIG} says {info['method']}, but {prefix} holds {layout}'s tensors "
+                             f"({held}): the config.json belongs to another checkpoint; restore the one written with "
+                             "these weights")
         weight, perm, read_as = _convert_layer(info, t, prefix)
+        for what, value in (("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
+            if value is not None:
+                _check_finite(value, f"{directory}: {prefix}.{what}")
         if read_as != info["checkpoint_format"]:
             relabelled.append(prefix)
-        old = model.get_submodule(prefix)
         if (old.in_features, old.out_features) != (weight.in_features, weight.out_features):
             raise ValueError(f"{prefix}: checkpoint holds a {weight.out_features}x{weight.in_features} weight but the "
                              f"architecture expects {old.out_features}x{old.in_features}")
+        if bias is not None and tuple(bias.shape) != (weight.out_features,):
+            raise ValueError(f"{directory}: {prefix}.bias has shape {tuple(bias.shape)}, where the layer's "
+                             f"{weight.out_features} outputs need ({weight.out_features},): the checkpoint is damaged")
         cls = PermutedInputQuantLinear if perm is not None else QuantLinear
         layer = cls.from_weight(weight.to(device), None if bias is None else bias.to(device, dtype), "w4a16", dtype=dtype)
         if perm is not None:
@@ -200,8 +261,14 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         warnings.warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
                       f"{len(relabelled)} of its layers ({relabelled[0]}, ...) store 8, the gptq_v2 convention: read "
                       "as gptq_v2", stacklevel=2)
+    for k, v in tensors.items():
+        if v.is_floating_point():
+            _check_finite(v, f"{directory}: {k}")
     state = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor of another shape than config.json implies
+        raise ValueError(f"{directory}: weights do not match the architecture config.json describes ({e})") from e
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")
                and not any(k.startswith(p + ".") for p in prefixes)]
@@ -209,8 +276,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
         raise ValueError(f"{directory}: checkpoint does not match the architecture (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")
     if tied:
-        model.tie_weights()
-    from nibble.models.serialization import _rebuild_non_persistent_buffers
+        _tie_lm_head(model, directory, stored="lm_head.weight" in state)
     _rebuild_non_persistent_buffers(model, device)
     fold_mlp_input_orders(model)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
@@ -224,6 +290,33 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
     model.eval()
     from nibble.models.serialization import load_companions
     return model, load_companions(model, directory)
+
+
+def named_layer(model: nn.Module, name: str, directory: Path) -> nn.Module:
+    """The model's module ``name``, which the checkpoint's weights name: torch's AttributeError ("ModuleList has no
+    attribute '1'") said nothing of a config.json with fewer layers than the weights."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError as e:
+        raise ValueError(f"{directory}: the weights hold {name}, which the model config.json describes has not "
+                         f"({e}; num_hidden_layers {model.config.num_hidden_layers}): the config.json belongs to "
+                         "another model") from e
+
+
+def _tie_lm_head(model: nn.Module, directory: Path, stored: bool) -> None:
+    """Tie lm_head to the embedding, as config.json's tie_word_embeddings says, where the checkpoint agrees: a head
+    of its own (``stored``) that differs from the embedding (a fine-tune whose config kept its tied base's setting)
+    is kept, as transformers keeps it, and a quantized one (GPTQModel's lm_head=True) has no float weight to share;
+    tie_weights() replaced the first by the embedding and hung the embedding on the second."""
+    head, embed = model.lm_head, model.get_input_embeddings()
+    if isinstance(head, QuantLinear) or (stored and not torch.equal(head.weight, embed.weight)):
+        if not isinstance(head, QuantLinear):
+            warnings.warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
+                          "differs from the embedding: kept untied, as stored (transformers does the same)",
+                          stacklevel=3)
+        untie_lm_head(model)  # the config then says what the model holds
+    else:
+        model.tie_weights()
 
 
 @torch.no_grad()
@@ -265,6 +358,32 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
+def checkpoint_dir(directory) -> Path:
+    """The folder a save writes, refused where it cannot be one: "" wrote the checkpoint into the current folder, and
+    a file failed in pathlib's mkdir as a bare FileExistsError."""
+    if not str(directory).strip():
+        raise ValueError("the directory to save to is empty: give the folder to write the checkpoint to")
+    directory = Path(directory).expanduser()
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file: a checkpoint is a folder (its config.json, weights and tokenizer)")
+    return directory
+
+
+def model_to_save(model) -> nn.Module:
+    """The causal LM a save writes: torch.compile's wrapper taken off (its state_dict names every tensor
+    "_orig_mod.", which no load places: the save went through and nothing read it back), and anything else than a
+    *ForCausalLM refused (its decoder alone saved keys without "model.", an Engine failed on a missing method)."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"a save takes the model (a *ForCausalLM), got {type(model).__name__}")
+    # a model wearing peft adapters wrote a checkpoint of wrapped layers that nothing could load back
+    if any(hasattr(m, "lora_A") for m in model.modules()):
+        raise ValueError("the model holds peft adapters: save the adapter with its save_pretrained, and the quantized "
+                         "model without them (peft's unload()) with nibble.save_quantized")
+    check_architecture(model)
+    return model
+
+
 def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
     """(the QuantLinears, the one group size, -1 for per channel) of a model an AutoAWQ / GPTQ checkpoint can hold,
     else a ValueError saying what it cannot."""
@@ -289,6 +408,7 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
 
 
 def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
+    directory = checkpoint_dir(directory)
     linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:
@@ -318,12 +438,12 @@ def _export(model: nn.Module, directory, quantization_config: dict, convert, tok
                                      QUANTIZED_BY: {"library": "nibble", "method": made.get("method"),
                                                     "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
-    from nibble.models.serialization import _atomic_write, save_companions
-    directory = Path(directory)  # made once every layer converted: a refused one leaves no empty folder
-    directory.mkdir(parents=True, exist_ok=True)
-    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
-    save_companions(model, directory, tokenizer)
+    from nibble.models.serialization import CHECKSUM_VERSION, METADATA, _sha256, write_checkpoint
+    directory.mkdir(parents=True, exist_ok=True)  # made once every layer converted: a refused one leaves none
+    # "format": transformers 4 refuses a file without it; METADATA: nibble's checksums (the layout has none) and the
+    # config's digest, which other readers ignore
+    ours = {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "checksum_version": CHECKSUM_VERSION}
+    write_checkpoint(model, directory, tensors, {"format": "pt", METADATA: ours}, config, tokenizer)
     return directory
 
 
@@ -334,6 +454,8 @@ def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
     Non-quantized tensors (embeddings, norms, lm_head, biases) are written in float16, as AutoAWQ
     does. Raises ValueError for float zero points, w4a4 layers or permuted (act-order) layers.
     """
+    model = model_to_save(model)
+
     def convert(m):
         if hasattr(m, "input_perm"):
             raise ValueError("it has an input permutation (GPTQ act-order), which AWQ cannot express; use export_gptq")
@@ -350,6 +472,7 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
     whole quantization run)."""
     if checkpoint_format not in (None, *CHECKPOINT_FORMATS):
         raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS} or None, got {checkpoint_format!r}")
+    model = model_to_save(model)
     qc = getattr(model.config, "quantization_config", None) or {}
     linears, _ = _exportable_linears(model, "gptq")  # refused before the warning below could say "written"
     desc_act = any(hasattr(m, "input_perm") for _, m in linears)

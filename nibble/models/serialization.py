@@ -5,9 +5,13 @@ written too (`format=`, and load_quantized tells them apart by their ``quant_met
 are converted losslessly by nibble.models.hf_import).
 
 Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
-looks whole. Every tensor's sha256 goes into the safetensors metadata and is checked on load, so
-a truncated or edited file is an error, never silently wrong output; so does the digest of the
-quantization_config that reads the weights, so weights beside another save's config.json are refused.
+looks whole. Every tensor's sha256 (of its dtype, shape and data) goes into the safetensors metadata and is
+checked on load, so a truncated or edited file is an error, never silently wrong output; so does the digest of the
+config.json that reads the weights (every field that changes what they compute), so weights beside another
+save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that digest too, which the
+importer checks (other readers ignore them). A save owns its directory: the weight files, index, tokenizer files
+and generation config of an earlier checkpoint there that it does not write again are removed, since every reader
+would take them for this model's.
 """
 from __future__ import annotations
 
@@ -23,18 +27,28 @@ from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import check_architecture, mark_quantized
-from nibble.models.hf_import import EXPORT_FORMATS
-from nibble.models.loading import NEVER_DOWNLOADS
+from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
+from nibble.models.loading import NEVER_DOWNLOADS, read_config
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
-                                     load_hf_quantized)
+                                     checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the quantization_config's digest
+METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
+CHECKSUM_VERSION = 2  # 2: the checksums cover each tensor's dtype and shape too (1, or none said: its data alone)
+# the canonical format's tensors (docs/ARCHITECTURE.md), whatever dtype the model runs in
+FORMAT_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "zeros": torch.float16}
+# what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# config.json fields the config digest leaves out: what the weights compute does not depend on them (the load's
+# default dtype, generation's special tokens, provenance), so editing them is no reason to refuse the weights
+NOT_DIGESTED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "bos_token_id",
+                "eos_token_id", "pad_token_id")
 SAVE_FORMATS = ("nibble", *EXPORT_FORMATS)  # save_quantized's, and nibble quantize --format's
 
 
@@ -44,15 +58,23 @@ class CheckpointError(ValueError):
     ``except ValueError`` catches them all."""
 
 
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+def _sha256(t: torch.Tensor, typed: bool = True) -> str:
+    """The checksum of a tensor's data and, ``typed`` (checkpoints of CHECKSUM_VERSION 2), of its dtype and shape:
+    over the data alone, one edited byte of the header ("F16" to "I16") loaded the same bytes as another model."""
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode() if typed else b"")
+    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except (SafetensorError, OSError) as e:  # safetensors' "I/O error: File too large" names no file
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {path} ({e}; a full disk?): what the folder held is unchanged") from e
     os.replace(tmp, path)
 
 
@@ -63,7 +85,8 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     (W4A16 models with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` /
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
     warning: `nibble.formats.gptq`)."""
-    check_no_adapters(model)
+    model = model_to_save(model)
+    directory = checkpoint_dir(directory)  # before an export converts every layer
     if format == "awq":
         return export_awq(model, directory, tokenizer)
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)
@@ -73,7 +96,6 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     qc = getattr(model.config, "quantization_config", None)
     if not qc or qc.get("quant_method") != "nibble":
         raise ValueError("model has no nibble quantization_config: run nibble.quantize_model first")
-    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors, seen = {}, {}
     aliases = {}
@@ -94,34 +116,62 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
     config["quantization_config"] = {**qc, "online_hadamard_modules": online,
                                      "input_permuted_modules": input_permuted_modules(model)}
-    # One metadata key: safetensors writes its metadata from a hash map, in another order each run, so several keys
-    # (transformers' "format" among them) made the same model's file differ byte for byte between two saves.
-    metadata = {METADATA: json.dumps({"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,
-                                      "quantization_config": _digest(config["quantization_config"])})}
-    # two files, each replaced atomically: the digest of the config that reads the weights goes with them, so a save
-    # interrupted between the two (new weights, old config.json) is refused on load, not run as another model
-    _atomic_write(directory / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
-    _atomic_write(directory / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2, default=str)))
-    save_companions(model, directory, tokenizer)
+    # nibble's key alone: no other reader reads this file, so it needs no "format" (the exports' transformers key)
+    metadata = {METADATA: {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,
+                           "checksum_version": CHECKSUM_VERSION}}
+    write_checkpoint(model, directory, tensors, metadata, config, tokenizer)
     return directory
 
 
-def check_no_adapters(model: nn.Module) -> None:
-    """A model wearing peft adapters wrote a checkpoint of wrapped layers that nothing could load back."""
-    if any(hasattr(m, "lora_A") for m in model.modules()):
-        raise ValueError("the model holds peft adapters: save the adapter with its save_pretrained, and the quantized "
-                         "model without them (peft's unload()) with nibble.save_quantized")
+def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata: dict, config: dict,
+                     tokenizer=None) -> None:
+    """Write a checkpoint's files into ``directory``: the weights, with the digest of ``config`` added to
+    ``metadata[METADATA]``, then the companions, then config.json; and remove the other weight files and index an
+    earlier checkpoint left there, which the importer, transformers and vLLM would read as this model's (an index
+    wins over model.safetensors)."""
+    text = json.dumps(config, indent=2, default=str)
+    metadata = {**metadata, METADATA: json.dumps({**metadata[METADATA], "config": config_digest(json.loads(text))})}
+    # each file replaced atomically, config.json last: the digest of the config that reads the weights goes with
+    # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
+    # config.json) is refused on load, not run as another model or with another model's tokenizer
+    _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
+    for stale in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json"]:
+        if stale.name != WEIGHTS:
+            stale.unlink(missing_ok=True)
+    save_companions(model, directory, tokenizer)
+    _atomic_write(directory / CONFIG, lambda p: p.write_text(text))
+
+
+def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
+    """save_file, its metadata then put in key order: safetensors writes it from a hash map, in another order each
+    run, and the AutoAWQ / GPTQ exports need two keys (transformers 4 refuses a file without "format")."""
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        # the same entries in another order, as compact as safetensors writes them: the same length (were it longer,
+        # it would overwrite the tensors; the file is left as written then, valid, its metadata in any order)
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:
+            f.seek(8)
+            f.write(text.ljust(size))
 
 
 def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
     """What a checkpoint holds beside its weights and config.json: the generation config (an Instruct model's
     end-of-turn tokens and sampling defaults live there only: Llama-3-Instruct's config.json names
     <|end_of_text|>, its generation_config.json <|eot_id|> too) and the tokenizer, as ``save_pretrained`` writes
-    them."""
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+    them. Those files of an earlier checkpoint in ``directory`` that this save does not write are removed: loaded
+    with this model they were another model's tokenizer, or its chat template on this tokenizer."""
+    written = set() if tokenizer is None else {Path(p).name for p in tokenizer.save_pretrained(directory)}
+    for name in TOKENIZER_FILES:
+        if name not in written:
+            (directory / name).unlink(missing_ok=True)
     generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
+    if generation_config is None:
+        (directory / GENERATION_CONFIG).unlink(missing_ok=True)
+    else:
         # as the model holds it: GenerationConfig.save_pretrained refuses flags it calls unused (a temperature
         # without do_sample, as Hub models ship them and transformers loads with a warning), which failed the
         # command after all its work
@@ -139,16 +189,55 @@ def load_companions(model: nn.Module, directory: Path):
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
                                   "then stops on config.json's eos_token_id alone)") from e
-    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
+    if not holds_tokenizer(directory):
+        return None
+    redo = "re-save the tokenizer there with tokenizer.save_pretrained(DIR)"
+    for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
+        try:  # transformers' error names no file: "Expecting value: line 3 column 17 (char 38)"
+            if file.exists():
+                json.loads(file.read_text())
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{file} cannot be read ({e}): {redo}") from e
+    try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return None
+    except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{directory}: its tokenizer cannot be read ({cause}); {redo}") from e
 
 
-def _digest(quantization_config: dict) -> str:
-    return hashlib.sha256(json.dumps(quantization_config, sort_keys=True, default=str).encode()).hexdigest()
+def holds_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
 
 
-def _read_checked(path: Path, quantization_config: dict) -> tuple[dict, dict]:
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_digest(config: dict) -> str:
+    """The digest of config.json (as read from the file) that the weights saved with it carry: every field but
+    those that do not change what the weights compute (`NOT_DIGESTED`)."""
+    return _digest({k: v for k, v in config.items() if k not in NOT_DIGESTED})
+
+
+def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
+    """Refuse the weights file ``path`` when the digest it carries (``saved_with``: its metadata's) is not that of
+    ``config``, the config.json beside it. Checkpoints of sessions 56-57 carry the quantization_config's alone."""
+    if "config" in saved_with:
+        same = saved_with["config"] == config_digest(config)
+    elif "quantization_config" in saved_with:
+        same = saved_with["quantization_config"] == _digest(config.get("quantization_config"))
+    else:  # written before the digest, or by another tool
+        return
+    if not same:
+        raise CheckpointError(f"{path} was saved with another config than {path.parent / CONFIG} holds (a save into "
+                              "this directory interrupted between the two files, or an edited config.json): save the "
+                              "model again")
+
+
+def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
+    if not path.exists() and (path.parent / f"{WEIGHTS}.index.json").exists():  # config.json says nibble's
+        raise CheckpointError(f"{path.parent} holds shards (model.safetensors.index.json), but a nibble checkpoint is "
+                              f"one {WEIGHTS}: merge the shards into one file, or fetch the checkpoint as nibble wrote it")
     if not path.exists():
         raise CheckpointError(f"{path} is missing: not a nibble checkpoint directory")
     if not os.access(path, os.R_OK):  # safetensors says "No such file or directory" of it
@@ -167,18 +256,21 @@ def _read_checked(path: Path, quantization_config: dict) -> tuple[dict, dict]:
                 "aliases": json.loads(metadata.get("nibble_aliases", "{}"))}
     else:
         raise CheckpointError(f"{path} has no nibble checksums: it was not written by nibble.save_quantized")
+    check_checksums(path, tensors, ours)
+    check_config_digest(path, ours, config)
+    return tensors, ours.get("aliases", {})
+
+
+def check_checksums(path: Path, tensors: dict, ours: dict) -> None:
+    """Refuse the weights file ``path`` whose ``tensors`` do not match the checksum table its metadata holds
+    (``ours``: nibble's, or an export's)."""
     checksums = ours["checksums"]
     if set(checksums) != set(tensors):
         raise CheckpointError(f"{path}: tensor names do not match the checksum table; the file was edited")
-    bad = [k for k, v in tensors.items() if _sha256(v) != checksums[k]]
+    typed = ours.get("checksum_version", 1) >= 2
+    bad = [k for k, v in tensors.items() if _sha256(v, typed) != checksums[k]]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
-    saved_with = ours.get("quantization_config")
-    if saved_with is not None and saved_with != _digest(quantization_config):
-        raise CheckpointError(f"{path} was saved with another quantization_config than {path.parent / CONFIG} "
-                              "holds (a save into this directory interrupted between the two files, or an edited "
-                              "config.json): save the model again")
-    return tensors, ours.get("aliases", {})
 
 
 def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
@@ -192,7 +284,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory = Path(directory)
+    directory = Path(directory).expanduser()  # "~/model" as a shell would read it
     # First: "cuda" without a GPU would fail deep in torch, and "gpu" as weights that "do not match".
     device = resolve_device(device)
     dtype = resolve_dtype(dtype)
@@ -203,18 +295,25 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     if not (directory / CONFIG).exists():
         raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble, AutoAWQ or GPTQ checkpoint directory")
     try:
-        raw = json.loads((directory / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{directory / CONFIG} is not valid JSON ({e})") from e
-    qc_dict = raw.pop("quantization_config", None)
+        raw = read_config(directory / CONFIG)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    qc_dict = raw.get("quantization_config")
+    if qc_dict is None and (directory / GPTQ_CONFIG).exists():  # AutoGPTQ before 0.5: its settings there alone
+        return load_hf_quantized(directory, device, dtype)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
-    if qc_dict.get("quant_method") in HF_QUANT_METHODS:
+    if str(qc_dict.get("quant_method")).lower() in HF_QUANT_METHODS:  # as the importer reads it: "AWQ" too
         return load_hf_quantized(directory, device, dtype)
     qc = QuantConfig.from_dict(qc_dict)
+    for key in ("online_hadamard_modules", "input_permuted_modules"):
+        if not isinstance(qc_dict.get(key, []), list):
+            raise CheckpointError(f"{directory / CONFIG}: quantization_config.{key} must be a list of module names, "
+                                  f"got {qc_dict[key]!r}: the file was edited; save the model again")
     online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
     permuted = set(qc_dict.get("input_permuted_modules", []))
-    tensors, aliases = _read_checked(directory / WEIGHTS, qc_dict)
+    tensors, aliases = _read_checked(directory / WEIGHTS, raw)
+    raw.pop("quantization_config")
     config = AutoConfig.for_model(**raw)
     dtype = dtype or _saved_dtype(raw, device)
     with torch.device("meta"):
@@ -222,10 +321,21 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     check_architecture(model)
     for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")}:
         parent, _, child = name.rpartition(".")
-        old = model.get_submodule(name)
-        group_size = old.in_features // tensors[name + ".scales"].shape[0]
+        for part, want in FORMAT_DTYPES.items():  # a checkpoint whose checksums cover its data alone, or a converter's
+            held = tensors.get(f"{name}.{part}", torch.empty(0, dtype=want)).dtype  # a missing one: said below
+            if held != want:
+                raise CheckpointError(f"{directory / WEIGHTS}: {name}.{part} is {held}, where nibble's format holds "
+                                      f"{want}: the file was edited or written by another tool; save the model again")
+        old = named_layer(model, name, directory)
+        rows = tensors[name + ".scales"].shape[0]
+        if rows == 0 or old.in_features % rows:  # a division by zero, or a group size QuantLinear called wrong
+            raise CheckpointError(f"{directory / WEIGHTS}: {name}.scales has {rows} rows, which do not split the "
+                                  f"layer's {old.in_features} inputs into groups: the file was edited or written by "
+                                  "another tool; save the model again")
+        group_size = old.in_features // rows
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
-        q = cls(old.in_features, old.out_features, old.bias is not None, group_size, qc.mode,
+        # the bias the checkpoint holds, not the architecture's: an imported AutoGPTQ model has one on every linear
+        q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, group_size, qc.mode,
                 name in online_hadamard, dtype=dtype, device="meta")
         setattr(model.get_submodule(parent), child, q)
     for name in online_hadamard:  # 16-bit linears that rotate their input (a quantized one was built above)

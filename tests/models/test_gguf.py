@@ -100,24 +100,27 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None):
-    """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output."""
+def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
+                merges=("h e", "l l"), head_counts=None):
+    """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
+    (head_count, head_count_kv) the metadata says, if not the model's."""
     c = model.config
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    heads, kv_heads = head_counts or (c.num_attention_heads, c.num_key_value_heads)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(TOKENS)
     w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
-    w.add_token_merges(["h e", "l l"])
-    w.add_bos_token_id(1)
+    w.add_token_merges(list(merges))
+    w.add_bos_token_id(bos)
     w.add_eos_token_id(2)
     w.add_add_bos_token(add_bos)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -233,3 +236,86 @@ def test_a_truncated_or_incomplete_gguf_is_named_in_one_line(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"fewer\.gguf lacks 1 of the model's tensors, e.g. "
                                          r"\['model\.layers\.1\.mlp\.down_proj\.weight'\]"):
         load_gguf(_write_gguf(tmp_path / "fewer.gguf", fewer))
+
+
+def test_a_file_replaced_by_another_of_the_same_size_and_time_is_read_anew(tiny, tmp_path):
+    """The parsed reader was cached by path, mtime and size: a file replaced by another model of the same size whose
+    mtime was kept (cp -p, rsync -a, tar x) loaded as the model it replaced."""
+    import os
+    import shutil
+    path = _write_gguf(tmp_path / "a.gguf", tiny)
+    first, _ = load_gguf(path)
+    torch.manual_seed(1)
+    other = _write_gguf(tmp_path / "b.gguf", LlamaForCausalLM(TINY).eval())
+    stat = path.stat()
+    shutil.copyfile(other, tmp_path / "new")
+    os.utime(tmp_path / "new", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(tmp_path / "new", path)
+    assert path.stat().st_size == stat.st_size
+    second, _ = load_gguf(path)
+    assert not torch.equal(second.model.embed_tokens.weight, first.model.embed_tokens.weight)
+    assert torch.equal(second.model.embed_tokens.weight, load_gguf(other)[0].model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_weight_is_refused_naming_the_tensor(tiny, tmp_path, value):
+    """A NaN in one weight loaded, and the model answered NaN logits (token 0 again and again) at generation."""
+    weights = {k: v.clone() for k, v in tiny.state_dict().items()}
+    weights["model.layers.0.mlp.down_proj.weight"][5, 7] = value
+    damaged = SimpleNamespace(config=tiny.config, state_dict=lambda: weights)
+    with pytest.raises(ValueError, match=r"bad\.gguf: tensor blk\.0\.ffn_down\.weight holds 1 NaN or Inf value\(s\): the "
+                                         "file is corrupt"):
+        load_gguf(_write_gguf(tmp_path / "bad.gguf", damaged))
+
+
+def _with_config(model, **overrides):
+    """``model``'s tensors under metadata that says ``overrides``."""
+    config = LlamaConfig(**{**model.config.to_dict(), **overrides})
+    return SimpleNamespace(config=config, state_dict=model.state_dict)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (dict(num_hidden_layers=1), r"tensor blk\.1\.\w+\.weight has no place in the model its metadata describes "
+                                r"\(block_count 1, .*\): the file is corrupt or its metadata belongs to another model"),
+    (dict(intermediate_size=128), r"tensor blk\.0\.ffn_gate\.weight is 96x64 but the metadata \(.*feed_forward_length "
+                                  r"128.*\) implies 128x64: the file is corrupt"),
+    (dict(head_counts=(3, 1)), r"head_count 3 and head_count_kv 1 do not fit embedding_length 64"),
+    (dict(head_counts=(0, 0)), r"head_count 0 and head_count_kv 0 do not fit embedding_length 64"),
+    (dict(head_counts=(4, 3)), r"head_count 4 and head_count_kv 3 do not fit embedding_length 64")])
+def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damage, message):
+    """Raw load_state_dict tracebacks (unexpected keys, size mismatches), huggingface_hub's validation error, a
+    division by zero or a reshape error, in place of the file and what disagrees."""
+    overrides = {k: v for k, v in damage.items() if k != "head_counts"}
+    path = _write_gguf(tmp_path / "bad.gguf", _with_config(tiny, **overrides), head_counts=damage.get("head_counts"))
+    with pytest.raises(ValueError, match=message):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(bos=999), r"tokenizer\.ggml\.bos_token_id is 999, beyond its \d+ tokens: the file's metadata is corrupt"),
+    (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt")])
+def test_a_tokenizer_the_metadata_cannot_build_is_named(tiny, tmp_path, kwargs, message):
+    """IndexError: list index out of range, and the tokenizers library's "Error while initializing BPE"."""
+    with pytest.raises(ValueError, match=rf"bad\.gguf: {message}"):
+        load_gguf(_write_gguf(tmp_path / "bad.gguf", tiny, **kwargs))
+
+
+def test_metadata_text_that_is_not_utf8_is_named(tiny, tmp_path):
+    """A flipped byte in a token's text: gguf's UnicodeDecodeError named neither the file nor the key."""
+    path = _write_gguf(tmp_path / "bad.gguf", tiny)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"<|im_start|>")
+    data[at + 2] = 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"bad\.gguf: GGUF metadata key 'tokenizer\.ggml\.tokens' holds text that "
+                                         r"is not UTF-8"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("name", ["MODEL.GGUF", "blob"])
+def test_a_gguf_is_known_by_its_magic_bytes_not_its_suffix(tiny, tmp_path, name):
+    """An upper-case suffix, or a download cache's blob, was "neither a .gguf file nor a Hugging Face model
+    directory"."""
+    from nibble.models.loading import load_model
+    model, _ = load_model(_write_gguf(tmp_path / name, tiny))
+    assert torch.equal(model.model.embed_tokens.weight, tiny.model.embed_tokens.weight)

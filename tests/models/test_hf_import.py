@@ -485,3 +485,233 @@ def test_bad_devices_are_refused_by_name(tmp_path, monkeypatch):
     for load in (load_quantized, load_hf_quantized):
         with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
             load(tmp_path, device="cuda")
+
+
+def _export(tmp_path, name="q", fmt="awq", **overrides):
+    model = quantize_model(tiny_model("llama", **overrides), QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path / name, format=fmt)
+    return model, tmp_path / name
+
+
+def test_a_tensor_held_by_two_files_is_refused_naming_both(tmp_path):
+    """Without an index every *.safetensors is read, and the file that sorted last won a key both held: an export
+    beside a backup of the earlier model's loaded as the backup, without a word."""
+    import shutil
+    _, path = _export(tmp_path)
+    shutil.copy(path / "model.safetensors", path / "model_old.safetensors")
+    with pytest.raises(ValueError, match=r"tensor 'model\.[^']+' is in both .*/model\.safetensors and "
+                                         r".*/model_old\.safetensors"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("old,new", [("gptq", "gptq_v2"), ("awq", "awq")])
+def test_an_export_interrupted_between_its_two_files_is_refused(tmp_path, old, new):
+    """Exports carried no digest of their config: v2 weights beside a v1 export's config.json read every zero point a
+    step off, and another model's weights beside a config of other RoPE loaded as a third model."""
+    import shutil
+    _export(tmp_path, "old", old)
+    _export(tmp_path, "new", new, rope_theta=5e5)
+    shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
+    with pytest.raises(ValueError, match="saved with another config than .*config.json holds"):
+        load_quantized(tmp_path / "old")
+
+
+def test_an_exports_bytes_do_not_depend_on_the_metadatas_order(tmp_path):
+    """safetensors writes its metadata from a hash map: with two keys the same export differed byte for byte."""
+    _, path = _export(tmp_path)
+    with open(path / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"]) == ["format", "nibble"]
+
+
+def test_a_stored_lm_head_is_kept_when_the_config_says_tied(tmp_path):
+    """A fine-tune whose config kept its base's tie_word_embeddings: the import tied lm_head to the embedding and threw
+    the stored head away (transformers keeps it, and warns). A head equal to the embedding is tied."""
+    model, path = _export(tmp_path, tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(path / "model.safetensors")  # as another tool wrote it: no digest of the config
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="lm_head.weight differs from the embedding.*kept untied"):
+        loaded, _ = load_quantized(path)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.half().float())
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded, _ = load_quantized(path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("fmt,tensor", [("awq", "scales"), ("gptq", "scales"), ("gptq", "bias")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_scales_are_refused_naming_the_layer(tmp_path, fmt, tensor, value):
+    """fp16 scales that overflowed (a known GPTQ failure) or a damaged file imported as a model that outputs NaN."""
+    _, path = _export(tmp_path, fmt=fmt)
+    tensors = load_file(path / "model.safetensors")
+    name = f"model.layers.1.self_attn.q_proj.{tensor}"
+    tensors.setdefault(name, torch.zeros(tensors["model.layers.1.self_attn.q_proj.scales"].shape[1]).half())
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model\.layers\.1\.self_attn\.q_proj\.{tensor} holds 1 NaN or Inf value.*corrupt"):
+        load_quantized(path)
+
+
+def test_a_gptq_checkpoint_with_a_bias_on_every_linear_roundtrips_through_nibbles_format(tmp_path):
+    """AutoGPTQ before 0.5 gave every quantized linear a bias: imported with them, saved in nibble's format, the
+    checkpoint was refused on load ("Unexpected key(s) ... q_proj.bias") because the layers were built from the
+    architecture, which has none."""
+    _, path = _export(tmp_path, fmt="gptq")
+    tensors = load_file(path / "model.safetensors")
+    for k in [k for k in tensors if k.endswith(".qweight")]:
+        tensors[k.removesuffix("qweight") + "bias"] = torch.randn(tensors[k].shape[1]).half()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    imported, _ = load_quantized(path)
+    save_quantized(imported, tmp_path / "nibble")
+    loaded, _ = load_quantized(tmp_path / "nibble")
+    assert loaded.model.layers[0].self_attn.q_proj.bias is not None
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, imported(ids).logits)
+
+
+def test_a_quantized_lm_head_is_not_tied_to_the_embedding(tmp_path):
+    """GPTQModel's lm_head=True beside tie_word_embeddings: tie_weights() hung the embedding on the quantized head as
+    a stray lm_head.weight, which a nibble save recorded as an alias its load refused."""
+    from nibble.formats.gptq import to_gptq
+    quantized_head = quantize_model(tiny_model("llama"), QuantConfig(group_size=32, modules_to_not_convert=[]),
+                                    progress=False)
+    _, path = _export(tmp_path, fmt="gptq")  # tied, its 16-bit head stored once as the embedding
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({f"lm_head.{k}": v.contiguous() for k, v in to_gptq(quantized_head.lm_head.weight_int4()).items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    imported, _ = load_quantized(path)
+    assert isinstance(imported.lm_head, QuantLinear) and not list(imported.lm_head.parameters())
+    save_quantized(imported, tmp_path / "nibble")
+    loaded, _ = load_quantized(tmp_path / "nibble")
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, imported(ids).logits)
+
+
+@pytest.mark.parametrize("method_named", [True, False])
+def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_loads(tmp_path, method_named):
+    """AutoGPTQ before 0.5 wrote its settings to quantize_config.json only (before 0.4 without quant_method): the
+    importer reads that file, but load_quantized and the CLI refused the folder as "not a quantized model"."""
+    from nibble.cli import _quantized_checkpoint
+    model, path = _export(tmp_path, fmt="gptq")
+    config = json.loads((path / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    if not method_named:
+        del settings["quant_method"]
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "quantize_config.json").write_text(json.dumps(settings))
+    save_file(load_file(path / "model.safetensors"), path / "model.safetensors", metadata={"format": "pt"})
+    loaded, _ = load_quantized(path)
+    assert _quantized_checkpoint(str(path))
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+        assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+def _without_digest(path):
+    """The export's weights as another tool writes them: no digest of config.json, which may then be edited."""
+    save_file(load_file(path / "model.safetensors"), path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("group_size null", r"gptq checkpoint with group_size=None: it must be an integer"),
+    ("group_size 64.5", r"gptq checkpoint with group_size=64\.5: it must be an integer"),
+    ("index without weight_map", r"model\.safetensors\.index\.json has no weight_map"),
+    ("index not JSON", r"model\.safetensors\.index\.json is not valid JSON \(.*\); re-download"),
+    ("quantize_config.json not JSON", r"quantize_config\.json is not valid JSON"),
+    ("vocabulary of 320", r"weights do not match the architecture config\.json describes \(Error"),
+    ("fewer layers", r"the weights hold model\.layers\.1\..*, which the model config\.json describes has not .*"
+                     r"num_hidden_layers 1\): the config\.json belongs to another model"),
+    ("a bias of 7", r"q_proj\.bias has shape \(7,\), where the layer's 64 outputs need \(64,\)")])
+def test_a_structurally_damaged_checkpoint_is_named(tmp_path, damage, message):
+    """Raw KeyError, TypeError, JSONDecodeError (no file named) and torch's RuntimeError / AttributeError ("ModuleList
+    has no attribute '1'"), as tracebacks in the CLI."""
+    _, path = _export(tmp_path, fmt="gptq")
+    _without_digest(path)
+    config = json.loads((path / "config.json").read_text())
+    if damage.startswith("group_size"):
+        config["quantization_config"]["group_size"] = None if damage.endswith("null") else 64.5
+    elif damage == "vocabulary of 320":
+        config["vocab_size"] = 320
+    elif damage == "fewer layers":
+        config["num_hidden_layers"] = 1
+    elif damage.startswith("index"):
+        (path / "model.safetensors.index.json").write_text("{]" if damage.endswith("JSON") else "{}")
+    elif damage == "quantize_config.json not JSON":
+        (path / "quantize_config.json").write_text('{"bits": 4,')
+    else:
+        tensors = load_file(path / "model.safetensors")
+        tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(7).half()
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_quantized(path)
+
+
+def test_a_flipped_byte_in_an_export_fails_its_checksum(tmp_path):
+    """AWQ / GPTQ files carry no checksum: one flipped byte loaded as a slightly different model without a word."""
+    _, path = _export(tmp_path, fmt="gptq")
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x55
+    f.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.safetensors: checksum mismatch in 1 tensor"):
+        load_quantized(path)
+
+
+def test_an_upper_case_quant_method_and_a_null_zero_point_are_read_as_the_importer_reads_them(tmp_path):
+    """"AWQ" was "not a nibble quantization_config" (the importer lower-cases it, but was never reached), and
+    zero_point null (not said: AutoAWQ's default, true) "AWQ with zero_point=false"."""
+    _, path = _export(tmp_path)
+    _without_digest(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(quant_method="AWQ", zero_point=None)
+    (path / "config.json").write_text(json.dumps(config))
+    loaded, _ = load_quantized(path)
+    assert loaded.config.quantization_config["imported_from"]["quant_method"] == "AWQ"
+
+
+@pytest.mark.parametrize("config_of,weights_of,message", [
+    ("awq", "gptq", r"says awq, but model\.layers\.0\.\w+\.\w+ holds gptq's tensors \(a g_idx\)"),
+    ("gptq", "awq", r"says gptq, but model\.layers\.0\.\w+\.\w+ holds awq's tensors \(a \d+x\d+ qweight, packed "
+                    r"along the outputs\)"),
+    ("awq", "nibble", r"says awq, but model\.layers\.0\.\w+\.\w+ holds nibble's tensors \(zeros, not qzeros\)")])
+def test_a_config_of_another_format_beside_the_weights_is_named(tmp_path, config_of, weights_of, message):
+    """A config.json copied from a checkpoint of another format: "AWQ qweight has K=32 rows, which must be divisible
+    by 8 and by group_size=64", "group_size=64 disagrees with the tensors", "cannot read its awq tensors ('qzeros')"."""
+    import shutil
+    model = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
+    for fmt in (config_of, weights_of):
+        save_quantized(model, tmp_path / fmt, format=fmt)
+    shutil.copy(tmp_path / config_of / "config.json", tmp_path / weights_of / "config.json")
+    tensors = load_file(tmp_path / weights_of / "model.safetensors")  # as another tool wrote them: no digest
+    save_file(tensors, tmp_path / weights_of / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message + ": the config.json belongs to another checkpoint"):
+        load_quantized(tmp_path / weights_of)
+
+
+def test_an_index_that_names_the_wrong_shard_is_named_and_a_home_path_is_expanded(tmp_path, monkeypatch):
+    """A layer missing a tensor the index put in another shard failed as "cannot read its awq tensors ('qzeros')";
+    load_quantized("~/x") said "nibble never downloads models"."""
+    qc = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
+    write_checkpoint(tmp_path / "q", tiny_model("llama"), qc, lambda W: write_awq_linear(W, 32), sharded=True)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    load_quantized("~/q")
+    index = tmp_path / "q" / "model.safetensors.index.json"
+    config = json.loads(index.read_text())
+    key = next(k for k in config["weight_map"] if k.endswith("qzeros"))
+    shards = sorted(set(config["weight_map"].values()))
+    config["weight_map"][key] = next(s for s in shards if s != config["weight_map"][key])
+    index.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"index\.json names .* for '{re.escape(key)}' \(1 such tensor\(s\)\), but that "
+                                         "file does not hold it"):
+        load_quantized(tmp_path / "q")

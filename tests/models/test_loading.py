@@ -222,3 +222,20 @@ def test_bad_devices_are_refused_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
         load_model(tmp_path, device="cuda")
+
+
+@pytest.mark.parametrize("file,text,message", [
+    ("config.json", "{]", r"config\.json is not valid JSON \(.*\); re-download"),
+    ("config.json", "[]", r"config\.json holds \[\], not a JSON object"),
+    ("config.json", None, r"config\.json: quantization_config must be an object, got 'x'"),
+    ("model.safetensors.index.json", "{]", r"model\.safetensors\.index\.json is not valid JSON")])
+def test_a_float_folders_damaged_config_or_index_is_named(tmp_path, file, text, message):
+    """json's "Expecting property name ..." named no file, and a list or a string "has no attribute 'get'"."""
+    _save_tiny(tmp_path, "llama")
+    if text is None:
+        config = json.loads((tmp_path / file).read_text())
+        config["quantization_config"] = "x"
+        text = json.dumps(config)
+    (tmp_path / file).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path)

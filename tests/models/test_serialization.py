@@ -73,6 +73,43 @@ def test_edited_bytes_fail_the_checksum(saved):
         load_quantized(path)
 
 
+def _edit_header(path, key, old, new):
+    """The checkpoint's safetensors header with ``key``'s entry ``old`` replaced by ``new`` (of the same length)."""
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    start = data.index(json.dumps(key).encode(), 8, 8 + size)
+    at = data.index(old, start, 8 + size)
+    f.write_bytes(data[:at] + new + data[at + len(old):])
+
+
+@pytest.mark.parametrize("key,old,new", [("model.layers.0.self_attn.q_proj.scales", b'"F16"', b'"I16"'),
+                                         ("model.layers.0.self_attn.q_proj.qweight", b'"I32"', b'"F32"'),
+                                         ("model.norm.weight", b'"F32"', b'"I32"')])
+def test_a_tensors_dtype_edited_in_the_header_fails_the_checksum(saved, key, old, new):
+    """The checksums covered the data alone: the same bytes read under another dtype of the same width (one edited
+    header byte) loaded as another model (int16 scales: every logit off), or failed at the first forward."""
+    _, path = saved
+    _edit_header(path, key, old, new)
+    with pytest.raises(CheckpointError, match=f"checksum mismatch in 1 tensor.*{key}"):
+        load_quantized(path)
+
+
+def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved):
+    """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way."""
+    from safetensors.torch import load_file, save_file
+
+    from nibble.models.serialization import _sha256
+    _, path = saved
+    _edit_header(path, "model.layers.0.self_attn.q_proj.scales", b'"F16"', b'"I16"')
+    tensors = load_file(path / "model.safetensors")
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(
+        {"checksums": {k: _sha256(v, typed=False) for k, v in tensors.items()}, "aliases": {}})})
+    with pytest.raises(CheckpointError, match=r"q_proj\.scales is torch\.int16, where nibble's format holds "
+                                              r"torch\.float16: the file was edited"):
+        load_quantized(path)
+
+
 def test_newer_format_version_is_refused(saved):
     _, path = saved
     cfg = json.loads((path / "config.json").read_text())
@@ -113,9 +150,14 @@ def test_bad_devices_are_refused_by_name(saved, monkeypatch):
     # "gpu" used to pass torch.device's check late and surface as "weights do not match the saved architecture".
     with pytest.raises(ValueError, match="device 'gpu' is not a device torch knows"):
         load_quantized(path, device="gpu")
+    # "meta" failed as "buffers the checkpoint does not hold", "mps" as "weights do not match the saved architecture"
+    for other in ("meta", "mps"):
+        with pytest.raises(ValueError, match=f"device '{other}' is not one nibble runs on: use 'cpu', 'cuda'"):
+            load_quantized(path, device=other)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # not "Torch not compiled with CUDA enabled"
-    with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA GPU is visible"):
-        load_quantized(path, device="cuda")
+    for cuda in ("cuda", 0):  # 0: torch's spelling of cuda:0, which was "not a device torch knows"
+        with pytest.raises(ValueError, match="device 'cuda(:0)?' asked for, but no CUDA GPU is visible"):
+            load_quantized(path, device=cuda)
 
 
 @pytest.mark.parametrize("saved_as,device,expected", [
@@ -213,12 +255,111 @@ def test_weights_under_another_quantization_config_are_refused(tmp_path):
         quantize_model(model, QuantConfig(mode="w4a4", rotation=rotation), progress=False)
         save_quantized(model, tmp_path / name)
     config = json.loads((tmp_path / "old" / "config.json").read_text())
-    config["max_position_embeddings"] += 1  # other keys of config.json may be edited
+    config["eos_token_id"], config["_name_or_path"] = 7, "elsewhere"  # keys that do not change what the weights mean
     (tmp_path / "old" / "config.json").write_text(json.dumps(config))
     load_quantized(tmp_path / "old")
     shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
-    with pytest.raises(CheckpointError, match="saved with another quantization_config than .*config.json holds"):
+    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
         load_quantized(tmp_path / "old")
+
+
+@pytest.mark.parametrize("key,value", [("rope_theta", 5e5), ("rms_norm_eps", 1e-3), ("hidden_act", "gelu")])
+def test_weights_under_another_architecture_config_are_refused(tmp_path, key, value):
+    """The digest covered the quantization_config alone: weights saved beside another model's config.json of the same
+    shapes and QuantConfig (another RoPE theta, norm epsilon or activation) loaded without a word as another model."""
+    import shutil
+    for name, overrides in (("old", {}), ("new", {key: value})):
+        model = tiny_model("llama", **overrides)
+        quantize_model(model, QuantConfig(group_size=32), progress=False)
+        save_quantized(model, tmp_path / name)
+    shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
+        load_quantized(tmp_path / "old")
+
+
+def test_checkpoints_whose_digest_covers_the_quantization_config_alone_still_load(saved):
+    """Sessions 56-57 stored the digest of the quantization_config only: those checkpoints load, and weights beside
+    another quantization_config are still refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from nibble.models.serialization import _digest, _sha256
+    model, path = saved
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(path / "model.safetensors", "pt") as f:
+        aliases = json.loads(f.metadata()["nibble"])["aliases"]
+    tensors = load_file(path / "model.safetensors")
+    ours = {"checksums": {k: _sha256(v, typed=False) for k, v in tensors.items()}, "aliases": aliases,
+            "quantization_config": _digest(config["quantization_config"])}
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
+    loaded, _ = load_quantized(path)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    config["quantization_config"]["clip_search"] = not config["quantization_config"]["clip_search"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="saved with another config than"):
+        load_quantized(path)
+
+
+def _tokenizer(chat_template=None):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=chat_template)
+
+
+def _quantized(arch="llama"):
+    model = tiny_model(arch)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    return model
+
+
+def _reshard(directory):
+    """The folder's model.safetensors as two shards and an index, as transformers, AutoAWQ and GPTQModel write a
+    large model."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(directory / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, directory / file, metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
+def test_a_save_into_a_sharded_checkpoints_folder_leaves_none_of_its_shards(tmp_path, fmt):
+    """An export wrote model.safetensors beside an earlier checkpoint's shards and index, which the importer (like
+    transformers and vLLM) follows: the folder loaded as the earlier model, without a word."""
+    old, new = _quantized(), _quantized()
+    save_quantized(old, tmp_path / "d", format=fmt)
+    _reshard(tmp_path / "d")
+    save_quantized(new, tmp_path / "d", format=fmt)
+    assert sorted(p.name for p in (tmp_path / "d").glob("model*")) == ["model.safetensors"]
+    save_quantized(new, tmp_path / "ref", format=fmt)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "d")[0](ids).logits, load_quantized(tmp_path / "ref")[0](ids).logits)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_save_replaces_the_tokenizer_and_generation_config_an_earlier_save_left(tmp_path, fmt):
+    """A tokenizer without a chat template saved where another's was kept that chat_template.jinja (nibble generate
+    then prompted the model with another's template), and a save without a tokenizer kept the earlier model's."""
+    model = _quantized()
+    save_quantized(model, tmp_path, _tokenizer(chat_template="{{ 'EARLIER MODEL' }}"), format=fmt)
+    save_quantized(model, tmp_path, _tokenizer(), format=fmt)
+    assert load_quantized(tmp_path)[1].chat_template is None
+    model.generation_config = None
+    save_quantized(model, tmp_path, format=fmt)
+    loaded, tokenizer = load_quantized(tmp_path)
+    assert tokenizer is None and not (tmp_path / "generation_config.json").exists()
 
 
 def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved, tmp_path):
@@ -238,8 +379,11 @@ def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved,
     from safetensors import safe_open
     with safe_open(path / "model.safetensors", "pt") as f:
         ours = json.loads(f.metadata()["nibble"])
-    save_file(load_file(path / "model.safetensors"), path / "model.safetensors",  # the metadata as session 55 wrote it
-              metadata={"format": "pt", "nibble_checksums": json.dumps(ours["checksums"]),
+    from nibble.models.serialization import _sha256
+    tensors = load_file(path / "model.safetensors")
+    save_file(tensors, path / "model.safetensors",  # the metadata as session 55 wrote it: checksums of the data alone
+              metadata={"format": "pt", "nibble_checksums": json.dumps({k: _sha256(v, typed=False)
+                                                                        for k, v in tensors.items()}),
                         "nibble_aliases": json.dumps(ours["aliases"])})
     loaded, _ = load_quantized(path)
     ids = torch.randint(0, 256, (1, 7))
@@ -265,4 +409,139 @@ def test_a_generation_config_transformers_calls_invalid_is_kept_and_a_broken_fil
     assert (loaded.generation_config.temperature, loaded.generation_config.eos_token_id) == (0.6, [2, 7])
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, ')
     with pytest.raises(CheckpointError, match="generation_config.json cannot be read .* fix or delete it"):
+        load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_compiled_model_is_saved_as_the_model_and_other_objects_are_refused(tmp_path, fmt):
+    """torch.compile's wrapper saved every tensor as "_orig_mod....", which no load placed (the save went through, the
+    load failed); the decoder alone (model.model) saved keys without "model.", and an Engine failed on .modules()."""
+    from nibble import Engine
+    model = _quantized()
+    save_quantized(torch.compile(model), tmp_path / "compiled", format=fmt)
+    save_quantized(model, tmp_path / "plain", format=fmt)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "compiled" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    with pytest.raises(ValueError, match="nibble converts causal LMs .* got LlamaModel"):
+        save_quantized(model.model, tmp_path / "decoder", format=fmt)
+    with pytest.raises(TypeError, match="a save takes the model .*, got Engine"):
+        save_quantized(Engine(model, max_seq_len=16), tmp_path / "engine", format=fmt)
+    assert not (tmp_path / "decoder").exists() and not (tmp_path / "engine").exists()
+
+
+def test_a_damaged_tokenizer_file_is_named(tmp_path):
+    """A cut tokenizer.json failed every load with "Expecting value: line 3 column 17 (char 38)" alone, and a
+    missing one with transformers' "Couldn't instantiate the backend tokenizer" list (nibble info too)."""
+    save_quantized(_quantized(), tmp_path, _tokenizer())
+    f = tmp_path / "tokenizer.json"
+    text = f.read_text()
+    f.write_text(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json cannot be read \(.*\): re-save the tokenizer there"):
+        load_quantized(tmp_path)
+    f.unlink()
+    with pytest.raises(CheckpointError, match="its tokenizer cannot be read .*; re-save the tokenizer there"):
+        load_quantized(tmp_path)
+
+
+def _damaged(config, damage):
+    if damage == "a list":
+        return [1, 2]
+    if damage == "null":
+        return None
+    if damage == "no model_type":
+        del config["model_type"]
+    elif damage == "qc a string":
+        config["quantization_config"] = "awq"
+    elif damage == "modules null":
+        config["quantization_config"]["online_hadamard_modules"] = None
+    return config
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("a list", r"config\.json holds \[1, 2\], not a JSON object"),
+    ("null", r"config\.json holds null, not a JSON object"),
+    ("no model_type", r"config\.json names no model_type"),
+    ("qc a string", r"config\.json: quantization_config must be an object, got 'awq'"),
+    ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None")])
+def test_a_structurally_damaged_config_is_named(saved, damage, message):
+    """A config.json that is valid JSON but not what a config holds failed with raw TypeError / AttributeError
+    tracebacks ("pop expected at most 1 argument", "'str' object has no attribute 'get'") naming no file (nibble info
+    too)."""
+    _, path = saved
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(_damaged(config, damage)))
+    with pytest.raises(CheckpointError, match=message):
+        load_quantized(path)
+
+
+def test_a_resharded_nibble_checkpoint_is_named_as_such(saved):
+    """Resharded by another tool: "model.safetensors is missing: not a nibble checkpoint directory", of a folder whose
+    config.json says it is one."""
+    _, path = saved
+    _reshard(path)
+    with pytest.raises(CheckpointError, match=r"holds shards \(model\.safetensors\.index\.json\), but a nibble "
+                                              r"checkpoint is one model\.safetensors"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_scales_whose_rows_do_not_split_the_inputs_are_refused(saved, rows):
+    """A converter's file (checksums right): 0 rows of scales was a ZeroDivisionError, 3 a group size of 42 that
+    QuantLinear refused in its own words."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from nibble.models.serialization import _sha256
+    _, path = saved
+    with safe_open(path / "model.safetensors", "pt") as f:
+        ours = json.loads(f.metadata()["nibble"])
+    tensors = load_file(path / "model.safetensors")
+    for part in ("scales", "zeros"):
+        name = f"model.layers.0.mlp.up_proj.{part}"
+        tensors[name] = tensors[name][:1].repeat(rows, 1)
+    ours["checksums"] = {k: _sha256(v) for k, v in tensors.items()}
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
+    with pytest.raises(CheckpointError, match=rf"up_proj\.scales has {rows} rows, which do not split the layer's 64 "
+                                              "inputs into groups"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(tmp_path, fmt, monkeypatch):
+    """"" wrote the checkpoint into the current folder, a file was a bare FileExistsError from pathlib, and a full
+    disk safetensors' "I/O error: File too large", naming no file."""
+    import nibble.models.serialization as serialization
+    model = _quantized()
+    with pytest.raises(ValueError, match="the directory to save to is empty"):
+        save_quantized(model, "", format=fmt)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="file is a file: a checkpoint is a folder"):
+        save_quantized(model, tmp_path / "file", format=fmt)
+    save_quantized(model, tmp_path / "q", format=fmt)
+    before = (tmp_path / "q" / "model.safetensors").read_bytes()
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").close()
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(serialization, "save_file", full)
+    with pytest.raises(OSError, match=r"cannot write .*model\.safetensors \(.*No space left on device; a full disk\?\): "
+                                      "what the folder held is unchanged"):
+        save_quantized(model, tmp_path / "q", format=fmt)
+    assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
+
+
+def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_path, monkeypatch):
+    """config.json was written before the tokenizer: a save interrupted between them loaded the new weights with the
+    earlier model's tokenizer (or its chat template) without a word. config.json is written last now."""
+    import nibble.models.serialization as serialization
+    first, second = _quantized(), _quantized()
+    save_quantized(first, tmp_path, _tokenizer(chat_template="{{ 'EARLIER MODEL' }}"))
+    second.config.rope_theta = first.config.rope_parameters["rope_theta"] * 2  # another config.json
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(serialization, "save_companions", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_quantized(second, tmp_path, _tokenizer())
+    with pytest.raises(CheckpointError, match="saved with another config than"):
         load_quantized(tmp_path)
