@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -135,9 +136,13 @@ def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata:
     # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
     # config.json) is refused on load, not run as another model or with another model's tokenizer
     _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
-    for stale in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json"]:
-        if stale.name != WEIGHTS:
-            stale.unlink(missing_ok=True)
+    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json"]
+             if p.name != WEIGHTS and p.exists()]
+    if stale:  # said, since a file the user kept there (a backup of the weights) goes too
+        warnings.warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
+                      "checkpoint's weights, which every reader would take for this model's", stacklevel=3)
+    for p in stale:
+        p.unlink(missing_ok=True)
     save_companions(model, directory, tokenizer)
     _atomic_write(directory / CONFIG, lambda p: p.write_text(text))
 
