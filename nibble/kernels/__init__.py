@@ -137,10 +137,12 @@ def gather_columns(x, index, backend: str = "auto"):
 
 
 def _finish(y, bias, x):
-    """A kernel's [M, N] output with the bias added, in x's leading dims and dtype."""
+    """A kernel's [M, N] output with the bias added, in x's leading dims and dtype. The sum is taken in float32 and
+    rounded once, as the reference does: rounded to the kernel's dtype first, then to x's, it was one ulp off the
+    compiled layer, whose fusion drops the intermediate rounding."""
     w4a16.check_bias(bias, y.shape[-1])
     if bias is not None:
-        y = y + bias.to(y.dtype)
+        y = y.float() + bias.float()
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)  # N, not -1: x may hold no token
 
 

@@ -149,6 +149,17 @@ def test_module_type_casts_keep_the_packed_words():
     torch.testing.assert_close(layer.type(torch.float32)(x), want, rtol=0, atol=1e-3)  # the bias went through fp16
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_compiled_w4a16_layer_with_a_bias_is_the_eager_one_on_the_op_path(monkeypatch, dtype):
+    """On the op path (what CUDA runs) the bias was added in the kernel's dtype and the sum rounded again to x's:
+    Inductor fused the two roundings into one, an ulp off eager (on every element for float32 x)."""
+    monkeypatch.setattr(kernels, "_use_kernel", lambda x, backend: True)
+    layer = QuantLinear.from_linear(nn.Linear(128, 48), QuantConfig(group_size=32))  # a float32 bias
+    x = torch.randn(33, 128, dtype=dtype)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
+
+
 def test_the_kernels_linear_functions_refuse_to_lose_a_gradient():
     """On a GPU their outputs carried no gradient, without a word; a QuantLinear gives it."""
     layer = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(mode="w4a4"))
