@@ -120,7 +120,7 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
                          "give another folder")
     # the save owns the folder (it removes the weight and tokenizer files it does not write): a quantized
     # checkpoint there is one being written again, anything else a model the user keeps
-    if (writes_model and path.is_dir() and not _quantized_checkpoint(out)
+    if (writes_model and path.is_dir() and not _quantized_checkpoint(out) and not _interrupted_save(path)
             and ((path / "config.json").exists() or any(path.glob("*.safetensors")))):
         raise ValueError(f"--out {out} holds a model that is not a quantized checkpoint (its config.json or "
                          "*.safetensors): writing there would replace it; give another folder, or empty this one")
@@ -132,6 +132,24 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out} cannot be written ({nearest}: permission denied): give a folder you can write "
                          "to")
+
+
+def _interrupted_save(path: Path) -> bool:
+    """Whether ``path`` holds what a nibble save interrupted before its config.json (written last) leaves: weights
+    that carry nibble's metadata, with no config.json. The save run again owns them."""
+    from safetensors import SafetensorError, safe_open
+
+    from nibble.models.serialization import METADATA
+    if (path / "config.json").exists():
+        return False
+    for file in path.glob("*.safetensors"):
+        try:
+            with safe_open(str(file), "pt") as f:
+                if METADATA not in (f.metadata() or {}):
+                    return False
+        except (SafetensorError, OSError):
+            return False
+    return True
 
 
 def check_seed(seed: int | None) -> None:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from nibble.formats.int4 import FORMAT_VERSION, PACK, check_group_size
+from nibble.formats.int4 import FORMAT_VERSION, PACK, READABLE_FORMAT_VERSIONS, check_group_size
 
 MODES = ("w4a16", "w4a4")
 METHODS = ("rtn", "gptq", "awq")
@@ -124,9 +124,9 @@ class QuantConfig:
         if d.get("quant_method") != QUANT_METHOD:
             raise ValueError(f"not a nibble quantization_config (quant_method={d.get('quant_method')!r}); "
                              "nibble.load_quantized reads nibble, AutoAWQ (awq) and GPTQ (gptq) checkpoints")
-        if d.get("format_version") != FORMAT_VERSION:
+        if d.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise ValueError(f"checkpoint format_version {d.get('format_version')!r} is not supported by this nibble "
-                             f"(it reads version {FORMAT_VERSION}); upgrade nibble or re-quantize the model")
+                             f"(it reads versions {READABLE_FORMAT_VERSIONS}); upgrade nibble or re-quantize the model")
         fields = cls.__dataclass_fields__
         d = {k: v for k, v in d.items() if k in fields}
         if d.get("symmetric") and d.get("zero_point") == "float":

@@ -543,9 +543,14 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 
 
-def test_an_out_holding_a_quantized_checkpoint_is_written_again(quantized_dir):
+def test_an_out_holding_a_quantized_checkpoint_is_written_again(quantized_dir, tmp_path):
+    import shutil
     from nibble.cli import check_out
     check_out(str(quantized_dir), None)
+    # and one whose save was interrupted before config.json (written last): the retry was refused as another model
+    shutil.copytree(quantized_dir, tmp_path / "cut")
+    (tmp_path / "cut" / "config.json").unlink()
+    check_out(str(tmp_path / "cut"), None)
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp_path, monkeypatch):

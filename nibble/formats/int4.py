@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-FORMAT_VERSION = 1
+# 2: nibble.save_quantized's checksums cover each tensor's dtype and shape; a nibble of version 1 read those as
+# corrupt files, and says by this number that it is too old. Layout and numbers are the same in both.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 PACK = 8  # 4-bit codes per int32 word
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 

@@ -46,10 +46,15 @@ FORMAT_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "zeros": torch
 # what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-# config.json fields the config digest leaves out: what the weights compute does not depend on them (the load's
-# default dtype, generation's special tokens, provenance), so editing them is no reason to refuse the weights
+# config.json fields the config digest leaves out: what the weights compute does not depend on them (provenance, the
+# load's default dtype, generation's special tokens, outputs and heads a causal LM does not use, initialisation,
+# training-time dropout, the attention backend), so editing them is no reason to refuse the weights
 NOT_DIGESTED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "bos_token_id",
-                "eos_token_id", "pad_token_id")
+                "eos_token_id", "pad_token_id", "architectures", "auto_map", "custom_pipelines", "id2label",
+                "label2id", "problem_type", "finetuning_task", "task_specific_params", "tokenizer_class", "prefix",
+                "output_attentions", "output_hidden_states", "return_dict", "torchscript", "chunk_size_feed_forward",
+                "is_encoder_decoder", "is_decoder", "initializer_range", "attention_dropout", "attn_implementation",
+                "_attn_implementation_autoset")
 SAVE_FORMATS = ("nibble", *EXPORT_FORMATS)  # save_quantized's, and nibble quantize --format's
 
 
@@ -219,9 +224,13 @@ def _digest(value) -> str:
 
 
 def config_digest(config: dict) -> str:
-    """The digest of config.json (as read from the file) that the weights saved with it carry: every field but
-    those that do not change what the weights compute (`NOT_DIGESTED`)."""
-    return _digest({k: v for k, v in config.items() if k not in NOT_DIGESTED})
+    """The digest of config.json (as read from the file) that the weights saved with it carry: the fields whose value
+    is not their config class's default (as transformers writes a config: a file it re-saved, the defaults dropped,
+    is the same config), but those that do not change what the weights compute (`NOT_DIGESTED`)."""
+    from transformers import AutoConfig
+    fields = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"}).to_diff_dict()
+    fields["quantization_config"] = config.get("quantization_config")
+    return _digest({k: v for k, v in fields.items() if k not in NOT_DIGESTED})
 
 
 def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:

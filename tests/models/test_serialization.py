@@ -27,7 +27,7 @@ def test_save_load_roundtrip_gives_identical_logits(tmp_path, arch, mode):
         assert torch.equal(model(ids).logits, loaded(ids).logits)
     assert tok is None
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "nibble" and qc["format_version"] == 1 and qc["bits"] == 4
+    assert qc["quant_method"] == "nibble" and qc["format_version"] == 2 and qc["bits"] == 4
     assert qc["mode"] == mode and not list(tmp_path.glob("*.tmp"))
 
 
@@ -261,6 +261,36 @@ def test_weights_under_another_quantization_config_are_refused(tmp_path):
     shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
     with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
         load_quantized(tmp_path / "old")
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "gptq"])
+def test_a_config_that_transformers_rewrote_or_harmless_fields_edited_still_loads(tmp_path, fmt):
+    """The digest covered config.json as written: transformers' own round trip (which drops fields at their defaults)
+    or an edit of architectures / id2label / output flags / the attention backend refused the checkpoint."""
+    from transformers import AutoConfig
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path / "q", format=fmt)
+    AutoConfig.from_pretrained(tmp_path / "q").save_pretrained(tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config.update(architectures=["Other"], id2label={"0": "a"}, output_hidden_states=True, attn_implementation="eager",
+                  initializer_range=0.5)
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    load_quantized(tmp_path / "q")
+    config["rms_norm_eps"] = 1e-3
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="saved with another config than"):
+        load_quantized(tmp_path / "q")
+
+
+def test_a_checkpoint_of_this_format_says_so_to_an_older_nibble(saved):
+    """Checksums over dtype and shape made today's checkpoints "corrupt" to a nibble of format version 1; the version
+    is 2 now, which that nibble refuses as a format it does not read. Version 1 checkpoints load."""
+    _, path = saved
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"]["format_version"] == 2
+    assert QuantConfig.from_dict({**config["quantization_config"], "format_version": 1}) == \
+        QuantConfig.from_dict(config["quantization_config"])
 
 
 @pytest.mark.parametrize("key,value", [("rope_theta", 5e5), ("rms_norm_eps", 1e-3), ("hidden_act", "gelu")])
@@ -538,7 +568,7 @@ def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_p
     import nibble.models.serialization as serialization
     first, second = _quantized(), _quantized()
     save_quantized(first, tmp_path, _tokenizer(chat_template="{{ 'EARLIER MODEL' }}"))
-    second.config.rope_theta = first.config.rope_parameters["rope_theta"] * 2  # another config.json
+    second.config.rms_norm_eps = first.config.rms_norm_eps * 2  # another config.json
 
     def interrupted(*args):
         raise KeyboardInterrupt
