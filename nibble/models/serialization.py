@@ -141,7 +141,8 @@ def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata:
     # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
     # config.json) is refused on load, not run as another model or with another model's tokenizer
     _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
-    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json"]
+    # (an earlier GPTQ checkpoint's quantize_config.json too: AutoGPTQ before 0.5 reads the settings there first)
+    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json", directory / GPTQ_CONFIG]
              if p.name != WEIGHTS and p.exists()]
     if stale:  # said, since a file the user kept there (a backup of the weights) goes too
         warnings.warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
