@@ -716,6 +716,9 @@ def main(argv=None):
         args.prompt, left = [*args.prompt, *left], []
     if left:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(left)}")
+    for path in ("model", "out"):  # "--model=~/ckpt": a shell leaves "~" after "=" as it is
+        if isinstance(getattr(args, path, None), str):
+            setattr(args, path, os.path.expanduser(getattr(args, path)))
     try:
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads

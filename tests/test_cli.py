@@ -66,6 +66,17 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_home_relative_paths_after_an_equals_sign_are_expanded(model_dir, tmp_path, monkeypatch, capsys):
+    """A shell leaves "~" as it is in "--model=~/ckpt": the CLI's checks read it as a folder named "~" (a quantized
+    checkpoint was taken for a float model)."""
+    import shutil
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(model_dir, tmp_path / "m")
+    main(["quantize", "--model=~/m", "--device", "cpu", "--group-size", "32", "--out=~/q"])
+    main(["generate", "the capital", "--model=~/q", "--device", "cpu", "--max-new-tokens", "2", "--no-chat"])
+    assert (tmp_path / "q" / "model.safetensors").exists() and capsys.readouterr().out.strip()
+
+
 def test_awq_and_gptq_checkpoints_are_written_and_run_from_the_cli(model_dir, tmp_path, capsys):
     from nibble import load_quantized
 
