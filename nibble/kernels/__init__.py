@@ -137,12 +137,13 @@ def gather_columns(x, index, backend: str = "auto"):
 
 
 def _finish(y, bias, x):
-    """A kernel's [M, N] output with the bias added, in x's leading dims and dtype. The sum is taken in float32 and
-    rounded once, as the reference does: rounded to the kernel's dtype first, then to x's, it was one ulp off the
-    compiled layer, whose fusion drops the intermediate rounding."""
+    """A kernel's [M, N] output with the bias added, in x's leading dims and dtype, rounded once, as the reference
+    does: where the bias's or x's dtype is not the kernel's, the sum is taken in float32 (rounded to the kernel's dtype
+    first, then to x's, it was one ulp off the compiled layer, whose fusion drops the intermediate rounding); where all
+    three are one dtype, one add (a decode step in a CUDA graph pays each extra cast kernel)."""
     w4a16.check_bias(bias, y.shape[-1])
     if bias is not None:
-        y = y.float() + bias.float()
+        y = y + bias if bias.dtype == y.dtype == x.dtype else y.float() + bias.float()
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)  # N, not -1: x may hold no token
 
 
