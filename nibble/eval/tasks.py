@@ -31,8 +31,9 @@ Notes on the shared copies (the README there says where each comes from):
   the file has the raw lower-case `ctx`, so a lower-case phrase after the last sentence end is
   `.capitalize()`d (3,236 of 10,042 contexts; every such phrase in the file is lower case, and
   WikiHow contexts end with a full sentence, so this is exactly lm-eval's rewrite unless a `ctx_b`
-  itself contains a sentence end). (2) 18 lines still carry `[...]` spans or a double space that
-  lm-eval's `preprocess` removes, so `preprocess` is applied again.
+  itself contains a sentence end). (2) 18 lines still carry `[...]` spans (a URL, "[insert name]") that
+  lm-eval's `preprocess` removes, so `preprocess` is applied again to those lines only (elsewhere a second
+  pass would collapse a double space that lm-eval's single `replace("  ", " ")` keeps).
 """
 
 import re
@@ -149,9 +150,16 @@ def load_hellaswag() -> list[Doc]:
     # 6 lines per task: context, gold index, 4 endings
     for i in range(0, len(lines) - 5, 6):
         context = _OPEN_PHRASE.sub(lambda m: m.group(0).capitalize(), lines[i])
-        endings = [hellaswag_preprocess(e) for e in lines[i + 2 : i + 6]]
-        out.append(_multiple_choice(hellaswag_preprocess(context), endings, int(lines[i + 1])))
+        endings = [_bracket_leftovers(e) for e in lines[i + 2 : i + 6]]
+        out.append(_multiple_choice(_bracket_leftovers(context), endings, int(lines[i + 1])))
     return out
+
+
+def _bracket_leftovers(line: str) -> str:
+    """lm-eval's `preprocess` for a line of the shared file that still holds a `[...]` span: the file's own
+    cleanup removed only the WikiHow markers it knew. A line without one is as lm-eval's would be: a second
+    pass there would collapse a double space that lm-eval's single `replace("  ", " ")` keeps (task 4121)."""
+    return hellaswag_preprocess(line) if "[" in line else line
 
 
 def load_winogrande() -> list[Doc]:
