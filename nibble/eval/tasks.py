@@ -7,6 +7,8 @@ highest log-likelihood divided by the choice's length in characters (`acc_norm`:
 (`np.argmax`). No few-shot examples, no description, no BOS token: lm-eval's HF model as it was until it
 followed the tokenizer's default (which adds BOS for Llama and Mistral tokenizers, not SmolLM2's): for those
 models current lm-eval's numbers differ by that token. Every metric comes with lm-eval's standard error.
+Log-probabilities are taken in float32 (lm-eval's `log_softmax` and its sum run in the model's dtype, bf16 or
+fp16 on a GPU): a deliberate difference, which can flip only a near-tie between two choices.
 
 Formats replicated (`{x}` = a field of the shared file; data files are in `shared/data`):
 
@@ -34,6 +36,13 @@ Notes on the shared copies (the README there says where each comes from):
   itself contains a sentence end). (2) 18 lines still carry `[...]` spans (a URL, "[insert name]") that
   lm-eval's `preprocess` removes, so `preprocess` is applied again to those lines only (elsewhere a second
   pass would collapse a double space that lm-eval's single `replace("  ", " ")` keeps).
+  (3) Not restorable from this file: lm-eval's `preprocess` strips *before* it removes the markers, so a
+  WikiHow ending that starts with one ("[substeps] Include ...", "[step] ...", "[title] ...", common in
+  the original) keeps a leading space there: choice `" Include ..."`, continuation `"  Include ..."`, one
+  more character for acc_norm. The file's extraction (klosax's extract_hellaswag.cpp) stripped that space
+  and which endings had it is lost, so here such an ending is scored as `" Include ..."`. lm-eval's exact
+  HellaSwag numbers need the original hellaswag_val.jsonl (its sha256 is in the data README); the gap on
+  this file is unknown (ActivityNet contexts, the first 3,243 tasks, are not affected).
 """
 
 import re
