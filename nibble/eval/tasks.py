@@ -7,6 +7,8 @@ highest log-likelihood divided by the choice's length in characters (`acc_norm`:
 (`np.argmax`). No few-shot examples, no description, no BOS token: lm-eval's HF model as it was until it
 followed the tokenizer's default (which adds BOS for Llama and Mistral tokenizers, not SmolLM2's): for those
 models current lm-eval's numbers differ by that token. Every metric comes with lm-eval's standard error.
+Log-probabilities are taken in float32 (lm-eval's `log_softmax` and its sum run in the model's dtype, bf16 or
+fp16 on a GPU): a deliberate difference, which can flip only a near-tie between two choices.
 
 Formats replicated (`{x}` = a field of the shared file; data files are in `shared/data`):
 
@@ -31,8 +33,16 @@ Notes on the shared copies (the README there says where each comes from):
   the file has the raw lower-case `ctx`, so a lower-case phrase after the last sentence end is
   `.capitalize()`d (3,236 of 10,042 contexts; every such phrase in the file is lower case, and
   WikiHow contexts end with a full sentence, so this is exactly lm-eval's rewrite unless a `ctx_b`
-  itself contains a sentence end). (2) 18 lines still carry `[...]` spans or a double space that
-  lm-eval's `preprocess` removes, so `preprocess` is applied again.
+  itself contains a sentence end). (2) 18 lines still carry `[...]` spans (a URL, "[insert name]") that
+  lm-eval's `preprocess` removes, so `preprocess` is applied again to those lines only (elsewhere a second
+  pass would collapse a double space that lm-eval's single `replace("  ", " ")` keeps).
+  (3) Not restorable from this file: lm-eval's `preprocess` strips *before* it removes the markers, so a
+  WikiHow ending that starts with one ("[substeps] Include ...", "[step] ...", "[title] ...", common in
+  the original) keeps a leading space there: choice `" Include ..."`, continuation `"  Include ..."`, one
+  more character for acc_norm. The file's extraction (klosax's extract_hellaswag.cpp) stripped that space
+  and which endings had it is lost, so here such an ending is scored as `" Include ..."`. lm-eval's exact
+  HellaSwag numbers need the original hellaswag_val.jsonl (its sha256 is in the data README); the gap on
+  this file is unknown (ActivityNet contexts, the first 3,243 tasks, are not affected).
 """
 
 import re
@@ -149,9 +159,16 @@ def load_hellaswag() -> list[Doc]:
     # 6 lines per task: context, gold index, 4 endings
     for i in range(0, len(lines) - 5, 6):
         context = _OPEN_PHRASE.sub(lambda m: m.group(0).capitalize(), lines[i])
-        endings = [hellaswag_preprocess(e) for e in lines[i + 2 : i + 6]]
-        out.append(_multiple_choice(hellaswag_preprocess(context), endings, int(lines[i + 1])))
+        endings = [_bracket_leftovers(e) for e in lines[i + 2 : i + 6]]
+        out.append(_multiple_choice(_bracket_leftovers(context), endings, int(lines[i + 1])))
     return out
+
+
+def _bracket_leftovers(line: str) -> str:
+    """lm-eval's `preprocess` for a line of the shared file that still holds a `[...]` span: the file's own
+    cleanup removed only the WikiHow markers it knew. A line without one is as lm-eval's would be: a second
+    pass there would collapse a double space that lm-eval's single `replace("  ", " ")` keeps (task 4121)."""
+    return hellaswag_preprocess(line) if "[" in line else line
 
 
 def load_winogrande() -> list[Doc]:

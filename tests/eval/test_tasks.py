@@ -131,6 +131,16 @@ def test_hellaswag_requests_capitalize_ctx_b_and_apply_lm_eval_preprocess():
     assert hellaswag_preprocess("Label: [header] How to x [title] Do y. [step] Then  z ") == "Label: How to x. Do y. Then z"
 
 
+def test_hellaswag_preprocess_is_not_applied_twice_to_a_line_without_brackets():
+    """lm-eval's preprocess collapses "  " once (replace, not a loop): three spaces left by its removed markers
+    stay two, as in task 4121's second ending. The shared file already holds that single pass; a second one made
+    the double space single, and changed that continuation's tokens and its length for acc_norm."""
+    ending = load_hellaswag()[4121].requests[1][1]
+    assert "give yourself a break before going to bed.  Do not be embarrassed" in ending
+    raw = "give yourself a break before going to bed. [step] [substeps] Do not be embarrassed"  # three spaces
+    assert hellaswag_preprocess(raw) == "give yourself a break before going to bed.  Do not be embarrassed"
+
+
 def test_winogrande_requests_use_partial_scoring():
     docs = load_winogrande()
     assert len(docs) == 1267
