@@ -65,7 +65,7 @@ def test_activation_aware_clip_beats_weight_space_clip_on_the_output():
     X, W, H = salient_problem(seed=1)
     aware = output_error(X, W, dense(clip_quantize(W, H, 32)))
     plain = output_error(X, W, dense(rtn_quantize(W, 32, clip_search=True)))
-    assert aware <= plain
+    assert aware < 0.6 * plain  # 0.38 here; equal would be the weight-space search itself
 
 
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])
