@@ -322,7 +322,7 @@ def test_asm_unpack_layout():
         if key in seen:
             continue
         seen.add(key)
-        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], SWAP=False, W_INT8=False, EVEN_K=True,
+        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], SWAP=False, EVEN_K=True,
                   EVEN_N=True, SPLIT=False, HAS_BIAS=False, OUT_INT=False, UNPACK_ASM=True)
         full = dict(sig, **{k: "constexpr" for k in ce})
         src = ASTSource(fn=w4a4._w4a4_mma_kernel, signature=full, constexprs=ce,
