@@ -108,10 +108,16 @@ def test_quantize_lm_head_from_the_cli(model_dir, tmp_path, capsys):
     assert info["quantized_linears"] == 2 * 7 + 1 and info["quantization_config"]["modules_to_not_convert"] == []
 
 
-def test_w4a4_with_rotation_from_the_cli(model_dir, capsys):
+def test_w4a4_with_rotation_from_the_cli(model_dir, capsys, monkeypatch):
+    from nibble.models import convert
+
+    configs, quantize = [], convert.quantize_model
+    monkeypatch.setattr(convert, "quantize_model", lambda model, config, **kw: configs.append(config) or
+                        quantize(model, config, **kw))
     main(["generate", "the sea", "--model", str(model_dir), "--device", "cpu", "--quant", "w4a4", "--rotate",
           "--max-new-tokens", "3", "--no-chat"])
     assert capsys.readouterr().out.strip()
+    assert [(c.mode, c.rotation) for c in configs] == [("w4a4", "hadamard")]  # what the flags asked for
 
 
 def _count_engine_generates(monkeypatch):

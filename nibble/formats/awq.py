@@ -11,7 +11,7 @@ W [N, K] (N = out_features, K = in_features), group size G, as::
 Packing along N is interleaved: nibble i (bits 4i..4i+3) of word ``qweight[k, c]`` holds the code
 of output column ``8c + AWQ_ORDER[i]`` with ``AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)`` (the order
 its CUDA kernel's fast dequantization wants). Equivalently, column ``8c + j`` sits in nibble
-``AWQ_REVERSE_ORDER[j]`` with ``AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)``.
+``(0, 4, 1, 5, 2, 6, 3, 7)[j]``.
 
 Canonical: codes repacked along K, z = fp16(-zp * s) (exactly recoverable, see zero_points.py).
 Weights with float zero points are refused: AWQ cannot hold them.
@@ -24,7 +24,6 @@ from nibble.formats.int4 import PACK, Int4Weight, pack_int4, unpack_int4
 from nibble.formats.zero_points import integer_zero_points, pack_along_n, unpack_along_n, zeros_from_zero_points
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def to_awq(weight: Int4Weight) -> dict:

@@ -630,12 +630,11 @@ def _unpack_cols(words):
 def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_ym, k_per_split, split_k,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     SWAP: tl.constexpr, W_INT8: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+                     SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, UNPACK_ASM: tl.constexpr = False):
     """acc[m, n] = sum_k x[m, k] * (q[k, n] - 8) over this program's K range.
 
-    x: int8 [M, K] (row stride stride_xm, K contiguous). w: packed int32 [K // 8, N], or with
-    W_INT8 an already unpacked int8 [N, K] (benchmark baseline).
+    x: int8 [M, K] (row stride stride_xm, K contiguous). w: packed int32 [K // 8, N].
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -653,12 +652,10 @@ def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_p
     offs_kk = tl.arange(0, BK)
     offs_kw = tl.arange(0, BK // 8)
     m_ok = offs_m < M
-    n_ok = offs_n < N
     # Clamp out-of-range token rows to valid addresses (results are masked at the store), so the
     # hot loop needs no masks when K and N divide evenly. (Packed-weight columns are masked, not
     # clamped: clamping would hide their contiguity from the compiler and cost the 16-byte loads.)
     xm = tl.where(m_ok, offs_m, 0).to(tl.int64)
-    wn = tl.where(n_ok, offs_n, 0)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
 
@@ -672,30 +669,24 @@ def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_p
         else:
             xt = tl.load(x_ptr + xm[:, None] * stride_xm + (k0 + offs_kk)[None, :],
                          mask=(k0 + offs_kk)[None, :] < k_end, other=0)
-        if W_INT8:
-            if SWAP:
-                wt = tl.load(w_ptr + wn[:, None].to(tl.int64) * K + (k0 + offs_kk)[None, :])  # [BN, BK]
+        kw = k0 // 8 + offs_kw
+        if SWAP:
+            wp = w_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BK/8]
+            if EVEN_K and EVEN_N:
+                words = tl.load(wp)
             else:
-                wt = tl.load(w_ptr + wn[None, :].to(tl.int64) * K + (k0 + offs_kk)[:, None])  # [BK, BN]
+                words = tl.load(wp, mask=(kw[None, :] < k_end // 8) & (offs_n[:, None] < N), other=0)
+            wt = _unpack_cols(words)  # [BN, BK]
         else:
-            kw = k0 // 8 + offs_kw
-            if SWAP:
-                wp = w_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BK/8]
-                if EVEN_K and EVEN_N:
-                    words = tl.load(wp)
-                else:
-                    words = tl.load(wp, mask=(kw[None, :] < k_end // 8) & (offs_n[:, None] < N), other=0)
-                wt = _unpack_cols(words)  # [BN, BK]
+            wp = w_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :]  # [BK/8, BN]
+            if EVEN_K and EVEN_N:
+                words = tl.load(wp)
             else:
-                wp = w_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :]  # [BK/8, BN]
-                if EVEN_K and EVEN_N:
-                    words = tl.load(wp)
-                else:
-                    words = tl.load(wp, mask=(kw[:, None] < k_end // 8) & (offs_n[None, :] < N), other=0)
-                if UNPACK_ASM:
-                    wt = _unpack_rows_asm(words)  # [BK, BN]
-                else:
-                    wt = _unpack_rows(words)
+                words = tl.load(wp, mask=(kw[:, None] < k_end // 8) & (offs_n[None, :] < N), other=0)
+            if UNPACK_ASM:
+                wt = _unpack_rows_asm(words)  # [BK, BN]
+            else:
+                wt = _unpack_rows(words)
         if SWAP:
             acc = tl.dot(wt, tl.trans(xt), acc, out_dtype=tl.int32)
         else:
@@ -918,12 +909,10 @@ def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias):
 
 def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
                        bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, *,
-                       out_int32: bool = False, config: Optional[dict] = None,
-                       w_int8: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       out_int32: bool = False, config: Optional[dict] = None) -> torch.Tensor:
     """y = (qx @ (q - 8)) * x_scale[:, None] * w_scale (+ bias) on the GPU; int32 accumulators with out_int32.
 
-    ``config`` overrides `pick_config` (tests and benchmarks). ``w_int8`` (benchmark baseline only):
-    an already unpacked int8 [N, K] weight for the tensor-core kernel.
+    ``config`` overrides `pick_config` (tests and benchmarks).
     """
     if triton is None:
         raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
@@ -973,11 +962,10 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     even_k = (K % BK == 0)
     num_m, num_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
     part, cnt = _split_buffers(split, M, N, num_m * num_n, dev)
-    w_arg = qweight if w_int8 is None else w_int8
     _w4a4_mma_kernel[(num_m * num_n, split)](
-        qx, w_arg, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
-        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), SWAP=cfg["SWAP"], W_INT8=w_int8 is not None,
-        EVEN_K=even_k, EVEN_N=N % BN == 0, SPLIT=split > 1,
+        qx, qweight, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), SWAP=cfg["SWAP"], EVEN_K=even_k, EVEN_N=N % BN == 0,
+        SPLIT=split > 1,
         UNPACK_ASM=cfg.get("asm", _asm_unpack_checked(cfg)) and not interpreting(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **common)

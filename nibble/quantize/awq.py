@@ -134,14 +134,13 @@ def _fold(prev: nn.Module, s: torch.Tensor) -> None:
 
 @torch.no_grad()
 def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, n_grid: int = N_GRID,
-                       clip: bool = True, clip_qk: bool = False, progress: bool = True,
-                       onload=None) -> dict[str, Int4Weight]:
+                       clip: bool = True, progress: bool = True, onload=None) -> dict[str, Int4Weight]:
     """AWQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig (group_size, symmetric, zero_point). ``calib``: token ids,
     LongTensor [n_samples, seq_len]. ``config.clip_search`` (rtn's weight-space search) is not
     used: AWQ's own activation-aware clipping search is part of the method (``clip=False`` turns it
-    off; q/k_proj are never clipped unless ``clip_qk``, as in AutoAWQ).
+    off; q/k_proj are never clipped, as in AutoAWQ).
 
     Side effect, by design: the scales are folded into the model in place (norm weights, v_proj and
     up_proj rows divided by s; the float weights of the scaled linears multiplied by s). The model
@@ -179,7 +178,7 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
                     s = input_scale[name]
                     H = H / (s.unsqueeze(0) * s.unsqueeze(1))
                 with naming(f"{prefix}.{name}"):
-                    if clip and (clip_qk or not name.endswith(NO_CLIP)):
+                    if clip and not name.endswith(NO_CLIP):
                         w = clip_quantize(layer.weight, H, config.group_size, **qargs)
                     else:
                         w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)

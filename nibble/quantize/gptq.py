@@ -214,10 +214,9 @@ def _output_rows(w: Int4Weight, start: int, stop: int) -> Int4Weight:
 
 
 @torch.no_grad()
-def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, true_sequential: bool = True,
-                        blocksize: int = DEFAULT_BLOCKSIZE, clip: bool = True, act_order: bool = True,
-                        percdamp: float = DEFAULT_PERCDAMP, progress: bool = True, compensated: dict | None = None,
-                        onload=None) -> dict[str, Int4Weight]:
+def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, blocksize: int = DEFAULT_BLOCKSIZE,
+                        clip: bool = True, act_order: bool = True, percdamp: float = DEFAULT_PERCDAMP,
+                        progress: bool = True, compensated: dict | None = None, onload=None) -> dict[str, Int4Weight]:
     """GPTQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig: group_size, symmetric, zero_point as RTN uses them.
@@ -231,8 +230,8 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     ``calib``: token ids, LongTensor [n_samples, seq_len] (see ``calibration_batches``).
 
     Blocks are processed one at a time: block i is calibrated on the outputs of the already
-    quantized blocks 0..i-1 and, with ``true_sequential``, each of its linear groups (q/k/v, o,
-    gate/up, down) on inputs produced by its already-quantized predecessors. Linears sharing an
+    quantized blocks 0..i-1, and each of its linear groups (q/k/v, o, gate/up, down) on inputs
+    produced by its already-quantized predecessors. Linears sharing an
     input (q/k/v, gate/up) share one Hessian and are quantized as one stacked weight (one sweep
     over the columns instead of three / two).
 
@@ -255,31 +254,26 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
         with (onload or in_place)(i, decoder_layer) as (block, block_results):
             linears = block_linears(block, prefix, skip)
             groups = input_groups(linears)  # linears sharing one input share one Hessian
-            for step in (groups if true_sequential else [sum(groups, [])]):
-                watched = [g[0] for g in groups if g[0] in step]
-                _, stats = forward_block(block, inputs, kwargs[i], {n: linears[n] for n in watched},
-                                         keep_outputs=False)
-                for group in groups:
-                    if group[0] not in stats:
-                        continue
-                    H = stats.pop(group[0]).hessian
-                    stacked = torch.cat([linears[name].weight for name in group])
-                    with naming(", ".join(f"{prefix}.{name}" for name in group)):
-                        res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric,
-                                                   config.zero_point, clip, percdamp, blocksize, act_order,
-                                                   static_groups=act_order, keep_compensated=compensated is not None)
-                    del stacked, H
-                    start = 0
-                    for name in group:
-                        layer = linears[name]
-                        stop = start + layer.out_features
-                        w = _output_rows(res.weight, start, stop)
-                        # new storage, not written in place (rotation._set says why)
-                        layer.weight.data = dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype)
-                        block_results[f"{prefix}.{name}"] = w
-                        if compensated is not None:
-                            compensated[f"{prefix}.{name}"] = res.compensated[start:stop].clone()
-                        start = stop
+            for group in groups:  # each on inputs of the groups before it, quantized already
+                _, stats = forward_block(block, inputs, kwargs[i], {group[0]: linears[group[0]]}, keep_outputs=False)
+                H = stats.pop(group[0]).hessian
+                stacked = torch.cat([linears[name].weight for name in group])
+                with naming(", ".join(f"{prefix}.{name}" for name in group)):
+                    res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric,
+                                               config.zero_point, clip, percdamp, blocksize, act_order,
+                                               static_groups=act_order, keep_compensated=compensated is not None)
+                del stacked, H
+                start = 0
+                for name in group:
+                    layer = linears[name]
+                    stop = start + layer.out_features
+                    w = _output_rows(res.weight, start, stop)
+                    # new storage, not written in place (rotation._set says why)
+                    layer.weight.data = dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype)
+                    block_results[f"{prefix}.{name}"] = w
+                    if compensated is not None:
+                        compensated[f"{prefix}.{name}"] = res.compensated[start:stop].clone()
+                    start = stop
             inputs, _ = forward_block(block, inputs, kwargs[i])
         results.update(block_results)
     return results

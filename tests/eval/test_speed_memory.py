@@ -535,6 +535,8 @@ def test_peak_memory_covers_weights_and_kv_cache():
     model = tiny_model(dtype=torch.bfloat16).cuda()
     peak = memory.peak_memory(model, prompt_len=64, decode_tokens=16)
     assert peak["weights_bytes"] >= memory.weight_memory(model)["total_bytes"]
+    c = model.config  # K and V of every layer, kv head and position of the 80-token cache, in bf16
+    assert peak["kv_cache_bytes"] == 2 * c.num_hidden_layers * c.num_key_value_heads * 80 * c.head_dim * 2
     assert peak["peak_bytes"] >= peak["weights_bytes"] + peak["kv_cache_bytes"]
 
 

@@ -179,9 +179,16 @@ def test_shared_input_op_equals_one_op_per_layer_on_cpu():
         torch.ops.nibble.w4a4_linears(x, [qw1, _codes_weight(48, 32, "cpu")[0]], [ws1, ws2], [None, None], False)
 
 
-@pytest.mark.parametrize("case", ["x3d", "k_not_mult_8", "k_mismatch", "qweight_dtype", "w_scale_shape",
-                                  "w_scale_dtype", "bias_shape", "hadamard_size"])
-def test_clear_errors(case):
+@pytest.mark.parametrize("case,says", [
+    ("x3d", r"x must be 2-D \[M, K\] .*got shape \(2, 4, 64\)"),
+    ("k_not_mult_8", "K=60 must be a multiple of 8"),
+    ("k_mismatch", r"qweight \(8, 32\) packs K=64 rows but x has K=72"),
+    ("qweight_dtype", r"qweight must be the canonical packed int32 .*got torch.int64"),
+    ("w_scale_shape", r"w_scale must be a per-channel \[32\] .*got torch.float16 \(31,\)"),
+    ("w_scale_dtype", r"w_scale must be a per-channel \[32\] .*got torch.int32 \(32,\)"),
+    ("bias_shape", r"bias must be a float tensor of shape \[32\], got torch.float32 \(33,\)"),
+    ("hadamard_size", "input_hadamard=True needs a supported Hadamard size: no Hadamard matrix of size \\d+")])
+def test_clear_errors(case, says):
     qw, ws = _codes_weight(32, 64, "cpu")
     x = torch.randn(4, 64)
     args = dict(x=x, qweight=qw, w_scale=ws, bias=None, input_hadamard=False)
@@ -203,14 +210,8 @@ def test_clear_errors(case):
         K = _first_unsupported_hadamard(64)
         qk, wk = _codes_weight(32, K, "cpu")
         args.update(x=torch.randn(4, K), qweight=qk, w_scale=wk, input_hadamard=True)
-    with pytest.raises((ValueError, TypeError)) as e:
+    with pytest.raises(ValueError, match=says):
         torch.ops.nibble.w4a4_linear(**args)
-    msg = str(e.value)
-    assert len(msg) > 20
-    if case == "hadamard_size":
-        assert "Hadamard" in msg and "upported" in msg
-    if case == "k_not_mult_8":
-        assert "multiple of 8" in msg
 
 
 def test_matmul_rejects_bad_inputs_clearly():
@@ -321,7 +322,7 @@ def test_asm_unpack_layout():
         if key in seen:
             continue
         seen.add(key)
-        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], SWAP=False, W_INT8=False, EVEN_K=True,
+        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], SWAP=False, EVEN_K=True,
                   EVEN_N=True, SPLIT=False, HAS_BIAS=False, OUT_INT=False, UNPACK_ASM=True)
         full = dict(sig, **{k: "constexpr" for k in ce})
         src = ASTSource(fn=w4a4._w4a4_mma_kernel, signature=full, constexprs=ce,

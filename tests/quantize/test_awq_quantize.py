@@ -65,7 +65,7 @@ def test_activation_aware_clip_beats_weight_space_clip_on_the_output():
     X, W, H = salient_problem(seed=1)
     aware = output_error(X, W, dense(clip_quantize(W, H, 32)))
     plain = output_error(X, W, dense(rtn_quantize(W, 32, clip_search=True)))
-    assert aware <= plain
+    assert aware < 0.6 * plain  # 0.38 here; equal would be the weight-space search itself
 
 
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])
@@ -89,13 +89,26 @@ def test_folding_keeps_the_float_model_function(arch, kv_heads):
 
 
 def test_awq_through_quantize_model_matches_its_returned_weights():
+    import copy
+
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (4, 16))
     with torch.no_grad():
         ref = model(ids).logits
-    quantize_model(model, QuantConfig(group_size=32, method="awq"), progress=False, calibration=ids)
+    twin = copy.deepcopy(model)
+    config = QuantConfig(group_size=32, method="awq")
+    want = awq_quantize_model(twin, config, ids, progress=False)
+    quantize_model(model, config, progress=False, calibration=ids)
     q = model.model.layers[1].mlp.down_proj
     assert q.group_size == 32 and q.qweight.shape == (192 // 8, 64)
+    # every layer holds AWQ's own weights (not another method's), the norms its folded scales
+    layers = dict(model.named_modules())
+    assert len(want) == 14
+    for name, w in want.items():
+        for part in ("qweight", "scales", "zeros"):
+            assert torch.equal(getattr(layers[name], part), getattr(w, part)), (name, part)
+    folded = twin.model.layers[0].input_layernorm.weight
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, folded)
     with torch.no_grad():
         out = model(ids).logits
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
