@@ -1178,6 +1178,12 @@ def dequantize_cuda(qweight, scales, zeros, group_size, dtype=torch.bfloat16, ou
         return reference.dequantize(qweight, scales, zeros, group_size, dtype=dtype)
     if out is None:
         out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    return _dequantize_launch(qweight, scales, zeros, group_size, out)
+
+
+def _dequantize_launch(qweight, scales, zeros, group_size, out):
+    """The Triton pass of `dequantize_cuda` into ``out`` [N, K] (checked weights; CPU tensors under the interpreter)."""
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
     bn, bk = 64, 128
     _dequant_kernel[(_cdiv(N, bn), _cdiv(K, bk))](qweight, scales, zeros, out, N, K, group_size,
                                                  BLOCK_N=bn, BLOCK_K=bk, DQ_ASM=not _INTERPRET, num_warps=4)

@@ -202,6 +202,28 @@ def test_interpreter_tiny(M, N, K, G, dtype, kind):
     assert_close(out, x, qw, s, z, G)
 
 
+DEQUANT_SHAPES = [(40, 192, 64), (64, 256, 128), (100, 320, 32), (72, 136, 8)]  # N, K off the 64 x 128 blocks
+
+
+def assert_dequantized(out, qw, s, z, G):
+    """Every element written, each the float32 spec rounded once to out's dtype (one ulp: the kernel's fp32 sum
+    runs in another order)."""
+    ref = dequantize(qw, s, z, G).to(out.device)
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) element"
+    ulp = torch.finfo(out.dtype).eps * ref.abs() + torch.finfo(out.dtype).tiny
+    assert ((out.float() - ref).abs() <= ulp).all()
+
+
+@needs_interp
+@pytest.mark.parametrize("N,K,G", DEQUANT_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_interpreter_dequantize(N, K, G, dtype):
+    qw, s, z = make_weight(N, K, G, seed=N + K)
+    out = torch.full((N, K), float("nan"), dtype=dtype)
+    W._dequantize_launch(qw, s, z, G, out)
+    assert_dequantized(out, qw, s, z, G)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 # (N, K) from real models: Llama-2-7B q/o (4096, 4096), up (11008, 4096), down (4096, 11008);
 # Llama-3-8B k/v (1024, 4096), up (14336, 4096), down (4096, 14336); Qwen2-0.5B (896, 896),
@@ -244,6 +266,18 @@ def test_gpu_poisoned_out_every_bucket(M, dtype):
         W.w4a16_linear_cuda(x, qw, s, z, G, config=config, out=out)
         torch.cuda.synchronize()
         assert_close(out, x, qw, s, z, G)
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,K,G", DEQUANT_SHAPES + [(11008, 4096, 128), (4096, 14336, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_dequantize_writes_every_element(N, K, G, dtype):
+    """The dense pass of the dequantize + cuBLAS path (GPUs without the CUDA kernels, above 16 tokens)."""
+    qw, s, z = make_weight(N, K, G, device="cuda", seed=N + K)
+    out = torch.full((N, K), float("nan"), dtype=dtype, device="cuda")
+    assert W.dequantize_cuda(qw, s, z, G, dtype=dtype, out=out) is out
+    torch.cuda.synchronize()
+    assert_dequantized(out, qw, s, z, G)
 
 
 @needs_cuda
