@@ -1,6 +1,7 @@
 """Whole-model conversion: replace the linears of a Hugging Face causal LM by QuantLinear."""
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from contextlib import contextmanager
@@ -63,6 +64,7 @@ def untie_lm_head(model: nn.Module) -> None:
     weight = getattr(head, "weight", None)
     if weight is not None and (weight is embed.weight or weight.data_ptr() == embed.weight.data_ptr()):
         head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    own_config(model)
     model.config.tie_word_embeddings = False
     if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5 keeps the tying map on the model
         model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
@@ -96,7 +98,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     so far and one 16-bit layer, never the whole 16-bit model, and nothing is written back to host
     memory (a model transformers loaded from safetensors stays a mapping of its files there). The results
     are those of quantizing on the device (the arithmetic is the same; the rotation's float64 algebra
-    runs there too).
+    runs there too). The quantization is recorded in a copy of the config that the model then owns (`own_config`),
+    so another model built from the same config object stays as it was.
     """
     config = config or QuantConfig()
     check_architecture(model)
@@ -145,6 +148,16 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     return model
 
 
+def own_config(model: nn.Module) -> None:
+    """Give ``model`` a copy of its config, before nibble writes into it, in every submodule that reads the same
+    object: models built from one config object share it, and quantizing one marked the others as quantized (and
+    untied their heads in their config alone)."""
+    shared, mine = model.config, copy.deepcopy(model.config)
+    for module in model.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = mine
+
+
 def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     """Record ``quantization_config`` as the model's, and turn its ``save_pretrained`` into a refusal that names
     `nibble.save_quantized`: transformers wrote the INT4 buffers without the checksums, permutations and online
@@ -152,6 +165,7 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). Adapters added
     by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
     ``resize_token_embeddings`` too, before the embedding is resized."""
+    own_config(model)
     model.config.quantization_config = quantization_config
     model.save_pretrained = functools.partial(_save_pretrained_guarded, model)  # a copy's partial holds the copy
     if isinstance(model.get_output_embeddings(), QuantLinear):
