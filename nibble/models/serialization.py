@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
+from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
 from nibble.models.loading import NEVER_DOWNLOADS, read_config
@@ -342,15 +342,10 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
                 raise CheckpointError(f"{directory / WEIGHTS}: {name}.{part} is {held}, where nibble's format holds "
                                       f"{want}: the file was edited or written by another tool; save the model again")
         old = named_layer(model, name, directory)
-        rows = tensors[name + ".scales"].shape[0]
-        if rows == 0 or old.in_features % rows:  # a division by zero, or a group size QuantLinear called wrong
-            raise CheckpointError(f"{directory / WEIGHTS}: {name}.scales has {rows} rows, which do not split the "
-                                  f"layer's {old.in_features} inputs into groups: the file was edited or written by "
-                                  "another tool; save the model again")
-        group_size = old.in_features // rows
+        check_groups(directory / WEIGHTS, name, tensors, old.in_features, qc.group_size)
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
         # the bias the checkpoint holds, not the architecture's: an imported AutoGPTQ model has one on every linear
-        q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, group_size, qc.mode,
+        q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, qc.group_size, qc.mode,
                 name in online_hadamard, dtype=dtype, device="meta")
         setattr(model.get_submodule(parent), child, q)
     for name in online_hadamard:  # 16-bit linears that rotate their input (a quantized one was built above)
@@ -375,6 +370,22 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
     mark_quantized(model, qc_dict)
     model.eval()
     return model, load_companions(model, directory)
+
+
+def check_groups(path: Path, name: str, tensors: dict, in_features: int, group_size: int) -> None:
+    """Refuse layer ``name``'s scales and zeros unless they hold a row for each group ``quantization_config.group_size``
+    makes of its inputs: rows that split them otherwise loaded as another group size than the config says, which a
+    re-save or an export then wrote beside these scales (and 0 rows was a division by zero). A missing one is left to
+    load_state_dict, which names it."""
+    unsplit = width_error(in_features, group_size)
+    groups = 1 if group_size == -1 else in_features // group_size
+    bad = [f"{name}.{part} has shape {tuple(t.shape)}" for part in ("scales", "zeros")
+           if (t := tensors.get(f"{name}.{part}")) is not None and (unsplit or t.shape[:1] != (groups,))]
+    if bad:
+        made = "does not split them into groups" if unsplit else f"makes {groups} of them"
+        raise CheckpointError(f"{path}: {' and '.join(bad)}, a row per group of the layer's {in_features} inputs, but "
+                              f"quantization_config.group_size {group_size} {made}: the checkpoint was edited or "
+                              "written by another tool; save the model again")
 
 
 def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:

@@ -517,25 +517,45 @@ def test_a_resharded_nibble_checkpoint_is_named_as_such(saved):
         load_quantized(path)
 
 
-@pytest.mark.parametrize("rows", [0, 3])
-def test_scales_whose_rows_do_not_split_the_inputs_are_refused(saved, rows):
-    """A converter's file (checksums right): 0 rows of scales was a ZeroDivisionError, 3 a group size of 42 that
-    QuantLinear refused in its own words."""
+UP = "model.layers.0.mlp.up_proj"
+ROWS = r"model\.safetensors: model\.layers\.0\.mlp\.up_proj\."  # the refusal names the file and the layer
+
+
+@pytest.mark.parametrize("parts,rows,group_size,refusal", [
+    (("scales", "zeros"), 0, 32, ROWS + r"scales has shape \(0, 192\) and .*up_proj\.zeros has shape \(0, 192\), a row "
+                                 r"per group of the layer's 64 inputs, but quantization_config.group_size 32 makes 2 of "
+                                 "them"),
+    (("scales", "zeros"), 3, 32, ROWS + r"scales has shape \(3, 192\) and .*group_size 32 makes 2 of them"),
+    (("scales", "zeros"), 1, 32, ROWS + r"scales has shape \(1, 192\) and .*group_size 32 makes 2 of them"),
+    (("zeros",), 1, 32, ROWS + r"zeros has shape \(1, 192\), a row per group .*group_size 32 makes 2 of them"),
+    ((), 2, 48, r"model\.safetensors: model\.layers\.\d\.\S+\.scales has shape \(2, \d+\) and \S+\.zeros has shape "
+                r"\(2, \d+\), a row per group of the layer's \d+ inputs, but quantization_config\.group_size 48 does not "
+                "split them into groups"),  # every layer: the first one checked is refused
+    (("missing scales",), 0, 32, r"Missing key\(s\) in state_dict: \"model\.layers\.0\.mlp\.up_proj\.scales\""),
+])
+def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, parts, rows, group_size, refusal):
+    """A converter's file (checksums right, no config digest): 0 rows of scales was a ZeroDivisionError, 3 a group size
+    of 42 that QuantLinear refused in its own words, and rows that split the inputs otherwise (or a group size edited
+    into config.json) loaded as the group size the scales made, which a re-save or export wrote under the config's."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from nibble.models.serialization import _sha256
     _, path = saved
     with safe_open(path / "model.safetensors", "pt") as f:
-        ours = json.loads(f.metadata()["nibble"])
+        ours = {k: v for k, v in json.loads(f.metadata()["nibble"]).items() if k != "config"}
     tensors = load_file(path / "model.safetensors")
-    for part in ("scales", "zeros"):
-        name = f"model.layers.0.mlp.up_proj.{part}"
-        tensors[name] = tensors[name][:1].repeat(rows, 1)
+    for part in parts:
+        if part == "missing scales":
+            del tensors[f"{UP}.scales"]
+        else:
+            tensors[f"{UP}.{part}"] = tensors[f"{UP}.{part}"][:1].repeat(rows, 1)
     ours["checksums"] = {k: _sha256(v) for k, v in tensors.items()}
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
-    with pytest.raises(CheckpointError, match=rf"up_proj\.scales has {rows} rows, which do not split the layer's 64 "
-                                              "inputs into groups"):
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["group_size"] = group_size
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=refusal):
         load_quantized(path)
 
 
