@@ -29,7 +29,7 @@ from torch import nn
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import NEVER_DOWNLOADS, read_config
+from nibble.models.loading import NEVER_DOWNLOADS, chat_template_error, read_config
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
@@ -210,10 +210,13 @@ def load_companions(model: nn.Module, directory: Path):
         except (ValueError, OSError) as e:
             raise CheckpointError(f"{file} cannot be read ({e}): {redo}") from e
     try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
         cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{directory}: its tokenizer cannot be read ({cause}); {redo}") from e
+    if error := chat_template_error(tokenizer, directory):
+        raise CheckpointError(error)
+    return tokenizer
 
 
 def holds_tokenizer(directory: Path) -> bool:

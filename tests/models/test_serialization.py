@@ -1,4 +1,6 @@
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -473,6 +475,29 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
         load_quantized(tmp_path)
     f.unlink()
     with pytest.raises(CheckpointError, match="its tokenizer cannot be read .*; re-save the tokenizer there"):
+        load_quantized(tmp_path)
+
+
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}"  # no endfor
+
+
+@pytest.mark.parametrize("holder", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja",
+                                    "tokenizer_config.json"])
+def test_a_chat_template_jinja_cannot_compile_is_refused_on_load_naming_its_file(tmp_path, holder):
+    """transformers compiles a chat template at its first use: a broken one loaded, and failed `nibble generate
+    --chat` at the first prompt."""
+    good = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    save_quantized(_quantized(), tmp_path, _tokenizer(chat_template={"default": good, "tool_use": good}))
+    assert load_quantized(tmp_path)[1].chat_template == {"default": good, "tool_use": good}
+    if holder == "tokenizer_config.json":  # the place of a template before transformers wrote .jinja files
+        shutil.rmtree(tmp_path / "additional_chat_templates")  # read, where there are any, instead
+        (tmp_path / "chat_template.jinja").unlink()
+        config = json.loads((tmp_path / holder).read_text())
+        (tmp_path / holder).write_text(json.dumps({**config, "chat_template": BROKEN_TEMPLATE}))
+    else:
+        (tmp_path / holder).write_text(BROKEN_TEMPLATE)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / holder))}: its chat template cannot be "
+                                              r"compiled \(.*'endfor'.*, line 1\), and chat prompts would fail on it"):
         load_quantized(tmp_path)
 
 
