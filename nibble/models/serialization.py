@@ -189,9 +189,10 @@ def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
         _atomic_write(directory / GENERATION_CONFIG, lambda p: generation_config.to_json_file(p))
 
 
-def load_companions(model: nn.Module, directory: Path):
-    """The tokenizer saved beside a checkpoint (None without one), and its generation config into ``model``: what
-    ``from_pretrained`` reads besides the weights (`save_companions`)."""
+def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
+    """The tokenizer saved beside a checkpoint (None without one, or when not ``tokenizer``: its files are not read
+    then), and its generation config into ``model``: what ``from_pretrained`` reads besides the weights
+    (`save_companions`)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     if (directory / GENERATION_CONFIG).exists():
@@ -200,7 +201,7 @@ def load_companions(model: nn.Module, directory: Path):
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
                                   "then stops on config.json's eos_token_id alone)") from e
-    if not holds_tokenizer(directory):
+    if not (tokenizer and holds_tokenizer(directory)):
         return None
     redo = "re-save the tokenizer there with tokenizer.save_pretrained(DIR)"
     for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
@@ -291,14 +292,15 @@ def check_checksums(path: Path, tensors: dict, ours: dict) -> None:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
 
 
-def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
+def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, tokenizer: bool = True):
     """Rebuild a model written by save_quantized (no float weights are materialised first), or read an
     AutoAWQ GEMM / GPTQ checkpoint as it stands (`nibble.models.hf_import.load_hf_quantized`: its codes,
     scales and zero points, not requantized), as the directory's ``quantization_config`` says.
 
     ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
     a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`).
-    Returns ``(model, tokenizer)``; tokenizer is None when none was saved.
+    Returns ``(model, tokenizer)``; tokenizer is None when none was saved, or with ``tokenizer=False``, which
+    reads no tokenizer file (what looks at the weights alone, `nibble info`, needs none, nor to fail on one).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -318,11 +320,11 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         raise CheckpointError(str(e)) from e
     qc_dict = raw.get("quantization_config")
     if qc_dict is None and (directory / GPTQ_CONFIG).exists():  # AutoGPTQ before 0.5: its settings there alone
-        return load_hf_quantized(directory, device, dtype)
+        return load_hf_quantized(directory, device, dtype, tokenizer)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
     if str(qc_dict.get("quant_method")).lower() in HF_QUANT_METHODS:  # as the importer reads it: "AWQ" too
-        return load_hf_quantized(directory, device, dtype)
+        return load_hf_quantized(directory, device, dtype, tokenizer)
     qc = QuantConfig.from_dict(qc_dict)
     for key in ("online_hadamard_modules", "input_permuted_modules"):
         if not isinstance(qc_dict.get(key, []), list):
@@ -372,7 +374,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         qc_dict["input_permuted_modules"] = input_permuted_modules(model)
     mark_quantized(model, qc_dict)
     model.eval()
-    return model, load_companions(model, directory)
+    return model, load_companions(model, directory, tokenizer)
 
 
 def check_groups(path: Path, name: str, tensors: dict, in_features: int, group_size: int) -> None:

@@ -466,7 +466,7 @@ def test_a_compiled_model_is_saved_as_the_model_and_other_objects_are_refused(tm
 
 def test_a_damaged_tokenizer_file_is_named(tmp_path):
     """A cut tokenizer.json failed every load with "Expecting value: line 3 column 17 (char 38)" alone, and a
-    missing one with transformers' "Couldn't instantiate the backend tokenizer" list (nibble info too)."""
+    missing one with transformers' "Couldn't instantiate the backend tokenizer" list."""
     save_quantized(_quantized(), tmp_path, _tokenizer())
     f = tmp_path / "tokenizer.json"
     text = f.read_text()
