@@ -27,8 +27,25 @@ def check_architecture(model: nn.Module) -> None:
                          f"{type(model).__name__}: load the model with transformers' AutoModelForCausalLM")
 
 
+DECODER_LAYERS = "model.layers"  # where a causal LM holds its decoder layers (check_architecture)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
+    return model.get_submodule(DECODER_LAYERS)
+
+
+@contextmanager
+def decoder_layers_replaced(model: nn.Module, stand_in: nn.ModuleList):
+    """``model`` with ``stand_in`` where `decoder_layers` finds its layers, for the body; its own layers are put
+    back after, whatever the body raised."""
+    layers = decoder_layers(model)
+    parent, _, name = DECODER_LAYERS.rpartition(".")
+    holder = model.get_submodule(parent)
+    setattr(holder, name, stand_in)
+    try:
+        yield
+    finally:
+        setattr(holder, name, layers)
 
 
 def _matches(name: str, entry: str) -> bool:
@@ -42,7 +59,7 @@ def _skipped(name: str, config: QuantConfig) -> bool:
 
 def _candidate_linears(model: nn.Module) -> list[str]:
     """Full names of every linear quantize_model may convert: the decoder layers' and lm_head."""
-    names = [f"model.layers.{i}.{n}" for i, layer in enumerate(decoder_layers(model))
+    names = [f"{DECODER_LAYERS}.{i}.{n}" for i, layer in enumerate(decoder_layers(model))
              for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         names.append("lm_head")
@@ -255,7 +272,7 @@ def layer_turns(model: nn.Module, config: QuantConfig, names: list[str], device:
             rotate_layer(layer)
         calibrated = {}
         yield layer, calibrated
-        prefix = f"model.layers.{i}."
+        prefix = f"{DECODER_LAYERS}.{i}."
         for name in names:
             if name.startswith(prefix):
                 _convert(model, name, config, calibrated.pop(name, None), device)
@@ -278,13 +295,8 @@ def _convert(model: nn.Module, name: str, config: QuantConfig, weight, device: t
 def move_all_but_layers(model: nn.Module, device: torch.device) -> None:
     """Move everything of ``model`` to ``device`` except its decoder layers (the embeddings, the final norm,
     the rotary tables, lm_head), which stay where they are until each is quantized on its turn."""
-    inner = model.model
-    layers = inner.layers
-    inner.layers = nn.ModuleList()  # out of the tree while model.to walks it
-    try:
+    with decoder_layers_replaced(model, nn.ModuleList()):  # out of the tree while model.to walks it
         model.to(device)
-    finally:
-        inner.layers = layers
 
 
 def weight_bytes(model: nn.Module) -> dict:

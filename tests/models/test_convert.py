@@ -372,6 +372,24 @@ def test_quantizing_a_model_leaves_another_of_the_same_config_object_as_it_was(t
     assert (model.config.quantization_config["mode"], other.config.quantization_config["mode"]) == ("w4a16", "w4a4")
 
 
+def test_the_decoder_layers_are_found_and_replaced_in_one_place(monkeypatch):
+    """Calibration (its stand-in layers) and a quantization onto a device (the layers out of the tree while the rest
+    moves) each set model.model.layers themselves, beside decoder_layers, which finds them: a model whose layers live
+    elsewhere would be walked in one place and replaced in another."""
+    import nibble.models.convert as convert
+    model, replaced = tiny_model(), []
+    layers = convert.decoder_layers(model)
+
+    def replacing(model, stand_in):
+        replaced.append(len(stand_in))
+        return real(model, stand_in)
+    real = convert.decoder_layers_replaced
+    monkeypatch.setattr(convert, "decoder_layers_replaced", replacing)
+    quantize_model(model, QuantConfig(group_size=32, method="gptq"), calibration=torch.randint(0, 256, (2, 16)),
+                   device="cpu", progress=False)
+    assert replaced == [0, 2] and convert.decoder_layers(model) is layers  # the move's empty list, then 2 stand-ins
+
+
 def test_modules_to_not_convert_given_as_one_name_keeps_that_module():
     """A string was once read as its characters, none of which matched lm_head, which then got quantized."""
     model = tiny_model()
