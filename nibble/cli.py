@@ -458,7 +458,7 @@ def cmd_info(args):
     from nibble.models.convert import quantized_linears, weight_bytes
     from nibble.models.serialization import load_quantized
 
-    model, _ = load_quantized(args.dir)
+    model, _ = load_quantized(args.dir, tokenizer=False)  # what it prints is of the weights alone
     qc = model.config.quantization_config
     wb = weight_bytes(model)
     total = weight_memory(model)["total_bytes"]  # a tied lm_head counted once, as the file holds it

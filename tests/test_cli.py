@@ -98,6 +98,19 @@ def test_awq_and_gptq_checkpoints_are_written_and_run_from_the_cli(model_dir, tm
         main(["quantize", "--model", str(model_dir), "--quant", "w4a4", "--format", "awq", "--out", str(tmp_path / "x")])
 
 
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_info_reads_no_tokenizer(model_dir, tmp_path, capsys, fmt):
+    """It prints what the weights hold, yet loaded the tokenizer too, and refused a checkpoint whose tokenizer.json
+    was damaged."""
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--format", fmt,
+          "--out", str(out)])
+    capsys.readouterr()
+    (out / "tokenizer.json").write_text("{")
+    main(["info", str(out)])
+    assert json.loads(capsys.readouterr().out)["quantization_config"]["group_size"] == 32
+
+
 def test_quantize_lm_head_from_the_cli(model_dir, tmp_path, capsys):
     out = tmp_path / "q"
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--quantize-lm-head",

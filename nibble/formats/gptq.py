@@ -108,8 +108,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"GPTQ scales have {n_groups} group rows, which do not divide in_features={K} evenly")
     G = K // n_groups
     if group_size is not None and (K if group_size == -1 else group_size) != G:
-        raise ValueError(f"group_size={group_size} disagrees with the tensors: K={K} with {n_groups} scale rows "
-                         f"means group size {G}")
+        raise ValueError(f"group_size={group_size} disagrees with the tensors: scales {tuple(scales.shape)} of K={K} "
+                         f"inputs mean group size {G}")
     if tuple(scales.shape) != (n_groups, N) or tuple(qzeros.shape) != (n_groups, N // PACK) or N % PACK:
         raise ValueError(f"GPTQ shapes disagree: qweight {tuple(qweight.shape)} (K={K}, N={N}) needs scales "
                          f"{(n_groups, N)} and qzeros {(n_groups, N // PACK)}; got {tuple(scales.shape)} and "

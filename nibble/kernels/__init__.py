@@ -104,6 +104,13 @@ def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int, bias) -> Non
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
     """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
     check_activations(x)
+    return _w4a16_linear(x, qweight, scales, zeros, group_size, bias, backend)
+
+
+# The linear functions past `check_activations`, for QuantLinear, whose forward has checked x already (its width
+# too, before a GPTQ act-order layer's gather): a check a call, not one more per layer in every eager decode step.
+
+def _w4a16_linear(x, qweight, scales, zeros, group_size: int, bias, backend: str):
     _check_no_gradient(x, [bias])
     if not _use_kernel(x, backend):
         _check_w4a16_shapes(x, qweight, scales, zeros, group_size, bias)
@@ -117,6 +124,10 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     bias), ...]: on CUDA, one kernel launch where the skinny kernel (decode sizes) or the Hopper GEMM
     (prefill sizes) runs. Returns the outputs in order."""
     check_activations(x)
+    return _w4a16_linears(x, layers, group_size, backend)
+
+
+def _w4a16_linears(x, layers, group_size: int, backend: str):
     _check_no_gradient(x, [layer[3] for layer in layers])
     if not _use_kernel(x, backend):
         for qw, s, z, b in layers:
@@ -157,6 +168,10 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     the kernels rotate and quantize x once, then run the products in one launch where a kernel takes
     several weights. Returns the outputs in order."""
     check_activations(x)
+    return _w4a4_linears(x, layers, input_hadamard, backend)
+
+
+def _w4a4_linears(x, layers, input_hadamard: bool, backend: str):
     qweights, w_scales, biases = ([layer[i] for layer in layers] for i in range(3))
     _check_no_gradient(x, biases)
     if not _use_kernel(x, backend):

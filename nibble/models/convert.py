@@ -1,6 +1,7 @@
 """Whole-model conversion: replace the linears of a Hugging Face causal LM by QuantLinear."""
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from contextlib import contextmanager
@@ -26,8 +27,25 @@ def check_architecture(model: nn.Module) -> None:
                          f"{type(model).__name__}: load the model with transformers' AutoModelForCausalLM")
 
 
+DECODER_LAYERS = "model.layers"  # where a causal LM holds its decoder layers (check_architecture)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
+    return model.get_submodule(DECODER_LAYERS)
+
+
+@contextmanager
+def decoder_layers_replaced(model: nn.Module, stand_in: nn.ModuleList):
+    """``model`` with ``stand_in`` where `decoder_layers` finds its layers, for the body; its own layers are put
+    back after, whatever the body raised."""
+    layers = decoder_layers(model)
+    parent, _, name = DECODER_LAYERS.rpartition(".")
+    holder = model.get_submodule(parent)
+    setattr(holder, name, stand_in)
+    try:
+        yield
+    finally:
+        setattr(holder, name, layers)
 
 
 def _matches(name: str, entry: str) -> bool:
@@ -41,7 +59,7 @@ def _skipped(name: str, config: QuantConfig) -> bool:
 
 def _candidate_linears(model: nn.Module) -> list[str]:
     """Full names of every linear quantize_model may convert: the decoder layers' and lm_head."""
-    names = [f"model.layers.{i}.{n}" for i, layer in enumerate(decoder_layers(model))
+    names = [f"{DECODER_LAYERS}.{i}.{n}" for i, layer in enumerate(decoder_layers(model))
              for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         names.append("lm_head")
@@ -63,6 +81,7 @@ def untie_lm_head(model: nn.Module) -> None:
     weight = getattr(head, "weight", None)
     if weight is not None and (weight is embed.weight or weight.data_ptr() == embed.weight.data_ptr()):
         head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    own_config(model)
     model.config.tie_word_embeddings = False
     if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5 keeps the tying map on the model
         model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
@@ -96,7 +115,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     so far and one 16-bit layer, never the whole 16-bit model, and nothing is written back to host
     memory (a model transformers loaded from safetensors stays a mapping of its files there). The results
     are those of quantizing on the device (the arithmetic is the same; the rotation's float64 algebra
-    runs there too).
+    runs there too). The quantization is recorded in a copy of the config that the model then owns (`own_config`),
+    so another model built from the same config object stays as it was.
     """
     config = config or QuantConfig()
     check_architecture(model)
@@ -145,6 +165,16 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     return model
 
 
+def own_config(model: nn.Module) -> None:
+    """Give ``model`` a copy of its config, before nibble writes into it, in every submodule that reads the same
+    object: models built from one config object share it, and quantizing one marked the others as quantized (and
+    untied their heads in their config alone)."""
+    shared, mine = model.config, copy.deepcopy(model.config)
+    for module in model.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = mine
+
+
 def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     """Record ``quantization_config`` as the model's, and turn its ``save_pretrained`` into a refusal that names
     `nibble.save_quantized`: transformers wrote the INT4 buffers without the checksums, permutations and online
@@ -152,6 +182,7 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). Adapters added
     by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
     ``resize_token_embeddings`` too, before the embedding is resized."""
+    own_config(model)
     model.config.quantization_config = quantization_config
     model.save_pretrained = functools.partial(_save_pretrained_guarded, model)  # a copy's partial holds the copy
     if isinstance(model.get_output_embeddings(), QuantLinear):
@@ -241,7 +272,7 @@ def layer_turns(model: nn.Module, config: QuantConfig, names: list[str], device:
             rotate_layer(layer)
         calibrated = {}
         yield layer, calibrated
-        prefix = f"model.layers.{i}."
+        prefix = f"{DECODER_LAYERS}.{i}."
         for name in names:
             if name.startswith(prefix):
                 _convert(model, name, config, calibrated.pop(name, None), device)
@@ -264,13 +295,8 @@ def _convert(model: nn.Module, name: str, config: QuantConfig, weight, device: t
 def move_all_but_layers(model: nn.Module, device: torch.device) -> None:
     """Move everything of ``model`` to ``device`` except its decoder layers (the embeddings, the final norm,
     the rotary tables, lm_head), which stay where they are until each is quantized on its turn."""
-    inner = model.model
-    layers = inner.layers
-    inner.layers = nn.ModuleList()  # out of the tree while model.to walks it
-    try:
+    with decoder_layers_replaced(model, nn.ModuleList()):  # out of the tree while model.to walks it
         model.to(device)
-    finally:
-        inner.layers = layers
 
 
 def weight_bytes(model: nn.Module) -> dict:

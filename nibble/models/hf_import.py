@@ -191,11 +191,12 @@ def _symmetric_zeros_format(info: dict, qzeros: torch.Tensor) -> str:
                      "config does not describe the tensors (an asymmetric checkpoint says sym=false)")
 
 
-def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
+def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None, tokenizer: bool = True):
     """Load a local AutoAWQ-GEMM or GPTQ checkpoint into a model of nibble QuantLinears.
 
-    Returns ``(model, tokenizer)`` (tokenizer None when the directory has none). ``dtype`` is the
-    activation / non-quantized-weight dtype: default float32 on CPU, float16 elsewhere.
+    Returns ``(model, tokenizer)`` (tokenizer None when the directory has none, or with ``tokenizer=False``,
+    which reads no tokenizer file). ``dtype`` is the activation / non-quantized-weight dtype: default float32 on
+    CPU, float16 elsewhere.
     The model's ``config.quantization_config`` becomes the nibble one (method awq/gptq), with the
     original under ``"imported_from"``, so ``save_quantized`` can write it in nibble's format.
     """
@@ -289,7 +290,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None)
                            "input_permuted_modules": input_permuted_modules(model)})
     model.eval()
     from nibble.models.serialization import load_companions
-    return model, load_companions(model, directory)
+    return model, load_companions(model, directory, tokenizer)
 
 
 def named_layer(model: nn.Module, name: str, directory: Path) -> nn.Module:

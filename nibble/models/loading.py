@@ -114,6 +114,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
         cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the CLI prints one line, no chain
         raise ValueError(f"{path}: could not load a tokenizer from it ({cause}); save one there with "
                          "tokenizer.save_pretrained(DIR)") from e
+    if error := chat_template_error(tokenizer, path):
+        raise ValueError(error)
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
         # instead of transformers' error that tells the user to change an option they never set.
@@ -126,6 +128,28 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
                          "with model.save_pretrained(DIR)") from e
     _check_loading_info(path, info)
     return model.eval(), tokenizer
+
+
+def chat_template_error(tokenizer: PreTrainedTokenizerBase, directory: Path) -> str | None:
+    """What is wrong with the chat templates ``tokenizer`` read from ``directory``, naming the file of the first that
+    jinja cannot compile, or None: transformers compiles a template at its first use, so a broken one failed at the
+    first prompt of a chat, after the model had loaded."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # apply_chat_template's, cached
+
+    templates = tokenizer.chat_template
+    for name, template in (templates if isinstance(templates, dict) else {"default": templates}).items():
+        try:
+            if template:
+                _compile_jinja_template(template)
+        except TemplateError as e:
+            # transformers reads the .jinja files first, and tokenizer_config.json's "chat_template" without them
+            file = directory / ("chat_template.jinja" if name == "default" else f"additional_chat_templates/{name}.jinja")
+            file = file if file.exists() else directory / "tokenizer_config.json"
+            line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
+            return (f"{file}: its chat template cannot be compiled ({e.message}{line}), and chat prompts would fail on "
+                    "it: fix the template, or re-save the tokenizer there with tokenizer.save_pretrained(DIR)")
+    return None
 
 
 @contextmanager

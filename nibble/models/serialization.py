@@ -26,10 +26,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype
+from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import NEVER_DOWNLOADS, read_config
+from nibble.models.loading import NEVER_DOWNLOADS, chat_template_error, read_config
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
@@ -189,9 +189,10 @@ def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
         _atomic_write(directory / GENERATION_CONFIG, lambda p: generation_config.to_json_file(p))
 
 
-def load_companions(model: nn.Module, directory: Path):
-    """The tokenizer saved beside a checkpoint (None without one), and its generation config into ``model``: what
-    ``from_pretrained`` reads besides the weights (`save_companions`)."""
+def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
+    """The tokenizer saved beside a checkpoint (None without one, or when not ``tokenizer``: its files are not read
+    then), and its generation config into ``model``: what ``from_pretrained`` reads besides the weights
+    (`save_companions`)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     if (directory / GENERATION_CONFIG).exists():
@@ -200,7 +201,7 @@ def load_companions(model: nn.Module, directory: Path):
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
                                   "then stops on config.json's eos_token_id alone)") from e
-    if not holds_tokenizer(directory):
+    if not (tokenizer and holds_tokenizer(directory)):
         return None
     redo = "re-save the tokenizer there with tokenizer.save_pretrained(DIR)"
     for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
@@ -210,10 +211,13 @@ def load_companions(model: nn.Module, directory: Path):
         except (ValueError, OSError) as e:
             raise CheckpointError(f"{file} cannot be read ({e}): {redo}") from e
     try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
         cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{directory}: its tokenizer cannot be read ({cause}); {redo}") from e
+    if error := chat_template_error(tokenizer, directory):
+        raise CheckpointError(error)
+    return tokenizer
 
 
 def holds_tokenizer(directory: Path) -> bool:
@@ -288,14 +292,15 @@ def check_checksums(path: Path, tensors: dict, ours: dict) -> None:
         raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
 
 
-def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
+def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, tokenizer: bool = True):
     """Rebuild a model written by save_quantized (no float weights are materialised first), or read an
     AutoAWQ GEMM / GPTQ checkpoint as it stands (`nibble.models.hf_import.load_hf_quantized`: its codes,
     scales and zero points, not requantized), as the directory's ``quantization_config`` says.
 
     ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
     a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`).
-    Returns ``(model, tokenizer)``; tokenizer is None when none was saved.
+    Returns ``(model, tokenizer)``; tokenizer is None when none was saved, or with ``tokenizer=False``, which
+    reads no tokenizer file (what looks at the weights alone, `nibble info`, needs none, nor to fail on one).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -315,11 +320,11 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         raise CheckpointError(str(e)) from e
     qc_dict = raw.get("quantization_config")
     if qc_dict is None and (directory / GPTQ_CONFIG).exists():  # AutoGPTQ before 0.5: its settings there alone
-        return load_hf_quantized(directory, device, dtype)
+        return load_hf_quantized(directory, device, dtype, tokenizer)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
     if str(qc_dict.get("quant_method")).lower() in HF_QUANT_METHODS:  # as the importer reads it: "AWQ" too
-        return load_hf_quantized(directory, device, dtype)
+        return load_hf_quantized(directory, device, dtype, tokenizer)
     qc = QuantConfig.from_dict(qc_dict)
     for key in ("online_hadamard_modules", "input_permuted_modules"):
         if not isinstance(qc_dict.get(key, []), list):
@@ -342,15 +347,10 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
                 raise CheckpointError(f"{directory / WEIGHTS}: {name}.{part} is {held}, where nibble's format holds "
                                       f"{want}: the file was edited or written by another tool; save the model again")
         old = named_layer(model, name, directory)
-        rows = tensors[name + ".scales"].shape[0]
-        if rows == 0 or old.in_features % rows:  # a division by zero, or a group size QuantLinear called wrong
-            raise CheckpointError(f"{directory / WEIGHTS}: {name}.scales has {rows} rows, which do not split the "
-                                  f"layer's {old.in_features} inputs into groups: the file was edited or written by "
-                                  "another tool; save the model again")
-        group_size = old.in_features // rows
+        check_groups(directory / WEIGHTS, name, tensors, old.in_features, qc.group_size)
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
         # the bias the checkpoint holds, not the architecture's: an imported AutoGPTQ model has one on every linear
-        q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, group_size, qc.mode,
+        q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, qc.group_size, qc.mode,
                 name in online_hadamard, dtype=dtype, device="meta")
         setattr(model.get_submodule(parent), child, q)
     for name in online_hadamard:  # 16-bit linears that rotate their input (a quantized one was built above)
@@ -374,7 +374,23 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None):
         qc_dict["input_permuted_modules"] = input_permuted_modules(model)
     mark_quantized(model, qc_dict)
     model.eval()
-    return model, load_companions(model, directory)
+    return model, load_companions(model, directory, tokenizer)
+
+
+def check_groups(path: Path, name: str, tensors: dict, in_features: int, group_size: int) -> None:
+    """Refuse layer ``name``'s scales and zeros unless they hold a row for each group ``quantization_config.group_size``
+    makes of its inputs: rows that split them otherwise loaded as another group size than the config says, which a
+    re-save or an export then wrote beside these scales (and 0 rows was a division by zero). A missing one is left to
+    load_state_dict, which names it."""
+    unsplit = width_error(in_features, group_size)
+    groups = 1 if group_size == -1 else in_features // group_size
+    bad = [f"{name}.{part} has shape {tuple(t.shape)}" for part in ("scales", "zeros")
+           if (t := tensors.get(f"{name}.{part}")) is not None and (unsplit or t.shape[:1] != (groups,))]
+    if bad:
+        made = "does not split them into groups" if unsplit else f"makes {groups} of them"
+        raise CheckpointError(f"{path}: {' and '.join(bad)}, a row per group of the layer's {in_features} inputs, but "
+                              f"quantization_config.group_size {group_size} {made}: the checkpoint was edited or "
+                              "written by another tool; save the model again")
 
 
 def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:

@@ -92,14 +92,8 @@ class QuantLinear(nn.Module):
     def weight_int4(self) -> Int4Weight:
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        kernels.check_activations(x)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features in its last dimension but this layer expects "
-                             f"{self.in_features} (input shape {tuple(x.shape)})")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        _check_input(x, [self])
         if self.differentiated(x):
             function = _WithTangent if fwAD.unpack_dual(x).tangent is not None else _WithInputGradient
             return function.apply(x, self.bias, self)
@@ -114,10 +108,10 @@ class QuantLinear(nn.Module):
         return fwAD.unpack_dual(x).tangent is not None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product on x that `_check_input` has checked."""
         if self.mode == "w4a16":
-            return kernels.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias,
-                                        backend=self.backend)
-        return kernels.w4a4_linear(x, self.qweight, self.scales[0], bias, self.input_hadamard, backend=self.backend)
+            return kernels._w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias, self.backend)
+        return kernels._w4a4_linears(x, [(self.qweight, self.scales[0], bias)], self.input_hadamard, self.backend)[0]
 
     def _dequantized(self, device) -> torch.Tensor:
         return dequantize(self.qweight, self.scales, self.zeros, self.group_size).to(device)
@@ -204,7 +198,7 @@ class PermutedInputQuantLinear(QuantLinear):
     def forward_in_order(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on x already in its stored input order, x = x_original[..., input_perm] (the engine's
         decode attention writes it so, instead of a gather of its own). Inference only (no gradient)."""
-        self._check_input(x)
+        _check_input(x, [self])
         return QuantLinear._product(self, x, self.bias)
 
     def without_input_perm(self) -> QuantLinear:
@@ -253,6 +247,16 @@ class _WithTangent(_WithInputGradient):
     def jvp(ctx, x_tangent, bias_tangent, _):
         y_tangent = ctx.layer._output_tangent(x_tangent)
         return y_tangent if bias_tangent is None else y_tangent + bias_tangent.to(y_tangent.dtype)
+
+
+def _check_input(x: torch.Tensor, layers) -> None:
+    """x for QuantLinear ``layers`` that read it, checked once (the kernels' functions they call do not check it
+    again): `kernels.check_activations`, then its width for each layer, before an act-order layer gathers it."""
+    kernels.check_activations(x)
+    for m in layers:
+        if x.shape[-1] != m.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features in its last dimension but this layer expects "
+                             f"{m.in_features} (input shape {tuple(x.shape)})")
 
 
 def _permutation_digest(perm: torch.Tensor) -> str:
@@ -305,23 +309,22 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
         raise ValueError("x_in_order=True is for layers of one input permutation that run as one launch "
                          "(shared_input_perm)")
     if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
-        for m in layers:
-            m._check_input(x)
         if any(m.differentiated(x) for m in layers):
             if x_in_order:
                 raise ValueError("x_in_order=True is for inference (the layers' gradient is of x in its own order): "
                                  "pass x in its original order, or run under torch.no_grad()")
-            return [m(x) for m in layers]
+            return [m(x) for m in layers]  # each checks x
+        _check_input(x, layers)
         mode, backend = layers[0].mode, layers[0].backend
         same = len({_one_launch_key(m) for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once
         xs = kernels.gather_columns(x, perm, backend) if perm is not None and not x_in_order else x
         if same and mode == "w4a4":
-            return kernels.w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
-                                        layers[0].input_hadamard, backend=backend)
+            return kernels._w4a4_linears(xs, [(m.qweight, m.scales[0], m.bias) for m in layers],
+                                         layers[0].input_hadamard, backend)
         if same and mode == "w4a16":
-            return kernels.w4a16_linears(xs, [(m.qweight, m.scales, m.zeros, m.bias) for m in layers],
-                                         layers[0].group_size, backend=backend)
+            return kernels._w4a16_linears(xs, [(m.qweight, m.scales, m.zeros, m.bias) for m in layers],
+                                          layers[0].group_size, backend)
     stacked = _stacked_parameters(layers)
     if stacked is not None:
         return list(F.linear(x, *stacked).split([m.out_features for m in layers], dim=-1))

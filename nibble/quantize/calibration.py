@@ -143,6 +143,8 @@ def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
     up to the first block of every type, each block replaced by a `_StandIn` meanwhile, so no block computes
     (nor needs to be on the embedding's device).
     """
+    from nibble.models.convert import decoder_layers_replaced  # convert imports nibble.quantize: not at the top
+
     device = model.get_input_embeddings().weight.device  # the layers may still be elsewhere (offloaded)
     layers = decoder_layers(model)
     types = list(getattr(model.config, "layer_types", None) or [None] * len(layers))[:len(layers)]
@@ -159,17 +161,16 @@ def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
             raise _Stop
 
     training = model.training
-    model.model.layers = nn.ModuleList(_StandIn(i, record) for i in range(len(layers)))
-    try:
-        model.eval()
-        for batch in token_batches(calib, batch_size):
-            try:
-                model(batch.to(device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        model.model.layers = layers
-        model.train(training)
+    with decoder_layers_replaced(model, nn.ModuleList(_StandIn(i, record) for i in range(len(layers)))):
+        try:
+            model.eval()
+            for batch in token_batches(calib, batch_size):
+                try:
+                    model(batch.to(device), use_cache=False)
+                except _Stop:
+                    pass
+        finally:
+            model.train(training)
     return inputs, [by_type[t] for t in types]
 
 

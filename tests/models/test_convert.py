@@ -353,6 +353,43 @@ def test_quantizing_a_quantized_model_again_is_refused():
         quantize_model(fresh, QuantConfig(group_size=32), progress=False)
 
 
+def test_quantizing_a_model_leaves_another_of_the_same_config_object_as_it_was(tmp_path):
+    """Models built from one config object share it: quantizing one marked the other as quantized (refused by
+    quantize_model) and untied its head in its config alone."""
+    from transformers import LlamaForCausalLM
+    from conftest import tiny_config
+    from nibble import load_quantized, save_quantized
+    config = tiny_config()
+    model, other = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=[]), progress=False)
+    assert not hasattr(config, "quantization_config") and config.tie_word_embeddings
+    assert all(m.config is model.config for m in model.modules() if hasattr(m, "config"))
+    save_quantized(model, tmp_path)
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(load_quantized(tmp_path)[0](ids).logits, model(ids).logits)
+    quantize_model(other, QuantConfig(mode="w4a4"), progress=False)
+    assert (model.config.quantization_config["mode"], other.config.quantization_config["mode"]) == ("w4a16", "w4a4")
+
+
+def test_the_decoder_layers_are_found_and_replaced_in_one_place(monkeypatch):
+    """Calibration (its stand-in layers) and a quantization onto a device (the layers out of the tree while the rest
+    moves) each set model.model.layers themselves, beside decoder_layers, which finds them: a model whose layers live
+    elsewhere would be walked in one place and replaced in another."""
+    import nibble.models.convert as convert
+    model, replaced = tiny_model(), []
+    layers = convert.decoder_layers(model)
+
+    def replacing(model, stand_in):
+        replaced.append(len(stand_in))
+        return real(model, stand_in)
+    real = convert.decoder_layers_replaced
+    monkeypatch.setattr(convert, "decoder_layers_replaced", replacing)
+    quantize_model(model, QuantConfig(group_size=32, method="gptq"), calibration=torch.randint(0, 256, (2, 16)),
+                   device="cpu", progress=False)
+    assert replaced == [0, 2] and convert.decoder_layers(model) is layers  # the move's empty list, then 2 stand-ins
+
+
 def test_modules_to_not_convert_given_as_one_name_keeps_that_module():
     """A string was once read as its characters, none of which matched lm_head, which then got quantized."""
     model = tiny_model()

@@ -699,6 +699,22 @@ def test_a_config_of_another_format_beside_the_weights_is_named(tmp_path, config
         load_quantized(tmp_path / weights_of)
 
 
+@pytest.mark.parametrize("fmt,refusal", [
+    ("awq", r"K=192, N=64\), group 64 needs qzeros \(3, 8\) and scales \(3, 64\); got \(6, 8\) and \(6, 64\)"),
+    ("gptq", r"group_size=64 disagrees with the tensors: scales \(6, 64\) of K=192 inputs mean group size 32")])
+def test_scales_of_other_groups_than_the_group_size_are_refused_by_layer(tmp_path, fmt, refusal):
+    """An AutoAWQ / GPTQ checkpoint whose config.json says another group size than its scales hold: refused naming
+    the layer, the scales' shape and the group size, as nibble's own loader does."""
+    save_quantized(quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False), tmp_path, format=fmt)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "model.safetensors")  # as another tool wrote them: no digest
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.down_proj: cannot read its {fmt} tensors \(.*{refusal}"):
+        load_quantized(tmp_path)
+
+
 def test_an_index_that_names_the_wrong_shard_is_named_and_a_home_path_is_expanded(tmp_path, monkeypatch):
     """A layer missing a tensor the index put in another shard failed as "cannot read its awq tensors ('qzeros')";
     load_quantized("~/x") said "nibble never downloads models"."""

@@ -1,4 +1,6 @@
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -464,7 +466,7 @@ def test_a_compiled_model_is_saved_as_the_model_and_other_objects_are_refused(tm
 
 def test_a_damaged_tokenizer_file_is_named(tmp_path):
     """A cut tokenizer.json failed every load with "Expecting value: line 3 column 17 (char 38)" alone, and a
-    missing one with transformers' "Couldn't instantiate the backend tokenizer" list (nibble info too)."""
+    missing one with transformers' "Couldn't instantiate the backend tokenizer" list."""
     save_quantized(_quantized(), tmp_path, _tokenizer())
     f = tmp_path / "tokenizer.json"
     text = f.read_text()
@@ -473,6 +475,29 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
         load_quantized(tmp_path)
     f.unlink()
     with pytest.raises(CheckpointError, match="its tokenizer cannot be read .*; re-save the tokenizer there"):
+        load_quantized(tmp_path)
+
+
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}"  # no endfor
+
+
+@pytest.mark.parametrize("holder", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja",
+                                    "tokenizer_config.json"])
+def test_a_chat_template_jinja_cannot_compile_is_refused_on_load_naming_its_file(tmp_path, holder):
+    """transformers compiles a chat template at its first use: a broken one loaded, and failed `nibble generate
+    --chat` at the first prompt."""
+    good = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    save_quantized(_quantized(), tmp_path, _tokenizer(chat_template={"default": good, "tool_use": good}))
+    assert load_quantized(tmp_path)[1].chat_template == {"default": good, "tool_use": good}
+    if holder == "tokenizer_config.json":  # the place of a template before transformers wrote .jinja files
+        shutil.rmtree(tmp_path / "additional_chat_templates")  # read, where there are any, instead
+        (tmp_path / "chat_template.jinja").unlink()
+        config = json.loads((tmp_path / holder).read_text())
+        (tmp_path / holder).write_text(json.dumps({**config, "chat_template": BROKEN_TEMPLATE}))
+    else:
+        (tmp_path / holder).write_text(BROKEN_TEMPLATE)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / holder))}: its chat template cannot be "
+                                              r"compiled \(.*'endfor'.*, line 1\), and chat prompts would fail on it"):
         load_quantized(tmp_path)
 
 
@@ -517,25 +542,45 @@ def test_a_resharded_nibble_checkpoint_is_named_as_such(saved):
         load_quantized(path)
 
 
-@pytest.mark.parametrize("rows", [0, 3])
-def test_scales_whose_rows_do_not_split_the_inputs_are_refused(saved, rows):
-    """A converter's file (checksums right): 0 rows of scales was a ZeroDivisionError, 3 a group size of 42 that
-    QuantLinear refused in its own words."""
+UP = "model.layers.0.mlp.up_proj"
+ROWS = r"model\.safetensors: model\.layers\.0\.mlp\.up_proj\."  # the refusal names the file and the layer
+
+
+@pytest.mark.parametrize("parts,rows,group_size,refusal", [
+    (("scales", "zeros"), 0, 32, ROWS + r"scales has shape \(0, 192\) and .*up_proj\.zeros has shape \(0, 192\), a row "
+                                 r"per group of the layer's 64 inputs, but quantization_config.group_size 32 makes 2 of "
+                                 "them"),
+    (("scales", "zeros"), 3, 32, ROWS + r"scales has shape \(3, 192\) and .*group_size 32 makes 2 of them"),
+    (("scales", "zeros"), 1, 32, ROWS + r"scales has shape \(1, 192\) and .*group_size 32 makes 2 of them"),
+    (("zeros",), 1, 32, ROWS + r"zeros has shape \(1, 192\), a row per group .*group_size 32 makes 2 of them"),
+    ((), 2, 40, r"model\.safetensors: model\.layers\.\d\.\S+\.scales has shape \(\d+, \d+\) and \S+\.zeros has shape "
+                r"\(\d+, \d+\), a row per group of the layer's \d+ inputs, but quantization_config\.group_size 40 does not "
+                "split them into groups"),  # every layer: the first one checked is refused
+    (("missing scales",), 0, 32, r"Missing key\(s\) in state_dict: \"model\.layers\.0\.mlp\.up_proj\.scales\""),
+])
+def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, parts, rows, group_size, refusal):
+    """A converter's file (checksums right, no config digest): 0 rows of scales was a ZeroDivisionError, 3 a group size
+    of 42 that QuantLinear refused in its own words, and rows that split the inputs otherwise (or a group size edited
+    into config.json) loaded as the group size the scales made, which a re-save or export wrote under the config's."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from nibble.models.serialization import _sha256
     _, path = saved
     with safe_open(path / "model.safetensors", "pt") as f:
-        ours = json.loads(f.metadata()["nibble"])
+        ours = {k: v for k, v in json.loads(f.metadata()["nibble"]).items() if k != "config"}
     tensors = load_file(path / "model.safetensors")
-    for part in ("scales", "zeros"):
-        name = f"model.layers.0.mlp.up_proj.{part}"
-        tensors[name] = tensors[name][:1].repeat(rows, 1)
+    for part in parts:
+        if part == "missing scales":
+            del tensors[f"{UP}.scales"]
+        else:
+            tensors[f"{UP}.{part}"] = tensors[f"{UP}.{part}"][:1].repeat(rows, 1)
     ours["checksums"] = {k: _sha256(v) for k, v in tensors.items()}
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
-    with pytest.raises(CheckpointError, match=rf"up_proj\.scales has {rows} rows, which do not split the layer's 64 "
-                                              "inputs into groups"):
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["group_size"] = group_size
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=refusal):
         load_quantized(path)
 
 

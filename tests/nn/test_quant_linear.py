@@ -41,7 +41,7 @@ def test_shared_input_forward_quantizes_once_for_w4a4_layers_and_matches_each_la
     torch.manual_seed(0)
     w4a4 = [QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(mode="w4a4")) for n in (64, 32, 32)]
     x = torch.randn(2, 3, 128)
-    calls = _count_layers_per_call(monkeypatch, "w4a4_linears")  # a lone W4A4 layer is a call with one
+    calls = _count_layers_per_call(monkeypatch, "_w4a4_linears")  # a lone W4A4 layer is a call with one
     ys = shared_input_forward(w4a4, x)
     assert calls == [3]
     for y, m in zip(ys, w4a4):
@@ -59,7 +59,7 @@ def test_shared_input_forward_runs_w4a16_layers_as_one_call(monkeypatch):
     torch.manual_seed(0)
     layers = [QuantLinear.from_linear(nn.Linear(128, n, bias=n == 32), QuantConfig(group_size=64)) for n in (64, 32)]
     x = torch.randn(2, 3, 128)
-    calls = _count_layers_per_call(monkeypatch, "w4a16_linears")
+    calls = _count_layers_per_call(monkeypatch, "_w4a16_linears")
     ys = shared_input_forward(layers, x)
     assert calls == [2]
     for y, m in zip(ys, layers):
@@ -173,6 +173,32 @@ def test_the_kernels_linear_functions_refuse_to_lose_a_gradient():
             call()
     layer(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_the_activations_are_checked_once_a_call_on_every_entry(monkeypatch):
+    """A QuantLinear checked its input, then the kernels' function it called checked it again (a shared-input call
+    once per layer and once more): two checks of every layer's input in each eager decode step."""
+    from nibble.nn.quant_linear import PermutedInputQuantLinear
+    w4a16 = [QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32)) for _ in range(2)]
+    w4a4 = [QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(mode="w4a4")) for _ in range(2)]
+    permuted = PermutedInputQuantLinear.from_weight(w4a16[0].weight_int4())
+    permuted.set_input_perm(torch.randperm(64))
+    x, checked, check = torch.randn(3, 64), [], kernels.check_activations
+    monkeypatch.setattr(kernels, "check_activations", lambda t: checked.append(t) or check(t))
+    calls = [lambda: w4a16[0](x), lambda: w4a4[0](x), lambda: permuted(x), lambda: permuted.forward_in_order(x),
+             lambda: shared_input_forward(w4a16, x), lambda: shared_input_forward(w4a4, x),
+             lambda: kernels.w4a16_linear(x, w4a16[0].qweight, w4a16[0].scales, w4a16[0].zeros, 32),
+             lambda: kernels.w4a16_linears(x, [(m.qweight, m.scales, m.zeros, m.bias) for m in w4a16], 32),
+             lambda: kernels.w4a4_linear(x, w4a4[0].qweight, w4a4[0].scales[0]),
+             lambda: kernels.w4a4_linears(x, [(m.qweight, m.scales[0], m.bias) for m in w4a4])]
+    for call in calls:
+        checked.clear()
+        call()
+        assert len(checked) == 1
+    x = x.double()
+    for call in calls:
+        with pytest.raises(TypeError, match="activations must be float16, bfloat16 or float32, got torch.float64"):
+            call()
 
 
 def test_bad_inputs_give_clear_errors():
