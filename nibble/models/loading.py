@@ -130,6 +130,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     return model.eval(), tokenizer
 
 
+ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"  # transformers 5 writes a .jinja file a named template there
+
+
 def chat_template_error(tokenizer: PreTrainedTokenizerBase, directory: Path) -> str | None:
     """What is wrong with the chat templates ``tokenizer`` read from ``directory``, naming the file of the first that
     jinja cannot compile, or None: transformers compiles a template at its first use, so a broken one failed at the
@@ -144,7 +147,8 @@ def chat_template_error(tokenizer: PreTrainedTokenizerBase, directory: Path) -> 
                 _compile_jinja_template(template)
         except TemplateError as e:
             # transformers reads the .jinja files first, and tokenizer_config.json's "chat_template" without them
-            file = directory / ("chat_template.jinja" if name == "default" else f"additional_chat_templates/{name}.jinja")
+            file = directory / ("chat_template.jinja" if name == "default"
+                                else f"{ADDITIONAL_CHAT_TEMPLATES}/{name}.jinja")
             file = file if file.exists() else directory / "tokenizer_config.json"
             line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
             return (f"{file}: its chat template cannot be compiled ({e.message}{line}), and chat prompts would fail on "

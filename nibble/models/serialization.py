@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from torch import nn
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import NEVER_DOWNLOADS, chat_template_error, read_config
+from nibble.models.loading import ADDITIONAL_CHAT_TEMPLATES, NEVER_DOWNLOADS, chat_template_error, read_config
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
@@ -175,6 +176,9 @@ def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
     <|end_of_text|>, its generation_config.json <|eot_id|> too) and the tokenizer, as ``save_pretrained`` writes
     them. Those files of an earlier checkpoint in ``directory`` that this save does not write are removed: loaded
     with this model they were another model's tokenizer, or its chat template on this tokenizer."""
+    # a tokenizer of one template reads any left in that folder as its own: the folder is this save's to write
+    if (directory / ADDITIONAL_CHAT_TEMPLATES).is_dir():
+        shutil.rmtree(directory / ADDITIONAL_CHAT_TEMPLATES)
     written = set() if tokenizer is None else {Path(p).name for p in tokenizer.save_pretrained(directory)}
     for name in TOKENIZER_FILES:
         if name not in written:

@@ -386,11 +386,16 @@ def test_a_save_into_a_sharded_checkpoints_folder_leaves_none_of_its_shards(tmp_
 @pytest.mark.parametrize("fmt", ["nibble", "awq"])
 def test_a_save_replaces_the_tokenizer_and_generation_config_an_earlier_save_left(tmp_path, fmt):
     """A tokenizer without a chat template saved where another's was kept that chat_template.jinja (nibble generate
-    then prompted the model with another's template), and a save without a tokenizer kept the earlier model's."""
+    then prompted the model with another's template), or the earlier one's named templates (additional_chat_templates/),
+    and a save without a tokenizer kept the earlier model's."""
     model = _quantized()
     save_quantized(model, tmp_path, _tokenizer(chat_template="{{ 'EARLIER MODEL' }}"), format=fmt)
     save_quantized(model, tmp_path, _tokenizer(), format=fmt)
     assert load_quantized(tmp_path)[1].chat_template is None
+    save_quantized(model, tmp_path, _tokenizer(chat_template={"default": "{{ 'A' }}", "tool_use": "{{ 'EARLIER' }}"}),
+                   format=fmt)
+    save_quantized(model, tmp_path, _tokenizer(chat_template="{{ 'B' }}"), format=fmt)  # its named one is gone
+    assert load_quantized(tmp_path)[1].chat_template == "{{ 'B' }}"
     model.generation_config = None
     save_quantized(model, tmp_path, format=fmt)
     loaded, tokenizer = load_quantized(tmp_path)
