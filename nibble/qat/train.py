@@ -59,6 +59,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from nibble.config import resolve_device
+from nibble.models.convert import own_config
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -370,6 +371,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     device = resolve_device(device)
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
+    own_config(model)  # another model built from the same config object keeps its cache
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -90,6 +90,14 @@ def test_training_lowers_the_loss_on_a_fixed_batch():
     assert losses[-1] < 0.85 * losses[0], losses
 
 
+def test_training_leaves_another_model_of_the_same_config_object_as_it_was():
+    """run_qat turns the model's KV cache off in its config, which every model built from that object shared."""
+    model = _model()
+    other = type(model)(model.config)
+    _train("per-token", 1, _windows(), model=model)
+    assert other.config.use_cache and not model.config.use_cache
+
+
 @pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
 def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     windows = _windows()
