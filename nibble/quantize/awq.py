@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
-                                         forward_block, in_place, input_groups, skip_from_config)
+                                         forward_block, in_place, input_groups, layer_prefix, skip_from_config)
 from nibble.quantize.rtn import (ScaleOverflowError, _check_weight, naming, quantize_groups, rtn_quantize,
                                  weighted_clip_search)
 
@@ -155,7 +155,7 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)
     results = {}
     for i, decoder_layer in enumerate(tqdm(decoder_layers(model), desc="AWQ", disable=not progress)):
-        prefix = f"model.layers.{i}"
+        prefix = layer_prefix(i)
         with (onload or in_place)(i, decoder_layer) as (block, block_results):
             linears = block_linears(block, prefix, skip)
             groups = input_groups(linears)

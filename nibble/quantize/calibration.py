@@ -119,6 +119,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers(model)
 
 
+def layer_prefix(i: int) -> str:
+    """Decoder layer i's full name, as ``named_modules`` gives it (the prefix of its linears' names)."""
+    from nibble.models.convert import DECODER_LAYERS
+    return f"{DECODER_LAYERS}.{i}"
+
+
 class _StandIn(nn.Module):
     """Decoder layer i while `capture_block_inputs` runs the model: records what the model hands it, passes the
     hidden states on, and stops the forward after the last layer whose arguments are wanted."""
