@@ -704,6 +704,11 @@ def _number(value, kind=numbers.Real) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)  # True is an int to Python, not a setting
 
 
+def _count(value) -> bool:
+    """Whether ``value`` is an integer >= 1 (a size, a number of tokens or steps)."""
+    return _number(value, numbers.Integral) and value >= 1
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the engine picks each next token. ``temperature`` 0 (the default, or below MIN_TEMPERATURE) is greedy;
@@ -719,7 +724,7 @@ class Sampling:
     def __post_init__(self):
         if not (_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
-        if self.top_k is not None and not (_number(self.top_k, numbers.Integral) and self.top_k >= 1):
+        if self.top_k is not None and not _count(self.top_k):
             raise ValueError(f"top_k must be an integer >= 1, or None for every token; got {self.top_k!r}")
         if not (_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
@@ -983,10 +988,10 @@ class Engine:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.silu = getattr(cfg, "hidden_act", None) in _SILU_ACTS
-        if not (isinstance(max_batch, numbers.Integral) and max_batch >= 1):
+        if not _count(max_batch):
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         context = getattr(cfg, "max_position_embeddings", None)
-        if max_seq_len is not None and not (isinstance(max_seq_len, numbers.Integral) and max_seq_len >= 1):
+        if max_seq_len is not None and not _count(max_seq_len):
             raise ValueError(f"max_seq_len must be an integer >= 1 (None: the model's context), got {max_seq_len!r}")
         if max_seq_len is not None and context and max_seq_len > context:
             warnings.warn(f"max_seq_len={max_seq_len} exceeds the model's context ({context} = "
@@ -1217,7 +1222,7 @@ class Engine:
         `generate` concatenates. The settings are checked here, before the first chunk is asked for."""
         sampling = Sampling(temperature, top_k, top_p)
         sampling.warn_if_filters_unused(stacklevel=3)
-        if not (isinstance(max_new_tokens, numbers.Integral) and max_new_tokens >= 1):
+        if not _count(max_new_tokens):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stop = _stop_list(stop_tokens)
         tokens, lengths = prompt_batch(prompt)

@@ -136,7 +136,7 @@ def test_stream_hands_over_generates_tokens_chunk_by_chunk():
         engine.stream(prompt, 20, temperature=-1.0)  # checked when called, not when first iterated
     with pytest.raises(ValueError, match="max_seq_len=48"):
         engine.stream(prompt, 60)
-    for n in (0, -2, 2.5):
+    for n in (0, -2, 2.5, True):  # True is an int to Python: it made one token
         with pytest.raises(ValueError, match="max_new_tokens must be"):
             engine.generate(prompt, n)
 
@@ -281,7 +281,9 @@ def test_engine_sizes_are_checked_when_it_is_built():
     model = tiny_model()  # max_position_embeddings 256
     for kwargs, message in ((dict(max_seq_len=0), "max_seq_len must be an integer >= 1"),
                             (dict(max_seq_len=-4), "max_seq_len must be"), (dict(max_batch=0), "max_batch must be"),
-                            (dict(max_batch=1.5), "max_batch must be")):
+                            (dict(max_batch=1.5), "max_batch must be"),
+                            # True is an int to Python: a one-position cache, and max_batch a TypeError from torch.zeros
+                            (dict(max_seq_len=True), "max_seq_len must be"), (dict(max_batch=True), "max_batch must be")):
         with pytest.raises(ValueError, match=message):
             Engine(model, **kwargs)
     with pytest.warns(UserWarning, match=r"max_seq_len=300 exceeds the model's context \(256"):
