@@ -1187,6 +1187,9 @@ class Engine:
         B = self._batch
         if B == 0:
             raise RuntimeError("call prefill(prompt) before decode()")
+        # before the state moves: a negative count took the sequences' length back, and the cache check with it
+        if not _count(steps):
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
         self._generation += 1  # an open stream's next chunk must not start past steps it did not take
         if self._len + steps > self.max_seq_len:
             raise ValueError(f"{self._len} + {steps} positions exceed this engine's max_seq_len={self.max_seq_len}")

@@ -220,6 +220,19 @@ def test_bad_prompts_say_what_a_prompt_must_be(prompt, message):
         Engine(tiny_model(), max_seq_len=16).generate(prompt, 2)
 
 
+def test_decode_steps_are_checked_before_the_sequences_move():
+    """decode(0) failed in torch.stack; decode(-5, collect=False) passed and took the sequences' length back 5, so a
+    later decode(10) passed the cache check and ran past the cache (out of bounds writes on CUDA)."""
+    engine = Engine(tiny_model(), max_seq_len=16)
+    engine.prefill(torch.zeros(1, 10, dtype=torch.long))
+    for steps in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+            engine.decode(steps, collect=False)
+    with pytest.raises(ValueError, match=r"10 \+ 10 positions exceed this engine's max_seq_len=16"):
+        engine.decode(10)
+    assert engine.decode(6).shape == (1, 6)
+
+
 def test_a_ragged_batch_is_checked_against_the_cache_by_its_longest_prompt():
     engine = Engine(tiny_model(), max_batch=2, max_seq_len=16)
     tokens, lengths = prompt_batch([[1, 2, 3], list(range(10))])
