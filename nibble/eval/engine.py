@@ -1148,7 +1148,9 @@ class Engine:
         Also sets the decode state: each sequence's next token (picked by ``sampling``, which the decode
         steps of these sequences keep) and position (its prompt's length).
         """
-        return self._prefill(*prompt_batch(prompt), sampling)
+        tokens, lengths = prompt_batch(prompt)
+        self._check_ids(tokens)
+        return self._prefill(tokens, lengths, sampling)
 
     def _prefill(self, tokens: torch.Tensor, lengths: list[int], sampling: Sampling) -> torch.Tensor:
         (B, T), longest = tokens.shape, max(lengths)
@@ -1236,7 +1238,7 @@ class Engine:
 
     def _check_ids(self, tokens: torch.Tensor) -> None:
         """Refuse ids outside the embedding (an IndexError deep in the forward, or a device assert on CUDA):
-        one min/max and one host sync a generate call, before the prefill; never in the decode loop."""
+        one min/max and one host sync a generate or prefill call, before the prefill; never in the decode loop."""
         low, high = torch.stack(torch.aminmax(tokens)).tolist()
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}) (the model's vocabulary: "

@@ -287,6 +287,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_its_size(ids):
         engine.generate(torch.tensor(ids), 2)
     with pytest.raises(ValueError, match="token ids must be in"):
         engine.generate([[1, 2, 3], ids[0]], 2)  # a ragged batch alike
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.prefill(torch.tensor(ids))  # an IndexError in the embedding, a device assert on CUDA
     assert engine.generate(torch.tensor([[0, 255]]), 2).shape == (1, 2)
 
 
