@@ -1134,7 +1134,12 @@ class Engine:
         graph.replay()
         return out
 
+    def _check_open(self):
+        if self.k_cache is None:  # else a TypeError from indexing None, deep in the forward
+            raise RuntimeError("this engine was closed (close() dropped its cache): build a new Engine to generate")
+
     def _check_batch(self, B: int, T: int):
+        self._check_open()
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"batch {B} is outside this engine's 1..{self.max_batch} (max_batch)")
         if T > self.max_seq_len:
@@ -1186,6 +1191,7 @@ class Engine:
         ``prefill``'s sampling says (a CUDA graph per batch and sampling); nothing leaves the device
         between steps.
         """
+        self._check_open()
         B = self._batch
         if B == 0:
             raise RuntimeError("call prefill(prompt) before decode()")

@@ -233,6 +233,19 @@ def test_decode_steps_are_checked_before_the_sequences_move():
     assert engine.decode(6).shape == (1, 6)
 
 
+def test_a_closed_engine_says_so():
+    """Each call failed with a TypeError from indexing the dropped cache."""
+    engine = Engine(tiny_model(), max_seq_len=16)
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    stream = engine.stream(prompt, 4)
+    next(stream)
+    engine.close()
+    for call in (lambda: engine.generate(prompt, 4), lambda: engine.prefill(prompt), lambda: engine.decode(1),
+                 lambda: next(stream)):
+        with pytest.raises(RuntimeError, match="this engine was closed"):
+            call()
+
+
 def test_a_ragged_batch_is_checked_against_the_cache_by_its_longest_prompt():
     engine = Engine(tiny_model(), max_batch=2, max_seq_len=16)
     tokens, lengths = prompt_batch([[1, 2, 3], list(range(10))])
