@@ -969,7 +969,8 @@ def sliding_layers(config) -> bool:
 class Engine:
     """Generation with a static KV cache (and CUDA graphs on CUDA): greedy, or sampled (`Sampling`).
 
-    ``max_batch`` x ``max_seq_len`` sizes the cache; any batch up to ``max_batch`` runs. A batch of
+    ``max_batch`` x ``max_seq_len`` sizes the cache (by default the model's context, or its sliding window where a
+    layer slides: the engine attends over the whole cache); any batch up to ``max_batch`` runs. A batch of
     prompts is a ``[batch, T]`` tensor of token ids, or a list of prompts of any lengths (1-D tensors
     or lists of ids), which the engine pads at the end (see `prompt_batch`): each sequence then runs at
     its own position, as it would alone.
@@ -994,23 +995,28 @@ class Engine:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         context = getattr(cfg, "max_position_embeddings", None)
         if max_seq_len is not None and not _count(max_seq_len):
-            raise ValueError(f"max_seq_len must be an integer >= 1 (None: the model's context), got {max_seq_len!r}")
+            raise ValueError(f"max_seq_len must be an integer >= 1 (None: the model's context, or its sliding window), "
+                             f"got {max_seq_len!r}")
         if max_seq_len is not None and context and max_seq_len > context:
             warnings.warn(f"max_seq_len={max_seq_len} exceeds the model's context ({context} = "
                           "config.max_position_embeddings): positions past it are beyond what the model was "
                           "trained on", stacklevel=2)
+        # where a layer slides, the engine runs up to the window (it attends over the whole cache): the default too
+        window = getattr(cfg, "sliding_window", None) if sliding_layers(cfg) else None
+        if max_seq_len is None:
+            max_seq_len = min(filter(None, (context, window)))
         self.max_batch = max_batch
-        self.max_seq_len = context if max_seq_len is None else max_seq_len
+        self.max_seq_len = max_seq_len
         self.vocab_size = self.embed.weight.shape[0]  # the embedding's rows: the ids a prompt may hold
         # the cache length is padded to a multiple of 16 so the decode mask is aligned for SDPA
         self.capacity = -(-self.max_seq_len // 16) * 16
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
-        window = getattr(cfg, "sliding_window", None) if sliding_layers(cfg) else None
         if window and self.max_seq_len > window:
-            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's sliding window ({window}); "
-                             "this engine attends over the whole cache")
+            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's sliding window ({window}): this "
+                             f"engine attends over the whole cache, so it runs up to {window} positions (the default "
+                             "here); transformers' model.generate runs longer sequences")
 
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp

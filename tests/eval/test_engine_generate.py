@@ -323,8 +323,9 @@ def test_engine_sizes_are_checked_when_it_is_built():
 def test_a_sliding_window_is_refused_only_where_a_layer_slides():
     """A Qwen2 whose max_window_layers covers every layer attends to the whole sequence in transformers (its
     layer_types are all full attention) but was refused for its sliding_window."""
-    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(8\)"):
+    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(8\).*runs up to 8 positions"):
         Engine(tiny_model("mistral", sliding_window=8), max_seq_len=16)
+    assert Engine(tiny_model("mistral", sliding_window=8)).max_seq_len == 8  # Mistral v0.1: the window by default
     with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(8\)"):
         Engine(tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), max_seq_len=16)
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2)
