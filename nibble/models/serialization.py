@@ -77,6 +77,10 @@ def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
+        # as open() would create it: safetensors creates its file 0600, which other users (a server's) cannot read
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     except (SafetensorError, OSError) as e:  # safetensors' "I/O error: File too large" names no file

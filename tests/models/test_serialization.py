@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import shutil
 
@@ -400,6 +401,19 @@ def test_a_save_replaces_the_tokenizer_and_generation_config_an_earlier_save_lef
     save_quantized(model, tmp_path, format=fmt)
     loaded, tokenizer = load_quantized(tmp_path)
     assert tokenizer is None and not (tmp_path / "generation_config.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_every_file_of_a_save_is_readable_as_the_umask_allows(tmp_path, fmt):
+    """safetensors creates its file 0600: the weights of a checkpoint in a shared folder were the one file another
+    user (a server) could not read."""
+    umask = os.umask(0o022)
+    try:
+        save_quantized(_quantized(), tmp_path, _tokenizer(), format=fmt)
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
 
 
 def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved, tmp_path):
