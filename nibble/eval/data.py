@@ -2,12 +2,12 @@
 
 nibble never downloads data: it reads the offline copies laid out as in `shared/data`
 (see that folder's README.md for every file's format, source and hash). In the repo that folder
-is `../shared/data` next to the checkout, which is also how CI lays it out.
+is `../shared/data` next to the checkout, which is also how CI lays it out; $NIBBLE_DATA names another (then the
+only one searched).
 """
 
 import json
 import os
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,9 +28,12 @@ def _checkout() -> bool:
 
 
 def search_dirs() -> list[Path]:
-    """Candidate data folders, most specific first."""
+    """Candidate data folders, most specific first: $NIBBLE_DATA alone where it is set (a folder named by mistake
+    had other folders' copies read with a warning lost among progress bars, the results credited to no folder)."""
     env = _env_dir()
-    return [env] * (env is not None) + [_REPO.parent / "shared" / "data"] * _checkout() + [
+    if env is not None:
+        return [env]
+    return [_REPO.parent / "shared" / "data"] * _checkout() + [
         Path.cwd().parent / "shared" / "data",
         Path.cwd() / "shared" / "data",
     ]
@@ -44,7 +47,8 @@ def _how_to_fix(dirs: list[Path]) -> str:
         f"Searched:\n{searched}\n"
         f"Fix: set {ENV_VAR} to a folder with the shared data layout "
         "(wikitext2/wiki.test.raw, piqa/valid.jsonl, ...; its README.md says each file's source and hash)"
-        + (", or place that folder at ../shared/data next to the nibble checkout." if _checkout() else ".")
+        + (f" (only it is searched while {ENV_VAR} is set)" if env is not None else
+           ", or place that folder at ../shared/data next to the nibble checkout." if _checkout() else ".")
     )
 
 
@@ -64,7 +68,6 @@ def data_dir() -> Path:
     dirs = search_dirs()
     for d in dirs:
         if d.is_dir():
-            _warn_past_env(d, "is not a folder")
             return d
     raise FileNotFoundError(f"No evaluation data folder found.\n{_how_to_fix(dirs)}")
 
@@ -72,26 +75,12 @@ def data_dir() -> Path:
 def data_file(relpath: str) -> Path:
     """Path of `relpath` (e.g. "wikitext2/wiki.test.raw") in the first data folder that has it."""
     require_data([relpath])
-    folder = _find(relpath, search_dirs())
-    _warn_past_env(folder, f"has no {relpath}")
-    return folder / relpath
+    return _find(relpath, search_dirs()) / relpath
 
 
 def _find(relpath: str, dirs: list[Path]) -> Path | None:
     """The first of ``dirs`` that holds ``relpath``."""
     return next((d for d in dirs if (d / relpath).is_file()), None)
-
-
-_SAID: set = set()  # the fallbacks said, (NIBBLE_DATA, the folder read, what it lacked)
-
-
-def _warn_past_env(found: Path, lack: str) -> None:
-    """Say so when $NIBBLE_DATA is set but the data came from a folder after it: the search goes on past it (it
-    is the first candidate, not the only one), but a user who set it expects that folder's copy."""
-    env = _env_dir()
-    if env is not None and found != env and (env, found, lack) not in _SAID:
-        _SAID.add((env, found, lack))  # once a process: each read of the file came to say it again
-        warnings.warn(f"{ENV_VAR}={env} {lack}; reading {found} instead", stacklevel=3)
 
 
 class DataFormatError(ValueError):

@@ -94,11 +94,16 @@ def test_missing_data_file_names_the_file_the_folders_and_the_fix(monkeypatch, t
         wikitext2_text()
     msg = str(err.value)
     assert "wikitext2/wiki.test.raw" in msg
-    assert str(tmp_path / "nowhere") in msg and str(tmp_path / "shared" / "data") in msg
-    assert "set NIBBLE_DATA" in msg
+    assert str(tmp_path / "nowhere") in msg and str(tmp_path / "shared" / "data") not in msg
+    assert "set NIBBLE_DATA" in msg and "only it is searched while NIBBLE_DATA is set" in msg
+    monkeypatch.delenv("NIBBLE_DATA")
+    with pytest.raises(FileNotFoundError) as err:
+        wikitext2_text()
+    msg = str(err.value)
+    assert str(tmp_path / "shared" / "data") in msg and "set NIBBLE_DATA" in msg
     # an installed nibble has no checkout whose ../shared/data to search or to name in the fix
     assert "checkout" not in msg
-    assert data.search_dirs()[1:] == [tmp_path.parent / "shared" / "data", tmp_path / "shared" / "data"]
+    assert data.search_dirs() == [tmp_path.parent / "shared" / "data", tmp_path / "shared" / "data"]
     (tmp_path / "repo" / "nibble").mkdir(parents=True)
     (tmp_path / "repo" / "pyproject.toml").write_text("")
     with pytest.raises(FileNotFoundError, match="next to the nibble checkout"):
@@ -138,27 +143,22 @@ def test_an_empty_batch_or_a_stream_too_short_to_predict_a_token_is_a_clear_erro
             wikitext2_perplexity(tiny_model(), ByteTokenizer(), max_tokens=n, progress=False)
 
 
-def test_a_file_nibble_data_lacks_is_read_from_the_next_folder_with_a_warning(monkeypatch, tmp_path):
-    """NIBBLE_DATA names the data folder; when it lacks a file, the file found further down the search (as
-    data_file documents) is read, but no longer silently."""
+def test_nibble_data_is_the_only_folder_searched_where_it_is_set(monkeypatch, tmp_path):
+    """A NIBBLE_DATA that lacks a file (or is no folder: a typo) had the copy further down the search read, with a
+    warning lost among progress bars; it is now an error naming it, as a missing file is."""
     env, fallback = tmp_path / "env", tmp_path / "shared" / "data"
     (fallback / "wikitext2").mkdir(parents=True)
     (fallback / "wikitext2" / "wiki.test.raw").write_text(" b c \n", encoding="utf-8")
     env.mkdir()
-    monkeypatch.setenv("NIBBLE_DATA", str(env))
     monkeypatch.setattr(data, "_REPO", tmp_path / "repo")
     monkeypatch.chdir(tmp_path)
-    with pytest.warns(UserWarning, match=f"NIBBLE_DATA={env} has no wikitext2/wiki.test.raw; reading {fallback}"):
-        assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once a process (each read of the file said it again)
-        data.data_file("wikitext2/wiki.test.raw")
-    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path / "nowhere"))
-    with pytest.warns(UserWarning, match=f"NIBBLE_DATA={tmp_path / 'nowhere'} is not a folder; reading {fallback}"):
-        assert data.data_dir() == fallback
-    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nowhere'}  \\(NIBBLE_DATA\\)  \\(no such folder\\)"):
-        data.data_file("piqa/valid.jsonl")
+    for named in (env, tmp_path / "nowhere"):
+        monkeypatch.setenv("NIBBLE_DATA", str(named))
+        with pytest.raises(FileNotFoundError, match=f"Searched:\n  {named}  \\(NIBBLE_DATA\\)"):
+            data.data_file("wikitext2/wiki.test.raw")
+    with pytest.raises(FileNotFoundError, match="No evaluation data folder found"):
+        data.data_dir()
     monkeypatch.setenv("NIBBLE_DATA", str(fallback))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # found where NIBBLE_DATA points: nothing to say
-        data.data_file("wikitext2/wiki.test.raw")
+    assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
+    monkeypatch.delenv("NIBBLE_DATA")
+    assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
