@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -129,9 +130,11 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
         nearest = nearest.parent
     if not nearest.is_dir():
         raise ValueError(f"--out {out} cannot be created: {nearest} is a file")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out} cannot be written ({nearest}: permission denied): give a folder you can write "
-                         "to")
+    try:  # a file made and removed there: os.access says yes to root, and to a read-only mount
+        tempfile.TemporaryFile(dir=nearest).close()
+    except OSError as e:
+        raise ValueError(f"--out {out} cannot be written ({nearest}: {e.strerror or e}): give a folder you can write "
+                         "to") from e
 
 
 def _interrupted_save(path: Path) -> bool:
