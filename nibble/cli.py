@@ -443,8 +443,6 @@ def cmd_quantize(args):
     from nibble.models.convert import weight_bytes
     from nibble.models.serialization import save_quantized
 
-    if args.quant == "none":
-        raise ValueError("--quant none writes nothing to quantize: give --quant w4a16 or w4a4")
     if args.format != "nibble" and not _quantized_checkpoint(args.model) and (
             args.quant != "w4a16" or args.float_zero or args.quantize_lm_head):
         raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
@@ -465,11 +463,14 @@ def cmd_info(args):
     qc = model.config.quantization_config
     wb = weight_bytes(model)
     total = weight_memory(model)["total_bytes"]  # a tied lm_head counted once, as the file holds it
+    # the state as loaded here (its 16-bit tensors in `dtype`) can differ from the files: both are said
+    files = sum(p.stat().st_size for p in Path(args.dir).expanduser().glob("*.safetensors"))
     print(json.dumps({"quantization_config": qc, "architecture": model.config.model_type,
                       "quantized_linears": len(quantized_linears(model)),
                       "quantized_linear_bytes": wb["quantized_bytes"], "same_linears_in_16bit_bytes": wb["bf16_bytes"],
                       "ratio": round(wb["ratio"], 4), "bytes_saved": wb["bf16_bytes"] - wb["quantized_bytes"],
-                      "total_state_bytes": total}, indent=2))
+                      "total_state_bytes": total, "dtype": str(model.dtype).removeprefix("torch."),
+                      "weight_file_bytes": files}, indent=2))
 
 
 # `nibble eval`'s options of one `what` only (--batch-size is both's)
@@ -493,7 +494,7 @@ def cmd_eval(args):
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
 
-    tasks = args.tasks.split(",") if args.tasks else ALL_TASKS
+    tasks = args.tasks or ALL_TASKS
     require_data([WIKITEXT2_TEST] if args.what == "ppl" else task_files(tasks))
 
     model, tok = load_for_command(args, _device(args.device))
@@ -572,13 +573,14 @@ def cmd_demo(args):
     print(f"demo finished in {time.time() - t0:.0f}s")
 
 
-def _add_model_args(p, quant=True):
+def _add_model_args(p, quant=True, runs_16_bit=True):
+    """The model options; ``quant``: and how to quantize it, ``runs_16_bit``: --quant none among them."""
     quantized = "a quantized dir (nibble, AutoAWQ or GPTQ: run as it is), " if quant else ""
     p.add_argument("--model", default=None, help=f"{quantized}an HF dir or a .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     if quant:
-        p.add_argument("--quant", choices=["w4a16", "w4a4", "none"], default="w4a16",
-                       help="quantize a float --model this way first (none: run it in 16 bits)")
+        p.add_argument("--quant", choices=["w4a16", "w4a4"] + ["none"] * runs_16_bit, default="w4a16",
+                       help="quantize a float --model this way" + (" first (none: run it in 16 bits)" * runs_16_bit))
         p.add_argument("--group-size", type=int, default=None, help="w4a16 group (default: 128, or 64/32 if K needs)")
         p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn",
                        help="round to nearest, or calibrated on the C4 excerpt (gptq, awq)")
@@ -642,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "include the prefill and the engine's graph capture, too)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("quantize", help="model in, quantized directory out")
-    _add_model_args(p)
+    _add_model_args(p, runs_16_bit=False)
     p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
     p.add_argument("--format", choices=SAVE_FORMATS, default="nibble",
                    help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (gptq: v1, or v2 where a zero point is 0, said) "
@@ -650,19 +652,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "quantized --model, its weights are written in this format as they are, not quantized again")
     p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("info", help="what a quantized directory holds")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a nibble, AutoAWQ or GPTQ checkpoint folder")
     p.set_defaults(func=cmd_info)
+    from nibble.eval.report import TaskNames, add_report_arguments, report_main
+
     p = sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks")
     p.add_argument("what", choices=["ppl", "tasks"])
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=None,
                    help="ppl: window length (default: the model's context, at most 2048)")
     p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
-    p.add_argument("--tasks", default=None, help="tasks: comma-separated (default: all seven)")
+    p.add_argument("--tasks", nargs="+", action=TaskNames, default=None,
+                   help="tasks: which, by space or comma (default: all seven)")
     p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
     p.set_defaults(func=cmd_eval)
-    from nibble.eval.report import add_report_arguments, report_main
     from nibble.qat.command import add_qat_arguments, qat_main
 
     p = sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side")

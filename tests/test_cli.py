@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from nibble.cli import main
+from nibble.cli import build_parser, main
 
 
 def _tiny_tokenizer():
@@ -63,6 +63,7 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     # the tied lm_head counted once, as the file holds it (it was counted twice: SmolLM2's 173 MB read as 286)
     size = (out / "model.safetensors").stat().st_size
     assert info["total_state_bytes"] < size < 1.2 * info["total_state_bytes"]
+    assert info["weight_file_bytes"] == size and info["dtype"] == "float32"
     main(["generate", "the capital", "--model", str(out), "--device", "cpu", "--max-new-tokens", "3", "--no-chat"])
     assert capsys.readouterr().out.strip()
 
@@ -432,9 +433,12 @@ def test_a_users_mistake_is_one_line_not_a_traceback(command, message, model_dir
     assert not isinstance(raised.value, SystemExit)
 
 
-def test_quantize_without_a_quant_mode_is_refused(model_dir, tmp_path):
-    with pytest.raises(SystemExit, match="^nibble quantize: --quant none writes nothing"):
+def test_quantize_without_a_quant_mode_is_refused(model_dir, tmp_path, capsys):
+    """--quant none (run in 16 bits) is for the commands that run a model: quantize neither offers nor takes it."""
+    assert "none" not in re.search(r"--quant \{([^}]*)\}", build_parser().commands["quantize"].format_help())[1]
+    with pytest.raises(SystemExit):
         main(["quantize", "--model", str(model_dir), "--quant", "none", "--device", "cpu", "--out", str(tmp_path)])
+    assert "--quant: invalid choice: 'none'" in capsys.readouterr().err
 
 
 def test_the_demo_refuses_a_model_that_is_already_quantized(model_dir, tmp_path, capsys):
@@ -740,3 +744,13 @@ def test_a_checkpoint_saved_without_a_tokenizer_is_refused_before_it_loads(tmp_p
     with pytest.raises(SystemExit, match=f"^nibble {command[0]}: {tmp_path} holds no tokenizer .* save it there with "
                                          r"tokenizer\.save_pretrained\(DIR\)"):
         main(command + ["--model", str(tmp_path)])
+
+
+def test_tasks_are_named_by_space_or_comma_in_eval_and_report(capsys):
+    """`nibble eval` took "piqa,boolq" and `nibble report` "piqa boolq", each refusing the other's form."""
+    for command in (["eval", "tasks"], ["report"]):
+        for given in (["piqa,boolq"], ["piqa", "boolq"], ["piqa,", "boolq", "piqa"]):
+            assert build_parser().parse_args([*command, "--tasks", *given]).tasks == ["piqa", "boolq"]
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--tasks", "piqa,hellaswagg"])
+        assert "--tasks: unknown task 'hellaswagg': choose from piqa, " in capsys.readouterr().err

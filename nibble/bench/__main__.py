@@ -10,7 +10,9 @@ SUITES = {"kernels": "nibble.bench.kernels", "w4a4": "nibble.bench.w4a4"}
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m nibble.bench {kernels,w4a4} [--quick] [--out DIR]")
+        print("usage: python -m nibble.bench {kernels,w4a4} [options]\n"
+              "  kernels: W4A16 against cuBLAS and tinygemm; w4a4: W4A4 against cuBLAS bf16 / INT8 / FP8\n"
+              "  python -m nibble.bench SUITE --help: the suite's options (--quick, --out, --rounds, ...)")
         return 0 if argv else 2
     suite, rest = argv[0], argv[1:]
     if suite not in SUITES:

@@ -221,11 +221,12 @@ def summarize(rows, log=print):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nibble.bench.w4a4", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m nibble.bench w4a4", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 shapes, M in 1, 16, 128, 1024")
     p.add_argument("--out", default="benchmarks/results", help="folder for w4a4-<gpu>.json / .png")
     p.add_argument("--shapes", nargs="*", default=None, help="N,K pairs, e.g. 4096,4096 28672,8192")
-    p.add_argument("--ms", nargs="*", type=int, default=None)
+    p.add_argument("--ms", nargs="*", type=int, default=None,
+                   help="token counts M, e.g. 1 16 128 (default: the suite's)")
     p.add_argument("--ops", nargs="*", default=None, help=f"subset of {OPS}")
     p.add_argument("--name", default=None, help="output file stem (default w4a4-<gpu>)")
     p.add_argument("--tune", action="store_true",

@@ -621,6 +621,19 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     return results
 
 
+class TaskNames(argparse.Action):
+    """--tasks of `nibble eval tasks` and `nibble report`: names separated by spaces or commas (the two commands had
+    taken one form each, and refused the other's), each one of the seven."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = [name for value in values for name in value.split(",") if name]
+        unknown = [name for name in names if name not in ALL_TASKS]
+        if unknown or not names:
+            said = f"unknown task {unknown[0]!r}" if unknown else "no task named"
+            raise argparse.ArgumentError(self, f"{said}: choose from {', '.join(ALL_TASKS)}")
+        setattr(namespace, self.dest, list(dict.fromkeys(names)))
+
+
 def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="a .gguf file or local HF directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", default="report", help="output folder for report.md, report.json and the PNGs")
@@ -628,7 +641,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="bf16, w4a16 (or w4a16-g64 ...), w4a4, w4a4-hadamard; -gptq (or -awq, w4a16) for "
                              "calibrated weights (speed models: RTN), -lmhead to quantize lm_head too")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
-    parser.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=list(ALL_TASKS))
+    parser.add_argument("--tasks", nargs="+", action=TaskNames, default=list(ALL_TASKS),
+                        help="zero-shot tasks, by space or comma (default: all seven)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
     parser.add_argument("--ppl-seq-len", type=int, default=None, help="perplexity window (default: min(context, 2048))")
     parser.add_argument("--batch-size", type=int, default=16, help="task scoring batch size")
