@@ -114,8 +114,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
         cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the CLI prints one line, no chain
         raise ValueError(f"{path}: could not load a tokenizer from it ({cause}); save one there with "
                          "tokenizer.save_pretrained(DIR)") from e
-    if error := chat_template_error(tokenizer, path):
-        raise ValueError(error)
+    warn_broken_chat_template(tokenizer, path)
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
         # instead of transformers' error that tells the user to change an option they never set.
@@ -133,10 +132,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
 ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"  # transformers 5 writes a .jinja file a named template there
 
 
-def chat_template_error(tokenizer: PreTrainedTokenizerBase, directory: Path) -> str | None:
-    """What is wrong with the chat templates ``tokenizer`` read from ``directory``, naming the file of the first that
-    jinja cannot compile, or None: transformers compiles a template at its first use, so a broken one failed at the
-    first prompt of a chat, after the model had loaded."""
+def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """Say which file holds a chat template that jinja cannot compile, as the model loads: transformers compiles a
+    template at its first use, so a broken one surfaced only at the first prompt of a chat. A warning, not a refusal:
+    what runs without the template (quantize, eval, generate --no-chat) still runs."""
     from jinja2 import TemplateError
     from transformers.utils.chat_template_utils import _compile_jinja_template  # apply_chat_template's, cached
 
@@ -151,9 +150,8 @@ def chat_template_error(tokenizer: PreTrainedTokenizerBase, directory: Path) -> 
                                 else f"{ADDITIONAL_CHAT_TEMPLATES}/{name}.jinja")
             file = file if file.exists() else directory / "tokenizer_config.json"
             line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
-            return (f"{file}: its chat template cannot be compiled ({e.message}{line}), and chat prompts would fail on "
-                    "it: fix the template, or re-save the tokenizer there with tokenizer.save_pretrained(DIR)")
-    return None
+            warnings.warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'} cannot be compiled "
+                          f"({e.message}{line}): chat prompts that use it will fail; fix that file", stacklevel=3)
 
 
 @contextmanager

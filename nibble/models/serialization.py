@@ -30,7 +30,8 @@ from torch import nn
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import ADDITIONAL_CHAT_TEMPLATES, NEVER_DOWNLOADS, chat_template_error, read_config
+from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, NEVER_DOWNLOADS, read_config,
+                                   warn_broken_chat_template)
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
@@ -223,8 +224,7 @@ def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
     except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
         cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{directory}: its tokenizer cannot be read ({cause}); {redo}") from e
-    if error := chat_template_error(tokenizer, directory):
-        raise CheckpointError(error)
+    warn_broken_chat_template(tokenizer, directory)
     return tokenizer
 
 

@@ -101,13 +101,14 @@ def test_directory_without_tokenizer(tmp_path):
     assert "tokenizer" in str(e.value).split("(", 1)[1].split(")")[0]  # transformers' own word for what failed
 
 
-def test_a_chat_template_that_cannot_compile_is_refused_naming_its_file(tmp_path):
-    """It loaded, and failed `nibble generate --chat` at the first prompt."""
+def test_a_chat_template_that_cannot_compile_is_said_naming_its_file(tmp_path):
+    """It loaded without a word, and failed `nibble generate --chat` at the first prompt; the model still loads (what
+    runs without the template runs)."""
     _save_tiny(tmp_path, "llama")
     (tmp_path / "chat_template.jinja").write_text("{% if messages %}{{ messages[0]['content'] }}")
-    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'chat_template.jinja'))}: its chat template "
-                                         r"cannot be compiled \(.*'endif'.*\), and chat prompts would fail on it"):
-        load_model(tmp_path)
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'chat_template.jinja'))}: its chat template "
+                                         r"cannot be compiled \(.*'endif'.*\): chat prompts that use it will fail"):
+        assert load_model(tmp_path)[1] is not None
 
 
 def test_hub_ids_are_never_downloaded(tmp_path, monkeypatch):

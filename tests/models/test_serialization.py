@@ -502,9 +502,9 @@ BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}"  # no endfor
 
 @pytest.mark.parametrize("holder", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja",
                                     "tokenizer_config.json"])
-def test_a_chat_template_jinja_cannot_compile_is_refused_on_load_naming_its_file(tmp_path, holder):
-    """transformers compiles a chat template at its first use: a broken one loaded, and failed `nibble generate
-    --chat` at the first prompt."""
+def test_a_chat_template_jinja_cannot_compile_is_said_on_load_naming_its_file(tmp_path, holder):
+    """transformers compiles a chat template at its first use: a broken one loaded without a word, and failed `nibble
+    generate --chat` at the first prompt. It is said as the model loads (which it still does)."""
     good = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     save_quantized(_quantized(), tmp_path, _tokenizer(chat_template={"default": good, "tool_use": good}))
     assert load_quantized(tmp_path)[1].chat_template == {"default": good, "tool_use": good}
@@ -515,9 +515,9 @@ def test_a_chat_template_jinja_cannot_compile_is_refused_on_load_naming_its_file
         (tmp_path / holder).write_text(json.dumps({**config, "chat_template": BROKEN_TEMPLATE}))
     else:
         (tmp_path / holder).write_text(BROKEN_TEMPLATE)
-    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / holder))}: its chat template cannot be "
-                                              r"compiled \(.*'endfor'.*, line 1\), and chat prompts would fail on it"):
-        load_quantized(tmp_path)
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / holder))}: its chat template.* cannot be "
+                                         r"compiled \(.*'endfor'.*, line 1\): chat prompts that use it will fail"):
+        assert load_quantized(tmp_path)[1] is not None
 
 
 def _damaged(config, damage):
