@@ -662,8 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None,
                    help="ppl: window length (default: the model's context, at most 2048)")
     p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
-    p.add_argument("--tasks", nargs="+", action=TaskNames, default=None,
-                   help="tasks: which, by space or comma (default: all seven)")
+    p.add_argument("--tasks", action=TaskNames, default=None,
+                   help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")
     p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
     p.set_defaults(func=cmd_eval)

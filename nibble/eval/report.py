@@ -622,11 +622,13 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
 
 
 class TaskNames(argparse.Action):
-    """--tasks of `nibble eval tasks` and `nibble report`: names separated by spaces or commas (the two commands had
-    taken one form each, and refused the other's), each one of the seven."""
+    """--tasks of `nibble eval tasks` and `nibble report`: names separated by commas in both, and by spaces too in
+    report (the two commands had taken one form each, and refused the other's; eval's takes one value, since more
+    would swallow its positional `ppl` / `tasks` where it comes after), each one of the seven."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        names = [name for value in values for name in value.split(",") if name]
+        names = [name for value in ([values] if isinstance(values, str) else values) for name in value.split(",")
+                 if name]
         unknown = [name for name in names if name not in ALL_TASKS]
         if unknown or not names:
             said = f"unknown task {unknown[0]!r}" if unknown else "no task named"
@@ -642,7 +644,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "calibrated weights (speed models: RTN), -lmhead to quantize lm_head too")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     parser.add_argument("--tasks", nargs="+", action=TaskNames, default=list(ALL_TASKS),
-                        help="zero-shot tasks, by space or comma (default: all seven)")
+                        help="zero-shot tasks, by space or comma, e.g. piqa boolq (default: all seven)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
     parser.add_argument("--ppl-seq-len", type=int, default=None, help="perplexity window (default: min(context, 2048))")
     parser.add_argument("--batch-size", type=int, default=16, help="task scoring batch size")
