@@ -751,7 +751,9 @@ def test_tasks_are_named_by_comma_in_eval_and_report_and_by_space_in_report(caps
     one value: more would swallow its positional where it comes after."""
     assert build_parser().parse_args(["eval", "--tasks", "piqa,boolq", "tasks"]).what == "tasks"
     for command in (["eval", "tasks"], ["report"]):
-        for given in (["piqa,boolq"], ["piqa", "boolq"], ["piqa,", "boolq,piqa"]) if command == ["report"] else (["piqa,boolq,piqa"],):
+        forms = ((["piqa,boolq"], ["piqa", "boolq"], ["piqa,", "boolq,piqa"]) if command == ["report"]
+                 else (["piqa,boolq,piqa"],))
+        for given in forms:
             assert build_parser().parse_args([*command, "--tasks", *given]).tasks == ["piqa", "boolq"]
         with pytest.raises(SystemExit):
             build_parser().parse_args([*command, "--tasks", "piqa,hellaswagg"])
