@@ -15,6 +15,7 @@ would take them for this model's.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -74,14 +75,23 @@ def _sha256(t: torch.Tensor, typed: bool = True) -> str:
     return h.hexdigest()
 
 
+def _process_umask() -> int:
+    umask = os.umask(0)  # the only way to read it; at import, before a save's threads could create files
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _process_umask()
+
+
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
-        # as open() would create it: safetensors creates its file 0600, which other users (a server's) cannot read
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        # as open() would create it: safetensors creates its file 0600, which other users (a server's) cannot read;
+        # best effort, since some filesystems (FUSE, CIFS) refuse a chmod of a file they wrote well
+        with contextlib.suppress(OSError):
+            os.chmod(tmp, 0o666 & ~_UMASK)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     except (SafetensorError, OSError) as e:  # safetensors' "I/O error: File too large" names no file
@@ -182,8 +192,11 @@ def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
     them. Those files of an earlier checkpoint in ``directory`` that this save does not write are removed: loaded
     with this model they were another model's tokenizer, or its chat template on this tokenizer."""
     # a tokenizer of one template reads any left in that folder as its own: the folder is this save's to write
-    if (directory / ADDITIONAL_CHAT_TEMPLATES).is_dir():
-        shutil.rmtree(directory / ADDITIONAL_CHAT_TEMPLATES)
+    templates = directory / ADDITIONAL_CHAT_TEMPLATES
+    if templates.is_symlink():
+        templates.unlink()
+    elif templates.is_dir():
+        shutil.rmtree(templates)
     written = set() if tokenizer is None else {Path(p).name for p in tokenizer.save_pretrained(directory)}
     for name in TOKENIZER_FILES:
         if name not in written:
