@@ -894,7 +894,7 @@ def prompt_batch(prompt) -> tuple[torch.Tensor, list[int]]:
             ids = p
         elif isinstance(p, (list, tuple)):  # an empty one is said as such, not as torch.tensor([])'s float32
             # a bool among ints would pass as an id (True: 1): the list is then a bool tensor, refused as one is
-            bools = any(isinstance(t, bool) for t in p)
+            bools = any(isinstance(t, (bool, np.bool_)) for t in p)
             ids = torch.tensor(p, dtype=torch.bool if bools else None) if p else torch.zeros(0, dtype=torch.long)
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or not ids_dtype(ids):
             got = (type(p).__name__ if ids is None else "an empty one" if ids.numel() == 0 else

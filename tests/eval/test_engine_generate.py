@@ -3,6 +3,7 @@ against transformers' warpers, the draws against the distribution they leave, se
 path; GPU tests skip without CUDA), streamed chunks, and batches of prompts of different lengths."""
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -213,7 +214,8 @@ def test_a_stream_resumed_after_another_generation_took_the_engine_is_refused():
     (torch.ones(2, 3), "integer token ids"), (torch.zeros(2, 0, dtype=torch.long), "length >= 1"),
     ([[1, 2], []], "prompt 1 must be"), ([[1, 2], [0.5]], "prompt 1 must be"), ([torch.ones(2, 2).long()], "prompt 0"),
     ([[1], "ab"], "prompt 1 must be"), ([5, 6, 7], r"one prompt is \[ids\]"), ([[1, 2], []], "got an empty one"),
-    ([[3], [True, 2]], "prompt 1 must be .* got torch.bool")])  # True passed as id 1, where a bool tensor is refused
+    ([[3], [True, 2]], "prompt 1 must be .* got torch.bool"),  # True passed as id 1, where a bool tensor is refused
+    ([[3], [np.True_, 2]], "prompt 1 must be .* got torch.bool")])
 def test_bad_prompts_say_what_a_prompt_must_be(prompt, message):
     with pytest.raises(ValueError, match=message):
         prompt_batch(prompt)
