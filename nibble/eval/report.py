@@ -95,6 +95,14 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
     return QuantConfig(**{**kw, **overrides})
 
 
+def config_name(name: str) -> str:
+    """``name`` as the report files it: lower case, the 16-bit baseline (``fp16``, ``16bit``) as ``bf16``, the name
+    the ratios and speedups are taken against (``BF16`` or ``fp16`` had none: every "/ bf16" cell read "-"). An
+    unknown name is refused (ValueError)."""
+    name = name.lower()
+    return "bf16" if quant_config(name) is None else name
+
+
 def _default_loader(model_name_or_path, device, dtype) -> Callable:
     def load():
         from nibble.models.loading import load_model
@@ -566,9 +574,11 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    configs = list(configs)
-    for c in configs:
-        quant_config(c)  # unknown names fail before any work
+    configs = [config_name(c) for c in configs]  # unknown names fail before any work
+    twice = sorted({c for c in configs if configs.count(c) > 1})
+    if twice:  # measured twice (for minutes each), shown twice, with one run's numbers in both columns
+        raise ValueError(f"config(s) {', '.join(twice)} named more than once (as spelled, or as an alias of bf16): "
+                         "name each config once")
     for name, value, least in (("tasks_limit", tasks_limit, 1), ("batch_size", batch_size, 1),
                                ("ppl_max_tokens", ppl_max_tokens, 2), ("ppl_seq_len", ppl_seq_len, 2),
                                ("speed_rounds", speed_rounds, 1)):

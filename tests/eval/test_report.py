@@ -377,3 +377,20 @@ def test_report_without_a_gpu_refuses_to_run_the_speed_models_alone(monkeypatch,
     args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path), "--no-model"])
     with pytest.raises(ValueError, match="--no-model runs the speed models alone, which are timed on a CUDA GPU"):
         report.report_main(args)
+
+
+def test_config_names_are_filed_as_one_spelling_and_each_measured_once(tmp_path):
+    """``BF16`` / ``fp16`` were a baseline no ratio was taken against (every "/ bf16" cell read "-"), and a name given
+    twice was measured twice and shown in two columns holding the second run's numbers."""
+    results = report.run_report(None, tmp_path, configs=("FP16", "W4A16"), accuracy=False, speed=False,
+                                loader=tiny_loader, progress=False, log=lambda *_: None)
+    assert results["meta"]["configs"] == list(results["configs"]) == ["bf16", "w4a16"]
+    assert results["summary"]["model"]["w4a16"]["linear_bytes_ratio"] == pytest.approx(0.28125)
+    assert "| decoder linears / bf16 | 1.000 | 0.281 |" in (tmp_path / "report.md").read_text()
+
+    def no_loader():
+        raise AssertionError("the model must not be loaded")
+
+    for configs in (("bf16", "w4a16", "bf16"), ("bf16", "16bit"), ("w4a16", "W4A16")):
+        with pytest.raises(ValueError, match="named more than once"):
+            report.run_report(None, tmp_path, configs=configs, speed=False, loader=no_loader, log=lambda *_: None)
