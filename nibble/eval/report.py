@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 import traceback
@@ -304,9 +303,8 @@ def merge_reports(reports: list[dict]) -> dict:
 
 # ---- writing ---------------------------------------------------------------------------------
 def _fmt(v, spec=".3f"):
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return format(v, spec)
+    # "-" is "not measured" only: a NaN perplexity (a model whose logits went NaN) read as a run that never scored
+    return "-" if v is None else format(v, spec)
 
 
 def _with_stderr(task: dict, metric: str) -> str:

@@ -394,3 +394,17 @@ def test_config_names_are_filed_as_one_spelling_and_each_measured_once(tmp_path)
     for configs in (("bf16", "w4a16", "bf16"), ("bf16", "16bit"), ("w4a16", "W4A16")):
         with pytest.raises(ValueError, match="named more than once"):
             report.run_report(None, tmp_path, configs=configs, speed=False, loader=no_loader, log=lambda *_: None)
+
+
+def test_a_nan_perplexity_reads_nan_not_as_unmeasured(tmp_path):
+    """A model whose logits went NaN had "NaN" in report.json and "-" (what the table writes for "not measured")
+    in report.md."""
+    def loader():
+        model, tok = tiny_loader()
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float("nan"))
+        return model, tok
+
+    report.run_report(None, tmp_path, configs=("bf16",), tasks=("boolq",), tasks_limit=1, ppl_max_tokens=300,
+                      speed=False, loader=loader, progress=False, log=lambda *_: None)
+    assert "| WikiText-2 ppl | nan |" in (tmp_path / "report.md").read_text()
