@@ -523,6 +523,9 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
             ax.scatter([n for n, p in zip(names, peaks) if p is not None],
                        [p / 2**30 for p in peaks if p is not None], marker="_", s=900, color="black",
                        label="peak (512 + 128 tokens)", zorder=3)
+        # the bytes as measured: on the CPU every config runs in float32, so a bar named bf16 held 4 bytes a weight
+        ax.set_xticks(range(len(names)), [n if by_config[n].get("dtype", "bfloat16") == "bfloat16"
+                                          else f"{n}\n({by_config[n]['dtype']})" for n in names])
         ax.set_ylabel("GiB")
         ax.set_title(f"{g}: memory", fontsize=10)
         if ax.get_legend_handles_labels()[0]:

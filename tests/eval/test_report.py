@@ -408,3 +408,14 @@ def test_a_nan_perplexity_reads_nan_not_as_unmeasured(tmp_path):
     report.run_report(None, tmp_path, configs=("bf16",), tasks=("boolq",), tasks_limit=1, ppl_max_tokens=300,
                       speed=False, loader=loader, progress=False, log=lambda *_: None)
     assert "| WikiText-2 ppl | nan |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, monkeypatch):
+    """On the CPU every config runs in float32: the bar named bf16 showed 4 bytes a weight, twice bf16's."""
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or str(path))
+    report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False, loader=tiny_loader,
+                      progress=False, log=lambda *_: None)
+    (ax,) = figures[0].axes
+    assert ax.get_title() == "model: memory"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["bf16\n(float32)", "w4a16\n(float32)"]
