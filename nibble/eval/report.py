@@ -549,7 +549,8 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
                width=width, label=n)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=20, fontsize=8)
     ax.set_ylabel("acc")
-    ax.set_title("zero-shot accuracy per task")
+    limit = results["meta"].get("tasks_limit")  # a --limit run's chart, shown alone, read as a full run's
+    ax.set_title("zero-shot accuracy per task" + (f" (first {limit} documents of each)" if limit else ""))
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     written.append(_save(fig, out / "accuracy.png"))

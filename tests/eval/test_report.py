@@ -419,3 +419,14 @@ def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, mon
     (ax,) = figures[0].axes
     assert ax.get_title() == "model: memory"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["bf16\n(float32)", "w4a16\n(float32)"]
+
+
+def test_the_accuracy_plot_of_a_limit_run_says_so(tmp_path, monkeypatch):
+    """report.md says the tasks were a --limit subset; accuracy.png, shown alone, read as a full run's."""
+    titles = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: titles.append(fig.axes[0].get_title()) or str(path))
+    results = report.run_report(None, tmp_path, configs=("bf16",), tasks=("boolq",), tasks_limit=2,
+                                ppl_max_tokens=300, speed=False, loader=tiny_loader, progress=False, log=lambda *_: None)
+    results["meta"]["tasks_limit"] = None  # as a full run's
+    report.write_plots(results, tmp_path, log=lambda *_: None)
+    assert titles[1::2] == ["zero-shot accuracy per task (first 2 documents of each)", "zero-shot accuracy per task"]
