@@ -599,7 +599,9 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     meta = env_meta(model=model_label, configs=configs,
                     tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, ppl_seq_len=ppl_seq_len,
                     device=str(device),
-                    speed_models=list(speed_models), speed_clip_search=speed_clip_search, speed_rounds=speed_rounds)
+                    # none under --no-speed: report.json named llama-2-7b as timed where nothing was
+                    speed_models=list(speed_models) if speed else [], speed_clip_search=speed_clip_search,
+                    speed_rounds=speed_rounds)
     cuda = torch.cuda.is_available()
     if cuda and speed:
         meta["ceilings"] = speed_mod.device_ceilings()

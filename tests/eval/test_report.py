@@ -353,6 +353,8 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     results = report.run_report(None, tmp_path, configs=("bf16",), accuracy=False, speed=False, loader=tiny_loader,
                                 progress=False, log=lambda *_: None)
     assert {p.name for p in tmp_path.glob("*.png")} == {"vram.png"} and results["plots"] == [str(tmp_path / "vram.png")]
+    # nor a speed model in its meta: speed=False timed none (it named llama-2-7b)
+    assert results["meta"]["speed_models"] == [] and results["speed_models"] == {}
     assert (tmp_path / "vram.png").read_bytes() != b"an earlier run's plot"
 
 
