@@ -386,7 +386,8 @@ def write_markdown(results: dict, path: Path) -> None:
     cr = results.get("configs", {})
     L = [f"# nibble report: {results['meta'].get('model')}", ""]
     meta = results["meta"]
-    L.append(f"GPU: {meta.get('gpu') or 'none (CPU run)'} · torch {meta.get('torch')} · triton {meta.get('triton')} · "
+    # the device apart from the GPU: a --device cpu run on a GPU host was headed by the GPU's name alone
+    L.append(f"model on {meta.get('device', '-')} · GPU: {meta.get('gpu') or 'none'} · torch {meta.get('torch')} · triton {meta.get('triton')} · "
              f"commit {meta.get('git_commit')} · sources {meta.get('source_sha256', '-')} · {meta.get('date')}")
     if meta.get("ceilings"):
         c = meta["ceilings"]

@@ -432,3 +432,11 @@ def test_the_accuracy_plot_of_a_limit_run_says_so(tmp_path, monkeypatch):
     results["meta"]["tasks_limit"] = None  # as a full run's
     report.write_plots(results, tmp_path, log=lambda *_: None)
     assert titles[1::2] == ["zero-shot accuracy per task (first 2 documents of each)", "zero-shot accuracy per task"]
+
+
+def test_the_header_says_the_device_the_model_ran_on(tmp_path):
+    """A --device cpu run on a GPU host was headed "GPU: NVIDIA H200", its accuracy rows measured on the CPU."""
+    results = {"meta": {"configs": ["bf16"], "tasks": [], "model": "m", "gpu": "NVIDIA H200", "device": "cpu"},
+               "configs": {}, "speed_models": {}}
+    report.write_markdown(results, tmp_path / "report.md")
+    assert (tmp_path / "report.md").read_text().splitlines()[2].startswith("model on cpu · GPU: NVIDIA H200 · torch")
