@@ -478,7 +478,7 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
     if any(_rows(r) for r in results.get("configs", {}).values()):
         groups = {"model": results["configs"], **groups}
 
-    # 1. prefill speedup vs prompt length (+ decode speedup at "T = decode"), one panel per model; none where
+    # 1. prefill speedup vs prompt length (decode speedups are in the tables), one panel per model; none where
     # nothing was timed (no CUDA): an empty plot would read as a failed run
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5 * max(1, len(groups)), 3.8), squeeze=False)
     for ax, (g, by_config) in zip(axes.flat, groups.items()):
