@@ -54,8 +54,8 @@ def test_config_names_map_to_quant_configs():
 
 def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
     logs = []
-    results = report.run_report(None, tmp_path, configs=("bf16", "w4a16", "w4a4"), tasks_limit=2,
-                                ppl_max_tokens=300, loader=tiny_loader, progress=False, log=logs.append)
+    report.run_report(None, tmp_path, configs=("bf16", "w4a16", "w4a4"), tasks_limit=2,
+                      ppl_max_tokens=300, loader=tiny_loader, progress=False, log=logs.append)
 
     written = {p.name for p in tmp_path.iterdir()}
     assert written >= {"report.md", "report.json", "vram.png", "accuracy.png"}
