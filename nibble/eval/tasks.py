@@ -279,10 +279,13 @@ def score_docs(docs: list[Doc], lls: list[float], has_acc_norm: bool) -> dict:
     for doc in docs:
         doc_lls = np.array(lls[pos : pos + len(doc.requests)])
         pos += len(doc.requests)
-        hits.append(int(np.argmax(doc_lls)) == doc.gold)
+        # a NaN log-likelihood (a model whose outputs are not finite) scores NaN: np.argmax took the first NaN,
+        # a guess that read as an accuracy (0.5 on BoolQ)
+        unscored = np.isnan(doc_lls).any()
+        hits.append(np.nan if unscored else int(np.argmax(doc_lls)) == doc.gold)
         if has_acc_norm:
             lengths = np.array([len(c) for c in doc.choices], dtype=np.float64)
-            hits_norm.append(int(np.argmax(doc_lls / lengths)) == doc.gold)
+            hits_norm.append(np.nan if unscored else int(np.argmax(doc_lls / lengths)) == doc.gold)
     result = {"acc": float(np.mean(hits)), "acc_stderr": _stderr(hits)}
     if has_acc_norm:
         result["acc_norm"], result["acc_norm_stderr"] = float(np.mean(hits_norm)), _stderr(hits_norm)

@@ -215,6 +215,8 @@ def test_score_docs_takes_argmax_of_loglikelihood_and_of_loglikelihood_per_chara
         {"acc": 2 / 3, "acc_stderr": se, "acc_norm": 2 / 3, "acc_norm_stderr": se, "n": 3})
     assert score_docs(docs, lls, has_acc_norm=False) == pytest.approx({"acc": 2 / 3, "acc_stderr": se, "n": 3})
     assert score_docs(docs[:1], lls[:2], has_acc_norm=False) == {"acc": 1.0, "acc_stderr": 0.0, "n": 1}
+    nan = score_docs(docs, lls[:5] + [float("nan"), -8.0], has_acc_norm=True)  # np.argmax took the NaN: a guess
+    assert all(math.isnan(nan[k]) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")) and nan["n"] == 3
 
 
 def test_uniform_model_acc_picks_the_shortest_choice_and_acc_norm_the_longest():
