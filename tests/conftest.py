@@ -46,3 +46,26 @@ def past_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
         if ends:
             row[ends[0]:] = row[ends[0]]
     return out
+
+
+def poison_new_tensors(monkeypatch, cpu: bool = False):
+    """Make every tensor torch.empty / empty_like hand out (on CUDA; on the CPU too with ``cpu``: the Triton
+    interpreter's runs) hold garbage: NaN, True, or the type's largest integer (never a code, scale, index or sum
+    a kernel writes; the largest key of a greedy draw), so an output element a kernel leaves unwritten cannot
+    look right. (Fresh CPU memory is mostly zeros, and a CUDA block reused from a previous call of the same
+    kernel holds the same answer.) What torch.compile makes while it compiles is left alone: fake tensors hold
+    no memory, and leaves that require grad refuse in-place fills."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t):
+        if (type(t) is torch.Tensor and (t.is_cuda or cpu and t.device.type == "cpu") and t.numel()
+                and not t.requires_grad):
+            if t.dtype == torch.bool:
+                t.fill_(True)
+            elif t.is_floating_point() or t.is_complex():
+                t.fill_(float("nan"))
+            else:
+                t.fill_(torch.iinfo(t.dtype).max)
+        return t
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poisoned(real_empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poisoned(real_empty_like(*args, **kwargs)))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import past_stop, tiny_model
+from conftest import past_stop, poison_new_tensors, tiny_model
 from nibble import QuantConfig, QuantLinear, quantize_model
 from nibble.bench import timing
 from nibble.eval import engine as engine_mod
@@ -179,6 +179,13 @@ needs_kernel = pytest.mark.skipif(engine_mod.triton is None or KERNEL_DEVICE is 
                                   reason="needs CUDA, or TRITON_INTERPRET=1 on the CPU")
 
 
+@pytest.fixture
+def poisoned(monkeypatch):
+    """The kernels' outputs and scratch (torch.empty / empty_like) hold NaN or the largest integer until
+    written, on the CPU (interpreter) as on CUDA: an element a kernel leaves unwritten cannot pass."""
+    poison_new_tensors(monkeypatch, cpu=KERNEL_DEVICE == "cpu")
+
+
 def glue_outputs(dtype, device):
     g = torch.Generator().manual_seed(1)
 
@@ -190,6 +197,9 @@ def glue_outputs(dtype, device):
     out += list(engine_mod.add_rmsnorm(r(5, 96), r(5, 96), r(96), 1e-5,
                                        columns=torch.randperm(96, generator=g).to(device)))
     out.append(engine_mod.silu_mul(r(3, 200), r(3, 200)))
+    # the gate and up slices of one stacked output (rows 2 * 1100 + 7 apart), two column blocks of 1024
+    gu = r(1, 3, 2 * 1100 + 7)
+    out.append(engine_mod.silu_mul(gu[..., :1100], gu[..., 1100:2200]))
     # RoPE heads go ROPE_HEADS = 8 to a program: fewer than a block, and a whole block and a part
     # positions shared by the batch [T] (prefill), each sequence's own [B, 1] (decode), and [B, T]
     for B, T, H, KV, D, S, pos in ((2, 3, 4, 2, 16, 32, [5, 6, 7]), (1, 2, 12, 10, 32, 8, [5, 6]),
@@ -198,6 +208,13 @@ def glue_outputs(dtype, device):
         out.append(engine_mod.rope_and_cache(r(B, T, H * D), r(B, T, KV * D), r(B, T, KV * D), r(S, D), r(S, D),
                                              torch.tensor(pos, device=device), kc, vc, H, KV, D))
         out += [kc, vc]
+    # q, k and v as the slices of one stacked q/k/v output (rows (H + 2 KV) D + 5 apart), positions [B, T]
+    B, T, H, KV, D, S = 2, 3, 12, 2, 16, 16
+    qkv = r(B, T, (H + 2 * KV) * D + 5)
+    q, k, v = qkv[..., :H * D], qkv[..., H * D:(H + KV) * D], qkv[..., (H + KV) * D:(H + 2 * KV) * D]
+    kc, vc = r(B, KV, S, D), r(B, KV, S, D)
+    pos = torch.tensor([[2, 3, 4], [13, 14, 15]], device=device)
+    out += [engine_mod.rope_and_cache(q, k, v, r(S, D), r(S, D), pos, kc, vc, H, KV, D), kc, vc]
     return out
 
 
@@ -224,7 +241,7 @@ def attention_outputs(dtype, device):
 @needs_kernel
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatch):
+def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatch, poisoned):
     fused, fused_attn = glue_outputs(dtype, KERNEL_DEVICE), attention_outputs(dtype, KERNEL_DEVICE)
     assert engine_mod._glue_failure is None  # the kernels ran, nothing fell back
     monkeypatch.setattr(engine_mod, "triton", None)
@@ -243,7 +260,7 @@ def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatc
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if torch.cuda.is_available() else [torch.float16])
 @pytest.mark.parametrize("order", ["natural", "even_odd"])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_rmsnorm_quantizing_for_w4a4_equals_the_norm_then_the_act_quant(dtype, order, with_residual):
+def test_rmsnorm_quantizing_for_w4a4_equals_the_norm_then_the_act_quant(dtype, order, with_residual, poisoned):
     from nibble.kernels import reference, w4a4
     g = torch.Generator().manual_seed(3)
     rows, n = 7, 96
@@ -291,7 +308,7 @@ def assert_quantized_close(got, spec, order):
 @needs_kernel
 @pytest.mark.interpreter
 @pytest.mark.parametrize("launches", [None, (512, 128, 0), (640, 128, 3)])
-def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, launches):
+def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, launches, poisoned):
     """Same seed, same draws: the kernels' tokens equal `_sample_plain`'s (sort-based top-p) row for row,
     over vocabularies of one to several chunks and blocks, temperatures, top-k (in the launches and by
     torch.topk) and top-p (tiny ones, where the rejection takes many rounds, over chunks and then over whole
@@ -334,9 +351,9 @@ def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, laun
 @needs_kernel
 @pytest.mark.interpreter
 @pytest.mark.parametrize("chunk", [None, 256])
-def test_greedy_kernel_picks_torch_argmax_tokens(monkeypatch, chunk):
+def test_greedy_kernel_picks_torch_argmax_tokens(monkeypatch, chunk, poisoned):
     """`next_tokens` greedy (chunks, then rows) equals ``torch.argmax`` row for row: ties inside a chunk and
-    across chunks (the first index), NaN (the first NaN wins, over +inf too), +-inf, -0.0 against +0.0,
+    across chunks (the first index), NaN (the first NaN wins, over +inf too; a negative NaN too), +-inf, -0.0 against +0.0,
     rows of one token and rows wholly -inf, fp32 and 16-bit logits, strided rows; one chunk or many
     (``chunk``: SAMPLE_CHUNK, None as shipped)."""
     if chunk is not None:
@@ -355,6 +372,7 @@ def test_greedy_kernel_picks_torch_argmax_tokens(monkeypatch, chunk):
             x[-1, cols(2)] = -torch.inf
         if case % 4 == 1:
             x[0, cols(2)] = torch.nan
+            x[-1, cols(1)] = -torch.nan  # its sign bit set: a NaN all the same
         if case % 4 == 2:
             x[-1, cols(1)] = torch.inf
             x[-1, cols(1)] = torch.nan  # NaN beats +inf

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from conftest import poison_new_tensors
 from nibble.kernels import hadamard as had
 from nibble.kernels.hadamard import (hadamard_factors, hadamard_matrix, hadamard_transform,
                                      hadamard_transform_reference, supported_hadamard_sizes)
@@ -23,6 +24,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
 needs_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA, or TRITON_INTERPRET=1 on the CPU")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_outputs(monkeypatch):
+    """The kernel's output (torch.empty) holds NaN until written, on CUDA and under the interpreter on the CPU:
+    an element it leaves unwritten cannot pass for a result."""
+    poison_new_tensors(monkeypatch, cpu=INTERPRET)
 
 
 def _activations(rows, n, dtype=torch.float64, device="cpu", seed=0):

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import skip_without_cuda_kernel
+from conftest import poison_new_tensors, skip_without_cuda_kernel
 from nibble.kernels import hopper
 from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize, w4a16_matmul
@@ -189,6 +189,12 @@ def test_select_config_is_pure_and_covers_all_m():
     (3, 64, 256, 128, torch.float16, "dot"),
     (5, 48, 192, 32, torch.float16, "dot_nf"),
     (20, 64, 256, 128, torch.float16, "dot_tr"),
+    # bf16, factored (its raw codes exact in bf16; its dots in float32 under the interpreter), split-K. (Not
+    # the dequantizing mode: the interpreter truncates the weights to bf16, where GPUs round them.)
+    (7, 40, 384, 128, torch.bfloat16, "dot_tr"),
+    # the planes in natural K order (dq_asm=0: Triton ops on CUDA too), factored and not, K off the block
+    (5, 40, 256, 128, torch.float16, "dot_dq0"),
+    (3, 48, 192, 32, torch.float16, "dot_nf_dq0"),
 ])
 def test_interpreter_tiny(M, N, K, G, dtype, kind):
     qw, s, z = make_weight(N, K, G, seed=M)
@@ -196,7 +202,9 @@ def test_interpreter_tiny(M, N, K, G, dtype, kind):
     cfg = {"gemv": W.Config(kind="gemv", block_n=32, block_k=64, split_k=2),
            "dot": W.Config(block_m=16, block_n=32, block_k=128, split_k=2),
            "dot_nf": W.Config(block_m=16, block_n=32, block_k=128, factored=False),
-           "dot_tr": W.Config(block_m=16, block_n=32, block_k=128, trans=True, split_k=2)}[kind]
+           "dot_tr": W.Config(block_m=16, block_n=32, block_k=128, trans=True, split_k=2),
+           "dot_dq0": W.Config(block_m=16, block_n=32, block_k=128, trans=True, split_k=2, dq_asm=0),
+           "dot_nf_dq0": W.Config(block_m=16, block_n=32, block_k=128, factored=False, dq_asm=0)}[kind]
     out = torch.full((M, N), float("nan"), dtype=dtype)
     W._launch(x, qw, s, z, G, cfg, out=out)
     assert_close(out, x, qw, s, z, G)
@@ -885,10 +893,11 @@ def test_successor_launch_rule():
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interp), pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("M,K", [(1, 64), (3, 4096), (17, 1100), (40, 200), (128, 11008), (33, 16400)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gather_columns_kernel_is_index_select(device, M, K, dtype):
+def test_gather_columns_kernel_is_index_select(device, M, K, dtype, monkeypatch):
     # a GPTQ act-order layer's input in its stored order (PermutedInputQuantLinear); leading dims, and a
     # transposed input the launcher must make contiguous; both kernels (a row per program above 64 rows
-    # of at most GATHER_ROW_MAX_K: 80 x 200, 256 x 11008; 66 x 16400 is wider)
+    # of at most GATHER_ROW_MAX_K: 80 x 200, 256 x 11008; 66 x 16400 is wider); outputs poisoned (NaN)
+    poison_new_tensors(monkeypatch, cpu=device == "cpu")
     g = torch.Generator().manual_seed(M * K)
     x = torch.randn(2, M, K, generator=g).to(device, dtype)
     index = torch.randperm(K, generator=g).to(device)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import skip_without_cuda_kernel
+from conftest import poison_new_tensors, skip_without_cuda_kernel
 from nibble.formats.int4 import pack_int4
 from nibble.kernels import hopper, reference
 from nibble.kernels import w4a4
@@ -88,26 +88,13 @@ def _ref_quant(x):
 
 
 @pytest.fixture(autouse=True)
-def _poisoned_cuda_outputs(monkeypatch):
-    """Every CUDA tensor torch.empty / empty_like hands out in these tests holds garbage (NaN, the
+def _poisoned_outputs(monkeypatch):
+    """Every CUDA tensor torch.empty / empty_like hand out in these tests holds garbage (NaN, the
     type's largest integer: never a code, scale or sum a kernel writes), so an output a kernel leaves
-    unwritten cannot look right. Poisoning the caching allocator's free memory does not do it: blocks
-    of up to 1 MiB come from another pool, and a loop over configs gets back the previous call's
-    block, which holds the same answer. What torch.compile makes while it compiles is left alone:
-    fake tensors hold no memory, and leaves that require grad refuse in-place fills."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poisoned(t):
-        if type(t) is torch.Tensor and t.is_cuda and t.numel() and not t.requires_grad:
-            if t.dtype == torch.bool:
-                t.fill_(True)
-            elif t.is_floating_point() or t.is_complex():
-                t.fill_(float("nan"))
-            else:
-                t.fill_(torch.iinfo(t.dtype).max)
-        return t
-    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poisoned(real_empty(*args, **kwargs)))
-    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poisoned(real_empty_like(*args, **kwargs)))
+    unwritten cannot look right; under the Triton interpreter every CPU one too (`poison_new_tensors`).
+    Poisoning the caching allocator's free memory does not do it: blocks of up to 1 MiB come from
+    another pool, and a loop over configs gets back the previous call's block, which holds the same answer."""
+    poison_new_tensors(monkeypatch, cpu=INTERPRET)
 
 
 def _ulp_close(y, ref, dtype, terms=None):
