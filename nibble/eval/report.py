@@ -387,8 +387,9 @@ def write_markdown(results: dict, path: Path) -> None:
     L = [f"# nibble report: {results['meta'].get('model')}", ""]
     meta = results["meta"]
     # the device apart from the GPU: a --device cpu run on a GPU host was headed by the GPU's name alone
-    L.append(f"model on {meta.get('device', '-')} · GPU: {meta.get('gpu') or 'none'} · torch {meta.get('torch')} · triton {meta.get('triton')} · "
-             f"commit {meta.get('git_commit')} · sources {meta.get('source_sha256', '-')} · {meta.get('date')}")
+    L.append(f"model on {meta.get('device', '-')} · GPU: {meta.get('gpu') or 'none'} · torch {meta.get('torch')} · "
+             f"triton {meta.get('triton')} · commit {meta.get('git_commit')} · sources {meta.get('source_sha256', '-')} · "
+             f"{meta.get('date')}")
     if meta.get("ceilings"):
         c = meta["ceilings"]
         L.append(f"Rooflines measured on this device: copy {c['copy_gbps']:.0f} GB/s (read + write), "
