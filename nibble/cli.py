@@ -489,7 +489,7 @@ def cmd_eval(args):
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
     check_tokenizer(args)
-    from nibble.bench.timing import env_meta
+    from nibble.bench.timing import env_meta, json_text
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
@@ -509,7 +509,7 @@ def cmd_eval(args):
     setup = env_meta(model=args.model or "default (SmolLM2-135M-Instruct)",
                      quantization=getattr(model.config, "quantization_config", None) or "none (16-bit)",
                      dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device))
-    print(json.dumps({**result, "setup": setup}, indent=2, default=str))
+    print(json_text({**result, "setup": setup}, indent=2, default=str))  # a NaN perplexity as null
 
 
 def cmd_build_kernels(args):

@@ -14,11 +14,19 @@ sizes, and ``-gptq`` / ``-awq`` for calibrated weights) the real model is loaded
 Writes ``report.json`` (everything), ``report.md`` (tables, configs side by side) and
 ``speedup.png`` (where speed was timed) / ``vram.png`` / ``accuracy.png`` (where tasks were scored). Without
 CUDA the speed and memory-peak parts are skipped with a message saying so.
+
+``report.json`` is strict JSON: a NaN or infinite number is written as ``null`` (Python's json writes a bare
+``NaN``, which jq and JavaScript reject). A score, the perplexity (``ppl``, ``nll``) or a task's metric, is ``null``
+where it was NaN (a model whose logits went NaN); any other ``null`` is a setting left unset (meta's
+``tasks_limit``) or a figure with nothing to take it from (a ratio without a bf16 run). `read_json` reads a
+report.json back with those scores NaN again, as `run_report` returned them (report.md writes "nan", not "-",
+which is "not measured").
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import traceback
@@ -27,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from nibble.bench.timing import json_text
 from nibble.config import QuantConfig, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
@@ -302,6 +311,20 @@ def merge_reports(reports: list[dict]) -> dict:
 
 
 # ---- writing ---------------------------------------------------------------------------------
+def write_json(results: dict, path: Path) -> None:
+    """report.json: strict JSON, a NaN as null (see the module docstring)."""
+    path.write_text(json_text(results, indent=1, default=str))
+
+
+def read_json(path: Path) -> dict:
+    """A report.json as `run_report` returned its results: a score written as null (a NaN) is NaN again."""
+    results = json.loads(Path(path).read_text())
+    for r in results.get("configs", {}).values():
+        for scores in (r.get("perplexity", {}), *r.get("tasks", {}).values()):
+            scores.update({k: math.nan for k, v in scores.items() if v is None})
+    return results
+
+
 def _fmt(v, spec=".3f"):
     # "-" is "not measured" only: a NaN perplexity (a model whose logits went NaN) read as a run that never scored
     return "-" if v is None else format(v, spec)
@@ -627,7 +650,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
             continue
         results["speed_models"][sm] = measure_speed_models(sm, configs, speed_rounds, speed_clip_search, log)
     results["summary"] = summarize(results)
-    (out / "report.json").write_text(json.dumps(results, indent=1, default=str))
+    write_json(results, out / "report.json")
     write_markdown(results, out / "report.md")
     results["plots"] = write_plots(results, out, log)
     for stale in PLOTS:  # an earlier run's plot beside this report would read as this run's

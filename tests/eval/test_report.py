@@ -1,11 +1,13 @@
 """The report: a real (tiny) accuracy + memory run on the CPU, and the speed tables/plots on fabricated numbers."""
 import argparse
 import json
+import math
 
 import pytest
 import torch
 
 from conftest import tiny_model
+from nibble.bench.timing import json_text
 from nibble.eval import report
 from nibble.eval.tasks import ALL_TASKS
 
@@ -410,6 +412,32 @@ def test_a_nan_perplexity_reads_nan_not_as_unmeasured(tmp_path):
     report.run_report(None, tmp_path, configs=("bf16",), tasks=("boolq",), tasks_limit=1, ppl_max_tokens=300,
                       speed=False, loader=loader, progress=False, log=lambda *_: None)
     assert "| WikiText-2 ppl | nan |" in (tmp_path / "report.md").read_text()
+
+
+def test_report_json_is_strict_json_and_reads_back_its_nans(tmp_path):
+    """report.json held a bare NaN (Python's json default), which jq and JavaScript reject: a NaN score is now
+    null, and read back as NaN, so a merged report's table says "nan" as the run's own did, not "-" (not measured)."""
+    def loader():
+        model, tok = tiny_loader()
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float("nan"))
+        return model, tok
+
+    report.run_report(None, tmp_path, configs=("bf16",), tasks=("boolq",), tasks_limit=1, ppl_max_tokens=300,
+                      speed=False, loader=loader, progress=False, log=lambda *_: None)
+    text = (tmp_path / "report.json").read_text()
+    strict = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in report.json"))
+    bf16 = strict["configs"]["bf16"]
+    assert bf16["perplexity"]["ppl"] is None and bf16["tasks"]["boolq"]["acc"] is None
+    assert strict["meta"]["ppl_seq_len"] is None  # a setting left unset stays None
+    back = report.read_json(tmp_path / "report.json")
+    scores = back["configs"]["bf16"]
+    assert math.isnan(scores["perplexity"]["ppl"]) and math.isnan(scores["tasks"]["average"]["acc"])
+    assert back["meta"]["ppl_seq_len"] is None and back["configs"]["bf16"]["quant_config"] is None
+    report.write_markdown(report.merge_reports([back]), tmp_path / "merged.md")
+    assert (tmp_path / "merged.md").read_text() == (tmp_path / "report.md").read_text()  # "| WikiText-2 ppl | nan |"
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        json_text(object(), default=lambda _: float("inf"))  # one the conversion cannot see fails loudly
 
 
 def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, monkeypatch):
