@@ -488,10 +488,11 @@ def cmd_eval(args):
                          f"drop {' and '.join(wrong)}")
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
-    check_tokenizer(args)
     from nibble.bench.timing import env_meta, json_text
     from nibble.eval.data import require_data
-    from nibble.eval.perplexity import WIKITEXT2_TEST
+    from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
+    check_window(args.seq_len, args.max_tokens, ("--seq-len", "--max-tokens"))
+    check_tokenizer(args)
     from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
 
     tasks = args.tasks or ALL_TASKS

@@ -40,7 +40,7 @@ from nibble.config import QuantConfig, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
-from nibble.eval.perplexity import WIKITEXT2_TEST
+from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
 from nibble.eval.tasks import ALL_TASKS, task_files
 from nibble.models.convert import default_group_size
 from nibble.quantize.calibration import calibration_files, calibration_for
@@ -611,6 +611,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
                                ("speed_rounds", speed_rounds, 1)):
         if value is not None and value < least:  # else every config would fail the same way, after loading
             raise ValueError(f"{name} must be >= {least}, got {value}")
+    check_window(ppl_seq_len, ppl_max_tokens, ("ppl_seq_len", "ppl_max_tokens"))
     unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")

@@ -231,7 +231,9 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
 
 @pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be >= 1"),
                                              (dict(batch_size=0), "batch_size must be >= 1"),
-                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2")])
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2"),
+                                             (dict(ppl_max_tokens=100, ppl_seq_len=256),
+                                              "ppl_max_tokens 100 is fewer tokens than one window of ppl_seq_len 256")])
 def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
     def no_loader():
         raise AssertionError("the model must not be loaded")
