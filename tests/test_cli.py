@@ -513,6 +513,18 @@ def test_a_token_cut_shorter_than_one_window_is_refused_before_the_model_loads(c
         main(command + ["--model", str(tmp_path)] + ["--out", str(tmp_path / "r")] * (command[0] == "report"))
 
 
+def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path, monkeypatch, capsys):
+    """The checks, load_for_command and load each read --model's config.json again: four reads a command."""
+    import nibble.cli as cli
+
+    reads, read = [], cli._quantized_checkpoint
+    monkeypatch.setattr(cli, "_quantized_checkpoint", lambda model: reads.append(model) or read(model))
+    out = str(tmp_path / "q")
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", out])
+    main(["generate", "hi", "--model", out, "--device", "cpu", "--max-new-tokens", "1"])
+    assert reads == [str(model_dir), out]
+
+
 @pytest.fixture
 def quantized_dir(tmp_path):
     """What `_quantized_checkpoint` reads of a nibble checkpoint: its config's quantization_config."""
