@@ -348,7 +348,8 @@ def json_text(value, **kwargs) -> str:
     """``json.dumps(value, **kwargs)`` with every NaN or infinite float written as null. Python's default writes a
     bare ``NaN`` / ``Infinity``, which is not JSON: jq, JavaScript's JSON.parse and strict parsers reject the whole
     file (a geomean over no shape is NaN, and so is the perplexity of a model whose logits went NaN).
-    ``allow_nan=False``: a non-finite number this misses (one a ``default`` hook returns) fails here, not in a reader."""
+    ``allow_nan=False``: a non-finite number this misses (one a ``default`` hook returns) fails here, not in a
+    reader."""
     return json.dumps(_finite(value), allow_nan=False, **kwargs)
 
 
