@@ -225,8 +225,8 @@ def _bytes_16bit(r: dict, kinds=mem_mod.KINDS) -> float:
     (`default_dtype`: most CPUs lack fast bf16 matmuls), where the baseline's linears hold 4 bytes a weight
     and W4A16 g64 read 0.14 instead of ~0.28. Loading only the baseline in bf16 instead would measure its
     accuracy in other numerics than the quantized configs' beside it. The MiB rows stay the bytes measured,
-    in the dtype the quantization row names. (Dense integer buffers, an act-order permutation, are rescaled
-    alike: a few bytes a layer.)"""
+    and `_byte_labels` names their dtype and the ratio's. (Dense integer buffers, an act-order permutation, are
+    rescaled alike: a few bytes a layer.)"""
     size = getattr(torch, r.get("dtype", "bfloat16")).itemsize
     k = r["weights"]["kinds"]
     dense = sum(k[x]["dense_bytes"] for x in kinds)
@@ -369,6 +369,18 @@ def _describe(r: dict) -> str:
     return f"{qc['mode']} {g} {qc['method']}{rot}" + ("" if qc.get("clip_search") else " noclip") + head
 
 
+def _byte_labels(by_config: dict, configs: list[str]) -> tuple[str, str]:
+    """(after "MiB", after "decoder linears / bf16") in the memory rows' labels: the dtype the configs' weights
+    were measured in, where it is not bfloat16 (as vram.png names it under a bar), and that the ratio counts them
+    at 16 bits (`_bytes_16bit`). On the CPU every config runs in float32: a "MiB" row of float32 bytes beside a
+    ratio that did not match them read as bf16 bytes."""
+    dtypes = list(dict.fromkeys(by_config[n].get("dtype", "bfloat16") for n in configs
+                                if "weights" in by_config.get(n, {})))
+    if set(dtypes) <= {"bfloat16"}:
+        return "", ""
+    return f" ({', '.join(dtypes)})", f" ({', '.join(dtypes)} counted as 16-bit)"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
@@ -432,11 +444,14 @@ def write_markdown(results: dict, path: Path) -> None:
                     cells = [_with_stderr(cr.get(n, {}).get("tasks", {}).get(t, {}), metric) for n in configs]
                     if metric == "acc" or any(c != "-" for c in cells):
                         rows.append([f"{t} {metric}"] + cells)
+        mib, as_16bit = _byte_labels(cr, configs)
         for kind in mem_mod.KINDS:
-            rows.append([f"{kind} MiB"] + [_mib(cr.get(n, {}).get("weights", {}).get("kinds", {}).get(kind, {}).get("bytes"))
-                                           for n in configs])
-        rows.append(["weights total MiB"] + [_mib(cr.get(n, {}).get("weights", {}).get("total_bytes")) for n in configs])
-        rows.append(["decoder linears / bf16"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio")) for n in configs])
+            rows.append([f"{kind} MiB{mib}"] + [_mib(cr.get(n, {}).get("weights", {}).get("kinds", {}).get(kind, {})
+                                                     .get("bytes")) for n in configs])
+        rows.append([f"weights total MiB{mib}"] + [_mib(cr.get(n, {}).get("weights", {}).get("total_bytes"))
+                                                   for n in configs])
+        rows.append([f"decoder linears / bf16{as_16bit}"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio"))
+                                                            for n in configs])
         rows.append(["peak MiB (512 prefill + 128 decode)"] +
                     [_mib(cr.get(n, {}).get("peak", {}).get("peak_bytes")) for n in configs])
         rows.append(["peak / bf16"] + [_fmt(ratios.get(n, {}).get("peak_ratio")) for n in configs])
@@ -457,11 +472,14 @@ def write_markdown(results: dict, path: Path) -> None:
         failed = [f"- **{n} failed**: `{r['error']}`" for n, r in by_config.items() if "error" in r]
         L += failed + ([""] if failed else [])
         ratios = results.get("summary", {}).get(sm, {})
+        mib, as_16bit = _byte_labels(by_config, configs)
         rows = [["quantization"] + [_describe(by_config.get(n, {})) for n in configs],
-                ["decoder linears MiB"] + [_mib(mem_mod.linear_bytes(by_config[n]["weights"]))
-                                           if "weights" in by_config.get(n, {}) else "-" for n in configs],
-                ["decoder linears / bf16"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio")) for n in configs],
-                ["weights total MiB"] + [_mib(by_config.get(n, {}).get("weights", {}).get("total_bytes")) for n in configs],
+                [f"decoder linears MiB{mib}"] + [_mib(mem_mod.linear_bytes(by_config[n]["weights"]))
+                                                 if "weights" in by_config.get(n, {}) else "-" for n in configs],
+                [f"decoder linears / bf16{as_16bit}"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio"))
+                                                        for n in configs],
+                [f"weights total MiB{mib}"] + [_mib(by_config.get(n, {}).get("weights", {}).get("total_bytes"))
+                                               for n in configs],
                 ["peak MiB (512 prefill + 128 decode)"] + [_mib(by_config.get(n, {}).get("peak", {}).get("peak_bytes"))
                                                           for n in configs],
                 ["peak / bf16"] + [_fmt(ratios.get(n, {}).get("peak_ratio")) for n in configs]]

@@ -392,7 +392,8 @@ def test_config_names_are_filed_as_one_spelling_and_each_measured_once(tmp_path)
                                 loader=tiny_loader, progress=False, log=lambda *_: None)
     assert results["meta"]["configs"] == list(results["configs"]) == ["bf16", "w4a16"]
     assert results["summary"]["model"]["w4a16"]["linear_bytes_ratio"] == pytest.approx(0.28125)
-    assert "| decoder linears / bf16 | 1.000 | 0.281 |" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "| decoder linears / bf16 (float32 counted as 16-bit) | 1.000 | 0.281 |" in md
 
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -451,6 +452,21 @@ def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, mon
     (ax,) = figures[0].axes
     assert ax.get_title() == "model: memory"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["bf16\n(float32)", "w4a16\n(float32)"]
+
+
+def test_the_memory_rows_name_the_dtype_they_compare(tmp_path):
+    """On the CPU every config runs in float32: the MiB rows held float32 bytes and the "/ bf16" ratio beside them
+    counted 16-bit ones (0.281, where the MiB rows read ~0.14), with nothing in the labels to tell them apart."""
+    results = report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False,
+                                loader=tiny_loader, progress=False, log=lambda *_: None)
+    md = (tmp_path / "report.md").read_text()
+    assert "| attention MiB (float32) | 0.1 | 0.0 |" in md and "| weights total MiB (float32) | 0.4 |" in md
+    assert "| decoder linears / bf16 (float32 counted as 16-bit) | 1.000 | 0.281 |" in md
+    for r in results["configs"].values():  # a GPU run's: the bytes are bf16 bytes, as the labels said before
+        r["dtype"] = "bfloat16"
+    report.write_markdown(results, tmp_path / "bf16.md")
+    md = (tmp_path / "bf16.md").read_text()
+    assert "| attention MiB | " in md and "| weights total MiB | " in md and "| decoder linears / bf16 | " in md
 
 
 def test_the_accuracy_plot_of_a_limit_run_says_so(tmp_path, monkeypatch):
