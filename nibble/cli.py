@@ -24,13 +24,13 @@ def _device(name: str | None) -> str:
     return str(resolve_device(name))
 
 
-def load(model: str | None, device: str, dtype: torch.dtype | None = None):
-    """A quantized checkpoint (nibble, AutoAWQ or GPTQ), a local HF directory, a .gguf file, or None for the
-    embedded SmolLM2."""
+def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | None = None):
+    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `_quantized_checkpoint` says), a local HF
+    directory, a .gguf file, or None for the embedded SmolLM2."""
     from nibble.models.loading import load_model
     from nibble.models.serialization import load_quantized
 
-    if _quantized_checkpoint(model):
+    if quantized:
         return load_quantized(model, device=device, dtype=dtype)
     return load_model(model, dtype=dtype, device=device)
 
@@ -56,7 +56,7 @@ def check_tokenizer(args) -> None:
     command that tokenizes: it failed on the first prompt with "'NoneType' object has no attribute ..."."""
     from nibble.models.serialization import holds_tokenizer
 
-    if _quantized_checkpoint(args.model) and not holds_tokenizer(Path(args.model)):
+    if args.quantized and not holds_tokenizer(Path(args.model)):
         raise ValueError(f"{args.model} holds no tokenizer (tokenizer.json / tokenizer_config.json), which nibble "
                          f"{args.command} needs: save it there with tokenizer.save_pretrained(DIR), or pass it to "
                          "save_quantized(model, DIR, tokenizer)")
@@ -164,7 +164,7 @@ def check_quant_args(args) -> None:
     """Refuse quantization options that would be silently ignored, before any model loads: any of them with a
     quantized --model (it is used as it is), with --quant none, and the options of one mode or method given
     to another; then the combinations QuantConfig refuses."""
-    if _quantized_checkpoint(args.model):
+    if args.quantized:
         given = _flags(args, QUANT_OPTIONS)
         if given:
             used = ("its weights are written as they are (in --format's layout)" if args.command == "quantize"
@@ -214,12 +214,12 @@ def load_for_command(args, device: str):
     from nibble.models.convert import quantize_model
     from nibble.quantize.calibration import calibration_for
 
-    if args.quant == "none" or _quantized_checkpoint(args.model):
-        return load(args.model, device)
+    if args.quant == "none" or args.quantized:
+        return load(args.model, device, args.quantized)
     from nibble.eval.data import require_data
     from nibble.quantize.calibration import calibration_files
     require_data(calibration_files(args.method))  # before the model loads
-    model, tok = load(args.model, "cpu", dtype=default_dtype(torch.device(device)))
+    model, tok = load(args.model, "cpu", quantized=False, dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
     calibration = calibration_for(cfg, tok, **calibration_sizes(args))
     return quantize_model(model, cfg, calibration=calibration, device=device), tok
@@ -443,7 +443,7 @@ def cmd_quantize(args):
     from nibble.models.convert import weight_bytes
     from nibble.models.serialization import save_quantized
 
-    if args.format != "nibble" and not _quantized_checkpoint(args.model) and (
+    if args.format != "nibble" and not args.quantized and (
             args.quant != "w4a16" or args.float_zero or args.quantize_lm_head):
         raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
                          "drop --quant w4a4 / --float-zero / --quantize-lm-head, or write --format nibble")
@@ -488,10 +488,11 @@ def cmd_eval(args):
                          f"drop {' and '.join(wrong)}")
     # a window of 2 tokens predicts one: the shortest stream or window that scores anything
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
-    check_tokenizer(args)
-    from nibble.bench.timing import env_meta
+    from nibble.bench.timing import env_meta, json_text
     from nibble.eval.data import require_data
-    from nibble.eval.perplexity import WIKITEXT2_TEST
+    from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
+    check_window(args.seq_len, args.max_tokens, ("--seq-len", "--max-tokens"))
+    check_tokenizer(args)
     from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
 
     tasks = args.tasks or ALL_TASKS
@@ -509,7 +510,7 @@ def cmd_eval(args):
     setup = env_meta(model=args.model or "default (SmolLM2-135M-Instruct)",
                      quantization=getattr(model.config, "quantization_config", None) or "none (16-bit)",
                      dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device))
-    print(json.dumps({**result, "setup": setup}, indent=2, default=str))
+    print(json_text({**result, "setup": setup}, indent=2, default=str))  # a NaN perplexity as null
 
 
 def cmd_build_kernels(args):
@@ -533,7 +534,7 @@ def cmd_demo(args):
     from nibble.eval.perplexity import wikitext2_perplexity
     from nibble.models.convert import default_group_size, quantize_model, weight_bytes
 
-    if _quantized_checkpoint(args.model):
+    if args.quantized:
         raise ValueError(f"{args.model} is already quantized, and the demo compares a 16-bit model with its W4A16 "
                          "copy: give it a 16-bit model (an HF dir or a .gguf), or run this one with `nibble "
                          "generate --model` / `nibble eval ppl --model`")
@@ -543,7 +544,7 @@ def cmd_demo(args):
     require_data([WIKITEXT2_TEST])  # its last step, after minutes of work on a CPU
     t0 = time.time()
     device = _device(args.device)
-    model, tok = load(args.model, device)
+    model, tok = load(args.model, device, quantized=False)
     print(f"loaded {model.config.model_type} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params) "
           f"in {time.time() - t0:.1f}s")
     qmodel = copy.deepcopy(model)
@@ -577,6 +578,7 @@ def _add_model_args(p, quant=True, runs_16_bit=True):
     """The model options; ``quant``: and how to quantize it, ``runs_16_bit``: --quant none among them."""
     quantized = "a quantized dir (nibble, AutoAWQ or GPTQ: run as it is), " if quant else ""
     p.add_argument("--model", default=None, help=f"{quantized}an HF dir or a .gguf (default: embedded SmolLM2-135M)")
+    p.set_defaults(quantized=None)  # whether --model is a quantized checkpoint: `main` reads its config.json once
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     if quant:
         p.add_argument("--quant", choices=["w4a16", "w4a4"] + ["none"] * runs_16_bit, default="w4a16",
@@ -727,6 +729,8 @@ def main(argv=None):
         if isinstance(getattr(args, path, None), str):
             setattr(args, path, os.path.expanduser(getattr(args, path)))
     try:
+        if hasattr(args, "quantized"):  # the commands of `_add_model_args`: their checks and loading all ask
+            args.quantized = _quantized_checkpoint(args.model)
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads
         if getattr(args, "out", None) is not None:

@@ -499,6 +499,32 @@ def test_eval_refuses_options_it_would_ignore_or_fail_on_before_loading_the_mode
         main(["eval"] + flags + ["--model", "nowhere", "--quant", "none"])
 
 
+@pytest.mark.parametrize("command", [["eval", "ppl", "--quant", "none", "--seq-len", "256", "--max-tokens", "100"],
+                                     ["report", "--ppl-seq-len", "256", "--ppl-max-tokens", "100"]])
+def test_a_token_cut_shorter_than_one_window_is_refused_before_the_model_loads(command, monkeypatch, tmp_path):
+    """It scored nothing, and said so only once the model was loaded (and, in a report, quantized, for each config)."""
+    import nibble.cli as cli
+    import nibble.models.loading as loading
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the window"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the window"))
+    with pytest.raises(SystemExit, match=f"^nibble {command[0]}: .*max.tokens 100 is fewer tokens than one window of "
+                                         ".*seq.len 256: no window would be scored"):
+        main(command + ["--model", str(tmp_path)] + ["--out", str(tmp_path / "r")] * (command[0] == "report"))
+
+
+def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path, monkeypatch, capsys):
+    """The checks, load_for_command and load each read --model's config.json again: four reads a command."""
+    import nibble.cli as cli
+
+    reads, read = [], cli._quantized_checkpoint
+    monkeypatch.setattr(cli, "_quantized_checkpoint", lambda model: reads.append(model) or read(model))
+    out = str(tmp_path / "q")
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", out])
+    main(["generate", "hi", "--model", out, "--device", "cpu", "--max-new-tokens", "1"])
+    assert reads == [str(model_dir), out]
+
+
 @pytest.fixture
 def quantized_dir(tmp_path):
     """What `_quantized_checkpoint` reads of a nibble checkpoint: its config's quantization_config."""

@@ -8,13 +8,12 @@ united (``nibble.eval.report.merge_reports``), the summary, Markdown and plots r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.eval.report import merge_reports, write_markdown, write_plots  # noqa: E402
+from nibble.eval.report import merge_reports, read_json, write_json, write_markdown, write_plots  # noqa: E402
 
 
 def main():
@@ -22,10 +21,10 @@ def main():
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the PNGs")
     ap.add_argument("reports", nargs="+", help="report.json files, in the order their configs should appear")
     args = ap.parse_args()
-    merged = merge_reports([json.loads(Path(p).read_text()) for p in args.reports])
+    merged = merge_reports([read_json(p) for p in args.reports])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(merged, indent=1, default=str))
+    write_json(merged, out / "report.json")
     write_markdown(merged, out / "report.md")
     write_plots(merged, out)
     print(f"wrote {out}: configs {merged['meta']['configs']}")

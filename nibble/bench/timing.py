@@ -23,6 +23,8 @@ Small API, used by every kernel family's benchmark:
 - ``token_sweep_main(doc, tokens, rows_for)``: the command line of a script that sweeps token counts.
 - ``write_results(rows, meta, out_dir, name)`` -> writes ``name.json`` (meta + rows) and
   ``name.png`` (speedup vs M, one panel per (N, K) shape, one line per op).
+- ``json_text(value, **kwargs)``: ``json.dumps`` as strict JSON, NaN and infinities as null (the bench suites'
+  JSON files and report.json).
 
 Everything imports without CUDA (and without matplotlib); only calling ``bench_us`` needs a GPU.
 """
@@ -342,6 +344,26 @@ def tee(path: str | os.PathLike) -> Callable[..., None]:
     return say
 
 
+def json_text(value, **kwargs) -> str:
+    """``json.dumps(value, **kwargs)`` with every NaN or infinite float written as null. Python's default writes a
+    bare ``NaN`` / ``Infinity``, which is not JSON: jq, JavaScript's JSON.parse and strict parsers reject the whole
+    file (a geomean over no shape is NaN, and so is the perplexity of a model whose logits went NaN).
+    ``allow_nan=False``: a non-finite number this misses (one a ``default`` hook returns) fails here, not in a
+    reader."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def _finite(value):
+    """``value`` with NaN and infinities, at any depth of dicts, lists and tuples, as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def token_sweep_main(doc: str, default_tokens: Sequence[int], rows_for: Callable[[list[int]], list[dict]]) -> None:
     """The command line of a benchmark script that sweeps token counts: ``--tokens`` (comma-separated,
     default ``default_tokens``) and ``--json`` (the rows ``rows_for(tokens)`` times, with `env_meta`)."""
@@ -353,7 +375,7 @@ def token_sweep_main(doc: str, default_tokens: Sequence[int], rows_for: Callable
     args = ap.parse_args()
     rows = rows_for([int(t) for t in args.tokens.split(",")])
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": env_meta(), "rows": rows}, indent=1))
+        Path(args.json).write_text(json_text({"meta": env_meta(), "rows": rows}, indent=1))
 
 
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, name: str, *,
@@ -367,8 +389,7 @@ def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath = out / f"{name}.json"
-    with open(jpath, "w") as f:
-        json.dump({"meta": meta, "rows": list(rows)}, f, indent=1, default=str)
+    jpath.write_text(json_text({"meta": meta, "rows": list(rows)}, indent=1, default=str))
     paths = {"json": str(jpath)}
     try:
         import matplotlib

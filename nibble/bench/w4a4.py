@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean,
-                                 rotations, write_results)
+                                 json_text, rotations, write_results)
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
           (28672, 8192), (8192, 28672)]
@@ -246,13 +246,12 @@ def main(argv=None) -> int:
     if a.procs > 0:
         precompile(shapes, ms, ops, a.tune, a.procs)
     rows, tuning = [], []
-    import json
     import os
     os.makedirs(a.out, exist_ok=True)
     for N, K in shapes:
         rows += bench_shape(N, K, ms, ops, tune=a.tune, tuning=tuning, rounds=a.rounds)
         with open(os.path.join(a.out, "w4a4-partial.json"), "w") as f:  # survives a timeout
-            json.dump({"rows": rows, "tuning": tuning}, f, default=str)
+            f.write(json_text({"rows": rows, "tuning": tuning}, default=str))
     summarize(rows)
     if tuning:
         from nibble.kernels import w4a4
@@ -264,7 +263,7 @@ def main(argv=None) -> int:
                           title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")
     # the JSON keeps the bf16 rows too
     with open(paths["json"], "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+        f.write(json_text({"meta": meta, "rows": rows}, indent=1, default=str))
     print("wrote", paths)
     return 0
 

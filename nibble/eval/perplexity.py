@@ -131,6 +131,15 @@ def default_seq_len(model, n_tokens: int) -> int:
     return min(ctx, DEFAULT_MAX_SEQ_LEN, n_tokens)
 
 
+def check_window(seq_len: int | None, max_tokens: int | None, names=("seq_len", "max_tokens")) -> None:
+    """Refuse a ``max_tokens`` cut shorter than one ``seq_len`` window, which would score nothing, before a model
+    loads (the commands: ``names`` are their options). The window is taken as given: one longer than the model's
+    context is clamped to it only once the model is there (`perplexity`, which refuses a stream still too short)."""
+    if seq_len is not None and max_tokens is not None and max_tokens < seq_len:
+        raise ValueError(f"{names[1]} {max_tokens} is fewer tokens than one window of {names[0]} {seq_len}: no "
+                         f"window would be scored; give {names[1]} >= {seq_len}, or a shorter {names[0]}")
+
+
 def _clamp_to_context(model, seq_len: int) -> int:
     ctx = context_length(model)
     if ctx is not None and seq_len > ctx:

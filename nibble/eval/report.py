@@ -14,11 +14,19 @@ sizes, and ``-gptq`` / ``-awq`` for calibrated weights) the real model is loaded
 Writes ``report.json`` (everything), ``report.md`` (tables, configs side by side) and
 ``speedup.png`` (where speed was timed) / ``vram.png`` / ``accuracy.png`` (where tasks were scored). Without
 CUDA the speed and memory-peak parts are skipped with a message saying so.
+
+``report.json`` is strict JSON: a NaN or infinite number is written as ``null`` (Python's json writes a bare
+``NaN``, which jq and JavaScript reject). A score, the perplexity (``ppl``, ``nll``) or a task's metric, is ``null``
+where it was NaN (a model whose logits went NaN); any other ``null`` is a setting left unset (meta's
+``tasks_limit``) or a figure with nothing to take it from (a ratio without a bf16 run). `read_json` reads a
+report.json back with those scores NaN again, as `run_report` returned them (report.md writes "nan", not "-",
+which is "not measured").
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import traceback
@@ -27,11 +35,12 @@ from typing import Callable
 
 import torch
 
+from nibble.bench.timing import json_text
 from nibble.config import QuantConfig, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
-from nibble.eval.perplexity import WIKITEXT2_TEST
+from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
 from nibble.eval.tasks import ALL_TASKS, task_files
 from nibble.models.convert import default_group_size
 from nibble.quantize.calibration import calibration_files, calibration_for
@@ -216,8 +225,8 @@ def _bytes_16bit(r: dict, kinds=mem_mod.KINDS) -> float:
     (`default_dtype`: most CPUs lack fast bf16 matmuls), where the baseline's linears hold 4 bytes a weight
     and W4A16 g64 read 0.14 instead of ~0.28. Loading only the baseline in bf16 instead would measure its
     accuracy in other numerics than the quantized configs' beside it. The MiB rows stay the bytes measured,
-    in the dtype the quantization row names. (Dense integer buffers, an act-order permutation, are rescaled
-    alike: a few bytes a layer.)"""
+    and `_byte_labels` names their dtype and the ratio's. (Dense integer buffers, an act-order permutation, are
+    rescaled alike: a few bytes a layer.)"""
     size = getattr(torch, r.get("dtype", "bfloat16")).itemsize
     k = r["weights"]["kinds"]
     dense = sum(k[x]["dense_bytes"] for x in kinds)
@@ -302,6 +311,20 @@ def merge_reports(reports: list[dict]) -> dict:
 
 
 # ---- writing ---------------------------------------------------------------------------------
+def write_json(results: dict, path: Path) -> None:
+    """report.json: strict JSON, a NaN as null (see the module docstring)."""
+    path.write_text(json_text(results, indent=1, default=str))
+
+
+def read_json(path: Path) -> dict:
+    """A report.json as `run_report` returned its results: a score written as null (a NaN) is NaN again."""
+    results = json.loads(Path(path).read_text())
+    for r in results.get("configs", {}).values():
+        for scores in (r.get("perplexity", {}), *r.get("tasks", {}).values()):
+            scores.update({k: math.nan for k, v in scores.items() if v is None})
+    return results
+
+
 def _fmt(v, spec=".3f"):
     # "-" is "not measured" only: a NaN perplexity (a model whose logits went NaN) read as a run that never scored
     return "-" if v is None else format(v, spec)
@@ -344,6 +367,18 @@ def _describe(r: dict) -> str:
     rot = " hadamard" if qc.get("rotation") == "hadamard" else ""
     head = "" if "lm_head" in qc.get("modules_to_not_convert", ["lm_head"]) else " +lm_head"
     return f"{qc['mode']} {g} {qc['method']}{rot}" + ("" if qc.get("clip_search") else " noclip") + head
+
+
+def _byte_labels(by_config: dict, configs: list[str]) -> tuple[str, str]:
+    """(after "MiB", after "decoder linears / bf16") in the memory rows' labels: the dtype the configs' weights
+    were measured in, where it is not bfloat16 (as vram.png names it under a bar), and that the ratio counts them
+    at 16 bits (`_bytes_16bit`). On the CPU every config runs in float32: a "MiB" row of float32 bytes beside a
+    ratio that did not match them read as bf16 bytes."""
+    dtypes = list(dict.fromkeys(by_config[n].get("dtype", "bfloat16") for n in configs
+                                if "weights" in by_config.get(n, {})))
+    if set(dtypes) <= {"bfloat16"}:
+        return "", ""
+    return f" ({', '.join(dtypes)})", f" ({', '.join(dtypes)} counted as 16-bit)"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -409,11 +444,14 @@ def write_markdown(results: dict, path: Path) -> None:
                     cells = [_with_stderr(cr.get(n, {}).get("tasks", {}).get(t, {}), metric) for n in configs]
                     if metric == "acc" or any(c != "-" for c in cells):
                         rows.append([f"{t} {metric}"] + cells)
+        mib, as_16bit = _byte_labels(cr, configs)
         for kind in mem_mod.KINDS:
-            rows.append([f"{kind} MiB"] + [_mib(cr.get(n, {}).get("weights", {}).get("kinds", {}).get(kind, {}).get("bytes"))
-                                           for n in configs])
-        rows.append(["weights total MiB"] + [_mib(cr.get(n, {}).get("weights", {}).get("total_bytes")) for n in configs])
-        rows.append(["decoder linears / bf16"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio")) for n in configs])
+            rows.append([f"{kind} MiB{mib}"] + [_mib(cr.get(n, {}).get("weights", {}).get("kinds", {}).get(kind, {})
+                                                     .get("bytes")) for n in configs])
+        rows.append([f"weights total MiB{mib}"] + [_mib(cr.get(n, {}).get("weights", {}).get("total_bytes"))
+                                                   for n in configs])
+        rows.append([f"decoder linears / bf16{as_16bit}"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio"))
+                                                            for n in configs])
         rows.append(["peak MiB (512 prefill + 128 decode)"] +
                     [_mib(cr.get(n, {}).get("peak", {}).get("peak_bytes")) for n in configs])
         rows.append(["peak / bf16"] + [_fmt(ratios.get(n, {}).get("peak_ratio")) for n in configs])
@@ -434,11 +472,14 @@ def write_markdown(results: dict, path: Path) -> None:
         failed = [f"- **{n} failed**: `{r['error']}`" for n, r in by_config.items() if "error" in r]
         L += failed + ([""] if failed else [])
         ratios = results.get("summary", {}).get(sm, {})
+        mib, as_16bit = _byte_labels(by_config, configs)
         rows = [["quantization"] + [_describe(by_config.get(n, {})) for n in configs],
-                ["decoder linears MiB"] + [_mib(mem_mod.linear_bytes(by_config[n]["weights"]))
-                                           if "weights" in by_config.get(n, {}) else "-" for n in configs],
-                ["decoder linears / bf16"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio")) for n in configs],
-                ["weights total MiB"] + [_mib(by_config.get(n, {}).get("weights", {}).get("total_bytes")) for n in configs],
+                [f"decoder linears MiB{mib}"] + [_mib(mem_mod.linear_bytes(by_config[n]["weights"]))
+                                                 if "weights" in by_config.get(n, {}) else "-" for n in configs],
+                [f"decoder linears / bf16{as_16bit}"] + [_fmt(ratios.get(n, {}).get("linear_bytes_ratio"))
+                                                        for n in configs],
+                [f"weights total MiB{mib}"] + [_mib(by_config.get(n, {}).get("weights", {}).get("total_bytes"))
+                                               for n in configs],
                 ["peak MiB (512 prefill + 128 decode)"] + [_mib(by_config.get(n, {}).get("peak", {}).get("peak_bytes"))
                                                           for n in configs],
                 ["peak / bf16"] + [_fmt(ratios.get(n, {}).get("peak_ratio")) for n in configs]]
@@ -588,6 +629,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
                                ("speed_rounds", speed_rounds, 1)):
         if value is not None and value < least:  # else every config would fail the same way, after loading
             raise ValueError(f"{name} must be >= {least}, got {value}")
+    check_window(ppl_seq_len, ppl_max_tokens, ("ppl_seq_len", "ppl_max_tokens"))
     unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
@@ -627,7 +669,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
             continue
         results["speed_models"][sm] = measure_speed_models(sm, configs, speed_rounds, speed_clip_search, log)
     results["summary"] = summarize(results)
-    (out / "report.json").write_text(json.dumps(results, indent=1, default=str))
+    write_json(results, out / "report.json")
     write_markdown(results, out / "report.md")
     results["plots"] = write_plots(results, out, log)
     for stale in PLOTS:  # an earlier run's plot beside this report would read as this run's

@@ -1,11 +1,13 @@
 """The report: a real (tiny) accuracy + memory run on the CPU, and the speed tables/plots on fabricated numbers."""
 import argparse
 import json
+import math
 
 import pytest
 import torch
 
 from conftest import tiny_model
+from nibble.bench.timing import json_text
 from nibble.eval import report
 from nibble.eval.tasks import ALL_TASKS
 
@@ -229,7 +231,9 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
 
 @pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be >= 1"),
                                              (dict(batch_size=0), "batch_size must be >= 1"),
-                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2")])
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2"),
+                                             (dict(ppl_max_tokens=100, ppl_seq_len=256),
+                                              "ppl_max_tokens 100 is fewer tokens than one window of ppl_seq_len 256")])
 def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -388,7 +392,8 @@ def test_config_names_are_filed_as_one_spelling_and_each_measured_once(tmp_path)
                                 loader=tiny_loader, progress=False, log=lambda *_: None)
     assert results["meta"]["configs"] == list(results["configs"]) == ["bf16", "w4a16"]
     assert results["summary"]["model"]["w4a16"]["linear_bytes_ratio"] == pytest.approx(0.28125)
-    assert "| decoder linears / bf16 | 1.000 | 0.281 |" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "| decoder linears / bf16 (float32 counted as 16-bit) | 1.000 | 0.281 |" in md
 
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -412,6 +417,32 @@ def test_a_nan_perplexity_reads_nan_not_as_unmeasured(tmp_path):
     assert "| WikiText-2 ppl | nan |" in (tmp_path / "report.md").read_text()
 
 
+def test_report_json_is_strict_json_and_reads_back_its_nans(tmp_path):
+    """report.json held a bare NaN (Python's json default), which jq and JavaScript reject: a NaN score is now
+    null, and read back as NaN, so a merged report's table says "nan" as the run's own did, not "-" (not measured)."""
+    def loader():
+        model, tok = tiny_loader()
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float("nan"))
+        return model, tok
+
+    report.run_report(None, tmp_path, configs=("bf16",), tasks=("boolq",), tasks_limit=1, ppl_max_tokens=300,
+                      speed=False, loader=loader, progress=False, log=lambda *_: None)
+    text = (tmp_path / "report.json").read_text()
+    strict = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in report.json"))
+    bf16 = strict["configs"]["bf16"]
+    assert bf16["perplexity"]["ppl"] is None and bf16["tasks"]["boolq"]["acc"] is None
+    assert strict["meta"]["ppl_seq_len"] is None  # a setting left unset stays None
+    back = report.read_json(tmp_path / "report.json")
+    scores = back["configs"]["bf16"]
+    assert math.isnan(scores["perplexity"]["ppl"]) and math.isnan(scores["tasks"]["average"]["acc"])
+    assert back["meta"]["ppl_seq_len"] is None and back["configs"]["bf16"]["quant_config"] is None
+    report.write_markdown(report.merge_reports([back]), tmp_path / "merged.md")
+    assert (tmp_path / "merged.md").read_text() == (tmp_path / "report.md").read_text()  # "| WikiText-2 ppl | nan |"
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        json_text(object(), default=lambda _: float("inf"))  # one the conversion cannot see fails loudly
+
+
 def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, monkeypatch):
     """On the CPU every config runs in float32: the bar named bf16 showed 4 bytes a weight, twice bf16's."""
     figures = []
@@ -421,6 +452,21 @@ def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, mon
     (ax,) = figures[0].axes
     assert ax.get_title() == "model: memory"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["bf16\n(float32)", "w4a16\n(float32)"]
+
+
+def test_the_memory_rows_name_the_dtype_they_compare(tmp_path):
+    """On the CPU every config runs in float32: the MiB rows held float32 bytes and the "/ bf16" ratio beside them
+    counted 16-bit ones (0.281, where the MiB rows read ~0.14), with nothing in the labels to tell them apart."""
+    results = report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False,
+                                loader=tiny_loader, progress=False, log=lambda *_: None)
+    md = (tmp_path / "report.md").read_text()
+    assert "| attention MiB (float32) | 0.1 | 0.0 |" in md and "| weights total MiB (float32) | 0.4 |" in md
+    assert "| decoder linears / bf16 (float32 counted as 16-bit) | 1.000 | 0.281 |" in md
+    for r in results["configs"].values():  # a GPU run's: the bytes are bf16 bytes, as the labels said before
+        r["dtype"] = "bfloat16"
+    report.write_markdown(results, tmp_path / "bf16.md")
+    md = (tmp_path / "bf16.md").read_text()
+    assert "| attention MiB | " in md and "| weights total MiB | " in md and "| decoder linears / bf16 | " in md
 
 
 def test_the_accuracy_plot_of_a_limit_run_says_so(tmp_path, monkeypatch):
