@@ -108,13 +108,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
                          f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
     if (path / "model.safetensors.index.json").exists():  # transformers' error would name no file
         read_json_object(path / "model.safetensors.index.json")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the CLI prints one line, no chain
-        raise ValueError(f"{path}: could not load a tokenizer from it ({cause}); save one there with "
-                         "tokenizer.save_pretrained(DIR)") from e
-    warn_broken_chat_template(tokenizer, path)
+    tokenizer = read_tokenizer(path)
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
         # instead of transformers' error that tells the user to change an option they never set.
@@ -130,6 +124,29 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
 
 
 ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"  # transformers 5 writes a .jinja file a named template there
+# what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``directory`` (a float model's folder or a quantized checkpoint), its chat template
+    checked (`warn_broken_chat_template`); else a ValueError naming the file or the folder, and how to save one
+    there: transformers' errors named neither ("Expecting value: line 3 column 17 (char 38)" of a cut file)."""
+    redo = "save the model's tokenizer there with tokenizer.save_pretrained(DIR)"
+    for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
+        try:
+            if file.exists():
+                json.loads(file.read_text())
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{file} cannot be read ({e}): {redo}") from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the CLI prints one line, no chain
+        raise ValueError(f"{directory}: could not load a tokenizer from it ({cause}); {redo}") from e
+    warn_broken_chat_template(tokenizer, directory)
+    return tokenizer
 
 
 def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
@@ -151,7 +168,7 @@ def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Pat
             file = file if file.exists() else directory / "tokenizer_config.json"
             line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
             warnings.warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'} cannot be compiled "
-                          f"({e.message}{line}): chat prompts that use it will fail; fix that file", stacklevel=3)
+                          f"({e.message}{line}): chat prompts that use it will fail; fix that file", stacklevel=5)
 
 
 @contextmanager

@@ -101,6 +101,17 @@ def test_directory_without_tokenizer(tmp_path):
     assert "tokenizer" in str(e.value).split("(", 1)[1].split(")")[0]  # transformers' own word for what failed
 
 
+def test_a_damaged_tokenizer_file_is_named(tmp_path):
+    """A float model's cut tokenizer_config.json was said as json's "Expecting value: ..." of the folder, naming no
+    file; a checkpoint's tokenizer was read by another function, which named it."""
+    _save_tiny(tmp_path, "llama")
+    f = tmp_path / "tokenizer_config.json"
+    f.write_text(f.read_text()[:20])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(f))} cannot be read \(.*\): save the model's tokenizer "
+                                         r"there with tokenizer\.save_pretrained\(DIR\)"):
+        load_model(tmp_path)
+
+
 def test_a_chat_template_that_cannot_compile_is_said_naming_its_file(tmp_path):
     """It loaded without a word, and failed `nibble generate --chat` at the first prompt; the model still loads (what
     runs without the template runs)."""

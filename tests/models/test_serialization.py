@@ -492,10 +492,10 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
     f = tmp_path / "tokenizer.json"
     text = f.read_text()
     f.write_text(text[: len(text) // 2])
-    with pytest.raises(CheckpointError, match=r"tokenizer\.json cannot be read \(.*\): re-save the tokenizer there"):
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json cannot be read \(.*\): save the model's tokenizer"):
         load_quantized(tmp_path)
     f.unlink()
-    with pytest.raises(CheckpointError, match="its tokenizer cannot be read .*; re-save the tokenizer there"):
+    with pytest.raises(CheckpointError, match="could not load a tokenizer from it .*; save the model's tokenizer"):
         load_quantized(tmp_path)
 
 
