@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
@@ -109,18 +110,44 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     if (path / "model.safetensors.index.json").exists():  # transformers' error would name no file
         read_json_object(path / "model.safetensors.index.json")
     tokenizer = read_tokenizer(path)
+    # given, so that transformers does not read generation_config.json itself: it failed on a list or a null with a
+    # TypeError, and read a cut file as none without a word; without one, the config.json's, as transformers makes it
+    generation_config = read_generation_config(path) or GenerationConfig.from_model_config(config)
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
         # instead of transformers' error that tells the user to change an option they never set.
         with _without_load_report():
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                               output_loading_info=True, ignore_mismatched_sizes=True)
+                                                               output_loading_info=True, ignore_mismatched_sizes=True,
+                                                               generation_config=generation_config)
     except (OSError, SafetensorError) as e:  # no weight file, a shard the index lists is gone, an unreadable file
         _check_safetensors_headers(path)  # names the file when one is truncated or corrupt
         raise ValueError(f"{path}: could not read the model's weights ({e}); re-download the model or save it there "
                          "with model.save_pretrained(DIR)") from e
     _check_loading_info(path, info)
     return model.eval(), tokenizer
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_config(directory: Path) -> GenerationConfig | None:
+    """``directory``'s generation_config.json (an Instruct model's end-of-turn tokens and sampling defaults live there
+    alone), None without one. A damaged one is said in a warning and read as none, as a broken chat template is
+    (`warn_broken_chat_template`): what needs no generation (info, eval, quantize) still runs."""
+    file = directory / GENERATION_CONFIG
+    if not file.exists():
+        return None
+    try:
+        held = json.loads(file.read_text())
+        if isinstance(held, dict):
+            return GenerationConfig.from_dict(held)
+        cause = f"it holds {json.dumps(held)[:40]}, not a JSON object"
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # from_dict's refusal of a value too
+        cause = str(e)
+    warnings.warn(f"{file} cannot be read ({cause}), so it is ignored: generation stops on config.json's "
+                  "eos_token_id alone and samples with transformers' defaults; fix or delete that file", stacklevel=4)
+    return None
 
 
 ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"  # transformers 5 writes a .jinja file a named template there

@@ -31,8 +31,8 @@ from torch import nn
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, NEVER_DOWNLOADS, TOKENIZER_FILES, read_config,
-                                   read_tokenizer)
+from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS, TOKENIZER_FILES,
+                                   read_config, read_generation_config, read_tokenizer)
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
@@ -41,7 +41,6 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
 CHECKSUM_VERSION = 2  # 2: the checksums cover each tensor's dtype and shape too (1, or none said: its data alone)
 # the canonical format's tensors (docs/ARCHITECTURE.md), whatever dtype the model runs in
@@ -212,14 +211,9 @@ def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
     """The tokenizer saved beside a checkpoint (None without one, or when not ``tokenizer``: its files are not read
     then), and its generation config into ``model``: what ``from_pretrained`` reads besides the weights
     (`save_companions`)."""
-    from transformers import GenerationConfig
-
-    if (directory / GENERATION_CONFIG).exists():
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(directory)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
-                                  "then stops on config.json's eos_token_id alone)") from e
+    generation_config = read_generation_config(directory)
+    if generation_config is not None:  # else the one the model was built with, of its config.json
+        model.generation_config = generation_config
     if not (tokenizer and holds_tokenizer(directory)):
         return None
     try:

@@ -112,6 +112,22 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("damage,cause", [('{"eos_token_id": [2, ', "Expecting value"),
+                                          ("[2, 7]", r"it holds \[2, 7\], not a JSON object")])
+def test_a_damaged_generation_config_is_named_and_ignored(tmp_path, damage, cause):
+    """transformers read a cut generation_config.json as none without a word (an Instruct model's end-of-turn token
+    lost), and failed on a list with a TypeError traceback."""
+    from transformers import GenerationConfig
+    _save_tiny(tmp_path, "llama")
+    GenerationConfig(eos_token_id=[2, 7]).save_pretrained(tmp_path)
+    assert load_model(tmp_path)[0].generation_config.eos_token_id == [2, 7]
+    (tmp_path / "generation_config.json").write_text(damage)
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'generation_config.json'))} cannot be read "
+                                         rf"\({cause}.*\), so it is ignored"):
+        model, _ = load_model(tmp_path)
+    assert model.generation_config.eos_token_id == model.config.eos_token_id
+
+
 def test_a_chat_template_that_cannot_compile_is_said_naming_its_file(tmp_path):
     """It loaded without a word, and failed `nibble generate --chat` at the first prompt; the model still loads (what
     runs without the template runs)."""

@@ -447,9 +447,9 @@ def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved,
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
-def test_a_generation_config_transformers_calls_invalid_is_kept_and_a_broken_file_is_named(tmp_path):
+def test_a_generation_config_transformers_calls_invalid_is_kept(tmp_path):
     """Hub models ship flags GenerationConfig.save_pretrained refuses (a temperature without do_sample): the save
-    failed after all the work, leaving no tokenizer; a truncated file failed every load with a traceback."""
+    failed after all the work, leaving no tokenizer."""
     import warnings
 
     from transformers import GenerationConfig
@@ -463,9 +463,26 @@ def test_a_generation_config_transformers_calls_invalid_is_kept_and_a_broken_fil
         warnings.simplefilter("ignore")
         loaded, _ = load_quantized(tmp_path)
     assert (loaded.generation_config.temperature, loaded.generation_config.eos_token_id) == (0.6, [2, 7])
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, ')
-    with pytest.raises(CheckpointError, match="generation_config.json cannot be read .* fix or delete it"):
-        load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+@pytest.mark.parametrize("damage,cause", [('{"eos_token_id": [2, ', "Expecting value"),
+                                          ("[2, 7]", r"it holds \[2, 7\], not a JSON object"),
+                                          ("null", "it holds null, not a JSON object"),
+                                          ('{"max_new_tokens": -3}', "`max_new_tokens` must be greater than 0")])
+def test_a_damaged_generation_config_is_named_and_ignored(tmp_path, fmt, damage, cause):
+    """A cut file failed every load (nibble info's and eval's too, which generate nothing), and a list or a null
+    with a TypeError traceback. It is said and ignored, as a chat template that cannot compile is: the model stops
+    on config.json's eos_token_id."""
+    from transformers import GenerationConfig
+    model = _quantized()
+    model.generation_config = GenerationConfig(eos_token_id=[2, 7])
+    save_quantized(model, tmp_path, format=fmt)
+    (tmp_path / "generation_config.json").write_text(damage)
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'generation_config.json'))} cannot be read "
+                                         rf"\({cause}.*\), so it is ignored: .*; fix or delete that file"):
+        loaded, _ = load_quantized(tmp_path)
+    assert loaded.generation_config.eos_token_id == model.config.eos_token_id
 
 
 @pytest.mark.parametrize("fmt", ["nibble", "awq"])
