@@ -158,20 +158,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in ``directory`` (a float model's folder or a quantized checkpoint), its chat template
-    checked (`warn_broken_chat_template`); else a ValueError naming the file or the folder, and how to save one
-    there: transformers' errors named neither ("Expecting value: line 3 column 17 (char 38)" of a cut file)."""
-    redo = "save the model's tokenizer there with tokenizer.save_pretrained(DIR)"
+    checked (`warn_broken_chat_template`); else a ValueError naming the file or the folder, and what to do.
+    transformers' errors named neither: "Expecting value: line 3 column 17 (char 38)" of a cut file, and a
+    tokenizer_config.json holding a list, or a tokenizer.json without its model, failed as tracebacks."""
     for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
-        try:
-            if file.exists():
-                json.loads(file.read_text())
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{file} cannot be read ({e}): {redo}") from e
+        if file.exists():
+            read_json_object(file)  # each holds an object
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
-        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the CLI prints one line, no chain
-        raise ValueError(f"{directory}: could not load a tokenizer from it ({cause}); {redo}") from e
+    # every type: a file missing is an OSError or a ValueError, a field of the wrong type a TypeError, KeyError or
+    # AttributeError, and tokenizer.json that tokenizers cannot parse a bare Exception
+    except Exception as e:
+        cause = (str(e).strip().splitlines() or [""])[0]  # the CLI prints one line, no chain
+        raise ValueError(f"{directory}: could not load a tokenizer from it ({type(e).__name__}: {cause}); save the "
+                         "model's tokenizer there with tokenizer.save_pretrained(DIR)") from e
     warn_broken_chat_template(tokenizer, directory)
     return tokenizer
 

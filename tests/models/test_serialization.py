@@ -509,10 +509,25 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
     f = tmp_path / "tokenizer.json"
     text = f.read_text()
     f.write_text(text[: len(text) // 2])
-    with pytest.raises(CheckpointError, match=r"tokenizer\.json cannot be read \(.*\): save the model's tokenizer"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(f))} is not valid JSON \(.*\); re-download the model "
+                                              "or save it again"):
         load_quantized(tmp_path)
     f.unlink()
     with pytest.raises(CheckpointError, match="could not load a tokenizer from it .*; save the model's tokenizer"):
+        load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("file,damage,message", [
+    ("tokenizer_config.json", lambda c: [1, 2], r"tokenizer_config\.json holds \[1, 2\], not a JSON object"),
+    ("tokenizer.json", lambda c: {k: v for k, v in c.items() if k != "model"}, r"\(Exception: Model missing\."),
+    ("tokenizer_config.json", lambda c: {**c, "unk_token": 3}, r"\(TypeError: Special token unk_token has to be"),
+    ("tokenizer_config.json", lambda c: {**c, "tokenizer_class": 3}, r"\(AttributeError: 'int' object")])
+def test_a_tokenizer_file_of_the_wrong_shape_is_named(tmp_path, file, damage, message):
+    """Valid JSON that is not what the file holds failed as a traceback (transformers' TypeError, KeyError or
+    AttributeError, tokenizers' bare Exception) naming neither the file nor the folder."""
+    save_quantized(_quantized(), tmp_path, _tokenizer())
+    (tmp_path / file).write_text(json.dumps(damage(json.loads((tmp_path / file).read_text()))))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path))}.*{message}"):
         load_quantized(tmp_path)
 
 
