@@ -44,12 +44,17 @@ def read_json_object(path: Path) -> dict:
 
 
 def read_config(path: Path) -> dict:
-    """A model's config.json (`read_json_object`), with a model_type and a quantization_config that is an object
-    or absent: transformers' AutoConfig failed on a missing model_type with a missing-argument TypeError."""
+    """A model's config.json (`read_json_object`), with a model_type nibble supports and a quantization_config that
+    is an object or absent: transformers' AutoConfig failed on a missing model_type with a missing-argument
+    TypeError, and on one it does not know with a list of its 300 names."""
     config = read_json_object(path)
-    if not isinstance(config.get("model_type"), str):
-        raise ValueError(f"{path} names no model_type (it holds {config.get('model_type')!r}): not a Hugging Face "
-                         "model config; re-download the model or save it again")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f"{path} names no model_type (it holds {model_type!r}): not a Hugging Face model config; "
+                         "re-download the model or save it again")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; nibble loads the "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
     qc = config.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise ValueError(f"{path}: quantization_config must be an object, got {qc!r}; re-download the checkpoint or "
@@ -103,10 +108,6 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
         # transformers would hand these to AutoAWQ/optimum, which nibble does not depend on.
         raise ValueError(f"{path} holds a quantized checkpoint (quant_method={quant_method!r}), not a float model; "
                          "load it with nibble.load_quantized (nibble, awq and gptq checkpoints)")
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported; nibble loads the "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
     if (path / "model.safetensors.index.json").exists():  # transformers' error would name no file
         read_json_object(path / "model.safetensors.index.json")
     tokenizer = read_tokenizer(path)

@@ -565,6 +565,12 @@ def _damaged(config, damage):
         config["quantization_config"] = "awq"
     elif damage == "modules null":
         config["quantization_config"]["online_hadamard_modules"] = None
+    elif damage == "mode unknown":
+        config["quantization_config"]["mode"] = "w9"
+    elif damage == "model_type unknown":
+        config["model_type"] = "llama9"
+    elif damage == "hidden_size a string":
+        config["hidden_size"] = "64"
     return config
 
 
@@ -573,11 +579,15 @@ def _damaged(config, damage):
     ("null", r"config\.json holds null, not a JSON object"),
     ("no model_type", r"config\.json names no model_type"),
     ("qc a string", r"config\.json: quantization_config must be an object, got 'awq'"),
-    ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None")])
+    ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None"),
+    ("mode unknown", r"config\.json: mode must be one of \('w4a16', 'w4a4'\), got 'w9'"),
+    ("model_type unknown", r"config\.json: model_type 'llama9' is not supported; nibble loads the llama, qwen2"),
+    ("hidden_size a string", r"config\.json: Validation error for field 'hidden_size': TypeError: .* expected int")])
 def test_a_structurally_damaged_config_is_named(saved, damage, message):
     """A config.json that is valid JSON but not what a config holds failed with raw TypeError / AttributeError
     tracebacks ("pop expected at most 1 argument", "'str' object has no attribute 'get'") naming no file (nibble info
-    too)."""
+    too); a field transformers refuses failed as huggingface_hub's StrictDataclassError, and an unknown model_type
+    with transformers' list of 300, a quantization_config field with no file named."""
     _, path = saved
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(_damaged(config, damage)))
