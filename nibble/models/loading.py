@@ -12,8 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
@@ -44,9 +45,11 @@ def read_json_object(path: Path) -> dict:
 
 
 def read_config(path: Path) -> dict:
-    """A model's config.json (`read_json_object`), with a model_type nibble supports and a quantization_config that
-    is an object or absent: transformers' AutoConfig failed on a missing model_type with a missing-argument
-    TypeError, and on one it does not know with a list of its 300 names."""
+    """A model's config.json (`read_json_object`), with a model_type nibble supports, a quantization_config that
+    is an object or absent, and fields transformers' config of that type takes: AutoConfig failed on a missing
+    model_type with a missing-argument TypeError, on one it does not know with a list of its 300 names, and on a
+    field of the wrong type with huggingface_hub's StrictDataclassError traceback naming no file (in a float model's
+    folder, inside AutoTokenizer, which reads config.json too)."""
     config = read_json_object(path)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
@@ -59,6 +62,10 @@ def read_config(path: Path) -> dict:
     if qc is not None and not isinstance(qc, dict):
         raise ValueError(f"{path}: quantization_config must be an object, got {qc!r}; re-download the checkpoint or "
                          "save it again")
+    try:
+        AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
+    except (ValueError, TypeError, AttributeError, StrictDataclassError) as e:  # torch's AttributeError: a dtype
+        raise ValueError(f"{path}: {' '.join(str(e).split())}; re-download the model or save it again") from e
     return config
 
 

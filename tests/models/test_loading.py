@@ -87,6 +87,17 @@ def test_quantized_checkpoints_are_pointed_elsewhere(tmp_path):
         load_model(tmp_path)
 
 
+def test_a_config_field_of_the_wrong_type_is_named(tmp_path):
+    """huggingface_hub's validation of a config field failed as a StrictDataclassError traceback naming no file, in
+    AutoTokenizer, which reads config.json too."""
+    _save_tiny(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": "32"}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: Validation error for field "
+                                         r"'hidden_size': TypeError: .* expected int.*; re-download the model"):
+        load_model(tmp_path)
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_model(tmp_path)
