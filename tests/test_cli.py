@@ -113,6 +113,19 @@ def test_info_reads_no_tokenizer(model_dir, tmp_path, capsys, fmt):
     assert json.loads(capsys.readouterr().out)["quantization_config"]["group_size"] == 32
 
 
+@pytest.mark.parametrize("damage", ['{"eos_token_id": [2, ', "[2, 7]"])
+def test_info_reports_beside_a_damaged_generation_config(model_dir, tmp_path, capsys, damage):
+    """info prints what the weights hold, yet a cut generation_config.json failed it, and one holding a list with a
+    TypeError traceback: it is said as a warning, naming the file."""
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
+    capsys.readouterr()
+    (out / "generation_config.json").write_text(damage)
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(out / 'generation_config.json'))} cannot be read \("):
+        main(["info", str(out)])
+    assert json.loads(capsys.readouterr().out)["quantization_config"]["group_size"] == 32
+
+
 def test_quantize_lm_head_from_the_cli(model_dir, tmp_path, capsys):
     out = tmp_path / "q"
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--quantize-lm-head",

@@ -12,8 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
@@ -43,16 +45,27 @@ def read_json_object(path: Path) -> dict:
 
 
 def read_config(path: Path) -> dict:
-    """A model's config.json (`read_json_object`), with a model_type and a quantization_config that is an object
-    or absent: transformers' AutoConfig failed on a missing model_type with a missing-argument TypeError."""
+    """A model's config.json (`read_json_object`), with a model_type nibble supports, a quantization_config that
+    is an object or absent, and fields transformers' config of that type takes: AutoConfig failed on a missing
+    model_type with a missing-argument TypeError, on one it does not know with a list of its 300 names, and on a
+    field of the wrong type with huggingface_hub's StrictDataclassError traceback naming no file (in a float model's
+    folder, inside AutoTokenizer, which reads config.json too)."""
     config = read_json_object(path)
-    if not isinstance(config.get("model_type"), str):
-        raise ValueError(f"{path} names no model_type (it holds {config.get('model_type')!r}): not a Hugging Face "
-                         "model config; re-download the model or save it again")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f"{path} names no model_type (it holds {model_type!r}): not a Hugging Face model config; "
+                         "re-download the model or save it again")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; nibble loads the "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
     qc = config.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise ValueError(f"{path}: quantization_config must be an object, got {qc!r}; re-download the checkpoint or "
                          "save it again")
+    try:
+        AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
+    except (ValueError, TypeError, AttributeError, StrictDataclassError) as e:  # torch's AttributeError: a dtype
+        raise ValueError(f"{path}: {' '.join(str(e).split())}; re-download the model or save it again") from e
     return config
 
 
@@ -102,25 +115,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
         # transformers would hand these to AutoAWQ/optimum, which nibble does not depend on.
         raise ValueError(f"{path} holds a quantized checkpoint (quant_method={quant_method!r}), not a float model; "
                          "load it with nibble.load_quantized (nibble, awq and gptq checkpoints)")
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported; nibble loads the "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)} families")
     if (path / "model.safetensors.index.json").exists():  # transformers' error would name no file
         read_json_object(path / "model.safetensors.index.json")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the CLI prints one line, no chain
-        raise ValueError(f"{path}: could not load a tokenizer from it ({cause}); save one there with "
-                         "tokenizer.save_pretrained(DIR)") from e
-    warn_broken_chat_template(tokenizer, path)
+    tokenizer = read_tokenizer(path)
+    # given, so that transformers does not read generation_config.json itself: it failed on a list or a null with a
+    # TypeError, and read a cut file as none without a word; without one, the config.json's, as transformers makes it
+    generation_config = read_generation_config(path) or GenerationConfig.from_model_config(config)
     try:
         # ignore_mismatched_sizes: a wrong-shaped tensor is reported in the loading info (refused below)
         # instead of transformers' error that tells the user to change an option they never set.
         with _without_load_report():
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                               output_loading_info=True, ignore_mismatched_sizes=True)
+                                                               output_loading_info=True, ignore_mismatched_sizes=True,
+                                                               generation_config=generation_config)
     except (OSError, SafetensorError) as e:  # no weight file, a shard the index lists is gone, an unreadable file
         _check_safetensors_headers(path)  # names the file when one is truncated or corrupt
         raise ValueError(f"{path}: could not read the model's weights ({e}); re-download the model or save it there "
@@ -129,7 +136,52 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
     return model.eval(), tokenizer
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_config(directory: Path) -> GenerationConfig | None:
+    """``directory``'s generation_config.json (an Instruct model's end-of-turn tokens and sampling defaults live there
+    alone), None without one. A damaged one is said in a warning and read as none, as a broken chat template is
+    (`warn_broken_chat_template`): what needs no generation (info, eval, quantize) still runs."""
+    file = directory / GENERATION_CONFIG
+    if not file.exists():
+        return None
+    try:
+        held = json.loads(file.read_text())
+        if isinstance(held, dict):
+            return GenerationConfig.from_dict(held)
+        cause = f"it holds {json.dumps(held)[:40]}, not a JSON object"
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # from_dict's refusal of a value too
+        cause = str(e)
+    warnings.warn(f"{file} cannot be read ({cause}), so it is ignored: generation stops on config.json's "
+                  "eos_token_id alone and samples with transformers' defaults; fix or delete that file", stacklevel=4)
+    return None
+
+
 ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"  # transformers 5 writes a .jinja file a named template there
+# what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``directory`` (a float model's folder or a quantized checkpoint), its chat template
+    checked (`warn_broken_chat_template`); else a ValueError naming the file or the folder, and what to do.
+    transformers' errors named neither: "Expecting value: line 3 column 17 (char 38)" of a cut file, and a
+    tokenizer_config.json holding a list, or a tokenizer.json without its model, failed as tracebacks."""
+    for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
+        if file.exists():
+            read_json_object(file)  # each holds an object
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    # every type: a file missing is an OSError or a ValueError, a field of the wrong type a TypeError, KeyError or
+    # AttributeError, and tokenizer.json that tokenizers cannot parse a bare Exception
+    except Exception as e:
+        cause = (str(e).strip().splitlines() or [""])[0]  # the CLI prints one line, no chain
+        raise ValueError(f"{directory}: could not load a tokenizer from it ({type(e).__name__}: {cause}); save the "
+                         "model's tokenizer there with tokenizer.save_pretrained(DIR)") from e
+    warn_broken_chat_template(tokenizer, directory)
+    return tokenizer
 
 
 def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
@@ -151,7 +203,7 @@ def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Pat
             file = file if file.exists() else directory / "tokenizer_config.json"
             line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
             warnings.warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'} cannot be compiled "
-                          f"({e.message}{line}): chat prompts that use it will fail; fix that file", stacklevel=3)
+                          f"({e.message}{line}): chat prompts that use it will fail; fix that file", stacklevel=5)
 
 
 @contextmanager

@@ -31,8 +31,8 @@ from torch import nn
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, NEVER_DOWNLOADS, read_config,
-                                   warn_broken_chat_template)
+from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS, TOKENIZER_FILES,
+                                   read_config, read_generation_config, read_tokenizer)
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
@@ -41,14 +41,10 @@ from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
 CHECKSUM_VERSION = 2  # 2: the checksums cover each tensor's dtype and shape too (1, or none said: its data alone)
 # the canonical format's tensors (docs/ARCHITECTURE.md), whatever dtype the model runs in
 FORMAT_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "zeros": torch.float16}
-# what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 # config.json fields the config digest leaves out: what the weights compute does not depend on them (provenance, the
 # load's default dtype, generation's special tokens, outputs and heads a causal LM does not use, initialisation,
 # training-time dropout, the attention backend), so editing them is no reason to refuse the weights
@@ -215,30 +211,15 @@ def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
     """The tokenizer saved beside a checkpoint (None without one, or when not ``tokenizer``: its files are not read
     then), and its generation config into ``model``: what ``from_pretrained`` reads besides the weights
     (`save_companions`)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    if (directory / GENERATION_CONFIG).exists():
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(directory)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{directory / GENERATION_CONFIG} cannot be read ({e}); fix or delete it (the model "
-                                  "then stops on config.json's eos_token_id alone)") from e
+    generation_config = read_generation_config(directory)
+    if generation_config is not None:  # else the one the model was built with, of its config.json
+        model.generation_config = generation_config
     if not (tokenizer and holds_tokenizer(directory)):
         return None
-    redo = "re-save the tokenizer there with tokenizer.save_pretrained(DIR)"
-    for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
-        try:  # transformers' error names no file: "Expecting value: line 3 column 17 (char 38)"
-            if file.exists():
-                json.loads(file.read_text())
-        except (ValueError, OSError) as e:
-            raise CheckpointError(f"{file} cannot be read ({e}): {redo}") from e
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as e:  # a file missing ("Couldn't instantiate the backend tokenizer ...")
-        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{directory}: its tokenizer cannot be read ({cause}); {redo}") from e
-    warn_broken_chat_template(tokenizer, directory)
-    return tokenizer
+        return read_tokenizer(directory)
+    except ValueError as e:  # a CheckpointError, as every other refusal of a checkpoint's files is
+        raise CheckpointError(str(e)) from e
 
 
 def holds_tokenizer(directory: Path) -> bool:
@@ -346,7 +327,10 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
     if str(qc_dict.get("quant_method")).lower() in HF_QUANT_METHODS:  # as the importer reads it: "AWQ" too
         return load_hf_quantized(directory, device, dtype, tokenizer)
-    qc = QuantConfig.from_dict(qc_dict)
+    try:
+        qc = QuantConfig.from_dict(qc_dict)
+    except ValueError as e:  # its refusal names no file
+        raise CheckpointError(f"{directory / CONFIG}: {e}") from e
     for key in ("online_hadamard_modules", "input_permuted_modules"):
         if not isinstance(qc_dict.get(key, []), list):
             raise CheckpointError(f"{directory / CONFIG}: quantization_config.{key} must be a list of module names, "

@@ -87,6 +87,17 @@ def test_quantized_checkpoints_are_pointed_elsewhere(tmp_path):
         load_model(tmp_path)
 
 
+def test_a_config_field_of_the_wrong_type_is_named(tmp_path):
+    """huggingface_hub's validation of a config field failed as a StrictDataclassError traceback naming no file, in
+    AutoTokenizer, which reads config.json too."""
+    _save_tiny(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": "32"}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: Validation error for field "
+                                         r"'hidden_size': TypeError: .* expected int.*; re-download the model"):
+        load_model(tmp_path)
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_model(tmp_path)
@@ -99,6 +110,33 @@ def test_directory_without_tokenizer(tmp_path):
     # the cause in the one line the CLI prints (it said "cause above", and printed none)
     assert "cause above" not in str(e.value) and "\n" not in str(e.value)
     assert "tokenizer" in str(e.value).split("(", 1)[1].split(")")[0]  # transformers' own word for what failed
+
+
+def test_a_damaged_tokenizer_file_is_named(tmp_path):
+    """A float model's cut tokenizer_config.json was said as json's "Expecting value: ..." of the folder, naming no
+    file; a checkpoint's tokenizer was read by another function, which named it."""
+    _save_tiny(tmp_path, "llama")
+    f = tmp_path / "tokenizer_config.json"
+    f.write_text(f.read_text()[:20])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(f))} is not valid JSON \(.*\); re-download the model or "
+                                         "save it again"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("damage,cause", [('{"eos_token_id": [2, ', "Expecting value"),
+                                          ("[2, 7]", r"it holds \[2, 7\], not a JSON object")])
+def test_a_damaged_generation_config_is_named_and_ignored(tmp_path, damage, cause):
+    """transformers read a cut generation_config.json as none without a word (an Instruct model's end-of-turn token
+    lost), and failed on a list with a TypeError traceback."""
+    from transformers import GenerationConfig
+    _save_tiny(tmp_path, "llama")
+    GenerationConfig(eos_token_id=[2, 7]).save_pretrained(tmp_path)
+    assert load_model(tmp_path)[0].generation_config.eos_token_id == [2, 7]
+    (tmp_path / "generation_config.json").write_text(damage)
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'generation_config.json'))} cannot be read "
+                                         rf"\({cause}.*\), so it is ignored"):
+        model, _ = load_model(tmp_path)
+    assert model.generation_config.eos_token_id == model.config.eos_token_id
 
 
 def test_a_chat_template_that_cannot_compile_is_said_naming_its_file(tmp_path):

@@ -447,9 +447,9 @@ def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved,
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
-def test_a_generation_config_transformers_calls_invalid_is_kept_and_a_broken_file_is_named(tmp_path):
+def test_a_generation_config_transformers_calls_invalid_is_kept(tmp_path):
     """Hub models ship flags GenerationConfig.save_pretrained refuses (a temperature without do_sample): the save
-    failed after all the work, leaving no tokenizer; a truncated file failed every load with a traceback."""
+    failed after all the work, leaving no tokenizer."""
     import warnings
 
     from transformers import GenerationConfig
@@ -463,9 +463,26 @@ def test_a_generation_config_transformers_calls_invalid_is_kept_and_a_broken_fil
         warnings.simplefilter("ignore")
         loaded, _ = load_quantized(tmp_path)
     assert (loaded.generation_config.temperature, loaded.generation_config.eos_token_id) == (0.6, [2, 7])
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, ')
-    with pytest.raises(CheckpointError, match="generation_config.json cannot be read .* fix or delete it"):
-        load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+@pytest.mark.parametrize("damage,cause", [('{"eos_token_id": [2, ', "Expecting value"),
+                                          ("[2, 7]", r"it holds \[2, 7\], not a JSON object"),
+                                          ("null", "it holds null, not a JSON object"),
+                                          ('{"max_new_tokens": -3}', "`max_new_tokens` must be greater than 0")])
+def test_a_damaged_generation_config_is_named_and_ignored(tmp_path, fmt, damage, cause):
+    """A cut file failed every load (nibble info's and eval's too, which generate nothing), and a list or a null
+    with a TypeError traceback. It is said and ignored, as a chat template that cannot compile is: the model stops
+    on config.json's eos_token_id."""
+    from transformers import GenerationConfig
+    model = _quantized()
+    model.generation_config = GenerationConfig(eos_token_id=[2, 7])
+    save_quantized(model, tmp_path, format=fmt)
+    (tmp_path / "generation_config.json").write_text(damage)
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'generation_config.json'))} cannot be read "
+                                         rf"\({cause}.*\), so it is ignored: .*; fix or delete that file"):
+        loaded, _ = load_quantized(tmp_path)
+    assert loaded.generation_config.eos_token_id == model.config.eos_token_id
 
 
 @pytest.mark.parametrize("fmt", ["nibble", "awq"])
@@ -492,10 +509,25 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
     f = tmp_path / "tokenizer.json"
     text = f.read_text()
     f.write_text(text[: len(text) // 2])
-    with pytest.raises(CheckpointError, match=r"tokenizer\.json cannot be read \(.*\): re-save the tokenizer there"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(f))} is not valid JSON \(.*\); re-download the model "
+                                              "or save it again"):
         load_quantized(tmp_path)
     f.unlink()
-    with pytest.raises(CheckpointError, match="its tokenizer cannot be read .*; re-save the tokenizer there"):
+    with pytest.raises(CheckpointError, match="could not load a tokenizer from it .*; save the model's tokenizer"):
+        load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("file,damage,message", [
+    ("tokenizer_config.json", lambda c: [1, 2], r"tokenizer_config\.json holds \[1, 2\], not a JSON object"),
+    ("tokenizer.json", lambda c: {k: v for k, v in c.items() if k != "model"}, r"\(Exception: Model missing\."),
+    ("tokenizer_config.json", lambda c: {**c, "unk_token": 3}, r"\(TypeError: Special token unk_token has to be"),
+    ("tokenizer_config.json", lambda c: {**c, "tokenizer_class": 3}, r"\(AttributeError: 'int' object")])
+def test_a_tokenizer_file_of_the_wrong_shape_is_named(tmp_path, file, damage, message):
+    """Valid JSON that is not what the file holds failed as a traceback (transformers' TypeError, KeyError or
+    AttributeError, tokenizers' bare Exception) naming neither the file nor the folder."""
+    save_quantized(_quantized(), tmp_path, _tokenizer())
+    (tmp_path / file).write_text(json.dumps(damage(json.loads((tmp_path / file).read_text()))))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path))}.*{message}"):
         load_quantized(tmp_path)
 
 
@@ -533,6 +565,12 @@ def _damaged(config, damage):
         config["quantization_config"] = "awq"
     elif damage == "modules null":
         config["quantization_config"]["online_hadamard_modules"] = None
+    elif damage == "mode unknown":
+        config["quantization_config"]["mode"] = "w9"
+    elif damage == "model_type unknown":
+        config["model_type"] = "llama9"
+    elif damage == "hidden_size a string":
+        config["hidden_size"] = "64"
     return config
 
 
@@ -541,11 +579,15 @@ def _damaged(config, damage):
     ("null", r"config\.json holds null, not a JSON object"),
     ("no model_type", r"config\.json names no model_type"),
     ("qc a string", r"config\.json: quantization_config must be an object, got 'awq'"),
-    ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None")])
+    ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None"),
+    ("mode unknown", r"config\.json: mode must be one of \('w4a16', 'w4a4'\), got 'w9'"),
+    ("model_type unknown", r"config\.json: model_type 'llama9' is not supported; nibble loads the llama, qwen2"),
+    ("hidden_size a string", r"config\.json: Validation error for field 'hidden_size': TypeError: .* expected int")])
 def test_a_structurally_damaged_config_is_named(saved, damage, message):
     """A config.json that is valid JSON but not what a config holds failed with raw TypeError / AttributeError
     tracebacks ("pop expected at most 1 argument", "'str' object has no attribute 'get'") naming no file (nibble info
-    too)."""
+    too); a field transformers refuses failed as huggingface_hub's StrictDataclassError, and an unknown model_type
+    with transformers' list of 300, a quantization_config field with no file named."""
     _, path = saved
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(_damaged(config, damage)))
