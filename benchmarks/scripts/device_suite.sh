@@ -4,11 +4,12 @@
 # brings them back). Whatever .carry/ holds is first copied to /root/nibble-*, where later calls find it.
 #   install  only that copy
 #   kernels  tests/kernels, tests/nn, the engine and speed/memory tests (about 4 minutes on 16 cores)
-#   rest     every other test file (about 8 minutes)
+#   models   tests/models and tests/formats
+#   rest     every other test file (models and rest together ran past one call's 10 minutes in session 60)
 #   w4a16    the W4A16 kernel benchmark (vs cuBLAS bf16 and tinygemm), 3 interleaved rounds a cell
 #   w4a4     the W4A4 kernel benchmark (vs cuBLAS bf16 / INT8 / FP8), 3 interleaved rounds a cell
 set -euo pipefail
-part=${1:?usage: device_suite.sh install|kernels|rest|w4a16|w4a4}
+part=${1:?usage: device_suite.sh install|kernels|models|rest|w4a16|w4a4}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for what in cache data pylib; do
@@ -23,14 +24,18 @@ ln -sf /root/nibble-models/SmolLM2-135M-Instruct.Q4_1.gguf "$shim/"
 export PYTHONPATH="$PWD:/root/nibble-pylib:/root/nibble-shim${PYTHONPATH:+:$PYTHONPATH}"
 export NIBBLE_DATA=/root/nibble-data NIBBLE_CACHE_DIR=/root/nibble-cache
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(), flush=True)'
-git log -1 --format='sources %H' 2>/dev/null || true
-pytest="python3 -m pytest -q -ra -p no:cacheprovider -n 16"
+# the working tree's copy there carries no up-to-date .git: this digest of the sources says which tree ran (the
+# same line, run in a checkout, gives it for that checkout)
+echo "sources digest $(find nibble tests -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' \) | LC_ALL=C sort | xargs cat | sha1sum)"
+pytest="python3 -m pytest -q -ra -p no:cacheprovider -p no:benchmark -n 16"  # pytest-benchmark only warns under xdist
 case "$part" in
   kernels) $pytest tests/kernels tests/nn tests/eval/test_engine_generate.py tests/eval/test_speed_memory.py \
              2>&1 | tee "$OUT/gpu-tests-kernels.log" ;;
-  rest)    $pytest tests --ignore=tests/kernels --ignore=tests/nn --ignore=tests/eval/test_engine_generate.py \
-             --ignore=tests/eval/test_speed_memory.py 2>&1 | tee "$OUT/gpu-tests-rest.log" ;;
+  models)  $pytest tests/models tests/formats 2>&1 | tee "$OUT/gpu-tests-models.log" ;;
+  rest)    $pytest tests --ignore=tests/kernels --ignore=tests/nn --ignore=tests/models --ignore=tests/formats \
+             --ignore=tests/eval/test_engine_generate.py --ignore=tests/eval/test_speed_memory.py \
+             2>&1 | tee "$OUT/gpu-tests-rest.log" ;;
   w4a16)   python3 -m nibble.bench kernels --rounds 3 --out "$OUT" 2>&1 | tee "$OUT/bench-w4a16.log" ;;
   w4a4)    python3 -m nibble.bench w4a4 --rounds 3 --out "$OUT" 2>&1 | tee "$OUT/bench-w4a4.log" ;;
-  *) echo "unknown part $part (install|kernels|rest|w4a16|w4a4)"; exit 2 ;;
+  *) echo "unknown part $part (install|kernels|models|rest|w4a16|w4a4)"; exit 2 ;;
 esac
