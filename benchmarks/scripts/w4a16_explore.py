@@ -81,7 +81,7 @@ def ceilings():
     us = bench_us(lambda i: (lambda: v.sum(dtype=torch.float32)), 1, warmup_ms=10, reps=10)
     P(f"sum 1 GiB bf16: {us:.0f} us -> {n / us / 1e3:.0f} GB/s (read)")
     RESULTS.append(dict(kind="ceiling", read_GBps=n / us / 1e3))
-    del a, b
+    a = b = None  # freed (not del: the lambdas above close over them)
 
 
 def run_part(shapes, ms, variants, G=128, extra=True):
@@ -131,7 +131,7 @@ def run_part(shapes, ms, variants, G=128, extra=True):
             P("   " + "  ".join(f"{k}={v:.1f}" for k, v in row.items() if k[0] in "DVG" and not k.endswith("_sk")))
             table.append(row)
             RESULTS.append(row)
-        del sets, wb, tg
+        sets = wb = tg = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     return table
 

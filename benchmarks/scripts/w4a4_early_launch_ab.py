@@ -60,7 +60,7 @@ def op_times() -> dict:
                         x, weights[i][0], weights[i][1], None, False)), n_rot))
             out[f"{N}x{K} M={M}"] = {str(k): statistics.median(v) for k, v in times.items()}
             print(N, K, M, out[f"{N}x{K} M={M}"], flush=True)
-        del weights
+        weights = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     return out
 

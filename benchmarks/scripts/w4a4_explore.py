@@ -110,7 +110,7 @@ def main(argv) -> int:
                 f"op {row['op']:8.1f} = {row['bf16'] / row['op']:.2f}x bf16  | " +
                 " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("bn")))
             table.append(row)
-        del w4, wb
+        w4 = wb = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     with open(os.path.join(OUT, "w4a4_explore.json"), "w") as f:
         json.dump({"clusters": clusters, "rows": table}, f, indent=1)

@@ -38,7 +38,7 @@ def main() -> None:
                 cfg = dict(bn=bn, channels=ch, split_k=1)
                 out[f"{N}x{K} M={M} {bn}x{ch}"] = bench_us(lambda i: (lambda: W.w4a4_wgmma(
                     qe, sx, weights[i][0], weights[i][1], order="even_odd", config=cfg)), n_rot)
-        del weights
+        weights = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     print(json.dumps(out))
 
