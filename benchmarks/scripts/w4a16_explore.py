@@ -20,7 +20,7 @@ from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize
 
 OUT = os.environ.get("OUT", "/tmp")
-P = tee(os.path.join(OUT, "explore.log"))
+P = print  # main: tee(OUT/explore.log) (not opened on import)
 RESULTS = []
 
 
@@ -137,10 +137,12 @@ def run_part(shapes, ms, variants, G=128, extra=True):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="check,decode,gemm")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
+    global P
+    P = tee(os.path.join(OUT, "explore.log"))
     parts = args.part.split(",")
     t0 = time.time()
     P(torch.cuda.get_device_name(), torch.__version__, W.triton.__version__)
