@@ -3,7 +3,8 @@
 - it imports (each `from nibble... import` resolves) and ``--help`` prints its usage without doing any work;
 - every global a function of it reads is defined (pyflakes' undefined-name check, without pyflakes);
 - every attribute it reads or sets on a nibble module exists (a renamed function, a removed knob such
-  as a module constant that a script sets before a run), every call of a nibble function or class takes
+  as a module constant that a script sets before a run), one it sets is still read by that module (else
+  an A/B of two settings compares one with itself), every call of a nibble function or class takes
   the arguments given (a removed or renamed keyword: ``w4a4_matmul_triton(w_int8=...)``,
   ``gptq_quantize_model(true_sequential=...)``), and every ``torch.ops.nibble`` op it calls exists
   and takes that many arguments.
@@ -119,6 +120,14 @@ def _locally_bound(tree: ast.Module) -> set:
     return names
 
 
+@functools.lru_cache(maxsize=None)
+def _globals_read(module_file: str) -> frozenset:
+    """Names a module reads as bare names (its globals, looked up at each call): the knobs and functions a
+    script can set on it to change what it runs."""
+    tree = ast.parse(Path(module_file).read_text())
+    return frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+
+
 def _chain(node):
     """``a.b.c`` as ["a", "b", "c"]; None for anything else."""
     parts = []
@@ -208,6 +217,11 @@ def test_package_api_in_use_exists(path):
             chain = _chain(node)
             if chain and chain[0] not in local:
                 _resolve(chain, ns, problems, node.lineno)
+                owner = _resolve(chain[:-1], ns, [], node.lineno) if len(chain) > 1 else None
+                if (isinstance(node.ctx, ast.Store) and isinstance(owner, types.ModuleType) and _is_nibble(owner)
+                        and hasattr(owner, chain[-1]) and chain[-1] not in _globals_read(owner.__file__)):
+                    problems.append(f"line {node.lineno}: {'.'.join(chain)} is set, but {owner.__name__} no longer "
+                                    f"reads it as a global: setting it changes nothing")
         if isinstance(node, ast.Call):
             launch = isinstance(node.func, ast.Subscript)  # kernel[grid](...)
             chain = _chain(node.func.value if launch else node.func)
@@ -215,4 +229,5 @@ def test_package_api_in_use_exists(path):
                 target = _resolve(chain, ns, [], node.lineno)  # (a missing attribute is reported above)
                 if target is not None:
                     _check_call(node, target, problems, launch)
-    assert not problems, f"{path.name}: " + "; ".join(dict.fromkeys(problems))
+    problems = sorted(dict.fromkeys(problems), key=lambda p: int(p.split()[1].rstrip(":")))
+    assert not problems, f"{path.name}: " + "; ".join(problems)
