@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble import Engine, QuantConfig  # noqa: E402
-from nibble.bench.timing import env_meta  # noqa: E402
+from nibble.bench.timing import env_meta, shape_list  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.models.hf_import import fold_mlp_input_orders  # noqa: E402
 from nibble.nn.quant_linear import PermutedInputQuantLinear  # noqa: E402
@@ -84,7 +84,7 @@ def main() -> None:
             for e in engines.values():
                 e.close()
             speed.release()
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.prefills.split(",")]
+        shapes = shape_list(args.prefills)
         engines = {name: Engine(m, max_batch=max(b for b, _ in shapes), max_seq_len=max(t for _, t in shapes) + 16)
                    for name, m in models.items()}
         times = speed.alternating_prefills(engines, shapes, args.rounds)

@@ -36,6 +36,7 @@ from nibble.bench.timing import bench_us, env_meta, rotations, shape_list  # noq
 from nibble.bench.w4a4 import random_w4a4  # noqa: E402
 from nibble.kernels import cuda_build, reference, w4a4  # noqa: E402
 from nibble.kernels.early_launch import after_prior_grids, early_launch  # noqa: E402
+from nibble.kernels.triton_device import interpreting  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402
 
 SHAPES = "4096x4096,12288x4096,11008x4096,4096x11008,14336x4096,4096x14336,28672x8192,8192x28672"
@@ -74,7 +75,7 @@ def spread_quantize(x, rows, block_k, warps):
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     pdl = early_launch(x.device, M, w4a4.PRODUCT_EARLY_TOKENS)
     spread_kernel[(triton.cdiv(M, rows),)](x, q, s, M, K, x.stride(0), q.stride(0), float(torch.finfo(x.dtype).max),
-                                           ROWS=rows, BLOCK_K=block_k, ONE_PASS=block_k >= K, INTERPRET=w4a4._interpreting(), PDL=pdl,
+                                           ROWS=rows, BLOCK_K=block_k, ONE_PASS=block_k >= K, INTERPRET=interpreting(), PDL=pdl,
                                            num_warps=warps, launch_pdl=pdl)
     return q, s
 

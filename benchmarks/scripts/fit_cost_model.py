@@ -20,6 +20,7 @@ Prints the CostModel to paste into nibble/kernels/w4a4.py / w4a16.py and the reg
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -124,6 +125,7 @@ def regret(model: hopper.CostModel, data: list[tuple], clusters: dict) -> list[t
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     for name, (data, clusters), package in (("W4A4", w4a4_sweep(), w4a4.WGMMA_MODEL),
                                             ("W4A16", w4a16_sweep(), w4a16.WGMMA_MODEL)):
         model, launch_us = fit(data, package, clusters)

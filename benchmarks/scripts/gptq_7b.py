@@ -28,28 +28,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.config import QuantConfig  # noqa: E402
+from nibble.eval.speed import SPEED_MODELS, random_model  # noqa: E402
 from nibble.models.convert import quantize_model  # noqa: E402
 from nibble.nn import QuantLinear  # noqa: E402
 
-LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=32, vocab_size=32000)
+LLAMA2_7B = {k: v for k, v in SPEED_MODELS["llama-2-7b"].items()
+             if k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "vocab_size")}
 TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=32000)
-
-
-def build_model(shape: dict, device: torch.device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**shape, max_position_embeddings=4096, initializer_range=0.02, tie_word_embeddings=False)
-    # built on the device in bf16: a 7B init in fp32 on the CPU would take minutes and 27 GB
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    return model.eval()
 
 
 def calibration_ids(n_samples: int, seq_len: int, vocab: int, tokenizer_model=None) -> tuple[torch.Tensor, str]:
@@ -100,7 +87,9 @@ def main():
         calib, calib_source = calibration_ids(n_samples, seq_len, shape["vocab_size"], args.tokenizer_model)
     torch.manual_seed(0)
     t0 = time.time()
-    model = build_model(shape, device)
+    # built on the device in bf16 (a 7B init in fp32 on the CPU would take minutes and 27 GB), as the speed
+    # benchmarks build theirs
+    model = random_model("llama-2-7b", device=device, **shape)
     print(f"built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B-parameter model on {device} "
           f"in {time.time() - t0:.0f}s", flush=True)
 

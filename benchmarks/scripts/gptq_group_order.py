@@ -10,6 +10,7 @@ row on 2 cores). Calibration: 128 x 512 tokens of the C4 excerpt, as `nibble qua
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import sys
 import time
@@ -45,7 +46,10 @@ def processing_order_groups():
 
 
 def main() -> None:
-    rows = sys.argv[1:] or ["static", "processing-order"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rows", nargs="*", choices=("static", "processing-order"), default=["static", "processing-order"],
+                    help="which groups to score (default: both)")
+    rows = ap.parse_args().rows
     model, tok = load_model()
     calib = calibration_batches(tok, 128, 512, "c4")
     for row in rows:

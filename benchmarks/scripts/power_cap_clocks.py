@@ -64,7 +64,7 @@ def main() -> None:
                     periods.append((N, K, M, name, steady, end, us / calls[name]))
                     time.sleep(0.5)  # the board's draw settles between ops
                 del graphs
-            del w4, wb
+            w4 = wb = None  # freed (not del: the lambdas above close over them)
             torch.cuda.empty_cache()
     for N, K, M, name, steady, end, us in periods:
         row = dict(N=N, K=K, M=M, op=name, us=round(us, 2), **clocks.during(steady, end))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.timing import env_meta  # noqa: E402
 from nibble.eval import report, speed  # noqa: E402
-from nibble.eval.engine import Engine  # noqa: E402
+from nibble.eval.engine import GREEDY, Engine  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
@@ -40,9 +40,9 @@ def profile_engine(model_name: str, config: str, phase: str = "decode", prompt: 
     def run():
         if phase == "decode":
             engine.decode(steps, collect=False)
-        else:
+        else:  # the model's prefill, as speed.measure_prefill times it, without Engine.prefill's id check
             for _ in range(steps):
-                engine.prefill(ids)
+                engine._prefill(ids, [prompt] * batch, GREEDY)
     with torch.inference_mode():
         engine.prefill(ids)
         run()  # warm-up: kernels compiled, allocator settled

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import bench_us, env_meta  # noqa: E402
+from nibble.bench.timing import bench_us, env_meta, shape_list  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.eval.engine import Engine  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
@@ -156,7 +156,7 @@ def main():
     args = ap.parse_args()
     speed.require_cuda("rotate_quantize_ab")
     rows = kernel_rows([int(k) for k in args.ks.split(",")], [int(m) for m in args.ms.split(",")], 2)
-    prefills = [tuple(int(v) for v in s.split("x")) for s in args.prefills.split(",")] if args.prefills else []
+    prefills = shape_list(args.prefills) if args.prefills else []
     rows += model_rows(args.models, [int(b) for b in args.batches.split(",")], prefills, args.rounds)
     if args.json:
         args.json.write_text(json.dumps(dict(meta=env_meta(), rows=rows), indent=1))

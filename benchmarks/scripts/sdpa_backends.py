@@ -6,6 +6,7 @@ median) and compared with flash's output. Why the engine prefers cuDNN's.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     for B, T in ((1, 128), (1, 512), (8, 128), (8, 512)):
         q, k, v = (torch.randn(B, 32, T, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         line, ref = f"B={B} T={T}:", None

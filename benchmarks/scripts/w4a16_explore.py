@@ -20,7 +20,7 @@ from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize
 
 OUT = os.environ.get("OUT", "/tmp")
-P = tee(os.path.join(OUT, "explore.log"))
+P = print  # main: tee(OUT/explore.log) (not opened on import)
 RESULTS = []
 
 
@@ -81,7 +81,7 @@ def ceilings():
     us = bench_us(lambda i: (lambda: v.sum(dtype=torch.float32)), 1, warmup_ms=10, reps=10)
     P(f"sum 1 GiB bf16: {us:.0f} us -> {n / us / 1e3:.0f} GB/s (read)")
     RESULTS.append(dict(kind="ceiling", read_GBps=n / us / 1e3))
-    del a, b
+    a = b = None  # freed (not del: the lambdas above close over them)
 
 
 def run_part(shapes, ms, variants, G=128, extra=True):
@@ -131,16 +131,18 @@ def run_part(shapes, ms, variants, G=128, extra=True):
             P("   " + "  ".join(f"{k}={v:.1f}" for k, v in row.items() if k[0] in "DVG" and not k.endswith("_sk")))
             table.append(row)
             RESULTS.append(row)
-        del sets, wb, tg
+        sets = wb = tg = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     return table
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="check,decode,gemm")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
+    global P
+    P = tee(os.path.join(OUT, "explore.log"))
     parts = args.part.split(",")
     t0 = time.time()
     P(torch.cuda.get_device_name(), torch.__version__, W.triton.__version__)

@@ -65,7 +65,7 @@ def main():
                   f"| picked {pick} {res.get(pick, float('nan')):6.1f}us x{res['bf16'] / res.get(pick, float('nan')):.2f}"
                   f" (floor {floor_us:.1f}) err {max(errs.values()):.1e}", flush=True)
             print("      " + " ".join(f"{k}={res[k]:.1f}" for k in variants), flush=True)
-        del w4, wb, tg, wf
+        w4 = wb = tg = wf = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     Path(args.json).write_text(json.dumps(dict(meta=env_meta(), rows=rows), indent=1))
 

@@ -184,7 +184,7 @@ def main():
     import torch
     import torch.nn.functional as F
     from nibble.bench.kernels import GROUP, TIMING, random_int4
-    from nibble.bench.timing import bench_us, env_meta, rotations
+    from nibble.bench.timing import bench_us, env_meta, rotations, shape_list
     from nibble.kernels import w4a16 as W
 
     dev = torch.device("cuda")
@@ -199,7 +199,7 @@ def main():
         W._mma_lib = lambda _device, lib=libs[lib]: lib
         W.w4a16_mma_many(x, [w], G, config=cfg, outs=[out])
 
-    shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    shapes = SHAPES if args.shapes == "all" else shape_list(args.shapes)
     rows = []
     for N, K in shapes:
         sets = [random_int4(N, K, G, dev) for _ in range(rotations(N * K // 2 + 4 * (K // G) * N))]

@@ -84,7 +84,7 @@ def main():
                   f"best {best} x{base / res[best]:.2f}  auto {auto_name} x{base / res[auto_name]:.2f}  | "
                   + " ".join(f"{k.replace('wgmma_', '')}={v:.1f}" for k, v in res.items() if k.startswith("wgmma")),
                   flush=True)
-        del w4, wb, wf
+        w4 = wb = wf = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     Path(args.json).write_text(json.dumps(dict(meta=env_meta(benchmark="w4a16-wgmma-sweep", command=" ".join(sys.argv),
                                                             clusters=clusters), rows=rows), indent=1))

@@ -9,6 +9,7 @@ PYTHONPATH=. python3 benchmarks/scripts/w4a4_explore.py [--quick] [--triton] [--
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ from nibble.kernels import hopper, reference
 from nibble.kernels import w4a4 as W
 
 OUT = os.environ.get("OUT", "/tmp")
-log = tee(os.path.join(OUT, "w4a4_explore.log"))
+log = print  # main: tee(OUT/w4a4_explore.log) (not opened on import)
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
           (28672, 8192), (8192, 28672)]
 
@@ -63,9 +64,17 @@ def diagnose(M=64, N=256, K=128) -> bool:
 
 
 def main(argv) -> int:
-    quick, triton = "--quick" in argv, "--triton" in argv
-    opt = {k: v for k, v in zip(argv, argv[1:]) if k in ("--tiles", "--ms", "--shapes")}
-    tiles = shape_list(opt["--tiles"]) if "--tiles" in opt else W.WGMMA_TILES
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="M = 128 and 1024 on five of the shapes")
+    ap.add_argument("--triton", action="store_true", help="time the Triton kernel too")
+    ap.add_argument("--tiles", help="BNxCHANNELS tiles, comma-separated (default: the package's)")
+    ap.add_argument("--ms", help="token counts, comma-separated")
+    ap.add_argument("--shapes", help="NxK, comma-separated")
+    args = ap.parse_args(argv)
+    global log
+    log = tee(os.path.join(OUT, "w4a4_explore.log"))
+    quick, triton = args.quick, args.triton
+    tiles = shape_list(args.tiles) if args.tiles else W.WGMMA_TILES
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     ok = all([diagnose(), diagnose(M=17, N=260, K=160), diagnose(M=300, N=1024, K=1024),
               diagnose(M=128, N=512, K=4096)])
@@ -76,9 +85,9 @@ def main(argv) -> int:
     clusters = W.wgmma_clusters("cuda")
     log(f"clusters resident at once, by split: {clusters}")
     ms = [128, 1024] if quick else [64, 128, 256, 512, 1024]
-    ms = [int(m) for m in opt["--ms"].split(",")] if "--ms" in opt else ms
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else ms
     shapes = SHAPES[:3] + SHAPES[6:] if quick else SHAPES
-    for N, K in shape_list(opt["--shapes"]) if "--shapes" in opt else shapes:
+    for N, K in shape_list(args.shapes) if args.shapes else shapes:
         n4 = rotations(K // 8 * N * 4)
         w4 = [random_w4a4(N, K, "cuda") for _ in range(n4)]
         nb = rotations(N * K * 2)
@@ -110,7 +119,7 @@ def main(argv) -> int:
                 f"op {row['op']:8.1f} = {row['bf16'] / row['op']:.2f}x bf16  | " +
                 " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("bn")))
             table.append(row)
-        del w4, wb
+        w4 = wb = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     with open(os.path.join(OUT, "w4a4_explore.json"), "w") as f:
         json.dump({"clusters": clusters, "rows": table}, f, indent=1)

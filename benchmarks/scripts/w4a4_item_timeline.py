@@ -10,6 +10,7 @@ instrumented copy lives in a temporary folder, the package is not touched.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import statistics
 import sys
@@ -90,6 +91,7 @@ def timeline(lib, M, N, K, tile) -> None:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     if not (torch.cuda.is_available() and W.wgmma_applicable(32, 32, 32, "cuda")):
         print("needs an sm_90 GPU and nvcc")
         return 1

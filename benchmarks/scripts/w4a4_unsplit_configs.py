@@ -13,6 +13,7 @@ path as its own kernel instantiation as "new".)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from nibble.kernels import w4a4 as W  # noqa: E402
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     out = {}
     for N, K in ((12288, 4096), (4096, 4096), (28672, 8192), (4096, 11008)):
         n_rot = rotations(K // 8 * N * 4)
@@ -38,7 +40,7 @@ def main() -> None:
                 cfg = dict(bn=bn, channels=ch, split_k=1)
                 out[f"{N}x{K} M={M} {bn}x{ch}"] = bench_us(lambda i: (lambda: W.w4a4_wgmma(
                     qe, sx, weights[i][0], weights[i][1], order="even_odd", config=cfg)), n_rot)
-        del weights
+        weights = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     print(json.dumps(out))
 
