@@ -127,6 +127,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     # every refusal before the model is touched (moved, rotated, a layer converted), so that it stays as it was
     names = linears_to_convert(model, config)
     check_widths(model, names, config)
+    check_online_hadamards(model, names, config)
     check_weights(model, names, config)
     if config.method != "rtn":
         if calibration is None:
@@ -208,6 +209,18 @@ def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> Non
     for name in names:
         if error := width_error(model.get_submodule(name).in_features, config.group_size):
             raise ValueError(f"{name}: {error}")
+
+
+def check_online_hadamards(model: nn.Module, names: list[str], config: QuantConfig) -> None:
+    """Refuse a mode other than w4a4 for a linear of ``names`` that rotates its input online (a rotated model's
+    down_proj, `HadamardInputLinear`) before any of them is converted (as `check_widths`): only W4A4's activation
+    quantization runs that rotation, and QuantLinear's refusal at the layer's turn left the model half quantized."""
+    online = [n for n in names if getattr(model.get_submodule(n), "input_hadamard", False)]
+    if online and config.mode != "w4a4":
+        kept = ["lm_head", *sorted({n.rpartition(".")[2] for n in online})]  # o_proj too after online_o_proj
+        raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which only w4a4 runs: "
+                         f"quantize the model with mode='w4a4', or keep those layers in 16 bits "
+                         f"(modules_to_not_convert={kept})")
 
 
 def check_weights(model: nn.Module, names: list[str], config: QuantConfig) -> None:
