@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
-from nibble.models.convert import check_architecture, decoder_layers, untie_lm_head
+from nibble.models.convert import check_architecture, check_not_quantized, decoder_layers, untie_lm_head
 from nibble.nn.hadamard import HadamardInputLinear
 
 
@@ -50,6 +50,7 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
     norm), after checking the whole model can be rotated; returns the function that rotates one decoder
     layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn."""
     check_architecture(model)
+    check_not_quantized(model, "rotate_model")  # its INT4 layers hold no float weight to rotate
     cfg = model.config
     layers = decoder_layers(model)
     if any(isinstance(layer.mlp.down_proj, HadamardInputLinear) for layer in layers):

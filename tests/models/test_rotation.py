@@ -120,6 +120,18 @@ def test_rotating_twice_is_an_error():
         rotate_model(model)
 
 
+@pytest.mark.parametrize("config", [QuantConfig(group_size=32), QuantConfig(mode="w4a4", rotation="hadamard")])
+def test_rotating_a_quantized_model_is_refused_before_it_is_touched(config):
+    """Rotation rewrites float weights: a quantized model failed on "'QuantLinear' object has no attribute 'weight'"
+    after its embedding was rotated (a rotated W4A4 model's down_proj, a QuantLinear, passed the already-rotated check)."""
+    model = quantize_model(tiny_model("llama"), config, progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="the model is quantized already: 14 of its linears are QuantLinear .* "
+                                         "rotate_model takes a 16-bit model"):
+        rotate_model(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_unsupported_sizes_are_a_clear_error():
     with pytest.raises(ValueError, match="hidden_size is 100.*Paley"):
         rotate_model(tiny_model("llama", hidden_size=100, num_attention_heads=4))
