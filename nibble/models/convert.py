@@ -185,7 +185,9 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     ``resize_token_embeddings`` too, before the embedding is resized."""
     own_config(model)
     model.config.quantization_config = quantization_config
-    model.save_pretrained = functools.partial(_save_pretrained_guarded, model)  # a copy's partial holds the copy
+    refuse_save_pretrained(model, "a nibble-quantized model is saved with nibble.save_quantized(model, directory, "
+                           "tokenizer) (format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained "
+                           "would write a checkpoint that transformers loads as random weights and nibble cannot load")
     if isinstance(model.get_output_embeddings(), QuantLinear):
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
 
@@ -195,12 +197,16 @@ def _resize_refused(*args, **kwargs):
                      "16-bit model, then quantize it")
 
 
-def _save_pretrained_guarded(model: nn.Module, *args, **kwargs):
+def refuse_save_pretrained(model: nn.Module, why: str) -> None:
+    """Turn ``model.save_pretrained`` into a refusal saying ``why``, for a model whose checkpoint transformers would
+    load as another function; adapters added by transformers' ``add_adapter`` still save, alone."""
+    model.save_pretrained = functools.partial(_save_pretrained_guarded, model, why)  # a copy's partial holds the copy
+
+
+def _save_pretrained_guarded(model: nn.Module, why: str, *args, **kwargs):
     if getattr(model, "_hf_peft_config_loaded", False):  # adapters added by transformers' add_adapter: it writes them
         return type(model).save_pretrained(model, *args, **kwargs)  # alone (Trainer's checkpoints of a LoRA run)
-    raise ValueError("a nibble-quantized model is saved with nibble.save_quantized(model, directory, tokenizer) "
-                     "(format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained would write a "
-                     "checkpoint that transformers loads as random weights and nibble cannot load")
+    raise ValueError(why)
 
 
 def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> None:

@@ -132,6 +132,19 @@ def test_rotating_a_quantized_model_is_refused_before_it_is_touched(config):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_rotated_model_refuses_save_pretrained_which_would_drop_its_online_hadamard(tmp_path):
+    """transformers loads a saved rotated model's down_proj as a plain nn.Linear, without the online Hadamard its
+    weight was folded for: it saved without a word and came back as another function (logits 0.2 apart)."""
+    model = rotate_model(tiny_model("llama"))
+    for m in (model, copy.deepcopy(model)):
+        with pytest.raises(ValueError, match=r"a rotated model's down_proj .* quantize it .* nibble\.save_quantized"):
+            m.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
+    with pytest.raises(ValueError, match=r"nibble\.save_quantized\(model, directory, tokenizer\)"):
+        model.save_pretrained(tmp_path / "hf")
+
+
 def test_unsupported_sizes_are_a_clear_error():
     with pytest.raises(ValueError, match="hidden_size is 100.*Paley"):
         rotate_model(tiny_model("llama", hidden_size=100, num_attention_heads=4))
