@@ -70,13 +70,14 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
         if not type(norm).__name__.endswith("RMSNorm") or getattr(norm, "bias", None) is not None:
             raise ValueError(f"rotation folds RMSNorm (x / rms(x) * w) weights; found {type(norm).__name__}")
 
-    refuse_save_pretrained(model, "a rotated model's down_proj (HadamardInputLinear) rotates its input online, which "
-                           "transformers' from_pretrained would load as a plain nn.Linear, another function: quantize it "
-                           "(nibble.quantize_model, mode='w4a4', keeps the online rotation) and save that with "
-                           "nibble.save_quantized, or save the model before rotate_model")
-    untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # torch's refusal of a seed, before the model is touched
     signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double()
+
+    refuse_save_pretrained(model, "a rotated model's down_proj (HadamardInputLinear) rotates its input online, "
+                           "which transformers' from_pretrained would load as a plain nn.Linear, another function: "
+                           "quantize it (nibble.quantize_model, mode='w4a4', keeps the online rotation) and save that "
+                           "with nibble.save_quantized, or save the model before rotate_model")
+    untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
 
     def f64(t: torch.Tensor) -> torch.Tensor:  # moved in its own dtype, widened where the algebra runs
         return t.detach().to(device or t.device).to(torch.float64)
