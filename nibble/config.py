@@ -79,6 +79,10 @@ class QuantConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (the mode's default), got {value!r}")
+        seed = self.rotation_seed  # torch.manual_seed's range: refused here, not by torch half-way through the rotation
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
+            raise ValueError(f"rotation_seed must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
+        self.rotation_seed = int(seed)  # a numpy integer too, which the checkpoint's JSON cannot hold
         if isinstance(self.modules_to_not_convert, str):  # one name, not its characters
             self.modules_to_not_convert = [self.modules_to_not_convert]
         if not (isinstance(self.modules_to_not_convert, (list, tuple))

@@ -127,6 +127,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     # every refusal before the model is touched (moved, rotated, a layer converted), so that it stays as it was
     names = linears_to_convert(model, config)
     check_widths(model, names, config)
+    check_online_hadamards(model, names, config)
     check_weights(model, names, config)
     if config.method != "rtn":
         if calibration is None:
@@ -184,7 +185,9 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     ``resize_token_embeddings`` too, before the embedding is resized."""
     own_config(model)
     model.config.quantization_config = quantization_config
-    model.save_pretrained = functools.partial(_save_pretrained_guarded, model)  # a copy's partial holds the copy
+    refuse_save_pretrained(model, "a nibble-quantized model is saved with nibble.save_quantized(model, directory, "
+                           "tokenizer) (format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained "
+                           "would write a checkpoint that transformers loads as random weights and nibble cannot load")
     if isinstance(model.get_output_embeddings(), QuantLinear):
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
 
@@ -194,12 +197,16 @@ def _resize_refused(*args, **kwargs):
                      "16-bit model, then quantize it")
 
 
-def _save_pretrained_guarded(model: nn.Module, *args, **kwargs):
+def refuse_save_pretrained(model: nn.Module, why: str) -> None:
+    """Turn ``model.save_pretrained`` into a refusal saying ``why``, for a model whose checkpoint transformers would
+    load as another function; adapters added by transformers' ``add_adapter`` still save, alone."""
+    model.save_pretrained = functools.partial(_save_pretrained_guarded, model, why)  # a copy's partial holds the copy
+
+
+def _save_pretrained_guarded(model: nn.Module, why: str, *args, **kwargs):
     if getattr(model, "_hf_peft_config_loaded", False):  # adapters added by transformers' add_adapter: it writes them
         return type(model).save_pretrained(model, *args, **kwargs)  # alone (Trainer's checkpoints of a LoRA run)
-    raise ValueError("a nibble-quantized model is saved with nibble.save_quantized(model, directory, tokenizer) "
-                     "(format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained would write a "
-                     "checkpoint that transformers loads as random weights and nibble cannot load")
+    raise ValueError(why)
 
 
 def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> None:
@@ -208,6 +215,18 @@ def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> Non
     for name in names:
         if error := width_error(model.get_submodule(name).in_features, config.group_size):
             raise ValueError(f"{name}: {error}")
+
+
+def check_online_hadamards(model: nn.Module, names: list[str], config: QuantConfig) -> None:
+    """Refuse a mode other than w4a4 for a linear of ``names`` that rotates its input online (a rotated model's
+    down_proj, `HadamardInputLinear`) before any of them is converted (as `check_widths`): only W4A4's activation
+    quantization runs that rotation, and QuantLinear's refusal at the layer's turn left the model half quantized."""
+    online = [n for n in names if getattr(model.get_submodule(n), "input_hadamard", False)]
+    if online and config.mode != "w4a4":
+        kept = ["lm_head", *sorted({n.rpartition(".")[2] for n in online})]  # o_proj too after online_o_proj
+        raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which only w4a4 runs: "
+                         f"quantize the model with mode='w4a4', or keep those layers in 16 bits "
+                         f"(modules_to_not_convert={kept})")
 
 
 def check_weights(model: nn.Module, names: list[str], config: QuantConfig) -> None:

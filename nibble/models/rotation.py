@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
-from nibble.models.convert import check_architecture, decoder_layers, untie_lm_head
+from nibble.models.convert import (check_architecture, check_not_quantized, decoder_layers, refuse_save_pretrained,
+                                   untie_lm_head)
 from nibble.nn.hadamard import HadamardInputLinear
 
 
@@ -37,6 +38,9 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
 
     device: where the float64 algebra runs (default: each weight's own device). Every result is
     written back where its parameter lives, so a model in host memory can be rotated on a GPU.
+
+    The rotated model refuses ``save_pretrained``: transformers would load its down_proj without the online
+    Hadamard. A model quantized in W4A4 keeps it, and saves with ``nibble.save_quantized``.
     """
     rotate_layer = rotate_all_but_layers(model, seed, online_o_proj, device)
     for layer in decoder_layers(model):
@@ -50,6 +54,7 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
     norm), after checking the whole model can be rotated; returns the function that rotates one decoder
     layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn."""
     check_architecture(model)
+    check_not_quantized(model, "rotate_model")  # its INT4 layers hold no float weight to rotate
     cfg = model.config
     layers = decoder_layers(model)
     if any(isinstance(layer.mlp.down_proj, HadamardInputLinear) for layer in layers):
@@ -65,9 +70,14 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
         if not type(norm).__name__.endswith("RMSNorm") or getattr(norm, "bias", None) is not None:
             raise ValueError(f"rotation folds RMSNorm (x / rms(x) * w) weights; found {type(norm).__name__}")
 
-    untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # torch's refusal of a seed, before the model is touched
     signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double()
+
+    refuse_save_pretrained(model, "a rotated model's down_proj (HadamardInputLinear) rotates its input online, "
+                           "which transformers' from_pretrained would load as a plain nn.Linear, another function: "
+                           "quantize it (nibble.quantize_model, mode='w4a4', keeps the online rotation) and save that "
+                           "with nibble.save_quantized, or save the model before rotate_model")
+    untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
 
     def f64(t: torch.Tensor) -> torch.Tensor:  # moved in its own dtype, widened where the algebra runs
         return t.detach().to(device or t.device).to(torch.float64)

@@ -480,3 +480,22 @@ def test_a_symmetric_config_refuses_a_float_zero_point_it_would_ignore():
     assert QuantConfig(zero_point="float").zero_point == "float"  # asymmetric w4a16
     saved = {**QuantConfig(mode="w4a4").to_dict(), "zero_point": "float"}
     assert QuantConfig.from_dict(saved) == QuantConfig(mode="w4a4")
+
+
+def test_a_rotated_model_is_refused_a_mode_that_cannot_run_its_online_hadamard_before_any_layer_is_converted():
+    """A rotated model's down_proj rotates its input online, which only W4A4 runs: W4A16 was refused at layer 0's
+    down_proj, after its other six linears were converted, and a retry refused the model as quantized already."""
+    from nibble.models.rotation import rotate_model
+    model = rotate_model(tiny_model("llama"))
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj rotates its input online .* only w4a4 "
+                                         r"runs: quantize the model with mode='w4a4', or keep those layers"):
+        quantize_model(model, QuantConfig(group_size=32), progress=False)
+    assert not quantized_linears(model) and getattr(model.config, "quantization_config", None) is None
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+        quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=["lm_head", "down_proj"]),
+                       progress=False)  # its down_projs kept in 16 bits, with their online Hadamard
+        got = model(ids).logits
+    assert len(quantized_linears(model)) == 12
+    assert nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0) > 0.99

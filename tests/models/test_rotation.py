@@ -1,5 +1,6 @@
 """rotate_model and HadamardInputLinear: same function, spread outliers."""
 import copy
+import re
 
 import pytest
 import torch
@@ -108,6 +109,20 @@ def test_rotation_depends_on_the_seed_only():
     assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
 
 
+@pytest.mark.parametrize("seed", [1.5, "3", None, True, 2**64])
+def test_a_seed_torch_cannot_take_is_refused_before_the_model_is_touched(seed):
+    """QuantConfig took any rotation_seed, and quantize_model failed in torch ("manual_seed expected a long, but got
+    float", "Overflow when unpacking long long") after the rotation had untied the model's head."""
+    with pytest.raises(ValueError, match=rf"rotation_seed must be an integer from -2\*\*63 to 2\*\*64 - 1, got "
+                                         rf"{re.escape(repr(seed))}"):
+        QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=seed)
+    model = tiny_model("llama")
+    with pytest.raises((RuntimeError, TypeError, ValueError)):
+        rotate_model(model, seed=seed)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=2**64 - 1).rotation_seed == 2**64 - 1
+
+
 def test_rotation_keeps_dtypes():
     model = tiny_model("llama", dtype=torch.bfloat16)
     rotate_model(model)
@@ -118,6 +133,31 @@ def test_rotating_twice_is_an_error():
     model = rotate_model(tiny_model("llama"))
     with pytest.raises(ValueError, match="already rotated"):
         rotate_model(model)
+
+
+@pytest.mark.parametrize("config", [QuantConfig(group_size=32), QuantConfig(mode="w4a4", rotation="hadamard")])
+def test_rotating_a_quantized_model_is_refused_before_it_is_touched(config):
+    """Rotation rewrites float weights: a quantized model failed on "'QuantLinear' object has no attribute 'weight'"
+    after its embedding was rotated (a rotated W4A4 model's QuantLinear down_proj passed the already-rotated check)."""
+    model = quantize_model(tiny_model("llama"), config, progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="the model is quantized already: 14 of its linears are QuantLinear .* "
+                                         "rotate_model takes a 16-bit model"):
+        rotate_model(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_rotated_model_refuses_save_pretrained_which_would_drop_its_online_hadamard(tmp_path):
+    """transformers loads a saved rotated model's down_proj as a plain nn.Linear, without the online Hadamard its
+    weight was folded for: it saved without a word and came back as another function (logits 0.2 apart)."""
+    model = rotate_model(tiny_model("llama"))
+    for m in (model, copy.deepcopy(model)):
+        with pytest.raises(ValueError, match=r"a rotated model's down_proj .* quantize it .* nibble\.save_quantized"):
+            m.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
+    with pytest.raises(ValueError, match=r"nibble\.save_quantized\(model, directory, tokenizer\)"):
+        model.save_pretrained(tmp_path / "hf")
 
 
 def test_unsupported_sizes_are_a_clear_error():
