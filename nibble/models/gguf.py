@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import struct
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -175,6 +176,10 @@ def _open(path: Path) -> gguf.GGUFReader:
         reader = _read(path.resolve(), stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
     except (ValueError, IndexError, struct.error) as e:  # numpy's view of a short file, the header past its end
         raise ValueError(f"{path} is truncated or corrupt ({e}); download or convert it again") from e
+    if reader.byte_order == "S":  # gguf's dequantize reads tensor bytes in this machine's order: all swapped
+        raise ValueError(f"{path} is a {reader.endianess.name.lower()}-endian GGUF, but this machine is "
+                         f"{sys.byteorder}-endian: its tensors would be read with their bytes swapped. Convert it with "
+                         f"llama.cpp's gguf_convert_endian.py (`gguf_convert_endian.py FILE {sys.byteorder}`)")
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; nibble loads GGUF files of "

@@ -101,11 +101,11 @@ def _permute(w, n_head):
 
 
 def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
-                merges=("h e", "l l"), head_counts=None):
+                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's."""
     c = model.config
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, endianess=endianess)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -319,3 +319,13 @@ def test_a_gguf_is_known_by_its_magic_bytes_not_its_suffix(tiny, tmp_path, name)
     from nibble.models.loading import load_model
     model, _ = load_model(_write_gguf(tmp_path / name, tiny))
     assert torch.equal(model.model.embed_tokens.weight, tiny.model.embed_tokens.weight)
+
+
+def test_a_big_endian_gguf_is_refused_not_read_with_its_bytes_swapped(tiny, tmp_path):
+    """gguf hands a big-endian file's tensors (llama.cpp's --bigendian, for s390x) to a dequantize that reads their
+    bytes in this machine's order: the F32 norms loaded as 4.6e-41 instead of 1.0, a model of garbage, without a word."""
+    path = _write_gguf(tmp_path / "be.gguf", tiny, quantized=True, endianess=gguf.GGUFEndian.BIG)
+    for read in (load_gguf, read_q4_1_blocks):
+        with pytest.raises(ValueError, match=r"be\.gguf is a big-endian GGUF, but this machine is little-endian.*"
+                                             r"gguf_convert_endian\.py"):
+            read(path)
