@@ -47,7 +47,8 @@ EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 GPTQ_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too (before 0.5: only here)
-_QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
+_REQUIRED_KEYS = ("qweight", "qzeros", "scales")  # every AWQ / GPTQ layer's
+_QUANT_KEYS = (*_REQUIRED_KEYS, "g_idx")  # GPTQ's g_idx is optional: without one, groups are k // G
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -152,7 +153,7 @@ def _convert_layer(info: dict, t: dict, prefix: str):
             return from_awq(t["qweight"], t["qzeros"], t["scales"], info["group_size"]), None, None
         fmt = _symmetric_zeros_format(info, t["qzeros"])
         return *from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"], fmt), fmt
-    except (KeyError, ValueError) as e:
+    except ValueError as e:
         raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
 
 
@@ -237,6 +238,11 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
             raise ValueError(f"{directory / CONFIG} says {info['method']}, but {prefix} holds {layout}'s tensors "
                              f"({held}): the config.json belongs to another checkpoint; restore the one written with "
                              "these weights")
+        missing = [k for k in _REQUIRED_KEYS if k not in t]
+        if missing:  # by name: a KeyError said "cannot read its awq tensors ('qzeros')"
+            raise ValueError(f"{directory}: the checkpoint lacks {prefix}.{missing[0]} ({info['method']} layers store "
+                             f"{', '.join(_REQUIRED_KEYS)}): a shard or the save is incomplete; re-download the "
+                             "checkpoint")
         weight, perm, read_as = _convert_layer(info, t, prefix)
         for what, value in (("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
             if value is not None:

@@ -731,3 +731,17 @@ def test_an_index_that_names_the_wrong_shard_is_named_and_a_home_path_is_expande
     with pytest.raises(ValueError, match=rf"index\.json names .* for '{re.escape(key)}' \(1 such tensor\(s\)\), but that "
                                          "file does not hold it"):
         load_quantized(tmp_path / "q")
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("tensor", ["qzeros", "scales"])
+def test_a_layer_missing_a_tensor_is_named(tmp_path, fmt, tensor):
+    """A layer without its qzeros or scales (a shard left out, a damaged save) failed as "cannot read its awq tensors
+    ('qzeros')": a KeyError's repr, which said neither that a tensor is missing nor which."""
+    _, path = _export(tmp_path, fmt=fmt)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[f"model.layers.1.self_attn.k_proj.{tensor}"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})  # as another tool wrote it: no checksums
+    with pytest.raises(ValueError, match=rf"lacks model\.layers\.1\.self_attn\.k_proj\.{tensor} \({fmt} layers "
+                                         r"store qweight, qzeros, scales\).*re-download"):
+        load_quantized(path)
