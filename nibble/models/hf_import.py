@@ -149,12 +149,29 @@ def _convert_layer(info: dict, t: dict, prefix: str):
     """(Int4Weight, perm or None, the zero-point convention read: `_symmetric_zeros_format`) of one quantized
     linear from its checkpoint tensors."""
     try:
+        scales = _float16_scales(t["scales"])
         if info["method"] == "awq":
-            return from_awq(t["qweight"], t["qzeros"], t["scales"], info["group_size"]), None, None
+            return from_awq(t["qweight"], t["qzeros"], scales, info["group_size"]), None, None
         fmt = _symmetric_zeros_format(info, t["qzeros"])
-        return *from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"], fmt), fmt
+        return *from_gptq(t["qweight"], t["qzeros"], scales, t.get("g_idx"), info["group_size"], fmt), fmt
     except ValueError as e:
         raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
+
+
+def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` in float16, the layouts' (and nibble's) dtype. A quantized model cast to bfloat16 (Module.to casts
+    its float buffers, the scales among them) and saved again writes bfloat16 scales, which vLLM and transformers
+    cast to their own dtype as they load them: each in float16's range is a float16 exactly. One that is not is
+    refused, as an import never rounds a weight; NaN and Inf pass, for `_check_finite` to name."""
+    if not scales.is_floating_point() or scales.dtype == torch.float16:
+        return scales  # the converters refuse an integer dtype
+    half = scales.half()
+    inexact = (half.to(scales.dtype) != scales) & torch.isfinite(scales)
+    if bool(inexact.any()):
+        raise ValueError(f"scales are {scales.dtype}, and {int(inexact.sum())} of them (e.g. "
+                         f"{scales[inexact][0].item():.9g}) are no float16 value, the dtype nibble keeps scales in; "
+                         "save the checkpoint with float16 scales, or quantize the model again")
+    return half
 
 
 def _layout(t: dict, nibble_zeros: bool, layer: nn.Module) -> tuple[str | None, str]:

@@ -745,3 +745,29 @@ def test_a_layer_missing_a_tensor_is_named(tmp_path, fmt, tensor):
     with pytest.raises(ValueError, match=rf"lacks model\.layers\.1\.self_attn\.k_proj\.{tensor} \({fmt} layers "
                                          r"store qweight, qzeros, scales\).*re-download"):
         load_quantized(path)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_bfloat16_scales_load_as_the_float16_scales_they_equal(tmp_path, fmt):
+    """A quantized model cast to bfloat16 (Module.to casts the scales too) and saved again writes bfloat16 scales, which
+    vLLM and transformers read: nibble refused them ("scales must be float16"). Every bfloat16 scale in float16's
+    range is a float16 exactly; one that is not (float32) is refused."""
+    _, path = _export(tmp_path, fmt=fmt)
+    tensors = load_file(path / "model.safetensors")
+    scales = [k for k in tensors if k.endswith(".scales")]
+    for k in scales:
+        tensors[k] = tensors[k].bfloat16()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})  # as another tool wrote it: no checksums
+    loaded, _ = load_quantized(path)
+    for k in scales:
+        tensors[k] = tensors[k].half()  # the same values, in float16
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    want, _ = load_quantized(path)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want(ids).logits)
+    tensors[scales[0]] = tensors[scales[0]].float() * (1 + 2 ** -20)  # between two float16 values
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"cannot read its {fmt} tensors \(scales are torch\.float32, and \d+ of them "
+                                         r"\(e\.g\. [\d.e-]+\) are no float16 value"):
+        load_quantized(path)
