@@ -771,3 +771,44 @@ def test_bfloat16_scales_load_as_the_float16_scales_they_equal(tmp_path, fmt):
     with pytest.raises(ValueError, match=rf"cannot read its {fmt} tensors \(scales are torch\.float32, and \d+ of them "
                                          r"\(e\.g\. [\d.e-]+\) are no float16 value"):
         load_quantized(path)
+
+
+def test_gptqmodel_dynamic_rules_are_read_per_layer(tmp_path):
+    """GPTQModel's quantization_config `dynamic` ({pattern: overrides}; the first pattern that re.matches a layer's name
+    rules it, "-:" ones leave it unquantized, as GPTQModel and vLLM read them) was ignored: an 8-bit layer, four codes
+    a word, was read as a 4-bit one of twice the inputs and refused as "group_size=32 disagrees with the tensors", as
+    was a layer of another group size, which nibble cannot hold either; both are now said as they are. A rule's sym
+    is the layer's: the import is symmetric only where every layer is."""
+    G, ids, layers = 32, torch.randint(0, 256, (2, 16)), iter(LINEARS * 2)
+
+    def write(W):  # in write_checkpoint's order
+        return write_gptq_linear(W, G, next(layers) != "mlp.up_proj", False)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": True, "desc_act": False,
+          "dynamic": {r"-:lm_head": {}, r".*\.up_proj": {"sym": False}}}
+    ref, dense = write_checkpoint(tmp_path, tiny_model("llama"), qc, write)
+    loaded, _ = load_quantized(tmp_path)
+    check_import(loaded, dense, ref, ids)
+    assert loaded.config.quantization_config["symmetric"] is False  # not every layer is
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    name, (K, N) = "model.layers.1.mlp.down_proj", (192, 64)
+    tensors.update({f"{name}.qweight": torch.zeros(K // 4, N, dtype=torch.int32),  # GPTQModel's 8-bit packing
+                    f"{name}.qzeros": torch.zeros(K // G, N // 4, dtype=torch.int32),
+                    f"{name}.scales": torch.ones(K // G, N, dtype=torch.float16), f"{name}.g_idx": torch.arange(K) // G})
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    rules = config["quantization_config"]["dynamic"]
+    for rule, refusal in (({"bits": 8}, r"has 8 bits \(the quantization_config's dynamic rule '\+:\.\*\\\.1\\\.mlp.*"
+                                        r"nibble imports .*bits=4"),
+                          ({"group_size": 64}, r"has group size 64 \(the quantization_config's dynamic rule "
+                                               r"'\+:\.\*\\\.1\\\.mlp\\\.down_proj'\), the other layers 32")):
+        config["quantization_config"]["dynamic"] = {r"+:.*\.1\.mlp\.down_proj": rule, **rules}  # the first match rules
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedCheckpointError, match=r"model\.layers\.1\.mlp\.down_proj " + refusal):
+            load_quantized(tmp_path)
+    for rules, refusal in (({"+:(": {}}, r"dynamic rule '\+:\(' is not a regular expression"),
+                           (["+:.*"], r"dynamic is \['\+:\.\*'\], not GPTQModel's \{pattern: overrides\}")):
+        config["quantization_config"]["dynamic"] = rules
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedCheckpointError, match=refusal + ".*: the quantization_config is damaged"):
+            load_quantized(tmp_path)
