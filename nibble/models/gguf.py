@@ -71,6 +71,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     path = Path(path)
     reader = _open(path)
     config = _llama_config(reader, path)
+    # before the model: a tokenizer nibble cannot build (Llama 2's sentencepiece) is refused in a moment, not after
+    # every weight was dequantized to float32
+    tokenizer = _tokenizer(reader, path, config)
     # Skip the random init: every parameter is overwritten by the strict load below.
     with no_init_weights():
         model = LlamaForCausalLM(config)
@@ -100,7 +103,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
         raise ValueError(f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}: the GGUF is "
                          "incomplete, or its architecture has tensors nibble's llama loader does not build")
     model.load_state_dict(state_dict, strict=True)
-    return model.to(dtype).eval(), _tokenizer(reader, path, config)
+    return model.to(dtype).eval(), tokenizer
 
 
 def _check_place(tensor: gguf.ReaderTensor, name: str, expected: dict, config: LlamaConfig, path: Path) -> None:

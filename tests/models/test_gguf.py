@@ -329,3 +329,14 @@ def test_a_big_endian_gguf_is_refused_not_read_with_its_bytes_swapped(tiny, tmp_
         with pytest.raises(ValueError, match=r"be\.gguf is a big-endian GGUF, but this machine is little-endian.*"
                                              r"gguf_convert_endian\.py"):
             read(path)
+
+
+def test_a_tokenizer_nibble_cannot_build_is_refused_before_any_weight_is_read(tiny, tmp_path, monkeypatch):
+    """The tokenizer was built last: a Llama 2 or Mistral GGUF (a sentencepiece tokenizer, which nibble does not build)
+    had the whole model allocated and dequantized to float32 first (28 GB for a 7B model), to be refused after it, if
+    the memory lasted."""
+    import nibble.models.gguf as nibble_gguf
+    path = _write_gguf(tmp_path / "bpe.gguf", tiny, pre="llama-bpe")
+    monkeypatch.setattr(nibble_gguf, "LlamaForCausalLM", lambda config: pytest.fail("the model was built"))
+    with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe' is not supported"):
+        load_gguf(path)
