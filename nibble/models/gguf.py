@@ -252,7 +252,7 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
                          "are not supported by LlamaForCausalLM")
     tensor_names = {t.name for t in reader.tensors}
     return LlamaConfig(
-        vocab_size=meta("vocab_size", None) or len(_field(reader, "tokenizer.ggml.tokens", path)),
+        vocab_size=meta("vocab_size", None) or len(_tokens(reader, path)),
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
         num_hidden_layers=meta("block_count"),
@@ -301,16 +301,24 @@ def _unpermute_qk(x: torch.Tensor, hf_name: str, config: LlamaConfig) -> torch.T
     return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
 
 
+def _tokens(reader: gguf.GGUFReader, path: Path) -> list[str]:
+    tokens = _field(reader, "tokenizer.ggml.tokens", path, None)
+    if not tokens:  # llama.cpp's --no-vocab, or metadata stripped: said as such, not as a key missing
+        raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens), and nibble builds a GGUF model's "
+                         "tokenizer from it; load the original Hugging Face directory instead")
+    return tokens
+
+
 def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreTrainedTokenizerFast:
     def meta(key, default=_REQUIRED):
         return _field(reader, f"tokenizer.ggml.{key}", path, default)
 
+    tokens = _tokens(reader, path)
     kind, pre = meta("model"), meta("pre", "default")
     if kind != "gpt2" or pre not in _PRE_TOKENIZERS:
         raise ValueError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; nibble builds "
                          f"GGUF tokenizers of model 'gpt2' (byte-level BPE) with pre-tokenizer "
                          f"{' or '.join(map(repr, _PRE_TOKENIZERS))}. Load the original Hugging Face directory instead")
-    tokens = meta("tokens")
     merges = [tuple(merge.split(" ", 1)) for merge in meta("merges")]
     try:
         tokenizer = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))

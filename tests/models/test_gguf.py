@@ -101,9 +101,10 @@ def _permute(w, n_head):
 
 
 def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
-                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE):
+                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2"):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
-    (head_count, head_count_kv) the metadata says, if not the model's."""
+    (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
+    for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead)."""
     c = model.config
     w = gguf.GGUFWriter(path, arch, endianess=endianess)
     w.add_block_count(c.num_hidden_layers)
@@ -115,14 +116,18 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantize
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(TOKENS)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
-    w.add_token_merges(list(merges))
-    w.add_bos_token_id(bos)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(add_bos)
+    if tokenizer is not None:
+        w.add_tokenizer_model(tokenizer)
+    if tokenizer == "gpt2":
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(TOKENS)
+        w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
+        w.add_token_merges(list(merges))
+        w.add_bos_token_id(bos)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(add_bos)
+    else:
+        w.add_vocab_size(c.vocab_size)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -340,3 +345,13 @@ def test_a_tokenizer_nibble_cannot_build_is_refused_before_any_weight_is_read(ti
     monkeypatch.setattr(nibble_gguf, "LlamaForCausalLM", lambda config: pytest.fail("the model was built"))
     with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe' is not supported"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("tokenizer", [None, "no_vocab"])
+def test_a_gguf_without_a_tokenizer_is_named_as_such(tiny, tmp_path, tokenizer):
+    """A file converted without its vocabulary (llama.cpp's --no-vocab writes tokenizer.ggml.model 'no_vocab') was
+    "metadata key 'tokenizer.ggml.model' is missing; the file is incomplete or not a llama.cpp model file", or a
+    tokenizer 'no_vocab' that nibble "does not support"."""
+    with pytest.raises(ValueError, match=r"novocab\.gguf holds no tokenizer \(no tokenizer\.ggml\.tokens\).*load the "
+                                         "original Hugging Face directory instead"):
+        load_gguf(_write_gguf(tmp_path / "novocab.gguf", tiny, tokenizer=tokenizer))
