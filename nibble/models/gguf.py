@@ -231,11 +231,20 @@ def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
                          "corrupt; download or convert it again") from e
 
 
-def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
-    def meta(key, default=_REQUIRED):
-        return _field(reader, f"llama.{key}", path, default)
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
 
-    rope_scaling = meta("rope.scaling.type", "none")
+
+def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
+    def meta(key, default=_REQUIRED, kind=int):
+        value = _field(reader, f"llama.{key}", path, default)
+        # by name: LlamaConfig's validator named neither the file nor the key, and a list (head counts per layer,
+        # which llama.cpp reads for some architectures) failed in the checks below as a TypeError
+        if value is not default and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise ValueError(f"{path}: GGUF metadata key 'llama.{key}' holds {repr(value)[:60]}, not {_KINDS[kind]}: "
+                             "the file is corrupt, or of a model LlamaForCausalLM cannot build")
+        return value
+
+    rope_scaling = meta("rope.scaling.type", "none", str)
     if rope_scaling != "none":
         raise ValueError(f"{path}: rope scaling {rope_scaling!r} is not supported by nibble's GGUF loader; "
                          "load the original Hugging Face directory instead")
@@ -260,9 +269,9 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=meta("context_length"),
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", kind=float),
         # 10000 is llama.cpp's default when the file does not say.
-        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0)},
+        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0, float)},
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),

@@ -1,4 +1,5 @@
 """GGUF loading: the shipped SmolLM2 Q4_1 file, and tiny synthetic GGUF files for the edge cases."""
+import re
 from types import SimpleNamespace
 
 import gguf
@@ -101,10 +102,12 @@ def _permute(w, n_head):
 
 
 def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
-                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2"):
+                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
+                metadata=None):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
-    for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead)."""
+    for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead). ``metadata``: {key: value}
+    written over the model's, a str as a string, a float as float32, a list as an array."""
     c = model.config
     w = gguf.GGUFWriter(path, arch, endianess=endianess)
     w.add_block_count(c.num_hidden_layers)
@@ -128,6 +131,8 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantize
         w.add_add_bos_token(add_bos)
     else:
         w.add_vocab_size(c.vocab_size)
+    for key, value in (metadata or {}).items():
+        {str: w.add_string, float: w.add_float32, list: w.add_array}[type(value)](key, value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -355,3 +360,15 @@ def test_a_gguf_without_a_tokenizer_is_named_as_such(tiny, tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"novocab\.gguf holds no tokenizer \(no tokenizer\.ggml\.tokens\).*load the "
                                          "original Hugging Face directory instead"):
         load_gguf(_write_gguf(tmp_path / "novocab.gguf", tiny, tokenizer=tokenizer))
+
+
+@pytest.mark.parametrize("key,value,kind", [("block_count", "2", "an integer"), ("attention.head_count", 4.0, "an integer"),
+                                            ("attention.head_count_kv", [2, 2], "an integer"),
+                                            ("attention.layer_norm_rms_epsilon", "1e-6", "a number")])
+def test_metadata_of_the_wrong_type_is_named(tiny, tmp_path, key, value, kind):
+    """huggingface_hub's StrictDataclassFieldValidationError ("Field 'num_hidden_layers' expected int, got str"), naming
+    neither the file nor the key, and a per-layer list of head counts (llama.cpp's reader takes one) a TypeError."""
+    path = _write_gguf(tmp_path / "bad.gguf", tiny, metadata={f"llama.{key}": value})
+    with pytest.raises(ValueError, match=rf"bad\.gguf: GGUF metadata key 'llama\.{re.escape(key)}' holds "
+                                         rf"{re.escape(repr(value))}, not {kind}: the file is corrupt"):
+        load_gguf(path)
