@@ -353,6 +353,9 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
 
     bos = token("bos_token_id")
     if meta("add_bos_token", False):
+        if bos is None:  # the tokenizers library's TypeError named no file, no key
+            raise ValueError(f"{path}: tokenizer.ggml.add_bos_token is true, but no tokenizer.ggml.bos_token_id says "
+                             "which token: the file's metadata is corrupt; download or convert it again")
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, config.bos_token_id)])
     else:

@@ -126,7 +126,8 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantize
         w.add_token_list(TOKENS)
         w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
         w.add_token_merges(list(merges))
-        w.add_bos_token_id(bos)
+        if bos is not None:
+            w.add_bos_token_id(bos)
         w.add_eos_token_id(2)
         w.add_add_bos_token(add_bos)
     else:
@@ -303,9 +304,12 @@ def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damag
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bos=999), r"tokenizer\.ggml\.bos_token_id is 999, beyond its \d+ tokens: the file's metadata is corrupt"),
+    (dict(bos=None, add_bos=True), r"tokenizer\.ggml\.add_bos_token is true, but no tokenizer\.ggml\.bos_token_id "
+                                   r"says which token: the file's metadata is corrupt"),
     (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt")])
 def test_a_tokenizer_the_metadata_cannot_build_is_named(tiny, tmp_path, kwargs, message):
-    """IndexError: list index out of range, and the tokenizers library's "Error while initializing BPE"."""
+    """IndexError: list index out of range, the tokenizers library's "Error while initializing BPE", and its TypeError
+    "Expected Union[Tuple[str, int], Tuple[int, str], dict]" for a BOS to add that no token id names."""
     with pytest.raises(ValueError, match=rf"bad\.gguf: {message}"):
         load_gguf(_write_gguf(tmp_path / "bad.gguf", tiny, **kwargs))
 
