@@ -177,8 +177,12 @@ def _open(path: Path) -> gguf.GGUFReader:
     stat = path.stat()
     try:
         reader = _read(path.resolve(), stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
-    except (ValueError, IndexError, struct.error) as e:  # numpy's view of a short file, the header past its end
-        raise ValueError(f"{path} is truncated or corrupt ({e}); download or convert it again") from e
+    # numpy's view of a short file, the header past its end; or gguf's refusal of a version or a tensor type it does
+    # not know (llama.cpp adds them), which the message alone tells apart
+    except (ValueError, IndexError, struct.error) as e:
+        raise ValueError(f"{path} cannot be read ({e}): it is truncated or corrupt (download or convert it again), or "
+                         f"of a GGUF version or tensor type newer than the installed gguf package (v{version('gguf')}) "
+                         "knows (upgrade it)") from e
     if reader.byte_order == "S":  # gguf's dequantize reads tensor bytes in this machine's order: all swapped
         raise ValueError(f"{path} is a {reader.endianess.name.lower()}-endian GGUF, but this machine is "
                          f"{sys.byteorder}-endian: its tensors would be read with their bytes swapped. Convert it with "

@@ -240,7 +240,8 @@ def test_a_truncated_or_incomplete_gguf_is_named_in_one_line(tiny, tmp_path):
     """A cut file gave numpy's "When changing to a larger dtype..." and a missing tensor load_state_dict's traceback."""
     data = _write_gguf(tmp_path / "whole.gguf", tiny).read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * 0.6)])
-    with pytest.raises(ValueError, match=r"cut\.gguf is truncated or corrupt \(.*\); download or convert it again"):
+    with pytest.raises(ValueError, match=r"cut\.gguf cannot be read \(.*\): it is truncated or corrupt \(download or "
+                                         r"convert it again\)"):
         load_gguf(tmp_path / "cut.gguf")
     state = {k: v for k, v in tiny.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
     fewer = SimpleNamespace(config=tiny.config, state_dict=lambda: state)
@@ -376,3 +377,22 @@ def test_metadata_of_the_wrong_type_is_named(tiny, tmp_path, key, value, kind):
     with pytest.raises(ValueError, match=rf"bad\.gguf: GGUF metadata key 'llama\.{re.escape(key)}' holds "
                                          rf"{re.escape(repr(value))}, not {kind}: the file is corrupt"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("field", ["version", "tensor type"])
+def test_a_gguf_newer_than_the_gguf_package_is_not_called_corrupt(tiny, tmp_path, field):
+    """A GGUF version or a tensor type (llama.cpp adds them) the installed gguf package does not know was "truncated or
+    corrupt ...; download or convert it again": advice that fetches the same file again."""
+    import struct
+    data = bytearray(_write_gguf(tmp_path / "new.gguf", tiny).read_bytes())
+    if field == "version":
+        struct.pack_into("<I", data, 4, 4)  # after the magic
+    else:
+        name = b"blk.0.ffn_up.weight"  # then its dimension count, dimensions (8 bytes each) and type
+        at = data.index(name) + len(name)
+        struct.pack_into("<I", data, at + 4 + 8 * struct.unpack_from("<I", data, at)[0], 99)
+    (tmp_path / "new.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"new\.gguf cannot be read \(.*\): it is truncated or corrupt \(download or "
+                                         r"convert it again\), or of a GGUF version or tensor type newer than the "
+                                         r"installed gguf package \(v[\d.]+\) knows \(upgrade it\)"):
+        load_gguf(tmp_path / "new.gguf")
