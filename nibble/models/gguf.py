@@ -177,9 +177,9 @@ def _open(path: Path) -> gguf.GGUFReader:
     stat = path.stat()
     try:
         reader = _read(path.resolve(), stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
-    # numpy's view of a short file, the header past its end; or gguf's refusal of a version or a tensor type it does
-    # not know (llama.cpp adds them), which the message alone tells apart
-    except (ValueError, IndexError, struct.error) as e:
+    # numpy's view of a short file, the header past its end, a key twice (gguf's KeyError); or gguf's refusal of a
+    # version or a tensor type it does not know (llama.cpp adds them), which the message alone tells apart
+    except (ValueError, IndexError, KeyError, struct.error) as e:
         raise ValueError(f"{path} cannot be read ({e}): it is truncated or corrupt (download or convert it again), or "
                          f"of a GGUF version or tensor type newer than the installed gguf package (v{version('gguf')}) "
                          "knows (upgrade it)") from e

@@ -240,9 +240,12 @@ def test_a_truncated_or_incomplete_gguf_is_named_in_one_line(tiny, tmp_path):
     """A cut file gave numpy's "When changing to a larger dtype..." and a missing tensor load_state_dict's traceback."""
     data = _write_gguf(tmp_path / "whole.gguf", tiny).read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * 0.6)])
-    with pytest.raises(ValueError, match=r"cut\.gguf cannot be read \(.*\): it is truncated or corrupt \(download or "
-                                         r"convert it again\)"):
-        load_gguf(tmp_path / "cut.gguf")
+    # one flipped byte makes a key twice: gguf's KeyError("Duplicate tokenizer.ggml.eos_token_id") named no file
+    (tmp_path / "twice.gguf").write_bytes(data.replace(b"tokenizer.ggml.bos_token_id", b"tokenizer.ggml.eos_token_id"))
+    for name in ("cut", "twice"):
+        with pytest.raises(ValueError, match=rf"{name}\.gguf cannot be read \(.*\): it is truncated or corrupt "
+                                             r"\(download or convert it again\)"):
+            load_gguf(tmp_path / f"{name}.gguf")
     state = {k: v for k, v in tiny.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
     fewer = SimpleNamespace(config=tiny.config, state_dict=lambda: state)
     with pytest.raises(ValueError, match=r"fewer\.gguf lacks 1 of the model's tensors, e.g. "
