@@ -220,7 +220,11 @@ def test_unsupported_architecture(tiny, tmp_path):
 
 
 def test_unsupported_tensor_type(tiny, tmp_path):
-    path = _write_gguf(tmp_path / "i32.gguf", tiny, extra={"blk.0.attn_q.bias": np.zeros(64, np.int32)})
+    # every attention bias, the tensors attn_q.bias implies, for the file to pass the check of its tensors' places
+    biases = {f"blk.{i}.attn_{part}.bias": np.zeros(n, np.float32) for i in range(2)
+              for part, n in (("q", 64), ("k", 32), ("v", 32), ("output", 64))}
+    biases["blk.0.attn_q.bias"] = np.zeros(64, np.int32)
+    path = _write_gguf(tmp_path / "i32.gguf", tiny, extra=biases)
     with pytest.raises(ValueError, match="stored as I32"):
         load_gguf(path)
 
@@ -399,3 +403,21 @@ def test_a_gguf_newer_than_the_gguf_package_is_not_called_corrupt(tiny, tmp_path
                                          r"convert it again\), or of a GGUF version or tensor type newer than the "
                                          r"installed gguf package \(v[\d.]+\) knows \(upgrade it\)"):
         load_gguf(tmp_path / "new.gguf")
+
+
+@pytest.mark.parametrize("key,value", [("embedding_length", 10_420_288), ("block_count", 1 << 25)])
+def test_metadata_made_huge_is_refused_before_the_model_is_allocated(tiny, tmp_path, monkeypatch, key, value):
+    """One flipped byte made embedding_length 64 10,420,288 (found by flipping header bytes): load_gguf built the model
+    that metadata describes before it compared a tensor with it, 11 GB for a 1.5 MB file, and the OOM killer ended
+    the process. A block_count as wrong built 33 million layers."""
+    import nibble.models.gguf as nibble_gguf
+    path = _write_gguf(tmp_path / "huge.gguf", tiny)
+    data = bytearray(path.read_bytes())
+    at = data.index(f"llama.{key}".encode()) + len(f"llama.{key}") + 4  # past the name: its type, then its value
+    data[at: at + 4] = value.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    built = nibble_gguf.LlamaForCausalLM
+    monkeypatch.setattr(nibble_gguf, "LlamaForCausalLM", lambda config: built(config) if str(torch.empty(0).device)
+                        == "meta" else pytest.fail("a model of the metadata's size was allocated"))
+    with pytest.raises(ValueError, match=r"huge\.gguf: .*the file is corrupt or its metadata belongs to another model"):
+        load_gguf(path)
