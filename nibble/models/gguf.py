@@ -75,7 +75,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     # every weight was dequantized to float32
     tokenizer = _tokenizer(reader, path, config)
     _check_tensors(reader, path, config)
-    # Skip the random init: every parameter is overwritten by the strict load below.
+    # Skip the random init: every parameter is replaced by the strict load below (its memory is never touched).
     with no_init_weights():
         model = LlamaForCausalLM(config)
     model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
@@ -97,7 +97,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
         state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config)
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    model.load_state_dict(state_dict, strict=True)
+    # assign: the parameters become these tensors; a copy into the ones allocated above held two models at the peak
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.tie_weights()  # assign gave lm_head and the embedding a Parameter each
     return model.to(dtype).eval(), tokenizer
 
 

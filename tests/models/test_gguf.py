@@ -421,3 +421,19 @@ def test_metadata_made_huge_is_refused_before_the_model_is_allocated(tiny, tmp_p
                         == "meta" else pytest.fail("a model of the metadata's size was allocated"))
     with pytest.raises(ValueError, match=r"huge\.gguf: .*the file is corrupt or its metadata belongs to another model"):
         load_gguf(path)
+
+
+def test_the_model_holds_the_dequantized_weights_not_copies_of_them(tiny, tmp_path, monkeypatch):
+    """load_state_dict copied every dequantized weight into parameters allocated beforehand: two float32 models at
+    the peak (1.6 GB for the 135M SmolLM2, 1.1 GB without the copy) and half the load time."""
+    import nibble.models.gguf as nibble_gguf
+    made, unpermute = set(), nibble_gguf._unpermute_qk
+
+    def recorded(*args):  # what the state dict is made of, q/k unpermuted or not
+        out = unpermute(*args)
+        made.add(out.data_ptr())
+        return out
+    monkeypatch.setattr(nibble_gguf, "_unpermute_qk", recorded)
+    model, _ = load_gguf(_write_gguf(tmp_path / "q.gguf", tiny, quantized=True))
+    assert {p.data_ptr() for p in model.parameters()} <= made
+    assert model.lm_head.weight is model.model.embed_tokens.weight
