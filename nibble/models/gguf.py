@@ -94,13 +94,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
                              "download or convert it again")
         # The reader yields weights in ggml's [N, K] row order: already nn.Linear's [out, in].
         weight = np.require(weight.reshape(_torch_shape(tensor)), requirements="W")  # torch wants writable memory
-        state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config)
+        # cast now, not the model at the end: a float32 model beside the cast one at the peak
+        state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config).to(dtype)
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
     # assign: the parameters become these tensors; a copy into the ones allocated above held two models at the peak
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.tie_weights()  # assign gave lm_head and the embedding a Parameter each
-    return model.to(dtype).eval(), tokenizer
+    return model.to(dtype).eval(), tokenizer  # the buffers (rotary inv_freq) in dtype too, as they always were
 
 
 def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> None:

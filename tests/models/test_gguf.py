@@ -437,3 +437,22 @@ def test_the_model_holds_the_dequantized_weights_not_copies_of_them(tiny, tmp_pa
     model, _ = load_gguf(_write_gguf(tmp_path / "q.gguf", tiny, quantized=True))
     assert {p.data_ptr() for p in model.parameters()} <= made
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_bfloat16_load_never_holds_the_float32_model(tiny, tmp_path, monkeypatch):
+    """load_gguf dequantized every weight to float32 and cast the whole model at the end: a float32 and a bfloat16
+    model at the peak (1.37 GB RSS for SmolLM2 in bfloat16, 0.89 GB casting each weight as it is made)."""
+    import weakref
+
+    import nibble.models.gguf as nibble_gguf
+    made, most_alive, unpermute = [], [0], nibble_gguf._unpermute_qk
+
+    def recorded(*args):  # each float32 weight as it is made, and how many made before are still held
+        most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in made))
+        out = unpermute(*args)
+        made.append(weakref.ref(out))
+        return out
+    monkeypatch.setattr(nibble_gguf, "_unpermute_qk", recorded)
+    model, _ = load_gguf(_write_gguf(tmp_path / "q.gguf", tiny, quantized=True), dtype=torch.bfloat16)
+    assert most_alive[0] == 0 and len(made) == len(tiny.state_dict()) - 1  # the tied head is not made
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
