@@ -67,7 +67,8 @@ class Q4_1Blocks(NamedTuple):
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """A llama-architecture GGUF file as an eval-mode ``LlamaForCausalLM`` (weights dequantized
-    to float32, then cast to ``dtype``) and its tokenizer, chat template included."""
+    to float32, then cast to ``dtype``; the rotary frequencies stay float32) and its tokenizer, chat template
+    included."""
     path = Path(path)
     reader = _open(path)
     config = _llama_config(reader, path)
@@ -101,7 +102,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     # assign: the parameters become these tensors; a copy into the ones allocated above held two models at the peak
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.tie_weights()  # assign gave lm_head and the embedding a Parameter each
-    return model.to(dtype).eval(), tokenizer  # the buffers (rotary inv_freq) in dtype too, as they always were
+    # every parameter is in dtype; the rotary inv_freq buffer stays float32, as transformers' from_pretrained keeps it
+    # (in bfloat16 RoPE's angles drift with the position)
+    return model.eval(), tokenizer
 
 
 def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> None:
