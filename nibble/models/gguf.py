@@ -79,7 +79,6 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     # Skip the random init: every parameter is replaced by the strict load below (its memory is never touched).
     with no_init_weights():
         model = LlamaForCausalLM(config)
-    model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
     state_dict = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
@@ -101,7 +100,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
     # assign: the parameters become these tensors; a copy into the ones allocated above held two models at the peak
     model.load_state_dict(state_dict, strict=True, assign=True)
-    model.tie_weights()  # assign gave lm_head and the embedding a Parameter each
+    model.tie_weights()  # no_init_weights skipped post_init's tying, and assign gave the two a Parameter each
     # every parameter is in dtype; the rotary inv_freq buffer stays float32, as transformers' from_pretrained keeps it
     # (in bfloat16 RoPE's angles drift with the position)
     return model.eval(), tokenizer
