@@ -243,7 +243,11 @@ def _read(path: Path, dev: int, ino: int, ctime_ns: int, mtime_ns: int, size: in
 _REQUIRED = object()
 
 
-def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED, kind: type | None = None):
+    """The value of metadata ``key``, else ``default``; ``kind``: the type it must have (int, float or str)."""
     field = reader.get_field(key)
     if field is None:
         if default is _REQUIRED:
@@ -251,24 +255,21 @@ def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
                              "llama.cpp model file")
         return default
     try:
-        return field.contents()
+        value = field.contents()
     except UnicodeDecodeError as e:  # the gguf package's error names neither the file nor the key
         raise ValueError(f"{path}: GGUF metadata key {key!r} holds text that is not UTF-8 ({e}): the file is "
                          "corrupt; download or convert it again") from e
-
-
-_KINDS = {int: "an integer", float: "a number", str: "a string"}
+    # by name: LlamaConfig's validator named neither the file nor the key, and a list (head counts per layer, which
+    # llama.cpp reads for some architectures) failed in _llama_config's checks as a TypeError
+    if kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise ValueError(f"{path}: GGUF metadata key {key!r} holds {repr(value)[:60]}, not {_KINDS[kind]}: the file "
+                         "is corrupt, or of a model LlamaForCausalLM cannot build")
+    return value
 
 
 def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
     def meta(key, default=_REQUIRED, kind=int):
-        value = _field(reader, f"llama.{key}", path, default)
-        # by name: LlamaConfig's validator named neither the file nor the key, and a list (head counts per layer,
-        # which llama.cpp reads for some architectures) failed in the checks below as a TypeError
-        if value is not default and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise ValueError(f"{path}: GGUF metadata key 'llama.{key}' holds {repr(value)[:60]}, not {_KINDS[kind]}: "
-                             "the file is corrupt, or of a model LlamaForCausalLM cannot build")
-        return value
+        return _field(reader, f"llama.{key}", path, default, kind)
 
     rope_scaling = meta("rope.scaling.type", "none", str)
     if rope_scaling != "none":
@@ -300,9 +301,9 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0, float)},
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", path, None),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", path, None),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None, int),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", path, None, int),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", path, None, int),
         architectures=["LlamaForCausalLM"],
     )
 
@@ -345,8 +346,8 @@ def _tokens(reader: gguf.GGUFReader, path: Path) -> list[str]:
 
 
 def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreTrainedTokenizerFast:
-    def meta(key, default=_REQUIRED):
-        return _field(reader, f"tokenizer.ggml.{key}", path, default)
+    def meta(key, default=_REQUIRED, kind=None):
+        return _field(reader, f"tokenizer.ggml.{key}", path, default, kind)
 
     tokens = _tokens(reader, path)
     kind, pre = meta("model"), meta("pre", "default")
@@ -371,7 +372,7 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                           for t, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED])
 
     def token(key):
-        index = meta(key, None)
+        index = meta(key, None, int)
         if index is not None and not 0 <= index < len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.{key} is {index}, beyond its {len(tokens)} tokens: the file's "
                              "metadata is corrupt; download or convert it again")

@@ -374,14 +374,16 @@ def test_a_gguf_without_a_tokenizer_is_named_as_such(tiny, tmp_path, tokenizer):
         load_gguf(_write_gguf(tmp_path / "novocab.gguf", tiny, tokenizer=tokenizer))
 
 
-@pytest.mark.parametrize("key,value,kind", [("block_count", "2", "an integer"), ("attention.head_count", 4.0, "an integer"),
-                                            ("attention.head_count_kv", [2, 2], "an integer"),
-                                            ("attention.layer_norm_rms_epsilon", "1e-6", "a number")])
+@pytest.mark.parametrize("key,value,kind", [
+    ("llama.block_count", "2", "an integer"), ("llama.attention.head_count", 4.0, "an integer"),
+    ("llama.attention.head_count_kv", [2, 2], "an integer"), ("llama.attention.layer_norm_rms_epsilon", "1e-6", "a number"),
+    ("tokenizer.ggml.eos_token_id", "2", "an integer"), ("tokenizer.ggml.bos_token_id", 1.0, "an integer"),
+    ("tokenizer.ggml.unknown_token_id", "0", "an integer")])
 def test_metadata_of_the_wrong_type_is_named(tiny, tmp_path, key, value, kind):
     """huggingface_hub's StrictDataclassFieldValidationError ("Field 'num_hidden_layers' expected int, got str"), naming
     neither the file nor the key, and a per-layer list of head counts (llama.cpp's reader takes one) a TypeError."""
-    path = _write_gguf(tmp_path / "bad.gguf", tiny, metadata={f"llama.{key}": value})
-    with pytest.raises(ValueError, match=rf"bad\.gguf: GGUF metadata key 'llama\.{re.escape(key)}' holds "
+    path = _write_gguf(tmp_path / "bad.gguf", tiny, metadata={key: value})
+    with pytest.raises(ValueError, match=rf"bad\.gguf: GGUF metadata key '{re.escape(key)}' holds "
                                          rf"{re.escape(repr(value))}, not {kind}: the file is corrupt"):
         load_gguf(path)
 
