@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import struct
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -66,19 +67,21 @@ class Q4_1Blocks(NamedTuple):
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """A llama-architecture GGUF file as an eval-mode ``LlamaForCausalLM`` (weights dequantized
-    to float32, then cast to ``dtype``) and its tokenizer, chat template included."""
+    to float32, then cast to ``dtype``; the rotary frequencies stay float32) and its tokenizer, chat template
+    included."""
     path = Path(path)
     reader = _open(path)
     config = _llama_config(reader, path)
-    # Skip the random init: every parameter is overwritten by the strict load below.
+    # before the model: a tokenizer nibble cannot build (Llama 2's sentencepiece) is refused in a moment, not after
+    # every weight was dequantized to float32
+    tokenizer = _tokenizer(reader, path, config)
+    _check_tensors(reader, path, config)
+    # Skip the random init: every parameter is replaced by the strict load below (its memory is never touched).
     with no_init_weights():
         model = LlamaForCausalLM(config)
-    model.tie_weights()  # no_init_weights also skips post_init's tying of lm_head to the embedding
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state_dict = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
-        _check_place(tensor, name, expected, config, path)  # before the Q/K unpermute, which a wrong shape fails
         try:
             weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
@@ -91,15 +94,38 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
                              "download or convert it again")
         # The reader yields weights in ggml's [N, K] row order: already nn.Linear's [out, in].
         weight = np.require(weight.reshape(_torch_shape(tensor)), requirements="W")  # torch wants writable memory
-        state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config)
+        # cast now, not the model at the end: a float32 model beside the cast one at the peak
+        state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config).to(dtype)
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    missing = sorted(set(expected) - set(state_dict))
+    # assign: the parameters become these tensors; a copy into the ones allocated above held two models at the peak
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.tie_weights()  # no_init_weights skipped post_init's tying, and assign gave the two a Parameter each
+    # every parameter is in dtype; the rotary inv_freq buffer stays float32, as transformers' from_pretrained keeps it
+    # (in bfloat16 RoPE's angles drift with the position)
+    return model.eval(), tokenizer
+
+
+def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> None:
+    """Refuse a file whose tensors are not the model its metadata describes, before that model is allocated: one
+    flipped byte (embedding_length 64 -> 10,420,288) built an 11 GB model for a 1.5 MB file, which the OOM killer
+    ended. Every tensor is checked against a model on the meta device (shapes, no memory); the layers it builds are
+    at most the file's tensors."""
+    if config.num_hidden_layers > len(reader.tensors):
+        raise ValueError(f"{path}: block_count {config.num_hidden_layers}, but the file holds {len(reader.tensors)} "
+                         "tensors: the file is corrupt or its metadata belongs to another model; download or convert "
+                         "it again")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    held = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, path)
+        _check_place(tensor, name, expected, config, path)  # before the Q/K unpermute, which a wrong shape fails
+        held.add(name)
+    missing = sorted(set(expected) - held)
     if missing:  # load_state_dict would say it as a traceback of its own
         raise ValueError(f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}: the GGUF is "
                          "incomplete, or its architecture has tensors nibble's llama loader does not build")
-    model.load_state_dict(state_dict, strict=True)
-    return model.to(dtype).eval(), _tokenizer(reader, path, config)
 
 
 def _check_place(tensor: gguf.ReaderTensor, name: str, expected: dict, config: LlamaConfig, path: Path) -> None:
@@ -173,8 +199,16 @@ def _open(path: Path) -> gguf.GGUFReader:
     stat = path.stat()
     try:
         reader = _read(path.resolve(), stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
-    except (ValueError, IndexError, struct.error) as e:  # numpy's view of a short file, the header past its end
-        raise ValueError(f"{path} is truncated or corrupt ({e}); download or convert it again") from e
+    # numpy's view of a short file, the header past its end, a key twice (gguf's KeyError); or gguf's refusal of a
+    # version or a tensor type it does not know (llama.cpp adds them), which the message alone tells apart
+    except (ValueError, IndexError, KeyError, struct.error) as e:
+        raise ValueError(f"{path} cannot be read ({e}): it is truncated or corrupt (download or convert it again), or "
+                         f"of a GGUF version or tensor type newer than the installed gguf package (v{version('gguf')}) "
+                         "knows (upgrade it)") from e
+    if reader.byte_order == "S":  # gguf's dequantize reads tensor bytes in this machine's order: all swapped
+        raise ValueError(f"{path} is a {reader.endianess.name.lower()}-endian GGUF, but this machine is "
+                         f"{sys.byteorder}-endian: its tensors would be read with their bytes swapped. Convert it with "
+                         f"llama.cpp's gguf_convert_endian.py (`gguf_convert_endian.py FILE {sys.byteorder}`)")
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; nibble loads GGUF files of "
@@ -209,7 +243,11 @@ def _read(path: Path, dev: int, ino: int, ctime_ns: int, mtime_ns: int, size: in
 _REQUIRED = object()
 
 
-def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED, kind: type | None = None):
+    """The value of metadata ``key``, else ``default``; ``kind``: the type it must have (int, float or str)."""
     field = reader.get_field(key)
     if field is None:
         if default is _REQUIRED:
@@ -217,17 +255,23 @@ def _field(reader: gguf.GGUFReader, key: str, path: Path, default=_REQUIRED):
                              "llama.cpp model file")
         return default
     try:
-        return field.contents()
+        value = field.contents()
     except UnicodeDecodeError as e:  # the gguf package's error names neither the file nor the key
         raise ValueError(f"{path}: GGUF metadata key {key!r} holds text that is not UTF-8 ({e}): the file is "
                          "corrupt; download or convert it again") from e
+    # by name: LlamaConfig's validator named neither the file nor the key, and a list (head counts per layer, which
+    # llama.cpp reads for some architectures) failed in _llama_config's checks as a TypeError
+    if kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise ValueError(f"{path}: GGUF metadata key {key!r} holds {repr(value)[:60]}, not {_KINDS[kind]}: the file "
+                         "is corrupt, or of a model LlamaForCausalLM cannot build")
+    return value
 
 
 def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
-    def meta(key, default=_REQUIRED):
-        return _field(reader, f"llama.{key}", path, default)
+    def meta(key, default=_REQUIRED, kind=int):
+        return _field(reader, f"llama.{key}", path, default, kind)
 
-    rope_scaling = meta("rope.scaling.type", "none")
+    rope_scaling = meta("rope.scaling.type", "none", str)
     if rope_scaling != "none":
         raise ValueError(f"{path}: rope scaling {rope_scaling!r} is not supported by nibble's GGUF loader; "
                          "load the original Hugging Face directory instead")
@@ -244,7 +288,7 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
                          "are not supported by LlamaForCausalLM")
     tensor_names = {t.name for t in reader.tensors}
     return LlamaConfig(
-        vocab_size=meta("vocab_size", None) or len(_field(reader, "tokenizer.ggml.tokens", path)),
+        vocab_size=meta("vocab_size", None) or len(_tokens(reader, path)),
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
         num_hidden_layers=meta("block_count"),
@@ -252,14 +296,14 @@ def _llama_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=meta("context_length"),
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", kind=float),
         # 10000 is llama.cpp's default when the file does not say.
-        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0)},
+        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0, float)},
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", path, None),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", path, None),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None, int),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", path, None, int),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", path, None, int),
         architectures=["LlamaForCausalLM"],
     )
 
@@ -293,16 +337,24 @@ def _unpermute_qk(x: torch.Tensor, hf_name: str, config: LlamaConfig) -> torch.T
     return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
 
 
-def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreTrainedTokenizerFast:
-    def meta(key, default=_REQUIRED):
-        return _field(reader, f"tokenizer.ggml.{key}", path, default)
+def _tokens(reader: gguf.GGUFReader, path: Path) -> list[str]:
+    tokens = _field(reader, "tokenizer.ggml.tokens", path, None)
+    if not tokens:  # llama.cpp's --no-vocab, or metadata stripped: said as such, not as a key missing
+        raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens), and nibble builds a GGUF model's "
+                         "tokenizer from it; load the original Hugging Face directory instead")
+    return tokens
 
+
+def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreTrainedTokenizerFast:
+    def meta(key, default=_REQUIRED, kind=None):
+        return _field(reader, f"tokenizer.ggml.{key}", path, default, kind)
+
+    tokens = _tokens(reader, path)
     kind, pre = meta("model"), meta("pre", "default")
     if kind != "gpt2" or pre not in _PRE_TOKENIZERS:
         raise ValueError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; nibble builds "
                          f"GGUF tokenizers of model 'gpt2' (byte-level BPE) with pre-tokenizer "
                          f"{' or '.join(map(repr, _PRE_TOKENIZERS))}. Load the original Hugging Face directory instead")
-    tokens = meta("tokens")
     merges = [tuple(merge.split(" ", 1)) for merge in meta("merges")]
     try:
         tokenizer = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
@@ -320,7 +372,7 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                           for t, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED])
 
     def token(key):
-        index = meta(key, None)
+        index = meta(key, None, int)
         if index is not None and not 0 <= index < len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.{key} is {index}, beyond its {len(tokens)} tokens: the file's "
                              "metadata is corrupt; download or convert it again")
@@ -328,6 +380,9 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
 
     bos = token("bos_token_id")
     if meta("add_bos_token", False):
+        if bos is None:  # the tokenizers library's TypeError named no file, no key
+            raise ValueError(f"{path}: tokenizer.ggml.add_bos_token is true, but no tokenizer.ggml.bos_token_id says "
+                             "which token: the file's metadata is corrupt; download or convert it again")
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, config.bos_token_id)])
     else:

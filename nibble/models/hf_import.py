@@ -6,7 +6,7 @@ whose ``quantization_config`` is
 - AutoAWQ: ``quant_method: awq``, ``version: gemm``, ``bits: 4``, ``zero_point: true``;
 - GPTQ (AutoGPTQ, GPTQModel, optimum): ``quant_method: gptq``, ``bits: 4``, symmetric or not,
   ``desc_act`` true or false, ``checkpoint_format`` (or transformers' ``format``) ``gptq`` (v1, the
-  default) or ``gptq_v2``,
+  default) or ``gptq_v2``, GPTQModel's per-layer ``dynamic`` rules (sym; 4 bits and one group size),
 
 and builds the model with nibble ``QuantLinear`` layers holding exactly the checkpoint's codes,
 scales and zero points (no requantization; see nibble.formats.awq / gptq for the layouts). GPTQ
@@ -21,6 +21,7 @@ layouts with a matching ``quantization_config``, readable by AutoAWQ / transform
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -47,7 +48,8 @@ EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 GPTQ_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too (before 0.5: only here)
-_QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
+_REQUIRED_KEYS = ("qweight", "qzeros", "scales")  # every AWQ / GPTQ layer's
+_QUANT_KEYS = (*_REQUIRED_KEYS, "g_idx")  # GPTQ's g_idx is optional: without one, groups are k // G
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -58,7 +60,7 @@ class UnsupportedCheckpointError(ValueError):
 
 def read_quantization_config(directory) -> dict:
     """The checkpoint's quantization settings, validated: {"method", "group_size", "sym", "desc_act",
-    "checkpoint_format", "raw"}. Raises UnsupportedCheckpointError naming what nibble supports."""
+    "checkpoint_format", "dynamic", "raw"}. Raises UnsupportedCheckpointError naming what nibble supports."""
     directory = Path(directory)
     raw = read_config(directory / CONFIG)
     qc = dict(raw.get("quantization_config") or {})
@@ -78,7 +80,7 @@ def read_quantization_config(directory) -> dict:
     if not isinstance(group_size, int) or isinstance(group_size, bool):  # int() read 64.5 as 64, and failed on null
         raise UnsupportedCheckpointError(f"{method} checkpoint with group_size={group_size!r}: it must be an integer "
                                          "(-1 for per channel); the quantization_config is damaged")
-    out = {"method": method, "group_size": group_size, "raw": qc}
+    out = {"method": method, "group_size": group_size, "raw": qc, "dynamic": {}}
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
@@ -98,8 +100,48 @@ def read_quantization_config(directory) -> dict:
             raise UnsupportedCheckpointError(f"GPTQ {key}={fmt!r} is not supported; nibble imports {SUPPORTED}")
         # sym: None where the config does not say (GPTQ's default is symmetric; such files load as their zeros are)
         out.update(sym=None if qc.get("sym") is None else bool(qc["sym"]), desc_act=bool(qc.get("desc_act", False)),
-                   checkpoint_format=fmt)
+                   checkpoint_format=fmt, dynamic=_checked_dynamic(qc.get("dynamic") or {}))
     return out
+
+
+def _checked_dynamic(dynamic) -> dict:
+    """GPTQModel's per-layer rules, ``{pattern: overrides}``, with patterns that compile (`_layer_info` reads them)."""
+    if not isinstance(dynamic, dict) or not all(isinstance(v, dict) for v in dynamic.values()):
+        raise UnsupportedCheckpointError(f"the quantization_config's dynamic is {dynamic!r}, not GPTQModel's "
+                                         "{pattern: overrides}: the quantization_config is damaged")
+    for pattern in dynamic:
+        try:
+            re.compile(_rule_pattern(pattern))
+        except re.error as e:
+            raise UnsupportedCheckpointError(f"the quantization_config's dynamic rule '{pattern}' is not a regular "
+                                             f"expression ({e}): the quantization_config is damaged") from e
+    return dynamic
+
+
+def _rule_pattern(rule: str) -> str:
+    return rule.removeprefix("-:").removeprefix("+:")  # "-:" leaves the layers it matches unquantized
+
+
+def _layer_info(info: dict, prefix: str) -> dict:
+    """``info`` as it holds for the layer ``prefix``: the first of GPTQModel's `dynamic` rules whose pattern re.matches
+    the layer's name (as GPTQModel and vLLM read them) sets its sym; other bits than 4, and another group size than
+    the config's, are refused by name (a nibble model, and its format, hold one group size)."""
+    for rule, overrides in info["dynamic"].items():
+        if not re.match(_rule_pattern(rule), prefix):
+            continue
+        if rule.startswith("-:"):  # a layer left unquantized, that holds a qweight all the same
+            return info
+        bits = overrides.get("bits", 4)
+        if bits != 4:  # else read as a 4-bit layer of bits / 4 times its inputs, refused as a wrong group size
+            raise UnsupportedCheckpointError(f"{prefix} has {bits} bits (the quantization_config's dynamic rule "
+                                             f"'{rule}'); nibble imports {SUPPORTED}")
+        group_size = overrides.get("group_size", info["group_size"])
+        if group_size != info["group_size"]:  # else "group_size=32 disagrees with the tensors"
+            raise UnsupportedCheckpointError(f"{prefix} has group size {group_size!r} (the quantization_config's "
+                                             f"dynamic rule '{rule}'), the other layers {info['group_size']}: a nibble "
+                                             "model holds one group size")
+        return info if overrides.get("sym") is None else {**info, "sym": bool(overrides["sym"])}
+    return info
 
 
 def _read_safetensors(directory: Path) -> tuple[dict, dict]:
@@ -148,12 +190,29 @@ def _convert_layer(info: dict, t: dict, prefix: str):
     """(Int4Weight, perm or None, the zero-point convention read: `_symmetric_zeros_format`) of one quantized
     linear from its checkpoint tensors."""
     try:
+        scales = _float16_scales(t["scales"])
         if info["method"] == "awq":
-            return from_awq(t["qweight"], t["qzeros"], t["scales"], info["group_size"]), None, None
+            return from_awq(t["qweight"], t["qzeros"], scales, info["group_size"]), None, None
         fmt = _symmetric_zeros_format(info, t["qzeros"])
-        return *from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), info["group_size"], fmt), fmt
-    except (KeyError, ValueError) as e:
+        return *from_gptq(t["qweight"], t["qzeros"], scales, t.get("g_idx"), info["group_size"], fmt), fmt
+    except ValueError as e:
         raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
+
+
+def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` in float16, the layouts' (and nibble's) dtype. A quantized model cast to bfloat16 (Module.to casts
+    its float buffers, the scales among them) and saved again writes bfloat16 scales, which vLLM and transformers
+    cast to their own dtype as they load them: each in float16's range is a float16 exactly. One that is not is
+    refused, as an import never rounds a weight; NaN and Inf pass, for `_check_finite` to name."""
+    if not scales.is_floating_point() or scales.dtype == torch.float16:
+        return scales  # the converters refuse an integer dtype
+    half = scales.half()
+    inexact = (half.to(scales.dtype) != scales) & torch.isfinite(scales)
+    if bool(inexact.any()):
+        raise ValueError(f"scales are {scales.dtype}, and {int(inexact.sum())} of them (e.g. "
+                         f"{scales[inexact][0].item():.9g}) are no float16 value, the dtype nibble keeps scales in; "
+                         "save the checkpoint with float16 scales, or quantize the model again")
+    return half
 
 
 def _layout(t: dict, nibble_zeros: bool, layer: nn.Module) -> tuple[str | None, str]:
@@ -237,7 +296,13 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
             raise ValueError(f"{directory / CONFIG} says {info['method']}, but {prefix} holds {layout}'s tensors "
                              f"({held}): the config.json belongs to another checkpoint; restore the one written with "
                              "these weights")
-        weight, perm, read_as = _convert_layer(info, t, prefix)
+        missing = [k for k in _REQUIRED_KEYS if k not in t]
+        if missing:  # by name: a KeyError said "cannot read its awq tensors ('qzeros')"
+            raise ValueError(f"{directory}: the checkpoint lacks {prefix}.{missing[0]} ({info['method']} layers store "
+                             f"{', '.join(_REQUIRED_KEYS)}): a shard or the save is incomplete; re-download the "
+                             "checkpoint")
+        layer_info = _layer_info(info, prefix)
+        weight, perm, read_as = _convert_layer(layer_info, t, prefix)
         for what, value in (("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
             if value is not None:
                 _check_finite(value, f"{directory}: {prefix}.{what}")
@@ -256,7 +321,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
         group_sizes.add(-1 if weight.group_size == weight.in_features else weight.group_size)
-        symmetric &= is_symmetric(weight.scales, weight.zeros)
+        symmetric &= is_symmetric(weight.scales, weight.zeros) if layer_info["sym"] is None else layer_info["sym"]
 
     if relabelled:
         warnings.warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
@@ -283,7 +348,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
     made = made if made.get("library") == "nibble" and made.get("method") in METHODS else {}
     nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
-                            symmetric=symmetric if info["sym"] is None else info["sym"], zero_point="int",
+                            symmetric=symmetric, zero_point="int",
                             clip_search=bool(made.get("clip_search")),
                             method=made.get("method", info["method"]))
     mark_quantized(model, {**nibble_qc.to_dict(), "imported_from": info["raw"],

@@ -1,4 +1,5 @@
 """GGUF loading: the shipped SmolLM2 Q4_1 file, and tiny synthetic GGUF files for the edge cases."""
+import re
 from types import SimpleNamespace
 
 import gguf
@@ -101,11 +102,14 @@ def _permute(w, n_head):
 
 
 def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
-                merges=("h e", "l l"), head_counts=None):
+                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
+                metadata=None):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
-    (head_count, head_count_kv) the metadata says, if not the model's."""
+    (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
+    for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead). ``metadata``: {key: value}
+    written over the model's, a str as a string, a float as float32, a list as an array."""
     c = model.config
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, endianess=endianess)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -115,14 +119,21 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantize
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(TOKENS)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
-    w.add_token_merges(list(merges))
-    w.add_bos_token_id(bos)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(add_bos)
+    if tokenizer is not None:
+        w.add_tokenizer_model(tokenizer)
+    if tokenizer == "gpt2":
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(TOKENS)
+        w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
+        w.add_token_merges(list(merges))
+        if bos is not None:
+            w.add_bos_token_id(bos)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(add_bos)
+    else:
+        w.add_vocab_size(c.vocab_size)
+    for key, value in (metadata or {}).items():
+        {str: w.add_string, float: w.add_float32, list: w.add_array}[type(value)](key, value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -209,7 +220,11 @@ def test_unsupported_architecture(tiny, tmp_path):
 
 
 def test_unsupported_tensor_type(tiny, tmp_path):
-    path = _write_gguf(tmp_path / "i32.gguf", tiny, extra={"blk.0.attn_q.bias": np.zeros(64, np.int32)})
+    # every attention bias, the tensors attn_q.bias implies, for the file to pass the check of its tensors' places
+    biases = {f"blk.{i}.attn_{part}.bias": np.zeros(n, np.float32) for i in range(2)
+              for part, n in (("q", 64), ("k", 32), ("v", 32), ("output", 64))}
+    biases["blk.0.attn_q.bias"] = np.zeros(64, np.int32)
+    path = _write_gguf(tmp_path / "i32.gguf", tiny, extra=biases)
     with pytest.raises(ValueError, match="stored as I32"):
         load_gguf(path)
 
@@ -229,8 +244,12 @@ def test_a_truncated_or_incomplete_gguf_is_named_in_one_line(tiny, tmp_path):
     """A cut file gave numpy's "When changing to a larger dtype..." and a missing tensor load_state_dict's traceback."""
     data = _write_gguf(tmp_path / "whole.gguf", tiny).read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * 0.6)])
-    with pytest.raises(ValueError, match=r"cut\.gguf is truncated or corrupt \(.*\); download or convert it again"):
-        load_gguf(tmp_path / "cut.gguf")
+    # one flipped byte makes a key twice: gguf's KeyError("Duplicate tokenizer.ggml.eos_token_id") named no file
+    (tmp_path / "twice.gguf").write_bytes(data.replace(b"tokenizer.ggml.bos_token_id", b"tokenizer.ggml.eos_token_id"))
+    for name in ("cut", "twice"):
+        with pytest.raises(ValueError, match=rf"{name}\.gguf cannot be read \(.*\): it is truncated or corrupt "
+                                             r"\(download or convert it again\)"):
+            load_gguf(tmp_path / f"{name}.gguf")
     state = {k: v for k, v in tiny.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
     fewer = SimpleNamespace(config=tiny.config, state_dict=lambda: state)
     with pytest.raises(ValueError, match=r"fewer\.gguf lacks 1 of the model's tensors, e.g. "
@@ -293,9 +312,12 @@ def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damag
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bos=999), r"tokenizer\.ggml\.bos_token_id is 999, beyond its \d+ tokens: the file's metadata is corrupt"),
+    (dict(bos=None, add_bos=True), r"tokenizer\.ggml\.add_bos_token is true, but no tokenizer\.ggml\.bos_token_id "
+                                   r"says which token: the file's metadata is corrupt"),
     (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt")])
 def test_a_tokenizer_the_metadata_cannot_build_is_named(tiny, tmp_path, kwargs, message):
-    """IndexError: list index out of range, and the tokenizers library's "Error while initializing BPE"."""
+    """IndexError: list index out of range, the tokenizers library's "Error while initializing BPE", and its TypeError
+    "Expected Union[Tuple[str, int], Tuple[int, str], dict]" for a BOS to add that no token id names."""
     with pytest.raises(ValueError, match=rf"bad\.gguf: {message}"):
         load_gguf(_write_gguf(tmp_path / "bad.gguf", tiny, **kwargs))
 
@@ -319,3 +341,131 @@ def test_a_gguf_is_known_by_its_magic_bytes_not_its_suffix(tiny, tmp_path, name)
     from nibble.models.loading import load_model
     model, _ = load_model(_write_gguf(tmp_path / name, tiny))
     assert torch.equal(model.model.embed_tokens.weight, tiny.model.embed_tokens.weight)
+
+
+def test_a_big_endian_gguf_is_refused_not_read_with_its_bytes_swapped(tiny, tmp_path):
+    """gguf hands a big-endian file's tensors (llama.cpp's --bigendian, for s390x) to a dequantize that reads their
+    bytes in this machine's order: the F32 norms loaded as 4.6e-41 instead of 1.0, a model of garbage, without a word."""
+    path = _write_gguf(tmp_path / "be.gguf", tiny, quantized=True, endianess=gguf.GGUFEndian.BIG)
+    for read in (load_gguf, read_q4_1_blocks):
+        with pytest.raises(ValueError, match=r"be\.gguf is a big-endian GGUF, but this machine is little-endian.*"
+                                             r"gguf_convert_endian\.py"):
+            read(path)
+
+
+def test_a_tokenizer_nibble_cannot_build_is_refused_before_any_weight_is_read(tiny, tmp_path, monkeypatch):
+    """The tokenizer was built last: a Llama 2 or Mistral GGUF (a sentencepiece tokenizer, which nibble does not build)
+    had the whole model allocated and dequantized to float32 first (28 GB for a 7B model), to be refused after it, if
+    the memory lasted."""
+    import nibble.models.gguf as nibble_gguf
+    path = _write_gguf(tmp_path / "bpe.gguf", tiny, pre="llama-bpe")
+    monkeypatch.setattr(nibble_gguf, "LlamaForCausalLM", lambda config: pytest.fail("the model was built"))
+    with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe' is not supported"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("tokenizer", [None, "no_vocab"])
+def test_a_gguf_without_a_tokenizer_is_named_as_such(tiny, tmp_path, tokenizer):
+    """A file converted without its vocabulary (llama.cpp's --no-vocab writes tokenizer.ggml.model 'no_vocab') was
+    "metadata key 'tokenizer.ggml.model' is missing; the file is incomplete or not a llama.cpp model file", or a
+    tokenizer 'no_vocab' that nibble "does not support"."""
+    with pytest.raises(ValueError, match=r"novocab\.gguf holds no tokenizer \(no tokenizer\.ggml\.tokens\).*load the "
+                                         "original Hugging Face directory instead"):
+        load_gguf(_write_gguf(tmp_path / "novocab.gguf", tiny, tokenizer=tokenizer))
+
+
+@pytest.mark.parametrize("key,value,kind", [
+    ("llama.block_count", "2", "an integer"), ("llama.attention.head_count", 4.0, "an integer"),
+    ("llama.attention.head_count_kv", [2, 2], "an integer"), ("llama.attention.layer_norm_rms_epsilon", "1e-6", "a number"),
+    ("tokenizer.ggml.eos_token_id", "2", "an integer"), ("tokenizer.ggml.bos_token_id", 1.0, "an integer"),
+    ("tokenizer.ggml.unknown_token_id", "0", "an integer")])
+def test_metadata_of_the_wrong_type_is_named(tiny, tmp_path, key, value, kind):
+    """huggingface_hub's StrictDataclassFieldValidationError ("Field 'num_hidden_layers' expected int, got str"), naming
+    neither the file nor the key, and a per-layer list of head counts (llama.cpp's reader takes one) a TypeError."""
+    path = _write_gguf(tmp_path / "bad.gguf", tiny, metadata={key: value})
+    with pytest.raises(ValueError, match=rf"bad\.gguf: GGUF metadata key '{re.escape(key)}' holds "
+                                         rf"{re.escape(repr(value))}, not {kind}: the file is corrupt"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("field", ["version", "tensor type"])
+def test_a_gguf_newer_than_the_gguf_package_is_not_called_corrupt(tiny, tmp_path, field):
+    """A GGUF version or a tensor type (llama.cpp adds them) the installed gguf package does not know was "truncated or
+    corrupt ...; download or convert it again": advice that fetches the same file again."""
+    import struct
+    data = bytearray(_write_gguf(tmp_path / "new.gguf", tiny).read_bytes())
+    if field == "version":
+        struct.pack_into("<I", data, 4, 4)  # after the magic
+    else:
+        name = b"blk.0.ffn_up.weight"  # then its dimension count, dimensions (8 bytes each) and type
+        at = data.index(name) + len(name)
+        struct.pack_into("<I", data, at + 4 + 8 * struct.unpack_from("<I", data, at)[0], 99)
+    (tmp_path / "new.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"new\.gguf cannot be read \(.*\): it is truncated or corrupt \(download or "
+                                         r"convert it again\), or of a GGUF version or tensor type newer than the "
+                                         r"installed gguf package \(v[\d.]+\) knows \(upgrade it\)"):
+        load_gguf(tmp_path / "new.gguf")
+
+
+@pytest.mark.parametrize("key,value", [("embedding_length", 10_420_288), ("block_count", 1 << 25)])
+def test_metadata_made_huge_is_refused_before_the_model_is_allocated(tiny, tmp_path, monkeypatch, key, value):
+    """One flipped byte made embedding_length 64 10,420,288 (found by flipping header bytes): load_gguf built the model
+    that metadata describes before it compared a tensor with it, 11 GB for a 1.5 MB file, and the OOM killer ended
+    the process. A block_count as wrong built 33 million layers."""
+    import nibble.models.gguf as nibble_gguf
+    path = _write_gguf(tmp_path / "huge.gguf", tiny)
+    data = bytearray(path.read_bytes())
+    at = data.index(f"llama.{key}".encode()) + len(f"llama.{key}") + 4  # past the name: its type, then its value
+    data[at: at + 4] = value.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    built = nibble_gguf.LlamaForCausalLM
+    monkeypatch.setattr(nibble_gguf, "LlamaForCausalLM", lambda config: built(config) if str(torch.empty(0).device)
+                        == "meta" else pytest.fail("a model of the metadata's size was allocated"))
+    with pytest.raises(ValueError, match=r"huge\.gguf: .*the file is corrupt or its metadata belongs to another model"):
+        load_gguf(path)
+
+
+def test_the_model_holds_the_dequantized_weights_not_copies_of_them(tiny, tmp_path, monkeypatch):
+    """load_state_dict copied every dequantized weight into parameters allocated beforehand: two float32 models at
+    the peak (1.6 GB for the 135M SmolLM2, 1.1 GB without the copy) and half the load time."""
+    import nibble.models.gguf as nibble_gguf
+    made, unpermute = set(), nibble_gguf._unpermute_qk
+
+    def recorded(*args):  # what the state dict is made of, q/k unpermuted or not
+        out = unpermute(*args)
+        made.add(out.data_ptr())
+        return out
+    monkeypatch.setattr(nibble_gguf, "_unpermute_qk", recorded)
+    model, _ = load_gguf(_write_gguf(tmp_path / "q.gguf", tiny, quantized=True))
+    assert {p.data_ptr() for p in model.parameters()} <= made
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_bfloat16_load_never_holds_the_float32_model(tiny, tmp_path, monkeypatch):
+    """load_gguf dequantized every weight to float32 and cast the whole model at the end: a float32 and a bfloat16
+    model at the peak (1.37 GB RSS for SmolLM2 in bfloat16, 0.89 GB casting each weight as it is made)."""
+    import weakref
+
+    import nibble.models.gguf as nibble_gguf
+    made, most_alive, unpermute = [], [0], nibble_gguf._unpermute_qk
+
+    def recorded(*args):  # each float32 weight as it is made, and how many made before are still held
+        most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in made))
+        out = unpermute(*args)
+        made.append(weakref.ref(out))
+        return out
+    monkeypatch.setattr(nibble_gguf, "_unpermute_qk", recorded)
+    model, _ = load_gguf(_write_gguf(tmp_path / "q.gguf", tiny, quantized=True), dtype=torch.bfloat16)
+    assert most_alive[0] == 0 and len(made) == len(tiny.state_dict()) - 1  # the tied head is not made
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_bfloat16_load_keeps_the_rotary_frequencies_in_float32(tiny, tmp_path):
+    """load_gguf cast the whole model, its rotary inv_freq buffer too: RoPE angles off by a relative 2^-9, which grows
+    with the position (SmolLM2's logits at positions 2000-3000 a mean KL of 0.0017 from the float32 model's against
+    0.0014), where transformers' from_pretrained, and nibble's load_quantized, keep the frequencies in float32."""
+    path = _write_gguf(tmp_path / "tiny.gguf", tiny)
+    model, _ = load_gguf(path, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.equal(model.model.rotary_emb.inv_freq, load_gguf(path)[0].model.rotary_emb.inv_freq)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32

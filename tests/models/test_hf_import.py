@@ -731,3 +731,84 @@ def test_an_index_that_names_the_wrong_shard_is_named_and_a_home_path_is_expande
     with pytest.raises(ValueError, match=rf"index\.json names .* for '{re.escape(key)}' \(1 such tensor\(s\)\), but that "
                                          "file does not hold it"):
         load_quantized(tmp_path / "q")
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("tensor", ["qzeros", "scales"])
+def test_a_layer_missing_a_tensor_is_named(tmp_path, fmt, tensor):
+    """A layer without its qzeros or scales (a shard left out, a damaged save) failed as "cannot read its awq tensors
+    ('qzeros')": a KeyError's repr, which said neither that a tensor is missing nor which."""
+    _, path = _export(tmp_path, fmt=fmt)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[f"model.layers.1.self_attn.k_proj.{tensor}"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})  # as another tool wrote it: no checksums
+    with pytest.raises(ValueError, match=rf"lacks model\.layers\.1\.self_attn\.k_proj\.{tensor} \({fmt} layers "
+                                         r"store qweight, qzeros, scales\).*re-download"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_bfloat16_scales_load_as_the_float16_scales_they_equal(tmp_path, fmt):
+    """A quantized model cast to bfloat16 (Module.to casts the scales too) and saved again writes bfloat16 scales, which
+    vLLM and transformers read: nibble refused them ("scales must be float16"). Every bfloat16 scale in float16's
+    range is a float16 exactly; one that is not (float32) is refused."""
+    _, path = _export(tmp_path, fmt=fmt)
+    tensors = load_file(path / "model.safetensors")
+    scales = [k for k in tensors if k.endswith(".scales")]
+    for k in scales:
+        tensors[k] = tensors[k].bfloat16()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})  # as another tool wrote it: no checksums
+    loaded, _ = load_quantized(path)
+    for k in scales:
+        tensors[k] = tensors[k].half()  # the same values, in float16
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    want, _ = load_quantized(path)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want(ids).logits)
+    tensors[scales[0]] = tensors[scales[0]].float() * (1 + 2 ** -20)  # between two float16 values
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"cannot read its {fmt} tensors \(scales are torch\.float32, and \d+ of them "
+                                         r"\(e\.g\. [\d.e-]+\) are no float16 value"):
+        load_quantized(path)
+
+
+def test_gptqmodel_dynamic_rules_are_read_per_layer(tmp_path):
+    """GPTQModel's quantization_config `dynamic` ({pattern: overrides}; the first pattern that re.matches a layer's name
+    rules it, "-:" ones leave it unquantized, as GPTQModel and vLLM read them) was ignored: an 8-bit layer, four codes
+    a word, was read as a 4-bit one of twice the inputs and refused as "group_size=32 disagrees with the tensors", as
+    was a layer of another group size, which nibble cannot hold either; both are now said as they are. A rule's sym
+    is the layer's: the import is symmetric only where every layer is."""
+    G, ids, layers = 32, torch.randint(0, 256, (2, 16)), iter(LINEARS * 2)
+
+    def write(W):  # in write_checkpoint's order
+        return write_gptq_linear(W, G, next(layers) != "mlp.up_proj", False)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": True, "desc_act": False,
+          "dynamic": {r"-:lm_head": {}, r".*\.up_proj": {"sym": False}}}
+    ref, dense = write_checkpoint(tmp_path, tiny_model("llama"), qc, write)
+    loaded, _ = load_quantized(tmp_path)
+    check_import(loaded, dense, ref, ids)
+    assert loaded.config.quantization_config["symmetric"] is False  # not every layer is
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    name, (K, N) = "model.layers.1.mlp.down_proj", (192, 64)
+    tensors.update({f"{name}.qweight": torch.zeros(K // 4, N, dtype=torch.int32),  # GPTQModel's 8-bit packing
+                    f"{name}.qzeros": torch.zeros(K // G, N // 4, dtype=torch.int32),
+                    f"{name}.scales": torch.ones(K // G, N, dtype=torch.float16), f"{name}.g_idx": torch.arange(K) // G})
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    rules = config["quantization_config"]["dynamic"]
+    for rule, refusal in (({"bits": 8}, r"has 8 bits \(the quantization_config's dynamic rule '\+:\.\*\\\.1\\\.mlp.*"
+                                        r"nibble imports .*bits=4"),
+                          ({"group_size": 64}, r"has group size 64 \(the quantization_config's dynamic rule "
+                                               r"'\+:\.\*\\\.1\\\.mlp\\\.down_proj'\), the other layers 32")):
+        config["quantization_config"]["dynamic"] = {r"+:.*\.1\.mlp\.down_proj": rule, **rules}  # the first match rules
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedCheckpointError, match=r"model\.layers\.1\.mlp\.down_proj " + refusal):
+            load_quantized(tmp_path)
+    for rules, refusal in (({"+:(": {}}, r"dynamic rule '\+:\(' is not a regular expression"),
+                           (["+:.*"], r"dynamic is \['\+:\.\*'\], not GPTQModel's \{pattern: overrides\}")):
+        config["quantization_config"]["dynamic"] = rules
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedCheckpointError, match=refusal + ".*: the quantization_config is damaged"):
+            load_quantized(tmp_path)
