@@ -206,9 +206,10 @@ def _open(path: Path) -> gguf.GGUFReader:
                          f"of a GGUF version or tensor type newer than the installed gguf package (v{version('gguf')}) "
                          "knows (upgrade it)") from e
     if reader.byte_order == "S":  # gguf's dequantize reads tensor bytes in this machine's order: all swapped
-        raise ValueError(f"{path} is a {reader.endianess.name.lower()}-endian GGUF, but this machine is "
-                         f"{sys.byteorder}-endian: its tensors would be read with their bytes swapped. Convert it with "
-                         f"llama.cpp's gguf_convert_endian.py (`gguf_convert_endian.py FILE {sys.byteorder}`)")
+        other = {"little": "big", "big": "little"}[sys.byteorder]  # what byte_order "S" (swapped) says
+        raise ValueError(f"{path} is a {other}-endian GGUF, but this machine is {sys.byteorder}-endian: its tensors "
+                         "would be read with their bytes swapped. Convert it with llama.cpp's gguf_convert_endian.py "
+                         f"(`gguf_convert_endian.py FILE {sys.byteorder}`)")
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; nibble loads GGUF files of "

@@ -174,12 +174,17 @@ def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
             read_json_object(file)  # each holds an object
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    # every type: a file missing is an OSError or a ValueError, a field of the wrong type a TypeError, KeyError or
-    # AttributeError, and tokenizer.json that tokenizers cannot parse a bare Exception
+    except MemoryError:
+        raise
+    # every other type: a file missing is an OSError or a ValueError, a field of the wrong type a TypeError, KeyError
+    # or AttributeError, and tokenizer.json that tokenizers cannot parse a bare Exception. Files written by a newer
+    # tokenizers, or a missing sentencepiece / protobuf, fail alike with intact files: the advice names both causes
     except Exception as e:
         cause = (str(e).strip().splitlines() or [""])[0]  # the CLI prints one line, no chain
-        raise ValueError(f"{directory}: could not load a tokenizer from it ({type(e).__name__}: {cause}); save the "
-                         "model's tokenizer there with tokenizer.save_pretrained(DIR)") from e
+        raise ValueError(f"{directory}: could not load a tokenizer from it ({type(e).__name__}: {cause}). If the "
+                         "error names a missing library, install it; if the files come from a newer transformers / "
+                         "tokenizers, upgrade them; else the files are damaged: re-download the model, or save its "
+                         "tokenizer there with tokenizer.save_pretrained(DIR)") from e
     warn_broken_chat_template(tokenizer, directory)
     return tokenizer
 
