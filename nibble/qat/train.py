@@ -119,6 +119,19 @@ def check_init(recipe: str, init: str) -> None:
                          "recipe's learned smoothing rescales the weight that GPTQ would have quantized")
 
 
+def check_model(model: nn.Module) -> None:
+    """Refuse what PE-QAT cannot train: a model it prepared already (run_qat changes the model it is given in place:
+    run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
+    model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model."""
+    from nibble.models.convert import check_architecture, check_not_quantized
+
+    if fake_quant_layers(model):
+        raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
+                         "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
+    check_architecture(model)
+    check_not_quantized(model, "PE-QAT")
+
+
 class QatPeftModel(PeftModel):
     """The PeftModel PE-QAT trains. peft's ``save_pretrained`` writes the LoRA weights only: a recipe that also
     learns quantizer parameters (per-token: clip ratios; per-channel: clips and smoothing) would come back from
@@ -150,15 +163,12 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     """
     from peft import LoraConfig
 
-    from nibble.models.convert import check_architecture, check_not_quantized
-
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     check_init(recipe, init)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
-    check_architecture(model)
-    check_not_quantized(model, "PE-QAT")
+    check_model(model)
     if recipe == "hadamard":
         from nibble.models.rotation import rotate_model
         rotate_model(model, seed=rotation_seed)
@@ -358,6 +368,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_init(recipe, init)  # before any calibration text is tokenized
+    check_model(model)  # before the model is changed
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and seq_len > context:
         # clamped as `nibble eval` clamps perplexity's seq_len: windows past the context train positions the model

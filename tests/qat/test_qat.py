@@ -342,3 +342,14 @@ def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
     with pytest.raises(FloatingPointError, match="trained parameters became NaN or Inf at step 0"):
         _train("per-token", 1, _windows())
+
+
+@pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
+def test_a_model_a_run_prepared_already_is_refused(recipe):
+    """run_qat changes the model it is given: run again on it, the Hadamard recipe rotated it a second time (its
+    teacher 0.2 off the 16-bit model) and fake-quantized the first run's LoRA matrices; per-token failed in peft."""
+    model = _model()
+    qat = _train(recipe, 1, _windows(), model=model)
+    for again in (model, qat):
+        with pytest.raises(ValueError, match="prepared for PE-QAT already .* a fresh 16-bit model"):
+            _train(recipe, 1, _windows(), model=again)
