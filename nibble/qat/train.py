@@ -58,7 +58,7 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import resolve_device
+from nibble.config import check_count, resolve_device
 from nibble.models.convert import own_config
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
@@ -362,8 +362,13 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    # all said before the model is changed (batch_size=0 was torch.stack's error, save_every=0 a ZeroDivisionError,
+    # seq_len=1 windows without a target a loss of NaN said as "lower lr")
+    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
+                               ("save_every", save_every, 1), ("rank", rank, 1)):
+        check_count(name, value, least)
+    if warmup is not None:
+        check_count("warmup", warmup, 0)
     check_learning_rates(lr, quant_lr)
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
@@ -380,22 +385,27 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                       f"using {context}.", stacklevel=2)
         seq_len = context
     device = resolve_device(device)
+    if windows is None:
+        windows = training_windows(tokenizer, seq_len, sources)
+    elif windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len or windows.dtype != torch.long:
+        raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "
+                         f"{tuple(windows.shape)} {windows.dtype}")
+    vocab = model.get_input_embeddings().num_embeddings
+    if windows.min() < 0 or windows.max() >= vocab:
+        raise ValueError(f"the training windows hold token ids from {windows.min()} to {windows.max()}, outside the "
+                         f"model's vocabulary of {vocab}")
+    if init == "gptq" and calibration is None:
+        if tokenizer is None:
+            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
+        from nibble.quantize.calibration import calibration_batches
+        calibration = calibration_batches(tokenizer)
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
     own_config(model)  # another model built from the same config object keeps its cache
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if init == "gptq" and calibration is None:
-        if tokenizer is None:
-            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer)
     peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
-    if windows is None:
-        windows = training_windows(tokenizer, seq_len, sources)
-    elif windows.dim() != 2 or windows.shape[1] != seq_len:
-        raise ValueError(f"windows must be [n, seq_len={seq_len}], got {tuple(windows.shape)}")
     settings = dict(peft_model.qat_meta, seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective,
                     steps=steps, lr=lr, quant_lr=quant_lr, sources=list(sources))
     warmup = max(1, steps // 20) if warmup is None else warmup

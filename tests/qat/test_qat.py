@@ -353,3 +353,22 @@ def test_a_model_a_run_prepared_already_is_refused(recipe):
     for again in (model, qat):
         with pytest.raises(ValueError, match="prepared for PE-QAT already .* a fresh 16-bit model"):
             _train(recipe, 1, _windows(), model=again)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),  # torch.stack's "non-empty TensorList"
+    (dict(save_every=0), "save_every must be an integer >= 1, got 0"),  # a ZeroDivisionError
+    (dict(steps=2.5), "steps must be an integer >= 1, got 2.5"),
+    (dict(seq_len=1, windows=_windows()[:, :1]), "seq_len must be an integer >= 2, got 1"),  # NaN: "lower lr"
+    (dict(windows=_windows().float()), r"windows must be token ids \[n >= 1, seq_len=24\] \(torch.long\), got "
+                                       r"\(4, 24\) torch.float32"),
+    (dict(windows=_windows()[:0], batch_size=2), r"windows must be token ids \[n >= 1"),  # a ZeroDivisionError
+    (dict(windows=_windows() + 256), r"token ids from \d+ to \d+, outside the model's vocabulary of 256"),
+])
+def test_what_cannot_train_is_said_before_the_model_is_changed(bad, message):
+    model = _model()
+    kw = dict(dict(steps=1, windows=_windows()), **bad)
+    with pytest.raises(ValueError, match=message):
+        _train("hadamard", kw.pop("steps"), kw.pop("windows"), model=model, out_dir="unused", **kw)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # neither rotated nor wrapped
+    assert all(p.requires_grad for p in model.parameters())
