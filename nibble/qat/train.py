@@ -45,6 +45,7 @@ uninterrupted one would have.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
@@ -220,6 +221,13 @@ def training_windows(tokenizer, seq_len: int, sources=DEFAULT_SOURCES) -> torch.
     return windows
 
 
+def token_record(ids: torch.Tensor) -> str:
+    """How a run's settings record the token ids it trained on or calibrated with: a resume from other ones (another
+    --calib-samples, a changed text) mixed two runs without a word, and the export said nothing of them."""
+    digest = hashlib.sha256(ids.cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return f"{ids.shape[0]} x {ids.shape[1]} tokens, sha256 {digest}"
+
+
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> torch.Tensor:
     """Rows of the window table used at ``step``: consecutive slices of one seeded permutation per epoch."""
     out = []
@@ -308,8 +316,11 @@ def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> tuple
     # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
     fixed = ("recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed", "objective",
-             "sources", "lr", "quant_lr")
-    saved = {"init": "rtn", **state["settings"]}  # states written before init existed started from RTN
+             "sources", "windows", "calibration", "lr", "quant_lr")
+    # states written before init existed started from RTN; those written before the token ids were recorded
+    # cannot be checked for them
+    saved = {"init": "rtn", "windows": settings["windows"], "calibration": settings["calibration"],
+             **state["settings"]}
     diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
     if diff:
         raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
@@ -385,6 +396,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                       f"using {context}.", stacklevel=2)
         seq_len = context
     device = resolve_device(device)
+    sources = list(sources) if windows is None else None  # windows given: no text was read
     if windows is None:
         windows = training_windows(tokenizer, seq_len, sources)
     elif windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len or windows.dtype != torch.long:
@@ -407,7 +419,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
     settings = dict(peft_model.qat_meta, seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective,
-                    steps=steps, lr=lr, quant_lr=quant_lr, sources=list(sources))
+                    steps=steps, lr=lr, quant_lr=quant_lr, sources=sources, windows=token_record(windows),
+                    calibration=token_record(calibration) if init == "gptq" else None)
     warmup = max(1, steps // 20) if warmup is None else warmup
     optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))

@@ -372,3 +372,19 @@ def test_what_cannot_train_is_said_before_the_model_is_changed(bad, message):
         _train("hadamard", kw.pop("steps"), kw.pop("windows"), model=model, out_dir="unused", **kw)
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # neither rotated nor wrapped
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_resume_from_other_token_ids_is_refused_and_the_export_records_them(tmp_path):
+    """The GPTQ start is computed again on resume: another --calib-samples resumed the saved LoRA and clips onto
+    another start without a word; other windows (or a changed text) likewise trained the rest of the run on them."""
+    calib, windows = _windows(n=6, seed=2), _windows()
+    kw = dict(init="gptq", out_dir=tmp_path, batch_size=2)
+    qat = _train("per-token", 2, windows, calibration=calib, **kw)
+    for key, calib_now, windows_now in (("calibration", calib[:4], windows), ("calibration", calib.flip(0), windows),
+                                        ("windows", calib, _windows(seed=3))):
+        with pytest.raises(ValueError, match=f"other settings.*'{key}'"):
+            _train("per-token", 3, windows_now, resume=True, calibration=calib_now, **kw)
+    _train("per-token", 3, windows, resume=True, calibration=calib, **kw)  # the same ones resume
+    recorded = export(qat).config.quantization_config["qat"]
+    assert recorded["calibration"].startswith("6 x 24 tokens, sha256 ")
+    assert recorded["windows"].startswith("4 x 24 tokens, sha256 ") and "sources" not in recorded  # none was read
