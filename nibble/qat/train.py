@@ -228,6 +228,17 @@ def token_record(ids: torch.Tensor) -> str:
     return f"{ids.shape[0]} x {ids.shape[1]} tokens, sha256 {digest}"
 
 
+def model_record(model: nn.Module) -> str:
+    """How a run's settings record the 16-bit model it starts from: a resume onto another model of the same shape (a
+    fine-tune, the Instruct variant) went on from the saved LoRA and clips without a word. The first and last 64
+    values of each tensor, as reading all of them would cost seconds a GB, and another model differs in all of them."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        h.update(name.encode() + torch.cat([flat[:64], flat[-64:]]).cpu().numpy().tobytes())
+    return f"sha256 {h.hexdigest()[:16]} of sampled weights"
+
+
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> torch.Tensor:
     """Rows of the window table used at ``step``: consecutive slices of one seeded permutation per epoch."""
     out = []
@@ -315,16 +326,15 @@ def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> tuple
     state = torch.load(path, map_location="cpu", weights_only=True)
     # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
-    fixed = ("recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed", "objective",
-             "sources", "windows", "calibration", "lr", "quant_lr")
-    # states written before init existed started from RTN; those written before the token ids were recorded
-    # cannot be checked for them
-    saved = {"init": "rtn", "windows": settings["windows"], "calibration": settings["calibration"],
-             **state["settings"]}
+    fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
+             "objective", "sources", "windows", "calibration", "lr", "quant_lr")
+    # states written before init existed started from RTN; those written before the model and token ids were
+    # recorded cannot be checked for them
+    saved = {"init": "rtn", **{k: settings[k] for k in ("model", "windows", "calibration")}, **state["settings"]}
     diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
     if diff:
         raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
-                         "the same settings or pick another --out")
+                         "the same model and settings or pick another --out")
     if state["step"] > settings["steps"]:  # it trained nothing and recorded the shorter run
         raise ValueError(f"{path} holds a run at step {state['step']}, past steps={settings['steps']}: resume with "
                          f"steps >= {state['step']}, or pick another --out")
@@ -413,12 +423,13 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         calibration = calibration_batches(tokenizer)
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
+    teacher = model_record(model)  # before the rotation
     own_config(model)  # another model built from the same config object keeps its cache
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
-    settings = dict(peft_model.qat_meta, seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective,
+    settings = dict(peft_model.qat_meta, model=teacher, seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective,
                     steps=steps, lr=lr, quant_lr=quant_lr, sources=sources, windows=token_record(windows),
                     calibration=token_record(calibration) if init == "gptq" else None)
     warmup = max(1, steps // 20) if warmup is None else warmup

@@ -388,3 +388,16 @@ def test_a_resume_from_other_token_ids_is_refused_and_the_export_records_them(tm
     recorded = export(qat).config.quantization_config["qat"]
     assert recorded["calibration"].startswith("6 x 24 tokens, sha256 ")
     assert recorded["windows"].startswith("4 x 24 tokens, sha256 ") and "sources" not in recorded  # none was read
+
+
+def test_a_resume_onto_another_model_is_refused(tmp_path):
+    """The trained LoRA and clip ratios of one model went on training on another of the same shape without a word."""
+    kw = dict(out_dir=tmp_path, batch_size=2)
+    qat = _train("per-token", 2, _windows(), **kw)
+    other = _model()
+    with torch.no_grad():
+        other.model.layers[1].mlp.up_proj.weight.mul_(1.01)  # a fine-tune of it
+    with pytest.raises(ValueError, match="other settings.*'model'"):
+        _train("per-token", 3, _windows(), model=other, resume=True, **kw)
+    _train("per-token", 3, _windows(), resume=True, **kw)  # the same model resumes
+    assert export(qat).config.quantization_config["qat"]["model"].endswith(" of sampled weights")
