@@ -49,6 +49,7 @@ import hashlib
 import math
 import numbers
 import os
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -323,7 +324,11 @@ def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dic
 def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> tuple[int, dict]:
     """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next and the
     losses saved with it (none in states written before they were)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): the file is damaged; delete "
+                         "it to train from step 0, or pick another --out") from e
     # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
     fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",

@@ -401,3 +401,14 @@ def test_a_resume_onto_another_model_is_refused(tmp_path):
         _train("per-token", 3, _windows(), model=other, resume=True, **kw)
     _train("per-token", 3, _windows(), resume=True, **kw)  # the same model resumes
     assert export(qat).config.quantization_config["qat"]["model"].endswith(" of sampled weights")
+
+
+@pytest.mark.parametrize("cut", [0, 1000])
+def test_a_damaged_state_is_named(tmp_path, cut):
+    """A truncated state.pt was torch's PytorchStreamReader traceback (an empty one an EOFError)."""
+    _train("per-token", 1, _windows(), out_dir=tmp_path)
+    path = state_path(tmp_path)
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train from "
+                                         "step 0, or pick another --out"):
+        _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
