@@ -57,6 +57,9 @@ def qat_main(args) -> None:
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_init(args.recipe, args.init)
+    if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word
+        raise ValueError("--eval-ppl measures the exported W4A4 model, and --recipe per-channel exports none (fake "
+                         "quant only): drop --eval-ppl, or train --recipe per-token or hadamard")
     sources = tuple(s for s in args.calib.split(",") if s)
     if not sources:  # it failed after the model loaded, in torch.cat
         raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")

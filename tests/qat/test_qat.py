@@ -412,3 +412,13 @@ def test_a_damaged_state_is_named(tmp_path, cut):
     with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train from "
                                          "step 0, or pick another --out"):
         _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
+
+
+def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkeypatch, tmp_path):
+    """--recipe per-channel --eval-ppl trained, then returned without a perplexity or a word of why."""
+    from nibble.cli import main
+    from nibble.models import loading
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit, match=r"^nibble qat: --eval-ppl measures the exported W4A4 model, and --recipe "
+                                         r"per-channel exports none \(fake quant only\)"):
+        main(["qat", "--recipe", "per-channel", "--eval-ppl", "--device", "cpu", "--out", str(tmp_path / "q")])
