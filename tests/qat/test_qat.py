@@ -166,8 +166,9 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     again = _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw)  # finished: trains nothing
     assert again.qat_meta["tokens_this_run"] == 0
     assert again.qat_meta["final_loss"] == resumed.qat_meta["final_loss"] is not None
-    # the optimizer's restored state would keep the saved learning rate, whatever the settings then record
-    for other in (dict(lr=0.5), dict(quant_lr=0.5)):
+    # the optimizer's restored state would keep the saved learning rate, whatever the settings then record; the
+    # others would mix two runs
+    for other in (dict(lr=0.5), dict(quant_lr=0.5), dict(objective="ce"), dict(seed=1), dict(rank=4)):
         with pytest.raises(ValueError, match=f"other settings.*'{next(iter(other))}'"):
             _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw, **other)
 
@@ -422,3 +423,69 @@ def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkey
     with pytest.raises(SystemExit, match=r"^nibble qat: --eval-ppl measures the exported W4A4 model, and --recipe "
                                          r"per-channel exports none \(fake quant only\)"):
         main(["qat", "--recipe", "per-channel", "--eval-ppl", "--device", "cpu", "--out", str(tmp_path / "q")])
+
+
+def test_the_loop_trains_against_the_16_bit_model(monkeypatch):
+    """The teacher the loop runs, not one the test builds: the adapters and fake quant off, through the rotation, after
+    the adapters have trained (a teacher that kept them, or its quantization, passed every test)."""
+    import copy
+
+    import nibble.qat.train as train
+    seen, loss = [], train.qat_loss
+    monkeypatch.setattr(train, "qat_loss", lambda logits, ids, teacher, objective: seen.append((ids, teacher))
+                        or loss(logits, ids, teacher, objective))
+    model = _model()
+    original = copy.deepcopy(model)
+    _train("hadamard", 3, _windows(), model=model, batch_size=2)
+    assert len(seen) == 3
+    for ids, teacher in seen:
+        with torch.no_grad():
+            torch.testing.assert_close(teacher, original(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_objectives_are_the_next_token_losses_they_name():
+    """KL(p_16bit || p_quant), not the other way (both are >= 0 and train), and CE of the next token, not this one."""
+    from nibble.qat.train import qat_loss
+    logits, teacher, ids = torch.randn(2, 6, 11), torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    q, p = logits[:, :-1].log_softmax(-1), teacher[:, :-1].log_softmax(-1)  # the last position has no next token
+    ce = -q.gather(-1, ids[:, 1:, None]).mean()
+    kl = (p.exp() * (p - q)).sum(-1).mean()
+    for objective, want in (("ce", ce), ("kl", kl), ("ce+kl", ce + kl)):
+        torch.testing.assert_close(qat_loss(logits, ids, teacher, objective), want, msg=objective)
+
+
+def test_the_data_order_is_one_seeded_permutation_an_epoch():
+    """What a resumed run relies on, as the docs say: every window once an epoch, in an order of (seed, step)."""
+    from nibble.qat.train import batch_indices
+    drawn = torch.cat([batch_indices(step, 4, 10, seed=0) for step in range(5)])  # two epochs of 10 windows
+    assert sorted(drawn[:10].tolist()) == sorted(drawn[10:].tolist()) == list(range(10))
+    assert not torch.equal(drawn[:10], drawn[10:])
+    assert not torch.equal(batch_indices(0, 4, 10, seed=1), drawn[:4])
+
+
+def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
+    """An option the command dropped trained with the default, and no test saw it."""
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+
+    class Given(Exception):
+        pass
+
+    def run(model, tokenizer, recipe, steps, lr, seq_len, batch_size, out_dir, **kwargs):
+        raise Given(dict(recipe=recipe, steps=steps, lr=lr, seq_len=seq_len, batch_size=batch_size, out_dir=out_dir,
+                         **kwargs))
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
+    monkeypatch.setattr(train, "run_qat", run)
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+    out = str(tmp_path / "q")
+    with pytest.raises(Given) as given:
+        main(["qat", "--device", "cpu", "--recipe", "hadamard", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
+              "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--calib", f"gutenberg,{text}",
+              "--save-every", "5", "--seed", "9", "--resume", "--out", out])
+    assert given.value.args[0] == dict(
+        recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
+        device=torch.device("cpu"), objective="ce", rank=4, quant_lr=0.03, save_every=5, seed=9,
+        sources=("gutenberg", str(text)), init="rtn", calibration=None)
