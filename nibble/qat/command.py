@@ -30,7 +30,8 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
-                        help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE")
+                        help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE on the "
+                             "training text; ce+kl: their sum")
     parser.add_argument("--calib", default=",".join(DEFAULT_SOURCES),
                         help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
