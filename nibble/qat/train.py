@@ -155,6 +155,12 @@ class QatPeftModel(PeftModel):
         return merged
 
 
+def qat_description(recipe: str, init: str, rank: int, alpha: float | None, rotation_seed: int) -> dict:
+    """How `prepare_qat_model` makes the model: the start of its ``qat_meta`` and of a run's settings."""
+    return {"recipe": recipe, "init": init, "rank": rank, "alpha": 2 * rank if alpha is None else alpha,
+            "rotation_seed": rotation_seed}
+
+
 def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: float | None = None,
                       rotation_seed: int = 0, init: str = "rtn", calibration=None, progress: bool = True) -> nn.Module:
     """Rotate (hadamard recipe), swap every quantizable linear for a FakeQuantLinear, add LoRA with peft.
@@ -171,6 +177,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_model(model)
+    meta = qat_description(recipe, init, rank, alpha, rotation_seed)
     if recipe == "hadamard":
         from nibble.models.rotation import rotate_model
         rotate_model(model, seed=rotation_seed)
@@ -183,8 +190,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
         linear = model.get_submodule(name)
         layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
         setattr(model.get_submodule(parent), child, layer)
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
-                        target_modules=names, bias="none")
+    config = LoraConfig(r=rank, lora_alpha=meta["alpha"], lora_dropout=0.0, target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
     config.base_model_name_or_path = getattr(model, "name_or_path", None)  # as get_peft_model records it
     peft_model = QatPeftModel(model, config)
@@ -194,8 +200,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
                 p.requires_grad_(True)
     # on the base model, which the rotation changed: `export` of either model records it (the PeftModel's
     # attribute lookups fall through to it)
-    model.qat_meta = {"recipe": recipe, "init": init, "rank": rank, "alpha": config.lora_alpha,
-                      "rotation_seed": rotation_seed}
+    model.qat_meta = meta
     return peft_model
 
 
@@ -236,7 +241,7 @@ def model_record(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         flat = t.detach().reshape(-1)
-        h.update(name.encode() + torch.cat([flat[:64], flat[-64:]]).cpu().numpy().tobytes())
+        h.update(name.encode() + torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
     return f"sha256 {h.hexdigest()[:16]} of sampled weights"
 
 
@@ -321,9 +326,9 @@ def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dic
     os.replace(tmp, path)
 
 
-def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> tuple[int, dict]:
-    """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next and the
-    losses saved with it (none in states written before they were)."""
+def read_state(path: Path, settings: dict) -> dict:
+    """The state `save_state` wrote at ``path``, refused unless a run of ``settings`` can go on from it: read before
+    the model is prepared, so that a resume with another option is said before the GPTQ start (minutes on a CPU)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
@@ -346,6 +351,12 @@ def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> tuple
     if state["settings"].get("steps") != settings.get("steps"):
         warnings.warn(f"resuming a run planned for {state['settings'].get('steps')} steps with steps="
                       f"{settings.get('steps')}: the cosine schedule is stretched to the new length", stacklevel=3)
+    return state
+
+
+def restore_state(state: dict, path: Path, model, optimizer, scheduler) -> tuple[int, dict]:
+    """Restore ``state`` (`read_state`) into a freshly prepared model; returns the step to run next and the losses
+    saved with it (none in states written before they were)."""
     trainable = state["trainable"]
     own = _trainable_state(model)
     if set(trainable) != set(own):
@@ -426,31 +437,34 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
         from nibble.quantize.calibration import calibration_batches
         calibration = calibration_batches(tokenizer)
+    settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
+                    seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
+                    quant_lr=quant_lr, sources=sources, windows=token_record(windows),
+                    calibration=token_record(calibration) if init == "gptq" else None)
+    path = state_path(out_dir) if out_dir is not None else None
+    state = None
+    if resume:
+        if path.exists():
+            state = read_state(path, settings)
+        else:
+            warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
-    teacher = model_record(model)  # before the rotation
     own_config(model)  # another model built from the same config object keeps its cache
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
-    settings = dict(peft_model.qat_meta, model=teacher, seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective,
-                    steps=steps, lr=lr, quant_lr=quant_lr, sources=sources, windows=token_record(windows),
-                    calibration=token_record(calibration) if init == "gptq" else None)
     warmup = max(1, steps // 20) if warmup is None else warmup
     optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
-    path = state_path(out_dir) if out_dir is not None else None
     start, losses = 0, {}
-    if resume:
-        if path.exists():
-            start, losses = load_state(path, peft_model, optimizer, scheduler, settings)
-            # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished
-            # run): set this schedule's for the step to come (the same where steps did not change)
-            for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
-                group["lr"] = base * lr_factor(start, steps, warmup)
-        else:
-            warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
+    if state is not None:
+        start, losses = restore_state(state, path, peft_model, optimizer, scheduler)
+        # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run):
+        # set this schedule's for the step to come (the same where steps did not change)
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base * lr_factor(start, steps, warmup)
 
     peft_model.train()
     n_tok = 0

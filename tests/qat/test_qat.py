@@ -489,3 +489,15 @@ def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
         recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
         device=torch.device("cpu"), objective="ce", rank=4, quant_lr=0.03, save_every=5, seed=9,
         sources=("gutenberg", str(text)), init="rtn", calibration=None)
+
+
+def test_a_resume_with_other_settings_is_refused_before_the_model_is_prepared(tmp_path, monkeypatch):
+    """It was said after the rotation and the GPTQ start (minutes on a CPU), on a model left changed."""
+    import nibble.qat.train as train
+    kw = dict(init="gptq", calibration=_windows(n=6, seed=2), out_dir=tmp_path, batch_size=2)
+    _train("hadamard", 1, _windows(), **kw)
+    monkeypatch.setattr(train, "gptq_start", lambda *args, **kwargs: pytest.fail("ran the GPTQ start first"))
+    model = _model()
+    with pytest.raises(ValueError, match="other settings.*'lr'"):
+        _train("hadamard", 2, _windows(), model=model, resume=True, lr=0.5, **kw)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
