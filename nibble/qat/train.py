@@ -39,7 +39,9 @@ Training: AdamW, linear warm-up then cosine decay to 0, gradient clipping at 1, 
 CUDA (master weights and the quantization grid stay float32), gradient checkpointing, a tqdm bar
 with the loss. Every ``save_every`` steps (and at the end) the trainable state (LoRA, clip and
 smoothing parameters), the optimizer, the scheduler and the step go atomically to
-``out_dir/qat-state/state.pt``; ``resume=True`` rebuilds the same model and continues from it.
+``out_dir/qat-state/state.pt``, with the run's settings: the 16-bit model and the token ids it trains on and
+calibrates with among them (`model_record`, `token_record`; the export records them too). ``resume=True`` rebuilds
+the same model and continues from it, or refuses, before the model is prepared, a run of other settings.
 The data order is a pure function of (seed, step), so a resumed run sees the batches an
 uninterrupted one would have.
 """
