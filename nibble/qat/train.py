@@ -426,6 +426,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     device = resolve_device(device)
     sources = list(sources) if windows is None else None  # windows given: no text was read
     if windows is None:
+        if tokenizer is None:  # was None's AttributeError
+            raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
+                             "ids [n, seq_len])")
         windows = training_windows(tokenizer, seq_len, sources)
     elif windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len or windows.dtype != torch.long:
         raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "

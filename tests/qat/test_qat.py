@@ -345,6 +345,12 @@ def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
         _train("per-token", 1, _windows())
 
 
+def test_training_windows_without_a_tokenizer_are_refused():
+    """They were None's AttributeError ('NoneType' object has no attribute 'encode')."""
+    with pytest.raises(ValueError, match="needs a tokenizer to make its training windows from sources, or windows"):
+        run_qat(_model(), None, "per-token", 1, seq_len=SEQ, device="cpu", progress=False)
+
+
 @pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
 def test_a_model_a_run_prepared_already_is_refused(recipe):
     """run_qat changes the model it is given: run again on it, the Hadamard recipe rotated it a second time (its
