@@ -114,6 +114,7 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     assert qmodel.config.quantization_config["qat"]["final_loss"] is not None
     layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
+    assert not any(p.requires_grad for p in qmodel.parameters())  # a deployed model: nothing left to train
     assert sum(m.input_hadamard for m in layers) == (2 if recipe == "hadamard" else 0)
     loaded, _ = load_quantized(tmp_path)
     set_backend(loaded, "reference")
@@ -507,3 +508,13 @@ def test_a_resume_with_other_settings_is_refused_before_the_model_is_prepared(tm
     with pytest.raises(ValueError, match="other settings.*'lr'"):
         _train("hadamard", 2, _windows(), model=model, resume=True, lr=0.5, **kw)
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("alpha, scaling", [(None, 2.0), (3, 0.75)])
+def test_lora_alpha_is_twice_the_rank_unless_given(alpha, scaling):
+    """As --rank's help says (alpha = 2 * rank): the adapters' scale alpha / rank."""
+    from nibble.qat.fake_quant import FakeQuantLoraLinear
+    qat = _train("per-token", 1, _windows(), rank=4, alpha=alpha)
+    layers = [m for m in qat.modules() if isinstance(m, FakeQuantLoraLinear)]
+    assert len(layers) == 14 and all(m.scaling["default"] == scaling for m in layers)
+    assert qat.qat_meta["alpha"] == (8 if alpha is None else alpha)
