@@ -339,10 +339,11 @@ def read_state(path: Path, settings: dict) -> dict:
     # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
     fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
-             "objective", "sources", "windows", "calibration", "lr", "quant_lr")
-    # states written before init existed started from RTN; those written before the model and token ids were
-    # recorded cannot be checked for them
-    saved = {"init": "rtn", **{k: settings[k] for k in ("model", "windows", "calibration")}, **state["settings"]}
+             "objective", "sources", "windows", "calibration", "lr", "quant_lr", "warmup", "max_grad_norm")
+    # states written before init existed started from RTN; those written before the model, token ids, warm-up and
+    # clipping were recorded cannot be checked for them
+    unrecorded = ("model", "windows", "calibration", "warmup", "max_grad_norm")
+    saved = {"init": "rtn", **{k: settings[k] for k in unrecorded}, **state["settings"]}
     diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
     if diff:
         raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
@@ -444,8 +445,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         calibration = calibration_batches(tokenizer)
     settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
                     seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
-                    quant_lr=quant_lr, sources=sources, windows=token_record(windows),
-                    calibration=token_record(calibration) if init == "gptq" else None)
+                    quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,
+                    windows=token_record(windows), calibration=token_record(calibration) if init == "gptq" else None)
     path = state_path(out_dir) if out_dir is not None else None
     state = None
     if resume:

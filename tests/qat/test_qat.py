@@ -169,7 +169,8 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     assert again.qat_meta["final_loss"] == resumed.qat_meta["final_loss"] is not None
     # the optimizer's restored state would keep the saved learning rate, whatever the settings then record; the
     # others would mix two runs
-    for other in (dict(lr=0.5), dict(quant_lr=0.5), dict(objective="ce"), dict(seed=1), dict(rank=4)):
+    for other in (dict(lr=0.5), dict(quant_lr=0.5), dict(objective="ce"), dict(seed=1), dict(rank=4), dict(warmup=2),
+                  dict(max_grad_norm=0.5)):
         with pytest.raises(ValueError, match=f"other settings.*'{next(iter(other))}'"):
             _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw, **other)
 
