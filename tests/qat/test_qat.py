@@ -491,8 +491,8 @@ def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
     out = str(tmp_path / "q")
     with pytest.raises(Given) as given:
         main(["qat", "--device", "cpu", "--recipe", "hadamard", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
-              "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--calib", f"gutenberg,{text}",
-              "--save-every", "5", "--seed", "9", "--resume", "--out", out])
+              "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
+              "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
     assert given.value.args[0] == dict(
         recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
         device=torch.device("cpu"), objective="ce", rank=4, quant_lr=0.03, save_every=5, seed=9,
