@@ -336,7 +336,7 @@ def read_state(path: Path, settings: dict) -> dict:
     except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
         raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): the file is damaged; delete "
                          "it to train from step 0, or pick another --out") from e
-    # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
+    # the learning rates too: the optimizer and scheduler states `restore_state` loads carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
     fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
              "objective", "sources", "windows", "calibration", "lr", "quant_lr", "warmup", "max_grad_norm")
