@@ -30,7 +30,8 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
-                        help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE")
+                        help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE on the "
+                             "training text; ce+kl: their sum")
     parser.add_argument("--calib", default=",".join(DEFAULT_SOURCES),
                         help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
@@ -57,6 +58,9 @@ def qat_main(args) -> None:
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_init(args.recipe, args.init)
+    if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word
+        raise ValueError("--eval-ppl measures the exported W4A4 model, and --recipe per-channel exports none (fake "
+                         "quant only): drop --eval-ppl, or train --recipe per-token or hadamard")
     sources = tuple(s for s in args.calib.split(",") if s)
     if not sources:  # it failed after the model loaded, in torch.cat
         raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")

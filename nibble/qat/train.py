@@ -39,15 +39,19 @@ Training: AdamW, linear warm-up then cosine decay to 0, gradient clipping at 1, 
 CUDA (master weights and the quantization grid stay float32), gradient checkpointing, a tqdm bar
 with the loss. Every ``save_every`` steps (and at the end) the trainable state (LoRA, clip and
 smoothing parameters), the optimizer, the scheduler and the step go atomically to
-``out_dir/qat-state/state.pt``; ``resume=True`` rebuilds the same model and continues from it.
+``out_dir/qat-state/state.pt``, with the run's settings: the 16-bit model and the token ids it trains on and
+calibrates with among them (`model_record`, `token_record`; the export records them too). ``resume=True`` rebuilds
+the same model and continues from it, or refuses, before the model is prepared, a run of other settings.
 The data order is a pure function of (seed, step), so a resumed run sees the batches an
 uninterrupted one would have.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -58,7 +62,7 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import resolve_device
+from nibble.config import check_count, resolve_device
 from nibble.models.convert import own_config
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
@@ -119,6 +123,19 @@ def check_init(recipe: str, init: str) -> None:
                          "recipe's learned smoothing rescales the weight that GPTQ would have quantized")
 
 
+def check_model(model: nn.Module) -> None:
+    """Refuse what PE-QAT cannot train: a model it prepared already (run_qat changes the model it is given in place:
+    run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
+    model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model."""
+    from nibble.models.convert import check_architecture, check_not_quantized
+
+    if fake_quant_layers(model):
+        raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
+                         "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
+    check_architecture(model)
+    check_not_quantized(model, "PE-QAT")
+
+
 class QatPeftModel(PeftModel):
     """The PeftModel PE-QAT trains. peft's ``save_pretrained`` writes the LoRA weights only: a recipe that also
     learns quantizer parameters (per-token: clip ratios; per-channel: clips and smoothing) would come back from
@@ -140,6 +157,12 @@ class QatPeftModel(PeftModel):
         return merged
 
 
+def qat_description(recipe: str, init: str, rank: int, alpha: float | None, rotation_seed: int) -> dict:
+    """How `prepare_qat_model` makes the model: the start of its ``qat_meta`` and of a run's settings."""
+    return {"recipe": recipe, "init": init, "rank": rank, "alpha": 2 * rank if alpha is None else alpha,
+            "rotation_seed": rotation_seed}
+
+
 def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: float | None = None,
                       rotation_seed: int = 0, init: str = "rtn", calibration=None, progress: bool = True) -> nn.Module:
     """Rotate (hadamard recipe), swap every quantizable linear for a FakeQuantLinear, add LoRA with peft.
@@ -150,15 +173,13 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     """
     from peft import LoraConfig
 
-    from nibble.models.convert import check_architecture, check_not_quantized
-
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     check_init(recipe, init)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
-    check_architecture(model)
-    check_not_quantized(model, "PE-QAT")
+    check_model(model)
+    meta = qat_description(recipe, init, rank, alpha, rotation_seed)
     if recipe == "hadamard":
         from nibble.models.rotation import rotate_model
         rotate_model(model, seed=rotation_seed)
@@ -171,8 +192,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
         linear = model.get_submodule(name)
         layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
         setattr(model.get_submodule(parent), child, layer)
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
-                        target_modules=names, bias="none")
+    config = LoraConfig(r=rank, lora_alpha=meta["alpha"], lora_dropout=0.0, target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
     config.base_model_name_or_path = getattr(model, "name_or_path", None)  # as get_peft_model records it
     peft_model = QatPeftModel(model, config)
@@ -182,8 +202,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
                 p.requires_grad_(True)
     # on the base model, which the rotation changed: `export` of either model records it (the PeftModel's
     # attribute lookups fall through to it)
-    model.qat_meta = {"recipe": recipe, "init": init, "rank": rank, "alpha": config.lora_alpha,
-                      "rotation_seed": rotation_seed}
+    model.qat_meta = meta
     return peft_model
 
 
@@ -208,6 +227,24 @@ def training_windows(tokenizer, seq_len: int, sources=DEFAULT_SOURCES) -> torch.
     if windows.shape[0] == 0:
         raise ValueError(f"the calibration text {list(sources)} is shorter than one window of seq_len={seq_len}")
     return windows
+
+
+def token_record(ids: torch.Tensor) -> str:
+    """How a run's settings record the token ids it trained on or calibrated with: a resume from other ones (another
+    --calib-samples, a changed text) mixed two runs without a word, and the export said nothing of them."""
+    digest = hashlib.sha256(ids.cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return f"{ids.shape[0]} x {ids.shape[1]} tokens, sha256 {digest}"
+
+
+def model_record(model: nn.Module) -> str:
+    """How a run's settings record the 16-bit model it starts from: a resume onto another model of the same shape (a
+    fine-tune, the Instruct variant) went on from the saved LoRA and clips without a word. The first and last 64
+    values of each tensor, as reading all of them would cost seconds a GB, and another model differs in all of them."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        h.update(name.encode() + torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
+    return f"sha256 {h.hexdigest()[:16]} of sampled weights"
 
 
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> torch.Tensor:
@@ -291,25 +328,38 @@ def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dic
     os.replace(tmp, path)
 
 
-def load_state(path: Path, model, optimizer, scheduler, settings: dict) -> tuple[int, dict]:
-    """Restore a state written by `save_state` into a freshly prepared model; returns the step to run next and the
-    losses saved with it (none in states written before they were)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    # the learning rates too: the optimizer and scheduler states restored below carry the saved ones, which would
+def read_state(path: Path, settings: dict) -> dict:
+    """The state `save_state` wrote at ``path``, refused unless a run of ``settings`` can go on from it: read before
+    the model is prepared, so that a resume with another option is said before the GPTQ start (minutes on a CPU)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): the file is damaged; delete "
+                         "it to train from step 0, or pick another --out") from e
+    # the learning rates too: the optimizer and scheduler states `restore_state` loads carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
-    fixed = ("recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed", "objective",
-             "sources", "lr", "quant_lr")
-    saved = {"init": "rtn", **state["settings"]}  # states written before init existed started from RTN
+    fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
+             "objective", "sources", "windows", "calibration", "lr", "quant_lr", "warmup", "max_grad_norm")
+    # states written before init existed started from RTN; those written before the model, token ids, warm-up and
+    # clipping were recorded cannot be checked for them
+    unrecorded = ("model", "windows", "calibration", "warmup", "max_grad_norm")
+    saved = {"init": "rtn", **{k: settings[k] for k in unrecorded}, **state["settings"]}
     diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
     if diff:
         raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
-                         "the same settings or pick another --out")
+                         "the same model and settings or pick another --out")
     if state["step"] > settings["steps"]:  # it trained nothing and recorded the shorter run
         raise ValueError(f"{path} holds a run at step {state['step']}, past steps={settings['steps']}: resume with "
                          f"steps >= {state['step']}, or pick another --out")
     if state["settings"].get("steps") != settings.get("steps"):
         warnings.warn(f"resuming a run planned for {state['settings'].get('steps')} steps with steps="
                       f"{settings.get('steps')}: the cosine schedule is stretched to the new length", stacklevel=3)
+    return state
+
+
+def restore_state(state: dict, path: Path, model, optimizer, scheduler) -> tuple[int, dict]:
+    """Restore ``state`` (`read_state`) into a freshly prepared model; returns the step to run next and the losses
+    saved with it (none in states written before they were)."""
     trainable = state["trainable"]
     own = _trainable_state(model)
     if set(trainable) != set(own):
@@ -352,12 +402,18 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    # all said before the model is changed (batch_size=0 was torch.stack's error, save_every=0 a ZeroDivisionError,
+    # seq_len=1 windows without a target a loss of NaN said as "lower lr")
+    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
+                               ("save_every", save_every, 1), ("rank", rank, 1)):
+        check_count(name, value, least)
+    if warmup is not None:
+        check_count("warmup", warmup, 0)
     check_learning_rates(lr, quant_lr)
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_init(recipe, init)  # before any calibration text is tokenized
+    check_model(model)  # before the model is changed
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and seq_len > context:
         # clamped as `nibble eval` clamps perplexity's seq_len: windows past the context train positions the model
@@ -369,38 +425,52 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                       f"using {context}.", stacklevel=2)
         seq_len = context
     device = resolve_device(device)
+    sources = list(sources) if windows is None else None  # windows given: no text was read
+    if windows is None:
+        if tokenizer is None:  # was None's AttributeError
+            raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
+                             "ids [n, seq_len])")
+        windows = training_windows(tokenizer, seq_len, sources)
+    elif windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len or windows.dtype != torch.long:
+        raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "
+                         f"{tuple(windows.shape)} {windows.dtype}")
+    vocab = model.get_input_embeddings().num_embeddings
+    if windows.min() < 0 or windows.max() >= vocab:
+        raise ValueError(f"the training windows hold token ids from {windows.min()} to {windows.max()}, outside the "
+                         f"model's vocabulary of {vocab}")
+    if init == "gptq" and calibration is None:
+        if tokenizer is None:
+            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
+        from nibble.quantize.calibration import calibration_batches
+        calibration = calibration_batches(tokenizer)
+    settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
+                    seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
+                    quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,
+                    windows=token_record(windows), calibration=token_record(calibration) if init == "gptq" else None)
+    path = state_path(out_dir) if out_dir is not None else None
+    state = None
+    if resume:
+        if path.exists():
+            state = read_state(path, settings)
+        else:
+            warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
     torch.manual_seed(seed)
     model = model.to(device=device, dtype=torch.float32)
     own_config(model)  # another model built from the same config object keeps its cache
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if init == "gptq" and calibration is None:
-        if tokenizer is None:
-            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer)
     peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
-    if windows is None:
-        windows = training_windows(tokenizer, seq_len, sources)
-    elif windows.dim() != 2 or windows.shape[1] != seq_len:
-        raise ValueError(f"windows must be [n, seq_len={seq_len}], got {tuple(windows.shape)}")
-    settings = dict(peft_model.qat_meta, seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective,
-                    steps=steps, lr=lr, quant_lr=quant_lr, sources=list(sources))
     warmup = max(1, steps // 20) if warmup is None else warmup
     optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
-    path = state_path(out_dir) if out_dir is not None else None
     start, losses = 0, {}
-    if resume:
-        if path.exists():
-            start, losses = load_state(path, peft_model, optimizer, scheduler, settings)
-            # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished
-            # run): set this schedule's for the step to come (the same where steps did not change)
-            for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
-                group["lr"] = base * lr_factor(start, steps, warmup)
-        else:
-            warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
+    if state is not None:
+        start, losses = restore_state(state, path, peft_model, optimizer, scheduler)
+        # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run):
+        # set this schedule's for the step to come (the same where steps did not change)
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base * lr_factor(start, steps, warmup)
 
     peft_model.train()
     n_tok = 0

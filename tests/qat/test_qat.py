@@ -114,6 +114,7 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     assert qmodel.config.quantization_config["qat"]["final_loss"] is not None
     layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
+    assert not any(p.requires_grad for p in qmodel.parameters())  # a deployed model: nothing left to train
     assert sum(m.input_hadamard for m in layers) == (2 if recipe == "hadamard" else 0)
     loaded, _ = load_quantized(tmp_path)
     set_backend(loaded, "reference")
@@ -166,8 +167,10 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     again = _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw)  # finished: trains nothing
     assert again.qat_meta["tokens_this_run"] == 0
     assert again.qat_meta["final_loss"] == resumed.qat_meta["final_loss"] is not None
-    # the optimizer's restored state would keep the saved learning rate, whatever the settings then record
-    for other in (dict(lr=0.5), dict(quant_lr=0.5)):
+    # the optimizer's restored state would keep the saved learning rate, whatever the settings then record; the
+    # others would mix two runs
+    for other in (dict(lr=0.5), dict(quant_lr=0.5), dict(objective="ce"), dict(seed=1), dict(rank=4), dict(warmup=2),
+                  dict(max_grad_norm=0.5)):
         with pytest.raises(ValueError, match=f"other settings.*'{next(iter(other))}'"):
             _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw, **other)
 
@@ -342,3 +345,177 @@ def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
     with pytest.raises(FloatingPointError, match="trained parameters became NaN or Inf at step 0"):
         _train("per-token", 1, _windows())
+
+
+def test_training_windows_without_a_tokenizer_are_refused():
+    """They were None's AttributeError ('NoneType' object has no attribute 'encode')."""
+    with pytest.raises(ValueError, match="needs a tokenizer to make its training windows from sources, or windows"):
+        run_qat(_model(), None, "per-token", 1, seq_len=SEQ, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
+def test_a_model_a_run_prepared_already_is_refused(recipe):
+    """run_qat changes the model it is given: run again on it, the Hadamard recipe rotated it a second time (its
+    teacher 0.2 off the 16-bit model) and fake-quantized the first run's LoRA matrices; per-token failed in peft."""
+    model = _model()
+    qat = _train(recipe, 1, _windows(), model=model)
+    for again in (model, qat):
+        with pytest.raises(ValueError, match="prepared for PE-QAT already .* a fresh 16-bit model"):
+            _train(recipe, 1, _windows(), model=again)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),  # torch.stack's "non-empty TensorList"
+    (dict(save_every=0), "save_every must be an integer >= 1, got 0"),  # a ZeroDivisionError
+    (dict(steps=2.5), "steps must be an integer >= 1, got 2.5"),
+    (dict(seq_len=1, windows=_windows()[:, :1]), "seq_len must be an integer >= 2, got 1"),  # NaN: "lower lr"
+    (dict(windows=_windows().float()), r"windows must be token ids \[n >= 1, seq_len=24\] \(torch.long\), got "
+                                       r"\(4, 24\) torch.float32"),
+    (dict(windows=_windows()[:0], batch_size=2), r"windows must be token ids \[n >= 1"),  # a ZeroDivisionError
+    (dict(windows=_windows() + 256), r"token ids from \d+ to \d+, outside the model's vocabulary of 256"),
+])
+def test_what_cannot_train_is_said_before_the_model_is_changed(bad, message):
+    model = _model()
+    kw = dict(dict(steps=1, windows=_windows()), **bad)
+    with pytest.raises(ValueError, match=message):
+        _train("hadamard", kw.pop("steps"), kw.pop("windows"), model=model, out_dir="unused", **kw)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # neither rotated nor wrapped
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_resume_from_other_token_ids_is_refused_and_the_export_records_them(tmp_path):
+    """The GPTQ start is computed again on resume: another --calib-samples resumed the saved LoRA and clips onto
+    another start without a word; other windows (or a changed text) likewise trained the rest of the run on them."""
+    calib, windows = _windows(n=6, seed=2), _windows()
+    kw = dict(init="gptq", out_dir=tmp_path, batch_size=2)
+    qat = _train("per-token", 2, windows, calibration=calib, **kw)
+    for key, calib_now, windows_now in (("calibration", calib[:4], windows), ("calibration", calib.flip(0), windows),
+                                        ("windows", calib, _windows(seed=3))):
+        with pytest.raises(ValueError, match=f"other settings.*'{key}'"):
+            _train("per-token", 3, windows_now, resume=True, calibration=calib_now, **kw)
+    _train("per-token", 3, windows, resume=True, calibration=calib, **kw)  # the same ones resume
+    recorded = export(qat).config.quantization_config["qat"]
+    assert recorded["calibration"].startswith("6 x 24 tokens, sha256 ")
+    assert recorded["windows"].startswith("4 x 24 tokens, sha256 ") and "sources" not in recorded  # none was read
+
+
+def test_a_resume_onto_another_model_is_refused(tmp_path):
+    """The trained LoRA and clip ratios of one model went on training on another of the same shape without a word."""
+    kw = dict(out_dir=tmp_path, batch_size=2)
+    qat = _train("per-token", 2, _windows(), **kw)
+    other = _model()
+    with torch.no_grad():
+        other.model.layers[1].mlp.up_proj.weight.mul_(1.01)  # a fine-tune of it
+    with pytest.raises(ValueError, match="other settings.*'model'"):
+        _train("per-token", 3, _windows(), model=other, resume=True, **kw)
+    _train("per-token", 3, _windows(), resume=True, **kw)  # the same model resumes
+    assert export(qat).config.quantization_config["qat"]["model"].endswith(" of sampled weights")
+
+
+@pytest.mark.parametrize("cut", [0, 1000])
+def test_a_damaged_state_is_named(tmp_path, cut):
+    """A truncated state.pt was torch's PytorchStreamReader traceback (an empty one an EOFError)."""
+    _train("per-token", 1, _windows(), out_dir=tmp_path)
+    path = state_path(tmp_path)
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train from "
+                                         "step 0, or pick another --out"):
+        _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
+
+
+def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkeypatch, tmp_path):
+    """--recipe per-channel --eval-ppl trained, then returned without a perplexity or a word of why."""
+    from nibble.cli import main
+    from nibble.models import loading
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit, match=r"^nibble qat: --eval-ppl measures the exported W4A4 model, and --recipe "
+                                         r"per-channel exports none \(fake quant only\)"):
+        main(["qat", "--recipe", "per-channel", "--eval-ppl", "--device", "cpu", "--out", str(tmp_path / "q")])
+
+
+def test_the_loop_trains_against_the_16_bit_model(monkeypatch):
+    """The teacher the loop runs, not one the test builds: the adapters and fake quant off, through the rotation, after
+    the adapters have trained (a teacher that kept them, or its quantization, passed every test)."""
+    import copy
+
+    import nibble.qat.train as train
+    seen, loss = [], train.qat_loss
+    monkeypatch.setattr(train, "qat_loss", lambda logits, ids, teacher, objective: seen.append((ids, teacher))
+                        or loss(logits, ids, teacher, objective))
+    model = _model()
+    original = copy.deepcopy(model)
+    _train("hadamard", 3, _windows(), model=model, batch_size=2)
+    assert len(seen) == 3
+    for ids, teacher in seen:
+        with torch.no_grad():
+            torch.testing.assert_close(teacher, original(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_objectives_are_the_next_token_losses_they_name():
+    """KL(p_16bit || p_quant), not the other way (both are >= 0 and train), and CE of the next token, not this one."""
+    from nibble.qat.train import qat_loss
+    logits, teacher, ids = torch.randn(2, 6, 11), torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    q, p = logits[:, :-1].log_softmax(-1), teacher[:, :-1].log_softmax(-1)  # the last position has no next token
+    ce = -q.gather(-1, ids[:, 1:, None]).mean()
+    kl = (p.exp() * (p - q)).sum(-1).mean()
+    for objective, want in (("ce", ce), ("kl", kl), ("ce+kl", ce + kl)):
+        torch.testing.assert_close(qat_loss(logits, ids, teacher, objective), want, msg=objective)
+
+
+def test_the_data_order_is_one_seeded_permutation_an_epoch():
+    """What a resumed run relies on, as the docs say: every window once an epoch, in an order of (seed, step)."""
+    from nibble.qat.train import batch_indices
+    drawn = torch.cat([batch_indices(step, 4, 10, seed=0) for step in range(5)])  # two epochs of 10 windows
+    assert sorted(drawn[:10].tolist()) == sorted(drawn[10:].tolist()) == list(range(10))
+    assert not torch.equal(drawn[:10], drawn[10:])
+    assert not torch.equal(batch_indices(0, 4, 10, seed=1), drawn[:4])
+
+
+def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
+    """An option the command dropped trained with the default, and no test saw it."""
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+
+    class Given(Exception):
+        pass
+
+    def run(model, tokenizer, recipe, steps, lr, seq_len, batch_size, out_dir, **kwargs):
+        raise Given(dict(recipe=recipe, steps=steps, lr=lr, seq_len=seq_len, batch_size=batch_size, out_dir=out_dir,
+                         **kwargs))
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
+    monkeypatch.setattr(train, "run_qat", run)
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+    out = str(tmp_path / "q")
+    with pytest.raises(Given) as given:
+        main(["qat", "--device", "cpu", "--recipe", "hadamard", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
+              "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
+              "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
+    assert given.value.args[0] == dict(
+        recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
+        device=torch.device("cpu"), objective="ce", rank=4, quant_lr=0.03, save_every=5, seed=9,
+        sources=("gutenberg", str(text)), init="rtn", calibration=None)
+
+
+def test_a_resume_with_other_settings_is_refused_before_the_model_is_prepared(tmp_path, monkeypatch):
+    """It was said after the rotation and the GPTQ start (minutes on a CPU), on a model left changed."""
+    import nibble.qat.train as train
+    kw = dict(init="gptq", calibration=_windows(n=6, seed=2), out_dir=tmp_path, batch_size=2)
+    _train("hadamard", 1, _windows(), **kw)
+    monkeypatch.setattr(train, "gptq_start", lambda *args, **kwargs: pytest.fail("ran the GPTQ start first"))
+    model = _model()
+    with pytest.raises(ValueError, match="other settings.*'lr'"):
+        _train("hadamard", 2, _windows(), model=model, resume=True, lr=0.5, **kw)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("alpha, scaling", [(None, 2.0), (3, 0.75)])
+def test_lora_alpha_is_twice_the_rank_unless_given(alpha, scaling):
+    """As --rank's help says (alpha = 2 * rank): the adapters' scale alpha / rank."""
+    from nibble.qat.fake_quant import FakeQuantLoraLinear
+    qat = _train("per-token", 1, _windows(), rank=4, alpha=alpha)
+    layers = [m for m in qat.modules() if isinstance(m, FakeQuantLoraLinear)]
+    assert len(layers) == 14 and all(m.scaling["default"] == scaling for m in layers)
+    assert qat.qat_meta["alpha"] == (8 if alpha is None else alpha)
