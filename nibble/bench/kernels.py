@@ -132,7 +132,7 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "
         log(f"N={N:6d} K={K:6d} M={M:5d} " + " ".join(f"{op}={us:8.2f}us" for op, us in res.items())
             + (f"  nibble x{base / res['nibble']:.2f} {base_op}" if base and "nibble" in res else "")
             + (f" x{res['tinygemm'] / res['nibble']:.2f} tinygemm" if "tinygemm" in res and "nibble" in res else ""))
-    del w4, wb, tg
+    w4 = wb = tg = None  # freed before empty_cache (not del: the timed lambdas close over them)
     torch.cuda.empty_cache()
     return rows
 

@@ -196,8 +196,8 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
             if op in ("gemm", "w4a4", "w4a4_h"):
                 row["config"] = {k: v for k, v in cfg.items()}
             rows.append(row)
-        del x, qx, sx
-    del w4, wb, w8, wf8
+        x = qx = sx = None  # freed (not del: the timed lambdas close over them)
+    w4 = wb = w8 = wf8 = None
     torch.cuda.empty_cache()
     return rows
 

@@ -223,7 +223,9 @@ def check_online_hadamards(model: nn.Module, names: list[str], config: QuantConf
     quantization runs that rotation, and QuantLinear's refusal at the layer's turn left the model half quantized."""
     online = [n for n in names if getattr(model.get_submodule(n), "input_hadamard", False)]
     if online and config.mode != "w4a4":
-        kept = ["lm_head", *sorted({n.rpartition(".")[2] for n in online})]  # o_proj too after online_o_proj
+        # o_proj too after online_o_proj; the user's own entries kept
+        kept = list(dict.fromkeys([*config.modules_to_not_convert, "lm_head",
+                                   *sorted({n.rpartition(".")[2] for n in online})]))
         raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which only w4a4 runs: "
                          f"quantize the model with mode='w4a4', or keep those layers in 16 bits "
                          f"(modules_to_not_convert={kept})")

@@ -1,3 +1,4 @@
+import re
 import warnings
 
 import pytest
@@ -490,6 +491,8 @@ def test_a_rotated_model_is_refused_a_mode_that_cannot_run_its_online_hadamard_b
     with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj rotates its input online .* only w4a4 "
                                          r"runs: quantize the model with mode='w4a4', or keep those layers"):
         quantize_model(model, QuantConfig(group_size=32), progress=False)
+    with pytest.raises(ValueError, match=re.escape("modules_to_not_convert=['q_proj', 'lm_head', 'down_proj']")):
+        quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=["q_proj"]), progress=False)
     assert not quantized_linears(model) and getattr(model.config, "quantization_config", None) is None
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
