@@ -351,9 +351,9 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
         return _field(reader, f"tokenizer.ggml.{key}", path, default, kind)
 
     tokens = _tokens(reader, path)
-    kind, pre = meta("model"), meta("pre", "default")
-    if kind != "gpt2" or pre not in _PRE_TOKENIZERS:
-        raise ValueError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; nibble builds "
+    model, pre = meta("model"), meta("pre", "default")
+    if model != "gpt2" or pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer {model!r} with pre-tokenizer {pre!r} is not supported; nibble builds "
                          f"GGUF tokenizers of model 'gpt2' (byte-level BPE) with pre-tokenizer "
                          f"{' or '.join(map(repr, _PRE_TOKENIZERS))}. Load the original Hugging Face directory instead")
     merges = [tuple(merge.split(" ", 1)) for merge in meta("merges")]
