@@ -48,6 +48,10 @@ class QuantConfig:
     ``mode="w4a4"``: INT4 weights (symmetric, per output channel) and per-token INT4 activations,
     optionally after a fixed Hadamard rotation of the model (``rotation="hadamard"``); its weights by
     RTN or GPTQ (QuaRot's pairing: GPTQ on the rotated weights, calibrated on 16-bit activations).
+    The rotation gives each down_proj an online Hadamard that only W4A4 layers run: a rotated W4A16 model keeps
+    its down_projs in 16 bits (``modules_to_not_convert``), as ``quantize_model`` says. ``rotation`` and
+    ``rotation_seed`` are the model's as a quantization_config records them: a model rotated before
+    (`nibble.models.rotation.rotate_model`) is quantized with ``rotation="none"``, and its config says its seed.
 
     ``clip_search=None`` picks the mode's default (on for w4a4, off for w4a16); it is RTN's
     weight-space search: ``method="gptq"`` / ``"awq"`` always run their own calibrated clipping
@@ -106,8 +110,6 @@ class QuantConfig:
             if self.method == "awq":
                 raise ValueError("w4a4 supports method='rtn' or 'gptq': AWQ's per-channel scales would move "
                                  "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")
-        elif self.rotation != "none":
-            raise ValueError("rotation='hadamard' is for w4a4 (it spreads activation outliers before per-token quantization)")
         if self.symmetric and self.zero_point == "float":
             # the symmetric grid, (q - 8) * s, has no zero point to make a float: it was ignored, and the
             # checkpoint still said zero_point 'float'
