@@ -76,9 +76,9 @@ def check_rotatable(model: nn.Module, online_o_proj: bool = False) -> None:
     if rotation_seed(model) is not None or any(isinstance(layer.mlp.down_proj, HadamardInputLinear)
                                                for layer in layers):
         raise ValueError("this model is rotated already (its down_proj has an online Hadamard), and a second rotation "
-                         "would be folded onto the first: quantize it with rotation='none' (the default; its "
-                         "quantization_config records the rotation all the same), or rotate a 16-bit model that "
-                         "was not")
+                         "would be folded onto the first: take it as it is (quantize_model with rotation='none', the "
+                         "default, or PE-QAT's per-token recipe; the quantized model's config records the rotation "
+                         "all the same), or give a 16-bit model that was not rotated")
     attn0 = layers[0].self_attn
     for what, size in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)) + (
             (("o_proj in_features", attn0.o_proj.in_features),) if online_o_proj else ()):

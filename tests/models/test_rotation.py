@@ -172,8 +172,8 @@ def test_quantize_model_refuses_to_rotate_a_rotated_model_again_before_touching_
     model = rotate_model(tiny_model("llama"), seed=3)
     monkeypatch.setattr(convert, "move_all_but_layers", lambda *a: pytest.fail("moved the model before refusing it"))
     for seed in (3, 4):  # the same seed too: a second rotation, not the first recorded
-        with pytest.raises(ValueError, match=r"this model is rotated already .* quantize it with rotation='none' "
-                                             r"\(the default; its quantization_config records the rotation"):
+        with pytest.raises(ValueError, match=r"this model is rotated already .* take it as it is \(quantize_model "
+                                             r"with rotation='none', the default, or PE-QAT's per-token recipe"):
             quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=seed), progress=False,
                            device="cpu")
     assert not getattr(model.config, "quantization_config", None)
