@@ -87,6 +87,10 @@ class QuantConfig:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
             raise ValueError(f"rotation_seed must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
         self.rotation_seed = int(seed)  # a numpy integer too, which the checkpoint's JSON cannot hold
+        if self.rotation == "none" and self.rotation_seed != 0:  # ignored: the model quantized unrotated
+            raise ValueError(f"rotation_seed={self.rotation_seed} seeds rotation='hadamard', and rotation='none' rotates "
+                             "nothing: set rotation='hadamard' too (a model rotated before, by rotate_model, takes "
+                             "rotation='none' and seed 0, the defaults: its config records its own seed)")
         if isinstance(self.modules_to_not_convert, str):  # one name, not its characters
             self.modules_to_not_convert = [self.modules_to_not_convert]
         if not (isinstance(self.modules_to_not_convert, (list, tuple))
@@ -135,6 +139,8 @@ class QuantConfig:
                              f"(it reads versions {READABLE_FORMAT_VERSIONS}); upgrade nibble or re-quantize the model")
         fields = cls.__dataclass_fields__
         d = {k: v for k, v in d.items() if k in fields}
+        if d.get("rotation", "none") == "none":
+            d["rotation_seed"] = 0  # a PE-QAT export of another recipe than hadamard wrote the run's unused seed
         if d.get("symmetric") and d.get("zero_point") == "float":
             d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
         return cls(**d)

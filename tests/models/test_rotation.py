@@ -123,6 +123,17 @@ def test_a_seed_torch_cannot_take_is_refused_before_the_model_is_touched(seed):
     assert QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=2**64 - 1).rotation_seed == 2**64 - 1
 
 
+def test_a_seed_without_the_rotation_is_refused_and_configs_saved_with_one_still_load():
+    """QuantConfig(mode='w4a4', rotation_seed=5) quantized the model unrotated without a word (W4A4 of SmolLM2 at
+    chance), and a seed given beside rotate_model's was dropped. PE-QAT exports of the per-token recipe saved the
+    run's unused seed: they load."""
+    with pytest.raises(ValueError, match=r"rotation_seed=5 seeds rotation='hadamard', and rotation='none' rotates "
+                                         r"nothing: set rotation='hadamard' too"):
+        QuantConfig(mode="w4a4", rotation_seed=5)
+    saved = {**QuantConfig(mode="w4a4").to_dict(), "rotation_seed": 5}
+    assert QuantConfig.from_dict(saved) == QuantConfig(mode="w4a4")
+
+
 def test_rotation_keeps_dtypes():
     model = tiny_model("llama", dtype=torch.bfloat16)
     rotate_model(model)
