@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nibble.config import resolve_device
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
 from nibble.models.convert import (check_architecture, check_not_quantized, decoder_layers, refuse_save_pretrained,
                                    untie_lm_head)
@@ -98,6 +99,8 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
     one decoder layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn.
     The model records the seed (`rotation_seed`)."""
     check_rotatable(model, online_o_proj)
+    if device is not None:  # "cuda" without a GPU failed in the first weight's move, the model untied and marked rotated
+        device = resolve_device(device)
     cfg = model.config
     g = torch.Generator().manual_seed(seed)  # torch's refusal of a seed, before the model is touched
     signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double()

@@ -134,6 +134,19 @@ def test_a_seed_without_the_rotation_is_refused_and_configs_saved_with_one_still
     assert QuantConfig.from_dict(saved) == QuantConfig(mode="w4a4")
 
 
+@pytest.mark.parametrize("device,message", [("gpu", "is not a device torch knows"), ("meta", "is not one nibble runs on")]
+                         + [("cuda", "no CUDA GPU is visible")] * (not torch.cuda.is_available()))
+def test_a_device_the_rotation_cannot_run_on_is_refused_before_the_model_is_touched(device, message):
+    """It failed in the first weight's move, after the head was untied and the model marked rotated: rotate_model
+    again said "rotated already", and quantize_model recorded a rotation the weights never had."""
+    from nibble.models.rotation import rotation_seed
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=message):
+        rotate_model(model, seed=3, device=device)
+    assert rotation_seed(model) is None and model.lm_head.weight is model.model.embed_tokens.weight
+    rotate_model(model, seed=3)
+
+
 def test_rotation_keeps_dtypes():
     model = tiny_model("llama", dtype=torch.bfloat16)
     rotate_model(model)
