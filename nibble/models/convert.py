@@ -182,9 +182,9 @@ def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
 
 
 def rotation_recorded(model: nn.Module, config: QuantConfig) -> QuantConfig:
-    """``config`` with the rotation ``model`` was made with, as its quantization_config records it: a model given
-    rotated (`rotate_model`) to a config of rotation 'none' is a rotated model all the same, whose checkpoint said
-    rotation 'none' (and the default seed)."""
+    """``config`` with the rotation ``model`` holds (`rotation.rotation_seed`), as its quantization_config records
+    it: a model rotated by `rotate_model`, then quantized with rotation 'none', is a rotated model all the same (its
+    checkpoint said rotation 'none', seed 0)."""
     from nibble.models.rotation import rotation_seed
     seed = rotation_seed(model)
     return config if seed is None else dataclasses.replace(config, rotation="hadamard", rotation_seed=seed)

@@ -119,12 +119,13 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
         # m @ Q = (m @ H_d) * s, without ever forming Q: rows of m take the inverse transform.
         return hadamard_transform_reference(m, inverse=True) * signs.to(m.device)
 
+    online = online_hadamard_linears(online_o_proj)
+
     @torch.no_grad()
     def rotate_layer(layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         _rotate_readers((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, times_q, f64)
         _rotate_readers((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, times_q, f64)
-        online = online_hadamard_linears(online_o_proj)
         attn.o_proj = _rotate_writer(attn.o_proj, times_q, "self_attn.o_proj" in online, f64)
         mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, "mlp.down_proj" in online, f64)
 
