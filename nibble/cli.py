@@ -183,6 +183,10 @@ def check_quant_args(args) -> None:
     if args.clip_search and args.method != "rtn" and not args.quantize_lm_head:
         raise ValueError(f"--clip-search is RTN's clipping search, and --method {args.method} runs its own calibrated "
                          "one: drop it (it applies only to a head quantized by RTN, with --quantize-lm-head)")
+    if args.rotate and args.quant != "w4a4":  # QuantConfig takes it, for a W4A16 model that keeps its down_projs
+        raise ValueError("--rotate is for --quant w4a4: the rotation gives each down_proj an online Hadamard, which "
+                         "W4A16 layers do not run (in Python, quantize_model keeps them in 16 bits for W4A16 with "
+                         "modules_to_not_convert=['lm_head', 'down_proj'])")
     check_calibration_sizes(args, args.method != "rtn", "--method gptq / awq", "RTN")
     quant_config(args, None)  # a combination QuantConfig refuses
 

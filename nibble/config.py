@@ -48,6 +48,10 @@ class QuantConfig:
     ``mode="w4a4"``: INT4 weights (symmetric, per output channel) and per-token INT4 activations,
     optionally after a fixed Hadamard rotation of the model (``rotation="hadamard"``); its weights by
     RTN or GPTQ (QuaRot's pairing: GPTQ on the rotated weights, calibrated on 16-bit activations).
+    The rotation gives each down_proj an online Hadamard that only W4A4 layers run: a rotated W4A16 model keeps
+    its down_projs in 16 bits (``modules_to_not_convert``), as ``quantize_model`` says. ``rotation`` and
+    ``rotation_seed`` are the model's as a quantization_config records them: a model rotated before
+    (`nibble.models.rotation.rotate_model`) is quantized with ``rotation="none"``, and its config says its seed.
 
     ``clip_search=None`` picks the mode's default (on for w4a4, off for w4a16); it is RTN's
     weight-space search: ``method="gptq"`` / ``"awq"`` always run their own calibrated clipping
@@ -83,6 +87,10 @@ class QuantConfig:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
             raise ValueError(f"rotation_seed must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
         self.rotation_seed = int(seed)  # a numpy integer too, which the checkpoint's JSON cannot hold
+        if self.rotation == "none" and self.rotation_seed != 0:  # ignored: the model quantized unrotated
+            raise ValueError(f"rotation_seed={self.rotation_seed} seeds rotation='hadamard', and rotation='none' rotates "
+                             "nothing: set rotation='hadamard' too (a model rotated before, by rotate_model, takes "
+                             "rotation='none' and seed 0, the defaults: its config records its own seed)")
         if isinstance(self.modules_to_not_convert, str):  # one name, not its characters
             self.modules_to_not_convert = [self.modules_to_not_convert]
         if not (isinstance(self.modules_to_not_convert, (list, tuple))
@@ -106,8 +114,6 @@ class QuantConfig:
             if self.method == "awq":
                 raise ValueError("w4a4 supports method='rtn' or 'gptq': AWQ's per-channel scales would move "
                                  "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")
-        elif self.rotation != "none":
-            raise ValueError("rotation='hadamard' is for w4a4 (it spreads activation outliers before per-token quantization)")
         if self.symmetric and self.zero_point == "float":
             # the symmetric grid, (q - 8) * s, has no zero point to make a float: it was ignored, and the
             # checkpoint still said zero_point 'float'
@@ -133,6 +139,8 @@ class QuantConfig:
                              f"(it reads versions {READABLE_FORMAT_VERSIONS}); upgrade nibble or re-quantize the model")
         fields = cls.__dataclass_fields__
         d = {k: v for k, v in d.items() if k in fields}
+        if d.get("rotation", "none") == "none":
+            d["rotation_seed"] = 0  # a PE-QAT export of another recipe than hadamard wrote the run's unused seed
         if d.get("symmetric") and d.get("zero_point") == "float":
             d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
         return cls(**d)

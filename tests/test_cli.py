@@ -340,7 +340,7 @@ def test_generate_refuses_bad_settings_before_loading_the_model(flags, message, 
 
 @pytest.mark.parametrize("command", [["quantize", "--out", "nowhere"], ["eval", "ppl"], ["generate", "x"]])
 @pytest.mark.parametrize("flags, message", [(["--quant", "w4a4", "--method", "awq"], "w4a4 supports method"),
-                                            (["--quant", "w4a16", "--rotate"], "rotation='hadamard' is for w4a4"),
+                                            (["--quant", "w4a16", "--rotate"], "--rotate is for --quant w4a4"),
                                             (["--quant", "w4a4", "--group-size", "64"], "per-channel weights")])
 def test_quantization_flags_a_config_refuses_are_said_before_loading_the_model(command, flags, message, monkeypatch):
     import nibble.cli as cli

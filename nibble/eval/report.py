@@ -42,7 +42,7 @@ from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
 from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
 from nibble.eval.tasks import ALL_TASKS, task_files
-from nibble.models.convert import default_group_size
+from nibble.models.convert import check_quantizable, default_group_size
 from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
@@ -116,6 +116,26 @@ def _default_loader(model_name_or_path, device, dtype) -> Callable:
         from nibble.models.loading import load_model
         return load_model(model_name_or_path, dtype=dtype, device=device)
     return load
+
+
+def _checked_loader(loader: Callable, configs: list[str]) -> Callable:
+    """``loader`` once every config that quantizes has checked the model it loads (`check_quantizable`, the
+    refusals ``quantize_model`` says before any work, and `quant_config`'s choice of a group size), so that a config
+    the model cannot take is refused before the first config's work: w4a4-hadamard on a model the rotation cannot
+    take failed at its turn, after the configs before it had run for minutes each. The model loaded for the checks
+    is the first config's."""
+    if all(quant_config(name) is None for name in configs):
+        return loader
+    model, tokenizer = loader()
+    for name in configs:
+        try:
+            qc = quant_config(name, model)
+            if qc is not None:
+                check_quantizable(model, qc)
+        except ValueError as e:
+            raise ValueError(f"config {name}: {e}") from None
+    loaded = [(model, tokenizer)]
+    return lambda: loaded.pop() if loaded else loader()
 
 
 def _on_cuda(model) -> bool:
@@ -612,7 +632,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     speed), so that only the speed models run. Speed models are quantized with RTN without the clipping
     search (``speed_clip_search``), those of calibrated configs too (the same format and kernels): their
     weights are random, so only the time would change; each is timed in ``speed_rounds`` rounds of
-    alternating config order (`measure_speed_models`).
+    alternating config order (`measure_speed_models`). A config the real model cannot take (a rotation, a group size)
+    is refused before any config runs (`_checked_loader`); one that fails later is reported with its error.
     Returns the results dict (also in report.json).
     """
     from nibble.bench.timing import env_meta
@@ -640,6 +661,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     model_label = "none (speed models only)" if not model else str(model_name_or_path) if model_name_or_path else (
         "custom loader" if loader else "default (SmolLM2-135M-Instruct)")
     loader = loader or _default_loader(model_name_or_path, device, dtype)
+    if model:
+        loader = _checked_loader(loader, configs)
     meta = env_meta(model=model_label, configs=configs,
                     tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, ppl_seq_len=ppl_seq_len,
                     device=str(device),

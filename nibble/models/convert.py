@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import warnings
 from contextlib import contextmanager
@@ -102,7 +103,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     For ``rotation="hadamard"`` the model is rotated (calibration-free, same function in 16 bits; each
     decoder layer just before it is quantized) so per-token activation quantization meets no outlier
     channels; it folds the final norm into lm_head, so a head tied to the embedding is untied (the embedding
-    keeps its 16-bit table). ``method="gptq"`` / ``"awq"`` need ``calibration`` (token ids of this model's
+    keeps its 16-bit table). A model rotated before (`rotation.rotate_model`) is given with rotation 'none' (a
+    second rotation is refused): the quantization_config records its rotation and seed either way
+    (`rotation_recorded`). ``method="gptq"`` / ``"awq"`` need ``calibration`` (token ids of this model's
     vocabulary, see nibble.quantize.calibration). Every refusal of what was given (a width the group size does not
     divide, a weight holding NaN or Inf or, for RTN, too large for float16 scales, calibration missing or of another
     vocabulary) comes before the model is touched.
@@ -119,16 +122,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     so another model built from the same config object stays as it was.
     """
     config = config or QuantConfig()
-    check_architecture(model)
-    check_not_quantized(model)
-    if any(p.is_meta for p in model.parameters()):  # said before "Tensor.item() cannot be called on meta tensors"
-        raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
-                         "load its weights first; a saved quantized model loads with nibble.load_quantized")
-    # every refusal before the model is touched (moved, rotated, a layer converted), so that it stays as it was
+    check_quantizable(model, config)  # every refusal before the model is touched (moved, rotated, a layer converted)
     names = linears_to_convert(model, config)
-    check_widths(model, names, config)
-    check_online_hadamards(model, names, config)
-    check_weights(model, names, config)
     if config.method != "rtn":
         if calibration is None:
             raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble."
@@ -162,8 +157,37 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         untie_lm_head(model)
     if device is not None:
         model.to(device)  # the rest of the model, already there unless a layer's turn never came
-    mark_quantized(model, config.to_dict())
+    mark_quantized(model, rotation_recorded(model, config).to_dict())
     return model
+
+
+def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
+    """``quantize_model``'s refusals of ``model`` and ``config`` but the calibration's, said before the model is
+    touched, so that it stays as it was: another architecture, a quantized model, weights on the meta device, a
+    model the rotation cannot take (`rotation.check_rotatable`), a width the group size does not divide, an online
+    Hadamard the mode cannot run, a weight RTN cannot quantize. `nibble report` runs them for every config before
+    the first one's work."""
+    check_architecture(model)
+    check_not_quantized(model)
+    if any(p.is_meta for p in model.parameters()):  # said before "Tensor.item() cannot be called on meta tensors"
+        raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
+                         "load its weights first; a saved quantized model loads with nibble.load_quantized")
+    if config.rotation == "hadamard":
+        from nibble.models.rotation import check_rotatable
+        check_rotatable(model)
+    names = linears_to_convert(model, config)
+    check_widths(model, names, config)
+    check_online_hadamards(model, names, config)
+    check_weights(model, names, config)
+
+
+def rotation_recorded(model: nn.Module, config: QuantConfig) -> QuantConfig:
+    """``config`` with the rotation ``model`` holds (`rotation.rotation_seed`), as its quantization_config records
+    it: a model rotated by `rotate_model`, then quantized with rotation 'none', is a rotated model all the same (its
+    checkpoint said rotation 'none', seed 0)."""
+    from nibble.models.rotation import rotation_seed
+    seed = rotation_seed(model)
+    return config if seed is None else dataclasses.replace(config, rotation="hadamard", rotation_seed=seed)
 
 
 def own_config(model: nn.Module) -> None:
@@ -221,12 +245,16 @@ def check_online_hadamards(model: nn.Module, names: list[str], config: QuantConf
     """Refuse a mode other than w4a4 for a linear of ``names`` that rotates its input online (a rotated model's
     down_proj, `HadamardInputLinear`) before any of them is converted (as `check_widths`): only W4A4's activation
     quantization runs that rotation, and QuantLinear's refusal at the layer's turn left the model half quantized."""
-    online = [n for n in names if getattr(model.get_submodule(n), "input_hadamard", False)]
+    from nibble.models.rotation import online_hadamard_linears
+    rotated = online_hadamard_linears() if config.rotation == "hadamard" else ()  # the rotation quantize_model runs
+    online = [n for n in names if getattr(model.get_submodule(n), "input_hadamard", False)
+              or any(_matches(n, linear) for linear in rotated)]
     if online and config.mode != "w4a4":
         # o_proj too after online_o_proj; the user's own entries kept
         kept = list(dict.fromkeys([*config.modules_to_not_convert, "lm_head",
                                    *sorted({n.rpartition(".")[2] for n in online})]))
-        raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which only w4a4 runs: "
+        raise ValueError(f"{online[0]} rotates its input online in a rotated model (rotate_model, or rotation="
+                         "'hadamard'), which only w4a4 runs: "
                          f"quantize the model with mode='w4a4', or keep those layers in 16 bits "
                          f"(modules_to_not_convert={kept})")
 

@@ -456,13 +456,20 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
     linears = quantized_linears(model)
     if not linears:
         raise ValueError("model has no QuantLinear layers: quantize it with nibble.quantize_model first")
+    # a rotated model's down_proj kept in 16 bits (HadamardInputLinear): its weight is for a rotated input, and the
+    # checkpoint's plain linear ran it on the unrotated one (logits 0.2 apart, read by nibble's importer too)
+    online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
+    if online:
+        raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which a {method} checkpoint's "
+                         "plain linear would not: every reader would run another function; save the model in "
+                         "nibble's format (save_quantized's default), or quantize a model that was not rotated")
     for name, m in linears:
         if name == "lm_head":
             raise ValueError(f"lm_head is quantized: {method} checkpoints keep lm_head in 16 bits; quantize with "
                              "modules_to_not_convert=['lm_head'] (the default) to export")
-        if m.mode != "w4a16" or m.input_hadamard:
-            raise ValueError(f"{name} is a {m.mode} layer: only W4A16 models (16-bit activations, no rotation) can "
-                             f"be exported to {method}")
+        if m.mode != "w4a16":
+            raise ValueError(f"{name} is a {m.mode} layer: only W4A16 models (16-bit activations) can be exported to "
+                             f"{method}")
     per_channel = {m.group_size == m.in_features for _, m in linears}
     group_sizes = {m.group_size for _, m in linears}
     if len(group_sizes) == 1:

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nibble.config import resolve_device
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
 from nibble.models.convert import (check_architecture, check_not_quantized, decoder_layers, refuse_save_pretrained,
                                    untie_lm_head)
@@ -40,7 +41,9 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
     written back where its parameter lives, so a model in host memory can be rotated on a GPU.
 
     The rotated model refuses ``save_pretrained``: transformers would load its down_proj without the online
-    Hadamard. A model quantized in W4A4 keeps it, and saves with ``nibble.save_quantized``.
+    Hadamard. A model quantized in W4A4 keeps it, and saves with ``nibble.save_quantized``. The model records
+    ``seed`` (`rotation_seed`): ``quantize_model`` (given rotation 'none') writes the rotation into its
+    quantization_config.
     """
     rotate_layer = rotate_all_but_layers(model, seed, online_o_proj, device)
     for layer in decoder_layers(model):
@@ -48,17 +51,35 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
     return model
 
 
-def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
-                          device: str | torch.device | None = None) -> Callable[[nn.Module], None]:
-    """`rotate_model` of everything but the decoder layers (the embedding; lm_head, which absorbs the final
-    norm), after checking the whole model can be rotated; returns the function that rotates one decoder
-    layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn."""
+ROTATION_SEED = "nibble_rotation_seed"  # the model attribute a rotation records its seed in
+
+
+def rotation_seed(model: nn.Module) -> int | None:
+    """The seed ``model`` was rotated with (by `rotate_model`, or by ``quantize_model``'s rotation), None for a
+    model never rotated: ``quantize_model`` records it as the quantization_config's rotation and rotation_seed,
+    whoever rotated the model, so that the checkpoint says the rotation its weights were made for."""
+    return getattr(model, ROTATION_SEED, None)
+
+
+def online_hadamard_linears(online_o_proj: bool = False) -> tuple[str, ...]:
+    """The linears of each decoder layer (names in the layer) that the rotation gives an online Hadamard."""
+    return ("self_attn.o_proj",) * online_o_proj + ("mlp.down_proj",)
+
+
+def check_rotatable(model: nn.Module, online_o_proj: bool = False) -> None:
+    """Refuse a model the rotation cannot take, before any of it is touched: another architecture, a quantized or
+    rotated model, a hidden or intermediate size (o_proj's input too with ``online_o_proj``) the Hadamard transform
+    has no matrix for, a norm other than RMSNorm without bias."""
     check_architecture(model)
     check_not_quantized(model, "rotate_model")  # its INT4 layers hold no float weight to rotate
     cfg = model.config
     layers = decoder_layers(model)
-    if any(isinstance(layer.mlp.down_proj, HadamardInputLinear) for layer in layers):
-        raise ValueError("this model is already rotated (its down_proj has an online Hadamard)")
+    if rotation_seed(model) is not None or any(isinstance(layer.mlp.down_proj, HadamardInputLinear)
+                                               for layer in layers):
+        raise ValueError("this model is rotated already (its down_proj has an online Hadamard), and a second rotation "
+                         "would be folded onto the first: take it as it is (quantize_model with rotation='none', the "
+                         "default, or PE-QAT's per-token recipe; the quantized model's config records the rotation "
+                         "all the same), or give a 16-bit model that was not rotated")
     attn0 = layers[0].self_attn
     for what, size in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)) + (
             (("o_proj in_features", attn0.o_proj.in_features),) if online_o_proj else ()):
@@ -70,6 +91,17 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
         if not type(norm).__name__.endswith("RMSNorm") or getattr(norm, "bias", None) is not None:
             raise ValueError(f"rotation folds RMSNorm (x / rms(x) * w) weights; found {type(norm).__name__}")
 
+
+def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
+                          device: str | torch.device | None = None) -> Callable[[nn.Module], None]:
+    """`rotate_model` of everything but the decoder layers (the embedding; lm_head, which absorbs the final
+    norm), after checking the whole model can be rotated (`check_rotatable`); returns the function that rotates
+    one decoder layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn.
+    The model records the seed (`rotation_seed`)."""
+    check_rotatable(model, online_o_proj)
+    if device is not None:  # "cuda" without a GPU failed in the first weight's move, the model untied and marked rotated
+        device = resolve_device(device)
+    cfg = model.config
     g = torch.Generator().manual_seed(seed)  # torch's refusal of a seed, before the model is touched
     signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double()
 
@@ -78,6 +110,7 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
                            "quantize it (nibble.quantize_model, mode='w4a4', keeps the online rotation) and save that "
                            "with nibble.save_quantized, or save the model before rotate_model")
     untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
+    setattr(model, ROTATION_SEED, int(seed))
 
     def f64(t: torch.Tensor) -> torch.Tensor:  # moved in its own dtype, widened where the algebra runs
         return t.detach().to(device or t.device).to(torch.float64)
@@ -86,13 +119,15 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
         # m @ Q = (m @ H_d) * s, without ever forming Q: rows of m take the inverse transform.
         return hadamard_transform_reference(m, inverse=True) * signs.to(m.device)
 
+    online = online_hadamard_linears(online_o_proj)
+
     @torch.no_grad()
     def rotate_layer(layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         _rotate_readers((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, times_q, f64)
         _rotate_readers((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, times_q, f64)
-        attn.o_proj = _rotate_writer(attn.o_proj, times_q, online_o_proj, f64)
-        mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, True, f64)
+        attn.o_proj = _rotate_writer(attn.o_proj, times_q, "self_attn.o_proj" in online, f64)
+        mlp.down_proj = _rotate_writer(mlp.down_proj, times_q, "mlp.down_proj" in online, f64)
 
     with torch.no_grad():
         _rotate_rows(model.model.embed_tokens.weight, times_q, f64)

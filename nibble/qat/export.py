@@ -16,7 +16,7 @@ from torch import nn
 
 from nibble.config import QuantConfig
 from nibble.formats.int4 import Int4Weight
-from nibble.models.convert import mark_quantized
+from nibble.models.convert import mark_quantized, rotation_recorded
 from nibble.nn.quant_linear import QuantLinear
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, weight_grid
 
@@ -60,8 +60,8 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
             delattr(base, attr)
     for p in base.parameters():
         p.requires_grad_(False)
-    rotation = "hadamard" if meta.get("recipe") == "hadamard" else "none"
-    qc = QuantConfig(mode="w4a4", rotation=rotation, rotation_seed=meta.get("rotation_seed", 0), clip_search=False)
+    # the rotation the model holds, the Hadamard recipe's or one made before PE-QAT (rotate_model, recorded on the model)
+    qc = rotation_recorded(base, QuantConfig(mode="w4a4", clip_search=False))
     # the run's settings and losses, not its wall-clock time: the same run exports the same config.json
     recorded = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list)) and k != "seconds_this_run"}
     mark_quantized(base, {**qc.to_dict(), "qat": recorded})

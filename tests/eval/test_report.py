@@ -2,6 +2,7 @@
 import argparse
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -241,6 +242,29 @@ def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs,
     with pytest.raises(ValueError, match=message):
         report.run_report(None, tmp_path, configs=("bf16",), speed=False, loader=no_loader, log=lambda *_: None,
                           **kwargs)
+
+
+def test_a_config_the_model_cannot_take_is_refused_before_any_config_runs(tmp_path, monkeypatch):
+    """w4a4-hadamard on a model the rotation cannot take (no Hadamard matrix of size 1888) failed at its turn, after
+    the configs before it had run, minutes each on a real model; a group size no layer takes, likewise."""
+    def loader():
+        loader.calls += 1
+        return tiny_model(intermediate_size=1888), ByteTokenizer()
+    loader.calls = 0
+    evaluate = report._evaluate_config
+    monkeypatch.setattr(report, "_evaluate_config", lambda *a: pytest.fail("a config ran before every one was checked"))
+    for configs, message in ((("bf16", "w4a16", "w4a4-hadamard"), "config w4a4-hadamard: cannot rotate this model: its "
+                                                                  "intermediate_size is 1888. no Hadamard matrix"),
+                             (("w4a4", "w4a16-g128"), "config w4a16-g128: model.layers.0.self_attn.q_proj: "
+                                                      "in_features=64 is not divisible by group_size=128")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            report.run_report(None, tmp_path, configs=configs, speed=False, loader=loader, log=lambda *_: None)
+    assert loader.calls == 2  # one model each, for the checks
+    monkeypatch.setattr(report, "_evaluate_config", evaluate)
+    loader.calls = 0
+    report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False, loader=loader,
+                      log=lambda *_: None)
+    assert loader.calls == 2  # the model loaded for the checks is the first config's
 
 
 def fake_speed_rows(config: str, prefill_ms: dict, decode_tps: dict) -> list[dict]:

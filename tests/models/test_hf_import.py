@@ -296,6 +296,19 @@ def test_export_refuses_what_awq_cannot_hold(tmp_path):
                 export(model, tmp_path / "head")
 
 
+def test_export_refuses_a_rotated_model_whose_16_bit_down_proj_rotates_its_input(tmp_path):
+    """A rotated W4A16 model keeps its down_projs in 16 bits with their online Hadamard: the export wrote each as a
+    plain linear, which every reader (nibble's importer too) ran on the unrotated input, logits 0.2 apart."""
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32, rotation="hadamard", modules_to_not_convert=["lm_head", "down_proj"]),
+                   progress=False)
+    for export in (export_awq, export_gptq):
+        with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj rotates its input online .* save "
+                                             r"the model in nibble's format"):
+            export(model, tmp_path / export.__name__)
+        assert not (tmp_path / export.__name__ / "config.json").exists()
+
+
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method='bitsandbytes' is not supported"),
     ({"quant_method": "awq", "version": "gemv", "bits": 4, "group_size": 32}, "version='gemv' is not supported"),

@@ -123,6 +123,30 @@ def test_a_seed_torch_cannot_take_is_refused_before_the_model_is_touched(seed):
     assert QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=2**64 - 1).rotation_seed == 2**64 - 1
 
 
+def test_a_seed_without_the_rotation_is_refused_and_configs_saved_with_one_still_load():
+    """QuantConfig(mode='w4a4', rotation_seed=5) quantized the model unrotated without a word (W4A4 of SmolLM2 at
+    chance), and a seed given beside rotate_model's was dropped. PE-QAT exports of the per-token recipe saved the
+    run's unused seed: they load."""
+    with pytest.raises(ValueError, match=r"rotation_seed=5 seeds rotation='hadamard', and rotation='none' rotates "
+                                         r"nothing: set rotation='hadamard' too"):
+        QuantConfig(mode="w4a4", rotation_seed=5)
+    saved = {**QuantConfig(mode="w4a4").to_dict(), "rotation_seed": 5}
+    assert QuantConfig.from_dict(saved) == QuantConfig(mode="w4a4")
+
+
+@pytest.mark.parametrize("device,message", [("gpu", "is not a device torch knows"), ("meta", "is not one nibble runs on")]
+                         + [("cuda", "no CUDA GPU is visible")] * (not torch.cuda.is_available()))
+def test_a_device_the_rotation_cannot_run_on_is_refused_before_the_model_is_touched(device, message):
+    """It failed in the first weight's move, after the head was untied and the model marked rotated: rotate_model
+    again said "rotated already", and quantize_model recorded a rotation the weights never had."""
+    from nibble.models.rotation import rotation_seed
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=message):
+        rotate_model(model, seed=3, device=device)
+    assert rotation_seed(model) is None and model.lm_head.weight is model.model.embed_tokens.weight
+    rotate_model(model, seed=3)
+
+
 def test_rotation_keeps_dtypes():
     model = tiny_model("llama", dtype=torch.bfloat16)
     rotate_model(model)
@@ -131,8 +155,52 @@ def test_rotation_keeps_dtypes():
 
 def test_rotating_twice_is_an_error():
     model = rotate_model(tiny_model("llama"))
-    with pytest.raises(ValueError, match="already rotated"):
+    with pytest.raises(ValueError, match="this model is rotated already"):
         rotate_model(model)
+    with pytest.raises(ValueError, match="this model is rotated already"):
+        rotate_model(copy.deepcopy(model))  # the copy keeps the record of the rotation
+
+
+@pytest.mark.parametrize("mode,kept", [("w4a4", []), ("w4a16", ["down_proj"])])
+def test_a_model_rotated_first_is_recorded_as_quantize_model_rotating_it_would_be(mode, kept):
+    """rotate_model then quantize_model recorded rotation 'none': the config the model ends with, and every
+    checkpoint of it, said another model than the one quantize_model(rotation='hadamard') makes, bit for bit the
+    same. W4A16 keeps its down_projs (online Hadamard) in 16 bits, either way; it was refused rotation='hadamard'."""
+    base = tiny_model("llama")
+    config = dict(mode=mode, group_size=32 if mode == "w4a16" else None, modules_to_not_convert=["lm_head", *kept])
+    rotated_first = quantize_model(rotate_model(copy.deepcopy(base), seed=3), QuantConfig(**config), progress=False)
+    rotated_by_quantize = quantize_model(copy.deepcopy(base), QuantConfig(**config, rotation="hadamard",
+                                                                          rotation_seed=3), progress=False)
+    recorded = rotated_first.config.quantization_config
+    assert (recorded["rotation"], recorded["rotation_seed"]) == ("hadamard", 3)
+    assert recorded == rotated_by_quantize.config.quantization_config
+    theirs = rotated_by_quantize.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in rotated_first.state_dict().items())
+
+
+def test_a_rotation_w4a16_cannot_run_is_refused_before_the_model_is_touched():
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape(
+            "model.layers.0.mlp.down_proj rotates its input online in a rotated model (rotate_model, or "
+            "rotation='hadamard'), which only w4a4 runs: quantize the model with mode='w4a4', or keep those layers "
+            "in 16 bits (modules_to_not_convert=['lm_head', 'down_proj'])")):
+        quantize_model(model, QuantConfig(group_size=32, rotation="hadamard"), progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_quantize_model_refuses_to_rotate_a_rotated_model_again_before_touching_it(monkeypatch):
+    """The refusal came from the rotation itself, after the model had moved to the device asked for."""
+    from nibble.models import convert
+    model = rotate_model(tiny_model("llama"), seed=3)
+    monkeypatch.setattr(convert, "move_all_but_layers", lambda *a: pytest.fail("moved the model before refusing it"))
+    for seed in (3, 4):  # the same seed too: a second rotation, not the first recorded
+        with pytest.raises(ValueError, match=r"this model is rotated already .* take it as it is \(quantize_model "
+                                             r"with rotation='none', the default, or PE-QAT's per-token recipe"):
+            quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=seed), progress=False,
+                           device="cpu")
+    assert not getattr(model.config, "quantization_config", None)
 
 
 @pytest.mark.parametrize("config", [QuantConfig(group_size=32), QuantConfig(mode="w4a4", rotation="hadamard")])

@@ -226,8 +226,6 @@ def test_asking_for_the_gpu_kernel_without_a_gpu_is_a_clear_error():
 def test_config_validation():
     with pytest.raises(ValueError, match="symmetric per-channel"):
         QuantConfig(mode="w4a4", group_size=128)
-    with pytest.raises(ValueError, match="rotation"):
-        QuantConfig(mode="w4a16", rotation="hadamard")
     with pytest.raises(ValueError, match="mode"):
         QuantConfig(mode="w8a8")
     assert QuantConfig.from_dict(QuantConfig(mode="w4a4").to_dict()) == QuantConfig(mode="w4a4")

@@ -127,6 +127,17 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     assert loaded.config.quantization_config["qat"]["recipe"] == recipe
 
 
+def test_the_export_of_a_model_rotated_before_pe_qat_records_its_rotation():
+    """The per-token recipe on a model rotate_model had rotated exported rotation 'none', seed 0: the rotation was
+    read from the recipe, not from the model."""
+    from nibble.models.rotation import rotate_model
+    from nibble.qat.train import prepare_qat_model
+    qmodel = export(prepare_qat_model(rotate_model(_model(), seed=7), "per-token", rank=4, progress=False))
+    recorded = qmodel.config.quantization_config
+    assert (recorded["rotation"], recorded["rotation_seed"]) == ("hadamard", 7)
+    assert qmodel.model.layers[0].mlp.down_proj.input_hadamard
+
+
 def test_per_channel_recipe_trains_but_refuses_to_export(tmp_path):
     losses = []
     qat = _train("per-channel", 2, _windows(), callback=lambda step, loss: losses.append(loss))
