@@ -93,6 +93,13 @@ def quantized_linears(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
 
 
+def online_hadamard_modules(model: nn.Module) -> list[str]:
+    """Names of the linears that rotate their input online: a rotated model's W4A4 QuantLinears and the 16-bit
+    linears that kept theirs (`HadamardInputLinear`, a down_proj left out of the quantization). Each holds a weight
+    for a rotated input, meaningless without the rotation."""
+    return [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
+
+
 def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress: bool = True,
                    calibration=None, device: str | torch.device | None = None) -> nn.Module:
     """Quantize the linears of the decoder layers in place; embeddings stay 16-bit, and so does lm_head

@@ -34,7 +34,8 @@ from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
-from nibble.models.convert import check_architecture, mark_quantized, quantized_linears, untie_lm_head
+from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules, quantized_linears,
+                                   untie_lm_head)
 from nibble.models.loading import read_config, read_json_object
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
@@ -456,13 +457,6 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
     linears = quantized_linears(model)
     if not linears:
         raise ValueError("model has no QuantLinear layers: quantize it with nibble.quantize_model first")
-    # a rotated model's down_proj kept in 16 bits (HadamardInputLinear): its weight is for a rotated input, and the
-    # checkpoint's plain linear ran it on the unrotated one (logits 0.2 apart, read by nibble's importer too)
-    online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
-    if online:
-        raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which a {method} checkpoint's "
-                         "plain linear would not: every reader would run another function; save the model in "
-                         "nibble's format (save_quantized's default), or quantize a model that was not rotated")
     for name, m in linears:
         if name == "lm_head":
             raise ValueError(f"lm_head is quantized: {method} checkpoints keep lm_head in 16 bits; quantize with "
@@ -470,6 +464,13 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
         if m.mode != "w4a16":
             raise ValueError(f"{name} is a {m.mode} layer: only W4A16 models (16-bit activations) can be exported to "
                              f"{method}")
+    # a rotated W4A16 model's down_proj kept in 16 bits (HadamardInputLinear): its weight is for a rotated input, and
+    # the checkpoint's plain linear ran it on the unrotated one (logits 0.2 apart, read by nibble's importer too)
+    online = online_hadamard_modules(model)
+    if online:
+        raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which the {method} checkpoint's "
+                         "plain linear would not: every reader would run another function; save the model in "
+                         "nibble's format (save_quantized's default), or quantize a model that was not rotated")
     per_channel = {m.group_size == m.in_features for _, m in linears}
     group_sizes = {m.group_size for _, m in linears}
     if len(group_sizes) == 1:

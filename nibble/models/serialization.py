@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
-from nibble.models.convert import check_architecture, mark_quantized
+from nibble.models.convert import check_architecture, mark_quantized, online_hadamard_modules
 from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS, TOKENIZER_FILES,
                                    read_config, read_generation_config, read_tokenizer)
@@ -100,7 +100,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     """Write ``model`` (converted by quantize_model, or loaded by load_quantized) to ``directory``; the
     tokenizer too if given. ``format``: ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` /
     ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
-    (W4A16 models with integer zero points and a 16-bit lm_head only: `nibble.models.hf_import.export_awq` /
+    (W4A16 models with integer zero points, a 16-bit lm_head and no rotation only: `nibble.models.hf_import.export_awq` /
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
     warning: `nibble.formats.gptq`)."""
     model = model_to_save(model)
@@ -129,10 +129,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     # transformers' save_pretrained records it: `load_quantized` loads in it by default
     config.pop("torch_dtype", None)
     config["dtype"] = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
-    # QuantLinears with the online Hadamard, and 16-bit linears that kept theirs (a rotated model's down_proj left
-    # out of the quantization): each holds a weight for a rotated input, meaningless without the rotation
-    online = [n for n, m in model.named_modules() if getattr(m, "input_hadamard", False) is True]
-    config["quantization_config"] = {**qc, "online_hadamard_modules": online,
+    config["quantization_config"] = {**qc, "online_hadamard_modules": online_hadamard_modules(model),
                                      "input_permuted_modules": input_permuted_modules(model)}
     # nibble's key alone: no other reader reads this file, so it needs no "format" (the exports' transformers key)
     metadata = {METADATA: {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,

@@ -285,6 +285,10 @@ def test_export_refuses_what_awq_cannot_hold(tmp_path):
     quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
     with pytest.raises(ValueError, match="only W4A16"):
         export_awq(model, tmp_path / "w4a4")
+    model = tiny_model("llama")  # rotated: told the mode first, not to quantize an unrotated model, still W4A4
+    quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard"), progress=False)
+    with pytest.raises(ValueError, match="only W4A16"):
+        export_gptq(model, tmp_path / "w4a4-hadamard")
     model = tiny_model("llama")
     quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=[]), progress=False)
     with torch.no_grad():
