@@ -491,7 +491,9 @@ def cmd_eval(args):
     from nibble.bench.timing import env_meta, json_text
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
-    check_window(args.seq_len, args.max_tokens, ("--seq-len", "--max-tokens"))
+    if args.seq_len is not None and args.max_tokens is not None:  # the model's context is read only to check them
+        from nibble.models.loading import model_context
+        check_window(args.seq_len, args.max_tokens, ("--seq-len", "--max-tokens"), model_context(args.model))
     check_tokenizer(args)
     from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
 
@@ -662,7 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["ppl", "tasks"])
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=None,
-                   help="ppl: window length (default: the model's context, at most 2048)")
+                   help="ppl: window length (default: the model's context, at most 2048; a longer one than the "
+                        "context is cut to it, with a warning)")
     p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
     p.add_argument("--tasks", action=TaskNames, default=None,
                    help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")

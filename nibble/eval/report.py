@@ -40,13 +40,15 @@ from nibble.config import QuantConfig, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
-from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
+from nibble.eval.perplexity import WIKITEXT2_TEST, check_window, context_length
 from nibble.eval.tasks import ALL_TASKS, task_files
 from nibble.models.convert import default_group_size
+from nibble.models.loading import model_context
 from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
 DEFAULT_SPEED_MODELS = ("llama-2-7b",)
+WINDOW_NAMES = ("ppl_seq_len", "ppl_max_tokens")  # how a refused perplexity window names them (`check_window`)
 NO_CUDA = "skipped: the model is not on a CUDA GPU (speed and peak memory are measured on the GPU only)"
 NO_GPU = "skipped: no CUDA GPU visible (the speed models are built and timed on the GPU only)"
 
@@ -129,6 +131,8 @@ def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_l
     from nibble.eval.tasks import evaluate_tasks
 
     model, tokenizer = loader()
+    if accuracy:  # before the quantization (minutes with GPTQ): run_report could not read a loader's context
+        check_window(ppl_seq_len, ppl_max_tokens, WINDOW_NAMES, context_length(model))
     qc = quant_config(name, model)
     res = {"config": name, "quant_config": qc.to_dict() if qc else None,
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
@@ -629,7 +633,9 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
                                ("speed_rounds", speed_rounds, 1)):
         if value is not None and value < least:  # else every config would fail the same way, after loading
             raise ValueError(f"{name} must be >= {least}, got {value}")
-    check_window(ppl_seq_len, ppl_max_tokens, ("ppl_seq_len", "ppl_max_tokens"))
+    if model and accuracy and loader is None and ppl_seq_len is not None and ppl_max_tokens is not None:
+        # the window as the model's context clamps it; a loader's model is checked once it is loaded
+        check_window(ppl_seq_len, ppl_max_tokens, WINDOW_NAMES, model_context(model_name_or_path))
     unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
@@ -704,7 +710,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--tasks", nargs="+", action=TaskNames, default=list(ALL_TASKS),
                         help="zero-shot tasks, by space or comma, e.g. piqa boolq (default: all seven)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
-    parser.add_argument("--ppl-seq-len", type=int, default=None, help="perplexity window (default: min(context, 2048))")
+    parser.add_argument("--ppl-seq-len", type=int, default=None,
+                        help="perplexity window (default: min(context, 2048); a longer one than the context is cut to "
+                             "it, with a warning)")
     parser.add_argument("--batch-size", type=int, default=16, help="task scoring batch size")
     parser.add_argument("--speed-models", nargs="*", default=list(DEFAULT_SPEED_MODELS),
                         choices=list(speed_mod.SPEED_MODELS),

@@ -231,9 +231,7 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
 
 @pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be >= 1"),
                                              (dict(batch_size=0), "batch_size must be >= 1"),
-                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2"),
-                                             (dict(ppl_max_tokens=100, ppl_seq_len=256),
-                                              "ppl_max_tokens 100 is fewer tokens than one window of ppl_seq_len 256")])
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2")])
 def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -241,6 +239,26 @@ def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs,
     with pytest.raises(ValueError, match=message):
         report.run_report(None, tmp_path, configs=("bf16",), speed=False, loader=no_loader, log=lambda *_: None,
                           **kwargs)
+
+
+def test_a_loaders_model_has_its_window_checked_against_its_context_once_loaded(tmp_path, monkeypatch):
+    """run_report cannot read a loader's model's context before it loads: a window longer than it is clamped and
+    scored, as the perplexity does (it was refused before the load), and a cut too short even for the clamped window
+    is refused once the model is loaded, before the quantization."""
+    def short_context():
+        torch.manual_seed(0)
+        return tiny_model(max_position_embeddings=64), ByteTokenizer()
+
+    run = dict(configs=("w4a16",), tasks=("boolq",), tasks_limit=1, ppl_seq_len=128, loader=short_context,
+               speed=False, progress=False, log=lambda *_: None)
+    with pytest.warns(UserWarning, match="seq_len=128 exceeds the model's context"):
+        ppl = report.run_report(None, tmp_path, ppl_max_tokens=100, **run)["configs"]["w4a16"]["perplexity"]
+    assert (ppl["seq_len"], ppl["windows"]) == (64, 1)
+    monkeypatch.setattr(report.speed_mod, "quantize_in_place", lambda *a: pytest.fail("quantized before the check"))
+    error = report.run_report(None, tmp_path, ppl_max_tokens=50, **run)["configs"]["w4a16"]["error"]
+    assert error == ("ValueError: ppl_max_tokens 50 is fewer tokens than one window of ppl_seq_len 128 (clamped to the "
+                     "model's context, 64): no window would be scored; give ppl_max_tokens >= 64, or a shorter "
+                     "ppl_seq_len")
 
 
 def fake_speed_rows(config: str, prefill_ms: dict, decode_tps: dict) -> list[dict]:
