@@ -259,11 +259,8 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
     meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning, rounds=a.rounds,
                     note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)")
-    paths = write_results([r for r in rows if r["op"] != "bf16"], meta, a.out, a.name or f"w4a4-{gpu}",
+    paths = write_results(rows, meta, a.out, a.name or f"w4a4-{gpu}", baseline="bf16",
                           title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")
-    # the JSON keeps the bf16 rows too
-    with open(paths["json"], "w") as f:
-        f.write(json_text({"meta": meta, "rows": rows}, indent=1, default=str))
     print("wrote", paths)
     return 0
 
