@@ -565,8 +565,8 @@ def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path
     """The checks, load_for_command and load each read --model's config.json again: four reads a command."""
     import nibble.cli as cli
 
-    reads, read = [], cli._quantized_checkpoint
-    monkeypatch.setattr(cli, "_quantized_checkpoint", lambda model: reads.append(model) or read(model))
+    reads, read = [], cli.quantized_checkpoint
+    monkeypatch.setattr(cli, "quantized_checkpoint", lambda model: reads.append(model) or read(model))
     out = str(tmp_path / "q")
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", out])
     main(["generate", "hi", "--model", out, "--device", "cpu", "--max-new-tokens", "1"])
@@ -575,7 +575,7 @@ def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path
 
 @pytest.fixture
 def quantized_dir(tmp_path):
-    """What `_quantized_checkpoint` reads of a nibble checkpoint: its config's quantization_config."""
+    """What `quantized_checkpoint` reads of a nibble checkpoint: its config's quantization_config."""
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "nibble"}}))
     return tmp_path
 

@@ -146,6 +146,14 @@ def check_window(seq_len: int | None, max_tokens: int | None, names=("seq_len", 
                          f"no window would be scored; give {names[1]} >= {window}, or a shorter {names[0]}")
 
 
+def check_model_window(model_path, seq_len: int | None, max_tokens: int | None, names) -> None:
+    """`check_window` against the context of the model that ``model_path`` names (as `load_model` and
+    `load_quantized` take it: None is the default model), read from its config before the model loads."""
+    if seq_len is not None and max_tokens is not None:  # its config is read only where there is a window to check
+        from nibble.models.loading import model_context
+        check_window(seq_len, max_tokens, names, model_context(model_path))
+
+
 def _clamp_to_context(model, seq_len: int) -> int:
     ctx = context_length(model)
     if ctx is not None and seq_len > ctx:

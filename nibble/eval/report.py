@@ -40,10 +40,9 @@ from nibble.config import QuantConfig, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
-from nibble.eval.perplexity import WIKITEXT2_TEST, check_window, context_length
+from nibble.eval.perplexity import WIKITEXT2_TEST, check_model_window, check_window, context_length
 from nibble.eval.tasks import ALL_TASKS, task_files
 from nibble.models.convert import default_group_size
-from nibble.models.loading import model_context
 from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
@@ -633,9 +632,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
                                ("speed_rounds", speed_rounds, 1)):
         if value is not None and value < least:  # else every config would fail the same way, after loading
             raise ValueError(f"{name} must be >= {least}, got {value}")
-    if model and accuracy and loader is None and ppl_seq_len is not None and ppl_max_tokens is not None:
-        # the window as the model's context clamps it; a loader's model is checked once it is loaded
-        check_window(ppl_seq_len, ppl_max_tokens, WINDOW_NAMES, model_context(model_name_or_path))
+    if model and accuracy and loader is None:  # a loader's model is checked once it is loaded
+        check_model_window(model_name_or_path, ppl_seq_len, ppl_max_tokens, WINDOW_NAMES)
     unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
@@ -729,7 +727,11 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def check_report_args(args: argparse.Namespace) -> None:
     """Refuse options this run would ignore (or a run with nothing to measure), before anything loads, as the
-    other commands do: it exited 0 with an empty report and a blank plot."""
+    other commands do: it exited 0 with an empty report and a blank plot. Then what `run_report` refuses, said by
+    the options' names (it named its parameters: ``tasks_limit`` for --limit), and a quantized --model, which every
+    config failed to load as a 16-bit one."""
+    from nibble.cli import check_least, quantized_checkpoint
+
     accuracy_options = [flag for flag, given in (("--limit", args.limit is not None),
                                                  ("--tasks", args.tasks != list(ALL_TASKS)),
                                                  ("--ppl-max-tokens", args.ppl_max_tokens is not None),
@@ -745,6 +747,13 @@ def check_report_args(args: argparse.Namespace) -> None:
     if args.no_model and not torch.cuda.is_available():
         raise ValueError("--no-model runs the speed models alone, which are timed on a CUDA GPU, and none is visible: "
                          "drop --no-model to measure the model's accuracy and weights here")
+    check_least(args, (("limit", 1), ("batch_size", 1), ("ppl_max_tokens", 2), ("ppl_seq_len", 2),
+                       ("speed_rounds", 1)))
+    if quantized_checkpoint(args.model):
+        raise ValueError(f"{args.model} is already quantized, and the report quantizes a 16-bit model each config's "
+                         "way: give it the 16-bit model (an HF dir or a .gguf), or measure this one with `nibble eval "
+                         f"ppl --model {args.model}` / `nibble eval tasks --model {args.model}`")
+    check_model_window(args.model, args.ppl_seq_len, args.ppl_max_tokens, ("--ppl-seq-len", "--ppl-max-tokens"))
 
 
 def report_main(args: argparse.Namespace) -> int:
@@ -759,8 +768,12 @@ def report_main(args: argparse.Namespace) -> int:
     failed += [(f"{sm}/{n}", r["error"]) for sm, by_config in results["speed_models"].items()
                for n, r in by_config.items() if isinstance(r, dict) and "error" in r]
     if failed:
-        print(f"nibble report: {len(failed)} config{'s' * (len(failed) > 1)} failed (the others are in "
-              f"{Path(args.out) / 'report.md'}): " + "; ".join(f"{n}: {e}" for n, e in failed), file=sys.stderr)
+        runs = len(results["configs"]) + sum(len(by_config) for by_config in results["speed_models"].values()
+                                             if "skipped" not in by_config)
+        where = Path(args.out) / "report.md"  # "the others" where there were none read as results written
+        said = f"the others are in {where}" if len(failed) < runs else f"every one; {where} says so"
+        print(f"nibble report: {len(failed)} config{'s' * (len(failed) > 1)} failed ({said}): "
+              + "; ".join(f"{n}: {e}" for n, e in failed), file=sys.stderr)
         return 1
     return 0
 

@@ -227,6 +227,12 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
     assert "perplexity" in json.loads((tmp_path / "report.json").read_text())["configs"]["bf16"]
     loader.calls = -5  # no failure
     assert main(argv) == 0
+    def failing():
+        raise RuntimeError("boom")
+    monkeypatch.setattr(report, "_default_loader", lambda *a: failing)  # every config fails: no others in report.md
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip().endswith(f"2 configs failed (every one; {tmp_path / 'report.md'} says so): "
+                                                    "bf16: RuntimeError: boom; w4a16: RuntimeError: boom")
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be >= 1"),
@@ -385,12 +391,28 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     (["--no-model", "--no-speed"], "leaves nothing to measure"),
     (["--no-accuracy", "--limit", "3", "--tasks", "piqa"], "--limit and --tasks set the accuracy runs that "
                                                            "--no-accuracy skips"),
-    (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips")])
+    (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips"),
+    # by the options' names: run_report's named its parameters ("tasks_limit must be >= 1" for --limit 0)
+    (["--limit", "0"], "--limit must be >= 1, got 0"), (["--speed-rounds", "0"], "--speed-rounds must be >= 1"),
+    (["--ppl-seq-len", "1"], "--ppl-seq-len must be >= 2"), (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--model", "{out}", "--ppl-seq-len", "64", "--ppl-max-tokens", "32"], "--ppl-max-tokens 32 is fewer tokens than "
+                                                                            "one window of --ppl-seq-len 64")])
 def test_report_refuses_options_it_would_ignore(flags, message, monkeypatch, tmp_path):
     monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran with options it ignores"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU's refusals; without one, the next test
-    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path)] + flags)
+    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(
+        ["--out", str(tmp_path)] + [f.format(out=tmp_path) for f in flags])
     with pytest.raises(ValueError, match=message):
+        report.report_main(args)
+
+
+def test_report_refuses_a_quantized_model_before_any_config_runs(monkeypatch, tmp_path):
+    """Every config failed to load it as a 16-bit model, one after another, each told to use nibble.load_quantized."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "nibble"}}))
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran on a quantized model"))
+    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--model", str(tmp_path)])
+    with pytest.raises(ValueError, match=f"{tmp_path} is already quantized, and the report quantizes a 16-bit model "
+                                         f"each config's way: .* `nibble eval ppl --model {tmp_path}`"):
         report.report_main(args)
 
 
