@@ -106,7 +106,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     return model.eval(), tokenizer
 
 
-def context_length(path: str | Path) -> int:
+def read_context_length(path: str | Path) -> int:
     """The context a GGUF file's model was built for (its ``llama.context_length``, the config's
     max_position_embeddings), read from the metadata alone: a check that needs it runs before the weights load (the
     parsed metadata is kept for `load_gguf`)."""

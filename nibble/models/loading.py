@@ -19,7 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
-from nibble.models.gguf import context_length, is_gguf, load_gguf
+from nibble.models.gguf import is_gguf, load_gguf, read_context_length
 
 # what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
@@ -112,7 +112,7 @@ def model_context(name_or_path: str | Path | None) -> int | None:
     the load says why)."""
     path = _model_path(name_or_path)
     if _gguf_file(path):
-        return context_length(path)
+        return read_context_length(path)
     if not (path / "config.json").is_file():
         return None
     config = read_config(path / "config.json")

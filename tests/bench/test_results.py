@@ -51,4 +51,5 @@ def test_the_w4a4_benchmark_writes_its_json_once_with_every_row_and_plots_the_op
                       "--procs", "0"]) == 0
     saved = json.loads((tmp_path / "w4a4-h100.json").read_text())
     assert saved["rows"] == _rows(("bf16", "w4a4")) and saved["meta"]["ops"] == ["bf16", "w4a4"]
+    assert not (tmp_path / "w4a4-partial.json").exists()  # its running copy (benchmarks/results: "not kept")
     assert [w for w in writes if w.endswith(".json")] == ["w4a4-partial.json", "w4a4-h100.json"] and drawn == ["w4a4"] and (tmp_path / "w4a4-h100.png").is_file()
