@@ -133,10 +133,10 @@ def default_seq_len(model, n_tokens: int) -> int:
 
 def check_window(seq_len: int | None, max_tokens: int | None, names=("seq_len", "max_tokens"),
                  context: int | None = None) -> None:
-    """Refuse a ``max_tokens`` cut shorter than one window, which would score nothing, before a model loads (the
-    commands: ``names`` are their options). The window is the one `perplexity` scores: ``seq_len`` clamped to the
-    model's ``context`` (`context_length`) where it is given; a 4096-token window of a 2048-context model, cut at
-    2048 tokens, scores one 2048-token window, and was refused."""
+    """Refuse a ``max_tokens`` cut shorter than one window, which would score nothing, before the work (the commands
+    check it before the model loads: ``names`` are their options). The window is the one `perplexity` scores:
+    ``seq_len`` clamped to the model's ``context`` (`context_length`) where it is given; a 4096-token window of a
+    2048-context model, cut at 2048 tokens, scores one 2048-token window, and was refused."""
     if seq_len is None or max_tokens is None:
         return
     window = seq_len if context is None else min(seq_len, context)
