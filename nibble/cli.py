@@ -25,7 +25,7 @@ def _device(name: str | None) -> str:
 
 
 def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | None = None):
-    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `_quantized_checkpoint` says), a local HF
+    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `quantized_checkpoint` says), a local HF
     directory, a .gguf file, or None for the embedded SmolLM2."""
     from nibble.models.loading import load_model
     from nibble.models.serialization import load_quantized
@@ -35,7 +35,7 @@ def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | N
     return load_model(model, dtype=dtype, device=device)
 
 
-def _quantized_checkpoint(model: str | None) -> bool:
+def quantized_checkpoint(model: str | None) -> bool:
     """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
     AutoAWQ's or GPTQ's), not a float model to quantize."""
     from nibble.models.loading import read_json_object
@@ -121,7 +121,7 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
                          "give another folder")
     # the save owns the folder (it removes the weight and tokenizer files it does not write): a quantized
     # checkpoint there is one being written again, anything else a model the user keeps
-    if (writes_model and path.is_dir() and not _quantized_checkpoint(out) and not _interrupted_save(path)
+    if (writes_model and path.is_dir() and not quantized_checkpoint(out) and not _interrupted_save(path)
             and ((path / "config.json").exists() or any(path.glob("*.safetensors")))):
         raise ValueError(f"--out {out} holds a model that is not a quantized checkpoint (its config.json or "
                          "*.safetensors): writing there would replace it; give another folder, or empty this one")
@@ -494,8 +494,8 @@ def cmd_eval(args):
     check_least(args, (("seq_len", 2), ("max_tokens", 2), ("limit", 1), ("batch_size", 1)))
     from nibble.bench.timing import env_meta, json_text
     from nibble.eval.data import require_data
-    from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
-    check_window(args.seq_len, args.max_tokens, ("--seq-len", "--max-tokens"))
+    from nibble.eval.perplexity import WIKITEXT2_TEST, check_model_window
+    check_model_window(args.model, args.seq_len, args.max_tokens, ("--seq-len", "--max-tokens"))
     check_tokenizer(args)
     from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
 
@@ -666,7 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["ppl", "tasks"])
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=None,
-                   help="ppl: window length (default: the model's context, at most 2048)")
+                   help="ppl: window length (default: the model's context, at most 2048; a longer one than the "
+                        "context is cut to it, with a warning)")
     p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
     p.add_argument("--tasks", action=TaskNames, default=None,
                    help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")
@@ -734,7 +735,7 @@ def main(argv=None):
             setattr(args, path, os.path.expanduser(getattr(args, path)))
     try:
         if hasattr(args, "quantized"):  # the commands of `_add_model_args`: their checks and loading all ask
-            args.quantized = _quantized_checkpoint(args.model)
+            args.quantized = quantized_checkpoint(args.model)
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads
         if getattr(args, "out", None) is not None:

@@ -512,26 +512,61 @@ def test_eval_refuses_options_it_would_ignore_or_fail_on_before_loading_the_mode
         main(["eval"] + flags + ["--model", "nowhere", "--quant", "none"])
 
 
-@pytest.mark.parametrize("command", [["eval", "ppl", "--quant", "none", "--seq-len", "256", "--max-tokens", "100"],
-                                     ["report", "--ppl-seq-len", "256", "--ppl-max-tokens", "100"]])
-def test_a_token_cut_shorter_than_one_window_is_refused_before_the_model_loads(command, monkeypatch, tmp_path):
-    """It scored nothing, and said so only once the model was loaded (and, in a report, quantized, for each config)."""
+@pytest.fixture(scope="module")
+def short_context_dir(tmp_path_factory):
+    """A tiny model of a 32-token context."""
+    tok = _tiny_tokenizer()
+    d = tmp_path_factory.mktemp("short")
+    tiny_model(vocab_size=len(tok), max_position_embeddings=32).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+WINDOW_OPTIONS = {"eval": ["eval", "ppl", "--quant", "none", "--seq-len", "{seq}", "--max-tokens", "{cut}"],
+                  "report": ["report", "--configs", "bf16", "--limit", "1", "--tasks", "boolq",
+                             "--ppl-seq-len", "{seq}", "--ppl-max-tokens", "{cut}", "--out", "{tmp}/r"]}
+
+
+def _window_command(command, seq, cut, tmp, model):
+    return [a.format(seq=seq, cut=cut, tmp=tmp) for a in WINDOW_OPTIONS[command]] + ["--model", str(model)]
+
+
+@pytest.mark.parametrize("command", ["eval", "report"])
+@pytest.mark.parametrize("model, seq, cut, window", [(None, 256, 100, ""),
+                                                     ("short", 64, 20, r" \(clamped to the model's context, 32\)")])
+def test_a_token_cut_shorter_than_one_window_is_refused_before_the_model_loads(
+        command, model, seq, cut, window, short_context_dir, monkeypatch, tmp_path):
+    """It scored nothing, and said so only once the model was loaded (and, in a report, quantized, for each config):
+    the window as given where no context can be read (no model there), else clamped to it, as it is scored."""
     import nibble.cli as cli
     import nibble.models.loading as loading
 
     monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the window"))
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the window"))
-    with pytest.raises(SystemExit, match=f"^nibble {command[0]}: .*max.tokens 100 is fewer tokens than one window of "
-                                         ".*seq.len 256: no window would be scored"):
-        main(command + ["--model", str(tmp_path)] + ["--out", str(tmp_path / "r")] * (command[0] == "report"))
+    with pytest.raises(SystemExit, match=f"^nibble {command}: .*max.tokens {cut} is fewer tokens than one window of "
+                                         f".*seq.len {seq}{window}: no window would be scored"):
+        main(_window_command(command, seq, cut, tmp_path, short_context_dir if model else tmp_path))
+
+
+@pytest.mark.parametrize("command", ["eval", "report"])
+def test_a_window_longer_than_the_context_is_clamped_not_refused(command, short_context_dir, tmp_path, capsys):
+    """Issue 5: a model of a shorter context than the window is scored on windows of its context, with a warning;
+    a cut of one such window was refused (the check took the window before the clamp)."""
+    with pytest.warns(UserWarning, match=r"seq_len=64 exceeds the model's context \(32 "):
+        assert not main(_window_command(command, 64, 40, tmp_path, short_context_dir))
+    if command == "eval":
+        out = json.loads(capsys.readouterr().out)
+    else:
+        out = json.loads((tmp_path / "r" / "report.json").read_text())["configs"]["bf16"]["perplexity"]
+    assert (out["seq_len"], out["windows"], out["tokens"]) == (32, 1, 31) and out["ppl"] > 1
 
 
 def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path, monkeypatch, capsys):
     """The checks, load_for_command and load each read --model's config.json again: four reads a command."""
     import nibble.cli as cli
 
-    reads, read = [], cli._quantized_checkpoint
-    monkeypatch.setattr(cli, "_quantized_checkpoint", lambda model: reads.append(model) or read(model))
+    reads, read = [], cli.quantized_checkpoint
+    monkeypatch.setattr(cli, "quantized_checkpoint", lambda model: reads.append(model) or read(model))
     out = str(tmp_path / "q")
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", out])
     main(["generate", "hi", "--model", out, "--device", "cpu", "--max-new-tokens", "1"])
@@ -540,7 +575,7 @@ def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path
 
 @pytest.fixture
 def quantized_dir(tmp_path):
-    """What `_quantized_checkpoint` reads of a nibble checkpoint: its config's quantization_config."""
+    """What `quantized_checkpoint` reads of a nibble checkpoint: its config's quantization_config."""
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "nibble"}}))
     return tmp_path
 

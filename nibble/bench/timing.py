@@ -380,11 +380,12 @@ def token_sweep_main(doc: str, default_tokens: Sequence[int], rows_for: Callable
 
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, name: str, *,
                   x: str = "M", y: str = "speedup", series: str = "op", panel: Iterable[str] = ("N", "K"),
-                  title: str | None = None) -> dict:
+                  title: str | None = None, baseline: str | None = None) -> dict:
     """Write ``out_dir/name.json`` (``{"meta": meta, "rows": rows}``) and ``out_dir/name.png``.
 
     The PNG has one panel per distinct value of the ``panel`` keys, ``y`` against ``x`` (log2 x axis)
-    with one line per ``series`` value and a dashed line at y = 1. Returns the paths written.
+    with one line per ``series`` value and a dashed line at y = 1; the ``baseline`` series (the one every ``y`` is
+    relative to) is that dashed line, so its rows are kept in the JSON but not drawn. Returns the paths written.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -398,6 +399,7 @@ def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, 
     except Exception:
         return paths
     panel = tuple(panel)
+    rows = [r for r in rows if baseline is None or r[series] != baseline]
     keys = sorted({tuple(r[k] for k in panel) for r in rows if y in r and r[y] is not None})
     if not keys:
         return paths

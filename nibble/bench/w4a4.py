@@ -16,7 +16,8 @@ the ops timed in ``--rounds`` (3) interleaved rounds, ``bench_rounds``, each cel
   w4a4_h      the same with ``input_hadamard=True``
 
 Writes ``DIR/w4a4-<gpu>.json`` (meta + one row per (shape, M, op) with us, speedup over bf16, and
-effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape).
+effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape); ``DIR/w4a4-partial.json`` holds
+the rows so far while it runs (what a timeout leaves), and is removed once the JSON is written.
 """
 from __future__ import annotations
 
@@ -248,9 +249,10 @@ def main(argv=None) -> int:
     rows, tuning = [], []
     import os
     os.makedirs(a.out, exist_ok=True)
+    partial = os.path.join(a.out, "w4a4-partial.json")
     for N, K in shapes:
         rows += bench_shape(N, K, ms, ops, tune=a.tune, tuning=tuning, rounds=a.rounds)
-        with open(os.path.join(a.out, "w4a4-partial.json"), "w") as f:  # survives a timeout
+        with open(partial, "w") as f:  # survives a timeout
             f.write(json_text({"rows": rows, "tuning": tuning}, default=str))
     summarize(rows)
     if tuning:
@@ -259,11 +261,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
     meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning, rounds=a.rounds,
                     note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)")
-    paths = write_results([r for r in rows if r["op"] != "bf16"], meta, a.out, a.name or f"w4a4-{gpu}",
+    paths = write_results(rows, meta, a.out, a.name or f"w4a4-{gpu}", baseline="bf16",
                           title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")
-    # the JSON keeps the bf16 rows too
-    with open(paths["json"], "w") as f:
-        f.write(json_text({"meta": meta, "rows": rows}, indent=1, default=str))
+    os.remove(partial)  # the running copy of what the JSON now holds: beside it, it read as another run's
     print("wrote", paths)
     return 0
 

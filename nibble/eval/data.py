@@ -87,26 +87,38 @@ class DataFormatError(ValueError):
     """A data file that is there but does not hold what nibble reads from it."""
 
 
+# What to do about a shared data file that does not hold what nibble reads (a user's own file is told its format)
+COPY_AGAIN = "copy the file again from the shared data folder (its README.md gives every file's format)"
+
+
 @contextmanager
-def parsing(where):
+def parsing(where, fix: str = COPY_AGAIN):
     """An error of reading records from ``where`` (a file, or several, or a line of one): bad UTF-8, a line that
-    is not JSON, a missing key, a value of another kind, as one DataFormatError that names it and what to do."""
+    is not JSON, a missing key, a value of another kind, as one DataFormatError that names it and ``fix``, what to
+    do (a user's own file: what it must hold)."""
     try:
         yield
     except DataFormatError:
         raise
     except (UnicodeDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
-        raise DataFormatError(f"{where}: not in the format nibble reads ({type(e).__name__}: {e}); copy the file "
-                              "again from the shared data folder (its README.md gives every file's format)") from e
+        raise DataFormatError(f"{where}: not in the format nibble reads ({type(e).__name__}: {e}); {fix}") from e
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON records of ``path``, one a line (blank lines skipped); a bad line is named by its number."""
-    with parsing(path), open(path, encoding="utf-8") as f:
+def read_jsonl(path: Path, fix: str = COPY_AGAIN, fields=()) -> list[dict]:
+    """The JSON records of ``path``, one a line (blank lines skipped), each an object holding ``fields``; a bad line
+    is named by its number, with ``fix`` (`parsing`)."""
+    with parsing(path, fix), open(path, encoding="utf-8") as f:
         lines = list(f)
     records = []
     for number, line in enumerate(lines, 1):
         if line.strip():
-            with parsing(f"{path}, line {number}"):
-                records.append(json.loads(line))
+            with parsing(f"{path}, line {number}", fix):
+                record = json.loads(line)
+            missing = [name for name in fields if not isinstance(record, dict) or name not in record]
+            if missing:
+                holds = (f"it is {json.dumps(record)[:40]}, not an object" if not isinstance(record, dict) else
+                         f"its fields are {', '.join(map(json.dumps, record))}" if record else "it is an empty object")
+                raise DataFormatError(f"{path}, line {number}: no {', '.join(map(json.dumps, missing))} field "
+                                      f"({holds}); {fix}")
+            records.append(record)
     return records

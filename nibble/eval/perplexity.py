@@ -131,13 +131,27 @@ def default_seq_len(model, n_tokens: int) -> int:
     return min(ctx, DEFAULT_MAX_SEQ_LEN, n_tokens)
 
 
-def check_window(seq_len: int | None, max_tokens: int | None, names=("seq_len", "max_tokens")) -> None:
-    """Refuse a ``max_tokens`` cut shorter than one ``seq_len`` window, which would score nothing, before a model
-    loads (the commands: ``names`` are their options). The window is taken as given: one longer than the model's
-    context is clamped to it only once the model is there (`perplexity`, which refuses a stream still too short)."""
-    if seq_len is not None and max_tokens is not None and max_tokens < seq_len:
-        raise ValueError(f"{names[1]} {max_tokens} is fewer tokens than one window of {names[0]} {seq_len}: no "
-                         f"window would be scored; give {names[1]} >= {seq_len}, or a shorter {names[0]}")
+def check_window(seq_len: int | None, max_tokens: int | None, names=("seq_len", "max_tokens"),
+                 context: int | None = None) -> None:
+    """Refuse a ``max_tokens`` cut shorter than one window, which would score nothing, before the work (the commands
+    check it before the model loads: ``names`` are their options). The window is the one `perplexity` scores:
+    ``seq_len`` clamped to the model's ``context`` (`context_length`) where it is given; a 4096-token window of a
+    2048-context model, cut at 2048 tokens, scores one 2048-token window, and was refused."""
+    if seq_len is None or max_tokens is None:
+        return
+    window = seq_len if context is None else min(seq_len, context)
+    if max_tokens < window:
+        clamped = f" (clamped to the model's context, {window})" if window < seq_len else ""
+        raise ValueError(f"{names[1]} {max_tokens} is fewer tokens than one window of {names[0]} {seq_len}{clamped}: "
+                         f"no window would be scored; give {names[1]} >= {window}, or a shorter {names[0]}")
+
+
+def check_model_window(model_path, seq_len: int | None, max_tokens: int | None, names) -> None:
+    """`check_window` against the context of the model that ``model_path`` names (as `load_model` and
+    `load_quantized` take it: None is the default model), read from its config before the model loads."""
+    if seq_len is not None and max_tokens is not None:  # its config is read only where there is a window to check
+        from nibble.models.loading import model_context
+        check_window(seq_len, max_tokens, names, model_context(model_path))
 
 
 def _clamp_to_context(model, seq_len: int) -> int:

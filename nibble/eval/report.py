@@ -40,13 +40,14 @@ from nibble.config import QuantConfig, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
-from nibble.eval.perplexity import WIKITEXT2_TEST, check_window
+from nibble.eval.perplexity import WIKITEXT2_TEST, check_model_window, check_window, context_length
 from nibble.eval.tasks import ALL_TASKS, task_files
 from nibble.models.convert import check_quantizable, default_group_size
 from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
 DEFAULT_SPEED_MODELS = ("llama-2-7b",)
+WINDOW_NAMES = ("ppl_seq_len", "ppl_max_tokens")  # how a refused perplexity window names them (`check_window`)
 NO_CUDA = "skipped: the model is not on a CUDA GPU (speed and peak memory are measured on the GPU only)"
 NO_GPU = "skipped: no CUDA GPU visible (the speed models are built and timed on the GPU only)"
 
@@ -123,17 +124,21 @@ def _checked_loader(loader: Callable, configs: list[str]) -> Callable:
     refusals ``quantize_model`` says before any work, and `quant_config`'s choice of a group size), so that a config
     the model cannot take is refused before the first config's work: w4a4-hadamard on a model the rotation cannot
     take failed at its turn, after the configs before it had run for minutes each. The model loaded for the checks
-    is the first config's."""
+    is the first config's. A loader that fails is left to fail in each config, reported as before (the speed models
+    run all the same)."""
     if all(quant_config(name) is None for name in configs):
         return loader
-    model, tokenizer = loader()
+    try:
+        model, tokenizer = loader()
+    except Exception:
+        return loader
     for name in configs:
         try:
             qc = quant_config(name, model)
             if qc is not None:
                 check_quantizable(model, qc)
         except ValueError as e:
-            raise ValueError(f"config {name}: {e}") from None
+            raise ValueError(f"config {name}: {e} (or leave {name} out of the configs)") from None
     loaded = [(model, tokenizer)]
     return lambda: loaded.pop() if loaded else loader()
 
@@ -149,6 +154,8 @@ def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_l
     from nibble.eval.tasks import evaluate_tasks
 
     model, tokenizer = loader()
+    if accuracy:  # before the quantization (minutes with GPTQ): run_report could not read a loader's context
+        check_window(ppl_seq_len, ppl_max_tokens, WINDOW_NAMES, context_length(model))
     qc = quant_config(name, model)
     res = {"config": name, "quant_config": qc.to_dict() if qc else None,
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
@@ -650,7 +657,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
                                ("speed_rounds", speed_rounds, 1)):
         if value is not None and value < least:  # else every config would fail the same way, after loading
             raise ValueError(f"{name} must be >= {least}, got {value}")
-    check_window(ppl_seq_len, ppl_max_tokens, ("ppl_seq_len", "ppl_max_tokens"))
+    if model and accuracy and loader is None:  # a loader's model is checked once it is loaded
+        check_model_window(model_name_or_path, ppl_seq_len, ppl_max_tokens, WINDOW_NAMES)
     unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]
     if unknown:
         raise ValueError(f"unknown speed model(s) {unknown}; choose from {list(speed_mod.SPEED_MODELS)}")
@@ -727,7 +735,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--tasks", nargs="+", action=TaskNames, default=list(ALL_TASKS),
                         help="zero-shot tasks, by space or comma, e.g. piqa boolq (default: all seven)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
-    parser.add_argument("--ppl-seq-len", type=int, default=None, help="perplexity window (default: min(context, 2048))")
+    parser.add_argument("--ppl-seq-len", type=int, default=None,
+                        help="perplexity window (default: min(context, 2048); a longer one than the context is cut to "
+                             "it, with a warning)")
     parser.add_argument("--batch-size", type=int, default=16, help="task scoring batch size")
     parser.add_argument("--speed-models", nargs="*", default=list(DEFAULT_SPEED_MODELS),
                         choices=list(speed_mod.SPEED_MODELS),
@@ -744,7 +754,11 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def check_report_args(args: argparse.Namespace) -> None:
     """Refuse options this run would ignore (or a run with nothing to measure), before anything loads, as the
-    other commands do: it exited 0 with an empty report and a blank plot."""
+    other commands do: it exited 0 with an empty report and a blank plot. Then what `run_report` refuses, said by
+    the options' names (it named its parameters: ``tasks_limit`` for --limit), and a quantized --model, which every
+    config failed to load as a 16-bit one."""
+    from nibble.cli import check_least, quantized_checkpoint
+
     accuracy_options = [flag for flag, given in (("--limit", args.limit is not None),
                                                  ("--tasks", args.tasks != list(ALL_TASKS)),
                                                  ("--ppl-max-tokens", args.ppl_max_tokens is not None),
@@ -760,6 +774,13 @@ def check_report_args(args: argparse.Namespace) -> None:
     if args.no_model and not torch.cuda.is_available():
         raise ValueError("--no-model runs the speed models alone, which are timed on a CUDA GPU, and none is visible: "
                          "drop --no-model to measure the model's accuracy and weights here")
+    check_least(args, (("limit", 1), ("batch_size", 1), ("ppl_max_tokens", 2), ("ppl_seq_len", 2),
+                       ("speed_rounds", 1)))
+    if quantized_checkpoint(args.model):
+        raise ValueError(f"{args.model} is already quantized, and the report quantizes a 16-bit model each config's "
+                         "way: give it the 16-bit model (an HF dir or a .gguf), or measure this one with `nibble eval "
+                         f"ppl --model {args.model}` / `nibble eval tasks --model {args.model}`")
+    check_model_window(args.model, args.ppl_seq_len, args.ppl_max_tokens, ("--ppl-seq-len", "--ppl-max-tokens"))
 
 
 def report_main(args: argparse.Namespace) -> int:
@@ -774,8 +795,12 @@ def report_main(args: argparse.Namespace) -> int:
     failed += [(f"{sm}/{n}", r["error"]) for sm, by_config in results["speed_models"].items()
                for n, r in by_config.items() if isinstance(r, dict) and "error" in r]
     if failed:
-        print(f"nibble report: {len(failed)} config{'s' * (len(failed) > 1)} failed (the others are in "
-              f"{Path(args.out) / 'report.md'}): " + "; ".join(f"{n}: {e}" for n, e in failed), file=sys.stderr)
+        runs = len(results["configs"]) + sum(len(by_config) for by_config in results["speed_models"].values()
+                                             if "skipped" not in by_config)
+        where = Path(args.out) / "report.md"  # "the others" where there were none read as results written
+        said = f"the others are in {where}" if len(failed) < runs else f"every one; {where} says so"
+        print(f"nibble report: {len(failed)} config{'s' * (len(failed) > 1)} failed ({said}): "
+              + "; ".join(f"{n}: {e}" for n, e in failed), file=sys.stderr)
         return 1
     return 0
 

@@ -106,6 +106,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     return model.eval(), tokenizer
 
 
+def read_context_length(path: str | Path) -> int:
+    """The context a GGUF file's model was built for (its ``llama.context_length``, the config's
+    max_position_embeddings), read from the metadata alone: a check that needs it runs before the weights load (the
+    parsed metadata is kept for `load_gguf`)."""
+    path = Path(path)
+    return _field(_open(path), "llama.context_length", path, kind=int)
+
+
 def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> None:
     """Refuse a file whose tensors are not the model its metadata describes, before that model is allocated: one
     flipped byte (embedding_length 64 -> 10,420,288) built an 11 GB model for a 1.5 MB file, which the OOM killer

@@ -19,7 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
-from nibble.models.gguf import is_gguf, load_gguf
+from nibble.models.gguf import is_gguf, load_gguf, read_context_length
 
 # what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
@@ -93,8 +93,8 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     """
     device = resolve_device(device)  # before any work: "cuda" without a GPU, or "gpu", is refused by name
     dtype = resolve_dtype(dtype) or default_dtype(device)
-    path = default_model_path() if name_or_path is None else Path(name_or_path).expanduser()
-    if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):  # "MODEL.GGUF", or a blob without a suffix
+    path = _model_path(name_or_path)
+    if _gguf_file(path):
         model, tokenizer = load_gguf(path, dtype=dtype)
     elif path.is_dir():
         model, tokenizer = _load_hf_dir(path, dtype)
@@ -103,6 +103,30 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     else:
         raise FileNotFoundError(f"{name_or_path!r} is not a local .gguf file or directory. {NEVER_DOWNLOADS}")
     return model.to(device), tokenizer
+
+
+def model_context(name_or_path: str | Path | None) -> int | None:
+    """The context (config.max_position_embeddings) of the model that `load_model` or `load_quantized` reads from
+    ``name_or_path`` (None: the default SmolLM2), from its config.json or GGUF metadata alone, so that a setting
+    it bounds is checked before the weights load; None where there is no config to read it from (no model there:
+    the load says why)."""
+    path = _model_path(name_or_path)
+    if _gguf_file(path):
+        return read_context_length(path)
+    if not (path / "config.json").is_file():
+        return None
+    config = read_config(path / "config.json")
+    # as the loaders build it: transformers' default where config.json leaves it out
+    config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _model_path(name_or_path: str | Path | None) -> Path:
+    return default_model_path() if name_or_path is None else Path(name_or_path).expanduser()
+
+
+def _gguf_file(path: Path) -> bool:
+    return path.is_file() and (path.suffix == ".gguf" or is_gguf(path))  # "MODEL.GGUF", or a blob without a suffix
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

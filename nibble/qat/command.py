@@ -33,7 +33,8 @@ def add_qat_arguments(parser) -> None:
                         help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE on the "
                              "training text; ce+kl: their sum")
     parser.add_argument("--calib", default=",".join(DEFAULT_SOURCES),
-                        help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths")
+                        help="comma-separated training texts: c4, gutenberg or .txt/.jsonl paths (a .jsonl: one "
+                             "{\"text\": ...} object a line)")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
     parser.add_argument("--seed", type=int, default=0, help="seeds the LoRA init and the data order")
     parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")

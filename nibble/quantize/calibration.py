@@ -27,23 +27,27 @@ DEFAULT_SOURCE = "c4"
 _FORBIDDEN = ("wiki.test", "wikitext2")
 
 
+# What a calibration text of the user's own must hold (said where one does not)
+OWN_TEXT = ('a calibration text of your own is a .txt file of UTF-8 text, or a .jsonl file of one JSON object a line '
+            'with its text as a string in a "text" field: {"text": "..."}')
+
+
 def calibration_text(source: str = DEFAULT_SOURCE) -> str:
     """The raw calibration text: ``"c4"``, ``"gutenberg"`` or a path to a .txt / .jsonl (``{"text": ...}`` per line)."""
+    from nibble.eval.data import COPY_AGAIN, data_file, parsing, read_jsonl
     if source in SOURCES:
-        from nibble.eval.data import data_file
-        path = data_file(SOURCES[source])
+        path, fix = data_file(SOURCES[source]), COPY_AGAIN
     else:
         source_data_files([source])  # refuses a path that is no file
-        path = Path(source).expanduser()
+        path, fix = Path(source).expanduser(), OWN_TEXT  # the shared folder's copies are no help with it
     if any(f in str(path).lower() for f in _FORBIDDEN):
         raise ValueError(f"refusing to calibrate on {path}: WikiText-2 test is the evaluation set, calibrating on it "
                          "would inflate every perplexity we report. Use source='c4' or 'gutenberg'.")
-    from nibble.eval.data import parsing, read_jsonl
     if path.suffix == ".jsonl":
-        records = read_jsonl(path)
-        with parsing(path):
+        records = read_jsonl(path, fix, fields=("text",))
+        with parsing(path, fix):
             return "\n\n".join(r["text"] for r in records)
-    with parsing(path):
+    with parsing(path, fix):
         return path.read_text(encoding="utf-8")
 
 

@@ -228,13 +228,17 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
     assert "perplexity" in json.loads((tmp_path / "report.json").read_text())["configs"]["bf16"]
     loader.calls = -5  # no failure
     assert main(argv) == 0
+    def failing():
+        raise RuntimeError("boom")
+    monkeypatch.setattr(report, "_default_loader", lambda *a: failing)  # every config fails: no others in report.md
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip().endswith(f"2 configs failed (every one; {tmp_path / 'report.md'} says so): "
+                                                    "bf16: RuntimeError: boom; w4a16: RuntimeError: boom")
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be >= 1"),
                                              (dict(batch_size=0), "batch_size must be >= 1"),
-                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2"),
-                                             (dict(ppl_max_tokens=100, ppl_seq_len=256),
-                                              "ppl_max_tokens 100 is fewer tokens than one window of ppl_seq_len 256")])
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2")])
 def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -265,6 +269,26 @@ def test_a_config_the_model_cannot_take_is_refused_before_any_config_runs(tmp_pa
     report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False, loader=loader,
                       log=lambda *_: None)
     assert loader.calls == 2  # the model loaded for the checks is the first config's
+
+
+def test_a_loaders_model_has_its_window_checked_against_its_context_once_loaded(tmp_path, monkeypatch):
+    """run_report cannot read a loader's model's context before it loads: a window longer than it is clamped and
+    scored, as the perplexity does (it was refused before the load), and a cut too short even for the clamped window
+    is refused once the model is loaded, before the quantization."""
+    def short_context():
+        torch.manual_seed(0)
+        return tiny_model(max_position_embeddings=64), ByteTokenizer()
+
+    run = dict(configs=("w4a16",), tasks=("boolq",), tasks_limit=1, ppl_seq_len=128, loader=short_context,
+               speed=False, progress=False, log=lambda *_: None)
+    with pytest.warns(UserWarning, match="seq_len=128 exceeds the model's context"):
+        ppl = report.run_report(None, tmp_path, ppl_max_tokens=100, **run)["configs"]["w4a16"]["perplexity"]
+    assert (ppl["seq_len"], ppl["windows"]) == (64, 1)
+    monkeypatch.setattr(report.speed_mod, "quantize_in_place", lambda *a: pytest.fail("quantized before the check"))
+    error = report.run_report(None, tmp_path, ppl_max_tokens=50, **run)["configs"]["w4a16"]["error"]
+    assert error == ("ValueError: ppl_max_tokens 50 is fewer tokens than one window of ppl_seq_len 128 (clamped to the "
+                     "model's context, 64): no window would be scored; give ppl_max_tokens >= 64, or a shorter "
+                     "ppl_seq_len")
 
 
 def fake_speed_rows(config: str, prefill_ms: dict, decode_tps: dict) -> list[dict]:
@@ -391,12 +415,28 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     (["--no-model", "--no-speed"], "leaves nothing to measure"),
     (["--no-accuracy", "--limit", "3", "--tasks", "piqa"], "--limit and --tasks set the accuracy runs that "
                                                            "--no-accuracy skips"),
-    (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips")])
+    (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips"),
+    # by the options' names: run_report's named its parameters ("tasks_limit must be >= 1" for --limit 0)
+    (["--limit", "0"], "--limit must be >= 1, got 0"), (["--speed-rounds", "0"], "--speed-rounds must be >= 1"),
+    (["--ppl-seq-len", "1"], "--ppl-seq-len must be >= 2"), (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--model", "{out}", "--ppl-seq-len", "64", "--ppl-max-tokens", "32"], "--ppl-max-tokens 32 is fewer tokens than "
+                                                                            "one window of --ppl-seq-len 64")])
 def test_report_refuses_options_it_would_ignore(flags, message, monkeypatch, tmp_path):
     monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran with options it ignores"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU's refusals; without one, the next test
-    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path)] + flags)
+    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(
+        ["--out", str(tmp_path)] + [f.format(out=tmp_path) for f in flags])
     with pytest.raises(ValueError, match=message):
+        report.report_main(args)
+
+
+def test_report_refuses_a_quantized_model_before_any_config_runs(monkeypatch, tmp_path):
+    """Every config failed to load it as a 16-bit model, one after another, each told to use nibble.load_quantized."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "nibble"}}))
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran on a quantized model"))
+    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--model", str(tmp_path)])
+    with pytest.raises(ValueError, match=f"{tmp_path} is already quantized, and the report quantizes a 16-bit model "
+                                         f"each config's way: .* `nibble eval ppl --model {tmp_path}`"):
         report.report_main(args)
 
 

@@ -617,7 +617,7 @@ def test_a_quantized_lm_head_is_not_tied_to_the_embedding(tmp_path):
 def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_loads(tmp_path, method_named):
     """AutoGPTQ before 0.5 wrote its settings to quantize_config.json only (before 0.4 without quant_method): the
     importer reads that file, but load_quantized and the CLI refused the folder as "not a quantized model"."""
-    from nibble.cli import _quantized_checkpoint
+    from nibble.cli import quantized_checkpoint
     model, path = _export(tmp_path, fmt="gptq")
     config = json.loads((path / "config.json").read_text())
     settings = config.pop("quantization_config")
@@ -627,7 +627,7 @@ def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_
     (path / "quantize_config.json").write_text(json.dumps(settings))
     save_file(load_file(path / "model.safetensors"), path / "model.safetensors", metadata={"format": "pt"})
     loaded, _ = load_quantized(path)
-    assert _quantized_checkpoint(str(path))
+    assert quantized_checkpoint(str(path))
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         want = model(ids).logits

@@ -287,3 +287,21 @@ def test_a_float_folders_damaged_config_or_index_is_named(tmp_path, file, text, 
     (tmp_path / file).write_text(text)
     with pytest.raises(ValueError, match=message):
         load_model(tmp_path)
+
+
+def test_the_context_is_read_from_the_config_alone_as_the_loaders_build_it(tmp_path, monkeypatch):
+    """`nibble eval ppl` checks its window against the context the model will have (it clamps a longer one) before
+    the weights load: config.json's, transformers' default where config.json leaves it out, a GGUF's metadata."""
+    from nibble.models.loading import model_context
+
+    tiny_model(max_position_embeddings=48).save_pretrained(tmp_path / "hf")
+    save_quantized(quantize_model(tiny_model(max_position_embeddings=40), QuantConfig(group_size=32)), tmp_path / "q")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(loading, "_load_hf_dir", lambda *a: pytest.fail("loaded the weights"))
+    assert model_context(tmp_path / "hf") == 48 and model_context(str(tmp_path / "q")) == 40
+    assert model_context(tmp_path / "bare") == AutoConfig.for_model("llama").max_position_embeddings
+    assert model_context(None) == 8192  # the default SmolLM2's GGUF metadata
+    assert model_context(tmp_path / "nowhere") is None and model_context(tmp_path) is None  # the load says why

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -31,6 +32,27 @@ def test_jsonl_file_source_and_too_short_text_names_the_minimum(tmp_path):
     assert calibration_batches(ByteTokenizer(), n_samples=2, seq_len=128, source=str(path)).shape == (2, 128)
     with pytest.raises(ValueError, match=r"has 304 tokens.*at least 512 tokens"):
         calibration_batches(ByteTokenizer(), n_samples=4, seq_len=128, source=str(path))
+
+
+@pytest.mark.parametrize("name, content, what", [
+    ("own.jsonl", '{"text": "a"}\n\n{"content": "b"}\n', r'own\.jsonl, line 3: no "text" field \(its fields are '
+                                                         r'"content"\)'),
+    ("own.jsonl", '["a"]\n', r'own\.jsonl, line 1: no "text" field \(it is \["a"\], not an object\)'),
+    ("own.jsonl", '{"text": 3}\n', r"own\.jsonl: not in the format nibble reads \(TypeError: .*\)"),
+    ("own.txt", b"\xff\xfe", r"own\.txt: not in the format nibble reads \(UnicodeDecodeError: .*\)")])
+def test_a_text_of_the_users_own_not_in_the_format_is_told_what_it_must_hold(tmp_path, name, content, what):
+    """It was told to copy the file again from the shared data folder, which holds no copy of the user's own."""
+    from nibble.eval.data import DataFormatError
+    from nibble.quantize.calibration import calibration_text
+
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DataFormatError) as error:
+        calibration_text(str(path))
+    assert re.match(f"{re.escape(str(tmp_path))}/{what}; a calibration text of your own is a .txt file of UTF-8 "
+                    r'text, or a \.jsonl file of one JSON object a line with its text as a string in a "text" field: '
+                    r'\{"text": "\.\.\."\}$', str(error.value)), str(error.value)
+    assert "shared data" not in str(error.value)
 
 
 def test_wikitext2_test_is_refused_for_calibration(tmp_path):
