@@ -63,7 +63,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from nibble.config import check_count, resolve_device
-from nibble.models.convert import own_config
+from nibble.models.convert import own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -136,19 +136,26 @@ def check_model(model: nn.Module) -> None:
     check_not_quantized(model, "PE-QAT")
 
 
+# Why a PE-QAT model saves only through nibble: what it trained is more than its LoRA weights, and every way of saving
+# less loaded back elsewhere as another function without a word (a Hadamard run's adapter, on the unrotated model
+# by peft's PeftModel.from_pretrained: the test's tiny Llama's logits 2.0 apart at 3.6 the largest).
+SAVE_REFUSED = (
+    "a PE-QAT model is not its LoRA adapter nor its merged 16-bit weights: the adapters were trained merged into the "
+    "weights before fake quantization, on the model as the recipe prepared it (hadamard: rotated, RMSNorm folded, an "
+    "online Hadamard before down_proj; the clip ratios it fixed or learned; init='gptq': GPTQ's start weights), and "
+    "peft's PeftModel.from_pretrained onto the 16-bit model, or transformers' from_pretrained of the merged one, runs "
+    "none of that. Keep what nibble reads back: nibble.qat.train.export(model, directory, tokenizer) writes the "
+    "deployable W4A4 model (nibble.load_quantized), and run_qat(out_dir=...) / nibble qat --out keep the state "
+    "(qat-state/state.pt) from which run_qat with the same arguments and resume=True rebuilds this model")
+
+
 class QatPeftModel(PeftModel):
-    """The PeftModel PE-QAT trains. peft's ``save_pretrained`` writes the LoRA weights only: a recipe that also
-    learns quantizer parameters (per-token: clip ratios; per-channel: clips and smoothing) would come back from
-    ``PeftModel.from_pretrained`` without them (SmolLM2-sized logits 0.4 apart), so it is refused there with what
-    keeps them. ``merge_and_unload`` works (`FakeQuantLoraLinear.merge`)."""
+    """The PeftModel PE-QAT trains. Its ``save_pretrained`` is refused (`SAVE_REFUSED`): peft writes the LoRA weights
+    alone, which no loader but PE-QAT's own preparation runs as trained (the model it prepared refuses
+    ``save_pretrained`` too, for its ``merge_and_unload``). ``merge_and_unload`` works (`FakeQuantLoraLinear.merge`)."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        learned = [n for n, p in self.named_parameters() if p.requires_grad and ".lora_" not in n]
-        if learned:
-            raise ValueError(f"a peft adapter holds LoRA weights only, not the {len(learned)} quantizer parameters "
-                             f"this recipe learns (e.g. {learned[0]}): run_qat(out_dir=...) / nibble qat --out keep "
-                             "them (qat-state, resumable), and nibble.qat.export writes the deployable W4A4 model")
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        raise ValueError(SAVE_REFUSED)
 
     def merge_and_unload(self, *args, **kwargs) -> nn.Module:
         """peft's, keeping the run's description (`export` records the recipe and rotation from it)."""
@@ -203,6 +210,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     # on the base model, which the rotation changed: `export` of either model records it (the PeftModel's
     # attribute lookups fall through to it)
     model.qat_meta = meta
+    refuse_save_pretrained(model, SAVE_REFUSED)  # `export` marks what it makes as a quantized model's save instead
     return peft_model
 
 
@@ -397,8 +405,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload``
-    gives the trained fake-quant model; its ``save_pretrained`` refuses a recipe that learns quantizer parameters,
-    `QatPeftModel`).
+    gives the trained fake-quant model; ``save_pretrained`` of either is refused, `SAVE_REFUSED`). With ``out_dir``,
+    a finished run called again with the same arguments and ``resume=True`` trains nothing and returns the trained
+    model: how it is loaded back.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")

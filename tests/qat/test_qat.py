@@ -1,5 +1,7 @@
 """PE-QAT on a tiny random Llama (CPU): fake quant = deployment numerics, training lowers the loss,
 export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
+import copy
+
 import pytest
 import torch
 
@@ -106,7 +108,6 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     ids = windows[:2]
     with torch.no_grad():
         fake = qat(input_ids=ids).logits
-    import copy
     via_base = export(copy.deepcopy(qat).get_base_model())  # recorded rotation none for the hadamard recipe
     qmodel = export(qat, tmp_path, tokenizer=None)
     assert via_base.config.quantization_config == qmodel.config.quantization_config
@@ -176,8 +177,6 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
 
 
 def test_gptq_start_is_exactly_the_rotated_gptq_model_and_the_teacher_stays_16_bit():
-    import copy
-
     from nibble.config import QuantConfig
     from nibble.models.convert import quantize_model
     from nibble.models.rotation import rotate_model
@@ -274,8 +273,7 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
 @pytest.mark.parametrize("init", ["rtn", "gptq"])
 def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
     """merge_and_unload: a GPTQ-started layer quantizes its start weight, so peft's merge into `weight` dropped the
-    adapters without a word; save_pretrained: an adapter holds no learned clip ratios (loaded back 0.4 apart)."""
-    import copy
+    adapters without a word."""
     windows = _windows()
     kw = dict(init="gptq", calibration=_windows(n=6, seed=2)) if init == "gptq" else {}
     qat = _train("per-token", 3, windows, **kw)
@@ -299,8 +297,24 @@ def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
         exported = export(copy.deepcopy(qat))
         set_backend(exported, "reference")
         assert (exported(ids).logits - trained).abs().max() / trained.abs().max() < 1e-4
-    with pytest.raises(ValueError, match=r"not the 14 quantizer parameters this recipe learns .*nibble\.qat\.export"):
-        qat.save_pretrained(tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("recipe, init", [("hadamard", "rtn"), ("hadamard", "gptq"), ("per-token", "rtn")])
+def test_a_trained_model_saves_and_loads_through_nibble_only(recipe, init, tmp_path):
+    """A Hadamard run's adapter saved (peft's save_pretrained) and loaded by peft's PeftModel.from_pretrained onto the
+    16-bit model ran unrotated, without fake quantization or GPTQ's start: logits 2.0 apart, without a word. Refused,
+    as the merged model's save; the run's state, resumed with the same arguments, is the model it trained."""
+    windows = _windows()
+    kw = dict(init="gptq", calibration=_windows(n=6, seed=2)) if init == "gptq" else {}
+    qat = _train(recipe, 3, windows, out_dir=tmp_path / "run", **kw)
+    for model in (qat, qat.get_base_model(), copy.deepcopy(qat).merge_and_unload()):
+        with pytest.raises(ValueError, match="^a PE-QAT model is not its LoRA adapter .* resume=True rebuilds"):
+            model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    loaded = _train(recipe, 3, windows, out_dir=tmp_path / "run", resume=True, **kw)
+    assert loaded.qat_meta["tokens_this_run"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=windows).logits, qat(input_ids=windows).logits, rtol=0, atol=0)
 
 
 def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates(tmp_path, monkeypatch):
@@ -436,8 +450,6 @@ def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkey
 def test_the_loop_trains_against_the_16_bit_model(monkeypatch):
     """The teacher the loop runs, not one the test builds: the adapters and fake quant off, through the rotation, after
     the adapters have trained (a teacher that kept them, or its quantization, passed every test)."""
-    import copy
-
     import nibble.qat.train as train
     seen, loss = [], train.qat_loss
     monkeypatch.setattr(train, "qat_loss", lambda logits, ids, teacher, objective: seen.append((ids, teacher))
