@@ -43,7 +43,9 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     """Turn the PeftModel from `run_qat` into a plain HF model with QuantLinear "w4a4" layers.
 
     The QAT model is consumed (its layers are replaced in place). With ``out_dir`` the result is also
-    written by `save_quantized` (with ``tokenizer`` if given). Returns the quantized model, eval mode.
+    written by `save_quantized` (with ``tokenizer`` if given). Returns the quantized model, eval mode. Its
+    ``quantization_config`` is that of the model the training started from (``method`` the run's ``init``, with
+    the clip search rtn's start ran; ``rotation``), and under ``"qat"`` the run's settings and losses.
     """
     meta = dict(getattr(model, "qat_meta", {}) or {})
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -61,7 +63,10 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     for p in base.parameters():
         p.requires_grad_(False)
     rotation = "hadamard" if meta.get("recipe") == "hadamard" else "none"
-    qc = QuantConfig(mode="w4a4", rotation=rotation, rotation_seed=meta.get("rotation_seed", 0), clip_search=False)
+    # the post-training quantization the weights started from, as quantize_model records it (step 0 is that model:
+    # `init` rtn with its clip search, or gptq); "qat" below records the training that moved them on
+    qc = QuantConfig(mode="w4a4", method=meta.get("init", "rtn"), rotation=rotation,
+                     rotation_seed=meta.get("rotation_seed", 0))
     # the run's settings and losses, not its wall-clock time: the same run exports the same config.json
     recorded = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list)) and k != "seconds_this_run"}
     mark_quantized(base, {**qc.to_dict(), "qat": recorded})

@@ -112,6 +112,7 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     qmodel = export(qat, tmp_path, tokenizer=None)
     assert via_base.config.quantization_config == qmodel.config.quantization_config
     assert qmodel.config.quantization_config["rotation"] == ("hadamard" if recipe == "hadamard" else "none")
+    assert qmodel.config.quantization_config["method"] == "rtn" and qmodel.config.quantization_config["clip_search"]
     assert qmodel.config.quantization_config["qat"]["final_loss"] is not None
     layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
@@ -221,6 +222,9 @@ def test_gptq_start_trains_and_exports_the_weights_it_trained(tmp_path):
     with torch.no_grad():
         real = loaded(ids).logits
     assert (real - fake).abs().max() / fake.abs().max() < 1e-4
+    # the PTQ it started from: it recorded method rtn (and no clip search, which rtn's start runs)
+    assert {k: loaded.config.quantization_config[k] for k in ("method", "clip_search")} == dict(method="gptq",
+                                                                                               clip_search=True)
     assert loaded.config.quantization_config["qat"]["init"] == "gptq"
     assert "seconds_this_run" not in loaded.config.quantization_config["qat"]  # the same run, the same config.json
 
