@@ -37,7 +37,7 @@ model with the adapters and fake quantization switched off, one extra no-grad fo
 
 Training: AdamW, linear warm-up then cosine decay to 0, gradient clipping at 1, bf16 autocast on
 CUDA (master weights and the quantization grid stay float32), gradient checkpointing, a tqdm bar
-with the loss. Every ``save_every`` steps (and at the end) the trainable state (LoRA, clip and
+with the step's loss and the mean of the last `FINAL_LOSS_STEPS`. Every ``save_every`` steps (and at the end) the trainable state (LoRA, clip and
 smoothing parameters), the optimizer, the scheduler and the step go atomically to
 ``out_dir/qat-state/state.pt``, with the run's settings: the 16-bit model and the token ids it trains on and
 calibrates with among them (`model_record`, `token_record`; the export records them too). ``resume=True`` rebuilds
@@ -47,11 +47,13 @@ uninterrupted one would have.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import numbers
 import os
 import pickle
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -70,6 +72,9 @@ from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_qua
 
 STATE_DIR = "qat-state"
 STATE_FILE = "state.pt"
+# The run's ``final_loss`` is the mean loss of its last FINAL_LOSS_STEPS steps (all of a shorter run's), recorded
+# with ``final_loss_steps``, how many it averaged: one step's loss is one batch's, noisy with the batch.
+FINAL_LOSS_STEPS = 10
 
 # Recipe -> how each FakeQuantLinear is built.
 _LAYER_KWARGS = {
@@ -326,7 +331,8 @@ def state_path(out_dir) -> Path:
 
 def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
     """Atomic: written to a temp file, fsynced, renamed; a kill mid-write leaves the previous state. ``losses``
-    (the run's first loss and its running average) go with it, so a resumed run records the whole run's."""
+    (the run's first loss and its last `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole
+    run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"step": step, "settings": settings, "trainable": _trainable_state(model),
@@ -404,7 +410,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
-    with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload``
+    with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
+    ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload``
     gives the trained fake-quant model; ``save_pretrained`` of either is refused, `SAVE_REFUSED`). With ``out_dir``,
     a finished run called again with the same arguments and ``resume=True`` trains nothing and returns the trained
     model: how it is loaded back.
@@ -484,7 +491,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     peft_model.train()
     n_tok = 0
     t0 = time.time()
-    first_loss, loss_ema = losses.get("first"), losses.get("average")
+    # a state written before the last losses were kept holds a running average instead, not taken as theirs
+    first_loss, recent = losses.get("first"), collections.deque(losses.get("recent", ()), maxlen=FINAL_LOSS_STEPS)
     bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
                unit="step")
     for step in bar:
@@ -509,14 +517,15 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         if not (math.isfinite(value) and bool(updated_finite.all())):
             what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
             raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
-        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+        recent.append(value)
         first_loss = value if first_loss is None else first_loss
         n_tok += ids.numel()
-        bar.set_postfix(loss=f"{value:.4f}", avg=f"{loss_ema:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        bar.set_postfix({"loss": f"{value:.4f}", f"last{FINAL_LOSS_STEPS}": f"{statistics.fmean(recent):.4f}",
+                         "lr": f"{scheduler.get_last_lr()[0]:.2e}"})
         done = step + 1
         if path is not None and (done % save_every == 0 or done == steps):
             save_state(path, peft_model, optimizer, scheduler, done, settings,
-                       losses={"first": first_loss, "average": loss_ema})
+                       losses={"first": first_loss, "recent": list(recent)})
         if callback is not None:
             callback(done, value)
     bar.close()
@@ -525,5 +534,6 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     peft_model.eval()
     peft_model.get_base_model().qat_meta = dict(
         settings, tokens_this_run=n_tok, seconds_this_run=round(time.time() - t0, 1),
-        tokens_total=steps * batch_size * seq_len, first_loss=first_loss, final_loss=loss_ema)
+        tokens_total=steps * batch_size * seq_len, first_loss=first_loss,
+        final_loss=statistics.fmean(recent) if recent else None, final_loss_steps=len(recent))
     return peft_model

@@ -1,6 +1,7 @@
 """PE-QAT on a tiny random Llama (CPU): fake quant = deployment numerics, training lowers the loss,
 export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
 import copy
+import statistics
 
 import pytest
 import torch
@@ -92,6 +93,18 @@ def test_training_lowers_the_loss_on_a_fixed_batch():
     assert losses[-1] < 0.85 * losses[0], losses
 
 
+def test_final_loss_is_the_mean_of_the_last_steps_losses():
+    """It was a running average (exponential, decay 0.9) over the whole run, which the name did not say."""
+    from nibble.qat.train import FINAL_LOSS_STEPS
+    for steps in (FINAL_LOSS_STEPS + 2, 3):
+        losses = []
+        meta = _train("per-token", steps, _windows(), batch_size=2, callback=lambda step, loss: losses.append(loss)
+                      ).qat_meta
+        window = min(steps, FINAL_LOSS_STEPS)
+        assert meta["final_loss"] == statistics.fmean(losses[-window:]) and meta["final_loss_steps"] == window
+        assert meta["first_loss"] == losses[0]
+
+
 def test_training_leaves_another_model_of_the_same_config_object_as_it_was():
     """run_qat turns the model's KV cache off in its config, which every model built from that object shared."""
     model = _model()
@@ -163,7 +176,7 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     assert want.keys() == got.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
-    # the record is the whole run's: the first loss of step 1, the running average through step 4
+    # the record is the whole run's: the first loss of step 1, the mean of steps 1 to 4
     for key in ("first_loss", "final_loss"):
         assert resumed.qat_meta[key] == pytest.approx(straight.qat_meta[key], rel=1e-5), key
     again = _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw)  # finished: trains nothing
