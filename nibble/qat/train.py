@@ -37,8 +37,8 @@ model with the adapters and fake quantization switched off, one extra no-grad fo
 
 Training: AdamW, linear warm-up then cosine decay to 0, gradient clipping at 1, bf16 autocast on
 CUDA (master weights and the quantization grid stay float32), gradient checkpointing, a tqdm bar
-with the step's loss and the mean of the last `FINAL_LOSS_STEPS`. Every ``save_every`` steps (and at the end) the trainable state (LoRA, clip and
-smoothing parameters), the optimizer, the scheduler and the step go atomically to
+with the step's loss and the mean of the last `FINAL_LOSS_STEPS`. Every ``save_every`` steps (and at the end)
+the trainable state (LoRA, clip and smoothing parameters), the optimizer, the scheduler and the step go atomically to
 ``out_dir/qat-state/state.pt``, with the run's settings: the 16-bit model and the token ids it trains on and
 calibrates with among them (`model_record`, `token_record`; the export records them too). ``resume=True`` rebuilds
 the same model and continues from it, or refuses, before the model is prepared, a run of other settings.
@@ -389,6 +389,25 @@ def restore_state(state: dict, path: Path, model, optimizer, scheduler) -> tuple
 # Training
 # ----------------------------------------------------------------------------------------------
 
+class QatInterrupted(KeyboardInterrupt):
+    """Ctrl-C in `run_qat`, saying which state it leaves: ``saved_step`` is the step of the state at ``path`` that this
+    run wrote or resumed from (None: none yet; an earlier run's state may be there, which this run cannot tell on)."""
+
+    def __init__(self, path: Path | None, saved_step: int | None, first_save: int):
+        self.path, self.saved_step = path, saved_step
+        if path is None:
+            kept = "nothing is kept (no out_dir)"
+        elif saved_step is not None:
+            kept = (f"{path} holds this run at step {saved_step}: run it again with resume=True (nibble qat: the same "
+                    "command with --resume) to go on from there")
+        else:
+            kept = f"this run saved no state yet (its first at step {first_save})"
+            if path.exists():  # written by another run, with settings this one may not share
+                kept += (f"; {path} is an earlier run's, left as it is (resume=True / --resume goes on from it with "
+                         "that run's settings only)")
+        super().__init__(f"PE-QAT interrupted; {kept}")
+
+
 def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -411,8 +430,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
-    ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload``
-    gives the trained fake-quant model; ``save_pretrained`` of either is refused, `SAVE_REFUSED`). With ``out_dir``,
+    ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
+    run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant
+    model; ``save_pretrained`` of either is refused, `SAVE_REFUSED`). With ``out_dir``,
     a finished run called again with the same arguments and ``resume=True`` trains nothing and returns the trained
     model: how it is loaded back.
     """
@@ -470,64 +490,70 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             state = read_state(path, settings)
         else:
             warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
-    torch.manual_seed(seed)
-    model = model.to(device=device, dtype=torch.float32)
-    own_config(model)  # another model built from the same config object keeps its cache
-    model.config.use_cache = False
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
-    warmup = max(1, steps // 20) if warmup is None else warmup
-    optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
-    start, losses = 0, {}
-    if state is not None:
-        start, losses = restore_state(state, path, peft_model, optimizer, scheduler)
-        # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run):
-        # set this schedule's for the step to come (the same where steps did not change)
-        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
-            group["lr"] = base * lr_factor(start, steps, warmup)
+    saved_step = None if state is None else state["step"]  # of the state on disk this run can go on from
+    try:
+        torch.manual_seed(seed)
+        model = model.to(device=device, dtype=torch.float32)
+        own_config(model)  # another model built from the same config object keeps its cache
+        model.config.use_cache = False
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
+        warmup = max(1, steps // 20) if warmup is None else warmup
+        optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
+        start, losses = 0, {}
+        if state is not None:
+            start, losses = restore_state(state, path, peft_model, optimizer, scheduler)
+            # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run):
+            # set this schedule's for the step to come (the same where steps did not change)
+            for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+                group["lr"] = base * lr_factor(start, steps, warmup)
 
-    peft_model.train()
-    n_tok = 0
-    t0 = time.time()
-    # a state written before the last losses were kept holds a running average instead, not taken as theirs
-    first_loss, recent = losses.get("first"), collections.deque(losses.get("recent", ()), maxlen=FINAL_LOSS_STEPS)
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
-               unit="step")
-    for step in bar:
-        ids = windows[batch_indices(step, batch_size, windows.shape[0], seed)].to(device)
-        teacher = None
-        if objective != "ce":
-            with torch.no_grad(), peft_model.disable_adapter(), quantization_disabled(peft_model), _autocast(device):
-                teacher = peft_model(input_ids=ids, use_cache=False).logits
-        with _autocast(device):
-            logits = peft_model(input_ids=ids, use_cache=False).logits
-        loss = qat_loss(logits, ids, teacher, objective)
-        del logits, teacher
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        # the parameters as this step left them, not only the loss computed before it: a last step's NaN update
-        # was exported as an all-NaN model (one sync a step, with the loss's)
-        updated_finite = torch.stack([torch.isfinite(p).all() for g in optimizer.param_groups for p in g["params"]])
-        value = loss.item()
-        if not (math.isfinite(value) and bool(updated_finite.all())):
-            what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
-            raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
-        recent.append(value)
-        first_loss = value if first_loss is None else first_loss
-        n_tok += ids.numel()
-        bar.set_postfix({"loss": f"{value:.4f}", f"last{FINAL_LOSS_STEPS}": f"{statistics.fmean(recent):.4f}",
-                         "lr": f"{scheduler.get_last_lr()[0]:.2e}"})
-        done = step + 1
-        if path is not None and (done % save_every == 0 or done == steps):
-            save_state(path, peft_model, optimizer, scheduler, done, settings,
-                       losses={"first": first_loss, "recent": list(recent)})
-        if callback is not None:
-            callback(done, value)
+        peft_model.train()
+        n_tok = 0
+        t0 = time.time()
+        # a state written before the last losses were kept holds a running average instead, not taken as theirs
+        first_loss, recent = losses.get("first"), collections.deque(losses.get("recent", ()), maxlen=FINAL_LOSS_STEPS)
+        bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
+                   unit="step")
+        for step in bar:
+            ids = windows[batch_indices(step, batch_size, windows.shape[0], seed)].to(device)
+            teacher = None
+            if objective != "ce":
+                with (torch.no_grad(), peft_model.disable_adapter(), quantization_disabled(peft_model),
+                      _autocast(device)):
+                    teacher = peft_model(input_ids=ids, use_cache=False).logits
+            with _autocast(device):
+                logits = peft_model(input_ids=ids, use_cache=False).logits
+            loss = qat_loss(logits, ids, teacher, objective)
+            del logits, teacher
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            # the parameters as this step left them, not only the loss computed before it: a last step's NaN update
+            # was exported as an all-NaN model (one sync a step, with the loss's)
+            updated_finite = torch.stack([torch.isfinite(p).all() for g in optimizer.param_groups for p in g["params"]])
+            value = loss.item()
+            if not (math.isfinite(value) and bool(updated_finite.all())):
+                what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
+                raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
+            recent.append(value)
+            first_loss = value if first_loss is None else first_loss
+            n_tok += ids.numel()
+            bar.set_postfix({"loss": f"{value:.4f}", f"last{FINAL_LOSS_STEPS}": f"{statistics.fmean(recent):.4f}",
+                             "lr": f"{scheduler.get_last_lr()[0]:.2e}"})
+            done = step + 1
+            if path is not None and (done % save_every == 0 or done == steps):
+                save_state(path, peft_model, optimizer, scheduler, done, settings,
+                           losses={"first": first_loss, "recent": list(recent)})
+                saved_step = done
+            if callback is not None:
+                callback(done, value)
+    except KeyboardInterrupt:  # Ctrl-C: which state on disk is this run's, which the caller cannot tell
+        raise QatInterrupted(path, saved_step, min(save_every, steps)) from None
     bar.close()
     if gradient_checkpointing:
         peft_model.get_base_model().gradient_checkpointing_disable()

@@ -1,6 +1,7 @@
 """PE-QAT on a tiny random Llama (CPU): fake quant = deployment numerics, training lowers the loss,
 export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
 import copy
+import functools
 import statistics
 
 import pytest
@@ -548,3 +549,50 @@ def test_lora_alpha_is_twice_the_rank_unless_given(alpha, scaling):
     layers = [m for m in qat.modules() if isinstance(m, FakeQuantLoraLinear)]
     assert len(layers) == 14 and all(m.scaling["default"] == scaling for m in layers)
     assert qat.qat_meta["alpha"] == (8 if alpha is None else alpha)
+
+
+def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(monkeypatch, tmp_path):
+    """Ctrl-C named whatever state.pt held as the one --resume continues: an earlier run's, of other settings, too,
+    which --resume then refused."""
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+    real_run, ran = train.run_qat, []
+
+    def run_on_windows(*args, stop=None, **kwargs):  # the command's run, on test windows, Ctrl-C after step `stop`
+        def callback(step, loss):
+            ran.append(step)
+            if step == stop:
+                raise KeyboardInterrupt
+
+        return real_run(*args, **dict(kwargs, windows=_windows(), callback=callback, progress=False, warmup=1,
+                                      gradient_checkpointing=False))
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
+    out = tmp_path / "q"
+    command = ["qat", "--device", "cpu", "--steps", "4", "--seq-len", str(SEQ), "--batch-size", "2", "--save-every",
+               "2", "--out", str(out)]
+    monkeypatch.setattr(train, "run_qat", functools.partial(run_on_windows, stop=3))
+    with pytest.raises(SystemExit, match=rf"^nibble qat: PE-QAT interrupted; {state_path(out)} holds this run at "
+                                         r"step 2: run it again with resume=True \(nibble qat: the same command with "
+                                         r"--resume\) to go on from there$"):
+        main(command)
+    monkeypatch.setattr(train, "run_qat", run_on_windows)
+    ran.clear()
+    main(command + ["--resume"])  # as it says
+    assert ran == [3, 4] and (out / "model.safetensors").exists()
+    # another run into the same --out, stopped before its first save: the finished run's state is not its own
+    monkeypatch.setattr(train, "run_qat", functools.partial(run_on_windows, stop=1))
+    with pytest.raises(SystemExit, match=rf"^nibble qat: PE-QAT interrupted; this run saved no state yet \(its "
+                                         rf"first at step 2\); {state_path(out)} is an earlier run's, left as it is"):
+        main(command + ["--lr", "0.002"])
+    assert torch.load(state_path(out), weights_only=True)["step"] == 4
+    import nibble.qat.export as exporting
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exporting, "export", interrupted)  # was a traceback
+    with pytest.raises(SystemExit, match=rf"^nibble qat: interrupted while exporting; {state_path(out)} holds the "
+                                         "finished run: the same command with --resume exports it again"):
+        main(command + ["--resume"])
