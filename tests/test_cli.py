@@ -790,22 +790,6 @@ def test_a_qat_calibration_file_that_is_not_there_is_said_before_the_model_loads
         main(["qat", "--out", str(tmp_path / "q"), "--calib", ",", "--device", "cpu"])
 
 
-def test_a_qat_run_stopped_with_ctrl_c_says_what_it_kept_and_how_to_go_on(tmp_path, monkeypatch):
-    import nibble.models.loading as loading
-    import nibble.qat.train as train
-
-    def interrupted(*args, **kwargs):
-        train.state_path(tmp_path / "q").parent.mkdir(parents=True)
-        torch.save({"step": 50}, train.state_path(tmp_path / "q"))
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (tiny_model(), None))
-    monkeypatch.setattr(train, "run_qat", interrupted)
-    with pytest.raises(SystemExit, match=r"nibble qat: interrupted; the state of step 50 is in .*state.pt: the same "
-                                         "command with --resume continues from it"):
-        main(["qat", "--out", str(tmp_path / "q"), "--device", "cpu"])
-
-
 @pytest.mark.parametrize("command", [["generate", "hello"], ["eval", "ppl"]])
 def test_a_checkpoint_saved_without_a_tokenizer_is_refused_before_it_loads(tmp_path, command, monkeypatch):
     """save_quantized's tokenizer is optional: generate and eval failed on the first prompt with "'NoneType' object has

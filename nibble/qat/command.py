@@ -45,7 +45,7 @@ def add_qat_arguments(parser) -> None:
 def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
-        from nibble.qat.train import check_init, check_learning_rates, run_qat, state_path
+        from nibble.qat.train import QatInterrupted, check_init, check_learning_rates, run_qat, state_path
     from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
@@ -72,21 +72,22 @@ def qat_main(args) -> None:
     if args.init == "gptq" and sizes:
         from nibble.quantize.calibration import calibration_batches
         calibration = calibration_batches(tokenizer, **sizes)
-    try:
+    try:  # Ctrl-C: what is kept and how to go on, not a traceback
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
                         sources=sources, init=args.init, calibration=calibration)
-    except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
-        path = state_path(args.out)
-        kept = (f"the state of step {torch.load(path, map_location='cpu', weights_only=True)['step']} is in {path}: "
-                "the same command with --resume continues from it") if path.exists() else "no state was saved yet"
-        raise SystemExit(f"nibble qat: interrupted; {kept}") from None
+    except QatInterrupted as e:
+        raise SystemExit(f"nibble qat: {e}") from None
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")
         return
-    export(model, args.out, tokenizer)
+    try:
+        export(model, args.out, tokenizer)
+    except KeyboardInterrupt:
+        raise SystemExit(f"nibble qat: interrupted while exporting; {state_path(args.out)} holds the finished run: "
+                         "the same command with --resume exports it again, without training") from None
     print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
           f"{args.out}`)")
     if args.eval_ppl:

@@ -43,7 +43,9 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     """Turn the PeftModel from `run_qat` into a plain HF model with QuantLinear "w4a4" layers.
 
     The QAT model is consumed (its layers are replaced in place). With ``out_dir`` the result is also
-    written by `save_quantized` (with ``tokenizer`` if given). Returns the quantized model, eval mode.
+    written by `save_quantized` (with ``tokenizer`` if given). Returns the quantized model, eval mode. Its
+    ``quantization_config`` is that of the model the training started from (``method`` the run's ``init``, with
+    the clip search rtn's start ran; ``rotation``), and under ``"qat"`` the run's settings and losses.
     """
     meta = dict(getattr(model, "qat_meta", {}) or {})
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -60,8 +62,10 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
             delattr(base, attr)
     for p in base.parameters():
         p.requires_grad_(False)
-    # the rotation the model holds, the Hadamard recipe's or one made before PE-QAT (rotate_model, recorded on the model)
-    qc = rotation_recorded(base, QuantConfig(mode="w4a4", clip_search=False))
+    # the post-training quantization the weights started from, as quantize_model records it (step 0 is that model:
+    # `init` rtn with its clip search, or gptq), with the rotation the model holds, the Hadamard recipe's or one made
+    # before PE-QAT (rotate_model, recorded on the model); "qat" below records the training that moved them on
+    qc = rotation_recorded(base, QuantConfig(mode="w4a4", method=meta.get("init", "rtn")))
     # the run's settings and losses, not its wall-clock time: the same run exports the same config.json
     recorded = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list)) and k != "seconds_this_run"}
     mark_quantized(base, {**qc.to_dict(), "qat": recorded})

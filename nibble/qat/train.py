@@ -37,8 +37,8 @@ model with the adapters and fake quantization switched off, one extra no-grad fo
 
 Training: AdamW, linear warm-up then cosine decay to 0, gradient clipping at 1, bf16 autocast on
 CUDA (master weights and the quantization grid stay float32), gradient checkpointing, a tqdm bar
-with the loss. Every ``save_every`` steps (and at the end) the trainable state (LoRA, clip and
-smoothing parameters), the optimizer, the scheduler and the step go atomically to
+with the step's loss and the mean of the last `FINAL_LOSS_STEPS`. Every ``save_every`` steps (and at the end)
+the trainable state (LoRA, clip and smoothing parameters), the optimizer, the scheduler and the step go atomically to
 ``out_dir/qat-state/state.pt``, with the run's settings: the 16-bit model and the token ids it trains on and
 calibrates with among them (`model_record`, `token_record`; the export records them too). ``resume=True`` rebuilds
 the same model and continues from it, or refuses, before the model is prepared, a run of other settings.
@@ -47,11 +47,13 @@ uninterrupted one would have.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import numbers
 import os
 import pickle
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -63,13 +65,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from nibble.config import check_count, resolve_device
-from nibble.models.convert import own_config
+from nibble.models.convert import own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
 
 STATE_DIR = "qat-state"
 STATE_FILE = "state.pt"
+# The run's ``final_loss`` is the mean loss of its last FINAL_LOSS_STEPS steps (all of a shorter run's), recorded
+# with ``final_loss_steps``, how many it averaged: one step's loss is one batch's, noisy with the batch.
+FINAL_LOSS_STEPS = 10
 
 # Recipe -> how each FakeQuantLinear is built.
 _LAYER_KWARGS = {
@@ -136,19 +141,26 @@ def check_model(model: nn.Module) -> None:
     check_not_quantized(model, "PE-QAT")
 
 
+# Why a PE-QAT model saves only through nibble: what it trained is more than its LoRA weights, and every way of saving
+# less loaded back elsewhere as another function without a word (a Hadamard run's adapter, on the unrotated model
+# by peft's PeftModel.from_pretrained: the test's tiny Llama's logits 2.0 apart at 3.6 the largest).
+SAVE_REFUSED = (
+    "a PE-QAT model is not its LoRA adapter nor its merged 16-bit weights: the adapters were trained merged into the "
+    "weights before fake quantization, on the model as the recipe prepared it (hadamard: rotated, RMSNorm folded, an "
+    "online Hadamard before down_proj; the clip ratios it fixed or learned; init='gptq': GPTQ's start weights), and "
+    "peft's PeftModel.from_pretrained onto the 16-bit model, or transformers' from_pretrained of the merged one, runs "
+    "none of that. Keep what nibble reads back: nibble.qat.train.export(model, directory, tokenizer) writes the "
+    "deployable W4A4 model (nibble.load_quantized), and run_qat(out_dir=...) / nibble qat --out keep the state "
+    "(qat-state/state.pt) from which run_qat with the same arguments and resume=True rebuilds this model")
+
+
 class QatPeftModel(PeftModel):
-    """The PeftModel PE-QAT trains. peft's ``save_pretrained`` writes the LoRA weights only: a recipe that also
-    learns quantizer parameters (per-token: clip ratios; per-channel: clips and smoothing) would come back from
-    ``PeftModel.from_pretrained`` without them (SmolLM2-sized logits 0.4 apart), so it is refused there with what
-    keeps them. ``merge_and_unload`` works (`FakeQuantLoraLinear.merge`)."""
+    """The PeftModel PE-QAT trains. Its ``save_pretrained`` is refused (`SAVE_REFUSED`): peft writes the LoRA weights
+    alone, which no loader but PE-QAT's own preparation runs as trained (the model it prepared refuses
+    ``save_pretrained`` too, for its ``merge_and_unload``). ``merge_and_unload`` works (`FakeQuantLoraLinear.merge`)."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        learned = [n for n, p in self.named_parameters() if p.requires_grad and ".lora_" not in n]
-        if learned:
-            raise ValueError(f"a peft adapter holds LoRA weights only, not the {len(learned)} quantizer parameters "
-                             f"this recipe learns (e.g. {learned[0]}): run_qat(out_dir=...) / nibble qat --out keep "
-                             "them (qat-state, resumable), and nibble.qat.export writes the deployable W4A4 model")
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        raise ValueError(SAVE_REFUSED)
 
     def merge_and_unload(self, *args, **kwargs) -> nn.Module:
         """peft's, keeping the run's description (`export` records the recipe and rotation from it)."""
@@ -203,6 +215,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     # on the base model, which the rotation changed: `export` of either model records it (the PeftModel's
     # attribute lookups fall through to it)
     model.qat_meta = meta
+    refuse_save_pretrained(model, SAVE_REFUSED)  # `export` marks what it makes as a quantized model's save instead
     return peft_model
 
 
@@ -318,7 +331,8 @@ def state_path(out_dir) -> Path:
 
 def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
     """Atomic: written to a temp file, fsynced, renamed; a kill mid-write leaves the previous state. ``losses``
-    (the run's first loss and its running average) go with it, so a resumed run records the whole run's."""
+    (the run's first loss and its last `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole
+    run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"step": step, "settings": settings, "trainable": _trainable_state(model),
@@ -375,6 +389,25 @@ def restore_state(state: dict, path: Path, model, optimizer, scheduler) -> tuple
 # Training
 # ----------------------------------------------------------------------------------------------
 
+class QatInterrupted(KeyboardInterrupt):
+    """Ctrl-C in `run_qat`, saying which state it leaves: ``saved_step`` is the step of the state at ``path`` that this
+    run wrote or resumed from (None: none yet; an earlier run's state may be there, which this run cannot tell on)."""
+
+    def __init__(self, path: Path | None, saved_step: int | None, first_save: int):
+        self.path, self.saved_step = path, saved_step
+        if path is None:
+            kept = "nothing is kept (no out_dir)"
+        elif saved_step is not None:
+            kept = (f"{path} holds this run at step {saved_step}: run it again with resume=True (nibble qat: the same "
+                    "command with --resume) to go on from there")
+        else:
+            kept = f"this run saved no state yet (its first at step {first_save})"
+            if path.exists():  # written by another run, with settings this one may not share
+                kept += (f"; {path} is an earlier run's, left as it is (resume=True / --resume goes on from it with "
+                         "that run's settings only)")
+        super().__init__(f"PE-QAT interrupted; {kept}")
+
+
 def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -396,9 +429,12 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
-    with ``qat_meta`` describing the run; `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload``
-    gives the trained fake-quant model; its ``save_pretrained`` refuses a recipe that learns quantizer parameters,
-    `QatPeftModel`).
+    with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
+    ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
+    run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant
+    model; ``save_pretrained`` of either is refused, `SAVE_REFUSED`). With ``out_dir``,
+    a finished run called again with the same arguments and ``resume=True`` trains nothing and returns the trained
+    model: how it is loaded back.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -454,67 +490,76 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             state = read_state(path, settings)
         else:
             warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
-    torch.manual_seed(seed)
-    model = model.to(device=device, dtype=torch.float32)
-    own_config(model)  # another model built from the same config object keeps its cache
-    model.config.use_cache = False
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
-    warmup = max(1, steps // 20) if warmup is None else warmup
-    optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
-    start, losses = 0, {}
-    if state is not None:
-        start, losses = restore_state(state, path, peft_model, optimizer, scheduler)
-        # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run):
-        # set this schedule's for the step to come (the same where steps did not change)
-        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
-            group["lr"] = base * lr_factor(start, steps, warmup)
+    saved_step = None if state is None else state["step"]  # of the state on disk this run can go on from
+    try:
+        torch.manual_seed(seed)
+        model = model.to(device=device, dtype=torch.float32)
+        own_config(model)  # another model built from the same config object keeps its cache
+        model.config.use_cache = False
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
+        warmup = max(1, steps // 20) if warmup is None else warmup
+        optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
+        start, losses = 0, {}
+        if state is not None:
+            start, losses = restore_state(state, path, peft_model, optimizer, scheduler)
+            # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run):
+            # set this schedule's for the step to come (the same where steps did not change)
+            for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+                group["lr"] = base * lr_factor(start, steps, warmup)
 
-    peft_model.train()
-    n_tok = 0
-    t0 = time.time()
-    first_loss, loss_ema = losses.get("first"), losses.get("average")
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
-               unit="step")
-    for step in bar:
-        ids = windows[batch_indices(step, batch_size, windows.shape[0], seed)].to(device)
-        teacher = None
-        if objective != "ce":
-            with torch.no_grad(), peft_model.disable_adapter(), quantization_disabled(peft_model), _autocast(device):
-                teacher = peft_model(input_ids=ids, use_cache=False).logits
-        with _autocast(device):
-            logits = peft_model(input_ids=ids, use_cache=False).logits
-        loss = qat_loss(logits, ids, teacher, objective)
-        del logits, teacher
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        # the parameters as this step left them, not only the loss computed before it: a last step's NaN update
-        # was exported as an all-NaN model (one sync a step, with the loss's)
-        updated_finite = torch.stack([torch.isfinite(p).all() for g in optimizer.param_groups for p in g["params"]])
-        value = loss.item()
-        if not (math.isfinite(value) and bool(updated_finite.all())):
-            what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
-            raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
-        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
-        first_loss = value if first_loss is None else first_loss
-        n_tok += ids.numel()
-        bar.set_postfix(loss=f"{value:.4f}", avg=f"{loss_ema:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-        done = step + 1
-        if path is not None and (done % save_every == 0 or done == steps):
-            save_state(path, peft_model, optimizer, scheduler, done, settings,
-                       losses={"first": first_loss, "average": loss_ema})
-        if callback is not None:
-            callback(done, value)
+        peft_model.train()
+        n_tok = 0
+        t0 = time.time()
+        # a state written before the last losses were kept holds a running average instead, not taken as theirs
+        first_loss, recent = losses.get("first"), collections.deque(losses.get("recent", ()), maxlen=FINAL_LOSS_STEPS)
+        bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
+                   unit="step")
+        for step in bar:
+            ids = windows[batch_indices(step, batch_size, windows.shape[0], seed)].to(device)
+            teacher = None
+            if objective != "ce":
+                with (torch.no_grad(), peft_model.disable_adapter(), quantization_disabled(peft_model),
+                      _autocast(device)):
+                    teacher = peft_model(input_ids=ids, use_cache=False).logits
+            with _autocast(device):
+                logits = peft_model(input_ids=ids, use_cache=False).logits
+            loss = qat_loss(logits, ids, teacher, objective)
+            del logits, teacher
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            # the parameters as this step left them, not only the loss computed before it: a last step's NaN update
+            # was exported as an all-NaN model (one sync a step, with the loss's)
+            updated_finite = torch.stack([torch.isfinite(p).all() for g in optimizer.param_groups for p in g["params"]])
+            value = loss.item()
+            if not (math.isfinite(value) and bool(updated_finite.all())):
+                what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
+                raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
+            recent.append(value)
+            first_loss = value if first_loss is None else first_loss
+            n_tok += ids.numel()
+            bar.set_postfix({"loss": f"{value:.4f}", f"last{FINAL_LOSS_STEPS}": f"{statistics.fmean(recent):.4f}",
+                             "lr": f"{scheduler.get_last_lr()[0]:.2e}"})
+            done = step + 1
+            if path is not None and (done % save_every == 0 or done == steps):
+                save_state(path, peft_model, optimizer, scheduler, done, settings,
+                           losses={"first": first_loss, "recent": list(recent)})
+                saved_step = done
+            if callback is not None:
+                callback(done, value)
+    except KeyboardInterrupt:  # Ctrl-C: which state on disk is this run's, which the caller cannot tell
+        raise QatInterrupted(path, saved_step, min(save_every, steps)) from None
     bar.close()
     if gradient_checkpointing:
         peft_model.get_base_model().gradient_checkpointing_disable()
     peft_model.eval()
     peft_model.get_base_model().qat_meta = dict(
         settings, tokens_this_run=n_tok, seconds_this_run=round(time.time() - t0, 1),
-        tokens_total=steps * batch_size * seq_len, first_loss=first_loss, final_loss=loss_ema)
+        tokens_total=steps * batch_size * seq_len, first_loss=first_loss,
+        final_loss=statistics.fmean(recent) if recent else None, final_loss_steps=len(recent))
     return peft_model

@@ -1,5 +1,9 @@
 """PE-QAT on a tiny random Llama (CPU): fake quant = deployment numerics, training lowers the loss,
 export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
+import copy
+import functools
+import statistics
+
 import pytest
 import torch
 
@@ -90,6 +94,18 @@ def test_training_lowers_the_loss_on_a_fixed_batch():
     assert losses[-1] < 0.85 * losses[0], losses
 
 
+def test_final_loss_is_the_mean_of_the_last_steps_losses():
+    """It was a running average (exponential, decay 0.9) over the whole run, which the name did not say."""
+    from nibble.qat.train import FINAL_LOSS_STEPS
+    for steps in (FINAL_LOSS_STEPS + 2, 3):
+        losses = []
+        meta = _train("per-token", steps, _windows(), batch_size=2, callback=lambda step, loss: losses.append(loss)
+                      ).qat_meta
+        window = min(steps, FINAL_LOSS_STEPS)
+        assert meta["final_loss"] == statistics.fmean(losses[-window:]) and meta["final_loss_steps"] == window
+        assert meta["first_loss"] == losses[0]
+
+
 def test_training_leaves_another_model_of_the_same_config_object_as_it_was():
     """run_qat turns the model's KV cache off in its config, which every model built from that object shared."""
     model = _model()
@@ -106,11 +122,11 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     ids = windows[:2]
     with torch.no_grad():
         fake = qat(input_ids=ids).logits
-    import copy
     via_base = export(copy.deepcopy(qat).get_base_model())  # recorded rotation none for the hadamard recipe
     qmodel = export(qat, tmp_path, tokenizer=None)
     assert via_base.config.quantization_config == qmodel.config.quantization_config
     assert qmodel.config.quantization_config["rotation"] == ("hadamard" if recipe == "hadamard" else "none")
+    assert qmodel.config.quantization_config["method"] == "rtn" and qmodel.config.quantization_config["clip_search"]
     assert qmodel.config.quantization_config["qat"]["final_loss"] is not None
     layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
@@ -172,7 +188,7 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
     assert want.keys() == got.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
-    # the record is the whole run's: the first loss of step 1, the running average through step 4
+    # the record is the whole run's: the first loss of step 1, the mean of steps 1 to 4
     for key in ("first_loss", "final_loss"):
         assert resumed.qat_meta[key] == pytest.approx(straight.qat_meta[key], rel=1e-5), key
     again = _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw)  # finished: trains nothing
@@ -187,8 +203,6 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
 
 
 def test_gptq_start_is_exactly_the_rotated_gptq_model_and_the_teacher_stays_16_bit():
-    import copy
-
     from nibble.config import QuantConfig
     from nibble.models.convert import quantize_model
     from nibble.models.rotation import rotate_model
@@ -233,6 +247,9 @@ def test_gptq_start_trains_and_exports_the_weights_it_trained(tmp_path):
     with torch.no_grad():
         real = loaded(ids).logits
     assert (real - fake).abs().max() / fake.abs().max() < 1e-4
+    # the PTQ it started from: it recorded method rtn (and no clip search, which rtn's start runs)
+    assert {k: loaded.config.quantization_config[k] for k in ("method", "clip_search")} == dict(method="gptq",
+                                                                                               clip_search=True)
     assert loaded.config.quantization_config["qat"]["init"] == "gptq"
     assert "seconds_this_run" not in loaded.config.quantization_config["qat"]  # the same run, the same config.json
 
@@ -285,8 +302,7 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
 @pytest.mark.parametrize("init", ["rtn", "gptq"])
 def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
     """merge_and_unload: a GPTQ-started layer quantizes its start weight, so peft's merge into `weight` dropped the
-    adapters without a word; save_pretrained: an adapter holds no learned clip ratios (loaded back 0.4 apart)."""
-    import copy
+    adapters without a word."""
     windows = _windows()
     kw = dict(init="gptq", calibration=_windows(n=6, seed=2)) if init == "gptq" else {}
     qat = _train("per-token", 3, windows, **kw)
@@ -310,8 +326,24 @@ def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
         exported = export(copy.deepcopy(qat))
         set_backend(exported, "reference")
         assert (exported(ids).logits - trained).abs().max() / trained.abs().max() < 1e-4
-    with pytest.raises(ValueError, match=r"not the 14 quantizer parameters this recipe learns .*nibble\.qat\.export"):
-        qat.save_pretrained(tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("recipe, init", [("hadamard", "rtn"), ("hadamard", "gptq"), ("per-token", "rtn")])
+def test_a_trained_model_saves_and_loads_through_nibble_only(recipe, init, tmp_path):
+    """A Hadamard run's adapter saved (peft's save_pretrained) and loaded by peft's PeftModel.from_pretrained onto the
+    16-bit model ran unrotated, without fake quantization or GPTQ's start: logits 2.0 apart, without a word. Refused,
+    as the merged model's save; the run's state, resumed with the same arguments, is the model it trained."""
+    windows = _windows()
+    kw = dict(init="gptq", calibration=_windows(n=6, seed=2)) if init == "gptq" else {}
+    qat = _train(recipe, 3, windows, out_dir=tmp_path / "run", **kw)
+    for model in (qat, qat.get_base_model(), copy.deepcopy(qat).merge_and_unload()):
+        with pytest.raises(ValueError, match="^a PE-QAT model is not its LoRA adapter .* resume=True rebuilds"):
+            model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    loaded = _train(recipe, 3, windows, out_dir=tmp_path / "run", resume=True, **kw)
+    assert loaded.qat_meta["tokens_this_run"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=windows).logits, qat(input_ids=windows).logits, rtol=0, atol=0)
 
 
 def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates(tmp_path, monkeypatch):
@@ -447,8 +479,6 @@ def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkey
 def test_the_loop_trains_against_the_16_bit_model(monkeypatch):
     """The teacher the loop runs, not one the test builds: the adapters and fake quant off, through the rotation, after
     the adapters have trained (a teacher that kept them, or its quantization, passed every test)."""
-    import copy
-
     import nibble.qat.train as train
     seen, loss = [], train.qat_loss
     monkeypatch.setattr(train, "qat_loss", lambda logits, ids, teacher, objective: seen.append((ids, teacher))
@@ -530,3 +560,50 @@ def test_lora_alpha_is_twice_the_rank_unless_given(alpha, scaling):
     layers = [m for m in qat.modules() if isinstance(m, FakeQuantLoraLinear)]
     assert len(layers) == 14 and all(m.scaling["default"] == scaling for m in layers)
     assert qat.qat_meta["alpha"] == (8 if alpha is None else alpha)
+
+
+def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(monkeypatch, tmp_path):
+    """Ctrl-C named whatever state.pt held as the one --resume continues: an earlier run's, of other settings, too,
+    which --resume then refused."""
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+    real_run, ran = train.run_qat, []
+
+    def run_on_windows(*args, stop=None, **kwargs):  # the command's run, on test windows, Ctrl-C after step `stop`
+        def callback(step, loss):
+            ran.append(step)
+            if step == stop:
+                raise KeyboardInterrupt
+
+        return real_run(*args, **dict(kwargs, windows=_windows(), callback=callback, progress=False, warmup=1,
+                                      gradient_checkpointing=False))
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
+    out = tmp_path / "q"
+    command = ["qat", "--device", "cpu", "--steps", "4", "--seq-len", str(SEQ), "--batch-size", "2", "--save-every",
+               "2", "--out", str(out)]
+    monkeypatch.setattr(train, "run_qat", functools.partial(run_on_windows, stop=3))
+    with pytest.raises(SystemExit, match=rf"^nibble qat: PE-QAT interrupted; {state_path(out)} holds this run at "
+                                         r"step 2: run it again with resume=True \(nibble qat: the same command with "
+                                         r"--resume\) to go on from there$"):
+        main(command)
+    monkeypatch.setattr(train, "run_qat", run_on_windows)
+    ran.clear()
+    main(command + ["--resume"])  # as it says
+    assert ran == [3, 4] and (out / "model.safetensors").exists()
+    # another run into the same --out, stopped before its first save: the finished run's state is not its own
+    monkeypatch.setattr(train, "run_qat", functools.partial(run_on_windows, stop=1))
+    with pytest.raises(SystemExit, match=rf"^nibble qat: PE-QAT interrupted; this run saved no state yet \(its "
+                                         rf"first at step 2\); {state_path(out)} is an earlier run's, left as it is"):
+        main(command + ["--lr", "0.002"])
+    assert torch.load(state_path(out), weights_only=True)["step"] == 4
+    import nibble.qat.export as exporting
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exporting, "export", interrupted)  # was a traceback
+    with pytest.raises(SystemExit, match=rf"^nibble qat: interrupted while exporting; {state_path(out)} holds the "
+                                         "finished run: the same command with --resume exports it again"):
+        main(command + ["--resume"])
