@@ -45,7 +45,7 @@ def add_qat_arguments(parser) -> None:
 def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
-        from nibble.qat.train import QatInterrupted, check_init, check_learning_rates, run_qat, state_path
+        from nibble.qat.train import QatInterrupted, check_learning_rates, check_recipe, run_qat, state_path
     from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
@@ -58,7 +58,7 @@ def qat_main(args) -> None:
     check_learning_rates(args.lr, args.quant_lr)
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
-    check_init(args.recipe, args.init)
+    check_recipe(args.recipe, args.init)
     if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word
         raise ValueError("--eval-ppl measures the exported W4A4 model, and --recipe per-channel exports none (fake "
                          "quant only): drop --eval-ppl, or train --recipe per-token or hadamard")

@@ -120,7 +120,14 @@ def gptq_start(model: nn.Module, names: list[str], calibration, progress: bool =
     return {name: (compensated[name], weights[name].scales.t()) for name in names}
 
 
-def check_init(recipe: str, init: str) -> None:
+def check_recipe(recipe: str, init: str, rotation_seed: int = 0) -> None:
+    """Refuse a recipe, start and rotation seed PE-QAT cannot take together, before any work."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if rotation_seed != 0 and recipe != "hadamard":  # dropped without a word, as QuantConfig refuses
+        raise ValueError(f"rotation_seed={rotation_seed} seeds the hadamard recipe's rotation, and recipe {recipe!r} "
+                         "rotates nothing: drop it, or train recipe='hadamard' (a model rotated before, by "
+                         "rotate_model, keeps the seed it was rotated with)")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     if init == "gptq" and recipe == "per-channel":
@@ -163,7 +170,7 @@ class QatPeftModel(PeftModel):
         raise ValueError(SAVE_REFUSED)
 
     def merge_and_unload(self, *args, **kwargs) -> nn.Module:
-        """peft's, keeping the run's description (`export` records the recipe and rotation from it)."""
+        """peft's, keeping the run's description (`export` records the run's settings from it)."""
         merged = self.base_model.merge_and_unload(*args, **kwargs)
         merged.qat_meta = dict(getattr(self, "qat_meta", {}))
         return merged
@@ -185,9 +192,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     """
     from peft import LoraConfig
 
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    check_init(recipe, init)
+    check_recipe(recipe, init, rotation_seed)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_model(model)
@@ -448,7 +453,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     check_learning_rates(lr, quant_lr)
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
-    check_init(recipe, init)  # before any calibration text is tokenized
+    check_recipe(recipe, init, rotation_seed)  # before any calibration text is tokenized
     check_model(model)  # before the model is changed
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and seq_len > context:

@@ -15,8 +15,8 @@ from nibble.kernels.reference import dequantize, quantize_activations  # noqa: E
 from nibble.models.convert import set_backend  # noqa: E402
 from nibble.models.serialization import load_quantized  # noqa: E402
 from nibble.nn.quant_linear import QuantLinear  # noqa: E402
-from nibble.qat.fake_quant import FakeQuantLinear, fake_quant_tokens, fake_quant_weight  # noqa: E402
-from nibble.qat.train import export, run_qat, state_path  # noqa: E402
+from nibble.qat.fake_quant import FakeQuantLinear, fake_quant_layers, fake_quant_tokens, fake_quant_weight  # noqa: E402
+from nibble.qat.train import export, prepare_qat_model, run_qat, state_path  # noqa: E402
 from nibble.quantize.rtn import rtn_quantize  # noqa: E402
 
 SEQ = 24
@@ -267,6 +267,17 @@ def test_gptq_start_refuses_what_it_cannot_do():
         FakeQuantLinear.from_linear(lin, start=(w, scales.t()), clip="fixed")
     with pytest.raises(ValueError, match="clip ratio"):
         FakeQuantLinear.from_linear(lin, start=(w, scales), clip="none")
+
+
+def test_a_rotation_seed_without_the_hadamard_recipe_is_refused():
+    """The per-token recipe rotates nothing: a seed given with it was dropped without a word (QuantConfig refuses
+    the same), for run_qat and prepare_qat_model alike, before the model is touched."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match="rotation_seed=3 seeds the hadamard recipe's rotation, and recipe 'per-token'"):
+        run_qat(model, None, "per-token", 1, windows=_windows(), rotation_seed=3)
+    with pytest.raises(ValueError, match="rotation_seed=3 seeds"):
+        prepare_qat_model(model, "per-token", rotation_seed=3)
+    assert not fake_quant_layers(model)
 
 
 def test_a_quantized_model_is_refused_by_name():
