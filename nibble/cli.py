@@ -133,8 +133,10 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     try:  # a file made and removed there: os.access says yes to root, and to a read-only mount
         tempfile.TemporaryFile(dir=nearest).close()
     except OSError as e:
-        raise ValueError(f"--out {out} cannot be written ({nearest}: {e.strerror or e}): give a folder you can write "
-                         "to") from e
+        # the folder exists: the error is the made file's (/proc refuses one with "No such file or directory"),
+        # said as such, not as the folder's
+        raise ValueError(f"--out {out} cannot be written: creating a file in {nearest} failed ({e.strerror or e}): "
+                         "give a folder you can write to") from e
 
 
 def _interrupted_save(path: Path) -> bool:
