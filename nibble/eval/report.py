@@ -646,7 +646,6 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     from nibble.bench.timing import env_meta
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     configs = [config_name(c) for c in configs]  # unknown names fail before any work
     twice = sorted({c for c in configs if configs.count(c) > 1})
     if twice:  # measured twice (for minutes each), shown twice, with one run's numbers in both columns
@@ -671,6 +670,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     loader = loader or _default_loader(model_name_or_path, device, dtype)
     if model:
         loader = _checked_loader(loader, configs)
+    out.mkdir(parents=True, exist_ok=True)  # once every check passed: a refused run left an empty folder
     meta = env_meta(model=model_label, configs=configs,
                     tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, ppl_seq_len=ppl_seq_len,
                     device=str(device),

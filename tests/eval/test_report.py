@@ -248,6 +248,21 @@ def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs,
                           **kwargs)
 
 
+def test_a_refused_report_leaves_no_out_folder(tmp_path):
+    """run_report made its folder before its checks: a refused `nibble report` left an empty report/ behind."""
+    def rotation_refused():
+        return tiny_model(intermediate_size=1888), ByteTokenizer()
+
+    out = tmp_path / "report"
+    for configs, kwargs, message in ((("w4a8",), {}, "unknown config"), (("bf16", "fp16"), {}, "more than once"),
+                                     (("bf16",), dict(tasks_limit=0), "tasks_limit must be >= 1"),
+                                     (("w4a4-hadamard",), dict(loader=rotation_refused), "cannot rotate")):
+        with pytest.raises(ValueError, match=message):
+            report.run_report(None, out, configs=configs, speed=False, log=lambda *_: None,
+                              **{"loader": tiny_loader, **kwargs})
+        assert not out.exists()
+
+
 def test_a_config_the_model_cannot_take_is_refused_before_any_config_runs(tmp_path, monkeypatch):
     """w4a4-hadamard on a model the rotation cannot take (no Hadamard matrix of size 1888) failed at its turn, after
     the configs before it had run, minutes each on a real model; a group size no layer takes, likewise."""
