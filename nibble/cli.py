@@ -372,7 +372,11 @@ def cmd_generate(args):
     # the settings are checked before the model loads (a ValueError is said by `main`)
     if args.top_k is not None and args.top_k < 0:  # Sampling's message names None, which no command line can write
         raise ValueError(f"--top-k must be >= 1, or 0 for every token; got {args.top_k}")
-    sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
+    try:
+        sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
+    except ValueError as e:  # its message starts with the parameter's name ("top_p must be ..."): said as the option
+        name, rest = str(e).split(" ", 1)
+        raise ValueError(f"{_option(name)} {rest}") from None
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = list(args.prompt)

@@ -325,8 +325,11 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
     assert only_prompt.summary() == "3 prompt tokens, no new token"
 
 
-@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
-                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "-1"], "--top-k must be >= 1, or 0 for every token"),
+# by the options' names: Sampling's messages named its parameters ("top_p must be in (0, 1]")
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], r"^nibble generate: --temperature must be a "),
+                                            (["--temperature", "nan"], r"^nibble generate: --temperature must be"),
+                                            (["--top-p", "0"], r"^nibble generate: --top-p must be in \(0, 1\]"),
+                                            (["--top-k", "-1"], "--top-k must be >= 1, or 0 for every token"),
                                             (["--max-new-tokens", "0"], "max-new-tokens must be"),
                                             (["--seed", str(2**64)], r"--seed must be from 0 to 2\*\*64 - 1"),
                                             (["--seed", "-1"], "--seed must be from 0")])
