@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+GENERATE_BATCH_SIZE = 8  # prompts `nibble generate` runs at once, where several are given
 DEMO_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors."]
 
 
@@ -273,7 +274,7 @@ def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tok
 
 
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool, engine: bool = True,
-                   sampling=None, batch_size: int = 8) -> list[str]:
+                   sampling=None, batch_size: int = GENERATE_BATCH_SIZE) -> list[str]:
     """The continuations of several prompts, as `generate_text` gives each, ``batch_size`` at a time. nibble's
     engine runs each batch as one ragged batch (every prompt at its own length, no padding that the model sees);
     without it (``engine`` False, or a model it cannot run) transformers' ``generate`` runs the batch padded on
@@ -388,10 +389,16 @@ def cmd_generate(args):
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise SystemExit("nibble generate: give a prompt, several, or --prompts-file (one prompt a line)")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:
         raise SystemExit("nibble generate: --stats times one prompt; give a single one")
+    # options this run ignores, said as --top-k / --top-p without a temperature are (`Sampling.warn_if_filters_unused`)
+    if args.batch_size is not None and len(prompts) == 1:
+        warnings.warn("--batch-size sets how many of several prompts run at once: with one prompt it is ignored")
+    if args.seed is not None and sampling.greedy:
+        warnings.warn("--seed repeats sampled tokens only: greedy decoding (temperature 0, or --top-k 1) draws none, "
+                      "so it is ignored; give a --temperature > 0 to sample")
     check_seed(args.seed)
     check_tokenizer(args)
     model, tok = load_for_command(args, _device(args.device))
@@ -399,7 +406,8 @@ def cmd_generate(args):
         torch.manual_seed(args.seed)
     if len(prompts) > 1:
         texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
-                               engine=not args.hf_generate, sampling=sampling, batch_size=args.batch_size)
+                               engine=not args.hf_generate, sampling=sampling,
+                               batch_size=args.batch_size or GENERATE_BATCH_SIZE)
         for i, (prompt, text) in enumerate(zip(prompts, texts), 1):
             print(f"[{i}] {prompt}\n{text}\n")
         return
@@ -639,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*", help="one prompt (its text streams as it comes) or several (run as batches "
                                              "by the engine, each printed after its prompt)")
     p.add_argument("--prompts-file", default=None, help="more prompts, one a line (blank lines skipped)")
-    p.add_argument("--batch-size", type=int, default=8, help="several prompts: how many the engine runs at once")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"several prompts: how many the engine runs at once (default: {GENERATE_BATCH_SIZE})")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--hf-generate", action="store_true",

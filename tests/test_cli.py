@@ -296,6 +296,32 @@ def test_generate_warns_that_top_k_and_top_p_without_a_temperature_are_ignored(m
                   "--max-new-tokens", "2", "--no-chat"] + flags + way)
 
 
+@pytest.mark.parametrize("flags, ignored", [
+    (["--seed", "1"], "--seed repeats sampled tokens only"),
+    (["--seed", "1", "--temperature", "0.7", "--top-k", "1"], "--seed repeats sampled tokens only"),
+    (["--batch-size", "4"], "--batch-size sets how many of several prompts run at once: with one prompt"),
+    (["--seed", "1", "--temperature", "0.7"], None), (["another prompt", "--batch-size", "4"], None)])
+def test_generate_warns_that_a_seed_without_sampling_and_a_batch_size_for_one_prompt_are_ignored(flags, ignored,
+                                                                                                  monkeypatch):
+    """They were accepted without a word, where --top-k / --top-p without a temperature warn; said before the model
+    loads, and not where they apply."""
+    import warnings
+
+    import nibble.cli as cli
+
+    class Loading(Exception):
+        pass
+
+    def load_for_command(*args):
+        raise Loading
+    monkeypatch.setattr(cli, "load_for_command", load_for_command)
+    with warnings.catch_warnings(record=True) as said, pytest.raises(Loading):
+        warnings.simplefilter("always")
+        main(["generate", "a prompt", "--model", "nowhere"] + flags)
+    said = [str(w.message) for w in said]
+    assert len(said) == (ignored is not None) and all(message.startswith(ignored) for message in said), said
+
+
 @pytest.mark.parametrize("way", [[], ["--hf-generate"]])
 def test_generate_stats_say_how_many_tokens_came_and_how_fast(model_dir, capsys, way):
     main(["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
