@@ -1,8 +1,10 @@
 """The report: a real (tiny) accuracy + memory run on the CPU, and the speed tables/plots on fabricated numbers."""
 import argparse
+import io
 import json
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -98,6 +100,19 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
             and f"average: the mean acc of {', '.join(ALL_TASKS)}" in md)
     assert "token-level (GPTQ's protocol, not lm-eval's word perplexity) on the first 300 tokens of the test set, " \
            "in 1 non-overlapping window of 256 tokens (255 predicted)" in md
+
+
+def test_the_report_shows_its_quantization_and_its_lines_as_they_come(tmp_path, monkeypatch, capsys):
+    """Each config was quantized without a bar (W4A4 + Hadamard: minutes on a CPU with no sign of life), and the log
+    lines, printed block-buffered into a file or a pipe (`> log`, `| tee`), reached it only when the run ended."""
+    written = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8"))  # buffered, as into a file
+    run = dict(configs=("w4a16",), accuracy=False, speed=False, loader=tiny_loader)
+    report.run_report(None, tmp_path, **run)
+    assert f"wrote {tmp_path / 'report.md'}" in written.getvalue().decode()  # no flush of the run's own
+    assert "quantizing w4a16" in capsys.readouterr().err
+    report.run_report(None, tmp_path, progress=False, **run)
+    assert "quantizing" not in capsys.readouterr().err
 
 
 def test_calibrated_configs_are_calibrated_on_the_c4_excerpt(tmp_path, monkeypatch):
