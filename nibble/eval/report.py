@@ -167,16 +167,18 @@ def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_l
     res = {"config": name, "quant_config": qc.to_dict() if qc else None,
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "device": str(next(model.parameters()).device)}
+    # the baseline where it is not bfloat16 (float32 on a CPU) said so, as report.md's "quantization" row does
+    label = f"{name} in {res['dtype']}" if qc is None and res["dtype"] != "bfloat16" else name
     # the longest step on a CPU (W4A4 + Hadamard: minutes), with a bar where the other steps show theirs
     res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration_for(qc, tokenizer), progress=progress)
     if accuracy:
         t0 = time.perf_counter()
         res["perplexity"] = wikitext2_perplexity(model, tokenizer, seq_len=ppl_seq_len, max_tokens=ppl_max_tokens,
                                                  progress=progress)
-        log(f"[{name}] WikiText-2 ppl {res['perplexity']['ppl']:.3f} ({res['perplexity']['tokens']} tokens)")
+        log(f"[{label}] WikiText-2 ppl {res['perplexity']['ppl']:.3f} ({res['perplexity']['tokens']} tokens)")
         res["tasks"] = evaluate_tasks(model, tokenizer, tasks, limit=tasks_limit, batch_size=batch_size,
                                       progress=progress)
-        log(f"[{name}] tasks average acc {res['tasks']['average']['acc']:.4f}")
+        log(f"[{label}] tasks average acc {res['tasks']['average']['acc']:.4f}")
         res["accuracy_s"] = time.perf_counter() - t0
     res["weights"] = mem_mod.weight_memory(model)
     on_cuda = _on_cuda(model)

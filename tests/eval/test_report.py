@@ -90,6 +90,8 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
         assert "skipped" in data["configs"]["bf16"]["peak"] and "CUDA" in data["configs"]["bf16"]["speed"]["skipped"]
         assert data["speed_models"]["llama-2-7b"] == {"skipped": report.NO_GPU}
         assert any("no CUDA GPU" in line for line in logs)
+    # the baseline ran in float32 here: its lines said "[bf16]"
+    assert [line.split("]")[0] for line in logs if "WikiText-2 ppl" in line] == ["[bf16 in float32", "[w4a16", "[w4a4"]
     md = (tmp_path / "report.md").read_text()
     assert "| metric | bf16 | w4a16 | w4a4 |" in md
     assert "WikiText-2 ppl" in md and "piqa acc" in md and "peak MiB" in md
