@@ -491,6 +491,13 @@ def test_the_demo_refuses_a_model_that_is_already_quantized(model_dir, tmp_path,
         main(["demo", "--model", str(tmp_path), "--device", "cpu"])
 
 
+def test_the_demo_shows_its_perplexities_progress(model_dir, capsys):
+    """Its two perplexities ran without a bar: minutes on a CPU with no output, where every other command shows one."""
+    main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", "64"])
+    out, err = capsys.readouterr()
+    assert "WikiText-2 test perplexity, first 64 tokens" in out and len(re.findall(r"perplexity: 100%[^\r\n]*\n", err)) == 2
+
+
 def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):
     """`nibble build-kernels --arch 90` compiles the five libraries, the Hopper GEMMs for sm_90a, and
     prints where each lies; for another arch the sm_90a ones are left out (nvcc stubbed)."""
