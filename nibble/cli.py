@@ -393,13 +393,13 @@ def cmd_generate(args):
         raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:
         raise SystemExit("nibble generate: --stats times one prompt; give a single one")
+    check_seed(args.seed)  # one out of range is refused, not warned about as ignored below
     # options this run ignores, said as --top-k / --top-p without a temperature are (`Sampling.warn_if_filters_unused`)
     if args.batch_size is not None and len(prompts) == 1:
         warnings.warn("--batch-size sets how many of several prompts run at once: with one prompt it is ignored")
     if args.seed is not None and sampling.greedy:
         warnings.warn("--seed repeats sampled tokens only: greedy decoding (temperature 0, or --top-k 1) draws none, "
                       "so it is ignored; give a --temperature > 0 to sample")
-    check_seed(args.seed)
     check_tokenizer(args)
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
