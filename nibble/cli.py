@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+GENERATE_BATCH_SIZE = 8  # prompts `nibble generate` runs at once, where several are given
 DEMO_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors."]
 
 
@@ -133,8 +134,10 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     try:  # a file made and removed there: os.access says yes to root, and to a read-only mount
         tempfile.TemporaryFile(dir=nearest).close()
     except OSError as e:
-        raise ValueError(f"--out {out} cannot be written ({nearest}: {e.strerror or e}): give a folder you can write "
-                         "to") from e
+        # the folder exists: the error is the made file's (/proc refuses one with "No such file or directory"),
+        # said as such, not as the folder's
+        raise ValueError(f"--out {out} cannot be written: creating a file in {nearest} failed ({e.strerror or e}): "
+                         "give a folder you can write to") from e
 
 
 def _interrupted_save(path: Path) -> bool:
@@ -271,7 +274,7 @@ def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tok
 
 
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool, engine: bool = True,
-                   sampling=None, batch_size: int = 8) -> list[str]:
+                   sampling=None, batch_size: int = GENERATE_BATCH_SIZE) -> list[str]:
     """The continuations of several prompts, as `generate_text` gives each, ``batch_size`` at a time. nibble's
     engine runs each batch as one ragged batch (every prompt at its own length, no padding that the model sees);
     without it (``engine`` False, or a model it cannot run) transformers' ``generate`` runs the batch padded on
@@ -370,7 +373,11 @@ def cmd_generate(args):
     # the settings are checked before the model loads (a ValueError is said by `main`)
     if args.top_k is not None and args.top_k < 0:  # Sampling's message names None, which no command line can write
         raise ValueError(f"--top-k must be >= 1, or 0 for every token; got {args.top_k}")
-    sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
+    try:
+        sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
+    except ValueError as e:  # its message starts with the parameter's name ("top_p must be ..."): said as the option
+        name, rest = str(e).split(" ", 1)
+        raise ValueError(f"{_option(name)} {rest}") from None
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = list(args.prompt)
@@ -382,18 +389,25 @@ def cmd_generate(args):
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise SystemExit("nibble generate: give a prompt, several, or --prompts-file (one prompt a line)")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:
         raise SystemExit("nibble generate: --stats times one prompt; give a single one")
-    check_seed(args.seed)
+    check_seed(args.seed)  # one out of range is refused, not warned about as ignored below
+    # options this run ignores, said as --top-k / --top-p without a temperature are (`Sampling.warn_if_filters_unused`)
+    if args.batch_size is not None and len(prompts) == 1:
+        warnings.warn("--batch-size sets how many of several prompts run at once: with one prompt it is ignored")
+    if args.seed is not None and sampling.greedy:
+        warnings.warn("--seed repeats sampled tokens only: greedy decoding (temperature 0, or --top-k 1) draws none, "
+                      "so it is ignored; give a --temperature > 0 to sample")
     check_tokenizer(args)
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if len(prompts) > 1:
         texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
-                               engine=not args.hf_generate, sampling=sampling, batch_size=args.batch_size)
+                               engine=not args.hf_generate, sampling=sampling,
+                               batch_size=args.batch_size or GENERATE_BATCH_SIZE)
         for i, (prompt, text) in enumerate(zip(prompts, texts), 1):
             print(f"[{i}] {prompt}\n{text}\n")
         return
@@ -567,8 +581,8 @@ def cmd_demo(args):
     ids = tok("\n".join(DEMO_PROMPTS), return_tensors="pt").input_ids.to(device)
     cos = torch.nn.functional.cosine_similarity(model(ids).logits.float().flatten(),
                                                 qmodel(ids).logits.float().flatten(), dim=0).item()
-    ppl16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens, progress=False)["ppl"]
-    ppl4 = wikitext2_perplexity(qmodel, tok, max_tokens=args.ppl_tokens, progress=False)["ppl"]
+    ppl16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens)["ppl"]  # with their bars: minutes on a CPU
+    ppl4 = wikitext2_perplexity(qmodel, tok, max_tokens=args.ppl_tokens)["ppl"]
     print(f"\nweights of the quantized linears: {wb['bf16_bytes'] / 2**20:.1f} MiB (16-bit) -> "
           f"{wb['quantized_bytes'] / 2**20:.1f} MiB (W4A16 g{cfg.group_size}, scales+zeros counted) = {wb['ratio']:.3f}x")
     print(f"logits cosine similarity (16-bit vs W4A16): {cos:.5f}")
@@ -633,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*", help="one prompt (its text streams as it comes) or several (run as batches "
                                              "by the engine, each printed after its prompt)")
     p.add_argument("--prompts-file", default=None, help="more prompts, one a line (blank lines skipped)")
-    p.add_argument("--batch-size", type=int, default=8, help="several prompts: how many the engine runs at once")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"several prompts: how many the engine runs at once (default: {GENERATE_BATCH_SIZE})")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--hf-generate", action="store_true",

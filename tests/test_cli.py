@@ -296,6 +296,32 @@ def test_generate_warns_that_top_k_and_top_p_without_a_temperature_are_ignored(m
                   "--max-new-tokens", "2", "--no-chat"] + flags + way)
 
 
+@pytest.mark.parametrize("flags, ignored", [
+    (["--seed", "1"], "--seed repeats sampled tokens only"),
+    (["--seed", "1", "--temperature", "0.7", "--top-k", "1"], "--seed repeats sampled tokens only"),
+    (["--batch-size", "4"], "--batch-size sets how many of several prompts run at once: with one prompt"),
+    (["--seed", "1", "--temperature", "0.7"], None), (["another prompt", "--batch-size", "4"], None)])
+def test_generate_warns_that_a_seed_without_sampling_and_a_batch_size_for_one_prompt_are_ignored(flags, ignored,
+                                                                                                  monkeypatch):
+    """They were accepted without a word, where --top-k / --top-p without a temperature warn; said before the model
+    loads, and not where they apply."""
+    import warnings
+
+    import nibble.cli as cli
+
+    class Loading(Exception):
+        pass
+
+    def load_for_command(*args):
+        raise Loading
+    monkeypatch.setattr(cli, "load_for_command", load_for_command)
+    with warnings.catch_warnings(record=True) as said, pytest.raises(Loading):
+        warnings.simplefilter("always")
+        main(["generate", "a prompt", "--model", "nowhere"] + flags)
+    said = [str(w.message) for w in said]
+    assert len(said) == (ignored is not None) and all(message.startswith(ignored) for message in said), said
+
+
 @pytest.mark.parametrize("way", [[], ["--hf-generate"]])
 def test_generate_stats_say_how_many_tokens_came_and_how_fast(model_dir, capsys, way):
     main(["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
@@ -325,8 +351,11 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
     assert only_prompt.summary() == "3 prompt tokens, no new token"
 
 
-@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be"),
-                                            (["--top-p", "0"], "top_p must be"), (["--top-k", "-1"], "--top-k must be >= 1, or 0 for every token"),
+# by the options' names: Sampling's messages named its parameters ("top_p must be in (0, 1]")
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], r"^nibble generate: --temperature must be a "),
+                                            (["--temperature", "nan"], r"^nibble generate: --temperature must be"),
+                                            (["--top-p", "0"], r"^nibble generate: --top-p must be in \(0, 1\]"),
+                                            (["--top-k", "-1"], "--top-k must be >= 1, or 0 for every token"),
                                             (["--max-new-tokens", "0"], "max-new-tokens must be"),
                                             (["--seed", str(2**64)], r"--seed must be from 0 to 2\*\*64 - 1"),
                                             (["--seed", "-1"], "--seed must be from 0")])
@@ -460,6 +489,13 @@ def test_the_demo_refuses_a_model_that_is_already_quantized(model_dir, tmp_path,
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="^nibble demo: .* is already quantized"):
         main(["demo", "--model", str(tmp_path), "--device", "cpu"])
+
+
+def test_the_demo_shows_its_perplexities_progress(model_dir, capsys):
+    """Its two perplexities ran without a bar: minutes on a CPU with no output, where every other command shows one."""
+    main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", "64"])
+    out, err = capsys.readouterr()
+    assert "WikiText-2 test perplexity, first 64 tokens" in out and len(re.findall(r"perplexity: 100%[^\r\n]*\n", err)) == 2
 
 
 def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):
@@ -684,14 +720,16 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
     with pytest.raises(SystemExit, match="^nibble qat: --seed must be from 0 to"):
         main(["qat", "--model", str(model_dir), "--out", str(tmp_path / "qat"), "--seed", "-1"])
     if Path("/proc/self").is_dir():  # no file can be made there, even by root (whom os.access always let through)
-        with pytest.raises(SystemExit, match=r"^nibble quantize: --out /proc/x cannot be written \(/proc: "):
+        with pytest.raises(SystemExit, match=r"^nibble quantize: --out /proc/x cannot be written: creating a "
+                                                 r"file in /proc failed \("):
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", "/proc/x"])
 
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(cli.tempfile, "TemporaryFile", refused)
-    with pytest.raises(SystemExit, match=r"^nibble report: --out .* cannot be written \(.*: Permission denied\)"):
+    with pytest.raises(SystemExit, match=r"^nibble report: --out .* cannot be written: creating a file in "
+                                         r".* failed \(Permission denied\)"):
         main(["report", "--model", str(model_dir), "--out", str(tmp_path / "r")])
 
 

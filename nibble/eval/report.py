@@ -51,6 +51,13 @@ WINDOW_NAMES = ("ppl_seq_len", "ppl_max_tokens")  # how a refused perplexity win
 NO_CUDA = "skipped: the model is not on a CUDA GPU (speed and peak memory are measured on the GPU only)"
 NO_GPU = "skipped: no CUDA GPU visible (the speed models are built and timed on the GPU only)"
 
+
+def say(line: str) -> None:
+    """The report's log: a line on stdout, flushed. Into a file or a pipe (`> log`, `| tee`) stdout is block-buffered,
+    and a run of many minutes showed none of its lines until it ended."""
+    print(line, flush=True)
+
+
 # Targets from the issue, checked on the Llama-2-7B-shaped model.
 TARGETS = {
     "w4a16 quantized-linear bytes / bf16": ("<=", 0.30),
@@ -160,15 +167,18 @@ def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_l
     res = {"config": name, "quant_config": qc.to_dict() if qc else None,
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "device": str(next(model.parameters()).device)}
-    res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration_for(qc, tokenizer))
+    # the baseline where it is not bfloat16 (float32 on a CPU) said so, as report.md's "quantization" row does
+    label = f"{name} in {res['dtype']}" if qc is None and res["dtype"] != "bfloat16" else name
+    # the longest step on a CPU (W4A4 + Hadamard: minutes), with a bar where the other steps show theirs
+    res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration_for(qc, tokenizer), progress=progress)
     if accuracy:
         t0 = time.perf_counter()
         res["perplexity"] = wikitext2_perplexity(model, tokenizer, seq_len=ppl_seq_len, max_tokens=ppl_max_tokens,
                                                  progress=progress)
-        log(f"[{name}] WikiText-2 ppl {res['perplexity']['ppl']:.3f} ({res['perplexity']['tokens']} tokens)")
+        log(f"[{label}] WikiText-2 ppl {res['perplexity']['ppl']:.3f} ({res['perplexity']['tokens']} tokens)")
         res["tasks"] = evaluate_tasks(model, tokenizer, tasks, limit=tasks_limit, batch_size=batch_size,
                                       progress=progress)
-        log(f"[{name}] tasks average acc {res['tasks']['average']['acc']:.4f}")
+        log(f"[{label}] tasks average acc {res['tasks']['average']['acc']:.4f}")
         res["accuracy_s"] = time.perf_counter() - t0
     res["weights"] = mem_mod.weight_memory(model)
     on_cuda = _on_cuda(model)
@@ -185,7 +195,7 @@ SPEED_ROUNDS = 3
 
 
 def measure_speed_models(model_name: str, configs, rounds: int = SPEED_ROUNDS, clip_search: bool = False,
-                         log=print) -> dict:
+                         log=say) -> dict:
     """{config: memory and speed} of every config on the random-weight ``model_name`` (CUDA only).
 
     One model is on the GPU at a time (the peak counts everything allocated), rebuilt for each of
@@ -532,7 +542,7 @@ def _save(fig, path: Path) -> str:
 PLOTS = ("speedup.png", "vram.png", "accuracy.png")
 
 
-def write_plots(results: dict, out: Path, log=print) -> list[str]:
+def write_plots(results: dict, out: Path, log=say) -> list[str]:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -631,7 +641,7 @@ def write_plots(results: dict, out: Path, log=print) -> list[str]:
 def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIGS, tasks_limit=None,
                speed_models=DEFAULT_SPEED_MODELS, *, tasks=ALL_TASKS, ppl_max_tokens=None, ppl_seq_len=None,
                batch_size=16, device=None, dtype=None, model=True, accuracy=True, speed=True, speed_clip_search=False,
-               speed_rounds=SPEED_ROUNDS, loader: Callable | None = None, progress=True, log=print) -> dict:
+               speed_rounds=SPEED_ROUNDS, loader: Callable | None = None, progress=True, log=say) -> dict:
     """Measure every config in ``configs`` and write report.md / report.json / PNGs to ``out_dir``.
 
     ``loader()`` -> (model, tokenizer) overrides loading ``model_name_or_path`` (it is called once per
@@ -646,7 +656,6 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     from nibble.bench.timing import env_meta
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     configs = [config_name(c) for c in configs]  # unknown names fail before any work
     twice = sorted({c for c in configs if configs.count(c) > 1})
     if twice:  # measured twice (for minutes each), shown twice, with one run's numbers in both columns
@@ -671,6 +680,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     loader = loader or _default_loader(model_name_or_path, device, dtype)
     if model:
         loader = _checked_loader(loader, configs)
+    out.mkdir(parents=True, exist_ok=True)  # once every check passed: a refused run left an empty folder
     meta = env_meta(model=model_label, configs=configs,
                     tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, ppl_seq_len=ppl_seq_len,
                     device=str(device),

@@ -90,14 +90,14 @@ def random_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfl
     return model.eval()
 
 
-def quantize_in_place(model: nn.Module, config: QuantConfig | None, calibration=None) -> float:
+def quantize_in_place(model: nn.Module, config: QuantConfig | None, calibration=None, progress: bool = False) -> float:
     """Quantize ``model`` (layer by layer, each 16-bit weight freed as its QuantLinear replaces it; GPTQ / AWQ
-    calibrated on ``calibration``); seconds taken."""
+    calibrated on ``calibration``; ``progress``: `quantize_model`'s bar of layers on stderr); seconds taken."""
     from nibble.models.convert import quantize_model
 
     t0 = time.perf_counter()
     if config is not None:
-        quantize_model(model, config, progress=False, calibration=calibration)
+        quantize_model(model, config, progress=progress, calibration=calibration)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - t0

@@ -1,8 +1,10 @@
 """The report: a real (tiny) accuracy + memory run on the CPU, and the speed tables/plots on fabricated numbers."""
 import argparse
+import io
 import json
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -88,6 +90,8 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
         assert "skipped" in data["configs"]["bf16"]["peak"] and "CUDA" in data["configs"]["bf16"]["speed"]["skipped"]
         assert data["speed_models"]["llama-2-7b"] == {"skipped": report.NO_GPU}
         assert any("no CUDA GPU" in line for line in logs)
+    # the baseline ran in float32 here: its lines said "[bf16]"
+    assert [line.split("]")[0] for line in logs if "WikiText-2 ppl" in line] == ["[bf16 in float32", "[w4a16", "[w4a4"]
     md = (tmp_path / "report.md").read_text()
     assert "| metric | bf16 | w4a16 | w4a4 |" in md
     assert "WikiText-2 ppl" in md and "piqa acc" in md and "peak MiB" in md
@@ -98,6 +102,19 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
             and f"average: the mean acc of {', '.join(ALL_TASKS)}" in md)
     assert "token-level (GPTQ's protocol, not lm-eval's word perplexity) on the first 300 tokens of the test set, " \
            "in 1 non-overlapping window of 256 tokens (255 predicted)" in md
+
+
+def test_the_report_shows_its_quantization_and_its_lines_as_they_come(tmp_path, monkeypatch, capsys):
+    """Each config was quantized without a bar (W4A4 + Hadamard: minutes on a CPU with no sign of life), and the log
+    lines, printed block-buffered into a file or a pipe (`> log`, `| tee`), reached it only when the run ended."""
+    written = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8"))  # buffered, as into a file
+    run = dict(configs=("w4a16",), accuracy=False, speed=False, loader=tiny_loader)
+    report.run_report(None, tmp_path, **run)
+    assert f"wrote {tmp_path / 'report.md'}" in written.getvalue().decode()  # no flush of the run's own
+    assert "quantizing w4a16" in capsys.readouterr().err
+    report.run_report(None, tmp_path, progress=False, **run)
+    assert "quantizing" not in capsys.readouterr().err
 
 
 def test_calibrated_configs_are_calibrated_on_the_c4_excerpt(tmp_path, monkeypatch):
@@ -246,6 +263,21 @@ def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs,
     with pytest.raises(ValueError, match=message):
         report.run_report(None, tmp_path, configs=("bf16",), speed=False, loader=no_loader, log=lambda *_: None,
                           **kwargs)
+
+
+def test_a_refused_report_leaves_no_out_folder(tmp_path):
+    """run_report made its folder before its checks: a refused `nibble report` left an empty report/ behind."""
+    def rotation_refused():
+        return tiny_model(intermediate_size=1888), ByteTokenizer()
+
+    out = tmp_path / "report"
+    for configs, kwargs, message in ((("w4a8",), {}, "unknown config"), (("bf16", "fp16"), {}, "more than once"),
+                                     (("bf16",), dict(tasks_limit=0), "tasks_limit must be >= 1"),
+                                     (("w4a4-hadamard",), dict(loader=rotation_refused), "cannot rotate")):
+        with pytest.raises(ValueError, match=message):
+            report.run_report(None, out, configs=configs, speed=False, log=lambda *_: None,
+                              **{"loader": tiny_loader, **kwargs})
+        assert not out.exists()
 
 
 def test_a_config_the_model_cannot_take_is_refused_before_any_config_runs(tmp_path, monkeypatch):
