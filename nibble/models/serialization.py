@@ -30,8 +30,9 @@ from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized
-from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS, TOKENIZER_FILES,
+from nibble.models.hf_import import EXPORT_FORMATS
+from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
+                                   QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, quantization_settings_files,
                                    read_config, read_generation_config, read_tokenizer)
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
@@ -153,8 +154,10 @@ def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata:
     # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
     # config.json) is refused on load, not run as another model or with another model's tokenizer
     _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
-    # (an earlier GPTQ checkpoint's quantize_config.json too: AutoGPTQ before 0.5 reads the settings there first)
-    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json", directory / GPTQ_CONFIG]
+    # (an earlier checkpoint's quantize_config.json or quant_config.json too: AutoGPTQ before 0.5 and AutoAWQ read
+    # the settings there first)
+    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json",
+                         *(directory / name for name in QUANTIZATION_SETTINGS_FILES)]
              if p.name != WEIGHTS and p.exists()]
     if stale:  # said, since a file the user kept there (a backup of the weights) goes too
         warnings.warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
@@ -321,7 +324,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     qc_dict = raw.get("quantization_config")
-    if qc_dict is None and (directory / GPTQ_CONFIG).exists():  # AutoGPTQ before 0.5: its settings there alone
+    if qc_dict is None and quantization_settings_files(directory):  # AutoGPTQ before 0.5, early AutoAWQ: there alone
         return load_hf_quantized(directory, device, dtype, tokenizer)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")

@@ -617,6 +617,52 @@ def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_
         assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
 
 
+@pytest.mark.parametrize("version", ["GEMM", None])
+def test_an_early_autoawq_checkpoint_with_its_settings_in_quant_config_json_loads(tmp_path, version):
+    """Early AutoAWQ wrote its settings to quant_config.json alone, in its own keys (w_bit, q_group_size, zero_point,
+    version "GEMM"; none in the earliest, whose kernel was GEMM) and without quant_method: load_quantized refused the
+    folder as "not a quantized model", the CLI took it for a float model, and load_model failed on its qweights."""
+    from nibble.cli import _quantized_checkpoint
+    from nibble.models.loading import load_model
+    G = 32
+    model = tiny_model("llama")
+    ref, dense = write_checkpoint(tmp_path, model, {}, lambda W: write_awq_linear(W, G))
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    settings = {"zero_point": True, "q_group_size": G, "w_bit": 4, "version": version, "modules_to_not_convert": None}
+    (tmp_path / "quant_config.json").write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
+    loaded, _ = load_quantized(tmp_path)
+    assert loaded.config.quantization_config["method"] == "awq"
+    check_import(loaded, dense, ref, torch.randint(0, 256, (2, 16)))
+    assert _quantized_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match=r"holds a quantized checkpoint \(its quant_config\.json\), not a float model; "
+                                         "load it with nibble.load_quantized"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"w_bit": 4, "q_group_size": 32, "zero_point": True, "version": "GEMV"}, r"AWQ version='GEMV' is not supported"),
+    ({"w_bit": 3, "q_group_size": 32, "zero_point": True, "version": "GEMM"}, r"awq checkpoint with bits=3"),
+    ({"w_bit": 4, "q_group_size": 32, "zero_point": False, "version": "GEMM"}, r"AWQ with zero_point=false")])
+def test_an_early_autoawq_checkpoint_nibble_cannot_read_is_refused_by_its_quant_config_json(tmp_path, settings, match):
+    cfg = tiny_model("llama").config.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    (tmp_path / "quant_config.json").write_text(json.dumps(settings))
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        load_quantized(tmp_path)
+
+
+def test_gptq_and_autoawq_settings_files_side_by_side_without_a_quantization_config_are_refused(tmp_path):
+    cfg = tiny_model("llama").config.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 32, "sym": True}))
+    with pytest.raises(UnsupportedCheckpointError, match=r"holds both quantize_config\.json \(gptq's settings\) and "
+                                                         r"quant_config\.json \(awq's\)"):
+        load_quantized(tmp_path)
+
+
 def _without_digest(path):
     """The export's weights as another tool writes them: no digest of config.json, which may then be edited."""
     save_file(load_file(path / "model.safetensors"), path / "model.safetensors", metadata={"format": "pt"})
