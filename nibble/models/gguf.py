@@ -364,7 +364,12 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                          "download or convert it again") from e
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre](bool(meta("add_space_prefix", False)))
     tokenizer.decoder = decoders.ByteLevel()
-    types = meta("token_type")
+    types = meta("token_type", None)
+    if types is None:  # optional, as in llama.cpp, which reads every token as NORMAL without it
+        types = [gguf.TokenType.NORMAL] * len(tokens)
+    elif len(types) != len(tokens):  # zip below read the shorter as all there is: the tokens past it as NORMAL
+        raise ValueError(f"{path}: tokenizer.ggml.token_type holds {len(types)} types for its {len(tokens)} tokens: "
+                         "the file's metadata is corrupt; download or convert it again")
     # CONTROL tokens (<|im_start|> ...) must never be split by BPE nor shown when decoding with
     # skip_special_tokens; USER_DEFINED ones are matched whole but are ordinary text.
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)

@@ -103,11 +103,12 @@ def _permute(w, n_head):
 
 def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
                 merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
-                metadata=None):
+                metadata=None, token_types=True):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
     for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead). ``metadata``: {key: value}
-    written over the model's, a str as a string, a float as float32, a list as an array."""
+    written over the model's, a str as a string, a float as float32, a list as an array. ``token_types``: write
+    tokenizer.ggml.token_type (the first three tokens CONTROL, the others NORMAL), which llama.cpp takes as optional."""
     c = model.config
     w = gguf.GGUFWriter(path, arch, endianess=endianess)
     w.add_block_count(c.num_hidden_layers)
@@ -124,7 +125,8 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantize
     if tokenizer == "gpt2":
         w.add_tokenizer_pre(pre)
         w.add_token_list(TOKENS)
-        w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
+        if token_types:
+            w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
         w.add_token_merges(list(merges))
         if bos is not None:
             w.add_bos_token_id(bos)
@@ -314,10 +316,13 @@ def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damag
     (dict(bos=999), r"tokenizer\.ggml\.bos_token_id is 999, beyond its \d+ tokens: the file's metadata is corrupt"),
     (dict(bos=None, add_bos=True), r"tokenizer\.ggml\.add_bos_token is true, but no tokenizer\.ggml\.bos_token_id "
                                    r"says which token: the file's metadata is corrupt"),
-    (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt")])
+    (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt"),
+    (dict(token_types=False, metadata={"tokenizer.ggml.token_type": [3, 3, 3]}),
+     r"tokenizer\.ggml\.token_type holds 3 types for its \d+ tokens: the file's metadata is corrupt")])
 def test_a_tokenizer_the_metadata_cannot_build_is_named(tiny, tmp_path, kwargs, message):
     """IndexError: list index out of range, the tokenizers library's "Error while initializing BPE", and its TypeError
-    "Expected Union[Tuple[str, int], Tuple[int, str], dict]" for a BOS to add that no token id names."""
+    "Expected Union[Tuple[str, int], Tuple[int, str], dict]" for a BOS to add that no token id names; fewer token types
+    than tokens read the tokens past them as NORMAL, without a word."""
     with pytest.raises(ValueError, match=rf"bad\.gguf: {message}"):
         load_gguf(_write_gguf(tmp_path / "bad.gguf", tiny, **kwargs))
 
@@ -469,3 +474,17 @@ def test_a_bfloat16_load_keeps_the_rotary_frequencies_in_float32(tiny, tmp_path)
     assert model.dtype == torch.bfloat16 and {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.equal(model.model.rotary_emb.inv_freq, load_gguf(path)[0].model.rotary_emb.inv_freq)
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_a_gguf_without_token_types_loads_its_tokens_as_normal_ones(tiny, tmp_path):
+    """tokenizer.ggml.token_type is optional in llama.cpp, which reads every token as NORMAL without it; nibble refused
+    such a file as "metadata key 'tokenizer.ggml.token_type' is missing"."""
+    model, tokenizer = load_gguf(_write_gguf(tmp_path / "untyped.gguf", tiny, token_types=False))
+    typed = load_gguf(_write_gguf(tmp_path / "typed.gguf", tiny))[1]
+    # matched whole: the CONTROL tokens, and the BOS and EOS the file names (transformers makes those special)
+    assert set(typed.backend_tokenizer.get_added_tokens_decoder()) == {0, 1, 2}
+    assert set(tokenizer.backend_tokenizer.get_added_tokens_decoder()) == {1, 2}
+    ids = tokenizer("hello 42", return_tensors="pt").input_ids
+    assert ids.tolist() == typed("hello 42", return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, tiny(ids).logits, rtol=0, atol=1e-6)
