@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from contextlib import contextmanager
 
 import torch
@@ -13,6 +12,7 @@ from tqdm.auto import tqdm
 from nibble.config import QuantConfig, resolve_device, width_error
 from nibble.nn.quant_linear import QuantLinear
 from nibble.quantize.rtn import check_values, naming
+from nibble.warn import warn
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -140,9 +140,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     candidates = _candidate_linears(model)  # a typo in the skips is said before any calibration runs
     unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in candidates)]
     if unmatched:
-        warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
-                      f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')",
-                      stacklevel=2)
+        warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
+             f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')")
     if device is not None:
         move_all_but_layers(model, device)
     rotate_layer = None

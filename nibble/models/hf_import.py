@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, quantization_set
                                    read_json_object)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
+from nibble.warn import warn
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format (or format) in {CHECKPOINT_FORMATS})"
@@ -333,9 +333,9 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
         symmetric &= is_symmetric(weight.scales, weight.zeros) if layer_info["sym"] is None else layer_info["sym"]
 
     if relabelled:
-        warnings.warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
-                      f"{len(relabelled)} of its layers ({relabelled[0]}, ...) store 8, the gptq_v2 convention: read "
-                      "as gptq_v2", stacklevel=2)
+        warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
+             f"{len(relabelled)} of its layers ({relabelled[0]}, ...) store 8, the gptq_v2 convention: read "
+             "as gptq_v2")
     for k, v in tensors.items():
         if v.is_floating_point():
             _check_finite(v, f"{directory}: {k}")
@@ -386,9 +386,8 @@ def _tie_lm_head(model: nn.Module, directory: Path, stored: bool) -> None:
     head, embed = model.lm_head, model.get_input_embeddings()
     if isinstance(head, QuantLinear) or (stored and not torch.equal(head.weight, embed.weight)):
         if not isinstance(head, QuantLinear):
-            warnings.warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
-                          "differs from the embedding: kept untied, as stored (transformers does the same)",
-                          stacklevel=3)
+            warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
+                 "differs from the embedding: kept untied, as stored (transformers does the same)")
         untie_lm_head(model)  # the config then says what the model holds
     else:
         model.tie_weights()
@@ -559,9 +558,9 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
                     held.append(name)
         checkpoint_format = "gptq_v2" if held else "gptq"
         if held:
-            warnings.warn(f"{len(held)} layers ({held[0]}, ...) have groups with zero point 0 (no negative weight), "
-                          "which GPTQ's v1 format cannot hold: written as checkpoint_format 'gptq_v2' (GPTQModel, "
-                          "transformers and vLLM read it; AutoGPTQ does not)", stacklevel=2)
+            warn(f"{len(held)} layers ({held[0]}, ...) have groups with zero point 0 (no negative weight), "
+                 "which GPTQ's v1 format cannot hold: written as checkpoint_format 'gptq_v2' (GPTQModel, "
+                 "transformers and vLLM read it; AutoGPTQ does not)")
 
     def convert(m):
         return to_gptq(m.weight_int4(), getattr(m, "input_perm", None), checkpoint_format)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import is_gguf, load_gguf
+from nibble.warn import warn
 
 # what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
@@ -32,7 +32,7 @@ QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".zeros", ".g_idx")
 # The settings files quantizers write beside config.json (alone, before config.json held a quantization_config), and
 # the quant_method each stands for; the importer reads them in their tools' own keys (`read_quantization_config`).
 QUANTIZATION_SETTINGS_FILES = {
-    "quantize_config.json": "gptq",  # AutoGPTQ / GPTQModel (AutoGPTQ before 0.5 there alone; before 0.4 no quant_method)
+    "quantize_config.json": "gptq",  # AutoGPTQ / GPTQModel (AutoGPTQ before 0.5: there alone, before 0.4: no method)
     "quant_config.json": "awq",  # early AutoAWQ, there alone: w_bit, q_group_size, zero_point, version, no quant_method
 }
 
@@ -166,8 +166,8 @@ def read_generation_config(directory: Path) -> GenerationConfig | None:
         cause = f"it holds {json.dumps(held)[:40]}, not a JSON object"
     except (OSError, ValueError, TypeError, AttributeError) as e:  # from_dict's refusal of a value too
         cause = str(e)
-    warnings.warn(f"{file} cannot be read ({cause}), so it is ignored: generation stops on config.json's "
-                  "eos_token_id alone and samples with transformers' defaults; fix or delete that file", stacklevel=4)
+    warn(f"{file} cannot be read ({cause}), so it is ignored: generation stops on config.json's "
+         "eos_token_id alone and samples with transformers' defaults; fix or delete that file")
     return None
 
 
@@ -220,8 +220,8 @@ def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Pat
                                 else f"{ADDITIONAL_CHAT_TEMPLATES}/{name}.jinja")
             file = file if file.exists() else directory / "tokenizer_config.json"
             line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
-            warnings.warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'} cannot be compiled "
-                          f"({e.message}{line}): chat prompts that use it will fail; fix that file", stacklevel=5)
+            warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'} cannot be compiled "
+                 f"({e.message}{line}): chat prompts that use it will fail; fix that file")
 
 
 @contextmanager
@@ -273,5 +273,5 @@ def _check_loading_info(path: Path, info: dict) -> None:
         raise ValueError(f"{path}: {len(mismatched)} tensor(s) do not match the shapes config.json implies, e.g. "
                          f"{'; '.join(shapes)}; the config.json belongs to another model")
     if unexpected:
-        warnings.warn(f"{path}: {len(unexpected)} tensor(s) in the checkpoint are not part of the model and were "
-                      f"ignored, e.g. {unexpected[:5]}", stacklevel=4)
+        warn(f"{path}: {len(unexpected)} tensor(s) in the checkpoint are not part of the model and were "
+             f"ignored, e.g. {unexpected[:5]}")

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_ord
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
+from nibble.warn import warn
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -160,8 +160,8 @@ def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata:
                          *(directory / name for name in QUANTIZATION_SETTINGS_FILES)]
              if p.name != WEIGHTS and p.exists()]
     if stale:  # said, since a file the user kept there (a backup of the weights) goes too
-        warnings.warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
-                      "checkpoint's weights, which every reader would take for this model's", stacklevel=3)
+        warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
+             "checkpoint's weights, which every reader would take for this model's")
     for p in stale:
         p.unlink(missing_ok=True)
     save_companions(model, directory, tokenizer)

@@ -545,6 +545,36 @@ def test_a_stored_lm_head_is_kept_when_the_config_says_tied(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+def test_the_import_and_export_warnings_name_the_users_line(tmp_path):
+    """Their fixed stacklevels named a line of nibble's (serialization.py's) wherever load_quantized reached the
+    importer, or save_quantized the exporter, one frame deeper than a direct call."""
+    from test_warn import said_at
+    G = 32
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False, "sym": True,
+          "checkpoint_format": "gptq"}  # but zero points stored as v2's 8: read as v2, with a warning
+    write_checkpoint(tmp_path / "v2-zeros", tiny_model("llama"), qc,
+                     lambda W: write_gptq_linear(W, G, True, False, "gptq_v2"))
+    (tmp_path / "v2-zeros" / "generation_config.json").write_text("[]")
+    for load in (load_quantized, load_hf_quantized):
+        with pytest.warns(UserWarning) as record:
+            load(tmp_path / "v2-zeros")
+        assert {said_at(w) for w in record} == {'load(tmp_path / "v2-zeros")'}, [str(w.message) for w in record]
+        assert [w.filename for w in record] == [__file__] * 2  # "read as gptq_v2", generation_config.json ignored
+    model, path = _export(tmp_path, tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    _without_digest(path)
+    with pytest.warns(UserWarning, match="kept untied") as record:
+        load_quantized(path)
+    assert record[0].filename == __file__ and said_at(record[0]) == "load_quantized(path)"
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.zeros[0, 3] = 0.0  # which GPTQ's v1 cannot hold: written as v2, said
+    with pytest.warns(UserWarning, match="have groups with zero point 0") as record:
+        save_quantized(model, tmp_path / "zp0", format="gptq")
+    assert record[0].filename == __file__
+    assert said_at(record[0]) == 'save_quantized(model, tmp_path / "zp0", format="gptq")'
+
+
 @pytest.mark.parametrize("fmt,tensor", [("awq", "scales"), ("gptq", "scales"), ("gptq", "bias")])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_scales_are_refused_naming_the_layer(tmp_path, fmt, tensor, value):
