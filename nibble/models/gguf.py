@@ -22,6 +22,8 @@ from tokenizers.models import BPE
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.initialization import no_init_weights
 
+from nibble.models.convert import rebuild_non_persistent_buffers
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # GGUF tensor names -> transformers LlamaForCausalLM parameter names.
@@ -76,8 +78,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     # every weight was dequantized to float32
     tokenizer = _tokenizer(reader, path, config)
     _check_tensors(reader, path, config)
-    # Skip the random init: every parameter is replaced by the strict load below (its memory is never touched).
-    with no_init_weights():
+    # On the meta device (shapes, no memory): every parameter is replaced by the strict, assigning load below. Without
+    # the random init, which costs dispatch time on meta tensors too (twice the build's time with it)
+    with torch.device("meta"), no_init_weights():
         model = LlamaForCausalLM(config)
     state_dict = {}
     for tensor in reader.tensors:
@@ -98,11 +101,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
         state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config).to(dtype)
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    # assign: the parameters become these tensors; a copy into the ones allocated above held two models at the peak
+    # assign: the parameters become these tensors (a copy into allocated ones held two models at the peak)
     model.load_state_dict(state_dict, strict=True, assign=True)
-    model.tie_weights()  # no_init_weights skipped post_init's tying, and assign gave the two a Parameter each
-    # every parameter is in dtype; the rotary inv_freq buffer stays float32, as transformers' from_pretrained keeps it
-    # (in bfloat16 RoPE's angles drift with the position)
+    model.tie_weights()  # assign gave the embedding and the head a Parameter each
+    # the rotary inv_freq, a buffer the file does not hold, computed as LlamaForCausalLM(config) does on the CPU: in
+    # float32, as transformers' from_pretrained keeps it whatever the dtype (in bfloat16 RoPE's angles drift with
+    # the position), and bit for bit what a model built there held
+    rebuild_non_persistent_buffers(model, "cpu")
     return model.eval(), tokenizer
 
 

@@ -34,7 +34,8 @@ from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
-from nibble.models.convert import check_architecture, mark_quantized, quantized_linears, untie_lm_head
+from nibble.models.convert import (check_architecture, mark_quantized, quantized_linears,
+                                   rebuild_non_persistent_buffers, untie_lm_head)
 from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, quantization_settings_files, read_config,
                                    read_json_object)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
@@ -283,8 +284,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_architecture(model)
     tensors, files = _read_safetensors(directory)
-    from nibble.models.serialization import (METADATA, _rebuild_non_persistent_buffers, check_checksums,
-                                             check_config_digest)
+    from nibble.models.serialization import METADATA, check_checksums, check_config_digest
     for name, (meta, keys) in files.items():  # a nibble export: its checksums, the digest of its config.json
         if METADATA in meta:
             ours = json.loads(meta[METADATA])
@@ -352,7 +352,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
                          f"unexpected {unexpected[:5]})")
     if tied:
         _tie_lm_head(model, directory, stored="lm_head.weight" in state)
-    _rebuild_non_persistent_buffers(model, device)
+    rebuild_non_persistent_buffers(model, device)
     fold_mlp_input_orders(model)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
     made = made if made.get("library") == "nibble" and made.get("method") in METHODS else {}

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
-from nibble.models.convert import check_architecture, mark_quantized
+from nibble.models.convert import check_architecture, mark_quantized, rebuild_non_persistent_buffers
 from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
                                    QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, quantization_settings_files,
@@ -375,7 +375,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
         model.load_state_dict(placed, strict=True, assign=True)
     except RuntimeError as e:
         raise CheckpointError(f"{directory}: weights do not match the saved architecture ({e})") from e
-    _rebuild_non_persistent_buffers(model, device)
+    rebuild_non_persistent_buffers(model, device)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors:  # stored as the embedding's alias, or not
         model.tie_weights()  # one Parameter again, as transformers' from_pretrained leaves it
     if fold_mlp_input_orders(model):  # saves from before the fold listed permuted down_projs
@@ -417,14 +417,3 @@ def _place(name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tens
     if name.endswith((".qweight", ".scales", ".zeros")) or not t.is_floating_point():
         return t.to(device)
     return t.to(device=device, dtype=dtype)
-
-
-def _rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
-    """Buffers that are not saved (rotary inv_freq) were created on the meta device: rebuild them."""
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            if not type(module).__name__.endswith("RotaryEmbedding"):
-                raise CheckpointError(f"module {name} has buffers the checkpoint does not hold")
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child,
-                    type(module)(config=model.config).to(device))
