@@ -119,7 +119,10 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
+        # a GGUF repository downloaded as a folder (`hf download ...-GGUF --local-dir DIR`): its files are the models
+        ggufs = sorted(p.name for p in path.iterdir() if p.suffix.lower() == ".gguf")
+        held = f"; it holds {', '.join(ggufs[:3])}{', ...' if ggufs[3:] else ''}: pass one of them" if ggufs else ""
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json{held}")
     config = read_config(config_file)
     quant_method = (config.get("quantization_config") or {}).get("quant_method")
     settings = quantization_settings_files(path)  # an early AutoAWQ's qweights failed as weights missing

@@ -29,6 +29,7 @@ from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
 from nibble.models.convert import check_architecture, mark_quantized, rebuild_non_persistent_buffers
+from nibble.models.gguf import is_gguf
 from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
                                    QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, quantization_settings_files,
@@ -316,7 +317,10 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     if not directory.exists():
         raise FileNotFoundError(f"{str(directory)!r} is not a local checkpoint directory. {NEVER_DOWNLOADS}")
     if not directory.is_dir():
-        raise CheckpointError(f"{directory} is a file: a checkpoint is the directory of its config.json and weights")
+        gguf = (" (a GGUF file, a float model: quantize it first, with `nibble quantize --model FILE --out DIR`, or "
+                "load_model and quantize_model)") if is_gguf(directory) else ""
+        raise CheckpointError(f"{directory} is a file{gguf}: a checkpoint is the directory of its config.json and "
+                              "weights")
     if not (directory / CONFIG).exists():
         raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble, AutoAWQ or GPTQ checkpoint directory")
     try:

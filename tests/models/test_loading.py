@@ -99,7 +99,17 @@ def test_a_config_field_of_the_wrong_type_is_named(tmp_path):
 
 
 def test_directory_without_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(FileNotFoundError, match="has no config.json$"):
+        load_model(tmp_path)
+
+
+def test_a_folder_of_gguf_files_names_them(tmp_path):
+    """A GGUF repository downloaded as a folder (`hf download ...-GGUF --local-dir DIR`) was "not a Hugging Face model
+    directory: it has no config.json", which did not say that its files are the models to pass."""
+    for name in ("m.Q4_K_M.gguf", "m.Q8_0.GGUF", "README.md"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json; it holds m\.Q4_K_M\.gguf, m\.Q8_0\.GGUF: pass "
+                                                r"one of them$"):
         load_model(tmp_path)
 
 

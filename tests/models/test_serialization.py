@@ -129,6 +129,10 @@ def test_missing_files_and_non_quantized_dirs_are_clear_errors(tmp_path, saved):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="config.json is missing: not a nibble, AutoAWQ or GPTQ checkpoint"):
         load_quantized(tmp_path / "empty")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # nibble info FILE.gguf: a float model, to quantize first
+    with pytest.raises(CheckpointError, match=r"model\.gguf is a file \(a GGUF file, a float model: quantize it first, "
+                                              r"with `nibble quantize --model FILE --out DIR`.*\): a checkpoint is"):
+        load_quantized(tmp_path / "model.gguf")
     model = tiny_model()
     model.save_pretrained(tmp_path / "plain")
     with pytest.raises(CheckpointError, match="no quantization_config"):
