@@ -166,7 +166,11 @@ def _read_safetensors(directory: Path) -> tuple[dict, dict]:
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only")
+        pickles = sorted(p.name for p in directory.glob("*.bin"))  # early AutoAWQ's and AutoGPTQ's default
+        convert = (f"; it holds {', '.join(pickles[:2])}{', ...' if pickles[2:] else ''}, PyTorch pickles: convert each "
+                   "to a .safetensors file beside it (safetensors.torch.save_file(torch.load(BIN), SAFETENSORS, "
+                   "metadata={'format': 'pt'})), which nibble reads") if pickles else ""
+        raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only{convert}")
     tensors, held_by, metadata = {}, {}, {}
     for name in files:
         try:

@@ -671,6 +671,22 @@ def test_an_early_autoawq_checkpoint_with_its_settings_in_quant_config_json_load
         load_model(tmp_path)
 
 
+def test_an_autoawq_checkpoint_saved_as_pytorch_pickles_is_refused_saying_how_to_convert_it(tmp_path):
+    """Early AutoAWQ saved pytorch_model.bin by default: "no *.safetensors in DIR" said nothing of the file it holds;
+    converted as the refusal says, it loads."""
+    G = 32
+    ref, dense = write_checkpoint(tmp_path, tiny_model("llama"), {"quant_method": "awq", "version": "gemm", "bits": 4,
+                                                                  "group_size": G}, lambda W: write_awq_linear(W, G))
+    torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors in .*: nibble imports safetensors checkpoints only; "
+                                                r"it holds pytorch_model\.bin, PyTorch pickles: convert each"):
+        load_quantized(tmp_path)
+    save_file(torch.load(tmp_path / "pytorch_model.bin"), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "pytorch_model.bin").unlink()
+    check_import(load_quantized(tmp_path)[0], dense, ref, torch.randint(0, 256, (2, 16)))
+
+
 @pytest.mark.parametrize("settings,match", [
     ({"w_bit": 4, "q_group_size": 32, "zero_point": True, "version": "GEMV"}, r"AWQ version='GEMV' is not supported"),
     ({"w_bit": 3, "q_group_size": 32, "zero_point": True, "version": "GEMM"}, r"awq checkpoint with bits=3"),
