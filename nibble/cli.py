@@ -316,8 +316,13 @@ def _sampling_kwargs(sampling) -> dict:
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     """The prompt's token ids, in the chat template when ``chat`` and the tokenizer has one."""
     if chat and tokenizer.chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
+        from jinja2 import TemplateError
+        try:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+        except TemplateError as e:  # a template that does not compile, or raises (a traceback, nibble's error type)
+            raise ValueError(f"the model's chat template fails ({e}): fix it, or prompt without it with "
+                             "--no-chat") from e
         # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
         return tokenizer(prompt, add_special_tokens=False).input_ids
     return tokenizer(prompt).input_ids

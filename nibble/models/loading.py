@@ -107,6 +107,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     path = default_model_path() if name_or_path is None else Path(name_or_path).expanduser()
     if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):  # "MODEL.GGUF", or a blob without a suffix
         model, tokenizer = load_gguf(path, dtype=dtype)
+        warn_broken_chat_template(tokenizer, path)
     elif path.is_dir():
         model, tokenizer = _load_hf_dir(path, dtype)
     elif path.exists():
@@ -205,10 +206,11 @@ def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, source: Path) -> None:
     """Say which file holds a chat template that jinja cannot compile, as the model loads: transformers compiles a
     template at its first use, so a broken one surfaced only at the first prompt of a chat. A warning, not a refusal:
-    what runs without the template (quantize, eval, generate --no-chat) still runs."""
+    what runs without the template (quantize, eval, generate --no-chat) still runs. ``source``: the model's folder,
+    or its GGUF file, whose metadata holds the template."""
     from jinja2 import TemplateError
     from transformers.utils.chat_template_utils import _compile_jinja_template  # apply_chat_template's, cached
 
@@ -218,12 +220,14 @@ def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Pat
             if template:
                 _compile_jinja_template(template)
         except TemplateError as e:
-            # transformers reads the .jinja files first, and tokenizer_config.json's "chat_template" without them
-            file = directory / ("chat_template.jinja" if name == "default"
-                                else f"{ADDITIONAL_CHAT_TEMPLATES}/{name}.jinja")
-            file = file if file.exists() else directory / "tokenizer_config.json"
+            if source.is_file():  # a GGUF's (load_gguf reads the default template alone)
+                file, key = source, " (tokenizer.chat_template)"
+            else:  # transformers reads the .jinja files first, and tokenizer_config.json's "chat_template" without them
+                file = source / ("chat_template.jinja" if name == "default"
+                                 else f"{ADDITIONAL_CHAT_TEMPLATES}/{name}.jinja")
+                file, key = file if file.exists() else source / "tokenizer_config.json", ""
             line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
-            warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'} cannot be compiled "
+            warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'}{key} cannot be compiled "
                  f"({e.message}{line}): chat prompts that use it will fail; fix that file")
 
 

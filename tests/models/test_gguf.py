@@ -508,3 +508,12 @@ def test_the_model_is_built_on_the_meta_device_and_its_rotary_frequencies_comput
         ids = tokenizer("hello 42", return_tensors="pt").input_ids
         with torch.no_grad():
             assert torch.equal(model(ids).logits, tiny(ids).logits)
+
+
+def test_a_chat_template_that_cannot_compile_is_said_as_the_gguf_loads(tiny, tmp_path):
+    """A HF folder's broken template was said as it loaded, a GGUF's only at the first chat prompt, as a traceback."""
+    from nibble.models.loading import load_model
+    path = _write_gguf(tmp_path / "t.gguf", tiny, metadata={"tokenizer.chat_template": "{% if messages %}x"})
+    with pytest.warns(UserWarning, match=rf"^{re.escape(str(path))}: its chat template \(tokenizer\.chat_template\) "
+                                         r"cannot be compiled \(.*'endif'.*\): chat prompts that use it will fail"):
+        assert load_model(path)[1] is not None
