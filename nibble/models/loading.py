@@ -126,12 +126,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTr
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json{held}")
     config = read_config(config_file)
     quant_method = (config.get("quantization_config") or {}).get("quant_method")
-    settings = quantization_settings_files(path)  # an early AutoAWQ's qweights failed as weights missing
-    if quant_method is not None or settings:
+    if quant_method is not None:
         # transformers would hand these to AutoAWQ/optimum, which nibble does not depend on.
-        said = f"quant_method={quant_method!r}" if quant_method is not None else f"its {settings[0]}"
-        raise ValueError(f"{path} holds a quantized checkpoint ({said}), not a float model; load it with "
-                         "nibble.load_quantized (nibble, awq and gptq checkpoints)")
+        raise ValueError(f"{path} holds a quantized checkpoint (quant_method={quant_method!r}), not a float model; "
+                         "load it with nibble.load_quantized (nibble, awq and gptq checkpoints)")
     if (path / "model.safetensors.index.json").exists():  # transformers' error would name no file
         read_json_object(path / "model.safetensors.index.json")
     tokenizer = read_tokenizer(path)
@@ -265,6 +263,10 @@ def _check_loading_info(path: Path, info: dict) -> None:
     unexpected = sorted(info["unexpected_keys"])
     mismatched = sorted(info["mismatched_keys"])
     quantized = [k for k in unexpected if k.endswith(QUANTIZED_SUFFIXES)]
+    settings = quantization_settings_files(path)  # not refused before: they may be stale, beside float weights
+    if (missing or mismatched) and quantized and settings:  # an early AutoAWQ's, or an AutoGPTQ's before 0.5
+        raise ValueError(f"{path} holds a quantized checkpoint (its {settings[0]}), not a float model; load it with "
+                         "nibble.load_quantized (nibble, awq and gptq checkpoints)")
     if (missing or mismatched) and quantized:
         needed = missing or [k for k, *_ in mismatched]
         raise ValueError(f"{path} looks like a quantized checkpoint whose config.json has no quantization_config: "
