@@ -389,18 +389,26 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                              "metadata is corrupt; download or convert it again")
         return None if index is None else tokens[index]
 
-    bos = token("bos_token_id")
-    if meta("add_bos_token", False):
-        if bos is None:  # the tokenizers library's TypeError named no file, no key
-            raise ValueError(f"{path}: tokenizer.ggml.add_bos_token is true, but no tokenizer.ggml.bos_token_id says "
-                             "which token: the file's metadata is corrupt; download or convert it again")
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    # llama.cpp adds BOS before every text, and EOS after it, where the file says so
+    added = [(key, text) for key, text in (("bos", bos), ("eos", eos)) if meta(f"add_{key}_token", False)]
+    for key, text in added:
+        if text is None:  # the tokenizers library's TypeError named no file, no key
+            raise ValueError(f"{path}: tokenizer.ggml.add_{key}_token is true, but no tokenizer.ggml.{key}_token_id "
+                             "says which token: the file's metadata is corrupt; download or convert it again")
+    if added:
+        said = dict(added)
+
+        def around(segment: str, type_id: int) -> str:  # one text and its added tokens, as transformers' Llama adds them
+            return " ".join(f"{t}:{type_id}" for t in (said.get("bos"), segment, said.get("eos")) if t is not None)
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, config.bos_token_id)])
+            single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}",
+            special_tokens=list({text: meta(f"{key}_token_id") for key, text in added}.items()))
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        bos_token=bos, eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
+        bos_token=bos, eos_token=eos, unk_token=token("unknown_token_id"),
         pad_token=token("padding_token_id"),
         chat_template=_field(reader, "tokenizer.chat_template", path, None),
         model_max_length=config.max_position_embeddings,

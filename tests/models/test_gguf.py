@@ -101,8 +101,8 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
-                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
+def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=False, quantized=False, extra=None,
+                bos=1, merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
                 metadata=None, token_types=True):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
@@ -132,6 +132,8 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantize
             w.add_bos_token_id(bos)
         w.add_eos_token_id(2)
         w.add_add_bos_token(add_bos)
+        if add_eos:
+            w.add_add_eos_token(add_eos)
     else:
         w.add_vocab_size(c.vocab_size)
     for key, value in (metadata or {}).items():
@@ -517,3 +519,16 @@ def test_a_chat_template_that_cannot_compile_is_said_as_the_gguf_loads(tiny, tmp
     with pytest.warns(UserWarning, match=rf"^{re.escape(str(path))}: its chat template \(tokenizer\.chat_template\) "
                                          r"cannot be compiled \(.*'endif'.*\): chat prompts that use it will fail"):
         assert load_model(path)[1] is not None
+
+
+@pytest.mark.parametrize("add_bos,add_eos,around", [(True, False, (["<|im_start|>"], [])),
+                                                   (False, True, ([], ["<|im_end|>"])),
+                                                   (True, True, (["<|im_start|>"], ["<|im_end|>"]))])
+def test_the_tokens_the_gguf_says_to_add_are_added_to_every_text(tiny, tmp_path, add_bos, add_eos, around):
+    """tokenizer.ggml.add_eos_token was ignored: where llama.cpp ends every text with EOS, nibble did not."""
+    _, tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, add_bos=add_bos, add_eos=add_eos))
+    text = ["he", "ll", "o"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer("hello").input_ids) == [*around[0], *text, *around[1]]
+    pair = tokenizer("hello", "hello")
+    assert tokenizer.convert_ids_to_tokens(pair.input_ids) == [*around[0], *text, *around[1]] * 2
+    assert tokenizer.convert_ids_to_tokens(tokenizer("hello", add_special_tokens=False).input_ids) == text
