@@ -77,11 +77,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     # before the model: a tokenizer nibble cannot build (Llama 2's sentencepiece) is refused in a moment, not after
     # every weight was dequantized to float32
     tokenizer = _tokenizer(reader, path, config)
-    _check_tensors(reader, path, config)
-    # On the meta device (shapes, no memory): every parameter is replaced by the strict, assigning load below. Without
-    # the random init, which costs dispatch time on meta tensors too (twice the build's time with it)
-    with torch.device("meta"), no_init_weights():
-        model = LlamaForCausalLM(config)
+    # on the meta device (shapes, no memory): every parameter is replaced by the strict, assigning load below
+    model = _empty_model(reader, path, config)
     state_dict = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
@@ -111,17 +108,19 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     return model.eval(), tokenizer
 
 
-def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> None:
-    """Refuse a file whose tensors are not the model its metadata describes, before that model is allocated: one
-    flipped byte (embedding_length 64 -> 10,420,288) built an 11 GB model for a 1.5 MB file, which the OOM killer
-    ended. Every tensor is checked against a model on the meta device (shapes, no memory); the layers it builds are
-    at most the file's tensors."""
+def _empty_model(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> LlamaForCausalLM:
+    """The model the metadata describes, on the meta device (shapes, no memory), once every tensor of the file is
+    checked to fit it: a file whose tensors are not that model is refused before a weight is made (one flipped byte,
+    embedding_length 64 -> 10,420,288, built an 11 GB model for a 1.5 MB file, which the OOM killer ended). The
+    layers it builds are at most the file's tensors."""
     if config.num_hidden_layers > len(reader.tensors):
         raise ValueError(f"{path}: block_count {config.num_hidden_layers}, but the file holds {len(reader.tensors)} "
                          "tensors: the file is corrupt or its metadata belongs to another model; download or convert "
                          "it again")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    # without the random init, which costs dispatch time on meta tensors too (twice the build's time with it)
+    with torch.device("meta"), no_init_weights():
+        model = LlamaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     held = {"lm_head.weight"} if config.tie_word_embeddings else set()
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
@@ -131,6 +130,7 @@ def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> 
     if missing:  # load_state_dict would say it as a traceback of its own
         raise ValueError(f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}: the GGUF is "
                          "incomplete, or its architecture has tensors nibble's llama loader does not build")
+    return model
 
 
 def _check_place(tensor: gguf.ReaderTensor, name: str, expected: dict, config: LlamaConfig, path: Path) -> None:
