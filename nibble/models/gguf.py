@@ -215,6 +215,11 @@ def _open(path: Path) -> gguf.GGUFReader:
         raise ValueError(f"{path} is a {other}-endian GGUF, but this machine is {sys.byteorder}-endian: its tensors "
                          "would be read with their bytes swapped. Convert it with llama.cpp's gguf_convert_endian.py "
                          f"(`gguf_convert_endian.py FILE {sys.byteorder}`)")
+    parts = _field(reader, "split.count", path, 1, int)
+    if parts > 1:  # the first part was "lacks N of the model's tensors", the others "general.architecture is missing"
+        part = _field(reader, "split.no", path, 0, int)
+        raise ValueError(f"{path} is part {part + 1} of a GGUF split into {parts} files, and nibble reads one file: "
+                         "merge them with llama.cpp's `llama-gguf-split --merge FIRST_PART MERGED.gguf` and load that")
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; nibble loads GGUF files of "
@@ -399,7 +404,7 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
     if added:
         said = dict(added)
 
-        def around(segment: str, type_id: int) -> str:  # one text and its added tokens, as transformers' Llama adds them
+        def around(segment: str, type_id: int) -> str:  # a text and its added tokens, as transformers' Llama adds them
             return " ".join(f"{t}:{type_id}" for t in (said.get("bos"), segment, said.get("eos")) if t is not None)
         tokenizer.post_processor = processors.TemplateProcessing(
             single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}",

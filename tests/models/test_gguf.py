@@ -103,14 +103,16 @@ def _permute(w, n_head):
 
 def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=False, quantized=False, extra=None,
                 bos=1, merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
-                metadata=None, token_types=True):
+                metadata=None, token_types=True, split_max_tensors=0):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
     for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead). ``metadata``: {key: value}
-    written over the model's, a str as a string, a float as float32, a list as an array. ``token_types``: write
-    tokenizer.ggml.token_type (the first three tokens CONTROL, the others NORMAL), which llama.cpp takes as optional."""
+    written over the model's, a str as a string, a float as float32, a list as an array. ``split_max_tensors``: split
+    the file into parts of that many tensors each (llama.cpp's gguf-split), path-0000i-of-0000n.gguf.
+    ``token_types``: write tokenizer.ggml.token_type (the first three tokens CONTROL, the others NORMAL), which
+    llama.cpp takes as optional."""
     c = model.config
-    w = gguf.GGUFWriter(path, arch, endianess=endianess)
+    w = gguf.GGUFWriter(path, arch, endianess=endianess, split_max_tensors=split_max_tensors)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -532,3 +534,17 @@ def test_the_tokens_the_gguf_says_to_add_are_added_to_every_text(tiny, tmp_path,
     pair = tokenizer("hello", "hello")
     assert tokenizer.convert_ids_to_tokens(pair.input_ids) == [*around[0], *text, *around[1]] * 2
     assert tokenizer.convert_ids_to_tokens(tokenizer("hello", add_special_tokens=False).input_ids) == text
+
+
+def test_a_part_of_a_split_gguf_is_refused_saying_to_merge_the_parts(tiny, tmp_path):
+    """The first part of a GGUF that llama.cpp's gguf-split cut in parts "lacks 10 of the model's tensors: the GGUF is
+    incomplete, or its architecture has tensors nibble's llama loader does not build", the others "general.architecture
+    is missing; the file is incomplete or not a llama.cpp model file"."""
+    _write_gguf(tmp_path / "t.gguf", tiny, split_max_tensors=10)
+    for part in (1, 2, 3):
+        path = tmp_path / f"t-0000{part}-of-00003.gguf"
+        for read in (load_gguf, read_q4_1_blocks):
+            with pytest.raises(ValueError, match=rf"t-0000{part}-of-00003\.gguf is part {part} of a GGUF split into 3 "
+                                                 r"files, and nibble reads one file: merge them with llama\.cpp's "
+                                                 r"`llama-gguf-split --merge"):
+                read(path)
