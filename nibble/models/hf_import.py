@@ -297,8 +297,11 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
             check_config_digest(directory / name, ours, raw)
 
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
-    if not prefixes:
-        raise ValueError(f"{directory}: config says {info['method']} but no tensor ends in .qweight")
+    if not prefixes:  # a float model's weights: the file that says otherwise is another checkpoint's, or they are
+        said = CONFIG if raw.get("quantization_config") else quantization_settings_files(directory)[0]
+        raise ValueError(f"{directory / said} says {info['method']}, but no tensor of the checkpoint ends in .qweight: "
+                         f"its weights are not quantized; {said} or the weights belong to another checkpoint (float "
+                         "weights load with load_model once it is moved away)")
     group_sizes, relabelled, symmetric = set(), [], True  # the zeros' own word where the config says nothing
     for prefix in prefixes:
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}

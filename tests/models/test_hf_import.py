@@ -683,6 +683,17 @@ def test_an_autoawq_checkpoint_saved_as_pytorch_pickles_is_refused_saying_how_to
     check_import(load_quantized(tmp_path)[0], dense, ref, torch.randint(0, 256, (2, 16)))
 
 
+def test_float_weights_beside_a_quantizers_settings_file_are_named_as_such(tmp_path):
+    """"config says awq but no tensor ends in .qweight", where no config.json said awq: a quant_config.json (or
+    quantize_config.json) that AutoAWQ (AutoGPTQ) left beside weights saved again in float."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    with pytest.raises(ValueError, match=r"quant_config\.json says awq, but no tensor of the checkpoint ends in "
+                                         r"\.qweight: its weights are not quantized; quant_config\.json or the weights "
+                                         "belong to another checkpoint"):
+        load_quantized(tmp_path)
+
+
 @pytest.mark.parametrize("settings,match", [
     ({"w_bit": 4, "q_group_size": 32, "zero_point": True, "version": "GEMV"}, r"AWQ version='GEMV' is not supported"),
     ({"w_bit": 3, "q_group_size": 32, "zero_point": True, "version": "GEMM"}, r"awq checkpoint with bits=3"),
