@@ -39,13 +39,13 @@ def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | N
 def quantized_checkpoint(model: str | None) -> bool:
     """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
     AutoAWQ's or GPTQ's), not a float model to quantize."""
-    from nibble.models.loading import read_json_object
-    from nibble.models.serialization import GPTQ_CONFIG, HF_QUANT_METHODS
+    from nibble.models.loading import quantization_settings_files, read_json_object
+    from nibble.models.serialization import HF_QUANT_METHODS
 
     config = Path(model) / "config.json" if model else None
     if not (config and config.exists()):
         return False
-    if (config.parent / GPTQ_CONFIG).exists():  # AutoGPTQ's settings, read by load_quantized
+    if quantization_settings_files(config.parent):  # AutoGPTQ's or early AutoAWQ's settings, read by load_quantized
         return True
     qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
     method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None
@@ -323,8 +323,13 @@ def _sampling_kwargs(sampling) -> dict:
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     """The prompt's token ids, in the chat template when ``chat`` and the tokenizer has one."""
     if chat and tokenizer.chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
+        from jinja2 import TemplateError
+        try:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+        except TemplateError as e:  # a template that does not compile, or raises (a traceback, nibble's error type)
+            raise ValueError(f"the model's chat template fails ({e}): fix it, or prompt without it with "
+                             "--no-chat") from e
         # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
         return tokenizer(prompt, add_special_tokens=False).input_ids
     return tokenizer(prompt).input_ids

@@ -40,6 +40,19 @@ def test_a_chat_prompt_holds_one_bos_when_the_template_and_the_tokenizer_both_wr
     assert _prompt_ids(tok, "the capital", chat=False)[0] == tok.bos_token_id  # no template: the tokenizer's BOS
 
 
+@pytest.mark.parametrize("template", ["{% if messages %}{{ messages[0]['content'] }}",  # does not compile
+                                      "{{ raise_exception('roles must alternate') }}"])  # raises, as Mistral's do
+def test_a_chat_template_that_fails_is_said_with_the_way_around_it(template):
+    """jinja's TemplateSyntaxError, or the template's own TemplateError, was a traceback at the first prompt."""
+    from nibble.cli import _prompt_ids
+    tok = _tiny_tokenizer()
+    tok.chat_template = template
+    with pytest.raises(ValueError, match=r"the model's chat template fails \(.+\): fix it, or prompt without it "
+                                         "with --no-chat"):
+        _prompt_ids(tok, "the capital", chat=True)
+    assert _prompt_ids(tok, "the capital", chat=False)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     tok = _tiny_tokenizer()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import warnings
 from contextlib import contextmanager
 
 import torch
@@ -14,6 +13,7 @@ from tqdm.auto import tqdm
 from nibble.config import QuantConfig, resolve_device, width_error
 from nibble.nn.quant_linear import QuantLinear
 from nibble.quantize.rtn import check_values, naming
+from nibble.warn import warn
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -88,6 +88,18 @@ def untie_lm_head(model: nn.Module) -> None:
         model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
 
 
+def rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
+    """Build on ``device`` the buffers of a model made on the meta device that no checkpoint holds (the rotary
+    embedding's inv_freq), as its constructor computes them: in float32, whatever dtype the model is in."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if not type(module).__name__.endswith("RotaryEmbedding"):
+                raise ValueError(f"module {name} has buffers the checkpoint does not hold")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    type(module)(config=model.config).to(device))
+
+
 def quantized_linears(model: nn.Module):
     """(name, QuantLinear) for every converted layer."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
@@ -142,9 +154,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     candidates = _candidate_linears(model)  # a typo in the skips is said before any calibration runs
     unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in candidates)]
     if unmatched:
-        warnings.warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
-                      f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')",
-                      stacklevel=2)
+        warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
+             f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')")
     if device is not None:
         move_all_but_layers(model, device)
     rotate_layer = None

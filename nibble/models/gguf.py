@@ -22,6 +22,8 @@ from tokenizers.models import BPE
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.initialization import no_init_weights
 
+from nibble.models.convert import rebuild_non_persistent_buffers
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # GGUF tensor names -> transformers LlamaForCausalLM parameter names.
@@ -75,10 +77,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     # before the model: a tokenizer nibble cannot build (Llama 2's sentencepiece) is refused in a moment, not after
     # every weight was dequantized to float32
     tokenizer = _tokenizer(reader, path, config)
-    _check_tensors(reader, path, config)
-    # Skip the random init: every parameter is replaced by the strict load below (its memory is never touched).
-    with no_init_weights():
-        model = LlamaForCausalLM(config)
+    # on the meta device (shapes, no memory): every parameter is replaced by the strict, assigning load below
+    model = _empty_model(reader, path, config)
     state_dict = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
@@ -98,11 +98,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
         state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config).to(dtype)
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    # assign: the parameters become these tensors; a copy into the ones allocated above held two models at the peak
+    # assign: the parameters become these tensors (a copy into allocated ones held two models at the peak)
     model.load_state_dict(state_dict, strict=True, assign=True)
-    model.tie_weights()  # no_init_weights skipped post_init's tying, and assign gave the two a Parameter each
-    # every parameter is in dtype; the rotary inv_freq buffer stays float32, as transformers' from_pretrained keeps it
-    # (in bfloat16 RoPE's angles drift with the position)
+    model.tie_weights()  # assign gave the embedding and the head a Parameter each
+    # the rotary inv_freq, a buffer the file does not hold, computed as LlamaForCausalLM(config) does on the CPU: in
+    # float32, as transformers' from_pretrained keeps it whatever the dtype (in bfloat16 RoPE's angles drift with
+    # the position), and bit for bit what a model built there held
+    rebuild_non_persistent_buffers(model, "cpu")
     return model.eval(), tokenizer
 
 
@@ -114,17 +116,19 @@ def read_context_length(path: str | Path) -> int:
     return _field(_open(path), "llama.context_length", path, kind=int)
 
 
-def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> None:
-    """Refuse a file whose tensors are not the model its metadata describes, before that model is allocated: one
-    flipped byte (embedding_length 64 -> 10,420,288) built an 11 GB model for a 1.5 MB file, which the OOM killer
-    ended. Every tensor is checked against a model on the meta device (shapes, no memory); the layers it builds are
-    at most the file's tensors."""
+def _empty_model(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> LlamaForCausalLM:
+    """The model the metadata describes, on the meta device (shapes, no memory), once every tensor of the file is
+    checked to fit it: a file whose tensors are not that model is refused before a weight is made (one flipped byte,
+    embedding_length 64 -> 10,420,288, built an 11 GB model for a 1.5 MB file, which the OOM killer ended). The
+    layers it builds are at most the file's tensors."""
     if config.num_hidden_layers > len(reader.tensors):
         raise ValueError(f"{path}: block_count {config.num_hidden_layers}, but the file holds {len(reader.tensors)} "
                          "tensors: the file is corrupt or its metadata belongs to another model; download or convert "
                          "it again")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    # without the random init, which costs dispatch time on meta tensors too (twice the build's time with it)
+    with torch.device("meta"), no_init_weights():
+        model = LlamaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     held = {"lm_head.weight"} if config.tie_word_embeddings else set()
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
@@ -134,6 +138,7 @@ def _check_tensors(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> 
     if missing:  # load_state_dict would say it as a traceback of its own
         raise ValueError(f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}: the GGUF is "
                          "incomplete, or its architecture has tensors nibble's llama loader does not build")
+    return model
 
 
 def _check_place(tensor: gguf.ReaderTensor, name: str, expected: dict, config: LlamaConfig, path: Path) -> None:
@@ -218,6 +223,11 @@ def _open(path: Path) -> gguf.GGUFReader:
         raise ValueError(f"{path} is a {other}-endian GGUF, but this machine is {sys.byteorder}-endian: its tensors "
                          "would be read with their bytes swapped. Convert it with llama.cpp's gguf_convert_endian.py "
                          f"(`gguf_convert_endian.py FILE {sys.byteorder}`)")
+    parts = _field(reader, "split.count", path, 1, int)
+    if parts > 1:  # the first part was "lacks N of the model's tensors", the others "general.architecture is missing"
+        part = _field(reader, "split.no", path, 0, int)
+        raise ValueError(f"{path} is part {part + 1} of a GGUF split into {parts} files, and nibble reads one file: "
+                         "merge them with llama.cpp's `llama-gguf-split --merge FIRST_PART MERGED.gguf` and load that")
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; nibble loads GGUF files of "
@@ -372,7 +382,12 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                          "download or convert it again") from e
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre](bool(meta("add_space_prefix", False)))
     tokenizer.decoder = decoders.ByteLevel()
-    types = meta("token_type")
+    types = meta("token_type", None)
+    if types is None:  # optional, as in llama.cpp, which reads every token as NORMAL without it
+        types = [gguf.TokenType.NORMAL] * len(tokens)
+    elif len(types) != len(tokens):  # zip below read the shorter as all there is: the tokens past it as NORMAL
+        raise ValueError(f"{path}: tokenizer.ggml.token_type holds {len(types)} types for its {len(tokens)} tokens: "
+                         "the file's metadata is corrupt; download or convert it again")
     # CONTROL tokens (<|im_start|> ...) must never be split by BPE nor shown when decoding with
     # skip_special_tokens; USER_DEFINED ones are matched whole but are ordinary text.
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -387,18 +402,26 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
                              "metadata is corrupt; download or convert it again")
         return None if index is None else tokens[index]
 
-    bos = token("bos_token_id")
-    if meta("add_bos_token", False):
-        if bos is None:  # the tokenizers library's TypeError named no file, no key
-            raise ValueError(f"{path}: tokenizer.ggml.add_bos_token is true, but no tokenizer.ggml.bos_token_id says "
-                             "which token: the file's metadata is corrupt; download or convert it again")
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    # llama.cpp adds BOS before every text, and EOS after it, where the file says so
+    added = [(key, text) for key, text in (("bos", bos), ("eos", eos)) if meta(f"add_{key}_token", False)]
+    for key, text in added:
+        if text is None:  # the tokenizers library's TypeError named no file, no key
+            raise ValueError(f"{path}: tokenizer.ggml.add_{key}_token is true, but no tokenizer.ggml.{key}_token_id "
+                             "says which token: the file's metadata is corrupt; download or convert it again")
+    if added:
+        said = dict(added)
+
+        def around(segment: str, type_id: int) -> str:  # a text and its added tokens, as transformers' Llama adds them
+            return " ".join(f"{t}:{type_id}" for t in (said.get("bos"), segment, said.get("eos")) if t is not None)
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, config.bos_token_id)])
+            single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}",
+            special_tokens=list({text: meta(f"{key}_token_id") for key, text in added}.items()))
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        bos_token=bos, eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
+        bos_token=bos, eos_token=eos, unk_token=token("unknown_token_id"),
         pad_token=token("padding_token_id"),
         chat_template=_field(reader, "tokenizer.chat_template", path, None),
         model_max_length=config.max_position_embeddings,

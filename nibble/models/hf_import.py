@@ -1,7 +1,8 @@
 """Import AutoAWQ / GPTQ checkpoints into nibble, and export nibble W4A16 models to them, losslessly.
 
 ``load_hf_quantized(dir)`` reads a local Hugging Face directory (config.json + *.safetensors)
-whose ``quantization_config`` is
+whose ``quantization_config`` (or, without one, the settings file its tool wrote beside it: AutoGPTQ's
+quantize_config.json, early AutoAWQ's quant_config.json) is
 
 - AutoAWQ: ``quant_method: awq``, ``version: gemm``, ``bits: 4``, ``zero_point: true``;
 - GPTQ (AutoGPTQ, GPTQModel, optimum): ``quant_method: gptq``, ``bits: 4``, symmetric or not,
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 
 import torch
@@ -35,10 +35,12 @@ from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_g
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n
 from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules, quantized_linears,
-                                   untie_lm_head)
-from nibble.models.loading import read_config, read_json_object
+                                   rebuild_non_persistent_buffers, untie_lm_head)
+from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, quantization_settings_files, read_config,
+                                   read_json_object)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
+from nibble.warn import warn
 
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format (or format) in {CHECKPOINT_FORMATS})"
@@ -48,7 +50,6 @@ QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values t
 EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-GPTQ_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel write their settings here too (before 0.5: only here)
 _REQUIRED_KEYS = ("qweight", "qzeros", "scales")  # every AWQ / GPTQ layer's
 _QUANT_KEYS = (*_REQUIRED_KEYS, "g_idx")  # GPTQ's g_idx is optional: without one, groups are k // G
 
@@ -61,16 +62,24 @@ class UnsupportedCheckpointError(ValueError):
 
 def read_quantization_config(directory) -> dict:
     """The checkpoint's quantization settings, validated: {"method", "group_size", "sym", "desc_act",
-    "checkpoint_format", "dynamic", "raw"}. Raises UnsupportedCheckpointError naming what nibble supports."""
+    "checkpoint_format", "dynamic", "raw"}: config.json's quantization_config, over those of the settings files
+    beside it (`QUANTIZATION_SETTINGS_FILES`). Raises UnsupportedCheckpointError naming what nibble supports."""
     directory = Path(directory)
     raw = read_config(directory / CONFIG)
     qc = dict(raw.get("quantization_config") or {})
-    extra = directory / GPTQ_CONFIG
-    if extra.exists():  # a GPTQ checkpoint's (AutoGPTQ before 0.4 named no quant_method)
-        qc = {"quant_method": "gptq", **read_json_object(extra), **qc}
+    held = quantization_settings_files(directory)
+    if not qc and len(held) > 1:  # no quant_method says which tool's settings describe the weights
+        raise UnsupportedCheckpointError(
+            f"{directory} holds both {held[0]} ({QUANTIZATION_SETTINGS_FILES[held[0]]}'s settings) and {held[1]} "
+            f"({QUANTIZATION_SETTINGS_FILES[held[1]]}'s), and its config.json no quantization_config: which of them "
+            "describes the weights is unclear; remove the other checkpoint's file")
+    for name in held:  # in the tool's own keys (AutoAWQ's w_bit and q_group_size are read as bits, group_size below)
+        qc = {"quant_method": QUANTIZATION_SETTINGS_FILES[name], **read_json_object(directory / name), **qc}
     if not qc:
-        raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized checkpoint "
-                                         f"(nibble imports {SUPPORTED}; quantize a float model with nibble instead)")
+        raise UnsupportedCheckpointError(f"{directory / CONFIG} has no quantization_config (nor is a "
+                                         f"{' or '.join(QUANTIZATION_SETTINGS_FILES)} beside it): not a quantized "
+                                         f"checkpoint (nibble imports {SUPPORTED}; quantize a float model with nibble "
+                                         "instead)")
     method = str(qc.get("quant_method", "")).lower()
     bits = qc.get("bits", qc.get("w_bit"))
     if method not in QUANT_METHODS:
@@ -157,7 +166,11 @@ def _read_safetensors(directory: Path) -> tuple[dict, dict]:
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only")
+        pickles = sorted(p.name for p in directory.glob("*.bin"))  # early AutoAWQ's and AutoGPTQ's default
+        convert = (f"; it holds {', '.join(pickles[:2])}{', ...' if pickles[2:] else ''}, PyTorch pickles: convert each "
+                   "to a .safetensors file beside it (safetensors.torch.save_file(torch.load(BIN), SAFETENSORS, "
+                   "metadata={'format': 'pt'})), which nibble reads") if pickles else ""
+        raise FileNotFoundError(f"no *.safetensors in {directory}: nibble imports safetensors checkpoints only{convert}")
     tensors, held_by, metadata = {}, {}, {}
     for name in files:
         try:
@@ -275,8 +288,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_architecture(model)
     tensors, files = _read_safetensors(directory)
-    from nibble.models.serialization import (METADATA, _rebuild_non_persistent_buffers, check_checksums,
-                                             check_config_digest)
+    from nibble.models.serialization import METADATA, check_checksums, check_config_digest
     for name, (meta, keys) in files.items():  # a nibble export: its checksums, the digest of its config.json
         if METADATA in meta:
             ours = json.loads(meta[METADATA])
@@ -285,8 +297,11 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
             check_config_digest(directory / name, ours, raw)
 
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
-    if not prefixes:
-        raise ValueError(f"{directory}: config says {info['method']} but no tensor ends in .qweight")
+    if not prefixes:  # a float model's weights: the file that says otherwise is another checkpoint's, or they are
+        said = CONFIG if raw.get("quantization_config") else quantization_settings_files(directory)[0]
+        raise ValueError(f"{directory / said} says {info['method']}, but no tensor of the checkpoint ends in .qweight: "
+                         f"its weights are not quantized; {said} or the weights belong to another checkpoint (float "
+                         "weights load with load_model once it is moved away)")
     group_sizes, relabelled, symmetric = set(), [], True  # the zeros' own word where the config says nothing
     for prefix in prefixes:
         t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
@@ -325,9 +340,9 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
         symmetric &= is_symmetric(weight.scales, weight.zeros) if layer_info["sym"] is None else layer_info["sym"]
 
     if relabelled:
-        warnings.warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
-                      f"{len(relabelled)} of its layers ({relabelled[0]}, ...) store 8, the gptq_v2 convention: read "
-                      "as gptq_v2", stacklevel=2)
+        warn(f"this GPTQ checkpoint says sym=true and checkpoint_format='gptq' (zero points stored as 7), but "
+             f"{len(relabelled)} of its layers ({relabelled[0]}, ...) store 8, the gptq_v2 convention: read "
+             "as gptq_v2")
     for k, v in tensors.items():
         if v.is_floating_point():
             _check_finite(v, f"{directory}: {k}")
@@ -344,7 +359,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
                          f"unexpected {unexpected[:5]})")
     if tied:
         _tie_lm_head(model, directory, stored="lm_head.weight" in state)
-    _rebuild_non_persistent_buffers(model, device)
+    rebuild_non_persistent_buffers(model, device)
     fold_mlp_input_orders(model)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
     made = made if made.get("library") == "nibble" and made.get("method") in METHODS else {}
@@ -378,9 +393,8 @@ def _tie_lm_head(model: nn.Module, directory: Path, stored: bool) -> None:
     head, embed = model.lm_head, model.get_input_embeddings()
     if isinstance(head, QuantLinear) or (stored and not torch.equal(head.weight, embed.weight)):
         if not isinstance(head, QuantLinear):
-            warnings.warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
-                          "differs from the embedding: kept untied, as stored (transformers does the same)",
-                          stacklevel=3)
+            warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
+                 "differs from the embedding: kept untied, as stored (transformers does the same)")
         untie_lm_head(model)  # the config then says what the model holds
     else:
         model.tie_weights()
@@ -558,9 +572,9 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
                     held.append(name)
         checkpoint_format = "gptq_v2" if held else "gptq"
         if held:
-            warnings.warn(f"{len(held)} layers ({held[0]}, ...) have groups with zero point 0 (no negative weight), "
-                          "which GPTQ's v1 format cannot hold: written as checkpoint_format 'gptq_v2' (GPTQModel, "
-                          "transformers and vLLM read it; AutoGPTQ does not)", stacklevel=2)
+            warn(f"{len(held)} layers ({held[0]}, ...) have groups with zero point 0 (no negative weight), "
+                 "which GPTQ's v1 format cannot hold: written as checkpoint_format 'gptq_v2' (GPTQModel, "
+                 "transformers and vLLM read it; AutoGPTQ does not)")
 
     def convert(m):
         return to_gptq(m.weight_int4(), getattr(m, "input_perm", None), checkpoint_format)

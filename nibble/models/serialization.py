@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -29,15 +28,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
-from nibble.models.convert import check_architecture, mark_quantized, online_hadamard_modules
-from nibble.models.hf_import import EXPORT_FORMATS, GPTQ_CONFIG
-from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS, TOKENIZER_FILES,
+from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules,
+                                   rebuild_non_persistent_buffers)
+from nibble.models.gguf import is_gguf
+from nibble.models.hf_import import EXPORT_FORMATS
+from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
+                                   QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, quantization_settings_files,
                                    read_config, read_generation_config, read_tokenizer)
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
                                      checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
+from nibble.warn import warn
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -150,12 +153,14 @@ def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata:
     # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
     # config.json) is refused on load, not run as another model or with another model's tokenizer
     _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
-    # (an earlier GPTQ checkpoint's quantize_config.json too: AutoGPTQ before 0.5 reads the settings there first)
-    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json", directory / GPTQ_CONFIG]
+    # (an earlier checkpoint's quantize_config.json or quant_config.json too: AutoGPTQ before 0.5 and AutoAWQ read
+    # the settings there first)
+    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json",
+                         *(directory / name for name in QUANTIZATION_SETTINGS_FILES)]
              if p.name != WEIGHTS and p.exists()]
     if stale:  # said, since a file the user kept there (a backup of the weights) goes too
-        warnings.warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
-                      "checkpoint's weights, which every reader would take for this model's", stacklevel=3)
+        warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
+             "checkpoint's weights, which every reader would take for this model's")
     for p in stale:
         p.unlink(missing_ok=True)
     save_companions(model, directory, tokenizer)
@@ -310,7 +315,10 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     if not directory.exists():
         raise FileNotFoundError(f"{str(directory)!r} is not a local checkpoint directory. {NEVER_DOWNLOADS}")
     if not directory.is_dir():
-        raise CheckpointError(f"{directory} is a file: a checkpoint is the directory of its config.json and weights")
+        gguf = (" (a GGUF file, a float model: quantize it first, with `nibble quantize --model FILE --out DIR`, or "
+                "load_model and quantize_model)") if is_gguf(directory) else ""
+        raise CheckpointError(f"{directory} is a file{gguf}: a checkpoint is the directory of its config.json and "
+                              "weights")
     if not (directory / CONFIG).exists():
         raise CheckpointError(f"{directory / CONFIG} is missing: not a nibble, AutoAWQ or GPTQ checkpoint directory")
     try:
@@ -318,7 +326,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     qc_dict = raw.get("quantization_config")
-    if qc_dict is None and (directory / GPTQ_CONFIG).exists():  # AutoGPTQ before 0.5: its settings there alone
+    if qc_dict is None and quantization_settings_files(directory):  # AutoGPTQ before 0.5, early AutoAWQ: there alone
         return load_hf_quantized(directory, device, dtype, tokenizer)
     if qc_dict is None:
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
@@ -369,7 +377,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
         model.load_state_dict(placed, strict=True, assign=True)
     except RuntimeError as e:
         raise CheckpointError(f"{directory}: weights do not match the saved architecture ({e})") from e
-    _rebuild_non_persistent_buffers(model, device)
+    rebuild_non_persistent_buffers(model, device)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors:  # stored as the embedding's alias, or not
         model.tie_weights()  # one Parameter again, as transformers' from_pretrained leaves it
     if fold_mlp_input_orders(model):  # saves from before the fold listed permuted down_projs
@@ -411,14 +419,3 @@ def _place(name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tens
     if name.endswith((".qweight", ".scales", ".zeros")) or not t.is_floating_point():
         return t.to(device)
     return t.to(device=device, dtype=dtype)
-
-
-def _rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
-    """Buffers that are not saved (rotary inv_freq) were created on the meta device: rebuild them."""
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            if not type(module).__name__.endswith("RotaryEmbedding"):
-                raise CheckpointError(f"module {name} has buffers the checkpoint does not hold")
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child,
-                    type(module)(config=model.config).to(device))

@@ -101,15 +101,18 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantized=False, extra=None, bos=1,
-                merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
-                metadata=None):
+def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=False, quantized=False, extra=None,
+                bos=1, merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
+                metadata=None, token_types=True, split_max_tensors=0):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
     for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead). ``metadata``: {key: value}
-    written over the model's, a str as a string, a float as float32, a list as an array."""
+    written over the model's, a str as a string, a float as float32, a list as an array. ``split_max_tensors``: split
+    the file into parts of that many tensors each (llama.cpp's gguf-split), path-0000i-of-0000n.gguf.
+    ``token_types``: write tokenizer.ggml.token_type (the first three tokens CONTROL, the others NORMAL), which
+    llama.cpp takes as optional."""
     c = model.config
-    w = gguf.GGUFWriter(path, arch, endianess=endianess)
+    w = gguf.GGUFWriter(path, arch, endianess=endianess, split_max_tensors=split_max_tensors)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -124,12 +127,15 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, quantize
     if tokenizer == "gpt2":
         w.add_tokenizer_pre(pre)
         w.add_token_list(TOKENS)
-        w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
+        if token_types:
+            w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 3))
         w.add_token_merges(list(merges))
         if bos is not None:
             w.add_bos_token_id(bos)
         w.add_eos_token_id(2)
         w.add_add_bos_token(add_bos)
+        if add_eos:
+            w.add_add_eos_token(add_eos)
     else:
         w.add_vocab_size(c.vocab_size)
     for key, value in (metadata or {}).items():
@@ -314,10 +320,13 @@ def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damag
     (dict(bos=999), r"tokenizer\.ggml\.bos_token_id is 999, beyond its \d+ tokens: the file's metadata is corrupt"),
     (dict(bos=None, add_bos=True), r"tokenizer\.ggml\.add_bos_token is true, but no tokenizer\.ggml\.bos_token_id "
                                    r"says which token: the file's metadata is corrupt"),
-    (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt")])
+    (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt"),
+    (dict(token_types=False, metadata={"tokenizer.ggml.token_type": [3, 3, 3]}),
+     r"tokenizer\.ggml\.token_type holds 3 types for its \d+ tokens: the file's metadata is corrupt")])
 def test_a_tokenizer_the_metadata_cannot_build_is_named(tiny, tmp_path, kwargs, message):
     """IndexError: list index out of range, the tokenizers library's "Error while initializing BPE", and its TypeError
-    "Expected Union[Tuple[str, int], Tuple[int, str], dict]" for a BOS to add that no token id names."""
+    "Expected Union[Tuple[str, int], Tuple[int, str], dict]" for a BOS to add that no token id names; fewer token types
+    than tokens read the tokens past them as NORMAL, without a word."""
     with pytest.raises(ValueError, match=rf"bad\.gguf: {message}"):
         load_gguf(_write_gguf(tmp_path / "bad.gguf", tiny, **kwargs))
 
@@ -469,3 +478,73 @@ def test_a_bfloat16_load_keeps_the_rotary_frequencies_in_float32(tiny, tmp_path)
     assert model.dtype == torch.bfloat16 and {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.equal(model.model.rotary_emb.inv_freq, load_gguf(path)[0].model.rotary_emb.inv_freq)
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_a_gguf_without_token_types_loads_its_tokens_as_normal_ones(tiny, tmp_path):
+    """tokenizer.ggml.token_type is optional in llama.cpp, which reads every token as NORMAL without it; nibble refused
+    such a file as "metadata key 'tokenizer.ggml.token_type' is missing"."""
+    model, tokenizer = load_gguf(_write_gguf(tmp_path / "untyped.gguf", tiny, token_types=False))
+    typed = load_gguf(_write_gguf(tmp_path / "typed.gguf", tiny))[1]
+    # matched whole: the CONTROL tokens, and the BOS and EOS the file names (transformers makes those special)
+    assert set(typed.backend_tokenizer.get_added_tokens_decoder()) == {0, 1, 2}
+    assert set(tokenizer.backend_tokenizer.get_added_tokens_decoder()) == {1, 2}
+    ids = tokenizer("hello 42", return_tensors="pt").input_ids
+    assert ids.tolist() == typed("hello 42", return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, tiny(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_is_built_on_the_meta_device_and_its_rotary_frequencies_computed_as_on_the_cpu(tiny, tmp_path,
+                                                                                                 monkeypatch, dtype):
+    """A float32 model was allocated for the load to replace every parameter of (its memory never used: 23 MB more
+    peak RSS for SmolLM2). Built on the meta device, the model's rotary frequencies, which no file holds, are computed
+    after the load: bit for bit those of a model built on the CPU, in float32 whatever the dtype."""
+    import nibble.models.gguf as nibble_gguf
+    built = nibble_gguf.LlamaForCausalLM
+    monkeypatch.setattr(nibble_gguf, "LlamaForCausalLM", lambda config: built(config) if str(torch.empty(0).device)
+                        == "meta" else pytest.fail("a model was allocated"))
+    model, tokenizer = load_gguf(_write_gguf(tmp_path / "tiny.gguf", tiny), dtype=dtype)
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    for name, buffer in tiny.model.rotary_emb.named_buffers():
+        assert torch.equal(getattr(model.model.rotary_emb, name), buffer) and buffer.dtype == torch.float32, name
+    if dtype == torch.float32:  # the same weights and frequencies: the same logits, bit for bit
+        ids = tokenizer("hello 42", return_tensors="pt").input_ids
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, tiny(ids).logits)
+
+
+def test_a_chat_template_that_cannot_compile_is_said_as_the_gguf_loads(tiny, tmp_path):
+    """A HF folder's broken template was said as it loaded, a GGUF's only at the first chat prompt, as a traceback."""
+    from nibble.models.loading import load_model
+    path = _write_gguf(tmp_path / "t.gguf", tiny, metadata={"tokenizer.chat_template": "{% if messages %}x"})
+    with pytest.warns(UserWarning, match=rf"^{re.escape(str(path))}: its chat template \(tokenizer\.chat_template\) "
+                                         r"cannot be compiled \(.*'endif'.*\): chat prompts that use it will fail"):
+        assert load_model(path)[1] is not None
+
+
+@pytest.mark.parametrize("add_bos,add_eos,around", [(True, False, (["<|im_start|>"], [])),
+                                                   (False, True, ([], ["<|im_end|>"])),
+                                                   (True, True, (["<|im_start|>"], ["<|im_end|>"]))])
+def test_the_tokens_the_gguf_says_to_add_are_added_to_every_text(tiny, tmp_path, add_bos, add_eos, around):
+    """tokenizer.ggml.add_eos_token was ignored: where llama.cpp ends every text with EOS, nibble did not."""
+    _, tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, add_bos=add_bos, add_eos=add_eos))
+    text = ["he", "ll", "o"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer("hello").input_ids) == [*around[0], *text, *around[1]]
+    pair = tokenizer("hello", "hello")
+    assert tokenizer.convert_ids_to_tokens(pair.input_ids) == [*around[0], *text, *around[1]] * 2
+    assert tokenizer.convert_ids_to_tokens(tokenizer("hello", add_special_tokens=False).input_ids) == text
+
+
+def test_a_part_of_a_split_gguf_is_refused_saying_to_merge_the_parts(tiny, tmp_path):
+    """The first part of a GGUF that llama.cpp's gguf-split cut in parts "lacks 10 of the model's tensors: the GGUF is
+    incomplete, or its architecture has tensors nibble's llama loader does not build", the others "general.architecture
+    is missing; the file is incomplete or not a llama.cpp model file"."""
+    _write_gguf(tmp_path / "t.gguf", tiny, split_max_tensors=10)
+    for part in (1, 2, 3):
+        path = tmp_path / f"t-0000{part}-of-00003.gguf"
+        for read in (load_gguf, read_q4_1_blocks):
+            with pytest.raises(ValueError, match=rf"t-0000{part}-of-00003\.gguf is part {part} of a GGUF split into 3 "
+                                                 r"files, and nibble reads one file: merge them with llama\.cpp's "
+                                                 r"`llama-gguf-split --merge"):
+                read(path)

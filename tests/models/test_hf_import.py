@@ -562,6 +562,36 @@ def test_a_stored_lm_head_is_kept_when_the_config_says_tied(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+def test_the_import_and_export_warnings_name_the_users_line(tmp_path):
+    """Their fixed stacklevels named a line of nibble's (serialization.py's) wherever load_quantized reached the
+    importer, or save_quantized the exporter, one frame deeper than a direct call."""
+    from test_warn import said_at
+    G = 32
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False, "sym": True,
+          "checkpoint_format": "gptq"}  # but zero points stored as v2's 8: read as v2, with a warning
+    write_checkpoint(tmp_path / "v2-zeros", tiny_model("llama"), qc,
+                     lambda W: write_gptq_linear(W, G, True, False, "gptq_v2"))
+    (tmp_path / "v2-zeros" / "generation_config.json").write_text("[]")
+    for load in (load_quantized, load_hf_quantized):
+        with pytest.warns(UserWarning) as record:
+            load(tmp_path / "v2-zeros")
+        assert {said_at(w) for w in record} == {'load(tmp_path / "v2-zeros")'}, [str(w.message) for w in record]
+        assert [w.filename for w in record] == [__file__] * 2  # "read as gptq_v2", generation_config.json ignored
+    model, path = _export(tmp_path, tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    _without_digest(path)
+    with pytest.warns(UserWarning, match="kept untied") as record:
+        load_quantized(path)
+    assert record[0].filename == __file__ and said_at(record[0]) == "load_quantized(path)"
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.zeros[0, 3] = 0.0  # which GPTQ's v1 cannot hold: written as v2, said
+    with pytest.warns(UserWarning, match="have groups with zero point 0") as record:
+        save_quantized(model, tmp_path / "zp0", format="gptq")
+    assert record[0].filename == __file__
+    assert said_at(record[0]) == 'save_quantized(model, tmp_path / "zp0", format="gptq")'
+
+
 @pytest.mark.parametrize("fmt,tensor", [("awq", "scales"), ("gptq", "scales"), ("gptq", "bias")])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_scales_are_refused_naming_the_layer(tmp_path, fmt, tensor, value):
@@ -632,6 +662,75 @@ def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_
     with torch.no_grad():
         want = model(ids).logits
         assert (loaded(ids).logits - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("version", ["GEMM", None])
+def test_an_early_autoawq_checkpoint_with_its_settings_in_quant_config_json_loads(tmp_path, version):
+    """Early AutoAWQ wrote its settings to quant_config.json alone, in its own keys (w_bit, q_group_size, zero_point,
+    version "GEMM"; none in the earliest, whose kernel was GEMM) and without quant_method: load_quantized refused the
+    folder as "not a quantized model", and the CLI took it for a float model (load_model: test_loading)."""
+    from nibble.cli import _quantized_checkpoint
+    G = 32
+    model = tiny_model("llama")
+    ref, dense = write_checkpoint(tmp_path, model, {}, lambda W: write_awq_linear(W, G))
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    settings = {"zero_point": True, "q_group_size": G, "w_bit": 4, "version": version, "modules_to_not_convert": None}
+    (tmp_path / "quant_config.json").write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
+    loaded, _ = load_quantized(tmp_path)
+    assert loaded.config.quantization_config["method"] == "awq"
+    check_import(loaded, dense, ref, torch.randint(0, 256, (2, 16)))
+    assert _quantized_checkpoint(str(tmp_path))
+
+
+def test_an_autoawq_checkpoint_saved_as_pytorch_pickles_is_refused_saying_how_to_convert_it(tmp_path):
+    """Early AutoAWQ saved pytorch_model.bin by default: "no *.safetensors in DIR" said nothing of the file it holds;
+    converted as the refusal says, it loads."""
+    G = 32
+    ref, dense = write_checkpoint(tmp_path, tiny_model("llama"), {"quant_method": "awq", "version": "gemm", "bits": 4,
+                                                                  "group_size": G}, lambda W: write_awq_linear(W, G))
+    torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors in .*: nibble imports safetensors checkpoints only; "
+                                                r"it holds pytorch_model\.bin, PyTorch pickles: convert each"):
+        load_quantized(tmp_path)
+    save_file(torch.load(tmp_path / "pytorch_model.bin"), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "pytorch_model.bin").unlink()
+    check_import(load_quantized(tmp_path)[0], dense, ref, torch.randint(0, 256, (2, 16)))
+
+
+def test_float_weights_beside_a_quantizers_settings_file_are_named_as_such(tmp_path):
+    """"config says awq but no tensor ends in .qweight", where no config.json said awq: a quant_config.json (or
+    quantize_config.json) that AutoAWQ (AutoGPTQ) left beside weights saved again in float."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    with pytest.raises(ValueError, match=r"quant_config\.json says awq, but no tensor of the checkpoint ends in "
+                                         r"\.qweight: its weights are not quantized; quant_config\.json or the weights "
+                                         "belong to another checkpoint"):
+        load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"w_bit": 4, "q_group_size": 32, "zero_point": True, "version": "GEMV"}, r"AWQ version='GEMV' is not supported"),
+    ({"w_bit": 3, "q_group_size": 32, "zero_point": True, "version": "GEMM"}, r"awq checkpoint with bits=3"),
+    ({"w_bit": 4, "q_group_size": 32, "zero_point": False, "version": "GEMM"}, r"AWQ with zero_point=false")])
+def test_an_early_autoawq_checkpoint_nibble_cannot_read_is_refused_by_its_quant_config_json(tmp_path, settings, match):
+    cfg = tiny_model("llama").config.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    (tmp_path / "quant_config.json").write_text(json.dumps(settings))
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        load_quantized(tmp_path)
+
+
+def test_gptq_and_autoawq_settings_files_side_by_side_without_a_quantization_config_are_refused(tmp_path):
+    cfg = tiny_model("llama").config.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 32, "sym": True}))
+    with pytest.raises(UnsupportedCheckpointError, match=r"holds both quantize_config\.json \(gptq's settings\) and "
+                                                         r"quant_config\.json \(awq's\)"):
+        load_quantized(tmp_path)
 
 
 def _without_digest(path):

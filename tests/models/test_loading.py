@@ -99,7 +99,39 @@ def test_a_config_field_of_the_wrong_type_is_named(tmp_path):
 
 
 def test_directory_without_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(FileNotFoundError, match="has no config.json$"):
+        load_model(tmp_path)
+
+
+def test_an_early_autoawq_folder_is_sent_to_load_quantized(tmp_path):
+    """Its settings in quant_config.json alone, beside qweights: "looks like a quantized checkpoint whose config.json
+    has no quantization_config ... Restore the quantization_config", which such a folder never had nor needs."""
+    _save_tiny(tmp_path, "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.qweight"] = tensors.pop("model.layers.0.mlp.up_proj.weight").int()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    with pytest.raises(ValueError, match=r"holds a quantized checkpoint \(its quant_config\.json\), not a float model; "
+                                         "load it with nibble.load_quantized"):
+        load_model(tmp_path)
+
+
+def test_float_weights_beside_a_stale_quantizers_settings_file_load(tmp_path):
+    """A settings file AutoAWQ or AutoGPTQ left beside weights saved again in float (save_pretrained keeps it) is no
+    reason to refuse them; beside quantized weights it says what they are (test_hf_import)."""
+    model = _save_tiny(tmp_path, "llama")
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    loaded, _ = load_model(tmp_path)
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_a_folder_of_gguf_files_names_them(tmp_path):
+    """A GGUF repository downloaded as a folder (`hf download ...-GGUF --local-dir DIR`) was "not a Hugging Face model
+    directory: it has no config.json", which did not say that its files are the models to pass."""
+    for name in ("m.Q4_K_M.gguf", "m.Q8_0.GGUF", "README.md"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json; it holds m\.Q4_K_M\.gguf, m\.Q8_0\.GGUF: pass "
+                                                r"one of them$"):
         load_model(tmp_path)
 
 

@@ -129,6 +129,10 @@ def test_missing_files_and_non_quantized_dirs_are_clear_errors(tmp_path, saved):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="config.json is missing: not a nibble, AutoAWQ or GPTQ checkpoint"):
         load_quantized(tmp_path / "empty")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # nibble info FILE.gguf: a float model, to quantize first
+    with pytest.raises(CheckpointError, match=r"model\.gguf is a file \(a GGUF file, a float model: quantize it first, "
+                                              r"with `nibble quantize --model FILE --out DIR`.*\): a checkpoint is"):
+        load_quantized(tmp_path / "model.gguf")
     model = tiny_model()
     model.save_pretrained(tmp_path / "plain")
     with pytest.raises(CheckpointError, match="no quantization_config"):
@@ -397,8 +401,9 @@ def test_a_save_into_a_sharded_checkpoints_folder_leaves_none_of_its_shards(tmp_
     save_quantized(old, tmp_path / "d", format=fmt)
     _reshard(tmp_path / "d")
     (tmp_path / "d" / "quantize_config.json").write_text('{"bits": 4, "group_size": 128, "sym": true}')  # AutoGPTQ's
+    (tmp_path / "d" / "quant_config.json").write_text('{"w_bit": 4, "q_group_size": 128}')  # early AutoAWQ's
     with pytest.warns(UserWarning, match="removed model-00001-of-00002.safetensors, model-00002-of-00002.safetensors, "
-                                         "model.safetensors.index.json, quantize_config.json from"):
+                                         "model.safetensors.index.json, quant_config.json, quantize_config.json from"):
         save_quantized(new, tmp_path / "d", format=fmt)
     assert sorted(p.name for p in (tmp_path / "d").glob("model*")) == ["model.safetensors"]
     save_quantized(new, tmp_path / "ref", format=fmt)
