@@ -242,9 +242,16 @@ def _save_pretrained_guarded(model: nn.Module, why: str, *args, **kwargs):
 
 def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> None:
     """Refuse a group size (or a width INT4 cannot pack) of any linear in ``names`` before any of them is
-    converted: found half-way, it left the model half quantized, and a retry refused as quantized already."""
+    converted: found half-way, it left the model half quantized, and a retry refused as quantized already. The
+    error names the group size the CLI picks for the model (`default_group_size`), which divides every width: the
+    layer's own choices may not (QuantConfig's default of 128 fails on SmolLM2's 576)."""
     for name in names:
         if error := width_error(model.get_submodule(name).in_features, config.group_size):
+            try:
+                error += (f"; group_size={default_group_size(model, config)} divides every layer's (what `nibble "
+                          "quantize` picks for this model: nibble.models.convert.default_group_size)")
+            except ValueError:  # no CUDA-kernel size divides them all: the layer's choices are what there is
+                pass
             raise ValueError(f"{name}: {error}")
 
 

@@ -406,7 +406,9 @@ def test_a_width_the_group_size_refuses_is_said_before_any_layer_is_converted():
     was half quantized, and quantizing it again with 64 was refused as quantized already."""
     model = tiny_model("llama", hidden_size=128, intermediate_size=192)
     with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: in_features=192 is not divisible by "
-                                         r"group_size=128; pick a group size that divides it \(96, 64, 48 do\)"):
+                                         r"group_size=128; pick a group size that divides it: 64 or 32 \(CUDA "
+                                         r"kernels\), 96 \(Triton\), or -1 for per-channel; group_size=64 divides "
+                                         r"every layer's \(what `nibble quantize` picks for this model"):
         quantize_model(model, QuantConfig(group_size=128), progress=False)
     assert not quantized_linears(model)
     quantize_model(model, QuantConfig(group_size=64), progress=False)

@@ -266,6 +266,12 @@ def test_quantlinear_refuses_group_sizes_no_kernel_runs(group_size):
         QuantLinear(256, 64, group_size=group_size)
 
 
+def test_a_group_size_that_does_not_divide_is_told_the_cuda_kernel_sizes_first():
+    """SmolLM2's 576 was told "96, 72, 64 do": the first two run on Triton only, never on the CUDA kernels."""
+    with pytest.raises(ValueError, match=r"divides it: 64 or 32 \(CUDA kernels\), 96 \(Triton\), or -1"):
+        QuantLinear(576, 64, group_size=128)
+
+
 @pytest.mark.parametrize("group_size", [16, 48])
 def test_groups_of_other_multiples_of_8_run(group_size):
     """Multiples of 8 other than 32 / 64 / 128 have GPU kernels too (Triton, dequantize + cuBLAS), so they stay."""
