@@ -113,7 +113,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     keeps its 16-bit table). A model rotated before (`rotation.rotate_model`) is given with rotation 'none' (a
     second rotation is refused): the quantization_config records its rotation and seed either way
     (`rotation_recorded`). ``method="gptq"`` / ``"awq"`` need ``calibration`` (token ids of this model's
-    vocabulary, see nibble.quantize.calibration). Every refusal of what was given (a width the group size does not
+    vocabulary, see nibble.quantize.calibration); RTN, which calibrates nothing, refuses it. Every refusal of what was given (a width the group size does not
     divide, a weight holding NaN or Inf or, for RTN, too large for float16 scales, calibration missing or of another
     vocabulary) comes before the model is touched.
 
@@ -131,7 +131,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     config = config or QuantConfig()
     check_quantizable(model, config)  # every refusal before the model is touched (moved, rotated, a layer converted)
     names = linears_to_convert(model, config)
-    if config.method != "rtn":
+    if config.method == "rtn":
+        if calibration is not None:  # ignored, it let a user who forgot method="gptq" believe the model calibrated
+            raise ValueError("calibration was given for method='rtn', which calibrates nothing: drop it, or quantize "
+                             "with QuantConfig(method='gptq') or 'awq' to calibrate on it")
+    else:
         if calibration is None:
             raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble."
                              "quantize.calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 "

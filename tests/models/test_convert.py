@@ -415,6 +415,15 @@ def test_a_width_the_group_size_refuses_is_said_before_any_layer_is_converted():
     assert len(quantized_linears(model)) == 14
 
 
+def test_calibration_for_rtn_is_refused_not_ignored():
+    """RTN calibrates nothing: the ids were dropped without a word, and a user who forgot method="gptq" believed the
+    model calibrated (the CLI refused the same thing)."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="calibration was given for method='rtn', which calibrates nothing"):
+        quantize_model(model, QuantConfig(group_size=32), progress=False, calibration=torch.randint(0, 256, (4, 16)))
+    assert not quantized_linears(model)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibration_ids_outside_the_vocabulary_are_refused_first(method):
     model = tiny_model("llama")  # 256 tokens
