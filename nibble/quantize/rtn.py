@@ -37,6 +37,9 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
         raise ValueError(f"expected a 2-D [out_features, in_features] weight, got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.is_meta:  # said before "Tensor.item() cannot be called on meta tensors", as quantize_model says it
+        raise ValueError("the weight is on the meta device (built empty, e.g. under init_empty_weights): load its "
+                         "values first")
     if not weight.numel():
         raise ValueError(f"an empty weight {tuple(weight.shape)} has nothing to quantize; keep the layer in 16 bits")
     if group_size <= 0:

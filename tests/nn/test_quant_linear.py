@@ -487,6 +487,12 @@ def test_a_layer_without_inputs_or_outputs_is_refused_when_made():
         QuantLinear(0, 8, group_size=-1)
 
 
+def test_from_linear_of_a_meta_linear_says_to_load_its_weights():
+    """It failed in rtn with "Tensor.item() cannot be called on meta tensors", where quantize_model says what to do."""
+    with pytest.raises(ValueError, match="the weight is on the meta device .* load its values first"):
+        QuantLinear.from_linear(nn.Linear(256, 64, device="meta"), QuantConfig(group_size=64))
+
+
 def test_a_layer_made_by_its_constructor_is_zero_and_keeps_a_float32_bias():
     """The bias defaulted to float16, so a state dict of from_linear(float32 Linear) loaded "All keys matched" and
     rounded its bias; before a load, the buffers held whatever torch.empty found (NaN, 1e4, ...)."""
