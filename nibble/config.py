@@ -16,21 +16,28 @@ ZERO_POINTS = ("int", "float")
 QUANT_METHOD = "nibble"
 
 
+# The group sizes up to 128 that nibble's CUDA W4A16 kernels run (`check_group_size` says which others run where).
+CUDA_KERNEL_GROUP_SIZES = (128, 64, 32)
+
+
 def width_error(in_features: int, group_size: int) -> str | None:
     """What is wrong with quantizing a linear of ``in_features`` in groups of ``group_size`` (-1: one group a
     row), or None: INT4 packs 8 codes to an int32 word along in_features, and a group must divide the row. The one
     statement of the rule (QuantLinear, RTN and quantize_model's check before any layer turns); where the group
-    does not divide, it names the group sizes that do (multiples of 8, which every kernel runs, up to 128)."""
+    does not divide, it names the group sizes that do: the CUDA kernels' (128, 64, 32) first, then other multiples of
+    8 up to 128, which only Triton and dequantize + cuBLAS run."""
     if in_features < 1:
         return f"in_features={in_features}: a layer without inputs has nothing to quantize; keep it in 16 bits"
     if in_features % PACK:
         return (f"in_features={in_features} is not a multiple of {PACK}, which INT4 packing needs ({PACK} codes a "
                 "32-bit word): keep the layer in 16 bits (QuantConfig.modules_to_not_convert)")
     if group_size != -1 and in_features % group_size:
-        fits = [g for g in range(128, 7, -8) if in_features % g == 0][:3]
-        which = f" ({', '.join(map(str, fits))} do)" if fits else ""
+        fits = [g for g in CUDA_KERNEL_GROUP_SIZES if in_features % g == 0]
+        others = [g for g in range(128, 7, -8) if in_features % g == 0 and g not in fits][:max(0, 3 - len(fits))]
+        which = [f"{' or '.join(map(str, fits))} (CUDA kernels)"] if fits else []
+        which += [f"{' or '.join(map(str, others))} (Triton)"] if others else []  # 8 divides it: never both empty
         return (f"in_features={in_features} is not divisible by group_size={group_size}; pick a group size that "
-                f"divides it{which} or -1 for per-channel")
+                f"divides it: {', '.join(which)}, or -1 for per-channel")
     return None
 
 
@@ -57,7 +64,8 @@ class QuantConfig:
     weight-space search: ``method="gptq"`` / ``"awq"`` always run their own calibrated clipping
     searches instead (GPTQ's Hessian-weighted error, AWQ's output error).
     ``group_size=None`` picks the mode's default (128 for w4a16, per-channel for w4a4); ``-1``
-    means one group per output channel.
+    means one group per output channel. 128 does not divide every model's widths (SmolLM2's 576): quantize_model
+    then says which size does, the one ``nibble quantize`` picks (`nibble.models.convert.default_group_size`).
     """
 
     mode: str = "w4a16"

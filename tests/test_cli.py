@@ -358,6 +358,12 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
     assert len(seen) == 5 and seen[-1] == "end"
     assert timed.summary() == ("7 prompt tokens, 36 new in 2.00 s (18.0 tokens/s); 20.0 tokens/s after the first 16, "
                                "which include the prefill (and, on a GPU, the engine's graph capture)")
+    slow = TimedStreamer(inner)  # 8 tokens in 239 s printed "0.0 tokens/s"
+    clock = iter([0.0, 200.0, 239.0])
+    for value in (torch.zeros(1, 35), torch.zeros(1), torch.zeros(7)):
+        slow.put(value)
+    assert slow.summary().startswith("35 prompt tokens, 8 new in 239.00 s (0.033 tokens/s); 0.18 tokens/s after the "
+                                     "first 1,")
     only_prompt = TimedStreamer(inner)
     monkeypatch.setattr("nibble.cli.time.perf_counter", lambda: 20.0)
     only_prompt.put(torch.zeros(1, 3))

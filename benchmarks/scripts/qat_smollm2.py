@@ -113,7 +113,7 @@ def main():
         for name, rotation, method in baselines:
             m = copy.deepcopy(base).to(device)
             quantize_model(m, QuantConfig(mode="w4a4", rotation=rotation, method=method), progress=False,
-                           calibration=calibration)
+                           calibration=None if method == "rtn" else calibration)  # RTN refuses it
             evaluate(name, deployed(m.cpu(), name.replace(" ", "_")))
             del m
 

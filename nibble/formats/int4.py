@@ -42,13 +42,14 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return c.sum(dim=1, dtype=torch.int32)
 
 
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_int4: int32 [K // 8, N] -> uint8 codes [K, N]."""
+def unpack_int4(qweight: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Inverse of pack_int4: int32 [K // 8, N] -> codes [K, N] in ``dtype`` (the dequantization asks for float
+    codes: cast from the int32 words once, not through uint8, a pass over [K, N] on every CPU forward)."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"qweight must be a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
-    shifts = _SHIFTS.to(qweight.device).view(1, PACK, 1)
-    codes = (qweight.unsqueeze(1) >> shifts) & 0xF
-    return codes.reshape(qweight.shape[0] * PACK, qweight.shape[1]).to(torch.uint8)  # -1 is ambiguous for N = 0
+    codes = qweight.unsqueeze(1) >> _SHIFTS.to(qweight.device).view(1, PACK, 1)
+    codes &= 0xF
+    return codes.reshape(qweight.shape[0] * PACK, qweight.shape[1]).to(dtype)  # -1 is ambiguous for N = 0
 
 
 def is_symmetric(scales: torch.Tensor, zeros: torch.Tensor) -> bool:

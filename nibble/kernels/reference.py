@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nibble.formats.int4 import unpack_int4
+from nibble.formats.int4 import PACK, unpack_int4
 
 # Symmetric INT4 activations use [-7, 7] for the scale (amax / 7) so +-amax are both exact;
 # -8 is reachable only by rounding, never produced for finite inputs.
@@ -17,11 +17,15 @@ ACT_QMAX = 7
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Canonical INT4 -> dense W [N, K]: W[n, k] = q[k, n] * s[k // G, n] + z[k // G, n], in float32."""
-    q = unpack_int4(qweight).float()  # [K, N]
-    s = scales.float().repeat_interleave(group_size, dim=0)
-    z = zeros.float().repeat_interleave(group_size, dim=0)
-    return (q * s + z).t().to(dtype)
+    """Canonical INT4 -> dense W [N, K]: W[n, k] = q[k, n] * s[k // G, n] + z[k // G, n], in float32.
+
+    The codes viewed as [K // G, G, N] take their group's scale and zero by broadcasting, in place: the CPU path
+    runs this on every forward, where one float [K, N] tensor is the least it can build (a transposed view of it
+    is returned, which ``w.t()`` reads as it lies)."""
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    w = unpack_int4(qweight, torch.float32).view(K // group_size, group_size, N)
+    w.mul_(scales.float().unsqueeze(1)).add_(zeros.float().unsqueeze(1))  # one rounding each, as q * s + z
+    return w.view(K, N).t().to(dtype)
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -95,7 +99,7 @@ def w4a4_accumulate(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     float64 holds every partial sum exactly (|acc| <= 64 K, far below 2^53), so this is the exact
     integer product on any device.
     """
-    w = unpack_int4(qweight).to(torch.float64) - 8  # [K, N]
+    w = unpack_int4(qweight, torch.float64).sub_(8)  # [K, N]
     return (qx.to(torch.float64) @ w.to(qx.device)).to(torch.int32)
 
 

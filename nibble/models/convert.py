@@ -125,7 +125,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     keeps its 16-bit table). A model rotated before (`rotation.rotate_model`) is given with rotation 'none' (a
     second rotation is refused): the quantization_config records its rotation and seed either way
     (`rotation_recorded`). ``method="gptq"`` / ``"awq"`` need ``calibration`` (token ids of this model's
-    vocabulary, see nibble.quantize.calibration). Every refusal of what was given (a width the group size does not
+    vocabulary, see nibble.quantize.calibration); RTN, which calibrates nothing, refuses it. Every refusal of what was given (a width the group size does not
     divide, a weight holding NaN or Inf or, for RTN, too large for float16 scales, calibration missing or of another
     vocabulary) comes before the model is touched.
 
@@ -143,7 +143,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     config = config or QuantConfig()
     check_quantizable(model, config)  # every refusal before the model is touched (moved, rotated, a layer converted)
     names = linears_to_convert(model, config)
-    if config.method != "rtn":
+    if config.method == "rtn":
+        if calibration is not None:  # ignored, it let a user who forgot method="gptq" believe the model calibrated
+            raise ValueError("calibration was given for method='rtn', which calibrates nothing: drop it, or quantize "
+                             "with QuantConfig(method='gptq') or 'awq' to calibrate on it")
+    else:
         if calibration is None:
             raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble."
                              "quantize.calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 "
@@ -253,9 +257,16 @@ def _save_pretrained_guarded(model: nn.Module, why: str, *args, **kwargs):
 
 def check_widths(model: nn.Module, names: list[str], config: QuantConfig) -> None:
     """Refuse a group size (or a width INT4 cannot pack) of any linear in ``names`` before any of them is
-    converted: found half-way, it left the model half quantized, and a retry refused as quantized already."""
+    converted: found half-way, it left the model half quantized, and a retry refused as quantized already. The
+    error names the group size the CLI picks for the model (`default_group_size`), which divides every width: the
+    layer's own choices may not (QuantConfig's default of 128 fails on SmolLM2's 576)."""
     for name in names:
         if error := width_error(model.get_submodule(name).in_features, config.group_size):
+            try:
+                error += (f"; group_size={default_group_size(model, config)} divides every layer's (what `nibble "
+                          "quantize` picks for this model: nibble.models.convert.default_group_size)")
+            except ValueError:  # no CUDA-kernel size divides them all: the layer's choices are what there is
+                pass
             raise ValueError(f"{name}: {error}")
 
 

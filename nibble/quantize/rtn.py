@@ -26,6 +26,10 @@ MIN_SCALE = 2.0 ** -24  # float16's smallest subnormal
 FP16_MIN_NORMAL = 2.0 ** -14
 FP16_MAX = torch.finfo(torch.float16).max
 NOT_FINITE = "weight contains NaN or Inf; fix the checkpoint before quantizing"
+# A weight whose largest |w| is below this has every group scale (amax / 7 symmetric, at most 2 amax / 15
+# asymmetric) under 4 of float16's subnormal steps of 2^-24: float16 keeps 2 bits of it or fewer, and the codes on
+# such scales miss the weights by 30% more than on normal ones at |w| <= 1e-6 (RTN g64), 7x more at 1e-7.
+TINY_AMAX = 7 * 4 * MIN_SCALE
 
 
 def _check_weight(weight: torch.Tensor, group_size: int) -> None:
@@ -33,6 +37,9 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
         raise ValueError(f"expected a 2-D [out_features, in_features] weight, got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.is_meta:  # said before "Tensor.item() cannot be called on meta tensors", as quantize_model says it
+        raise ValueError("the weight is on the meta device (built empty, e.g. under init_empty_weights): load its "
+                         "values first")
     if not weight.numel():
         raise ValueError(f"an empty weight {tuple(weight.shape)} has nothing to quantize; keep the layer in 16 bits")
     if group_size <= 0:
@@ -45,6 +52,16 @@ def _check_weight(weight: torch.Tensor, group_size: int) -> None:
 
 class ScaleOverflowError(ValueError):
     """Weights whose group scale or zero point would not fit float16 (`_check_stored`)."""
+
+
+def _check_not_tiny(amax: float) -> None:
+    """Refuse a weight so small that float16 holds its group scales as subnormals of 2 bits or fewer (`TINY_AMAX`);
+    one of zeros (amax 0) quantizes exactly. A layer's largest weight, not a group's: a small group among normal ones
+    costs the layer's output next to nothing."""
+    if 0 < amax < TINY_AMAX:
+        raise ValueError(f"weights up to |w| = {amax:.3g} need group scales below {TINY_AMAX / 7:.3g}, which float16, "
+                         "in which nibble stores them, holds with 2 bits or fewer: keep this layer in 16 bits "
+                         "(QuantConfig.modules_to_not_convert) or scale the weight up before quantizing")
 
 
 @contextmanager
@@ -100,12 +117,15 @@ def _check_stored(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
 def check_values(weight: torch.Tensor, group_size: int, symmetric: bool, zero_point: str, scales: bool = True) -> None:
     """What rtn_quantize refuses in the values of ``weight`` [N, K] (of a width ``group_size`` divides), without
     quantizing it, so that quantize_model can check every layer before it converts any: NaN or Inf, and with
-    ``scales`` a group whose full-range scale or zero point float16 cannot hold (`_check_stored`). One pass, the
+    ``scales`` a group whose full-range scale or zero point float16 cannot hold (`_check_stored`) or a weight whose
+    scales it holds with 2 bits or fewer (`_check_not_tiny`). One pass, the
     weight's min and max, unless its amax lets some group overflow; only then are the groups' ranges taken."""
     lo, hi = torch.aminmax(weight.detach())  # NaN propagates into both
     amax = float(torch.maximum(-lo, hi))
     if not math.isfinite(amax):
         raise ValueError(NOT_FINITE)
+    if scales:
+        _check_not_tiny(amax)
     # no group's scale or zero point exceeds 8/7 amax (symmetric: z = -8 amax / 7; an integer zero point is within
     # half a step, 1/15 amax, of the minimum), with a margin for their rounding to float16
     if not scales or amax * 8 / 7 * (1 + 2 ** -9) < FP16_MAX:
@@ -182,6 +202,7 @@ def rtn_quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = 
     N, K = weight.shape if weight.dim() == 2 else (0, 0)
     group_size = K if group_size == -1 else group_size
     _check_weight(weight, group_size)
+    _check_not_tiny(float(weight.detach().abs().amax()))
     groups = weight.reshape(-1, group_size)
     codes, scales, zeros = [], [], []
     for start in range(0, groups.shape[0], chunk_rows):

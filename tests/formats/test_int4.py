@@ -10,6 +10,8 @@ def test_pack_unpack_roundtrip_is_bit_exact(K, N):
     packed = pack_int4(codes)
     assert packed.dtype == torch.int32 and packed.shape == (K // 8, N)
     assert torch.equal(unpack_int4(packed), codes)
+    for dtype in (torch.float32, torch.float64):  # the dequantization's codes, cast from the words once
+        assert torch.equal(unpack_int4(packed, dtype), codes.to(dtype))
 
 
 def test_packing_puts_row_8i_plus_j_in_bits_4j():

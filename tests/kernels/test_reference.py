@@ -13,6 +13,19 @@ def _float64_weight(q):
     return (codes * q.scales.double().repeat_interleave(g, 0) + q.zeros.double().repeat_interleave(g, 0)).t()
 
 
+@pytest.mark.parametrize("K,N,G", [(576, 40, 32), (576, 40, 64), (1536, 24, 128), (384, 8, 48), (576, 40, 576)])
+def test_dequantize_is_the_formula_bit_for_bit(K, N, G):
+    """Broadcast over [K // G, G, N] in place (the cheap CPU path), still the formula in float32: each code times its
+    group's scale, rounded, plus its zero, rounded; G = K is one group a row (per channel)."""
+    torch.manual_seed(K + G)
+    qweight = torch.randint(-2**31, 2**31, (K // 8, N), dtype=torch.int64).to(torch.int32)
+    scales, zeros = torch.rand(K // G, N).half() / 7, -torch.rand(K // G, N).half()
+    group = torch.arange(K) // G
+    formula = unpack_int4(qweight).float() * scales.float()[group] + zeros.float()[group]  # [K, N]
+    w = reference.dequantize(qweight, scales, zeros, G)
+    assert w.shape == (N, K) and torch.equal(w.view(torch.int32), formula.t().view(torch.int32))
+
+
 @pytest.mark.parametrize("M", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w4a16_matmul_matches_float64(M, dtype):

@@ -406,11 +406,22 @@ def test_a_width_the_group_size_refuses_is_said_before_any_layer_is_converted():
     was half quantized, and quantizing it again with 64 was refused as quantized already."""
     model = tiny_model("llama", hidden_size=128, intermediate_size=192)
     with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: in_features=192 is not divisible by "
-                                         r"group_size=128; pick a group size that divides it \(96, 64, 48 do\)"):
+                                         r"group_size=128; pick a group size that divides it: 64 or 32 \(CUDA "
+                                         r"kernels\), 96 \(Triton\), or -1 for per-channel; group_size=64 divides "
+                                         r"every layer's \(what `nibble quantize` picks for this model"):
         quantize_model(model, QuantConfig(group_size=128), progress=False)
     assert not quantized_linears(model)
     quantize_model(model, QuantConfig(group_size=64), progress=False)
     assert len(quantized_linears(model)) == 14
+
+
+def test_calibration_for_rtn_is_refused_not_ignored():
+    """RTN calibrates nothing: the ids were dropped without a word, and a user who forgot method="gptq" believed the
+    model calibrated (the CLI refused the same thing)."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="calibration was given for method='rtn', which calibrates nothing"):
+        quantize_model(model, QuantConfig(group_size=32), progress=False, calibration=torch.randint(0, 256, (4, 16)))
+    assert not quantized_linears(model)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

@@ -266,6 +266,12 @@ def test_quantlinear_refuses_group_sizes_no_kernel_runs(group_size):
         QuantLinear(256, 64, group_size=group_size)
 
 
+def test_a_group_size_that_does_not_divide_is_told_the_cuda_kernel_sizes_first():
+    """SmolLM2's 576 was told "96, 72, 64 do": the first two run on Triton only, never on the CUDA kernels."""
+    with pytest.raises(ValueError, match=r"divides it: 64 or 32 \(CUDA kernels\), 96 \(Triton\), or -1"):
+        QuantLinear(576, 64, group_size=128)
+
+
 @pytest.mark.parametrize("group_size", [16, 48])
 def test_groups_of_other_multiples_of_8_run(group_size):
     """Multiples of 8 other than 32 / 64 / 128 have GPU kernels too (Triton, dequantize + cuBLAS), so they stay."""
@@ -479,6 +485,12 @@ def test_a_layer_without_inputs_or_outputs_is_refused_when_made():
         QuantLinear.from_linear(nn.Linear(64, 0), QuantConfig(group_size=32))
     with pytest.raises(ValueError, match="in_features=0: a layer without inputs"):
         QuantLinear(0, 8, group_size=-1)
+
+
+def test_from_linear_of_a_meta_linear_says_to_load_its_weights():
+    """It failed in rtn with "Tensor.item() cannot be called on meta tensors", where quantize_model says what to do."""
+    with pytest.raises(ValueError, match="the weight is on the meta device .* load its values first"):
+        QuantLinear.from_linear(nn.Linear(256, 64, device="meta"), QuantConfig(group_size=64))
 
 
 def test_a_layer_made_by_its_constructor_is_zero_and_keeps_a_float32_bias():

@@ -143,7 +143,7 @@ def test_calibrated_methods_beat_rtn_on_the_calibration_data(act_order, monkeypa
     for method in ("rtn", "gptq", "awq"):
         model = correlated_tiny_model()
         quantize_model(model, QuantConfig(group_size=32, method=method, clip_search=False), progress=False,
-                       calibration=ids)
+                       calibration=None if method == "rtn" else ids)  # RTN refuses calibration
         with torch.no_grad():
             errors[method] = ((model(ids).logits - ref) ** 2).mean().item()
     assert errors["gptq"] < 0.2 * errors["rtn"]
@@ -206,7 +206,7 @@ def test_w4a4_gptq_beats_rtn_on_the_calibration_data(rotation):
     for method in ("rtn", "gptq"):
         model = correlated_tiny_model()
         quantize_model(model, QuantConfig(mode="w4a4", rotation=rotation, method=method), progress=False,
-                       calibration=calib)
+                       calibration=None if method == "rtn" else calib)
         with torch.no_grad():
             errors[method] = ((model(ids).logits - ref) ** 2).mean().item()
         down = model.model.layers[0].mlp.down_proj

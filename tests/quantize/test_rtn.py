@@ -56,7 +56,7 @@ def test_q4_1_blocks_are_reproduced_exactly():
 
 
 @pytest.mark.parametrize("bad,err,match", [
-    (torch.randn(4, 120), ValueError, r"not divisible by group_size=64; .*\(120, 40, 24 do\)"),
+    (torch.randn(4, 120), ValueError, r"not divisible by group_size=64; .*: 120 or 40 or 24 \(Triton\), or -1"),
     (torch.randn(4, 100), ValueError, "not a multiple of 8, which INT4 packing needs"),
     (torch.randint(0, 3, (4, 128)), TypeError, "floating-point"),
     (torch.tensor([[float("nan")] * 64] * 2), ValueError, "NaN or Inf"),
@@ -117,6 +117,26 @@ def test_weights_float16_scales_cannot_hold_are_refused(big, kw):
     with pytest.raises(ValueError, match=r"\|w\| = 1e\+0[56] need a scale or zero point beyond float16's range.*"
                                          "modules_to_not_convert"):
         rtn_quantize(w, 64, **kw)
+
+
+@pytest.mark.parametrize("kw", PLACEMENTS[::2], ids=_placement)
+def test_weights_whose_scales_float16_holds_with_2_bits_or_fewer_are_refused(kw):
+    """Every scale a float16 subnormal a few steps of 2^-24 above 0: the codes missed the weights by 7x more than on
+    normal scales (|w| ~ 1e-7), without a word. One small group among normal ones, or a layer of zeros, is fine."""
+    from nibble.quantize.rtn import check_values
+
+    w = torch.randn(4, 128)
+    w /= w.abs().max()
+    for tiny in (w * 1e-6, w * 1e-7):
+        with pytest.raises(ValueError, match=r"\|w\| = 1e-0[67] need group scales below 2\.38e-07, which float16.* "
+                                             "2 bits or fewer: keep this layer in 16 bits"):
+            rtn_quantize(tiny, 64, **kw)
+        with pytest.raises(ValueError, match="2 bits or fewer"):
+            check_values(tiny, 64, kw["symmetric"], kw["zero_point"])
+        check_values(tiny, 64, kw["symmetric"], kw["zero_point"], scales=False)  # GPTQ, AWQ
+    for fine in (torch.zeros(4, 128), torch.cat([w[:2] * 1e-7, w[2:] * 0.02]), w * 2e-6):
+        rtn_quantize(fine, 64, **kw)
+        check_values(fine, 64, kw["symmetric"], kw["zero_point"])
 
 
 def test_gptq_and_awq_scales_of_a_zero_group_are_finite():
