@@ -23,10 +23,11 @@ mkdir -p "$shim"
 ln -sf /root/nibble-models/SmolLM2-135M-Instruct.Q4_1.gguf "$shim/"
 export PYTHONPATH="$PWD:/root/nibble-pylib:/root/nibble-shim${PYTHONPATH:+:$PYTHONPATH}"
 export NIBBLE_DATA=/root/nibble-data NIBBLE_CACHE_DIR=/root/nibble-cache
-python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(), flush=True)'
 # the working tree's copy there carries no up-to-date .git: this digest of the sources says which tree ran (the
-# same line, run in a checkout, gives it for that checkout)
-echo "sources digest $(find nibble tests -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' \) | LC_ALL=C sort | xargs cat | sha1sum)"
+# same line, run in a checkout, gives it for that checkout); kept beside the logs, in $OUT/gpu-env-PART.txt
+{ python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(), flush=True)'
+  echo "sources digest $(find nibble tests -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' \) | LC_ALL=C sort | xargs cat | sha1sum)"
+} | tee "$OUT/gpu-env-$part.txt"
 pytest="python3 -m pytest -q -ra -p no:cacheprovider -p no:benchmark -n 16"  # pytest-benchmark only warns under xdist
 case "$part" in
   kernels) $pytest tests/kernels tests/nn tests/eval/test_engine_generate.py tests/eval/test_speed_memory.py \

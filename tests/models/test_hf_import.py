@@ -669,7 +669,7 @@ def test_an_early_autoawq_checkpoint_with_its_settings_in_quant_config_json_load
     """Early AutoAWQ wrote its settings to quant_config.json alone, in its own keys (w_bit, q_group_size, zero_point,
     version "GEMM"; none in the earliest, whose kernel was GEMM) and without quant_method: load_quantized refused the
     folder as "not a quantized model", and the CLI took it for a float model (load_model: test_loading)."""
-    from nibble.cli import _quantized_checkpoint
+    from nibble.cli import quantized_checkpoint
     G = 32
     model = tiny_model("llama")
     ref, dense = write_checkpoint(tmp_path, model, {}, lambda W: write_awq_linear(W, G))
@@ -681,7 +681,7 @@ def test_an_early_autoawq_checkpoint_with_its_settings_in_quant_config_json_load
     loaded, _ = load_quantized(tmp_path)
     assert loaded.config.quantization_config["method"] == "awq"
     check_import(loaded, dense, ref, torch.randint(0, 256, (2, 16)))
-    assert _quantized_checkpoint(str(tmp_path))
+    assert quantized_checkpoint(str(tmp_path))
 
 
 def test_an_autoawq_checkpoint_saved_as_pytorch_pickles_is_refused_saying_how_to_convert_it(tmp_path):
