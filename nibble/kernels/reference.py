@@ -23,6 +23,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     runs this on every forward, where one float [K, N] tensor is the least it can build (a transposed view of it
     is returned, which ``w.t()`` reads as it lies)."""
     K, N = qweight.shape[0] * PACK, qweight.shape[1]
+    if group_size < 1 or K % group_size or scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
+        # broadcasting would spread a scale of the wrong shape (one row for several groups) without a word
+        raise ValueError(f"scales and zeros must be [K // group_size, N] = [{K} // {group_size}, {N}] for a weight "
+                         f"of K={K}, got {tuple(scales.shape)} and {tuple(zeros.shape)}")
     w = unpack_int4(qweight, torch.float32).view(K // group_size, group_size, N)
     w.mul_(scales.float().unsqueeze(1)).add_(zeros.float().unsqueeze(1))  # one rounding each, as q * s + z
     return w.view(K, N).t().to(dtype)

@@ -202,7 +202,8 @@ def rtn_quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = 
     N, K = weight.shape if weight.dim() == 2 else (0, 0)
     group_size = K if group_size == -1 else group_size
     _check_weight(weight, group_size)
-    _check_not_tiny(float(weight.detach().abs().amax()))
+    lo, hi = torch.aminmax(weight.detach())  # not abs().amax(): no copy of the weight (non-empty: _check_weight)
+    _check_not_tiny(max(-float(lo), float(hi)))
     groups = weight.reshape(-1, group_size)
     codes, scales, zeros = [], [], []
     for start in range(0, groups.shape[0], chunk_rows):

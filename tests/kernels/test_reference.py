@@ -26,6 +26,17 @@ def test_dequantize_is_the_formula_bit_for_bit(K, N, G):
     assert w.shape == (N, K) and torch.equal(w.view(torch.int32), formula.t().view(torch.int32))
 
 
+def test_dequantize_refuses_scales_of_another_shape_than_the_groups():
+    """Broadcasting would spread one row of scales over every group of a [256, N] weight without a word (the old
+    repeat_interleave failed on it by chance); a group size that does not divide K likewise."""
+    qweight = torch.randint(-2**31, 2**31, (32, 8), dtype=torch.int64).to(torch.int32)  # K = 256
+    for scales, G in ((torch.rand(1, 8), 64), (torch.rand(4, 8), 96), (torch.rand(4, 4), 64)):
+        with pytest.raises(ValueError, match=r"scales and zeros must be \[K // group_size, N\]"):
+            reference.dequantize(qweight, scales, -scales, G)
+    with pytest.raises(ValueError, match="got \\(4, 8\\) and \\(1, 8\\)"):
+        reference.dequantize(qweight, torch.rand(4, 8), torch.rand(1, 8), 64)
+
+
 @pytest.mark.parametrize("M", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w4a16_matmul_matches_float64(M, dtype):
