@@ -276,8 +276,8 @@ def check_online_hadamards(model: nn.Module, names: list[str], config: QuantConf
     quantization runs that rotation, and QuantLinear's refusal at the layer's turn left the model half quantized."""
     from nibble.models.rotation import online_hadamard_linears
     rotated = online_hadamard_linears() if config.rotation == "hadamard" else ()  # the rotation quantize_model runs
-    online = [n for n in names if getattr(model.get_submodule(n), "input_hadamard", False)
-              or any(_matches(n, linear) for linear in rotated)]
+    rotating = set(online_hadamard_modules(model))  # the rotation the model holds already
+    online = [n for n in names if n in rotating or any(_matches(n, linear) for linear in rotated)]
     if online and config.mode != "w4a4":
         # o_proj too after online_o_proj; the user's own entries kept
         kept = list(dict.fromkeys([*config.modules_to_not_convert, "lm_head",
