@@ -485,9 +485,12 @@ def cmd_quantize(args):
 def cmd_info(args):
     from nibble.eval.memory import weight_memory
     from nibble.models.convert import quantized_linears, weight_bytes
-    from nibble.models.serialization import load_quantized
+    from nibble.models.serialization import quantized_structure
 
-    model, _ = load_quantized(args.dir, tokenizer=False)  # what it prints is of the weights alone
+    # the model as load_quantized builds it on the CPU, read from the files' headers, not their data: a moment and
+    # little memory for a checkpoint of any size (the load it once ran took minutes and all of its weights in
+    # float32); what it prints is of the weights alone, so no tokenizer is read
+    model = quantized_structure(args.dir)
     qc = model.config.quantization_config
     wb = weight_bytes(model)
     total = weight_memory(model)["total_bytes"]  # a tied lm_head counted once, as the file holds it
@@ -682,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
                         "quantized --model, its weights are written in this format as they are, not quantized again")
     p.set_defaults(func=cmd_quantize)
-    p = sub.add_parser("info", help="what a quantized directory holds")
+    p = sub.add_parser("info", help="what a quantized directory holds (read from its headers: fast at any size)")
     p.add_argument("dir", help="a nibble, AutoAWQ or GPTQ checkpoint folder")
     p.set_defaults(func=cmd_info)
     from nibble.eval.report import TaskNames, add_report_arguments, report_main

@@ -129,12 +129,15 @@ def test_info_reads_no_tokenizer(model_dir, tmp_path, capsys, fmt):
 @pytest.mark.parametrize("damage", ['{"eos_token_id": [2, ', "[2, 7]"])
 def test_info_reports_beside_a_damaged_generation_config(model_dir, tmp_path, capsys, damage):
     """info prints what the weights hold, yet a cut generation_config.json failed it, and one holding a list with a
-    TypeError traceback: it is said as a warning, naming the file."""
+    TypeError traceback; it reads the weights' headers alone now, so it does not read that file at all (the load
+    says it in a warning)."""
+    import warnings
     out = tmp_path / "q"
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
     capsys.readouterr()
     (out / "generation_config.json").write_text(damage)
-    with pytest.warns(UserWarning, match=rf"{re.escape(str(out / 'generation_config.json'))} cannot be read \("):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         main(["info", str(out)])
     assert json.loads(capsys.readouterr().out)["quantization_config"]["group_size"] == 32
 
