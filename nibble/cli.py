@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -274,20 +275,27 @@ def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tok
 
 
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool, engine: bool = True,
-                   sampling=None, batch_size: int = GENERATE_BATCH_SIZE) -> list[str]:
-    """The continuations of several prompts, as `generate_text` gives each, ``batch_size`` at a time. nibble's
-    engine runs each batch as one ragged batch (every prompt at its own length, no padding that the model sees);
-    without it (``engine`` False, or a model it cannot run) transformers' ``generate`` runs the batch padded on
-    the left. Greedy, each continuation is the one the prompt gets alone, up to near-ties."""
+                   sampling=None, batch_size: int = GENERATE_BATCH_SIZE) -> Iterator[str]:
+    """The continuations of several prompts, as `generate_text` gives each, ``batch_size`` at a time, yielded in the
+    prompts' order as each batch completes (`nibble generate` prints a batch's answers while the next one runs;
+    ``list(...)`` takes them all). nibble's engine runs each batch as one ragged batch (every prompt at its own
+    length, no padding that the model sees); without it (``engine`` False, or a model it cannot run) transformers'
+    ``generate`` runs the batch padded on the left. Greedy, each continuation is the one the prompt gets alone, up to
+    near-ties."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ids = [_prompt_ids(tokenizer, p, chat) for p in prompts]  # a chat template that fails: said here, not at a batch
+    return _batch_texts(model, tokenizer, ids, max_new_tokens, engine, sampling, batch_size)
+
+
+def _batch_texts(model, tokenizer, ids: list[list[int]], max_new_tokens: int, engine: bool, sampling,
+                 batch_size: int) -> Iterator[str]:
+    """`generate_texts`' continuations of the prompts ``ids`` (their token ids), yielded as each batch completes."""
     eos = _stop_ids(model, tokenizer)
-    ids = [_prompt_ids(tokenizer, p, chat) for p in prompts]
     runner = None
-    if engine and prompts:
+    if engine and ids:
         runner = _open_engine(model, min(batch_size, len(ids)), max(map(len, ids)) + max_new_tokens)
     device = next(model.parameters()).device
-    texts = []
     try:
         for start in range(0, len(ids), batch_size):
             batch = ids[start:start + batch_size]
@@ -296,11 +304,10 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ch
             else:
                 new = runner.generate([torch.tensor(t, device=device) for t in batch], max_new_tokens,
                                       stop_tokens=eos or None, **_sampling_kwargs(sampling)).cpu()
-            texts += [_decode_until_stop(tokenizer, row, eos) for row in new]
-    finally:
+            yield from (_decode_until_stop(tokenizer, row, eos) for row in new)
+    finally:  # also where the caller stops reading early
         if runner is not None:
             runner.close()
-    return texts
 
 
 def _open_engine(model, max_batch: int, max_seq_len: int):
@@ -413,8 +420,10 @@ def cmd_generate(args):
         texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
                                engine=not args.hf_generate, sampling=sampling,
                                batch_size=args.batch_size or GENERATE_BATCH_SIZE)
-        for i, (prompt, text) in enumerate(zip(prompts, texts), 1):
-            print(f"[{i}] {prompt}\n{text}\n")
+        # each batch's answers as it completes (flushed: a pipe holds them back otherwise), while the next one runs;
+        # strict: the texts are read to their end, which closes the engine
+        for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True), 1):
+            print(f"[{i}] {prompt}\n{text}\n", flush=True)
         return
     from transformers import TextStreamer
 
@@ -485,9 +494,12 @@ def cmd_quantize(args):
 def cmd_info(args):
     from nibble.eval.memory import weight_memory
     from nibble.models.convert import quantized_linears, weight_bytes
-    from nibble.models.serialization import load_quantized
+    from nibble.models.serialization import quantized_structure
 
-    model, _ = load_quantized(args.dir, tokenizer=False)  # what it prints is of the weights alone
+    # the model as load_quantized builds it on the CPU, read from the files' headers, not their data: a moment and
+    # little memory for a checkpoint of any size (the load it once ran took minutes and all of its weights in
+    # float32); what it prints is of the weights alone, so no tokenizer is read
+    model = quantized_structure(args.dir)
     qc = model.config.quantization_config
     wb = weight_bytes(model)
     total = weight_memory(model)["total_bytes"]  # a tied lm_head counted once, as the file holds it
@@ -655,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="prompt in, text out")
     _add_model_args(p)
     p.add_argument("prompt", nargs="*", help="one prompt (its text streams as it comes) or several (run as batches "
-                                             "by the engine, each printed after its prompt)")
+                                             "by the engine, each printed after its prompt as its batch completes)")
     p.add_argument("--prompts-file", default=None, help="more prompts, one a line (blank lines skipped)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"several prompts: how many the engine runs at once (default: {GENERATE_BATCH_SIZE})")
@@ -682,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
                         "quantized --model, its weights are written in this format as they are, not quantized again")
     p.set_defaults(func=cmd_quantize)
-    p = sub.add_parser("info", help="what a quantized directory holds")
+    p = sub.add_parser("info", help="what a quantized directory holds (read from its headers: fast at any size)")
     p.add_argument("dir", help="a nibble, AutoAWQ or GPTQ checkpoint folder")
     p.set_defaults(func=cmd_info)
     from nibble.eval.report import TaskNames, add_report_arguments, report_main

@@ -56,7 +56,8 @@ def weight_memory(model: nn.Module) -> dict:
     for name, t in model.state_dict(keep_vars=True).items():
         module_name, _, tensor_name = name.rpartition(".")
         module = modules.get(module_name)
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.device)
+        # a meta tensor (`quantized_structure`'s) has no data pointer (0 for all): a tied one is the same Parameter
+        key = (id(t) if t.is_meta else t.data_ptr(), t.dtype, tuple(t.shape), t.device)
         if t.numel() and key in seen:  # tied weights: lm_head.weight is embed_tokens.weight
             tied = tied or module is lm_head
             continue

@@ -40,20 +40,27 @@ def to_awq(weight: Int4Weight) -> dict:
     }
 
 
+def awq_dimensions(qweight_shape, qzeros_shape, scales_shape, group_size: int) -> tuple[int, int, int]:
+    """(K, N, G) of a layer whose AutoAWQ GEMM tensors have these shapes (``group_size=-1``: one group per output
+    channel), else a ValueError saying how they disagree: what `from_awq` reads of them before their data."""
+    K, N = qweight_shape[0], qweight_shape[1] * PACK
+    G = K if group_size == -1 else group_size
+    if G <= 0 or K % G or K % PACK:
+        raise ValueError(f"AWQ qweight has K={K} rows, which must be divisible by 8 and by group_size={group_size}")
+    if tuple(qzeros_shape) != (K // G, N // PACK) or tuple(scales_shape) != (K // G, N):
+        raise ValueError(f"AWQ shapes disagree: qweight {tuple(qweight_shape)} (K={K}, N={N}), group {G} needs "
+                         f"qzeros {(K // G, N // PACK)} and scales {(K // G, N)}; got {tuple(qzeros_shape)} and "
+                         f"{tuple(scales_shape)}")
+    return K, N, G
+
+
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Weight:
     """AutoAWQ GEMM tensors -> canonical Int4Weight (``group_size=-1``: one group per output channel)."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError(f"AWQ qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}")
     if scales.dtype != torch.float16:
         raise ValueError(f"AWQ scales must be float16, got {scales.dtype}")
-    K, N = qweight.shape[0], qweight.shape[1] * PACK
-    G = K if group_size == -1 else group_size
-    if G <= 0 or K % G or K % PACK:
-        raise ValueError(f"AWQ qweight has K={K} rows, which must be divisible by 8 and by group_size={group_size}")
-    if tuple(qzeros.shape) != (K // G, N // PACK) or tuple(scales.shape) != (K // G, N):
-        raise ValueError(f"AWQ shapes disagree: qweight {tuple(qweight.shape)} (K={K}, N={N}), group {G} needs "
-                         f"qzeros {(K // G, N // PACK)} and scales {(K // G, N)}; got {tuple(qzeros.shape)} and "
-                         f"{tuple(scales.shape)}")
+    G = awq_dimensions(qweight.shape, qzeros.shape, scales.shape, group_size)[2]
     codes = unpack_along_n(qweight, AWQ_ORDER)  # [K, N]
     zp = unpack_along_n(qzeros, AWQ_ORDER)      # [K // G, N]
     return Int4Weight(pack_int4(codes), scales.clone(), zeros_from_zero_points(zp, scales), G)

@@ -102,36 +102,57 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"GPTQ qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}")
     if scales.dtype != torch.float16:
         raise ValueError(f"GPTQ scales must be float16, got {scales.dtype}")
-    K, N = qweight.shape[0] * PACK, qweight.shape[1]
-    n_groups = scales.shape[0]
-    if n_groups == 0 or K % n_groups:
-        raise ValueError(f"GPTQ scales have {n_groups} group rows, which do not divide in_features={K} evenly")
-    G = K // n_groups
-    if group_size is not None and (K if group_size == -1 else group_size) != G:
-        raise ValueError(f"group_size={group_size} disagrees with the tensors: scales {tuple(scales.shape)} of K={K} "
-                         f"inputs mean group size {G}")
-    if tuple(scales.shape) != (n_groups, N) or tuple(qzeros.shape) != (n_groups, N // PACK) or N % PACK:
-        raise ValueError(f"GPTQ shapes disagree: qweight {tuple(qweight.shape)} (K={K}, N={N}) needs scales "
-                         f"{(n_groups, N)} and qzeros {(n_groups, N // PACK)}; got {tuple(scales.shape)} and "
-                         f"{tuple(qzeros.shape)}")
-    words = qzeros.to(torch.int64)
-    if checkpoint_format == "gptq":
-        words = words + _ONES
-    zp = unpack_along_n(uint32_to_int32(words))
-    zeros = zeros_from_zero_points(zp, scales)
-    perm = None
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), trivial_g_idx(K, G, g_idx.device).to(torch.int64)):
-        g = g_idx.to(torch.int64)
-        if g.shape != (K,) or int(g.min()) < 0 or int(g.max()) >= n_groups or \
-                not bool((torch.bincount(g, minlength=n_groups) == G).all()):
-            raise ValueError(f"g_idx must assign exactly {G} of the {K} input features to each of the {n_groups} "
-                             "groups (as GPTQ act-order does); this one does not, so the groups cannot be made "
-                             "contiguous by a permutation")
-        perm = torch.argsort(g, stable=True)
+    K, _, G = gptq_dimensions(qweight.shape, qzeros.shape, scales.shape, group_size)
+    zeros = zeros_from_zero_points(gptq_zero_points(qzeros, checkpoint_format), scales)
+    perm = None if g_idx is None else act_order_perm(g_idx, K, G)
+    if perm is not None:
         qweight = pack_int4(unpack_int4(qweight)[perm])
     else:
         qweight = qweight.clone()
     return Int4Weight(qweight, scales.clone(), zeros, G), perm
+
+
+def gptq_dimensions(qweight_shape, qzeros_shape, scales_shape, group_size: int | None = None) -> tuple[int, int, int]:
+    """(K, N, G) of a layer whose GPTQ tensors have these shapes, the group size read from the scales' rows
+    (``group_size``, -1 for per channel, checked against it), else a ValueError saying how they disagree: what
+    `from_gptq` reads of them before their data."""
+    K, N = qweight_shape[0] * PACK, qweight_shape[1]
+    n_groups = scales_shape[0]
+    if n_groups == 0 or K % n_groups:
+        raise ValueError(f"GPTQ scales have {n_groups} group rows, which do not divide in_features={K} evenly")
+    G = K // n_groups
+    if group_size is not None and (K if group_size == -1 else group_size) != G:
+        raise ValueError(f"group_size={group_size} disagrees with the tensors: scales {tuple(scales_shape)} of K={K} "
+                         f"inputs mean group size {G}")
+    if tuple(scales_shape) != (n_groups, N) or tuple(qzeros_shape) != (n_groups, N // PACK) or N % PACK:
+        raise ValueError(f"GPTQ shapes disagree: qweight {tuple(qweight_shape)} (K={K}, N={N}) needs scales "
+                         f"{(n_groups, N)} and qzeros {(n_groups, N // PACK)}; got {tuple(scales_shape)} and "
+                         f"{tuple(qzeros_shape)}")
+    return K, N, G
+
+
+def gptq_zero_points(qzeros: torch.Tensor, checkpoint_format: str) -> torch.Tensor:
+    """The integer zero points zp [K // G, N] that ``qzeros`` holds in ``checkpoint_format``'s convention."""
+    words = qzeros.to(torch.int64)
+    if checkpoint_format == "gptq":
+        words = words + _ONES
+    return unpack_along_n(uint32_to_int32(words))
+
+
+def act_order_perm(g_idx: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
+    """The input permutation that makes ``g_idx``'s groups contiguous (see the module doc), None where they are
+    already (g_idx = k // G); a ValueError where no permutation can (a group not of ``group_size`` members)."""
+    K, G = in_features, group_size
+    g = g_idx.to(torch.int64)
+    if torch.equal(g, trivial_g_idx(K, G, g_idx.device).to(torch.int64)):
+        return None
+    n_groups = K // G
+    if g.shape != (K,) or int(g.min()) < 0 or int(g.max()) >= n_groups or \
+            not bool((torch.bincount(g, minlength=n_groups) == G).all()):
+        raise ValueError(f"g_idx must assign exactly {G} of the {K} input features to each of the {n_groups} "
+                         "groups (as GPTQ act-order does); this one does not, so the groups cannot be made "
+                         "contiguous by a permutation")
+    return torch.argsort(g, stable=True)
 
 
 def _check_perm(perm: torch.Tensor, K: int) -> torch.Tensor:

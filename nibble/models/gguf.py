@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.initialization import no_init_weights
 
 from nibble.models.convert import rebuild_non_persistent_buffers
+from nibble.warn import warn
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -403,20 +404,24 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path, config: LlamaConfig) -> PreT
         return None if index is None else tokens[index]
 
     bos, eos = token("bos_token_id"), token("eos_token_id")
-    # llama.cpp adds BOS before every text, and EOS after it, where the file says so
-    added = [(key, text) for key, text in (("bos", bos), ("eos", eos)) if meta(f"add_{key}_token", False)]
-    for key, text in added:
-        if text is None:  # the tokenizers library's TypeError named no file, no key
-            raise ValueError(f"{path}: tokenizer.ggml.add_{key}_token is true, but no tokenizer.ggml.{key}_token_id "
-                             "says which token: the file's metadata is corrupt; download or convert it again")
-    if added:
-        said = dict(added)
-
-        def around(segment: str, type_id: int) -> str:  # a text and its added tokens, as transformers' Llama adds them
-            return " ".join(f"{t}:{type_id}" for t in (said.get("bos"), segment, said.get("eos")) if t is not None)
+    # BOS before every text where the file says so, as llama.cpp adds it. EOS after every text
+    # (tokenizer.ggml.add_eos_token) is not added: an EOS that ends a prompt tells a causal LM the text is over,
+    # so it generates as after a finished document, and the perplexity stream (one text, the corpus) would end
+    # in an EOS the text does not hold. llama.cpp does not add it there either: llama-cli refuses a decoder-only
+    # model that sets it, as do llama-perplexity and llama-imatrix (GGML_ASSERT(!llama_vocab_get_add_eos(vocab)));
+    # only an encoder's input (T5's) or an embedding's ends in it, and nibble runs neither.
+    if meta("add_eos_token", False):
+        warn(f"{path}: tokenizer.ggml.add_eos_token is true, which nibble ignores: an EOS after a prompt or a "
+             "perplexity text would end it for a causal LM (llama.cpp refuses such a model for generation and "
+             "perplexity); texts are tokenized without it")
+    if meta("add_bos_token", False):
+        if bos is None:  # the tokenizers library's TypeError named no file, no key
+            raise ValueError(f"{path}: tokenizer.ggml.add_bos_token is true, but no tokenizer.ggml.bos_token_id says "
+                             "which token: the file's metadata is corrupt; download or convert it again")
+        # as transformers' Llama tokenizer adds it: before each text of a pair too
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}",
-            special_tokens=list({text: meta(f"{key}_token_id") for key, text in added}.items()))
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, meta("bos_token_id"))])
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return PreTrainedTokenizerFast(

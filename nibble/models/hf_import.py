@@ -30,14 +30,15 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
-from nibble.formats.awq import from_awq, to_awq
-from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
+from nibble.formats.awq import awq_dimensions, from_awq, to_awq
+from nibble.formats.gptq import (CHECKPOINT_FORMATS, act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points,
+                                 holds_in_v1, to_gptq)
 from nibble.formats.int4 import is_symmetric
-from nibble.formats.zero_points import unpack_along_n
+from nibble.formats.zero_points import unpack_along_n, zeros_from_zero_points
 from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules, quantized_linears,
                                    rebuild_non_persistent_buffers, untie_lm_head)
-from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, quantization_settings_files, read_config,
-                                   read_json_object)
+from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, header_tensor, quantization_settings_files,
+                                   read_config, read_json_object)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 from nibble.warn import warn
@@ -154,9 +155,10 @@ def _layer_info(info: dict, prefix: str) -> dict:
     return info
 
 
-def _read_safetensors(directory: Path) -> tuple[dict, dict]:
+def _read_safetensors(directory: Path, read=None) -> tuple[dict, dict]:
     """(every tensor of the checkpoint, each file's (safetensors metadata, tensor names)): the files its index names,
-    or without one every *.safetensors in ``directory``."""
+    or without one every *.safetensors in ``directory``. ``read`` (a test of a tensor's name; None: every one): the
+    tensors whose data is read, the others meta tensors of their shape and dtype (`header_tensor`)."""
     index, weight_map = directory / f"{WEIGHTS}.index.json", {}
     if index.exists():
         weight_map = read_json_object(index).get("weight_map")
@@ -181,7 +183,8 @@ def _read_safetensors(directory: Path) -> tuple[dict, dict]:
                         raise ValueError(f"tensor {key!r} is in both {directory / held_by[key]} and {directory / name}"
                                          ": one of them is not this checkpoint's (a backup or an earlier model's "
                                          "file?); move it out of the folder")
-                    tensors[key], held_by[key] = f.get_tensor(key), name
+                    tensors[key] = f.get_tensor(key) if read is None or read(key) else header_tensor(f, key)
+                    held_by[key] = name
         except (SafetensorError, OSError) as e:  # safetensors' own message names no file
             raise ValueError(f"{directory / name} is missing, truncated or corrupt ({e}); re-download the checkpoint "
                              "or re-save it") from e
@@ -273,63 +276,25 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     The model's ``config.quantization_config`` becomes the nibble one (method awq/gptq), with the
     original under ``"imported_from"``, so ``save_quantized`` can write it in nibble's format.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     directory = Path(directory).expanduser()
     device = resolve_device(device)  # "cuda" without a GPU is refused by name, not deep in torch
     dtype = resolve_dtype(dtype)
-    if not (directory / CONFIG).exists():
-        raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
-    info = read_quantization_config(directory)
+    info, raw = _read_settings(directory)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
-    raw = read_config(directory / CONFIG)
-    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    check_architecture(model)
+    model = meta_model(raw, dtype)
     tensors, files = _read_safetensors(directory)
-    from nibble.models.serialization import METADATA, check_checksums, check_config_digest
-    for name, (meta, keys) in files.items():  # a nibble export: its checksums, the digest of its config.json
-        if METADATA in meta:
-            ours = json.loads(meta[METADATA])
-            if "checksums" in ours:
-                check_checksums(directory / name, {k: tensors[k] for k in keys}, ours)
-            check_config_digest(directory / name, ours, raw)
-
-    prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
-    if not prefixes:  # a float model's weights: the file that says otherwise is another checkpoint's, or they are
-        said = CONFIG if raw.get("quantization_config") else quantization_settings_files(directory)[0]
-        raise ValueError(f"{directory / said} says {info['method']}, but no tensor of the checkpoint ends in .qweight: "
-                         f"its weights are not quantized; {said} or the weights belong to another checkpoint (float "
-                         "weights load with load_model once it is moved away)")
+    _check_export_metadata(directory, files, raw, tensors)
+    prefixes = _quantized_prefixes(directory, raw, info, tensors)
     group_sizes, relabelled, symmetric = set(), [], True  # the zeros' own word where the config says nothing
     for prefix in prefixes:
-        t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
-        bias = tensors.pop(f"{prefix}.bias", None)
-        old = named_layer(model, prefix, directory)
-        layout, held = _layout(t, f"{prefix}.zeros" in tensors, old)
-        if layout not in (None, info["method"]):
-            raise ValueError(f"{directory / CONFIG} says {info['method']}, but {prefix} holds {layout}'s tensors "
-                             f"({held}): the config.json belongs to another checkpoint; restore the one written with "
-                             "these weights")
-        missing = [k for k in _REQUIRED_KEYS if k not in t]
-        if missing:  # by name: a KeyError said "cannot read its awq tensors ('qzeros')"
-            raise ValueError(f"{directory}: the checkpoint lacks {prefix}.{missing[0]} ({info['method']} layers store "
-                             f"{', '.join(_REQUIRED_KEYS)}): a shard or the save is incomplete; re-download the "
-                             "checkpoint")
-        layer_info = _layer_info(info, prefix)
+        t, bias, old, layer_info = _layer_tensors(directory, info, tensors, model, prefix)
         weight, perm, read_as = _convert_layer(layer_info, t, prefix)
         for what, value in (("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
             if value is not None:
                 _check_finite(value, f"{directory}: {prefix}.{what}")
         if read_as != info["checkpoint_format"]:
             relabelled.append(prefix)
-        if (old.in_features, old.out_features) != (weight.in_features, weight.out_features):
-            raise ValueError(f"{prefix}: checkpoint holds a {weight.out_features}x{weight.in_features} weight but the "
-                             f"architecture expects {old.out_features}x{old.in_features}")
-        if bias is not None and tuple(bias.shape) != (weight.out_features,):
-            raise ValueError(f"{directory}: {prefix}.bias has shape {tuple(bias.shape)}, where the layer's "
-                             f"{weight.out_features} outputs need ({weight.out_features},): the checkpoint is damaged")
+        _check_layer_shapes(directory, prefix, old, weight.in_features, weight.out_features, bias)
         cls = PermutedInputQuantLinear if perm is not None else QuantLinear
         layer = cls.from_weight(weight.to(device), None if bias is None else bias.to(device, dtype), "w4a16", dtype=dtype)
         if perm is not None:
@@ -346,12 +311,141 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     for k, v in tensors.items():
         if v.is_floating_point():
             _check_finite(v, f"{directory}: {k}")
+    _place_unquantized(directory, model, tensors, prefixes, device, dtype)
+    rebuild_non_persistent_buffers(model, device)
+    _mark_imported(model, info, group_sizes, symmetric)
+    from nibble.models.serialization import load_companions
+    return model, load_companions(model, directory, tokenizer)
+
+
+def hf_quantized_structure(directory) -> nn.Module:
+    """The model `load_hf_quantized` builds from ``directory`` on the CPU, on the meta device
+    (`nibble.models.serialization.quantized_structure` says what for): each layer's shapes come from the
+    safetensors headers, and of the data only what the structure depends on is read, a small fraction of the
+    file: a GPTQ layer's g_idx (act order: its inputs permuted, or not) and, where the quantization_config does
+    not say sym, its qzeros and scales (symmetric: every zero point 8, or not). An AutoAWQ checkpoint's data is
+    not read at all."""
+    directory = Path(directory).expanduser()
+    info, raw = _read_settings(directory)
+    dtype = torch.float32  # load_hf_quantized's on the CPU
+    model = meta_model(raw, dtype)
+    unsaid = info["sym"] is None
+    tensors, files = _read_safetensors(
+        directory, read=lambda key: key.endswith(".g_idx") or unsaid and key.endswith((".qzeros", ".scales")))
+    _check_export_metadata(directory, files, raw)
+    prefixes = _quantized_prefixes(directory, raw, info, tensors)
+    group_sizes, symmetric = set(), True
+    for prefix in prefixes:
+        t, bias, old, layer_info = _layer_tensors(directory, info, tensors, model, prefix)
+        shapes = (t["qweight"].shape, t["qzeros"].shape, t["scales"].shape, info["group_size"])
+        try:  # as `_convert_layer` reads them
+            if info["method"] == "awq":
+                (K, N, G), perm = awq_dimensions(*shapes), None
+            else:
+                K, N, G = gptq_dimensions(*shapes)
+                perm = act_order_perm(t["g_idx"], K, G) if "g_idx" in t else None
+        except ValueError as e:
+            raise ValueError(f"{prefix}: cannot read its {info['method']} tensors ({e})") from e
+        _check_layer_shapes(directory, prefix, old, K, N, bias)
+        layer_symmetric = layer_info["sym"]
+        if layer_symmetric is None:  # the zeros' own word, as the load reads them (`from_gptq`)
+            scales = _float16_scales(t["scales"])
+            zero_points = gptq_zero_points(t["qzeros"], info["checkpoint_format"])
+            layer_symmetric = is_symmetric(scales, zeros_from_zero_points(zero_points, scales))
+        cls = PermutedInputQuantLinear if perm is not None else QuantLinear
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), child, cls(K, N, bias is not None, G, dtype=dtype, device="meta"))
+        group_sizes.add(-1 if G == K else G)
+        symmetric &= layer_symmetric
+    _place_unquantized(directory, model, tensors, prefixes, torch.device("meta"), dtype)
+    _mark_imported(model, info, group_sizes, symmetric)
+    return model
+
+
+def _read_settings(directory: Path) -> tuple[dict, dict]:
+    """(`read_quantization_config`, config.json) of the checkpoint in ``directory``."""
+    if not (directory / CONFIG).exists():
+        raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
+    return read_quantization_config(directory), read_config(directory / CONFIG)
+
+
+def meta_model(config: dict, dtype: torch.dtype) -> nn.Module:
+    """The causal LM that ``config`` (a config.json's fields) describes, on the meta device in ``dtype``: the frame
+    a checkpoint's weights are placed into (its quantization_config is left out: the frame holds 16-bit linears,
+    which the loaders replace)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    check_architecture(model)
+    return model
+
+
+def _check_export_metadata(directory: Path, files: dict, config: dict, tensors: dict | None = None) -> None:
+    """Refuse a nibble export's weights whose metadata (``files``: `_read_safetensors`') carries the digest of
+    another config.json than ``config``, or, given their ``tensors``, checksums they do not match."""
+    from nibble.models.serialization import METADATA, check_checksums, check_config_digest
+    for name, (meta, keys) in files.items():
+        if METADATA in meta:
+            ours = json.loads(meta[METADATA])
+            if tensors is not None and "checksums" in ours:
+                check_checksums(directory / name, {k: tensors[k] for k in keys}, ours)
+            check_config_digest(directory / name, ours, config)
+
+
+def _quantized_prefixes(directory: Path, config: dict, info: dict, tensors: dict) -> list[str]:
+    """The names of the checkpoint's quantized linears (those holding a qweight), else a ValueError."""
+    prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+    if not prefixes:  # a float model's weights: the file that says otherwise is another checkpoint's, or they are
+        said = CONFIG if config.get("quantization_config") else quantization_settings_files(directory)[0]
+        raise ValueError(f"{directory / said} says {info['method']}, but no tensor of the checkpoint ends in .qweight: "
+                         f"its weights are not quantized; {said} or the weights belong to another checkpoint (float "
+                         "weights load with load_model once it is moved away)")
+    return prefixes
+
+
+def _layer_tensors(directory: Path, info: dict, tensors: dict, model: nn.Module, prefix: str):
+    """(its quantization tensors, its bias or None, the 16-bit layer it replaces, `_layer_info`) of the quantized
+    linear ``prefix``, taken out of ``tensors``; a ValueError where they are not the config's format or one lacks."""
+    t = {k: tensors.pop(f"{prefix}.{k}") for k in _QUANT_KEYS if f"{prefix}.{k}" in tensors}
+    bias = tensors.pop(f"{prefix}.bias", None)
+    old = named_layer(model, prefix, directory)
+    layout, held = _layout(t, f"{prefix}.zeros" in tensors, old)
+    if layout not in (None, info["method"]):
+        raise ValueError(f"{directory / CONFIG} says {info['method']}, but {prefix} holds {layout}'s tensors "
+                         f"({held}): the config.json belongs to another checkpoint; restore the one written with "
+                         "these weights")
+    missing = [k for k in _REQUIRED_KEYS if k not in t]
+    if missing:  # by name: a KeyError said "cannot read its awq tensors ('qzeros')"
+        raise ValueError(f"{directory}: the checkpoint lacks {prefix}.{missing[0]} ({info['method']} layers store "
+                         f"{', '.join(_REQUIRED_KEYS)}): a shard or the save is incomplete; re-download the "
+                         "checkpoint")
+    return t, bias, old, _layer_info(info, prefix)
+
+
+def _check_layer_shapes(directory: Path, prefix: str, old: nn.Module, in_features: int, out_features: int,
+                        bias: torch.Tensor | None) -> None:
+    """Refuse a quantized linear whose weight (``in_features`` x ``out_features``) or bias is not of the shape of
+    the layer ``old`` it replaces."""
+    if (old.in_features, old.out_features) != (in_features, out_features):
+        raise ValueError(f"{prefix}: checkpoint holds a {out_features}x{in_features} weight but the "
+                         f"architecture expects {old.out_features}x{old.in_features}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"{directory}: {prefix}.bias has shape {tuple(bias.shape)}, where the layer's "
+                         f"{out_features} outputs need ({out_features},): the checkpoint is damaged")
+
+
+def _place_unquantized(directory: Path, model: nn.Module, tensors: dict, prefixes: list[str], device: torch.device,
+                       dtype: torch.dtype) -> None:
+    """Place the checkpoint's other ``tensors`` (its embeddings, norms, 16-bit linears) into ``model``, the floats in
+    ``dtype``, refusing any the model lacks or leaves without; and tie lm_head as `_tie_lm_head` says."""
     state = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a tensor of another shape than config.json implies
         raise ValueError(f"{directory}: weights do not match the architecture config.json describes ({e})") from e
-    tied = getattr(config, "tie_word_embeddings", False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")
                and not any(k.startswith(p + ".") for p in prefixes)]
     if missing or unexpected:
@@ -359,7 +453,11 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
                          f"unexpected {unexpected[:5]})")
     if tied:
         _tie_lm_head(model, directory, stored="lm_head.weight" in state)
-    rebuild_non_persistent_buffers(model, device)
+
+
+def _mark_imported(model: nn.Module, info: dict, group_sizes: set, symmetric: bool) -> None:
+    """Fold the MLPs' input orders and record the model's nibble quantization_config, the checkpoint's under
+    "imported_from" (the import's last steps)."""
     fold_mlp_input_orders(model)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
     made = made if made.get("library") == "nibble" and made.get("method") in METHODS else {}
@@ -370,8 +468,6 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     mark_quantized(model, {**nibble_qc.to_dict(), "imported_from": info["raw"],
                            "input_permuted_modules": input_permuted_modules(model)})
     model.eval()
-    from nibble.models.serialization import load_companions
-    return model, load_companions(model, directory, tokenizer)
 
 
 def named_layer(model: nn.Module, name: str, directory: Path) -> nn.Module:
@@ -391,10 +487,14 @@ def _tie_lm_head(model: nn.Module, directory: Path, stored: bool) -> None:
     is kept, as transformers keeps it, and a quantized one (GPTQModel's lm_head=True) has no float weight to share;
     tie_weights() replaced the first by the embedding and hung the embedding on the second."""
     head, embed = model.lm_head, model.get_input_embeddings()
-    if isinstance(head, QuantLinear) or (stored and not torch.equal(head.weight, embed.weight)):
-        if not isinstance(head, QuantLinear):
-            warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
-                 "differs from the embedding: kept untied, as stored (transformers does the same)")
+    # a structure read from the headers (`hf_quantized_structure`) has no data to compare: a stored head is kept as
+    # the file holds it, apart
+    unequal = stored and not isinstance(head, QuantLinear) and (
+        head.weight.is_meta or not torch.equal(head.weight, embed.weight))
+    if unequal and not head.weight.is_meta:
+        warn(f"{directory / CONFIG} says tie_word_embeddings, but the checkpoint's lm_head.weight "
+             "differs from the embedding: kept untied, as stored (transformers does the same)")
+    if isinstance(head, QuantLinear) or unequal:
         untie_lm_head(model)  # the config then says what the model holds
     else:
         model.tie_weights()

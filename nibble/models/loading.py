@@ -37,6 +37,23 @@ QUANTIZATION_SETTINGS_FILES = {
 }
 
 
+# the dtypes a safetensors header names (its "dtype" field), as torch holds them
+SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+                      "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                      "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def header_tensor(file, name: str) -> torch.Tensor:
+    """A meta tensor of the shape and dtype in which ``file`` (opened with safetensors' `safe_open`) holds the tensor
+    ``name``, read from the file's header: none of its data is read (what describes a checkpoint without loading it:
+    `nibble.models.serialization.quantized_structure`)."""
+    view = file.get_slice(name)
+    dtype = view.get_dtype()
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"tensor {name!r} is stored as {dtype}, a dtype nibble does not read")
+    return torch.empty(view.get_shape(), dtype=SAFETENSORS_DTYPES[dtype], device="meta")
+
+
 def quantization_settings_files(directory: Path) -> list[str]:
     """The names of the `QUANTIZATION_SETTINGS_FILES` ``directory`` holds."""
     return [name for name in QUANTIZATION_SETTINGS_FILES if (directory / name).exists()]

@@ -23,21 +23,21 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
-from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules,
-                                   rebuild_non_persistent_buffers)
+from nibble.models.convert import mark_quantized, online_hadamard_modules, rebuild_non_persistent_buffers
 from nibble.models.gguf import is_gguf
 from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
-                                   QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, quantization_settings_files,
-                                   read_config, read_generation_config, read_tokenizer)
+                                   QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, header_tensor,
+                                   quantization_settings_files, read_config, read_generation_config, read_tokenizer)
 from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
-from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, input_permuted_modules,
-                                     checkpoint_dir, load_hf_quantized, model_to_save, named_layer)
+from nibble.models.hf_import import (checkpoint_dir, export_awq, export_gptq, fold_mlp_input_orders,
+                                     hf_quantized_structure, input_permuted_modules, load_hf_quantized, meta_model,
+                                     model_to_save, named_layer)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.warn import warn
@@ -257,7 +257,10 @@ def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
                               "model again")
 
 
-def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
+def _read_checked(path: Path, config: dict, data: bool = True) -> tuple[dict, dict]:
+    """(the tensors of the nibble weights file ``path``, its aliases: a tied tensor's other names), refused where the
+    file is missing, damaged, not nibble's or saved with another config than ``config``. ``data`` False: meta tensors
+    of their shapes and dtypes (`header_tensor`), whose checksums are not checked (`quantized_structure`)."""
     if not path.exists() and (path.parent / f"{WEIGHTS}.index.json").exists():  # config.json says nibble's
         raise CheckpointError(f"{path.parent} holds shards (model.safetensors.index.json), but a nibble checkpoint is "
                               f"one {WEIGHTS}: merge the shards into one file, or fetch the checkpoint as nibble wrote it")
@@ -266,10 +269,9 @@ def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
     if not os.access(path, os.R_OK):  # safetensors says "No such file or directory" of it
         raise PermissionError(f"cannot read {path}: permission denied (the file is there; fix its permissions)")
     try:
-        tensors = load_file(str(path))
-        from safetensors import safe_open
         with safe_open(str(path), "pt") as f:
             metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) if data else header_tensor(f, k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-save or re-download it") from e
     if METADATA in metadata:
@@ -279,7 +281,8 @@ def _read_checked(path: Path, config: dict) -> tuple[dict, dict]:
                 "aliases": json.loads(metadata.get("nibble_aliases", "{}"))}
     else:
         raise CheckpointError(f"{path} has no nibble checksums: it was not written by nibble.save_quantized")
-    check_checksums(path, tensors, ours)
+    if data:
+        check_checksums(path, tensors, ours)
     check_config_digest(path, ours, config)
     return tensors, ours.get("aliases", {})
 
@@ -304,14 +307,40 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
     a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`).
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved, or with ``tokenizer=False``, which
-    reads no tokenizer file (what looks at the weights alone, `nibble info`, needs none, nor to fail on one).
+    reads no tokenizer file.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     directory = Path(directory).expanduser()  # "~/model" as a shell would read it
     # First: "cuda" without a GPU would fail deep in torch, and "gpu" as weights that "do not match".
     device = resolve_device(device)
     dtype = resolve_dtype(dtype)
+    raw = _checkpoint_config(directory)
+    if _imported(directory, raw):
+        return load_hf_quantized(directory, device, dtype, tokenizer)
+    settings = _nibble_settings(directory, raw)
+    tensors, aliases = _read_checked(directory / WEIGHTS, raw)
+    model = _build(directory, raw, settings, tensors, aliases, device, dtype or _saved_dtype(raw, device))
+    return model, load_companions(model, directory, tokenizer)
+
+
+def quantized_structure(directory) -> nn.Module:
+    """The model that `load_quantized(directory)` builds on the CPU, on the meta device: its modules, their shapes
+    and dtypes, its tied weights and its quantization_config, read from config.json, the quantizer's settings and
+    the safetensors headers instead of the weights' data (an AutoAWQ / GPTQ import reads the little its structure
+    depends on: `hf_quantized_structure`). What `nibble info` prints, in a moment and in little memory for a
+    checkpoint of any size. The checks of the data a load makes (checksums, finite scales) are not made; the
+    structure's are (config.json's digest, each layer's shapes, the names of the tensors)."""
+    directory = Path(directory).expanduser()
+    raw = _checkpoint_config(directory)
+    if _imported(directory, raw):
+        return hf_quantized_structure(directory)
+    settings = _nibble_settings(directory, raw)
+    tensors, aliases = _read_checked(directory / WEIGHTS, raw, data=False)
+    cpu = torch.device("cpu")
+    return _build(directory, raw, settings, tensors, aliases, torch.device("meta"), _saved_dtype(raw, cpu))
+
+
+def _checkpoint_config(directory: Path) -> dict:
+    """The config.json of the checkpoint ``directory``, a CheckpointError where there is none to read."""
     if not directory.exists():
         raise FileNotFoundError(f"{str(directory)!r} is not a local checkpoint directory. {NEVER_DOWNLOADS}")
     if not directory.is_dir():
@@ -325,13 +354,25 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
         raw = read_config(directory / CONFIG)
     except ValueError as e:
         raise CheckpointError(str(e)) from e
-    qc_dict = raw.get("quantization_config")
-    if qc_dict is None and quantization_settings_files(directory):  # AutoGPTQ before 0.5, early AutoAWQ: there alone
-        return load_hf_quantized(directory, device, dtype, tokenizer)
-    if qc_dict is None:
+    if raw.get("quantization_config") is None and not quantization_settings_files(directory):
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
-    if str(qc_dict.get("quant_method")).lower() in HF_QUANT_METHODS:  # as the importer reads it: "AWQ" too
-        return load_hf_quantized(directory, device, dtype, tokenizer)
+    return raw
+
+
+def _imported(directory: Path, config: dict) -> bool:
+    """Whether the checkpoint of ``config`` (its config.json) is an AutoAWQ / GPTQ one, which hf_import reads: its
+    quantization_config says so, or, without one, the settings file its tool wrote beside it (AutoGPTQ before 0.5,
+    early AutoAWQ)."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return bool(quantization_settings_files(directory))
+    return str(qc.get("quant_method")).lower() in HF_QUANT_METHODS  # as the importer reads it: "AWQ" too
+
+
+def _nibble_settings(directory: Path, raw: dict) -> tuple[QuantConfig, set, set]:
+    """(the QuantConfig, the online-Hadamard modules, the input-permuted modules) of the nibble checkpoint
+    ``directory``'s config.json ``raw``, a CheckpointError naming the file where they are not of their types."""
+    qc_dict = raw["quantization_config"]
     try:
         qc = QuantConfig.from_dict(qc_dict)
     except ValueError as e:  # its refusal names no file
@@ -340,15 +381,17 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
         if not isinstance(qc_dict.get(key, []), list):
             raise CheckpointError(f"{directory / CONFIG}: quantization_config.{key} must be a list of module names, "
                                   f"got {qc_dict[key]!r}: the file was edited; save the model again")
-    online_hadamard = set(qc_dict.get("online_hadamard_modules", []))
-    permuted = set(qc_dict.get("input_permuted_modules", []))
-    tensors, aliases = _read_checked(directory / WEIGHTS, raw)
-    raw.pop("quantization_config")
-    config = AutoConfig.for_model(**raw)
-    dtype = dtype or _saved_dtype(raw, device)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    check_architecture(model)
+    return qc, set(qc_dict.get("online_hadamard_modules", [])), set(qc_dict.get("input_permuted_modules", []))
+
+
+def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: dict, device: torch.device,
+           dtype: torch.dtype) -> nn.Module:
+    """The model of the nibble checkpoint ``directory`` (config.json ``raw``, its `_nibble_settings`) holding
+    ``tensors`` (`_read_checked`'s) on ``device`` (meta: `quantized_structure`), its non-quantized weights in
+    ``dtype``."""
+    qc, online_hadamard, permuted = settings
+    qc_dict = raw["quantization_config"]
+    model = meta_model(raw, dtype)
     for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")}:
         parent, _, child = name.rpartition(".")
         for part, want in FORMAT_DTYPES.items():  # a checkpoint whose checksums cover its data alone, or a converter's
@@ -377,14 +420,14 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
         model.load_state_dict(placed, strict=True, assign=True)
     except RuntimeError as e:
         raise CheckpointError(f"{directory}: weights do not match the saved architecture ({e})") from e
-    rebuild_non_persistent_buffers(model, device)
-    if config.tie_word_embeddings and "lm_head.weight" not in tensors:  # stored as the embedding's alias, or not
+    if device.type != "meta":  # a structure holds no buffer that is computed, not stored
+        rebuild_non_persistent_buffers(model, device)
+    if model.config.tie_word_embeddings and "lm_head.weight" not in tensors:  # stored as the embedding's alias, or not
         model.tie_weights()  # one Parameter again, as transformers' from_pretrained leaves it
     if fold_mlp_input_orders(model):  # saves from before the fold listed permuted down_projs
         qc_dict["input_permuted_modules"] = input_permuted_modules(model)
     mark_quantized(model, qc_dict)
-    model.eval()
-    return model, load_companions(model, directory, tokenizer)
+    return model.eval()
 
 
 def check_groups(path: Path, name: str, tensors: dict, in_features: int, group_size: int) -> None:

@@ -523,17 +523,35 @@ def test_a_chat_template_that_cannot_compile_is_said_as_the_gguf_loads(tiny, tmp
         assert load_model(path)[1] is not None
 
 
-@pytest.mark.parametrize("add_bos,add_eos,around", [(True, False, (["<|im_start|>"], [])),
-                                                   (False, True, ([], ["<|im_end|>"])),
-                                                   (True, True, (["<|im_start|>"], ["<|im_end|>"]))])
-def test_the_tokens_the_gguf_says_to_add_are_added_to_every_text(tiny, tmp_path, add_bos, add_eos, around):
-    """tokenizer.ggml.add_eos_token was ignored: where llama.cpp ends every text with EOS, nibble did not."""
-    _, tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, add_bos=add_bos, add_eos=add_eos))
+def test_the_bos_the_gguf_says_to_add_begins_every_text(tiny, tmp_path):
+    _, tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, add_bos=True))
     text = ["he", "ll", "o"]
-    assert tokenizer.convert_ids_to_tokens(tokenizer("hello").input_ids) == [*around[0], *text, *around[1]]
+    assert tokenizer.convert_ids_to_tokens(tokenizer("hello").input_ids) == ["<|im_start|>", *text]
     pair = tokenizer("hello", "hello")
-    assert tokenizer.convert_ids_to_tokens(pair.input_ids) == [*around[0], *text, *around[1]] * 2
+    assert tokenizer.convert_ids_to_tokens(pair.input_ids) == ["<|im_start|>", *text] * 2
     assert tokenizer.convert_ids_to_tokens(tokenizer("hello", add_special_tokens=False).input_ids) == text
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_gguf_that_says_add_eos_token_ends_no_prompt_nor_perplexity_stream_with_eos(tiny, tmp_path, monkeypatch,
+                                                                                     add_bos):
+    """tokenizer.ggml.add_eos_token made every text end in EOS: a `generate --no-chat` prompt, which the model then
+    continued as a finished document, and the perplexity stream. llama.cpp refuses such a decoder-only model for
+    generation and perplexity; nibble tokenizes without the EOS, and says so."""
+    import nibble.eval.perplexity as perplexity
+    from nibble.cli import _prompt_ids
+
+    path = _write_gguf(tmp_path / "t.gguf", tiny, add_bos=add_bos, add_eos=True)
+    with pytest.warns(UserWarning, match=r"t\.gguf: tokenizer\.ggml\.add_eos_token is true, which nibble ignores"):
+        model, tokenizer = load_gguf(path)
+    bos = ["<|im_start|>"] * add_bos
+    assert tokenizer.convert_ids_to_tokens(_prompt_ids(tokenizer, "hello", chat=False)) == [*bos, "he", "ll", "o"]
+    streams = []
+    monkeypatch.setattr(perplexity, "wikitext2_text", lambda: "hello hello hello")
+    monkeypatch.setattr(perplexity, "perplexity", lambda model, ids, seq_len, **kwargs: streams.append(ids))
+    perplexity.wikitext2_perplexity(model, tokenizer, seq_len=4)
+    assert tokenizer.convert_ids_to_tokens(streams[0])[:len(bos) + 3] == [*bos, "he", "ll", "o"]
+    assert tokenizer.eos_token_id not in streams[0] and tokenizer.eos_token == "<|im_end|>"
 
 
 def test_a_part_of_a_split_gguf_is_refused_saying_to_merge_the_parts(tiny, tmp_path):

@@ -928,3 +928,82 @@ def test_gptqmodel_dynamic_rules_are_read_per_layer(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(config))
         with pytest.raises(UnsupportedCheckpointError, match=refusal + ".*: the quantization_config is damaged"):
             load_quantized(tmp_path)
+
+
+class _ReadsRecorded:
+    """safetensors' ``safe_open``, the names of the tensors whose data is read (``get_tensor``) kept in ``reads``."""
+
+    def __init__(self, reads: list, real):
+        self.reads, self.real = reads, real
+
+    def __call__(self, *args, **kwargs):
+        self.file = self.real(*args, **kwargs)
+        return self
+
+    def __enter__(self):
+        self.inner = self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+    def get_tensor(self, name):
+        self.reads.append(name)
+        return self.inner.get_tensor(name)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _info_fixture(path, kind):
+    """A tiny checkpoint of ``kind`` and the suffixes of the tensors whose data `nibble info` reads of it."""
+    G = 32
+    if kind == "awq":  # sharded, with biases (Qwen2's q/k/v): an index and two files
+        qc = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": G, "zero_point": True}
+        write_checkpoint(path, tiny_model("qwen2"), qc, lambda W: write_awq_linear(W, G), sharded=True)
+        return ()
+    if kind == "gptq act order":  # permuted inputs, down_proj's order folded into gate / up
+        _act_order_checkpoint(path, shared=True)
+        return (".g_idx",)
+    if kind == "gptq, sym unsaid":  # symmetric as its zero points say
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False}
+        write_checkpoint(path, tiny_model("llama"), qc, lambda W: write_gptq_linear(W, G, True, False))
+        return (".g_idx", ".qzeros", ".scales")
+    save_quantized(quantize_model(tiny_model("llama"), QuantConfig(group_size=G), progress=False), path)  # nibble's
+    return ()
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq act order", "gptq, sym unsaid", "nibble"])
+def test_info_prints_what_the_load_builds_from_the_headers_without_loading(tmp_path, monkeypatch, capsys, kind):
+    """`nibble info` loaded the whole model (every tensor, its 16-bit ones in float32) to print a summary of it:
+    minutes and the model's size in memory for a large checkpoint. It reads config.json, the settings and the
+    safetensors headers, and of the data a GPTQ layer's g_idx alone (and, sym unsaid, its qzeros and scales), and
+    prints what it printed of the loaded model."""
+    import nibble.models.hf_import as hf_import
+    import nibble.models.serialization as serialization
+    from nibble.cli import main
+
+    path = tmp_path / "q"
+    read_suffixes = _info_fixture(path, kind)
+    with monkeypatch.context() as patched:  # as info ran before: on the loaded model
+        patched.setattr(serialization, "quantized_structure", lambda d: load_quantized(d, tokenizer=False)[0])
+        main(["info", str(path)])
+    loaded = json.loads(capsys.readouterr().out)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("nibble info loaded the model")
+    for module, name in ((serialization, "load_quantized"), (serialization, "load_hf_quantized"),
+                         (hf_import, "load_hf_quantized")):
+        monkeypatch.setattr(module, name, refuse)
+    reads = []
+    for module in (serialization, hf_import):
+        monkeypatch.setattr(module, "safe_open", _ReadsRecorded(reads, module.safe_open))
+    main(["info", str(path)])
+    assert json.loads(capsys.readouterr().out) == loaded
+    assert reads and all(name.endswith(read_suffixes) for name in reads) if read_suffixes else reads == []
+    assert loaded["quantized_linears"] == 14 and loaded["dtype"] == "float32"
+    assert loaded["quantization_config"]["group_size"] == 32
+    if kind == "gptq act order":
+        assert len(loaded["quantization_config"]["input_permuted_modules"]) == 12  # 2 layers x 6: down_proj folded
+    if kind == "gptq, sym unsaid":
+        assert loaded["quantization_config"]["symmetric"] is True
