@@ -836,6 +836,20 @@ def test_version(capsys):
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"nibble {nibble.__version__}"
 
 
+def test_python_dash_m_nibble_runs_the_nibble_command():
+    """`python -m nibble` said "'nibble' is a package and cannot be directly executed" (no __main__.py)."""
+    import subprocess
+    import sys
+
+    import nibble
+
+    root = Path(nibble.__file__).parent.parent  # this checkout's nibble, which `-m` finds in its working folder
+    done = subprocess.run([sys.executable, "-m", "nibble", "--help"], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: nibble ") and "generate,quantize,info,eval,report,qat" in done.stdout
+
+
 def test_a_qat_calibration_file_that_is_not_there_is_said_before_the_model_loads(tmp_path, monkeypatch):
     import nibble.models.loading as loading
 
