@@ -13,7 +13,6 @@ The protocol is the one behind the WikiText-2 numbers in the GPTQ / AWQ / QuaRot
 
 import contextlib
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from nibble.eval.data import DataFormatError, data_file, parsing
+from nibble.warn import warn
 
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
 # that is not comparable with them.
@@ -157,10 +157,7 @@ def check_model_window(model_path, seq_len: int | None, max_tokens: int | None, 
 def _clamp_to_context(model, seq_len: int) -> int:
     ctx = context_length(model)
     if ctx is not None and seq_len > ctx:
-        warnings.warn(
-            f"seq_len={seq_len} exceeds the model's context ({ctx} = config.max_position_embeddings); using {ctx}.",
-            stacklevel=3,
-        )
+        warn(f"seq_len={seq_len} exceeds the model's context ({ctx} = config.max_position_embeddings); using {ctx}.")
         return ctx
     return seq_len
 

@@ -68,8 +68,9 @@ def test_wikitext2_text_is_the_gptq_join_of_hf_rows():
 
 def test_seq_len_beyond_the_model_context_warns_and_is_clamped():
     model = tiny_model(max_position_embeddings=64)
-    with pytest.warns(UserWarning, match="exceeds the model's context"):
+    with pytest.warns(UserWarning, match="exceeds the model's context") as record:
         out = wikitext2_perplexity(model, ByteTokenizer(), seq_len=128, max_tokens=200, progress=False)
+    assert record[0].filename == __file__  # its fixed stacklevel named wikitext2_perplexity's call of perplexity
     assert out["seq_len"] == 64 and out["windows"] == 3  # 200 tokens -> 3 windows, 8-token tail dropped
 
     ids = ByteTokenizer().encode(wikitext2_text())[:200]
