@@ -451,11 +451,11 @@ def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_r
 
     def batches(tokenizer, n_samples=128, seq_len=512, **kwargs):
         asked.append((n_samples, seq_len))
-        raise KeyboardInterrupt  # seen what it asks for
+        raise KeyboardInterrupt  # seen what it asks for (Ctrl-C before training: said as such)
 
     monkeypatch.setattr(calibration, "calibration_batches", batches)
     args = ["qat", "--model", str(model_dir), "--device", "cpu", "--steps", "1", "--out", "unused"]
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="^nibble qat: interrupted before training began"):
         main(args + ["--init", "gptq", "--calib-samples", "4", "--calib-seq-len", "32"])
     assert asked == [(4, 32)]
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))

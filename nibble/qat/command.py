@@ -74,18 +74,20 @@ def qat_main(args) -> None:
         raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")
     require_data(source_data_files(sources) + calibration_files("gptq" if args.init == "gptq" else None)
                  + [WIKITEXT2_TEST] * args.eval_ppl)
-    model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
-    calibration, sizes = None, calibration_sizes(args)
-    if args.init == "gptq" and sizes:
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer, **sizes)
     try:  # Ctrl-C: what is kept and how to go on, not a traceback
+        model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
+        calibration, sizes = None, calibration_sizes(args)
+        if args.init == "gptq" and sizes:
+            from nibble.quantize.calibration import calibration_batches
+            calibration = calibration_batches(tokenizer, **sizes)
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
                         sources=sources, init=args.init, calibration=calibration)
     except QatInterrupted as e:
         raise SystemExit(f"nibble qat: {e}") from None
+    except KeyboardInterrupt:  # before run_qat began its run (loading the model, reading the texts): nothing written
+        raise SystemExit(f"nibble qat: interrupted before training began; nothing was written to {args.out}") from None
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")
