@@ -528,11 +528,16 @@ def test_the_demo_refuses_a_model_that_is_already_quantized(model_dir, tmp_path,
         main(["demo", "--model", str(tmp_path), "--device", "cpu"])
 
 
-def test_the_demo_shows_its_perplexities_progress(model_dir, capsys):
-    """Its two perplexities ran without a bar: minutes on a CPU with no output, where every other command shows one."""
-    main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", "64"])
+@pytest.mark.parametrize("tokens, bars", [(64, 0), (512, 2)])  # one window of 64 tokens, or two of the 256 context
+def test_the_demo_says_it_is_scoring_and_shows_the_bars_of_several_windows(tokens, bars, model_dir, capsys):
+    """Its two perplexities ran with no output: minutes on a CPU. One window each, the default, is one forward pass,
+    whose bar sat at 0/1 for all of it: the demo says what it scores as it starts."""
+    main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", str(tokens)])
     out, err = capsys.readouterr()
-    assert "WikiText-2 test perplexity, first 64 tokens" in out and len(re.findall(r"perplexity: 100%[^\r\n]*\n", err)) == 2
+    assert f"scoring the 16-bit and the W4A16 model on the first {tokens} WikiText-2 test tokens ..." in out
+    assert f"WikiText-2 test perplexity, first {tokens} tokens" in out
+    # one window each: no bar at all (it sat at 0/1 for the whole pass)
+    assert len(re.findall(r"perplexity: 100%[^\r\n]*\n", err)) == bars and ("perplexity:" in err) == bool(bars)
 
 
 def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):

@@ -54,6 +54,14 @@ def test_batched_windows_give_the_unbatched_perplexity():
     assert many["windows"] == one["windows"] == 5
 
 
+@pytest.mark.parametrize("tokens, batch_size, bar", [(16, 1, None), (32, 2, None), (32, 1, "2/2")])
+def test_a_bar_shows_only_where_the_windows_take_several_forward_passes(tokens, batch_size, bar, capsys):
+    """One pass (one window, or a batch of them all) showed a bar at 0 for all of it, then at the end."""
+    perplexity(tiny_model(), list(range(tokens)), seq_len=16, batch_size=batch_size)
+    err = capsys.readouterr().err
+    assert ("perplexity: 100%" in err and f"{bar} [" in err) if bar else err == ""
+
+
 def test_stream_shorter_than_one_window_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than one window of seq_len=32"):
         perplexity(tiny_model(), list(range(20)), seq_len=32, progress=False)
