@@ -603,7 +603,10 @@ def cmd_demo(args):
     ids = tok("\n".join(DEMO_PROMPTS), return_tensors="pt").input_ids.to(device)
     cos = torch.nn.functional.cosine_similarity(model(ids).logits.float().flatten(),
                                                 qmodel(ids).logits.float().flatten(), dim=0).item()
-    ppl16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens)["ppl"]  # with their bars: minutes on a CPU
+    # a minute on a CPU: said as it starts (one window, the default, is one forward pass each, which shows no bar)
+    print(f"\nscoring the 16-bit and the W4A16 model on the first {args.ppl_tokens} WikiText-2 test tokens ...",
+          flush=True)
+    ppl16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens)["ppl"]
     ppl4 = wikitext2_perplexity(qmodel, tok, max_tokens=args.ppl_tokens)["ppl"]
     print(f"\nweights of the quantized linears: {wb['bf16_bytes'] / 2**20:.1f} MiB (16-bit) -> "
           f"{wb['quantized_bytes'] / 2**20:.1f} MiB (W4A16 g{cfg.group_size}, scales+zeros counted) = {wb['ratio']:.3f}x")

@@ -474,6 +474,24 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
               "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
 
 
+def test_qat_eval_ppl_scores_as_many_tokens_as_max_tokens_says(model_dir, tmp_path, capsys, monkeypatch):
+    """`qat --eval-ppl` scored the whole WikiText-2 split: no --max-tokens, which `eval ppl` has."""
+    from nibble.models import loading
+
+    main(["qat", "--model", str(model_dir), "--device", "cpu", "--steps", "1", "--seq-len", "16", "--batch-size", "1",
+          "--out", str(tmp_path / "qat"), "--eval-ppl", "--max-tokens", "64"])
+    printed = capsys.readouterr().out
+    scored = json.loads(printed[printed.index("{"):])
+    assert scored["windows"] == 1 and scored["seq_len"] == 64  # one window of the 64 tokens, as `eval ppl` scores
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    args = ["qat", "--model", str(model_dir), "--device", "cpu", "--out", "unused"]
+    with pytest.raises(SystemExit, match=r"^nibble qat: --max-tokens must be >= 2, got 1"):
+        main(args + ["--eval-ppl", "--max-tokens", "1"])
+    with pytest.raises(SystemExit, match=r"^nibble qat: --max-tokens cuts the WikiText-2 stream that --eval-ppl "
+                                         r"scores, and no --eval-ppl was given: drop --max-tokens, or add --eval-ppl"):
+        main(args + ["--max-tokens", "64"])
+
+
 def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_rtn(model_dir, monkeypatch):
     from nibble.models import loading
     from nibble.quantize import calibration
@@ -482,11 +500,11 @@ def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_r
 
     def batches(tokenizer, n_samples=128, seq_len=512, **kwargs):
         asked.append((n_samples, seq_len))
-        raise KeyboardInterrupt  # seen what it asks for
+        raise KeyboardInterrupt  # seen what it asks for (Ctrl-C before training: said as such)
 
     monkeypatch.setattr(calibration, "calibration_batches", batches)
     args = ["qat", "--model", str(model_dir), "--device", "cpu", "--steps", "1", "--out", "unused"]
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="^nibble qat: interrupted before training began"):
         main(args + ["--init", "gptq", "--calib-samples", "4", "--calib-seq-len", "32"])
     assert asked == [(4, 32)]
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
@@ -559,11 +577,16 @@ def test_the_demo_refuses_a_model_that_is_already_quantized(model_dir, tmp_path,
         main(["demo", "--model", str(tmp_path), "--device", "cpu"])
 
 
-def test_the_demo_shows_its_perplexities_progress(model_dir, capsys):
-    """Its two perplexities ran without a bar: minutes on a CPU with no output, where every other command shows one."""
-    main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", "64"])
+@pytest.mark.parametrize("tokens, bars", [(64, 0), (512, 2)])  # one window of 64 tokens, or two of the 256 context
+def test_the_demo_says_it_is_scoring_and_shows_the_bars_of_several_windows(tokens, bars, model_dir, capsys):
+    """Its two perplexities ran with no output: minutes on a CPU. One window each, the default, is one forward pass,
+    whose bar sat at 0/1 for all of it: the demo says what it scores as it starts."""
+    main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", str(tokens)])
     out, err = capsys.readouterr()
-    assert "WikiText-2 test perplexity, first 64 tokens" in out and len(re.findall(r"perplexity: 100%[^\r\n]*\n", err)) == 2
+    assert f"scoring the 16-bit and the W4A16 model on the first {tokens} WikiText-2 test tokens ..." in out
+    assert f"WikiText-2 test perplexity, first {tokens} tokens" in out
+    # one window each: no bar at all (it sat at 0/1 for the whole pass)
+    assert len(re.findall(r"perplexity: 100%[^\r\n]*\n", err)) == bars and ("perplexity:" in err) == bool(bars)
 
 
 def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):
@@ -883,6 +906,20 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"nibble {nibble.__version__}"
+
+
+def test_python_dash_m_nibble_runs_the_nibble_command():
+    """`python -m nibble` said "'nibble' is a package and cannot be directly executed" (no __main__.py)."""
+    import subprocess
+    import sys
+
+    import nibble
+
+    root = Path(nibble.__file__).parent.parent  # this checkout's nibble, which `-m` finds in its working folder
+    done = subprocess.run([sys.executable, "-m", "nibble", "--help"], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: nibble ") and "generate,quantize,info,eval,report,qat" in done.stdout
 
 
 def test_a_qat_calibration_file_that_is_not_there_is_said_before_the_model_loads(tmp_path, monkeypatch):

@@ -67,6 +67,7 @@ from nibble.kernels.w4a16 import num_sms
 from nibble.models.convert import check_architecture, decoder_layers
 from nibble.nn.quant_linear import (PermutedInputQuantLinear, shared_input_forward, shared_input_perm, stack_weights,
                                     w4a4_operands)
+from nibble.warn import warn
 
 try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorch
     import triton
@@ -733,12 +734,12 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
-    def warn_if_filters_unused(self, stacklevel: int = 2) -> None:
+    def warn_if_filters_unused(self) -> None:
         """Warn that top-k / top-p were given to greedy decoding (temperature 0), which ignores them."""
         if self.temperature < MIN_TEMPERATURE and (self.top_k is not None or self.top_p != 1):
             # one message (no values in it): Python's warning filter says it once, not at every call
-            warnings.warn("top_k / top_p filter sampled tokens only: with temperature 0 decoding is greedy and "
-                          "they are ignored; give a temperature > 0 to sample", stacklevel=stacklevel + 1)
+            warn("top_k / top_p filter sampled tokens only: with temperature 0 decoding is greedy and they are "
+                 "ignored; give a temperature > 0 to sample")
 
 
 GREEDY = Sampling()
@@ -947,10 +948,9 @@ def _rotary_table(rotary: nn.Module, rows: int, used: int, dtype: torch.dtype) -
     cos, sin = table(min(rows, original))
     if rows > original:
         if used > original:
-            warnings.warn(f"this model's {rope_type!r} rope rescales its frequencies with a sequence's length past "
-                          f"{original} positions, which the engine's one table cannot follow: sequences longer than "
-                          f"that may decode otherwise than transformers' generate; keep max_seq_len <= {original}",
-                          stacklevel=3)
+            warn(f"this model's {rope_type!r} rope rescales its frequencies with a sequence's length past {original} "
+                 "positions, which the engine's one table cannot follow: sequences longer than that may decode "
+                 f"otherwise than transformers' generate; keep max_seq_len <= {original}")
         long_cos, long_sin = table(rows)
         cos, sin = torch.cat([cos, long_cos[original:]]), torch.cat([sin, long_sin[original:]])
     return cos.contiguous(), sin.contiguous()
@@ -998,9 +998,8 @@ class Engine:
             raise ValueError(f"max_seq_len must be an integer >= 1 (None: the model's context, or its sliding window), "
                              f"got {max_seq_len!r}")
         if max_seq_len is not None and context and max_seq_len > context:
-            warnings.warn(f"max_seq_len={max_seq_len} exceeds the model's context ({context} = "
-                          "config.max_position_embeddings): positions past it are beyond what the model was "
-                          "trained on", stacklevel=2)
+            warn(f"max_seq_len={max_seq_len} exceeds the model's context ({context} = "
+                 "config.max_position_embeddings): positions past it are beyond what the model was trained on")
         # where a layer slides, the engine runs up to the window (it attends over the whole cache): the default too
         window = getattr(cfg, "sliding_window", None) if sliding_layers(cfg) else None
         if max_seq_len is None:
@@ -1240,7 +1239,7 @@ class Engine:
         stretch of steps between two stop checks (STOP_CHECK_STEPS on CUDA, one on the CPU), which
         `generate` concatenates. The settings are checked here, before the first chunk is asked for."""
         sampling = Sampling(temperature, top_k, top_p)
-        sampling.warn_if_filters_unused(stacklevel=3)
+        sampling.warn_if_filters_unused()
         if not _count(max_new_tokens):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stop = _stop_list(stop_tokens)

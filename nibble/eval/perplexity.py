@@ -13,7 +13,6 @@ The protocol is the one behind the WikiText-2 numbers in the GPTQ / AWQ / QuaRot
 
 import contextlib
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from nibble.eval.data import DataFormatError, data_file, parsing
+from nibble.warn import warn
 
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
 # that is not comparable with them.
@@ -75,7 +75,8 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
 
     Returns dict(ppl, nll, tokens, windows, seq_len); `tokens` counts predicted tokens,
     i.e. `windows * (seq_len - 1)`. `device` is where the input ids go (default: the device of
-    the model's first parameter).
+    the model's first parameter). `progress` shows a bar of the windows done, where they take more than one
+    forward pass.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 (windows per forward pass), got {batch_size}")
@@ -93,7 +94,9 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
     windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
 
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
-    with eval_mode(model), tqdm(total=n_windows, unit="window", desc="perplexity", disable=not progress) as bar:
+    one_pass = n_windows <= batch_size  # a bar would sit at 0 for the whole pass, then jump to the end
+    with (eval_mode(model),
+          tqdm(total=n_windows, unit="window", desc="perplexity", disable=not progress or one_pass) as bar):
         for start in range(0, n_windows, batch_size):
             batch = windows[start : start + batch_size].to(device)
             logits = model_logits(model, batch)
@@ -157,10 +160,7 @@ def check_model_window(model_path, seq_len: int | None, max_tokens: int | None, 
 def _clamp_to_context(model, seq_len: int) -> int:
     ctx = context_length(model)
     if ctx is not None and seq_len > ctx:
-        warnings.warn(
-            f"seq_len={seq_len} exceeds the model's context ({ctx} = config.max_position_embeddings); using {ctx}.",
-            stacklevel=3,
-        )
+        warn(f"seq_len={seq_len} exceeds the model's context ({ctx} = config.max_position_embeddings); using {ctx}.")
         return ctx
     return seq_len
 

@@ -90,11 +90,13 @@ def untie_lm_head(model: nn.Module) -> None:
 
 def rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
     """Build on ``device`` the buffers of a model made on the meta device that no checkpoint holds (the rotary
-    embedding's inv_freq), as its constructor computes them: in float32, whatever dtype the model is in."""
+    embedding's inv_freq), as its constructor computes them: in float32, whatever dtype the model is in. Any other
+    buffer left on the meta device is one the checkpoint lacks: a CheckpointError."""
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             if not type(module).__name__.endswith("RotaryEmbedding"):
-                raise ValueError(f"module {name} has buffers the checkpoint does not hold")
+                from nibble.models.serialization import CheckpointError  # serialization imports this module
+                raise CheckpointError(f"module {name} has buffers the checkpoint does not hold")
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
                     type(module)(config=model.config).to(device))

@@ -61,7 +61,8 @@ SAVE_FORMATS = ("nibble", *EXPORT_FORMATS)  # save_quantized's, and nibble quant
 
 
 class CheckpointError(ValueError):
-    """A nibble checkpoint that is missing, truncated, edited or not nibble's. A ValueError like every other
+    """A nibble checkpoint that is missing, truncated, edited or not nibble's, or any checkpoint (a GGUF, an AutoAWQ /
+    GPTQ one too) that lacks a buffer its model needs (`rebuild_non_persistent_buffers`). A ValueError like every other
     "this file is bad" error nibble raises (an AutoAWQ / GPTQ checkpoint, a GGUF, a float model's weights), so one
     ``except ValueError`` catches them all."""
 

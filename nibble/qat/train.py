@@ -55,7 +55,6 @@ import os
 import pickle
 import statistics
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -69,6 +68,7 @@ from nibble.models.convert import own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
+from nibble.warn import warn
 
 STATE_DIR = "qat-state"
 STATE_FILE = "state.pt"
@@ -371,8 +371,8 @@ def read_state(path: Path, settings: dict) -> dict:
         raise ValueError(f"{path} holds a run at step {state['step']}, past steps={settings['steps']}: resume with "
                          f"steps >= {state['step']}, or pick another --out")
     if state["settings"].get("steps") != settings.get("steps"):
-        warnings.warn(f"resuming a run planned for {state['settings'].get('steps')} steps with steps="
-                      f"{settings.get('steps')}: the cosine schedule is stretched to the new length", stacklevel=3)
+        warn(f"resuming a run planned for {state['settings'].get('steps')} steps with steps={settings.get('steps')}: "
+             "the cosine schedule is stretched to the new length")
     return state
 
 
@@ -462,8 +462,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         if windows is not None:
             raise ValueError(f"windows of seq_len={seq_len} exceed the model's context ({context} = "
                              "config.max_position_embeddings): cut them to at most that")
-        warnings.warn(f"seq_len={seq_len} exceeds the model's context ({context} = config.max_position_embeddings); "
-                      f"using {context}.", stacklevel=2)
+        warn(f"seq_len={seq_len} exceeds the model's context ({context} = config.max_position_embeddings); using "
+             f"{context}.")
         seq_len = context
     device = resolve_device(device)
     sources = list(sources) if windows is None else None  # windows given: no text was read
@@ -494,7 +494,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         if path.exists():
             state = read_state(path, settings)
         else:
-            warnings.warn(f"resume: no saved state at {path}; starting from step 0", stacklevel=2)
+            warn(f"resume: no saved state at {path}; starting from step 0")
     saved_step = None if state is None else state["step"]  # of the state on disk this run can go on from
     try:
         torch.manual_seed(seed)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +50,7 @@ from nibble.kernels.reference import dequantize
 from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
                                          forward_block, in_place, input_groups, layer_prefix, skip_from_config)
 from nibble.quantize.rtn import _check_weight, _codes, naming, quantize_groups, weighted_clip_search
+from nibble.warn import warn
 
 DEFAULT_PERCDAMP = 0.01
 DEFAULT_BLOCKSIZE = 128
@@ -88,8 +88,8 @@ def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
             U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
             if info == 0:
                 if attempt:
-                    warnings.warn(f"GPTQ: Hessian needed {percdamp * 10 ** attempt:g} relative damping to be "
-                                  "positive definite (more calibration data would help)")
+                    warn(f"GPTQ: Hessian needed {percdamp * 10 ** attempt:g} relative damping to be positive "
+                         "definite (more calibration data would help)")
                 return U
         damp = damp * 10
     raise ValueError(f"GPTQ: the calibration Hessian is not positive definite even with {percdamp * 1000:g} "

@@ -74,6 +74,17 @@ def test_greedy_sampling_is_the_argmax():
         Sampling(1e-40, top_k=5).warn_if_filters_unused()
 
 
+def test_top_k_given_to_greedy_decoding_is_said_at_the_callers_line():
+    """Its fixed stacklevel, counted from `stream` (a generator: which frames lie above it depends on how it is run),
+    named the line above the caller's for a call of `stream` itself (Python 3.11)."""
+    engine, prompt = Engine(tiny_model(), max_seq_len=16), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.warns(UserWarning, match="decoding is greedy") as streamed:
+        next(engine.stream(prompt, 2, top_k=5))
+    with pytest.warns(UserWarning, match="decoding is greedy") as generated:
+        engine.generate(prompt, 2, top_k=5)
+    assert [w.filename for w in (*streamed, *generated)] == [__file__] * 2
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.1), "temperature must be"), (dict(temperature=float("nan")), "temperature must be"),
     (dict(top_k=0), "top_k must be"), (dict(top_k=2.5), "top_k must be"),

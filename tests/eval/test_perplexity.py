@@ -54,6 +54,14 @@ def test_batched_windows_give_the_unbatched_perplexity():
     assert many["windows"] == one["windows"] == 5
 
 
+@pytest.mark.parametrize("tokens, batch_size, bar", [(16, 1, None), (32, 2, None), (32, 1, "2/2")])
+def test_a_bar_shows_only_where_the_windows_take_several_forward_passes(tokens, batch_size, bar, capsys):
+    """One pass (one window, or a batch of them all) showed a bar at 0 for all of it, then at the end."""
+    perplexity(tiny_model(), list(range(tokens)), seq_len=16, batch_size=batch_size)
+    err = capsys.readouterr().err
+    assert ("perplexity: 100%" in err and f"{bar} [" in err) if bar else err == ""
+
+
 def test_stream_shorter_than_one_window_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than one window of seq_len=32"):
         perplexity(tiny_model(), list(range(20)), seq_len=32, progress=False)
@@ -68,8 +76,9 @@ def test_wikitext2_text_is_the_gptq_join_of_hf_rows():
 
 def test_seq_len_beyond_the_model_context_warns_and_is_clamped():
     model = tiny_model(max_position_embeddings=64)
-    with pytest.warns(UserWarning, match="exceeds the model's context"):
+    with pytest.warns(UserWarning, match="exceeds the model's context") as record:
         out = wikitext2_perplexity(model, ByteTokenizer(), seq_len=128, max_tokens=200, progress=False)
+    assert record[0].filename == __file__  # its fixed stacklevel named wikitext2_perplexity's call of perplexity
     assert out["seq_len"] == 64 and out["windows"] == 3  # 200 tokens -> 3 windows, 8-token tail dropped
 
     ids = ByteTokenizer().encode(wikitext2_text())[:200]

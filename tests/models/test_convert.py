@@ -32,6 +32,17 @@ def test_whole_model_conversion_keeps_the_model_working(arch, mode):
     assert model.config.quantization_config["mode"] == mode
 
 
+def test_a_meta_buffer_other_than_the_rotary_ones_is_a_checkpoint_error():
+    """It was a plain ValueError, where the loaders' copy it replaced raised CheckpointError."""
+    from nibble.models.convert import rebuild_non_persistent_buffers
+    from nibble.models.serialization import CheckpointError
+
+    model = tiny_model()
+    model.model.norm.register_buffer("scale", torch.empty(8, device="meta"), persistent=False)  # what no file holds
+    with pytest.raises(CheckpointError, match="^module model.norm has buffers the checkpoint does not hold"):
+        rebuild_non_persistent_buffers(model, "cpu")
+
+
 def test_weight_bytes_counts_scales_and_zeros():
     model = tiny_model()
     quantize_model(model, QuantConfig(group_size=64), progress=False)

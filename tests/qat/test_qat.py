@@ -573,6 +573,26 @@ def test_lora_alpha_is_twice_the_rank_unless_given(alpha, scaling):
     assert qat.qat_meta["alpha"] == (8 if alpha is None else alpha)
 
 
+def test_nibble_qat_interrupted_before_training_is_one_line(monkeypatch, tmp_path):
+    """Ctrl-C while the model loaded was a traceback (only the training's was said)."""
+    from nibble.cli import main
+    from nibble.models import loading
+
+    def loading_interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loading, "load_model", loading_interrupted)
+    out = tmp_path / "q"
+    try:
+        main(["qat", "--device", "cpu", "--out", str(out)])
+    except KeyboardInterrupt:  # caught here: out of the test, it would stop the whole session
+        pytest.fail("Ctrl-C while the model loaded came out of the command as a traceback")
+    except SystemExit as e:  # a message, not a number: printed on stderr, exit status 1
+        assert e.code == f"nibble qat: interrupted before training began; nothing was written to {out}"
+    else:
+        pytest.fail("the command went on")
+
+
 def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(monkeypatch, tmp_path):
     """Ctrl-C named whatever state.pt held as the one --resume continues: an earlier run's, of other settings, too,
     which --resume then refused."""

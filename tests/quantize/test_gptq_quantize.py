@@ -294,6 +294,15 @@ def test_a_hessian_damping_cannot_fix_is_said_with_the_damping_tried_and_the_lay
                             torch.randint(0, 256, (1, 4)), progress=False, percdamp=1e-12)
 
 
+def test_a_hessian_that_needed_more_damping_is_said_at_the_callers_line():
+    """The warning named gptq.py's own line (no stacklevel), not the call that gave the Hessian."""
+    H = torch.eye(64)
+    H[-1, -1] = -0.05  # below 0 by more than percdamp (0.01 of mean(diag H)) damps, less than 10x that
+    with pytest.warns(UserWarning, match=r"^GPTQ: Hessian needed 0.1 relative damping") as record:
+        gptq_quantize_weight(torch.randn(16, 64), H, 32)
+    assert record[0].filename == __file__
+
+
 def fp16_model_overflowing_at_down_proj():
     model = tiny_model("llama", dtype=torch.float16)
     with torch.no_grad():
