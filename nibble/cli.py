@@ -786,6 +786,11 @@ def main(argv=None):
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise
         raise SystemExit(f"nibble {args.command}: {e}\n(NIBBLE_TRACEBACK=1 shows where it was raised)") from None
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback of wherever the work was
+        if os.environ.get("NIBBLE_TRACEBACK") == "1":
+            raise
+        print(f"\nnibble {args.command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None  # 128 + SIGINT, the status a shell gives a command Ctrl-C stopped
 
 
 if __name__ == "__main__":

@@ -475,21 +475,39 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
 
 
 def test_qat_eval_ppl_scores_as_many_tokens_as_max_tokens_says(model_dir, tmp_path, capsys, monkeypatch):
-    """`qat --eval-ppl` scored the whole WikiText-2 split: no --max-tokens, which `eval ppl` has."""
+    """`qat --eval-ppl` scored the whole WikiText-2 split: no cut of the stream, which `eval ppl` has (--max-tokens)."""
     from nibble.models import loading
 
     main(["qat", "--model", str(model_dir), "--device", "cpu", "--steps", "1", "--seq-len", "16", "--batch-size", "1",
-          "--out", str(tmp_path / "qat"), "--eval-ppl", "--max-tokens", "64"])
+          "--out", str(tmp_path / "qat"), "--eval-ppl", "--ppl-max-tokens", "64"])
     printed = capsys.readouterr().out
     scored = json.loads(printed[printed.index("{"):])
     assert scored["windows"] == 1 and scored["seq_len"] == 64  # one window of the 64 tokens, as `eval ppl` scores
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
     args = ["qat", "--model", str(model_dir), "--device", "cpu", "--out", "unused"]
-    with pytest.raises(SystemExit, match=r"^nibble qat: --max-tokens must be >= 2, got 1"):
-        main(args + ["--eval-ppl", "--max-tokens", "1"])
-    with pytest.raises(SystemExit, match=r"^nibble qat: --max-tokens cuts the WikiText-2 stream that --eval-ppl "
-                                         r"scores, and no --eval-ppl was given: drop --max-tokens, or add --eval-ppl"):
-        main(args + ["--max-tokens", "64"])
+    with pytest.raises(SystemExit, match=r"^nibble qat: --ppl-max-tokens must be >= 2, got 1"):
+        main(args + ["--eval-ppl", "--ppl-max-tokens", "1"])
+    with pytest.raises(SystemExit, match=r"^nibble qat: --ppl-max-tokens cuts the WikiText-2 stream that --eval-ppl "
+                                         r"scores, and no --eval-ppl was given: drop --ppl-max-tokens, or add "
+                                         r"--eval-ppl"):
+        main(args + ["--ppl-max-tokens", "64"])
+
+
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in any command was a traceback of wherever the work was; now one line and the shell's status for it."""
+    from nibble import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        main(["info", str(tmp_path)])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == "nibble info: interrupted"
+    monkeypatch.setenv("NIBBLE_TRACEBACK", "1")
+    with pytest.raises(KeyboardInterrupt):
+        main(["info", str(tmp_path)])
 
 
 def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_rtn(model_dir, monkeypatch):

@@ -40,8 +40,9 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="--eval-ppl: cut the WikiText-2 token stream, as `nibble eval ppl --max-tokens` (quick "
+    parser.add_argument("--ppl-max-tokens", type=int, default=None,
+                        help="--eval-ppl: cut the WikiText-2 token stream, as `nibble eval ppl --max-tokens` and `nibble "
+                             "report --ppl-max-tokens` do (quick "
                              "runs; the training's tokens are --steps x --batch-size x --seq-len)")
 
 
@@ -58,7 +59,7 @@ def qat_main(args) -> None:
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
     check_least(args, (("steps", 1), ("seq_len", 2), ("batch_size", 1), ("save_every", 1), ("rank", 1),
-                       ("max_tokens", 2)))  # a window of 2 tokens predicts one, as `eval ppl` refuses fewer
+                       ("ppl_max_tokens", 2)))  # a window of 2 tokens predicts one, as `eval ppl` refuses fewer
     check_learning_rates(args.lr, args.quant_lr)
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
@@ -66,9 +67,9 @@ def qat_main(args) -> None:
     if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word
         raise ValueError("--eval-ppl measures the exported W4A4 model, and --recipe per-channel exports none (fake "
                          "quant only): drop --eval-ppl, or train --recipe per-token or hadamard")
-    if args.max_tokens is not None and not args.eval_ppl:  # it would be ignored
-        raise ValueError("--max-tokens cuts the WikiText-2 stream that --eval-ppl scores, and no --eval-ppl was given: "
-                         "drop --max-tokens, or add --eval-ppl")
+    if args.ppl_max_tokens is not None and not args.eval_ppl:  # it would be ignored
+        raise ValueError("--ppl-max-tokens cuts the WikiText-2 stream that --eval-ppl scores, and no --eval-ppl was "
+                         "given: drop --ppl-max-tokens, or add --eval-ppl")
     sources = tuple(s for s in args.calib.split(",") if s)
     if not sources:  # it failed after the model loaded, in torch.cat
         raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")
@@ -105,4 +106,4 @@ def qat_main(args) -> None:
         from nibble.eval.perplexity import wikitext2_perplexity
         from nibble.models.serialization import load_quantized
         qmodel, _ = load_quantized(args.out, device=device)
-        print(json.dumps(wikitext2_perplexity(qmodel, tokenizer, max_tokens=args.max_tokens), indent=2))
+        print(json.dumps(wikitext2_perplexity(qmodel, tokenizer, max_tokens=args.ppl_max_tokens), indent=2))
