@@ -42,9 +42,10 @@ def width_error(in_features: int, group_size: int) -> str | None:
 
 
 def check_count(name: str, value, least: int = 1) -> None:
-    """Refuse a count option of the quantizers (``blocksize``, ``batch_size``, ``n_grid``, ...) that is not an
-    integer >= ``least``, by its name: a negative GPTQ blocksize returned a layer of zeros as if quantized, and a 0
-    surfaced as range()'s or split()'s message (AWQ's n_grid=0 as ``raise None``)."""
+    """Refuse a count option (the quantizers' ``blocksize``, ``batch_size``, ``n_grid``, ..., the evaluations'
+    ``seq_len`` and ``limit``) that is not an integer >= ``least``, by its name: a negative GPTQ blocksize returned a
+    layer of zeros as if quantized, a 0 surfaced as range()'s or split()'s message (AWQ's n_grid=0 as ``raise None``),
+    and a float as a slice's "indices must be integers" (blamed on a task's data file)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from nibble.config import check_count
 from nibble.eval.data import DataFormatError, data_file, parsing
 
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
@@ -77,12 +78,10 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
     i.e. `windows * (seq_len - 1)`. `device` is where the input ids go (default: the device of
     the model's first parameter).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1 (windows per forward pass), got {batch_size}")
+    check_count("batch_size", batch_size)  # windows per forward pass
+    check_count("seq_len", seq_len, 2)  # a window predicts seq_len - 1 tokens; a float one failed as a slice's index
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     seq_len = _clamp_to_context(model, seq_len)
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2 (a window predicts seq_len - 1 tokens), got {seq_len}")
     n_windows = ids.numel() // seq_len
     if n_windows == 0:
         raise ValueError(
@@ -173,9 +172,11 @@ def wikitext2_perplexity(
     `max_tokens` keeps only the first tokens of the stream, for quick runs; without `seq_len`
     the window then shrinks to fit, so e.g. `max_tokens=1024` scores one 1024-token window.
     """
-    if max_tokens is not None and max_tokens < 2:
-        # said here: the window it would shrink to is what `perplexity` would refuse, by another name
-        raise ValueError(f"max_tokens must be >= 2 (a window of 2 tokens predicts one), got {max_tokens}")
+    # said here, before the text is tokenized: a max_tokens < 2 shrinks the window to what `perplexity` would refuse,
+    # by another name, and a float one failed as a slice's index
+    for name, value in (("seq_len", seq_len), ("max_tokens", max_tokens)):
+        if value is not None:
+            check_count(name, value, 2)  # a window of 2 tokens predicts one
     # The split is far longer than the model's context on purpose (it is cut into windows), so
     # HF's "sequence length is longer than the specified maximum" warning would only mislead.
     verbosity = hf_logging.get_verbosity()

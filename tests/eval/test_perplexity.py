@@ -136,11 +136,26 @@ def test_a_copy_with_windows_line_ends_reads_as_the_same_text_and_an_empty_one_i
 
 def test_an_empty_batch_or_a_stream_too_short_to_predict_a_token_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("nibble.eval.perplexity.wikitext2_text", lambda: "no file read")
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
         perplexity(tiny_model(), list(range(40)), seq_len=16, batch_size=0, progress=False)
     for n in (0, 1):  # it was "seq_len must be at least 2 ..., got 0": the window max_tokens shrank it to
-        with pytest.raises(ValueError, match=rf"max_tokens must be >= 2 \(a window of 2 tokens predicts one\), got {n}"):
+        with pytest.raises(ValueError, match=rf"max_tokens must be an integer >= 2, got {n}"):
             wikitext2_perplexity(tiny_model(), ByteTokenizer(), max_tokens=n, progress=False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(seq_len=16.0), dict(max_tokens=512.0), dict(seq_len=1), dict(seq_len=True),
+                                    dict(batch_size=1.5)])
+def test_a_window_or_batch_that_is_not_a_whole_count_is_named(monkeypatch, kwargs):
+    """seq_len=256.0 or max_tokens=512.0 failed as the slice's bare "slice indices must be integers"; they are
+    refused by name, before the text is tokenized."""
+    monkeypatch.setattr("nibble.eval.perplexity.wikitext2_text", lambda: "no file read")
+    (name, value), = kwargs.items()
+    least = 1 if name == "batch_size" else 2
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer >= {least}, got {value!r}$"):
+        wikitext2_perplexity(tiny_model(), ByteTokenizer(), progress=False, **kwargs)
+    if name != "max_tokens":
+        with pytest.raises(ValueError, match=rf"^{name} must be an integer >= {least}, got {value!r}$"):
+            perplexity(tiny_model(), list(range(40)), **{"seq_len": 16, **kwargs}, progress=False)
 
 
 def test_nibble_data_is_the_only_folder_searched_where_it_is_set(monkeypatch, tmp_path):
