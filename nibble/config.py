@@ -50,6 +50,17 @@ def check_count(name: str, value, least: int = 1) -> None:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
+def check_token_ids(model, ids: torch.Tensor, what: str, fix: str) -> None:
+    """Refuse integer token ``ids`` (not empty) outside ``model``'s vocabulary (its input embedding's rows), naming
+    ``what`` they are and how to ``fix`` them: they failed deep in the embedding (an IndexError on the CPU, a
+    device-side assert on a GPU). One min/max and one host sync."""
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{what} token ids run from {low} to {high}, but the model's vocabulary has {vocab} tokens: "
+                         f"{fix}")
+
+
 @dataclass
 class QuantConfig:
     """``mode="w4a16"``: INT4 weights, 16-bit activations (group-wise, asymmetric by default).

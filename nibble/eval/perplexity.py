@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from nibble.config import check_count
+from nibble.config import check_count, check_token_ids, resolve_device
 from nibble.eval.data import DataFormatError, data_file, parsing
 
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
@@ -72,15 +72,22 @@ def eval_mode(model):
 def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None, progress: bool = True) -> dict:
     """Perplexity over non-overlapping `seq_len` windows of `token_ids` (ragged tail dropped).
 
-    A `seq_len` beyond the model's context is clamped to it, with a warning.
+    `token_ids` are integers of the model's vocabulary (others are refused). A `seq_len` beyond the model's context
+    is clamped to it, with a warning.
 
     Returns dict(ppl, nll, tokens, windows, seq_len); `tokens` counts predicted tokens,
     i.e. `windows * (seq_len - 1)`. `device` is where the input ids go (default: the device of
-    the model's first parameter).
+    the model's first parameter; a given one is checked by `resolve_device`, as every entry point's).
     """
     check_count("batch_size", batch_size)  # windows per forward pass
     check_count("seq_len", seq_len, 2)  # a window predicts seq_len - 1 tokens; a float one failed as a slice's index
-    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    ids = torch.as_tensor(token_ids).flatten()
+    if ids.numel():  # an empty list is float32 to torch; the stream's length is said below
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:  # a float id was truncated
+            raise ValueError(f"token_ids must be integer token ids, got {ids.dtype}")
+        if hasattr(model, "get_input_embeddings"):  # else any module that returns logits: its vocabulary is its own
+            check_token_ids(model, ids, "the stream's", "tokenize the text with this model's tokenizer")
+    ids = ids.long()
     seq_len = _clamp_to_context(model, seq_len)
     n_windows = ids.numel() // seq_len
     if n_windows == 0:
@@ -88,7 +95,7 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
             f"The token stream has {ids.numel()} tokens, fewer than one window of seq_len={seq_len}; "
             "pass a smaller seq_len or more tokens."
         )
-    device = torch.device(device) if device is not None else model_device(model)
+    device = resolve_device(device) if device is not None else model_device(model)
     windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
 
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)

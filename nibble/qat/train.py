@@ -64,7 +64,7 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import check_count, resolve_device
+from nibble.config import check_count, check_token_ids, resolve_device
 from nibble.models.convert import own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
@@ -475,10 +475,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     elif windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len or windows.dtype != torch.long:
         raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "
                          f"{tuple(windows.shape)} {windows.dtype}")
-    vocab = model.get_input_embeddings().num_embeddings
-    if windows.min() < 0 or windows.max() >= vocab:
-        raise ValueError(f"the training windows hold token ids from {windows.min()} to {windows.max()}, outside the "
-                         f"model's vocabulary of {vocab}")
+    check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
     if init == "gptq" and calibration is None:
         if tokenizer is None:
             raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")

@@ -158,6 +158,31 @@ def test_a_window_or_batch_that_is_not_a_whole_count_is_named(monkeypatch, kwarg
             perplexity(tiny_model(), list(range(40)), **{"seq_len": 16, **kwargs}, progress=False)
 
 
+@pytest.mark.parametrize("ids, message", [
+    (list(range(300)), r"^the stream's token ids run from 0 to 299, but the model's vocabulary has 256 tokens: "),
+    ([-1] * 40, r"^the stream's token ids run from -1 to -1, but the model's vocabulary has 256"),
+    ([1.7] * 40, r"^token_ids must be integer token ids, got torch.float32$"),
+    (torch.ones(40, dtype=torch.bool), r"^token_ids must be integer token ids, got torch.bool$"),
+])
+def test_ids_outside_the_vocabulary_or_not_integers_are_named(ids, message):
+    """Ids past the vocabulary failed as the embedding's "IndexError: index out of range in self"; float ids were
+    truncated to integers and scored."""
+    with pytest.raises(ValueError, match=message):
+        perplexity(tiny_model(), ids, seq_len=16, progress=False)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "device 'gpu' is not a device torch knows"),
+    pytest.param("cuda", "device 'cuda' asked for, but no CUDA GPU is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")),
+])
+def test_a_device_is_resolved_as_every_entry_point_resolves_it(device, message):
+    """perplexity took its device as torch.device(device): "gpu" gave torch's list of every device type, and "cuda"
+    without a GPU "Torch not compiled with CUDA enabled"."""
+    with pytest.raises(ValueError, match=message):
+        perplexity(tiny_model(), list(range(40)), seq_len=16, device=device, progress=False)
+
+
 def test_nibble_data_is_the_only_folder_searched_where_it_is_set(monkeypatch, tmp_path):
     """A NIBBLE_DATA that lacks a file (or is no folder: a typo) had the copy further down the search read, with a
     warning lost among progress bars; it is now an error naming it, as a missing file is."""

@@ -426,7 +426,8 @@ def test_a_model_a_run_prepared_already_is_refused(recipe):
     (dict(windows=_windows().float()), r"windows must be token ids \[n >= 1, seq_len=24\] \(torch.long\), got "
                                        r"\(4, 24\) torch.float32"),
     (dict(windows=_windows()[:0], batch_size=2), r"windows must be token ids \[n >= 1"),  # a ZeroDivisionError
-    (dict(windows=_windows() + 256), r"token ids from \d+ to \d+, outside the model's vocabulary of 256"),
+    (dict(windows=_windows() + 256),
+     r"the training windows' token ids run from \d+ to \d+, but the model's vocabulary has 256 tokens"),
 ])
 def test_what_cannot_train_is_said_before_the_model_is_changed(bad, message):
     model = _model()
