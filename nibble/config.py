@@ -42,11 +42,23 @@ def width_error(in_features: int, group_size: int) -> str | None:
 
 
 def check_count(name: str, value, least: int = 1) -> None:
-    """Refuse a count option of the quantizers (``blocksize``, ``batch_size``, ``n_grid``, ...) that is not an
-    integer >= ``least``, by its name: a negative GPTQ blocksize returned a layer of zeros as if quantized, and a 0
-    surfaced as range()'s or split()'s message (AWQ's n_grid=0 as ``raise None``)."""
+    """Refuse a count option (the quantizers' ``blocksize``, ``batch_size``, ``n_grid``, ..., the evaluations'
+    ``seq_len`` and ``limit``) that is not an integer >= ``least``, by its name: a negative GPTQ blocksize returned a
+    layer of zeros as if quantized, a 0 surfaced as range()'s or split()'s message (AWQ's n_grid=0 as ``raise None``),
+    and a float as a slice's "indices must be integers" (blamed on a task's data file)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def check_token_ids(model, ids: torch.Tensor, what: str, fix: str) -> None:
+    """Refuse integer token ``ids`` (not empty) outside ``model``'s vocabulary (its input embedding's rows), naming
+    ``what`` they are and how to ``fix`` them: they failed deep in the embedding (an IndexError on the CPU, a
+    device-side assert on a GPU). One min/max and one host sync."""
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{what} token ids run from {low} to {high}, but the model's vocabulary has {vocab} tokens: "
+                         f"{fix}")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from nibble.config import check_count, check_token_ids, resolve_device
 from nibble.eval.data import DataFormatError, data_file, parsing
 from nibble.warn import warn
 
@@ -71,26 +72,31 @@ def eval_mode(model):
 def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None, progress: bool = True) -> dict:
     """Perplexity over non-overlapping `seq_len` windows of `token_ids` (ragged tail dropped).
 
-    A `seq_len` beyond the model's context is clamped to it, with a warning.
+    `token_ids` are integers of the model's vocabulary (others are refused). A `seq_len` beyond the model's context
+    is clamped to it, with a warning.
 
     Returns dict(ppl, nll, tokens, windows, seq_len); `tokens` counts predicted tokens,
     i.e. `windows * (seq_len - 1)`. `device` is where the input ids go (default: the device of
-    the model's first parameter). `progress` shows a bar of the windows done, where they take more than one
-    forward pass.
+    the model's first parameter; a given one is checked by `resolve_device`, as every entry point's). `progress`
+    shows a bar of the windows done, where they take more than one forward pass.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1 (windows per forward pass), got {batch_size}")
-    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    check_count("batch_size", batch_size)  # windows per forward pass
+    check_count("seq_len", seq_len, 2)  # a window predicts seq_len - 1 tokens; a float one failed as a slice's index
+    ids = torch.as_tensor(token_ids).flatten()
+    if ids.numel():  # an empty list is float32 to torch; the stream's length is said below
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:  # a float id was truncated
+            raise ValueError(f"token_ids must be integer token ids, got {ids.dtype}")
+        if hasattr(model, "get_input_embeddings"):  # else any module that returns logits: its vocabulary is its own
+            check_token_ids(model, ids, "the stream's", "tokenize the text with this model's tokenizer")
+    ids = ids.long()
     seq_len = _clamp_to_context(model, seq_len)
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2 (a window predicts seq_len - 1 tokens), got {seq_len}")
     n_windows = ids.numel() // seq_len
     if n_windows == 0:
         raise ValueError(
             f"The token stream has {ids.numel()} tokens, fewer than one window of seq_len={seq_len}; "
             "pass a smaller seq_len or more tokens."
         )
-    device = torch.device(device) if device is not None else model_device(model)
+    device = resolve_device(device) if device is not None else model_device(model)
     windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
 
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -173,9 +179,11 @@ def wikitext2_perplexity(
     `max_tokens` keeps only the first tokens of the stream, for quick runs; without `seq_len`
     the window then shrinks to fit, so e.g. `max_tokens=1024` scores one 1024-token window.
     """
-    if max_tokens is not None and max_tokens < 2:
-        # said here: the window it would shrink to is what `perplexity` would refuse, by another name
-        raise ValueError(f"max_tokens must be >= 2 (a window of 2 tokens predicts one), got {max_tokens}")
+    # said here, before the text is tokenized: a max_tokens < 2 shrinks the window to what `perplexity` would refuse,
+    # by another name, and a float one failed as a slice's index
+    for name, value in (("seq_len", seq_len), ("max_tokens", max_tokens)):
+        if value is not None:
+            check_count(name, value, 2)  # a window of 2 tokens predicts one
     # The split is far longer than the model's context on purpose (it is cut into windows), so
     # HF's "sequence length is longer than the specified maximum" warning would only mislead.
     verbosity = hf_logging.get_verbosity()

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from nibble.config import check_count
 from nibble.eval.data import DataFormatError, data_file, parsing, read_jsonl
 from nibble.eval.perplexity import context_length, encode, eval_mode, model_device, model_logits
 
@@ -221,8 +222,7 @@ def loglikelihood(model, tokenizer, requests, batch_size=16, progress=True, desc
     Inputs longer than the model's context lose tokens on the left, as in lm-eval. Requests whose
     model inputs are identical (e.g. BoolQ's one-token " no" / " yes") share one forward pass.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1 (inputs per forward pass), got {batch_size}")
+    check_count("batch_size", batch_size)  # inputs per forward pass
     max_len = context_length(model)
     inputs: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}  # input ids -> (request index, targets)
     for i, (context, continuation) in enumerate(requests):
@@ -317,8 +317,8 @@ def evaluate_tasks(model, tokenizer, tasks=ALL_TASKS, limit=None, batch_size=16,
     unweighted mean of `acc` over the tasks run.
     """
     tasks = check_tasks(tasks)
-    if limit is not None and limit < 1:  # no document would score NaN, which is not even JSON
-        raise ValueError(f"limit must be >= 1 document per task (None: all of them), got {limit}")
+    if limit is not None:  # no document would score NaN (not even JSON); a float was blamed on the data file
+        check_count("limit", limit)
     results = {}
     for name in tasks:
         task = TASKS[name]

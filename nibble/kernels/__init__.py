@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nibble.kernels import reference
@@ -53,6 +54,14 @@ def eager_or_op(body, op):
 
 def _traced() -> bool:
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform or forward-mode AD is active. A tensor shows only its own level's tangent or
+    batch dimension: under ``jacfwd(jacrev(f))`` (``hessian``) the input wants a gradient at the inner level and
+    carries its tangent at the outer one, and under ``jacfwd(vmap(f))`` a batched input refuses ``unpack_dual``
+    (no batching rule). Two global flags, cheaper on the host than asking a tensor."""
+    return torch._C._are_functorch_transforms_active() or fwAD._current_level >= 0
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
+from nibble.kernels import transforms_active
 from nibble.kernels.triton_device import check_triton_device
 
 try:
@@ -572,6 +572,6 @@ def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """y = x @ H_n.T (inverse: x @ H_n) on the last dim, via torch.ops.nibble.hadamard_transform:
     the Triton kernel on CUDA, the reference elsewhere; differentiable (torch.func included) and
     torch.compile-safe."""
-    if torch._C._are_functorch_transforms_active() or fwAD._current_level >= 0:
+    if transforms_active():
         return _Hadamard.apply(x, inverse)
     return _hadamard_op(x, inverse)  # its own register_autograd: reverse mode, eager and compiled

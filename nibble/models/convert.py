@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import QuantConfig, resolve_device, width_error
+from nibble.config import QuantConfig, check_token_ids, resolve_device, width_error
 from nibble.nn.quant_linear import QuantLinear
 from nibble.quantize.rtn import check_values, naming
 from nibble.warn import warn
@@ -313,12 +313,8 @@ def check_calibration_ids(model: nn.Module, calibration) -> None:
         raise ValueError("calibration must be token ids, an integer tensor [n_samples, seq_len]; got "
                          f"{type(calibration).__name__} {getattr(calibration, 'dtype', '')} "
                          f"{tuple(getattr(calibration, 'shape', ()))}")
-    vocab = model.get_input_embeddings().num_embeddings
-    lo, hi = int(calibration.min()), int(calibration.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"calibration token ids run from {lo} to {hi}, but the model's vocabulary has {vocab} tokens: "
-                         "make them with this model's tokenizer (nibble.quantize.calibration.calibration_for(config, "
-                         "tokenizer))")
+    check_token_ids(model, calibration, "calibration", "make them with this model's tokenizer "
+                    "(nibble.quantize.calibration.calibration_for(config, tokenizer))")
 
 
 def check_not_quantized(model: nn.Module, taker: str = "quantize_model") -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 
@@ -95,17 +94,18 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, [self])
         if self.differentiated(x):
-            function = _WithTangent if fwAD.unpack_dual(x).tangent is not None else _WithInputGradient
+            function = _WithTangent if kernels.transforms_active() else _WithInputGradient
             return function.apply(x, self.bias, self)
         return self._product(x, self.bias)
 
     def differentiated(self, x: torch.Tensor) -> bool:
         """Whether a call on ``x`` needs the gradient `_WithInputGradient` gives: one is wanted for x or for a
-        trainable bias, or x carries a forward-mode tangent (``torch.func.jvp``, ``jacfwd``), which the GPU kernels
-        would drop and W4A4's reference would take through the rounding."""
+        trainable bias, or a torch.func transform or forward-mode AD is active (`kernels.transforms_active`), whose
+        tangent, perhaps at an outer level x does not show, the GPU kernels would drop and W4A4's reference would
+        take through the rounding."""
         if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
             return True
-        return fwAD.unpack_dual(x).tangent is not None
+        return kernels.transforms_active()
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product on x that `_check_input` has checked."""
@@ -220,7 +220,8 @@ class _WithInputGradient(torch.autograd.Function):
     The GPU kernels write their outputs into fresh tensors, so without this no gradient would reach x there,
     and the CPU reference's W4A4 would pass one only through each token's scale. The weights are buffers:
     frozen, as under LoRA; the bias is an input of its own, so that a trainable one gets its gradient too.
-    The setup_context form lets torch.func transform it; forward mode is `_WithTangent`'s."""
+    The setup_context form lets torch.func transform it; forward mode is `_WithTangent`'s. Its backward is made of
+    differentiable ops, so second derivatives (double backward, ``jacrev(jacrev)``, ``hessian``) follow."""
 
     generate_vmap_rule = True
 
@@ -240,7 +241,8 @@ class _WithInputGradient(torch.autograd.Function):
 
 
 class _WithTangent(_WithInputGradient):
-    """`_WithInputGradient` with forward mode, the same Jacobian: for an x with a tangent only, since torch.compile
+    """`_WithInputGradient` with forward mode, the same Jacobian: taken under a torch.func transform or forward-mode
+    AD only (`kernels.transforms_active`; every level of ``jacfwd(jacrev(f))`` needs its jvp), since torch.compile
     refuses to trace a Function that defines a jvp."""
 
     @staticmethod

@@ -63,7 +63,7 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import check_count, resolve_device
+from nibble.config import check_count, check_token_ids, resolve_device
 from nibble.models.convert import own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
@@ -455,6 +455,14 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed)  # before any calibration text is tokenized
     check_model(model)  # before the model is changed
+    # the windows given are checked first: the context's check below reads seq_len as their length, and blamed the
+    # default 512 on 32-token windows of a 256-token model
+    if windows is not None and (windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len
+                                or windows.dtype != torch.long):
+        length = windows.shape[1] if windows.dim() == 2 else seq_len
+        hint = f" (windows of {length} tokens: pass seq_len={length})" if length != seq_len else ""
+        raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "
+                         f"{tuple(windows.shape)} {windows.dtype}{hint}")
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and seq_len > context:
         # clamped as `nibble eval` clamps perplexity's seq_len: windows past the context train positions the model
@@ -472,13 +480,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
                              "ids [n, seq_len])")
         windows = training_windows(tokenizer, seq_len, sources)
-    elif windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len or windows.dtype != torch.long:
-        raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "
-                         f"{tuple(windows.shape)} {windows.dtype}")
-    vocab = model.get_input_embeddings().num_embeddings
-    if windows.min() < 0 or windows.max() >= vocab:
-        raise ValueError(f"the training windows hold token ids from {windows.min()} to {windows.max()}, outside the "
-                         f"model's vocabulary of {vocab}")
+    check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
     if init == "gptq" and calibration is None:
         if tokenizer is None:
             raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")

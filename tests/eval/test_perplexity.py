@@ -145,11 +145,51 @@ def test_a_copy_with_windows_line_ends_reads_as_the_same_text_and_an_empty_one_i
 
 def test_an_empty_batch_or_a_stream_too_short_to_predict_a_token_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("nibble.eval.perplexity.wikitext2_text", lambda: "no file read")
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
         perplexity(tiny_model(), list(range(40)), seq_len=16, batch_size=0, progress=False)
     for n in (0, 1):  # it was "seq_len must be at least 2 ..., got 0": the window max_tokens shrank it to
-        with pytest.raises(ValueError, match=rf"max_tokens must be >= 2 \(a window of 2 tokens predicts one\), got {n}"):
+        with pytest.raises(ValueError, match=rf"max_tokens must be an integer >= 2, got {n}"):
             wikitext2_perplexity(tiny_model(), ByteTokenizer(), max_tokens=n, progress=False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(seq_len=16.0), dict(max_tokens=512.0), dict(seq_len=1), dict(seq_len=True),
+                                    dict(batch_size=1.5)])
+def test_a_window_or_batch_that_is_not_a_whole_count_is_named(monkeypatch, kwargs):
+    """seq_len=256.0 or max_tokens=512.0 failed as the slice's bare "slice indices must be integers"; they are
+    refused by name, before the text is tokenized."""
+    monkeypatch.setattr("nibble.eval.perplexity.wikitext2_text", lambda: "no file read")
+    (name, value), = kwargs.items()
+    least = 1 if name == "batch_size" else 2
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer >= {least}, got {value!r}$"):
+        wikitext2_perplexity(tiny_model(), ByteTokenizer(), progress=False, **kwargs)
+    if name != "max_tokens":
+        with pytest.raises(ValueError, match=rf"^{name} must be an integer >= {least}, got {value!r}$"):
+            perplexity(tiny_model(), list(range(40)), **{"seq_len": 16, **kwargs}, progress=False)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (list(range(300)), r"^the stream's token ids run from 0 to 299, but the model's vocabulary has 256 tokens: "),
+    ([-1] * 40, r"^the stream's token ids run from -1 to -1, but the model's vocabulary has 256"),
+    ([1.7] * 40, r"^token_ids must be integer token ids, got torch.float32$"),
+    (torch.ones(40, dtype=torch.bool), r"^token_ids must be integer token ids, got torch.bool$"),
+])
+def test_ids_outside_the_vocabulary_or_not_integers_are_named(ids, message):
+    """Ids past the vocabulary failed as the embedding's "IndexError: index out of range in self"; float ids were
+    truncated to integers and scored."""
+    with pytest.raises(ValueError, match=message):
+        perplexity(tiny_model(), ids, seq_len=16, progress=False)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "device 'gpu' is not a device torch knows"),
+    pytest.param("cuda", "device 'cuda' asked for, but no CUDA GPU is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")),
+])
+def test_a_device_is_resolved_as_every_entry_point_resolves_it(device, message):
+    """perplexity took its device as torch.device(device): "gpu" gave torch's list of every device type, and "cuda"
+    without a GPU "Torch not compiled with CUDA enabled"."""
+    with pytest.raises(ValueError, match=message):
+        perplexity(tiny_model(), list(range(40)), seq_len=16, device=device, progress=False)
 
 
 def test_nibble_data_is_the_only_folder_searched_where_it_is_set(monkeypatch, tmp_path):

@@ -253,12 +253,17 @@ def test_unknown_task_is_a_clear_error():
         evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "mmlu"])
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(limit=0), "limit must be >= 1 document per task"),
-                                             (dict(limit=-2), "limit must be >= 1"),
-                                             (dict(batch_size=0), "batch_size must be >= 1")])
+@pytest.mark.parametrize("kwargs, message", [(dict(limit=0), "limit must be an integer >= 1, got 0"),
+                                             (dict(limit=-2), "limit must be an integer >= 1"),
+                                             (dict(limit=2.5), r"limit must be an integer >= 1, got 2\.5"),
+                                             (dict(limit="5"), "limit must be an integer >= 1, got '5'"),
+                                             (dict(limit=True), "limit must be an integer >= 1, got True"),
+                                             (dict(batch_size=0), "batch_size must be an integer >= 1"),
+                                             (dict(batch_size=1.5), "batch_size must be an integer >= 1")])
 def test_no_documents_or_an_empty_batch_is_a_clear_error(kwargs, message):
     """limit=0 scored no document: acc NaN, which json.dumps writes as NaN (not JSON); batch_size=0 raised
-    range()'s "arg 3 must not be zero"."""
+    range()'s "arg 3 must not be zero". limit=2.5 was blamed on the data file (a DataFormatError of the slice's
+    "indices must be integers"), "5" gave a bare TypeError of '<', and True ran one document."""
     with pytest.raises(ValueError, match=message):
         evaluate_tasks(BigramLM(), ByteTokenizer(), ["boolq"], progress=False, **kwargs)
 

@@ -419,6 +419,27 @@ def test_torch_func_transforms_agree_with_backward(kind):
     torch.testing.assert_close(tangent, xs.flip(0) @ expected.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4", "w4a4-hadamard"])
+def test_composed_torch_func_transforms_are_the_dequantized_weights(kind):
+    """hessian and jacfwd(jacrev(f)) raised "You must implement the jvp function": the input wants a gradient at the
+    inner level and carries its tangent at the outer one, which it does not show, so the jvp-less Function ran.
+    jvp(grad(f)) did the same, and jacfwd(vmap(q)) failed in unpack_dual of a batched tensor. Each now gives what the
+    same transforms give on a float layer holding the dequantized weight (W4A4's straight-through Jacobian)."""
+    F = torch.func
+    q = _layer(kind, "cpu", dtype=torch.float32)
+    w, b = _jacobian(q), q.bias
+    dense = lambda v: nn.functional.linear(v, w, b)  # noqa: E731
+    x, tangent = torch.randn(256), torch.randn(256)
+    for second_derivative in (F.hessian, lambda f: F.jacfwd(F.jacrev(f)), lambda f: F.jacrev(F.jacfwd(f))):
+        got, expected = (second_derivative(lambda v: layer(v).square().sum())(x) for layer in (q, dense))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    r = torch.randn(48)
+    (_, got), (_, expected) = (F.jvp(F.grad(lambda v: (layer(v) * r).sum()), (x,), (tangent,)) for layer in (q, dense))
+    torch.testing.assert_close(got, expected)  # the second derivative of a product that is linear in y: zero
+    xs = torch.randn(3, 256)
+    torch.testing.assert_close(F.jacfwd(F.vmap(q))(xs), F.jacfwd(F.vmap(dense))(xs), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4"])
 def test_a_trainable_bias_gets_its_gradient_whether_or_not_x_wants_one(kind):
     """The bias is a buffer a user may train (BitFit); its gradient was lost whenever x required grad (every layer

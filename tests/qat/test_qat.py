@@ -310,6 +310,15 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
                 windows=torch.zeros(2, 40, dtype=torch.long), progress=False)
 
 
+def test_windows_shorter_than_the_default_seq_len_are_told_their_length_not_the_context():
+    """32-token windows with seq_len left at 512, on a 256-token model, were refused as "windows of seq_len=512
+    exceed the model's context": the context's check read seq_len before the windows' shape was checked."""
+    with pytest.raises(ValueError, match=r"seq_len=512\] \(torch.long\), got \(2, 16\) torch.int64 \(windows of 16 "
+                                         r"tokens: pass seq_len=16\)$"):
+        run_qat(tiny_model(max_position_embeddings=32), None, "per-token", 1, device="cpu",
+                windows=torch.zeros(2, 16, dtype=torch.long), progress=False)
+
+
 @pytest.mark.parametrize("init", ["rtn", "gptq"])
 def test_the_peft_ways_give_the_trained_model_or_refuse(init, tmp_path):
     """merge_and_unload: a GPTQ-started layer quantizes its start weight, so peft's merge into `weight` dropped the
@@ -426,7 +435,8 @@ def test_a_model_a_run_prepared_already_is_refused(recipe):
     (dict(windows=_windows().float()), r"windows must be token ids \[n >= 1, seq_len=24\] \(torch.long\), got "
                                        r"\(4, 24\) torch.float32"),
     (dict(windows=_windows()[:0], batch_size=2), r"windows must be token ids \[n >= 1"),  # a ZeroDivisionError
-    (dict(windows=_windows() + 256), r"token ids from \d+ to \d+, outside the model's vocabulary of 256"),
+    (dict(windows=_windows() + 256),
+     r"the training windows' token ids run from \d+ to \d+, but the model's vocabulary has 256 tokens"),
 ])
 def test_what_cannot_train_is_said_before_the_model_is_changed(bad, message):
     model = _model()
