@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from nibble.bench.timing import json_text
-from nibble.config import QuantConfig, resolve_device
+from nibble.config import QuantConfig, check_count, resolve_device
 from nibble.eval import memory as mem_mod
 from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
@@ -664,8 +664,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     for name, value, least in (("tasks_limit", tasks_limit, 1), ("batch_size", batch_size, 1),
                                ("ppl_max_tokens", ppl_max_tokens, 2), ("ppl_seq_len", ppl_seq_len, 2),
                                ("speed_rounds", speed_rounds, 1)):
-        if value is not None and value < least:  # else every config would fail the same way, after loading
-            raise ValueError(f"{name} must be >= {least}, got {value}")
+        if value is not None:  # else every config would fail the same way, after loading
+            check_count(name, value, least)
     if model and accuracy and loader is None:  # a loader's model is checked once it is loaded
         check_model_window(model_name_or_path, ppl_seq_len, ppl_max_tokens, WINDOW_NAMES)
     unknown = [m for m in speed_models if m not in speed_mod.SPEED_MODELS]

@@ -253,9 +253,10 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
                                                     "bf16: RuntimeError: boom; w4a16: RuntimeError: boom")
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be >= 1"),
-                                             (dict(batch_size=0), "batch_size must be >= 1"),
-                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be >= 2")])
+@pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be an integer >= 1, got 0"),
+                                             (dict(tasks_limit=2.5), "tasks_limit must be an integer >= 1, got 2.5"),
+                                             (dict(batch_size=0), "batch_size must be an integer >= 1"),
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be an integer >= 2")])
 def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -272,7 +273,7 @@ def test_a_refused_report_leaves_no_out_folder(tmp_path):
 
     out = tmp_path / "report"
     for configs, kwargs, message in ((("w4a8",), {}, "unknown config"), (("bf16", "fp16"), {}, "more than once"),
-                                     (("bf16",), dict(tasks_limit=0), "tasks_limit must be >= 1"),
+                                     (("bf16",), dict(tasks_limit=0), "tasks_limit must be an integer >= 1"),
                                      (("w4a4-hadamard",), dict(loader=rotation_refused), "cannot rotate")):
         with pytest.raises(ValueError, match=message):
             report.run_report(None, out, configs=configs, speed=False, log=lambda *_: None,
