@@ -439,15 +439,65 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
-def checkpoint_dir(directory) -> Path:
-    """The folder a save writes, refused where it cannot be one: "" wrote the checkpoint into the current folder, and
-    a file failed in pathlib's mkdir as a bare FileExistsError."""
+def checkpoint_dir(directory, model: nn.Module) -> Path:
+    """The folder a save of ``model`` writes, refused where it cannot be one: "" wrote the checkpoint into the current
+    folder, a file failed in pathlib's mkdir as a bare FileExistsError, and a folder holding a float model, the one
+    ``model`` was loaded from above all, lost it (`check_replaceable`)."""
     if not str(directory).strip():
         raise ValueError("the directory to save to is empty: give the folder to write the checkpoint to")
     directory = Path(directory).expanduser()
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory} is a file: a checkpoint is a folder (its config.json, weights and tokenizer)")
+    check_replaceable(directory, model.name_or_path)
     return directory
+
+
+def check_replaceable(directory: Path, source=None) -> None:
+    """Refuse to write a checkpoint into ``directory`` where a model lies that is not a quantized checkpoint: a save
+    owns its folder (it replaces config.json and model.safetensors, and removes the other weight and tokenizer files),
+    so a float model there was lost without a word, the one being quantized above all: ``source``, the folder it comes
+    from (``model.name_or_path``, which every save and load of its quantized model keeps; `nibble quantize`'s
+    --model), named as such. A quantized checkpoint there (nibble's, AutoAWQ's or GPTQ's) is one being written again,
+    and so are the weights a nibble save interrupted before its config.json (written last) left."""
+    if not directory.is_dir() or quantized_checkpoint(directory) or _interrupted_save(directory):
+        return
+    if not ((directory / CONFIG).exists() or any(directory.glob("*.safetensors"))):
+        return  # nothing a save replaces (a folder of the user's other files, or of a GGUF, which it leaves)
+    if source and Path(source).expanduser().resolve() == directory.resolve():  # through a link, or spelt otherwise
+        raise ValueError(f"{directory} is the folder the model comes from ({source}): writing the checkpoint there "
+                         "would replace its float weights; give another folder")
+    raise ValueError(f"{directory} holds a model that is not a quantized checkpoint (its config.json or "
+                     "*.safetensors): writing the checkpoint there would replace it; give another folder, or empty "
+                     "this one")
+
+
+def quantized_checkpoint(directory) -> bool:
+    """Whether ``directory`` is a folder of 4-bit weights that load_quantized reads as they are (nibble's,
+    AutoAWQ's or GPTQ's), not a float model to quantize."""
+    config = Path(directory) / CONFIG if directory else None
+    if not (config and config.exists()):
+        return False
+    if quantization_settings_files(config.parent):  # AutoGPTQ's or early AutoAWQ's settings, read by load_quantized
+        return True
+    qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
+    method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None
+    return method in ("nibble", *QUANT_METHODS)
+
+
+def _interrupted_save(directory: Path) -> bool:
+    """Whether ``directory`` holds what a nibble save interrupted before its config.json (written last) leaves:
+    weights that carry nibble's metadata, with no config.json. The save run again owns them."""
+    from nibble.models.serialization import METADATA
+    if (directory / CONFIG).exists():
+        return False
+    for file in directory.glob("*.safetensors"):
+        try:
+            with safe_open(str(file), "pt") as f:
+                if METADATA not in (f.metadata() or {}):
+                    return False
+        except (SafetensorError, OSError):
+            return False
+    return True
 
 
 def model_to_save(model) -> nn.Module:
@@ -496,7 +546,7 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
 
 
 def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
-    directory = checkpoint_dir(directory)
+    directory = checkpoint_dir(directory, model)
     linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:

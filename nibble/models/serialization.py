@@ -105,9 +105,10 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
     (W4A16 models with integer zero points, a 16-bit lm_head and no rotation only: `nibble.models.hf_import.export_awq` /
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
-    warning: `nibble.formats.gptq`)."""
+    warning: `nibble.formats.gptq`). A ``directory`` holding a model that is not a quantized checkpoint, the float one
+    ``model`` comes from above all, is refused (`nibble.models.hf_import.check_replaceable`)."""
     model = model_to_save(model)
-    directory = checkpoint_dir(directory)  # before an export converts every layer
+    directory = checkpoint_dir(directory, model)  # before an export converts every layer
     if format == "awq":
         return export_awq(model, directory, tokenizer)
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)

@@ -698,6 +698,41 @@ def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(t
     assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
 
 
+@pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
+def test_a_save_into_the_float_models_folder_is_refused_and_a_quantized_checkpoint_written_again(tmp_path, fmt):
+    """load_model(D), quantize_model, save_quantized(model, D) replaced D's float weights and config.json without a
+    word (nibble quantize refused --out D, the library did not), and a save into another float model's folder did the
+    same. A quantized checkpoint's folder is one being written again, the one the model was loaded from too."""
+    from nibble.models.hf_import import export_gptq
+    from nibble.models.loading import load_model
+    source = tmp_path / "float"
+    tiny_model().save_pretrained(source)
+    _tokenizer().save_pretrained(source)
+    held = {p.name: p.read_bytes() for p in source.iterdir()}
+    model, tokenizer = load_model(source)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    (tmp_path / "link").symlink_to(source)
+    refusal = (f"is the folder the model comes from \\({re.escape(str(source))}\\): writing the checkpoint there "
+               "would replace its float weights; give another folder")
+    for directory in (source, f"{source}/", tmp_path / "link"):
+        with pytest.raises(ValueError, match=refusal):
+            save_quantized(model, directory, tokenizer, format=fmt)
+    with pytest.raises(ValueError, match=refusal):  # the exports called directly
+        export_gptq(model, source)
+    shutil.copytree(source, tmp_path / "other")
+    with pytest.raises(ValueError, match="other holds a model that is not a quantized checkpoint .*: writing the "
+                                         "checkpoint there would replace it; give another folder, or empty this one"):
+        save_quantized(model, tmp_path / "other", tokenizer, format=fmt)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == held
+    save_quantized(model, tmp_path / "q", tokenizer, format=fmt)
+    loaded, tokenizer = load_quantized(tmp_path / "q")
+    assert loaded.name_or_path == str(source)  # what the checkpoint was made from, through the save and the load
+    save_quantized(loaded, tmp_path / "q", tokenizer, format=fmt)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "q")[0](ids).logits, loaded(ids).logits)
+
+
 def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_path, monkeypatch):
     """config.json was written before the tokenizer: a save interrupted between them loaded the new weights with the
     earlier model's tokenizer (or its chat template) without a word. config.json is written last now."""
