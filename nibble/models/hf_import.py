@@ -22,6 +22,7 @@ layouts with a matching ``quantization_config``, readable by AutoAWQ / transform
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -439,10 +440,12 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
-def checkpoint_dir(directory, model: nn.Module) -> Path:
-    """The folder a save of ``model`` writes, refused where it cannot be one: "" wrote the checkpoint into the current
-    folder, a file failed in pathlib's mkdir as a bare FileExistsError, and a folder holding a float model, the one
-    ``model`` was loaded from above all, lost it (`check_replaceable`)."""
+def checkpoint_dir(directory, model: nn.Module, tokenizer=None) -> Path:
+    """The folder a save of ``model`` (with ``tokenizer``) writes, refused, before anything is written, where it cannot
+    be one: "" wrote the checkpoint into the current folder, a file failed in pathlib's mkdir as a bare
+    FileExistsError, and a folder holding a float model, the one ``model`` was loaded from above all, lost it
+    (`check_replaceable`); and a ``tokenizer`` the save cannot write (`check_tokenizer`)."""
+    check_tokenizer(tokenizer)
     if not str(directory).strip():
         raise ValueError("the directory to save to is empty: give the folder to write the checkpoint to")
     directory = Path(directory).expanduser()
@@ -450,6 +453,18 @@ def checkpoint_dir(directory, model: nn.Module) -> Path:
         raise ValueError(f"{directory} is a file: a checkpoint is a folder (its config.json, weights and tokenizer)")
     check_replaceable(directory, model.name_or_path)
     return directory
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Refuse a ``tokenizer`` a save cannot write (it has no ``save_pretrained``): a path failed as "'str' object has
+    no attribute 'save_pretrained'" once the weights were written, leaving the folder without its config.json."""
+    if tokenizer is None or callable(getattr(tokenizer, "save_pretrained", None)):
+        return
+    given = f"{type(tokenizer).__name__} {tokenizer!r:.80}"
+    load = (f": load it first, with transformers.AutoTokenizer.from_pretrained({os.fspath(tokenizer)!r})"
+            if isinstance(tokenizer, (str, os.PathLike)) else "")
+    raise TypeError(f"tokenizer must be a transformers tokenizer (what load_model and load_quantized return, written "
+                    f"with its save_pretrained) or None, got the {given}{load}")
 
 
 def check_replaceable(directory: Path, source=None) -> None:
@@ -546,7 +561,7 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
 
 
 def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
-    directory = checkpoint_dir(directory, model)
+    directory = checkpoint_dir(directory, model, tokenizer)
     linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:

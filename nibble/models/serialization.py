@@ -101,14 +101,15 @@ def _atomic_write(path: Path, write) -> None:
 
 def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "nibble") -> Path:
     """Write ``model`` (converted by quantize_model, or loaded by load_quantized) to ``directory``; the
-    tokenizer too if given. ``format``: ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` /
-    ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
+    tokenizer too if given (a transformers tokenizer, as load_model returns it; a path is refused). ``format``:
+    ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` / ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ
+    GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
     (W4A16 models with integer zero points, a 16-bit lm_head and no rotation only: `nibble.models.hf_import.export_awq` /
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
     warning: `nibble.formats.gptq`). A ``directory`` holding a model that is not a quantized checkpoint, the float one
     ``model`` comes from above all, is refused (`nibble.models.hf_import.check_replaceable`)."""
     model = model_to_save(model)
-    directory = checkpoint_dir(directory, model)  # before an export converts every layer
+    directory = checkpoint_dir(directory, model, tokenizer)  # before an export converts every layer
     if format == "awq":
         return export_awq(model, directory, tokenizer)
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)

@@ -733,6 +733,26 @@ def test_a_save_into_the_float_models_folder_is_refused_and_a_quantized_checkpoi
         assert torch.equal(load_quantized(tmp_path / "q")[0](ids).logits, loaded(ids).logits)
 
 
+@pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
+def test_a_tokenizer_the_save_cannot_write_is_refused_before_anything_is_written(tmp_path, fmt):
+    """save_quantized(model, DIR, "path/to/tokenizer") failed as "'str' object has no attribute 'save_pretrained'"
+    once the weights were written: a folder without config.json, or new weights beside the earlier save's."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    model = _quantized()
+    with pytest.raises(TypeError, match=r"^tokenizer must be a transformers tokenizer \(what load_model and "
+                                        r"load_quantized return, written with its save_pretrained\) or None, got the "
+                                        r"str '/tok': load it first, with transformers.AutoTokenizer."
+                                        r"from_pretrained\('/tok'\)$"):
+        save_quantized(model, tmp_path / "new", "/tok", format=fmt)
+    assert not (tmp_path / "new").exists()
+    save_quantized(model, tmp_path / "q", _tokenizer(), format=fmt)
+    held = {p.name: p.read_bytes() for p in (tmp_path / "q").iterdir()}
+    with pytest.raises(TypeError, match="got the Tokenizer Tokenizer"):  # tokenizers' own, not transformers'
+        save_quantized(_quantized(), tmp_path / "q", Tokenizer(WordLevel({"a": 0}, unk_token="a")), format=fmt)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "q").iterdir()} == held
+
+
 def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_path, monkeypatch):
     """config.json was written before the tokenizer: a save interrupted between them loaded the new weights with the
     earlier model's tokenizer (or its chat template) without a word. config.json is written last now."""
