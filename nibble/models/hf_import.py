@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
+from nibble.config import METHODS, QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.gptq import CHECKPOINT_FORMATS, from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
@@ -269,8 +269,8 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     """Load a local AutoAWQ-GEMM or GPTQ checkpoint into a model of nibble QuantLinears.
 
     Returns ``(model, tokenizer)`` (tokenizer None when the directory has none, or with ``tokenizer=False``,
-    which reads no tokenizer file). ``dtype`` is the activation / non-quantized-weight dtype: default float32 on
-    CPU, float16 elsewhere.
+    which reads no tokenizer file). ``dtype`` is the activation / non-quantized-weight dtype: by default
+    `import_dtype`'s, float32 on the CPU, on a GPU the checkpoint's own.
     The model's ``config.quantization_config`` becomes the nibble one (method awq/gptq), with the
     original under ``"imported_from"``, so ``save_quantized`` can write it in nibble's format.
     """
@@ -282,8 +282,8 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     if not (directory / CONFIG).exists():
         raise FileNotFoundError(f"{directory / CONFIG} is missing: not a Hugging Face model directory")
     info = read_quantization_config(directory)
-    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
     raw = read_config(directory / CONFIG)
+    dtype = dtype or import_dtype(raw, device)
     config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -373,6 +373,18 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     model.eval()
     from nibble.models.serialization import load_companions
     return model, load_companions(model, directory, tokenizer)
+
+
+def import_dtype(config: dict, device: torch.device) -> torch.dtype:
+    """The dtype an AutoAWQ / GPTQ checkpoint of config.json ``config`` loads in where none is asked: on the CPU
+    float32 (`default_dtype`: its 16-bit matmuls are slow, and float32 holds every float16 and bfloat16 value the
+    checkpoint stores exactly); on a GPU the 16-bit dtype config.json records, which the kernels run (a bfloat16
+    model's embeddings and norms, cast to float16, may overflow), float16 (AutoAWQ's and GPTQ's own) where it records
+    none or float32."""
+    if device.type != "cuda":
+        return default_dtype(device)
+    recorded = recorded_dtype(config)
+    return recorded if recorded in (torch.float16, torch.bfloat16) else torch.float16
 
 
 def named_layer(model: nn.Module, name: str, directory: Path) -> nn.Module:

@@ -27,7 +27,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
+from nibble.config import (QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype,
+                           width_error)
 from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules,
                                    rebuild_non_persistent_buffers)
 from nibble.models.gguf import is_gguf
@@ -304,7 +305,9 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     scales and zero points, not requantized), as the directory's ``quantization_config`` says.
 
     ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
-    a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`).
+    a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`); an AutoAWQ / GPTQ
+    checkpoint in float32 on the CPU, and on a GPU in the 16-bit dtype its config.json records, float16 where it
+    records none (`nibble.models.hf_import.import_dtype`).
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved, or with ``tokenizer=False``, which
     reads no tokenizer file (what looks at the weights alone, `nibble info`, needs none, nor to fail on one).
     """
@@ -410,8 +413,8 @@ def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:
     float32, or with none recorded (quantized on the CPU, where nibble loads float32, or read from a GGUF), loads
     as `default_dtype` gives for the device: bfloat16 on a GPU, whose kernels compute in 16 bits anyway, so its
     embeddings, norms and attention do not run in float32 at twice the memory."""
-    saved = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")), None)
-    if not isinstance(saved, torch.dtype) or saved == torch.float32:
+    saved = recorded_dtype(config)
+    if saved in (None, torch.float32):
         return default_dtype(device)
     return saved
 

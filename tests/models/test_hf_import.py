@@ -928,3 +928,26 @@ def test_gptqmodel_dynamic_rules_are_read_per_layer(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(config))
         with pytest.raises(UnsupportedCheckpointError, match=refusal + ".*: the quantization_config is damaged"):
             load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("recorded, device, expected", [
+    ({"torch_dtype": "bfloat16"}, "cuda", torch.bfloat16), ({"dtype": "bfloat16"}, "cuda", torch.bfloat16),
+    ({"torch_dtype": "float16"}, "cuda", torch.float16), ({"torch_dtype": "float32"}, "cuda", torch.float16),
+    ({}, "cuda", torch.float16), ({"torch_dtype": "bogus"}, "cuda", torch.float16),
+    ({"torch_dtype": "bfloat16"}, "cpu", torch.float32), ({"dtype": "float16"}, "cpu", torch.float32)])
+def test_an_import_runs_in_its_recorded_16_bit_dtype_on_a_gpu_and_in_float32_on_the_cpu(recorded, device, expected):
+    """A bfloat16 GPTQModel checkpoint ran in float16 on a GPU (its embeddings and norms recast, which may overflow),
+    where load_quantized's docstring promised the dtype the model was saved in."""
+    from nibble.models.hf_import import import_dtype
+    assert import_dtype(recorded, torch.device(device)) == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_bfloat16_export_loads_in_bfloat16_on_a_gpu_and_in_float32_on_the_cpu(tmp_path, device):
+    _, path = _export(tmp_path, fmt="gptq")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    model, _ = load_quantized(path, device=device)
+    want = torch.bfloat16 if device == "cuda" else torch.float32
+    assert model.dtype == want and model.model.embed_tokens.weight.dtype == want

@@ -171,7 +171,8 @@ def test_bad_devices_are_refused_by_name(saved, monkeypatch):
 @pytest.mark.parametrize("saved_as,device,expected", [
     ("float32", "cpu", torch.float32), ("float32", "cuda", torch.bfloat16),  # quantized on the CPU, run on a GPU
     (None, "cpu", torch.float32), (None, "cuda", torch.bfloat16),           # a GGUF model records no dtype
-    ("bfloat16", "cpu", torch.bfloat16), ("float16", "cuda", torch.float16), ("bogus", "cuda", torch.bfloat16)])
+    ("bfloat16", "cpu", torch.bfloat16), ("float16", "cuda", torch.float16), ("bogus", "cuda", torch.bfloat16),
+    ("int8", "cpu", torch.float32)])  # no model runs in it: from_config refused it, naming no file
 def test_the_default_dtype_is_the_saved_one_but_float32_on_a_gpu(saved_as, device, expected):
     from nibble.models.serialization import _saved_dtype
     assert _saved_dtype({"dtype": saved_as}, torch.device(device)) == expected
