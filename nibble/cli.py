@@ -27,30 +27,14 @@ def _device(name: str | None) -> str:
 
 
 def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | None = None):
-    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `quantized_checkpoint` says), a local HF
-    directory, a .gguf file, or None for the embedded SmolLM2."""
+    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `hf_import.quantized_checkpoint` says), a
+    local HF directory, a .gguf file, or None for the embedded SmolLM2."""
     from nibble.models.loading import load_model
     from nibble.models.serialization import load_quantized
 
     if quantized:
         return load_quantized(model, device=device, dtype=dtype)
     return load_model(model, dtype=dtype, device=device)
-
-
-def quantized_checkpoint(model: str | None) -> bool:
-    """Whether ``model`` is a directory of 4-bit weights that load_quantized reads as they are (nibble's,
-    AutoAWQ's or GPTQ's), not a float model to quantize."""
-    from nibble.models.loading import quantization_settings_files, read_json_object
-    from nibble.models.serialization import HF_QUANT_METHODS
-
-    config = Path(model) / "config.json" if model else None
-    if not (config and config.exists()):
-        return False
-    if quantization_settings_files(config.parent):  # AutoGPTQ's or early AutoAWQ's settings, read by load_quantized
-        return True
-    qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
-    method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None
-    return method in ("nibble", *HF_QUANT_METHODS)
 
 
 def check_tokenizer(args) -> None:
@@ -118,15 +102,12 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
         raise ValueError(f"--out {out} is a link to {os.readlink(path)}, which does not exist")
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file: give a folder")
-    if writes_model and model and Path(model).is_dir() and path.resolve() == Path(model).resolve():
-        raise ValueError(f"--out {out} is the --model folder: writing there would replace the model it reads; "
-                         "give another folder")
-    # the save owns the folder (it removes the weight and tokenizer files it does not write): a quantized
-    # checkpoint there is one being written again, anything else a model the user keeps
-    if (writes_model and path.is_dir() and not quantized_checkpoint(out) and not _interrupted_save(path)
-            and ((path / "config.json").exists() or any(path.glob("*.safetensors")))):
-        raise ValueError(f"--out {out} holds a model that is not a quantized checkpoint (its config.json or "
-                         "*.safetensors): writing there would replace it; give another folder, or empty this one")
+    if writes_model:  # the --model folder above all (the 16-bit source was replaced); the library's own refusal
+        from nibble.models.hf_import import check_replaceable
+        try:
+            check_replaceable(path, model)
+        except ValueError as e:  # it names the folder: said as the option's
+            raise ValueError(f"--out {e}") from e
     nearest = path.absolute()  # the folder, or the nearest of its parents that exists (the command creates the rest)
     while not nearest.exists():
         nearest = nearest.parent
@@ -139,24 +120,6 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
         # said as such, not as the folder's
         raise ValueError(f"--out {out} cannot be written: creating a file in {nearest} failed ({e.strerror or e}): "
                          "give a folder you can write to") from e
-
-
-def _interrupted_save(path: Path) -> bool:
-    """Whether ``path`` holds what a nibble save interrupted before its config.json (written last) leaves: weights
-    that carry nibble's metadata, with no config.json. The save run again owns them."""
-    from safetensors import SafetensorError, safe_open
-
-    from nibble.models.serialization import METADATA
-    if (path / "config.json").exists():
-        return False
-    for file in path.glob("*.safetensors"):
-        try:
-            with safe_open(str(file), "pt") as f:
-                if METADATA not in (f.metadata() or {}):
-                    return False
-        except (SafetensorError, OSError):
-            return False
-    return True
 
 
 def check_seed(seed: int | None) -> None:
@@ -775,6 +738,7 @@ def main(argv=None):
             setattr(args, path, os.path.expanduser(getattr(args, path)))
     try:
         if hasattr(args, "quantized"):  # the commands of `_add_model_args`: their checks and loading all ask
+            from nibble.models.hf_import import quantized_checkpoint
             args.quantized = quantized_checkpoint(args.model)
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads

@@ -205,6 +205,12 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return named
 
 
+def recorded_dtype(config: dict) -> torch.dtype | None:
+    """The float dtype a config.json records (``dtype``, transformers 5's key, or ``torch_dtype``, earlier versions'),
+    None where it records none of `FLOAT_DTYPES`."""
+    recorded = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")), None)
+    return recorded if recorded in FLOAT_DTYPES else None
+
 
 @contextmanager
 def optional_dependency(package: str, extra: str, what: str):

@@ -708,10 +708,10 @@ def test_a_window_longer_than_the_context_is_clamped_not_refused(command, short_
 
 def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path, monkeypatch, capsys):
     """The checks, load_for_command and load each read --model's config.json again: four reads a command."""
-    import nibble.cli as cli
+    from nibble.models import hf_import
 
-    reads, read = [], cli.quantized_checkpoint
-    monkeypatch.setattr(cli, "quantized_checkpoint", lambda model: reads.append(model) or read(model))
+    reads, read = [], hf_import.quantized_checkpoint
+    monkeypatch.setattr(hf_import, "quantized_checkpoint", lambda model: reads.append(model) or read(model))
     out = str(tmp_path / "q")
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", out])
     main(["generate", "hi", "--model", out, "--device", "cpu", "--max-new-tokens", "1"])
@@ -801,6 +801,7 @@ def test_an_out_holding_a_quantized_checkpoint_is_written_again(quantized_dir, t
     import shutil
     from nibble.cli import check_out
     check_out(str(quantized_dir), None)
+    check_out(str(quantized_dir), str(quantized_dir))  # a checkpoint written again in place, as save_quantized's
     # and one whose save was interrupted before config.json (written last): the retry was refused as another model
     shutil.copytree(quantized_dir, tmp_path / "cut")
     (tmp_path / "cut" / "config.json").unlink()
@@ -820,7 +821,9 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
     other = tmp_path / "other"  # another 16-bit model: its weights, config and tokenizer were replaced
     tiny_model().save_pretrained(other)
     for out, message in ((file, "is a file: give a folder"), (file / "q", "cannot be created: .* is a file"),
-                         (model_dir, "is the --model folder"), (dangling, "is a link to .*nowhere, which does not"),
+                         (model_dir, f"is the folder the model comes from \\({model_dir}\\): writing the checkpoint "
+                                     "there would replace its float weights"),
+                         (dangling, "is a link to .*nowhere, which does not"),
                          (other, "holds a model that is not a quantized checkpoint")):
         with pytest.raises(SystemExit, match=f"^nibble quantize: --out {out} {message}"):
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])

@@ -767,7 +767,8 @@ def check_report_args(args: argparse.Namespace) -> None:
     other commands do: it exited 0 with an empty report and a blank plot. Then what `run_report` refuses, said by
     the options' names (it named its parameters: ``tasks_limit`` for --limit), and a quantized --model, which every
     config failed to load as a 16-bit one."""
-    from nibble.cli import check_least, quantized_checkpoint
+    from nibble.cli import check_least
+    from nibble.models.hf_import import quantized_checkpoint
 
     accuracy_options = [flag for flag, given in (("--limit", args.limit is not None),
                                                  ("--tasks", args.tasks != list(ALL_TASKS)),

@@ -24,9 +24,14 @@ class KernelUnavailableError(RuntimeError):
     pass
 
 
-def _use_kernel(x: torch.Tensor, backend: str) -> bool:
+def check_backend(backend: str) -> None:
+    """Refuse a backend name that is not one of `BACKENDS`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _use_kernel(x: torch.Tensor, backend: str) -> bool:
+    check_backend(backend)
     if backend == "reference":
         return False
     if backend == "triton":

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from nibble import kernels
 from nibble.config import QuantConfig, check_token_ids, resolve_device, width_error
 from nibble.nn.quant_linear import QuantLinear
 from nibble.quantize.rtn import check_values, naming
@@ -389,7 +390,9 @@ def weight_bytes(model: nn.Module) -> dict:
 
 @torch.no_grad()
 def set_backend(model: nn.Module, backend: str) -> None:
-    """Force every QuantLinear onto 'auto' | 'reference' | 'triton'."""
+    """Force every QuantLinear onto 'auto' | 'reference' | 'triton' (`nibble.kernels.BACKENDS`). Another name is
+    refused here, not at the next forward, which failed far from the call that set it."""
+    kernels.check_backend(backend)
     for _, m in quantized_linears(model):
         m.backend = backend
 

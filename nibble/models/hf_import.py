@@ -22,6 +22,7 @@ layouts with a matching ``quantization_config``, readable by AutoAWQ / transform
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nibble.config import METHODS, QuantConfig, resolve_device, resolve_dtype
+from nibble.config import METHODS, QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype
 from nibble.formats.awq import awq_dimensions, from_awq, to_awq
 from nibble.formats.gptq import (CHECKPOINT_FORMATS, act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points,
                                  holds_in_v1, to_gptq)
@@ -271,8 +272,8 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     """Load a local AutoAWQ-GEMM or GPTQ checkpoint into a model of nibble QuantLinears.
 
     Returns ``(model, tokenizer)`` (tokenizer None when the directory has none, or with ``tokenizer=False``,
-    which reads no tokenizer file). ``dtype`` is the activation / non-quantized-weight dtype: default float32 on
-    CPU, float16 elsewhere.
+    which reads no tokenizer file). ``dtype`` is the activation / non-quantized-weight dtype: by default
+    `import_dtype`'s, float32 on the CPU, on a GPU the checkpoint's own.
     The model's ``config.quantization_config`` becomes the nibble one (method awq/gptq), with the
     original under ``"imported_from"``, so ``save_quantized`` can write it in nibble's format.
     """
@@ -280,7 +281,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     device = resolve_device(device)  # "cuda" without a GPU is refused by name, not deep in torch
     dtype = resolve_dtype(dtype)
     info, raw = _read_settings(directory)
-    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
+    dtype = dtype or import_dtype(raw, device)
     model = meta_model(raw, dtype)
     tensors, files = _read_safetensors(directory)
     _check_export_metadata(directory, files, raw, tensors)
@@ -327,7 +328,7 @@ def hf_quantized_structure(directory) -> nn.Module:
     not read at all."""
     directory = Path(directory).expanduser()
     info, raw = _read_settings(directory)
-    dtype = torch.float32  # load_hf_quantized's on the CPU
+    dtype = import_dtype(raw, torch.device("cpu"))  # load_hf_quantized's on the CPU
     model = meta_model(raw, dtype)
     unsaid = info["sym"] is None
     tensors, files = _read_safetensors(
@@ -470,6 +471,18 @@ def _mark_imported(model: nn.Module, info: dict, group_sizes: set, symmetric: bo
     model.eval()
 
 
+def import_dtype(config: dict, device: torch.device) -> torch.dtype:
+    """The dtype an AutoAWQ / GPTQ checkpoint of config.json ``config`` loads in where none is asked: on the CPU
+    float32 (`default_dtype`: its 16-bit matmuls are slow, and float32 holds every float16 and bfloat16 value the
+    checkpoint stores exactly); on a GPU the 16-bit dtype config.json records, which the kernels run (a bfloat16
+    model's embeddings and norms, cast to float16, may overflow), float16 (AutoAWQ's and GPTQ's own) where it records
+    none or float32."""
+    if device.type != "cuda":
+        return default_dtype(device)
+    recorded = recorded_dtype(config)
+    return recorded if recorded in (torch.float16, torch.bfloat16) else torch.float16
+
+
 def named_layer(model: nn.Module, name: str, directory: Path) -> nn.Module:
     """The model's module ``name``, which the checkpoint's weights name: torch's AttributeError ("ModuleList has no
     attribute '1'") said nothing of a config.json with fewer layers than the weights."""
@@ -539,15 +552,79 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
-def checkpoint_dir(directory) -> Path:
-    """The folder a save writes, refused where it cannot be one: "" wrote the checkpoint into the current folder, and
-    a file failed in pathlib's mkdir as a bare FileExistsError."""
+def checkpoint_dir(directory, model: nn.Module, tokenizer=None) -> Path:
+    """The folder a save of ``model`` (with ``tokenizer``) writes, refused, before anything is written, where it cannot
+    be one: "" wrote the checkpoint into the current folder, a file failed in pathlib's mkdir as a bare
+    FileExistsError, and a folder holding a float model, the one ``model`` was loaded from above all, lost it
+    (`check_replaceable`); and a ``tokenizer`` the save cannot write (`check_tokenizer`)."""
+    check_tokenizer(tokenizer)
     if not str(directory).strip():
         raise ValueError("the directory to save to is empty: give the folder to write the checkpoint to")
     directory = Path(directory).expanduser()
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory} is a file: a checkpoint is a folder (its config.json, weights and tokenizer)")
+    check_replaceable(directory, model.name_or_path)
     return directory
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Refuse a ``tokenizer`` a save cannot write (it has no ``save_pretrained``): a path failed as "'str' object has
+    no attribute 'save_pretrained'" once the weights were written, leaving the folder without its config.json."""
+    if tokenizer is None or callable(getattr(tokenizer, "save_pretrained", None)):
+        return
+    given = f"{type(tokenizer).__name__} {tokenizer!r:.80}"
+    load = (f": load it first, with transformers.AutoTokenizer.from_pretrained({os.fspath(tokenizer)!r})"
+            if isinstance(tokenizer, (str, os.PathLike)) else "")
+    raise TypeError(f"tokenizer must be a transformers tokenizer (what load_model and load_quantized return, written "
+                    f"with its save_pretrained) or None, got the {given}{load}")
+
+
+def check_replaceable(directory: Path, source=None) -> None:
+    """Refuse to write a checkpoint into ``directory`` where a model lies that is not a quantized checkpoint: a save
+    owns its folder (it replaces config.json and model.safetensors, and removes the other weight and tokenizer files),
+    so a float model there was lost without a word, the one being quantized above all: ``source``, the folder it comes
+    from (``model.name_or_path``, which every save and load of its quantized model keeps; `nibble quantize`'s
+    --model), named as such. A quantized checkpoint there (nibble's, AutoAWQ's or GPTQ's) is one being written again,
+    and so are the weights a nibble save interrupted before its config.json (written last) left."""
+    if not directory.is_dir() or quantized_checkpoint(directory) or _interrupted_save(directory):
+        return
+    if not ((directory / CONFIG).exists() or any(directory.glob("*.safetensors"))):
+        return  # nothing a save replaces (a folder of the user's other files, or of a GGUF, which it leaves)
+    if source and Path(source).expanduser().resolve() == directory.resolve():  # through a link, or spelt otherwise
+        raise ValueError(f"{directory} is the folder the model comes from ({source}): writing the checkpoint there "
+                         "would replace its float weights; give another folder")
+    raise ValueError(f"{directory} holds a model that is not a quantized checkpoint (its config.json or "
+                     "*.safetensors): writing the checkpoint there would replace it; give another folder, or empty "
+                     "this one")
+
+
+def quantized_checkpoint(directory) -> bool:
+    """Whether ``directory`` is a folder of 4-bit weights that load_quantized reads as they are (nibble's,
+    AutoAWQ's or GPTQ's), not a float model to quantize."""
+    config = Path(directory) / CONFIG if directory else None
+    if not (config and config.exists()):
+        return False
+    if quantization_settings_files(config.parent):  # AutoGPTQ's or early AutoAWQ's settings, read by load_quantized
+        return True
+    qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
+    method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None
+    return method in ("nibble", *QUANT_METHODS)
+
+
+def _interrupted_save(directory: Path) -> bool:
+    """Whether ``directory`` holds what a nibble save interrupted before its config.json (written last) leaves:
+    weights that carry nibble's metadata, with no config.json. The save run again owns them."""
+    from nibble.models.serialization import METADATA
+    if (directory / CONFIG).exists():
+        return False
+    for file in directory.glob("*.safetensors"):
+        try:
+            with safe_open(str(file), "pt") as f:
+                if METADATA not in (f.metadata() or {}):
+                    return False
+        except (SafetensorError, OSError):
+            return False
+    return True
 
 
 def model_to_save(model) -> nn.Module:
@@ -596,7 +673,7 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
 
 
 def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
-    directory = checkpoint_dir(directory)
+    directory = checkpoint_dir(directory, model, tokenizer)
     linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:

@@ -27,7 +27,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nibble.config import QuantConfig, default_dtype, resolve_device, resolve_dtype, width_error
+from nibble.config import (QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype,
+                           width_error)
 from nibble.models.convert import mark_quantized, online_hadamard_modules, rebuild_non_persistent_buffers
 from nibble.models.gguf import is_gguf
 from nibble.models.hf_import import EXPORT_FORMATS
@@ -102,13 +103,15 @@ def _atomic_write(path: Path, write) -> None:
 
 def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "nibble") -> Path:
     """Write ``model`` (converted by quantize_model, or loaded by load_quantized) to ``directory``; the
-    tokenizer too if given. ``format``: ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` /
-    ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
+    tokenizer too if given (a transformers tokenizer, as load_model returns it; a path is refused). ``format``:
+    ``"nibble"`` (every mode and option, checksummed), or ``"awq"`` / ``"gptq"`` / ``"gptq_v2"``: an AutoAWQ
+    GEMM / GPTQ checkpoint that AutoAWQ, transformers and vLLM read
     (W4A16 models with integer zero points, a 16-bit lm_head and no rotation only: `nibble.models.hf_import.export_awq` /
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
-    warning: `nibble.formats.gptq`)."""
+    warning: `nibble.formats.gptq`). A ``directory`` holding a model that is not a quantized checkpoint, the float one
+    ``model`` comes from above all, is refused (`nibble.models.hf_import.check_replaceable`)."""
     model = model_to_save(model)
-    directory = checkpoint_dir(directory)  # before an export converts every layer
+    directory = checkpoint_dir(directory, model, tokenizer)  # before an export converts every layer
     if format == "awq":
         return export_awq(model, directory, tokenizer)
     if format in EXPORT_FORMATS:  # "gptq": v1, or v2 where v1 cannot hold a zero point (said)
@@ -306,7 +309,9 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     scales and zero points, not requantized), as the directory's ``quantization_config`` says.
 
     ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
-    a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`).
+    a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`); an AutoAWQ / GPTQ
+    checkpoint in float32 on the CPU, and on a GPU in the 16-bit dtype its config.json records, float16 where it
+    records none (`nibble.models.hf_import.import_dtype`).
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved, or with ``tokenizer=False``, which
     reads no tokenizer file.
     """
@@ -452,8 +457,8 @@ def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:
     float32, or with none recorded (quantized on the CPU, where nibble loads float32, or read from a GGUF), loads
     as `default_dtype` gives for the device: bfloat16 on a GPU, whose kernels compute in 16 bits anyway, so its
     embeddings, norms and attention do not run in float32 at twice the memory."""
-    saved = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")), None)
-    if not isinstance(saved, torch.dtype) or saved == torch.float32:
+    saved = recorded_dtype(config)
+    if saved in (None, torch.float32):
         return default_dtype(device)
     return saved
 

@@ -524,3 +524,16 @@ def test_a_rotated_model_is_refused_a_mode_that_cannot_run_its_online_hadamard_b
         got = model(ids).logits
     assert len(quantized_linears(model)) == 12
     assert nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0) > 0.99
+
+
+def test_set_backend_refuses_an_unknown_backend_at_the_call_naming_the_valid_ones():
+    """set_backend(model, "bogus") was taken, and the next forward failed far from the call that set it."""
+    from nibble.models.convert import set_backend
+
+    model = tiny_model()
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'triton'\), got 'cuda'"):
+        set_backend(model, "cuda")
+    assert {m.backend for _, m in quantized_linears(model)} == {"auto"}  # untouched
+    set_backend(model, "reference")
+    assert {m.backend for _, m in quantized_linears(model)} == {"reference"}

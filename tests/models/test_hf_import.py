@@ -647,7 +647,7 @@ def test_a_quantized_lm_head_is_not_tied_to_the_embedding(tmp_path):
 def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_loads(tmp_path, method_named):
     """AutoGPTQ before 0.5 wrote its settings to quantize_config.json only (before 0.4 without quant_method): the
     importer reads that file, but load_quantized and the CLI refused the folder as "not a quantized model"."""
-    from nibble.cli import quantized_checkpoint
+    from nibble.models.hf_import import quantized_checkpoint
     model, path = _export(tmp_path, fmt="gptq")
     config = json.loads((path / "config.json").read_text())
     settings = config.pop("quantization_config")
@@ -669,7 +669,7 @@ def test_an_early_autoawq_checkpoint_with_its_settings_in_quant_config_json_load
     """Early AutoAWQ wrote its settings to quant_config.json alone, in its own keys (w_bit, q_group_size, zero_point,
     version "GEMM"; none in the earliest, whose kernel was GEMM) and without quant_method: load_quantized refused the
     folder as "not a quantized model", and the CLI took it for a float model (load_model: test_loading)."""
-    from nibble.cli import quantized_checkpoint
+    from nibble.models.hf_import import quantized_checkpoint
     G = 32
     model = tiny_model("llama")
     ref, dense = write_checkpoint(tmp_path, model, {}, lambda W: write_awq_linear(W, G))
@@ -1007,3 +1007,26 @@ def test_info_prints_what_the_load_builds_from_the_headers_without_loading(tmp_p
         assert len(loaded["quantization_config"]["input_permuted_modules"]) == 12  # 2 layers x 6: down_proj folded
     if kind == "gptq, sym unsaid":
         assert loaded["quantization_config"]["symmetric"] is True
+
+
+@pytest.mark.parametrize("recorded, device, expected", [
+    ({"torch_dtype": "bfloat16"}, "cuda", torch.bfloat16), ({"dtype": "bfloat16"}, "cuda", torch.bfloat16),
+    ({"torch_dtype": "float16"}, "cuda", torch.float16), ({"torch_dtype": "float32"}, "cuda", torch.float16),
+    ({}, "cuda", torch.float16), ({"torch_dtype": "bogus"}, "cuda", torch.float16),
+    ({"torch_dtype": "bfloat16"}, "cpu", torch.float32), ({"dtype": "float16"}, "cpu", torch.float32)])
+def test_an_import_runs_in_its_recorded_16_bit_dtype_on_a_gpu_and_in_float32_on_the_cpu(recorded, device, expected):
+    """A bfloat16 GPTQModel checkpoint ran in float16 on a GPU (its embeddings and norms recast, which may overflow),
+    where load_quantized's docstring promised the dtype the model was saved in."""
+    from nibble.models.hf_import import import_dtype
+    assert import_dtype(recorded, torch.device(device)) == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_bfloat16_export_loads_in_bfloat16_on_a_gpu_and_in_float32_on_the_cpu(tmp_path, device):
+    _, path = _export(tmp_path, fmt="gptq")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    model, _ = load_quantized(path, device=device)
+    want = torch.bfloat16 if device == "cuda" else torch.float32
+    assert model.dtype == want and model.model.embed_tokens.weight.dtype == want

@@ -171,7 +171,8 @@ def test_bad_devices_are_refused_by_name(saved, monkeypatch):
 @pytest.mark.parametrize("saved_as,device,expected", [
     ("float32", "cpu", torch.float32), ("float32", "cuda", torch.bfloat16),  # quantized on the CPU, run on a GPU
     (None, "cpu", torch.float32), (None, "cuda", torch.bfloat16),           # a GGUF model records no dtype
-    ("bfloat16", "cpu", torch.bfloat16), ("float16", "cuda", torch.float16), ("bogus", "cuda", torch.bfloat16)])
+    ("bfloat16", "cpu", torch.bfloat16), ("float16", "cuda", torch.float16), ("bogus", "cuda", torch.bfloat16),
+    ("int8", "cpu", torch.float32)])  # no model runs in it: from_config refused it, naming no file
 def test_the_default_dtype_is_the_saved_one_but_float32_on_a_gpu(saved_as, device, expected):
     from nibble.models.serialization import _saved_dtype
     assert _saved_dtype({"dtype": saved_as}, torch.device(device)) == expected
@@ -696,6 +697,61 @@ def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(t
                                       "what the folder held is unchanged"):
         save_quantized(model, tmp_path / "q", format=fmt)
     assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
+def test_a_save_into_the_float_models_folder_is_refused_and_a_quantized_checkpoint_written_again(tmp_path, fmt):
+    """load_model(D), quantize_model, save_quantized(model, D) replaced D's float weights and config.json without a
+    word (nibble quantize refused --out D, the library did not), and a save into another float model's folder did the
+    same. A quantized checkpoint's folder is one being written again, the one the model was loaded from too."""
+    from nibble.models.hf_import import export_gptq
+    from nibble.models.loading import load_model
+    source = tmp_path / "float"
+    tiny_model().save_pretrained(source)
+    _tokenizer().save_pretrained(source)
+    held = {p.name: p.read_bytes() for p in source.iterdir()}
+    model, tokenizer = load_model(source)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    (tmp_path / "link").symlink_to(source)
+    refusal = (f"is the folder the model comes from \\({re.escape(str(source))}\\): writing the checkpoint there "
+               "would replace its float weights; give another folder")
+    for directory in (source, f"{source}/", tmp_path / "link"):
+        with pytest.raises(ValueError, match=refusal):
+            save_quantized(model, directory, tokenizer, format=fmt)
+    with pytest.raises(ValueError, match=refusal):  # the exports called directly
+        export_gptq(model, source)
+    shutil.copytree(source, tmp_path / "other")
+    with pytest.raises(ValueError, match="other holds a model that is not a quantized checkpoint .*: writing the "
+                                         "checkpoint there would replace it; give another folder, or empty this one"):
+        save_quantized(model, tmp_path / "other", tokenizer, format=fmt)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == held
+    save_quantized(model, tmp_path / "q", tokenizer, format=fmt)
+    loaded, tokenizer = load_quantized(tmp_path / "q")
+    assert loaded.name_or_path == str(source)  # what the checkpoint was made from, through the save and the load
+    save_quantized(loaded, tmp_path / "q", tokenizer, format=fmt)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "q")[0](ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
+def test_a_tokenizer_the_save_cannot_write_is_refused_before_anything_is_written(tmp_path, fmt):
+    """save_quantized(model, DIR, "path/to/tokenizer") failed as "'str' object has no attribute 'save_pretrained'"
+    once the weights were written: a folder without config.json, or new weights beside the earlier save's."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    model = _quantized()
+    with pytest.raises(TypeError, match=r"^tokenizer must be a transformers tokenizer \(what load_model and "
+                                        r"load_quantized return, written with its save_pretrained\) or None, got the "
+                                        r"str '/tok': load it first, with transformers.AutoTokenizer."
+                                        r"from_pretrained\('/tok'\)$"):
+        save_quantized(model, tmp_path / "new", "/tok", format=fmt)
+    assert not (tmp_path / "new").exists()
+    save_quantized(model, tmp_path / "q", _tokenizer(), format=fmt)
+    held = {p.name: p.read_bytes() for p in (tmp_path / "q").iterdir()}
+    with pytest.raises(TypeError, match="got the Tokenizer Tokenizer"):  # tokenizers' own, not transformers'
+        save_quantized(_quantized(), tmp_path / "q", Tokenizer(WordLevel({"a": 0}, unk_token="a")), format=fmt)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "q").iterdir()} == held
 
 
 def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_path, monkeypatch):
