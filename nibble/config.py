@@ -49,6 +49,15 @@ def check_count(name: str, value, least: int = 1) -> None:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
+def checked_seed(name: str, seed) -> int:
+    """``seed`` as the int torch's generators take, refused by ``name`` unless it is an integer in their range, -2**63
+    to 2**64 - 1: torch's own refusals ("manual_seed expected a long, but got str", "Overflow when unpacking long
+    long") named no option. A numpy integer comes back as an int, which a checkpoint's JSON can hold."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"{name} must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
+    return int(seed)
+
+
 @dataclass
 class QuantConfig:
     """``mode="w4a16"``: INT4 weights, 16-bit activations (group-wise, asymmetric by default).
@@ -91,10 +100,8 @@ class QuantConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (the mode's default), got {value!r}")
-        seed = self.rotation_seed  # torch.manual_seed's range: refused here, not by torch half-way through the rotation
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
-            raise ValueError(f"rotation_seed must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
-        self.rotation_seed = int(seed)  # a numpy integer too, which the checkpoint's JSON cannot hold
+        # refused here, not by torch half-way through the rotation
+        self.rotation_seed = checked_seed("rotation_seed", self.rotation_seed)
         if self.rotation == "none" and self.rotation_seed != 0:  # ignored: the model quantized unrotated
             raise ValueError(f"rotation_seed={self.rotation_seed} seeds rotation='hadamard', and rotation='none' rotates "
                              "nothing: set rotation='hadamard' too (a model rotated before, by rotate_model, takes "

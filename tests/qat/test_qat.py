@@ -280,6 +280,17 @@ def test_a_rotation_seed_without_the_hadamard_recipe_is_refused():
     assert not fake_quant_layers(model)
 
 
+@pytest.mark.parametrize("seed", ["3", 1.5, 2**70])
+def test_a_rotation_seed_torch_cannot_take_is_refused_before_the_model_is_changed(seed):
+    """run_qat(rotation_seed="3") cast the model to float32 and prepared it, then failed in torch's manual_seed with
+    its own words ("manual_seed expected a long, but got str"), which named no option."""
+    model = tiny_model(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rotation_seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        run_qat(model, None, "hadamard", 1, windows=_windows(), rotation_seed=seed)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
 def test_a_quantized_model_is_refused_by_name():
     """peft said "No target_modules passed" of a model whose linears are QuantLinear already."""
     from nibble.config import QuantConfig
