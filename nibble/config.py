@@ -16,6 +16,10 @@ ZERO_POINTS = ("int", "float")
 QUANT_METHOD = "nibble"
 
 
+# Each mode's group size where none is given (QuantConfig's and QuantLinear's): W4A16 in groups of 128, as AutoAWQ and
+# GPTQ checkpoints hold them; W4A4 per output channel (-1), the one scale a row its integer GEMM applies after the sum.
+MODE_GROUP_SIZES = {"w4a16": 128, "w4a4": -1}
+
 # The group sizes up to 128 that nibble's CUDA W4A16 kernels run (`check_group_size` says which others run where).
 CUDA_KERNEL_GROUP_SIZES = (128, 64, 32)
 
@@ -114,7 +118,7 @@ class QuantConfig:
                             f"['lm_head'], got {self.modules_to_not_convert!r}")
         self.modules_to_not_convert = list(self.modules_to_not_convert)
         if self.group_size is None:
-            self.group_size = 128 if self.mode == "w4a16" else -1
+            self.group_size = MODE_GROUP_SIZES[self.mode]
         if self.symmetric is None:
             self.symmetric = self.mode == "w4a4"
         if self.clip_search is None:

@@ -259,6 +259,15 @@ def test_config_takes_one_module_name_as_a_list_of_one():
     assert QuantConfig.from_dict(config.to_dict()) == config
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_quantlinear_default_group_size_follows_the_mode_as_quantconfigs_does(mode):
+    """QuantLinear(256, 64, mode="w4a4") was refused: its default group_size of 128 was W4A16's whatever the mode,
+    and W4A4 takes per-channel weights only (it ran for in_features=128 by coincidence)."""
+    layer = QuantLinear(256, 64, mode=mode)
+    default = QuantConfig(mode=mode).group_size
+    assert layer.group_size == (256 if default == -1 else default) == {"w4a16": 128, "w4a4": 256}[mode]
+
+
 @pytest.mark.parametrize("group_size", [0, -5, 4, 2, "64"])
 def test_quantlinear_refuses_group_sizes_no_kernel_runs(group_size):
     """group_size=0 once raised ZeroDivisionError and -5 said "divisible by -5"; 1-7 ran on the CPU only."""
