@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numbers
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import FrozenInstanceError, asdict, dataclass
 
 import torch
 
@@ -62,7 +62,7 @@ def checked_seed(name: str, seed) -> int:
     return int(seed)
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantConfig:
     """``mode="w4a16"``: INT4 weights, 16-bit activations (group-wise, asymmetric by default).
     ``mode="w4a4"``: INT4 weights (symmetric, per output channel) and per-token INT4 activations,
@@ -79,6 +79,13 @@ class QuantConfig:
     ``group_size=None`` picks the mode's default (128 for w4a16, per-channel for w4a4); ``-1``
     means one group per output channel. 128 does not divide every model's widths (SmolLM2's 576): quantize_model
     then says which size does, the one ``nibble quantize`` picks (`nibble.models.convert.default_group_size`).
+
+    A QuantConfig is checked as a whole when it is made, and cannot be changed after (a field set later slipped
+    past the checks: a changed mode kept the other mode's group size, and a str of modules_to_not_convert was read
+    as its characters): ``dataclasses.replace(config, field=value)`` makes a changed copy, checked again. The
+    defaults of None are resolved when it is made, and a copy keeps them: ``replace(QuantConfig(), mode="w4a4")``
+    holds W4A16's group_size 128 and asymmetric weights, which W4A4 refuses; make ``QuantConfig(mode="w4a4")``.
+    ``modules_to_not_convert`` is held as a tuple; one str is one name.
     """
 
     mode: str = "w4a16"
@@ -89,9 +96,12 @@ class QuantConfig:
     method: str = "rtn"
     rotation: str = "none"
     rotation_seed: int = 0
-    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
+    modules_to_not_convert: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self):
+        def resolve(name, value):  # the dataclass is frozen to everyone but this check
+            object.__setattr__(self, name, value)
+
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.method not in METHODS:
@@ -105,31 +115,34 @@ class QuantConfig:
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (the mode's default), got {value!r}")
         # refused here, not by torch half-way through the rotation
-        self.rotation_seed = checked_seed("rotation_seed", self.rotation_seed)
+        resolve("rotation_seed", checked_seed("rotation_seed", self.rotation_seed))
         if self.rotation == "none" and self.rotation_seed != 0:  # ignored: the model quantized unrotated
             raise ValueError(f"rotation_seed={self.rotation_seed} seeds rotation='hadamard', and rotation='none' rotates "
                              "nothing: set rotation='hadamard' too (a model rotated before, by rotate_model, takes "
                              "rotation='none' and seed 0, the defaults: its config records its own seed)")
         if isinstance(self.modules_to_not_convert, str):  # one name, not its characters
-            self.modules_to_not_convert = [self.modules_to_not_convert]
+            resolve("modules_to_not_convert", (self.modules_to_not_convert,))
         if not (isinstance(self.modules_to_not_convert, (list, tuple))
                 and all(isinstance(n, str) for n in self.modules_to_not_convert)):
             raise ValueError(f"modules_to_not_convert must be a list of module names (or name suffixes), e.g. "
                             f"['lm_head'], got {self.modules_to_not_convert!r}")
-        self.modules_to_not_convert = list(self.modules_to_not_convert)
+        resolve("modules_to_not_convert", tuple(self.modules_to_not_convert))  # a list's append checked nothing
         if self.group_size is None:
-            self.group_size = MODE_GROUP_SIZES[self.mode]
+            resolve("group_size", MODE_GROUP_SIZES[self.mode])
         if self.symmetric is None:
-            self.symmetric = self.mode == "w4a4"
+            resolve("symmetric", self.mode == "w4a4")
         if self.clip_search is None:
             # A per-channel range is set by the largest of K weights, so clipping it pays (W4A4); for
             # W4A16 groups of 64-128 the weight-MSE search measured worse perplexity on SmolLM2.
-            self.clip_search = self.mode == "w4a4"
+            resolve("clip_search", self.mode == "w4a4")
         check_group_size(self.group_size)
         if self.mode == "w4a4":
             if not self.symmetric or self.group_size != -1:
-                raise ValueError("w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1): "
-                                 "its integer GEMM applies one weight scale per output channel after the int32 sum")
+                # a copy of a w4a16 config (dataclasses.replace) holds its resolved 128 and asymmetric weights
+                raise ValueError(f"w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1), got "
+                                 f"symmetric={self.symmetric}, group_size={self.group_size}: its integer GEMM applies "
+                                 "one weight scale per output channel after the int32 sum (a new "
+                                 "QuantConfig(mode='w4a4') resolves them, and clip_search, to w4a4's defaults)")
             if self.method == "awq":
                 raise ValueError("w4a4 supports method='rtn' or 'gptq': AWQ's per-channel scales would move "
                                  "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")
@@ -146,7 +159,8 @@ class QuantConfig:
 
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "bits": 4,
-                "activation_bits": self.activation_bits, **asdict(self)}
+                "activation_bits": self.activation_bits, **asdict(self),
+                "modules_to_not_convert": list(self.modules_to_not_convert)}  # as JSON reads it back
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantConfig":
@@ -163,6 +177,14 @@ class QuantConfig:
         if d.get("symmetric") and d.get("zero_point") == "float":
             d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
         return cls(**d)
+
+
+def _read_only(config: QuantConfig, name: str, value) -> None:
+    raise FrozenInstanceError(f"a QuantConfig cannot be changed once made, where its fields are checked together: "
+                              f"make a changed copy, checked again, with dataclasses.replace(config, {name}=...)")
+
+
+QuantConfig.__setattr__ = _read_only  # frozen's own refusal, "cannot assign to field", said what to do instead
 
 
 def resolve_device(device=None) -> torch.device:
