@@ -73,9 +73,11 @@ class QuantConfig:
     ``rotation_seed`` are the model's as a quantization_config records them: a model rotated before
     (`nibble.models.rotation.rotate_model`) is quantized with ``rotation="none"``, and its config says its seed.
 
-    ``clip_search=None`` picks the mode's default (on for w4a4, off for w4a16); it is RTN's
-    weight-space search: ``method="gptq"`` / ``"awq"`` always run their own calibrated clipping
-    searches instead (GPTQ's Hessian-weighted error, AWQ's output error).
+    ``clip_search`` is RTN's weight-space search, for the layers RTN quantizes: every one with ``method="rtn"``;
+    with ``"gptq"`` / ``"awq"``, which run their own calibrated clipping searches (GPTQ's Hessian-weighted error,
+    AWQ's output error), lm_head alone, where ``modules_to_not_convert`` leaves it out. ``None`` picks the mode's
+    default there (on for w4a4, off for w4a16); where RTN quantizes no layer it stays None, as the checkpoint
+    records it, and a value is refused (it was taken, recorded, and changed nothing).
     ``group_size=None`` picks the mode's default (128 for w4a16, per-channel for w4a4); ``-1``
     means one group per output channel. 128 does not divide every model's widths (SmolLM2's 576): quantize_model
     then says which size does, the one ``nibble quantize`` picks (`nibble.models.convert.default_group_size`).
@@ -131,10 +133,17 @@ class QuantConfig:
             resolve("group_size", MODE_GROUP_SIZES[self.mode])
         if self.symmetric is None:
             resolve("symmetric", self.mode == "w4a4")
-        if self.clip_search is None:
+        by_rtn = _rtn_quantizes_a_layer(self.method, self.modules_to_not_convert)
+        if self.clip_search is None and by_rtn:
             # A per-channel range is set by the largest of K weights, so clipping it pays (W4A4); for
             # W4A16 groups of 64-128 the weight-MSE search measured worse perplexity on SmolLM2.
             resolve("clip_search", self.mode == "w4a4")
+        if self.clip_search is not None and not by_rtn:
+            raise ValueError(f"clip_search={self.clip_search} is RTN's clipping search, and RTN quantizes no layer of "
+                             f"this config: method={self.method!r} runs its own calibrated one, and lm_head stays in "
+                             "16 bits (modules_to_not_convert): leave it None (a dataclasses.replace copy of an RTN "
+                             "config holds its clip_search: give clip_search=None), or take 'lm_head' out of "
+                             "modules_to_not_convert to quantize the head by RTN, the one layer it applies to")
         check_group_size(self.group_size)
         if self.mode == "w4a4":
             if not self.symmetric or self.group_size != -1:
@@ -174,9 +183,19 @@ class QuantConfig:
         d = {k: v for k, v in d.items() if k in fields}
         if d.get("rotation", "none") == "none":
             d["rotation_seed"] = 0  # a PE-QAT export of another recipe than hadamard wrote the run's unused seed
+        skipped = d.get("modules_to_not_convert", ["lm_head"])
+        if isinstance(skipped, list) and not _rtn_quantizes_a_layer(d.get("method", "rtn"), skipped):
+            d["clip_search"] = None  # saved before a clip_search that no layer ran was refused
         if d.get("symmetric") and d.get("zero_point") == "float":
             d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
         return cls(**d)
+
+
+def _rtn_quantizes_a_layer(method: str, modules_to_not_convert) -> bool:
+    """Whether RTN quantizes a layer, which ``clip_search`` is for: every one for method 'rtn'; for the calibrated
+    methods lm_head alone, when ``modules_to_not_convert`` leaves it out (only the entry "lm_head" names it, by
+    `nibble.models.convert`'s full-name-or-dotted-suffix rule)."""
+    return method == "rtn" or "lm_head" not in modules_to_not_convert
 
 
 def _read_only(config: QuantConfig, name: str, value) -> None:

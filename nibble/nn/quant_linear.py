@@ -72,7 +72,12 @@ class QuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "QuantLinear":
         """Quantize an nn.Linear with round-to-nearest (+ clipping search) per ``config``: its mode, group_size,
         symmetric, zero_point and clip_search. Its rotation and method are `quantize_model`'s, whole-model steps
-        (which call this for the layers RTN quantizes, the rotation done first)."""
+        (which call this for the layers RTN quantizes, the rotation done first). A config that quantizes no layer by
+        RTN (method gptq / awq with lm_head kept in 16 bits) holds no clip_search, and is refused."""
+        if config.clip_search is None:
+            raise ValueError(f"QuantLinear.from_linear quantizes by RTN, and this config of method={config.method!r} "
+                             "quantizes no layer by RTN (lm_head stays in 16 bits), so it holds no clip_search: give "
+                             "it a config of method='rtn'")
         weight = rtn_quantize(linear.weight.detach(), config.group_size, config.symmetric, config.zero_point,
                               config.clip_search)
         return cls.from_weight(weight, linear.bias, config.mode, getattr(linear, "input_hadamard", False),

@@ -49,6 +49,8 @@ def test_config_names_map_to_quant_configs():
     assert report._describe({"quant_config": qc.to_dict()}) == "w4a4 per-channel gptq hadamard"
     assert report.quant_config("w4a4-hadamard-gptq", method="rtn").method == "rtn"  # what the speed models take
     assert (report.quant_config("w4a16-g64-awq").method, report.quant_config("w4a16-g64-awq").group_size) == ("awq", 64)
+    # no layer is RTN's, whose clip search "noclip" says was off: AWQ ran its own
+    assert report._describe({"quant_config": report.quant_config("w4a16-g64-awq").to_dict()}) == "w4a16 g64 awq"
     with pytest.raises(ValueError, match="w4a4 takes -hadamard, -gptq"):
         report.quant_config("w4a4-awq")
     with pytest.raises(ValueError, match="unknown config"):

@@ -247,9 +247,9 @@ def test_gptq_start_trains_and_exports_the_weights_it_trained(tmp_path):
     with torch.no_grad():
         real = loaded(ids).logits
     assert (real - fake).abs().max() / fake.abs().max() < 1e-4
-    # the PTQ it started from: it recorded method rtn (and no clip search, which rtn's start runs)
+    # the PTQ it started from: GPTQ, whose own clip search leaves RTN's (clip_search) unset
     assert {k: loaded.config.quantization_config[k] for k in ("method", "clip_search")} == dict(method="gptq",
-                                                                                               clip_search=True)
+                                                                                               clip_search=None)
     assert loaded.config.quantization_config["qat"]["init"] == "gptq"
     assert "seconds_this_run" not in loaded.config.quantization_config["qat"]  # the same run, the same config.json
 
