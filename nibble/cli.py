@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -63,7 +64,7 @@ def quant_config(args, model):
     # `is None`, not `or`: --group-size 0 must reach QuantConfig's refusal, not become 128
     cfg = QuantConfig(mode="w4a16", group_size=128 if args.group_size is None else args.group_size, **common)
     if args.group_size is None and model is not None:
-        cfg.group_size = default_group_size(model, cfg)
+        cfg = dataclasses.replace(cfg, group_size=default_group_size(model, cfg))
     return cfg
 
 

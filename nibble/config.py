@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numbers
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import FrozenInstanceError, asdict, dataclass
 
 import torch
 
@@ -15,6 +15,10 @@ ROTATIONS = ("none", "hadamard")
 ZERO_POINTS = ("int", "float")
 QUANT_METHOD = "nibble"
 
+
+# Each mode's group size where none is given (QuantConfig's and QuantLinear's): W4A16 in groups of 128, as AutoAWQ and
+# GPTQ checkpoints hold them; W4A4 per output channel (-1), the one scale a row its integer GEMM applies after the sum.
+MODE_GROUP_SIZES = {"w4a16": 128, "w4a4": -1}
 
 # The group sizes up to 128 that nibble's CUDA W4A16 kernels run (`check_group_size` says which others run where).
 CUDA_KERNEL_GROUP_SIZES = (128, 64, 32)
@@ -61,7 +65,16 @@ def check_token_ids(model, ids: torch.Tensor, what: str, fix: str) -> None:
                          f"{fix}")
 
 
-@dataclass
+def checked_seed(name: str, seed) -> int:
+    """``seed`` as the int torch's generators take, refused by ``name`` unless it is an integer in their range, -2**63
+    to 2**64 - 1: torch's own refusals ("manual_seed expected a long, but got str", "Overflow when unpacking long
+    long") named no option. A numpy integer comes back as an int, which a checkpoint's JSON can hold."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"{name} must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
+    return int(seed)
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """``mode="w4a16"``: INT4 weights, 16-bit activations (group-wise, asymmetric by default).
     ``mode="w4a4"``: INT4 weights (symmetric, per output channel) and per-token INT4 activations,
@@ -72,12 +85,21 @@ class QuantConfig:
     ``rotation_seed`` are the model's as a quantization_config records them: a model rotated before
     (`nibble.models.rotation.rotate_model`) is quantized with ``rotation="none"``, and its config says its seed.
 
-    ``clip_search=None`` picks the mode's default (on for w4a4, off for w4a16); it is RTN's
-    weight-space search: ``method="gptq"`` / ``"awq"`` always run their own calibrated clipping
-    searches instead (GPTQ's Hessian-weighted error, AWQ's output error).
+    ``clip_search`` is RTN's weight-space search, for the layers RTN quantizes: every one with ``method="rtn"``;
+    with ``"gptq"`` / ``"awq"``, which run their own calibrated clipping searches (GPTQ's Hessian-weighted error,
+    AWQ's output error), lm_head alone, where ``modules_to_not_convert`` leaves it out. ``None`` picks the mode's
+    default there (on for w4a4, off for w4a16); where RTN quantizes no layer it stays None, as the checkpoint
+    records it, and a value is refused (it was taken, recorded, and changed nothing).
     ``group_size=None`` picks the mode's default (128 for w4a16, per-channel for w4a4); ``-1``
     means one group per output channel. 128 does not divide every model's widths (SmolLM2's 576): quantize_model
     then says which size does, the one ``nibble quantize`` picks (`nibble.models.convert.default_group_size`).
+
+    A QuantConfig is checked as a whole when it is made, and cannot be changed after (a field set later slipped
+    past the checks: a changed mode kept the other mode's group size, and a str of modules_to_not_convert was read
+    as its characters): ``dataclasses.replace(config, field=value)`` makes a changed copy, checked again. The
+    defaults of None are resolved when it is made, and a copy keeps them: ``replace(QuantConfig(), mode="w4a4")``
+    holds W4A16's group_size 128 and asymmetric weights, which W4A4 refuses; make ``QuantConfig(mode="w4a4")``.
+    ``modules_to_not_convert`` is held as a tuple; one str is one name.
     """
 
     mode: str = "w4a16"
@@ -88,9 +110,12 @@ class QuantConfig:
     method: str = "rtn"
     rotation: str = "none"
     rotation_seed: int = 0
-    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
+    modules_to_not_convert: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self):
+        def resolve(name, value):  # the dataclass is frozen to everyone but this check
+            object.__setattr__(self, name, value)
+
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.method not in METHODS:
@@ -103,34 +128,42 @@ class QuantConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (the mode's default), got {value!r}")
-        seed = self.rotation_seed  # torch.manual_seed's range: refused here, not by torch half-way through the rotation
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
-            raise ValueError(f"rotation_seed must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
-        self.rotation_seed = int(seed)  # a numpy integer too, which the checkpoint's JSON cannot hold
+        # refused here, not by torch half-way through the rotation
+        resolve("rotation_seed", checked_seed("rotation_seed", self.rotation_seed))
         if self.rotation == "none" and self.rotation_seed != 0:  # ignored: the model quantized unrotated
             raise ValueError(f"rotation_seed={self.rotation_seed} seeds rotation='hadamard', and rotation='none' rotates "
                              "nothing: set rotation='hadamard' too (a model rotated before, by rotate_model, takes "
                              "rotation='none' and seed 0, the defaults: its config records its own seed)")
         if isinstance(self.modules_to_not_convert, str):  # one name, not its characters
-            self.modules_to_not_convert = [self.modules_to_not_convert]
+            resolve("modules_to_not_convert", (self.modules_to_not_convert,))
         if not (isinstance(self.modules_to_not_convert, (list, tuple))
                 and all(isinstance(n, str) for n in self.modules_to_not_convert)):
             raise ValueError(f"modules_to_not_convert must be a list of module names (or name suffixes), e.g. "
                             f"['lm_head'], got {self.modules_to_not_convert!r}")
-        self.modules_to_not_convert = list(self.modules_to_not_convert)
+        resolve("modules_to_not_convert", tuple(self.modules_to_not_convert))  # a list's append checked nothing
         if self.group_size is None:
-            self.group_size = 128 if self.mode == "w4a16" else -1
+            resolve("group_size", MODE_GROUP_SIZES[self.mode])
         if self.symmetric is None:
-            self.symmetric = self.mode == "w4a4"
-        if self.clip_search is None:
+            resolve("symmetric", self.mode == "w4a4")
+        by_rtn = _rtn_quantizes_a_layer(self.method, self.modules_to_not_convert)
+        if self.clip_search is None and by_rtn:
             # A per-channel range is set by the largest of K weights, so clipping it pays (W4A4); for
             # W4A16 groups of 64-128 the weight-MSE search measured worse perplexity on SmolLM2.
-            self.clip_search = self.mode == "w4a4"
+            resolve("clip_search", self.mode == "w4a4")
+        if self.clip_search is not None and not by_rtn:
+            raise ValueError(f"clip_search={self.clip_search} is RTN's clipping search, and RTN quantizes no layer of "
+                             f"this config: method={self.method!r} runs its own calibrated one, and lm_head stays in "
+                             "16 bits (modules_to_not_convert): leave it None (a dataclasses.replace copy of an RTN "
+                             "config holds its clip_search: give clip_search=None), or take 'lm_head' out of "
+                             "modules_to_not_convert to quantize the head by RTN, the one layer it applies to")
         check_group_size(self.group_size)
         if self.mode == "w4a4":
             if not self.symmetric or self.group_size != -1:
-                raise ValueError("w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1): "
-                                 "its integer GEMM applies one weight scale per output channel after the int32 sum")
+                # a copy of a w4a16 config (dataclasses.replace) holds its resolved 128 and asymmetric weights
+                raise ValueError(f"w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1), got "
+                                 f"symmetric={self.symmetric}, group_size={self.group_size}: its integer GEMM applies "
+                                 "one weight scale per output channel after the int32 sum (a new "
+                                 "QuantConfig(mode='w4a4') resolves them, and clip_search, to w4a4's defaults)")
             if self.method == "awq":
                 raise ValueError("w4a4 supports method='rtn' or 'gptq': AWQ's per-channel scales would move "
                                  "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")
@@ -147,7 +180,8 @@ class QuantConfig:
 
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "bits": 4,
-                "activation_bits": self.activation_bits, **asdict(self)}
+                "activation_bits": self.activation_bits, **asdict(self),
+                "modules_to_not_convert": list(self.modules_to_not_convert)}  # as JSON reads it back
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantConfig":
@@ -161,9 +195,27 @@ class QuantConfig:
         d = {k: v for k, v in d.items() if k in fields}
         if d.get("rotation", "none") == "none":
             d["rotation_seed"] = 0  # a PE-QAT export of another recipe than hadamard wrote the run's unused seed
+        skipped = d.get("modules_to_not_convert", ["lm_head"])
+        if isinstance(skipped, list) and not _rtn_quantizes_a_layer(d.get("method", "rtn"), skipped):
+            d["clip_search"] = None  # saved before a clip_search that no layer ran was refused
         if d.get("symmetric") and d.get("zero_point") == "float":
             d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
         return cls(**d)
+
+
+def _rtn_quantizes_a_layer(method: str, modules_to_not_convert) -> bool:
+    """Whether RTN quantizes a layer, which ``clip_search`` is for: every one for method 'rtn'; for the calibrated
+    methods lm_head alone, when ``modules_to_not_convert`` leaves it out (only the entry "lm_head" names it, by
+    `nibble.models.convert`'s full-name-or-dotted-suffix rule)."""
+    return method == "rtn" or "lm_head" not in modules_to_not_convert
+
+
+def _read_only(config: QuantConfig, name: str, value) -> None:
+    raise FrozenInstanceError(f"a QuantConfig cannot be changed once made, where its fields are checked together: "
+                              f"make a changed copy, checked again, with dataclasses.replace(config, {name}=...)")
+
+
+QuantConfig.__setattr__ = _read_only  # frozen's own refusal, "cannot assign to field", said what to do instead
 
 
 def resolve_device(device=None) -> torch.device:

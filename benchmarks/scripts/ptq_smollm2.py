@@ -55,10 +55,10 @@ def parse_row(spec: str) -> tuple[str, dict]:
 def quantize(model, mode: str, method: str, opts: dict, group_size: int, calib) -> None:
     if mode == "w4a16":
         cfg = QuantConfig(mode="w4a16", group_size=group_size, method=method, zero_point=opts.get("zero", "int"),
-                          clip_search=method == "rtn" and opts.get("clip") == "1")
+                          clip_search=opts.get("clip") == "1" if method == "rtn" else None)
     else:  # RTN's clipping search on by default, as for every W4A4 model
         cfg = QuantConfig(mode="w4a4", rotation="hadamard" if mode == "w4a4-hadamard" else "none", method=method,
-                          clip_search=method == "rtn" and opts.get("clip", "1") == "1")
+                          clip_search=opts.get("clip", "1") == "1" if method == "rtn" else None)
     # quantize_model passes no per-method options, so this row's go in through the registry
     kwargs = {name: parse(opts[key]) for key, name, parse in (("clip", "clip", "1".__eq__),
                                                               ("act_order", "act_order", "1".__eq__),

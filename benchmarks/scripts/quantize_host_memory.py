@@ -90,8 +90,9 @@ def main() -> None:
         base = rss_anon()
         start = time.perf_counter()
         with PeakSampler() as sampler:
-            quantize_model(model, quant_config(config, model, clip_search=False), progress=False, calibration=calib,
-                           device=args.device)
+            # RTN's clip search off; GPTQ and AWQ run their own (QuantConfig refuses clip_search with them)
+            quantize_model(model, quant_config(config, model, clip_search=False if calib is None else None),
+                           progress=False, calibration=calib, device=args.device)
         seconds = time.perf_counter() - start
         row = dict(config=config, device=args.device or "cpu", model_gib=model_bytes / 2**30,
                    anon_after_load_gib=base / 2**30, anon_peak_added_gib=(sampler.peak - base) / 2**30,

@@ -403,7 +403,8 @@ def _describe(r: dict) -> str:
     g = "per-channel" if qc["group_size"] == -1 else f"g{qc['group_size']}"
     rot = " hadamard" if qc.get("rotation") == "hadamard" else ""
     head = "" if "lm_head" in qc.get("modules_to_not_convert", ["lm_head"]) else " +lm_head"
-    return f"{qc['mode']} {g} {qc['method']}{rot}" + ("" if qc.get("clip_search") else " noclip") + head
+    # None: no layer was RTN's, whose search clip_search is (GPTQ and AWQ clip by their own)
+    return f"{qc['mode']} {g} {qc['method']}{rot}" + (" noclip" if qc.get("clip_search") is False else "") + head
 
 
 def _byte_labels(by_config: dict, configs: list[str]) -> tuple[str, str]:

@@ -462,10 +462,11 @@ def _mark_imported(model: nn.Module, info: dict, group_sizes: set, symmetric: bo
     fold_mlp_input_orders(model)
     made = info["raw"].get(QUANTIZED_BY) or {}  # a nibble export says how its weights were made
     made = made if made.get("library") == "nibble" and made.get("method") in METHODS else {}
+    method = made.get("method", info["method"])
+    # RTN's clip search, where RTN made the weights (an export keeps lm_head in 16 bits): a calibrated method's is None
     nibble_qc = QuantConfig(mode="w4a16", group_size=group_sizes.pop() if len(group_sizes) == 1 else info["group_size"],
                             symmetric=symmetric, zero_point="int",
-                            clip_search=bool(made.get("clip_search")),
-                            method=made.get("method", info["method"]))
+                            clip_search=bool(made.get("clip_search")) if method == "rtn" else None, method=method)
     mark_quantized(model, {**nibble_qc.to_dict(), "imported_from": info["raw"],
                            "input_permuted_modules": input_permuted_modules(model)})
     model.eval()

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from nibble.config import resolve_device
+from nibble.config import checked_seed, resolve_device
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
 from nibble.models.convert import (check_architecture, check_not_quantized, decoder_layers, refuse_save_pretrained,
                                    untie_lm_head)
@@ -98,11 +98,12 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
     norm), after checking the whole model can be rotated (`check_rotatable`); returns the function that rotates
     one decoder layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn.
     The model records the seed (`rotation_seed`)."""
+    seed = checked_seed("seed", seed)  # before the model is touched
     check_rotatable(model, online_o_proj)
     if device is not None:  # "cuda" without a GPU failed in the first weight's move, the model untied and marked rotated
         device = resolve_device(device)
     cfg = model.config
-    g = torch.Generator().manual_seed(seed)  # torch's refusal of a seed, before the model is touched
+    g = torch.Generator().manual_seed(seed)
     signs = (torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1).double()
 
     refuse_save_pretrained(model, "a rotated model's down_proj (HadamardInputLinear) rotates its input online, "
@@ -110,7 +111,7 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
                            "quantize it (nibble.quantize_model, mode='w4a4', keeps the online rotation) and save that "
                            "with nibble.save_quantized, or save the model before rotate_model")
     untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
-    setattr(model, ROTATION_SEED, int(seed))
+    setattr(model, ROTATION_SEED, seed)
 
     def f64(t: torch.Tensor) -> torch.Tensor:  # moved in its own dtype, widened where the algebra runs
         return t.detach().to(device or t.device).to(torch.float64)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nibble import kernels
-from nibble.config import QuantConfig, width_error
+from nibble.config import MODE_GROUP_SIZES, MODES, QuantConfig, width_error
 from nibble.formats.int4 import PACK, Int4Weight, check_group_size, is_symmetric
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
@@ -23,21 +23,24 @@ class QuantLinear(nn.Module):
     transform when ``input_hadamard``), the product runs on integer tensor cores.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int = 128,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int | None = None,
                  mode: str = "w4a16", input_hadamard: bool = False, dtype: torch.dtype | None = None,
                  device=None):
-        """``dtype`` is the bias's (the default dtype, as nn.Linear's); the buffers start at zero, so a layer not
+        """``group_size=None`` picks the mode's default, as QuantConfig does (128 for w4a16, per-channel for w4a4);
+        ``dtype`` is the bias's (the default dtype, as nn.Linear's); the buffers start at zero, so a layer not
         yet loaded computes 0, never what uninitialised memory held."""
         super().__init__()
         if out_features < 1:
             raise ValueError(f"out_features={out_features}: a layer without outputs has nothing to quantize; keep it "
                              "as nn.Linear")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if group_size is None:  # w4a4 took W4A16's 128, which it refuses, on every width but 128
+            group_size = MODE_GROUP_SIZES[mode]
         check_group_size(group_size)
         if error := width_error(in_features, group_size):
             raise ValueError(error)
         group_size = in_features if group_size == -1 else group_size
-        if mode not in ("w4a16", "w4a4"):
-            raise ValueError(f"mode must be 'w4a16' or 'w4a4', got {mode!r}")
         if mode == "w4a4" and group_size != in_features:
             raise ValueError("w4a4 QuantLinear needs per-channel weights (group_size = in_features)")
         if input_hadamard and mode != "w4a4":
@@ -68,7 +71,12 @@ class QuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "QuantLinear":
         """Quantize an nn.Linear with round-to-nearest (+ clipping search) per ``config``: its mode, group_size,
         symmetric, zero_point and clip_search. Its rotation and method are `quantize_model`'s, whole-model steps
-        (which call this for the layers RTN quantizes, the rotation done first)."""
+        (which call this for the layers RTN quantizes, the rotation done first). A config that quantizes no layer by
+        RTN (method gptq / awq with lm_head kept in 16 bits) holds no clip_search, and is refused."""
+        if config.clip_search is None:
+            raise ValueError(f"QuantLinear.from_linear quantizes by RTN, and this config of method={config.method!r} "
+                             "quantizes no layer by RTN (lm_head stays in 16 bits), so it holds no clip_search: give "
+                             "it a config of method='rtn'")
         weight = rtn_quantize(linear.weight.detach(), config.group_size, config.symmetric, config.zero_point,
                               config.clip_search)
         return cls.from_weight(weight, linear.bias, config.mode, getattr(linear, "input_hadamard", False),

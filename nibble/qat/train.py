@@ -63,7 +63,7 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import check_count, check_token_ids, resolve_device
+from nibble.config import check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.convert import own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
@@ -121,7 +121,8 @@ def gptq_start(model: nn.Module, names: list[str], calibration, progress: bool =
 
 
 def check_recipe(recipe: str, init: str, rotation_seed: int = 0) -> None:
-    """Refuse a recipe, start and rotation seed PE-QAT cannot take together, before any work."""
+    """Refuse a recipe, start and rotation seed PE-QAT cannot take (together), before any work."""
+    checked_seed("rotation_seed", rotation_seed)  # torch's refusal came after the model was cast and prepared
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     if rotation_seed != 0 and recipe != "hadamard":  # dropped without a word, as QuantConfig refuses

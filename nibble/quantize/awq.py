@@ -138,9 +138,9 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     """AWQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig (group_size, symmetric, zero_point). ``calib``: token ids,
-    LongTensor [n_samples, seq_len]. ``config.clip_search`` (rtn's weight-space search) is not
-    used: AWQ's own activation-aware clipping search is part of the method (``clip=False`` turns it
-    off; q/k_proj are never clipped, as in AutoAWQ).
+    LongTensor [n_samples, seq_len]. ``config.clip_search`` (rtn's weight-space search, None unless
+    lm_head is RTN's) is not used: AWQ's own activation-aware clipping search is part of the method
+    (``clip=False`` turns it off; q/k_proj are never clipped, as in AutoAWQ).
 
     Side effect, by design: the scales are folded into the model in place (norm weights, v_proj and
     up_proj rows divided by s; the float weights of the scaled linears multiplied by s). The model

@@ -220,8 +220,8 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     """GPTQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig: group_size, symmetric, zero_point as RTN uses them.
-    ``config.clip_search`` (rtn's weight-space search) is not used: each group's range comes from
-    the GPTQ-weighted clipping search (``clip=False``: plain min/max, as the reference GPTQ).
+    ``config.clip_search`` (rtn's weight-space search, None unless lm_head is RTN's) is not used: each group's
+    range comes from the GPTQ-weighted clipping search (``clip=False``: plain min/max, as the reference GPTQ).
     ``act_order``: columns by decreasing activation energy, with static groups so the result needs no input
     permutation (why act-order and clipping are the defaults: module doc); ``percdamp``: the damping, relative
     to mean(diag H). Like ``blocksize`` and ``clip`` (and AWQ's ``n_grid``) they are arguments here, not QuantConfig

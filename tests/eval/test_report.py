@@ -38,9 +38,9 @@ def test_config_names_map_to_quant_configs():
     qc = report.quant_config("w4a4-hadamard")
     assert (qc.mode, qc.rotation, qc.group_size, qc.symmetric) == ("w4a4", "hadamard", -1, True)
     assert report.quant_config("w4a16", clip_search=False).clip_search is False
-    assert report.quant_config("w4a16").modules_to_not_convert == ["lm_head"]
+    assert report.quant_config("w4a16").modules_to_not_convert == ("lm_head",)
     qc = report.quant_config("w4a4-hadamard-lmhead")
-    assert (qc.mode, qc.rotation, qc.modules_to_not_convert) == ("w4a4", "hadamard", [])
+    assert (qc.mode, qc.rotation, qc.modules_to_not_convert) == ("w4a4", "hadamard", ())
     assert report.quant_config("w4a16-lmhead-g64").group_size == 64
     assert report._describe({"quant_config": qc.to_dict()}) == "w4a4 per-channel rtn hadamard +lm_head"
     assert report._describe({"quant_config": report.quant_config("w4a16").to_dict()}) == "w4a16 g128 rtn noclip"
@@ -49,6 +49,8 @@ def test_config_names_map_to_quant_configs():
     assert report._describe({"quant_config": qc.to_dict()}) == "w4a4 per-channel gptq hadamard"
     assert report.quant_config("w4a4-hadamard-gptq", method="rtn").method == "rtn"  # what the speed models take
     assert (report.quant_config("w4a16-g64-awq").method, report.quant_config("w4a16-g64-awq").group_size) == ("awq", 64)
+    # no layer is RTN's, whose clip search "noclip" says was off: AWQ ran its own
+    assert report._describe({"quant_config": report.quant_config("w4a16-g64-awq").to_dict()}) == "w4a16 g64 awq"
     with pytest.raises(ValueError, match="w4a4 takes -hadamard, -gptq"):
         report.quant_config("w4a4-awq")
     with pytest.raises(ValueError, match="unknown config"):

@@ -1,3 +1,7 @@
+import copy
+import dataclasses
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -252,11 +256,49 @@ def test_config_refuses_bad_fields_when_made(kwargs, match):
 
 
 def test_config_takes_one_module_name_as_a_list_of_one():
-    assert QuantConfig(modules_to_not_convert="lm_head").modules_to_not_convert == ["lm_head"]
-    assert QuantConfig(modules_to_not_convert=("lm_head", "mlp.down_proj")).modules_to_not_convert == \
-        ["lm_head", "mlp.down_proj"]
+    assert QuantConfig(modules_to_not_convert="lm_head").modules_to_not_convert == ("lm_head",)
+    assert QuantConfig(modules_to_not_convert=["lm_head", "mlp.down_proj"]).modules_to_not_convert == \
+        ("lm_head", "mlp.down_proj")
     config = QuantConfig(modules_to_not_convert="mlp.down_proj", group_size=48)
+    assert config.to_dict()["modules_to_not_convert"] == ["mlp.down_proj"]  # as the checkpoint's JSON holds it
     assert QuantConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("field, value", [("mode", "w4a4"), ("group_size", None), ("group_size", 12),
+                                          ("modules_to_not_convert", "down_proj"), ("method", "gptq")])
+def test_a_config_cannot_be_changed_and_its_changed_copies_are_checked_again(field, value):
+    """A field set after the config was made slipped past its checks: mode='w4a4' kept W4A16's 128 and asymmetric
+    weights (refused at the first layer's turn), group_size=None failed as a TypeError in the width check, and
+    modules_to_not_convert='down_proj' was read as its characters, which quantized lm_head without a word."""
+    config = QuantConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError, match=rf"dataclasses.replace\(config, {field}=...\)"):
+        setattr(config, field, value)
+    with pytest.raises(AttributeError):
+        config.modules_to_not_convert.append("down_proj")
+    assert config == QuantConfig() and hash(config) == hash(QuantConfig())
+    assert copy.deepcopy(config) == config and pickle.loads(pickle.dumps(config)) == config
+
+
+def test_replace_checks_the_copy_as_the_constructor_does():
+    config = QuantConfig(group_size=64)
+    assert dataclasses.replace(config, group_size=None).group_size == 128  # the mode's default, resolved again
+    assert dataclasses.replace(config, modules_to_not_convert="down_proj").modules_to_not_convert == ("down_proj",)
+    with pytest.raises(ValueError, match="multiple of 8.*got 12"):
+        dataclasses.replace(config, group_size=12)
+    # the copy keeps the defaults resolved for W4A16, and says so
+    with pytest.raises(ValueError, match=r"w4a4 needs symmetric per-channel weights \(symmetric=True, group_size=-1\), "
+                                         r"got symmetric=False, group_size=128.*QuantConfig\(mode='w4a4'\)"):
+        dataclasses.replace(QuantConfig(), mode="w4a4")
+    assert dataclasses.replace(QuantConfig(), mode="w4a4", group_size=-1, symmetric=True).mode == "w4a4"
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_quantlinear_default_group_size_follows_the_mode_as_quantconfigs_does(mode):
+    """QuantLinear(256, 64, mode="w4a4") was refused: its default group_size of 128 was W4A16's whatever the mode,
+    and W4A4 takes per-channel weights only (it ran for in_features=128 by coincidence)."""
+    layer = QuantLinear(256, 64, mode=mode)
+    default = QuantConfig(mode=mode).group_size
+    assert layer.group_size == (256 if default == -1 else default) == {"w4a16": 128, "w4a4": 256}[mode]
 
 
 @pytest.mark.parametrize("group_size", [0, -5, 4, 2, "64"])

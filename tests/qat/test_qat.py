@@ -247,9 +247,9 @@ def test_gptq_start_trains_and_exports_the_weights_it_trained(tmp_path):
     with torch.no_grad():
         real = loaded(ids).logits
     assert (real - fake).abs().max() / fake.abs().max() < 1e-4
-    # the PTQ it started from: it recorded method rtn (and no clip search, which rtn's start runs)
+    # the PTQ it started from: GPTQ, whose own clip search leaves RTN's (clip_search) unset
     assert {k: loaded.config.quantization_config[k] for k in ("method", "clip_search")} == dict(method="gptq",
-                                                                                               clip_search=True)
+                                                                                               clip_search=None)
     assert loaded.config.quantization_config["qat"]["init"] == "gptq"
     assert "seconds_this_run" not in loaded.config.quantization_config["qat"]  # the same run, the same config.json
 
@@ -278,6 +278,17 @@ def test_a_rotation_seed_without_the_hadamard_recipe_is_refused():
     with pytest.raises(ValueError, match="rotation_seed=3 seeds"):
         prepare_qat_model(model, "per-token", rotation_seed=3)
     assert not fake_quant_layers(model)
+
+
+@pytest.mark.parametrize("seed", ["3", 1.5, 2**70])
+def test_a_rotation_seed_torch_cannot_take_is_refused_before_the_model_is_changed(seed):
+    """run_qat(rotation_seed="3") cast the model to float32 and prepared it, then failed in torch's manual_seed with
+    its own words ("manual_seed expected a long, but got str"), which named no option."""
+    model = tiny_model(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rotation_seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        run_qat(model, None, "hadamard", 1, windows=_windows(), rotation_seed=seed)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+    assert next(model.parameters()).dtype == torch.bfloat16
 
 
 def test_a_quantized_model_is_refused_by_name():

@@ -1,10 +1,12 @@
+import dataclasses
 import functools
 
 import pytest
 import torch
 
 from conftest import tiny_model
-from nibble import QuantConfig, quantize_model
+from torch import nn
+from nibble import QuantConfig, QuantLinear, quantize_model
 from nibble.formats.gptq import to_gptq
 from nibble.kernels.reference import dequantize
 from nibble.quantize import calibrated_quantizers
@@ -142,7 +144,7 @@ def test_calibrated_methods_beat_rtn_on_the_calibration_data(act_order, monkeypa
     errors = {}
     for method in ("rtn", "gptq", "awq"):
         model = correlated_tiny_model()
-        quantize_model(model, QuantConfig(group_size=32, method=method, clip_search=False), progress=False,
+        quantize_model(model, QuantConfig(group_size=32, method=method), progress=False,
                        calibration=None if method == "rtn" else ids)  # RTN refuses calibration
         with torch.no_grad():
             errors[method] = ((model(ids).logits - ref) ** 2).mean().item()
@@ -183,8 +185,6 @@ def test_gptq_model_defaults_to_act_order_and_clipping():
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_a_calibrated_model_quantizes_lm_head_with_rtn(method):
     """Calibration covers the decoder layers; an lm_head left out of modules_to_not_convert is RTN."""
-    from nibble import QuantLinear
-
     model = tiny_model("llama")
     head = model.lm_head.weight.detach().clone()
     cfg = QuantConfig(group_size=32, method=method, modules_to_not_convert=[])
@@ -192,6 +192,29 @@ def test_a_calibrated_model_quantizes_lm_head_with_rtn(method):
     assert isinstance(model.lm_head, QuantLinear)
     torch.testing.assert_close(dense(model.lm_head.weight_int4()), dense(rtn_quantize(head, 32, clip_search=False)),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("clip_search", [True, False])
+def test_rtns_clip_search_is_refused_where_no_layer_is_rtns_and_recorded_as_unset(method, clip_search):
+    """clip_search=True and False gave GPTQ and AWQ bit-identical weights (each runs its own clipping search), and the
+    checkpoint recorded the one given as applied; it is RTN's, for an lm_head quantized by RTN alone."""
+    with pytest.raises(ValueError, match=rf"clip_search={clip_search} is RTN's clipping search, and RTN quantizes "
+                                         rf"no layer of this config: method='{method}' runs its own"):
+        QuantConfig(group_size=32, method=method, clip_search=clip_search)
+    with pytest.raises(ValueError, match="give clip_search=None"):  # a copy of an RTN config holds RTN's value
+        dataclasses.replace(QuantConfig(group_size=32, clip_search=clip_search), method=method)
+    head_by_rtn = QuantConfig(group_size=32, method=method, modules_to_not_convert=[], clip_search=clip_search)
+    assert head_by_rtn.clip_search is clip_search
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32, method=method), progress=False,
+                   calibration=torch.randint(0, 256, (4, 16)))
+    assert model.config.quantization_config["clip_search"] is None
+    with pytest.raises(ValueError, match="from_linear quantizes by RTN, and this config of method"):
+        QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32, method=method))
+    # saved before the refusal, with the value given: loads, the value dropped
+    saved = {**QuantConfig(group_size=32, method=method).to_dict(), "clip_search": clip_search}
+    assert QuantConfig.from_dict(saved) == QuantConfig(group_size=32, method=method)
 
 
 @pytest.mark.parametrize("rotation", ["none", "hadamard"])
