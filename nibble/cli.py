@@ -156,6 +156,10 @@ def check_quant_args(args) -> None:
                          "W4A16 layers do not run (in Python, quantize_model keeps them in 16 bits for W4A16 with "
                          "modules_to_not_convert=['lm_head', 'down_proj'])")
     check_calibration_sizes(args, args.method != "rtn", "--method gptq / awq", "RTN")
+    if args.calib_seq_len is not None:  # quantize_model refused it after the model loaded and the text was tokenized
+        from nibble.models.convert import check_calibration_window
+        from nibble.models.loading import model_context
+        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
     quant_config(args, None)  # a combination QuantConfig refuses
 
 
@@ -193,7 +197,7 @@ def load_for_command(args, device: str):
     require_data(calibration_files(args.method))  # before the model loads
     model, tok = load(args.model, "cpu", quantized=False, dtype=default_dtype(torch.device(device)))
     cfg = quant_config(args, model)
-    calibration = calibration_for(cfg, tok, **calibration_sizes(args))
+    calibration = calibration_for(cfg, tok, model, **calibration_sizes(args))
     return quantize_model(model, cfg, calibration=calibration, device=device), tok
 
 

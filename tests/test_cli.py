@@ -765,6 +765,16 @@ def test_quantization_flags_that_would_be_ignored_are_refused_before_loading_the
             main(command + ["--model", "nowhere"] + flags)
 
 
+def test_calibration_windows_past_the_models_context_are_refused_before_it_loads(model_dir, monkeypatch):
+    """quantize_model refused them only after the model loaded and the calibration text was tokenized."""
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the flags"))
+    with pytest.raises(SystemExit, match=r"calibration windows of --calib-seq-len=300 exceed the model's context "
+                                         r"\(256 = config.max_position_embeddings\)"):
+        main(["quantize", "--model", str(model_dir), "--method", "gptq", "--calib-seq-len", "300", "--out", "unused"])
+
+
 def test_quantize_calibrates_on_as_many_windows_of_as_many_tokens_as_asked(model_dir, tmp_path, monkeypatch, capsys):
     from nibble.quantize import calibration
 
@@ -780,8 +790,8 @@ def test_quantize_calibrates_on_as_many_windows_of_as_many_tokens_as_asked(model
     main(argv + ["--calib-samples", "4", "--calib-seq-len", "16", "--out", str(tmp_path / "a")])
     assert "saved" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="^130$"):  # Ctrl-C's status
-        main(argv + ["--out", str(tmp_path / "b")])  # the defaults: calibration_batches' own
-    assert asked == [(4, 16), (128, 512)]
+        main(argv + ["--out", str(tmp_path / "b")])  # the defaults: calibration_batches' own, 512 tokens cut to the
+    assert asked == [(4, 16), (128, 256)]  # model's context of 256 (quantize_model refuses windows past it)
 
 
 def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):

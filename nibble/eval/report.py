@@ -170,7 +170,7 @@ def _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_l
     # the baseline where it is not bfloat16 (float32 on a CPU) said so, as report.md's "quantization" row does
     label = f"{name} in {res['dtype']}" if qc is None and res["dtype"] != "bfloat16" else name
     # the longest step on a CPU (W4A4 + Hadamard: minutes), with a bar where the other steps show theirs
-    res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration_for(qc, tokenizer), progress=progress)
+    res["quantize_s"] = speed_mod.quantize_in_place(model, qc, calibration_for(qc, tokenizer, model), progress=progress)
     if accuracy:
         t0 = time.perf_counter()
         res["perplexity"] = wikitext2_perplexity(model, tokenizer, seq_len=ppl_seq_len, max_tokens=ppl_max_tokens,

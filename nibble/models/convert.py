@@ -129,8 +129,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     second rotation is refused): the quantization_config records its rotation and seed either way
     (`rotation_recorded`). ``method="gptq"`` / ``"awq"`` need ``calibration`` (token ids of this model's
     vocabulary, see nibble.quantize.calibration); RTN, which calibrates nothing, refuses it. Every refusal of what was given (a width the group size does not
-    divide, a weight holding NaN or Inf or, for RTN, too large for float16 scales, calibration missing or of another
-    vocabulary) comes before the model is touched.
+    divide, a weight holding NaN or Inf or, for RTN, too large for float16 scales, calibration missing, of another
+    vocabulary or in windows that cannot calibrate, `check_calibration_ids`) comes before the model is touched.
 
     The decoder layers are quantized one at a time (`layer_turns`), so at most one of them is in 16 bits
     apart from the model's own weights: the rotated or calibrated copy of a layer is never kept.
@@ -153,7 +153,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     else:
         if calibration is None:
             raise ValueError(f"method={config.method!r} needs calibration token ids: pass calibration=nibble."
-                             "quantize.calibration.calibration_for(config, tokenizer) (128 x 512 tokens of the C4 "
+                             "quantize.calibration.calibration_for(config, tokenizer, model) (128 x 512 tokens of the C4 "
                              "excerpt, what `nibble quantize` uses) or your own LongTensor [n, seq_len]")
         check_calibration_ids(model, calibration)
     if device is not None:
@@ -305,9 +305,25 @@ def check_weights(model: nn.Module, names: list[str], config: QuantConfig) -> No
                          config.zero_point, scales=name in by_rtn)
 
 
+def check_calibration_window(seq_len: int, context: int | None, name: str = "seq_len") -> None:
+    """Refuse calibration windows of ``seq_len`` tokens (option ``name``) that cannot calibrate a model of
+    ``context`` tokens (config.max_position_embeddings; None: unknown): `check_calibration_ids`, and the CLI's
+    --calib-seq-len before the model loads."""
+    if seq_len < 2:  # as calibration_batches refuses it
+        raise ValueError(f"calibration windows of {name}={seq_len} show the model position 0 alone, where attention "
+                         "has nothing but the token itself to read, never a token in context as it will run on: give "
+                         "windows of >= 2 tokens (calibration_for makes 128 x 512)")
+    if context is not None and seq_len > context:  # as run_qat refuses its windows
+        raise ValueError(f"calibration windows of {name}={seq_len} exceed the model's context ({context} = "
+                         "config.max_position_embeddings), and would calibrate it on positions it never learned: cut "
+                         "them to at most that")
+
+
 def check_calibration_ids(model: nn.Module, calibration) -> None:
     """Calibration must be token ids of this model's vocabulary: ids made by another model's tokenizer failed
-    deep in the embedding (an IndexError on the CPU, a device-side assert on a GPU)."""
+    deep in the embedding (an IndexError on the CPU, a device-side assert on a GPU). Windows of one token, or longer
+    than the model's context, cannot calibrate it and are refused; fewer tokens than a layer has inputs are warned
+    of. Each was taken without a word, and the model came back "calibrated"."""
     # bool is refused too: an attention mask given by mistake calibrated on tokens 0 and 1
     if not (isinstance(calibration, torch.Tensor) and calibration.dim() == 2 and not calibration.is_floating_point()
             and not calibration.is_complex() and calibration.dtype != torch.bool and calibration.numel()):
@@ -315,7 +331,15 @@ def check_calibration_ids(model: nn.Module, calibration) -> None:
                          f"{type(calibration).__name__} {getattr(calibration, 'dtype', '')} "
                          f"{tuple(getattr(calibration, 'shape', ()))}")
     check_token_ids(model, calibration, "calibration", "make them with this model's tokenizer "
-                    "(nibble.quantize.calibration.calibration_for(config, tokenizer))")
+                    "(nibble.quantize.calibration.calibration_for(config, tokenizer, model))")
+    from nibble.eval.perplexity import context_length
+    check_calibration_window(calibration.shape[1], context_length(model))
+    widest = max(m.in_features for m in decoder_layers(model).modules() if isinstance(m, nn.Linear))
+    if calibration.numel() < widest:
+        warn(f"calibration of {calibration.numel()} tokens is fewer than the {widest} inputs of the model's widest "
+             "layer: the input statistics GPTQ and AWQ calibrate on (X^T X) are singular there, and say nothing of the "
+             "directions those tokens do not span (GPTQ's damping alone fills them in); give more tokens "
+             "(calibration_for makes 128 x 512)")
 
 
 def check_not_quantized(model: nn.Module, taker: str = "quantize_model") -> None:

@@ -24,6 +24,7 @@ from nibble.kernels.hadamard import hadamard_transform
 
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
 DEFAULT_SOURCE = "c4"
+DEFAULT_SEQ_LEN = 512
 _FORBIDDEN = ("wiki.test", "wikitext2")
 
 
@@ -51,7 +52,7 @@ def calibration_text(source: str = DEFAULT_SOURCE) -> str:
         return path.read_text(encoding="utf-8")
 
 
-def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = 512, source: str = DEFAULT_SOURCE,
+def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = DEFAULT_SEQ_LEN, source: str = DEFAULT_SOURCE,
                         seed: int = 0) -> torch.Tensor:
     """``n_samples`` random non-overlapping windows of ``seq_len`` tokens: LongTensor [n_samples, seq_len].
 
@@ -73,11 +74,17 @@ def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = 512, sou
     return ids[: windows * seq_len].reshape(windows, seq_len)[pick].contiguous()
 
 
-def calibration_for(config, tokenizer, **sizes) -> torch.Tensor | None:
+def calibration_for(config, tokenizer, model: nn.Module | None = None, **sizes) -> torch.Tensor | None:
     """The calibration `quantize_model` needs for ``config``: None for RTN (or no config), else
     `calibration_batches` of ``tokenizer``, by default 128 x 512 tokens of the C4 excerpt (``sizes``:
-    its ``n_samples`` / ``seq_len`` instead)."""
-    return None if config is None or config.method == "rtn" else calibration_batches(tokenizer, **sizes)
+    its ``n_samples`` / ``seq_len`` instead). With the ``model``, default windows are cut to its context where that
+    is shorter; quantize_model refuses windows past it."""
+    if config is None or config.method == "rtn":
+        return None
+    if model is not None and "seq_len" not in sizes:
+        from nibble.eval.perplexity import context_length
+        sizes["seq_len"] = min(DEFAULT_SEQ_LEN, context_length(model) or DEFAULT_SEQ_LEN)
+    return calibration_batches(tokenizer, **sizes)
 
 
 def calibration_files(method: str | None) -> list[str]:

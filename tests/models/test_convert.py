@@ -449,6 +449,28 @@ def test_calibration_ids_outside_the_vocabulary_are_refused_first(method):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibration_that_cannot_calibrate_is_refused_and_too_little_warned_of(method):
+    """GPTQ and AWQ took windows of one token, and windows past the model's context, without a word, and returned a
+    "calibrated" model; fewer tokens than a layer has inputs calibrate it on singular statistics: a warning."""
+    model = tiny_model("llama")  # a context of 256, layers of up to 192 inputs (down_proj)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = QuantConfig(group_size=32, method=method)
+    with pytest.raises(ValueError, match="calibration windows of seq_len=1 show the model position 0 alone"):
+        quantize_model(model, cfg, progress=False, calibration=torch.zeros(200, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"calibration windows of seq_len=300 exceed the model's context \(256 = "
+                                         r"config.max_position_embeddings\)"):
+        quantize_model(model, cfg, progress=False, calibration=torch.zeros(1, 300, dtype=torch.long))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.warns(UserWarning, match="calibration of 64 tokens is fewer than the 192 inputs of the model's widest "
+                                         "layer") as caught:
+        quantize_model(model, cfg, progress=False, calibration=torch.randint(0, 256, (4, 16)))
+    assert caught[0].filename == __file__  # the user's line, not nibble's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_model(tiny_model("llama"), cfg, progress=False, calibration=torch.randint(0, 256, (2, 96)))
+
+
 def test_what_transformers_would_leave_half_done_is_refused_first():
     """resize_token_embeddings resized the embedding, then failed on a quantized head ("no attribute 'weight'");
     an empty (meta) model failed in the quantizer on "Tensor.item() cannot be called on meta tensors"."""

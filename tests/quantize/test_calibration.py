@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from nibble.quantize.calibration import (calibration_batches, capture_block_inputs, decoder_layers, forward_block,
-                                         token_batches)
+from nibble import QuantConfig
+from nibble.quantize.calibration import (calibration_batches, calibration_for, capture_block_inputs, decoder_layers,
+                                         forward_block, token_batches)
 
 
 class ByteTokenizer:
@@ -24,6 +25,16 @@ def test_batches_are_seeded_non_overlapping_windows_of_the_text(source):
     assert torch.equal(a, calibration_batches(tok, n_samples=16, seq_len=256, source=source, seed=0))
     assert not torch.equal(a, calibration_batches(tok, n_samples=16, seq_len=256, source=source, seed=1))
     assert len({tuple(r.tolist()) for r in a}) == 16
+
+
+def test_calibration_for_a_model_cuts_the_default_windows_to_its_context():
+    """quantize_model refuses windows past the model's context: the default ones (512 tokens) of the CLI and the
+    report fit a model of a shorter one (256), and the sizes given are kept as they are."""
+    tok, gptq = ByteTokenizer(), QuantConfig(method="gptq")
+    assert calibration_for(gptq, tok, tiny_model(), n_samples=2).shape == (2, 256)
+    assert calibration_for(gptq, tok, tiny_model(max_position_embeddings=4096), n_samples=2).shape == (2, 512)
+    assert calibration_for(gptq, tok, tiny_model(), n_samples=2, seq_len=300).shape == (2, 300)
+    assert calibration_for(QuantConfig(), tok, tiny_model()) is None
 
 
 def test_jsonl_file_source_and_too_short_text_names_the_minimum(tmp_path):
