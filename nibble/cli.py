@@ -751,6 +751,10 @@ def main(argv=None):
             check_out(args.out, getattr(args, "model", None), writes_model=args.command != "report")
         with _warnings_said_as(f"nibble {args.command}"):
             return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
+    except BrokenPipeError:  # the reader of a pipe left (`nibble generate ... | head -1`): its choice, not an error
+        # Python flushes stdout again at exit, into the same closed pipe: point it at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None  # 128 + SIGPIPE, the status of a command a closed pipe stopped
     except user_errors() as e:
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise

@@ -493,6 +493,20 @@ def test_qat_eval_ppl_scores_as_many_tokens_as_max_tokens_says(model_dir, tmp_pa
         main(args + ["--ppl-max-tokens", "64"])
 
 
+def test_a_reader_that_leaves_the_pipe_is_no_traceback(model_dir, tmp_path):
+    """`nibble info ... | head -1`: the print into the closed pipe was a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
+    run = subprocess.Popen([sys.executable, "-m", "nibble", "info", str(out)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, cwd=Path(__file__).parents[1])
+    run.stdout.close()  # the reader leaves before the first line
+    err = run.stderr.read().decode()
+    assert run.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
     """Ctrl-C in any command was a traceback of wherever the work was; now one line and the shell's status for it."""
     from nibble import cli
