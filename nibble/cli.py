@@ -574,14 +574,16 @@ def cmd_demo(args):
     # a minute on a CPU: said as it starts (one window, the default, is one forward pass each, which shows no bar)
     print(f"\nscoring the 16-bit and the W4A16 model on the first {args.ppl_tokens} WikiText-2 test tokens ...",
           flush=True)
-    ppl16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens)["ppl"]
-    ppl4 = wikitext2_perplexity(qmodel, tok, max_tokens=args.ppl_tokens)["ppl"]
+    scored16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens)
+    ppl16, ppl4 = scored16["ppl"], wikitext2_perplexity(qmodel, tok, max_tokens=args.ppl_tokens)["ppl"]
+    scored = scored16["windows"] * scored16["seq_len"]  # fewer than asked past the split's end or a ragged tail
     print(f"\nweights of the quantized linears: {wb['bf16_bytes'] / 2**20:.1f} MiB (16-bit) -> "
           f"{wb['quantized_bytes'] / 2**20:.1f} MiB (W4A16 g{cfg.group_size}, scales+zeros counted) = {wb['ratio']:.3f}x")
     print(f"logits cosine similarity (16-bit vs W4A16): {cos:.5f}")
-    print(f"WikiText-2 test perplexity, first {args.ppl_tokens} tokens: 16-bit {ppl16:.3f}, W4A16 {ppl4:.3f} "
+    print(f"WikiText-2 test perplexity, first {scored} tokens: 16-bit {ppl16:.3f}, W4A16 {ppl4:.3f} "
           f"({ppl4 / ppl16:.3f}x)")
-    print("note: SmolLM2's 16-bit weights are themselves dequantized Q4_1, so this is re-quantization loss.")
+    if args.model is None:  # the default model, a Q4_1 GGUF: of another --model this would be untrue
+        print("note: SmolLM2's 16-bit weights are themselves dequantized Q4_1, so this is re-quantization loss.")
     print(f"demo finished in {time.time() - t0:.0f}s")
 
 

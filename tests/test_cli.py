@@ -619,6 +619,13 @@ def test_the_demo_says_it_is_scoring_and_shows_the_bars_of_several_windows(token
     assert f"WikiText-2 test perplexity, first {tokens} tokens" in out
     # one window each: no bar at all (it sat at 0/1 for the whole pass)
     assert len(re.findall(r"perplexity: 100%[^\r\n]*\n", err)) == bars and ("perplexity:" in err) == bool(bars)
+    assert "dequantized Q4_1" not in out  # the default model's note, untrue of another --model
+
+
+def test_the_demo_says_how_many_tokens_it_scored(model_dir, capsys):
+    """It printed the count asked for: --ppl-tokens 300 over 256-token windows scores one window, 256 tokens."""
+    main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", "300"])
+    assert "WikiText-2 test perplexity, first 256 tokens" in capsys.readouterr().out
 
 
 def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):
