@@ -693,7 +693,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
         meta["ceilings"] = speed_mod.device_ceilings()
     if not cuda:
         log("no CUDA GPU visible: peak memory and speed are skipped (they are measured on the GPU only); "
-            "running accuracy and weight bytes on the CPU")
+            f"running {'accuracy and ' * accuracy}weight bytes on the CPU")
     results = {"meta": meta, "configs": {}, "speed_models": {}}
     for name in configs if model else ():
         t0 = time.perf_counter()
@@ -788,6 +788,16 @@ def check_report_args(args: argparse.Namespace) -> None:
                          "drop --no-model to measure the model's accuracy and weights here")
     check_least(args, (("limit", 1), ("batch_size", 1), ("ppl_max_tokens", 2), ("ppl_seq_len", 2),
                        ("speed_rounds", 1)))
+    speed_options = [flag for flag, given in (("--speed-models", args.speed_models  # the flag alone skips them
+                                               and args.speed_models != list(DEFAULT_SPEED_MODELS)),
+                                              ("--speed-rounds", args.speed_rounds != SPEED_ROUNDS)) if given]
+    them = "them" if len(speed_options) > 1 else "it"
+    if speed_options and args.no_speed:  # taken, and the run exited 0 with its speed "skipped" in report.json alone
+        raise ValueError(f"{' and '.join(speed_options)} set the speed runs that --no-speed skips: drop {them} or "
+                         "--no-speed")
+    if speed_options and not torch.cuda.is_available():
+        raise ValueError(f"{' and '.join(speed_options)} set the speed runs, which are timed on a CUDA GPU, and none "
+                         f"is visible: drop {them}")
     if quantized_checkpoint(args.model):
         raise ValueError(f"{args.model} is already quantized, and the report quantizes a 16-bit model each config's "
                          "way: give it the 16-bit model (an HF dir or a .gguf), or measure this one with `nibble eval "

@@ -451,6 +451,10 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     (["--no-accuracy", "--limit", "3", "--tasks", "piqa"], "--limit and --tasks set the accuracy runs that "
                                                            "--no-accuracy skips"),
     (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips"),
+    (["--no-speed", "--speed-rounds", "9"], "--speed-rounds set the speed runs that --no-speed skips: drop it or "
+                                            "--no-speed"),
+    (["--no-speed", "--speed-models", "llama-3-8b", "--speed-rounds", "7"], "--speed-models and --speed-rounds set the "
+                                                                           "speed runs that --no-speed skips: drop them"),
     # by the options' names: run_report's named its parameters ("tasks_limit must be >= 1" for --limit 0)
     (["--limit", "0"], "--limit must be >= 1, got 0"), (["--speed-rounds", "0"], "--speed-rounds must be >= 1"),
     (["--ppl-seq-len", "1"], "--ppl-seq-len must be >= 2"), (["--batch-size", "0"], "--batch-size must be >= 1"),
@@ -473,6 +477,17 @@ def test_report_refuses_a_quantized_model_before_any_config_runs(monkeypatch, tm
     with pytest.raises(ValueError, match=f"{tmp_path} is already quantized, and the report quantizes a 16-bit model "
                                          f"each config's way: .* `nibble eval ppl --model {tmp_path}`"):
         report.report_main(args)
+
+
+def test_report_without_a_gpu_refuses_speed_options(monkeypatch, tmp_path):
+    """--speed-models / --speed-rounds on a machine without CUDA were taken, and the run exited 0 with its speed
+    "skipped" in report.json alone; the flag alone, which skips the speed models, is no speed option."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parse = report.add_report_arguments(argparse.ArgumentParser()).parse_args
+    with pytest.raises(ValueError, match="^--speed-models set the speed runs, which are timed on a CUDA GPU, and none is "
+                                         "visible: drop it$"):
+        report.check_report_args(parse(["--out", str(tmp_path), "--speed-models", "llama-3-8b"]))
+    report.check_report_args(parse(["--out", str(tmp_path), "--speed-models"]))
 
 
 def test_report_without_a_gpu_refuses_to_run_the_speed_models_alone(monkeypatch, tmp_path):
