@@ -365,14 +365,20 @@ def cmd_generate(args):
         try:
             lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
         except OSError as e:
-            raise SystemExit(f"nibble generate: cannot read --prompts-file: {e}") from None
+            raise ValueError(f"cannot read --prompts-file: {e}") from None
+        except UnicodeDecodeError as e:  # the codec's message named neither the file nor the option
+            raise ValueError(f"--prompts-file {args.prompts_file} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                             "save it as UTF-8") from None
         prompts += [line for line in lines if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt (one a line; blank lines are "
+                             "skipped)")
     if not prompts:
-        raise SystemExit("nibble generate: give a prompt, several, or --prompts-file (one prompt a line)")
+        raise ValueError("give a prompt, several, or --prompts-file (one prompt a line)")
     if args.batch_size is not None and args.batch_size < 1:
-        raise SystemExit(f"nibble generate: --batch-size must be >= 1, got {args.batch_size}")
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:
-        raise SystemExit("nibble generate: --stats times one prompt; give a single one")
+        raise ValueError("--stats times one prompt; give a single one")
     check_seed(args.seed)  # one out of range is refused, not warned about as ignored below
     # options this run ignores, said as --top-k / --top-p without a temperature are (`Sampling.warn_if_filters_unused`)
     if args.batch_size is not None and len(prompts) == 1:

@@ -292,6 +292,19 @@ def test_several_prompts_are_printed_batch_by_batch_as_each_completes(model_dir,
     assert shown_at_batches == ["", out.shown[:starts[2]], out.shown[:starts[4]]]
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"ok\n\xff\xfe\n", r"--prompts-file .*p\.txt is not UTF-8 text \(invalid start byte at byte 3\): save it as UTF-8"),
+    (b"\n  \n", r"--prompts-file .*p\.txt holds no prompt \(one a line; blank lines are skipped\)")])
+def test_a_prompts_file_that_is_not_text_or_holds_no_prompt_is_named(content, message, tmp_path, monkeypatch):
+    """A file not in UTF-8 gave the codec's bare message; one of blank lines said "give ... --prompts-file"."""
+    import nibble.cli as cli
+
+    (tmp_path / "p.txt").write_bytes(content)
+    monkeypatch.setattr(cli, "load", lambda *a: pytest.fail("loaded the model before checking the flags"))
+    with pytest.raises(SystemExit, match=r"^nibble generate: " + message + r"\n\(NIBBLE_TRACEBACK=1"):
+        main(["generate", "--model", "nowhere", "--prompts-file", str(tmp_path / "p.txt")])
+
+
 @pytest.mark.parametrize("flags, message", [([], "give a prompt"), (["x", "--batch-size", "0"], "batch-size must be"),
                                             (["--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file"),
                                             (["a", "b", "--stats"], "--stats times one prompt")])
