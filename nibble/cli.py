@@ -530,6 +530,7 @@ def cmd_eval(args):
 def cmd_build_kernels(args):
     from nibble.kernels.cuda_build import device_arch, prebuild
 
+    check_least(args, (("jobs", 1),))  # said as the option, before prebuild's own check
     arch = args.arch
     if arch is None:
         if not torch.cuda.is_available():

@@ -666,6 +666,13 @@ def test_build_kernels_says_what_it_needs(monkeypatch):
         main(["build-kernels"])
     with pytest.raises(SystemExit, match="^nibble build-kernels: .*compute capability as digits"):
         main(["build-kernels", "--arch", "sm_90"])
+    # taken: --jobs 0 as the CPUs, --arch 70 failing in nvcc ("Unsupported gpu architecture")
+    with pytest.raises(SystemExit, match="^nibble build-kernels: --jobs must be >= 1, got 0"):
+        main(["build-kernels", "--arch", "90", "--jobs", "0"])
+    with pytest.raises(SystemExit, match="^nibble build-kernels: nibble's CUDA kernels need compute capability 8.0"):
+        main(["build-kernels", "--arch", "70"])
+    with pytest.raises(ValueError, match="^jobs must be an integer >= 1, got -3"):
+        cuda_build.prebuild("90", jobs=-3)
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     with pytest.raises(SystemExit, match="^nibble build-kernels: .*need nvcc"):
         main(["build-kernels", "--arch", "90"])

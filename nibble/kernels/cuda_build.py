@@ -120,6 +120,12 @@ def prebuild(arch: str, jobs: int | None = None, progress: bool = True) -> dict[
 
     if not (arch.isdigit() and len(arch) >= 2):
         raise ValueError(f"arch must be a compute capability as digits, e.g. 90 for H100/H200 or 80 for A100; got {arch!r}")
+    if int(arch) < 80:  # nvcc's "Unsupported gpu architecture" or a failed mma.sync said less: the kernels' bf16 MMAs
+        raise ValueError(f"nibble's CUDA kernels need compute capability 8.0 or newer (A100, L4, H100, ...): arch {arch} "
+                         "lacks the bf16 tensor-core MMA they are built on")
+    if jobs is not None:
+        from nibble.config import check_count
+        check_count("jobs", jobs)  # 0 or -3 was taken as "the CPUs" without a word
     targets = {name: target(name, arch) for name, specific in LIBRARIES.items() if not specific or arch == "90"}
     jobs = jobs or min(len(targets), os.cpu_count() or 1)
     paths = {}
