@@ -451,7 +451,7 @@ def _rate(per_second: float) -> str:
 
 
 def cmd_quantize(args):
-    from nibble.models.convert import weight_bytes
+    from nibble.models.convert import TIED_HEAD, weight_bytes
     from nibble.models.serialization import save_quantized
 
     if args.format != "nibble" and not args.quantized and (
@@ -461,8 +461,11 @@ def cmd_quantize(args):
     model, tok = load_for_command(args, _device(args.device))
     out = save_quantized(model, args.out, tok, format=args.format)
     wb = weight_bytes(model)
+    # a head tied to the embedding was no bytes of its own in 16 bits: its quantized copy is added to the model
+    tied = (", the tied lm_head as 0: its table stays the embedding's, and its quantized copy is added"
+            if model.config.quantization_config.get(TIED_HEAD) else "")
     print(f"saved {out}: quantized linears {wb['quantized_bytes'] / 2**20:.1f} MiB "
-          f"({wb['ratio']:.3f}x of {wb['bf16_bytes'] / 2**20:.1f} MiB in 16 bits)")
+          f"({wb['ratio']:.3f}x of {wb['bf16_bytes'] / 2**20:.1f} MiB in 16 bits{tied})")
 
 
 def cmd_info(args):

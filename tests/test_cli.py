@@ -146,10 +146,17 @@ def test_quantize_lm_head_from_the_cli(model_dir, tmp_path, capsys):
     out = tmp_path / "q"
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--quantize-lm-head",
           "--out", str(out)])
-    capsys.readouterr()
+    assert "the tied lm_head as 0" in capsys.readouterr().out  # what the 16-bit figure holds of the head
     main(["info", str(out)])
     info = json.loads(capsys.readouterr().out)
     assert info["quantized_linears"] == 2 * 7 + 1 and info["quantization_config"]["modules_to_not_convert"] == []
+    # the head adds its quantized bytes to the model (the embedding keeps the tied table): less saved, not more
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(tmp_path / "p")])
+    capsys.readouterr()
+    main(["info", str(tmp_path / "p")])
+    plain = json.loads(capsys.readouterr().out)
+    added = info["total_state_bytes"] - plain["total_state_bytes"]
+    assert added > 0 and info["bytes_saved"] == plain["bytes_saved"] - added
 
 
 def test_w4a4_with_rotation_from_the_cli(model_dir, capsys, monkeypatch):

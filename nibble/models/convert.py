@@ -29,6 +29,8 @@ def check_architecture(model: nn.Module) -> None:
                          f"{type(model).__name__}: load the model with transformers' AutoModelForCausalLM")
 
 
+# the quantization_config key of a model whose quantized lm_head was tied to the embedding in 16 bits (`weight_bytes`)
+TIED_HEAD = "lm_head_was_tied"
 DECODER_LAYERS = "model.layers"  # where a causal LM holds its decoder layers (check_architecture)
 
 
@@ -79,14 +81,19 @@ def untie_lm_head(model: nn.Module) -> None:
     """Drop the tie of lm_head to the embedding from the config, so that transformers never re-ties them,
     and give a tied lm_head.weight a copy of the embedding's: for changes to lm_head alone (rotation folds
     the final norm into it; quantization replaces it, after which it holds no float weight to copy)."""
-    embed, head = model.model.embed_tokens, model.lm_head
-    weight = getattr(head, "weight", None)
-    if weight is not None and (weight is embed.weight or weight.data_ptr() == embed.weight.data_ptr()):
-        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    if lm_head_tied(model):
+        embed = model.model.embed_tokens.weight
+        model.lm_head.weight = nn.Parameter(embed.detach().clone(), requires_grad=embed.requires_grad)
     own_config(model)
     model.config.tie_word_embeddings = False
     if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5 keeps the tying map on the model
         model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+
+
+def lm_head_tied(model: nn.Module) -> bool:
+    """Whether lm_head reads the embedding's table (one tensor, held once): a quantized head has no float weight."""
+    weight, embed = getattr(model.lm_head, "weight", None), model.model.embed_tokens.weight
+    return weight is not None and (weight is embed or weight.data_ptr() == embed.data_ptr())
 
 
 def rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
@@ -163,6 +170,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     if unmatched:
         warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
              f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')")
+    # the 16-bit model held a tied head once, as the embedding, which keeps its table: `weight_bytes` counts what
+    # the quantized head replaced as 0 bytes (the rotation below unties it too, so this is read first)
+    head_was_tied = "lm_head" in names and lm_head_tied(model)
     if device is not None:
         move_all_but_layers(model, device)
     rotate_layer = None
@@ -182,7 +192,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         untie_lm_head(model)
     if device is not None:
         model.to(device)  # the rest of the model, already there unless a layer's turn never came
-    mark_quantized(model, rotation_recorded(model, config).to_dict())
+    tied = {TIED_HEAD: True} if head_was_tied else {}
+    mark_quantized(model, {**rotation_recorded(model, config).to_dict(), **tied})
     return model
 
 
@@ -401,11 +412,16 @@ def move_all_but_layers(model: nn.Module, device: torch.device) -> None:
 
 
 def weight_bytes(model: nn.Module) -> dict:
-    """Bytes of the quantized linears (codes + scales + zeros + bias) and what they were in 16 bits."""
+    """Bytes of the quantized linears (codes + scales + zeros + bias) and what they were in 16 bits: a quantized
+    lm_head that was tied to the embedding (quantization_config's TIED_HEAD) was 0 bytes there, since the 16-bit
+    model held its table once, as the embedding, which keeps it; so "bf16_bytes" - "quantized_bytes" is what the
+    quantization saved, less than the other linears saved by the head's quantized bytes (negative where it grew)."""
     quant, dense16 = 0, 0
-    for _, m in quantized_linears(model):
+    head_was_tied = (getattr(model.config, "quantization_config", None) or {}).get(TIED_HEAD, False)
+    for name, m in quantized_linears(model):
         quant += sum(t.numel() * t.element_size() for t in (m.qweight, m.scales, m.zeros))
-        dense16 += m.in_features * m.out_features * 2
+        if not (head_was_tied and name == "lm_head"):
+            dense16 += m.in_features * m.out_features * 2
         if m.bias is not None:
             quant += m.bias.numel() * 2
             dense16 += m.bias.numel() * 2

@@ -51,6 +51,23 @@ def test_weight_bytes_counts_scales_and_zeros():
     assert wb["ratio"] == pytest.approx(0.25 + 2 * 2 / (64 * 2), rel=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # lm_head tied to the embedding, and its own matrix
+@pytest.mark.parametrize("rotate", [False, True])  # the rotation unties the head before it is quantized
+def test_weight_bytes_saved_is_what_quantizing_the_head_too_saved(arch, rotate):
+    """A tied head, held once in 16 bits (as the embedding, which keeps its table), was priced as its own matrix: a
+    model that grew read as saving more than without the head."""
+    from nibble.eval.memory import weight_memory
+
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    before = weight_memory(model)["total_bytes"]
+    config = (QuantConfig(mode="w4a4", rotation="hadamard", modules_to_not_convert=[]) if rotate else
+              QuantConfig(group_size=32, modules_to_not_convert=[]))
+    quantize_model(model, config, progress=False)
+    wb = weight_bytes(model)
+    assert wb["bf16_bytes"] - wb["quantized_bytes"] == before - weight_memory(model)["total_bytes"]
+    assert model.config.quantization_config.get("lm_head_was_tied", False) == (arch == "llama")
+
+
 def test_default_group_size_follows_the_in_features():
     assert default_group_size(tiny_model(hidden_size=64, intermediate_size=192)) == 64
     assert default_group_size(tiny_model(hidden_size=128, intermediate_size=256)) == 128
