@@ -728,6 +728,14 @@ def user_errors() -> tuple:
             KernelUnavailableError, FloatingPointError)
 
 
+def interrupted(command: str, message: str = "interrupted") -> SystemExit:
+    """Ctrl-C in ``nibble <command>``: says ``message`` (what was kept, how to go on) as one line on stderr and gives
+    the SystemExit to raise, of status 130 (128 + SIGINT, what a shell gives a command Ctrl-C stopped), so that a
+    script can tell an interrupted command from a failed one (status 1)."""
+    print(f"\nnibble {command}: {message}", file=sys.stderr)  # "\n": past the "^C" the terminal echoed
+    return SystemExit(130)
+
+
 @contextlib.contextmanager
 def _warnings_said_as(prefix: str):
     """Warnings as one line, ``nibble <command>: warning: ...``, as the errors are said: Python's own form printed
@@ -774,8 +782,7 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback of wherever the work was
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise
-        print(f"\nnibble {args.command}: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None  # 128 + SIGINT, the status a shell gives a command Ctrl-C stopped
+        raise interrupted(args.command) from None
 
 
 if __name__ == "__main__":

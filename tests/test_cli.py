@@ -544,7 +544,7 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
         main(["info", str(tmp_path)])
 
 
-def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_rtn(model_dir, monkeypatch):
+def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_rtn(model_dir, monkeypatch, capsys):
     from nibble.models import loading
     from nibble.quantize import calibration
 
@@ -556,8 +556,11 @@ def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_r
 
     monkeypatch.setattr(calibration, "calibration_batches", batches)
     args = ["qat", "--model", str(model_dir), "--device", "cpu", "--steps", "1", "--out", "unused"]
-    with pytest.raises(SystemExit, match="^nibble qat: interrupted before training began"):
+    with pytest.raises(SystemExit) as stopped:
         main(args + ["--init", "gptq", "--calib-samples", "4", "--calib-seq-len", "32"])
+    assert stopped.value.code == 130
+    last_line = capsys.readouterr().err.splitlines()[-1]  # after the model load's progress bar
+    assert last_line == "nibble qat: interrupted before training began; nothing was written to unused"
     assert asked == [(4, 32)]
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
     with pytest.raises(SystemExit, match="^nibble qat: --calib-samples sizes the calibration of --init gptq; --init "

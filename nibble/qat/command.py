@@ -50,7 +50,7 @@ def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
         from nibble.qat.train import QatInterrupted, check_learning_rates, check_recipe, run_qat, state_path
-    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed
+    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed, interrupted
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
@@ -86,9 +86,9 @@ def qat_main(args) -> None:
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
                         sources=sources, init=args.init, calibration=calibration)
     except QatInterrupted as e:
-        raise SystemExit(f"nibble qat: {e}") from None
+        raise interrupted("qat", str(e)) from None
     except KeyboardInterrupt:  # before run_qat began its run (loading the model, reading the texts): nothing written
-        raise SystemExit(f"nibble qat: interrupted before training began; nothing was written to {args.out}") from None
+        raise interrupted("qat", f"interrupted before training began; nothing was written to {args.out}") from None
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")
@@ -96,8 +96,8 @@ def qat_main(args) -> None:
     try:
         export(model, args.out, tokenizer)
     except KeyboardInterrupt:
-        raise SystemExit(f"nibble qat: interrupted while exporting; {state_path(args.out)} holds the finished run: "
-                         "the same command with --resume exports it again, without training") from None
+        raise interrupted("qat", f"interrupted while exporting; {state_path(args.out)} holds the finished run: the "
+                                 "same command with --resume exports it again, without training") from None
     print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
           f"{args.out}`)")
     if args.eval_ppl:
