@@ -607,9 +607,20 @@ def quantized_checkpoint(directory) -> bool:
         return False
     if quantization_settings_files(config.parent):  # AutoGPTQ's or early AutoAWQ's settings, read by load_quantized
         return True
-    qc = read_json_object(config).get("quantization_config")  # one that is not an object: refused by its loader
-    method = str(qc.get("quant_method")).lower() if isinstance(qc, dict) else None
-    return method in ("nibble", *QUANT_METHODS)
+    raw = read_json_object(config)
+    qc = raw.get("quantization_config")  # one that is not an object: refused by its loader
+    nibble = isinstance(qc, dict) and str(qc.get("quant_method")).lower() == "nibble"
+    return nibble or imported_checkpoint(config.parent, raw)
+
+
+def imported_checkpoint(directory: Path, config: dict) -> bool:
+    """Whether the checkpoint in ``directory`` of config.json ``config`` is an AutoAWQ / GPTQ one, which this module
+    reads: its quantization_config says so, or, without one, the settings file its tool wrote beside it (AutoGPTQ
+    before 0.5, early AutoAWQ)."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return bool(quantization_settings_files(directory))
+    return isinstance(qc, dict) and str(qc.get("quant_method")).lower() in QUANT_METHODS  # as read: "AWQ" too
 
 
 def _interrupted_save(directory: Path) -> bool:

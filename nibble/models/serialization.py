@@ -35,10 +35,9 @@ from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
                                    QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, header_tensor,
                                    quantization_settings_files, read_config, read_generation_config, read_tokenizer)
-from nibble.models.hf_import import QUANT_METHODS as HF_QUANT_METHODS
 from nibble.models.hf_import import (checkpoint_dir, export_awq, export_gptq, fold_mlp_input_orders,
-                                     hf_quantized_structure, input_permuted_modules, load_hf_quantized, meta_model,
-                                     model_to_save, named_layer)
+                                     hf_quantized_structure, imported_checkpoint, input_permuted_modules,
+                                     load_hf_quantized, meta_model, model_to_save, named_layer)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.warn import warn
@@ -320,7 +319,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     device = resolve_device(device)
     dtype = resolve_dtype(dtype)
     raw = _checkpoint_config(directory)
-    if _imported(directory, raw):
+    if imported_checkpoint(directory, raw):
         return load_hf_quantized(directory, device, dtype, tokenizer)
     settings = _nibble_settings(directory, raw)
     tensors, aliases = _read_checked(directory / WEIGHTS, raw)
@@ -337,7 +336,7 @@ def quantized_structure(directory) -> nn.Module:
     structure's are (config.json's digest, each layer's shapes, the names of the tensors)."""
     directory = Path(directory).expanduser()
     raw = _checkpoint_config(directory)
-    if _imported(directory, raw):
+    if imported_checkpoint(directory, raw):
         return hf_quantized_structure(directory)
     settings = _nibble_settings(directory, raw)
     tensors, aliases = _read_checked(directory / WEIGHTS, raw, data=False)
@@ -363,16 +362,6 @@ def _checkpoint_config(directory: Path) -> dict:
     if raw.get("quantization_config") is None and not quantization_settings_files(directory):
         raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
     return raw
-
-
-def _imported(directory: Path, config: dict) -> bool:
-    """Whether the checkpoint of ``config`` (its config.json) is an AutoAWQ / GPTQ one, which hf_import reads: its
-    quantization_config says so, or, without one, the settings file its tool wrote beside it (AutoGPTQ before 0.5,
-    early AutoAWQ)."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return bool(quantization_settings_files(directory))
-    return str(qc.get("quant_method")).lower() in HF_QUANT_METHODS  # as the importer reads it: "AWQ" too
 
 
 def _nibble_settings(directory: Path, raw: dict) -> tuple[QuantConfig, set, set]:
