@@ -42,8 +42,8 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
     parser.add_argument("--ppl-max-tokens", type=int, default=None,
                         help="--eval-ppl: cut the WikiText-2 token stream, as `nibble eval ppl --max-tokens` and `nibble "
-                             "report --ppl-max-tokens` do (quick "
-                             "runs; the training's tokens are --steps x --batch-size x --seq-len)")
+                             "report --ppl-max-tokens` do (quick runs; the training's tokens are --steps x --batch-size "
+                             "x --seq-len)")
 
 
 def qat_main(args) -> None:

@@ -63,8 +63,9 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     for p in base.parameters():
         p.requires_grad_(False)
     # the post-training quantization the weights started from, as quantize_model records it (step 0 is that model:
-    # `init` rtn with its clip search, or gptq, whose own search leaves clip_search None), with the rotation the model holds, the Hadamard recipe's or one made
-    # before PE-QAT (rotate_model, recorded on the model); "qat" below records the training that moved them on
+    # `init` rtn with its clip search, or gptq, whose own search leaves clip_search None), with the rotation the model
+    # holds, the Hadamard recipe's or one made before PE-QAT (rotate_model, recorded on the model); "qat" below records
+    # the training that moved them on
     qc = rotation_recorded(base, QuantConfig(mode="w4a4", method=meta.get("init", "rtn")))
     # the run's settings and losses, not its wall-clock time: the same run exports the same config.json
     recorded = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list)) and k != "seconds_this_run"}
