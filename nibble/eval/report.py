@@ -74,12 +74,21 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
     ``w4a16`` uses group size 128, or the largest of 64 / 32 that divides every linear's in_features
     of ``model`` (SmolLM2's 576 needs 64); ``w4a16-g64`` names it explicitly. ``-lmhead`` on a quantized
     config quantizes lm_head too (``w4a16-lmhead``, ``w4a4-hadamard-lmhead``). ``-gptq`` (both modes) and
-    ``-awq`` (W4A16) pick the calibrated method (``w4a16-g64-awq``, ``w4a4-hadamard-gptq``).
+    ``-awq`` (W4A16) pick the calibrated method (``w4a16-g64-awq``, ``w4a4-hadamard-gptq``). A name it refuses
+    (ValueError) is said first, ``config w4a16-g7: ...``: QuantConfig's own refusals ("group_size must be ...")
+    named no config, where a report of several left the reader to guess which.
     """
+    try:
+        return _quant_config(name, model, overrides)
+    except ValueError as e:
+        raise ValueError(f"config {name}: {e}") from None
+
+
+def _quant_config(name: str, model, overrides: dict) -> QuantConfig | None:
     parts = name.lower().split("-")
     if parts[0] in ("bf16", "fp16", "16bit"):
         if len(parts) > 1:
-            raise ValueError(f"unknown config {name!r}")
+            raise ValueError(f"the 16-bit baseline takes no suffix: use {parts[0]} alone")
         return None
     kw = {}
     if "lmhead" in parts[1:]:
@@ -93,7 +102,7 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
             elif p in ("gptq", "awq"):
                 kw["method"] = p
             else:
-                raise ValueError(f"unknown config {name!r}: w4a16 takes -gN (group size), -gptq, -awq")
+                raise ValueError(f"unknown part -{p}: w4a16 takes -gN (group size), -gptq, -awq, -lmhead")
         if "group_size" not in kw and model is not None:
             kw["group_size"] = default_group_size(model)
     elif parts[0] == "w4a4":
@@ -104,10 +113,10 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
             elif p == "gptq":
                 kw["method"] = p
             else:
-                raise ValueError(f"unknown config {name!r}: w4a4 takes -hadamard, -gptq")
+                raise ValueError(f"unknown part -{p}: w4a4 takes -hadamard, -gptq, -lmhead")
     else:
-        raise ValueError(f"unknown config {name!r}; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard (a quantized "
-                         "config takes -lmhead to quantize lm_head too, and -gptq, or -awq for w4a16)")
+        raise ValueError("unknown config; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard (a quantized config takes "
+                         "-lmhead to quantize lm_head too, and -gptq, or -awq for w4a16)")
     return QuantConfig(**{**kw, **overrides})
 
 
@@ -140,8 +149,8 @@ def _checked_loader(loader: Callable, configs: list[str]) -> Callable:
     except Exception:
         return loader
     for name in configs:
+        qc = quant_config(name, model)  # its refusal names the config (a default group size no width takes)
         try:
-            qc = quant_config(name, model)
             if qc is not None:
                 check_quantizable(model, qc)
         except ValueError as e:

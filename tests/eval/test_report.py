@@ -51,12 +51,21 @@ def test_config_names_map_to_quant_configs():
     assert (report.quant_config("w4a16-g64-awq").method, report.quant_config("w4a16-g64-awq").group_size) == ("awq", 64)
     # no layer is RTN's, whose clip search "noclip" says was off: AWQ ran its own
     assert report._describe({"quant_config": report.quant_config("w4a16-g64-awq").to_dict()}) == "w4a16 g64 awq"
-    with pytest.raises(ValueError, match="w4a4 takes -hadamard, -gptq"):
-        report.quant_config("w4a4-awq")
-    with pytest.raises(ValueError, match="unknown config"):
-        report.quant_config("w3a16")
-    with pytest.raises(ValueError, match="unknown config"):
-        report.quant_config("bf16-lmhead")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("w4a16-g7", "group_size must be -1 (one group per output channel) or a positive multiple of 8"),  # QuantConfig's
+    ("w4a4-awq", "unknown part -awq: w4a4 takes -hadamard, -gptq, -lmhead"),
+    ("w4a16-foo", "unknown part -foo: w4a16 takes -gN (group size), -gptq, -awq, -lmhead"),
+    ("w3a16", "unknown config; use bf16, w4a16"), ("bf16-lmhead", "the 16-bit baseline takes no suffix: use bf16")])
+def test_every_refused_config_name_is_said_with_the_name(name, message, tmp_path):
+    """QuantConfig's refusal of ``w4a16-g7`` was said bare ("group_size must be -1 ..."), where the others named the
+    config: a report of several left the reader to guess which one."""
+    with pytest.raises(ValueError, match=f"^config {name}: {re.escape(message)}"):
+        report.quant_config(name)
+    with pytest.raises(ValueError, match=f"^config {name}: {re.escape(message)}"):
+        report.run_report(None, tmp_path / "report", configs=("bf16", name), speed=False, loader=tiny_loader,
+                          log=lambda *_: None)
 
 
 def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
