@@ -47,6 +47,7 @@ from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
 DEFAULT_SPEED_MODELS = ("llama-2-7b",)
+TASKS_BATCH_SIZE = 16  # requests a forward pass when scoring the tasks
 WINDOW_NAMES = ("ppl_seq_len", "ppl_max_tokens")  # how a refused perplexity window names them (`check_window`)
 NO_CUDA = "skipped: the model is not on a CUDA GPU (speed and peak memory are measured on the GPU only)"
 NO_GPU = "skipped: no CUDA GPU visible (the speed models are built and timed on the GPU only)"
@@ -650,7 +651,7 @@ def write_plots(results: dict, out: Path, log=say) -> list[str]:
 # ---- the entry point -------------------------------------------------------------------------
 def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIGS, tasks_limit=None,
                speed_models=DEFAULT_SPEED_MODELS, *, tasks=ALL_TASKS, ppl_max_tokens=None, ppl_seq_len=None,
-               batch_size=16, device=None, dtype=None, model=True, accuracy=True, speed=True, speed_clip_search=False,
+               batch_size=TASKS_BATCH_SIZE, device=None, dtype=None, model=True, accuracy=True, speed=True, speed_clip_search=False,
                speed_rounds=SPEED_ROUNDS, loader: Callable | None = None, progress=True, log=say) -> dict:
     """Measure every config in ``configs`` and write report.md / report.json / PNGs to ``out_dir``.
 
@@ -752,18 +753,22 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="bf16, w4a16 (or w4a16-g64 ...), w4a4, w4a4-hadamard; -gptq (or -awq, w4a16) for "
                              "calibrated weights (speed models: RTN), -lmhead to quantize lm_head too")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
-    parser.add_argument("--tasks", nargs="+", action=TaskNames, default=list(ALL_TASKS),
+    # the options of a part the run may skip default to None, so that check_report_args tells one given from one
+    # left out: `--no-speed --speed-rounds 3` (the default's value) was taken, and ignored
+    parser.add_argument("--tasks", nargs="+", action=TaskNames, default=None,
                         help="zero-shot tasks, by space or comma, e.g. piqa boolq (default: all seven)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
     parser.add_argument("--ppl-seq-len", type=int, default=None,
                         help="perplexity window (default: min(context, 2048); a longer one than the context is cut to "
                              "it, with a warning)")
-    parser.add_argument("--batch-size", type=int, default=16, help="task scoring batch size")
-    parser.add_argument("--speed-models", nargs="*", default=list(DEFAULT_SPEED_MODELS),
-                        choices=list(speed_mod.SPEED_MODELS),
-                        help="random-weight models for speed and memory (CUDA only); the flag alone skips them")
-    parser.add_argument("--speed-rounds", type=int, default=SPEED_ROUNDS,
-                        help="rounds of alternating config order on each speed model (median row kept)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"task scoring batch size (default: {TASKS_BATCH_SIZE})")
+    parser.add_argument("--speed-models", nargs="*", default=None, choices=list(speed_mod.SPEED_MODELS),
+                        help="random-weight models for speed and memory (CUDA only; default: "
+                             f"{' '.join(DEFAULT_SPEED_MODELS)}); the flag alone skips them")
+    parser.add_argument("--speed-rounds", type=int, default=None,
+                        help="rounds of alternating config order on each speed model, the median row kept "
+                             f"(default: {SPEED_ROUNDS})")
     parser.add_argument("--no-speed", action="store_true", help="skip every speed measurement")
     parser.add_argument("--no-accuracy", action="store_true", help="skip perplexity and tasks")
     parser.add_argument("--no-model", action="store_true",
@@ -780,12 +785,13 @@ def check_report_args(args: argparse.Namespace) -> None:
     from nibble.cli import check_least
     from nibble.models.hf_import import quantized_checkpoint
 
-    accuracy_options = [flag for flag, given in (("--limit", args.limit is not None),
-                                                 ("--tasks", args.tasks != list(ALL_TASKS)),
-                                                 ("--ppl-max-tokens", args.ppl_max_tokens is not None),
-                                                 ("--ppl-seq-len", args.ppl_seq_len is not None)) if given]
-    if args.no_model and args.model is not None:
-        raise ValueError("--no-model skips the model that --model names: drop one of them")
+    accuracy_options = [flag for flag, value in (("--limit", args.limit), ("--tasks", args.tasks),
+                                                 ("--ppl-max-tokens", args.ppl_max_tokens),
+                                                 ("--ppl-seq-len", args.ppl_seq_len), ("--batch-size", args.batch_size))
+                        if value is not None]
+    for flag, value, does in (("--model", args.model, "names"), ("--device", args.device, "places")):
+        if args.no_model and value is not None:  # --device: the speed models are built on the GPU whatever it says
+            raise ValueError(f"--no-model skips the model that {flag} {does}: drop one of them")
     if args.no_model and args.no_speed:
         raise ValueError("--no-model with --no-speed leaves nothing to measure: drop one of them")
     for skip, why in (("--no-model", args.no_model), ("--no-accuracy", args.no_accuracy)):
@@ -797,9 +803,8 @@ def check_report_args(args: argparse.Namespace) -> None:
                          "drop --no-model to measure the model's accuracy and weights here")
     check_least(args, (("limit", 1), ("batch_size", 1), ("ppl_max_tokens", 2), ("ppl_seq_len", 2),
                        ("speed_rounds", 1)))
-    speed_options = [flag for flag, given in (("--speed-models", args.speed_models  # the flag alone skips them
-                                               and args.speed_models != list(DEFAULT_SPEED_MODELS)),
-                                              ("--speed-rounds", args.speed_rounds != SPEED_ROUNDS)) if given]
+    speed_options = [flag for flag, given in (("--speed-models", args.speed_models),  # the flag alone skips them
+                                              ("--speed-rounds", args.speed_rounds is not None)) if given]
     them = "them" if len(speed_options) > 1 else "it"
     if speed_options and args.no_speed:  # taken, and the run exited 0 with its speed "skipped" in report.json alone
         raise ValueError(f"{' and '.join(speed_options)} set the speed runs that --no-speed skips: drop {them} or "
@@ -816,11 +821,11 @@ def check_report_args(args: argparse.Namespace) -> None:
 
 def report_main(args: argparse.Namespace) -> int:
     check_report_args(args)
+    given = {name: getattr(args, name) for name in ("tasks", "batch_size", "speed_models", "speed_rounds")
+             if getattr(args, name) is not None}  # the others left to run_report's defaults
     results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
-                         speed_models=args.speed_models, tasks=args.tasks, ppl_max_tokens=args.ppl_max_tokens,
-                         ppl_seq_len=args.ppl_seq_len, batch_size=args.batch_size, device=args.device,
-                         model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed,
-                         speed_rounds=args.speed_rounds)
+                         ppl_max_tokens=args.ppl_max_tokens, ppl_seq_len=args.ppl_seq_len, device=args.device,
+                         model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed, **given)
     # what succeeded is written; a config that failed (on the model or a speed model) still fails the command
     failed = [(n, r["error"]) for n, r in results["configs"].items() if "error" in r]
     failed += [(f"{sm}/{n}", r["error"]) for sm, by_config in results["speed_models"].items()

@@ -429,6 +429,10 @@ def test_report_cli_arguments_reach_run_report(tmp_path, monkeypatch):
     assert report.report_main(args) == 0
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["configs"]["bf16"]["tasks"]["piqa"]["n"] == 1 and data["meta"]["tasks_limit"] == 1
+    taken = {}  # options left out (None, so that a refusal can tell them from given ones) are run_report's defaults
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: taken.update(k) or {"configs": {}, "speed_models": {}})
+    assert report.report_main(parser.parse_args(["--out", str(tmp_path), "--no-speed"])) == 0
+    assert taken.keys().isdisjoint({"tasks", "batch_size", "speed_models", "speed_rounds"})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the speed models would run for minutes")
@@ -446,8 +450,11 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     """A run without accuracy kept the earlier run's accuracy.png (of other configs) beside its report."""
     for name in report.PLOTS:
         (tmp_path / name).write_bytes(b"an earlier run's plot")
+    logs = []
     results = report.run_report(None, tmp_path, configs=("bf16",), accuracy=False, speed=False, loader=tiny_loader,
-                                progress=False, log=lambda *_: None)
+                                progress=False, log=logs.append)
+    if not torch.cuda.is_available():  # it said "running accuracy and weight bytes" with the accuracy skipped
+        assert any(line.endswith("running weight bytes on the CPU") for line in logs)
     assert {p.name for p in tmp_path.glob("*.png")} == {"vram.png"} and results["plots"] == [str(tmp_path / "vram.png")]
     # nor a speed model in its meta: speed=False timed none (it named llama-2-7b)
     assert results["meta"]["speed_models"] == [] and results["speed_models"] == {}
@@ -464,6 +471,13 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
                                             "--no-speed"),
     (["--no-speed", "--speed-models", "llama-3-8b", "--speed-rounds", "7"], "--speed-models and --speed-rounds set the "
                                                                            "speed runs that --no-speed skips: drop them"),
+    # given at the default's value, they were taken as left out, and ignored; --batch-size was never checked
+    (["--no-speed", "--speed-models", "llama-2-7b", "--speed-rounds", "3"], "--speed-models and --speed-rounds set the "
+                                                                           "speed runs that --no-speed skips"),
+    (["--no-accuracy", "--tasks", *ALL_TASKS], "--tasks set the accuracy runs that --no-accuracy skips"),
+    (["--no-accuracy", "--batch-size", "16"], "--batch-size set the accuracy runs that --no-accuracy skips"),
+    (["--no-model", "--batch-size", "4"], "--batch-size set the accuracy runs that --no-model skips"),
+    (["--no-model", "--device", "cpu"], "--no-model skips the model that --device places: drop one of them"),
     # by the options' names: run_report's named its parameters ("tasks_limit must be >= 1" for --limit 0)
     (["--limit", "0"], "--limit must be >= 1, got 0"), (["--speed-rounds", "0"], "--speed-rounds must be >= 1"),
     (["--ppl-seq-len", "1"], "--ppl-seq-len must be >= 2"), (["--batch-size", "0"], "--batch-size must be >= 1"),
@@ -493,9 +507,12 @@ def test_report_without_a_gpu_refuses_speed_options(monkeypatch, tmp_path):
     "skipped" in report.json alone; the flag alone, which skips the speed models, is no speed option."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     parse = report.add_report_arguments(argparse.ArgumentParser()).parse_args
-    with pytest.raises(ValueError, match="^--speed-models set the speed runs, which are timed on a CUDA GPU, and none is "
-                                         "visible: drop it$"):
-        report.check_report_args(parse(["--out", str(tmp_path), "--speed-models", "llama-3-8b"]))
+    for speed_models in ("llama-3-8b", "llama-2-7b"):  # the default's value too: it was taken, and ignored
+        with pytest.raises(ValueError, match="^--speed-models set the speed runs, which are timed on a CUDA GPU, and "
+                                             "none is visible: drop it$"):
+            report.check_report_args(parse(["--out", str(tmp_path), "--speed-models", speed_models]))
+    with pytest.raises(ValueError, match="^--speed-rounds set the speed runs"):
+        report.check_report_args(parse(["--out", str(tmp_path), "--speed-rounds", "3"]))
     report.check_report_args(parse(["--out", str(tmp_path), "--speed-models"]))
 
 
