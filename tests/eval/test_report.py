@@ -81,6 +81,7 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
         "skipped" not in v for v in data["speed_models"].values())
     assert ("speedup.png" in written) == timed
     assert set(data) >= {"meta", "configs", "speed_models", "summary"}
+    assert "partial" not in data["meta"]  # a run that completes is whole (it was written partial after each config)
     assert list(data["configs"]) == ["bf16", "w4a16", "w4a4"]
     for name, r in data["configs"].items():
         assert "error" not in r, r.get("error")
@@ -275,6 +276,62 @@ def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs,
     with pytest.raises(ValueError, match=message):
         report.run_report(None, tmp_path, configs=("bf16",), speed=False, loader=no_loader, log=lambda *_: None,
                           **kwargs)
+
+
+def test_an_interrupted_report_keeps_the_configs_that_finished_marked_partial(tmp_path, monkeypatch, capsys):
+    """Ctrl-C threw away every config that finished (all was written after the last) and left an empty --out. The
+    report is written after each config, so a run killed part way keeps them too; on Ctrl-C once more, marked
+    interrupted, with its plots, and the command exits 130 with one line saying so."""
+    from nibble.cli import main
+
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in report.PLOTS:
+        (out / name).write_bytes(b"an earlier run's plot")
+    evaluate = report._evaluate_config
+
+    def second_interrupted(name, *args):
+        if name == "w4a16":
+            # what a run killed here leaves: the first config's report, partial, and no plot of the earlier run
+            data = json.loads((out / "report.json").read_text())
+            assert data["meta"]["partial"] == {"state": "running", "configs_left": ["w4a16", "w4a4"],
+                                               "speed_models_left": []}
+            assert data["meta"]["configs"] == list(data["configs"]) == ["bf16"] and not list(out.glob("*.png"))
+            assert "**Partial report**, written while the run went on" in (out / "report.md").read_text()
+            raise KeyboardInterrupt
+        return evaluate(name, *args)
+    monkeypatch.setattr(report, "_evaluate_config", second_interrupted)
+    monkeypatch.setattr(report, "_default_loader", lambda *a: tiny_loader)
+    argv = ["report", "--out", str(out), "--configs", "bf16", "w4a16", "w4a4", "--limit", "1", "--tasks", "boolq",
+            "--ppl-max-tokens", "300", "--speed-models"]
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.endswith(f"nibble report: interrupted; {out / 'report.md'} and report.json hold "
+                                            "what finished, marked partial: w4a16 and w4a4 not measured\n")
+    data = report.read_json(out / "report.json")
+    assert data["meta"]["partial"] == {"state": "interrupted", "configs_left": ["w4a16", "w4a4"],
+                                       "speed_models_left": []}
+    assert "perplexity" in data["configs"]["bf16"] and data["meta"]["configs"] == ["bf16"]
+    md = (out / "report.md").read_text()
+    assert "**Partial report**, interrupted (Ctrl-C): w4a16 and w4a4 not measured." in md
+    assert "| metric | bf16 |" in md
+    assert {p.name for p in out.glob("*.png")} == {"vram.png", "accuracy.png"}
+    assert (out / "vram.png").read_bytes() != b"an earlier run's plot"
+    # the rest, run apart and merged, is whole: the merge is not partial, its sources say which one was
+    merged = report.merge_reports([data, {**data, "meta": {**data["meta"], "partial": None}, "configs": {}}])
+    assert "partial" not in merged["meta"] and merged["meta"]["merged_from"][0]["partial"]["state"] == "interrupted"
+
+    # stopped before any config finished: nothing written, no folder left (as a refused report leaves none)
+    def first_interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(report, "_evaluate_config", first_interrupted)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(SystemExit) as stopped:
+        main(["report", "--out", str(fresh), "--configs", "w4a16", "bf16", "--no-accuracy", "--speed-models"])
+    assert stopped.value.code == 130 and not fresh.exists()
+    assert capsys.readouterr().err.endswith(f"nibble report: interrupted before any config finished; nothing was "
+                                            f"written to {fresh}\n")
 
 
 def test_a_refused_report_leaves_no_out_folder(tmp_path):
