@@ -13,7 +13,9 @@ sizes, and ``-gptq`` / ``-awq`` for calibrated weights) the real model is loaded
 
 Writes ``report.json`` (everything), ``report.md`` (tables, configs side by side) and
 ``speedup.png`` (where speed was timed) / ``vram.png`` / ``accuracy.png`` (where tasks were scored). Without
-CUDA the speed and memory-peak parts are skipped with a message saying so.
+CUDA the speed and memory-peak parts are skipped with a message saying so. The JSON and Markdown are written after
+each config and each speed model, marked partial until the last (meta's ``partial``, report.md's header), so that
+a run stopped part way (Ctrl-C, a kill, a machine's time limit) keeps what it measured.
 
 ``report.json`` is strict JSON: a NaN or infinite number is written as ``null`` (Python's json writes a bare
 ``NaN``, which jq and JavaScript reject). A score, the perplexity (``ppl``, ``nll``) or a task's metric, is ``null``
@@ -47,6 +49,7 @@ from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
 DEFAULT_SPEED_MODELS = ("llama-2-7b",)
+TASKS_BATCH_SIZE = 16  # requests a forward pass when scoring the tasks
 WINDOW_NAMES = ("ppl_seq_len", "ppl_max_tokens")  # how a refused perplexity window names them (`check_window`)
 NO_CUDA = "skipped: the model is not on a CUDA GPU (speed and peak memory are measured on the GPU only)"
 NO_GPU = "skipped: no CUDA GPU visible (the speed models are built and timed on the GPU only)"
@@ -74,12 +77,21 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
     ``w4a16`` uses group size 128, or the largest of 64 / 32 that divides every linear's in_features
     of ``model`` (SmolLM2's 576 needs 64); ``w4a16-g64`` names it explicitly. ``-lmhead`` on a quantized
     config quantizes lm_head too (``w4a16-lmhead``, ``w4a4-hadamard-lmhead``). ``-gptq`` (both modes) and
-    ``-awq`` (W4A16) pick the calibrated method (``w4a16-g64-awq``, ``w4a4-hadamard-gptq``).
+    ``-awq`` (W4A16) pick the calibrated method (``w4a16-g64-awq``, ``w4a4-hadamard-gptq``). A name it refuses
+    (ValueError) is said first, ``config w4a16-g7: ...``: QuantConfig's own refusals ("group_size must be ...")
+    named no config, where a report of several left the reader to guess which.
     """
+    try:
+        return _quant_config(name, model, overrides)
+    except ValueError as e:
+        raise ValueError(f"config {name}: {e}") from None
+
+
+def _quant_config(name: str, model, overrides: dict) -> QuantConfig | None:
     parts = name.lower().split("-")
     if parts[0] in ("bf16", "fp16", "16bit"):
         if len(parts) > 1:
-            raise ValueError(f"unknown config {name!r}")
+            raise ValueError(f"the 16-bit baseline takes no suffix: use {parts[0]} alone")
         return None
     kw = {}
     if "lmhead" in parts[1:]:
@@ -93,7 +105,7 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
             elif p in ("gptq", "awq"):
                 kw["method"] = p
             else:
-                raise ValueError(f"unknown config {name!r}: w4a16 takes -gN (group size), -gptq, -awq")
+                raise ValueError(f"unknown part -{p}: w4a16 takes -gN (group size), -gptq, -awq, -lmhead")
         if "group_size" not in kw and model is not None:
             kw["group_size"] = default_group_size(model)
     elif parts[0] == "w4a4":
@@ -104,10 +116,10 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
             elif p == "gptq":
                 kw["method"] = p
             else:
-                raise ValueError(f"unknown config {name!r}: w4a4 takes -hadamard, -gptq")
+                raise ValueError(f"unknown part -{p}: w4a4 takes -hadamard, -gptq, -lmhead")
     else:
-        raise ValueError(f"unknown config {name!r}; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard (a quantized "
-                         "config takes -lmhead to quantize lm_head too, and -gptq, or -awq for w4a16)")
+        raise ValueError("unknown config; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard (a quantized config takes "
+                         "-lmhead to quantize lm_head too, and -gptq, or -awq for w4a16)")
     return QuantConfig(**{**kw, **overrides})
 
 
@@ -140,8 +152,8 @@ def _checked_loader(loader: Callable, configs: list[str]) -> Callable:
     except Exception:
         return loader
     for name in configs:
+        qc = quant_config(name, model)  # its refusal names the config (a default group size no width takes)
         try:
-            qc = quant_config(name, model)
             if qc is not None:
                 check_quantizable(model, qc)
         except ValueError as e:
@@ -318,15 +330,18 @@ def summarize(results: dict) -> dict:
     return summary
 
 
-_RUN_KEYS = ("date", "git_commit", "source_sha256", "configs", "speed_models", "tasks_limit")
+_RUN_KEYS = ("date", "git_commit", "source_sha256", "configs", "speed_models", "tasks_limit", "partial")
 _PROTOCOL_KEYS = ("tasks", "tasks_limit", "ppl_max_tokens", "ppl_seq_len")
 
 
 def merge_reports(reports: list[dict]) -> dict:
     """One results dict from runs that measured different configs (one device call per config when one
     call would not fit the device's time limit): configs and speed models united in order, the summary
-    recomputed; meta from the first run, plus ``merged_from`` (date, commit, sources, configs of each run)."""
+    recomputed; meta from the first run, plus ``merged_from`` (date, commit, sources, configs of each run, and its
+    ``partial`` where it stopped part way: the merge is whatever the runs hold, the rest of a stopped run's configs
+    run apart, not partial itself)."""
     meta = dict(reports[0]["meta"])
+    meta.pop("partial", None)
     # the accuracy rows sit side by side and report.md says once how they were measured: the same way, or refused
     protocols = {tuple(str(r["meta"].get(k)) for k in _PROTOCOL_KEYS) for r in reports}
     if len(protocols) > 1:
@@ -459,6 +474,11 @@ def write_markdown(results: dict, path: Path) -> None:
     cr = results.get("configs", {})
     L = [f"# nibble report: {results['meta'].get('model')}", ""]
     meta = results["meta"]
+    partial = meta.get("partial")
+    if partial:  # first: the tables below lack these, which read as a report of fewer configs
+        how = ("interrupted (Ctrl-C)" if partial["state"] == "interrupted" else "written while the run went on (a "
+               "run that completes writes it whole; one stopped without a word, killed or out of time, leaves it so)")
+        L += [f"**Partial report**, {how}: {_not_measured(meta)} not measured.", ""]
     # the device apart from the GPU: a --device cpu run on a GPU host was headed by the GPU's name alone
     L.append(f"model on {meta.get('device', '-')} · GPU: {meta.get('gpu') or 'none'} · torch {meta.get('torch')} · "
              f"triton {meta.get('triton')} · commit {meta.get('git_commit')} · sources {meta.get('source_sha256', '-')} · "
@@ -641,8 +661,9 @@ def write_plots(results: dict, out: Path, log=say) -> list[str]:
 # ---- the entry point -------------------------------------------------------------------------
 def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIGS, tasks_limit=None,
                speed_models=DEFAULT_SPEED_MODELS, *, tasks=ALL_TASKS, ppl_max_tokens=None, ppl_seq_len=None,
-               batch_size=16, device=None, dtype=None, model=True, accuracy=True, speed=True, speed_clip_search=False,
-               speed_rounds=SPEED_ROUNDS, loader: Callable | None = None, progress=True, log=say) -> dict:
+               batch_size=TASKS_BATCH_SIZE, device=None, dtype=None, model=True, accuracy=True, speed=True,
+               speed_clip_search=False, speed_rounds=SPEED_ROUNDS, loader: Callable | None = None, progress=True,
+               log=say) -> dict:
     """Measure every config in ``configs`` and write report.md / report.json / PNGs to ``out_dir``.
 
     ``loader()`` -> (model, tokenizer) overrides loading ``model_name_or_path`` (it is called once per
@@ -653,6 +674,12 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     alternating config order (`measure_speed_models`). A config the real model cannot take (a rotation, a group size)
     is refused before any config runs (`_checked_loader`); one that fails later is reported with its error.
     Returns the results dict (also in report.json).
+
+    The report is written after each config and each speed model (`_write_report`), so that a run stopped part way
+    keeps what finished: one killed, or out of a machine's time, leaves the last such report, marked partial; on
+    Ctrl-C it is written once more, marked interrupted, with its plots, and `ReportInterrupted` (a
+    KeyboardInterrupt) says what it holds. ``out_dir`` is made at the first write: a run refused, or stopped before
+    any config finished, leaves none.
     """
     from nibble.bench.timing import env_meta
 
@@ -681,7 +708,6 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     loader = loader or _default_loader(model_name_or_path, device, dtype)
     if model:
         loader = _checked_loader(loader, configs)
-    out.mkdir(parents=True, exist_ok=True)  # once every check passed: a refused run left an empty folder
     meta = env_meta(model=model_label, configs=configs,
                     tasks=list(tasks), tasks_limit=tasks_limit, ppl_max_tokens=ppl_max_tokens, ppl_seq_len=ppl_seq_len,
                     device=str(device),
@@ -695,30 +721,73 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
         log("no CUDA GPU visible: peak memory and speed are skipped (they are measured on the GPU only); "
             f"running {'accuracy and ' * accuracy}weight bytes on the CPU")
     results = {"meta": meta, "configs": {}, "speed_models": {}}
-    for name in configs if model else ():
-        t0 = time.perf_counter()
-        try:
-            results["configs"][name] = _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens, ppl_seq_len,
-                                                        batch_size, accuracy, speed, progress, log)
-        except Exception as e:
-            log(f"[{name}] FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-            results["configs"][name] = {"config": name, "error": f"{type(e).__name__}: {e}"}
-            speed_mod.release()
-        results["configs"][name]["wall_s"] = time.perf_counter() - t0
-    for sm in speed_models if speed else ():
-        if not cuda:
-            results["speed_models"][sm] = {"skipped": NO_GPU}
-            continue
-        results["speed_models"][sm] = measure_speed_models(sm, configs, speed_rounds, speed_clip_search, log)
-    results["summary"] = summarize(results)
-    write_json(results, out / "report.json")
-    write_markdown(results, out / "report.md")
-    results["plots"] = write_plots(results, out, log)
-    for stale in PLOTS:  # an earlier run's plot beside this report would read as this run's
-        if str(out / stale) not in results["plots"]:
-            (out / stale).unlink(missing_ok=True)
+    asked = {"configs": configs if model else [], "speed_models": list(speed_models) if speed else []}
+    try:
+        for name in asked["configs"]:
+            t0 = time.perf_counter()
+            try:
+                results["configs"][name] = _evaluate_config(name, loader, tasks, tasks_limit, ppl_max_tokens,
+                                                            ppl_seq_len, batch_size, accuracy, speed, progress, log)
+            except Exception as e:
+                log(f"[{name}] FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+                results["configs"][name] = {"config": name, "error": f"{type(e).__name__}: {e}"}
+                speed_mod.release()
+            results["configs"][name]["wall_s"] = time.perf_counter() - t0
+            _write_report(results, out, asked, "running", log)
+        for sm in asked["speed_models"]:
+            results["speed_models"][sm] = (measure_speed_models(sm, configs, speed_rounds, speed_clip_search, log)
+                                           if cuda else {"skipped": NO_GPU})
+            _write_report(results, out, asked, "running", log)
+    except KeyboardInterrupt:  # Ctrl-C: what finished is kept, said so (it was all thrown away, --out left empty)
+        if not (results["configs"] or results["speed_models"]):
+            raise ReportInterrupted(f"interrupted before any config finished; nothing was written to {out}") from None
+        _write_report(results, out, asked, "interrupted", log)
+        left = _not_measured(results["meta"])
+        raise ReportInterrupted(f"interrupted; {out / 'report.md'} and report.json hold what finished"
+                                + (f", marked partial: {left} not measured" if left else " (all of it)")) from None
+    _write_report(results, out, asked, "complete", log)
     log(f"wrote {out / 'report.md'}, {out / 'report.json'} and {len(results['plots'])} plots")
     return results
+
+
+class ReportInterrupted(KeyboardInterrupt):
+    """Ctrl-C in `run_report`: its message says what it kept (`nibble report` prints it as its one line)."""
+
+
+def _write_report(results: dict, out: Path, asked: dict, state: str, log=say) -> None:
+    """Write ``results`` as they stand to ``out`` (made here, at the first write): report.json, report.md and, but
+    while ``state`` is "running", the plots. ``state``: "running" (`run_report` writes after each config and each
+    speed model, and goes on: a report found so was killed, or ran out of a machine's time), "interrupted" (Ctrl-C)
+    or "complete".
+
+    What of ``asked`` (the configs the real model runs, the speed models) the results lack yet is meta's
+    ``partial``, with the ``state``; a report that holds them all has none. meta's ``configs`` and ``speed_models``
+    are those the report holds. An earlier run's plots in ``out`` are removed: beside this report they would read
+    as this run's."""
+    meta = results["meta"]
+    if asked["configs"]:  # else (the speed models alone) every config is a column of each speed model's table
+        meta["configs"] = list(results["configs"])
+    meta["speed_models"] = list(results["speed_models"])
+    left = {f"{part}_left": [n for n in names if n not in results[part]] for part, names in asked.items()}
+    meta.pop("partial", None)
+    if any(left.values()):
+        meta["partial"] = {"state": state, **left}
+    results["summary"] = summarize(results)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(results, out / "report.json")
+    write_markdown(results, out / "report.md")
+    results["plots"] = [] if state == "running" else write_plots(results, out, log)
+    for stale in PLOTS:
+        if str(out / stale) not in results["plots"]:
+            (out / stale).unlink(missing_ok=True)
+
+
+def _not_measured(meta: dict) -> str:
+    """What a partial report (meta's ``partial``) lacks, ``"w4a4, w4a4-hadamard and the speed model llama-2-7b"``;
+    "" where it lacks nothing."""
+    partial = meta.get("partial", {})
+    names = partial.get("configs_left", []) + [f"the speed model {m}" for m in partial.get("speed_models_left", [])]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 
 
 class TaskNames(argparse.Action):
@@ -738,23 +807,28 @@ class TaskNames(argparse.Action):
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="a .gguf file or local HF directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--out", default="report", help="output folder for report.md, report.json and the PNGs")
+    parser.add_argument("--out", default="report", help="output folder for report.md, report.json and the PNGs "
+                        "(written after each config, marked partial until the last: Ctrl-C keeps what finished)")
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
                         help="bf16, w4a16 (or w4a16-g64 ...), w4a4, w4a4-hadamard; -gptq (or -awq, w4a16) for "
                              "calibrated weights (speed models: RTN), -lmhead to quantize lm_head too")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
-    parser.add_argument("--tasks", nargs="+", action=TaskNames, default=list(ALL_TASKS),
+    # the options of a part the run may skip default to None, so that check_report_args tells one given from one
+    # left out: `--no-speed --speed-rounds 3` (the default's value) was taken, and ignored
+    parser.add_argument("--tasks", nargs="+", action=TaskNames, default=None,
                         help="zero-shot tasks, by space or comma, e.g. piqa boolq (default: all seven)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
     parser.add_argument("--ppl-seq-len", type=int, default=None,
                         help="perplexity window (default: min(context, 2048); a longer one than the context is cut to "
                              "it, with a warning)")
-    parser.add_argument("--batch-size", type=int, default=16, help="task scoring batch size")
-    parser.add_argument("--speed-models", nargs="*", default=list(DEFAULT_SPEED_MODELS),
-                        choices=list(speed_mod.SPEED_MODELS),
-                        help="random-weight models for speed and memory (CUDA only); the flag alone skips them")
-    parser.add_argument("--speed-rounds", type=int, default=SPEED_ROUNDS,
-                        help="rounds of alternating config order on each speed model (median row kept)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"task scoring batch size (default: {TASKS_BATCH_SIZE})")
+    parser.add_argument("--speed-models", nargs="*", default=None, choices=list(speed_mod.SPEED_MODELS),
+                        help="random-weight models for speed and memory (CUDA only; default: "
+                             f"{' '.join(DEFAULT_SPEED_MODELS)}); the flag alone skips them")
+    parser.add_argument("--speed-rounds", type=int, default=None,
+                        help="rounds of alternating config order on each speed model, the median row kept "
+                             f"(default: {SPEED_ROUNDS})")
     parser.add_argument("--no-speed", action="store_true", help="skip every speed measurement")
     parser.add_argument("--no-accuracy", action="store_true", help="skip perplexity and tasks")
     parser.add_argument("--no-model", action="store_true",
@@ -771,12 +845,13 @@ def check_report_args(args: argparse.Namespace) -> None:
     from nibble.cli import check_least
     from nibble.models.hf_import import quantized_checkpoint
 
-    accuracy_options = [flag for flag, given in (("--limit", args.limit is not None),
-                                                 ("--tasks", args.tasks != list(ALL_TASKS)),
-                                                 ("--ppl-max-tokens", args.ppl_max_tokens is not None),
-                                                 ("--ppl-seq-len", args.ppl_seq_len is not None)) if given]
-    if args.no_model and args.model is not None:
-        raise ValueError("--no-model skips the model that --model names: drop one of them")
+    accuracy_options = [flag for flag, value in (("--limit", args.limit), ("--tasks", args.tasks),
+                                                 ("--ppl-max-tokens", args.ppl_max_tokens),
+                                                 ("--ppl-seq-len", args.ppl_seq_len), ("--batch-size", args.batch_size))
+                        if value is not None]
+    for flag, value, does in (("--model", args.model, "names"), ("--device", args.device, "places")):
+        if args.no_model and value is not None:  # --device: the speed models are built on the GPU whatever it says
+            raise ValueError(f"--no-model skips the model that {flag} {does}: drop one of them")
     if args.no_model and args.no_speed:
         raise ValueError("--no-model with --no-speed leaves nothing to measure: drop one of them")
     for skip, why in (("--no-model", args.no_model), ("--no-accuracy", args.no_accuracy)):
@@ -788,9 +863,8 @@ def check_report_args(args: argparse.Namespace) -> None:
                          "drop --no-model to measure the model's accuracy and weights here")
     check_least(args, (("limit", 1), ("batch_size", 1), ("ppl_max_tokens", 2), ("ppl_seq_len", 2),
                        ("speed_rounds", 1)))
-    speed_options = [flag for flag, given in (("--speed-models", args.speed_models  # the flag alone skips them
-                                               and args.speed_models != list(DEFAULT_SPEED_MODELS)),
-                                              ("--speed-rounds", args.speed_rounds != SPEED_ROUNDS)) if given]
+    speed_options = [flag for flag, given in (("--speed-models", args.speed_models),  # the flag alone skips them
+                                              ("--speed-rounds", args.speed_rounds is not None)) if given]
     them = "them" if len(speed_options) > 1 else "it"
     if speed_options and args.no_speed:  # taken, and the run exited 0 with its speed "skipped" in report.json alone
         raise ValueError(f"{' and '.join(speed_options)} set the speed runs that --no-speed skips: drop {them} or "
@@ -807,11 +881,15 @@ def check_report_args(args: argparse.Namespace) -> None:
 
 def report_main(args: argparse.Namespace) -> int:
     check_report_args(args)
-    results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
-                         speed_models=args.speed_models, tasks=args.tasks, ppl_max_tokens=args.ppl_max_tokens,
-                         ppl_seq_len=args.ppl_seq_len, batch_size=args.batch_size, device=args.device,
-                         model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed,
-                         speed_rounds=args.speed_rounds)
+    given = {name: getattr(args, name) for name in ("tasks", "batch_size", "speed_models", "speed_rounds")
+             if getattr(args, name) is not None}  # the others left to run_report's defaults
+    try:
+        results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
+                             ppl_max_tokens=args.ppl_max_tokens, ppl_seq_len=args.ppl_seq_len, device=args.device,
+                             model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed, **given)
+    except ReportInterrupted as e:  # exit status 130, one line saying what was kept
+        from nibble.cli import interrupted
+        raise interrupted("report", str(e)) from None
     # what succeeded is written; a config that failed (on the model or a speed model) still fails the command
     failed = [(n, r["error"]) for n, r in results["configs"].items() if "error" in r]
     failed += [(f"{sm}/{n}", r["error"]) for sm, by_config in results["speed_models"].items()

@@ -51,12 +51,21 @@ def test_config_names_map_to_quant_configs():
     assert (report.quant_config("w4a16-g64-awq").method, report.quant_config("w4a16-g64-awq").group_size) == ("awq", 64)
     # no layer is RTN's, whose clip search "noclip" says was off: AWQ ran its own
     assert report._describe({"quant_config": report.quant_config("w4a16-g64-awq").to_dict()}) == "w4a16 g64 awq"
-    with pytest.raises(ValueError, match="w4a4 takes -hadamard, -gptq"):
-        report.quant_config("w4a4-awq")
-    with pytest.raises(ValueError, match="unknown config"):
-        report.quant_config("w3a16")
-    with pytest.raises(ValueError, match="unknown config"):
-        report.quant_config("bf16-lmhead")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("w4a16-g7", "group_size must be -1 (one group per output channel) or a positive multiple of 8"),  # QuantConfig's
+    ("w4a4-awq", "unknown part -awq: w4a4 takes -hadamard, -gptq, -lmhead"),
+    ("w4a16-foo", "unknown part -foo: w4a16 takes -gN (group size), -gptq, -awq, -lmhead"),
+    ("w3a16", "unknown config; use bf16, w4a16"), ("bf16-lmhead", "the 16-bit baseline takes no suffix: use bf16")])
+def test_every_refused_config_name_is_said_with_the_name(name, message, tmp_path):
+    """QuantConfig's refusal of ``w4a16-g7`` was said bare ("group_size must be -1 ..."), where the others named the
+    config: a report of several left the reader to guess which one."""
+    with pytest.raises(ValueError, match=f"^config {name}: {re.escape(message)}"):
+        report.quant_config(name)
+    with pytest.raises(ValueError, match=f"^config {name}: {re.escape(message)}"):
+        report.run_report(None, tmp_path / "report", configs=("bf16", name), speed=False, loader=tiny_loader,
+                          log=lambda *_: None)
 
 
 def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
@@ -72,6 +81,7 @@ def test_report_on_a_tiny_model_writes_markdown_json_and_plots(tmp_path):
         "skipped" not in v for v in data["speed_models"].values())
     assert ("speedup.png" in written) == timed
     assert set(data) >= {"meta", "configs", "speed_models", "summary"}
+    assert "partial" not in data["meta"]  # a run that completes is whole (it was written partial after each config)
     assert list(data["configs"]) == ["bf16", "w4a16", "w4a4"]
     for name, r in data["configs"].items():
         assert "error" not in r, r.get("error")
@@ -268,6 +278,62 @@ def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs,
                           **kwargs)
 
 
+def test_an_interrupted_report_keeps_the_configs_that_finished_marked_partial(tmp_path, monkeypatch, capsys):
+    """Ctrl-C threw away every config that finished (all was written after the last) and left an empty --out. The
+    report is written after each config, so a run killed part way keeps them too; on Ctrl-C once more, marked
+    interrupted, with its plots, and the command exits 130 with one line saying so."""
+    from nibble.cli import main
+
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in report.PLOTS:
+        (out / name).write_bytes(b"an earlier run's plot")
+    evaluate = report._evaluate_config
+
+    def second_interrupted(name, *args):
+        if name == "w4a16":
+            # what a run killed here leaves: the first config's report, partial, and no plot of the earlier run
+            data = json.loads((out / "report.json").read_text())
+            assert data["meta"]["partial"] == {"state": "running", "configs_left": ["w4a16", "w4a4"],
+                                               "speed_models_left": []}
+            assert data["meta"]["configs"] == list(data["configs"]) == ["bf16"] and not list(out.glob("*.png"))
+            assert "**Partial report**, written while the run went on" in (out / "report.md").read_text()
+            raise KeyboardInterrupt
+        return evaluate(name, *args)
+    monkeypatch.setattr(report, "_evaluate_config", second_interrupted)
+    monkeypatch.setattr(report, "_default_loader", lambda *a: tiny_loader)
+    argv = ["report", "--out", str(out), "--configs", "bf16", "w4a16", "w4a4", "--limit", "1", "--tasks", "boolq",
+            "--ppl-max-tokens", "300", "--speed-models"]
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.endswith(f"nibble report: interrupted; {out / 'report.md'} and report.json hold "
+                                            "what finished, marked partial: w4a16 and w4a4 not measured\n")
+    data = report.read_json(out / "report.json")
+    assert data["meta"]["partial"] == {"state": "interrupted", "configs_left": ["w4a16", "w4a4"],
+                                       "speed_models_left": []}
+    assert "perplexity" in data["configs"]["bf16"] and data["meta"]["configs"] == ["bf16"]
+    md = (out / "report.md").read_text()
+    assert "**Partial report**, interrupted (Ctrl-C): w4a16 and w4a4 not measured." in md
+    assert "| metric | bf16 |" in md
+    assert {p.name for p in out.glob("*.png")} == {"vram.png", "accuracy.png"}
+    assert (out / "vram.png").read_bytes() != b"an earlier run's plot"
+    # the rest, run apart and merged, is whole: the merge is not partial, its sources say which one was
+    merged = report.merge_reports([data, {**data, "meta": {**data["meta"], "partial": None}, "configs": {}}])
+    assert "partial" not in merged["meta"] and merged["meta"]["merged_from"][0]["partial"]["state"] == "interrupted"
+
+    # stopped before any config finished: nothing written, no folder left (as a refused report leaves none)
+    def first_interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(report, "_evaluate_config", first_interrupted)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(SystemExit) as stopped:
+        main(["report", "--out", str(fresh), "--configs", "w4a16", "bf16", "--no-accuracy", "--speed-models"])
+    assert stopped.value.code == 130 and not fresh.exists()
+    assert capsys.readouterr().err.endswith(f"nibble report: interrupted before any config finished; nothing was "
+                                            f"written to {fresh}\n")
+
+
 def test_a_refused_report_leaves_no_out_folder(tmp_path):
     """run_report made its folder before its checks: a refused `nibble report` left an empty report/ behind."""
     def rotation_refused():
@@ -420,6 +486,10 @@ def test_report_cli_arguments_reach_run_report(tmp_path, monkeypatch):
     assert report.report_main(args) == 0
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["configs"]["bf16"]["tasks"]["piqa"]["n"] == 1 and data["meta"]["tasks_limit"] == 1
+    taken = {}  # options left out (None, so that a refusal can tell them from given ones) are run_report's defaults
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: taken.update(k) or {"configs": {}, "speed_models": {}})
+    assert report.report_main(parser.parse_args(["--out", str(tmp_path), "--no-speed"])) == 0
+    assert taken.keys().isdisjoint({"tasks", "batch_size", "speed_models", "speed_rounds"})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the speed models would run for minutes")
@@ -437,8 +507,11 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     """A run without accuracy kept the earlier run's accuracy.png (of other configs) beside its report."""
     for name in report.PLOTS:
         (tmp_path / name).write_bytes(b"an earlier run's plot")
+    logs = []
     results = report.run_report(None, tmp_path, configs=("bf16",), accuracy=False, speed=False, loader=tiny_loader,
-                                progress=False, log=lambda *_: None)
+                                progress=False, log=logs.append)
+    if not torch.cuda.is_available():  # it said "running accuracy and weight bytes" with the accuracy skipped
+        assert any(line.endswith("running weight bytes on the CPU") for line in logs)
     assert {p.name for p in tmp_path.glob("*.png")} == {"vram.png"} and results["plots"] == [str(tmp_path / "vram.png")]
     # nor a speed model in its meta: speed=False timed none (it named llama-2-7b)
     assert results["meta"]["speed_models"] == [] and results["speed_models"] == {}
@@ -455,6 +528,13 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
                                             "--no-speed"),
     (["--no-speed", "--speed-models", "llama-3-8b", "--speed-rounds", "7"], "--speed-models and --speed-rounds set the "
                                                                            "speed runs that --no-speed skips: drop them"),
+    # given at the default's value, they were taken as left out, and ignored; --batch-size was never checked
+    (["--no-speed", "--speed-models", "llama-2-7b", "--speed-rounds", "3"], "--speed-models and --speed-rounds set the "
+                                                                           "speed runs that --no-speed skips"),
+    (["--no-accuracy", "--tasks", *ALL_TASKS], "--tasks set the accuracy runs that --no-accuracy skips"),
+    (["--no-accuracy", "--batch-size", "16"], "--batch-size set the accuracy runs that --no-accuracy skips"),
+    (["--no-model", "--batch-size", "4"], "--batch-size set the accuracy runs that --no-model skips"),
+    (["--no-model", "--device", "cpu"], "--no-model skips the model that --device places: drop one of them"),
     # by the options' names: run_report's named its parameters ("tasks_limit must be >= 1" for --limit 0)
     (["--limit", "0"], "--limit must be >= 1, got 0"), (["--speed-rounds", "0"], "--speed-rounds must be >= 1"),
     (["--ppl-seq-len", "1"], "--ppl-seq-len must be >= 2"), (["--batch-size", "0"], "--batch-size must be >= 1"),
@@ -484,9 +564,12 @@ def test_report_without_a_gpu_refuses_speed_options(monkeypatch, tmp_path):
     "skipped" in report.json alone; the flag alone, which skips the speed models, is no speed option."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     parse = report.add_report_arguments(argparse.ArgumentParser()).parse_args
-    with pytest.raises(ValueError, match="^--speed-models set the speed runs, which are timed on a CUDA GPU, and none is "
-                                         "visible: drop it$"):
-        report.check_report_args(parse(["--out", str(tmp_path), "--speed-models", "llama-3-8b"]))
+    for speed_models in ("llama-3-8b", "llama-2-7b"):  # the default's value too: it was taken, and ignored
+        with pytest.raises(ValueError, match="^--speed-models set the speed runs, which are timed on a CUDA GPU, and "
+                                             "none is visible: drop it$"):
+            report.check_report_args(parse(["--out", str(tmp_path), "--speed-models", speed_models]))
+    with pytest.raises(ValueError, match="^--speed-rounds set the speed runs"):
+        report.check_report_args(parse(["--out", str(tmp_path), "--speed-rounds", "3"]))
     report.check_report_args(parse(["--out", str(tmp_path), "--speed-models"]))
 
 
