@@ -74,10 +74,17 @@ def naming(layer: str):
         raise type(e)(f"{layer}: {e}") from e
 
 
+def _straight_through(value: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``value`` (``t`` rounded as it will be stored), with the gradient of ``t`` itself, in float32: the autograd of a
+    cast to float16 rounds the gradient to float16 too, which flushed PE-QAT's clip-ratio gradients below ~6e-8 to
+    0 and took those above 65504 to Inf; a ceil or a clamp passes none. ``t - t.detach()`` is an exact 0."""
+    return value + (t - t.detach()) if t.requires_grad else value
+
+
 def _float16(t: torch.Tensor) -> torch.Tensor:
     """t as float16 stores it, in float32; kept under torch.compile, whose fusion dropped the round trip (a compiled
     PE-QAT layer trained on other scales than its export's: `reference.rounded`)."""
-    return rounded(t, torch.float16).float()
+    return _straight_through(rounded(t.detach(), torch.float16).float(), t)
 
 
 def _stored_scale(s: torch.Tensor) -> torch.Tensor:
@@ -86,8 +93,9 @@ def _stored_scale(s: torch.Tensor) -> torch.Tensor:
     float32 floor below float16's subnormals rounds to 0 again). Below float16's normal range its values are
     2^-24 apart, coarse next to the scale: rounded to nearest, a scale that went down left the group's top weights
     past the last level (1.9 steps off at |w| ~ 1e-6), so those round up, and the levels still span the range."""
-    subnormal = torch.ceil(s / MIN_SCALE) * MIN_SCALE  # exact: multiples of 2^-24 below 2^-14
-    return torch.where(s < FP16_MIN_NORMAL, subnormal, _float16(s)).clamp(min=MIN_SCALE)
+    value = s.detach()
+    subnormal = torch.ceil(value / MIN_SCALE) * MIN_SCALE  # exact: multiples of 2^-24 below 2^-14
+    return _straight_through(torch.where(value < FP16_MIN_NORMAL, subnormal, _float16(value)).clamp(min=MIN_SCALE), s)
 
 
 def _scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_point: str):

@@ -87,6 +87,26 @@ def test_weight_ste_passes_gradients_inside_the_clip_range_only():
     assert (w.grad[inside] != 0).all() and (w.grad[beyond] == 0).all()
 
 
+@pytest.mark.parametrize("tiny_weights", [False, True])
+def test_weight_scale_gradients_are_not_rounded_to_float16(tiny_weights):
+    """The scale's float16 rounding is straight-through: its gradient was rounded to float16 as well, so a clip
+    ratio's gradient under ~6e-8 was 0 and over 65504 Inf, and scales in float16's subnormal range (weights
+    under ~4e-4) passed none at all (their rounding is a ceil)."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 64) * (1e-5 if tiny_weights else 1)
+    out_grad = torch.rand(16, 64) + 0.5
+
+    def ratio_grad(scale):
+        ratio = torch.full((16, 1), 0.9, requires_grad=True)
+        (fake_quant_weight(w, ratio) * out_grad * scale).sum().backward()
+        return ratio.grad
+
+    unit = ratio_grad(1.0)
+    assert (unit != 0).all()
+    for scale in (1e-9, 1e5):
+        assert torch.allclose(ratio_grad(scale), unit * scale, rtol=1e-5, atol=0)
+
+
 def test_training_lowers_the_loss_on_a_fixed_batch():
     losses = []
     _train("per-token", 8, _windows(), callback=lambda step, loss: losses.append(loss), gradient_checkpointing=True)
