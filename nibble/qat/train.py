@@ -51,7 +51,6 @@ import collections
 import hashlib
 import math
 import numbers
-import os
 import pickle
 import statistics
 import time
@@ -65,6 +64,7 @@ from tqdm.auto import tqdm
 
 from nibble.config import check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.convert import own_config, refuse_save_pretrained
+from nibble.models.serialization import _atomic_write
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -336,16 +336,13 @@ def state_path(out_dir) -> Path:
 
 
 def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
-    """Atomic: written to a temp file, fsynced, renamed; a kill mid-write leaves the previous state. ``losses``
-    (the run's first loss and its last `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole
-    run's."""
+    """Atomic, as a checkpoint's files are written (`serialization._atomic_write`): a kill mid-write leaves the
+    previous state, and Ctrl-C no temporary beside it. ``losses`` (the run's first loss and its last
+    `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"step": step, "settings": settings, "trainable": _trainable_state(model),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "losses": losses}, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    state = {"step": step, "settings": settings, "trainable": _trainable_state(model),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "losses": losses}
+    _atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def read_state(path: Path, settings: dict) -> dict:

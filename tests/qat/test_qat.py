@@ -202,6 +202,24 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
             _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw, **other)
 
 
+def test_ctrl_c_while_the_state_is_saved_keeps_the_last_one_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """Ctrl-C in torch.save left qat-state/state.pt.tmp beside the state: the temporary was never removed."""
+    from nibble.qat.train import QatInterrupted
+    save = torch.save
+
+    def interrupted_at_step_2(state, path):
+        if state["step"] == 2:
+            path.write_bytes(b"half a state")
+            raise KeyboardInterrupt
+        save(state, path)
+
+    monkeypatch.setattr(torch, "save", interrupted_at_step_2)
+    with pytest.raises(QatInterrupted) as stopped:
+        _train("per-token", 2, _windows(), out_dir=tmp_path, save_every=1)
+    assert stopped.value.saved_step == 1 and torch.load(state_path(tmp_path), weights_only=True)["step"] == 1
+    assert [p.name for p in state_path(tmp_path).parent.iterdir()] == ["state.pt"]
+
+
 def test_gptq_start_is_exactly_the_rotated_gptq_model_and_the_teacher_stays_16_bit():
     from nibble.config import QuantConfig
     from nibble.models.convert import quantize_model
