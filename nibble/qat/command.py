@@ -37,7 +37,9 @@ def add_qat_arguments(parser) -> None:
                              "{\"text\": ...} object a line)")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
     parser.add_argument("--seed", type=int, default=0, help="seeds the LoRA init and the data order")
-    parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")
+    parser.add_argument("--out", required=True,
+                        help="where the W4A4 model (and the resumable state) goes; one that holds a run's state needs "
+                             "--resume")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
     parser.add_argument("--ppl-max-tokens", type=int, default=None,
@@ -49,7 +51,8 @@ def add_qat_arguments(parser) -> None:
 def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
-        from nibble.qat.train import QatInterrupted, check_learning_rates, check_recipe, run_qat, state_path
+        from nibble.qat.train import (QatInterrupted, check_learning_rates, check_new_run, check_recipe, run_qat,
+                                      state_path)
     from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed, interrupted
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
@@ -64,6 +67,8 @@ def qat_main(args) -> None:
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_recipe(args.recipe, args.init)
+    if not args.resume:  # run_qat's refusal too, said here before the model loads
+        check_new_run(args.out)
     if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word
         raise ValueError("--eval-ppl measures the exported W4A4 model, and --recipe per-channel exports none (fake "
                          "quant only): drop --eval-ppl, or train --recipe per-token or hadamard")

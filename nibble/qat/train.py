@@ -41,7 +41,8 @@ with the step's loss and the mean of the last `FINAL_LOSS_STEPS`. Every ``save_e
 the trainable state (LoRA, clip and smoothing parameters), the optimizer, the scheduler and the step go atomically to
 ``out_dir/qat-state/state.pt``, with the run's settings: the 16-bit model and the token ids it trains on and
 calibrates with among them (`model_record`, `token_record`; the export records them too). ``resume=True`` rebuilds
-the same model and continues from it, or refuses, before the model is prepared, a run of other settings.
+the same model and continues from it, or refuses, before the model is prepared, a run of other settings; a run
+without it into an ``out_dir`` that holds a state is refused, so that no run is lost to a forgotten --resume.
 The data order is a pure function of (seed, step), so a resumed run sees the batches an
 uninterrupted one would have.
 """
@@ -64,6 +65,7 @@ from tqdm.auto import tqdm
 
 from nibble.config import check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.convert import own_config, refuse_save_pretrained
+from nibble.models.hf_import import checkpoint_dir
 from nibble.models.serialization import _atomic_write
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
@@ -345,14 +347,29 @@ def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dic
     _atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def read_state(path: Path, settings: dict) -> dict:
-    """The state `save_state` wrote at ``path``, refused unless a run of ``settings`` can go on from it: read before
-    the model is prepared, so that a resume with another option is said before the GPTQ start (minutes on a CPU)."""
+def load_state(path: Path) -> dict:
+    """The state `save_state` wrote at ``path``; a damaged one is said as such."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
         raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): the file is damaged; delete "
                          "it to train from step 0, or pick another --out") from e
+
+
+def check_new_run(out_dir) -> None:
+    """Refuse a run from step 0 (no resume) into ``out_dir`` where a run's state lies: its first save replaced that
+    run's, another model's too, without a word, and a forgotten --resume lost hours of training."""
+    path = state_path(out_dir)
+    if path.exists():
+        raise ValueError(f"{out_dir} holds a PE-QAT run at step {load_state(path)['step']} ({STATE_DIR}/"
+                         f"{STATE_FILE}): pass resume=True (nibble qat: --resume) to go on from it, or another "
+                         "out_dir (--out) to start afresh")
+
+
+def read_state(path: Path, settings: dict) -> dict:
+    """The state `save_state` wrote at ``path``, refused unless a run of ``settings`` can go on from it: read before
+    the model is prepared, so that a resume with another option is said before the GPTQ start (minutes on a CPU)."""
+    state = load_state(path)
     # the learning rates too: the optimizer and scheduler states `restore_state` loads carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
     fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
@@ -394,7 +411,7 @@ def restore_state(state: dict, path: Path, model, optimizer, scheduler) -> tuple
 
 class QatInterrupted(KeyboardInterrupt):
     """Ctrl-C in `run_qat`, saying which state it leaves: ``saved_step`` is the step of the state at ``path`` that this
-    run wrote or resumed from (None: none yet; an earlier run's state may be there, which this run cannot tell on)."""
+    run wrote or resumed from (None: none yet, and no other run's is there: `check_new_run`)."""
 
     def __init__(self, path: Path | None, saved_step: int | None, first_save: int):
         self.path, self.saved_step = path, saved_step
@@ -405,9 +422,6 @@ class QatInterrupted(KeyboardInterrupt):
                     "command with --resume) to go on from there")
         else:
             kept = f"this run saved no state yet (its first at step {first_save})"
-            if path.exists():  # written by another run, with settings this one may not share
-                kept += (f"; {path} is an earlier run's, left as it is (resume=True / --resume goes on from it with "
-                         "that run's settings only)")
         super().__init__(f"PE-QAT interrupted; {kept}")
 
 
@@ -430,7 +444,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     on ``calibration`` (default: `calibration_batches(tokenizer)`, what `nibble quantize` uses); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
-    ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
+    ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
+    refused (`check_new_run`), as is one that holds a model the export could not replace (`hf_import.checkpoint_dir`:
+    a float model, the one trained above all). ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
     ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
@@ -453,6 +469,11 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed)  # before any calibration text is tokenized
     check_model(model)  # before the model is changed
+    if out_dir is not None:
+        # the folder the export writes: one holding a float model was refused by the export alone, after the training
+        out_dir = checkpoint_dir(out_dir, model)
+        if not resume:
+            check_new_run(out_dir)
     # the windows given are checked first: the context's check below reads seq_len as their length, and blamed the
     # default 512 on 32-token windows of a 256-token model
     if windows is not None and (windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len

@@ -2,6 +2,7 @@
 export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
 import copy
 import functools
+import re
 import statistics
 
 import pytest
@@ -218,6 +219,38 @@ def test_ctrl_c_while_the_state_is_saved_keeps_the_last_one_and_leaves_no_tempor
         _train("per-token", 2, _windows(), out_dir=tmp_path, save_every=1)
     assert stopped.value.saved_step == 1 and torch.load(state_path(tmp_path), weights_only=True)["step"] == 1
     assert [p.name for p in state_path(tmp_path).parent.iterdir()] == ["state.pt"]
+
+
+def test_a_new_run_into_an_out_dir_that_holds_a_run_is_refused(tmp_path, monkeypatch):
+    """Without resume, a run's first save replaced the state there, another model's too, without a word: hours of
+    training lost to a forgotten --resume. Refused in Python, and by `nibble qat` before the model loads."""
+    from nibble.cli import main
+    from nibble.models import loading
+    _train("per-token", 2, _windows(), out_dir=tmp_path, batch_size=2)
+    said = (re.escape(str(tmp_path)) + r" holds a PE-QAT run at step 2 \(qat-state/state.pt\): pass resume=True "
+            r"\(nibble qat: --resume\) to go on from it, or another out_dir \(--out\) to start afresh")
+    for model in (_model(), tiny_model("qwen2")):  # the same model, or another one
+        with pytest.raises(ValueError, match=f"^{said}$"):
+            _train("per-token", 1, _windows(), model=model, out_dir=tmp_path)
+        assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # refused before it was changed
+    assert torch.load(state_path(tmp_path), weights_only=True)["step"] == 2
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit, match=f"^nibble qat: {said}\n"):
+        main(["qat", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_an_out_dir_holding_a_float_model_is_refused_before_training(tmp_path):
+    """The export refused it (a save would replace the float model), but only once the training was done."""
+    from transformers import AutoModelForCausalLM
+    _model().save_pretrained(tmp_path / "float")
+    source = AutoModelForCausalLM.from_pretrained(tmp_path / "float")
+    with pytest.raises(ValueError, match="is the folder the model comes from"):
+        _train("per-token", 1, _windows(), model=source, out_dir=tmp_path / "float")
+    model = _model()
+    with pytest.raises(ValueError, match="holds a model that is not a quantized checkpoint"):
+        _train("per-token", 1, _windows(), model=model, out_dir=tmp_path / "float")
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # refused before it was changed
+    assert not (tmp_path / "float" / "qat-state").exists()
 
 
 def test_gptq_start_is_exactly_the_rotated_gptq_model_and_the_teacher_stays_16_bit():
@@ -667,16 +700,10 @@ def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(mon
     ran.clear()
     main(command + ["--resume"])  # as it says
     assert ran == [3, 4] and (out / "model.safetensors").exists()
-    # another run into the same --out, stopped before its first save: the finished run's state is not its own
-    monkeypatch.setattr(train, "run_qat", functools.partial(run_on_windows, stop=1))
-    capsys.readouterr()  # the resumed run's output
-    with pytest.raises(SystemExit) as stopped:
+    # another run into the same --out, without --resume: it was let run, and its first save replaced the finished
+    # run's state (`test_a_new_run_into_an_out_dir_that_holds_a_run_is_refused`)
+    with pytest.raises(SystemExit, match="holds a PE-QAT run at step 4"):
         main(command + ["--lr", "0.002"])
-    assert stopped.value.code == 130
-    assert capsys.readouterr().err.strip() == (f"nibble qat: PE-QAT interrupted; this run saved no state yet (its "
-                                               f"first at step 2); {state_path(out)} is an earlier run's, left as it "
-                                               "is (resume=True / --resume goes on from it with that run's settings "
-                                               "only)")
     assert torch.load(state_path(out), weights_only=True)["step"] == 4
     import nibble.qat.export as exporting
 
