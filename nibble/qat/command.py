@@ -2,6 +2,8 @@
 `train.py` so that the command line builds without peft (the `qat` extra), which only the run needs."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nibble.config import optional_dependency, resolve_device
@@ -80,7 +82,9 @@ def qat_main(args) -> None:
         raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")
     require_data(source_data_files(sources) + calibration_files("gptq" if args.init == "gptq" else None)
                  + [WIKITEXT2_TEST] * args.eval_ppl)
-    try:  # Ctrl-C: what is kept and how to go on, not a traceback
+    # what Ctrl-C leaves, said for each stage (the training's own, QatInterrupted, says which state it holds)
+    stopped = f"interrupted before training began; nothing was written to {args.out}"  # loading, reading the texts
+    try:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
         calibration, sizes = None, calibration_sizes(args)
         if args.init == "gptq" and sizes:
@@ -90,19 +94,18 @@ def qat_main(args) -> None:
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
                         sources=sources, init=args.init, calibration=calibration)
-    except QatInterrupted as e:
-        raise interrupted("qat", str(e)) from None
-    except KeyboardInterrupt:  # before run_qat began its run (loading the model, reading the texts): nothing written
-        raise interrupted("qat", f"interrupted before training began; nothing was written to {args.out}") from None
+        if args.recipe != "per-channel":  # which exports nothing (fake quant only): said below
+            stopped = (f"interrupted while exporting; {state_path(args.out)} holds the finished run: the same command "
+                       "with --resume exports it again, without training")
+            export(model, args.out, tokenizer)
+    except KeyboardInterrupt as e:  # Ctrl-C: what is kept and how to go on, not a traceback
+        if os.environ.get("NIBBLE_TRACEBACK") == "1":  # as cli.main keeps it: the exception and where it was raised
+            raise
+        raise interrupted("qat", str(e) if isinstance(e, QatInterrupted) else stopped) from None
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")
         return
-    try:
-        export(model, args.out, tokenizer)
-    except KeyboardInterrupt:
-        raise interrupted("qat", f"interrupted while exporting; {state_path(args.out)} holds the finished run: the "
-                                 "same command with --resume exports it again, without training") from None
     print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
           f"{args.out}`)")
     if args.eval_ppl:

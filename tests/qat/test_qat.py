@@ -668,6 +668,37 @@ def test_nibble_qat_interrupted_before_training_is_one_line(monkeypatch, tmp_pat
         pytest.fail("the command went on")
 
 
+def test_nibble_qat_interrupted_with_nibble_traceback_keeps_the_exception(monkeypatch, tmp_path):
+    """NIBBLE_TRACEBACK=1 keeps the Ctrl-C of every command as its exception, with where it landed (cli.main); qat's
+    own handlers said their one line all the same."""
+    import nibble.qat.export as exporting
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+
+    def interrupted(stage):
+        def stop(*args, **kwargs):
+            raise KeyboardInterrupt(stage)
+        return stop
+
+    def training_interrupted(*args, **kwargs):
+        raise train.QatInterrupted(None, None, 1)
+
+    monkeypatch.setenv("NIBBLE_TRACEBACK", "1")
+    command = ["qat", "--device", "cpu", "--out", str(tmp_path / "q")]
+    monkeypatch.setattr(loading, "load_model", interrupted("loading"))
+    with pytest.raises(KeyboardInterrupt, match="^loading$"):
+        main(command)
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(train, "run_qat", training_interrupted)
+    with pytest.raises(train.QatInterrupted, match="^PE-QAT interrupted; nothing is kept"):
+        main(command)
+    monkeypatch.setattr(train, "run_qat", lambda *args, **kwargs: None)
+    monkeypatch.setattr(exporting, "export", interrupted("exporting"))
+    with pytest.raises(KeyboardInterrupt, match="^exporting$"):
+        main(command)
+
+
 def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(monkeypatch, tmp_path, capsys):
     """Ctrl-C named whatever state.pt held as the one --resume continues: an earlier run's, of other settings, too,
     which --resume then refused."""
