@@ -23,7 +23,8 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--calib-samples", type=int, default=None,
                         help="--init gptq: GPTQ's calibration windows of the C4 excerpt (default: 128; fewer: faster)")
     parser.add_argument("--calib-seq-len", type=int, default=None,
-                        help="--init gptq: tokens per calibration window (default: 512)")
+                        help="--init gptq: tokens per calibration window, at most the model's context (default: "
+                             "512, or the context where shorter)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
     parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
@@ -53,13 +54,14 @@ def add_qat_arguments(parser) -> None:
 def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
-        from nibble.qat.train import (QatInterrupted, check_learning_rates, check_new_run, check_recipe, run_qat,
-                                      state_path)
+        from nibble.qat.train import (GPTQ_START, QatInterrupted, check_learning_rates, check_new_run, check_recipe,
+                                      run_qat, state_path)
     from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed, interrupted
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
-    from nibble.models.loading import load_model
-    from nibble.quantize.calibration import calibration_files, source_data_files
+    from nibble.models.convert import check_calibration_window
+    from nibble.models.loading import load_model, model_context
+    from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -68,6 +70,8 @@ def qat_main(args) -> None:
     check_learning_rates(args.lr, args.quant_lr)
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
+    if args.calib_seq_len is not None:  # run_qat refuses it too, once the model has loaded, as `quantize` says it here
+        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
     check_recipe(args.recipe, args.init)
     if not args.resume:  # run_qat's refusal too, said here before the model loads
         check_new_run(args.out)
@@ -86,10 +90,9 @@ def qat_main(args) -> None:
     stopped = f"interrupted before training began; nothing was written to {args.out}"  # loading, reading the texts
     try:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
-        calibration, sizes = None, calibration_sizes(args)
-        if args.init == "gptq" and sizes:
-            from nibble.quantize.calibration import calibration_batches
-            calibration = calibration_batches(tokenizer, **sizes)
+        calibration = None  # --init gptq's: as run_qat would make it (cut to a shorter context), in the sizes asked
+        if args.init == "gptq":
+            calibration = calibration_for(GPTQ_START, tokenizer, model, **calibration_sizes(args))
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,

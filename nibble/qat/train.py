@@ -63,8 +63,8 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import check_count, check_token_ids, checked_seed, resolve_device
-from nibble.models.convert import own_config, refuse_save_pretrained
+from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
+from nibble.models.convert import check_calibration_ids, own_config, refuse_save_pretrained
 from nibble.models.hf_import import checkpoint_dir
 from nibble.models.serialization import _atomic_write
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
@@ -77,6 +77,7 @@ STATE_FILE = "state.pt"
 # The run's ``final_loss`` is the mean loss of its last FINAL_LOSS_STEPS steps (all of a shorter run's), recorded
 # with ``final_loss_steps``, how many it averaged: one step's loss is one batch's, noisy with the batch.
 FINAL_LOSS_STEPS = 10
+GPTQ_START = QuantConfig(mode="w4a4", method="gptq")  # the quantization init="gptq" starts from (`gptq_start`)
 
 # Recipe -> how each FakeQuantLinear is built.
 _LAYER_KWARGS = {
@@ -92,7 +93,6 @@ _LAYER_KWARGS = {
 
 def quantizable_linears(model: nn.Module) -> list[str]:
     """Full names of the linears a W4A4 `quantize_model` converts by default (decoder layers, not lm_head)."""
-    from nibble.config import QuantConfig
     from nibble.models.convert import linears_to_convert
 
     return linears_to_convert(model, QuantConfig(mode="w4a4"))
@@ -110,13 +110,11 @@ def gptq_start(model: nn.Module, names: list[str], calibration, progress: bool =
     overwrites them with their quantized values so that later blocks calibrate on the quantized
     model): they stay the 16-bit teacher.
     """
-    from nibble.config import QuantConfig
     from nibble.quantize.gptq import gptq_quantize_model
 
     originals = {name: model.get_submodule(name).weight.detach().clone() for name in names}
     compensated = {}
-    weights = gptq_quantize_model(model, QuantConfig(mode="w4a4", method="gptq"), calibration, progress=progress,
-                                  compensated=compensated)
+    weights = gptq_quantize_model(model, GPTQ_START, calibration, progress=progress, compensated=compensated)
     for name, w in originals.items():
         model.get_submodule(name).weight.copy_(w)
     return {name: (compensated[name], weights[name].scales.t()) for name in names}
@@ -190,7 +188,8 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     """Rotate (hadamard recipe), swap every quantizable linear for a FakeQuantLinear, add LoRA with peft.
 
     ``init="gptq"`` starts quantization from GPTQ's weights, calibrated on ``calibration`` (token ids
-    [n, seq_len], see `nibble.quantize.calibration.calibration_batches`); see the module doc.
+    [n, seq_len], see `nibble.quantize.calibration.calibration_batches`), checked as `quantize_model` checks its
+    calibration (`convert.check_calibration_ids`); see the module doc.
     Returns the PeftModel; only LoRA and the recipe's quantization parameters are trainable.
     """
     from peft import LoraConfig
@@ -199,6 +198,8 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_model(model)
+    if init == "gptq":
+        check_calibration_ids(model, calibration)
     meta = qat_description(recipe, init, rank, alpha, rotation_seed)
     if recipe == "hadamard":
         from nibble.models.rotation import rotate_model
@@ -441,7 +442,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
     given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
-    on ``calibration`` (default: `calibration_batches(tokenizer)`, what `nibble quantize` uses); it keeps
+    on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
+    excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
+    of, as `quantize_model` does: `convert.check_calibration_ids`); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
@@ -500,11 +503,14 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                              "ids [n, seq_len])")
         windows = training_windows(tokenizer, seq_len, sources)
     check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
-    if init == "gptq" and calibration is None:
-        if tokenizer is None:
-            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer)
+    if init == "gptq":
+        if calibration is None:
+            if tokenizer is None:
+                raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 "
+                                 "excerpt")
+            from nibble.quantize.calibration import calibration_for
+            calibration = calibration_for(GPTQ_START, tokenizer, model)
+        check_calibration_ids(model, calibration)  # as quantize_model's: windows it can calibrate on, enough tokens
     settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
                     seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
                     quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,

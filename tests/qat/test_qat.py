@@ -320,6 +320,32 @@ def test_gptq_start_refuses_what_it_cannot_do():
         FakeQuantLinear.from_linear(lin, start=(w, scales), clip="none")
 
 
+class _ByteTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+
+def test_the_gptq_starts_calibration_is_checked_as_quantize_models(monkeypatch):
+    """GPTQ's start calibrated without the checks quantize_model runs: windows past the model's context (its default,
+    512 tokens, on a model of 32) and fewer tokens than a layer has inputs were taken without a word."""
+    from nibble.cli import main
+    from nibble.models import loading
+    short = dict(model=tiny_model(max_position_embeddings=32), seq_len=16, init="gptq")
+    with pytest.raises(ValueError, match=r"calibration windows of seq_len=40 exceed the model's context \(32 "):
+        _train("per-token", 1, _windows()[:, :16], calibration=torch.zeros(2, 40, dtype=torch.long), **short)
+    assert type(short["model"].model.layers[0].mlp.down_proj) is torch.nn.Linear  # refused before it was changed
+    with pytest.warns(UserWarning, match="calibration of 48 tokens is fewer than the 192 inputs"):
+        _train("per-token", 1, _windows(), init="gptq", calibration=_windows(n=2))
+    # made by run_qat: windows of the context, as `nibble quantize` makes them
+    qat = run_qat(short.pop("model"), _ByteTokenizer(), "per-token", 1, windows=_windows()[:, :16], device="cpu",
+                  progress=False, gradient_checkpointing=False, **short)
+    assert qat.qat_meta["calibration"].startswith("128 x 32 tokens")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit, match=r"^nibble qat: calibration windows of --calib-seq-len=100000 exceed the "
+                                         r"model's context \("):
+        main(["qat", "--device", "cpu", "--init", "gptq", "--calib-seq-len", "100000", "--out", "unused"])
+
+
 def test_a_rotation_seed_without_the_hadamard_recipe_is_refused():
     """The per-token recipe rotates nothing: a seed given with it was dropped without a word (QuantConfig refuses
     the same), for run_qat and prepare_qat_model alike, before the model is touched."""
@@ -354,17 +380,12 @@ def test_a_quantized_model_is_refused_by_name():
 
 def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):
     """It was taken as asked: SmolLM2 at --seq-len 100000 ran one step for minutes, on positions it never saw."""
-
-    class ByteTokenizer:
-        def encode(self, text, add_special_tokens=True):
-            return list(text.encode("utf-8"))
-
     text = tmp_path / "calib.txt"
     text.write_text("the capital of france is paris. " * 8)  # 256 bytes: 8 windows of 32
     torch.manual_seed(0)
     model = tiny_model(max_position_embeddings=32)
     with pytest.warns(UserWarning, match=r"seq_len=1000 exceeds the model's context \(32 = config.max_position"):
-        qat = run_qat(model, ByteTokenizer(), "per-token", 1, seq_len=1000, batch_size=1, device="cpu",
+        qat = run_qat(model, _ByteTokenizer(), "per-token", 1, seq_len=1000, batch_size=1, device="cpu",
                       sources=(str(text),), progress=False, gradient_checkpointing=False)
     assert qat.qat_meta["seq_len"] == 32 and qat.qat_meta["tokens_this_run"] == 32
     with pytest.raises(ValueError, match="windows of seq_len=40 exceed the model's context"):
