@@ -13,7 +13,8 @@ from conftest import tiny_model
 pytest.importorskip("peft")
 
 from nibble.kernels.reference import dequantize, quantize_activations  # noqa: E402
-from nibble.models.convert import set_backend  # noqa: E402
+from nibble.config import QuantConfig  # noqa: E402
+from nibble.models.convert import quantize_model, set_backend, weight_bytes  # noqa: E402
 from nibble.models.serialization import load_quantized  # noqa: E402
 from nibble.nn.quant_linear import QuantLinear  # noqa: E402
 from nibble.qat.fake_quant import FakeQuantLinear, fake_quant_layers, fake_quant_tokens, fake_quant_weight  # noqa: E402
@@ -129,6 +130,12 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     assert qmodel.config.quantization_config["rotation"] == ("hadamard" if recipe == "hadamard" else "none")
     assert qmodel.config.quantization_config["method"] == "rtn" and qmodel.config.quantization_config["clip_search"]
     assert qmodel.config.quantization_config["qat"]["final_loss"] is not None
+    # what quantize_model records of the same start, and the same bytes: the tiny Llama's tied lm_head stays in 16 bits
+    # in both, so neither records it as a tied head it quantized (lm_head_was_tied, which `weight_bytes` reads)
+    ptq = quantize_model(_model(), QuantConfig(mode="w4a4", rotation="hadamard" if recipe == "hadamard" else "none"),
+                         progress=False)
+    assert {k: v for k, v in qmodel.config.quantization_config.items() if k != "qat"} == ptq.config.quantization_config
+    assert weight_bytes(qmodel) == weight_bytes(ptq)
     layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
     assert not any(p.requires_grad for p in qmodel.parameters())  # a deployed model: nothing left to train
@@ -254,8 +261,6 @@ def test_an_out_dir_holding_a_float_model_is_refused_before_training(tmp_path):
 
 
 def test_gptq_start_is_exactly_the_rotated_gptq_model_and_the_teacher_stays_16_bit():
-    from nibble.config import QuantConfig
-    from nibble.models.convert import quantize_model
     from nibble.models.rotation import rotate_model
     from nibble.qat.fake_quant import fake_quant_layers, quantization_disabled
     from nibble.qat.train import prepare_qat_model
@@ -370,8 +375,6 @@ def test_a_rotation_seed_torch_cannot_take_is_refused_before_the_model_is_change
 
 def test_a_quantized_model_is_refused_by_name():
     """peft said "No target_modules passed" of a model whose linears are QuantLinear already."""
-    from nibble.config import QuantConfig
-    from nibble.models.convert import quantize_model
     quantized = quantize_model(_model(), QuantConfig(group_size=32), progress=False)
     with pytest.raises(ValueError, match="quantized already: 14 of its linears are QuantLinear .*PE-QAT takes a "
                                          "16-bit model"):
