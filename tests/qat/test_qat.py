@@ -564,13 +564,15 @@ def test_a_resume_onto_another_model_is_refused(tmp_path):
 
 @pytest.mark.parametrize("cut", [0, 1000])
 def test_a_damaged_state_is_named(tmp_path, cut):
-    """A truncated state.pt was torch's PytorchStreamReader traceback (an empty one an EOFError)."""
+    """A truncated state.pt was torch's PytorchStreamReader traceback (an empty one an EOFError); a new run (no resume)
+    is refused on it as on a whole one, naming it."""
     _train("per-token", 1, _windows(), out_dir=tmp_path)
     path = state_path(tmp_path)
     path.write_bytes(path.read_bytes()[:cut])
-    with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train from "
-                                         "step 0, or pick another --out"):
-        _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
+    for resume in (True, False):
+        with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train "
+                                             "from step 0, or pick another --out"):
+            _train("per-token", 2, _windows(), out_dir=tmp_path, resume=resume)
 
 
 def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkeypatch, tmp_path):
