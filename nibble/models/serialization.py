@@ -4,14 +4,14 @@ nibble's own format holds every mode and option; AutoAWQ GEMM and GPTQ checkpoin
 written too (`format=`, and load_quantized tells them apart by their ``quant_method``; the layouts
 are converted losslessly by nibble.models.hf_import).
 
-Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
-looks whole, and an error or Ctrl-C mid-write leaves no temporary file. Every tensor's sha256 (of its dtype, shape and data) goes into the safetensors metadata and is
-checked on load, so a truncated or edited file is an error, never silently wrong output; so does the digest of the
-config.json that reads the weights (every field that changes what they compute), so weights beside another
-save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that digest too, which the
-importer checks (other readers ignore them). A save owns its directory: the weight files, index, tokenizer files
-and generation config of an earlier checkpoint there that it does not write again are removed, since every reader
-would take them for this model's.
+Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that looks whole, and an
+error or Ctrl-C mid-write leaves no temporary file. Every tensor's sha256 (of its dtype, shape and data) goes into
+the safetensors metadata and is checked on load, so a truncated or edited file is an error, never silently wrong
+output; so does the digest of the config.json that reads the weights (every field that changes what they compute),
+so weights beside another save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that
+digest too, which the importer checks (other readers ignore them). A save owns its directory: the weight files,
+index, tokenizer files and generation config of an earlier checkpoint there that it does not write again are
+removed, since every reader would take them for this model's.
 """
 from __future__ import annotations
 
