@@ -4,14 +4,14 @@ nibble's own format holds every mode and option; AutoAWQ GEMM and GPTQ checkpoin
 written too (`format=`, and load_quantized tells them apart by their ``quant_method``; the layouts
 are converted losslessly by nibble.models.hf_import).
 
-Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that
-looks whole. Every tensor's sha256 (of its dtype, shape and data) goes into the safetensors metadata and is
-checked on load, so a truncated or edited file is an error, never silently wrong output; so does the digest of the
-config.json that reads the weights (every field that changes what they compute), so weights beside another
-save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that digest too, which the
-importer checks (other readers ignore them). A save owns its directory: the weight files, index, tokenizer files
-and generation config of an earlier checkpoint there that it does not write again are removed, since every reader
-would take them for this model's.
+Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that looks whole, and an
+error or Ctrl-C mid-write leaves no temporary file. Every tensor's sha256 (of its dtype, shape and data) goes into
+the safetensors metadata and is checked on load, so a truncated or edited file is an error, never silently wrong
+output; so does the digest of the config.json that reads the weights (every field that changes what they compute),
+so weights beside another save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that
+digest too, which the importer checks (other readers ignore them). A save owns its directory: the weight files,
+index, tokenizer files and generation config of an earlier checkpoint there that it does not write again are
+removed, since every reader would take them for this model's.
 """
 from __future__ import annotations
 
@@ -85,6 +85,8 @@ _UMASK = _process_umask()
 
 
 def _atomic_write(path: Path, write) -> None:
+    """``write(tmp)`` into a temporary beside ``path``, fsynced, then renamed over it: whatever stops it (an error, a
+    full disk, Ctrl-C) leaves ``path`` as it was and no temporary."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
@@ -94,9 +96,11 @@ def _atomic_write(path: Path, write) -> None:
             os.chmod(tmp, 0o666 & ~_UMASK)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-    except (SafetensorError, OSError) as e:  # safetensors' "I/O error: File too large" names no file
+    except BaseException as e:  # Ctrl-C too: the half-written temporary goes with it (a 7B model's is gigabytes)
         tmp.unlink(missing_ok=True)
-        raise OSError(f"cannot write {path} ({e}; a full disk?): what the folder held is unchanged") from e
+        if isinstance(e, (SafetensorError, OSError)):  # safetensors' "I/O error: File too large" names no file
+            raise OSError(f"cannot write {path} ({e}; a full disk?): what the folder held is unchanged") from e
+        raise
     os.replace(tmp, path)
 
 

@@ -2,6 +2,8 @@
 `train.py` so that the command line builds without peft (the `qat` extra), which only the run needs."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nibble.config import optional_dependency, resolve_device
@@ -21,7 +23,8 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--calib-samples", type=int, default=None,
                         help="--init gptq: GPTQ's calibration windows of the C4 excerpt (default: 128; fewer: faster)")
     parser.add_argument("--calib-seq-len", type=int, default=None,
-                        help="--init gptq: tokens per calibration window (default: 512)")
+                        help="--init gptq: tokens per calibration window, at most the model's context (default: "
+                             "512, or the context where shorter)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
     parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
@@ -37,7 +40,9 @@ def add_qat_arguments(parser) -> None:
                              "{\"text\": ...} object a line)")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps")
     parser.add_argument("--seed", type=int, default=0, help="seeds the LoRA init and the data order")
-    parser.add_argument("--out", required=True, help="where the W4A4 model (and the resumable state) goes")
+    parser.add_argument("--out", required=True,
+                        help="where the W4A4 model (and the resumable state) goes; one that holds a run's state needs "
+                             "--resume")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
     parser.add_argument("--ppl-max-tokens", type=int, default=None,
@@ -49,12 +54,14 @@ def add_qat_arguments(parser) -> None:
 def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
-        from nibble.qat.train import QatInterrupted, check_learning_rates, check_recipe, run_qat, state_path
+        from nibble.qat.train import (GPTQ_START, QatInterrupted, check_learning_rates, check_new_run, check_recipe,
+                                      run_qat, state_path)
     from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed, interrupted
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
-    from nibble.models.loading import load_model
-    from nibble.quantize.calibration import calibration_files, source_data_files
+    from nibble.models.convert import check_calibration_window
+    from nibble.models.loading import load_model, model_context
+    from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -63,7 +70,11 @@ def qat_main(args) -> None:
     check_learning_rates(args.lr, args.quant_lr)
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
+    if args.calib_seq_len is not None:  # run_qat refuses it too, once the model has loaded, as `quantize` says it here
+        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
     check_recipe(args.recipe, args.init)
+    if not args.resume:  # run_qat's refusal too, said here before the model loads
+        check_new_run(args.out)
     if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word
         raise ValueError("--eval-ppl measures the exported W4A4 model, and --recipe per-channel exports none (fake "
                          "quant only): drop --eval-ppl, or train --recipe per-token or hadamard")
@@ -75,29 +86,29 @@ def qat_main(args) -> None:
         raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")
     require_data(source_data_files(sources) + calibration_files("gptq" if args.init == "gptq" else None)
                  + [WIKITEXT2_TEST] * args.eval_ppl)
-    try:  # Ctrl-C: what is kept and how to go on, not a traceback
+    # what Ctrl-C leaves, said for each stage (the training's own, QatInterrupted, says which state it holds)
+    stopped = f"interrupted before training began; nothing was written to {args.out}"  # loading, reading the texts
+    try:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
-        calibration, sizes = None, calibration_sizes(args)
-        if args.init == "gptq" and sizes:
-            from nibble.quantize.calibration import calibration_batches
-            calibration = calibration_batches(tokenizer, **sizes)
+        calibration = None  # --init gptq's: as run_qat would make it (cut to a shorter context), in the sizes asked
+        if args.init == "gptq":
+            calibration = calibration_for(GPTQ_START, tokenizer, model, **calibration_sizes(args))
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
                         sources=sources, init=args.init, calibration=calibration)
-    except QatInterrupted as e:
-        raise interrupted("qat", str(e)) from None
-    except KeyboardInterrupt:  # before run_qat began its run (loading the model, reading the texts): nothing written
-        raise interrupted("qat", f"interrupted before training began; nothing was written to {args.out}") from None
+        if args.recipe != "per-channel":  # which exports nothing (fake quant only): said below
+            stopped = (f"interrupted while exporting; {state_path(args.out)} holds the finished run: the same command "
+                       "with --resume exports it again, without training")
+            export(model, args.out, tokenizer)
+    except KeyboardInterrupt as e:  # Ctrl-C: what is kept and how to go on, not a traceback
+        if os.environ.get("NIBBLE_TRACEBACK") == "1":  # as cli.main keeps it: the exception and where it was raised
+            raise
+        raise interrupted("qat", str(e) if isinstance(e, QatInterrupted) else stopped) from None
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")
         return
-    try:
-        export(model, args.out, tokenizer)
-    except KeyboardInterrupt:
-        raise interrupted("qat", f"interrupted while exporting; {state_path(args.out)} holds the finished run: the "
-                                 "same command with --resume exports it again, without training") from None
     print(f"saved the W4A4 model to {args.out} (load it with nibble.load_quantized or `nibble eval ppl --model "
           f"{args.out}`)")
     if args.eval_ppl:

@@ -41,7 +41,8 @@ with the step's loss and the mean of the last `FINAL_LOSS_STEPS`. Every ``save_e
 the trainable state (LoRA, clip and smoothing parameters), the optimizer, the scheduler and the step go atomically to
 ``out_dir/qat-state/state.pt``, with the run's settings: the 16-bit model and the token ids it trains on and
 calibrates with among them (`model_record`, `token_record`; the export records them too). ``resume=True`` rebuilds
-the same model and continues from it, or refuses, before the model is prepared, a run of other settings.
+the same model and continues from it, or refuses, before the model is prepared, a run of other settings; a run
+without it into an ``out_dir`` that holds a state is refused, so that no run is lost to a forgotten --resume.
 The data order is a pure function of (seed, step), so a resumed run sees the batches an
 uninterrupted one would have.
 """
@@ -51,7 +52,6 @@ import collections
 import hashlib
 import math
 import numbers
-import os
 import pickle
 import statistics
 import time
@@ -63,8 +63,10 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import check_count, check_token_ids, checked_seed, resolve_device
-from nibble.models.convert import own_config, refuse_save_pretrained
+from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
+from nibble.models.convert import check_calibration_ids, own_config, refuse_save_pretrained
+from nibble.models.hf_import import checkpoint_dir
+from nibble.models.serialization import _atomic_write
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -75,6 +77,7 @@ STATE_FILE = "state.pt"
 # The run's ``final_loss`` is the mean loss of its last FINAL_LOSS_STEPS steps (all of a shorter run's), recorded
 # with ``final_loss_steps``, how many it averaged: one step's loss is one batch's, noisy with the batch.
 FINAL_LOSS_STEPS = 10
+GPTQ_START = QuantConfig(mode="w4a4", method="gptq")  # the quantization init="gptq" starts from (`gptq_start`)
 
 # Recipe -> how each FakeQuantLinear is built.
 _LAYER_KWARGS = {
@@ -90,7 +93,6 @@ _LAYER_KWARGS = {
 
 def quantizable_linears(model: nn.Module) -> list[str]:
     """Full names of the linears a W4A4 `quantize_model` converts by default (decoder layers, not lm_head)."""
-    from nibble.config import QuantConfig
     from nibble.models.convert import linears_to_convert
 
     return linears_to_convert(model, QuantConfig(mode="w4a4"))
@@ -108,13 +110,11 @@ def gptq_start(model: nn.Module, names: list[str], calibration, progress: bool =
     overwrites them with their quantized values so that later blocks calibrate on the quantized
     model): they stay the 16-bit teacher.
     """
-    from nibble.config import QuantConfig
     from nibble.quantize.gptq import gptq_quantize_model
 
     originals = {name: model.get_submodule(name).weight.detach().clone() for name in names}
     compensated = {}
-    weights = gptq_quantize_model(model, QuantConfig(mode="w4a4", method="gptq"), calibration, progress=progress,
-                                  compensated=compensated)
+    weights = gptq_quantize_model(model, GPTQ_START, calibration, progress=progress, compensated=compensated)
     for name, w in originals.items():
         model.get_submodule(name).weight.copy_(w)
     return {name: (compensated[name], weights[name].scales.t()) for name in names}
@@ -188,7 +188,8 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     """Rotate (hadamard recipe), swap every quantizable linear for a FakeQuantLinear, add LoRA with peft.
 
     ``init="gptq"`` starts quantization from GPTQ's weights, calibrated on ``calibration`` (token ids
-    [n, seq_len], see `nibble.quantize.calibration.calibration_batches`); see the module doc.
+    [n, seq_len], see `nibble.quantize.calibration.calibration_batches`), checked as `quantize_model` checks its
+    calibration (`convert.check_calibration_ids`); see the module doc.
     Returns the PeftModel; only LoRA and the recipe's quantization parameters are trainable.
     """
     from peft import LoraConfig
@@ -197,6 +198,8 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_model(model)
+    if init == "gptq":
+        check_calibration_ids(model, calibration)
     meta = qat_description(recipe, init, rank, alpha, rotation_seed)
     if recipe == "hadamard":
         from nibble.models.rotation import rotate_model
@@ -336,26 +339,38 @@ def state_path(out_dir) -> Path:
 
 
 def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
-    """Atomic: written to a temp file, fsynced, renamed; a kill mid-write leaves the previous state. ``losses``
-    (the run's first loss and its last `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole
-    run's."""
+    """Atomic, as a checkpoint's files are written (`serialization._atomic_write`): a kill mid-write leaves the
+    previous state, and Ctrl-C no temporary beside it. ``losses`` (the run's first loss and its last
+    `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"step": step, "settings": settings, "trainable": _trainable_state(model),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "losses": losses}, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    state = {"step": step, "settings": settings, "trainable": _trainable_state(model),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "losses": losses}
+    _atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def load_state(path: Path) -> dict:
+    """The state `save_state` wrote at ``path``; a damaged one is said as such."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): the file is damaged; delete "
+                         "it to train from step 0, or pick another --out") from e
+
+
+def check_new_run(out_dir) -> None:
+    """Refuse a run from step 0 (no resume) into ``out_dir`` where a run's state lies: its first save replaced that
+    run's, another model's too, without a word, and a forgotten --resume lost hours of training."""
+    path = state_path(out_dir)
+    if path.exists():
+        raise ValueError(f"{out_dir} holds a PE-QAT run at step {load_state(path)['step']} ({STATE_DIR}/"
+                         f"{STATE_FILE}): pass resume=True (nibble qat: --resume) to go on from it, or another "
+                         "out_dir (--out) to start afresh")
 
 
 def read_state(path: Path, settings: dict) -> dict:
     """The state `save_state` wrote at ``path``, refused unless a run of ``settings`` can go on from it: read before
     the model is prepared, so that a resume with another option is said before the GPTQ start (minutes on a CPU)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): the file is damaged; delete "
-                         "it to train from step 0, or pick another --out") from e
+    state = load_state(path)
     # the learning rates too: the optimizer and scheduler states `restore_state` loads carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
     fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
@@ -397,7 +412,7 @@ def restore_state(state: dict, path: Path, model, optimizer, scheduler) -> tuple
 
 class QatInterrupted(KeyboardInterrupt):
     """Ctrl-C in `run_qat`, saying which state it leaves: ``saved_step`` is the step of the state at ``path`` that this
-    run wrote or resumed from (None: none yet; an earlier run's state may be there, which this run cannot tell on)."""
+    run wrote or resumed from (None: none yet, and no other run's is there: `check_new_run`)."""
 
     def __init__(self, path: Path | None, saved_step: int | None, first_save: int):
         self.path, self.saved_step = path, saved_step
@@ -408,9 +423,6 @@ class QatInterrupted(KeyboardInterrupt):
                     "command with --resume) to go on from there")
         else:
             kept = f"this run saved no state yet (its first at step {first_save})"
-            if path.exists():  # written by another run, with settings this one may not share
-                kept += (f"; {path} is an earlier run's, left as it is (resume=True / --resume goes on from it with "
-                         "that run's settings only)")
         super().__init__(f"PE-QAT interrupted; {kept}")
 
 
@@ -430,10 +442,14 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
     given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
-    on ``calibration`` (default: `calibration_batches(tokenizer)`, what `nibble quantize` uses); it keeps
+    on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
+    excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
+    of, as `quantize_model` does: `convert.check_calibration_ids`); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
-    ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
+    ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
+    refused (`check_new_run`), as is one that holds a model the export could not replace (`hf_import.checkpoint_dir`:
+    a float model, the one trained above all). ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
     ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
@@ -456,6 +472,11 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed)  # before any calibration text is tokenized
     check_model(model)  # before the model is changed
+    if out_dir is not None:
+        # the folder the export writes: one holding a float model was refused by the export alone, after the training
+        out_dir = checkpoint_dir(out_dir, model)
+        if not resume:
+            check_new_run(out_dir)
     # the windows given are checked first: the context's check below reads seq_len as their length, and blamed the
     # default 512 on 32-token windows of a 256-token model
     if windows is not None and (windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len
@@ -482,11 +503,14 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                              "ids [n, seq_len])")
         windows = training_windows(tokenizer, seq_len, sources)
     check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
-    if init == "gptq" and calibration is None:
-        if tokenizer is None:
-            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer)
+    if init == "gptq":
+        if calibration is None:
+            if tokenizer is None:
+                raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 "
+                                 "excerpt")
+            from nibble.quantize.calibration import calibration_for
+            calibration = calibration_for(GPTQ_START, tokenizer, model)
+        check_calibration_ids(model, calibration)  # as quantize_model's: windows it can calibrate on, enough tokens
     settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
                     seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
                     quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,

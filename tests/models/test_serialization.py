@@ -699,6 +699,25 @@ def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(t
     assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
 
 
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_ctrl_c_during_a_save_leaves_the_checkpoint_there_and_no_temporary(tmp_path, fmt, monkeypatch):
+    """Ctrl-C while the weights were written left model.safetensors.tmp (173 MB for SmolLM2, gigabytes for a 7B
+    model): the temporary was removed on a write error only."""
+    import nibble.models.serialization as serialization
+    model = _quantized()
+    save_quantized(model, tmp_path / "q", format=fmt)
+    before = (tmp_path / "q" / "model.safetensors").read_bytes()
+
+    def interrupted(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(serialization, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_quantized(model, tmp_path / "q", format=fmt)
+    assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
+
+
 @pytest.mark.parametrize("fmt", ["nibble", "awq", "gptq"])
 def test_a_save_into_the_float_models_folder_is_refused_and_a_quantized_checkpoint_written_again(tmp_path, fmt):
     """load_model(D), quantize_model, save_quantized(model, D) replaced D's float weights and config.json without a

@@ -2,6 +2,7 @@
 export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
 import copy
 import functools
+import re
 import statistics
 
 import pytest
@@ -12,7 +13,8 @@ from conftest import tiny_model
 pytest.importorskip("peft")
 
 from nibble.kernels.reference import dequantize, quantize_activations  # noqa: E402
-from nibble.models.convert import set_backend  # noqa: E402
+from nibble.config import QuantConfig  # noqa: E402
+from nibble.models.convert import quantize_model, set_backend, weight_bytes  # noqa: E402
 from nibble.models.serialization import load_quantized  # noqa: E402
 from nibble.nn.quant_linear import QuantLinear  # noqa: E402
 from nibble.qat.fake_quant import FakeQuantLinear, fake_quant_layers, fake_quant_tokens, fake_quant_weight  # noqa: E402
@@ -148,6 +150,12 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     assert qmodel.config.quantization_config["rotation"] == ("hadamard" if recipe == "hadamard" else "none")
     assert qmodel.config.quantization_config["method"] == "rtn" and qmodel.config.quantization_config["clip_search"]
     assert qmodel.config.quantization_config["qat"]["final_loss"] is not None
+    # what quantize_model records of the same start, and the same bytes: the tiny Llama's tied lm_head stays in 16 bits
+    # in both, so neither records it as a tied head it quantized (lm_head_was_tied, which `weight_bytes` reads)
+    ptq = quantize_model(_model(), QuantConfig(mode="w4a4", rotation="hadamard" if recipe == "hadamard" else "none"),
+                         progress=False)
+    assert {k: v for k, v in qmodel.config.quantization_config.items() if k != "qat"} == ptq.config.quantization_config
+    assert weight_bytes(qmodel) == weight_bytes(ptq)
     layers = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
     assert not any(p.requires_grad for p in qmodel.parameters())  # a deployed model: nothing left to train
@@ -222,9 +230,57 @@ def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tmp
             _train("per-token", 4, windows, out_dir=tmp_path / "b", resume=True, **kw, **other)
 
 
+def test_ctrl_c_while_the_state_is_saved_keeps_the_last_one_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """Ctrl-C in torch.save left qat-state/state.pt.tmp beside the state: the temporary was never removed."""
+    from nibble.qat.train import QatInterrupted
+    save = torch.save
+
+    def interrupted_at_step_2(state, path):
+        if state["step"] == 2:
+            path.write_bytes(b"half a state")
+            raise KeyboardInterrupt
+        save(state, path)
+
+    monkeypatch.setattr(torch, "save", interrupted_at_step_2)
+    with pytest.raises(QatInterrupted) as stopped:
+        _train("per-token", 2, _windows(), out_dir=tmp_path, save_every=1)
+    assert stopped.value.saved_step == 1 and torch.load(state_path(tmp_path), weights_only=True)["step"] == 1
+    assert [p.name for p in state_path(tmp_path).parent.iterdir()] == ["state.pt"]
+
+
+def test_a_new_run_into_an_out_dir_that_holds_a_run_is_refused(tmp_path, monkeypatch):
+    """Without resume, a run's first save replaced the state there, another model's too, without a word: hours of
+    training lost to a forgotten --resume. Refused in Python, and by `nibble qat` before the model loads."""
+    from nibble.cli import main
+    from nibble.models import loading
+    _train("per-token", 2, _windows(), out_dir=tmp_path, batch_size=2)
+    said = (re.escape(str(tmp_path)) + r" holds a PE-QAT run at step 2 \(qat-state/state.pt\): pass resume=True "
+            r"\(nibble qat: --resume\) to go on from it, or another out_dir \(--out\) to start afresh")
+    for model in (_model(), tiny_model("qwen2")):  # the same model, or another one
+        with pytest.raises(ValueError, match=f"^{said}$"):
+            _train("per-token", 1, _windows(), model=model, out_dir=tmp_path)
+        assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # refused before it was changed
+    assert torch.load(state_path(tmp_path), weights_only=True)["step"] == 2
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit, match=f"^nibble qat: {said}\n"):
+        main(["qat", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_an_out_dir_holding_a_float_model_is_refused_before_training(tmp_path):
+    """The export refused it (a save would replace the float model), but only once the training was done."""
+    from transformers import AutoModelForCausalLM
+    _model().save_pretrained(tmp_path / "float")
+    source = AutoModelForCausalLM.from_pretrained(tmp_path / "float")
+    with pytest.raises(ValueError, match="is the folder the model comes from"):
+        _train("per-token", 1, _windows(), model=source, out_dir=tmp_path / "float")
+    model = _model()
+    with pytest.raises(ValueError, match="holds a model that is not a quantized checkpoint"):
+        _train("per-token", 1, _windows(), model=model, out_dir=tmp_path / "float")
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # refused before it was changed
+    assert not (tmp_path / "float" / "qat-state").exists()
+
+
 def test_gptq_start_is_exactly_the_rotated_gptq_model_and_the_teacher_stays_16_bit():
-    from nibble.config import QuantConfig
-    from nibble.models.convert import quantize_model
     from nibble.models.rotation import rotate_model
     from nibble.qat.fake_quant import fake_quant_layers, quantization_disabled
     from nibble.qat.train import prepare_qat_model
@@ -289,6 +345,32 @@ def test_gptq_start_refuses_what_it_cannot_do():
         FakeQuantLinear.from_linear(lin, start=(w, scales), clip="none")
 
 
+class _ByteTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+
+def test_the_gptq_starts_calibration_is_checked_as_quantize_models(monkeypatch):
+    """GPTQ's start calibrated without the checks quantize_model runs: windows past the model's context (its default,
+    512 tokens, on a model of 32) and fewer tokens than a layer has inputs were taken without a word."""
+    from nibble.cli import main
+    from nibble.models import loading
+    short = dict(model=tiny_model(max_position_embeddings=32), seq_len=16, init="gptq")
+    with pytest.raises(ValueError, match=r"calibration windows of seq_len=40 exceed the model's context \(32 "):
+        _train("per-token", 1, _windows()[:, :16], calibration=torch.zeros(2, 40, dtype=torch.long), **short)
+    assert type(short["model"].model.layers[0].mlp.down_proj) is torch.nn.Linear  # refused before it was changed
+    with pytest.warns(UserWarning, match="calibration of 48 tokens is fewer than the 192 inputs"):
+        _train("per-token", 1, _windows(), init="gptq", calibration=_windows(n=2))
+    # made by run_qat: windows of the context, as `nibble quantize` makes them
+    qat = run_qat(short.pop("model"), _ByteTokenizer(), "per-token", 1, windows=_windows()[:, :16], device="cpu",
+                  progress=False, gradient_checkpointing=False, **short)
+    assert qat.qat_meta["calibration"].startswith("128 x 32 tokens")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit, match=r"^nibble qat: calibration windows of --calib-seq-len=100000 exceed the "
+                                         r"model's context \("):
+        main(["qat", "--device", "cpu", "--init", "gptq", "--calib-seq-len", "100000", "--out", "unused"])
+
+
 def test_a_rotation_seed_without_the_hadamard_recipe_is_refused():
     """The per-token recipe rotates nothing: a seed given with it was dropped without a word (QuantConfig refuses
     the same), for run_qat and prepare_qat_model alike, before the model is touched."""
@@ -313,8 +395,6 @@ def test_a_rotation_seed_torch_cannot_take_is_refused_before_the_model_is_change
 
 def test_a_quantized_model_is_refused_by_name():
     """peft said "No target_modules passed" of a model whose linears are QuantLinear already."""
-    from nibble.config import QuantConfig
-    from nibble.models.convert import quantize_model
     quantized = quantize_model(_model(), QuantConfig(group_size=32), progress=False)
     with pytest.raises(ValueError, match="quantized already: 14 of its linears are QuantLinear .*PE-QAT takes a "
                                          "16-bit model"):
@@ -323,17 +403,12 @@ def test_a_quantized_model_is_refused_by_name():
 
 def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):
     """It was taken as asked: SmolLM2 at --seq-len 100000 ran one step for minutes, on positions it never saw."""
-
-    class ByteTokenizer:
-        def encode(self, text, add_special_tokens=True):
-            return list(text.encode("utf-8"))
-
     text = tmp_path / "calib.txt"
     text.write_text("the capital of france is paris. " * 8)  # 256 bytes: 8 windows of 32
     torch.manual_seed(0)
     model = tiny_model(max_position_embeddings=32)
     with pytest.warns(UserWarning, match=r"seq_len=1000 exceeds the model's context \(32 = config.max_position"):
-        qat = run_qat(model, ByteTokenizer(), "per-token", 1, seq_len=1000, batch_size=1, device="cpu",
+        qat = run_qat(model, _ByteTokenizer(), "per-token", 1, seq_len=1000, batch_size=1, device="cpu",
                       sources=(str(text),), progress=False, gradient_checkpointing=False)
     assert qat.qat_meta["seq_len"] == 32 and qat.qat_meta["tokens_this_run"] == 32
     with pytest.raises(ValueError, match="windows of seq_len=40 exceed the model's context"):
@@ -509,13 +584,15 @@ def test_a_resume_onto_another_model_is_refused(tmp_path):
 
 @pytest.mark.parametrize("cut", [0, 1000])
 def test_a_damaged_state_is_named(tmp_path, cut):
-    """A truncated state.pt was torch's PytorchStreamReader traceback (an empty one an EOFError)."""
+    """A truncated state.pt was torch's PytorchStreamReader traceback (an empty one an EOFError); a new run (no resume)
+    is refused on it as on a whole one, naming it."""
     _train("per-token", 1, _windows(), out_dir=tmp_path)
     path = state_path(tmp_path)
     path.write_bytes(path.read_bytes()[:cut])
-    with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train from "
-                                         "step 0, or pick another --out"):
-        _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
+    for resume in (True, False):
+        with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train "
+                                             "from step 0, or pick another --out"):
+            _train("per-token", 2, _windows(), out_dir=tmp_path, resume=resume)
 
 
 def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkeypatch, tmp_path):
@@ -637,6 +714,37 @@ def test_nibble_qat_interrupted_before_training_is_one_line(monkeypatch, tmp_pat
         pytest.fail("the command went on")
 
 
+def test_nibble_qat_interrupted_with_nibble_traceback_keeps_the_exception(monkeypatch, tmp_path):
+    """NIBBLE_TRACEBACK=1 keeps the Ctrl-C of every command as its exception, with where it landed (cli.main); qat's
+    own handlers said their one line all the same."""
+    import nibble.qat.export as exporting
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+
+    def interrupted(stage):
+        def stop(*args, **kwargs):
+            raise KeyboardInterrupt(stage)
+        return stop
+
+    def training_interrupted(*args, **kwargs):
+        raise train.QatInterrupted(None, None, 1)
+
+    monkeypatch.setenv("NIBBLE_TRACEBACK", "1")
+    command = ["qat", "--device", "cpu", "--out", str(tmp_path / "q")]
+    monkeypatch.setattr(loading, "load_model", interrupted("loading"))
+    with pytest.raises(KeyboardInterrupt, match="^loading$"):
+        main(command)
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(train, "run_qat", training_interrupted)
+    with pytest.raises(train.QatInterrupted, match="^PE-QAT interrupted; nothing is kept"):
+        main(command)
+    monkeypatch.setattr(train, "run_qat", lambda *args, **kwargs: None)
+    monkeypatch.setattr(exporting, "export", interrupted("exporting"))
+    with pytest.raises(KeyboardInterrupt, match="^exporting$"):
+        main(command)
+
+
 def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(monkeypatch, tmp_path, capsys):
     """Ctrl-C named whatever state.pt held as the one --resume continues: an earlier run's, of other settings, too,
     which --resume then refused."""
@@ -669,16 +777,10 @@ def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(mon
     ran.clear()
     main(command + ["--resume"])  # as it says
     assert ran == [3, 4] and (out / "model.safetensors").exists()
-    # another run into the same --out, stopped before its first save: the finished run's state is not its own
-    monkeypatch.setattr(train, "run_qat", functools.partial(run_on_windows, stop=1))
-    capsys.readouterr()  # the resumed run's output
-    with pytest.raises(SystemExit) as stopped:
+    # another run into the same --out, without --resume: it was let run, and its first save replaced the finished
+    # run's state (`test_a_new_run_into_an_out_dir_that_holds_a_run_is_refused`)
+    with pytest.raises(SystemExit, match="holds a PE-QAT run at step 4"):
         main(command + ["--lr", "0.002"])
-    assert stopped.value.code == 130
-    assert capsys.readouterr().err.strip() == (f"nibble qat: PE-QAT interrupted; this run saved no state yet (its "
-                                               f"first at step 2); {state_path(out)} is an earlier run's, left as it "
-                                               "is (resume=True / --resume goes on from it with that run's settings "
-                                               "only)")
     assert torch.load(state_path(out), weights_only=True)["step"] == 4
     import nibble.qat.export as exporting
 
