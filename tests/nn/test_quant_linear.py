@@ -219,6 +219,16 @@ def test_bad_inputs_give_clear_errors():
         QuantLinear.from_linear(nn.Linear(96, 16), QuantConfig(group_size=64))
 
 
+def test_an_unknown_backend_is_refused_when_set_naming_the_valid_ones():
+    """`layer.backend = "bogus"` was taken, and the next forward failed far from the line that set it."""
+    q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
+    with pytest.raises(ValueError, match=r"^backend must be one of \('auto', 'reference', 'triton'\), got 'bogus'$"):
+        q.backend = "bogus"
+    assert q.backend == "auto"  # untouched
+    q.backend = "reference"
+    assert q.backend == "reference" and copy.deepcopy(q).backend == "reference"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_asking_for_the_gpu_kernel_without_a_gpu_is_a_clear_error():
     q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
