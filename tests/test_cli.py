@@ -597,6 +597,9 @@ def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_r
     last_line = capsys.readouterr().err.splitlines()[-1]  # after the model load's progress bar
     assert last_line == "nibble qat: interrupted before training began; nothing was written to unused"
     assert asked == [(4, 32)]
+    with pytest.raises(SystemExit):  # --calib-samples alone: 512-token windows, past the tiny model's context of 256
+        main(args + ["--init", "gptq", "--calib-samples", "4"])
+    assert asked[-1] == (4, 256)  # cut to the context, as `nibble quantize` and run_qat's default cut them
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
     with pytest.raises(SystemExit, match="^nibble qat: --calib-samples sizes the calibration of --init gptq; --init "
                                          "rtn calibrates nothing: drop it"):

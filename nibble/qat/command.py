@@ -78,9 +78,10 @@ def qat_main(args) -> None:
     try:  # Ctrl-C: what is kept and how to go on, not a traceback
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
         calibration, sizes = None, calibration_sizes(args)
-        if args.init == "gptq" and sizes:
-            from nibble.quantize.calibration import calibration_batches
-            calibration = calibration_batches(tokenizer, **sizes)
+        if args.init == "gptq" and sizes:  # --calib-samples alone: windows of the default length cut to the context
+            from nibble.config import QuantConfig
+            from nibble.quantize.calibration import calibration_for
+            calibration = calibration_for(QuantConfig(mode="w4a4", method="gptq"), tokenizer, model, **sizes)
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,

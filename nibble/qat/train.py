@@ -430,7 +430,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
     given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
-    on ``calibration`` (default: `calibration_batches(tokenizer)`, what `nibble quantize` uses); it keeps
+    on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it. ``callback(step, loss)`` runs after each
@@ -485,8 +485,13 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if init == "gptq" and calibration is None:
         if tokenizer is None:
             raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 excerpt")
-        from nibble.quantize.calibration import calibration_batches
-        calibration = calibration_batches(tokenizer)
+        from nibble.config import QuantConfig
+        from nibble.quantize.calibration import calibration_for
+        # what `nibble quantize` calibrates on, its windows cut to a shorter context (GPTQ refuses windows past it)
+        calibration = calibration_for(QuantConfig(mode="w4a4", method="gptq"), tokenizer, model)
+    if init == "gptq":  # said before the model is changed: GPTQ's own check comes after the hadamard recipe's rotation
+        from nibble.models.convert import check_calibration_ids
+        check_calibration_ids(model, calibration)
     settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
                     seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
                     quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,
