@@ -1,6 +1,4 @@
 """nibble: 4-bit LLM inference (W4A16 and W4A4) with hand-built GPU kernels."""
-from __future__ import annotations
-
 import importlib
 
 __version__ = "0.1.0"
