@@ -14,11 +14,26 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# torch, transformers and the rest of nibble are imported by the functions that use them: `nibble --help` and a
+# command's checks then answer before their ~4 s of imports (tests/test_cli.py checks that this module stays light)
+if TYPE_CHECKING:
+    import torch
 
 GENERATE_BATCH_SIZE = 8  # prompts `nibble generate` runs at once, where several are given
 DEMO_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors."]
+
+
+def _no_grad(function):
+    """``@torch.no_grad()`` that imports torch when ``function`` runs, not when this module loads."""
+    @functools.wraps(function)
+    def without_grad(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return function(*args, **kwargs)
+    return without_grad
 
 
 def _device(name: str | None) -> str:
@@ -186,6 +201,8 @@ def load_for_command(args, device: str):
     excerpt). A model quantized for a GPU is read into host memory and quantized onto the GPU one decoder
     layer at a time (`quantize_model`'s ``device``): the GPU never holds its 16-bit weights, so a model that
     fits the GPU only in 4 bits runs."""
+    import torch
+
     from nibble.config import default_dtype
     from nibble.models.convert import quantize_model
     from nibble.quantize.calibration import calibration_for
@@ -210,6 +227,8 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     near-ties (sampled, the same distribution, not the same draws); both stop at the model's
     end-of-sequence token. ``streamer`` (e.g. transformers' ``TextStreamer``) is given the prompt,
     then the new tokens as they come, then ``end()``, from either way as transformers' generate does."""
+    import torch
+
     ids = torch.tensor([_prompt_ids(tokenizer, prompt, chat)], device=next(model.parameters()).device)
     eos = _stop_ids(model, tokenizer)
     new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling, streamer) if engine else None
@@ -218,12 +237,14 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     return _decode_until_stop(tokenizer, new, eos)
 
 
-@torch.no_grad()
+@_no_grad
 def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None,
                          streamer=None) -> torch.Tensor:
     """transformers' ``generate`` on a batch of prompts of any lengths, padded on the left as it wants them (an
     attention mask keeps the pads out, and transformers counts each row's positions from its first real token);
     the new tokens, [batch, <= max_new_tokens]."""
+    import torch
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -259,6 +280,8 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ch
 def _batch_texts(model, tokenizer, ids: list[list[int]], max_new_tokens: int, engine: bool, sampling,
                  batch_size: int) -> Iterator[str]:
     """`generate_texts`' continuations of the prompts ``ids`` (their token ids), yielded as each batch completes."""
+    import torch
+
     eos = _stop_ids(model, tokenizer)
     runner = None
     if engine and ids:
@@ -325,6 +348,8 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
     """Up to ``max_new_tokens`` tokens after ``ids`` [1, T] from nibble's engine, greedy or as ``sampling``
     says, up to the first of ``stop_tokens``, handed to ``streamer`` as they come (see `generate_text`);
     or None where the engine cannot run this model."""
+    import torch
+
     engine = _open_engine(model, 1, ids.shape[1] + max_new_tokens)
     if engine is None:
         return None
@@ -348,6 +373,8 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
 
 
 def cmd_generate(args):
+    import torch
+
     from nibble.eval.engine import Sampling
 
     # the settings are checked before the model loads (a ValueError is said by `main`)
@@ -531,6 +558,8 @@ def cmd_eval(args):
 
 
 def cmd_build_kernels(args):
+    import torch
+
     from nibble.kernels.cuda_build import device_arch, prebuild
 
     check_least(args, (("jobs", 1),))  # said as the option, before prebuild's own check
@@ -545,9 +574,11 @@ def cmd_build_kernels(args):
         print(f"{name}: {path}")
 
 
-@torch.no_grad()
+@_no_grad
 def cmd_demo(args):
     """SmolLM2 -> W4A16 g64 -> side-by-side generations, bytes, logits cosine, perplexity on a slice."""
+    import torch
+
     from nibble.config import QuantConfig
     from nibble.eval.perplexity import wikitext2_perplexity
     from nibble.models.convert import default_group_size, quantize_model, weight_bytes
@@ -639,13 +670,88 @@ class _HelpWithDefaults(argparse.HelpFormatter):
         return text
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser, whose options ``options`` (a function of the parser) may add when the command is parsed
+    or its help shown, not when `build_parser` builds every command: the options that name what a torch-heavy
+    module holds (quantize's formats, eval's tasks, report's and qat's own) import it, and torch and transformers
+    with it (~3 s), which `nibble --help` and the other commands need not wait for."""
+
+    def __init__(self, *args, options=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._options = options
+
+    def _add_options(self) -> None:
+        if self._options is None:
+            return
+        options, self._options = self._options, None
+        try:
+            options(self)
+        except KeyboardInterrupt:  # Ctrl-C in those imports, before `main` is there to say it: one line, as `main`
+            if os.environ.get("NIBBLE_TRACEBACK") == "1":
+                raise
+            raise interrupted(self.prog.removeprefix("nibble ")) from None
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_options()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self):
+        self._add_options()
+        return super().format_usage()
+
+    def format_help(self):
+        self._add_options()
+        return super().format_help()
+
+
+def _quantize_options(p) -> None:
+    from nibble.models.serialization import SAVE_FORMATS
+
+    _add_model_args(p, runs_16_bit=False)
+    p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
+    p.add_argument("--format", choices=SAVE_FORMATS, default="nibble",
+                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (gptq: v1, or v2 where a zero point is 0, said) "
+                        "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
+                        "quantized --model, its weights are written in this format as they are, not quantized again")
+    p.set_defaults(func=cmd_quantize)
+
+
+def _eval_options(p) -> None:
+    from nibble.eval.report import TaskNames
+
+    p.add_argument("what", choices=["ppl", "tasks"])
+    _add_model_args(p)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="ppl: window length (default: the model's context, at most 2048; a longer one than the "
+                        "context is cut to it, with a warning)")
+    p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
+    p.add_argument("--tasks", action=TaskNames, default=None,
+                   help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")
+    p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
+    p.set_defaults(func=cmd_eval)
+
+
+def _report_options(p) -> None:
+    from nibble.eval.report import add_report_arguments, report_main
+
+    add_report_arguments(p)
+    p.set_defaults(func=report_main)
+
+
+def _qat_options(p) -> None:
+    from nibble.qat.command import add_qat_arguments, qat_main
+
+    add_qat_arguments(p)
+    p.set_defaults(func=qat_main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nibble import __version__
-    from nibble.models.serialization import SAVE_FORMATS
 
     parser = argparse.ArgumentParser(prog="nibble", description=__doc__)
     parser.add_argument("--version", action="version", version=f"nibble {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpWithDefaults)
     p = sub.add_parser("generate", help="prompt in, text out")
     _add_model_args(p)
@@ -669,39 +775,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one prompt: say on stderr how many tokens came and how fast (after the first, which "
                         "include the prefill and the engine's graph capture, too)")
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("quantize", help="model in, quantized directory out")
-    _add_model_args(p, runs_16_bit=False)
-    p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
-    p.add_argument("--format", choices=SAVE_FORMATS, default="nibble",
-                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (gptq: v1, or v2 where a zero point is 0, said) "
-                        "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
-                        "quantized --model, its weights are written in this format as they are, not quantized again")
-    p.set_defaults(func=cmd_quantize)
+    sub.add_parser("quantize", help="model in, quantized directory out", options=_quantize_options)
     p = sub.add_parser("info", help="what a quantized directory holds (read from its headers: fast at any size)")
     p.add_argument("dir", help="a nibble, AutoAWQ or GPTQ checkpoint folder")
     p.set_defaults(func=cmd_info)
-    from nibble.eval.report import TaskNames, add_report_arguments, report_main
-
-    p = sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks")
-    p.add_argument("what", choices=["ppl", "tasks"])
-    _add_model_args(p)
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="ppl: window length (default: the model's context, at most 2048; a longer one than the "
-                        "context is cut to it, with a warning)")
-    p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
-    p.add_argument("--tasks", action=TaskNames, default=None,
-                   help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")
-    p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
-    p.set_defaults(func=cmd_eval)
-    from nibble.qat.command import add_qat_arguments, qat_main
-
-    p = sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side")
-    add_report_arguments(p)
-    p.set_defaults(func=report_main)
-    p = sub.add_parser("qat", help="PE-QAT: LoRA + fake-quant training, then export a W4A4 model")
-    add_qat_arguments(p)
-    p.set_defaults(func=qat_main)
+    sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks", options=_eval_options)
+    sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side",
+                   options=_report_options)
+    sub.add_parser("qat", help="PE-QAT: LoRA + fake-quant training, then export a W4A4 model", options=_qat_options)
     p = sub.add_parser("build-kernels", help="compile the CUDA kernels ahead of first use (nvcc; cached)")
     p.add_argument("--arch", help="compute capability as digits, e.g. 90 (H100/H200); default: this machine's GPU")
     p.add_argument("--jobs", type=int, default=None, help="nvcc processes at a time (default: the CPUs)")

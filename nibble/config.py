@@ -97,8 +97,11 @@ class QuantConfig:
     A QuantConfig is checked as a whole when it is made, and cannot be changed after (a field set later slipped
     past the checks: a changed mode kept the other mode's group size, and a str of modules_to_not_convert was read
     as its characters): ``dataclasses.replace(config, field=value)`` makes a changed copy, checked again. The
-    defaults of None are resolved when it is made, and a copy keeps them: ``replace(QuantConfig(), mode="w4a4")``
-    holds W4A16's group_size 128 and asymmetric weights, which W4A4 refuses; make ``QuantConfig(mode="w4a4")``.
+    defaults of None are resolved when it is made, and a copy keeps them (replace hands it the resolved values, which
+    it cannot tell from values set, and a bool field has no room to mark one resolved): ``replace(QuantConfig(),
+    mode="w4a4")`` holds W4A16's group_size 128 and asymmetric weights, which W4A4 refuses, and
+    ``replace(QuantConfig(mode="w4a4"), mode="w4a16")`` W4A4's per-channel symmetric weights and clip search (a W4A16
+    config all the same). To change the mode, build ``QuantConfig(mode=..., ...)``, which resolves them for it.
     ``modules_to_not_convert`` is held as a tuple; one str is one name.
     """
 
@@ -162,8 +165,10 @@ class QuantConfig:
                 # a copy of a w4a16 config (dataclasses.replace) holds its resolved 128 and asymmetric weights
                 raise ValueError(f"w4a4 needs symmetric per-channel weights (symmetric=True, group_size=-1), got "
                                  f"symmetric={self.symmetric}, group_size={self.group_size}: its integer GEMM applies "
-                                 "one weight scale per output channel after the int32 sum (a new "
-                                 "QuantConfig(mode='w4a4') resolves them, and clip_search, to w4a4's defaults)")
+                                 "one weight scale per output channel after the int32 sum. Leave them None, w4a4's "
+                                 "defaults; a dataclasses.replace copy of a w4a16 config holds the values resolved "
+                                 "for w4a16: build QuantConfig(mode='w4a4', ...) instead, which resolves group_size, "
+                                 "symmetric and clip_search for w4a4")
             if self.method == "awq":
                 raise ValueError("w4a4 supports method='rtn' or 'gptq': AWQ's per-channel scales would move "
                                  "into the activations that W4A4 quantizes per token (PE-QAT recovers more)")

@@ -544,6 +544,41 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
         main(["info", str(tmp_path)])
 
 
+def test_ctrl_c_while_a_command_imports_what_its_options_need_is_one_line(monkeypatch, capsys):
+    """report's options are added (importing nibble.eval.report, torch and transformers: seconds) as the command is
+    parsed, before `main`'s own Ctrl-C handler: a Ctrl-C there was a traceback inside the imports."""
+    from nibble import cli
+
+    def importing(parser):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_report_options", importing)
+    with pytest.raises(SystemExit) as stopped:
+        main(["report", "--no-speed"])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == "nibble report: interrupted"
+
+
+def test_the_command_line_and_its_help_import_neither_torch_nor_transformers():
+    """`import nibble` imported the engine, serialization, transformers and accelerate, and cli.py torch (~4 s on a
+    laptop): `nibble --help` waited for them, and a Ctrl-C in those seconds, before `main` was there to catch it, was
+    a 40-line traceback. A command's modules are imported when it runs (or, for the commands whose options name
+    what those modules hold, when it is parsed); an import added back at the top of cli.py fails this."""
+    import subprocess
+    import sys
+
+    import nibble
+
+    code = ("import sys\nfrom nibble.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['info', '--help'], ['demo', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
+            "print(sorted({'torch', 'transformers', 'accelerate', 'nibble.config'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(nibble.__file__).parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "usage: nibble demo" in done.stdout and done.stdout.splitlines()[-1] == "[]"
+
+
 def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_rtn(model_dir, monkeypatch, capsys):
     from nibble.models import loading
     from nibble.quantize import calibration
@@ -562,6 +597,9 @@ def test_qat_calibrates_gptq_on_as_many_windows_as_asked_and_refuses_sizes_for_r
     last_line = capsys.readouterr().err.splitlines()[-1]  # after the model load's progress bar
     assert last_line == "nibble qat: interrupted before training began; nothing was written to unused"
     assert asked == [(4, 32)]
+    with pytest.raises(SystemExit):  # --calib-samples alone: 512-token windows, past the tiny model's context of 256
+        main(args + ["--init", "gptq", "--calib-samples", "4"])
+    assert asked[-1] == (4, 256)  # cut to the context, as `nibble quantize` and run_qat's default cut them
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
     with pytest.raises(SystemExit, match="^nibble qat: --calib-samples sizes the calibration of --init gptq; --init "
                                          "rtn calibrates nothing: drop it"):

@@ -61,6 +61,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nibble.bench.timing import capture_graph
+from nibble.config import check_token_ids
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
@@ -1006,7 +1007,6 @@ class Engine:
             max_seq_len = min(filter(None, (context, window)))
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
-        self.vocab_size = self.embed.weight.shape[0]  # the embedding's rows: the ids a prompt may hold
         # the cache length is padded to a multiple of 16 so the decode mask is aligned for SDPA
         self.capacity = -(-self.max_seq_len // 16) * 16
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -1250,12 +1250,10 @@ class Engine:
         return self._stream(tokens, lengths, max_new_tokens, stop, sampling)
 
     def _check_ids(self, tokens: torch.Tensor) -> None:
-        """Refuse ids outside the embedding (an IndexError deep in the forward, or a device assert on CUDA):
-        one min/max and one host sync a generate or prefill call, before the prefill; never in the decode loop."""
-        low, high = torch.stack(torch.aminmax(tokens)).tolist()
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}) (the model's vocabulary: "
-                             f"{self.vocab_size} tokens), got ids from {low} to {high}")
+        """Refuse ids outside the embedding (an IndexError deep in the forward, or a device assert on CUDA), as
+        perplexity, calibration and PE-QAT do: one min/max and one host sync a generate or prefill call, before the
+        prefill; never in the decode loop."""
+        check_token_ids(self.model, tokens, "the prompts'", "tokenize the prompts with this model's tokenizer")
 
     @torch.inference_mode()  # a generator: each step of it runs in inference mode
     def _stream(self, tokens, lengths, max_new_tokens, stop_tokens, sampling):

@@ -333,8 +333,8 @@ def check_calibration_window(seq_len: int, context: int | None, name: str = "seq
 def check_calibration_ids(model: nn.Module, calibration) -> None:
     """Calibration must be token ids of this model's vocabulary: ids made by another model's tokenizer failed
     deep in the embedding (an IndexError on the CPU, a device-side assert on a GPU). Windows of one token, or longer
-    than the model's context, cannot calibrate it and are refused; fewer tokens than a layer has inputs are warned
-    of. Each was taken without a word, and the model came back "calibrated"."""
+    than the model's context, cannot calibrate it and are refused (`check_calibration` warns of too few tokens
+    too). Each was taken without a word, and the model came back "calibrated"."""
     # bool is refused too: an attention mask given by mistake calibrated on tokens 0 and 1
     if not (isinstance(calibration, torch.Tensor) and calibration.dim() == 2 and not calibration.is_floating_point()
             and not calibration.is_complex() and calibration.dtype != torch.bool and calibration.numel()):
@@ -345,6 +345,13 @@ def check_calibration_ids(model: nn.Module, calibration) -> None:
                     "(nibble.quantize.calibration.calibration_for(config, tokenizer, model))")
     from nibble.eval.perplexity import context_length
     check_calibration_window(calibration.shape[1], context_length(model))
+
+
+def check_calibration(model: nn.Module, calibration) -> None:
+    """What GPTQ and AWQ check of their calibration as they start (`gptq_quantize_model`, `awq_quantize_model`),
+    called by `quantize_model` (which refuses by `check_calibration_ids` before it touches the model) or directly:
+    `check_calibration_ids`' refusals, and a warning where there are fewer tokens than a layer has inputs."""
+    check_calibration_ids(model, calibration)
     widest = max(m.in_features for m in decoder_layers(model).modules() if isinstance(m, nn.Linear))
     if calibration.numel() < widest:
         warn(f"calibration of {calibration.numel()} tokens is fewer than the {widest} inputs of the model's widest "

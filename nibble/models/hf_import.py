@@ -684,8 +684,9 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
                      "holds one")
 
 
-def _export(model: nn.Module, directory, quantization_config: dict, convert, tokenizer=None) -> Path:
-    directory = checkpoint_dir(directory, model, tokenizer)
+def _export(model: nn.Module, directory: Path, quantization_config: dict, convert, tokenizer=None) -> Path:
+    """Write ``model`` into ``directory`` (its exporter's `checkpoint_dir`) as ``quantization_config`` says, each
+    QuantLinear's tensors made by ``convert``."""
     linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:
@@ -732,6 +733,7 @@ def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
     does. Raises ValueError for float zero points, w4a4 layers or permuted (act-order) layers.
     """
     model = model_to_save(model)
+    directory = checkpoint_dir(directory, model, tokenizer)  # refused before any layer converts
 
     def convert(m):
         if hasattr(m, "input_perm"):
@@ -750,8 +752,9 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
     if checkpoint_format not in (None, *CHECKPOINT_FORMATS):
         raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS} or None, got {checkpoint_format!r}")
     model = model_to_save(model)
+    directory = checkpoint_dir(directory, model, tokenizer)  # refused before the warning below could say "written"
     qc = getattr(model.config, "quantization_config", None) or {}
-    linears, _ = _exportable_linears(model, "gptq")  # refused before the warning below could say "written"
+    linears, _ = _exportable_linears(model, "gptq")  # and this model too
     desc_act = any(hasattr(m, "input_perm") for _, m in linears)
     if checkpoint_format is None:
         held = []

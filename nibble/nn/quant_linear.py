@@ -54,6 +54,17 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", torch.zeros(groups, out_features, dtype=torch.float16, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
+    @property
+    def backend(self) -> str:
+        """Which kernels the forward runs: one of `nibble.kernels.BACKENDS` ('auto': the GPU kernel where one runs
+        this input, else the reference; `nibble.models.convert.set_backend` sets a whole model's)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        kernels.check_backend(name)  # here, not at the next forward, which failed far from the line that set it
+        self._backend = name
+
     @classmethod
     def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
                     input_hadamard: bool = False, dtype: torch.dtype | None = None) -> "QuantLinear":

@@ -444,7 +444,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
     on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
     excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
-    of, as `quantize_model` does: `convert.check_calibration_ids`); it keeps
+    of, as `quantize_model` does: `convert.check_calibration`); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
@@ -510,7 +510,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                                  "excerpt")
             from nibble.quantize.calibration import calibration_for
             calibration = calibration_for(GPTQ_START, tokenizer, model)
-        check_calibration_ids(model, calibration)  # as quantize_model's: windows it can calibrate on, enough tokens
+        check_calibration_ids(model, calibration)  # refused before the state is read or the model changed
     settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
                     seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
                     quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,

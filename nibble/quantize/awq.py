@@ -138,9 +138,9 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     """AWQ every nn.Linear of the decoder blocks; returns ``{"model.layers.{i}.{name}": Int4Weight}``.
 
     ``config`` is a QuantConfig (group_size, symmetric, zero_point). ``calib``: token ids,
-    LongTensor [n_samples, seq_len]. ``config.clip_search`` (rtn's weight-space search, None unless
-    lm_head is RTN's) is not used: AWQ's own activation-aware clipping search is part of the method
-    (``clip=False`` turns it off; q/k_proj are never clipped, as in AutoAWQ).
+    LongTensor [n_samples, seq_len], checked as in ``gptq_quantize_model``. ``config.clip_search`` (rtn's
+    weight-space search, None unless lm_head is RTN's) is not used: AWQ's own activation-aware clipping search is
+    part of the method (``clip=False`` turns it off; q/k_proj are never clipped, as in AutoAWQ).
 
     Side effect, by design: the scales are folded into the model in place (norm weights, v_proj and
     up_proj rows divided by s; the float weights of the scaled linears multiplied by s). The model
@@ -150,6 +150,9 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     ``onload``: how each block is reached, as in ``gptq_quantize_model``.
     """
     check_count("n_grid", n_grid)  # before the calibration runs
+    from nibble.models.convert import check_calibration  # convert imports nibble.quantize: not at the top
+
+    check_calibration(model, calib)  # as quantize_model's: windows that cannot calibrate, too few tokens
     skip = skip_from_config(config)
     qargs = dict(symmetric=config.symmetric, zero_point=config.zero_point)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)

@@ -227,7 +227,8 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     to mean(diag H). Like ``blocksize`` and ``clip`` (and AWQ's ``n_grid``) they are arguments here, not QuantConfig
     fields: the config holds what quantize_model and the CLI take and the checkpoint records, and each
     calibrated method's own search settings stay its function's.
-    ``calib``: token ids, LongTensor [n_samples, seq_len] (see ``calibration_batches``).
+    ``calib``: token ids, LongTensor [n_samples, seq_len] (see ``calibration_batches``), checked as quantize_model
+    checks them (`nibble.models.convert.check_calibration`).
 
     Blocks are processed one at a time: block i is calibrated on the outputs of the already
     quantized blocks 0..i-1, and each of its linear groups (q/k/v, o, gate/up, down) on inputs
@@ -246,6 +247,9 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     dict (each QuantLinear holds its own copy), so that the dict returned is then empty.
     """
     _check_options(percdamp, blocksize)  # before the calibration runs
+    from nibble.models.convert import check_calibration  # convert imports nibble.quantize: not at the top
+
+    check_calibration(model, calib)  # as quantize_model's: windows that cannot calibrate, too few tokens
     skip = skip_from_config(config)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)
     results = {}

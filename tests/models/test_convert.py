@@ -482,10 +482,30 @@ def test_calibration_that_cannot_calibrate_is_refused_and_too_little_warned_of(m
     with pytest.warns(UserWarning, match="calibration of 64 tokens is fewer than the 192 inputs of the model's widest "
                                          "layer") as caught:
         quantize_model(model, cfg, progress=False, calibration=torch.randint(0, 256, (4, 16)))
-    assert caught[0].filename == __file__  # the user's line, not nibble's
+    assert len(caught) == 1 and caught[0].filename == __file__  # once, at the user's line, not nibble's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quantize_model(tiny_model("llama"), cfg, progress=False, calibration=torch.randint(0, 256, (2, 96)))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_the_calibrated_quantizers_called_directly_check_their_calibration_as_quantize_model_does(method):
+    """gptq_quantize_model / awq_quantize_model took windows of one token, or past the model's context, and too few
+    tokens without a word (quantize_model refused or warned of them before it called them)."""
+    from nibble.quantize import calibrated_quantizers
+
+    quantize = calibrated_quantizers[method]
+    model = tiny_model("llama")  # a context of 256, layers of up to 192 inputs (down_proj)
+    cfg = QuantConfig(group_size=32, method=method)
+    with pytest.raises(ValueError, match="calibration windows of seq_len=1 show the model position 0 alone"):
+        quantize(model, cfg, torch.zeros(200, 1, dtype=torch.long), progress=False)
+    with pytest.raises(ValueError, match=r"calibration windows of seq_len=300 exceed the model's context \(256"):
+        quantize(model, cfg, torch.zeros(1, 300, dtype=torch.long), progress=False)
+    with pytest.raises(ValueError, match="calibration token ids run from 0 to 999"):
+        quantize(model, cfg, torch.arange(1000).reshape(10, 100), progress=False)
+    with pytest.warns(UserWarning, match="calibration of 64 tokens is fewer than the 192 inputs") as caught:
+        quantize(model, cfg, torch.randint(0, 256, (4, 16)), progress=False)
+    assert len(caught) == 1 and caught[0].filename == __file__
 
 
 def test_what_transformers_would_leave_half_done_is_refused_first():

@@ -300,6 +300,21 @@ def test_export_refuses_what_awq_cannot_hold(tmp_path):
                 export(model, tmp_path / "head")
 
 
+def test_a_direct_export_refuses_its_folder_before_it_warns_about_the_model(tmp_path):
+    """export_gptq called directly said "written as checkpoint_format 'gptq_v2'" of a model with a zero point of 0, then
+    refused the folder, which nothing was written to (save_quantized checked the folder first)."""
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.zeros[0, 0] = 0.0  # a zero point of 0: GPTQ would choose v2, said
+    (tmp_path / "file").write_text("")
+    for export in (export_awq, export_gptq):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match="file is a file: a checkpoint is a folder"):
+                export(model, tmp_path / "file")
+
+
 def test_export_refuses_a_rotated_model_whose_16_bit_down_proj_rotates_its_input(tmp_path):
     """A rotated W4A16 model keeps its down_projs in 16 bits with their online Hadamard: the export wrote each as a
     plain linear, which every reader (nibble's importer too) ran on the unrotated input, logits 0.2 apart."""

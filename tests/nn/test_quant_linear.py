@@ -219,6 +219,16 @@ def test_bad_inputs_give_clear_errors():
         QuantLinear.from_linear(nn.Linear(96, 16), QuantConfig(group_size=64))
 
 
+def test_an_unknown_backend_is_refused_when_set_naming_the_valid_ones():
+    """`layer.backend = "bogus"` was taken, and the next forward failed far from the line that set it."""
+    q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
+    with pytest.raises(ValueError, match=r"^backend must be one of \('auto', 'reference', 'triton'\), got 'bogus'$"):
+        q.backend = "bogus"
+    assert q.backend == "auto"  # untouched
+    q.backend = "reference"
+    assert q.backend == "reference" and copy.deepcopy(q).backend == "reference"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_asking_for_the_gpu_kernel_without_a_gpu_is_a_clear_error():
     q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
@@ -285,9 +295,11 @@ def test_replace_checks_the_copy_as_the_constructor_does():
     assert dataclasses.replace(config, modules_to_not_convert="down_proj").modules_to_not_convert == ("down_proj",)
     with pytest.raises(ValueError, match="multiple of 8.*got 12"):
         dataclasses.replace(config, group_size=12)
-    # the copy keeps the defaults resolved for W4A16, and says so
+    # the copy keeps the defaults resolved for W4A16 (replace cannot tell them from values set), and says what to do
     with pytest.raises(ValueError, match=r"w4a4 needs symmetric per-channel weights \(symmetric=True, group_size=-1\), "
-                                         r"got symmetric=False, group_size=128.*QuantConfig\(mode='w4a4'\)"):
+                                         r"got symmetric=False, group_size=128.*a dataclasses.replace copy of a w4a16 "
+                                         r"config holds the values resolved for w4a16: build QuantConfig\(mode='w4a4', "
+                                         r"\.\.\.\) instead"):
         dataclasses.replace(QuantConfig(), mode="w4a4")
     assert dataclasses.replace(QuantConfig(), mode="w4a4", group_size=-1, symmetric=True).mode == "w4a4"
 

@@ -371,6 +371,16 @@ def test_the_gptq_starts_calibration_is_checked_as_quantize_models(monkeypatch):
         main(["qat", "--device", "cpu", "--init", "gptq", "--calib-seq-len", "100000", "--out", "unused"])
 
 
+def test_gptq_start_calibration_past_the_context_is_refused_before_the_model_is_changed():
+    """GPTQ (`gptq_quantize_model`) refuses calibration windows past the model's context, but only after the hadamard
+    recipe rotated the model: run_qat says it first."""
+    model = _model()  # a context of 256
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"calibration windows of seq_len=300 exceed the model's context \(256"):
+        _train("hadamard", 1, _windows(), model=model, init="gptq", calibration=torch.zeros(2, 300, dtype=torch.long))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not fake_quant_layers(model)
+
+
 def test_a_rotation_seed_without_the_hadamard_recipe_is_refused():
     """The per-token recipe rotates nothing: a seed given with it was dropped without a word (QuantConfig refuses
     the same), for run_qat and prepare_qat_model alike, before the model is touched."""
