@@ -124,8 +124,12 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
 
 
 def check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed < 2**64:  # torch's generators take 64 bits
-        raise ValueError(f"--seed must be from 0 to 2**64 - 1, got {seed}")
+    """Refuse a --seed that torch's generators do not take, before any model loads, by the rule the library's seeds
+    follow (`config.checked_seed`): the same seed is taken or refused everywhere. None (not given) passes."""
+    from nibble.config import checked_seed
+
+    if seed is not None:
+        checked_seed("--seed", seed)
 
 
 def check_quant_args(args) -> None:

@@ -445,14 +445,29 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
                                             (["--top-p", "0"], r"^nibble generate: --top-p must be in \(0, 1\]"),
                                             (["--top-k", "-1"], "--top-k must be >= 1, or 0 for every token"),
                                             (["--max-new-tokens", "0"], "max-new-tokens must be"),
-                                            (["--seed", str(2**64)], r"--seed must be from 0 to 2\*\*64 - 1"),
-                                            (["--seed", "-1"], "--seed must be from 0")])
+                                            (["--seed", str(2**64)],
+                                             r"--seed must be an integer from -2\*\*63 to 2\*\*64 - 1")])
 def test_generate_refuses_bad_settings_before_loading_the_model(flags, message, monkeypatch):
     import nibble.cli as cli
 
     monkeypatch.setattr(cli, "load", lambda *a: pytest.fail("loaded the model before checking the flags"))
     with pytest.raises(SystemExit, match=message):
         main(["generate", "x", "--model", "nowhere"] + flags)
+
+
+@pytest.mark.parametrize("seed", [-2**63 - 1, -2**63, -1, 0, 2**64 - 1, 2**64])
+def test_the_command_line_takes_the_seeds_the_library_takes(seed):
+    """`cli.check_seed` refused -1 and every negative seed, which `config.checked_seed` (a rotation's) takes."""
+    from nibble.cli import check_seed
+    from nibble.config import checked_seed
+
+    try:
+        checked_seed("seed", seed)
+    except ValueError:
+        with pytest.raises(ValueError, match=r"^--seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+            check_seed(seed)
+    else:
+        check_seed(seed)
 
 
 @pytest.mark.parametrize("command", [["quantize", "--out", "nowhere"], ["eval", "ppl"], ["generate", "x"]])
@@ -890,8 +905,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])
     with pytest.raises(SystemExit, match="^nibble quantize: --out is empty"):  # an unset "$OUTDIR"
         main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", ""])
-    with pytest.raises(SystemExit, match="^nibble qat: --seed must be from 0 to"):
-        main(["qat", "--model", str(model_dir), "--out", str(tmp_path / "qat"), "--seed", "-1"])
+    with pytest.raises(SystemExit, match=r"^nibble qat: --seed must be an integer from -2\*\*63 to"):
+        main(["qat", "--model", str(model_dir), "--out", str(tmp_path / "qat"), "--seed", str(2**64)])
     if Path("/proc/self").is_dir():  # no file can be made there, even by root (whom os.access always let through)
         with pytest.raises(SystemExit, match=r"^nibble quantize: --out /proc/x cannot be written: creating a "
                                                  r"file in /proc failed \("):
