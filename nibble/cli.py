@@ -726,10 +726,11 @@ def user_errors() -> tuple:
     from nibble.kernels import KernelUnavailableError
     from nibble.kernels.cuda_build import CudaBuildError
 
-    # ValueError covers nibble.models.serialization.CheckpointError
-    # FloatingPointError: a training run that diverged (PE-QAT), said with the rates to lower
-    return (FileNotFoundError, NotADirectoryError, PermissionError, ModuleNotFoundError, ValueError, CudaBuildError,
-            KernelUnavailableError, FloatingPointError)
+    # OSError: a path that is missing, not a folder or not permitted, and a disk that is full or failing, of a file
+    # written or of the output (`nibble info DIR > /dev/full`); ValueError covers
+    # nibble.models.serialization.CheckpointError; FloatingPointError: a training run that diverged (PE-QAT), said
+    # with the rates to lower
+    return (OSError, ModuleNotFoundError, ValueError, CudaBuildError, KernelUnavailableError, FloatingPointError)
 
 
 def interrupted(command: str, message: str = "interrupted") -> SystemExit:
@@ -750,6 +751,20 @@ def _warnings_said_as(prefix: str):
         yield
     finally:
         warnings.formatwarning = shown
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, after a write to it failed (a closed pipe, a full disk): Python flushes what is left
+    at exit, into the same failure, and prints that as an exception."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _flush_stdout() -> None:
+    """Write out what is left of stdout, or, where it cannot take it (a full disk), drop it (`_drop_stdout`)."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _drop_stdout()
 
 
 def main(argv=None):
@@ -774,12 +789,15 @@ def main(argv=None):
         if getattr(args, "out", None) is not None:
             check_out(args.out, getattr(args, "model", None), writes_model=args.command != "report")
         with _warnings_said_as(f"nibble {args.command}"):
-            return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
+            status = args.func(args)  # an exit status (`report`: 1 when a config failed), or None
+        sys.stdout.flush()  # what is left to write, here: a full disk is said below, not in Python's exit flush
+        return status
     except BrokenPipeError:  # the reader of a pipe left (`nibble generate ... | head -1`): its choice, not an error
-        # Python flushes stdout again at exit, into the same closed pipe: point it at /dev/null first
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         raise SystemExit(141) from None  # 128 + SIGPIPE, the status of a command a closed pipe stopped
     except user_errors() as e:
+        if isinstance(e, OSError):  # the output's own, maybe (`nibble info DIR > /dev/full`: "No space left on device")
+            _flush_stdout()
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise
         raise SystemExit(f"nibble {args.command}: {e}\n(NIBBLE_TRACEBACK=1 shows where it was raised)") from None

@@ -542,6 +542,39 @@ def test_a_reader_that_leaves_the_pipe_is_no_traceback(model_dir, tmp_path):
     assert run.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full (Linux's always-full device)")
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_full_disk_under_the_output_is_one_line_and_status_1(model_dir, tmp_path, unbuffered):
+    """`nibble info DIR > /dev/full` was an OSError traceback (raised by the print, unbuffered), or Python's "Exception
+    ignored" at its exit flush, status 120 (buffered)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUNBUFFERED", "NIBBLE_TRACEBACK")}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "nibble", "info", str(out)], stdout=full, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parents[1], env=env | {"PYTHONUNBUFFERED": unbuffered},
+                              timeout=120)
+    assert done.returncode == 1 and done.stderr == ("nibble info: [Errno 28] No space left on device\n"
+                                                    "(NIBBLE_TRACEBACK=1 shows where it was raised)\n"), done.stderr
+
+
+def test_a_command_line_argparse_cannot_read_exits_2_and_a_mistake_1_as_the_readme_says(capsys):
+    """The README said every mistake exits with status 1; argparse's usage errors exit 2 (the Unix convention)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "exit status 1" in readme and "said with the command's usage, exit status 2" in readme
+    for argv in (["generate", "x", "--max-new-tokens", "many"], ["quantize"], ["generate", "x", "--no-such-option"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "usage: nibble " in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "x", "--max-new-tokens", "0"])
+    assert str(e.value).startswith("nibble generate: --max-new-tokens must be >= 1")  # status 1: a message, not a code
+
+
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
     """Ctrl-C in any command was a traceback of wherever the work was; now one line and the shell's status for it."""
     from nibble import cli
