@@ -78,6 +78,12 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# `calibration_batches`' sizes that --calib-samples / --calib-seq-len set: the arguments, and the options as
+# `options_named` says them in the library's refusals
+CALIBRATION_ARGS = {"n_samples": "calib_samples", "seq_len": "calib_seq_len"}
+CALIBRATION_OPTIONS = {name: _option(arg) for name, arg in CALIBRATION_ARGS.items()}
+
+
 def check_least(args, minimums) -> None:
     """Refuse an option below its least value, ``minimums`` [(name, least), ...], before any model loads (an
     option left unset, None, passes)."""
@@ -132,6 +138,26 @@ def check_seed(seed: int | None) -> None:
         checked_seed("--seed", seed)
 
 
+@contextlib.contextmanager
+def options_named(**options: str):
+    """A library's refusal raised inside (ValueError, or FloatingPointError: a training run that diverged) said in
+    the command's terms: each parameter name among ``options`` (``lr``, ``n_samples=4``, a settings key ``'rank'``)
+    as the option that set it (``--lr``, ``--calib-samples=4``, ``--rank``). The library names its parameters, for
+    its Python callers; a command renames them where it calls it, rather than checking each value again in words of
+    its own. The exception keeps its type and traceback (NIBBLE_TRACEBACK=1)."""
+    import re
+
+    try:
+        yield
+    except (ValueError, FloatingPointError) as e:
+        said = str(e)
+        for name, option in options.items():  # a whole name only: not the "lr" of "quant_lr" or of "--lr"
+            said = re.sub(rf"'{name}'|(?<![\w-]){name}(?![\w-])", option, said)
+        if said != str(e):  # else left as it is (a UnicodeDecodeError's message is made from its fields)
+            e.args = (said,)
+        raise
+
+
 def check_quant_args(args) -> None:
     """Refuse quantization options that would be silently ignored, before any model loads: any of them with a
     quantized --model (it is used as it is), with --quant none, and the options of one mode or method given
@@ -159,29 +185,41 @@ def check_quant_args(args) -> None:
         raise ValueError("--rotate is for --quant w4a4: the rotation gives each down_proj an online Hadamard, which "
                          "W4A16 layers do not run (in Python, quantize_model keeps them in 16 bits for W4A16 with "
                          "modules_to_not_convert=['lm_head', 'down_proj'])")
+    if args.quant == "w4a4":  # what QuantConfig refuses, said as the options (it names its own fields)
+        given = _flags(args, ("group_size", "float_zero"))
+        if given:
+            one = len(given) == 1
+            raise ValueError(f"{' and '.join(given)} {'shapes' if one else 'shape'} W4A16's groups, and --quant w4a4 "
+                             "quantizes each output channel whole and symmetric (its integer GEMM applies one weight "
+                             f"scale a channel, after the int32 sum): drop {'it' if one else 'them'}")
+        if args.method == "awq":
+            raise ValueError("--method awq is for --quant w4a16: AWQ's per-channel scales would move into the "
+                             "activations that W4A4 quantizes per token; give --method rtn or gptq (nibble qat "
+                             "recovers more)")
     check_calibration_sizes(args, args.method != "rtn", "--method gptq / awq", "RTN")
-    if args.calib_seq_len is not None:  # quantize_model refused it after the model loaded and the text was tokenized
-        from nibble.models.convert import check_calibration_window
-        from nibble.models.loading import model_context
-        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
-    quant_config(args, None)  # a combination QuantConfig refuses
+    with options_named(group_size="--group-size"):
+        quant_config(args, None)  # a value QuantConfig refuses (--group-size 0)
 
 
 def calibration_sizes(args) -> dict:
     """`calibration_batches`' ``n_samples`` / ``seq_len`` that --calib-samples / --calib-seq-len give."""
-    return {k: getattr(args, n) for k, n in (("n_samples", "calib_samples"), ("seq_len", "calib_seq_len"))
-            if getattr(args, n) is not None}
+    return {k: getattr(args, n) for k, n in CALIBRATION_ARGS.items() if getattr(args, n) is not None}
 
 
 def check_calibration_sizes(args, calibrated: bool, calibrating: str, other: str) -> None:
-    """Refuse --calib-samples / --calib-seq-len below their minimum, or given where nothing is calibrated
-    (``calibrated`` False: ``calibrating`` names the options that would calibrate, ``other`` the choice made)."""
+    """Refuse --calib-samples / --calib-seq-len below their minimum, given where nothing is calibrated
+    (``calibrated`` False: ``calibrating`` names the options that would calibrate, ``other`` the choice made), or
+    windows longer than the --model's context, before it loads."""
     given = [_option(n) for n in ("calib_samples", "calib_seq_len") if getattr(args, n) is not None]
     if given and not calibrated:
         one = len(given) == 1
         raise ValueError(f"{', '.join(given)} {'sizes' if one else 'size'} the calibration of {calibrating}; "
                          f"{other} calibrates nothing: drop {'it' if one else 'them'}, or give {calibrating}")
     check_least(args, (("calib_samples", 1), ("calib_seq_len", 2)))
+    if args.calib_seq_len is not None:  # quantize_model refused it after the model loaded and the text was tokenized
+        from nibble.models.convert import check_calibration_window
+        from nibble.models.loading import model_context
+        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
 
 
 def load_for_command(args, device: str):
@@ -200,9 +238,11 @@ def load_for_command(args, device: str):
     from nibble.quantize.calibration import calibration_files
     require_data(calibration_files(args.method))  # before the model loads
     model, tok = load(args.model, "cpu", quantized=False, dtype=default_dtype(torch.device(device)))
-    cfg = quant_config(args, model)
-    calibration = calibration_for(cfg, tok, model, **calibration_sizes(args))
-    return quantize_model(model, cfg, calibration=calibration, device=device), tok
+    # a group size the model's widths refuse, a calibration text too short for the windows asked
+    with options_named(group_size="--group-size", **CALIBRATION_OPTIONS):
+        cfg = quant_config(args, model)
+        calibration = calibration_for(cfg, tok, model, **calibration_sizes(args))
+        return quantize_model(model, cfg, calibration=calibration, device=device), tok
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
@@ -357,11 +397,8 @@ def cmd_generate(args):
     # the settings are checked before the model loads (a ValueError is said by `main`)
     if args.top_k is not None and args.top_k < 0:  # Sampling's message names None, which no command line can write
         raise ValueError(f"--top-k must be >= 1, or 0 for every token; got {args.top_k}")
-    try:
+    with options_named(temperature="--temperature", top_p="--top-p"):  # "top_p must be ...": said as the option
         sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
-    except ValueError as e:  # its message starts with the parameter's name ("top_p must be ..."): said as the option
-        name, rest = str(e).split(" ", 1)
-        raise ValueError(f"{_option(name)} {rest}") from None
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = list(args.prompt)
@@ -458,10 +495,7 @@ def cmd_quantize(args):
     from nibble.models.convert import TIED_HEAD, weight_bytes
     from nibble.models.serialization import save_quantized
 
-    if args.format != "nibble" and not args.quantized and (
-            args.quant != "w4a16" or args.float_zero or args.quantize_lm_head):
-        raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
-                         "drop --quant w4a4 / --float-zero / --quantize-lm-head, or write --format nibble")
+    check_export(args)
     model, tok = load_for_command(args, _device(args.device))
     out = save_quantized(model, args.out, tok, format=args.format)
     wb = weight_bytes(model)
@@ -470,6 +504,38 @@ def cmd_quantize(args):
             if model.config.quantization_config.get(TIED_HEAD) else "")
     print(f"saved {out}: quantized linears {wb['quantized_bytes'] / 2**20:.1f} MiB "
           f"({wb['ratio']:.3f}x of {wb['bf16_bytes'] / 2**20:.1f} MiB in 16 bits{tied})")
+
+
+def check_export(args) -> None:
+    """Refuse a --format awq / gptq that cannot hold the model `nibble quantize` would write, before it loads: an
+    AutoAWQ / GPTQ checkpoint holds W4A16 weights with integer zero points and a 16-bit lm_head. Said as the options
+    that make it otherwise: those given, or those a quantized --model of nibble's was made with, as its config says
+    (the export's own refusal came once the model had loaded, in QuantConfig's terms: "modules_to_not_convert")."""
+    if args.format == "nibble":
+        return
+    if args.quantized:
+        from nibble.config import QUANT_METHOD, QuantConfig
+        from nibble.models.loading import read_json_object
+
+        qc = read_json_object(Path(args.model) / "config.json").get("quantization_config")
+        if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
+            return  # an AutoAWQ / GPTQ checkpoint: it is such weights
+        cfg = QuantConfig.from_dict(qc)
+        mode, float_zero, head = cfg.mode, cfg.zero_point == "float", "lm_head" not in cfg.modules_to_not_convert
+    else:
+        mode, float_zero, head = args.quant, args.float_zero, args.quantize_lm_head
+    made = [(what, option) for what, option, holds in (
+        ("W4A4 weights", "--quant w4a4", mode == "w4a4"), ("float zero points", "--float-zero", float_zero),
+        ("a 4-bit lm_head", "--quantize-lm-head", head)) if holds]
+    if not made:
+        return
+    options = " / ".join(option for _, option in made)
+    if args.quantized:
+        raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head, "
+                         f"and {args.model} holds {' and '.join(what for what, _ in made)} ({options}): re-quantize "
+                         f"its 16-bit model without {options}, or write --format nibble")
+    raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
+                     f"drop {options}, or write --format nibble")
 
 
 def cmd_info(args):

@@ -470,10 +470,42 @@ def test_the_command_line_takes_the_seeds_the_library_takes(seed):
         check_seed(seed)
 
 
+def test_options_named_says_a_library_refusal_in_the_commands_options():
+    """The one rewrite of the library's parameter names that the commands apply where they call it: whole names only,
+    the key of a settings dict too; the exception keeps its type."""
+    from nibble.cli import options_named
+
+    with pytest.raises(ValueError) as e:
+        with options_named(lr="--lr", quant_lr="--quant-lr", rank="--rank"):
+            raise ValueError("lr must be > 0; other settings ({'rank': (2, 4), 'alpha': 4}); lower lr / quant_lr, "
+                             "as --lr says; the LoRA ranks")
+    assert str(e.value) == ("--lr must be > 0; other settings ({--rank: (2, 4), 'alpha': 4}); lower --lr / --quant-lr, "
+                            "as --lr says; the LoRA ranks")
+    with pytest.raises(FloatingPointError, match="^PE-QAT diverged at step 3; lower --lr / --quant-lr$"):
+        with options_named(lr="--lr", quant_lr="--quant-lr"):
+            raise FloatingPointError("PE-QAT diverged at step 3; lower lr / quant_lr")
+
+
+def test_a_calibration_text_too_short_for_the_windows_asked_is_said_in_the_options(model_dir, tmp_path, monkeypatch):
+    """It said "too short for n_samples=64 windows of seq_len=32 ... Use fewer samples", no option's name."""
+    from nibble.quantize import calibration
+
+    monkeypatch.setattr(calibration, "calibration_text", lambda source: "the capital of france is paris. " * 20)
+    with pytest.raises(SystemExit, match=r"^nibble quantize: calibration source 'c4' has \d+ tokens, too short for "
+                                         r"--calib-samples=64 windows of --calib-seq-len=32: "):
+        main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--method", "gptq",
+              "--calib-samples", "64", "--calib-seq-len", "32", "--out", str(tmp_path / "q")])
+
+
 @pytest.mark.parametrize("command", [["quantize", "--out", "nowhere"], ["eval", "ppl"], ["generate", "x"]])
-@pytest.mark.parametrize("flags, message", [(["--quant", "w4a4", "--method", "awq"], "w4a4 supports method"),
-                                            (["--quant", "w4a16", "--rotate"], "--rotate is for --quant w4a4"),
-                                            (["--quant", "w4a4", "--group-size", "64"], "per-channel weights")])
+# said as the options: QuantConfig's messages named its fields ("w4a4 supports method='rtn' or 'gptq'",
+# "(symmetric=True, group_size=-1) ... a new QuantConfig(mode='w4a4') resolves them")
+@pytest.mark.parametrize("flags, message", [
+    (["--quant", "w4a4", "--method", "awq"], "--method awq is for --quant w4a16: AWQ's per-channel scales"),
+    (["--quant", "w4a16", "--rotate"], "--rotate is for --quant w4a4"),
+    (["--quant", "w4a4", "--group-size", "64"], "--group-size shapes W4A16's groups, and --quant w4a4 quantizes each "
+                                                "output channel whole and symmetric"),
+    (["--quant", "w4a4", "--group-size", "-1", "--float-zero"], "--group-size and --float-zero shape W4A16's groups")])
 def test_quantization_flags_a_config_refuses_are_said_before_loading_the_model(command, flags, message, monkeypatch):
     import nibble.cli as cli
 
@@ -504,7 +536,8 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
     model, _ = load_quantized(out)
     config = model.config.quantization_config
     assert config["mode"] == "w4a4" and config["rotation"] == "hadamard" and config["qat"]["init"] == "gptq"
-    with pytest.raises(SystemExit, match="other settings"):  # its saved state is not resumed from another start
+    # its saved state is not resumed from another start, said as the option (run_qat's settings key was 'init')
+    with pytest.raises(SystemExit, match=r"other settings \(\{--init: \('gptq', 'rtn'\)"):
         main(["qat", "--model", str(model_dir), "--device", "cpu", "--recipe", "hadamard", "--steps", "2",
               "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
 
@@ -649,7 +682,7 @@ def test_a_model_quantized_for_a_gpu_is_read_into_host_memory_and_quantized_onto
     (["info", "TheBloke/Llama-2-7B-GPTQ"], "is not a local checkpoint directory. nibble never downloads models"),
     (["info", "{model}/config.json"], "is a file: a checkpoint is the directory"),
     (["quantize", "--model", "{model}", "--quant", "w4a16", "--group-size", "48", "--out", "{tmp}/q"],
-     "not divisible by group_size=48"),
+     "not divisible by --group-size=48"),  # said as the option (QuantLinear's check names group_size)
 ])
 def test_a_users_mistake_is_one_line_not_a_traceback(command, message, model_dir, tmp_path, monkeypatch):
     """What the user gave that cannot work is said as ``nibble <command>: <what to fix>`` (exit status 1,
@@ -842,12 +875,35 @@ def test_quantization_flags_given_with_an_already_quantized_model_are_refused(co
         main(command + ["--model", str(quantized_dir)] + flags)
 
 
+@pytest.mark.parametrize("settings, holds", [
+    (dict(modules_to_not_convert=[]), r"a 4-bit lm_head \(--quantize-lm-head\): re-quantize its 16-bit model without "
+                                      r"--quantize-lm-head, or write --format nibble"),
+    (dict(zero_point="float"), r"float zero points \(--float-zero\): re-quantize its 16-bit model without "
+                               "--float-zero"),
+    (dict(mode="w4a4"), r"W4A4 weights \(--quant w4a4\)")])
+def test_a_quantized_model_an_export_cannot_hold_is_refused_in_the_options_before_it_loads(settings, holds, tmp_path,
+                                                                                           monkeypatch):
+    """The export's refusal came once the checkpoint had loaded, in QuantConfig's terms: "quantize with
+    modules_to_not_convert=['lm_head']", "Re-quantize with zero_point='int'"."""
+    import nibble.cli as cli
+    from nibble.config import QuantConfig
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"quantization_config": QuantConfig(**settings).to_dict()}))
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    for fmt in ("awq", "gptq"):
+        with pytest.raises(SystemExit, match=f"^nibble quantize: --format {fmt} holds W4A16 weights with integer zero "
+                                             f"points and a 16-bit lm_head, and {checkpoint} holds {holds}"):
+            main(["quantize", "--model", str(checkpoint), "--format", fmt, "--out", str(tmp_path / "out")])
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--quant", "none", "--rotate"], "--rotate sets how to quantize, and --quant none runs the model unquantized"),
     (["--quant", "none", "--group-size", "32", "--float-zero"], "--group-size, --float-zero set how to quantize"),
-    (["--quant", "w4a4", "--float-zero"], "zero_point='float' (CLI --float-zero: a float minimum per group) is for "
-                                          "asymmetric w4a16 weights"),  # QuantConfig's rule
-    (["--group-size", "0"], "group_size must be "),  # QuantConfig's message, which ends "got 0"
+    (["--quant", "w4a4", "--float-zero"], "--float-zero shapes W4A16's groups, and --quant w4a4 quantizes each output "
+                                          "channel whole and symmetric"),  # QuantConfig's rule, said as the options
+    (["--group-size", "0"], "--group-size must be -1 (one group per output channel) or a positive multiple of 8"),
     (["--calib-samples", "8"], "--calib-samples sizes the calibration of --method gptq / awq; RTN calibrates "
                                "nothing: drop it"),
     (["--method", "gptq", "--calib-seq-len", "1"], "--calib-seq-len must be >= 2, got 1"),
@@ -901,8 +957,8 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
                                ("--save-every", "0", 1)):
         with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be >= {least}, got {value}"):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
-    for flag, value in (("--lr", "nan"), ("--quant-lr", "-5")):
-        with pytest.raises(SystemExit, match=f"^nibble qat: {flag[2:].replace('-', '_')} must be a finite number > 0"):
+    for flag, value in (("--lr", "nan"), ("--quant-lr", "-5")):  # said as the options, not run_qat's lr / quant_lr
+        with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be a finite number > 0"):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 
 

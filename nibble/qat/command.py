@@ -46,15 +46,25 @@ def add_qat_arguments(parser) -> None:
                              "x --seq-len)")
 
 
+# run_qat's parameters and the options that set them, as `nibble.cli.options_named` says them in its refusals: a
+# resume's other settings ({'rank': (2, 4)} -> {--rank: (2, 4)}), "lr must be ...", "lower lr / quant_lr"
+RUN_OPTIONS = {**{name: "--" + name.replace("_", "-") for name in (
+    "lr", "quant_lr", "rank", "seq_len", "batch_size", "steps", "seed", "recipe", "init", "objective", "save_every")},
+    "sources": "--calib"}
+
+
 def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
         from nibble.qat.train import QatInterrupted, check_learning_rates, check_recipe, run_qat, state_path
-    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed, interrupted
+    from nibble.cli import (CALIBRATION_OPTIONS, calibration_sizes, check_calibration_sizes, check_least, check_seed,
+                            interrupted, options_named)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, source_data_files
+    # their refusals said as the options: "lr must be > 0", a resume's other settings, a run that diverged
+    check_learning_rates, run_qat = (options_named(**RUN_OPTIONS)(f) for f in (check_learning_rates, run_qat))
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -80,7 +90,8 @@ def qat_main(args) -> None:
         calibration, sizes = None, calibration_sizes(args)
         if args.init == "gptq" and sizes:
             from nibble.quantize.calibration import calibration_batches
-            calibration = calibration_batches(tokenizer, **sizes)
+            with options_named(**CALIBRATION_OPTIONS):  # a text too short for them
+                calibration = calibration_batches(tokenizer, **sizes)
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
