@@ -245,6 +245,28 @@ def load_for_command(args, device: str):
         return quantize_model(model, cfg, calibration=calibration, device=device), tok
 
 
+def check_fits_context(max_new_tokens: int, context: int | None, prompt_tokens: int | None = None) -> None:
+    """Refuse ``max_new_tokens`` after a prompt of ``prompt_tokens`` (the longest of several; None: not tokenized
+    yet, so one at least) that the model's ``context`` (config.max_position_embeddings; None: unknown, nothing
+    refused) cannot hold, prompt and new tokens together, as `Engine.generate` refuses a request past its cache (the
+    context, by default): positions past it are beyond what the model learned, and the engine sizes its cache and
+    rotary table for the whole request up front (max_new_tokens=10**9 was a 32 GB allocation, after a minute)."""
+    if context is None:
+        return
+    if prompt_tokens is None:
+        if max_new_tokens >= context:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context "
+                             f"({context} tokens, the prompt's and the new ones together): give at most "
+                             f"{context - 1}, less the prompt's tokens")
+    elif prompt_tokens >= context:
+        raise ValueError(f"a prompt of {prompt_tokens} tokens fills the model's context ({context} tokens) before any "
+                         "new one: give a shorter prompt")
+    elif prompt_tokens + max_new_tokens > context:
+        raise ValueError(f"a prompt of {prompt_tokens} tokens and max_new_tokens={max_new_tokens} exceed the model's "
+                         f"context ({context} tokens, the prompt's and the new ones together): give at most "
+                         f"{context - prompt_tokens}, or a shorter prompt")
+
+
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
                   sampling=None, streamer=None) -> str:
     """The continuation of ``prompt``, decoded: greedy, or sampled as ``sampling`` (an
@@ -253,8 +275,12 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     (then by transformers' ``generate``, said on stderr); greedy, both give the same tokens up to
     near-ties (sampled, the same distribution, not the same draws); both stop at the model's
     end-of-sequence token. ``streamer`` (e.g. transformers' ``TextStreamer``) is given the prompt,
-    then the new tokens as they come, then ``end()``, from either way as transformers' generate does."""
+    then the new tokens as they come, then ``end()``, from either way as transformers' generate does.
+    A prompt and ``max_new_tokens`` longer than the model's context together are refused (`check_fits_context`)."""
+    from nibble.eval.perplexity import context_length
+
     ids = torch.tensor([_prompt_ids(tokenizer, prompt, chat)], device=next(model.parameters()).device)
+    check_fits_context(max_new_tokens, context_length(model), ids.shape[1])
     eos = _stop_ids(model, tokenizer)
     new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling, streamer) if engine else None
     if new is None:
@@ -293,10 +319,14 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ch
     ``list(...)`` takes them all). nibble's engine runs each batch as one ragged batch (every prompt at its own
     length, no padding that the model sees); without it (``engine`` False, or a model it cannot run) transformers'
     ``generate`` runs the batch padded on the left. Greedy, each continuation is the one the prompt gets alone, up to
-    near-ties."""
+    near-ties. A prompt and ``max_new_tokens`` longer than the model's context together are refused before the first
+    batch runs (`check_fits_context`)."""
+    from nibble.eval.perplexity import context_length
+
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     ids = [_prompt_ids(tokenizer, p, chat) for p in prompts]  # a chat template that fails: said here, not at a batch
+    check_fits_context(max_new_tokens, context_length(model), max(map(len, ids), default=None))
     return _batch_texts(model, tokenizer, ids, max_new_tokens, engine, sampling, batch_size)
 
 
@@ -399,8 +429,7 @@ def cmd_generate(args):
         raise ValueError(f"--top-k must be >= 1, or 0 for every token; got {args.top_k}")
     with options_named(temperature="--temperature", top_p="--top-p"):  # "top_p must be ...": said as the option
         sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_max_new_tokens(args)
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
@@ -432,9 +461,10 @@ def cmd_generate(args):
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if len(prompts) > 1:
-        texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
-                               engine=not args.hf_generate, sampling=sampling,
-                               batch_size=args.batch_size or GENERATE_BATCH_SIZE)
+        with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it: said before any batch
+            texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
+                                   engine=not args.hf_generate, sampling=sampling,
+                                   batch_size=args.batch_size or GENERATE_BATCH_SIZE)
         # each batch's answers as it completes (flushed: a pipe holds them back otherwise), while the next one runs;
         # strict: the texts are read to their end, which closes the engine
         for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True), 1):
@@ -446,10 +476,22 @@ def cmd_generate(args):
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     if args.stats:
         streamer = TimedStreamer(streamer)
-    generate_text(model, tok, prompts[0], args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
-                  sampling=sampling, streamer=streamer)
+    with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it: said before the first token
+        generate_text(model, tok, prompts[0], args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
+                      sampling=sampling, streamer=streamer)
     if args.stats:
         print(f"nibble: {streamer.summary()}", file=sys.stderr)
+
+
+def check_max_new_tokens(args) -> None:
+    """--max-new-tokens at least 1 and, with a prompt of one token at least, within the model's context (read from
+    its config), before the model loads: `generate_text(s)` refuse it against the prompts themselves once they are
+    tokenized (`check_fits_context`)."""
+    from nibble.models.loading import model_context
+
+    check_least(args, (("max_new_tokens", 1),))
+    with options_named(max_new_tokens="--max-new-tokens"):
+        check_fits_context(args.max_new_tokens, model_context(args.model))
 
 
 class TimedStreamer:
@@ -626,7 +668,8 @@ def cmd_demo(args):
         raise ValueError(f"{args.model} is already quantized, and the demo compares a 16-bit model with its W4A16 "
                          "copy: give it a 16-bit model (an HF dir or a .gguf), or run this one with `nibble "
                          "generate --model` / `nibble eval ppl --model`")
-    check_least(args, (("max_new_tokens", 1), ("ppl_tokens", 2)))
+    check_least(args, (("ppl_tokens", 2),))
+    check_max_new_tokens(args)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     require_data([WIKITEXT2_TEST])  # its last step, after minutes of work on a CPU
@@ -646,7 +689,8 @@ def cmd_demo(args):
     for prompt in DEMO_PROMPTS:
         print(f"prompt: {prompt}")
         for label, m in (("16-bit", model), ("W4A16", qmodel)):
-            print(f"  {label:>6}: {generate_text(m, tok, prompt, args.max_new_tokens, True)!r}")
+            with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it
+                print(f"  {label:>6}: {generate_text(m, tok, prompt, args.max_new_tokens, True)!r}")
     wb = weight_bytes(qmodel)
     ids = tok("\n".join(DEMO_PROMPTS), return_tensors="pt").input_ids.to(device)
     cos = torch.nn.functional.cosine_similarity(model(ids).logits.float().flatten(),
@@ -724,7 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None, help="more prompts, one a line (blank lines skipped)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"several prompts: how many the engine runs at once (default: {GENERATE_BATCH_SIZE})")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (with the prompt's, within the model's context)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--hf-generate", action="store_true",
                    help="decode with transformers' model.generate instead of nibble's engine (static KV cache, "

@@ -470,6 +470,50 @@ def test_the_command_line_takes_the_seeds_the_library_takes(seed):
         check_seed(seed)
 
 
+def test_max_new_tokens_no_prompt_leaves_room_for_is_refused_before_the_model_loads(model_dir, monkeypatch):
+    """--max-new-tokens 1000000000: a minute, then a 32 GB allocation traceback (the engine's cache and rotary table
+    sized for it); a value past the context ran, warned, on positions the model never learned."""
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the flags"))
+    for command in (["generate", "x"], ["demo"]):
+        with pytest.raises(SystemExit, match=rf"^nibble {command[0]}: --max-new-tokens=1000000000 leaves no room for "
+                                             r"a prompt in the model's context \(256 tokens, .*\): give at most 255, "
+                                             "less the prompt's tokens"):
+            main(command + ["--model", str(model_dir), "--max-new-tokens", "1000000000"])
+
+
+@pytest.mark.parametrize("hf_generate", [[], ["--hf-generate"]])
+def test_max_new_tokens_past_the_context_after_the_prompt_is_refused_before_a_token(model_dir, hf_generate, capsys):
+    """Refused, both ways of generating, before the first token (of several prompts, before the first batch), saying
+    the largest that fits; that one runs."""
+    argv = ["generate", "--model", str(model_dir), "--device", "cpu", "--quant", "none", "--no-chat"] + hf_generate
+    with pytest.raises(SystemExit) as refused:
+        main(argv + ["the capital", "--max-new-tokens", "255"])
+    said = re.match(r"nibble generate: a prompt of (\d+) tokens and --max-new-tokens=255 exceed the model's context "
+                    r"\(256 tokens, .*\): give at most (\d+), or a shorter prompt", str(refused.value))
+    assert said and int(said[1]) + int(said[2]) == 256, refused.value
+    with pytest.raises(SystemExit, match=r"a prompt of \d+ tokens and --max-new-tokens=255 exceed"):
+        main(argv + ["the capital", "a haiku about the sea", "--max-new-tokens", "255"])
+    assert capsys.readouterr().out == ""  # nothing generated
+    main(argv + ["the capital", "--max-new-tokens", said[2]])
+    assert capsys.readouterr().out.strip()
+
+
+def test_generate_text_refuses_a_prompt_and_max_new_tokens_past_the_context_in_its_parameters_names():
+    """The Python helpers under `nibble generate` refuse as `Engine.generate` does past its cache (the context, by
+    default): they ran past the context with a warning (and sized the engine's cache for any request)."""
+    from nibble.cli import generate_text, generate_texts
+
+    tok = _tiny_tokenizer()
+    model = tiny_model(vocab_size=len(tok), max_position_embeddings=32)
+    with pytest.raises(ValueError, match=r"^a prompt of \d+ tokens and max_new_tokens=40 exceed the model's context "
+                                         r"\(32 tokens"):
+        generate_text(model, tok, "the capital", 40, chat=False)
+    with pytest.raises(ValueError, match=r"^a prompt of \d+ tokens and max_new_tokens=31 exceed"):
+        generate_texts(model, tok, ["the capital", "a haiku about the sea"], 31, chat=False)
+
+
 def test_options_named_says_a_library_refusal_in_the_commands_options():
     """The one rewrite of the library's parameter names that the commands apply where they call it: whole names only,
     the key of a settings dict too; the exception keeps its type."""
