@@ -93,6 +93,12 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# `calibration_batches`' sizes that --calib-samples / --calib-seq-len set: the arguments, and the options as
+# `options_named` says them in the library's refusals
+CALIBRATION_ARGS = {"n_samples": "calib_samples", "seq_len": "calib_seq_len"}
+CALIBRATION_OPTIONS = {name: _option(arg) for name, arg in CALIBRATION_ARGS.items()}
+
+
 def check_least(args, minimums) -> None:
     """Refuse an option below its least value, ``minimums`` [(name, least), ...], before any model loads (an
     option left unset, None, passes)."""
@@ -139,8 +145,32 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
 
 
 def check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed < 2**64:  # torch's generators take 64 bits
-        raise ValueError(f"--seed must be from 0 to 2**64 - 1, got {seed}")
+    """Refuse a --seed that torch's generators do not take, before any model loads, by the rule the library's seeds
+    follow (`config.checked_seed`): the same seed is taken or refused everywhere. None (not given) passes."""
+    from nibble.config import checked_seed
+
+    if seed is not None:
+        checked_seed("--seed", seed)
+
+
+@contextlib.contextmanager
+def options_named(**options: str):
+    """A library's refusal raised inside (ValueError, or FloatingPointError: a training run that diverged) said in
+    the command's terms: each parameter name among ``options`` (``lr``, ``n_samples=4``, a settings key ``'rank'``)
+    as the option that set it (``--lr``, ``--calib-samples=4``, ``--rank``). The library names its parameters, for
+    its Python callers; a command renames them where it calls it, rather than checking each value again in words of
+    its own. The exception keeps its type and traceback (NIBBLE_TRACEBACK=1)."""
+    import re
+
+    try:
+        yield
+    except (ValueError, FloatingPointError) as e:
+        said = str(e)
+        for name, option in options.items():  # a whole name only: not the "lr" of "quant_lr" or of "--lr"
+            said = re.sub(rf"'{name}'|(?<![\w-]){name}(?![\w-])", option, said)
+        if said != str(e):  # else left as it is (a UnicodeDecodeError's message is made from its fields)
+            e.args = (said,)
+        raise
 
 
 def check_quant_args(args) -> None:
@@ -170,29 +200,41 @@ def check_quant_args(args) -> None:
         raise ValueError("--rotate is for --quant w4a4: the rotation gives each down_proj an online Hadamard, which "
                          "W4A16 layers do not run (in Python, quantize_model keeps them in 16 bits for W4A16 with "
                          "modules_to_not_convert=['lm_head', 'down_proj'])")
+    if args.quant == "w4a4":  # what QuantConfig refuses, said as the options (it names its own fields)
+        given = _flags(args, ("group_size", "float_zero"))
+        if given:
+            one = len(given) == 1
+            raise ValueError(f"{' and '.join(given)} {'shapes' if one else 'shape'} W4A16's groups, and --quant w4a4 "
+                             "quantizes each output channel whole and symmetric (its integer GEMM applies one weight "
+                             f"scale a channel, after the int32 sum): drop {'it' if one else 'them'}")
+        if args.method == "awq":
+            raise ValueError("--method awq is for --quant w4a16: AWQ's per-channel scales would move into the "
+                             "activations that W4A4 quantizes per token; give --method rtn or gptq (nibble qat "
+                             "recovers more)")
     check_calibration_sizes(args, args.method != "rtn", "--method gptq / awq", "RTN")
-    if args.calib_seq_len is not None:  # quantize_model refused it after the model loaded and the text was tokenized
-        from nibble.models.convert import check_calibration_window
-        from nibble.models.loading import model_context
-        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
-    quant_config(args, None)  # a combination QuantConfig refuses
+    with options_named(group_size="--group-size"):
+        quant_config(args, None)  # a value QuantConfig refuses (--group-size 0)
 
 
 def calibration_sizes(args) -> dict:
     """`calibration_batches`' ``n_samples`` / ``seq_len`` that --calib-samples / --calib-seq-len give."""
-    return {k: getattr(args, n) for k, n in (("n_samples", "calib_samples"), ("seq_len", "calib_seq_len"))
-            if getattr(args, n) is not None}
+    return {k: getattr(args, n) for k, n in CALIBRATION_ARGS.items() if getattr(args, n) is not None}
 
 
 def check_calibration_sizes(args, calibrated: bool, calibrating: str, other: str) -> None:
-    """Refuse --calib-samples / --calib-seq-len below their minimum, or given where nothing is calibrated
-    (``calibrated`` False: ``calibrating`` names the options that would calibrate, ``other`` the choice made)."""
+    """Refuse --calib-samples / --calib-seq-len below their minimum, given where nothing is calibrated
+    (``calibrated`` False: ``calibrating`` names the options that would calibrate, ``other`` the choice made), or
+    windows longer than the --model's context, before it loads."""
     given = [_option(n) for n in ("calib_samples", "calib_seq_len") if getattr(args, n) is not None]
     if given and not calibrated:
         one = len(given) == 1
         raise ValueError(f"{', '.join(given)} {'sizes' if one else 'size'} the calibration of {calibrating}; "
                          f"{other} calibrates nothing: drop {'it' if one else 'them'}, or give {calibrating}")
     check_least(args, (("calib_samples", 1), ("calib_seq_len", 2)))
+    if args.calib_seq_len is not None:  # quantize_model refused it after the model loaded and the text was tokenized
+        from nibble.models.convert import check_calibration_window
+        from nibble.models.loading import model_context
+        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
 
 
 def load_for_command(args, device: str):
@@ -213,9 +255,33 @@ def load_for_command(args, device: str):
     from nibble.quantize.calibration import calibration_files
     require_data(calibration_files(args.method))  # before the model loads
     model, tok = load(args.model, "cpu", quantized=False, dtype=default_dtype(torch.device(device)))
-    cfg = quant_config(args, model)
-    calibration = calibration_for(cfg, tok, model, **calibration_sizes(args))
-    return quantize_model(model, cfg, calibration=calibration, device=device), tok
+    # a group size the model's widths refuse, a calibration text too short for the windows asked
+    with options_named(group_size="--group-size", **CALIBRATION_OPTIONS):
+        cfg = quant_config(args, model)
+        calibration = calibration_for(cfg, tok, model, **calibration_sizes(args))
+        return quantize_model(model, cfg, calibration=calibration, device=device), tok
+
+
+def check_fits_context(max_new_tokens: int, context: int | None, prompt_tokens: int | None = None) -> None:
+    """Refuse ``max_new_tokens`` after a prompt of ``prompt_tokens`` (the longest of several; None: not tokenized
+    yet, so one at least) that the model's ``context`` (config.max_position_embeddings; None: unknown, nothing
+    refused) cannot hold, prompt and new tokens together, as `Engine.generate` refuses a request past its cache (the
+    context, by default): positions past it are beyond what the model learned, and the engine sizes its cache and
+    rotary table for the whole request up front (max_new_tokens=10**9 was a 32 GB allocation, after a minute)."""
+    if context is None:
+        return
+    if prompt_tokens is None:
+        if max_new_tokens >= context:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context "
+                             f"({context} tokens, the prompt's and the new ones together): give at most "
+                             f"{context - 1}, less the prompt's tokens")
+    elif prompt_tokens >= context:
+        raise ValueError(f"a prompt of {prompt_tokens} tokens fills the model's context ({context} tokens) before any "
+                         "new one: give a shorter prompt")
+    elif prompt_tokens + max_new_tokens > context:
+        raise ValueError(f"a prompt of {prompt_tokens} tokens and max_new_tokens={max_new_tokens} exceed the model's "
+                         f"context ({context} tokens, the prompt's and the new ones together): give at most "
+                         f"{context - prompt_tokens}, or a shorter prompt")
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool, engine: bool = True,
@@ -226,10 +292,14 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     (then by transformers' ``generate``, said on stderr); greedy, both give the same tokens up to
     near-ties (sampled, the same distribution, not the same draws); both stop at the model's
     end-of-sequence token. ``streamer`` (e.g. transformers' ``TextStreamer``) is given the prompt,
-    then the new tokens as they come, then ``end()``, from either way as transformers' generate does."""
+    then the new tokens as they come, then ``end()``, from either way as transformers' generate does.
+    A prompt and ``max_new_tokens`` longer than the model's context together are refused (`check_fits_context`)."""
     import torch
 
+    from nibble.eval.perplexity import context_length
+
     ids = torch.tensor([_prompt_ids(tokenizer, prompt, chat)], device=next(model.parameters()).device)
+    check_fits_context(max_new_tokens, context_length(model), ids.shape[1])
     eos = _stop_ids(model, tokenizer)
     new = _engine_tokens(model, ids, max_new_tokens, eos or None, sampling, streamer) if engine else None
     if new is None:
@@ -270,10 +340,14 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ch
     ``list(...)`` takes them all). nibble's engine runs each batch as one ragged batch (every prompt at its own
     length, no padding that the model sees); without it (``engine`` False, or a model it cannot run) transformers'
     ``generate`` runs the batch padded on the left. Greedy, each continuation is the one the prompt gets alone, up to
-    near-ties."""
+    near-ties. A prompt and ``max_new_tokens`` longer than the model's context together are refused before the first
+    batch runs (`check_fits_context`)."""
+    from nibble.eval.perplexity import context_length
+
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     ids = [_prompt_ids(tokenizer, p, chat) for p in prompts]  # a chat template that fails: said here, not at a batch
+    check_fits_context(max_new_tokens, context_length(model), max(map(len, ids), default=None))
     return _batch_texts(model, tokenizer, ids, max_new_tokens, engine, sampling, batch_size)
 
 
@@ -380,13 +454,9 @@ def cmd_generate(args):
     # the settings are checked before the model loads (a ValueError is said by `main`)
     if args.top_k is not None and args.top_k < 0:  # Sampling's message names None, which no command line can write
         raise ValueError(f"--top-k must be >= 1, or 0 for every token; got {args.top_k}")
-    try:
+    with options_named(temperature="--temperature", top_p="--top-p"):  # "top_p must be ...": said as the option
         sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
-    except ValueError as e:  # its message starts with the parameter's name ("top_p must be ..."): said as the option
-        name, rest = str(e).split(" ", 1)
-        raise ValueError(f"{_option(name)} {rest}") from None
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_max_new_tokens(args)
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
@@ -418,9 +488,10 @@ def cmd_generate(args):
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if len(prompts) > 1:
-        texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
-                               engine=not args.hf_generate, sampling=sampling,
-                               batch_size=args.batch_size or GENERATE_BATCH_SIZE)
+        with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it: said before any batch
+            texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
+                                   engine=not args.hf_generate, sampling=sampling,
+                                   batch_size=args.batch_size or GENERATE_BATCH_SIZE)
         # each batch's answers as it completes (flushed: a pipe holds them back otherwise), while the next one runs;
         # strict: the texts are read to their end, which closes the engine
         for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True), 1):
@@ -432,10 +503,22 @@ def cmd_generate(args):
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     if args.stats:
         streamer = TimedStreamer(streamer)
-    generate_text(model, tok, prompts[0], args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
-                  sampling=sampling, streamer=streamer)
+    with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it: said before the first token
+        generate_text(model, tok, prompts[0], args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
+                      sampling=sampling, streamer=streamer)
     if args.stats:
         print(f"nibble: {streamer.summary()}", file=sys.stderr)
+
+
+def check_max_new_tokens(args) -> None:
+    """--max-new-tokens at least 1 and, with a prompt of one token at least, within the model's context (read from
+    its config), before the model loads: `generate_text(s)` refuse it against the prompts themselves once they are
+    tokenized (`check_fits_context`)."""
+    from nibble.models.loading import model_context
+
+    check_least(args, (("max_new_tokens", 1),))
+    with options_named(max_new_tokens="--max-new-tokens"):
+        check_fits_context(args.max_new_tokens, model_context(args.model))
 
 
 class TimedStreamer:
@@ -481,10 +564,7 @@ def cmd_quantize(args):
     from nibble.models.convert import TIED_HEAD, weight_bytes
     from nibble.models.serialization import save_quantized
 
-    if args.format != "nibble" and not args.quantized and (
-            args.quant != "w4a16" or args.float_zero or args.quantize_lm_head):
-        raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
-                         "drop --quant w4a4 / --float-zero / --quantize-lm-head, or write --format nibble")
+    check_export(args)
     model, tok = load_for_command(args, _device(args.device))
     out = save_quantized(model, args.out, tok, format=args.format)
     wb = weight_bytes(model)
@@ -493,6 +573,38 @@ def cmd_quantize(args):
             if model.config.quantization_config.get(TIED_HEAD) else "")
     print(f"saved {out}: quantized linears {wb['quantized_bytes'] / 2**20:.1f} MiB "
           f"({wb['ratio']:.3f}x of {wb['bf16_bytes'] / 2**20:.1f} MiB in 16 bits{tied})")
+
+
+def check_export(args) -> None:
+    """Refuse a --format awq / gptq that cannot hold the model `nibble quantize` would write, before it loads: an
+    AutoAWQ / GPTQ checkpoint holds W4A16 weights with integer zero points and a 16-bit lm_head. Said as the options
+    that make it otherwise: those given, or those a quantized --model of nibble's was made with, as its config says
+    (the export's own refusal came once the model had loaded, in QuantConfig's terms: "modules_to_not_convert")."""
+    if args.format == "nibble":
+        return
+    if args.quantized:
+        from nibble.config import QUANT_METHOD, QuantConfig
+        from nibble.models.loading import read_json_object
+
+        qc = read_json_object(Path(args.model) / "config.json").get("quantization_config")
+        if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
+            return  # an AutoAWQ / GPTQ checkpoint: it is such weights
+        cfg = QuantConfig.from_dict(qc)
+        mode, float_zero, head = cfg.mode, cfg.zero_point == "float", "lm_head" not in cfg.modules_to_not_convert
+    else:
+        mode, float_zero, head = args.quant, args.float_zero, args.quantize_lm_head
+    made = [(what, option) for what, option, holds in (
+        ("W4A4 weights", "--quant w4a4", mode == "w4a4"), ("float zero points", "--float-zero", float_zero),
+        ("a 4-bit lm_head", "--quantize-lm-head", head)) if holds]
+    if not made:
+        return
+    options = " / ".join(option for _, option in made)
+    if args.quantized:
+        raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head, "
+                         f"and {args.model} holds {' and '.join(what for what, _ in made)} ({options}): re-quantize "
+                         f"its 16-bit model without {options}, or write --format nibble")
+    raise ValueError(f"--format {args.format} holds W4A16 weights with integer zero points and a 16-bit lm_head: "
+                     f"drop {options}, or write --format nibble")
 
 
 def cmd_info(args):
@@ -587,7 +699,8 @@ def cmd_demo(args):
         raise ValueError(f"{args.model} is already quantized, and the demo compares a 16-bit model with its W4A16 "
                          "copy: give it a 16-bit model (an HF dir or a .gguf), or run this one with `nibble "
                          "generate --model` / `nibble eval ppl --model`")
-    check_least(args, (("max_new_tokens", 1), ("ppl_tokens", 2)))
+    check_least(args, (("ppl_tokens", 2),))
+    check_max_new_tokens(args)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     require_data([WIKITEXT2_TEST])  # its last step, after minutes of work on a CPU
@@ -607,7 +720,8 @@ def cmd_demo(args):
     for prompt in DEMO_PROMPTS:
         print(f"prompt: {prompt}")
         for label, m in (("16-bit", model), ("W4A16", qmodel)):
-            print(f"  {label:>6}: {generate_text(m, tok, prompt, args.max_new_tokens, True)!r}")
+            with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it
+                print(f"  {label:>6}: {generate_text(m, tok, prompt, args.max_new_tokens, True)!r}")
     wb = weight_bytes(qmodel)
     ids = tok("\n".join(DEMO_PROMPTS), return_tensors="pt").input_ids.to(device)
     cos = torch.nn.functional.cosine_similarity(model(ids).logits.float().flatten(),
@@ -760,7 +874,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None, help="more prompts, one a line (blank lines skipped)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"several prompts: how many the engine runs at once (default: {GENERATE_BATCH_SIZE})")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (with the prompt's, within the model's context)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--hf-generate", action="store_true",
                    help="decode with transformers' model.generate instead of nibble's engine (static KV cache, "
@@ -803,10 +918,11 @@ def user_errors() -> tuple:
     from nibble.kernels import KernelUnavailableError
     from nibble.kernels.cuda_build import CudaBuildError
 
-    # ValueError covers nibble.models.serialization.CheckpointError
-    # FloatingPointError: a training run that diverged (PE-QAT), said with the rates to lower
-    return (FileNotFoundError, NotADirectoryError, PermissionError, ModuleNotFoundError, ValueError, CudaBuildError,
-            KernelUnavailableError, FloatingPointError)
+    # OSError: a path that is missing, not a folder or not permitted, and a disk that is full or failing, of a file
+    # written or of the output (`nibble info DIR > /dev/full`); ValueError covers
+    # nibble.models.serialization.CheckpointError; FloatingPointError: a training run that diverged (PE-QAT), said
+    # with the rates to lower
+    return (OSError, ModuleNotFoundError, ValueError, CudaBuildError, KernelUnavailableError, FloatingPointError)
 
 
 def interrupted(command: str, message: str = "interrupted") -> SystemExit:
@@ -827,6 +943,20 @@ def _warnings_said_as(prefix: str):
         yield
     finally:
         warnings.formatwarning = shown
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, after a write to it failed (a closed pipe, a full disk): Python flushes what is left
+    at exit, into the same failure, and prints that as an exception."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _flush_stdout() -> None:
+    """Write out what is left of stdout, or, where it cannot take it (a full disk), drop it (`_drop_stdout`)."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _drop_stdout()
 
 
 def main(argv=None):
@@ -851,12 +981,15 @@ def main(argv=None):
         if getattr(args, "out", None) is not None:
             check_out(args.out, getattr(args, "model", None), writes_model=args.command != "report")
         with _warnings_said_as(f"nibble {args.command}"):
-            return args.func(args)  # an exit status (`report`: 1 when a config failed), or None
+            status = args.func(args)  # an exit status (`report`: 1 when a config failed), or None
+        sys.stdout.flush()  # what is left to write, here: a full disk is said below, not in Python's exit flush
+        return status
     except BrokenPipeError:  # the reader of a pipe left (`nibble generate ... | head -1`): its choice, not an error
-        # Python flushes stdout again at exit, into the same closed pipe: point it at /dev/null first
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         raise SystemExit(141) from None  # 128 + SIGPIPE, the status of a command a closed pipe stopped
     except user_errors() as e:
+        if isinstance(e, OSError):  # the output's own, maybe (`nibble info DIR > /dev/full`: "No space left on device")
+            _flush_stdout()
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise
         raise SystemExit(f"nibble {args.command}: {e}\n(NIBBLE_TRACEBACK=1 shows where it was raised)") from None

@@ -445,8 +445,8 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
                                             (["--top-p", "0"], r"^nibble generate: --top-p must be in \(0, 1\]"),
                                             (["--top-k", "-1"], "--top-k must be >= 1, or 0 for every token"),
                                             (["--max-new-tokens", "0"], "max-new-tokens must be"),
-                                            (["--seed", str(2**64)], r"--seed must be from 0 to 2\*\*64 - 1"),
-                                            (["--seed", "-1"], "--seed must be from 0")])
+                                            (["--seed", str(2**64)],
+                                             r"--seed must be an integer from -2\*\*63 to 2\*\*64 - 1")])
 def test_generate_refuses_bad_settings_before_loading_the_model(flags, message, monkeypatch):
     import nibble.cli as cli
 
@@ -455,10 +455,101 @@ def test_generate_refuses_bad_settings_before_loading_the_model(flags, message, 
         main(["generate", "x", "--model", "nowhere"] + flags)
 
 
+@pytest.mark.parametrize("seed", [-2**63 - 1, -2**63, -1, 0, 2**64 - 1, 2**64])
+def test_the_command_line_takes_the_seeds_the_library_takes(seed):
+    """`cli.check_seed` refused -1 and every negative seed, which `config.checked_seed` (a rotation's) takes."""
+    from nibble.cli import check_seed
+    from nibble.config import checked_seed
+
+    try:
+        checked_seed("seed", seed)
+    except ValueError:
+        with pytest.raises(ValueError, match=r"^--seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+            check_seed(seed)
+    else:
+        check_seed(seed)
+
+
+def test_max_new_tokens_no_prompt_leaves_room_for_is_refused_before_the_model_loads(model_dir, monkeypatch):
+    """--max-new-tokens 1000000000: a minute, then a 32 GB allocation traceback (the engine's cache and rotary table
+    sized for it); a value past the context ran, warned, on positions the model never learned."""
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the flags"))
+    for command in (["generate", "x"], ["demo"]):
+        with pytest.raises(SystemExit, match=rf"^nibble {command[0]}: --max-new-tokens=1000000000 leaves no room for "
+                                             r"a prompt in the model's context \(256 tokens, .*\): give at most 255, "
+                                             "less the prompt's tokens"):
+            main(command + ["--model", str(model_dir), "--max-new-tokens", "1000000000"])
+
+
+@pytest.mark.parametrize("hf_generate", [[], ["--hf-generate"]])
+def test_max_new_tokens_past_the_context_after_the_prompt_is_refused_before_a_token(model_dir, hf_generate, capsys):
+    """Refused, both ways of generating, before the first token (of several prompts, before the first batch), saying
+    the largest that fits; that one runs."""
+    argv = ["generate", "--model", str(model_dir), "--device", "cpu", "--quant", "none", "--no-chat"] + hf_generate
+    with pytest.raises(SystemExit) as refused:
+        main(argv + ["the capital", "--max-new-tokens", "255"])
+    said = re.match(r"nibble generate: a prompt of (\d+) tokens and --max-new-tokens=255 exceed the model's context "
+                    r"\(256 tokens, .*\): give at most (\d+), or a shorter prompt", str(refused.value))
+    assert said and int(said[1]) + int(said[2]) == 256, refused.value
+    with pytest.raises(SystemExit, match=r"a prompt of \d+ tokens and --max-new-tokens=255 exceed"):
+        main(argv + ["the capital", "a haiku about the sea", "--max-new-tokens", "255"])
+    assert capsys.readouterr().out == ""  # nothing generated
+    main(argv + ["the capital", "--max-new-tokens", said[2]])
+    assert capsys.readouterr().out.strip()
+
+
+def test_generate_text_refuses_a_prompt_and_max_new_tokens_past_the_context_in_its_parameters_names():
+    """The Python helpers under `nibble generate` refuse as `Engine.generate` does past its cache (the context, by
+    default): they ran past the context with a warning (and sized the engine's cache for any request)."""
+    from nibble.cli import generate_text, generate_texts
+
+    tok = _tiny_tokenizer()
+    model = tiny_model(vocab_size=len(tok), max_position_embeddings=32)
+    with pytest.raises(ValueError, match=r"^a prompt of \d+ tokens and max_new_tokens=40 exceed the model's context "
+                                         r"\(32 tokens"):
+        generate_text(model, tok, "the capital", 40, chat=False)
+    with pytest.raises(ValueError, match=r"^a prompt of \d+ tokens and max_new_tokens=31 exceed"):
+        generate_texts(model, tok, ["the capital", "a haiku about the sea"], 31, chat=False)
+
+
+def test_options_named_says_a_library_refusal_in_the_commands_options():
+    """The one rewrite of the library's parameter names that the commands apply where they call it: whole names only,
+    the key of a settings dict too; the exception keeps its type."""
+    from nibble.cli import options_named
+
+    with pytest.raises(ValueError) as e:
+        with options_named(lr="--lr", quant_lr="--quant-lr", rank="--rank"):
+            raise ValueError("lr must be > 0; other settings ({'rank': (2, 4), 'alpha': 4}); lower lr / quant_lr, "
+                             "as --lr says; the LoRA ranks")
+    assert str(e.value) == ("--lr must be > 0; other settings ({--rank: (2, 4), 'alpha': 4}); lower --lr / --quant-lr, "
+                            "as --lr says; the LoRA ranks")
+    with pytest.raises(FloatingPointError, match="^PE-QAT diverged at step 3; lower --lr / --quant-lr$"):
+        with options_named(lr="--lr", quant_lr="--quant-lr"):
+            raise FloatingPointError("PE-QAT diverged at step 3; lower lr / quant_lr")
+
+
+def test_a_calibration_text_too_short_for_the_windows_asked_is_said_in_the_options(model_dir, tmp_path, monkeypatch):
+    """It said "too short for n_samples=64 windows of seq_len=32 ... Use fewer samples", no option's name."""
+    from nibble.quantize import calibration
+
+    monkeypatch.setattr(calibration, "calibration_text", lambda source: "the capital of france is paris. " * 20)
+    with pytest.raises(SystemExit, match=r"^nibble quantize: calibration source 'c4' has \d+ tokens, too short for "
+                                         r"--calib-samples=64 windows of --calib-seq-len=32: "):
+        main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--method", "gptq",
+              "--calib-samples", "64", "--calib-seq-len", "32", "--out", str(tmp_path / "q")])
+
+
 @pytest.mark.parametrize("command", [["quantize", "--out", "nowhere"], ["eval", "ppl"], ["generate", "x"]])
-@pytest.mark.parametrize("flags, message", [(["--quant", "w4a4", "--method", "awq"], "w4a4 supports method"),
-                                            (["--quant", "w4a16", "--rotate"], "--rotate is for --quant w4a4"),
-                                            (["--quant", "w4a4", "--group-size", "64"], "per-channel weights")])
+# said as the options: QuantConfig's messages named its fields ("w4a4 supports method='rtn' or 'gptq'",
+# "(symmetric=True, group_size=-1) ... a new QuantConfig(mode='w4a4') resolves them")
+@pytest.mark.parametrize("flags, message", [
+    (["--quant", "w4a4", "--method", "awq"], "--method awq is for --quant w4a16: AWQ's per-channel scales"),
+    (["--quant", "w4a16", "--rotate"], "--rotate is for --quant w4a4"),
+    (["--quant", "w4a4", "--group-size", "64"], "--group-size shapes W4A16's groups, and --quant w4a4 quantizes each "
+                                                "output channel whole and symmetric"),
+    (["--quant", "w4a4", "--group-size", "-1", "--float-zero"], "--group-size and --float-zero shape W4A16's groups")])
 def test_quantization_flags_a_config_refuses_are_said_before_loading_the_model(command, flags, message, monkeypatch):
     import nibble.cli as cli
 
@@ -489,7 +580,8 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
     model, _ = load_quantized(out)
     config = model.config.quantization_config
     assert config["mode"] == "w4a4" and config["rotation"] == "hadamard" and config["qat"]["init"] == "gptq"
-    with pytest.raises(SystemExit, match="other settings"):  # its saved state is not resumed from another start
+    # its saved state is not resumed from another start, said as the option (run_qat's settings key was 'init')
+    with pytest.raises(SystemExit, match=r"other settings \(\{--init: \('gptq', 'rtn'\)"):
         main(["qat", "--model", str(model_dir), "--device", "cpu", "--recipe", "hadamard", "--steps", "2",
               "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
 
@@ -525,6 +617,39 @@ def test_a_reader_that_leaves_the_pipe_is_no_traceback(model_dir, tmp_path):
     run.stdout.close()  # the reader leaves before the first line
     err = run.stderr.read().decode()
     assert run.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full (Linux's always-full device)")
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_full_disk_under_the_output_is_one_line_and_status_1(model_dir, tmp_path, unbuffered):
+    """`nibble info DIR > /dev/full` was an OSError traceback (raised by the print, unbuffered), or Python's "Exception
+    ignored" at its exit flush, status 120 (buffered)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUNBUFFERED", "NIBBLE_TRACEBACK")}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "nibble", "info", str(out)], stdout=full, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parents[1], env=env | {"PYTHONUNBUFFERED": unbuffered},
+                              timeout=120)
+    assert done.returncode == 1 and done.stderr == ("nibble info: [Errno 28] No space left on device\n"
+                                                    "(NIBBLE_TRACEBACK=1 shows where it was raised)\n"), done.stderr
+
+
+def test_a_command_line_argparse_cannot_read_exits_2_and_a_mistake_1_as_the_readme_says(capsys):
+    """The README said every mistake exits with status 1; argparse's usage errors exit 2 (the Unix convention)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "exit status 1" in readme and "said with the command's usage, exit status 2" in readme
+    for argv in (["generate", "x", "--max-new-tokens", "many"], ["quantize"], ["generate", "x", "--no-such-option"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "usage: nibble " in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "x", "--max-new-tokens", "0"])
+    assert str(e.value).startswith("nibble generate: --max-new-tokens must be >= 1")  # status 1: a message, not a code
 
 
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
@@ -639,7 +764,7 @@ def test_a_model_quantized_for_a_gpu_is_read_into_host_memory_and_quantized_onto
     (["info", "TheBloke/Llama-2-7B-GPTQ"], "is not a local checkpoint directory. nibble never downloads models"),
     (["info", "{model}/config.json"], "is a file: a checkpoint is the directory"),
     (["quantize", "--model", "{model}", "--quant", "w4a16", "--group-size", "48", "--out", "{tmp}/q"],
-     "not divisible by group_size=48"),
+     "not divisible by --group-size=48"),  # said as the option (QuantLinear's check names group_size)
 ])
 def test_a_users_mistake_is_one_line_not_a_traceback(command, message, model_dir, tmp_path, monkeypatch):
     """What the user gave that cannot work is said as ``nibble <command>: <what to fix>`` (exit status 1,
@@ -832,12 +957,35 @@ def test_quantization_flags_given_with_an_already_quantized_model_are_refused(co
         main(command + ["--model", str(quantized_dir)] + flags)
 
 
+@pytest.mark.parametrize("settings, holds", [
+    (dict(modules_to_not_convert=[]), r"a 4-bit lm_head \(--quantize-lm-head\): re-quantize its 16-bit model without "
+                                      r"--quantize-lm-head, or write --format nibble"),
+    (dict(zero_point="float"), r"float zero points \(--float-zero\): re-quantize its 16-bit model without "
+                               "--float-zero"),
+    (dict(mode="w4a4"), r"W4A4 weights \(--quant w4a4\)")])
+def test_a_quantized_model_an_export_cannot_hold_is_refused_in_the_options_before_it_loads(settings, holds, tmp_path,
+                                                                                           monkeypatch):
+    """The export's refusal came once the checkpoint had loaded, in QuantConfig's terms: "quantize with
+    modules_to_not_convert=['lm_head']", "Re-quantize with zero_point='int'"."""
+    import nibble.cli as cli
+    from nibble.config import QuantConfig
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"quantization_config": QuantConfig(**settings).to_dict()}))
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    for fmt in ("awq", "gptq"):
+        with pytest.raises(SystemExit, match=f"^nibble quantize: --format {fmt} holds W4A16 weights with integer zero "
+                                             f"points and a 16-bit lm_head, and {checkpoint} holds {holds}"):
+            main(["quantize", "--model", str(checkpoint), "--format", fmt, "--out", str(tmp_path / "out")])
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--quant", "none", "--rotate"], "--rotate sets how to quantize, and --quant none runs the model unquantized"),
     (["--quant", "none", "--group-size", "32", "--float-zero"], "--group-size, --float-zero set how to quantize"),
-    (["--quant", "w4a4", "--float-zero"], "zero_point='float' (CLI --float-zero: a float minimum per group) is for "
-                                          "asymmetric w4a16 weights"),  # QuantConfig's rule
-    (["--group-size", "0"], "group_size must be "),  # QuantConfig's message, which ends "got 0"
+    (["--quant", "w4a4", "--float-zero"], "--float-zero shapes W4A16's groups, and --quant w4a4 quantizes each output "
+                                          "channel whole and symmetric"),  # QuantConfig's rule, said as the options
+    (["--group-size", "0"], "--group-size must be -1 (one group per output channel) or a positive multiple of 8"),
     (["--calib-samples", "8"], "--calib-samples sizes the calibration of --method gptq / awq; RTN calibrates "
                                "nothing: drop it"),
     (["--method", "gptq", "--calib-seq-len", "1"], "--calib-seq-len must be >= 2, got 1"),
@@ -891,8 +1039,8 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
                                ("--save-every", "0", 1)):
         with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be >= {least}, got {value}"):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
-    for flag, value in (("--lr", "nan"), ("--quant-lr", "-5")):
-        with pytest.raises(SystemExit, match=f"^nibble qat: {flag[2:].replace('-', '_')} must be a finite number > 0"):
+    for flag, value in (("--lr", "nan"), ("--quant-lr", "-5")):  # said as the options, not run_qat's lr / quant_lr
+        with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be a finite number > 0"):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 
 
@@ -928,8 +1076,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])
     with pytest.raises(SystemExit, match="^nibble quantize: --out is empty"):  # an unset "$OUTDIR"
         main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", ""])
-    with pytest.raises(SystemExit, match="^nibble qat: --seed must be from 0 to"):
-        main(["qat", "--model", str(model_dir), "--out", str(tmp_path / "qat"), "--seed", "-1"])
+    with pytest.raises(SystemExit, match=r"^nibble qat: --seed must be an integer from -2\*\*63 to"):
+        main(["qat", "--model", str(model_dir), "--out", str(tmp_path / "qat"), "--seed", str(2**64)])
     if Path("/proc/self").is_dir():  # no file can be made there, even by root (whom os.access always let through)
         with pytest.raises(SystemExit, match=r"^nibble quantize: --out /proc/x cannot be written: creating a "
                                                  r"file in /proc failed \("):

@@ -51,17 +51,26 @@ def add_qat_arguments(parser) -> None:
                              "x --seq-len)")
 
 
+# run_qat's parameters and the options that set them, as `nibble.cli.options_named` says them in its refusals: a
+# resume's other settings ({'rank': (2, 4)} -> {--rank: (2, 4)}), "lr must be ...", "lower lr / quant_lr"
+RUN_OPTIONS = {**{name: "--" + name.replace("_", "-") for name in (
+    "lr", "quant_lr", "rank", "seq_len", "batch_size", "steps", "seed", "recipe", "init", "objective", "save_every")},
+    "sources": "--calib"}
+
+
 def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
         from nibble.qat.train import (GPTQ_START, QatInterrupted, check_learning_rates, check_new_run, check_recipe,
                                       run_qat, state_path)
-    from nibble.cli import calibration_sizes, check_calibration_sizes, check_least, check_seed, interrupted
+    from nibble.cli import (CALIBRATION_OPTIONS, calibration_sizes, check_calibration_sizes, check_least, check_seed,
+                            interrupted, options_named)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
-    from nibble.models.convert import check_calibration_window
-    from nibble.models.loading import load_model, model_context
+    from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
+    # their refusals said as the options: "lr must be > 0", a resume's other settings, a run that diverged
+    check_learning_rates, run_qat = (options_named(**RUN_OPTIONS)(f) for f in (check_learning_rates, run_qat))
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -70,8 +79,6 @@ def qat_main(args) -> None:
     check_learning_rates(args.lr, args.quant_lr)
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
-    if args.calib_seq_len is not None:  # run_qat refuses it too, once the model has loaded, as `quantize` says it here
-        check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
     check_recipe(args.recipe, args.init)
     if not args.resume:  # run_qat's refusal too, said here before the model loads
         check_new_run(args.out)
@@ -92,7 +99,8 @@ def qat_main(args) -> None:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=device)
         calibration = None  # --init gptq's: as run_qat would make it (cut to a shorter context), in the sizes asked
         if args.init == "gptq":
-            calibration = calibration_for(GPTQ_START, tokenizer, model, **calibration_sizes(args))
+            with options_named(**CALIBRATION_OPTIONS):  # a text too short for them
+                calibration = calibration_for(GPTQ_START, tokenizer, model, **calibration_sizes(args))
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
                         quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
