@@ -993,10 +993,11 @@ def main(argv=None):
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise
         raise SystemExit(f"nibble {args.command}: {e}\n(NIBBLE_TRACEBACK=1 shows where it was raised)") from None
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback of wherever the work was
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, not a traceback of wherever the work was
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise
-        raise interrupted(args.command) from None
+        # one raised with a message says what the command kept and how to go on (qat's, `report.ReportInterrupted`)
+        raise interrupted(args.command, str(e) or "interrupted") from None
 
 
 if __name__ == "__main__":

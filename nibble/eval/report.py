@@ -883,13 +883,10 @@ def report_main(args: argparse.Namespace) -> int:
     check_report_args(args)
     given = {name: getattr(args, name) for name in ("tasks", "batch_size", "speed_models", "speed_rounds")
              if getattr(args, name) is not None}  # the others left to run_report's defaults
-    try:
-        results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
-                             ppl_max_tokens=args.ppl_max_tokens, ppl_seq_len=args.ppl_seq_len, device=args.device,
-                             model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed, **given)
-    except ReportInterrupted as e:  # exit status 130, one line saying what was kept
-        from nibble.cli import interrupted
-        raise interrupted("report", str(e)) from None
+    # Ctrl-C: `ReportInterrupted`, whose message (what was kept) cli.main says in one line, exit status 130
+    results = run_report(args.model, args.out, configs=args.configs, tasks_limit=args.limit,
+                         ppl_max_tokens=args.ppl_max_tokens, ppl_seq_len=args.ppl_seq_len, device=args.device,
+                         model=not args.no_model, accuracy=not args.no_accuracy, speed=not args.no_speed, **given)
     # what succeeded is written; a config that failed (on the model or a speed model) still fails the command
     failed = [(n, r["error"]) for n, r in results["configs"].items() if "error" in r]
     failed += [(f"{sm}/{n}", r["error"]) for sm, by_config in results["speed_models"].items()

@@ -2,8 +2,6 @@
 `train.py` so that the command line builds without peft (the `qat` extra), which only the run needs."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from nibble.config import optional_dependency, resolve_device
@@ -64,7 +62,7 @@ def qat_main(args) -> None:
         from nibble.qat.train import (GPTQ_START, QatInterrupted, check_learning_rates, check_new_run, check_recipe,
                                       run_qat, state_path)
     from nibble.cli import (CALIBRATION_OPTIONS, calibration_sizes, check_calibration_sizes, check_least, check_seed,
-                            interrupted, options_named)
+                            options_named)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
@@ -109,10 +107,10 @@ def qat_main(args) -> None:
             stopped = (f"interrupted while exporting; {state_path(args.out)} holds the finished run: the same command "
                        "with --resume exports it again, without training")
             export(model, args.out, tokenizer)
-    except KeyboardInterrupt as e:  # Ctrl-C: what is kept and how to go on, not a traceback
-        if os.environ.get("NIBBLE_TRACEBACK") == "1":  # as cli.main keeps it: the exception and where it was raised
+    except KeyboardInterrupt as e:  # Ctrl-C: what is kept and how to go on, said by cli.main in one line
+        if isinstance(e, QatInterrupted):  # the training's own, which says which state it holds
             raise
-        raise interrupted("qat", str(e) if isinstance(e, QatInterrupted) else stopped) from None
+        raise KeyboardInterrupt(stopped) from e
     if args.recipe == "per-channel":
         print(f"trained {args.recipe} (fake quant only: per-channel activation scales have no W4A4 kernel); "
               f"state in {state_path(args.out)}")

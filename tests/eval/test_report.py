@@ -332,6 +332,9 @@ def test_an_interrupted_report_keeps_the_configs_that_finished_marked_partial(tm
     assert stopped.value.code == 130 and not fresh.exists()
     assert capsys.readouterr().err.endswith(f"nibble report: interrupted before any config finished; nothing was "
                                             f"written to {fresh}\n")
+    monkeypatch.setenv("NIBBLE_TRACEBACK", "1")  # kept as the exception, as every command's Ctrl-C (it was ignored)
+    with pytest.raises(report.ReportInterrupted, match="^interrupted before any config finished"):
+        main(["report", "--out", str(fresh), "--configs", "w4a16", "bf16", "--no-accuracy", "--speed-models"])
 
 
 def test_a_refused_report_leaves_no_out_folder(tmp_path):
