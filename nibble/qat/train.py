@@ -120,8 +120,8 @@ def gptq_start(model: nn.Module, names: list[str], calibration, progress: bool =
     return {name: (compensated[name], weights[name].scales.t()) for name in names}
 
 
-def check_recipe(recipe: str, init: str, rotation_seed: int = 0) -> None:
-    """Refuse a recipe, start and rotation seed PE-QAT cannot take (together), before any work."""
+def check_recipe(recipe: str, init: str, rotation_seed: int = 0, calibration=None) -> None:
+    """Refuse a recipe, start, rotation seed and calibration PE-QAT cannot take (together), before any work."""
     checked_seed("rotation_seed", rotation_seed)  # torch's refusal came after the model was cast and prepared
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
@@ -131,6 +131,9 @@ def check_recipe(recipe: str, init: str, rotation_seed: int = 0) -> None:
                          "rotate_model, keeps the seed it was rotated with)")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if calibration is not None and init != "gptq":  # it was ignored without a word
+        raise ValueError(f"calibration is GPTQ's (init='gptq'), and init={init!r} quantizes from the 16-bit weights, "
+                         "calibrating nothing: drop calibration, or start from GPTQ's weights with init='gptq'")
     if init == "gptq" and recipe == "per-channel":
         raise ValueError("init='gptq' is for the deployable recipes ('per-token', 'hadamard'): the per-channel "
                          "recipe's learned smoothing rescales the weight that GPTQ would have quantized")
@@ -194,7 +197,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     """
     from peft import LoraConfig
 
-    check_recipe(recipe, init, rotation_seed)
+    check_recipe(recipe, init, rotation_seed, calibration)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_model(model)
@@ -274,7 +277,8 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> torch.Tensor
     out = []
     for j in range(step * batch_size, (step + 1) * batch_size):
         epoch, pos = divmod(j, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        # modulo 2**64: within the generators' range for any seed (2**64 - 1 went past it after the model loaded)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed((seed * 100_003 + epoch) % 2**64))
         out.append(perm[pos])
     return torch.stack(out)
 
@@ -470,7 +474,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     check_learning_rates(lr, quant_lr)
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
-    check_recipe(recipe, init, rotation_seed)  # before any calibration text is tokenized
+    check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
     check_model(model)  # before the model is changed
     if out_dir is not None:
         # the folder the export writes: one holding a float model was refused by the export alone, after the training

@@ -392,6 +392,25 @@ def test_a_rotation_seed_without_the_hadamard_recipe_is_refused():
     assert not fake_quant_layers(model)
 
 
+def test_calibration_without_the_gptq_start_is_refused():
+    """init='rtn' calibrates nothing: calibration given with it was ignored without a word."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match="calibration is GPTQ's \\(init='gptq'\\), and init='rtn'"):
+        run_qat(model, None, "per-token", 1, windows=_windows(), calibration=_windows())
+    with pytest.raises(ValueError, match="calibration is GPTQ's"):
+        prepare_qat_model(model, "per-token", calibration=_windows())
+    assert not fake_quant_layers(model)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -2**63])
+def test_the_data_order_takes_every_seed_run_qat_takes(seed):
+    """seed * 100_003 + epoch went past torch's seed range: `nibble qat --seed 18446744073709551615` passed its check,
+    then failed in manual_seed ("Overflow when unpacking long long") after the model loaded."""
+    from nibble.qat.train import batch_indices
+    rows = batch_indices(3, 4, 5, seed)
+    assert rows.shape == (4,) and rows.max() < 5
+
+
 @pytest.mark.parametrize("seed", ["3", 1.5, 2**70])
 def test_a_rotation_seed_torch_cannot_take_is_refused_before_the_model_is_changed(seed):
     """run_qat(rotation_seed="3") cast the model to float32 and prepared it, then failed in torch's manual_seed with
