@@ -70,6 +70,18 @@ def check_group_size(group_size) -> None:
                          f"another multiple of 8 such as 16 or 48 (its Triton kernels); got {group_size}")
 
 
+def check_group_width(group_size, K: int) -> None:
+    """The group size of a weight of K inputs (`Int4Weight`, the kernels' arguments): `check_group_size`'s int, the
+    width of its groups, dividing K. -1 is refused: a shorthand of the callers that build a weight (the
+    quantizers, QuantConfig, QuantLinear), which a weight replaces by the width itself."""
+    check_group_size(group_size)
+    if group_size == -1:
+        raise ValueError(f"a weight's group_size is a group's width (in_features={K} for one group a row), not -1, "
+                         f"the shorthand only the quantizers, QuantConfig and QuantLinear take")
+    if K % group_size:
+        raise ValueError(f"in_features={K} is not divisible by group_size={group_size}")
+
+
 @dataclass
 class Int4Weight:
     """One quantized linear weight in the canonical format (nn.Linear's W is [N, K])."""
@@ -95,11 +107,7 @@ class Int4Weight:
             raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got {self.qweight.dtype} "
                              f"{tuple(self.qweight.shape)}")
         K, N, G = self.in_features, self.out_features, self.group_size
-        check_group_size(G)
-        if G == -1:  # a caller's shorthand, which only the quantizers and QuantLinear take
-            raise ValueError(f"Int4Weight.group_size is a group's width (in_features={K} for one group a row), not -1")
-        if K % G:
-            raise ValueError(f"in_features={K} is not divisible by group_size={G}")
+        check_group_width(G, K)
         for name in ("scales", "zeros"):
             t = getattr(self, name)
             if t.dtype != torch.float16:

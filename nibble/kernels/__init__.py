@@ -107,16 +107,21 @@ def _packed_k_n(x, qweight) -> tuple[int, int]:
     return K, N
 
 
-def _check_w4a16_shapes(x, qweight, scales, zeros, group_size: int, bias) -> None:
-    """The shapes the GPU op's checks ask for (`w4a16._check_weight`; the bias, which the op does not take, is
-    `_finish`'s), on the CPU path; dtypes of scales and zeros are the reference's to take as they come."""
+def _check_w4a16_arguments(x, qweight, scales, zeros, group_size: int, bias) -> None:
+    """What the GPU op's checks ask for (`w4a16._check_weight`; the bias, which the op does not take, is
+    `_finish`'s), on the CPU path, so that a call the GPU refuses is refused on the CPU too."""
     N = _packed_k_n(x, qweight)[1]
-    w4a16._check_weight(qweight, scales, zeros, group_size, scale_dtype=None)
+    w4a16._check_weight(qweight, scales, zeros, group_size)
     w4a16.check_bias(bias, N)
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
-    """y = x @ W.T + bias with W in the canonical INT4 format; any leading dims."""
+    """y = x @ W.T + bias with W in the canonical INT4 format (`nibble.formats.int4.Int4Weight`); any leading dims.
+
+    x: float16, bfloat16 or float32 (the GPU kernels run float32 in bfloat16), [..., K]; qweight: int32 [K // 8, N];
+    scales, zeros: float16 [K // group_size, N]; group_size: the groups' width, an int (a multiple of 8 dividing K;
+    K for one group a row: -1 is only the quantizers', QuantConfig's and QuantLinear's shorthand); bias: None or a
+    float [N]. Every device takes the same arguments and refuses the same ones."""
     check_activations(x)
     return _w4a16_linear(x, qweight, scales, zeros, group_size, bias, backend)
 
@@ -127,7 +132,7 @@ def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend:
 def _w4a16_linear(x, qweight, scales, zeros, group_size: int, bias, backend: str):
     _check_no_gradient(x, [bias])
     if not _use_kernel(x, backend):
-        _check_w4a16_shapes(x, qweight, scales, zeros, group_size, bias)
+        _check_w4a16_arguments(x, qweight, scales, zeros, group_size, bias)
         return reference.w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
     y = eager_or_op(w4a16.linear, torch.ops.nibble.w4a16_linear)(_kernel_input(x), qweight, scales, zeros, group_size)
     return _finish(y, bias, x)
@@ -145,7 +150,7 @@ def _w4a16_linears(x, layers, group_size: int, backend: str):
     _check_no_gradient(x, [layer[3] for layer in layers])
     if not _use_kernel(x, backend):
         for qw, s, z, b in layers:
-            _check_w4a16_shapes(x, qw, s, z, group_size, b)
+            _check_w4a16_arguments(x, qw, s, z, group_size, b)
         return [reference.w4a16_matmul(x, qw, s, z, group_size, b) for qw, s, z, b in layers]
     linears = eager_or_op(w4a16.linears, torch.ops.nibble.w4a16_linears)
     ys = linears(_kernel_input(x), *([layer[i] for layer in layers] for i in range(3)), group_size)

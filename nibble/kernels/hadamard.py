@@ -18,6 +18,12 @@ Three ways to apply it, all computing y = x @ H_n.T (or x @ H_n with inverse=Tru
   hadamard_transform            torch.ops.nibble.hadamard_transform: kernel on CUDA, reference
                                 elsewhere; works under torch.compile / CUDA graphs, has autograd.
 
+Non-finite values: every output depends on every input of its row, so a row holding NaN or +-Inf
+(or whose sums overflow the compute type, float32 or float64) has outputs that are not finite. Each such
+output is NaN, on every device and path, before the result is rounded to x.dtype (where a finite value
+past the type's range still becomes +-Inf). Without the rule one +Inf gave +-Inf in the reference and NaN
+in the kernel (its tf32 pieces compute Inf - Inf), and W4A4 zeroes a token by this NaN.
+
 `hadamard_load_rows` is the load-and-transform of a block of rows as a @triton.jit function, so
 other kernels (W4A4 activation quantization) can fuse it: call it, quantize the tile, store.
 """
@@ -199,7 +205,8 @@ def _check_transform_input(x: torch.Tensor) -> None:
 
 
 def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """y = x @ H_n.T (inverse: x @ H_n) on the last dim; float32 math (float64 for float64 x), x.dtype out.
+    """y = x @ H_n.T (inverse: x @ H_n) on the last dim; float32 math (float64 for float64 x), x.dtype out;
+    an output that is not finite in that math is NaN (the module docstring says why).
 
     The row is viewed as [m, 2^k]: a Sylvester butterfly over the 2^k axis, then H_m over the m axis.
     """
@@ -217,7 +224,8 @@ def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torc
     if m > 1:
         hm = _base_matrix_on(m, x.device, cdt)
         y = (hm.T if inverse else hm) @ y  # y[i] = sum_j H_m[i, j] y[j]; Sylvester is symmetric
-    return (y * (1.0 / math.sqrt(n))).reshape(x.shape).to(x.dtype)
+    y = y * (1.0 / math.sqrt(n))
+    return torch.where(torch.isfinite(y), y, torch.nan).reshape(x.shape).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,8 +365,9 @@ def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo,
                        A: tl.constexpr, B: tl.constexpr, TERMS_IN: tl.constexpr, TERMS: tl.constexpr):
     """Load ROWS rows of n elements and return (row @ H_n.T) * scale as float32 [ROWS, DENSE_OUT * A * B]:
     the outputs whose dense index lies in [dense_lo, dense_lo + DENSE_OUT), i.e. output columns
-    dense_lo * A * B onwards; columns >= n (and masked rows) come back 0. For fusing into other
-    kernels (W4A4 quantization) with DENSE_OUT = DENSE_PAD, dense_lo = 0: the whole row.
+    dense_lo * A * B onwards, NaN where not finite (the module's rule); columns >= n (and masked rows)
+    come back 0, or NaN in a row that held a non-finite value (H's zero padding times +-Inf). For fusing
+    into other kernels (W4A4 quantization) with DENSE_OUT = DENSE_PAD, dense_lo = 0: the whole row.
 
     row_offs: [ROWS, 1] int64 offset of each row's first element from x_ptr; row_mask: [ROWS, 1].
     DENSE_PAD, DENSE_CHUNK, A, B from `hadamard_plan(n)`; dense_ptr from `hadamard_dense_operand`
@@ -408,7 +417,16 @@ def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo,
         x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), (ROWS * DENSE_OUT * B, A))
         x = _dot_pm1(x, _sylvester_tile(A), zero, TERMS)
         x = tl.permute(tl.reshape(x, (ROWS, DENSE_OUT, B, A)), (0, 1, 3, 2))
-    return tl.reshape(x * scale, (ROWS, DENSE_OUT * AB))
+    return tl.reshape(_nan_unless_finite(x * scale), (ROWS, DENSE_OUT * AB))
+
+
+@_jit
+def _nan_unless_finite(y):
+    """y with every value that is not finite made NaN (the module's rule for non-finite values). Tested explicitly:
+    the tf32 pieces turn an infinite value NaN only where a factor after the first splits it (Inf - Inf), so a
+    single-factor plan (n < 256 for 16-bit input: 8, 16, 40, 128, 200, ...) kept +-Inf. One compare and one select
+    an output, beside the factors' dots."""
+    return tl.where(tl.abs(y) <= 3.4028234663852886e38, y, float("nan"))
 
 
 @_jit
@@ -461,8 +479,9 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
     x: CUDA tensor (CPU under TRITON_INTERPRET=1), float16/bfloat16/float32, last dim contiguous,
     any leading dims. Products are exact, sums run in the tensor cores' float32 accumulators (not
     IEEE-rounded: about 2^-19 of the largest output, far below 16-bit rounding), and the result is
-    rounded once to x.dtype. ``split`` (default: only for a few rows) spreads each row's dense
-    outputs over several programs; the result is the same.
+    rounded once to x.dtype; an output that is not finite in float32 is NaN, as in the reference (module
+    docstring). ``split`` (default: only for a few rows) spreads each row's dense outputs over several
+    programs; the result is the same.
     """
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"hadamard kernel takes float16/bfloat16/float32, got {x.dtype}; "
@@ -571,7 +590,8 @@ class _Hadamard(torch.autograd.Function):
 def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """y = x @ H_n.T (inverse: x @ H_n) on the last dim, via torch.ops.nibble.hadamard_transform:
     the Triton kernel on CUDA, the reference elsewhere; differentiable (torch.func included) and
-    torch.compile-safe."""
+    torch.compile-safe. A row holding NaN or +-Inf comes out NaN, on every device: each output that is not
+    finite in float32 (float64 for float64 x) is NaN (the module docstring)."""
     if transforms_active():
         return _Hadamard.apply(x, inverse)
     return _hadamard_op(x, inverse)  # its own register_autograd: reverse mode, eager and compiled

@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nibble.formats.int4 import check_group_width
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import MAX_TOKENS as EARLY_LAUNCH_MAX_TOKENS
 from nibble.kernels.early_launch import early_launch
@@ -1049,14 +1050,13 @@ def _packed_k(qweight) -> int:
     return qweight.shape[0] * PACK
 
 
-def _check_weight(qweight, scales, zeros, group_size, scale_dtype=torch.float16):
-    """The weight's own consistency: packed int32 words, the group divides K, scales and zeros hold
-    one row per group, in ``scale_dtype`` (None: any, as the CPU reference takes them)."""
+def _check_weight(qweight, scales, zeros, group_size):
+    """The weight's own consistency, the format's (`Int4Weight`): packed int32 words, the group's width (an int, not
+    -1) divides K, float16 scales and zeros hold one row per group."""
     K, N = _packed_k(qweight), qweight.shape[1]
-    if not isinstance(group_size, int) or group_size <= 0 or K % group_size or group_size % PACK:
-        raise ValueError(f"group_size={group_size} must be a positive multiple of 8 dividing K={K}")
+    check_group_width(group_size, K)
     for name, t in (("scales", scales), ("zeros", zeros)):
-        if scale_dtype is not None and t.dtype != scale_dtype:
+        if t.dtype != torch.float16:
             raise TypeError(f"{name} must be float16, got {t.dtype}")
         if tuple(t.shape) != (K // group_size, N):
             raise ValueError(f"{name} must have shape {(K // group_size, N)} for K={K}, N={N}, group {group_size}; "

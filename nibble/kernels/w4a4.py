@@ -4,8 +4,9 @@ online Hadamard rotation) and INT4 x INT4 matrix products computed exactly in in
 The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate`, `w4a4_matmul`,
 `w4a4_linear`); docs/ARCHITECTURE.md describes the formats. Three Triton kernels:
 
-``_act_quant_kernel``   one pass over x [M, K] (fp16/bf16): [Hadamard] -> saturate non-finite
-                        values -> scale = amax / 7 per row -> q = clamp(rint(x / scale), -8, 7).
+``_act_quant_kernel``   one pass over x [M, K] (fp16/bf16): [Hadamard; a token whose float32 rotation
+                        is not all finite -> zeros] -> saturate non-finite values -> scale = amax / 7
+                        per row -> q = clamp(rint(x / scale), -8, 7).
                         Writes int8 q [M, K] (INT4 values in an INT8 container: the tensor cores
                         take int8, so a packed layout would only move the unpacking into the GEMM)
                         and float32 scales [M]. The quotients x / scale are the correctly rounded
@@ -126,7 +127,7 @@ def _row_quotients(xf, scale, INTERPRET: tl.constexpr):
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, had_scale, fmax,
                       ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.constexpr,
                       DENSE_PAD: tl.constexpr, DENSE_CHUNK: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
-                      TERMS_IN: tl.constexpr, TERMS: tl.constexpr, EVEN_ODD: tl.constexpr,
+                      TERMS_IN: tl.constexpr, TERMS: tl.constexpr, ROTATED: tl.constexpr, EVEN_ODD: tl.constexpr,
                       INTERPRET: tl.constexpr, PDL: tl.constexpr):
     after_prior_grids(PDL)  # at decode the product kernel launches under this one (early_launch.py)
     # One program owns ROWS whole rows, held in registers: x is read once, q written once.
@@ -135,14 +136,23 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
     c = tl.arange(0, BLOCK)[None, :]
     mask = (rows[:, None] < M) & (c < K)
     if HADAMARD:
-        # nibble.kernels.hadamard's fusable loader: float32 (row @ H_K.T) / sqrt(K), zero padded.
+        # nibble.kernels.hadamard's fusable loader: float32 (row @ H_K.T) / sqrt(K), zero padded, NaN
+        # where a sum is not finite.
         xf = hadamard_load_rows(x_ptr, r * stride_x, rows[:, None] < M, K, dense_ptr, had_scale, 0, ROWS,
                                 DENSE_PAD, DENSE_PAD, DENSE_CHUNK, HA, HB, TERMS_IN, TERMS)
         # The spec rotates in float32 and returns x.dtype; round the same way before quantizing.
         xf = xf.to(x_ptr.dtype.element_ty).to(tl.float32)
-        xf = tl.where(mask, xf, 0.0)
     else:
         xf = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    if ROTATED:
+        # Rows rotated here or by hadamard_transform_triton, where NaN marks a float32 sum that was not finite
+        # (x held NaN or +-Inf, or bfloat16 sums overflowed): such a token quantizes to zeros (the spec,
+        # reference.rotate_activations), whatever the plan; one that is finite in float32 but past x.dtype's
+        # range is +-Inf here and saturates as usual. An explicit test of the row: the tf32 pieces' Inf - Inf
+        # reached only plans of several factors. A compare, a select and a max a value, small beside the
+        # rotation's dots (the select replaced one that zeroed the padding columns: they hold 0, or NaN in a
+        # row zeroed anyway).
+        xf = tl.where(_rows_without_nan(xf)[:, None], xf, 0.0)
     store_int4_rows(xf, q_ptr + r * stride_q + c, mask, s_ptr + rows, rows < M, fmax, EVEN_ODD, INTERPRET)
 
 
@@ -197,6 +207,12 @@ def _codes(q, EVEN_ODD: tl.constexpr):
         C: tl.constexpr = q.shape[1]
         q = tl.reshape(tl.permute(tl.reshape(q, (R, C // 32, 16, 2)), (0, 1, 3, 2)), (R, C))
     return q
+
+
+@_jit
+def _rows_without_nan(xf):
+    """[R] True where row r of xf [R, C] holds no NaN."""
+    return tl.max(tl.where(xf != xf, 1, 0), axis=1) == 0
 
 
 @_jit
@@ -315,11 +331,14 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         return q, s
     if plan is not None and _had.dense_slice_width(plan, triton.cdiv(M, rows)) < plan.dense_pad:
         # A few rows with a dense Hadamard factor: fused, each row would be one program on one SM
-        # (39 us for a row of 11008 on an H200). The row-splitting transform spreads it; the fused
-        # kernel rounds the rotation to x.dtype before quantizing too, so the codes are the same.
-        return quantize_activations_triton(_had.hadamard_transform_triton(x), False, order)
+        # (39 us for a row of 11008 on an H200). The row-splitting transform spreads it, then the
+        # plain kernel quantizes its output as the fused one would (ROTATED): the fused kernel rounds
+        # the rotation to x.dtype before quantizing too, so the codes are the same.
+        x = _had.hadamard_transform_triton(x)
+        rows, block, num_warps, plan = _act_plan(K, False)
     fmax = float(torch.finfo(x.dtype).max)
-    if plan is None and (block > _MAX_ROW or M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K):
+    if not input_hadamard and (block > _MAX_ROW or M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K):
+        # (plain rows only: the chunked kernel knows nothing of a rotation's non-finite tokens)
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
                                         BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
                                         INTERPRET=interpreting(), num_warps=8)
@@ -340,7 +359,8 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         num_warps = min(32, max(num_warps, rows * block // 256))
     pdl = not interpreting() and early_launch(x.device, M, PRODUCT_EARLY_TOKENS)
     _act_quant_kernel[grid](x, q, s, dense, M, K, x.stride(0), q.stride(0), had_scale, fmax,
-                            ROWS=rows, BLOCK=block, HADAMARD=plan is not None, EVEN_ODD=order == "even_odd",
+                            ROWS=rows, BLOCK=block, HADAMARD=plan is not None, ROTATED=bool(input_hadamard),
+                            EVEN_ODD=order == "even_odd",
                             INTERPRET=interpreting(), num_warps=num_warps, PDL=pdl, launch_pdl=pdl, **consts)
     return q, s
 

@@ -12,6 +12,7 @@ from nibble.config import MODE_GROUP_SIZES, MODES, QuantConfig, width_error
 from nibble.formats.int4 import PACK, Int4Weight, check_group_size, is_symmetric
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import dequantize
+from nibble.kernels.w4a16 import check_bias
 from nibble.quantize.rtn import rtn_quantize
 
 
@@ -68,6 +69,7 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
                     input_hadamard: bool = False, dtype: torch.dtype | None = None) -> "QuantLinear":
+        check_bias(bias, weight.out_features)  # a copy_ would broadcast a [1] bias over every output
         layer = cls(weight.in_features, weight.out_features, bias is not None, weight.group_size, mode,
                     input_hadamard, dtype=bias.dtype if bias is not None else dtype, device=weight.qweight.device)
         layer._check_zeros(weight.scales, weight.zeros)
@@ -101,10 +103,21 @@ class QuantLinear(nn.Module):
                              "has no zero point; quantize with symmetric=True or use mode='w4a16'")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        scales, zeros = state_dict.get(prefix + "scales"), state_dict.get(prefix + "zeros")
+        mine = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
+        loaded = {name: state_dict.get(prefix + name) for name in mine}
         # a missing key or a wrong shape is nn.Module's to report; checked before the copy leaves the layer as it was
-        if scales is not None and zeros is not None and scales.shape == zeros.shape == self.scales.shape:
-            self._check_zeros(scales, zeros)
+        if all(t is None or t.shape == mine[name].shape for name, t in loaded.items()):
+            # the format's dtypes too (the layer's own tensors standing in for keys not loaded): copy_ rounded a
+            # float-cast qweight's words into other weights without a word, and assign=True kept float32 scales,
+            # which the GPU kernels refuse
+            try:
+                Int4Weight(*(mine[name] if t is None else t for name, t in loaded.items()), self.group_size)
+            except ValueError as e:
+                raise ValueError(f"{prefix}{e}: the INT4 format keeps int32 words and float16 scales and zeros "
+                                 "whatever the model's dtype; load a state_dict whose qweight, scales and zeros "
+                                 "were not cast (a float cast rounds the packed words)") from None
+            if loaded["scales"] is not None and loaded["zeros"] is not None:
+                self._check_zeros(loaded["scales"], loaded["zeros"])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def weight_int4(self) -> Int4Weight:

@@ -53,7 +53,7 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     layers += [(n, m) for n, m in base.named_modules()
                if isinstance(m, FakeQuantLinear) and not any(n.startswith(ln + ".") for ln, _ in layers)]
     if not layers:
-        raise ValueError("no PE-QAT layers in this model: pass the model returned by nibble.qat.run_qat")
+        raise ValueError("no PE-QAT layers in this model: pass the model returned by nibble.qat.train.run_qat")
     for name, layer in layers:
         parent, _, child = name.rpartition(".")
         setattr(base.get_submodule(parent), child, export_linear(layer))

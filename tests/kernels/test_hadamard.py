@@ -141,6 +141,31 @@ def test_reference_keeps_shape_and_dtype_and_norm(dtype):
 
 # ---- the op --------------------------------------------------------------------------------------
 
+def _nonfinite_rows(n, dtype, device="cpu"):
+    """Rows 0-3 hold a NaN, a +Inf, a -Inf, a +Inf and a -Inf; row 4 is ordinary."""
+    x = _activations(5, n, dtype=dtype, device=device)
+    x[0, 1] = float("nan")
+    x[1, n - 1] = float("inf")
+    x[2, n // 2] = -float("inf")
+    x[3, 0], x[3, n - 1] = float("inf"), -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("n", [2, 8, 12, 40, 128, 576])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_reference_makes_every_output_that_is_not_finite_nan(n, dtype):
+    """The documented rule (module docstring): a row holding NaN or +-Inf comes out all NaN (one +Inf gave +-Inf
+    here and NaN in the kernel until session 63), and so does each output whose sum overflows."""
+    x = _nonfinite_rows(n, dtype)
+    y = hadamard_transform_reference(x)
+    assert y[:4].isnan().all() and torch.isfinite(y[4]).all()
+    big = torch.zeros(1, n, dtype=dtype)
+    big[0, :2] = torch.finfo(dtype).max  # x[0] + x[1] overflows where the two add (not float16's, in float32)
+    y = hadamard_transform_reference(big)[0]
+    adds = hadamard_matrix(n, torch.float64)[:, :2].sum(dim=1) != 0
+    assert torch.equal(y.isnan(), adds & (dtype != torch.float16)) and (y[~adds] == 0).all()
+
+
 def test_op_on_cpu_is_the_reference_and_passes_opcheck():
     x = _activations(5, 96, dtype=torch.float32)
     assert torch.equal(hadamard_transform(x), hadamard_transform_reference(x))
@@ -246,6 +271,20 @@ def test_rows_split_over_programs_give_the_unsplit_transform(n, dtype):
         ulp = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
         torch.testing.assert_close(split, whole, rtol=0, atol=ulp * whole.abs().max().item())
     assert torch.equal(had.hadamard_transform_triton(x), split)  # few rows: split by default
+
+
+@pytest.mark.interpreter
+@needs_kernel
+@pytest.mark.parametrize("n", [8, 16, 40, 128, 200, 256, 576])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_makes_a_row_holding_nan_or_inf_nan_as_the_reference(n, dtype, split):
+    """One rule on every device (module docstring): plans of one factor (n < 256 in 16 bits: 8, 40 and 200 dense,
+    16 and 128 Sylvester) kept +-Inf, the others' tf32 pieces made NaN, the reference gave +-Inf."""
+    x = _nonfinite_rows(n, dtype, KERNEL_DEVICE)
+    y = had.hadamard_transform_triton(x, split=split)
+    assert y[:4].isnan().all() and torch.isfinite(y[4]).all()
+    assert torch.equal(y.isnan().cpu(), hadamard_transform_reference(x.cpu()).isnan())
 
 
 @pytest.mark.interpreter

@@ -115,8 +115,8 @@ def test_the_w4a16_ops_on_the_cpu_check_shapes_before_the_reference_runs():
         ((x, qw, s, z, 128), r"scales must have shape \(2, 64\) for K=256, N=64, group 128; got \(4, 64\)"),
         ((x, qw, s.t(), z.t(), 64), r"scales must have shape \(4, 64\) .*got \(64, 4\)"),
         ((x, qw, s, z[:3], 64), r"zeros must have shape \(4, 64\) .*got \(3, 64\)"),
-        ((x, qw, s, z, 0), "group_size=0 must be a positive multiple of 8 dividing K=256"),
-        ((x, qw, s, z, -64), "group_size=-64 must be a positive multiple of 8"),
+        ((x, qw, s, z, 0), "group_size must be -1 .* or a positive multiple of 8 .*got 0"),
+        ((x, qw, s, z, -64), "group_size must be -1 .* or a positive multiple of 8 .*got -64"),
         ((torch.randn(3, 128), qw, s, z, 64), r"x has K=128 in its last dimension but qweight \(32, 64\) packs K=256"),
     ]
     for args, match in cases:
@@ -125,6 +125,35 @@ def test_the_w4a16_ops_on_the_cpu_check_shapes_before_the_reference_runs():
         with pytest.raises(ValueError, match=match):
             kernels.w4a16_linears(args[0], [(*args[1:4], None), (qw, s, z, None)], args[4])
     torch.testing.assert_close(kernels.w4a16_linear(x, qw, s, z, 64), reference.w4a16_matmul(x, qw, s, z, 64))
+
+
+def test_the_w4a16_ops_on_the_cpu_refuse_what_the_gpu_op_refuses():
+    """The CPU path took float32 and even int32 scales, which the GPU op refuses; a numpy group size got "group_size=32
+    must be a positive multiple of 8 dividing K=64" (which 32 is), and -1, which QuantLinear takes, a message that
+    did not name it. The format's checks now (`Int4Weight`'s), on every device."""
+    import numpy as np
+    from nibble import kernels
+
+    w = rtn_quantize(torch.randn(64, 256), 64)
+    x = torch.randn(3, 256)
+    qw, s, z = w.qweight, w.scales, w.zeros
+    cases = [
+        ((x, qw, s.float(), z.float(), 64), TypeError, "scales must be float16, got torch.float32"),
+        ((x, qw, s, z.int(), 64), TypeError, "zeros must be float16, got torch.int32"),
+        ((x, qw.long(), s, z, 64), TypeError, r"qweight must be a 2-D int32 tensor \[K // 8, N\], got torch.int64"),
+        ((x, qw, s, z, np.int64(64)), ValueError, r"group_size must be an int .*got np.int64\(64\)"),
+        ((x, qw, s[:1], z[:1], -1), ValueError, r"group_size is a group's width \(in_features=256 for one group a "
+                                                r"row\), not -1, the shorthand only the quantizers"),
+        ((x, qw, s[:1], z[:1], 96), ValueError, "in_features=256 is not divisible by group_size=96"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            kernels.w4a16_linear(*args)
+        with pytest.raises(error, match=match):
+            kernels.w4a16_linears(args[0], [(*args[1:4], None)], args[4])
+        if not isinstance(args[4], np.integer):  # the op's schema makes a numpy int an int
+            with pytest.raises(error, match=match):
+                torch.ops.nibble.w4a16_linear(x.half(), *args[1:])  # the op's own checks: the same words
 
 
 def test_the_w4a4_ops_on_the_cpu_check_shapes_before_the_reference_runs():
@@ -188,5 +217,5 @@ def test_the_layer_ops_refuse_activations_they_would_cast_or_cannot_read():
                 op(x.to(dtype))
         with pytest.raises(ValueError, match="at least one dimension"):
             op(torch.tensor(1.5))
-    with pytest.raises(ValueError, match="group_size=256.0 must be a positive multiple of 8"):
+    with pytest.raises(ValueError, match="group_size must be an int .*got 256.0"):
         ops["w4a16"](x, 256.0)

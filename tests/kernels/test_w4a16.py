@@ -86,7 +86,7 @@ def test_input_checks(bad):
     if bad == "fp32":
         x, exc, says = x.float(), TypeError, "float16 or bfloat16, got torch.float32"
     elif bad == "k_not_group":
-        G, says = 48, "group_size=48 must be a positive multiple of 8 dividing K=128"
+        G, says = 48, "in_features=128 is not divisible by group_size=48"
     elif bad == "k_not_8":
         x, says = torch.randn(2, 124, dtype=torch.float16), "K=124 must be a multiple of 8"
     elif bad == "shape":
@@ -151,7 +151,7 @@ def test_dequantize_checks_the_weight():
     that does not divide K, or scales of another group, instead of reading past their rows."""
     qw, s, z = make_weight(32, 576, 64)
     assert W.dequantize_cuda(qw, s, z, 64, dtype=torch.float32).shape == (32, 576)
-    with pytest.raises(ValueError, match="dividing K=576"):
+    with pytest.raises(ValueError, match="in_features=576 is not divisible by group_size=128"):
         W.dequantize_cuda(qw, s, z, 128)
     with pytest.raises(ValueError, match=r"shape \(4, 32\)"):
         W.dequantize_cuda(qw, s[:8], z[:8], 72 * 2)

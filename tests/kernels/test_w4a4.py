@@ -662,42 +662,82 @@ def test_rotate_quantize_needs_a_rows_cluster_resident(monkeypatch):
     assert (q.int() - qr.to(q.device).int()).abs().max() <= 1
 
 def _nonfinite_tokens(M, K, dtype, device):
-    """Rows 0-3: a NaN, one +Inf, +Inf and -Inf, nothing wrong (and the rest ordinary rows)."""
+    """M >= 7 rows of K: rows 0-3 hold a NaN, a +Inf, a -Inf, a +Inf and a -Inf; row 4 is all the dtype's largest
+    value, whose float32 rotation overflows in bfloat16 (a token without Inf whose rotation holds them) and in
+    float16 is finite but beyond float16 (it saturates); row 5 starts with two of them, whose float32 rotation
+    overflows in bfloat16 only where they add (elsewhere it is finite, not zero); the rest are ordinary rows."""
     x = _activations(M, K, dtype, device)
-    x[0, 5] = float("nan")
-    x[1, 7] = float("inf")
-    x[2, 3], x[2, 9] = float("inf"), -float("inf")
+    x[0, 5 % K] = float("nan")
+    x[1, 7 % K] = float("inf")
+    x[2, 2] = -float("inf")
+    x[3, 3], x[3, K - 1] = float("inf"), -float("inf")
+    x[4] = torch.finfo(dtype).max
+    x[5, :2] = torch.finfo(dtype).max
     return x
+
+
+def _zeroed_tokens(dtype):
+    """How many of `_nonfinite_tokens`' first rows quantize to zeros: rows 4 and 5 too in bfloat16."""
+    return 6 if dtype == torch.bfloat16 else 4
 
 
 def _check_rotated_nonfinite(q, s, x):
     """The spec (docs/ARCHITECTURE.md, `reference.rotate_quantize_activations`): the rotation spreads a NaN or
-    +-Inf over its whole token, which quantizes to zeros (scale 0), whatever the path; the other tokens as
-    always (the Triton kernels' rare +-1 against the float32 spec)."""
+    +-Inf over its whole token, which quantizes to zeros (scale 0), whatever the path, and so does a token whose
+    float32 rotation overflows; a float16 token rotated past 65504 saturates (scale 65504 / 7); the other tokens
+    as always (the Triton kernels' rare +-1 against the float32 spec)."""
     qr, sr = reference.rotate_quantize_activations(x.cpu())
-    assert (qr[:3] == 0).all() and (sr[:3] == 0).all()
-    assert torch.equal(q[:3].cpu(), qr[:3]) and torch.equal(s[:3].cpu(), sr[:3])
-    assert torch.isfinite(s).all() and (q[3:].int() - qr[3:].to(q.device).int()).abs().max() <= 1
+    bad = _zeroed_tokens(x.dtype)
+    assert (qr[:bad] == 0).all() and (sr[:bad] == 0).all() and (sr[bad:] > 0).all()
+    assert torch.equal(q[:bad].cpu(), qr[:bad]) and torch.equal(s[:bad].cpu(), sr[:bad])
+    assert torch.equal(s[4].cpu(), sr[4])  # 0, or float16's saturated amax over 7
+    assert torch.isfinite(s).all() and (q[bad:].int() - qr[bad:].to(q.device).int()).abs().max() <= 1
 
 
 def test_rotated_reference_zeroes_a_token_holding_a_nonfinite_value():
-    x = _nonfinite_tokens(5, 256, torch.bfloat16, "cpu")
+    x = _nonfinite_tokens(7, 256, torch.bfloat16, "cpu")
     q, s = reference.rotate_quantize_activations(x)
     _check_rotated_nonfinite(q, s, x)
     qr, sr = reference.quantize_activations(hadamard_transform_reference(x))  # finite tokens: rotate, quantize
-    assert torch.equal(q[3:], qr[3:]) and torch.equal(s[3:], sr[3:])
+    assert torch.equal(q[6:], qr[6:]) and torch.equal(s[6:], sr[6:])
     qweight, w_scale = _codes_weight(24, 256, "cpu")
     bias = torch.randn(24).bfloat16()
     y = reference.w4a4_linear(x, qweight, w_scale, bias, input_hadamard=True)
-    assert torch.equal(y[:3], bias.expand(3, -1)) and torch.isfinite(y).all()
+    assert torch.equal(y[:6], bias.expand(6, -1)) and torch.isfinite(y).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [8, 16, 40, 128, 200, 576])
+@pytest.mark.parametrize("split", [False, True])
+def test_interp_rotated_act_quant_zeroes_nonfinite_tokens_for_every_plan(K, dtype, split, monkeypatch):
+    """The Triton path on every kind of Hadamard plan: one factor (K < 256: 8, 40 and 200 dense, 16 and 128
+    Sylvester, where the tf32 pieces never compute Inf - Inf; +-Inf saturated to the largest scale until session
+    63) and several (576), fused and through the row-splitting transform (the split path, for a few rows with
+    a dense factor); then the product gives such a token the bias alone."""
+    from nibble.kernels import hadamard
+    if split and hadamard.hadamard_plan(K).dense_pad == 1:
+        pytest.skip("no dense factor: always fused")
+    monkeypatch.setattr(hadamard, "SPLIT_ROW_TILES", 1 << 30 if split else 0)
+    x = _nonfinite_tokens(7, K, dtype, "cpu")
+    q, s = w4a4.quantize_activations_triton(x, input_hadamard=True)
+    _check_rotated_nonfinite(q, s, x)
+    qweight, w_scale = _codes_weight(32, K, "cpu")
+    bias = torch.randn(32).to(dtype)
+    y = w4a4.w4a4_matmul_triton(q, s, qweight, w_scale, bias, dtype)
+    bad = _zeroed_tokens(dtype)
+    assert torch.equal(y[:bad], bias.expand(bad, -1)) and torch.isfinite(y).all()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-@pytest.mark.parametrize("M", [5, 300])  # the CUDA rotate + quantize kernel's rows (where it runs), the Triton ones'
-@pytest.mark.parametrize("K", [576, 4096, 11008, 14336])
+@pytest.mark.parametrize("M", [7, 300])  # the CUDA rotate + quantize kernel's rows (where it runs), the Triton ones'
+@pytest.mark.parametrize("K", [8, 16, 40, 128, 200, 576, 4096, 11008, 14336])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rotated_act_quant_and_layer_with_nonfinite_tokens(M, K, dtype):
+    """Every kind of plan (K < 256: one Hadamard factor; 40 and 200 have no CUDA kernel plan, so 7 rows take the
+    Triton row-splitting transform) on every GPU path."""
     from nibble import kernels
     x = _nonfinite_tokens(M, K, dtype, "cuda")
     q, s = w4a4.quantize_activations(x, input_hadamard=True)
@@ -705,7 +745,8 @@ def test_rotated_act_quant_and_layer_with_nonfinite_tokens(M, K, dtype):
     qweight, w_scale = _codes_weight(256, K, "cuda")
     bias = torch.randn(256, device="cuda").to(dtype)
     y = kernels.w4a4_linear(x, qweight, w_scale, bias, input_hadamard=True)
-    assert torch.equal(y[:3], bias.expand(3, -1)) and torch.isfinite(y).all()
+    bad = _zeroed_tokens(dtype)
+    assert torch.equal(y[:bad], bias.expand(bad, -1)) and torch.isfinite(y).all()
 
 
 # ---- GPU: the integer part, bit-exact ------------------------------------------------------------

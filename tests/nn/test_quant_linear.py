@@ -444,6 +444,39 @@ def test_a_w4a4_layer_refuses_weights_with_zero_points():
     assert all(torch.equal(t, before[k]) for k, t in layer.state_dict().items())  # refused before the copy
 
 
+def test_a_state_dict_off_the_formats_dtypes_is_refused_before_the_copy():
+    """A qweight cast to a float (``{k: v.half() for ...}``) loaded without a word: copy_ rounded its packed words
+    into other weights (outputs off by 3 where |y| ~ 1); assign=True kept float32 scales, which the GPU kernels
+    refuse and a save writes off the format. One rule for both: the format's dtypes (Int4Weight's check)."""
+    q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
+    sd = {f"0.{k}": t for k, t in q.state_dict().items()}
+    for name, cast in (("qweight", torch.float16), ("qweight", torch.float32), ("qweight", torch.int64),
+                       ("scales", torch.float32), ("zeros", torch.bfloat16)):
+        cast_sd = {**sd, f"0.{name}": sd[f"0.{name}"].to(cast)}
+        for device, assign in (("cpu", False), ("meta", True)):
+            fresh = nn.Sequential(QuantLinear(64, 16, group_size=32, device=device))
+            with pytest.raises(ValueError, match=rf"^0\.{name} must be .*{cast}.* the INT4 format keeps int32 words"):
+                fresh.load_state_dict(cast_sd, assign=assign)
+            assert fresh[0].qweight.dtype == torch.int32 and fresh[0].scales.dtype == torch.float16
+            assert device == "meta" or not fresh[0].qweight.any()  # refused before the copy
+    fresh = QuantLinear(64, 16, group_size=32)
+    with pytest.raises(ValueError, match="^scales must be float16, got torch.float32"):  # a partial load too
+        fresh.load_state_dict({"scales": sd["0.scales"].float()}, strict=False)
+    fresh = QuantLinear(64, 16, group_size=32, device="meta")
+    fresh.load_state_dict(q.state_dict(), assign=True)
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), q(x))
+
+
+def test_from_weight_refuses_a_bias_that_is_not_one_float_per_output():
+    """A [1] bias was broadcast over every output, an [N + 1] one met torch's bare size error, an int64 one became
+    the layer's and was refused only at the first call."""
+    w = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32)).weight_int4()
+    for bias in (torch.tensor([0.5]), torch.zeros(17), torch.zeros(16, dtype=torch.long), torch.zeros(16, 1)):
+        with pytest.raises(ValueError, match=r"bias must be a float tensor of shape \[16\]"):
+            QuantLinear.from_weight(w, bias)
+
+
 def _jacobian(q: QuantLinear) -> torch.Tensor:
     """dy/dx [N, K] of a float32 layer as its gradient defines it: the dequantized weight (straight through W4A4's
     rounding), after the Hadamard and in the input order the layer reads."""

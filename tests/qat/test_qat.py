@@ -191,6 +191,14 @@ def test_per_channel_recipe_trains_but_refuses_to_export(tmp_path):
         export(qat, tmp_path)
 
 
+def test_export_of_a_model_without_peqat_layers_names_the_function_that_makes_one():
+    """It named nibble.qat.run_qat, which does not exist."""
+    with pytest.raises(ValueError, match=r"no PE-QAT layers in this model: pass the model returned by "
+                                         r"nibble\.qat\.train\.run_qat$"):
+        export(tiny_model())
+    assert run_qat.__module__ == "nibble.qat.train"
+
+
 class _Killed(Exception):
     pass
 

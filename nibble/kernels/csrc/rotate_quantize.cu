@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(THREADS) rotate_quantize_kernel(const T* __res
   // 4. The rotated values as the spec rounds them, saturated; the row's largest magnitude from
   // every CTA of the cluster. A float32 sum that is not finite came from a NaN or +-Inf in x, which the
   // rotation spread over the whole row: it counts as an infinite amax, and the row quantizes to zeros
-  // (reference.rotate_quantize_activations; the Triton kernels' tf32 split turns such a row NaN anyway).
+  // (reference.rotate_quantize_activations; the Triton kernels test the same float32 values, w4a4._act_quant_kernel).
   float amax = 0.f;
   for (int n = threadIdx.x; n < n_here; n += THREADS) {
     float* y = ys + (n >> log2p) * ys_stride + (n & (p - 1));
