@@ -9,6 +9,7 @@ Per K: all instructions but NOPs, and the compares / selects / min-max among the
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import re
@@ -57,4 +58,7 @@ def counts(K: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({f"K={K}": counts(K) for K in KS}, indent=1))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ks", default=",".join(map(str, KS)), help="row widths K, comma-separated")
+    args = parser.parse_args()
+    print(json.dumps({f"K={K}": counts(int(K)) for K in args.ks.split(",")}, indent=1))
