@@ -45,6 +45,7 @@ from nibble.eval.data import require_data
 from nibble.eval.perplexity import WIKITEXT2_TEST, check_model_window, check_window, context_length
 from nibble.eval.tasks import ALL_TASKS, task_files
 from nibble.models.convert import check_quantizable, default_group_size
+from nibble.models.serialization import atomic_write
 from nibble.quantize.calibration import calibration_files, calibration_for
 
 DEFAULT_CONFIGS = ("bf16", "w4a16", "w4a4", "w4a4-hadamard")
@@ -364,8 +365,10 @@ def merge_reports(reports: list[dict]) -> dict:
 
 # ---- writing ---------------------------------------------------------------------------------
 def write_json(results: dict, path: Path) -> None:
-    """report.json: strict JSON, a NaN as null (see the module docstring)."""
-    path.write_text(json_text(results, indent=1, default=str))
+    """report.json: strict JSON, a NaN as null (see the module docstring). Atomic, as report.md: `run_report` writes
+    them again after each config, and a run killed during a write kept a truncated file, not the last whole one."""
+    text = json_text(results, indent=1, default=str)
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def read_json(path: Path) -> dict:
@@ -548,7 +551,7 @@ def write_markdown(results: dict, path: Path) -> None:
         L += _table(["target", "value", "bound", "pass"],
                     [[t, _fmt(c["value"]), c["target"], {True: "yes", False: "**no**", None: "-"}[c["pass"]]]
                      for t, c in checks.items()]) + [""]
-    path.write_text("\n".join(L) + "\n")
+    atomic_write(path, lambda tmp: tmp.write_text("\n".join(L) + "\n"))
 
 
 def _save(fig, path: Path) -> str:

@@ -84,7 +84,7 @@ def _process_umask() -> int:
 _UMASK = _process_umask()
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """``write(tmp)`` into a temporary beside ``path``, fsynced, then renamed over it: whatever stops it (an error, a
     full disk, Ctrl-C) leaves ``path`` as it was and no temporary."""
     tmp = path.with_name(path.name + ".tmp")
@@ -159,7 +159,7 @@ def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata:
     # each file replaced atomically, config.json last: the digest of the config that reads the weights goes with
     # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
     # config.json) is refused on load, not run as another model or with another model's tokenizer
-    _atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
+    atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
     # (an earlier checkpoint's quantize_config.json or quant_config.json too: AutoGPTQ before 0.5 and AutoAWQ read
     # the settings there first)
     stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json",
@@ -171,7 +171,7 @@ def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata:
     for p in stale:
         p.unlink(missing_ok=True)
     save_companions(model, directory, tokenizer)
-    _atomic_write(directory / CONFIG, lambda p: p.write_text(text))
+    atomic_write(directory / CONFIG, lambda p: p.write_text(text))
 
 
 def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
@@ -213,7 +213,7 @@ def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
         # as the model holds it: GenerationConfig.save_pretrained refuses flags it calls unused (a temperature
         # without do_sample, as Hub models ship them and transformers loads with a warning), which failed the
         # command after all its work
-        _atomic_write(directory / GENERATION_CONFIG, lambda p: generation_config.to_json_file(p))
+        atomic_write(directory / GENERATION_CONFIG, lambda p: generation_config.to_json_file(p))
 
 
 def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):

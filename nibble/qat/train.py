@@ -66,7 +66,7 @@ from tqdm.auto import tqdm
 from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.convert import check_calibration_ids, own_config, refuse_save_pretrained
 from nibble.models.hf_import import checkpoint_dir
-from nibble.models.serialization import _atomic_write
+from nibble.models.serialization import atomic_write
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -343,13 +343,13 @@ def state_path(out_dir) -> Path:
 
 
 def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
-    """Atomic, as a checkpoint's files are written (`serialization._atomic_write`): a kill mid-write leaves the
+    """Atomic, as a checkpoint's files are written (`serialization.atomic_write`): a kill mid-write leaves the
     previous state, and Ctrl-C no temporary beside it. ``losses`` (the run's first loss and its last
     `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "settings": settings, "trainable": _trainable_state(model),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "losses": losses}
-    _atomic_write(path, lambda tmp: torch.save(state, tmp))
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_state(path: Path) -> dict:

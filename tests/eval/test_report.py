@@ -674,3 +674,25 @@ def test_the_header_says_the_device_the_model_ran_on(tmp_path):
                "configs": {}, "speed_models": {}}
     report.write_markdown(results, tmp_path / "report.md")
     assert (tmp_path / "report.md").read_text().splitlines()[2].startswith("model on cpu · GPU: NVIDIA H200 · torch")
+
+
+def test_a_write_stopped_half_way_keeps_the_last_whole_report(tmp_path, monkeypatch):
+    """run_report writes report.json and report.md again after each config: a kill during a write left them
+    truncated, where the last whole report was."""
+    from pathlib import Path
+
+    results = {"meta": {"model": "m", "configs": []}, "configs": {}, "speed_models": {}}
+    report.write_json(results, tmp_path / "report.json")
+    report.write_markdown(results, tmp_path / "report.md")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    write_text = Path.write_text
+
+    def stopped_half_way(path, text, *args, **kwargs):
+        write_text(path, text[:len(text) // 2])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Path, "write_text", stopped_half_way)
+    results["meta"]["model"] = "another"
+    for write, name in ((report.write_json, "report.json"), (report.write_markdown, "report.md")):
+        with pytest.raises(KeyboardInterrupt):
+            write(results, tmp_path / name)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
