@@ -536,7 +536,8 @@ def test_a_calibration_text_too_short_for_the_windows_asked_is_said_in_the_optio
 
     monkeypatch.setattr(calibration, "calibration_text", lambda source: "the capital of france is paris. " * 20)
     with pytest.raises(SystemExit, match=r"^nibble quantize: calibration source 'c4' has \d+ tokens, too short for "
-                                         r"--calib-samples=64 windows of --calib-seq-len=32: "):
+                                         r"--calib-samples=64 windows of --calib-seq-len=32: .* Use fewer samples "
+                                         r"\(it holds --calib-samples=\d+ at this --calib-seq-len\)"):
         main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--method", "gptq",
               "--calib-samples", "64", "--calib-seq-len", "32", "--out", str(tmp_path / "q")])
 

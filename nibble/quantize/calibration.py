@@ -68,7 +68,8 @@ def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = DEFAULT_
     if windows < n_samples:
         raise ValueError(f"calibration source {source!r} has {ids.numel()} tokens, too short for n_samples={n_samples} "
                          f"windows of seq_len={seq_len}: that needs at least {n_samples * seq_len} tokens. "
-                         "Use fewer samples, shorter windows or a longer text.")
+                         f"Use fewer samples (it holds n_samples={windows} at this seq_len), shorter windows or a "
+                         "longer text.")
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(windows, generator=g)[:n_samples].sort().values
     return ids[: windows * seq_len].reshape(windows, seq_len)[pick].contiguous()
