@@ -696,7 +696,8 @@ def test_the_command_line_and_its_help_import_neither_torch_nor_transformers():
     import nibble
 
     code = ("import sys\nfrom nibble.cli import main\n"
-            "for argv in (['--help'], ['generate', '--help'], ['info', '--help'], ['demo', '--help']):\n"
+            "for argv in (['--help'], ['generate', '--help'], ['info', '--help'], ['demo', '--help'],\n"
+            "             ['qat', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
             "print(sorted({'torch', 'transformers', 'accelerate', 'nibble.config'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(nibble.__file__).parents[1], capture_output=True,

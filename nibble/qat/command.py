@@ -2,9 +2,6 @@
 `train.py` so that the command line builds without peft (the `qat` extra), which only the run needs."""
 from __future__ import annotations
 
-import torch
-
-from nibble.config import optional_dependency, resolve_device
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 
 
@@ -44,9 +41,9 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     parser.add_argument("--eval-ppl", action="store_true", help="print WikiText-2 perplexity of the exported model")
     parser.add_argument("--ppl-max-tokens", type=int, default=None,
-                        help="--eval-ppl: cut the WikiText-2 token stream, as `nibble eval ppl --max-tokens` and `nibble "
-                             "report --ppl-max-tokens` do (quick runs; the training's tokens are --steps x --batch-size "
-                             "x --seq-len)")
+                        help="--eval-ppl: cut the WikiText-2 token stream, as `nibble eval ppl --max-tokens` and "
+                             "`nibble report --ppl-max-tokens` do (quick runs; the training's tokens are --steps x "
+                             "--batch-size x --seq-len)")
 
 
 # run_qat's parameters and the options that set them, as `nibble.cli.options_named` says them in its refusals: a
@@ -57,6 +54,11 @@ RUN_OPTIONS = {**{name: "--" + name.replace("_", "-") for name in (
 
 
 def qat_main(args) -> None:
+    # imported here, not above: `nibble qat --help` needs the options alone, not torch's ~3 s of imports
+    import torch
+
+    from nibble.config import optional_dependency, resolve_device
+
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
         from nibble.qat.train import (GPTQ_START, QatInterrupted, check_learning_rates, check_new_run, check_recipe,
