@@ -155,22 +155,30 @@ def check_seed(seed: int | None) -> None:
 
 @contextlib.contextmanager
 def options_named(**options: str):
-    """A library's refusal raised inside (ValueError, or FloatingPointError: a training run that diverged) said in
-    the command's terms: each parameter name among ``options`` (``lr``, ``n_samples=4``, a settings key ``'rank'``)
-    as the option that set it (``--lr``, ``--calib-samples=4``, ``--rank``). The library names its parameters, for
-    its Python callers; a command renames them where it calls it, rather than checking each value again in words of
-    its own. The exception keeps its type and traceback (NIBBLE_TRACEBACK=1)."""
+    """A library's refusal raised inside (ValueError, or FloatingPointError: a training run that diverged), and a
+    warning shown inside, said in the command's terms: each parameter name among ``options`` (``lr``,
+    ``n_samples=4``, a settings key ``'rank'``) as the option that set it (``--lr``, ``--calib-samples=4``,
+    ``--rank``). The library names its parameters, for its Python callers; a command renames them where it calls it,
+    rather than checking each value again in words of its own. The exception keeps its type and traceback
+    (NIBBLE_TRACEBACK=1); a warning is renamed as it is shown, not as it is raised (a filter sees the library's)."""
     import re
 
+    def renamed(text: str) -> str:
+        for name, option in options.items():  # a whole name only: not the "lr" of "quant_lr" or of "--lr"
+            text = re.sub(rf"'{name}'|(?<![\w-]){name}(?![\w-])", option, text)
+        return text
+
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, *args, **kwargs: shown(renamed(str(message)), *args, **kwargs)
     try:
         yield
     except (ValueError, FloatingPointError) as e:
-        said = str(e)
-        for name, option in options.items():  # a whole name only: not the "lr" of "quant_lr" or of "--lr"
-            said = re.sub(rf"'{name}'|(?<![\w-]){name}(?![\w-])", option, said)
+        said = renamed(str(e))
         if said != str(e):  # else left as it is (a UnicodeDecodeError's message is made from its fields)
             e.args = (said,)
         raise
+    finally:
+        warnings.formatwarning = shown
 
 
 def check_quant_args(args) -> None:
@@ -657,8 +665,9 @@ def cmd_eval(args):
     model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
         from nibble.eval.perplexity import wikitext2_perplexity
-        result = wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
-                                      batch_size=args.batch_size)
+        with options_named(seq_len="--seq-len"):  # its warning of a window past the context
+            result = wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
+                                          batch_size=args.batch_size)
     else:
         result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
     # what was measured, beside the numbers (--quant defaults to w4a16: a bare number did not say which model it was)

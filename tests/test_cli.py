@@ -922,6 +922,22 @@ def test_a_window_longer_than_the_context_is_clamped_not_refused(command, short_
     assert (out["seq_len"], out["windows"], out["tokens"]) == (32, 1, 31) and out["ppl"] > 1
 
 
+def test_a_warning_is_said_in_the_options_the_command_took(short_context_dir, tmp_path):
+    """`nibble eval ppl --seq-len 64` on a model of 32 tokens warned "seq_len=64 exceeds the model's context", the
+    Python parameter's name, where the refusals name the options (`options_named`)."""
+    import os
+    import subprocess
+    import sys
+
+    import nibble
+
+    done = subprocess.run([sys.executable, "-m", "nibble", *_window_command("eval", 64, 40, tmp_path, short_context_dir),
+                           "--device", "cpu"], cwd=Path(nibble.__file__).parents[1], capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"})
+    assert done.returncode == 0, done.stderr
+    assert "nibble eval: warning: --seq-len=64 exceeds the model's context (32 " in done.stderr
+
+
 def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path, monkeypatch, capsys):
     """The checks, load_for_command and load each read --model's config.json again: four reads a command."""
     from nibble.models import hf_import
