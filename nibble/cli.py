@@ -796,7 +796,7 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 class _CommandParser(argparse.ArgumentParser):
     """A command's parser, whose options ``options`` (a function of the parser) may add when the command is parsed
     or its help shown, not when `build_parser` builds every command: the options that name what a torch-heavy
-    module holds (quantize's formats, eval's tasks, report's and qat's own) import it, and torch and transformers
+    module holds (quantize's formats, eval's tasks, report's own) import it, and torch and transformers
     with it (~3 s), which `nibble --help` and the other commands need not wait for."""
 
     def __init__(self, *args, options=None, **kwargs):
@@ -862,13 +862,6 @@ def _report_options(p) -> None:
     p.set_defaults(func=report_main)
 
 
-def _qat_options(p) -> None:
-    from nibble.qat.command import add_qat_arguments, qat_main
-
-    add_qat_arguments(p)
-    p.set_defaults(func=qat_main)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from nibble import __version__
 
@@ -906,7 +899,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks", options=_eval_options)
     sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side",
                    options=_report_options)
-    sub.add_parser("qat", help="PE-QAT: LoRA + fake-quant training, then export a W4A4 model", options=_qat_options)
+    from nibble.qat.command import add_qat_arguments, qat_main  # light: the run imports torch and peft
+
+    p = sub.add_parser("qat", help="PE-QAT: LoRA + fake-quant training, then export a W4A4 model")
+    add_qat_arguments(p)
+    p.set_defaults(func=qat_main)
     p = sub.add_parser("build-kernels", help="compile the CUDA kernels ahead of first use (nvcc; cached)")
     p.add_argument("--arch", help="compute capability as digits, e.g. 90 (H100/H200); default: this machine's GPU")
     p.add_argument("--jobs", type=int, default=None, help="nvcc processes at a time (default: the CPUs)")
