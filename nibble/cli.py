@@ -793,81 +793,16 @@ class _HelpWithDefaults(argparse.HelpFormatter):
         return text
 
 
-class _CommandParser(argparse.ArgumentParser):
-    """A command's parser, whose options ``options`` (a function of the parser) may add when the command is parsed
-    or its help shown, not when `build_parser` builds every command: the options that name what a torch-heavy
-    module holds (quantize's formats, eval's tasks, report's own) import it, and torch and transformers
-    with it (~3 s), which `nibble --help` and the other commands need not wait for."""
-
-    def __init__(self, *args, options=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._options = options
-
-    def _add_options(self) -> None:
-        if self._options is None:
-            return
-        options, self._options = self._options, None
-        try:
-            options(self)
-        except KeyboardInterrupt:  # Ctrl-C in those imports, before `main` is there to say it: one line, as `main`
-            if os.environ.get("NIBBLE_TRACEBACK") == "1":
-                raise
-            raise interrupted(self.prog.removeprefix("nibble ")) from None
-
-    def parse_known_args(self, args=None, namespace=None):
-        self._add_options()
-        return super().parse_known_args(args, namespace)
-
-    def format_usage(self):
-        self._add_options()
-        return super().format_usage()
-
-    def format_help(self):
-        self._add_options()
-        return super().format_help()
-
-
-def _quantize_options(p) -> None:
-    from nibble.models.serialization import SAVE_FORMATS
-
-    _add_model_args(p, runs_16_bit=False)
-    p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
-    p.add_argument("--format", choices=SAVE_FORMATS, default="nibble",
-                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (gptq: v1, or v2 where a zero point is 0, said) "
-                        "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
-                        "quantized --model, its weights are written in this format as they are, not quantized again")
-    p.set_defaults(func=cmd_quantize)
-
-
-def _eval_options(p) -> None:
-    from nibble.eval.report import TaskNames
-
-    p.add_argument("what", choices=["ppl", "tasks"])
-    _add_model_args(p)
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="ppl: window length (default: the model's context, at most 2048; a longer one than the "
-                        "context is cut to it, with a warning)")
-    p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
-    p.add_argument("--tasks", action=TaskNames, default=None,
-                   help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")
-    p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
-    p.set_defaults(func=cmd_eval)
-
-
-def _report_options(p) -> None:
-    from nibble.eval.report import add_report_arguments, report_main
-
-    add_report_arguments(p)
-    p.set_defaults(func=report_main)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    # light modules, which hold what the options name apart from the torch-heavy ones that the commands' runs import
     from nibble import __version__
+    from nibble.eval.report_command import TaskNames, add_report_arguments, report_main
+    from nibble.formats import SAVE_FORMATS
+    from nibble.qat.command import add_qat_arguments, qat_main
 
     parser = argparse.ArgumentParser(prog="nibble", description=__doc__)
     parser.add_argument("--version", action="version", version=f"nibble {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+    sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpWithDefaults)
     p = sub.add_parser("generate", help="prompt in, text out")
     _add_model_args(p)
@@ -892,15 +827,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one prompt: say on stderr how many tokens came and how fast (after the first, which "
                         "include the prefill and the engine's graph capture, too)")
     p.set_defaults(func=cmd_generate)
-    sub.add_parser("quantize", help="model in, quantized directory out", options=_quantize_options)
+    p = sub.add_parser("quantize", help="model in, quantized directory out")
+    _add_model_args(p, runs_16_bit=False)
+    p.add_argument("--out", required=True, help="the folder the checkpoint is written to")
+    p.add_argument("--format", choices=SAVE_FORMATS, default="nibble",
+                   help="nibble (every mode), or an AutoAWQ GEMM / GPTQ (gptq: v1, or v2 where a zero point is 0, said) "
+                        "checkpoint for other tools (w4a16 with integer zero points and a 16-bit lm_head); given a "
+                        "quantized --model, its weights are written in this format as they are, not quantized again")
+    p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("info", help="what a quantized directory holds (read from its headers: fast at any size)")
     p.add_argument("dir", help="a nibble, AutoAWQ or GPTQ checkpoint folder")
     p.set_defaults(func=cmd_info)
-    sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks", options=_eval_options)
-    sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side",
-                   options=_report_options)
-    from nibble.qat.command import add_qat_arguments, qat_main  # light: the run imports torch and peft
-
+    p = sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks")
+    p.add_argument("what", choices=["ppl", "tasks"])
+    _add_model_args(p)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="ppl: window length (default: the model's context, at most 2048; a longer one than the "
+                        "context is cut to it, with a warning)")
+    p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
+    p.add_argument("--tasks", action=TaskNames, default=None,
+                   help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")
+    p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side")
+    add_report_arguments(p)
+    p.set_defaults(func=report_main)
     p = sub.add_parser("qat", help="PE-QAT: LoRA + fake-quant training, then export a W4A4 model")
     add_qat_arguments(p)
     p.set_defaults(func=qat_main)

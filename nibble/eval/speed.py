@@ -8,9 +8,9 @@ Every number comes with the figure that says how good it is:
   the device's measured bf16 matmul rate.
 
 Timing: CUDA events around CUDA-graph replays, after warm-up; the median of several repeats.
-The speed models (`SPEED_MODELS`) are random-weight Llama-2-7B-, Llama-3-8B- and Llama-3.2-1B-shaped models
-built directly on the GPU in bf16 (speed does not depend on the values) and quantized in place, layer by layer, so two
-copies of the weights never sit on the GPU together.
+The speed models (`nibble.eval.SPEED_MODELS`) are random-weight Llama-2-7B-, Llama-3-8B- and Llama-3.2-1B-shaped
+models built directly on the GPU in bf16 (speed does not depend on the values) and quantized in place, layer by layer,
+so two copies of the weights never sit on the GPU together.
 """
 from __future__ import annotations
 
@@ -23,17 +23,10 @@ from torch import nn
 
 from nibble.bench.timing import capture_graph
 from nibble.config import QuantConfig
+from nibble.eval import SPEED_MODELS
 from nibble.eval.engine import GREEDY, Engine, Sampling
 from nibble.eval.memory import decode_stream_bytes, linear_bytes, weight_memory
 
-SPEED_MODELS = {
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
-}
 PREFILL_SHAPES = ((1, 128), (1, 512), (8, 128), (8, 512))  # (batch, prompt tokens)
 DECODE_BATCHES = (1, 8)
 

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from nibble.config import check_count
+from nibble.eval import ALL_TASKS
 from nibble.eval.data import DataFormatError, data_file, parsing, read_jsonl
 from nibble.eval.perplexity import context_length, encode, eval_mode, model_device, model_logits
 
@@ -185,6 +186,7 @@ class Task(NamedTuple):
     has_acc_norm: bool
 
 
+# each of `nibble.eval.ALL_TASKS` (named there, for the command line without torch), in its order
 TASKS = {
     "piqa": Task(load_piqa, True),
     "hellaswag": Task(load_hellaswag, True),
@@ -194,7 +196,6 @@ TASKS = {
     "boolq": Task(load_boolq, False),
     "openbookqa": Task(load_openbookqa, True),
 }
-ALL_TASKS = tuple(TASKS)
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import torch
 
+from nibble.formats import CHECKPOINT_FORMATS
 from nibble.formats.int4 import PACK, Int4Weight, pack_int4, unpack_int4
 from nibble.formats.zero_points import (integer_zero_points, pack_along_n, uint32_to_int32, unpack_along_n,
                                         zeros_from_zero_points)
 
-CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 _ONES = 0x11111111  # +1 in every nibble
 
 

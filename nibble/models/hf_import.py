@@ -31,9 +31,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nibble.config import METHODS, QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype
+from nibble.formats import CHECKPOINT_FORMATS
 from nibble.formats.awq import awq_dimensions, from_awq, to_awq
-from nibble.formats.gptq import (CHECKPOINT_FORMATS, act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points,
-                                 holds_in_v1, to_gptq)
+from nibble.formats.gptq import act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n, zeros_from_zero_points
 from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules, quantized_linears,
@@ -48,8 +48,6 @@ SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=tru
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format (or format) in {CHECKPOINT_FORMATS})"
 QUANTIZED_BY = "quantized_by"  # the key of a nibble export's quantization_config saying how it was made
 QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
-# save_quantized's names for them: "gptq" is v1, or v2 where a zero point is 0 (`export_gptq`)
-EXPORT_FORMATS = ("awq", *CHECKPOINT_FORMATS)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 _REQUIRED_KEYS = ("qweight", "qzeros", "scales")  # every AWQ / GPTQ layer's

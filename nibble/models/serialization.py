@@ -29,9 +29,9 @@ from torch import nn
 
 from nibble.config import (QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype,
                            width_error)
+from nibble.formats import EXPORT_FORMATS, SAVE_FORMATS
 from nibble.models.convert import mark_quantized, online_hadamard_modules, rebuild_non_persistent_buffers
 from nibble.models.gguf import is_gguf
-from nibble.models.hf_import import EXPORT_FORMATS
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
                                    QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, header_tensor,
                                    quantization_settings_files, read_config, read_generation_config, read_tokenizer)
@@ -57,7 +57,6 @@ NOT_DIGESTED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype",
                 "output_attentions", "output_hidden_states", "return_dict", "torchscript", "chunk_size_feed_forward",
                 "is_encoder_decoder", "is_decoder", "initializer_range", "attention_dropout", "attn_implementation",
                 "_attn_implementation_autoset")
-SAVE_FORMATS = ("nibble", *EXPORT_FORMATS)  # save_quantized's, and nibble quantize --format's
 
 
 class CheckpointError(ValueError):

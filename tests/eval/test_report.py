@@ -11,8 +11,7 @@ import torch
 
 from conftest import tiny_model
 from nibble.bench.timing import json_text
-from nibble.eval import report
-from nibble.eval.tasks import ALL_TASKS
+from nibble.eval import ALL_TASKS, report, report_command
 
 
 class ByteTokenizer:
@@ -481,17 +480,17 @@ def test_speed_models_alternate_the_config_order_and_keep_the_median_round(monke
 
 
 def test_report_cli_arguments_reach_run_report(tmp_path, monkeypatch):
-    parser = report.add_report_arguments(argparse.ArgumentParser())
+    parser = report_command.add_report_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--out", str(tmp_path), "--configs", "bf16", "--limit", "1", "--tasks", "piqa",
                               "--ppl-max-tokens", "300", "--speed-models"])
     assert args.speed_models == [] and args.limit == 1
     monkeypatch.setattr(report, "_default_loader", lambda *a: tiny_loader)
-    assert report.report_main(args) == 0
+    assert report_command.report_main(args) == 0
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["configs"]["bf16"]["tasks"]["piqa"]["n"] == 1 and data["meta"]["tasks_limit"] == 1
     taken = {}  # options left out (None, so that a refusal can tell them from given ones) are run_report's defaults
     monkeypatch.setattr(report, "run_report", lambda *a, **k: taken.update(k) or {"configs": {}, "speed_models": {}})
-    assert report.report_main(parser.parse_args(["--out", str(tmp_path), "--no-speed"])) == 0
+    assert report_command.report_main(parser.parse_args(["--out", str(tmp_path), "--no-speed"])) == 0
     assert taken.keys().isdisjoint({"tasks", "batch_size", "speed_models", "speed_rounds"})
 
 
@@ -546,43 +545,44 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
 def test_report_refuses_options_it_would_ignore(flags, message, monkeypatch, tmp_path):
     monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran with options it ignores"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU's refusals; without one, the next test
-    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(
+    args = report_command.add_report_arguments(argparse.ArgumentParser()).parse_args(
         ["--out", str(tmp_path)] + [f.format(out=tmp_path) for f in flags])
     with pytest.raises(ValueError, match=message):
-        report.report_main(args)
+        report_command.report_main(args)
 
 
 def test_report_refuses_a_quantized_model_before_any_config_runs(monkeypatch, tmp_path):
     """Every config failed to load it as a 16-bit model, one after another, each told to use nibble.load_quantized."""
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "nibble"}}))
     monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran on a quantized model"))
-    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--model", str(tmp_path)])
+    args = report_command.add_report_arguments(argparse.ArgumentParser()).parse_args(["--model", str(tmp_path)])
     with pytest.raises(ValueError, match=f"{tmp_path} is already quantized, and the report quantizes a 16-bit model "
                                          f"each config's way: .* `nibble eval ppl --model {tmp_path}`"):
-        report.report_main(args)
+        report_command.report_main(args)
 
 
 def test_report_without_a_gpu_refuses_speed_options(monkeypatch, tmp_path):
     """--speed-models / --speed-rounds on a machine without CUDA were taken, and the run exited 0 with its speed
     "skipped" in report.json alone; the flag alone, which skips the speed models, is no speed option."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    parse = report.add_report_arguments(argparse.ArgumentParser()).parse_args
+    parse = report_command.add_report_arguments(argparse.ArgumentParser()).parse_args
     for speed_models in ("llama-3-8b", "llama-2-7b"):  # the default's value too: it was taken, and ignored
         with pytest.raises(ValueError, match="^--speed-models set the speed runs, which are timed on a CUDA GPU, and "
                                              "none is visible: drop it$"):
-            report.check_report_args(parse(["--out", str(tmp_path), "--speed-models", speed_models]))
+            report_command.check_report_args(parse(["--out", str(tmp_path), "--speed-models", speed_models]))
     with pytest.raises(ValueError, match="^--speed-rounds set the speed runs"):
-        report.check_report_args(parse(["--out", str(tmp_path), "--speed-rounds", "3"]))
-    report.check_report_args(parse(["--out", str(tmp_path), "--speed-models"]))
+        report_command.check_report_args(parse(["--out", str(tmp_path), "--speed-rounds", "3"]))
+    report_command.check_report_args(parse(["--out", str(tmp_path), "--speed-models"]))
 
 
 def test_report_without_a_gpu_refuses_to_run_the_speed_models_alone(monkeypatch, tmp_path):
     """--no-model on a machine without CUDA measured nothing, said it ran accuracy on the CPU and exited 0."""
     monkeypatch.setattr(report, "run_report", lambda *a, **k: pytest.fail("ran with nothing to measure"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = report.add_report_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path), "--no-model"])
+    args = report_command.add_report_arguments(argparse.ArgumentParser()).parse_args(
+        ["--out", str(tmp_path), "--no-model"])
     with pytest.raises(ValueError, match="--no-model runs the speed models alone, which are timed on a CUDA GPU"):
-        report.report_main(args)
+        report_command.report_main(args)
 
 
 def test_config_names_are_filed_as_one_spelling_and_each_measured_once(tmp_path):

@@ -5,10 +5,11 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from nibble.eval import data
+from nibble.eval import ALL_TASKS, data
 from nibble.eval.data import DataFormatError
 from nibble.eval.tasks import (
-    ALL_TASKS,
+    FILES,
+    TASKS,
     Doc,
     encode_pair,
     evaluate_tasks,
@@ -247,6 +248,13 @@ def test_limit_keeps_the_first_documents_of_every_task():
     assert ("acc_norm" in out["hellaswag"]) and ("acc_norm" not in out["winogrande"])
     assert out["average"]["acc"] == pytest.approx(sum(out[t]["acc"] for t in ALL_TASKS) / len(ALL_TASKS))
 
+
+
+def test_each_task_the_command_line_offers_has_its_data_files_and_loader_in_the_same_order():
+    """The task names are listed in nibble.eval, where `--tasks` of `nibble eval` and `nibble report` reads them
+    without importing torch, apart from this module's loaders and data files: one named there alone would be offered
+    and then fail, one here alone never offered."""
+    assert tuple(TASKS) == tuple(FILES) == ALL_TASKS
 
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown task.*'piqa'"):
