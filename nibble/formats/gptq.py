@@ -125,9 +125,11 @@ def gptq_dimensions(qweight_shape, qzeros_shape, scales_shape, group_size: int |
         raise ValueError(f"group_size={group_size} disagrees with the tensors: scales {tuple(scales_shape)} of K={K} "
                          f"inputs mean group size {G}")
     if tuple(scales_shape) != (n_groups, N) or tuple(qzeros_shape) != (n_groups, N // PACK) or N % PACK:
+        # N % 8 alone leaves every shape named matching: say what is wrong
+        packing = f", and N a multiple of {PACK} (the zero points a qzeros word holds)" if N % PACK else ""
         raise ValueError(f"GPTQ shapes disagree: qweight {tuple(qweight_shape)} (K={K}, N={N}) needs scales "
-                         f"{(n_groups, N)} and qzeros {(n_groups, N // PACK)}; got {tuple(scales_shape)} and "
-                         f"{tuple(qzeros_shape)}")
+                         f"{(n_groups, N)} and qzeros {(n_groups, N // PACK)}{packing}; got {tuple(scales_shape)} "
+                         f"and {tuple(qzeros_shape)}")
     return K, N, G
 
 

@@ -302,18 +302,20 @@ def test_a_malformed_data_file_is_named_with_what_to_do(task, relpath, content, 
         evaluate_tasks(None, None, tasks=[task], progress=False)
 
 
-def test_a_gold_that_is_no_index_of_the_choices_is_refused_naming_the_file(tmp_path, monkeypatch):
-    """WinoGrande with 1/2 labels (dev-labels.lst's convention) scored acc 0.30 for 0.55: a gold of 2 is never hit."""
+@pytest.mark.parametrize("bad_gold", [2, -1])
+def test_a_gold_that_is_no_index_of_the_choices_is_refused_naming_the_file(tmp_path, monkeypatch, bad_gold):
+    """WinoGrande with 1/2 labels (dev-labels.lst's convention) scored acc 0.30 for 0.55: a gold of 2 is never hit,
+    nor one of -1 (an argmax is never -1: every document a silent miss)."""
     import json
 
     folder = tmp_path / "winogrande"
     folder.mkdir()
     docs = [{"context_options": ["The cat sat", "The dog sat"], "continuation": "on the mat.", "gold": gold}
-            for gold in (1, 2)]
+            for gold in (1, bad_gold)]
     (folder / "winogrande_dev_llmfoundry.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
-    with pytest.raises(DataFormatError, match=r"winogrande_dev_llmfoundry.jsonl: document 1 has the gold answer 2, "
-                                              r"not the index of one of its 2 choices \(0 to 1\)"):
+    with pytest.raises(DataFormatError, match=rf"winogrande_dev_llmfoundry.jsonl: document 1 has the gold answer "
+                                              rf"{bad_gold}, not the index of one of its 2 choices \(0 to 1\)"):
         evaluate_tasks(BigramLM(), ByteTokenizer(), "winogrande", progress=False)
 
 

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from nibble.formats.awq import to_awq
 from nibble.formats.gptq import from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import Int4Weight
 from nibble.formats.zero_points import pack_along_n
@@ -159,6 +160,31 @@ def test_uneven_g_idx_is_refused():
     g_idx[0] = 1  # group 1 now has 33 members
     with pytest.raises(ValueError, match="exactly 32"):
         from_gptq(qweight, qzeros, scales, g_idx, 32)
+
+
+@pytest.mark.parametrize("export", [to_awq, lambda w: to_gptq(w, checkpoint_format="gptq"),
+                                    lambda w: to_gptq(w, checkpoint_format="gptq_v2")], ids=["awq", "gptq", "gptq_v2"])
+def test_a_zero_point_of_16_is_refused_as_a_float_zero_point(export):
+    """z = fp16(-16 s) is an integer zero point past what a nibble holds: the message says to re-quantize, not
+    the packer's "4-bit codes must lie in [0, 15]"."""
+    s = torch.full((2, 16), 0.01, dtype=torch.float16)
+    w = Int4Weight(torch.zeros(8, 16, dtype=torch.int32), s, (s.float() * -16).half(), 32)
+    with pytest.raises(ValueError, match=r"has float zero points .*-z/s=16 is not an integer in \[0, 15\].*"
+                                         "Re-quantize with zero_point='int'"):
+        export(w)
+
+
+@pytest.mark.parametrize("N,needs", [(12, r"qzeros \(2, 1\), and N a multiple of 8 \(the zero points a qzeros word "
+                                          r"holds\)"),
+                                     (16, r"qzeros \(2, 2\)")], ids=["N not a multiple of 8", "qzeros too narrow"])
+def test_gptq_shapes_that_disagree_are_refused_before_the_data(N, needs):
+    """N = 12 (not a multiple of 8: one qzeros word for its 12 zero points) was refused naming shapes that all
+    matched, and without its own check the unpacking's bare RuntimeError of mismatched sizes came instead."""
+    K, G = 64, 32
+    with pytest.raises(ValueError, match=rf"GPTQ shapes disagree: qweight \(8, {N}\) \(K=64, N={N}\) needs scales "
+                                         rf"\(2, {N}\) and {needs}; got \(2, {N}\) and \(2, 1\)$"):
+        from_gptq(torch.zeros(K // 8, N, dtype=torch.int32), torch.zeros(K // G, 1, dtype=torch.int32),
+                  torch.ones(K // G, N, dtype=torch.float16))
 
 
 def test_float_zero_points_and_bad_arguments_are_refused():

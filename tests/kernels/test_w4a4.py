@@ -376,6 +376,35 @@ def test_interp_act_quant_half_integer_quotients(dtype):
     assert torch.equal(q, qr) and torch.equal(s, sr)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_interp_act_quant_nonfinite_zero_and_huge_rows(dtype, chunked, monkeypatch):
+    """The CPU twin of test_act_quant_nonfinite_zero_and_huge_rows. A lone NaN cannot show a kernel that keeps it:
+    the interpreter's tl.maximum propagates NaN (the GPU's returns the other operand) and its tl.max skips it, and
+    a NaN's code comes out 0. A row (or, chunked, a chunk) of NaN only, with no zero padding (K a power of two),
+    does: its scale became NaN where the spec's is 0."""
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
+    monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
+    monkeypatch.setattr(w4a4, "CHUNK_K", 32)  # two chunks a row: the scale carries over the chunk of NaN
+    x = _activations(9, 64, dtype, "cpu")
+    x[0, 7] = float("nan")
+    x[1, 9] = float("inf")
+    x[2, 11] = -float("inf")
+    x[3] = 0
+    x[4] = float("nan")
+    x[5, :] = torch.finfo(dtype).max
+    x[6, 40] = -float("inf")
+    x[6, 41] = float("inf")
+    x[7, :32] = float("nan")
+    x[8] = torch.finfo(dtype).tiny  # smallest normal (the interpreter converts subnormal bf16 wrongly)
+    q, s = w4a4.quantize_activations_triton(x)
+    qr, sr = reference.quantize_activations(x)
+    assert torch.isfinite(s).all() and s[4] == 0 and (q[4] == 0).all()
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
 def _interp_cases():
     return [
         (1, 40, 96, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2)),

@@ -67,6 +67,21 @@ def test_rotated_model_gives_the_same_logits(arch, hidden, heads, online_o_proj)
     assert isinstance(model.model.layers[0].self_attn.o_proj, HadamardInputLinear) == online_o_proj
 
 
+@pytest.mark.parametrize("online_o_proj", [False, True])
+def test_a_model_with_a_bias_on_every_linear_gives_the_same_logits_rotated(online_o_proj):
+    """Qwen2's biases are on q/k/v, which read the stream; a Llama with attention_bias and mlp_bias has them on
+    o_proj and down_proj too, which write to it, so theirs must turn with the stream (b -> b Q)."""
+    model = _randomize_norms_and_biases(tiny_model("llama", attention_bias=True, mlp_bias=True))
+    layer = model.model.layers[0]
+    assert layer.self_attn.o_proj.bias is not None and layer.mlp.down_proj.bias is not None
+    ids = torch.randint(0, 256, (3, 21))
+    with torch.no_grad():
+        want = model(ids).logits
+        rotate_model(model, seed=1, online_o_proj=online_o_proj)
+        got = model(ids).logits
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
 def test_rotation_folds_norms_unties_embeddings_and_swaps_down_proj():
     model = _randomize_norms_and_biases(tiny_model("qwen2"))
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -99,6 +99,23 @@ def test_a_tensors_dtype_edited_in_the_header_fails_the_checksum(saved, key, old
         load_quantized(path)
 
 
+def test_a_tensor_reshaped_in_the_file_fails_the_checksum(saved):
+    """The same bytes under another shape of as many elements (a converter's reshape, an edited header): the
+    checksums cover the shape (CHECKSUM_VERSION 2), so the tensor is named, not loaded or blamed on the model."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    _, path = saved
+    key = "model.layers.0.self_attn.q_proj.qweight"
+    with safe_open(path / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path / "model.safetensors")
+    rows, cols = tensors[key].shape
+    tensors[key] = tensors[key].reshape(rows * 2, cols // 2)
+    save_file(tensors, path / "model.safetensors", metadata=metadata)
+    with pytest.raises(CheckpointError, match=f"checksum mismatch in 1 tensor.*{key}"):
+        load_quantized(path)
+
+
 def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved):
     """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way."""
     from safetensors.torch import load_file, save_file
