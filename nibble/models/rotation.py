@@ -23,8 +23,8 @@ from torch import nn
 
 from nibble.config import checked_seed, resolve_device
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
-from nibble.models.convert import (check_architecture, check_not_quantized, decoder_layers, refuse_save_pretrained,
-                                   untie_lm_head)
+from nibble.models.convert import (check_architecture, check_not_quantized, check_weights_loaded, decoder_layers,
+                                   refuse_save_pretrained, untie_lm_head)
 from nibble.nn.hadamard import HadamardInputLinear
 
 
@@ -68,10 +68,11 @@ def online_hadamard_linears(online_o_proj: bool = False) -> tuple[str, ...]:
 
 def check_rotatable(model: nn.Module, online_o_proj: bool = False) -> None:
     """Refuse a model the rotation cannot take, before any of it is touched: another architecture, a quantized or
-    rotated model, a hidden or intermediate size (o_proj's input too with ``online_o_proj``) the Hadamard transform
-    has no matrix for, a norm other than RMSNorm without bias."""
+    rotated model, weights on the meta device (nothing to rotate), a hidden or intermediate size (o_proj's input
+    too with ``online_o_proj``) the Hadamard transform has no matrix for, a norm other than RMSNorm without bias."""
     check_architecture(model)
     check_not_quantized(model, "rotate_model")  # its INT4 layers hold no float weight to rotate
+    check_weights_loaded(model)
     cfg = model.config
     layers = decoder_layers(model)
     if rotation_seed(model) is not None or any(isinstance(layer.mlp.down_proj, HadamardInputLinear)

@@ -148,6 +148,19 @@ def test_a_device_the_rotation_cannot_run_on_is_refused_before_the_model_is_touc
     rotate_model(model, seed=3)
 
 
+def test_a_model_built_empty_is_refused_before_it_is_touched():
+    """rotate_model took a model on the meta device: nothing was rotated (its tensors hold no values), yet the head
+    was untied, the down_projs given online Hadamards and the model marked rotated, so the weights loaded into it
+    ran another function, and quantize_model recorded a rotation they never had."""
+    from nibble.models.rotation import rotation_seed
+    with torch.device("meta"):
+        empty = tiny_model("llama")
+    with pytest.raises(ValueError, match="on the meta device .* load its weights first"):
+        rotate_model(empty)
+    assert rotation_seed(empty) is None and empty.lm_head.weight is empty.model.embed_tokens.weight
+    assert not any(isinstance(layer.mlp.down_proj, HadamardInputLinear) for layer in empty.model.layers)
+
+
 def test_rotation_keeps_dtypes():
     model = tiny_model("llama", dtype=torch.bfloat16)
     rotate_model(model)
