@@ -171,8 +171,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
              f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')")
     # the 16-bit model held a tied head once, as the embedding, which keeps its table: `weight_bytes` counts what
-    # the quantized head replaced as 0 bytes (the rotation below unties it too, so this is read first)
-    head_was_tied = "lm_head" in names and lm_head_tied(model)
+    # the quantized head replaced as 0 bytes (the rotation below unties it too, so this is read first; a rotation
+    # before quantize_model recorded the tie it removed)
+    from nibble.models.rotation import rotation_untied_head
+    head_was_tied = "lm_head" in names and (lm_head_tied(model) or rotation_untied_head(model))
     if device is not None:
         move_all_but_layers(model, device)
     rotate_layer = None
