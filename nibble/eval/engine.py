@@ -65,7 +65,7 @@ from nibble.config import check_token_ids
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
-from nibble.models.convert import check_architecture, decoder_layers
+from nibble.models.convert import check_architecture, check_weights_loaded, decoder_layers
 from nibble.nn.quant_linear import (PermutedInputQuantLinear, shared_input_forward, shared_input_perm, stack_weights,
                                     w4a4_operands)
 from nibble.warn import warn
@@ -982,6 +982,7 @@ class Engine:
         if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # a PeftModel: its adapters wrap the
             model = model.get_base_model()  # base model's layers, which the engine calls
         check_architecture(model)
+        check_weights_loaded(model)
         self.model = model.eval()
         cfg = model.config
         self.layers = decoder_layers(model)

@@ -171,8 +171,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
         warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
              f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')")
     # the 16-bit model held a tied head once, as the embedding, which keeps its table: `weight_bytes` counts what
-    # the quantized head replaced as 0 bytes (the rotation below unties it too, so this is read first)
-    head_was_tied = "lm_head" in names and lm_head_tied(model)
+    # the quantized head replaced as 0 bytes (the rotation below unties it too, so this is read first; a rotation
+    # before quantize_model recorded the tie it removed)
+    from nibble.models.rotation import rotation_untied_head
+    head_was_tied = "lm_head" in names and (lm_head_tied(model) or rotation_untied_head(model))
     if device is not None:
         move_all_but_layers(model, device)
     rotate_layer = None
@@ -205,9 +207,7 @@ def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
     the first one's work."""
     check_architecture(model)
     check_not_quantized(model)
-    if any(p.is_meta for p in model.parameters()):  # said before "Tensor.item() cannot be called on meta tensors"
-        raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
-                         "load its weights first; a saved quantized model loads with nibble.load_quantized")
+    check_weights_loaded(model)
     if config.rotation == "hadamard":
         from nibble.models.rotation import check_rotatable
         check_rotatable(model)
@@ -358,6 +358,15 @@ def check_calibration(model: nn.Module, calibration) -> None:
              "layer: the input statistics GPTQ and AWQ calibrate on (X^T X) are singular there, and say nothing of the "
              "directions those tokens do not span (GPTQ's damping alone fills them in); give more tokens "
              "(calibration_for makes 128 x 512)")
+
+
+def check_weights_loaded(model: nn.Module) -> None:
+    """Refuse a model whose weights are on the meta device, which hold no values: said before torch's "Tensor.item()
+    cannot be called on meta tensors" (quantize_model), before a rotation that had nothing to rotate marked the model
+    rotated (rotate_model), before the first token met weights on no real device (Engine)."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
+                         "load its weights first; a saved quantized model loads with nibble.load_quantized")
 
 
 def check_not_quantized(model: nn.Module, taker: str = "quantize_model") -> None:

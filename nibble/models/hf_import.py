@@ -672,6 +672,7 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
         raise ValueError(f"{online[0]} rotates its input online (the model was rotated), which the {method} checkpoint's "
                          "plain linear would not: every reader would run another function; save the model in "
                          "nibble's format (save_quantized's default), or quantize a model that was not rotated")
+    _check_float16_range(model, method)
     per_channel = {m.group_size == m.in_features for _, m in linears}
     group_sizes = {m.group_size for _, m in linears}
     if len(group_sizes) == 1:
@@ -680,6 +681,22 @@ def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
         return linears, -1
     raise ValueError(f"layers use different group sizes {sorted(group_sizes)}; the {method} quantization_config "
                      "holds one")
+
+
+def _check_float16_range(model: nn.Module, method: str) -> None:
+    """Refuse a value beyond float16's range in a tensor the checkpoint keeps in 16 bits (an embedding, a norm,
+    lm_head, a bias: `_export` writes them in float16, as AutoAWQ does): it would be written as Inf, which AutoAWQ
+    and vLLM would run and nibble's loader calls a corrupt checkpoint. Inf and NaN the model holds itself pass, as
+    its own."""
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point() or t.dtype == torch.float16:
+            continue
+        beyond = torch.isinf(t.detach().half()) & torch.isfinite(t)
+        if bool(beyond.any()):
+            raise ValueError(f"{name} holds {int(beyond.sum())} value(s) beyond float16's range (e.g. "
+                             f"{t[beyond][0].item():.6g}), and {method} checkpoints keep their 16-bit tensors in "
+                             "float16, where it would be Inf: save the model in nibble's format (save_quantized's "
+                             f"default), which keeps its {t.dtype}")
 
 
 def _export(model: nn.Module, directory: Path, quantization_config: dict, convert, tokenizer=None) -> Path:
@@ -728,7 +745,8 @@ def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
     ``quantization_config: {quant_method: awq, version: gemm, bits: 4, group_size, zero_point: true}``).
 
     Non-quantized tensors (embeddings, norms, lm_head, biases) are written in float16, as AutoAWQ
-    does. Raises ValueError for float zero points, w4a4 layers or permuted (act-order) layers.
+    does. Raises ValueError for float zero points, w4a4 layers, permuted (act-order) layers or a 16-bit
+    value beyond float16's range.
     """
     model = model_to_save(model)
     directory = checkpoint_dir(directory, model, tokenizer)  # refused before any layer converts

@@ -23,8 +23,8 @@ from torch import nn
 
 from nibble.config import checked_seed, resolve_device
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
-from nibble.models.convert import (check_architecture, check_not_quantized, decoder_layers, refuse_save_pretrained,
-                                   untie_lm_head)
+from nibble.models.convert import (check_architecture, check_not_quantized, check_weights_loaded, decoder_layers,
+                                   lm_head_tied, refuse_save_pretrained, untie_lm_head)
 from nibble.nn.hadamard import HadamardInputLinear
 
 
@@ -42,8 +42,8 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
 
     The rotated model refuses ``save_pretrained``: transformers would load its down_proj without the online
     Hadamard. A model quantized in W4A4 keeps it, and saves with ``nibble.save_quantized``. The model records
-    ``seed`` (`rotation_seed`): ``quantize_model`` (given rotation 'none') writes the rotation into its
-    quantization_config.
+    ``seed`` (`rotation_seed`), and whether it untied a tied lm_head (`rotation_untied_head`): ``quantize_model``
+    (given rotation 'none') writes the rotation, and a quantized head's tie, into its quantization_config.
     """
     rotate_layer = rotate_all_but_layers(model, seed, online_o_proj, device)
     for layer in decoder_layers(model):
@@ -52,6 +52,7 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
 
 
 ROTATION_SEED = "nibble_rotation_seed"  # the model attribute a rotation records its seed in
+UNTIED_HEAD = "nibble_rotation_untied_head"  # the one it records, True, where it untied lm_head from the embedding
 
 
 def rotation_seed(model: nn.Module) -> int | None:
@@ -61,6 +62,13 @@ def rotation_seed(model: nn.Module) -> int | None:
     return getattr(model, ROTATION_SEED, None)
 
 
+def rotation_untied_head(model: nn.Module) -> bool:
+    """Whether a rotation of ``model`` untied its lm_head from the embedding (to fold the final norm into the head):
+    ``quantize_model`` records a quantized head that was tied (`convert.TIED_HEAD`) whoever untied it, so that the
+    bytes saved are those of the 16-bit model, which held the head once, as the embedding (`convert.weight_bytes`)."""
+    return getattr(model, UNTIED_HEAD, False)
+
+
 def online_hadamard_linears(online_o_proj: bool = False) -> tuple[str, ...]:
     """The linears of each decoder layer (names in the layer) that the rotation gives an online Hadamard."""
     return ("self_attn.o_proj",) * online_o_proj + ("mlp.down_proj",)
@@ -68,10 +76,11 @@ def online_hadamard_linears(online_o_proj: bool = False) -> tuple[str, ...]:
 
 def check_rotatable(model: nn.Module, online_o_proj: bool = False) -> None:
     """Refuse a model the rotation cannot take, before any of it is touched: another architecture, a quantized or
-    rotated model, a hidden or intermediate size (o_proj's input too with ``online_o_proj``) the Hadamard transform
-    has no matrix for, a norm other than RMSNorm without bias."""
+    rotated model, weights on the meta device (nothing to rotate), a hidden or intermediate size (o_proj's input
+    too with ``online_o_proj``) the Hadamard transform has no matrix for, a norm other than RMSNorm without bias."""
     check_architecture(model)
     check_not_quantized(model, "rotate_model")  # its INT4 layers hold no float weight to rotate
+    check_weights_loaded(model)
     cfg = model.config
     layers = decoder_layers(model)
     if rotation_seed(model) is not None or any(isinstance(layer.mlp.down_proj, HadamardInputLinear)
@@ -97,7 +106,7 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
     """`rotate_model` of everything but the decoder layers (the embedding; lm_head, which absorbs the final
     norm), after checking the whole model can be rotated (`check_rotatable`); returns the function that rotates
     one decoder layer, each exactly once, in any order: how ``quantize_model`` rotates each layer at its turn.
-    The model records the seed (`rotation_seed`)."""
+    The model records the seed (`rotation_seed`) and a tie it removed (`rotation_untied_head`)."""
     seed = checked_seed("seed", seed)  # before the model is touched
     check_rotatable(model, online_o_proj)
     if device is not None:  # "cuda" without a GPU failed in the first weight's move, the model untied and marked rotated
@@ -110,6 +119,8 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
                            "which transformers' from_pretrained would load as a plain nn.Linear, another function: "
                            "quantize it (nibble.quantize_model, mode='w4a4', keeps the online rotation) and save that "
                            "with nibble.save_quantized, or save the model before rotate_model")
+    if lm_head_tied(model):
+        setattr(model, UNTIED_HEAD, True)
     untie_lm_head(model)  # lm_head reads the final norm, whose weight it absorbs
     setattr(model, ROTATION_SEED, seed)
 

@@ -335,6 +335,15 @@ def test_engine_sizes_are_checked_when_it_is_built():
     assert Engine(model).max_seq_len == 256
 
 
+def test_a_model_built_empty_is_refused_when_the_engine_is_built():
+    """An engine was built on the meta device, and its first token failed in torch ("Tensor on device cpu is not on
+    the expected device meta!")."""
+    with torch.device("meta"):
+        empty = tiny_model()
+    with pytest.raises(ValueError, match="on the meta device .* load its weights first"):
+        Engine(empty)
+
+
 def test_a_sliding_window_is_refused_only_where_a_layer_slides():
     """A Qwen2 whose max_window_layers covers every layer attends to the whole sequence in transformers (its
     layer_types are all full attention) but was refused for its sliding_window."""

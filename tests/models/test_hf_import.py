@@ -328,6 +328,24 @@ def test_export_refuses_a_rotated_model_whose_16_bit_down_proj_rotates_its_input
         assert not (tmp_path / export.__name__ / "config.json").exists()
 
 
+@pytest.mark.parametrize("tensor", ["model.layers.0.self_attn.k_proj.bias", "model.norm.weight"])  # quantized, kept
+def test_export_refuses_a_16_bit_value_float16_cannot_hold_before_writing(tmp_path, tensor):
+    """The export cast every 16-bit tensor to float16: a bfloat16 value beyond its range (a Qwen-style q/k/v bias
+    above all) was written as Inf, which AutoAWQ and vLLM ran, and nibble's loader called a corrupt checkpoint."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.get_parameter(tensor)[0] = 1e5
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    for fmt in ("awq", "gptq"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # refused before any "written as gptq_v2"
+            with pytest.raises(ValueError, match=rf"^{re.escape(tensor)} holds 1 value\(s\) beyond float16's range "
+                                                 rf"\(e\.g\. 99840\), and {fmt} checkpoints keep their 16-bit tensors "
+                                                 r"in float16, .* save the model in nibble's format"):
+                save_quantized(model, tmp_path / fmt, format=fmt)
+        assert not (tmp_path / fmt).exists()
+
+
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method='bitsandbytes' is not supported"),
     ({"quant_method": "awq", "version": "gemv", "bits": 4, "group_size": 32}, "version='gemv' is not supported"),

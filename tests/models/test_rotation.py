@@ -163,6 +163,19 @@ def test_a_device_the_rotation_cannot_run_on_is_refused_before_the_model_is_touc
     rotate_model(model, seed=3)
 
 
+def test_a_model_built_empty_is_refused_before_it_is_touched():
+    """rotate_model took a model on the meta device: nothing was rotated (its tensors hold no values), yet the head
+    was untied, the down_projs given online Hadamards and the model marked rotated, so the weights loaded into it
+    ran another function, and quantize_model recorded a rotation they never had."""
+    from nibble.models.rotation import rotation_seed
+    with torch.device("meta"):
+        empty = tiny_model("llama")
+    with pytest.raises(ValueError, match="on the meta device .* load its weights first"):
+        rotate_model(empty)
+    assert rotation_seed(empty) is None and empty.lm_head.weight is empty.model.embed_tokens.weight
+    assert not any(isinstance(layer.mlp.down_proj, HadamardInputLinear) for layer in empty.model.layers)
+
+
 def test_rotation_keeps_dtypes():
     model = tiny_model("llama", dtype=torch.bfloat16)
     rotate_model(model)
@@ -177,13 +190,15 @@ def test_rotating_twice_is_an_error():
         rotate_model(copy.deepcopy(model))  # the copy keeps the record of the rotation
 
 
-@pytest.mark.parametrize("mode,kept", [("w4a4", []), ("w4a16", ["down_proj"])])
+@pytest.mark.parametrize("mode,kept", [("w4a4", ["lm_head"]), ("w4a4", []), ("w4a16", ["lm_head", "down_proj"])])
 def test_a_model_rotated_first_is_recorded_as_quantize_model_rotating_it_would_be(mode, kept):
     """rotate_model then quantize_model recorded rotation 'none': the config the model ends with, and every
     checkpoint of it, said another model than the one quantize_model(rotation='hadamard') makes, bit for bit the
-    same. W4A16 keeps its down_projs (online Hadamard) in 16 bits, either way; it was refused rotation='hadamard'."""
+    same. W4A16 keeps its down_projs (online Hadamard) in 16 bits, either way; it was refused rotation='hadamard'.
+    The tiny llama's head is tied: quantized, it was recorded as tied (lm_head_was_tied, the bytes saved) only where
+    quantize_model untied it, as if rotate_model's model had held the head's table twice in 16 bits."""
     base = tiny_model("llama")
-    config = dict(mode=mode, group_size=32 if mode == "w4a16" else None, modules_to_not_convert=["lm_head", *kept])
+    config = dict(mode=mode, group_size=32 if mode == "w4a16" else None, modules_to_not_convert=kept)
     rotated_first = quantize_model(rotate_model(copy.deepcopy(base), seed=3), QuantConfig(**config), progress=False)
     rotated_by_quantize = quantize_model(copy.deepcopy(base), QuantConfig(**config, rotation="hadamard",
                                                                           rotation_seed=3), progress=False)

@@ -247,19 +247,22 @@ def test_a_rotated_16_bit_down_proj_keeps_its_online_hadamard_through_the_roundt
 def test_a_model_rotated_before_quantize_model_saves_its_rotation_and_loads_back_the_same_logits(tmp_path,
                                                                                                 online_o_proj):
     """rotate_model then quantize_model(w4a4) recorded rotation 'none' (and seed 0) in the checkpoint: the seed was
-    rotate_model's alone. The online Hadamards came back (the modules say where they are), the config lied."""
+    rotate_model's alone. The online Hadamards came back (the modules say where they are), the config lied. So did
+    a quantized head's tie, which rotate_model removed (lm_head_was_tied: the bytes saved)."""
+    from nibble.models.convert import weight_bytes
     from nibble.models.rotation import rotate_model
     model = rotate_model(tiny_model("llama"), seed=5, online_o_proj=online_o_proj)
-    quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
+    quantize_model(model, QuantConfig(mode="w4a4", modules_to_not_convert=[]), progress=False)
     save_quantized(model, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert (saved["rotation"], saved["rotation_seed"]) == ("hadamard", 5)
+    assert (saved["rotation"], saved["rotation_seed"], saved["lm_head_was_tied"]) == ("hadamard", 5, True)
     linears = ["self_attn.o_proj", "mlp.down_proj"] if online_o_proj else ["mlp.down_proj"]
     assert saved["online_hadamard_modules"] == [f"model.layers.{i}.{n}" for i in range(2) for n in linears]
     loaded, _ = load_quantized(tmp_path)
     assert (loaded.config.quantization_config["rotation"], loaded.config.quantization_config["rotation_seed"]) == (
         "hadamard", 5)
     assert loaded.model.layers[1].self_attn.o_proj.input_hadamard == online_o_proj
+    assert weight_bytes(loaded) == weight_bytes(model)
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
