@@ -142,14 +142,16 @@ def check_recipe(recipe: str, init: str, rotation_seed: int = 0, calibration=Non
 def check_model(model: nn.Module) -> None:
     """Refuse what PE-QAT cannot train: a model it prepared already (run_qat changes the model it is given in place:
     run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
-    model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model."""
-    from nibble.models.convert import check_architecture, check_not_quantized
+    model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model, weights on
+    the meta device."""
+    from nibble.models.convert import check_architecture, check_not_quantized, check_weights_loaded
 
     if fake_quant_layers(model):
         raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
                          "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
     check_architecture(model)
     check_not_quantized(model, "PE-QAT")
+    check_weights_loaded(model)
 
 
 # Why a PE-QAT model saves only through nibble: what it trained is more than its LoRA weights, and every way of saving

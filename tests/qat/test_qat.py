@@ -438,6 +438,16 @@ def test_a_quantized_model_is_refused_by_name():
         _train("per-token", 1, _windows(), model=quantized)
 
 
+def test_a_model_built_empty_is_refused_before_it_is_prepared():
+    """A model on the meta device (built empty, weights not loaded) went on to prepare_qat_model's rotation and
+    LoRA wrapping, and failed later in torch's words; refused as quantize_model, rotate_model and Engine refuse it."""
+    with torch.device("meta"):
+        model = tiny_model()
+    with pytest.raises(ValueError, match="on the meta device .* load its weights first"):
+        _train("hadamard", 1, _windows(), model=model)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+
+
 def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):
     """It was taken as asked: SmolLM2 at --seq-len 100000 ran one step for minutes, on positions it never saw."""
     text = tmp_path / "calib.txt"
