@@ -86,8 +86,8 @@ def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
 
 def fake_quant_channels(x: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """Per-input-channel INT4 activations (the original PE-QAT): one scale per channel over all tokens
-    of the batch, ``ratio * amax / 7``, with a learnable clip ``ratio`` [K]. Not deployable: the W4A4
-    GEMM can only apply a scale per row of x after the integer sum."""
+    of the batch, ``ratio * amax / 7``, with a learnable clip ``ratio`` [K], and codes clamped to [-8, 7] as
+    the per-token ones. Not deployable: the W4A4 GEMM can only apply a scale per row of x after the integer sum."""
     xf = x.float()
     amax = xf.detach().abs().reshape(-1, xf.shape[-1]).amax(dim=0)
     s = (amax * ratio / ACT_QMAX).clamp(min=1e-8)

@@ -61,7 +61,6 @@ class GPTQResult:
     weight: Int4Weight           # canonical; rows in permuted input order when ``perm`` is not None
     perm: torch.Tensor | None    # the layer computes x[..., perm] @ W.T; None: natural order
     g_idx: torch.Tensor          # GPTQ-checkpoint g_idx (int32 [K]) over the original input order
-    loss: float                  # sum over columns of (w - q)^2 / [H^-1]_jj / 2: GPTQ's output-error proxy
     # With keep_compensated: each column as GPTQ rounded it, after the error feedback of the columns before
     # it (float32 [N, K], the codes' order); rtn's _codes of it with the result's scales are the codes.
     compensated: torch.Tensor | None = None
@@ -157,7 +156,6 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
 
     codes = torch.zeros(N, K, dtype=torch.uint8, device=W.device)
     compensated = torch.empty_like(W) if keep_compensated else None
-    loss = torch.zeros((), device=W.device)
     for i1 in range(0, K, blocksize):
         i2 = min(i1 + blocksize, K)
         W1 = W[:, i1:i2].clone()
@@ -191,21 +189,20 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
             W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
             Err1[:, i] = err
         codes[:, i1:i2] = Q1.to(torch.uint8)
-        loss += (Err1 ** 2).sum() / 2
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
     trivial = (torch.arange(K, device=W.device) // G).to(torch.int32)
     if perm is None:
-        return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), None, trivial, float(loss), compensated)
+        return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), None, trivial, compensated)
     if static_groups:  # groups were fixed on the original order: undo the processing order
         original = torch.empty_like(codes)
         original[:, perm] = codes
         if compensated is not None:
             compensated[:, perm] = compensated.clone()
-        return GPTQResult(Int4Weight.from_codes(original, S, Z, G), None, trivial, float(loss), compensated)
+        return GPTQResult(Int4Weight.from_codes(original, S, Z, G), None, trivial, compensated)
     g_idx = torch.empty_like(trivial)
     g_idx[perm] = trivial
-    return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), perm, g_idx, float(loss), compensated)
+    return GPTQResult(Int4Weight.from_codes(codes, S, Z, G), perm, g_idx, compensated)
 
 
 def _output_rows(w: Int4Weight, start: int, stop: int) -> Int4Weight:

@@ -17,7 +17,8 @@ from nibble.config import QuantConfig  # noqa: E402
 from nibble.models.convert import quantize_model, set_backend, weight_bytes  # noqa: E402
 from nibble.models.serialization import load_quantized  # noqa: E402
 from nibble.nn.quant_linear import QuantLinear  # noqa: E402
-from nibble.qat.fake_quant import FakeQuantLinear, fake_quant_layers, fake_quant_tokens, fake_quant_weight  # noqa: E402
+from nibble.qat.fake_quant import (FakeQuantLinear, fake_quant_channels, fake_quant_layers, fake_quant_tokens,  # noqa: E402
+                                   fake_quant_weight)
 from nibble.qat.train import export, prepare_qat_model, run_qat, state_path  # noqa: E402
 from nibble.quantize.rtn import rtn_quantize  # noqa: E402
 
@@ -61,6 +62,18 @@ def test_fake_quant_tokens_is_exactly_quantize_activations_with_identity_gradien
     assert torch.equal(y.detach(), q.float() * s.unsqueeze(-1))
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_fake_quant_channels_is_int4_per_input_channel_with_codes_minus_8_to_7():
+    """The per-channel recipe's activations: scale ratio * amax / 7 per input channel over all tokens, codes clamped
+    to [-8, 7] as the per-token ones. The clamp bites only where a clip ratio is below 7 / 7.5, which no test trained
+    down to, so codes [-7, 7] went unseen (explore64c's T5)."""
+    x = torch.randn(3, 5, 16) * torch.logspace(-2, 1, 16)
+    ratio = torch.linspace(0.5, 1, 16)
+    s = x.abs().amax(dim=(0, 1)) * ratio / 7
+    want = torch.clamp(torch.round(x / s), -8, 7) * s
+    assert (want == -8 * s).any() and (want == 7 * s).any()
+    assert torch.equal(fake_quant_channels(x, ratio), want)
 
 
 def test_a_compiled_fake_quant_layer_trains_on_the_weights_it_exports():

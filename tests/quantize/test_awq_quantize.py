@@ -68,10 +68,15 @@ def test_activation_aware_clip_beats_weight_space_clip_on_the_output():
     assert aware < 0.6 * plain  # 0.38 here; equal would be the weight-space search itself
 
 
-@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)])
 def test_folding_keeps_the_float_model_function(arch, kv_heads):
-    # kv_heads == heads: v_proj and o_proj are square-compatible, so o_proj's scales fold into v_proj too
+    # kv_heads == heads: v_proj and o_proj are square-compatible, so o_proj's scales fold into v_proj too, and
+    # into Qwen2's v_proj bias (HF starts biases at 0, which hid a bias left unscaled: drawn at random here)
     model = tiny_model(arch, num_key_value_heads=kv_heads)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
     ids = torch.randint(0, 256, (4, 16))
     with torch.no_grad():
         ref = model(ids).logits
@@ -86,6 +91,43 @@ def test_folding_keeps_the_float_model_function(arch, kv_heads):
     ratio = model.model.layers[0].self_attn.v_proj.weight / v_before
     same_for_every_row = torch.allclose(ratio, ratio[:1].expand_as(ratio), rtol=1e-4)
     assert same_for_every_row == (kv_heads != 4)
+
+
+def test_the_clip_search_scores_each_layer_on_its_scaled_inputs_and_never_clips_q_or_k(monkeypatch):
+    """A scaled linear's weight is W * s and its input x / s in the folded model: the clip search must weigh the
+    output error by that input's X^T X / n, not the unscaled one's. q/k_proj are left unclipped (AutoAWQ's choice:
+    their error goes through the softmax, which the linear-output objective does not see). Only errors were
+    compared before, and both slipped past them."""
+    import nibble.quantize.awq as awq
+
+    model = tiny_model("llama", num_key_value_heads=4)  # MHA: every fold AWQ makes, v_proj -> o_proj too
+    names = {id(p): name.removesuffix(".weight") for name, p in model.named_parameters()}
+    hessians = {}
+
+    def recording_clip_quantize(weight, H, *args, **kwargs):
+        hessians[names[id(weight)]] = H.clone()
+        return clip_quantize(weight, H, *args, **kwargs)
+    monkeypatch.setattr(awq, "clip_quantize", recording_clip_quantize)
+    ids = torch.randint(0, 256, (8, 32))
+    awq_quantize_model(model, QuantConfig(group_size=32, method="awq"), ids, progress=False)
+    linears = {name: m for name, m in model.model.layers.named_modules(prefix="model.layers")
+               if isinstance(m, torch.nn.Linear)}
+    assert sorted(hessians) == sorted(n for n in linears if not n.endswith(("q_proj", "k_proj")))
+    # the folded float model computes the function it computed before: its linears' inputs are the scaled ones
+    xtx = {}
+
+    def record(name):
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            xtx[name] = x.t() @ x / x.shape[0]
+        return hook
+    for name in hessians:
+        linears[name].register_forward_pre_hook(record(name))
+    with torch.no_grad():
+        model(ids)
+    for name, H in hessians.items():
+        torch.testing.assert_close(H, xtx[name], rtol=1e-4, atol=1e-5 * xtx[name].abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def test_awq_through_quantize_model_matches_its_returned_weights():

@@ -11,7 +11,7 @@ from nibble.formats.gptq import to_gptq
 from nibble.kernels.reference import dequantize
 from nibble.quantize import calibrated_quantizers
 from nibble.quantize.gptq import gptq_quantize_model, gptq_quantize_weight
-from nibble.quantize.rtn import _codes, rtn_quantize
+from nibble.quantize.rtn import _codes, quantize_groups, rtn_quantize
 
 
 def dense(w):
@@ -54,6 +54,44 @@ def test_the_compensated_weights_round_to_the_codes_from_inside_their_bins(G, sy
     offset = (res.compensated - dense(res.weight)) / s  # where in its bin each weight lies, in steps
     assert offset[(offset.abs() < 0.5)].std() > 0.2  # spread over the bins, not at their centres
     assert gptq_quantize_weight(W, H, G, symmetric=symmetric).compensated is None
+
+
+def textbook_gptq(W, H, G, act_order=False, percdamp=0.01):
+    """GPTQ as the paper's Algorithm 1 and IST-DASLab's fasterquant state it, one column at a time with no lazy
+    blocks: the dequantized weight [N, K] in processing order, and that order. Each group's (s, z) is RTN's min/max of the group's
+    weights as they stand when the sweep reaches its first column (after the updates of the columns before it)."""
+    W, H = W.clone().float(), H.clone().float()
+    K = W.shape[1]
+    dead = H.diag() == 0  # inputs never active: H_jj = 1, their weights 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    order = torch.argsort(H.diag(), descending=True) if act_order else torch.arange(K)
+    W, H = W[:, order], H[order][:, order]
+    H += percdamp * H.diag().mean() * torch.eye(K)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # H^-1 = U^T U
+    Q = torch.zeros_like(W)
+    for j in range(K):
+        if j % G == 0:
+            _, s, z = quantize_groups(W[:, j:j + G], clip_search=False)
+            s, z = s[:, 0], z[:, 0]
+        Q[:, j] = _codes(W[:, j], s, z) * s + z
+        err = (W[:, j] - Q[:, j]) / U[j, j]
+        W[:, j:].addr_(err, U[j, j:], alpha=-1)  # spread the error over the columns not yet quantized
+    return Q, order
+
+
+@pytest.mark.parametrize("G", [32, -1])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_is_the_textbook_algorithm(G, act_order):
+    """Every step against the reference: damping by mean(diag H), dead inputs, the Cholesky of H^-1, the error
+    feedback, the group ranges taken as the sweep reaches them, act-order. The other GPTQ tests only compare errors,
+    which a damping of max(diag H) or a dead input's weights kept left below their bounds."""
+    _, W, H = correlated_problem(K=64, N=16)
+    H[5, :], H[:, 5] = 0, 0  # input 5 never active in calibration
+    res = gptq_quantize_weight(W, H, G, act_order=act_order)  # K <= blocksize: one block, the same sums
+    Q, order = textbook_gptq(W, H, W.shape[1] if G == -1 else G, act_order)
+    assert torch.equal(dense(res.weight), Q)
+    assert torch.equal(res.perm, order) if act_order else res.perm is None
 
 
 def test_with_uncorrelated_inputs_gptq_is_rtn():
@@ -118,7 +156,8 @@ def test_dead_inputs_and_bad_hessians():
     X, W, H = correlated_problem(K=64, N=8)
     H[5, :], H[:, 5] = 0, 0  # input 5 never active in calibration
     res = gptq_quantize_weight(W, H, 32)
-    assert torch.isfinite(dense(res.weight)).all()
+    s, z = (t.float()[0] for t in (res.weight.scales, res.weight.zeros))  # group 0's, which holds input 5
+    assert torch.equal(dense(res.weight)[:, 5], _codes(torch.zeros(8), s, z) * s + z)  # zeroed: the level nearest 0
     with pytest.raises(ValueError, match=r"Hessian must be \[64, 64\]"):
         gptq_quantize_weight(W, H[:32, :32], 32)
 
