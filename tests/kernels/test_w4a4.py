@@ -376,6 +376,23 @@ def test_interp_act_quant_half_integer_quotients(dtype):
     assert torch.equal(q, qr) and torch.equal(s, sr)
 
 
+def _nonfinite_zero_and_huge_rows(M, K, dtype, device):
+    """M >= 8 random rows of K >= 64 but rows 0-7: a NaN, a +Inf, a -Inf, all zeros, all NaN, all the dtype's
+    largest value, a -Inf and a +Inf, all its smallest normal (the scale underflows nowhere in float32; the
+    interpreter converts subnormal bfloat16 wrongly)."""
+    x = _activations(M, K, dtype, device)
+    x[0, 7] = float("nan")
+    x[1, 9] = float("inf")
+    x[2, 11] = -float("inf")
+    x[3] = 0
+    x[4] = float("nan")
+    x[5, :] = torch.finfo(dtype).max
+    x[6, 40] = -float("inf")
+    x[6, 41] = float("inf")
+    x[7] = torch.finfo(dtype).tiny
+    return x
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -388,17 +405,8 @@ def test_interp_act_quant_nonfinite_zero_and_huge_rows(dtype, chunked, monkeypat
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_M", 1 if chunked else 1 << 30)
     monkeypatch.setattr(w4a4, "CHUNKED_MIN_K", 1)
     monkeypatch.setattr(w4a4, "CHUNK_K", 32)  # two chunks a row: the scale carries over the chunk of NaN
-    x = _activations(9, 64, dtype, "cpu")
-    x[0, 7] = float("nan")
-    x[1, 9] = float("inf")
-    x[2, 11] = -float("inf")
-    x[3] = 0
-    x[4] = float("nan")
-    x[5, :] = torch.finfo(dtype).max
-    x[6, 40] = -float("inf")
-    x[6, 41] = float("inf")
-    x[7, :32] = float("nan")
-    x[8] = torch.finfo(dtype).tiny  # smallest normal (the interpreter converts subnormal bf16 wrongly)
+    x = _nonfinite_zero_and_huge_rows(9, 64, dtype, "cpu")
+    x[8, :32] = float("nan")
     q, s = w4a4.quantize_activations_triton(x)
     qr, sr = reference.quantize_activations(x)
     assert torch.isfinite(s).all() and s[4] == 0 and (q[4] == 0).all()
@@ -515,17 +523,7 @@ def test_chunked_act_quant_equals_reference(M, K, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M", [9, 300])
 def test_act_quant_nonfinite_zero_and_huge_rows(dtype, M):
-    K = 4104
-    x = _activations(M, K, dtype, "cuda")
-    x[0, 7] = float("nan")
-    x[1, 9] = float("inf")
-    x[2, 11] = -float("inf")
-    x[3] = 0
-    x[4] = float("nan")
-    x[5, :] = torch.finfo(dtype).max
-    x[6, 100] = -float("inf")
-    x[6, 101] = float("inf")
-    x[7] = torch.finfo(dtype).tiny  # smallest normal: scale underflows nowhere in float32
+    x = _nonfinite_zero_and_huge_rows(M, 4104, dtype, "cuda")
     q, s = w4a4.quantize_activations(x)
     qr, sr = _ref_quant(x)
     assert torch.isfinite(s).all()
