@@ -753,7 +753,7 @@ def cmd_demo(args):
 
 def _add_model_args(p, quant=True, runs_16_bit=True):
     """The model options; ``quant``: and how to quantize it, ``runs_16_bit``: --quant none among them."""
-    quantized = "a quantized dir (nibble, AutoAWQ or GPTQ: run as it is), " if quant else ""
+    quantized = "a quantized dir (nibble, AutoAWQ or GPTQ: used as it is, not quantized again), " if quant else ""
     p.add_argument("--model", default=None, help=f"{quantized}an HF dir or a .gguf (default: embedded SmolLM2-135M)")
     p.set_defaults(quantized=None)  # whether --model is a quantized checkpoint: `main` reads its config.json once
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -839,7 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="a nibble, AutoAWQ or GPTQ checkpoint folder")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("eval", help="perplexity (ppl) or zero-shot tasks")
-    p.add_argument("what", choices=["ppl", "tasks"])
+    p.add_argument("what", choices=["ppl", "tasks"],
+                   help="ppl: WikiText-2 test perplexity; tasks: the seven zero-shot tasks")
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=None,
                    help="ppl: window length (default: the model's context, at most 2048; a longer one than the "

@@ -156,7 +156,7 @@ def summarize(rows, big_bytes: int = 64 << 20, base_op: str = "bf16"):
 
 def main(argv=None):
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m nibble.bench kernels")
+    ap = argparse.ArgumentParser(prog="python -m nibble.bench kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 shapes x 4 M values")
     ap.add_argument("--out", default="benchmarks/results", help="output folder (JSON + PNG)")
     ap.add_argument("--name", default=None, help="file stem (default w4a16-<gpu>, w4a16-<gpu>-fp16 for fp16)")

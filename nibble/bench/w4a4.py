@@ -1,4 +1,4 @@
-"""W4A4 kernel benchmark: ``python -m nibble.bench.w4a4 [--quick] [--out DIR] [--shapes N,K ...] [--ms M ...]``.
+"""W4A4 kernel benchmark: ``python -m nibble.bench w4a4 [--quick] [--out DIR] [--shapes N,K ...] [--ms M ...]``.
 
 At each weight shape (N, K) and token count M, the median time (``nibble.bench.timing.bench_us``:
 CUDA-graph replay, weights rotated over enough copies that the working set is several times the L2;

@@ -28,7 +28,6 @@ which is "not measured").
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -791,7 +790,10 @@ def _not_measured(meta: dict) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 
 
-if __name__ == "__main__":  # `python -m nibble.eval.report`: `nibble report` without the rest of nibble's command line
-    from nibble.eval.report_command import add_report_arguments, report_main
+if __name__ == "__main__":  # `python -m nibble.eval.report` (older results' commands): `nibble report` itself, its
+    # checks, one-line errors and Ctrl-C included (it had its own parser, which said errors as tracebacks)
+    import sys
 
-    raise SystemExit(report_main(add_report_arguments(argparse.ArgumentParser(prog="nibble report")).parse_args()))
+    from nibble.cli import main
+
+    raise SystemExit(main(["report", *sys.argv[1:]]))

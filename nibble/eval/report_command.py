@@ -1,4 +1,4 @@
-"""`nibble report` (wired by nibble/cli.py, and run by `python -m nibble.eval.report`): its options, their checks, and
+"""`nibble report` (wired by nibble/cli.py; `python -m nibble.eval.report` runs it too): its options, their checks, and
 the run. Apart from report.py, which imports torch and transformers, so that the command line builds without them:
 the run imports them."""
 from __future__ import annotations
@@ -81,8 +81,9 @@ def check_report_args(args: argparse.Namespace) -> None:
         raise ValueError("--no-model with --no-speed leaves nothing to measure: drop one of them")
     for skip, why in (("--no-model", args.no_model), ("--no-accuracy", args.no_accuracy)):
         if why and accuracy_options:
-            raise ValueError(f"{' and '.join(accuracy_options)} set the accuracy runs that {skip} skips: drop "
-                             f"{'them' if len(accuracy_options) > 1 else 'it'} or {skip}")
+            several = len(accuracy_options) > 1
+            raise ValueError(f"{' and '.join(accuracy_options)} set{'' if several else 's'} the accuracy runs that "
+                             f"{skip} skips: drop {'them' if several else 'it'} or {skip}")
     if args.no_model and not torch.cuda.is_available():
         raise ValueError("--no-model runs the speed models alone, which are timed on a CUDA GPU, and none is visible: "
                          "drop --no-model to measure the model's accuracy and weights here")
@@ -90,13 +91,13 @@ def check_report_args(args: argparse.Namespace) -> None:
                        ("speed_rounds", 1)))
     speed_options = [flag for flag, given in (("--speed-models", args.speed_models),  # the flag alone skips them
                                               ("--speed-rounds", args.speed_rounds is not None)) if given]
-    them = "them" if len(speed_options) > 1 else "it"
+    them, sets = ("them", "set") if len(speed_options) > 1 else ("it", "sets")
     if speed_options and args.no_speed:  # taken, and the run exited 0 with its speed "skipped" in report.json alone
-        raise ValueError(f"{' and '.join(speed_options)} set the speed runs that --no-speed skips: drop {them} or "
+        raise ValueError(f"{' and '.join(speed_options)} {sets} the speed runs that --no-speed skips: drop {them} or "
                          "--no-speed")
     if speed_options and not torch.cuda.is_available():
-        raise ValueError(f"{' and '.join(speed_options)} set the speed runs, which are timed on a CUDA GPU, and none "
-                         f"is visible: drop {them}")
+        raise ValueError(f"{' and '.join(speed_options)} {sets} the speed runs, which are timed on a CUDA GPU, and "
+                         f"none is visible: drop {them}")
     if quantized_checkpoint(args.model):
         raise ValueError(f"{args.model} is already quantized, and the report quantizes a 16-bit model each config's "
                          "way: give it the 16-bit model (an HF dir or a .gguf), or measure this one with `nibble eval "

@@ -525,17 +525,17 @@ def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path
     (["--no-model", "--no-speed"], "leaves nothing to measure"),
     (["--no-accuracy", "--limit", "3", "--tasks", "piqa"], "--limit and --tasks set the accuracy runs that "
                                                            "--no-accuracy skips"),
-    (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens set the accuracy runs that --no-model skips"),
-    (["--no-speed", "--speed-rounds", "9"], "--speed-rounds set the speed runs that --no-speed skips: drop it or "
+    (["--no-model", "--ppl-max-tokens", "100"], "--ppl-max-tokens sets the accuracy runs that --no-model skips"),
+    (["--no-speed", "--speed-rounds", "9"], "--speed-rounds sets the speed runs that --no-speed skips: drop it or "
                                             "--no-speed"),
     (["--no-speed", "--speed-models", "llama-3-8b", "--speed-rounds", "7"], "--speed-models and --speed-rounds set the "
                                                                            "speed runs that --no-speed skips: drop them"),
     # given at the default's value, they were taken as left out, and ignored; --batch-size was never checked
     (["--no-speed", "--speed-models", "llama-2-7b", "--speed-rounds", "3"], "--speed-models and --speed-rounds set the "
                                                                            "speed runs that --no-speed skips"),
-    (["--no-accuracy", "--tasks", *ALL_TASKS], "--tasks set the accuracy runs that --no-accuracy skips"),
-    (["--no-accuracy", "--batch-size", "16"], "--batch-size set the accuracy runs that --no-accuracy skips"),
-    (["--no-model", "--batch-size", "4"], "--batch-size set the accuracy runs that --no-model skips"),
+    (["--no-accuracy", "--tasks", *ALL_TASKS], "--tasks sets the accuracy runs that --no-accuracy skips"),
+    (["--no-accuracy", "--batch-size", "16"], "--batch-size sets the accuracy runs that --no-accuracy skips"),
+    (["--no-model", "--batch-size", "4"], "--batch-size sets the accuracy runs that --no-model skips"),
     (["--no-model", "--device", "cpu"], "--no-model skips the model that --device places: drop one of them"),
     # by the options' names: run_report's named its parameters ("tasks_limit must be >= 1" for --limit 0)
     (["--limit", "0"], "--limit must be >= 1, got 0"), (["--speed-rounds", "0"], "--speed-rounds must be >= 1"),
@@ -567,10 +567,10 @@ def test_report_without_a_gpu_refuses_speed_options(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     parse = report_command.add_report_arguments(argparse.ArgumentParser()).parse_args
     for speed_models in ("llama-3-8b", "llama-2-7b"):  # the default's value too: it was taken, and ignored
-        with pytest.raises(ValueError, match="^--speed-models set the speed runs, which are timed on a CUDA GPU, and "
+        with pytest.raises(ValueError, match="^--speed-models sets the speed runs, which are timed on a CUDA GPU, and "
                                              "none is visible: drop it$"):
             report_command.check_report_args(parse(["--out", str(tmp_path), "--speed-models", speed_models]))
-    with pytest.raises(ValueError, match="^--speed-rounds set the speed runs"):
+    with pytest.raises(ValueError, match="^--speed-rounds sets the speed runs"):
         report_command.check_report_args(parse(["--out", str(tmp_path), "--speed-rounds", "3"]))
     report_command.check_report_args(parse(["--out", str(tmp_path), "--speed-models"]))
 
@@ -696,3 +696,16 @@ def test_a_write_stopped_half_way_keeps_the_last_whole_report(tmp_path, monkeypa
         with pytest.raises(KeyboardInterrupt):
             write(results, tmp_path / name)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_python_m_nibble_eval_report_is_nibble_report(tmp_path):
+    """`python -m nibble.eval.report` (older results' commands) had a parser of its own: an error was a traceback, and
+    `--out <a file>` loaded and scored the model before failing. It is `nibble report` now, refusing at once."""
+    import subprocess
+    from pathlib import Path
+
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    run = subprocess.run([sys.executable, "-m", "nibble.eval.report", "--out", str(a_file), "--no-speed"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert run.returncode == 1 and run.stderr.startswith(f"nibble report: --out {a_file} is a file"), run.stderr
