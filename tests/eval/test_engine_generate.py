@@ -36,6 +36,15 @@ def test_the_filters_leave_out_the_tokens_transformers_warpers_leave_out(seed):
         torch.testing.assert_close(ours[kept], ref[kept])
 
 
+@pytest.mark.parametrize("top_k", range(1, 7))
+def test_top_k_keeps_k_tokens_up_to_and_past_the_vocabulary(top_k):
+    """top_k = V - 1 leaves out exactly the least likely token: the random vocabularies above seldom draw that k."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    ours = sampling_logits(logits, Sampling(1.0, top_k))
+    assert int((ours > -torch.inf).sum()) == min(top_k, 4)
+    assert torch.equal(ours == -torch.inf, TopKLogitsWarper(top_k)(None, logits.clone()) == -torch.inf)
+
+
 @pytest.mark.parametrize("sampling", [Sampling(0.7), Sampling(1.3, top_k=3), Sampling(1.0, top_p=0.75),
                                       Sampling(0.9, top_k=4, top_p=0.9)])
 def test_draws_follow_the_filtered_softmax(sampling):
@@ -242,8 +251,9 @@ def test_decode_steps_are_checked_before_the_sequences_move():
     for steps in (0, -5, 2.5, True):
         with pytest.raises(ValueError, match="steps must be an integer >= 1"):
             engine.decode(steps, collect=False)
-    with pytest.raises(ValueError, match=r"10 \+ 10 positions exceed this engine's max_seq_len=16"):
-        engine.decode(10)
+    for steps in (10, 7):  # one step past max_seq_len is refused too, and exactly up to it runs
+        with pytest.raises(ValueError, match=rf"10 \+ {steps} positions exceed this engine's max_seq_len=16"):
+            engine.decode(steps)
     assert engine.decode(6).shape == (1, 6)
 
 
@@ -349,6 +359,9 @@ def test_a_sliding_window_is_refused_only_where_a_layer_slides():
     layer_types are all full attention) but was refused for its sliding_window."""
     with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(8\).*runs up to 8 positions"):
         Engine(tiny_model("mistral", sliding_window=8), max_seq_len=16)
+    with pytest.raises(ValueError, match=r"max_seq_len=9 exceeds the model's sliding window \(8\)"):
+        Engine(tiny_model("mistral", sliding_window=8), max_seq_len=9)  # one past the window
+    assert Engine(tiny_model("mistral", sliding_window=8), max_seq_len=8).max_seq_len == 8
     assert Engine(tiny_model("mistral", sliding_window=8)).max_seq_len == 8  # Mistral v0.1: the window by default
     with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(8\)"):
         Engine(tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), max_seq_len=16)

@@ -74,15 +74,20 @@ def test_wikitext2_text_is_the_gptq_join_of_hf_rows():
     assert "\n\n \n\n" not in text  # no empty row is left as the raw file's " \n"
 
 
-def test_seq_len_beyond_the_model_context_warns_and_is_clamped():
+@pytest.mark.parametrize("seq_len", [128, 65])  # 65: one position past the context is clamped too
+def test_seq_len_beyond_the_model_context_warns_and_is_clamped(seq_len):
     model = tiny_model(max_position_embeddings=64)
-    with pytest.warns(UserWarning, match="exceeds the model's context") as record:
-        out = wikitext2_perplexity(model, ByteTokenizer(), seq_len=128, max_tokens=200, progress=False)
+    with pytest.warns(UserWarning, match=f"seq_len={seq_len} exceeds the model's context") as record:
+        out = wikitext2_perplexity(model, ByteTokenizer(), seq_len=seq_len, max_tokens=200, progress=False)
     assert record[0].filename == __file__  # its fixed stacklevel named wikitext2_perplexity's call of perplexity
     assert out["seq_len"] == 64 and out["windows"] == 3  # 200 tokens -> 3 windows, 8-token tail dropped
 
     ids = ByteTokenizer().encode(wikitext2_text())[:200]
     assert out["nll"] == pytest.approx(hand_nll(model, ids, 64)[0], rel=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a window exactly the context runs as given
+        at_context = wikitext2_perplexity(model, ByteTokenizer(), seq_len=64, max_tokens=200, progress=False)
+    assert at_context["seq_len"] == 64 and at_context["nll"] == out["nll"]
 
 
 def test_default_seq_len_is_the_context_capped_at_2048_and_at_max_tokens():

@@ -165,6 +165,26 @@ def test_encode_pair_moves_trailing_context_spaces_and_splits_the_whole_encoding
     assert encode_pair(bpe_tokenizer, "", "yes") == ([bpe_tokenizer.bos_token_id], enc("yes"))
 
 
+@pytest.mark.parametrize("bos, prefix", [(1, 1), (None, 2)])
+def test_a_context_free_continuation_follows_the_bos_token_or_else_the_eos_token(bos, prefix):
+    """Llama-style ids (BOS 1, EOS 2): the tokenizers above have one special token for both, so either would do."""
+    tokenizer = ByteTokenizer()
+    tokenizer.bos_token_id, tokenizer.eos_token_id = bos, 2
+    assert encode_pair(tokenizer, "", "ab") == ([prefix], [ord("a"), ord("b")])
+
+
+def test_a_continuation_longer_than_the_context_is_refused_and_one_that_fills_it_is_scored():
+    model = tiny_model(max_position_embeddings=8)
+    with pytest.raises(ValueError, match=r"Request 0: the continuation alone exceeds the model's context \(8\)"):
+        loglikelihood(model, ByteTokenizer(), [("a", "x" * 9)], progress=False)
+    full = ByteTokenizer().encode("a" + "x" * 8)
+    with torch.no_grad():  # the 8 input positions predict all 8 continuation tokens
+        lp = torch.log_softmax(model(torch.tensor([full[:-1]])).logits[0].double(), dim=-1)
+    by_hand = sum(lp[j, full[j + 1]].item() for j in range(8))
+    got = loglikelihood(model, ByteTokenizer(), [("a", "x" * 8)], progress=False)[0]
+    assert got == pytest.approx(by_hand, rel=1e-5)
+
+
 def test_loglikelihood_sums_continuation_log_probs_given_the_context():
     model = BigramLM(boost=[("b", "c", 2.0), ("c", "d", -1.0)])
     lp = torch.log_softmax(model.table.detach().double(), dim=-1)

@@ -120,6 +120,9 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=
     heads, kv_heads = head_counts or (c.num_attention_heads, c.num_key_value_heads)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
+    if c.head_dim != c.hidden_size // c.num_attention_heads:  # as llama.cpp's converter says a config's own head_dim
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if tokenizer is not None:
@@ -492,6 +495,18 @@ def test_a_gguf_without_token_types_loads_its_tokens_as_normal_ones(tiny, tmp_pa
     assert ids.tolist() == typed("hello 42", return_tensors="pt").input_ids.tolist()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, tiny(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_a_head_dim_other_than_hidden_over_heads_is_read_from_attention_key_length(tmp_path):
+    """A llama whose config sets head_dim (32 here, not 64 / 4): a loader that took hidden / heads refused the file
+    (its q rows are 4 * 32, not 64)."""
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(LlamaConfig(**{**TINY.to_dict(), "head_dim": 32})).eval()
+    model, _ = load_gguf(_write_gguf(tmp_path / "head_dim.gguf", source))
+    assert model.config.head_dim == 32
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
