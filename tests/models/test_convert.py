@@ -137,6 +137,11 @@ def test_default_keeps_lm_head_and_skips_by_suffix():
     assert len(names) == 14 and "lm_head" not in names
     names = linears_to_convert(model, QuantConfig(modules_to_not_convert=["mlp.down_proj"]))
     assert len(names) == 13 and names[-1] == "lm_head" and not any(n.endswith("down_proj") for n in names)
+    # a suffix is whole dotted names: "1.mlp.down_proj" is layer 1's alone, not layer 11's; "head" is not lm_head
+    model = tiny_model(num_hidden_layers=12)
+    names = linears_to_convert(model, QuantConfig(modules_to_not_convert=["1.mlp.down_proj", "head"]))
+    assert len(names) == 12 * 7 and "model.layers.1.mlp.down_proj" not in names
+    assert "model.layers.11.mlp.down_proj" in names and names[-1] == "lm_head"
 
 
 def test_a_skip_entry_that_matches_nothing_warns():
