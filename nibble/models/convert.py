@@ -428,18 +428,18 @@ def move_all_but_layers(model: nn.Module, device: torch.device) -> None:
 
 
 def weight_bytes(model: nn.Module) -> dict:
-    """Bytes of the quantized linears (codes + scales + zeros + bias) and what they were in 16 bits: a quantized
-    lm_head that was tied to the embedding (quantization_config's TIED_HEAD) was 0 bytes there, since the 16-bit
-    model held its table once, as the embedding, which keeps it; so "bf16_bytes" - "quantized_bytes" is what the
-    quantization saved, less than the other linears saved by the head's quantized bytes (negative where it grew)."""
+    """Bytes the quantized linears hold (codes + scales + zeros + bias, each in its own dtype: a float32 model keeps
+    float32 biases) and what they were in 16 bits (the bias too): a quantized lm_head that was tied to the embedding
+    (quantization_config's TIED_HEAD) was 0 bytes there, since the 16-bit model held its table once, as the
+    embedding, which keeps it; so "bf16_bytes" - "quantized_bytes" is what the quantization saved, less than the
+    other linears saved by the head's quantized bytes (negative where it grew)."""
     quant, dense16 = 0, 0
     head_was_tied = (getattr(model.config, "quantization_config", None) or {}).get(TIED_HEAD, False)
     for name, m in quantized_linears(model):
-        quant += sum(t.numel() * t.element_size() for t in (m.qweight, m.scales, m.zeros))
+        quant += sum(t.numel() * t.element_size() for t in (m.qweight, m.scales, m.zeros, m.bias) if t is not None)
         if not (head_was_tied and name == "lm_head"):
             dense16 += m.in_features * m.out_features * 2
         if m.bias is not None:
-            quant += m.bias.numel() * 2
             dense16 += m.bias.numel() * 2
     return {"quantized_bytes": quant, "bf16_bytes": dense16, "ratio": quant / dense16 if dense16 else float("nan")}
 

@@ -51,6 +51,20 @@ def test_weight_bytes_counts_scales_and_zeros():
     assert wb["ratio"] == pytest.approx(0.25 + 2 * 2 / (64 * 2), rel=1e-6)
 
 
+def test_weight_bytes_counts_the_bias_as_the_layer_holds_it():
+    """A float32 model keeps float32 biases (qwen2's q/k/v): they were counted at 2 bytes each, fewer than the
+    quantized linears hold. Every decoder linear is quantized here, so their bytes are the state dict's."""
+    from nibble.eval.memory import linear_bytes, weight_memory
+
+    model = tiny_model("qwen2")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    assert model.model.layers[0].self_attn.q_proj.bias.dtype == torch.float32
+    wb = weight_bytes(model)
+    assert wb["quantized_bytes"] == linear_bytes(weight_memory(model))
+    biases = sum(m.bias.numel() for _, m in quantized_linears(model) if m.bias is not None)
+    assert wb["bf16_bytes"] == sum(m.in_features * m.out_features * 2 for _, m in quantized_linears(model)) + 2 * biases
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])  # lm_head tied to the embedding, and its own matrix
 @pytest.mark.parametrize("rotate", [False, True])  # the rotation unties the head before it is quantized
 def test_weight_bytes_saved_is_what_quantizing_the_head_too_saved(arch, rotate):
@@ -137,6 +151,11 @@ def test_default_keeps_lm_head_and_skips_by_suffix():
     assert len(names) == 14 and "lm_head" not in names
     names = linears_to_convert(model, QuantConfig(modules_to_not_convert=["mlp.down_proj"]))
     assert len(names) == 13 and names[-1] == "lm_head" and not any(n.endswith("down_proj") for n in names)
+    # a suffix is whole dotted names: "1.mlp.down_proj" is layer 1's alone, not layer 11's; "head" is not lm_head
+    model = tiny_model(num_hidden_layers=12)
+    names = linears_to_convert(model, QuantConfig(modules_to_not_convert=["1.mlp.down_proj", "head"]))
+    assert len(names) == 12 * 7 and "model.layers.1.mlp.down_proj" not in names
+    assert "model.layers.11.mlp.down_proj" in names and names[-1] == "lm_head"
 
 
 def test_a_skip_entry_that_matches_nothing_warns():

@@ -219,6 +219,22 @@ def test_bad_inputs_give_clear_errors():
         QuantLinear.from_linear(nn.Linear(96, 16), QuantConfig(group_size=64))
 
 
+def test_an_act_order_layer_refuses_a_wider_input_before_its_gather():
+    """Only a narrower input was tested: a wider one passed a check of "fewer features" and the act-order layer's
+    gather of x[..., perm] dropped the extra columns silently, an output of the wrong input."""
+    q = _layer("permuted", "cpu", dtype=torch.float32)
+    for x in (torch.randn(2, 264), torch.randn(2, 255)):
+        with pytest.raises(ValueError, match=f"input has {x.shape[-1]} features .* expects 256"):
+            q(x)
+
+
+def test_an_online_rotation_is_refused_on_a_w4a16_layer():
+    """A w4a16 layer made with input_hadamard=True would skip the rotation in its forward (only the w4a4 path
+    rotates) while its input gradient applied the inverse one: gradients of another layer than the one run."""
+    with pytest.raises(ValueError, match="input_hadamard is part of the w4a4 path"):
+        QuantLinear(64, 32, group_size=64, mode="w4a16", input_hadamard=True)
+
+
 def test_an_unknown_backend_is_refused_when_set_naming_the_valid_ones():
     """`layer.backend = "bogus"` was taken, and the next forward failed far from the line that set it."""
     q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
@@ -528,6 +544,16 @@ def test_composed_torch_func_transforms_are_the_dequantized_weights(kind):
 
 
 @pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4"])
+def test_forward_mode_carries_the_bias_tangent(kind):
+    """The tests gave only x a tangent; one on the bias (a trainable buffer, as in BitFit) must reach the output
+    as it does through F.linear: d y / d bias is the identity on every row."""
+    q = _layer(kind, "cpu", dtype=torch.float32)
+    x, bias_tangent = torch.randn(3, 256), torch.randn(48)
+    _, got = torch.func.jvp(lambda b: torch.func.functional_call(q, {"bias": b}, (x,)), (q.bias,), (bias_tangent,))
+    torch.testing.assert_close(got, bias_tangent.expand(3, -1))
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "permuted", "w4a4"])
 def test_a_trainable_bias_gets_its_gradient_whether_or_not_x_wants_one(kind):
     """The bias is a buffer a user may train (BitFit); its gradient was lost whenever x required grad (every layer
     after the first trainable one), since the autograd.Function returned none for it."""
@@ -570,6 +596,24 @@ def test_shared_input_forward_refuses_a_gradient_of_x_in_stored_order():
     assert all(torch.equal(y, m(x)) for y, m in zip(ys, layers))
     with pytest.raises(ValueError, match="x_in_order=True is for inference"):
         shared_input_forward(layers, x[:, perm].requires_grad_(), x_in_order=True)
+
+
+def test_a_lone_act_order_layer_has_no_shared_input_order():
+    """A single layer runs as itself and gathers x in its own forward: taking x already in its order (as one launch
+    of several does) would gather it a second time, an output of the wrong input."""
+    from nibble.nn.quant_linear import shared_input_perm
+    q = _layer("permuted", "cpu", dtype=torch.float32)
+    assert shared_input_perm([q]) is None
+    with pytest.raises(ValueError, match="x_in_order=True is for layers of one input permutation"):
+        shared_input_forward([q], torch.randn(3, 256)[:, q.input_perm], x_in_order=True)
+
+
+def test_w4a4_operands_hand_the_bias_in_the_activations_dtype():
+    """The engine's fused RMSNorm passes these to the W4A4 kernels, which add the bias in the activations' dtype."""
+    from nibble.nn.quant_linear import w4a4_operands
+    layers = [QuantLinear(64, 16, mode="w4a4", dtype=torch.float32), QuantLinear(64, 8, False, mode="w4a4")]
+    (_, _, bias), (_, _, no_bias) = w4a4_operands(layers, torch.bfloat16)
+    assert bias.dtype == torch.bfloat16 and no_bias is None
 
 
 def test_a_refused_input_perm_leaves_the_layer_as_it_was():
