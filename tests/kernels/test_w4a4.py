@@ -81,6 +81,22 @@ def _half_integer_rows(M, K, dtype, gen=None, subnormal=True):
     return x
 
 
+def _exact_half_quotient_rows(K, dtype):
+    """Rows whose quotients are exactly +-3.5, which x RN(1 / scale) misses by an ulp (and rounds to the wrong code)
+    for about one largest value in six: row i's largest value (7 scale) has the mantissa 1 + i / 128, every one of
+    bfloat16's, the others are +-half of it. (`_half_integer_rows` rounds its values to dtype, off a half-integer
+    by far more than a float32 ulp.) Then a bfloat16 row at the bottom of the normal range, its values all normal,
+    whose 1 / scale overflows float32 without the division's 2^64 pre-scale."""
+    amax = 1 + torch.arange(128) / 128
+    x = (amax[:, None] / 2).repeat(1, K)
+    x[:, 1::2] *= -1
+    x[:, 0] = amax
+    if dtype == torch.bfloat16:
+        tiny = torch.finfo(dtype).tiny
+        x = torch.cat([x, torch.tensor([1.5, 1.0, -1.25, 1.5, -1.5] * (K // 5) + [1.0] * (K % 5))[None] * tiny])
+    return x.to(dtype)
+
+
 def _ref_quant(x):
     """The reference quantizer on the CPU. (On CUDA, PyTorch turns `amax / 7` into `amax * (1/7)`,
     one rounding off the spec's float32 division; the kernel divides exactly, like the CPU.)"""
@@ -368,9 +384,22 @@ def test_interp_act_quant_exact(M, K, dtype, chunked, monkeypatch):
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_interp_act_quant_half_integer_quotients(dtype):
+@pytest.mark.parametrize("gpu_division", [False, True])
+def test_interp_act_quant_half_integer_quotients(dtype, gpu_division, monkeypatch):
+    """gpu_division: `_row_quotients`' GPU branch (Markstein's correction, the 2^64 pre-scale of tiny scales: bf16
+    rows down to 2^-100 take it) instead of the interpreter's div_rn, with an FMA that rounds once from float64
+    (the interpreter's own rounds twice, in float32). It has no other interpreter-only branch on this path."""
+    if gpu_division:
+        from triton.runtime import interpreter
+
+        def fma_from_float64(builder, a, b, c):
+            exact = a.data.astype("float64") * b.data.astype("float64") + c.data.astype("float64")
+            return interpreter.TensorHandle(exact.astype("float32"), c.dtype.scalar)
+        monkeypatch.setattr(w4a4, "interpreting", lambda: False)
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", fma_from_float64)
     # normal numbers only: the interpreter converts subnormal bf16 to float32 wrongly
     x = _half_integer_rows(6, 96, dtype, torch.Generator().manual_seed(1), subnormal=False)
+    x = torch.cat([x, _exact_half_quotient_rows(96, dtype)])
     q, s = w4a4.quantize_activations_triton(x)
     qr, sr = reference.quantize_activations(x)
     assert torch.equal(q, qr) and torch.equal(s, sr)
