@@ -449,6 +449,7 @@ def _interp_cases():
         (1, 40, 136, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2, prefetch=True)),
         (3, 64, 128, dict(kind="gemv", MP=4, BN=32, BKW=4, split_k=3)),
         (17, 64, 96, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),
+        (17, 64, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),  # K, N even: unmasked
         (20, 48, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
         (17, 64, 96, dict(kind="mma", SWAP=True, BM=32, BN=32, BK=32, split_k=1)),
     ]
@@ -469,7 +470,7 @@ def test_interp_matmul_exact(M, N, K, cfg):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M,N,K,cfg", [_interp_cases()[0], _interp_cases()[4]])
 def test_interp_matmul_saturates_like_the_reference(M, N, K, cfg, dtype):
     # Products beyond the output type's range (here: a token scale of float32's max) must saturate
@@ -493,6 +494,20 @@ def test_interp_act_quant_fused_hadamard_equals_unfused_kernel():
     q, s = w4a4.quantize_activations_triton(x, True)
     q2, s2 = w4a4.quantize_activations_triton(hadamard_transform_triton(x, split=False), False)
     assert torch.equal(q, q2) and torch.equal(s, s2)  # 4 rows take the row-splitting rotation
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("K", [256, 576])
+def test_interp_act_quant_fused_hadamard_in_even_odd_order(K, monkeypatch):
+    """The fused rotation (HADAMARD) and the even_odd code order in one kernel: Sylvester only, and with a dense
+    factor (fused for a few rows only when they are not split)."""
+    from nibble.kernels import hadamard
+    monkeypatch.setattr(hadamard, "SPLIT_ROW_TILES", 0)
+    x = _activations(4, K, torch.bfloat16, "cpu")
+    q, s = w4a4.quantize_activations_triton(x, True)
+    q_eo, s_eo = w4a4.quantize_activations_triton(x, True, order="even_odd")
+    assert torch.equal(q_eo, w4a4.to_even_odd(q)) and torch.equal(s_eo, s)
 
 
 # ---- GPU: activation quantization ------------------------------------------------------------------
