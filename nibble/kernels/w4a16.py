@@ -94,7 +94,8 @@ class Config:
     factored: bool = True      # apply group scales to the block result (needs group % block_k == 0)
     trans: bool = False        # compute (W^T tile) @ (x^T tile): weight is the MMA's A operand
     dq_asm: int = 2            # dequant: 0 Triton ops, 1 PTX prmt/lop3 (pack 2), 2 PTX lop3 pairs j/j+4
-                               # (CUDA only; the interpreter always uses 0)
+                               # (PTX on CUDA only: the interpreter's `_launch` runs 1 as 0 and 2 as 3,
+                               # Triton-op planes in 2's slot order)
     group_m: int = 8           # tile swizzle for L2 reuse of x (large M)
     waves: float = 2.0         # split-K target: CTAs ~ waves * SMs
     max_split: int = 32

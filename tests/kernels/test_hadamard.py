@@ -258,6 +258,18 @@ def test_kernel_on_model_sizes_matches_float64_within_same_dtype_error(n, dtype,
 
 @pytest.mark.interpreter
 @needs_kernel
+@pytest.mark.parametrize("n", [3072, 5120])  # dense 12 -> 16 and 20 -> 32, then 16 x 16 Sylvester
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_on_plans_of_three_factors_matches_float64(n, dtype, split, monkeypatch):
+    """A dense factor and A > 1 (the plans of 14336 and 28672, which only GPUs run), whole rows and, for 5120,
+    split into two slices of 16 dense outputs."""
+    monkeypatch.setattr(had, "SPLIT_ROW_TILES", 1 << 30 if split else 0)
+    _check_kernel(n, dtype, inverse=False, rows=2)
+
+
+@pytest.mark.interpreter
+@needs_kernel
 @pytest.mark.parametrize("n", [576, 1536, 11008])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_split_over_programs_give_the_unsplit_transform(n, dtype):

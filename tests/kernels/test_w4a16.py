@@ -195,6 +195,11 @@ def test_select_config_is_pure_and_covers_all_m():
     # the planes in natural K order (dq_asm=0: Triton ops on CUDA too), factored and not, K off the block
     (5, 40, 256, 128, torch.float16, "dot_dq0"),
     (3, 48, 192, 32, torch.float16, "dot_nf_dq0"),
+    # unfactored with the weight as the MMA's A operand (the shipped M <= 16 config with GPTQ's g32/g64) and K on
+    # the block (unmasked scale and zero tiles), both slot orders; the gemv in bf16 (x read as float32, no bf16 dot)
+    (5, 40, 256, 32, torch.float16, "dot_nf_tr"),
+    (5, 40, 256, 32, torch.float16, "dot_nf_tr_dq0"),
+    (1, 64, 256, 128, torch.bfloat16, "gemv"),
 ])
 def test_interpreter_tiny(M, N, K, G, dtype, kind):
     qw, s, z = make_weight(N, K, G, seed=M)
@@ -204,7 +209,9 @@ def test_interpreter_tiny(M, N, K, G, dtype, kind):
            "dot_nf": W.Config(block_m=16, block_n=32, block_k=128, factored=False),
            "dot_tr": W.Config(block_m=16, block_n=32, block_k=128, trans=True, split_k=2),
            "dot_dq0": W.Config(block_m=16, block_n=32, block_k=128, trans=True, split_k=2, dq_asm=0),
-           "dot_nf_dq0": W.Config(block_m=16, block_n=32, block_k=128, factored=False, dq_asm=0)}[kind]
+           "dot_nf_dq0": W.Config(block_m=16, block_n=32, block_k=128, factored=False, dq_asm=0),
+           "dot_nf_tr": W.Config(block_m=16, block_n=32, block_k=128, factored=False, trans=True),
+           "dot_nf_tr_dq0": W.Config(block_m=16, block_n=32, block_k=128, factored=False, trans=True, dq_asm=0)}[kind]
     out = torch.full((M, N), float("nan"), dtype=dtype)
     W._launch(x, qw, s, z, G, cfg, out=out)
     assert_close(out, x, qw, s, z, G)

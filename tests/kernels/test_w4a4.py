@@ -81,6 +81,22 @@ def _half_integer_rows(M, K, dtype, gen=None, subnormal=True):
     return x
 
 
+def _exact_half_quotient_rows(K, dtype):
+    """Rows whose quotients are exactly +-3.5, which x RN(1 / scale) misses by an ulp (and rounds to the wrong code)
+    for about one largest value in six: row i's largest value (7 scale) has the mantissa 1 + i / 128, every one of
+    bfloat16's, the others are +-half of it. (`_half_integer_rows` rounds its values to dtype, off a half-integer
+    by far more than a float32 ulp.) Then a bfloat16 row at the bottom of the normal range, its values all normal,
+    whose 1 / scale overflows float32 without the division's 2^64 pre-scale."""
+    amax = 1 + torch.arange(128) / 128
+    x = (amax[:, None] / 2).repeat(1, K)
+    x[:, 1::2] *= -1
+    x[:, 0] = amax
+    if dtype == torch.bfloat16:
+        tiny = torch.finfo(dtype).tiny
+        x = torch.cat([x, torch.tensor([1.5, 1.0, -1.25, 1.5, -1.5] * (K // 5) + [1.0] * (K % 5))[None] * tiny])
+    return x.to(dtype)
+
+
 def _ref_quant(x):
     """The reference quantizer on the CPU. (On CUDA, PyTorch turns `amax / 7` into `amax * (1/7)`,
     one rounding off the spec's float32 division; the kernel divides exactly, like the CPU.)"""
@@ -368,9 +384,22 @@ def test_interp_act_quant_exact(M, K, dtype, chunked, monkeypatch):
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_interp_act_quant_half_integer_quotients(dtype):
+@pytest.mark.parametrize("gpu_division", [False, True])
+def test_interp_act_quant_half_integer_quotients(dtype, gpu_division, monkeypatch):
+    """gpu_division: `_row_quotients`' GPU branch (Markstein's correction, the 2^64 pre-scale of tiny scales: bf16
+    rows down to 2^-100 take it) instead of the interpreter's div_rn, with an FMA that rounds once from float64
+    (the interpreter's own rounds twice, in float32). It has no other interpreter-only branch on this path."""
+    if gpu_division:
+        from triton.runtime import interpreter
+
+        def fma_from_float64(builder, a, b, c):
+            exact = a.data.astype("float64") * b.data.astype("float64") + c.data.astype("float64")
+            return interpreter.TensorHandle(exact.astype("float32"), c.dtype.scalar)
+        monkeypatch.setattr(w4a4, "interpreting", lambda: False)
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", fma_from_float64)
     # normal numbers only: the interpreter converts subnormal bf16 to float32 wrongly
     x = _half_integer_rows(6, 96, dtype, torch.Generator().manual_seed(1), subnormal=False)
+    x = torch.cat([x, _exact_half_quotient_rows(96, dtype)])
     q, s = w4a4.quantize_activations_triton(x)
     qr, sr = reference.quantize_activations(x)
     assert torch.equal(q, qr) and torch.equal(s, sr)
@@ -420,6 +449,7 @@ def _interp_cases():
         (1, 40, 136, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2, prefetch=True)),
         (3, 64, 128, dict(kind="gemv", MP=4, BN=32, BKW=4, split_k=3)),
         (17, 64, 96, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),
+        (17, 64, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),  # K, N even: unmasked
         (20, 48, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
         (17, 64, 96, dict(kind="mma", SWAP=True, BM=32, BN=32, BK=32, split_k=1)),
     ]
@@ -440,7 +470,7 @@ def test_interp_matmul_exact(M, N, K, cfg):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M,N,K,cfg", [_interp_cases()[0], _interp_cases()[4]])
 def test_interp_matmul_saturates_like_the_reference(M, N, K, cfg, dtype):
     # Products beyond the output type's range (here: a token scale of float32's max) must saturate
@@ -464,6 +494,20 @@ def test_interp_act_quant_fused_hadamard_equals_unfused_kernel():
     q, s = w4a4.quantize_activations_triton(x, True)
     q2, s2 = w4a4.quantize_activations_triton(hadamard_transform_triton(x, split=False), False)
     assert torch.equal(q, q2) and torch.equal(s, s2)  # 4 rows take the row-splitting rotation
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+@pytest.mark.parametrize("K", [256, 576])
+def test_interp_act_quant_fused_hadamard_in_even_odd_order(K, monkeypatch):
+    """The fused rotation (HADAMARD) and the even_odd code order in one kernel: Sylvester only, and with a dense
+    factor (fused for a few rows only when they are not split)."""
+    from nibble.kernels import hadamard
+    monkeypatch.setattr(hadamard, "SPLIT_ROW_TILES", 0)
+    x = _activations(4, K, torch.bfloat16, "cpu")
+    q, s = w4a4.quantize_activations_triton(x, True)
+    q_eo, s_eo = w4a4.quantize_activations_triton(x, True, order="even_odd")
+    assert torch.equal(q_eo, w4a4.to_even_odd(q)) and torch.equal(s_eo, s)
 
 
 # ---- GPU: activation quantization ------------------------------------------------------------------
