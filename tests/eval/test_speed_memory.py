@@ -318,6 +318,9 @@ def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, laun
             monkeypatch.setattr(engine_mod, name, value)
     g = torch.Generator().manual_seed(4)
     dtypes = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32, torch.float16]
+    # every case takes the same paths whatever the seed: the interpreter (half of `make test`'s second pass with 4)
+    # draws 2 a case, the GPU 4
+    seeds = 2 if KERNEL_DEVICE == "cpu" else 4
     cases, rounds = 0, 0
     for case in range(48):
         V = int(torch.randint(2, 3 * engine_mod.SAMPLE_CHUNK, (1,), generator=g)) if case % 4 else 2 + case
@@ -331,7 +334,7 @@ def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, laun
         sampling = engine_mod.Sampling(float(0.2 + 2 * torch.rand(1, generator=g)), top_k, top_p)
         if sampling.greedy:
             continue
-        for seed in range(4):
+        for seed in range(seeds):
             torch.manual_seed(seed)
             ours = engine_mod.next_tokens(logits, sampling)
             torch.manual_seed(seed)
@@ -340,7 +343,7 @@ def test_sampling_kernel_draws_the_tokens_the_pytorch_ops_draw(monkeypatch, laun
             rounds += int((ours != logits.float().argmax(-1)).sum())
         cases += 1
     assert engine_mod._glue_failure is None  # the kernel ran, nothing fell back
-    assert cases > 30 and rounds > 50  # most draws were not the top token: the race itself was tested
+    assert cases > 30 and rounds > 12.5 * seeds  # most draws were not the top token: the race itself was tested
     # rows without a finite max end too (no endless rounds): every token ruled out, or one logit at +inf
     odd = torch.randn(2, 300).to(KERNEL_DEVICE)
     odd[0] = -torch.inf

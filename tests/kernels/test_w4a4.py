@@ -488,12 +488,15 @@ def test_interp_matmul_saturates_like_the_reference(M, N, K, cfg, dtype):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
-def test_interp_act_quant_fused_hadamard_equals_unfused_kernel():
-    from nibble.kernels.hadamard import hadamard_transform_triton
+def test_interp_act_quant_fused_hadamard_equals_unfused_kernel(monkeypatch):
+    """The rotation fused into the act-quant kernel (4 rows of 576 fuse only unsplit: SPLIT_ROW_TILES 0) quantizes
+    as the transform kernel, then the plain act-quant kernel, do."""
+    from nibble.kernels import hadamard
+    monkeypatch.setattr(hadamard, "SPLIT_ROW_TILES", 0)
     x = _activations(4, 576, torch.bfloat16, "cpu")
     q, s = w4a4.quantize_activations_triton(x, True)
-    q2, s2 = w4a4.quantize_activations_triton(hadamard_transform_triton(x, split=False), False)
-    assert torch.equal(q, q2) and torch.equal(s, s2)  # 4 rows take the row-splitting rotation
+    q2, s2 = w4a4.quantize_activations_triton(hadamard.hadamard_transform_triton(x, split=False), False)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
 
 
 @pytest.mark.interpreter
