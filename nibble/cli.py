@@ -657,7 +657,8 @@ def cmd_eval(args):
     from nibble.eval.perplexity import WIKITEXT2_TEST, check_model_window
     check_model_window(args.model, args.seq_len, args.max_tokens, ("--seq-len", "--max-tokens"))
     check_tokenizer(args)
-    from nibble.eval.tasks import ALL_TASKS, evaluate_tasks, task_files
+    from nibble.eval import ALL_TASKS
+    from nibble.eval.tasks import evaluate_tasks, task_files
 
     tasks = args.tasks or ALL_TASKS
     require_data([WIKITEXT2_TEST] if args.what == "ppl" else task_files(tasks))
