@@ -5,7 +5,7 @@ each program, before a GPU can time it. Run once per source tree (its ``nibble``
     PYTHONPATH=OLD_TREE python3 benchmarks/scripts/act_quant_sass.py > old.json
     PYTHONPATH=. python3 benchmarks/scripts/act_quant_sass.py > new.json
 
-Per K: all instructions but NOPs, and the compares / selects / min-max among them.
+Per K: all instructions but NOPs, and the compares / selects / min-max / FFMA / FMUL among them.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 from nibble.kernels import hadamard, w4a4
 
 KS = (4096, 11008, 14336)
-COUNTED = ("FSETP", "FSEL", "SEL", "ISETP", "FMNMX")
+COUNTED = ("FSETP", "FSEL", "SEL", "ISETP", "FMNMX", "FFMA", "FMUL")
 
 
 def sass(cubin: bytes) -> list[str]:

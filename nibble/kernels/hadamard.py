@@ -424,9 +424,10 @@ def hadamard_load_rows(x_ptr, row_offs, row_mask, n, dense_ptr, scale, dense_lo,
 def _nan_unless_finite(y):
     """y with every value that is not finite made NaN (the module's rule for non-finite values). Tested explicitly:
     the tf32 pieces turn an infinite value NaN only where a factor after the first splits it (Inf - Inf), so a
-    single-factor plan (n < 256 for 16-bit input: 8, 16, 40, 128, 200, ...) kept +-Inf. One compare and one select
-    an output, beside the factors' dots."""
-    return tl.where(tl.abs(y) <= 3.4028234663852886e38, y, float("nan"))
+    single-factor plan (n < 256 for 16-bit input: 8, 16, 40, 128, 200, ...) kept +-Inf. y * 0 + y is y where y is
+    finite (y * 0 is a signed zero, exact) and NaN where it is not (Inf * 0): one FFMA an output, which no
+    compiler folds (x * 0 -> 0 holds only without NaN and Inf)."""
+    return tl.fma(y, tl.zeros_like(y), y)
 
 
 @_jit

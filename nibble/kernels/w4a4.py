@@ -148,12 +148,18 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, dense_ptr, M, K, stride_x, stride_q, 
         # Rows rotated here or by hadamard_transform_triton, where NaN marks a float32 sum that was not finite
         # (x held NaN or +-Inf, or bfloat16 sums overflowed): such a token quantizes to zeros (the spec,
         # reference.rotate_activations), whatever the plan; one that is finite in float32 but past x.dtype's
-        # range is +-Inf here and saturates as usual. An explicit test of the row: the tf32 pieces' Inf - Inf
-        # reached only plans of several factors. A compare, a select and a max a value, small beside the
-        # rotation's dots (the select replaced one that zeroed the padding columns: they hold 0, or NaN in a
-        # row zeroed anyway).
-        xf = tl.where(_rows_without_nan(xf)[:, None], xf, 0.0)
-    store_int4_rows(xf, q_ptr + r * stride_q + c, mask, s_ptr + rows, rows < M, fmax, EVEN_ODD, INTERPRET)
+        # range is +-Inf here and saturates as usual. The row's amax, taken before any value is sanitized with
+        # a max that propagates NaN, is NaN exactly for those rows: the test costs nothing beyond the amax the
+        # scale needs, and a NaN-free row needs no NaN -> 0 select, so a value pays a select and a clamp
+        # (an explicit row test, then store_int4_rows' sanitizing, paid eight; SASS in notes-w4a4, session 64).
+        amax = tl.reduce(tl.abs(xf), 1, _max_propagating_nan)
+        nan_row = amax != amax
+        xf = tl.where(nan_row[:, None], 0.0, tl.minimum(tl.maximum(xf, -fmax), fmax))
+        scale = _int4_scale(tl.where(nan_row, 0.0, tl.minimum(amax, fmax)))
+        _store_int4_codes(xf, scale, q_ptr + r * stride_q + c, mask, EVEN_ODD, INTERPRET)
+        tl.store(s_ptr + rows, scale, mask=rows < M)
+    else:
+        store_int4_rows(xf, q_ptr + r * stride_q + c, mask, s_ptr + rows, rows < M, fmax, EVEN_ODD, INTERPRET)
 
 
 @_jit
@@ -210,9 +216,9 @@ def _codes(q, EVEN_ODD: tl.constexpr):
 
 
 @_jit
-def _rows_without_nan(xf):
-    """[R] True where row r of xf [R, C] holds no NaN."""
-    return tl.max(tl.where(xf != xf, 1, 0), axis=1) == 0
+def _max_propagating_nan(a, b):
+    """max(a, b), NaN where either is (max.NaN.f32; tl.max's own max drops NaN on the GPU)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @_jit
