@@ -169,7 +169,7 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
                     log(f"  candidate {idx} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
                 candidate_us.append(t)
                 log(f"  N={N:6d} K={K:6d} M={M:5d} cand{idx} {cfg['kind']} "
-                    f"{ {k: v for k, v in cfg.items() if k not in ('kind', 'SWAP')} } {t}")
+                    f"{ {k: v for k, v in cfg.items() if k != 'kind'} } {t}")
             valid = [(t, i) for i, t in enumerate(candidate_us) if t]
             if valid:
                 best = min(valid)[1]

@@ -20,10 +20,9 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         two int8x4 registers, 9 instructions), `tl.dot` int8 x int8 -> int32, float
                         epilogue acc * (sx[m] * sw[n]) (+ bias), optional split-K. Triton keeps int8
                         wgmma synchronous (int32 accumulators), so tiles are 4-warp 128x128 to fit
-                        two programs per SM, whose unpacking and MMAs then overlap.
-                        SWAP=True (the transposed product, weight tile as wgmma's register operand
-                        A) is kept for experiments: Triton still routes the unpacked tile through
-                        shared memory, so it measured no gain (benchmarks/notes-w4a4.md).
+                        two programs per SM, whose unpacking and MMAs then overlap. The weight as
+                        wgmma's register operand A (the transposed product) was tried, not kept:
+                        benchmarks/notes-w4a4.md, design decision 4.
 ``_w4a4_gemv_kernel``   decode (M = 1): streams the packed weight once with 16-byte loads and
                         computes on the CUDA cores with `dp4a` (4 products per instruction): the
                         low / high nibbles of each word are masked into four unsigned bytes each
@@ -642,21 +641,11 @@ def _unpack_rows_asm(words):
     return tl.reshape(v, (R * 8, C))
 
 
-@_jit
-def _unpack_cols(words):
-    """int32 words [C, R] -> int8 [C, R * 8]: column 8 r + j = signed (q - 8) of nibble j of words[:, r]."""
-    C: tl.constexpr = words.shape[0]
-    R: tl.constexpr = words.shape[1]
-    shl = 28 - 4 * tl.arange(0, 8)
-    v = ((words ^ _XOR_SIGN)[:, :, None] << shl[None, None, :]) >> 28
-    return tl.reshape(v.to(tl.int8), (C, R * 8))
-
-
 @_jit(do_not_specialize=["M", "split_k"])
 def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_ym, k_per_split, split_k,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, UNPACK_ASM: tl.constexpr = False):
     """acc[m, n] = sum_k x[m, k] * (q[k, n] - 8) over this program's K range.
 
@@ -685,10 +674,7 @@ def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_p
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
 
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.int32)
+    acc = tl.zeros((BM, BN), dtype=tl.int32)
     for k0 in range(k_begin, k_end, BK):
         if EVEN_K:
             xt = tl.load(x_ptr + xm[:, None] * stride_xm + (k0 + offs_kk)[None, :])
@@ -696,29 +682,16 @@ def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_p
             xt = tl.load(x_ptr + xm[:, None] * stride_xm + (k0 + offs_kk)[None, :],
                          mask=(k0 + offs_kk)[None, :] < k_end, other=0)
         kw = k0 // 8 + offs_kw
-        if SWAP:
-            wp = w_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BK/8]
-            if EVEN_K and EVEN_N:
-                words = tl.load(wp)
-            else:
-                words = tl.load(wp, mask=(kw[None, :] < k_end // 8) & (offs_n[:, None] < N), other=0)
-            wt = _unpack_cols(words)  # [BN, BK]
+        wp = w_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :]  # [BK/8, BN]
+        if EVEN_K and EVEN_N:
+            words = tl.load(wp)
         else:
-            wp = w_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :]  # [BK/8, BN]
-            if EVEN_K and EVEN_N:
-                words = tl.load(wp)
-            else:
-                words = tl.load(wp, mask=(kw[:, None] < k_end // 8) & (offs_n[None, :] < N), other=0)
-            if UNPACK_ASM:
-                wt = _unpack_rows_asm(words)  # [BK, BN]
-            else:
-                wt = _unpack_rows(words)
-        if SWAP:
-            acc = tl.dot(wt, tl.trans(xt), acc, out_dtype=tl.int32)
+            words = tl.load(wp, mask=(kw[:, None] < k_end // 8) & (offs_n[None, :] < N), other=0)
+        if UNPACK_ASM:
+            wt = _unpack_rows_asm(words)  # [BK, BN]
         else:
-            acc = tl.dot(xt, wt, acc, out_dtype=tl.int32)
-    if SWAP:
-        acc = tl.trans(acc)
+            wt = _unpack_rows(words)
+        acc = tl.dot(xt, wt, acc, out_dtype=tl.int32)
     tile_id = pid_m * num_n + pid_n
     _finish(acc, offs_m[:, None], offs_n[None, :], M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym,
             part_ptr, cnt_ptr, tile_id, pid_k, split_k, SPLIT, HAS_BIAS, OUT_INT)
@@ -828,7 +801,7 @@ def _w4a4_gemv_kernel(xw_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt
 # ================================================================================================
 
 def _mma(BM, BN, BK, warps, stages, group=8):
-    return dict(kind="mma", SWAP=False, BM=BM, BN=BN, BK=BK, GROUP_M=group, num_warps=warps, num_stages=stages)
+    return dict(kind="mma", BM=BM, BN=BN, BK=BK, GROUP_M=group, num_warps=warps, num_stages=stages)
 
 
 def _gemv(BN, BKW):
@@ -864,7 +837,7 @@ TUNED: dict = {
 
 
 def _tile_key(cfg: dict) -> tuple:
-    return cfg.get("SWAP"), cfg["BM"], cfg["BN"], cfg["BK"], cfg.get("num_warps", 4), cfg.get("num_stages", 3)
+    return cfg["BM"], cfg["BN"], cfg["BK"], cfg.get("num_warps", 4), cfg.get("num_stages", 3)
 
 
 _ASM_CHECKED_TILES = frozenset(_tile_key(c) for b in CANDIDATES.values() for c in b if c["kind"] == "mma")
@@ -990,7 +963,7 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     part, cnt = _split_buffers(split, M, N, num_m * num_n, dev)
     _w4a4_mma_kernel[(num_m * num_n, split)](
         qx, qweight, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
-        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), SWAP=cfg["SWAP"], EVEN_K=even_k, EVEN_N=N % BN == 0,
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), EVEN_K=even_k, EVEN_N=N % BN == 0,
         SPLIT=split > 1,
         UNPACK_ASM=cfg.get("asm", _asm_unpack_checked(cfg)) and not interpreting(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),

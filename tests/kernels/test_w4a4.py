@@ -325,7 +325,7 @@ def test_asm_unpack_layout():
         if key in seen:
             continue
         seen.add(key)
-        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], SWAP=False, EVEN_K=True,
+        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], EVEN_K=True,
                   EVEN_N=True, SPLIT=False, HAS_BIAS=False, OUT_INT=False, UNPACK_ASM=True)
         full = dict(sig, **{k: "constexpr" for k in ce})
         src = ASTSource(fn=w4a4._w4a4_mma_kernel, signature=full, constexprs=ce,
@@ -345,7 +345,7 @@ def test_asm_unpack_only_for_checked_tiles():
     config takes the plain unpack (64x64x64 at 4 warps with the asm one gave wrong products)."""
     shipped = [c for b in w4a4.CANDIDATES.values() for c in b if c["kind"] == "mma"]
     assert shipped and all(w4a4._asm_unpack_checked(c) for c in shipped)
-    assert not w4a4._asm_unpack_checked(dict(kind="mma", SWAP=False, BM=64, BN=64, BK=64))
+    assert not w4a4._asm_unpack_checked(dict(kind="mma", BM=64, BN=64, BK=64))
     assert not w4a4._asm_unpack_checked(dict(shipped[0], num_warps=shipped[0]["num_warps"] * 2))
 
 
@@ -357,7 +357,7 @@ def test_custom_triton_tile_exact(split_k):
     M, N, K = 70, 256, 512
     qw, _ = _codes_weight(N, K, "cuda")
     qx = _qx(M, K, "cuda")
-    cfg = dict(kind="mma", SWAP=False, BM=64, BN=64, BK=64, split_k=split_k)
+    cfg = dict(kind="mma", BM=64, BN=64, BK=64, split_k=split_k)
     assert torch.equal(w4a4.w4a4_accumulate_triton(qx, qw, config=cfg), reference.w4a4_accumulate(qx, qw))
 
 
@@ -448,10 +448,9 @@ def _interp_cases():
         (1, 64, 64, dict(kind="gemv", MP=1, BN=64, BKW=8, split_k=1)),
         (1, 40, 136, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2, prefetch=True)),
         (3, 64, 128, dict(kind="gemv", MP=4, BN=32, BKW=4, split_k=3)),
-        (17, 64, 96, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),
-        (17, 64, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),  # K, N even: unmasked
-        (20, 48, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
-        (17, 64, 96, dict(kind="mma", SWAP=True, BM=32, BN=32, BK=32, split_k=1)),
+        (17, 64, 96, dict(kind="mma", BM=16, BN=32, BK=64, split_k=2)),
+        (17, 64, 128, dict(kind="mma", BM=16, BN=32, BK=64, split_k=2)),  # K, N even: unmasked
+        (20, 48, 128, dict(kind="mma", BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
     ]
 
 
