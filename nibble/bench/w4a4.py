@@ -70,8 +70,6 @@ def _precompile_task(args):
     b = w4a4.m_bucket(M)
     cands = w4a4.CANDIDATES[b] if tune else [w4a4.pick_config(M, N, K)]
     for c in cands:
-        if c["kind"] == "gemv" and M > c["MP"]:
-            continue
         try:
             w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, torch.bfloat16, config=c)
         except Exception as e:
@@ -156,9 +154,6 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
             b = w4a4.m_bucket(M)
             candidate_us = []
             for idx, c in enumerate(w4a4.CANDIDATES[b]):
-                if c["kind"] == "gemv" and M > c["MP"]:
-                    candidate_us.append(None)
-                    continue
                 cfg = dict(c, split_k=w4a4.auto_split(c, M, N, K))
                 try:
                     t = bench_us(lambda i, cfg=cfg: (lambda: w4a4.w4a4_matmul_triton(
