@@ -70,8 +70,6 @@ def _precompile_task(args):
     b = w4a4.m_bucket(M)
     cands = w4a4.CANDIDATES[b] if tune else [w4a4.pick_config(M, N, K)]
     for c in cands:
-        if c["kind"] == "gemv" and M > c["MP"]:
-            continue
         try:
             w4a4.w4a4_matmul_triton(qx, sx, qw, ws, None, torch.bfloat16, config=c)
         except Exception as e:
@@ -156,9 +154,6 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
             b = w4a4.m_bucket(M)
             candidate_us = []
             for idx, c in enumerate(w4a4.CANDIDATES[b]):
-                if c["kind"] == "gemv" and M > c["MP"]:
-                    candidate_us.append(None)
-                    continue
                 cfg = dict(c, split_k=w4a4.auto_split(c, M, N, K))
                 try:
                     t = bench_us(lambda i, cfg=cfg: (lambda: w4a4.w4a4_matmul_triton(
@@ -169,7 +164,7 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
                     log(f"  candidate {idx} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
                 candidate_us.append(t)
                 log(f"  N={N:6d} K={K:6d} M={M:5d} cand{idx} {cfg['kind']} "
-                    f"{ {k: v for k, v in cfg.items() if k not in ('kind', 'SWAP')} } {t}")
+                    f"{ {k: v for k, v in cfg.items() if k != 'kind'} } {t}")
             valid = [(t, i) for i, t in enumerate(candidate_us) if t]
             if valid:
                 best = min(valid)[1]

@@ -486,9 +486,10 @@ if HAS_TRITON:
         x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, K, G, stride_xm, stride_om, SPLIT_K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DQ_ASM: tl.constexpr,
+        USE_SPLIT: tl.constexpr, DQ_ASM: tl.constexpr,
     ):
-        """M <= 2 on CUDA cores. Needs group % BLOCK_K == 0 (one group per K block).
+        """M <= 2 on CUDA cores. Needs group % BLOCK_K == 0 (one group per K block), so K % BLOCK_K == 0 too (groups
+        tile K): no masks along K.
 
         Each thread owns all BLOCK_K/8 word-rows of its columns, so the K reduction is in
         registers; fp32 planes ``1 + q/256`` (even nibbles) / ``1 + q/16`` (odd) feed FMAs directly
@@ -510,34 +511,20 @@ if HAS_TRITON:
         for kb in range(kb_start, kb_end):
             k0 = kb * BLOCK_K
             kk = k0 + 8 * offs_i
-            if EVEN_K:
-                w = tl.load(qw_ptrs + (k0 // 8) * N)
-            else:
-                k_ok = kk < K
-                w = tl.load(qw_ptrs + (k0 // 8) * N, mask=k_ok[:, None], other=0)
+            w = tl.load(qw_ptrs + (k0 // 8) * N)
             g = k0 // G
             s = tl.load(s_ptr + g * N + offs_n_ld).to(tl.float32)
             z = tl.load(z_ptr + g * N + offs_n_ld).to(tl.float32)
             for m in tl.static_range(BLOCK_M):  # BLOCK_M == M (1 or 2)
                 xp = x_ptr + m * stride_xm + kk
-                if EVEN_K:
-                    x0 = tl.load(xp + 0).to(tl.float32)
-                    x1 = tl.load(xp + 1).to(tl.float32)
-                    x2 = tl.load(xp + 2).to(tl.float32)
-                    x3 = tl.load(xp + 3).to(tl.float32)
-                    x4 = tl.load(xp + 4).to(tl.float32)
-                    x5 = tl.load(xp + 5).to(tl.float32)
-                    x6 = tl.load(xp + 6).to(tl.float32)
-                    x7 = tl.load(xp + 7).to(tl.float32)
-                else:
-                    x0 = tl.load(xp + 0, mask=k_ok, other=0.0).to(tl.float32)
-                    x1 = tl.load(xp + 1, mask=k_ok, other=0.0).to(tl.float32)
-                    x2 = tl.load(xp + 2, mask=k_ok, other=0.0).to(tl.float32)
-                    x3 = tl.load(xp + 3, mask=k_ok, other=0.0).to(tl.float32)
-                    x4 = tl.load(xp + 4, mask=k_ok, other=0.0).to(tl.float32)
-                    x5 = tl.load(xp + 5, mask=k_ok, other=0.0).to(tl.float32)
-                    x6 = tl.load(xp + 6, mask=k_ok, other=0.0).to(tl.float32)
-                    x7 = tl.load(xp + 7, mask=k_ok, other=0.0).to(tl.float32)
+                x0 = tl.load(xp + 0).to(tl.float32)
+                x1 = tl.load(xp + 1).to(tl.float32)
+                x2 = tl.load(xp + 2).to(tl.float32)
+                x3 = tl.load(xp + 3).to(tl.float32)
+                x4 = tl.load(xp + 4).to(tl.float32)
+                x5 = tl.load(xp + 5).to(tl.float32)
+                x6 = tl.load(xp + 6).to(tl.float32)
+                x7 = tl.load(xp + 7).to(tl.float32)
                 if DQ_ASM:
                     ae, ao = _gemv_asm(w, x0[:, None], x1[:, None], x2[:, None], x3[:, None],
                                        x4[:, None], x5[:, None], x6[:, None], x7[:, None])
@@ -684,14 +671,13 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
     if cfg.kind == "gemv":
         if M > 2:
             raise ValueError("the gemv kernel handles M <= 2")
-        bk = _pow2_divisor(group_size, cfg.block_k)  # one group per K block
+        bk = _pow2_divisor(group_size, cfg.block_k)  # one group per K block (and so K % bk == 0)
         bm = M
         tiles = _cdiv(N, cfg.block_n)
     else:
         bk = cfg.block_k
         bm = cfg.block_m
         tiles = _cdiv(M, bm) * _cdiv(N, cfg.block_n)
-    even_k = K % bk == 0
     grid = (tiles, cfg.split_k)
     if cfg.split_k > 1:
         ws = torch.empty(tiles * cfg.split_k * bm * cfg.block_n, dtype=torch.float32, device=x.device)
@@ -702,7 +688,7 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
     if cfg.kind == "gemv":
         _w4a16_gemv_kernel[grid](
             x, qweight, scales, zeros, out, ws, cnt, M, N, K, group_size, x.stride(0), out.stride(0), cfg.split_k,
-            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, USE_SPLIT=cfg.split_k > 1, EVEN_K=even_k,
+            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, USE_SPLIT=cfg.split_k > 1,
             DQ_ASM=dq_asm in (1, 2), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         factored = cfg.factored and group_size % bk == 0
@@ -710,7 +696,7 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
             x, qweight, scales, zeros, out, ws, cnt, M, N, K, group_size, x.stride(0), out.stride(0), cfg.split_k,
             BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, USE_SPLIT=cfg.split_k > 1,
             GROUP_M=cfg.group_m, FACTORED=factored, TRANS=cfg.trans, DQ_ASM=dq_asm, IS_BF16=is_bf16,
-            EVEN_K=even_k, DOT_F32=_INTERPRET and is_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            EVEN_K=K % bk == 0, DOT_F32=_INTERPRET and is_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -20,10 +20,9 @@ The spec is `nibble.kernels.reference` (`quantize_activations`, `w4a4_accumulate
                         two int8x4 registers, 9 instructions), `tl.dot` int8 x int8 -> int32, float
                         epilogue acc * (sx[m] * sw[n]) (+ bias), optional split-K. Triton keeps int8
                         wgmma synchronous (int32 accumulators), so tiles are 4-warp 128x128 to fit
-                        two programs per SM, whose unpacking and MMAs then overlap.
-                        SWAP=True (the transposed product, weight tile as wgmma's register operand
-                        A) is kept for experiments: Triton still routes the unpacked tile through
-                        shared memory, so it measured no gain (benchmarks/notes-w4a4.md).
+                        two programs per SM, whose unpacking and MMAs then overlap. The weight as
+                        wgmma's register operand A (the transposed product) was tried, not kept:
+                        benchmarks/notes-w4a4.md, design decision 4.
 ``_w4a4_gemv_kernel``   decode (M = 1): streams the packed weight once with 16-byte loads and
                         computes on the CUDA cores with `dp4a` (4 products per instruction): the
                         low / high nibbles of each word are masked into four unsigned bytes each
@@ -642,21 +641,11 @@ def _unpack_rows_asm(words):
     return tl.reshape(v, (R * 8, C))
 
 
-@_jit
-def _unpack_cols(words):
-    """int32 words [C, R] -> int8 [C, R * 8]: column 8 r + j = signed (q - 8) of nibble j of words[:, r]."""
-    C: tl.constexpr = words.shape[0]
-    R: tl.constexpr = words.shape[1]
-    shl = 28 - 4 * tl.arange(0, 8)
-    v = ((words ^ _XOR_SIGN)[:, :, None] << shl[None, None, :]) >> 28
-    return tl.reshape(v.to(tl.int8), (C, R * 8))
-
-
 @_jit(do_not_specialize=["M", "split_k"])
 def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_ym, k_per_split, split_k,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, UNPACK_ASM: tl.constexpr = False):
     """acc[m, n] = sum_k x[m, k] * (q[k, n] - 8) over this program's K range.
 
@@ -685,10 +674,7 @@ def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_p
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
 
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.int32)
+    acc = tl.zeros((BM, BN), dtype=tl.int32)
     for k0 in range(k_begin, k_end, BK):
         if EVEN_K:
             xt = tl.load(x_ptr + xm[:, None] * stride_xm + (k0 + offs_kk)[None, :])
@@ -696,29 +682,16 @@ def _w4a4_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_p
             xt = tl.load(x_ptr + xm[:, None] * stride_xm + (k0 + offs_kk)[None, :],
                          mask=(k0 + offs_kk)[None, :] < k_end, other=0)
         kw = k0 // 8 + offs_kw
-        if SWAP:
-            wp = w_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BK/8]
-            if EVEN_K and EVEN_N:
-                words = tl.load(wp)
-            else:
-                words = tl.load(wp, mask=(kw[None, :] < k_end // 8) & (offs_n[:, None] < N), other=0)
-            wt = _unpack_cols(words)  # [BN, BK]
+        wp = w_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :]  # [BK/8, BN]
+        if EVEN_K and EVEN_N:
+            words = tl.load(wp)
         else:
-            wp = w_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :]  # [BK/8, BN]
-            if EVEN_K and EVEN_N:
-                words = tl.load(wp)
-            else:
-                words = tl.load(wp, mask=(kw[:, None] < k_end // 8) & (offs_n[None, :] < N), other=0)
-            if UNPACK_ASM:
-                wt = _unpack_rows_asm(words)  # [BK, BN]
-            else:
-                wt = _unpack_rows(words)
-        if SWAP:
-            acc = tl.dot(wt, tl.trans(xt), acc, out_dtype=tl.int32)
+            words = tl.load(wp, mask=(kw[:, None] < k_end // 8) & (offs_n[None, :] < N), other=0)
+        if UNPACK_ASM:
+            wt = _unpack_rows_asm(words)  # [BK, BN]
         else:
-            acc = tl.dot(xt, wt, acc, out_dtype=tl.int32)
-    if SWAP:
-        acc = tl.trans(acc)
+            wt = _unpack_rows(words)
+        acc = tl.dot(xt, wt, acc, out_dtype=tl.int32)
     tile_id = pid_m * num_n + pid_n
     _finish(acc, offs_m[:, None], offs_n[None, :], M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym,
             part_ptr, cnt_ptr, tile_id, pid_k, split_k, SPLIT, HAS_BIAS, OUT_INT)
@@ -743,82 +716,59 @@ def _dp4a(a, b, c, USE_ASM: tl.constexpr):
 
 @_jit(do_not_specialize=["M", "split_k"])
 def _w4a4_gemv_kernel(xw_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
-                      M, N, KW, stride_xw, stride_ym, kw_per_split, split_k,
-                      MP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, SPLIT: tl.constexpr,
+                      M, N, KW, stride_ym, kw_per_split, split_k,
+                      BN: tl.constexpr, BKW: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, USE_ASM: tl.constexpr,
                       PREFETCH: tl.constexpr = False):
-    """xw: the int8 activations [M, K] viewed as int32 [M, K // 4]; w: packed int32 [KW = K // 8, N].
+    """One token (M = 1). xw: the int8 activations [1, K] viewed as int32 [1, K // 4]; w: packed int32
+    [KW = K // 8, N].
 
     Word row i of the weight holds k = 8 i .. 8 i + 7; its low nibbles (k even) are dotted with the
-    even activation bytes, its high nibbles with the odd ones.
+    even activation bytes, its high nibbles with the odd ones. 2-D tiles, so the weight load keeps its
+    coalesced 16-byte-per-thread layout.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    offs_m = tl.arange(0, MP)
-    xm = tl.where(offs_m < M, offs_m, 0)
+    offs_m = tl.arange(0, 1)
     i_begin = pid_k * kw_per_split
     i_end = tl.minimum(i_begin + kw_per_split, KW)
     ones = tl.full((1, 1), 0x01010101, tl.int32)
-    if MP == 1:
-        # One token: 2-D tiles, so the weight load keeps its coalesced 16-byte-per-thread layout.
-        acc1 = tl.zeros((BKW, BN), dtype=tl.int32)
-        xsum1 = tl.zeros((BKW, 1), dtype=tl.int32)
-        # Software pipelining: the next weight tile is requested before this one is used, so each
-        # program keeps two tiles of loads in flight.
-        # (PREFETCH; tested, not yet timed on the device, so off by default.)
-        offs_i = i_begin + tl.arange(0, BKW)
-        w_next = tl.zeros((BKW, BN), dtype=tl.int32)
+    acc = tl.zeros((BKW, BN), dtype=tl.int32)
+    xsum = tl.zeros((BKW, 1), dtype=tl.int32)
+    # Software pipelining: the next weight tile is requested before this one is used, so each
+    # program keeps two tiles of loads in flight.
+    # (PREFETCH; tested, not yet timed on the device, so off by default.)
+    offs_i = i_begin + tl.arange(0, BKW)
+    w_next = tl.zeros((BKW, BN), dtype=tl.int32)
+    if PREFETCH:
+        w_next = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
+                         mask=(offs_i < i_end)[:, None] & n_ok[None, :], other=0)
+    for i0 in range(i_begin, i_end, BKW):
+        offs_i = i0 + tl.arange(0, BKW)
+        i_ok = offs_i < i_end
         if PREFETCH:
-            w_next = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
-                             mask=(offs_i < i_end)[:, None] & n_ok[None, :], other=0)
-        for i0 in range(i_begin, i_end, BKW):
-            offs_i = i0 + tl.arange(0, BKW)
-            i_ok = offs_i < i_end
-            if PREFETCH:
-                w = w_next
-                offs_nx = offs_i + BKW
-                w_next = tl.load(w_ptr + offs_nx[:, None].to(tl.int64) * N + offs_n[None, :],
-                                 mask=(offs_nx < i_end)[:, None] & n_ok[None, :], other=0)
-            else:
-                w = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
-                            mask=i_ok[:, None] & n_ok[None, :], other=0)
-            lo = w & _LOW_NIBBLES
-            hi = (w >> 4) & _LOW_NIBBLES
-            xp = xw_ptr + 2 * offs_i[:, None]
-            a0 = tl.load(xp, mask=i_ok[:, None], other=0)
-            a1 = tl.load(xp + 1, mask=i_ok[:, None], other=0)
-            xe = (a0 & 0xFF) | ((a0 >> 8) & 0xFF00) | ((a1 & 0xFF) << 16) | ((a1 & 0xFF0000) << 8)
-            xo = ((a0 >> 8) & 0xFF) | ((a0 >> 16) & 0xFF00) | ((a1 << 8) & 0xFF0000) | (a1 & -16777216)
-            acc1 = _dp4a(lo, xe, acc1, USE_ASM)
-            acc1 = _dp4a(hi, xo, acc1, USE_ASM)
-            xsum1 = _dp4a(ones, a0, xsum1, USE_ASM)
-            xsum1 = _dp4a(ones, a1, xsum1, USE_ASM)
-        acc = acc1[None, :, :]
-        xsum = tl.reshape(xsum1, (1, BKW))
-    else:
-        acc = tl.zeros((MP, BKW, BN), dtype=tl.int32)
-        xsum = tl.zeros((MP, BKW), dtype=tl.int32)
-        for i0 in range(i_begin, i_end, BKW):
-            offs_i = i0 + tl.arange(0, BKW)
-            i_ok = offs_i < i_end
-            w = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :], mask=i_ok[:, None] & n_ok[None, :],
-                        other=0)
-            lo = w & _LOW_NIBBLES           # codes of k = 8i + 0, 2, 4, 6 (bytes 0..3)
-            hi = (w >> 4) & _LOW_NIBBLES    # codes of k = 8i + 1, 3, 5, 7
-            # The activation words of this K step, one coalesced [MP, 2 * BKW] load, split in two.
-            offs_w = 2 * i0 + tl.arange(0, 2 * BKW)
-            xa = tl.load(xw_ptr + xm[:, None] * stride_xw + offs_w[None, :],
-                         mask=(offs_m[:, None] < M) & (offs_w[None, :] < 2 * i_end), other=0)
-            a0, a1 = tl.split(tl.reshape(xa, (MP, BKW, 2)))  # bytes x[8i .. 8i+3], x[8i+4 .. 8i+7]
-            xe = (a0 & 0xFF) | ((a0 >> 8) & 0xFF00) | ((a1 & 0xFF) << 16) | ((a1 & 0xFF0000) << 8)
-            xo = ((a0 >> 8) & 0xFF) | ((a0 >> 16) & 0xFF00) | ((a1 << 8) & 0xFF0000) | (a1 & -16777216)
-            acc = _dp4a(lo[None, :, :], xe[:, :, None], acc, USE_ASM)
-            acc = _dp4a(hi[None, :, :], xo[:, :, None], acc, USE_ASM)
-            xsum = _dp4a(ones, a0, xsum, USE_ASM)
-            xsum = _dp4a(ones, a1, xsum, USE_ASM)
-    part = tl.sum(acc, axis=1) - 8 * tl.sum(xsum, axis=1)[:, None]  # [MP, BN]
+            w = w_next
+            offs_nx = offs_i + BKW
+            w_next = tl.load(w_ptr + offs_nx[:, None].to(tl.int64) * N + offs_n[None, :],
+                             mask=(offs_nx < i_end)[:, None] & n_ok[None, :], other=0)
+        else:
+            w = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=i_ok[:, None] & n_ok[None, :], other=0)
+        lo = w & _LOW_NIBBLES           # codes of k = 8i + 0, 2, 4, 6 (bytes 0..3)
+        hi = (w >> 4) & _LOW_NIBBLES    # codes of k = 8i + 1, 3, 5, 7
+        xp = xw_ptr + 2 * offs_i[:, None]
+        a0 = tl.load(xp, mask=i_ok[:, None], other=0)      # bytes x[8i .. 8i+3]
+        a1 = tl.load(xp + 1, mask=i_ok[:, None], other=0)  # bytes x[8i+4 .. 8i+7]
+        xe = (a0 & 0xFF) | ((a0 >> 8) & 0xFF00) | ((a1 & 0xFF) << 16) | ((a1 & 0xFF0000) << 8)
+        xo = ((a0 >> 8) & 0xFF) | ((a0 >> 16) & 0xFF00) | ((a1 << 8) & 0xFF0000) | (a1 & -16777216)
+        acc = _dp4a(lo, xe, acc, USE_ASM)
+        acc = _dp4a(hi, xo, acc, USE_ASM)
+        xsum = _dp4a(ones, a0, xsum, USE_ASM)
+        xsum = _dp4a(ones, a1, xsum, USE_ASM)
+    # the token's partial as the [1, BN] tile `_finish` takes
+    part = tl.sum(acc[None, :, :], axis=1) - 8 * tl.sum(tl.reshape(xsum, (1, BKW)), axis=1)[:, None]
     _finish(part, offs_m[:, None], offs_n[None, :], M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym,
             part_ptr, cnt_ptr, pid_n, pid_k, split_k, SPLIT, HAS_BIAS, OUT_INT)
 
@@ -828,11 +778,11 @@ def _w4a4_gemv_kernel(xw_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt
 # ================================================================================================
 
 def _mma(BM, BN, BK, warps, stages, group=8):
-    return dict(kind="mma", SWAP=False, BM=BM, BN=BN, BK=BK, GROUP_M=group, num_warps=warps, num_stages=stages)
+    return dict(kind="mma", BM=BM, BN=BN, BK=BK, GROUP_M=group, num_warps=warps, num_stages=stages)
 
 
 def _gemv(BN, BKW):
-    return dict(kind="gemv", MP=1, BN=BN, BKW=BKW, num_warps=4)
+    return dict(kind="gemv", BN=BN, BKW=BKW, num_warps=4)
 
 
 # Candidate configurations per token bucket (M == 1, <= 16, <= 128, <= 1024, larger); the first
@@ -864,7 +814,7 @@ TUNED: dict = {
 
 
 def _tile_key(cfg: dict) -> tuple:
-    return cfg.get("SWAP"), cfg["BM"], cfg["BN"], cfg["BK"], cfg.get("num_warps", 4), cfg.get("num_stages", 3)
+    return cfg["BM"], cfg["BN"], cfg["BK"], cfg.get("num_warps", 4), cfg.get("num_stages", 3)
 
 
 _ASM_CHECKED_TILES = frozenset(_tile_key(c) for b in CANDIDATES.values() for c in b if c["kind"] == "mma")
@@ -899,8 +849,6 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     (bucket, N, K) if there is one, else the bucket's default; split-K from `auto_split`."""
     b = m_bucket(M)
     cfg = dict(CANDIDATES[b][TUNED.get((b, N, K), 0)])
-    if cfg["kind"] == "gemv" and M > cfg["MP"]:
-        cfg = dict(CANDIDATES[16][0])
     cfg["split_k"] = auto_split(cfg, M, N, K, sms)
     return cfg
 
@@ -962,9 +910,8 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     b = bias.contiguous() if bias is not None else w_scale
     common = dict(HAS_BIAS=bias is not None, OUT_INT=out_int32)
     if cfg["kind"] == "gemv":
-        MP = cfg["MP"]
-        if M > MP:
-            raise ValueError(f"gemv config holds MP={MP} tokens, got M={M}")
+        if M > 1:
+            raise ValueError(f"a gemv config computes one token, got M={M}: pass an mma config (or none)")
         if qx.stride(0) % 4 or qx.storage_offset() % 4:
             qx = qx.contiguous()
         KW = K // PACK
@@ -976,8 +923,8 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
         part, cnt = _split_buffers(split, M, N, n_tiles, dev)
         xw = qx.view(torch.int32)  # [M, K // 4]
         _w4a4_gemv_kernel[(n_tiles, split)](
-            xw, qweight, x_scale, w_scale, b, y, part, cnt, M, N, KW, xw.stride(0), y.stride(0), kw_per, split,
-            MP=MP, BN=cfg["BN"], BKW=BKW, SPLIT=split > 1, USE_ASM=not interpreting(),
+            xw, qweight, x_scale, w_scale, b, y, part, cnt, M, N, KW, y.stride(0), kw_per, split,
+            BN=cfg["BN"], BKW=BKW, SPLIT=split > 1, USE_ASM=not interpreting(),
             PREFETCH=bool(cfg.get("prefetch", False)),
             num_warps=cfg.get("num_warps", 4), **common)
         return y
@@ -990,7 +937,7 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     part, cnt = _split_buffers(split, M, N, num_m * num_n, dev)
     _w4a4_mma_kernel[(num_m * num_n, split)](
         qx, qweight, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
-        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), SWAP=cfg["SWAP"], EVEN_K=even_k, EVEN_N=N % BN == 0,
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.get("GROUP_M", 1), EVEN_K=even_k, EVEN_N=N % BN == 0,
         SPLIT=split > 1,
         UNPACK_ASM=cfg.get("asm", _asm_unpack_checked(cfg)) and not interpreting(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),

@@ -325,7 +325,7 @@ def test_asm_unpack_layout():
         if key in seen:
             continue
         seen.add(key)
-        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], SWAP=False, EVEN_K=True,
+        ce = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"], EVEN_K=True,
                   EVEN_N=True, SPLIT=False, HAS_BIAS=False, OUT_INT=False, UNPACK_ASM=True)
         full = dict(sig, **{k: "constexpr" for k in ce})
         src = ASTSource(fn=w4a4._w4a4_mma_kernel, signature=full, constexprs=ce,
@@ -345,7 +345,7 @@ def test_asm_unpack_only_for_checked_tiles():
     config takes the plain unpack (64x64x64 at 4 warps with the asm one gave wrong products)."""
     shipped = [c for b in w4a4.CANDIDATES.values() for c in b if c["kind"] == "mma"]
     assert shipped and all(w4a4._asm_unpack_checked(c) for c in shipped)
-    assert not w4a4._asm_unpack_checked(dict(kind="mma", SWAP=False, BM=64, BN=64, BK=64))
+    assert not w4a4._asm_unpack_checked(dict(kind="mma", BM=64, BN=64, BK=64))
     assert not w4a4._asm_unpack_checked(dict(shipped[0], num_warps=shipped[0]["num_warps"] * 2))
 
 
@@ -357,7 +357,7 @@ def test_custom_triton_tile_exact(split_k):
     M, N, K = 70, 256, 512
     qw, _ = _codes_weight(N, K, "cuda")
     qx = _qx(M, K, "cuda")
-    cfg = dict(kind="mma", SWAP=False, BM=64, BN=64, BK=64, split_k=split_k)
+    cfg = dict(kind="mma", BM=64, BN=64, BK=64, split_k=split_k)
     assert torch.equal(w4a4.w4a4_accumulate_triton(qx, qw, config=cfg), reference.w4a4_accumulate(qx, qw))
 
 
@@ -444,14 +444,12 @@ def test_interp_act_quant_nonfinite_zero_and_huge_rows(dtype, chunked, monkeypat
 
 def _interp_cases():
     return [
-        (1, 40, 96, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2)),
-        (1, 64, 64, dict(kind="gemv", MP=1, BN=64, BKW=8, split_k=1)),
-        (1, 40, 136, dict(kind="gemv", MP=1, BN=32, BKW=4, split_k=2, prefetch=True)),
-        (3, 64, 128, dict(kind="gemv", MP=4, BN=32, BKW=4, split_k=3)),
-        (17, 64, 96, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),
-        (17, 64, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=64, split_k=2)),  # K, N even: unmasked
-        (20, 48, 128, dict(kind="mma", SWAP=False, BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
-        (17, 64, 96, dict(kind="mma", SWAP=True, BM=32, BN=32, BK=32, split_k=1)),
+        (1, 40, 96, dict(kind="gemv", BN=32, BKW=4, split_k=2)),
+        (1, 64, 64, dict(kind="gemv", BN=64, BKW=8, split_k=1)),
+        (1, 40, 136, dict(kind="gemv", BN=32, BKW=4, split_k=2, prefetch=True)),
+        (17, 64, 96, dict(kind="mma", BM=16, BN=32, BK=64, split_k=2)),
+        (17, 64, 128, dict(kind="mma", BM=16, BN=32, BK=64, split_k=2)),  # K, N even: unmasked
+        (20, 48, 128, dict(kind="mma", BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
     ]
 
 
@@ -470,8 +468,17 @@ def test_interp_matmul_exact(M, N, K, cfg):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
+def test_interp_gemv_config_refuses_several_tokens():
+    """The gemv computes one token (the dispatch gives it M = 1 only): a config forcing it on more is refused."""
+    qw, _ = _codes_weight(32, 64, "cpu")
+    with pytest.raises(ValueError, match="a gemv config computes one token, got M=3"):
+        w4a4.w4a4_accumulate_triton(_qx(3, 64, "cpu"), qw, config=_interp_cases()[0][3])
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="needs TRITON_INTERPRET=1 (and triton)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("M,N,K,cfg", [_interp_cases()[0], _interp_cases()[4]])
+@pytest.mark.parametrize("M,N,K,cfg", [_interp_cases()[0], _interp_cases()[3]])
 def test_interp_matmul_saturates_like_the_reference(M, N, K, cfg, dtype):
     # Products beyond the output type's range (here: a token scale of float32's max) must saturate
     # to its largest finite value, as in the reference, never become Inf.
@@ -830,8 +837,6 @@ def _configs_for(M, N, K):
     with a forced one), so whichever the tuned table picks is covered."""
     cfgs = [None]
     for c in w4a4.CANDIDATES[w4a4.m_bucket(M)]:
-        if c["kind"] == "gemv" and M > c["MP"]:
-            continue
         if c["kind"] == "gemv":
             cfgs.append(dict(c, prefetch=True))
         cfgs.append(dict(c))  # automatic split-K
