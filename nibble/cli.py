@@ -155,12 +155,13 @@ def check_seed(seed: int | None) -> None:
 
 @contextlib.contextmanager
 def options_named(**options: str):
-    """A library's refusal raised inside (ValueError, or FloatingPointError: a training run that diverged), and a
-    warning shown inside, said in the command's terms: each parameter name among ``options`` (``lr``,
-    ``n_samples=4``, a settings key ``'rank'``) as the option that set it (``--lr``, ``--calib-samples=4``,
-    ``--rank``). The library names its parameters, for its Python callers; a command renames them where it calls it,
-    rather than checking each value again in words of its own. The exception keeps its type and traceback
-    (NIBBLE_TRACEBACK=1); a warning is renamed as it is shown, not as it is raised (a filter sees the library's)."""
+    """A library's refusal raised inside (ValueError, or FloatingPointError: a training run that diverged), a
+    KeyboardInterrupt that says how to go on (`QatInterrupted`), and a warning shown inside, said in the command's
+    terms: each parameter name among ``options`` (``lr``, ``n_samples=4``, a settings key ``'rank'``; a flag's
+    ``resume=True``) as the option that set it (``--lr``, ``--calib-samples=4``, ``--rank``; ``--resume``). The
+    library names its parameters, for its Python callers; a command renames them where it calls it, rather than
+    checking each value again in words of its own. The exception keeps its type and traceback (NIBBLE_TRACEBACK=1);
+    a warning is renamed as it is shown, not as it is raised (a filter sees the library's)."""
     import re
 
     def renamed(text: str) -> str:
@@ -172,7 +173,7 @@ def options_named(**options: str):
     warnings.formatwarning = lambda message, *args, **kwargs: shown(renamed(str(message)), *args, **kwargs)
     try:
         yield
-    except (ValueError, FloatingPointError) as e:
+    except (ValueError, FloatingPointError, KeyboardInterrupt) as e:
         said = renamed(str(e))
         if said != str(e):  # else left as it is (a UnicodeDecodeError's message is made from its fields)
             e.args = (said,)

@@ -62,6 +62,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nibble.bench.timing import capture_graph
 from nibble.config import check_token_ids
+from nibble.eval.memory import format_bytes
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.w4a16 import num_sms
@@ -957,6 +958,25 @@ def _rotary_table(rotary: nn.Module, rows: int, used: int, dtype: torch.dtype) -
     return cos.contiguous(), sin.contiguous()
 
 
+def _memory_bound(device: torch.device) -> tuple[int, str] | None:
+    """(bytes, what they are) that an allocation on ``device`` cannot usefully exceed: on CUDA the device's free
+    memory with what PyTorch's allocator holds unused, on the CPU the machine's physical memory as os.sysconf says
+    it (past it, swap at best). One below the bound may still fail; None where no bound is reliable (another
+    device, a system without sysconf)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free, f"the {format_bytes(free)} free on {device}"
+    if device.type == "cpu" and hasattr(os, "sysconf"):  # not on Windows
+        try:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):  # a name this system does not know
+            return None
+        if physical > 0:  # -1: unknown
+            return physical, f"this machine's {format_bytes(physical)} of memory"
+    return None
+
+
 def sliding_layers(config) -> bool:
     """Whether some layer attends over a sliding window: as transformers picks each layer's mask, by
     ``config.layer_types`` where the config has it (a Qwen2 whose ``max_window_layers`` covers every layer slides
@@ -971,7 +991,8 @@ class Engine:
     """Generation with a static KV cache (and CUDA graphs on CUDA): greedy, or sampled (`Sampling`).
 
     ``max_batch`` x ``max_seq_len`` sizes the cache (by default the model's context, or its sliding window where a
-    layer slides: the engine attends over the whole cache); any batch up to ``max_batch`` runs. A batch of
+    layer slides: the engine attends over the whole cache), refused here where it exceeds the device's free memory
+    (the CPU's: its physical memory); any batch up to ``max_batch`` runs. A batch of
     prompts is a ``[batch, T]`` tensor of token ids, or a list of prompts of any lengths (1-D tensors
     or lists of ids), which the engine pads at the end (see `prompt_batch`): each sequence then runs at
     its own position, as it would alone.
@@ -999,9 +1020,7 @@ class Engine:
         if max_seq_len is not None and not _count(max_seq_len):
             raise ValueError(f"max_seq_len must be an integer >= 1 (None: the model's context, or its sliding window), "
                              f"got {max_seq_len!r}")
-        if max_seq_len is not None and context and max_seq_len > context:
-            warn(f"max_seq_len={max_seq_len} exceeds the model's context ({context} = "
-                 "config.max_position_embeddings): positions past it are beyond what the model was trained on")
+        given = max_seq_len
         # where a layer slides, the engine runs up to the window (it attends over the whole cache): the default too
         window = getattr(cfg, "sliding_window", None) if sliding_layers(cfg) else None
         if max_seq_len is None:
@@ -1017,6 +1036,17 @@ class Engine:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's sliding window ({window}): this "
                              f"engine attends over the whole cache, so it runs up to {window} positions (the default "
                              "here); transformers' model.generate runs longer sequences")
+        # refused in its sizes' terms before anything of the capacity is allocated (the rotary table first), where
+        # torch failed in its own ("DefaultCPUAllocator: can't allocate memory", CUDA out of memory)
+        cache_bytes = 2 * len(self.layers) * max_batch * self.n_kv * self.capacity * self.head_dim * self.dtype.itemsize
+        bound = _memory_bound(self.device)
+        if bound is not None and cache_bytes > bound[0]:
+            sized = f"max_seq_len={self.max_seq_len}" + (" (the default)" if given is None else "")
+            raise ValueError(f"a KV cache of max_batch={max_batch} x {sized} needs {cache_bytes} bytes "
+                             f"({format_bytes(cache_bytes)}), more than {bound[1]}: lower max_seq_len or max_batch")
+        if given is not None and context and given > context:
+            warn(f"max_seq_len={given} exceeds the model's context ({context} = "
+                 "config.max_position_embeddings): positions past it are beyond what the model was trained on")
 
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp

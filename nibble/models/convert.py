@@ -431,8 +431,10 @@ def weight_bytes(model: nn.Module) -> dict:
     """Bytes the quantized linears hold (codes + scales + zeros + bias, each in its own dtype: a float32 model keeps
     float32 biases) and what they were in 16 bits (the bias too): a quantized lm_head that was tied to the embedding
     (quantization_config's TIED_HEAD) was 0 bytes there, since the 16-bit model held its table once, as the
-    embedding, which keeps it; so "bf16_bytes" - "quantized_bytes" is what the quantization saved, less than the
-    other linears saved by the head's quantized bytes (negative where it grew)."""
+    embedding, which keeps it; so "bf16_bytes" - "quantized_bytes" is what these linears save against the 16-bit
+    model, less than the other linears saved by the head's quantized bytes (negative where it grew). The baseline
+    is 16 bits whatever the model's dtype: a float32 model's biases count 4 bytes against 2, as it holds them, which
+    is its dtype's cost, not the quantization's."""
     quant, dense16 = 0, 0
     head_was_tied = (getattr(model.config, "quantization_config", None) or {}).get(TIED_HEAD, False)
     for name, m in quantized_linears(model):

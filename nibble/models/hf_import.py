@@ -687,7 +687,10 @@ def _check_float16_range(model: nn.Module, method: str) -> None:
     """Refuse a value beyond float16's range in a tensor the checkpoint keeps in 16 bits (an embedding, a norm,
     lm_head, a bias: `_export` writes them in float16, as AutoAWQ does): it would be written as Inf, which AutoAWQ
     and vLLM would run and nibble's loader calls a corrupt checkpoint. Inf and NaN the model holds itself pass, as
-    its own."""
+    its own. A value below float16's range passes too: written as a subnormal or 0, float16's ordinary rounding of
+    such a norm weight, bias or embedding value. The tensors where 0 would be wrong, the quantization scales, are
+    float16 already: the quantizer stored them so, none below 2^-24, and refused a layer they would hold with 2 bits
+    or fewer (`nibble.quantize.rtn._check_not_tiny`)."""
     for name, t in model.state_dict().items():
         if not t.is_floating_point() or t.dtype == torch.float16:
             continue
@@ -699,10 +702,12 @@ def _check_float16_range(model: nn.Module, method: str) -> None:
                              f"default), which keeps its {t.dtype}")
 
 
-def _export(model: nn.Module, directory: Path, quantization_config: dict, convert, tokenizer=None) -> Path:
+def _export(model: nn.Module, directory: Path, exportable: tuple[list, int], quantization_config: dict, convert,
+            tokenizer=None) -> Path:
     """Write ``model`` into ``directory`` (its exporter's `checkpoint_dir`) as ``quantization_config`` says, each
-    QuantLinear's tensors made by ``convert``."""
-    linears, group_size = _exportable_linears(model, quantization_config["quant_method"])
+    QuantLinear's tensors made by ``convert``; ``exportable``: the model's `_exportable_linears`, which its exporter
+    has taken (one pass over every tensor, for their float16 range)."""
+    linears, group_size = exportable
     tensors, quant_prefixes = {}, {name for name, _ in linears}
     for name, m in linears:
         with naming(name):
@@ -755,7 +760,8 @@ def export_awq(model: nn.Module, directory, tokenizer=None) -> Path:
         if hasattr(m, "input_perm"):
             raise ValueError("it has an input permutation (GPTQ act-order), which AWQ cannot express; use export_gptq")
         return to_awq(m.weight_int4())
-    return _export(model, directory, {"quant_method": "awq", "version": "gemm", "zero_point": True}, convert, tokenizer)
+    return _export(model, directory, _exportable_linears(model, "awq"),
+                   {"quant_method": "awq", "version": "gemm", "zero_point": True}, convert, tokenizer)
 
 
 def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: str | None = None) -> Path:
@@ -770,7 +776,7 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
     model = model_to_save(model)
     directory = checkpoint_dir(directory, model, tokenizer)  # refused before the warning below could say "written"
     qc = getattr(model.config, "quantization_config", None) or {}
-    linears, _ = _exportable_linears(model, "gptq")  # and this model too
+    linears, group_size = _exportable_linears(model, "gptq")  # and this model too
     desc_act = any(hasattr(m, "input_perm") for _, m in linears)
     if checkpoint_format is None:
         held = []
@@ -788,6 +794,6 @@ def export_gptq(model: nn.Module, directory, tokenizer=None, checkpoint_format: 
         return to_gptq(m.weight_int4(), getattr(m, "input_perm", None), checkpoint_format)
     # both names of the zero-point convention: transformers' GPTQConfig and GPTQModel read `format`, AutoGPTQ and
     # optimum `checkpoint_format`
-    return _export(model, directory, {"quant_method": "gptq", "sym": bool(qc.get("symmetric", False)),
-                                      "desc_act": desc_act, "checkpoint_format": checkpoint_format,
-                                      "format": checkpoint_format}, convert, tokenizer)
+    return _export(model, directory, (linears, group_size),
+                   {"quant_method": "gptq", "sym": bool(qc.get("symmetric", False)), "desc_act": desc_act,
+                    "checkpoint_format": checkpoint_format, "format": checkpoint_format}, convert, tokenizer)

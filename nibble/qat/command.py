@@ -47,10 +47,11 @@ def add_qat_arguments(parser) -> None:
 
 
 # run_qat's parameters and the options that set them, as `nibble.cli.options_named` says them in its refusals: a
-# resume's other settings ({'rank': (2, 4)} -> {--rank: (2, 4)}), "lr must be ...", "lower lr / quant_lr"
+# resume's other settings ({'rank': (2, 4)} -> {--rank: (2, 4)}), "lr must be ...", "lower lr / quant_lr", "pass
+# resume=True to go on from it" (a flag: given without a value)
 RUN_OPTIONS = {**{name: "--" + name.replace("_", "-") for name in (
     "lr", "quant_lr", "rank", "seq_len", "batch_size", "steps", "seed", "recipe", "init", "objective", "save_every")},
-    "sources": "--calib"}
+    "sources": "--calib", "resume=True": "--resume"}
 
 
 def qat_main(args) -> None:
@@ -69,8 +70,10 @@ def qat_main(args) -> None:
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
-    # their refusals said as the options: "lr must be > 0", a resume's other settings, a run that diverged
-    check_learning_rates, run_qat = (options_named(**RUN_OPTIONS)(f) for f in (check_learning_rates, run_qat))
+    # their refusals said as the options: "lr must be > 0", a run already in --out, a resume's other settings, a run
+    # that diverged or was interrupted
+    check_learning_rates, check_new_run, run_qat = (options_named(**RUN_OPTIONS)(f)
+                                                    for f in (check_learning_rates, check_new_run, run_qat))
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)

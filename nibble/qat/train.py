@@ -360,7 +360,7 @@ def load_state(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as e:  # torch.load's, by how the file is cut
         raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): the file is damaged; delete "
-                         "it to train from step 0, or pick another --out") from e
+                         "it to train from step 0, or pick another folder") from e
 
 
 def check_new_run(out_dir) -> None:
@@ -369,8 +369,7 @@ def check_new_run(out_dir) -> None:
     path = state_path(out_dir)
     if path.exists():
         raise ValueError(f"{out_dir} holds a PE-QAT run at step {load_state(path)['step']} ({STATE_DIR}/"
-                         f"{STATE_FILE}): pass resume=True (nibble qat: --resume) to go on from it, or another "
-                         "out_dir (--out) to start afresh")
+                         f"{STATE_FILE}): pass resume=True to go on from it, or another folder to start afresh")
 
 
 def read_state(path: Path, settings: dict) -> dict:
@@ -388,10 +387,10 @@ def read_state(path: Path, settings: dict) -> dict:
     diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
     if diff:
         raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
-                         "the same model and settings or pick another --out")
+                         "the same model and settings or pick another folder")
     if state["step"] > settings["steps"]:  # it trained nothing and recorded the shorter run
         raise ValueError(f"{path} holds a run at step {state['step']}, past steps={settings['steps']}: resume with "
-                         f"steps >= {state['step']}, or pick another --out")
+                         f"steps >= {state['step']}, or pick another folder")
     if state["settings"].get("steps") != settings.get("steps"):
         warn(f"resuming a run planned for {state['settings'].get('steps')} steps with steps={settings.get('steps')}: "
              "the cosine schedule is stretched to the new length")
@@ -425,8 +424,7 @@ class QatInterrupted(KeyboardInterrupt):
         if path is None:
             kept = "nothing is kept (no out_dir)"
         elif saved_step is not None:
-            kept = (f"{path} holds this run at step {saved_step}: run it again with resume=True (nibble qat: the same "
-                    "command with --resume) to go on from there")
+            kept = f"{path} holds this run at step {saved_step}: run it again with resume=True to go on from there"
         else:
             kept = f"this run saved no state yet (its first at step {first_save})"
         super().__init__(f"PE-QAT interrupted; {kept}")

@@ -345,6 +345,31 @@ def test_engine_sizes_are_checked_when_it_is_built():
     assert Engine(model).max_seq_len == 256
 
 
+def test_a_kv_cache_that_cannot_fit_is_refused_in_its_sizes_before_it_is_allocated(monkeypatch):
+    """Engine(max_seq_len=10**12) warned of the model's context, then failed in torch's words ("DefaultCPUAllocator:
+    can't allocate memory: you tried to allocate 8000000000000 bytes", for the rotary positions)."""
+    import os
+    model = tiny_model()  # 2 layers, 2 KV heads of 16, float32: 512 bytes a position and sequence
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of the context for an engine that is not built
+        with pytest.raises(ValueError, match=r"^a KV cache of max_batch=1 x max_seq_len=1000000000000 needs "
+                                             r"512000000000000 bytes \(476837\.16 GiB\), more than this machine's "
+                                             r".* GiB of memory: lower max_seq_len or max_batch$"):
+            Engine(model, max_seq_len=10 ** 12)
+    sysconf = os.sysconf
+    pages = {"SC_PAGE_SIZE": 8192, "SC_PHYS_PAGES": 16}  # a machine of 128 KiB: a cache of 256 positions fits
+    monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name) or sysconf(name))
+    assert Engine(model, max_seq_len=256).kv_cache_bytes() == 131072
+    with pytest.raises(ValueError, match=r"max_batch=2 x max_seq_len=256 needs 262144 bytes \(256\.00 KiB\), more "
+                                         r"than this machine's 128\.00 KiB of memory"):
+        Engine(model, max_batch=2, max_seq_len=256)
+    with pytest.raises(ValueError, match=r"max_seq_len=257 needs 139264 bytes"):  # the cache rounds up to 16 positions
+        Engine(model, max_seq_len=257)
+    pages["SC_PAGE_SIZE"] = 4096
+    with pytest.raises(ValueError, match=r"max_seq_len=256 \(the default\) needs 131072 bytes"):
+        Engine(model)
+
+
 def test_a_model_built_empty_is_refused_when_the_engine_is_built():
     """An engine was built on the meta device, and its first token failed in torch ("Tensor on device cpu is not on
     the expected device meta!")."""

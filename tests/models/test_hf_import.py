@@ -346,6 +346,28 @@ def test_export_refuses_a_16_bit_value_float16_cannot_hold_before_writing(tmp_pa
         assert not (tmp_path / fmt).exists()
 
 
+def test_export_reads_the_float16_range_once_and_writes_a_tiny_16_bit_value_as_float16_rounds_it(tmp_path,
+                                                                                                      monkeypatch):
+    """export_gptq took `_exportable_linears` twice (and with it a float16 cast of every tensor of the model). A value
+    below float16's range in a norm weight is written as float16 rounds it (0 here), not refused; the scales, where 0
+    would be wrong, are float16 in the model already and written as they are."""
+    import nibble.models.hf_import as hf_import
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight[0] = 1e-9  # below float16's smallest subnormal, 6e-8
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    checked, check = [], hf_import._check_float16_range
+    monkeypatch.setattr(hf_import, "_check_float16_range", lambda *args: checked.append(1) or check(*args))
+    for export in (export_awq, export_gptq):
+        checked.clear()
+        export(model, tmp_path / export.__name__)
+        assert len(checked) == 1, export.__name__
+        written = load_file(tmp_path / export.__name__ / "model.safetensors")
+        assert written["model.norm.weight"][0] == 0
+        assert torch.equal(written["model.layers.0.self_attn.q_proj.scales"],
+                           model.model.layers[0].self_attn.q_proj.scales)
+
+
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method='bitsandbytes' is not supported"),
     ({"quant_method": "awq", "version": "gemv", "bits": 4, "group_size": 32}, "version='gemv' is not supported"),

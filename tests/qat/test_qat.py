@@ -266,6 +266,8 @@ def test_ctrl_c_while_the_state_is_saved_keeps_the_last_one_and_leaves_no_tempor
     with pytest.raises(QatInterrupted) as stopped:
         _train("per-token", 2, _windows(), out_dir=tmp_path, save_every=1)
     assert stopped.value.saved_step == 1 and torch.load(state_path(tmp_path), weights_only=True)["step"] == 1
+    assert str(stopped.value) == (f"PE-QAT interrupted; {state_path(tmp_path)} holds this run at step 1: run it again "
+                                  "with resume=True to go on from there")  # the Python caller's option
     assert [p.name for p in state_path(tmp_path).parent.iterdir()] == ["state.pt"]
 
 
@@ -275,15 +277,15 @@ def test_a_new_run_into_an_out_dir_that_holds_a_run_is_refused(tmp_path, monkeyp
     from nibble.cli import main
     from nibble.models import loading
     _train("per-token", 2, _windows(), out_dir=tmp_path, batch_size=2)
-    said = (re.escape(str(tmp_path)) + r" holds a PE-QAT run at step 2 \(qat-state/state.pt\): pass resume=True "
-            r"\(nibble qat: --resume\) to go on from it, or another out_dir \(--out\) to start afresh")
+    said = (re.escape(str(tmp_path)) + r" holds a PE-QAT run at step 2 \(qat-state/state.pt\): pass {} to go on "
+            "from it, or another folder to start afresh")
     for model in (_model(), tiny_model("qwen2")):  # the same model, or another one
-        with pytest.raises(ValueError, match=f"^{said}$"):
+        with pytest.raises(ValueError, match=f"^{said.format('resume=True')}$"):
             _train("per-token", 1, _windows(), model=model, out_dir=tmp_path)
         assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # refused before it was changed
     assert torch.load(state_path(tmp_path), weights_only=True)["step"] == 2
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
-    with pytest.raises(SystemExit, match=f"^nibble qat: {said}\n"):
+    with pytest.raises(SystemExit, match=f"^nibble qat: {said.format('--resume')}\n"):  # the option it has
         main(["qat", "--device", "cpu", "--out", str(tmp_path)])
 
 
@@ -651,7 +653,7 @@ def test_a_damaged_state_is_named(tmp_path, cut):
     path.write_bytes(path.read_bytes()[:cut])
     for resume in (True, False):
         with pytest.raises(ValueError, match=f"^{path} cannot be read .*: the file is damaged; delete it to train "
-                                             "from step 0, or pick another --out"):
+                                             "from step 0, or pick another folder"):
             _train("per-token", 2, _windows(), out_dir=tmp_path, resume=resume)
 
 
@@ -833,8 +835,7 @@ def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(mon
         main(command)
     assert stopped.value.code == 130  # as every command's Ctrl-C, not 1: a script tells it from a failure
     assert capsys.readouterr().err.strip() == (f"nibble qat: PE-QAT interrupted; {state_path(out)} holds this run at "
-                                               "step 2: run it again with resume=True (nibble qat: the same command "
-                                               "with --resume) to go on from there")
+                                               "step 2: run it again with --resume to go on from there")
     monkeypatch.setattr(train, "run_qat", run_on_windows)
     ran.clear()
     main(command + ["--resume"])  # as it says
