@@ -165,8 +165,8 @@ def options_named(**options: str):
     import re
 
     def renamed(text: str) -> str:
-        for name, option in options.items():  # a whole name only: not the "lr" of "quant_lr" or of "--lr"
-            text = re.sub(rf"'{name}'|(?<![\w-]){name}(?![\w-])", option, text)
+        for name, option in options.items():  # a whole name only: not the "lr" of "quant_lr", of "--lr" or of a path
+            text = re.sub(rf"'{name}'|(?<![\w/-]){name}(?![\w/-])", option, text)
         return text
 
     shown = warnings.formatwarning

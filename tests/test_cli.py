@@ -525,6 +525,9 @@ def test_options_named_says_a_library_refusal_in_the_commands_options():
                              "as --lr says; the LoRA ranks")
     assert str(e.value) == ("--lr must be > 0; other settings ({--rank: (2, 4), 'alpha': 4}); lower --lr / --quant-lr, "
                             "as --lr says; the LoRA ranks")
+    with pytest.raises(ValueError, match="^/runs/seed/qat-state holds a run: pass --seed or --resume$"):
+        with options_named(seed="--seed", **{"resume=True": "--resume"}):  # a folder of a path keeps its name
+            raise ValueError("/runs/seed/qat-state holds a run: pass seed or resume=True")
     with pytest.raises(FloatingPointError, match="^PE-QAT diverged at step 3; lower --lr / --quant-lr$"):
         with options_named(lr="--lr", quant_lr="--quant-lr"):
             raise FloatingPointError("PE-QAT diverged at step 3; lower lr / quant_lr")
