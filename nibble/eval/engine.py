@@ -977,6 +977,20 @@ def _memory_bound(device: torch.device) -> tuple[int, str] | None:
     return None
 
 
+def _warn_of_bypassed_hooks(model: nn.Module, called: set[nn.Module]) -> None:
+    """Warn of forward hooks on modules the engine's own forward does not call: they change ``model(...)`` and
+    ``model.generate`` but would not change the engine's tokens, without a word."""
+    hooked = [name for name, m in model.named_modules() if m not in called and any(
+        # not transformers' own: it leaves hooks that record hidden states and attentions (output_hidden_states=True)
+        not getattr(hook, "__module__", "").startswith("transformers.")
+        for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))]
+    if hooked:
+        shown = ", ".join(hooked[:4]) + (f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
+        warn(f"forward hooks on {shown} do not run in nibble.Engine, which runs its own forward of the decoder "
+             "(fused norms, projections and attention; of the model's modules it calls the embedding, o_proj, "
+             "down_proj and lm_head); model.generate runs them")
+
+
 def sliding_layers(config) -> bool:
     """Whether some layer attends over a sliding window: as transformers picks each layer's mask, by
     ``config.layer_types`` where the config has it (a Qwen2 whose ``max_window_layers`` covers every layer slides
@@ -996,6 +1010,11 @@ class Engine:
     prompts is a ``[batch, T]`` tensor of token ids, or a list of prompts of any lengths (1-D tensors
     or lists of ids), which the engine pads at the end (see `prompt_batch`): each sequence then runs at
     its own position, as it would alone.
+
+    The model is prepared in place: put in eval mode, and its 16-bit q/k/v and gate/up weights stacked
+    (`stack_weights`: same Parameter objects, same memory). The engine runs its own forward of the decoder
+    (fused norms, projections and attention), so of the model's modules it calls only the embedding, o_proj,
+    down_proj, lm_head (and an MLP or norm it cannot fuse): a forward hook elsewhere does not run, and is warned of.
     """
 
     def __init__(self, model: nn.Module, max_batch: int = 1, max_seq_len: int | None = None,
@@ -1009,11 +1028,12 @@ class Engine:
         self.layers = decoder_layers(model)
         self.embed = model.get_input_embeddings()
         self.norm, self.lm_head = model.model.norm, model.lm_head
+        self.silu = getattr(cfg, "hidden_act", None) in _SILU_ACTS
+        _warn_of_bypassed_hooks(model, self._called_modules())
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.silu = getattr(cfg, "hidden_act", None) in _SILU_ACTS
         if not _count(max_batch):
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         context = getattr(cfg, "max_position_embeddings", None)
@@ -1073,6 +1093,21 @@ class Engine:
         self._batch = self._len = 0  # the live sequences: batch and longest length (host copies)
         self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
         self._generation = 0  # counts prefills and decodes: an open stream sees another moved the decode state
+
+    def _called_modules(self) -> set[nn.Module]:
+        """The model's modules whose own forward `forward` calls (`_attention`, `_mlp`, `_add_norm`)."""
+        called = {self.embed, self.lm_head}
+        norms = [self.norm]
+        for layer in self.layers:
+            mlp = layer.mlp
+            called.add(layer.self_attn.o_proj)
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                called.add(mlp.down_proj)
+            else:
+                called.update(mlp.modules())
+        called.update(m for norm in norms if _rmsnorm_params(norm) is None for m in norm.modules())
+        return called
 
     # ---- the forward pass ------------------------------------------------------------------
     def _add_norm(self, x, residual, norm):

@@ -384,8 +384,10 @@ def stack_weights(layers) -> None:
     in_features, dtype and device) consecutive rows of one tensor, in place: each layer's parameters
     become views of the stack, so memory is unchanged and the layers work as before, and
     `shared_input_forward` runs them as one matmul (gpt-fast's fused wqkv, without a new module).
-    Layers that do not qualify are left alone. Their parameters then share storage (safetensors
-    refuses to save shared tensors: save the model before, or clone the parameters)."""
+    Each ``nn.Parameter`` stays the same object (its ``.data`` becomes the view), so an optimizer built
+    before still trains it, and its steps reach the stack. Layers that do not qualify are left alone.
+    Their parameters then share storage (safetensors refuses to save shared tensors: save the model
+    before, or clone the parameters)."""
     layers = list(layers)
     if (len(layers) < 2 or not all(type(m) is nn.Linear for m in layers)
             or len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in layers}) != 1
@@ -397,8 +399,7 @@ def stack_weights(layers) -> None:
             stack = torch.cat([getattr(m, name).detach() for m in layers])
             row = 0
             for m in layers:
-                p = getattr(m, name)
-                setattr(m, name, nn.Parameter(stack[row:row + m.out_features], requires_grad=p.requires_grad))
+                getattr(m, name).data = stack[row:row + m.out_features]
                 row += m.out_features
 
 

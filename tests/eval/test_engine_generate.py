@@ -409,3 +409,26 @@ def test_top_k_or_top_p_without_a_temperature_warn_that_decoding_is_greedy():
         warnings.simplefilter("error")
         engine.generate(prompt, 4, temperature=1.0, top_k=5)
         engine.generate(prompt, 4)
+
+
+def test_engine_warns_of_forward_hooks_its_own_forward_does_not_run():
+    """A hook on q_proj, a norm or a decoder layer changes model(...) but not the engine's tokens: said once, at
+    construction, naming them; hooks on modules the engine calls (o_proj, lm_head) and transformers' own
+    output-recording hooks are not."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 200, (1, 6))
+    model(ids, output_hidden_states=True)  # transformers leaves its recording hooks on the decoder layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(model, max_seq_len=32)
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda m, i, o: o)
+    model.lm_head.register_forward_pre_hook(lambda m, i: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(model, max_seq_len=32)
+    model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, i, o: o * 2)
+    model.model.norm.register_forward_pre_hook(lambda m, i: None)
+    with pytest.warns(UserWarning, match=r"forward hooks on model\.layers\.1\.self_attn\.q_proj, model\.norm do not "
+                                         r"run in nibble\.Engine"):
+        Engine(model, max_seq_len=32)

@@ -80,10 +80,16 @@ def test_stack_weights_makes_one_matmul_of_dense_layers_in_the_same_memory(bias)
     x = torch.randn(2, 5, 64)
     expected = [m(x).detach() for m in layers]
     params = [[p.detach().clone() for p in m.parameters()] for m in layers]
+    optimizer = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.5)  # built before the stacking
     stack_weights(layers)
     for m, before in zip(layers, params):  # same values, now views of one stack
         for p, b in zip(m.parameters(), before):
             assert isinstance(p, nn.Parameter) and torch.equal(p, b)
+    sum(m(x).square().sum() for m in layers).backward()
+    optimizer.step()  # still trains the layers' parameters, through the stack
+    for m, before in zip(layers, params):
+        assert not torch.equal(m.weight, before[0])
+    expected = [m(x).detach() for m in layers]
     storages = {m.weight.untyped_storage().data_ptr() for m in layers}
     assert len(storages) == 1 and layers[0].weight.untyped_storage().nbytes() == 96 * 64 * 4
     calls = []
