@@ -81,11 +81,10 @@ def baseline_op(dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "nibble"), log=print,
-                dtype=torch.bfloat16, rounds: int = ROUNDS):
+def bench_shape(N: int, K: int, ms, G: int = GROUP, log=print, dtype=torch.bfloat16, rounds: int = ROUNDS):
     """Rows (op, M, N, K, us: the median of ``rounds`` interleaved rounds, us_rounds, speedup over
-    cuBLAS, GB/s, TFLOP/s) of the ``ops`` at every M of ``ms``, activations of ``dtype`` (tinygemm
-    takes bf16 only)."""
+    cuBLAS, GB/s, TFLOP/s) of cuBLAS, tinygemm and nibble at every M of ``ms``, activations of ``dtype``
+    (tinygemm takes bf16 only)."""
     import nibble.kernels.w4a16  # noqa: F401  registers torch.ops.nibble.w4a16_linear
     dev = torch.device("cuda")
     base_op = baseline_op(dtype)
@@ -95,31 +94,28 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, ops=("cublas", "tinygemm", "
     w4, wb, wf = weight_sets(N, K, G, dev, dtype)  # weight copies (rotated) for each op
     n4, nb = len(w4), len(wb)
     tg = None
-    if "tinygemm" in ops and dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         try:
             tg = [tinygemm_pack(*w4[i], G) for i in range(n4)]
         except Exception as e:  # pragma: no cover - depends on torch build
             log(f"tinygemm unavailable: {type(e).__name__}: {e}")
-    if tg is not None or "nibble" in ops:  # same function? (relative error vs fp32 dequant reference)
-        xc = torch.randn(8, K, device=dev, dtype=dtype)
-        ref = xc.float() @ wf.t()
-        chk = {}
-        if tg is not None:
-            chk["tinygemm"] = tinygemm_mm(xc, tg[0][0], tg[0][1], G).float()
-        chk["nibble"] = torch.ops.nibble.w4a16_linear(xc, *w4[0], G).float()
-        log(f"N={N} K={K} check rel err vs fp32 ref: " + " ".join(
-            f"{k}={((v - ref).norm() / ref.norm()).item():.2e}" for k, v in chk.items()))
-        del ref
+    # same function? (relative error vs the fp32 dequant reference)
+    xc = torch.randn(8, K, device=dev, dtype=dtype)
+    ref = xc.float() @ wf.t()
+    chk = {}
+    if tg is not None:
+        chk["tinygemm"] = tinygemm_mm(xc, tg[0][0], tg[0][1], G).float()
+    chk["nibble"] = torch.ops.nibble.w4a16_linear(xc, *w4[0], G).float()
+    log(f"N={N} K={K} check rel err vs fp32 ref: " + " ".join(
+        f"{k}={((v - ref).norm() / ref.norm()).item():.2e}" for k, v in chk.items()))
+    del ref
     del wf
     for M in ms:
         x = torch.randn(M, K, device=dev, dtype=dtype)
-        arms = {}
-        if "cublas" in ops:
-            arms[base_op] = (lambda i: (lambda: F.linear(x, wb[i])), nb)
+        arms = {base_op: (lambda i: (lambda: F.linear(x, wb[i])), nb)}
         if tg is not None:
             arms["tinygemm"] = (lambda i: (lambda: tinygemm_mm(x, tg[i][0], tg[i][1], G)), n4)
-        if "nibble" in ops:
-            arms["nibble"] = (lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4)
+        arms["nibble"] = (lambda i: (lambda: torch.ops.nibble.w4a16_linear(x, w4[i][0], w4[i][1], w4[i][2], G)), n4)
         times = bench_rounds(arms, rounds, optional=("tinygemm",), log=lambda line: log(f"M={M}{line}"), **TIMING)
         res = {op: statistics.median(t) for op, t in times.items() if t}
         base = res.get(base_op)

@@ -63,11 +63,10 @@ def rotations(bytes_per_set: int, factor: float = 4.0, max_sets: int = 64) -> in
     return int(max(1, min(max_sets, math.ceil(need / max(1, bytes_per_set)))))
 
 
-def _event_time_ms(fn: Callable[[], None], iters: int) -> float:
+def _event_time_ms(fn: Callable[[], None]) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
@@ -91,7 +90,7 @@ def sized_calls(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 
         return run
 
     # Rough per-call time (eager, cycling all sets) to size the graph.
-    est_ms = _event_time_ms(round_robin(n_rot), 1) / n_rot
+    est_ms = _event_time_ms(round_robin(n_rot)) / n_rot
     calls = max(n_rot, int(target_replay_ms / max(est_ms, 1e-4)))
     calls = min(max(calls, n_rot), max(max_calls_per_replay, n_rot))
     return round_robin, int(math.ceil(calls / n_rot) * n_rot)
@@ -129,12 +128,12 @@ def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, 
         body = round_robin(calls)
 
     # Warm-up by time; slow ops (many ms per replay) get fewer timed replays (at least 5).
-    t_one = _event_time_ms(body, 1)
+    t_one = _event_time_ms(body)
     for _ in range(max(1, int(warmup_ms / max(t_one, 1e-3)))):
         body()
     torch.cuda.synchronize()
     reps = max(5, min(reps, int(max_total_ms / max(t_one, 1e-3))))
-    times = [_event_time_ms(body, 1) for _ in range(reps)]
+    times = [_event_time_ms(body) for _ in range(reps)]
     med_us = statistics.median(times) * 1000.0 / calls
     if return_all:
         return {"us": med_us, "min_us": min(times) * 1000.0 / calls, "calls_per_replay": calls,

@@ -63,15 +63,6 @@ def require_data(relpaths) -> None:
                                 f"not found.\n{_how_to_fix(dirs)}")
 
 
-def data_dir() -> Path:
-    """The first existing folder among `search_dirs()`."""
-    dirs = search_dirs()
-    for d in dirs:
-        if d.is_dir():
-            return d
-    raise FileNotFoundError(f"No evaluation data folder found.\n{_how_to_fix(dirs)}")
-
-
 def data_file(relpath: str) -> Path:
     """Path of `relpath` (e.g. "wikitext2/wiki.test.raw") in the first data folder that has it."""
     require_data([relpath])

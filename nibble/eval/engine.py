@@ -23,8 +23,7 @@ this file supplies the rest of the forward pass:
   RoPE + KV-cache write, SiLU(gate) * up, so a decode step runs about 13 kernels a layer instead
   of about 43. In a CUDA graph each small kernel still costs a few microseconds, and at 32 layers
   the unfused glue cost more than streaming 4-bit weights: bf16 Llama-2-7B decoded at 7.4 ms/step
-  (W4A16 at 8.3) against 3.2 ms for its bf16 weights at the copy roofline (H200, before fusion).
-  ``NIBBLE_FUSED_GLUE=0`` switches the fusion off to measure it;
+  (W4A16 at 8.3) against 3.2 ms for its bf16 weights at the copy roofline (H200, before fusion);
 - the projections that read one input (q/k/v, gate/up) go through ``shared_input_forward``, so
   each group is one kernel launch where it can be: 16-bit layers have their weights stacked into one
   tensor (``stack_weights``, in place, same memory) and run as one matmul; W4A16 layers run as one
@@ -493,8 +492,6 @@ if triton is not None:
 
 
 # ---- fused glue: the ops (Triton on CUDA, PyTorch otherwise) -----------------------------------
-# NIBBLE_FUSED_GLUE=0 runs the PyTorch ops on CUDA too (to measure what the fusion buys).
-FUSED_GLUE = os.environ.get("NIBBLE_FUSED_GLUE", "1") != "0"
 _glue_failure: str | None = None  # set when a glue kernel failed to compile: the PyTorch ops take over
 
 
@@ -502,7 +499,7 @@ def _dispatch(x: torch.Tensor, kernel, plain):
     """``kernel()`` where the Triton glue can run, else ``plain()``; a kernel that fails to build warns once
     and falls back for good (kernels compile on their first, eager call, before any graph capture)."""
     global _glue_failure
-    if not (FUSED_GLUE and _glue_failure is None and _use_triton(x)):
+    if not (_glue_failure is None and _use_triton(x)):
         return plain()
     try:
         return kernel()
@@ -1136,7 +1133,7 @@ class Engine:
         B, T, K = x.shape
         order = w4a4.activation_order(B * T, K, [qweight.shape[1] for qweight, _, _ in operands], x.device)
         h, q, scale = add_rmsnorm_quantize(x, residual, *p, order)
-        if gated and FUSED_GLUE and order == "even_odd" and w4a4.gated_preferred(q, *operands):
+        if gated and order == "even_odd" and w4a4.gated_preferred(q, *operands):
             return h, w4a4.w4a4_wgmma_silu_mul(q, scale, *operands, x.dtype, order=order).view(B, T, -1)
         ys = [y.view(B, T, -1) for y in w4a4.w4a4_products(q, scale, operands, x.dtype, order)]
         return h, silu_mul(*ys) if gated else ys

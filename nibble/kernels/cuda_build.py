@@ -109,7 +109,7 @@ def build(name: str, arch: str, nvcc: str | None = None, quiet: bool = False) ->
     return out
 
 
-def prebuild(arch: str, jobs: int | None = None, progress: bool = True) -> dict[str, Path]:
+def prebuild(arch: str, jobs: int | None = None) -> dict[str, Path]:
     """Build every kernel library for GPUs of compute capability ``arch`` ("90" for H100/H200, "80"
     for A100, ...) ahead of first use, ``jobs`` nvcc processes at a time (default: the CPUs, at most
     one per library); {name: cached path}. The Hopper GEMMs (sm_90a) are built for "90" only: other
@@ -130,7 +130,7 @@ def prebuild(arch: str, jobs: int | None = None, progress: bool = True) -> dict[
     jobs = jobs or min(len(targets), os.cpu_count() or 1)
     paths = {}
     with ThreadPoolExecutor(max(1, jobs)) as pool, tqdm(total=len(targets), desc=f"nibble kernels for sm_{arch}",
-                                                        unit="library", disable=not progress) as bar:
+                                                        unit="library") as bar:
         futures = {pool.submit(build, name, built_for, None, True): name for name, built_for in targets.items()}
         for done in as_completed(futures):
             paths[futures[done]] = done.result()

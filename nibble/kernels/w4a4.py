@@ -718,8 +718,7 @@ def _dp4a(a, b, c, USE_ASM: tl.constexpr):
 def _w4a4_gemv_kernel(xw_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
                       M, N, KW, stride_ym, kw_per_split, split_k,
                       BN: tl.constexpr, BKW: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, USE_ASM: tl.constexpr,
-                      PREFETCH: tl.constexpr = False):
+                      HAS_BIAS: tl.constexpr, OUT_INT: tl.constexpr, USE_ASM: tl.constexpr):
     """One token (M = 1). xw: the int8 activations [1, K] viewed as int32 [1, K // 4]; w: packed int32
     [KW = K // 8, N].
 
@@ -737,25 +736,11 @@ def _w4a4_gemv_kernel(xw_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt
     ones = tl.full((1, 1), 0x01010101, tl.int32)
     acc = tl.zeros((BKW, BN), dtype=tl.int32)
     xsum = tl.zeros((BKW, 1), dtype=tl.int32)
-    # Software pipelining: the next weight tile is requested before this one is used, so each
-    # program keeps two tiles of loads in flight.
-    # (PREFETCH; tested, not yet timed on the device, so off by default.)
-    offs_i = i_begin + tl.arange(0, BKW)
-    w_next = tl.zeros((BKW, BN), dtype=tl.int32)
-    if PREFETCH:
-        w_next = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
-                         mask=(offs_i < i_end)[:, None] & n_ok[None, :], other=0)
     for i0 in range(i_begin, i_end, BKW):
         offs_i = i0 + tl.arange(0, BKW)
         i_ok = offs_i < i_end
-        if PREFETCH:
-            w = w_next
-            offs_nx = offs_i + BKW
-            w_next = tl.load(w_ptr + offs_nx[:, None].to(tl.int64) * N + offs_n[None, :],
-                             mask=(offs_nx < i_end)[:, None] & n_ok[None, :], other=0)
-        else:
-            w = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=i_ok[:, None] & n_ok[None, :], other=0)
+        w = tl.load(w_ptr + offs_i[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=i_ok[:, None] & n_ok[None, :], other=0)
         lo = w & _LOW_NIBBLES           # codes of k = 8i + 0, 2, 4, 6 (bytes 0..3)
         hi = (w >> 4) & _LOW_NIBBLES    # codes of k = 8i + 1, 3, 5, 7
         xp = xw_ptr + 2 * offs_i[:, None]
@@ -925,7 +910,6 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
         _w4a4_gemv_kernel[(n_tiles, split)](
             xw, qweight, x_scale, w_scale, b, y, part, cnt, M, N, KW, y.stride(0), kw_per, split,
             BN=cfg["BN"], BKW=BKW, SPLIT=split > 1, USE_ASM=not interpreting(),
-            PREFETCH=bool(cfg.get("prefetch", False)),
             num_warps=cfg.get("num_warps", 4), **common)
         return y
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]

@@ -175,9 +175,9 @@ class FakeQuantLinear(nn.Linear):
         self.set_clip_ratio(torch.where(amax > 0, 7 * scales / amax, torch.ones_like(amax)))
 
     @torch.no_grad()
-    def init_clip_from_search(self, weight: torch.Tensor | None = None) -> None:
+    def init_clip_from_search(self) -> None:
         """Per-channel clip ratio = the one rtn's MSE search picks (its scale over the unclipped scale)."""
-        w = (self.weight if weight is None else weight).float()
+        w = self.weight.float()
         _, s_search, _ = quantize_groups(w, symmetric=True, clip_search=True)
         _, s_full, _ = quantize_groups(w, symmetric=True, clip_search=False)
         # Snap to the search's own grid (rtn's default: 20 ratios from 1 down to 0.5), so a fixed clip

@@ -68,7 +68,7 @@ def test_sized_calls_fill_a_replay_in_whole_rounds_of_the_input_sets(monkeypatch
     from nibble.bench import timing
 
     monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(timing, "_event_time_ms", lambda fn, iters: (fn(), 0.3)[1])
+    monkeypatch.setattr(timing, "_event_time_ms", lambda fn: (fn(), 0.3)[1])
     made = []
     round_robin, calls = timing.sized_calls(lambda i: (lambda: made.append(i)), 3, target_replay_ms=2.0)
     assert calls == 21  # 2 ms / 0.1 ms = 20 calls, up to whole rounds of 3 sets

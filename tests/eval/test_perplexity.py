@@ -128,7 +128,6 @@ def test_nibble_data_env_is_searched_first(monkeypatch, tmp_path):
     (tmp_path / "wikitext2").mkdir()
     (tmp_path / "wikitext2" / "wiki.test.raw").write_text(" \n = A = \n \n b c \n", encoding="utf-8")
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
-    assert data.data_dir() == tmp_path
     assert wikitext2_text() == "\n\n".join(["", " = A = \n", "", " b c \n"])
 
 
@@ -210,8 +209,6 @@ def test_nibble_data_is_the_only_folder_searched_where_it_is_set(monkeypatch, tm
         monkeypatch.setenv("NIBBLE_DATA", str(named))
         with pytest.raises(FileNotFoundError, match=f"Searched:\n  {named}  \\(NIBBLE_DATA\\)"):
             data.data_file("wikitext2/wiki.test.raw")
-    with pytest.raises(FileNotFoundError, match="No evaluation data folder found"):
-        data.data_dir()
     monkeypatch.setenv("NIBBLE_DATA", str(fallback))
     assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
     monkeypatch.delenv("NIBBLE_DATA")

@@ -446,7 +446,7 @@ def _interp_cases():
     return [
         (1, 40, 96, dict(kind="gemv", BN=32, BKW=4, split_k=2)),
         (1, 64, 64, dict(kind="gemv", BN=64, BKW=8, split_k=1)),
-        (1, 40, 136, dict(kind="gemv", BN=32, BKW=4, split_k=2, prefetch=True)),
+        (1, 40, 136, dict(kind="gemv", BN=32, BKW=4, split_k=2)),  # K // 8 = 17 words: a masked tail
         (17, 64, 96, dict(kind="mma", BM=16, BN=32, BK=64, split_k=2)),
         (17, 64, 128, dict(kind="mma", BM=16, BN=32, BK=64, split_k=2)),  # K, N even: unmasked
         (20, 48, 128, dict(kind="mma", BM=16, BN=32, BK=32, GROUP_M=2, split_k=1)),
@@ -837,8 +837,6 @@ def _configs_for(M, N, K):
     with a forced one), so whichever the tuned table picks is covered."""
     cfgs = [None]
     for c in w4a4.CANDIDATES[w4a4.m_bucket(M)]:
-        if c["kind"] == "gemv":
-            cfgs.append(dict(c, prefetch=True))
         cfgs.append(dict(c))  # automatic split-K
         cfgs.append(dict(c, split_k=1 if w4a4.auto_split(c, M, N, K) > 1 else 3))
     return cfgs
