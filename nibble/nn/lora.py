@@ -119,6 +119,10 @@ def lora_config(**kwargs) -> LoraConfig:
         raise ValueError("target_modules='all-linear' finds torch's nn.Linear layers only, not nibble's: name the "
                          "projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
                          "'down_proj']")
+    if kwargs.get("bias", "none") != "none":  # peft marks nn.Parameter biases trainable; a QuantLinear's is a buffer
+        raise ValueError(f"bias={kwargs['bias']!r} trains the model's bias Parameters, and a nibble layer's bias is a "
+                         "frozen buffer, as its INT4 weight is: it would train none of theirs, without a word; pass "
+                         "bias='none' (the default)")
     return _taught_quant_layers(LoraConfig(**kwargs))
 
 

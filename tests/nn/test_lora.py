@@ -103,6 +103,9 @@ def test_what_cannot_be_done_is_refused_by_name():
     quantized = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
     with pytest.raises(ValueError, match="'all-linear' finds torch's nn.Linear layers only"):
         lora_config(target_modules="all-linear")
+    for bias in ("all", "lora_only"):
+        with pytest.raises(ValueError, match=f"bias='{bias}' trains the model's bias Parameters"):
+            lora_config(r=4, target_modules=TARGETS, bias=bias)
     with pytest.raises(ValueError, match="DoRA"):
         peft.get_peft_model(copy.deepcopy(quantized), lora_config(r=4, target_modules=TARGETS, use_dora=True))
     adapted = peft.get_peft_model(quantized, lora_config(r=4, target_modules=TARGETS))
