@@ -200,6 +200,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     from peft import LoraConfig
 
     check_recipe(recipe, init, rotation_seed, calibration)
+    check_alpha(alpha)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_model(model)
@@ -312,12 +313,25 @@ def _param_groups(model: nn.Module, lr: float, quant_lr: float):
     return groups
 
 
+def check_positive(name: str, value, why: str) -> None:
+    """Refuse a number of the training (a rate, LoRA's alpha, the clipping bound) that is not finite and > 0, by its
+    ``name``, saying ``why`` it must be."""
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 ({why}), got {value!r}")
+
+
 def check_learning_rates(lr: float, quant_lr: float) -> None:
     """NaN trained and was exported as an all-NaN model (and written to config.json as the invalid JSON NaN); a
     negative rate ascends the loss."""
     for name, value in (("lr", lr), ("quant_lr", quant_lr)):
-        if not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0 (e.g. 1e-3), got {value!r}")
+        check_positive(name, value, "e.g. 1e-3")
+
+
+def check_alpha(alpha: float | None) -> None:
+    """LoRA's scale is alpha / rank: alpha=0 trained nothing without a word (the export was the step-0 model), a
+    negative one was taken, NaN was said as "lower lr"."""
+    if alpha is not None:  # None: 2 * rank
+        check_positive("alpha", alpha, "LoRA's scale is alpha / rank; leave it None for 2 * rank")
 
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
@@ -472,6 +486,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if warmup is not None:
         check_count("warmup", warmup, 0)
     check_learning_rates(lr, quant_lr)
+    check_alpha(alpha)
+    # clip_grad_norm_ with a negative bound flips every gradient's sign: the run climbed the loss without a word
+    check_positive("max_grad_norm", max_grad_norm, "the gradient norm clipped to, e.g. 1.0")
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized

@@ -605,6 +605,13 @@ def test_a_model_a_run_prepared_already_is_refused(recipe):
     (dict(windows=_windows()[:0], batch_size=2), r"windows must be token ids \[n >= 1"),  # a ZeroDivisionError
     (dict(windows=_windows() + 256),
      r"the training windows' token ids run from \d+ to \d+, but the model's vocabulary has 256 tokens"),
+    # a negative bound flipped every gradient (the loss climbed); alpha=0 trained nothing, NaN was "lower lr"
+    (dict(max_grad_norm=-1.0), r"^max_grad_norm must be a finite number > 0 \(.*\), got -1.0$"),
+    (dict(max_grad_norm=0), "max_grad_norm must be a finite number > 0"),
+    (dict(alpha=0), r"^alpha must be a finite number > 0 \(LoRA's scale is alpha / rank; .*\), got 0$"),
+    (dict(alpha=-16), "alpha must be a finite number > 0"),
+    (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
+    (dict(alpha="x"), "alpha must be a finite number > 0"),  # a TypeError
 ])
 def test_what_cannot_train_is_said_before_the_model_is_changed(bad, message):
     model = _model()
