@@ -592,7 +592,12 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             value = loss.item()
             if not (math.isfinite(value) and bool(updated_finite.all())):
                 what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
-                raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
+                # counted from 1, as the bar, the callback and the saved state count; the lower rates cannot go on
+                # from the state this run saved (a resume at other rates is refused, a new run into its folder too)
+                kept = "" if saved_step is None else (
+                    f" in another folder, or delete {path.parent} first: {path} holds this run at step {saved_step}, "
+                    "which resume=True goes on from at these rates only")
+                raise FloatingPointError(f"PE-QAT {what} at step {step + 1}; lower lr / quant_lr{kept}")
             recent.append(value)
             first_loss = value if first_loss is None else first_loss
             n_tok += ids.numel()

@@ -574,8 +574,35 @@ def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
-    with pytest.raises(FloatingPointError, match="trained parameters became NaN or Inf at step 0"):
+    with pytest.raises(FloatingPointError, match="^PE-QAT trained parameters became NaN or Inf at step 1; lower lr / "
+                                                 "quant_lr$"):
         _train("per-token", 1, _windows())
+
+
+def test_a_run_that_diverged_names_its_step_from_1_and_how_to_train_at_lower_rates(tmp_path, monkeypatch):
+    """It counted from 0 (the bar, the callback and the saved state from 1): step 2's NaN was "at step 1", the step of
+    the last good state on disk. Its "lower --lr" was refused in that --out, with --resume (other settings) and
+    without (a run is there): three commands to learn that it takes another folder."""
+    from nibble.cli import options_named
+    from nibble.qat.command import RUN_OPTIONS
+    step, calls = torch.optim.AdamW.step, []
+
+    def nan_at_step_2(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            self.param_groups[0]["params"][0].data.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", nan_at_step_2)
+    seen = []
+    with pytest.raises(FloatingPointError) as diverged, options_named(**RUN_OPTIONS):  # as `nibble qat` says it
+        _train("per-token", 3, _windows(), out_dir=tmp_path, save_every=1, callback=lambda s, loss: seen.append(s))
+    state = state_path(tmp_path)
+    assert seen == [1] and torch.load(state, weights_only=True)["step"] == 1
+    assert str(diverged.value) == (
+        f"PE-QAT trained parameters became NaN or Inf at step 2; lower --lr / --quant-lr in another folder, or delete "
+        f"{state.parent} first: {state} holds this run at step 1, which --resume goes on from at these rates only")
 
 
 def test_training_windows_without_a_tokenizer_are_refused():
