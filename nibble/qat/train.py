@@ -457,8 +457,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             callback=None) -> nn.Module:
     """Train ``model`` (a float HF causal LM, modified in place) with PE-QAT; returns the PeftModel.
 
-    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
-    given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
+    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
+    paths `nibble.quantize.calibration.calibration_text` takes, or one of them), or of the given ``windows``
+    LongTensor [n, seq_len]. ``lr`` is the LoRA learning rate, ``quant_lr`` that of
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
     on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
     excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
@@ -517,7 +518,10 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
              f"{context}.")
         seq_len = context
     device = resolve_device(device)
-    sources = list(sources) if windows is None else None  # windows given: no text was read
+    if windows is None:  # one str is one source, as calibration_text takes it (it was read as its characters)
+        sources = [sources] if isinstance(sources, str) else list(sources)
+    else:  # no text was read
+        sources = None
     if windows is None:
         if tokenizer is None:  # was None's AttributeError
             raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "

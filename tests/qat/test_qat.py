@@ -473,6 +473,11 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
         qat = run_qat(model, _ByteTokenizer(), "per-token", 1, seq_len=1000, batch_size=1, device="cpu",
                       sources=(str(text),), progress=False, gradient_checkpointing=False)
     assert qat.qat_meta["seq_len"] == 32 and qat.qat_meta["tokens_this_run"] == 32
+    # one str is one source, as calibration_text takes it: it was read as its characters ("calibration source '/'")
+    torch.manual_seed(0)
+    one = run_qat(tiny_model(max_position_embeddings=32), _ByteTokenizer(), "per-token", 1, seq_len=32, batch_size=1,
+                  device="cpu", sources=str(text), progress=False, gradient_checkpointing=False)
+    assert one.qat_meta["sources"] == [str(text)] and one.qat_meta["windows"] == qat.qat_meta["windows"]
     with pytest.raises(ValueError, match="windows of seq_len=40 exceed the model's context"):
         run_qat(tiny_model(max_position_embeddings=32), None, "per-token", 1, seq_len=40, device="cpu",
                 windows=torch.zeros(2, 40, dtype=torch.long), progress=False)
