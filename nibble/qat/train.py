@@ -488,6 +488,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         check_count("warmup", warmup, 0)
     check_learning_rates(lr, quant_lr)
     check_alpha(alpha)
+    seed = checked_seed("seed", seed)  # a str or float failed in the data order, the model prepared already
     # clip_grad_norm_ with a negative bound flips every gradient's sign: the run climbed the loss without a word
     check_positive("max_grad_norm", max_grad_norm, "the gradient norm clipped to, e.g. 1.0")
     if resume and out_dir is None:

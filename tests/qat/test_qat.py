@@ -434,13 +434,15 @@ def test_the_data_order_takes_every_seed_run_qat_takes(seed):
     assert rows.shape == (4,) and rows.max() < 5
 
 
+@pytest.mark.parametrize("name", ["rotation_seed", "seed"])
 @pytest.mark.parametrize("seed", ["3", 1.5, 2**70])
-def test_a_rotation_seed_torch_cannot_take_is_refused_before_the_model_is_changed(seed):
+def test_a_seed_torch_cannot_take_is_refused_before_the_model_is_changed(name, seed):
     """run_qat(rotation_seed="3") cast the model to float32 and prepared it, then failed in torch's manual_seed with
-    its own words ("manual_seed expected a long, but got str"), which named no option."""
+    its own words ("manual_seed expected a long, but got str"), which named no option; seed="3" failed in the data
+    order ("can only concatenate str"), the model rotated and fake-quantized."""
     model = tiny_model(dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"rotation_seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
-        run_qat(model, None, "hadamard", 1, windows=_windows(), rotation_seed=seed)
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        run_qat(model, None, "hadamard", 1, seq_len=SEQ, windows=_windows(), **{name: seed})
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
     assert next(model.parameters()).dtype == torch.bfloat16
 
