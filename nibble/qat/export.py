@@ -53,6 +53,11 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     layers += [(n, m) for n, m in base.named_modules()
                if isinstance(m, FakeQuantLinear) and not any(n.startswith(ln + ".") for ln, _ in layers)]
     if not layers:
+        recorded = getattr(base.config, "quantization_config", None)
+        if isinstance(recorded, dict) and "qat" in recorded:  # what the export marks: this model is one (a copy too)
+            raise ValueError("this model was exported already (export replaces its PE-QAT layers in place, so a second "
+                             "export finds none): it is the W4A4 model, which nibble.save_quantized saves; to export "
+                             "the training again, rebuild it with run_qat(..., out_dir=<the run's>, resume=True)")
         raise ValueError("no PE-QAT layers in this model: pass the model returned by nibble.qat.train.run_qat")
     for name, layer in layers:
         parent, _, child = name.rpartition(".")

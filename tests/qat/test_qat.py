@@ -212,6 +212,17 @@ def test_export_of_a_model_without_peqat_layers_names_the_function_that_makes_on
     assert run_qat.__module__ == "nibble.qat.train"
 
 
+def test_a_second_export_says_the_model_was_exported_already(tmp_path):
+    """The first export replaces the trained layers in place: a second one (another folder, a retry after a failed
+    save) said "pass the model returned by run_qat", which is the model it was given."""
+    qat = _train("per-token", 1, _windows())
+    exported = export(qat, tmp_path / "a")
+    for again in (qat, exported, load_quantized(tmp_path / "a", device="cpu")[0]):
+        with pytest.raises(ValueError, match=r"^this model was exported already .* nibble\.save_quantized saves; to "
+                                             r"export the training again, rebuild it with run_qat\(\.\.\., out_dir="):
+            export(again, tmp_path / "b")
+
+
 class _Killed(Exception):
     pass
 
