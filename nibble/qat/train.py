@@ -314,10 +314,13 @@ def _param_groups(model: nn.Module, lr: float, quant_lr: float):
 
 
 def check_positive(name: str, value, why: str) -> None:
-    """Refuse a number of the training (a rate, LoRA's alpha, the clipping bound) that is not finite and > 0, by its
-    ``name``, saying ``why`` it must be."""
-    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 ({why}), got {value!r}")
+    """Refuse a number of the training (a rate, LoRA's alpha, the clipping bound) that is not finite in float32 and
+    > 0, by its ``name``, saying ``why`` it must be: one past float32's largest (lr=1e39) passed, then failed in AdamW
+    with torch's "value cannot be converted to type float without overflow" once the model was prepared."""
+    largest = torch.finfo(torch.float32).max
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and 0 < value <= largest):  # NaN fails too
+        raise ValueError(f"{name} must be a finite number > 0, at most float32's {largest:.1e} ({why}), got "
+                         f"{value!r}")
 
 
 def check_learning_rates(lr: float, quant_lr: float) -> None:

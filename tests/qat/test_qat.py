@@ -573,13 +573,18 @@ def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates
         _train("per-token", 3, windows, out_dir=tmp_path, batch_size=2, resume=True)
 
 
-@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1.0), dict(quant_lr=0.0), dict(lr=float("inf"))])
+@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1.0), dict(quant_lr=0.0), dict(lr=float("inf")),
+                                 dict(lr=1e39), dict(quant_lr=1e300)])
 def test_learning_rates_that_cannot_train_are_refused(bad):
     """lr=NaN trained, exported an all-NaN model and wrote NaN (invalid JSON) into its config.json; a negative one
-    ascended the loss."""
+    ascended the loss; one past float32's largest failed in AdamW ("value cannot be converted to type float without
+    overflow"), the model prepared."""
     name = next(iter(bad))
-    with pytest.raises(ValueError, match=f"^{name} must be a finite number > 0"):
-        _train("per-token", 1, _windows(), **bad)
+    model = _model()
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number > 0, at most float32's 3\.4e\+38 \(e\.g\. "
+                                         rf"1e-3\), got {re.escape(repr(bad[name]))}$"):
+        _train("per-token", 1, _windows(), model=model, **bad)
+    assert not fake_quant_layers(model)
 
 
 def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
@@ -651,9 +656,9 @@ def test_a_model_a_run_prepared_already_is_refused(recipe):
     (dict(windows=_windows() + 256),
      r"the training windows' token ids run from \d+ to \d+, but the model's vocabulary has 256 tokens"),
     # a negative bound flipped every gradient (the loss climbed); alpha=0 trained nothing, NaN was "lower lr"
-    (dict(max_grad_norm=-1.0), r"^max_grad_norm must be a finite number > 0 \(.*\), got -1.0$"),
+    (dict(max_grad_norm=-1.0), r"^max_grad_norm must be a finite number > 0, at most float32's .* \(.*\), got -1.0$"),
     (dict(max_grad_norm=0), "max_grad_norm must be a finite number > 0"),
-    (dict(alpha=0), r"^alpha must be a finite number > 0 \(LoRA's scale is alpha / rank; .*\), got 0$"),
+    (dict(alpha=0), r"^alpha must be a finite number > 0, at most float32's .* \(LoRA's scale is alpha / rank; .*\), got 0$"),
     (dict(alpha=-16), "alpha must be a finite number > 0"),
     (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
     (dict(alpha="x"), "alpha must be a finite number > 0"),  # a TypeError
