@@ -77,8 +77,11 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     # holds, the Hadamard recipe's or one made before PE-QAT (rotate_model, recorded on the model); "qat" below records
     # the training that moved them on
     qc = rotation_recorded(base, QuantConfig(mode="w4a4", method=meta.get("init", "rtn")))
-    # the run's settings and losses, not its wall-clock time: the same run exports the same config.json
-    recorded = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list)) and k != "seconds_this_run"}
+    # the run's settings and losses, not what this process did (its wall-clock time, its tokens: 0 for a finished run
+    # resumed to export it again, a part after an interrupt; tokens_total is the run's): the same run exports the same
+    # config.json
+    recorded = {k: v for k, v in meta.items()
+                if isinstance(v, (int, float, str, list)) and k not in ("seconds_this_run", "tokens_this_run")}
     mark_quantized(base, {**qc.to_dict(), "qat": recorded})
     base.config.use_cache = True
     base.eval()

@@ -550,6 +550,8 @@ def test_a_trained_model_saves_and_loads_through_nibble_only(recipe, init, tmp_p
     assert loaded.qat_meta["tokens_this_run"] == 0
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=windows).logits, qat(input_ids=windows).logits, rtol=0, atol=0)
+    # the same run exports the same config.json (it recorded the tokens this process trained: 0 here)
+    assert export(loaded).config.quantization_config == export(qat).config.quantization_config
 
 
 def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates(tmp_path, monkeypatch):
