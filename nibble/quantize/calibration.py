@@ -49,7 +49,10 @@ def calibration_text(source: str = DEFAULT_SOURCE) -> str:
             text = "\n\n".join(r["text"] for r in records)
     else:
         with parsing(path, fix):
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no text: it was tokenized as such
+    if not text.strip():  # it trained on windows of blanks without a word
+        from nibble.eval.data import DataFormatError
+        raise DataFormatError(f"{path}: holds no text, only whitespace; {fix}")
     if source not in SOURCES:
         check_not_evaluation_text(text, path)
     return text

@@ -50,7 +50,8 @@ def test_jsonl_file_source_and_too_short_text_names_the_minimum(tmp_path):
                                                          r'"content"\)'),
     ("own.jsonl", '["a"]\n', r'own\.jsonl, line 1: no "text" field \(it is \["a"\], not an object\)'),
     ("own.jsonl", '{"text": 3}\n', r"own\.jsonl: not in the format nibble reads \(TypeError: .*\)"),
-    ("own.txt", b"\xff\xfe", r"own\.txt: not in the format nibble reads \(UnicodeDecodeError: .*\)")])
+    ("own.txt", b"\xff\xfe", r"own\.txt: not in the format nibble reads \(UnicodeDecodeError: .*\)"),
+    ("own.txt", " \n\t\n" * 100, r"own\.txt: holds no text, only whitespace")])  # trained on windows of blanks
 def test_a_text_of_the_users_own_not_in_the_format_is_told_what_it_must_hold(tmp_path, name, content, what):
     """It was told to copy the file again from the shared data folder, which holds no copy of the user's own."""
     from nibble.eval.data import DataFormatError
@@ -64,6 +65,13 @@ def test_a_text_of_the_users_own_not_in_the_format_is_told_what_it_must_hold(tmp
                     r'text, or a \.jsonl file of one JSON object a line with its text as a string in a "text" field: '
                     r'\{"text": "\.\.\."\}$', str(error.value)), str(error.value)
     assert "shared data" not in str(error.value)
+
+
+def test_a_byte_order_mark_is_not_calibration_text(tmp_path):
+    """It was read as a character (U+FEFF) and tokenized: other windows than the same text without it."""
+    from nibble.quantize.calibration import calibration_text
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfsome text")
+    assert calibration_text(str(tmp_path / "bom.txt")) == "some text"
 
 
 def test_wikitext2_test_is_refused_for_calibration_by_its_content_not_its_name(tmp_path, monkeypatch):
