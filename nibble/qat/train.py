@@ -524,6 +524,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     device = resolve_device(device)
     if windows is None:  # one str is one source, as calibration_text takes it (it was read as its characters)
         sources = [sources] if isinstance(sources, str) else list(sources)
+        repeated = sorted({s for s in sources if sources.count(s) > 1})
+        if repeated:  # its windows trained twice as often, without a word
+            raise ValueError(f"sources names {', '.join(map(repr, repeated))} more than once: name each text once")
     else:  # no text was read
         sources = None
     if windows is None:

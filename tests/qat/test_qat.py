@@ -491,6 +491,9 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
     one = run_qat(tiny_model(max_position_embeddings=32), _ByteTokenizer(), "per-token", 1, seq_len=32, batch_size=1,
                   device="cpu", sources=str(text), progress=False, gradient_checkpointing=False)
     assert one.qat_meta["sources"] == [str(text)] and one.qat_meta["windows"] == qat.qat_meta["windows"]
+    with pytest.raises(ValueError, match=f"^sources names '{re.escape(str(text))}' more than once: name each text "
+                                         "once$"):  # it trained on the text twice
+        run_qat(tiny_model(), _ByteTokenizer(), "per-token", 1, seq_len=32, sources=[str(text)] * 2)
     with pytest.raises(ValueError, match="windows of seq_len=40 exceed the model's context"):
         run_qat(tiny_model(max_position_embeddings=32), None, "per-token", 1, seq_len=40, device="cpu",
                 windows=torch.zeros(2, 40, dtype=torch.long), progress=False)
