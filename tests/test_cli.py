@@ -1049,7 +1049,8 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
                                ("--save-every", "0", 1)):
         with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be >= {least}, got {value}"):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
-    for flag, value in (("--lr", "nan"), ("--quant-lr", "-5")):  # said as the options, not run_qat's lr / quant_lr
+    # said as the options, not run_qat's lr / quant_lr; past float32's largest, AdamW failed once the model was prepared
+    for flag, value in (("--lr", "nan"), ("--quant-lr", "-5"), ("--lr", "1e39"), ("--quant-lr", "1e300")):
         with pytest.raises(SystemExit, match=f"^nibble qat: {flag} must be a finite number > 0"):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 

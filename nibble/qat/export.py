@@ -5,9 +5,14 @@ take the grid the training forward used (`fake_quant.weight_grid`, learned or fi
 folded into the per-channel scales), and store it as a QuantLinear "w4a4" (symmetric per-channel
 INT4 codes, ``input_hadamard`` where the rotation put an online Hadamard). The result is exactly the
 weights the fake-quant forward multiplied by, so `load_quantized` of the saved directory reproduces
-the fake-quant model's logits up to float rounding (the test checks it), each layer alone; through a whole model a
-rounding-sized difference can move an activation across an INT4 step, which later layers carry on (with the
-Hadamard recipe on SmolLM2, logits ~0.2 apart at the most).
+the fake-quant model's logits up to float rounding, each layer alone (its outputs ~1e-7 apart on the same input; the
+test checks a tiny model's logits). Through a whole model a rounding-sized difference moves some activations across
+an INT4 step, which later layers carry on and grow. With the Hadamard recipe on SmolLM2-135M (tester 65b: 8 x 256
+WikiText-2 tokens, CPU float32, at step 0 and after 3 steps) the export and the merged fake-quant model are max
+|dlogit| ~20-30 apart (mean ~2), their greedy tokens equal at about half the positions; the export against itself
+with its input embeddings scaled by 1 + 1e-7 noise is as far apart (max ~24, mean ~2, half its greedy tokens
+changed). So this is INT4 rounding, not the export: under any rounding-sized change, W4A4 SmolLM2 picks other tokens
+about half the time, while its perplexity moves by a few percent (262 vs 276 at step 0).
 """
 from __future__ import annotations
 
@@ -53,6 +58,11 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     layers += [(n, m) for n, m in base.named_modules()
                if isinstance(m, FakeQuantLinear) and not any(n.startswith(ln + ".") for ln, _ in layers)]
     if not layers:
+        recorded = getattr(base.config, "quantization_config", None)
+        if isinstance(recorded, dict) and "qat" in recorded:  # what the export marks: this model is one (a copy too)
+            raise ValueError("this model was exported already (export replaces its PE-QAT layers in place, so a second "
+                             "export finds none): it is the W4A4 model, which nibble.save_quantized saves; to export "
+                             "the training again, rebuild it with run_qat(..., out_dir=<the run's>, resume=True)")
         raise ValueError("no PE-QAT layers in this model: pass the model returned by nibble.qat.train.run_qat")
     for name, layer in layers:
         parent, _, child = name.rpartition(".")
@@ -67,8 +77,11 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     # holds, the Hadamard recipe's or one made before PE-QAT (rotate_model, recorded on the model); "qat" below records
     # the training that moved them on
     qc = rotation_recorded(base, QuantConfig(mode="w4a4", method=meta.get("init", "rtn")))
-    # the run's settings and losses, not its wall-clock time: the same run exports the same config.json
-    recorded = {k: v for k, v in meta.items() if isinstance(v, (int, float, str, list)) and k != "seconds_this_run"}
+    # the run's settings and losses, not what this process did (its wall-clock time, its tokens: 0 for a finished run
+    # resumed to export it again, a part after an interrupt; tokens_total is the run's): the same run exports the same
+    # config.json
+    recorded = {k: v for k, v in meta.items()
+                if isinstance(v, (int, float, str, list)) and k not in ("seconds_this_run", "tokens_this_run")}
     mark_quantized(base, {**qc.to_dict(), "qat": recorded})
     base.config.use_cache = True
     base.eval()

@@ -200,6 +200,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     from peft import LoraConfig
 
     check_recipe(recipe, init, rotation_seed, calibration)
+    check_alpha(alpha)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
     check_model(model)
@@ -312,12 +313,28 @@ def _param_groups(model: nn.Module, lr: float, quant_lr: float):
     return groups
 
 
+def check_positive(name: str, value, why: str) -> None:
+    """Refuse a number of the training (a rate, LoRA's alpha, the clipping bound) that is not finite in float32 and
+    > 0, by its ``name``, saying ``why`` it must be: one past float32's largest (lr=1e39) passed, then failed in AdamW
+    with torch's "value cannot be converted to type float without overflow" once the model was prepared."""
+    largest = torch.finfo(torch.float32).max
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and 0 < value <= largest):  # NaN fails too
+        raise ValueError(f"{name} must be a finite number > 0, at most float32's {largest:.1e} ({why}), got "
+                         f"{value!r}")
+
+
 def check_learning_rates(lr: float, quant_lr: float) -> None:
     """NaN trained and was exported as an all-NaN model (and written to config.json as the invalid JSON NaN); a
     negative rate ascends the loss."""
     for name, value in (("lr", lr), ("quant_lr", quant_lr)):
-        if not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0 (e.g. 1e-3), got {value!r}")
+        check_positive(name, value, "e.g. 1e-3")
+
+
+def check_alpha(alpha: float | None) -> None:
+    """LoRA's scale is alpha / rank: alpha=0 trained nothing without a word (the export was the step-0 model), a
+    negative one was taken, NaN was said as "lower lr"."""
+    if alpha is not None:  # None: 2 * rank
+        check_positive("alpha", alpha, "LoRA's scale is alpha / rank; leave it None for 2 * rank")
 
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
@@ -443,8 +460,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             callback=None) -> nn.Module:
     """Train ``model`` (a float HF causal LM, modified in place) with PE-QAT; returns the PeftModel.
 
-    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (or the
-    given ``windows`` LongTensor [n, seq_len]). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
+    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
+    paths `nibble.quantize.calibration.calibration_text` takes, or one of them), or of the given ``windows``
+    LongTensor [n, seq_len]. ``lr`` is the LoRA learning rate, ``quant_lr`` that of
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
     on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
     excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
@@ -472,6 +490,10 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if warmup is not None:
         check_count("warmup", warmup, 0)
     check_learning_rates(lr, quant_lr)
+    check_alpha(alpha)
+    seed = checked_seed("seed", seed)  # a str or float failed in the data order, the model prepared already
+    # clip_grad_norm_ with a negative bound flips every gradient's sign: the run climbed the loss without a word
+    check_positive("max_grad_norm", max_grad_norm, "the gradient norm clipped to, e.g. 1.0")
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
@@ -500,7 +522,13 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
              f"{context}.")
         seq_len = context
     device = resolve_device(device)
-    sources = list(sources) if windows is None else None  # windows given: no text was read
+    if windows is None:  # one str is one source, as calibration_text takes it (it was read as its characters)
+        sources = [sources] if isinstance(sources, str) else list(sources)
+        repeated = sorted({s for s in sources if sources.count(s) > 1})
+        if repeated:  # its windows trained twice as often, without a word
+            raise ValueError(f"sources names {', '.join(map(repr, repeated))} more than once: name each text once")
+    else:  # no text was read
+        sources = None
     if windows is None:
         if tokenizer is None:  # was None's AttributeError
             raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
@@ -575,7 +603,12 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             value = loss.item()
             if not (math.isfinite(value) and bool(updated_finite.all())):
                 what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
-                raise FloatingPointError(f"PE-QAT {what} at step {step}; lower lr / quant_lr")
+                # counted from 1, as the bar, the callback and the saved state count; the lower rates cannot go on
+                # from the state this run saved (a resume at other rates is refused, a new run into its folder too)
+                kept = "" if saved_step is None else (
+                    f" in another folder, or delete {path.parent} first: {path} holds this run at step {saved_step}, "
+                    "which resume=True goes on from at these rates only")
+                raise FloatingPointError(f"PE-QAT {what} at step {step + 1}; lower lr / quant_lr{kept}")
             recent.append(value)
             first_loss = value if first_loss is None else first_loss
             n_tok += ids.numel()

@@ -2,7 +2,7 @@
 
 ``calibration_batches`` cuts a calibration text (C4 excerpt or a Gutenberg book from the shared
 data folder, or any .txt/.jsonl file) into ``n_samples`` random non-overlapping windows of
-``seq_len`` tokens. WikiText-2 test is refused: it is the evaluation set.
+``seq_len`` tokens. A text holding WikiText-2 test (the evaluation set) is refused, by its content.
 
 Memory: the walk never holds more than one decoder block's activations. ``capture_block_inputs``
 runs the model only up to block 0 (past stand-ins, to the first block of each attention type) and keeps
@@ -25,7 +25,9 @@ from nibble.kernels.hadamard import hadamard_transform
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
 DEFAULT_SOURCE = "c4"
 DEFAULT_SEQ_LEN = 512
-_FORBIDDEN = ("wiki.test", "wikitext2")
+# Lines of WikiText-2 test at least this long are taken as its own: its paragraphs are tokenized (" @-@ ", a space
+# before each comma) as no other text is, and one of them does not recur by chance
+_EVALUATION_LINE = 200
 
 
 # What a calibration text of the user's own must hold (said where one does not)
@@ -41,15 +43,40 @@ def calibration_text(source: str = DEFAULT_SOURCE) -> str:
     else:
         source_data_files([source])  # refuses a path that is no file
         path, fix = Path(source).expanduser(), OWN_TEXT  # the shared folder's copies are no help with it
-    if any(f in str(path).lower() for f in _FORBIDDEN):
-        raise ValueError(f"refusing to calibrate on {path}: WikiText-2 test is the evaluation set, calibrating on it "
-                         "would inflate every perplexity we report. Use source='c4' or 'gutenberg'.")
     if path.suffix == ".jsonl":
         records = read_jsonl(path, fix, fields=("text",))
         with parsing(path, fix):
-            return "\n\n".join(r["text"] for r in records)
-    with parsing(path, fix):
-        return path.read_text(encoding="utf-8")
+            text = "\n\n".join(r["text"] for r in records)
+    else:
+        with parsing(path, fix):
+            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no text: it was tokenized as such
+    if not text.strip():  # it trained on windows of blanks without a word
+        from nibble.eval.data import DataFormatError
+        raise DataFormatError(f"{path}: holds no text, only whitespace; {fix}")
+    if source not in SOURCES:
+        check_not_evaluation_text(text, path)
+    return text
+
+
+def check_not_evaluation_text(text: str, path: Path) -> None:
+    """Refuse a calibration ``text`` (read from ``path``) that holds paragraphs of WikiText-2 test, the data folder's
+    copy that every perplexity is taken on (nothing to compare with where it is missing). By content, not by name: a
+    copy of it under another name calibrated without a word, while WikiText-2 *train* (wiki.train.raw, the usual
+    calibration text) and any path holding "wikitext2" were refused as the test set."""
+    from nibble.eval.data import data_file
+    from nibble.eval.perplexity import WIKITEXT2_TEST
+    try:
+        test = data_file(WIKITEXT2_TEST)
+    except FileNotFoundError:
+        return
+    paragraphs = {line.strip() for line in test.read_text(encoding="utf-8").splitlines()}
+    shared = sum(1 for line in text.splitlines()
+                 if len(stripped := line.strip()) >= _EVALUATION_LINE and stripped in paragraphs)
+    if shared:
+        raise ValueError(f"refusing to calibrate on {path}: it holds WikiText-2 test, the evaluation set ({shared} "
+                         f"paragraph{'s' * (shared > 1)} of {test}); calibrating on it would inflate every perplexity "
+                         "we report. Use source='c4' or 'gutenberg', or a text of your own without it (WikiText-2 "
+                         "train is fine).")
 
 
 def calibration_batches(tokenizer, n_samples: int = 128, seq_len: int = DEFAULT_SEQ_LEN, source: str = DEFAULT_SOURCE,

@@ -212,6 +212,17 @@ def test_export_of_a_model_without_peqat_layers_names_the_function_that_makes_on
     assert run_qat.__module__ == "nibble.qat.train"
 
 
+def test_a_second_export_says_the_model_was_exported_already(tmp_path):
+    """The first export replaces the trained layers in place: a second one (another folder, a retry after a failed
+    save) said "pass the model returned by run_qat", which is the model it was given."""
+    qat = _train("per-token", 1, _windows())
+    exported = export(qat, tmp_path / "a")
+    for again in (qat, exported, load_quantized(tmp_path / "a", device="cpu")[0]):
+        with pytest.raises(ValueError, match=r"^this model was exported already .* nibble\.save_quantized saves; to "
+                                             r"export the training again, rebuild it with run_qat\(\.\.\., out_dir="):
+            export(again, tmp_path / "b")
+
+
 class _Killed(Exception):
     pass
 
@@ -434,13 +445,15 @@ def test_the_data_order_takes_every_seed_run_qat_takes(seed):
     assert rows.shape == (4,) and rows.max() < 5
 
 
+@pytest.mark.parametrize("name", ["rotation_seed", "seed"])
 @pytest.mark.parametrize("seed", ["3", 1.5, 2**70])
-def test_a_rotation_seed_torch_cannot_take_is_refused_before_the_model_is_changed(seed):
+def test_a_seed_torch_cannot_take_is_refused_before_the_model_is_changed(name, seed):
     """run_qat(rotation_seed="3") cast the model to float32 and prepared it, then failed in torch's manual_seed with
-    its own words ("manual_seed expected a long, but got str"), which named no option."""
+    its own words ("manual_seed expected a long, but got str"), which named no option; seed="3" failed in the data
+    order ("can only concatenate str"), the model rotated and fake-quantized."""
     model = tiny_model(dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"rotation_seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
-        run_qat(model, None, "hadamard", 1, windows=_windows(), rotation_seed=seed)
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        run_qat(model, None, "hadamard", 1, seq_len=SEQ, windows=_windows(), **{name: seed})
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
     assert next(model.parameters()).dtype == torch.bfloat16
 
@@ -473,6 +486,14 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
         qat = run_qat(model, _ByteTokenizer(), "per-token", 1, seq_len=1000, batch_size=1, device="cpu",
                       sources=(str(text),), progress=False, gradient_checkpointing=False)
     assert qat.qat_meta["seq_len"] == 32 and qat.qat_meta["tokens_this_run"] == 32
+    # one str is one source, as calibration_text takes it: it was read as its characters ("calibration source '/'")
+    torch.manual_seed(0)
+    one = run_qat(tiny_model(max_position_embeddings=32), _ByteTokenizer(), "per-token", 1, seq_len=32, batch_size=1,
+                  device="cpu", sources=str(text), progress=False, gradient_checkpointing=False)
+    assert one.qat_meta["sources"] == [str(text)] and one.qat_meta["windows"] == qat.qat_meta["windows"]
+    with pytest.raises(ValueError, match=f"^sources names '{re.escape(str(text))}' more than once: name each text "
+                                         "once$"):  # it trained on the text twice
+        run_qat(tiny_model(), _ByteTokenizer(), "per-token", 1, seq_len=32, sources=[str(text)] * 2)
     with pytest.raises(ValueError, match="windows of seq_len=40 exceed the model's context"):
         run_qat(tiny_model(max_position_embeddings=32), None, "per-token", 1, seq_len=40, device="cpu",
                 windows=torch.zeros(2, 40, dtype=torch.long), progress=False)
@@ -532,6 +553,8 @@ def test_a_trained_model_saves_and_loads_through_nibble_only(recipe, init, tmp_p
     assert loaded.qat_meta["tokens_this_run"] == 0
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=windows).logits, qat(input_ids=windows).logits, rtol=0, atol=0)
+    # the same run exports the same config.json (it recorded the tokens this process trained: 0 here)
+    assert export(loaded).config.quantization_config == export(qat).config.quantization_config
 
 
 def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates(tmp_path, monkeypatch):
@@ -555,13 +578,18 @@ def test_a_finished_run_resumed_for_more_steps_trains_at_the_new_schedules_rates
         _train("per-token", 3, windows, out_dir=tmp_path, batch_size=2, resume=True)
 
 
-@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1.0), dict(quant_lr=0.0), dict(lr=float("inf"))])
+@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=-1.0), dict(quant_lr=0.0), dict(lr=float("inf")),
+                                 dict(lr=1e39), dict(quant_lr=1e300)])
 def test_learning_rates_that_cannot_train_are_refused(bad):
     """lr=NaN trained, exported an all-NaN model and wrote NaN (invalid JSON) into its config.json; a negative one
-    ascended the loss."""
+    ascended the loss; one past float32's largest failed in AdamW ("value cannot be converted to type float without
+    overflow"), the model prepared."""
     name = next(iter(bad))
-    with pytest.raises(ValueError, match=f"^{name} must be a finite number > 0"):
-        _train("per-token", 1, _windows(), **bad)
+    model = _model()
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number > 0, at most float32's 3\.4e\+38 \(e\.g\. "
+                                         rf"1e-3\), got {re.escape(repr(bad[name]))}$"):
+        _train("per-token", 1, _windows(), model=model, **bad)
+    assert not fake_quant_layers(model)
 
 
 def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
@@ -574,8 +602,35 @@ def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
-    with pytest.raises(FloatingPointError, match="trained parameters became NaN or Inf at step 0"):
+    with pytest.raises(FloatingPointError, match="^PE-QAT trained parameters became NaN or Inf at step 1; lower lr / "
+                                                 "quant_lr$"):
         _train("per-token", 1, _windows())
+
+
+def test_a_run_that_diverged_names_its_step_from_1_and_how_to_train_at_lower_rates(tmp_path, monkeypatch):
+    """It counted from 0 (the bar, the callback and the saved state from 1): step 2's NaN was "at step 1", the step of
+    the last good state on disk. Its "lower --lr" was refused in that --out, with --resume (other settings) and
+    without (a run is there): three commands to learn that it takes another folder."""
+    from nibble.cli import options_named
+    from nibble.qat.command import RUN_OPTIONS
+    step, calls = torch.optim.AdamW.step, []
+
+    def nan_at_step_2(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            self.param_groups[0]["params"][0].data.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", nan_at_step_2)
+    seen = []
+    with pytest.raises(FloatingPointError) as diverged, options_named(**RUN_OPTIONS):  # as `nibble qat` says it
+        _train("per-token", 3, _windows(), out_dir=tmp_path, save_every=1, callback=lambda s, loss: seen.append(s))
+    state = state_path(tmp_path)
+    assert seen == [1] and torch.load(state, weights_only=True)["step"] == 1
+    assert str(diverged.value) == (
+        f"PE-QAT trained parameters became NaN or Inf at step 2; lower --lr / --quant-lr in another folder, or delete "
+        f"{state.parent} first: {state} holds this run at step 1, which --resume goes on from at these rates only")
 
 
 def test_training_windows_without_a_tokenizer_are_refused():
@@ -605,6 +660,13 @@ def test_a_model_a_run_prepared_already_is_refused(recipe):
     (dict(windows=_windows()[:0], batch_size=2), r"windows must be token ids \[n >= 1"),  # a ZeroDivisionError
     (dict(windows=_windows() + 256),
      r"the training windows' token ids run from \d+ to \d+, but the model's vocabulary has 256 tokens"),
+    # a negative bound flipped every gradient (the loss climbed); alpha=0 trained nothing, NaN was "lower lr"
+    (dict(max_grad_norm=-1.0), r"^max_grad_norm must be a finite number > 0, at most float32's .* \(.*\), got -1.0$"),
+    (dict(max_grad_norm=0), "max_grad_norm must be a finite number > 0"),
+    (dict(alpha=0), r"^alpha must be a finite number > 0, at most float32's .* \(LoRA's scale is alpha / rank; .*\), got 0$"),
+    (dict(alpha=-16), "alpha must be a finite number > 0"),
+    (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
+    (dict(alpha="x"), "alpha must be a finite number > 0"),  # a TypeError
 ])
 def test_what_cannot_train_is_said_before_the_model_is_changed(bad, message):
     model = _model()

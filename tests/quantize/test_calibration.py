@@ -50,7 +50,8 @@ def test_jsonl_file_source_and_too_short_text_names_the_minimum(tmp_path):
                                                          r'"content"\)'),
     ("own.jsonl", '["a"]\n', r'own\.jsonl, line 1: no "text" field \(it is \["a"\], not an object\)'),
     ("own.jsonl", '{"text": 3}\n', r"own\.jsonl: not in the format nibble reads \(TypeError: .*\)"),
-    ("own.txt", b"\xff\xfe", r"own\.txt: not in the format nibble reads \(UnicodeDecodeError: .*\)")])
+    ("own.txt", b"\xff\xfe", r"own\.txt: not in the format nibble reads \(UnicodeDecodeError: .*\)"),
+    ("own.txt", " \n\t\n" * 100, r"own\.txt: holds no text, only whitespace")])  # trained on windows of blanks
 def test_a_text_of_the_users_own_not_in_the_format_is_told_what_it_must_hold(tmp_path, name, content, what):
     """It was told to copy the file again from the shared data folder, which holds no copy of the user's own."""
     from nibble.eval.data import DataFormatError
@@ -66,11 +67,34 @@ def test_a_text_of_the_users_own_not_in_the_format_is_told_what_it_must_hold(tmp
     assert "shared data" not in str(error.value)
 
 
-def test_wikitext2_test_is_refused_for_calibration(tmp_path):
-    path = tmp_path / "wiki.test.raw"
-    path.write_text("x" * 10000)
-    with pytest.raises(ValueError, match="evaluation set"):
-        calibration_batches(ByteTokenizer(), n_samples=2, seq_len=16, source=str(path))
+def test_a_byte_order_mark_is_not_calibration_text(tmp_path):
+    """It was read as a character (U+FEFF) and tokenized: other windows than the same text without it."""
+    from nibble.quantize.calibration import calibration_text
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfsome text")
+    assert calibration_text(str(tmp_path / "bom.txt")) == "some text"
+
+
+def test_wikitext2_test_is_refused_for_calibration_by_its_content_not_its_name(tmp_path, monkeypatch):
+    """The path was matched against "wiki.test" and "wikitext2": WikiText-2 *train* (and any path holding "wikitext2")
+    was refused as the test set, while a copy of the test set under another name calibrated without a word."""
+    paragraphs = [f" Paragraph {i} of the evaluation set , tokenized as WikiText @-@ 2 is . " * 4 for i in range(3)]
+    (tmp_path / "data" / "wikitext2").mkdir(parents=True)
+    test = tmp_path / "data" / "wikitext2" / "wiki.test.raw"
+    test.write_text(" \n = Title = \n \n" + " \n".join(paragraphs) + " \n")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path / "data"))
+    copy = tmp_path / "notes.txt"
+    copy.write_bytes(test.read_bytes())
+    records = tmp_path / "mixed.jsonl"  # one of its paragraphs among other text
+    records.write_text(json.dumps({"text": "other text " * 100}) + "\n" + json.dumps({"text": paragraphs[1]}) + "\n")
+    for path, shared in ((test, 3), (copy, 3), (records, 1)):
+        with pytest.raises(ValueError, match=f"^refusing to calibrate on {re.escape(str(path))}: it holds WikiText-2 "
+                                             rf"test, the evaluation set \({shared} paragraphs? of {re.escape(str(test))}"
+                                             r"\); .*WikiText-2 train is fine"):
+            calibration_batches(ByteTokenizer(), n_samples=2, seq_len=16, source=str(path))
+    train = tmp_path / "wikitext2" / "wiki.train.raw"
+    train.parent.mkdir()
+    train.write_text(" = Another article = \n" + "Its own text , not the test set 's . " * 100)
+    assert calibration_batches(ByteTokenizer(), n_samples=2, seq_len=16, source=str(train)).shape == (2, 16)
 
 
 def test_token_batches_accepts_tensors_lists_and_dicts():
