@@ -52,6 +52,7 @@ import collections
 import hashlib
 import math
 import numbers
+import os
 import pickle
 import statistics
 import time
@@ -523,7 +524,10 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         seq_len = context
     device = resolve_device(device)
     if windows is None:  # one str is one source, as calibration_text takes it (it was read as its characters)
-        sources = [sources] if isinstance(sources, str) else list(sources)
+        sources = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+        # as str: the state file's settings hold them, and torch.load(weights_only=True) refused a Path there
+        # ("cannot be read: the file is damaged" at the resume)
+        sources = [os.fspath(s) if isinstance(s, os.PathLike) else s for s in sources]
         repeated = sorted({s for s in sources if sources.count(s) > 1})
         if repeated:  # its windows trained twice as often, without a word
             raise ValueError(f"sources names {', '.join(map(repr, repeated))} more than once: name each text once")

@@ -491,6 +491,14 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
     one = run_qat(tiny_model(max_position_embeddings=32), _ByteTokenizer(), "per-token", 1, seq_len=32, batch_size=1,
                   device="cpu", sources=str(text), progress=False, gradient_checkpointing=False)
     assert one.qat_meta["sources"] == [str(text)] and one.qat_meta["windows"] == qat.qat_meta["windows"]
+    # a Path too, kept as its str: the saved state held the Path, which the resume's torch.load(weights_only=True)
+    # refused as a damaged file
+    for steps, resume in ((1, False), (2, True)):
+        torch.manual_seed(0)
+        run = run_qat(tiny_model(max_position_embeddings=32), _ByteTokenizer(), "per-token", steps, seq_len=32,
+                      batch_size=1, device="cpu", sources=text, progress=False, gradient_checkpointing=False,
+                      out_dir=tmp_path / "run", save_every=1, resume=resume)
+        assert run.qat_meta["sources"] == [str(text)]
     with pytest.raises(ValueError, match=f"^sources names '{re.escape(str(text))}' more than once: name each text "
                                          "once$"):  # it trained on the text twice
         run_qat(tiny_model(), _ByteTokenizer(), "per-token", 1, seq_len=32, sources=[str(text)] * 2)
