@@ -1210,6 +1210,8 @@ def test_a_qat_calibration_file_that_is_not_there_is_said_before_the_model_loads
         main(["qat", "--out", str(tmp_path / "q"), "--calib", f"c4,{tmp_path / 'no-such.txt'}", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--calib ',' names no training text"):  # it failed in torch.cat, late
         main(["qat", "--out", str(tmp_path / "q"), "--calib", ",", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--calib names 'c4' more than once: name each text once"):  # after the load
+        main(["qat", "--out", str(tmp_path / "q"), "--calib", "c4,gutenberg,c4", "--device", "cpu"])
 
 
 @pytest.mark.parametrize("command", [["generate", "hello"], ["eval", "ppl"]])

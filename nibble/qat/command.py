@@ -63,17 +63,17 @@ def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
         from nibble.qat.train import (GPTQ_START, QatInterrupted, check_learning_rates, check_new_run, check_recipe,
-                                      run_qat, state_path)
+                                      run_qat, state_path, training_sources)
     from nibble.cli import (CALIBRATION_OPTIONS, calibration_sizes, check_calibration_sizes, check_least, check_seed,
                             options_named)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
-    # their refusals said as the options: "lr must be > 0", a run already in --out, a resume's other settings, a run
-    # that diverged or was interrupted
-    check_learning_rates, check_new_run, run_qat = (options_named(**RUN_OPTIONS)(f)
-                                                    for f in (check_learning_rates, check_new_run, run_qat))
+    # their refusals said as the options: "lr must be > 0", a run already in --out, a text named twice, a resume's
+    # other settings, a run that diverged or was interrupted
+    check_learning_rates, check_new_run, training_sources, run_qat = (
+        options_named(**RUN_OPTIONS)(f) for f in (check_learning_rates, check_new_run, training_sources, run_qat))
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -94,6 +94,7 @@ def qat_main(args) -> None:
     sources = tuple(s for s in args.calib.split(",") if s)
     if not sources:  # it failed after the model loaded, in torch.cat
         raise ValueError(f"--calib {args.calib!r} names no training text: give c4, gutenberg or .txt / .jsonl paths")
+    training_sources(sources)  # run_qat's refusal of a text named twice, said here before the model loads
     require_data(source_data_files(sources) + calibration_files("gptq" if args.init == "gptq" else None)
                  + [WIKITEXT2_TEST] * args.eval_ppl)
     # what Ctrl-C leaves, said for each stage (the training's own, QatInterrupted, says which state it holds)

@@ -258,6 +258,19 @@ def training_windows(tokenizer, seq_len: int, sources=DEFAULT_SOURCES) -> torch.
     return windows
 
 
+def training_sources(sources) -> list[str]:
+    """``sources`` as the list of names and paths `training_windows` reads: one str or Path is one source, as
+    `calibration_text` takes it (a str was read as its characters), each a str (the state file's settings hold them,
+    and torch.load(weights_only=True) refused a Path there, "cannot be read: the file is damaged" at the resume);
+    a text named twice is refused (its windows trained twice as often, without a word)."""
+    sources = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+    sources = [os.fspath(s) if isinstance(s, os.PathLike) else s for s in sources]
+    repeated = sorted({s for s in sources if sources.count(s) > 1})
+    if repeated:
+        raise ValueError(f"sources names {', '.join(map(repr, repeated))} more than once: name each text once")
+    return sources
+
+
 def token_record(ids: torch.Tensor) -> str:
     """How a run's settings record the token ids it trained on or calibrated with: a resume from other ones (another
     --calib-samples, a changed text) mixed two runs without a word, and the export said nothing of them."""
@@ -523,16 +536,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
              f"{context}.")
         seq_len = context
     device = resolve_device(device)
-    if windows is None:  # one str is one source, as calibration_text takes it (it was read as its characters)
-        sources = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
-        # as str: the state file's settings hold them, and torch.load(weights_only=True) refused a Path there
-        # ("cannot be read: the file is damaged" at the resume)
-        sources = [os.fspath(s) if isinstance(s, os.PathLike) else s for s in sources]
-        repeated = sorted({s for s in sources if sources.count(s) > 1})
-        if repeated:  # its windows trained twice as often, without a word
-            raise ValueError(f"sources names {', '.join(map(repr, repeated))} more than once: name each text once")
-    else:  # no text was read
-        sources = None
+    sources = training_sources(sources) if windows is None else None  # windows given: no text was read
     if windows is None:
         if tokenizer is None:  # was None's AttributeError
             raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
