@@ -1099,7 +1099,7 @@ class Engine:
             mlp = layer.mlp
             called.add(layer.self_attn.o_proj)
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
-            if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            if self._gated(mlp):
                 called.add(mlp.down_proj)
             else:
                 called.update(mlp.modules())
@@ -1159,9 +1159,13 @@ class Engine:
                 return attn.o_proj.forward_in_order(y)
         return attn.o_proj(y)
 
+    def _gated(self, mlp: nn.Module) -> bool:
+        """Whether `_mlp` runs ``mlp`` as its gate and up projections, fused, then down_proj (else it calls it)."""
+        return self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+
     def _mlp(self, mlp: nn.Module, x, residual, norm):
         """(h, mlp(norm(h))) with h = x + residual."""
-        if self.silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        if self._gated(mlp):
             h, act = self._norm_projections(x, residual, norm, (mlp.gate_proj, mlp.up_proj), gated=True)
             return h, mlp.down_proj(act)
         h, y = self._add_norm(x, residual, norm)

@@ -37,7 +37,7 @@ OWN_TEXT = ('a calibration text of your own is a .txt file of UTF-8 text, or a .
 
 def calibration_text(source: str = DEFAULT_SOURCE) -> str:
     """The raw calibration text: ``"c4"``, ``"gutenberg"`` or a path to a .txt / .jsonl (``{"text": ...}`` per line)."""
-    from nibble.eval.data import COPY_AGAIN, data_file, parsing, read_jsonl
+    from nibble.eval.data import COPY_AGAIN, DataFormatError, data_file, parsing, read_jsonl
     if source in SOURCES:
         path, fix = data_file(SOURCES[source]), COPY_AGAIN
     else:
@@ -51,7 +51,6 @@ def calibration_text(source: str = DEFAULT_SOURCE) -> str:
         with parsing(path, fix):
             text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no text: it was tokenized as such
     if not text.strip():  # it trained on windows of blanks without a word
-        from nibble.eval.data import DataFormatError
         raise DataFormatError(f"{path}: holds no text, only whitespace; {fix}")
     if source not in SOURCES:
         check_not_evaluation_text(text, path)
