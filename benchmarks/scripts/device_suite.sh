@@ -6,11 +6,13 @@
 #   kernels  tests/kernels, tests/nn, the engine and speed/memory tests (about 4 minutes on 16 cores)
 #   nn       the same without tests/kernels: what a change above the kernels needs (about a minute)
 #   models   tests/models and tests/formats
-#   rest     every other test file (models and rest together ran past one call's 10 minutes in session 60)
+#   eval     tests/eval's scorers and report, and tests/test_cli.py
+#   rest     every other test file (models and rest together ran past one call's 10 minutes in session 60; eval
+#            and rest together past 8 minutes on an H100 in session 66)
 #   w4a16    the W4A16 kernel benchmark (vs cuBLAS bf16 and tinygemm), 3 interleaved rounds a cell
 #   w4a4     the W4A4 kernel benchmark (vs cuBLAS bf16 / INT8 / FP8), 3 interleaved rounds a cell
 set -euo pipefail
-part=${1:?usage: device_suite.sh install|kernels|nn|models|rest|w4a16|w4a4}
+part=${1:?usage: device_suite.sh install|kernels|nn|models|eval|rest|w4a16|w4a4}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for what in cache data pylib; do
@@ -36,10 +38,11 @@ case "$part" in
   nn)      $pytest tests/nn tests/eval/test_engine_generate.py tests/eval/test_speed_memory.py \
              2>&1 | tee "$OUT/gpu-tests-nn.log" ;;
   models)  $pytest tests/models tests/formats 2>&1 | tee "$OUT/gpu-tests-models.log" ;;
+  eval)    $pytest tests/eval tests/test_cli.py --ignore=tests/eval/test_engine_generate.py \
+             --ignore=tests/eval/test_speed_memory.py 2>&1 | tee "$OUT/gpu-tests-eval.log" ;;
   rest)    $pytest tests --ignore=tests/kernels --ignore=tests/nn --ignore=tests/models --ignore=tests/formats \
-             --ignore=tests/eval/test_engine_generate.py --ignore=tests/eval/test_speed_memory.py \
-             2>&1 | tee "$OUT/gpu-tests-rest.log" ;;
+             --ignore=tests/eval --ignore=tests/test_cli.py 2>&1 | tee "$OUT/gpu-tests-rest.log" ;;
   w4a16)   python3 -m nibble.bench kernels --rounds 3 --out "$OUT" 2>&1 | tee "$OUT/bench-w4a16.log" ;;
   w4a4)    python3 -m nibble.bench w4a4 --rounds 3 --out "$OUT" 2>&1 | tee "$OUT/bench-w4a4.log" ;;
-  *) echo "unknown part $part (install|kernels|nn|models|rest|w4a16|w4a4)"; exit 2 ;;
+  *) echo "unknown part $part (install|kernels|nn|models|eval|rest|w4a16|w4a4)"; exit 2 ;;
 esac
