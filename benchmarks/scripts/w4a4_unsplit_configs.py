@@ -4,12 +4,12 @@ trees whose libraries cannot share a process (their entry points differ) runs it
 each, e.g. three times each:
 
     for r in 1 2 3; do
-      PYTHONPATH=old python3 benchmarks/scripts/w4a4_unsplit_configs.py | sed 's/^/old /' >> ab.jsonl
-      PYTHONPATH=. python3 benchmarks/scripts/w4a4_unsplit_configs.py | sed 's/^/new /' >> ab.jsonl
+      PYTHONPATH=old python3 benchmarks/scripts/w4a4_unsplit_configs.py | sed 's/^/old /' >> ab.log
+      PYTHONPATH=. python3 benchmarks/scripts/w4a4_unsplit_configs.py | sed 's/^/new /' >> ab.log
     done
 
-(benchmarks/results/w4a4-unsplit-kernel-ab-h200.jsonl: session 15's sources as "head", the split
-path as its own kernel instantiation as "new".)
+(benchmarks/results/w4a4-unsplit-kernel-ab-h200.log: session 15's sources as "head", the split
+path as its own kernel instantiation as "new"; each line a label and a JSON object.)
 """
 from __future__ import annotations
 

@@ -235,7 +235,11 @@ class ClockSampler:
 
 def git_commit(package: Path = Path(__file__).resolve().parents[1]) -> str:
     """The commit of nibble's own checkout (``package`` is its nibble/ folder), "-dirty" if it has changes;
-    "no-commit" for an installed nibble, whose folder a repository around it (a project's .venv) answered for."""
+    "no-commit" for an installed nibble, whose folder a repository around it (a project's .venv) answered for.
+    $NIBBLE_GIT_COMMIT, where set, answers instead: a copy of the working tree on a GPU machine carries a stale
+    .git, and benchmarks/scripts/device_suite.sh sets it to the commit the copy was made from."""
+    if os.environ.get("NIBBLE_GIT_COMMIT"):
+        return os.environ["NIBBLE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True,
                              text=True, timeout=5)

@@ -193,9 +193,11 @@ def test_source_hash_follows_the_sources_only(tmp_path):
     assert env_meta()["source_sha256"] == source_hash()
 
 
-def test_the_commit_is_nibbles_own_checkouts_never_a_repository_around_an_installed_nibble(tmp_path):
+def test_the_commit_is_nibbles_own_checkouts_never_a_repository_around_an_installed_nibble(tmp_path, monkeypatch):
     """An installed nibble inside a project's .venv recorded that project's HEAD (and its -dirty) as nibble's."""
     import subprocess
+
+    monkeypatch.delenv("NIBBLE_GIT_COMMIT", raising=False)
 
     from nibble.bench.timing import env_meta, git_commit
 
@@ -218,6 +220,17 @@ def test_the_commit_is_nibbles_own_checkouts_never_a_repository_around_an_instal
     installed.mkdir(parents=True)
     assert git_commit(installed) == "no-commit"
     assert env_meta()["nibble"] == __import__("nibble").__version__
+
+
+def test_the_commit_a_device_run_is_given_is_the_one_recorded(tmp_path, monkeypatch):
+    """A copy of the working tree on a GPU machine carries a stale .git: its JSON named a commit (85c2cda-dirty) whose
+    sources were not the ones that ran. device_suite.sh gives the commit the copy was made from."""
+    from nibble.bench.timing import env_meta, git_commit
+
+    monkeypatch.setenv("NIBBLE_GIT_COMMIT", "c0dc84a")
+    assert git_commit() == "c0dc84a" and env_meta()["git_commit"] == "c0dc84a"
+    monkeypatch.setenv("NIBBLE_GIT_COMMIT", "")
+    assert git_commit() != ""
 
 
 def test_a_failing_config_is_reported_not_fatal(tmp_path):
