@@ -78,8 +78,9 @@ try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorc
 except Exception:  # pragma: no cover
     triton = None
 
-# Prefill attention, in this order of preference: cuDNN's (Hopper-tuned), flash, memory-efficient
-# (the masked decode on the CPU), math (the CPU's fallback).
+# SDPA's backends for the engine's attention (prefill, and the masked decode where the Triton kernel
+# does not run), in this order of preference: cuDNN's (Hopper-tuned), flash (also the CPU's, masked or
+# not), memory-efficient (a masked decode on CUDA), math (the last resort).
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                   SDPBackend.MATH]
 _SILU_ACTS = ("silu", "swish")
