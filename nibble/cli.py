@@ -593,9 +593,9 @@ def check_export(args) -> None:
         return
     if args.quantized:
         from nibble.config import QUANT_METHOD, QuantConfig
-        from nibble.models.loading import read_json_object
+        from nibble.models.loading import CONFIG, read_json_object
 
-        qc = read_json_object(Path(args.model) / "config.json").get("quantization_config")
+        qc = read_json_object(Path(args.model) / CONFIG).get("quantization_config")
         if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
             return  # an AutoAWQ / GPTQ checkpoint: it is such weights
         cfg = QuantConfig.from_dict(qc)

@@ -38,8 +38,8 @@ from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n, zeros_from_zero_points
 from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules, quantized_linears,
                                    rebuild_non_persistent_buffers, untie_lm_head)
-from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, header_tensor, quantization_settings_files,
-                                   read_config, read_json_object)
+from nibble.models.loading import (CONFIG, QUANTIZATION_SETTINGS_FILES, WEIGHTS, header_tensor,
+                                   quantization_settings_files, read_config, read_json_object)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 from nibble.warn import warn
@@ -48,8 +48,6 @@ SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=tru
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format (or format) in {CHECKPOINT_FORMATS})"
 QUANTIZED_BY = "quantized_by"  # the key of a nibble export's quantization_config saying how it was made
 QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 _REQUIRED_KEYS = ("qweight", "qzeros", "scales")  # every AWQ / GPTQ layer's
 _QUANT_KEYS = (*_REQUIRED_KEYS, "g_idx")  # GPTQ's g_idx is optional: without one, groups are k // G
 

@@ -32,8 +32,8 @@ from nibble.config import (QuantConfig, default_dtype, recorded_dtype, resolve_d
 from nibble.formats import EXPORT_FORMATS, SAVE_FORMATS
 from nibble.models.convert import mark_quantized, online_hadamard_modules, rebuild_non_persistent_buffers
 from nibble.models.gguf import is_gguf
-from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
-                                   QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, header_tensor,
+from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, CONFIG, GENERATION_CONFIG, NEVER_DOWNLOADS,
+                                   QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, WEIGHTS, header_tensor,
                                    quantization_settings_files, read_config, read_generation_config, read_tokenizer)
 from nibble.models.hf_import import (checkpoint_dir, export_awq, export_gptq, fold_mlp_input_orders,
                                      hf_quantized_structure, imported_checkpoint, input_permuted_modules,
@@ -42,8 +42,6 @@ from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.warn import warn
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
 CHECKSUM_VERSION = 2  # 2: the checksums cover each tensor's dtype and shape too (1, or none said: its data alone)
 # the canonical format's tensors (docs/ARCHITECTURE.md), whatever dtype the model runs in
