@@ -64,7 +64,7 @@ def check_tokenizer(args) -> None:
                          "save_quantized(model, DIR, tokenizer)")
 
 
-def quant_config(args, model):
+def config_from_args(args, model):
     """The QuantConfig the quantization arguments ask for; ``model`` None leaves W4A16's default group
     at 128 (what `main` builds to check the arguments before any model loads)."""
     from nibble.config import QuantConfig
@@ -222,7 +222,7 @@ def check_quant_args(args) -> None:
                              "recovers more)")
     check_calibration_sizes(args, args.method != "rtn", "--method gptq / awq", "RTN")
     with options_named(group_size="--group-size"):
-        quant_config(args, None)  # a value QuantConfig refuses (--group-size 0)
+        config_from_args(args, None)  # a value QuantConfig refuses (--group-size 0)
 
 
 def calibration_sizes(args) -> dict:
@@ -266,7 +266,7 @@ def load_for_command(args, device: str):
     model, tok = load(args.model, "cpu", quantized=False, dtype=default_dtype(torch.device(device)))
     # a group size the model's widths refuse, a calibration text too short for the windows asked
     with options_named(group_size="--group-size", **CALIBRATION_OPTIONS):
-        cfg = quant_config(args, model)
+        cfg = config_from_args(args, model)
         calibration = calibration_for(cfg, tok, model, **calibration_sizes(args))
         return quantize_model(model, cfg, calibration=calibration, device=device), tok
 
