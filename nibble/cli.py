@@ -43,7 +43,7 @@ def _device(name: str | None) -> str:
 
 
 def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | None = None):
-    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `hf_import.quantized_checkpoint` says), a
+    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `checkpoint_files.quantized_checkpoint` says), a
     local HF directory, a .gguf file, or None for the embedded SmolLM2."""
     from nibble.models.loading import load_model
     from nibble.models.serialization import load_quantized
@@ -56,7 +56,7 @@ def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | N
 def check_tokenizer(args) -> None:
     """Refuse a quantized checkpoint saved without a tokenizer (save_quantized's default) before it loads, for a
     command that tokenizes: it failed on the first prompt with "'NoneType' object has no attribute ..."."""
-    from nibble.models.serialization import holds_tokenizer
+    from nibble.models.checkpoint_files import holds_tokenizer
 
     if args.quantized and not holds_tokenizer(Path(args.model)):
         raise ValueError(f"{args.model} holds no tokenizer (tokenizer.json / tokenizer_config.json), which nibble "
@@ -125,7 +125,7 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file: give a folder")
     if writes_model:  # the --model folder above all (the 16-bit source was replaced); the library's own refusal
-        from nibble.models.hf_import import check_replaceable
+        from nibble.models.checkpoint_files import check_replaceable
         try:
             check_replaceable(path, model)
         except ValueError as e:  # it names the folder: said as the option's
@@ -881,7 +881,7 @@ def user_errors() -> tuple:
 
     # OSError: a path that is missing, not a folder or not permitted, and a disk that is full or failing, of a file
     # written or of the output (`nibble info DIR > /dev/full`); ValueError covers
-    # nibble.models.serialization.CheckpointError; FloatingPointError: a training run that diverged (PE-QAT), said
+    # nibble.models.checkpoint_files.CheckpointError; FloatingPointError: a training run that diverged (PE-QAT), said
     # with the rates to lower
     return (OSError, ModuleNotFoundError, ValueError, CudaBuildError, KernelUnavailableError, FloatingPointError)
 
@@ -935,7 +935,7 @@ def main(argv=None):
             setattr(args, path, os.path.expanduser(getattr(args, path)))
     try:
         if hasattr(args, "quantized"):  # the commands of `_add_model_args`: their checks and loading all ask
-            from nibble.models.hf_import import quantized_checkpoint
+            from nibble.models.checkpoint_files import quantized_checkpoint
             args.quantized = quantized_checkpoint(args.model)
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads

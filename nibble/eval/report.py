@@ -45,8 +45,8 @@ from nibble.eval import speed as speed_mod
 from nibble.eval.data import require_data
 from nibble.eval.perplexity import WIKITEXT2_TEST, check_model_window, check_window, context_length
 from nibble.eval.tasks import task_files
+from nibble.models.checkpoint_files import atomic_write
 from nibble.models.convert import check_quantizable, default_group_size
-from nibble.models.serialization import atomic_write
 from nibble.quantize.calibration import calibration_files, calibration_for
 
 WINDOW_NAMES = ("ppl_seq_len", "ppl_max_tokens")  # how a refused perplexity window names them (`check_window`)

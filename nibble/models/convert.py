@@ -103,7 +103,7 @@ def rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             if not type(module).__name__.endswith("RotaryEmbedding"):
-                from nibble.models.serialization import CheckpointError  # serialization imports this module
+                from nibble.models.checkpoint_files import CheckpointError  # checkpoint_files imports this module
                 raise CheckpointError(f"module {name} has buffers the checkpoint does not hold")
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,

@@ -65,9 +65,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
+from nibble.models.checkpoint_files import atomic_write, checkpoint_dir
 from nibble.models.convert import check_calibration_ids, own_config, refuse_save_pretrained
-from nibble.models.hf_import import checkpoint_dir
-from nibble.models.serialization import atomic_write
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -376,7 +375,7 @@ def state_path(out_dir) -> Path:
 
 
 def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
-    """Atomic, as a checkpoint's files are written (`serialization.atomic_write`): a kill mid-write leaves the
+    """Atomic, as a checkpoint's files are written (`checkpoint_files.atomic_write`): a kill mid-write leaves the
     previous state, and Ctrl-C no temporary beside it. ``losses`` (the run's first loss and its last
     `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -484,7 +483,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
-    refused (`check_new_run`), as is one that holds a model the export could not replace (`hf_import.checkpoint_dir`:
+    refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
     a float model, the one trained above all). ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,

@@ -35,7 +35,7 @@ def test_whole_model_conversion_keeps_the_model_working(arch, mode):
 def test_a_meta_buffer_other_than_the_rotary_ones_is_a_checkpoint_error():
     """It was a plain ValueError, where the loaders' copy it replaced raised CheckpointError."""
     from nibble.models.convert import rebuild_non_persistent_buffers
-    from nibble.models.serialization import CheckpointError
+    from nibble.models.checkpoint_files import CheckpointError
 
     model = tiny_model()
     model.model.norm.register_buffer("scale", torch.empty(8, device="meta"), persistent=False)  # what no file holds
