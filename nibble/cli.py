@@ -241,7 +241,7 @@ def check_calibration_sizes(args, calibrated: bool, calibrating: str, other: str
                          f"{other} calibrates nothing: drop {'it' if one else 'them'}, or give {calibrating}")
     check_least(args, (("calib_samples", 1), ("calib_seq_len", 2)))
     if args.calib_seq_len is not None:  # quantize_model refused it after the model loaded and the text was tokenized
-        from nibble.models.convert import check_calibration_window
+        from nibble.models.architecture import check_calibration_window
         from nibble.models.loading import model_context
         check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
 

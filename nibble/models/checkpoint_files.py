@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nibble.models.convert import check_architecture
+from nibble.models.architecture import check_architecture
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, CONFIG, GENERATION_CONFIG, QUANTIZATION_SETTINGS_FILES,
                                    TOKENIZER_FILES, WEIGHTS, quantization_settings_files, read_generation_config,
                                    read_json_object, read_tokenizer)

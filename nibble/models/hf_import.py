@@ -35,10 +35,11 @@ from nibble.formats.awq import awq_dimensions, from_awq, to_awq
 from nibble.formats.gptq import act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n, zeros_from_zero_points
+from nibble.models.architecture import check_architecture
 from nibble.models.checkpoint_files import (CHECKSUM_VERSION, METADATA, QUANT_METHODS, check_checksums,
                                             check_config_digest, checkpoint_dir, load_companions, model_to_save,
                                             tensor_sha256, write_checkpoint)
-from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules, quantized_linears,
+from nibble.models.convert import (mark_quantized, online_hadamard_modules, quantized_linears,
                                    rebuild_non_persistent_buffers, untie_lm_head)
 from nibble.models.loading import (CONFIG, QUANTIZATION_SETTINGS_FILES, WEIGHTS, header_tensor,
                                    quantization_settings_files, read_config, read_json_object)

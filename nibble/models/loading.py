@@ -17,7 +17,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedTokenizerBase)
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
-from nibble.models.convert import SUPPORTED_ARCHITECTURES
+from nibble.models.architecture import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import is_gguf, load_gguf, read_context_length
 from nibble.warn import warn
 
