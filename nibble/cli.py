@@ -43,7 +43,7 @@ def _device(name: str | None) -> str:
 
 
 def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | None = None):
-    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `hf_import.quantized_checkpoint` says), a
+    """A quantized checkpoint (nibble, AutoAWQ or GPTQ: ``quantized``, as `checkpoint_files.quantized_checkpoint` says), a
     local HF directory, a .gguf file, or None for the embedded SmolLM2."""
     from nibble.models.loading import load_model
     from nibble.models.serialization import load_quantized
@@ -56,7 +56,7 @@ def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | N
 def check_tokenizer(args) -> None:
     """Refuse a quantized checkpoint saved without a tokenizer (save_quantized's default) before it loads, for a
     command that tokenizes: it failed on the first prompt with "'NoneType' object has no attribute ..."."""
-    from nibble.models.serialization import holds_tokenizer
+    from nibble.models.checkpoint_files import holds_tokenizer
 
     if args.quantized and not holds_tokenizer(Path(args.model)):
         raise ValueError(f"{args.model} holds no tokenizer (tokenizer.json / tokenizer_config.json), which nibble "
@@ -64,7 +64,7 @@ def check_tokenizer(args) -> None:
                          "save_quantized(model, DIR, tokenizer)")
 
 
-def quant_config(args, model):
+def config_from_args(args, model):
     """The QuantConfig the quantization arguments ask for; ``model`` None leaves W4A16's default group
     at 128 (what `main` builds to check the arguments before any model loads)."""
     from nibble.config import QuantConfig
@@ -125,7 +125,7 @@ def check_out(out: str, model: str | None, writes_model: bool = True) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file: give a folder")
     if writes_model:  # the --model folder above all (the 16-bit source was replaced); the library's own refusal
-        from nibble.models.hf_import import check_replaceable
+        from nibble.models.checkpoint_files import check_replaceable
         try:
             check_replaceable(path, model)
         except ValueError as e:  # it names the folder: said as the option's
@@ -222,7 +222,7 @@ def check_quant_args(args) -> None:
                              "recovers more)")
     check_calibration_sizes(args, args.method != "rtn", "--method gptq / awq", "RTN")
     with options_named(group_size="--group-size"):
-        quant_config(args, None)  # a value QuantConfig refuses (--group-size 0)
+        config_from_args(args, None)  # a value QuantConfig refuses (--group-size 0)
 
 
 def calibration_sizes(args) -> dict:
@@ -241,7 +241,7 @@ def check_calibration_sizes(args, calibrated: bool, calibrating: str, other: str
                          f"{other} calibrates nothing: drop {'it' if one else 'them'}, or give {calibrating}")
     check_least(args, (("calib_samples", 1), ("calib_seq_len", 2)))
     if args.calib_seq_len is not None:  # quantize_model refused it after the model loaded and the text was tokenized
-        from nibble.models.convert import check_calibration_window
+        from nibble.models.architecture import check_calibration_window
         from nibble.models.loading import model_context
         check_calibration_window(args.calib_seq_len, model_context(args.model), "--calib-seq-len")
 
@@ -266,7 +266,7 @@ def load_for_command(args, device: str):
     model, tok = load(args.model, "cpu", quantized=False, dtype=default_dtype(torch.device(device)))
     # a group size the model's widths refuse, a calibration text too short for the windows asked
     with options_named(group_size="--group-size", **CALIBRATION_OPTIONS):
-        cfg = quant_config(args, model)
+        cfg = config_from_args(args, model)
         calibration = calibration_for(cfg, tok, model, **calibration_sizes(args))
         return quantize_model(model, cfg, calibration=calibration, device=device), tok
 
@@ -593,9 +593,9 @@ def check_export(args) -> None:
         return
     if args.quantized:
         from nibble.config import QUANT_METHOD, QuantConfig
-        from nibble.models.loading import read_json_object
+        from nibble.models.loading import CONFIG, read_json_object
 
-        qc = read_json_object(Path(args.model) / "config.json").get("quantization_config")
+        qc = read_json_object(Path(args.model) / CONFIG).get("quantization_config")
         if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
             return  # an AutoAWQ / GPTQ checkpoint: it is such weights
         cfg = QuantConfig.from_dict(qc)
@@ -881,7 +881,7 @@ def user_errors() -> tuple:
 
     # OSError: a path that is missing, not a folder or not permitted, and a disk that is full or failing, of a file
     # written or of the output (`nibble info DIR > /dev/full`); ValueError covers
-    # nibble.models.serialization.CheckpointError; FloatingPointError: a training run that diverged (PE-QAT), said
+    # nibble.models.checkpoint_files.CheckpointError; FloatingPointError: a training run that diverged (PE-QAT), said
     # with the rates to lower
     return (OSError, ModuleNotFoundError, ValueError, CudaBuildError, KernelUnavailableError, FloatingPointError)
 
@@ -935,7 +935,7 @@ def main(argv=None):
             setattr(args, path, os.path.expanduser(getattr(args, path)))
     try:
         if hasattr(args, "quantized"):  # the commands of `_add_model_args`: their checks and loading all ask
-            from nibble.models.hf_import import quantized_checkpoint
+            from nibble.models.checkpoint_files import quantized_checkpoint
             args.quantized = quantized_checkpoint(args.model)
         if hasattr(args, "quant"):
             check_quant_args(args)  # said before the model loads

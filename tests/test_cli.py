@@ -932,10 +932,10 @@ def test_a_warning_is_said_in_the_options_the_command_took(short_context_dir, tm
 
 def test_a_command_reads_whether_its_model_is_quantized_once(model_dir, tmp_path, monkeypatch, capsys):
     """The checks, load_for_command and load each read --model's config.json again: four reads a command."""
-    from nibble.models import hf_import
+    from nibble.models import checkpoint_files
 
-    reads, read = [], hf_import.quantized_checkpoint
-    monkeypatch.setattr(hf_import, "quantized_checkpoint", lambda model: reads.append(model) or read(model))
+    reads, read = [], checkpoint_files.quantized_checkpoint
+    monkeypatch.setattr(checkpoint_files, "quantized_checkpoint", lambda model: reads.append(model) or read(model))
     out = str(tmp_path / "q")
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", out])
     main(["generate", "hi", "--model", out, "--device", "cpu", "--max-new-tokens", "1"])

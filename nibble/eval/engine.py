@@ -28,18 +28,16 @@ this file supplies the rest of the forward pass:
   each group is one kernel launch where it can be: 16-bit layers have their weights stacked into one
   tensor (``stack_weights``, in place, same memory) and run as one matmul; W4A16 layers run as one
   launch of the skinny kernel at decode sizes and of the Hopper GEMM at prefill sizes; W4A4 layers
-  quantize that input once, then run as one launch too. W4A4 goes one step further on CUDA: the
-  RMSNorm kernel quantizes its output for the q/k/v and gate/up projections itself
-  (`add_rmsnorm_quantize`): their 16-bit input is never written and read back, and two launches a
-  layer go. From 512 tokens on Hopper the gate and up products are one GEMM whose epilogue
-  computes SiLU(gate) * up (`w4a4.w4a4_wgmma_silu_mul`): their 2N-wide output is never written
-  (Llama-2-7B prefill 1.4% faster at 1 x 512, 3.5% at 8 x 512; at 128 tokens the epilogue costs
-  more than it saves).
-  Both sides get the grouping: at batch 1,
-  Llama-2-7B's q, k and v take 39.9 us in bf16 and 16.9 us in W4A16 as three launches, 27.6 and
-  10.5 us as one (H200); at 128 tokens 41.7 us in bf16, 73.0 in W4A16 and 55.1 in W4A4 as three,
-  28.3, 35.5 and 20.8 as one. The glue kernels read the slices of a stacked output in place (any
-  row stride).
+  quantize that input once, then run as one launch too. 16-bit and 4-bit layers both gain from the
+  grouping: at batch 1, Llama-2-7B's q, k and v take 39.9 us in bf16 and 16.9 us in W4A16 as three
+  launches, 27.6 and 10.5 us as one (H200); at 128 tokens 41.7 us in bf16, 73.0 in W4A16 and 55.1 in
+  W4A4 as three, 28.3, 35.5 and 20.8 as one. The glue kernels read the slices of a stacked output in
+  place (any row stride). W4A4 goes one step further on CUDA: the RMSNorm kernel quantizes its output
+  for the q/k/v and gate/up projections itself (`add_rmsnorm_quantize`): their 16-bit input is never
+  written and read back, and two launches a layer go. From 512 tokens on Hopper the gate and up
+  products are one GEMM whose epilogue computes SiLU(gate) * up (`w4a4.w4a4_wgmma_silu_mul`): their
+  2N-wide output is never written (Llama-2-7B prefill 1.4% faster at 1 x 512, 3.5% at 8 x 512; at
+  128 tokens the epilogue costs more than it saves).
 
 The kernels reproduce the Hugging Face modules' bf16 rounding step for step (they round where
 PyTorch rounds), so greedy tokens match ``model.generate``; on the CPU the same functions run as
@@ -78,8 +76,9 @@ try:  # the engine runs without triton (CPU): the glue then runs as plain PyTorc
 except Exception:  # pragma: no cover
     triton = None
 
-# Prefill attention, in this order of preference: cuDNN's (Hopper-tuned), flash, memory-efficient
-# (the masked decode on the CPU), math (the CPU's fallback).
+# SDPA's backends for the engine's attention (prefill, and the masked decode where the Triton kernel
+# does not run), in this order of preference: cuDNN's (Hopper-tuned), flash (also the CPU's, masked or
+# not), memory-efficient (a masked decode on CUDA), math (the last resort).
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                   SDPBackend.MATH]
 _SILU_ACTS = ("silu", "swish")

@@ -24,6 +24,7 @@ from torch import nn
 from nibble.nn.quant_linear import QuantLinear
 
 KINDS = ("embeddings", "attention", "mlp", "lm_head", "norms", "other")
+LINEAR_KINDS = ("attention", "mlp")  # the decoder-layer linears: what quantization shrinks
 _QUANT_BUFFERS = ("qweight", "scales", "zeros")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -77,8 +78,8 @@ def weight_memory(model: nn.Module) -> dict:
 
 
 def linear_bytes(mem: dict) -> int:
-    """Bytes of the decoder-layer linears (attention + MLP): what quantization shrinks."""
-    return mem["kinds"]["attention"]["bytes"] + mem["kinds"]["mlp"]["bytes"]
+    """Bytes of the decoder-layer linears (`LINEAR_KINDS`): what quantization shrinks."""
+    return sum(mem["kinds"][kind]["bytes"] for kind in LINEAR_KINDS)
 
 
 def decode_stream_bytes(mem: dict) -> int:

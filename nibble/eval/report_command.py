@@ -68,7 +68,7 @@ def check_report_args(args: argparse.Namespace) -> None:
 
     from nibble.cli import check_least
     from nibble.eval.perplexity import check_model_window
-    from nibble.models.hf_import import quantized_checkpoint
+    from nibble.models.checkpoint_files import quantized_checkpoint
 
     accuracy_options = [flag for flag, value in (("--limit", args.limit), ("--tasks", args.tasks),
                                                  ("--ppl-max-tokens", args.ppl_max_tokens),

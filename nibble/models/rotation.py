@@ -23,8 +23,9 @@ from torch import nn
 
 from nibble.config import checked_seed, resolve_device
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
-from nibble.models.convert import (check_architecture, check_not_quantized, check_weights_loaded, decoder_layers,
-                                   lm_head_tied, refuse_save_pretrained, untie_lm_head)
+from nibble.models.architecture import check_architecture, decoder_layers
+from nibble.models.convert import (check_not_quantized, check_weights_loaded, lm_head_tied, refuse_save_pretrained,
+                                   untie_lm_head)
 from nibble.nn.hadamard import HadamardInputLinear
 
 

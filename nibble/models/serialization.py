@@ -4,103 +4,43 @@ nibble's own format holds every mode and option; AutoAWQ GEMM and GPTQ checkpoin
 written too (`format=`, and load_quantized tells them apart by their ``quant_method``; the layouts
 are converted losslessly by nibble.models.hf_import).
 
-Writes are atomic (temp file, fsync, rename), so a crash never leaves a half-written model that looks whole, and an
-error or Ctrl-C mid-write leaves no temporary file. Every tensor's sha256 (of its dtype, shape and data) goes into
-the safetensors metadata and is checked on load, so a truncated or edited file is an error, never silently wrong
-output; so does the digest of the config.json that reads the weights (every field that changes what they compute),
-so weights beside another save's config.json are refused; the AutoAWQ / GPTQ exports carry those checksums and that
-digest too, which the importer checks (other readers ignore them). A save owns its directory: the weight files,
-index, tokenizer files and generation config of an earlier checkpoint there that it does not write again are
-removed, since every reader would take them for this model's.
+Writes are atomic (temp file, fsync, rename; `checkpoint_files`, the files every format's save writes), so a crash
+never leaves a half-written model that looks whole, and an error or Ctrl-C mid-write leaves no temporary file. Every
+tensor's sha256 (of its dtype, shape and data) goes into the safetensors metadata and is checked on load, so a
+truncated or edited file is an error, never silently wrong output; so does the digest of the config.json that reads
+the weights (every field that changes what they compute), so weights beside another save's config.json are refused;
+the AutoAWQ / GPTQ exports carry those checksums and that digest too, which the importer checks (other readers
+ignore them). A save owns its directory: the weight files, index, tokenizer files and generation config of an
+earlier checkpoint there that it does not write again are removed, since every reader would take them for this
+model's.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from nibble.config import (QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype,
                            width_error)
 from nibble.formats import EXPORT_FORMATS, SAVE_FORMATS
+from nibble.models.checkpoint_files import (CHECKSUM_VERSION, METADATA, CheckpointError, check_checksums,
+                                            check_config_digest, checkpoint_dir, imported_checkpoint, load_companions,
+                                            model_to_save, tensor_sha256, write_checkpoint)
 from nibble.models.convert import mark_quantized, online_hadamard_modules, rebuild_non_persistent_buffers
 from nibble.models.gguf import is_gguf
-from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, GENERATION_CONFIG, NEVER_DOWNLOADS,
-                                   QUANTIZATION_SETTINGS_FILES, TOKENIZER_FILES, header_tensor,
-                                   quantization_settings_files, read_config, read_generation_config, read_tokenizer)
-from nibble.models.hf_import import (checkpoint_dir, export_awq, export_gptq, fold_mlp_input_orders,
-                                     hf_quantized_structure, imported_checkpoint, input_permuted_modules,
-                                     load_hf_quantized, meta_model, model_to_save, named_layer)
+from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, hf_quantized_structure,
+                                     input_permuted_modules, load_hf_quantized, meta_model, named_layer)
+from nibble.models.loading import (CONFIG, NEVER_DOWNLOADS, WEIGHTS, header_tensor, quantization_settings_files,
+                                   read_config)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
-from nibble.warn import warn
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
-CHECKSUM_VERSION = 2  # 2: the checksums cover each tensor's dtype and shape too (1, or none said: its data alone)
 # the canonical format's tensors (docs/ARCHITECTURE.md), whatever dtype the model runs in
 FORMAT_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "zeros": torch.float16}
-# config.json fields the config digest leaves out: what the weights compute does not depend on them (provenance, the
-# load's default dtype, generation's special tokens, outputs and heads a causal LM does not use, initialisation,
-# training-time dropout, the attention backend), so editing them is no reason to refuse the weights
-NOT_DIGESTED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "bos_token_id",
-                "eos_token_id", "pad_token_id", "architectures", "auto_map", "custom_pipelines", "id2label",
-                "label2id", "problem_type", "finetuning_task", "task_specific_params", "tokenizer_class", "prefix",
-                "output_attentions", "output_hidden_states", "return_dict", "torchscript", "chunk_size_feed_forward",
-                "is_encoder_decoder", "is_decoder", "initializer_range", "attention_dropout", "attn_implementation",
-                "_attn_implementation_autoset")
-
-
-class CheckpointError(ValueError):
-    """A nibble checkpoint that is missing, truncated, edited or not nibble's, or any checkpoint (a GGUF, an AutoAWQ /
-    GPTQ one too) that lacks a buffer its model needs (`rebuild_non_persistent_buffers`). A ValueError like every other
-    "this file is bad" error nibble raises (an AutoAWQ / GPTQ checkpoint, a GGUF, a float model's weights), so one
-    ``except ValueError`` catches them all."""
-
-
-def _sha256(t: torch.Tensor, typed: bool = True) -> str:
-    """The checksum of a tensor's data and, ``typed`` (checkpoints of CHECKSUM_VERSION 2), of its dtype and shape:
-    over the data alone, one edited byte of the header ("F16" to "I16") loaded the same bytes as another model."""
-    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode() if typed else b"")
-    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def _process_umask() -> int:
-    umask = os.umask(0)  # the only way to read it; at import, before a save's threads could create files
-    os.umask(umask)
-    return umask
-
-
-_UMASK = _process_umask()
-
-
-def atomic_write(path: Path, write) -> None:
-    """``write(tmp)`` into a temporary beside ``path``, fsynced, then renamed over it: whatever stops it (an error, a
-    full disk, Ctrl-C) leaves ``path`` as it was and no temporary."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        # as open() would create it: safetensors creates its file 0600, which other users (a server's) cannot read;
-        # best effort, since some filesystems (FUSE, CIFS) refuse a chmod of a file they wrote well
-        with contextlib.suppress(OSError):
-            os.chmod(tmp, 0o666 & ~_UMASK)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    except BaseException as e:  # Ctrl-C too: the half-written temporary goes with it (a 7B model's is gigabytes)
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, (SafetensorError, OSError)):  # safetensors' "I/O error: File too large" names no file
-            raise OSError(f"cannot write {path} ({e}; a full disk?): what the folder held is unchanged") from e
-        raise
-    os.replace(tmp, path)
 
 
 def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "nibble") -> Path:
@@ -111,7 +51,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     (W4A16 models with integer zero points, a 16-bit lm_head and no rotation only: `nibble.models.hf_import.export_awq` /
     `export_gptq` say what they refuse; ``"gptq"`` is v1, or v2 where v1 cannot hold a zero point of 0, said in a
     warning: `nibble.formats.gptq`). A ``directory`` holding a model that is not a quantized checkpoint, the float one
-    ``model`` comes from above all, is refused (`nibble.models.hf_import.check_replaceable`)."""
+    ``model`` comes from above all, is refused (`nibble.models.checkpoint_files.check_replaceable`)."""
     model = model_to_save(model)
     directory = checkpoint_dir(directory, model, tokenizer)  # before an export converts every layer
     if format == "awq":
@@ -141,126 +81,10 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
     config["quantization_config"] = {**qc, "online_hadamard_modules": online_hadamard_modules(model),
                                      "input_permuted_modules": input_permuted_modules(model)}
     # nibble's key alone: no other reader reads this file, so it needs no "format" (the exports' transformers key)
-    metadata = {METADATA: {"checksums": {k: _sha256(v) for k, v in tensors.items()}, "aliases": aliases,
+    metadata = {METADATA: {"checksums": {k: tensor_sha256(v) for k, v in tensors.items()}, "aliases": aliases,
                            "checksum_version": CHECKSUM_VERSION}}
     write_checkpoint(model, directory, tensors, metadata, config, tokenizer)
     return directory
-
-
-def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata: dict, config: dict,
-                     tokenizer=None) -> None:
-    """Write a checkpoint's files into ``directory``: the weights, with the digest of ``config`` added to
-    ``metadata[METADATA]``, then the companions, then config.json; and remove the other weight files and index an
-    earlier checkpoint left there, which the importer, transformers and vLLM would read as this model's (an index
-    wins over model.safetensors)."""
-    text = json.dumps(config, indent=2, default=str)
-    metadata = {**metadata, METADATA: json.dumps({**metadata[METADATA], "config": config_digest(json.loads(text))})}
-    # each file replaced atomically, config.json last: the digest of the config that reads the weights goes with
-    # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
-    # config.json) is refused on load, not run as another model or with another model's tokenizer
-    atomic_write(directory / WEIGHTS, lambda p: _save_safetensors(tensors, p, metadata))
-    # (an earlier checkpoint's quantize_config.json or quant_config.json too: AutoGPTQ before 0.5 and AutoAWQ read
-    # the settings there first)
-    stale = [p for p in [*directory.glob("*.safetensors"), directory / f"{WEIGHTS}.index.json",
-                         *(directory / name for name in QUANTIZATION_SETTINGS_FILES)]
-             if p.name != WEIGHTS and p.exists()]
-    if stale:  # said, since a file the user kept there (a backup of the weights) goes too
-        warn(f"nibble: removed {', '.join(sorted(p.name for p in stale))} from {directory}: an earlier "
-             "checkpoint's weights, which every reader would take for this model's")
-    for p in stale:
-        p.unlink(missing_ok=True)
-    save_companions(model, directory, tokenizer)
-    atomic_write(directory / CONFIG, lambda p: p.write_text(text))
-
-
-def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
-    """save_file, its metadata then put in key order: safetensors writes it from a hash map, in another order each
-    run, and the AutoAWQ / GPTQ exports need two keys (transformers 4 refuses a file without "format")."""
-    save_file(tensors, str(path), metadata=metadata)
-    with open(path, "r+b") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        # the same entries in another order, as compact as safetensors writes them: the same length (were it longer,
-        # it would overwrite the tensors; the file is left as written then, valid, its metadata in any order)
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(text) <= size:
-            f.seek(8)
-            f.write(text.ljust(size))
-
-
-def save_companions(model: nn.Module, directory: Path, tokenizer=None) -> None:
-    """What a checkpoint holds beside its weights and config.json: the generation config (an Instruct model's
-    end-of-turn tokens and sampling defaults live there only: Llama-3-Instruct's config.json names
-    <|end_of_text|>, its generation_config.json <|eot_id|> too) and the tokenizer, as ``save_pretrained`` writes
-    them. Those files of an earlier checkpoint in ``directory`` that this save does not write are removed: loaded
-    with this model they were another model's tokenizer, or its chat template on this tokenizer."""
-    # a tokenizer of one template reads any left in that folder as its own: the folder is this save's to write
-    templates = directory / ADDITIONAL_CHAT_TEMPLATES
-    if templates.is_symlink():
-        templates.unlink()
-    elif templates.is_dir():
-        shutil.rmtree(templates)
-    written = set() if tokenizer is None else {Path(p).name for p in tokenizer.save_pretrained(directory)}
-    for name in TOKENIZER_FILES:
-        if name not in written:
-            (directory / name).unlink(missing_ok=True)
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is None:
-        (directory / GENERATION_CONFIG).unlink(missing_ok=True)
-    else:
-        # as the model holds it: GenerationConfig.save_pretrained refuses flags it calls unused (a temperature
-        # without do_sample, as Hub models ship them and transformers loads with a warning), which failed the
-        # command after all its work
-        atomic_write(directory / GENERATION_CONFIG, lambda p: generation_config.to_json_file(p))
-
-
-def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
-    """The tokenizer saved beside a checkpoint (None without one, or when not ``tokenizer``: its files are not read
-    then), and its generation config into ``model``: what ``from_pretrained`` reads besides the weights
-    (`save_companions`)."""
-    generation_config = read_generation_config(directory)
-    if generation_config is not None:  # else the one the model was built with, of its config.json
-        model.generation_config = generation_config
-    if not (tokenizer and holds_tokenizer(directory)):
-        return None
-    try:
-        return read_tokenizer(directory)
-    except ValueError as e:  # a CheckpointError, as every other refusal of a checkpoint's files is
-        raise CheckpointError(str(e)) from e
-
-
-def holds_tokenizer(directory: Path) -> bool:
-    return (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
-
-
-def _digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def config_digest(config: dict) -> str:
-    """The digest of config.json (as read from the file) that the weights saved with it carry: the fields whose value
-    is not their config class's default (as transformers writes a config: a file it re-saved, the defaults dropped,
-    is the same config), but those that do not change what the weights compute (`NOT_DIGESTED`)."""
-    from transformers import AutoConfig
-    fields = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"}).to_diff_dict()
-    fields["quantization_config"] = config.get("quantization_config")
-    return _digest({k: v for k, v in fields.items() if k not in NOT_DIGESTED})
-
-
-def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
-    """Refuse the weights file ``path`` when the digest it carries (``saved_with``: its metadata's) is not that of
-    ``config``, the config.json beside it. Checkpoints of sessions 56-57 carry the quantization_config's alone."""
-    if "config" in saved_with:
-        same = saved_with["config"] == config_digest(config)
-    elif "quantization_config" in saved_with:
-        same = saved_with["quantization_config"] == _digest(config.get("quantization_config"))
-    else:  # written before the digest, or by another tool
-        return
-    if not same:
-        raise CheckpointError(f"{path} was saved with another config than {path.parent / CONFIG} holds (a save into "
-                              "this directory interrupted between the two files, or an edited config.json): save the "
-                              "model again")
 
 
 def _read_checked(path: Path, config: dict, data: bool = True) -> tuple[dict, dict]:
@@ -291,18 +115,6 @@ def _read_checked(path: Path, config: dict, data: bool = True) -> tuple[dict, di
         check_checksums(path, tensors, ours)
     check_config_digest(path, ours, config)
     return tensors, ours.get("aliases", {})
-
-
-def check_checksums(path: Path, tensors: dict, ours: dict) -> None:
-    """Refuse the weights file ``path`` whose ``tensors`` do not match the checksum table its metadata holds
-    (``ours``: nibble's, or an export's)."""
-    checksums = ours["checksums"]
-    if set(checksums) != set(tensors):
-        raise CheckpointError(f"{path}: tensor names do not match the checksum table; the file was edited")
-    typed = ours.get("checksum_version", 1) >= 2
-    bad = [k for k, v in tensors.items() if _sha256(v, typed) != checksums[k]]
-    if bad:
-        raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s), e.g. {bad[:3]}; the file is corrupt")
 
 
 def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, tokenizer: bool = True):

@@ -65,9 +65,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
-from nibble.models.convert import check_calibration_ids, own_config, refuse_save_pretrained
-from nibble.models.hf_import import checkpoint_dir
-from nibble.models.serialization import atomic_write
+from nibble.models.architecture import check_architecture, check_calibration_ids
+from nibble.models.checkpoint_files import atomic_write, checkpoint_dir
+from nibble.models.convert import check_not_quantized, check_weights_loaded, own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -145,8 +145,6 @@ def check_model(model: nn.Module) -> None:
     run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
     model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model, weights on
     the meta device."""
-    from nibble.models.convert import check_architecture, check_not_quantized, check_weights_loaded
-
     if fake_quant_layers(model):
         raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
                          "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
@@ -195,7 +193,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
 
     ``init="gptq"`` starts quantization from GPTQ's weights, calibrated on ``calibration`` (token ids
     [n, seq_len], see `nibble.quantize.calibration.calibration_batches`), checked as `quantize_model` checks its
-    calibration (`convert.check_calibration_ids`); see the module doc.
+    calibration (`architecture.check_calibration_ids`); see the module doc.
     Returns the PeftModel; only LoRA and the recipe's quantization parameters are trainable.
     """
     from peft import LoraConfig
@@ -376,7 +374,7 @@ def state_path(out_dir) -> Path:
 
 
 def save_state(path: Path, model, optimizer, scheduler, step: int, settings: dict, losses: dict) -> None:
-    """Atomic, as a checkpoint's files are written (`serialization.atomic_write`): a kill mid-write leaves the
+    """Atomic, as a checkpoint's files are written (`checkpoint_files.atomic_write`): a kill mid-write leaves the
     previous state, and Ctrl-C no temporary beside it. ``losses`` (the run's first loss and its last
     `FINAL_LOSS_STEPS` losses) go with it, so a resumed run records the whole run's."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -480,11 +478,11 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
     on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
     excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
-    of, as `quantize_model` does: `convert.check_calibration`); it keeps
+    of, as `quantize_model` does: `architecture.check_calibration`); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
-    refused (`check_new_run`), as is one that holds a model the export could not replace (`hf_import.checkpoint_dir`:
+    refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
     a float model, the one trained above all). ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,

@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 
 from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
-                                         forward_block, in_place, input_groups, layer_prefix, skip_from_config)
+from nibble.models.architecture import check_calibration, decoder_layers
+from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, forward_block, in_place,
+                                         input_groups, layer_prefix, skip_from_config)
 from nibble.quantize.rtn import (ScaleOverflowError, _check_weight, naming, quantize_groups, rtn_quantize,
                                  weighted_clip_search)
 
@@ -150,8 +151,6 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     ``onload``: how each block is reached, as in ``gptq_quantize_model``.
     """
     check_count("n_grid", n_grid)  # before the calibration runs
-    from nibble.models.convert import check_calibration  # convert imports nibble.quantize: not at the top
-
     check_calibration(model, calib)  # as quantize_model's: windows that cannot calibrate, too few tokens
     skip = skip_from_config(config)
     qargs = dict(symmetric=config.symmetric, zero_point=config.zero_point)

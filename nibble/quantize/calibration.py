@@ -21,6 +21,7 @@ from torch import nn
 
 from nibble.config import check_count
 from nibble.kernels.hadamard import hadamard_transform
+from nibble.models.architecture import DECODER_LAYERS, decoder_layers, decoder_layers_replaced
 
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
 DEFAULT_SOURCE = "c4"
@@ -152,14 +153,8 @@ class _Stop(Exception):
     pass
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    from nibble.models.convert import decoder_layers as layers
-    return layers(model)
-
-
 def layer_prefix(i: int) -> str:
     """Decoder layer i's full name, as ``named_modules`` gives it (the prefix of its linears' names)."""
-    from nibble.models.convert import DECODER_LAYERS
     return f"{DECODER_LAYERS}.{i}"
 
 
@@ -187,8 +182,6 @@ def capture_block_inputs(model: nn.Module, calib, batch_size: int = 8):
     up to the first block of every type, each block replaced by a `_StandIn` meanwhile, so no block computes
     (nor needs to be on the embedding's device).
     """
-    from nibble.models.convert import decoder_layers_replaced  # convert imports nibble.quantize: not at the top
-
     device = model.get_input_embeddings().weight.device  # the layers may still be elsewhere (offloaded)
     layers = decoder_layers(model)
     types = list(getattr(model.config, "layer_types", None) or [None] * len(layers))[:len(layers)]

@@ -47,8 +47,9 @@ from tqdm.auto import tqdm
 from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, decoder_layers,
-                                         forward_block, in_place, input_groups, layer_prefix, skip_from_config)
+from nibble.models.architecture import check_calibration, decoder_layers
+from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, forward_block, in_place,
+                                         input_groups, layer_prefix, skip_from_config)
 from nibble.quantize.rtn import _check_weight, _codes, naming, quantize_groups, weighted_clip_search
 from nibble.warn import warn
 
@@ -225,7 +226,7 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     fields: the config holds what quantize_model and the CLI take and the checkpoint records, and each
     calibrated method's own search settings stay its function's.
     ``calib``: token ids, LongTensor [n_samples, seq_len] (see ``calibration_batches``), checked as quantize_model
-    checks them (`nibble.models.convert.check_calibration`).
+    checks them (`nibble.models.architecture.check_calibration`).
 
     Blocks are processed one at a time: block i is calibrated on the outputs of the already
     quantized blocks 0..i-1, and each of its linear groups (q/k/v, o, gate/up, down) on inputs
@@ -244,8 +245,6 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     dict (each QuantLinear holds its own copy), so that the dict returned is then empty.
     """
     _check_options(percdamp, blocksize)  # before the calibration runs
-    from nibble.models.convert import check_calibration  # convert imports nibble.quantize: not at the top
-
     check_calibration(model, calib)  # as quantize_model's: windows that cannot calibrate, too few tokens
     skip = skip_from_config(config)
     inputs, kwargs = capture_block_inputs(model, calib, batch_size)

@@ -35,7 +35,7 @@ def test_whole_model_conversion_keeps_the_model_working(arch, mode):
 def test_a_meta_buffer_other_than_the_rotary_ones_is_a_checkpoint_error():
     """It was a plain ValueError, where the loaders' copy it replaced raised CheckpointError."""
     from nibble.models.convert import rebuild_non_persistent_buffers
-    from nibble.models.serialization import CheckpointError
+    from nibble.models.checkpoint_files import CheckpointError
 
     model = tiny_model()
     model.model.norm.register_buffer("scale", torch.empty(8, device="meta"), persistent=False)  # what no file holds
@@ -424,18 +424,21 @@ def test_the_decoder_layers_are_found_and_replaced_in_one_place(monkeypatch):
     """Calibration (its stand-in layers) and a quantization onto a device (the layers out of the tree while the rest
     moves) each set model.model.layers themselves, beside decoder_layers, which finds them: a model whose layers live
     elsewhere would be walked in one place and replaced in another."""
+    import nibble.models.architecture as architecture
     import nibble.models.convert as convert
+    import nibble.quantize.calibration as calibration
     model, replaced = tiny_model(), []
-    layers = convert.decoder_layers(model)
+    layers = architecture.decoder_layers(model)
 
     def replacing(model, stand_in):
         replaced.append(len(stand_in))
         return real(model, stand_in)
-    real = convert.decoder_layers_replaced
-    monkeypatch.setattr(convert, "decoder_layers_replaced", replacing)
+    real = architecture.decoder_layers_replaced
+    for module in (convert, calibration):  # the two that replace the layers, each with architecture's function
+        monkeypatch.setattr(module, "decoder_layers_replaced", replacing)
     quantize_model(model, QuantConfig(group_size=32, method="gptq"), calibration=torch.randint(0, 256, (2, 16)),
                    device="cpu", progress=False)
-    assert replaced == [0, 2] and convert.decoder_layers(model) is layers  # the move's empty list, then 2 stand-ins
+    assert replaced == [0, 2] and architecture.decoder_layers(model) is layers  # the move's empty list, then 2 stand-ins
 
 
 def test_modules_to_not_convert_given_as_one_name_keeps_that_module():

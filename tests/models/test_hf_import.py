@@ -702,7 +702,7 @@ def test_a_quantized_lm_head_is_not_tied_to_the_embedding(tmp_path):
 def test_an_autogptq_checkpoint_with_its_settings_in_quantize_config_json_alone_loads(tmp_path, method_named):
     """AutoGPTQ before 0.5 wrote its settings to quantize_config.json only (before 0.4 without quant_method): the
     importer reads that file, but load_quantized and the CLI refused the folder as "not a quantized model"."""
-    from nibble.models.hf_import import quantized_checkpoint
+    from nibble.models.checkpoint_files import quantized_checkpoint
     model, path = _export(tmp_path, fmt="gptq")
     config = json.loads((path / "config.json").read_text())
     settings = config.pop("quantization_config")
@@ -724,7 +724,7 @@ def test_an_early_autoawq_checkpoint_with_its_settings_in_quant_config_json_load
     """Early AutoAWQ wrote its settings to quant_config.json alone, in its own keys (w_bit, q_group_size, zero_point,
     version "GEMM"; none in the earliest, whose kernel was GEMM) and without quant_method: load_quantized refused the
     folder as "not a quantized model", and the CLI took it for a float model (load_model: test_loading)."""
-    from nibble.models.hf_import import quantized_checkpoint
+    from nibble.models.checkpoint_files import quantized_checkpoint
     G = 32
     model = tiny_model("llama")
     ref, dense = write_checkpoint(tmp_path, model, {}, lambda W: write_awq_linear(W, G))

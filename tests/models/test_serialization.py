@@ -8,8 +8,8 @@ import torch
 
 from conftest import tiny_model
 from nibble import QuantConfig, load_quantized, quantize_model, save_quantized
-from nibble.models import serialization
-from nibble.models.serialization import CheckpointError
+from nibble.models import checkpoint_files
+from nibble.models.checkpoint_files import CheckpointError, tensor_sha256
 
 
 @pytest.fixture
@@ -120,12 +120,11 @@ def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved):
     """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way."""
     from safetensors.torch import load_file, save_file
 
-    from nibble.models.serialization import _sha256
     _, path = saved
     _edit_header(path, "model.layers.0.self_attn.q_proj.scales", b'"F16"', b'"I16"')
     tensors = load_file(path / "model.safetensors")
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(
-        {"checksums": {k: _sha256(v, typed=False) for k, v in tensors.items()}, "aliases": {}})})
+        {"checksums": {k: tensor_sha256(v, typed=False) for k, v in tensors.items()}, "aliases": {}})})
     with pytest.raises(CheckpointError, match=r"q_proj\.scales is torch\.int16, where nibble's format holds "
                                               r"torch\.float16: the file was edited"):
         load_quantized(path)
@@ -364,13 +363,13 @@ def test_checkpoints_whose_digest_covers_the_quantization_config_alone_still_loa
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from nibble.models.serialization import _digest, _sha256
+    from nibble.models.checkpoint_files import _digest
     model, path = saved
     config = json.loads((path / "config.json").read_text())
     with safe_open(path / "model.safetensors", "pt") as f:
         aliases = json.loads(f.metadata()["nibble"])["aliases"]
     tensors = load_file(path / "model.safetensors")
-    ours = {"checksums": {k: _sha256(v, typed=False) for k, v in tensors.items()}, "aliases": aliases,
+    ours = {"checksums": {k: tensor_sha256(v, typed=False) for k, v in tensors.items()}, "aliases": aliases,
             "quantization_config": _digest(config["quantization_config"])}
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
     loaded, _ = load_quantized(path)
@@ -456,7 +455,7 @@ def test_a_save_replaces_the_tokenizer_and_generation_config_an_earlier_save_lef
 def test_every_file_of_a_save_is_readable_as_the_umask_allows(tmp_path, fmt, monkeypatch):
     """safetensors creates its file 0600: the weights of a checkpoint in a shared folder were the one file another
     user (a server) could not read."""
-    monkeypatch.setattr(serialization, "_UMASK", 0o022)  # read once, at import
+    monkeypatch.setattr(checkpoint_files, "_UMASK", 0o022)  # read once, at import
     umask = os.umask(0o022)
     try:
         save_quantized(_quantized(), tmp_path, _tokenizer(), format=fmt)
@@ -483,10 +482,9 @@ def test_two_saves_of_a_model_are_the_same_bytes_and_old_checkpoints_load(saved,
     from safetensors import safe_open
     with safe_open(path / "model.safetensors", "pt") as f:
         ours = json.loads(f.metadata()["nibble"])
-    from nibble.models.serialization import _sha256
     tensors = load_file(path / "model.safetensors")
     save_file(tensors, path / "model.safetensors",  # the metadata as session 55 wrote it: checksums of the data alone
-              metadata={"format": "pt", "nibble_checksums": json.dumps({k: _sha256(v, typed=False)
+              metadata={"format": "pt", "nibble_checksums": json.dumps({k: tensor_sha256(v, typed=False)
                                                                         for k, v in tensors.items()}),
                         "nibble_aliases": json.dumps(ours["aliases"])})
     loaded, _ = load_quantized(path)
@@ -676,7 +674,6 @@ def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, 
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from nibble.models.serialization import _sha256
     _, path = saved
     with safe_open(path / "model.safetensors", "pt") as f:
         ours = {k: v for k, v in json.loads(f.metadata()["nibble"]).items() if k != "config"}
@@ -686,7 +683,7 @@ def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, 
             del tensors[f"{UP}.scales"]
         else:
             tensors[f"{UP}.{part}"] = tensors[f"{UP}.{part}"][:1].repeat(rows, 1)
-    ours["checksums"] = {k: _sha256(v) for k, v in tensors.items()}
+    ours["checksums"] = {k: tensor_sha256(v) for k, v in tensors.items()}
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"]["group_size"] = group_size
@@ -699,7 +696,6 @@ def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, 
 def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(tmp_path, fmt, monkeypatch):
     """"" wrote the checkpoint into the current folder, a file was a bare FileExistsError from pathlib, and a full
     disk safetensors' "I/O error: File too large", naming no file."""
-    import nibble.models.serialization as serialization
     model = _quantized()
     with pytest.raises(ValueError, match="the directory to save to is empty"):
         save_quantized(model, "", format=fmt)
@@ -712,7 +708,7 @@ def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(t
     def full(tensors, path, metadata=None):
         open(path, "wb").close()
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(serialization, "save_file", full)
+    monkeypatch.setattr(checkpoint_files, "save_file", full)
     with pytest.raises(OSError, match=r"cannot write .*model\.safetensors \(.*No space left on device; a full disk\?\): "
                                       "what the folder held is unchanged"):
         save_quantized(model, tmp_path / "q", format=fmt)
@@ -723,7 +719,6 @@ def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(t
 def test_ctrl_c_during_a_save_leaves_the_checkpoint_there_and_no_temporary(tmp_path, fmt, monkeypatch):
     """Ctrl-C while the weights were written left model.safetensors.tmp (173 MB for SmolLM2, gigabytes for a 7B
     model): the temporary was removed on a write error only."""
-    import nibble.models.serialization as serialization
     model = _quantized()
     save_quantized(model, tmp_path / "q", format=fmt)
     before = (tmp_path / "q" / "model.safetensors").read_bytes()
@@ -732,7 +727,7 @@ def test_ctrl_c_during_a_save_leaves_the_checkpoint_there_and_no_temporary(tmp_p
         with open(path, "wb") as f:
             f.write(b"half a file")
         raise KeyboardInterrupt
-    monkeypatch.setattr(serialization, "save_file", interrupted)
+    monkeypatch.setattr(checkpoint_files, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_quantized(model, tmp_path / "q", format=fmt)
     assert (tmp_path / "q" / "model.safetensors").read_bytes() == before and not list((tmp_path / "q").glob("*.tmp"))
@@ -796,14 +791,13 @@ def test_a_tokenizer_the_save_cannot_write_is_refused_before_anything_is_written
 def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_path, monkeypatch):
     """config.json was written before the tokenizer: a save interrupted between them loaded the new weights with the
     earlier model's tokenizer (or its chat template) without a word. config.json is written last now."""
-    import nibble.models.serialization as serialization
     first, second = _quantized(), _quantized()
     save_quantized(first, tmp_path, _tokenizer(chat_template="{{ 'EARLIER MODEL' }}"))
     second.config.rms_norm_eps = first.config.rms_norm_eps * 2  # another config.json
 
     def interrupted(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(serialization, "save_companions", interrupted)
+    monkeypatch.setattr(checkpoint_files, "save_companions", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_quantized(second, tmp_path, _tokenizer())
     with pytest.raises(CheckpointError, match="saved with another config than"):

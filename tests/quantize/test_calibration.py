@@ -6,8 +6,9 @@ import torch
 
 from conftest import tiny_model
 from nibble import QuantConfig
-from nibble.quantize.calibration import (calibration_batches, calibration_for, capture_block_inputs, decoder_layers,
-                                         forward_block, token_batches)
+from nibble.models.architecture import decoder_layers
+from nibble.quantize.calibration import (calibration_batches, calibration_for, capture_block_inputs, forward_block,
+                                         token_batches)
 
 
 class ByteTokenizer:
