@@ -12,6 +12,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from nibble.formats.int4 import PACK
 from nibble.kernels import reference
 
 BACKENDS = ("auto", "reference", "triton")
@@ -101,7 +102,7 @@ def _packed_k_n(x, qweight) -> tuple[int, int]:
     error. Shape arithmetic only (every layer call on the CPU passes here)."""
     if qweight.dim() != 2:
         raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got shape {tuple(qweight.shape)}")
-    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
     if x.shape[-1] != K:
         raise ValueError(f"x has K={x.shape[-1]} in its last dimension but qweight {tuple(qweight.shape)} packs K={K}")
     return K, N

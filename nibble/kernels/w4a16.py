@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nibble.formats.int4 import check_group_width
+from nibble.formats.int4 import PACK, check_group_width
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import MAX_TOKENS as EARLY_LAUNCH_MAX_TOKENS
 from nibble.kernels.early_launch import early_launch
@@ -74,7 +74,6 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     tl = None
     HAS_TRITON = False
 
-PACK = 8
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -1009,7 +1008,7 @@ def _check(x, qweight, scales, zeros, group_size):
                         f"(cast fp32 activations with x.half() / x.bfloat16() first)")
     M, K = x.shape
     if K % PACK:
-        raise ValueError(f"K={K} must be a multiple of 8 (8 4-bit codes per int32 word)")
+        raise ValueError(f"K={K} must be a multiple of {PACK} ({PACK} 4-bit codes per int32 word)")
     packed = _packed_k(qweight)
     if packed != K:
         raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={packed}")

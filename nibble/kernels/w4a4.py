@@ -58,6 +58,7 @@ from typing import Optional
 
 import torch
 
+from nibble.formats.int4 import PACK
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.triton_device import check_triton_device, interpreting
@@ -78,7 +79,6 @@ except ImportError:  # CPU-only install: the op runs the reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 W_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-PACK = 8
 # 0x88888888 as an int32: flips bit 3 of every nibble, so nibble q becomes the 4-bit two's
 # complement of q - 8.
 _XOR_SIGN = tl.constexpr(-2004318072) if tl is not None else -2004318072
