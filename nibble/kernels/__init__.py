@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nibble.formats.int4 import PACK
 from nibble.kernels import reference
+from nibble.kernels.launch import check_bias
 
 BACKENDS = ("auto", "reference", "triton")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -113,7 +114,7 @@ def _check_w4a16_arguments(x, qweight, scales, zeros, group_size: int, bias) -> 
     `_finish`'s), on the CPU path, so that a call the GPU refuses is refused on the CPU too."""
     N = _packed_k_n(x, qweight)[1]
     w4a16._check_weight(qweight, scales, zeros, group_size)
-    w4a16.check_bias(bias, N)
+    check_bias(bias, N)
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
@@ -172,7 +173,7 @@ def _finish(y, bias, x):
     does: where the bias's or x's dtype is not the kernel's, the sum is taken in float32 (rounded to the kernel's dtype
     first, then to x's, it was one ulp off the compiled layer, whose fusion drops the intermediate rounding); where all
     three are one dtype, one add (a decode step in a CUDA graph pays each extra cast kernel)."""
-    w4a16.check_bias(bias, y.shape[-1])
+    check_bias(bias, y.shape[-1])
     if bias is not None:
         y = y + bias if bias.dtype == y.dtype == x.dtype else y.float() + bias.float()
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)  # N, not -1: x may hold no token

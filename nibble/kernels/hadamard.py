@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from nibble.kernels import transforms_active
+from nibble.kernels.launch import cdiv, next_pow2
 from nibble.kernels.triton_device import check_triton_device
 
 try:
@@ -252,10 +253,6 @@ _DENSE_CHUNK = 32
 _TILE = 8192
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class HadamardPlan:
     """How the kernel splits a row of n: a tile [rows, dense_pad, a, b] of rows padded to
@@ -291,7 +288,7 @@ def hadamard_plan(n: int) -> HadamardPlan:
     else:
         b = 1 << (p.bit_length() // 2)  # the larger half of the bits
         dense, a = m, p // b
-    dense_pad = 1 if dense == 1 else max(_MIN_DOT, _next_pow2(dense))
+    dense_pad = 1 if dense == 1 else max(_MIN_DOT, next_pow2(dense))
     row_pad = dense_pad * a * b
     if row_pad > MAX_KERNEL_ROW or dense_pad > MAX_KERNEL_DENSE:
         raise ValueError(f"hadamard kernel: size {n} = {m} * {p} needs a row of {row_pad} (at most "
@@ -301,7 +298,7 @@ def hadamard_plan(n: int) -> HadamardPlan:
     # sizes take rows up to an 8K-element tile with 4 warps, the best setting measured on an H200
     # (bf16, n = 128 ... 8192); larger rows need more warps to hold the tile in registers.
     others = [d for d, on in ((dense_pad * a, b > 1), (dense_pad * b, a > 1), (a * b, dense_pad > 1)) if on]
-    rows = max([_next_pow2(-(-_MIN_DOT // o)) for o in others] + [max(1, _TILE // row_pad)])
+    rows = max([next_pow2(cdiv(_MIN_DOT, o)) for o in others] + [max(1, _TILE // row_pad)])
     return HadamardPlan(n, dense, dense_pad, min(dense_pad, _DENSE_CHUNK), a, b, rows, _warps_for(rows * row_pad))
 
 
@@ -502,9 +499,9 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
         return y
     dense = hadamard_dense_operand(n, inverse, x.device) if plan.dense_pad > 1 else x2
     terms_in, terms = hadamard_dot_terms(x.dtype)
-    row_tiles = -(-x2.shape[0] // plan.rows)
+    row_tiles = cdiv(x2.shape[0], plan.rows)
     dense_out = dense_slice_width(plan, row_tiles, split)
-    slices = -(-plan.dense // dense_out)  # enough to cover the real (unpadded) dense entries
+    slices = cdiv(plan.dense, dense_out)  # enough to cover the real (unpadded) dense entries
     _hadamard_kernel[(row_tiles, slices)](
         x2, y2, dense, x2.shape[0], n, x2.stride(0), y2.stride(0), 1.0 / math.sqrt(n), ROWS=plan.rows,
         DENSE_PAD=plan.dense_pad, DENSE_OUT=dense_out, DENSE_CHUNK=plan.dense_chunk, A=plan.a, B=plan.b,

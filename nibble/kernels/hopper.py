@@ -17,26 +17,24 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
+from nibble.kernels.launch import cdiv
+
 STAGE_K = 128  # K per pipeline stage in both kernels
 SPLITS = (1, 2, 3, 4, 6, 8)
 MAX_SPLIT = 8  # the largest portable thread-block cluster
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def tile_count(M: int, N: int, tokens: int, channels: int) -> int:
     """Output tiles (CTAs per split) of a ``tokens x channels`` CTA shape."""
-    return _cdiv(M, tokens) * _cdiv(N, channels)
+    return cdiv(M, tokens) * cdiv(N, channels)
 
 
 def split_plan(K: int, split_k: int) -> tuple[int, int]:
     """(splits, K stages per split) for a requested split-K: every split but the last gets the same
     number of stages, so fewer splits than asked may remain (10 stages in 4 splits: 3 x 3 + 1)."""
-    k_stages = _cdiv(K, STAGE_K)
-    per_split = _cdiv(k_stages, max(1, int(split_k)))
-    return _cdiv(k_stages, per_split), per_split
+    k_stages = cdiv(K, STAGE_K)
+    per_split = cdiv(k_stages, max(1, int(split_k)))
+    return cdiv(k_stages, per_split), per_split
 
 
 def ideal_clusters(num_sms: int) -> dict:
@@ -78,8 +76,8 @@ class CostModel:
 
     def us(self, M: int, N: int, K: int, tile: tuple, split: int, clusters: dict) -> float:
         """``clusters``: {split: clusters resident at once} (`ideal_clusters`, `resident_clusters`)."""
-        waves = _cdiv(tile_count(M, N, *tile), clusters[split])
-        t = waves * (_cdiv(_cdiv(K, STAGE_K), split) * self.stage_us[tile] + self.item_us[tile])
+        waves = cdiv(tile_count(M, N, *tile), clusters[split])
+        t = waves * (cdiv(cdiv(K, STAGE_K), split) * self.stage_us[tile] + self.item_us[tile])
         return t + (self.split_output_us * M * N * split / 1e6 + self.split_us * split if split > 1 else 0.0)
 
 
@@ -88,7 +86,7 @@ def pick_config(M: int, N: int, K: int, model: CostModel, clusters: dict, tiles=
     modelled time on a GPU that holds ``clusters`` ({split: clusters resident at once}; a pure
     function): split only where each split keeps 2 stages and the tiles fit two waves, and no tile
     above the tokens it was swept at (``model.max_tokens``)."""
-    k_stages = _cdiv(K, STAGE_K)
+    k_stages = cdiv(K, STAGE_K)
     shapes = [(tile, split) for tile in (model.stage_us if tiles is None else tiles)
               if M <= model.max_tokens.get(tile, M) for split in SPLITS
               if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) <= 2 * clusters[split])]

@@ -62,6 +62,8 @@ from nibble.formats.int4 import PACK, check_group_width
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import MAX_TOKENS as EARLY_LAUNCH_MAX_TOKENS
 from nibble.kernels.early_launch import early_launch
+from nibble.kernels.launch import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL, SUCCESSORS,
+                                   cdiv, num_sms, split_counters)
 from nibble.kernels.triton_device import check_triton_device
 
 try:  # the module must import without triton (CPU-only installs)
@@ -100,13 +102,8 @@ class Config:
     max_split: int = 32
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-# Per (M bucket) tile choices for the H200 (132 SMs). Filled from the offline sweep
+# Per (M bucket) tile choices for the H200 (NUM_SMS_DEFAULT SMs). Filled from the offline sweep
 # (benchmarks/scripts/w4a16_explore.py); see benchmarks/notes-w4a16.md.
-NUM_SMS_DEFAULT = 132
 DISPATCH = {
     # M upper bound -> config (split_k is filled in by with_split for the problem at hand)
     1: Config(kind="gemv", block_n=512, block_k=64, num_warps=4, num_stages=1),
@@ -129,7 +126,7 @@ def _pick_split(m_tiles: int, n_tiles: int, k_blocks: int, num_sms: int, waves: 
     best, best_score = 1, -1.0
     for s in range(1, min(max_split, k_blocks) + 1):
         ctas = tiles * s
-        eff = ctas / (_cdiv(ctas, num_sms) * num_sms)  # useful fraction of the last wave
+        eff = ctas / (cdiv(ctas, num_sms) * num_sms)  # useful fraction of the last wave
         score = min(ctas / target, 1.0) * eff
         if score > best_score + 1e-9:
             best, best_score = s, score
@@ -160,10 +157,10 @@ def with_split(cfg: Config, M: int, N: int, K: int, group_size: int, num_sms: in
         m_tiles = 1
     else:
         bk = cfg.block_k
-        m_tiles = _cdiv(M, cfg.block_m)
+        m_tiles = cdiv(M, cfg.block_m)
     if M > 64:
         return replace(cfg, split_k=1)
-    split = _pick_split(m_tiles, _cdiv(N, cfg.block_n), _cdiv(K, bk), num_sms, cfg.waves, cfg.max_split)
+    split = _pick_split(m_tiles, cdiv(N, cfg.block_n), cdiv(K, bk), num_sms, cfg.waves, cfg.max_split)
     return replace(cfg, split_k=split)
 
 
@@ -619,37 +616,14 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return out.view(x.shape)
     pdl = not _INTERPRET and early_launch(x.device, M)
     BLOCK = 1024
-    _gather_columns_kernel[(M, _cdiv(K, BLOCK))](x2, index, out, K, BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl,
-                                                 num_warps=4)
+    _gather_columns_kernel[(M, cdiv(K, BLOCK))](x2, index, out, K, BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl,
+                                                num_warps=4)
     return out.view(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------
 # launch
 # ----------------------------------------------------------------------------------------------
-_COUNTERS: dict = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Split-K tile counters of the current stream (int32, all zero between calls: the kernel resets
-    them). Kernels on one stream run in order, so they can share; kernels on two streams could run
-    at once, so each stream gets its own.
-
-    Allocated and zeroed eagerly; a buffer first needed during CUDA-graph capture is not cached
-    (its zeroing memset is only recorded, not run), so later eager calls cannot see it uninitialised.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    size = max(n, 4096)
-    buf = torch.zeros(size, dtype=torch.int32, device=device)
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        _COUNTERS[key] = buf
-    return buf
-
-
 def _pow2_divisor(g: int, cap: int) -> int:
     b = 8
     while b * 2 <= cap and g % (b * 2) == 0:
@@ -672,11 +646,11 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
             raise ValueError("the gemv kernel handles M <= 2")
         bk = _pow2_divisor(group_size, cfg.block_k)  # one group per K block (and so K % bk == 0)
         bm = M
-        tiles = _cdiv(N, cfg.block_n)
+        tiles = cdiv(N, cfg.block_n)
     else:
         bk = cfg.block_k
         bm = cfg.block_m
-        tiles = _cdiv(M, bm) * _cdiv(N, cfg.block_n)
+        tiles = cdiv(M, bm) * cdiv(N, cfg.block_n)
     grid = (tiles, cfg.split_k)
     if cfg.split_k > 1:
         ws = torch.empty(tiles * cfg.split_k * bm * cfg.block_n, dtype=torch.float32, device=x.device)
@@ -711,13 +685,6 @@ MMA_RING = 4  # cp.async stages per warp (RING in the .cu)
 MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
 MMA_MAX_WEIGHTS = 3  # weights one launch can serve (MAX_WEIGHTS in csrc/skinny.cuh), up to 32 tokens
 MMA_MANY_MAX_M = 32
-
-
-# When the next kernel in the stream may launch, with early launch on (csrc/skinny.cuh: Successor):
-# when this one ends; at once, this launch's CTAs per SM capped at ceil(CTAs / SMs) by shared
-# memory; at once where those CTAs fill an SM anyway, else at the end.
-SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL = 0, 1, 2
-SUCCESSORS = (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL)
 
 
 @dataclass(frozen=True)
@@ -1049,13 +1016,6 @@ def _check_weight(qweight, scales, zeros, group_size):
                              f"got {tuple(t.shape)}")
 
 
-def check_bias(bias, N: int) -> None:
-    """A layer's bias is one value per output channel, [N], on every path: a [N, 1] or [M, N] one would broadcast
-    into another sum without an error."""
-    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
-
-
 def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | None = None, out=None):
     """CUDA path (also usable directly with an explicit Config, e.g. by the benchmark sweep)."""
     if not HAS_TRITON:
@@ -1082,15 +1042,6 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
             return torch.nn.functional.linear(x, w)
         return torch.mm(x, w.t(), out=out)
     return _launch(x, qweight, scales, zeros, group_size, cfg, out=out)
-
-
-def num_sms(device: torch.device) -> int:
-    """The device's streaming multiprocessors (asked once per device); NUM_SMS_DEFAULT (the H200's)
-    for a non-CUDA device, e.g. the Triton interpreter on the CPU."""
-    if device.type != "cuda":
-        return NUM_SMS_DEFAULT
-    return cuda_build.ask_once("multiprocessors", device,
-                               lambda: torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
 
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -1171,6 +1122,6 @@ def _dequantize_launch(qweight, scales, zeros, group_size, out):
     """The Triton pass of `dequantize_cuda` into ``out`` [N, K] (checked weights; CPU tensors under the interpreter)."""
     K, N = qweight.shape[0] * PACK, qweight.shape[1]
     bn, bk = 64, 128
-    _dequant_kernel[(_cdiv(N, bn), _cdiv(K, bk))](qweight, scales, zeros, out, N, K, group_size,
-                                                 BLOCK_N=bn, BLOCK_K=bk, DQ_ASM=not _INTERPRET, num_warps=4)
+    _dequant_kernel[(cdiv(N, bn), cdiv(K, bk))](qweight, scales, zeros, out, N, K, group_size,
+                                                BLOCK_N=bn, BLOCK_K=bk, DQ_ASM=not _INTERPRET, num_warps=4)
     return out

@@ -63,8 +63,9 @@ from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.triton_device import check_triton_device, interpreting
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, MmaConfig,
-                                   check_bias, num_sms, select_mma_config, split_counters)
+from nibble.kernels.launch import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, cdiv, check_bias,
+                                   next_pow2, num_sms, split_counters)
+from nibble.kernels.w4a16 import MmaConfig, select_mma_config
 
 try:
     import triton
@@ -89,10 +90,6 @@ _MAX_ROW = _had.MAX_KERNEL_ROW  # act-quant keeps a whole row in registers (2867
 def kernels_available(t: torch.Tensor) -> bool:
     """True when the Triton kernels can run on tensors like ``t`` (CUDA, or CPU under TRITON_INTERPRET=1)."""
     return triton is not None and (t.is_cuda or interpreting())
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 # ================================================================================================
@@ -276,7 +273,7 @@ def _act_plan(K: int, hadamard: bool):
     if hadamard:
         plan = _had.hadamard_plan(K)  # callers check `_had.kernel_fits(K)` first
         return plan.rows, plan.row_pad, plan.num_warps, plan
-    block = _next_pow2(K)  # over _MAX_ROW: the chunked kernel runs it
+    block = next_pow2(K)  # over _MAX_ROW: the chunked kernel runs it
     rows = max(1, 4096 // block)
     # up to 64 elements per thread (H200, many rows of 11008: 8 warps 62 us, 16 warps 66)
     num_warps = max(4, min(16, rows * block // 2048))
@@ -334,7 +331,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     if M == 0 or K == 0:
         s.zero_()
         return q, s
-    if plan is not None and _had.dense_slice_width(plan, triton.cdiv(M, rows)) < plan.dense_pad:
+    if plan is not None and _had.dense_slice_width(plan, cdiv(M, rows)) < plan.dense_pad:
         # A few rows with a dense Hadamard factor: fused, each row would be one program on one SM
         # (39 us for a row of 11008 on an H200). The row-splitting transform spreads it, then the
         # plain kernel quantizes its output as the fused one would (ROTATED): the fused kernel rounds
@@ -345,7 +342,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     if not input_hadamard and (block > _MAX_ROW or M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K):
         # (plain rows only: the chunked kernel knows nothing of a rotation's non-finite tokens)
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
-                                        BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
+                                        BLOCK_K=min(CHUNK_K, next_pow2(K)), EVEN_ODD=order == "even_odd",
                                         INTERPRET=interpreting(), num_warps=8)
         return q, s
     if plan is not None:
@@ -356,7 +353,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         had_scale = 1.0 / math.sqrt(K)
     else:
         dense, consts, had_scale = s, dict(DENSE_PAD=1, DENSE_CHUNK=1, HA=1, HB=1, TERMS_IN=1, TERMS=1), 1.0
-    grid = (triton.cdiv(M, rows),)
+    grid = (cdiv(M, rows),)
     if plan is None and x.is_cuda and grid[0] < num_sms(x.device):
         # Fewer programs than SMs (decode): each row's latency is the kernel's, so spread it over
         # more threads, 8 elements each (H200, M = 1: K = 4096 2.42 -> 1.67 us at 16 warps instead
@@ -412,7 +409,7 @@ def rotate_quantize_plan(K: int) -> tuple[int, int, int] | None:
 
 def rotate_quantize_smem(rows: int, log2p: int) -> int:
     """Shared memory of one CTA for a row viewed as [rows, 2^log2p] (csrc/rotate_quantize.cu: smem_bytes)."""
-    p, padded = 1 << log2p, -(-rows // 16) * 16
+    p, padded = 1 << log2p, cdiv(rows, 16) * 16
     return padded * (p + 8) * 2 + 16 * (p + 4) * 4 + 9 * 4
 
 
@@ -421,7 +418,7 @@ def _dense_factor(m: int, s: int, dtype: torch.dtype, device: torch.device) -> t
     """H_m (x) H_s (+-1, unnormalised) in the activations' type, zero padded to a multiple of 16: the
     A operand of the kernel's dense stage."""
     rows = m * s
-    padded = -(-rows // 16) * 16
+    padded = cdiv(rows, 16) * 16
     h = torch.zeros(padded, padded, dtype=torch.float64)
     h[:rows, :rows] = torch.kron(_had._base_matrix(m), _had._sylvester(s))
     return h.to(device=device, dtype=dtype)
@@ -454,7 +451,7 @@ def _rotate_quantize_runs_on(device: torch.device, K: int) -> bool:
     with torch.cuda.device(device):
         err = lib.nibble_rotate_quantize_clusters(m * s, log2p, ctypes.byref(n))
     if err:
-        warnings.warn(f"nibble: cannot size rotate_quantize's clusters of {-(-m * s // 16)} CTAs on this GPU "
+        warnings.warn(f"nibble: cannot size rotate_quantize's clusters of {cdiv(m * s, 16)} CTAs on this GPU "
                       f"({lib.nibble_rotate_quantize_error_string(err).decode()}); using the Triton kernels "
                       f"for K={K}")
     return not err and n.value > 0
@@ -466,7 +463,7 @@ def rotate_quantize_applicable(x: torch.Tensor) -> bool:
     if not (_rotate_quantize_runs(x) and 1 <= x.shape[0] <= ROTATE_QUANTIZE_MAX_M):
         return False
     m, s, _ = rotate_quantize_plan(x.shape[1])
-    return x.shape[0] * -(-m * s // 16) <= ROTATE_QUANTIZE_MAX_CTAS
+    return x.shape[0] * cdiv(m * s, 16) <= ROTATE_QUANTIZE_MAX_CTAS
 
 
 def rotate_quantize_successor(M: int, product_warps: int) -> bool:
@@ -584,7 +581,7 @@ def _finish(acc, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym, part_ptr
         tl.debug_barrier()
         old = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
         if old == split_k - 1:
-            tl.store(cnt_ptr + tile_id, 0)  # zero again for the next call (w4a16.split_counters)
+            tl.store(cnt_ptr + tile_id, 0)  # zero again for the next call (launch.split_counters)
             tot = tl.zeros_like(acc)
             for s in range(0, split_k):
                 tot += tl.load(part_ptr + (s * M + rm).to(tl.int64) * N + rn, mask=mask, other=0,
@@ -823,10 +820,10 @@ def _split_for(tiles: int, iters: int, sms: int, waves: float, min_iters: int) -
 def auto_split(cfg: dict, M: int, N: int, K: int, sms: int = 132) -> int:
     """Split K when the output tiles alone cannot keep every SM streaming."""
     if cfg["kind"] == "gemv":
-        return _split_for(-(-N // cfg["BN"]), -(-(K // PACK) // cfg["BKW"]), sms, 4.0, 4)
-    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
+        return _split_for(cdiv(N, cfg["BN"]), cdiv(K // PACK, cfg["BKW"]), sms, 4.0, 4)
+    tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
     waves, min_iters = (2.0, 4) if M <= 64 else (1.0, 8)
-    return _split_for(tiles, -(-K // cfg["BK"]), sms, waves, min_iters) if tiles < waves * sms else 1
+    return _split_for(tiles, cdiv(K, cfg["BK"]), sms, waves, min_iters) if tiles < waves * sms else 1
 
 
 def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict:
@@ -901,10 +898,10 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
             qx = qx.contiguous()
         KW = K // PACK
         BKW = cfg["BKW"]
-        kw_per = -(-KW // split)
-        kw_per = -(-kw_per // BKW) * BKW
-        split = -(-KW // kw_per)
-        n_tiles = triton.cdiv(N, cfg["BN"])
+        kw_per = cdiv(KW, split)
+        kw_per = cdiv(kw_per, BKW) * BKW
+        split = cdiv(KW, kw_per)
+        n_tiles = cdiv(N, cfg["BN"])
         part, cnt = _split_buffers(split, M, N, n_tiles, dev)
         xw = qx.view(torch.int32)  # [M, K // 4]
         _w4a4_gemv_kernel[(n_tiles, split)](
@@ -913,11 +910,11 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
             num_warps=cfg.get("num_warps", 4), **common)
         return y
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    k_per = -(-K // split)
-    k_per = -(-k_per // BK) * BK
-    split = -(-K // k_per)
+    k_per = cdiv(K, split)
+    k_per = cdiv(k_per, BK) * BK
+    split = cdiv(K, k_per)
     even_k = (K % BK == 0)
-    num_m, num_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    num_m, num_n = cdiv(M, BM), cdiv(N, BN)
     part, cnt = _split_buffers(split, M, N, num_m * num_n, dev)
     _w4a4_mma_kernel[(num_m * num_n, split)](
         qx, qweight, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
@@ -969,7 +966,7 @@ def _mma_lib(device):
 
 
 def mma_successor(M: int) -> int:
-    """When the next kernel may launch after this product (w4a16.SUCCESSOR_*; csrc/skinny.cuh): at once,
+    """When the next kernel may launch after this product (launch.SUCCESSOR_*; csrc/skinny.cuh): at once,
     this launch's CTAs per SM capped, up to 4 tokens; at the end above. H200
     (benchmarks/results/successor-ab-h200.json, alternating rounds): capped at M <= 4, the product back
     to back 8-17% faster on the 4096-wide and 4096-deep layers (4096 x 11008 at M = 1 8.67 -> 7.92 us),
@@ -1046,7 +1043,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
     """``[w4a4_mma(qx, x_scale, *layer) for layer in layers]`` in one launch, for up to MMA_MAX_WEIGHTS
     layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v): their w_scales share a
     dtype, and so do the biases they have. ``successor``: when the next kernel may launch
-    (w4a16.SUCCESSOR_*), by default `mma_successor`'s."""
+    (launch.SUCCESSOR_*), by default `mma_successor`'s."""
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
@@ -1069,7 +1066,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
         raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
     successor = mma_successor(M) if successor is None else successor
     if successor not in SUCCESSORS:
-        raise ValueError(f"successor must be one of w4a16.SUCCESSOR_* {SUCCESSORS}, got {successor}")
+        raise ValueError(f"successor must be one of launch.SUCCESSOR_* {SUCCESSORS}, got {successor}")
     qx = _aligned_rows(qx, 8)
     ys = [_output(qx, n, out_dtype, out_int32) for n in ns]
     err = cuda_build.launch(

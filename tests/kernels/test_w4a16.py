@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import poison_new_tensors, skip_without_cuda_kernel
-from nibble.kernels import hopper
+from nibble.kernels import hopper, launch
 from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize, w4a16_matmul
 
@@ -276,7 +276,7 @@ def test_gpu_poisoned_out_every_bucket(M, dtype):
     N, K, G = 3072, 2048, 128
     qw, s, z = make_weight(N, K, G, device="cuda", seed=M)
     x = torch.randn(M, K, device="cuda", dtype=dtype) * 3
-    for config in (None, W.select_config(M, N, K, G, W.num_sms(x.device))):
+    for config in (None, W.select_config(M, N, K, G, launch.num_sms(x.device))):
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         W.w4a16_linear_cuda(x, qw, s, z, G, config=config, out=out)
         torch.cuda.synchronize()
@@ -405,7 +405,7 @@ def test_gpu_mma_x_through_l1(M):
         dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
         weights = [make_weight(n, K, G, device="cuda", seed=M + n + K + i) for i, n in enumerate(ns)]
         x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
-        picked = W.select_mma_config(M, sum(ns), K, W.num_sms(x.device))
+        picked = W.select_mma_config(M, sum(ns), K, launch.num_sms(x.device))
         got = {}
         for x_l1 in (False, True):
             outs = [torch.full((M, n), float("nan"), device="cuda", dtype=dtype) for n in ns]
@@ -432,7 +432,7 @@ def test_gpu_mma_successor_modes(M):
         wb = [make_weight(n1, n2, G, device="cuda", seed=M + n2)]
         x = torch.randn(M, n1, device="cuda", dtype=torch.bfloat16)
         got = {}
-        for mode in (W.SUCCESSOR_AT_END, W.SUCCESSOR_CAPPED, W.SUCCESSOR_IF_FULL):
+        for mode in (launch.SUCCESSOR_AT_END, launch.SUCCESSOR_CAPPED, launch.SUCCESSOR_IF_FULL):
             layers = [wa, wb, wa, wb]
             outs = [[torch.empty(M, qw.shape[1], device="cuda", dtype=x.dtype) for qw, _, _ in ws] for ws in layers]
 
@@ -455,8 +455,8 @@ def test_gpu_mma_successor_modes(M):
                 for out, w in zip(o, ws):
                     assert_close(out, src, *w, G)
             got[mode] = [t.clone() for o in outs for t in o]
-        for mode in (W.SUCCESSOR_CAPPED, W.SUCCESSOR_IF_FULL):
-            for a, b in zip(got[mode], got[W.SUCCESSOR_AT_END]):
+        for mode in (launch.SUCCESSOR_CAPPED, launch.SUCCESSOR_IF_FULL):
+            for a, b in zip(got[mode], got[launch.SUCCESSOR_AT_END]):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -549,7 +549,7 @@ def test_gpu_split_k_repeatable():
     qw, s, z = make_weight(4096, 4096, 128, device="cuda")
     for M in (1, 2, 9):
         x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-        cfg = W.select_config(M, 4096, 4096, 128, W.num_sms(x.device))
+        cfg = W.select_config(M, 4096, 4096, 128, launch.num_sms(x.device))
         assert cfg.split_k > 1
         ys = [W.w4a16_linear_cuda(x, qw, s, z, 128, config=cfg) for _ in range(5)]
         for y in ys[1:]:
@@ -563,12 +563,12 @@ def test_gpu_split_k_counters_per_stream():
     dev = torch.device("cuda")
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(a):
-        ca = W.split_counters(dev, 16)
+        ca = launch.split_counters(dev, 16)
     with torch.cuda.stream(b):
-        cb = W.split_counters(dev, 16)
+        cb = launch.split_counters(dev, 16)
     assert ca.data_ptr() != cb.data_ptr()
     with torch.cuda.stream(a):
-        assert W.split_counters(dev, 16).data_ptr() == ca.data_ptr()
+        assert launch.split_counters(dev, 16).data_ptr() == ca.data_ptr()
 
 
 @needs_cuda
@@ -884,15 +884,15 @@ def test_successor_launch_rule():
     where x does not go through the L1; where it does, only if the CTAs fill the SMs; at the end from
     four tiles. The config carries it; a config with another value is refused."""
     pick = W.select_mma_config
-    assert pick(1, 12288, 4096, 132).successor == W.SUCCESSOR_CAPPED    # x_l1, but 1 token
-    assert pick(4, 12288, 4096, 132).successor == W.SUCCESSOR_CAPPED
-    assert pick(5, 12288, 4096, 132).successor == W.SUCCESSOR_IF_FULL   # x_l1 at 5 tokens: keep the L1
-    assert pick(16, 12288, 4096, 132).successor == W.SUCCESSOR_IF_FULL
-    assert pick(16, 4096, 11008, 132).successor == W.SUCCESSOR_CAPPED   # 128 CTAs: x around the L1
-    assert pick(16, 28672, 8192, 132).successor == W.SUCCESSOR_CAPPED   # two tiles, K > 4096: around
-    assert pick(17, 4096, 4096, 132).successor == W.SUCCESSOR_AT_END    # four tiles
-    assert pick(64, 4096, 4096, 132).successor == W.SUCCESSOR_AT_END
-    assert W.MmaConfig(1, 8).successor == W.SUCCESSOR_AT_END            # explicit configs: as before
+    assert pick(1, 12288, 4096, 132).successor == launch.SUCCESSOR_CAPPED    # x_l1, but 1 token
+    assert pick(4, 12288, 4096, 132).successor == launch.SUCCESSOR_CAPPED
+    assert pick(5, 12288, 4096, 132).successor == launch.SUCCESSOR_IF_FULL   # x_l1 at 5 tokens: keep the L1
+    assert pick(16, 12288, 4096, 132).successor == launch.SUCCESSOR_IF_FULL
+    assert pick(16, 4096, 11008, 132).successor == launch.SUCCESSOR_CAPPED   # 128 CTAs: x around the L1
+    assert pick(16, 28672, 8192, 132).successor == launch.SUCCESSOR_CAPPED   # two tiles, K > 4096: around
+    assert pick(17, 4096, 4096, 132).successor == launch.SUCCESSOR_AT_END    # four tiles
+    assert pick(64, 4096, 4096, 132).successor == launch.SUCCESSOR_AT_END
+    assert W.MmaConfig(1, 8).successor == launch.SUCCESSOR_AT_END            # explicit configs: as before
     assert not W.mma_config_valid(W.MmaConfig(1, 8, successor=3), 1)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from conftest import poison_new_tensors, skip_without_cuda_kernel
 from nibble.formats.int4 import pack_int4
-from nibble.kernels import hopper, reference
+from nibble.kernels import hopper, launch, reference
 from nibble.kernels import w4a4
 from nibble.kernels.hadamard import hadamard_transform_reference, supported_hadamard_sizes
 from nibble.quantize.rtn import rtn_quantize
@@ -1038,7 +1038,7 @@ def test_mma_kernel_many_layers_in_one_launch(M):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 4, 5, 16])
 def test_mma_kernel_successor_modes(M):
-    """Every successor mode (w4a16.SUCCESSOR_*; skinny.cuh) keeps the int32 sums exact, in a CUDA graph
+    """Every successor mode (launch.SUCCESSOR_*; skinny.cuh) keeps the int32 sums exact, in a CUDA graph
     of launches back to back (the capped mode raises a launch's shared memory up to a whole SM's):
     fewer CTAs than SMs, a few per SM and several waves, one and three layers a launch; a mode the
     kernel does not know is refused."""
@@ -1300,7 +1300,7 @@ def test_wgmma_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
 @pytest.mark.parametrize("kernel", ["wgmma", "triton"])
 def test_split_k_repeated_calls(kernel):
     """Repeated split-K products stay right. The Triton kernels share one counter buffer per stream
-    (w4a16.split_counters, no memset per call): each call must leave its tiles' counters at zero, or
+    (launch.split_counters, no memset per call): each call must leave its tiles' counters at zero, or
     the next call would finish early. (The wgmma kernel's splits meet in a cluster: no counters.)"""
     if kernel == "wgmma":
         _needs_wgmma_kernel()
@@ -1317,7 +1317,7 @@ def test_split_k_repeated_calls(kernel):
     ys = [run() for _ in range(4)]
     torch.cuda.synchronize()
     if kernel == "triton":
-        assert int(w4a4.split_counters(qx.device, 64)[:64].abs().sum()) == 0
+        assert int(launch.split_counters(qx.device, 64)[:64].abs().sum()) == 0
     expected = reference.w4a4_accumulate(qx, qw).double() * sx.double()[:, None] * ws.double()
     for y in ys:
         torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
