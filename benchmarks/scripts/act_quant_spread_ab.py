@@ -191,7 +191,7 @@ def main() -> None:
         names = ["shipped", *arms]
         for M in (int(m) for m in args.ms.split(",")):
             x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
-            cfg = w4a4.wgmma_config(M, N, K, w4a4.wgmma_clusters(dev))
+            cfg = w4a4.WGMMA.config(M, N, K, w4a4.WGMMA.clusters(dev))
             tiles = -(-M // cfg["bn"]) * -(-N // cfg["channels"])
             ref = shipped_quantize(x, False, "even_odd")
             spec_q, spec_s = reference.quantize_activations(x)

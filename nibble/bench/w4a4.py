@@ -176,7 +176,7 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
         base = res.get("bf16")
         cfg = dict(kernel=w4a4.product_kernel(qx, N, order))
         if cfg["kernel"] == "w4a4_wgmma":
-            cfg.update(w4a4.wgmma_config(M, N, K, w4a4.wgmma_clusters(x.device)))
+            cfg.update(w4a4.WGMMA.config(M, N, K, w4a4.WGMMA.clusters(x.device)))
         elif cfg["kernel"] == "triton":
             cfg.update(w4a4.pick_config(M, N, K))
         for op, us in res.items():

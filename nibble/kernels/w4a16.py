@@ -14,7 +14,7 @@ Dispatch on CUDA (measured on the H200, benchmarks/notes-w4a16.md):
   use (``cuda_build``). Needs N, K multiples of 32 and a power-of-two group >= 32 (or per column).
 * Many tokens on Hopper (up to WGMMA_MAX_M; not for a tiny layer alone): ``w4a16_wgmma``,
   ``csrc/w4a16_wgmma.cu`` (asynchronous wgmma fed by TMA, the weight dequantized in fp32 straight
-  into the register fragments), built for sm_90a; tile and split-K from ``wgmma_config``.
+  into the register fragments), built for sm_90a; tile and split-K from ``WGMMA.config``.
   ``large_m_kernel`` says which path a shape takes.
 * Shapes these do not take, or no nvcc: the Triton kernels below, Triton GEMV (M <= 2) /
   tensor-core dot kernel (M <= 16); M > 16: dequantise + cuBLAS (also the measured best for a tiny
@@ -843,12 +843,16 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # Split-K runs in clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many);
 # its costs were fitted with the partials through global memory, before shared memory made a split
 # cheaper (4096 x 11008 at 128 tokens in 3 splits: 38.5 -> 33.9 us; w4a4.py, notes-w4a16.md).
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (128, 128): 0.975, (256, 128): 1.45,
-                                         (64, 128): 0.8},
-                               item_us={(64, 256): 2.53, (128, 256): 3.15, (128, 128): 4.02, (256, 128): 3.32,
-                                        (64, 128): 3.78},
-                               split_output_us=1.73, split_us=0.63, max_tokens={(64, 256): 256, (64, 128): 256})
-WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
+WGMMA = hopper.WgmmaGemm(
+    "w4a16_wgmma",
+    cuda_build.signatures("nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int]
+                          + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_void_p],
+                          "nibble_w4a16_wgmma_error_string"),
+    hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (128, 128): 0.975, (256, 128): 1.45,
+                               (64, 128): 0.8},
+                     item_us={(64, 256): 2.53, (128, 256): 3.15, (128, 128): 4.02, (256, 128): 3.32,
+                              (64, 128): 3.78},
+                     split_output_us=1.73, split_us=0.63, max_tokens={(64, 256): 256, (64, 128): 256}))
 # Where the op takes which kernel (H200, benchmarks/notes-w4a16.md sessions 7 and 21): the skinny kernel
 # up to 32 tokens, the wgmma kernel from 33 to WGMMA_MAX_M tokens, dequantise + cuBLAS above. A tiny
 # layer alone (N * K <= TINY_LAYER: SmolLM2's, Qwen2-0.5B's o_proj and down_proj, Llama-3.2-1B's o_proj)
@@ -867,24 +871,6 @@ TINY_LAYER = 8 << 20
 WGMMA_MAX_M = 2048
 
 
-_WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6
-    + [ctypes.c_int] * 7 + [ctypes.c_void_p],
-    "nibble_w4a16_wgmma_error_string")
-
-
-def _wgmma_lib(device):
-    return cuda_build.library("w4a16_wgmma", device, _WGMMA_SIGNATURES)
-
-
-def wgmma_clusters(device) -> dict:
-    """{split: clusters of `w4a16_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`,
-    asked once per device)."""
-    device = torch.device(device)
-    return cuda_build.ask_once("w4a16_wgmma clusters", device, lambda: hopper.resident_clusters(
-        _wgmma_lib(device).nibble_w4a16_wgmma_clusters))
-
-
 def wgmma_group_ok(group_size: int, K: int) -> bool:
     """Groups a 128-deep stage of `w4a16_wgmma` can hold whole: 32, 64, multiples of 128, or one per column."""
     return group_size in (32, 64) or group_size % hopper.STAGE_K == 0 or group_size == K
@@ -894,21 +880,7 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
     """Whether `w4a16_wgmma` can run this product: an sm_90 GPU (H100/H200), N % 8 == 0 (16-byte
     rows of scales for the TMA), a group `wgmma_group_ok` accepts, and the kernel built."""
     return (x.is_cuda and N > 0 and N % 8 == 0 and wgmma_group_ok(group_size, K)
-            and cuda_build.capability(x.device) == (9, 0) and _wgmma_lib(x.device) is not None)
-
-
-def wgmma_tiles(widths) -> tuple:
-    """The CTA shapes one `w4a16_wgmma_many` launch over weights of these widths can run
-    (`hopper.tiles_side_by_side`)."""
-    return hopper.tiles_side_by_side(WGMMA_TILES, widths)
-
-
-def wgmma_config(M: int, N: int, K: int, clusters: dict | None = None, widths=None) -> dict:
-    """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma` (`hopper.pick_config`) for N
-    columns, or for weights of ``widths`` columns side by side in one launch, on a GPU that holds
-    ``clusters`` (`wgmma_clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(NUM_SMS_DEFAULT),
-                              wgmma_tiles(widths) if widths else WGMMA_TILES)
+            and cuda_build.capability(x.device) == (9, 0) and WGMMA.lib(x.device) is not None)
 
 
 def large_m_kernel(M: int, N: int, K: int, weights: int = 1) -> str:
@@ -925,22 +897,22 @@ def large_m_kernel(M: int, N: int, K: int, weights: int = 1) -> str:
 
 def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = None, out=None):
     """y = x @ W.T on Hopper's asynchronous tensor cores (inputs already checked by ``_check``).
-    ``config`` (bn, channels, split_k) overrides `wgmma_config`."""
+    ``config`` (bn, channels, split_k) overrides `WGMMA.config`."""
     return w4a16_wgmma_many(x, [(qweight, scales, zeros)], group_size, config, None if out is None else [out])[0]
 
 
 def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=None):
     """[x @ W_i.T for W_i in weights] in one launch, for up to MMA_MAX_WEIGHTS weights (qweight,
     scales, zeros) that read the same x (a block's q/k/v or gate/up; inputs already checked),
-    every width but the last a multiple of a tile's channels (`wgmma_tiles`): the kernel runs their
-    columns side by side, each weight writing its own output. ``config`` overrides `wgmma_config`."""
+    every width but the last a multiple of a tile's channels (`WGMMA.tiles`): the kernel runs their
+    columns side by side, each weight writing its own output. ``config`` overrides `WGMMA.config`."""
     M, K = x.shape
     widths = [qw.shape[1] for qw, _, _ in weights]
     if not (1 <= len(weights) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
         raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0, a group of 32, 64, "
                          f"a multiple of 128 or one per column and 1 to {MMA_MAX_WEIGHTS} weights; got N={widths} "
                          f"K={K} group={group_size} on {x.device}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, wgmma_clusters(x.device), "w4a16_wgmma")
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA.model, WGMMA.clusters(x.device), "w4a16_wgmma")
     tile = (cfg["bn"], cfg["channels"])
     # The TMA reads 16-byte aligned rows; the epilogue stores 4 outputs (8 bytes) at a time.
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -950,7 +922,7 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
     ys = [y if y is not None and y.stride(1) == 1 and y.stride(0) % 4 == 0 and y.data_ptr() % 8 == 0
           else torch.empty((M, n), dtype=x.dtype, device=x.device) for y, n in zip(given, widths)]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    lib = _wgmma_lib(x.device)
+    lib = WGMMA.lib(x.device)
     err = cuda_build.launch(
         lib.nibble_w4a16_wgmma, x.device, int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights),
         *cuda_build.weight_arrays(zip(*weights), ys, widths),
@@ -1075,7 +1047,7 @@ def linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Te
             and all(mma_applicable(x, qw.shape[1], K, group_size) for qw in qweights)):
         return w4a16_mma_many(x, weights, group_size)
     widths = [qw.shape[1] for qw in qweights]
-    if (one_launch and large_m_kernel(M, N, K, len(weights)) == "wgmma" and wgmma_tiles(widths)
+    if (one_launch and large_m_kernel(M, N, K, len(weights)) == "wgmma" and WGMMA.tiles(widths)
             and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
         return w4a16_wgmma_many(x, [tuple(t.contiguous() for t in w) for w in weights], group_size)
     return [w4a16_linear_cuda(x, *w, group_size) for w in weights]

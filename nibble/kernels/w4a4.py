@@ -63,8 +63,8 @@ from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.triton_device import check_triton_device, interpreting
 from nibble.kernels import hadamard as _had
-from nibble.kernels.launch import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, cdiv, check_bias,
-                                   next_pow2, num_sms, split_counters)
+from nibble.kernels.launch import (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, cdiv, check_bias, next_pow2,
+                                   num_sms, split_counters)
 from nibble.kernels.w4a16 import MmaConfig, select_mma_config
 
 try:
@@ -1101,28 +1101,14 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
 # were fitted when the partials went through global memory; through shared memory (session 24) a
 # split costs less (4096 x 11008 at 128 tokens in 3 splits of 128 x 128: 19.6 -> 17.4 us), and on
 # the configs timed both ways the model's picks stayed the fastest (benchmarks/notes-w4a4.md).
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.516, (128, 256): 0.59, (128, 128): 0.365, (64, 128): 0.328},
-                               item_us={(64, 256): 1.17, (128, 256): 2.96, (128, 128): 1.51, (64, 128): 0.8},
-                               split_output_us=1.54, split_us=0.71, max_tokens={(64, 256): 256, (64, 128): 256})
-WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
-
-
-_WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int] * 4 + [ctypes.c_void_p],
-    "nibble_w4a4_wgmma_error_string")
-
-
-def _wgmma_lib(device):
-    return cuda_build.library("w4a4_wgmma", device, _WGMMA_SIGNATURES)
-
-
-def wgmma_clusters(device) -> dict:
-    """{split: clusters of `w4a4_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`,
-    asked once per device)."""
-    device = torch.device(device)
-    return cuda_build.ask_once("w4a4_wgmma clusters", device, lambda: hopper.resident_clusters(
-        _wgmma_lib(device).nibble_w4a4_wgmma_clusters))
+WGMMA = hopper.WgmmaGemm(
+    "w4a4_wgmma",
+    cuda_build.signatures("nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6
+                          + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_void_p],
+                          "nibble_w4a4_wgmma_error_string"),
+    hopper.CostModel(stage_us={(64, 256): 0.516, (128, 256): 0.59, (128, 128): 0.365, (64, 128): 0.328},
+                     item_us={(64, 256): 1.17, (128, 256): 2.96, (128, 128): 1.51, (64, 128): 0.8},
+                     split_output_us=1.54, split_us=0.71, max_tokens={(64, 256): 256, (64, 128): 256}))
 
 
 def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
@@ -1130,21 +1116,7 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
     kernel streams the weight faster), N % 4 == 0, K % 32 == 0, and the kernel built."""
     device = torch.device(device)
     return (device.type == "cuda" and M > MMA_MAX_M and N > 0 and N % 4 == 0 and K > 0 and K % 32 == 0
-            and cuda_build.capability(device) == (9, 0) and _wgmma_lib(device) is not None)
-
-
-def wgmma_tiles(widths) -> tuple:
-    """The CTA shapes one `w4a4_wgmma_many` launch over weights of these widths can run
-    (`hopper.tiles_side_by_side`)."""
-    return hopper.tiles_side_by_side(WGMMA_TILES, widths)
-
-
-def wgmma_config(M: int, N: int, K: int, clusters: Optional[dict] = None, widths=None) -> dict:
-    """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`) for N
-    columns, or for weights of ``widths`` columns side by side in one launch, on a GPU that holds
-    ``clusters`` (`wgmma_clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(NUM_SMS_DEFAULT),
-                              wgmma_tiles(widths) if widths else WGMMA_TILES)
+            and cuda_build.capability(device) == (9, 0) and WGMMA.lib(device) is not None)
 
 
 def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -1153,7 +1125,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     """`w4a4_matmul_triton`'s product for M > 16 on Hopper's asynchronous int8 tensor cores (exact int32).
 
     The kernel reads qx in the "even_odd" order (`to_even_odd`; the act-quant kernel writes it with
-    order="even_odd"); natural-order qx is permuted here first. ``config`` overrides `wgmma_config`.
+    order="even_odd"); natural-order qx is permuted here first. ``config`` overrides `WGMMA.config`.
     """
     return w4a4_wgmma_many(qx, x_scale, [(qweight, w_scale, bias)], out_dtype, out_int32=out_int32, order=order,
                            config=config)[0]
@@ -1165,7 +1137,7 @@ def wgmma_many_applicable(qx: torch.Tensor, layers) -> bool:
     widths = [qweight.shape[1] for qweight, _, _ in layers]
     scale_dtypes, bias_dtypes = _launch_dtypes(layers)
     return (1 <= len(layers) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(M, n, K, qx.device) for n in widths)
-            and len(scale_dtypes) == 1 and len(bias_dtypes) <= 1 and bool(wgmma_tiles(widths)))
+            and len(scale_dtypes) == 1 and len(bias_dtypes) <= 1 and bool(WGMMA.tiles(widths)))
 
 
 def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype = torch.bfloat16, *,
@@ -1174,8 +1146,8 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     """``[w4a4_wgmma(qx, x_scale, *layer) for layer in layers]`` in one launch, for up to
     MMA_MAX_WEIGHTS layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v or
     gate/up): their w_scales share a dtype, so do the biases they have, and every width but the
-    last is a multiple of a tile's channels (`wgmma_tiles`). The kernel runs their columns side by
-    side; each layer gets its own output. ``config`` overrides `wgmma_config`."""
+    last is a multiple of a tile's channels (`WGMMA.tiles`). The kernel runs their columns side by
+    side; each layer gets its own output. ``config`` overrides `WGMMA.config`."""
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
@@ -1185,7 +1157,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
                          f"K % 32 == 0 and 1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={widths} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, wgmma_clusters(qx.device), "w4a4_wgmma")
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA.model, WGMMA.clusters(qx.device), "w4a4_wgmma")
     ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
     _launch_wgmma(qx, x_scale, layers, ys, 3 if out_int32 else _DTYPE_CODES[out_dtype], order, cfg, gated=False)
     return ys
@@ -1222,7 +1194,7 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
     launch of `w4a4_wgmma` whose epilogue multiplies (csrc/w4a4_wgmma.cu: GATED): the same values,
     to the bit, as the two products rounded to ``out_dtype`` (float16 or bfloat16) and the engine's
     glue kernel (``nibble.eval.engine.silu_mul``) on them, without their 2N-wide output. The tile
-    and split-K are `wgmma_config`'s for a 2N-column product; ``config`` overrides them."""
+    and split-K are `WGMMA.config`'s for a 2N-column product; ``config`` overrides them."""
     for layer in (gate, up):
         _check_matmul_inputs(qx, x_scale, *layer)
     if not gated_applicable(qx, gate, up):
@@ -1235,7 +1207,7 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
     M, K = qx.shape
     N = gate[0].shape[1]
     # the gated columns of gate and up interleave inside every tile: one 2N-wide "weight"
-    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA_MODEL, wgmma_clusters(qx.device), "w4a4_wgmma_silu_mul")
+    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA.model, WGMMA.clusters(qx.device), "w4a4_wgmma_silu_mul")
     y = _output(qx, N, out_dtype, False)
     _launch_wgmma(qx, x_scale, [gate, up], [y, y], _DTYPE_CODES[out_dtype], order, cfg, gated=True)
     return y
@@ -1256,7 +1228,7 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
         raise ValueError("the layers of one w4a4_wgmma launch must share the w_scale dtype and the bias dtype")
     widths = [qweight.shape[1] for _, qweight, _, _ in operands]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    lib = _wgmma_lib(qx.device)
+    lib = WGMMA.lib(qx.device)
     err = cuda_build.launch(
         lib.nibble_w4a4_wgmma, qx.device, out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(),
         _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0),

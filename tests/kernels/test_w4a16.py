@@ -609,7 +609,7 @@ def _needs_wgmma_kernel():
 
 
 @needs_cuda
-@pytest.mark.parametrize("tile", W.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
+@pytest.mark.parametrize("tile", W.WGMMA.tiles(), ids=lambda t: f"bn{t[0]}_ch{t[1]}")
 @pytest.mark.parametrize("G", [32, 64, 128, 256, "column"])
 def test_gpu_wgmma_every_instantiation(tile, G):
     """Every compiled tile x group layout, both activation dtypes, with and without split-K; odd M,
@@ -656,7 +656,7 @@ def test_gpu_wgmma_rounds_each_weight_once(G):
         x = torch.zeros(len(rows), K, device="cuda", dtype=dtype)
         x[torch.arange(len(rows)), rows] = 1
         want = dequantize(qw, s, z, G).to(dtype)[:, rows].t()
-        for tile in W.WGMMA_TILES:
+        for tile in W.WGMMA.tiles():
             out = torch.full((len(rows), N), float("nan"), device="cuda", dtype=dtype)
             W.w4a16_wgmma(x, qw, s, z, G, config=dict(bn=tile[0], channels=tile[1], split_k=1), out=out)
             torch.cuda.synchronize()
@@ -664,7 +664,7 @@ def test_gpu_wgmma_rounds_each_weight_once(G):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tile", W.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
+@pytest.mark.parametrize("tile", W.WGMMA.tiles(), ids=lambda t: f"bn{t[0]}_ch{t[1]}")
 def test_gpu_wgmma_split_k_every_split_count(tile):
     """Each CTA of a tile's cluster sums the splits' fp32 partials of its share of the token rows in
     split order, a batch of rows at a time, storing each batch as it is done (hopper.cuh: RowShare,
@@ -720,8 +720,8 @@ def test_gpu_wgmma_many_weights(M):
     for G in (64, 128):
         weights = [make_weight(n, K, G, symmetric=i == 1, device="cuda", seed=M + n + G) for i, n in enumerate(ns)]
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16 if G == 128 else torch.float16) * 2
-        assert W.wgmma_tiles(ns) == W.WGMMA_TILES
-        for bn, channels in W.wgmma_tiles(ns):
+        assert W.WGMMA.tiles(ns) == W.WGMMA.tiles()
+        for bn, channels in W.WGMMA.tiles(ns):
             for split in (1, 3):
                 cfg = dict(bn=bn, channels=channels, split_k=split)
                 padded = [torch.full((M, n + 16), float("nan"), device="cuda", dtype=x.dtype) for n in ns]
@@ -778,23 +778,23 @@ def test_wgmma_config_rules():
     few tokens take 64-token tiles, many 256; more splits where output tiles are few; pure."""
     for M in (17, 64, 65, 128, 256, 1024, 2048):
         for N, K in ((4096, 4096), (28672, 8192), (8192, 28672), (4096, 14336), (576, 1536)):
-            cfg = W.wgmma_config(M, N, K, hopper.ideal_clusters(132))
-            assert cfg == W.wgmma_config(M, N, K, hopper.ideal_clusters(132))
+            cfg = W.WGMMA.config(M, N, K, hopper.ideal_clusters(132))
+            assert cfg == W.WGMMA.config(M, N, K, hopper.ideal_clusters(132))
             tile = (cfg["bn"], cfg["channels"])
-            assert tile in W.WGMMA_TILES and cfg["split_k"] in hopper.SPLITS
+            assert tile in W.WGMMA.tiles() and cfg["split_k"] in hopper.SPLITS
             tiles = hopper.tile_count(M, N, *tile)
             assert cfg["split_k"] == 1 or (tiles <= 2 * (132 // cfg["split_k"]) and -(-K // 128) // cfg["split_k"] >= 2)
-    assert W.wgmma_config(64, 28672, 8192)["bn"] == 64 and W.wgmma_config(2048, 28672, 8192)["bn"] == 256
-    assert W.wgmma_config(128, 4096, 14336)["split_k"] > W.wgmma_config(128, 28672, 8192)["split_k"] == 1
+    assert W.WGMMA.config(64, 28672, 8192)["bn"] == 64 and W.WGMMA.config(2048, 28672, 8192)["bn"] == 256
+    assert W.WGMMA.config(128, 4096, 14336)["split_k"] > W.WGMMA.config(128, 28672, 8192)["split_k"] == 1
     # weights side by side in one launch: tiles whose channels divide every width but the last
-    assert W.wgmma_tiles([4096, 1024, 1024]) == W.WGMMA_TILES and W.wgmma_tiles([576, 192, 192]) == ()
-    assert W.wgmma_tiles([896, 128, 128]) == ((128, 128), (256, 128), (64, 128))
+    assert W.WGMMA.tiles([4096, 1024, 1024]) == W.WGMMA.tiles() and W.WGMMA.tiles([576, 192, 192]) == ()
+    assert W.WGMMA.tiles([896, 128, 128]) == ((128, 128), (256, 128), (64, 128))
     # no tile above the tokens it was swept at: 64 x 128 up to 256
-    assert all(W.wgmma_config(M, N, K)["bn"] != 64 or W.wgmma_config(M, N, K)["channels"] != 128
+    assert all(W.WGMMA.config(M, N, K)["bn"] != 64 or W.WGMMA.config(M, N, K)["channels"] != 128
                for M in (257, 512, 2048) for N, K in ((576, 576), (1152, 896), (4096, 4096), (12288, 4096)))
-    assert W.wgmma_config(64, 8192, 28672, {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}) == dict(
+    assert W.WGMMA.config(64, 8192, 28672, {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}) == dict(
         bn=64, channels=128, split_k=2)
-    assert W.wgmma_config(1024, 1152, 896, widths=[896, 128, 128])["channels"] == 128
+    assert W.WGMMA.config(1024, 1152, 896, widths=[896, 128, 128])["channels"] == 128
     assert W.wgmma_group_ok(32, 4096) and W.wgmma_group_ok(256, 4096) and W.wgmma_group_ok(576, 576)
     assert not W.wgmma_group_ok(96, 576) and not W.wgmma_group_ok(16, 4096)
 
