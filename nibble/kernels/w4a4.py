@@ -835,32 +835,42 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     return cfg
 
 
+def _check_weight_operands(activations: dict, qweight, w_scale, bias) -> None:
+    """One layer's weight operands against the activations ({name: tensor}, the [M, K] one first): the canonical
+    packed qweight of K rows, a per-channel w_scale, a [N] bias, all on the activations' device. The op and the
+    products check a layer with this, so the weight contract is written once."""
+    x_name, x = next(iter(activations.items()))
+    if qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    K = x.shape[1]
+    if K % PACK:
+        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
+    if qweight.shape[0] * PACK != K:
+        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but {x_name} has "
+                         f"K={K}")
+    N = qweight.shape[1]
+    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
+        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor (the W4A4 "
+                         f"weight scale, scales[0] of a symmetric per-channel Int4Weight); got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    check_bias(bias, N)
+    devs = {t.device for t in (*activations.values(), qweight, w_scale) + (() if bias is None else (bias,))}
+    if len(devs) != 1:
+        raise ValueError(f"{', '.join(activations)}, qweight, w_scale and bias must be on one device, got "
+                         f"{sorted(map(str, devs))}")
+
+
 def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias):
     for name, t in (("qx", qx), ("x_scale", x_scale), ("qweight", qweight), ("w_scale", w_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if qx.dim() != 2 or qx.dtype != torch.int8:
         raise ValueError(f"qx must be int8 [M, K], got {qx.dtype} {tuple(qx.shape)}")
-    if qweight.dim() != 2 or qweight.dtype != torch.int32:
-        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}")
-    M, K = qx.shape
-    if K % PACK:
-        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
-    if qweight.shape[0] * PACK != K:
-        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but the "
-                         f"activations have K={K}")
-    N = qweight.shape[1]
+    M = qx.shape[0]
     if x_scale.shape != (M,) or x_scale.dtype != torch.float32:
         raise ValueError(f"x_scale must be float32 [{M}], got {x_scale.dtype} {tuple(x_scale.shape)}")
-    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
-        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor (the W4A4 "
-                         f"weight scale, scales[0] of a symmetric per-channel Int4Weight); got "
-                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
-    check_bias(bias, N)
-    devs = {t.device for t in (qx, x_scale, qweight, w_scale) + (() if bias is None else (bias,))}
-    if len(devs) != 1:
-        raise ValueError(f"all W4A4 inputs must be on one device, got {sorted(map(str, devs))}")
+    _check_weight_operands(dict(qx=qx, x_scale=x_scale), qweight, w_scale, bias)
 
 
 def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -1258,25 +1268,10 @@ def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard, kernels: boo
     if x.dtype not in allowed:
         raise TypeError(f"x must be float16 or bfloat16 (float32 too on the CPU), got {x.dtype} on {x.device.type} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
-    if qweight.dim() != 2 or qweight.dtype != torch.int32:
-        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}")
-    K = x.shape[1]
-    if K % PACK:
-        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
-    if qweight.shape[0] * PACK != K:
-        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but x has K={K}")
-    N = qweight.shape[1]
-    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
-        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor, got "
-                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
-    check_bias(bias, N)
-    devs = {t.device for t in (x, qweight, w_scale) + (() if bias is None else (bias,))}
-    if len(devs) != 1:
-        raise ValueError(f"x, qweight, w_scale and bias must be on one device, got {sorted(map(str, devs))}")
+    _check_weight_operands(dict(x=x), qweight, w_scale, bias)
     if input_hadamard:
         try:
-            _had.hadamard_factors(K)
+            _had.hadamard_factors(x.shape[1])
         except ValueError as e:
             raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
 
