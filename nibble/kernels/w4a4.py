@@ -1249,12 +1249,6 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
                            f"(M={M} N={widths} K={K} config={cfg}{', gated' if gated else ''})")
 
 
-def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
-    """Canonical packed [K // 8, N] -> int8 (q - 8) [N, K] (benchmark baseline for the int8 GEMMs)."""
-    from nibble.formats.int4 import unpack_int4
-    return (unpack_int4(qweight).to(torch.int16) - 8).to(torch.int8).t().contiguous()
-
-
 # ================================================================================================
 # The op
 # ================================================================================================

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import poison_new_tensors, skip_without_cuda_kernel
+from nibble.bench.w4a4 import unpack_weight_int8
 from nibble.formats.int4 import pack_int4
 from nibble.kernels import hopper, launch, reference
 from nibble.kernels import w4a4
@@ -53,7 +54,7 @@ def _exact_acc(qx, qweight):
     """Exact int32 qx @ (q - 8): float64 for small problems, cuBLAS int8 (exact integers) for big ones."""
     M, K = qx.shape
     if qx.is_cuda and M * K * qweight.shape[1] > 2**26 and qweight.shape[1] % 8 == 0:
-        w8 = w4a4.unpack_weight_int8(qweight)  # [N, K]
+        w8 = unpack_weight_int8(qweight)  # [N, K]
         pad = max(0, 17 - M)
         a = torch.cat([qx, qx.new_zeros(pad, K)]) if pad else qx
         return torch._int_mm(a, w8.t())[:M]
