@@ -445,7 +445,8 @@ def _hadamard_kernel(x_ptr, y_ptr, dense_ptr, n_rows, n, stride_x, stride_y, sca
     tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=row_mask & (c < n))
 
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The dtypes the transform's kernel takes (float32 too: the W4A4 kernels' KERNEL_DTYPES are the 16-bit ones only).
+TRANSFORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def hadamard_dot_terms(dtype: torch.dtype) -> tuple[int, int]:
@@ -481,7 +482,7 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
     docstring). ``split`` (default: only for a few rows) spreads each row's dense outputs over several
     programs; the result is the same.
     """
-    if x.dtype not in KERNEL_DTYPES:
+    if x.dtype not in TRANSFORM_DTYPES:
         raise TypeError(f"hadamard kernel takes float16/bfloat16/float32, got {x.dtype}; "
                         f"use hadamard_transform_reference for other dtypes")
     if triton is None:
@@ -530,7 +531,7 @@ def kernel_fits(n: int) -> bool:
 
 @_hadamard_op.register_kernel("cuda")
 def _hadamard_op_cuda(x: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if triton is None or x.dtype not in KERNEL_DTYPES or not kernel_fits(x.shape[-1]):
+    if triton is None or x.dtype not in TRANSFORM_DTYPES or not kernel_fits(x.shape[-1]):
         return hadamard_transform_reference(x, inverse)
     return hadamard_transform_triton(x.contiguous(), inverse)
 

@@ -503,7 +503,7 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural",
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, s
-    lets_product_launch = rotate_quantize_successor(M, MMA_MAX_WARPS if product_warps is None else product_warps)
+    lets_product_launch = rotate_quantize_successor(M, MMA_MAX_CTA_WARPS if product_warps is None else product_warps)
     lib = _rotate_quantize_lib(x.device)
     err = cuda_build.launch(
         lib.nibble_rotate_quantize, x.device, int(x.dtype == torch.bfloat16), x.data_ptr(), M, x.stride(0),
@@ -959,7 +959,7 @@ def w4a4_accumulate_triton(qx: torch.Tensor, qweight: torch.Tensor, config: Opti
 # CUDA C++ decode kernel for M <= 16 (csrc/w4a4_mma.cu: the W4A16 kernel's skeleton on int8 MMAs)
 # ----------------------------------------------------------------------------------------------
 MMA_MAX_M = 16
-MMA_MAX_WARPS = 16
+MMA_MAX_CTA_WARPS = 16  # warps in one CTA of w4a4_mma at most (w4a16.MMA_MAX_WARPS: W4A16's cap per token tiles)
 MMA_MAX_WEIGHTS = 3  # layers one launch can serve (MAX_WEIGHTS in csrc/skinny.cuh)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -1072,8 +1072,8 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
         raise ValueError("the layers of one w4a4_mma_many launch must share the w_scale dtype and the bias dtype")
     cfg = mma_config(M, ns, K, qx.device)
     warps = cfg.warps if warps is None else warps
-    if not 1 <= warps <= MMA_MAX_WARPS:
-        raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
+    if not 1 <= warps <= MMA_MAX_CTA_WARPS:
+        raise ValueError(f"warps must be in 1..{MMA_MAX_CTA_WARPS}, got {warps}")
     successor = mma_successor(M) if successor is None else successor
     if successor not in SUCCESSORS:
         raise ValueError(f"successor must be one of launch.SUCCESSOR_* {SUCCESSORS}, got {successor}")
