@@ -1,8 +1,9 @@
 """Kernel dispatch: the GPU kernel where one applies, the pure-PyTorch reference otherwise.
 
 Every op here has one signature for every backend; `backend="reference"` forces the reference,
-`backend="triton"` demands the GPU kernels (Triton, and for W4A16 at small M the CUDA C++ kernel of
-`csrc/`, which falls back to Triton where it cannot build) and says clearly why they cannot run.
+`backend="triton"` demands the GPU kernels, which are Triton kernels and the CUDA C++ kernels of `csrc/` alike (the
+name is older than the C++ ones; each op's dispatch in `w4a16.py` / `w4a4.py` says which runs where, and a C++ kernel
+that cannot build falls back to Triton), and says clearly why they cannot run.
 """
 from __future__ import annotations
 
