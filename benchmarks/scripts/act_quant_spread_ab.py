@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.timing import bench_us, env_meta, rotations, shape_list  # noqa: E402
 from nibble.bench.w4a4 import random_w4a4  # noqa: E402
-from nibble.kernels import cuda_build, reference, w4a4  # noqa: E402
+from nibble.kernels import cuda_build, launch, reference, w4a4  # noqa: E402
 from nibble.kernels.early_launch import after_prior_grids, early_launch  # noqa: E402
 from nibble.kernels.triton_device import interpreting  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402
@@ -113,7 +113,7 @@ def legacy_quantize(x, clamped=False):
     (where the shipped op takes the chunked kernel, M >= 512 of K > 16384, this stays whole-row)."""
     M, K = x.shape
     rows, block, warps, _ = w4a4._act_plan(K, False)
-    if triton.cdiv(M, rows) < w4a4.num_sms(x.device):
+    if triton.cdiv(M, rows) < launch.num_sms(x.device):
         warps = min(32, max(warps, rows * block // 256))
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -191,7 +191,7 @@ def main() -> None:
         names = ["shipped", *arms]
         for M in (int(m) for m in args.ms.split(",")):
             x = (torch.randn(M, K, device=dev) * torch.logspace(-1, 1, K, device=dev)).to(torch.bfloat16)
-            cfg = w4a4.wgmma_config(M, N, K, w4a4.wgmma_clusters(dev))
+            cfg = w4a4.WGMMA.config(M, N, K, w4a4.WGMMA.clusters(dev))
             tiles = -(-M // cfg["bn"]) * -(-N // cfg["channels"])
             ref = shipped_quantize(x, False, "even_odd")
             spec_q, spec_s = reference.quantize_activations(x)

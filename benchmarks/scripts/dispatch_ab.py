@@ -47,12 +47,12 @@ def previous_large_m_kernel(M: int, N: int, K: int, weights: int = 1) -> str:
 
 @contextlib.contextmanager
 def previous_dispatch():
-    saved = W.large_m_kernel, W.WGMMA_MODEL, W4.WGMMA_MODEL
-    W.large_m_kernel, W.WGMMA_MODEL, W4.WGMMA_MODEL = previous_large_m_kernel, PREVIOUS_MODEL, PREVIOUS_W4A4_MODEL
+    saved = W.large_m_kernel, W.WGMMA.model, W4.WGMMA.model
+    W.large_m_kernel, W.WGMMA.model, W4.WGMMA.model = previous_large_m_kernel, PREVIOUS_MODEL, PREVIOUS_W4A4_MODEL
     try:
         yield
     finally:
-        W.large_m_kernel, W.WGMMA_MODEL, W4.WGMMA_MODEL = saved
+        W.large_m_kernel, W.WGMMA.model, W4.WGMMA.model = saved
 
 
 def main() -> None:

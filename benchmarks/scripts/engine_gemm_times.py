@@ -36,14 +36,14 @@ def main() -> None:
     ap.add_argument("--tokens", default="128,512", help="prompt lengths (batch 1), comma-separated")
     args = ap.parse_args()
     libs = package_and_builds(w4a4, args.others)
-    shipped = w4a4._wgmma_lib
+    shipped = w4a4.WGMMA.lib
     model = speed.random_model(args.model)
     speed.quantize_in_place(model, quant_config("w4a4", model, clip_search=False))
     for T in (int(t) for t in args.tokens.split(",")):
         prompt = torch.randint(0, model.config.vocab_size, (1, T), device="cuda")
         for rnd in range(2):
             for name, lib in libs.items():
-                w4a4._wgmma_lib = lambda _device, lib=lib: lib
+                w4a4.WGMMA.lib = lambda _device, lib=lib: lib
                 engine = Engine(model, max_batch=1, max_seq_len=T, cuda_graphs=False)
                 # the model's prefill, as speed.measure_prefill runs it (not Engine.prefill's id check: its
                 # kernels and host sync would count among "other kernels")
@@ -62,7 +62,7 @@ def main() -> None:
                 print(f"T={T} round {rnd} {name:18s} " + " ".join(f"{p} {us:6.2f}" for p, us in per.items())
                       + f"  us; all GEMMs {sum(gemms) / 3:7.1f}, other kernels {rest:7.1f} us a prefill", flush=True)
                 del engine
-    w4a4._wgmma_lib = shipped
+    w4a4.WGMMA.lib = shipped
 
 
 if __name__ == "__main__":

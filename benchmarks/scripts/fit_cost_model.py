@@ -126,8 +126,8 @@ def regret(model: hopper.CostModel, data: list[tuple], clusters: dict) -> list[t
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
-    for name, (data, clusters), package in (("W4A4", w4a4_sweep(), w4a4.WGMMA_MODEL),
-                                            ("W4A16", w4a16_sweep(), w4a16.WGMMA_MODEL)):
+    for name, (data, clusters), package in (("W4A4", w4a4_sweep(), w4a4.WGMMA.model),
+                                            ("W4A16", w4a16_sweep(), w4a16.WGMMA.model)):
         model, launch_us = fit(data, package, clusters)
         r = regret(model, data, clusters)
         mean = math.exp(sum(math.log(x[0]) for x in r) / len(r))

@@ -60,7 +60,7 @@ def time_shape(N: int, K: int, tokens, say) -> list[dict]:
         t = {name: bench_us(op, len(dense) if name.startswith("bf16") else n_rot)
              for name, op in (("products", products), ("products + silu_mul", unfused), ("gated GEMM", fused),
                               ("bf16 + silu_mul", bf16))}
-        cfg = w4a4.wgmma_config(M, 2 * N, K, w4a4.wgmma_clusters("cuda"))
+        cfg = w4a4.WGMMA.config(M, 2 * N, K, w4a4.WGMMA.clusters("cuda"))
         for name, us in t.items():
             rows.append(dict(op=name, M=M, N=N, K=K, us=us, config=cfg if name == "gated GEMM" else None))
         say(f"N={N:5d} K={K} M={M:5d}: products {t['products']:8.2f} us, + silu_mul {t['products + silu_mul']:8.2f} us, gated "

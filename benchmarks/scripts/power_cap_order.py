@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--smi-log", default="smi.log", help="where nvidia-smi's samples go")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    clusters = W.wgmma_clusters(dev)
+    clusters = W.WGMMA.clusters(dev)
     with ClockSampler(log_path=args.smi_log):
         print("T0", datetime.datetime.now(), flush=True)
         t0 = time.time()
@@ -36,7 +36,7 @@ def main() -> None:
             w4, wb, _ = weight_sets(N, K, GROUP, dev)
             for M in (128, 1024):
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-                pick = hopper.pick_config(M, N, K, W.WGMMA_MODEL, clusters, W.WGMMA_TILES)
+                pick = hopper.pick_config(M, N, K, W.WGMMA.model, clusters, W.WGMMA.tiles())
                 arms = {"op": (lambda i: (lambda: W.w4a16_linear(x, *w4[i], GROUP)), len(w4)),
                         "cfg": (lambda i: (lambda: W.w4a16_wgmma(x, *w4[i], GROUP, config=pick)), len(w4)),
                         "bf16": (lambda i: (lambda: F.linear(x, wb[i])), len(wb))}

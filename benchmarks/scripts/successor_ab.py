@@ -28,6 +28,7 @@ from nibble.bench.w4a4 import random_w4a4  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.eval.engine import Engine  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
+from nibble.kernels import launch  # noqa: E402
 from nibble.kernels import w4a4 as W4  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 
@@ -42,7 +43,7 @@ def way(name: str):
     """The package as it is ("rule"), or with every skinny launch's successor at the end."""
     saved = W.successor_launch, W4.mma_successor
     if name == "at_end":
-        W.successor_launch = W4.mma_successor = lambda *_a, **_k: W.SUCCESSOR_AT_END
+        W.successor_launch = W4.mma_successor = lambda *_a, **_k: launch.SUCCESSOR_AT_END
     W.select_mma_config.cache_clear()  # its configs hold the successor mode: memoized, they would outlive the swap
     try:
         yield

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.kernels import GROUP, TIMING, int4_bytes, int4_sets  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta  # noqa: E402
-from nibble.kernels import w4a16  # noqa: E402
+from nibble.kernels import launch, w4a16  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    sms = w4a16.num_sms(dev)
+    sms = launch.num_sms(dev)
     fixed = w4a16.select_mma_config(1, 22016, 4096, sms)
     rows = []
     for K in (int(k) for k in args.ks.split(",")):

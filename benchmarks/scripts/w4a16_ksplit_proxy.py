@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.kernels import GROUP, TIMING, int4_bytes, int4_sets  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta  # noqa: E402
+from nibble.kernels import launch  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 
 LAYERS = [(4096, 4096), (4096, 11008), (4096, 14336), (12288, 4096), (22016, 4096), (8192, 28672)]
@@ -41,7 +42,7 @@ def main() -> None:
             sets = int4_sets(n, k, GROUP, dev)
             for M in (1, 8):
                 x = torch.randn(M, k, device=dev, dtype=torch.bfloat16)
-                picked = W.select_mma_config(M, n, k, W.num_sms(dev))
+                picked = W.select_mma_config(M, n, k, launch.num_sms(dev))
                 us = {}
                 for warps in (4, 8, 16):
                     cfg = replace(picked, warps=warps)

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.kernels import GROUP, random_int4  # noqa: E402
+from nibble.kernels import launch  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def main() -> None:
         for _ in range(3):
             torch.ops.nibble.w4a16_linear(x, *w, GROUP)
         torch.cuda.synchronize()
-        print(M, W.select_mma_config(M, N, K, W.num_sms(dev)), flush=True)
+        print(M, W.select_mma_config(M, N, K, launch.num_sms(dev)), flush=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.kernels import GROUP, TIMING, int4_bytes, random_int4  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
-from nibble.kernels import cuda_build, w4a16  # noqa: E402
+from nibble.kernels import cuda_build, launch, w4a16  # noqa: E402
 from nibble.kernels.early_launch import early_launch  # noqa: E402
 from nibble.kernels.reference import w4a16_matmul  # noqa: E402
 
@@ -69,14 +69,14 @@ def spread_grid(blocks: int, K: int, per_sm: int, warps: int, sms: int) -> int:
     """The spread kernel's grid, or 0 where it cannot spread (w4a16_spread.cu: no CTA range shorter than
     a block, no warp range longer than one)."""
     ctas, units = min(blocks, per_sm * sms), K // GROUP
-    return ctas if w4a16._cdiv(w4a16._cdiv(blocks * units, ctas), warps) <= units else 0
+    return ctas if launch.cdiv(launch.cdiv(blocks * units, ctas), warps) <= units else 0
 
 
 def spread_call(lib, x, weights, cfg, ctas):
     M, K = x.shape
     ns = [qw.shape[1] for qw, _, _ in weights]
     outs = [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
-    slots = w4a16.split_counters(x.device, 2 * 256 * ctas)  # zero between calls: the kernel resets them
+    slots = launch.split_counters(x.device, 2 * 256 * ctas)  # zero between calls: the kernel resets them
     pointers = [cuda_build.c_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (*zip(*weights), outs)]
     err = lib.nibble_w4a16_mma_spread(
         int(x.dtype == torch.bfloat16), cfg.warps, int(cfg.x_l1), x.data_ptr(), M, K, w4a16._group_shift_steps(GROUP, K),
@@ -100,7 +100,7 @@ def main() -> None:
         build(args.build_only)
         return
     dev = torch.device("cuda")
-    sms = w4a16.num_sms(dev)
+    sms = launch.num_sms(dev)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         lib = (ctypes.CDLL(str((args.prebuilt / "w4a16_mma_edited.so").resolve())) if args.prebuilt
@@ -129,7 +129,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for label, arm in arms.items():
                         times[label].append(bench_us(lambda i, arm=arm: (lambda: arm(sets[i])), len(sets), **TIMING))
-                assert not w4a16.split_counters(dev, 1).any(), "exchange slots left nonzero"
+                assert not launch.split_counters(dev, 1).any(), "exchange slots left nonzero"
                 med = {label: statistics.median(t) for label, t in times.items()}
                 best = min((label for label in med if label != "shipped"), key=med.get)
                 row = dict(launch=name, widths=list(widths), K=K, M=M, config=str(pick), us=med, best_spread=best,

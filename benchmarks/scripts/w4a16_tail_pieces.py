@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nibble.bench.kernels import GROUP, TIMING, int4_sets  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta, shape_list  # noqa: E402
-from nibble.kernels import cuda_build, w4a16  # noqa: E402
+from nibble.kernels import cuda_build, launch, w4a16  # noqa: E402
 
 EDITS = [
     ("  int tile_col;\n  const int which = cta_weight<MANY>(weights.cta_end, tile_col);\n",
@@ -84,7 +84,7 @@ def main() -> None:
         for N, K in shape_list(args.shapes):
             ws = int4_sets(N, K, GROUP, dev)
             x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-            cfg = w4a16.select_mma_config(1, N, K, w4a16.num_sms(dev))
+            cfg = w4a16.select_mma_config(1, N, K, launch.num_sms(dev))
             row = dict(N=N, K=K, config=str(cfg), blocks=N // 32)
 
             def timed(lib):

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from nibble.bench.kernels import GROUP, TIMING, random_int4  # noqa: E402
 from nibble.bench.timing import bench_us, env_meta, rotations  # noqa: E402
 from nibble.eval import speed  # noqa: E402
+from nibble.kernels import launch  # noqa: E402
 from nibble.kernels import w4a16 as W  # noqa: E402
 from w4a16_skinny_variants import decode_ab  # noqa: E402  (this folder)
 
@@ -56,7 +57,7 @@ def main() -> None:
         sets = [[random_int4(n, K, GROUP, dev) for n, _ in shapes] for _ in range(rotations(per_set))]
         for M in (1, 2, 4, 8):
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            picks = {name: rule(M, N, K, W.num_sms(dev)) for name, rule in rules.items()}
+            picks = {name: rule(M, N, K, launch.num_sms(dev)) for name, rule in rules.items()}
             us = {}
             for warps in (4, 8, 16):
                 cfg = replace(picks["new"], warps=warps)

@@ -45,7 +45,7 @@ def main() -> None:
             outs = [torch.empty(M, N, device=dev, dtype=dtype) for _ in sets]
             first, errors = None, {}
             for name in names:
-                W._wgmma_lib = lambda _device, lib=libs[name]: lib
+                W.WGMMA.lib = lambda _device, lib=libs[name]: lib
                 y = W.w4a16_wgmma(x, *sets[0], GROUP)
                 errors[name] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 first = y if first is None else first
@@ -53,13 +53,13 @@ def main() -> None:
             times = {name: [] for name in names}
             for r in range(args.rounds):
                 for name in (names if r % 2 == 0 else names[::-1]):
-                    W._wgmma_lib = lambda _device, lib=libs[name]: lib
+                    W.WGMMA.lib = lambda _device, lib=libs[name]: lib
                     times[name].append(bench_us(lambda i: (lambda: W.w4a16_wgmma(x, *sets[i], GROUP, out=outs[i])),
                                                 len(sets), **TIMING))
             us = {name: statistics.median(t) for name, t in times.items()}
             print(f"{N}x{K} M={M} " + " ".join(f"{n} {u:7.2f} us ({us[names[0]] / u:.3f}x, err {errors[n]:.1e})"
                                                for n, u in us.items()), flush=True)
-            rows.append(dict(N=N, K=K, M=M, config=W.wgmma_config(M, N, K, W.wgmma_clusters(dev)), us=us,
+            rows.append(dict(N=N, K=K, M=M, config=W.WGMMA.config(M, N, K, W.WGMMA.clusters(dev)), us=us,
                              errors=errors))
         sets = None
         torch.cuda.empty_cache()

@@ -146,16 +146,17 @@ def main() -> None:
         build_all(args.build_only)
         return
     dev = torch.device("cuda")
-    shipped = W._wgmma_lib
+    shipped = W.WGMMA.lib
     libs, variants = {}, args.variants.split(",")
     for v in variants:
         lib = ctypes.CDLL(str(args.prebuilt / v / "w4a16_wgmma_edited.so"))
-        W._WGMMA_SIGNATURES(lib)
+        W.WGMMA.signatures(lib)
         libs[v] = lib
-    stage = {**W.WGMMA_MODEL.stage_us, **{t: 0.5 for t in TILES}}
-    item = {**W.WGMMA_MODEL.item_us, **{t: 3.0 for t in TILES}}
-    W.WGMMA_MODEL = hopper.CostModel(stage, item, W.WGMMA_MODEL.split_output_us, W.WGMMA_MODEL.split_us,
-                                     {**W.WGMMA_MODEL.max_tokens, **{t: t[0] for t in TILES}})
+    shipped_tiles = W.WGMMA.tiles()  # the model below adds the knockout tiles
+    stage = {**W.WGMMA.model.stage_us, **{t: 0.5 for t in TILES}}
+    item = {**W.WGMMA.model.item_us, **{t: 3.0 for t in TILES}}
+    W.WGMMA.model = hopper.CostModel(stage, item, W.WGMMA.model.split_output_us, W.WGMMA.model.split_us,
+                                     {**W.WGMMA.model.max_tokens, **{t: t[0] for t in TILES}})
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for N, K in SHAPES:
@@ -164,12 +165,12 @@ def main() -> None:
         for M in map(int, args.ms.split(",")):
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ wf.t()
-            W._wgmma_lib = shipped
+            W.WGMMA.lib = shipped
             res = {"bf16": bench_us(lambda i: (lambda: F.linear(x, wb[i])), len(wb), **TIMING),
                    "op": bench_us(lambda i: (lambda: W.w4a16_linear(x, *w4[i], GROUP)), len(w4), **TIMING)}
-            for bn, ch in TILES + list(W.WGMMA_TILES):
+            for bn, ch in TILES + list(shipped_tiles):
                 small = (bn, ch) in TILES
-                if not (M <= bn < 2 * M if small else bn < 2 * M and M <= W.WGMMA_MODEL.max_tokens.get((bn, ch), M)):
+                if not (M <= bn < 2 * M if small else bn < 2 * M and M <= W.WGMMA.model.max_tokens.get((bn, ch), M)):
                     continue  # small: the one token tile that fits M; big: the tiles swept at M
                 for sp in map(int, args.splits.split(",")):
                     if sp > 1 and (hopper.tile_count(M, N, bn, ch) * sp > 2 * sms or k_tiles // sp < 2):
@@ -178,7 +179,7 @@ def main() -> None:
                     for v, lib in libs.items():
                         if small == v.endswith("_big"):
                             continue
-                        W._wgmma_lib = lambda _d, lib=lib: lib
+                        W.WGMMA.lib = lambda _d, lib=lib: lib
                         y = W.w4a16_wgmma(x, *w4[0], GROUP, config=cfg)
                         torch.cuda.synchronize()
                         if v.split("_")[0] == "exact":  # the only builds meant to be right

@@ -4,7 +4,7 @@
 
 For each issue-3 shape and M in --ms: cuBLAS bf16, the previous dispatch (the skinny CUDA kernel
 up to M = 64, dequantise + cuBLAS above) and the wgmma kernel at every token tile and split-K,
-plus the config ``wgmma_config`` picks. Same timing as ``python -m nibble.bench kernels``
+plus the config ``WGMMA.config`` picks. Same timing as ``python -m nibble.bench kernels``
 (CUDA-graph replay, weights rotated past the L2, median). Every variant is first checked against
 an fp32 product.
 """
@@ -37,10 +37,10 @@ def main():
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     splits = [int(v) for v in args.splits.split(",")]
-    tiles_timed = shape_list(args.tiles) if args.tiles else W.WGMMA_TILES
+    tiles_timed = shape_list(args.tiles) if args.tiles else W.WGMMA.tiles()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    clusters = W.wgmma_clusters(dev)
+    clusters = W.WGMMA.clusters(dev)
     rows = []
     for N, K in shape_list(args.shapes) if args.shapes else SHAPES:
         G = GROUP if K % GROUP == 0 else 64  # SmolLM2's 576-deep layers take groups of 64
@@ -55,7 +55,7 @@ def main():
                 variants["previous"] = lambda i: (lambda: W.w4a16_mma(x, *w4[i], G))
             else:
                 variants["previous"] = lambda i: (lambda: W.w4a16_linear_cuda(x, *w4[i], G, config=W.Config(kind="dequant")))
-            auto = W.wgmma_config(M, N, K, clusters)
+            auto = W.WGMMA.config(M, N, K, clusters)
             for bn, channels in tiles_timed:
                 if (bn == 64 and M > 256) or (bn == 256 and M < 256):
                     continue

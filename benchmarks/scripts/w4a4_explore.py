@@ -74,7 +74,7 @@ def main(argv) -> int:
     global log
     log = tee(os.path.join(OUT, "w4a4_explore.log"))
     quick, triton = args.quick, args.triton
-    tiles = shape_list(args.tiles) if args.tiles else W.WGMMA_TILES
+    tiles = shape_list(args.tiles) if args.tiles else W.WGMMA.tiles()
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     ok = all([diagnose(), diagnose(M=17, N=260, K=160), diagnose(M=300, N=1024, K=1024),
               diagnose(M=128, N=512, K=4096)])
@@ -82,7 +82,7 @@ def main(argv) -> int:
         log("wgmma kernel WRONG: stopping before timing")
         return 1
     table = []
-    clusters = W.wgmma_clusters("cuda")
+    clusters = W.WGMMA.clusters("cuda")
     log(f"clusters resident at once, by split: {clusters}")
     ms = [128, 1024] if quick else [64, 128, 256, 512, 1024]
     ms = [int(m) for m in args.ms.split(",")] if args.ms else ms
@@ -100,7 +100,7 @@ def main(argv) -> int:
             row["bf16"] = bench_us(lambda i: (lambda: F.linear(x, wb[i])), nb)
             if triton:
                 row["triton"] = bench_us(lambda i: (lambda: W.w4a4_matmul_triton(qx, sx, w4[i][0], w4[i][1])), n4)
-            auto = W.wgmma_config(M, N, K, W.wgmma_clusters("cuda"))
+            auto = W.WGMMA.config(M, N, K, W.WGMMA.clusters("cuda"))
             cfgs = {"auto": auto}
             for bn, ch in tiles:
                 if bn == 64 and M > 256:

@@ -57,7 +57,7 @@ SHAPES = [(128, 12288, 4096, (128, 128)), (128, 4096, 4096, (128, 128)), (512, 1
 
 def build(tmp: Path) -> ctypes.CDLL:
     lib = cuda_build.build_edited("w4a4_wgmma", EDITS, tmp, append=READ)
-    W._WGMMA_SIGNATURES(lib)
+    W.WGMMA.signatures(lib)
     lib.nibble_read_times.argtypes = [ctypes.c_void_p]
     return lib
 
@@ -97,7 +97,7 @@ def main() -> int:
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
-        W._wgmma_lib = lambda device, lib=lib: lib
+        W.WGMMA.lib = lambda device, lib=lib: lib
         for M, N, K, tile in SHAPES:
             timeline(lib, M, N, K, tile)
     return 0

@@ -51,8 +51,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         one = cuda_build.build_edited("w4a4_wgmma", EDITS, Path(tmp))
-        w4a4._WGMMA_SIGNATURES(one)
-        shipped = w4a4._wgmma_lib(torch.device("cuda"))
+        w4a4.WGMMA.signatures(one)
+        shipped = w4a4.WGMMA.lib(torch.device("cuda"))
         tile = {ch: dict(bn=128, channels=ch, split_k=1) for ch in (128, 256)}
         builds = [("cooperative 128x256", shipped, tile[256]), ("cooperative 128x128", shipped, tile[128]),
                   ("one warpgroup 128x128", one, tile[128])]

@@ -36,7 +36,7 @@ def main() -> None:
         for M in (128, 512, 1024):
             qx, sx = W.quantize_activations(torch.randn(M, K, device="cuda").to(torch.bfloat16))
             qe = W.to_even_odd(qx)
-            for bn, ch in W.WGMMA_TILES:
+            for bn, ch in W.WGMMA.tiles():
                 cfg = dict(bn=bn, channels=ch, split_k=1)
                 out[f"{N}x{K} M={M} {bn}x{ch}"] = bench_us(lambda i: (lambda: W.w4a4_wgmma(
                     qe, sx, weights[i][0], weights[i][1], order="even_odd", config=cfg)), n_rot)

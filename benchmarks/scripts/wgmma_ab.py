@@ -33,14 +33,14 @@ def load_build(kernels, path) -> ctypes.CDLL:
     """Another build of the Hopper GEMM of ``kernels`` (the module `w4a4` or `w4a16`), the shared
     library at ``path``, loaded with the package's ctypes signatures."""
     lib = ctypes.CDLL(str(Path(path).resolve()))
-    kernels._WGMMA_SIGNATURES(lib)
+    kernels.WGMMA.signatures(lib)
     return lib
 
 
 def package_and_builds(kernels, paths) -> dict:
     """{"package": the package's own build of ``kernels``' Hopper GEMM, then <file stem>: each
     shared library of ``paths`` (other builds of the same source, `load_build`)}."""
-    return {"package": kernels._wgmma_lib(torch.device("cuda")),
+    return {"package": kernels.WGMMA.lib(torch.device("cuda")),
             **{Path(path).stem: load_build(kernels, path) for path in paths}}
 
 
@@ -51,7 +51,7 @@ def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]
     builds, wrong on purpose, are only timed); timed A, B, ..., B, A and each build's two medians
     averaged."""
     order = list(range(len(builds))) + list(reversed(range(len(builds))))
-    shipped, dev, rows = w4a4._wgmma_lib, torch.device("cuda"), []
+    shipped, dev, rows = w4a4.WGMMA.lib, torch.device("cuda"), []
     for N, K in shapes:
         n_rot = rotations(K * N // 2)
         weights = [torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device=dev) for _ in range(n_rot)]
@@ -60,12 +60,12 @@ def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]
         for M in ms:
             qx = torch.randint(-8, 8, (M, K), dtype=torch.int8, device=dev)
             sx = torch.rand(M, device=dev) / 8
-            cfg = w4a4.wgmma_config(M, N, K, w4a4.wgmma_clusters(dev))
+            cfg = w4a4.WGMMA.config(M, N, K, w4a4.WGMMA.clusters(dev))
             times: dict = {name: [] for name, _, _ in builds}
             ref = None
             for i in order:
                 name, lib, config = builds[i]
-                w4a4._wgmma_lib = lambda _d, lib=lib: lib
+                w4a4.WGMMA.lib = lambda _d, lib=lib: lib
                 outs = [w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, out_int32=True, order="even_odd", config=config)]
                 outs += [w4a4.w4a4_wgmma(qx, sx, weights[0], w_scale, b, order="even_odd", config=config)
                          for b in (None, bias)]
@@ -80,7 +80,7 @@ def time_builds(builds, shapes, ms, say=print, exact: bool = True) -> list[dict]
             base = row[builds[0][0]]
             say(f"{N:5d} x {K:5d} M={M:5d} {cfg['bn']}x{cfg['channels']}/{cfg['split_k']}: "
                 + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
-    w4a4._wgmma_lib = shipped
+    w4a4.WGMMA.lib = shipped
     return rows
 
 
@@ -88,7 +88,7 @@ def time_ops(builds, shapes, ms, say=print) -> list[dict]:
     """The op (quantize + GEMM) with each build's GEMM: outputs equal to the first build's, timed A, B, ..., B, A.
     A build's config (None: the op's pick) may be a function of (N, K, M)."""
     order = list(range(len(builds))) + list(reversed(range(len(builds))))
-    shipped, pick, dev, rows = w4a4._wgmma_lib, hopper.pick_config, torch.device("cuda"), []
+    shipped, pick, dev, rows = w4a4.WGMMA.lib, hopper.pick_config, torch.device("cuda"), []
     for N, K in shapes:
         n_rot = rotations(K // 8 * N * 4)
         ws = [random_w4a4(N, K, dev) for _ in range(n_rot)]
@@ -97,7 +97,7 @@ def time_ops(builds, shapes, ms, say=print) -> list[dict]:
             times, ref = {name: [] for name, _, _ in builds}, None
             for i in order:
                 name, lib, config = builds[i]
-                w4a4._wgmma_lib = lambda _d, lib=lib: lib
+                w4a4.WGMMA.lib = lambda _d, lib=lib: lib
                 if callable(config):
                     config = config(N, K, M)
                 hopper.pick_config = pick if config is None else lambda *_a, c=config, **_k: dict(c)
@@ -109,7 +109,7 @@ def time_ops(builds, shapes, ms, say=print) -> list[dict]:
             rows.append(row)
             base = row[builds[0][0]]
             say(f"op {N:5d} x {K:5d} M={M:4d}: " + "  ".join(f"{n} {row[n]:7.2f} us ({base / row[n]:.3f}x)" for n in times))
-    w4a4._wgmma_lib, hopper.pick_config = shipped, pick
+    w4a4.WGMMA.lib, hopper.pick_config = shipped, pick
     return rows
 
 
@@ -133,7 +133,7 @@ def time_product_and_op(prebuilt: Path, ms, names) -> list[dict]:
 def variant_builds(prebuilt: Path, names) -> list:
     """Builds for `time_builds`: the package's own ("shipped"), then each variant ``names`` built by
     `cuda_build.build_edited` into ``prebuilt`` / name, loaded with the package's ctypes signatures."""
-    return [("shipped", w4a4._wgmma_lib(torch.device("cuda")), None)] + [
+    return [("shipped", w4a4.WGMMA.lib(torch.device("cuda")), None)] + [
         (name, load_build(w4a4, prebuilt / name / "w4a4_wgmma_edited.so"), None) for name in names]
 
 

@@ -41,18 +41,18 @@ def main() -> None:
     shapes = shape_list(args.shapes)
     kernels = {"w4a4": w4a4, "w4a16": w4a16}[args.config]
     libs = package_and_builds(kernels, args.others)
-    shipped = kernels._wgmma_lib
+    shipped = kernels.WGMMA.lib
     model = speed.random_model(args.model)
     speed.quantize_in_place(model, quant_config(args.config, model, clip_search=False))
     engines, logits = {}, {}
     for name, lib in libs.items():
-        kernels._wgmma_lib = lambda _device, lib=lib: lib  # read as each shape's graph is captured
+        kernels.WGMMA.lib = lambda _device, lib=lib: lib  # read as each shape's graph is captured
         engines[name] = Engine(model, max_batch=max(b for b, _ in shapes), max_seq_len=max(t for _, t in shapes))
         for b, t in shapes:
             prompt = torch.randint(0, model.config.vocab_size, (b, t), generator=torch.Generator().manual_seed(t))
             logits[name, (b, t)] = engines[name].prefill(prompt.cuda()).clone()
             speed.measure_prefill(engines[name], b, t)
-    kernels._wgmma_lib = shipped
+    kernels.WGMMA.lib = shipped
     for name in libs:
         for shape in shapes:
             assert torch.equal(logits["package", shape], logits[name, shape]), f"{name}: logits differ at {shape}"

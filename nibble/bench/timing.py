@@ -275,7 +275,7 @@ def capture_graph(body: Callable[[], object], device=None, warmups: int = 1,
     """(graph, output): ``body()`` captured into a CUDA graph, after ``warmups`` eager calls of
     ``warmup`` (default: ``body``; Triton compilation, cuBLAS handles, allocator) on the device's side
     stream, which the capture then runs on too. The same stream matters: scratch kept per stream
-    (`w4a16.split_counters`: split-K counters, the spread decode kernel's exchange slots) then exists
+    (`launch.split_counters`: split-K counters, the spread decode kernel's exchange slots) then exists
     before the capture, instead of being allocated and zeroed by a memset recorded into the graph."""
     stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream())

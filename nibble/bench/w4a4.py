@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean,
                                  json_text, rotations, write_results)
+from nibble.formats.int4 import unpack_int4
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
           (28672, 8192), (8192, 28672)]
@@ -46,8 +47,12 @@ def random_w4a4(N: int, K: int, device, gen=None):
     return qweight, w_scale
 
 
+def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """Canonical packed [K // 8, N] -> int8 (q - 8) [N, K]: the weight of the int8 GEMM baselines."""
+    return (unpack_int4(qweight).to(torch.int16) - 8).to(torch.int8).t().contiguous()
+
+
 def _dense_bf16(qweight, w_scale):
-    from nibble.kernels.w4a4 import unpack_weight_int8
     return (unpack_weight_int8(qweight).float() * w_scale.float()[:, None]).to(torch.bfloat16)  # [N, K]
 
 
@@ -103,7 +108,7 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
     wb = [_dense_bf16(*w4[i % n4]) for i in range(nb)] if "bf16" in ops else None
     w8 = None
     if "int8" in ops or "fp8" in ops:
-        w8 = [w4a4.unpack_weight_int8(w4[i % n4][0]) for i in range(n8)]  # [N, K] int8 (K-major)
+        w8 = [unpack_weight_int8(w4[i % n4][0]) for i in range(n8)]  # [N, K] int8 (K-major)
     wf8 = [w.to(torch.float8_e4m3fn) for w in w8] if (w8 is not None and "fp8" in ops) else None
     sw_f8 = torch.rand(1, N, device=dev) * 0.01 + 1e-3
 
@@ -176,7 +181,7 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
         base = res.get("bf16")
         cfg = dict(kernel=w4a4.product_kernel(qx, N, order))
         if cfg["kernel"] == "w4a4_wgmma":
-            cfg.update(w4a4.wgmma_config(M, N, K, w4a4.wgmma_clusters(x.device)))
+            cfg.update(w4a4.WGMMA.config(M, N, K, w4a4.WGMMA.clusters(x.device)))
         elif cfg["kernel"] == "triton":
             cfg.update(w4a4.pick_config(M, N, K))
         for op, us in res.items():

@@ -62,7 +62,7 @@ from nibble.config import check_token_ids
 from nibble.eval.memory import format_bytes
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
-from nibble.kernels.w4a16 import num_sms
+from nibble.kernels.launch import num_sms
 from nibble.models.convert import check_architecture, check_weights_loaded, decoder_layers
 from nibble.nn.quant_linear import (PermutedInputQuantLinear, shared_input_forward, shared_input_perm, stack_weights,
                                     w4a4_operands)

@@ -1,8 +1,9 @@
 """Kernel dispatch: the GPU kernel where one applies, the pure-PyTorch reference otherwise.
 
 Every op here has one signature for every backend; `backend="reference"` forces the reference,
-`backend="triton"` demands the GPU kernels (Triton, and for W4A16 at small M the CUDA C++ kernel of
-`csrc/`, which falls back to Triton where it cannot build) and says clearly why they cannot run.
+`backend="triton"` demands the GPU kernels, which are Triton kernels and the CUDA C++ kernels of `csrc/` alike (the
+name is older than the C++ ones; each op's dispatch in `w4a16.py` / `w4a4.py` says which runs where, and a C++ kernel
+that cannot build falls back to Triton), and says clearly why they cannot run.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from nibble.formats.int4 import PACK
 from nibble.kernels import reference
+from nibble.kernels.launch import check_bias
 
 BACKENDS = ("auto", "reference", "triton")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -101,7 +104,7 @@ def _packed_k_n(x, qweight) -> tuple[int, int]:
     error. Shape arithmetic only (every layer call on the CPU passes here)."""
     if qweight.dim() != 2:
         raise ValueError(f"qweight must be a 2-D int32 tensor [K // 8, N], got shape {tuple(qweight.shape)}")
-    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    K, N = qweight.shape[0] * PACK, qweight.shape[1]
     if x.shape[-1] != K:
         raise ValueError(f"x has K={x.shape[-1]} in its last dimension but qweight {tuple(qweight.shape)} packs K={K}")
     return K, N
@@ -112,7 +115,7 @@ def _check_w4a16_arguments(x, qweight, scales, zeros, group_size: int, bias) -> 
     `_finish`'s), on the CPU path, so that a call the GPU refuses is refused on the CPU too."""
     N = _packed_k_n(x, qweight)[1]
     w4a16._check_weight(qweight, scales, zeros, group_size)
-    w4a16.check_bias(bias, N)
+    check_bias(bias, N)
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
@@ -171,7 +174,7 @@ def _finish(y, bias, x):
     does: where the bias's or x's dtype is not the kernel's, the sum is taken in float32 (rounded to the kernel's dtype
     first, then to x's, it was one ulp off the compiled layer, whose fusion drops the intermediate rounding); where all
     three are one dtype, one add (a decode step in a CUDA graph pays each extra cast kernel)."""
-    w4a16.check_bias(bias, y.shape[-1])
+    check_bias(bias, y.shape[-1])
     if bias is not None:
         y = y + bias if bias.dtype == y.dtype == x.dtype else y.float() + bias.float()
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)  # N, not -1: x may hold no token

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from nibble.kernels import transforms_active
+from nibble.kernels.launch import cdiv, next_pow2
 from nibble.kernels.triton_device import check_triton_device
 
 try:
@@ -252,10 +253,6 @@ _DENSE_CHUNK = 32
 _TILE = 8192
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class HadamardPlan:
     """How the kernel splits a row of n: a tile [rows, dense_pad, a, b] of rows padded to
@@ -291,7 +288,7 @@ def hadamard_plan(n: int) -> HadamardPlan:
     else:
         b = 1 << (p.bit_length() // 2)  # the larger half of the bits
         dense, a = m, p // b
-    dense_pad = 1 if dense == 1 else max(_MIN_DOT, _next_pow2(dense))
+    dense_pad = 1 if dense == 1 else max(_MIN_DOT, next_pow2(dense))
     row_pad = dense_pad * a * b
     if row_pad > MAX_KERNEL_ROW or dense_pad > MAX_KERNEL_DENSE:
         raise ValueError(f"hadamard kernel: size {n} = {m} * {p} needs a row of {row_pad} (at most "
@@ -301,7 +298,7 @@ def hadamard_plan(n: int) -> HadamardPlan:
     # sizes take rows up to an 8K-element tile with 4 warps, the best setting measured on an H200
     # (bf16, n = 128 ... 8192); larger rows need more warps to hold the tile in registers.
     others = [d for d, on in ((dense_pad * a, b > 1), (dense_pad * b, a > 1), (a * b, dense_pad > 1)) if on]
-    rows = max([_next_pow2(-(-_MIN_DOT // o)) for o in others] + [max(1, _TILE // row_pad)])
+    rows = max([next_pow2(cdiv(_MIN_DOT, o)) for o in others] + [max(1, _TILE // row_pad)])
     return HadamardPlan(n, dense, dense_pad, min(dense_pad, _DENSE_CHUNK), a, b, rows, _warps_for(rows * row_pad))
 
 
@@ -448,7 +445,8 @@ def _hadamard_kernel(x_ptr, y_ptr, dense_ptr, n_rows, n, stride_x, stride_y, sca
     tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=row_mask & (c < n))
 
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The dtypes the transform's kernel takes (float32 too: the W4A4 kernels' KERNEL_DTYPES are the 16-bit ones only).
+TRANSFORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def hadamard_dot_terms(dtype: torch.dtype) -> tuple[int, int]:
@@ -484,7 +482,7 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
     docstring). ``split`` (default: only for a few rows) spreads each row's dense outputs over several
     programs; the result is the same.
     """
-    if x.dtype not in KERNEL_DTYPES:
+    if x.dtype not in TRANSFORM_DTYPES:
         raise TypeError(f"hadamard kernel takes float16/bfloat16/float32, got {x.dtype}; "
                         f"use hadamard_transform_reference for other dtypes")
     if triton is None:
@@ -502,9 +500,9 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
         return y
     dense = hadamard_dense_operand(n, inverse, x.device) if plan.dense_pad > 1 else x2
     terms_in, terms = hadamard_dot_terms(x.dtype)
-    row_tiles = -(-x2.shape[0] // plan.rows)
+    row_tiles = cdiv(x2.shape[0], plan.rows)
     dense_out = dense_slice_width(plan, row_tiles, split)
-    slices = -(-plan.dense // dense_out)  # enough to cover the real (unpadded) dense entries
+    slices = cdiv(plan.dense, dense_out)  # enough to cover the real (unpadded) dense entries
     _hadamard_kernel[(row_tiles, slices)](
         x2, y2, dense, x2.shape[0], n, x2.stride(0), y2.stride(0), 1.0 / math.sqrt(n), ROWS=plan.rows,
         DENSE_PAD=plan.dense_pad, DENSE_OUT=dense_out, DENSE_CHUNK=plan.dense_chunk, A=plan.a, B=plan.b,
@@ -533,7 +531,7 @@ def kernel_fits(n: int) -> bool:
 
 @_hadamard_op.register_kernel("cuda")
 def _hadamard_op_cuda(x: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if triton is None or x.dtype not in KERNEL_DTYPES or not kernel_fits(x.shape[-1]):
+    if triton is None or x.dtype not in TRANSFORM_DTYPES or not kernel_fits(x.shape[-1]):
         return hadamard_transform_reference(x, inverse)
     return hadamard_transform_triton(x.contiguous(), inverse)
 

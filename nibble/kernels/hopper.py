@@ -1,5 +1,6 @@
 """What the two Hopper GEMMs (``csrc/w4a16_wgmma.cu``, ``csrc/w4a4_wgmma.cu``) share on the Python
-side: how many CTAs a tile shape makes, and the choice of tile and split-K by a small cost model.
+side: how many CTAs a tile shape makes, the choice of tile and split-K by a small cost model, and
+`WgmmaGemm`, each one's library, resident clusters and configs (``w4a16.WGMMA``, ``w4a4.WGMMA``).
 
 A CTA computes ``tokens x channels`` outputs over its share of K, in stages of 128. The model
 (`CostModel`), fitted per kernel to an H200 sweep (``benchmarks/scripts/w4a16_wgmma_sweep.py`` /
@@ -17,26 +18,27 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
+import torch
+
+from nibble.kernels import cuda_build
+from nibble.kernels.launch import NUM_SMS_DEFAULT, cdiv
+
 STAGE_K = 128  # K per pipeline stage in both kernels
 SPLITS = (1, 2, 3, 4, 6, 8)
 MAX_SPLIT = 8  # the largest portable thread-block cluster
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def tile_count(M: int, N: int, tokens: int, channels: int) -> int:
     """Output tiles (CTAs per split) of a ``tokens x channels`` CTA shape."""
-    return _cdiv(M, tokens) * _cdiv(N, channels)
+    return cdiv(M, tokens) * cdiv(N, channels)
 
 
 def split_plan(K: int, split_k: int) -> tuple[int, int]:
     """(splits, K stages per split) for a requested split-K: every split but the last gets the same
     number of stages, so fewer splits than asked may remain (10 stages in 4 splits: 3 x 3 + 1)."""
-    k_stages = _cdiv(K, STAGE_K)
-    per_split = _cdiv(k_stages, max(1, int(split_k)))
-    return _cdiv(k_stages, per_split), per_split
+    k_stages = cdiv(K, STAGE_K)
+    per_split = cdiv(k_stages, max(1, int(split_k)))
+    return cdiv(k_stages, per_split), per_split
 
 
 def ideal_clusters(num_sms: int) -> dict:
@@ -78,8 +80,8 @@ class CostModel:
 
     def us(self, M: int, N: int, K: int, tile: tuple, split: int, clusters: dict) -> float:
         """``clusters``: {split: clusters resident at once} (`ideal_clusters`, `resident_clusters`)."""
-        waves = _cdiv(tile_count(M, N, *tile), clusters[split])
-        t = waves * (_cdiv(_cdiv(K, STAGE_K), split) * self.stage_us[tile] + self.item_us[tile])
+        waves = cdiv(tile_count(M, N, *tile), clusters[split])
+        t = waves * (cdiv(cdiv(K, STAGE_K), split) * self.stage_us[tile] + self.item_us[tile])
         return t + (self.split_output_us * M * N * split / 1e6 + self.split_us * split if split > 1 else 0.0)
 
 
@@ -88,7 +90,7 @@ def pick_config(M: int, N: int, K: int, model: CostModel, clusters: dict, tiles=
     modelled time on a GPU that holds ``clusters`` ({split: clusters resident at once}; a pure
     function): split only where each split keeps 2 stages and the tiles fit two waves, and no tile
     above the tokens it was swept at (``model.max_tokens``)."""
-    k_stages = _cdiv(K, STAGE_K)
+    k_stages = cdiv(K, STAGE_K)
     shapes = [(tile, split) for tile in (model.stage_us if tiles is None else tiles)
               if M <= model.max_tokens.get(tile, M) for split in SPLITS
               if split == 1 or (k_stages // split >= 2 and tile_count(M, N, *tile) <= 2 * clusters[split])]
@@ -110,3 +112,35 @@ def launch_config(config, M: int, K: int, widths, model: CostModel, clusters: di
         raise ValueError(f"{kernel}: split_k must be 1 to {MAX_SPLIT} (the splits of a tile are one cluster of "
                          f"CTAs, at most {MAX_SPLIT}), got {config['split_k']}")
     return dict(config) if config is not None else pick_config(M, sum(widths), K, model, clusters, tiles)
+
+
+class WgmmaGemm:
+    """The host side of one Hopper GEMM, ``csrc/<name>.cu``: its library (``signatures``: its
+    `cuda_build.signatures`), the clusters of its CTAs a GPU holds, and its tiles and configs by its
+    fitted ``model``, whose tiles are the ones the library is compiled for."""
+
+    def __init__(self, name: str, signatures, model: CostModel):
+        self.name, self.signatures, self.model = name, signatures, model
+
+    def lib(self, device):
+        """The compiled kernel for ``device``, or None (see ``cuda_build.library``)."""
+        return cuda_build.library(self.name, device, self.signatures)
+
+    def clusters(self, device) -> dict:
+        """{split: clusters of the kernel's CTAs resident at once} on ``device`` (`resident_clusters`,
+        asked once per device)."""
+        device = torch.device(device)
+        return cuda_build.ask_once(f"{self.name} clusters", device, lambda: resident_clusters(
+            getattr(self.lib(device), f"nibble_{self.name}_clusters")))
+
+    def tiles(self, widths=None) -> tuple:
+        """The CTA shapes (tokens, channels) of the kernel; with ``widths``, those one launch over
+        weights of these widths side by side can run (`tiles_side_by_side`)."""
+        tiles = tuple(self.model.stage_us)
+        return tiles if widths is None else tiles_side_by_side(tiles, widths)
+
+    def config(self, M: int, N: int, K: int, clusters: dict | None = None, widths=None) -> dict:
+        """CTA tile (bn tokens x channels) and split-K (`pick_config`) for N columns, or for weights
+        of ``widths`` columns side by side in one launch, on a GPU that holds ``clusters``
+        (`clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
+        return pick_config(M, N, K, self.model, clusters or ideal_clusters(NUM_SMS_DEFAULT), self.tiles(widths or None))

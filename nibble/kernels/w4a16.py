@@ -14,7 +14,7 @@ Dispatch on CUDA (measured on the H200, benchmarks/notes-w4a16.md):
   use (``cuda_build``). Needs N, K multiples of 32 and a power-of-two group >= 32 (or per column).
 * Many tokens on Hopper (up to WGMMA_MAX_M; not for a tiny layer alone): ``w4a16_wgmma``,
   ``csrc/w4a16_wgmma.cu`` (asynchronous wgmma fed by TMA, the weight dequantized in fp32 straight
-  into the register fragments), built for sm_90a; tile and split-K from ``wgmma_config``.
+  into the register fragments), built for sm_90a; tile and split-K from ``WGMMA.config``.
   ``large_m_kernel`` says which path a shape takes.
 * Shapes these do not take, or no nvcc: the Triton kernels below, Triton GEMV (M <= 2) /
   tensor-core dot kernel (M <= 16); M > 16: dequantise + cuBLAS (also the measured best for a tiny
@@ -58,10 +58,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nibble.formats.int4 import check_group_width
+from nibble.formats.int4 import PACK, check_group_width
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import MAX_TOKENS as EARLY_LAUNCH_MAX_TOKENS
 from nibble.kernels.early_launch import early_launch
+from nibble.kernels.launch import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL, SUCCESSORS,
+                                   cdiv, num_sms, split_counters)
 from nibble.kernels.triton_device import check_triton_device
 
 try:  # the module must import without triton (CPU-only installs)
@@ -74,7 +76,6 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     tl = None
     HAS_TRITON = False
 
-PACK = 8
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -101,13 +102,8 @@ class Config:
     max_split: int = 32
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-# Per (M bucket) tile choices for the H200 (132 SMs). Filled from the offline sweep
+# Per (M bucket) tile choices for the H200 (NUM_SMS_DEFAULT SMs). Filled from the offline sweep
 # (benchmarks/scripts/w4a16_explore.py); see benchmarks/notes-w4a16.md.
-NUM_SMS_DEFAULT = 132
 DISPATCH = {
     # M upper bound -> config (split_k is filled in by with_split for the problem at hand)
     1: Config(kind="gemv", block_n=512, block_k=64, num_warps=4, num_stages=1),
@@ -130,7 +126,7 @@ def _pick_split(m_tiles: int, n_tiles: int, k_blocks: int, num_sms: int, waves: 
     best, best_score = 1, -1.0
     for s in range(1, min(max_split, k_blocks) + 1):
         ctas = tiles * s
-        eff = ctas / (_cdiv(ctas, num_sms) * num_sms)  # useful fraction of the last wave
+        eff = ctas / (cdiv(ctas, num_sms) * num_sms)  # useful fraction of the last wave
         score = min(ctas / target, 1.0) * eff
         if score > best_score + 1e-9:
             best, best_score = s, score
@@ -161,10 +157,10 @@ def with_split(cfg: Config, M: int, N: int, K: int, group_size: int, num_sms: in
         m_tiles = 1
     else:
         bk = cfg.block_k
-        m_tiles = _cdiv(M, cfg.block_m)
+        m_tiles = cdiv(M, cfg.block_m)
     if M > 64:
         return replace(cfg, split_k=1)
-    split = _pick_split(m_tiles, _cdiv(N, cfg.block_n), _cdiv(K, bk), num_sms, cfg.waves, cfg.max_split)
+    split = _pick_split(m_tiles, cdiv(N, cfg.block_n), cdiv(K, bk), num_sms, cfg.waves, cfg.max_split)
     return replace(cfg, split_k=split)
 
 
@@ -620,37 +616,14 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return out.view(x.shape)
     pdl = not _INTERPRET and early_launch(x.device, M)
     BLOCK = 1024
-    _gather_columns_kernel[(M, _cdiv(K, BLOCK))](x2, index, out, K, BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl,
-                                                 num_warps=4)
+    _gather_columns_kernel[(M, cdiv(K, BLOCK))](x2, index, out, K, BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl,
+                                                num_warps=4)
     return out.view(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------
 # launch
 # ----------------------------------------------------------------------------------------------
-_COUNTERS: dict = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Split-K tile counters of the current stream (int32, all zero between calls: the kernel resets
-    them). Kernels on one stream run in order, so they can share; kernels on two streams could run
-    at once, so each stream gets its own.
-
-    Allocated and zeroed eagerly; a buffer first needed during CUDA-graph capture is not cached
-    (its zeroing memset is only recorded, not run), so later eager calls cannot see it uninitialised.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    size = max(n, 4096)
-    buf = torch.zeros(size, dtype=torch.int32, device=device)
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        _COUNTERS[key] = buf
-    return buf
-
-
 def _pow2_divisor(g: int, cap: int) -> int:
     b = 8
     while b * 2 <= cap and g % (b * 2) == 0:
@@ -673,11 +646,11 @@ def _launch(x, qweight, scales, zeros, group_size, cfg: Config, out=None):
             raise ValueError("the gemv kernel handles M <= 2")
         bk = _pow2_divisor(group_size, cfg.block_k)  # one group per K block (and so K % bk == 0)
         bm = M
-        tiles = _cdiv(N, cfg.block_n)
+        tiles = cdiv(N, cfg.block_n)
     else:
         bk = cfg.block_k
         bm = cfg.block_m
-        tiles = _cdiv(M, bm) * _cdiv(N, cfg.block_n)
+        tiles = cdiv(M, bm) * cdiv(N, cfg.block_n)
     grid = (tiles, cfg.split_k)
     if cfg.split_k > 1:
         ws = torch.empty(tiles * cfg.split_k * bm * cfg.block_n, dtype=torch.float32, device=x.device)
@@ -712,13 +685,6 @@ MMA_RING = 4  # cp.async stages per warp (RING in the .cu)
 MMA_SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80 / sm_90
 MMA_MAX_WEIGHTS = 3  # weights one launch can serve (MAX_WEIGHTS in csrc/skinny.cuh), up to 32 tokens
 MMA_MANY_MAX_M = 32
-
-
-# When the next kernel in the stream may launch, with early launch on (csrc/skinny.cuh: Successor):
-# when this one ends; at once, this launch's CTAs per SM capped at ceil(CTAs / SMs) by shared
-# memory; at once where those CTAs fill an SM anyway, else at the end.
-SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL = 0, 1, 2
-SUCCESSORS = (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL)
 
 
 @dataclass(frozen=True)
@@ -877,12 +843,16 @@ def w4a16_mma_many(x, weights, group_size, config: MmaConfig | None = None, outs
 # Split-K runs in clusters, which the GPU holds fewer of than SMs / split (w4a4.py says how many);
 # its costs were fitted with the partials through global memory, before shared memory made a split
 # cheaper (4096 x 11008 at 128 tokens in 3 splits: 38.5 -> 33.9 us; w4a4.py, notes-w4a16.md).
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (128, 128): 0.975, (256, 128): 1.45,
-                                         (64, 128): 0.8},
-                               item_us={(64, 256): 2.53, (128, 256): 3.15, (128, 128): 4.02, (256, 128): 3.32,
-                                        (64, 128): 3.78},
-                               split_output_us=1.73, split_us=0.63, max_tokens={(64, 256): 256, (64, 128): 256})
-WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
+WGMMA = hopper.WgmmaGemm(
+    "w4a16_wgmma",
+    cuda_build.signatures("nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int]
+                          + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_void_p],
+                          "nibble_w4a16_wgmma_error_string"),
+    hopper.CostModel(stage_us={(64, 256): 1.443, (128, 256): 1.819, (128, 128): 0.975, (256, 128): 1.45,
+                               (64, 128): 0.8},
+                     item_us={(64, 256): 2.53, (128, 256): 3.15, (128, 128): 4.02, (256, 128): 3.32,
+                              (64, 128): 3.78},
+                     split_output_us=1.73, split_us=0.63, max_tokens={(64, 256): 256, (64, 128): 256}))
 # Where the op takes which kernel (H200, benchmarks/notes-w4a16.md sessions 7 and 21): the skinny kernel
 # up to 32 tokens, the wgmma kernel from 33 to WGMMA_MAX_M tokens, dequantise + cuBLAS above. A tiny
 # layer alone (N * K <= TINY_LAYER: SmolLM2's, Qwen2-0.5B's o_proj and down_proj, Llama-3.2-1B's o_proj)
@@ -901,24 +871,6 @@ TINY_LAYER = 8 << 20
 WGMMA_MAX_M = 2048
 
 
-_WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a16_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6
-    + [ctypes.c_int] * 7 + [ctypes.c_void_p],
-    "nibble_w4a16_wgmma_error_string")
-
-
-def _wgmma_lib(device):
-    return cuda_build.library("w4a16_wgmma", device, _WGMMA_SIGNATURES)
-
-
-def wgmma_clusters(device) -> dict:
-    """{split: clusters of `w4a16_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`,
-    asked once per device)."""
-    device = torch.device(device)
-    return cuda_build.ask_once("w4a16_wgmma clusters", device, lambda: hopper.resident_clusters(
-        _wgmma_lib(device).nibble_w4a16_wgmma_clusters))
-
-
 def wgmma_group_ok(group_size: int, K: int) -> bool:
     """Groups a 128-deep stage of `w4a16_wgmma` can hold whole: 32, 64, multiples of 128, or one per column."""
     return group_size in (32, 64) or group_size % hopper.STAGE_K == 0 or group_size == K
@@ -928,21 +880,7 @@ def wgmma_applicable(x: torch.Tensor, N: int, K: int, group_size: int) -> bool:
     """Whether `w4a16_wgmma` can run this product: an sm_90 GPU (H100/H200), N % 8 == 0 (16-byte
     rows of scales for the TMA), a group `wgmma_group_ok` accepts, and the kernel built."""
     return (x.is_cuda and N > 0 and N % 8 == 0 and wgmma_group_ok(group_size, K)
-            and cuda_build.capability(x.device) == (9, 0) and _wgmma_lib(x.device) is not None)
-
-
-def wgmma_tiles(widths) -> tuple:
-    """The CTA shapes one `w4a16_wgmma_many` launch over weights of these widths can run
-    (`hopper.tiles_side_by_side`)."""
-    return hopper.tiles_side_by_side(WGMMA_TILES, widths)
-
-
-def wgmma_config(M: int, N: int, K: int, clusters: dict | None = None, widths=None) -> dict:
-    """CTA tile (bn tokens x channels) and split-K of `w4a16_wgmma` (`hopper.pick_config`) for N
-    columns, or for weights of ``widths`` columns side by side in one launch, on a GPU that holds
-    ``clusters`` (`wgmma_clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(NUM_SMS_DEFAULT),
-                              wgmma_tiles(widths) if widths else WGMMA_TILES)
+            and cuda_build.capability(x.device) == (9, 0) and WGMMA.lib(x.device) is not None)
 
 
 def large_m_kernel(M: int, N: int, K: int, weights: int = 1) -> str:
@@ -959,22 +897,22 @@ def large_m_kernel(M: int, N: int, K: int, weights: int = 1) -> str:
 
 def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = None, out=None):
     """y = x @ W.T on Hopper's asynchronous tensor cores (inputs already checked by ``_check``).
-    ``config`` (bn, channels, split_k) overrides `wgmma_config`."""
+    ``config`` (bn, channels, split_k) overrides `WGMMA.config`."""
     return w4a16_wgmma_many(x, [(qweight, scales, zeros)], group_size, config, None if out is None else [out])[0]
 
 
 def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=None):
     """[x @ W_i.T for W_i in weights] in one launch, for up to MMA_MAX_WEIGHTS weights (qweight,
     scales, zeros) that read the same x (a block's q/k/v or gate/up; inputs already checked),
-    every width but the last a multiple of a tile's channels (`wgmma_tiles`): the kernel runs their
-    columns side by side, each weight writing its own output. ``config`` overrides `wgmma_config`."""
+    every width but the last a multiple of a tile's channels (`WGMMA.tiles`): the kernel runs their
+    columns side by side, each weight writing its own output. ``config`` overrides `WGMMA.config`."""
     M, K = x.shape
     widths = [qw.shape[1] for qw, _, _ in weights]
     if not (1 <= len(weights) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
         raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0, a group of 32, 64, "
                          f"a multiple of 128 or one per column and 1 to {MMA_MAX_WEIGHTS} weights; got N={widths} "
                          f"K={K} group={group_size} on {x.device}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, wgmma_clusters(x.device), "w4a16_wgmma")
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA.model, WGMMA.clusters(x.device), "w4a16_wgmma")
     tile = (cfg["bn"], cfg["channels"])
     # The TMA reads 16-byte aligned rows; the epilogue stores 4 outputs (8 bytes) at a time.
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -984,7 +922,7 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
     ys = [y if y is not None and y.stride(1) == 1 and y.stride(0) % 4 == 0 and y.data_ptr() % 8 == 0
           else torch.empty((M, n), dtype=x.dtype, device=x.device) for y, n in zip(given, widths)]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    lib = _wgmma_lib(x.device)
+    lib = WGMMA.lib(x.device)
     err = cuda_build.launch(
         lib.nibble_w4a16_wgmma, x.device, int(x.dtype == torch.bfloat16), *tile, x.data_ptr(), len(weights),
         *cuda_build.weight_arrays(zip(*weights), ys, widths),
@@ -1009,7 +947,7 @@ def _check(x, qweight, scales, zeros, group_size):
                         f"(cast fp32 activations with x.half() / x.bfloat16() first)")
     M, K = x.shape
     if K % PACK:
-        raise ValueError(f"K={K} must be a multiple of 8 (8 4-bit codes per int32 word)")
+        raise ValueError(f"K={K} must be a multiple of {PACK} ({PACK} 4-bit codes per int32 word)")
     packed = _packed_k(qweight)
     if packed != K:
         raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={packed}")
@@ -1050,13 +988,6 @@ def _check_weight(qweight, scales, zeros, group_size):
                              f"got {tuple(t.shape)}")
 
 
-def check_bias(bias, N: int) -> None:
-    """A layer's bias is one value per output channel, [N], on every path: a [N, 1] or [M, N] one would broadcast
-    into another sum without an error."""
-    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float tensor of shape [{N}], got {bias.dtype} {tuple(bias.shape)}")
-
-
 def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | None = None, out=None):
     """CUDA path (also usable directly with an explicit Config, e.g. by the benchmark sweep)."""
     if not HAS_TRITON:
@@ -1083,15 +1014,6 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | No
             return torch.nn.functional.linear(x, w)
         return torch.mm(x, w.t(), out=out)
     return _launch(x, qweight, scales, zeros, group_size, cfg, out=out)
-
-
-def num_sms(device: torch.device) -> int:
-    """The device's streaming multiprocessors (asked once per device); NUM_SMS_DEFAULT (the H200's)
-    for a non-CUDA device, e.g. the Triton interpreter on the CPU."""
-    if device.type != "cuda":
-        return NUM_SMS_DEFAULT
-    return cuda_build.ask_once("multiprocessors", device,
-                               lambda: torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
 
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -1125,7 +1047,7 @@ def linears(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Te
             and all(mma_applicable(x, qw.shape[1], K, group_size) for qw in qweights)):
         return w4a16_mma_many(x, weights, group_size)
     widths = [qw.shape[1] for qw in qweights]
-    if (one_launch and large_m_kernel(M, N, K, len(weights)) == "wgmma" and wgmma_tiles(widths)
+    if (one_launch and large_m_kernel(M, N, K, len(weights)) == "wgmma" and WGMMA.tiles(widths)
             and all(wgmma_applicable(x, n, K, group_size) for n in widths)):
         return w4a16_wgmma_many(x, [tuple(t.contiguous() for t in w) for w in weights], group_size)
     return [w4a16_linear_cuda(x, *w, group_size) for w in weights]
@@ -1172,6 +1094,6 @@ def _dequantize_launch(qweight, scales, zeros, group_size, out):
     """The Triton pass of `dequantize_cuda` into ``out`` [N, K] (checked weights; CPU tensors under the interpreter)."""
     K, N = qweight.shape[0] * PACK, qweight.shape[1]
     bn, bk = 64, 128
-    _dequant_kernel[(_cdiv(N, bn), _cdiv(K, bk))](qweight, scales, zeros, out, N, K, group_size,
-                                                 BLOCK_N=bn, BLOCK_K=bk, DQ_ASM=not _INTERPRET, num_warps=4)
+    _dequant_kernel[(cdiv(N, bn), cdiv(K, bk))](qweight, scales, zeros, out, N, K, group_size,
+                                                BLOCK_N=bn, BLOCK_K=bk, DQ_ASM=not _INTERPRET, num_warps=4)
     return out

@@ -58,12 +58,14 @@ from typing import Optional
 
 import torch
 
+from nibble.formats.int4 import PACK
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.triton_device import check_triton_device, interpreting
 from nibble.kernels import hadamard as _had
-from nibble.kernels.w4a16 import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, MmaConfig,
-                                   check_bias, num_sms, select_mma_config, split_counters)
+from nibble.kernels.launch import (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, cdiv, check_bias, next_pow2,
+                                   num_sms, split_counters)
+from nibble.kernels.w4a16 import MmaConfig, select_mma_config
 
 try:
     import triton
@@ -78,7 +80,6 @@ except ImportError:  # CPU-only install: the op runs the reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 W_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-PACK = 8
 # 0x88888888 as an int32: flips bit 3 of every nibble, so nibble q becomes the 4-bit two's
 # complement of q - 8.
 _XOR_SIGN = tl.constexpr(-2004318072) if tl is not None else -2004318072
@@ -89,10 +90,6 @@ _MAX_ROW = _had.MAX_KERNEL_ROW  # act-quant keeps a whole row in registers (2867
 def kernels_available(t: torch.Tensor) -> bool:
     """True when the Triton kernels can run on tensors like ``t`` (CUDA, or CPU under TRITON_INTERPRET=1)."""
     return triton is not None and (t.is_cuda or interpreting())
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 # ================================================================================================
@@ -276,7 +273,7 @@ def _act_plan(K: int, hadamard: bool):
     if hadamard:
         plan = _had.hadamard_plan(K)  # callers check `_had.kernel_fits(K)` first
         return plan.rows, plan.row_pad, plan.num_warps, plan
-    block = _next_pow2(K)  # over _MAX_ROW: the chunked kernel runs it
+    block = next_pow2(K)  # over _MAX_ROW: the chunked kernel runs it
     rows = max(1, 4096 // block)
     # up to 64 elements per thread (H200, many rows of 11008: 8 warps 62 us, 16 warps 66)
     num_warps = max(4, min(16, rows * block // 2048))
@@ -334,7 +331,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     if M == 0 or K == 0:
         s.zero_()
         return q, s
-    if plan is not None and _had.dense_slice_width(plan, triton.cdiv(M, rows)) < plan.dense_pad:
+    if plan is not None and _had.dense_slice_width(plan, cdiv(M, rows)) < plan.dense_pad:
         # A few rows with a dense Hadamard factor: fused, each row would be one program on one SM
         # (39 us for a row of 11008 on an H200). The row-splitting transform spreads it, then the
         # plain kernel quantizes its output as the fused one would (ROTATED): the fused kernel rounds
@@ -345,7 +342,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     if not input_hadamard and (block > _MAX_ROW or M >= CHUNKED_MIN_M and K >= CHUNKED_MIN_K):
         # (plain rows only: the chunked kernel knows nothing of a rotation's non-finite tokens)
         _act_quant_chunked_kernel[(M,)](x, q, s, M, K, x.stride(0), q.stride(0), fmax, ROWS=1,
-                                        BLOCK_K=min(CHUNK_K, _next_pow2(K)), EVEN_ODD=order == "even_odd",
+                                        BLOCK_K=min(CHUNK_K, next_pow2(K)), EVEN_ODD=order == "even_odd",
                                         INTERPRET=interpreting(), num_warps=8)
         return q, s
     if plan is not None:
@@ -356,7 +353,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         had_scale = 1.0 / math.sqrt(K)
     else:
         dense, consts, had_scale = s, dict(DENSE_PAD=1, DENSE_CHUNK=1, HA=1, HB=1, TERMS_IN=1, TERMS=1), 1.0
-    grid = (triton.cdiv(M, rows),)
+    grid = (cdiv(M, rows),)
     if plan is None and x.is_cuda and grid[0] < num_sms(x.device):
         # Fewer programs than SMs (decode): each row's latency is the kernel's, so spread it over
         # more threads, 8 elements each (H200, M = 1: K = 4096 2.42 -> 1.67 us at 16 warps instead
@@ -412,7 +409,7 @@ def rotate_quantize_plan(K: int) -> tuple[int, int, int] | None:
 
 def rotate_quantize_smem(rows: int, log2p: int) -> int:
     """Shared memory of one CTA for a row viewed as [rows, 2^log2p] (csrc/rotate_quantize.cu: smem_bytes)."""
-    p, padded = 1 << log2p, -(-rows // 16) * 16
+    p, padded = 1 << log2p, cdiv(rows, 16) * 16
     return padded * (p + 8) * 2 + 16 * (p + 4) * 4 + 9 * 4
 
 
@@ -421,7 +418,7 @@ def _dense_factor(m: int, s: int, dtype: torch.dtype, device: torch.device) -> t
     """H_m (x) H_s (+-1, unnormalised) in the activations' type, zero padded to a multiple of 16: the
     A operand of the kernel's dense stage."""
     rows = m * s
-    padded = -(-rows // 16) * 16
+    padded = cdiv(rows, 16) * 16
     h = torch.zeros(padded, padded, dtype=torch.float64)
     h[:rows, :rows] = torch.kron(_had._base_matrix(m), _had._sylvester(s))
     return h.to(device=device, dtype=dtype)
@@ -454,7 +451,7 @@ def _rotate_quantize_runs_on(device: torch.device, K: int) -> bool:
     with torch.cuda.device(device):
         err = lib.nibble_rotate_quantize_clusters(m * s, log2p, ctypes.byref(n))
     if err:
-        warnings.warn(f"nibble: cannot size rotate_quantize's clusters of {-(-m * s // 16)} CTAs on this GPU "
+        warnings.warn(f"nibble: cannot size rotate_quantize's clusters of {cdiv(m * s, 16)} CTAs on this GPU "
                       f"({lib.nibble_rotate_quantize_error_string(err).decode()}); using the Triton kernels "
                       f"for K={K}")
     return not err and n.value > 0
@@ -466,7 +463,7 @@ def rotate_quantize_applicable(x: torch.Tensor) -> bool:
     if not (_rotate_quantize_runs(x) and 1 <= x.shape[0] <= ROTATE_QUANTIZE_MAX_M):
         return False
     m, s, _ = rotate_quantize_plan(x.shape[1])
-    return x.shape[0] * -(-m * s // 16) <= ROTATE_QUANTIZE_MAX_CTAS
+    return x.shape[0] * cdiv(m * s, 16) <= ROTATE_QUANTIZE_MAX_CTAS
 
 
 def rotate_quantize_successor(M: int, product_warps: int) -> bool:
@@ -506,7 +503,7 @@ def rotate_quantize(x: torch.Tensor, order: str = "natural",
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, s
-    lets_product_launch = rotate_quantize_successor(M, MMA_MAX_WARPS if product_warps is None else product_warps)
+    lets_product_launch = rotate_quantize_successor(M, MMA_MAX_CTA_WARPS if product_warps is None else product_warps)
     lib = _rotate_quantize_lib(x.device)
     err = cuda_build.launch(
         lib.nibble_rotate_quantize, x.device, int(x.dtype == torch.bfloat16), x.data_ptr(), M, x.stride(0),
@@ -584,7 +581,7 @@ def _finish(acc, rm, rn, M, N, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_ym, part_ptr
         tl.debug_barrier()
         old = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
         if old == split_k - 1:
-            tl.store(cnt_ptr + tile_id, 0)  # zero again for the next call (w4a16.split_counters)
+            tl.store(cnt_ptr + tile_id, 0)  # zero again for the next call (launch.split_counters)
             tot = tl.zeros_like(acc)
             for s in range(0, split_k):
                 tot += tl.load(part_ptr + (s * M + rm).to(tl.int64) * N + rn, mask=mask, other=0,
@@ -823,10 +820,10 @@ def _split_for(tiles: int, iters: int, sms: int, waves: float, min_iters: int) -
 def auto_split(cfg: dict, M: int, N: int, K: int, sms: int = 132) -> int:
     """Split K when the output tiles alone cannot keep every SM streaming."""
     if cfg["kind"] == "gemv":
-        return _split_for(-(-N // cfg["BN"]), -(-(K // PACK) // cfg["BKW"]), sms, 4.0, 4)
-    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
+        return _split_for(cdiv(N, cfg["BN"]), cdiv(K // PACK, cfg["BKW"]), sms, 4.0, 4)
+    tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
     waves, min_iters = (2.0, 4) if M <= 64 else (1.0, 8)
-    return _split_for(tiles, -(-K // cfg["BK"]), sms, waves, min_iters) if tiles < waves * sms else 1
+    return _split_for(tiles, cdiv(K, cfg["BK"]), sms, waves, min_iters) if tiles < waves * sms else 1
 
 
 def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict:
@@ -838,32 +835,42 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     return cfg
 
 
+def _check_weight_operands(activations: dict, qweight, w_scale, bias) -> None:
+    """One layer's weight operands against the activations ({name: tensor}, the [M, K] one first): the canonical
+    packed qweight of K rows, a per-channel w_scale, a [N] bias, all on the activations' device. The op and the
+    products check a layer with this, so the weight contract is written once."""
+    x_name, x = next(iter(activations.items()))
+    if qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    K = x.shape[1]
+    if K % PACK:
+        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
+    if qweight.shape[0] * PACK != K:
+        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but {x_name} has "
+                         f"K={K}")
+    N = qweight.shape[1]
+    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
+        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor (the W4A4 "
+                         f"weight scale, scales[0] of a symmetric per-channel Int4Weight); got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    check_bias(bias, N)
+    devs = {t.device for t in (*activations.values(), qweight, w_scale) + (() if bias is None else (bias,))}
+    if len(devs) != 1:
+        raise ValueError(f"{', '.join(activations)}, qweight, w_scale and bias must be on one device, got "
+                         f"{sorted(map(str, devs))}")
+
+
 def _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias):
     for name, t in (("qx", qx), ("x_scale", x_scale), ("qweight", qweight), ("w_scale", w_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if qx.dim() != 2 or qx.dtype != torch.int8:
         raise ValueError(f"qx must be int8 [M, K], got {qx.dtype} {tuple(qx.shape)}")
-    if qweight.dim() != 2 or qweight.dtype != torch.int32:
-        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}")
-    M, K = qx.shape
-    if K % PACK:
-        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
-    if qweight.shape[0] * PACK != K:
-        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but the "
-                         f"activations have K={K}")
-    N = qweight.shape[1]
+    M = qx.shape[0]
     if x_scale.shape != (M,) or x_scale.dtype != torch.float32:
         raise ValueError(f"x_scale must be float32 [{M}], got {x_scale.dtype} {tuple(x_scale.shape)}")
-    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
-        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor (the W4A4 "
-                         f"weight scale, scales[0] of a symmetric per-channel Int4Weight); got "
-                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
-    check_bias(bias, N)
-    devs = {t.device for t in (qx, x_scale, qweight, w_scale) + (() if bias is None else (bias,))}
-    if len(devs) != 1:
-        raise ValueError(f"all W4A4 inputs must be on one device, got {sorted(map(str, devs))}")
+    _check_weight_operands(dict(qx=qx, x_scale=x_scale), qweight, w_scale, bias)
 
 
 def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -901,10 +908,10 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
             qx = qx.contiguous()
         KW = K // PACK
         BKW = cfg["BKW"]
-        kw_per = -(-KW // split)
-        kw_per = -(-kw_per // BKW) * BKW
-        split = -(-KW // kw_per)
-        n_tiles = triton.cdiv(N, cfg["BN"])
+        kw_per = cdiv(KW, split)
+        kw_per = cdiv(kw_per, BKW) * BKW
+        split = cdiv(KW, kw_per)
+        n_tiles = cdiv(N, cfg["BN"])
         part, cnt = _split_buffers(split, M, N, n_tiles, dev)
         xw = qx.view(torch.int32)  # [M, K // 4]
         _w4a4_gemv_kernel[(n_tiles, split)](
@@ -913,11 +920,11 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
             num_warps=cfg.get("num_warps", 4), **common)
         return y
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    k_per = -(-K // split)
-    k_per = -(-k_per // BK) * BK
-    split = -(-K // k_per)
+    k_per = cdiv(K, split)
+    k_per = cdiv(k_per, BK) * BK
+    split = cdiv(K, k_per)
     even_k = (K % BK == 0)
-    num_m, num_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    num_m, num_n = cdiv(M, BM), cdiv(N, BN)
     part, cnt = _split_buffers(split, M, N, num_m * num_n, dev)
     _w4a4_mma_kernel[(num_m * num_n, split)](
         qx, qweight, x_scale, w_scale, b, y, part, cnt, M, N, K, qx.stride(0), y.stride(0), k_per, split,
@@ -952,7 +959,7 @@ def w4a4_accumulate_triton(qx: torch.Tensor, qweight: torch.Tensor, config: Opti
 # CUDA C++ decode kernel for M <= 16 (csrc/w4a4_mma.cu: the W4A16 kernel's skeleton on int8 MMAs)
 # ----------------------------------------------------------------------------------------------
 MMA_MAX_M = 16
-MMA_MAX_WARPS = 16
+MMA_MAX_CTA_WARPS = 16  # warps in one CTA of w4a4_mma at most (w4a16.MMA_MAX_WARPS: W4A16's cap per token tiles)
 MMA_MAX_WEIGHTS = 3  # layers one launch can serve (MAX_WEIGHTS in csrc/skinny.cuh)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -969,7 +976,7 @@ def _mma_lib(device):
 
 
 def mma_successor(M: int) -> int:
-    """When the next kernel may launch after this product (w4a16.SUCCESSOR_*; csrc/skinny.cuh): at once,
+    """When the next kernel may launch after this product (launch.SUCCESSOR_*; csrc/skinny.cuh): at once,
     this launch's CTAs per SM capped, up to 4 tokens; at the end above. H200
     (benchmarks/results/successor-ab-h200.json, alternating rounds): capped at M <= 4, the product back
     to back 8-17% faster on the 4096-wide and 4096-deep layers (4096 x 11008 at M = 1 8.67 -> 7.92 us),
@@ -1046,7 +1053,7 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
     """``[w4a4_mma(qx, x_scale, *layer) for layer in layers]`` in one launch, for up to MMA_MAX_WEIGHTS
     layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v): their w_scales share a
     dtype, and so do the biases they have. ``successor``: when the next kernel may launch
-    (w4a16.SUCCESSOR_*), by default `mma_successor`'s."""
+    (launch.SUCCESSOR_*), by default `mma_successor`'s."""
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
@@ -1065,11 +1072,11 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
         raise ValueError("the layers of one w4a4_mma_many launch must share the w_scale dtype and the bias dtype")
     cfg = mma_config(M, ns, K, qx.device)
     warps = cfg.warps if warps is None else warps
-    if not 1 <= warps <= MMA_MAX_WARPS:
-        raise ValueError(f"warps must be in 1..{MMA_MAX_WARPS}, got {warps}")
+    if not 1 <= warps <= MMA_MAX_CTA_WARPS:
+        raise ValueError(f"warps must be in 1..{MMA_MAX_CTA_WARPS}, got {warps}")
     successor = mma_successor(M) if successor is None else successor
     if successor not in SUCCESSORS:
-        raise ValueError(f"successor must be one of w4a16.SUCCESSOR_* {SUCCESSORS}, got {successor}")
+        raise ValueError(f"successor must be one of launch.SUCCESSOR_* {SUCCESSORS}, got {successor}")
     qx = _aligned_rows(qx, 8)
     ys = [_output(qx, n, out_dtype, out_int32) for n in ns]
     err = cuda_build.launch(
@@ -1104,28 +1111,14 @@ def w4a4_mma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: to
 # were fitted when the partials went through global memory; through shared memory (session 24) a
 # split costs less (4096 x 11008 at 128 tokens in 3 splits of 128 x 128: 19.6 -> 17.4 us), and on
 # the configs timed both ways the model's picks stayed the fastest (benchmarks/notes-w4a4.md).
-WGMMA_MODEL = hopper.CostModel(stage_us={(64, 256): 0.516, (128, 256): 0.59, (128, 128): 0.365, (64, 128): 0.328},
-                               item_us={(64, 256): 1.17, (128, 256): 2.96, (128, 128): 1.51, (64, 128): 0.8},
-                               split_output_us=1.54, split_us=0.71, max_tokens={(64, 256): 256, (64, 128): 256})
-WGMMA_TILES = tuple(WGMMA_MODEL.stage_us)
-
-
-_WGMMA_SIGNATURES = cuda_build.signatures(
-    "nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 6
-    + [ctypes.c_int] * 4 + [ctypes.c_void_p],
-    "nibble_w4a4_wgmma_error_string")
-
-
-def _wgmma_lib(device):
-    return cuda_build.library("w4a4_wgmma", device, _WGMMA_SIGNATURES)
-
-
-def wgmma_clusters(device) -> dict:
-    """{split: clusters of `w4a4_wgmma`'s CTAs resident at once} on ``device`` (`hopper.resident_clusters`,
-    asked once per device)."""
-    device = torch.device(device)
-    return cuda_build.ask_once("w4a4_wgmma clusters", device, lambda: hopper.resident_clusters(
-        _wgmma_lib(device).nibble_w4a4_wgmma_clusters))
+WGMMA = hopper.WgmmaGemm(
+    "w4a4_wgmma",
+    cuda_build.signatures("nibble_w4a4_wgmma", [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6
+                          + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_void_p],
+                          "nibble_w4a4_wgmma_error_string"),
+    hopper.CostModel(stage_us={(64, 256): 0.516, (128, 256): 0.59, (128, 128): 0.365, (64, 128): 0.328},
+                     item_us={(64, 256): 1.17, (128, 256): 2.96, (128, 128): 1.51, (64, 128): 0.8},
+                     split_output_us=1.54, split_us=0.71, max_tokens={(64, 256): 256, (64, 128): 256}))
 
 
 def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
@@ -1133,21 +1126,7 @@ def wgmma_applicable(M: int, N: int, K: int, device) -> bool:
     kernel streams the weight faster), N % 4 == 0, K % 32 == 0, and the kernel built."""
     device = torch.device(device)
     return (device.type == "cuda" and M > MMA_MAX_M and N > 0 and N % 4 == 0 and K > 0 and K % 32 == 0
-            and cuda_build.capability(device) == (9, 0) and _wgmma_lib(device) is not None)
-
-
-def wgmma_tiles(widths) -> tuple:
-    """The CTA shapes one `w4a4_wgmma_many` launch over weights of these widths can run
-    (`hopper.tiles_side_by_side`)."""
-    return hopper.tiles_side_by_side(WGMMA_TILES, widths)
-
-
-def wgmma_config(M: int, N: int, K: int, clusters: Optional[dict] = None, widths=None) -> dict:
-    """CTA tile (bn tokens x channels) and split-K of `w4a4_wgmma` (`hopper.pick_config`) for N
-    columns, or for weights of ``widths`` columns side by side in one launch, on a GPU that holds
-    ``clusters`` (`wgmma_clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
-    return hopper.pick_config(M, N, K, WGMMA_MODEL, clusters or hopper.ideal_clusters(NUM_SMS_DEFAULT),
-                              wgmma_tiles(widths) if widths else WGMMA_TILES)
+            and cuda_build.capability(device) == (9, 0) and WGMMA.lib(device) is not None)
 
 
 def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -1156,7 +1135,7 @@ def w4a4_wgmma(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w
     """`w4a4_matmul_triton`'s product for M > 16 on Hopper's asynchronous int8 tensor cores (exact int32).
 
     The kernel reads qx in the "even_odd" order (`to_even_odd`; the act-quant kernel writes it with
-    order="even_odd"); natural-order qx is permuted here first. ``config`` overrides `wgmma_config`.
+    order="even_odd"); natural-order qx is permuted here first. ``config`` overrides `WGMMA.config`.
     """
     return w4a4_wgmma_many(qx, x_scale, [(qweight, w_scale, bias)], out_dtype, out_int32=out_int32, order=order,
                            config=config)[0]
@@ -1168,7 +1147,7 @@ def wgmma_many_applicable(qx: torch.Tensor, layers) -> bool:
     widths = [qweight.shape[1] for qweight, _, _ in layers]
     scale_dtypes, bias_dtypes = _launch_dtypes(layers)
     return (1 <= len(layers) <= MMA_MAX_WEIGHTS and all(wgmma_applicable(M, n, K, qx.device) for n in widths)
-            and len(scale_dtypes) == 1 and len(bias_dtypes) <= 1 and bool(wgmma_tiles(widths)))
+            and len(scale_dtypes) == 1 and len(bias_dtypes) <= 1 and bool(WGMMA.tiles(widths)))
 
 
 def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: torch.dtype = torch.bfloat16, *,
@@ -1177,8 +1156,8 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
     """``[w4a4_wgmma(qx, x_scale, *layer) for layer in layers]`` in one launch, for up to
     MMA_MAX_WEIGHTS layers (qweight, w_scale, bias) that read the same qx (a block's q/k/v or
     gate/up): their w_scales share a dtype, so do the biases they have, and every width but the
-    last is a multiple of a tile's channels (`wgmma_tiles`). The kernel runs their columns side by
-    side; each layer gets its own output. ``config`` overrides `wgmma_config`."""
+    last is a multiple of a tile's channels (`WGMMA.tiles`). The kernel runs their columns side by
+    side; each layer gets its own output. ``config`` overrides `WGMMA.config`."""
     for layer in layers:
         _check_matmul_inputs(qx, x_scale, *layer)
     M, K = qx.shape
@@ -1188,7 +1167,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
                          f"K % 32 == 0 and 1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={widths} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA_MODEL, wgmma_clusters(qx.device), "w4a4_wgmma")
+    cfg = hopper.launch_config(config, M, K, widths, WGMMA.model, WGMMA.clusters(qx.device), "w4a4_wgmma")
     ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
     _launch_wgmma(qx, x_scale, layers, ys, 3 if out_int32 else _DTYPE_CODES[out_dtype], order, cfg, gated=False)
     return ys
@@ -1225,7 +1204,7 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
     launch of `w4a4_wgmma` whose epilogue multiplies (csrc/w4a4_wgmma.cu: GATED): the same values,
     to the bit, as the two products rounded to ``out_dtype`` (float16 or bfloat16) and the engine's
     glue kernel (``nibble.eval.engine.silu_mul``) on them, without their 2N-wide output. The tile
-    and split-K are `wgmma_config`'s for a 2N-column product; ``config`` overrides them."""
+    and split-K are `WGMMA.config`'s for a 2N-column product; ``config`` overrides them."""
     for layer in (gate, up):
         _check_matmul_inputs(qx, x_scale, *layer)
     if not gated_applicable(qx, gate, up):
@@ -1238,7 +1217,7 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
     M, K = qx.shape
     N = gate[0].shape[1]
     # the gated columns of gate and up interleave inside every tile: one 2N-wide "weight"
-    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA_MODEL, wgmma_clusters(qx.device), "w4a4_wgmma_silu_mul")
+    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA.model, WGMMA.clusters(qx.device), "w4a4_wgmma_silu_mul")
     y = _output(qx, N, out_dtype, False)
     _launch_wgmma(qx, x_scale, [gate, up], [y, y], _DTYPE_CODES[out_dtype], order, cfg, gated=True)
     return y
@@ -1259,7 +1238,7 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
         raise ValueError("the layers of one w4a4_wgmma launch must share the w_scale dtype and the bias dtype")
     widths = [qweight.shape[1] for _, qweight, _, _ in operands]
     split, per_split = hopper.split_plan(K, cfg["split_k"])
-    lib = _wgmma_lib(qx.device)
+    lib = WGMMA.lib(qx.device)
     err = cuda_build.launch(
         lib.nibble_w4a4_wgmma, qx.device, out_code, cfg["bn"], cfg["channels"], qx.data_ptr(), x_scale.data_ptr(),
         _DTYPE_CODES[scale_dtypes.pop()], _DTYPE_CODES[bias_dtypes.pop()] if bias_dtypes else 0, M, K, qx.stride(0),
@@ -1268,12 +1247,6 @@ def _launch_wgmma(qx, x_scale, layers, ys, out_code: int, order: str, cfg: dict,
     if err:
         raise RuntimeError(f"w4a4_wgmma launch failed: {lib.nibble_w4a4_wgmma_error_string(err).decode()} "
                            f"(M={M} N={widths} K={K} config={cfg}{', gated' if gated else ''})")
-
-
-def unpack_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
-    """Canonical packed [K // 8, N] -> int8 (q - 8) [N, K] (benchmark baseline for the int8 GEMMs)."""
-    from nibble.formats.int4 import unpack_int4
-    return (unpack_int4(qweight).to(torch.int16) - 8).to(torch.int8).t().contiguous()
 
 
 # ================================================================================================
@@ -1289,25 +1262,10 @@ def _check_linear_inputs(x, qweight, w_scale, bias, input_hadamard, kernels: boo
     if x.dtype not in allowed:
         raise TypeError(f"x must be float16 or bfloat16 (float32 too on the CPU), got {x.dtype} on {x.device.type} "
                         f"(nibble.kernels.w4a4_linear casts float32 inputs to bfloat16)")
-    if qweight.dim() != 2 or qweight.dtype != torch.int32:
-        raise ValueError(f"qweight must be the canonical packed int32 [K // 8, N], got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}")
-    K = x.shape[1]
-    if K % PACK:
-        raise ValueError(f"K={K} must be a multiple of {PACK} (eight 4-bit codes per int32 word)")
-    if qweight.shape[0] * PACK != K:
-        raise ValueError(f"qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * PACK} rows but x has K={K}")
-    N = qweight.shape[1]
-    if w_scale.shape != (N,) or w_scale.dtype not in W_SCALE_DTYPES:
-        raise ValueError(f"w_scale must be a per-channel [{N}] float16/bfloat16/float32 tensor, got "
-                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
-    check_bias(bias, N)
-    devs = {t.device for t in (x, qweight, w_scale) + (() if bias is None else (bias,))}
-    if len(devs) != 1:
-        raise ValueError(f"x, qweight, w_scale and bias must be on one device, got {sorted(map(str, devs))}")
+    _check_weight_operands(dict(x=x), qweight, w_scale, bias)
     if input_hadamard:
         try:
-            _had.hadamard_factors(K)
+            _had.hadamard_factors(x.shape[1])
         except ValueError as e:
             raise ValueError(f"input_hadamard=True needs a supported Hadamard size: {e}") from None
 

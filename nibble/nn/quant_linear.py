@@ -11,8 +11,8 @@ from nibble import kernels
 from nibble.config import MODE_GROUP_SIZES, MODES, QuantConfig, width_error
 from nibble.formats.int4 import PACK, Int4Weight, check_group_size, is_symmetric
 from nibble.kernels.hadamard import hadamard_transform
+from nibble.kernels.launch import check_bias
 from nibble.kernels.reference import dequantize
-from nibble.kernels.w4a16 import check_bias
 from nibble.quantize.rtn import rtn_quantize
 
 

@@ -590,7 +590,7 @@ def test_a_capture_finds_the_scratch_its_warm_up_made():
     """`capture_graph` captures on the stream it warmed up on, so per-stream scratch (split-K counters,
     zero between calls) made in the warm-up is the one the graph uses. (Captured on another stream, every
     call in the graph allocated its own and recorded a memset: 2-3 us a call, H200, session 35.)"""
-    from nibble.kernels.w4a16 import split_counters
+    from nibble.kernels.launch import split_counters
     seen = []
     graph, _ = timing.capture_graph(lambda: seen.append(split_counters(torch.device("cuda"), 8192).data_ptr()))
     graph.replay()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import poison_new_tensors, skip_without_cuda_kernel
-from nibble.kernels import hopper
+from nibble.kernels import hopper, launch
 from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize, w4a16_matmul
 
@@ -276,7 +276,7 @@ def test_gpu_poisoned_out_every_bucket(M, dtype):
     N, K, G = 3072, 2048, 128
     qw, s, z = make_weight(N, K, G, device="cuda", seed=M)
     x = torch.randn(M, K, device="cuda", dtype=dtype) * 3
-    for config in (None, W.select_config(M, N, K, G, W.num_sms(x.device))):
+    for config in (None, W.select_config(M, N, K, G, launch.num_sms(x.device))):
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         W.w4a16_linear_cuda(x, qw, s, z, G, config=config, out=out)
         torch.cuda.synchronize()
@@ -405,7 +405,7 @@ def test_gpu_mma_x_through_l1(M):
         dtype = torch.bfloat16 if (M + K) % 2 else torch.float16
         weights = [make_weight(n, K, G, device="cuda", seed=M + n + K + i) for i, n in enumerate(ns)]
         x = torch.randn(M, K, device="cuda", dtype=dtype) * 2
-        picked = W.select_mma_config(M, sum(ns), K, W.num_sms(x.device))
+        picked = W.select_mma_config(M, sum(ns), K, launch.num_sms(x.device))
         got = {}
         for x_l1 in (False, True):
             outs = [torch.full((M, n), float("nan"), device="cuda", dtype=dtype) for n in ns]
@@ -432,7 +432,7 @@ def test_gpu_mma_successor_modes(M):
         wb = [make_weight(n1, n2, G, device="cuda", seed=M + n2)]
         x = torch.randn(M, n1, device="cuda", dtype=torch.bfloat16)
         got = {}
-        for mode in (W.SUCCESSOR_AT_END, W.SUCCESSOR_CAPPED, W.SUCCESSOR_IF_FULL):
+        for mode in (launch.SUCCESSOR_AT_END, launch.SUCCESSOR_CAPPED, launch.SUCCESSOR_IF_FULL):
             layers = [wa, wb, wa, wb]
             outs = [[torch.empty(M, qw.shape[1], device="cuda", dtype=x.dtype) for qw, _, _ in ws] for ws in layers]
 
@@ -455,8 +455,8 @@ def test_gpu_mma_successor_modes(M):
                 for out, w in zip(o, ws):
                     assert_close(out, src, *w, G)
             got[mode] = [t.clone() for o in outs for t in o]
-        for mode in (W.SUCCESSOR_CAPPED, W.SUCCESSOR_IF_FULL):
-            for a, b in zip(got[mode], got[W.SUCCESSOR_AT_END]):
+        for mode in (launch.SUCCESSOR_CAPPED, launch.SUCCESSOR_IF_FULL):
+            for a, b in zip(got[mode], got[launch.SUCCESSOR_AT_END]):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -549,7 +549,7 @@ def test_gpu_split_k_repeatable():
     qw, s, z = make_weight(4096, 4096, 128, device="cuda")
     for M in (1, 2, 9):
         x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-        cfg = W.select_config(M, 4096, 4096, 128, W.num_sms(x.device))
+        cfg = W.select_config(M, 4096, 4096, 128, launch.num_sms(x.device))
         assert cfg.split_k > 1
         ys = [W.w4a16_linear_cuda(x, qw, s, z, 128, config=cfg) for _ in range(5)]
         for y in ys[1:]:
@@ -563,12 +563,12 @@ def test_gpu_split_k_counters_per_stream():
     dev = torch.device("cuda")
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(a):
-        ca = W.split_counters(dev, 16)
+        ca = launch.split_counters(dev, 16)
     with torch.cuda.stream(b):
-        cb = W.split_counters(dev, 16)
+        cb = launch.split_counters(dev, 16)
     assert ca.data_ptr() != cb.data_ptr()
     with torch.cuda.stream(a):
-        assert W.split_counters(dev, 16).data_ptr() == ca.data_ptr()
+        assert launch.split_counters(dev, 16).data_ptr() == ca.data_ptr()
 
 
 @needs_cuda
@@ -609,7 +609,7 @@ def _needs_wgmma_kernel():
 
 
 @needs_cuda
-@pytest.mark.parametrize("tile", W.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
+@pytest.mark.parametrize("tile", W.WGMMA.tiles(), ids=lambda t: f"bn{t[0]}_ch{t[1]}")
 @pytest.mark.parametrize("G", [32, 64, 128, 256, "column"])
 def test_gpu_wgmma_every_instantiation(tile, G):
     """Every compiled tile x group layout, both activation dtypes, with and without split-K; odd M,
@@ -656,7 +656,7 @@ def test_gpu_wgmma_rounds_each_weight_once(G):
         x = torch.zeros(len(rows), K, device="cuda", dtype=dtype)
         x[torch.arange(len(rows)), rows] = 1
         want = dequantize(qw, s, z, G).to(dtype)[:, rows].t()
-        for tile in W.WGMMA_TILES:
+        for tile in W.WGMMA.tiles():
             out = torch.full((len(rows), N), float("nan"), device="cuda", dtype=dtype)
             W.w4a16_wgmma(x, qw, s, z, G, config=dict(bn=tile[0], channels=tile[1], split_k=1), out=out)
             torch.cuda.synchronize()
@@ -664,7 +664,7 @@ def test_gpu_wgmma_rounds_each_weight_once(G):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tile", W.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
+@pytest.mark.parametrize("tile", W.WGMMA.tiles(), ids=lambda t: f"bn{t[0]}_ch{t[1]}")
 def test_gpu_wgmma_split_k_every_split_count(tile):
     """Each CTA of a tile's cluster sums the splits' fp32 partials of its share of the token rows in
     split order, a batch of rows at a time, storing each batch as it is done (hopper.cuh: RowShare,
@@ -720,8 +720,8 @@ def test_gpu_wgmma_many_weights(M):
     for G in (64, 128):
         weights = [make_weight(n, K, G, symmetric=i == 1, device="cuda", seed=M + n + G) for i, n in enumerate(ns)]
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16 if G == 128 else torch.float16) * 2
-        assert W.wgmma_tiles(ns) == W.WGMMA_TILES
-        for bn, channels in W.wgmma_tiles(ns):
+        assert W.WGMMA.tiles(ns) == W.WGMMA.tiles()
+        for bn, channels in W.WGMMA.tiles(ns):
             for split in (1, 3):
                 cfg = dict(bn=bn, channels=channels, split_k=split)
                 padded = [torch.full((M, n + 16), float("nan"), device="cuda", dtype=x.dtype) for n in ns]
@@ -778,23 +778,23 @@ def test_wgmma_config_rules():
     few tokens take 64-token tiles, many 256; more splits where output tiles are few; pure."""
     for M in (17, 64, 65, 128, 256, 1024, 2048):
         for N, K in ((4096, 4096), (28672, 8192), (8192, 28672), (4096, 14336), (576, 1536)):
-            cfg = W.wgmma_config(M, N, K, hopper.ideal_clusters(132))
-            assert cfg == W.wgmma_config(M, N, K, hopper.ideal_clusters(132))
+            cfg = W.WGMMA.config(M, N, K, hopper.ideal_clusters(132))
+            assert cfg == W.WGMMA.config(M, N, K, hopper.ideal_clusters(132))
             tile = (cfg["bn"], cfg["channels"])
-            assert tile in W.WGMMA_TILES and cfg["split_k"] in hopper.SPLITS
+            assert tile in W.WGMMA.tiles() and cfg["split_k"] in hopper.SPLITS
             tiles = hopper.tile_count(M, N, *tile)
             assert cfg["split_k"] == 1 or (tiles <= 2 * (132 // cfg["split_k"]) and -(-K // 128) // cfg["split_k"] >= 2)
-    assert W.wgmma_config(64, 28672, 8192)["bn"] == 64 and W.wgmma_config(2048, 28672, 8192)["bn"] == 256
-    assert W.wgmma_config(128, 4096, 14336)["split_k"] > W.wgmma_config(128, 28672, 8192)["split_k"] == 1
+    assert W.WGMMA.config(64, 28672, 8192)["bn"] == 64 and W.WGMMA.config(2048, 28672, 8192)["bn"] == 256
+    assert W.WGMMA.config(128, 4096, 14336)["split_k"] > W.WGMMA.config(128, 28672, 8192)["split_k"] == 1
     # weights side by side in one launch: tiles whose channels divide every width but the last
-    assert W.wgmma_tiles([4096, 1024, 1024]) == W.WGMMA_TILES and W.wgmma_tiles([576, 192, 192]) == ()
-    assert W.wgmma_tiles([896, 128, 128]) == ((128, 128), (256, 128), (64, 128))
+    assert W.WGMMA.tiles([4096, 1024, 1024]) == W.WGMMA.tiles() and W.WGMMA.tiles([576, 192, 192]) == ()
+    assert W.WGMMA.tiles([896, 128, 128]) == ((128, 128), (256, 128), (64, 128))
     # no tile above the tokens it was swept at: 64 x 128 up to 256
-    assert all(W.wgmma_config(M, N, K)["bn"] != 64 or W.wgmma_config(M, N, K)["channels"] != 128
+    assert all(W.WGMMA.config(M, N, K)["bn"] != 64 or W.WGMMA.config(M, N, K)["channels"] != 128
                for M in (257, 512, 2048) for N, K in ((576, 576), (1152, 896), (4096, 4096), (12288, 4096)))
-    assert W.wgmma_config(64, 8192, 28672, {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}) == dict(
+    assert W.WGMMA.config(64, 8192, 28672, {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}) == dict(
         bn=64, channels=128, split_k=2)
-    assert W.wgmma_config(1024, 1152, 896, widths=[896, 128, 128])["channels"] == 128
+    assert W.WGMMA.config(1024, 1152, 896, widths=[896, 128, 128])["channels"] == 128
     assert W.wgmma_group_ok(32, 4096) and W.wgmma_group_ok(256, 4096) and W.wgmma_group_ok(576, 576)
     assert not W.wgmma_group_ok(96, 576) and not W.wgmma_group_ok(16, 4096)
 
@@ -884,15 +884,15 @@ def test_successor_launch_rule():
     where x does not go through the L1; where it does, only if the CTAs fill the SMs; at the end from
     four tiles. The config carries it; a config with another value is refused."""
     pick = W.select_mma_config
-    assert pick(1, 12288, 4096, 132).successor == W.SUCCESSOR_CAPPED    # x_l1, but 1 token
-    assert pick(4, 12288, 4096, 132).successor == W.SUCCESSOR_CAPPED
-    assert pick(5, 12288, 4096, 132).successor == W.SUCCESSOR_IF_FULL   # x_l1 at 5 tokens: keep the L1
-    assert pick(16, 12288, 4096, 132).successor == W.SUCCESSOR_IF_FULL
-    assert pick(16, 4096, 11008, 132).successor == W.SUCCESSOR_CAPPED   # 128 CTAs: x around the L1
-    assert pick(16, 28672, 8192, 132).successor == W.SUCCESSOR_CAPPED   # two tiles, K > 4096: around
-    assert pick(17, 4096, 4096, 132).successor == W.SUCCESSOR_AT_END    # four tiles
-    assert pick(64, 4096, 4096, 132).successor == W.SUCCESSOR_AT_END
-    assert W.MmaConfig(1, 8).successor == W.SUCCESSOR_AT_END            # explicit configs: as before
+    assert pick(1, 12288, 4096, 132).successor == launch.SUCCESSOR_CAPPED    # x_l1, but 1 token
+    assert pick(4, 12288, 4096, 132).successor == launch.SUCCESSOR_CAPPED
+    assert pick(5, 12288, 4096, 132).successor == launch.SUCCESSOR_IF_FULL   # x_l1 at 5 tokens: keep the L1
+    assert pick(16, 12288, 4096, 132).successor == launch.SUCCESSOR_IF_FULL
+    assert pick(16, 4096, 11008, 132).successor == launch.SUCCESSOR_CAPPED   # 128 CTAs: x around the L1
+    assert pick(16, 28672, 8192, 132).successor == launch.SUCCESSOR_CAPPED   # two tiles, K > 4096: around
+    assert pick(17, 4096, 4096, 132).successor == launch.SUCCESSOR_AT_END    # four tiles
+    assert pick(64, 4096, 4096, 132).successor == launch.SUCCESSOR_AT_END
+    assert W.MmaConfig(1, 8).successor == launch.SUCCESSOR_AT_END            # explicit configs: as before
     assert not W.mma_config_valid(W.MmaConfig(1, 8, successor=3), 1)
 
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from conftest import poison_new_tensors, skip_without_cuda_kernel
+from nibble.bench.w4a4 import unpack_weight_int8
 from nibble.formats.int4 import pack_int4
-from nibble.kernels import hopper, reference
+from nibble.kernels import hopper, launch, reference
 from nibble.kernels import w4a4
 from nibble.kernels.hadamard import hadamard_transform_reference, supported_hadamard_sizes
 from nibble.quantize.rtn import rtn_quantize
@@ -53,7 +54,7 @@ def _exact_acc(qx, qweight):
     """Exact int32 qx @ (q - 8): float64 for small problems, cuBLAS int8 (exact integers) for big ones."""
     M, K = qx.shape
     if qx.is_cuda and M * K * qweight.shape[1] > 2**26 and qweight.shape[1] % 8 == 0:
-        w8 = w4a4.unpack_weight_int8(qweight)  # [N, K]
+        w8 = unpack_weight_int8(qweight)  # [N, K]
         pad = max(0, 17 - M)
         a = torch.cat([qx, qx.new_zeros(pad, K)]) if pad else qx
         return torch._int_mm(a, w8.t())[:M]
@@ -252,46 +253,46 @@ def test_wgmma_config_model():
     tokens; splits only where each keeps 2 stages and the CTAs fit two waves; a pure function."""
     for M in (17, 64, 128, 256, 1024, 4096):
         for N, K in ((4096, 4096), (12288, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (576, 1536)):
-            cfg = w4a4.wgmma_config(M, N, K)
-            assert cfg == w4a4.wgmma_config(M, N, K)
+            cfg = w4a4.WGMMA.config(M, N, K)
+            assert cfg == w4a4.WGMMA.config(M, N, K)
             tile = (cfg["bn"], cfg["channels"])
-            assert tile in w4a4.WGMMA_TILES and cfg["split_k"] in hopper.SPLITS
+            assert tile in w4a4.WGMMA.tiles() and cfg["split_k"] in hopper.SPLITS
             assert cfg["split_k"] == 1 or (hopper.tile_count(M, N, *tile) * cfg["split_k"] <= 2 * 132
                                            and -(-K // 128) // cfg["split_k"] >= 2)
-    assert w4a4.wgmma_config(128, 4096, 11008)["split_k"] >= 3 and w4a4.wgmma_config(128, 4096, 14336)["split_k"] >= 3
+    assert w4a4.WGMMA.config(128, 4096, 11008)["split_k"] >= 3 and w4a4.WGMMA.config(128, 4096, 14336)["split_k"] >= 3
     # The splits of a tile are one cluster and a GPU holds fewer clusters than SMs / split: the
     # H200's 30 clusters of 4 cannot take the 32 tiles of a 4096-wide layer at 128 tokens at once.
     h200 = {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}
-    assert w4a4.wgmma_config(128, 4096, 11008, h200) == dict(bn=128, channels=128, split_k=3)
+    assert w4a4.WGMMA.config(128, 4096, 11008, h200) == dict(bn=128, channels=128, split_k=3)
     # 64 x 128 tiles (session 20) where they measured fastest: up to 64 tokens, and the 4096 x 4096
     # o_proj at 128 tokens in two splits (10.7 against 13.5 us for 128 x 128 in three)
-    assert w4a4.wgmma_config(64, 12288, 4096, h200) == dict(bn=64, channels=128, split_k=1)
-    assert w4a4.wgmma_config(128, 4096, 4096, h200) == dict(bn=64, channels=128, split_k=2)
-    assert w4a4.wgmma_config(128, 12288, 4096, h200) == dict(bn=128, channels=128, split_k=1)
-    assert all(w4a4.wgmma_config(1024, n, k) == dict(bn=128, channels=256, split_k=1)
+    assert w4a4.WGMMA.config(64, 12288, 4096, h200) == dict(bn=64, channels=128, split_k=1)
+    assert w4a4.WGMMA.config(128, 4096, 4096, h200) == dict(bn=64, channels=128, split_k=2)
+    assert w4a4.WGMMA.config(128, 12288, 4096, h200) == dict(bn=128, channels=128, split_k=1)
+    assert all(w4a4.WGMMA.config(1024, n, k) == dict(bn=128, channels=256, split_k=1)
                for n, k in ((12288, 4096), (14336, 4096), (8192, 28672)))
 
 
 def test_wgmma_tiles_for_layers_side_by_side():
     """One launch over several layers runs only tiles whose channels divide every width but the
     last (a tile never spans two layers), and its config is picked among those."""
-    assert w4a4.wgmma_tiles([4096, 1024, 1024]) == w4a4.WGMMA_TILES
-    assert w4a4.wgmma_tiles([11008, 11008]) == w4a4.WGMMA_TILES  # 43 x 256
-    assert w4a4.wgmma_tiles([896, 128, 128]) == ((128, 128), (64, 128))  # Qwen2-0.5B: 7 x 128
-    assert w4a4.wgmma_tiles([576, 192, 192]) == ()  # SmolLM2: one launch per layer
+    assert w4a4.WGMMA.tiles([4096, 1024, 1024]) == w4a4.WGMMA.tiles()
+    assert w4a4.WGMMA.tiles([11008, 11008]) == w4a4.WGMMA.tiles()  # 43 x 256
+    assert w4a4.WGMMA.tiles([896, 128, 128]) == ((128, 128), (64, 128))  # Qwen2-0.5B: 7 x 128
+    assert w4a4.WGMMA.tiles([576, 192, 192]) == ()  # SmolLM2: one launch per layer
     for M in (17, 128, 256, 257, 512, 4096):
-        cfg = w4a4.wgmma_config(M, 896 + 256, 896, widths=[896, 128, 128])
-        # 64 x 128 up to the 256 tokens it was swept at (WGMMA_MODEL.max_tokens), 128 x 128 above
+        cfg = w4a4.WGMMA.config(M, 896 + 256, 896, widths=[896, 128, 128])
+        # 64 x 128 up to the 256 tokens it was swept at (WGMMA.model.max_tokens), 128 x 128 above
         assert (cfg["bn"], cfg["channels"]) == ((64, 128) if M <= 256 else (128, 128))
-        launch = hopper.launch_config(None, M, 896, [896, 128, 128], w4a4.WGMMA_MODEL, hopper.ideal_clusters(132), "w4a4_wgmma")
+        launch = hopper.launch_config(None, M, 896, [896, 128, 128], w4a4.WGMMA.model, hopper.ideal_clusters(132), "w4a4_wgmma")
         assert launch == cfg
     with pytest.raises(ValueError, match=r"must be one of \(\) .* got none that fits"):
-        hopper.launch_config(None, 64, 576, [576, 192, 192], w4a4.WGMMA_MODEL, hopper.ideal_clusters(132), "w4a4_wgmma")
+        hopper.launch_config(None, 64, 576, [576, 192, 192], w4a4.WGMMA.model, hopper.ideal_clusters(132), "w4a4_wgmma")
     with pytest.raises(ValueError, match="split_k must be 1 to 8"):
-        hopper.launch_config(dict(bn=128, channels=128, split_k=16), 64, 4096, [4096], w4a4.WGMMA_MODEL,
+        hopper.launch_config(dict(bn=128, channels=128, split_k=16), 64, 4096, [4096], w4a4.WGMMA.model,
                              hopper.ideal_clusters(132), "w4a4_wgmma")
     with pytest.raises(ValueError, match="multiple of the channels"):
-        hopper.launch_config(dict(bn=128, channels=256, split_k=1), 64, 896, [896, 128, 128], w4a4.WGMMA_MODEL, hopper.ideal_clusters(132),
+        hopper.launch_config(dict(bn=128, channels=256, split_k=1), 64, 896, [896, 128, 128], w4a4.WGMMA.model, hopper.ideal_clusters(132),
                              "w4a4_wgmma")
 
 
@@ -1038,7 +1039,7 @@ def test_mma_kernel_many_layers_in_one_launch(M):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 4, 5, 16])
 def test_mma_kernel_successor_modes(M):
-    """Every successor mode (w4a16.SUCCESSOR_*; skinny.cuh) keeps the int32 sums exact, in a CUDA graph
+    """Every successor mode (launch.SUCCESSOR_*; skinny.cuh) keeps the int32 sums exact, in a CUDA graph
     of launches back to back (the capped mode raises a launch's shared memory up to a whole SM's):
     fewer CTAs than SMs, a few per SM and several waves, one and three layers a launch; a mode the
     kernel does not know is refused."""
@@ -1218,9 +1219,9 @@ def _needs_wgmma_kernel():
 
 def _wgmma_configs(M, N, K):
     """The heuristic config, every compiled (tokens, channels) tile, and a forced split-K."""
-    auto = w4a4.wgmma_config(M, N, K)
+    auto = w4a4.WGMMA.config(M, N, K)
     k_tiles = -(-K // hopper.STAGE_K)
-    cfgs = [None] + [dict(bn=bn, channels=ch, split_k=auto["split_k"]) for bn, ch in w4a4.WGMMA_TILES]
+    cfgs = [None] + [dict(bn=bn, channels=ch, split_k=auto["split_k"]) for bn, ch in w4a4.WGMMA.tiles()]
     if k_tiles >= 3:
         cfgs.append(dict(auto, split_k=3))
     return cfgs
@@ -1246,7 +1247,7 @@ def test_wgmma_int32_accumulators_bit_exact(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tile", w4a4.WGMMA_TILES, ids=lambda t: f"bn{t[0]}_ch{t[1]}")
+@pytest.mark.parametrize("tile", w4a4.WGMMA.tiles(), ids=lambda t: f"bn{t[0]}_ch{t[1]}")
 def test_wgmma_split_k_sums_exact(tile):
     """Each CTA of a tile's cluster adds the other splits' partials of its share of the token rows, a
     batch of rows at a time (hopper.cuh: RowShare, sum_partials): every split count up to 8 (and an
@@ -1291,7 +1292,7 @@ def test_wgmma_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
     _needs_wgmma_kernel()
     for split in (1, 4):
         _check_scaled_output(lambda qx, sx, qw, ws, b, M: w4a4.w4a4_wgmma(
-            qx, sx, qw, ws, b, out_dtype=dtype, config=dict(w4a4.wgmma_config(M, 4096, 4096), split_k=split)),
+            qx, sx, qw, ws, b, out_dtype=dtype, config=dict(w4a4.WGMMA.config(M, 4096, 4096), split_k=split)),
             (17, 200), dtype, bias, w_scale_dtype, seed=2 + split)
 
 
@@ -1300,7 +1301,7 @@ def test_wgmma_scaled_output_within_rounding(dtype, bias, w_scale_dtype):
 @pytest.mark.parametrize("kernel", ["wgmma", "triton"])
 def test_split_k_repeated_calls(kernel):
     """Repeated split-K products stay right. The Triton kernels share one counter buffer per stream
-    (w4a16.split_counters, no memset per call): each call must leave its tiles' counters at zero, or
+    (launch.split_counters, no memset per call): each call must leave its tiles' counters at zero, or
     the next call would finish early. (The wgmma kernel's splits meet in a cluster: no counters.)"""
     if kernel == "wgmma":
         _needs_wgmma_kernel()
@@ -1317,7 +1318,7 @@ def test_split_k_repeated_calls(kernel):
     ys = [run() for _ in range(4)]
     torch.cuda.synchronize()
     if kernel == "triton":
-        assert int(w4a4.split_counters(qx.device, 64)[:64].abs().sum()) == 0
+        assert int(launch.split_counters(qx.device, 64)[:64].abs().sum()) == 0
     expected = reference.w4a4_accumulate(qx, qw).double() * sx.double()[:, None] * ws.double()
     for y in ys:
         torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
@@ -1366,8 +1367,8 @@ def test_wgmma_many_layers_in_one_launch(M):
     biases = [None, torch.randn(256, device="cuda").bfloat16(), torch.randn(260, device="cuda").bfloat16()]
     qx = _qx(M, K, "cuda", gen)
     sx = torch.rand(M, device="cuda") + 0.5
-    assert w4a4.wgmma_tiles(widths) == w4a4.WGMMA_TILES
-    for bn, ch in w4a4.wgmma_tiles(widths):
+    assert w4a4.WGMMA.tiles(widths) == w4a4.WGMMA.tiles()
+    for bn, ch in w4a4.WGMMA.tiles(widths):
         for split in (1, 3):
             cfg = dict(bn=bn, channels=ch, split_k=split)
             accs = w4a4.w4a4_wgmma_many(qx, torch.ones(M, device="cuda"), [(qw, ws, None) for qw, ws in layers],
@@ -1423,7 +1424,7 @@ def test_wgmma_silu_mul_equals_the_products_then_the_glue_kernel(M, N, K, bias, 
     assert torch.isfinite(unfused).all() and unfused.abs().max() > 1
     torch.testing.assert_close(unfused.float(), ref.float(), rtol=2 ** -6, atol=1e-5)
     k_tiles = -(-K // hopper.STAGE_K)
-    configs = [None] + [dict(bn=bn, channels=ch, split_k=split) for bn, ch in w4a4.WGMMA_TILES
+    configs = [None] + [dict(bn=bn, channels=ch, split_k=split) for bn, ch in w4a4.WGMMA.tiles()
                         for split in ((1, 3) if k_tiles >= 6 else (1,))]
     for cfg in configs:
         y = w4a4.w4a4_wgmma_silu_mul(qx, sx, gate, up, dtype, config=cfg)
