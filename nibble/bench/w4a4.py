@@ -22,6 +22,7 @@ the rows so far while it runs (what a timeout leaves), and is removed once the J
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 
@@ -187,13 +188,13 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
         for op, us in res.items():
             row = dict(N=N, K=K, M=M, op=op, us=us, us_rounds=times.get(op),
                        speedup=(base / us) if (base and us) else None)
-            if us:
+            if us:  # the W4A16 benchmark's fields: bytes moved (the weight and 16-bit x and out), 2MNK per second
                 if op in ("actquant", "actquant_h"):
-                    row["tb_s"] = (M * K * 2 + M * K + 4 * M) / us / 1e6
+                    row["GBps"] = round((M * K * 2 + M * K + 4 * M) / us / 1e3, 1)
                 else:
-                    row["tops"] = flops / us / 1e6
                     wbytes = {"bf16": 2 * N * K, "int8": N * K, "fp8": N * K}.get(op, N * K / 2)
-                    row["weight_tb_s"] = wbytes / us / 1e6
+                    row["GBps"] = round((wbytes + 2 * M * (K + N)) / us / 1e3, 1)
+                    row["TFLOPs"] = round(flops / us / 1e6, 2)  # integer ops for the int8 / int4 products
             if op in ("gemm", "w4a4", "w4a4_h"):
                 row["config"] = {k: v for k, v in cfg.items()}
             rows.append(row)
@@ -259,7 +260,8 @@ def main(argv=None) -> int:
         from nibble.kernels import w4a4
         print("TUNED =", {k: v for k, v in sorted(w4a4.TUNED.items())})
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
-    meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning, rounds=a.rounds,
+    command = shlex.join(["python", "-m", "nibble.bench", "w4a4", *(sys.argv[1:] if argv is None else argv)])
+    meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning, rounds=a.rounds, command=command,
                     note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)")
     paths = write_results(rows, meta, a.out, a.name or f"w4a4-{gpu}", baseline="bf16",
                           title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")

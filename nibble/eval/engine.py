@@ -63,7 +63,8 @@ from nibble.eval.memory import format_bytes
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.launch import num_sms
-from nibble.models.convert import check_architecture, check_weights_loaded, decoder_layers
+from nibble.models.architecture import check_architecture, decoder_layers
+from nibble.models.convert import check_weights_loaded
 from nibble.nn.quant_linear import (PermutedInputQuantLinear, shared_input_forward, shared_input_perm, stack_weights,
                                     w4a4_operands)
 from nibble.warn import warn

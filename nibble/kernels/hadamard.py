@@ -38,6 +38,7 @@ import torch
 from nibble.kernels import transforms_active
 from nibble.kernels.launch import cdiv, next_pow2
 from nibble.kernels.triton_device import check_triton_device
+from nibble.warn import warn
 
 try:
     import triton
@@ -239,8 +240,10 @@ def hadamard_transform_reference(x: torch.Tensor, inverse: bool = False) -> torc
 # split each row's dense outputs over programs instead (`dense_slice_width`): W4A4 rotate +
 # quantize of one row of 11008 went from 39 to 11 us (6 of them the quantization), 7 us now.
 
-# The largest padded row one program keeps in registers; covers every size nibble's models use
-# (28672 pads to 32 * 1024), and the largest dense factor (172, padded).
+# The largest padded row one program keeps in registers, and the largest dense factor (172, padded). They cover
+# the sizes of the models nibble is measured on (28672 pads to 32 * 1024); two real ones are past them and run the
+# reference on a GPU, said once (`warn_past_kernel`): Qwen2-72B's intermediate 29568 = 924 * 32 (a dense factor of
+# 924) and Llama-3.1-405B's 53248 = 104 * 512 (a row of 128 * 512 once padded).
 MAX_KERNEL_ROW = 32768
 MAX_KERNEL_DENSE = 256
 # tl.dot needs every dimension >= 16.
@@ -529,9 +532,24 @@ def kernel_fits(n: int) -> bool:
     return True
 
 
+@functools.cache
+def warn_past_kernel(n: int) -> None:
+    """Said once per size: a size the reference rotates but one program of the GPU kernels cannot hold runs the
+    reference on the GPU, the same values, slower; a user who chose W4A4 for its speed is told which layer pays."""
+    try:
+        hadamard_plan(n)
+    except ValueError as e:
+        reason = str(e).removeprefix("hadamard kernel: ").removesuffix("; use hadamard_transform_reference")
+        warn(f"the online Hadamard of size {n} runs PyTorch's reference rotation on the GPU (the same values, "
+             f"slower): {reason}")
+
+
 @_hadamard_op.register_kernel("cuda")
 def _hadamard_op_cuda(x: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if triton is None or x.dtype not in TRANSFORM_DTYPES or not kernel_fits(x.shape[-1]):
+    if triton is None or x.dtype not in TRANSFORM_DTYPES:
+        return hadamard_transform_reference(x, inverse)
+    if not kernel_fits(x.shape[-1]):
+        warn_past_kernel(x.shape[-1])
         return hadamard_transform_reference(x, inverse)
     return hadamard_transform_triton(x.contiguous(), inverse)
 

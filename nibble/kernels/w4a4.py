@@ -321,9 +321,10 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
         x = x.contiguous()
     if input_hadamard and not _had.kernel_fits(K):
         # A size the reference rotates but the fused kernel cannot hold in one program (a dense
-        # factor over 256, or a row over 32768): the reference's rotation (float32 sums, a
-        # non-finite token zeroed, rounded once to x.dtype), then the plain kernel; the codes are
-        # the reference's. Every supported model's sizes take the fused kernel.
+        # factor over 256, or a row over 32768; hadamard.MAX_KERNEL_ROW names the real ones): the
+        # reference's rotation (float32 sums, a non-finite token zeroed, rounded once to x.dtype),
+        # then the plain kernel; the codes are the reference's.
+        _had.warn_past_kernel(K)
         return quantize_activations_triton(reference.rotate_activations(x), False, order)
     rows, block, num_warps, plan = _act_plan(K, bool(input_hadamard))
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)

@@ -347,3 +347,21 @@ def test_op_gradient_on_cuda_is_the_opposite_transform():
     hadamard_transform(x).backward(g)
     assert torch.allclose(x.grad, hadamard_transform_reference(g, inverse=True), atol=1e-4)
     assert math.isclose(x.grad.norm().item(), g.norm().item(), rel_tol=1e-5)
+
+
+def test_real_sizes_past_the_kernels_are_said_once_with_the_limit_they_pass():
+    """Qwen2-72B's intermediate 29568 (a dense factor of 924) and Llama-3.1-405B's 53248 (a row of 65536 once
+    padded) rotate by the reference on a GPU: correct, slower, and silent until the warning; sizes the kernels hold
+    say nothing."""
+    import warnings
+
+    had.warn_past_kernel.cache_clear()
+    for n, limit in ((29568, r"dense factor of 1024 \(at most 256\)"), (53248, r"row of 65536 \(at most 32768\)")):
+        assert not had.kernel_fits(n)
+        with pytest.warns(UserWarning, match=f"online Hadamard of size {n} runs PyTorch's reference.*{limit}"):
+            had.warn_past_kernel(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        had.warn_past_kernel(29568)  # once a size
+        for n in (576, 1536, 11008, 14336, 28672):
+            assert had.kernel_fits(n)

@@ -1522,7 +1522,17 @@ def _sizes_the_fused_rotation_cannot_hold():
 def test_act_quant_rotates_sizes_the_fused_kernel_cannot_hold(K, device):
     """rotate_model takes every size the reference rotates; the Triton path refused ~2,190 of them up to
     16,384 at the first forward on a GPU. It rotates those by the reference and quantizes after: the
-    reference's codes exactly, a non-finite token zeroed as everywhere."""
+    reference's codes exactly, a non-finite token zeroed as everywhere; the first time a size does, it says so
+    (a user who chose W4A4 for its speed learns which layer pays)."""
+    import warnings
+
+    from nibble.kernels import hadamard
+    hadamard.warn_past_kernel.cache_clear()
+    with pytest.warns(UserWarning, match=f"online Hadamard of size {K} runs PyTorch's reference rotation"):
+        w4a4.quantize_activations_triton(_activations(2, K, torch.bfloat16, device), input_hadamard=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # said once a size
+        w4a4.quantize_activations_triton(_activations(2, K, torch.bfloat16, device), input_hadamard=True)
     for M in (3,) if K > 4096 else (5, 37):  # 5 rows of 288: rotate_quantize on the GPU
         x = _activations(M, K, torch.bfloat16, device)
         x[1, 7] = float("inf")
