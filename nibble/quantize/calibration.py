@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from nibble.config import check_count
 from nibble.kernels.hadamard import hadamard_transform
-from tqdm.auto import tqdm
-
 from nibble.models.architecture import DECODER_LAYERS, check_calibration, decoder_layers, decoder_layers_replaced
 
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
