@@ -8,7 +8,7 @@ learnable quantization parameters), and peft wraps it in `FakeQuantLoraLinear`, 
 (W is the frozen 16-bit weight, or a start weight such as GPTQ's compensated one, see `from_linear`.)
 
 - ``Qw``: the deployed weight grid, symmetric INT4 per output channel, built by the same code that
-  quantizes for real (`nibble.quantize.rtn`'s `quantize_groups` / `_scale_and_zero` / `_codes`):
+  quantizes for real (`nibble.quantize.rtn`'s `quantize_groups` / `scale_and_zero` / `round_to_codes`):
   ``s = fp16(ratio * amax / 7)``, ``codes = clamp(round(w / s + 8), 0, 15)``, ``w_q = (codes - 8) * s``.
   ``ratio`` is 1 (no clipping), a fixed per-channel buffer, or a learnable ``sigmoid(theta)``.
 - ``Qa``: per-token symmetric INT4, literally `nibble.kernels.reference.quantize_activations`
@@ -35,7 +35,7 @@ from torch import nn
 
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.reference import ACT_QMAX, quantize_activations
-from nibble.quantize.rtn import _codes, _scale_and_zero, quantize_groups
+from nibble.quantize.rtn import quantize_groups, round_to_codes, scale_and_zero
 
 ACT_GRANULARITIES = ("token", "channel")
 # sigmoid(4) = 0.982: where OmniQuant's learnable weight clipping starts; clip ratios found by the
@@ -61,9 +61,9 @@ def weight_grid(w: torch.Tensor, ratio: torch.Tensor | None = None):
         return quantize_groups(w, symmetric=True, clip_search=False)
     lo = w.amin(dim=1, keepdim=True).clamp(max=0) * ratio
     hi = w.amax(dim=1, keepdim=True).clamp(min=0) * ratio
-    s, z = _scale_and_zero(lo, hi, symmetric=True, zero_point="int")
+    s, z = scale_and_zero(lo, hi, symmetric=True, zero_point="int")
     with torch.no_grad():
-        codes = _codes(w, s, z)
+        codes = round_to_codes(w, s, z)
     return codes, s, z
 
 

@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
-from nibble.models.architecture import check_calibration, decoder_layers
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, forward_block, in_place,
-                                         input_groups, layer_prefix, skip_from_config)
-from nibble.quantize.rtn import (ScaleOverflowError, _check_weight, naming, quantize_groups, rtn_quantize,
+from nibble.quantize.calibration import check_statistics, forward_block, quantize_blocks
+from nibble.quantize.rtn import (ScaleOverflowError, check_weight, naming, quantize_groups, rtn_quantize,
                                  weighted_clip_search)
 
 N_GRID = 20
@@ -61,7 +58,7 @@ def search_scale(weights: list, H: torch.Tensor, x_mean: torch.Tensor, group_siz
     K = H.shape[0]
     G = K if group_size == -1 else group_size
     for w in weights:  # a NaN weight made every candidate's scale NaN, and the refusal blamed its size
-        _check_weight(w, G)
+        check_weight(w, G)
     check_statistics(H, x_mean)
     x_mean = x_mean.float()
     errors, best, overflow = [], (float("inf"), None, None), None
@@ -90,7 +87,7 @@ def clip_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int, symmet
     ``min_shrink``, ``grid`` steps, as rtn's search) with the smallest output error dW H_gg dW^T."""
     N, K = weight.shape
     G = K if group_size == -1 else group_size
-    _check_weight(weight, G)
+    check_weight(weight, G)
     check_statistics(H)
     ng = K // G
     w = weight.float().reshape(N * ng, G)  # row n * ng + g: group g of output n (rtn's order)
@@ -151,41 +148,34 @@ def awq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8, 
     ``onload``: how each block is reached, as in ``gptq_quantize_model``.
     """
     check_count("n_grid", n_grid)  # before the calibration runs
-    check_calibration(model, calib)  # as quantize_model's: windows that cannot calibrate, too few tokens
-    skip = skip_from_config(config)
     qargs = dict(symmetric=config.symmetric, zero_point=config.zero_point)
-    inputs, kwargs = capture_block_inputs(model, calib, batch_size)
-    results = {}
-    for i, decoder_layer in enumerate(tqdm(decoder_layers(model), desc="AWQ", disable=not progress)):
-        prefix = layer_prefix(i)
-        with (onload or in_place)(i, decoder_layer) as (block, block_results):
-            linears = block_linears(block, prefix, skip)
-            groups = input_groups(linears)
-            outputs, stats = forward_block(block, inputs, kwargs[i], {g[0]: linears[g[0]] for g in groups})
-            stats = {name: stats[g[0]] for g in groups for name in g}  # one set of statistics per shared input
-            input_scale = {}
-            for prev_name, names in _scale_groups(block, linears):
-                st = stats[names[0]]
-                H = st.hessian / 2  # X^T X / n
-                with naming(", ".join(f"{prefix}.{n}" for n in names)):
-                    s, _, _ = search_scale([linears[n].weight for n in names], H, st.mean_abs, config.group_size,
-                                           n_grid=n_grid, **qargs)
-                _fold(block.get_submodule(prev_name), s)
-                for n in names:
-                    linears[n].weight.mul_(s.to(linears[n].weight.dtype))
-                    input_scale[n] = s
-            for name, layer in linears.items():
-                H = stats[name].hessian / 2
-                if name in input_scale:
-                    s = input_scale[name]
-                    H = H / (s.unsqueeze(0) * s.unsqueeze(1))
-                with naming(f"{prefix}.{name}"):
-                    if clip and not name.endswith(NO_CLIP):
-                        w = clip_quantize(layer.weight, H, config.group_size, **qargs)
-                    else:
-                        w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)
-                block_results[f"{prefix}.{name}"] = w
-            del stats
-            inputs = outputs
-        results.update(block_results)
-    return results
+
+    def quantize_block(prefix, block, linears, groups, inputs, kwargs, block_results):
+        outputs, stats = forward_block(block, inputs, kwargs, {g[0]: linears[g[0]] for g in groups})
+        stats = {name: stats[g[0]] for g in groups for name in g}  # one set of statistics per shared input
+        input_scale = {}
+        for prev_name, names in _scale_groups(block, linears):
+            st = stats[names[0]]
+            H = st.hessian / 2  # X^T X / n
+            with naming(", ".join(f"{prefix}.{n}" for n in names)):
+                s, _, _ = search_scale([linears[n].weight for n in names], H, st.mean_abs, config.group_size,
+                                       n_grid=n_grid, **qargs)
+            _fold(block.get_submodule(prev_name), s)
+            for n in names:
+                linears[n].weight.mul_(s.to(linears[n].weight.dtype))
+                input_scale[n] = s
+        for name, layer in linears.items():
+            H = stats[name].hessian / 2
+            if name in input_scale:
+                s = input_scale[name]
+                H = H / (s.unsqueeze(0) * s.unsqueeze(1))
+            with naming(f"{prefix}.{name}"):
+                if clip and not name.endswith(NO_CLIP):
+                    w = clip_quantize(layer.weight, H, config.group_size, **qargs)
+                else:
+                    w = rtn_quantize(layer.weight.detach(), config.group_size, clip_search=False, **qargs)
+            block_results[f"{prefix}.{name}"] = w
+        return outputs  # the float block's, taken before its scales were searched
+
+    return quantize_blocks(model, config, calib, quantize_block, "AWQ", batch_size=batch_size, progress=progress,
+                           onload=onload)

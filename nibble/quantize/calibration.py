@@ -9,7 +9,8 @@ runs the model only up to block 0 (past stand-ins, to the first block of each at
 block 0's input hidden states (n_samples x seq_len x hidden, e.g. 32 x 512 x 576 fp32 = 38 MB for
 SmolLM2-135M); each block is then run on them
 (``forward_block``, with hooks that reduce what a linear sees to a K x K Hessian and a K-vector of
-mean |x|, never storing the activations), and its outputs become the next block's inputs.
+mean |x|, never storing the activations), and its outputs become the next block's inputs
+(``quantize_blocks``, the walk itself, which each quantizer gives its own body).
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from nibble.config import check_count
 from nibble.kernels.hadamard import hadamard_transform
-from nibble.models.architecture import DECODER_LAYERS, decoder_layers, decoder_layers_replaced
+from nibble.models.architecture import DECODER_LAYERS, check_calibration, decoder_layers, decoder_layers_replaced
 
 SOURCES = {"c4": "c4/c4_demo.jsonl", "gutenberg": "gutenberg/pg1342_pride_and_prejudice.txt"}
 DEFAULT_SOURCE = "c4"
@@ -327,3 +329,28 @@ def block_linears(block: nn.Module, prefix: str, skip) -> dict:
 def skip_from_config(config):
     names = list(getattr(config, "modules_to_not_convert", None) or [])
     return lambda full: any(full == s or full.endswith("." + s) for s in names)
+
+
+def quantize_blocks(model: nn.Module, config, calib, quantize_block, desc: str, *, batch_size: int, progress: bool,
+                    onload) -> dict:
+    """The walk GPTQ and AWQ share: ``{"model.layers.{i}.{name}": Int4Weight}`` of the decoder blocks' linears, as
+    ``quantize_block`` makes them, block by block under a progress bar named ``desc``.
+
+    ``calib`` is checked as quantize_model checks it (`check_calibration`), then run up to block 0
+    (`capture_block_inputs`). ``quantize_block(prefix, block, linears, groups, inputs, kwargs, results)`` is given
+    block i's name, the block (``onload(i, layer)``'s; None: `in_place`), its linears ({relative name: nn.Linear},
+    less ``config.modules_to_not_convert``) grouped by shared input (`input_groups`), its calibration inputs and
+    keyword arguments (`forward_block`'s), and the dict its Int4Weights go to by full name; it returns the next
+    block's inputs, its own choice (GPTQ: the quantized block's outputs; AWQ: the float block's). They replace this
+    block's before the next block is reached, so one block's activations are held at a time."""
+    check_calibration(model, calib)  # as quantize_model's: windows that cannot calibrate, too few tokens
+    skip = skip_from_config(config)
+    inputs, kwargs = capture_block_inputs(model, calib, batch_size)
+    results = {}
+    for i, decoder_layer in enumerate(tqdm(decoder_layers(model), desc=desc, disable=not progress)):
+        prefix = layer_prefix(i)
+        with (onload or in_place)(i, decoder_layer) as (block, block_results):
+            linears = block_linears(block, prefix, skip)
+            inputs = quantize_block(prefix, block, linears, input_groups(linears), inputs, kwargs[i], block_results)
+        results.update(block_results)
+    return results

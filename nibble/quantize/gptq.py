@@ -42,15 +42,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from nibble.config import check_count
 from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
-from nibble.models.architecture import check_calibration, decoder_layers
-from nibble.quantize.calibration import (block_linears, capture_block_inputs, check_statistics, forward_block, in_place,
-                                         input_groups, layer_prefix, skip_from_config)
-from nibble.quantize.rtn import _check_weight, _codes, naming, quantize_groups, weighted_clip_search
+from nibble.quantize.calibration import check_statistics, forward_block, quantize_blocks
+from nibble.quantize.rtn import check_weight, naming, quantize_groups, round_to_codes, weighted_clip_search
 from nibble.warn import warn
 
 DEFAULT_PERCDAMP = 0.01
@@ -63,7 +60,7 @@ class GPTQResult:
     perm: torch.Tensor | None    # the layer computes x[..., perm] @ W.T; None: natural order
     g_idx: torch.Tensor          # GPTQ-checkpoint g_idx (int32 [K]) over the original input order
     # With keep_compensated: each column as GPTQ rounded it, after the error feedback of the columns before
-    # it (float32 [N, K], the codes' order); rtn's _codes of it with the result's scales are the codes.
+    # it (float32 [N, K], the codes' order); rtn's round_to_codes of it with the result's scales are the codes.
     compensated: torch.Tensor | None = None
 
 
@@ -115,7 +112,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     W = weight.detach().float().clone()
     N, K = W.shape
     G = K if group_size == -1 else group_size
-    _check_weight(W, G)
+    check_weight(W, G)
     if hessian.shape != (K, K):
         raise ValueError(f"Hessian must be [{K}, {K}] for a weight with in_features={K}, got {tuple(hessian.shape)}")
     check_statistics(hessian)
@@ -182,7 +179,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
                     S[:, col // G], Z[:, col // G] = s[:, 0], z[:, 0]
                 S1[:, i], Z1[:, i] = S[:, col // G], Z[:, col // G]
             w, s, z = W1[:, i], S1[:, i], Z1[:, i]
-            q = _codes(w, s, z)
+            q = round_to_codes(w, s, z)
             Q1[:, i] = q
             if compensated is not None:
                 compensated[:, col] = w  # before the update below turns column i into q * s + z
@@ -245,35 +242,29 @@ def gptq_quantize_model(model: nn.Module, config, calib, *, batch_size: int = 8,
     dict (each QuantLinear holds its own copy), so that the dict returned is then empty.
     """
     _check_options(percdamp, blocksize)  # before the calibration runs
-    check_calibration(model, calib)  # as quantize_model's: windows that cannot calibrate, too few tokens
-    skip = skip_from_config(config)
-    inputs, kwargs = capture_block_inputs(model, calib, batch_size)
-    results = {}
-    for i, decoder_layer in enumerate(tqdm(decoder_layers(model), desc="GPTQ", disable=not progress)):
-        prefix = layer_prefix(i)
-        with (onload or in_place)(i, decoder_layer) as (block, block_results):
-            linears = block_linears(block, prefix, skip)
-            groups = input_groups(linears)  # linears sharing one input share one Hessian
-            for group in groups:  # each on inputs of the groups before it, quantized already
-                _, stats = forward_block(block, inputs, kwargs[i], {group[0]: linears[group[0]]}, keep_outputs=False)
-                H = stats.pop(group[0]).hessian
-                stacked = torch.cat([linears[name].weight for name in group])
-                with naming(", ".join(f"{prefix}.{name}" for name in group)):
-                    res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric,
-                                               config.zero_point, clip, percdamp, blocksize, act_order,
-                                               static_groups=act_order, keep_compensated=compensated is not None)
-                del stacked, H
-                start = 0
-                for name in group:
-                    layer = linears[name]
-                    stop = start + layer.out_features
-                    w = _output_rows(res.weight, start, stop)
-                    # new storage, not written in place (rotation._set says why)
-                    layer.weight.data = dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype)
-                    block_results[f"{prefix}.{name}"] = w
-                    if compensated is not None:
-                        compensated[f"{prefix}.{name}"] = res.compensated[start:stop].clone()
-                    start = stop
-            inputs, _ = forward_block(block, inputs, kwargs[i])
-        results.update(block_results)
-    return results
+
+    def quantize_block(prefix, block, linears, groups, inputs, kwargs, block_results):
+        for group in groups:  # each on inputs of the groups before it, quantized already
+            _, stats = forward_block(block, inputs, kwargs, {group[0]: linears[group[0]]}, keep_outputs=False)
+            H = stats.pop(group[0]).hessian  # linears sharing one input share one Hessian
+            stacked = torch.cat([linears[name].weight for name in group])
+            with naming(", ".join(f"{prefix}.{name}" for name in group)):
+                res = gptq_quantize_weight(stacked, H, config.group_size, config.symmetric,
+                                           config.zero_point, clip, percdamp, blocksize, act_order,
+                                           static_groups=act_order, keep_compensated=compensated is not None)
+            del stacked, H
+            start = 0
+            for name in group:
+                layer = linears[name]
+                stop = start + layer.out_features
+                w = _output_rows(res.weight, start, stop)
+                # new storage, not written in place (rotation._set says why)
+                layer.weight.data = dequantize(w.qweight, w.scales, w.zeros, w.group_size).to(layer.weight.dtype)
+                block_results[f"{prefix}.{name}"] = w
+                if compensated is not None:
+                    compensated[f"{prefix}.{name}"] = res.compensated[start:stop].clone()
+                start = stop
+        return forward_block(block, inputs, kwargs)[0]  # the next block sees this one quantized
+
+    return quantize_blocks(model, config, calib, quantize_block, "GPTQ", batch_size=batch_size, progress=progress,
+                           onload=onload)

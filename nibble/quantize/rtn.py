@@ -32,7 +32,9 @@ NOT_FINITE = "weight contains NaN or Inf; fix the checkpoint before quantizing"
 TINY_AMAX = 7 * 4 * MIN_SCALE
 
 
-def _check_weight(weight: torch.Tensor, group_size: int) -> None:
+def check_weight(weight: torch.Tensor, group_size: int) -> None:
+    """Refuse a ``weight`` no quantizer here can take: one not 2-D, not floating-point, on the meta device, empty,
+    holding NaN or Inf, or of a width ``group_size`` (which must be positive) does not divide."""
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D [out_features, in_features] weight, got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
@@ -98,7 +100,7 @@ def _stored_scale(s: torch.Tensor) -> torch.Tensor:
     return _straight_through(torch.where(value < FP16_MIN_NORMAL, subnormal, _float16(value)).clamp(min=MIN_SCALE), s)
 
 
-def _scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_point: str):
+def scale_and_zero(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, zero_point: str):
     """Per-group (s, z) for the range [lo, hi], both rounded to float16 as they will be stored; s > 0, and s or
     z not finite where the range is too wide for float16 (which `_check_stored` refuses)."""
     if symmetric:
@@ -139,10 +141,11 @@ def check_values(weight: torch.Tensor, group_size: int, symmetric: bool, zero_po
     if not scales or amax * 8 / 7 * (1 + 2 ** -9) < FP16_MAX:
         return
     w = weight.detach().float().reshape(-1, group_size)
-    _check_stored(w, *_scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point))
+    _check_stored(w, *scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point))
 
 
-def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def round_to_codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes (0..15, as floats) nearest ``w`` on the grid z + s * code."""
     return torch.clamp(torch.round((w - z) / s), 0, MAX_CODE)
 
 
@@ -166,16 +169,16 @@ def weighted_clip_search(w: torch.Tensor, error, symmetric: bool = False, zero_p
         raise ValueError(f"min_shrink must be in (0, 1], the smallest fraction of a group's range tried, got {min_shrink!r}")
     w = w.float()
     lo, hi = group_range(w, symmetric, zero_point)
-    s, z = _scale_and_zero(lo, hi, symmetric, zero_point)
+    s, z = scale_and_zero(lo, hi, symmetric, zero_point)
     _check_stored(w, s, z)
-    best = error(w - (_codes(w, s, z) * s + z))
+    best = error(w - (round_to_codes(w, s, z) * s + z))
     for ratio in torch.linspace(1.0, min_shrink, grid + 1)[1:].tolist():
-        s_r, z_r = _scale_and_zero(lo * ratio, hi * ratio, symmetric, zero_point)
-        err = error(w - (_codes(w, s_r, z_r) * s_r + z_r))
+        s_r, z_r = scale_and_zero(lo * ratio, hi * ratio, symmetric, zero_point)
+        err = error(w - (round_to_codes(w, s_r, z_r) * s_r + z_r))
         better = err < best
         best = torch.where(better, err, best)
         s, z = torch.where(better, s_r, s), torch.where(better, z_r, z)
-    return _codes(w, s, z), s, z
+    return round_to_codes(w, s, z), s, z
 
 
 def _squared_error(dw: torch.Tensor) -> torch.Tensor:
@@ -193,9 +196,9 @@ def quantize_groups(w: torch.Tensor, symmetric: bool = False, zero_point: str = 
     w = w.float()
     if clip_search:
         return weighted_clip_search(w, _squared_error, symmetric, zero_point, grid, min_shrink)
-    s, z = _scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point)
+    s, z = scale_and_zero(*group_range(w, symmetric, zero_point), symmetric, zero_point)
     _check_stored(w, s, z)
-    return _codes(w, s, z), s, z
+    return round_to_codes(w, s, z), s, z
 
 
 def rtn_quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = False, zero_point: str = "int",
@@ -209,8 +212,8 @@ def rtn_quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = 
     check_count("chunk_rows", chunk_rows)
     N, K = weight.shape if weight.dim() == 2 else (0, 0)
     group_size = K if group_size == -1 else group_size
-    _check_weight(weight, group_size)
-    lo, hi = torch.aminmax(weight.detach())  # not abs().amax(): no copy of the weight (non-empty: _check_weight)
+    check_weight(weight, group_size)
+    lo, hi = torch.aminmax(weight.detach())  # not abs().amax(): no copy of the weight (non-empty: check_weight)
     _check_not_tiny(max(-float(lo), float(hi)))
     groups = weight.reshape(-1, group_size)
     codes, scales, zeros = [], [], []

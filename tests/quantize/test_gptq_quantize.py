@@ -11,7 +11,7 @@ from nibble.formats.gptq import to_gptq
 from nibble.kernels.reference import dequantize
 from nibble.quantize import calibrated_quantizers
 from nibble.quantize.gptq import gptq_quantize_model, gptq_quantize_weight
-from nibble.quantize.rtn import _codes, quantize_groups, rtn_quantize
+from nibble.quantize.rtn import quantize_groups, round_to_codes, rtn_quantize
 
 
 def dense(w):
@@ -50,7 +50,7 @@ def test_the_compensated_weights_round_to_the_codes_from_inside_their_bins(G, sy
                                static_groups=static, keep_compensated=True)
     per_column = G if G > 0 else W.shape[1]
     s, z = (t.float().t().repeat_interleave(per_column, dim=1) for t in (res.weight.scales, res.weight.zeros))
-    assert torch.equal(_codes(res.compensated, s, z), res.weight.codes().float())
+    assert torch.equal(round_to_codes(res.compensated, s, z), res.weight.codes().float())
     offset = (res.compensated - dense(res.weight)) / s  # where in its bin each weight lies, in steps
     assert offset[(offset.abs() < 0.5)].std() > 0.2  # spread over the bins, not at their centres
     assert gptq_quantize_weight(W, H, G, symmetric=symmetric).compensated is None
@@ -74,7 +74,7 @@ def textbook_gptq(W, H, G, act_order=False, percdamp=0.01):
         if j % G == 0:
             _, s, z = quantize_groups(W[:, j:j + G], clip_search=False)
             s, z = s[:, 0], z[:, 0]
-        Q[:, j] = _codes(W[:, j], s, z) * s + z
+        Q[:, j] = round_to_codes(W[:, j], s, z) * s + z
         err = (W[:, j] - Q[:, j]) / U[j, j]
         W[:, j:].addr_(err, U[j, j:], alpha=-1)  # spread the error over the columns not yet quantized
     return Q, order
@@ -157,7 +157,8 @@ def test_dead_inputs_and_bad_hessians():
     H[5, :], H[:, 5] = 0, 0  # input 5 never active in calibration
     res = gptq_quantize_weight(W, H, 32)
     s, z = (t.float()[0] for t in (res.weight.scales, res.weight.zeros))  # group 0's, which holds input 5
-    assert torch.equal(dense(res.weight)[:, 5], _codes(torch.zeros(8), s, z) * s + z)  # zeroed: the level nearest 0
+    zeroed = round_to_codes(torch.zeros(8), s, z) * s + z  # the level nearest 0
+    assert torch.equal(dense(res.weight)[:, 5], zeroed)
     with pytest.raises(ValueError, match=r"Hessian must be \[64, 64\]"):
         gptq_quantize_weight(W, H[:32, :32], 32)
 

@@ -40,7 +40,7 @@ def test_clip_search_never_increases_the_error():
 def test_clip_search_keeps_each_groups_best_of_the_21_ratios_1_to_0_5(symmetric, zero_point):
     """By brute force: each group's range shrunk by 1, 0.975, ..., 0.5, the ratio with the least squared error (the
     first on a tie) wins. Error bounds alone let a search that never tried 0.975 pass (explore64c's Q4)."""
-    from nibble.quantize.rtn import _codes, _scale_and_zero, group_range
+    from nibble.quantize.rtn import group_range, round_to_codes, scale_and_zero
 
     spikes = torch.rand(8, 2048) - 0.5
     spikes[:, :2] = torch.tensor([1.0, -1.0])  # a bulk in [-0.5, 0.5] under two spikes: 0.5 wins per channel
@@ -48,9 +48,9 @@ def test_clip_search_keeps_each_groups_best_of_the_21_ratios_1_to_0_5(symmetric,
     for w, G in ((torch.randn(64, 512) * 0.02, 32), (spikes, -1)):  # Gaussian groups of 32: 1 or 0.975 win most
         groups = w.reshape(-1, w.shape[1] if G == -1 else G)
         lo, hi = group_range(groups, symmetric, zero_point)
-        candidates = [_scale_and_zero(lo * (1 - 0.025 * i), hi * (1 - 0.025 * i), symmetric, zero_point)
+        candidates = [scale_and_zero(lo * (1 - 0.025 * i), hi * (1 - 0.025 * i), symmetric, zero_point)
                       for i in range(21)]
-        errors = torch.cat([((_codes(groups, s, z) * s + z - groups) ** 2).sum(1, keepdim=True)
+        errors = torch.cat([((round_to_codes(groups, s, z) * s + z - groups) ** 2).sum(1, keepdim=True)
                             for s, z in candidates], 1)
         best = errors.argmin(1, keepdim=True)  # the first of equal minima
         winners |= set(best.flatten().tolist())
