@@ -82,10 +82,11 @@ def main():
         new = statistics.median(run[case] for run in runs["new"])
         rows.append({"case": case, "old_us": round(old, 3), "new_us": round(new, 3), "new_over_old": round(new / old, 4)})
         print(f"{case:24s} old {old:9.2f} us  new {new:9.2f} us  new/old {new / old:.3f}")
-    if args.json:
-        import torch
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "trees": trees, "rounds": args.rounds,
-                "command": " ".join(sys.argv)}
+    if args.json:  # what a reader needs to know which code ran: each tree's source digest, and the run's setting
+        sys.path.insert(0, trees["new"])  # the new tree's nibble names the run (the old one's digest beside it)
+        from nibble.bench.timing import env_meta, source_hash
+        meta = env_meta(trees=trees, tree_sources={name: source_hash(Path(tree) / "nibble") for name, tree in trees.items()},
+                        rounds=args.rounds, command=" ".join(sys.argv))
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
 
 
