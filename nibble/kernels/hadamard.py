@@ -256,6 +256,15 @@ _DENSE_CHUNK = 32
 _TILE = 8192
 
 
+class PastKernelError(ValueError):
+    """A size the reference rotates but one program of the kernel cannot hold; ``limit`` says which limit it passes
+    (the GPU's fallback warns with it, `warn_past_kernel`)."""
+
+    def __init__(self, limit: str):
+        super().__init__(f"hadamard kernel: {limit}; use hadamard_transform_reference")
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class HadamardPlan:
     """How the kernel splits a row of n: a tile [rows, dense_pad, a, b] of rows padded to
@@ -294,9 +303,8 @@ def hadamard_plan(n: int) -> HadamardPlan:
     dense_pad = 1 if dense == 1 else max(_MIN_DOT, next_pow2(dense))
     row_pad = dense_pad * a * b
     if row_pad > MAX_KERNEL_ROW or dense_pad > MAX_KERNEL_DENSE:
-        raise ValueError(f"hadamard kernel: size {n} = {m} * {p} needs a row of {row_pad} (at most "
-                         f"{MAX_KERNEL_ROW}) and a dense factor of {dense_pad} (at most {MAX_KERNEL_DENSE}) "
-                         f"in one program; use hadamard_transform_reference")
+        raise PastKernelError(f"size {n} = {m} * {p} needs a row of {row_pad} (at most {MAX_KERNEL_ROW}) and a dense "
+                              f"factor of {dense_pad} (at most {MAX_KERNEL_DENSE}) in one program")
     # Every tl.dot's row count (the tile's other dims times rows) must reach 16; beyond that, small
     # sizes take rows up to an 8K-element tile with 4 warps, the best setting measured on an H200
     # (bf16, n = 128 ... 8192); larger rows need more warps to hold the tile in registers.
@@ -538,10 +546,9 @@ def warn_past_kernel(n: int) -> None:
     reference on the GPU, the same values, slower; a user who chose W4A4 for its speed is told which layer pays."""
     try:
         hadamard_plan(n)
-    except ValueError as e:
-        reason = str(e).removeprefix("hadamard kernel: ").removesuffix("; use hadamard_transform_reference")
+    except PastKernelError as e:
         warn(f"the online Hadamard of size {n} runs PyTorch's reference rotation on the GPU (the same values, "
-             f"slower): {reason}")
+             f"slower): {e.limit}")
 
 
 @_hadamard_op.register_kernel("cuda")
