@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, env_meta, geomean, rotations,
+from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, env_meta, geomean, gpu_tag, rotations,
                                  write_results)
 from nibble.formats.int4 import unpack_int4
 
@@ -167,11 +167,9 @@ def main(argv=None):
     shapes = QUICK_SHAPES if args.quick else SHAPES
     ms = QUICK_MS if args.quick else MS
     rows = []
-    gpu = torch.cuda.get_device_name().lower()
-    tag = "h200" if "h200" in gpu else "h100" if "h100" in gpu else gpu.replace("nvidia", "").strip().replace(" ", "-")
     dtype = getattr(torch, args.dtype)
     base_op = baseline_op(dtype)
-    name = args.name or f"w4a16-{tag}" + ("-fp16" if dtype == torch.float16 else "")
+    name = args.name or f"w4a16-{gpu_tag()}" + ("-fp16" if dtype == torch.float16 else "")
     cmd = ("python -m nibble.bench kernels" + (" --quick" if args.quick else "")
            + (" --dtype float16" if dtype == torch.float16 else "") + f" --rounds {args.rounds}")
     for N, K in shapes:

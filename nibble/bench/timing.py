@@ -307,6 +307,15 @@ def shape_list(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
 
 
+def gpu_tag() -> str:
+    """The GPU in a results file's name: "h200", "h100", else the device name without its vendor, dashed."""
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100"):
+        if tag in name:
+            return tag
+    return name.replace("nvidia", "").strip().replace(" ", "-")
+
+
 def env_meta(**extra) -> dict:
     from nibble import __version__
 

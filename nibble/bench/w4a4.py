@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean,
+from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean, gpu_tag,
                                  json_text, rotations, write_results)
 from nibble.formats.int4 import unpack_int4
 
@@ -259,11 +259,10 @@ def main(argv=None) -> int:
     if tuning:
         from nibble.kernels import w4a4
         print("TUNED =", {k: v for k, v in sorted(w4a4.TUNED.items())})
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
     command = shlex.join(["python", "-m", "nibble.bench", "w4a4", *(sys.argv[1:] if argv is None else argv)])
     meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning, rounds=a.rounds, command=command,
                     note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)")
-    paths = write_results(rows, meta, a.out, a.name or f"w4a4-{gpu}", baseline="bf16",
+    paths = write_results(rows, meta, a.out, a.name or f"w4a4-{gpu_tag()}", baseline="bf16",
                           title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")
     os.remove(partial)  # the running copy of what the JSON now holds: beside it, it read as another run's
     print("wrote", paths)

@@ -53,3 +53,12 @@ def test_the_w4a4_benchmark_writes_its_json_once_with_every_row_and_plots_the_op
     assert saved["rows"] == _rows(("bf16", "w4a4")) and saved["meta"]["ops"] == ["bf16", "w4a4"]
     assert not (tmp_path / "w4a4-partial.json").exists()  # its running copy (benchmarks/results: "not kept")
     assert [w for w in writes if w.endswith(".json")] == ["w4a4-partial.json", "w4a4-h100.json"] and drawn == ["w4a4"] and (tmp_path / "w4a4-h100.png").is_file()
+
+
+def test_both_kernel_benchmarks_name_their_files_by_one_gpu_tag(monkeypatch):
+    # the W4A4 benchmark named an H100's files w4a4-h100-80gb-hbm3 beside W4A16's w4a16-h100 (session 67)
+    names = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA A100-SXM4-80GB": "a100-sxm4-80gb",
+             "NVIDIA GeForce RTX 4090": "geforce-rtx-4090"}
+    for device, tag in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=device: name)
+        assert timing.gpu_tag() == tag
