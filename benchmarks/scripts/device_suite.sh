@@ -3,7 +3,8 @@
 # there) and the model was joined (`bash .carry/join.sh b`). Logs and results go under $OUT (the device tool
 # brings them back). Whatever .carry/ holds is first copied to /root/nibble-*, where later calls find it.
 #   install  only that copy
-#   kernels  tests/kernels, tests/nn, the engine and speed/memory tests (about 4 minutes on 16 cores)
+#   kernels  tests/kernels, tests/nn, the engine and speed/memory tests (5 to over 6 minutes on 16 cores: give it a
+#            call of its own)
 #   nn       the same without tests/kernels: what a change above the kernels needs (about a minute)
 #   models   tests/models and tests/formats
 #   eval     tests/eval's scorers and report, and tests/test_cli.py
@@ -46,7 +47,9 @@ bench_commit() {
 { python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(), flush=True)'
   echo "sources digest $(find nibble tests -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' \) | LC_ALL=C sort | xargs cat | sha1sum)"
 } | tee "$OUT/gpu-env-$part.txt"
-pytest="python3 -m pytest -q -ra -p no:cacheprovider -p no:benchmark -n 16"  # pytest-benchmark only warns under xdist
+# --durations: each finished part's log names its slowest tests (the kernels part took 294 s in session 66 and ran
+# past 380 s on another H100 in session 67)
+pytest="python3 -m pytest -q -ra -p no:cacheprovider -p no:benchmark -n 16 --durations=15"  # pytest-benchmark only warns under xdist
 case "$part" in
   kernels) $pytest tests/kernels tests/nn tests/eval/test_engine_generate.py tests/eval/test_speed_memory.py \
              2>&1 | tee "$OUT/gpu-tests-kernels.log" ;;
