@@ -5,7 +5,7 @@
 #   install  only that copy
 #   kernels  tests/kernels, tests/nn, the engine and speed/memory tests (5 to over 6 minutes on 16 cores: give it a
 #            call of its own)
-#   nn       the same without tests/kernels: what a change above the kernels needs (about a minute)
+#   nn       the same without tests/kernels: what a change above the kernels needs (2.5 minutes in session 67)
 #   models   tests/models and tests/formats
 #   eval     tests/eval's scorers and report, and tests/test_cli.py
 #   rest     every other test file (models and rest together ran past one call's 10 minutes in session 60; eval
