@@ -1292,11 +1292,11 @@ class Engine:
         sampled for ``temperature`` > 0 (see `Sampling`, which checks the three).
 
         ``stop_tokens`` (a token id or several, e.g. ``model.generation_config.eos_token_id``; none by default:
-        unlike transformers' generate, the engine reads no generation config): stop early once every sequence
-        has produced one, returning [B, n <= max_new_tokens]; a sequence that stopped first repeats its stop
-        token until the others do. On CUDA the check waits for the device, so it runs every STOP_CHECK_STEPS
-        steps (a batch may run up to that many steps past its last stop, the same token repeated), on the CPU
-        every step.
+        unlike transformers' generate, the engine reads no generation config; ids outside the vocabulary, which it
+        never makes, are refused): stop early once every sequence has produced one, returning
+        [B, n <= max_new_tokens]; a sequence that stopped first repeats its stop token until the others do. On
+        CUDA the check waits for the device, so it runs every STOP_CHECK_STEPS steps (a batch may run up to that
+        many steps past its last stop, the same token repeated), on the CPU every step.
         """
         return torch.cat(list(self.stream(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p)), dim=1)
 
@@ -1310,6 +1310,9 @@ class Engine:
         if not _count(max_new_tokens):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stop = _stop_list(stop_tokens)
+        if stop is not None:  # one the model never makes would run every sequence to max_new_tokens without a word
+            check_token_ids(self.model, torch.tensor(stop), "stop_tokens'", "give the stop ids of this model's "
+                            "tokenizer (none: leave stop_tokens out)")
         tokens, lengths = prompt_batch(prompt)
         # the cache holds the prompt and every new token but the last, which no step reads
         self._check_batch(len(lengths), max(lengths) + max_new_tokens - 1)

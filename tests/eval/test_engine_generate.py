@@ -317,6 +317,17 @@ def test_stop_tokens_may_be_one_id_as_transformers_takes_eos_token_id():
             engine.generate(prompt, 20, stop_tokens=bad)
 
 
+@pytest.mark.parametrize("stops", [-1, 256, [2, 300]])
+def test_stop_tokens_outside_the_vocabulary_are_refused_not_run_to_the_end(stops):
+    """The engine never makes such a token, so a stop id of another tokenizer (or -1 for none) ran every sequence to
+    max_new_tokens without a word."""
+    engine = Engine(tiny_model(), max_seq_len=16)
+    with pytest.raises(ValueError, match=r"^stop_tokens' token ids run from .*, but the model's vocabulary has 256 "
+                                         r"tokens: give the stop ids of this model's tokenizer"):
+        engine.generate(torch.tensor([[1, 2, 3]]), 4, stop_tokens=stops)
+    assert engine.generate(torch.tensor([[1, 2, 3]]), 4, stop_tokens=255).shape[0] == 1  # the last id is one
+
+
 @pytest.mark.parametrize("ids", [[[3, 256]], [[-1, 2]]])
 def test_token_ids_outside_the_vocabulary_are_refused_naming_its_size(ids):
     engine = Engine(tiny_model(), max_batch=2, max_seq_len=16)
