@@ -1212,12 +1212,13 @@ class Engine:
         if self.k_cache is None:  # else a TypeError from indexing None, deep in the forward
             raise RuntimeError("this engine was closed (close() dropped its cache): build a new Engine to generate")
 
-    def _check_batch(self, B: int, T: int):
+    def _check_batch(self, B: int, T: int, why: str = ""):
+        """Refuse a batch of B sequences that will fill T positions of the cache, ``why`` saying what they are."""
         self._check_open()
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"batch {B} is outside this engine's 1..{self.max_batch} (max_batch)")
         if T > self.max_seq_len:
-            raise ValueError(f"{T} positions exceed this engine's max_seq_len={self.max_seq_len}")
+            raise ValueError(f"{T} positions exceed this engine's max_seq_len={self.max_seq_len}{why}")
 
     @torch.inference_mode()
     def prefill(self, prompt, sampling: Sampling = GREEDY) -> torch.Tensor:
@@ -1292,11 +1293,11 @@ class Engine:
         sampled for ``temperature`` > 0 (see `Sampling`, which checks the three).
 
         ``stop_tokens`` (a token id or several, e.g. ``model.generation_config.eos_token_id``; none by default:
-        unlike transformers' generate, the engine reads no generation config): stop early once every sequence
-        has produced one, returning [B, n <= max_new_tokens]; a sequence that stopped first repeats its stop
-        token until the others do. On CUDA the check waits for the device, so it runs every STOP_CHECK_STEPS
-        steps (a batch may run up to that many steps past its last stop, the same token repeated), on the CPU
-        every step.
+        unlike transformers' generate, the engine reads no generation config; ids outside the vocabulary, which it
+        never makes, are refused): stop early once every sequence has produced one, returning
+        [B, n <= max_new_tokens]; a sequence that stopped first repeats its stop token until the others do. On
+        CUDA the check waits for the device, so it runs every STOP_CHECK_STEPS steps (a batch may run up to that
+        many steps past its last stop, the same token repeated), on the CPU every step.
         """
         return torch.cat(list(self.stream(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p)), dim=1)
 
@@ -1310,9 +1311,17 @@ class Engine:
         if not _count(max_new_tokens):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stop = _stop_list(stop_tokens)
+        if stop is not None:  # one the model never makes would run every sequence to max_new_tokens without a word
+            check_token_ids(self.model, torch.tensor(stop), "stop_tokens'", "give the stop ids of this model's "
+                            "tokenizer (none: leave stop_tokens out)")
         tokens, lengths = prompt_batch(prompt)
-        # the cache holds the prompt and every new token but the last, which no step reads
-        self._check_batch(len(lengths), max(lengths) + max_new_tokens - 1)
+        # the cache holds the prompt and every new token but the last, which no step reads: said, since a count of
+        # one less than the prompt and the new tokens read as a miscount
+        longest, room = max(lengths), self.max_seq_len - max(lengths) + 1
+        fix = f"give max_new_tokens <= {room}" if room >= 1 else f"shorten it to {self.max_seq_len} tokens or fewer"
+        self._check_batch(len(lengths), longest + max_new_tokens - 1,
+                          f": the longest prompt's {longest} tokens and max_new_tokens={max_new_tokens} but the last, "
+                          f"which no step reads; {fix}, or build the Engine with a larger max_seq_len")
         self._check_ids(tokens)
         return self._stream(tokens, lengths, max_new_tokens, stop, sampling)
 

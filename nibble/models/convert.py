@@ -212,7 +212,8 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     Hadamards nibble's loader needs, and ``from_pretrained`` skips quant_method "nibble" with a warning and
     returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). Adapters added
     by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
-    ``resize_token_embeddings`` too, before the embedding is resized."""
+    ``resize_token_embeddings`` too, before the embedding is resized. ``num_parameters`` counts the INT4 weights
+    (`_num_parameters`)."""
     own_config(model)
     model.config.quantization_config = quantization_config
     refuse_save_pretrained(model, "a nibble-quantized model is saved with nibble.save_quantized(model, directory, "
@@ -220,6 +221,19 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
                            "would write a checkpoint that transformers loads as random weights and nibble cannot load")
     if isinstance(model.get_output_embeddings(), QuantLinear):
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
+    model.num_parameters = functools.partial(_num_parameters, model)  # a copy's partial holds the copy
+
+
+def _num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """transformers' ``num_parameters`` with each quantized linear's weight counted as its in_features x out_features
+    parameters, and its bias: it counts Parameters, and a QuantLinear holds both as buffers, so a W4A16 SmolLM2-135M
+    read as its embedding and norms, 28M. Frozen, they are not among the trainable ones."""
+    count = type(model).num_parameters(model, only_trainable, exclude_embeddings)
+    if only_trainable:
+        return count
+    return count + sum(m.in_features * m.out_features
+                       + (m.bias.numel() if m.bias is not None and not isinstance(m.bias, nn.Parameter) else 0)
+                       for _, m in quantized_linears(model))
 
 
 def _resize_refused(*args, **kwargs):

@@ -274,8 +274,14 @@ def test_a_ragged_batch_is_checked_against_the_cache_by_its_longest_prompt():
     engine = Engine(tiny_model(), max_batch=2, max_seq_len=16)
     tokens, lengths = prompt_batch([[1, 2, 3], list(range(10))])
     assert tokens.shape == (2, 10) and lengths == [3, 10] and tokens[0, 3:].eq(0).all()
-    with pytest.raises(ValueError, match="17 positions exceed this engine's max_seq_len=16"):
+    # said in the terms given: 10 + 8 tokens read as miscounted against 17 positions
+    with pytest.raises(ValueError, match=r"^17 positions exceed this engine's max_seq_len=16: the longest prompt's 10 "
+                                         r"tokens and max_new_tokens=8 but the last, which no step reads; give "
+                                         r"max_new_tokens <= 7, or build the Engine with a larger max_seq_len$"):
         engine.generate([[1, 2, 3], list(range(10))], 8)
+    with pytest.raises(ValueError, match=r"^18 positions exceed .* the longest prompt's 18 tokens and max_new_tokens=1 "
+                                         r"but the last, which no step reads; shorten it to 16 tokens or fewer, or"):
+        engine.generate([[1, 2, 3], list(range(18))], 1)
     # the cache holds the prompt and the new tokens but the last (which no step reads): 10 + 7 - 1 = 16
     assert engine.generate([[1, 2, 3], list(range(10))], 7).shape == (2, 7)
     assert engine.generate([list(range(16))], 1).shape == (1, 1)  # a prompt that fills the cache: one token
@@ -315,6 +321,17 @@ def test_stop_tokens_may_be_one_id_as_transformers_takes_eos_token_id():
     for bad in ([None], [eos, "x"], [1.5], 5.0, True):
         with pytest.raises(ValueError, match="stop_tokens must be token ids"):
             engine.generate(prompt, 20, stop_tokens=bad)
+
+
+@pytest.mark.parametrize("stops", [-1, 256, [2, 300]])
+def test_stop_tokens_outside_the_vocabulary_are_refused_not_run_to_the_end(stops):
+    """The engine never makes such a token, so a stop id of another tokenizer (or -1 for none) ran every sequence to
+    max_new_tokens without a word."""
+    engine = Engine(tiny_model(), max_seq_len=16)
+    with pytest.raises(ValueError, match=r"^stop_tokens' token ids run from .*, but the model's vocabulary has 256 "
+                                         r"tokens: give the stop ids of this model's tokenizer"):
+        engine.generate(torch.tensor([[1, 2, 3]]), 4, stop_tokens=stops)
+    assert engine.generate(torch.tensor([[1, 2, 3]]), 4, stop_tokens=255).shape[0] == 1  # the last id is one
 
 
 @pytest.mark.parametrize("ids", [[[3, 256]], [[-1, 2]]])

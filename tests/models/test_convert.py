@@ -1,3 +1,4 @@
+import copy
 import re
 import warnings
 
@@ -80,6 +81,28 @@ def test_weight_bytes_saved_is_what_quantizing_the_head_too_saved(arch, rotate):
     wb = weight_bytes(model)
     assert wb["bf16_bytes"] - wb["quantized_bytes"] == before - weight_memory(model)["total_bytes"]
     assert model.config.quantization_config.get("lm_head_was_tied", False) == (arch == "llama")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # a tied head, biases, a head of its own
+@pytest.mark.parametrize("config", [QuantConfig(group_size=32), QuantConfig(group_size=32, modules_to_not_convert=[]),
+                                    QuantConfig(mode="w4a4", rotation="hadamard")])
+def test_num_parameters_counts_the_quantized_weights(arch, config, tmp_path):
+    """transformers' num_parameters counts Parameters, and a QuantLinear holds its weight and bias as buffers: a
+    quantized model read as its embeddings and norms (W4A16 SmolLM2-135M as 28M parameters)."""
+    from nibble import load_quantized, save_quantized
+    from nibble.models.convert import lm_head_tied
+
+    model = tiny_model(arch)
+    before = {k: model.num_parameters(exclude_embeddings=k) for k in (False, True)}
+    tied = lm_head_tied(model)
+    quantize_model(model, config, progress=False)
+    # a head untied from the embedding (rotated, or quantized) holds a matrix of its own
+    grown = model.config.vocab_size * model.config.hidden_size if tied and not lm_head_tied(model) else 0
+    for counted in (model, copy.deepcopy(model), load_quantized(save_quantized(model, tmp_path), tokenizer=False)[0]):
+        assert {k: counted.num_parameters(exclude_embeddings=k) for k in (False, True)} == \
+            {k: n + grown for k, n in before.items()}
+        # the INT4 weights are frozen buffers: not trainable
+        assert counted.num_parameters(only_trainable=True) == sum(p.numel() for p in counted.parameters())
 
 
 def test_default_group_size_follows_the_in_features():
