@@ -780,7 +780,8 @@ def _add_model_args(p, quant=True, runs_16_bit=True):
                        help="gptq / awq: calibration windows of the C4 excerpt (default: 128; fewer: faster, "
                             "less accurate)")
         p.add_argument("--calib-seq-len", type=int, default=None,
-                       help="gptq / awq: tokens per calibration window (default: 512)")
+                       help="gptq / awq: tokens per calibration window, at most the model's context (default: 512, "
+                            "or the context where shorter)")
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):
@@ -845,8 +846,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ppl: WikiText-2 test perplexity; tasks: the seven zero-shot tasks")
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=None,
-                   help="ppl: window length (default: the model's context, at most 2048; a longer one than the "
-                        "context is cut to it, with a warning)")
+                   help="ppl: window length (default: the model's context, at most 2048 and --max-tokens; a longer "
+                        "one than the context is cut to it, with a warning)")
     p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
     p.add_argument("--tasks", action=TaskNames, default=None,
                    help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")

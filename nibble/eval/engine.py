@@ -1006,7 +1006,8 @@ class Engine:
     (the CPU's: its physical memory); any batch up to ``max_batch`` runs. A batch of
     prompts is a ``[batch, T]`` tensor of token ids, or a list of prompts of any lengths (1-D tensors
     or lists of ids), which the engine pads at the end (see `prompt_batch`): each sequence then runs at
-    its own position, as it would alone.
+    its own position, as it would alone. ``cuda_graphs`` (default: on a CUDA device) replays each prefill shape and
+    decode step as a CUDA graph (True is refused off CUDA); False launches every kernel eagerly, as a profiler wants.
 
     The model is prepared in place: put in eval mode, and its 16-bit q/k/v and gate/up weights stacked
     (`stack_weights`: same Parameter objects, same memory). The engine runs its own forward of the decoder

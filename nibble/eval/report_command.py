@@ -41,8 +41,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="zero-shot tasks, by space or comma, e.g. piqa boolq (default: all seven)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None, help="score only the first N WikiText-2 tokens")
     parser.add_argument("--ppl-seq-len", type=int, default=None,
-                        help="perplexity window (default: min(context, 2048); a longer one than the context is cut to "
-                             "it, with a warning)")
+                        help="perplexity window (default: min(context, 2048, --ppl-max-tokens); a longer one than the "
+                             "context is cut to it, with a warning)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"task scoring batch size (default: {TASKS_BATCH_SIZE})")
     parser.add_argument("--speed-models", nargs="*", default=None, choices=list(SPEED_MODELS),

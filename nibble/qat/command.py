@@ -70,10 +70,11 @@ def qat_main(args) -> None:
     from nibble.eval.perplexity import WIKITEXT2_TEST
     from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
-    # their refusals said as the options: "lr must be > 0", a run already in --out, a text named twice, a resume's
-    # other settings, a run that diverged or was interrupted
-    check_learning_rates, check_new_run, training_sources, run_qat = (
-        options_named(**RUN_OPTIONS)(f) for f in (check_learning_rates, check_new_run, training_sources, run_qat))
+    # their refusals said as the options: "lr must be > 0", a recipe the start cannot take, a run already in --out, a
+    # text named twice, a resume's other settings, a run that diverged or was interrupted
+    check_learning_rates, check_recipe, check_new_run, training_sources, run_qat = (
+        options_named(**RUN_OPTIONS)(f)
+        for f in (check_learning_rates, check_recipe, check_new_run, training_sources, run_qat))
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)

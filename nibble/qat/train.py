@@ -136,8 +136,10 @@ def check_recipe(recipe: str, init: str, rotation_seed: int = 0, calibration=Non
         raise ValueError(f"calibration is GPTQ's (init='gptq'), and init={init!r} quantizes from the 16-bit weights, "
                          "calibrating nothing: drop calibration, or start from GPTQ's weights with init='gptq'")
     if init == "gptq" and recipe == "per-channel":
-        raise ValueError("init='gptq' is for the deployable recipes ('per-token', 'hadamard'): the per-channel "
-                         "recipe's learned smoothing rescales the weight that GPTQ would have quantized")
+        # worded for `nibble.cli.options_named`, which says each "init" / "recipe" as the option
+        raise ValueError("init='gptq' is for the deployable recipes, 'per-token' and 'hadamard': per-channel learns a "
+                         "smoothing that rescales the weight GPTQ would have quantized; give init='rtn' or another "
+                         "recipe")
 
 
 def check_model(model: nn.Module) -> None:

@@ -737,6 +737,18 @@ def test_nibble_qat_refuses_eval_ppl_with_the_recipe_that_exports_nothing(monkey
         main(["qat", "--recipe", "per-channel", "--eval-ppl", "--device", "cpu", "--out", str(tmp_path / "q")])
 
 
+def test_nibble_qat_says_a_recipe_init_refusal_in_its_options(monkeypatch, tmp_path):
+    """--init gptq --recipe per-channel was refused in run_qat's terms ("init='gptq' ..."), no option of the command's."""
+    from nibble.cli import main
+    from nibble.models import loading
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the checks"))
+    with pytest.raises(SystemExit) as said:
+        main(["qat", "--init", "gptq", "--recipe", "per-channel", "--device", "cpu", "--out", str(tmp_path / "q")])
+    message = str(said.value).splitlines()[0]
+    assert message.startswith("nibble qat: --init='gptq' is for the deployable recipes, 'per-token' and 'hadamard'")
+    assert message.endswith("give --init='rtn' or another --recipe")
+
+
 def test_the_loop_trains_against_the_16_bit_model(monkeypatch):
     """The teacher the loop runs, not one the test builds: the adapters and fake quant off, through the rotation, after
     the adapters have trained (a teacher that kept them, or its quantization, passed every test)."""
