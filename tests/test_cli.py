@@ -1055,6 +1055,24 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--quant", "w4a16"], "--quant: nibble qat trains and exports W4A4 alone: drop --quant"),  # "--quant-lr: invalid"
+    (["--quant", "4"], "--quant: nibble qat trains and exports W4A4 alone"),  # it trained at --quant-lr 4
+    (["--rotate"], "--rotate: nibble qat rotates with --recipe hadamard"),
+    (["--method", "gptq"], "--method: nibble qat starts from RTN's or GPTQ's weights with --init rtn|gptq"),
+])
+def test_qat_names_its_own_option_for_another_commands(argv, says, monkeypatch, capsys):
+    """`--quant` was read as an abbreviation of --quant-lr; --rotate and --method were unrecognized arguments."""
+    from nibble.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as e:
+        main(["qat", "--out", "unused", "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: nibble qat" in err and f"nibble qat: error: {says}" in err
+    assert "--quant " not in build_parser().commands["qat"].format_help()  # hidden
+
+
 def test_an_out_holding_a_quantized_checkpoint_is_written_again(quantized_dir, tmp_path):
     import shutil
     from nibble.cli import check_out
