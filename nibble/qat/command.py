@@ -90,6 +90,7 @@ def qat_main(args) -> None:
                             options_named)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
+    from nibble.models.checkpoint_files import quantized_checkpoint
     from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
     # their refusals said as the options: "lr must be > 0", a run already in --out, a text named twice, a resume's
@@ -105,6 +106,11 @@ def qat_main(args) -> None:
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_recipe(args.recipe, args.init)
+    if quantized_checkpoint(args.model):  # the loader's refusal said "load it with nibble.load_quantized"
+        again = (f"; this is a PE-QAT run's export: to train it on, give that model with --out {args.model} --resume"
+                 if state_path(args.model).exists() else "")
+        raise ValueError(f"--model {args.model} is a quantized checkpoint, and PE-QAT trains the 16-bit model: give "
+                         f"--model the float model it was quantized from (an HF dir or a .gguf){again}")
     if not args.resume:  # run_qat's refusal too, said here before the model loads
         check_new_run(args.out)
     if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word
