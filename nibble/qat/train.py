@@ -485,6 +485,10 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             callback=None) -> nn.Module:
     """Train ``model`` (a float HF causal LM, modified in place) with PE-QAT; returns the PeftModel.
 
+    The model is cast to float32, the training's master weights (a bfloat16 or float16 model given comes back in
+    float32), so `export` writes its 16-bit tensors (embeddings, norms, lm_head) in float32, as a model quantized on
+    the CPU is saved; `nibble.load_quantized` reads them in bf16 on a GPU all the same.
+
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
     paths `nibble.quantize.calibration.calibration_text` takes, or one of them), or of the given ``windows``
     LongTensor [n, seq_len]. ``lr`` is the LoRA learning rate, ``quant_lr`` that of
