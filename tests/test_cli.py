@@ -1055,6 +1055,41 @@ def test_qat_refuses_bad_counts_before_loading_the_model(monkeypatch):
             main(["qat", "--out", "unused", "--device", "cpu", flag, value])
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--quant", "w4a16"], "--quant: nibble qat trains and exports W4A4 alone: drop --quant"),  # "--quant-lr: invalid"
+    (["--quant", "4"], "--quant: nibble qat trains and exports W4A4 alone"),  # it trained at --quant-lr 4
+    (["--rotate"], "--rotate: nibble qat rotates with --recipe hadamard"),
+    (["--method", "gptq"], "--method: nibble qat starts from RTN's or GPTQ's weights with --init rtn|gptq"),
+])
+def test_qat_names_its_own_option_for_another_commands(argv, says, monkeypatch, capsys):
+    """`--quant` was read as an abbreviation of --quant-lr; --rotate and --method were unrecognized arguments."""
+    from nibble.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as e:
+        main(["qat", "--out", "unused", "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: nibble qat" in err and f"nibble qat: error: {says}" in err
+    assert "--quant " not in build_parser().commands["qat"].format_help()  # hidden
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_qat_from_a_quantized_checkpoint_names_the_16_bit_model_and_a_runs_resume(trained, tmp_path, monkeypatch):
+    """It was the loader's refusal, which said to load the checkpoint with nibble.load_quantized."""
+    from nibble.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "nibble"}}))
+    if trained:  # a PE-QAT export: its run goes on with --resume
+        (tmp_path / "qat-state").mkdir()
+        (tmp_path / "qat-state" / "state.pt").write_bytes(b"")
+    again = f"; this is a PE-QAT run's export: to train it on, give that model with --out {tmp_path} --resume" * trained
+    with pytest.raises(SystemExit, match=f"^nibble qat: --model {tmp_path} is a quantized checkpoint, and PE-QAT "
+                                         r"trains the 16-bit model: give --model the float model it was quantized "
+                                         rf"from \(an HF dir or a .gguf\){again}\n"):
+        main(["qat", "--model", str(tmp_path), "--out", str(tmp_path / "new"), "--device", "cpu"])
+
+
 def test_an_out_holding_a_quantized_checkpoint_is_written_again(quantized_dir, tmp_path):
     import shutil
     from nibble.cli import check_out

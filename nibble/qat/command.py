@@ -2,11 +2,33 @@
 `train.py` so that the command line builds without peft (the `qat` extra), which only the run needs."""
 from __future__ import annotations
 
+import argparse
+
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
+
+# The other commands' options for what `nibble qat` sets otherwise, and what to give it instead. `--quant w4a16` was
+# read as an abbreviation of --quant-lr ("argument --quant-lr: invalid float value: 'w4a16'"; `--quant 4` trained
+# at quant_lr 4), and the others were unrecognized arguments that named no option of this command.
+OTHER_COMMANDS_OPTIONS = {
+    "--quant": "nibble qat trains and exports W4A4 alone: drop --quant (a W4A16 model needs no training: nibble "
+               "quantize --quant w4a16, --method gptq or awq for calibrated weights)",
+    "--rotate": "nibble qat rotates with --recipe hadamard: give that instead",
+    "--method": "nibble qat starts from RTN's or GPTQ's weights with --init rtn|gptq: give that instead",
+}
+
+
+class _OtherCommandsOption(argparse.Action):
+    """One of `OTHER_COMMANDS_OPTIONS`, refused with its usage error (exit status 2), whatever value it is given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {OTHER_COMMANDS_OPTIONS[option_string]}")
 
 
 def add_qat_arguments(parser) -> None:
     """The `nibble qat` options (it owns --model and --device too)."""
+    for option in OTHER_COMMANDS_OPTIONS:  # hidden, and no attribute of the parsed arguments
+        parser.add_argument(option, action=_OtherCommandsOption, nargs="?", default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--recipe", choices=RECIPES, default="per-token",
@@ -68,6 +90,7 @@ def qat_main(args) -> None:
                             options_named)
     from nibble.eval.data import require_data
     from nibble.eval.perplexity import WIKITEXT2_TEST
+    from nibble.models.checkpoint_files import quantized_checkpoint
     from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
     # their refusals said as the options: "lr must be > 0", a recipe the start cannot take, a run already in --out, a
@@ -84,6 +107,11 @@ def qat_main(args) -> None:
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_recipe(args.recipe, args.init)
+    if quantized_checkpoint(args.model):  # the loader's refusal said "load it with nibble.load_quantized"
+        again = (f"; this is a PE-QAT run's export: to train it on, give that model with --out {args.model} --resume"
+                 if state_path(args.model).exists() else "")
+        raise ValueError(f"--model {args.model} is a quantized checkpoint, and PE-QAT trains the 16-bit model: give "
+                         f"--model the float model it was quantized from (an HF dir or a .gguf){again}")
     if not args.resume:  # run_qat's refusal too, said here before the model loads
         check_new_run(args.out)
     if args.eval_ppl and args.recipe == "per-channel":  # it trained, then returned without a perplexity or a word

@@ -67,10 +67,11 @@ from tqdm.auto import tqdm
 from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.architecture import check_architecture, check_calibration_ids
 from nibble.models.checkpoint_files import atomic_write, checkpoint_dir
-from nibble.models.convert import check_not_quantized, check_weights_loaded, own_config, refuse_save_pretrained
+from nibble.models.convert import check_not_quantized, check_quantizable, own_config, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
+from nibble.quantize.rtn import naming
 from nibble.warn import warn
 
 STATE_DIR = "qat-state"
@@ -142,17 +143,28 @@ def check_recipe(recipe: str, init: str, rotation_seed: int = 0, calibration=Non
                          "recipe")
 
 
-def check_model(model: nn.Module) -> None:
+def start_config(recipe: str, init: str, rotation_seed: int = 0) -> QuantConfig:
+    """The post-training quantization a run of ``recipe`` and ``init`` starts from and `export` deploys: W4A4, per
+    output channel, rotated by the Hadamard recipe."""
+    rotation = "hadamard" if recipe == "hadamard" else "none"
+    return QuantConfig(mode="w4a4", method=init, rotation=rotation, rotation_seed=rotation_seed)
+
+
+def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0) -> None:
     """Refuse what PE-QAT cannot train: a model it prepared already (run_qat changes the model it is given in place:
     run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
-    model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model, weights on
-    the meta device."""
+    model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model, and what
+    `quantize_model` refuses of the same quantization (`start_config`) before it touches the model: weights on the
+    meta device, a model the Hadamard recipe cannot rotate, a width INT4 cannot pack, a weight holding NaN or Inf or,
+    from RTN's start, too large or too small for float16 scales. Found later, these were said after the model was cast
+    and prepared (the rotation's), or after the whole training (the packing's, at the export), or as a scale overflow
+    of |w| = nan without the layer's name (NaN and Inf)."""
     if fake_quant_layers(model):
         raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
                          "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
     check_architecture(model)
-    check_not_quantized(model, "PE-QAT")
-    check_weights_loaded(model)
+    check_not_quantized(model, "PE-QAT")  # by PE-QAT's name, before check_quantizable's own
+    check_quantizable(model, start_config(recipe, init, rotation_seed))
 
 
 # Why a PE-QAT model saves only through nibble: what it trained is more than its LoRA weights, and every way of saving
@@ -204,7 +216,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     check_alpha(alpha)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
-    check_model(model)
+    check_model(model, recipe, init, rotation_seed)
     if init == "gptq":
         check_calibration_ids(model, calibration)
     meta = qat_description(recipe, init, rank, alpha, rotation_seed)
@@ -218,7 +230,8 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     for name in names:
         parent, _, child = name.rpartition(".")
         linear = model.get_submodule(name)
-        layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
+        with naming(name):  # a scale past float16 after the rotation, found by the clip search
+            layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
         setattr(model.get_submodule(parent), child, layer)
     config = LoraConfig(r=rank, lora_alpha=meta["alpha"], lora_dropout=0.0, target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
@@ -474,6 +487,10 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
             callback=None) -> nn.Module:
     """Train ``model`` (a float HF causal LM, modified in place) with PE-QAT; returns the PeftModel.
 
+    The model is cast to float32, the training's master weights (a bfloat16 or float16 model given comes back in
+    float32), so `export` writes its 16-bit tensors (embeddings, norms, lm_head) in float32, as a model quantized on
+    the CPU is saved; `nibble.load_quantized` reads them in bf16 on a GPU all the same.
+
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
     paths `nibble.quantize.calibration.calibration_text` takes, or one of them), or of the given ``windows``
     LongTensor [n, seq_len]. ``lr`` is the LoRA learning rate, ``quant_lr`` that of
@@ -511,7 +528,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
-    check_model(model)  # before the model is changed
+    check_model(model, recipe, init, rotation_seed)  # before the model is changed
     if out_dir is not None:
         # the folder the export writes: one holding a float model was refused by the export alone, after the training
         out_dir = checkpoint_dir(out_dir, model)

@@ -476,6 +476,38 @@ def test_a_model_built_empty_is_refused_before_it_is_prepared():
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
 
 
+def _poisoned(value):
+    def poison(model):
+        model.model.layers[0].self_attn.q_proj.weight.data[0, 0] = value
+    return poison
+
+
+@pytest.mark.parametrize("recipe, overrides, change, message", [
+    # a scale overflow of "|w| = nan", no layer named, after the model was cast and prepared
+    ("per-token", {}, _poisoned(float("nan")), r"^model.layers.0.self_attn.q_proj: weight contains NaN or Inf"),
+    ("hadamard", {}, _poisoned(float("inf")), r"^model.layers.0.self_attn.q_proj: weight contains NaN or Inf"),
+    # the packing's refusal came at the export, after the whole training, naming no layer
+    ("per-token", dict(intermediate_size=196), None, r"^model.layers.0.mlp.down_proj: in_features=196 is not a "
+                                                      "multiple of 8"),
+    # the rotation's, after the model was cast to float32 and set to checkpoint its gradients
+    ("hadamard", dict(intermediate_size=232), None, "cannot rotate this model: its intermediate_size is 232"),
+    # trained on scales float16 holds with 2 bits or fewer, which quantize_model refuses
+    ("per-token", dict(initializer_range=1e-10), None, r"^model.layers.0.self_attn.q_proj: weights up to \|w\| = "
+                                                       ".* need group scales below"),
+])
+def test_what_the_w4a4_quantization_refuses_is_refused_before_the_model_is_changed(recipe, overrides, change,
+                                                                                     message):
+    """PE-QAT starts from (and exports) quantize_model's W4A4 model: what that refuses of the model, PE-QAT refuses
+    as it does, naming the layer, before it casts, rotates or prepares anything."""
+    model = tiny_model(dtype=torch.bfloat16, **{"initializer_range": 0.1, **overrides})
+    if change is not None:
+        change(model)
+    with pytest.raises(ValueError, match=message):
+        _train(recipe, 1, _windows(), model=model)
+    assert next(model.parameters()).dtype == torch.bfloat16 and not model.is_gradient_checkpointing
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+
+
 def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):
     """It was taken as asked: SmolLM2 at --seq-len 100000 ran one step for minutes, on positions it never saw."""
     text = tmp_path / "calib.txt"
