@@ -240,6 +240,16 @@ def test_score_docs_takes_argmax_of_loglikelihood_and_of_loglikelihood_per_chara
     assert all(math.isnan(nan[k]) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")) and nan["n"] == 3
 
 
+def test_acc_norm_divides_by_the_choices_length_in_characters_not_bytes_or_words():
+    """lm-eval's acc_norm is ll / len(choice), Python's len: characters (its acc_bytes is another metric). Every choice
+    in the other tests was one ASCII word, where characters, bytes and words order the choices alike. Here each order
+    picks another choice: "éééé" is 4 characters and 8 bytes, "ab cd ef" 8 characters and 3 words."""
+    docs = [Doc([("", "")] * 2, ["éééé", "abcde"], 1),  # per character -1.1 < -1.0; per byte -0.55 > -1.0
+            Doc([("", "")] * 2, ["ab cd ef", "abcdefg"], 1)]  # per character -1.0 < -0.9; per word -2.7 > -6.3
+    result = score_docs(docs, [-4.4, -5.0, -8.0, -6.3], has_acc_norm=True)
+    assert result["acc_norm"] == 1.0 and result["acc"] == 0.5
+
+
 def test_uniform_model_acc_picks_the_shortest_choice_and_acc_norm_the_longest():
     # Every byte has log-prob -log 256, so ll = -(1 + len(choice)) log 256: acc prefers the shortest
     # choice, acc_norm (ll / len(choice)) the longest. PIQA's first 3 docs (sol lengths, gold):

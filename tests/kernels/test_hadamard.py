@@ -3,6 +3,7 @@
 The kernel tests run on CUDA, or on the CPU under the Triton interpreter:
     TRITON_INTERPRET=1 pytest tests/kernels/test_hadamard.py
 """
+import hashlib
 import math
 import os
 import subprocess
@@ -60,6 +61,45 @@ def test_williamson_43_rows_are_symmetric_coset_constant_and_complementary():
             assert all(a[(x * h) % 43] == a[x] for h in group)
         paf += torch.stack([(a * a.roll(-s)).sum() for s in range(43)])
     assert paf[0] == 172 and torch.all(paf[1:] == 0)  # A^2 + B^2 + C^2 + D^2 = 172 I
+
+
+def _legendre(a: int, q: int) -> int:
+    """The quadratic character of a mod the prime q, by Euler's criterion."""
+    r = pow(a % q, (q - 1) // 2, q)
+    return 0 if r == 0 else (1 if r == 1 else -1)
+
+
+def _paley_textbook(m: int) -> torch.Tensor:
+    """The matrix the module docstring names for order m, entry by entry: Paley I (I + S) where q = m - 1 is a prime
+    3 mod 4, else Paley II from the conference matrix of q = m / 2 - 1."""
+    q = m - 1
+    if had._is_prime(q) and q % 4 == 3:
+        def s(i, j):  # S = [[0, 1], [-1, Q]], Q[i, j] = chi(j - i)
+            return 0 if i == j else 1 if i == 0 else -1 if j == 0 else _legendre(j - i, q)
+        return torch.tensor([[(i == j) + s(i, j) for j in range(m)] for i in range(m)], dtype=torch.float64)
+    q = m // 2 - 1
+    c = [[0 if i == j else 1 if 0 in (i, j) else _legendre(j - i, q) for j in range(q + 1)] for i in range(q + 1)]
+    one, zero = ((1, 1), (1, -1)), ((1, -1), (-1, -1))
+    return torch.tensor([[c[i // 2][j // 2] * one[i % 2][j % 2] if i // 2 != j // 2 else zero[i % 2][j % 2]
+                          for j in range(m)] for i in range(m)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("m", [m for m in range(2, 200) if had._construction(m) is not None and m != 172])
+def test_paley_matrices_are_the_documented_constructions_sign_for_sign(m):
+    """A saved W4A4 + Hadamard checkpoint holds down_proj weights multiplied by H_n.T, and its input is rotated by
+    H_n online when it loads: another Hadamard matrix of the same order (a row negated, S - I for I + S), as
+    orthogonal as this one, passed every other test and would load those checkpoints into a model computing
+    another function, without a word. So each dense factor is pinned: the Paley ones to their definition (the
+    character by Euler's criterion), written here entry by entry."""
+    assert torch.equal(had._base_matrix(m), _paley_textbook(m))  # what the reference and the kernels read
+
+
+def test_williamson_172_is_the_matrix_checkpoints_were_rotated_with():
+    """The order-172 factor (Llama's 11008 = 172 * 64) came from a search, not a formula: its signs are pinned by
+    their digest (why: the test above)."""
+    h = had._base_matrix(172)
+    digest = hashlib.sha256((h > 0).to(torch.uint8).numpy().tobytes()).hexdigest()
+    assert digest == "17ed601ccf42ffcca35477b7731a9389bcf9f892fd6d93c5d323967890d6af1d"
 
 
 @pytest.mark.parametrize("n,m", [(576, 36), (1536, 12), (4096, 1), (8192, 1), (11008, 172), (14336, 28),

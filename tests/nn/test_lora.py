@@ -184,6 +184,11 @@ def test_svd_combination_and_refused_inits():
     layer = next(m for m in adapted.modules() if isinstance(m, QuantLoraLinear))
     want = layer.get_delta_weight("default")
     assert want.abs().max() > 0
+    # the delta is what the adapter adds to the layer's output, scaling included (a delta without it combined
+    # with itself as consistently, and passed)
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x) - layer.base_layer(x), x @ want.T, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(layer.get_delta_weight("combined"), want, rtol=1e-3, atol=1e-5)
 
 
