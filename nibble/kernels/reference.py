@@ -11,7 +11,9 @@ import torch
 from nibble.formats.int4 import PACK, unpack_int4
 
 # Symmetric INT4 activations use [-7, 7] for the scale (amax / 7) so +-amax are both exact;
-# -8 is reachable only by rounding, never produced for finite inputs.
+# -8 is reachable only by rounding: never for float16 / bfloat16 tokens (the kernels', which skip the clamp), but a
+# float32 token whose amax / 7 lands among float32's last subnormals (amax below ~1e-43) rounds its scale coarsely
+# enough to get there (x = [-10, 3] * 2^-149 gives -8 after the clamp below).
 ACT_QMAX = 7
 
 
