@@ -645,6 +645,20 @@ def test_a_nan_score_is_nan_in_report_md_and_null_in_strict_report_json(tmp_path
         json_text(object(), default=lambda _: float("inf"))  # one the conversion cannot see fails loudly
 
 
+def test_a_task_of_one_document_has_no_standard_error_in_report_md_or_json(tmp_path):
+    """One document leaves no spread to estimate a standard error from (lm-eval writes "N/A"): the table read
+    "1.0000 ± 0.0000", an exact score. Now "± N/A", null in report.json, and the same from a report read back."""
+    report.run_report(None, tmp_path, configs=("bf16",), tasks=("piqa",), tasks_limit=1, ppl_max_tokens=300,
+                      speed=False, loader=tiny_loader, progress=False, log=lambda *_: None)
+    md = (tmp_path / "report.md").read_text()
+    piqa = json.loads((tmp_path / "report.json").read_text())["configs"]["bf16"]["tasks"]["piqa"]
+    assert piqa["n"] == 1 and piqa["acc_stderr"] is None and piqa["acc_norm_stderr"] is None
+    for metric in ("acc", "acc_norm"):
+        assert f"| piqa {metric} | {piqa[metric]:.4f} ± N/A |" in md
+    report.write_markdown(report.merge_reports([report.read_json(tmp_path / "report.json")]), tmp_path / "merged.md")
+    assert (tmp_path / "merged.md").read_text() == md
+
+
 def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, monkeypatch):
     """On the CPU every config runs in float32: the bar named bf16 showed 4 bytes a weight, twice bf16's."""
     figures = []
