@@ -21,7 +21,8 @@ a run stopped part way (Ctrl-C, a kill, a machine's time limit) keeps what it me
 
 ``report.json`` is strict JSON: a NaN or infinite number is written as ``null`` (Python's json writes a bare
 ``NaN``, which jq and JavaScript reject). A score, the perplexity (``ppl``, ``nll``) or a task's metric, is ``null``
-where it was NaN (a model whose logits went NaN); any other ``null`` is a setting left unset (meta's
+where it was NaN (a model whose logits went NaN; a standard error, also where its task had one document: lm-eval's
+"N/A"); any other ``null`` is a setting left unset (meta's
 ``tasks_limit``) or a figure with nothing to take it from (a ratio without a bf16 run). `read_json` reads a
 report.json back with those scores NaN again, as `run_report` returned them (report.md writes "nan", not "-",
 which is "not measured").
@@ -375,9 +376,12 @@ def _fmt(v, spec=".3f"):
 
 
 def _with_stderr(task: dict, metric: str) -> str:
-    """``0.6470 ± 0.0112``: a task's metric beside its standard error (lm-eval prints both)."""
+    """``0.6470 ± 0.0112``: a task's metric beside its standard error (lm-eval prints both); ``1.0000 ± N/A`` where
+    the stderr alone is NaN, a task of one document (lm-eval's N/A)."""
     value, stderr = task.get(metric), task.get(f"{metric}_stderr")
-    return _fmt(value, ".4f") + (f" ± {stderr:.4f}" if value is not None and stderr is not None else "")
+    if value is None or stderr is None:  # not measured, or a report from before the stderrs
+        return _fmt(value, ".4f")
+    return _fmt(value, ".4f") + (" ± N/A" if math.isnan(stderr) and not math.isnan(value) else f" ± {stderr:.4f}")
 
 
 def _accuracy_protocol(results: dict) -> str:

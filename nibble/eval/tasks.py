@@ -45,6 +45,7 @@ Notes on the shared copies (the README there says where each comes from):
   this file is unknown (ActivityNet contexts, the first 3,243 tasks, are not affected).
 """
 
+import math
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -274,7 +275,7 @@ def _check_golds(docs: list[Doc], files: str) -> None:
 
 def score_docs(docs: list[Doc], lls: list[float], has_acc_norm: bool) -> dict:
     """acc (and acc_norm) over `docs`, given the log-likelihood of every request in order, each with its standard
-    error as lm-eval gives it (the sample standard deviation of the hits over sqrt(n))."""
+    error as lm-eval gives it (the sample standard deviation of the hits over sqrt(n); NaN for one document)."""
     hits, hits_norm = [], []
     pos = 0
     for doc in docs:
@@ -295,9 +296,10 @@ def score_docs(docs: list[Doc], lls: list[float], has_acc_norm: bool) -> dict:
 
 
 def _stderr(hits: list[bool]) -> float:
-    """lm-eval's `mean_stderr`: sqrt(sample variance / n); 0 for one document (no spread to estimate)."""
+    """lm-eval's `mean_stderr`: sqrt(sample variance / n). NaN for one document, whose spread cannot be estimated
+    (lm-eval's "N/A"): 0.0 there read as an exact score, "1.0000 ± 0.0000"."""
     n = len(hits)
-    return float(np.std(hits, ddof=1) / np.sqrt(n)) if n > 1 else 0.0
+    return float(np.std(hits, ddof=1) / np.sqrt(n)) if n > 1 else math.nan
 
 
 def check_tasks(tasks) -> list[str]:

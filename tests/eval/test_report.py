@@ -5,6 +5,7 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -644,6 +645,20 @@ def test_a_nan_score_is_nan_in_report_md_and_null_in_strict_report_json(tmp_path
         json_text(object(), default=lambda _: float("inf"))  # one the conversion cannot see fails loudly
 
 
+def test_a_task_of_one_document_has_no_standard_error_in_report_md_or_json(tmp_path):
+    """One document leaves no spread to estimate a standard error from (lm-eval writes "N/A"): the table read
+    "1.0000 ± 0.0000", an exact score. Now "± N/A", null in report.json, and the same from a report read back."""
+    report.run_report(None, tmp_path, configs=("bf16",), tasks=("piqa",), tasks_limit=1, ppl_max_tokens=300,
+                      speed=False, loader=tiny_loader, progress=False, log=lambda *_: None)
+    md = (tmp_path / "report.md").read_text()
+    piqa = json.loads((tmp_path / "report.json").read_text())["configs"]["bf16"]["tasks"]["piqa"]
+    assert piqa["n"] == 1 and piqa["acc_stderr"] is None and piqa["acc_norm_stderr"] is None
+    for metric in ("acc", "acc_norm"):
+        assert f"| piqa {metric} | {piqa[metric]:.4f} ± N/A |" in md
+    report.write_markdown(report.merge_reports([report.read_json(tmp_path / "report.json")]), tmp_path / "merged.md")
+    assert (tmp_path / "merged.md").read_text() == md
+
+
 def test_the_memory_plot_names_the_dtype_its_bars_were_measured_in(tmp_path, monkeypatch):
     """On the CPU every config runs in float32: the bar named bf16 showed 4 bytes a weight, twice bf16's."""
     figures = []
@@ -728,3 +743,24 @@ def test_python_m_nibble_eval_report_is_nibble_report(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         runpy.run_module("nibble.eval.report", run_name="__main__")
     assert str(stopped.value.code).startswith(f"nibble report: --out {a_file} is a file"), stopped.value.code
+
+
+def test_the_readme_smollm2_accuracy_table_is_its_reports_rounded_once():
+    """The README's SmolLM2 table is the committed reports' acc to 3 decimals; its averages were rounded from
+    report.md's 4 (0.41049 -> .4105 -> .411, 0.39947 -> .3995 -> .400), one in the third decimal off."""
+    root = Path(__file__).parents[2]
+    results = root / "benchmarks" / "results"
+    main = json.loads((results / "report-smollm2-h200" / "report.json").read_text())["configs"]
+    lm_head = json.loads((results / "lm-head-decode-h200" / "smollm2-accuracy" / "w4a16-lmhead-report.json")
+                         .read_text())["configs"]["w4a16-lmhead"]["tasks"]
+    gptq = json.loads((results / "ptq-w4a4-smollm2-h200" / "ptq-smollm2-w4a4-hadamard-gptq-tasks-h200.json")
+                      .read_text())["rows"][0]["tasks"]  # {task: acc}
+    columns = [main["bf16"]["tasks"], main["w4a16"]["tasks"], lm_head, main["w4a4"]["tasks"],
+               main["w4a4-hadamard"]["tasks"]]
+    columns = [{t: c[t]["acc"] for t in (*ALL_TASKS, "average")} for c in columns] + [gptq]
+    readme = (root / "README.md").read_text()
+    for label, tasks in (("piqa / hellaswag / winogrande", ALL_TASKS[:3]),
+                         ("arc_e / arc_c / boolq / obqa", ALL_TASKS[3:]), ("seven-task average acc", ("average",))):
+        row = re.search(rf"^\| {re.escape(label)} \|(.*)\|$", readme, re.M).group(1)
+        want = [" / ".join(f"{c[t]:.3f}".removeprefix("0") for t in tasks) for c in columns]
+        assert [cell.strip() for cell in row.split("|")] == want, label

@@ -235,7 +235,10 @@ def test_score_docs_takes_argmax_of_loglikelihood_and_of_loglikelihood_per_chara
     assert score_docs(docs, lls, has_acc_norm=True) == pytest.approx(
         {"acc": 2 / 3, "acc_stderr": se, "acc_norm": 2 / 3, "acc_norm_stderr": se, "n": 3})
     assert score_docs(docs, lls, has_acc_norm=False) == pytest.approx({"acc": 2 / 3, "acc_stderr": se, "n": 3})
-    assert score_docs(docs[:1], lls[:2], has_acc_norm=False) == {"acc": 1.0, "acc_stderr": 0.0, "n": 1}
+    # one document: no spread to estimate a standard error from, lm-eval's "N/A" (0.0 read as an exact score)
+    one = score_docs(docs[:1], lls[:2], has_acc_norm=True)
+    assert (one["acc"], one["acc_norm"], one["n"]) == (1.0, 0.0, 1)
+    assert math.isnan(one["acc_stderr"]) and math.isnan(one["acc_norm_stderr"])
     nan = score_docs(docs, lls[:5] + [float("nan"), -8.0], has_acc_norm=True)  # np.argmax took the NaN: a guess
     assert all(math.isnan(nan[k]) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")) and nan["n"] == 3
 
