@@ -98,22 +98,6 @@ def pick_config(M: int, N: int, K: int, model: CostModel, clusters: dict, tiles=
     return dict(bn=tokens, channels=channels, split_k=split)
 
 
-def launch_config(config, M: int, K: int, widths, model: CostModel, clusters: dict, kernel: str) -> dict:
-    """The config of one launch of a Hopper GEMM (``kernel`` names it in errors) over weights of
-    ``widths`` columns side by side: ``config`` (bn, channels, split_k) as given, else
-    `pick_config`'s; either way a tile the widths allow (`tiles_side_by_side`) and 1 to MAX_SPLIT
-    splits, or a ValueError that names what is allowed."""
-    tiles = tiles_side_by_side(tuple(model.stage_us), widths)
-    tile = None if config is None else (config["bn"], config["channels"])
-    if not tiles or (tile is not None and tile not in tiles):
-        raise ValueError(f"{kernel}: (bn, channels) must be one of {tiles} for weights of widths {list(widths)} "
-                         f"(each but the last a multiple of the channels), got {tile or 'none that fits'}")
-    if config is not None and not 1 <= int(config.get("split_k", 1)) <= MAX_SPLIT:
-        raise ValueError(f"{kernel}: split_k must be 1 to {MAX_SPLIT} (the splits of a tile are one cluster of "
-                         f"CTAs, at most {MAX_SPLIT}), got {config['split_k']}")
-    return dict(config) if config is not None else pick_config(M, sum(widths), K, model, clusters, tiles)
-
-
 class WgmmaGemm:
     """The host side of one Hopper GEMM, ``csrc/<name>.cu``: its library (``signatures``: its
     `cuda_build.signatures`), the clusters of its CTAs a GPU holds, and its tiles and configs by its
@@ -144,3 +128,19 @@ class WgmmaGemm:
         of ``widths`` columns side by side in one launch, on a GPU that holds ``clusters``
         (`clusters`; default: NUM_SMS_DEFAULT SMs, every one usable)."""
         return pick_config(M, N, K, self.model, clusters or ideal_clusters(NUM_SMS_DEFAULT), self.tiles(widths or None))
+
+    def launch_config(self, config, M: int, K: int, widths, clusters: dict | None = None,
+                      kernel: str | None = None) -> dict:
+        """The config of one launch (``kernel`` names it in errors; default: the library's name) over weights of
+        ``widths`` columns side by side: ``config`` (bn, channels, split_k) as given, else `config`'s; either way
+        a tile the widths allow (`tiles`) and 1 to MAX_SPLIT splits, or a ValueError that names what is allowed."""
+        kernel = kernel or self.name
+        tiles = self.tiles(widths)
+        tile = None if config is None else (config["bn"], config["channels"])
+        if not tiles or (tile is not None and tile not in tiles):
+            raise ValueError(f"{kernel}: (bn, channels) must be one of {tiles} for weights of widths {list(widths)} "
+                             f"(each but the last a multiple of the channels), got {tile or 'none that fits'}")
+        if config is not None and not 1 <= int(config.get("split_k", 1)) <= MAX_SPLIT:
+            raise ValueError(f"{kernel}: split_k must be 1 to {MAX_SPLIT} (the splits of a tile are one cluster of "
+                             f"CTAs, at most {MAX_SPLIT}), got {config['split_k']}")
+        return dict(config) if config is not None else self.config(M, sum(widths), K, clusters, widths)

@@ -912,7 +912,7 @@ def w4a16_wgmma_many(x, weights, group_size, config: dict | None = None, outs=No
         raise ValueError(f"w4a16_wgmma needs an sm_90 GPU with the compiled kernel, N % 8 == 0, a group of 32, 64, "
                          f"a multiple of 128 or one per column and 1 to {MMA_MAX_WEIGHTS} weights; got N={widths} "
                          f"K={K} group={group_size} on {x.device}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA.model, WGMMA.clusters(x.device), "w4a16_wgmma")
+    cfg = WGMMA.launch_config(config, M, K, widths, WGMMA.clusters(x.device))
     tile = (cfg["bn"], cfg["channels"])
     # The TMA reads 16-byte aligned rows; the epilogue stores 4 outputs (8 bytes) at a time.
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:

@@ -1168,7 +1168,7 @@ def w4a4_wgmma_many(qx: torch.Tensor, x_scale: torch.Tensor, layers, out_dtype: 
                          f"K % 32 == 0 and 1 to {MMA_MAX_WEIGHTS} layers; got M={M} N={widths} K={K} on {qx.device}")
     if out_dtype not in _DTYPE_CODES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    cfg = hopper.launch_config(config, M, K, widths, WGMMA.model, WGMMA.clusters(qx.device), "w4a4_wgmma")
+    cfg = WGMMA.launch_config(config, M, K, widths, WGMMA.clusters(qx.device))
     ys = [_output(qx, n, out_dtype, out_int32) for n in widths]
     _launch_wgmma(qx, x_scale, layers, ys, 3 if out_int32 else _DTYPE_CODES[out_dtype], order, cfg, gated=False)
     return ys
@@ -1218,7 +1218,7 @@ def w4a4_wgmma_silu_mul(qx: torch.Tensor, x_scale: torch.Tensor, gate, up, out_d
     M, K = qx.shape
     N = gate[0].shape[1]
     # the gated columns of gate and up interleave inside every tile: one 2N-wide "weight"
-    cfg = hopper.launch_config(config, M, K, [2 * N], WGMMA.model, WGMMA.clusters(qx.device), "w4a4_wgmma_silu_mul")
+    cfg = WGMMA.launch_config(config, M, K, [2 * N], WGMMA.clusters(qx.device), "w4a4_wgmma_silu_mul")
     y = _output(qx, N, out_dtype, False)
     _launch_wgmma(qx, x_scale, [gate, up], [y, y], _DTYPE_CODES[out_dtype], order, cfg, gated=True)
     return y

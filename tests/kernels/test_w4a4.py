@@ -284,16 +284,15 @@ def test_wgmma_tiles_for_layers_side_by_side():
         cfg = w4a4.WGMMA.config(M, 896 + 256, 896, widths=[896, 128, 128])
         # 64 x 128 up to the 256 tokens it was swept at (WGMMA.model.max_tokens), 128 x 128 above
         assert (cfg["bn"], cfg["channels"]) == ((64, 128) if M <= 256 else (128, 128))
-        launch = hopper.launch_config(None, M, 896, [896, 128, 128], w4a4.WGMMA.model, hopper.ideal_clusters(132), "w4a4_wgmma")
+        launch = w4a4.WGMMA.launch_config(None, M, 896, [896, 128, 128], hopper.ideal_clusters(132))
         assert launch == cfg
     with pytest.raises(ValueError, match=r"must be one of \(\) .* got none that fits"):
-        hopper.launch_config(None, 64, 576, [576, 192, 192], w4a4.WGMMA.model, hopper.ideal_clusters(132), "w4a4_wgmma")
+        w4a4.WGMMA.launch_config(None, 64, 576, [576, 192, 192], hopper.ideal_clusters(132))
     with pytest.raises(ValueError, match="split_k must be 1 to 8"):
-        hopper.launch_config(dict(bn=128, channels=128, split_k=16), 64, 4096, [4096], w4a4.WGMMA.model,
-                             hopper.ideal_clusters(132), "w4a4_wgmma")
+        w4a4.WGMMA.launch_config(dict(bn=128, channels=128, split_k=16), 64, 4096, [4096], hopper.ideal_clusters(132))
     with pytest.raises(ValueError, match="multiple of the channels"):
-        hopper.launch_config(dict(bn=128, channels=256, split_k=1), 64, 896, [896, 128, 128], w4a4.WGMMA.model, hopper.ideal_clusters(132),
-                             "w4a4_wgmma")
+        w4a4.WGMMA.launch_config(dict(bn=128, channels=256, split_k=1), 64, 896, [896, 128, 128],
+                                 hopper.ideal_clusters(132))
 
 
 def test_pick_config_covers_decode_and_prefill():
