@@ -67,7 +67,7 @@ from tqdm.auto import tqdm
 from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.architecture import check_architecture, check_calibration_ids
 from nibble.models.checkpoint_files import atomic_write, checkpoint_dir
-from nibble.models.convert import check_not_quantized, check_quantizable, own_config, refuse_save_pretrained
+from nibble.models.convert import check_not_quantized, check_quantizable, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -503,7 +503,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
     refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
     a float model, the one trained above all). ``callback(step, loss)`` runs after each
-    step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
+    step (and after that step's state is saved). The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
     ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
     run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant
@@ -583,8 +583,6 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     try:
         torch.manual_seed(seed)
         model = model.to(device=device, dtype=torch.float32)
-        own_config(model)  # another model built from the same config object keeps its cache
-        model.config.use_cache = False
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)

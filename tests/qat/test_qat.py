@@ -145,12 +145,33 @@ def test_final_loss_is_the_mean_of_the_last_steps_losses():
         assert meta["first_loss"] == losses[0]
 
 
-def test_training_leaves_another_model_of_the_same_config_object_as_it_was():
-    """run_qat turns the model's KV cache off in its config, which every model built from that object shared."""
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_training_leaves_the_models_kv_cache_setting_as_it_was(use_cache):
+    """run_qat turned use_cache off in the config of the model it returned (its forward passes say use_cache=False
+    themselves), so that a forward of the trained model returned no KV cache; a model built from the same config
+    object keeps its setting and its tied head (the hadamard recipe unties the trained one's)."""
+    ids = torch.tensor([[1, 2, 3]])
     model = _model()
+    model.config.use_cache = use_cache
     other = type(model)(model.config)
-    _train("per-token", 1, _windows(), model=model)
-    assert other.config.use_cache and not model.config.use_cache
+    qat = _train("hadamard", 1, _windows(), model=model, gradient_checkpointing=True)
+    assert qat.config.use_cache is other.config.use_cache is use_cache
+    assert other.config.tie_word_embeddings and not qat.config.tie_word_embeddings
+    with torch.no_grad():
+        assert (qat(ids).past_key_values is not None) is use_cache
+        # the export keeps it too, as quantize_model does (it turned it on, undoing run_qat's)
+        exported = export(qat)
+        assert exported.config.use_cache is use_cache and (exported(ids).past_key_values is not None) is use_cache
+    # interrupted too
+    model = _model()
+    model.config.use_cache = use_cache
+
+    def interrupt(step, loss):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _train("per-token", 2, _windows(), model=model, callback=interrupt)
+    assert model.config.use_cache is use_cache
 
 
 @pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
