@@ -87,6 +87,26 @@ _LAYER_KWARGS = {
     "hadamard": dict(clip="fixed", act="token"),
     "per-channel": dict(clip="learned", act="channel", smoothing=True),
 }
+DEFAULT_QUANT_LR = 1e-2  # the rate of the quantization parameters, for the recipes that learn them
+
+
+def learns_quantization(recipe: str) -> bool:
+    """Whether ``recipe`` learns quantization parameters (clip ratios, smoothing), which train at ``quant_lr``: the
+    hadamard recipe learns LoRA alone, its clip ratios fixed, so a quant_lr changes nothing in its run."""
+    kwargs = _LAYER_KWARGS[recipe]
+    return kwargs["clip"] == "learned" or kwargs["act"] == "channel" or kwargs.get("smoothing", False)
+
+
+def checked_quant_lr(recipe: str, quant_lr: float | None) -> float | None:
+    """The ``quant_lr`` a run of ``recipe`` trains at: `DEFAULT_QUANT_LR` where none is given; None for a recipe
+    that learns no quantization parameters, with a warning where one was given (it trained nothing, and a resume at
+    another one was refused as another run)."""
+    if not learns_quantization(recipe):
+        if quant_lr is not None:
+            warn(f"quant_lr={quant_lr} has no effect: recipe {recipe!r} learns no quantization parameters (its clip "
+                 "ratios are fixed), only LoRA, at lr; drop quant_lr")
+        return None
+    return DEFAULT_QUANT_LR if quant_lr is None else quant_lr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +351,7 @@ def qat_loss(logits: torch.Tensor, input_ids: torch.Tensor, teacher_logits: torc
     return loss
 
 
-def _param_groups(model: nn.Module, lr: float, quant_lr: float):
+def _param_groups(model: nn.Module, lr: float, quant_lr: float | None):
     lora = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
     quant = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
     groups = [{"params": lora, "lr": lr, "weight_decay": 0.0}]
@@ -350,11 +370,12 @@ def check_positive(name: str, value, why: str) -> None:
                          f"{value!r}")
 
 
-def check_learning_rates(lr: float, quant_lr: float) -> None:
+def check_learning_rates(lr: float, quant_lr: float | None) -> None:
     """NaN trained and was exported as an all-NaN model (and written to config.json as the invalid JSON NaN); a
-    negative rate ascends the loss."""
+    negative rate ascends the loss. A quant_lr of None (the recipe's default, `checked_quant_lr`) passes."""
     for name, value in (("lr", lr), ("quant_lr", quant_lr)):
-        check_positive(name, value, "e.g. 1e-3")
+        if value is not None or name == "lr":
+            check_positive(name, value, "e.g. 1e-3")
 
 
 def check_alpha(alpha: float | None) -> None:
@@ -422,8 +443,11 @@ def read_state(path: Path, settings: dict) -> dict:
     state = load_state(path)
     # the learning rates too: the optimizer and scheduler states `restore_state` loads carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
+    # quant_lr only where the recipe learns at it: a hadamard state records the one its run was given (0.01 by default
+    # before `checked_quant_lr`), which trained nothing
     fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
-             "objective", "sources", "windows", "calibration", "lr", "quant_lr", "warmup", "max_grad_norm")
+             "objective", "sources", "windows", "calibration", "lr", "warmup", "max_grad_norm") + (
+        ("quant_lr",) if learns_quantization(settings["recipe"]) else ())
     # states written before init existed started from RTN; those written before the model, token ids, warm-up and
     # clipping were recorded cannot be checked for them
     unrecorded = ("model", "windows", "calibration", "warmup", "max_grad_norm")
@@ -480,7 +504,7 @@ def _autocast(device: torch.device):
 
 def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e-3, seq_len: int = 512,
             batch_size: int = 8, out_dir=None, resume: bool = False, device=None, *, objective: str = "kl",
-            rank: int = 16, alpha: float | None = None, quant_lr: float = 1e-2, warmup: int | None = None,
+            rank: int = 16, alpha: float | None = None, quant_lr: float | None = None, warmup: int | None = None,
             save_every: int = 50, seed: int = 0, rotation_seed: int = 0, sources=DEFAULT_SOURCES,
             windows: torch.Tensor | None = None, init: str = "rtn", calibration=None,
             gradient_checkpointing: bool = True, max_grad_norm: float = 1.0, progress: bool = True,
@@ -494,10 +518,11 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
     paths `nibble.quantize.calibration.calibration_text` takes, or one of them), or of the given ``windows``
     LongTensor [n, seq_len]. ``lr`` is the LoRA learning rate, ``quant_lr`` that of
-    the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
-    on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
-    excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
-    of, as `quantize_model` does: `architecture.check_calibration`); it keeps
+    the clip/smoothing parameters the per-token and per-channel recipes learn (default `DEFAULT_QUANT_LR`; the
+    hadamard recipe learns none: one given is warned of, and the run records None). ``init="gptq"`` starts from
+    GPTQ's weights (module doc), calibrated on ``calibration`` (default: `calibration_for`'s, what `nibble quantize`
+    uses: 128 windows of 512 tokens of the C4 excerpt, or of the model's context where that is shorter; windows past
+    it are refused, too few tokens warned of, as `quantize_model` does: `architecture.check_calibration`); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
     ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
@@ -528,6 +553,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
+    quant_lr = checked_quant_lr(recipe, quant_lr)
     check_model(model, recipe, init, rotation_seed)  # before the model is changed
     if out_dir is not None:
         # the folder the export writes: one holding a float model was refused by the export alone, after the training
@@ -631,7 +657,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                 kept = "" if saved_step is None else (
                     f" in another folder, or delete {path.parent} first: {path} holds this run at step {saved_step}, "
                     "which resume=True goes on from at these rates only")
-                raise FloatingPointError(f"PE-QAT {what} at step {step + 1}; lower lr / quant_lr{kept}")
+                rates = "lr / quant_lr" if quant_lr is not None else "lr"
+                raise FloatingPointError(f"PE-QAT {what} at step {step + 1}; lower {rates}{kept}")
             recent.append(value)
             first_loss = value if first_loss is None else first_loss
             n_tok += ids.numel()

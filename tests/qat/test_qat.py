@@ -36,7 +36,7 @@ def _windows(n=4, seed=1):
 
 
 def _train(recipe, steps, windows, **kw):
-    kw = dict(lr=5e-3, quant_lr=1e-2, seq_len=SEQ, batch_size=windows.shape[0], windows=windows, device="cpu",
+    kw = dict(lr=5e-3, seq_len=SEQ, batch_size=windows.shape[0], windows=windows, device="cpu",
               warmup=1, progress=False, gradient_checkpointing=False) | kw
     model = kw.pop("model", None) or _model()
     return run_qat(model, None, recipe, steps, **kw)
@@ -533,6 +533,59 @@ def test_what_the_w4a4_quantization_refuses_is_refused_before_the_model_is_chang
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
 
 
+def test_the_hadamard_recipe_takes_no_quant_lr_and_resumes_a_state_that_recorded_one(tmp_path):
+    """The hadamard recipe learns LoRA alone (its clip ratios fixed), so quant_lr changed nothing in its run, yet a
+    resume at another one was refused as another run's; given, it is warned of."""
+    import warnings
+
+    from nibble.qat import RECIPES
+    from nibble.qat.train import learns_quantization
+    for recipe in RECIPES:
+        prepared = prepare_qat_model(_model(), recipe, rank=2)
+        quant = [n for n, p in prepared.named_parameters() if p.requires_grad and "lora_" not in n]
+        assert bool(quant) is learns_quantization(recipe) is (recipe != "hadamard"), recipe
+    windows = _windows()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        qat = _train("hadamard", 1, windows, out_dir=tmp_path, save_every=1)
+    assert not [w for w in seen if "quant_lr" in str(w.message)] and qat.qat_meta["quant_lr"] is None
+    # as the code before wrote it: its default 0.01, which trained nothing
+    path = state_path(tmp_path)
+    state = torch.load(path, weights_only=True)
+    state["settings"]["quant_lr"] = 0.01
+    torch.save(state, path)
+    with pytest.warns(UserWarning, match=r"^quant_lr=0.05 has no effect: recipe 'hadamard' learns no quantization "
+                                         r"parameters \(its clip ratios are fixed\), only LoRA, at lr; drop quant_lr$"):
+        resumed = _train("hadamard", 2, windows, out_dir=tmp_path, resume=True, quant_lr=0.05)
+    assert resumed.qat_meta["tokens_this_run"] == 4 * SEQ and resumed.qat_meta["quant_lr"] is None
+
+
+def test_nibble_qat_warns_of_a_quant_lr_its_recipe_does_not_use_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    import warnings
+
+    from nibble.cli import main
+    from nibble.models import loading
+
+    class Loading(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loading
+
+    monkeypatch.setattr(loading, "load_model", load)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: print(warnings.formatwarning(*a), end=""))
+        with pytest.raises(Loading):
+            main(["qat", "--recipe", "hadamard", "--quant-lr", "0.05", "--device", "cpu", "--out", str(tmp_path)])
+        assert capsys.readouterr().out == ("nibble qat: warning: --quant-lr=0.05 has no effect: --recipe 'hadamard' "
+                                           "learns no quantization parameters (its clip ratios are fixed), only LoRA, "
+                                           "at --lr; drop --quant-lr\n")
+        with pytest.raises(Loading):
+            main(["qat", "--recipe", "per-token", "--quant-lr", "0.05", "--device", "cpu", "--out", str(tmp_path)])
+        assert capsys.readouterr().out == ""
+
+
 def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):
     """It was taken as asked: SmolLM2 at --seq-len 100000 ran one step for minutes, on positions it never saw."""
     text = tmp_path / "calib.txt"
@@ -657,8 +710,10 @@ def test_learning_rates_that_cannot_train_are_refused(bad):
     assert not fake_quant_layers(model)
 
 
-def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
-    """The loss is computed before the update: a last step whose update was NaN went unnoticed into the export."""
+@pytest.mark.parametrize("recipe, rates", [("per-token", "lr / quant_lr"), ("hadamard", "lr")])
+def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch, recipe, rates):
+    """The loss is computed before the update: a last step whose update was NaN went unnoticed into the export. The
+    rates to lower are those the recipe trains at (hadamard's quant_lr trains nothing)."""
     step = torch.optim.AdamW.step
 
     def poisoning_step(self, *args, **kwargs):
@@ -667,9 +722,9 @@ def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
-    with pytest.raises(FloatingPointError, match="^PE-QAT trained parameters became NaN or Inf at step 1; lower lr / "
-                                                 "quant_lr$"):
-        _train("per-token", 1, _windows())
+    with pytest.raises(FloatingPointError, match=f"^PE-QAT trained parameters became NaN or Inf at step 1; lower "
+                                                 f"{rates}$"):
+        _train(recipe, 1, _windows())
 
 
 def test_a_run_that_diverged_names_its_step_from_1_and_how_to_train_at_lower_rates(tmp_path, monkeypatch):
@@ -864,10 +919,15 @@ def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
         main(["qat", "--device", "cpu", "--recipe", "hadamard", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
               "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
               "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
-    assert given.value.args[0] == dict(
-        recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
-        device=torch.device("cpu"), objective="ce", rank=4, quant_lr=0.03, save_every=5, seed=9,
-        sources=("gutenberg", str(text)), init="rtn", calibration=None)
+    want = dict(recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
+                device=torch.device("cpu"), objective="ce", rank=4, quant_lr=None, save_every=5, seed=9,
+                sources=("gutenberg", str(text)), init="rtn", calibration=None)
+    assert given.value.args[0] == want  # hadamard learns at no quant_lr: warned of, and not given on
+    with pytest.raises(Given) as given:
+        main(["qat", "--device", "cpu", "--recipe", "per-token", "--steps", "7", "--lr", "0.002", "--quant-lr",
+              "0.03", "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
+              "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
+    assert given.value.args[0] == want | dict(recipe="per-token", quant_lr=0.03)
 
 
 def test_a_resume_with_other_settings_is_refused_before_the_model_is_prepared(tmp_path, monkeypatch):
