@@ -54,8 +54,10 @@ import math
 import numbers
 import os
 import pickle
+import re
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -170,6 +172,26 @@ def start_config(recipe: str, init: str, rotation_seed: int = 0) -> QuantConfig:
     return QuantConfig(mode="w4a4", method=init, rotation=rotation, rotation_seed=rotation_seed)
 
 
+# The hint of quantize_model's refusals of a layer INT4 cannot take (a width packing cannot hold, scales float16
+# cannot), an option PE-QAT lacks: it fake-quantizes every linear of the decoder layers (`quantizable_linears`)
+KEEP_IN_16_BITS = re.compile(r"keep (?:this|the) layer in 16 bits \(QuantConfig\.modules_to_not_convert\)")
+PE_QAT_KEEPS_NONE = ("quantize the model without PE-QAT, which can keep no layer in 16 bits (nibble.quantize_model "
+                     "keeps it with QuantConfig.modules_to_not_convert)")
+
+
+@contextmanager
+def said_for_pe_qat():
+    """A refusal of quantize_model's checks or quantizers raised inside, its hint to keep the layer in 16 bits said as
+    what a PE-QAT user can do instead (`PE_QAT_KEEPS_NONE`); the exception keeps its type and traceback."""
+    try:
+        yield
+    except ValueError as e:
+        said = KEEP_IN_16_BITS.sub(PE_QAT_KEEPS_NONE, str(e))
+        if said != str(e):
+            e.args = (said,)
+        raise
+
+
 def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0) -> None:
     """Refuse what PE-QAT cannot train: a model it prepared already (run_qat changes the model it is given in place:
     run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
@@ -178,13 +200,15 @@ def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0
     meta device, a model the Hadamard recipe cannot rotate, a width INT4 cannot pack, a weight holding NaN or Inf or,
     from RTN's start, too large or too small for float16 scales. Found later, these were said after the model was cast
     and prepared (the rotation's), or after the whole training (the packing's, at the export), or as a scale overflow
-    of |w| = nan without the layer's name (NaN and Inf)."""
+    of |w| = nan without the layer's name (NaN and Inf). Their hint to keep a layer in 16 bits is said as PE-QAT's
+    (`said_for_pe_qat`)."""
     if fake_quant_layers(model):
         raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
                          "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
     check_architecture(model)
     check_not_quantized(model, "PE-QAT")  # by PE-QAT's name, before check_quantizable's own
-    check_quantizable(model, start_config(recipe, init, rotation_seed))
+    with said_for_pe_qat():
+        check_quantizable(model, start_config(recipe, init, rotation_seed))
 
 
 # Why a PE-QAT model saves only through nibble: what it trained is more than its LoRA weights, and every way of saving
@@ -246,13 +270,14 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     for p in model.parameters():
         p.requires_grad_(False)
     names = quantizable_linears(model)
-    starts = gptq_start(model, names, calibration, progress) if init == "gptq" else {}
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        linear = model.get_submodule(name)
-        with naming(name):  # a scale past float16 after the rotation, found by the clip search
-            layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
-        setattr(model.get_submodule(parent), child, layer)
+    with said_for_pe_qat():  # a scale past float16 after the rotation, found by GPTQ or the clip search
+        starts = gptq_start(model, names, calibration, progress) if init == "gptq" else {}
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            linear = model.get_submodule(name)
+            with naming(name):
+                layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
+            setattr(model.get_submodule(parent), child, layer)
     config = LoraConfig(r=rank, lora_alpha=meta["alpha"], lora_dropout=0.0, target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
     config.base_model_name_or_path = getattr(model, "name_or_path", None)  # as get_peft_model records it

@@ -501,6 +501,12 @@ def test_a_model_built_empty_is_refused_before_it_is_prepared():
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
 
 
+# quantize_model's hint "keep this layer in 16 bits (QuantConfig.modules_to_not_convert)", which PE-QAT cannot do,
+# said as what its user can do instead
+KEEPS_NONE = re.escape("quantize the model without PE-QAT, which can keep no layer in 16 bits (nibble.quantize_model "
+                       "keeps it with QuantConfig.modules_to_not_convert)")
+
+
 def _poisoned(value):
     def poison(model):
         model.model.layers[0].self_attn.q_proj.weight.data[0, 0] = value
@@ -513,12 +519,15 @@ def _poisoned(value):
     ("hadamard", {}, _poisoned(float("inf")), r"^model.layers.0.self_attn.q_proj: weight contains NaN or Inf"),
     # the packing's refusal came at the export, after the whole training, naming no layer
     ("per-token", dict(intermediate_size=196), None, r"^model.layers.0.mlp.down_proj: in_features=196 is not a "
-                                                      "multiple of 8"),
+                                                      r"multiple of 8, .*: " + KEEPS_NONE + "$"),
     # the rotation's, after the model was cast to float32 and set to checkpoint its gradients
     ("hadamard", dict(intermediate_size=232), None, "cannot rotate this model: its intermediate_size is 232"),
     # trained on scales float16 holds with 2 bits or fewer, which quantize_model refuses
     ("per-token", dict(initializer_range=1e-10), None, r"^model.layers.0.self_attn.q_proj: weights up to \|w\| = "
-                                                       ".* need group scales below"),
+                                                       ".* need group scales below .*: " + KEEPS_NONE
+                                                       + " or scale the weight up before quantizing$"),
+    ("per-token", {}, _poisoned(1e7), r"^model.layers.0.self_attn.q_proj: weights up to \|w\| = .* need a scale "
+                                      ".*: " + KEEPS_NONE + " or scale the weight down before quantizing$"),
 ])
 def test_what_the_w4a4_quantization_refuses_is_refused_before_the_model_is_changed(recipe, overrides, change,
                                                                                      message):
@@ -531,6 +540,17 @@ def test_what_the_w4a4_quantization_refuses_is_refused_before_the_model_is_chang
         _train(recipe, 1, _windows(), model=model)
     assert next(model.parameters()).dtype == torch.bfloat16 and not model.is_gradient_checkpointing
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+
+
+def test_a_layer_the_rotated_model_cannot_quantize_is_said_in_what_pe_qat_can_do():
+    """Past the checks before the model is changed (the rotation moves the weights the scales are taken of), the
+    clip search's refusal said "keep this layer in 16 bits (QuantConfig.modules_to_not_convert)", which PE-QAT
+    cannot."""
+    model = _model()
+    _poisoned(1e7)(model)
+    with pytest.raises(ValueError, match=r"^model.layers.0.self_attn.q_proj: weights up to \|w\| = 1.25e\+06 need a "
+                                         r"scale .*: " + KEEPS_NONE + " or scale the weight down before quantizing$"):
+        _train("hadamard", 1, _windows(), model=model)
 
 
 def test_the_hadamard_recipe_takes_no_quant_lr_and_resumes_a_state_that_recorded_one(tmp_path):
