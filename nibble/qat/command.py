@@ -49,8 +49,11 @@ def add_qat_arguments(parser) -> None:
                              "learn (default: 1e-2; hadamard learns none)")
     parser.add_argument("--seq-len", type=int, default=512,
                         help="tokens per training window (beyond the model's context: clamped to it, with a warning)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="windows per step (beyond the training text's windows: clamped to them, with a warning)")
+    parser.add_argument("--rank", type=int, default=16,
+                        help="LoRA rank (alpha = 2 * rank), at most the largest min(in_features, out_features) of "
+                             "the model's linears")
     parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
                         help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE on the "
                              "training text; ce+kl: their sum")
@@ -97,7 +100,7 @@ def qat_main(args) -> None:
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
     # their refusals said as the options: "lr must be > 0", a recipe the start cannot take, a run already in --out, a
     # text named twice, a resume's other settings, a run that diverged or was interrupted; and their warnings: a
-    # --quant-lr the recipe does not use, a --seq-len clamped
+    # --quant-lr the recipe does not use, a --seq-len or --batch-size clamped
     check_learning_rates, check_recipe, checked_quant_lr, check_new_run, training_sources, run_qat = (
         options_named(**RUN_OPTIONS)(f)
         for f in (check_learning_rates, check_recipe, checked_quant_lr, check_new_run, training_sources, run_qat))

@@ -192,7 +192,21 @@ def said_for_pe_qat():
         raise
 
 
-def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0) -> None:
+def check_rank(model: nn.Module, rank: int) -> None:
+    """Refuse a LoRA rank past what any adapted linear can use: ``B A`` has rank at most min(in_features,
+    out_features), so a larger rank adds rank x (in + out) parameters a layer that change nothing, and a huge one ran
+    out of memory deep inside peft. The limit is the largest such min over the linears (a rank between the smallest
+    and it still adds freedom to the wider ones)."""
+    widest = max(quantizable_linears(model), key=lambda n: min(model.get_submodule(n).weight.shape))
+    limit = min(model.get_submodule(widest).weight.shape)
+    if rank > limit:
+        # said without the bare word "rank" but for the parameter, which `nibble.cli.options_named` says as --rank
+        raise ValueError(f"rank={rank} exceeds what LoRA can use on this model: an adapter's B A spans at most "
+                         f"min(in_features, out_features) dimensions of its linear's, {limit} at most here ({widest}); "
+                         f"give rank <= {limit}")
+
+
+def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0, rank: int | None = None) -> None:
     """Refuse what PE-QAT cannot train: a model it prepared already (run_qat changes the model it is given in place:
     run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
     model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model, and what
@@ -201,7 +215,7 @@ def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0
     from RTN's start, too large or too small for float16 scales. Found later, these were said after the model was cast
     and prepared (the rotation's), or after the whole training (the packing's, at the export), or as a scale overflow
     of |w| = nan without the layer's name (NaN and Inf). Their hint to keep a layer in 16 bits is said as PE-QAT's
-    (`said_for_pe_qat`)."""
+    (`said_for_pe_qat`). With ``rank``, a LoRA rank no linear can use (`check_rank`)."""
     if fake_quant_layers(model):
         raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
                          "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
@@ -209,6 +223,8 @@ def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0
     check_not_quantized(model, "PE-QAT")  # by PE-QAT's name, before check_quantizable's own
     with said_for_pe_qat():
         check_quantizable(model, start_config(recipe, init, rotation_seed))
+    if rank is not None:
+        check_rank(model, rank)
 
 
 # Why a PE-QAT model saves only through nibble: what it trained is more than its LoRA weights, and every way of saving
@@ -260,7 +276,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     check_alpha(alpha)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
-    check_model(model, recipe, init, rotation_seed)
+    check_model(model, recipe, init, rotation_seed, rank)
     if init == "gptq":
         check_calibration_ids(model, calibration)
     meta = qat_description(recipe, init, rank, alpha, rotation_seed)
@@ -553,7 +569,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
     refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
     a float model, the one trained above all). ``callback(step, loss)`` runs after each
-    step (and after that step's state is saved). The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given,
+    step (and after that step's state is saved). ``rank`` is LoRA's, at most the largest min(in_features,
+    out_features) of the linears (`check_rank`); a ``batch_size`` past the training windows is clamped to them, with a
+    warning. The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
     ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
     run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant
@@ -579,7 +597,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
     check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
     quant_lr = checked_quant_lr(recipe, quant_lr)
-    check_model(model, recipe, init, rotation_seed)  # before the model is changed
+    check_model(model, recipe, init, rotation_seed, rank)  # before the model is changed
     if out_dir is not None:
         # the folder the export writes: one holding a float model was refused by the export alone, after the training
         out_dir = checkpoint_dir(out_dir, model)
@@ -611,6 +629,12 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                              "ids [n, seq_len])")
         windows = training_windows(tokenizer, seq_len, sources)
     check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
+    if batch_size > windows.shape[0]:
+        # a larger batch holds windows twice in one step (`batch_indices`), at the memory of the batch asked: a huge
+        # one drew a permutation of the windows for each row, then ran out of memory
+        warn(f"batch_size={batch_size} exceeds the {windows.shape[0]} training windows (of seq_len={seq_len} "
+             f"tokens); using {windows.shape[0]}, each window once a step.")
+        batch_size = windows.shape[0]
     if init == "gptq":
         if calibration is None:
             if tokenizer is None:

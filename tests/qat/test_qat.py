@@ -553,6 +553,37 @@ def test_a_layer_the_rotated_model_cannot_quantize_is_said_in_what_pe_qat_can_do
         _train("hadamard", 1, _windows(), model=model)
 
 
+def test_a_lora_rank_no_linear_can_use_is_refused_naming_the_largest_before_the_model_is_changed():
+    """A rank past every linear's min(in_features, out_features) adds parameters that change nothing: a huge one ran
+    out of memory inside peft. The tiny model's q_proj, gate_proj and down_proj take 64 (k_proj and v_proj 32)."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"^rank=65 exceeds what LoRA can use on this model: .* 64 at most here "
+                                         r"\(model.layers.0.self_attn.q_proj\); give rank <= 64$"):
+        _train("per-token", 1, _windows(), model=model, rank=65)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+    from nibble.cli import options_named
+    from nibble.qat.command import RUN_OPTIONS
+    with pytest.raises(ValueError) as said, options_named(**RUN_OPTIONS):  # as `nibble qat` says it
+        _train("per-token", 1, _windows(), model=model, rank=65)
+    assert str(said.value).startswith("--rank=65 exceeds") and str(said.value).endswith("; give --rank <= 64")
+    assert str(said.value).count("rank") == 2
+    qat = _train("per-token", 1, _windows(), rank=64)
+    assert qat.base_model.model.model.layers[0].self_attn.k_proj.lora_A["default"].weight.shape == (64, 64)
+
+
+def test_a_batch_larger_than_the_training_windows_is_clamped_to_them_with_a_warning():
+    """It held windows twice in a step, and a huge one drew a permutation of the windows for each of its rows (a
+    hang), then ran out of memory. Clamped, it trains as a batch of every window does."""
+    windows = _windows(n=4)
+    with pytest.warns(UserWarning, match=r"^batch_size=9 exceeds the 4 training windows \(of seq_len=24 tokens\); "
+                                         r"using 4, each window once a step\.$"):
+        clamped = _train("per-token", 2, windows, batch_size=9)
+    whole = _train("per-token", 2, windows, batch_size=4)
+    assert clamped.qat_meta["batch_size"] == 4 and clamped.qat_meta["tokens_this_run"] == 2 * 4 * SEQ
+    for (n, p), (_, q) in zip(clamped.named_parameters(), whole.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+
+
 def test_the_hadamard_recipe_takes_no_quant_lr_and_resumes_a_state_that_recorded_one(tmp_path):
     """The hadamard recipe learns LoRA alone (its clip ratios fixed), so quant_lr changed nothing in its run, yet a
     resume at another one was refused as another run's; given, it is warned of."""
