@@ -546,7 +546,7 @@ def _autocast(device: torch.device):
 def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e-3, seq_len: int = 512,
             batch_size: int = 8, out_dir=None, resume: bool = False, device=None, *, objective: str = "kl",
             rank: int = 16, alpha: float | None = None, quant_lr: float | None = None, warmup: int | None = None,
-            save_every: int = 50, seed: int = 0, rotation_seed: int = 0, sources=DEFAULT_SOURCES,
+            save_every: int = 50, seed: int = 0, rotation_seed: int = 0, sources=None,
             windows: torch.Tensor | None = None, init: str = "rtn", calibration=None,
             gradient_checkpointing: bool = True, max_grad_norm: float = 1.0, progress: bool = True,
             callback=None) -> nn.Module:
@@ -557,8 +557,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     the CPU is saved; `nibble.load_quantized` reads them in bf16 on a GPU all the same.
 
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
-    paths `nibble.quantize.calibration.calibration_text` takes, or one of them), or of the given ``windows``
-    LongTensor [n, seq_len]. ``lr`` is the LoRA learning rate, ``quant_lr`` that of
+    paths `nibble.quantize.calibration.calibration_text` takes, or one of them; default `DEFAULT_SOURCES`), or of
+    the given ``windows`` LongTensor [n, seq_len] (not both). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
     the clip/smoothing parameters the per-token and per-channel recipes learn (default `DEFAULT_QUANT_LR`; the
     hadamard recipe learns none: one given is warned of, and the run records None). ``init="gptq"`` starts from
     GPTQ's weights (module doc), calibrated on ``calibration`` (default: `calibration_for`'s, what `nibble quantize`
@@ -595,6 +595,9 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     check_positive("max_grad_norm", max_grad_norm, "the gradient norm clipped to, e.g. 1.0")
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
+    if windows is not None and sources is not None:  # the windows trained, the texts were never read
+        raise ValueError("sources names the texts run_qat makes its training windows from, and windows were given: "
+                         "drop one")
     check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
     quant_lr = checked_quant_lr(recipe, quant_lr)
     check_model(model, recipe, init, rotation_seed, rank)  # before the model is changed
@@ -622,7 +625,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
              f"{context}.")
         seq_len = context
     device = resolve_device(device)
-    sources = training_sources(sources) if windows is None else None  # windows given: no text was read
+    # windows given: no text was read
+    sources = training_sources(DEFAULT_SOURCES if sources is None else sources) if windows is None else None
     if windows is None:
         if tokenizer is None:  # was None's AttributeError
             raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "

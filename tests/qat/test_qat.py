@@ -810,6 +810,15 @@ def test_training_windows_without_a_tokenizer_are_refused():
         run_qat(_model(), None, "per-token", 1, seq_len=SEQ, device="cpu", progress=False)
 
 
+def test_sources_with_the_windows_given_are_refused():
+    """The windows trained, and the texts named were never read, without a word."""
+    model = _model()
+    with pytest.raises(ValueError, match="^sources names the texts run_qat makes its training windows from, and "
+                                         "windows were given: drop one$"):
+        _train("per-token", 1, _windows(), model=model, sources=("c4",))
+    assert not fake_quant_layers(model)
+
+
 @pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
 def test_a_model_a_run_prepared_already_is_refused(recipe):
     """run_qat changes the model it is given: run again on it, the Hadamard recipe rotated it a second time (its
@@ -1073,8 +1082,8 @@ def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(mon
             if step == stop:
                 raise KeyboardInterrupt
 
-        return real_run(*args, **dict(kwargs, windows=_windows(), callback=callback, progress=False, warmup=1,
-                                      gradient_checkpointing=False))
+        return real_run(*args, **dict(kwargs, sources=None, windows=_windows(), callback=callback, progress=False,
+                                      warmup=1, gradient_checkpointing=False))
 
     monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
     out = tmp_path / "q"
