@@ -89,6 +89,7 @@ _LAYER_KWARGS = {
     "hadamard": dict(clip="fixed", act="token"),
     "per-channel": dict(clip="learned", act="channel", smoothing=True),
 }
+DEFAULT_SAVE_EVERY = 50  # steps between the states a run with an out_dir saves
 DEFAULT_QUANT_LR = 1e-2  # the rate of the quantization parameters, for the recipes that learn them
 
 
@@ -546,7 +547,7 @@ def _autocast(device: torch.device):
 def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e-3, seq_len: int = 512,
             batch_size: int = 8, out_dir=None, resume: bool = False, device=None, *, objective: str = "kl",
             rank: int = 16, alpha: float | None = None, quant_lr: float | None = None, warmup: int | None = None,
-            save_every: int = 50, seed: int = 0, rotation_seed: int = 0, sources=None,
+            save_every: int | None = None, seed: int = 0, rotation_seed: int = 0, sources=None,
             windows: torch.Tensor | None = None, init: str = "rtn", calibration=None,
             gradient_checkpointing: bool = True, max_grad_norm: float = 1.0, progress: bool = True,
             callback=None) -> nn.Module:
@@ -566,7 +567,7 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     it are refused, too few tokens warned of, as `quantize_model` does: `architecture.check_calibration`); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
-    ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
+    ``save_every`` steps (default `DEFAULT_SAVE_EVERY`; given without ``out_dir``, refused); ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
     refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
     a float model, the one trained above all). ``callback(step, loss)`` runs after each
     step (and after that step's state is saved). ``rank`` is LoRA's, at most the largest min(in_features,
@@ -584,8 +585,14 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     # all said before the model is changed (batch_size=0 was torch.stack's error, save_every=0 a ZeroDivisionError,
     # seq_len=1 windows without a target a loss of NaN said as "lower lr")
     for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
-                               ("save_every", save_every, 1), ("rank", rank, 1)):
+                               ("rank", rank, 1)):
         check_count(name, value, least)
+    if save_every is not None:
+        check_count("save_every", save_every, 1)
+        if out_dir is None:  # it saved nothing, without a word
+            raise ValueError(f"save_every={save_every} sets how often the state goes to out_dir, and no out_dir was "
+                             "given: drop save_every, or give out_dir")
+    save_every = DEFAULT_SAVE_EVERY if save_every is None else save_every
     if warmup is not None:
         check_count("warmup", warmup, 0)
     check_learning_rates(lr, quant_lr)

@@ -810,6 +810,15 @@ def test_training_windows_without_a_tokenizer_are_refused():
         run_qat(_model(), None, "per-token", 1, seq_len=SEQ, device="cpu", progress=False)
 
 
+def test_save_every_without_an_out_dir_is_refused():
+    """It saved nothing, without a word."""
+    model = _model()
+    with pytest.raises(ValueError, match="^save_every=5 sets how often the state goes to out_dir, and no out_dir was "
+                                         "given: drop save_every, or give out_dir$"):
+        _train("per-token", 1, _windows(), model=model, save_every=5)
+    assert not fake_quant_layers(model)
+
+
 def test_sources_with_the_windows_given_are_refused():
     """The windows trained, and the texts named were never read, without a word."""
     model = _model()
