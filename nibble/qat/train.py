@@ -197,7 +197,9 @@ def check_rank(model: nn.Module, rank: int) -> None:
     """Refuse a LoRA rank past what any adapted linear can use: ``B A`` has rank at most min(in_features,
     out_features), so a larger rank adds rank x (in + out) parameters a layer that change nothing, and a huge one ran
     out of memory deep inside peft. The limit is the largest such min over the linears (a rank between the smallest
-    and it still adds freedom to the wider ones)."""
+    and it still adds freedom to the wider ones). Not an integer >= 1, peft's refusal came after the model was
+    rotated and its linears replaced."""
+    check_count("rank", rank, 1)
     widest = max(quantizable_linears(model), key=lambda n: min(model.get_submodule(n).weight.shape))
     limit = min(model.get_submodule(widest).weight.shape)
     if rank > limit:
@@ -584,9 +586,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     # all said before the model is changed (batch_size=0 was torch.stack's error, save_every=0 a ZeroDivisionError,
     # seq_len=1 windows without a target a loss of NaN said as "lower lr")
-    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
-                               ("rank", rank, 1)):
-        check_count(name, value, least)
+    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
+        check_count(name, value, least)  # rank's: `check_rank`
     if save_every is not None:
         check_count("save_every", save_every, 1)
         if out_dir is None:  # it saved nothing, without a word

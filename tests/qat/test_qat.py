@@ -567,6 +567,10 @@ def test_a_lora_rank_no_linear_can_use_is_refused_naming_the_largest_before_the_
         _train("per-token", 1, _windows(), model=model, rank=65)
     assert str(said.value).startswith("--rank=65 exceeds") and str(said.value).endswith("; give --rank <= 64")
     assert str(said.value).count("rank") == 2
+    for rank in (0, 2.5, "4"):  # peft's refusal, or a TypeError, after prepare_qat_model rotated and replaced them
+        with pytest.raises(ValueError, match=f"^rank must be an integer >= 1, got {rank!r}"):
+            prepare_qat_model(model, "hadamard", rank=rank)
+        assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
     qat = _train("per-token", 1, _windows(), rank=64)
     assert qat.base_model.model.model.layers[0].self_attn.k_proj.lora_A["default"].weight.shape == (64, 64)
 
