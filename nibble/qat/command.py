@@ -32,7 +32,8 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--recipe", choices=RECIPES, default="per-token",
-                        help="per-token: deployable, learned weight clipping; hadamard: rotate first; "
+                        help="per-token: deployable, learned weight clipping; hadamard: rotate first, clip ratios "
+                             "fixed (on SmolLM2 it recovers far more than per-token: README); "
                              "per-channel: the original PE-QAT (fake quant only, not exportable)")
     parser.add_argument("--init", choices=INITS, default="rtn",
                         help="rtn: quantize from the 16-bit weights; gptq: start from GPTQ's weights (calibrated on "
@@ -44,11 +45,16 @@ def add_qat_arguments(parser) -> None:
                              "512, or the context where shorter)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
-    parser.add_argument("--quant-lr", type=float, default=1e-2, help="learning rate of clip/smoothing parameters")
+    parser.add_argument("--quant-lr", type=float, default=None,
+                        help="learning rate of the clip/smoothing parameters that --recipe per-token and per-channel "
+                             "learn (default: 1e-2; hadamard learns none)")
     parser.add_argument("--seq-len", type=int, default=512,
                         help="tokens per training window (beyond the model's context: clamped to it, with a warning)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="windows per step (beyond the training text's windows: clamped to them, with a warning)")
+    parser.add_argument("--rank", type=int, default=16,
+                        help="LoRA rank (alpha = 2 * rank), at most the largest min(in_features, out_features) of "
+                             "the model's linears")
     parser.add_argument("--objective", choices=OBJECTIVES, default="kl",
                         help="kl: match the 16-bit model's next-token distribution (default); ce: next-token CE on the "
                              "training text; ce+kl: their sum")
@@ -85,7 +91,7 @@ def qat_main(args) -> None:
     with optional_dependency("peft", "qat", "nibble qat (LoRA adapters)"):
         from nibble.qat.export import export
         from nibble.qat.train import (GPTQ_START, QatInterrupted, check_learning_rates, check_new_run, check_recipe,
-                                      run_qat, state_path, training_sources)
+                                      checked_quant_lr, run_qat, state_path, training_sources)
     from nibble.cli import (CALIBRATION_OPTIONS, calibration_sizes, check_calibration_sizes, check_least, check_seed,
                             options_named)
     from nibble.eval.data import require_data
@@ -94,10 +100,11 @@ def qat_main(args) -> None:
     from nibble.models.loading import load_model
     from nibble.quantize.calibration import calibration_files, calibration_for, source_data_files
     # their refusals said as the options: "lr must be > 0", a recipe the start cannot take, a run already in --out, a
-    # text named twice, a resume's other settings, a run that diverged or was interrupted
-    check_learning_rates, check_recipe, check_new_run, training_sources, run_qat = (
+    # text named twice, a resume's other settings, a run that diverged or was interrupted; and their warnings: a
+    # --quant-lr the recipe does not use, a --seq-len or --batch-size clamped
+    check_learning_rates, check_recipe, checked_quant_lr, check_new_run, training_sources, run_qat = (
         options_named(**RUN_OPTIONS)(f)
-        for f in (check_learning_rates, check_recipe, check_new_run, training_sources, run_qat))
+        for f in (check_learning_rates, check_recipe, checked_quant_lr, check_new_run, training_sources, run_qat))
 
     device = resolve_device(args.device)
     # said before the model loads (run_qat checks steps too, but only once it has the model)
@@ -107,6 +114,7 @@ def qat_main(args) -> None:
     check_seed(args.seed)
     check_calibration_sizes(args, args.init == "gptq", "--init gptq", f"--init {args.init}")
     check_recipe(args.recipe, args.init)
+    quant_lr = checked_quant_lr(args.recipe, args.quant_lr)  # one the recipe does not use: warned of here, not again
     if quantized_checkpoint(args.model):  # the loader's refusal said "load it with nibble.load_quantized"
         again = (f"; this is a PE-QAT run's export: to train it on, give that model with --out {args.model} --resume"
                  if state_path(args.model).exists() else "")
@@ -136,7 +144,7 @@ def qat_main(args) -> None:
                 calibration = calibration_for(GPTQ_START, tokenizer, model, **calibration_sizes(args))
         model = run_qat(model, tokenizer, args.recipe, args.steps, args.lr, args.seq_len, args.batch_size, args.out,
                         resume=args.resume, device=device, objective=args.objective, rank=args.rank,
-                        quant_lr=args.quant_lr, save_every=args.save_every, seed=args.seed,
+                        quant_lr=quant_lr, save_every=args.save_every, seed=args.seed,
                         sources=sources, init=args.init, calibration=calibration)
         if args.recipe != "per-channel":  # which exports nothing (fake quant only): said below
             stopped = (f"interrupted while exporting; {state_path(args.out)} holds the finished run: the same command "

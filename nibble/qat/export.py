@@ -83,7 +83,6 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
     recorded = {k: v for k, v in meta.items()
                 if isinstance(v, (int, float, str, list)) and k not in ("seconds_this_run", "tokens_this_run")}
     mark_quantized(base, {**qc.to_dict(), "qat": recorded})
-    base.config.use_cache = True
     base.eval()
     if out_dir is not None:
         from nibble.models.serialization import save_quantized

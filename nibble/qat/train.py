@@ -54,8 +54,10 @@ import math
 import numbers
 import os
 import pickle
+import re
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -67,7 +69,7 @@ from tqdm.auto import tqdm
 from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.architecture import check_architecture, check_calibration_ids
 from nibble.models.checkpoint_files import atomic_write, checkpoint_dir
-from nibble.models.convert import check_not_quantized, check_quantizable, own_config, refuse_save_pretrained
+from nibble.models.convert import check_not_quantized, check_quantizable, refuse_save_pretrained
 from nibble.qat import DEFAULT_SOURCES, INITS, OBJECTIVES, RECIPES
 from nibble.qat.export import export  # noqa: F401  (the API: run_qat -> export)
 from nibble.qat.fake_quant import FakeQuantLinear, FakeQuantLoraLinear, fake_quant_layers, quantization_disabled
@@ -87,6 +89,27 @@ _LAYER_KWARGS = {
     "hadamard": dict(clip="fixed", act="token"),
     "per-channel": dict(clip="learned", act="channel", smoothing=True),
 }
+DEFAULT_SAVE_EVERY = 50  # steps between the states a run with an out_dir saves
+DEFAULT_QUANT_LR = 1e-2  # the rate of the quantization parameters, for the recipes that learn them
+
+
+def learns_quantization(recipe: str) -> bool:
+    """Whether ``recipe`` learns quantization parameters (clip ratios, smoothing), which train at ``quant_lr``: the
+    hadamard recipe learns LoRA alone, its clip ratios fixed, so a quant_lr changes nothing in its run."""
+    kwargs = _LAYER_KWARGS[recipe]
+    return kwargs["clip"] == "learned" or kwargs["act"] == "channel" or kwargs.get("smoothing", False)
+
+
+def checked_quant_lr(recipe: str, quant_lr: float | None) -> float | None:
+    """The ``quant_lr`` a run of ``recipe`` trains at: `DEFAULT_QUANT_LR` where none is given; None for a recipe
+    that learns no quantization parameters, with a warning where one was given (it trained nothing, and a resume at
+    another one was refused as another run)."""
+    if not learns_quantization(recipe):
+        if quant_lr is not None:
+            warn(f"quant_lr={quant_lr} has no effect: recipe {recipe!r} learns no quantization parameters (its clip "
+                 "ratios are fixed), only LoRA, at lr; drop quant_lr")
+        return None
+    return DEFAULT_QUANT_LR if quant_lr is None else quant_lr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,7 +173,43 @@ def start_config(recipe: str, init: str, rotation_seed: int = 0) -> QuantConfig:
     return QuantConfig(mode="w4a4", method=init, rotation=rotation, rotation_seed=rotation_seed)
 
 
-def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0) -> None:
+# The hint of quantize_model's refusals of a layer INT4 cannot take (a width packing cannot hold, scales float16
+# cannot), an option PE-QAT lacks: it fake-quantizes every linear of the decoder layers (`quantizable_linears`)
+KEEP_IN_16_BITS = re.compile(r"keep (?:this|the) layer in 16 bits \(QuantConfig\.modules_to_not_convert\)")
+PE_QAT_KEEPS_NONE = ("quantize the model without PE-QAT, which can keep no layer in 16 bits (nibble.quantize_model "
+                     "keeps it with QuantConfig.modules_to_not_convert)")
+
+
+@contextmanager
+def said_for_pe_qat():
+    """A refusal of quantize_model's checks or quantizers raised inside, its hint to keep the layer in 16 bits said as
+    what a PE-QAT user can do instead (`PE_QAT_KEEPS_NONE`); the exception keeps its type and traceback."""
+    try:
+        yield
+    except ValueError as e:
+        said = KEEP_IN_16_BITS.sub(PE_QAT_KEEPS_NONE, str(e))
+        if said != str(e):
+            e.args = (said,)
+        raise
+
+
+def check_rank(model: nn.Module, rank: int) -> None:
+    """Refuse a LoRA rank past what any adapted linear can use: ``B A`` has rank at most min(in_features,
+    out_features), so a larger rank adds rank x (in + out) parameters a layer that change nothing, and a huge one ran
+    out of memory deep inside peft. The limit is the largest such min over the linears (a rank between the smallest
+    and it still adds freedom to the wider ones). Not an integer >= 1, peft's refusal came after the model was
+    rotated and its linears replaced."""
+    check_count("rank", rank, 1)
+    widest = max(quantizable_linears(model), key=lambda n: min(model.get_submodule(n).weight.shape))
+    limit = min(model.get_submodule(widest).weight.shape)
+    if rank > limit:
+        # said without the bare word "rank" but for the parameter, which `nibble.cli.options_named` says as --rank
+        raise ValueError(f"rank={rank} exceeds what LoRA can use on this model: an adapter's B A spans at most "
+                         f"min(in_features, out_features) dimensions of its linear's, {limit} at most here ({widest}); "
+                         f"give rank <= {limit}")
+
+
+def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0, rank: int | None = None) -> None:
     """Refuse what PE-QAT cannot train: a model it prepared already (run_qat changes the model it is given in place:
     run again on it, the Hadamard recipe rotated it a second time, so that its teacher was no longer the 16-bit
     model, and fake-quantized the first run's LoRA matrices), another architecture, a quantized model, and what
@@ -158,13 +217,17 @@ def check_model(model: nn.Module, recipe: str, init: str, rotation_seed: int = 0
     meta device, a model the Hadamard recipe cannot rotate, a width INT4 cannot pack, a weight holding NaN or Inf or,
     from RTN's start, too large or too small for float16 scales. Found later, these were said after the model was cast
     and prepared (the rotation's), or after the whole training (the packing's, at the export), or as a scale overflow
-    of |w| = nan without the layer's name (NaN and Inf)."""
+    of |w| = nan without the layer's name (NaN and Inf). Their hint to keep a layer in 16 bits is said as PE-QAT's
+    (`said_for_pe_qat`). With ``rank``, a LoRA rank no linear can use (`check_rank`)."""
     if fake_quant_layers(model):
         raise ValueError("the model was prepared for PE-QAT already (run_qat changes the model it is given in place): "
                          "give it a fresh 16-bit model, e.g. a copy.deepcopy made before the first run")
     check_architecture(model)
     check_not_quantized(model, "PE-QAT")  # by PE-QAT's name, before check_quantizable's own
-    check_quantizable(model, start_config(recipe, init, rotation_seed))
+    with said_for_pe_qat():
+        check_quantizable(model, start_config(recipe, init, rotation_seed))
+    if rank is not None:
+        check_rank(model, rank)
 
 
 # Why a PE-QAT model saves only through nibble: what it trained is more than its LoRA weights, and every way of saving
@@ -216,7 +279,7 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     check_alpha(alpha)
     if init == "gptq" and calibration is None:
         raise ValueError("init='gptq' needs calibration token ids (nibble.quantize.calibration.calibration_batches)")
-    check_model(model, recipe, init, rotation_seed)
+    check_model(model, recipe, init, rotation_seed, rank)
     if init == "gptq":
         check_calibration_ids(model, calibration)
     meta = qat_description(recipe, init, rank, alpha, rotation_seed)
@@ -226,13 +289,14 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     for p in model.parameters():
         p.requires_grad_(False)
     names = quantizable_linears(model)
-    starts = gptq_start(model, names, calibration, progress) if init == "gptq" else {}
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        linear = model.get_submodule(name)
-        with naming(name):  # a scale past float16 after the rotation, found by the clip search
-            layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
-        setattr(model.get_submodule(parent), child, layer)
+    with said_for_pe_qat():  # a scale past float16 after the rotation, found by GPTQ or the clip search
+        starts = gptq_start(model, names, calibration, progress) if init == "gptq" else {}
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            linear = model.get_submodule(name)
+            with naming(name):
+                layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
+            setattr(model.get_submodule(parent), child, layer)
     config = LoraConfig(r=rank, lora_alpha=meta["alpha"], lora_dropout=0.0, target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
     config.base_model_name_or_path = getattr(model, "name_or_path", None)  # as get_peft_model records it
@@ -331,7 +395,7 @@ def qat_loss(logits: torch.Tensor, input_ids: torch.Tensor, teacher_logits: torc
     return loss
 
 
-def _param_groups(model: nn.Module, lr: float, quant_lr: float):
+def _param_groups(model: nn.Module, lr: float, quant_lr: float | None):
     lora = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
     quant = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
     groups = [{"params": lora, "lr": lr, "weight_decay": 0.0}]
@@ -350,11 +414,12 @@ def check_positive(name: str, value, why: str) -> None:
                          f"{value!r}")
 
 
-def check_learning_rates(lr: float, quant_lr: float) -> None:
+def check_learning_rates(lr: float, quant_lr: float | None) -> None:
     """NaN trained and was exported as an all-NaN model (and written to config.json as the invalid JSON NaN); a
-    negative rate ascends the loss."""
+    negative rate ascends the loss. A quant_lr of None (the recipe's default, `checked_quant_lr`) passes."""
     for name, value in (("lr", lr), ("quant_lr", quant_lr)):
-        check_positive(name, value, "e.g. 1e-3")
+        if value is not None or name == "lr":
+            check_positive(name, value, "e.g. 1e-3")
 
 
 def check_alpha(alpha: float | None) -> None:
@@ -422,8 +487,11 @@ def read_state(path: Path, settings: dict) -> dict:
     state = load_state(path)
     # the learning rates too: the optimizer and scheduler states `restore_state` loads carry the saved ones, which would
     # keep driving the run while its settings (and the export's config) recorded the new
+    # quant_lr only where the recipe learns at it: a hadamard state records the one its run was given (0.01 by default
+    # before `checked_quant_lr`), which trained nothing
     fixed = ("model", "recipe", "init", "rank", "alpha", "rotation_seed", "seq_len", "batch_size", "seed",
-             "objective", "sources", "windows", "calibration", "lr", "quant_lr", "warmup", "max_grad_norm")
+             "objective", "sources", "windows", "calibration", "lr", "warmup", "max_grad_norm") + (
+        ("quant_lr",) if learns_quantization(settings["recipe"]) else ())
     # states written before init existed started from RTN; those written before the model, token ids, warm-up and
     # clipping were recorded cannot be checked for them
     unrecorded = ("model", "windows", "calibration", "warmup", "max_grad_norm")
@@ -480,8 +548,8 @@ def _autocast(device: torch.device):
 
 def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e-3, seq_len: int = 512,
             batch_size: int = 8, out_dir=None, resume: bool = False, device=None, *, objective: str = "kl",
-            rank: int = 16, alpha: float | None = None, quant_lr: float = 1e-2, warmup: int | None = None,
-            save_every: int = 50, seed: int = 0, rotation_seed: int = 0, sources=DEFAULT_SOURCES,
+            rank: int = 16, alpha: float | None = None, quant_lr: float | None = None, warmup: int | None = None,
+            save_every: int | None = None, seed: int = 0, rotation_seed: int = 0, sources=None,
             windows: torch.Tensor | None = None, init: str = "rtn", calibration=None,
             gradient_checkpointing: bool = True, max_grad_norm: float = 1.0, progress: bool = True,
             callback=None) -> nn.Module:
@@ -492,18 +560,21 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     the CPU is saved; `nibble.load_quantized` reads them in bf16 on a GPU all the same.
 
     ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
-    paths `nibble.quantize.calibration.calibration_text` takes, or one of them), or of the given ``windows``
-    LongTensor [n, seq_len]. ``lr`` is the LoRA learning rate, ``quant_lr`` that of
-    the clip/smoothing parameters. ``init="gptq"`` starts from GPTQ's weights (module doc), calibrated
-    on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows of 512 tokens of the C4
-    excerpt, or of the model's context where that is shorter; windows past it are refused, too few tokens warned
-    of, as `quantize_model` does: `architecture.check_calibration`); it keeps
+    paths `nibble.quantize.calibration.calibration_text` takes, or one of them; default `DEFAULT_SOURCES`), or of
+    the given ``windows`` LongTensor [n, seq_len] (not both). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
+    the clip/smoothing parameters the per-token and per-channel recipes learn (default `DEFAULT_QUANT_LR`; the
+    hadamard recipe learns none: one given is warned of, and the run records None). ``init="gptq"`` starts from
+    GPTQ's weights (module doc), calibrated on ``calibration`` (default: `calibration_for`'s, what `nibble quantize`
+    uses: 128 windows of 512 tokens of the C4 excerpt, or of the model's context where that is shorter; windows past
+    it are refused, too few tokens warned of, as `quantize_model` does: `architecture.check_calibration`); it keeps
     a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
     computes them again. ``out_dir`` (optional) receives the resumable state every
-    ``save_every`` steps; ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
+    ``save_every`` steps (default `DEFAULT_SAVE_EVERY`; given without ``out_dir``, refused); ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
     refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
     a float model, the one trained above all). ``callback(step, loss)`` runs after each
-    step (and after that step's state is saved). The model comes back in eval mode, on ``device``,
+    step (and after that step's state is saved). ``rank`` is LoRA's, at most the largest min(in_features,
+    out_features) of the linears (`check_rank`); a ``batch_size`` past the training windows is clamped to them, with a
+    warning. The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given,
     with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
     ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
     run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant
@@ -515,9 +586,14 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     # all said before the model is changed (batch_size=0 was torch.stack's error, save_every=0 a ZeroDivisionError,
     # seq_len=1 windows without a target a loss of NaN said as "lower lr")
-    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
-                               ("save_every", save_every, 1), ("rank", rank, 1)):
-        check_count(name, value, least)
+    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
+        check_count(name, value, least)  # rank's: `check_rank`
+    if save_every is not None:
+        check_count("save_every", save_every, 1)
+        if out_dir is None:  # it saved nothing, without a word
+            raise ValueError(f"save_every={save_every} sets how often the state goes to out_dir, and no out_dir was "
+                             "given: drop save_every, or give out_dir")
+    save_every = DEFAULT_SAVE_EVERY if save_every is None else save_every
     if warmup is not None:
         check_count("warmup", warmup, 0)
     check_learning_rates(lr, quant_lr)
@@ -527,8 +603,12 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     check_positive("max_grad_norm", max_grad_norm, "the gradient norm clipped to, e.g. 1.0")
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
+    if windows is not None and sources is not None:  # the windows trained, the texts were never read
+        raise ValueError("sources names the texts run_qat makes its training windows from, and windows were given: "
+                         "drop one")
     check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
-    check_model(model, recipe, init, rotation_seed)  # before the model is changed
+    quant_lr = checked_quant_lr(recipe, quant_lr)
+    check_model(model, recipe, init, rotation_seed, rank)  # before the model is changed
     if out_dir is not None:
         # the folder the export writes: one holding a float model was refused by the export alone, after the training
         out_dir = checkpoint_dir(out_dir, model)
@@ -553,13 +633,20 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
              f"{context}.")
         seq_len = context
     device = resolve_device(device)
-    sources = training_sources(sources) if windows is None else None  # windows given: no text was read
+    # windows given: no text was read
+    sources = training_sources(DEFAULT_SOURCES if sources is None else sources) if windows is None else None
     if windows is None:
         if tokenizer is None:  # was None's AttributeError
             raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
                              "ids [n, seq_len])")
         windows = training_windows(tokenizer, seq_len, sources)
     check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
+    if batch_size > windows.shape[0]:
+        # a larger batch holds windows twice in one step (`batch_indices`), at the memory of the batch asked: a huge
+        # one drew a permutation of the windows for each row, then ran out of memory
+        warn(f"batch_size={batch_size} exceeds the {windows.shape[0]} training windows (of seq_len={seq_len} "
+             f"tokens); using {windows.shape[0]}, each window once a step.")
+        batch_size = windows.shape[0]
     if init == "gptq":
         if calibration is None:
             if tokenizer is None:
@@ -583,8 +670,6 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     try:
         torch.manual_seed(seed)
         model = model.to(device=device, dtype=torch.float32)
-        own_config(model)  # another model built from the same config object keeps its cache
-        model.config.use_cache = False
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
@@ -633,7 +718,8 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
                 kept = "" if saved_step is None else (
                     f" in another folder, or delete {path.parent} first: {path} holds this run at step {saved_step}, "
                     "which resume=True goes on from at these rates only")
-                raise FloatingPointError(f"PE-QAT {what} at step {step + 1}; lower lr / quant_lr{kept}")
+                rates = "lr / quant_lr" if quant_lr is not None else "lr"
+                raise FloatingPointError(f"PE-QAT {what} at step {step + 1}; lower {rates}{kept}")
             recent.append(value)
             first_loss = value if first_loss is None else first_loss
             n_tok += ids.numel()

@@ -36,7 +36,7 @@ def _windows(n=4, seed=1):
 
 
 def _train(recipe, steps, windows, **kw):
-    kw = dict(lr=5e-3, quant_lr=1e-2, seq_len=SEQ, batch_size=windows.shape[0], windows=windows, device="cpu",
+    kw = dict(lr=5e-3, seq_len=SEQ, batch_size=windows.shape[0], windows=windows, device="cpu",
               warmup=1, progress=False, gradient_checkpointing=False) | kw
     model = kw.pop("model", None) or _model()
     return run_qat(model, None, recipe, steps, **kw)
@@ -145,12 +145,33 @@ def test_final_loss_is_the_mean_of_the_last_steps_losses():
         assert meta["first_loss"] == losses[0]
 
 
-def test_training_leaves_another_model_of_the_same_config_object_as_it_was():
-    """run_qat turns the model's KV cache off in its config, which every model built from that object shared."""
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_training_leaves_the_models_kv_cache_setting_as_it_was(use_cache):
+    """run_qat turned use_cache off in the config of the model it returned (its forward passes say use_cache=False
+    themselves), so that a forward of the trained model returned no KV cache; a model built from the same config
+    object keeps its setting and its tied head (the hadamard recipe unties the trained one's)."""
+    ids = torch.tensor([[1, 2, 3]])
     model = _model()
+    model.config.use_cache = use_cache
     other = type(model)(model.config)
-    _train("per-token", 1, _windows(), model=model)
-    assert other.config.use_cache and not model.config.use_cache
+    qat = _train("hadamard", 1, _windows(), model=model, gradient_checkpointing=True)
+    assert qat.config.use_cache is other.config.use_cache is use_cache
+    assert other.config.tie_word_embeddings and not qat.config.tie_word_embeddings
+    with torch.no_grad():
+        assert (qat(ids).past_key_values is not None) is use_cache
+        # the export keeps it too, as quantize_model does (it turned it on, undoing run_qat's)
+        exported = export(qat)
+        assert exported.config.use_cache is use_cache and (exported(ids).past_key_values is not None) is use_cache
+    # interrupted too
+    model = _model()
+    model.config.use_cache = use_cache
+
+    def interrupt(step, loss):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _train("per-token", 2, _windows(), model=model, callback=interrupt)
+    assert model.config.use_cache is use_cache
 
 
 @pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
@@ -480,6 +501,12 @@ def test_a_model_built_empty_is_refused_before_it_is_prepared():
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
 
 
+# quantize_model's hint "keep this layer in 16 bits (QuantConfig.modules_to_not_convert)", which PE-QAT cannot do,
+# said as what its user can do instead
+KEEPS_NONE = re.escape("quantize the model without PE-QAT, which can keep no layer in 16 bits (nibble.quantize_model "
+                       "keeps it with QuantConfig.modules_to_not_convert)")
+
+
 def _poisoned(value):
     def poison(model):
         model.model.layers[0].self_attn.q_proj.weight.data[0, 0] = value
@@ -492,12 +519,15 @@ def _poisoned(value):
     ("hadamard", {}, _poisoned(float("inf")), r"^model.layers.0.self_attn.q_proj: weight contains NaN or Inf"),
     # the packing's refusal came at the export, after the whole training, naming no layer
     ("per-token", dict(intermediate_size=196), None, r"^model.layers.0.mlp.down_proj: in_features=196 is not a "
-                                                      "multiple of 8"),
+                                                      r"multiple of 8, .*: " + KEEPS_NONE + "$"),
     # the rotation's, after the model was cast to float32 and set to checkpoint its gradients
     ("hadamard", dict(intermediate_size=232), None, "cannot rotate this model: its intermediate_size is 232"),
     # trained on scales float16 holds with 2 bits or fewer, which quantize_model refuses
     ("per-token", dict(initializer_range=1e-10), None, r"^model.layers.0.self_attn.q_proj: weights up to \|w\| = "
-                                                       ".* need group scales below"),
+                                                       ".* need group scales below .*: " + KEEPS_NONE
+                                                       + " or scale the weight up before quantizing$"),
+    ("per-token", {}, _poisoned(1e7), r"^model.layers.0.self_attn.q_proj: weights up to \|w\| = .* need a scale "
+                                      ".*: " + KEEPS_NONE + " or scale the weight down before quantizing$"),
 ])
 def test_what_the_w4a4_quantization_refuses_is_refused_before_the_model_is_changed(recipe, overrides, change,
                                                                                      message):
@@ -510,6 +540,105 @@ def test_what_the_w4a4_quantization_refuses_is_refused_before_the_model_is_chang
         _train(recipe, 1, _windows(), model=model)
     assert next(model.parameters()).dtype == torch.bfloat16 and not model.is_gradient_checkpointing
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+
+
+def test_a_layer_the_rotated_model_cannot_quantize_is_said_in_what_pe_qat_can_do():
+    """Past the checks before the model is changed (the rotation moves the weights the scales are taken of), the
+    clip search's refusal said "keep this layer in 16 bits (QuantConfig.modules_to_not_convert)", which PE-QAT
+    cannot."""
+    model = _model()
+    _poisoned(1e7)(model)
+    with pytest.raises(ValueError, match=r"^model.layers.0.self_attn.q_proj: weights up to \|w\| = 1.25e\+06 need a "
+                                         r"scale .*: " + KEEPS_NONE + " or scale the weight down before quantizing$"):
+        _train("hadamard", 1, _windows(), model=model)
+
+
+def test_a_lora_rank_no_linear_can_use_is_refused_naming_the_largest_before_the_model_is_changed():
+    """A rank past every linear's min(in_features, out_features) adds parameters that change nothing: a huge one ran
+    out of memory inside peft. The tiny model's q_proj, gate_proj and down_proj take 64 (k_proj and v_proj 32)."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"^rank=65 exceeds what LoRA can use on this model: .* 64 at most here "
+                                         r"\(model.layers.0.self_attn.q_proj\); give rank <= 64$"):
+        _train("per-token", 1, _windows(), model=model, rank=65)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+    from nibble.cli import options_named
+    from nibble.qat.command import RUN_OPTIONS
+    with pytest.raises(ValueError) as said, options_named(**RUN_OPTIONS):  # as `nibble qat` says it
+        _train("per-token", 1, _windows(), model=model, rank=65)
+    assert str(said.value).startswith("--rank=65 exceeds") and str(said.value).endswith("; give --rank <= 64")
+    assert str(said.value).count("rank") == 2
+    for rank in (0, 2.5, "4"):  # peft's refusal, or a TypeError, after prepare_qat_model rotated and replaced them
+        with pytest.raises(ValueError, match=f"^rank must be an integer >= 1, got {rank!r}"):
+            prepare_qat_model(model, "hadamard", rank=rank)
+        assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear and not fake_quant_layers(model)
+    qat = _train("per-token", 1, _windows(), rank=64)
+    assert qat.base_model.model.model.layers[0].self_attn.k_proj.lora_A["default"].weight.shape == (64, 64)
+
+
+def test_a_batch_larger_than_the_training_windows_is_clamped_to_them_with_a_warning():
+    """It held windows twice in a step, and a huge one drew a permutation of the windows for each of its rows (a
+    hang), then ran out of memory. Clamped, it trains as a batch of every window does."""
+    windows = _windows(n=4)
+    with pytest.warns(UserWarning, match=r"^batch_size=9 exceeds the 4 training windows \(of seq_len=24 tokens\); "
+                                         r"using 4, each window once a step\.$"):
+        clamped = _train("per-token", 2, windows, batch_size=9)
+    whole = _train("per-token", 2, windows, batch_size=4)
+    assert clamped.qat_meta["batch_size"] == 4 and clamped.qat_meta["tokens_this_run"] == 2 * 4 * SEQ
+    for (n, p), (_, q) in zip(clamped.named_parameters(), whole.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+
+
+def test_the_hadamard_recipe_takes_no_quant_lr_and_resumes_a_state_that_recorded_one(tmp_path):
+    """The hadamard recipe learns LoRA alone (its clip ratios fixed), so quant_lr changed nothing in its run, yet a
+    resume at another one was refused as another run's; given, it is warned of."""
+    import warnings
+
+    from nibble.qat import RECIPES
+    from nibble.qat.train import learns_quantization
+    for recipe in RECIPES:
+        prepared = prepare_qat_model(_model(), recipe, rank=2)
+        quant = [n for n, p in prepared.named_parameters() if p.requires_grad and "lora_" not in n]
+        assert bool(quant) is learns_quantization(recipe) is (recipe != "hadamard"), recipe
+    windows = _windows()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        qat = _train("hadamard", 1, windows, out_dir=tmp_path, save_every=1)
+    assert not [w for w in seen if "quant_lr" in str(w.message)] and qat.qat_meta["quant_lr"] is None
+    # as the code before wrote it: its default 0.01, which trained nothing
+    path = state_path(tmp_path)
+    state = torch.load(path, weights_only=True)
+    state["settings"]["quant_lr"] = 0.01
+    torch.save(state, path)
+    with pytest.warns(UserWarning, match=r"^quant_lr=0.05 has no effect: recipe 'hadamard' learns no quantization "
+                                         r"parameters \(its clip ratios are fixed\), only LoRA, at lr; drop quant_lr$"):
+        resumed = _train("hadamard", 2, windows, out_dir=tmp_path, resume=True, quant_lr=0.05)
+    assert resumed.qat_meta["tokens_this_run"] == 4 * SEQ and resumed.qat_meta["quant_lr"] is None
+
+
+def test_nibble_qat_warns_of_a_quant_lr_its_recipe_does_not_use_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    import warnings
+
+    from nibble.cli import main
+    from nibble.models import loading
+
+    class Loading(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loading
+
+    monkeypatch.setattr(loading, "load_model", load)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: print(warnings.formatwarning(*a), end=""))
+        with pytest.raises(Loading):
+            main(["qat", "--recipe", "hadamard", "--quant-lr", "0.05", "--device", "cpu", "--out", str(tmp_path)])
+        assert capsys.readouterr().out == ("nibble qat: warning: --quant-lr=0.05 has no effect: --recipe 'hadamard' "
+                                           "learns no quantization parameters (its clip ratios are fixed), only LoRA, "
+                                           "at --lr; drop --quant-lr\n")
+        with pytest.raises(Loading):
+            main(["qat", "--recipe", "per-token", "--quant-lr", "0.05", "--device", "cpu", "--out", str(tmp_path)])
+        assert capsys.readouterr().out == ""
 
 
 def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_does(tmp_path):
@@ -636,8 +765,10 @@ def test_learning_rates_that_cannot_train_are_refused(bad):
     assert not fake_quant_layers(model)
 
 
-def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
-    """The loss is computed before the update: a last step whose update was NaN went unnoticed into the export."""
+@pytest.mark.parametrize("recipe, rates", [("per-token", "lr / quant_lr"), ("hadamard", "lr")])
+def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch, recipe, rates):
+    """The loss is computed before the update: a last step whose update was NaN went unnoticed into the export. The
+    rates to lower are those the recipe trains at (hadamard's quant_lr trains nothing)."""
     step = torch.optim.AdamW.step
 
     def poisoning_step(self, *args, **kwargs):
@@ -646,9 +777,9 @@ def test_a_last_step_that_makes_the_parameters_nan_is_caught(monkeypatch):
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
-    with pytest.raises(FloatingPointError, match="^PE-QAT trained parameters became NaN or Inf at step 1; lower lr / "
-                                                 "quant_lr$"):
-        _train("per-token", 1, _windows())
+    with pytest.raises(FloatingPointError, match=f"^PE-QAT trained parameters became NaN or Inf at step 1; lower "
+                                                 f"{rates}$"):
+        _train(recipe, 1, _windows())
 
 
 def test_a_run_that_diverged_names_its_step_from_1_and_how_to_train_at_lower_rates(tmp_path, monkeypatch):
@@ -681,6 +812,24 @@ def test_training_windows_without_a_tokenizer_are_refused():
     """They were None's AttributeError ('NoneType' object has no attribute 'encode')."""
     with pytest.raises(ValueError, match="needs a tokenizer to make its training windows from sources, or windows"):
         run_qat(_model(), None, "per-token", 1, seq_len=SEQ, device="cpu", progress=False)
+
+
+def test_save_every_without_an_out_dir_is_refused():
+    """It saved nothing, without a word."""
+    model = _model()
+    with pytest.raises(ValueError, match="^save_every=5 sets how often the state goes to out_dir, and no out_dir was "
+                                         "given: drop save_every, or give out_dir$"):
+        _train("per-token", 1, _windows(), model=model, save_every=5)
+    assert not fake_quant_layers(model)
+
+
+def test_sources_with_the_windows_given_are_refused():
+    """The windows trained, and the texts named were never read, without a word."""
+    model = _model()
+    with pytest.raises(ValueError, match="^sources names the texts run_qat makes its training windows from, and "
+                                         "windows were given: drop one$"):
+        _train("per-token", 1, _windows(), model=model, sources=("c4",))
+    assert not fake_quant_layers(model)
 
 
 @pytest.mark.parametrize("recipe", ["per-token", "hadamard"])
@@ -843,10 +992,15 @@ def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
         main(["qat", "--device", "cpu", "--recipe", "hadamard", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
               "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
               "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
-    assert given.value.args[0] == dict(
-        recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
-        device=torch.device("cpu"), objective="ce", rank=4, quant_lr=0.03, save_every=5, seed=9,
-        sources=("gutenberg", str(text)), init="rtn", calibration=None)
+    want = dict(recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
+                device=torch.device("cpu"), objective="ce", rank=4, quant_lr=None, save_every=5, seed=9,
+                sources=("gutenberg", str(text)), init="rtn", calibration=None)
+    assert given.value.args[0] == want  # hadamard learns at no quant_lr: warned of, and not given on
+    with pytest.raises(Given) as given:
+        main(["qat", "--device", "cpu", "--recipe", "per-token", "--steps", "7", "--lr", "0.002", "--quant-lr",
+              "0.03", "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
+              "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
+    assert given.value.args[0] == want | dict(recipe="per-token", quant_lr=0.03)
 
 
 def test_a_resume_with_other_settings_is_refused_before_the_model_is_prepared(tmp_path, monkeypatch):
@@ -941,8 +1095,8 @@ def test_nibble_qat_interrupted_names_the_state_of_this_run_and_how_to_go_on(mon
             if step == stop:
                 raise KeyboardInterrupt
 
-        return real_run(*args, **dict(kwargs, windows=_windows(), callback=callback, progress=False, warmup=1,
-                                      gradient_checkpointing=False))
+        return real_run(*args, **dict(kwargs, sources=None, windows=_windows(), callback=callback, progress=False,
+                                      warmup=1, gradient_checkpointing=False))
 
     monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
     out = tmp_path / "q"
