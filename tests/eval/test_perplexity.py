@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from nibble.eval import data
 from nibble.eval.data import DataFormatError
-from nibble.eval.perplexity import perplexity, wikitext2_perplexity, wikitext2_text
+from nibble.eval.perplexity import default_seq_len, perplexity, wikitext2_perplexity, wikitext2_text
 
 
 class ByteTokenizer:
@@ -98,6 +98,27 @@ def test_default_seq_len_is_the_context_capped_at_2048_and_at_max_tokens():
         out = wikitext2_perplexity(tiny_model(max_position_embeddings=4096), tok, max_tokens=100, progress=False)
     assert small["seq_len"] == 64 and small["windows"] == 2
     assert out["seq_len"] == 100 and out["windows"] == 1
+
+
+def test_the_default_window_is_2048_where_the_context_and_the_stream_are_longer():
+    """The published protocol's window: a model of a longer context is not scored on longer (easier) windows."""
+    assert default_seq_len(tiny_model(max_position_embeddings=4096), 10_000) == 2048
+    assert default_seq_len(tiny_model(max_position_embeddings=1024), 10_000) == 1024
+    assert default_seq_len(tiny_model(max_position_embeddings=4096), 1500) == 1500
+
+
+def test_wikitext2_is_tokenized_once_as_a_whole_with_the_tokenizers_special_tokens():
+    """The protocol tokenizes the whole split once with the tokenizer's defaults (a Llama tokenizer's BOS first);
+    the byte tokenizer of the other tests ignores the flag."""
+    calls = []
+
+    class BosTokenizer:
+        def encode(self, text, add_special_tokens=True):
+            calls.append((len(text), add_special_tokens))
+            return [1] * add_special_tokens + list(text.encode("utf-8"))
+
+    out = wikitext2_perplexity(tiny_model(), BosTokenizer(), seq_len=16, max_tokens=64, progress=False)
+    assert calls == [(len(wikitext2_text()), True)] and out["windows"] == 4
 
 
 def test_missing_data_file_names_the_file_the_folders_and_the_fix(monkeypatch, tmp_path):

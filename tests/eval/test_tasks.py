@@ -11,6 +11,7 @@ from nibble.eval.tasks import (
     FILES,
     TASKS,
     Doc,
+    Task,
     encode_pair,
     evaluate_tasks,
     hellaswag_preprocess,
@@ -165,6 +166,27 @@ def test_encode_pair_moves_trailing_context_spaces_and_splits_the_whole_encoding
     assert encode_pair(bpe_tokenizer, "", "yes") == ([bpe_tokenizer.bos_token_id], enc("yes"))
 
 
+class GreedyTokenizer:
+    """Longest match first, with one merged piece: "ab" + "cd" encodes as a, bc, d, the context "ab" alone as a, b."""
+
+    bos_token_id = eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        ids = []
+        while text:
+            merged = text.startswith("bc")
+            ids.append(256 if merged else ord(text[0]))
+            text = text[1 + merged:]
+        return ids
+
+
+def test_a_merge_across_the_boundary_is_split_off_the_whole_encoding_as_lm_eval_does():
+    """lm-eval's continuation is the whole string's tokens past the context's own: d alone here (the merged bc is
+    neither's), not the continuation encoded apart (c, d). The tokenizers above split at every space and byte, where
+    the two agree."""
+    assert encode_pair(GreedyTokenizer(), "ab", "cd") == ([ord("a"), ord("b")], [ord("d")])
+
+
 @pytest.mark.parametrize("bos, prefix", [(1, 1), (None, 2)])
 def test_a_context_free_continuation_follows_the_bos_token_or_else_the_eos_token(bos, prefix):
     """Llama-style ids (BOS 1, EOS 2): the tokenizers above have one special token for both, so either would do."""
@@ -281,6 +303,18 @@ def test_limit_keeps_the_first_documents_of_every_task():
     assert ("acc_norm" in out["hellaswag"]) and ("acc_norm" not in out["winogrande"])
     assert out["average"]["acc"] == pytest.approx(sum(out[t]["acc"] for t in ALL_TASKS) / len(ALL_TASKS))
 
+
+
+def test_the_average_is_the_unweighted_mean_of_the_tasks_accuracies(monkeypatch):
+    """Each task counts once, whatever its number of documents (README's and lm-eval's average of the seven). Every
+    other test ran its tasks on equally many documents (limit), where a mean over documents is the same number."""
+    hit = Doc([("q", " a"), ("q", " bb")], ["a", "bb"], 0)  # a uniform model picks the shorter continuation
+    miss = hit._replace(gold=1)
+    monkeypatch.setitem(TASKS, "boolq", Task(lambda: [hit], False))
+    monkeypatch.setitem(TASKS, "winogrande", Task(lambda: [miss] * 3, False))
+    out = evaluate_tasks(BigramLM(), ByteTokenizer(), ["boolq", "winogrande"], progress=False)
+    assert (out["boolq"]["acc"], out["winogrande"]["acc"]) == (1.0, 0.0)
+    assert out["average"] == {"acc": 0.5}  # over documents: 0.25
 
 
 def test_each_task_the_command_line_offers_has_its_data_files_and_loader_in_the_same_order():

@@ -135,6 +135,11 @@ def test_bad_shapes_are_refused():
         from_awq(qweight, qzeros, scales, 16)
     with pytest.raises(ValueError, match="float16"):
         from_awq(qweight, qzeros, scales.float(), 32)
+    # K = 12 rows, one group per channel: K % G is 0, and only K % 8 refuses it before the unpacking
+    with pytest.raises(ValueError, match=r"^AWQ qweight has K=12 rows, which must be divisible by 8 and by "
+                                         r"group_size=-1$"):
+        from_awq(torch.zeros(12, 2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32),
+                 torch.ones(1, 16, dtype=torch.float16), -1)
     w = random_canonical(64, 12, 32, False)  # N = 12 is not a multiple of 8
     with pytest.raises(ValueError, match="multiple of 8"):
         to_awq(w)

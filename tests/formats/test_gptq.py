@@ -174,6 +174,28 @@ def test_a_zero_point_of_16_is_refused_as_a_float_zero_point(export):
         export(w)
 
 
+@pytest.mark.parametrize("export", [to_awq, lambda w: to_gptq(w, checkpoint_format="gptq"),
+                                    lambda w: to_gptq(w, checkpoint_format="gptq_v2")], ids=["awq", "gptq", "gptq_v2"])
+def test_a_negative_zero_point_is_refused_as_a_float_zero_point(export):
+    """z = fp16(+s) is -zp * s with zp = -1, an integer below what a nibble holds: refused as a zero point to
+    re-quantize, not left to the packer's bare "4-bit codes must lie in [0, 15]"."""
+    s = torch.full((2, 16), 0.01, dtype=torch.float16)
+    w = Int4Weight(torch.zeros(8, 16, dtype=torch.int32), s, s.clone(), 32)
+    with pytest.raises(ValueError, match=r"has float zero points .*-z/s=-1 is not an integer in \[0, 15\].*"
+                                         "Re-quantize with zero_point='int'"):
+        export(w)
+
+
+def test_a_perm_that_is_not_a_permutation_is_refused():
+    """A repeated index wrote two canonical rows onto one input feature and left another's codes unwritten
+    (torch.empty): a checkpoint of garbage, without a word."""
+    w = random_canonical(64, 16, 32, symmetric=True)
+    perm = torch.arange(64)
+    perm[3] = 5
+    with pytest.raises(ValueError, match=r"^perm must be a permutation of range\(64\)$"):
+        to_gptq(w, perm)
+
+
 @pytest.mark.parametrize("N,needs", [(12, r"qzeros \(2, 1\), and N a multiple of 8 \(the zero points a qzeros word "
                                           r"holds\)"),
                                      (16, r"qzeros \(2, 2\)")], ids=["N not a multiple of 8", "qzeros too narrow"])

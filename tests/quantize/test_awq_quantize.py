@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -51,6 +53,16 @@ def test_scale_search_protects_salient_channels():
     assert errors[0] == pytest.approx(((W - rtn) @ H * (W - rtn)).sum().item(), rel=1e-4)
     scaled = dense(rtn_quantize(W * s, 64, clip_search=False)) / s
     assert output_error(X, W, scaled) < 0.7 * output_error(X, W, rtn)
+
+
+def test_a_channel_calibration_never_saw_gets_the_floor_scale_not_zero():
+    """mean |x| = 0 (an input never active) made s = 0^alpha = 0 for every alpha > 0 without AutoAWQ's clamp to 1e-4:
+    w * 0 / 0 is NaN, so every alpha but 0 scored NaN and the search fell back to plain RTN without a word."""
+    X, W, H = salient_problem(K=128, N=32)
+    X[:, 0] = 0
+    s, alpha, errors = search_scale([W], X.t() @ X / X.shape[0], X.abs().mean(0), 32)
+    assert alpha > 0 and all(map(math.isfinite, errors))
+    assert torch.isfinite(s).all() and (s > 0).all()
 
 
 def test_activation_aware_clip_with_identity_hessian_is_rtns_clip_search():

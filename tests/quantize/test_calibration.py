@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_model
 from nibble import QuantConfig
 from nibble.models.architecture import decoder_layers
-from nibble.quantize.calibration import (calibration_batches, calibration_for, capture_block_inputs, forward_block,
-                                         token_batches)
+from nibble.quantize.calibration import (calibration_batches, calibration_for, calibration_text, capture_block_inputs,
+                                         forward_block, token_batches)
 
 
 class ByteTokenizer:
@@ -26,6 +26,12 @@ def test_batches_are_seeded_non_overlapping_windows_of_the_text(source):
     assert torch.equal(a, calibration_batches(tok, n_samples=16, seq_len=256, source=source, seed=0))
     assert not torch.equal(a, calibration_batches(tok, n_samples=16, seq_len=256, source=source, seed=1))
     assert len({tuple(r.tolist()) for r in a}) == 16
+    # each sample one of the stream's windows ids[k L : (k + 1) L], none twice, in stream order: distinct rows alone let
+    # overlapping windows, or windows shifted off the stream's start, pass
+    ids = torch.tensor(tok.encode(calibration_text(source)))
+    windows = ids[: ids.numel() // 256 * 256].reshape(-1, 256)
+    k = [next(i for i, w in enumerate(windows) if torch.equal(w, row)) for row in a]
+    assert k == sorted(set(k))
 
 
 def test_calibration_for_a_model_cuts_the_default_windows_to_its_context():
@@ -56,7 +62,6 @@ def test_jsonl_file_source_and_too_short_text_names_the_minimum(tmp_path):
 def test_a_text_of_the_users_own_not_in_the_format_is_told_what_it_must_hold(tmp_path, name, content, what):
     """It was told to copy the file again from the shared data folder, which holds no copy of the user's own."""
     from nibble.eval.data import DataFormatError
-    from nibble.quantize.calibration import calibration_text
 
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -70,7 +75,6 @@ def test_a_text_of_the_users_own_not_in_the_format_is_told_what_it_must_hold(tmp
 
 def test_a_byte_order_mark_is_not_calibration_text(tmp_path):
     """It was read as a character (U+FEFF) and tokenized: other windows than the same text without it."""
-    from nibble.quantize.calibration import calibration_text
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfsome text")
     assert calibration_text(str(tmp_path / "bom.txt")) == "some text"
 

@@ -11,7 +11,7 @@ from nibble.formats.gptq import to_gptq
 from nibble.kernels.reference import dequantize
 from nibble.quantize import calibrated_quantizers
 from nibble.quantize.gptq import gptq_quantize_model, gptq_quantize_weight
-from nibble.quantize.rtn import quantize_groups, round_to_codes, rtn_quantize
+from nibble.quantize.rtn import quantize_groups, round_to_codes, rtn_quantize, weighted_clip_search
 
 
 def dense(w):
@@ -56,10 +56,13 @@ def test_the_compensated_weights_round_to_the_codes_from_inside_their_bins(G, sy
     assert gptq_quantize_weight(W, H, G, symmetric=symmetric).compensated is None
 
 
-def textbook_gptq(W, H, G, act_order=False, percdamp=0.01):
+def textbook_gptq(W, H, G, act_order=False, percdamp=0.01, static_groups=False, clip=False):
     """GPTQ as the paper's Algorithm 1 and IST-DASLab's fasterquant state it, one column at a time with no lazy
-    blocks: the dequantized weight [N, K] in processing order, and that order. Each group's (s, z) is RTN's min/max of the group's
-    weights as they stand when the sweep reaches its first column (after the updates of the columns before it)."""
+    blocks: the dequantized weight [N, K] in processing order, and that order. Each group's (s, z) is RTN's min/max of
+    the group's weights as they stand when the sweep reaches its first column (after the updates of the columns before
+    it); ``static_groups``: of the group's original inputs g*G .. (g+1)*G - 1, all fixed before the sweep; ``clip``: by
+    the clipping search scored by GPTQ's loss of each column j, (w_j - q_j)^2 / [H_F^-1]_jj with F the columns not yet
+    quantized, [H_F^-1]_jj read off the inverse of the trailing block H[j:, j:] itself (not the Cholesky factor)."""
     W, H = W.clone().float(), H.clone().float()
     K = W.shape[1]
     dead = H.diag() == 0  # inputs never active: H_jj = 1, their weights 0
@@ -69,11 +72,25 @@ def textbook_gptq(W, H, G, act_order=False, percdamp=0.01):
     W, H = W[:, order], H[order][:, order]
     H += percdamp * H.diag().mean() * torch.eye(K)
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # H^-1 = U^T U
+    loss_weight = torch.stack([1 / torch.linalg.inv(H[j:, j:].double())[0, 0] for j in range(K)]).float()
+
+    def group(columns):
+        if clip:
+            loss = lambda dw: (dw ** 2 * loss_weight[columns]).sum(1, keepdim=True)  # noqa: E731
+            _, s, z = weighted_clip_search(W[:, columns], loss)
+        else:
+            _, s, z = quantize_groups(W[:, columns], clip_search=False)
+        return s[:, 0], z[:, 0]
+
+    if static_groups:
+        swept_at = torch.argsort(order)  # where the sweep meets each original input
+        fixed = [group(swept_at[g * G:(g + 1) * G]) for g in range(K // G)]
     Q = torch.zeros_like(W)
     for j in range(K):
-        if j % G == 0:
-            _, s, z = quantize_groups(W[:, j:j + G], clip_search=False)
-            s, z = s[:, 0], z[:, 0]
+        if static_groups:
+            s, z = fixed[int(order[j]) // G]
+        elif j % G == 0:
+            s, z = group(torch.arange(j, j + G))
         Q[:, j] = round_to_codes(W[:, j], s, z) * s + z
         err = (W[:, j] - Q[:, j]) / U[j, j]
         W[:, j:].addr_(err, U[j, j:], alpha=-1)  # spread the error over the columns not yet quantized
@@ -92,6 +109,30 @@ def test_gptq_is_the_textbook_algorithm(G, act_order):
     Q, order = textbook_gptq(W, H, W.shape[1] if G == -1 else G, act_order)
     assert torch.equal(dense(res.weight), Q)
     assert torch.equal(res.perm, order) if act_order else res.perm is None
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_gptq_weighted_clipping_is_the_textbook_loss_of_each_column(act_order):
+    """The clip objective weighs column j by 1 / [H_F^-1]_jj: a weight of U_jj^-1 for U_jj^-2 passed every test that
+    compared errors."""
+    _, W, H = correlated_problem(K=64, N=16)
+    res = gptq_quantize_weight(W, H, 32, clip_search=True, act_order=act_order)
+    Q, order = textbook_gptq(W, H, 32, act_order, clip=True)
+    assert torch.equal(dense(res.weight), Q)
+    assert torch.equal(res.perm, order) if act_order else res.perm is None
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_static_groups_are_fixed_on_the_original_order_and_swept_in_act_order(clip):
+    """gptq_quantize_model's default: each group's range from its original inputs, fixed before the sweep, and the
+    clipping search weighing each of them by its own column's loss: with the column weights left in processing order
+    (the groups' inputs permuted, their weights not) every other test still passed."""
+    _, W, H = correlated_problem(K=64, N=16)
+    H[5, :], H[:, 5] = 0, 0
+    res = gptq_quantize_weight(W, H, 16, clip_search=clip, act_order=True, static_groups=True)
+    Q, order = textbook_gptq(W, H, 16, act_order=True, static_groups=True, clip=clip)
+    assert res.perm is None and torch.equal(res.g_idx, (torch.arange(64) // 16).to(torch.int32))
+    assert torch.equal(dense(res.weight)[:, order], Q)
 
 
 def test_with_uncorrelated_inputs_gptq_is_rtn():
