@@ -32,7 +32,7 @@ from nibble.eval.perplexity import wikitext2_perplexity  # noqa: E402
 from nibble.models.convert import quantize_model, set_backend  # noqa: E402
 from nibble.models.loading import load_model  # noqa: E402
 from nibble.models.serialization import load_quantized, save_quantized  # noqa: E402
-from nibble.qat.train import export, run_qat  # noqa: E402
+from nibble.qat.train import export, learns_quantization, run_qat  # noqa: E402
 from nibble.quantize.calibration import calibration_batches  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--train-seconds", type=float, default=None,
                     help="fit the step count to this many seconds per recipe, timed by a 4-step probe run")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--quant-lr", type=float, default=1e-2)
+    ap.add_argument("--quant-lr", type=float, default=1e-2, help="for the recipes that learn clip ratios (not hadamard)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--objective", default="kl")
@@ -134,11 +134,12 @@ def main():
         log(f"probe: {step_s:.3f} s/step -> {args.steps} steps per recipe")
 
     for recipe, init in [(r, i) for i in inits for r in recipes]:
+        quant_lr = args.quant_lr if learns_quantization(recipe) else None  # hadamard learns none: its run warned
         m = copy.deepcopy(base)
         t = time.time()
         qat = run_qat(m, tok, recipe, args.steps, args.lr, args.seq_len, args.batch_size,
                       out_dir=tmp / f"state-{recipe}-{init}", device=device, objective=args.objective,
-                      quant_lr=args.quant_lr, save_every=10**9, init=init, calibration=calibration,
+                      quant_lr=quant_lr, save_every=10**9, init=init, calibration=calibration,
                       gradient_checkpointing=not args.no_gradient_checkpointing,
                       progress=os.environ.get("QAT_PROGRESS", "0") == "1")
         if device.startswith("cuda"):
@@ -151,7 +152,7 @@ def main():
                  {"recipe": recipe, "init": init, "steps": args.steps, "batch_size": args.batch_size,
                   "train_seq_len": args.seq_len,
                   "train_tokens": meta["tokens_total"], "train_minutes": round(train_s / 60, 2),
-                  "objective": args.objective, "lr": args.lr, "quant_lr": args.quant_lr, "lora_rank": meta["rank"],
+                  "objective": args.objective, "lr": args.lr, "quant_lr": quant_lr, "lora_rank": meta["rank"],
                   "gradient_checkpointing": not args.no_gradient_checkpointing,
                   "final_loss": meta.get("final_loss")})
         del qat, qmodel
