@@ -24,8 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nibble.config import (QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype,
-                           width_error)
+from nibble.config import (QuantConfig, checked_cast, default_dtype, recorded_dtype, resolve_device,
+                           resolve_dtype, width_error)
 from nibble.formats import EXPORT_FORMATS, SAVE_FORMATS
 from nibble.models.checkpoint_files import (CHECKSUM_VERSION, METADATA, CheckpointError, check_checksums,
                                             check_config_digest, checkpoint_dir, imported_checkpoint, load_companions,
@@ -223,7 +223,7 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
             setattr(model.get_submodule(parent), child,
                     HadamardInputLinear(old.in_features, old.out_features, old.bias is not None, device="meta",
                                         dtype=dtype))
-    placed = {k: _place(k, v, device, dtype) for k, v in tensors.items()}
+    placed = {k: _place(directory / WEIGHTS, k, v, device, dtype) for k, v in tensors.items()}
     for alias, target in aliases.items():  # one tensor, as saved: placed once, not one copy per name
         placed[alias] = placed[target]
     try:
@@ -267,8 +267,8 @@ def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:
     return saved
 
 
-def _place(name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+def _place(path: Path, name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
     # INT4 codes, scales and zeros keep their format dtypes; everything else follows the model dtype.
     if name.endswith((".qweight", ".scales", ".zeros")) or not t.is_floating_point():
         return t.to(device)
-    return t.to(device=device, dtype=dtype)
+    return checked_cast(t, dtype, f"{path}: {name}").to(device)
