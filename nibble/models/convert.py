@@ -303,8 +303,16 @@ def check_weights(model: nn.Module, names: list[str], config: QuantConfig) -> No
 def check_weights_loaded(model: nn.Module) -> None:
     """Refuse a model whose weights are on the meta device, which hold no values: said before torch's "Tensor.item()
     cannot be called on meta tensors" (quantize_model), before a rotation that had nothing to rotate marked the model
-    rotated (rotate_model), before the first token met weights on no real device (Engine)."""
+    rotated (rotate_model), before the first token met weights on no real device (Engine). A model accelerate offloads
+    (a device_map with "cpu" or "disk" entries) holds its weights there too, as hooks that bring them in at each
+    forward: told apart, since it was told to load weights it had loaded."""
     if any(p.is_meta for p in model.parameters()):
+        if any(hasattr(m, "_hf_hook") for m in model.modules()):  # accelerate's hooks
+            raise ValueError("the model's weights are offloaded (a device_map with 'cpu' or 'disk' entries, or "
+                             "accelerate's cpu_offload / disk_offload): they wait on the meta device for hooks to bring "
+                             "them in at each forward, and nibble reads and replaces the weights themselves: load the "
+                             "model without a device_map, into host memory; quantize_model(model, config, "
+                             "device='cuda') then moves it to the GPU one decoder layer at a time")
         raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
                          "load its weights first; a saved quantized model loads with nibble.load_quantized")
 

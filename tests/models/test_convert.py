@@ -641,3 +641,21 @@ def test_set_backend_refuses_an_unknown_backend_at_the_call_naming_the_valid_one
     assert {m.backend for _, m in quantized_linears(model)} == {"auto"}  # untouched
     set_backend(model, "reference")
     assert {m.backend for _, m in quantized_linears(model)} == {"reference"}
+
+
+@pytest.mark.parametrize("offload", ["disk", "cpu"])
+def test_a_model_accelerate_offloads_is_refused_as_offloaded_not_as_empty(tmp_path, offload):
+    """A model whose layers accelerate offloaded (device_map "disk", or cpu_offload) was told to load its weights,
+    which it had: they wait on the meta device for its hooks."""
+    accelerate = pytest.importorskip("accelerate")  # peft's dependency (the qat extra)
+
+    model = tiny_model("llama")
+    if offload == "disk":
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                      "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        accelerate.dispatch_model(model, device_map=device_map, offload_dir=tmp_path)
+    else:
+        accelerate.cpu_offload(model, execution_device="cpu")
+    with pytest.raises(ValueError, match=r"^the model's weights are offloaded \(a device_map with 'cpu' or 'disk' .* "
+                                         "load the model without a device_map, into host memory"):
+        quantize_model(model, QuantConfig(group_size=32), progress=False)
