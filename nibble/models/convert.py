@@ -14,7 +14,7 @@ from nibble import kernels
 from nibble.config import QuantConfig, resolve_device, width_error
 from nibble.models.architecture import (DECODER_LAYERS, check_architecture, check_calibration_ids, decoder_layers,
                                         decoder_layers_replaced)
-from nibble.nn.quant_linear import QuantLinear
+from nibble.nn.quant_linear import QuantLinear, check_cast
 from nibble.quantize import calibrated_quantizers
 from nibble.quantize.rtn import check_values, naming
 from nibble.warn import warn
@@ -213,7 +213,7 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). Adapters added
     by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
     ``resize_token_embeddings`` too, before the embedding is resized. ``num_parameters`` counts the INT4 weights
-    (`_num_parameters`)."""
+    (`_num_parameters`), and a cast to a dtype the QuantLinears cannot run in is refused (`_apply_checked`)."""
     own_config(model)
     model.config.quantization_config = quantization_config
     refuse_save_pretrained(model, "a nibble-quantized model is saved with nibble.save_quantized(model, directory, "
@@ -222,6 +222,15 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     if isinstance(model.get_output_embeddings(), QuantLinear):
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
     model.num_parameters = functools.partial(_num_parameters, model)  # a copy's partial holds the copy
+    model._apply = functools.partial(_apply_checked, model)
+
+
+def _apply_checked(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """``Module._apply`` (what ``.to()``, ``.double()``, ``.type()`` run) with a cast the QuantLinears refuse
+    (`check_cast`: ``model.to(torch.float64)``) refused before any module is cast: a QuantLinear's own refusal came
+    after the embedding, before it in the walk, was cast."""
+    check_cast(fn)
+    return type(model)._apply(model, fn, recurse)
 
 
 def _num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:

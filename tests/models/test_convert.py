@@ -659,3 +659,24 @@ def test_a_model_accelerate_offloads_is_refused_as_offloaded_not_as_empty(tmp_pa
     with pytest.raises(ValueError, match=r"^the model's weights are offloaded \(a device_map with 'cpu' or 'disk' .* "
                                          "load the model without a device_map, into host memory"):
         quantize_model(model, QuantConfig(group_size=32), progress=False)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m.type(torch.float64)])
+def test_a_cast_to_a_dtype_the_model_cannot_run_in_is_refused_before_any_module_is_cast(tmp_path, cast):
+    """``model.to(torch.float64)`` went through, and the model failed at its first forward; a QuantLinear's own
+    refusal alone came after the embedding, before it in the walk, was cast. A copy and a loaded model refuse too."""
+    from nibble import load_quantized, save_quantized
+
+    model = tiny_model("qwen2")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+    for held in (model, copy.deepcopy(model), load_quantized(save_quantized(model, tmp_path), tokenizer=False)[0]):
+        with pytest.raises(TypeError, match=r"^a quantized model runs in torch\.float16, torch\.bfloat16 or "
+                                            r"torch\.float32 .*, not torch\.float64"):
+            cast(held)
+        assert {t.dtype for t in held.state_dict().values() if t.is_floating_point()} == {torch.float32, torch.float16}
+        with torch.no_grad():
+            assert torch.equal(held(ids).logits, want)
+    assert model.half().model.embed_tokens.weight.dtype == torch.float16  # the dtypes it runs in still cast
