@@ -821,3 +821,14 @@ def test_a_value_the_asked_dtype_cannot_hold_is_refused_naming_the_tensor(tmp_pa
     with torch.no_grad():
         assert torch.equal(load_quantized(tmp_path)[0](ids).logits, model(ids).logits)
         assert load_quantized(tmp_path, dtype=torch.float32)[0](ids).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_model_of_meta_tensors_is_refused_before_anything_is_written(saved, tmp_path, fmt):
+    """quantized_structure's model (what `nibble info` reads) failed the save as torch's "Cannot copy out of meta
+    tensor; no data!", after the folder was made."""
+    from nibble.models.serialization import quantized_structure
+
+    with pytest.raises(ValueError, match=r"^the model holds tensors on the meta device \(quantized_structure's model"):
+        save_quantized(quantized_structure(saved[1]), tmp_path / "again", format=fmt)
+    assert not (tmp_path / "again").exists()
