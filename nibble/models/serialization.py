@@ -125,7 +125,8 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
     a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`); an AutoAWQ / GPTQ
     checkpoint in float32 on the CPU, and on a GPU in the 16-bit dtype its config.json records, float16 where it
-    records none (`nibble.models.hf_import.import_dtype`).
+    records none (`nibble.models.hf_import.import_dtype`). A value ``dtype`` cannot hold (a bfloat16 checkpoint's 1e6
+    in float16) is refused, naming the tensor, where the cast would have made it Inf.
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved, or with ``tokenizer=False``, which
     reads no tokenizer file.
     """
