@@ -176,7 +176,9 @@ def _checkpoint_config(directory: Path) -> dict:
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     if raw.get("quantization_config") is None and not quantization_settings_files(directory):
-        raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
+        raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model (a float "
+                              "model loads with nibble.models.loading.load_model, and nibble.quantize_model or `nibble "
+                              "quantize --model DIR --out OUT` quantizes it)")
     return raw
 
 

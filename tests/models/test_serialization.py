@@ -151,7 +151,8 @@ def test_missing_files_and_non_quantized_dirs_are_clear_errors(tmp_path, saved):
         load_quantized(tmp_path / "model.gguf")
     model = tiny_model()
     model.save_pretrained(tmp_path / "plain")
-    with pytest.raises(CheckpointError, match="no quantization_config"):
+    with pytest.raises(CheckpointError, match=r"no quantization_config: not a quantized model \(a float model loads "
+                                              r"with nibble\.models\.loading\.load_model, and nibble\.quantize_model"):
         load_quantized(tmp_path / "plain")
     with pytest.raises(ValueError, match="run nibble.quantize_model first"):
         save_quantized(model, tmp_path / "x")
