@@ -172,7 +172,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
 def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
     """``quantize_model``'s refusals of ``model`` and ``config`` but the calibration's, said before the model is
     touched, so that it stays as it was: another architecture, a quantized model, weights on the meta device, a
-    model the rotation cannot take (`rotation.check_rotatable`), a width the group size does not divide, an online
+    model the rotation cannot take (`rotation.check_rotatable`), skips that leave no linear to quantize, a width the group size does not divide, an online
     Hadamard the mode cannot run, a weight RTN cannot quantize. `nibble report` runs them for every config before
     the first one's work."""
     check_architecture(model)
@@ -182,6 +182,9 @@ def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
         from nibble.models.rotation import check_rotatable
         check_rotatable(model)
     names = linears_to_convert(model, config)
+    if not names:  # the model came back marked quantized, 16-bit still, and refused as quantized by a second try
+        raise ValueError(f"modules_to_not_convert={list(config.modules_to_not_convert)} leaves none of the model's "
+                         f"{len(_candidate_linears(model))} linears to quantize: take out of it the ones to quantize")
     check_widths(model, names, config)
     check_online_hadamards(model, names, config)
     check_weights(model, names, config)

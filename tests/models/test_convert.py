@@ -760,3 +760,15 @@ def test_a_converted_model_is_its_float_model_with_each_linear_computed_from_its
     prompt = ids[:1, :4]
     assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False),
                        model.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_skips_that_leave_no_linear_to_quantize_are_refused_before_the_model_is_touched():
+    """The model came back marked quantized, every linear still 16-bit, and a second try was refused as quantized."""
+    model = tiny_model("llama")
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    with pytest.raises(ValueError, match=r"^modules_to_not_convert=\['q_proj', .*\] leaves none of the model's 15 "
+                                         "linears to quantize"):
+        quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=every), progress=False)
+    assert getattr(model.config, "quantization_config", None) is None and not quantized_linears(model)
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=every[1:]), progress=False)
+    assert [n for n, _ in quantized_linears(model)] == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]
