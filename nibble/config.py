@@ -274,7 +274,7 @@ def checked_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor
         wider = " or ".join(str(d) for d in FLOAT_DTYPES if torch.finfo(d).max > torch.finfo(dtype).max)
         raise ValueError(f"{name} holds {int(beyond.sum())} value(s) beyond {dtype}'s range (e.g. "
                          f"{t[beyond][0].item():.6g}), which would load as Inf there and make the model's outputs NaN: "
-                         f"load the model in {wider} (dtype=)")
+                         f"load the model in {wider} (the loader's dtype)")
     return cast
 
 

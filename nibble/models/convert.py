@@ -172,9 +172,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
 def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
     """``quantize_model``'s refusals of ``model`` and ``config`` but the calibration's, said before the model is
     touched, so that it stays as it was: another architecture, a quantized model, weights on the meta device, a
-    model the rotation cannot take (`rotation.check_rotatable`), skips that leave no linear to quantize, a width the group size does not divide, an online
-    Hadamard the mode cannot run, a weight RTN cannot quantize. `nibble report` runs them for every config before
-    the first one's work."""
+    model the rotation cannot take (`rotation.check_rotatable`), skips that leave no linear to quantize, a width the
+    group size does not divide, an online Hadamard the mode cannot run, a weight RTN cannot quantize. `nibble report`
+    runs them for every config before the first one's work."""
     check_architecture(model)
     check_not_quantized(model)
     check_weights_loaded(model)
@@ -321,9 +321,9 @@ def check_weights_loaded(model: nn.Module) -> None:
     if any(p.is_meta for p in model.parameters()):
         if any(hasattr(m, "_hf_hook") for m in model.modules()):  # accelerate's hooks
             raise ValueError("the model's weights are offloaded (a device_map with 'cpu' or 'disk' entries, or "
-                             "accelerate's cpu_offload / disk_offload): they wait on the meta device for hooks to bring "
-                             "them in at each forward, and nibble reads and replaces the weights themselves: load the "
-                             "model without a device_map, into host memory; quantize_model(model, config, "
+                             "accelerate's cpu_offload / disk_offload): they wait on the meta device for hooks to "
+                             "bring them in at each forward, and nibble reads and replaces the weights themselves: "
+                             "load the model without a device_map, into host memory; quantize_model(model, config, "
                              "device='cuda') then moves it to the GPU one decoder layer at a time")
         raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
                          "load its weights first; a saved quantized model loads with nibble.load_quantized")

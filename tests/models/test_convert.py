@@ -651,8 +651,8 @@ def test_a_model_accelerate_offloads_is_refused_as_offloaded_not_as_empty(tmp_pa
 
     model = tiny_model("llama")
     if offload == "disk":
-        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
-                      "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
         accelerate.dispatch_model(model, device_map=device_map, offload_dir=tmp_path)
     else:
         accelerate.cpu_offload(model, execution_device="cpu")
@@ -724,7 +724,8 @@ REFERENCE_CASES = [  # (family, config overrides, the model's dtype, QuantConfig
     ("llama", dict(intermediate_size=96), torch.bfloat16, QuantConfig(group_size=32)),  # 96: no multiple of 64
     ("llama", dict(intermediate_size=200), torch.float32, QuantConfig(group_size=-1)),  # 200: of no group but 8, 40
     ("qwen2", {}, torch.float32, QuantConfig(mode="w4a4")),
-    ("qwen2", dict(intermediate_size=256), torch.float16, QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=3)),
+    ("qwen2", dict(intermediate_size=256), torch.float16,
+     QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=3)),
     ("mistral", dict(intermediate_size=256, sliding_window=4), torch.float32,
      QuantConfig(mode="w4a4", rotation="hadamard", modules_to_not_convert=[])),
 ]

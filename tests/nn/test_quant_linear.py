@@ -447,8 +447,9 @@ def test_a_cast_to_a_dtype_the_layer_cannot_run_in_is_refused_before_it_is_made(
     """``layer.to(torch.float64)`` went through, and the layer failed at its next forward."""
     q = _layer("w4a16", "cpu", dtype=torch.float32)
     before = {k: t.clone() for k, t in q.state_dict().items()}
-    with pytest.raises(TypeError, match=r"^a quantized model runs in torch\.float16, torch\.bfloat16 or torch\.float32 "
-                                        r"\(its QuantLinears' activations; .*\), not torch\.(float64|complex64): cast it"):
+    with pytest.raises(TypeError, match=r"^a quantized model runs in torch\.float16, torch\.bfloat16 or "
+                                        r"torch\.float32 \(its QuantLinears' activations; .*\), not "
+                                        r"torch\.(float64|complex64): cast it"):
         cast(q)
     assert all(t.dtype == before[k].dtype and torch.equal(t, before[k]) for k, t in q.state_dict().items())
 
