@@ -262,6 +262,22 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return named
 
 
+def checked_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A loader's float tensor ``t`` (the checkpoint's ``name``) in ``dtype``, refused where a finite value of it lies
+    beyond ``dtype``'s range: cast, it became Inf, and the model answered NaN without a word (a bfloat16 checkpoint's
+    embedding or bias loaded in float16). One pass over the tensor where the cast narrows its range."""
+    cast = t.to(dtype)
+    if t.is_meta or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
+        return cast
+    beyond = torch.isinf(cast) & torch.isfinite(t)
+    if bool(beyond.any()):
+        wider = " or ".join(str(d) for d in FLOAT_DTYPES if torch.finfo(d).max > torch.finfo(dtype).max)
+        raise ValueError(f"{name} holds {int(beyond.sum())} value(s) beyond {dtype}'s range (e.g. "
+                         f"{t[beyond][0].item():.6g}), which would load as Inf there and make the model's outputs NaN: "
+                         f"load the model in {wider} (the loader's dtype)")
+    return cast
+
+
 def recorded_dtype(config: dict) -> torch.dtype | None:
     """The float dtype a config.json records (``dtype``, transformers 5's key, or ``torch_dtype``, earlier versions'),
     None where it records none of `FLOAT_DTYPES`."""

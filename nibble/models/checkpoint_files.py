@@ -304,7 +304,8 @@ def _interrupted_save(directory: Path) -> bool:
 def model_to_save(model) -> nn.Module:
     """The causal LM a save writes: torch.compile's wrapper taken off (its state_dict names every tensor
     "_orig_mod.", which no load places: the save went through and nothing read it back), and anything else than a
-    *ForCausalLM refused (its decoder alone saved keys without "model.", an Engine failed on a missing method)."""
+    *ForCausalLM refused (its decoder alone saved keys without "model.", an Engine failed on a missing method), as is
+    a model holding meta tensors."""
     model = getattr(model, "_orig_mod", model)
     if not isinstance(model, nn.Module):
         raise TypeError(f"a save takes the model (a *ForCausalLM), got {type(model).__name__}")
@@ -313,4 +314,8 @@ def model_to_save(model) -> nn.Module:
         raise ValueError("the model holds peft adapters: save the adapter with its save_pretrained, and the quantized "
                          "model without them (peft's unload()) with nibble.save_quantized")
     check_architecture(model)
+    if any(t.is_meta for t in model.state_dict().values()):  # copying them out failed as "no data!", after the mkdir
+        raise ValueError("the model holds tensors on the meta device (quantized_structure's model, or one moved to "
+                         "'meta'), which hold no values to save: load the checkpoint with nibble.load_quantized and "
+                         "save that")
     return model

@@ -14,7 +14,7 @@ from nibble import kernels
 from nibble.config import QuantConfig, resolve_device, width_error
 from nibble.models.architecture import (DECODER_LAYERS, check_architecture, check_calibration_ids, decoder_layers,
                                         decoder_layers_replaced)
-from nibble.nn.quant_linear import QuantLinear
+from nibble.nn.quant_linear import QuantLinear, check_cast
 from nibble.quantize import calibrated_quantizers
 from nibble.quantize.rtn import check_values, naming
 from nibble.warn import warn
@@ -172,9 +172,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
 def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
     """``quantize_model``'s refusals of ``model`` and ``config`` but the calibration's, said before the model is
     touched, so that it stays as it was: another architecture, a quantized model, weights on the meta device, a
-    model the rotation cannot take (`rotation.check_rotatable`), a width the group size does not divide, an online
-    Hadamard the mode cannot run, a weight RTN cannot quantize. `nibble report` runs them for every config before
-    the first one's work."""
+    model the rotation cannot take (`rotation.check_rotatable`), skips that leave no linear to quantize, a width the
+    group size does not divide, an online Hadamard the mode cannot run, a weight RTN cannot quantize. `nibble report`
+    runs them for every config before the first one's work."""
     check_architecture(model)
     check_not_quantized(model)
     check_weights_loaded(model)
@@ -182,6 +182,9 @@ def check_quantizable(model: nn.Module, config: QuantConfig) -> None:
         from nibble.models.rotation import check_rotatable
         check_rotatable(model)
     names = linears_to_convert(model, config)
+    if not names:  # the model came back marked quantized, 16-bit still, and refused as quantized by a second try
+        raise ValueError(f"modules_to_not_convert={list(config.modules_to_not_convert)} leaves none of the model's "
+                         f"{len(_candidate_linears(model))} linears to quantize: take out of it the ones to quantize")
     check_widths(model, names, config)
     check_online_hadamards(model, names, config)
     check_weights(model, names, config)
@@ -213,7 +216,7 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). Adapters added
     by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
     ``resize_token_embeddings`` too, before the embedding is resized. ``num_parameters`` counts the INT4 weights
-    (`_num_parameters`)."""
+    (`_num_parameters`), and a cast to a dtype the QuantLinears cannot run in is refused (`_apply_checked`)."""
     own_config(model)
     model.config.quantization_config = quantization_config
     refuse_save_pretrained(model, "a nibble-quantized model is saved with nibble.save_quantized(model, directory, "
@@ -222,6 +225,15 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     if isinstance(model.get_output_embeddings(), QuantLinear):
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
     model.num_parameters = functools.partial(_num_parameters, model)  # a copy's partial holds the copy
+    model._apply = functools.partial(_apply_checked, model)
+
+
+def _apply_checked(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """``Module._apply`` (what ``.to()``, ``.double()``, ``.type()`` run) with a cast the QuantLinears refuse
+    (`check_cast`: ``model.to(torch.float64)``) refused before any module is cast: a QuantLinear's own refusal came
+    after the embedding, before it in the walk, was cast."""
+    check_cast(fn)
+    return type(model)._apply(model, fn, recurse)
 
 
 def _num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
@@ -303,8 +315,16 @@ def check_weights(model: nn.Module, names: list[str], config: QuantConfig) -> No
 def check_weights_loaded(model: nn.Module) -> None:
     """Refuse a model whose weights are on the meta device, which hold no values: said before torch's "Tensor.item()
     cannot be called on meta tensors" (quantize_model), before a rotation that had nothing to rotate marked the model
-    rotated (rotate_model), before the first token met weights on no real device (Engine)."""
+    rotated (rotate_model), before the first token met weights on no real device (Engine). A model accelerate offloads
+    (a device_map with "cpu" or "disk" entries) holds its weights there too, as hooks that bring them in at each
+    forward: told apart, since it was told to load weights it had loaded."""
     if any(p.is_meta for p in model.parameters()):
+        if any(hasattr(m, "_hf_hook") for m in model.modules()):  # accelerate's hooks
+            raise ValueError("the model's weights are offloaded (a device_map with 'cpu' or 'disk' entries, or "
+                             "accelerate's cpu_offload / disk_offload): they wait on the meta device for hooks to "
+                             "bring them in at each forward, and nibble reads and replaces the weights themselves: "
+                             "load the model without a device_map, into host memory; quantize_model(model, config, "
+                             "device='cuda') then moves it to the GPU one decoder layer at a time")
         raise ValueError("the model's weights are on the meta device (built empty, e.g. under init_empty_weights): "
                          "load its weights first; a saved quantized model loads with nibble.load_quantized")
 

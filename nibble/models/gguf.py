@@ -22,6 +22,7 @@ from tokenizers.models import BPE
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.initialization import no_init_weights
 
+from nibble.config import checked_cast
 from nibble.models.convert import rebuild_non_persistent_buffers
 from nibble.warn import warn
 
@@ -96,7 +97,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
         # The reader yields weights in ggml's [N, K] row order: already nn.Linear's [out, in].
         weight = np.require(weight.reshape(_torch_shape(tensor)), requirements="W")  # torch wants writable memory
         # cast now, not the model at the end: a float32 model beside the cast one at the peak
-        state_dict[name] = _unpermute_qk(torch.from_numpy(weight), name, config).to(dtype)
+        state_dict[name] = checked_cast(_unpermute_qk(torch.from_numpy(weight), name, config), dtype,
+                                        f"{path}: tensor {tensor.name}")
     if config.tie_word_embeddings:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
     # assign: the parameters become these tensors (a copy into allocated ones held two models at the peak)

@@ -29,7 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nibble.config import METHODS, QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype
+from nibble.config import (METHODS, QuantConfig, checked_cast, default_dtype, recorded_dtype, resolve_device,
+                           resolve_dtype)
 from nibble.formats import CHECKPOINT_FORMATS
 from nibble.formats.awq import awq_dimensions, from_awq, to_awq
 from nibble.formats.gptq import act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points, holds_in_v1, to_gptq
@@ -295,7 +296,9 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
             relabelled.append(prefix)
         _check_layer_shapes(directory, prefix, old, weight.in_features, weight.out_features, bias)
         cls = PermutedInputQuantLinear if perm is not None else QuantLinear
-        layer = cls.from_weight(weight.to(device), None if bias is None else bias.to(device, dtype), "w4a16", dtype=dtype)
+        if bias is not None:
+            bias = checked_cast(bias, dtype, f"{directory}: {prefix}.bias").to(device)
+        layer = cls.from_weight(weight.to(device), bias, "w4a16", dtype=dtype)
         if perm is not None:
             layer.set_input_perm(perm)
         parent, _, child = prefix.rpartition(".")
@@ -437,7 +440,8 @@ def _place_unquantized(directory: Path, model: nn.Module, tensors: dict, prefixe
                        dtype: torch.dtype) -> None:
     """Place the checkpoint's other ``tensors`` (its embeddings, norms, 16-bit linears) into ``model``, the floats in
     ``dtype``, refusing any the model lacks or leaves without; and tie lm_head as `_tie_lm_head` says."""
-    state = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
+    state = {k: (checked_cast(v, dtype, f"{directory}: {k}") if v.is_floating_point() else v).to(device)
+             for k, v in tensors.items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a tensor of another shape than config.json implies
@@ -472,8 +476,8 @@ def import_dtype(config: dict, device: torch.device) -> torch.dtype:
     """The dtype an AutoAWQ / GPTQ checkpoint of config.json ``config`` loads in where none is asked: on the CPU
     float32 (`default_dtype`: its 16-bit matmuls are slow, and float32 holds every float16 and bfloat16 value the
     checkpoint stores exactly); on a GPU the 16-bit dtype config.json records, which the kernels run (a bfloat16
-    model's embeddings and norms, cast to float16, may overflow), float16 (AutoAWQ's and GPTQ's own) where it records
-    none or float32."""
+    model's embeddings and norms cast to float16 may overflow, which the load refuses, naming the tensor), float16
+    (AutoAWQ's and GPTQ's own) where it records none or float32."""
     if device.type != "cuda":
         return default_dtype(device)
     recorded = recorded_dtype(config)

@@ -24,8 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nibble.config import (QuantConfig, default_dtype, recorded_dtype, resolve_device, resolve_dtype,
-                           width_error)
+from nibble.config import (QuantConfig, checked_cast, default_dtype, recorded_dtype, resolve_device,
+                           resolve_dtype, width_error)
 from nibble.formats import EXPORT_FORMATS, SAVE_FORMATS
 from nibble.models.checkpoint_files import (CHECKSUM_VERSION, METADATA, CheckpointError, check_checksums,
                                             check_config_digest, checkpoint_dir, imported_checkpoint, load_companions,
@@ -125,7 +125,8 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     ``dtype``: of the activations and the non-quantized weights; by default the dtype the model was saved in, but
     a model saved in float32 (quantized on the CPU) loads in bfloat16 on a GPU (`_saved_dtype`); an AutoAWQ / GPTQ
     checkpoint in float32 on the CPU, and on a GPU in the 16-bit dtype its config.json records, float16 where it
-    records none (`nibble.models.hf_import.import_dtype`).
+    records none (`nibble.models.hf_import.import_dtype`). A value ``dtype`` cannot hold (a bfloat16 checkpoint's 1e6
+    in float16) is refused, naming the tensor, where the cast would have made it Inf.
     Returns ``(model, tokenizer)``; tokenizer is None when none was saved, or with ``tokenizer=False``, which
     reads no tokenizer file.
     """
@@ -175,7 +176,9 @@ def _checkpoint_config(directory: Path) -> dict:
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     if raw.get("quantization_config") is None and not quantization_settings_files(directory):
-        raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model")
+        raise CheckpointError(f"{directory / CONFIG} has no quantization_config: not a quantized model (a float "
+                              "model loads with nibble.models.loading.load_model, and nibble.quantize_model or `nibble "
+                              "quantize --model DIR --out OUT` quantizes it)")
     return raw
 
 
@@ -223,7 +226,7 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
             setattr(model.get_submodule(parent), child,
                     HadamardInputLinear(old.in_features, old.out_features, old.bias is not None, device="meta",
                                         dtype=dtype))
-    placed = {k: _place(k, v, device, dtype) for k, v in tensors.items()}
+    placed = {k: _place(directory / WEIGHTS, k, v, device, dtype) for k, v in tensors.items()}
     for alias, target in aliases.items():  # one tensor, as saved: placed once, not one copy per name
         placed[alias] = placed[target]
     try:
@@ -267,8 +270,8 @@ def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:
     return saved
 
 
-def _place(name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+def _place(path: Path, name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
     # INT4 codes, scales and zeros keep their format dtypes; everything else follows the model dtype.
     if name.endswith((".qweight", ".scales", ".zeros")) or not t.is_floating_point():
         return t.to(device)
-    return t.to(device=device, dtype=dtype)
+    return checked_cast(t, dtype, f"{path}: {name}").to(device)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nibble import kernels
-from nibble.config import MODE_GROUP_SIZES, MODES, QuantConfig, width_error
+from nibble.config import FLOAT_DTYPES, MODE_GROUP_SIZES, MODES, QuantConfig, width_error
 from nibble.formats.int4 import PACK, Int4Weight, check_group_size, is_symmetric
 from nibble.kernels.hadamard import hadamard_transform
 from nibble.kernels.launch import check_bias
@@ -164,7 +164,9 @@ class QuantLinear(nn.Module):
         was quantized to (bf16 keeps 8 bits of a scale), write a checkpoint off the format, and be refused by
         the GPU kernels and the AWQ / GPTQ export. ``module.type(dtype)`` casts integer buffers as well, which
         destroyed the packed words (int32 bit patterns). The format's buffers follow the module's device, never
-        its dtype."""
+        its dtype. A cast to another dtype than the activations' (float16, bfloat16, float32: `check_cast`) is
+        refused before any buffer moves."""
+        check_cast(fn)
         format_buffers = {name: t for name, t in self._buffers.items()
                           if t is not None and (name in ("scales", "zeros") or not t.is_floating_point())}
         super()._apply(fn, recurse)
@@ -185,6 +187,17 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"mode={self.mode}, group_size={self.group_size}, input_hadamard={self.input_hadamard}")
+
+
+def check_cast(fn) -> None:
+    """Refuse the ``Module._apply`` function ``fn`` (what ``.to()``, ``.double()``, ``.type()`` apply to each tensor)
+    where it casts a float tensor to a dtype a QuantLinear's activations cannot take (`FLOAT_DTYPES`): the cast went
+    through, and the model failed at its first forward (``model.to(torch.float64)``). Told by ``fn``'s result on an
+    empty float32 tensor, before any tensor is cast."""
+    dtype = fn(torch.zeros(0)).dtype
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"a quantized model runs in torch.float16, torch.bfloat16 or torch.float32 (its QuantLinears' "
+                        f"activations; their INT4 weights keep their own dtypes), not {dtype}: cast it to one of those")
 
 
 class PermutedInputQuantLinear(QuantLinear):

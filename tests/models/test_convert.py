@@ -641,3 +641,135 @@ def test_set_backend_refuses_an_unknown_backend_at_the_call_naming_the_valid_one
     assert {m.backend for _, m in quantized_linears(model)} == {"auto"}  # untouched
     set_backend(model, "reference")
     assert {m.backend for _, m in quantized_linears(model)} == {"reference"}
+
+
+@pytest.mark.parametrize("offload", ["disk", "cpu"])
+def test_a_model_accelerate_offloads_is_refused_as_offloaded_not_as_empty(tmp_path, offload):
+    """A model whose layers accelerate offloaded (device_map "disk", or cpu_offload) was told to load its weights,
+    which it had: they wait on the meta device for its hooks."""
+    accelerate = pytest.importorskip("accelerate")  # peft's dependency (the qat extra)
+
+    model = tiny_model("llama")
+    if offload == "disk":
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        accelerate.dispatch_model(model, device_map=device_map, offload_dir=tmp_path)
+    else:
+        accelerate.cpu_offload(model, execution_device="cpu")
+    with pytest.raises(ValueError, match=r"^the model's weights are offloaded \(a device_map with 'cpu' or 'disk' .* "
+                                         "load the model without a device_map, into host memory"):
+        quantize_model(model, QuantConfig(group_size=32), progress=False)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m.type(torch.float64)])
+def test_a_cast_to_a_dtype_the_model_cannot_run_in_is_refused_before_any_module_is_cast(tmp_path, cast):
+    """``model.to(torch.float64)`` went through, and the model failed at its first forward; a QuantLinear's own
+    refusal alone came after the embedding, before it in the walk, was cast. A copy and a loaded model refuse too."""
+    from nibble import load_quantized, save_quantized
+
+    model = tiny_model("qwen2")
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+    for held in (model, copy.deepcopy(model), load_quantized(save_quantized(model, tmp_path), tokenizer=False)[0]):
+        with pytest.raises(TypeError, match=r"^a quantized model runs in torch\.float16, torch\.bfloat16 or "
+                                            r"torch\.float32 .*, not torch\.float64"):
+            cast(held)
+        assert {t.dtype for t in held.state_dict().values() if t.is_floating_point()} == {torch.float32, torch.float16}
+        with torch.no_grad():
+            assert torch.equal(held(ids).logits, want)
+    assert model.half().model.embed_tokens.weight.dtype == torch.float16  # the dtypes it runs in still cast
+
+
+def _codes(qweight):
+    """The [K, N] 4-bit codes of a canonical qweight (row k = 8i + j in bits 4j of word i), unpacked here."""
+    return ((qweight.unsqueeze(1) >> torch.arange(0, 32, 4).view(1, 8, 1)) & 0xF).reshape(-1, qweight.shape[1])
+
+
+class _ReferenceLinear(nn.Module):
+    """A QuantLinear's function written out: y = x' @ W.T + b, W = q * s + z from its buffers (float64); for W4A4 x' is
+    x after the online Hadamard (Sylvester's, power-of-two sizes), rounded to x's dtype and fake-quantized per token:
+    round(x / s) * s, s = amax|x| / 7."""
+
+    def __init__(self, q: QuantLinear):
+        super().__init__()
+        g = q.group_size
+        self.w = (_codes(q.qweight).double() * q.scales.double().repeat_interleave(g, 0)
+                  + q.zeros.double().repeat_interleave(g, 0)).t()
+        self.b, self.mode, self.hadamard = q.bias, q.mode, q.input_hadamard
+
+    def forward(self, x):
+        xd = x.double()
+        if self.hadamard:
+            h = torch.ones(1, 1, dtype=torch.float64)
+            while h.shape[0] < x.shape[-1]:
+                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+            assert h.shape[0] == x.shape[-1]
+            xd = (xd @ h.t() / h.shape[0] ** 0.5).to(x.dtype).double()
+        if self.mode == "w4a4":
+            s = (xd.abs().amax(-1, keepdim=True).float() / 7).double()
+            xd = torch.where(s > 0, torch.round(xd / torch.where(s > 0, s, 1)), 0) * s
+        y = xd @ self.w.t() + (0 if self.b is None else self.b.double())
+        return y.to(x.dtype)
+
+
+REFERENCE_CASES = [  # (family, config overrides, the model's dtype, QuantConfig)
+    ("llama", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True), torch.float32,
+     QuantConfig(group_size=32)),
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}), torch.float32,
+     QuantConfig(group_size=64, symmetric=True)),
+    ("llama", dict(hidden_size=128, intermediate_size=256, head_dim=64), torch.float32, QuantConfig(group_size=128)),
+    ("llama", dict(intermediate_size=96), torch.bfloat16, QuantConfig(group_size=32)),  # 96: no multiple of 64
+    ("llama", dict(intermediate_size=200), torch.float32, QuantConfig(group_size=-1)),  # 200: of no group but 8, 40
+    ("qwen2", {}, torch.float32, QuantConfig(mode="w4a4")),
+    ("qwen2", dict(intermediate_size=256), torch.float16,
+     QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=3)),
+    ("mistral", dict(intermediate_size=256, sliding_window=4), torch.float32,
+     QuantConfig(mode="w4a4", rotation="hadamard", modules_to_not_convert=[])),
+]
+
+
+@pytest.mark.parametrize("arch, overrides, dtype, config", REFERENCE_CASES)
+def test_a_converted_model_is_its_float_model_with_each_linear_computed_from_its_int4_weights(tmp_path, arch, overrides,
+                                                                                              dtype, config):
+    """Whole-model conversion against a reference written here: the float model (rotated by rotate_model where the
+    config rotates) with each converted linear replaced by `_ReferenceLinear` of its QuantLinear; then saved, loaded
+    and run again, logits and greedy tokens the same."""
+    from nibble import load_quantized, save_quantized
+    from nibble.models.rotation import rotate_model
+
+    model = tiny_model(arch, dtype=dtype, **overrides)
+    reference = copy.deepcopy(model)
+    quantize_model(model, config, progress=False)
+    if config.rotation == "hadamard":
+        rotate_model(reference, config.rotation_seed)
+    converted = quantized_linears(model)
+    assert len(converted) == 14 + ("lm_head" not in config.modules_to_not_convert)
+    for name, q in converted:
+        parent, _, child = name.rpartition(".")
+        setattr(reference.get_submodule(parent), child, _ReferenceLinear(q))
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # a 16-bit rounding may move a code by a step
+    assert got.dtype == dtype and (got.float() - want.float()).abs().max() <= tolerance * want.abs().max()
+    loaded, _ = load_quantized(save_quantized(model, tmp_path), tokenizer=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, got)
+    prompt = ids[:1, :4]
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False),
+                       model.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_skips_that_leave_no_linear_to_quantize_are_refused_before_the_model_is_touched():
+    """The model came back marked quantized, every linear still 16-bit, and a second try was refused as quantized."""
+    model = tiny_model("llama")
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    with pytest.raises(ValueError, match=r"^modules_to_not_convert=\['q_proj', .*\] leaves none of the model's 15 "
+                                         "linears to quantize"):
+        quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=every), progress=False)
+    assert getattr(model.config, "quantization_config", None) is None and not quantized_linears(model)
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=every[1:]), progress=False)
+    assert [n for n, _ in quantized_linears(model)] == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]

@@ -581,3 +581,14 @@ def test_a_part_of_a_split_gguf_is_refused_saying_to_merge_the_parts(tiny, tmp_p
                                                  r"files, and nibble reads one file: merge them with llama\.cpp's "
                                                  r"`llama-gguf-split --merge"):
                 read(path)
+
+
+def test_a_value_the_asked_dtype_cannot_hold_is_refused_naming_the_tensor(tiny, tmp_path):
+    """A float32 weight of 1e6 loaded with dtype=float16 became Inf without a word, and the model answered NaN."""
+    weights = {k: v.clone() for k, v in tiny.state_dict().items()}
+    weights["model.norm.weight"][5] = 1e6
+    path = _write_gguf(tmp_path / "big.gguf", SimpleNamespace(config=tiny.config, state_dict=lambda: weights))
+    with pytest.raises(ValueError, match=r"big\.gguf: tensor output_norm\.weight holds 1 value\(s\) beyond "
+                                         r"torch\.float16's range \(e\.g\. 1e\+06\), which would load as Inf there"):
+        load_gguf(path, dtype=torch.float16)
+    assert load_gguf(path, dtype=torch.bfloat16)[0].model.norm.weight[5] == 999424  # bfloat16's nearest

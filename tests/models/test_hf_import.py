@@ -1085,3 +1085,20 @@ def test_a_bfloat16_export_loads_in_bfloat16_on_a_gpu_and_in_float32_on_the_cpu(
     model, _ = load_quantized(path, device=device)
     want = torch.bfloat16 if device == "cuda" else torch.float32
     assert model.dtype == want and model.model.embed_tokens.weight.dtype == want
+
+
+@pytest.mark.parametrize("tensor", ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias"])
+def test_an_imported_value_the_asked_dtype_cannot_hold_is_refused_naming_the_tensor(tmp_path, tensor):
+    """A checkpoint holding bfloat16 tensors (a quantized layer's bias among them) loaded with dtype=float16 cast
+    1e6 to Inf without a word, and the model answered NaN."""
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False}
+    write_checkpoint(tmp_path, tiny_model("qwen2"), qc, lambda W: write_gptq_linear(W, 32, False, False))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors[tensor] = tensors[tensor].bfloat16()
+    tensors[tensor].view(-1)[3] = 1e6
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{re.escape(tensor)} holds 1 value\(s\) beyond torch\.float16's range "
+                                         r"\(e\.g\. 999424\), which would load as Inf there"):
+        load_hf_quantized(tmp_path, dtype=torch.float16)
+    loaded, _ = load_hf_quantized(tmp_path)  # float32 on the CPU holds it
+    assert loaded.state_dict()[tensor].view(-1)[3] == 999424

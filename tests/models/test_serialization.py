@@ -151,7 +151,8 @@ def test_missing_files_and_non_quantized_dirs_are_clear_errors(tmp_path, saved):
         load_quantized(tmp_path / "model.gguf")
     model = tiny_model()
     model.save_pretrained(tmp_path / "plain")
-    with pytest.raises(CheckpointError, match="no quantization_config"):
+    with pytest.raises(CheckpointError, match=r"no quantization_config: not a quantized model \(a float model loads "
+                                              r"with nibble\.models\.loading\.load_model, and nibble\.quantize_model"):
         load_quantized(tmp_path / "plain")
     with pytest.raises(ValueError, match="run nibble.quantize_model first"):
         save_quantized(model, tmp_path / "x")
@@ -802,3 +803,33 @@ def test_a_save_interrupted_before_its_config_is_refused_whatever_it_wrote(tmp_p
         save_quantized(second, tmp_path, _tokenizer())
     with pytest.raises(CheckpointError, match="saved with another config than"):
         load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("tensor", ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias"])
+def test_a_value_the_asked_dtype_cannot_hold_is_refused_naming_the_tensor(tmp_path, tensor):
+    """A bfloat16 checkpoint loaded with dtype=float16 cast 1e6 to Inf without a word, and the model answered NaN.
+    (q_proj.bias: a quantized layer's own bias.)"""
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.get_parameter(tensor).view(-1)[3] = 1e6
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path)
+    with pytest.raises(ValueError, match=rf"model\.safetensors: {re.escape(tensor)} holds 1 value\(s\) beyond "
+                                         r"torch\.float16's range \(e\.g\. 999424\), which would load as Inf there .*"
+                                         r"load the model in torch\.bfloat16 or torch\.float32"):
+        load_quantized(tmp_path, dtype=torch.float16)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path)[0](ids).logits, model(ids).logits)
+        assert load_quantized(tmp_path, dtype=torch.float32)[0](ids).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("fmt", ["nibble", "awq"])
+def test_a_model_of_meta_tensors_is_refused_before_anything_is_written(saved, tmp_path, fmt):
+    """quantized_structure's model (what `nibble info` reads) failed the save as torch's "Cannot copy out of meta
+    tensor; no data!", after the folder was made."""
+    from nibble.models.serialization import quantized_structure
+
+    with pytest.raises(ValueError, match=r"^the model holds tensors on the meta device \(quantized_structure's model"):
+        save_quantized(quantized_structure(saved[1]), tmp_path / "again", format=fmt)
+    assert not (tmp_path / "again").exists()

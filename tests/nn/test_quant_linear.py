@@ -429,7 +429,7 @@ def test_casting_a_layer_keeps_its_float16_scales(kind, device):
     q = _layer(kind, "cpu", dtype=torch.float32)
     scales, zeros = q.scales.clone(), q.zeros.clone()
     for cast in (lambda m: m.to(device=device, dtype=torch.bfloat16), lambda m: m.half(), lambda m: m.float(),
-                 lambda m: m.to(torch.float64).to(device)):
+                 lambda m: m.to(device)):
         q = cast(q)
         assert q.scales.dtype == q.zeros.dtype == torch.float16 and q.qweight.dtype == torch.int32
         assert torch.equal(q.scales.cpu(), scales) and torch.equal(q.zeros.cpu(), zeros)
@@ -439,6 +439,19 @@ def test_casting_a_layer_keeps_its_float16_scales(kind, device):
     fresh = QuantLinear.from_weight(q.weight_int4(), q.bias, q.mode, q.input_hadamard, dtype=torch.bfloat16)
     x = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
     assert torch.equal(q(x), fresh(x))
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m.type(torch.float64),
+                                  lambda m: m.to("cpu", torch.complex64)])
+def test_a_cast_to_a_dtype_the_layer_cannot_run_in_is_refused_before_it_is_made(cast):
+    """``layer.to(torch.float64)`` went through, and the layer failed at its next forward."""
+    q = _layer("w4a16", "cpu", dtype=torch.float32)
+    before = {k: t.clone() for k, t in q.state_dict().items()}
+    with pytest.raises(TypeError, match=r"^a quantized model runs in torch\.float16, torch\.bfloat16 or "
+                                        r"torch\.float32 \(its QuantLinears' activations; .*\), not "
+                                        r"torch\.(float64|complex64): cast it"):
+        cast(q)
+    assert all(t.dtype == before[k].dtype and torch.equal(t, before[k]) for k, t in q.state_dict().items())
 
 
 @pytest.mark.parametrize("device", _DEVICES)
