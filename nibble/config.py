@@ -278,6 +278,15 @@ def checked_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor
     return cast
 
 
+def check_finite(t: torch.Tensor, name: str) -> None:
+    """Refuse a checkpoint's float tensor ``t`` (its ``name``) holding NaN or Inf: no quantizer writes one, and the
+    model would answer NaN, found only at generation."""
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise ValueError(f"{name} holds {bad} NaN or Inf value(s): the checkpoint is corrupt, or its quantization "
+                         "overflowed float16; re-download it or quantize the model again")
+
+
 def recorded_dtype(config: dict) -> torch.dtype | None:
     """The float dtype a config.json records (``dtype``, transformers 5's key, or ``torch_dtype``, earlier versions'),
     None where it records none of `FLOAT_DTYPES`."""

@@ -29,8 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nibble.config import (METHODS, QuantConfig, checked_cast, default_dtype, recorded_dtype, resolve_device,
-                           resolve_dtype)
+from nibble.config import (METHODS, QuantConfig, check_finite, checked_cast, default_dtype, recorded_dtype,
+                           resolve_device, resolve_dtype)
 from nibble.formats import CHECKPOINT_FORMATS
 from nibble.formats.awq import awq_dimensions, from_awq, to_awq
 from nibble.formats.gptq import act_order_perm, from_gptq, gptq_dimensions, gptq_zero_points, holds_in_v1, to_gptq
@@ -196,13 +196,6 @@ def _read_safetensors(directory: Path, read=None) -> tuple[dict, dict]:
     return tensors, metadata
 
 
-def _check_finite(t: torch.Tensor, name: str) -> None:
-    bad = int((~torch.isfinite(t)).sum())
-    if bad:  # the model would output NaN, found only at generation
-        raise ValueError(f"{name} holds {bad} NaN or Inf value(s): the checkpoint is corrupt, or its quantization "
-                         "overflowed float16; re-download it or quantize the model again")
-
-
 def _convert_layer(info: dict, t: dict, prefix: str):
     """(Int4Weight, perm or None, the zero-point convention read: `_symmetric_zeros_format`) of one quantized
     linear from its checkpoint tensors."""
@@ -220,7 +213,7 @@ def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
     """``scales`` in float16, the layouts' (and nibble's) dtype. A quantized model cast to bfloat16 (Module.to casts
     its float buffers, the scales among them) and saved again writes bfloat16 scales, which vLLM and transformers
     cast to their own dtype as they load them: each in float16's range is a float16 exactly. One that is not is
-    refused, as an import never rounds a weight; NaN and Inf pass, for `_check_finite` to name."""
+    refused, as an import never rounds a weight; NaN and Inf pass, for `check_finite` to name."""
     if not scales.is_floating_point() or scales.dtype == torch.float16:
         return scales  # the converters refuse an integer dtype
     half = scales.half()
@@ -291,7 +284,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
         weight, perm, read_as = _convert_layer(layer_info, t, prefix)
         for what, value in (("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
             if value is not None:
-                _check_finite(value, f"{directory}: {prefix}.{what}")
+                check_finite(value, f"{directory}: {prefix}.{what}")
         if read_as != info["checkpoint_format"]:
             relabelled.append(prefix)
         _check_layer_shapes(directory, prefix, old, weight.in_features, weight.out_features, bias)
@@ -312,7 +305,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
              "as gptq_v2")
     for k, v in tensors.items():
         if v.is_floating_point():
-            _check_finite(v, f"{directory}: {k}")
+            check_finite(v, f"{directory}: {k}")
     _place_unquantized(directory, model, tensors, prefixes, device, dtype)
     rebuild_non_persistent_buffers(model, device)
     _mark_imported(model, info, group_sizes, symmetric)

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nibble.config import (QuantConfig, checked_cast, default_dtype, recorded_dtype, resolve_device,
+from nibble.config import (QuantConfig, check_finite, checked_cast, default_dtype, recorded_dtype, resolve_device,
                            resolve_dtype, width_error)
 from nibble.formats import EXPORT_FORMATS, SAVE_FORMATS
 from nibble.models.checkpoint_files import (CHECKSUM_VERSION, METADATA, CheckpointError, check_checksums,
@@ -271,7 +271,10 @@ def _saved_dtype(config: dict, device: torch.device) -> torch.dtype:
 
 
 def _place(path: Path, name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
-    # INT4 codes, scales and zeros keep their format dtypes; everything else follows the model dtype.
+    # INT4 codes, scales and zeros keep their format dtypes; everything else follows the model dtype. A NaN scale
+    # loaded without a word and the model answered NaN: every float tensor is checked, as an AutoAWQ / GPTQ import's
+    if t.is_floating_point() and not t.is_meta:  # meta: `quantized_structure`, from the headers alone
+        check_finite(t, f"{path}: {name}")
     if name.endswith((".qweight", ".scales", ".zeros")) or not t.is_floating_point():
         return t.to(device)
     return checked_cast(t, dtype, f"{path}: {name}").to(device)

@@ -833,3 +833,17 @@ def test_a_model_of_meta_tensors_is_refused_before_anything_is_written(saved, tm
     with pytest.raises(ValueError, match=r"^the model holds tensors on the meta device \(quantized_structure's model"):
         save_quantized(quantized_structure(saved[1]), tmp_path / "again", format=fmt)
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.0.mlp.down_proj.scales", "model.layers.1.self_attn.k_proj.zeros",
+                                    "model.norm.weight"])
+def test_a_nan_or_inf_in_a_checkpoint_is_refused_naming_the_tensor(tmp_path, tensor):
+    """A NaN scale (a broken export, an edit whose checksums were written again) loaded without a word, and every
+    logit was NaN; AutoAWQ / GPTQ imports refused it already."""
+    model = _quantized()
+    with torch.no_grad():
+        model.state_dict()[tensor].view(-1)[1] = float("nan") if "norm" not in tensor else float("inf")
+    save_quantized(model, tmp_path)
+    with pytest.raises(ValueError, match=rf"model\.safetensors: {re.escape(tensor)} holds 1 NaN or Inf value\(s\): "
+                                         "the checkpoint is corrupt"):
+        load_quantized(tmp_path)
