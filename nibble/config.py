@@ -141,8 +141,8 @@ class QuantConfig:
             resolve("modules_to_not_convert", (self.modules_to_not_convert,))
         if not (isinstance(self.modules_to_not_convert, (list, tuple))
                 and all(isinstance(n, str) for n in self.modules_to_not_convert)):
-            raise ValueError(f"modules_to_not_convert must be a list of module names (or name suffixes), e.g. "
-                            f"['lm_head'], got {self.modules_to_not_convert!r}")
+            raise ValueError(f"modules_to_not_convert must be a list of module names (or dotted parts of them), "
+                            f"e.g. ['lm_head'], got {self.modules_to_not_convert!r}")
         resolve("modules_to_not_convert", tuple(self.modules_to_not_convert))  # a list's append checked nothing
         if self.group_size is None:
             resolve("group_size", MODE_GROUP_SIZES[self.mode])
@@ -211,7 +211,7 @@ class QuantConfig:
 def _rtn_quantizes_a_layer(method: str, modules_to_not_convert) -> bool:
     """Whether RTN quantizes a layer, which ``clip_search`` is for: every one for method 'rtn'; for the calibrated
     methods lm_head alone, when ``modules_to_not_convert`` leaves it out (only the entry "lm_head" names it, by
-    `nibble.models.convert`'s full-name-or-dotted-suffix rule)."""
+    `nibble.models.convert`'s rule of whole dotted parts)."""
     return method == "rtn" or "lm_head" not in modules_to_not_convert
 
 

@@ -24,8 +24,10 @@ TIED_HEAD = "lm_head_was_tied"
 
 
 def _matches(name: str, entry: str) -> bool:
-    """A modules_to_not_convert entry names a module by its full name or a dotted suffix of it."""
-    return name == entry or name.endswith("." + entry)
+    """A modules_to_not_convert entry names a linear, or a module that holds it, by any whole dotted part of its full
+    name: 'lm_head', 'mlp.down_proj', 'model.layers.1', 'layers.1.mlp' (never part of a segment: 'layers.1' is not
+    'layers.10'). Suffixes alone let 'model.layers.1' match no linear: a warning, and the layer was quantized."""
+    return f".{entry}." in f".{name}."
 
 
 def _skipped(name: str, config: QuantConfig) -> bool:
@@ -140,7 +142,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, progress
     unmatched = [s for s in config.modules_to_not_convert if not any(_matches(n, s) for n in candidates)]
     if unmatched:
         warn(f"modules_to_not_convert entries {unmatched} match no linear of the model (names such as "
-             f"{candidates[0]!r} match by their full name or a dotted suffix, e.g. 'mlp.down_proj')")
+             f"{candidates[0]!r} match by any whole dotted part, e.g. 'mlp.down_proj' or 'layers.1')")
     # the 16-bit model held a tied head once, as the embedding, which keeps its table: `weight_bytes` counts what
     # the quantized head replaced as 0 bytes (the rotation below unties it too, so this is read first; a rotation
     # before quantize_model recorded the tie it removed)

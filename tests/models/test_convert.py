@@ -181,6 +181,18 @@ def test_default_keeps_lm_head_and_skips_by_suffix():
     assert "model.layers.11.mlp.down_proj" in names and names[-1] == "lm_head"
 
 
+def test_a_skip_entry_naming_a_module_keeps_its_linears_in_16_bits():
+    """'model.layers.1' matched no linear by the old suffix rule: a warning, and the layer was quantized (lm_head
+    too, the given list replacing the default)."""
+    from nibble.models.convert import linears_to_convert
+
+    model = tiny_model(num_hidden_layers=12)
+    names = linears_to_convert(model, QuantConfig(modules_to_not_convert=["lm_head", "model.layers.1", "layers.2.mlp"]))
+    assert not any(n.startswith(("model.layers.1.", "model.layers.2.mlp.")) for n in names)
+    assert len(names) == 12 * 7 - 7 - 3 and "model.layers.2.self_attn.q_proj" in names
+    assert "model.layers.10.mlp.down_proj" in names and "lm_head" not in names  # a whole part: not layers.10
+
+
 def test_a_skip_entry_that_matches_nothing_warns():
     with pytest.warns(UserWarning, match=r"\['dwn_proj'\] match no linear"):
         quantize_model(tiny_model(), QuantConfig(group_size=32, modules_to_not_convert=["lm_head", "dwn_proj"]),
