@@ -402,18 +402,24 @@ def _sampling_kwargs(sampling) -> dict:
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """The prompt's token ids, in the chat template when ``chat`` and the tokenizer has one."""
+    """The prompt's token ids, in the chat template when ``chat`` and the tokenizer has one. A prompt of no token (an
+    empty one, where the tokenizer adds no BOS) is refused: the engine said it in tensor terms, transformers' generate
+    with a traceback from a reshape."""
+    text, special = prompt, True
     if chat and tokenizer.chat_template:
         from jinja2 import TemplateError
         try:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                   add_generation_prompt=True)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
         except TemplateError as e:  # a template that does not compile, or raises (a traceback, nibble's error type)
             raise ValueError(f"the model's chat template fails ({e}): fix it, or prompt without it with "
                              "--no-chat") from e
-        # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
-        return tokenizer(prompt, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
+        special = False  # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
+    ids = tokenizer(text, add_special_tokens=special).input_ids
+    if not ids:
+        raise ValueError(f"the prompt {prompt!r} is no token to the tokenizer, and generation continues a prompt: "
+                         "give it some text")
+    return ids
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -481,6 +487,13 @@ def cmd_generate(args):
                              "skipped)")
     if not prompts:
         raise ValueError("give a prompt, several, or --prompts-file (one prompt a line)")
+    # an unset "$PROMPT": refused before the model loads, as --prompts-file skips its blank lines (with the chat
+    # template it was answered as a message, without it a traceback)
+    blank = [i for i, prompt in enumerate(args.prompt, 1) if not prompt.strip()]
+    if blank:
+        which = f"prompt {blank[0]} of the {len(args.prompt)} given" if len(args.prompt) > 1 else "the prompt"
+        raise ValueError(f"{which} is {'blank' if args.prompt[blank[0] - 1] else 'empty'}: give its text (an unset "
+                         "shell variable?), or drop it")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:

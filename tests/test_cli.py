@@ -314,13 +314,29 @@ def test_a_prompts_file_that_is_not_text_or_holds_no_prompt_is_named(content, me
 
 @pytest.mark.parametrize("flags, message", [([], "give a prompt"), (["x", "--batch-size", "0"], "batch-size must be"),
                                             (["--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file"),
-                                            (["a", "b", "--stats"], "--stats times one prompt")])
+                                            (["a", "b", "--stats"], "--stats times one prompt"),
+                                            (["a", ""], "prompt 2 of the 2 given is empty: give its text"),
+                                            ([" \t"], "the prompt is blank: give its text")])
 def test_generate_refuses_a_missing_prompt_or_batch_before_loading_the_model(flags, message, monkeypatch):
     import nibble.cli as cli
 
     monkeypatch.setattr(cli, "load", lambda *a: pytest.fail("loaded the model before checking the flags"))
     with pytest.raises(SystemExit, match=message):
         main(["generate", "--model", "nowhere"] + flags)
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_a_prompt_of_no_token_is_refused_in_words(model_dir, engine):
+    """An empty prompt, which a tokenizer that adds no BOS makes no token of: the engine refused it in tensor terms
+    ("got torch.float32 of shape [1, 0]"), transformers' generate raised from a reshape."""
+    from transformers import AutoTokenizer
+
+    from nibble.cli import generate_text, generate_texts
+    model, tok = tiny_model(vocab_size=300), AutoTokenizer.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"the prompt '' is no token to the tokenizer.*give it some text"):
+        generate_text(model, tok, "", 2, chat=False, engine=engine)
+    with pytest.raises(ValueError, match="the prompt '' is no token"):
+        list(generate_texts(model, tok, ["the capital", ""], 2, chat=False, engine=engine))
 
 
 def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, capsys):
