@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean, gpu_tag,
-                                 json_text, rotations, write_results)
+                                 json_text, parse_bench_args, rotations, write_results)
 from nibble.formats.int4 import unpack_int4
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
                    help="time every candidate config per (M bucket, shape), use the fastest (w4a4.TUNED)")
     p.add_argument("--procs", type=int, default=8, help="processes that pre-compile the kernels (0: none)")
     add_rounds_argument(p)
-    a = p.parse_args(argv)
+    a = parse_bench_args(p, argv)
     if not torch.cuda.is_available():
         print("the W4A4 benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

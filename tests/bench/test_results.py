@@ -78,3 +78,17 @@ def test_the_w4a4_benchmark_refuses_a_malformed_shape_count_or_op_as_a_usage_err
     with pytest.raises(SystemExit) as exit_:
         w4a4.main(argv)
     assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", ["nibble.bench.kernels", "nibble.bench.w4a4"])
+def test_the_benchmarks_refuse_an_out_they_could_not_write_before_any_timing(suite, tmp_path, capsys):
+    """An --out that is a file was found at the first write: a traceback after the first shape's timing (W4A4's after
+    its pre-compilation too). It is a usage error, as the library's `nibble` commands say it, before any GPU work."""
+    import importlib
+
+    (tmp_path / "results").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(suite).main(["--out", str(tmp_path / "results" / "sub")])
+    assert exit_.value.code == 2
+    assert f"--out {tmp_path / 'results' / 'sub'} cannot be created: {tmp_path / 'results'} is a file" \
+        in capsys.readouterr().err
