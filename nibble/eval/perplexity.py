@@ -13,6 +13,7 @@ The protocol is the one behind the WikiText-2 numbers in the GPTQ / AWQ / QuaRot
 
 import contextlib
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from nibble.warn import warn
 # that is not comparable with them.
 DEFAULT_MAX_SEQ_LEN = 2048
 WIKITEXT2_TEST = "wikitext2/wiki.test.raw"  # the data file every perplexity here is taken on
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -113,7 +115,10 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
 
     tokens = n_windows * (seq_len - 1)
     nll = nll_sum.item() / tokens
-    return dict(ppl=math.exp(nll), nll=nll, tokens=tokens, windows=n_windows, seq_len=seq_len)
+    # a mean NLL past float64's range of exp (~709.8: a model whose logits are huge, a broken quantization) is an
+    # infinite perplexity: math.exp raised OverflowError, a traceback of `nibble eval ppl`, a failed report config
+    ppl = math.inf if nll > _LOG_FLOAT_MAX else math.exp(nll)  # a NaN one (logits not finite) stays NaN
+    return dict(ppl=ppl, nll=nll, tokens=tokens, windows=n_windows, seq_len=seq_len)
 
 
 def wikitext2_text() -> str:

@@ -45,6 +45,22 @@ def test_perplexity_is_exp_of_mean_nll_over_full_windows_and_drops_the_tail():
     assert perplexity(model, other_tail, seq_len=16, progress=False)["nll"] == pytest.approx(out["nll"], rel=1e-6)
 
 
+def test_a_mean_nll_past_the_range_of_exp_is_an_infinite_perplexity():
+    """math.exp of a mean NLL past ~709.8 raised OverflowError: `nibble eval ppl` of a model whose logits are huge
+    (a broken quantization) was a traceback, a report's config a failure. Its perplexity is infinite, its NLL kept."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1e5)  # logits ~1e5 apart: a wrong token costs that much
+    ids = torch.randint(0, 256, (33,)).tolist()
+    nll, _ = hand_nll(model, ids, 16)
+    out = perplexity(model, ids, seq_len=16, progress=False)
+    assert nll > 710 and out["nll"] == pytest.approx(nll, rel=1e-5) and out["ppl"] == math.inf
+    with torch.no_grad():
+        model.model.norm.weight[0] = math.nan  # logits not finite: a NaN perplexity, not an infinite one
+    out = perplexity(model, ids, seq_len=16, progress=False)
+    assert math.isnan(out["nll"]) and math.isnan(out["ppl"])
+
+
 def test_batched_windows_give_the_unbatched_perplexity():
     model = tiny_model()
     ids = torch.randint(0, 256, (5 * 24 + 3,))
