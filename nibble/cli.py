@@ -691,6 +691,25 @@ def cmd_eval(args):
                      quantization=getattr(model.config, "quantization_config", None) or "none (16-bit)",
                      dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device))
     print(json_text({**result, "setup": setup}, indent=2, default=str))  # a NaN perplexity as null
+    check_scored(result, setup["dtype"])
+
+
+def check_scored(result: dict, dtype: str) -> None:
+    """Say what a null in `nibble eval`'s JSON means, after it is printed: an infinite perplexity (a mean NLL past the
+    range of exp) as a warning, NaN scores (the model's logits were not finite) as the command's error, status 1. Each
+    was a bare null, status 0 (a standard error is NaN for one document, lm-eval's N/A: not said)."""
+    import math
+
+    if math.isinf(result.get("ppl", 0.0)) and math.isfinite(result["nll"]):
+        warnings.warn(f"the perplexity is infinite (null in the JSON): its mean NLL, {result['nll']:.4g} a token, is "
+                      "past the range of exp; the model's predictions are far off")
+    scores = {"ppl": result.get("ppl")} if "ppl" in result else {
+        f"{task} {metric}": value for task, metrics in result.items() for metric, value in metrics.items()
+        if metric in ("acc", "acc_norm")}
+    nan = [name for name, value in scores.items() if math.isnan(value)]
+    if nan:
+        raise ValueError(f"{', '.join(nan)} {'is' if len(nan) == 1 else 'are'} NaN (null in the JSON): the model's "
+                         f"logits were not finite: its weights hold NaN or Inf, or its activations overflowed {dtype}")
 
 
 def cmd_build_kernels(args):

@@ -1,6 +1,8 @@
 """The `nibble` command end to end on a tiny local model directory (no network, seconds)."""
 import json
+import math
 import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1167,6 +1169,36 @@ def test_eval_says_what_it_measured(model_dir, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "(default: w4a16)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("what, scored, says", [
+    ("ppl", dict(ppl=math.nan, nll=math.nan), r"^nibble eval: ppl is NaN \(null in the JSON\): the model's logits "
+                                             "were not finite: its weights hold NaN or Inf, or its activations "
+                                             "overflowed float32"),
+    ("tasks", {"piqa": dict(acc=0.5, acc_stderr=0.5, acc_norm=math.nan, n=2), "boolq": dict(acc=1.0, acc_stderr=math.nan,
+                                                                                          n=1)},
+     r"^nibble eval: piqa acc_norm is NaN \(null in the JSON\)"),
+    ("ppl", dict(ppl=math.inf, nll=1234.5), None), ("tasks", {"boolq": dict(acc=1.0, acc_stderr=math.nan, n=1)}, None)])
+def test_eval_says_what_a_null_score_means(what, scored, says, model_dir, monkeypatch, capsys):
+    """A NaN score (logits not finite) and an infinite perplexity were printed as a bare null, status 0: the first is
+    the command's error, status 1, after the JSON, the second a warning; a standard error of one document (lm-eval's
+    N/A) is neither."""
+    import nibble.eval.perplexity
+    import nibble.eval.tasks
+
+    target = (nibble.eval.perplexity, "wikitext2_perplexity") if what == "ppl" else (nibble.eval.tasks, "evaluate_tasks")
+    monkeypatch.setattr(*target, lambda *a, **k: {**scored, "average": {"acc": 0.75}} if what == "tasks" else scored)
+    argv = ["eval", what, "--model", str(model_dir), "--device", "cpu", "--quant", "none"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if says:
+            with pytest.raises(SystemExit, match=says):
+                main(argv)
+        else:
+            main(argv)
+    assert json.loads(capsys.readouterr().out)["setup"]  # the numbers are printed all the same
+    infinite = "the perplexity is infinite (null in the JSON): its mean NLL, 1234 a token, is past the range of exp"
+    assert any(infinite in str(w.message) for w in caught) == (scored.get("ppl") == math.inf)
 
 
 def test_demo_refuses_bad_counts_and_warnings_are_one_line(monkeypatch, capsys):
