@@ -475,7 +475,8 @@ def cmd_generate(args):
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
-            lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+            # "utf-8-sig": the BOM that Windows editors write went into the first prompt, an invisible first token
+            lines = Path(args.prompts_file).read_text(encoding="utf-8-sig").splitlines()
         except OSError as e:
             raise ValueError(f"cannot read --prompts-file: {e}") from None
         except UnicodeDecodeError as e:  # the codec's message named neither the file nor the option

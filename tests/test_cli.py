@@ -314,6 +314,20 @@ def test_a_prompts_file_that_is_not_text_or_holds_no_prompt_is_named(content, me
         main(["generate", "--model", "nowhere", "--prompts-file", str(tmp_path / "p.txt")])
 
 
+def test_a_prompts_file_saved_with_a_byte_order_mark_and_windows_line_ends_reads_as_its_text(model_dir, tmp_path,
+                                                                                            monkeypatch, capsys):
+    """Notepad's UTF-8 begins with a byte order mark, which went into the first prompt (an invisible first token)."""
+    import nibble.cli as cli
+
+    given = []
+    monkeypatch.setattr(cli, "generate_texts", lambda model, tok, prompts, *a, **k: given.extend(prompts) or
+                        ["" for _ in prompts])
+    (tmp_path / "p.txt").write_bytes("\ufeffthe capital\r\nthe sea\r\n".encode())
+    main(["generate", "--prompts-file", str(tmp_path / "p.txt"), "--model", str(model_dir), "--device", "cpu",
+          "--quant", "none"])
+    assert given == ["the capital", "the sea"] and capsys.readouterr().out.startswith("[1] the capital\n")
+
+
 @pytest.mark.parametrize("flags, message", [([], "give a prompt"), (["x", "--batch-size", "0"], "batch-size must be"),
                                             (["--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file"),
                                             (["a", "b", "--stats"], "--stats times one prompt"),
