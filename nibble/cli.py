@@ -725,7 +725,8 @@ def cmd_build_kernels(args):
             raise ValueError("no CUDA GPU visible to read its architecture from; pass --arch "
                              "(90 for H100/H200, 80 for A100, 89 for L4/L40, ...)")
         arch = device_arch(torch.device("cuda"))
-    paths = prebuild(arch, jobs=args.jobs)  # a CudaBuildError or a refused arch: main says it in one line
+    with options_named(arch="--arch"):  # a refused arch said as the option ("arch must be ...", its parameter)
+        paths = prebuild(arch, jobs=args.jobs)  # a CudaBuildError or a refused arch: main says it in one line
     for name, path in paths.items():
         print(f"{name}: {path}")
 
