@@ -681,7 +681,8 @@ def cmd_eval(args):
     model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
         from nibble.eval.perplexity import wikitext2_perplexity
-        with options_named(seq_len="--seq-len"):  # its warning of a window past the context
+        # its warning of a window past the context, its refusal of a batch whose logits exceed the memory
+        with options_named(seq_len="--seq-len", batch_size="--batch-size"):
             result = wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
                                           batch_size=args.batch_size)
     else:

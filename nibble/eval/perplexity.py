@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from nibble.config import check_count, check_token_ids, resolve_device
 from nibble.eval.data import DataFormatError, data_file, parsing
+from nibble.eval.memory import format_bytes, memory_bound
 from nibble.warn import warn
 
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
@@ -99,6 +100,7 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
             "pass a smaller seq_len or more tokens."
         )
     device = resolve_device(device) if device is not None else model_device(model)
+    _check_logits_fit(model, min(batch_size, n_windows), seq_len, batch_size, device)
     windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
 
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -119,6 +121,25 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
     # infinite perplexity: math.exp raised OverflowError, a traceback of `nibble eval ppl`, a failed report config
     ppl = math.inf if nll > _LOG_FLOAT_MAX else math.exp(nll)  # a NaN one (logits not finite) stays NaN
     return dict(ppl=ppl, nll=nll, tokens=tokens, windows=n_windows, seq_len=seq_len)
+
+
+def _check_logits_fit(model, windows: int, seq_len: int, batch_size: int, device: torch.device) -> None:
+    """Refuse a forward pass whose logits alone, ``windows`` x ``seq_len`` x the vocabulary, exceed the device's memory
+    (`memory_bound`), in the sizes' terms: `nibble eval ppl --batch-size 64` of SmolLM2 on a CPU of 23 GiB asked for
+    26 GB of logits, and the kernel killed the process without a word. A model without a config's vocabulary or a
+    dtype (any module that returns logits) is not checked."""
+    vocab, dtype = getattr(getattr(model, "config", None), "vocab_size", None), getattr(model, "dtype", None)
+    bound = memory_bound(device)
+    if not isinstance(vocab, int) or not isinstance(dtype, torch.dtype) or bound is None:
+        return
+    per_window = seq_len * vocab * dtype.itemsize
+    if windows * per_window > bound[0]:
+        # the model's weights and activations need memory too: no batch size is promised to fit, only one refused
+        fix = (f"give a smaller batch_size (a window's are {format_bytes(per_window)})" if per_window <= bound[0]
+               else "give a shorter seq_len")
+        raise ValueError(f"a forward pass of {windows} windows of {seq_len} tokens (batch_size={batch_size}) makes "
+                         f"{format_bytes(windows * per_window)} of logits ({vocab} {str(dtype).removeprefix('torch.')} "
+                         f"values a token), more than {bound[1]}: {fix}")
 
 
 def wikitext2_text() -> str:
