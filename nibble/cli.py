@@ -686,7 +686,8 @@ def cmd_eval(args):
             result = wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
                                           batch_size=args.batch_size)
     else:
-        result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
+        with options_named(batch_size="--batch-size"):  # its refusal of a batch whose logits exceed the memory
+            result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
     # what was measured, beside the numbers (--quant defaults to w4a16: a bare number did not say which model it was)
     weight = next(model.parameters())
     setup = env_meta(model=args.model or "default (SmolLM2-135M-Instruct)",

@@ -100,7 +100,7 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
             "pass a smaller seq_len or more tokens."
         )
     device = resolve_device(device) if device is not None else model_device(model)
-    _check_logits_fit(model, min(batch_size, n_windows), seq_len, batch_size, device)
+    check_logits_fit(model, min(batch_size, n_windows), seq_len, batch_size, device)
     windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
 
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -123,22 +123,24 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
     return dict(ppl=ppl, nll=nll, tokens=tokens, windows=n_windows, seq_len=seq_len)
 
 
-def _check_logits_fit(model, windows: int, seq_len: int, batch_size: int, device: torch.device) -> None:
-    """Refuse a forward pass whose logits alone, ``windows`` x ``seq_len`` x the vocabulary, exceed the device's memory
-    (`memory_bound`), in the sizes' terms: `nibble eval ppl --batch-size 64` of SmolLM2 on a CPU of 23 GiB asked for
-    26 GB of logits, and the kernel killed the process without a word. A model without a config's vocabulary or a
-    dtype (any module that returns logits) is not checked."""
+def check_logits_fit(model, rows: int, length: int, batch_size: int, device: torch.device, what: str = "windows",
+                     too_long: str = "give a shorter seq_len") -> None:
+    """Refuse a forward pass whose logits alone, ``rows`` x ``length`` x the vocabulary, exceed the device's memory
+    (`memory_bound`), in the sizes' terms (``what`` the rows are; ``too_long``: the fix where one row exceeds it):
+    `nibble eval ppl --batch-size 64` of SmolLM2 on a CPU of 23 GiB asked for 24 GiB of logits, and the kernel killed
+    the process without a word. A model without a config's vocabulary or a dtype (any module that returns logits) is
+    not checked."""
     vocab, dtype = getattr(getattr(model, "config", None), "vocab_size", None), getattr(model, "dtype", None)
     bound = memory_bound(device)
     if not isinstance(vocab, int) or not isinstance(dtype, torch.dtype) or bound is None:
         return
-    per_window = seq_len * vocab * dtype.itemsize
-    if windows * per_window > bound[0]:
+    per_row = length * vocab * dtype.itemsize
+    if rows * per_row > bound[0]:
         # the model's weights and activations need memory too: no batch size is promised to fit, only one refused
-        fix = (f"give a smaller batch_size (a window's are {format_bytes(per_window)})" if per_window <= bound[0]
-               else "give a shorter seq_len")
-        raise ValueError(f"a forward pass of {windows} windows of {seq_len} tokens (batch_size={batch_size}) makes "
-                         f"{format_bytes(windows * per_window)} of logits ({vocab} {str(dtype).removeprefix('torch.')} "
+        fix = (f"give a smaller batch_size (each of the {what}: {format_bytes(per_row)})" if per_row <= bound[0]
+               else too_long)
+        raise ValueError(f"a forward pass of {rows} {what} of {length} tokens (batch_size={batch_size}) makes "
+                         f"{format_bytes(rows * per_row)} of logits ({vocab} {str(dtype).removeprefix('torch.')} "
                          f"values a token), more than {bound[1]}: {fix}")
 
 

@@ -64,7 +64,7 @@ def test_a_mean_nll_past_the_range_of_exp_is_an_infinite_perplexity():
 @pytest.mark.parametrize("memory, batch_size, says", [
     (3 * 16 * 256 * 4 - 1, 3, r"a forward pass of 3 windows of 16 tokens \(batch_size=3\) makes 48.00 KiB of logits "
                               r"\(256 float32 values a token\), more than a test's 48.00 KiB: give a smaller "
-                              r"batch_size \(a window's are 16.00 KiB\)"),
+                              r"batch_size \(each of the windows: 16.00 KiB\)"),
     (3 * 16 * 256 * 4 - 1, 8, r"of 3 windows of 16 tokens \(batch_size=8\)"),  # the stream's 3 windows, not 8
     (16 * 256 * 4 - 1, 1, "give a shorter seq_len"), (3 * 16 * 256 * 4, 3, None)])
 def test_a_batch_whose_logits_exceed_the_memory_is_refused_in_its_sizes(memory, batch_size, says, monkeypatch):
