@@ -402,18 +402,24 @@ def _sampling_kwargs(sampling) -> dict:
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """The prompt's token ids, in the chat template when ``chat`` and the tokenizer has one."""
+    """The prompt's token ids, in the chat template when ``chat`` and the tokenizer has one. A prompt of no token (an
+    empty one, where the tokenizer adds no BOS) is refused: the engine said it in tensor terms, transformers' generate
+    with a traceback from a reshape."""
+    text, special = prompt, True
     if chat and tokenizer.chat_template:
         from jinja2 import TemplateError
         try:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                   add_generation_prompt=True)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
         except TemplateError as e:  # a template that does not compile, or raises (a traceback, nibble's error type)
             raise ValueError(f"the model's chat template fails ({e}): fix it, or prompt without it with "
                              "--no-chat") from e
-        # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
-        return tokenizer(prompt, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
+        special = False  # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
+    ids = tokenizer(text, add_special_tokens=special).input_ids
+    if not ids:
+        raise ValueError(f"the prompt {prompt!r} is no token to the tokenizer, and generation continues a prompt: "
+                         "give it some text")
+    return ids
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -469,7 +475,8 @@ def cmd_generate(args):
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
-            lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+            # "utf-8-sig": the BOM that Windows editors write went into the first prompt, an invisible first token
+            lines = Path(args.prompts_file).read_text(encoding="utf-8-sig").splitlines()
         except OSError as e:
             raise ValueError(f"cannot read --prompts-file: {e}") from None
         except UnicodeDecodeError as e:  # the codec's message named neither the file nor the option
@@ -481,6 +488,13 @@ def cmd_generate(args):
                              "skipped)")
     if not prompts:
         raise ValueError("give a prompt, several, or --prompts-file (one prompt a line)")
+    # an unset "$PROMPT": refused before the model loads, as --prompts-file skips its blank lines (with the chat
+    # template it was answered as a message, without it a traceback)
+    blank = [i for i, prompt in enumerate(args.prompt, 1) if not prompt.strip()]
+    if blank:
+        which = f"prompt {blank[0]} of the {len(args.prompt)} given" if len(args.prompt) > 1 else "the prompt"
+        raise ValueError(f"{which} is {'blank' if args.prompt[blank[0] - 1] else 'empty'}: give its text (an unset "
+                         "shell variable?), or drop it")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.stats and len(prompts) > 1:
@@ -667,17 +681,38 @@ def cmd_eval(args):
     model, tok = load_for_command(args, _device(args.device))
     if args.what == "ppl":
         from nibble.eval.perplexity import wikitext2_perplexity
-        with options_named(seq_len="--seq-len"):  # its warning of a window past the context
+        # its warning of a window past the context, its refusal of a batch whose logits exceed the memory
+        with options_named(seq_len="--seq-len", batch_size="--batch-size"):
             result = wikitext2_perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.max_tokens,
                                           batch_size=args.batch_size)
     else:
-        result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
+        with options_named(batch_size="--batch-size"):  # its refusal of a batch whose logits exceed the memory
+            result = evaluate_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
     # what was measured, beside the numbers (--quant defaults to w4a16: a bare number did not say which model it was)
     weight = next(model.parameters())
     setup = env_meta(model=args.model or "default (SmolLM2-135M-Instruct)",
                      quantization=getattr(model.config, "quantization_config", None) or "none (16-bit)",
                      dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device))
     print(json_text({**result, "setup": setup}, indent=2, default=str))  # a NaN perplexity as null
+    check_scored(result, setup["dtype"])
+
+
+def check_scored(result: dict, dtype: str) -> None:
+    """Say what a null in `nibble eval`'s JSON means, after it is printed: an infinite perplexity (a mean NLL past the
+    range of exp) as a warning, NaN scores (the model's logits were not finite) as the command's error, status 1. Each
+    was a bare null, status 0 (a standard error is NaN for one document, lm-eval's N/A: not said)."""
+    import math
+
+    if math.isinf(result.get("ppl", 0.0)) and math.isfinite(result["nll"]):
+        warnings.warn(f"the perplexity is infinite (null in the JSON): its mean NLL, {result['nll']:.4g} a token, is "
+                      "past the range of exp; the model's predictions are far off")
+    scores = {"ppl": result.get("ppl")} if "ppl" in result else {
+        f"{task} {metric}": value for task, metrics in result.items() for metric, value in metrics.items()
+        if metric in ("acc", "acc_norm")}
+    nan = [name for name, value in scores.items() if math.isnan(value)]
+    if nan:
+        raise ValueError(f"{', '.join(nan)} {'is' if len(nan) == 1 else 'are'} NaN (null in the JSON): the model's "
+                         f"logits were not finite: its weights hold NaN or Inf, or its activations overflowed {dtype}")
 
 
 def cmd_build_kernels(args):
@@ -692,7 +727,8 @@ def cmd_build_kernels(args):
             raise ValueError("no CUDA GPU visible to read its architecture from; pass --arch "
                              "(90 for H100/H200, 80 for A100, 89 for L4/L40, ...)")
         arch = device_arch(torch.device("cuda"))
-    paths = prebuild(arch, jobs=args.jobs)  # a CudaBuildError or a refused arch: main says it in one line
+    with options_named(arch="--arch"):  # a refused arch said as the option ("arch must be ...", its parameter)
+        paths = prebuild(arch, jobs=args.jobs)  # a CudaBuildError or a refused arch: main says it in one line
     for name, path in paths.items():
         print(f"{name}: {path}")
 

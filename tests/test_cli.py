@@ -1,6 +1,8 @@
 """The `nibble` command end to end on a tiny local model directory (no network, seconds)."""
 import json
+import math
 import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -312,15 +314,45 @@ def test_a_prompts_file_that_is_not_text_or_holds_no_prompt_is_named(content, me
         main(["generate", "--model", "nowhere", "--prompts-file", str(tmp_path / "p.txt")])
 
 
+def test_a_prompts_file_saved_with_a_byte_order_mark_and_windows_line_ends_reads_as_its_text(model_dir, tmp_path,
+                                                                                            monkeypatch, capsys):
+    """Notepad's UTF-8 begins with a byte order mark, which went into the first prompt (an invisible first token)."""
+    import nibble.cli as cli
+
+    given = []
+    monkeypatch.setattr(cli, "generate_texts", lambda model, tok, prompts, *a, **k: given.extend(prompts) or
+                        ["" for _ in prompts])
+    (tmp_path / "p.txt").write_bytes("\ufeffthe capital\r\nthe sea\r\n".encode())
+    main(["generate", "--prompts-file", str(tmp_path / "p.txt"), "--model", str(model_dir), "--device", "cpu",
+          "--quant", "none"])
+    assert given == ["the capital", "the sea"] and capsys.readouterr().out.startswith("[1] the capital\n")
+
+
 @pytest.mark.parametrize("flags, message", [([], "give a prompt"), (["x", "--batch-size", "0"], "batch-size must be"),
                                             (["--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file"),
-                                            (["a", "b", "--stats"], "--stats times one prompt")])
+                                            (["a", "b", "--stats"], "--stats times one prompt"),
+                                            (["a", ""], "prompt 2 of the 2 given is empty: give its text"),
+                                            ([" \t"], "the prompt is blank: give its text")])
 def test_generate_refuses_a_missing_prompt_or_batch_before_loading_the_model(flags, message, monkeypatch):
     import nibble.cli as cli
 
     monkeypatch.setattr(cli, "load", lambda *a: pytest.fail("loaded the model before checking the flags"))
     with pytest.raises(SystemExit, match=message):
         main(["generate", "--model", "nowhere"] + flags)
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_a_prompt_of_no_token_is_refused_in_words(model_dir, engine):
+    """An empty prompt, which a tokenizer that adds no BOS makes no token of: the engine refused it in tensor terms
+    ("got torch.float32 of shape [1, 0]"), transformers' generate raised from a reshape."""
+    from transformers import AutoTokenizer
+
+    from nibble.cli import generate_text, generate_texts
+    model, tok = tiny_model(vocab_size=300), AutoTokenizer.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"the prompt '' is no token to the tokenizer.*give it some text"):
+        generate_text(model, tok, "", 2, chat=False, engine=engine)
+    with pytest.raises(ValueError, match="the prompt '' is no token"):
+        list(generate_texts(model, tok, ["the capital", ""], 2, chat=False, engine=engine))
 
 
 def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, capsys):
@@ -831,12 +863,14 @@ def test_build_kernels_says_what_it_needs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="^nibble build-kernels: .*pass --arch"):
         main(["build-kernels"])
-    with pytest.raises(SystemExit, match="^nibble build-kernels: .*compute capability as digits"):
+    with pytest.raises(SystemExit, match="^nibble build-kernels: --arch must be a compute capability as digits, "
+                                         "e.g. 90 for H100/H200 .*got 'sm_90'"):  # said as the option, not "arch"
         main(["build-kernels", "--arch", "sm_90"])
     # taken: --jobs 0 as the CPUs, --arch 70 failing in nvcc ("Unsupported gpu architecture")
     with pytest.raises(SystemExit, match="^nibble build-kernels: --jobs must be >= 1, got 0"):
         main(["build-kernels", "--arch", "90", "--jobs", "0"])
-    with pytest.raises(SystemExit, match="^nibble build-kernels: nibble's CUDA kernels need compute capability 8.0"):
+    with pytest.raises(SystemExit, match="^nibble build-kernels: nibble's CUDA kernels need compute capability 8.0 .*: "
+                                         "--arch 70 lacks"):
         main(["build-kernels", "--arch", "70"])
     with pytest.raises(ValueError, match="^jobs must be an integer >= 1, got -3"):
         cuda_build.prebuild("90", jobs=-3)
@@ -1151,6 +1185,36 @@ def test_eval_says_what_it_measured(model_dir, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "(default: w4a16)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("what, scored, says", [
+    ("ppl", dict(ppl=math.nan, nll=math.nan), r"^nibble eval: ppl is NaN \(null in the JSON\): the model's logits "
+                                             "were not finite: its weights hold NaN or Inf, or its activations "
+                                             "overflowed float32"),
+    ("tasks", {"piqa": dict(acc=0.5, acc_stderr=0.5, acc_norm=math.nan, n=2), "boolq": dict(acc=1.0, acc_stderr=math.nan,
+                                                                                          n=1)},
+     r"^nibble eval: piqa acc_norm is NaN \(null in the JSON\)"),
+    ("ppl", dict(ppl=math.inf, nll=1234.5), None), ("tasks", {"boolq": dict(acc=1.0, acc_stderr=math.nan, n=1)}, None)])
+def test_eval_says_what_a_null_score_means(what, scored, says, model_dir, monkeypatch, capsys):
+    """A NaN score (logits not finite) and an infinite perplexity were printed as a bare null, status 0: the first is
+    the command's error, status 1, after the JSON, the second a warning; a standard error of one document (lm-eval's
+    N/A) is neither."""
+    import nibble.eval.perplexity
+    import nibble.eval.tasks
+
+    target = (nibble.eval.perplexity, "wikitext2_perplexity") if what == "ppl" else (nibble.eval.tasks, "evaluate_tasks")
+    monkeypatch.setattr(*target, lambda *a, **k: {**scored, "average": {"acc": 0.75}} if what == "tasks" else scored)
+    argv = ["eval", what, "--model", str(model_dir), "--device", "cpu", "--quant", "none"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if says:
+            with pytest.raises(SystemExit, match=says):
+                main(argv)
+        else:
+            main(argv)
+    assert json.loads(capsys.readouterr().out)["setup"]  # the numbers are printed all the same
+    infinite = "the perplexity is infinite (null in the JSON): its mean NLL, 1234 a token, is past the range of exp"
+    assert any(infinite in str(w.message) for w in caught) == (scored.get("ppl") == math.inf)
 
 
 def test_demo_refuses_bad_counts_and_warnings_are_one_line(monkeypatch, capsys):

@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, env_meta, geomean, gpu_tag, rotations,
-                                 write_results)
+from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, env_meta, geomean, gpu_tag,
+                                 parse_bench_args, rotations, write_results)
 from nibble.formats.int4 import unpack_int4
 
 # (N, K): Llama-2-7B q/k/v/o (4096, 4096), fused qkv (12288, 4096), Llama-2-7B MLP (11008 / 4096),
@@ -159,7 +159,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                     help="activations, and cuBLAS's weight (tinygemm runs in bf16 only)")
     add_rounds_argument(ap)
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     if not torch.cuda.is_available():
         print("nibble.bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2

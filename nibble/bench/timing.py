@@ -144,6 +144,20 @@ def bench_us(fn_factory: Callable[[int], Callable[[], object]], n_rot: int = 1, 
 ROUNDS = 3  # interleaved rounds per benchmark cell (bench_rounds says why)
 
 
+def parse_bench_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` of a benchmark whose ``--out`` folder it writes, refusing one it could not write
+    (a file, a folder it may not create files in) as a usage error: the run found out at its first write, a traceback
+    after minutes of timing (the W4A4 suite's, after its pre-compilation too)."""
+    from nibble.cli import check_out
+
+    args = parser.parse_args(argv)
+    try:
+        check_out(args.out, None, writes_model=False)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
 def add_rounds_argument(parser) -> None:
     """``--rounds R`` (default ROUNDS, at least 1) on a benchmark's command line, for `bench_rounds`."""
     def at_least_one(text: str) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean, gpu_tag,
-                                 json_text, rotations, write_results)
+                                 json_text, parse_bench_args, rotations, write_results)
 from nibble.formats.int4 import unpack_int4
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
@@ -222,26 +222,41 @@ def summarize(rows, log=print):
         log(f"  M={M:5d}: {geomean(sps):.2f}x vs bf16" + (f", {geomean(f8):.2f}x vs fp8" if f8 else ""))
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``--shapes``' ``N,K``: two whole numbers above 0 (a malformed one was a traceback after the GPU's set-up)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is N,K: two whole numbers above 0, e.g. 4096,4096; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _tokens(text: str) -> int:
+    """``--ms``' token count: a whole number above 0."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a token count M is a whole number above 0; got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nibble.bench w4a4", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 shapes, M in 1, 16, 128, 1024")
     p.add_argument("--out", default="benchmarks/results", help="folder for w4a4-<gpu>.json / .png")
-    p.add_argument("--shapes", nargs="*", default=None, help="N,K pairs, e.g. 4096,4096 28672,8192")
-    p.add_argument("--ms", nargs="*", type=int, default=None,
+    p.add_argument("--shapes", nargs="+", type=_shape, default=None, help="N,K pairs, e.g. 4096,4096 28672,8192")
+    p.add_argument("--ms", nargs="+", type=_tokens, default=None,
                    help="token counts M, e.g. 1 16 128 (default: the suite's)")
-    p.add_argument("--ops", nargs="*", default=None, help=f"subset of {OPS}")
+    # an unknown name was timed as nothing, and its column left out without a word
+    p.add_argument("--ops", nargs="+", choices=OPS, default=None, help=f"subset of {', '.join(OPS)}")
     p.add_argument("--name", default=None, help="output file stem (default w4a4-<gpu>)")
     p.add_argument("--tune", action="store_true",
                    help="time every candidate config per (M bucket, shape), use the fastest (w4a4.TUNED)")
     p.add_argument("--procs", type=int, default=8, help="processes that pre-compile the kernels (0: none)")
     add_rounds_argument(p)
-    a = p.parse_args(argv)
+    a = parse_bench_args(p, argv)
     if not torch.cuda.is_available():
         print("the W4A4 benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     import nibble.kernels.w4a4  # noqa: F401  registers torch.ops.nibble.w4a4_linear
-    shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes] if a.shapes else (
-        QUICK_SHAPES if a.quick else SHAPES)
+    shapes = a.shapes or (QUICK_SHAPES if a.quick else SHAPES)
     ms = a.ms or (QUICK_MS if a.quick else MS)
     ops = tuple(a.ops) if a.ops else OPS
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -59,7 +59,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nibble.bench.timing import capture_graph
 from nibble.config import check_token_ids
-from nibble.eval.memory import format_bytes
+from nibble.eval.memory import format_bytes, memory_bound
 from nibble.kernels import w4a4
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.launch import num_sms
@@ -955,25 +955,6 @@ def _rotary_table(rotary: nn.Module, rows: int, used: int, dtype: torch.dtype) -
     return cos.contiguous(), sin.contiguous()
 
 
-def _memory_bound(device: torch.device) -> tuple[int, str] | None:
-    """(bytes, what they are) that an allocation on ``device`` cannot usefully exceed: on CUDA the device's free
-    memory with what PyTorch's allocator holds unused, on the CPU the machine's physical memory as os.sysconf says
-    it (past it, swap at best). One below the bound may still fail; None where no bound is reliable (another
-    device, a system without sysconf)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return free, f"the {format_bytes(free)} free on {device}"
-    if device.type == "cpu" and hasattr(os, "sysconf"):  # not on Windows
-        try:
-            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):  # a name this system does not know
-            return None
-        if physical > 0:  # -1: unknown
-            return physical, f"this machine's {format_bytes(physical)} of memory"
-    return None
-
-
 def _warn_of_bypassed_hooks(model: nn.Module, called: set[nn.Module]) -> None:
     """Warn of forward hooks on modules the engine's own forward does not call: they change ``model(...)`` and
     ``model.generate`` but would not change the engine's tokens, without a word."""
@@ -1057,7 +1038,7 @@ class Engine:
         # refused in its sizes' terms before anything of the capacity is allocated (the rotary table first), where
         # torch failed in its own ("DefaultCPUAllocator: can't allocate memory", CUDA out of memory)
         cache_bytes = 2 * len(self.layers) * max_batch * self.n_kv * self.capacity * self.head_dim * self.dtype.itemsize
-        bound = _memory_bound(self.device)
+        bound = memory_bound(self.device)
         if bound is not None and cache_bytes > bound[0]:
             sized = f"max_seq_len={self.max_seq_len}" + (" (the default)" if given is None else "")
             raise ValueError(f"a KV cache of max_batch={max_batch} x {sized} needs {cache_bytes} bytes "

@@ -18,6 +18,8 @@ decode through the engine (static KV cache, CUDA graphs) and reports the allocat
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -127,3 +129,22 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} GiB"
+
+
+def memory_bound(device: torch.device) -> tuple[int, str] | None:
+    """(bytes, what they are) that an allocation on ``device`` cannot usefully exceed: on CUDA the device's free
+    memory with what PyTorch's allocator holds unused, on the CPU the machine's physical memory as os.sysconf says
+    it (past it, swap at best). One below the bound may still fail; None where no bound is reliable (another
+    device, a system without sysconf)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free, f"the {format_bytes(free)} free on {device}"
+    if device.type == "cpu" and hasattr(os, "sysconf"):  # not on Windows
+        try:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):  # a name this system does not know
+            return None
+        if physical > 0:  # -1: unknown
+            return physical, f"this machine's {format_bytes(physical)} of memory"
+    return None

@@ -13,6 +13,7 @@ The protocol is the one behind the WikiText-2 numbers in the GPTQ / AWQ / QuaRot
 
 import contextlib
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +23,14 @@ from transformers.utils import logging as hf_logging
 
 from nibble.config import check_count, check_token_ids, resolve_device
 from nibble.eval.data import DataFormatError, data_file, parsing
+from nibble.eval.memory import format_bytes, memory_bound
 from nibble.warn import warn
 
 # Published WikiText-2 numbers use 2048-token windows; longer windows give lower perplexity
 # that is not comparable with them.
 DEFAULT_MAX_SEQ_LEN = 2048
 WIKITEXT2_TEST = "wikitext2/wiki.test.raw"  # the data file every perplexity here is taken on
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -97,6 +100,7 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
             "pass a smaller seq_len or more tokens."
         )
     device = resolve_device(device) if device is not None else model_device(model)
+    check_logits_fit(model, min(batch_size, n_windows), seq_len, batch_size, device)
     windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
 
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -113,7 +117,31 @@ def perplexity(model, token_ids, seq_len: int, batch_size: int = 1, device=None,
 
     tokens = n_windows * (seq_len - 1)
     nll = nll_sum.item() / tokens
-    return dict(ppl=math.exp(nll), nll=nll, tokens=tokens, windows=n_windows, seq_len=seq_len)
+    # a mean NLL past float64's range of exp (~709.8: a model whose logits are huge, a broken quantization) is an
+    # infinite perplexity: math.exp raised OverflowError, a traceback of `nibble eval ppl`, a failed report config
+    ppl = math.inf if nll > _LOG_FLOAT_MAX else math.exp(nll)  # a NaN one (logits not finite) stays NaN
+    return dict(ppl=ppl, nll=nll, tokens=tokens, windows=n_windows, seq_len=seq_len)
+
+
+def check_logits_fit(model, rows: int, length: int, batch_size: int, device: torch.device, what: str = "windows",
+                     too_long: str = "give a shorter seq_len") -> None:
+    """Refuse a forward pass whose logits alone, ``rows`` x ``length`` x the vocabulary, exceed the device's memory
+    (`memory_bound`), in the sizes' terms (``what`` the rows are; ``too_long``: the fix where one row exceeds it):
+    `nibble eval ppl --batch-size 64` of SmolLM2 on a CPU of 23 GiB asked for 24 GiB of logits, and the kernel killed
+    the process without a word. A model without a config's vocabulary or a dtype (any module that returns logits) is
+    not checked."""
+    vocab, dtype = getattr(getattr(model, "config", None), "vocab_size", None), getattr(model, "dtype", None)
+    bound = memory_bound(device)
+    if not isinstance(vocab, int) or not isinstance(dtype, torch.dtype) or bound is None:
+        return
+    per_row = length * vocab * dtype.itemsize
+    if rows * per_row > bound[0]:
+        # the model's weights and activations need memory too: no batch size is promised to fit, only one refused
+        fix = (f"give a smaller batch_size (each of the {what}: {format_bytes(per_row)})" if per_row <= bound[0]
+               else too_long)
+        raise ValueError(f"a forward pass of {rows} {what} of {length} tokens (batch_size={batch_size}) makes "
+                         f"{format_bytes(rows * per_row)} of logits ({vocab} {str(dtype).removeprefix('torch.')} "
+                         f"values a token), more than {bound[1]}: {fix}")
 
 
 def wikitext2_text() -> str:

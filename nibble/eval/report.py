@@ -143,12 +143,14 @@ def _checked_loader(loader: Callable, configs: list[str]) -> Callable:
     refusals ``quantize_model`` says before any work, and `quant_config`'s choice of a group size), so that a config
     the model cannot take is refused before the first config's work: w4a4-hadamard on a model the rotation cannot
     take failed at its turn, after the configs before it had run for minutes each. The model loaded for the checks
-    is the first config's. A loader that fails is left to fail in each config, reported as before (the speed models
-    run all the same)."""
-    if all(quant_config(name) is None for name in configs):
-        return loader
+    is the first config's. A loader that fails on what it was given (OSError, ValueError: no model at the path, a
+    file that is not one, a damaged one) is refused here, as every config would fail the same way: `nibble report
+    --model` of a path that was not there ran each config into it and wrote a report of its failures. Another failure
+    is left to fail in each config, reported as before (the speed models run all the same)."""
     try:
         model, tokenizer = loader()
+    except (OSError, ValueError):
+        raise
     except Exception:
         return loader
     for name in configs:
@@ -668,7 +670,8 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
     search (``speed_clip_search``), those of calibrated configs too (the same format and kernels): their
     weights are random, so only the time would change; each is timed in ``speed_rounds`` rounds of
     alternating config order (`measure_speed_models`). A config the real model cannot take (a rotation, a group size)
-    is refused before any config runs (`_checked_loader`); one that fails later is reported with its error.
+    is refused before any config runs (`_checked_loader`), and so is a model the loader cannot read from what it was
+    given; one that fails later is reported with its error.
     Returns the results dict (also in report.json).
 
     The report is written after each config and each speed model (`_write_report`), so that a run stopped part way

@@ -58,7 +58,7 @@ from tqdm import tqdm
 from nibble.config import check_count
 from nibble.eval import ALL_TASKS
 from nibble.eval.data import DataFormatError, data_file, parsing, read_jsonl
-from nibble.eval.perplexity import context_length, encode, eval_mode, model_device, model_logits
+from nibble.eval.perplexity import check_logits_fit, context_length, encode, eval_mode, model_device, model_logits
 
 
 class Doc(NamedTuple):
@@ -243,6 +243,9 @@ def loglikelihood(model, tokenizer, requests, batch_size=16, progress=True, desc
     # Longest first: padding stays small within a batch, and an out-of-memory shows up at once.
     order = sorted(inputs, key=len, reverse=True)
     device = model_device(model)
+    if order:  # the first batch holds the longest inputs: refused before it, where its logits exceed the memory
+        check_logits_fit(model, min(batch_size, len(order)), len(order[0]), batch_size, device, "inputs",
+                         "one input's logits alone exceed it: run where there is more memory")
     scores = [0.0] * len(requests)
     with eval_mode(model), tqdm(total=len(requests), desc=desc, unit="req", disable=not progress) as bar:
         for start in range(0, len(order), batch_size):

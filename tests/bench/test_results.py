@@ -5,6 +5,7 @@ import json
 import os
 
 import matplotlib.axes
+import pytest
 import torch
 
 from nibble.bench import timing, w4a4
@@ -62,3 +63,32 @@ def test_both_kernel_benchmarks_name_their_files_by_one_gpu_tag(monkeypatch):
     for device, tag in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=device: name)
         assert timing.gpu_tag() == tag
+
+
+@pytest.mark.parametrize("argv, says", [(["--shapes", "4096"], "--shapes: a shape is N,K"),
+                                        (["--shapes", "4096,0"], "--shapes: a shape is N,K"),
+                                        (["--shapes", "a,b"], "--shapes: a shape is N,K"),
+                                        (["--ms", "0"], "--ms: a token count M is a whole number above 0"),
+                                        (["--ms", "-16"], "--ms: a token count M"),
+                                        (["--ops", "w4a4", "int4"], "--ops: invalid choice: 'int4'")])
+def test_the_w4a4_benchmark_refuses_a_malformed_shape_count_or_op_as_a_usage_error(argv, says, capsys):
+    """A malformed --shapes was a traceback once the GPU was set up, an --ms of 0 reached the kernels, and an
+    unknown --ops name was timed as nothing, its column left out without a word: each is said as the option's,
+    exit status 2, before any GPU work (here, where there is no GPU, before the refusal for that)."""
+    with pytest.raises(SystemExit) as exit_:
+        w4a4.main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", ["nibble.bench.kernels", "nibble.bench.w4a4"])
+def test_the_benchmarks_refuse_an_out_they_could_not_write_before_any_timing(suite, tmp_path, capsys):
+    """An --out that is a file was found at the first write: a traceback after the first shape's timing (W4A4's after
+    its pre-compilation too). It is a usage error, as the library's `nibble` commands say it, before any GPU work."""
+    import importlib
+
+    (tmp_path / "results").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(suite).main(["--out", str(tmp_path / "results" / "sub")])
+    assert exit_.value.code == 2
+    assert f"--out {tmp_path / 'results' / 'sub'} cannot be created: {tmp_path / 'results'} is a file" \
+        in capsys.readouterr().err

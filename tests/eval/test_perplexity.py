@@ -45,6 +45,45 @@ def test_perplexity_is_exp_of_mean_nll_over_full_windows_and_drops_the_tail():
     assert perplexity(model, other_tail, seq_len=16, progress=False)["nll"] == pytest.approx(out["nll"], rel=1e-6)
 
 
+def test_a_mean_nll_past_the_range_of_exp_is_an_infinite_perplexity():
+    """math.exp of a mean NLL past ~709.8 raised OverflowError: `nibble eval ppl` of a model whose logits are huge
+    (a broken quantization) was a traceback, a report's config a failure. Its perplexity is infinite, its NLL kept."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1e5)  # logits ~1e5 apart: a wrong token costs that much
+    ids = torch.randint(0, 256, (33,)).tolist()
+    nll, _ = hand_nll(model, ids, 16)
+    out = perplexity(model, ids, seq_len=16, progress=False)
+    assert nll > 710 and out["nll"] == pytest.approx(nll, rel=1e-5) and out["ppl"] == math.inf
+    with torch.no_grad():
+        model.model.norm.weight[0] = math.nan  # logits not finite: a NaN perplexity, not an infinite one
+    out = perplexity(model, ids, seq_len=16, progress=False)
+    assert math.isnan(out["nll"]) and math.isnan(out["ppl"])
+
+
+@pytest.mark.parametrize("memory, batch_size, says", [
+    (3 * 16 * 256 * 4 - 1, 3, r"a forward pass of 3 windows of 16 tokens \(batch_size=3\) makes 48.00 KiB of logits "
+                              r"\(256 float32 values a token\), more than a test's 48.00 KiB: give a smaller "
+                              r"batch_size \(each of the windows: 16.00 KiB\)"),
+    (3 * 16 * 256 * 4 - 1, 8, r"of 3 windows of 16 tokens \(batch_size=8\)"),  # the stream's 3 windows, not 8
+    (16 * 256 * 4 - 1, 1, "give a shorter seq_len"), (3 * 16 * 256 * 4, 3, None)])
+def test_a_batch_whose_logits_exceed_the_memory_is_refused_in_its_sizes(memory, batch_size, says, monkeypatch):
+    """`nibble eval ppl --batch-size 64` of SmolLM2 on a 23 GiB CPU asked for 24 GiB of logits: the process was
+    killed without a word."""
+    import nibble.eval.perplexity as ppl
+
+    bounds = []
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: bounds.append(device) or (memory, "a test's 48.00 KiB"))
+    model = tiny_model()
+    ids = torch.randint(0, 256, (3 * 16 + 5,))
+    if says:
+        with pytest.raises(ValueError, match=says):
+            perplexity(model, ids, seq_len=16, batch_size=batch_size, progress=False)
+    else:
+        assert perplexity(model, ids, seq_len=16, batch_size=batch_size, progress=False)["windows"] == 3
+    assert bounds == [torch.device("cpu")]
+
+
 def test_batched_windows_give_the_unbatched_perplexity():
     model = tiny_model()
     ids = torch.randint(0, 256, (5 * 24 + 3,))

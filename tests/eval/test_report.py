@@ -249,6 +249,23 @@ def test_a_failing_config_is_reported_not_fatal(tmp_path):
     assert "**w4a16 failed**" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.parametrize("configs", [["bf16"], ["bf16", "w4a16"]])
+@pytest.mark.parametrize("model, says", [("missing", "is not a local .gguf file or directory"),
+                                         ("empty", "is not a Hugging Face model directory: it has no config.json")])
+def test_a_model_path_that_holds_no_model_is_refused_before_any_config(model, says, configs, tmp_path, capsys):
+    """`nibble report --model` of a path that was not there (or held no model) ran each config into it, and wrote a
+    report of as many failures of the same error: it is said once, as the other commands say it, and nothing is
+    written."""
+    from nibble.cli import main
+
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "report"
+    with pytest.raises(SystemExit, match=f"^nibble report: .*{model}'? {says}"):
+        main(["report", "--model", str(tmp_path / model), "--out", str(out), "--configs", *configs, "--no-speed",
+              "--limit", "1", "--tasks", "boolq", "--ppl-max-tokens", "300", "--device", "cpu"])
+    assert not out.exists()
+
+
 def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monkeypatch, capsys):
     """What succeeded is written, and the exit status is 1 with the failed config named at the end (it was 0
     unless every config failed)."""

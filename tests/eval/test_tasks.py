@@ -232,6 +232,28 @@ def test_long_inputs_lose_tokens_on_the_left_like_lm_eval():
     assert got == pytest.approx(by_hand, rel=1e-5)
 
 
+@pytest.mark.parametrize("memory, says", [(2 * 5 * 256 * 4 - 1, r"a forward pass of 2 inputs of 5 tokens "
+                                                               r"\(batch_size=16\) makes 10.00 KiB of logits \(256 "
+                                                               r"float32 values a token\), more than a test's bytes: "
+                                                               r"give a smaller batch_size \(each of the inputs: 5.00"),
+                                          (5 * 256 * 4 - 1, "one input's logits alone exceed it"),
+                                          (2 * 5 * 256 * 4, None)])
+def test_a_batch_whose_logits_exceed_the_memory_is_refused_before_it_runs(memory, says, monkeypatch):
+    """The first batch holds the longest inputs: where their logits alone exceed the device's memory, the batch is
+    refused in its sizes, not run into the kernel's out-of-memory kill."""
+    import nibble.eval.perplexity as ppl
+
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: (memory, "a test's bytes"))
+    # two inputs, of 5 and 2 tokens (the continuation's last token is no input): the first and last share theirs
+    requests = [("abcd", "ef"), ("ab", "c"), ("abcd", "eg")]
+    model = tiny_model()
+    if says:
+        with pytest.raises(ValueError, match=says):
+            loglikelihood(model, ByteTokenizer(), requests, progress=False)
+    else:
+        assert len(loglikelihood(model, ByteTokenizer(), requests, progress=False)) == 3
+
+
 def test_batched_loglikelihood_equals_unbatched(bpe_tokenizer):
     model = tiny_model(vocab_size=len(bpe_tokenizer), max_position_embeddings=1024)
     docs = load_piqa()[:3] + load_boolq()[2:3] + load_arc_easy()[:1] + load_winogrande()[:2]
