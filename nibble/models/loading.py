@@ -228,6 +228,11 @@ def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     checked (`warn_broken_chat_template`); else a ValueError naming the file or the folder, and what to do.
     transformers' errors named neither: "Expecting value: line 3 column 17 (char 38)" of a cut file, and a
     tokenizer_config.json holding a list, or a tokenizer.json without its model, failed as tracebacks."""
+    if not any((directory / name).exists() for name in TOKENIZER_FILES):  # transformers said "Couldn't instantiate
+        # the backend tokenizer from one of: " and an empty list
+        raise ValueError(f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ...): copy the "
+                         "tokenizer files of the model it comes from there, or save them with "
+                         "tokenizer.save_pretrained(DIR)")
     for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
         if file.exists():
             read_json_object(file)  # each holds an object
