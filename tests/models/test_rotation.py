@@ -175,6 +175,32 @@ def test_a_model_built_empty_is_refused_before_it_is_touched():
     assert not any(isinstance(layer.mlp.down_proj, HadamardInputLinear) for layer in empty.model.layers)
 
 
+def _without_weight(norm):
+    norm.weight = None
+    return norm
+
+
+@pytest.mark.parametrize("path,norm,problem", [
+    ("model.layers.1.post_attention_layernorm", lambda n: nn.LayerNorm(64), "is a LayerNorm"),
+    ("model.norm", lambda n: n.register_parameter("bias", nn.Parameter(torch.randn(64))) or n,
+     r"\(LlamaRMSNorm\) has a bias"),
+    ("model.layers.0.input_layernorm", _without_weight, r"\(LlamaRMSNorm\) has no weight of shape \(64,\)"),
+    ("model.norm", lambda n: nn.RMSNorm(64, elementwise_affine=False), r"\(RMSNorm\) has no weight"),
+], ids=["layernorm", "rmsnorm_bias", "no_weight", "torch_rmsnorm_unscaled"])
+def test_a_norm_the_rotation_cannot_fold_is_refused_by_name_before_the_model_is_touched(path, norm, problem):
+    """An RMSNorm with a bias was refused as "found LlamaRMSNorm", which named no fault; one without a weight failed
+    on 'NoneType' object has no attribute 'detach' with the embedding rotated and lm_head untied."""
+    model = tiny_model("llama")
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, norm(model.get_submodule(path)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"cannot rotate this model: rotation folds the weight w of each RMSNorm "
+                                         rf"\(x / rms\(x\) \* w, without bias\) .* and {re.escape(path)} {problem}"):
+        rotate_model(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
 def test_rotation_keeps_dtypes():
     model = tiny_model("llama", dtype=torch.bfloat16)
     rotate_model(model)
