@@ -72,6 +72,23 @@ def test_a_model_with_a_bias_on_every_linear_gives_the_same_logits_rotated(onlin
     _check_rotation_keeps_logits(model, online_o_proj)
 
 
+@pytest.mark.parametrize("arch,extra", [("llama", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
+                                        ("qwen2", {}), ("mistral", {})])
+@pytest.mark.parametrize("online_o_proj", [False, True])
+def test_a_bfloat16_model_rotated_keeps_its_function_to_bfloat16_rounding(arch, extra, online_o_proj):
+    """Against the float64 model: the rotation (float64 algebra, each weight rounded once) adds no more error
+    than bfloat16 itself has, whichever seed, tied or untied, with biases on the stream's writers or readers."""
+    base = _randomize_norms_and_biases(tiny_model(arch, hidden_size=96, num_attention_heads=6, intermediate_size=160,
+                                                  **extra))
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        exact = copy.deepcopy(base).double()(ids).logits
+        own = (copy.deepcopy(base).bfloat16()(ids).logits.double() - exact).abs().max().item()
+        for seed in (0, 7):
+            rotated = rotate_model(copy.deepcopy(base).bfloat16(), seed=seed, online_o_proj=online_o_proj)
+            assert (rotated(ids).logits.double() - exact).abs().max().item() <= 3 * own
+
+
 def _check_rotation_keeps_logits(model, online_o_proj):
     ids = torch.randint(0, 256, (3, 21))
     with torch.no_grad():
