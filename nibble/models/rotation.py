@@ -33,9 +33,11 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
                  device: str | torch.device | None = None) -> nn.Module:
     """Rotate a Hugging Face Llama / Qwen2 / Mistral causal LM in place; returns it.
 
-    online_o_proj: also rotate o_proj's input online (hidden = heads * head_dim must be a
-    supported Hadamard size). QuaRot instead rotates V offline per head and mixes heads online;
-    the product of the two is the same full Hadamard, and nibble's kernel does it in one pass.
+    online_o_proj: also rotate o_proj's input online (its width, heads * head_dim, must be a
+    supported Hadamard size). QuaRot instead rotates V offline per head and mixes heads online: the
+    product of the two, H_heads (x) H_head_dim, is a full Hadamard rotation of o_proj's input as well
+    (with nibble's H_heads, its very matrix where the sizes factor alike, as 12 * 128 or 32 * 128;
+    the 9 heads of SmolLM2 QuaRot cannot mix at all), which nibble's kernel applies in one pass.
     (The offline V rotation would only matter for a quantized KV cache, which nibble has not.)
 
     device: where the float64 algebra runs (default: each weight's own device). Every result is
