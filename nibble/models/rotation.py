@@ -23,7 +23,7 @@ from torch import nn
 
 from nibble.config import checked_seed, resolve_device
 from nibble.kernels.hadamard import hadamard_factors, hadamard_transform_reference
-from nibble.models.architecture import check_architecture, decoder_layers
+from nibble.models.architecture import DECODER_LAYERS, check_architecture, decoder_layers
 from nibble.models.convert import (check_not_quantized, check_weights_loaded, lm_head_tied, refuse_save_pretrained,
                                    untie_lm_head)
 from nibble.nn.hadamard import HadamardInputLinear
@@ -33,9 +33,11 @@ def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
                  device: str | torch.device | None = None) -> nn.Module:
     """Rotate a Hugging Face Llama / Qwen2 / Mistral causal LM in place; returns it.
 
-    online_o_proj: also rotate o_proj's input online (hidden = heads * head_dim must be a
-    supported Hadamard size). QuaRot instead rotates V offline per head and mixes heads online;
-    the product of the two is the same full Hadamard, and nibble's kernel does it in one pass.
+    online_o_proj: also rotate o_proj's input online (its width, heads * head_dim, must be a
+    supported Hadamard size). QuaRot instead rotates V offline per head and mixes heads online: the
+    product of the two, H_heads (x) H_head_dim, is a full Hadamard rotation of o_proj's input as well
+    (with nibble's H_heads, its very matrix where the sizes factor alike, as 12 * 128 or 32 * 128;
+    the 9 heads of SmolLM2 QuaRot cannot mix at all), which nibble's kernel applies in one pass.
     (The offline V rotation would only matter for a quantized KV cache, which nibble has not.)
 
     device: where the float64 algebra runs (default: each weight's own device). Every result is
@@ -97,9 +99,20 @@ def check_rotatable(model: nn.Module, online_o_proj: bool = False) -> None:
             hadamard_factors(size)
         except ValueError as e:
             raise ValueError(f"cannot rotate this model: its {what} is {size}. {e}") from None
-    for norm in _norms(model):
-        if not type(norm).__name__.endswith("RMSNorm") or getattr(norm, "bias", None) is not None:
-            raise ValueError(f"rotation folds RMSNorm (x / rms(x) * w) weights; found {type(norm).__name__}")
+    for name, norm in _norms(model):
+        # A bias would be rotated into the stream but not folded (x / rms(x) * w + b), and a norm without a weight
+        # failed on it after the embedding was rotated and lm_head untied: refused here, naming what to fix.
+        kind = type(norm).__name__
+        if not kind.endswith("RMSNorm"):
+            problem = f"is a {kind}"
+        elif getattr(norm, "bias", None) is not None:
+            problem = f"({kind}) has a bias"
+        elif not isinstance(getattr(norm, "weight", None), torch.Tensor) or norm.weight.shape != (cfg.hidden_size,):
+            problem = f"({kind}) has no weight of shape ({cfg.hidden_size},)"
+        else:
+            continue
+        raise ValueError(f"cannot rotate this model: rotation folds the weight w of each RMSNorm (x / rms(x) * w, "
+                         f"without bias) into the linears that read it, and {name} {problem}")
 
 
 def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
@@ -148,9 +161,10 @@ def rotate_all_but_layers(model: nn.Module, seed: int = 0, online_o_proj: bool =
     return rotate_layer
 
 
-def _norms(model: nn.Module) -> list[nn.Module]:
-    layers = decoder_layers(model)
-    return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.model.norm]
+def _norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in the model, norm) of every norm the rotation folds."""
+    return [(f"{DECODER_LAYERS}.{i}.{part}", getattr(layer, part)) for i, layer in enumerate(decoder_layers(model))
+            for part in ("input_layernorm", "post_attention_layernorm")] + [("model.norm", model.model.norm)]
 
 
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:
