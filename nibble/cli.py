@@ -887,7 +887,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="ppl: cut the token stream (quick runs)")
     p.add_argument("--tasks", action=TaskNames, default=None,
                    help="tasks: which, comma-separated, e.g. piqa,boolq (default: all seven)")
-    p.add_argument("--limit", type=int, default=None, help="tasks: items per task (quick runs)")
+    p.add_argument("--limit", type=int, default=None, help="tasks: items per task, for quick runs (default: all)")
     p.add_argument("--batch-size", type=int, default=8, help="windows (ppl) or requests (tasks) per forward pass")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("report", help="accuracy, memory and speed of 16-bit vs W4A16 vs W4A4, side by side")

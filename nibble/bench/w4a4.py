@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     add_rounds_argument(p)
     a = parse_bench_args(p, argv)
     if not torch.cuda.is_available():
-        print("the W4A4 benchmark needs a CUDA GPU", file=sys.stderr)
+        print("nibble.bench w4a4 needs a CUDA GPU", file=sys.stderr)
         return 2
     import nibble.kernels.w4a4  # noqa: F401  registers torch.ops.nibble.w4a4_linear
     shapes = a.shapes or (QUICK_SHAPES if a.quick else SHAPES)
