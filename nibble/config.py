@@ -24,6 +24,11 @@ MODE_GROUP_SIZES = {"w4a16": 128, "w4a4": -1}
 CUDA_KERNEL_GROUP_SIZES = (128, 64, 32)
 
 
+# The fix quantize_model's refusals of one layer name (a width packing cannot hold, scales float16 cannot); one string,
+# so that PE-QAT, which keeps no layer in 16 bits, can say its own (`nibble.qat.train.said_for_pe_qat`)
+KEEP_IN_16_BITS = "keep this layer in 16 bits (QuantConfig.modules_to_not_convert)"
+
+
 def width_error(in_features: int, group_size: int) -> str | None:
     """What is wrong with quantizing a linear of ``in_features`` in groups of ``group_size`` (-1: one group a
     row), or None: INT4 packs 8 codes to an int32 word along in_features, and a group must divide the row. The one
@@ -34,7 +39,7 @@ def width_error(in_features: int, group_size: int) -> str | None:
         return f"in_features={in_features}: a layer without inputs has nothing to quantize; keep it in 16 bits"
     if in_features % PACK:
         return (f"in_features={in_features} is not a multiple of {PACK}, which INT4 packing needs ({PACK} codes a "
-                "32-bit word): keep the layer in 16 bits (QuantConfig.modules_to_not_convert)")
+                f"32-bit word): {KEEP_IN_16_BITS}")
     if group_size != -1 and in_features % group_size:
         fits = [g for g in CUDA_KERNEL_GROUP_SIZES if in_features % g == 0]
         others = [g for g in range(128, 7, -8) if in_features % g == 0 and g not in fits][:max(0, 3 - len(fits))]

@@ -54,7 +54,6 @@ import math
 import numbers
 import os
 import pickle
-import re
 import statistics
 import time
 from contextlib import contextmanager
@@ -66,7 +65,7 @@ from peft import PeftModel
 from torch import nn
 from tqdm.auto import tqdm
 
-from nibble.config import QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
+from nibble.config import KEEP_IN_16_BITS, QuantConfig, check_count, check_token_ids, checked_seed, resolve_device
 from nibble.models.architecture import check_architecture, check_calibration_ids
 from nibble.models.checkpoint_files import atomic_write, checkpoint_dir
 from nibble.models.convert import check_not_quantized, check_quantizable, refuse_save_pretrained
@@ -173,9 +172,8 @@ def start_config(recipe: str, init: str, rotation_seed: int = 0) -> QuantConfig:
     return QuantConfig(mode="w4a4", method=init, rotation=rotation, rotation_seed=rotation_seed)
 
 
-# The hint of quantize_model's refusals of a layer INT4 cannot take (a width packing cannot hold, scales float16
-# cannot), an option PE-QAT lacks: it fake-quantizes every linear of the decoder layers (`quantizable_linears`)
-KEEP_IN_16_BITS = re.compile(r"keep (?:this|the) layer in 16 bits \(QuantConfig\.modules_to_not_convert\)")
+# What a PE-QAT user can do where quantize_model's refusals of a layer INT4 cannot take say `KEEP_IN_16_BITS`, an
+# option PE-QAT lacks: it fake-quantizes every linear of the decoder layers (`quantizable_linears`)
 PE_QAT_KEEPS_NONE = ("quantize the model without PE-QAT, which can keep no layer in 16 bits (nibble.quantize_model "
                      "keeps it with QuantConfig.modules_to_not_convert)")
 
@@ -187,7 +185,7 @@ def said_for_pe_qat():
     try:
         yield
     except ValueError as e:
-        said = KEEP_IN_16_BITS.sub(PE_QAT_KEEPS_NONE, str(e))
+        said = str(e).replace(KEEP_IN_16_BITS, PE_QAT_KEEPS_NONE)
         if said != str(e):
             e.args = (said,)
         raise

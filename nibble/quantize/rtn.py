@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nibble.config import check_count, width_error
+from nibble.config import KEEP_IN_16_BITS, check_count, width_error
 from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import rounded
 
@@ -62,8 +62,8 @@ def _check_not_tiny(amax: float) -> None:
     costs the layer's output next to nothing."""
     if 0 < amax < TINY_AMAX:
         raise ValueError(f"weights up to |w| = {amax:.3g} need group scales below {TINY_AMAX / 7:.3g}, which float16, "
-                         "in which nibble stores them, holds with 2 bits or fewer: keep this layer in 16 bits "
-                         "(QuantConfig.modules_to_not_convert) or scale the weight up before quantizing")
+                         f"in which nibble stores them, holds with 2 bits or fewer: {KEEP_IN_16_BITS} or scale the "
+                         "weight up before quantizing")
 
 
 @contextmanager
@@ -120,8 +120,8 @@ def _check_stored(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
     if bad.any():
         amax = w[bad].abs().max().item()
         raise ScaleOverflowError(f"weights up to |w| = {amax:.4g} need a scale or zero point beyond float16's range "
-                         f"(+-{FP16_MAX:g}), in which nibble stores them: keep this layer in 16 bits "
-                         "(QuantConfig.modules_to_not_convert) or scale the weight down before quantizing")
+                         f"(+-{FP16_MAX:g}), in which nibble stores them: {KEEP_IN_16_BITS} or scale the weight "
+                         "down before quantizing")
 
 
 def check_values(weight: torch.Tensor, group_size: int, symmetric: bool, zero_point: str, scales: bool = True) -> None:
