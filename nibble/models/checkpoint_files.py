@@ -24,8 +24,8 @@ from torch import nn
 
 from nibble.models.architecture import check_architecture
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, CONFIG, GENERATION_CONFIG, QUANTIZATION_SETTINGS_FILES,
-                                   TOKENIZER_FILES, WEIGHTS, quantization_settings_files, read_generation_config,
-                                   read_json_object, read_tokenizer)
+                                   TOKENIZER_FILES, WEIGHTS, holds_tokenizer, quantization_settings_files,
+                                   read_generation_config, read_json_object, read_tokenizer)
 from nibble.warn import warn
 
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
@@ -167,10 +167,6 @@ def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
         return read_tokenizer(directory)
     except ValueError as e:  # a CheckpointError, as every other refusal of a checkpoint's files is
         raise CheckpointError(str(e)) from e
-
-
-def holds_tokenizer(directory: Path) -> bool:
-    return (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
 
 
 def _digest(value) -> str:
