@@ -264,13 +264,36 @@ def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     # or AttributeError, and tokenizer.json that tokenizers cannot parse a bare Exception. Files written by a newer
     # tokenizers, or a missing sentencepiece / protobuf, fail alike with intact files: the advice names both causes
     except Exception as e:
-        cause = (str(e).strip().splitlines() or [""])[0]  # the CLI prints one line, no chain
+        unreadable = _sentencepiece_unreadable(directory)
+        if unreadable:
+            raise ValueError(f"{directory}: could not load a tokenizer from it: its vocabulary is tokenizer.model, "
+                             "which transformers reads with sentencepiece and protobuf, and they cannot be imported "
+                             f"here ({unreadable}): install them (pip install -U sentencepiece protobuf)") from e
+        cause = _first_line(e)  # the CLI prints one line, no chain
         raise ValueError(f"{directory}: could not load a tokenizer from it ({type(e).__name__}: {cause}). If the "
                          "error names a missing library, install it; if the files come from a newer transformers / "
                          "tokenizers, upgrade them; else the files are damaged: re-download the model, or save its "
                          "tokenizer there with tokenizer.save_pretrained(DIR)") from e
     warn_broken_chat_template(tokenizer, directory)
     return tokenizer
+
+
+def _sentencepiece_unreadable(directory: Path) -> str | None:
+    """Why sentencepiece's reader cannot be imported, where ``directory``'s vocabulary is a tokenizer.model (no
+    tokenizer.json beside it); None where it can, or is not needed. Without it (sentencepiece or protobuf missing, or
+    a protobuf older than sentencepiece's generated code) transformers reads the file as a tiktoken one, and failed
+    saying "`tiktoken` is required", which did not help once installed."""
+    if (directory / "tokenizer.json").exists() or not (directory / "tokenizer.model").exists():
+        return None
+    try:
+        from sentencepiece import sentencepiece_model_pb2  # noqa: F401  (what transformers parses the file with)
+    except Exception as e:  # an ImportError, or protobuf's VersionError
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, source: Path) -> None:

@@ -2,6 +2,7 @@
 import json
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -198,6 +199,29 @@ def test_tokenizer_files_without_its_vocabulary_are_refused_naming_them(tmp_path
     with pytest.raises(ValueError, match=rf"^{re.escape(str(directory))} holds {', '.join(files)} but not the "
                                          r"tokenizer's vocabulary \(tokenizer\.json, or tokenizer\.model, or vocab\.json "
                                          r"with merges\.txt\): copy the tokenizer files"):
+        _load_tokenizer(directory, kind)
+
+
+@pytest.mark.parametrize("kind", ["float", "quantized"])
+def test_a_tokenizer_model_that_sentencepiece_cannot_read_here_says_to_install_it(tmp_path, kind, monkeypatch):
+    """A sentencepiece tokenizer.model alone (older Llama's vocabulary) was no tokenizer in a checkpoint, without a
+    word; in a float model's folder transformers, lacking protobuf, read it as a tiktoken file and failed saying
+    "`tiktoken` is required", which did not help once installed."""
+    import sentencepiece
+    words = ["".join(chr(c) for c in torch.randint(97, 123, (n,)).tolist()) for n in torch.randint(2, 8, (30,))]
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(words[i] for i in torch.randint(0, 30, (12,)).tolist())
+                                                 for _ in range(200)))
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "tokenizer"),
+                                             vocab_size=60, model_type="bpe", minloglevel=3)
+    directory = _qwen2_folder(tmp_path / "model", kind)
+    shutil.copy(tmp_path / "tokenizer.model", directory / "tokenizer.model")
+    # as without protobuf (this environment's), or with one older than sentencepiece's generated code
+    monkeypatch.delattr(sentencepiece, "sentencepiece_model_pb2", raising=False)
+    monkeypatch.setitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", None)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(directory))}: could not load a tokenizer from it: its "
+                                         r"vocabulary is tokenizer\.model, which transformers reads with sentencepiece "
+                                         r"and protobuf, and they cannot be imported here \(\w+Error: .*\): install "
+                                         r"them \(pip install -U sentencepiece protobuf\)$"):
         _load_tokenizer(directory, kind)
 
 
