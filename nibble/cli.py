@@ -56,12 +56,12 @@ def load(model: str | None, device: str, quantized: bool, dtype: torch.dtype | N
 def check_tokenizer(args) -> None:
     """Refuse a quantized checkpoint saved without a tokenizer (save_quantized's default) before it loads, for a
     command that tokenizes: it failed on the first prompt with "'NoneType' object has no attribute ..."."""
-    from nibble.models.checkpoint_files import holds_tokenizer
+    from nibble.models.loading import TOKENIZER_FILES, holds_tokenizer
 
     if args.quantized and not holds_tokenizer(Path(args.model)):
-        raise ValueError(f"{args.model} holds no tokenizer (tokenizer.json / tokenizer_config.json), which nibble "
-                         f"{args.command} needs: save it there with tokenizer.save_pretrained(DIR), or pass it to "
-                         "save_quantized(model, DIR, tokenizer)")
+        raise ValueError(f"{args.model} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ...), "
+                         f"which nibble {args.command} needs: save it there with tokenizer.save_pretrained(DIR), or "
+                         "pass it to save_quantized(model, DIR, tokenizer)")
 
 
 def config_from_args(args, model):

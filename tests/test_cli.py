@@ -1327,6 +1327,20 @@ def test_a_checkpoint_saved_without_a_tokenizer_is_refused_before_it_loads(tmp_p
         main(command + ["--model", str(tmp_path)])
 
 
+@pytest.mark.parametrize("files", [("tokenizer.model",), ("vocab.json", "merges.txt")])
+def test_a_checkpoint_whose_tokenizer_has_no_tokenizer_json_is_let_through_to_its_load(tmp_path, files):
+    """The check held tokenizer.json or tokenizer_config.json alone for a tokenizer: a checkpoint with the
+    sentencepiece tokenizer.model of an older Llama, or vocab.json and merges.txt, was refused as holding none, which
+    a load reads (`loading.holds_tokenizer`: the check and the loaders ask it alike)."""
+    import argparse
+
+    from nibble.cli import check_tokenizer
+
+    for name in files:
+        (tmp_path / name).write_bytes(b"")
+    check_tokenizer(argparse.Namespace(quantized=True, model=str(tmp_path), command="generate"))
+
+
 def test_tasks_are_named_by_comma_in_eval_and_report_and_by_space_in_report(capsys):
     """`nibble eval` took "piqa,boolq" and `nibble report` "piqa boolq", each refusing the other's form. eval's takes
     one value: more would swallow its positional where it comes after."""

@@ -24,8 +24,8 @@ from torch import nn
 
 from nibble.models.architecture import check_architecture
 from nibble.models.loading import (ADDITIONAL_CHAT_TEMPLATES, CONFIG, GENERATION_CONFIG, QUANTIZATION_SETTINGS_FILES,
-                                   TOKENIZER_FILES, WEIGHTS, quantization_settings_files, read_generation_config,
-                                   read_json_object, read_tokenizer)
+                                   TOKENIZER_FILES, WEIGHTS, holds_tokenizer, quantization_settings_files,
+                                   read_generation_config, read_json_object, read_tokenizer)
 from nibble.warn import warn
 
 METADATA = "nibble"  # the safetensors metadata key: checksums, tied aliases, the config's digest
@@ -169,10 +169,6 @@ def load_companions(model: nn.Module, directory: Path, tokenizer: bool = True):
         raise CheckpointError(str(e)) from e
 
 
-def holds_tokenizer(directory: Path) -> bool:
-    return (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
-
-
 def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -202,12 +198,19 @@ def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
                               "model again")
 
 
-def check_checksums(path: Path, tensors: dict, ours: dict) -> None:
+def check_checksums(path: Path, tensors: dict, ours: dict, data: bool = True) -> None:
     """Refuse the weights file ``path`` whose ``tensors`` do not match the checksum table its metadata holds
-    (``ours``: nibble's, or an export's)."""
+    (``ours``: nibble's, or an export's): their names, and their checksums unless not ``data`` (meta tensors of the
+    headers)."""
     checksums = ours["checksums"]
-    if set(checksums) != set(tensors):
-        raise CheckpointError(f"{path}: tensor names do not match the checksum table; the file was edited")
+    added, removed = sorted(set(tensors) - set(checksums)), sorted(set(checksums) - set(tensors))
+    if added or removed:  # named: the refusal said "tensor names do not match the checksum table", and no name
+        changes = [f"{what} {len(names)} tensor(s) its checksum table {table}, e.g. {names[:5]}"
+                   for what, names, table in (("holds", added, "does not list"), ("lacks", removed, "lists")) if names]
+        raise CheckpointError(f"{path} {' and '.join(changes)}: the file was edited after it was saved; save the "
+                              "model again")
+    if not data:
+        return
     typed = ours.get("checksum_version", 1) >= 2
     bad = [k for k, v in tensors.items() if tensor_sha256(v, typed) != checksums[k]]
     if bad:

@@ -420,10 +420,15 @@ def _layer_tensors(directory: Path, info: dict, tensors: dict, model: nn.Module,
 def _check_layer_shapes(directory: Path, prefix: str, old: nn.Module, in_features: int, out_features: int,
                         bias: torch.Tensor | None) -> None:
     """Refuse a quantized linear whose weight (``in_features`` x ``out_features``) or bias is not of the shape of
-    the layer ``old`` it replaces."""
+    the layer ``old`` it replaces, or that lacks the bias ``old`` has (it loaded as none: a Qwen2 without its q/k/v
+    biases, whose nibble save was then refused as lacking them)."""
     if (old.in_features, old.out_features) != (in_features, out_features):
         raise ValueError(f"{prefix}: checkpoint holds a {out_features}x{in_features} weight but the "
                          f"architecture expects {old.out_features}x{old.in_features}")
+    if bias is None and old.bias is not None:
+        raise ValueError(f"{directory}: the checkpoint lacks {prefix}.bias, which the architecture config.json "
+                         "describes has: a shard or the save is incomplete, or the config.json belongs to another "
+                         "model; re-download the checkpoint")
     if bias is not None and tuple(bias.shape) != (out_features,):
         raise ValueError(f"{directory}: {prefix}.bias has shape {tuple(bias.shape)}, where the layer's "
                          f"{out_features} outputs need ({out_features},): the checkpoint is damaged")

@@ -221,6 +221,20 @@ ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"  # transformers 5 writes
 # what tokenizer.save_pretrained may write (transformers 5 keeps the chat template apart, in chat_template.jinja)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# the files a tokenizer's vocabulary is read from, one set of them: tokenizer.json; a sentencepiece tokenizer.model
+# alone, as older Llama and Mistral checkpoints ship it; vocab.json and merges.txt, which Qwen2's tokenizer reads. The
+# others alone (tokenizer_config.json, the special tokens, the chat template) failed in transformers as "Couldn't
+# instantiate the backend tokenizer from one of: ", or, of a Qwen2, loaded a tokenizer of 3 tokens that turned every
+# prompt into none
+VOCABULARIES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+def holds_tokenizer(directory: Path) -> bool:
+    """Whether ``directory`` holds a tokenizer: any of the files `TOKENIZER_FILES` names, which `read_tokenizer` then
+    loads or refuses, saying why. Every loader and command asks this: the rule a quantized checkpoint had of its own
+    (tokenizer.json or tokenizer_config.json) read a tokenizer.model, or vocab.json and merges.txt, as no tokenizer,
+    which a float model's folder loaded."""
+    return any((directory / name).exists() for name in TOKENIZER_FILES)
 
 
 def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
@@ -228,9 +242,15 @@ def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     checked (`warn_broken_chat_template`); else a ValueError naming the file or the folder, and what to do.
     transformers' errors named neither: "Expecting value: line 3 column 17 (char 38)" of a cut file, and a
     tokenizer_config.json holding a list, or a tokenizer.json without its model, failed as tracebacks."""
-    if not any((directory / name).exists() for name in TOKENIZER_FILES):  # transformers said "Couldn't instantiate
-        # the backend tokenizer from one of: " and an empty list
+    if not holds_tokenizer(directory):  # transformers said "Couldn't instantiate the backend tokenizer from one of: "
+        # and an empty list
         raise ValueError(f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ...): copy the "
+                         "tokenizer files of the model it comes from there, or save them with "
+                         "tokenizer.save_pretrained(DIR)")
+    if not any(all((directory / name).exists() for name in names) for names in VOCABULARIES):
+        held = ", ".join(name for name in TOKENIZER_FILES if (directory / name).exists())
+        vocabularies = ", or ".join(" with ".join(names) for names in VOCABULARIES)
+        raise ValueError(f"{directory} holds {held} but not the tokenizer's vocabulary ({vocabularies}): copy the "
                          "tokenizer files of the model it comes from there, or save them with "
                          "tokenizer.save_pretrained(DIR)")
     for file in (directory / name for name in TOKENIZER_FILES if name.endswith(".json")):
@@ -244,13 +264,36 @@ def read_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     # or AttributeError, and tokenizer.json that tokenizers cannot parse a bare Exception. Files written by a newer
     # tokenizers, or a missing sentencepiece / protobuf, fail alike with intact files: the advice names both causes
     except Exception as e:
-        cause = (str(e).strip().splitlines() or [""])[0]  # the CLI prints one line, no chain
+        unreadable = _sentencepiece_unreadable(directory)
+        if unreadable:
+            raise ValueError(f"{directory}: could not load a tokenizer from it: its vocabulary is tokenizer.model, "
+                             "which transformers reads with sentencepiece and protobuf, and they cannot be imported "
+                             f"here ({unreadable}): install them (pip install -U sentencepiece protobuf)") from e
+        cause = _first_line(e)  # the CLI prints one line, no chain
         raise ValueError(f"{directory}: could not load a tokenizer from it ({type(e).__name__}: {cause}). If the "
                          "error names a missing library, install it; if the files come from a newer transformers / "
                          "tokenizers, upgrade them; else the files are damaged: re-download the model, or save its "
                          "tokenizer there with tokenizer.save_pretrained(DIR)") from e
     warn_broken_chat_template(tokenizer, directory)
     return tokenizer
+
+
+def _sentencepiece_unreadable(directory: Path) -> str | None:
+    """Why sentencepiece's reader cannot be imported, where ``directory``'s vocabulary is a tokenizer.model (no
+    tokenizer.json beside it); None where it can, or is not needed. Without it (sentencepiece or protobuf missing, or
+    a protobuf older than sentencepiece's generated code) transformers reads the file as a tiktoken one, and failed
+    saying "`tiktoken` is required", which did not help once installed."""
+    if (directory / "tokenizer.json").exists() or not (directory / "tokenizer.model").exists():
+        return None
+    try:
+        from sentencepiece import sentencepiece_model_pb2  # noqa: F401  (what transformers parses the file with)
+    except Exception as e:  # an ImportError, or protobuf's VersionError
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def warn_broken_chat_template(tokenizer: PreTrainedTokenizerBase, source: Path) -> None:

@@ -90,7 +90,7 @@ def save_quantized(model: nn.Module, directory, tokenizer=None, format: str = "n
 def _read_checked(path: Path, config: dict, data: bool = True) -> tuple[dict, dict]:
     """(the tensors of the nibble weights file ``path``, its aliases: a tied tensor's other names), refused where the
     file is missing, damaged, not nibble's or saved with another config than ``config``. ``data`` False: meta tensors
-    of their shapes and dtypes (`header_tensor`), whose checksums are not checked (`quantized_structure`)."""
+    of their shapes and dtypes (`header_tensor`), whose names alone are checked (`quantized_structure`)."""
     if not path.exists() and (path.parent / f"{WEIGHTS}.index.json").exists():  # config.json says nibble's
         raise CheckpointError(f"{path.parent} holds shards (model.safetensors.index.json), but a nibble checkpoint is "
                               f"one {WEIGHTS}: merge the shards into one file, or fetch the checkpoint as nibble wrote it")
@@ -111,8 +111,7 @@ def _read_checked(path: Path, config: dict, data: bool = True) -> tuple[dict, di
                 "aliases": json.loads(metadata.get("nibble_aliases", "{}"))}
     else:
         raise CheckpointError(f"{path} has no nibble checksums: it was not written by nibble.save_quantized")
-    if data:
-        check_checksums(path, tensors, ours)
+    check_checksums(path, tensors, ours, data)
     check_config_digest(path, ours, config)
     return tensors, ours.get("aliases", {})
 
@@ -215,9 +214,13 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
         old = named_layer(model, name, directory)
         check_groups(directory / WEIGHTS, name, tensors, old.in_features, qc.group_size)
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
-        # the bias the checkpoint holds, not the architecture's: an imported AutoGPTQ model has one on every linear
-        q = cls(old.in_features, old.out_features, f"{name}.bias" in tensors, qc.group_size, qc.mode,
-                name in online_hadamard, dtype=dtype, device="meta")
+        # the architecture's bias, which the checkpoint must hold; and one it holds beyond it in a model imported from
+        # an AutoAWQ / GPTQ checkpoint (AutoGPTQ before 0.5 gave every linear one, which nibble's exports keep). Built
+        # wherever the file held one, an edited file's extra bias loaded, and a missing one of Qwen2's q/k/v loaded as
+        # none
+        bias = old.bias is not None or "imported_from" in qc_dict and f"{name}.bias" in tensors
+        q = cls(old.in_features, old.out_features, bias, qc.group_size, qc.mode, name in online_hadamard, dtype=dtype,
+                device="meta")
         setattr(model.get_submodule(parent), child, q)
     for name in online_hadamard:  # 16-bit linears that rotate their input (a quantized one was built above)
         old = model.get_submodule(name)
@@ -230,9 +233,19 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
     for alias, target in aliases.items():  # one tensor, as saved: placed once, not one copy per name
         placed[alias] = placed[target]
     try:
-        model.load_state_dict(placed, strict=True, assign=True)
-    except RuntimeError as e:
+        missing, unexpected = model.load_state_dict(placed, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor of another shape
         raise CheckpointError(f"{directory}: weights do not match the saved architecture ({e})") from e
+    # refused, as transformers does not: nibble's format is nibble's alone, so a tensor more or less than the model
+    # has is an edit, or another model's weights
+    if unexpected:
+        raise CheckpointError(f"{directory / WEIGHTS} holds {len(unexpected)} tensor(s) the model of its config.json "
+                              f"does not have, e.g. {sorted(unexpected)[:5]}: the file was edited or belongs to "
+                              "another model; save the model again")
+    if missing:
+        raise CheckpointError(f"{directory / WEIGHTS} lacks {len(missing)} of the tensors of the model of its "
+                              f"config.json, e.g. {sorted(missing)[:5]}: the file was edited or belongs to another "
+                              "model; save the model again")
     if device.type != "meta":  # a structure holds no buffer that is computed, not stored
         rebuild_non_persistent_buffers(model, device)
     if model.config.tie_word_embeddings and "lm_head.weight" not in tensors:  # stored as the embedding's alias, or not

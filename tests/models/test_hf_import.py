@@ -828,6 +828,23 @@ def test_a_structurally_damaged_checkpoint_is_named(tmp_path, damage, message):
         load_quantized(path)
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_a_bias_of_the_architecture_the_checkpoint_lacks_is_refused_naming_it(tmp_path, fmt):
+    """A Qwen2 checkpoint without one of its q/k/v biases loaded that layer without one, without a word (and its
+    nibble save was then refused as lacking it), where a bias beyond the architecture's is AutoGPTQ's, kept."""
+    from nibble.models.serialization import quantized_structure
+    model = quantize_model(tiny_model("qwen2"), QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path, format=fmt)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_proj.bias"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})  # as another tool writes it
+    for load in (load_quantized, quantized_structure):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: the checkpoint lacks model\.layers\.1\."
+                                             r"self_attn\.v_proj\.bias, which the architecture config\.json describes "
+                                             "has: a shard or the save is incomplete"):
+            load(tmp_path)
+
+
 def test_a_flipped_byte_in_an_export_fails_its_checksum(tmp_path):
     """AWQ / GPTQ files carry no checksum: one flipped byte loaded as a slightly different model without a word."""
     _, path = _export(tmp_path, fmt="gptq")

@@ -1,6 +1,8 @@
 """load_model: routing between the default GGUF, .gguf files and local Hugging Face directories."""
 import json
 import re
+import shutil
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHe
 
 import nibble.models.loading as loading
 from conftest import tiny_model
-from nibble import QuantConfig, quantize_model, save_quantized
+from nibble import QuantConfig, load_quantized, quantize_model, save_quantized
 from nibble.models.loading import default_model_path, load_model
 
 
@@ -141,11 +143,86 @@ def test_directory_without_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))} holds no tokenizer \(none of tokenizer\.json, "
                                          r"tokenizer_config\.json, .*tokenizer\.save_pretrained\(DIR\)$"):
         load_model(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text("{}")  # a file there: transformers' cause, in one line
+    (tmp_path / "tokenizer.json").write_text("{}")  # a file there: transformers' cause, in one line
     with pytest.raises(ValueError, match="could not load a tokenizer.*tokenizer.save_pretrained") as e:
         load_model(tmp_path)
     # the cause in the one line the CLI prints (it said "cause above", and printed none)
     assert "cause above" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer(tmp_path_factory):
+    """(SmolLM2's tokenizer, a folder of its files: those save_pretrained writes, and its vocabulary as vocab.json and
+    merges.txt, the files of a GPT-2-style tokenizer such as Qwen2's)."""
+    _, tokenizer = load_model()
+    directory = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tokenizer.save_pretrained(directory)
+    Tokenizer.from_file(str(directory / "tokenizer.json")).model.save(str(directory))
+    return tokenizer, directory
+
+
+def _qwen2_folder(directory, kind):
+    """A Qwen2 folder without a tokenizer: a float model's, or (``kind`` "quantized") a nibble checkpoint's."""
+    if kind == "float":
+        _save_tiny(directory, "qwen2", tokenizer=False)
+    else:
+        save_quantized(quantize_model(tiny_model("qwen2"), QuantConfig(group_size=32), progress=False), directory)
+    return directory
+
+
+def _load_tokenizer(directory, kind):
+    return (load_model if kind == "float" else load_quantized)(directory)[1]
+
+
+@pytest.mark.parametrize("kind", ["float", "quantized"])
+@pytest.mark.parametrize("files", [("tokenizer.json", "tokenizer_config.json"), ("vocab.json", "merges.txt")])
+def test_a_tokenizer_of_any_of_its_vocabulary_files_is_loaded(tmp_path, smollm_tokenizer, kind, files):
+    """A quantized checkpoint's tokenizer was one of tokenizer.json or tokenizer_config.json: one of vocab.json and
+    merges.txt alone, which transformers loads (as a float model's folder did), loaded as none, without a word."""
+    tokenizer, saved = smollm_tokenizer
+    directory = _qwen2_folder(tmp_path, kind)
+    for name in files:
+        shutil.copy(saved / name, directory / name)
+    text = "".join(chr(c) for c in torch.randint(32, 127, (200,)).tolist())
+    assert _load_tokenizer(directory, kind).encode(text) == tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("kind", ["float", "quantized"])
+@pytest.mark.parametrize("files", [("tokenizer_config.json",), ("chat_template.jinja",),
+                                   ("tokenizer_config.json", "vocab.json", "chat_template.jinja")])
+def test_tokenizer_files_without_its_vocabulary_are_refused_naming_them(tmp_path, smollm_tokenizer, kind, files):
+    """A Qwen2 folder's tokenizer_config.json alone loaded a tokenizer of 3 tokens, which made every prompt no tokens;
+    a checkpoint's chat_template.jinja alone was no tokenizer, without a word (the CLI then said it held none)."""
+    directory = _qwen2_folder(tmp_path, kind)
+    for name in files:
+        shutil.copy(smollm_tokenizer[1] / name, directory / name)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(directory))} holds {', '.join(files)} but not the "
+                                         r"tokenizer's vocabulary \(tokenizer\.json, or tokenizer\.model, or vocab\.json "
+                                         r"with merges\.txt\): copy the tokenizer files"):
+        _load_tokenizer(directory, kind)
+
+
+@pytest.mark.parametrize("kind", ["float", "quantized"])
+def test_a_tokenizer_model_that_sentencepiece_cannot_read_here_says_to_install_it(tmp_path, kind, monkeypatch):
+    """A sentencepiece tokenizer.model alone (older Llama's vocabulary) was no tokenizer in a checkpoint, without a
+    word; in a float model's folder transformers, lacking protobuf, read it as a tiktoken file and failed saying
+    "`tiktoken` is required", which did not help once installed."""
+    import sentencepiece
+    words = ["".join(chr(c) for c in torch.randint(97, 123, (n,)).tolist()) for n in torch.randint(2, 8, (30,))]
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(words[i] for i in torch.randint(0, 30, (12,)).tolist())
+                                                 for _ in range(200)))
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "tokenizer"),
+                                             vocab_size=60, model_type="bpe", minloglevel=3)
+    directory = _qwen2_folder(tmp_path / "model", kind)
+    shutil.copy(tmp_path / "tokenizer.model", directory / "tokenizer.model")
+    # as without protobuf (this environment's), or with one older than sentencepiece's generated code
+    monkeypatch.delattr(sentencepiece, "sentencepiece_model_pb2", raising=False)
+    monkeypatch.setitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", None)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(directory))}: could not load a tokenizer from it: its "
+                                         r"vocabulary is tokenizer\.model, which transformers reads with sentencepiece "
+                                         r"and protobuf, and they cannot be imported here \(\w+Error: .*\): install "
+                                         r"them \(pip install -U sentencepiece protobuf\)$"):
+        _load_tokenizer(directory, kind)
 
 
 def test_a_damaged_tokenizer_file_is_named(tmp_path):

@@ -130,6 +130,55 @@ def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved):
         load_quantized(path)
 
 
+def _rewrite_tensors(path, edit, checksums=True):
+    """Rewrite the checkpoint ``path``'s weights as ``edit`` changes their dict, their checksum table made anew (as a
+    tool that edits them and writes nibble's metadata would) or, not ``checksums``, left as saved."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    with safe_open(path / "model.safetensors", "pt") as f:
+        ours = json.loads(f.metadata()["nibble"])
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    if checksums:
+        ours["checksums"] = {k: tensor_sha256(v) for k, v in tensors.items()}
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+@pytest.mark.parametrize("tensor,shape", [("model.layers.0.mlp.down_proj.bias", (64,)),  # a quantized linear's
+                                          ("lm_head.bias", (256,)), ("model.layers.1.mlp.gate", (3, 5))])
+def test_a_tensor_the_model_does_not_have_is_refused_naming_it(saved, tensor, shape, checksums):
+    """A quantized linear was built with a bias wherever the checkpoint held one: a bias added to the file (its
+    checksums made anew) loaded into the model without a word, and `nibble info` showed it even where the checksum
+    table did not list it. Other tensors were refused in torch's words, or as "tensor names do not match the checksum
+    table" naming none."""
+    from nibble.models.serialization import quantized_structure
+    _, path = saved
+    _rewrite_tensors(path, lambda tensors: tensors.update({tensor: torch.randn(shape)}), checksums)
+    said = ("holds 1 tensor(s) the model of its config.json does not have" if checksums
+            else "holds 1 tensor(s) its checksum table does not list")
+    for load in (load_quantized, quantized_structure):
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path / 'model.safetensors'))} {re.escape(said)}, e\.g\. "
+                                                  rf"\['{re.escape(tensor)}'\]: the file was edited"):
+            load(path)
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+@pytest.mark.parametrize("tensor", ["model.layers.1.self_attn.k_proj.bias", "model.norm.weight"])
+def test_a_tensor_of_the_model_the_checkpoint_lacks_is_refused_naming_it(saved, tensor, checksums):
+    """A Qwen2 checkpoint without one of its q/k/v biases (the checksums made anew) loaded that layer without a bias,
+    and `nibble info` showed it so whatever the checksums said."""
+    from nibble.models.serialization import quantized_structure
+    _, path = saved
+    _rewrite_tensors(path, lambda tensors: tensors.pop(tensor), checksums)
+    said = ("lacks 1 of the tensors of the model of its config.json" if checksums
+            else "lacks 1 tensor(s) its checksum table lists")
+    for load in (load_quantized, quantized_structure):
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path / 'model.safetensors'))} {re.escape(said)}, e\.g\. "
+                                                  rf"\['{re.escape(tensor)}'\]: the file was edited"):
+            load(path)
+
+
 def test_newer_format_version_is_refused(saved):
     _, path = saved
     cfg = json.loads((path / "config.json").read_text())
@@ -560,7 +609,8 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
                                               "or save it again"):
         load_quantized(tmp_path)
     f.unlink()
-    with pytest.raises(CheckpointError, match="could not load a tokenizer from it .*tokenizer.save_pretrained"):
+    with pytest.raises(CheckpointError, match="holds tokenizer_config.json but not the tokenizer's vocabulary .*"
+                                              r"tokenizer\.save_pretrained"):
         load_quantized(tmp_path)
 
 
@@ -666,7 +716,8 @@ ROWS = r"model\.safetensors: model\.layers\.0\.mlp\.up_proj\."  # the refusal na
     ((), 2, 40, r"model\.safetensors: model\.layers\.\d\.\S+\.scales has shape \(\d+, \d+\) and \S+\.zeros has shape "
                 r"\(\d+, \d+\), a row per group of the layer's \d+ inputs, but quantization_config\.group_size 40 does not "
                 "split them into groups"),  # every layer: the first one checked is refused
-    (("missing scales",), 0, 32, r"Missing key\(s\) in state_dict: \"model\.layers\.0\.mlp\.up_proj\.scales\""),
+    (("missing scales",), 0, 32, r"model\.safetensors lacks 1 of the tensors of the model of its config\.json, e\.g\. "
+                                 r"\['model\.layers\.0\.mlp\.up_proj\.scales'\]"),
 ])
 def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, parts, rows, group_size, refusal):
     """A converter's file (checksums right, no config digest): 0 rows of scales was a ZeroDivisionError, 3 a group size
