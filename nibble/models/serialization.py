@@ -214,11 +214,10 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
         old = named_layer(model, name, directory)
         check_groups(directory / WEIGHTS, name, tensors, old.in_features, qc.group_size)
         cls = PermutedInputQuantLinear if name in permuted else QuantLinear
-        # the architecture's bias, which the checkpoint must hold; and one it holds beyond it in a model imported from
-        # an AutoAWQ / GPTQ checkpoint (AutoGPTQ before 0.5 gave every linear one, which nibble's exports keep). Built
-        # wherever the file held one, an edited file's extra bias loaded, and a missing one of Qwen2's q/k/v loaded as
-        # none
-        bias = old.bias is not None or "imported_from" in qc_dict and f"{name}.bias" in tensors
+        # the architecture's bias, which the checkpoint must hold, and any other it holds: an imported AutoGPTQ model
+        # (before 0.5) has one on every linear, and a model given a bias before it was quantized saves it. The
+        # checksum table lists it, so only a file edited with its table made anew gets one in (read as it says)
+        bias = old.bias is not None or f"{name}.bias" in tensors
         q = cls(old.in_features, old.out_features, bias, qc.group_size, qc.mode, name in online_hadamard, dtype=dtype,
                 device="meta")
         setattr(model.get_submodule(parent), child, q)
