@@ -557,28 +557,27 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     float32), so `export` writes its 16-bit tensors (embeddings, norms, lm_head) in float32, as a model quantized on
     the CPU is saved; `nibble.load_quantized` reads them in bf16 on a GPU all the same.
 
-    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
-    paths `nibble.quantize.calibration.calibration_text` takes, or one of them; default `DEFAULT_SOURCES`), or of
-    the given ``windows`` LongTensor [n, seq_len] (not both). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
-    the clip/smoothing parameters the per-token and per-channel recipes learn (default `DEFAULT_QUANT_LR`; the
-    hadamard recipe learns none: one given is warned of, and the run records None). ``init="gptq"`` starts from
-    GPTQ's weights (module doc), calibrated on ``calibration`` (default: `calibration_for`'s, what `nibble quantize`
-    uses: 128 windows of 512 tokens of the C4 excerpt, or of the model's context where that is shorter; windows past
-    it are refused, too few tokens warned of, as `quantize_model` does: `architecture.check_calibration`); it keeps
-    a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
-    computes them again. ``out_dir`` (optional) receives the resumable state every
-    ``save_every`` steps (default `DEFAULT_SAVE_EVERY`; given without ``out_dir``, refused); ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
-    refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
-    a float model, the one trained above all). ``callback(step, loss)`` runs after each
-    step (and after that step's state is saved). ``rank`` is LoRA's, at most the largest min(in_features,
+    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or paths
+    `nibble.quantize.calibration.calibration_text` takes, or one of them; default `DEFAULT_SOURCES`), or of the given
+    ``windows`` LongTensor [n, seq_len] (not both). ``lr`` is the LoRA learning rate, ``quant_lr`` that of the
+    clip/smoothing parameters the per-token and per-channel recipes learn (default `DEFAULT_QUANT_LR`; the hadamard
+    recipe learns none: one given is warned of, and the run records None). ``init="gptq"`` starts from GPTQ's weights
+    (module doc), calibrated on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows
+    of 512 tokens of the C4 excerpt, or of the model's context where that is shorter; windows past it are refused, too
+    few tokens warned of, as `quantize_model` does: `architecture.check_calibration`); it keeps a float32 start weight
+    beside every frozen weight (twice the linears' memory), and a resumed run computes them again. ``out_dir``
+    (optional) receives the resumable state every ``save_every`` steps (default `DEFAULT_SAVE_EVERY`; given without
+    ``out_dir``, refused); ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
+    refused (`check_new_run`), as is one that holds a model the export could not replace
+    (`checkpoint_files.checkpoint_dir`: a float model, the one trained above all). ``callback(step, loss)`` runs after
+    each step (and after that step's state is saved). ``rank`` is LoRA's, at most the largest min(in_features,
     out_features) of the linears (`check_rank`); a ``batch_size`` past the training windows is clamped to them, with a
-    warning. The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given,
-    with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
-    ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
-    run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant
-    model; ``save_pretrained`` of either is refused, `SAVE_REFUSED`). With ``out_dir``,
-    a finished run called again with the same arguments and ``resume=True`` trains nothing and returns the trained
-    model: how it is loaded back.
+    warning. The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given, with
+    ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's, ``final_loss``:
+    the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter run); `export` turns it
+    into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant model; ``save_pretrained`` of
+    either is refused, `SAVE_REFUSED`). With ``out_dir``, a finished run called again with the same arguments and
+    ``resume=True`` trains nothing and returns the trained model: how it is loaded back.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
