@@ -57,6 +57,7 @@ import pickle
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -544,6 +545,262 @@ def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+@dataclass
+class _Run:
+    """A `run_qat` call as `_checked_run` resolved it: defaults filled in, seq_len and batch_size clamped, the
+    training windows and GPTQ's calibration made, the state to resume from read. ``settings`` is what the saved state
+    and ``qat_meta`` record of it (``warmup`` as given: None is the default's). ``saved_step`` is the step of the
+    state on disk this run can go on from (None: none yet): the loop moves it on as it saves, and a Ctrl-C
+    (`QatInterrupted`) or a divergence (`_diverged`) names it."""
+
+    recipe: str
+    steps: int
+    lr: float
+    quant_lr: float | None
+    warmup: int
+    objective: str
+    max_grad_norm: float
+    seed: int
+    seq_len: int
+    batch_size: int
+    windows: torch.Tensor
+    calibration: torch.Tensor | None
+    device: torch.device
+    save_every: int
+    path: Path | None
+    settings: dict
+    state: dict | None
+    saved_step: int | None
+
+
+class _LossRecord:
+    """The losses a run records: step 1's and the last `FINAL_LOSS_STEPS`. Saved with the state (`save_state`), so
+    that a resumed run records the whole run's."""
+
+    def __init__(self, saved: dict):
+        # a state written before the last losses were kept holds a running average instead, not taken as theirs
+        self.first = saved.get("first")
+        self.recent = collections.deque(saved.get("recent", ()), maxlen=FINAL_LOSS_STEPS)
+
+    def add(self, loss: float) -> None:
+        self.recent.append(loss)
+        if self.first is None:
+            self.first = loss
+
+    def saved(self) -> dict:
+        return {"first": self.first, "recent": list(self.recent)}
+
+    def meta(self) -> dict:
+        """What ``qat_meta`` records of them."""
+        return dict(first_loss=self.first, final_loss=statistics.fmean(self.recent) if self.recent else None,
+                    final_loss_steps=len(self.recent))
+
+
+def _check_options(objective, steps, seq_len, batch_size, save_every, out_dir, warmup, lr, quant_lr, alpha, seed,
+                   max_grad_norm, resume, windows, sources) -> int:
+    """Refuse `run_qat`'s options that are wrong alone or together, before the model is looked at (batch_size=0 was
+    torch.stack's error, save_every=0 a ZeroDivisionError, seq_len=1 windows without a target a loss of NaN said as
+    "lower lr"). Returns ``seed`` as an int (`checked_seed`)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
+        check_count(name, value, least)  # rank's: `check_rank`
+    if save_every is not None:
+        check_count("save_every", save_every, 1)
+        if out_dir is None:  # it saved nothing, without a word
+            raise ValueError(f"save_every={save_every} sets how often the state goes to out_dir, and no out_dir was "
+                             "given: drop save_every, or give out_dir")
+    if warmup is not None:
+        check_count("warmup", warmup, 0)
+    check_learning_rates(lr, quant_lr)
+    check_alpha(alpha)
+    seed = checked_seed("seed", seed)  # a str or float failed in the data order, the model prepared already
+    # clip_grad_norm_ with a negative bound flips every gradient's sign: the run climbed the loss without a word
+    check_positive("max_grad_norm", max_grad_norm, "the gradient norm clipped to, e.g. 1.0")
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
+    if windows is not None and sources is not None:  # the windows trained, the texts were never read
+        raise ValueError("sources names the texts run_qat makes its training windows from, and windows were given: "
+                         "drop one")
+    return seed
+
+
+def _checked_seq_len(model: nn.Module, seq_len: int, windows: torch.Tensor | None) -> int:
+    """The window length the run trains at: that of the ``windows`` given, which must be ``seq_len``, or ``seq_len``
+    clamped to the model's context."""
+    # the windows given are checked first: the context's check below reads seq_len as their length, and blamed the
+    # default 512 on 32-token windows of a 256-token model
+    if windows is not None and (windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len
+                                or windows.dtype != torch.long):
+        length = windows.shape[1] if windows.dim() == 2 else seq_len
+        hint = f" (windows of {length} tokens: pass seq_len={length})" if length != seq_len else ""
+        raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "
+                         f"{tuple(windows.shape)} {windows.dtype}{hint}")
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is None or seq_len <= context:
+        return seq_len
+    # clamped as `nibble eval` clamps perplexity's seq_len: windows past the context train positions the model never
+    # learned, at a quadratic cost (SmolLM2 at --seq-len 100000: one step ran over 170 s on a CPU)
+    if windows is not None:
+        raise ValueError(f"windows of seq_len={seq_len} exceed the model's context ({context} = "
+                         "config.max_position_embeddings): cut them to at most that")
+    warn(f"seq_len={seq_len} exceeds the model's context ({context} = config.max_position_embeddings); using "
+         f"{context}.")
+    return context
+
+
+def _training_data(model: nn.Module, tokenizer, seq_len: int, batch_size: int, windows: torch.Tensor | None, sources):
+    """(windows, sources, batch_size) of the run: the windows given (sources None), or those of ``sources`` (default
+    `DEFAULT_SOURCES`), and the batch size, at most the number of windows."""
+    if windows is None:  # (sources with windows were refused: `_check_options`)
+        sources = training_sources(DEFAULT_SOURCES if sources is None else sources)
+        if tokenizer is None:  # was None's AttributeError
+            raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
+                             "ids [n, seq_len])")
+        windows = training_windows(tokenizer, seq_len, sources)
+    check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
+    if batch_size > windows.shape[0]:
+        # a larger batch holds windows twice in one step (`batch_indices`), at the memory of the batch asked: a huge
+        # one drew a permutation of the windows for each row, then ran out of memory
+        warn(f"batch_size={batch_size} exceeds the {windows.shape[0]} training windows (of seq_len={seq_len} "
+             f"tokens); using {windows.shape[0]}, each window once a step.")
+        batch_size = windows.shape[0]
+    return windows, sources, batch_size
+
+
+def _gptq_calibration(model: nn.Module, tokenizer, calibration: torch.Tensor | None) -> torch.Tensor:
+    """init='gptq''s calibration token ids: those given, or `calibration_for`'s (what `nibble quantize` uses), refused
+    as `quantize_model` refuses them, before the state is read or the model changed."""
+    if calibration is None:
+        if tokenizer is None:
+            raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 "
+                             "excerpt")
+        from nibble.quantize.calibration import calibration_for
+        calibration = calibration_for(GPTQ_START, tokenizer, model)
+    check_calibration_ids(model, calibration)
+    return calibration
+
+
+def _resumed_state(path: Path, settings: dict) -> dict | None:
+    """The state at ``path`` that a resumed run of ``settings`` goes on from (`read_state`); where there is none, the
+    run starts from step 0, with a warning."""
+    if path.exists():
+        return read_state(path, settings)
+    warn(f"resume: no saved state at {path}; starting from step 0")
+    return None
+
+
+def _checked_run(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float, seq_len: int, batch_size: int,
+                 out_dir, resume: bool, device, *, objective: str, rank: int, alpha: float | None,
+                 quant_lr: float | None, warmup: int | None, save_every: int | None, seed: int, rotation_seed: int,
+                 sources, windows: torch.Tensor | None, init: str, calibration, max_grad_norm: float) -> _Run:
+    """`run_qat`'s arguments checked and resolved: all it refuses or warns of is said here, before the model is
+    changed, and a resume with other settings before the GPTQ start (minutes on a CPU)."""
+    seed = _check_options(objective, steps, seq_len, batch_size, save_every, out_dir, warmup, lr, quant_lr, alpha,
+                          seed, max_grad_norm, resume, windows, sources)
+    check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
+    quant_lr = checked_quant_lr(recipe, quant_lr)
+    check_model(model, recipe, init, rotation_seed, rank)
+    if out_dir is not None:
+        # the folder the export writes: one holding a float model was refused by the export alone, after the training
+        out_dir = checkpoint_dir(out_dir, model)
+        if not resume:
+            check_new_run(out_dir)
+    seq_len = _checked_seq_len(model, seq_len, windows)
+    device = resolve_device(device)
+    windows, sources, batch_size = _training_data(model, tokenizer, seq_len, batch_size, windows, sources)
+    if init == "gptq":
+        calibration = _gptq_calibration(model, tokenizer, calibration)
+    settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
+                    seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
+                    quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,
+                    windows=token_record(windows), calibration=token_record(calibration) if init == "gptq" else None)
+    path = state_path(out_dir) if out_dir is not None else None
+    state = _resumed_state(path, settings) if resume else None
+    return _Run(recipe=recipe, steps=steps, lr=lr, quant_lr=quant_lr,
+                warmup=max(1, steps // 20) if warmup is None else warmup, objective=objective,
+                max_grad_norm=max_grad_norm, seed=seed, seq_len=seq_len, batch_size=batch_size, windows=windows,
+                calibration=calibration, device=device,
+                save_every=DEFAULT_SAVE_EVERY if save_every is None else save_every, path=path, settings=settings,
+                state=state, saved_step=None if state is None else state["step"])
+
+
+def _training_state(model, run: _Run) -> tuple:
+    """(optimizer, scheduler, the step to run next, the losses so far): new, or restored from the state ``run``
+    resumes (`restore_state`). AdamW; the schedule warms up, then decays (`lr_factor`)."""
+    optimizer = torch.optim.AdamW(_param_groups(model, run.lr, run.quant_lr), betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, run.steps, run.warmup))
+    if run.state is None:
+        return optimizer, scheduler, 0, _LossRecord({})
+    start, losses = restore_state(run.state, run.path, model, optimizer, scheduler)
+    # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run): set
+    # this schedule's for the step to come (the same where steps did not change)
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = base * lr_factor(start, run.steps, run.warmup)
+    return optimizer, scheduler, start, _LossRecord(losses)
+
+
+def _train_step(model, optimizer, scheduler, ids: torch.Tensor, run: _Run) -> tuple[float, bool]:
+    """One optimizer step on the batch ``ids``: its loss, and whether that and every trained parameter as the step
+    left them are finite."""
+    teacher = None
+    if run.objective != "ce":  # the 16-bit model: the same one, its adapters and fake quantization off
+        with (torch.no_grad(), model.disable_adapter(), quantization_disabled(model), _autocast(run.device)):
+            teacher = model(input_ids=ids, use_cache=False).logits
+    with _autocast(run.device):
+        logits = model(input_ids=ids, use_cache=False).logits
+    loss = qat_loss(logits, ids, teacher, run.objective)
+    del logits, teacher
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    trained = [p for g in optimizer.param_groups for p in g["params"]]
+    torch.nn.utils.clip_grad_norm_(trained, run.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    # the parameters as this step left them, not only the loss computed before it: a last step's NaN update was
+    # exported as an all-NaN model (one sync a step, with the loss's)
+    updated_finite = torch.stack([torch.isfinite(p).all() for p in trained])
+    value = loss.item()
+    return value, math.isfinite(value) and bool(updated_finite.all())
+
+
+def _diverged(run: _Run, step: int, loss: float) -> FloatingPointError:
+    """The error of a run whose ``step`` (counted from 1, as the bar, the callback and the saved state count) made
+    its ``loss`` or a trained parameter NaN or Inf."""
+    what = f"loss became {loss}" if not math.isfinite(loss) else "trained parameters became NaN or Inf"
+    # the lower rates cannot go on from the state this run saved (a resume at other rates is refused, a new run into
+    # its folder too)
+    kept = "" if run.saved_step is None else (
+        f" in another folder, or delete {run.path.parent} first: {run.path} holds this run at step {run.saved_step}, "
+        "which resume=True goes on from at these rates only")
+    rates = "lr / quant_lr" if run.quant_lr is not None else "lr"
+    return FloatingPointError(f"PE-QAT {what} at step {step}; lower {rates}{kept}")
+
+
+def _train(model, optimizer, scheduler, start: int, losses: _LossRecord, run: _Run, progress: bool, callback) -> None:
+    """The steps from ``start`` (0, or the resumed state's) to ``run.steps``, on batches of the windows in their
+    seeded order (`batch_indices`). The state goes to ``run.path`` every ``save_every`` steps and after the last,
+    each save before that step's ``callback``."""
+    model.train()
+    bar = tqdm(range(start, run.steps), initial=start, total=run.steps, desc=f"PE-QAT {run.recipe}",
+               disable=not progress, unit="step")
+    for step in bar:
+        ids = run.windows[batch_indices(step, run.batch_size, run.windows.shape[0], run.seed)].to(run.device)
+        loss, finite = _train_step(model, optimizer, scheduler, ids, run)
+        done = step + 1
+        if not finite:
+            raise _diverged(run, done, loss)
+        losses.add(loss)
+        bar.set_postfix({"loss": f"{loss:.4f}", f"last{FINAL_LOSS_STEPS}": f"{statistics.fmean(losses.recent):.4f}",
+                         "lr": f"{scheduler.get_last_lr()[0]:.2e}"})
+        if run.path is not None and (done % run.save_every == 0 or done == run.steps):
+            save_state(run.path, model, optimizer, scheduler, done, run.settings, losses.saved())
+            run.saved_step = done
+        if callback is not None:
+            callback(done, loss)
+    bar.close()
+
+
 def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e-3, seq_len: int = 512,
             batch_size: int = 8, out_dir=None, resume: bool = False, device=None, *, objective: str = "kl",
             rank: int = 16, alpha: float | None = None, quant_lr: float | None = None, warmup: int | None = None,
@@ -557,187 +814,48 @@ def run_qat(model: nn.Module, tokenizer, recipe: str, steps: int, lr: float = 1e
     float32), so `export` writes its 16-bit tensors (embeddings, norms, lm_head) in float32, as a model quantized on
     the CPU is saved; `nibble.load_quantized` reads them in bf16 on a GPU all the same.
 
-    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or
-    paths `nibble.quantize.calibration.calibration_text` takes, or one of them; default `DEFAULT_SOURCES`), or of
-    the given ``windows`` LongTensor [n, seq_len] (not both). ``lr`` is the LoRA learning rate, ``quant_lr`` that of
-    the clip/smoothing parameters the per-token and per-channel recipes learn (default `DEFAULT_QUANT_LR`; the
-    hadamard recipe learns none: one given is warned of, and the run records None). ``init="gptq"`` starts from
-    GPTQ's weights (module doc), calibrated on ``calibration`` (default: `calibration_for`'s, what `nibble quantize`
-    uses: 128 windows of 512 tokens of the C4 excerpt, or of the model's context where that is shorter; windows past
-    it are refused, too few tokens warned of, as `quantize_model` does: `architecture.check_calibration`); it keeps
-    a float32 start weight beside every frozen weight (twice the linears' memory), and a resumed run
-    computes them again. ``out_dir`` (optional) receives the resumable state every
-    ``save_every`` steps (default `DEFAULT_SAVE_EVERY`; given without ``out_dir``, refused); ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
-    refused (`check_new_run`), as is one that holds a model the export could not replace (`checkpoint_files.checkpoint_dir`:
-    a float model, the one trained above all). ``callback(step, loss)`` runs after each
-    step (and after that step's state is saved). ``rank`` is LoRA's, at most the largest min(in_features,
+    ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens from ``sources`` (the names or paths
+    `nibble.quantize.calibration.calibration_text` takes, or one of them; default `DEFAULT_SOURCES`), or of the given
+    ``windows`` LongTensor [n, seq_len] (not both). ``lr`` is the LoRA learning rate, ``quant_lr`` that of the
+    clip/smoothing parameters the per-token and per-channel recipes learn (default `DEFAULT_QUANT_LR`; the hadamard
+    recipe learns none: one given is warned of, and the run records None). ``init="gptq"`` starts from GPTQ's weights
+    (module doc), calibrated on ``calibration`` (default: `calibration_for`'s, what `nibble quantize` uses: 128 windows
+    of 512 tokens of the C4 excerpt, or of the model's context where that is shorter; windows past it are refused, too
+    few tokens warned of, as `quantize_model` does: `architecture.check_calibration`); it keeps a float32 start weight
+    beside every frozen weight (twice the linears' memory), and a resumed run computes them again. ``out_dir``
+    (optional) receives the resumable state every ``save_every`` steps (default `DEFAULT_SAVE_EVERY`; given without
+    ``out_dir``, refused); ``resume=True`` continues from it, and without it an ``out_dir`` that holds a run's state is
+    refused (`check_new_run`), as is one that holds a model the export could not replace
+    (`checkpoint_files.checkpoint_dir`: a float model, the one trained above all). ``callback(step, loss)`` runs after
+    each step (and after that step's state is saved). ``rank`` is LoRA's, at most the largest min(in_features,
     out_features) of the linears (`check_rank`); a ``batch_size`` past the training windows is clamped to them, with a
-    warning. The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given,
-    with ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's,
-    ``final_loss``: the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter
-    run); `export` turns it into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant
-    model; ``save_pretrained`` of either is refused, `SAVE_REFUSED`). With ``out_dir``,
-    a finished run called again with the same arguments and ``resume=True`` trains nothing and returns the trained
-    model: how it is loaded back.
+    warning. The model comes back in eval mode, on ``device``, its ``config.use_cache`` as it was given, with
+    ``qat_meta`` describing the run (its settings, the tokens it trained on, ``first_loss``: step 1's, ``final_loss``:
+    the mean of the last ``final_loss_steps`` steps' losses, `FINAL_LOSS_STEPS` but in a shorter run); `export` turns it
+    into the W4A4 checkpoint (peft's ``merge_and_unload`` gives the trained fake-quant model; ``save_pretrained`` of
+    either is refused, `SAVE_REFUSED`). With ``out_dir``, a finished run called again with the same arguments and
+    ``resume=True`` trains nothing and returns the trained model: how it is loaded back.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    # all said before the model is changed (batch_size=0 was torch.stack's error, save_every=0 a ZeroDivisionError,
-    # seq_len=1 windows without a target a loss of NaN said as "lower lr")
-    for name, value, least in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
-        check_count(name, value, least)  # rank's: `check_rank`
-    if save_every is not None:
-        check_count("save_every", save_every, 1)
-        if out_dir is None:  # it saved nothing, without a word
-            raise ValueError(f"save_every={save_every} sets how often the state goes to out_dir, and no out_dir was "
-                             "given: drop save_every, or give out_dir")
-    save_every = DEFAULT_SAVE_EVERY if save_every is None else save_every
-    if warmup is not None:
-        check_count("warmup", warmup, 0)
-    check_learning_rates(lr, quant_lr)
-    check_alpha(alpha)
-    seed = checked_seed("seed", seed)  # a str or float failed in the data order, the model prepared already
-    # clip_grad_norm_ with a negative bound flips every gradient's sign: the run climbed the loss without a word
-    check_positive("max_grad_norm", max_grad_norm, "the gradient norm clipped to, e.g. 1.0")
-    if resume and out_dir is None:
-        raise ValueError("resume=True needs the out_dir the interrupted run wrote to")
-    if windows is not None and sources is not None:  # the windows trained, the texts were never read
-        raise ValueError("sources names the texts run_qat makes its training windows from, and windows were given: "
-                         "drop one")
-    check_recipe(recipe, init, rotation_seed, calibration)  # before any calibration text is tokenized
-    quant_lr = checked_quant_lr(recipe, quant_lr)
-    check_model(model, recipe, init, rotation_seed, rank)  # before the model is changed
-    if out_dir is not None:
-        # the folder the export writes: one holding a float model was refused by the export alone, after the training
-        out_dir = checkpoint_dir(out_dir, model)
-        if not resume:
-            check_new_run(out_dir)
-    # the windows given are checked first: the context's check below reads seq_len as their length, and blamed the
-    # default 512 on 32-token windows of a 256-token model
-    if windows is not None and (windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] != seq_len
-                                or windows.dtype != torch.long):
-        length = windows.shape[1] if windows.dim() == 2 else seq_len
-        hint = f" (windows of {length} tokens: pass seq_len={length})" if length != seq_len else ""
-        raise ValueError(f"windows must be token ids [n >= 1, seq_len={seq_len}] (torch.long), got "
-                         f"{tuple(windows.shape)} {windows.dtype}{hint}")
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None and seq_len > context:
-        # clamped as `nibble eval` clamps perplexity's seq_len: windows past the context train positions the model
-        # never learned, at a quadratic cost (SmolLM2 at --seq-len 100000: one step ran over 170 s on a CPU)
-        if windows is not None:
-            raise ValueError(f"windows of seq_len={seq_len} exceed the model's context ({context} = "
-                             "config.max_position_embeddings): cut them to at most that")
-        warn(f"seq_len={seq_len} exceeds the model's context ({context} = config.max_position_embeddings); using "
-             f"{context}.")
-        seq_len = context
-    device = resolve_device(device)
-    # windows given: no text was read
-    sources = training_sources(DEFAULT_SOURCES if sources is None else sources) if windows is None else None
-    if windows is None:
-        if tokenizer is None:  # was None's AttributeError
-            raise ValueError("run_qat needs a tokenizer to make its training windows from sources, or windows (token "
-                             "ids [n, seq_len])")
-        windows = training_windows(tokenizer, seq_len, sources)
-    check_token_ids(model, windows, "the training windows'", "make them with this model's tokenizer")
-    if batch_size > windows.shape[0]:
-        # a larger batch holds windows twice in one step (`batch_indices`), at the memory of the batch asked: a huge
-        # one drew a permutation of the windows for each row, then ran out of memory
-        warn(f"batch_size={batch_size} exceeds the {windows.shape[0]} training windows (of seq_len={seq_len} "
-             f"tokens); using {windows.shape[0]}, each window once a step.")
-        batch_size = windows.shape[0]
-    if init == "gptq":
-        if calibration is None:
-            if tokenizer is None:
-                raise ValueError("init='gptq' needs calibration token ids, or a tokenizer to make them from the C4 "
-                                 "excerpt")
-            from nibble.quantize.calibration import calibration_for
-            calibration = calibration_for(GPTQ_START, tokenizer, model)
-        check_calibration_ids(model, calibration)  # refused before the state is read or the model changed
-    settings = dict(qat_description(recipe, init, rank, alpha, rotation_seed), model=model_record(model),
-                    seq_len=seq_len, batch_size=batch_size, seed=seed, objective=objective, steps=steps, lr=lr,
-                    quant_lr=quant_lr, warmup=warmup, max_grad_norm=max_grad_norm, sources=sources,
-                    windows=token_record(windows), calibration=token_record(calibration) if init == "gptq" else None)
-    path = state_path(out_dir) if out_dir is not None else None
-    state = None
-    if resume:
-        if path.exists():
-            state = read_state(path, settings)
-        else:
-            warn(f"resume: no saved state at {path}; starting from step 0")
-    saved_step = None if state is None else state["step"]  # of the state on disk this run can go on from
+    run = _checked_run(model, tokenizer, recipe, steps, lr, seq_len, batch_size, out_dir, resume, device,
+                       objective=objective, rank=rank, alpha=alpha, quant_lr=quant_lr, warmup=warmup,
+                       save_every=save_every, seed=seed, rotation_seed=rotation_seed, sources=sources, windows=windows,
+                       init=init, calibration=calibration, max_grad_norm=max_grad_norm)
     try:
-        torch.manual_seed(seed)
-        model = model.to(device=device, dtype=torch.float32)
+        torch.manual_seed(run.seed)  # LoRA's initialization (the data order and the rotation draw from their own)
+        model = model.to(device=run.device, dtype=torch.float32)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, calibration, progress)
-        warmup = max(1, steps // 20) if warmup is None else warmup
-        optimizer = torch.optim.AdamW(_param_groups(peft_model, lr, quant_lr), betas=(0.9, 0.95))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup))
-        start, losses = 0, {}
-        if state is not None:
-            start, losses = restore_state(state, path, peft_model, optimizer, scheduler)
-            # the restored optimizer holds the rate of the saved schedule's last step (0 at the end of a finished run):
-            # set this schedule's for the step to come (the same where steps did not change)
-            for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
-                group["lr"] = base * lr_factor(start, steps, warmup)
-
-        peft_model.train()
-        n_tok = 0
+        peft_model = prepare_qat_model(model, recipe, rank, alpha, rotation_seed, init, run.calibration, progress)
+        optimizer, scheduler, start, losses = _training_state(peft_model, run)
         t0 = time.time()
-        # a state written before the last losses were kept holds a running average instead, not taken as theirs
-        first_loss, recent = losses.get("first"), collections.deque(losses.get("recent", ()), maxlen=FINAL_LOSS_STEPS)
-        bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"PE-QAT {recipe}", disable=not progress,
-                   unit="step")
-        for step in bar:
-            ids = windows[batch_indices(step, batch_size, windows.shape[0], seed)].to(device)
-            teacher = None
-            if objective != "ce":
-                with (torch.no_grad(), peft_model.disable_adapter(), quantization_disabled(peft_model),
-                      _autocast(device)):
-                    teacher = peft_model(input_ids=ids, use_cache=False).logits
-            with _autocast(device):
-                logits = peft_model(input_ids=ids, use_cache=False).logits
-            loss = qat_loss(logits, ids, teacher, objective)
-            del logits, teacher
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            # the parameters as this step left them, not only the loss computed before it: a last step's NaN update
-            # was exported as an all-NaN model (one sync a step, with the loss's)
-            updated_finite = torch.stack([torch.isfinite(p).all() for g in optimizer.param_groups for p in g["params"]])
-            value = loss.item()
-            if not (math.isfinite(value) and bool(updated_finite.all())):
-                what = f"loss became {value}" if not math.isfinite(value) else "trained parameters became NaN or Inf"
-                # counted from 1, as the bar, the callback and the saved state count; the lower rates cannot go on
-                # from the state this run saved (a resume at other rates is refused, a new run into its folder too)
-                kept = "" if saved_step is None else (
-                    f" in another folder, or delete {path.parent} first: {path} holds this run at step {saved_step}, "
-                    "which resume=True goes on from at these rates only")
-                rates = "lr / quant_lr" if quant_lr is not None else "lr"
-                raise FloatingPointError(f"PE-QAT {what} at step {step + 1}; lower {rates}{kept}")
-            recent.append(value)
-            first_loss = value if first_loss is None else first_loss
-            n_tok += ids.numel()
-            bar.set_postfix({"loss": f"{value:.4f}", f"last{FINAL_LOSS_STEPS}": f"{statistics.fmean(recent):.4f}",
-                             "lr": f"{scheduler.get_last_lr()[0]:.2e}"})
-            done = step + 1
-            if path is not None and (done % save_every == 0 or done == steps):
-                save_state(path, peft_model, optimizer, scheduler, done, settings,
-                           losses={"first": first_loss, "recent": list(recent)})
-                saved_step = done
-            if callback is not None:
-                callback(done, value)
+        _train(peft_model, optimizer, scheduler, start, losses, run, progress, callback)
     except KeyboardInterrupt:  # Ctrl-C: which state on disk is this run's, which the caller cannot tell
-        raise QatInterrupted(path, saved_step, min(save_every, steps)) from None
-    bar.close()
+        raise QatInterrupted(run.path, run.saved_step, min(run.save_every, steps)) from None
     if gradient_checkpointing:
         peft_model.get_base_model().gradient_checkpointing_disable()
     peft_model.eval()
+    tokens_a_step = run.batch_size * run.seq_len
     peft_model.get_base_model().qat_meta = dict(
-        settings, tokens_this_run=n_tok, seconds_this_run=round(time.time() - t0, 1),
-        tokens_total=steps * batch_size * seq_len, first_loss=first_loss,
-        final_loss=statistics.fmean(recent) if recent else None, final_loss_steps=len(recent))
+        run.settings, tokens_this_run=(steps - start) * tokens_a_step, seconds_this_run=round(time.time() - t0, 1),
+        tokens_total=steps * tokens_a_step, **losses.meta())
     return peft_model
