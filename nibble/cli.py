@@ -442,10 +442,10 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
     engine = _open_engine(model, 1, ids.shape[1] + max_new_tokens)
     if engine is None:
         return None
+    chunks = []
     try:
         if streamer is not None:
             streamer.put(ids.cpu())
-        chunks = []
         for chunk in engine.stream(ids, max_new_tokens, stop_tokens=stop_tokens, **_sampling_kwargs(sampling)):
             chunk = chunk[0].cpu()
             ends = [i for i, t in enumerate(chunk.tolist()) if t in (stop_tokens or ())]
@@ -457,6 +457,10 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
         if streamer is not None:
             streamer.end()
         return torch.cat(chunks)
+    except FloatingPointError:  # logits that were not finite (`Engine.generate`), said by `main` as the command's error
+        if streamer is not None and chunks:  # the text of the tokens before them, streamed: its line ends first
+            streamer.end()
+        raise
     finally:
         engine.close()
 

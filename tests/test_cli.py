@@ -367,6 +367,62 @@ def test_the_engines_tokens_stop_at_the_end_of_sequence(model_dir, monkeypatch, 
     assert capsys.readouterr().out.strip() == tok.decode([a]).strip()
 
 
+@pytest.fixture(scope="module")
+def poisoned_dir(tmp_path_factory):
+    """(a tiny model directory whose logits turn NaN at a later step of `generate "the capital"`, that step): the
+    embedding of a token it makes then (and never before, nor `generate "a haiku"`) is NaN, its lm_head untied."""
+    from nibble.eval.engine import Engine
+
+    tok = _tiny_tokenizer()
+    torch.manual_seed(1)
+    model = tiny_model(vocab_size=len(tok), tie_word_embeddings=False, initializer_range=0.2)
+    capital, haiku = (tok(p).input_ids for p in ("the capital", "a haiku about the sea"))
+    made = [Engine(model, max_seq_len=32).generate([ids], 12)[0].tolist() for ids in (capital, haiku)]
+    fed = {0, tok.eos_token_id} | set(capital) | set(haiku) | set(made[1])
+    step = next(k + 1 for k in range(1, 10) if made[0][k] not in fed | set(made[0][:k]) and
+                tok.eos_token_id not in made[0][:k])  # where it stops no more steps run
+    model.model.embed_tokens.weight.data[made[0][step - 1]] = torch.nan
+    d = tmp_path_factory.mktemp("poisoned")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, step
+
+
+def test_generate_says_logits_that_are_not_finite_in_one_line_and_status_1(poisoned_dir, capsys):
+    """It printed the text of the tokens picked from NaN logits (the first NaN's index: an empty line, where that is
+    the end of sequence), status 0."""
+    d, step = poisoned_dir
+    argv = ["generate", "the capital", "--model", str(d), "--device", "cpu", "--quant", "none", "--no-chat"]
+    said = (rf"^nibble generate: the model's logits held NaN or infinite values at decode step {step} \(new token "
+            rf"{step + 1}\)(?P<batch>.*): the tokens picked from them are garbage\. Likely causes: a corrupt "
+            r"checkpoint or a broken layer \(weights holding NaN or Inf\), or activations past float32's range\n"
+            r"\(NIBBLE_TRACEBACK=1 shows where it was raised\)$")
+    main(argv + ["--max-new-tokens", str(step)])  # up to the step that feeds the token: no NaN
+    before = capsys.readouterr().out
+    assert before.strip()
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--max-new-tokens", "12"])
+    assert isinstance(e.value.code, str) and re.match(said, e.value.code)[1] == ""  # a message: status 1
+    assert capsys.readouterr().out == before  # the tokens before it, streamed: their line ended
+    with pytest.raises(SystemExit) as e:  # several prompts: the batch's answers are not printed
+        main(argv + ["a haiku about the sea", "--max-new-tokens", "12", "--batch-size", "2"])
+    assert re.match(said, e.value.code)[1] == " of sequence 0 of the batch" and capsys.readouterr().out == ""
+
+
+def test_generate_text_raises_on_logits_that_are_not_finite(poisoned_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import generate_text, generate_texts
+
+    model, tok = AutoModelForCausalLM.from_pretrained(poisoned_dir[0]), AutoTokenizer.from_pretrained(poisoned_dir[0])
+    with pytest.raises(FloatingPointError, match=rf"at decode step {poisoned_dir[1]} "):
+        generate_text(model, tok, "the capital", 12, chat=False)
+    texts = generate_texts(model, tok, ["a haiku about the sea", "the capital"], 12, chat=False, batch_size=1)
+    assert next(texts)  # the first batch's answer, then the second's error
+    with pytest.raises(FloatingPointError, match=rf"at decode step {poisoned_dir[1]} "):
+        next(texts)
+
+
 def test_generate_samples_with_a_seed_and_top_k_1_is_greedy(model_dir, capsys):
     args = ["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--group-size", "32",
             "--max-new-tokens", "12", "--no-chat"]

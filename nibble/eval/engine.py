@@ -279,18 +279,28 @@ if triton is not None:
         tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _watch(first_ptr, at_ptr, row, finite):
+        """first[row] = min(first[row], at[row]) where a lane of ``finite`` is False: the earliest position whose
+        logits held a NaN or +-inf (`next_tokens`' ``watch``). Atomic: the row's chunks, a program each, may all."""
+        bad = tl.min(finite.to(tl.int32), 0) == 0
+        tl.atomic_min(first_ptr + row, tl.load(at_ptr + row).to(tl.int32), mask=bad)
+
+    @triton.jit
     def _sample_logits(x_row, offs, V, inv_t, kth):
-        """s = x * inv_t (``x.float() / temperature`` as CUDA computes it: times the fp32 reciprocal),
-        -inf past the row and below the top-k threshold."""
-        s = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
-        return tl.where(s >= kth, s, float("-inf"))
+        """(s, finite): s = x * inv_t (``x.float() / temperature`` as CUDA computes it: times the fp32
+        reciprocal), -inf past the row and below the top-k threshold; whether x is neither NaN nor +-inf (True past
+        the row), taken before the filter, which turns a NaN into -inf."""
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        s = x * inv_t
+        return tl.where(s >= kth, s, float("-inf")), (tl.abs(x) < float("inf")) | (offs >= V)
 
     @triton.jit
     def _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY: tl.constexpr):
-        """(s, the race's key s - log E): argmax of the key is argmax of p / E; -inf where s is."""
-        s = _sample_logits(x_row, offs, V, inv_t, kth)
+        """(s, the race's key s - log E, finite as `_sample_logits` says): argmax of the key is argmax of p / E;
+        -inf where s is."""
+        s, finite = _sample_logits(x_row, offs, V, inv_t, kth)
         e = tl.maximum(tl.load(race_row + offs, mask=offs < V, other=1.0), TINY)
-        return s, tl.where(s > float("-inf"), s - tl.log(e), float("-inf"))
+        return s, tl.where(s > float("-inf"), s - tl.log(e), float("-inf")), finite
 
     @triton.jit
     def _first_argmax(key, idx):
@@ -298,21 +308,25 @@ if triton is not None:
         return tl.min(tl.where(key == tl.max(key, 0), idx, 2147483647), 0)
 
     @triton.jit
-    def _race_pass(x_row, race_row, start, stop, V, inv_t, kth, TINY: tl.constexpr, BLOCK: tl.constexpr):
-        """Over entries [start, stop): each lane's max of s, and its race leader (key, index). Lanes keep their
-        own across blocks, reduced once by the caller (a reduction every block makes the pass wait on
-        barriers: 1.3x the time at 32,000 tokens in one program a row, H200)."""
+    def _race_pass(x_row, race_row, start, stop, V, inv_t, kth, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                   WATCH: tl.constexpr):
+        """Over entries [start, stop): each lane's max of s, its race leader (key, index), and (WATCH) whether
+        its logits were all finite. Lanes keep their own across blocks, reduced once by the caller (a reduction
+        every block makes the pass wait on barriers: 1.3x the time at 32,000 tokens in one program a row, H200)."""
         lanes = tl.arange(0, BLOCK)
         top = tl.full([BLOCK], float("-inf"), tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], tl.int32)
+        finite = tl.full([BLOCK], 1, tl.int1)
         for block in range(start, stop, BLOCK):
             offs = block + lanes
-            s, key = _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY)
+            s, key, ok = _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY)
             best_i = tl.where(key > best, offs, best_i)
             best = tl.maximum(key, best)
             top = tl.maximum(top, s)
-        return top, best, best_i
+            if WATCH:
+                finite = finite & ok
+        return top, best, best_i, finite
 
     @triton.jit
     def _nucleus_pass(x_row, race_row, start, stop, V, inv_t, kth, m, cand, TINY: tl.constexpr,
@@ -326,7 +340,7 @@ if triton is not None:
         best_i = tl.zeros([BLOCK], tl.int32)
         for block in range(start, stop, BLOCK):
             offs = block + lanes
-            s, key = _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY)
+            s, key, _ = _race_keys(x_row, race_row, offs, V, inv_t, kth, TINY)
             p = tl.exp(s - m)  # 0 at -inf
             total += p
             more = s > cand
@@ -380,23 +394,29 @@ if triton is not None:
         return tl.where(x != x, 2147483647, key)
 
     @triton.jit
-    def _argmax_chunk_kernel(x_ptr, key_ptr, idx_ptr, V, row_stride, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
-        """Program (chunk, row): the chunk's largest `_argmax_key` and its first index."""
+    def _argmax_chunk_kernel(x_ptr, key_ptr, idx_ptr, first_ptr, at_ptr, V, row_stride, CHUNK: tl.constexpr,
+                             BLOCK: tl.constexpr, WATCH: tl.constexpr, PDL: tl.constexpr):
+        """Program (chunk, row): the chunk's largest `_argmax_key` and its first index; WATCH: a NaN or +-inf in
+        the chunk recorded in ``first`` (`_watch`)."""
         after_prior_grids(PDL)
         c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
         P = tl.num_programs(0)
         lanes = tl.arange(0, BLOCK)
         best = tl.full([BLOCK], -2147483648, tl.int32)
         best_i = tl.zeros([BLOCK], tl.int32)
+        finite = tl.full([BLOCK], 1, tl.int1)
         for block in range(c * CHUNK, (c + 1) * CHUNK, BLOCK):
             offs = block + lanes
-            x = tl.load(x_ptr + row * row_stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(x_ptr + row * row_stride + offs, mask=offs < V, other=0.0).to(tl.float32)
             key = tl.where(offs < V, _argmax_key(x), -2147483648)
             best_i = tl.where(key > best, offs, best_i)  # a lane's blocks come in index order: first kept
             best = tl.maximum(key, best)
+            if WATCH:
+                finite = finite & (tl.abs(x) < float("inf"))
         tl.store(key_ptr + row * P + c, tl.max(best, 0))
         tl.store(idx_ptr + row * P + c, _first_argmax(best, best_i))
+        if WATCH:
+            _watch(first_ptr, at_ptr, row, finite)
 
     @triton.jit
     def _argmax_row_kernel(key_ptr, idx_ptr, out_ptr, P, PMAX: tl.constexpr, PDL: tl.constexpr):
@@ -422,12 +442,14 @@ if triton is not None:
         tl.store(cand_ptr + (row * tl.num_programs(0) + c) * KP + tl.arange(0, KP), top)
 
     @triton.jit
-    def _sample_first_kernel(x_ptr, race_ptr, kth_ptr, cand_ptr, part_ptr, idx_ptr, V, row_stride, inv_t, top_k,
-                             TINY: tl.constexpr, HAS_KTH: tl.constexpr, KP: tl.constexpr, PMAX: tl.constexpr,
-                             CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Program (chunk, row), stage 0 of `next_tokens`'s draw: the chunk's max of s and its race leader.
-        The top-k threshold: read from ``kth`` (HAS_KTH, KP = 0), or (KP > 0) the top_k-th largest of the
-        row's chunks' KP largest, which every program finds and the first writes to ``kth``."""
+    def _sample_first_kernel(x_ptr, race_ptr, kth_ptr, cand_ptr, part_ptr, idx_ptr, first_ptr, at_ptr, V, row_stride,
+                             inv_t, top_k, TINY: tl.constexpr, HAS_KTH: tl.constexpr, KP: tl.constexpr,
+                             PMAX: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, WATCH: tl.constexpr,
+                             PDL: tl.constexpr):
+        """Program (chunk, row), stage 0 of `next_tokens`'s draw: the chunk's max of s and its race leader;
+        WATCH: a NaN or +-inf in the chunk recorded in ``first`` (`_watch`). The top-k threshold: read from
+        ``kth`` (HAS_KTH, KP = 0), or (KP > 0) the top_k-th largest of the row's chunks' KP largest, which every
+        program finds and the first writes to ``kth``."""
         after_prior_grids(PDL)
         c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
         P, B = tl.num_programs(0), tl.num_programs(1)
@@ -440,11 +462,13 @@ if triton is not None:
                 tl.store(kth_ptr + row, kth)
         else:
             kth = _row_kth(kth_ptr, row, HAS_KTH)
-        top, best, best_i = _race_pass(x_ptr + row * row_stride, race_ptr + row * V, c * CHUNK, (c + 1) * CHUNK,
-                                       V, inv_t, kth, TINY, BLOCK)
+        top, best, best_i, finite = _race_pass(x_ptr + row * row_stride, race_ptr + row * V, c * CHUNK,
+                                               (c + 1) * CHUNK, V, inv_t, kth, TINY, BLOCK, WATCH)
         tl.store(_part(part_ptr, 0, 0, row, B, P) + c, tl.max(top, 0))
         tl.store(_part(part_ptr, 0, 2, row, B, P) + c, tl.max(best, 0))
         tl.store(idx_ptr + row * P + c, _first_argmax(best, best_i))
+        if WATCH:
+            _watch(first_ptr, at_ptr, row, finite)
 
     @triton.jit
     def _sample_round_kernel(x_ptr, race_ptr, kth_ptr, part_ptr, idx_ptr, tok_ptr, fin_ptr, V, row_stride, inv_t,
@@ -695,6 +719,10 @@ def _rmsnorm_params(norm: nn.Module):
 STOP_CHECK_STEPS = 16
 
 
+# `Engine._nonfinite`'s value for a sequence whose logits were all finite (int32: the kernels' atomic_min)
+_ALL_FINITE = 2 ** 31 - 1
+
+
 # Below it the draw is the argmax to float32's precision, and logits / temperature overflow to +-inf, whose softmax
 # is NaN everywhere (every token came out 0): decoding is greedy.
 MIN_TEMPERATURE = 1e-30
@@ -744,9 +772,14 @@ class Sampling:
 GREEDY = Sampling()
 
 
-def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY, watch=None) -> torch.Tensor:
     """The next token of each row of ``logits`` [B, V] under ``sampling``: [B] int64. Greedy: torch.argmax's
     token, on CUDA found over chunks of the row as the draw below reads them (`_argmax_chunks`).
+
+    ``watch``: None, or (first [B] int32, at [B]): where row b's logits hold a NaN or +-inf, first[b] becomes
+    min(first[b], at[b]) (the engine's: the earliest position whose logits were not finite). On the device, without a
+    host sync, so a CUDA graph holds it; on CUDA the kernels below do it as they read the logits to pick the token
+    (a pass of its own over [B, V] would be a launch more every decode step), elsewhere PyTorch ops do.
 
     Sampling runs on the logits' device without a host sync, so a CUDA graph can hold it: an
     exponential race instead of ``torch.multinomial``: with E_i ~ Exp(1) independent, argmax_i
@@ -767,7 +800,7 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
     chunk's largest (`_sample_topk_kernel`), whose top_k-th the first launch finds (42 us with top-p where
     `torch.topk` made it 125)."""
     if sampling.greedy:
-        return _dispatch(logits, lambda: _argmax_chunks(logits), lambda: logits.argmax(-1))
+        return _dispatch(logits, lambda: _argmax_chunks(logits, watch), lambda: _watched(logits, watch).argmax(-1))
 
     def kernel():
         B, V = logits.shape
@@ -775,18 +808,20 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
         inv_t = float(np.float32(1.0) / np.float32(sampling.temperature))
         chunk = SAMPLE_CHUNK
         P = triton.cdiv(V, chunk)
-        kth, cands, kp = None, None, 0
+        kth, cands, kp, kernel_watch = None, None, 0, watch
         if sampling.top_k is not None and sampling.top_k < V:
             if sampling.top_k <= min(SAMPLE_TOPK_MAX, triton.next_power_of_2(chunk)):
                 kp = triton.next_power_of_2(sampling.top_k)
                 cands = torch.empty(B, P, kp, dtype=torch.float32, device=x.device)
                 kth = torch.empty(B, dtype=torch.float32, device=x.device)  # the first launch writes it
             else:
-                x = x.float() / sampling.temperature  # the values top-k ranks are the ones the kernels read
+                # the logits themselves are watched (the kernels read them divided, which a finite one can overflow)
+                x = _watched(x, watch).float() / sampling.temperature  # the values top-k ranks, the kernels read
                 kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1].contiguous()
-                inv_t = 1.0
+                inv_t, kernel_watch = 1.0, None
         race = torch.empty(B, V, dtype=torch.float32, device=x.device).exponential_()
         out = torch.empty(B, dtype=torch.long, device=x.device)
+        first, at = kernel_watch or (out, out)  # WATCH=False reads neither
         top_p = sampling.top_p < 1
         rounds = SAMPLE_ROUNDS if top_p else 0
         part = torch.empty(rounds + 1, 3, B, P, dtype=torch.float32, device=x.device)
@@ -800,15 +835,26 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY) -> torch.Tens
             _sample_topk_kernel[(P, B)](x, cands, V, x.stride(0), inv_t, CHUNK=chunk, KP=kp,
                                         CHUNK_P2=triton.next_power_of_2(chunk), PDL=consts["PDL"],
                                         launch_pdl=consts["launch_pdl"], num_warps=SAMPLE_WARPS)
-        _sample_first_kernel[(P, B)](x, race, kth, race if cands is None else cands, part, idx, V, x.stride(0), inv_t,
-                                     sampling.top_k or 0, KP=kp, PMAX=pmax, CHUNK=chunk, **consts)
+        _sample_first_kernel[(P, B)](x, race, kth, race if cands is None else cands, part, idx, first, at, V,
+                                     x.stride(0), inv_t, sampling.top_k or 0, KP=kp, PMAX=pmax, CHUNK=chunk,
+                                     WATCH=kernel_watch is not None, **consts)
         for stage in range(1, rounds + 1):
             _sample_round_kernel[(P, B)](x, race, kth, part, idx, state[0], state[1], V, x.stride(0), inv_t,
                                          float(sampling.top_p), stage, CHUNK=chunk, PMAX=pmax, **consts)
         _sample_last_kernel[(B,)](x, race, kth, part, idx, state[0], state[1], out, V, P, x.stride(0), inv_t,
                                   float(sampling.top_p), rounds + 1, TOP_P=top_p, PMAX=pmax, **consts)
         return out
-    return _dispatch(logits, kernel, lambda: _sample_plain(logits, sampling))
+    return _dispatch(logits, kernel, lambda: _sample_plain(_watched(logits, watch), sampling))
+
+
+def _watched(logits: torch.Tensor, watch) -> torch.Tensor:
+    """``logits``, after `next_tokens`' ``watch`` by PyTorch ops (an isfinite pass: the CPU's, and CUDA's without
+    the kernels)."""
+    if watch is not None:
+        first, at = watch
+        bad = ~torch.isfinite(logits).all(-1)
+        first.copy_(torch.where(bad, torch.minimum(first, at.to(first.dtype)), first))
+    return logits
 
 
 # The sampling draw's launches (`next_tokens`): rows in chunks of SAMPLE_CHUNK vocabulary entries, a program
@@ -823,12 +869,12 @@ SAMPLE_CHUNK, SAMPLE_BLOCK, SAMPLE_WARPS, SAMPLE_ROUNDS = 8192, 4096, 16, 3
 SAMPLE_TOPK_MAX = 128
 
 
-def _argmax_chunks(logits: torch.Tensor) -> torch.Tensor:
+def _argmax_chunks(logits: torch.Tensor, watch=None) -> torch.Tensor:
     """``logits.argmax(-1)`` (its NaN and tie rules too) as the sampling draw's launches read a row: a program
     a chunk, then one a row. H200, bf16, batch 1 / 8 (`benchmarks/results/session51-h200/greedy-chunks.json`):
     PyTorch's reduction 8.8 / 9.0 us at 32,000 logits, 26.7 / 26.9 at Llama-3's 128,256, 8.5 / 10.3 at 151,936;
     these two launches 2.9-3.9 us at every size. Llama-3-8B-shaped W4A16 greedy decode 1.938 -> 1.904 ms a
-    step at batch 1, 2.096 -> 2.056 at 8."""
+    step at batch 1, 2.096 -> 2.056 at 8. ``watch``: as `next_tokens` takes it."""
     B, V = logits.shape
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     P = triton.cdiv(V, SAMPLE_CHUNK)
@@ -836,8 +882,9 @@ def _argmax_chunks(logits: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(B, P, dtype=torch.int32, device=x.device)
     out = torch.empty(B, dtype=torch.long, device=x.device)
     early = _early(x, B)
-    _argmax_chunk_kernel[(P, B)](x, keys, idx, V, x.stride(0), CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK,
-                                 num_warps=SAMPLE_WARPS, **early)
+    first, at = watch or (out, out)  # WATCH=False reads neither
+    _argmax_chunk_kernel[(P, B)](x, keys, idx, first, at, V, x.stride(0), CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK,
+                                 WATCH=watch is not None, num_warps=SAMPLE_WARPS, **early)
     _argmax_row_kernel[(B,)](keys, idx, out, P, PMAX=triton.next_power_of_2(P), num_warps=1, **early)
     return out
 
@@ -861,8 +908,9 @@ def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         ranked = logits.sort(-1, descending=True).values
         probs = ranked.softmax(-1)
         # a token stays while the tokens ranked above it hold less than top_p of the mass (the first always
-        # does), and so does every token tied with the last one kept, whatever order the sort gave them
-        kept = (probs.cumsum(-1) - probs < sampling.top_p).sum(-1, keepdim=True)
+        # does: also in a row of NaN logits, whose every comparison fails, whose index -1 failed in the gather), and
+        # so does every token tied with the last one kept, whatever order the sort gave them
+        kept = (probs.cumsum(-1) - probs < sampling.top_p).sum(-1, keepdim=True).clamp_(min=1)
         logits = logits.masked_fill(logits < ranked.gather(-1, kept - 1), -math.inf)
     return logits
 
@@ -1068,6 +1116,10 @@ class Engine:
             self.token = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
             self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)
             self.last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            # Each live sequence's earliest position whose logits held a NaN or +-inf (_ALL_FINITE: none), which the
+            # kernels that pick the tokens record as they read the logits (`next_tokens`' watch): a static buffer the
+            # graphs write, reset by each prefill, read where a generation hands its tokens over (`_check_logits`).
+            self._nonfinite = torch.full((max_batch,), _ALL_FINITE, dtype=torch.int32, device=self.device)
         self._graphs: dict = {}
         self._batch = self._len = 0  # the live sequences: batch and longest length (host copies)
         self._sampling = GREEDY  # how the live sequences pick their tokens (prefill sets it)
@@ -1180,12 +1232,14 @@ class Engine:
             return body()
         if key not in self._graphs:
             # The warm-ups must not move the decode state, nor the generator the sampled steps draw from
-            # (a seed repeats a call's draws whether or not it captured the graph).
-            token, pos = self.token.clone(), self.pos.clone()
+            # (a seed repeats a call's draws whether or not it captured the graph), nor record the logits of a step
+            # the generation may never take (the second warm-up's).
+            state = self.token, self.pos, self._nonfinite
+            saved = [t.clone() for t in state]
             with torch.random.fork_rng(devices=[self.device]):
                 self._graphs[key] = capture_graph(body, self.device, warmups=2)
-            self.token.copy_(token)
-            self.pos.copy_(pos)
+            for t, value in zip(state, saved):
+                t.copy_(value)
         graph, out = self._graphs[key]
         graph.replay()
         return out
@@ -1227,8 +1281,9 @@ class Engine:
             buf = tokens.to(self.device)
         lengths = torch.tensor(lengths, device=self.device)
         self.last[:B].copy_(lengths - 1)
+        self._nonfinite.fill_(_ALL_FINITE)
         logits = self._run(key, lambda: self.forward(buf, self.positions[:T], self.last[:B]))
-        self.token[:B, 0].copy_(next_tokens(logits, sampling))
+        self.token[:B, 0].copy_(next_tokens(logits, sampling, (self._nonfinite[:B], self.last[:B])))
         self.pos[:B].copy_(lengths)
         self._batch, self._len, self._sampling = B, longest, sampling
         self._generation += 1
@@ -1236,7 +1291,7 @@ class Engine:
 
     def _decode_body(self, B: int, sampling: Sampling) -> torch.Tensor:
         logits = self.forward(self.token[:B], self.pos[:B])
-        self.token[:B, 0].copy_(next_tokens(logits, sampling))
+        self.token[:B, 0].copy_(next_tokens(logits, sampling, (self._nonfinite[:B], self.pos[:B])))
         self.pos[:B].add_(1)
         return logits
 
@@ -1280,14 +1335,26 @@ class Engine:
         [B, n <= max_new_tokens]; a sequence that stopped first repeats its stop token until the others do. On
         CUDA the check waits for the device, so it runs every STOP_CHECK_STEPS steps (a batch may run up to that
         many steps past its last stop, the same token repeated), on the CPU every step.
+
+        Where a sequence's logits held a NaN or an infinity at a step up to its first stop token (a float16 model
+        whose activations overflowed, a corrupt checkpoint), the tokens picked from them are garbage: after the
+        generation, FloatingPointError names the first such step and sequence.
         """
-        return torch.cat(list(self.stream(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p)), dim=1)
+        request = self._request(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p)
+        return torch.cat(list(self._stream(*request, every_chunk=False)), dim=1)
 
     def stream(self, prompt, max_new_tokens: int, stop_tokens=None, temperature: float = 0.0,
                top_k: int | None = None, top_p: float = 1.0):
         """`generate`'s tokens as they come: an iterator of [B, n] chunks, the first token, then each
         stretch of steps between two stop checks (STOP_CHECK_STEPS on CUDA, one on the CPU), which
-        `generate` concatenates. The settings are checked here, before the first chunk is asked for."""
+        `generate` concatenates. The settings are checked here, before the first chunk is asked for. Logits that
+        were not finite raise `generate`'s FloatingPointError in place of the chunk of the tokens picked from them."""
+        return self._stream(*self._request(prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p),
+                            every_chunk=True)
+
+    def _request(self, prompt, max_new_tokens, stop_tokens, temperature, top_k, top_p):
+        """`generate`'s arguments checked, as `_stream` takes them: (tokens, lengths, max_new_tokens, stop ids or None,
+        `Sampling`)."""
         sampling = Sampling(temperature, top_k, top_p)
         sampling.warn_if_filters_unused()
         if not _count(max_new_tokens):
@@ -1305,7 +1372,7 @@ class Engine:
                           f": the longest prompt's {longest} tokens and max_new_tokens={max_new_tokens} but the last, "
                           f"which no step reads; {fix}, or build the Engine with a larger max_seq_len")
         self._check_ids(tokens)
-        return self._stream(tokens, lengths, max_new_tokens, stop, sampling)
+        return tokens, lengths, max_new_tokens, stop, sampling
 
     def _check_ids(self, tokens: torch.Tensor) -> None:
         """Refuse ids outside the embedding (an IndexError deep in the forward, or a device assert on CUDA), as
@@ -1314,44 +1381,87 @@ class Engine:
         check_token_ids(self.model, tokens, "the prompts'", "tokenize the prompts with this model's tokenizer")
 
     @torch.inference_mode()  # a generator: each step of it runs in inference mode
-    def _stream(self, tokens, lengths, max_new_tokens, stop_tokens, sampling):
+    def _stream(self, tokens, lengths, max_new_tokens, stop_tokens, sampling, every_chunk: bool):
+        """The chunks of `stream`. The logits are checked (`_check_logits`: a host sync) before each chunk is handed
+        over (``every_chunk``: a stream's reader may act on each, and reads each from the device anyway), or once
+        after the last (`generate`, which then waits for the device no more often than before)."""
         B = len(lengths)
         self._prefill(tokens, lengths, sampling)
         generation = self._generation
         stop = None if stop_tokens is None else torch.tensor(stop_tokens, dtype=torch.long, device=self.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # each sequence made a stop token
         ended = torch.zeros(B, dtype=torch.long, device=self.device)  # and which one, first
+        # and at which step (0: the prefill's token): its logits after it pick no token it returns
+        stop_step = torch.full((B,), max_new_tokens, dtype=torch.long, device=self.device)
 
-        def settled(chunk):
-            """``chunk`` with each sequence's tokens after its first stop token replaced by that token: the batch
-            runs on until every sequence stopped, and what a finished one made meanwhile (a next turn of the
-            conversation, say) read as part of its answer; transformers pads such rows too."""
+        def settled(chunk, done):
+            """``chunk`` (the steps after the first ``done``) with each sequence's tokens after its first stop token
+            replaced by that token: the batch runs on until every sequence stopped, and what a finished one made
+            meanwhile (a next turn of the conversation, say) read as part of its answer; transformers pads such rows
+            too."""
             if stop is None:
                 return chunk
             hit = torch.isin(chunk, stop)
             if not bool(hit.any() | stopped.any()):  # the common chunk: nothing to settle (one sync a chunk)
                 return chunk
-            first = chunk.gather(1, hit.int().argmax(1, keepdim=True))[:, 0]
+            at = hit.int().argmax(1, keepdim=True)
+            first = chunk.gather(1, at)[:, 0]
+            stop_step.copy_(torch.where(stopped | ~hit.any(1), stop_step, done + at[:, 0]))
             ended.copy_(torch.where(stopped, ended, first))
             past = stopped[:, None] | (hit.cumsum(1) - hit.int() > 0)
             stopped.logical_or_(hit.any(1))
             return torch.where(past, ended[:, None], chunk)
 
-        chunk = settled(self.token[:B, :1].clone())
+        chunk = settled(self.token[:B, :1].clone(), 0)
+        if every_chunk:
+            self._check_logits(B, stop_step)
         yield chunk
         every = STOP_CHECK_STEPS if self.device.type == "cuda" else 1
         left = max_new_tokens - 1
         while left > 0:
             if stop is not None and stopped.all():
-                return
+                break
             if self._generation != generation:  # the decode state below is another generation's now
                 raise RuntimeError("this engine ran another generation (prefill, decode, generate or stream) while "
                                    "this stream was open, and holds that one's sequences now: an engine runs one "
                                    "generation at a time; use an Engine per concurrent stream")
-            chunk = settled(self.decode(min(every, left)))
+            chunk = settled(self.decode(min(every, left)), max_new_tokens - left)
             generation = self._generation
             left -= chunk.shape[1]
+            if every_chunk:
+                self._check_logits(B, stop_step)
             yield chunk
+        if not every_chunk:
+            self._check_logits(B, stop_step)
+
+    def _check_logits(self, B: int, stop_step: torch.Tensor) -> None:
+        """Raise FloatingPointError where the logits of one of the B live sequences held a NaN or +-inf at a step up
+        to its ``stop_step`` (beyond, they pick no token it returns), as the kernels recorded them (`next_tokens`'
+        watch): one read of the device. (torch.argmax picks a NaN, which the greedy kernels copy; the sampling
+        kernels drop it, and a +inf takes every draw: tokens either way, without a word.)"""
+        at, last, stop = torch.stack([self._nonfinite[:B].long(), self.last[:B], stop_step]).tolist()
+        flagged = [b for b in range(B) if at[b] != _ALL_FINITE]
+        if not flagged:
+            return
+        # Their keys and values in the cache are not finite either, past the positions a later generation in these
+        # rows overwrites: the masked attention over the whole cache (SDPA, the CPU's) read them as NaN there, and
+        # every later generation failed. Zeroed, as the cache began.
+        self.k_cache[:, flagged] = 0
+        self.v_cache[:, flagged] = 0
+        bad = [(at[b] - last[b], b) for b in flagged if at[b] - last[b] <= stop[b]]  # step 0: the prefill's logits
+        if not bad:
+            return
+        first, row = min(bad)
+        where = "at the prefill (the first new token's logits)" if first == 0 else \
+            f"at decode step {first} (new token {first + 1})"
+        if B > 1:
+            where += f" of sequence {row} of the batch" + (f" (and of {len(bad) - 1} more)" if len(bad) > 1 else "")
+        broken = "a corrupt checkpoint or a broken layer (weights holding NaN or Inf)"
+        dtype = str(self.dtype).removeprefix("torch.")
+        causes = (f"activations past float16's range (65504): load the model in bfloat16 (dtype=torch.bfloat16); else "
+                  f"{broken}" if self.dtype == torch.float16 else f"{broken}, or activations past {dtype}'s range")
+        raise FloatingPointError(f"the model's logits held NaN or infinite values {where}: the tokens picked from them "
+                                 f"are garbage. Likely causes: {causes}")
 
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()

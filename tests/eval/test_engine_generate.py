@@ -1,6 +1,9 @@
 """The engine's generation beyond greedy tokens of one prompt length: sampled decoding (the filters
 against transformers' warpers, the draws against the distribution they leave, seeds, the CUDA graph
 path; GPU tests skip without CUDA), streamed chunks, and batches of prompts of different lengths."""
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -10,6 +13,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from conftest import past_stop, tiny_model
 from nibble import QuantConfig, quantize_model
+from nibble.eval import engine as engine_mod
 from nibble.eval.engine import GREEDY, Engine, Sampling, next_tokens, prompt_batch, sampling_logits
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -365,7 +369,6 @@ def test_engine_sizes_are_checked_when_it_is_built():
 def test_a_kv_cache_that_cannot_fit_is_refused_in_its_sizes_before_it_is_allocated(monkeypatch):
     """Engine(max_seq_len=10**12) warned of the model's context, then failed in torch's words ("DefaultCPUAllocator:
     can't allocate memory: you tried to allocate 8000000000000 bytes", for the rotary positions)."""
-    import os
     model = tiny_model()  # 2 layers, 2 KV heads of 16, float32: 512 bytes a position and sequence
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning of the context for an engine that is not built
@@ -449,3 +452,167 @@ def test_engine_warns_of_forward_hooks_its_own_forward_does_not_run():
     with pytest.warns(UserWarning, match=r"forward hooks on model\.layers\.1\.self_attn\.q_proj, model\.norm do not "
                                          r"run in nibble\.Engine"):
         Engine(model, max_seq_len=32)
+
+
+# ---- logits that are not finite ----------------------------------------------------------------
+# Where the token-picking kernels run in this process: CUDA, or Triton's interpreter on the CPU (None: PyTorch's ops)
+KERNEL_DEVICE = ("cuda" if torch.cuda.is_available() else
+                 "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and engine_mod.triton is not None else None)
+
+
+def _poison_a_token_made(model, prompts, made, steps, rows=None):
+    """Set to NaN the embedding of a token that a sequence makes at one of ``steps`` (``made``: what each made after
+    its prompt, unpoisoned) and that no sequence is fed otherwise (in its prompt, the pads' id 0, or the tokens any
+    makes but the last): the logits of that sequence alone turn NaN, from the step that feeds it on. An untied
+    lm_head keeps every logit of the token finite until then. Returns (sequence, that step), or None."""
+    assert not model.config.tie_word_embeddings
+    fed = {0} | {t for p in prompts for t in p.tolist()}
+    for k in steps:
+        for row in rows if rows is not None else range(len(made)):
+            t = int(made[row, k])
+            if t not in fed and not any(t in made[r, :k if r == row else -1].tolist() for r in range(len(made))):
+                model.model.embed_tokens.weight.data[t] = torch.nan
+                return row, k + 1
+    return None
+
+
+def _run(engine, prompts, n, sampled, **kwargs):
+    torch.manual_seed(3)  # a sampled generation's draws repeat, poisoned or not, up to the poisoned step
+    return engine.generate(prompts, n, **(dict(temperature=1.0) if sampled else {}), **kwargs)
+
+
+def _check_a_poisoned_generation(model, device, sampled):
+    """A poisoned token made at a later step in one sequence of a ragged batch: the generation raises naming the step
+    that fed it and the sequence, greedy or sampled; the tokens before it are the unpoisoned ones (a stream hands them
+    over, then raises); the engine goes on generating as before."""
+    prompts = [p.to(device) for p in _ragged_prompts([9, 4, 6], seed=2)]
+    engine = Engine(model, max_batch=3, max_seq_len=40)
+    clean = _run(engine, prompts, 20, sampled)
+    weights = model.model.embed_tokens.weight.detach().clone()
+    found = _poison_a_token_made(model, prompts, clean, range(2, 18))
+    assert found is not None, clean  # every token made fed elsewhere: another seed of the prompts
+    row, step = found
+    said = rf"^the model's logits held NaN or infinite values at decode step {step} \(new token {step + 1}\) " \
+           rf"of sequence {row} of the batch: the tokens picked from them are garbage\. Likely causes: .*corrupt " \
+           r"checkpoint"
+    with pytest.raises(FloatingPointError, match=said):
+        _run(engine, prompts, 20, sampled)
+    chunks = []
+    torch.manual_seed(3)
+    with pytest.raises(FloatingPointError, match=said):
+        for chunk in engine.stream(prompts, 20, **(dict(temperature=1.0) if sampled else {})):
+            chunks.append(chunk)
+    every = 1 if device == "cpu" else engine_mod.STOP_CHECK_STEPS
+    handed = torch.cat(chunks, 1)
+    assert handed.shape[1] == 1 + (step - 1) // every * every and torch.equal(handed, clean[:, :handed.shape[1]])
+    assert torch.equal(_run(engine, prompts, step, sampled), clean[:, :step])  # up to the step that feeds it: no NaN
+    model.model.embed_tokens.weight.data.copy_(weights)
+    # as before: the NaN keys and values the poisoned runs left in the cache read by no later generation
+    assert torch.equal(_run(engine, prompts, 20, sampled), clean)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_nonfinite_logits_at_a_later_step_raise_naming_it(sampled):
+    """Tokens picked from NaN logits came back without a word (greedy: torch.argmax's NaN index)."""
+    _check_a_poisoned_generation(tiny_model(initializer_range=0.2, tie_word_embeddings=False), "cpu", sampled)
+
+
+def test_nonfinite_logits_at_the_prefill_raise_naming_the_prefill():
+    model = tiny_model(initializer_range=0.2, tie_word_embeddings=False)
+    model.lm_head.weight.data[5, :3] = torch.inf  # every logit of token 5, at every position: the prefill's first
+    engine = Engine(model, max_batch=2, max_seq_len=32)
+    with pytest.raises(FloatingPointError, match=r"at the prefill \(the first new token's logits\) of sequence 0 of "
+                                                 r"the batch \(and of 1 more\): .* or activations past float32's"):
+        engine.generate(_ragged_prompts([5, 3]), 4)
+    half = tiny_model(dtype=torch.float16, initializer_range=0.2)
+    half.model.norm.weight.data[:] = 6e4  # float16 overflows: its hint is bfloat16; one sequence: none named
+    with pytest.raises(FloatingPointError, match=r"^the model's logits held NaN or infinite values at the prefill "
+                                                 r"\(the first new token's logits\): .* past float16's range "
+                                                 r"\(65504\): load the model in bfloat16"):
+        Engine(half, max_seq_len=32).generate(_ragged_prompts([5]), 4)
+
+
+def test_nonfinite_logits_past_a_sequences_stop_token_raise_nothing():
+    """A sequence that stopped runs on while the others do: what its later logits pick is not its answer (it
+    repeats its stop token), but the step that picked its stop token counts."""
+    model = tiny_model(initializer_range=0.2, tie_word_embeddings=False)
+    prompts = _ragged_prompts([7, 5], seed=3)
+    engine = Engine(model, max_batch=2, max_seq_len=40)
+    clean = engine.generate(prompts, 16)
+    stop = int(clean[0, 2])
+    assert stop not in clean[0, :2].tolist() + clean[1].tolist()  # sequence 0 stops at step 2, sequence 1 never
+    row, step = _poison_a_token_made(model, prompts, clean, range(3, 14), rows=[0])
+    assert engine.generate(prompts, 16, stop_tokens=stop).equal(past_stop(clean, {stop}))
+    with pytest.raises(FloatingPointError, match=rf"decode step {step} .* of sequence 0 of the batch:"):
+        engine.generate(prompts, 16)
+    # its NaN logits pick token 0 (torch.argmax's first NaN): as a stop token, the step that picked it counts
+    assert 0 not in clean[0, :step].tolist()
+    with pytest.raises(FloatingPointError, match=rf"decode step {step} .* of sequence 0 of the batch:"):
+        engine.generate(prompts, 16, stop_tokens=0)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(0.8, top_p=0.9), Sampling(0.8, top_k=5),
+                                      Sampling(1.5, top_k=150)], ids=["greedy", "top_p", "top_k_in_the_launches",
+                                                                      "top_k_by_torch"])
+def test_nonfinite_logits_are_recorded_where_the_token_is_picked_without_changing_it(sampling, monkeypatch):
+    """`next_tokens`' watch: the earliest position of each row whose logits held a NaN or +-inf, on the device, in
+    the kernels' one read of the logits (here: where they run), the tokens the same as unwatched. Rows of several
+    chunks and blocks, a masked tail, strided rows; a row's earlier record kept where it is earlier."""
+    device = KERNEL_DEVICE or "cpu"
+    monkeypatch.setattr(engine_mod, "SAMPLE_CHUNK", 256)
+    monkeypatch.setattr(engine_mod, "SAMPLE_BLOCK", 64)
+    V = 3 * 256 - 37
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(6, V + 3, generator=g) * 3
+        x[1, 600] = torch.nan  # in the third chunk
+        x[2, V] = torch.inf  # the last entry, past a chunk's full blocks
+        x[3, 1] = -torch.inf  # the first logit
+        x[4, 300], x[4, 301] = torch.inf, torch.nan
+        x[5, 17] = torch.nan  # already recorded earlier: kept
+        logits = x.to(dtype).to(device)[:, 1:V + 1]  # rows V + 3 apart: x[2, V] is the row's last logit
+        first = torch.tensor([2 ** 31 - 1] * 5 + [3], dtype=torch.int32, device=device)
+        at = torch.arange(10, 16, device=device)
+        torch.manual_seed(0)
+        unwatched = engine_mod.next_tokens(logits, sampling)
+        torch.manual_seed(0)
+        watched = engine_mod.next_tokens(logits, sampling, (first, at))
+        assert torch.equal(watched, unwatched)
+        assert first.tolist() == [2 ** 31 - 1, 11, 12, 13, 14, 3], (dtype, first)
+        assert engine_mod._glue_failure is None
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampled", [False, True])
+def test_cuda_graph_engine_raises_on_nonfinite_logits(sampled):
+    """The graphs record into the engine's static buffer; the capture's warm-ups (two steps, the second one the
+    generation may never take) record nothing."""
+    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, tie_word_embeddings=False).cuda()
+    _check_a_poisoned_generation(model, "cuda", sampled)
+    for seed in range(20):  # a token made at step 1, fed by step 2: the second warm-up of the first decode's capture
+        model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, tie_word_embeddings=False).cuda()
+        prompts = [p.cuda() for p in _ragged_prompts([6, 3], seed=seed)]
+        clean = _run(Engine(model, max_batch=2, max_seq_len=32), prompts, 4, sampled)
+        if _poison_a_token_made(model, prompts, clean, [1]) is not None:
+            break
+    else:
+        pytest.fail("no seed made a token at step 1 that no sequence is fed otherwise")
+    engine = Engine(model, max_batch=2, max_seq_len=32)
+    assert torch.equal(_run(engine, prompts, 2, sampled), clean[:, :2])  # prefill + step 1, whose capture ran step 2
+    assert ("decode", 2) in engine._graphs or ("decode", 2, Sampling(1.0)) in engine._graphs
+    with pytest.raises(FloatingPointError, match=r"at decode step 2 \(new token 3\)"):
+        _run(engine, prompts, 4, sampled)
+
+
+def test_nonfinite_logits_are_recorded_by_the_kernels_under_the_triton_interpreter():
+    """The kernels' watch on the CPU: the test above once more, under Triton's interpreter (where the kernels run in
+    this process already, it ran them). Its top-k in the launches, and the engine's tests above, take a minute each
+    there: TRITON_INTERPRET=1 pytest -k nonfinite runs them."""
+    if KERNEL_DEVICE is not None or engine_mod.triton is None:
+        pytest.skip("the kernels ran in this process (CUDA, or the interpreter), or triton is missing")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::"
+                        "test_nonfinite_logits_are_recorded_where_the_token_is_picked_without_changing_it", "-k",
+                        "not in_the_launches"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "3 passed, 1 deselected" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
