@@ -36,8 +36,8 @@ SETTINGS = {"t0.7 top-p 0.9": Sampling(0.7, top_p=0.9), "t0.7 top-k 50 top-p 0.9
             "t1.0": Sampling(1.0), "t0.7 top-p 0.5": Sampling(0.7, top_p=0.5), "greedy": GREEDY}
 
 
-def sort_next_tokens(logits, sampling=GREEDY):
-    """`engine.next_tokens` as it was: the PyTorch ops for every sampled draw."""
+def sort_next_tokens(logits, sampling=GREEDY, watch=None):
+    """`engine.next_tokens` as it was: the PyTorch ops for every sampled draw (its logits unwatched)."""
     return logits.argmax(-1) if sampling.greedy else engine_mod._sample_plain(logits, sampling)
 
 
@@ -108,7 +108,8 @@ def main() -> None:
         print(line, flush=True)
     for other in args.other:
         name, path = other.split("=", 1)
-        WAYS[name] = load_engine_module(name, path).next_tokens
+        other_next = load_engine_module(name, path).next_tokens  # versions before session 69 take no watch
+        WAYS[name] = lambda logits, sampling=GREEDY, watch=None, f=other_next: f(logits, sampling)
     rows = op_rows(args.vocabs, args.batches, say)
     names = "SAMPLE_CHUNK", "SAMPLE_BLOCK", "SAMPLE_WARPS", "SAMPLE_ROUNDS"
     shipped = [getattr(engine_mod, n) for n in names]
