@@ -267,6 +267,17 @@ def test_op_traces_into_one_graph_under_torch_compile():
     assert torch.allclose(xg.grad, 2 * hadamard_transform_reference(torch.ones_like(x), inverse=True), atol=1e-6)
 
 
+
+def test_a_compiled_transform_refuses_what_the_eager_one_refuses_with_its_words():
+    """The op's fake checks its input as the op does: tracing an integer or 0-d tensor fails with the eager
+    message (a 0-d one met an IndexError in the size check), which Dynamo wraps in a RuntimeError."""
+    torch._dynamo.reset()
+    f = torch.compile(hadamard_transform, fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError, match="the Hadamard transform rotates the last dimension; got a 0-d tensor"):
+        f(torch.tensor(1.5))
+    with pytest.raises(RuntimeError, match="real floating-point tensor, got torch.int64"):
+        f(torch.randint(0, 9, (2, 8)))
+
 def test_module_imports_and_runs_the_reference_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import torch; "
             "from nibble.kernels.hadamard import hadamard_transform as h; "
