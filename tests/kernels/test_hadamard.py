@@ -150,6 +150,32 @@ def test_supported_sizes_list_holds_the_model_sizes_and_follows_the_rule():
     assert 52 not in sizes and 100 not in sizes  # 13 * 4 and 25 * 4: no Paley prime, no Williamson table
 
 
+
+def _documented_orders(limit: int) -> set[int]:
+    """The module docstring's base orders up to ``limit``, from the rule alone: 1, q + 1 (q prime, q % 4 == 3),
+    2(q + 1) (q prime, q % 4 == 1) and 172."""
+    primes = [q for q in range(2, limit) if all(q % d for d in range(2, q))]
+    return ({1, 172} | {q + 1 for q in primes if q % 4 == 3} | {2 * (q + 1) for q in primes if q % 4 == 1}) & \
+        set(range(1, limit + 1))
+
+
+def test_supported_sizes_are_exactly_the_documented_rule():
+    """n = m * 2^k for a documented base order m, and nothing else, up to and including the limit (9 = 3^2 and
+    25 = 5^2 are no primes: Paley orders 20 / 52 of them would not be Hadamard matrices; 104 = 8 * 13 needs the
+    search past 4 * 13 = 52)."""
+    limit = 1200
+    orders = _documented_orders(limit)
+    rule = [n for n in range(1, limit + 1) if any(n % m == 0 and (n // m) & (n // m - 1) == 0 for m in orders)]
+    assert supported_hadamard_sizes(limit) == rule and rule[-1] == limit and 104 in rule
+    assert supported_hadamard_sizes(limit - 1) == rule[:-1]
+
+
+@pytest.mark.parametrize("n,lo,hi", [(3, 2, 4), (6, 4, 8), (52, 48, 56), (100, 96, 104), (116, 112, 120)])
+def test_an_unsupported_size_names_the_nearest_supported_ones(n, lo, hi):
+    with pytest.raises(ValueError, match=rf"no Hadamard matrix of size {n}: .* the nearest supported sizes are "
+                                         rf"{lo} and {hi}$"):
+        hadamard_factors(n)
+
 # ---- reference -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2, 12, 40, 96, 172, 192, 576, 1536])
@@ -240,6 +266,17 @@ def test_op_traces_into_one_graph_under_torch_compile():
     f(xg).sum().backward()
     assert torch.allclose(xg.grad, 2 * hadamard_transform_reference(torch.ones_like(x), inverse=True), atol=1e-6)
 
+
+
+def test_a_compiled_transform_refuses_what_the_eager_one_refuses_with_its_words():
+    """The op's fake checks its input as the op does: tracing an integer or 0-d tensor fails with the eager
+    message (a 0-d one met an IndexError in the size check), which Dynamo wraps in a RuntimeError."""
+    torch._dynamo.reset()
+    f = torch.compile(hadamard_transform, fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError, match="the Hadamard transform rotates the last dimension; got a 0-d tensor"):
+        f(torch.tensor(1.5))
+    with pytest.raises(RuntimeError, match="real floating-point tensor, got torch.int64"):
+        f(torch.randint(0, 9, (2, 8)))
 
 def test_module_imports_and_runs_the_reference_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import torch; "

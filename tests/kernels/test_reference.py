@@ -32,7 +32,9 @@ def test_dequantize_refuses_scales_of_another_shape_than_the_groups():
     """Broadcasting would spread one row of scales over every group of a [256, N] weight without a word (the old
     repeat_interleave failed on it by chance); a group size that does not divide K likewise."""
     qweight = torch.randint(-2**31, 2**31, (32, 8), dtype=torch.int64).to(torch.int32)  # K = 256
-    for scales, G in ((torch.rand(1, 8), 64), (torch.rand(4, 8), 96), (torch.rand(4, 4), 64)):
+    # (2, 8) at G = 96 is K // G groups, but 96 does not divide K = 256; G = 0 is no group at all
+    for scales, G in ((torch.rand(1, 8), 64), (torch.rand(4, 8), 96), (torch.rand(4, 4), 64), (torch.rand(2, 8), 96),
+                      (torch.rand(4, 8), 0)):
         with pytest.raises(ValueError, match=r"scales and zeros must be \[K // group_size, N\]"):
             reference.dequantize(qweight, scales, -scales, G)
     with pytest.raises(ValueError, match="got \\(4, 8\\) and \\(1, 8\\)"):
@@ -102,6 +104,77 @@ def test_activation_quantization_handles_zero_rows_and_non_finite_values():
     y = reference.w4a4_linear(x, w.qweight, w.scales[0])
     assert torch.isfinite(y).all() and (y[0] == 0).all()
 
+
+
+def _spec_codes(x: torch.Tensor):
+    """The activation spec computed by hand in float64: scale = amax|x| / 7 rounded once to float32 (+-Inf counted
+    as the dtype's largest value), codes = x / scale as float32 divides (a float64 quotient rounded once to float32
+    is that: 53 bits >= 2 * 24 + 2), rounded half to even by floor and parity, clamped to [-8, 7]; a row whose scale
+    is 0 gets codes 0. No NaN in these rows."""
+    big = torch.finfo(x.dtype).max
+    xd = x.double().clamp(-big, big)
+    scale = (xd.abs().amax(-1, keepdim=True) / 7).float().double()
+    v = (xd / torch.where(scale > 0, scale, 1.0)).float().double()
+    low = v.floor()
+    frac = v - low
+    code = low + (frac > 0.5) + ((frac == 0.5) & (low % 2 == 1))
+    code = torch.where(scale > 0, code.clamp(-8, 7), 0.0)
+    return code.to(torch.int8), scale.squeeze(-1).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_activation_scales_are_amax_over_7_rounded_once(dtype):
+    """scale = amax / 7 as one correctly rounded division, bit for bit (the GPU kernels are held to it): amax times
+    a rounded 1/7 is an ulp off on a fraction of the tokens, which allclose let through."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(512, 48, generator=g) * torch.logspace(-3, 3, 512).unsqueeze(1)).to(dtype)
+    q, s = reference.quantize_activations(x)
+    want_q, want_s = _spec_codes(x)
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)
+
+
+def test_activation_codes_of_float32_tokens_at_the_subnormal_end():
+    """float32 tokens whose amax / 7 lands among the last subnormals: [-10, 3] * 2^-149 has scale 2^-149 and a
+    code of -10 that only the clamp brings to -8 (the one token that reaches -8, the module comment's), and
+    [1, -1] * 2^-149 has a scale that underflows to 0, which must give codes 0, never x / 0 = +-Inf clamped."""
+    tiny = 2.0 ** -149
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 16, generator=g)
+    x[0], x[1] = 0, 0
+    x[0, :2] = torch.tensor([-10 * tiny, 3 * tiny])
+    x[1, 3:5] = torch.tensor([tiny, -tiny])
+    q, s = reference.quantize_activations(x)
+    want_q, want_s = _spec_codes(x)
+    assert s[0] == tiny and s[1] == 0 and q[0, 0] == -8  # the cases the test is for, as computed by hand
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_activation_quantization_saturates_infinities_to_the_dtypes_largest_value(dtype):
+    """+-Inf count as +-finfo(x.dtype).max, each sign its own (the scale of a float16 token holding +Inf is
+    65504 / 7, not float32's largest / 7): the docstring's rule, which the GPU kernels follow."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    x[0, 7], x[1, 9] = float("inf"), -float("inf")
+    q, s = reference.quantize_activations(x)
+    want_q, want_s = _spec_codes(x)
+    big = torch.tensor(torch.finfo(dtype).max / 7, dtype=torch.float64).float()
+    assert s[0] == s[1] == big and q[0, 7] == 7 and q[1, 9] == -7
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)
+
+
+def test_a_float16_token_rotated_past_65504_saturates_instead_of_being_zeroed():
+    """The rotation runs in float32 and is rounded to float16 before the quantization: a token of 65504s rotates to
+    65504 * 8 = 524032 (float16's Inf) at index 0 and exact zeros elsewhere. Finite in float32, it saturates
+    (scale 65504 / 7, code 7) as the docs say; only a token whose float32 rotation is not finite becomes zeros."""
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(3, 64, generator=g).half()
+    x[0] = 65504
+    q, s = reference.rotate_quantize_activations(x)
+    assert s[0] == torch.tensor(65504 / 7, dtype=torch.float64).float()
+    assert q[0, 0] == 7 and (q[0, 1:] == 0).all() and (s[1:] > 0).all()
+    qb, sb = reference.rotate_quantize_activations(x.bfloat16() * 2.0 ** 112)  # past float32: zeroed
+    assert sb[0] == 0 and (qb[0] == 0).all() and (sb[1:] > 0).all()
 
 def test_w4a4_accumulation_is_the_exact_integer_product():
     K, N = 512, 48
@@ -276,3 +349,16 @@ def test_the_layer_ops_refuse_activations_they_would_cast_or_cannot_read():
             op(torch.tensor(1.5))
     with pytest.raises(ValueError, match="group_size must be an int .*got 256.0"):
         ops["w4a16"](x, 256.0)
+
+
+def test_a_float32_token_holding_inf_gives_the_representable_product():
+    """A +Inf saturates to float32's largest value, so its token's scale is finfo.max / 7: acc * x_scale alone
+    overflows to Inf (clamped to finfo.max on every output) where acc * (x_scale * w_scale) is representable."""
+    K, N = 128, 16
+    w = rtn_quantize(torch.randn(N, K) / 100, -1, symmetric=True)  # w_scale ~ 1e-3: |y| <= 56 / 7 * max * w_scale
+    x = torch.randn(3, K)
+    x[1, 5] = float("inf")
+    y = reference.w4a4_linear(x, w.qweight, w.scales[0])
+    ref = _float64_w4a4_product(*reference.quantize_activations(x), w, torch.zeros(N))
+    assert torch.isfinite(ref).all() and ref[1].abs().max() < torch.finfo(torch.float32).max / 4
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)

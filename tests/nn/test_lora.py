@@ -12,6 +12,7 @@ peft = pytest.importorskip("peft")
 from nibble import QuantConfig, quantize_model  # noqa: E402
 from nibble.kernels.reference import dequantize  # noqa: E402
 from nibble.models.convert import quantized_linears  # noqa: E402
+from nibble.nn import QuantLinear  # noqa: E402
 from nibble.nn.lora import QuantLoraLinear, lora_config  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -249,3 +250,57 @@ def test_a_saved_adapter_loads_back_onto_the_quantized_model(tmp_path):
     load_adapter(loaded, tmp_path / "other", "trained", is_trainable=True)  # it was left frozen
     trainable = [p.requires_grad for n, p in loaded.named_parameters() if ".trained." in n]
     assert trainable and all(trainable)
+
+
+class _Net(torch.nn.Module):
+    """One nibble layer and one 16-bit layer after it: peft's LoRA on a model of any kind, built in milliseconds."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.proj = QuantLinear.from_linear(torch.nn.Linear(64, 32, dtype=dtype), QuantConfig(group_size=32))
+        self.head = torch.nn.Linear(32, 8, dtype=dtype)
+
+    def forward(self, x):
+        return self.head(self.proj(x))
+
+
+def test_a_quant_lora_layer_adds_its_scaled_branch_on_the_dropped_out_input_in_the_layers_dtype():
+    """y = base(x) + (s B A dropout(x)) rounded to the base output's dtype: the float32 adapter on a bfloat16 layer
+    gives bfloat16, and in training the dropout peft was configured with applies ('gaussian' init, which
+    nibble takes, starts B at 0: given values here)."""
+    torch.manual_seed(31)
+    adapted = peft.get_peft_model(_Net(torch.bfloat16), lora_config(r=4, lora_alpha=8, target_modules=["proj"],
+                                                                    lora_dropout=0.5, init_lora_weights="gaussian"))
+    layer = adapted.base_model.model.proj
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        b.normal_()
+    assert a.dtype == torch.float32 and layer.scaling["default"] == 2.0
+    x = torch.randn(5, 64).bfloat16()
+    layer.train()
+    with torch.no_grad():
+        torch.manual_seed(32)
+        y = layer(x)
+        torch.manual_seed(32)
+        dropped = torch.nn.functional.dropout(x.float(), 0.5, training=True)  # the same draw: the same mask
+        want = layer.base_layer(x) + (dropped.double() @ a.double().T @ b.double().T * 2.0).bfloat16()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want, rtol=2 ** -7, atol=1e-2)
+
+
+def test_merging_by_name_an_adapter_that_sits_on_16_bit_layers_alone():
+    """merge_and_unload(adapter_names=['b']) merges 'b' (on the 16-bit head only), whatever adapter is active on the
+    nibble layers: a nibble layer refuses only the merge of an adapter it holds."""
+    torch.manual_seed(33)
+    adapted = peft.get_peft_model(_Net(), lora_config(r=4, target_modules=["proj"]))
+    adapted.add_adapter("b", lora_config(r=4, lora_alpha=8, target_modules=["head"]))
+    head = adapted.base_model.model.head
+    with torch.no_grad():
+        head.lora_B["b"].weight.normal_()
+    weight = head.base_layer.weight.detach().double() + 2.0 * (head.lora_B["b"].weight @ head.lora_A["b"].weight).double()
+    bias = head.base_layer.bias.detach().double()
+    assert adapted.active_adapters == ["default"]
+    merged = adapted.merge_and_unload(adapter_names=["b"])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).double(), merged.proj(x).double() @ weight.T + bias, rtol=1e-5, atol=1e-5)

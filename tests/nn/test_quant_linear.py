@@ -674,3 +674,206 @@ def test_a_layer_made_by_its_constructor_is_zero_and_keeps_a_float32_bias():
     fresh.load_state_dict(q.state_dict())
     x = torch.randn(3, 64)
     assert torch.equal(fresh(x), q(x))
+
+
+def _explicit_w4a16(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T + b in float64 with W written out code by code from the packed words (the nibble order of the
+    canonical format: code k of a column in bits 4 (k % 8) of word k // 8), in the layer's stored input order."""
+    words = q.qweight.long() & 0xFFFFFFFF
+    codes = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=1).reshape(q.in_features, q.out_features)
+    group = torch.arange(q.in_features) // q.group_size
+    w = codes.double() * q.scales.double()[group] + q.zeros.double()[group]  # [K, N]
+    return x.double() @ w + (0 if q.bias is None else q.bias.double())
+
+
+def test_permute_outputs_moves_each_channel_with_its_codes_scales_zeros_and_bias():
+    """Output channel i becomes the old channel perm[i], its group scales, zeros and bias with it."""
+    torch.manual_seed(21)
+    for mode, group_size in (("w4a16", 32), ("w4a4", None)):
+        q = QuantLinear.from_linear(nn.Linear(64, 24), QuantConfig(mode=mode, group_size=group_size))
+        x, perm = torch.randn(5, 64), torch.randperm(24)
+        want = q(x)[:, perm]
+        q.permute_outputs(perm)
+        assert torch.equal(q(x), want)
+        if mode == "w4a16":
+            torch.testing.assert_close(q(x).double(), _explicit_w4a16(q, x), rtol=1e-5, atol=1e-5)
+
+
+def _permuted(q: QuantLinear, perm: torch.Tensor, how: str):
+    from nibble.nn.quant_linear import PermutedInputQuantLinear
+    p = PermutedInputQuantLinear(q.in_features, q.out_features, True, q.group_size, q.mode, dtype=torch.float32)
+    if how == "set":
+        p.load_state_dict({**q.state_dict(), "input_perm": torch.arange(q.in_features)})
+        p.set_input_perm(perm)
+    else:
+        p.load_state_dict({**q.state_dict(), "input_perm": perm})
+    return p
+
+
+@pytest.mark.parametrize("how", ["set", "load"])
+def test_act_order_layers_of_other_input_orders_never_share_one_gather(how):
+    """Layers whose input orders differ run alone, each on x in its own order; ones of one order share it. The
+    order's digest (input_order) is what tells them apart, so it must follow set_input_perm and a load."""
+    from nibble.nn.quant_linear import shared_input_perm
+    torch.manual_seed(22)
+    qs = [QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(group_size=32)) for n in (24, 16, 8)]
+    p1, p2 = torch.randperm(128), torch.randperm(128)
+    layers = [_permuted(qs[0], p1, how), _permuted(qs[1], p2, how), _permuted(qs[2], p1, how)]
+    x = torch.randn(3, 128)
+    for m, perm, y in zip(layers, (p1, p2, p1), shared_input_forward(layers, x)):
+        torch.testing.assert_close(y.double(), _explicit_w4a16(m, x[:, perm]), rtol=1e-5, atol=1e-5)
+    assert shared_input_perm(layers) is None and torch.equal(shared_input_perm(layers[::2]), p1)
+
+
+def test_set_input_perm_refuses_a_permutation_of_another_length():
+    """A permutation of 0 (one index) broadcast by copy_ over every entry: every input read column 0."""
+    q = _layer("permuted", "cpu", dtype=torch.float32)
+    perm, x = q.input_perm.clone(), torch.randn(3, 256)
+    before = q(x)
+    for bad in (torch.tensor([0]), torch.randperm(128)):
+        with pytest.raises(ValueError, match=rf"input_perm must hold 256 indices \(in_features\), got shape "
+                                             rf"\({bad.numel()},\)"):
+            q.set_input_perm(bad)
+        assert torch.equal(q.input_perm, perm) and torch.equal(q(x), before)
+
+
+def test_an_act_order_layer_in_its_stored_order_and_without_its_perm_is_the_same_layer():
+    """forward_in_order takes x already gathered (it must not gather again), and without_input_perm is the layer on
+    that x, its backend kept."""
+    q = _layer("permuted", "cpu", dtype=torch.float32)
+    q.backend = "reference"
+    x = torch.randn(3, 256)
+    gathered = x[:, q.input_perm]
+    want = _explicit_w4a16(q, gathered)
+    torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q.forward_in_order(gathered), q(x))
+    plain = q.without_input_perm()
+    assert plain.backend == "reference" and torch.equal(plain(gathered), q(x))
+
+
+def test_shared_input_forward_keeps_each_layers_rotation_and_backend(monkeypatch):
+    """W4A4 layers with and without the online Hadamard, or of other backends, quantize x differently (or run other
+    kernels): they never share one launch."""
+    torch.manual_seed(23)
+    layers = [QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(mode="w4a4")) for n in (32, 16)]
+    layers[1].input_hadamard = True
+    calls = _count_layers_per_call(monkeypatch, "_w4a4_linears")
+    x = torch.randn(4, 128)
+    ys = shared_input_forward(layers, x)
+    assert calls == [1, 1]
+    from nibble.kernels.hadamard import hadamard_matrix
+    rotated = reference.w4a4_linear(x @ hadamard_matrix(128).t(), layers[1].qweight, layers[1].scales[0], layers[1].bias)
+    assert torch.equal(ys[0], layers[0](x)) and torch.equal(ys[1], layers[1](x))
+    assert nn.functional.cosine_similarity(ys[1].flatten(), rotated.flatten(), dim=0) > 0.99
+    calls.clear()
+    layers[1].input_hadamard = False
+    layers[1].backend = "reference"
+    shared_input_forward(layers, x)
+    assert calls == [1, 1]
+
+
+def test_w4a4_operands_are_only_for_layers_that_quantize_one_input_alike():
+    """The engine hands these layers x quantized once, unrotated, by the default kernels: a layer with the online
+    Hadamard, another backend or another width would get the wrong codes."""
+    from nibble.nn.quant_linear import w4a4_operands
+    base = lambda: QuantLinear(64, 16, mode="w4a4")  # noqa: E731
+    assert w4a4_operands([base(), base()], torch.float32) is not None
+    rotated, other_backend = base(), base()
+    rotated.input_hadamard = True
+    other_backend.backend = "reference"
+    for odd in (rotated, other_backend, QuantLinear(128, 16, mode="w4a4")):
+        assert w4a4_operands([base(), odd], torch.float32) is None
+
+
+def test_shared_input_forward_adds_every_bias_once_the_stacked_biases_part():
+    """Weights stacked by stack_weights whose biases no longer lie back to back (one replaced) run layer by layer:
+    the stacked matmul had no bias to add, and dropped them all."""
+    torch.manual_seed(24)
+    layers = [nn.Linear(32, n) for n in (16, 8)]
+    stack_weights(layers)
+    layers[1].bias = nn.Parameter(torch.randn(8))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        for y, m in zip(shared_input_forward(layers, x), layers):
+            torch.testing.assert_close(y, x @ m.weight.t() + m.bias)
+
+
+def test_a_w4a4_layer_of_groups_is_refused_when_made():
+    with pytest.raises(ValueError, match=r"w4a4 QuantLinear needs per-channel weights \(group_size = in_features\)"):
+        QuantLinear(256, 64, group_size=64, mode="w4a4")
+
+
+def test_from_weight_keeps_the_biases_dtype():
+    """The layer's bias buffer is the bias given, in its dtype (a bfloat16 bias saved as bfloat16), whatever the
+    default dtype."""
+    w = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32)).weight_int4()
+    bias = torch.randn(16).bfloat16()
+    q = QuantLinear.from_weight(w, bias)
+    assert q.bias.dtype == torch.bfloat16 and torch.equal(q.bias, bias)
+
+
+def test_from_linear_keeps_the_online_hadamard_of_a_rotated_linear():
+    """A HadamardInputLinear holds W @ H.T and rotates its input: its W4A4 QuantLinear must rotate too (the weight
+    without its rotation computes another function)."""
+    from nibble.nn.hadamard import HadamardInputLinear
+    torch.manual_seed(25)
+    lin = nn.Linear(192, 32)  # 192 = 12 * 16: a Paley factor, H not symmetric
+    q = QuantLinear.from_linear(HadamardInputLinear.from_linear(lin), QuantConfig(mode="w4a4"))
+    x = torch.randn(6, 192)
+    assert q.input_hadamard
+    with torch.no_grad():
+        assert nn.functional.cosine_similarity(q(x).flatten(), lin(x).flatten(), dim=0) > 0.95
+
+
+def test_the_gradients_of_a_rotated_layer_go_through_the_inverse_rotation():
+    """dy/dx = W @ H for y = q(x @ H.T) @ W.T: H's transpose, which the tests' power-of-two sizes (a symmetric H)
+    did not tell from H. 192 = 12 * 16 has a Paley factor, H.T != H; backward and forward mode both."""
+    torch.manual_seed(26)
+    q = QuantLinear.from_linear(nn.Linear(192, 24), QuantConfig(mode="w4a4"))
+    q.input_hadamard = True
+    from nibble.kernels.hadamard import hadamard_matrix
+    h = hadamard_matrix(192, torch.float64)
+    assert not torch.equal(h, h.t())
+    expected = (_explicit_w4a16(q, torch.eye(192)) - q.bias.double()).t() @ h  # [N, K]: the dequantized W, then H
+    x = torch.randn(192)
+    for jacobian in (torch.func.jacrev, torch.func.jacfwd):
+        torch.testing.assert_close(jacobian(q)(x).double(), expected, rtol=1e-5, atol=1e-5)
+    xs = torch.randn(3, 192, requires_grad=True)
+    r = torch.randn(3, 24)
+    (q(xs) * r).sum().backward()
+    torch.testing.assert_close(xs.grad.double(), r.double() @ expected, rtol=1e-5, atol=1e-5)
+
+
+def test_x_in_stored_order_that_wants_a_gradient_runs_under_no_grad():
+    """The refusal says "or run under torch.no_grad()": there no gradient is taken, whatever x.requires_grad says."""
+    from nibble.nn.quant_linear import PermutedInputQuantLinear
+    perm = torch.randperm(128)
+    layers = []
+    for n in (32, 16):
+        q = QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(group_size=64))
+        p = PermutedInputQuantLinear(128, n, True, 64, "w4a16", dtype=torch.float32)
+        p.load_state_dict({**q.state_dict(), "input_perm": perm})
+        layers.append(p)
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        ys = shared_input_forward(layers, x[:, perm].requires_grad_(), x_in_order=True)
+    for y, m in zip(ys, layers):
+        torch.testing.assert_close(y.double(), _explicit_w4a16(m, x[:, perm]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_layer_gives_the_eager_gradient():
+    """Training under torch.compile: the Function without a jvp is the one traced (Dynamo refuses a Function that
+    defines one), and the gradient is the dequantized weight's."""
+    q = _layer("w4a16", "cpu", dtype=torch.float32)
+    x = torch.randn(3, 256, requires_grad=True)
+    r = torch.randn(3, 48)
+    torch._dynamo.reset()
+    (torch.compile(q, fullgraph=True, backend="eager")(x) * r).sum().backward()
+    torch.testing.assert_close(x.grad.double(), r.double() @ _jacobian(q).double(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_w4a4_layer_on_the_meta_device_loads_a_meta_state_dict():
+    """Skeletons are built on the meta device (checkpoint loading): meta scales and zeros hold no values to check."""
+    layer = QuantLinear(64, 16, mode="w4a4", device="meta")
+    layer.load_state_dict(QuantLinear(64, 16, mode="w4a4", device="meta").state_dict(), assign=True)
+    assert layer.scales.is_meta and layer.qweight.shape == (8, 16)
