@@ -144,6 +144,16 @@ def _rewrite_tensors(path, edit, checksums=True):
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
 
 
+def _refused_by_both(path, said: str, tensor: str) -> None:
+    """load_quantized and `nibble info`'s quantized_structure both refuse the edited checkpoint ``path``, naming
+    ``tensor``."""
+    from nibble.models.serialization import quantized_structure
+    for load in (load_quantized, quantized_structure):
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path / 'model.safetensors'))} {re.escape(said)}, e\.g\. "
+                                                  rf"\['{re.escape(tensor)}'\]: the file was edited"):
+            load(path)
+
+
 @pytest.mark.parametrize("tensor,shape,checksums", [
     ("model.layers.0.mlp.down_proj.bias", (64,), False),  # a quantized linear's: its bias is the file's (below)
     ("lm_head.bias", (256,), True), ("lm_head.bias", (256,), False),
@@ -151,15 +161,11 @@ def _rewrite_tensors(path, edit, checksums=True):
 def test_a_tensor_the_model_does_not_have_is_refused_naming_it(saved, tensor, shape, checksums):
     """`nibble info` showed a quantized linear's bias the checksum table did not list. Other tensors were refused in
     torch's words, or as "tensor names do not match the checksum table" naming none."""
-    from nibble.models.serialization import quantized_structure
     _, path = saved
     _rewrite_tensors(path, lambda tensors: tensors.update({tensor: torch.randn(shape)}), checksums)
     said = ("holds 1 tensor(s) the model of its config.json does not have" if checksums
             else "holds 1 tensor(s) its checksum table does not list")
-    for load in (load_quantized, quantized_structure):
-        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path / 'model.safetensors'))} {re.escape(said)}, e\.g\. "
-                                                  rf"\['{re.escape(tensor)}'\]: the file was edited"):
-            load(path)
+    _refused_by_both(path, said, tensor)
 
 
 def test_a_bias_the_architecture_lacks_round_trips(tmp_path):
@@ -182,15 +188,11 @@ def test_a_bias_the_architecture_lacks_round_trips(tmp_path):
 def test_a_tensor_of_the_model_the_checkpoint_lacks_is_refused_naming_it(saved, tensor, checksums):
     """A Qwen2 checkpoint without one of its q/k/v biases (the checksums made anew) loaded that layer without a bias,
     and `nibble info` showed it so whatever the checksums said."""
-    from nibble.models.serialization import quantized_structure
     _, path = saved
     _rewrite_tensors(path, lambda tensors: tensors.pop(tensor), checksums)
     said = ("lacks 1 of the tensors of the model of its config.json" if checksums
             else "lacks 1 tensor(s) its checksum table lists")
-    for load in (load_quantized, quantized_structure):
-        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path / 'model.safetensors'))} {re.escape(said)}, e\.g\. "
-                                                  rf"\['{re.escape(tensor)}'\]: the file was edited"):
-            load(path)
+    _refused_by_both(path, said, tensor)
 
 
 def test_newer_format_version_is_refused(saved):

@@ -600,15 +600,21 @@ def test_shared_input_forward_gives_each_layers_gradient(mode):
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_shared_input_forward_refuses_a_gradient_of_x_in_stored_order():
+def _permuted_layers(perm: torch.Tensor, outs) -> list:
+    """W4A16 act-order layers of 128 inputs, one of each of ``outs`` outputs, all in input order ``perm``."""
     from nibble.nn.quant_linear import PermutedInputQuantLinear
-    perm = torch.randperm(128)
     layers = []
-    for n in (64, 32):
+    for n in outs:
         q = QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(group_size=64))
         p = PermutedInputQuantLinear(128, n, True, 64, "w4a16", dtype=torch.float32)
         p.load_state_dict({**q.state_dict(), "input_perm": perm})
         layers.append(p)
+    return layers
+
+
+def test_shared_input_forward_refuses_a_gradient_of_x_in_stored_order():
+    perm = torch.randperm(128)
+    layers = _permuted_layers(perm, (64, 32))
     x = torch.randn(3, 128)
     with torch.no_grad():
         ys = shared_input_forward(layers, x[:, perm], x_in_order=True)
@@ -846,14 +852,8 @@ def test_the_gradients_of_a_rotated_layer_go_through_the_inverse_rotation():
 
 def test_x_in_stored_order_that_wants_a_gradient_runs_under_no_grad():
     """The refusal says "or run under torch.no_grad()": there no gradient is taken, whatever x.requires_grad says."""
-    from nibble.nn.quant_linear import PermutedInputQuantLinear
     perm = torch.randperm(128)
-    layers = []
-    for n in (32, 16):
-        q = QuantLinear.from_linear(nn.Linear(128, n), QuantConfig(group_size=64))
-        p = PermutedInputQuantLinear(128, n, True, 64, "w4a16", dtype=torch.float32)
-        p.load_state_dict({**q.state_dict(), "input_perm": perm})
-        layers.append(p)
+    layers = _permuted_layers(perm, (32, 16))
     x = torch.randn(3, 128)
     with torch.no_grad():
         ys = shared_input_forward(layers, x[:, perm].requires_grad_(), x_in_order=True)
