@@ -158,13 +158,19 @@ def parse_bench_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespac
     return args
 
 
+def whole_number(what: str) -> Callable[[str], int]:
+    """An argparse type for a benchmark's count option: a whole number above 0, refused as ``what`` it is (e.g. "a
+    token count M") otherwise."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{what} is a whole number above 0; got {text!r}")
+        return int(text)
+    return parse
+
+
 def add_rounds_argument(parser) -> None:
     """``--rounds R`` (default ROUNDS, at least 1) on a benchmark's command line, for `bench_rounds`."""
-    def at_least_one(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"must be a whole number of rounds, at least 1; got {text!r}")
-        return int(text)
-    parser.add_argument("--rounds", type=at_least_one, default=ROUNDS,
+    parser.add_argument("--rounds", type=whole_number("a number of rounds"), default=ROUNDS,
                         help=f"interleaved rounds per cell, its figure their median (default {ROUNDS})")
 
 

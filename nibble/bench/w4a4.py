@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean, gpu_tag,
-                                 json_text, parse_bench_args, rotations, write_results)
+                                 json_text, parse_bench_args, rotations, whole_number, write_results)
 from nibble.formats.int4 import unpack_int4
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
@@ -230,19 +230,12 @@ def _shape(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _tokens(text: str) -> int:
-    """``--ms``' token count: a whole number above 0."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a token count M is a whole number above 0; got {text!r}")
-    return int(text)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nibble.bench w4a4", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 shapes, M in 1, 16, 128, 1024")
     p.add_argument("--out", default="benchmarks/results", help="folder for w4a4-<gpu>.json / .png")
     p.add_argument("--shapes", nargs="+", type=_shape, default=None, help="N,K pairs, e.g. 4096,4096 28672,8192")
-    p.add_argument("--ms", nargs="+", type=_tokens, default=None,
+    p.add_argument("--ms", nargs="+", type=whole_number("a token count M"), default=None,
                    help="token counts M, e.g. 1 16 128 (default: the suite's)")
     # an unknown name was timed as nothing, and its column left out without a word
     p.add_argument("--ops", nargs="+", choices=OPS, default=None, help=f"subset of {', '.join(OPS)}")
