@@ -337,9 +337,41 @@ def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tok
     # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
     draws = {} if sampling is None or sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
-    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                         **({"do_sample": False} | draws), pad_token_id=pad, streamer=streamer)
+    watch = _FiniteLogitsWatch(width, _stop_ids(model, tokenizer), next(model.parameters()).dtype)
+    try:
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             **({"do_sample": False} | draws), pad_token_id=pad, streamer=streamer,
+                             logits_processor=[watch])
+    except FloatingPointError:  # the watch's: the text streamed before it ends its line, as the engine's path does
+        if streamer is not None:
+            streamer.end()
+        raise
     return out[:, width:].cpu()
+
+
+class _FiniteLogitsWatch:
+    """A logits processor for transformers' ``generate`` (after its own processors, before its temperature and
+    filters) that raises the engine's error (`engine.nonfinite_logits_error`) at the first step whose scores held a
+    NaN or +inf for a sequence not yet stopped, before a token is picked from them: greedy, generate took the
+    NaN's index without a word; sampled, it failed on "probability tensor contains either inf, nan or element < 0".
+    A -inf is what its own processors write to rule a token out. One read of the device a step, as generate's own
+    stop check makes."""
+
+    def __init__(self, width: int, stop_ids: set[int], dtype: torch.dtype):
+        self.width, self.stop_ids, self.dtype = width, sorted(stop_ids), dtype
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        from nibble.eval.engine import nonfinite_logits_error
+
+        new = input_ids[:, self.width:]
+        stopped = torch.isin(new, torch.tensor(self.stop_ids, dtype=new.dtype, device=new.device)).any(-1)
+        broken = (scores.isnan() | scores.isposinf()).any(-1) & ~stopped
+        bad = broken.nonzero().flatten().tolist()
+        if bad:
+            raise nonfinite_logits_error(new.shape[1], bad[0], len(bad) - 1, len(scores), self.dtype)
+        return scores
 
 
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, chat: bool, engine: bool = True,

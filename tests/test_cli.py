@@ -388,11 +388,13 @@ def poisoned_dir(tmp_path_factory):
     return d, step
 
 
-def test_generate_says_logits_that_are_not_finite_in_one_line_and_status_1(poisoned_dir, capsys):
+@pytest.mark.parametrize("hf_generate", [[], ["--hf-generate"]])
+def test_generate_says_logits_that_are_not_finite_in_one_line_and_status_1(poisoned_dir, capsys, hf_generate):
     """It printed the text of the tokens picked from NaN logits (the first NaN's index: an empty line, where that is
-    the end of sequence), status 0."""
+    the end of sequence), status 0; with transformers' generate too."""
     d, step = poisoned_dir
     argv = ["generate", "the capital", "--model", str(d), "--device", "cpu", "--quant", "none", "--no-chat"]
+    argv += hf_generate
     said = (rf"^nibble generate: the model's logits held NaN or infinite values at decode step {step} \(new token "
             rf"{step + 1}\)(?P<batch>.*): the tokens picked from them are garbage\. Likely causes: a corrupt "
             r"checkpoint or a broken layer \(weights holding NaN or Inf\), or activations past float32's range\n"
@@ -409,15 +411,18 @@ def test_generate_says_logits_that_are_not_finite_in_one_line_and_status_1(poiso
     assert re.match(said, e.value.code)[1] == " of sequence 0 of the batch" and capsys.readouterr().out == ""
 
 
-def test_generate_text_raises_on_logits_that_are_not_finite(poisoned_dir):
+@pytest.mark.parametrize("engine", [True, False])
+def test_generate_text_raises_on_logits_that_are_not_finite(poisoned_dir, engine):
+    """transformers' generate (engine False) took the NaN's index, greedy, without a word."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nibble.cli import generate_text, generate_texts
 
     model, tok = AutoModelForCausalLM.from_pretrained(poisoned_dir[0]), AutoTokenizer.from_pretrained(poisoned_dir[0])
     with pytest.raises(FloatingPointError, match=rf"at decode step {poisoned_dir[1]} "):
-        generate_text(model, tok, "the capital", 12, chat=False)
-    texts = generate_texts(model, tok, ["a haiku about the sea", "the capital"], 12, chat=False, batch_size=1)
+        generate_text(model, tok, "the capital", 12, chat=False, engine=engine)
+    texts = generate_texts(model, tok, ["a haiku about the sea", "the capital"], 12, chat=False, batch_size=1,
+                           engine=engine)
     assert next(texts)  # the first batch's answer, then the second's error
     with pytest.raises(FloatingPointError, match=rf"at decode step {poisoned_dir[1]} "):
         next(texts)
@@ -525,6 +530,22 @@ def test_timed_streamer_counts_the_prompt_apart_and_passes_everything_on(monkeyp
     monkeypatch.setattr("nibble.cli.time.perf_counter", lambda: 20.0)
     only_prompt.put(torch.zeros(1, 3))
     assert only_prompt.summary() == "3 prompt tokens, no new token"
+
+
+def test_transformers_generate_sampling_from_logits_that_are_not_finite_says_so(poisoned_dir):
+    """It failed inside torch ("probability tensor contains either inf, nan or element < 0"): a prompt holding the
+    poisoned token makes the prefill's logits NaN, whatever is drawn."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import _transformers_tokens
+    from nibble.eval.engine import Sampling
+
+    model, tok = AutoModelForCausalLM.from_pretrained(poisoned_dir[0]), AutoTokenizer.from_pretrained(poisoned_dir[0])
+    poisoned = model.model.embed_tokens.weight.isnan().any(-1).nonzero().item()
+    prompts = [tok("a haiku").input_ids, tok("the").input_ids + [poisoned]]
+    with pytest.raises(FloatingPointError, match=r"values at the prefill \(the first new token's logits\) of "
+                                                 r"sequence 1 of the batch: "):
+        _transformers_tokens(model, tok, prompts, 4, Sampling(1.0, None, 1.0))
 
 
 # by the options' names: Sampling's messages named its parameters ("top_p must be in (0, 1]")

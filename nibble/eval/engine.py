@@ -1452,16 +1452,7 @@ class Engine:
         if not bad:
             return
         first, row = min(bad)
-        where = "at the prefill (the first new token's logits)" if first == 0 else \
-            f"at decode step {first} (new token {first + 1})"
-        if B > 1:
-            where += f" of sequence {row} of the batch" + (f" (and of {len(bad) - 1} more)" if len(bad) > 1 else "")
-        broken = "a corrupt checkpoint or a broken layer (weights holding NaN or Inf)"
-        dtype = str(self.dtype).removeprefix("torch.")
-        causes = (f"activations past float16's range (65504): load the model in bfloat16 (dtype=torch.bfloat16); else "
-                  f"{broken}" if self.dtype == torch.float16 else f"{broken}, or activations past {dtype}'s range")
-        raise FloatingPointError(f"the model's logits held NaN or infinite values {where}: the tokens picked from them "
-                                 f"are garbage. Likely causes: {causes}")
+        raise nonfinite_logits_error(first, row, len(bad) - 1, B, self.dtype)
 
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
@@ -1470,3 +1461,19 @@ class Engine:
         """Drop the graphs and the cache (their memory goes back to the allocator)."""
         self._graphs.clear()
         self.k_cache = self.v_cache = None
+
+
+def nonfinite_logits_error(step: int, row: int, more: int, batch: int, dtype: torch.dtype) -> FloatingPointError:
+    """The error for logits that held a NaN or +-inf at decode ``step`` (0: the prefill's, the first new token's) of
+    sequence ``row`` of a ``batch`` (and of ``more`` others), in a model computing in ``dtype``: said the same way
+    by the engine and by `nibble generate --hf-generate`'s watch over transformers' generate."""
+    where = "at the prefill (the first new token's logits)" if step == 0 else \
+        f"at decode step {step} (new token {step + 1})"
+    if batch > 1:
+        where += f" of sequence {row} of the batch" + (f" (and of {more} more)" if more else "")
+    broken = "a corrupt checkpoint or a broken layer (weights holding NaN or Inf)"
+    name = str(dtype).removeprefix("torch.")
+    causes = (f"activations past float16's range (65504): load the model in bfloat16 (dtype=torch.bfloat16); else "
+              f"{broken}" if dtype == torch.float16 else f"{broken}, or activations past {name}'s range")
+    return FloatingPointError(f"the model's logits held NaN or infinite values {where}: the tokens picked from them "
+                              f"are garbage. Likely causes: {causes}")
