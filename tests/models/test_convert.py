@@ -765,7 +765,9 @@ def test_a_converted_model_is_its_float_model_with_each_linear_computed_from_its
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # a 16-bit rounding may move a code by a step
+    # 16-bit: a rounding may move a code by a step; in W4A4 an activation's step is 1/7 of its token's largest value,
+    # and attention spreads it (2.3% of a down_proj's output, 1.5% of the logits, on torch 2.11's tiny qwen2 here)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2 if config.mode == "w4a4" else 1e-2
     assert got.dtype == dtype and (got.float() - want.float()).abs().max() <= tolerance * want.abs().max()
     loaded, _ = load_quantized(save_quantized(model, tmp_path), tokenizer=False)
     with torch.no_grad():
