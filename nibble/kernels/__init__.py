@@ -7,8 +7,6 @@ that cannot build falls back to Triton), and says clearly why they cannot run.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -16,15 +14,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from nibble.formats.int4 import PACK
 from nibble.kernels import reference
 from nibble.kernels.launch import check_bias
+from nibble.kernels.triton_device import KernelUnavailableError, triton_unavailable, triton_unusable
 
 BACKENDS = ("auto", "reference", "triton")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-class KernelUnavailableError(RuntimeError):
-    pass
 
 
 def check_backend(backend: str) -> None:
@@ -44,8 +38,8 @@ def _use_kernel(x: torch.Tensor, backend: str) -> bool:
         if not x.is_cuda:
             raise KernelUnavailableError(f"the Triton kernels need CUDA tensors; the input is on {x.device}: move "
                                          "the model and inputs to the GPU with .to('cuda')")
-        if not _HAS_TRITON:
-            raise KernelUnavailableError("the GPU kernels need the `triton` package: pip install triton")
+        if triton_unusable():
+            raise triton_unavailable("GPU")
     return x.is_cuda
 
 

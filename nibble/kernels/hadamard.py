@@ -37,7 +37,7 @@ import torch
 
 from nibble.kernels import transforms_active
 from nibble.kernels.launch import cdiv, next_pow2
-from nibble.kernels.triton_device import check_triton_device
+from nibble.kernels.triton_device import check_triton_device, triton_unavailable
 from nibble.warn import warn
 
 try:
@@ -497,8 +497,7 @@ def hadamard_transform_triton(x: torch.Tensor, inverse: bool = False, split: boo
         raise TypeError(f"hadamard kernel takes float16/bfloat16/float32, got {x.dtype}; "
                         f"use hadamard_transform_reference for other dtypes")
     if triton is None:
-        raise ImportError("the hadamard kernel needs the `triton` package (pip install triton); "
-                          "hadamard_transform runs the reference without it")
+        raise triton_unavailable("Hadamard")
     check_triton_device(x, "Hadamard")
     if x.dim() == 0 or x.stride(-1) != 1:
         raise ValueError("hadamard kernel needs at least 1 dim and a contiguous last dim; call .contiguous()")

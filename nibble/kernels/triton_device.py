@@ -3,6 +3,7 @@ which the kernel tests use). One check for every kernel family, so that they ref
 message (elsewhere Triton fails with "0 active drivers")."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -11,6 +12,34 @@ try:  # the package imports without triton (CPU-only installs)
     import triton
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
+
+# Programmatic dependent launch (`early_launch`: gdc_wait / gdc_launch_dependents in the kernels, launch_pdl at their
+# launches) came in triton 3.4, the one torch 2.8 pins. With an older triton the kernel modules' imports fail as if it
+# were missing.
+MIN_TRITON = "3.4"
+
+
+class KernelUnavailableError(RuntimeError):
+    """The GPU kernels cannot run here (no GPU, CPU tensors, no usable triton); the message says what to change."""
+
+
+@functools.lru_cache(maxsize=None)
+def triton_unusable() -> str | None:
+    """Why nibble's Triton kernels cannot run in this environment (None: they can), as a message's end."""
+    if triton is None:
+        return f"need the `triton` package: pip install 'triton>={MIN_TRITON}'"
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return (f"need triton >= {MIN_TRITON} (programmatic dependent launch), found triton {triton.__version__}: "
+                f"pip install -U 'triton>={MIN_TRITON}' (or a torch >= 2.8 with its own)")
+    return None
+
+
+def triton_unavailable(kernels: str) -> KernelUnavailableError:
+    """The error for the ``kernels`` (a name for the message) where their module found no usable triton."""
+    why = triton_unusable() or "could not import triton (`python -c 'import triton.language'` says why)"
+    return KernelUnavailableError(f"the {kernels} kernels {why}")
 
 
 def interpreting() -> bool:

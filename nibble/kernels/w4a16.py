@@ -64,7 +64,7 @@ from nibble.kernels.early_launch import MAX_TOKENS as EARLY_LAUNCH_MAX_TOKENS
 from nibble.kernels.early_launch import early_launch
 from nibble.kernels.launch import (NUM_SMS_DEFAULT, SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSOR_IF_FULL, SUCCESSORS,
                                    cdiv, num_sms, split_counters)
-from nibble.kernels.triton_device import check_triton_device
+from nibble.kernels.triton_device import check_triton_device, triton_unavailable
 
 try:  # the module must import without triton (CPU-only installs)
     import triton
@@ -991,7 +991,7 @@ def _check_weight(qweight, scales, zeros, group_size):
 def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, config: Config | None = None, out=None):
     """CUDA path (also usable directly with an explicit Config, e.g. by the benchmark sweep)."""
     if not HAS_TRITON:
-        raise RuntimeError("nibble's W4A16 CUDA kernels need triton; install it or run on CPU")
+        raise triton_unavailable("W4A16")
     check_triton_device(x, "W4A16 Triton")
     x = x.contiguous()
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()

@@ -61,7 +61,7 @@ import torch
 from nibble.formats.int4 import PACK
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
-from nibble.kernels.triton_device import check_triton_device, interpreting
+from nibble.kernels.triton_device import check_triton_device, interpreting, triton_unavailable
 from nibble.kernels import hadamard as _had
 from nibble.kernels.launch import (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, cdiv, check_bias, next_pow2,
                                    num_sms, split_counters)
@@ -314,7 +314,7 @@ def quantize_activations_triton(x: torch.Tensor, input_hadamard: bool = False,
     _check_act_input(x)
     check_order(order, x.shape[1])
     if triton is None:
-        raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
+        raise triton_unavailable("W4A4")
     check_triton_device(x, "W4A4")
     M, K = x.shape
     if x.stride(-1) != 1:
@@ -882,7 +882,7 @@ def w4a4_matmul_triton(qx: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
     ``config`` overrides `pick_config` (tests and benchmarks).
     """
     if triton is None:
-        raise ImportError("the W4A4 kernels need the `triton` package (pip install triton)")
+        raise triton_unavailable("W4A4")
     _check_matmul_inputs(qx, x_scale, qweight, w_scale, bias)
     check_triton_device(qx, "W4A4")
     if out_dtype not in KERNEL_DTYPES + (torch.float32,):

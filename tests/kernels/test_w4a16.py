@@ -173,6 +173,30 @@ def test_imports_without_triton():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_a_triton_older_than_the_kernels_need_is_named_with_its_version():
+    """A triton without programmatic dependent launch (before 3.4: torch 2.7's 3.3) failed the kernel modules' imports
+    as if it were missing: the W4A16 kernels said "need triton; install it" where it was installed, and the W4A4 ones
+    "need the `triton` package (pip install triton)"."""
+    pytest.importorskip("triton")
+    code = ("import importlib, triton, torch\n"
+            "del importlib.import_module('triton.language.extra.cuda').gdc_launch_dependents\n"
+            "triton.__version__ = '3.3.1'\n"
+            "from nibble.kernels import w4a16, w4a4, KernelUnavailableError, triton_device\n"
+            "assert not w4a16.HAS_TRITON and w4a4.triton is None\n"
+            "print(triton_device.triton_unusable())\n"
+            "try:\n"
+            "    w4a4.quantize_activations_triton(torch.randn(2, 64, dtype=torch.float16))\n"
+            "except KernelUnavailableError as e:\n"
+            "    print(e)\n")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    need = ("need triton >= 3.4 (programmatic dependent launch), found triton 3.3.1: pip install -U 'triton>=3.4' (or "
+            "a torch >= 2.8 with its own)")
+    assert r.stdout.splitlines() == [need, f"the W4A4 kernels {need}"]
+
+
 def test_select_config_is_pure_and_covers_all_m():
     for M in (1, 2, 3, 16, 17, 64, 65, 1000, 100000):
         for N, K, G in ((4096, 4096, 128), (576, 1536, 64), (28672, 8192, 32)):
