@@ -159,6 +159,15 @@ def test_dequantize_checks_the_weight():
         W.dequantize_cuda(qw, s, z, 32)
 
 
+def _run_elsewhere(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter on this checkout (outside Triton's interpreter), checked to succeed."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
 def test_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
             "import torch, nibble.kernels.w4a16 as W\n"
@@ -167,10 +176,7 @@ def test_imports_without_triton():
             "q = rtn_quantize(torch.randn(16, 64), 32)\n"
             "y = torch.ops.nibble.w4a16_linear(torch.randn(2, 64).half(), q.qweight, q.scales, q.zeros, 32)\n"
             "assert y.shape == (2, 16)\n")
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _run_elsewhere(code)
 
 
 def test_a_triton_older_than_the_kernels_need_is_named_with_its_version():
@@ -188,10 +194,7 @@ def test_a_triton_older_than_the_kernels_need_is_named_with_its_version():
             "    w4a4.quantize_activations_triton(torch.randn(2, 64, dtype=torch.float16))\n"
             "except KernelUnavailableError as e:\n"
             "    print(e)\n")
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run_elsewhere(code)
     need = ("need triton >= 3.4 (programmatic dependent launch), found triton 3.3.1: pip install -U 'triton>=3.4' (or "
             "a torch >= 2.8 with its own)")
     assert r.stdout.splitlines() == [need, f"the W4A4 kernels {need}"]
