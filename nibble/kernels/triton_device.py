@@ -14,8 +14,8 @@ except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
 
 # Programmatic dependent launch (`early_launch`: gdc_wait / gdc_launch_dependents in the kernels, launch_pdl at their
-# launches) came in triton 3.4, the one torch 2.8 pins. With an older triton the kernel modules' imports fail as if it
-# were missing.
+# launches) came in triton 3.4 (torch 2.8's; nibble needs torch 2.9, whose is 3.5). With an older triton the kernel
+# modules' imports fail as if it were missing.
 MIN_TRITON = "3.4"
 
 
@@ -32,7 +32,7 @@ def triton_unusable() -> str | None:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     except ImportError:
         return (f"need triton >= {MIN_TRITON} (programmatic dependent launch), found triton {triton.__version__}: "
-                f"pip install -U 'triton>={MIN_TRITON}' (or a torch >= 2.8 with its own)")
+                f"pip install -U 'triton>={MIN_TRITON}'")
     return None
 
 

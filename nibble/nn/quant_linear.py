@@ -272,10 +272,10 @@ class _WithInputGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, bias: torch.Tensor | None, layer: QuantLinear) -> torch.Tensor:
-        # A view of the product, not the product: torch 2.11's Dynamo (2.13's no longer) gave a zero gradient to
-        # every input of a traced Function whose forward ended in a method that returns its tensor itself, as
-        # ``.to(x.dtype)`` does where the product already has x's dtype (bfloat16 through the GPU kernels, float32
-        # through the CPU reference). A view costs nothing and passes the gradient in every version.
+        # A view of the product, not the product: torch 2.11's Dynamo (not 2.10's, 2.12's or 2.13's) gave a zero
+        # gradient to every input of a traced Function whose forward ended in a method that returns its tensor
+        # itself, as ``.to(x.dtype)`` does where the product already has x's dtype (bfloat16 through the GPU kernels,
+        # float32 through the CPU reference). A view costs nothing and passes the gradient in every version.
         y = layer._product(x, bias)
         return y.view_as(y)
 
