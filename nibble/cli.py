@@ -337,7 +337,7 @@ def _transformers_tokens(model, tokenizer, prompts: list[list[int]], max_new_tok
     # top_k=0: no top-k filter (transformers' default would be 50), as the engine's None
     draws = {} if sampling is None or sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
-    watch = _FiniteLogitsWatch(width, _stop_ids(model, tokenizer), next(model.parameters()).dtype)
+    watch = _FiniteLogitsWatch(width, _stop_ids(model, tokenizer), next(model.parameters()).dtype, device)
     try:
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                              **({"do_sample": False} | draws), pad_token_id=pad, streamer=streamer,
@@ -357,8 +357,12 @@ class _FiniteLogitsWatch:
     A -inf is what its own processors write to rule a token out. One read of the device a step, as generate's own
     stop check makes."""
 
-    def __init__(self, width: int, stop_ids: set[int], dtype: torch.dtype):
-        self.width, self.stop_ids, self.dtype = width, sorted(stop_ids), dtype
+    def __init__(self, width: int, stop_ids: set[int], dtype: torch.dtype, device):
+        import torch
+
+        self.width, self.dtype = width, dtype
+        # on generate's device once, not copied there at every step
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
@@ -366,7 +370,7 @@ class _FiniteLogitsWatch:
         from nibble.eval.engine import nonfinite_logits_error
 
         new = input_ids[:, self.width:]
-        stopped = torch.isin(new, torch.tensor(self.stop_ids, dtype=new.dtype, device=new.device)).any(-1)
+        stopped = torch.isin(new, self.stop_ids).any(-1)
         broken = (scores.isnan() | scores.isposinf()).any(-1) & ~stopped
         bad = broken.nonzero().flatten().tolist()
         if bad:
