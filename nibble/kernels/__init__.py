@@ -1,5 +1,6 @@
 """Kernel dispatch: the GPU kernel where one applies, the pure-PyTorch reference otherwise.
 
+On a GPU where the kernels cannot run (no usable triton), "auto" runs the reference there and says so once.
 Every op here has one signature for every backend; `backend="reference"` forces the reference,
 `backend="triton"` demands the GPU kernels, which are Triton kernels and the CUDA C++ kernels of `csrc/` alike (the
 name is older than the C++ ones; each op's dispatch in `w4a16.py` / `w4a4.py` says which runs where, and a C++ kernel
@@ -14,7 +15,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from nibble.formats.int4 import PACK
 from nibble.kernels import reference
 from nibble.kernels.launch import check_bias
-from nibble.kernels.triton_device import KernelUnavailableError, triton_unavailable, triton_unusable
+from nibble.kernels.triton_device import (KernelUnavailableError, triton_unavailable, triton_unusable,
+                                          warn_reference_on_gpu)
 
 BACKENDS = ("auto", "reference", "triton")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -38,8 +40,11 @@ def _use_kernel(x: torch.Tensor, backend: str) -> bool:
         if not x.is_cuda:
             raise KernelUnavailableError(f"the Triton kernels need CUDA tensors; the input is on {x.device}: move "
                                          "the model and inputs to the GPU with .to('cuda')")
-        if triton_unusable():
+    if x.is_cuda and triton_unusable():  # cached: one import probe a process
+        if backend == "triton":
             raise triton_unavailable("GPU")
+        warn_reference_on_gpu()
+        return False
     return x.is_cuda
 
 

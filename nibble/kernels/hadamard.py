@@ -37,7 +37,7 @@ import torch
 
 from nibble.kernels import transforms_active
 from nibble.kernels.launch import cdiv, next_pow2
-from nibble.kernels.triton_device import check_triton_device, triton_unavailable
+from nibble.kernels.triton_device import check_triton_device, triton_unavailable, warn_reference_on_gpu
 from nibble.warn import warn
 
 try:
@@ -552,6 +552,8 @@ def warn_past_kernel(n: int) -> None:
 
 @_hadamard_op.register_kernel("cuda")
 def _hadamard_op_cuda(x: torch.Tensor, inverse: bool) -> torch.Tensor:
+    if triton is None:
+        warn_reference_on_gpu()
     if triton is None or x.dtype not in TRANSFORM_DTYPES:
         return hadamard_transform_reference(x, inverse)
     if not kernel_fits(x.shape[-1]):

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from nibble.warn import warn
+
 try:  # the package imports without triton (CPU-only installs)
     import triton
 except ImportError:  # pragma: no cover - exercised only without triton
@@ -40,6 +42,14 @@ def triton_unavailable(kernels: str) -> KernelUnavailableError:
     """The error for the ``kernels`` (a name for the message) where their module found no usable triton."""
     why = triton_unusable() or "could not import triton (`python -c 'import triton.language'` says why)"
     return KernelUnavailableError(f"the {kernels} kernels {why}")
+
+
+@functools.lru_cache(maxsize=None)
+def warn_reference_on_gpu() -> None:
+    """Said once: where the GPU kernels cannot run (`triton_unusable`), backend "auto" runs PyTorch's reference on
+    the GPU (the same values, many times slower) rather than refuse a model the user can still run."""
+    warn(f"nibble's GPU kernels {triton_unusable()}; until then, PyTorch's reference runs on the GPU (the same "
+         "values, many times slower); backend='triton' makes this an error")
 
 
 def interpreting() -> bool:

@@ -61,7 +61,8 @@ import torch
 from nibble.formats.int4 import PACK
 from nibble.kernels import cuda_build, hopper, reference
 from nibble.kernels.early_launch import early_launch
-from nibble.kernels.triton_device import check_triton_device, interpreting, triton_unavailable
+from nibble.kernels.triton_device import (check_triton_device, interpreting, triton_unavailable,
+                                          warn_reference_on_gpu)
 from nibble.kernels import hadamard as _had
 from nibble.kernels.launch import (SUCCESSOR_AT_END, SUCCESSOR_CAPPED, SUCCESSORS, cdiv, check_bias, next_pow2,
                                    num_sms, split_counters)
@@ -1326,6 +1327,7 @@ def checked_layers(x, qweights, w_scales, biases, input_hadamard, kernels: bool 
 def _w4a4_outputs_cuda(x, layers, input_hadamard):
     """x rotated (optionally) and quantized once, then one product per checked (qweight, w_scale, bias)."""
     if triton is None:
+        warn_reference_on_gpu()
         return [reference.w4a4_linear(x, *layer, input_hadamard) for layer in layers]
     M, K = x.shape
     widths = [qweight.shape[1] for qweight, _, _ in layers]

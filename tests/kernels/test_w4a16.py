@@ -199,6 +199,50 @@ def test_a_triton_older_than_the_kernels_need_is_named_with_its_version():
     assert r.stdout.splitlines() == [need, f"the W4A4 kernels {need}"]
 
 
+def test_a_gpu_without_usable_triton_runs_the_reference_and_says_so_once():
+    """Backend "auto" on CUDA tensors where the kernels cannot run: W4A16 raised, while W4A4's product and the
+    Hadamard op ran PyTorch's reference on the GPU without a word. Now all three run the reference and one warning
+    says why; backend="triton" refuses. Without a GPU, only the warning's text is checked."""
+    pytest.importorskip("triton")
+    code = ("import importlib, warnings, triton, torch\n"
+            "del importlib.import_module('triton.language.extra.cuda').gdc_launch_dependents\n"
+            "triton.__version__ = '3.3.1'\n"
+            "import nibble.kernels as K\n"
+            "from nibble.kernels import reference, triton_device\n"
+            "from nibble.kernels.hadamard import hadamard_transform, hadamard_transform_reference\n"
+            "from nibble.formats.int4 import pack_int4\n"
+            "from nibble.quantize.rtn import rtn_quantize\n"
+            "warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as said:\n"
+            "    if not torch.cuda.is_available():\n"
+            "        triton_device.warn_reference_on_gpu(); triton_device.warn_reference_on_gpu()\n"
+            "    else:\n"
+            "        x = torch.randn(3, 256, device='cuda', dtype=torch.bfloat16)\n"
+            "        q = rtn_quantize(torch.randn(48, 256), 128)\n"
+            "        w = [t.cuda() for t in (q.qweight, q.scales, q.zeros)]\n"
+            "        for _ in range(2):\n"
+            "            assert torch.equal(K.w4a16_linear(x, *w, 128), reference.w4a16_matmul(x, *w, 128))\n"
+            "        qw = pack_int4(torch.randint(0, 16, (256, 48), dtype=torch.int32)).cuda()\n"
+            "        ws = torch.rand(48, device='cuda').half()\n"
+            "        assert torch.equal(K.w4a4_linear(x, qw, ws, input_hadamard=True),\n"
+            "                           reference.w4a4_linear(x, qw, ws, None, True))\n"
+            "        assert torch.equal(torch.ops.nibble.w4a4_linear(x, qw, ws, None, True),\n"
+            "                           reference.w4a4_linear(x, qw, ws, None, True))\n"
+            "        assert torch.equal(hadamard_transform(x), hadamard_transform_reference(x))\n"
+            "        try:\n"
+            "            K.w4a16_linear(x, *w, 128, backend='triton')\n"
+            "            raise AssertionError('backend=triton ran')\n"
+            "        except K.KernelUnavailableError as e:\n"
+            "            print(e)\n"
+            "print(len(said), said[0].message)\n")
+    r = _run_elsewhere(code)
+    need = "need triton >= 3.4 (programmatic dependent launch), found triton 3.3.1: pip install -U 'triton>=3.4'"
+    lines = r.stdout.splitlines()
+    assert lines[-1] == (f"1 nibble's GPU kernels {need}; until then, PyTorch's reference runs on the GPU (the same "
+                         "values, many times slower); backend='triton' makes this an error")
+    assert lines[:-1] == ([f"the GPU kernels {need}"] if CUDA else [])
+
+
 def test_select_config_is_pure_and_covers_all_m():
     for M in (1, 2, 3, 16, 17, 64, 65, 1000, 100000):
         for N, K, G in ((4096, 4096, 128), (576, 1536, 64), (28672, 8192, 32)):
