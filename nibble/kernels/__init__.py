@@ -19,6 +19,9 @@ from nibble.kernels.triton_device import (KernelUnavailableError, triton_unavail
                                           warn_reference_on_gpu)
 
 BACKENDS = ("auto", "reference", "triton")
+# asked once, here: Dynamo traces through an lru_cache (with a warning), and so would run its import probe at every
+# compiled layer
+_TRITON_UNUSABLE = triton_unusable()
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -40,10 +43,11 @@ def _use_kernel(x: torch.Tensor, backend: str) -> bool:
         if not x.is_cuda:
             raise KernelUnavailableError(f"the Triton kernels need CUDA tensors; the input is on {x.device}: move "
                                          "the model and inputs to the GPU with .to('cuda')")
-    if x.is_cuda and triton_unusable():  # cached: one import probe a process
+    if x.is_cuda and _TRITON_UNUSABLE:
         if backend == "triton":
             raise triton_unavailable("GPU")
-        warn_reference_on_gpu()
+        if not _traced():  # the warning reads the caller's frames, which Dynamo cannot trace
+            warn_reference_on_gpu()
         return False
     return x.is_cuda
 
