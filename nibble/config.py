@@ -186,7 +186,7 @@ class QuantConfig:
 
     @property
     def activation_bits(self) -> int:
-        return 4 if self.mode == "w4a4" else 16
+        return activation_bits(self.mode)
 
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "bits": 4,
@@ -201,6 +201,12 @@ class QuantConfig:
         if d.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise ValueError(f"checkpoint format_version {d.get('format_version')!r} is not supported by this nibble "
                              f"(it reads versions {READABLE_FORMAT_VERSIONS}); upgrade nibble or re-quantize the model")
+        if d.get("bits", 4) != 4:  # written by to_dict; an edited or foreign file held 8-bit weights as 4-bit ones
+            raise ValueError(f"bits={d['bits']!r}: nibble's checkpoints hold 4-bit weights")
+        mode = d.get("mode", "w4a16")
+        if "activation_bits" in d and d["activation_bits"] != activation_bits(mode):
+            raise ValueError(f"activation_bits={d['activation_bits']!r} does not go with mode={mode!r} (w4a16: 16, "
+                             "w4a4: 4)")
         fields = cls.__dataclass_fields__
         d = {k: v for k, v in d.items() if k in fields}
         if d.get("rotation", "none") == "none":
@@ -211,6 +217,10 @@ class QuantConfig:
         if d.get("symmetric") and d.get("zero_point") == "float":
             d["zero_point"] = "int"  # saved before such configs were refused: the weights are symmetric all the same
         return cls(**d)
+
+
+def activation_bits(mode: str) -> int:
+    return 4 if mode == "w4a4" else 16
 
 
 def _rtn_quantizes_a_layer(method: str, modules_to_not_convert) -> bool:

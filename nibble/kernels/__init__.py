@@ -94,6 +94,8 @@ def _check_no_gradient(x: torch.Tensor, biases) -> None:
 def check_activations(x: torch.Tensor) -> None:
     """What a layer's product takes on every path: float32 runs the kernels in bfloat16 and returns float32, but
     any other dtype would come back cast (integers truncated) or overflow the reference's float32."""
+    if not isinstance(x, torch.Tensor):  # a numpy array's float32 was "not float32"; a list failed on .dtype
+        raise TypeError(f"activations must be a torch.Tensor, got {type(x).__name__}: torch.as_tensor(x) makes one")
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"activations must be float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() == 0:
@@ -119,6 +121,12 @@ def _check_w4a16_arguments(x, qweight, scales, zeros, group_size: int, bias) -> 
     N = _packed_k_n(x, qweight)[1]
     w4a16._check_weight(qweight, scales, zeros, group_size)
     check_bias(bias, N)
+    # the reference would move the weight to x's device (a GPU model's to a CPU input's, for one, without a word;
+    # meta weights failed inside torch); W4A4 and nn.Linear refuse
+    devices = {str(t.device) for t in (x, qweight, scales, zeros) + (() if bias is None else (bias,))}
+    if len(devices) > 1:
+        raise ValueError(f"x, qweight, scales, zeros and bias must be on one device, got {sorted(devices)}: move "
+                         "the model or the input with .to(device)")
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):
@@ -149,6 +157,8 @@ def w4a16_linears(x, layers, group_size: int, backend: str = "auto"):
     bias), ...]: on CUDA, one kernel launch where the skinny kernel (decode sizes) or the Hopper GEMM
     (prefill sizes) runs. Returns the outputs in order."""
     check_activations(x)
+    if not layers:  # the GPU op refuses it; the CPU path returned []
+        raise ValueError("layers must hold at least one (qweight, scales, zeros, bias)")
     return _w4a16_linears(x, layers, group_size, backend)
 
 
@@ -193,6 +203,8 @@ def w4a4_linears(x, layers, input_hadamard: bool = False, backend: str = "auto")
     the kernels rotate and quantize x once, then run the products in one launch where a kernel takes
     several weights. Returns the outputs in order."""
     check_activations(x)
+    if not isinstance(input_hadamard, bool):  # a string "no" is true: x was rotated without a word
+        raise TypeError(f"input_hadamard must be True or False, got {input_hadamard!r}")
     return _w4a4_linears(x, layers, input_hadamard, backend)
 
 

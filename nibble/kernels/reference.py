@@ -52,7 +52,8 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric INT4: returns (q int8 [..., K] in [-8, 7], scale float32 [...]).
 
-    scale = amax|x| / 7 per row; q = clamp(round_half_even(x / scale), -8, 7). Non-finite values are
+    scale = amax|x| / 7 per row, rounded to float32 (which decides the ties: a bf16 x of amax / 2 divides to 3.5 +-
+    an ulp, not 3.5); q = clamp(round_half_even(x / scale), -8, 7) in float32. Non-finite values are
     saturated first (NaN -> 0, +-Inf -> +-finfo(x.dtype).max) so one bad value cannot turn a whole
     row into NaN. All-zero rows get scale 0 and q 0. (Under the online Hadamard a non-finite value spreads
     over its whole token first: `rotate_quantize_activations`.)

@@ -1,4 +1,5 @@
-"""QuantLinear: a drop-in replacement for nn.Linear holding INT4 weights in the canonical format."""
+"""QuantLinear: in place of nn.Linear, the same forward, holding INT4 weights in the canonical format (buffers, not
+parameters: no ``.weight``; the bias is a buffer too, float16, bfloat16 or float32)."""
 from __future__ import annotations
 
 import hashlib
@@ -44,6 +45,10 @@ class QuantLinear(nn.Module):
         group_size = in_features if group_size == -1 else group_size
         if mode == "w4a4" and group_size != in_features:
             raise ValueError("w4a4 QuantLinear needs per-channel weights (group_size = in_features)")
+        if not isinstance(input_hadamard, bool):  # a string "false" is true: the layer rotated without a word
+            raise TypeError(f"input_hadamard must be True or False, got {input_hadamard!r}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:  # the bias's: an integer one failed at the first forward
+            raise TypeError(f"dtype (the bias's) must be one of {FLOAT_DTYPES} or None, got {dtype}")
         if input_hadamard and mode != "w4a4":
             raise ValueError("input_hadamard is part of the w4a4 path")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
@@ -69,6 +74,8 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
                     input_hadamard: bool = False, dtype: torch.dtype | None = None) -> "QuantLinear":
+        """The layer of a quantized ``weight`` (`nibble.quantize`'s, on its device) and ``bias``; the bias keeps its
+        own dtype, ``dtype`` is the one of a layer without one."""
         check_bias(bias, weight.out_features)  # a copy_ would broadcast a [1] bias over every output
         layer = cls(weight.in_features, weight.out_features, bias is not None, weight.group_size, mode,
                     input_hadamard, dtype=bias.dtype if bias is not None else dtype, device=weight.qweight.device)
@@ -361,12 +368,12 @@ def shared_input_forward(layers, x: torch.Tensor, x_in_order: bool = False) -> l
         raise ValueError("x_in_order=True is for layers of one input permutation that run as one launch "
                          "(shared_input_perm)")
     if len(layers) > 1 and all(isinstance(m, QuantLinear) for m in layers):
+        _check_input(x, layers)  # before x.requires_grad is read
         if any(m.differentiated(x) for m in layers):
             if x_in_order:
                 raise ValueError("x_in_order=True is for inference (the layers' gradient is of x in its own order): "
                                  "pass x in its original order, or run under torch.no_grad()")
-            return [m(x) for m in layers]  # each checks x
-        _check_input(x, layers)
+            return [m(x) for m in layers]  # each checks x again: training's calls, not decode's
         mode, backend = layers[0].mode, layers[0].backend
         same = len({_one_launch_key(m) for m in layers}) == 1
         # layers with one input permutation (GPTQ act-order) share x gathered once

@@ -209,6 +209,38 @@ def test_the_activations_are_checked_once_a_call_on_every_entry(monkeypatch):
     for call in calls:
         with pytest.raises(TypeError, match="activations must be float16, bfloat16 or float32, got torch.float64"):
             call()
+    x = x.float().numpy()  # its float32 was refused as "not float32"
+    for call in calls:
+        with pytest.raises(TypeError, match="activations must be a torch.Tensor, got ndarray"):
+            call()
+
+
+def test_a_flag_or_dtype_of_another_type_is_refused_not_read_as_true():
+    """input_hadamard="false" is true: the layer, and the kernels' w4a4_linear(s), rotated without a word. An
+    integer bias dtype failed only at the first forward."""
+    for flag in ("false", 1, None):
+        with pytest.raises(TypeError, match=f"input_hadamard must be True or False, got {flag!r}"):
+            QuantLinear(64, 16, mode="w4a4", input_hadamard=flag)
+    w4a4 = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(mode="w4a4"))
+    for call in (kernels.w4a4_linear, lambda *a, **k: kernels.w4a4_linears(a[0], [a[1:] + (None,)], **k)):
+        with pytest.raises(TypeError, match="input_hadamard must be True or False, got 'no'"):
+            call(torch.randn(2, 64), w4a4.qweight, w4a4.scales[0], input_hadamard="no")
+    with pytest.raises(TypeError, match=r"dtype \(the bias's\) must be one of .* got torch.int32"):
+        QuantLinear(64, 16, group_size=32, dtype=torch.int32)
+
+
+def test_the_w4a16_reference_refuses_weights_on_another_device_as_w4a4_does():
+    """It moved them to x's device: a GPU model's weights to a CPU input's, without a word; meta weights failed inside
+    torch ("Cannot copy out of meta tensor")."""
+    q = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(group_size=32))
+    x = torch.randn(2, 64)
+    for moved in ("qweight", "scales", "zeros", "bias"):
+        weight = {name: getattr(q, name) for name in ("qweight", "scales", "zeros", "bias")}
+        weight[moved] = weight[moved].to("meta")
+        with pytest.raises(ValueError, match=r"must be on one device, got \['cpu', 'meta'\]"):
+            kernels.w4a16_linear(x, weight["qweight"], weight["scales"], weight["zeros"], 32, weight["bias"])
+    with pytest.raises(ValueError, match="at least one"):
+        kernels.w4a16_linears(x, [], 32)
 
 
 def test_bad_inputs_give_clear_errors():
@@ -265,6 +297,11 @@ def test_config_validation():
     with pytest.raises(ValueError, match="mode"):
         QuantConfig(mode="w8a8")
     assert QuantConfig.from_dict(QuantConfig(mode="w4a4").to_dict()) == QuantConfig(mode="w4a4")
+    # a file without the config digest (saved before session 56, or written elsewhere) loaded 8-bit as 4-bit
+    with pytest.raises(ValueError, match="bits=8: nibble's checkpoints hold 4-bit weights"):
+        QuantConfig.from_dict({**QuantConfig().to_dict(), "bits": 8})
+    with pytest.raises(ValueError, match="activation_bits=4 does not go with mode='w4a16'"):
+        QuantConfig.from_dict({**QuantConfig().to_dict(), "activation_bits": 4})
 
 
 @pytest.mark.parametrize("kwargs,match", [
