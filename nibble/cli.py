@@ -501,15 +501,21 @@ def _engine_tokens(model, ids: torch.Tensor, max_new_tokens: int, stop_tokens, s
         engine.close()
 
 
+# the parameters of generation said as the options that set them: the refusals of a prompt too long for
+# --max-new-tokens, and the warning of top_k / top_p given to greedy decoding
+GENERATE_OPTIONS = dict(max_new_tokens="--max-new-tokens", temperature="--temperature", top_k="--top-k",
+                        top_p="--top-p")
+
+
 def cmd_generate(args):
     import torch
 
-    from nibble.eval.engine import Sampling
+    from nibble.eval.engine import MIN_TEMPERATURE, Sampling
 
     # the settings are checked before the model loads (a ValueError is said by `main`)
     if args.top_k is not None and args.top_k < 0:  # Sampling's message names None, which no command line can write
         raise ValueError(f"--top-k must be >= 1, or 0 for every token; got {args.top_k}")
-    with options_named(temperature="--temperature", top_p="--top-p"):  # "top_p must be ...": said as the option
+    with options_named(**GENERATE_OPTIONS):  # "top_p must be ...": said as the option
         sampling = Sampling(args.temperature, args.top_k or None, args.top_p)  # --top-k 0: off, as in transformers
     check_max_new_tokens(args)
     prompts = list(args.prompt)
@@ -544,14 +550,16 @@ def cmd_generate(args):
     if args.batch_size is not None and len(prompts) == 1:
         warnings.warn("--batch-size sets how many of several prompts run at once: with one prompt it is ignored")
     if args.seed is not None and sampling.greedy:
+        to_sample = ("give a --temperature > 0 to sample" if sampling.temperature < MIN_TEMPERATURE else
+                     "give --top-k > 1 (or 0, off) to sample")  # --top-k 1 with a temperature
         warnings.warn("--seed repeats sampled tokens only: greedy decoding (temperature 0, or --top-k 1) draws none, "
-                      "so it is ignored; give a --temperature > 0 to sample")
+                      f"so it is ignored; {to_sample}")
     check_tokenizer(args)
     model, tok = load_for_command(args, _device(args.device))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if len(prompts) > 1:
-        with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it: said before any batch
+        with options_named(**GENERATE_OPTIONS):  # a prompt too long for it: said before any batch
             texts = generate_texts(model, tok, prompts, args.max_new_tokens, not args.no_chat,
                                    engine=not args.hf_generate, sampling=sampling,
                                    batch_size=args.batch_size or GENERATE_BATCH_SIZE)
@@ -566,7 +574,7 @@ def cmd_generate(args):
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     if args.stats:
         streamer = TimedStreamer(streamer)
-    with options_named(max_new_tokens="--max-new-tokens"):  # a prompt too long for it: said before the first token
+    with options_named(**GENERATE_OPTIONS):  # a prompt too long for it: said before the first token
         generate_text(model, tok, prompts[0], args.max_new_tokens, not args.no_chat, engine=not args.hf_generate,
                       sampling=sampling, streamer=streamer)
     if args.stats:
@@ -684,7 +692,10 @@ def cmd_info(args):
     total = weight_memory(model)["total_bytes"]  # a tied lm_head counted once, as the file holds it
     # the state as loaded here (its 16-bit tensors in `dtype`) can differ from the files: both are said
     files = sum(p.stat().st_size for p in Path(args.dir).expanduser().glob("*.safetensors"))
-    print(json.dumps({"quantization_config": qc, "architecture": model.config.model_type,
+    # the files' own format first: an AutoAWQ / GPTQ checkpoint's config is held as nibble's, its own under
+    # "imported_from" (a reader of the top saw "quant_method": "nibble")
+    print(json.dumps({"checkpoint_format": qc.get("imported_from", {}).get("quant_method", "nibble"),
+                      "quantization_config": qc, "architecture": model.config.model_type,
                       "quantized_linears": len(quantized_linears(model)),
                       "quantized_linear_bytes": wb["quantized_bytes"], "same_linears_in_16bit_bytes": wb["bf16_bytes"],
                       "ratio": round(wb["ratio"], 4), "bytes_saved": wb["bf16_bytes"] - wb["quantized_bytes"],
@@ -818,12 +829,12 @@ def cmd_demo(args):
           flush=True)
     scored16 = wikitext2_perplexity(model, tok, max_tokens=args.ppl_tokens)
     ppl16, ppl4 = scored16["ppl"], wikitext2_perplexity(qmodel, tok, max_tokens=args.ppl_tokens)["ppl"]
-    scored = scored16["windows"] * scored16["seq_len"]  # fewer than asked past the split's end or a ragged tail
+    read = scored16["windows"] * scored16["seq_len"]  # fewer than asked past the split's end or a ragged tail
     print(f"\nweights of the quantized linears: {wb['bf16_bytes'] / 2**20:.1f} MiB (16-bit) -> "
           f"{wb['quantized_bytes'] / 2**20:.1f} MiB (W4A16 g{cfg.group_size}, scales+zeros counted) = {wb['ratio']:.3f}x")
     print(f"logits cosine similarity (16-bit vs W4A16): {cos:.5f}")
-    print(f"WikiText-2 test perplexity, first {scored} tokens: 16-bit {ppl16:.3f}, W4A16 {ppl4:.3f} "
-          f"({ppl4 / ppl16:.3f}x)")
+    print(f"WikiText-2 test perplexity, first {read} tokens ({scored16['tokens']} predicted): 16-bit {ppl16:.3f}, "
+          f"W4A16 {ppl4:.3f} ({ppl4 / ppl16:.3f}x)")
     if args.model is None:  # the default model, a Q4_1 GGUF: of another --model this would be untrue
         print("note: SmolLM2's 16-bit weights are themselves dequantized Q4_1, so this is re-quantization loss.")
     print(f"demo finished in {time.time() - t0:.0f}s")

@@ -75,6 +75,7 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     main(["info", str(out)])
     info = json.loads(capsys.readouterr().out)
     assert info["quantization_config"]["group_size"] == 32 and info["bytes_saved"] > 0
+    assert next(iter(info)) == "checkpoint_format" and info["checkpoint_format"] == "nibble"
     # the tied lm_head counted once, as the file holds it (it was counted twice: SmolLM2's 173 MB read as 286)
     size = (out / "model.safetensors").stat().st_size
     assert info["total_state_bytes"] < size < 1.2 * info["total_state_bytes"]
@@ -103,7 +104,8 @@ def test_awq_and_gptq_checkpoints_are_written_and_run_from_the_cli(model_dir, tm
     capsys.readouterr()
     assert json.loads((awq / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
     main(["info", str(awq)])
-    assert json.loads(capsys.readouterr().out)["quantization_config"]["imported_from"]["quant_method"] == "awq"
+    info = json.loads(capsys.readouterr().out)
+    assert info["quantization_config"]["imported_from"]["quant_method"] == info["checkpoint_format"] == "awq"
     main(["generate", "the capital", "--model", str(awq), "--device", "cpu", "--max-new-tokens", "3", "--no-chat"])
     assert capsys.readouterr().out.strip()
     # a quantized --model is written in the other format as it is, not quantized again
@@ -463,17 +465,28 @@ def test_generate_takes_prompts_before_between_and_after_the_options(model_dir, 
 
 
 @pytest.mark.parametrize("way", [[], ["--hf-generate"]])
-def test_generate_warns_that_top_k_and_top_p_without_a_temperature_are_ignored(model_dir, way):
-    """The engine warned; transformers' generate (--hf-generate) ran greedily without a word."""
+def test_generate_warns_that_top_k_and_top_p_without_a_temperature_are_ignored(model_dir, way, monkeypatch):
+    """The engine warned; transformers' generate (--hf-generate) ran greedily without a word. Said in the options'
+    names, as shown on stderr (the library's "top_k / top_p ... temperature" was, session 71)."""
+    import warnings
+
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, file=None, line=None:
+                        shown.append(warnings.formatwarning(message, category, filename, lineno, line)))
     for flags in (["--top-k", "5"], ["--top-p", "0.5"]):
-        with pytest.warns(UserWarning, match="with temperature 0 decoding is greedy"):
+        shown.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
             main(["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
                   "--max-new-tokens", "2", "--no-chat"] + flags + way)
+        assert shown == ["nibble generate: warning: --top-k / --top-p filter sampled tokens only: with --temperature 0 "
+                         "decoding is greedy and they are ignored; give a --temperature > 0 to sample\n"], shown
 
 
 @pytest.mark.parametrize("flags, ignored", [
     (["--seed", "1"], "--seed repeats sampled tokens only"),
     (["--seed", "1", "--temperature", "0.7", "--top-k", "1"], "--seed repeats sampled tokens only"),
+    (["--seed", "1", "--temperature", "0.7", "--top-k", "1"], "give --top-k > 1 (or 0, off) to sample"),
     (["--batch-size", "4"], "--batch-size sets how many of several prompts run at once: with one prompt"),
     (["--seed", "1", "--temperature", "0.7"], None), (["another prompt", "--batch-size", "4"], None)])
 def test_generate_warns_that_a_seed_without_sampling_and_a_batch_size_for_one_prompt_are_ignored(flags, ignored,
@@ -494,7 +507,9 @@ def test_generate_warns_that_a_seed_without_sampling_and_a_batch_size_for_one_pr
         warnings.simplefilter("always")
         main(["generate", "a prompt", "--model", "nowhere"] + flags)
     said = [str(w.message) for w in said]
-    assert len(said) == (ignored is not None) and all(message.startswith(ignored) for message in said), said
+    assert len(said) == (ignored is not None) and all(ignored in message for message in said), said
+    if "--top-k" in flags:  # the temperature was given: the hint was "give a --temperature > 0"
+        assert "--temperature" not in said[0]
 
 
 @pytest.mark.parametrize("way", [[], ["--hf-generate"]])
@@ -694,7 +709,7 @@ def test_qat_from_gptq_end_to_end_writes_a_w4a4_checkpoint_that_loads(model_dir,
     config = model.config.quantization_config
     assert config["mode"] == "w4a4" and config["rotation"] == "hadamard" and config["qat"]["init"] == "gptq"
     # its saved state is not resumed from another start, said as the option (run_qat's settings key was 'init')
-    with pytest.raises(SystemExit, match=r"other settings \(\{--init: \('gptq', 'rtn'\)"):
+    with pytest.raises(SystemExit, match=r"other settings \(--init saved 'gptq', now 'rtn'\)"):
         main(["qat", "--model", str(model_dir), "--device", "cpu", "--recipe", "hadamard", "--steps", "2",
               "--seq-len", "32", "--batch-size", "2", "--out", str(out), "--resume"])
 
@@ -912,9 +927,10 @@ def test_the_demo_says_it_is_scoring_and_shows_the_bars_of_several_windows(token
 
 
 def test_the_demo_says_how_many_tokens_it_scored(model_dir, capsys):
-    """It printed the count asked for: --ppl-tokens 300 over 256-token windows scores one window, 256 tokens."""
+    """It printed the count asked for: --ppl-tokens 300 over 256-token windows scores one window, 256 tokens read,
+    of which the first predicts none (it said "first 256 tokens" alone, where `eval ppl` says 255)."""
     main(["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--ppl-tokens", "300"])
-    assert "WikiText-2 test perplexity, first 256 tokens" in capsys.readouterr().out
+    assert "WikiText-2 test perplexity, first 256 tokens (255 predicted): " in capsys.readouterr().out
 
 
 def test_build_kernels_builds_every_library_of_the_arch(monkeypatch, capsys):

@@ -87,40 +87,57 @@ def quant_config(name: str, model=None, **overrides) -> QuantConfig | None:
         raise ValueError(f"config {name}: {e}") from None
 
 
+# what each part of a quantized config's name sets, said when a name repeats one (the last one won, without a word)
+_PART_CHOICES = {"group_size": "group size", "method": "method", "modules_to_not_convert": "lm_head's quantization",
+                 "rotation": "rotation"}
+_MODE_PARTS = {"w4a16": "-gN (group size), -gptq, -awq, -lmhead", "w4a4": "-hadamard, -gptq, -lmhead"}
+
+
 def _quant_config(name: str, model, overrides: dict) -> QuantConfig | None:
     parts = name.lower().split("-")
     if parts[0] in ("bf16", "fp16", "16bit"):
         if len(parts) > 1:
             raise ValueError(f"the 16-bit baseline takes no suffix: use {parts[0]} alone")
         return None
-    kw = {}
-    if "lmhead" in parts[1:]:
-        parts.remove("lmhead")
-        kw["modules_to_not_convert"] = []
-    if parts[0] == "w4a16":
-        kw.update(mode="w4a16")
-        for p in parts[1:]:
-            if p.startswith("g") and p[1:].isdigit():
-                kw["group_size"] = int(p[1:])
-            elif p in ("gptq", "awq"):
-                kw["method"] = p
-            else:
-                raise ValueError(f"unknown part -{p}: w4a16 takes -gN (group size), -gptq, -awq, -lmhead")
-        if "group_size" not in kw and model is not None:
-            kw["group_size"] = default_group_size(model)
-    elif parts[0] == "w4a4":
-        kw.update(mode="w4a4")
-        for p in parts[1:]:
-            if p == "hadamard":
-                kw["rotation"] = "hadamard"
-            elif p == "gptq":
-                kw["method"] = p
-            else:
-                raise ValueError(f"unknown part -{p}: w4a4 takes -hadamard, -gptq, -lmhead")
-    else:
+    mode = parts[0]
+    if mode not in _MODE_PARTS:
         raise ValueError("unknown config; use bf16, w4a16, w4a16-gN, w4a4, w4a4-hadamard (a quantized config takes "
                          "-lmhead to quantize lm_head too, and -gptq, or -awq for w4a16)")
-    return QuantConfig(**{**kw, **overrides})
+    kw, given = {}, {}
+    for p in parts[1:]:
+        if p == "lmhead":
+            field, value = "modules_to_not_convert", []
+        elif mode == "w4a16" and p.startswith("g") and p[1:].isdigit():
+            field, value = "group_size", int(p[1:])
+        elif p == "gptq" or (mode == "w4a16" and p == "awq"):
+            field, value = "method", p
+        elif mode == "w4a4" and p == "hadamard":
+            field, value = "rotation", p
+        else:
+            raise ValueError(f"unknown part -{p}: {mode} takes {_MODE_PARTS[mode]}")
+        if field in given:
+            raise ValueError(f"-{p} given twice" if given[field] == p else
+                             f"-{given[field]} and -{p} both choose the {_PART_CHOICES[field]}: give one")
+        given[field], kw[field] = p, value
+    if mode == "w4a16" and "group_size" not in kw and model is not None:
+        kw["group_size"] = default_group_size(model)
+    return QuantConfig(mode=mode, **{**kw, **overrides})
+
+
+def check_distinct(configs: list[str], model=None) -> None:
+    """Refuse two names of one model, as `quant_config` resolves them (for ``model``: SmolLM2's w4a16 is w4a16-g64),
+    which would be measured twice, for minutes each, and shown twice; the spelling alone let w4a16-g64-gptq and
+    w4a16-gptq-g64 through."""
+    resolved = []
+    for name in configs:
+        qc = quant_config(name, model)
+        same = [other for other, oqc in resolved if oqc == qc]
+        if same and same[0] == name:  # as spelled, or as an alias of bf16 (`config_name` filed it so)
+            raise ValueError(f"config {name} named more than once: name each config once")
+        if same:
+            raise ValueError(f"configs {same[0]} and {name} are one config{' for this model' if model else ''} "
+                             "(the same QuantConfig): name each config once")
+        resolved.append((name, qc))
 
 
 def config_name(name: str) -> str:
@@ -153,6 +170,7 @@ def _checked_loader(loader: Callable, configs: list[str]) -> Callable:
         raise
     except Exception:
         return loader
+    check_distinct(configs, model)
     for name in configs:
         qc = quant_config(name, model)  # its refusal names the config (a default group size no width takes)
         try:
@@ -684,10 +702,7 @@ def run_report(model_name_or_path=None, out_dir="report", configs=DEFAULT_CONFIG
 
     out = Path(out_dir)
     configs = [config_name(c) for c in configs]  # unknown names fail before any work
-    twice = sorted({c for c in configs if configs.count(c) > 1})
-    if twice:  # measured twice (for minutes each), shown twice, with one run's numbers in both columns
-        raise ValueError(f"config(s) {', '.join(twice)} named more than once (as spelled, or as an alias of bf16): "
-                         "name each config once")
+    check_distinct(configs)  # and again with the model, once it is loaded (`_checked_loader`)
     for name, value, least in (("tasks_limit", tasks_limit, 1), ("batch_size", batch_size, 1),
                                ("ppl_max_tokens", ppl_max_tokens, 2), ("ppl_seq_len", ppl_seq_len, 2),
                                ("speed_rounds", speed_rounds, 1)):

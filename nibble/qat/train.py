@@ -496,9 +496,16 @@ def read_state(path: Path, settings: dict) -> dict:
     unrecorded = ("model", "windows", "calibration", "warmup", "max_grad_norm")
     saved = {"init": "rtn", **{k: settings[k] for k in unrecorded}, **state["settings"]}
     diff = {k: (saved.get(k), settings.get(k)) for k in fixed if saved.get(k) != settings.get(k)}
+    if "recipe" in diff:
+        diff.pop("quant_lr", None)  # the recipe's own (None where it learns no quantization): not a second change
+    if "init" in diff:
+        diff.pop("calibration", None)  # the GPTQ start's token ids (None from RTN's): likewise
+    if "rank" in diff and all(a == 2 * r for a, r in zip(diff.get("alpha", (0, 0)), diff["rank"])):
+        diff.pop("alpha")  # 2 x rank, its default, in both: the rank's change
     if diff:
-        raise ValueError(f"{path} was written by a run with other settings ({diff}, saved vs now): resume with "
-                         "the same model and settings or pick another folder")
+        said = "; ".join(f"{k} saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"{path} was written by a run with other settings ({said}): resume with the same model and "
+                         "settings or pick another folder")
     if state["step"] > settings["steps"]:  # it trained nothing and recorded the shorter run
         raise ValueError(f"{path} holds a run at step {state['step']}, past steps={settings['steps']}: resume with "
                          f"steps >= {state['step']}, or pick another folder")

@@ -57,7 +57,11 @@ def test_config_names_map_to_quant_configs():
     ("w4a16-g7", "group_size must be -1 (one group per output channel) or a positive multiple of 8"),  # QuantConfig's
     ("w4a4-awq", "unknown part -awq: w4a4 takes -hadamard, -gptq, -lmhead"),
     ("w4a16-foo", "unknown part -foo: w4a16 takes -gN (group size), -gptq, -awq, -lmhead"),
-    ("w3a16", "unknown config; use bf16, w4a16"), ("bf16-lmhead", "the 16-bit baseline takes no suffix: use bf16")])
+    ("w3a16", "unknown config; use bf16, w4a16"), ("bf16-lmhead", "the 16-bit baseline takes no suffix: use bf16"),
+    # a part that repeats a choice: the last one won without a word (w4a16-awq-gptq ran GPTQ under that name)
+    ("w4a16-awq-gptq", "-awq and -gptq both choose the method: give one"),
+    ("w4a16-g64-g32", "-g64 and -g32 both choose the group size: give one"),
+    ("w4a4-hadamard-hadamard", "-hadamard given twice"), ("w4a16-lmhead-lmhead", "-lmhead given twice")])
 def test_every_refused_config_name_is_said_with_the_name(name, message, tmp_path):
     """QuantConfig's refusal of ``w4a16-g7`` was said bare ("group_size must be -1 ..."), where the others named the
     config: a report of several left the reader to guess which one."""
@@ -629,9 +633,20 @@ def test_config_names_are_filed_as_one_spelling_and_each_measured_once(tmp_path)
     def no_loader():
         raise AssertionError("the model must not be loaded")
 
-    for configs in (("bf16", "w4a16", "bf16"), ("bf16", "16bit"), ("w4a16", "W4A16")):
-        with pytest.raises(ValueError, match="named more than once"):
+    for configs, said in ((("bf16", "w4a16", "bf16"), "config bf16 named more than once"),
+                          (("bf16", "16bit"), "config bf16 named more than once"),
+                          (("w4a16", "W4A16"), "config w4a16 named more than once"),
+                          # one QuantConfig, two spellings: measured twice all the same
+                          (("w4a16-g64-gptq", "w4a16-gptq-g64"), "configs w4a16-g64-gptq and w4a16-gptq-g64 are one "
+                           "config (the same QuantConfig)"),
+                          (("w4a16", "w4a16-g128"), "configs w4a16 and w4a16-g128 are one config")):
+        with pytest.raises(ValueError, match=re.escape(said)):
             report.run_report(None, tmp_path, configs=configs, speed=False, loader=no_loader, log=lambda *_: None)
+    # the default group size is the model's: this one's widths take 32, which w4a16 names
+    model = tiny_model(hidden_size=96, intermediate_size=192)
+    with pytest.raises(ValueError, match="configs w4a16 and w4a16-g32 are one config for this model"):
+        report.run_report(None, tmp_path, configs=("w4a16", "w4a16-g32"), speed=False,
+                          loader=lambda: (model, ByteTokenizer()), log=lambda *_: None)
 
 
 def test_a_nan_score_is_nan_in_report_md_and_null_in_strict_report_json(tmp_path):
