@@ -451,7 +451,8 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
             raise ValueError(f"the model's chat template fails ({e}): fix it, or prompt without it with "
                              "--no-chat") from e
         special = False  # the template writes its own BOS (Llama's, Mistral's): the tokenizer's would be a second one
-    ids = tokenizer(text, add_special_tokens=special).input_ids
+    from nibble.eval.perplexity import encode  # quiet: transformers' "longer than the maximum" line came before
+    ids = encode(tokenizer, text, special)       # nibble's own refusal of a prompt that fills the context
     if not ids:
         raise ValueError(f"the prompt {prompt!r} is no token to the tokenizer, and generation continues a prompt: "
                          "give it some text")

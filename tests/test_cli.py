@@ -42,6 +42,25 @@ def test_a_chat_prompt_holds_one_bos_when_the_template_and_the_tokenizer_both_wr
     assert _prompt_ids(tok, "the capital", chat=False)[0] == tok.bos_token_id  # no template: the tokenizer's BOS
 
 
+def test_a_prompt_past_the_tokenizers_maximum_is_tokenized_without_transformers_warning():
+    """transformers logged "Token indices sequence length is longer than the specified maximum ... will result in
+    indexing errors" before nibble's own one-line refusal of a prompt that fills the context."""
+    import logging
+
+    from nibble.cli import _prompt_ids
+    tok = _tiny_tokenizer()
+    tok.model_max_length = 4
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        ids = _prompt_ids(tok, "the capital of france is a city", chat=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert len(ids) > 4 and ids == tok("the capital of france is a city").input_ids and not said, said
+
+
 @pytest.mark.parametrize("template", ["{% if messages %}{{ messages[0]['content'] }}",  # does not compile
                                       "{{ raise_exception('roles must alternate') }}"])  # raises, as Mistral's do
 def test_a_chat_template_that_fails_is_said_with_the_way_around_it(template):
