@@ -15,13 +15,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from nibble.formats.int4 import PACK
 from nibble.kernels import reference
 from nibble.kernels.launch import check_bias
-from nibble.kernels.triton_device import (KernelUnavailableError, triton_unavailable, triton_unusable,
+from nibble.kernels.triton_device import (TRITON_UNUSABLE, KernelUnavailableError, triton_unavailable,
                                           warn_reference_on_gpu)
 
 BACKENDS = ("auto", "reference", "triton")
-# asked once, here: Dynamo traces through an lru_cache (with a warning), and so would run its import probe at every
-# compiled layer
-_TRITON_UNUSABLE = triton_unusable()
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -43,7 +40,7 @@ def _use_kernel(x: torch.Tensor, backend: str) -> bool:
         if not x.is_cuda:
             raise KernelUnavailableError(f"the Triton kernels need CUDA tensors; the input is on {x.device}: move "
                                          "the model and inputs to the GPU with .to('cuda')")
-    if x.is_cuda and _TRITON_UNUSABLE:
+    if x.is_cuda and TRITON_UNUSABLE:
         if backend == "triton":
             raise triton_unavailable("GPU")
         if not _traced():  # the warning reads the caller's frames, which Dynamo cannot trace

@@ -25,9 +25,7 @@ class KernelUnavailableError(RuntimeError):
     """The GPU kernels cannot run here (no GPU, CPU tensors, no usable triton); the message says what to change."""
 
 
-@functools.lru_cache(maxsize=None)
-def triton_unusable() -> str | None:
-    """Why nibble's Triton kernels cannot run in this environment (None: they can), as a message's end."""
+def _triton_unusable() -> str | None:
     if triton is None:
         return f"need the `triton` package: pip install 'triton>={MIN_TRITON}'"
     try:
@@ -38,17 +36,22 @@ def triton_unusable() -> str | None:
     return None
 
 
+# Why nibble's Triton kernels cannot run in this environment (None: they can), as a message's end. Asked once, at
+# import: the dispatch reads it at every layer, where torch.compile traces (an lru_cache there drew Dynamo's warning).
+TRITON_UNUSABLE = _triton_unusable()
+
+
 def triton_unavailable(kernels: str) -> KernelUnavailableError:
     """The error for the ``kernels`` (a name for the message) where their module found no usable triton."""
-    why = triton_unusable() or "could not import triton (`python -c 'import triton.language'` says why)"
+    why = TRITON_UNUSABLE or "could not import triton (`python -c 'import triton.language'` says why)"
     return KernelUnavailableError(f"the {kernels} kernels {why}")
 
 
 @functools.lru_cache(maxsize=None)
 def warn_reference_on_gpu() -> None:
-    """Said once: where the GPU kernels cannot run (`triton_unusable`), backend "auto" runs PyTorch's reference on
+    """Said once: where the GPU kernels cannot run (`TRITON_UNUSABLE`), backend "auto" runs PyTorch's reference on
     the GPU (the same values, many times slower) rather than refuse a model the user can still run."""
-    warn(f"nibble's GPU kernels {triton_unusable()}; until then, PyTorch's reference runs on the GPU (the same "
+    warn(f"nibble's GPU kernels {TRITON_UNUSABLE}; until then, PyTorch's reference runs on the GPU (the same "
          "values, many times slower); backend='triton' makes this an error")
 
 

@@ -189,7 +189,7 @@ def test_a_triton_older_than_the_kernels_need_is_named_with_its_version():
             "triton.__version__ = '3.3.1'\n"
             "from nibble.kernels import w4a16, w4a4, KernelUnavailableError, triton_device\n"
             "assert not w4a16.HAS_TRITON and w4a4.triton is None\n"
-            "print(triton_device.triton_unusable())\n"
+            "print(triton_device.TRITON_UNUSABLE)\n"
             "try:\n"
             "    w4a4.quantize_activations_triton(torch.randn(2, 64, dtype=torch.float16))\n"
             "except KernelUnavailableError as e:\n"
