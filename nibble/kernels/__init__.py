@@ -118,12 +118,7 @@ def _check_w4a16_arguments(x, qweight, scales, zeros, group_size: int, bias) -> 
     N = _packed_k_n(x, qweight)[1]
     w4a16._check_weight(qweight, scales, zeros, group_size)
     check_bias(bias, N)
-    # the reference would move the weight to x's device (a GPU model's to a CPU input's, for one, without a word;
-    # meta weights failed inside torch); W4A4 and nn.Linear refuse
-    devices = {str(t.device) for t in (x, qweight, scales, zeros) + (() if bias is None else (bias,))}
-    if len(devices) > 1:
-        raise ValueError(f"x, qweight, scales, zeros and bias must be on one device, got {sorted(devices)}: move "
-                         "the model or the input with .to(device)")
+    w4a16.check_one_device(x, qweight, scales, zeros, bias)
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size: int, bias=None, backend: str = "auto"):

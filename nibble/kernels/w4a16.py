@@ -952,9 +952,17 @@ def _check(x, qweight, scales, zeros, group_size):
     if packed != K:
         raise ValueError(f"x has K={K} columns but qweight {tuple(qweight.shape)} packs K={packed}")
     _check_weight(qweight, scales, zeros, group_size)
-    if not x.device == qweight.device == scales.device == zeros.device:
-        devs = {str(t.device) for t in (x, qweight, scales, zeros)}
-        raise ValueError(f"w4a16_linear: all inputs must be on one device, got {sorted(devs)}")
+    check_one_device(x, qweight, scales, zeros)
+
+
+def check_one_device(x, qweight, scales, zeros, bias=None) -> None:
+    """x and a layer's tensors on one device: the GPU op's check, and the CPU path's, where the reference would move
+    the weight to x's device without a word (a GPU model's to a CPU input's; meta weights failed inside torch)."""
+    devices = {str(t.device) for t in (x, qweight, scales, zeros) + (() if bias is None else (bias,))}
+    if len(devices) > 1:
+        names = "x, qweight, scales, zeros" + (" and bias" if bias is not None else "")
+        raise ValueError(f"w4a16_linear: {names} must be on one device, got {sorted(devices)}: move the model or the "
+                         "input with .to(device)")
 
 
 def _checked_weights(x, qweights, scales, zeros, group_size) -> list[tuple]:
