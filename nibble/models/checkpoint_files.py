@@ -88,12 +88,15 @@ def atomic_write(path: Path, write) -> None:
 
 def write_checkpoint(model: nn.Module, directory: Path, tensors: dict, metadata: dict, config: dict,
                      tokenizer=None) -> None:
-    """Write a checkpoint's files into ``directory``: the weights, with the digest of ``config`` added to
-    ``metadata[METADATA]``, then the companions, then config.json; and remove the other weight files and index an
-    earlier checkpoint left there, which the importer, transformers and vLLM would read as this model's (an index
-    wins over model.safetensors)."""
+    """Write a checkpoint's files into ``directory``: the weights, with the digest of ``config`` (and the fields it
+    covers) added to ``metadata[METADATA]``, then the companions, then config.json; and remove the other weight files
+    and index an earlier checkpoint left there, which the importer, transformers and vLLM would read as this model's
+    (an index wins over model.safetensors)."""
     text = json.dumps(config, indent=2, default=str)
-    metadata = {**metadata, METADATA: json.dumps({**metadata[METADATA], "config": config_digest(json.loads(text))})}
+    # the digest decides; the fields it covers are kept too, so that a refusal names the ones that changed
+    fields = digested_config(json.loads(text))
+    metadata = {**metadata, METADATA: json.dumps({**metadata[METADATA], "config": _digest(fields),
+                                                   "config_fields": fields}, default=str)}
     # each file replaced atomically, config.json last: the digest of the config that reads the weights goes with
     # them, so a save interrupted before config.json (new weights, and maybe the new tokenizer, beside the old
     # config.json) is refused on load, not run as another model or with another model's tokenizer
@@ -173,19 +176,48 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def config_digest(config: dict) -> str:
-    """The digest of config.json (as read from the file) that the weights saved with it carry: the fields whose value
-    is not their config class's default (as transformers writes a config: a file it re-saved, the defaults dropped,
-    is the same config), but those that do not change what the weights compute (`NOT_DIGESTED`)."""
+def digested_config(config: dict) -> dict:
+    """The fields of config.json (as read from the file) that bind the weights saved with it: those whose value is
+    not their config class's default (as transformers writes a config: a file it re-saved, the defaults dropped, is
+    the same config), but those that do not change what the weights compute (`NOT_DIGESTED`)."""
     from transformers import AutoConfig
     fields = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"}).to_diff_dict()
     fields["quantization_config"] = config.get("quantization_config")
-    return _digest({k: v for k, v in fields.items() if k not in NOT_DIGESTED})
+    return {k: v for k, v in fields.items() if k not in NOT_DIGESTED}
+
+
+def config_digest(config: dict) -> str:
+    """The digest of config.json's `digested_config` that the weights saved with it carry."""
+    return _digest(digested_config(config))
+
+
+def _flat(fields: dict, prefix: str = "") -> dict:
+    """``fields`` with nested dicts spread into dotted keys (quantization_config.group_size), their values as JSON."""
+    flat = {}
+    for k, v in fields.items():
+        if isinstance(v, dict) and v:
+            flat.update(_flat(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = json.dumps(v, sort_keys=True, default=str)
+    return flat
+
+
+def config_changes(saved: dict, config: dict, most: int = 5) -> str:
+    """The fields of ``config`` (a config.json) that differ from ``saved`` (the `digested_config` the weights were
+    saved with), as "rope_theta 10000.0 when saved, 500000.0 now", at most ``most`` of them."""
+    before, now = _flat(saved), _flat(json.loads(json.dumps(digested_config(config), default=str)))
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    def shown(value):  # a list of 32 layers' names would drown the rest
+        return value if len(value) <= 60 else value[:57] + "..."
+    said = [f"{k} {shown(before.get(k, 'absent'))} when saved, {shown(now.get(k, 'absent'))} now"
+            for k in changed[:most]]
+    return "; ".join(said) + (f" (and {len(changed) - most} more)" if len(changed) > most else "")
 
 
 def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
     """Refuse the weights file ``path`` when the digest it carries (``saved_with``: its metadata's) is not that of
-    ``config``, the config.json beside it. Checkpoints of sessions 56-57 carry the quantization_config's alone."""
+    ``config``, the config.json beside it, naming the fields that differ where the file holds the saved ones (saves
+    from session 72 on). Checkpoints of sessions 56-57 carry the quantization_config's digest alone."""
     if "config" in saved_with:
         same = saved_with["config"] == config_digest(config)
     elif "quantization_config" in saved_with:
@@ -193,9 +225,12 @@ def check_config_digest(path: Path, saved_with: dict, config: dict) -> None:
     else:  # written before the digest, or by another tool
         return
     if not same:
-        raise CheckpointError(f"{path} was saved with another config than {path.parent / CONFIG} holds (a save into "
-                              "this directory interrupted between the two files, or an edited config.json): save the "
-                              "model again")
+        fields = saved_with.get("config_fields")
+        changes = config_changes(fields, config) if isinstance(fields, dict) else ""
+        changes = f" ({changes})" if changes else ""
+        raise CheckpointError(f"{path} was saved with another config than {path.parent / CONFIG} holds{changes}: an "
+                              "edited config.json (undo the edit), or a save into this directory interrupted between "
+                              "the two files (save the model again)")
 
 
 def check_checksums(path: Path, tensors: dict, ours: dict, data: bool = True) -> None:

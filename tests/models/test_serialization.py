@@ -375,8 +375,26 @@ def test_weights_under_another_quantization_config_are_refused(tmp_path):
     (tmp_path / "old" / "config.json").write_text(json.dumps(config))
     load_quantized(tmp_path / "old")
     shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
-    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
+    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds "
+                                              r'\(quantization_config.online_hadamard_modules \["model.layers.0.mlp.'
+                                              r'down_proj", "model.layers.1.mlp.down\.\.\. when saved, \[\] now; '
+                                              r'quantization_config.rotation "hadamard" when saved, "none" now'):
         load_quantized(tmp_path / "old")
+
+
+def test_a_refusal_names_at_most_five_changed_fields_and_counts_the_rest():
+    """Each changed field is named with both values, in name order, nested ones dotted; past five, counted."""
+    from nibble.models.checkpoint_files import config_changes, digested_config
+    config = tiny_model("llama").config.to_dict()
+    config["quantization_config"] = {"mode": "w4a16", "group_size": 32}
+    saved = json.loads(json.dumps(digested_config(config), default=str))
+    edited = {**config, "quantization_config": {"mode": "w4a16", "group_size": 64}, "rms_norm_eps": 0.5}
+    assert config_changes(saved, edited) == ("quantization_config.group_size 32 when saved, 64 now; "
+                                             f"rms_norm_eps {json.dumps(config['rms_norm_eps'])} when saved, 0.5 now")
+    many = {**edited, **{f"extra_{i}": i for i in range(5)}}
+    said = config_changes(saved, many)
+    assert said.startswith("extra_0 absent when saved, 0 now; ") and said.endswith(" (and 2 more)")
+    assert said.count(" when saved, ") == 5
 
 
 @pytest.mark.parametrize("fmt", ["nibble", "gptq"])
@@ -395,7 +413,9 @@ def test_a_config_that_transformers_rewrote_or_harmless_fields_edited_still_load
     load_quantized(tmp_path / "q")
     config["rms_norm_eps"] = 1e-3
     (tmp_path / "q" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="saved with another config than"):
+    # the refusal names the field (it said only "another config", leaving the user to diff the file by hand)
+    with pytest.raises(CheckpointError, match=r"another config than .*config.json holds \(rms_norm_eps 1e-0?6 when "
+                                              r"saved, 0.001 now\): an edited config.json \(undo the edit\)"):
         load_quantized(tmp_path / "q")
 
 
@@ -419,7 +439,9 @@ def test_weights_under_another_architecture_config_are_refused(tmp_path, key, va
         quantize_model(model, QuantConfig(group_size=32), progress=False)
         save_quantized(model, tmp_path / name)
     shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
-    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
+    # the weights' value and config.json's are named (transformers 5 keeps rope_theta in rope_parameters)
+    with pytest.raises(CheckpointError, match=rf"config.json holds \((\w+\.)?{key} {re.escape(json.dumps(value))} "
+                                              r"when saved, \S+ now\)"):
         load_quantized(tmp_path / "old")
 
 
