@@ -975,6 +975,25 @@ def user_errors() -> tuple:
     return (OSError, ModuleNotFoundError, ValueError, CudaBuildError, KernelUnavailableError, FloatingPointError)
 
 
+# the options whose smaller value takes less memory, as a command has them (calibration's: where it calibrates)
+_MEMORY_OPTIONS = ("batch_size", "seq_len")
+_CALIBRATION_MEMORY_OPTIONS = ("calib_samples", "calib_seq_len")
+
+
+def out_of_memory(args, error: BaseException) -> str:
+    """The one line for torch's OutOfMemoryError in ``nibble <args.command>``: torch's own sentence of what did not
+    fit (the allocation, the device's size and what is free, without its notes on the allocator), then the command's
+    options that take less memory when smaller, with the values given."""
+    said = str(error).split(" Including non-PyTorch memory")[0].strip().splitlines()
+    calibrates = getattr(args, "method", None) in ("gptq", "awq") or getattr(args, "init", None) == "gptq"
+    names = _MEMORY_OPTIONS + _CALIBRATION_MEMORY_OPTIONS * calibrates
+    options = [f"--{name.replace('_', '-')}" + ("" if getattr(args, name) is None else f" (now {getattr(args, name)})")
+               for name in names if hasattr(args, name)]
+    fix = f"give a smaller {', '.join(options[:-1])}{' or ' * (len(options) > 1)}{options[-1]}, or " if options else ""
+    return (f"nibble {args.command}: {said[0].rstrip('.') if said else 'out of memory'}: {fix}stop what else holds "
+            "the GPU's memory (nvidia-smi lists it)\n(NIBBLE_TRACEBACK=1 shows where it was raised)")
+
+
 def interrupted(command: str, message: str = "interrupted") -> SystemExit:
     """Ctrl-C in ``nibble <command>``: says ``message`` (what was kept, how to go on) as one line on stderr and gives
     the SystemExit to raise, of status 130 (128 + SIGINT, what a shell gives a command Ctrl-C stopped), so that a
@@ -1043,6 +1062,11 @@ def main(argv=None):
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise
         raise SystemExit(f"nibble {args.command}: {e}\n(NIBBLE_TRACEBACK=1 shows where it was raised)") from None
+    except Exception as e:  # torch's OutOfMemoryError (a RuntimeError): a long traceback, the fix nowhere in it
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(e, torch.OutOfMemoryError) or os.environ.get("NIBBLE_TRACEBACK") == "1":
+            raise
+        raise SystemExit(out_of_memory(args, e)) from None
     except KeyboardInterrupt as e:  # Ctrl-C: one line, not a traceback of wherever the work was
         if os.environ.get("NIBBLE_TRACEBACK") == "1":
             raise

@@ -1465,3 +1465,38 @@ def test_tasks_are_named_by_comma_in_eval_and_report_and_by_space_in_report(caps
         with pytest.raises(SystemExit):
             build_parser().parse_args([*command, "--tasks", "piqa,hellaswagg"])
         assert "--tasks: unknown task 'hellaswagg': choose from piqa, " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,fix", [
+    (["eval", "ppl", "--batch-size", "16"], "is free: give a smaller --batch-size (now 16) or --seq-len, or stop what"),
+    (["eval", "ppl", "--method", "gptq", "--calib-samples", "64"],
+     "is free: give a smaller --batch-size (now 8), --seq-len, --calib-samples (now 64) or --calib-seq-len, or stop"),
+    (["info", "somewhere"], "is free: stop what else holds the GPU's memory (nvidia-smi lists it)")])
+def test_running_out_of_gpu_memory_is_one_line_naming_the_options_that_take_less(monkeypatch, argv, fix):
+    """torch's OutOfMemoryError was a long traceback whose advice was about the allocator, not the command's
+    --batch-size (the commands refuse a batch whose logits alone do not fit, not one whose activations do not)."""
+    import torch
+
+    import nibble.cli as cli
+
+    def runs_out(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "79.19 GiB of which 1.20 GiB is free. Including non-PyTorch memory, this process "
+                                     "has 78.00 GiB memory in use. If reserved but unallocated memory is large ...")
+    monkeypatch.setattr(cli, "cmd_eval", runs_out)
+    monkeypatch.setattr(cli, "cmd_info", runs_out)
+    monkeypatch.delenv("NIBBLE_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    said = str(e.value)
+    assert said.startswith(f"nibble {argv[0]}: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                           "capacity of 79.19 GiB of which 1.20 GiB is free: ") and fix in said, said
+    assert "Including non-PyTorch" not in said and said.endswith("(NIBBLE_TRACEBACK=1 shows where it was raised)")
+    monkeypatch.setenv("NIBBLE_TRACEBACK", "1")
+    with pytest.raises(torch.OutOfMemoryError):
+        main(argv)
+    monkeypatch.setattr(cli, "cmd_eval", lambda args: 1 / 0)  # any other error is not said as memory
+    monkeypatch.setattr(cli, "cmd_info", lambda args: 1 / 0)
+    monkeypatch.delenv("NIBBLE_TRACEBACK")
+    with pytest.raises(ZeroDivisionError):
+        main(argv)
