@@ -15,8 +15,8 @@ the ops timed in ``--rounds`` (3) interleaved rounds, ``bench_rounds``, each cel
   w4a4        nibble quantize + matrix kernel together: ``torch.ops.nibble.w4a4_linear`` (no rotation)
   w4a4_h      the same with ``input_hadamard=True``
 
-Writes ``DIR/w4a4-<gpu>.json`` (meta + one row per (shape, M, op) with us, speedup over bf16, and
-effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape); ``DIR/w4a4-partial.json`` holds
+Writes ``DIR/w4a4-<gpu>.json`` (meta, its ``summary`` the per-M geomeans of `summarize`, + one row per (shape, M, op)
+with us, speedup over bf16, and effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape); ``DIR/w4a4-partial.json`` holds
 the rows so far while it runs (what a timeout leaves), and is removed once the JSON is written.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean, gpu_tag,
-                                 json_text, parse_bench_args, rotations, whole_number, write_results)
+from nibble.bench.timing import (BIG_WEIGHT_BYTES, ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta,
+                                 geomean, gpu_tag, json_text, parse_bench_args, rotations, whole_number, write_results)
 from nibble.formats.int4 import unpack_int4
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
@@ -204,8 +204,10 @@ def bench_shape(N: int, K: int, ms, ops=OPS, log=print, tune=False, tuning=None,
     return rows
 
 
-def summarize(rows, log=print):
-    """Speedup of quantize+GEMM over cuBLAS bf16 per M (geomean over shapes), plus per-shape table."""
+def summarize(rows, log=print) -> list[dict]:
+    """Per M, the geomean speedup of quantize + GEMM (``w4a4``; ``w4a4_h``: with the online Hadamard) over cuBLAS
+    bf16 on all shapes and on those of >= 64 MB of 16-bit weight (where issue 4 sets its bars), and over cuBLAS FP8;
+    logged after the per-shape table, and returned (NaN where the rows lack an op)."""
     by = {}
     for r in rows:
         by.setdefault((r["N"], r["K"], r["M"]), {})[r["op"]] = r["us"]
@@ -215,11 +217,22 @@ def summarize(rows, log=print):
         cells = "".join(f"{v[o]:11.1f}" if v.get(o) else f"{'-':>11s}" for o in ops)
         sp = v["bf16"] / v["w4a4"] if v.get("bf16") and v.get("w4a4") else float("nan")
         log(f"{N:6d}x{K:<6d} M={M:<5d}{cells}   {sp:6.2f}x")
-    log("\ngeomean speedup over bf16 (quantize + GEMM):")
-    for M in sorted({k[2] for k in by}):
-        sps = [v["bf16"] / v["w4a4"] for (n, k, m), v in by.items() if m == M and v.get("bf16") and v.get("w4a4")]
-        f8 = [v["fp8"] / v["w4a4"] for (n, k, m), v in by.items() if m == M and v.get("fp8") and v.get("w4a4")]
-        log(f"  M={M:5d}: {geomean(sps):.2f}x vs bf16" + (f", {geomean(f8):.2f}x vs fp8" if f8 else ""))
+
+    def speedup(M, op, base, big=False):
+        return geomean(v[base] / v[op] for (n, k, m), v in by.items()
+                       if m == M and v.get(base) and v.get(op) and (not big or n * k * 2 >= BIG_WEIGHT_BYTES))
+    summary = [dict(M=M, geomean_vs_bf16=speedup(M, "w4a4", "bf16"),
+                    geomean_vs_bf16_big=speedup(M, "w4a4", "bf16", big=True), geomean_vs_fp8=speedup(M, "w4a4", "fp8"),
+                    hadamard_geomean_vs_bf16=speedup(M, "w4a4_h", "bf16"),
+                    hadamard_geomean_vs_bf16_big=speedup(M, "w4a4_h", "bf16", big=True))
+               for M in sorted({k[2] for k in by})]
+    columns = {"vs bf16": "geomean_vs_bf16", "vs bf16 >=64MB": "geomean_vs_bf16_big", "vs fp8": "geomean_vs_fp8",
+               "w4a4_h vs bf16": "hadamard_geomean_vs_bf16", "w4a4_h >=64MB": "hadamard_geomean_vs_bf16_big"}
+    log("\nquantize + GEMM (w4a4_h: with the online Hadamard), geomean speedup over cuBLAS:")
+    log("      M" + "".join(f"  {c:>15s}" for c in columns))
+    for s in summary:
+        log(f"  {s['M']:5d}" + "".join(f"  {s[key]:14.2f}x" for key in columns.values()))
+    return summary
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -263,13 +276,13 @@ def main(argv=None) -> int:
         rows += bench_shape(N, K, ms, ops, tune=a.tune, tuning=tuning, rounds=a.rounds)
         with open(partial, "w") as f:  # survives a timeout
             f.write(json_text({"rows": rows, "tuning": tuning}, default=str))
-    summarize(rows)
+    summary = summarize(rows)
     if tuning:
         from nibble.kernels import w4a4
         print("TUNED =", {k: v for k, v in sorted(w4a4.TUNED.items())})
     command = shlex.join(["python", "-m", "nibble.bench", "w4a4", *(sys.argv[1:] if argv is None else argv)])
     meta = env_meta(benchmark="w4a4", shapes=shapes, ms=ms, ops=ops, tuning=tuning, rounds=a.rounds, command=command,
-                    note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)")
+                    note="speedup = cuBLAS bf16 time / op time; w4a4 = quantize + GEMM (no rotation)", summary=summary)
     paths = write_results(rows, meta, a.out, a.name or f"w4a4-{gpu_tag()}", baseline="bf16",
                           title=f"W4A4 speedup over cuBLAS bf16 ({torch.cuda.get_device_name()})")
     os.remove(partial)  # the running copy of what the JSON now holds: beside it, it read as another run's
