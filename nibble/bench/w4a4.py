@@ -16,8 +16,9 @@ the ops timed in ``--rounds`` (3) interleaved rounds, ``bench_rounds``, each cel
   w4a4_h      the same with ``input_hadamard=True``
 
 Writes ``DIR/w4a4-<gpu>.json`` (meta, its ``summary`` the per-M geomeans of `summarize`, + one row per (shape, M, op)
-with us, speedup over bf16, and effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape); ``DIR/w4a4-partial.json`` holds
-the rows so far while it runs (what a timeout leaves), and is removed once the JSON is written.
+with us, speedup over bf16, and effective TOPS / TB/s) and ``.png`` (speedup over bf16 vs M, one panel per shape);
+``DIR/w4a4-partial.json`` holds the rows so far while it runs (what a timeout leaves), and is removed once the JSON is
+written.
 """
 from __future__ import annotations
 
