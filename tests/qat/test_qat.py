@@ -1415,3 +1415,19 @@ def test_nibble_qat_per_channel_trains_and_exports_nothing(monkeypatch, tmp_path
     main(["qat", "--device", "cpu", "--recipe", "per-channel", "--out", str(tmp_path / "q")])
     assert capsys.readouterr().out == (f"trained per-channel (fake quant only: per-channel activation scales have no "
                                        f"W4A4 kernel); state in {state_path(tmp_path / 'q')}\n")
+
+
+def test_the_records_of_token_ids_and_of_the_model_see_a_change_anywhere_they_sample():
+    """The resume tests changed every window or every weight: a record of the first window alone, or of the head of
+    each tensor alone, passed them, and would resume onto calibration whose last window changed, or a model whose
+    tensors differ in their last values."""
+    from nibble.qat.train import model_record, token_record
+    ids = torch.randint(0, 256, (6, 24))
+    changed = ids.clone()
+    changed[-1, -1] = (changed[-1, -1] + 1) % 256
+    assert token_record(ids).startswith("6 x 24 tokens, sha256 ") and token_record(changed) != token_record(ids)
+    model = tiny_model()
+    before = model_record(model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.view(-1)[-1] += 1
+    assert model_record(model) != before
