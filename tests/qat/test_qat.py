@@ -1431,3 +1431,29 @@ def test_the_records_of_token_ids_and_of_the_model_see_a_change_anywhere_they_sa
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.view(-1)[-1] += 1
     assert model_record(model) != before
+
+
+def test_windows_of_the_whole_context_and_a_batch_of_every_window_are_taken_without_a_word():
+    """The limits themselves are allowed: windows as long as the context (a seq_len <= context check written <) were
+    refused, and a batch of exactly every window (> written >=) warned that it was clamped."""
+    torch.manual_seed(0)
+    model = tiny_model(initializer_range=0.1, max_position_embeddings=SEQ)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qat = _train("per-token", 1, _windows(), model=model, batch_size=4)
+    assert qat.qat_meta["seq_len"] == SEQ and qat.qat_meta["batch_size"] == 4
+
+
+def test_no_warm_up_is_a_warm_up_of_0_and_a_negative_one_is_refused():
+    """warmup=0 starts at the full rate (warmup's least is 0, not 1, as steps' is); -1 is refused by name."""
+    qat = _train("per-token", 1, _windows(), warmup=0)
+    assert qat.qat_meta["warmup"] == 0
+    with pytest.raises(ValueError, match="^warmup must be an integer >= 0, got -1$"):
+        _train("per-token", 1, _windows(), warmup=-1)
+
+
+def test_resume_without_an_out_dir_is_refused():
+    """There is no state to go on from: it was None's AttributeError in the state's path."""
+    with pytest.raises(ValueError, match="^resume=True needs the out_dir the interrupted run wrote to$"):
+        _train("per-token", 1, _windows(), resume=True)
