@@ -463,6 +463,13 @@ def test_a_missing_submodule_of_an_optional_package_is_said_as_the_package_missi
             raise ModuleNotFoundError("No module named 'other'", name="other")
 
 
+def test_a_width_narrower_than_one_packed_word_is_refused():
+    """INT4 packs 8 codes a 32-bit word: in_features 4 is not a multiple of 8 even though it is below it."""
+    from nibble.config import width_error
+    assert width_error(4, -1).startswith("in_features=4 is not a multiple of 8")
+    assert width_error(8, -1) is None and width_error(0, -1).startswith("in_features=0: a layer without inputs")
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_quantlinear_default_group_size_follows_the_mode_as_quantconfigs_does(mode):
     """QuantLinear(256, 64, mode="w4a4") was refused: its default group_size of 128 was W4A16's whatever the mode,

@@ -1457,3 +1457,13 @@ def test_resume_without_an_out_dir_is_refused():
     """There is no state to go on from: it was None's AttributeError in the state's path."""
     with pytest.raises(ValueError, match="^resume=True needs the out_dir the interrupted run wrote to$"):
         _train("per-token", 1, _windows(), resume=True)
+
+
+def test_the_export_is_a_plain_model_in_eval_mode_whatever_it_was_given():
+    """export marks its result eval and drops what peft put on the base model (peft_config): an export of a model
+    still in train mode (prepare_qat_model's, trained by hand) came back in train mode, with peft's config."""
+    qat = prepare_qat_model(_model(), "per-token", rank=2, progress=False)
+    qat.train()
+    exported = export(qat)
+    assert not exported.training and not any(m.training for m in exported.modules())
+    assert "peft_config" not in exported.__dict__ and "_hf_peft_config_loaded" not in exported.__dict__
