@@ -363,6 +363,113 @@ def test_replace_checks_the_copy_as_the_constructor_does():
     assert dataclasses.replace(QuantConfig(), mode="w4a4", group_size=-1, symmetric=True).mode == "w4a4"
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="bogus"), r"^method must be one of \('rtn', 'gptq', 'awq'\), got 'bogus'$"),
+    (dict(rotation="bogus"), r"^rotation must be one of \('none', 'hadamard'\), got 'bogus'$"),
+    (dict(mode="w4a4", method="awq"), "^w4a4 supports method='rtn' or 'gptq'"),
+    (dict(symmetric=True, zero_point="float"), r"^zero_point='float' \(CLI --float-zero"),
+    (dict(rotation_seed=3), "^rotation_seed=3 seeds rotation='hadamard'"),
+])
+def test_config_refuses_what_it_cannot_quantize_by_each_fields_own_check(kwargs, match):
+    """Each check alone: a config of an unknown method or rotation was taken (and quantized by none, or unrotated)."""
+    with pytest.raises(ValueError, match=match):
+        QuantConfig(**kwargs)
+
+
+@pytest.mark.parametrize("mode, bits", [("w4a16", 16), ("w4a4", 4)])
+def test_config_dict_records_the_formats_constants_and_from_dict_reads_a_minimal_one(mode, bits):
+    """to_dict's activation_bits is the mode's, and from_dict takes a dict without bits or mode (their defaults)."""
+    from nibble.formats.int4 import FORMAT_VERSION
+    saved = QuantConfig(mode=mode).to_dict()
+    assert {k: saved[k] for k in ("quant_method", "format_version", "bits", "activation_bits")} == \
+        dict(quant_method="nibble", format_version=FORMAT_VERSION, bits=4, activation_bits=bits)
+    assert QuantConfig.from_dict(saved) == QuantConfig(mode=mode)
+    minimal = dict(quant_method="nibble", format_version=FORMAT_VERSION)
+    assert QuantConfig.from_dict({**minimal, "activation_bits": 16}) == QuantConfig()
+    with pytest.raises(ValueError, match="^not a nibble quantization_config"):
+        QuantConfig.from_dict({**saved, "quant_method": "awq"})
+    with pytest.raises(ValueError, match="^checkpoint format_version 99 is not supported"):
+        QuantConfig.from_dict({**saved, "format_version": 99})
+
+
+def test_token_ids_are_checked_against_the_vocabulary_at_both_ends():
+    """Ids from 0 to vocab - 1 pass; vocab itself (one past the embedding) and -1 are refused: a test of ids far
+    past the vocabulary let `high > vocab` through."""
+    from conftest import tiny_model
+
+    from nibble.config import check_token_ids
+    model = tiny_model()  # 256 tokens
+    check_token_ids(model, torch.tensor([[0, 255]]), "the", "fix")
+    for bad in (256, -1):
+        with pytest.raises(ValueError, match=rf"^the token ids run from {min(bad, 0)} to {max(bad, 0)}, but the "
+                                             r"model's vocabulary has 256 tokens: fix$"):
+            check_token_ids(model, torch.tensor([[0, bad]]), "the", "fix")
+
+
+def test_seeds_and_counts_are_refused_outside_their_range_by_name():
+    """checked_seed: -2**63 and 2**64 - 1 pass (torch's range), one past either does not, a bool neither, and a numpy
+    integer comes back an int (a checkpoint's JSON holds it); check_count: `least` passes, a bool does not."""
+    import numpy as np
+
+    from nibble.config import check_count, checked_seed
+    assert checked_seed("s", -2**63) == -2**63 and checked_seed("s", 2**64 - 1) == 2**64 - 1
+    assert type(checked_seed("s", np.int64(5))) is int
+    for bad in (2**64, -2**63 - 1, True):
+        with pytest.raises(ValueError, match=r"^s must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+            checked_seed("s", bad)
+    check_count("n", 1)
+    check_count("n", 0, least=0)
+    for bad in (0, True, 1.0):
+        with pytest.raises(ValueError, match=r"^n must be an integer >= 1, got "):
+            check_count("n", bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_devices_and_dtypes_are_resolved_by_name():
+    """An int is torch's spelling of cuda:N; 'torch.float16' is transformers' name of a dtype; float64 is none nibble
+    runs; a GPU model defaults to bfloat16."""
+    from nibble.config import default_dtype, resolve_device, resolve_dtype
+    with pytest.raises(ValueError, match=r"^device 'cuda:1' asked for, but no CUDA GPU is visible"):
+        resolve_device(1)
+    with pytest.raises(ValueError, match="^device 'meta' is not one nibble runs on"):
+        resolve_device("meta")
+    assert resolve_dtype("torch.float16") is torch.float16 and resolve_dtype("bfloat16") is torch.bfloat16
+    for bad in (torch.float64, "float64"):
+        with pytest.raises(ValueError, match="is not one nibble runs a model in"):
+            resolve_dtype(bad)
+    assert default_dtype(torch.device("cuda")) is torch.bfloat16 and default_dtype(torch.device("cpu")) is torch.float32
+
+
+def test_a_cast_refuses_finite_values_beyond_the_dtype_and_check_finite_refuses_inf():
+    """checked_cast refuses what becomes Inf, not an Inf already there (check_finite's, which refuses Inf as NaN)."""
+    from nibble.config import check_finite, checked_cast
+    with pytest.raises(ValueError, match=r"^w holds 1 value\(s\) beyond torch.float16's range \(e.g. 100000\)"):
+        checked_cast(torch.tensor([1.0, 1e5]), torch.float16, "w")
+    inf = torch.tensor([1.0, float("inf")])
+    assert torch.equal(checked_cast(inf, torch.float16, "w"), inf.half())
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"^w holds 1 NaN or Inf value\(s\)"):
+            check_finite(torch.tensor([1.0, bad]), "w")
+
+
+def test_a_missing_submodule_of_an_optional_package_is_said_as_the_package_missing():
+    """`from peft.tuners import x` without peft fails with e.name 'peft.tuners': that was re-raised as it was."""
+    from nibble.config import optional_dependency
+    with pytest.raises(ModuleNotFoundError, match=r"^it needs peft, which is not installed: pip install 'nibble\[qat\]'$"):
+        with optional_dependency("peft", "qat", "it"):
+            raise ModuleNotFoundError("No module named 'peft.tuners'", name="peft.tuners")
+    with pytest.raises(ModuleNotFoundError, match="^No module named 'other'$"):
+        with optional_dependency("peft", "qat", "it"):
+            raise ModuleNotFoundError("No module named 'other'", name="other")
+
+
+def test_a_width_narrower_than_one_packed_word_is_refused():
+    """INT4 packs 8 codes a 32-bit word: in_features 4 is not a multiple of 8 even though it is below it."""
+    from nibble.config import width_error
+    assert width_error(4, -1).startswith("in_features=4 is not a multiple of 8")
+    assert width_error(8, -1) is None and width_error(0, -1).startswith("in_features=0: a layer without inputs")
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_quantlinear_default_group_size_follows_the_mode_as_quantconfigs_does(mode):
     """QuantLinear(256, 64, mode="w4a4") was refused: its default group_size of 128 was W4A16's whatever the mode,

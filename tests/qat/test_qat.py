@@ -2,6 +2,7 @@
 export -> save -> load reproduces the fake-quant logits, and a killed run resumes at the right step."""
 import copy
 import functools
+import math
 import re
 import statistics
 
@@ -17,8 +18,8 @@ from nibble.config import QuantConfig  # noqa: E402
 from nibble.models.convert import quantize_model, set_backend, weight_bytes  # noqa: E402
 from nibble.models.serialization import load_quantized  # noqa: E402
 from nibble.nn.quant_linear import QuantLinear  # noqa: E402
-from nibble.qat.fake_quant import (FakeQuantLinear, fake_quant_channels, fake_quant_layers, fake_quant_tokens,  # noqa: E402
-                                   fake_quant_weight)
+from nibble.qat.fake_quant import (MAX_INIT_RATIO, FakeQuantLinear, fake_quant_channels, fake_quant_layers,  # noqa: E402
+                                   fake_quant_tokens, fake_quant_weight)
 from nibble.qat.train import export, prepare_qat_model, run_qat, state_path  # noqa: E402
 from nibble.quantize.rtn import rtn_quantize  # noqa: E402
 
@@ -124,6 +125,143 @@ def test_weight_scale_gradients_are_not_rounded_to_float16(tiny_weights):
     assert (unit != 0).all()
     for scale in (1e-9, 1e5):
         assert torch.allclose(ratio_grad(scale), unit * scale, rtol=1e-5, atol=0)
+
+
+def test_the_clip_ratio_gets_the_lsq_gradient_of_the_weight_grid():
+    """d w_q / d s is (codes - 8) - w / s inside the clip range and the clamped code beyond it (LSQ): a scale
+    detached from the output (``* s.detach()``) left the ratio only the -w / s part, and still a gradient."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    ratio = torch.full((16, 1), 0.6, requires_grad=True)
+    out_grad = torch.rand(16, 64) + 0.5
+    (fake_quant_weight(w, ratio) * out_grad).sum().backward()
+    amax = w.abs().amax(1, keepdim=True)
+    s = (0.6 * amax / 7).half().float()
+    u = w / s
+    codes = torch.clamp(torch.round(u), -8, 7)
+    inside = (u >= -8) & (u <= 7)
+    assert inside.any() and (~inside).any()
+    d_s = torch.where(inside, codes - u, codes)
+    want = (out_grad * d_s).sum(1, keepdim=True) * amax / 7
+    torch.testing.assert_close(ratio.grad, want, rtol=1e-4, atol=1e-5)
+
+
+def test_activation_clip_ratio_gets_the_lsq_gradient_and_x_the_straight_through_one():
+    """Per-channel activations: d x_q / d x is 1 inside the clip range and 0 beyond (the channel's amax is a constant,
+    as the per-token one), d x_q / d s the LSQ ``code - x / s`` (a detached scale or a differentiated amax passed)."""
+    torch.manual_seed(0)
+    x = (torch.randn(3, 5, 16) * torch.logspace(-2, 1, 16)).requires_grad_()
+    ratio = torch.linspace(0.5, 1, 16).requires_grad_()
+    out_grad = torch.rand(3, 5, 16) + 0.5
+    (fake_quant_channels(x, ratio) * out_grad).sum().backward()
+    amax = x.detach().abs().amax(dim=(0, 1))
+    s = amax * ratio.detach() / 7
+    u = x.detach() / s
+    codes = torch.clamp(torch.round(u), -8, 7)
+    inside = (u >= -8) & (u <= 7)
+    assert inside.any() and (~inside).any()
+    torch.testing.assert_close(x.grad, torch.where(inside, out_grad, torch.zeros_like(out_grad)))
+    want = (out_grad * torch.where(inside, codes - u, codes)).sum(dim=(0, 1)) * amax / 7
+    torch.testing.assert_close(ratio.grad, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_channel_of_zeros_quantizes_to_zeros_not_nan():
+    """An all-zero input channel (amax 0) divided by a zero scale: NaN in the forward and the gradient."""
+    x = torch.randn(2, 4, 16)
+    x[..., 3] = 0
+    x.requires_grad_()
+    y = fake_quant_channels(x, torch.full((16,), 0.9))
+    y.sum().backward()
+    assert torch.isfinite(y).all() and (y[..., 3] == 0).all() and torch.isfinite(x.grad).all()
+
+
+def _outlier_linear():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 48)
+    with torch.no_grad():
+        lin.weight[::3, ::17] *= 8  # outlier columns in every third row: the search clips those
+        lin.weight[1::3] = lin.weight[1::3].sign() * 0.05  # rows on the grid of ratio 1, which no clipping improves
+    return lin
+
+
+def test_a_learned_clip_starts_at_the_searched_ratio_capped_at_sigmoid_4():
+    """The learned clip's logit is the searched ratio's, at most sigmoid(4) (0.982: OmniQuant's start); an inverse
+    of the sigmoid written wrong, or no cap (a ratio of 1 is a logit of +inf, whose gradient is 0), went unseen: the
+    export reproduced whatever the training started from."""
+    assert MAX_INIT_RATIO == pytest.approx(0.98201379)
+    lin = _outlier_linear()
+    searched = FakeQuantLinear.from_linear(lin, clip="fixed").clip_ratio
+    learned = FakeQuantLinear.from_linear(lin, clip="learned")
+    assert (searched < MAX_INIT_RATIO).any() and (searched == 1).any()
+    torch.testing.assert_close(learned.weight_clip_ratio().detach(), searched.clamp(max=MAX_INIT_RATIO))
+    assert torch.isfinite(learned.clip_logit).all()
+
+
+def test_the_per_channel_layer_is_smoothed_then_quantized_and_starts_unsmoothed():
+    """y = Qa(x / m) @ Qw(W * m).T + b, with m = exp(smooth_log) starting at 1 and the activation clip at sigmoid(4):
+    the smoothing undone on the wrong side, or started away from 1, passed (the recipe trained all the same)."""
+    lin = _outlier_linear()
+    layer = FakeQuantLinear.from_linear(lin, clip="learned", act="channel", smoothing=True)
+    assert torch.equal(layer.smooth_log, torch.zeros(128))
+    torch.testing.assert_close(torch.sigmoid(layer.act_clip_logit), torch.full((128,), MAX_INIT_RATIO))
+    with torch.no_grad():
+        layer.smooth_log.normal_(0, 0.5)
+        layer.act_clip_logit.normal_(3, 1)
+        layer.clip_logit.normal_(3, 1)
+    x = torch.randn(4, 6, 128)
+    m = torch.exp(layer.smooth_log).detach()
+    want = torch.nn.functional.linear(fake_quant_channels(x / m, torch.sigmoid(layer.act_clip_logit).detach()),
+                                      fake_quant_weight(lin.weight.detach() * m, torch.sigmoid(layer.clip_logit).detach()),
+                                      lin.bias.detach())
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), want)
+
+
+def test_a_fake_quant_layer_shares_and_freezes_the_weight_and_bias_it_wraps():
+    """From_linear left the wrapped weight trainable (prepare_qat_model froze it afterwards, so no run saw it): a
+    FakeQuantLinear made alone trained its 16-bit weight, the teacher's."""
+    lin = torch.nn.Linear(64, 32)
+    layer = FakeQuantLinear.from_linear(lin, clip="fixed")
+    assert layer.weight is lin.weight and layer.bias is lin.bias
+    assert not layer.weight.requires_grad and not layer.bias.requires_grad
+
+
+def test_a_start_weight_is_refused_on_a_smoothed_layer():
+    """Smoothing rescales the weight the grid sees (W * m), so GPTQ's scales cannot hold a smoothed layer's start:
+    only check_recipe's refusal of init='gptq' with per-channel stood before it, not the layer's own."""
+    lin = torch.nn.Linear(64, 8)
+    start = (torch.randn(8, 64), torch.full((8, 1), 0.01))
+    with pytest.raises(ValueError, match="no smoothing"):
+        FakeQuantLinear.from_linear(lin, start=start, clip="learned", act="channel", smoothing=True)
+
+
+def test_with_quantization_off_a_layer_runs_its_16_bit_weight_plus_the_adapters():
+    """quantization_disabled with the adapters on is the 16-bit W + s B A (the teacher also disables the adapters):
+    the delta dropped there went unseen, as every teacher ran without it."""
+    from nibble.qat.fake_quant import FakeQuantLoraLinear, quantization_disabled
+    qat = prepare_qat_model(_model(), "per-token", rank=2)
+    with torch.no_grad():
+        for n, p in qat.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    layer = next(m for m in qat.modules() if isinstance(m, FakeQuantLoraLinear))
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad(), quantization_disabled(qat):
+        w = layer.get_base_layer().weight + layer.lora_delta()
+        torch.testing.assert_close(layer(x), x @ w.T)
+
+
+def test_a_bfloat16_layer_runs_in_bfloat16_without_autocast():
+    """Outside autocast the fake-quantized (float32) input and weight go back to the input's dtype: kept in float32,
+    F.linear met the layer's bfloat16 bias (only float32 models were run)."""
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    layer = FakeQuantLinear.from_linear(lin, clip="fixed")
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+        want = torch.nn.functional.linear(fake_quant_tokens(x).to(torch.bfloat16),
+                                          layer.quantized_weight().to(torch.bfloat16), lin.bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
 
 
 def test_training_lowers_the_loss_on_a_fixed_batch():
@@ -1147,3 +1285,185 @@ def test_nibble_qat_trains_the_hadamard_recipe_unless_told_otherwise(monkeypatch
     main(["qat", "--device", "cpu", "--out", str(tmp_path / "default")])
     main(["qat", "--device", "cpu", "--recipe", "per-token", "--out", str(tmp_path / "asked")])
     assert recipes == ["hadamard", "per-token"]
+
+
+@pytest.mark.parametrize("recipe, learned", [("per-token", {"clip_logit"}),
+                                             ("per-channel", {"clip_logit", "act_clip_logit", "smooth_log"})])
+def test_every_quantization_parameter_a_recipe_learns_trains_and_gets_a_gradient(recipe, learned):
+    """A clip ratio detached from the forward, or left frozen by prepare_qat_model, trained nothing while the LoRA
+    matrices beside it still lowered the loss: every test passed on a recipe that learned no clipping."""
+    qat = prepare_qat_model(_model(), recipe, rank=2)
+    quant = {n: p for n, p in qat.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert {n.rpartition(".")[2] for n in quant} == learned
+    assert len(quant) == 14 * len(learned)
+    ids = _windows(n=2)
+    qat(input_ids=ids, labels=ids).loss.backward()
+    for n, p in quant.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+def test_the_schedule_warms_up_linearly_then_decays_by_a_cosine_to_0():
+    """The factors themselves: the test of a resumed run's rates computes them with lr_factor, so a schedule that
+    started at 0, overshot 1, decayed by a quarter cosine or over the warm-up too passed it."""
+    from nibble.qat.train import lr_factor
+    assert [lr_factor(s, 12, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # warm-up: the first step trains
+    assert lr_factor(4, 12, 4) == 1.0  # the cosine starts where the warm-up ends
+    assert lr_factor(8, 12, 4) == pytest.approx(0.5)  # half-way through the decay
+    assert lr_factor(12, 12, 4) == pytest.approx(0.0, abs=1e-12)  # 0 at the last step
+    assert lr_factor(0, 3, 0) == 1.0 and lr_factor(1, 3, 0) == pytest.approx(0.75)  # no warm-up
+
+
+def test_the_ce_plus_kl_objective_trains():
+    """Only its loss was tested (qat_loss): a loop that ran the 16-bit teacher for 'kl' alone failed every 'ce+kl'
+    run on its missing teacher logits."""
+    losses = []
+    qat = _train("per-token", 2, _windows(), objective="ce+kl", callback=lambda step, loss: losses.append(loss))
+    assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses)
+    assert qat.qat_meta["objective"] == "ce+kl"
+
+
+def test_each_step_clips_the_gradient_norm_and_decays_no_weight(monkeypatch):
+    """AdamW's default weight decay (0.01) pulls every clip logit towards 0, a ratio of 0.5, and a step without
+    clip_grad_norm_ took max_grad_norm and clipped nothing; neither changed what any test looked at."""
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        seen.append((torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item(),
+                     [g["weight_decay"] for g in self.param_groups]))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    _train("per-token", 2, _windows(), max_grad_norm=1e-3)
+    assert len(seen) == 2
+    for norm, decays in seen:
+        assert norm <= 1e-3 * (1 + 1e-4) and decays == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("recipe, other", [("per-token", dict(batch_size=3)), ("per-token", dict(alpha=3)),
+                                           ("hadamard", dict(rotation_seed=1))])
+def test_a_resume_with_another_batch_size_alpha_or_rotation_is_refused(tmp_path, recipe, other):
+    """Settings the resume test did not vary: each trains the same parameters (names and shapes), so a state saved
+    by one went on under the other without a word."""
+    name = next(iter(other))
+    _train(recipe, 1, _windows(), out_dir=tmp_path, batch_size=2)
+    with pytest.raises(ValueError, match=rf"other settings \({name} saved "):
+        _train(recipe, 2, _windows(), out_dir=tmp_path, resume=True, **dict(dict(batch_size=2), **other))
+
+
+def test_the_seed_alone_decides_the_lora_start():
+    """run_qat seeds LoRA's initialization with its seed (as --seed's help says): without it, the start was drawn
+    from whatever the caller's global generator held."""
+    def lora_a(seed, global_seed):
+        model = _model()
+        torch.manual_seed(global_seed)
+        qat = _train("per-token", 1, _windows(), model=model, seed=seed, lr=1e-30, quant_lr=1e-30)
+        return torch.cat([p.detach().flatten() for n, p in qat.named_parameters() if "lora_A" in n])
+
+    first = lora_a(0, 1)
+    assert torch.equal(first, lora_a(0, 2))
+    assert not torch.equal(first, lora_a(1, 1))
+
+
+def test_the_trained_model_comes_back_in_float32_eval_mode_without_checkpointing():
+    """As run_qat's doc says: a bfloat16 model given trains in float32 master weights and comes back so, in eval mode,
+    its gradient checkpointing turned off again."""
+    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.1)
+    qat = _train("per-token", 1, _windows(), model=model, gradient_checkpointing=True)
+    assert {p.dtype for p in qat.parameters()} == {torch.float32}
+    assert not qat.training and not any(m.training for m in qat.modules())
+    assert not qat.get_base_model().is_gradient_checkpointing
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_default_warm_up_is_a_twentieth_of_the_steps_at_least_one(monkeypatch):
+    """warmup=None warms up over max(1, steps // 20) steps (every test gave warmup=1): a default of steps // 20
+    decayed a short run from its first step, and one of steps // 10 warmed a long one up twice as long."""
+    rates = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        rates.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    def stop_after_2(done, loss):
+        if done == 2:
+            raise _Stop
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    for steps, factors in ((3, [1.0, 1.0]), (40, [0.5, 1.0])):
+        rates.clear()
+        with pytest.raises(_Stop):
+            _train("per-token", steps, _windows(), lr=1e-3, warmup=None, callback=stop_after_2)
+        assert rates == pytest.approx([1e-3 * f for f in factors]), steps
+
+
+def test_nibble_qat_per_channel_trains_and_exports_nothing(monkeypatch, tmp_path, capsys):
+    """The per-channel recipe has no W4A4 kernel: the command trains it and says where its state is; exported, it
+    failed after the whole training with the export's refusal."""
+    import nibble.qat.export as exporting
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(train, "run_qat", lambda *args, **kwargs: "trained")
+    monkeypatch.setattr(exporting, "export", lambda *args, **kwargs: pytest.fail("exported a per-channel run"))
+    main(["qat", "--device", "cpu", "--recipe", "per-channel", "--out", str(tmp_path / "q")])
+    assert capsys.readouterr().out == (f"trained per-channel (fake quant only: per-channel activation scales have no "
+                                       f"W4A4 kernel); state in {state_path(tmp_path / 'q')}\n")
+
+
+def test_the_records_of_token_ids_and_of_the_model_see_a_change_anywhere_they_sample():
+    """The resume tests changed every window or every weight: a record of the first window alone, or of the head of
+    each tensor alone, passed them, and would resume onto calibration whose last window changed, or a model whose
+    tensors differ in their last values."""
+    from nibble.qat.train import model_record, token_record
+    ids = torch.randint(0, 256, (6, 24))
+    changed = ids.clone()
+    changed[-1, -1] = (changed[-1, -1] + 1) % 256
+    assert token_record(ids).startswith("6 x 24 tokens, sha256 ") and token_record(changed) != token_record(ids)
+    model = tiny_model()
+    before = model_record(model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.view(-1)[-1] += 1
+    assert model_record(model) != before
+
+
+def test_windows_of_the_whole_context_and_a_batch_of_every_window_are_taken_without_a_word():
+    """The limits themselves are allowed: windows as long as the context (a seq_len <= context check written <) were
+    refused, and a batch of exactly every window (> written >=) warned that it was clamped."""
+    torch.manual_seed(0)
+    model = tiny_model(initializer_range=0.1, max_position_embeddings=SEQ)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qat = _train("per-token", 1, _windows(), model=model, batch_size=4)
+    assert qat.qat_meta["seq_len"] == SEQ and qat.qat_meta["batch_size"] == 4
+
+
+def test_no_warm_up_is_a_warm_up_of_0_and_a_negative_one_is_refused():
+    """warmup=0 starts at the full rate (warmup's least is 0, not 1, as steps' is); -1 is refused by name."""
+    qat = _train("per-token", 1, _windows(), warmup=0)
+    assert qat.qat_meta["warmup"] == 0
+    with pytest.raises(ValueError, match="^warmup must be an integer >= 0, got -1$"):
+        _train("per-token", 1, _windows(), warmup=-1)
+
+
+def test_resume_without_an_out_dir_is_refused():
+    """There is no state to go on from: it was None's AttributeError in the state's path."""
+    with pytest.raises(ValueError, match="^resume=True needs the out_dir the interrupted run wrote to$"):
+        _train("per-token", 1, _windows(), resume=True)
+
+
+def test_the_export_is_a_plain_model_in_eval_mode_whatever_it_was_given():
+    """export marks its result eval and drops what peft put on the base model (peft_config): an export of a model
+    still in train mode (prepare_qat_model's, trained by hand) came back in train mode, with peft's config."""
+    qat = prepare_qat_model(_model(), "per-token", rank=2, progress=False)
+    qat.train()
+    exported = export(qat)
+    assert not exported.training and not any(m.training for m in exported.modules())
+    assert "peft_config" not in exported.__dict__ and "_hf_peft_config_loaded" not in exported.__dict__
