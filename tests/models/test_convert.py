@@ -793,3 +793,168 @@ def test_skips_that_leave_no_linear_to_quantize_are_refused_before_the_model_is_
     assert getattr(model.config, "quantization_config", None) is None and not quantized_linears(model)
     quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=every[1:]), progress=False)
     assert [n for n, _ in quantized_linears(model)] == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]
+
+
+def test_untying_the_head_gives_it_a_table_of_its_own():
+    """untie_lm_head copies the embedding's table into lm_head: a Parameter over the same storage left them one
+    tensor, so a change to the head alone (a rotation in place on a GPU) changed the embedding too."""
+    from nibble.models.convert import lm_head_tied, untie_lm_head
+
+    model = tiny_model("llama")
+    embed = model.model.embed_tokens.weight.detach().clone()
+    untie_lm_head(model)
+    assert not lm_head_tied(model) and not model.config.tie_word_embeddings
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert torch.equal(model.lm_head.weight, 2 * embed)
+
+
+def test_a_head_sharing_the_embeddings_storage_through_another_parameter_is_tied():
+    """load_state_dict(assign=True) of a tied model (one tensor under both names) gives the head and the embedding a
+    Parameter each over one storage: still one table, held once, so a quantized head records the tie."""
+    from nibble.models.convert import lm_head_tied
+
+    model = tiny_model("llama")
+    model.load_state_dict(model.state_dict(), assign=True)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight and lm_head_tied(model)
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=[]), progress=False)
+    assert model.config.quantization_config["lm_head_was_tied"] is True
+
+
+@pytest.mark.parametrize("config", [QuantConfig(group_size=32), QuantConfig(mode="w4a4", rotation="hadamard")])
+def test_each_of_eleven_decoder_layers_is_converted_at_its_own_turn(config, monkeypatch):
+    """A layer's turn converts the linears under "model.layers.{i}.", whole dotted part: layer 1's turn must not take
+    layer 10's, which would be converted before its own turn rotated (or moved, or calibrated) it."""
+    from nibble.models import convert
+
+    model = tiny_model("llama", num_hidden_layers=11)
+    converted = []
+    real = convert._convert
+    monkeypatch.setattr(convert, "_convert", lambda m, name, *a: (converted.append(name), real(m, name, *a))[1])
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = quantize_model(model, config, progress=False)(ids).logits
+    assert converted == convert.linears_to_convert(tiny_model("llama", num_hidden_layers=11), config)
+    assert nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0) > 0.9
+
+
+@pytest.mark.parametrize("name,method,group_size", [
+    ("lm_head", "gptq", 32),  # quantized by RTN whatever the method: its scales are checked up front too
+    ("model.layers.1.mlp.down_proj", "rtn", -1),  # per channel: the group is the whole row
+])
+def test_a_weight_float16_scales_cannot_hold_is_refused_up_front_for_every_layer_rtn_quantizes(name, method,
+                                                                                               group_size):
+    """check_weights checks the scales of the layers RTN quantizes as they are (lm_head under GPTQ / AWQ too) in
+    the groups they will have (per channel: one of in_features); found at the head's turn, the decoder layers were
+    converted by then."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_submodule(name).weight[3, 7] = 1e6
+    calibration = None if method == "rtn" else torch.randint(0, 256, (2, 8))
+    config = QuantConfig(group_size=group_size, method=method, modules_to_not_convert=[])
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}: weights up to \|w\| = 1e\+06 need a scale"):
+        quantize_model(model, config, progress=False, calibration=calibration)
+    assert not quantized_linears(model) and getattr(model.config, "quantization_config", None) is None
+
+
+def test_a_gptq_quantized_rotated_layer_keeps_its_online_hadamard():
+    """GPTQ's Int4Weight holds no rotation: the QuantLinear made of it takes the online Hadamard from the layer it
+    replaces (down_proj, and o_proj after online_o_proj), else it ran the rotated weight on the unrotated input."""
+    from nibble.models.rotation import rotate_model
+
+    model = rotate_model(tiny_model("llama", num_hidden_layers=1), seed=2, online_o_proj=True)
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        want = model(ids).logits
+        quantize_model(model, QuantConfig(mode="w4a4", method="gptq"), progress=False,
+                       calibration=torch.randint(0, 256, (2, 32)))
+        got = model(ids).logits
+    online = [n for n, m in quantized_linears(model) if m.input_hadamard]
+    assert online == ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"]
+    assert nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0) > 0.9
+
+
+def test_a_bias_made_a_parameter_is_counted_once():
+    """transformers' num_parameters counts a QuantLinear bias that is a Parameter (one a user made trainable)
+    itself: the quantized weights' count adds only the biases held as buffers."""
+    model = tiny_model("qwen2")  # biases on q/k/v
+    before = model.num_parameters()
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.bias = nn.Parameter(q_proj.bias.clone())
+    assert model.num_parameters() == before
+
+
+def test_quantizing_onto_a_device_moves_each_decoder_layer_at_its_turn(monkeypatch):
+    """device=: everything but the decoder layers moves first, then each layer at its turn, so the device never
+    holds the 16-bit model (here on the CPU, what the layers' moves see: layer i moves, unquantized, only once the
+    layers before it are quantized)."""
+    import functools
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    layers = model.model.layers
+    seen = []
+
+    def quantized(layer):
+        return isinstance(layer.mlp.down_proj, QuantLinear)
+
+    def spied_apply(i, *args, **kwargs):
+        seen.append((i, quantized(layers[i]), [quantized(layer) for layer in layers[:i]]))
+        return type(layers[i])._apply(layers[i], *args, **kwargs)
+    for i, layer in enumerate(layers):
+        monkeypatch.setattr(layer, "_apply", functools.partial(spied_apply, i))
+    quantize_model(model, QuantConfig(group_size=32), progress=False, device="cpu")
+    unquantized_moves = [(i, before) for i, was_quantized, before in seen if not was_quantized]
+    assert unquantized_moves == [(0, []), (1, [True]), (2, [True, True])]
+
+
+def test_calibration_is_refused_before_the_rotation_touches_the_model():
+    """quantize_model checks the calibration before the rotation begins: GPTQ's own check (at its start) came after
+    the embedding was rotated, the head untied and the model marked rotated, which a retry refused as rotated."""
+    from nibble.models.rotation import rotation_seed
+
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="calibration token ids run from 0 to 999"):
+        quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard", method="gptq"), progress=False,
+                       calibration=torch.arange(1000).reshape(10, 100))
+    assert rotation_seed(model) is None and model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_wrapped_causal_lm_is_refused_as_not_a_causal_lm():
+    """A wrapper that forwards config and lm_head to the causal LM it holds as .model (as peft's PeftModel does)
+    has no .model.layers: refused by name, not as an AttributeError from the decoder layers' lookup."""
+    class Wrapper(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config, self.lm_head = model, model.config, model.lm_head
+
+    model = Wrapper(tiny_model("llama"))
+    with pytest.raises(ValueError, match="nibble converts causal LMs .*got Wrapper"):
+        quantize_model(model, QuantConfig(group_size=32), progress=False)
+
+
+def test_the_decoder_layers_are_put_back_whatever_the_body_raised():
+    """decoder_layers_replaced stands a list in for the layers while the rest of the model moves (or calibrates):
+    a move that failed (out of memory on the GPU) left the model without its decoder layers."""
+    from nibble.models.architecture import decoder_layers, decoder_layers_replaced
+
+    model = tiny_model()
+    layers = decoder_layers(model)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with decoder_layers_replaced(model, nn.ModuleList()):
+            assert len(decoder_layers(model)) == 0
+            raise RuntimeError("out of memory")
+    assert decoder_layers(model) is layers
+
+
+def test_calibration_windows_of_the_whole_context_are_taken():
+    """Windows of exactly config.max_position_embeddings tokens are within the model's context; one more is not."""
+    from nibble.models.architecture import check_calibration_window
+
+    check_calibration_window(256, 256)
+    with pytest.raises(ValueError, match=r"seq_len=257 exceed the model's context \(256"):
+        check_calibration_window(257, 256)

@@ -203,7 +203,9 @@ def _without_weight(norm):
      r"\(LlamaRMSNorm\) has a bias"),
     ("model.layers.0.input_layernorm", _without_weight, r"\(LlamaRMSNorm\) has no weight of shape \(64,\)"),
     ("model.norm", lambda n: nn.RMSNorm(64, elementwise_affine=False), r"\(RMSNorm\) has no weight"),
-], ids=["layernorm", "rmsnorm_bias", "no_weight", "torch_rmsnorm_unscaled"])
+    # a weight of another width failed in the fold, after the embedding was rotated and lm_head untied
+    ("model.layers.1.input_layernorm", lambda n: nn.RMSNorm(32), r"\(RMSNorm\) has no weight of shape \(64,\)"),
+], ids=["layernorm", "rmsnorm_bias", "no_weight", "torch_rmsnorm_unscaled", "rmsnorm_of_another_width"])
 def test_a_norm_the_rotation_cannot_fold_is_refused_by_name_before_the_model_is_touched(path, norm, problem):
     """An RMSNorm with a bias was refused as "found LlamaRMSNorm", which named no fault; one without a weight failed
     on 'NoneType' object has no attribute 'detach' with the embedding rotated and lm_head untied."""
@@ -336,3 +338,63 @@ def test_hadamard_input_linear_refuses_a_second_fold_and_bad_weights():
         HadamardInputLinear.from_linear(had)
     with pytest.raises(ValueError, match="shape"):
         HadamardInputLinear.from_linear(nn.Linear(64, 8), weight=torch.zeros(8, 32))
+
+
+def test_an_intermediate_size_without_a_hadamard_matrix_is_refused_before_the_model_is_touched():
+    """down_proj's online Hadamard runs over the intermediate size: one it has no matrix for was said only when
+    down_proj was rebuilt, after the embedding was rotated and lm_head untied."""
+    model = tiny_model("llama", intermediate_size=100)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="cannot rotate this model: its intermediate_size is 100.*Paley"):
+        rotate_model(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_o_proj_width_is_checked_only_where_o_proj_is_rotated_online():
+    """o_proj's input (heads * head_dim, here 4 * 46) needs a Hadamard matrix with online_o_proj alone: refused
+    there before the model is touched, and no reason to refuse the rotation without it."""
+    base = _randomize_norms_and_biases(tiny_model("llama", head_dim=46))
+    model = copy.deepcopy(base)
+    with pytest.raises(ValueError, match="cannot rotate this model: its o_proj in_features is 184"):
+        rotate_model(model, online_o_proj=True)
+    assert all(torch.equal(v, base.state_dict()[k]) for k, v in model.state_dict().items())
+    _check_rotation_keeps_logits(model, online_o_proj=False)
+
+
+def test_a_float32_rotation_is_its_float64_rotation_rounded_once():
+    """All the algebra runs in float64 and each weight is rounded once: a weight rotated in its own dtype (the
+    embedding's rows read without widening them) differs from the float64 model's rotation in its last bits."""
+    base = _randomize_norms_and_biases(tiny_model("llama", hidden_size=96, num_attention_heads=6, intermediate_size=160,
+                                                  attention_bias=True, mlp_bias=True))
+    wide = rotate_model(copy.deepcopy(base).double(), seed=5, online_o_proj=True).state_dict()
+    for name, value in rotate_model(copy.deepcopy(base), seed=5, online_o_proj=True).state_dict().items():
+        assert torch.equal(value, wide[name].to(value.dtype)), name
+
+
+def test_the_rotation_writes_new_storage_never_into_the_weights_it_was_given():
+    """On the CPU each rotated weight is new storage (`_set`, `_rotate_rows`): written in place, the pages of a model
+    transformers mapped from its safetensors files were copied into process memory for good (copy-on-write), and
+    any other holder of those tensors saw them rotated."""
+    model = _randomize_norms_and_biases(tiny_model("llama", tie_word_embeddings=False))
+    held = {name: p.data for name, p in model.named_parameters() if "norm" not in name}  # norms: filled with 1
+    copies = {name: t.clone() for name, t in held.items()}
+    rotate_model(model)
+    assert all(torch.equal(held[name], copies[name]) for name in held)
+
+
+def test_a_quantization_interrupted_after_the_rotation_began_is_not_rotated_again(monkeypatch):
+    """quantize_model rotates the embedding and lm_head first, then each decoder layer at its turn: stopped before
+    the first (Ctrl-C during calibration), no down_proj has its online Hadamard yet, and only the seed the model
+    records tells that a second rotation would rotate the embedding twice."""
+    from nibble.models import convert
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setitem(convert.calibrated_quantizers, "gptq", interrupted)
+    model = tiny_model("llama")
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard", method="gptq"), progress=False,
+                       calibration=torch.randint(0, 256, (2, 16)))
+    with pytest.raises(ValueError, match="this model is rotated already"):
+        rotate_model(model)
