@@ -103,12 +103,14 @@ def _permute(w, n_head):
 
 def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=False, quantized=False, extra=None,
                 bos=1, merges=("h e", "l l"), head_counts=None, endianess=gguf.GGUFEndian.LITTLE, tokenizer="gpt2",
-                metadata=None, token_types=True, split_max_tensors=0):
+                metadata=None, token_types=True, split_max_tensors=0, rope_freq_base=True):
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
     for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead). ``metadata``: {key: value}
-    written over the model's, a str as a string, a float as float32, a list as an array. ``split_max_tensors``: split
-    the file into parts of that many tensors each (llama.cpp's gguf-split), path-0000i-of-0000n.gguf.
+    written over the model's, a str as a string, a float as float32, an int as uint32, a bool as a bool, a list as an
+    array. ``split_max_tensors``: split the file into parts of that many tensors each (llama.cpp's gguf-split),
+    path-0000i-of-0000n.gguf.
+    ``rope_freq_base``: write llama.rope.freq_base (which llama.cpp takes as optional, 10000 without it).
     ``token_types``: write tokenizer.ggml.token_type (the first three tokens CONTROL, the others NORMAL), which
     llama.cpp takes as optional."""
     c = model.config
@@ -123,7 +125,8 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=
     if c.head_dim != c.hidden_size // c.num_attention_heads:  # as llama.cpp's converter says a config's own head_dim
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if rope_freq_base:
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if tokenizer is not None:
         w.add_tokenizer_model(tokenizer)
@@ -142,7 +145,8 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=
     else:
         w.add_vocab_size(c.vocab_size)
     for key, value in (metadata or {}).items():
-        {str: w.add_string, float: w.add_float32, list: w.add_array}[type(value)](key, value)
+        {str: w.add_string, float: w.add_float32, list: w.add_array, int: w.add_uint32,
+         bool: w.add_bool}[type(value)](key, value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -321,6 +325,7 @@ def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damag
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bos=999), r"tokenizer\.ggml\.bos_token_id is 999, beyond its \d+ tokens: the file's metadata is corrupt"),
+    (dict(bos=len(TOKENS)), rf"tokenizer\.ggml\.bos_token_id is {len(TOKENS)}, beyond its {len(TOKENS)} tokens"),
     (dict(bos=None, add_bos=True), r"tokenizer\.ggml\.add_bos_token is true, but no tokenizer\.ggml\.bos_token_id "
                                    r"says which token: the file's metadata is corrupt"),
     (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt"),
@@ -390,7 +395,8 @@ def test_a_gguf_without_a_tokenizer_is_named_as_such(tiny, tmp_path, tokenizer):
     ("llama.block_count", "2", "an integer"), ("llama.attention.head_count", 4.0, "an integer"),
     ("llama.attention.head_count_kv", [2, 2], "an integer"), ("llama.attention.layer_norm_rms_epsilon", "1e-6", "a number"),
     ("tokenizer.ggml.eos_token_id", "2", "an integer"), ("tokenizer.ggml.bos_token_id", 1.0, "an integer"),
-    ("tokenizer.ggml.unknown_token_id", "0", "an integer")])
+    ("tokenizer.ggml.unknown_token_id", "0", "an integer"),
+    ("tokenizer.ggml.bos_token_id", True, "an integer")])  # a bool is no token id, though Python's bool is an int
 def test_metadata_of_the_wrong_type_is_named(tiny, tmp_path, key, value, kind):
     """huggingface_hub's StrictDataclassFieldValidationError ("Field 'num_hidden_layers' expected int, got str"), naming
     neither the file nor the key, and a per-layer list of head counts (llama.cpp's reader takes one) a TypeError."""
@@ -569,15 +575,17 @@ def test_a_gguf_that_says_add_eos_token_ends_no_prompt_nor_perplexity_stream_wit
     assert tokenizer.eos_token_id not in streams[0] and tokenizer.eos_token == "<|im_end|>"
 
 
-def test_a_part_of_a_split_gguf_is_refused_saying_to_merge_the_parts(tiny, tmp_path):
+@pytest.mark.parametrize("per_part,parts", [(10, 3), (11, 2)])
+def test_a_part_of_a_split_gguf_is_refused_saying_to_merge_the_parts(tiny, tmp_path, per_part, parts):
     """The first part of a GGUF that llama.cpp's gguf-split cut in parts "lacks 10 of the model's tensors: the GGUF is
     incomplete, or its architecture has tensors nibble's llama loader does not build", the others "general.architecture
     is missing; the file is incomplete or not a llama.cpp model file"."""
-    _write_gguf(tmp_path / "t.gguf", tiny, split_max_tensors=10)
-    for part in (1, 2, 3):
-        path = tmp_path / f"t-0000{part}-of-00003.gguf"
+    _write_gguf(tmp_path / "t.gguf", tiny, split_max_tensors=per_part)
+    for part in range(1, parts + 1):
+        path = tmp_path / f"t-0000{part}-of-0000{parts}.gguf"
         for read in (load_gguf, read_q4_1_blocks):
-            with pytest.raises(ValueError, match=rf"t-0000{part}-of-00003\.gguf is part {part} of a GGUF split into 3 "
+            with pytest.raises(ValueError, match=rf"t-0000{part}-of-0000{parts}\.gguf is part {part} of a GGUF split "
+                                                 rf"into {parts} "
                                                  r"files, and nibble reads one file: merge them with llama\.cpp's "
                                                  r"`llama-gguf-split --merge"):
                 read(path)
@@ -592,3 +600,43 @@ def test_a_value_the_asked_dtype_cannot_hold_is_refused_naming_the_tensor(tiny, 
                                          r"torch\.float16's range \(e\.g\. 1e\+06\), which would load as Inf there"):
         load_gguf(path, dtype=torch.float16)
     assert load_gguf(path, dtype=torch.bfloat16)[0].model.norm.weight[5] == 999424  # bfloat16's nearest
+
+
+def test_a_gguf_without_a_rope_base_takes_llama_cpps_default(tiny, tmp_path):
+    """llama.rope.freq_base is optional: without it llama.cpp runs RoPE with base 10000, and so must the model."""
+    model, _ = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, rope_freq_base=False))
+    assert model.config.rope_parameters["rope_theta"] == 10000.0
+
+
+def test_partial_rotary_embeddings_are_refused(tiny, tmp_path):
+    """rope.dimension_count below the head dim rotates part of each head, which LlamaForCausalLM cannot: loaded, it
+    rotated the whole head, another model."""
+    path = _write_gguf(tmp_path / "t.gguf", tiny, metadata={"llama.rope.dimension_count": 8})
+    with pytest.raises(ValueError, match=r"partial rotary embeddings \(rope\.dimension_count != head dim 16\) are not "
+                                         "supported"):
+        load_gguf(path)
+
+
+def test_a_gguf_that_says_add_space_prefix_tokenizes_a_text_as_after_a_space(tiny, tmp_path):
+    """tokenizer.ggml.add_space_prefix: the byte-level pre-tokenizer puts a space before each text, as llama.cpp
+    does: "hello" is tokenized as " hello" is without it."""
+    plain = load_gguf(_write_gguf(tmp_path / "plain.gguf", tiny))[1]
+    prefixed = load_gguf(_write_gguf(tmp_path / "prefixed.gguf", tiny,
+                                     metadata={"tokenizer.ggml.add_space_prefix": True}))[1]
+    assert prefixed("hello").input_ids == plain(" hello").input_ids != plain("hello").input_ids
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm"])
+def test_the_pre_tokenizer_splits_as_gpt_2s_regex_does(tiny, tmp_path, pre):
+    """Both pre-tokenizers split words, spaces and punctuation by GPT-2's byte-level regex (SmolLM's each digit on its
+    own first): without the regex a text was one piece, and merges ran across words."""
+    tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, pre=pre))[1]
+    pieces = [piece for piece, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("hello world!")]
+    assert pieces == ["hello", "Ġworld", "!"]
+
+
+def test_the_tokenizer_knows_the_context_the_file_says(tiny, tmp_path):
+    """model_max_length is llama.context_length, as the model's max_position_embeddings: without it transformers'
+    default (1e30) let a tokenizer cut nothing at the model's context."""
+    model, tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny))
+    assert tokenizer.model_max_length == model.config.max_position_embeddings == TINY.max_position_embeddings

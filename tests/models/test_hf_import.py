@@ -490,17 +490,21 @@ def test_a_corrupt_input_permutation_is_refused():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-@pytest.mark.parametrize("gate_up", ["int4", "16-bit"])
+@pytest.mark.parametrize("gate_up", ["int4", "16-bit", "16-bit, biased"])  # biased: their biases move too
 def test_down_proj_order_folds_into_gate_and_up(tmp_path, gate_up, device):
     # down_proj's input order moved into gate_proj's and up_proj's output channels: the same model with a
     # gather fewer. A nibble save from before the fold lists permuted down_projs; load_quantized folds them.
-    skip = ["lm_head"] + (["mlp.gate_proj", "mlp.up_proj"] if gate_up == "16-bit" else [])
-    model = tiny_model("llama")
+    skip = ["lm_head"] + (["mlp.gate_proj", "mlp.up_proj"] if gate_up.startswith("16-bit") else [])
+    model = tiny_model("llama", mlp_bias=gate_up.endswith("biased"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
     quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=skip), progress=False)
     g = torch.Generator().manual_seed(0)
     for layer in model.model.layers:
         down = layer.mlp.down_proj
-        layer.mlp.down_proj = PermutedInputQuantLinear.from_weight(down.weight_int4(), dtype=torch.float32)
+        layer.mlp.down_proj = PermutedInputQuantLinear.from_weight(down.weight_int4(), down.bias, dtype=torch.float32)
         layer.mlp.down_proj.set_input_perm(torch.randperm(down.in_features, generator=g))
     save_quantized(model, tmp_path)
     downs = [f"model.layers.{i}.mlp.down_proj" for i in range(len(model.model.layers))]
@@ -1119,3 +1123,122 @@ def test_an_imported_value_the_asked_dtype_cannot_hold_is_refused_naming_the_ten
         load_hf_quantized(tmp_path, dtype=torch.float16)
     loaded, _ = load_hf_quantized(tmp_path)  # float32 on the CPU holds it
     assert loaded.state_dict()[tensor].view(-1)[3] == 999424
+
+
+def test_a_gptqmodel_dynamic_rule_matches_a_layer_by_the_start_of_its_name(tmp_path):
+    """GPTQModel and vLLM re.match each rule's pattern: a pattern naming the start of a layer's name (no ".*" to end
+    it) rules that layer. Read whole (fullmatch), it ruled none, and the up_projs were read as symmetric."""
+    G, ids, layers = 32, torch.randint(0, 256, (2, 16)), iter(LINEARS * 2)
+
+    def write(W):  # in write_checkpoint's order
+        return write_gptq_linear(W, G, next(layers) != "mlp.up_proj", False)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": True, "desc_act": False,
+          "dynamic": {r"+:model\.layers\.\d+\.mlp\.up": {"sym": False}}}
+    ref, dense = write_checkpoint(tmp_path, tiny_model("llama"), qc, write)
+    loaded, _ = load_quantized(tmp_path)
+    check_import(loaded, dense, ref, ids)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_a_nan_among_bfloat16_scales_is_refused_as_non_finite(tmp_path, fmt):
+    """bfloat16 scales are read as the float16 values they equal; a NaN or Inf among them is said as such (naming the
+    tensor), not as a value float16 cannot hold."""
+    _, path = _export(tmp_path, fmt=fmt)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.q_proj.scales"
+    tensors[name] = tensors[name].bfloat16()
+    tensors[name].view(-1)[3] = float("nan")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} holds 1 NaN or Inf value.*corrupt"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("method", ["qat", None])
+def test_an_export_naming_a_method_nibble_does_not_know_is_read_as_its_layouts(tmp_path, method):
+    """quantized_by says how a nibble export's weights were made: a method this nibble does not know (a later one's,
+    or none) is no QuantConfig method, and the import records the layout's, as for any other tool's checkpoint."""
+    _, path = _export(tmp_path)
+    _without_digest(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["quantized_by"]["method"] = method
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_quantized(path)[0].config.quantization_config["method"] == "awq"
+
+
+def test_an_infinite_value_the_model_holds_itself_is_exported_as_it_is(tmp_path):
+    """The float16 range check refuses a finite value float16 would make Inf; an Inf the model holds (its own) is
+    written as it is, for the reader to judge, not called beyond float16's range."""
+    model = tiny_model("llama", tie_word_embeddings=False)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("inf")
+    save_quantized(model, tmp_path / "q", format="gptq")
+    assert torch.isinf(load_file(tmp_path / "q" / "model.safetensors")["lm_head.weight"][0, 0])
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_a_per_channel_model_of_layers_of_several_widths_exports_as_group_size_minus_one(tmp_path, fmt):
+    """group_size=-1 gives each layer one group of its in_features (64 for q_proj, 192 for down_proj): one setting,
+    -1, that the export writes, not "layers use different group sizes". Every 16-bit tensor, the biases of the
+    quantized layers too, is written in float16, as AutoAWQ writes them."""
+    model = tiny_model("qwen2")
+    quantize_model(model, QuantConfig(group_size=-1), progress=False)
+    save_quantized(model, tmp_path / "q", format=fmt)
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["group_size"] == -1
+    written = load_file(tmp_path / "q" / "model.safetensors")
+    assert {t.dtype for t in written.values() if t.is_floating_point()} == {torch.float16}
+    assert "model.layers.0.self_attn.q_proj.bias" in written
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(load_quantized(tmp_path / "q")[0](ids).logits, model(ids).logits,
+                                   rtol=1e-3, atol=1e-3)
+
+
+def test_an_act_order_model_is_refused_the_awq_export_which_cannot_hold_its_input_orders(tmp_path):
+    """AWQ has no g_idx: a layer whose inputs are permuted (a GPTQ act-order import; down_proj's order is folded, q/k/v
+    and gate/up keep theirs) was written in its permuted order as a plain layer, another model for every reader."""
+    _act_order_checkpoint(tmp_path / "gptq", shared=True)
+    model, _ = load_quantized(tmp_path / "gptq")
+    with pytest.raises(ValueError, match=r"self_attn\.q_proj.*input permutation \(GPTQ act-order\), which AWQ cannot "
+                                         r"express; use export_gptq"):
+        save_quantized(model, tmp_path / "awq", format="awq")
+    assert not (tmp_path / "awq").exists()
+
+
+def test_config_jsons_quantization_config_wins_over_a_settings_file_beside_it(tmp_path):
+    """transformers and vLLM read config.json's quantization_config: a quantize_config.json beside it (an earlier
+    AutoGPTQ save's, with another group size) is read only for what config.json leaves unsaid."""
+    model, path = _export(tmp_path, fmt="gptq")
+    (path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "sym": True,
+                                                           "desc_act": False}))
+    loaded, _ = load_quantized(path)
+    assert loaded.config.quantization_config["group_size"] == 32
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("tensor", ["model.norm.weight", "model.embed_tokens.weight"])
+def test_a_nan_in_a_16_bit_tensor_of_an_import_is_refused_naming_it(tmp_path, tensor):
+    """The import checked the quantized layers' scales, zeros and biases: a NaN in an embedding or a norm (a damaged
+    file) loaded, and the model answered NaN."""
+    _, path = _export(tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors[tensor].view(-1)[5] = float("nan")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{re.escape(tensor)} holds 1 NaN or Inf value"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_an_export_says_its_16_bit_dtype_and_every_linear_it_keeps_in_16_bits(tmp_path, fmt):
+    """config.json says float16, the dtype the export writes the 16-bit tensors in (a float32 model's said float32),
+    and modules_to_not_convert names every nn.Linear left in 16 bits (the down_projs kept too, not lm_head alone),
+    which AutoAWQ, transformers and vLLM load as plain linears."""
+    model = tiny_model("llama")
+    quantize_model(model, QuantConfig(group_size=32, modules_to_not_convert=["lm_head", "down_proj"]), progress=False)
+    save_quantized(model, tmp_path / "q", format=fmt)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "float16"
+    assert config["quantization_config"]["modules_to_not_convert"] == [
+        "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "lm_head"]

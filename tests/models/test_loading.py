@@ -418,3 +418,33 @@ def test_the_context_is_read_from_the_config_alone_as_the_loaders_build_it(tmp_p
     assert model_context(tmp_path / "bare") == AutoConfig.for_model("llama").max_position_embeddings
     assert model_context(None) == 8192  # the default SmolLM2's GGUF metadata
     assert model_context(tmp_path / "nowhere") is None and model_context(tmp_path) is None  # the load says why
+
+
+def test_a_header_tensor_has_the_shape_and_dtype_the_file_holds(tmp_path):
+    """header_tensor reads each tensor's dtype name from the safetensors header: a name mapped to another dtype (BF16
+    as float16) described a checkpoint (`nibble info`, the format's dtype checks) otherwise than its load reads it."""
+    from safetensors import safe_open
+
+    from nibble.models.loading import header_tensor
+    dtypes = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn,
+              torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    tensors = {str(dtype): torch.ones(2, 3).to(dtype) for dtype in dtypes}
+    save_file(tensors, tmp_path / "all.safetensors")
+    with safe_open(str(tmp_path / "all.safetensors"), "pt") as f:
+        for name, tensor in tensors.items():
+            described = header_tensor(f, name)
+            assert (described.shape, described.dtype, described.is_meta) == (tensor.shape, tensor.dtype, True)
+
+
+def test_a_damaged_tokenizer_json_beside_a_tokenizer_model_is_not_blamed_on_sentencepiece(tmp_path, monkeypatch):
+    """transformers reads tokenizer.json first: where it is there, the tokenizer.model beside it is not what failed,
+    and the advice to install sentencepiece (missing here) would send the user after the wrong cause."""
+    import sentencepiece
+    _save_tiny(tmp_path, "llama")
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tmp_path / "tokenizer.model").write_bytes(bytes(range(64)))
+    monkeypatch.delattr(sentencepiece, "sentencepiece_model_pb2", raising=False)
+    monkeypatch.setitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", None)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: could not load a tokenizer from it") as e:
+        load_model(tmp_path)
+    assert "sentencepiece" not in str(e.value)

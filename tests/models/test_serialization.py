@@ -787,8 +787,9 @@ def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(t
     """"" wrote the checkpoint into the current folder, a file was a bare FileExistsError from pathlib, and a full
     disk safetensors' "I/O error: File too large", naming no file."""
     model = _quantized()
-    with pytest.raises(ValueError, match="the directory to save to is empty"):
-        save_quantized(model, "", format=fmt)
+    for empty in ("", "  "):  # blank too: a folder named by spaces, where the user meant none
+        with pytest.raises(ValueError, match="the directory to save to is empty"):
+            save_quantized(model, empty, format=fmt)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="file is a file: a checkpoint is a folder"):
         save_quantized(model, tmp_path / "file", format=fmt)
@@ -936,3 +937,105 @@ def test_a_nan_or_inf_in_a_checkpoint_is_refused_naming_the_tensor(tmp_path, ten
     with pytest.raises(ValueError, match=rf"model\.safetensors: {re.escape(tensor)} holds 1 NaN or Inf value\(s\): "
                                          "the checkpoint is corrupt"):
         load_quantized(tmp_path)
+
+
+def test_a_model_of_another_quantizers_config_is_refused_nibbles_format(tmp_path):
+    """A model whose quantization_config is another tool's (GPTQ's, as transformers loads a GPTQ checkpoint) holds no
+    nibble layers: nibble's format would write it under a config that no load of nibble's reads."""
+    model = tiny_model("llama")
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    with pytest.raises(ValueError, match="model has no nibble quantization_config: run nibble.quantize_model first"):
+        save_quantized(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_structure_of_a_bfloat16_checkpoint_is_what_its_load_builds(tmp_path):
+    """quantized_structure (`nibble info`) builds the model load_quantized builds on the CPU: a bfloat16 save loads
+    in bfloat16 there, and so is its structure (not float32), each tensor's shape and dtype alike."""
+    from nibble.models.serialization import quantized_structure
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path)
+    loaded, structure = load_quantized(tmp_path, tokenizer=False)[0], quantized_structure(tmp_path)
+    shapes = {k: (v.shape, v.dtype) for k, v in loaded.state_dict().items()}
+    assert {k: (v.shape, v.dtype) for k, v in structure.state_dict().items()} == shapes
+    assert structure.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_weights_under_another_rotation_seed_are_refused(tmp_path):
+    """The digest covers the quantization_config: two saves whose config.json differ in it alone (the seed of their
+    rotation) do not take each other's weights."""
+    import shutil
+    for name, seed in (("old", 1), ("new", 2)):
+        model = tiny_model("llama")
+        quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard", rotation_seed=seed), progress=False)
+        save_quantized(model, tmp_path / name)
+    shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="saved with another config than .*config.json holds"):
+        load_quantized(tmp_path / "old")
+
+
+def test_a_save_interrupted_before_its_config_is_written_again_and_another_tools_weights_are_not(tmp_path):
+    """Weights that carry nibble's metadata without a config.json beside them are a nibble save interrupted before
+    its config.json (written last): saving again there goes through. A folder of another tool's safetensors without
+    a config.json is a model all the same, which a save would replace: refused."""
+    from safetensors.torch import save_file
+    model = _quantized()
+    save_quantized(model, tmp_path / "q")
+    (tmp_path / "q" / "config.json").unlink()
+    save_quantized(model, tmp_path / "q")
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "q")[0](ids).logits, model(ids).logits)
+    (tmp_path / "float").mkdir()
+    save_file({"w": torch.randn(4, 4)}, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="float holds a model that is not a quantized checkpoint"):
+        save_quantized(model, tmp_path / "float")
+
+
+def test_load_quantized_without_the_tokenizer_reads_none_of_its_files(tmp_path):
+    """tokenizer=False: the tokenizer saved beside the weights is neither loaded nor read (a damaged one does not
+    stop a load that does not need it)."""
+    save_quantized(_quantized(), tmp_path, _tokenizer())
+    (tmp_path / "tokenizer.json").write_text("{ cut")
+    model, tokenizer = load_quantized(tmp_path, tokenizer=False)
+    assert tokenizer is None and model.config.quantization_config["quant_method"] == "nibble"
+
+
+def test_a_chat_templates_folder_that_is_a_link_is_unlinked_and_its_target_left_alone(tmp_path):
+    """A save owns the additional_chat_templates folder; where it is a link (to a template collection elsewhere),
+    the link goes and what it points to stays: rmtree refused a link, and the save failed half written."""
+    save_quantized(_quantized(), tmp_path / "q")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "tool.jinja").write_text("{{ 'TOOL' }}")
+    (tmp_path / "q" / "additional_chat_templates").symlink_to(tmp_path / "elsewhere")
+    save_quantized(_quantized(), tmp_path / "q", _tokenizer())
+    assert not (tmp_path / "q" / "additional_chat_templates").is_symlink()
+    assert (tmp_path / "elsewhere" / "tool.jinja").read_text() == "{{ 'TOOL' }}"
+    assert load_quantized(tmp_path / "q")[1].chat_template is None
+
+
+def test_the_weights_files_metadata_is_written_in_key_order(tmp_path, monkeypatch):
+    """safetensors writes its metadata from a hash map, in another order each time (here the worst one, reversed):
+    the same export differed byte for byte. It is rewritten in key order, whatever the header's padding."""
+    real = checkpoint_files.save_file
+
+    def reversed_order(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        with open(path, "r+b") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items(), reverse=True))
+            f.seek(8)
+            f.write(json.dumps(header, separators=(",", ":")).encode().ljust(size))
+
+    def metadata_keys(path):
+        with open(path, "rb") as f:
+            return list(json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"])
+    monkeypatch.setattr(checkpoint_files, "save_file", reversed_order)
+    for pad in range(8):  # one of these headers needs no padding: the rewrite is as long as the header then
+        checkpoint_files._save_safetensors({"w": torch.randn(3, 5)}, tmp_path / "w.safetensors",
+                                           {"format": "pt", "nibble": "x" * pad})
+        assert metadata_keys(tmp_path / "w.safetensors") == ["format", "nibble"]
+    save_quantized(_quantized(), tmp_path / "awq", format="awq")
+    assert metadata_keys(tmp_path / "awq" / "model.safetensors") == ["format", "nibble"]
