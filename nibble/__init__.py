@@ -8,9 +8,11 @@ __version__ = "0.1.0"
 # in place. `from nibble import Engine` and `nibble.Engine` work as before.
 _LAZY = {"QuantConfig": "nibble.config", "QuantLinear": "nibble.nn.quant_linear",
          "quantize_model": "nibble.models.convert", "save_quantized": "nibble.models.serialization",
-         "load_quantized": "nibble.models.serialization", "Engine": "nibble.eval.engine"}
+         "load_quantized": "nibble.models.serialization", "register_hf_quantizer": "nibble.models.serialization",
+         "Engine": "nibble.eval.engine"}
 
-__all__ = ["QuantConfig", "QuantLinear", "quantize_model", "save_quantized", "load_quantized", "Engine", "__version__"]
+__all__ = ["QuantConfig", "QuantLinear", "quantize_model", "save_quantized", "load_quantized", "register_hf_quantizer",
+           "Engine", "__version__"]
 
 
 def __getattr__(name: str):

@@ -205,7 +205,7 @@ def _flat(fields: dict, prefix: str = "") -> dict:
 def config_changes(saved: dict, config: dict, most: int = 5) -> str:
     """The fields of ``config`` (a config.json) that differ from ``saved`` (the `digested_config` the weights were
     saved with), as "rope_theta 10000.0 when saved, 500000.0 now", at most ``most`` of them."""
-    before, now = _flat(saved), _flat(json.loads(json.dumps(digested_config(config), default=str)))
+    before, now = (_flat(json.loads(json.dumps(fields, default=str))) for fields in (saved, digested_config(config)))
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
     def shown(value):  # a list of 32 layers' names would drown the rest
         return value if len(value) <= 60 else value[:57] + "..."

@@ -214,8 +214,8 @@ def own_config(model: nn.Module) -> None:
 def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     """Record ``quantization_config`` as the model's, and turn its ``save_pretrained`` into a refusal that names
     `nibble.save_quantized`: transformers wrote the INT4 buffers without the checksums, permutations and online
-    Hadamards nibble's loader needs, and ``from_pretrained`` skips quant_method "nibble" with a warning and
-    returns a model of random linears (so ``Trainer.save_model`` and ``push_to_hub`` stop here too). Adapters added
+    Hadamards nibble's loaders need (``from_pretrained`` through `nibble.models.hf_quantizer` too), so
+    ``Trainer.save_model`` and ``push_to_hub`` stop here too. Adapters added
     by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
     ``resize_token_embeddings`` too, before the embedding is resized. ``num_parameters`` counts the INT4 weights
     (`_num_parameters`), and a cast to a dtype the QuantLinears cannot run in is refused (`_apply_checked`)."""
@@ -223,7 +223,8 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     model.config.quantization_config = quantization_config
     refuse_save_pretrained(model, "a nibble-quantized model is saved with nibble.save_quantized(model, directory, "
                            "tokenizer) (format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained "
-                           "would write a checkpoint that transformers loads as random weights and nibble cannot load")
+                           "would write the INT4 buffers without the checksums and settings that nibble's loaders (and "
+                           "from_pretrained through them) read")
     if isinstance(model.get_output_embeddings(), QuantLinear):
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
     model.num_parameters = functools.partial(_num_parameters, model)  # a copy's partial holds the copy

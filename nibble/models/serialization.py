@@ -34,10 +34,13 @@ from nibble.models.convert import mark_quantized, online_hadamard_modules, rebui
 from nibble.models.gguf import is_gguf
 from nibble.models.hf_import import (export_awq, export_gptq, fold_mlp_input_orders, hf_quantized_structure,
                                      input_permuted_modules, load_hf_quantized, meta_model, named_layer)
+from nibble.models.hf_quantizer import register as register_hf_quantizer
 from nibble.models.loading import (CONFIG, NEVER_DOWNLOADS, WEIGHTS, header_tensor, quantization_settings_files,
                                    read_config)
 from nibble.nn.hadamard import HadamardInputLinear
 from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
+
+register_hf_quantizer()  # transformers' from_pretrained reads nibble's format once nibble's loader is imported
 
 # the canonical format's tensors (docs/ARCHITECTURE.md), whatever dtype the model runs in
 FORMAT_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "zeros": torch.float16}
@@ -139,6 +142,7 @@ def load_quantized(directory, device="cpu", dtype: torch.dtype | None = None, to
     settings = _nibble_settings(directory, raw)
     tensors, aliases = _read_checked(directory / WEIGHTS, raw)
     model = _build(directory, raw, settings, tensors, aliases, device, dtype or _saved_dtype(raw, device))
+    finish_load(model, raw["quantization_config"])
     return model, load_companions(model, directory, tokenizer)
 
 
@@ -156,7 +160,17 @@ def quantized_structure(directory) -> nn.Module:
     settings = _nibble_settings(directory, raw)
     tensors, aliases = _read_checked(directory / WEIGHTS, raw, data=False)
     cpu = torch.device("cpu")
-    return _build(directory, raw, settings, tensors, aliases, torch.device("meta"), _saved_dtype(raw, cpu))
+    model = _build(directory, raw, settings, tensors, aliases, torch.device("meta"), _saved_dtype(raw, cpu))
+    return finish_load(model, raw["quantization_config"])
+
+
+def checked_structure(directory: Path, dtype: torch.dtype) -> nn.Module:
+    """`quantized_structure` in ``dtype``, before `finish_load`, with the checkpoint's data checked as a load checks it
+    (checksums, values finite and within ``dtype``'s range) but not placed: the frame whose buffers transformers'
+    ``from_pretrained`` fills (`nibble.models.hf_quantizer`)."""
+    raw = _checkpoint_config(directory)
+    tensors, aliases = _read_checked(directory / WEIGHTS, raw)
+    return _build(directory, raw, _nibble_settings(directory, raw), tensors, aliases, torch.device("meta"), dtype)
 
 
 def _checkpoint_config(directory: Path) -> dict:
@@ -199,10 +213,9 @@ def _nibble_settings(directory: Path, raw: dict) -> tuple[QuantConfig, set, set]
 def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: dict, device: torch.device,
            dtype: torch.dtype) -> nn.Module:
     """The model of the nibble checkpoint ``directory`` (config.json ``raw``, its `_nibble_settings`) holding
-    ``tensors`` (`_read_checked`'s) on ``device`` (meta: `quantized_structure`), its non-quantized weights in
-    ``dtype``."""
+    ``tensors`` (`_read_checked`'s) on ``device`` (meta: `quantized_structure`, and the frame `hf_quantizer` gives
+    transformers), its non-quantized weights in ``dtype``; `finish_load` makes it the model a load returns."""
     qc, online_hadamard, permuted = settings
-    qc_dict = raw["quantization_config"]
     model = meta_model(raw, dtype)
     for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")}:
         parent, _, child = name.rpartition(".")
@@ -249,9 +262,15 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
         rebuild_non_persistent_buffers(model, device)
     if model.config.tie_word_embeddings and "lm_head.weight" not in tensors:  # stored as the embedding's alias, or not
         model.tie_weights()  # one Parameter again, as transformers' from_pretrained leaves it
-    if fold_mlp_input_orders(model):  # saves from before the fold listed permuted down_projs
-        qc_dict["input_permuted_modules"] = input_permuted_modules(model)
-    mark_quantized(model, qc_dict)
+    return model
+
+
+def finish_load(model: nn.Module, quantization_config: dict) -> nn.Module:
+    """What a load does once the weights of a nibble checkpoint with ``quantization_config`` are in ``model``: the
+    act-order folds (saves from before the fold listed permuted down_projs), and the model marked quantized."""
+    if fold_mlp_input_orders(model):
+        quantization_config["input_permuted_modules"] = input_permuted_modules(model)
+    mark_quantized(model, quantization_config)
     return model.eval()
 
 

@@ -221,6 +221,11 @@ class PermutedInputQuantLinear(QuantLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_buffer("input_perm", torch.arange(self.in_features, device=self.qweight.device))
+        self.recompute_input_order()
+
+    def recompute_input_order(self) -> None:
+        """``input_order`` of ``input_perm`` as it now holds (None on the meta device), for a loader that filled the
+        buffer itself (transformers' from_pretrained: `nibble.models.hf_quantizer`); a non-permutation is refused."""
         self.input_order = None if self.input_perm.is_meta else _permutation_digest(self.input_perm)
 
     def set_input_perm(self, perm: torch.Tensor) -> None:
@@ -235,7 +240,7 @@ class PermutedInputQuantLinear(QuantLinear):
         if perm is not None and not perm.is_meta:
             _permutation_digest(perm)  # refused before the copy, which would leave the layer gathering wrong inputs
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.input_order = None if self.input_perm.is_meta else _permutation_digest(self.input_perm)
+        self.recompute_input_order()
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return super()._product(kernels.gather_columns(x, self.input_perm, backend=self.backend), bias)

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from conftest import tiny_model
 from nibble import Engine, QuantConfig, load_quantized, quantize_model, save_quantized
@@ -432,13 +433,17 @@ def test_an_act_order_import_saved_by_nibble_loads_back_permuted(tmp_path):
     qc = json.loads((tmp_path / "nibble" / "config.json").read_text())["quantization_config"]
     assert len(qc["input_permuted_modules"]) == 12
     again, _ = load_quantized(tmp_path / "nibble")
+    # transformers' from_pretrained too (`hf_quantizer`), which fills input_perm without the layer's load hook
+    transformers_load = AutoModelForCausalLM.from_pretrained(tmp_path / "nibble")
     for name in qc["input_permuted_modules"]:
-        layer = again.get_submodule(name)
-        assert isinstance(layer, PermutedInputQuantLinear)
-        assert layer.input_order == model.get_submodule(name).input_order
+        for loaded in (again, transformers_load):
+            layer = loaded.get_submodule(name)
+            assert isinstance(layer, PermutedInputQuantLinear)
+            assert layer.input_order == model.get_submodule(name).input_order
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+        assert torch.equal(transformers_load(ids).logits, model(ids).logits)
         assert (again(ids).logits - ref(ids).logits).abs().max() <= 1e-3 * ref(ids).logits.abs().max()
     save_quantized(again, tmp_path / "gptq-again", format="gptq")  # and back to GPTQ
     assert_same_gptq_model(tmp_path / "gptq", tmp_path / "gptq-again", again, ids)
@@ -516,13 +521,17 @@ def test_down_proj_order_folds_into_gate_and_up(tmp_path, gate_up, device):
     with torch.no_grad():
         want = model(ids).logits
     loaded, _ = load_quantized(tmp_path, device=device, dtype=dtype)
-    assert loaded.config.quantization_config["input_permuted_modules"] == []
+    # transformers' from_pretrained folds them too (`hf_quantizer`), once its weights are in
+    transformers_load = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device, dtype=dtype)
+    for m in (loaded, transformers_load):
+        assert m.config.quantization_config["input_permuted_modules"] == []
     assert fold_mlp_input_orders(model) == downs and fold_mlp_input_orders(model) == []
-    for m in (model, loaded):
+    for m in (model, loaded, transformers_load):
         assert all(type(layer.mlp.down_proj) is QuantLinear for layer in m.model.layers)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)  # the same sums, in other places
         got = loaded(ids).logits
+        assert torch.equal(transformers_load(ids).logits, got)
     if device == "cpu":
         assert torch.equal(got, want)
     else:  # model.to(float16) rounded its rotary inv_freq too, which load_quantized rebuilds in float32
