@@ -2,9 +2,8 @@
 
 A checkpoint's config.json says ``"quant_method": "nibble"``; transformers knows no such method, warns, skips the
 quantization and leaves every quantized linear randomly initialised. `register` adds the method to transformers'
-registry of quantizers, so that ``AutoModelForCausalLM.from_pretrained(directory)``, and what calls it (pipelines,
-lm-evaluation-harness's ``hf`` model, a user's own loading code), builds the model `nibble.load_quantized` builds,
-logits equal bit for bit. Importing `nibble.models.serialization` (``nibble.load_quantized``, ``save_quantized``)
+registry of quantizers, so that ``AutoModelForCausalLM.from_pretrained(directory)``, and what calls it (pipelines, a
+user's own loading code), builds the model `nibble.load_quantized` builds, logits equal bit for bit. Importing `nibble.models.serialization` (``nibble.load_quantized``, ``save_quantized``)
 registers it; ``nibble.register_hf_quantizer()`` does it alone.
 
 transformers builds the float model on the meta device, then reads the weights by name. Before they are read, the
