@@ -989,7 +989,10 @@ def out_of_memory(args, error: BaseException) -> str:
     names = _MEMORY_OPTIONS + _CALIBRATION_MEMORY_OPTIONS * calibrates
     options = [f"--{name.replace('_', '-')}" + ("" if getattr(args, name) is None else f" (now {getattr(args, name)})")
                for name in names if hasattr(args, name)]
-    fix = f"give a smaller {', '.join(options[:-1])}{' or ' * (len(options) > 1)}{options[-1]}, or " if options else ""
+    fix = ""
+    if options:
+        listed = options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
+        fix = f"give a smaller {listed}, or "
     return (f"nibble {args.command}: {said[0].rstrip('.') if said else 'out of memory'}: {fix}stop what else holds "
             "the GPU's memory (nvidia-smi lists it)\n(NIBBLE_TRACEBACK=1 shows where it was raised)")
 

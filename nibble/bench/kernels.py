@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import (BIG_WEIGHT_BYTES, ROUNDS, add_rounds_argument, bench_rounds, env_meta, geomean,
-                                 gpu_tag, parse_bench_args, rotations, write_results)
+from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, env_meta, geomean, gpu_tag,
+                                 holds_big_weight, parse_bench_args, rotations, write_results)
 from nibble.formats.int4 import unpack_int4
 
 # (N, K): Llama-2-7B q/k/v/o (4096, 4096), fused qkv (12288, 4096), Llama-2-7B MLP (11008 / 4096),
@@ -133,7 +133,7 @@ def bench_shape(N: int, K: int, ms, G: int = GROUP, log=print, dtype=torch.bfloa
     return rows
 
 
-def summarize(rows, big_bytes: int = BIG_WEIGHT_BYTES, base_op: str = "bf16"):
+def summarize(rows, base_op: str = "bf16"):
     """Per M: geomean speedup of nibble vs cuBLAS in x's dtype (``base_op``'s rows, named in each
     entry's ``baseline``; all shapes, and shapes with >= 64 MB of 16-bit weight) and vs tinygemm."""
     out = []
@@ -142,7 +142,7 @@ def summarize(rows, big_bytes: int = BIG_WEIGHT_BYTES, base_op: str = "bf16"):
         bf = {(r["N"], r["K"]): r for r in rows if r["op"] == base_op and r["M"] == M}
         tg = {(r["N"], r["K"]): r for r in rows if r["op"] == "tinygemm" and r["M"] == M}
         all_sp = [bf[k]["us"] / nib[k]["us"] for k in nib if k in bf]
-        big_sp = [bf[k]["us"] / nib[k]["us"] for k in nib if k in bf and k[0] * k[1] * 2 >= big_bytes]
+        big_sp = [bf[k]["us"] / nib[k]["us"] for k in nib if k in bf and holds_big_weight(*k)]
         tg_sp = [tg[k]["us"] / nib[k]["us"] for k in nib if k in tg]
         out.append(dict(M=M, baseline=base_op, geomean_vs_cublas=geomean(all_sp),
                         geomean_vs_cublas_big=geomean(big_sp), min_vs_cublas=min(all_sp) if all_sp else math.nan,

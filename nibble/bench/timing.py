@@ -466,6 +466,11 @@ def write_results(rows: Sequence[dict], meta: dict, out_dir: str | os.PathLike, 
 BIG_WEIGHT_BYTES = 64 << 20
 
 
+def holds_big_weight(n: int, k: int) -> bool:
+    """Whether an n x k layer holds at least `BIG_WEIGHT_BYTES` of 16-bit weight (the bars' shapes)."""
+    return n * k * 2 >= BIG_WEIGHT_BYTES
+
+
 def geomean(values: Iterable[float]) -> float:
     vals = [v for v in values if v is not None and v > 0]
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")

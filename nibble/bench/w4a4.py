@@ -30,8 +30,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nibble.bench.timing import (BIG_WEIGHT_BYTES, ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta,
-                                 geomean, gpu_tag, json_text, parse_bench_args, rotations, whole_number, write_results)
+from nibble.bench.timing import (ROUNDS, add_rounds_argument, bench_rounds, bench_us, env_meta, geomean, gpu_tag,
+                                 holds_big_weight, json_text, parse_bench_args, rotations, whole_number,
+                                 write_results)
 from nibble.formats.int4 import unpack_int4
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336),
@@ -221,7 +222,7 @@ def summarize(rows, log=print) -> list[dict]:
 
     def speedup(M, op, base, big=False):
         return geomean(v[base] / v[op] for (n, k, m), v in by.items()
-                       if m == M and v.get(base) and v.get(op) and (not big or n * k * 2 >= BIG_WEIGHT_BYTES))
+                       if m == M and v.get(base) and v.get(op) and (not big or holds_big_weight(n, k)))
     summary = [dict(M=M, geomean_vs_bf16=speedup(M, "w4a4", "bf16"),
                     geomean_vs_bf16_big=speedup(M, "w4a4", "bf16", big=True), geomean_vs_fp8=speedup(M, "w4a4", "fp8"),
                     hadamard_geomean_vs_bf16=speedup(M, "w4a4_h", "bf16"),
