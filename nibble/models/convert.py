@@ -218,9 +218,15 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
     ``Trainer.save_model`` and ``push_to_hub`` stop here too. Adapters added
     by transformers' ``add_adapter`` still save, alone, as transformers does. A quantized lm_head refuses
     ``resize_token_embeddings`` too, before the embedding is resized. ``num_parameters`` counts the INT4 weights
-    (`_num_parameters`), and a cast to a dtype the QuantLinears cannot run in is refused (`_apply_checked`)."""
+    (`_num_parameters`), and a cast to a dtype the QuantLinears cannot run in is refused (`_apply_checked`). The model
+    is quantized in transformers' eyes too (`hf_quantizer.mark_hf_quantized`), whose ``.half()`` and ``.float()`` of
+    a quantized model are refusals: nibble's cast as ``.to(dtype)`` does."""
+    from nibble.models.hf_quantizer import mark_hf_quantized  # which imports this module (checkpoint_files, loading)
+
     own_config(model)
     model.config.quantization_config = quantization_config
+    mark_hf_quantized(model, quantization_config)
+    model.half, model.float = functools.partial(nn.Module.half, model), functools.partial(nn.Module.float, model)
     refuse_save_pretrained(model, "a nibble-quantized model is saved with nibble.save_quantized(model, directory, "
                            "tokenizer) (format='awq' or 'gptq' for AutoAWQ, transformers and vLLM); save_pretrained "
                            "would write the INT4 buffers without the checksums and settings that nibble's loaders (and "

@@ -78,6 +78,14 @@ class NibbleHfQuantizer(HfQuantizer):
         return True  # the layers are torch.library ops: generate's static-cache decode compiles them
 
 
+def mark_hf_quantized(model, quantization_config: dict) -> None:
+    """Leave on ``model`` what from_pretrained leaves on a model a quantizer loaded, whichever way it became a nibble
+    model (`quantize_model`, `load_quantized`): transformers' Trainer then refuses to train it bare (its INT4 weights
+    are frozen buffers) and takes peft's LoRA on it."""
+    model.hf_quantizer = NibbleHfQuantizer(NibbleQuantizationConfig(**quantization_config))
+    model.is_quantized, model.quantization_method = True, QUANT_METHOD
+
+
 def register() -> None:
     """Add quant_method "nibble" to transformers' quantizers (once; again is a no-op)."""
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:

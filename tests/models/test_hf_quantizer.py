@@ -118,19 +118,28 @@ def test_a_float_model_is_not_quantized_by_from_pretrained(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=NibbleQuantizationConfig(mode="w4a16"))
 
 
-def test_the_trainer_takes_lora_adapters_on_it_and_refuses_it_bare(tmp_path):
+@pytest.mark.parametrize("loader", ["quantize_model", "load_quantized", "from_pretrained"])
+def test_the_trainer_takes_lora_adapters_on_it_and_refuses_it_bare(tmp_path, loader):
     """transformers' Trainer checks a quantized model through its quantizer: bare, there is nothing it can train (INT4
-    buffers); with peft's LoRA on nibble's layers it trains the adapters."""
+    buffers), and it trained the embeddings and norms of a model nibble quantized without a word; with peft's LoRA on
+    nibble's layers it trains the adapters. ``.half()``, which transformers refuses for a quantized model, casts as
+    ``.to(torch.float16)`` does."""
     peft = pytest.importorskip("peft")
     from transformers.trainer_utils import validate_quantization_for_training
 
     from nibble.nn.lora import lora_config
 
-    _quantized(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = _quantized(tmp_path)
+    if loader != "quantize_model":
+        model = load_quantized(tmp_path)[0] if loader == "load_quantized" else \
+            AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.is_quantized and model.hf_quantizer.is_trainable and model.hf_quantizer.is_compileable
     with pytest.raises(ValueError, match="purely quantized models"):
         validate_quantization_for_training(model)
     validate_quantization_for_training(peft.get_peft_model(model, lora_config(r=4, target_modules=["q_proj"])))
+    assert model.half().model.embed_tokens.weight.dtype == torch.float16
+    assert model.model.layers[0].self_attn.k_proj.scales.dtype == torch.float16  # (q_proj: peft wrapped it)
+    assert model.float().model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_registration_is_once_and_public():
