@@ -1,10 +1,12 @@
-"""transformers' ``from_pretrained`` reading nibble's own format.
+"""nibble's models in transformers' eyes: its ``from_pretrained`` reading nibble's format, and its Trainer seeing them
+as quantized.
 
 A checkpoint's config.json says ``"quant_method": "nibble"``; transformers knows no such method, warns, skips the
 quantization and leaves every quantized linear randomly initialised. `register` adds the method to transformers'
 registry of quantizers, so that ``AutoModelForCausalLM.from_pretrained(directory)``, and what calls it (pipelines, a
-user's own loading code), builds the model `nibble.load_quantized` builds, logits equal bit for bit. Importing `nibble.models.serialization` (``nibble.load_quantized``, ``save_quantized``)
-registers it; ``nibble.register_hf_quantizer()`` does it alone.
+user's own loading code), builds the model `nibble.load_quantized` builds, logits equal bit for bit. Importing
+`nibble.models.serialization` (``nibble.load_quantized``, ``save_quantized``) registers it;
+``nibble.register_hf_quantizer()`` does it alone.
 
 transformers builds the float model on the meta device, then reads the weights by name. Before they are read, the
 quantizer checks the checkpoint as load_quantized does (checksums, the config.json digest, shapes, names, finite
@@ -12,6 +14,9 @@ values that the requested dtype can hold) and swaps in nibble's layers (QuantLin
 online-Hadamard forms) from the structure load_quantized builds; transformers then fills their buffers. After,
 what a load does once the weights are in (`finish_load`). AutoAWQ / GPTQ exports need none of this: transformers
 reads them with its own quantizers (and nibble with `load_quantized`).
+
+Every nibble model, however made, carries the quantizer as from_pretrained leaves it (`mark_hf_quantized`), which is
+what transformers' Trainer and generate read of a quantized model.
 """
 from __future__ import annotations
 
@@ -91,4 +96,3 @@ def register() -> None:
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantization_config(QUANT_METHOD)(NibbleQuantizationConfig)
         register_quantizer(QUANT_METHOD)(NibbleHfQuantizer)
-
