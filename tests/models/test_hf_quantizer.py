@@ -27,8 +27,8 @@ CASES = {  # (architecture, config, dtype from_pretrained and load_quantized are
 }
 
 
-def _quantized(directory, arch="llama", config=QuantConfig(group_size=32), dtype=torch.float32):
-    model = tiny_model(arch, dtype=dtype)
+def _quantized(directory, arch="llama", config=QuantConfig(group_size=32)):
+    model = tiny_model(arch)
     quantize_model(model, config, progress=False)
     save_quantized(model, directory)
     return model
