@@ -78,6 +78,27 @@ def test_a_nucleus_smaller_than_the_top_token_keeps_the_top_token():
     assert torch.equal(next_tokens(logits, Sampling(1.0, top_p=1e-6)), logits.argmax(-1))
 
 
+
+def test_a_nucleus_that_reaches_top_p_exactly_ends_there_as_transformers_does():
+    """Probabilities 1/2, 1/4, 1/8, 1/16, 1/16 (exact in float32): a token whose more likely ones hold exactly top_p
+    is left out (transformers' warper too); kept at the boundary, the nucleus was one token larger."""
+    logits = torch.tensor([[1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16]]).log()
+    assert torch.equal(logits.softmax(-1), logits.exp())  # the boundary below is exact
+    for kept, top_p in ((1, 0.5), (2, 0.75), (3, 0.875)):
+        ours = sampling_logits(logits, Sampling(1.0, top_p=top_p)) > -torch.inf
+        assert torch.equal(ours, (torch.arange(5) < kept)[None])
+        assert torch.equal(ours, TopPLogitsWarper(top_p)(None, logits.clone()) > -torch.inf)
+
+
+def test_a_race_draw_of_zero_picks_no_token_the_filters_left_out(monkeypatch):
+    """Exp(1) draws of exactly 0 (-log u at u = 1): unclamped, a token the filters left out got 0 / 0, a NaN, which
+    argmax picks."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *args, **kwargs: self.zero_())
+    for sampling in (Sampling(1.0, top_k=3), Sampling(0.7, top_p=0.5)):
+        drawn = next_tokens(logits, sampling)
+        assert bool(sampling_logits(logits, sampling).gather(1, drawn[:, None]).isfinite().all()), drawn
+
 def test_greedy_sampling_is_the_argmax():
     logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(2))
     # a temperature below float32's reach is its limit, greedy (logits / 1e-40 overflowed: every token came out 0)
@@ -102,7 +123,9 @@ def test_top_k_given_to_greedy_decoding_is_said_at_the_callers_line():
     (dict(temperature=-0.1), "temperature must be"), (dict(temperature=float("nan")), "temperature must be"),
     (dict(top_k=0), "top_k must be"), (dict(top_k=2.5), "top_k must be"),
     (dict(top_p=0.0), "top_p must be"), (dict(top_p=1.5), "top_p must be"),
-    (dict(temperature=True, top_k=5), "temperature must be"), (dict(temperature=1.0, top_k=True), "top_k must be")])
+    (dict(temperature=True, top_k=5), "temperature must be"), (dict(temperature=1.0, top_k=True), "top_k must be"),
+    # an infinite temperature passed a NaN check alone (logits / inf: every token alike); True passed 0 < top_p <= 1
+    (dict(temperature=float("inf")), "temperature must be"), (dict(temperature=1.0, top_p=True), "top_p must be")])
 def test_bad_sampling_settings_say_what_is_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)
@@ -132,6 +155,20 @@ def test_engine_samples_repeat_with_the_seed_and_top_k_1_is_greedy():
     assert torch.equal(engine.generate(prompt, 24, temperature=5.0, top_k=1), greedy)
     assert torch.equal(engine.generate(prompt, 24), greedy)  # sampling left no state behind
 
+
+
+def test_every_token_of_a_sampled_generation_is_drawn_the_prefills_too():
+    """Against each token's greedy pick given the tokens before it (one forward of the model): a prefill that picked
+    greedily, or decode steps that did, still made sequences unlike the greedy one, as the test above asks."""
+    model = tiny_model(initializer_range=0.2)
+    prompt = torch.randint(0, 256, (4, 6), generator=torch.Generator().manual_seed(9))
+    engine = Engine(model, max_batch=4, max_seq_len=32)
+    torch.manual_seed(1)
+    sampled = engine.generate(prompt, 12, temperature=5.0)
+    with torch.no_grad():
+        greedy = model(torch.cat([prompt, sampled], 1)).logits[:, 5:-1].argmax(-1)
+    assert not torch.equal(sampled[:, 0], greedy[:, 0])
+    assert (sampled[:, 1:] != greedy[:, 1:]).any(1).all()
 
 @gpu
 @pytest.mark.gpu
@@ -166,6 +203,29 @@ def test_stream_hands_over_generates_tokens_chunk_by_chunk():
             engine.generate(prompt, n)
 
 
+
+def test_norms_and_mlps_the_engine_does_not_fuse_run_as_the_model_runs_them():
+    """A norm that is not HF's RMSNorm (torch's nn.RMSNorm: its eps is no variance_epsilon) and an MLP whose activation
+    is not SiLU are called as the model's modules, not fused: logits and tokens as the model's. A fused MLP of another
+    activation ran SiLU; a norm fused without its eps failed; an unfused norm was given the layer's output without
+    the residual stream, or skipped before such an MLP."""
+    g = torch.Generator().manual_seed(7)
+    model = tiny_model(hidden_act="gelu", initializer_range=0.2)
+
+    def plain_norm():
+        norm = torch.nn.RMSNorm(64, eps=1e-5)
+        norm.weight.data = 1 + 0.3 * torch.randn(64, generator=g)
+        return norm
+    for layer in model.model.layers:
+        layer.input_layernorm, layer.post_attention_layernorm = plain_norm(), plain_norm()
+    model.model.norm = plain_norm()
+    prompt = torch.randint(0, 256, (2, 7), generator=g)
+    engine = Engine(model, max_batch=2, max_seq_len=32)
+    with torch.no_grad():
+        torch.testing.assert_close(engine.prefill(prompt), model(prompt).logits[:, -1], rtol=1e-4, atol=1e-5)
+        want = model.generate(prompt[:1], max_new_tokens=10, do_sample=False)[:, 7:]
+    assert torch.equal(engine.generate(prompt[:1], 10), want)
+
 # ---- prompts of different lengths ------------------------------------------------------------
 def _ragged_prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -177,6 +237,20 @@ def _alone(engine, prompts, n):
     logits = torch.cat([engine.prefill(p[None]) for p in prompts])
     return logits, torch.cat([engine.generate(p[None], n) for p in prompts])
 
+
+
+def test_what_the_cache_holds_past_a_sequences_position_is_never_read():
+    """Decode attends over the whole static cache, masked: slots a longer earlier generation left there, however
+    large, weigh nothing (a finite mask, -1e4, let large keys past it win the softmax)."""
+    model = tiny_model(initializer_range=0.2)
+    prompts = _ragged_prompts([7, 3], seed=4)
+    engine = Engine(model, max_batch=2, max_seq_len=32)
+    clean = engine.generate(prompts, 8)
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():  # the cache's mode
+        for cache in (engine.k_cache, engine.v_cache):
+            cache[:, :, :, 14:] = 1e4 * torch.randn(cache[:, :, :, 14:].shape, generator=g)
+    assert torch.equal(engine.generate(prompts, 8), clean)
 
 @pytest.mark.parametrize("arch, mode", [("llama", None), ("qwen2", None), ("mistral", "w4a16"), ("llama", "w4a4")])
 def test_prompts_of_different_lengths_each_run_as_they_would_alone(arch, mode):
@@ -230,8 +304,28 @@ def test_a_stream_resumed_after_another_generation_took_the_engine_is_refused():
     engine.decode(2)  # steps the stream did not take: its next chunk would skip them
     with pytest.raises(RuntimeError, match="ran another generation"):
         next(stream)
+    stream = engine.stream(a, 6)
+    next(stream)
+    engine.prefill(b)  # a prefill alone takes the engine too: the stream went on decoding b's sequence
+    with pytest.raises(RuntimeError, match="ran another generation"):
+        next(stream)
     assert torch.equal(torch.cat(list(engine.stream(a, 6)), dim=1), alone)  # a new stream runs as before
 
+
+
+def test_prompts_of_any_integer_dtype_run_as_int64_ids():
+    """A uint8 prompt tensor reached the embedding as is, which takes int32 and int64 indices only; a prompt may be a
+    tuple of ids as well as a list."""
+    model = tiny_model(initializer_range=0.2)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(5))
+    engine = Engine(model, max_batch=2, max_seq_len=16)
+    want = engine.generate(prompt, 4)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        assert prompt_batch(prompt.to(dtype))[0].dtype == torch.int64
+        assert torch.equal(engine.generate(prompt.to(dtype), 4), want)
+        assert torch.equal(engine.generate(list(prompt.to(dtype)), 4), want)
+    # a list of tuples of ids alike (a tuple prompt was refused as no list of ids)
+    assert torch.equal(engine.generate([tuple(p) for p in prompt.tolist()], 4), want)
 
 @pytest.mark.parametrize("prompt, message", [
     ([], "non-empty list of prompts"), ("hello", "tokenize first"), (torch.tensor([1, 2, 3]), r"ids\[None\]"),
@@ -239,7 +333,10 @@ def test_a_stream_resumed_after_another_generation_took_the_engine_is_refused():
     ([[1, 2], []], "prompt 1 must be"), ([[1, 2], [0.5]], "prompt 1 must be"), ([torch.ones(2, 2).long()], "prompt 0"),
     ([[1], "ab"], "prompt 1 must be"), ([5, 6, 7], r"one prompt is \[ids\]"), ([[1, 2], []], "got an empty one"),
     ([[3], [True, 2]], "prompt 1 must be .* got torch.bool"),  # True passed as id 1, where a bool tensor is refused
-    ([[3], [np.True_, 2]], "prompt 1 must be .* got torch.bool")])
+    ([[3], [np.True_, 2]], "prompt 1 must be .* got torch.bool"),
+    (torch.ones(2, 3, dtype=torch.complex64), "integer token ids"),  # .long() dropped the imaginary part, and ran
+    ([[1, 2], 3], "prompt 1 must be .* got int"),  # the prompt at fault named, not the whole list read as one prompt
+    ([torch.tensor([1, 2]), torch.tensor([3], device="meta")], "on one device")])  # torch's NotImplementedError
 def test_bad_prompts_say_what_a_prompt_must_be(prompt, message):
     with pytest.raises(ValueError, match=message):
         prompt_batch(prompt)
@@ -251,6 +348,8 @@ def test_decode_steps_are_checked_before_the_sequences_move():
     """decode(0) failed in torch.stack; decode(-5, collect=False) passed and took the sequences' length back 5, so a
     later decode(10) passed the cache check and ran past the cache (out of bounds writes on CUDA)."""
     engine = Engine(tiny_model(), max_seq_len=16)
+    with pytest.raises(RuntimeError, match=r"call prefill\(prompt\) before decode\(\)"):
+        engine.decode(1)  # no sequence yet: said, not a forward over a batch of none
     engine.prefill(torch.zeros(1, 10, dtype=torch.long))
     for steps in (0, -5, 2.5, True):
         with pytest.raises(ValueError, match="steps must be an integer >= 1"):
@@ -259,6 +358,10 @@ def test_decode_steps_are_checked_before_the_sequences_move():
         with pytest.raises(ValueError, match=rf"10 \+ {steps} positions exceed this engine's max_seq_len=16"):
             engine.decode(steps)
     assert engine.decode(6).shape == (1, 6)
+    engine.prefill(torch.zeros(1, 10, dtype=torch.long))
+    assert engine.decode(4).shape == (1, 4)
+    with pytest.raises(ValueError, match=r"14 \+ 4 positions exceed"):  # the steps taken count: 4 + 4 passed as 10 + 4
+        engine.decode(4)
 
 
 def test_a_closed_engine_says_so():
@@ -268,6 +371,7 @@ def test_a_closed_engine_says_so():
     stream = engine.stream(prompt, 4)
     next(stream)
     engine.close()
+    assert engine.k_cache is None and engine.v_cache is None  # both caches' memory back to the allocator
     for call in (lambda: engine.generate(prompt, 4), lambda: engine.prefill(prompt), lambda: engine.decode(1),
                  lambda: next(stream)):
         with pytest.raises(RuntimeError, match="this engine was closed"):
@@ -286,9 +390,17 @@ def test_a_ragged_batch_is_checked_against_the_cache_by_its_longest_prompt():
     with pytest.raises(ValueError, match=r"^18 positions exceed .* the longest prompt's 18 tokens and max_new_tokens=1 "
                                          r"but the last, which no step reads; shorten it to 16 tokens or fewer, or"):
         engine.generate([[1, 2, 3], list(range(18))], 1)
+    # room for one new token, or none: said as such (a prompt that fits was told to shorten, or to give 0 tokens)
+    with pytest.raises(ValueError, match=r"the longest prompt's 16 tokens .* give max_new_tokens <= 1, or"):
+        engine.generate([list(range(16))], 2)
+    with pytest.raises(ValueError, match=r"the longest prompt's 17 tokens .* shorten it to 16 tokens or fewer, or"):
+        engine.generate([list(range(17))], 1)
     # the cache holds the prompt and the new tokens but the last (which no step reads): 10 + 7 - 1 = 16
     assert engine.generate([[1, 2, 3], list(range(10))], 7).shape == (2, 7)
     assert engine.generate([list(range(16))], 1).shape == (1, 1)  # a prompt that fills the cache: one token
+    engine.prefill([[1, 2, 3], list(range(10))])
+    with pytest.raises(ValueError, match=r"10 \+ 7 positions exceed"):  # decode's check too: the longest, not 3 + 7
+        engine.decode(7)
     with pytest.raises(ValueError, match="max_batch"):
         engine.generate([[1]] * 3, 2)
 
@@ -319,9 +431,10 @@ def test_stop_tokens_may_be_one_id_as_transformers_takes_eos_token_id():
     eos = full[0, 2].item()
     cut = engine.generate(prompt, 20, stop_tokens=[eos])
     assert cut.shape[1] < 20 and torch.equal(cut, full[:, :cut.shape[1]])
-    for one in (eos, torch.tensor(eos), torch.tensor([eos]), {eos}):
+    for one in (eos, torch.tensor(eos), torch.tensor([eos]), torch.tensor([[eos]]), {eos}):  # any tensor's ids
         assert torch.equal(engine.generate(prompt, 20, stop_tokens=one), cut)
     assert torch.equal(engine.generate(prompt, 20, stop_tokens=[]), full)  # none: no stop
+    assert torch.equal(engine.generate(prompt, 20, stop_tokens=full[0, 0].item()), full[:, :1])  # the prefill's token
     for bad in ([None], [eos, "x"], [1.5], 5.0, True):
         with pytest.raises(ValueError, match="stop_tokens must be token ids"):
             engine.generate(prompt, 20, stop_tokens=bad)
@@ -361,9 +474,13 @@ def test_engine_sizes_are_checked_when_it_is_built():
                             (dict(max_seq_len=True), "max_seq_len must be"), (dict(max_batch=True), "max_batch must be")):
         with pytest.raises(ValueError, match=message):
             Engine(model, **kwargs)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):  # the CPU's model:
+        Engine(model, max_seq_len=16, cuda_graphs=True)  # refused when built, not at the first graph capture
     with pytest.warns(UserWarning, match=r"max_seq_len=300 exceeds the model's context \(256"):
         assert Engine(model, max_seq_len=300).max_seq_len == 300
-    assert Engine(model).max_seq_len == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # up to the context: no word
+        assert Engine(model).max_seq_len == Engine(model, max_seq_len=256).max_seq_len == 256
 
 
 def test_a_kv_cache_that_cannot_fit_is_refused_in_its_sizes_before_it_is_allocated(monkeypatch):
@@ -454,6 +571,28 @@ def test_engine_warns_of_forward_hooks_its_own_forward_does_not_run():
         Engine(model, max_seq_len=32)
 
 
+
+def test_hooks_on_the_modules_the_engine_calls_are_not_warned_of():
+    """The embedding, a SiLU MLP's down_proj and every module of an MLP it does not fuse (another activation) run in
+    the engine's forward: their hooks run, unlike those it warns of. Past four hooked modules the warning counts the
+    rest."""
+    for act in ("silu", "gelu"):
+        model = tiny_model(hidden_act=act)
+        model.model.embed_tokens.register_forward_hook(lambda m, i, o: o)
+        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: o)
+        if act == "gelu":
+            model.model.layers[1].mlp.act_fn.register_forward_hook(lambda m, i, o: o)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Engine(model, max_seq_len=16)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.register_forward_hook(lambda m, i, o: o)
+    with pytest.warns(UserWarning, match=r"hooks on model\.layers\.0\.self_attn\.q_proj, model\.layers\.0\.self_attn"
+                                         r"\.k_proj, model\.layers\.0\.self_attn\.v_proj, model\.layers\.1\.self_attn"
+                                         r"\.q_proj and 2 more do not run"):
+        Engine(model, max_seq_len=16)
+
 # ---- logits that are not finite ----------------------------------------------------------------
 # Where the token-picking kernels run in this process: CUDA, or Triton's interpreter on the CPU (None: PyTorch's ops)
 KERNEL_DEVICE = ("cuda" if torch.cuda.is_available() else
@@ -532,6 +671,18 @@ def test_nonfinite_logits_at_the_prefill_raise_naming_the_prefill():
         Engine(half, max_seq_len=32).generate(_ragged_prompts([5]), 4)
 
 
+def test_nonfinite_logits_at_the_first_decode_step_name_it_and_a_bfloat16_models_hint_is_its_own():
+    """Decode step 1 (fed the prefill's token) was said as the prefill; a bfloat16 model was given float16's hint."""
+    model = tiny_model(initializer_range=0.2, tie_word_embeddings=False)
+    prompts = _ragged_prompts([6, 4], seed=5)
+    engine = Engine(model, max_batch=2, max_seq_len=32)
+    row, step = _poison_a_token_made(model, prompts, engine.generate(prompts, 4), [0])
+    with pytest.raises(FloatingPointError, match=rf"at decode step 1 \(new token 2\) of sequence {row} of the batch"):
+        engine.generate(prompts, 4)
+    said = str(engine_mod.nonfinite_logits_error(3, 0, 0, 1, torch.bfloat16))
+    assert "or activations past bfloat16's range" in said and "65504" not in said
+
+
 def test_nonfinite_logits_past_a_sequences_stop_token_raise_nothing():
     """A sequence that stopped runs on while the others do: what its later logits pick is not its answer (it
     repeats its stop token), but the step that picked its stop token counts."""
@@ -549,6 +700,21 @@ def test_nonfinite_logits_past_a_sequences_stop_token_raise_nothing():
     assert 0 not in clean[0, :step].tolist()
     with pytest.raises(FloatingPointError, match=rf"decode step {step} .* of sequence 0 of the batch:"):
         engine.generate(prompts, 16, stop_tokens=0)
+
+
+def test_nonfinite_logits_from_the_step_after_a_sequences_stop_token_raise_nothing():
+    """Its stop token fed back with a NaN embedding: the logits of the very next step, the first past its answer, are
+    NaN (counted as its answer's, a generation raised); they pick token 0 (argmax's first NaN), which as a stop token
+    too is a second stop of that sequence (whose step counted in place of the first)."""
+    model = tiny_model(initializer_range=0.2, tie_word_embeddings=False)
+    prompts = _ragged_prompts([7, 5], seed=4)
+    engine = Engine(model, max_batch=2, max_seq_len=40)
+    clean = engine.generate(prompts, 16)
+    stop = int(clean[0, 2])
+    assert 0 not in clean.tolist()[0][:3] + clean.tolist()[1] and stop not in clean.tolist()[1]
+    assert _poison_a_token_made(model, prompts, clean, [2], rows=[0]) == (0, 3)  # the stop token's embedding
+    for stops in ({stop}, {stop, 0}):
+        assert torch.equal(engine.generate(prompts, 16, stop_tokens=stops), past_stop(clean, stops))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, Sampling(0.8, top_p=0.9), Sampling(0.8, top_k=5),

@@ -91,6 +91,68 @@ def test_decode_stream_bytes_skip_the_embedding_table_unless_it_is_the_lm_head()
         assert memory.decode_stream_bytes(mem) == mem["total_bytes"] - (0 if tied else table)
 
 
+
+def test_a_quantized_layers_bias_is_dense_bytes():
+    """Qwen2's q/k/v biases stay 16/32-bit tensors in a QuantLinear: filed as dense, not with its codes, scales and
+    zeros (the Llama models above have no bias)."""
+    model = tiny_model("qwen2")
+    quantize_model(model, QuantConfig(mode="w4a16", group_size=32), progress=False)
+    attention = memory.weight_memory(model)["kinds"]["attention"]
+    linears = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear) and m.bias is not None]
+    assert linears  # q, k and v of each layer
+    biases = sum(m.bias.numel() * m.bias.element_size() for m in linears)
+    codes = sum(t.numel() * t.element_size() for name, m in model.named_modules() if ".self_attn." in name
+                and isinstance(m, QuantLinear) for t in (m.qweight, m.scales, m.zeros))
+    assert (attention["quantized_bytes"], attention["dense_bytes"]) == (codes, biases)
+
+
+def test_fused_projections_and_norms_of_other_names_are_filed_by_what_they_are():
+    """By the block a projection sits in (Phi-3's qkv_proj and gate_up_proj), and by the class of a norm (GPT-2's
+    ln_1, ln_2, ln_f): not under "other"."""
+    from transformers import AutoModelForCausalLM, GPT2Config, Phi3Config
+
+    phi3 = AutoModelForCausalLM.from_config(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=1, num_attention_heads=2, pad_token_id=0))
+    kinds = memory.weight_memory(phi3)["kinds"]
+    assert kinds["attention"]["bytes"] == (3 * 32 + 32) * 32 * 4 and kinds["mlp"]["bytes"] == 3 * 64 * 32 * 4
+    assert kinds["other"]["bytes"] == 0
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16))
+    assert memory.weight_memory(gpt2)["kinds"]["norms"]["bytes"] == 3 * 2 * 32 * 4  # weight and bias each
+
+
+def test_a_model_built_on_the_meta_device_has_the_weight_memory_of_its_loaded_self():
+    """Meta tensors have no data pointer (0 for all): keyed by it, tensors of one shape and dtype counted once."""
+    for tied in (True, False):
+        with torch.device("meta"):
+            empty = tiny_model(tie_word_embeddings=tied)
+        assert memory.weight_memory(empty) == memory.weight_memory(tiny_model(tie_word_embeddings=tied))
+
+
+def test_weights_shared_elsewhere_than_the_lm_head_are_counted_once_and_leave_it_untied():
+    model = tiny_model(tie_word_embeddings=False)
+    before = memory.weight_memory(model)
+    model.model.layers[1].input_layernorm.weight = model.model.layers[0].input_layernorm.weight
+    mem = memory.weight_memory(model)
+    assert not mem["tied_lm_head"] and mem["total_bytes"] == before["total_bytes"] - 64 * 4
+
+
+def test_format_bytes_changes_unit_at_1024_either_sign():
+    assert [memory.format_bytes(n) for n in (1023, 1024, -2048, 3 * 2 ** 30)] == [
+        "1023 B", "1.00 KiB", "-2.00 KiB", "3.00 GiB"]
+
+
+def test_memory_bound_is_none_where_the_machine_does_not_say(monkeypatch):
+    """No bound for a device of no memory (meta), nor where sysconf answers -1 (unknown) or does not know the name:
+    a bound of -1 bytes refused every KV cache."""
+    assert memory.memory_bound(torch.device("meta")) is None
+    monkeypatch.setattr(os, "sysconf", lambda name: -1 if name == "SC_PHYS_PAGES" else 4096)
+    assert memory.memory_bound(torch.device("cpu")) is None
+
+    def unknown(name):
+        raise ValueError("unrecognized configuration name")
+    monkeypatch.setattr(os, "sysconf", unknown)
+    assert memory.memory_bound(torch.device("cpu")) is None
+
 def test_peak_memory_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available")
@@ -142,6 +204,23 @@ def test_scaled_ropes_run_a_prompt_within_the_context_as_transformers_does(rope,
         torch.testing.assert_close(engine.prefill(prompt), model(prompt).logits[:, -1], rtol=1e-4, atol=1e-5)
     assert torch.equal(engine.generate(prompt, 12), hf_greedy(model, prompt, 12))
 
+
+
+def test_a_dynamic_rope_grown_by_an_earlier_long_call_is_reset_for_the_engines_table():
+    """A forward past the context grows a 'dynamic' rope's frequencies, which a call of exactly the context's length
+    keeps (transformers resets them below it): the table of a cache as long as the context was scaled everywhere, and
+    one taken as far as the grown length past it too."""
+    model = tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+                       max_position_embeddings=64, head_dim=16, initializer_range=0.3)
+    prompt = torch.randint(0, 256, (1, 10))
+    for max_seq_len in (64, 96):  # past the context, the table's first 64 rows alike (its context is not the grown one)
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, 80)))  # grows them
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # past the context: said, as the test of scaled ropes above checks
+            engine = Engine(model, max_seq_len=max_seq_len)
+        with torch.no_grad():
+            torch.testing.assert_close(engine.prefill(prompt), model(prompt).logits[:, -1], rtol=1e-4, atol=1e-5)
 
 def test_engine_generate_stops_once_every_sequence_made_a_stop_token():
     model = tiny_model(initializer_range=0.2)
@@ -410,10 +489,19 @@ def test_a_glue_kernel_that_fails_to_build_falls_back_to_pytorch_with_a_warning(
 
 # ---- speed helpers ---------------------------------------------------------------------------
 def test_linear_flops_per_token_is_twice_the_decoder_linear_weights():
-    model = tiny_model()
-    n = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, nn.Linear))
-    assert speed.linear_flops_per_token(model) == 2 * n
+    for model in (tiny_model(), tiny_model(head_dim=32)):  # a head_dim of its own: not hidden_size / heads
+        n = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, nn.Linear))
+        assert speed.linear_flops_per_token(model) == 2 * n
 
+
+
+def test_prefill_flops_count_each_sequences_causal_attention_and_its_last_tokens_lm_head():
+    model = tiny_model()  # 2 layers of 4 heads of 16, hidden 64, vocabulary 256
+    for T in (1, 5):
+        pairs = T * (T + 1) // 2  # the query-key pairs of a causal prompt: QK^T and PV, 2 FLOPs each a pair
+        one = T * speed.linear_flops_per_token(model) + 2 * 2 * 4 * 16 * pairs * 2 + 2 * 64 * 256
+        assert speed.prefill_flops(model, 1, T) == one
+        assert speed.prefill_flops(model, 3, T) == 3 * one
 
 def test_alternating_prefills_alternate_the_engine_order_every_round(monkeypatch):
     calls = []
@@ -444,6 +532,19 @@ def test_speed_models_have_the_published_shapes():
     model = speed.random_model("llama-2-7b", device="meta", num_hidden_layers=1)
     assert model.model.layers[0].mlp.down_proj.weight.shape == (4096, 11008)
     assert model.lm_head.weight.shape == (32000, 4096) and model.lm_head.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"unknown speed model 'llama-9b'; choose from \['llama-2-7b'"):
+        speed.random_model("llama-9b", device="meta")  # a KeyError of the bare name
+
+
+def test_quantize_in_place_without_a_config_and_release_leave_the_model_as_it_was_and_close_engines():
+    """The bf16 rows: no config, no quantization (quantize_model's default config quantized it). `release` closes the
+    engines given, whose caches the next measurement's peak must not count."""
+    model = tiny_model()
+    assert speed.quantize_in_place(model, None) >= 0
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    engine = Engine(model, max_seq_len=16)
+    speed.release(engine, "not an engine")
+    assert engine.k_cache is None and engine.v_cache is None
 
 
 def test_speed_without_cuda_says_so():
