@@ -78,7 +78,6 @@ def test_a_nucleus_smaller_than_the_top_token_keeps_the_top_token():
     assert torch.equal(next_tokens(logits, Sampling(1.0, top_p=1e-6)), logits.argmax(-1))
 
 
-
 def test_a_nucleus_that_reaches_top_p_exactly_ends_there_as_transformers_does():
     """Probabilities 1/2, 1/4, 1/8, 1/16, 1/16 (exact in float32): a token whose more likely ones hold exactly top_p
     is left out (transformers' warper too); kept at the boundary, the nucleus was one token larger."""
@@ -98,6 +97,7 @@ def test_a_race_draw_of_zero_picks_no_token_the_filters_left_out(monkeypatch):
     for sampling in (Sampling(1.0, top_k=3), Sampling(0.7, top_p=0.5)):
         drawn = next_tokens(logits, sampling)
         assert bool(sampling_logits(logits, sampling).gather(1, drawn[:, None]).isfinite().all()), drawn
+
 
 def test_greedy_sampling_is_the_argmax():
     logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(2))
@@ -156,7 +156,6 @@ def test_engine_samples_repeat_with_the_seed_and_top_k_1_is_greedy():
     assert torch.equal(engine.generate(prompt, 24), greedy)  # sampling left no state behind
 
 
-
 def test_every_token_of_a_sampled_generation_is_drawn_the_prefills_too():
     """Against each token's greedy pick given the tokens before it (one forward of the model): a prefill that picked
     greedily, or decode steps that did, still made sequences unlike the greedy one, as the test above asks."""
@@ -169,6 +168,7 @@ def test_every_token_of_a_sampled_generation_is_drawn_the_prefills_too():
         greedy = model(torch.cat([prompt, sampled], 1)).logits[:, 5:-1].argmax(-1)
     assert not torch.equal(sampled[:, 0], greedy[:, 0])
     assert (sampled[:, 1:] != greedy[:, 1:]).any(1).all()
+
 
 @gpu
 @pytest.mark.gpu
@@ -203,7 +203,6 @@ def test_stream_hands_over_generates_tokens_chunk_by_chunk():
             engine.generate(prompt, n)
 
 
-
 def test_norms_and_mlps_the_engine_does_not_fuse_run_as_the_model_runs_them():
     """A norm that is not HF's RMSNorm (torch's nn.RMSNorm: its eps is no variance_epsilon) and an MLP whose activation
     is not SiLU are called as the model's modules, not fused: logits and tokens as the model's. A fused MLP of another
@@ -226,6 +225,7 @@ def test_norms_and_mlps_the_engine_does_not_fuse_run_as_the_model_runs_them():
         want = model.generate(prompt[:1], max_new_tokens=10, do_sample=False)[:, 7:]
     assert torch.equal(engine.generate(prompt[:1], 10), want)
 
+
 # ---- prompts of different lengths ------------------------------------------------------------
 def _ragged_prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -236,7 +236,6 @@ def _alone(engine, prompts, n):
     """Each prompt's prefill logits and greedy tokens, run as a batch of one."""
     logits = torch.cat([engine.prefill(p[None]) for p in prompts])
     return logits, torch.cat([engine.generate(p[None], n) for p in prompts])
-
 
 
 def test_what_the_cache_holds_past_a_sequences_position_is_never_read():
@@ -251,6 +250,7 @@ def test_what_the_cache_holds_past_a_sequences_position_is_never_read():
         for cache in (engine.k_cache, engine.v_cache):
             cache[:, :, :, 14:] = 1e4 * torch.randn(cache[:, :, :, 14:].shape, generator=g)
     assert torch.equal(engine.generate(prompts, 8), clean)
+
 
 @pytest.mark.parametrize("arch, mode", [("llama", None), ("qwen2", None), ("mistral", "w4a16"), ("llama", "w4a4")])
 def test_prompts_of_different_lengths_each_run_as_they_would_alone(arch, mode):
@@ -312,7 +312,6 @@ def test_a_stream_resumed_after_another_generation_took_the_engine_is_refused():
     assert torch.equal(torch.cat(list(engine.stream(a, 6)), dim=1), alone)  # a new stream runs as before
 
 
-
 def test_prompts_of_any_integer_dtype_run_as_int64_ids():
     """A uint8 prompt tensor reached the embedding as is, which takes int32 and int64 indices only; a prompt may be a
     tuple of ids as well as a list."""
@@ -326,6 +325,7 @@ def test_prompts_of_any_integer_dtype_run_as_int64_ids():
         assert torch.equal(engine.generate(list(prompt.to(dtype)), 4), want)
     # a list of tuples of ids alike (a tuple prompt was refused as no list of ids)
     assert torch.equal(engine.generate([tuple(p) for p in prompt.tolist()], 4), want)
+
 
 @pytest.mark.parametrize("prompt, message", [
     ([], "non-empty list of prompts"), ("hello", "tokenize first"), (torch.tensor([1, 2, 3]), r"ids\[None\]"),
@@ -571,7 +571,6 @@ def test_engine_warns_of_forward_hooks_its_own_forward_does_not_run():
         Engine(model, max_seq_len=32)
 
 
-
 def test_hooks_on_the_modules_the_engine_calls_are_not_warned_of():
     """The embedding, a SiLU MLP's down_proj and every module of an MLP it does not fuse (another activation) run in
     the engine's forward: their hooks run, unlike those it warns of. Past four hooked modules the warning counts the
@@ -592,6 +591,7 @@ def test_hooks_on_the_modules_the_engine_calls_are_not_warned_of():
                                          r"\.k_proj, model\.layers\.0\.self_attn\.v_proj, model\.layers\.1\.self_attn"
                                          r"\.q_proj and 2 more do not run"):
         Engine(model, max_seq_len=16)
+
 
 # ---- logits that are not finite ----------------------------------------------------------------
 # Where the token-picking kernels run in this process: CUDA, or Triton's interpreter on the CPU (None: PyTorch's ops)

@@ -91,7 +91,6 @@ def test_decode_stream_bytes_skip_the_embedding_table_unless_it_is_the_lm_head()
         assert memory.decode_stream_bytes(mem) == mem["total_bytes"] - (0 if tied else table)
 
 
-
 def test_a_quantized_layers_bias_is_dense_bytes():
     """Qwen2's q/k/v biases stay 16/32-bit tensors in a QuantLinear: filed as dense, not with its codes, scales and
     zeros (the Llama models above have no bias)."""
@@ -153,6 +152,7 @@ def test_memory_bound_is_none_where_the_machine_does_not_say(monkeypatch):
     monkeypatch.setattr(os, "sysconf", unknown)
     assert memory.memory_bound(torch.device("cpu")) is None
 
+
 def test_peak_memory_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available")
@@ -205,7 +205,6 @@ def test_scaled_ropes_run_a_prompt_within_the_context_as_transformers_does(rope,
     assert torch.equal(engine.generate(prompt, 12), hf_greedy(model, prompt, 12))
 
 
-
 def test_a_dynamic_rope_grown_by_an_earlier_long_call_is_reset_for_the_engines_table():
     """A forward past the context grows a 'dynamic' rope's frequencies, which a call of exactly the context's length
     keeps (transformers resets them below it): the table of a cache as long as the context was scaled everywhere, and
@@ -221,6 +220,7 @@ def test_a_dynamic_rope_grown_by_an_earlier_long_call_is_reset_for_the_engines_t
             engine = Engine(model, max_seq_len=max_seq_len)
         with torch.no_grad():
             torch.testing.assert_close(engine.prefill(prompt), model(prompt).logits[:, -1], rtol=1e-4, atol=1e-5)
+
 
 def test_engine_generate_stops_once_every_sequence_made_a_stop_token():
     model = tiny_model(initializer_range=0.2)
@@ -494,7 +494,6 @@ def test_linear_flops_per_token_is_twice_the_decoder_linear_weights():
         assert speed.linear_flops_per_token(model) == 2 * n
 
 
-
 def test_prefill_flops_count_each_sequences_causal_attention_and_its_last_tokens_lm_head():
     model = tiny_model()  # 2 layers of 4 heads of 16, hidden 64, vocabulary 256
     for T in (1, 5):
@@ -502,6 +501,7 @@ def test_prefill_flops_count_each_sequences_causal_attention_and_its_last_tokens
         one = T * speed.linear_flops_per_token(model) + 2 * 2 * 4 * 16 * pairs * 2 + 2 * 64 * 256
         assert speed.prefill_flops(model, 1, T) == one
         assert speed.prefill_flops(model, 3, T) == 3 * one
+
 
 def test_alternating_prefills_alternate_the_engine_order_every_round(monkeypatch):
     calls = []
