@@ -12,9 +12,11 @@ from tqdm.auto import tqdm
 
 from nibble import kernels
 from nibble.config import QuantConfig, resolve_device, width_error
+from nibble.kernels.hadamard import hadamard_transform_reference
+from nibble.kernels.reference import dequantize
 from nibble.models.architecture import (DECODER_LAYERS, check_architecture, check_calibration_ids, decoder_layers,
                                         decoder_layers_replaced)
-from nibble.nn.quant_linear import QuantLinear, check_cast
+from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear, check_cast
 from nibble.quantize import calibrated_quantizers
 from nibble.quantize.rtn import check_values, naming
 from nibble.warn import warn
@@ -235,6 +237,50 @@ def mark_quantized(model: nn.Module, quantization_config: dict) -> None:
         model.resize_token_embeddings = _resize_refused  # transformers resized the embedding, then failed on the head
     model.num_parameters = functools.partial(_num_parameters, model)  # a copy's partial holds the copy
     model._apply = functools.partial(_apply_checked, model)
+
+
+# What `mark_quantized` (and a rotation's `refuse_save_pretrained`) put on a model, over its class's methods
+_QUANTIZED_OVERRIDES = ("half", "float", "save_pretrained", "resize_token_embeddings", "num_parameters", "_apply")
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Replace every quantized linear, and every linear that rotates its input online, by the plain ``nn.Linear`` in
+    ``dtype`` that computes what it computes without activation quantization: W from the INT4 codes (q * s + z), an
+    online Hadamard folded in (y = (x H^T) W^T = x (W H)^T), an act-order input order undone (y = x[perm] W^T: column
+    perm[k] of the new weight is column k). A W4A4 model loses its activation rounding, not its weights' rounding. The
+    result is a float transformers model, which ``save_pretrained`` writes and any loader reads: transformers'
+    ``model.dequantize()`` runs this (`nibble.models.hf_quantizer`), and drops the quantization_config. A rotated
+    model stays rotated: the same function, its residual stream in another basis."""
+    from nibble.models.rotation import ROTATION_SEED, UNTIED_HEAD  # which imports this module
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
+    wrapped = [n for n, m in model.named_modules() if isinstance(getattr(m, "base_layer", None), QuantLinear)]
+    if wrapped:  # peft's LoRA layer around a QuantLinear would keep its INT4 frame around a float base
+        raise ValueError(f"LoRA adapters wrap {len(wrapped)} quantized linears ({wrapped[0]}, ...): dequantize the "
+                         "model before adding adapters, or unload them first (peft's unload())")
+    for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear) or
+                        getattr(m, "input_hadamard", False) is True]:
+        if isinstance(layer, QuantLinear):
+            weight = dequantize(layer.qweight, layer.scales, layer.zeros, layer.group_size, torch.float64)
+        else:  # HadamardInputLinear: a 16-bit linear of a rotated model
+            weight = layer.weight.detach().to(torch.float64)
+        if layer.input_hadamard:
+            weight = hadamard_transform_reference(weight, inverse=True)
+        if isinstance(layer, PermutedInputQuantLinear):
+            weight = torch.empty_like(weight).index_copy_(1, layer.input_perm.to(weight.device), weight)
+        linear = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight.to(dtype))
+        if layer.bias is not None:
+            linear.bias = nn.Parameter(layer.bias.detach().to(dtype))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, linear)
+    for attribute in _QUANTIZED_OVERRIDES + (ROTATION_SEED, UNTIED_HEAD):
+        model.__dict__.pop(attribute, None)
+    if model.dtype != dtype:  # the rest of the model too, which the new linears' inputs come from
+        model.to(dtype)
+    return model
 
 
 def _apply_checked(model: nn.Module, fn, recurse: bool = True) -> nn.Module:

@@ -16,7 +16,8 @@ what a load does once the weights are in (`finish_load`). AutoAWQ / GPTQ exports
 reads them with its own quantizers (and nibble with `load_quantized`).
 
 Every nibble model, however made, carries the quantizer as from_pretrained leaves it (`mark_hf_quantized`), which is
-what transformers' Trainer and generate read of a quantized model.
+what transformers' Trainer and generate read of a quantized model, and what ``model.dequantize()`` calls to give the
+float model back (`nibble.models.convert.dequantize_model`).
 """
 from __future__ import annotations
 
@@ -70,6 +71,16 @@ class NibbleHfQuantizer(HfQuantizer):
             if isinstance(layer, PermutedInputQuantLinear):
                 layer.recompute_input_order()
         return finish_load(model, model.config.quantization_config.to_dict())
+
+    def dequantize(self, model, dtype=None):
+        """``model.dequantize(dtype)``: the float model (`convert.dequantize_model`), in the dtype the model runs in
+        (transformers' default is config.json's, which a load in another dtype leaves as saved)."""
+        return super().dequantize(model, dtype or model.dtype)
+
+    def _dequantize(self, model, dtype):
+        from nibble.models.convert import dequantize_model  # which imports this module
+
+        return dequantize_model(model, dtype)
 
     def is_serializable(self):
         return False  # `mark_quantized` turns save_pretrained into a refusal naming nibble.save_quantized

@@ -14,7 +14,8 @@ from nibble import QuantConfig, load_quantized, quantize_model, save_quantized
 from nibble.models.checkpoint_files import CheckpointError
 from nibble.models.hf_quantizer import NibbleHfQuantizer, NibbleQuantizationConfig
 from nibble.nn.hadamard import HadamardInputLinear
-from nibble.nn.quant_linear import QuantLinear
+from nibble.kernels.hadamard import hadamard_transform
+from nibble.nn.quant_linear import PermutedInputQuantLinear, QuantLinear
 
 CASES = {  # (architecture, config, dtype from_pretrained and load_quantized are given)
     "llama w4a16": ("llama", QuantConfig(group_size=32), None),
@@ -142,6 +143,109 @@ def test_the_trainer_takes_lora_adapters_on_it_and_refuses_it_bare(tmp_path, loa
     assert model.float().model.embed_tokens.weight.dtype == torch.float32
 
 
+def _functions(model):
+    """{name: (W, bias)} of every layer a dequantization replaces, W as the layer computes x @ W.T without activation
+    rounding: probed with the identity through the layer's own paths (a QuantLinear's forward-mode product gathers its
+    act-order input and rotates it as its forward does), in float32."""
+    out = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, (QuantLinear, HadamardInputLinear)):
+            if isinstance(layer, QuantLinear):
+                w = layer._output_tangent(torch.eye(layer.in_features, device=layer.qweight.device))
+            else:
+                eye = torch.eye(layer.in_features, device=layer.weight.device)
+                w = torch.nn.functional.linear(hadamard_transform(eye), layer.weight.float())
+            out[name] = (w.t(), None if layer.bias is None else layer.bias.detach().clone())
+    return out
+
+
+def _check_dequantized(model, want, dtype):
+    for name, (w, bias) in want.items():
+        layer = model.get_submodule(name)
+        assert type(layer) is torch.nn.Linear and layer.weight.dtype == dtype, name
+        # float64 to dtype once against the probe's float32 rounded again: one unit of the last place apart at most
+        torch.testing.assert_close(layer.weight, w.to(dtype), rtol=0 if dtype == torch.float32 else 2 ** -7,
+                                   atol=1e-6 if dtype == torch.float32 else 0, msg=name)
+        assert (layer.bias is None) == (bias is None) and (bias is None or torch.equal(layer.bias, bias.to(dtype)))
+    assert not any(isinstance(m, (QuantLinear, HadamardInputLinear)) for m in model.modules())
+    assert not model.is_quantized and not hasattr(model, "hf_quantizer")
+    assert not hasattr(model.config, "quantization_config") and not hasattr(model, "quantization_method")
+
+
+@pytest.mark.parametrize("case", [*CASES, "llama w4a16 tied lm_head"])
+def test_dequantize_gives_the_float_model_any_loader_reads(tmp_path, case):
+    """``model.dequantize()``: every nibble layer becomes the nn.Linear of its function without activation rounding
+    (online Hadamards folded, the tied lm_head its own table), in the dtype the model runs in; save_pretrained then
+    writes a plain checkpoint, which from_pretrained reads as that model. W4A16 keeps its logits."""
+    arch, config, dtype = CASES.get(case, ("llama", QuantConfig(group_size=32, modules_to_not_convert=()), None))
+    _quantized(tmp_path / "q", arch, config)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "q", **({"dtype": dtype} if dtype else {}))
+    ids, want = torch.randint(0, 256, (2, 9)), _functions(model)
+    with torch.no_grad():
+        quantized = model(ids).logits
+    assert model.dequantize() is model
+    _check_dequantized(model, want, dtype or torch.float32)
+    with torch.no_grad():
+        logits = model(ids).logits
+    if config.mode == "w4a16":
+        torch.testing.assert_close(logits, quantized, rtol=0, atol=1e-5 if dtype is None else 0.05)
+    model.save_pretrained(tmp_path / "float")
+    assert "quantization_config" not in json.loads((tmp_path / "float" / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "float", **({"dtype": dtype} if dtype else {}))
+    assert [type(m) for m in plain.modules()] == [type(m) for m in model.modules()]
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, logits)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_dequantize_undoes_act_order_input_orders(mode):
+    """A PermutedInputQuantLinear computes x[..., perm] @ W.T (after its online Hadamard in W4A4): the float weight
+    holds column k of W at perm[k]."""
+    config = QuantConfig(group_size=32) if mode == "w4a16" else QuantConfig(mode="w4a4", rotation="hadamard")
+    model = quantize_model(tiny_model(), config, progress=False)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        old = model.get_submodule(name)
+        layer = PermutedInputQuantLinear.from_weight(old.weight_int4(), old.bias, mode, old.input_hadamard,
+                                                     dtype=torch.float32)
+        layer.set_input_perm(torch.randperm(old.in_features))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    ids, want = torch.randint(0, 256, (2, 9)), _functions(model)
+    with torch.no_grad():
+        quantized = model(ids).logits
+    model.dequantize()
+    _check_dequantized(model, want, torch.float32)
+    if mode == "w4a16":
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, quantized, rtol=0, atol=1e-5)
+
+
+def test_dequantize_to_another_dtype_casts_the_whole_model(tmp_path):
+    _quantized(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    want = _functions(model)
+    model.dequantize(torch.float32)
+    _check_dequantized(model, want, torch.float32)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.isfinite(model(torch.randint(0, 256, (2, 9))).logits).all()
+
+
+def test_dequantize_refuses_what_it_cannot_make_leaving_the_model_quantized(tmp_path):
+    """An integer dtype, and LoRA adapters around nibble's layers (peft's layer would keep its INT4 frame around a
+    float base)."""
+    peft = pytest.importorskip("peft")
+    from nibble.nn.lora import lora_config
+
+    model = _quantized(tmp_path)
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        model.dequantize(torch.int8)
+    lora = peft.get_peft_model(model, lora_config(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"LoRA adapters wrap 2 quantized linears \(model\.layers\.0\.self_attn\.q_proj, \.\.\.\): "
+                                         "dequantize the model before adding adapters, or unload them first"):
+        lora.dequantize()
+    assert model.is_quantized and isinstance(model.model.layers[0].self_attn.k_proj, QuantLinear)
+
+
 def test_registration_is_once_and_public():
     assert AUTO_QUANTIZER_MAPPING["nibble"] is NibbleHfQuantizer
     nibble.register_hf_quantizer()  # again: no "already registered" error
@@ -166,3 +270,15 @@ def test_gpu_from_pretrained_runs_the_kernels_as_load_quantized(tmp_path, case):
     static = got.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
     assert static.shape == (2, 13)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_dequantize_makes_the_float_model_on_the_gpu(tmp_path):
+    _quantized(tmp_path, "llama", CASES["llama w4a4 hadamard"][1])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda")
+    want = _functions(model)
+    model.dequantize()
+    _check_dequantized(model, want, torch.bfloat16)
+    assert model.model.layers[0].mlp.down_proj.weight.is_cuda
+    ids = torch.randint(0, 256, (2, 9), device="cuda")
+    assert torch.isfinite(model(ids).logits).all()
