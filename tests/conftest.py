@@ -22,11 +22,13 @@ def skip_without_cuda_kernel(reason: str):
 
 def tiny_config(arch: str = "llama", **overrides):
     """A small random causal-LM config of one of the supported families (sizes multiple of 32)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=arch != "mistral")
+    if arch == "qwen3":  # heads wider than hidden_size / heads, as Qwen3's own (q_proj 64 -> 128)
+        kw["head_dim"] = 32
     kw.update(overrides)
     return cls(**kw)
 

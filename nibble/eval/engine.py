@@ -1,4 +1,4 @@
-"""A minimal fast decode engine for the causal LMs nibble converts (Llama, Qwen2, Mistral).
+"""A minimal fast decode engine for the causal LMs nibble converts (Llama, Qwen2, Qwen3, Mistral).
 
 gpt-fast's recipe on top of a Hugging Face model: the model supplies its modules (embeddings,
 norms, the attention and MLP projections, whatever they are: ``nn.Linear`` or ``QuantLinear``),
@@ -1131,7 +1131,8 @@ class Engine:
         norms = [self.norm]
         for layer in self.layers:
             mlp = layer.mlp
-            called.add(layer.self_attn.o_proj)
+            called.update(getattr(layer.self_attn, name) for name in ("o_proj", "q_norm", "k_norm")
+                          if hasattr(layer.self_attn, name))
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
             if self._gated(mlp):
                 called.add(mlp.down_proj)
@@ -1176,6 +1177,9 @@ class Engine:
         B, T, _ = q.shape
         k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
         pos = input_pos if mask is None else input_pos[:, None]  # [T] shared, or [B, 1]
+        if hasattr(attn, "q_norm"):  # Qwen3: each head's q and k RMS-normed over its dims before RoPE
+            q, k = (norm(t.view(B, T, -1, self.head_dim)).view(B, T, -1)
+                    for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
         q = rope_and_cache(q, k, v, self.cos, self.sin, pos, k_cache, v_cache, self.n_heads, self.n_kv,
                            self.head_dim)  # [B, T, Hq, D]
         rep = self.n_heads // self.n_kv

@@ -9,7 +9,7 @@ exactly the bytes a checkpoint of the model holds) and files every tensor under 
 | attention | q/k/v/o projections (and their biases) |
 | mlp | gate/up/down projections |
 | lm_head | the output projection (0 bytes when it is tied to the embeddings) |
-| norms | RMSNorm weights |
+| norms | RMSNorm weights (Qwen3's per-head q / k norms inside attention too) |
 | other | anything else |
 
 Each kind splits into ``quantized_bytes`` (INT4 codes, scales and zeros of ``QuantLinear``) and
@@ -38,12 +38,12 @@ def _kind(module_name: str, module: nn.Module, embedding: nn.Module, lm_head: nn
         return "embeddings"
     if module is lm_head:
         return "lm_head"
+    if "norm" in type(module).__name__.lower() or "norm" in leaf:  # Qwen3's q_norm / k_norm inside self_attn too
+        return "norms"
     if leaf in _ATTENTION or ".self_attn." in f".{module_name}.":
         return "attention"
     if leaf in _MLP or ".mlp." in f".{module_name}.":
         return "mlp"
-    if "norm" in type(module).__name__.lower() or "norm" in leaf:
-        return "norms"
     return "other"
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from nibble.config import check_token_ids
 from nibble.warn import warn
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def check_architecture(model: nn.Module) -> None:

@@ -1,10 +1,11 @@
-"""Calibration-free rotation of Llama / Qwen2 / Mistral causal LMs (QuaRot-style) for W4A4.
+"""Calibration-free rotation of Llama / Qwen2 / Qwen3 / Mistral causal LMs (QuaRot-style) for W4A4.
 
 The rotated model computes the same function in 16 bits, but the activations that will be
 quantized per token carry no outlier channels:
 
 * every RMSNorm weight is folded into the linears that read the norm's output (the norm keeps
-  weight 1), so a norm commutes with any orthogonal Q: rms(x Q) = rms(x);
+  weight 1), so a norm commutes with any orthogonal Q: rms(x Q) = rms(x); Qwen3's per-head q / k
+  norms read q_proj's and k_proj's outputs, which the rotation leaves as they were, and stay;
 * the residual stream is rotated, x -> x Q with Q = H_d diag(s) (seeded random signs s): the
   embedding rows and every linear writing to the stream (o_proj, down_proj: W -> Q^T W) or reading
   from it (q/k/v, gate/up, lm_head: W -> W Q);
@@ -31,7 +32,7 @@ from nibble.nn.hadamard import HadamardInputLinear
 
 def rotate_model(model: nn.Module, seed: int = 0, online_o_proj: bool = False,
                  device: str | torch.device | None = None) -> nn.Module:
-    """Rotate a Hugging Face Llama / Qwen2 / Mistral causal LM in place; returns it.
+    """Rotate a Hugging Face Llama / Qwen2 / Qwen3 / Mistral causal LM in place; returns it.
 
     online_o_proj: also rotate o_proj's input online (its width, heads * head_dim, must be a
     supported Hadamard size). QuaRot instead rotates V offline per head and mixes heads online: the

@@ -301,7 +301,7 @@ def forward_block(block: nn.Module, inputs: list, kwargs_list: list, watch: dict
     return (outputs if keep_outputs else None), stats
 
 
-# Linears of a Llama/Qwen2/Mistral block, grouped by shared input, in the order those inputs are
+# Linears of a Llama/Qwen2/Qwen3/Mistral block, grouped by shared input, in the order those inputs are
 # produced: q/k/v read the first norm's output, o_proj the attention output, gate/up the second
 # norm's output, down_proj the gated product.
 SHARED_INPUT_GROUPS = (

@@ -252,7 +252,8 @@ def test_what_the_cache_holds_past_a_sequences_position_is_never_read():
     assert torch.equal(engine.generate(prompts, 8), clean)
 
 
-@pytest.mark.parametrize("arch, mode", [("llama", None), ("qwen2", None), ("mistral", "w4a16"), ("llama", "w4a4")])
+@pytest.mark.parametrize("arch, mode", [("llama", None), ("qwen2", None), ("mistral", "w4a16"), ("llama", "w4a4"),
+                                        ("qwen3", "w4a4")])
 def test_prompts_of_different_lengths_each_run_as_they_would_alone(arch, mode):
     model = tiny_model(arch, initializer_range=0.2)
     if mode:

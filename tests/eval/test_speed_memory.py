@@ -107,7 +107,7 @@ def test_a_quantized_layers_bias_is_dense_bytes():
 
 def test_fused_projections_and_norms_of_other_names_are_filed_by_what_they_are():
     """By the block a projection sits in (Phi-3's qkv_proj and gate_up_proj), and by the class of a norm (GPT-2's
-    ln_1, ln_2, ln_f): not under "other"."""
+    ln_1, ln_2, ln_f), wherever it sits (Qwen3's): not under "other", nor with the linears."""
     from transformers import AutoModelForCausalLM, GPT2Config, Phi3Config
 
     phi3 = AutoModelForCausalLM.from_config(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -117,6 +117,10 @@ def test_fused_projections_and_norms_of_other_names_are_filed_by_what_they_are()
     assert kinds["other"]["bytes"] == 0
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16))
     assert memory.weight_memory(gpt2)["kinds"]["norms"]["bytes"] == 3 * 2 * 32 * 4  # weight and bias each
+    qwen3 = tiny_model("qwen3")  # q_norm and k_norm sit in self_attn: norms, not the attention linears quantization shrinks
+    kinds, h, d = memory.weight_memory(qwen3)["kinds"], qwen3.config.hidden_size, qwen3.config.head_dim
+    assert kinds["norms"]["bytes"] == (2 * 2 + 1) * h * 4 + 2 * 2 * d * 4
+    assert kinds["attention"]["bytes"] == 2 * (2 * 4 * d * h + 2 * 2 * d * h) * 4  # q/o: 4 heads, k/v: 2
 
 
 def test_a_model_built_on_the_meta_device_has_the_weight_memory_of_its_loaded_self():
@@ -161,9 +165,13 @@ def test_peak_memory_without_cuda_says_so():
 
 
 # ---- the engine on CPU (eager) ---------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_engine_prefill_logits_equal_the_hf_forward(arch):
     model = tiny_model(arch)
+    with torch.no_grad():  # norms of weights other than 1: Qwen3's q_norm and k_norm told apart too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     prompt = torch.randint(0, 256, (3, 11))
     with torch.no_grad():
         ref = model(prompt).logits[:, -1]
@@ -171,7 +179,7 @@ def test_engine_prefill_logits_equal_the_hf_forward(arch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_engine_greedy_tokens_equal_hf_generate_on_cpu(arch):
     model = tiny_model(arch, initializer_range=0.2)
     prompt = torch.randint(0, 256, (2, 9))
@@ -577,10 +585,12 @@ def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens,
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w4a4", "w4a16-lmhead"])
-def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(mode, monkeypatch):
-    model = tiny_model(dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=512,
-                       num_attention_heads=8, num_key_value_heads=2).cuda()
+@pytest.mark.parametrize("arch,mode", [("llama", "bf16"), ("llama", "w4a16"), ("llama", "w4a4"),
+                                       ("llama", "w4a16-lmhead"), ("qwen3", "w4a16"), ("qwen3", "w4a4")])
+def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(arch, mode, monkeypatch):
+    model = tiny_model(arch, dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=8, num_key_value_heads=2, **({"head_dim": 64} if arch == "qwen3" else {}))
+    model.cuda()
     if mode != "bf16":
         quantize_model(model, report.quant_config(mode, group_size=64 if mode.startswith("w4a16") else -1),
                        progress=False)

@@ -13,7 +13,7 @@ from nibble.kernels.reference import dequantize
 from nibble.models.convert import default_group_size, quantized_linears, weight_bytes
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_whole_model_conversion_keeps_the_model_working(arch, mode):
     model = tiny_model(arch)

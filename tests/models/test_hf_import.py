@@ -161,7 +161,7 @@ def check_import(model, dense, ref, ids, down_orders=None):
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
 
 
-@pytest.mark.parametrize("arch,G", [("llama", 32), ("qwen2", 64)])
+@pytest.mark.parametrize("arch,G", [("llama", 32), ("qwen2", 64), ("qwen3", 32)])
 def test_autoawq_gemm_checkpoint_imports_without_requantization(tmp_path, arch, G):
     model = tiny_model(arch)
     qc = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": G, "zero_point": True}

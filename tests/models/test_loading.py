@@ -55,7 +55,7 @@ def test_load_model_defaults_to_smollm2_gguf():
     assert tokenizer.eos_token == "<|im_end|>"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
 def test_load_local_hf_directory(model_type, tmp_path):
     original = _save_tiny(tmp_path, model_type)
     model, tokenizer = load_model(tmp_path)

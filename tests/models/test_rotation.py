@@ -52,7 +52,7 @@ def _quantizer_inputs(model, ids):
     return seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("hidden,heads", [(64, 4), (96, 4), (96, 6)])
 @pytest.mark.parametrize("online_o_proj", [False, True])
 def test_rotated_model_gives_the_same_logits(arch, hidden, heads, online_o_proj):
@@ -73,7 +73,7 @@ def test_a_model_with_a_bias_on_every_linear_gives_the_same_logits_rotated(onlin
 
 
 @pytest.mark.parametrize("arch,extra", [("llama", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
-                                        ("qwen2", {}), ("mistral", {})])
+                                        ("qwen2", {}), ("qwen3", {}), ("mistral", {})])
 @pytest.mark.parametrize("online_o_proj", [False, True])
 def test_a_bfloat16_model_rotated_keeps_its_function_to_bfloat16_rounding(arch, extra, online_o_proj):
     """Against the float64 model: the rotation (float64 algebra, each weight rounded once) adds no more error
