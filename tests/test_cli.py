@@ -1500,3 +1500,34 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_options_that_take_less
     monkeypatch.delenv("NIBBLE_TRACEBACK")
     with pytest.raises(ZeroDivisionError):
         main(argv)
+
+
+def test_several_prompts_run_eight_at_a_time_unless_batch_size_says(model_dir, monkeypatch, capsys):
+    """--batch-size's help promises GENERATE_BATCH_SIZE (8) prompts a batch where it is not given."""
+    from nibble.eval.engine import Engine
+
+    sizes, run = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, *a, **k: sizes.append(len(prompts)) or
+                        run(self, prompts, *a, **k))
+    main(["generate", *[f"the sea {i}" for i in range(9)], "--model", str(model_dir), "--device", "cpu", "--quant",
+          "none", "--max-new-tokens", "2", "--no-chat"])
+    assert sizes == [8, 1] and capsys.readouterr().out.count("[9] the sea 8\n") == 1
+
+
+@pytest.mark.parametrize("message, said", [("CUDA out of memory. Tried to allocate 2.00 GiB.\nCUDA kernel errors might be "
+                                            "asynchronously reported", "CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                           ("", "out of memory")])
+def test_running_out_of_memory_says_torchs_first_line_or_that_it_ran_out(monkeypatch, message, said):
+    """The one line is torch's first (its notes follow on the next ones), and an error without a message still says
+    what happened."""
+    import torch
+
+    import nibble.cli as cli
+
+    def runs_out(args):
+        raise torch.OutOfMemoryError(message)
+    monkeypatch.setattr(cli, "cmd_info", runs_out)
+    monkeypatch.delenv("NIBBLE_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["info", "somewhere"])
+    assert str(e.value).startswith(f"nibble info: {said}: stop what else holds the GPU's memory"), str(e.value)
