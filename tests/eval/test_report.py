@@ -56,6 +56,7 @@ def test_config_names_map_to_quant_configs():
 @pytest.mark.parametrize("name, message", [
     ("w4a16-g7", "group_size must be -1 (one group per output channel) or a positive multiple of 8"),  # QuantConfig's
     ("w4a4-awq", "unknown part -awq: w4a4 takes -hadamard, -gptq, -lmhead"),
+    ("w4a4-g64", "unknown part -g64: w4a4 takes -hadamard, -gptq, -lmhead"),  # its channels are its groups
     ("w4a16-foo", "unknown part -foo: w4a16 takes -gN (group size), -gptq, -awq, -lmhead"),
     ("w3a16", "unknown config; use bf16, w4a16"), ("bf16-lmhead", "the 16-bit baseline takes no suffix: use bf16"),
     # a part that repeats a choice: the last one won without a word (w4a16-awq-gptq ran GPTQ under that name)
@@ -475,6 +476,8 @@ def test_speed_tables_targets_and_plots_from_measured_numbers(tmp_path):
     assert "## llama-2-7b (random weights): memory and speed" in md
     assert "5.00 ms **2.00x** (100 TFLOP/s)" in md
     assert "300 tok/s **3.00x** (3000 GB/s, 70% roofline)" in md
+    shapes = re.findall(r"^\| (prefill b=1 T=\d+|decode b=1) \|", md, re.M)
+    assert shapes == ["prefill b=1 T=128", "prefill b=1 T=512", "decode b=1"]  # prefill first, by prompt length
     assert "**w4a4-hadamard failed**" in md and "| w4a4 prefill speedup (batch 1, 512 tokens) | 1.500 | >= 1.6 | **no** |" in md
     plots = report.write_plots(results, tmp_path, log=lambda *_: None)
     # speed models only (no config scored the tasks): no empty accuracy chart
