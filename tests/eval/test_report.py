@@ -799,3 +799,21 @@ def test_the_readme_smollm2_accuracy_table_is_its_reports_rounded_once():
         row = re.search(rf"^\| {re.escape(label)} \|(.*)\|$", readme, re.M).group(1)
         want = [" / ".join(f"{c[t]:.3f}".removeprefix("0") for t in tasks) for c in columns]
         assert [cell.strip() for cell in row.split("|")] == want, label
+
+
+def test_of_an_even_count_of_rounds_the_upper_median_row_is_kept():
+    rounds = [[dict(phase="prefill", batch=1, tokens=8, ms=ms), dict(phase="decode", batch=1, ms_per_step=ms / 4)]
+              for ms in (12.0, 9.0, 15.0, 10.0)]
+    rows = report._median_rows(rounds)
+    assert [rows[0]["ms"], rows[1]["ms_per_step"]] == [12.0, 3.0]  # of 9, 10, 12, 15: 12
+    assert rows[0]["round_ms"] == [12.0, 9.0, 15.0, 10.0] and rows[1]["round_ms"] == [3.0, 2.25, 3.75, 2.5]
+
+
+def test_the_peak_memory_of_a_model_on_a_gpu_is_measured(tmp_path, monkeypatch):
+    """Measured where the model is on CUDA (faked here: the CPU has none), skipped with the reason elsewhere."""
+    monkeypatch.setattr(report, "_on_cuda", lambda model: True)
+    monkeypatch.setattr(report.mem_mod, "peak_memory", lambda model: {"peak_bytes": 3 * 2**20})
+    res = report.run_report(None, tmp_path / "r", configs=("bf16",), accuracy=False, speed=False, loader=tiny_loader,
+                            progress=False, log=lambda *_: None)
+    assert res["configs"]["bf16"]["peak"] == {"peak_bytes": 3 * 2**20}
+    assert "| peak MiB (512 prefill + 128 decode) | 3.0 |" in (tmp_path / "r" / "report.md").read_text()
