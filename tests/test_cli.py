@@ -1514,9 +1514,10 @@ def test_several_prompts_run_eight_at_a_time_unless_batch_size_says(model_dir, m
     assert sizes == [8, 1] and capsys.readouterr().out.count("[9] the sea 8\n") == 1
 
 
-@pytest.mark.parametrize("message, said", [("CUDA out of memory. Tried to allocate 2.00 GiB.\nCUDA kernel errors might be "
-                                            "asynchronously reported", "CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                           ("", "out of memory")])
+@pytest.mark.parametrize("message, said", [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB.\nCUDA kernel errors might be asynchronously reported",
+     "CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ("", "out of memory")])
 def test_running_out_of_memory_says_torchs_first_line_or_that_it_ran_out(monkeypatch, message, said):
     """The one line is torch's first (its notes follow on the next ones), and an error without a message still says
     what happened."""
@@ -1563,3 +1564,20 @@ def test_a_seed_of_0_seeds_the_samples_as_any_other(model_dir, capsys):
         main(args)
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+@pytest.mark.parametrize("max_new_tokens, prompt_tokens, says", [
+    (32, None, "max_new_tokens=32 leaves no room for a prompt in the model's context (32 tokens, the prompt's and "
+               "the new ones together): give at most 31, less the prompt's tokens"),
+    (1, 32, "a prompt of 32 tokens fills the model's context (32 tokens) before any new one: give a shorter prompt"),
+    (3, 30, "a prompt of 30 tokens and max_new_tokens=3 exceed the model's context (32 tokens, the prompt's and the "
+            "new ones together): give at most 2, or a shorter prompt")])
+def test_a_request_one_token_past_the_context_is_refused_and_one_within_it_taken(max_new_tokens, prompt_tokens, says):
+    from nibble.cli import check_fits_context
+
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}$"):
+        check_fits_context(max_new_tokens, 32, prompt_tokens)
+    if prompt_tokens is None or prompt_tokens < 32:
+        check_fits_context(max_new_tokens - 1, 32, prompt_tokens)
+    else:
+        check_fits_context(max_new_tokens, 32, prompt_tokens - 1)

@@ -541,6 +541,8 @@ def test_without_the_model_only_the_speed_models_run(tmp_path):
                                 log=lambda *_: None)
     assert results["configs"] == {} and results["speed_models"] == {"llama-2-7b": {"skipped": report.NO_GPU}}
     assert results["meta"]["model"] == "none (speed models only)" and (tmp_path / "report.md").exists()
+    # the configs are the speed models' columns: kept, where the real model measured none
+    assert results["meta"]["configs"] == ["bf16", "w4a16-lmhead"]
 
 
 def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path):
