@@ -819,3 +819,17 @@ def test_the_peak_memory_of_a_model_on_a_gpu_is_measured(tmp_path, monkeypatch):
                             progress=False, log=lambda *_: None)
     assert res["configs"]["bf16"]["peak"] == {"peak_bytes": 3 * 2**20}
     assert "| peak MiB (512 prefill + 128 decode) | 3.0 |" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_the_accuracy_table_has_an_acc_norm_row_only_for_the_tasks_that_score_one(tmp_path):
+    tasks = {"boolq": {"acc": 0.625, "n": 8}, "piqa": {"acc": 0.5, "acc_norm": 0.75, "n": 8}, "average": {"acc": 0.5625}}
+    results = {"meta": {"configs": ["bf16"], "tasks": ["boolq", "piqa"], "model": "fake", "tasks_limit": 8,
+                        "ppl_max_tokens": 4096},
+               "configs": {"bf16": {"dtype": "bfloat16", "weights": fake_weights(2**20, 2**21), "tasks": tasks,
+                                    "perplexity": {"ppl": 9.5, "windows": 2, "seq_len": 2048, "tokens": 4094}}}}
+    report.write_markdown(results, tmp_path / "report.md")
+    md = (tmp_path / "report.md").read_text()
+    assert re.findall(r"^\| (\w+ acc\w*) \|", md, re.M) == ["boolq acc", "piqa acc", "piqa acc_norm", "average acc"]
+    assert "| piqa acc_norm | 0.7500 |" in md
+    assert ("on the first 4,096 tokens of the test set, in 2 non-overlapping windows of 2,048 tokens (4,094 predicted)"
+            in md)
