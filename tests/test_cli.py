@@ -90,7 +90,9 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
     out = tmp_path / "q"
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
-    assert "0.31" in capsys.readouterr().out  # 4 bits + fp16 scale and zero per 32 weights = 0.3125x
+    said = capsys.readouterr().out  # 4 bits + fp16 scale and zero per 32 weights = 0.3125x
+    # the 2 layers' linears: 98,304 weights, 0.1875 MiB in 16 bits
+    assert said == f"saved {out}: quantized linears 0.1 MiB (0.312x of 0.2 MiB in 16 bits)\n", said
     main(["info", str(out)])
     info = json.loads(capsys.readouterr().out)
     assert info["quantization_config"]["group_size"] == 32 and info["bytes_saved"] > 0
