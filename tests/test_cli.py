@@ -1583,3 +1583,12 @@ def test_a_request_one_token_past_the_context_is_refused_and_one_within_it_taken
         check_fits_context(max_new_tokens - 1, 32, prompt_tokens)
     else:
         check_fits_context(max_new_tokens, 32, prompt_tokens - 1)
+
+
+def test_the_help_adds_a_default_only_where_one_is_set_and_unsaid(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "(default: 64)" in said and "(default: 1.0)" in said
+    # a flag's False, an unset None, and the temperature whose text says its default already
+    assert "(default: False)" not in said and "(default: None)" not in said and "(default: 0.0)" not in said
