@@ -1592,3 +1592,43 @@ def test_the_help_adds_a_default_only_where_one_is_set_and_unsaid(capsys):
     assert "(default: 64)" in said and "(default: 1.0)" in said
     # a flag's False, an unset None, and the temperature whose text says its default already
     assert "(default: False)" not in said and "(default: None)" not in said and "(default: 0.0)" not in said
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], dict(mode="w4a16", group_size=128, method="rtn", rotation="none", clip_search=False, zero_point="int",
+              modules_to_not_convert=("lm_head",))),
+    (["--float-zero", "--clip-search", "--group-size", "64", "--quantize-lm-head", "--method", "gptq"],
+     dict(group_size=64, zero_point="float", clip_search=True, modules_to_not_convert=(), method="gptq")),
+    (["--quant", "w4a4", "--rotate"], dict(mode="w4a4", rotation="hadamard", group_size=-1, clip_search=True))])
+def test_the_quantization_options_make_the_quant_config_they_name(flags, want):
+    from nibble.cli import config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["quantize", "--out", "q", *flags]), None)
+    assert {name: getattr(cfg, name) for name in want} == want
+
+
+def test_several_prompts_size_the_engine_for_no_more_than_they_are(model_dir, monkeypatch):
+    """Its cache is allocated for max_batch sequences up front: two prompts took the memory of eight."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import generate_texts
+    from nibble.eval.engine import Engine
+
+    sized, init = [], Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, model, **k: sized.append(k["max_batch"]) or
+                        init(self, model, **k))
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert len(list(generate_texts(model, tok, ["the capital", "the sea"], 2, chat=False, batch_size=8))) == 2
+    assert len(list(generate_texts(model, tok, ["the capital", "the sea", "a"], 2, chat=False, batch_size=2))) == 3
+    assert sized == [2, 2]
+
+
+def test_eval_tasks_scores_as_many_requests_a_pass_as_batch_size_says(model_dir, monkeypatch, capsys):
+    import nibble.eval.tasks
+
+    taken = []
+    monkeypatch.setattr(nibble.eval.tasks, "evaluate_tasks", lambda model, tok, tasks, **k: taken.append((tasks, k))
+                        or {"piqa": dict(acc=0.5, n=2), "average": {"acc": 0.5}})
+    main(["eval", "tasks", "--tasks", "piqa", "--limit", "2", "--batch-size", "3", "--model", str(model_dir),
+          "--device", "cpu", "--quant", "none"])
+    assert taken == [(["piqa"], dict(limit=2, batch_size=3))] and json.loads(capsys.readouterr().out)["piqa"]
