@@ -1632,3 +1632,13 @@ def test_eval_tasks_scores_as_many_requests_a_pass_as_batch_size_says(model_dir,
     main(["eval", "tasks", "--tasks", "piqa", "--limit", "2", "--batch-size", "3", "--model", str(model_dir),
           "--device", "cpu", "--quant", "none"])
     assert taken == [(["piqa"], dict(limit=2, batch_size=3))] and json.loads(capsys.readouterr().out)["piqa"]
+
+
+@pytest.mark.parametrize("init, fix", [("gptq", "--batch-size (now 4), --seq-len (now 256), --calib-samples (now 64) or "
+                                                "--calib-seq-len"), ("rtn", "--batch-size (now 4) or --seq-len (now 256)")])
+def test_qat_out_of_memory_names_the_calibration_options_where_it_starts_from_gptq(init, fix):
+    from nibble.cli import out_of_memory
+
+    args = SimpleNamespace(command="qat", init=init, batch_size=4, seq_len=256, calib_samples=64, calib_seq_len=None)
+    said = out_of_memory(args, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB."))
+    assert said.startswith(f"nibble qat: CUDA out of memory. Tried to allocate 1.00 GiB: give a smaller {fix}, or "), said

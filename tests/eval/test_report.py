@@ -833,3 +833,24 @@ def test_the_accuracy_table_has_an_acc_norm_row_only_for_the_tasks_that_score_on
     assert "| piqa acc_norm | 0.7500 |" in md
     assert ("on the first 4,096 tokens of the test set, in 2 non-overlapping windows of 2,048 tokens (4,094 predicted)"
             in md)
+
+
+def test_every_config_failing_is_said_so_beside_speed_models_skipped_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """A speed model skipped (no GPU) is no run whose results report.md holds."""
+    from nibble.cli import main
+
+    def failing():
+        raise RuntimeError("boom")
+    monkeypatch.setattr(report, "_default_loader", lambda *a: failing)
+    monkeypatch.setattr(report.torch.cuda, "is_available", lambda: False)
+    assert main(["report", "--out", str(tmp_path), "--configs", "bf16", "--no-accuracy", "--device", "cpu"]) == 1
+    assert json.loads((tmp_path / "report.json").read_text())["speed_models"] == {"llama-2-7b": {"skipped": report.NO_GPU}}
+    assert capsys.readouterr().err.strip().endswith(f"1 config failed (every one; {tmp_path / 'report.md'} says so): "
+                                                    "bf16: RuntimeError: boom")
+
+
+def test_a_report_without_accuracy_reads_no_evaluation_data(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "require_data", lambda files: files and pytest.fail(f"required {files}"))
+    res = report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False, loader=tiny_loader,
+                            progress=False, log=lambda *_: None)
+    assert list(res["configs"]) == ["bf16", "w4a16"] and "perplexity" not in res["configs"]["bf16"]
