@@ -1642,3 +1642,40 @@ def test_qat_out_of_memory_names_the_calibration_options_where_it_starts_from_gp
     args = SimpleNamespace(command="qat", init=init, batch_size=4, seq_len=256, calib_samples=64, calib_seq_len=None)
     said = out_of_memory(args, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB."))
     assert said.startswith(f"nibble qat: CUDA out of memory. Tried to allocate 1.00 GiB: give a smaller {fix}, or "), said
+
+
+def test_an_out_after_an_equals_sign_that_names_the_model_folder_is_refused(model_dir, tmp_path, monkeypatch):
+    """"--out=~/m" is the folder "--model=~/m" names: writing there replaced the 16-bit source."""
+    import shutil
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(model_dir, tmp_path / "m")
+    with pytest.raises(SystemExit, match="^nibble quantize: --out "):
+        main(["quantize", "--model=~/m", "--device", "cpu", "--group-size", "32", "--out=~/m"])
+    assert not (tmp_path / "m" / "quantize_config.json").exists() and "quantization_config" not in \
+        (tmp_path / "m" / "config.json").read_text()
+
+
+def test_generate_texts_refuses_a_batch_of_no_prompt_and_a_longest_prompt_past_the_context(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import generate_texts
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match="^batch_size must be >= 1, got 0$"):
+        generate_texts(model, tok, ["the sea"], 2, chat=False, batch_size=0)
+    short, long = tok("the").input_ids, tok("a haiku about the sea " * 8).input_ids
+    room = 256 - len(long)  # the longest prompt's, and not the shortest's, is what the context holds
+    with pytest.raises(ValueError, match=rf"^a prompt of {len(long)} tokens and max_new_tokens={room + 1} exceed"):
+        generate_texts(model, tok, ["the", "a haiku about the sea " * 8], room + 1, chat=False)
+    assert len(short) < len(long)
+
+
+@pytest.mark.parametrize("flags, drop", [(["--quantize-lm-head"], "--quantize-lm-head"),
+                                         (["--float-zero", "--quantize-lm-head"], "--float-zero / --quantize-lm-head")])
+def test_an_export_of_a_float_model_refuses_the_options_it_cannot_hold_before_it_loads(flags, drop, monkeypatch):
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    with pytest.raises(SystemExit, match=f"^nibble quantize: --format awq holds W4A16 weights with integer zero points "
+                                         f"and a 16-bit lm_head: drop {drop}, or write --format nibble"):
+        main(["quantize", "--format", "awq", "--out", "unused", *flags])

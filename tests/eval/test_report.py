@@ -168,6 +168,9 @@ def test_reports_of_separate_runs_merge_into_one(tmp_path):
     assert "| metric | bf16 | w4a16 |" in (tmp_path / "merged.md").read_text()
     with pytest.raises(ValueError, match="more than one"):
         report.merge_reports([runs[0], runs[0]])
+    # a config that failed in one run is measured again in another: the rerun's results are kept
+    failed = {**runs[0], "configs": {"w4a16": {"config": "w4a16", "error": "RuntimeError: out of time"}}}
+    assert report.merge_reports([failed, runs[1]])["configs"]["w4a16"] == runs[1]["configs"]["w4a16"]
     # report.md says once how the accuracy rows were measured: a run of another --limit is refused, not mislabelled
     other = json.loads(json.dumps(runs[1], default=str))
     other["meta"]["tasks_limit"] = 100
@@ -303,7 +306,8 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
 @pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be an integer >= 1, got 0"),
                                              (dict(tasks_limit=2.5), "tasks_limit must be an integer >= 1, got 2.5"),
                                              (dict(batch_size=0), "batch_size must be an integer >= 1"),
-                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be an integer >= 2")])
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be an integer >= 2"),
+                                             (dict(speed_rounds=0), "speed_rounds must be an integer >= 1")])
 def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -833,6 +837,12 @@ def test_the_accuracy_table_has_an_acc_norm_row_only_for_the_tasks_that_score_on
     assert "| piqa acc_norm | 0.7500 |" in md
     assert ("on the first 4,096 tokens of the test set, in 2 non-overlapping windows of 2,048 tokens (4,094 predicted)"
             in md)
+    results["summary"] = report.summarize(results)  # no speed model timed: no target has a value
+    report.write_markdown(results, tmp_path / "report.md")
+    assert "Targets" not in (tmp_path / "report.md").read_text()
+    # every config failed: no chart of nothing (the accuracy one neither)
+    failed = {**results, "configs": {"bf16": {"config": "bf16", "error": "RuntimeError: boom"}}}
+    assert report.write_plots(failed, tmp_path, log=lambda *_: None) == []
 
 
 def test_every_config_failing_is_said_so_beside_speed_models_skipped_without_a_gpu(tmp_path, monkeypatch, capsys):
