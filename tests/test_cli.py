@@ -1679,3 +1679,16 @@ def test_an_export_of_a_float_model_refuses_the_options_it_cannot_hold_before_it
     with pytest.raises(SystemExit, match=f"^nibble quantize: --format awq holds W4A16 weights with integer zero points "
                                          f"and a 16-bit lm_head: drop {drop}, or write --format nibble"):
         main(["quantize", "--format", "awq", "--out", "unused", *flags])
+
+
+def test_clip_search_with_a_calibrated_method_is_taken_for_a_quantized_head():
+    """RTN quantizes the head of --quantize-lm-head, whatever --method does to the other layers."""
+    from nibble.cli import check_quant_args
+
+    args = build_parser().parse_args(["quantize", "--out", "q", "--method", "gptq", "--clip-search",
+                                      "--quantize-lm-head"])
+    args.quantized = False
+    check_quant_args(args)
+    args.quantize_lm_head = False
+    with pytest.raises(ValueError, match="^--clip-search is RTN's clipping search, and --method gptq runs its own"):
+        check_quant_args(args)
