@@ -90,7 +90,9 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
     out = tmp_path / "q"
     main(["quantize", "--model", str(model_dir), "--device", "cpu", "--group-size", "32", "--out", str(out)])
-    assert "0.31" in capsys.readouterr().out  # 4 bits + fp16 scale and zero per 32 weights = 0.3125x
+    said = capsys.readouterr().out  # 4 bits + fp16 scale and zero per 32 weights = 0.3125x
+    # the 2 layers' linears: 98,304 weights, 0.1875 MiB in 16 bits
+    assert said == f"saved {out}: quantized linears 0.1 MiB (0.312x of 0.2 MiB in 16 bits)\n", said
     main(["info", str(out)])
     info = json.loads(capsys.readouterr().out)
     assert info["quantization_config"]["group_size"] == 32 and info["bytes_saved"] > 0
@@ -1500,3 +1502,193 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_options_that_take_less
     monkeypatch.delenv("NIBBLE_TRACEBACK")
     with pytest.raises(ZeroDivisionError):
         main(argv)
+
+
+def test_several_prompts_run_eight_at_a_time_unless_batch_size_says(model_dir, monkeypatch, capsys):
+    """--batch-size's help promises GENERATE_BATCH_SIZE (8) prompts a batch where it is not given."""
+    from nibble.eval.engine import Engine
+
+    sizes, run = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, *a, **k: sizes.append(len(prompts)) or
+                        run(self, prompts, *a, **k))
+    main(["generate", *[f"the sea {i}" for i in range(9)], "--model", str(model_dir), "--device", "cpu", "--quant",
+          "none", "--max-new-tokens", "2", "--no-chat"])
+    assert sizes == [8, 1] and capsys.readouterr().out.count("[9] the sea 8\n") == 1
+
+
+@pytest.mark.parametrize("message, said", [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB.\nCUDA kernel errors might be asynchronously reported",
+     "CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ("", "out of memory")])
+def test_running_out_of_memory_says_torchs_first_line_or_that_it_ran_out(monkeypatch, message, said):
+    """The one line is torch's first (its notes follow on the next ones), and an error without a message still says
+    what happened."""
+    import torch
+
+    import nibble.cli as cli
+
+    def runs_out(args):
+        raise torch.OutOfMemoryError(message)
+    monkeypatch.setattr(cli, "cmd_info", runs_out)
+    monkeypatch.delenv("NIBBLE_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["info", "somewhere"])
+    assert str(e.value).startswith(f"nibble info: {said}: stop what else holds the GPU's memory"), str(e.value)
+
+
+@pytest.mark.parametrize("argv, defaults", [
+    (["generate", "x"], dict(quant="w4a16", method="rtn", max_new_tokens=64, temperature=0.0, top_k=None, top_p=1.0,
+                             batch_size=None, seed=None, no_chat=False)),
+    (["quantize", "--out", "q"], dict(quant="w4a16", format="nibble", group_size=None, method="rtn")),
+    (["eval", "ppl"], dict(quant="w4a16", batch_size=8, seq_len=None, max_tokens=None)),
+    (["demo"], dict(max_new_tokens=16, ppl_tokens=1024)),
+    (["report"], dict(out="report", configs=["bf16", "w4a16", "w4a4", "w4a4-hadamard"], limit=None, tasks=None))])
+def test_each_command_takes_the_defaults_its_help_and_the_readme_give(argv, defaults):
+    """A default is what a run measures unless told otherwise (`nibble eval` quantizes to W4A16; the demo's 16 new
+    tokens and 1024 WikiText-2 tokens are its minute on a CPU)."""
+    args = build_parser().parse_args(argv)
+    assert {name: getattr(args, name) for name in defaults} == defaults
+
+
+def test_quantize_takes_no_quant_none_and_the_other_commands_do():
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x", "--quant", "none"]).quant == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["quantize", "--out", "q", "--quant", "none"])
+
+
+def test_a_seed_of_0_seeds_the_samples_as_any_other(model_dir, capsys):
+    args = ["generate", "the capital", "--model", str(model_dir), "--device", "cpu", "--quant", "none",
+            "--max-new-tokens", "12", "--no-chat", "--temperature", "2", "--seed", "0"]
+    texts = []
+    for state in (1, 2):  # whatever the generators held before, --seed 0 sets them
+        torch.manual_seed(state)
+        main(args)
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+
+
+@pytest.mark.parametrize("max_new_tokens, prompt_tokens, says", [
+    (32, None, "max_new_tokens=32 leaves no room for a prompt in the model's context (32 tokens, the prompt's and "
+               "the new ones together): give at most 31, less the prompt's tokens"),
+    (1, 32, "a prompt of 32 tokens fills the model's context (32 tokens) before any new one: give a shorter prompt"),
+    (3, 30, "a prompt of 30 tokens and max_new_tokens=3 exceed the model's context (32 tokens, the prompt's and the "
+            "new ones together): give at most 2, or a shorter prompt")])
+def test_a_request_one_token_past_the_context_is_refused_and_one_within_it_taken(max_new_tokens, prompt_tokens, says):
+    from nibble.cli import check_fits_context
+
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}$"):
+        check_fits_context(max_new_tokens, 32, prompt_tokens)
+    if prompt_tokens is None or prompt_tokens < 32:
+        check_fits_context(max_new_tokens - 1, 32, prompt_tokens)
+    else:
+        check_fits_context(max_new_tokens, 32, prompt_tokens - 1)
+
+
+def test_the_help_adds_a_default_only_where_one_is_set_and_unsaid(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "(default: 64)" in said and "(default: 1.0)" in said
+    # a flag's False, an unset None, and the temperature whose text says its default already
+    assert "(default: False)" not in said and "(default: None)" not in said and "(default: 0.0)" not in said
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], dict(mode="w4a16", group_size=128, method="rtn", rotation="none", clip_search=False, zero_point="int",
+              modules_to_not_convert=("lm_head",))),
+    (["--float-zero", "--clip-search", "--group-size", "64", "--quantize-lm-head", "--method", "gptq"],
+     dict(group_size=64, zero_point="float", clip_search=True, modules_to_not_convert=(), method="gptq")),
+    (["--quant", "w4a4", "--rotate"], dict(mode="w4a4", rotation="hadamard", group_size=-1, clip_search=True))])
+def test_the_quantization_options_make_the_quant_config_they_name(flags, want):
+    from nibble.cli import config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["quantize", "--out", "q", *flags]), None)
+    assert {name: getattr(cfg, name) for name in want} == want
+
+
+def test_several_prompts_size_the_engine_for_no_more_than_they_are(model_dir, monkeypatch):
+    """Its cache is allocated for max_batch sequences up front: two prompts took the memory of eight."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import generate_texts
+    from nibble.eval.engine import Engine
+
+    sized, init = [], Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, model, **k: sized.append(k["max_batch"]) or
+                        init(self, model, **k))
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert len(list(generate_texts(model, tok, ["the capital", "the sea"], 2, chat=False, batch_size=8))) == 2
+    assert len(list(generate_texts(model, tok, ["the capital", "the sea", "a"], 2, chat=False, batch_size=2))) == 3
+    assert sized == [2, 2]
+
+
+def test_eval_tasks_scores_as_many_requests_a_pass_as_batch_size_says(model_dir, monkeypatch, capsys):
+    import nibble.eval.tasks
+
+    taken = []
+    monkeypatch.setattr(nibble.eval.tasks, "evaluate_tasks", lambda model, tok, tasks, **k: taken.append((tasks, k))
+                        or {"piqa": dict(acc=0.5, n=2), "average": {"acc": 0.5}})
+    main(["eval", "tasks", "--tasks", "piqa", "--limit", "2", "--batch-size", "3", "--model", str(model_dir),
+          "--device", "cpu", "--quant", "none"])
+    assert taken == [(["piqa"], dict(limit=2, batch_size=3))] and json.loads(capsys.readouterr().out)["piqa"]
+
+
+@pytest.mark.parametrize("init, fix", [("gptq", "--batch-size (now 4), --seq-len (now 256), --calib-samples (now 64) or "
+                                                "--calib-seq-len"), ("rtn", "--batch-size (now 4) or --seq-len (now 256)")])
+def test_qat_out_of_memory_names_the_calibration_options_where_it_starts_from_gptq(init, fix):
+    from nibble.cli import out_of_memory
+
+    args = SimpleNamespace(command="qat", init=init, batch_size=4, seq_len=256, calib_samples=64, calib_seq_len=None)
+    said = out_of_memory(args, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB."))
+    assert said.startswith(f"nibble qat: CUDA out of memory. Tried to allocate 1.00 GiB: give a smaller {fix}, or "), said
+
+
+def test_an_out_after_an_equals_sign_that_names_the_model_folder_is_refused(model_dir, tmp_path, monkeypatch):
+    """"--out=~/m" is the folder "--model=~/m" names: writing there replaced the 16-bit source."""
+    import shutil
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(model_dir, tmp_path / "m")
+    with pytest.raises(SystemExit, match="^nibble quantize: --out "):
+        main(["quantize", "--model=~/m", "--device", "cpu", "--group-size", "32", "--out=~/m"])
+    assert not (tmp_path / "m" / "quantize_config.json").exists() and "quantization_config" not in \
+        (tmp_path / "m" / "config.json").read_text()
+
+
+def test_generate_texts_refuses_a_batch_of_no_prompt_and_a_longest_prompt_past_the_context(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nibble.cli import generate_texts
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match="^batch_size must be >= 1, got 0$"):
+        generate_texts(model, tok, ["the sea"], 2, chat=False, batch_size=0)
+    short, long = tok("the").input_ids, tok("a haiku about the sea " * 8).input_ids
+    room = 256 - len(long)  # the longest prompt's, and not the shortest's, is what the context holds
+    with pytest.raises(ValueError, match=rf"^a prompt of {len(long)} tokens and max_new_tokens={room + 1} exceed"):
+        generate_texts(model, tok, ["the", "a haiku about the sea " * 8], room + 1, chat=False)
+    assert len(short) < len(long)
+
+
+@pytest.mark.parametrize("flags, drop", [(["--quantize-lm-head"], "--quantize-lm-head"),
+                                         (["--float-zero", "--quantize-lm-head"], "--float-zero / --quantize-lm-head")])
+def test_an_export_of_a_float_model_refuses_the_options_it_cannot_hold_before_it_loads(flags, drop, monkeypatch):
+    import nibble.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    with pytest.raises(SystemExit, match=f"^nibble quantize: --format awq holds W4A16 weights with integer zero points "
+                                         f"and a 16-bit lm_head: drop {drop}, or write --format nibble"):
+        main(["quantize", "--format", "awq", "--out", "unused", *flags])
+
+
+def test_clip_search_with_a_calibrated_method_is_taken_for_a_quantized_head():
+    """RTN quantizes the head of --quantize-lm-head, whatever --method does to the other layers."""
+    from nibble.cli import check_quant_args
+
+    args = build_parser().parse_args(["quantize", "--out", "q", "--method", "gptq", "--clip-search",
+                                      "--quantize-lm-head"])
+    args.quantized = False
+    check_quant_args(args)
+    args.quantize_lm_head = False
+    with pytest.raises(ValueError, match="^--clip-search is RTN's clipping search, and --method gptq runs its own"):
+        check_quant_args(args)

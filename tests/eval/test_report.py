@@ -56,6 +56,7 @@ def test_config_names_map_to_quant_configs():
 @pytest.mark.parametrize("name, message", [
     ("w4a16-g7", "group_size must be -1 (one group per output channel) or a positive multiple of 8"),  # QuantConfig's
     ("w4a4-awq", "unknown part -awq: w4a4 takes -hadamard, -gptq, -lmhead"),
+    ("w4a4-g64", "unknown part -g64: w4a4 takes -hadamard, -gptq, -lmhead"),  # its channels are its groups
     ("w4a16-foo", "unknown part -foo: w4a16 takes -gN (group size), -gptq, -awq, -lmhead"),
     ("w3a16", "unknown config; use bf16, w4a16"), ("bf16-lmhead", "the 16-bit baseline takes no suffix: use bf16"),
     # a part that repeats a choice: the last one won without a word (w4a16-awq-gptq ran GPTQ under that name)
@@ -167,6 +168,9 @@ def test_reports_of_separate_runs_merge_into_one(tmp_path):
     assert "| metric | bf16 | w4a16 |" in (tmp_path / "merged.md").read_text()
     with pytest.raises(ValueError, match="more than one"):
         report.merge_reports([runs[0], runs[0]])
+    # a config that failed in one run is measured again in another: the rerun's results are kept
+    failed = {**runs[0], "configs": {"w4a16": {"config": "w4a16", "error": "RuntimeError: out of time"}}}
+    assert report.merge_reports([failed, runs[1]])["configs"]["w4a16"] == runs[1]["configs"]["w4a16"]
     # report.md says once how the accuracy rows were measured: a run of another --limit is refused, not mislabelled
     other = json.loads(json.dumps(runs[1], default=str))
     other["meta"]["tasks_limit"] = 100
@@ -302,7 +306,8 @@ def test_the_command_fails_when_any_config_failed_and_says_which(tmp_path, monke
 @pytest.mark.parametrize("kwargs, message", [(dict(tasks_limit=0), "tasks_limit must be an integer >= 1, got 0"),
                                              (dict(tasks_limit=2.5), "tasks_limit must be an integer >= 1, got 2.5"),
                                              (dict(batch_size=0), "batch_size must be an integer >= 1"),
-                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be an integer >= 2")])
+                                             (dict(ppl_max_tokens=1), "ppl_max_tokens must be an integer >= 2"),
+                                             (dict(speed_rounds=0), "speed_rounds must be an integer >= 1")])
 def test_counts_that_would_fail_every_config_are_refused_before_any_work(kwargs, message, tmp_path):
     def no_loader():
         raise AssertionError("the model must not be loaded")
@@ -475,6 +480,8 @@ def test_speed_tables_targets_and_plots_from_measured_numbers(tmp_path):
     assert "## llama-2-7b (random weights): memory and speed" in md
     assert "5.00 ms **2.00x** (100 TFLOP/s)" in md
     assert "300 tok/s **3.00x** (3000 GB/s, 70% roofline)" in md
+    shapes = re.findall(r"^\| (prefill b=1 T=\d+|decode b=1) \|", md, re.M)
+    assert shapes == ["prefill b=1 T=128", "prefill b=1 T=512", "decode b=1"]  # prefill first, by prompt length
     assert "**w4a4-hadamard failed**" in md and "| w4a4 prefill speedup (batch 1, 512 tokens) | 1.500 | >= 1.6 | **no** |" in md
     plots = report.write_plots(results, tmp_path, log=lambda *_: None)
     # speed models only (no config scored the tasks): no empty accuracy chart
@@ -538,6 +545,8 @@ def test_without_the_model_only_the_speed_models_run(tmp_path):
                                 log=lambda *_: None)
     assert results["configs"] == {} and results["speed_models"] == {"llama-2-7b": {"skipped": report.NO_GPU}}
     assert results["meta"]["model"] == "none (speed models only)" and (tmp_path / "report.md").exists()
+    # the configs are the speed models' columns: kept, where the real model measured none
+    assert results["meta"]["configs"] == ["bf16", "w4a16-lmhead"]
 
 
 def test_a_rerun_into_the_same_folder_leaves_no_plot_of_the_earlier_run(tmp_path):
@@ -796,3 +805,62 @@ def test_the_readme_smollm2_accuracy_table_is_its_reports_rounded_once():
         row = re.search(rf"^\| {re.escape(label)} \|(.*)\|$", readme, re.M).group(1)
         want = [" / ".join(f"{c[t]:.3f}".removeprefix("0") for t in tasks) for c in columns]
         assert [cell.strip() for cell in row.split("|")] == want, label
+
+
+def test_of_an_even_count_of_rounds_the_upper_median_row_is_kept():
+    rounds = [[dict(phase="prefill", batch=1, tokens=8, ms=ms), dict(phase="decode", batch=1, ms_per_step=ms / 4)]
+              for ms in (12.0, 9.0, 15.0, 10.0)]
+    rows = report._median_rows(rounds)
+    assert [rows[0]["ms"], rows[1]["ms_per_step"]] == [12.0, 3.0]  # of 9, 10, 12, 15: 12
+    assert rows[0]["round_ms"] == [12.0, 9.0, 15.0, 10.0] and rows[1]["round_ms"] == [3.0, 2.25, 3.75, 2.5]
+
+
+def test_the_peak_memory_of_a_model_on_a_gpu_is_measured(tmp_path, monkeypatch):
+    """Measured where the model is on CUDA (faked here: the CPU has none), skipped with the reason elsewhere."""
+    monkeypatch.setattr(report, "_on_cuda", lambda model: True)
+    monkeypatch.setattr(report.mem_mod, "peak_memory", lambda model: {"peak_bytes": 3 * 2**20})
+    res = report.run_report(None, tmp_path / "r", configs=("bf16",), accuracy=False, speed=False, loader=tiny_loader,
+                            progress=False, log=lambda *_: None)
+    assert res["configs"]["bf16"]["peak"] == {"peak_bytes": 3 * 2**20}
+    assert "| peak MiB (512 prefill + 128 decode) | 3.0 |" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_the_accuracy_table_has_an_acc_norm_row_only_for_the_tasks_that_score_one(tmp_path):
+    tasks = {"boolq": {"acc": 0.625, "n": 8}, "piqa": {"acc": 0.5, "acc_norm": 0.75, "n": 8}, "average": {"acc": 0.5625}}
+    results = {"meta": {"configs": ["bf16"], "tasks": ["boolq", "piqa"], "model": "fake", "tasks_limit": 8,
+                        "ppl_max_tokens": 4096},
+               "configs": {"bf16": {"dtype": "bfloat16", "weights": fake_weights(2**20, 2**21), "tasks": tasks,
+                                    "perplexity": {"ppl": 9.5, "windows": 2, "seq_len": 2048, "tokens": 4094}}}}
+    report.write_markdown(results, tmp_path / "report.md")
+    md = (tmp_path / "report.md").read_text()
+    assert re.findall(r"^\| (\w+ acc\w*) \|", md, re.M) == ["boolq acc", "piqa acc", "piqa acc_norm", "average acc"]
+    assert "| piqa acc_norm | 0.7500 |" in md
+    assert ("on the first 4,096 tokens of the test set, in 2 non-overlapping windows of 2,048 tokens (4,094 predicted)"
+            in md)
+    results["summary"] = report.summarize(results)  # no speed model timed: no target has a value
+    report.write_markdown(results, tmp_path / "report.md")
+    assert "Targets" not in (tmp_path / "report.md").read_text()
+    # every config failed: no chart of nothing (the accuracy one neither)
+    failed = {**results, "configs": {"bf16": {"config": "bf16", "error": "RuntimeError: boom"}}}
+    assert report.write_plots(failed, tmp_path, log=lambda *_: None) == []
+
+
+def test_every_config_failing_is_said_so_beside_speed_models_skipped_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """A speed model skipped (no GPU) is no run whose results report.md holds."""
+    from nibble.cli import main
+
+    def failing():
+        raise RuntimeError("boom")
+    monkeypatch.setattr(report, "_default_loader", lambda *a: failing)
+    monkeypatch.setattr(report.torch.cuda, "is_available", lambda: False)
+    assert main(["report", "--out", str(tmp_path), "--configs", "bf16", "--no-accuracy", "--device", "cpu"]) == 1
+    assert json.loads((tmp_path / "report.json").read_text())["speed_models"] == {"llama-2-7b": {"skipped": report.NO_GPU}}
+    assert capsys.readouterr().err.strip().endswith(f"1 config failed (every one; {tmp_path / 'report.md'} says so): "
+                                                    "bf16: RuntimeError: boom")
+
+
+def test_a_report_without_accuracy_reads_no_evaluation_data(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "require_data", lambda files: files and pytest.fail(f"required {files}"))
+    res = report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False, loader=tiny_loader,
+                            progress=False, log=lambda *_: None)
+    assert list(res["configs"]) == ["bf16", "w4a16"] and "perplexity" not in res["configs"]["bf16"]
