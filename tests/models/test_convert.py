@@ -122,7 +122,7 @@ def test_unknown_architecture_is_a_clear_error():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="unknown model architecture 'gpt2'.*llama, qwen2, mistral"):
+    with pytest.raises(ValueError, match="unknown model architecture 'gpt2'.*llama, qwen2, qwen3, mistral"):
         quantize_model(model, QuantConfig(), progress=False)
 
 

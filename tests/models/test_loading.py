@@ -76,7 +76,7 @@ def test_default_dtype_is_bf16_on_cuda_only():
 
 def test_unsupported_model_type(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; nibble loads the llama, qwen2, mistral"):
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; nibble loads the llama, qwen2, qwen3, mistral"):
         load_model(tmp_path)
 
 
