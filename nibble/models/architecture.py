@@ -36,13 +36,11 @@ def decoder_layers_replaced(model: nn.Module, stand_in: nn.ModuleList):
     """``model`` with ``stand_in`` where `decoder_layers` finds its layers, for the body; its own layers are put
     back after, whatever the body raised."""
     layers = decoder_layers(model)
-    parent, _, name = DECODER_LAYERS.rpartition(".")
-    holder = model.get_submodule(parent)
-    setattr(holder, name, stand_in)
+    model.set_submodule(DECODER_LAYERS, stand_in)
     try:
         yield
     finally:
-        setattr(holder, name, layers)
+        model.set_submodule(DECODER_LAYERS, layers)
 
 
 def check_calibration_window(seq_len: int, context: int | None, name: str = "seq_len") -> None:

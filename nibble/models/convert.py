@@ -80,9 +80,7 @@ def rebuild_non_persistent_buffers(model: nn.Module, device) -> None:
             if not type(module).__name__.endswith("RotaryEmbedding"):
                 from nibble.models.checkpoint_files import CheckpointError  # which imports this module (loading, gguf)
                 raise CheckpointError(f"module {name} has buffers the checkpoint does not hold")
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child,
-                    type(module)(config=model.config).to(device))
+            model.set_submodule(name, type(module)(config=model.config).to(device))
 
 
 def quantized_linears(model: nn.Module):
@@ -274,8 +272,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         linear.weight = nn.Parameter(weight.to(dtype))
         if layer.bias is not None:
             linear.bias = nn.Parameter(layer.bias.detach().to(dtype))
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, linear)
+        model.set_submodule(name, linear)
     for attribute in _QUANTIZED_OVERRIDES + (ROTATION_SEED, UNTIED_HEAD):
         model.__dict__.pop(attribute, None)
     if model.dtype != dtype:  # the rest of the model too, which the new linears' inputs come from
@@ -431,8 +428,7 @@ def _convert(model: nn.Module, name: str, config: QuantConfig, weight, device: t
     else:
         with naming(name):
             q = QuantLinear.from_linear(module if device is None else module.to(device), config)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, q)
+    model.set_submodule(name, q)
 
 
 def move_all_but_layers(model: nn.Module, device: torch.device) -> None:

@@ -294,8 +294,7 @@ def load_hf_quantized(directory, device="cpu", dtype: torch.dtype | None = None,
         layer = cls.from_weight(weight.to(device), bias, "w4a16", dtype=dtype)
         if perm is not None:
             layer.set_input_perm(perm)
-        parent, _, child = prefix.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        model.set_submodule(prefix, layer)
         group_sizes.add(-1 if weight.group_size == weight.in_features else weight.group_size)
         symmetric &= is_symmetric(weight.scales, weight.zeros) if layer_info["sym"] is None else layer_info["sym"]
 
@@ -347,8 +346,7 @@ def hf_quantized_structure(directory) -> nn.Module:
             zero_points = gptq_zero_points(t["qzeros"], info["checkpoint_format"])
             layer_symmetric = is_symmetric(scales, zeros_from_zero_points(zero_points, scales))
         cls = PermutedInputQuantLinear if perm is not None else QuantLinear
-        parent, _, child = prefix.rpartition(".")
-        setattr(model.get_submodule(parent), child, cls(K, N, bias is not None, G, dtype=dtype, device="meta"))
+        model.set_submodule(prefix, cls(K, N, bias is not None, G, dtype=dtype, device="meta"))
         group_sizes.add(-1 if G == K else G)
         symmetric &= layer_symmetric
     _place_unquantized(directory, model, tensors, prefixes, torch.device("meta"), dtype)

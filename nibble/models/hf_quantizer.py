@@ -60,8 +60,7 @@ class NibbleHfQuantizer(HfQuantizer):
         structure = serialization.checked_structure(directory, model.dtype)
         for name, layer in structure.named_modules():
             if name and type(layer) is not type(model.get_submodule(name)):  # nibble's layers, on the meta device
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, layer)
+                model.set_submodule(name, layer)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -218,7 +218,6 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
     qc, online_hadamard, permuted = settings
     model = meta_model(raw, dtype)
     for name in {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")}:
-        parent, _, child = name.rpartition(".")
         for part, want in FORMAT_DTYPES.items():  # a checkpoint whose checksums cover its data alone, or a converter's
             held = tensors.get(f"{name}.{part}", torch.empty(0, dtype=want)).dtype  # a missing one: said below
             if held != want:
@@ -233,14 +232,12 @@ def _build(directory: Path, raw: dict, settings: tuple, tensors: dict, aliases: 
         bias = old.bias is not None or f"{name}.bias" in tensors
         q = cls(old.in_features, old.out_features, bias, qc.group_size, qc.mode, name in online_hadamard, dtype=dtype,
                 device="meta")
-        setattr(model.get_submodule(parent), child, q)
+        model.set_submodule(name, q)
     for name in online_hadamard:  # 16-bit linears that rotate their input (a quantized one was built above)
         old = model.get_submodule(name)
         if not isinstance(old, QuantLinear):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child,
-                    HadamardInputLinear(old.in_features, old.out_features, old.bias is not None, device="meta",
-                                        dtype=dtype))
+            model.set_submodule(name, HadamardInputLinear(old.in_features, old.out_features, old.bias is not None,
+                                                          device="meta", dtype=dtype))
     placed = {k: _place(directory / WEIGHTS, k, v, device, dtype) for k, v in tensors.items()}
     for alias, target in aliases.items():  # one tensor, as saved: placed once, not one copy per name
         placed[alias] = placed[target]

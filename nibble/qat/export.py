@@ -65,8 +65,7 @@ def export(model: nn.Module, out_dir=None, tokenizer=None) -> nn.Module:
                              "the training again, rebuild it with run_qat(..., out_dir=<the run's>, resume=True)")
         raise ValueError("no PE-QAT layers in this model: pass the model returned by nibble.qat.train.run_qat")
     for name, layer in layers:
-        parent, _, child = name.rpartition(".")
-        setattr(base.get_submodule(parent), child, export_linear(layer))
+        base.set_submodule(name, export_linear(layer))
     for attr in ("peft_config", "_hf_peft_config_loaded"):
         if attr in base.__dict__:
             delattr(base, attr)

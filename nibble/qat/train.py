@@ -291,11 +291,10 @@ def prepare_qat_model(model: nn.Module, recipe: str, rank: int = 16, alpha: floa
     with said_for_pe_qat():  # a scale past float16 after the rotation, found by GPTQ or the clip search
         starts = gptq_start(model, names, calibration, progress) if init == "gptq" else {}
         for name in names:
-            parent, _, child = name.rpartition(".")
             linear = model.get_submodule(name)
             with naming(name):
                 layer = FakeQuantLinear.from_linear(linear, start=starts.pop(name, None), **_LAYER_KWARGS[recipe])
-            setattr(model.get_submodule(parent), child, layer)
+            model.set_submodule(name, layer)
     config = LoraConfig(r=rank, lora_alpha=meta["alpha"], lora_dropout=0.0, target_modules=names, bias="none")
     config._register_custom_module({FakeQuantLinear: FakeQuantLoraLinear})
     config.base_model_name_or_path = getattr(model, "name_or_path", None)  # as get_peft_model records it
