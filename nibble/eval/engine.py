@@ -155,13 +155,16 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, kc_ptr, vc_ptr,
+                           q_norm_ptr, k_norm_ptr, q_eps, k_eps,
                            T, HQ, HKV, S, q_row, k_row, v_row, pos_row, D: tl.constexpr, HALF: tl.constexpr,
-                           HEADS: tl.constexpr, PDL: tl.constexpr):
+                           HEADS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         """Program (token, block of HEADS heads): the first blocks rotate q heads into q_out, the
         rest rotate k heads and copy v into the cache at the token's position (sequence b's positions
         are ``pos_row`` elements apart: 0 where every sequence has the same). q, k and v rows (tokens)
         are ``*_row`` elements apart: views of one stacked q/k/v output. (One program per head and
-        token moved 256 bytes each: 21 us a layer for 512 tokens of Llama-2-7B, 3.5x the memory time; H200.)"""
+        token moved 256 bytes each: 21 us a layer for 512 tokens of Llama-2-7B, 3.5x the memory time; H200.)
+        NORM (Qwen3): each q and k head is first RMS-normed over its D dims, with weights q_norm / k_norm,
+        HF's roundings; a head is whole in its program, so the norm costs no extra pass over memory."""
         after_prior_grids(PDL)
         tok = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1)
@@ -178,6 +181,7 @@ if triton is not None:
             m = h < HQ
             src = q_ptr + tok * q_row + h * D
             dst = q_out_ptr + tok * HQ * D + h * D
+            norm_ptr, eps = q_norm_ptr, q_eps
         else:
             h = ((blk - q_blocks) * HEADS + tl.arange(0, HEADS))[:, None]
             m = h < HKV
@@ -186,8 +190,15 @@ if triton is not None:
             d = tl.arange(0, D)[None, :]
             vals = tl.load(v_ptr + tok * v_row + h * D + d, mask=m)
             tl.store(vc_ptr + ((b * HKV + h) * S + p) * D + d, vals, mask=m)
+            norm_ptr, eps = k_norm_ptr, k_eps
         x1 = tl.load(src + offs, mask=m).to(tl.float32)
         x2 = tl.load(src + HALF + offs, mask=m).to(tl.float32)
+        if NORM:  # w * round(x * rsqrt(mean(x^2) + eps)), rounded: HF's Qwen3RMSNorm over each head
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+            w1 = tl.load(norm_ptr + offs).to(tl.float32)
+            w2 = tl.load(norm_ptr + HALF + offs).to(tl.float32)
+            x1 = _round(w1 * _round(x1 * rstd, q_out_ptr), q_out_ptr)
+            x2 = _round(w2 * _round(x2 * rstd, q_out_ptr), q_out_ptr)
         # HF: q * cos + rotate_half(q) * sin, each product and the sum rounded to the dtype
         o1 = _add_unfused(_round(x1 * c1, q_out_ptr), _round(-x2 * s1, q_out_ptr))
         o2 = _add_unfused(_round(x2 * c2, q_out_ptr), _round(x1 * s2, q_out_ptr))
@@ -542,6 +553,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, t.shape[-1])
 
 
+def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm over the last dim (LlamaRMSNorm, Qwen3RMSNorm): float32 inside, rounded to h's dtype, times
+    the weight."""
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 columns: torch.Tensor | None = None):
     """(h, norm(h)) with h = x + residual (h = x when residual is None), as HF's RMSNorm computes it;
@@ -549,8 +567,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     need no gather of their own)."""
     def plain():
         h = x if residual is None else residual + x
-        hf = h.float()
-        y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+        y = rmsnorm(h, weight, eps)
         return h, y if columns is None else y.index_select(-1, columns)
 
     def kernel():
@@ -613,9 +630,10 @@ def _norm_warps(block: int, permuted: bool = False) -> int:
 ROPE_HEADS = 8  # heads per program of the RoPE + cache kernel
 
 
-def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim):
+def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim, head_norms=None):
     """RoPE on q [B, T, Hq*D] and k, then k and v written into the caches [B, Hkv, S, D] at the tokens'
-    positions ``pos``: [T] (every sequence's) or [B, T] (each its own).
+    positions ``pos``: [T] (every sequence's) or [B, T] (each its own). ``head_norms``: ((weight, eps) of
+    q's, of k's) RMSNorm over each head's D dims, applied before RoPE (Qwen3's q_norm / k_norm).
 
     Returns the rotated q as [B, T, Hq, D]. cos/sin: the full tables [S, D].
     """
@@ -625,24 +643,29 @@ def rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head
     def plain():
         c, s = cos[pos][:, None], sin[pos][:, None]  # [B, 1, T, D]
 
-        def rope(x, heads):
-            x = x.view(B, T, heads, head_dim).transpose(1, 2)
+        def rope(x, heads, norm=None):
+            x = x.view(B, T, heads, head_dim)
+            x = x if norm is None else rmsnorm(x, *norm)
+            x = x.transpose(1, 2)
             x1, x2 = x.chunk(2, dim=-1)
             return x * c + torch.cat((-x2, x1), dim=-1) * s
         # the indices [B, 1] and [B, T] around a slice put their dims first: the cache rows as [B, T, Hkv, D]
         rows = torch.arange(B, device=pos.device)[:, None]
-        k_cache[rows, :, pos] = rope(k, n_kv).transpose(1, 2)
+        q_norm, k_norm = head_norms or (None, None)
+        k_cache[rows, :, pos] = rope(k, n_kv, k_norm).transpose(1, 2)
         v_cache[rows, :, pos] = v.view(B, T, n_kv, head_dim)
-        return rope(q, n_heads).transpose(1, 2)
+        return rope(q, n_heads, q_norm).transpose(1, 2)
 
     def kernel():
         qc, kc, vc = (_rows(t) for t in (q, k, v))
         p = pos if pos.stride(1) == 1 or T == 1 else pos.contiguous()
         q_out = torch.empty(B, T, n_heads, head_dim, dtype=q.dtype, device=q.device)
         blocks = triton.cdiv(n_heads, ROPE_HEADS) + triton.cdiv(n_kv, ROPE_HEADS)
-        _rope_cache_kernel[(B * T, blocks)](qc, kc, vc, cos, sin, p, q_out, k_cache, v_cache, T, n_heads, n_kv,
-                                            k_cache.shape[2], qc.stride(0), kc.stride(0), vc.stride(0), p.stride(0),
-                                            D=head_dim, HALF=head_dim // 2, HEADS=ROPE_HEADS, num_warps=4,
+        (q_weight, q_eps), (k_weight, k_eps) = head_norms or ((cos, 0.0), (cos, 0.0))  # cos: a pointer never read
+        _rope_cache_kernel[(B * T, blocks)](qc, kc, vc, cos, sin, p, q_out, k_cache, v_cache, q_weight, k_weight,
+                                            q_eps, k_eps, T, n_heads, n_kv, k_cache.shape[2], qc.stride(0),
+                                            kc.stride(0), vc.stride(0), p.stride(0), D=head_dim, HALF=head_dim // 2,
+                                            HEADS=ROPE_HEADS, NORM=head_norms is not None, num_warps=4,
                                             **_early(qc, B * T))
         return q_out
     return _dispatch(q, kernel, plain)
@@ -1131,9 +1154,9 @@ class Engine:
         norms = [self.norm]
         for layer in self.layers:
             mlp = layer.mlp
-            called.update(getattr(layer.self_attn, name) for name in ("o_proj", "q_norm", "k_norm")
-                          if hasattr(layer.self_attn, name))
+            called.add(layer.self_attn.o_proj)
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
             if self._gated(mlp):
                 called.add(mlp.down_proj)
             else:
@@ -1177,11 +1200,15 @@ class Engine:
         B, T, _ = q.shape
         k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
         pos = input_pos if mask is None else input_pos[:, None]  # [T] shared, or [B, 1]
+        head_norms = None
         if hasattr(attn, "q_norm"):  # Qwen3: each head's q and k RMS-normed over its dims before RoPE
-            q, k = (norm(t.view(B, T, -1, self.head_dim)).view(B, T, -1)
-                    for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
+            head_norms = (_rmsnorm_params(attn.q_norm), _rmsnorm_params(attn.k_norm))
+            if None in head_norms:  # not HF's RMSNorm: its own forward
+                q, k = (norm(t.view(B, T, -1, self.head_dim)).view(B, T, -1)
+                        for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
+                head_norms = None
         q = rope_and_cache(q, k, v, self.cos, self.sin, pos, k_cache, v_cache, self.n_heads, self.n_kv,
-                           self.head_dim)  # [B, T, Hq, D]
+                           self.head_dim, head_norms)  # [B, T, Hq, D]
         rep = self.n_heads // self.n_kv
         if mask is None:  # prefill from position 0: causal attention over the prompts themselves
             k, v = k_cache[:, :, :T], v_cache[:, :, :T]

@@ -8,8 +8,8 @@ Every number comes with the figure that says how good it is:
   the device's measured bf16 matmul rate.
 
 Timing: CUDA events around CUDA-graph replays, after warm-up; the median of several repeats.
-The speed models (`nibble.eval.SPEED_MODELS`) are random-weight Llama-2-7B-, Llama-3-8B- and Llama-3.2-1B-shaped
-models built directly on the GPU in bf16 (speed does not depend on the values) and quantized in place, layer by layer,
+The speed models (`nibble.eval.SPEED_MODELS`) are random-weight Llama-2-7B-, Llama-3-8B-, Llama-3.2-1B-,
+Qwen2.5-7B- and Qwen3-8B-shaped models built directly on the GPU in bf16 (speed does not depend on the values) and quantized in place, layer by layer,
 so two copies of the weights never sit on the GPU together.
 """
 from __future__ import annotations
@@ -73,13 +73,14 @@ def device_ceilings() -> dict:
 # ---- the speed models ------------------------------------------------------------------------
 def random_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **overrides) -> nn.Module:
     """A random-weight model of the shape ``SPEED_MODELS[name]``, built on ``device`` directly in ``dtype``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if name not in SPEED_MODELS:
         raise ValueError(f"unknown speed model {name!r}; choose from {list(SPEED_MODELS)}")
-    config = LlamaConfig(**{**SPEED_MODELS[name], "tie_word_embeddings": False, **overrides})
+    shape = {"model_type": "llama", **SPEED_MODELS[name], "tie_word_embeddings": False, **overrides}
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 

@@ -179,6 +179,22 @@ def test_engine_prefill_logits_equal_the_hf_forward(arch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_engine_runs_head_norms_other_than_rmsnorm_through_their_own_forward():
+    """Qwen3's q_norm / k_norm are fused into RoPE as HF's RMSNorm; any other module there is called as it is."""
+    model = tiny_model("qwen3")
+    head_dim = model.config.head_dim
+    for layer in model.model.layers:
+        for name in ("q_norm", "k_norm"):
+            norm = nn.LayerNorm(head_dim)
+            nn.init.uniform_(norm.weight, 0.5, 1.5)
+            nn.init.uniform_(norm.bias, -0.5, 0.5)
+            setattr(layer.self_attn, name, norm)
+    prompt = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        ref = model(prompt).logits[:, -1]
+    torch.testing.assert_close(Engine(model, max_batch=2, max_seq_len=16).prefill(prompt), ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_engine_greedy_tokens_equal_hf_generate_on_cpu(arch):
     model = tiny_model(arch, initializer_range=0.2)
@@ -303,6 +319,16 @@ def glue_outputs(dtype, device):
     kc, vc = r(B, KV, S, D), r(B, KV, S, D)
     pos = torch.tensor([[2, 3, 4], [13, 14, 15]], device=device)
     out += [engine_mod.rope_and_cache(q, k, v, r(S, D), r(S, D), pos, kc, vc, H, KV, D), kc, vc]
+    # Qwen3's per-head RMSNorms of q and k first (each its own weight and eps), in that stacked output too, and
+    # at decode; q scaled far from 1, which only the norm brings back
+    kc, vc = r(B, KV, S, D), r(B, KV, S, D)
+    norms = ((r(D), 1e-6), (r(D), 1e-2))
+    out += [engine_mod.rope_and_cache(q * 30, k, v, r(S, D), r(S, D), pos, kc, vc, H, KV, D, norms), kc, vc]
+    B, H, KV, D, S = 3, 12, 10, 32, 8
+    kc, vc = r(B, KV, S, D), r(B, KV, S, D)
+    out += [engine_mod.rope_and_cache(r(B, 1, H * D), r(B, 1, KV * D), r(B, 1, KV * D), r(S, D), r(S, D),
+                                      torch.tensor([[7], [0], [3]], device=device), kc, vc, H, KV, D,
+                                      ((r(D), 1e-6), (r(D), 1e-6))), kc, vc]
     return out
 
 
@@ -540,6 +566,15 @@ def test_speed_models_have_the_published_shapes():
     model = speed.random_model("llama-2-7b", device="meta", num_hidden_layers=1)
     assert model.model.layers[0].mlp.down_proj.weight.shape == (4096, 11008)
     assert model.lm_head.weight.shape == (32000, 4096) and model.lm_head.weight.dtype == torch.bfloat16
+    qwen2 = speed.random_model("qwen2.5-7b", device="meta", num_hidden_layers=1)
+    attention = qwen2.model.layers[0].self_attn
+    assert type(qwen2).__name__ == "Qwen2ForCausalLM" and qwen2.lm_head.weight.dtype == torch.bfloat16
+    assert attention.k_proj.weight.shape == (512, 3584) and attention.k_proj.bias is not None
+    qwen3 = speed.random_model("qwen3-8b", device="meta", num_hidden_layers=1)
+    attention = qwen3.model.layers[0].self_attn
+    assert type(qwen3).__name__ == "Qwen3ForCausalLM" and attention.q_norm.weight.shape == (128,)
+    assert qwen3.model.layers[0].mlp.down_proj.weight.shape == (4096, 12288)
+    assert qwen3.lm_head.weight.shape == (151936, 4096) and qwen3.lm_head.weight is not qwen3.model.embed_tokens.weight
     with pytest.raises(ValueError, match=r"unknown speed model 'llama-9b'; choose from \['llama-2-7b'"):
         speed.random_model("llama-9b", device="meta")  # a KeyError of the bare name
 
