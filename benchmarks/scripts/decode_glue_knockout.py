@@ -25,11 +25,11 @@ from nibble.eval import speed  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
 
 
-def _no_rope(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim):
+def _no_rope(q, k, v, cos, sin, pos, k_cache, v_cache, n_heads, n_kv, head_dim, head_norms=None):
     return torch.empty(q.shape[0], q.shape[1], n_heads, head_dim, dtype=q.dtype, device=q.device)
 
 
-def _no_attention(q, k_cache, v_cache, pos, scale, mask):
+def _no_attention(q, k_cache, v_cache, pos, scale, mask, scatter=None):
     return torch.empty_like(q)
 
 
@@ -39,7 +39,7 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def _no_norm(x, residual, weight, eps):
+def _no_norm(x, residual, weight, eps, columns=None):
     return x, x
 
 
