@@ -22,9 +22,9 @@ this file supplies the rest of the forward pass:
 - the glue between the matmuls is three fused Triton kernels on CUDA: residual add + RMSNorm,
   RoPE + KV-cache write (Qwen3's per-head q / k RMSNorms first, in the same kernel), SiLU(gate) * up,
   so a decode step runs about 13 kernels a layer instead of about 43. In a CUDA graph each small
-  kernel still costs a few microseconds, and at 32 layers
-  the unfused glue cost more than streaming 4-bit weights: bf16 Llama-2-7B decoded at 7.4 ms/step
-  (W4A16 at 8.3) against 3.2 ms for its bf16 weights at the copy roofline (H200, before fusion);
+  kernel still costs a few microseconds, and at 32 layers the unfused glue cost more than streaming
+  4-bit weights: bf16 Llama-2-7B decoded at 7.4 ms/step (W4A16 at 8.3) against 3.2 ms for its bf16
+  weights at the copy roofline (H200, before fusion);
 - the projections that read one input (q/k/v, gate/up) go through ``shared_input_forward``, so
   each group is one kernel launch where it can be: 16-bit layers have their weights stacked into one
   tensor (``stack_weights``, in place, same memory) and run as one matmul; W4A16 layers run as one
