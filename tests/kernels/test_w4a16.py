@@ -958,7 +958,9 @@ def test_with_split_splits_decode_sizes_only():
     dot = W.DISPATCH[16]
     assert W.with_split(dot, 16, 4096, 4096, 128).split_k > 1
     assert W.with_split(dot, 64, 4096, 4096, 128).split_k > 1
-    assert W.with_split(dot, 65, 4096, 4096, 128).split_k == 1
+    assert W.with_split(dot, 64, 128, 4096, 128).split_k > 1
+    assert W.with_split(dot, 65, 128, 4096, 128).split_k == 1  # 10 tiles, but 65 tokens: no split
+    assert W.with_split(W.DISPATCH[1 << 62], 1, 128, 4096, 128).split_k == 1  # dequantize + cuBLAS
 
 
 def test_pow2_divisor_is_the_largest_power_of_two_dividing_the_group_up_to_the_cap():
@@ -994,6 +996,41 @@ def test_backend_triton_refuses_cpu_tensors_even_with_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(kernels.KernelUnavailableError, match="need a CUDA GPU and none is visible"):
         kernels.w4a16_linear(x, qw, s, z, 64, backend="triton")
+
+
+def test_the_op_refuses_weights_of_the_wrong_kind_or_shape():
+    """Each said as what the format asks (`Int4Weight`): an int32 qweight of two dimensions, float16 scales and zeros
+    of one row per group and one column per channel, one device, at least one weight."""
+    qw, s, z = make_weight(32, 128, 64)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"qweight must be a 2-D int32 tensor \[K // 8, N\], got torch.int32 \(1, 16, 32\)"):
+        torch.ops.nibble.w4a16_linear(x, qw[None], s, z, 64)
+    with pytest.raises(ValueError, match=r"scales must have shape \(2, 32\) for K=128, N=32, group 64; got \(2, 16\)"):
+        torch.ops.nibble.w4a16_linear(x, qw, s[:, :16], z, 64)
+    with pytest.raises(TypeError, match="zeros must be float16, got torch.bfloat16"):
+        torch.ops.nibble.w4a16_linear(x, qw, s, z.bfloat16(), 64)
+    with pytest.raises(ValueError, match="needs one scales and zeros tensor per qweight, got 0 qweights"):
+        torch.ops.nibble.w4a16_linears(x, [], [], [], 64)
+    with pytest.raises(ValueError, match=r"x, qweight, scales, zeros must be on one device, got \['cpu', 'meta'\]"):
+        W.check_one_device(x, qw.to("meta"), s, z)
+
+
+def test_the_skinny_kernel_applies_to_cuda_tensors_only():
+    x = torch.randn(2, 128, dtype=torch.float16)
+    assert not W.mma_applicable(x, 32, 128, 64)
+    with pytest.raises(ValueError, match="w4a16_mma is a CUDA kernel: it needs CUDA tensors, got device cpu"):
+        W.w4a16_mma(x, *make_weight(32, 128, 64), 64)
+
+
+def test_a_tiny_layer_is_at_most_8_mib_of_weights():
+    assert W.large_m_kernel(64, 2048, 4096) == "skinny" and W.large_m_kernel(65, 2048, 4096) == "dequant"
+    assert W.large_m_kernel(64, 2048, 4104) == "wgmma"  # one channel of K more than 8 MiB
+
+
+def test_mma_warps_start_at_four_and_stop_at_32_warps_an_sm():
+    assert W.select_mma_config(16, 12288, 2048, 132).warps == 4  # 64 K steps: no doubling, and never fewer than 4
+    assert W.select_mma_config(16, 32000, 8192, 132).warps == 8   # 1000 CTAs x 4 warps < 32 an SM: doubled once
+    assert W.select_mma_config(16, 33792, 8192, 132).warps == 4   # 1056 CTAs x 4 warps: 32 an SM already
 
 
 def test_select_mma_config_rules():
