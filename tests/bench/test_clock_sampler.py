@@ -28,3 +28,13 @@ def test_samples_come_back_and_a_span_takes_their_medians(tmp_path, monkeypatch)
     begin, end = datetime.datetime(2026, 12, 2, 15, 8, 5, 500000), datetime.datetime(2026, 12, 2, 15, 8, 5, 800000)
     assert clocks.during(begin, end) == dict(samples=3, sm_mhz=1650, watts=663.0)
     assert clocks.during(end, end + datetime.timedelta(seconds=1)) == dict(samples=0, sm_mhz=None, watts=None)
+
+
+def test_a_span_takes_the_samples_at_its_ends():
+    """``begin`` and ``end`` are inclusive: a span from one sample's stamp to another's holds both."""
+    clocks = ClockSampler()
+    stamps = [datetime.datetime(2026, 12, 2, 15, 8, 5, 100000 * i) for i in range(4)]
+    clocks.samples = [(t, mhz, watts, 40.0) for t, mhz, watts in zip(stamps, (1980, 1650, 1500, 1700),
+                                                                      (150.0, 200.0, 660.0, 690.0))]
+    assert clocks.during(stamps[1], stamps[2]) == dict(samples=2, sm_mhz=1575.0, watts=430.0)
+    assert clocks.during(stamps[0], stamps[0]) == dict(samples=1, sm_mhz=1980, watts=150.0)

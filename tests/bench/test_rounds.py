@@ -89,3 +89,103 @@ def test_time_against_gives_each_arm_its_median_and_its_ratio_to_the_base(monkey
     assert [(r["op"], r["M"], r["us"], r["vs_base"]) for r in rows] == [("base", 8, 11.0, 1.0), ("half", 8, 5.0, 2.2)]
     assert rows[1]["rounds"] == [5.0, 6.0, 4.0]
     assert len(said) == 2 and "2.200x base" in said[1]
+
+
+def test_add_rounds_argument_defaults_to_rounds_and_takes_a_count():
+    """``--rounds`` left out is ROUNDS (what the docs and the results' ``rounds`` say a cell's median is over)."""
+    import argparse
+
+    from nibble.bench import timing
+
+    parser = argparse.ArgumentParser()
+    timing.add_rounds_argument(parser)
+    assert parser.parse_args([]).rounds == timing.ROUNDS == 3
+    assert parser.parse_args(["--rounds", "5"]).rounds == 5
+
+
+def test_an_optional_arm_that_fails_in_a_later_round_keeps_none_of_its_earlier_rounds():
+    """Its list stays empty: a median over the rounds it ran before it failed would stand beside the others' medians
+    over every round."""
+    runs = []
+
+    def measure(factory, n_rot):
+        name = factory(0)()
+        runs.append(name)
+        if name == "tinygemm" and runs.count("tinygemm") == 2:
+            raise RuntimeError("out of memory")
+        return 1.0
+    said = []
+    times = bench_rounds(_arms("bf16", "tinygemm"), 3, optional=("tinygemm",), measure=measure, log=said.append)
+    assert times == {"bf16": [1.0, 1.0, 1.0], "tinygemm": []}
+    assert runs.count("tinygemm") == 2 and len(said) == 1
+
+
+def test_rotations_make_the_working_set_several_l2s_up_to_a_cap(monkeypatch):
+    """Enough input sets that they hold at least ``factor`` (4) times the L2 together, rounded up, at least one and at
+    most ``max_sets``."""
+    from nibble.bench import timing
+
+    monkeypatch.setattr(timing, "l2_bytes", lambda: 1000)
+    assert timing.rotations(300) == 14  # 4000 / 300 = 13.3: 13 sets would hold less than 4 L2s
+    assert timing.rotations(1000) == 4 and timing.rotations(3000) == 2
+    assert timing.rotations(10 ** 9) == 1
+    assert timing.rotations(1) == 64 and timing.rotations(1, max_sets=8) == 8
+    assert timing.rotations(300, factor=1.0) == 4
+
+
+def _fake_gpu_timing(monkeypatch, replay_ms, capture_fails=False):
+    """`bench_us` on the CPU: no synchronize, one call timed eagerly at 0.1 ms (so 20 calls fill a 2 ms replay),
+    then every replay timed at the next of ``replay_ms``; the graph replays are counted."""
+    from nibble.bench import timing
+
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    times = iter([0.1, *replay_ms])
+    monkeypatch.setattr(timing, "_event_time_ms", lambda fn: (fn(), next(times))[1])
+    replays = []
+
+    class Graph:
+        def replay(self):
+            replays.append(1)
+
+    def capture(body, warmup=None):
+        if capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return Graph(), None
+    monkeypatch.setattr(timing, "capture_graph", capture)
+    return timing, replays
+
+
+def test_bench_us_is_the_median_replay_over_its_calls_and_says_how_it_ran(monkeypatch):
+    # the first replay sizes the warm-up (25 ms / 2 ms: 12 replays), then 5 timed replays
+    timing, replays = _fake_gpu_timing(monkeypatch, [2.0, 2.0, 4.0, 3.0, 10.0, 2.5])
+    made = []
+    r = timing.bench_us(lambda i: (lambda: made.append(i)), 1, reps=5, return_all=True)
+    assert r["calls_per_replay"] == 20 and r["n_rot"] == 1 and r["mode"] == "graph"
+    assert r["us"] == pytest.approx(3.0 * 1000 / 20) and r["min_us"] == pytest.approx(2.0 * 1000 / 20)
+    assert r["replay_ms"] == [2.0, 4.0, 3.0, 10.0, 2.5]
+    assert len(replays) == 1 + 12 + 5
+
+
+def test_bench_us_times_eagerly_where_the_capture_fails_and_says_so(monkeypatch):
+    timing, replays = _fake_gpu_timing(monkeypatch, [2.0] * 7, capture_fails=True)
+    made = []
+    r = timing.bench_us(lambda i: (lambda: made.append(i)), 2, reps=5, return_all=True)
+    assert r["mode"] == "eager" and not replays
+    assert r["calls_per_replay"] == 40 and r["us"] == pytest.approx(2.0 * 1000 / 40)  # 0.1 ms a round of 2 sets
+    assert made.count(0) == made.count(1) > 40
+
+
+def test_bench_us_times_a_slow_op_at_least_five_times(monkeypatch):
+    """A replay of 100 ms: ``max_total_ms`` (300) would allow 3 timed replays; five are the least."""
+    timing, _ = _fake_gpu_timing(monkeypatch, [100.0] * 7)
+    r = timing.bench_us(lambda i: (lambda: None), 1, reps=30, return_all=True)
+    assert len(r["replay_ms"]) == 5
+
+
+def test_bench_us_refuses_without_a_gpu(monkeypatch):
+    from nibble.bench import timing
+
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="bench_us needs a CUDA device"):
+        timing.bench_us(lambda i: (lambda: pytest.fail("ran without a GPU")))

@@ -231,6 +231,26 @@ def test_the_commit_is_nibbles_own_checkouts_never_a_repository_around_an_instal
     assert env_meta()["nibble"] == __import__("nibble").__version__
 
 
+def test_an_untracked_file_in_the_checkout_leaves_its_commit_clean(tmp_path, monkeypatch):
+    """-dirty says a tracked source differs from the commit; a results file or a scratch script beside the sources
+    (untracked) does not change which code ran."""
+    import subprocess
+
+    from nibble.bench.timing import git_commit
+
+    monkeypatch.delenv("NIBBLE_GIT_COMMIT", raising=False)
+    checkout = tmp_path / "checkout"
+    (checkout / "nibble").mkdir(parents=True)
+    (checkout / "nibble" / "a.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=checkout, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
+    (checkout / "nibble" / "scratch.py").write_text("y = 2\n")
+    assert git_commit(checkout / "nibble") == head
+
+
 def test_the_commit_a_device_run_is_given_is_the_one_recorded(tmp_path, monkeypatch):
     """A copy of the working tree on a GPU machine carries a stale .git: its JSON named a commit (85c2cda-dirty) whose
     sources were not the ones that ran. device_suite.sh gives the commit the copy was made from."""

@@ -231,3 +231,98 @@ def test_weight_arrays_are_the_launchers_argument_groups_in_order():
     assert list(out_ptrs) == [o.data_ptr() for o in outs]
     assert list(widths) == [3, 5] and list(strides) == [3, 16]  # the second output's rows are 16 apart
     assert widths._type_ is ctypes.c_int and strides._type_ is ctypes.c_int
+
+
+def test_nvcc_named_by_the_nvcc_variable_comes_first(monkeypatch, tmp_path):
+    monkeypatch.setenv("NVCC", str(tmp_path / "cuda-13" / "bin" / "nvcc"))
+    assert cuda_build.find_nvcc() == str(tmp_path / "cuda-13" / "bin" / "nvcc")
+
+
+def test_a_library_is_cached_per_architecture(monkeypatch, tmp_path):
+    monkeypatch.setenv("NIBBLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cuda_build, "_nvcc_version", lambda nvcc: "nvcc 13.0")
+    paths = {arch: cuda_build.library_path("w4a16_mma", arch, "nvcc") for arch in ("80", "90", "90a")}
+    assert len(set(paths.values())) == 3 and all(p.parent == tmp_path for p in paths.values())
+    assert all(p.name.startswith(f"w4a16_mma-sm{arch}-") for arch, p in paths.items())
+
+
+def test_prebuild_refuses_an_arch_that_is_not_a_compute_capability(monkeypatch):
+    monkeypatch.setattr(cuda_build, "build", lambda *a: pytest.fail("built for a malformed arch"))
+    for arch in ("9", "sm90", "9.0", ""):
+        with pytest.raises(ValueError, match="arch must be a compute capability as digits"):
+            cuda_build.prebuild(arch)
+
+
+def test_prebuild_runs_one_nvcc_per_cpu_at_most_one_per_library(monkeypatch):
+    import concurrent.futures
+
+    workers = []
+    real_pool = concurrent.futures.ThreadPoolExecutor
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", lambda n: workers.append(n) or real_pool(n))
+    monkeypatch.setattr(cuda_build, "build", lambda name, arch, nvcc=None, quiet=False: f"/c/{name}-{arch}")
+    for cpus, arch, expected in ((2, "90", 2), (64, "90", len(cuda_build.LIBRARIES)),
+                                 (64, "80", sum(not hopper for hopper in cuda_build.LIBRARIES.values()))):
+        monkeypatch.setattr(cuda_build.os, "cpu_count", lambda c=cpus: c)
+        cuda_build.prebuild(arch)
+        assert workers.pop() == expected
+    cuda_build.prebuild("90", jobs=3)
+    assert workers.pop() == 3
+
+
+def test_the_architecture_is_the_capability_as_digits(monkeypatch):
+    monkeypatch.setattr(cuda_build, "capability", lambda device: (8, 9))
+    assert cuda_build.device_arch(torch.device("cuda", 0)) == "89"
+    monkeypatch.setattr(cuda_build, "capability", lambda device: (9, 0))
+    assert cuda_build.device_arch(torch.device("cuda", 0)) == "90"
+    assert cuda_build.target("w4a16_wgmma", "90") == "90a" and cuda_build.target("w4a16_mma", "90") == "90"
+
+
+def test_kernels_switched_off_are_none_without_asking_the_gpu(monkeypatch):
+    monkeypatch.setattr(cuda_build, "ENABLED", False)
+    monkeypatch.setattr(cuda_build, "ask_once", lambda *a: pytest.fail("asked the GPU"))
+    assert cuda_build.library("w4a16_mma", torch.device("cuda", 0), lambda lib: None) is None
+
+
+def test_a_library_that_cannot_load_is_said_once_and_none(monkeypatch):
+    """An OSError loading the built file (a broken cache, a driver too old for it) falls back to Triton with a
+    warning, as a failed build does."""
+    loads = []
+
+    def load(name, device):
+        loads.append(name)
+        raise OSError("libcuda.so.1: cannot open shared object file")
+    monkeypatch.setattr(cuda_build, "device_arch", lambda device: "90")
+    monkeypatch.setattr(cuda_build, "load", load)
+    monkeypatch.setattr(cuda_build, "_AVAILABLE", {})
+    with pytest.warns(UserWarning, match="the CUDA kernel w4a16_mma is unavailable, using the Triton kernels instead "
+                                         r"\(libcuda.so.1"):
+        assert cuda_build._library_for_arch("w4a16_mma", torch.device("cuda", 0), lambda lib: None) is None
+    assert cuda_build._library_for_arch("w4a16_mma", torch.device("cuda", 0), lambda lib: None) is None
+    assert loads == ["w4a16_mma"]
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True)])
+def test_nibble_cuda_kernels_0_switches_the_cuda_kernels_off_at_import(value, enabled):
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(cuda_build.__file__).resolve().parents[2])
+    env = dict(os.environ, NIBBLE_CUDA_KERNELS=value, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", "import nibble.kernels.cuda_build as c; print(c.ENABLED)"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(enabled)
+
+
+def test_an_edited_variant_carries_its_edited_headers(tmp_path, monkeypatch):
+    """With ``header_edits`` every csrc/ header is copied beside the edited kernel, the one named edited (written
+    before nvcc runs: here there is none)."""
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    header = (cuda_build.CSRC / "skinny.cuh").read_text()
+    anchor = next(line for line in header.splitlines() if line.strip() and header.count(line) == 1)
+    with pytest.raises(cuda_build.CudaBuildError, match="needs nvcc"):
+        cuda_build.build_edited("w4a16_mma", [], tmp_path, header_edits={"skinny.cuh": [(anchor, "// EDITED")]})
+    assert "// EDITED" in (tmp_path / "skinny.cuh").read_text() and anchor not in (tmp_path / "skinny.cuh").read_text()
+    assert {p.name for p in tmp_path.glob("*.cuh")} == {p.name for p in cuda_build.CSRC.glob("*.cuh")}
+    assert (tmp_path / "w4a16_mma_edited.cu").read_text() == (cuda_build.CSRC / "w4a16_mma.cu").read_text()

@@ -206,3 +206,44 @@ def test_early_launch_is_for_decode_sized_launches():
         assert el.early_launch(dev, el.MAX_TOKENS) == el.early_launch(dev, 1)
         assert el.early_launch(dev, w4a4.PRODUCT_EARLY_TOKENS, w4a4.PRODUCT_EARLY_TOKENS) == el.early_launch(dev, 1)
         assert not el.early_launch(dev, w4a4.PRODUCT_EARLY_TOKENS + 1, w4a4.PRODUCT_EARLY_TOKENS)
+
+
+def test_early_launch_asks_the_launchs_own_gpu_up_to_its_token_limit(monkeypatch):
+    """On the CPU, with the per-GPU answer replaced: the token limit is inclusive, and the GPU asked is the one the
+    launch runs on (``cuda:1`` is not ``cuda:0``)."""
+    from nibble.kernels import early_launch as el
+
+    asked = []
+    monkeypatch.setattr(el, "_early_launch", lambda index: asked.append(index) or True)
+    assert el.early_launch(torch.device("cuda", 1), el.MAX_TOKENS)
+    assert not el.early_launch(torch.device("cuda", 1), el.MAX_TOKENS + 1)
+    assert el.early_launch(torch.device("cuda", 0), 100, max_tokens=100)
+    assert not el.early_launch(torch.device("cuda", 0), 101, max_tokens=100)
+    assert asked == [1, 0]
+
+
+def test_early_launch_needs_hopper_and_nibble_pdl_not_0(monkeypatch):
+    """sm_90 and later (programmatic dependent launch); an A100 launches the plain way."""
+    from nibble.kernels import early_launch as el
+
+    for capability, expected in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert el._early_launch.__wrapped__(0) is (expected and el.ENABLED)
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True)])
+def test_nibble_pdl_0_switches_early_launch_off_at_import(value, enabled):
+    """Read once, when nibble is imported: a fresh interpreter on this checkout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nibble
+
+    root = str(Path(nibble.__file__).resolve().parents[1])
+    env = dict(os.environ, NIBBLE_PDL=value, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", "import nibble.kernels.early_launch as el; print(el.ENABLED)"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(enabled)

@@ -107,6 +107,32 @@ def test_input_checks(bad):
                 call()
 
 
+def test_the_cpu_path_says_a_qweight_of_another_rank_is_the_wrong_shape():
+    """Checked with x's width, before the weight's own checks: a shape error, said as one."""
+    from nibble import kernels
+
+    qw, s, z = make_weight(32, 128, 64)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"qweight must be a 2-D int32 tensor \[K // 8, N\], got shape \(1, 16, 32\)"):
+        kernels.w4a16_linear(x, qw[None], s, z, 64)
+    with pytest.raises(ValueError, match=r"x has K=120 in its last dimension but qweight \(16, 32\) packs K=128"):
+        kernels.w4a16_linear(x[:, :120], qw, s, z, 64)
+
+
+def test_the_cpu_path_refuses_a_bias_that_is_not_one_float_a_channel():
+    """A [N, 1] bias broadcast into an [M, N] sum of another shape, an integer one was added as integers: refused as the
+    GPU path refuses them."""
+    from nibble import kernels
+
+    qw, s, z = make_weight(32, 128, 64)
+    x = torch.randn(2, 128)
+    for bias in (torch.randn(32, 1), torch.randn(2, 32), torch.ones(32, dtype=torch.int32)):
+        for call in (lambda: kernels.w4a16_linear(x, qw, s, z, 64, bias),
+                     lambda: kernels.w4a16_linears(x, [(qw, s, z, bias)], 64)):
+            with pytest.raises(ValueError, match=r"bias must be a float tensor of shape \[32\]"):
+                call()
+
+
 def test_the_kernels_functions_take_the_ops_under_a_dispatch_mode():
     """Under FakeTensorMode (make_fx, memory estimators) the functions ran the kernels' bodies on tensors without
     data (on a GPU: launches on fake tensors); the ops answer with their fake implementations."""
@@ -911,6 +937,100 @@ def test_w4a16_linears_cpu_matches_per_weight_op():
     with pytest.raises(ValueError, match="packs K=128"):
         torch.ops.nibble.w4a16_linears(x, [weights[0][0], make_weight(32, 128, G)[0]], [w[1] for w in weights],
                                        [w[2] for w in weights], G)
+
+
+def test_pick_split_takes_the_least_split_that_fills_the_waves_and_at_most_the_k_blocks():
+    assert W._pick_split(1, 66, 64, 132) == 4    # 264 CTAs fill two waves; 8 splits would too, no better
+    assert W._pick_split(1, 1, 4, 132) == 4      # as many splits as K blocks, no more
+    assert W._pick_split(1, 1, 64, 132, max_split=32) == 32
+    assert W._pick_split(2, 132, 64, 132) == 1   # the tiles fill two waves alone
+
+
+def test_select_config_buckets_m_and_scales_in_the_tile_for_small_groups():
+    assert W.select_config(1, 4096, 4096, 128).kind == W.select_config(2, 4096, 4096, 128).kind == "gemv"
+    assert W.select_config(3, 4096, 4096, 128).kind == W.select_config(16, 4096, 4096, 128).kind == "dot"
+    assert W.select_config(17, 4096, 4096, 128).kind == "dequant"
+    assert W.select_config(16, 4096, 4096, 128).factored and W.select_config(16, 4096, 4096, 256).factored
+    assert not W.select_config(16, 4096, 4096, 32).factored and not W.select_config(16, 4096, 4096, 64).factored
+
+
+def test_with_split_splits_decode_sizes_only():
+    dot = W.DISPATCH[16]
+    assert W.with_split(dot, 16, 4096, 4096, 128).split_k > 1
+    assert W.with_split(dot, 64, 4096, 4096, 128).split_k > 1
+    assert W.with_split(dot, 64, 128, 4096, 128).split_k > 1
+    assert W.with_split(dot, 65, 128, 4096, 128).split_k == 1  # 10 tiles, but 65 tokens: no split
+    assert W.with_split(W.DISPATCH[1 << 62], 1, 128, 4096, 128).split_k == 1  # dequantize + cuBLAS
+
+
+def test_pow2_divisor_is_the_largest_power_of_two_dividing_the_group_up_to_the_cap():
+    assert [W._pow2_divisor(g, 64) for g in (8, 32, 48, 64, 128, 4096, 96)] == [8, 32, 16, 64, 64, 64, 32]
+
+
+def test_group_shift_steps_takes_power_of_two_groups_of_32_and_up():
+    """log2(group / 32); 30 (the kernel's "one group per column") for a group of K; None where the kernel has none."""
+    assert [W._group_shift_steps(g, 4096) for g in (32, 64, 128, 1024)] == [0, 1, 2, 5]
+    assert W._group_shift_steps(4096, 4096) == 30 and W._group_shift_steps(576, 576) == 30
+    assert W._group_shift_steps(96, 4096) is None and W._group_shift_steps(16, 4096) is None
+    assert W._group_shift_steps(192, 4096) is None
+
+
+def test_mma_shared_memory_is_the_ring_or_the_reduction_whichever_is_larger():
+    """csrc/w4a16_mma.cu: smem_bytes; four token tiles carry the next group's scales (704 bytes of parameters)."""
+    assert W.mma_smem_bytes(W.MmaConfig(1, 8)) == 8 * 4 * (640 + 512)
+    assert W.mma_smem_bytes(W.MmaConfig(4, 8)) == 8 * 4 * (704 + 4 * 512)
+    assert W.mma_smem_bytes(W.MmaConfig(8, 8), ring_stages=1) == 8 * 8 * 8 * 32 * 4  # the reduction's
+    assert not W.mma_config_valid(W.MmaConfig(1, 4), 9) and W.mma_config_valid(W.MmaConfig(2, 4), 9)
+
+
+def test_backend_triton_refuses_cpu_tensors_even_with_a_gpu(monkeypatch):
+    """With a GPU visible, a model left on the CPU is told to move, not run on the reference or fail inside Triton."""
+    from nibble import kernels
+
+    qw, s, z = make_weight(32, 128, 64)
+    x = torch.randn(2, 128)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(kernels.KernelUnavailableError, match=r"need CUDA tensors; the input is on cpu: move the model "
+                                                             r"and inputs to the GPU with .to\('cuda'\)"):
+        kernels.w4a16_linear(x, qw, s, z, 64, backend="triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(kernels.KernelUnavailableError, match="need a CUDA GPU and none is visible"):
+        kernels.w4a16_linear(x, qw, s, z, 64, backend="triton")
+
+
+def test_the_op_refuses_weights_of_the_wrong_kind_or_shape():
+    """Each said as what the format asks (`Int4Weight`): an int32 qweight of two dimensions, float16 scales and zeros
+    of one row per group and one column per channel, one device, at least one weight."""
+    qw, s, z = make_weight(32, 128, 64)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"qweight must be a 2-D int32 tensor \[K // 8, N\], got torch.int32 \(1, 16, 32\)"):
+        torch.ops.nibble.w4a16_linear(x, qw[None], s, z, 64)
+    with pytest.raises(ValueError, match=r"scales must have shape \(2, 32\) for K=128, N=32, group 64; got \(2, 16\)"):
+        torch.ops.nibble.w4a16_linear(x, qw, s[:, :16], z, 64)
+    with pytest.raises(TypeError, match="zeros must be float16, got torch.bfloat16"):
+        torch.ops.nibble.w4a16_linear(x, qw, s, z.bfloat16(), 64)
+    with pytest.raises(ValueError, match="needs one scales and zeros tensor per qweight, got 0 qweights"):
+        torch.ops.nibble.w4a16_linears(x, [], [], [], 64)
+    with pytest.raises(ValueError, match=r"x, qweight, scales, zeros must be on one device, got \['cpu', 'meta'\]"):
+        W.check_one_device(x, qw.to("meta"), s, z)
+
+
+def test_the_skinny_kernel_applies_to_cuda_tensors_only():
+    x = torch.randn(2, 128, dtype=torch.float16)
+    assert not W.mma_applicable(x, 32, 128, 64)
+    with pytest.raises(ValueError, match="w4a16_mma is a CUDA kernel: it needs CUDA tensors, got device cpu"):
+        W.w4a16_mma(x, *make_weight(32, 128, 64), 64)
+
+
+def test_a_tiny_layer_is_at_most_8_mib_of_weights():
+    assert W.large_m_kernel(64, 2048, 4096) == "skinny" and W.large_m_kernel(65, 2048, 4096) == "dequant"
+    assert W.large_m_kernel(64, 2048, 4104) == "wgmma"  # one channel of K more than 8 MiB
+
+
+def test_mma_warps_start_at_four_and_stop_at_32_warps_an_sm():
+    assert W.select_mma_config(16, 12288, 2048, 132).warps == 4  # 64 K steps: no doubling, and never fewer than 4
+    assert W.select_mma_config(16, 32000, 8192, 132).warps == 8   # 1000 CTAs x 4 warps < 32 an SM: doubled once
+    assert W.select_mma_config(16, 33792, 8192, 132).warps == 4   # 1056 CTAs x 4 warps: 32 an SM already
 
 
 def test_select_mma_config_rules():

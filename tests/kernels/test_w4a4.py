@@ -305,6 +305,109 @@ def test_pick_config_covers_decode_and_prefill():
         assert cfg["kind"] == "mma" and cfg["split_k"] >= 1
 
 
+def test_the_act_quant_kernel_refuses_x_that_is_not_2d_16_bit_first():
+    """Said as the kernel's own rules, before the device's: a 3-D x was "need CUDA tensors" on the CPU."""
+    with pytest.raises(ValueError, match=r"x must be 2-D \[M, K\] \(flatten leading dims first\), got shape \(1, 2, 64\)"):
+        w4a4.quantize_activations_triton(torch.randn(1, 2, 64).half())
+    with pytest.raises(TypeError, match="the W4A4 kernels take float16 or bfloat16 activations, got torch.float32"):
+        w4a4.quantize_activations_triton(torch.randn(2, 64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        w4a4.quantize_activations_triton([[0.0] * 64])
+
+
+def test_the_products_check_their_operands_before_the_device():
+    """On the CPU without the interpreter the device check would refuse anything: these are said first, as what is
+    wrong with the operand."""
+    qx, sx = torch.randint(-8, 8, (2, 64), dtype=torch.int8), torch.rand(2)
+    qw, ws = pack_int4(torch.randint(0, 16, (64, 16), dtype=torch.int32)), torch.rand(16).half()
+    with pytest.raises(TypeError, match="qx must be a torch.Tensor, got list"):
+        w4a4.w4a4_matmul_triton(qx.tolist(), sx, qw, ws)
+    with pytest.raises(TypeError, match="w_scale must be a torch.Tensor, got float"):
+        w4a4.w4a4_matmul_triton(qx, sx, qw, 0.5)
+    with pytest.raises(ValueError, match=r"qx must be int8 \[M, K\], got torch.int32"):
+        w4a4.w4a4_matmul_triton(qx.int(), sx, qw, ws)
+    with pytest.raises(ValueError, match=r"x_scale must be float32 \[2\], got torch.float16"):
+        w4a4.w4a4_matmul_triton(qx, sx.half(), qw, ws)
+
+
+def test_the_layer_checks_say_a_per_channel_scale_one_device_and_lists_of_one_length():
+    x = torch.randn(2, 64)
+    qw, ws = pack_int4(torch.randint(0, 16, (64, 16), dtype=torch.int32)), torch.rand(16).half()
+    with pytest.raises(ValueError, match=r"w_scale must be a per-channel \[16\] float16/bfloat16/float32 tensor"):
+        w4a4.checked_layers(x, [qw], [ws[:, None]], [None], False)
+    with pytest.raises(ValueError, match=r"w_scale must be a per-channel \[16\].*got torch.int32"):
+        w4a4.checked_layers(x, [qw], [ws.int()], [None], False)
+    with pytest.raises(ValueError, match=r"x, qweight, w_scale and bias must be on one device, got \['cpu', 'meta'\]"):
+        w4a4.checked_layers(x, [qw], [ws.to("meta")], [None], False)
+    with pytest.raises(ValueError, match="qweights, w_scales and biases must be non-empty lists of one length, got 1, 2, 1"):
+        w4a4.checked_layers(x, [qw], [ws, ws], [None], False)
+    with pytest.raises(ValueError, match="non-empty lists of one length, got 0, 0, 0"):
+        w4a4.checked_layers(x, [], [], [], False)
+
+
+def test_m_buckets_end_at_their_bounds():
+    assert [w4a4.m_bucket(M) for M in (1, 2, 16, 17, 128, 129, 1024, 1025, 8192)] == [1, 16, 16, 128, 128, 1024,
+                                                                                        1024, 4096, 4096]
+
+
+def test_auto_split_fills_the_sms_and_keeps_k_steps_per_split():
+    """Decode (M <= 64): about two waves of programs, each of >= 4 K steps; above, one wave of >= 8 steps; none
+    where the tiles alone fill the waves. The gemv kernel: four waves of >= 4 steps."""
+    mma = w4a4.CANDIDATES[16][0]  # 64 x 128 tiles, 128-deep K steps
+    assert w4a4.auto_split(mma, 64, 4096, 4096) == 8  # 32 tiles: 9 splits fill 2 waves; 32 steps allow 8
+    assert w4a4.auto_split(mma, 65, 4096, 4096) == 3  # 64 tiles: 3 splits fill one wave (up to 32 // 8 allowed)
+    assert w4a4.auto_split(mma, 1, 4096, 512) == 1  # 4 K steps: no split keeps 4 each
+    assert w4a4.auto_split(mma, 64, 264 * 128, 4096) == 1  # 264 tiles: two waves already
+    gemv = w4a4.CANDIDATES[1][0]  # 256 columns, 16 words of K a step
+    assert w4a4.auto_split(gemv, 1, 4096, 4096) == 8  # 16 tiles want 33 splits; 32 steps allow 8
+    assert w4a4.auto_split(gemv, 1, 4096, 4096, sms=16) == 4  # 16 tiles x 4 = four waves of 16 SMs
+
+
+def test_the_tuned_candidate_is_picked_for_its_shape():
+    assert w4a4.pick_config(1, 4096, 4096) == dict(w4a4.CANDIDATES[1][1], split_k=w4a4.auto_split(
+        w4a4.CANDIDATES[1][1], 1, 4096, 4096))
+    assert w4a4.pick_config(1, 4096, 2048)["BN"] == w4a4.CANDIDATES[1][0]["BN"]  # not tuned: the bucket's first
+
+
+def test_successors_launch_early_where_they_measured_faster():
+    from nibble.kernels.launch import SUCCESSOR_AT_END, SUCCESSOR_CAPPED
+
+    assert [w4a4.mma_successor(M) for M in (1, 4, 5, 16)] == [SUCCESSOR_CAPPED] * 2 + [SUCCESSOR_AT_END] * 2
+    early = {(M, warps) for M in range(1, 17) for warps in (4, 8, 16) if w4a4.rotate_quantize_successor(M, warps)}
+    assert early == {(M, w) for M in range(1, 5) for w in (4, 8, 16)} | {(M, w) for M in range(9, 17) for w in (8, 16)}
+
+
+def test_rotate_quantize_plans_of_the_docstrings_sizes():
+    """K = m s p: the dense factor H_m (x) H_s, rows of p = 64, or 128 where m * 2^k / 64 would pass 256 rows."""
+    plans = {576: (36, 1, 4), 1536: (12, 2, 6), 4096: (1, 64, 6), 11008: (172, 1, 6), 14336: (28, 8, 6),
+             18944: (148, 1, 7), 28672: (28, 8, 7), 16384: (1, 256, 6), 32768: (1, 256, 7)}
+    assert {K: w4a4.rotate_quantize_plan(K) for K in plans} == plans
+    assert w4a4.rotate_quantize_plan(65536) is None  # 512 rows of 128: more than a CTA cluster holds
+    assert w4a4.rotate_quantize_plan(48) is None  # 12 x 4: rows of 4 are too short for ldmatrix
+
+
+def test_rotate_quantize_shared_memory_is_the_kernels():
+    """csrc/rotate_quantize.cu: smem_bytes (the rows padded to 16, one float a warp and one more for the row's max),
+    which decides where the kernel fits: a byte short and the launch fails."""
+    import re
+
+    src = (w4a4.cuda_build.CSRC / "rotate_quantize.cu").read_text()
+    threads = int(re.search(r"constexpr int THREADS = (\d+), WARPS = THREADS / 32", src).group(1))
+    assert "return mp * (p + 8) * 2 + 16 * (p + 4) * 4 + (WARPS + 1) * 4;" in src
+    for rows, log2p in ((172, 6), (28 * 8, 7), (36, 4), (1, 6)):
+        p, mp = 1 << log2p, (rows + 15) // 16 * 16
+        assert w4a4.rotate_quantize_smem(rows, log2p) == mp * (p + 8) * 2 + 16 * (p + 4) * 4 + (threads // 32 + 1) * 4
+
+
+def test_the_act_quant_plan_pads_a_row_to_a_power_of_two():
+    """(rows a program, padded row, warps): 4096 elements a program, up to 64 a thread."""
+    assert w4a4._act_plan(4096, False) == (1, 4096, 4, None)
+    assert w4a4._act_plan(11008, False) == (1, 16384, 8, None)
+    assert w4a4._act_plan(576, False) == (4, 1024, 4, None)
+    assert w4a4._act_plan(32768, False) == (1, 32768, 16, None)
+    assert w4a4._act_plan(100, False) == (32, 128, 4, None)
+
+
 # ---- compile-only check (sm_90 target, no GPU needed): the PTX unpack's layout assumption ---------
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton (and its bundled ptxas), not the interpreter")

@@ -185,6 +185,19 @@ def test_the_kernels_linear_functions_refuse_to_lose_a_gradient():
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+def test_the_kernels_linear_functions_refuse_a_bias_that_wants_a_gradient():
+    """A trainable bias (x itself needing none) lost its gradient the same way."""
+    layer = QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(mode="w4a4"))
+    x, bias = torch.randn(2, 64), torch.randn(16, requires_grad=True)
+    for call in (lambda: kernels.w4a4_linear(x, layer.qweight, layer.scales[0], bias),
+                 lambda: kernels.w4a16_linear(x, layer.qweight, layer.scales, layer.zeros, 64, bias),
+                 lambda: kernels.w4a16_linears(x, [(layer.qweight, layer.scales, layer.zeros, bias)], 64)):
+        with pytest.raises(ValueError, match="give no gradient: call the layer"):
+            call()
+        with torch.no_grad():
+            call()
+
+
 def test_the_activations_are_checked_once_a_call_on_every_entry(monkeypatch):
     """A QuantLinear checked its input, then the kernels' function it called checked it again (a shared-input call
     once per layer and once more): two checks of every layer's input in each eager decode step."""

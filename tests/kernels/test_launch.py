@@ -1,0 +1,122 @@
+"""The host side every kernel family shares, on the CPU: grid arithmetic and split-K counters (`launch`), where the
+Triton kernels may run (`triton_device`), and the Hopper GEMMs' split plan (`hopper`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nibble.kernels import hopper, launch, triton_device
+
+
+def test_cdiv_and_next_pow2():
+    assert [launch.cdiv(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert [launch.next_pow2(x) for x in (0, 1, 2, 3, 4, 5, 576, 4096, 4097)] == [1, 1, 2, 4, 4, 8, 1024, 4096, 8192]
+
+
+def test_split_counters_grow_for_a_larger_grid_and_are_shared_below_it():
+    """A later launch of more tiles than the buffer holds gets a larger one (a kernel counting past its end wrote
+    memory it does not own); smaller ones share the first (at least 4096 counters: one allocation per stream)."""
+    dev = torch.device("cpu")
+    launch._COUNTERS.pop(("cpu", None, 0), None)
+    first = launch.split_counters(dev, 10)
+    assert first.numel() >= 4096 and first.dtype == torch.int32 and not first.any()
+    assert launch.split_counters(dev, 4096) is first
+    bigger = launch.split_counters(dev, 5000)
+    assert bigger.numel() >= 5000 and launch.split_counters(dev, 10) is bigger
+    launch._COUNTERS.pop(("cpu", None, 0), None)
+
+
+def test_a_device_that_is_not_cuda_has_the_default_sms():
+    """The configs' SM count for the Triton interpreter and CPU tests: the H200's."""
+    assert launch.num_sms(torch.device("cpu")) == launch.NUM_SMS_DEFAULT == 132
+
+
+def test_the_triton_kernels_take_cpu_tensors_under_the_interpreter_only(monkeypatch):
+    x = torch.zeros(2, 8)
+    monkeypatch.setattr(triton_device, "interpreting", lambda: True)
+    triton_device.check_triton_device(x, "W4A16 Triton")
+    monkeypatch.setattr(triton_device, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"the W4A16 Triton kernels need CUDA tensors, got device cpu \(or set "
+                                         "TRITON_INTERPRET=1"):
+        triton_device.check_triton_device(x, "W4A16 Triton")
+
+
+def test_an_older_triton_without_knobs_reads_triton_interpret(monkeypatch):
+    class OldTriton:
+        __version__ = "3.1.0"
+    monkeypatch.setattr(triton_device, "triton", OldTriton())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_device.interpreting() is True
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert triton_device.interpreting() is False
+    monkeypatch.setattr(triton_device, "triton", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_device.interpreting() is False
+
+
+def test_split_plan_keeps_every_split_but_the_last_equal():
+    """10 stages of 128 in 4 splits: 3 x 3 + 1, never more splits than asked."""
+    assert hopper.split_plan(10 * 128, 4) == (4, 3)
+    assert hopper.split_plan(10 * 128, 3) == (3, 4)
+    assert hopper.split_plan(10 * 128, 6) == (5, 2)  # 6 asked, 2 stages each: 5 remain
+    assert hopper.split_plan(4096, 1) == (1, 32) and hopper.split_plan(4096, 0) == (1, 32)
+
+
+def test_triton_missing_is_said_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(triton_device, "triton", None)
+    assert triton_device._triton_unusable() == f"need the `triton` package: pip install 'triton>={triton_device.MIN_TRITON}'"
+
+
+def test_tiles_side_by_side_need_every_width_but_the_last_a_multiple_of_their_channels():
+    tiles = ((128, 256), (128, 128), (64, 128))
+    assert hopper.tiles_side_by_side(tiles, [256, 100]) == tiles  # the last width may end in a partial tile
+    assert hopper.tiles_side_by_side(tiles, [128, 256, 100]) == ((128, 128), (64, 128))
+    assert hopper.tiles_side_by_side(tiles, [100, 256]) == ()
+
+
+# one tile; a K stage costs 10 us and a split nothing: the model would split wherever it may
+_SPLIT_HUNGRY = hopper.CostModel(stage_us={(64, 128): 10.0}, item_us={(64, 128): 1.0}, split_output_us=0.0,
+                                 split_us=0.0)
+
+
+def test_an_unsplit_config_pays_no_split_costs():
+    model = hopper.CostModel(stage_us={(64, 128): 1.0}, item_us={(64, 128): 3.0}, split_output_us=2.0, split_us=0.5)
+    clusters = hopper.ideal_clusters(132)
+    assert model.us(64, 128, 1024, (64, 128), 1, clusters) == pytest.approx(8 * 1.0 + 3.0)
+    # two splits: 4 stages each, plus 2.0 per million outputs and split, and 0.5 a split
+    assert model.us(64, 128, 1024, (64, 128), 2, clusters) == pytest.approx(4 + 3.0 + 2.0 * 64 * 128 * 2 / 1e6 + 1.0)
+
+
+def test_pick_config_splits_only_where_each_split_keeps_two_stages():
+    clusters = hopper.ideal_clusters(132)
+    assert hopper.pick_config(64, 128, 3 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 1  # 3 stages: 1 a split
+    assert hopper.pick_config(64, 128, 4 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 2
+    assert hopper.pick_config(64, 128, 16 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 8
+
+
+def test_pick_config_splits_only_where_the_tiles_fit_two_waves():
+    """The rule alone, on a made-up GPU that holds 10 clusters of 1 or 2 CTAs and 1 of more: 15 tiles fit two waves of
+    clusters of 2 (split there), 21 do not (no split, however cheap the model says it is)."""
+    clusters = {1: 10, 2: 10, 3: 1, 4: 1, 6: 1, 8: 1}
+    assert hopper.pick_config(64, 15 * 128, 64 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 2
+    assert hopper.pick_config(64, 21 * 128, 64 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 1
+
+
+def test_a_launch_takes_1_to_8_splits():
+    """The splits of a tile are one cluster, at most 8 CTAs."""
+    from nibble.kernels import w4a16
+
+    config = dict(bn=128, channels=128, split_k=8)
+    assert w4a16.WGMMA.launch_config(config, 64, 4096, [4096]) == config
+    for split in (0, 9):
+        with pytest.raises(ValueError, match="split_k must be 1 to 8"):
+            w4a16.WGMMA.launch_config(dict(config, split_k=split), 64, 4096, [4096])
+
+
+def test_a_launch_over_several_weights_is_configured_for_their_columns_together():
+    from nibble.kernels import w4a16
+
+    for M, widths, K in ((128, [1024, 1024, 1024], 4096), (64, [4096] * 3, 4096), (256, [2048, 2048], 8192)):
+        together = w4a16.WGMMA.config(M, sum(widths), K, widths=widths)
+        assert w4a16.WGMMA.launch_config(None, M, K, widths) == together
+        assert together != w4a16.WGMMA.config(M, widths[0], K, widths=widths)  # the first weight's alone differs
