@@ -22,7 +22,7 @@ SPEED_MODELS = {
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
                        rope_theta=1000000.0),
-    # per-head RMSNorms on q and k before RoPE (Engine runs them unfused)
+    # per-head RMSNorms on q and k before RoPE (the engine runs them inside its RoPE + cache kernel)
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rope_theta=1000000.0),

@@ -9,8 +9,8 @@ Every number comes with the figure that says how good it is:
 
 Timing: CUDA events around CUDA-graph replays, after warm-up; the median of several repeats.
 The speed models (`nibble.eval.SPEED_MODELS`) are random-weight Llama-2-7B-, Llama-3-8B-, Llama-3.2-1B-,
-Qwen2.5-7B- and Qwen3-8B-shaped models built directly on the GPU in bf16 (speed does not depend on the values) and quantized in place, layer by layer,
-so two copies of the weights never sit on the GPU together.
+Qwen2.5-7B- and Qwen3-8B-shaped models built directly on the GPU in bf16 (speed does not depend on the values) and
+quantized in place, layer by layer, so two copies of the weights never sit on the GPU together.
 """
 from __future__ import annotations
 
