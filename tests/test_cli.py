@@ -96,6 +96,7 @@ def test_generate_quantize_info_roundtrip(model_dir, tmp_path, capsys):
     main(["info", str(out)])
     info = json.loads(capsys.readouterr().out)
     assert info["quantization_config"]["group_size"] == 32 and info["bytes_saved"] > 0
+    assert info["ratio"] == 0.3125  # to 4 places, as the saved line's 0.312x (2 places said 0.31)
     assert next(iter(info)) == "checkpoint_format" and info["checkpoint_format"] == "nibble"
     # the tied lm_head counted once, as the file holds it (it was counted twice: SmolLM2's 173 MB read as 286)
     size = (out / "model.safetensors").stat().st_size
@@ -1140,6 +1141,7 @@ def test_a_quantized_model_an_export_cannot_hold_is_refused_in_the_options_befor
 
 @pytest.mark.parametrize("flags, message", [
     (["--quant", "none", "--rotate"], "--rotate sets how to quantize, and --quant none runs the model unquantized"),
+    (["--quant", "none", "--method", "gptq"], "--method sets how to quantize, and --quant none runs the model"),
     (["--quant", "none", "--group-size", "32", "--float-zero"], "--group-size, --float-zero set how to quantize"),
     (["--quant", "w4a4", "--float-zero"], "--float-zero shapes W4A16's groups, and --quant w4a4 quantizes each output "
                                           "channel whole and symmetric"),  # QuantConfig's rule, said as the options
@@ -1148,7 +1150,8 @@ def test_a_quantized_model_an_export_cannot_hold_is_refused_in_the_options_befor
                                "nothing: drop it"),
     (["--method", "gptq", "--calib-seq-len", "1"], "--calib-seq-len must be >= 2, got 1"),
     (["--method", "awq", "--calib-samples", "0"], "--calib-samples must be >= 1, got 0"),
-    (["--method", "gptq", "--clip-search"], "--clip-search is RTN's clipping search, and --method gptq runs its own")])
+    (["--method", "gptq", "--clip-search"], "--clip-search is RTN's clipping search, and --method gptq runs its own"),
+    (["--method", "awq", "--clip-search"], "--clip-search is RTN's clipping search, and --method awq runs its own")])
 def test_quantization_flags_that_would_be_ignored_are_refused_before_loading_the_model(flags, message, monkeypatch):
     """`--quant none --rotate` and `--quant w4a4 --float-zero` ran without them; `--group-size 0` became 128 (and the
     error then blamed 128)."""
@@ -1270,6 +1273,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(model_dir, tmp
             main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", str(out)])
     with pytest.raises(SystemExit, match="^nibble quantize: --out is empty"):  # an unset "$OUTDIR"
         main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", ""])
+    with pytest.raises(SystemExit, match="^nibble quantize: --out is empty"):  # "$OUTDIR " quoted: a name of a space
+        main(["quantize", "--model", str(model_dir), "--quant", "w4a16", "--out", " "])
     with pytest.raises(SystemExit, match=r"^nibble qat: --seed must be an integer from -2\*\*63 to"):
         main(["qat", "--model", str(model_dir), "--out", str(tmp_path / "qat"), "--seed", str(2**64)])
     if Path("/proc/self").is_dir():  # no file can be made there, even by root (whom os.access always let through)
@@ -1331,6 +1336,28 @@ def test_eval_says_what_a_null_score_means(what, scored, says, model_dir, monkey
     assert any(infinite in str(w.message) for w in caught) == (scored.get("ppl") == math.inf)
 
 
+def test_eval_without_a_model_says_it_measured_the_default_one(monkeypatch, capsys):
+    """The setup's "model" of a run without --model: null said nothing of which model was measured."""
+    import nibble.cli as cli
+    import nibble.eval.perplexity
+
+    monkeypatch.setattr(cli, "load_for_command", lambda *a: (tiny_model(), None))
+    monkeypatch.setattr(nibble.eval.perplexity, "wikitext2_perplexity", lambda *a, **k: dict(ppl=2.0, nll=0.7))
+    main(["eval", "ppl", "--device", "cpu", "--quant", "none"])
+    assert json.loads(capsys.readouterr().out)["setup"]["model"] == "default (SmolLM2-135M-Instruct)"
+
+
+def test_a_missing_module_is_the_commands_one_line_error(model_dir, monkeypatch):
+    """An optional package not installed (ModuleNotFoundError) is said in one line, not as a traceback."""
+    import nibble.cli as cli
+
+    def missing(*args):
+        raise ModuleNotFoundError("No module named 'gguf'")
+    monkeypatch.setattr(cli, "load_for_command", missing)
+    with pytest.raises(SystemExit, match="^nibble eval: No module named 'gguf'\n"):
+        main(["eval", "ppl", "--model", str(model_dir), "--device", "cpu", "--quant", "none"])
+
+
 def test_demo_refuses_bad_counts_and_warnings_are_one_line(monkeypatch, capsys):
     import warnings
 
@@ -1339,6 +1366,8 @@ def test_demo_refuses_bad_counts_and_warnings_are_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("loaded the model before checking the counts"))
     with pytest.raises(SystemExit, match="^nibble demo: --max-new-tokens must be >= 1, got 0"):
         main(["demo", "--max-new-tokens", "0"])
+    with pytest.raises(SystemExit, match="^nibble demo: --ppl-tokens must be >= 2, got 1"):  # 1 token predicts none
+        main(["demo", "--ppl-tokens", "1"])
 
     def warn(args):
         warnings.warn("the cache is cold", stacklevel=1)
@@ -1467,6 +1496,9 @@ def test_tasks_are_named_by_comma_in_eval_and_report_and_by_space_in_report(caps
         with pytest.raises(SystemExit):
             build_parser().parse_args([*command, "--tasks", "piqa,hellaswagg"])
         assert "--tasks: unknown task 'hellaswagg': choose from piqa, " in capsys.readouterr().err
+        with pytest.raises(SystemExit):  # "--tasks ," names none: it ran every task
+            build_parser().parse_args([*command, "--tasks", ","])
+        assert "--tasks: no task named: choose from piqa, " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,fix", [

@@ -6,6 +6,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -396,6 +397,65 @@ def test_an_interrupted_report_keeps_the_configs_that_finished_marked_partial(tm
         main(["report", "--out", str(fresh), "--configs", "w4a16", "bf16", "--no-accuracy", "--speed-models"])
 
 
+def test_speed_models_alone_interrupted_keep_the_one_that_finished(tmp_path, monkeypatch):
+    """--no-model: a speed model timed before Ctrl-C is kept, marked partial, as a config of the model is (no config
+    finished: it was said as nothing finished, and thrown away)."""
+    def measure(sm, *args):
+        if sm == "llama-3-8b":
+            raise KeyboardInterrupt
+        return {"bf16": {"config": "bf16", "error": "RuntimeError: boom"}}
+    gpu = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: True))  # the speed models run on a GPU only
+    monkeypatch.setattr(report, "torch", gpu)
+    monkeypatch.setattr(report.speed_mod, "device_ceilings", lambda: {})
+    monkeypatch.setattr(report, "measure_speed_models", measure)
+    with pytest.raises(report.ReportInterrupted, match="^interrupted; .* marked partial: the speed model llama-3-8b "
+                                                       "not measured"):
+        report.run_report(None, tmp_path, configs=("bf16",), model=False, speed_models=("llama-2-7b", "llama-3-8b"),
+                          log=lambda *_: None)
+    assert report.read_json(tmp_path / "report.json")["meta"]["speed_models"] == ["llama-2-7b"]
+
+
+def test_a_run_without_accuracy_does_not_check_a_perplexity_window_it_would_not_score(tmp_path, monkeypatch):
+    """--no-accuracy runs no perplexity: its window (here a cut shorter than one window) is not checked."""
+    tiny_model().save_pretrained(tmp_path / "m")  # its config: the context the window is checked against
+    monkeypatch.setattr(report, "_default_loader", lambda *a: tiny_loader)
+    results = report.run_report(str(tmp_path / "m"), tmp_path / "out", configs=("bf16",), accuracy=False, speed=False,
+                                ppl_seq_len=64, ppl_max_tokens=32, progress=False, log=lambda *_: None)
+    assert "weights" in results["configs"]["bf16"]
+
+
+def test_a_target_met_exactly_passes():
+    """w4a16's peak at exactly half of bf16's meets "<= 0.5"."""
+    gib = 2**30
+    seven = {"bf16": {"weights": fake_weights(12 * gib, 13 * gib), "peak": {"peak_bytes": 14 * gib}},
+             "w4a16": {"weights": fake_weights(3 * gib, 4 * gib), "peak": {"peak_bytes": 7 * gib}}}
+    results = {"meta": {"configs": list(seven)}, "configs": {}, "speed_models": {"llama-2-7b": seven}}
+    t = report.summarize(results)["targets_llama-2-7b"]
+    assert t["w4a16 peak memory / bf16"] == {"value": 0.5, "target": "<= 0.5", "pass": True}
+
+
+def test_an_unknown_speed_model_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"^unknown speed model\(s\) \['llama-9'\]; choose from \['llama-2-7b'"):
+        report.run_report(None, tmp_path / "out", configs=("bf16",), speed_models=("llama-9",), loader=tiny_loader,
+                          log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_report_may_be_written_into_the_model_folder(tmp_path, monkeypatch):
+    """report.md is no checkpoint: the --model folder as --out replaces nothing (quantize's refusal of it is not
+    report's)."""
+    from nibble.cli import main
+
+    tiny_model().save_pretrained(tmp_path)
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: {"configs": {}, "speed_models": {}})
+    assert main(["report", "--model", str(tmp_path), "--out", str(tmp_path), "--no-speed"]) == 0
+
+
+def test_a_ratio_to_nothing_is_no_ratio():
+    """A 16-bit baseline of 0 bytes (or none measured): no ratio, not a ZeroDivisionError."""
+    assert report._ratio(3, 0) is None and report._ratio(None, 2) is None and report._ratio(3, 2) == 1.5
+
+
 def test_a_refused_report_leaves_no_out_folder(tmp_path):
     """run_report made its folder before its checks: a refused `nibble report` left an empty report/ behind."""
     def rotation_refused():
@@ -471,7 +531,7 @@ def fake_weights(linear_bytes: int, total_bytes: int) -> dict:
             "tied_lm_head": False}
 
 
-def test_speed_tables_targets_and_plots_from_measured_numbers(tmp_path):
+def test_speed_tables_targets_and_plots_from_measured_numbers(tmp_path, monkeypatch):
     """The CUDA half of the report (tables, speedups, target checks, plots) on fabricated measurements."""
     gib = 2**30
     seven = {
@@ -507,6 +567,11 @@ def test_speed_tables_targets_and_plots_from_measured_numbers(tmp_path):
     # speed models only (no config scored the tasks): no empty accuracy chart
     assert [p.rsplit("/", 1)[-1] for p in plots] == ["speedup.png", "vram.png"]
     assert all((tmp_path / p).stat().st_size > 1000 for p in ("speedup.png", "vram.png"))
+    figures = []  # the speedup panel's lines and the memory panel's bars are named in their legends
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or str(path))
+    report.write_plots(results, tmp_path, log=lambda *_: None)
+    speedup, memory = ([t.get_text() for t in f.axes[0].get_legend().get_texts()] for f in figures)
+    assert speedup == ["w4a16 b=1", "w4a4 b=1"] and "peak (512 + 128 tokens)" in memory
 
 
 def test_speed_models_alternate_the_config_order_and_keep_the_median_round(monkeypatch):
@@ -553,7 +618,35 @@ def test_report_cli_arguments_reach_run_report(tmp_path, monkeypatch):
     taken = {}  # options left out (None, so that a refusal can tell them from given ones) are run_report's defaults
     monkeypatch.setattr(report, "run_report", lambda *a, **k: taken.update(k) or {"configs": {}, "speed_models": {}})
     assert report_command.report_main(parser.parse_args(["--out", str(tmp_path), "--no-speed"])) == 0
-    assert taken.keys().isdisjoint({"tasks", "batch_size", "speed_models", "speed_rounds"})
+    assert taken.keys().isdisjoint({"tasks", "batch_size", "speed_models", "speed_rounds"}) and taken["speed"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --speed-rounds is refused without a GPU
+    assert report_command.report_main(parser.parse_args(["--out", str(tmp_path), "--speed-rounds", "3"])) == 0
+    assert taken["speed_rounds"] == 3
+
+
+def test_a_config_that_failed_on_a_speed_model_fails_the_command_and_is_named(tmp_path, monkeypatch, capsys):
+    """A speed model's failed config (its error in results["speed_models"]) fails the command as the model's does."""
+    parser = report_command.add_report_arguments(argparse.ArgumentParser())
+    speed = {"llama-2-7b": {"bf16": {"config": "bf16", "speed": []},
+                            "w4a16": {"config": "w4a16", "error": "RuntimeError: boom"}}}
+    monkeypatch.setattr(report, "run_report", lambda *a, **k: {"configs": {"bf16": {}}, "speed_models": speed})
+    assert report_command.report_main(parser.parse_args(["--out", str(tmp_path)])) == 1
+    where = tmp_path / "report.md"
+    assert capsys.readouterr().err.strip() == (f"nibble report: 1 config failed (the others are in {where}): "
+                                               "llama-2-7b/w4a16: RuntimeError: boom")
+
+
+def test_the_accuracy_plot_sets_each_configs_bars_side_by_side(tmp_path, monkeypatch):
+    """Two configs' bars of a task: each 0.4 wide, the second beside the first, not over it."""
+    figures, logs = [], []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or str(path))
+    report.run_report(None, tmp_path, configs=("bf16", "w4a16"), tasks=("boolq",), tasks_limit=1, ppl_max_tokens=300,
+                      speed=False, loader=tiny_loader, progress=False, log=logs.append)
+    assert sum("] tasks average acc " in line for line in logs) == 2  # each config's, as it finishes
+    (ax,) = [f.axes[0] for f in figures if f.axes[0].get_title().startswith("zero-shot accuracy")]
+    # boolq's and the average's bars of bf16, then w4a16's
+    assert [(round(p.get_x(), 3), round(p.get_width(), 3)) for p in ax.patches] == [(-0.2, 0.4), (0.8, 0.4),
+                                                                                    (0.2, 0.4), (1.2, 0.4)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the speed models would run for minutes")
@@ -739,6 +832,8 @@ def test_the_memory_rows_name_the_dtype_they_compare(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| attention MiB (float32) | 0.1 | 0.0 |" in md and "| weights total MiB (float32) | 0.4 |" in md
     assert "| decoder linears / bf16 (float32 counted as 16-bit) | 1.000 | 0.281 |" in md
+    if not torch.cuda.is_available():  # and why its peak rows are empty
+        assert "\nPeak memory and speed skipped: the model is not on a CUDA GPU" in md
     for r in results["configs"].values():  # a GPU run's: the bytes are bf16 bytes, as the labels said before
         r["dtype"] = "bfloat16"
     report.write_markdown(results, tmp_path / "bf16.md")
