@@ -618,6 +618,34 @@ def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens,
         assert gap <= max(tol, spacing), f"row {row}: tokens diverge at step {d} with a logit gap of {gap:.4f} (> {tol})"
 
 
+def teacher_forced_agreement(engine, model, prompt, hf_tokens) -> tuple[int, int]:
+    """How many of HF's greedy tokens (sdpa attention) the engine picks when each of its decode steps is fed
+    HF's previous token, and how many HF's own eager attention picks, teacher-forced over the same sequence.
+
+    Under W4A4 these random models are chaotic: a one-ulp difference before an activation quantization (an
+    attention output, a norm's rstd summed in another order) can move a per-token 4-bit code by a step and the
+    logits by about 1, so two correct implementations part within a few free-running tokens. On an H100 (session
+    76, `benchmarks/results/session76-h100/w4a4-greedy-divergence.jsonl`) the engine left HF's qwen3 w4a4 tokens
+    at step 18 with a logit gap of 1.19, and HF's eager and sdpa paths, teacher-forced, disagree on the argmax at
+    45-62 of 96 positions, with gaps up to 7. Fed the same context at every step, the engine must agree with HF
+    at least as often as HF's other attention path does (there: the engine 59-64 of 64, eager 20-34)."""
+    B, n = hf_tokens.shape
+    engine.prefill(prompt)
+    engine_agrees = (engine.token[:B, 0] == hf_tokens[:, 0]).sum().item()
+    for t in range(n - 1):
+        with torch.inference_mode():  # the engine's state is made under inference mode
+            engine.token[:B, 0].copy_(hf_tokens[:, t])
+        engine_agrees += (engine.decode(1)[:, 0] == hf_tokens[:, t + 1]).sum().item()
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, hf_tokens[:, :-1]], 1)).logits[:, prompt.shape[1] - 1:]
+    finally:
+        model.set_attn_implementation(implementation)
+    return engine_agrees, (logits.argmax(-1) == hf_tokens).sum().item()
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,mode", [("llama", "bf16"), ("llama", "w4a16"), ("llama", "w4a4"),
@@ -645,7 +673,12 @@ def test_cuda_graph_engine_greedy_tokens_equal_hf_generate(arch, mode, monkeypat
     assert torch.equal(engine.generate(prompt, 32), tokens)  # replaying the graphs is deterministic
     assert (len(fused) > 0) == (mode == "w4a4")
     assert (len(gated) > 0) == (mode == "w4a4" and w4a4.wgmma_applicable(32, 512, 256, "cuda"))
-    assert_greedy_equal_up_to_near_ties(model, prompt, tokens, hf_greedy(model, prompt, 32), tol=0.05)
+    hf_tokens = hf_greedy(model, prompt, 32)
+    if mode == "w4a4":
+        engine_agrees, eager_agrees = teacher_forced_agreement(engine, model, prompt, hf_tokens)
+        assert engine_agrees >= eager_agrees, (engine_agrees, eager_agrees)
+    else:
+        assert_greedy_equal_up_to_near_ties(model, prompt, tokens, hf_tokens, tol=0.05)
 
 
 @gpu
