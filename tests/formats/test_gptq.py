@@ -217,3 +217,32 @@ def test_float_zero_points_and_bad_arguments_are_refused():
         from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v3")
     with pytest.raises(ValueError, match="disagrees"):
         from_gptq(qweight, qzeros, scales, g_idx, 16)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_converted_tensors_share_no_memory_with_their_source(act_order):
+    """to_gptq and from_gptq return tensors of their own (the qweight of an act-order one is repacked anyway): an
+    edit of the exported tensors in place reached the model's weight, and an edit of the checkpoint's the import."""
+    seed = int(torch.randint(0, 2 ** 31, ()))
+    qweight, qzeros, scales, g_idx = random_gptq(128, 16, 32, seed=seed, act_order=act_order)
+    w, perm = from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v2")
+    kept = {name: getattr(w, name).clone() for name in ("qweight", "scales", "zeros")}
+    for tensor in (qweight, qzeros, scales):
+        tensor.add_(1)
+    for name, before in kept.items():
+        assert torch.equal(getattr(w, name), before), name
+    t = to_gptq(w, perm, checkpoint_format="gptq_v2")
+    for tensor in t.values():
+        tensor.add_(1)
+    for name, before in kept.items():
+        assert torch.equal(getattr(w, name), before), name
+
+
+@pytest.mark.parametrize("part", ["qweight", "qzeros"])
+def test_packed_gptq_words_of_another_dtype_than_int32_are_refused(part):
+    """int64 qzeros were read as they were (taken mod 2^32): a file of another layout than GPTQ's, loaded silently."""
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    tensors = {"qweight": qweight, "qzeros": qzeros}
+    tensors[part] = tensors[part].to(torch.int64)
+    with pytest.raises(ValueError, match=r"^GPTQ qweight/qzeros must be int32"):
+        from_gptq(tensors["qweight"], tensors["qzeros"], scales, g_idx, 32, checkpoint_format="gptq_v2")

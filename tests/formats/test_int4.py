@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -55,3 +57,17 @@ def test_int4weight_validates_shapes_and_divisibility():
     # -1 is the quantizers' shorthand; a weight holds the width itself (it was "not divisible by group_size=-1")
     with pytest.raises(ValueError, match=r"group_size is a group's width \(in_features=64 for one group a row\)"):
         Int4Weight(q, s[:1], s[:1], -1)
+
+
+def test_pack_refuses_a_negative_code_which_would_corrupt_its_neighbours():
+    """-1 as an int32 is all ones: shifted into its nibble it set every bit above it, the codes of the rows after."""
+    codes = torch.randint(0, 16, (16, 3))
+    codes[9, 1] = -1
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_int4(codes)
+
+
+@pytest.mark.parametrize("shape", [(16,), (2, 8, 3)])
+def test_pack_refuses_codes_that_are_not_2d_naming_the_shape(shape):
+    with pytest.raises(ValueError, match=rf"2-D \[K, N\] tensor of codes, got shape {re.escape(str(shape))}"):
+        pack_int4(torch.randint(0, 16, shape))

