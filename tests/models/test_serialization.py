@@ -1039,3 +1039,26 @@ def test_the_weights_files_metadata_is_written_in_key_order(tmp_path, monkeypatc
         assert metadata_keys(tmp_path / "w.safetensors") == ["format", "nibble"]
     save_quantized(_quantized(), tmp_path / "awq", format="awq")
     assert metadata_keys(tmp_path / "awq" / "model.safetensors") == ["format", "nibble"]
+
+
+def test_an_unreadable_weights_file_is_a_permission_error_not_a_missing_one(saved, monkeypatch):
+    """safetensors says "No such file or directory" of a file it may not read: the load names the permission. (As
+    root every file is readable, so the refusal of os.access is what stands in for a chmod 000 here.)"""
+    _, path = saved
+    weights = path / "model.safetensors"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if str(p) == str(weights) else real_access(p, mode))
+    with pytest.raises(PermissionError, match=rf"^cannot read {re.escape(str(weights))}: permission denied"):
+        load_quantized(path)
+
+
+def test_a_tensor_of_a_dtype_nibble_does_not_read_makes_the_structure_a_checkpoint_error(saved):
+    """`nibble info` reads the headers alone (`quantized_structure`): a tensor stored as U16 was header_tensor's
+    ValueError escaping the load's refusal of a damaged file."""
+    from nibble.models.serialization import quantized_structure
+    _, path = saved
+    _rewrite_tensors(path, lambda tensors: tensors.update(
+        {"model.norm.weight": torch.randint(0, 1000, (64,)).to(torch.uint16)}))
+    with pytest.raises(CheckpointError, match=r"is truncated or corrupt \(tensor 'model\.norm\.weight' is stored as "
+                                              r"U16, a dtype nibble does not read\)"):
+        quantized_structure(path)
