@@ -253,3 +253,22 @@ def test_gptq_scales_of_another_dtype_than_float16_are_refused_as_gptqs(dtype):
     qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
     with pytest.raises(ValueError, match=rf"^GPTQ scales must be float16, got {dtype}$"):
         from_gptq(qweight, qzeros, scales.to(dtype), g_idx, 32)
+
+
+def test_scales_whose_group_rows_do_not_divide_the_inputs_are_refused_naming_them():
+    """3 group rows for 64 inputs made a group size of 21, refused only by the weight's check as a group size no
+    kernel runs, where the checkpoint's scales are what is wrong."""
+    qweight, qzeros, scales, _ = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    scales = torch.cat([scales, scales[:1]])
+    qzeros = torch.cat([qzeros, qzeros[:1]])
+    with pytest.raises(ValueError, match=r"^GPTQ scales have 3 group rows, which do not divide in_features=64 "
+                                         r"evenly$"):
+        from_gptq(qweight, qzeros, scales)
+
+
+def test_scales_of_another_width_than_the_outputs_are_refused_as_gptq_shapes():
+    """Scales of 8 columns fewer than qweight's outputs met the zero points in a bare broadcasting RuntimeError."""
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    with pytest.raises(ValueError, match=r"^GPTQ shapes disagree: qweight \(8, 16\) \(K=64, N=16\) needs scales "
+                                         r"\(2, 16\) and qzeros \(2, 2\); got \(2, 8\) and \(2, 2\)$"):
+        from_gptq(qweight, qzeros, scales[:, :8], g_idx, 32)
