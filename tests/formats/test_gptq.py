@@ -1,4 +1,6 @@
 """GPTQ <-> canonical: bit-exact round trips (v1 and v2 zero points, act-order g_idx) and the GPTQ dequant formula."""
+import re
+
 import pytest
 import torch
 
@@ -272,3 +274,9 @@ def test_scales_of_another_width_than_the_outputs_are_refused_as_gptq_shapes():
     with pytest.raises(ValueError, match=r"^GPTQ shapes disagree: qweight \(8, 16\) \(K=64, N=16\) needs scales "
                                          r"\(2, 16\) and qzeros \(2, 2\); got \(2, 8\) and \(2, 2\)$"):
         from_gptq(qweight, qzeros, scales[:, :8], g_idx, 32)
+
+
+@pytest.mark.parametrize("shape", [(16,), (2, 2, 8)])
+def test_zero_points_to_pack_along_n_that_are_not_2d_are_refused_naming_the_shape(shape):
+    with pytest.raises(ValueError, match=rf"^expected a 2-D \[rows, N\] tensor, got shape {re.escape(str(shape))}$"):
+        pack_along_n(torch.randint(0, 16, shape, dtype=torch.int32))
