@@ -170,6 +170,16 @@ def test_a_folder_of_gguf_files_names_them(tmp_path):
         load_model(tmp_path)
 
 
+def test_a_folder_of_more_than_three_gguf_files_names_three_and_says_there_are_more(tmp_path):
+    """A repository of every quantization (a dozen GGUFs) named three and stopped, as if those were all."""
+    names = sorted(f"m.Q{bits}_K_M.gguf" for bits in range(2, 7))
+    for name in names:
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=rf"it holds {re.escape(', '.join(names[:3]))}, \.\.\.: pass one of "
+                                                r"them$"):
+        load_model(tmp_path)
+
+
 def test_directory_without_tokenizer(tmp_path):
     """It was transformers' "Couldn't instantiate the backend tokenizer from one of: " and an empty list."""
     _save_tiny(tmp_path, "llama", tokenizer=False)
