@@ -71,3 +71,14 @@ def test_pack_refuses_a_negative_code_which_would_corrupt_its_neighbours():
 def test_pack_refuses_codes_that_are_not_2d_naming_the_shape(shape):
     with pytest.raises(ValueError, match=rf"2-D \[K, N\] tensor of codes, got shape {re.escape(str(shape))}"):
         pack_int4(torch.randint(0, 16, shape))
+
+
+@pytest.mark.parametrize("part", ["scales", "zeros"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4weight_refuses_scales_or_zeros_of_another_16_or_32_bit_float(part, dtype):
+    """bfloat16 is as wide as float16: scales of another float format, read as float16 by the kernels, are refused."""
+    q = torch.randint(-2 ** 31, 2 ** 31, (8, 4), dtype=torch.int64).to(torch.int32)  # K = 64
+    tensors = {"scales": (torch.rand(2, 4) * 0.05 + 1e-3).half(), "zeros": -(torch.rand(2, 4) * 0.4).half()}
+    tensors[part] = tensors[part].to(dtype)
+    with pytest.raises(ValueError, match=rf"^{part} must be float16, got {dtype}$"):
+        Int4Weight(q, tensors["scales"], tensors["zeros"], 32)
