@@ -503,3 +503,13 @@ def test_a_damaged_tokenizer_json_beside_a_tokenizer_model_is_not_blamed_on_sent
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: could not load a tokenizer from it") as e:
         load_model(tmp_path)
     assert "sentencepiece" not in str(e.value)
+
+
+def test_a_generation_config_field_transformers_cannot_compare_is_said_and_ignored(tmp_path):
+    """A max_new_tokens that is a list failed in GenerationConfig's own validation as a TypeError ("'<=' not supported
+    between instances of 'list' and 'int"), which stopped the load where a damaged file is said and ignored."""
+    from nibble.models.loading import read_generation_config
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": [int(torch.randint(1, 99, ()))]}))
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'generation_config.json'))} cannot be read "
+                                         r"\('<=' not supported .*\), so it is ignored"):
+        assert read_generation_config(tmp_path) is None
