@@ -700,6 +700,8 @@ def _damaged(config, damage):
         config["quantization_config"] = "awq"
     elif damage == "modules null":
         config["quantization_config"]["online_hadamard_modules"] = None
+    elif damage == "permuted a string":  # a name where a list of them belongs: read as its characters
+        config["quantization_config"]["input_permuted_modules"] = "model.layers.0.mlp.down_proj"
     elif damage == "mode unknown":
         config["quantization_config"]["mode"] = "w9"
     elif damage == "model_type unknown":
@@ -715,6 +717,8 @@ def _damaged(config, damage):
     ("no model_type", r"config\.json names no model_type"),
     ("qc a string", r"config\.json: quantization_config must be an object, got 'awq'"),
     ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None"),
+    ("permuted a string", r"quantization_config\.input_permuted_modules must be a list of module names, got "
+                          r"'model\.layers\.0\.mlp\.down_proj'"),
     ("mode unknown", r"config\.json: mode must be one of \('w4a16', 'w4a4'\), got 'w9'"),
     ("model_type unknown", r"config\.json: model_type 'llama9' is not supported; nibble loads the llama, qwen2"),
     ("hidden_size a string", r"config\.json: Validation error for field 'hidden_size': TypeError: .* expected int")])
