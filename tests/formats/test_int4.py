@@ -82,3 +82,10 @@ def test_int4weight_refuses_scales_or_zeros_of_another_16_or_32_bit_float(part, 
     tensors[part] = tensors[part].to(dtype)
     with pytest.raises(ValueError, match=rf"^{part} must be float16, got {dtype}$"):
         Int4Weight(q, tensors["scales"], tensors["zeros"], 32)
+
+
+def test_int4weight_nbytes_counts_its_codes_scales_and_zeros():
+    K, N, G = 128, 24, 32
+    w = Int4Weight(torch.randint(-2 ** 31, 2 ** 31, (K // 8, N), dtype=torch.int64).to(torch.int32),
+                   (torch.rand(K // G, N) * 0.05 + 1e-3).half(), -(torch.rand(K // G, N) * 0.4).half(), G)
+    assert w.nbytes() == K // 8 * N * 4 + 2 * (K // G * N * 2)

@@ -116,17 +116,26 @@ def test_a_tensor_reshaped_in_the_file_fails_the_checksum(saved):
         load_quantized(path)
 
 
-def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved):
-    """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way."""
+@pytest.mark.parametrize("part,old,new,held,want", [("scales", b'"F16"', b'"I16"', "int16", "float16"),
+                                                    ("zeros", b'"F16"', b'"BF16"', "bfloat16", "float16"),
+                                                    ("qweight", b'"I32"', b'"F32"', "float32", "int32")])
+def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved, part, old, new, held, want):
+    """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way:
+    each of the format's three tensors (bfloat16 zeros, as wide as float16, read as another number each)."""
     from safetensors.torch import load_file, save_file
 
     _, path = saved
-    _edit_header(path, "model.layers.0.self_attn.q_proj.scales", b'"F16"', b'"I16"')
-    tensors = load_file(path / "model.safetensors")
+    if len(new) > len(old):  # the header's entry one byte longer: the file rewritten from its tensors instead
+        tensors = load_file(path / "model.safetensors")
+        key = f"model.layers.0.self_attn.q_proj.{part}"
+        tensors[key] = tensors[key].view(torch.bfloat16)
+    else:
+        _edit_header(path, f"model.layers.0.self_attn.q_proj.{part}", old, new)
+        tensors = load_file(path / "model.safetensors")
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(
         {"checksums": {k: tensor_sha256(v, typed=False) for k, v in tensors.items()}, "aliases": {}})})
-    with pytest.raises(CheckpointError, match=r"q_proj\.scales is torch\.int16, where nibble's format holds "
-                                              r"torch\.float16: the file was edited"):
+    with pytest.raises(CheckpointError, match=rf"q_proj\.{part} is torch\.{held}, where nibble's format holds "
+                                              rf"torch\.{want}: the file was edited"):
         load_quantized(path)
 
 
