@@ -1075,3 +1075,13 @@ def test_a_tensor_of_a_dtype_nibble_does_not_read_makes_the_structure_a_checkpoi
     with pytest.raises(CheckpointError, match=r"is truncated or corrupt \(tensor 'model\.norm\.weight' is stored as "
                                               r"U16, a dtype nibble does not read\)"):
         quantized_structure(path)
+
+
+def test_a_refusal_names_a_field_that_held_an_empty_object():
+    """An empty object spread into no dotted key at all: a field saved as {} and gone now was no change to name."""
+    from nibble.models.checkpoint_files import config_changes, digested_config
+    config = tiny_model("llama").config.to_dict()
+    config["quantization_config"] = {"mode": "w4a16", "group_size": 32, "options": {}}
+    saved = json.loads(json.dumps(digested_config(config), default=str))
+    del config["quantization_config"]["options"]
+    assert config_changes(saved, config) == "quantization_config.options {} when saved, absent now"
