@@ -280,3 +280,12 @@ def test_scales_of_another_width_than_the_outputs_are_refused_as_gptq_shapes():
 def test_zero_points_to_pack_along_n_that_are_not_2d_are_refused_naming_the_shape(shape):
     with pytest.raises(ValueError, match=rf"^expected a 2-D \[rows, N\] tensor, got shape {re.escape(str(shape))}$"):
         pack_along_n(torch.randint(0, 16, shape, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_exported_g_idx_is_int32_as_gptq_stores_it(act_order):
+    qweight, qzeros, scales, g_idx = random_gptq(128, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())),
+                                                 act_order=act_order)
+    w, perm = from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v2")
+    back = to_gptq(w, perm, checkpoint_format="gptq_v2")["g_idx"]
+    assert back.dtype == torch.int32 and torch.equal(back, g_idx)

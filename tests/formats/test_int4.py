@@ -89,3 +89,11 @@ def test_int4weight_nbytes_counts_its_codes_scales_and_zeros():
     w = Int4Weight(torch.randint(-2 ** 31, 2 ** 31, (K // 8, N), dtype=torch.int64).to(torch.int32),
                    (torch.rand(K // G, N) * 0.05 + 1e-3).half(), -(torch.rand(K // G, N) * 0.4).half(), G)
     assert w.nbytes() == K // 8 * N * 4 + 2 * (K // G * N * 2)
+
+
+def test_int4weight_refuses_a_qweight_of_64_bit_words():
+    """int64 words hold the codes of 16 rows where the format's int32 holds 8: read as int32's, every other row."""
+    q = torch.randint(-2 ** 31, 2 ** 31, (8, 4), dtype=torch.int64)  # K = 64 as int32 words
+    s = (torch.rand(2, 4) * 0.05 + 1e-3).half()
+    with pytest.raises(ValueError, match=r"^qweight must be a 2-D int32 tensor \[K // 8, N\], got torch.int64 \(8, 4\)$"):
+        Int4Weight(q, s, -(s * 8), 32)

@@ -513,3 +513,16 @@ def test_a_generation_config_field_transformers_cannot_compare_is_said_and_ignor
     with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'generation_config.json'))} cannot be read "
                                          r"\('<=' not supported .*\), so it is ignored"):
         assert read_generation_config(tmp_path) is None
+
+
+def test_a_tokenizer_error_of_several_lines_is_said_by_its_first(tmp_path, monkeypatch):
+    """The command line prints one line: a cause of several (a traceback's text, a tokenizers parse error) is cut to
+    its first."""
+    _save_tiny(tmp_path, "llama")
+    first = f"bad merges at line {int(torch.randint(1, 99, ()))}"
+
+    def refuse(*args, **kwargs):
+        raise ValueError(f"{first}\n  second line\n  third line")
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", refuse)
+    with pytest.raises(ValueError, match=rf"could not load a tokenizer from it \(ValueError: {first}\)\. If the error"):
+        loading.read_tokenizer(tmp_path)
