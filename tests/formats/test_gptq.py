@@ -164,6 +164,17 @@ def test_uneven_g_idx_is_refused():
         from_gptq(qweight, qzeros, scales, g_idx, 32)
 
 
+@pytest.mark.parametrize("bad", [-1, 2])
+def test_a_g_idx_naming_a_group_that_does_not_exist_is_refused(bad):
+    """A negative group failed in torch.bincount as a bare RuntimeError ("only supports ... non-negative")."""
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    g_idx = g_idx.clone()
+    g_idx[int(torch.randint(0, 64, ()))] = bad
+    with pytest.raises(ValueError, match="g_idx must assign exactly 32 of the 64 input features to each of the 2 "
+                                         "groups"):
+        from_gptq(qweight, qzeros, scales, g_idx, 32)
+
+
 @pytest.mark.parametrize("export", [to_awq, lambda w: to_gptq(w, checkpoint_format="gptq"),
                                     lambda w: to_gptq(w, checkpoint_format="gptq_v2")], ids=["awq", "gptq", "gptq_v2"])
 def test_a_zero_point_of_16_is_refused_as_a_float_zero_point(export):
