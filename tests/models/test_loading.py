@@ -151,6 +151,22 @@ def test_an_early_autoawq_folder_is_sent_to_load_quantized(tmp_path):
         load_model(tmp_path)
 
 
+def test_an_early_autoawq_folder_of_a_weight_in_another_shape_is_sent_to_load_quantized(tmp_path):
+    """A quantized layer whose other tensors keep a float name in another shape (transformers: mismatched, not
+    missing) beside its qweight: told to restore a quantization_config, which such a folder never had."""
+    _save_tiny(tmp_path, "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    weight = tensors["model.layers.0.mlp.up_proj.weight"]
+    tensors["model.layers.0.mlp.up_proj.qweight"] = torch.randint(0, 2 ** 31, (weight.shape[1], weight.shape[0] // 8),
+                                                                  dtype=torch.int32)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.randn(weight.shape[0] // 2, weight.shape[1])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    with pytest.raises(ValueError, match=r"holds a quantized checkpoint \(its quant_config\.json\), not a float model; "
+                                         "load it with nibble.load_quantized"):
+        load_model(tmp_path)
+
+
 def test_float_weights_beside_a_stale_quantizers_settings_file_load(tmp_path):
     """A settings file AutoAWQ or AutoGPTQ left beside weights saved again in float (save_pretrained keeps it) is no
     reason to refuse them; beside quantized weights it says what they are (test_hf_import)."""
