@@ -1085,3 +1085,18 @@ def test_a_refusal_names_a_field_that_held_an_empty_object():
     saved = json.loads(json.dumps(digested_config(config), default=str))
     del config["quantization_config"]["options"]
     assert config_changes(saved, config) == "quantization_config.options {} when saved, absent now"
+
+
+def test_an_lm_head_untied_under_a_tied_config_loads_as_saved(tmp_path):
+    """A head given its own weight while config.json still says tie_word_embeddings is stored apart; the load keeps
+    it rather than tying the embedding over it (which would change every logit)."""
+    model = tiny_model("qwen2")
+    assert model.config.tie_word_embeddings
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.02)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path)
+    loaded, _ = load_quantized(tmp_path)
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
