@@ -143,3 +143,58 @@ def test_bad_shapes_are_refused():
     w = random_canonical(64, 12, 32, False)  # N = 12 is not a multiple of 8
     with pytest.raises(ValueError, match="multiple of 8"):
         to_awq(w)
+
+
+def test_the_converted_tensors_share_no_memory_with_their_source():
+    """to_awq and from_awq return tensors of their own: an edit of the exported scales (a cast or rescale in place
+    before writing them) reached the model's weight, and an edit of the checkpoint's tensors the imported weight."""
+    w = random_canonical(128, 16, 32, symmetric=False, seed=int(torch.randint(0, 2 ** 31, ())))
+    kept = {name: getattr(w, name).clone() for name in ("qweight", "scales", "zeros")}
+    t = to_awq(w)
+    for tensor in t.values():
+        tensor.add_(1)
+    for name, before in kept.items():
+        assert torch.equal(getattr(w, name), before), name
+    qweight, qzeros, scales = random_awq(128, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    back = from_awq(qweight, qzeros, scales, 32)
+    kept = {name: getattr(back, name).clone() for name in ("qweight", "scales", "zeros")}
+    for tensor in (qweight, qzeros, scales):
+        tensor.add_(1)
+    for name, before in kept.items():
+        assert torch.equal(getattr(back, name), before), name
+
+
+@pytest.mark.parametrize("group_size", [0, -8])
+def test_a_group_size_of_zero_or_below_is_refused_by_name(group_size):
+    """group_size 0 was a bare ZeroDivisionError (K % 0) where AWQ's group size is read from a config.json."""
+    qweight, qzeros, scales = random_awq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    with pytest.raises(ValueError, match=rf"^AWQ qweight has K=64 rows, which must be divisible by 8 and by "
+                                         rf"group_size={group_size}$"):
+        from_awq(qweight, qzeros, scales, group_size)
+
+
+@pytest.mark.parametrize("part", ["qzeros", "scales"])
+def test_zero_points_or_scales_of_fewer_groups_than_the_group_size_makes_are_refused(part):
+    """qzeros of one group row where the group size makes two broadcast over both groups (every group read with the
+    first one's zero points), and scales of one row were refused only by the weight's own check, naming no AWQ shape."""
+    K, N, G = 64, 16, 32
+    tensors = dict(zip(("qweight", "qzeros", "scales"), random_awq(K, N, G, seed=int(torch.randint(0, 2 ** 31, ())))))
+    tensors[part] = tensors[part][:1]
+    with pytest.raises(ValueError, match=r"^AWQ shapes disagree: qweight \(64, 2\) \(K=64, N=16\), group 32 needs "
+                                         r"qzeros \(2, 2\) and scales \(2, 16\)"):
+        from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], G)
+
+
+@pytest.mark.parametrize("part", ["qweight", "qzeros"])
+def test_packed_awq_words_of_another_dtype_than_int32_are_refused(part):
+    tensors = dict(zip(("qweight", "qzeros", "scales"), random_awq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))))
+    tensors[part] = tensors[part].to(torch.int64)
+    with pytest.raises(ValueError, match=r"^AWQ qweight/qzeros must be int32"):
+        from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_awq_scales_of_another_dtype_than_float16_are_refused_as_awqs(dtype):
+    qweight, qzeros, scales = random_awq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    with pytest.raises(ValueError, match=rf"^AWQ scales must be float16, got {dtype}$"):
+        from_awq(qweight, qzeros, scales.to(dtype), 32)

