@@ -7,7 +7,8 @@ import torch
 from conftest import tiny_model
 from nibble.eval import data
 from nibble.eval.data import DataFormatError
-from nibble.eval.perplexity import default_seq_len, perplexity, wikitext2_perplexity, wikitext2_text
+from nibble.eval.perplexity import (default_seq_len, encode, model_device, perplexity, wikitext2_perplexity,
+                                    wikitext2_text)
 
 
 class ByteTokenizer:
@@ -273,3 +274,151 @@ def test_nibble_data_is_the_only_folder_searched_where_it_is_set(monkeypatch, tm
     assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
     monkeypatch.delenv("NIBBLE_DATA")
     assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
+
+
+class Logits(torch.nn.Module):
+    """Not a Hugging Face model: token 0 predicts itself at logit 0 and token 1 at ``gap``, so every prediction of a
+    stream of zeros costs log(1 + e^gap), about ``gap`` nats."""
+
+    def __init__(self, gap):
+        super().__init__()
+        self.gap = gap
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, 2)
+        logits[..., 1] = self.gap
+        return logits
+
+
+@pytest.mark.parametrize("gap", [705.0, 709.7, 710.0])
+def test_a_mean_nll_just_inside_the_range_of_exp_is_a_finite_perplexity(gap):
+    """Only past float64's largest exp (log(1.797e308) = 709.78) is a perplexity infinite: 705 or 709.7 a token is
+    a finite one, exp of the mean NLL."""
+    out = perplexity(Logits(gap), [0] * 32, seq_len=16, progress=False)
+    assert out["nll"] == pytest.approx(gap, rel=1e-6)
+    if gap < 709.78:
+        assert math.isfinite(out["ppl"]) and out["ppl"] == pytest.approx(math.exp(out["nll"]), rel=1e-9)
+    else:
+        assert out["ppl"] == math.inf
+
+
+def test_a_module_that_returns_a_models_output_is_scored_by_its_logits():
+    """A wrapper that is no PreTrainedModel (a PEFT model after QAT) returns the model's output object, not a tensor:
+    its ``logits`` are scored, as the wrapped model's."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids)
+
+    model = tiny_model()
+    ids = torch.randint(0, 256, (40,)).tolist()
+    wrapped = perplexity(Wrapper(model), ids, seq_len=16, progress=False)
+    assert wrapped["nll"] == pytest.approx(perplexity(model, ids, seq_len=16, progress=False)["nll"], rel=1e-6)
+
+
+def test_a_hugging_face_model_is_run_without_a_kv_cache():
+    """Each window is scored once: a KV cache filled alongside (a 2048-token batch of a 7B model: GBs) is never read."""
+    model, calls = tiny_model(), []
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: calls.append(kwargs.get("use_cache")) or forward(*args, **kwargs)
+    perplexity(model, list(range(40)), seq_len=16, batch_size=2, progress=False)
+    assert calls == [False]
+
+
+def test_the_input_ids_go_to_the_device_of_the_models_first_parameter():
+    meta = torch.nn.Linear(2, 2, device="meta")
+    assert model_device(meta) == torch.device("meta")
+    assert model_device(Logits(1.0)) == torch.device("cpu")  # no parameters: the CPU
+
+
+@pytest.fixture(scope="module")
+def letter_tokenizer():
+    """A `tokenizers.Tokenizer` of one token a letter, and the same one as a Hugging Face tokenizer of a 4-token
+    context."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({**{chr(97 + i): i for i in range(26)}, "[UNK]": 26}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return raw, PreTrainedTokenizerFast(tokenizer_object=raw, model_max_length=4)
+
+
+def test_a_tokenizers_tokenizer_encodes_to_its_ids_as_the_hugging_face_one(letter_tokenizer):
+    raw, hf = letter_tokenizer
+    assert encode(raw, "abcz", add_special_tokens=False) == encode(hf, "abcz", add_special_tokens=False) == [0, 1, 2, 25]
+
+
+def test_encoding_a_text_longer_than_the_tokenizers_context_says_nothing(letter_tokenizer):
+    """A corpus is one text, cut into windows afterwards: transformers' "Token indices sequence length is longer than
+    the specified maximum sequence length ... will result in indexing errors" would only mislead."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    _, hf = letter_tokenizer
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = hf_logging.get_logger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        assert encode(hf, "abcdefghij", add_special_tokens=False) == list(range(10))
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+
+
+def test_windows_are_scored_with_dropout_off_without_autograd_and_the_callers_mode_is_kept():
+    """Scored right after QAT, a model in training mode had its attention dropout on; the caller's mode comes back
+    after, and no autograd graph is kept of the forward passes."""
+    model = tiny_model(attention_dropout=0.5)
+    ids = torch.randint(0, 256, (48,)).tolist()
+    in_inference = []
+    model.register_forward_hook(lambda module, args, out: in_inference.append(torch.is_inference_mode_enabled()))
+    scored = perplexity(model, ids, seq_len=16, progress=False)["nll"]
+    assert not model.training and in_inference == [True] * 3
+    model.train()
+    assert perplexity(model, ids, seq_len=16, progress=False)["nll"] == pytest.approx(scored, rel=1e-6)
+    assert model.training
+    with torch.no_grad():  # it is on: a training-mode forward is another one
+        assert not torch.equal(model(torch.tensor([ids[:16]])).logits, model.eval()(torch.tensor([ids[:16]])).logits)
+
+
+def test_a_stream_given_as_a_batch_of_one_row_is_scored_as_the_flat_stream():
+    """`tokenizer(text, return_tensors="pt").input_ids` is [1, n]: its windows are those of the n tokens, the tail
+    dropped as well."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (50,))
+    flat = perplexity(model, ids.tolist(), seq_len=16, progress=False)
+    assert perplexity(model, ids[None], seq_len=16, progress=False) == flat and flat["windows"] == 3
+
+
+def test_the_bar_counts_windows_whatever_the_batch_and_wikitext2_passes_its_batch_and_progress_on(capsys, monkeypatch):
+    """3 windows in batches of 2 are 3 windows done (not 2 passes); `wikitext2_perplexity` runs the batches it is
+    given (one forward pass each) and shows no bar where it is told not to."""
+    perplexity(tiny_model(), list(range(48)), seq_len=16, batch_size=2)
+    err = capsys.readouterr().err
+    assert "perplexity: 100%" in err and " 3/3 [" in err
+    monkeypatch.setattr("nibble.eval.perplexity.wikitext2_text", lambda: "abcdefgh" * 8)
+    model, rows = tiny_model(), []
+    model.register_forward_hook(lambda module, args, out: rows.append(len(out.logits)))
+    out = wikitext2_perplexity(model, ByteTokenizer(), seq_len=16, batch_size=3, progress=False)
+    assert out["windows"] == 4 and rows == [3, 1] and capsys.readouterr().err == ""
+
+
+def test_the_nll_of_every_window_is_summed_in_float64():
+    """Thousands of windows of WikiText-2: a float32 sum drifts in the 7th digit. Here it is the float64 sum of each
+    window's float32 cross-entropy, to the last bit that a float64 sum leaves."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (40 * 8,))
+    windows = ids.view(40, 8)
+    with torch.no_grad():
+        logits = model(windows).logits
+    by_hand = sum(torch.nn.functional.cross_entropy(row[:-1].float(), w[1:], reduction="sum").double().item()
+                  for row, w in zip(logits, windows))
+    out = perplexity(model, ids, seq_len=8, batch_size=40, progress=False)
+    assert out["nll"] == pytest.approx(by_hand / (40 * 7), rel=1e-12, abs=0)

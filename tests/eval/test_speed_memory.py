@@ -139,6 +139,26 @@ def test_weights_shared_elsewhere_than_the_lm_head_are_counted_once_and_leave_it
     assert not mem["tied_lm_head"] and mem["total_bytes"] == before["total_bytes"] - 64 * 4
 
 
+def test_projections_and_norms_are_filed_by_their_own_names_in_blocks_of_other_names():
+    """A q_proj or gate_proj is attention or MLP by its name alone, in a block not called self_attn or mlp (the
+    tests above have them only there); a norm by its name alone, of a class not called *Norm*."""
+
+    class Scale(nn.Module):  # a norm's weight, of a class whose name says nothing
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+    block = nn.Module()
+    block.attn, block.ffn = nn.Module(), nn.Module()
+    block.attn.q_proj, block.attn.o_proj = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+    block.ffn.gate_proj, block.ffn.down_proj = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+    block.post_norm, block.gate = Scale(), nn.Linear(8, 1, bias=False)
+    kinds = memory.weight_memory(nn.ModuleDict({"block": block}))["kinds"]
+    assert {k: v["bytes"] for k, v in kinds.items()} == {
+        "embeddings": 0, "attention": 2 * 8 * 8 * 4, "mlp": 2 * 8 * 16 * 4, "lm_head": 0, "norms": 8 * 4,
+        "other": 8 * 4}
+
+
 def test_format_bytes_changes_unit_at_1024_either_sign():
     assert [memory.format_bytes(n) for n in (1023, 1024, -2048, 3 * 2 ** 30)] == [
         "1023 B", "1.00 KiB", "-2.00 KiB", "3.00 GiB"]

@@ -96,6 +96,15 @@ def test_arc_requests_including_numeric_answer_keys():
     assert load_arc_challenge()[0].gold == 2  # answerKey "C"
 
 
+def test_arc_questions_of_three_or_five_choices_keep_them_all_and_the_gold_among_them():
+    """A few ARC questions have 3 or 5 choices (answerKey "E": gold 4; "2" of labels "1".."3": gold 1)."""
+    easy, challenge = load_arc_easy(), load_arc_challenge()
+    assert len(easy[1441].choices) == 5 and easy[1441].gold == 4  # answerKey "E"
+    assert easy[1441].requests[4][1] == " " + easy[1441].choices[4]
+    assert len(challenge[385].choices) == 3 and challenge[385].gold == 1  # labels "1".."3", answerKey "2"
+    assert len(easy[93].choices) == 3 and easy[93].gold == 1  # labels "A".."C", answerKey "B"
+
+
 def test_boolq_requests():
     docs = load_boolq()
     assert len(docs) == 3270
@@ -131,6 +140,28 @@ def test_hellaswag_requests_capitalize_ctx_b_and_apply_lm_eval_preprocess():
     # "[www.kiddio.org]" is still in the shared file; lm-eval's preprocess drops it
     assert "Visit a site like to find loads of creative activities" in docs[3505].requests[0][0]
     assert hellaswag_preprocess("Label: [header] How to x [title] Do y. [step] Then  z ") == "Label: How to x. Do y. Then z"
+
+
+def test_hellaswag_capitalizes_only_the_open_phrase_after_the_last_sentence_end(tmp_path, monkeypatch):
+    """ctx_b is the lower-case phrase after the context's last ".", "!" or "?": a lower-case word after an earlier
+    one is the text's own (task 3471's "u.s. citizens or u.s. nationals." stays so)."""
+    assert load_hellaswag()[3471].requests[0][0].endswith("must also be u.s. citizens or u.s. nationals.")
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "hellaswag_val_full.txt").write_text(
+        "Cheering: The crowd stands up! they\n0\n" + "clap.\n" * 4 + "Asking: Who is it? the man\n1\n" + "asks.\n" * 4,
+        encoding="utf-8")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    assert [d.requests[0][0] for d in load_hellaswag()] == ["Cheering: The crowd stands up! They",
+                                                           "Asking: Who is it? The man"]
+
+
+def test_hellaswag_endings_that_still_hold_a_bracketed_span_lose_it_as_lm_eval_preprocesses_them():
+    """Endings carry `[...]` spans too (task 5760's "[not recommended]", 6714's "[insert name]"): choice and
+    continuation both without them, as lm-eval's `preprocess` of each ending leaves them."""
+    docs = load_hellaswag()
+    finish = "Use a remover to get rid of any old nail polish. This is essential unless you want an uneven or lumpy finish ."
+    assert docs[5760].choices[1] == finish and docs[5760].requests[1][1] == " " + finish
+    assert docs[6714].choices[0].startswith("As you shake the person's hand, you can say, \" hello, . \" if a")
 
 
 def test_hellaswag_preprocess_is_not_applied_twice_to_a_line_without_brackets():
@@ -389,6 +420,20 @@ def test_a_malformed_data_file_is_named_with_what_to_do(task, relpath, content, 
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
     with pytest.raises(DataFormatError, match=f"{tmp_path}.*{message}.*copy the file again from the shared data"):
         evaluate_tasks(None, None, tasks=[task], progress=False)
+
+
+@pytest.mark.parametrize("labels", ["0\n", "0\n1\n0\n"])
+def test_piqa_labels_that_are_not_one_a_question_are_refused_naming_both_files(labels, monkeypatch, tmp_path):
+    """Fewer labels than questions, or more: the two files do not align, and every gold after the first gap would be
+    another question's."""
+    (tmp_path / "piqa").mkdir()
+    (tmp_path / "piqa" / "valid.jsonl").write_text('{"goal": "g", "sol1": "a", "sol2": "b"}\n' * 2)
+    (tmp_path / "piqa" / "valid-labels.lst").write_text(labels)
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    n = len(labels.split())
+    with pytest.raises(DataFormatError, match=rf"valid\.jsonl and .*valid-labels\.lst: not in the format nibble reads "
+                                              rf"\(ValueError: piqa: 2 questions but {n} labels; the two files must"):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), "piqa", progress=False)
 
 
 @pytest.mark.parametrize("bad_gold", [2, -1])
