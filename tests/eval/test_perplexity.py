@@ -422,3 +422,34 @@ def test_the_nll_of_every_window_is_summed_in_float64():
                   for row, w in zip(logits, windows))
     out = perplexity(model, ids, seq_len=8, batch_size=40, progress=False)
     assert out["nll"] == pytest.approx(by_hand / (40 * 7), rel=1e-12, abs=0)
+
+
+def test_a_16_bit_models_window_losses_are_taken_in_float32():
+    """A bfloat16 model's logits are cast to float32 for the cross-entropy: bf16's 8 bits of mantissa rounded each
+    window's summed loss by up to 0.4%."""
+    model = tiny_model(dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (64,))
+    windows = ids.view(4, 16)
+    with torch.no_grad():
+        logits = model(windows).logits
+    by_hand = sum(torch.nn.functional.cross_entropy(row[:-1].float(), w[1:], reduction="sum").double().item()
+                  for row, w in zip(logits, windows))
+    out = perplexity(model, ids, seq_len=16, batch_size=4, progress=False)
+    assert out["nll"] == pytest.approx(by_hand / (4 * 15), rel=1e-9)
+
+
+def test_the_logits_memory_is_counted_in_the_models_dtype_and_a_model_without_one_is_not_checked(monkeypatch):
+    """3 windows of 16 tokens of a 256-token vocabulary are 24 KiB of bfloat16 logits (48 KiB of float32 ones). A
+    module with a config's vocabulary but no dtype is not checked, as one without a config."""
+    import nibble.eval.perplexity as ppl
+
+    ids = torch.randint(0, 256, (48,))
+    model = tiny_model(dtype=torch.bfloat16)
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: (3 * 16 * 256 * 2, "a test's bytes"))
+    assert perplexity(model, ids, seq_len=16, batch_size=3, progress=False)["windows"] == 3
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: (3 * 16 * 256 * 2 - 1, "a test's bytes"))
+    with pytest.raises(ValueError, match=r"makes 24.00 KiB of logits \(256 bfloat16 values a token\)"):
+        perplexity(model, ids, seq_len=16, batch_size=3, progress=False)
+    no_dtype = Logits(1.0)
+    no_dtype.config = type("Config", (), {"vocab_size": 2})()
+    assert perplexity(no_dtype, [0] * 48, seq_len=16, batch_size=3, progress=False)["windows"] == 3

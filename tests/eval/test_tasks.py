@@ -197,6 +197,23 @@ def test_encode_pair_moves_trailing_context_spaces_and_splits_the_whole_encoding
     assert encode_pair(bpe_tokenizer, "", "yes") == ([bpe_tokenizer.bos_token_id], enc("yes"))
 
 
+def test_encode_pair_moves_every_kind_of_trailing_whitespace_into_the_continuation():
+    """lm-eval's `context.rstrip()`: a trailing newline or tab moves as a space does."""
+    tok = ByteTokenizer()
+    assert encode_pair(tok, "ab\n\t ", "cd") == (tok.encode("ab"), tok.encode("\n\t cd"))
+
+
+def test_encode_pair_encodes_without_the_tokenizers_special_tokens():
+    """No BOS before the context, nor inside the whole string the continuation is cut from (it would shift the cut
+    by one token)."""
+
+    class BosTokenizer(ByteTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            return [1] * add_special_tokens + super().encode(text)
+
+    assert encode_pair(BosTokenizer(), "ab", "cd") == ([97, 98], [99, 100])
+
+
 class GreedyTokenizer:
     """Longest match first, with one merged piece: "ab" + "cd" encodes as a, bc, d, the context "ab" alone as a, b."""
 
@@ -375,6 +392,15 @@ def test_each_task_the_command_line_offers_has_its_data_files_and_loader_in_the_
     without importing torch, apart from this module's loaders and data files: one named there alone would be offered
     and then fail, one here alone never offered."""
     assert tuple(TASKS) == tuple(FILES) == ALL_TASKS
+
+def test_each_task_loads_its_own_documents_and_reports_acc_norm_where_lm_eval_does():
+    """acc_norm for PIQA, HellaSwag, ARC and OpenBookQA; acc alone for WinoGrande and BoolQ (lm-eval's task yamls)."""
+    sizes = {"piqa": 1838, "hellaswag": 10042, "winogrande": 1267, "arc_easy": 2376, "arc_challenge": 1172,
+             "boolq": 3270, "openbookqa": 500}
+    assert {name: len(task.load()) for name, task in TASKS.items()} == sizes
+    assert {name for name, task in TASKS.items() if task.has_acc_norm} == {
+        "piqa", "hellaswag", "arc_easy", "arc_challenge", "openbookqa"}
+
 
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown task.*'piqa'"):
