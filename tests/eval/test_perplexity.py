@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_model
 from nibble.eval import data
 from nibble.eval.data import DataFormatError
-from nibble.eval.perplexity import (default_seq_len, encode, model_device, perplexity, wikitext2_perplexity,
-                                    wikitext2_text)
+from nibble.eval.perplexity import (check_model_window, check_window, default_seq_len, encode, model_device,
+                                    perplexity, wikitext2_perplexity, wikitext2_text)
 
 
 class ByteTokenizer:
@@ -453,3 +453,60 @@ def test_the_logits_memory_is_counted_in_the_models_dtype_and_a_model_without_on
     no_dtype = Logits(1.0)
     no_dtype.config = type("Config", (), {"vocab_size": 2})()
     assert perplexity(no_dtype, [0] * 48, seq_len=16, batch_size=3, progress=False)["windows"] == 3
+
+
+def test_a_memory_that_holds_exactly_one_windows_logits_asks_for_a_smaller_batch(monkeypatch):
+    """One window fits (its logits equal the bound, not more): the fix is a smaller batch, not a shorter window."""
+    import nibble.eval.perplexity as ppl
+
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: (16 * 256 * 4, "a test's bytes"))
+    with pytest.raises(ValueError, match=r"give a smaller batch_size \(each of the windows: 16.00 KiB\)$"):
+        perplexity(tiny_model(), list(range(48)), seq_len=16, batch_size=3, progress=False)
+    assert perplexity(tiny_model(), list(range(48)), seq_len=16, batch_size=1, progress=False)["windows"] == 3
+
+
+def test_a_copy_without_its_last_line_end_keeps_its_last_row_and_one_of_empty_lines_is_named(monkeypatch, tmp_path):
+    """The last row of a copy whose final newline was lost is read as the row it is; a file of line ends alone holds no
+    text, as an empty one."""
+    (tmp_path / "wikitext2").mkdir()
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    path = tmp_path / "wikitext2" / "wiki.test.raw"
+    path.write_text(" \n = A = \n b c", encoding="utf-8")
+    assert wikitext2_text() == "\n\n".join(["", " = A = \n", " b c"])
+    path.write_text("\n\n\n", encoding="utf-8")
+    with pytest.raises(DataFormatError, match="wiki.test.raw: no text in it"):
+        wikitext2_text()
+
+
+def test_a_default_window_for_a_model_without_a_context_asks_for_seq_len():
+    with pytest.raises(ValueError, match=r"^The model has no config.max_position_embeddings; pass seq_len explicitly"):
+        default_seq_len(Logits(1.0), 1000)
+
+
+def test_a_cut_shorter_than_the_window_it_would_score_is_refused_in_the_callers_names():
+    """The window is seq_len clamped to the context: a cut of exactly one window scores it, one token less scores
+    nothing. Without a window or a cut there is nothing to check."""
+    names = ("--seq-len", "--max-tokens")
+    for seq_len, max_tokens, context in [(None, 10, 64), (64, None, 32), (None, None, None), (64, 64, None),
+                                         (64, 32, 32), (64, 64, 128)]:
+        check_window(seq_len, max_tokens, names, context)
+    with pytest.raises(ValueError, match=r"^--max-tokens 63 is fewer tokens than one window of --seq-len 64: no window "
+                                         r"would be scored; give --max-tokens >= 64, or a shorter --seq-len$"):
+        check_window(64, 63, names)
+    with pytest.raises(ValueError, match=r"^max_tokens 31 is fewer tokens than one window of seq_len 64 \(clamped to the "
+                                         r"model's context, 32\): no window would be scored; give max_tokens >= 32, "):
+        check_window(64, 31, context=32)
+
+
+def test_a_models_window_is_checked_against_the_context_its_config_says(monkeypatch):
+    """Read from its config before the model loads, and only where there is a window and a cut to check."""
+    import nibble.models.loading as loading
+
+    read = []
+    monkeypatch.setattr(loading, "model_context", lambda path: read.append(path) or 32)
+    check_model_window("a/model", 64, 32, ("seq_len", "max_tokens"))  # one window of the 32-token context
+    with pytest.raises(ValueError, match=r"max_tokens 31 .* \(clamped to the model's context, 32\)"):
+        check_model_window("a/model", 64, 31, ("seq_len", "max_tokens"))
+    check_model_window("a/model", 64, None, ("seq_len", "max_tokens"))
+    check_model_window("a/model", None, 31, ("seq_len", "max_tokens"))
+    assert read == ["a/model", "a/model"]

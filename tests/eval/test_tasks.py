@@ -255,6 +255,16 @@ def test_a_continuation_longer_than_the_context_is_refused_and_one_that_fills_it
     assert got == pytest.approx(by_hand, rel=1e-5)
 
 
+@pytest.mark.parametrize("context, continuation, message", [
+    ("ab", "", r"^Request 0 has an empty continuation after tokenization: ''$"),
+    ("  ", "cd", r"^Request 0: the context '  ' encodes to no tokens; give a non-blank context\.$")])
+def test_a_request_with_no_continuation_or_a_blank_context_is_refused(context, continuation, message):
+    """Either was scored: an empty continuation as 0.0 (a certain answer), a blank context by logits of positions
+    that predict other tokens."""
+    with pytest.raises(ValueError, match=message):
+        loglikelihood(BigramLM(), ByteTokenizer(), [(context, continuation)], progress=False)
+
+
 def test_loglikelihood_sums_continuation_log_probs_given_the_context():
     model = BigramLM(boost=[("b", "c", 2.0), ("c", "d", -1.0)])
     lp = torch.log_softmax(model.table.detach().double(), dim=-1)
