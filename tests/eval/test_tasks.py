@@ -159,7 +159,8 @@ def test_hellaswag_endings_that_still_hold_a_bracketed_span_lose_it_as_lm_eval_p
     """Endings carry `[...]` spans too (task 5760's "[not recommended]", 6714's "[insert name]"): choice and
     continuation both without them, as lm-eval's `preprocess` of each ending leaves them."""
     docs = load_hellaswag()
-    finish = "Use a remover to get rid of any old nail polish. This is essential unless you want an uneven or lumpy finish ."
+    finish = ("Use a remover to get rid of any old nail polish. This is essential unless you want an uneven or lumpy "
+              "finish .")
     assert docs[5760].choices[1] == finish and docs[5760].requests[1][1] == " " + finish
     assert docs[6714].choices[0].startswith("As you shake the person's hand, you can say, \" hello, . \" if a")
 
@@ -312,6 +313,12 @@ def test_a_batch_whose_logits_exceed_the_memory_is_refused_before_it_runs(memory
         assert len(loglikelihood(model, ByteTokenizer(), requests, progress=False)) == 3
 
 
+def test_the_bar_counts_requests_where_several_share_one_forward_pass(capsys):
+    """BoolQ's " no" and " yes" share their input: the bar counts both requests, and ends at its total."""
+    loglikelihood(BigramLM(), ByteTokenizer(), [("ab", "c"), ("ab", "d"), ("x", "yz")], desc="boolq")
+    assert "boolq: 100%" in capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+
+
 def test_batched_loglikelihood_equals_unbatched(bpe_tokenizer):
     model = tiny_model(vocab_size=len(bpe_tokenizer), max_position_embeddings=1024)
     docs = load_piqa()[:3] + load_boolq()[2:3] + load_arc_easy()[:1] + load_winogrande()[:2]
@@ -343,6 +350,22 @@ def test_score_docs_takes_argmax_of_loglikelihood_and_of_loglikelihood_per_chara
     assert math.isnan(one["acc_stderr"]) and math.isnan(one["acc_norm_stderr"])
     nan = score_docs(docs, lls[:5] + [float("nan"), -8.0], has_acc_norm=True)  # np.argmax took the NaN: a guess
     assert all(math.isnan(nan[k]) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")) and nan["n"] == 3
+
+
+def test_each_document_scores_its_own_log_likelihoods_whatever_its_number_of_choices():
+    """A 3-choice document takes 3 log-likelihoods, and the 2-choice one after it the next 2 (ARC's 3- and 5-choice
+    questions among 4-choice ones)."""
+    docs = [Doc([("", "")] * 3, ["a", "b", "c"], 2), Doc([("", "")] * 2, ["a", "b"], 1)]
+    assert score_docs(docs, [-3.0, -2.0, -1.0, -5.0, -4.0], has_acc_norm=True)["acc"] == 1.0
+
+
+def test_acc_and_acc_norm_each_have_the_standard_error_of_their_own_hits():
+    """acc hits all three (standard error 0), acc_norm two of three: the two spreads differ."""
+    doc = Doc([("", "")] * 2, ["a", "bbbb"], 0)
+    # per character acc_norm picks b, then a (a tie) twice
+    result = score_docs([doc] * 3, [-2.0, -4.0, -2.0, -8.0, -2.0, -8.0], has_acc_norm=True)
+    assert result == pytest.approx({"acc": 1.0, "acc_stderr": 0.0, "acc_norm": 2 / 3,
+                                    "acc_norm_stderr": math.sqrt(2 / 3 * 1 / 3 / 2), "n": 3})
 
 
 def test_acc_norm_divides_by_the_choices_length_in_characters_not_bytes_or_words():
@@ -417,6 +440,12 @@ def test_unknown_task_is_a_clear_error():
         evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "mmlu"])
 
 
+def test_no_task_is_a_clear_error():
+    """An empty list scored nothing and averaged NaN."""
+    with pytest.raises(ValueError, match=r"^No tasks given; choose from \['piqa', "):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), [], progress=False)
+
+
 @pytest.mark.parametrize("kwargs, message", [(dict(limit=0), "limit must be an integer >= 1, got 0"),
                                              (dict(limit=-2), "limit must be an integer >= 1"),
                                              (dict(limit=2.5), r"limit must be an integer >= 1, got 2\.5"),
@@ -486,6 +515,19 @@ def test_a_gold_that_is_no_index_of_the_choices_is_refused_naming_the_file(tmp_p
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
     with pytest.raises(DataFormatError, match=rf"winogrande_dev_llmfoundry.jsonl: document 1 has the gold answer "
                                               rf"{bad_gold}, not the index of one of its 2 choices \(0 to 1\)"):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), "winogrande", progress=False)
+
+
+@pytest.mark.parametrize("bad_gold", [True, "1", 1.0])
+def test_a_gold_that_is_no_integer_is_refused_naming_the_file(tmp_path, monkeypatch, bad_gold):
+    """JSON's true, "1" or 1.0 is no index of a choice, though True == 1 == 1.0 in Python."""
+    import json
+
+    (tmp_path / "winogrande").mkdir()
+    doc = {"context_options": ["The cat sat", "The dog sat"], "continuation": "on the mat.", "gold": bad_gold}
+    (tmp_path / "winogrande" / "winogrande_dev_llmfoundry.jsonl").write_text(json.dumps(doc) + "\n")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    with pytest.raises(DataFormatError, match=rf"document 0 has the gold answer {bad_gold!r}, not the index of one of"):
         evaluate_tasks(BigramLM(), ByteTokenizer(), "winogrande", progress=False)
 
 
