@@ -24,6 +24,7 @@ from nibble.eval.tasks import (
     load_winogrande,
     loglikelihood,
     score_docs,
+    task_files,
 )
 
 
@@ -438,6 +439,12 @@ def test_each_task_loads_its_own_documents_and_reports_acc_norm_where_lm_eval_do
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown task.*'piqa'"):
         evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "mmlu"])
+
+
+def test_the_data_files_checked_before_a_run_are_every_file_each_task_reads():
+    """PIQA reads its labels too: a run whose labels file is missing is refused before the model loads."""
+    assert task_files(["piqa", "boolq"]) == ["piqa/valid.jsonl", "piqa/valid-labels.lst", "boolq/val.jsonl"]
+    assert task_files("winogrande") == ["winogrande/winogrande_dev_llmfoundry.jsonl"]
 
 
 def test_no_task_is_a_clear_error():
