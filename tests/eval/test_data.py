@@ -103,3 +103,13 @@ def test_parsing_names_the_file_and_the_fix_for_each_kind_of_bad_record(error):
         with parsing("g.txt"):
             raise said
     assert raised.value is said
+
+
+def test_a_folder_with_a_pyproject_but_no_nibble_package_is_no_checkout(monkeypatch, tmp_path, no_checkout):
+    """An installed nibble's site-packages may hold some pyproject.toml: without the nibble folder beside it, it is
+    not nibble's repository, and its ../shared/data is not searched."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text("")
+    monkeypatch.setattr(data, "_REPO", repo)
+    assert search_dirs() == [tmp_path / "shared" / "data", tmp_path / "cwd" / "shared" / "data"]

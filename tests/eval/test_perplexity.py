@@ -7,7 +7,8 @@ import torch
 from conftest import tiny_model
 from nibble.eval import data
 from nibble.eval.data import DataFormatError
-from nibble.eval.perplexity import default_seq_len, perplexity, wikitext2_perplexity, wikitext2_text
+from nibble.eval.perplexity import (check_model_window, check_window, default_seq_len, encode, model_device,
+                                    perplexity, wikitext2_perplexity, wikitext2_text)
 
 
 class ByteTokenizer:
@@ -273,3 +274,240 @@ def test_nibble_data_is_the_only_folder_searched_where_it_is_set(monkeypatch, tm
     assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
     monkeypatch.delenv("NIBBLE_DATA")
     assert data.data_file("wikitext2/wiki.test.raw") == fallback / "wikitext2" / "wiki.test.raw"
+
+
+class Logits(torch.nn.Module):
+    """Not a Hugging Face model: token 0 predicts itself at logit 0 and token 1 at ``gap``, so every prediction of a
+    stream of zeros costs log(1 + e^gap), about ``gap`` nats."""
+
+    def __init__(self, gap):
+        super().__init__()
+        self.gap = gap
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, 2)
+        logits[..., 1] = self.gap
+        return logits
+
+
+@pytest.mark.parametrize("gap", [705.0, 709.7, 710.0])
+def test_a_mean_nll_just_inside_the_range_of_exp_is_a_finite_perplexity(gap):
+    """Only past float64's largest exp (log(1.797e308) = 709.78) is a perplexity infinite: 705 or 709.7 a token is
+    a finite one, exp of the mean NLL."""
+    out = perplexity(Logits(gap), [0] * 32, seq_len=16, progress=False)
+    assert out["nll"] == pytest.approx(gap, rel=1e-6)
+    if gap < 709.78:
+        assert math.isfinite(out["ppl"]) and out["ppl"] == pytest.approx(math.exp(out["nll"]), rel=1e-9)
+    else:
+        assert out["ppl"] == math.inf
+
+
+def test_a_module_that_returns_a_models_output_is_scored_by_its_logits():
+    """A wrapper that is no PreTrainedModel (a PEFT model after QAT) returns the model's output object, not a tensor:
+    its ``logits`` are scored, as the wrapped model's."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids)
+
+    model = tiny_model()
+    ids = torch.randint(0, 256, (40,)).tolist()
+    wrapped = perplexity(Wrapper(model), ids, seq_len=16, progress=False)
+    assert wrapped["nll"] == pytest.approx(perplexity(model, ids, seq_len=16, progress=False)["nll"], rel=1e-6)
+
+
+def test_a_hugging_face_model_is_run_without_a_kv_cache():
+    """Each window is scored once: a KV cache filled alongside (a 2048-token batch of a 7B model: GBs) is never read."""
+    model, calls = tiny_model(), []
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: calls.append(kwargs.get("use_cache")) or forward(*args, **kwargs)
+    perplexity(model, list(range(40)), seq_len=16, batch_size=2, progress=False)
+    assert calls == [False]
+
+
+def test_the_input_ids_go_to_the_device_of_the_models_first_parameter():
+    meta = torch.nn.Linear(2, 2, device="meta")
+    assert model_device(meta) == torch.device("meta")
+    assert model_device(Logits(1.0)) == torch.device("cpu")  # no parameters: the CPU
+
+
+@pytest.fixture(scope="module")
+def letter_tokenizer():
+    """A `tokenizers.Tokenizer` of one token a letter, and the same one as a Hugging Face tokenizer of a 4-token
+    context."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({**{chr(97 + i): i for i in range(26)}, "[UNK]": 26}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return raw, PreTrainedTokenizerFast(tokenizer_object=raw, model_max_length=4)
+
+
+def test_a_tokenizers_tokenizer_encodes_to_its_ids_as_the_hugging_face_one(letter_tokenizer):
+    raw, hf = letter_tokenizer
+    ids = encode(raw, "abcz", add_special_tokens=False)
+    assert ids == encode(hf, "abcz", add_special_tokens=False) == [0, 1, 2, 25]
+
+
+def test_encoding_a_text_longer_than_the_tokenizers_context_says_nothing(letter_tokenizer):
+    """A corpus is one text, cut into windows afterwards: transformers' "Token indices sequence length is longer than
+    the specified maximum sequence length ... will result in indexing errors" would only mislead."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    _, hf = letter_tokenizer
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = hf_logging.get_logger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        assert encode(hf, "abcdefghij", add_special_tokens=False) == list(range(10))
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+
+
+def test_windows_are_scored_with_dropout_off_without_autograd_and_the_callers_mode_is_kept():
+    """Scored right after QAT, a model in training mode had its attention dropout on; the caller's mode comes back
+    after, and no autograd graph is kept of the forward passes."""
+    model = tiny_model(attention_dropout=0.5)
+    ids = torch.randint(0, 256, (48,)).tolist()
+    in_inference = []
+    model.register_forward_hook(lambda module, args, out: in_inference.append(torch.is_inference_mode_enabled()))
+    scored = perplexity(model, ids, seq_len=16, progress=False)["nll"]
+    assert not model.training and in_inference == [True] * 3
+    model.train()
+    assert perplexity(model, ids, seq_len=16, progress=False)["nll"] == pytest.approx(scored, rel=1e-6)
+    assert model.training
+    with torch.no_grad():  # it is on: a training-mode forward is another one
+        assert not torch.equal(model(torch.tensor([ids[:16]])).logits, model.eval()(torch.tensor([ids[:16]])).logits)
+
+
+def test_a_stream_given_as_a_batch_of_one_row_is_scored_as_the_flat_stream():
+    """`tokenizer(text, return_tensors="pt").input_ids` is [1, n]: its windows are those of the n tokens, the tail
+    dropped as well."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (50,))
+    flat = perplexity(model, ids.tolist(), seq_len=16, progress=False)
+    assert perplexity(model, ids[None], seq_len=16, progress=False) == flat and flat["windows"] == 3
+
+
+def test_the_bar_counts_windows_whatever_the_batch_and_wikitext2_passes_its_batch_and_progress_on(capsys, monkeypatch):
+    """3 windows in batches of 2 are 3 windows done (not 2 passes); `wikitext2_perplexity` runs the batches it is
+    given (one forward pass each) and shows no bar where it is told not to."""
+    perplexity(tiny_model(), list(range(48)), seq_len=16, batch_size=2)
+    err = capsys.readouterr().err
+    assert "perplexity: 100%" in err and " 3/3 [" in err
+    monkeypatch.setattr("nibble.eval.perplexity.wikitext2_text", lambda: "abcdefgh" * 8)
+    model, rows = tiny_model(), []
+    model.register_forward_hook(lambda module, args, out: rows.append(len(out.logits)))
+    out = wikitext2_perplexity(model, ByteTokenizer(), seq_len=16, batch_size=3, progress=False)
+    assert out["windows"] == 4 and rows == [3, 1] and capsys.readouterr().err == ""
+
+
+def test_the_nll_of_every_window_is_summed_in_float64():
+    """Thousands of windows of WikiText-2: a float32 sum drifts in the 7th digit. Here it is the float64 sum of each
+    window's float32 cross-entropy, to the last bit that a float64 sum leaves."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (40 * 8,))
+    windows = ids.view(40, 8)
+    with torch.no_grad():
+        logits = model(windows).logits
+    by_hand = sum(torch.nn.functional.cross_entropy(row[:-1].float(), w[1:], reduction="sum").double().item()
+                  for row, w in zip(logits, windows))
+    out = perplexity(model, ids, seq_len=8, batch_size=40, progress=False)
+    assert out["nll"] == pytest.approx(by_hand / (40 * 7), rel=1e-12, abs=0)
+
+
+def test_a_16_bit_models_window_losses_are_taken_in_float32():
+    """A bfloat16 model's logits are cast to float32 for the cross-entropy: bf16's 8 bits of mantissa rounded each
+    window's summed loss by up to 0.4%."""
+    model = tiny_model(dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (64,))
+    windows = ids.view(4, 16)
+    with torch.no_grad():
+        logits = model(windows).logits
+    by_hand = sum(torch.nn.functional.cross_entropy(row[:-1].float(), w[1:], reduction="sum").double().item()
+                  for row, w in zip(logits, windows))
+    out = perplexity(model, ids, seq_len=16, batch_size=4, progress=False)
+    assert out["nll"] == pytest.approx(by_hand / (4 * 15), rel=1e-9)
+
+
+def test_the_logits_memory_is_counted_in_the_models_dtype_and_a_model_without_one_is_not_checked(monkeypatch):
+    """3 windows of 16 tokens of a 256-token vocabulary are 24 KiB of bfloat16 logits (48 KiB of float32 ones). A
+    module with a config's vocabulary but no dtype is not checked, as one without a config."""
+    import nibble.eval.perplexity as ppl
+
+    ids = torch.randint(0, 256, (48,))
+    model = tiny_model(dtype=torch.bfloat16)
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: (3 * 16 * 256 * 2, "a test's bytes"))
+    assert perplexity(model, ids, seq_len=16, batch_size=3, progress=False)["windows"] == 3
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: (3 * 16 * 256 * 2 - 1, "a test's bytes"))
+    with pytest.raises(ValueError, match=r"makes 24.00 KiB of logits \(256 bfloat16 values a token\)"):
+        perplexity(model, ids, seq_len=16, batch_size=3, progress=False)
+    no_dtype = Logits(1.0)
+    no_dtype.config = type("Config", (), {"vocab_size": 2})()
+    assert perplexity(no_dtype, [0] * 48, seq_len=16, batch_size=3, progress=False)["windows"] == 3
+
+
+def test_a_memory_that_holds_exactly_one_windows_logits_asks_for_a_smaller_batch(monkeypatch):
+    """One window fits (its logits equal the bound, not more): the fix is a smaller batch, not a shorter window."""
+    import nibble.eval.perplexity as ppl
+
+    monkeypatch.setattr(ppl, "memory_bound", lambda device: (16 * 256 * 4, "a test's bytes"))
+    with pytest.raises(ValueError, match=r"give a smaller batch_size \(each of the windows: 16.00 KiB\)$"):
+        perplexity(tiny_model(), list(range(48)), seq_len=16, batch_size=3, progress=False)
+    assert perplexity(tiny_model(), list(range(48)), seq_len=16, batch_size=1, progress=False)["windows"] == 3
+
+
+def test_a_copy_without_its_last_line_end_keeps_its_last_row_and_one_of_empty_lines_is_named(monkeypatch, tmp_path):
+    """The last row of a copy whose final newline was lost is read as the row it is; a file of line ends alone holds no
+    text, as an empty one."""
+    (tmp_path / "wikitext2").mkdir()
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    path = tmp_path / "wikitext2" / "wiki.test.raw"
+    path.write_text(" \n = A = \n b c", encoding="utf-8")
+    assert wikitext2_text() == "\n\n".join(["", " = A = \n", " b c"])
+    path.write_text("\n\n\n", encoding="utf-8")
+    with pytest.raises(DataFormatError, match="wiki.test.raw: no text in it"):
+        wikitext2_text()
+
+
+def test_a_default_window_for_a_model_without_a_context_asks_for_seq_len():
+    with pytest.raises(ValueError, match=r"^The model has no config.max_position_embeddings; pass seq_len explicitly"):
+        default_seq_len(Logits(1.0), 1000)
+
+
+def test_a_cut_shorter_than_the_window_it_would_score_is_refused_in_the_callers_names():
+    """The window is seq_len clamped to the context: a cut of exactly one window scores it, one token less scores
+    nothing. Without a window or a cut there is nothing to check."""
+    names = ("--seq-len", "--max-tokens")
+    for seq_len, max_tokens, context in [(None, 10, 64), (64, None, 32), (None, None, None), (64, 64, None),
+                                         (64, 32, 32), (64, 64, 128)]:
+        check_window(seq_len, max_tokens, names, context)
+    with pytest.raises(ValueError, match=r"^--max-tokens 63 is fewer tokens than one window of --seq-len 64: no window "
+                                         r"would be scored; give --max-tokens >= 64, or a shorter --seq-len$"):
+        check_window(64, 63, names)
+    with pytest.raises(ValueError, match=r"^max_tokens 31 is fewer tokens than one window of seq_len 64 \(clamped to "
+                                         r"the model's context, 32\): no window would be scored; give max_tokens >= 32, "):
+        check_window(64, 31, context=32)
+
+
+def test_a_models_window_is_checked_against_the_context_its_config_says(monkeypatch):
+    """Read from its config before the model loads, and only where there is a window and a cut to check."""
+    import nibble.models.loading as loading
+
+    read = []
+    monkeypatch.setattr(loading, "model_context", lambda path: read.append(path) or 32)
+    check_model_window("a/model", 64, 32, ("seq_len", "max_tokens"))  # one window of the 32-token context
+    with pytest.raises(ValueError, match=r"max_tokens 31 .* \(clamped to the model's context, 32\)"):
+        check_model_window("a/model", 64, 31, ("seq_len", "max_tokens"))
+    check_model_window("a/model", 64, None, ("seq_len", "max_tokens"))
+    check_model_window("a/model", None, 31, ("seq_len", "max_tokens"))
+    assert read == ["a/model", "a/model"]

@@ -84,6 +84,15 @@ def test_quantized_linears_take_about_a_quarter_of_16_bit_plus_scales():
     assert ratio == pytest.approx(0.25 + 2 * 2 / (64 * 2), rel=1e-6)  # 4 bits + fp16 scale and zero per 64
 
 
+def test_linear_bytes_are_the_decoder_layers_linears_without_an_untied_lm_head():
+    """What quantization shrinks: q/k/v/o and gate/up/down of every layer; an untied lm_head (kept 16-bit by default)
+    is not among them."""
+    model = tiny_model(tie_word_embeddings=False)
+    mem = memory.weight_memory(model)
+    layers = sum(m.weight.numel() * 4 for m in model.model.layers.modules() if isinstance(m, nn.Linear))
+    assert memory.linear_bytes(mem) == layers and mem["kinds"]["lm_head"]["bytes"] > 0
+
+
 def test_decode_stream_bytes_skip_the_embedding_table_unless_it_is_the_lm_head():
     for tied in (True, False):
         mem = memory.weight_memory(tiny_model(tie_word_embeddings=tied))
@@ -103,6 +112,14 @@ def test_a_quantized_layers_bias_is_dense_bytes():
     codes = sum(t.numel() * t.element_size() for name, m in model.named_modules() if ".self_attn." in name
                 and isinstance(m, QuantLinear) for t in (m.qweight, m.scales, m.zeros))
     assert (attention["quantized_bytes"], attention["dense_bytes"]) == (codes, biases)
+
+
+def test_only_a_quantlinears_codes_scales_and_zeros_are_quantized_bytes():
+    """A dense module's own tensors of those names (a learned per-channel "scales") are dense bytes."""
+    model = tiny_model()
+    model.model.layers[0].mlp.scales = nn.Parameter(torch.ones(64))
+    mem = memory.weight_memory(model)
+    assert mem["quantized_bytes"] == 0 and mem["kinds"]["mlp"]["dense_bytes"] == mem["kinds"]["mlp"]["bytes"]
 
 
 def test_fused_projections_and_norms_of_other_names_are_filed_by_what_they_are():
@@ -139,9 +156,41 @@ def test_weights_shared_elsewhere_than_the_lm_head_are_counted_once_and_leave_it
     assert not mem["tied_lm_head"] and mem["total_bytes"] == before["total_bytes"] - 64 * 4
 
 
+def test_projections_and_norms_are_filed_by_their_own_names_in_blocks_of_other_names():
+    """A q_proj or gate_proj is attention or MLP by its name alone, in a block not called self_attn or mlp (the
+    tests above have them only there); a norm by its name alone, of a class not called *Norm*."""
+
+    class Scale(nn.Module):  # a norm's weight, of a class whose name says nothing
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+    block = nn.Module()
+    block.attn, block.ffn = nn.Module(), nn.Module()
+    block.attn.q_proj, block.attn.o_proj = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+    block.ffn.gate_proj, block.ffn.down_proj = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+    block.post_norm, block.gate = Scale(), nn.Linear(8, 1, bias=False)
+    kinds = memory.weight_memory(nn.ModuleDict({"block": block}))["kinds"]
+    assert {k: v["bytes"] for k, v in kinds.items()} == {
+        "embeddings": 0, "attention": 2 * 8 * 8 * 4, "mlp": 2 * 8 * 16 * 4, "lm_head": 0, "norms": 8 * 4,
+        "other": 8 * 4}
+
+
 def test_format_bytes_changes_unit_at_1024_either_sign():
     assert [memory.format_bytes(n) for n in (1023, 1024, -2048, 3 * 2 ** 30)] == [
         "1023 B", "1.00 KiB", "-2.00 KiB", "3.00 GiB"]
+
+
+def test_the_cpus_memory_bound_is_its_pages_times_the_page_size(monkeypatch):
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 3 * 2 ** 18}[name])
+    assert memory.memory_bound(torch.device("cpu")) == (3 * 2 ** 30, "this machine's 3.00 GiB of memory")
+
+
+def test_a_sysconf_that_fails_with_an_os_error_gives_no_bound(monkeypatch):
+    def failing(name):
+        raise OSError("sysconf failed")
+    monkeypatch.setattr(os, "sysconf", failing)
+    assert memory.memory_bound(torch.device("cpu")) is None
 
 
 def test_memory_bound_is_none_where_the_machine_does_not_say(monkeypatch):

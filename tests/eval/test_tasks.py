@@ -24,6 +24,7 @@ from nibble.eval.tasks import (
     load_winogrande,
     loglikelihood,
     score_docs,
+    task_files,
 )
 
 
@@ -96,6 +97,15 @@ def test_arc_requests_including_numeric_answer_keys():
     assert load_arc_challenge()[0].gold == 2  # answerKey "C"
 
 
+def test_arc_questions_of_three_or_five_choices_keep_them_all_and_the_gold_among_them():
+    """A few ARC questions have 3 or 5 choices (answerKey "E": gold 4; "2" of labels "1".."3": gold 1)."""
+    easy, challenge = load_arc_easy(), load_arc_challenge()
+    assert len(easy[1441].choices) == 5 and easy[1441].gold == 4  # answerKey "E"
+    assert easy[1441].requests[4][1] == " " + easy[1441].choices[4]
+    assert len(challenge[385].choices) == 3 and challenge[385].gold == 1  # labels "1".."3", answerKey "2"
+    assert len(easy[93].choices) == 3 and easy[93].gold == 1  # labels "A".."C", answerKey "B"
+
+
 def test_boolq_requests():
     docs = load_boolq()
     assert len(docs) == 3270
@@ -133,6 +143,29 @@ def test_hellaswag_requests_capitalize_ctx_b_and_apply_lm_eval_preprocess():
     assert hellaswag_preprocess("Label: [header] How to x [title] Do y. [step] Then  z ") == "Label: How to x. Do y. Then z"
 
 
+def test_hellaswag_capitalizes_only_the_open_phrase_after_the_last_sentence_end(tmp_path, monkeypatch):
+    """ctx_b is the lower-case phrase after the context's last ".", "!" or "?": a lower-case word after an earlier
+    one is the text's own (task 3471's "u.s. citizens or u.s. nationals." stays so)."""
+    assert load_hellaswag()[3471].requests[0][0].endswith("must also be u.s. citizens or u.s. nationals.")
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "hellaswag_val_full.txt").write_text(
+        "Cheering: The crowd stands up! they\n0\n" + "clap.\n" * 4 + "Asking: Who is it? the man\n1\n" + "asks.\n" * 4,
+        encoding="utf-8")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    assert [d.requests[0][0] for d in load_hellaswag()] == ["Cheering: The crowd stands up! They",
+                                                           "Asking: Who is it? The man"]
+
+
+def test_hellaswag_endings_that_still_hold_a_bracketed_span_lose_it_as_lm_eval_preprocesses_them():
+    """Endings carry `[...]` spans too (task 5760's "[not recommended]", 6714's "[insert name]"): choice and
+    continuation both without them, as lm-eval's `preprocess` of each ending leaves them."""
+    docs = load_hellaswag()
+    finish = ("Use a remover to get rid of any old nail polish. This is essential unless you want an uneven or lumpy "
+              "finish .")
+    assert docs[5760].choices[1] == finish and docs[5760].requests[1][1] == " " + finish
+    assert docs[6714].choices[0].startswith("As you shake the person's hand, you can say, \" hello, . \" if a")
+
+
 def test_hellaswag_preprocess_is_not_applied_twice_to_a_line_without_brackets():
     """lm-eval's preprocess collapses "  " once (replace, not a loop): three spaces left by its removed markers
     stay two, as in task 4121's second ending. The shared file already holds that single pass; a second one made
@@ -164,6 +197,23 @@ def test_encode_pair_moves_trailing_context_spaces_and_splits_the_whole_encoding
     ctx, cont = "Question: dresser\nAnswer:", " finish, woodgrain with  bobby pin "
     assert encode_pair(bpe_tokenizer, ctx, cont) == (enc(ctx), enc(ctx + cont)[len(enc(ctx)) :])
     assert encode_pair(bpe_tokenizer, "", "yes") == ([bpe_tokenizer.bos_token_id], enc("yes"))
+
+
+def test_encode_pair_moves_every_kind_of_trailing_whitespace_into_the_continuation():
+    """lm-eval's `context.rstrip()`: a trailing newline or tab moves as a space does."""
+    tok = ByteTokenizer()
+    assert encode_pair(tok, "ab\n\t ", "cd") == (tok.encode("ab"), tok.encode("\n\t cd"))
+
+
+def test_encode_pair_encodes_without_the_tokenizers_special_tokens():
+    """No BOS before the context, nor inside the whole string the continuation is cut from (it would shift the cut
+    by one token)."""
+
+    class BosTokenizer(ByteTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            return [1] * add_special_tokens + super().encode(text)
+
+    assert encode_pair(BosTokenizer(), "ab", "cd") == ([97, 98], [99, 100])
 
 
 class GreedyTokenizer:
@@ -205,6 +255,16 @@ def test_a_continuation_longer_than_the_context_is_refused_and_one_that_fills_it
     by_hand = sum(lp[j, full[j + 1]].item() for j in range(8))
     got = loglikelihood(model, ByteTokenizer(), [("a", "x" * 8)], progress=False)[0]
     assert got == pytest.approx(by_hand, rel=1e-5)
+
+
+@pytest.mark.parametrize("context, continuation, message", [
+    ("ab", "", r"^Request 0 has an empty continuation after tokenization: ''$"),
+    ("  ", "cd", r"^Request 0: the context '  ' encodes to no tokens; give a non-blank context\.$")])
+def test_a_request_with_no_continuation_or_a_blank_context_is_refused(context, continuation, message):
+    """Either was scored: an empty continuation as 0.0 (a certain answer), a blank context by logits of positions
+    that predict other tokens."""
+    with pytest.raises(ValueError, match=message):
+        loglikelihood(BigramLM(), ByteTokenizer(), [(context, continuation)], progress=False)
 
 
 def test_loglikelihood_sums_continuation_log_probs_given_the_context():
@@ -254,6 +314,12 @@ def test_a_batch_whose_logits_exceed_the_memory_is_refused_before_it_runs(memory
         assert len(loglikelihood(model, ByteTokenizer(), requests, progress=False)) == 3
 
 
+def test_the_bar_counts_requests_where_several_share_one_forward_pass(capsys):
+    """BoolQ's " no" and " yes" share their input: the bar counts both requests, and ends at its total."""
+    loglikelihood(BigramLM(), ByteTokenizer(), [("ab", "c"), ("ab", "d"), ("x", "yz")], desc="boolq")
+    assert "boolq: 100%" in capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+
+
 def test_batched_loglikelihood_equals_unbatched(bpe_tokenizer):
     model = tiny_model(vocab_size=len(bpe_tokenizer), max_position_embeddings=1024)
     docs = load_piqa()[:3] + load_boolq()[2:3] + load_arc_easy()[:1] + load_winogrande()[:2]
@@ -285,6 +351,22 @@ def test_score_docs_takes_argmax_of_loglikelihood_and_of_loglikelihood_per_chara
     assert math.isnan(one["acc_stderr"]) and math.isnan(one["acc_norm_stderr"])
     nan = score_docs(docs, lls[:5] + [float("nan"), -8.0], has_acc_norm=True)  # np.argmax took the NaN: a guess
     assert all(math.isnan(nan[k]) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")) and nan["n"] == 3
+
+
+def test_each_document_scores_its_own_log_likelihoods_whatever_its_number_of_choices():
+    """A 3-choice document takes 3 log-likelihoods, and the 2-choice one after it the next 2 (ARC's 3- and 5-choice
+    questions among 4-choice ones)."""
+    docs = [Doc([("", "")] * 3, ["a", "b", "c"], 2), Doc([("", "")] * 2, ["a", "b"], 1)]
+    assert score_docs(docs, [-3.0, -2.0, -1.0, -5.0, -4.0], has_acc_norm=True)["acc"] == 1.0
+
+
+def test_acc_and_acc_norm_each_have_the_standard_error_of_their_own_hits():
+    """acc hits all three (standard error 0), acc_norm two of three: the two spreads differ."""
+    doc = Doc([("", "")] * 2, ["a", "bbbb"], 0)
+    # per character acc_norm picks b, then a (a tie) twice
+    result = score_docs([doc] * 3, [-2.0, -4.0, -2.0, -8.0, -2.0, -8.0], has_acc_norm=True)
+    assert result == pytest.approx({"acc": 1.0, "acc_stderr": 0.0, "acc_norm": 2 / 3,
+                                    "acc_norm_stderr": math.sqrt(2 / 3 * 1 / 3 / 2), "n": 3})
 
 
 def test_acc_norm_divides_by_the_choices_length_in_characters_not_bytes_or_words():
@@ -345,9 +427,30 @@ def test_each_task_the_command_line_offers_has_its_data_files_and_loader_in_the_
     and then fail, one here alone never offered."""
     assert tuple(TASKS) == tuple(FILES) == ALL_TASKS
 
+def test_each_task_loads_its_own_documents_and_reports_acc_norm_where_lm_eval_does():
+    """acc_norm for PIQA, HellaSwag, ARC and OpenBookQA; acc alone for WinoGrande and BoolQ (lm-eval's task yamls)."""
+    sizes = {"piqa": 1838, "hellaswag": 10042, "winogrande": 1267, "arc_easy": 2376, "arc_challenge": 1172,
+             "boolq": 3270, "openbookqa": 500}
+    assert {name: len(task.load()) for name, task in TASKS.items()} == sizes
+    assert {name for name, task in TASKS.items() if task.has_acc_norm} == {
+        "piqa", "hellaswag", "arc_easy", "arc_challenge", "openbookqa"}
+
+
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown task.*'piqa'"):
         evaluate_tasks(BigramLM(), ByteTokenizer(), ["piqa", "mmlu"])
+
+
+def test_the_data_files_checked_before_a_run_are_every_file_each_task_reads():
+    """PIQA reads its labels too: a run whose labels file is missing is refused before the model loads."""
+    assert task_files(["piqa", "boolq"]) == ["piqa/valid.jsonl", "piqa/valid-labels.lst", "boolq/val.jsonl"]
+    assert task_files("winogrande") == ["winogrande/winogrande_dev_llmfoundry.jsonl"]
+
+
+def test_no_task_is_a_clear_error():
+    """An empty list scored nothing and averaged NaN."""
+    with pytest.raises(ValueError, match=r"^No tasks given; choose from \['piqa', "):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), [], progress=False)
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(limit=0), "limit must be an integer >= 1, got 0"),
@@ -391,6 +494,20 @@ def test_a_malformed_data_file_is_named_with_what_to_do(task, relpath, content, 
         evaluate_tasks(None, None, tasks=[task], progress=False)
 
 
+@pytest.mark.parametrize("labels", ["0\n", "0\n1\n0\n"])
+def test_piqa_labels_that_are_not_one_a_question_are_refused_naming_both_files(labels, monkeypatch, tmp_path):
+    """Fewer labels than questions, or more: the two files do not align, and every gold after the first gap would be
+    another question's."""
+    (tmp_path / "piqa").mkdir()
+    (tmp_path / "piqa" / "valid.jsonl").write_text('{"goal": "g", "sol1": "a", "sol2": "b"}\n' * 2)
+    (tmp_path / "piqa" / "valid-labels.lst").write_text(labels)
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    n = len(labels.split())
+    with pytest.raises(DataFormatError, match=rf"valid\.jsonl and .*valid-labels\.lst: not in the format nibble reads "
+                                              rf"\(ValueError: piqa: 2 questions but {n} labels; the two files must"):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), "piqa", progress=False)
+
+
 @pytest.mark.parametrize("bad_gold", [2, -1])
 def test_a_gold_that_is_no_index_of_the_choices_is_refused_naming_the_file(tmp_path, monkeypatch, bad_gold):
     """WinoGrande with 1/2 labels (dev-labels.lst's convention) scored acc 0.30 for 0.55: a gold of 2 is never hit,
@@ -405,6 +522,19 @@ def test_a_gold_that_is_no_index_of_the_choices_is_refused_naming_the_file(tmp_p
     monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
     with pytest.raises(DataFormatError, match=rf"winogrande_dev_llmfoundry.jsonl: document 1 has the gold answer "
                                               rf"{bad_gold}, not the index of one of its 2 choices \(0 to 1\)"):
+        evaluate_tasks(BigramLM(), ByteTokenizer(), "winogrande", progress=False)
+
+
+@pytest.mark.parametrize("bad_gold", [True, "1", 1.0])
+def test_a_gold_that_is_no_integer_is_refused_naming_the_file(tmp_path, monkeypatch, bad_gold):
+    """JSON's true, "1" or 1.0 is no index of a choice, though True == 1 == 1.0 in Python."""
+    import json
+
+    (tmp_path / "winogrande").mkdir()
+    doc = {"context_options": ["The cat sat", "The dog sat"], "continuation": "on the mat.", "gold": bad_gold}
+    (tmp_path / "winogrande" / "winogrande_dev_llmfoundry.jsonl").write_text(json.dumps(doc) + "\n")
+    monkeypatch.setenv("NIBBLE_DATA", str(tmp_path))
+    with pytest.raises(DataFormatError, match=rf"document 0 has the gold answer {bad_gold!r}, not the index of one of"):
         evaluate_tasks(BigramLM(), ByteTokenizer(), "winogrande", progress=False)
 
 
