@@ -96,6 +96,16 @@ def test_default_dtype_is_bf16_on_cuda_only():
     assert loading.default_dtype(torch.device("cpu")) == torch.float32
 
 
+def test_load_model_without_a_dtype_loads_in_the_default_dtype_of_its_device(tmp_path, monkeypatch):
+    """Not float32 whatever the device: bfloat16 on a GPU, as default_dtype says (stood in for on the CPU by a
+    default_dtype that answers bfloat16)."""
+    _save_tiny(tmp_path, "llama")
+    asked = []
+    monkeypatch.setattr(loading, "default_dtype", lambda device: asked.append(device) or torch.bfloat16)
+    model, _ = load_model(tmp_path)
+    assert model.dtype == torch.bfloat16 and asked == [torch.device("cpu")]
+
+
 def test_unsupported_model_type(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; nibble loads the llama, qwen2, qwen3, mistral"):
@@ -164,6 +174,22 @@ def test_an_early_autoawq_folder_of_a_weight_in_another_shape_is_sent_to_load_qu
     (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
     with pytest.raises(ValueError, match=r"holds a quantized checkpoint \(its quant_config\.json\), not a float model; "
                                          "load it with nibble.load_quantized"):
+        load_model(tmp_path)
+
+
+def test_a_quantized_layer_whose_float_name_is_in_another_shape_names_that_tensor_as_needed(tmp_path):
+    """Without a settings file, a qweight beside a float-named tensor of another shape (mismatched, not missing) is
+    a quantized checkpoint that lost its quantization_config: the refusal names the tensor the model needs."""
+    _save_tiny(tmp_path, "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    weight = tensors["model.layers.0.mlp.up_proj.weight"]
+    tensors["model.layers.0.mlp.up_proj.qweight"] = torch.randint(0, 2 ** 31, (weight.shape[1], weight.shape[0] // 8),
+                                                                  dtype=torch.int32)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.randn(weight.shape[0] // 2, weight.shape[1])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape("it holds ['model.layers.0.mlp.up_proj.qweight'] where the model "
+                                                   "needs ['model.layers.0.mlp.up_proj.weight']. Restore the "
+                                                   "quantization_config")):
         load_model(tmp_path)
 
 
@@ -542,3 +568,13 @@ def test_a_tokenizer_error_of_several_lines_is_said_by_its_first(tmp_path, monke
     monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", refuse)
     with pytest.raises(ValueError, match=rf"could not load a tokenizer from it \(ValueError: {first}\)\. If the error"):
         loading.read_tokenizer(tmp_path)
+
+
+def test_a_folder_without_a_generation_config_loads_it_as_none_without_a_word(tmp_path):
+    """generation_config.json is optional (a GGUF's folder, a model saved without one): its absence is no damage to
+    warn about on every load."""
+    import warnings
+    (tmp_path / "config.json").write_text("{}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loading.read_generation_config(tmp_path) is None

@@ -795,6 +795,29 @@ def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, 
         load_quantized(path)
 
 
+def test_scales_of_a_row_per_whole_group_of_a_group_size_that_does_not_split_the_inputs_are_refused(saved):
+    """group_size 40 fits one whole group in 64 inputs (four in 192): scales and zeros of that many rows are no group
+    size at all, refused as the checkpoint's fault, naming the file, not left to QuantLinear's own refusal."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    _, path = saved
+    with safe_open(path / "model.safetensors", "pt") as f:
+        ours = {k: v for k, v in json.loads(f.metadata()["nibble"]).items() if k != "config"}
+    tensors = load_file(path / "model.safetensors")
+    for k in [k for k in tensors if k.endswith((".scales", ".zeros"))]:
+        tensors[k] = tensors[k][:1].repeat(tensors[k].shape[0] * 32 // 40, 1)
+    ours["checksums"] = {k: tensor_sha256(v) for k, v in tensors.items()}
+    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 40
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.\d\.\S+\.scales has shape \((1|4), "
+                                              r"\d+\) .*quantization_config\.group_size 40 does not split them into "
+                                              "groups"):
+        load_quantized(path)
+
+
 @pytest.mark.parametrize("fmt", ["nibble", "awq"])
 def test_a_save_to_an_empty_name_or_a_file_is_refused_and_a_failed_write_named(tmp_path, fmt, monkeypatch):
     """"" wrote the checkpoint into the current folder, a file was a bare FileExistsError from pathlib, and a full
@@ -1100,3 +1123,65 @@ def test_an_lm_head_untied_under_a_tied_config_loads_as_saved(tmp_path):
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_tokenizer_given_as_a_path_object_is_told_how_to_load_it():
+    """A pathlib.Path is a path as much as a str: the refusal says how to load the tokenizer from it."""
+    from pathlib import Path
+    with pytest.raises(TypeError, match=r"got the \w*Path \w*Path\('/tok'\): load it first, with "
+                                        r"transformers.AutoTokenizer.from_pretrained\('/tok'\)$"):
+        checkpoint_files.check_tokenizer(Path("/tok"))
+
+
+def test_a_nibble_quant_method_spelt_in_another_case_is_a_quantized_checkpoint_a_save_writes_again(tmp_path):
+    """quant_method is read whatever its case, as the importer reads "AWQ": "Nibble" is a quantized checkpoint (the
+    commands load it with load_quantized, which names the spelling), not a float model a save would refuse to
+    replace."""
+    model = _quantized()
+    save_quantized(model, tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "Nibble"
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    assert checkpoint_files.quantized_checkpoint(tmp_path / "q")
+    save_quantized(model, tmp_path / "q")
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "q")[0](ids).logits, model(ids).logits)
+
+
+def test_load_quantized_reads_a_directory_under_the_home_folder_as_a_shell_would(tmp_path, monkeypatch):
+    """"~/model", as a script passes it unexpanded: the checkpoint under the home folder, not a folder named "~"."""
+    model = _quantized()
+    save_quantized(model, tmp_path / "q")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "q")  # where no "~" folder is
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_quantized("~/q")[0](ids).logits, model(ids).logits)
+
+
+def test_a_save_into_a_float_model_folder_of_no_safetensors_is_refused(tmp_path):
+    """A float model whose weights are pytorch_model.bin: its config.json is no interrupted nibble save (that leaves
+    weights without a config.json), so the save refuses to replace it."""
+    float_model = tiny_model("llama")
+    (tmp_path / "float").mkdir()
+    float_model.config.to_json_file(tmp_path / "float" / "config.json")
+    torch.save(float_model.state_dict(), tmp_path / "float" / "pytorch_model.bin")
+    held = {p.name: p.read_bytes() for p in (tmp_path / "float").iterdir()}
+    with pytest.raises(ValueError, match="float holds a model that is not a quantized checkpoint"):
+        save_quantized(_quantized(), tmp_path / "float")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "float").iterdir()} == held
+
+
+def test_a_save_into_a_folder_of_unreadable_safetensors_without_a_config_is_refused(tmp_path):
+    """safetensors that cannot be opened carry no nibble metadata to show they are an interrupted nibble save (whose
+    writes are atomic: it never leaves a cut file): another model's, perhaps damaged, which a save would replace."""
+    from safetensors.torch import save_file
+    (tmp_path / "other").mkdir()
+    save_file({"w": torch.randn(64, 64)}, tmp_path / "other" / "model.safetensors", metadata={"format": "pt"})
+    weights = tmp_path / "other" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    held = weights.read_bytes()
+    with pytest.raises(ValueError, match="other holds a model that is not a quantized checkpoint"):
+        save_quantized(_quantized(), tmp_path / "other")
+    assert weights.read_bytes() == held
