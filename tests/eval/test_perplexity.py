@@ -411,32 +411,20 @@ def test_the_bar_counts_windows_whatever_the_batch_and_wikitext2_passes_its_batc
     assert out["windows"] == 4 and rows == [3, 1] and capsys.readouterr().err == ""
 
 
-def test_the_nll_of_every_window_is_summed_in_float64():
-    """Thousands of windows of WikiText-2: a float32 sum drifts in the 7th digit. Here it is the float64 sum of each
-    window's float32 cross-entropy, to the last bit that a float64 sum leaves."""
-    model = tiny_model()
-    ids = torch.randint(0, 256, (40 * 8,))
-    windows = ids.view(40, 8)
+@pytest.mark.parametrize("dtype,windows,length,rel", [(torch.float32, 40, 8, 1e-12), (torch.bfloat16, 4, 16, 1e-9)])
+def test_each_windows_loss_is_taken_in_float32_and_summed_in_float64(dtype, windows, length, rel):
+    """A 16-bit model's logits are cast to float32 for the cross-entropy (bf16's 8 bits of mantissa rounded each
+    window's summed loss by up to 0.4%), and the windows' losses are summed in float64 (over the thousands of
+    windows of WikiText-2 a float32 sum drifts in the 7th digit): to the last bit a float64 sum leaves."""
+    model = tiny_model(dtype=dtype)
+    ids = torch.randint(0, 256, (windows * length,))
+    rows = ids.view(windows, length)
     with torch.no_grad():
-        logits = model(windows).logits
+        logits = model(rows).logits
     by_hand = sum(torch.nn.functional.cross_entropy(row[:-1].float(), w[1:], reduction="sum").double().item()
-                  for row, w in zip(logits, windows))
-    out = perplexity(model, ids, seq_len=8, batch_size=40, progress=False)
-    assert out["nll"] == pytest.approx(by_hand / (40 * 7), rel=1e-12, abs=0)
-
-
-def test_a_16_bit_models_window_losses_are_taken_in_float32():
-    """A bfloat16 model's logits are cast to float32 for the cross-entropy: bf16's 8 bits of mantissa rounded each
-    window's summed loss by up to 0.4%."""
-    model = tiny_model(dtype=torch.bfloat16)
-    ids = torch.randint(0, 256, (64,))
-    windows = ids.view(4, 16)
-    with torch.no_grad():
-        logits = model(windows).logits
-    by_hand = sum(torch.nn.functional.cross_entropy(row[:-1].float(), w[1:], reduction="sum").double().item()
-                  for row, w in zip(logits, windows))
-    out = perplexity(model, ids, seq_len=16, batch_size=4, progress=False)
-    assert out["nll"] == pytest.approx(by_hand / (4 * 15), rel=1e-9)
+                  for row, w in zip(logits, rows))
+    out = perplexity(model, ids, seq_len=length, batch_size=windows, progress=False)
+    assert out["nll"] == pytest.approx(by_hand / (windows * (length - 1)), rel=rel, abs=0)
 
 
 def test_the_logits_memory_is_counted_in_the_models_dtype_and_a_model_without_one_is_not_checked(monkeypatch):

@@ -161,9 +161,9 @@ def test_an_early_autoawq_folder_is_sent_to_load_quantized(tmp_path):
         load_model(tmp_path)
 
 
-def test_an_early_autoawq_folder_of_a_weight_in_another_shape_is_sent_to_load_quantized(tmp_path):
-    """A quantized layer whose other tensors keep a float name in another shape (transformers: mismatched, not
-    missing) beside its qweight: told to restore a quantization_config, which such a folder never had."""
+def _save_qweight_beside_a_float_name_in_another_shape(tmp_path):
+    """A tiny llama folder whose up_proj of layer 0 holds a qweight and, under its float name, a tensor of another
+    shape (transformers: mismatched, not missing)."""
     _save_tiny(tmp_path, "llama")
     tensors = load_file(tmp_path / "model.safetensors")
     weight = tensors["model.layers.0.mlp.up_proj.weight"]
@@ -171,6 +171,12 @@ def test_an_early_autoawq_folder_of_a_weight_in_another_shape_is_sent_to_load_qu
                                                                   dtype=torch.int32)
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.randn(weight.shape[0] // 2, weight.shape[1])
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_an_early_autoawq_folder_of_a_weight_in_another_shape_is_sent_to_load_quantized(tmp_path):
+    """A quantized layer whose other tensors keep a float name in another shape beside its qweight: told to
+    restore a quantization_config, which such a folder never had."""
+    _save_qweight_beside_a_float_name_in_another_shape(tmp_path)
     (tmp_path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "version": "GEMM"}))
     with pytest.raises(ValueError, match=r"holds a quantized checkpoint \(its quant_config\.json\), not a float model; "
                                          "load it with nibble.load_quantized"):
@@ -178,15 +184,9 @@ def test_an_early_autoawq_folder_of_a_weight_in_another_shape_is_sent_to_load_qu
 
 
 def test_a_quantized_layer_whose_float_name_is_in_another_shape_names_that_tensor_as_needed(tmp_path):
-    """Without a settings file, a qweight beside a float-named tensor of another shape (mismatched, not missing) is
-    a quantized checkpoint that lost its quantization_config: the refusal names the tensor the model needs."""
-    _save_tiny(tmp_path, "llama")
-    tensors = load_file(tmp_path / "model.safetensors")
-    weight = tensors["model.layers.0.mlp.up_proj.weight"]
-    tensors["model.layers.0.mlp.up_proj.qweight"] = torch.randint(0, 2 ** 31, (weight.shape[1], weight.shape[0] // 8),
-                                                                  dtype=torch.int32)
-    tensors["model.layers.0.mlp.up_proj.weight"] = torch.randn(weight.shape[0] // 2, weight.shape[1])
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    """Without a settings file, a qweight beside a float-named tensor of another shape is a quantized checkpoint
+    that lost its quantization_config: the refusal names the tensor the model needs."""
+    _save_qweight_beside_a_float_name_in_another_shape(tmp_path)
     with pytest.raises(ValueError, match=re.escape("it holds ['model.layers.0.mlp.up_proj.qweight'] where the model "
                                                    "needs ['model.layers.0.mlp.up_proj.weight']. Restore the "
                                                    "quantization_config")):
