@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -31,33 +30,17 @@ from nibble.kernels import w4a4  # noqa: E402
 FUSED_PARAMS = engine_mod._rmsnorm_params
 
 
-def hf_greedy(model, prompt, n):
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[:, prompt.shape[1]:]
-
-
-def divergence(model, prompt, a, b):
+def divergence(t, model, prompt, a, b):
     """[row, step, HF's logit gap between b's and a's token there, one bf16 spacing there] where rows part."""
-    out = []
-    for row in range(prompt.shape[0]):
-        diff = (a[row] != b[row]).nonzero()
-        if not len(diff):
-            continue
-        d = diff[0].item()
-        with torch.no_grad():
-            logits = model(torch.cat([prompt[row], b[row, :d]])[None]).logits[0, -1].float()
-        top = logits[b[row, d]].abs().item()
-        spacing = 2.0 ** (math.floor(math.log2(top)) - 7) if top > 0 else 0.0
-        out.append([row, d, round((logits[b[row, d]] - logits[a[row, d]]).item(), 4), spacing])
-    return out
+    return [[row, d, round(gap, 4), spacing] for row, d, gap, spacing in t.first_divergences(model, prompt, a, b)]
 
 
-def case(seed: int, arch: str, mode: str, device: str, tiny_model, teacher_forced_agreement) -> dict:
-    """One JSON line; ``tiny_model`` and ``teacher_forced_agreement`` are the GPU test's (tests/)."""
+def case(t, seed: int, arch: str, mode: str, device: str) -> dict:
+    """One JSON line; ``t`` is the GPU test's module (tests/eval/test_speed_memory.py), whose model, HF generate and
+    comparisons these are."""
     torch.manual_seed(seed)
-    model = tiny_model(arch, dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=512,
-                       num_attention_heads=8, num_key_value_heads=2, **({"head_dim": 64} if arch == "qwen3" else {}))
+    model = t.tiny_model(arch, dtype=torch.bfloat16, initializer_range=0.2, hidden_size=256, intermediate_size=512,
+                         num_attention_heads=8, num_key_value_heads=2, **({"head_dim": 64} if arch == "qwen3" else {}))
     model.to(device)
     quantize_model(model, report.quant_config(mode, group_size=64 if mode == "w4a16" else -1), progress=False)
     prompt = torch.randint(0, 256, (2, 16), device=device)
@@ -69,9 +52,9 @@ def case(seed: int, arch: str, mode: str, device: str, tiny_model, teacher_force
         unfused = Engine(model, max_batch=2, max_seq_len=64).generate(prompt, 32)
     finally:
         engine_mod._rmsnorm_params = FUSED_PARAMS
-    sdpa_tokens = hf_greedy(model, prompt, 32)
+    sdpa_tokens = t.hf_greedy(model, prompt, 32)
     model.set_attn_implementation("eager")
-    eager_tokens = hf_greedy(model, prompt, 32)
+    eager_tokens = t.hf_greedy(model, prompt, 32)
     with torch.no_grad():
         eager = model(torch.cat([prompt, sdpa_tokens], 1)).logits.float()
     model.set_attn_implementation("sdpa")
@@ -80,12 +63,12 @@ def case(seed: int, arch: str, mode: str, device: str, tiny_model, teacher_force
     ours, theirs = sdpa.argmax(-1, keepdim=True), eager.argmax(-1, keepdim=True)
     overturned = (sdpa.gather(-1, ours) - sdpa.gather(-1, theirs))[ours != theirs]
     return dict(seed=seed, arch=arch, mode=mode,
-                teacher_forced_engine_eager=teacher_forced_agreement(Engine(model, max_batch=2, max_seq_len=64),
-                                                                     model, prompt, sdpa_tokens),
+                teacher_forced_engine_eager=t.teacher_forced_agreement(Engine(model, max_batch=2, max_seq_len=64),
+                                                                       model, prompt, sdpa_tokens),
                 fused_equals_unfused=torch.equal(fused, unfused),
-                fused_vs_hf=divergence(model, prompt, fused, sdpa_tokens),
-                unfused_vs_hf=divergence(model, prompt, unfused, sdpa_tokens),
-                hf_eager_vs_sdpa=divergence(model, prompt, eager_tokens, sdpa_tokens),
+                fused_vs_hf=divergence(t, model, prompt, fused, sdpa_tokens),
+                unfused_vs_hf=divergence(t, model, prompt, unfused, sdpa_tokens),
+                hf_eager_vs_sdpa=divergence(t, model, prompt, eager_tokens, sdpa_tokens),
                 sdpa_eager_argmax_disagreements=len(overturned),
                 largest_overturned_gap=round(overturned.max().item(), 4) if len(overturned) else 0.0)
 
@@ -95,14 +78,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "eval")]  # the GPU test's model and criterion
-    from conftest import tiny_model
-    from test_speed_memory import teacher_forced_agreement
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "eval")]  # the GPU test's module and its conftest
+    import test_speed_memory as t
     w4a4.GATED_MIN_TOKENS = 17  # as the test: the gate/up GEMM multiplies in its epilogue at the 32-token prefill
     for seed in range(args.seeds):
         for arch in ("llama", "qwen3"):
             for mode in ("w4a16", "w4a4"):
-                print(json.dumps(case(seed, arch, mode, args.device, tiny_model, teacher_forced_agreement)), flush=True)
+                print(json.dumps(case(t, seed, arch, mode, args.device)), flush=True)
 
 
 if __name__ == "__main__":

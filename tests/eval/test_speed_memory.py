@@ -647,12 +647,11 @@ def test_speed_without_cuda_says_so():
 
 
 # ---- GPU: CUDA graphs -------------------------------------------------------------------------
-def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens, tol):
-    """Exact equality, except that at the first divergence (if any) the two candidate tokens must be
-    a near-tie of HF's own logits (bf16 rounding differs between the two attention paths): a gap of
-    at most ``tol`` or one bf16 spacing at the logit's magnitude, the smallest gap bf16 logits have."""
-    if torch.equal(engine_tokens, hf_tokens):
-        return
+def first_divergences(model, prompt, engine_tokens, hf_tokens) -> list[tuple[int, int, float, float]]:
+    """(row, step, gap, spacing) for each row whose tokens part: the first step they differ at, HF's own logit of its
+    token there less that of the engine's, and one bf16 spacing at that logit's magnitude (the smallest gap bf16
+    logits have)."""
+    out = []
     for row in range(prompt.shape[0]):
         diff = (engine_tokens[row] != hf_tokens[row]).nonzero()
         if not len(diff):
@@ -663,7 +662,15 @@ def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens,
             logits = model(ctx).logits[0, -1].float()
         top = logits[hf_tokens[row, d]].abs().item()
         spacing = 2.0 ** (math.floor(math.log2(top)) - 7) if top > 0 else 0.0  # bf16: 8 significant bits
-        gap = (logits[hf_tokens[row, d]] - logits[engine_tokens[row, d]]).item()
+        out.append((row, d, (logits[hf_tokens[row, d]] - logits[engine_tokens[row, d]]).item(), spacing))
+    return out
+
+
+def assert_greedy_equal_up_to_near_ties(model, prompt, engine_tokens, hf_tokens, tol):
+    """Exact equality, except that at the first divergence (if any) the two candidate tokens must be
+    a near-tie of HF's own logits (bf16 rounding differs between the two attention paths): a gap of
+    at most ``tol`` or one bf16 spacing at the logit's magnitude."""
+    for row, d, gap, spacing in first_divergences(model, prompt, engine_tokens, hf_tokens):
         assert gap <= max(tol, spacing), f"row {row}: tokens diverge at step {d} with a logit gap of {gap:.4f} (> {tol})"
 
 

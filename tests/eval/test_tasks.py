@@ -427,6 +427,7 @@ def test_each_task_the_command_line_offers_has_its_data_files_and_loader_in_the_
     and then fail, one here alone never offered."""
     assert tuple(TASKS) == tuple(FILES) == ALL_TASKS
 
+
 def test_each_task_loads_its_own_documents_and_reports_acc_norm_where_lm_eval_does():
     """acc_norm for PIQA, HellaSwag, ARC and OpenBookQA; acc alone for WinoGrande and BoolQ (lm-eval's task yamls)."""
     sizes = {"piqa": 1838, "hellaswag": 10042, "winogrande": 1267, "arc_easy": 2376, "arc_challenge": 1172,

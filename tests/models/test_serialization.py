@@ -139,13 +139,16 @@ def test_a_quantized_tensor_in_another_dtype_than_the_formats_is_refused(saved, 
         load_quantized(path)
 
 
-def _rewrite_tensors(path, edit, checksums=True):
+def _rewrite_tensors(path, edit, checksums=True, config_digest=True):
     """Rewrite the checkpoint ``path``'s weights as ``edit`` changes their dict, their checksum table made anew (as a
-    tool that edits them and writes nibble's metadata would) or, not ``checksums``, left as saved."""
+    tool that edits them and writes nibble's metadata would) or, not ``checksums``, left as saved; without
+    ``config_digest``, the saved config's digest left out (a converter's file, which has none)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     with safe_open(path / "model.safetensors", "pt") as f:
         ours = json.loads(f.metadata()["nibble"])
+    if not config_digest:
+        del ours["config"]
     tensors = load_file(path / "model.safetensors")
     edit(tensors)
     if checksums:
@@ -757,6 +760,15 @@ UP = "model.layers.0.mlp.up_proj"
 ROWS = r"model\.safetensors: model\.layers\.0\.mlp\.up_proj\."  # the refusal names the file and the layer
 
 
+def _regrouped(path, edit, group_size):
+    """A converter's file of the checkpoint ``path`` (checksums right, no config digest): its tensors as ``edit``
+    changes them, under config.json's quantization_config.group_size ``group_size``."""
+    _rewrite_tensors(path, edit, config_digest=False)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["group_size"] = group_size
+    (path / "config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize("parts,rows,group_size,refusal", [
     (("scales", "zeros"), 0, 32, ROWS + r"scales has shape \(0, 192\) and .*up_proj\.zeros has shape \(0, 192\), a row "
                                  r"per group of the layer's 64 inputs, but quantization_config.group_size 32 makes 2 of "
@@ -774,23 +786,15 @@ def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, 
     """A converter's file (checksums right, no config digest): 0 rows of scales was a ZeroDivisionError, 3 a group size
     of 42 that QuantLinear refused in its own words, and rows that split the inputs otherwise (or a group size edited
     into config.json) loaded as the group size the scales made, which a re-save or export wrote under the config's."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    def edit(tensors):
+        for part in parts:
+            if part == "missing scales":
+                del tensors[f"{UP}.scales"]
+            else:
+                tensors[f"{UP}.{part}"] = tensors[f"{UP}.{part}"][:1].repeat(rows, 1)
 
     _, path = saved
-    with safe_open(path / "model.safetensors", "pt") as f:
-        ours = {k: v for k, v in json.loads(f.metadata()["nibble"]).items() if k != "config"}
-    tensors = load_file(path / "model.safetensors")
-    for part in parts:
-        if part == "missing scales":
-            del tensors[f"{UP}.scales"]
-        else:
-            tensors[f"{UP}.{part}"] = tensors[f"{UP}.{part}"][:1].repeat(rows, 1)
-    ours["checksums"] = {k: tensor_sha256(v) for k, v in tensors.items()}
-    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["group_size"] = group_size
-    (path / "config.json").write_text(json.dumps(config))
+    _regrouped(path, edit, group_size)
     with pytest.raises(CheckpointError, match=refusal):
         load_quantized(path)
 
@@ -798,20 +802,12 @@ def test_scales_or_zeros_of_other_groups_than_the_group_size_are_refused(saved, 
 def test_scales_of_a_row_per_whole_group_of_a_group_size_that_does_not_split_the_inputs_are_refused(saved):
     """group_size 40 fits one whole group in 64 inputs (four in 192): scales and zeros of that many rows are no group
     size at all, refused as the checkpoint's fault, naming the file, not left to QuantLinear's own refusal."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    def edit(tensors):
+        for k in [k for k in tensors if k.endswith((".scales", ".zeros"))]:
+            tensors[k] = tensors[k][:1].repeat(tensors[k].shape[0] * 32 // 40, 1)
 
     _, path = saved
-    with safe_open(path / "model.safetensors", "pt") as f:
-        ours = {k: v for k, v in json.loads(f.metadata()["nibble"]).items() if k != "config"}
-    tensors = load_file(path / "model.safetensors")
-    for k in [k for k in tensors if k.endswith((".scales", ".zeros"))]:
-        tensors[k] = tensors[k][:1].repeat(tensors[k].shape[0] * 32 // 40, 1)
-    ours["checksums"] = {k: tensor_sha256(v) for k, v in tensors.items()}
-    save_file(tensors, path / "model.safetensors", metadata={"nibble": json.dumps(ours)})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["group_size"] = 40
-    (path / "config.json").write_text(json.dumps(config))
+    _regrouped(path, edit, 40)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.\d\.\S+\.scales has shape \((1|4), "
                                               r"\d+\) .*quantization_config\.group_size 40 does not split them into "
                                               "groups"):
