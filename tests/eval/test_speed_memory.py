@@ -216,7 +216,8 @@ def test_peak_memory_without_cuda_says_so():
 # ---- the engine on CPU (eager) ---------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_engine_prefill_logits_equal_the_hf_forward(arch):
-    model = tiny_model(arch)
+    """rms_norm_eps other than the default 1e-6: each norm's own epsilon is the one the fused norms use."""
+    model = tiny_model(arch, rms_norm_eps=1e-2)
     with torch.no_grad():  # norms of weights other than 1: Qwen3's q_norm and k_norm told apart too
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -228,20 +229,51 @@ def test_engine_prefill_logits_equal_the_hf_forward(arch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_engine_runs_head_norms_other_than_rmsnorm_through_their_own_forward():
-    """Qwen3's q_norm / k_norm are fused into RoPE as HF's RMSNorm; any other module there is called as it is."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_pytorch_path_in_bfloat16_gives_the_hf_logits_bit_for_bit(arch, monkeypatch):
+    """The engine's PyTorch ops (no Triton) round where HF's modules round: bfloat16 logits equal, bit for bit,
+    Qwen3's q_norm / k_norm included. A norm's weight taken in float32 (a cast in `_rmsnorm_params`) left norm(h)
+    in float32 there, where HF's is bfloat16."""
+    monkeypatch.setattr(engine_mod, "triton", None)
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    prompt = torch.randint(0, 256, (3, 11))
+    with torch.no_grad():
+        ref = model(prompt).logits[:, -1]
+    out = Engine(model, max_batch=4, max_seq_len=32).prefill(prompt)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("replaced", [("q_norm", "k_norm"), ("q_norm",), ("k_norm",)])
+def test_engine_runs_head_norms_other_than_rmsnorm_through_their_own_forward(replaced):
+    """Qwen3's q_norm / k_norm are fused into RoPE as HF's RMSNorm; any other module there is called as it is, told
+    by its class, not by the weight and variance_epsilon HF's RMSNorm has too, and when only one of the two is
+    another module (the other, then, not fused without its pair: k went un-normed). Their hooks run in the engine's
+    forward, so the engine does not warn of them."""
     model = tiny_model("qwen3")
     head_dim = model.config.head_dim
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     for layer in model.model.layers:
-        for name in ("q_norm", "k_norm"):
+        for name in replaced:
             norm = nn.LayerNorm(head_dim)
             nn.init.uniform_(norm.weight, 0.5, 1.5)
             nn.init.uniform_(norm.bias, -0.5, 0.5)
+            norm.variance_epsilon = norm.eps
+            norm.register_forward_hook(lambda m, i, o: o * 1.5)
             setattr(layer.self_attn, name, norm)
     prompt = torch.randint(0, 256, (2, 7))
     with torch.no_grad():
         ref = model(prompt).logits[:, -1]
-    torch.testing.assert_close(Engine(model, max_batch=2, max_seq_len=16).prefill(prompt), ref, rtol=1e-4, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = Engine(model, max_batch=2, max_seq_len=16)
+    torch.testing.assert_close(engine.prefill(prompt), ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])

@@ -164,6 +164,7 @@ def _check_dequantized(model, want, dtype):
     for name, (w, bias) in want.items():
         layer = model.get_submodule(name)
         assert type(layer) is torch.nn.Linear and layer.weight.dtype == dtype, name
+        assert (layer.out_features, layer.in_features) == tuple(w.shape), name  # what peft reads of the layer
         # float64 to dtype once against the probe's float32 rounded again: one unit of the last place apart at most,
         # or float32's rounding where a Hadamard's sum cancels to ~0
         torch.testing.assert_close(layer.weight, w.to(dtype), rtol=0 if dtype == torch.float32 else 2 ** -7,
@@ -222,8 +223,10 @@ def test_dequantize_undoes_act_order_input_orders(mode):
             torch.testing.assert_close(model(ids).logits, quantized, rtol=0, atol=1e-5)
 
 
-def test_dequantize_to_another_dtype_casts_the_whole_model(tmp_path):
-    _quantized(tmp_path)
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_dequantize_to_another_dtype_casts_the_whole_model(tmp_path, arch):
+    """mistral: its untied lm_head, left 16-bit, is cast too (a cast of the decoder alone left it in bfloat16)."""
+    _quantized(tmp_path, arch)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     want = _functions(model)
     model.dequantize(torch.float32)
@@ -232,9 +235,43 @@ def test_dequantize_to_another_dtype_casts_the_whole_model(tmp_path):
     assert torch.isfinite(model(torch.randint(0, 256, (2, 9))).logits).all()
 
 
+def test_dequantize_runs_in_the_dtype_the_model_was_cast_to():
+    """A model cast after quantization (``.to(torch.bfloat16)``) dequantizes in the dtype it runs in, not in the
+    dtype its config still records (transformers' default, float32 here), which cast the whole model back."""
+    model = quantize_model(tiny_model("qwen2"), QuantConfig(group_size=32), progress=False).to(torch.bfloat16)
+    assert model.config.dtype == torch.float32
+    want = _functions(model)
+    model.dequantize()
+    _check_dequantized(model, want, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_dequantized_model_takes_what_a_float_model_takes():
+    """What quantization and rotation put on the model goes with its quantized layers: a cast to float64 (refused
+    for a quantized model), resize_token_embeddings of the lm_head that was quantized, and another rotation
+    (refused for a model recorded as rotated), as on the float model save_pretrained writes and from_pretrained
+    reads. They stayed refused when dequantize left those overrides and records on the model."""
+    from nibble.models.rotation import check_rotatable, rotation_seed, rotation_untied_head
+
+    config = QuantConfig(mode="w4a4", rotation="hadamard", modules_to_not_convert=())
+    model = quantize_model(tiny_model("llama"), config, progress=False)
+    assert isinstance(model.lm_head, QuantLinear) and rotation_seed(model) == 0 and rotation_untied_head(model)
+    model.dequantize()
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        logits = model(ids).logits
+        double = model.to(torch.float64)(ids).logits
+    assert double.dtype == torch.float64 and model.model.embed_tokens.weight.dtype == torch.float64
+    torch.testing.assert_close(double, logits.double(), rtol=0, atol=1e-5)
+    assert rotation_seed(model) is None and not rotation_untied_head(model)
+    check_rotatable(model)  # a float model in a rotated basis rotates again as any float model
+    model.resize_token_embeddings(264)
+    assert model.lm_head.weight.shape == (264, 64) and model.model.embed_tokens.weight.shape == (264, 64)
+
+
 def test_dequantize_refuses_what_it_cannot_make_leaving_the_model_quantized(tmp_path):
     """An integer dtype, and LoRA adapters around nibble's layers (peft's layer would keep its INT4 frame around a
-    float base)."""
+    float base), an act-order layer's (a QuantLinear subclass) too."""
     peft = pytest.importorskip("peft")
     from nibble.nn.lora import lora_config
 
@@ -246,6 +283,15 @@ def test_dequantize_refuses_what_it_cannot_make_leaving_the_model_quantized(tmp_
                                          "dequantize the model before adding adapters, or unload them first"):
         lora.dequantize()
     assert model.is_quantized and isinstance(model.model.layers[0].self_attn.k_proj, QuantLinear)
+    model = quantize_model(tiny_model(), QuantConfig(group_size=32), progress=False)
+    old = model.model.layers[0].mlp.down_proj
+    model.model.layers[0].mlp.down_proj = PermutedInputQuantLinear.from_weight(old.weight_int4(), old.bias,
+                                                                                dtype=torch.float32)
+    model.model.layers[0].mlp.down_proj.set_input_perm(torch.randperm(old.in_features))
+    lora = peft.get_peft_model(model, lora_config(r=4, target_modules=["model.layers.0.mlp.down_proj"]))
+    with pytest.raises(ValueError, match=r"wrap 1 quantized linears \(model\.layers\.0\.mlp\.down_proj, \.\.\.\)"):
+        lora.dequantize()
+    assert isinstance(model.model.layers[0].mlp.down_proj.base_layer, PermutedInputQuantLinear)
 
 
 def test_registration_is_once_and_public():
