@@ -1157,7 +1157,10 @@ class Engine:
             mlp = layer.mlp
             called.add(layer.self_attn.o_proj)
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
-            norms += [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
+            head_norms = [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm")
+                          if hasattr(layer.self_attn, name)]
+            if any(_rmsnorm_params(norm) is None for norm in head_norms):  # `_attention` then calls both
+                called.update(m for norm in head_norms for m in norm.modules())
             if self._gated(mlp):
                 called.add(mlp.down_proj)
             else:

@@ -572,6 +572,16 @@ def test_engine_warns_of_forward_hooks_its_own_forward_does_not_run():
         Engine(model, max_seq_len=32)
 
 
+def test_hooks_on_fused_head_norms_are_warned_of():
+    """Qwen3's q_norm and k_norm, both HF's RMSNorm, run inside the RoPE kernel, not as modules: a hook on either
+    does not run (the test of head norms of other classes, whose hooks do, is in test_speed_memory)."""
+    model = tiny_model("qwen3")
+    model.model.layers[1].self_attn.k_norm.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.warns(UserWarning, match=r"forward hooks on model\.layers\.1\.self_attn\.k_norm do not run in "
+                                         r"nibble\.Engine"):
+        Engine(model, max_seq_len=16)
+
+
 def test_hooks_on_the_modules_the_engine_calls_are_not_warned_of():
     """The embedding, a SiLU MLP's down_proj and every module of an MLP it does not fuse (another activation) run in
     the engine's forward: their hooks run, unlike those it warns of. Past four hooked modules the warning counts the

@@ -252,7 +252,7 @@ def test_engine_runs_head_norms_other_than_rmsnorm_through_their_own_forward(rep
     """Qwen3's q_norm / k_norm are fused into RoPE as HF's RMSNorm; any other module there is called as it is, told
     by its class, not by the weight and variance_epsilon HF's RMSNorm has too, and when only one of the two is
     another module (the other, then, not fused without its pair: k went un-normed). Their hooks run in the engine's
-    forward, so the engine does not warn of them."""
+    forward, so the engine does not warn of them: of the HF RMSNorm beside another module either (it did)."""
     model = tiny_model("qwen3")
     head_dim = model.config.head_dim
     with torch.no_grad():
@@ -265,8 +265,9 @@ def test_engine_runs_head_norms_other_than_rmsnorm_through_their_own_forward(rep
             nn.init.uniform_(norm.weight, 0.5, 1.5)
             nn.init.uniform_(norm.bias, -0.5, 0.5)
             norm.variance_epsilon = norm.eps
-            norm.register_forward_hook(lambda m, i, o: o * 1.5)
             setattr(layer.self_attn, name, norm)
+        for name in ("q_norm", "k_norm"):  # HF's RMSNorm beside another module runs as a module too: its hook as well
+            getattr(layer.self_attn, name).register_forward_hook(lambda m, i, o: o * 1.5)
     prompt = torch.randint(0, 256, (2, 7))
     with torch.no_grad():
         ref = model(prompt).logits[:, -1]
