@@ -214,18 +214,27 @@ def test_peak_memory_without_cuda_says_so():
 
 
 # ---- the engine on CPU (eager) ---------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_engine_prefill_logits_equal_the_hf_forward(arch):
-    """rms_norm_eps other than the default 1e-6: each norm's own epsilon is the one the fused norms use."""
-    model = tiny_model(arch, rms_norm_eps=1e-2)
-    with torch.no_grad():  # norms of weights other than 1: Qwen3's q_norm and k_norm told apart too
+def _random_norms(model):
+    """Norm weights other than 1, so that a norm applied twice, skipped or swapped (Qwen3's q_norm and k_norm) shows."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+    return model
+
+
+def _engine_and_hf_prefill(model):
+    """The last position's logits of a batch of prompts: the engine's prefill, and the HF forward's."""
     prompt = torch.randint(0, 256, (3, 11))
     with torch.no_grad():
         ref = model(prompt).logits[:, -1]
-    out = Engine(model, max_batch=4, max_seq_len=32).prefill(prompt)
+    return Engine(model, max_batch=4, max_seq_len=32).prefill(prompt), ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_engine_prefill_logits_equal_the_hf_forward(arch):
+    """rms_norm_eps other than the default 1e-6: each norm's own epsilon is the one the fused norms use."""
+    out, ref = _engine_and_hf_prefill(_random_norms(tiny_model(arch, rms_norm_eps=1e-2)))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -235,15 +244,7 @@ def test_engine_pytorch_path_in_bfloat16_gives_the_hf_logits_bit_for_bit(arch, m
     Qwen3's q_norm / k_norm included. A norm's weight taken in float32 (a cast in `_rmsnorm_params`) left norm(h)
     in float32 there, where HF's is bfloat16."""
     monkeypatch.setattr(engine_mod, "triton", None)
-    model = tiny_model(arch, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    prompt = torch.randint(0, 256, (3, 11))
-    with torch.no_grad():
-        ref = model(prompt).logits[:, -1]
-    out = Engine(model, max_batch=4, max_seq_len=32).prefill(prompt)
+    out, ref = _engine_and_hf_prefill(_random_norms(tiny_model(arch, dtype=torch.bfloat16)))
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
@@ -253,12 +254,8 @@ def test_engine_runs_head_norms_other_than_rmsnorm_through_their_own_forward(rep
     by its class, not by the weight and variance_epsilon HF's RMSNorm has too, and when only one of the two is
     another module (the other, then, not fused without its pair: k went un-normed). Their hooks run in the engine's
     forward, so the engine does not warn of them: of the HF RMSNorm beside another module either (it did)."""
-    model = tiny_model("qwen3")
+    model = _random_norms(tiny_model("qwen3"))
     head_dim = model.config.head_dim
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
     for layer in model.model.layers:
         for name in replaced:
             norm = nn.LayerNorm(head_dim)
