@@ -64,8 +64,8 @@ def main() -> None:
                                  tokens=args.tokens, ms_per_step=ms, rounds=t, speedup=base / ms,
                                  weight_bytes_per_step=weights[config], kv_bytes_per_step=kv))
                 print(f"{args.model} {config:6s} b={args.batch} prompt {prompt:5d} cache {cache:5d}: {ms:.3f} ms/step "
-                      f"({base / ms:.2f}x {args.configs[0]}), weights {weights[config] / 1e9:.2f} + KV {kv / 1e9:.2f} GB a step",
-                      flush=True)
+                      f"({base / ms:.2f}x {args.configs[0]}), weights {weights[config] / 1e9:.2f} "
+                      f"+ KV {kv / 1e9:.2f} GB a step", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps({"meta": env_meta(), "args": vars(args), "rows": rows},
                                                       indent=1))
