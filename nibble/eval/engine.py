@@ -737,6 +737,16 @@ def _rmsnorm_params(norm: nn.Module):
     return None
 
 
+def _fused_head_norms(attn: nn.Module):
+    """Qwen3's per-head q_norm and k_norm as the RoPE kernel fuses them, ((weight, eps) of q's, of k's), where both are
+    HF's RMSNorm; None where the attention has none, or either is another module (`Engine._attention` then calls both
+    as modules, which `Engine._called_modules` counts)."""
+    if not hasattr(attn, "q_norm"):
+        return None
+    params = (_rmsnorm_params(attn.q_norm), _rmsnorm_params(attn.k_norm))
+    return None if None in params else params
+
+
 # ---- the engine --------------------------------------------------------------------------------
 # `Engine.generate` with stop tokens asks the GPU whether to go on every this many decode steps: each
 # question waits for the steps queued before it (the CUDA graphs' launches no longer run ahead).
@@ -1157,10 +1167,9 @@ class Engine:
             mlp = layer.mlp
             called.add(layer.self_attn.o_proj)
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
-            head_norms = [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm")
-                          if hasattr(layer.self_attn, name)]
-            if any(_rmsnorm_params(norm) is None for norm in head_norms):  # `_attention` then calls both
-                called.update(m for norm in head_norms for m in norm.modules())
+            attn = layer.self_attn
+            if hasattr(attn, "q_norm") and _fused_head_norms(attn) is None:
+                called.update(m for norm in (attn.q_norm, attn.k_norm) for m in norm.modules())
             if self._gated(mlp):
                 called.add(mlp.down_proj)
             else:
@@ -1204,13 +1213,10 @@ class Engine:
         B, T, _ = q.shape
         k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
         pos = input_pos if mask is None else input_pos[:, None]  # [T] shared, or [B, 1]
-        head_norms = None
-        if hasattr(attn, "q_norm"):  # Qwen3: each head's q and k RMS-normed over its dims before RoPE
-            head_norms = (_rmsnorm_params(attn.q_norm), _rmsnorm_params(attn.k_norm))
-            if None in head_norms:  # not HF's RMSNorm: its own forward
-                q, k = (norm(t.view(B, T, -1, self.head_dim)).view(B, T, -1)
-                        for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
-                head_norms = None
+        head_norms = _fused_head_norms(attn)  # Qwen3: each head's q and k RMS-normed over its dims before RoPE
+        if head_norms is None and hasattr(attn, "q_norm"):  # not both HF's RMSNorm: their own forward
+            q, k = (norm(t.view(B, T, -1, self.head_dim)).view(B, T, -1)
+                    for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
         q = rope_and_cache(q, k, v, self.cos, self.sin, pos, k_cache, v_cache, self.n_heads, self.n_kv,
                            self.head_dim, head_norms)  # [B, T, Hq, D]
         rep = self.n_heads // self.n_kv
