@@ -39,6 +39,27 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, **overrides):
     return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype).eval()
 
 
+def random_canonical(K, N, G, symmetric, seed=0, min_zp=0):
+    """A random canonical Int4Weight [N, K] of groups of G: integer zero points in [min_zp, 15] (8 where
+    ``symmetric``), fp16 scales, as AutoAWQ / GPTQ checkpoints hold them."""
+    from nibble.formats.int4 import Int4Weight
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(N, K // G, generator=gen) * 0.05 + 1e-3).half().float()
+    zp = torch.full_like(s, 8) if symmetric else torch.randint(min_zp, 16, s.shape, generator=gen).float()
+    return Int4Weight.from_codes(codes, s, (-zp * s).half().float(), G)
+
+
+def assert_unchanged_by_edits(weight, tensors):
+    """In-place edits of each of ``tensors`` leave the Int4Weight ``weight`` as it was: they share no memory."""
+    kept = {name: getattr(weight, name).clone() for name in ("qweight", "scales", "zeros")}
+    for tensor in tensors:
+        tensor.add_(1)
+    for name, before in kept.items():
+        assert torch.equal(getattr(weight, name), before), name
+
+
 def past_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
     """``tokens`` [B, n] with each row's tokens after its first stop token replaced by it: what the engine returns
     for a sequence that stopped while others ran on."""

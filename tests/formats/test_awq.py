@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import assert_unchanged_by_edits, random_canonical
 from nibble.formats.awq import from_awq, to_awq
 from nibble.formats.int4 import Int4Weight
 from nibble.kernels.reference import dequantize
@@ -37,15 +38,6 @@ def awq_dequant_reference(qweight, qzeros, scales, G) -> torch.Tensor:
     zp = awq_unpack_reference(qzeros).repeat_interleave(G, dim=0)
     s = scales.double().repeat_interleave(G, dim=0)
     return ((q - zp) * s).t()
-
-
-def random_canonical(K, N, G, symmetric, seed=0) -> Int4Weight:
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    s = (torch.rand(N, K // G, generator=g) * 0.05 + 1e-3).half().float()
-    zp = torch.full_like(s, 8) if symmetric else torch.randint(0, 16, s.shape, generator=g).float()
-    z = (-zp * s).half().float()
-    return Int4Weight.from_codes(codes, s, z, G)
 
 
 def random_awq(K, N, G, seed=0):
@@ -149,19 +141,9 @@ def test_the_converted_tensors_share_no_memory_with_their_source():
     """to_awq and from_awq return tensors of their own: an edit of the exported scales (a cast or rescale in place
     before writing them) reached the model's weight, and an edit of the checkpoint's tensors the imported weight."""
     w = random_canonical(128, 16, 32, symmetric=False, seed=int(torch.randint(0, 2 ** 31, ())))
-    kept = {name: getattr(w, name).clone() for name in ("qweight", "scales", "zeros")}
-    t = to_awq(w)
-    for tensor in t.values():
-        tensor.add_(1)
-    for name, before in kept.items():
-        assert torch.equal(getattr(w, name), before), name
+    assert_unchanged_by_edits(w, to_awq(w).values())
     qweight, qzeros, scales = random_awq(128, 16, 32, seed=int(torch.randint(0, 2 ** 31, ())))
-    back = from_awq(qweight, qzeros, scales, 32)
-    kept = {name: getattr(back, name).clone() for name in ("qweight", "scales", "zeros")}
-    for tensor in (qweight, qzeros, scales):
-        tensor.add_(1)
-    for name, before in kept.items():
-        assert torch.equal(getattr(back, name), before), name
+    assert_unchanged_by_edits(from_awq(qweight, qzeros, scales, 32), (qweight, qzeros, scales))
 
 
 @pytest.mark.parametrize("group_size", [0, -8])

@@ -4,6 +4,7 @@ import re
 import pytest
 import torch
 
+from conftest import assert_unchanged_by_edits, random_canonical
 from nibble.formats.awq import to_awq
 from nibble.formats.gptq import from_gptq, holds_in_v1, to_gptq
 from nibble.formats.int4 import Int4Weight
@@ -45,14 +46,6 @@ def gptq_dequant_reference(qweight, qzeros, scales, g_idx, checkpoint_format) ->
     zp = zero_points_reference(qzeros, checkpoint_format)
     g = g_idx.long()
     return ((q - zp[g]) * scales.double()[g]).t()
-
-
-def random_canonical(K, N, G, symmetric, seed=0, min_zp=0) -> Int4Weight:
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
-    s = (torch.rand(N, K // G, generator=gen) * 0.05 + 1e-3).half().float()
-    zp = torch.full_like(s, 8) if symmetric else torch.randint(min_zp, 16, s.shape, generator=gen).float()
-    return Int4Weight.from_codes(codes, s, (-zp * s).half().float(), G)
 
 
 def random_gptq(K, N, G, seed=0, act_order=False, checkpoint_format="gptq_v2"):
@@ -239,16 +232,8 @@ def test_the_converted_tensors_share_no_memory_with_their_source(act_order):
     seed = int(torch.randint(0, 2 ** 31, ()))
     qweight, qzeros, scales, g_idx = random_gptq(128, 16, 32, seed=seed, act_order=act_order)
     w, perm = from_gptq(qweight, qzeros, scales, g_idx, 32, checkpoint_format="gptq_v2")
-    kept = {name: getattr(w, name).clone() for name in ("qweight", "scales", "zeros")}
-    for tensor in (qweight, qzeros, scales):
-        tensor.add_(1)
-    for name, before in kept.items():
-        assert torch.equal(getattr(w, name), before), name
-    t = to_gptq(w, perm, checkpoint_format="gptq_v2")
-    for tensor in t.values():
-        tensor.add_(1)
-    for name, before in kept.items():
-        assert torch.equal(getattr(w, name), before), name
+    assert_unchanged_by_edits(w, (qweight, qzeros, scales))
+    assert_unchanged_by_edits(w, to_gptq(w, perm, checkpoint_format="gptq_v2").values())
 
 
 @pytest.mark.parametrize("part", ["qweight", "qzeros"])
