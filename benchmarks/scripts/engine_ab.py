@@ -1,7 +1,8 @@
 """Decode A/B of versions of the engine (`nibble/eval/engine.py`) in one process: the package's
 and other copies of the file (e.g. `git show <commit>:nibble/eval/engine.py > old_engine.py`), each
 engine capturing its own graphs, on random-weight models, in alternating rounds; the greedy tokens
-of each compared with the first other version's (the baseline).
+of each compared with the first other version's (the baseline). Each step is timed after each of ``--prompts``,
+in a cache of ``--max-seq-len`` positions (by default just long enough for the longest prompt).
 
     git show HEAD~1:nibble/eval/engine.py > .exp/old_engine.py
     PYTHONPATH=. python3 benchmarks/scripts/engine_ab.py --other old=.exp/old_engine.py --json $OUT/ab.json
@@ -40,7 +41,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="*", default=["bf16", "w4a16", "w4a4"])
     ap.add_argument("--models", nargs="*", default=["llama-2-7b"], choices=list(speed.SPEED_MODELS))
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--prompts", default="128", help="prompt lengths, comma-separated")
+    ap.add_argument("--max-seq-len", type=int, help="the engines' cache (default: the longest prompt + 160)")
     ap.add_argument("--rounds", type=int, default=4, help="even: each version runs first as often")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -49,25 +51,29 @@ def main() -> None:
     versions = {name: load_engine_module(name, path) for name, path in others.items()}
     versions["package"] = new_engine
     base = next(iter(others))
+    prompts = [int(p) for p in args.prompts.split(",")]
+    max_seq_len = args.max_seq_len or max(prompts) + 160
     rows = []
     for model_name in args.models:
         for config in args.configs:
             model = speed.random_model(model_name)
             speed.quantize_in_place(model, quant_config(config, model, clip_search=False))
             for batch in (int(b) for b in args.batches.split(",")):
-                engines = {name: mod.Engine(model, max_batch=batch, max_seq_len=args.prompt + 160)
+                engines = {name: mod.Engine(model, max_batch=batch, max_seq_len=max_seq_len)
                            for name, mod in versions.items()}
                 prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(0)).cuda()
                 tokens = {name: e.generate(prompt, 12).tolist() for name, e in engines.items()}
-                times = speed.alternating_decodes(engines, batch, args.prompt, 128, args.rounds)
-                for name, t in times.items():
-                    ms = statistics.median(t)
-                    rows.append(dict(model=model_name, config=config, batch=batch, prompt=args.prompt, engine=name,
-                                     ms_per_step=ms, rounds=t, speedup=statistics.median(times[base]) / ms,
-                                     same_tokens=tokens[name] == tokens[base]))
-                    print(f"{model_name} {config:6s} b={batch:2d} decode {name:10s} {ms:.4f} ms/step "
-                          f"({rows[-1]['speedup']:.3f}x {base}) tokens "
-                          f"{'same' if rows[-1]['same_tokens'] else 'DIFFER'}", flush=True)
+                for prompt_len in prompts:
+                    times = speed.alternating_decodes(engines, batch, prompt_len, 128, args.rounds)
+                    for name, t in times.items():
+                        ms = statistics.median(t)
+                        rows.append(dict(model=model_name, config=config, batch=batch, prompt=prompt_len,
+                                         max_seq_len=max_seq_len, engine=name, ms_per_step=ms, rounds=t,
+                                         speedup=statistics.median(times[base]) / ms,
+                                         same_tokens=tokens[name] == tokens[base]))
+                        print(f"{model_name} {config:6s} b={batch:2d} prompt {prompt_len:5d} cache {max_seq_len:5d} "
+                              f"decode {name:10s} {ms:.4f} ms/step ({rows[-1]['speedup']:.3f}x {base}) tokens "
+                              f"{'same' if rows[-1]['same_tokens'] else 'DIFFER'}", flush=True)
                 for e in engines.values():
                     e.close()
                 speed.release()

@@ -221,12 +221,14 @@ if triton is not None:
 
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, ml_ptr, S, HKV, CHUNK, scale,
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, ml_ptr, S, HKV, scale,
                                  REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                                  IEEE: tl.constexpr, PDL: tl.constexpr):
-        """Program (sequence x kv head, split): online softmax over keys [split * CHUNK, +CHUNK) that are
-        <= the sequence's pos, for the REP query heads that share this kv head; partial acc, max and sum
-        out (fp32)."""
+        """Program (sequence x kv head, split): online softmax over the split's share of the keys <= the
+        sequence's pos, for the REP query heads that share this kv head; partial acc, max and sum out (fp32).
+        The shares are cut from the sequence's length, not from the cache's capacity S: the grid is fixed
+        when a CUDA graph captures it, and chunks of S / splits would leave a short context in a long
+        cache to its first split or few."""
         after_prior_grids(PDL)
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -238,8 +240,9 @@ if triton is not None:
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
         acc = tl.zeros([REP_P, D], tl.float32)
-        start = split * CHUNK
-        end = tl.minimum(start + CHUNK, length)
+        chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_S) * BLOCK_S
+        start = split * chunk
+        end = tl.minimum(start + chunk, length)
         for s0 in range(start, end, BLOCK_S):
             offs = s0 + tl.arange(0, BLOCK_S)
             valid = offs < end
@@ -713,13 +716,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # about two programs per SM, but no more splits than blocks of keys
         splits = min(triton.next_power_of_2(triton.cdiv(2 * num_sms(q.device), B * H)),
                      triton.next_power_of_2(triton.cdiv(S, block_s)))
-        chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
         rep_p = max(16, triton.next_power_of_2(rep))
         part = torch.empty(B * H, splits, rep, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B * H, splits, 2, rep, dtype=torch.float32, device=q.device)
         out = torch.empty_like(qc)
         early = _early(qc, B)  # one query token per sequence
-        _decode_attention_kernel[(B * H, splits)](qc, kc, vc, p, part, ml, S, H, chunk, scale, REP=rep, REP_P=rep_p,
+        _decode_attention_kernel[(B * H, splits)](qc, kc, vc, p, part, ml, S, H, scale, REP=rep, REP_P=rep_p,
                                                   D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
                                                   num_warps=4, **early)
         _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, out if scatter is None else scatter, H, REP=rep,
