@@ -447,6 +447,49 @@ def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatc
         torch.testing.assert_close(a, b, **tol)
 
 
+def long_context_attention_outputs(dtype, device):
+    """decode_attention of sequences several blocks of keys long, on a GPU of few SMs (`num_sms` patched to 4: two
+    splits for these six sequence x kv heads, each split reading several blocks, so each program's online softmax
+    rescales what it summed): lengths at the edges of a split's share (129 = 2 * 64 + 1: one key in the second split)
+    and of a block, a scale other than D ** -0.5, and in one head a key whose score (about 140) overflows exp() unless
+    each program and the combine subtract the running maximum. Past each sequence's position the kernel's cache
+    holds NaN keys and infinite values, which no program may read (PyTorch's path gets the same cache finite)."""
+    g = torch.Generator().manual_seed(5)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+    B, H, rep, D, S, scale = 3, 2, 2, 16, 520, 0.3
+    at = torch.tensor([256, 128, 411], device=device)
+    q, k, v = r(B, H, rep, D), r(B, H, S, D), r(B, H, S, D)
+    k[2, 1, 10] = 25 * q[2, 1, 0]  # in the first split, blocks before its others: score about 25 * D * scale
+    past = torch.arange(S, device=device) > at[:, None]
+    mask = torch.zeros(B, S, dtype=dtype, device=device).masked_fill(past, float("-inf")).view(B, 1, 1, S)
+    out = []
+    for scatter in (None, torch.randperm(H * rep * D, generator=g).to(device)):
+        if engine_mod.triton is None:  # PyTorch's path: SDPA's masked weights are 0, but 0 * NaN is not
+            out.append(engine_mod.decode_attention(q, k, v, at, scale, mask, scatter))
+        else:
+            garbage = past[:, None, :, None].expand_as(k)
+            out.append(engine_mod.decode_attention(q, k.masked_fill(garbage, float("nan")),
+                                                   v.masked_fill(garbage, float("inf")), at, scale, mask, scatter))
+    return out
+
+
+@needs_kernel
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_attention_over_several_blocks_a_split_equals_sdpa(dtype, monkeypatch, poisoned):
+    monkeypatch.setattr(engine_mod, "num_sms", lambda device: 4)
+    fused = long_context_attention_outputs(dtype, KERNEL_DEVICE)
+    assert engine_mod._glue_failure is None
+    monkeypatch.setattr(engine_mod, "triton", None)
+    plain = long_context_attention_outputs(dtype, KERNEL_DEVICE)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=4e-3, atol=2e-4)
+    for a, b in zip(fused, plain):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **tol)
+
+
 @needs_kernel
 @pytest.mark.interpreter
 # (the interpreter does not round to bfloat16 as the GPU does: bf16 on CUDA only)
