@@ -84,6 +84,9 @@ except Exception:  # pragma: no cover
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                   SDPBackend.MATH]
 _SILU_ACTS = ("silu", "swish")
+# The decode attention's launch: keys a block, warps a program, and programs an SM that the split count aims at
+# (benchmarks/scripts/decode_attention_sweep.py times other values).
+DECODE_ATTENTION_BLOCK, DECODE_ATTENTION_WARPS, DECODE_ATTENTION_PROGRAMS_PER_SM = 64, 4, 2
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests)
@@ -712,9 +715,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         S = k_cache.shape[2]
         qc, p = q.contiguous(), pos.expand(B).contiguous()
         kc, vc = k_cache.contiguous(), v_cache.contiguous()
-        block_s = 64
-        # about two programs per SM, but no more splits than blocks of keys
-        splits = min(triton.next_power_of_2(triton.cdiv(2 * num_sms(q.device), B * H)),
+        block_s = DECODE_ATTENTION_BLOCK
+        # about DECODE_ATTENTION_PROGRAMS_PER_SM programs an SM, but no more splits than blocks of keys
+        splits = min(triton.next_power_of_2(triton.cdiv(DECODE_ATTENTION_PROGRAMS_PER_SM * num_sms(q.device), B * H)),
                      triton.next_power_of_2(triton.cdiv(S, block_s)))
         rep_p = max(16, triton.next_power_of_2(rep))
         part = torch.empty(B * H, splits, rep, D, dtype=torch.float32, device=q.device)
@@ -723,7 +726,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         early = _early(qc, B)  # one query token per sequence
         _decode_attention_kernel[(B * H, splits)](qc, kc, vc, p, part, ml, S, H, scale, REP=rep, REP_P=rep_p,
                                                   D=D, BLOCK_S=block_s, IEEE=q.dtype == torch.float32,
-                                                  num_warps=4, **early)
+                                                  num_warps=DECODE_ATTENTION_WARPS, **early)
         _decode_attention_combine_kernel[(B * H, rep)](part, ml, out, out if scatter is None else scatter, H, REP=rep,
                                                        D=D, SPLITS=splits, SCATTER=scatter is not None, num_warps=2,
                                                        **early)

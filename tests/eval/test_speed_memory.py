@@ -478,8 +478,10 @@ def long_context_attention_outputs(dtype, device):
 @needs_kernel
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_attention_over_several_blocks_a_split_equals_sdpa(dtype, monkeypatch, poisoned):
+@pytest.mark.parametrize("block", [64, 32, 128])  # the shipped block of keys, and what decode_attention_sweep.py tries
+def test_decode_attention_over_several_blocks_a_split_equals_sdpa(dtype, block, monkeypatch, poisoned):
     monkeypatch.setattr(engine_mod, "num_sms", lambda device: 4)
+    monkeypatch.setattr(engine_mod, "DECODE_ATTENTION_BLOCK", block)
     fused = long_context_attention_outputs(dtype, KERNEL_DEVICE)
     assert engine_mod._glue_failure is None
     monkeypatch.setattr(engine_mod, "triton", None)
