@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import bench_rounds, env_meta  # noqa: E402
+from nibble.bench.timing import bench_rounds, env_meta, rotations  # noqa: E402
 from nibble.eval import engine as engine_mod  # noqa: E402
 
 HEADS = {"llama-2-7b": (32, 1), "llama-3-8b": (8, 4)}  # kv heads, query heads a kv head
@@ -49,10 +49,9 @@ def main() -> None:
                             if s != shipped]
     name = {s: "block {} warps {} per-SM {}".format(*s) for s in settings}
     rows, D, S = [], 128, args.cache
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for model, (kv, rep) in HEADS.items():
         for B in ints(args.batches):
-            n_rot = max(1, -(-3 * l2 // (2 * B * kv * S * D * 2)))  # k and v of one layer, rotated past 3 L2s
+            n_rot = rotations(2 * B * kv * S * D * 2)  # k and v of one layer
             caches = [[torch.randn(B, kv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                       for _ in range(n_rot)]
             q = torch.randn(B, kv, rep, D, device="cuda", dtype=torch.bfloat16)
@@ -70,11 +69,10 @@ def main() -> None:
                             return engine_mod.decode_attention(q, k, v, pos, D ** -0.5, mask)
                         return call
                     return factory, n_rot
-                ref = arm(shipped)[0](0)()
-                arms = {}
+                arms = {name[s]: arm(s) for s in settings}
+                ref = arms[name[shipped]][0](0)()
                 for s in settings:
-                    torch.testing.assert_close(arm(s)[0](0)(), ref, rtol=2e-2, atol=2e-3)
-                    arms[name[s]] = arm(s)
+                    torch.testing.assert_close(arms[name[s]][0](0)(), ref, rtol=2e-2, atol=2e-3)
                 times = bench_rounds(arms, args.rounds)
                 base = statistics.median(times[name[shipped]])
                 for s in settings:

@@ -23,10 +23,10 @@ from nibble.eval.memory import decode_stream_bytes, weight_memory  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
 
 
-def kv_bytes_per_step(config, context: float, batch: int) -> float:
-    """Bytes of 16-bit keys and values one decode step reads at ``context`` positions."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * context * batch
+def kv_bytes_per_step(engine: Engine, context: float, batch: int) -> float:
+    """Bytes of keys and values one decode step of ``engine`` reads at ``context`` positions: its cache's, per
+    position of a sequence."""
+    return engine.kv_cache_bytes() / (engine.max_batch * engine.capacity) * context * batch
 
 
 def main() -> None:
@@ -49,7 +49,6 @@ def main() -> None:
         speed.quantize_in_place(models[config], quant_config(config, models[config], clip_search=False))
         for cache in (short_cache, long_cache):
             engines[config, cache] = Engine(models[config], max_batch=args.batch, max_seq_len=cache)
-    model_config = next(iter(models.values())).config
     weights = {config: decode_stream_bytes(weight_memory(model)) for config, model in models.items()}
     rows = []
     for prompt in prompts:
@@ -57,7 +56,7 @@ def main() -> None:
             times = speed.alternating_decodes({c: engines[c, cache] for c in args.configs}, args.batch, prompt,
                                               args.tokens, args.rounds)
             base = statistics.median(times[args.configs[0]])
-            kv = kv_bytes_per_step(model_config, prompt + args.tokens / 2, args.batch)
+            kv = kv_bytes_per_step(engines[args.configs[0], cache], prompt + args.tokens / 2, args.batch)
             for config, t in times.items():
                 ms = statistics.median(t)
                 rows.append(dict(model=args.model, config=config, batch=args.batch, prompt=prompt, cache=cache,

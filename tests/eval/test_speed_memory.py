@@ -411,6 +411,11 @@ def glue_outputs(dtype, device):
     return out
 
 
+def attention_tolerance(dtype) -> dict:
+    """The kernel's decode attention sums in another order than SDPA: equal to about one rounding of the dtype."""
+    return dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=4e-3, atol=2e-4)
+
+
 def attention_outputs(dtype, device):
     """decode_attention: one split (short cache), eight splits of which the last ones see no key, one key."""
     g = torch.Generator().manual_seed(2)
@@ -441,10 +446,8 @@ def test_fused_glue_kernels_equal_the_pytorch_ops_they_replace(dtype, monkeypatc
     plain, plain_attn = glue_outputs(dtype, KERNEL_DEVICE), attention_outputs(dtype, KERNEL_DEVICE)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b)
-    # attention sums in another order than SDPA: equal to about one rounding of the dtype
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=4e-3, atol=2e-4)
     for a, b in zip(fused_attn, plain_attn):
-        torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(a, b, **attention_tolerance(dtype))
 
 
 def long_context_attention_outputs(dtype, device):
@@ -486,10 +489,9 @@ def test_decode_attention_over_several_blocks_a_split_equals_sdpa(dtype, block, 
     assert engine_mod._glue_failure is None
     monkeypatch.setattr(engine_mod, "triton", None)
     plain = long_context_attention_outputs(dtype, KERNEL_DEVICE)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=4e-3, atol=2e-4)
     for a, b in zip(fused, plain):
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(a, b, **attention_tolerance(dtype))
 
 
 @needs_kernel
