@@ -1,8 +1,9 @@
-"""Decode A/B of versions of the engine (`nibble/eval/engine.py`) in one process: the package's
+"""Decode (and prefill) A/B of versions of the engine (`nibble/eval/engine.py`) in one process: the package's
 and other copies of the file (e.g. `git show <commit>:nibble/eval/engine.py > old_engine.py`), each
 engine capturing its own graphs, on random-weight models, in alternating rounds; the greedy tokens
 of each compared with the first other version's (the baseline). Each step is timed after each of ``--prompts``,
-in a cache of ``--max-seq-len`` positions (by default just long enough for the longest prompt).
+in a cache of ``--max-seq-len`` positions (by default just long enough for the longest prompt); with
+``--prefills``, each prefill of those batch x prompt shapes too (the batch must be one of ``--batches``).
 
     git show HEAD~1:nibble/eval/engine.py > .exp/old_engine.py
     PYTHONPATH=. python3 benchmarks/scripts/engine_ab.py --other old=.exp/old_engine.py --json $OUT/ab.json
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=["llama-2-7b"], choices=list(speed.SPEED_MODELS))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompts", default="128", help="prompt lengths, comma-separated")
+    ap.add_argument("--prefills", default="", help="prefill shapes BATCHxPROMPT, comma-separated (e.g. 1x128,8x512)")
     ap.add_argument("--max-seq-len", type=int, help="the engines' cache (default: the longest prompt + 160)")
     ap.add_argument("--rounds", type=int, default=4, help="even: each version runs first as often")
     ap.add_argument("--json")
@@ -52,7 +54,8 @@ def main() -> None:
     versions["package"] = new_engine
     base = next(iter(others))
     prompts = [int(p) for p in args.prompts.split(",")]
-    max_seq_len = args.max_seq_len or max(prompts) + 160
+    prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefills.split(",") if shape]
+    max_seq_len = args.max_seq_len or max(prompts + [T for _, T in prefills]) + 160
     rows = []
     for model_name in args.models:
         for config in args.configs:
@@ -63,6 +66,17 @@ def main() -> None:
                            for name, mod in versions.items()}
                 prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(0)).cuda()
                 tokens = {name: e.generate(prompt, 12).tolist() for name, e in engines.items()}
+                shapes = [(b, T) for b, T in prefills if b == batch]
+                prefill_times = speed.alternating_prefills(engines, shapes, args.rounds) if shapes else {}
+                for shape in shapes:
+                    base_ms = statistics.median(prefill_times[base, shape])
+                    for name in engines:
+                        ms = statistics.median(prefill_times[name, shape])
+                        rows.append(dict(model=model_name, config=config, batch=batch, prompt=shape[1],
+                                         max_seq_len=max_seq_len, engine=name, prefill_ms=ms,
+                                         rounds=prefill_times[name, shape], speedup=base_ms / ms))
+                        print(f"{model_name} {config:6s} b={batch:2d} prompt {shape[1]:5d} cache {max_seq_len:5d} "
+                              f"prefill {name:10s} {ms:.4f} ms ({rows[-1]['speedup']:.3f}x {base})", flush=True)
                 for prompt_len in prompts:
                     times = speed.alternating_decodes(engines, batch, prompt_len, 128, args.rounds)
                     for name, t in times.items():

@@ -1226,10 +1226,11 @@ class Engine:
                            self.head_dim, head_norms)  # [B, T, Hq, D]
         rep = self.n_heads // self.n_kv
         if mask is None:  # prefill from position 0: causal attention over the prompts themselves
-            k, v = k_cache[:, :, :T], v_cache[:, :, :T]
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
+            # enable_gqa: query head h reads kv head h // rep where it lies (cuDNN's and flash's kernels do),
+            # where a copy of the keys and values to every query head cost as much as the attention
+            # (benchmarks/scripts/sdpa_backends.py --kv-heads 8)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :T], v_cache[:, :, :T],
+                                               is_causal=True, scale=self.scale, enable_gqa=rep > 1)
             y = y.transpose(1, 2).reshape(B, T, -1)
         else:  # one token: query head h reads kv head h // rep, so fold the rep heads into the query length
             qg = q.reshape(B, self.n_kv, rep, self.head_dim)
