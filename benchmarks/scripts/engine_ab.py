@@ -48,20 +48,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="even: each version runs first as often")
     ap.add_argument("--json")
     args = ap.parse_args()
+    prompts = [int(p) for p in args.prompts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefills.split(",") if shape]
+    except ValueError:
+        ap.error(f"--prefills wants BATCHxPROMPT shapes such as 1x128,8x512, got {args.prefills!r}")
+    if any(len(shape) != 2 or shape[0] not in batches for shape in prefills):
+        ap.error(f"--prefills {args.prefills}: each BATCHxPROMPT's batch must be one of --batches {args.batches}")
     speed.require_cuda("engine_ab")
     others = dict(o.split("=", 1) for o in args.other)
     versions = {name: load_engine_module(name, path) for name, path in others.items()}
     versions["package"] = new_engine
     base = next(iter(others))
-    prompts = [int(p) for p in args.prompts.split(",")]
-    prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefills.split(",") if shape]
     max_seq_len = args.max_seq_len or max(prompts + [T for _, T in prefills]) + 160
     rows = []
     for model_name in args.models:
         for config in args.configs:
             model = speed.random_model(model_name)
             speed.quantize_in_place(model, quant_config(config, model, clip_search=False))
-            for batch in (int(b) for b in args.batches.split(",")):
+            for batch in batches:
                 engines = {name: mod.Engine(model, max_batch=batch, max_seq_len=max_seq_len)
                            for name, mod in versions.items()}
                 prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(0)).cuda()

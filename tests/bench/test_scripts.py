@@ -231,3 +231,14 @@ def test_package_api_in_use_exists(path):
                     _check_call(node, target, problems, launch)
     problems = sorted(dict.fromkeys(problems), key=lambda p: int(p.split()[1].rstrip(":")))
     assert not problems, f"{path.name}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("prefills, says", [("8x128,2x512", "must be one of --batches"),
+                                            ("1-128", "BATCHxPROMPT shapes"), ("1x128x4", "must be one of --batches")])
+def test_engine_ab_refuses_prefill_shapes_it_would_not_time_before_it_needs_a_gpu(prefills, says, capsys):
+    path = SCRIPTS_DIR / "engine_ab.py"
+    with _Isolated([str(path), "--other", "old=old_engine.py", "--batches", "1,8", "--prefills", prefills]):
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_path(str(path), run_name="__main__")
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
