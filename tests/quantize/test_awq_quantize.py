@@ -201,3 +201,27 @@ def test_scale_search_says_what_is_not_finite_and_never_raises_none():
         search_scale([W * 1000], H / H.abs().max() * 1e38, x_mean, 32)
     with pytest.raises(ValueError, match="^the statistics of its calibration inputs are not finite"):
         clip_quantize(W, H.clone().fill_diagonal_(float("nan")), 32)
+
+
+def test_the_scale_grid_is_alpha_r_over_n_grid_never_reaching_1():
+    """errors[r] is the output error at alpha = r / n_grid, r < n_grid, as AutoAWQ's grid (alpha = 1 is never tried):
+    the alpha returned is that of the smallest error, on that grid."""
+    X, W, H = salient_problem(K=128, N=32, seed=2)
+    for n_grid in (4, 20):
+        s, alpha, errors = search_scale([W], H, X.abs().mean(0), 32, n_grid=n_grid)
+        r = errors.index(min(errors))
+        assert len(errors) == n_grid and r > 0 and alpha == r / n_grid
+        want = X.abs().mean(0).pow(alpha)
+        torch.testing.assert_close(s, want / (want.max() * want.min()).sqrt())
+
+
+def test_awq_model_refuses_n_grid_before_running_the_model():
+    """n_grid is refused as the call starts, without a layer's name: not once the calibration ran up to the first
+    scale search (the model left as it was only because that search comes before any folding)."""
+    model = tiny_model("llama")
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(17))
+    with pytest.raises(ValueError, match="^n_grid must be an integer >= 1, got 0$"):
+        awq_quantize_model(model, QuantConfig(group_size=32, method="awq"), ids, progress=False, n_grid=0)
+    assert calls == []

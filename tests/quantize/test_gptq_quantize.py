@@ -1,5 +1,6 @@
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -426,3 +427,55 @@ def test_calibration_inputs_a_16_bit_model_overflows_on_are_said_with_the_layer(
     H[3, 5] = float("inf")
     with pytest.raises(ValueError, match="the statistics of its calibration inputs are not finite"):
         gptq_quantize_weight(W, H, 32)
+
+
+def test_the_damping_is_tried_up_to_1000x_percdamp_before_it_is_refused():
+    """Four tries, x1 to x1000: a Hessian that only 1000x percdamp makes positive definite is quantized, with the
+    warning that says so (the refusal claims 1000x was tried)."""
+    g = torch.Generator().manual_seed(13)
+    H = torch.eye(64)
+    H[-1, -1] = -5.0  # mean(diag H) ~0.91: damping 0.009, 0.09, 0.9 leave it negative; 9.1 (1000x 0.01) does not
+    W = torch.randn(16, 64, generator=g) * 0.02
+    with pytest.warns(UserWarning, match=r"^GPTQ: Hessian needed 10 relative damping"):
+        res = gptq_quantize_weight(W, H, 32)
+    assert res.weight.codes().shape == (16, 64)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (64, 64, 1), (64,)])
+def test_a_hessian_of_the_right_height_but_wrong_shape_is_refused_by_its_shape(shape):
+    """Only a [K, K] Hessian is one of this weight's inputs: one with K rows but other columns (or dims) got past a
+    check of its first dim alone, to fail in torch's indexing or Cholesky."""
+    g = torch.Generator().manual_seed(14)
+    W = torch.randn(16, 64, generator=g) * 0.02
+    H = torch.rand(shape, generator=g) + 0.5
+    with pytest.raises(ValueError, match=rf"^Hessian must be \[64, 64\] for a weight with in_features=64, got "
+                                         rf"{re.escape(str(tuple(shape)))}$"):
+        gptq_quantize_weight(W, H, 32)
+
+
+def test_gptq_model_refuses_its_options_before_running_the_model():
+    """percdamp and blocksize are refused as the call starts, by name and with no layer's: not after the whole
+    calibration ran up to the first linear, whose name the refusal then carried."""
+    model = tiny_model("llama")
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(15))
+    for kwargs, message in ((dict(percdamp=0.0), "percdamp must be a finite number > 0"),
+                            (dict(blocksize=0), "blocksize must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            gptq_quantize_model(model, QuantConfig(group_size=32, method="gptq"), ids, progress=False, **kwargs)
+    assert calls == []
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_each_stacked_linears_compensated_weights_are_its_own_rows(act_order):
+    """q/k/v (gate/up) are quantized as one stacked weight: each linear's compensated weights are its rows of the
+    stack, which round to its own codes with its own scales (k_proj's were q_proj's first rows, of the right shape)."""
+    compensated = {}
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(16))
+    out = gptq_quantize_model(correlated_tiny_model(), QuantConfig(group_size=32, method="gptq"), ids, progress=False,
+                              act_order=act_order, compensated=compensated)
+    for name in ("self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"):
+        w, c = out[f"model.layers.0.{name}"], compensated[f"model.layers.0.{name}"]
+        s, z = (t.float().t().repeat_interleave(32, dim=1) for t in (w.scales, w.zeros))
+        assert torch.equal(round_to_codes(c, s, z), w.codes().float()), name

@@ -221,3 +221,13 @@ def test_rtn_options_out_of_range_are_refused_by_name(kwargs, message):
     """chunk_rows=0 failed in range(), -1 in torch.cat of nothing."""
     with pytest.raises(ValueError, match=message):
         rtn_quantize(torch.randn(8, 64), 32, **kwargs)
+
+
+def test_a_min_shrink_of_1_is_a_search_that_never_clips():
+    """min_shrink is in (0, 1]: 1 is allowed, every ratio tried is then the full range, and the result is plain
+    min/max RTN."""
+    W = torch.randn(24, 128, generator=torch.Generator().manual_seed(18)) * 0.05
+    a = rtn_quantize(W, 32, clip_search=True, min_shrink=1.0)
+    b = rtn_quantize(W, 32, clip_search=False)
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
