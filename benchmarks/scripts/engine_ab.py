@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nibble.bench.timing import env_meta  # noqa: E402
+from nibble.bench.timing import env_meta, shape_list  # noqa: E402
 from nibble.eval import engine as new_engine  # noqa: E402
 from nibble.eval import speed  # noqa: E402
 from nibble.eval.report import quant_config  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> None:
     prompts = [int(p) for p in args.prompts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     try:
-        prefills = [tuple(int(n) for n in shape.split("x")) for shape in args.prefills.split(",") if shape]
+        prefills = shape_list(args.prefills) if args.prefills else []
     except ValueError:
         ap.error(f"--prefills wants BATCHxPROMPT shapes such as 1x128,8x512, got {args.prefills!r}")
     if any(len(shape) != 2 or shape[0] not in batches for shape in prefills):

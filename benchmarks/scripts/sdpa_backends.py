@@ -3,8 +3,8 @@ each timed as ``python -m nibble.bench`` times kernels (CUDA graphs, median) and
 Why the engine prefers cuDNN's (Llama-2-7B's shape, the default).
 
 With ``--kv-heads`` below 32 (8: Llama-3-8B, Mistral-7B), each backend runs twice: with the keys and values of the
-cache repeated to every query head first, as the engine's prefill does, and with SDPA's ``enable_gqa`` reading them
-in place (a backend that cannot is named unavailable): whether the copy is worth dropping.
+cache repeated to every query head first, as the engine's prefill did until session 79, and with SDPA's ``enable_gqa``
+reading them in place (a backend that cannot is named unavailable), as it does since.
 
     PYTHONPATH=. python3 benchmarks/scripts/sdpa_backends.py [--kv-heads 8]
 """
