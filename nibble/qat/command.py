@@ -32,11 +32,11 @@ def add_qat_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     # hadamard by default: unrotated W4A4 collapses on small models (SmolLM2: per-token PE-QAT at perplexity 1,867,
-    # hadamard at 41, README), so the default run gives the model a user can deploy
+    # hadamard at 41, docs/RESULTS.md), so the default run gives the model a user can deploy
     parser.add_argument("--recipe", choices=RECIPES, default="hadamard",
                         help="hadamard (default): rotate first, clip ratios fixed; per-token: no rotation, learned "
-                             "weight clipping (on SmolLM2 it recovers far less: README); per-channel: the original "
-                             "PE-QAT (fake quant only, not exportable)")
+                             "weight clipping (on SmolLM2 it recovers far less: docs/RESULTS.md); per-channel: the "
+                             "original PE-QAT (fake quant only, not exportable)")
     parser.add_argument("--init", choices=INITS, default="rtn",
                         help="rtn: quantize from the 16-bit weights; gptq: start from GPTQ's weights (calibrated on "
                              "128 x 512 tokens of the C4 excerpt), so step 0 is the W4A4 GPTQ model")

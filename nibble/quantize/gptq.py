@@ -29,7 +29,7 @@ Why act-order and clipping are on by default in ``gptq_quantize_model``: SmolLM2
 carry "massive activations" (a few attention-sink tokens with |x| thousands of times the median),
 so H is dominated by a handful of columns. Quantized late, their errors are compensated by bending
 every other column, which helps those few tokens and hurts all the rest; quantized first, the
-other columns absorb their error instead. SmolLM2-135M W4A16 g64, WikiText-2 (README, PTQ table):
+other columns absorb their error instead. SmolLM2-135M W4A16 g64, WikiText-2 (docs/RESULTS.md, PTQ table):
 reference GPTQ was worse than RTN (28.17 vs 27.57, 32 x 512 calibration tokens) and act-order brought
 it to 25.14; with the CLI's 128 x 512 tokens act-order gives 24.81, and with the GPTQ-weighted
 clipping 23.86 (16-bit: 20.97).
