@@ -61,6 +61,20 @@ def test_clip_search_keeps_each_groups_best_of_the_21_ratios_1_to_0_5(symmetric,
     assert {0, 1, 20} <= winners  # the grid's ends and its first shrink each win somewhere
 
 
+def test_ties_round_half_to_even_as_autogptq_and_autoawq_round():
+    """Codes and integer zero points are torch.round's, ties to even, as AutoGPTQ's and AutoAWQ's RTN (and the W4A4
+    kernels' activations, cvt.rni); floor(x + 0.5) would move each tie below up a level. The group spans
+    [-1.25, 6.25]: s = 0.5, -lo / s = 2.5 -> zero point 2 (z = -1), so w = -1 + 0.5 (k + 1/2) are ties."""
+    ties = torch.tensor([-1.25, -0.25, 0.25, 0.75, 5.75, 6.25])
+    want = torch.tensor([-1.0, 0.0, 0.0, 1.0, 6.0, 6.0])  # codes 0, 2, 2, 4, 14, 14 (half up: zero point 3)
+    w = torch.empty(2, 32).uniform_(-1.2, 6.2)  # strictly inside: the tie values set the range
+    w[:, :6] = ties
+    q = rtn_quantize(w, 32, clip_search=False)
+    assert torch.equal(q.scales.float(), torch.full((1, 2), 0.5))
+    assert torch.equal(q.zeros.float(), torch.full((1, 2), -1.0))
+    assert torch.equal(_dq(q)[:, :6], want.expand(2, 6))
+
+
 def test_integer_zero_points_are_recoverable_exactly():
     q = rtn_quantize(torch.randn(32, 256), 64)
     zp = -q.zeros.float() / q.scales.float()
