@@ -1582,6 +1582,47 @@ def test_each_command_takes_the_defaults_its_help_and_the_readme_give(argv, defa
     assert {name: getattr(args, name) for name in defaults} == defaults
 
 
+def _readme_command_lines():
+    """(command, options its comment names) for each command of the README's CLI block; a comment runs on over the
+    lines below it that hold a comment alone."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("## CLI\n\n```bash\n", 1)[1].split("```", 1)[0]
+    lines = []
+    for line in block.splitlines():
+        command, _, comment = line.partition("  #")
+        if command.strip():
+            lines.append([command.strip(), comment])
+        else:
+            lines[-1][1] += " " + comment
+    return [(command, set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", comment))) for command, comment in lines]
+
+
+def test_every_command_and_option_the_readme_shows_is_the_clis(capsys):
+    """Docs that match the code: each command line of the README's CLI block parses as written, and each option its
+    comments name is one of that command's (`nibble generate`'s, `python -m nibble.bench kernels`'s, ...)."""
+    import shlex
+
+    from nibble.bench.__main__ import main as bench_main
+
+    parser, checked = build_parser(), 0
+    for command, options in _readme_command_lines():
+        words = shlex.split(command)
+        if words[:3] == ["python", "-m", "nibble.bench"]:
+            with pytest.raises(SystemExit) as done:
+                bench_main([words[3], "--help"])
+            assert done.value.code == 0
+            known = capsys.readouterr().out
+            assert all(re.search(rf"{option}\b", known) for option in options | set(re.findall(r"--[a-z-]+", command))), command
+        else:
+            argv = words[3:] if words[:3] == ["python", "-m", "nibble"] else words[1:]
+            assert words[0] in ("nibble", "python"), command
+            parser.parse_args(argv)  # a usage error exits 2, failing here with the command's message on stderr
+            known = {flag for action in parser.commands[argv[0]]._actions for flag in action.option_strings}
+            assert options <= known, (command, options - known)
+        checked += len(options)
+    assert checked > 20  # the block was found and its comments read
+
+
 def test_quantize_takes_no_quant_none_and_the_other_commands_do():
     parser = build_parser()
     assert parser.parse_args(["generate", "x", "--quant", "none"]).quant == "none"
