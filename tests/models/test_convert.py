@@ -1,4 +1,5 @@
 import copy
+import math
 import os
 import re
 import warnings
@@ -51,6 +52,9 @@ def test_weight_bytes_counts_scales_and_zeros():
     wb = weight_bytes(model)
     # 4 bits per weight + two fp16 per 64 weights = 0.25 + 4/64/2 ... of 16 bits
     assert wb["ratio"] == pytest.approx(0.25 + 2 * 2 / (64 * 2), rel=1e-6)
+    # nothing quantized: no ratio, not a 0 that reads as every byte saved
+    unquantized = weight_bytes(tiny_model())
+    assert unquantized["quantized_bytes"] == 0 and math.isnan(unquantized["ratio"])
 
 
 def test_weight_bytes_counts_the_bias_as_the_layer_holds_it():
@@ -84,6 +88,21 @@ def test_weight_bytes_saved_is_what_quantizing_the_head_too_saved(arch, rotate):
     assert model.config.quantization_config.get("lm_head_was_tied", False) == (arch == "llama")
 
 
+@pytest.mark.parametrize("rotate_first", [False, True])  # tied, or untied by rotate_model
+def test_a_tied_head_kept_in_16_bits_is_not_recorded_as_a_quantized_tied_head(rotate_first):
+    """lm_head_was_tied says that the quantized head was the embedding's table in 16 bits (`weight_bytes` counts it 0
+    bytes there, `nibble quantize` says so): a tied head that modules_to_not_convert keeps in 16 bits is no quantized
+    head, whether the model still ties it or rotate_model untied it."""
+    from nibble.models.rotation import rotate_model
+
+    model = tiny_model("llama")  # its head tied to the embedding
+    if rotate_first:
+        rotate_model(model, seed=1)
+    quantize_model(model, QuantConfig(mode="w4a4"), progress=False)  # lm_head kept, the default
+    assert not isinstance(model.lm_head, QuantLinear)
+    assert "lm_head_was_tied" not in model.config.quantization_config
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # a tied head, biases, a head of its own
 @pytest.mark.parametrize("config", [QuantConfig(group_size=32), QuantConfig(group_size=32, modules_to_not_convert=[]),
                                     QuantConfig(mode="w4a4", rotation="hadamard")])
@@ -111,11 +130,21 @@ def test_default_group_size_follows_the_in_features():
     assert default_group_size(tiny_model(hidden_size=128, intermediate_size=256)) == 128
     assert default_group_size(tiny_model(hidden_size=96, intermediate_size=288, num_attention_heads=3,
                                          num_key_value_heads=1)) == 32
+    # of the linears to convert only: down_proj's 192 inputs kept in 16 bits leave the others' 128
+    model = tiny_model(hidden_size=128, intermediate_size=192)
+    assert default_group_size(model) == 64
+    assert default_group_size(model, QuantConfig(modules_to_not_convert=["lm_head", "down_proj"])) == 128
 
 
 def test_k_not_divisible_by_group_is_a_clear_error():
     with pytest.raises(ValueError, match="in_features=64 is not divisible by group_size=128"):
         quantize_model(tiny_model(), QuantConfig(group_size=128), progress=False)
+    # where no group size of 128 / 64 / 32 divides every width, the layer's refusal stands, by name, without the hint
+    # (default_group_size's own refusal names no layer)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.q_proj: in_features=48 is not divisible by "
+                                         r"group_size=32; pick a group size that divides it: 48 or 24 or 16 "
+                                         r"\(Triton\), or -1 for per-channel$"):
+        quantize_model(tiny_model(hidden_size=48, intermediate_size=96), QuantConfig(group_size=32), progress=False)
 
 
 def test_unknown_architecture_is_a_clear_error():
@@ -520,10 +549,16 @@ def test_calibration_ids_outside_the_vocabulary_are_refused_first(method):
     model = tiny_model("llama")  # 256 tokens
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = QuantConfig(group_size=32, method=method, rotation="none")
+    # none at all is told how to make them, not that None is no integer tensor
+    with pytest.raises(ValueError, match=f"method='{method}' needs calibration token ids: pass calibration=nibble."
+                                         "quantize.calibration.calibration_for"):
+        quantize_model(model, cfg, progress=False)
     with pytest.raises(ValueError, match="calibration token ids run from 0 to 999, but the model's vocabulary has "
                                          "256 tokens: make them with this model's tokenizer"):
         quantize_model(model, cfg, progress=False, calibration=torch.arange(1000).reshape(10, 100))
-    for wrong in (torch.rand(4, 16), torch.rand(4, 16) > 0.5):  # floats; an attention mask, which GPTQ took
+    # floats, complex too; an attention mask, which GPTQ took; one window unbatched (an IndexError of shape[1]); no rows
+    for wrong in (torch.rand(4, 16), torch.randn(4, 16, dtype=torch.complex64), torch.rand(4, 16) > 0.5,
+                  torch.randint(0, 256, (64,)), torch.randint(0, 256, (0, 16))):
         with pytest.raises(ValueError, match="calibration must be token ids"):
             quantize_model(model, cfg, progress=False, calibration=wrong)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -615,6 +650,19 @@ def test_a_weight_rtn_would_refuse_is_said_before_any_layer_is_converted(value, 
     assert len(quantized_linears(model)) == 14
 
 
+def test_a_weight_the_rotation_brings_within_float16_scales_is_not_refused_before_it():
+    """check_weights checks the float16 scales of a weight as RTN will quantize it: with rotation='hadamard' it is
+    rotated first. One entry of 1e5 in a row of 64 needs a scale float16 cannot hold, and is refused unrotated; the
+    rotation spreads it over the row (1e5 / 8 each), and the model quantizes."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[3, 7] = 1e5
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.self_attn\.q_proj: weights up to \|w\| = 1e\+05 need"):
+        quantize_model(model, QuantConfig(mode="w4a4"), progress=False)
+    quantize_model(model, QuantConfig(mode="w4a4", rotation="hadamard"), progress=False)
+    assert torch.isfinite(model.model.layers[1].self_attn.q_proj.scales).all()
+
+
 def test_a_symmetric_config_refuses_a_float_zero_point_it_would_ignore():
     """Symmetric weights have no zero point: zero_point='float' was ignored (the same weights as 'int') and the
     checkpoint's quantization_config said 'float'. Configs saved so still load, as what their weights are."""
@@ -659,6 +707,8 @@ def test_set_backend_refuses_an_unknown_backend_at_the_call_naming_the_valid_one
     assert {m.backend for _, m in quantized_linears(model)} == {"auto"}  # untouched
     set_backend(model, "reference")
     assert {m.backend for _, m in quantized_linears(model)} == {"reference"}
+    with pytest.raises(ValueError, match=r"backend must be one of"):  # a model without QuantLinears too
+        set_backend(tiny_model(), "triton ")
 
 
 @pytest.mark.parametrize("offload", ["disk", "cpu"])
@@ -797,13 +847,16 @@ def test_skips_that_leave_no_linear_to_quantize_are_refused_before_the_model_is_
 
 def test_untying_the_head_gives_it_a_table_of_its_own():
     """untie_lm_head copies the embedding's table into lm_head: a Parameter over the same storage left them one
-    tensor, so a change to the head alone (a rotation in place on a GPU) changed the embedding too."""
+    tensor, so a change to the head alone (a rotation in place on a GPU) changed the embedding too. The copy is
+    as trainable as the table was: a frozen embedding does not become a trainable head."""
     from nibble.models.convert import lm_head_tied, untie_lm_head
 
     model = tiny_model("llama")
     embed = model.model.embed_tokens.weight.detach().clone()
+    model.model.embed_tokens.weight.requires_grad_(False)
     untie_lm_head(model)
     assert not lm_head_tied(model) and not model.config.tie_word_embeddings
+    assert not model.lm_head.weight.requires_grad
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
     assert torch.equal(model.model.embed_tokens.weight, embed)

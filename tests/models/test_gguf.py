@@ -1,5 +1,6 @@
 """GGUF loading: the shipped SmolLM2 Q4_1 file, and tiny synthetic GGUF files for the edge cases."""
 import re
+import warnings
 from types import SimpleNamespace
 
 import gguf
@@ -60,6 +61,8 @@ def test_digits_split_individually_like_the_original_tokenizer(smollm):
     ids = tokenizer("<|im_start|>user\nhi<|im_end|>").input_ids
     assert ids[0] == 1 and ids[-1] == 2  # control tokens stay whole
     assert tokenizer.decode(tokenizer("héllo  wörld\n日本").input_ids) == "héllo  wörld\n日本"
+    # offsets as the original's (byte-level, untrimmed): a word's token covers the space before it
+    assert tokenizer("hello world", return_offsets_mapping=True).offset_mapping == [(0, 5), (5, 11)]
 
 
 def test_logits_match_transformers_gguf_loader(smollm):
@@ -107,9 +110,9 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=
     """``quantized`` mimics the SmolLM2 file: Q4_1 linears, Q8_0 embedding tied to the output. ``head_counts``: the
     (head_count, head_count_kv) the metadata says, if not the model's. ``tokenizer``: the tokenizer.ggml.model said, None
     for none; only "gpt2" comes with tokens (the others with llama.vocab_size instead). ``metadata``: {key: value}
-    written over the model's, a str as a string, a float as float32, an int as uint32, a bool as a bool, a list as an
-    array. ``split_max_tensors``: split the file into parts of that many tensors each (llama.cpp's gguf-split),
-    path-0000i-of-0000n.gguf.
+    written over the model's, a str as a string, a float as float32, an int as uint32 (int32 if negative), a bool as a
+    bool, a list as an array. ``split_max_tensors``: split the file into parts of that many tensors each (llama.cpp's
+    gguf-split), path-0000i-of-0000n.gguf.
     ``rope_freq_base``: write llama.rope.freq_base (which llama.cpp takes as optional, 10000 without it).
     ``token_types``: write tokenizer.ggml.token_type (the first three tokens CONTROL, the others NORMAL), which
     llama.cpp takes as optional."""
@@ -145,7 +148,8 @@ def _write_gguf(path, model, arch="llama", pre="smollm", add_bos=False, add_eos=
     else:
         w.add_vocab_size(c.vocab_size)
     for key, value in (metadata or {}).items():
-        {str: w.add_string, float: w.add_float32, list: w.add_array, int: w.add_uint32,
+        add_int = w.add_int32 if type(value) is int and value < 0 else w.add_uint32
+        {str: w.add_string, float: w.add_float32, list: w.add_array, int: add_int,
          bool: w.add_bool}[type(value)](key, value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -289,6 +293,23 @@ def test_a_file_replaced_by_another_of_the_same_size_and_time_is_read_anew(tiny,
     assert torch.equal(second.model.embed_tokens.weight, load_gguf(other)[0].model.embed_tokens.weight)
 
 
+def test_a_file_rewritten_in_place_with_its_size_and_time_is_read_anew(tiny, tmp_path):
+    """cp -p onto an existing file rewrites it in place: the same inode, size and mtime, only its ctime tells it was
+    changed. The cached reader's parsed fields still pointed at the old file's layout (a chat template of one
+    character read as the first character of the new one's two)."""
+    import os
+    path = _write_gguf(tmp_path / "a.gguf", tiny, metadata={"tokenizer.chat_template": "A", "general.name": "xy"})
+    assert load_gguf(path)[1].chat_template == "A"
+    other = _write_gguf(tmp_path / "b.gguf", tiny, metadata={"tokenizer.chat_template": "AB", "general.name": "x"})
+    stat = path.stat()
+    with open(path, "r+b") as f:  # in place: the same inode
+        f.write(other.read_bytes())
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_ino, path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_ino, stat.st_size,
+                                                                                  stat.st_mtime_ns)
+    assert load_gguf(path)[1].chat_template == "AB"
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_a_non_finite_weight_is_refused_naming_the_tensor(tiny, tmp_path, value):
     """A NaN in one weight loaded, and the model answered NaN logits (token 0 again and again) at generation."""
@@ -313,6 +334,7 @@ def _with_config(model, **overrides):
                                   r"128.*\) implies 128x64: the file is corrupt"),
     (dict(head_counts=(3, 1)), r"head_count 3 and head_count_kv 1 do not fit embedding_length 64"),
     (dict(head_counts=(0, 0)), r"head_count 0 and head_count_kv 0 do not fit embedding_length 64"),
+    (dict(head_counts=(0, 2)), r"head_count 0 and head_count_kv 2 do not fit embedding_length 64"),
     (dict(head_counts=(4, 3)), r"head_count 4 and head_count_kv 3 do not fit embedding_length 64")])
 def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damage, message):
     """Raw load_state_dict tracebacks (unexpected keys, size mismatches), huggingface_hub's validation error, a
@@ -326,6 +348,7 @@ def test_metadata_that_disagrees_with_the_tensors_is_named(tiny, tmp_path, damag
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bos=999), r"tokenizer\.ggml\.bos_token_id is 999, beyond its \d+ tokens: the file's metadata is corrupt"),
     (dict(bos=len(TOKENS)), rf"tokenizer\.ggml\.bos_token_id is {len(TOKENS)}, beyond its {len(TOKENS)} tokens"),
+    (dict(metadata={"tokenizer.ggml.padding_token_id": -1}), r"tokenizer\.ggml\.padding_token_id is -1, beyond its"),
     (dict(bos=None, add_bos=True), r"tokenizer\.ggml\.add_bos_token is true, but no tokenizer\.ggml\.bos_token_id "
                                    r"says which token: the file's metadata is corrupt"),
     (dict(merges=["h e", "q! zz"]), r"its tokenizer cannot be built \(.*\): the file's tokenizer metadata is corrupt"),
@@ -356,8 +379,10 @@ def test_a_gguf_is_known_by_its_magic_bytes_not_its_suffix(tiny, tmp_path, name)
     """An upper-case suffix, or a download cache's blob, was "neither a .gguf file nor a Hugging Face model
     directory"."""
     from nibble.models.loading import load_model
+    from nibble.models.gguf import is_gguf
     model, _ = load_model(_write_gguf(tmp_path / name, tiny))
     assert torch.equal(model.model.embed_tokens.weight, tiny.model.embed_tokens.weight)
+    assert not is_gguf(tmp_path) and not is_gguf(tmp_path / "missing")  # no file: no GGUF, not an OSError
 
 
 def test_a_big_endian_gguf_is_refused_not_read_with_its_bytes_swapped(tiny, tmp_path):
@@ -459,6 +484,19 @@ def test_the_model_holds_the_dequantized_weights_not_copies_of_them(tiny, tmp_pa
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_a_float32_gguf_loads_into_writable_weights(tiny, tmp_path):
+    """A float32 tensor dequantizes to a view of the file's read-only mapping: torch warned that it was not writable,
+    and the model's weights were that mapping, which no in-place change (a rotation, a training step) may write."""
+    path = _write_gguf(tmp_path / "t.gguf", tiny)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, _ = load_gguf(path)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2)
+    torch.testing.assert_close(model.model.layers[0].mlp.up_proj.weight, 2 * tiny.model.layers[0].mlp.up_proj.weight,
+                               rtol=0, atol=0)
+
+
 def test_a_bfloat16_load_never_holds_the_float32_model(tiny, tmp_path, monkeypatch):
     """load_gguf dequantized every weight to float32 and cast the whole model at the end: a float32 and a bfloat16
     model at the peak (1.37 GB RSS for SmolLM2 in bfloat16, 0.89 GB casting each weight as it is made)."""
@@ -501,6 +539,18 @@ def test_a_gguf_without_token_types_loads_its_tokens_as_normal_ones(tiny, tmp_pa
     assert ids.tolist() == typed("hello 42", return_tensors="pt").input_ids.tolist()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, tiny(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_control_tokens_are_special_and_user_defined_ones_whole_text(tiny, tmp_path):
+    """tokenizer.ggml.token_type: a CONTROL token (<|endoftext|>, here neither BOS nor EOS, which transformers makes
+    special anyway) is matched whole and dropped by skip_special_tokens; a USER_DEFINED one ("ll" here, which no
+    merge builds) is matched whole too, but is text, which decoding keeps."""
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 4) + [gguf.TokenType.USER_DEFINED]
+    _, tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, merges=("h e",), token_types=False,
+                                         metadata={"tokenizer.ggml.token_type": [int(t) for t in types]}))
+    ids = tokenizer("<|endoftext|>hello").input_ids
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<|endoftext|>", "he", "ll", "o"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hello"
 
 
 def test_a_head_dim_other_than_hidden_over_heads_is_read_from_attention_key_length(tmp_path):
@@ -608,12 +658,16 @@ def test_a_gguf_without_a_rope_base_takes_llama_cpps_default(tiny, tmp_path):
     assert model.config.rope_parameters["rope_theta"] == 10000.0
 
 
-def test_partial_rotary_embeddings_are_refused(tiny, tmp_path):
+@pytest.mark.parametrize("metadata,message", [
+    ({"llama.rope.dimension_count": 8}, r"partial rotary embeddings \(rope\.dimension_count != head dim 16\) are not "
+                                        "supported"),
+    ({"llama.rope.scaling.type": "linear"}, r"rope scaling 'linear' is not supported by nibble's GGUF loader")])
+def test_rotary_embeddings_the_loader_cannot_build_are_refused(tiny, tmp_path, metadata, message):
     """rope.dimension_count below the head dim rotates part of each head, which LlamaForCausalLM cannot: loaded, it
-    rotated the whole head, another model."""
-    path = _write_gguf(tmp_path / "t.gguf", tiny, metadata={"llama.rope.dimension_count": 8})
-    with pytest.raises(ValueError, match=r"partial rotary embeddings \(rope\.dimension_count != head dim 16\) are not "
-                                         "supported"):
+    rotated the whole head, another model. A rope scaling (linear, yarn) stretches the positions, which the config
+    the loader builds would not: another model past the original context."""
+    path = _write_gguf(tmp_path / "t.gguf", tiny, metadata=metadata)
+    with pytest.raises(ValueError, match=message):
         load_gguf(path)
 
 
@@ -626,13 +680,32 @@ def test_a_gguf_that_says_add_space_prefix_tokenizes_a_text_as_after_a_space(tin
     assert prefixed("hello").input_ids == plain(" hello").input_ids != plain("hello").input_ids
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm"])
-def test_the_pre_tokenizer_splits_as_gpt_2s_regex_does(tiny, tmp_path, pre):
+@pytest.mark.parametrize("pre,number", [("gpt-2", ["Ġ42"]), ("smollm", ["Ġ", "4", "2"])])
+def test_the_pre_tokenizer_splits_as_gpt_2s_regex_does(tiny, tmp_path, pre, number):
     """Both pre-tokenizers split words, spaces and punctuation by GPT-2's byte-level regex (SmolLM's each digit on its
     own first): without the regex a text was one piece, and merges ran across words."""
     tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, pre=pre))[1]
-    pieces = [piece for piece, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("hello world!")]
-    assert pieces == ["hello", "Ġworld", "!"]
+    pieces = [piece for piece, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("hello world 42!")]
+    assert pieces == ["hello", "Ġworld", *number, "!"]
+
+
+def test_the_q4_1_blocks_of_a_file_without_a_tokenizer_are_read(tiny, tmp_path):
+    """read_q4_1_blocks needs the model's shapes, not its tokenizer: a file that says llama.vocab_size and holds no
+    tokens (llama.cpp's --no-vocab) gives its blocks, as they load in a file with a tokenizer."""
+    bare = read_q4_1_blocks(_write_gguf(tmp_path / "bare.gguf", tiny, quantized=True, tokenizer=None))
+    full = read_q4_1_blocks(_write_gguf(tmp_path / "full.gguf", tiny, quantized=True))
+    assert bare.keys() == full.keys() and len(bare) == 7 * TINY.num_hidden_layers
+    assert all(torch.equal(x, y) for name in bare for x, y in zip(bare[name], full[name]))
+
+
+def test_the_special_tokens_the_file_names_are_the_models_and_its_tokenizers(tiny, tmp_path):
+    """tokenizer.ggml.bos / eos / padding_token_id are the config's token ids (generate stops and pads by them) and,
+    with unknown_token_id, the tokenizer's special tokens."""
+    model, tokenizer = load_gguf(_write_gguf(tmp_path / "t.gguf", tiny, metadata={
+        "tokenizer.ggml.padding_token_id": 4, "tokenizer.ggml.unknown_token_id": 5}))
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (1, 2, 4)
+    special = [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token]
+    assert special == [TOKENS[i] for i in (1, 2, 4, 5)]
 
 
 def test_the_tokenizer_knows_the_context_the_file_says(tiny, tmp_path):
