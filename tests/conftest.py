@@ -39,6 +39,17 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, **overrides):
     return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype).eval()
 
 
+def tiny_tokenizer(chat_template=None):
+    """A three-word transformers tokenizer, built in memory (no download): for the saves that write one."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=chat_template)
+
+
 def random_canonical(K, N, G, symmetric, seed=0, min_zp=0):
     """A random canonical Int4Weight [N, K] of groups of G: integer zero points in [min_zp, 15] (8 where
     ``symmetric``), fp16 scales, as AutoAWQ / GPTQ checkpoints hold them."""

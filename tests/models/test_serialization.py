@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_tokenizer as _tokenizer
 from nibble import QuantConfig, load_quantized, quantize_model, save_quantized
 from nibble.models import checkpoint_files
 from nibble.models.checkpoint_files import CheckpointError, tensor_sha256
@@ -480,16 +480,6 @@ def test_checkpoints_whose_digest_covers_the_quantization_config_alone_still_loa
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="saved with another config than"):
         load_quantized(path)
-
-
-def _tokenizer(chat_template=None):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-    backend = Tokenizer(WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=chat_template)
 
 
 def _quantized(arch="llama"):

@@ -114,7 +114,7 @@ def test_what_cannot_be_done_is_refused_by_name():
         adapted.merge_and_unload()
 
 
-def _refused_merge_changes_nothing(adapted, ids):
+def _refused_merge_changes_nothing(adapted, ids, adapter_names=None):
     with torch.no_grad():
         with adapted.disable_adapter():
             base = adapted(input_ids=ids).logits
@@ -122,7 +122,7 @@ def _refused_merge_changes_nothing(adapted, ids):
         saved = peft.get_peft_model_state_dict(adapted)
         for merge in (adapted.merge_adapter, adapted.merge_and_unload):
             with pytest.raises(ValueError, match="cannot be merged into a nibble layer's INT4 weights"):
-                merge()
+                merge(adapter_names=adapter_names)
             assert torch.equal(adapted(input_ids=ids).logits, before)
             with adapted.disable_adapter():
                 assert torch.equal(adapted(input_ids=ids).logits, base)
@@ -141,6 +141,13 @@ def test_a_refused_merge_leaves_the_16_bit_layers_before_it_unmerged():
         adapted.set_adapter(active)
         adapted.eval()
         _refused_merge_changes_nothing(adapted, ids)
+    # merged by name while an adapter on the 16-bit layer alone is active: the 16-bit layer checks the adapters it is
+    # asked to merge, not the active ones (which let it merge 'default' before a nibble layer refused it)
+    adapted = _adapted(copy.deepcopy(quantized))
+    adapted.add_adapter("b", lora_config(r=4, target_modules=["layers.0.self_attn.q_proj"]))
+    adapted.set_adapter("b")
+    adapted.eval()
+    _refused_merge_changes_nothing(adapted, ids, ["default"])
     # an adapter on 16-bit layers alone merges as peft's own does: by itself, and beside one on nibble layers too
     # (whose layers refused every merge: the 16-bit layers merged before them stayed merged)
     beside = peft.get_peft_model(copy.deepcopy(quantized), lora_config(r=4, target_modules=TARGETS))
@@ -229,10 +236,14 @@ def test_the_engine_runs_a_peft_model_with_its_adapters():
 def test_a_saved_adapter_loads_back_onto_the_quantized_model(tmp_path):
     from nibble.nn.lora import load_adapter
     quantized = quantize_model(tiny_model("llama"), QuantConfig(mode="w4a4", rotation="hadamard"), progress=False)
-    fresh, clean = copy.deepcopy(quantized), copy.deepcopy(quantized)
+    fresh, clean, spare = copy.deepcopy(quantized), copy.deepcopy(quantized), copy.deepcopy(quantized)
     adapted = _adapted(quantized)
     adapted.save_pretrained(tmp_path)
     ids = torch.randint(0, 256, (2, 7))
+    # is_trainable reaches peft onto a plain model too: its adapter comes back trainable
+    trainable = [p.requires_grad for n, p in load_adapter(spare, tmp_path, is_trainable=True).named_parameters()
+                 if "lora_" in n]
+    assert trainable and all(trainable)
     with torch.no_grad():
         loaded = load_adapter(fresh, tmp_path)
         assert torch.equal(loaded(input_ids=ids).logits, adapted(input_ids=ids).logits)
@@ -247,9 +258,14 @@ def test_a_saved_adapter_loads_back_onto_the_quantized_model(tmp_path):
         assert torch.equal(loaded(input_ids=ids).logits, adapted(input_ids=ids).logits)
     with pytest.raises(ValueError, match="adapter named 'other' already"):
         load_adapter(loaded, tmp_path / "other", "other")
+    loaded.train()
     load_adapter(loaded, tmp_path / "other", "trained", is_trainable=True)  # it was left frozen
     trainable = [p.requires_grad for n, p in loaded.named_parameters() if ".trained." in n]
     assert trainable and all(trainable)
+    # as peft's own load_adapter: a trainable adapter's config is not in inference mode, and loading it keeps the
+    # model training (peft puts it in eval mode, dropout off, for an adapter loaded for inference only)
+    assert not loaded.peft_config["trained"].inference_mode and loaded.peft_config["other"].inference_mode
+    assert loaded.training
 
 
 class _Net(torch.nn.Module):
@@ -304,3 +320,10 @@ def test_merging_by_name_an_adapter_that_sits_on_16_bit_layers_alone():
     x = torch.randn(3, 64)
     with torch.no_grad():
         torch.testing.assert_close(merged(x).double(), merged.proj(x).double() @ weight.T + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_names_of_another_length_than_the_batch_are_refused():
+    """peft's check of a mixed batch's adapter_names: skipped, rows past the names' ran without their adapter."""
+    adapted = peft.get_peft_model(_Net(), lora_config(r=4, target_modules=["proj"]))
+    with pytest.raises(ValueError, match="Length of `adapter_names` should be the same as the number of inputs"):
+        adapted.base_model.model.proj(torch.randn(3, 64), adapter_names=["default", "__base__"])

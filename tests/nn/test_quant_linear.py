@@ -117,6 +117,31 @@ def test_stack_weights_leaves_layers_it_cannot_stack():
         assert [m.weight.data_ptr() for m in layers] == ptrs
 
 
+def _back_to_back_weights(how: str) -> list:
+    """Two [16, 64] weights at consecutive addresses that are not rows of one tensor: numpy slices of one array, each
+    its own storage (as a file's tensors are), or transposes of consecutive [64, 16] blocks (strides (1, 16))."""
+    blocks = torch.randn(2, 16, 64) if how == "separate storages" else torch.randn(2, 64, 16)
+    if how == "separate storages":
+        return [torch.from_numpy(blocks.numpy()[i]) for i in range(2)]
+    return [blocks[i].t() for i in range(2)]
+
+
+@pytest.mark.parametrize("how", ["separate storages", "transposed"])
+def test_weights_at_consecutive_addresses_that_are_no_stack_run_each_alone(how):
+    """One matmul needs one view over both weights: over two storages it reached past the first one's (as_strided
+    refused it), and over transposed blocks its rows would be the first block's elements again, other weights."""
+    torch.manual_seed(34)
+    weights = _back_to_back_weights(how)
+    assert weights[1].data_ptr() == weights[0].data_ptr() + weights[0].numel() * weights[0].element_size()
+    layers = [nn.Linear(64, 16, bias=False) for _ in weights]
+    for m, w in zip(layers, weights):
+        m.weight = nn.Parameter(w)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for y, m in zip(shared_input_forward(layers, x), layers):
+            assert torch.equal(y, m(x))
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_quantized_layers_trace_into_one_graph(monkeypatch, mode):
     """Under torch.compile a QuantLinear, alone or with the layers that share its input, is nibble's
@@ -825,6 +850,14 @@ def test_from_linear_of_a_meta_linear_says_to_load_its_weights():
     """It failed in rtn with "Tensor.item() cannot be called on meta tensors", where quantize_model says what to do."""
     with pytest.raises(ValueError, match="the weight is on the meta device .* load its values first"):
         QuantLinear.from_linear(nn.Linear(256, 64, device="meta"), QuantConfig(group_size=64))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_from_linear_refuses_a_config_that_quantizes_no_layer_by_rtn(method):
+    """from_linear is RTN: a gptq / awq config (lm_head kept in 16 bits) holds clip_search=None, which rtn would have
+    read as "no search", quantizing by another recipe than any the config names, without a word."""
+    with pytest.raises(ValueError, match=f"config of method='{method}' quantizes no layer by RTN .* method='rtn'"):
+        QuantLinear.from_linear(nn.Linear(64, 16), QuantConfig(method=method, group_size=32))
 
 
 def test_a_layer_made_by_its_constructor_is_zero_and_keeps_a_float32_bias():

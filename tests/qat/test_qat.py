@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_tokenizer
 
 pytest.importorskip("peft")
 
@@ -75,6 +75,15 @@ def test_fake_quant_channels_is_int4_per_input_channel_with_codes_minus_8_to_7()
     want = torch.clamp(torch.round(x / s), -8, 7) * s
     assert (want == -8 * s).any() and (want == 7 * s).any()
     assert torch.equal(fake_quant_channels(x, ratio), want)
+
+
+def test_fake_quant_channels_rounds_halves_to_even_as_the_per_token_codes():
+    """Codes at exactly half a step (scale 1 here: amax 7, ratio 1) round to the even code, as `quantize_activations`
+    does: a rounding of halves up (floor(u + 0.5)) moved them a step, unseen on random inputs."""
+    x = torch.tensor([7.0, 2.5, -2.5, 0.5, -1.5, 3.5]).reshape(6, 1) * torch.ones(6, 3)
+    x[1:, 1:] *= torch.rand(5, 2) + 0.2  # other channels: their own amax, halves or not
+    y = fake_quant_channels(x, torch.ones(3))
+    assert torch.equal(y[:, 0], torch.tensor([7.0, 2.0, -2.0, 0.0, -2.0, 4.0]))
 
 
 def test_a_compiled_fake_quant_layer_trains_on_the_weights_it_exports():
@@ -195,6 +204,9 @@ def test_a_learned_clip_starts_at_the_searched_ratio_capped_at_sigmoid_4():
     assert (searched < MAX_INIT_RATIO).any() and (searched == 1).any()
     torch.testing.assert_close(learned.weight_clip_ratio().detach(), searched.clamp(max=MAX_INIT_RATIO))
     assert torch.isfinite(learned.clip_logit).all()
+    # a layer made by its constructor, before any search, starts at the cap too
+    torch.testing.assert_close(FakeQuantLinear(128, 48, clip="learned").weight_clip_ratio().detach(),
+                               torch.full((48, 1), MAX_INIT_RATIO))
 
 
 def test_the_per_channel_layer_is_smoothed_then_quantized_and_starts_unsmoothed():
@@ -226,6 +238,18 @@ def test_a_fake_quant_layer_shares_and_freezes_the_weight_and_bias_it_wraps():
     assert not layer.weight.requires_grad and not layer.bias.requires_grad
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(smoothing=True), "learnable smoothing belongs to the per-channel recipe"),
+    (dict(clip="learnt"), "clip must be 'none', 'fixed' or 'learned', got 'learnt'"),
+    (dict(act="tokens"), r"act must be one of \('token', 'channel'\), got 'tokens'"),
+])
+def test_a_fake_quant_layer_refuses_settings_it_has_no_recipe_for(kwargs, match):
+    """Refused when the layer is made: smoothing on per-token activations (the forward divides x by m, the export's
+    W4A4 layer would not), a misspelt clip (which ran without clipping) or act (which failed at the first forward)."""
+    with pytest.raises(ValueError, match=match):
+        FakeQuantLinear(64, 8, **kwargs)
+
+
 def test_a_start_weight_is_refused_on_a_smoothed_layer():
     """Smoothing rescales the weight the grid sees (W * m), so GPTQ's scales cannot hold a smoothed layer's start:
     only check_recipe's refusal of init='gptq' with per-channel stood before it, not the layer's own."""
@@ -233,6 +257,20 @@ def test_a_start_weight_is_refused_on_a_smoothed_layer():
     start = (torch.randn(8, 64), torch.full((8, 1), 0.01))
     with pytest.raises(ValueError, match="no smoothing"):
         FakeQuantLinear.from_linear(lin, start=start, clip="learned", act="channel", smoothing=True)
+
+
+def test_a_start_weight_with_a_row_of_zeros_keeps_that_row_zero():
+    """set_start's clip ratio 7 s / amax is 0 / 0 or inf on a row of zeros (a pruned output channel): ratio 1 there,
+    or its grid and every code of the row went NaN. The other rows get back their scales."""
+    torch.manual_seed(35)
+    w = torch.randn(8, 64)
+    w[2] = 0
+    scales = (w.abs().amax(dim=1, keepdim=True) / 7).clamp(min=2 ** -14).half()
+    layer = FakeQuantLinear.from_linear(torch.nn.Linear(64, 8), start=(w, scales), clip="fixed")
+    assert layer.clip_ratio[2] == 1
+    wq = layer.quantized_weight()
+    assert torch.isfinite(wq).all() and (wq[2] == 0).all()
+    torch.testing.assert_close(wq.abs().amax(dim=1, keepdim=True)[[0, 1, 3]], 7 * scales.float()[[0, 1, 3]])
 
 
 def test_with_quantization_off_a_layer_runs_its_16_bit_weight_plus_the_adapters():
@@ -249,6 +287,12 @@ def test_with_quantization_off_a_layer_runs_its_16_bit_weight_plus_the_adapters(
     with torch.no_grad(), quantization_disabled(qat):
         w = layer.get_base_layer().weight + layer.lora_delta()
         torch.testing.assert_close(layer(x), x @ w.T)
+    # on leaving, each layer gets back its own setting, not quantization on for all
+    layers = [m for _, m in fake_quant_layers(qat)]
+    layers[0].quant_enabled = False
+    with quantization_disabled(qat):
+        assert not any(m.quant_enabled for m in layers)
+    assert [m.quant_enabled for m in layers] == [False] + [True] * (len(layers) - 1)
 
 
 def test_a_bfloat16_layer_runs_in_bfloat16_without_autocast():
@@ -321,7 +365,7 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     with torch.no_grad():
         fake = qat(input_ids=ids).logits
     via_base = export(copy.deepcopy(qat).get_base_model())  # recorded rotation none for the hadamard recipe
-    qmodel = export(qat, tmp_path, tokenizer=None)
+    qmodel = export(qat, tmp_path, tokenizer=tiny_tokenizer())
     assert via_base.config.quantization_config == qmodel.config.quantization_config
     assert qmodel.config.quantization_config["rotation"] == ("hadamard" if recipe == "hadamard" else "none")
     assert qmodel.config.quantization_config["method"] == "rtn" and qmodel.config.quantization_config["clip_search"]
@@ -336,7 +380,8 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     assert len(layers) == 14 and all(m.mode == "w4a4" for m in layers)
     assert not any(p.requires_grad for p in qmodel.parameters())  # a deployed model: nothing left to train
     assert sum(m.input_hadamard for m in layers) == (2 if recipe == "hadamard" else 0)
-    loaded, _ = load_quantized(tmp_path)
+    loaded, tokenizer = load_quantized(tmp_path)
+    assert tokenizer("hello world")["input_ids"] == [1, 2]  # the export saves the tokenizer it is given
     set_backend(loaded, "reference")
     with torch.no_grad():
         real = loaded(ids).logits
@@ -345,6 +390,20 @@ def test_export_then_load_reproduces_the_fake_quant_logits(recipe, tmp_path):
     err = (real - fake).abs().max() / fake.abs().max()
     assert err < 1e-4, err
     assert loaded.config.quantization_config["qat"]["recipe"] == recipe
+
+
+def test_the_export_of_a_layer_with_a_bias_keeps_it():
+    """The tiny Llama has no biases, so a bias dropped by export_linear went unseen: the W4A4 layer is the fake-quant
+    layer's weights and its bias, its outputs float rounding apart."""
+    from nibble.qat.export import export_linear
+    torch.manual_seed(36)
+    lin = torch.nn.Linear(64, 32)
+    layer = FakeQuantLinear.from_linear(lin, clip="fixed")
+    q = export_linear(layer)
+    assert torch.equal(q.bias, lin.bias.detach())
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), layer(x), rtol=1e-5, atol=1e-5)
 
 
 def test_the_export_of_a_model_rotated_before_pe_qat_records_its_rotation():
@@ -795,6 +854,7 @@ def test_a_seq_len_beyond_the_models_context_is_clamped_with_a_warning_as_eval_d
     one = run_qat(tiny_model(max_position_embeddings=32), _ByteTokenizer(), "per-token", 1, seq_len=32, batch_size=1,
                   device="cpu", sources=str(text), progress=False, gradient_checkpointing=False)
     assert one.qat_meta["sources"] == [str(text)] and one.qat_meta["windows"] == qat.qat_meta["windows"]
+    assert export(one).config.quantization_config["qat"]["sources"] == [str(text)]  # the run's lists recorded too
     # a Path too, kept as its str: the saved state held the Path, which the resume's torch.load(weights_only=True)
     # refused as a damaged file
     for steps, resume in ((1, False), (2, True)):
@@ -1460,10 +1520,13 @@ def test_resume_without_an_out_dir_is_refused():
 
 
 def test_the_export_is_a_plain_model_in_eval_mode_whatever_it_was_given():
-    """export marks its result eval and drops what peft put on the base model (peft_config): an export of a model
-    still in train mode (prepare_qat_model's, trained by hand) came back in train mode, with peft's config."""
+    """export marks its result eval, freezes every parameter (one unfrozen by hand stayed trainable, unseen) and drops
+    what peft put on the base model (peft_config): an export of a model still in train mode (prepare_qat_model's,
+    trained by hand) came back in train mode, with peft's config."""
     qat = prepare_qat_model(_model(), "per-token", rank=2, progress=False)
     qat.train()
+    qat.get_base_model().model.embed_tokens.weight.requires_grad_(True)  # unfrozen by hand: the export freezes it
     exported = export(qat)
     assert not exported.training and not any(m.training for m in exported.modules())
+    assert not any(p.requires_grad for p in exported.parameters())
     assert "peft_config" not in exported.__dict__ and "_hf_peft_config_loaded" not in exported.__dict__
