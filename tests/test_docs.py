@@ -1,5 +1,6 @@
-"""The documentation's links: each relative link of README.md and docs/*.md names a file of the checkout, and an
-anchor after it one of that file's headings, as GitHub makes their anchors."""
+"""The documentation against the checkout: each relative link of README.md and docs/*.md names a file of the
+checkout, and an anchor after it one of that file's headings, as GitHub makes their anchors; the README's Python
+block runs."""
 import re
 from pathlib import Path
 
@@ -35,3 +36,26 @@ def test_every_relative_link_and_anchor_resolves(page):
         if anchor:
             assert anchor in anchors(target), f"{page.name}: {link} names no heading of {target.name}"
     assert page.name not in ("README.md", "USAGE.md") or links  # the pages with links were read
+
+
+def test_the_readme_python_block_runs_on_a_cpu(tmp_path, monkeypatch):
+    """Docs that match the code: the README's Python API block runs as written, on a CPU. The edits are the GPU's
+    "cuda" to "cpu", and the two directories a reader has for models this suite does not: the GPTQ one is the
+    block's own AutoAWQ save, the Llama-3-8B one a tiny random Llama whose widths group 128 divides, as that
+    model's do."""
+    from conftest import tiny_model, tiny_tokenizer
+
+    block = re.search(r"## Python API\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    edits = {'device="cuda"': 'device="cpu"', 'device_map="cuda"': 'device_map="cpu"', ".cuda()": "",
+             '"Llama-2-7B-GPTQ-dir"': '"smollm2-awq"', '"Meta-Llama-3-8B-dir"': '"llama-dir"'}
+    for old, new in edits.items():
+        assert old in block, f"the README's Python block no longer has {old}: update this test's edits"
+        block = block.replace(old, new)
+    tiny_model(hidden_size=128, intermediate_size=256).save_pretrained(tmp_path / "llama-dir")
+    tiny_tokenizer().save_pretrained(tmp_path / "llama-dir")
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["new"].shape == (3, 20)  # the ragged batch, as its comment says
+    assert (tmp_path / "smollm2-w4a16" / "model.safetensors").exists() and (tmp_path / "smollm2-awq").is_dir()
+    assert type(scope["model"].model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
