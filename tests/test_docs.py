@@ -59,3 +59,17 @@ def test_the_readme_python_block_runs_on_a_cpu(tmp_path, monkeypatch):
     assert scope["new"].shape == (3, 20)  # the ragged batch, as its comment says
     assert (tmp_path / "smollm2-w4a16" / "model.safetensors").exists() and (tmp_path / "smollm2-awq").is_dir()
     assert type(scope["model"].model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
+
+
+def test_every_option_the_docs_name_is_declared_by_nibble_or_a_benchmark_script():
+    """An option renamed in the code and not in the docs: each `--option` of README.md and docs/*.md (HISTORY.md
+    tells of removed ones) is declared somewhere in nibble/ or benchmarks/scripts/, but other tools' own."""
+    others = {"--no-deps",  # pip's
+              "--merge"}  # llama-gguf-split's
+    sources = "".join(p.read_text() for folder in ("nibble", "benchmarks/scripts") for p in (ROOT / folder).rglob("*")
+                      if p.suffix in (".py", ".sh"))
+    declared = set(re.findall(r"[\"'](--[a-z][a-z0-9-]+)[\"'=]", sources))
+    named = {option for page in PAGES if page.name != "HISTORY.md"
+             for option in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", page.read_text())}
+    assert len(named) > 40 and not others & declared  # the pages were read; an allow-listed one became ours
+    assert named - others <= declared, sorted(named - others - declared)
