@@ -277,6 +277,9 @@ def test_a_compiled_transform_refuses_what_the_eager_one_refuses_with_its_words(
         f(torch.tensor(1.5))
     with pytest.raises(RuntimeError, match="real floating-point tensor, got torch.int64"):
         f(torch.randint(0, 9, (2, 8)))
+    torch._dynamo.reset()  # an unsupported size too, while tracing (a run-time ValueError came after the graph was made)
+    with pytest.raises(RuntimeError, match="no Hadamard matrix of size 100: .*nearest supported sizes are 96 and 104"):
+        torch.compile(hadamard_transform, fullgraph=True, backend="eager", dynamic=False)(torch.randn(2, 100))
 
 def test_module_imports_and_runs_the_reference_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import torch; "

@@ -525,7 +525,9 @@ def test_down_proj_order_folds_into_gate_and_up(tmp_path, gate_up, device):
     transformers_load = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device, dtype=dtype)
     for m in (loaded, transformers_load):
         assert m.config.quantization_config["input_permuted_modules"] == []
+    model.requires_grad_(False)  # and a frozen model stays frozen: the fold's new 16-bit weights keep requires_grad
     assert fold_mlp_input_orders(model) == downs and fold_mlp_input_orders(model) == []
+    assert not any(p.requires_grad for p in model.parameters())
     for m in (model, loaded, transformers_load):
         assert all(type(layer.mlp.down_proj) is QuantLinear for layer in m.model.layers)
     with torch.no_grad():
@@ -622,6 +624,9 @@ def test_a_stored_lm_head_is_kept_when_the_config_says_tied(tmp_path):
         loaded, _ = load_quantized(path)
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.half().float())
     assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    from nibble.models.serialization import quantized_structure  # `nibble info`'s: a meta head, kept as stored
+    structure = quantized_structure(path)  # (torch.equal of meta tensors raised NotImplementedError)
+    assert structure.lm_head.weight is not structure.model.embed_tokens.weight
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with warnings.catch_warnings():
@@ -809,6 +814,7 @@ def _without_digest(path):
 @pytest.mark.parametrize("damage,message", [
     ("group_size null", r"gptq checkpoint with group_size=None: it must be an integer"),
     ("group_size 64.5", r"gptq checkpoint with group_size=64\.5: it must be an integer"),
+    ("group_size true", r"gptq checkpoint with group_size=True: it must be an integer"),  # a bool is an int to Python
     ("index without weight_map", r"model\.safetensors\.index\.json has no weight_map"),
     ("index not JSON", r"model\.safetensors\.index\.json is not valid JSON \(.*\); re-download"),
     ("quantize_config.json not JSON", r"quantize_config\.json is not valid JSON"),
@@ -823,7 +829,7 @@ def test_a_structurally_damaged_checkpoint_is_named(tmp_path, damage, message):
     _without_digest(path)
     config = json.loads((path / "config.json").read_text())
     if damage.startswith("group_size"):
-        config["quantization_config"]["group_size"] = None if damage.endswith("null") else 64.5
+        config["quantization_config"]["group_size"] = {"null": None, "64.5": 64.5, "true": True}[damage.split()[1]]
     elif damage == "vocabulary of 320":
         config["vocab_size"] = 320
     elif damage == "fewer layers":
@@ -1162,14 +1168,15 @@ def test_a_nan_among_bfloat16_scales_is_refused_as_non_finite(tmp_path, fmt):
         load_quantized(path)
 
 
-@pytest.mark.parametrize("method", ["qat", None])
-def test_an_export_naming_a_method_nibble_does_not_know_is_read_as_its_layouts(tmp_path, method):
+@pytest.mark.parametrize("library,method", [("nibble", "qat"), ("nibble", None), ("another", "rtn")])
+def test_an_export_naming_a_method_nibble_does_not_know_is_read_as_its_layouts(tmp_path, library, method):
     """quantized_by says how a nibble export's weights were made: a method this nibble does not know (a later one's,
-    or none) is no QuantConfig method, and the import records the layout's, as for any other tool's checkpoint."""
+    or none) is no QuantConfig method, and the import records the layout's, as for any other tool's checkpoint; so
+    does a quantized_by another library wrote."""
     _, path = _export(tmp_path)
     _without_digest(path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["quantized_by"]["method"] = method
+    config["quantization_config"]["quantized_by"].update(library=library, method=method)
     (path / "config.json").write_text(json.dumps(config))
     assert load_quantized(path)[0].config.quantization_config["method"] == "awq"
 
@@ -1220,6 +1227,8 @@ def test_config_jsons_quantization_config_wins_over_a_settings_file_beside_it(tm
     model, path = _export(tmp_path, fmt="gptq")
     (path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "sym": True,
                                                            "desc_act": False}))
+    # and an AutoAWQ quant_config.json too: two tools' settings, refused only where config.json says nothing
+    (path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 64, "version": "GEMM"}))
     loaded, _ = load_quantized(path)
     assert loaded.config.quantization_config["group_size"] == 32
     ids = torch.randint(0, 256, (2, 9))
@@ -1251,3 +1260,109 @@ def test_an_export_says_its_16_bit_dtype_and_every_linear_it_keeps_in_16_bits(tm
     assert config["dtype"] == config["torch_dtype"] == "float16"
     assert config["quantization_config"]["modules_to_not_convert"] == [
         "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_a_quantization_config_without_a_group_size_reads_the_tools_default_128(tmp_path, fmt):
+    """AutoAWQ's and AutoGPTQ's default group size is 128: a quantization_config that leaves it unsaid holds groups
+    of 128 (another default read every layer as "group_size disagrees with the tensors")."""
+    model = quantize_model(tiny_model("llama", hidden_size=128, intermediate_size=256), QuantConfig(group_size=128),
+                           progress=False)
+    save_quantized(model, tmp_path, format=fmt)
+    _without_digest(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]["group_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded, _ = load_quantized(tmp_path)
+    assert loaded.config.quantization_config["group_size"] == 128
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-3, atol=1e-3)
+
+
+def test_a_sharded_checkpoint_reads_the_files_its_index_names_and_no_other(tmp_path):
+    """Mistral's repositories hold consolidated.safetensors, the same weights again, beside the shards their
+    model.safetensors.index.json names: read too, each of its tensors would be "in both" files."""
+    import shutil
+    qc = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
+    ref, dense = write_checkpoint(tmp_path, tiny_model("llama"), qc, lambda W: write_awq_linear(W, 32), sharded=True)
+    shutil.copy(tmp_path / "model-00001-of-00002.safetensors", tmp_path / "consolidated.safetensors")
+    check_import(load_quantized(tmp_path)[0], dense, ref, torch.randint(0, 256, (2, 16)))
+
+
+def test_a_gptqmodel_dynamic_rule_does_not_match_a_layer_in_the_middle_of_its_name(tmp_path):
+    """re.match, as GPTQModel and vLLM read the rules: "self_attn" names no layer (each name starts "model."), so every
+    layer keeps the config's sym=true; searched anywhere in the name, it made q/k/v/o asymmetric."""
+    G = 32
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": True, "desc_act": False,
+          "dynamic": {r"+:self_attn": {"sym": False}}}
+    ref, dense = write_checkpoint(tmp_path, tiny_model("llama"), qc, lambda W: write_gptq_linear(W, G, True, False))
+    loaded, _ = load_quantized(tmp_path)
+    assert loaded.config.quantization_config["symmetric"] is True
+    check_import(loaded, dense, ref, torch.randint(0, 256, (2, 16)))
+
+
+@pytest.mark.parametrize("damage", ["lacks model.norm.weight", "holds model.extra.weight"])
+def test_16_bit_tensors_of_another_architecture_are_refused_by_the_load_and_by_info(tmp_path, damage):
+    """A 16-bit tensor the architecture has and the checkpoint lacks, or one it holds that the architecture has not,
+    is another model's file: refused by name, by the load and by the structure `nibble info` prints."""
+    from nibble.models.serialization import quantized_structure
+    _, path = _export(tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    if damage.startswith("lacks"):
+        del tensors["model.norm.weight"]
+    else:
+        tensors["model.extra.weight"] = torch.randn(4).half()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})  # as another tool wrote it: no checksums
+    said = r"missing \['model\.norm\.weight'\], unexpected \[\]" if damage.startswith("lacks") else \
+        r"missing \[\], unexpected \['model\.extra\.weight'\]"
+    for load in (load_quantized, quantized_structure):
+        with pytest.raises(ValueError, match=r"checkpoint does not match the architecture \(" + said):
+            load(path)
+
+
+def test_quantized_layers_of_other_widths_than_config_json_says_are_refused_naming_the_layer(tmp_path):
+    """Every linear of an MLP is quantized, its shape read from its tensors: with config.json's intermediate_size
+    edited, the layers were built as the tensors say, and a model other than config.json describes loaded."""
+    from nibble.models.serialization import quantized_structure
+    _, path = _export(tmp_path, fmt="gptq")
+    _without_digest(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+    for load in (load_quantized, quantized_structure):
+        with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: checkpoint holds a 64x192 weight but "
+                                             "the architecture expects 64x256"):
+            load(path)
+
+
+def test_an_export_refuses_a_float_model_and_one_of_several_group_sizes(tmp_path):
+    """A quantization_config holds one group size: layers of 32 and of 64 were written as per channel (-1), and every
+    reader took their scales for groups of the whole row. A float model is told to quantize first."""
+    with pytest.raises(ValueError, match="model has no QuantLinear layers: quantize it with nibble.quantize_model first"):
+        export_awq(tiny_model("llama"), tmp_path / "float")
+    model = quantize_model(tiny_model("llama"), QuantConfig(group_size=32), progress=False)
+    model.model.layers[1].mlp.down_proj = QuantLinear.from_linear(torch.nn.Linear(192, 64), QuantConfig(group_size=64))
+    for export, method in ((export_awq, "awq"), (export_gptq, "gptq")):
+        with pytest.raises(ValueError, match=rf"^layers use different group sizes \[32, 64\]; the {method} "
+                                             "quantization_config holds one"):
+            export(model, tmp_path / method)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_gptq_export_records_the_models_sym_and_clip_search(tmp_path, symmetric):
+    """vLLM and transformers pick their GPTQ kernels by sym (Marlin's take symmetric checkpoints): a symmetric model was
+    written as sym=false. RTN's clip search is recorded too, and read back by nibble's import (it read back False)."""
+    config = QuantConfig(group_size=32, symmetric=symmetric, clip_search=True)
+    save_quantized(quantize_model(tiny_model("llama"), config, progress=False), tmp_path, format="gptq")
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["sym"] is symmetric
+    qc = load_quantized(tmp_path)[0].config.quantization_config
+    assert (qc["method"], qc["clip_search"], qc["symmetric"]) == ("rtn", True, symmetric)
+
+
+def test_an_import_is_in_eval_mode_and_its_config_says_the_dtype_it_runs_in(tmp_path):
+    """As from_pretrained leaves a model: dropout off (the frame built from config.json was left training), and
+    config.dtype the dtype asked for (it said float32 of a bfloat16 import, which a save then recorded)."""
+    _, path = _export(tmp_path, fmt="gptq")
+    model, _ = load_hf_quantized(path, dtype=torch.bfloat16)
+    assert not model.training
+    assert model.dtype == model.config.dtype == torch.bfloat16

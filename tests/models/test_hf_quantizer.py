@@ -136,6 +136,8 @@ def test_the_trainer_takes_lora_adapters_on_it_and_refuses_it_bare(tmp_path, loa
         model = load_quantized(tmp_path)[0] if loader == "load_quantized" else \
             AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.is_quantized and model.hf_quantizer.is_trainable and model.hf_quantizer.is_compileable
+    # the rest of what from_pretrained leaves, whichever loader made the model: the method's name, its settings
+    assert model.quantization_method == "nibble" and model.hf_quantizer.quantization_config.group_size == 32
     with pytest.raises(ValueError, match="purely quantized models"):
         validate_quantization_for_training(model)
     validate_quantization_for_training(peft.get_peft_model(model, lora_config(r=4, target_modules=["q_proj"])))

@@ -56,3 +56,12 @@ def test_what_the_fold_cannot_take_is_refused():
         HadamardInputLinear.from_linear(lin, torch.randn(24, 96, dtype=torch.float64))
     lin.weight.requires_grad_(False)  # a frozen weight stays frozen
     assert not HadamardInputLinear.from_linear(lin).weight.requires_grad
+
+
+def test_the_folded_weight_stays_on_the_linears_device():
+    """rotate_model folds each down_proj where the model is (a GPU); the meta device stands in for another device than
+    the CPU here: a weight moved elsewhere would meet its input on another device."""
+    with torch.device("meta"):
+        lin = nn.Linear(N_IN, 24)
+    layer = HadamardInputLinear.from_linear(lin)
+    assert layer.weight.device.type == "meta" and layer.weight.shape == (24, N_IN)
