@@ -155,9 +155,10 @@ def _fake_cuda(mode, *tensors):
     return [FakeTensor(mode, t.to("meta"), torch.device("cuda", 0)) for t in tensors]  # no GPU needed
 
 
-# Before torch 2.10, FakeTensorMode moved the reference's constants to a fake CUDA device through the CUDA driver.
+# Before torch 2.10, FakeTensorMode moved the reference's constants to a fake CUDA device through the CUDA driver
+# (torch.__version__ is a TorchVersion: it compares as a version, "2.9" < "2.10").
 reference_on_fake_cuda = pytest.mark.skipif(
-    not CUDA and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 10),
+    not CUDA and torch.__version__ < "2.10",
     reason="before torch 2.10 the reference on fake CUDA tensors needs the CUDA driver")
 
 
