@@ -222,6 +222,16 @@ def test_early_launch_asks_the_launchs_own_gpu_up_to_its_token_limit(monkeypatch
     assert asked == [1, 0]
 
 
+def test_early_launch_on_cuda_without_an_index_asks_the_current_gpu(monkeypatch):
+    """torch.device("cuda") is the current GPU, which need not be GPU 0 (torch.cuda.set_device)."""
+    from nibble.kernels import early_launch as el
+
+    asked = []
+    monkeypatch.setattr(el, "_early_launch", lambda index: asked.append(index) or True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert el.early_launch(torch.device("cuda"), 1) and asked == [3]
+
+
 def test_early_launch_needs_hopper_and_nibble_pdl_not_0(monkeypatch):
     """sm_90 and later (programmatic dependent launch); an A100 launches the plain way."""
     from nibble.kernels import early_launch as el
@@ -231,7 +241,18 @@ def test_early_launch_needs_hopper_and_nibble_pdl_not_0(monkeypatch):
         assert el._early_launch.__wrapped__(0) is (expected and el.ENABLED)
 
 
-@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True)])
+def test_nibble_pdl_0_launches_the_plain_way_on_hopper_too(monkeypatch):
+    """The switch is asked with the capability: off, an sm_90 GPU launches the plain way. (The test above expects
+    `expected and el.ENABLED` with the switch on in the tests' environment, where dropping it changed nothing.)"""
+    from nibble.kernels import early_launch as el
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    for enabled in (False, True):
+        monkeypatch.setattr(el, "ENABLED", enabled)
+        assert el._early_launch.__wrapped__(0) is enabled
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True), ("", True)])
 def test_nibble_pdl_0_switches_early_launch_off_at_import(value, enabled):
     """Read once, when nibble is imported: a fresh interpreter on this checkout."""
     import os

@@ -31,6 +31,12 @@ def test_a_device_that_is_not_cuda_has_the_default_sms():
     assert launch.num_sms(torch.device("cpu")) == launch.NUM_SMS_DEFAULT == 132
 
 
+def test_every_device_that_is_not_cuda_has_the_default_sms():
+    """Not only the CPU: a meta device (fake tensors, shape-only tracing) asks no GPU either, which a CPU-only torch
+    has none of."""
+    assert launch.num_sms(torch.device("meta")) == launch.NUM_SMS_DEFAULT
+
+
 def test_the_triton_kernels_take_cpu_tensors_under_the_interpreter_only(monkeypatch):
     x = torch.zeros(2, 8)
     monkeypatch.setattr(triton_device, "interpreting", lambda: True)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from nibble.formats.int4 import unpack_int4
+from nibble.formats.int4 import pack_int4, unpack_int4
 from nibble.kernels import reference
 from nibble.quantize.rtn import rtn_quantize
 
@@ -26,6 +26,19 @@ def test_dequantize_is_the_formula_bit_for_bit(K, N, G):
     formula = unpack_int4(qweight).float() * scales.float()[group] + zeros.float()[group]  # [K, N]
     w = reference.dequantize(qweight, scales, zeros, G)
     assert w.shape == (N, K) and torch.equal(w.view(torch.int32), formula.t().view(torch.int32))
+
+
+def test_dequantize_rounds_the_float32_weight_once_to_the_dtype_asked():
+    """dtype= (the CPU fallback of the dense dequantization, the benchmarks' bf16 copy) is the float32 formula rounded
+    once to it: the weight came back float32 whatever was asked and every test asked for float32."""
+    K, N, G = 256, 24, 64
+    torch.manual_seed(5)
+    qweight = torch.randint(-2**31, 2**31, (K // 8, N), dtype=torch.int64).to(torch.int32)
+    scales, zeros = torch.rand(K // G, N).half() / 7, -torch.rand(K // G, N).half()
+    w32 = reference.dequantize(qweight, scales, zeros, G)
+    for dtype in (torch.bfloat16, torch.float16):
+        w = reference.dequantize(qweight, scales, zeros, G, dtype=dtype)
+        assert w.dtype == dtype and w.shape == (N, K) and torch.equal(w, w32.to(dtype))
 
 
 def test_dequantize_refuses_scales_of_another_shape_than_the_groups():
@@ -52,6 +65,22 @@ def test_w4a16_matmul_matches_float64(M, dtype):
     assert y.dtype == dtype and y.shape == (M, 96)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     assert ((y.double() - ref).norm() / ref.norm()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_matmul_of_16_bit_activations_sums_the_float32_weight_in_float32(dtype):
+    """16-bit x times the float32 weight, summed in float32, rounded once to x's type: the float64 product of the
+    same operands rounded once, but for a rare double rounding (one ulp). A weight rounded to x's type first (a
+    16-bit matmul) moves about 40% of the outputs, which the relative-norm tolerance above let through."""
+    torch.manual_seed(9)
+    w = rtn_quantize(torch.randn(96, 512), 64)
+    x = torch.randn(7, 512).to(dtype)
+    y = reference.w4a16_matmul(x, w.qweight, w.scales, w.zeros, 64)
+    w32 = reference.dequantize(w.qweight, w.scales, w.zeros, 64)
+    want = (x.double() @ w32.double().t()).to(dtype)
+    assert y.dtype == dtype and (y != want).float().mean() < 0.02
+    ulp = torch.finfo(dtype).eps * want.double().abs()
+    assert ((y.double() - want.double()).abs() <= ulp).all()
 
 
 def test_w4a16_matmul_keeps_leading_dims():
@@ -149,6 +178,19 @@ def test_activation_codes_of_float32_tokens_at_the_subnormal_end():
     assert torch.equal(s, want_s) and torch.equal(q, want_q)
 
 
+def test_a_float32_code_rounded_past_7_by_a_subnormal_scale_is_clamped_to_7():
+    """The mirror of the -8 case: [10, -3] * 2^-149 has scale 2^-149 (10 / 7 rounds down to the last subnormal) and a
+    quotient of +10, which the clamp brings to 7, the top of [-8, 7]; never 8, which is no 4-bit code."""
+    tiny = 2.0 ** -149
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 16, generator=g)
+    x[0] = 0
+    x[0, :2] = torch.tensor([10 * tiny, -3 * tiny])
+    q, s = reference.quantize_activations(x)
+    assert s[0] == tiny and q[0, 0] == 7 and q[0, 1] == -3 and (q[0, 2:] == 0).all()
+    assert q.max() == 7 and torch.equal(q, _spec_codes(x)[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_activation_quantization_saturates_infinities_to_the_dtypes_largest_value(dtype):
     """+-Inf count as +-finfo(x.dtype).max, each sign its own (the scale of a float16 token holding +Inf is
@@ -185,6 +227,20 @@ def test_w4a4_accumulation_is_the_exact_integer_product():
     assert acc.dtype == torch.int32 and torch.equal(acc.long(), exact)
 
 
+def test_w4a4_accumulation_stays_exact_past_float32s_24_bits():
+    """|acc| <= 64 K, past 2^24 from K = 2^18: float32 sums hold no odd integer there (2^24 + 1 rounds to 2^24), so
+    the reference sums in float64, exact for any layer's K. 2^18 codes of -8 against -8, then one 1 times 1."""
+    K = 2**18 + 8
+    qx = torch.full((1, K), -8, dtype=torch.int8)
+    qx[0, -8:] = 0
+    qx[0, -1] = 1
+    codes = torch.zeros(K, 2, dtype=torch.int32)  # q - 8 = -8
+    codes[-8:] = 8  # q - 8 = 0
+    codes[-1, 0] = 9  # q - 8 = 1: column 0 sums to 2^24 + 1, column 1 to 2^24
+    acc = reference.w4a4_accumulate(qx, pack_int4(codes))
+    assert acc.dtype == torch.int32 and acc.tolist() == [[2**24 + 1, 2**24]]
+
+
 def test_w4a4_matmul_scales_after_the_integer_sum():
     K, N = 256, 32
     w = rtn_quantize(torch.randn(N, K), -1, symmetric=True)
@@ -196,6 +252,15 @@ def test_w4a4_matmul_scales_after_the_integer_sum():
     # and it approximates the float product (4-bit noise, no bias)
     dense = x @ reference.dequantize(w.qweight, w.scales, w.zeros, K).t()
     assert torch.nn.functional.cosine_similarity(y.flatten(), dense.flatten(), dim=0) > 0.97
+
+
+def test_w4a4_matmul_returns_bfloat16_by_default_as_the_gpu_products_do():
+    """out_dtype defaults to bfloat16 here as in `w4a4.w4a4_matmul_triton`: one call, one output type on every device."""
+    w = rtn_quantize(torch.randn(32, 128), -1, symmetric=True)
+    qx, sx = reference.quantize_activations(torch.randn(5, 128))
+    y = reference.w4a4_matmul(qx, sx, w.qweight, w.scales[0])
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, reference.w4a4_matmul(qx, sx, w.qweight, w.scales[0], out_dtype=torch.float32).bfloat16())
 
 
 def _float64_w4a4_product(qx, sx, w, bias):
@@ -231,6 +296,34 @@ def test_w4a4_silu_mul_is_silu_of_the_gate_product_times_the_up_product():
     g, u = _float64_w4a4_product(qx, sx, gate, gate_bias), _float64_w4a4_product(qx, sx, up, up_bias)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), g * torch.sigmoid(g) * u, rtol=1e-5, atol=1e-5)
+
+
+def test_w4a4_silu_mul_rounds_each_product_to_the_output_dtype_first():
+    """Hugging Face's order in bfloat16 (the default out_dtype): each product rounded to bfloat16, then F.silu(g) * u
+    in bfloat16, op by op. The test above runs float32 throughout, where SiLU of an unrounded gate, a float32 up, or
+    one rounding at the end give the same values; here they move a fraction of the outputs."""
+    K, N = 128, 256
+    gate, up = (rtn_quantize(torch.randn(N, K), -1, symmetric=True) for _ in range(2))
+    gate = (gate.qweight, gate.scales[0], torch.randn(N))
+    up = (up.qweight, up.scales[0], torch.randn(N))
+    qx, sx = reference.quantize_activations(torch.randn(8, K))
+    y = reference.w4a4_silu_mul(qx, sx, gate, up)
+    g = reference.w4a4_matmul(qx, sx, *gate, out_dtype=torch.bfloat16)
+    u = reference.w4a4_matmul(qx, sx, *up, out_dtype=torch.bfloat16)
+    assert g.dtype == u.dtype == y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.nn.functional.silu(g) * u)
+
+
+def test_the_rounding_op_is_a_cast_whose_output_never_aliases_its_input():
+    """`rounded`'s op, what a compiled W4A4 reference holds for the rounding of the rotation: its fake gives the target
+    dtype (one in x's type would trace what follows in float32), and its output is a new tensor even where x has
+    the dtype already (an op's output may not alias its input: x.to(x.dtype) is x)."""
+    x = torch.randn(4, 64)
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.library.opcheck(torch.ops.nibble.rounded.default, (x, dtype),
+                              test_utils=("test_schema", "test_faketensor"))
+        y = torch.ops.nibble.rounded(x, dtype)
+        assert y.dtype == dtype and torch.equal(y, x.to(dtype)) and y.data_ptr() != x.data_ptr()
 
 
 def test_the_w4a16_ops_on_the_cpu_check_shapes_before_the_reference_runs():

@@ -150,6 +150,114 @@ def test_the_kernels_functions_take_the_ops_under_a_dispatch_mode():
     assert (y.shape, y.device.type, y4.shape, y4.dtype) == ((3, 48), "cuda", (3, 24), torch.float16)
 
 
+def _fake_cuda(mode, *tensors):
+    from torch._subclasses.fake_tensor import FakeTensor
+    return [FakeTensor(mode, t.to("meta"), torch.device("cuda", 0)) for t in tensors]  # no GPU needed
+
+
+# Before torch 2.10, FakeTensorMode moved the reference's constants to a fake CUDA device through the CUDA driver
+# (torch.__version__ is a TorchVersion: it compares as a version, "2.9" < "2.10").
+reference_on_fake_cuda = pytest.mark.skipif(
+    not CUDA and torch.__version__ < "2.10",
+    reason="before torch 2.10 the reference on fake CUDA tensors needs the CUDA driver")
+
+
+@reference_on_fake_cuda
+def test_backend_reference_runs_the_reference_on_cuda_tensors_too(monkeypatch):
+    """backend="reference" forces PyTorch's reference wherever x is, on a GPU as well, where "auto" takes the op (while
+    the kernels can run there); only CPU tensors ran it in the tests, where it is every backend's path but "triton"."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nibble import kernels
+    from nibble.kernels import reference
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the reference makes small constant tensors of its own
+    x, qw, s, z = _fake_cuda(mode, torch.randn(3, 128, dtype=torch.float16), *make_weight(48, 128, 32))
+    ran, real = [], reference.w4a16_matmul
+    monkeypatch.setattr(reference, "w4a16_matmul", lambda *a: ran.append(a[0].device.type) or real(*a))
+    with mode:
+        for backend, runs in (("reference", ["cuda"]), ("auto", ["cuda"] if kernels.TRITON_UNUSABLE else [])):
+            ran.clear()
+            y = kernels.w4a16_linear(x, qw, s, z, 32, backend=backend)
+            assert (y.shape, y.device.type, ran) == ((3, 48), "cuda", runs)
+
+
+@reference_on_fake_cuda
+def test_the_reference_on_a_gpu_is_said_for_cuda_tensors_outside_tracing_only(monkeypatch):
+    """Where the kernels cannot run (TRITON_UNUSABLE), "auto" runs the reference and warns that it runs on the GPU: for
+    a CUDA tensor, never for a CPU one (the reference is the CPU's path: nothing to say), nor under a dispatch mode
+    or torch.compile (the warning reads the caller's frames, which Dynamo cannot trace)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nibble import kernels
+    said = []
+    monkeypatch.setattr(kernels, "TRITON_UNUSABLE", "need the `triton` package")
+    monkeypatch.setattr(kernels, "warn_reference_on_gpu", lambda: said.append("warned"))
+    qw, s, z = make_weight(48, 128, 32)
+    assert kernels.w4a16_linear(torch.randn(3, 128), qw, s, z, 32).shape == (3, 48) and said == []
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = _fake_cuda(mode, torch.randn(3, 128, dtype=torch.float16), qw, s, z)
+    with mode:
+        assert kernels.w4a16_linear(*fakes, 32).shape == (3, 48)
+    assert said == []
+    assert kernels._use_kernel(fakes[0], "auto") is False and said == ["warned"]  # a CUDA tensor, eagerly
+
+
+def test_forward_mode_ad_without_torch_func_counts_as_a_transform():
+    """`transforms_active` (which QuantLinear and the Hadamard op ask for a jvp) sees torch.autograd.forward_ad's dual
+    level too, where no functorch transform is active; the torch.func tests saw only functorch's flag."""
+    import torch.autograd.forward_ad as fwAD
+    from nibble import kernels
+
+    assert not kernels.transforms_active()
+    with fwAD.dual_level():
+        assert kernels.transforms_active() and not torch._C._are_functorch_transforms_active()
+    assert not kernels.transforms_active()
+
+
+def test_float32_activations_on_the_op_path_come_back_float32_in_their_leading_dims():
+    """The GPU kernels run float32 x in bfloat16 (`_kernel_input`) and every output is cast back to x's type, in x's
+    leading dims (fake CUDA tensors: the op path without a GPU). The op path's other tests ran 16-bit x, or compared
+    a compiled call with an eager one, which came back in the same wrong type."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nibble import kernels
+    from nibble.formats.int4 import pack_int4
+    mode = FakeTensorMode()
+    x, qw, s, z, bias, qw4, s4 = _fake_cuda(mode, torch.randn(2, 3, 128), *make_weight(48, 128, 32), torch.randn(48),
+                                            pack_int4(torch.randint(0, 16, (128, 24), dtype=torch.int32)),
+                                            torch.rand(24).half())
+    with mode:
+        ys = [kernels.w4a16_linear(x, qw, s, z, 32), kernels.w4a16_linear(x, qw, s, z, 32, bias),
+              *kernels.w4a16_linears(x, [(qw, s, z, None), (qw, s, z, bias)], 32),
+              kernels.w4a4_linear(x, qw4, s4, None, True), *kernels.w4a4_linears(x, [(qw4, s4, None)] * 2)]
+    assert [(y.shape[:2], y.dtype) for y in ys] == [((2, 3), torch.float32)] * 7
+
+
+def test_the_op_path_refuses_a_bias_that_is_not_one_float_a_channel():
+    """On the op path (a GPU) the bias is added after the op, by `_finish`: a [N, 1] one broadcast into another sum
+    where M == N, an integer one was added; refused there with the CPU path's words (fake CUDA tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nibble import kernels
+    mode = FakeTensorMode()
+    x, qw, s, z = _fake_cuda(mode, torch.randn(48, 128, dtype=torch.float16), *make_weight(48, 128, 32))
+    for bias in (torch.randn(48, 1), torch.ones(48, dtype=torch.int32)):
+        (b,) = _fake_cuda(mode, bias)
+        with mode:
+            for call in (lambda: kernels.w4a16_linear(x, qw, s, z, 32, b),
+                         lambda: kernels.w4a16_linears(x, [(qw, s, z, b)], 32)):
+                with pytest.raises(ValueError, match=r"bias must be a float tensor of shape \[48\]"):
+                    call()
+
+
+def test_gather_columns_takes_the_reference_under_a_dispatch_mode():
+    """Under FakeTensorMode (make_fx, memory estimators) or torch.compile the gather is index_select, which traces; the
+    Triton kernel would launch on CUDA tensors without data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nibble import kernels
+    mode = FakeTensorMode()
+    x, index = _fake_cuda(mode, torch.randn(2, 3, 128, dtype=torch.float16), torch.randperm(128))
+    with mode:
+        y = kernels.gather_columns(x, index)
+    assert (y.shape, y.dtype, y.device.type) == ((2, 3, 128), torch.float16, "cuda")
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the Triton kernels on CPU")
 @pytest.mark.skipif(W.triton is None, reason="without triton the entry points say they need it first")
 def test_the_gpu_entry_points_refuse_cpu_tensors_by_name():
@@ -183,6 +291,17 @@ def test_dequantize_checks_the_weight():
         W.dequantize_cuda(qw, s[:8], z[:8], 72 * 2)
     with pytest.raises(ValueError, match=r"scales must have shape \(18, 32\)"):
         W.dequantize_cuda(qw, s, z, 32)
+
+
+def test_dequantize_off_the_gpu_returns_the_dtype_asked_bfloat16_by_default():
+    """Its CPU fallback (the reference) in the GPU pass's type: bfloat16 unless asked, the float32 weight rounded once
+    (the test above asks for float32, the reference's own default, so a dropped dtype passed)."""
+    qw, s, z = make_weight(32, 576, 64)
+    w32 = dequantize(qw, s, z, 64)
+    w = W.dequantize_cuda(qw, s, z, 64)
+    assert w.dtype == torch.bfloat16 and torch.equal(w, w32.bfloat16())
+    w = W.dequantize_cuda(qw, s, z, 64, dtype=torch.float16)
+    assert w.dtype == torch.float16 and torch.equal(w, w32.half())
 
 
 def _run_elsewhere(code: str) -> subprocess.CompletedProcess:
@@ -963,6 +1082,19 @@ def test_with_split_splits_decode_sizes_only():
     assert W.with_split(W.DISPATCH[1 << 62], 1, 128, 4096, 128).split_k == 1  # dequantize + cuBLAS
 
 
+def test_the_gemv_split_counts_one_tile_for_both_tokens_and_k_blocks_of_one_group():
+    """The gemv kernel holds its M <= 2 tokens in one tile (BLOCK_M = M) and reads K in blocks of one group at most
+    (`_pow2_divisor`): two tokens split as one does (32 splits, not 24 for two token tiles), and a group of 32 gives
+    K / 32 blocks to split (32 at K = 1024, not the 16 of 64-deep blocks)."""
+    assert W.select_config(2, 4096, 4096, 128).split_k == W.select_config(1, 4096, 4096, 128).split_k == 32
+    assert W.select_config(1, 4096, 1024, 32).split_k == W.select_config(2, 4096, 1024, 32).split_k == 32
+
+
+def test_select_config_scales_in_the_tile_for_a_group_that_is_not_a_multiple_of_the_block():
+    """Not only groups smaller than the 128-deep K block: 192 (one and a half blocks) cannot be factored either."""
+    assert not W.select_config(16, 4096, 4608, 192).factored and W.select_config(16, 4096, 4608, 384).factored
+
+
 def test_pow2_divisor_is_the_largest_power_of_two_dividing_the_group_up_to_the_cap():
     assert [W._pow2_divisor(g, 64) for g in (8, 32, 48, 64, 128, 4096, 96)] == [8, 32, 16, 64, 64, 64, 32]
 
@@ -1013,6 +1145,23 @@ def test_the_op_refuses_weights_of_the_wrong_kind_or_shape():
         torch.ops.nibble.w4a16_linears(x, [], [], [], 64)
     with pytest.raises(ValueError, match=r"x, qweight, scales, zeros must be on one device, got \['cpu', 'meta'\]"):
         W.check_one_device(x, qw.to("meta"), s, z)
+
+
+def test_the_op_over_several_weights_refuses_lists_of_other_lengths():
+    """One scales and one zeros tensor per qweight: zip would drop the weight without its scales or zeros and return
+    one output fewer, without a word. The op and its fake (FakeTensorMode) alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    (qw, s, z), (qw2, s2, z2) = make_weight(32, 128, 64), make_weight(16, 128, 64, seed=1)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    for args, got in ((([qw, qw2], [s, s2], [z]), "2 qweights, 2 scales, 1 zeros"),
+                      (([qw, qw2], [s], [z, z2]), "2 qweights, 1 scales, 2 zeros")):
+        with pytest.raises(ValueError, match=f"needs one scales and zeros tensor per qweight, got {got}"):
+            torch.ops.nibble.w4a16_linears(x, *args, 64)
+        with FakeTensorMode() as mode:
+            fx = mode.from_tensor(x)
+            fargs = [[mode.from_tensor(t) for t in ts] for ts in args]
+            with pytest.raises(ValueError, match=f"got {got}"):
+                torch.ops.nibble.w4a16_linears(fx, *fargs, 64)
 
 
 def test_the_skinny_kernel_applies_to_cuda_tensors_only():

@@ -345,6 +345,51 @@ def test_the_layer_checks_say_a_per_channel_scale_one_device_and_lists_of_one_le
         w4a4.checked_layers(x, [], [], [], False)
 
 
+def test_the_layer_and_product_checks_refuse_lists_and_scales_that_do_not_line_up():
+    """zip dropped the layer without a bias entry (one output fewer, without a word); a float64 w_scale is none of
+    the kernels' types; a 3-D qx and a token scale of another length were read as other shapes."""
+    x = torch.randn(4, 64)
+    qw, ws = pack_int4(torch.randint(0, 16, (64, 16), dtype=torch.int32)), torch.rand(16).half()
+    with pytest.raises(ValueError, match="non-empty lists of one length, got 2, 2, 1"):
+        w4a4.checked_layers(x, [qw, qw], [ws, ws], [None], False)
+    with pytest.raises(ValueError, match=r"w_scale must be a per-channel \[16\] .*got torch.float64"):  # no kernel reads it
+        w4a4.checked_layers(x, [qw], [ws.double()], [None], False)
+    qx, sx = torch.randint(-8, 8, (4, 64), dtype=torch.int8), torch.rand(4)
+    with pytest.raises(ValueError, match=r"x_scale must be float32 \[4\], got torch.float32 \(3,\)"):
+        w4a4._check_matmul_inputs(qx, sx[:3], qw, ws, None)
+    with pytest.raises(ValueError, match=r"qx must be int8 \[M, K\], got torch.int8 \(1, 4, 64\)"):
+        w4a4._check_matmul_inputs(qx[None], sx[:1], qw, ws, None)
+
+
+def test_the_shared_input_ops_fake_checks_the_layers_and_keeps_x_dtype():
+    """Under FakeTensorMode (torch.compile's tracing) the shared-input op refuses what it refuses at run time, and
+    answers in x's 16-bit type (opcheck above runs float32 x, where a float32 fake could not be told apart)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    (qw1, ws1), (qw2, ws2) = _codes_weight(32, 64, "cpu"), _codes_weight(48, 64, "cpu")
+    x = _activations(3, 64, torch.float32, "cpu").bfloat16()
+    torch.library.opcheck(torch.ops.nibble.w4a4_linears.default, (x, [qw1, qw2], [ws1, ws2], [None, None], False),
+                          test_utils=("test_schema", "test_faketensor"))
+    with FakeTensorMode() as mode:
+        fx, fq1, fq2, fw1, fw2 = (mode.from_tensor(t) for t in (x, qw1, qw2, ws1, ws2))
+        ys = torch.ops.nibble.w4a4_linears(fx, [fq1, fq2], [fw1, fw2], [None, None], False)
+        assert [(y.shape, y.dtype) for y in ys] == [((3, 32), torch.bfloat16), ((3, 48), torch.bfloat16)]
+        with pytest.raises(ValueError, match=r"w_scale must be a per-channel \[48\]"):
+            torch.ops.nibble.w4a4_linears(fx, [fq1, fq2], [fw1, fw1], [None, None], False)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter runs the Triton kernel on the CPU")
+def test_the_activation_quantization_off_the_gpu_rotates_where_asked():
+    """`quantize_activations` without the kernels is the reference's, with the online Hadamard where asked (the
+    tests above ask for none off the GPU), in either order."""
+    x = _activations(5, 64, torch.bfloat16, "cpu")
+    for had, spec in ((True, reference.rotate_quantize_activations), (False, reference.quantize_activations)):
+        q, s = w4a4.quantize_activations(x, input_hadamard=had)
+        want_q, want_s = spec(x)
+        assert torch.equal(q, want_q) and torch.equal(s, want_s)
+        assert torch.equal(w4a4.quantize_activations(x, had, "even_odd")[0], w4a4.to_even_odd(want_q))
+    assert not torch.equal(w4a4.quantize_activations(x, True)[0], w4a4.quantize_activations(x, False)[0])
+
+
 def test_m_buckets_end_at_their_bounds():
     assert [w4a4.m_bucket(M) for M in (1, 2, 16, 17, 128, 129, 1024, 1025, 8192)] == [1, 16, 16, 128, 128, 1024,
                                                                                         1024, 4096, 4096]
@@ -384,6 +429,11 @@ def test_rotate_quantize_plans_of_the_docstrings_sizes():
     assert {K: w4a4.rotate_quantize_plan(K) for K in plans} == plans
     assert w4a4.rotate_quantize_plan(65536) is None  # 512 rows of 128: more than a CTA cluster holds
     assert w4a4.rotate_quantize_plan(48) is None  # 12 x 4: rows of 4 are too short for ldmatrix
+
+
+def test_rotate_quantize_takes_rows_of_8_the_shortest_ldmatrix_reads():
+    """The bound of the refusal above is p >= 8, not 16: 12 x 8 and 172 x 8 (a row of 8-column pieces) are plans."""
+    assert w4a4.rotate_quantize_plan(96) == (12, 1, 3) and w4a4.rotate_quantize_plan(1376) == (172, 1, 3)
 
 
 def test_rotate_quantize_shared_memory_is_the_kernels():
