@@ -1224,6 +1224,37 @@ def test_qat_names_its_own_option_for_another_commands(argv, says, monkeypatch, 
     assert "--quant " not in build_parser().commands["qat"].format_help()  # hidden
 
 
+def test_qat_refuses_a_seed_torch_cannot_take_before_the_model_loads(monkeypatch):
+    """The run refuses it too, in the option's words, but only once the model (GBs, minutes) was loaded."""
+    from nibble.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    with pytest.raises(SystemExit, match=r"^nibble qat: --seed must be an integer from -2\*\*63 to"):
+        main(["qat", "--out", "unused", "--device", "cpu", "--seed", str(2**64)])
+
+
+def test_qat_says_a_lora_rank_past_the_model_as_its_option(monkeypatch, tmp_path):
+    """run_qat's refusal says rank=...: `nibble qat` has no such argument, --rank it has."""
+    from nibble.models import loading
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (tiny_model(), None))
+    with pytest.raises(SystemExit, match=r"^nibble qat: --rank=1000 exceeds what LoRA can use on this model: .* give "
+                                         r"--rank <= \d+\n"):
+        main(["qat", "--out", str(tmp_path / "q"), "--device", "cpu", "--rank", "1000"])
+
+
+def test_qat_without_out_is_a_usage_error_before_the_model_loads(monkeypatch, capsys):
+    """--out is where the model and the resumable state go: a run without one trained for hours, then had nowhere to
+    write them."""
+    from nibble.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as e:
+        main(["qat", "--device", "cpu", "--steps", "1"])
+    assert e.value.code == 2 and "the following arguments are required: --out" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("trained", [False, True])
 def test_qat_from_a_quantized_checkpoint_names_the_16_bit_model_and_a_runs_resume(trained, tmp_path, monkeypatch):
     """It was the loader's refusal, which said to load the checkpoint with nibble.load_quantized."""
@@ -1407,6 +1438,9 @@ def test_the_command_line_works_without_peft_and_nibble_qat_names_the_extra():
     (["demo"], "'wikitext2/wiki.test.raw'"),
     (["qat", "--out", "{tmp}/q", "--eval-ppl"], "'c4/c4_demo.jsonl', 'gutenberg/pg1342_pride_and_prejudice.txt', "
                                                 "'wikitext2/wiki.test.raw'"),
+    # GPTQ's calibration text too, whatever the training texts: it was found missing once the model had loaded
+    (["qat", "--out", "{tmp}/q", "--init", "gptq", "--calib", "gutenberg"],
+     "'gutenberg/pg1342_pride_and_prejudice.txt', 'c4/c4_demo.jsonl'"),
     (["report", "--out", "{tmp}/r", "--configs", "bf16", "w4a16-gptq", "--tasks", "boolq", "--no-speed"],
      "'wikitext2/wiki.test.raw', 'boolq/val.jsonl', 'c4/c4_demo.jsonl'"),
 ])

@@ -1530,3 +1530,205 @@ def test_the_export_is_a_plain_model_in_eval_mode_whatever_it_was_given():
     assert not exported.training and not any(m.training for m in exported.modules())
     assert not any(p.requires_grad for p in exported.parameters())
     assert "peft_config" not in exported.__dict__ and "_hf_peft_config_loaded" not in exported.__dict__
+
+
+def test_an_unknown_recipe_or_objective_or_a_model_that_is_no_causal_lm_is_refused_by_name():
+    """`nibble qat` has the recipes as its choices, run_qat had only its check: an unknown recipe was the KeyError
+    'per-tensor' of the recipes' layer settings; something that is no causal LM, an AttributeError of its config."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"^recipe must be one of \('per-token', 'hadamard', 'per-channel'\), got "
+                                         r"'per-tensor'$"):
+        _train("per-tensor", 1, _windows(), model=model)
+    assert not fake_quant_layers(model)
+    with pytest.raises(ValueError, match=r"^objective must be one of \('kl', 'ce', 'ce\+kl'\), got 'mse'$"):
+        _train("per-token", 1, _windows(), model=model, objective="mse")  # it failed in backward, the model prepared
+    assert not fake_quant_layers(model)
+    with pytest.raises(ValueError, match="^unknown model architecture None"):
+        _train("per-token", 1, _windows(), model=torch.nn.Linear(8, 8))
+
+
+def test_prepare_qat_model_refuses_what_run_qat_refuses_before_it_changes_the_model():
+    """prepare_qat_model is public, and run_qat's checks before it call did not cover it: alpha=0 (LoRA's scale 0,
+    a model that trains nothing), init='gptq' without calibration, calibration windows past the context (GPTQ's
+    refusal came after the rotation) must each be refused there too, the model left as it was."""
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="^alpha must be a finite number > 0"):
+        prepare_qat_model(model, "hadamard", alpha=0, progress=False)
+    with pytest.raises(ValueError, match=r"^init='gptq' needs calibration token ids"):
+        prepare_qat_model(model, "hadamard", init="gptq", progress=False)
+    with pytest.raises(ValueError, match=r"calibration windows of seq_len=300 exceed the model's context \(256"):
+        prepare_qat_model(model, "hadamard", init="gptq", calibration=torch.zeros(2, 300, dtype=torch.long),
+                          progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not fake_quant_layers(model)
+
+
+def test_the_hadamard_recipe_rotates_by_the_seed_given_and_the_export_records_it():
+    """Only the resume's refusal of another rotation_seed was tested: a recipe that rotated by seed 0 whatever it was
+    given passed, its export saying rotation_seed 0 for a run asked to rotate by another."""
+    from nibble.models.rotation import rotation_seed
+    seeded, default = (prepare_qat_model(_model(), "hadamard", rank=2, rotation_seed=s, progress=False) for s in (5, 0))
+    assert rotation_seed(seeded.get_base_model()) == 5
+    q = "model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert not torch.equal(seeded.get_base_model().get_parameter(q), default.get_base_model().get_parameter(q))
+    assert export(seeded).config.quantization_config["rotation_seed"] == 5
+
+
+def test_the_training_windows_are_every_whole_window_of_each_texts_own_tokens(tmp_path):
+    """training_windows was tested through runs alone, which took whatever windows it gave: windows that dropped each
+    text's last whole one, or held the tokenizer's special tokens (a BOS opening each text's stream), passed; a text
+    shorter than one window must be refused, not train on an empty table."""
+    from nibble.qat.train import training_windows
+
+    class BosTokenizer(_ByteTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            return [1] * add_special_tokens + super().encode(text, add_special_tokens)
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("x" * 70)  # 2 windows of 32, 6 tokens left over
+    b.write_text("y" * 40)  # 1 window, 8 left over
+    windows = training_windows(BosTokenizer(), 32, [str(a), str(b)])
+    assert windows.dtype == torch.long and windows.tolist() == [[ord("x")] * 32] * 2 + [[ord("y")] * 32]
+    with pytest.raises(ValueError, match=r"^the calibration text \[.*b\.txt'\] is shorter than one window of "
+                                         r"seq_len=41$"):
+        training_windows(BosTokenizer(), 41, [str(b)])
+
+
+def test_the_export_of_a_model_prepared_by_hand_records_how_it_was_prepared():
+    """run_qat's qat_meta replaces what prepare_qat_model records on the model, so only a run's record was tested: a
+    model prepared and trained by hand exported a "qat" record without its recipe, rank or alpha."""
+    qat = prepare_qat_model(_model(), "per-token", rank=2, alpha=3, progress=False)
+    assert export(qat).config.quantization_config["qat"] == dict(recipe="per-token", init="rtn", rank=2, alpha=3,
+                                                                 rotation_seed=0)
+
+
+def test_the_run_draws_its_batches_in_the_order_of_its_seed(monkeypatch):
+    """batch_indices was tested alone: a loop that drew every run's batches in seed 0's order passed every test, a run
+    at --seed 7 training on seed 0's batches."""
+    import nibble.qat.train as train
+    from nibble.qat.train import batch_indices
+    seen, loss = [], train.qat_loss
+    monkeypatch.setattr(train, "qat_loss", lambda logits, ids, teacher, objective: seen.append(ids)
+                        or loss(logits, ids, teacher, objective))
+    windows = _windows(n=5)
+    _train("per-token", 3, windows, batch_size=2, seed=7)
+    want = torch.stack([batch_indices(step, 2, 5, 7) for step in range(3)])
+    assert torch.equal(torch.stack(seen), windows[want])
+    assert not torch.equal(want, torch.stack([batch_indices(step, 2, 5, 0) for step in range(3)]))  # not seed 0's
+
+
+def test_a_state_that_is_no_torch_file_is_named_damaged(tmp_path):
+    """Only cut states were tested (torch's EOFError and RuntimeError): another file in its place (a text, say) is
+    pickle's UnpicklingError, which was a traceback."""
+    _train("per-token", 1, _windows(), out_dir=tmp_path)
+    path = state_path(tmp_path)
+    path.write_text("not a state\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} cannot be read \\(UnpicklingError: .*\\): the file "
+                                         "is damaged"):
+        _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
+
+
+def test_a_state_whose_trained_parameters_are_not_the_models_is_refused(tmp_path):
+    """Settings alike, a state can still hold other parameters (written by another version, or edited): loaded with
+    strict=False, one missing was left at its fresh start without a word."""
+    _train("per-token", 1, _windows(), out_dir=tmp_path)
+    path = state_path(tmp_path)
+    state = torch.load(path, weights_only=True)
+    dropped = sorted(state["trainable"])[0]
+    del state["trainable"][dropped]
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} does not match this model \\(missing "
+                                         f"\\['{re.escape(dropped)}'\\], unexpected \\[\\]\\)$"):
+        _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
+
+
+def test_a_state_written_before_its_start_and_tokens_were_recorded_resumes(tmp_path):
+    """States written before the init, the model, the token ids, the warm-up and the clipping were recorded cannot be
+    checked for them: they resume (as started from RTN's weights), not refused as another run's."""
+    _train("per-token", 1, _windows(), out_dir=tmp_path)
+    path = state_path(tmp_path)
+    state = torch.load(path, weights_only=True)
+    for key in ("init", "model", "windows", "calibration", "warmup", "max_grad_norm"):
+        del state["settings"][key]
+    torch.save(state, path)
+    assert _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True).qat_meta["tokens_this_run"] == 4 * SEQ
+
+
+def test_a_resume_with_another_recipe_is_said_as_the_recipes_change_alone(tmp_path):
+    """The quant_lr each recipe records (None where it learns none) follows from the recipe: it was said as a second
+    change the user never made."""
+    _train("hadamard", 1, _windows(), out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"other settings \(recipe saved 'hadamard', now 'per-token'\): resume"):
+        _train("per-token", 2, _windows(), out_dir=tmp_path, resume=True)
+
+
+def test_the_optimizer_is_adamw_at_betas_0_9_and_0_95(tmp_path):
+    """The betas of LLM training (torch's default 0.999 averages the squared gradients over ~1000 steps, longer than
+    most PE-QAT runs), which no test looked at."""
+    _train("per-token", 1, _windows(), out_dir=tmp_path)
+    groups = torch.load(state_path(tmp_path), weights_only=True)["optimizer"]["param_groups"]
+    assert [tuple(g["betas"]) for g in groups] == [(0.9, 0.95)] * 2
+
+
+@pytest.mark.parametrize("steps, first", [(60, 50), (3, 3)])
+def test_ctrl_c_before_the_first_save_names_when_it_comes(tmp_path, steps, first):
+    """A run saves every 50 steps unless told (DEFAULT_SAVE_EVERY, as --save-every's default), and at its last step."""
+    from nibble.qat.train import QatInterrupted
+
+    def interrupt(step, loss):
+        raise KeyboardInterrupt
+
+    with pytest.raises(QatInterrupted, match=rf"^PE-QAT interrupted; this run saved no state yet \(its first at step "
+                                             rf"{first}\)$"):
+        _train("per-token", steps, _windows(), out_dir=tmp_path, callback=interrupt)
+
+
+def test_nibble_qat_hands_the_run_its_documented_defaults(monkeypatch, tmp_path):
+    """Every option given was tested (the recipe's default too), the other defaults not: a --steps, --lr, --seq-len,
+    --batch-size, --rank, --objective, --calib, --save-every or --seed default changed trained otherwise, unseen."""
+    import nibble.qat.train as train
+    from nibble.cli import main
+    from nibble.models import loading
+
+    class Given(Exception):
+        pass
+
+    def run(model, tokenizer, recipe, steps, lr, seq_len, batch_size, out_dir, **kwargs):
+        raise Given(dict(recipe=recipe, steps=steps, lr=lr, seq_len=seq_len, batch_size=batch_size, out_dir=out_dir,
+                         **kwargs))
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
+    monkeypatch.setattr(train, "run_qat", run)
+    out = str(tmp_path / "q")
+    with pytest.raises(Given) as given:
+        main(["qat", "--device", "cpu", "--out", out])
+    assert given.value.args[0] == dict(recipe="hadamard", steps=200, lr=1e-3, seq_len=512, batch_size=8, out_dir=out,
+                                       resume=False, device=torch.device("cpu"), objective="kl", rank=16,
+                                       quant_lr=None, save_every=50, seed=0, sources=("c4", "gutenberg"), init="rtn",
+                                       calibration=None)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(alpha=0), "^alpha must be a finite number > 0"),
+    (dict(init="gptq", calibration=torch.zeros(2, 300, dtype=torch.long)),
+     r"^calibration windows of seq_len=300 exceed the model's context \(256"),
+])
+def test_an_alpha_or_a_gptq_calibration_that_cannot_train_is_refused_before_the_model_is_cast(bad, message):
+    """prepare_qat_model refuses them too, but after run_qat cast the model to float32: a bfloat16 model given came
+    back float32, untrained."""
+    model = tiny_model(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        _train("per-token", 1, _windows(), model=model, **bad)
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [dict(lr=True), dict(lr=None), dict(alpha=True), dict(max_grad_norm=True)])
+def test_a_rate_of_none_or_a_bool_is_refused_by_name(bad):
+    """True is a number to Python: lr=True trained at a rate of 1 without a word. lr has no default to fall back to
+    (quant_lr's None is the recipe's): lr=None failed in AdamW once the model was prepared."""
+    name = next(iter(bad))
+    model = _model()
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number > 0, .* got {bad[name]}$"):
+        _train("per-token", 1, _windows(), model=model, **bad)
+    assert not fake_quant_layers(model)
+
