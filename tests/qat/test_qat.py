@@ -1169,8 +1169,8 @@ def test_the_data_order_is_one_seeded_permutation_an_epoch():
     assert not torch.equal(batch_indices(0, 4, 10, seed=1), drawn[:4])
 
 
-def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
-    """An option the command dropped trained with the default, and no test saw it."""
+def _qat_run_arguments(monkeypatch, argv):
+    """The arguments `nibble qat argv` hands run_qat, caught as the run starts (the model a tiny one)."""
     import nibble.qat.train as train
     from nibble.cli import main
     from nibble.models import loading
@@ -1184,22 +1184,29 @@ def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
 
     monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
     monkeypatch.setattr(train, "run_qat", run)
+    with pytest.raises(Given) as given:
+        main(["qat", *argv])
+    return given.value.args[0]
+
+
+def test_nibble_qat_hands_every_option_to_the_run(monkeypatch, tmp_path):
+    """An option the command dropped trained with the default, and no test saw it."""
     text = tmp_path / "text.txt"
     text.write_text("some text")
     out = str(tmp_path / "q")
-    with pytest.raises(Given) as given:
-        main(["qat", "--device", "cpu", "--recipe", "hadamard", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
-              "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
-              "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
+    given = _qat_run_arguments(monkeypatch, [
+        "--device", "cpu", "--recipe", "hadamard", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
+        "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
+        "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
     want = dict(recipe="hadamard", steps=7, lr=0.002, seq_len=64, batch_size=3, out_dir=out, resume=True,
                 device=torch.device("cpu"), objective="ce", rank=4, quant_lr=None, save_every=5, seed=9,
                 sources=("gutenberg", str(text)), init="rtn", calibration=None)
-    assert given.value.args[0] == want  # hadamard learns at no quant_lr: warned of, and not given on
-    with pytest.raises(Given) as given:
-        main(["qat", "--device", "cpu", "--recipe", "per-token", "--steps", "7", "--lr", "0.002", "--quant-lr",
-              "0.03", "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
-              "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
-    assert given.value.args[0] == want | dict(recipe="per-token", quant_lr=0.03)
+    assert given == want  # hadamard learns at no quant_lr: warned of, and not given on
+    given = _qat_run_arguments(monkeypatch, [
+        "--device", "cpu", "--recipe", "per-token", "--steps", "7", "--lr", "0.002", "--quant-lr", "0.03",
+        "--seq-len", "64", "--batch-size", "3", "--rank", "4", "--objective", "ce", "--save-every", "5",
+        "--calib", f"gutenberg,{text}", "--seed", "9", "--resume", "--out", out])
+    assert given == want | dict(recipe="per-token", quant_lr=0.03)
 
 
 def test_a_resume_with_other_settings_is_refused_before_the_model_is_prepared(tmp_path, monkeypatch):
@@ -1686,26 +1693,11 @@ def test_ctrl_c_before_the_first_save_names_when_it_comes(tmp_path, steps, first
 def test_nibble_qat_hands_the_run_its_documented_defaults(monkeypatch, tmp_path):
     """Every option given was tested (the recipe's default too), the other defaults not: a --steps, --lr, --seq-len,
     --batch-size, --rank, --objective, --calib, --save-every or --seed default changed trained otherwise, unseen."""
-    import nibble.qat.train as train
-    from nibble.cli import main
-    from nibble.models import loading
-
-    class Given(Exception):
-        pass
-
-    def run(model, tokenizer, recipe, steps, lr, seq_len, batch_size, out_dir, **kwargs):
-        raise Given(dict(recipe=recipe, steps=steps, lr=lr, seq_len=seq_len, batch_size=batch_size, out_dir=out_dir,
-                         **kwargs))
-
-    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (_model(), None))
-    monkeypatch.setattr(train, "run_qat", run)
     out = str(tmp_path / "q")
-    with pytest.raises(Given) as given:
-        main(["qat", "--device", "cpu", "--out", out])
-    assert given.value.args[0] == dict(recipe="hadamard", steps=200, lr=1e-3, seq_len=512, batch_size=8, out_dir=out,
-                                       resume=False, device=torch.device("cpu"), objective="kl", rank=16,
-                                       quant_lr=None, save_every=50, seed=0, sources=("c4", "gutenberg"), init="rtn",
-                                       calibration=None)
+    assert _qat_run_arguments(monkeypatch, ["--device", "cpu", "--out", out]) == dict(
+        recipe="hadamard", steps=200, lr=1e-3, seq_len=512, batch_size=8, out_dir=out, resume=False,
+        device=torch.device("cpu"), objective="kl", rank=16, quant_lr=None, save_every=50, seed=0,
+        sources=("c4", "gutenberg"), init="rtn", calibration=None)
 
 
 @pytest.mark.parametrize("bad, message", [
