@@ -62,6 +62,19 @@ def random_canonical(K, N, G, symmetric, seed=0, min_zp=0):
     return Int4Weight.from_codes(codes, s, (-zp * s).half().float(), G)
 
 
+def fake_cuda(mode, *tensors) -> list:
+    """``tensors`` as fake CUDA tensors of FakeTensorMode ``mode``: the ops' GPU paths traced without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return [FakeTensor(mode, t.to("meta"), torch.device("cuda", 0)) for t in tensors]
+
+
+# Before torch 2.10, FakeTensorMode moved the reference's constants to a fake CUDA device through the CUDA driver
+# (torch.__version__ is a TorchVersion: it compares as a version, "2.9" < "2.10").
+reference_on_fake_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() and torch.__version__ < "2.10",
+    reason="before torch 2.10 the reference on fake CUDA tensors needs the CUDA driver")
+
+
 def assert_unchanged_by_edits(weight, tensors):
     """In-place edits of each of ``tensors`` leave the Int4Weight ``weight`` as it was: they share no memory."""
     kept = {name: getattr(weight, name).clone() for name in ("qweight", "scales", "zeros")}

@@ -233,23 +233,15 @@ def test_early_launch_on_cuda_without_an_index_asks_the_current_gpu(monkeypatch)
 
 
 def test_early_launch_needs_hopper_and_nibble_pdl_not_0(monkeypatch):
-    """sm_90 and later (programmatic dependent launch); an A100 launches the plain way."""
+    """sm_90 and later (programmatic dependent launch); an A100 launches the plain way, and so does a Hopper GPU with
+    the switch off (both settings of it here: the tests' environment has it on)."""
     from nibble.kernels import early_launch as el
 
-    for capability, expected in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
-        assert el._early_launch.__wrapped__(0) is (expected and el.ENABLED)
-
-
-def test_nibble_pdl_0_launches_the_plain_way_on_hopper_too(monkeypatch):
-    """The switch is asked with the capability: off, an sm_90 GPU launches the plain way. (The test above expects
-    `expected and el.ENABLED` with the switch on in the tests' environment, where dropping it changed nothing.)"""
-    from nibble.kernels import early_launch as el
-
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     for enabled in (False, True):
         monkeypatch.setattr(el, "ENABLED", enabled)
-        assert el._early_launch.__wrapped__(0) is enabled
+        for capability, expected in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+            assert el._early_launch.__wrapped__(0) is (expected and enabled)
 
 
 @pytest.mark.parametrize("value, enabled", [("0", False), ("1", True), ("", True)])

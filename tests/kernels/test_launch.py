@@ -27,13 +27,9 @@ def test_split_counters_grow_for_a_larger_grid_and_are_shared_below_it():
 
 
 def test_a_device_that_is_not_cuda_has_the_default_sms():
-    """The configs' SM count for the Triton interpreter and CPU tests: the H200's."""
+    """The configs' SM count for the Triton interpreter and CPU tests: the H200's. Not only the CPU: a meta device
+    (fake tensors, shape-only tracing) asks no GPU either, which a CPU-only torch has none of."""
     assert launch.num_sms(torch.device("cpu")) == launch.NUM_SMS_DEFAULT == 132
-
-
-def test_every_device_that_is_not_cuda_has_the_default_sms():
-    """Not only the CPU: a meta device (fake tensors, shape-only tracing) asks no GPU either, which a CPU-only torch
-    has none of."""
     assert launch.num_sms(torch.device("meta")) == launch.NUM_SMS_DEFAULT
 
 

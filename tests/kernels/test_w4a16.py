@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import poison_new_tensors, skip_without_cuda_kernel
+from conftest import fake_cuda, poison_new_tensors, reference_on_fake_cuda, skip_without_cuda_kernel
 from nibble.kernels import hopper, launch
 from nibble.kernels import w4a16 as W
 from nibble.kernels.reference import dequantize, w4a16_matmul
@@ -136,30 +136,17 @@ def test_the_cpu_path_refuses_a_bias_that_is_not_one_float_a_channel():
 def test_the_kernels_functions_take_the_ops_under_a_dispatch_mode():
     """Under FakeTensorMode (make_fx, memory estimators) the functions ran the kernels' bodies on tensors without
     data (on a GPU: launches on fake tensors); the ops answer with their fake implementations."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from nibble import kernels
     from nibble.formats.int4 import pack_int4
     mode = FakeTensorMode()
     w4a4_weight = (pack_int4(torch.randint(0, 16, (128, 24), dtype=torch.int32)), torch.rand(24).half())
-    cuda = [FakeTensor(mode, t.to("meta"), torch.device("cuda", 0))  # no GPU needed: fake CUDA tensors
-            for t in (torch.randn(3, 128, dtype=torch.float16), *make_weight(48, 128, 32), *w4a4_weight)]
-    x, qw, s, z, qw4, s4 = cuda
+    x, qw, s, z, qw4, s4 = fake_cuda(mode, torch.randn(3, 128, dtype=torch.float16), *make_weight(48, 128, 32),
+                                     *w4a4_weight)
     with mode:
         y = kernels.w4a16_linear(x, qw, s, z, 32)
         y4 = kernels.w4a4_linear(x, qw4, s4, None, True)
     assert (y.shape, y.device.type, y4.shape, y4.dtype) == ((3, 48), "cuda", (3, 24), torch.float16)
-
-
-def _fake_cuda(mode, *tensors):
-    from torch._subclasses.fake_tensor import FakeTensor
-    return [FakeTensor(mode, t.to("meta"), torch.device("cuda", 0)) for t in tensors]  # no GPU needed
-
-
-# Before torch 2.10, FakeTensorMode moved the reference's constants to a fake CUDA device through the CUDA driver
-# (torch.__version__ is a TorchVersion: it compares as a version, "2.9" < "2.10").
-reference_on_fake_cuda = pytest.mark.skipif(
-    not CUDA and torch.__version__ < "2.10",
-    reason="before torch 2.10 the reference on fake CUDA tensors needs the CUDA driver")
 
 
 @reference_on_fake_cuda
@@ -170,7 +157,7 @@ def test_backend_reference_runs_the_reference_on_cuda_tensors_too(monkeypatch):
     from nibble import kernels
     from nibble.kernels import reference
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # the reference makes small constant tensors of its own
-    x, qw, s, z = _fake_cuda(mode, torch.randn(3, 128, dtype=torch.float16), *make_weight(48, 128, 32))
+    x, qw, s, z = fake_cuda(mode, torch.randn(3, 128, dtype=torch.float16), *make_weight(48, 128, 32))
     ran, real = [], reference.w4a16_matmul
     monkeypatch.setattr(reference, "w4a16_matmul", lambda *a: ran.append(a[0].device.type) or real(*a))
     with mode:
@@ -193,7 +180,7 @@ def test_the_reference_on_a_gpu_is_said_for_cuda_tensors_outside_tracing_only(mo
     qw, s, z = make_weight(48, 128, 32)
     assert kernels.w4a16_linear(torch.randn(3, 128), qw, s, z, 32).shape == (3, 48) and said == []
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = _fake_cuda(mode, torch.randn(3, 128, dtype=torch.float16), qw, s, z)
+    fakes = fake_cuda(mode, torch.randn(3, 128, dtype=torch.float16), qw, s, z)
     with mode:
         assert kernels.w4a16_linear(*fakes, 32).shape == (3, 48)
     assert said == []
@@ -220,7 +207,7 @@ def test_float32_activations_on_the_op_path_come_back_float32_in_their_leading_d
     from nibble import kernels
     from nibble.formats.int4 import pack_int4
     mode = FakeTensorMode()
-    x, qw, s, z, bias, qw4, s4 = _fake_cuda(mode, torch.randn(2, 3, 128), *make_weight(48, 128, 32), torch.randn(48),
+    x, qw, s, z, bias, qw4, s4 = fake_cuda(mode, torch.randn(2, 3, 128), *make_weight(48, 128, 32), torch.randn(48),
                                             pack_int4(torch.randint(0, 16, (128, 24), dtype=torch.int32)),
                                             torch.rand(24).half())
     with mode:
@@ -236,9 +223,9 @@ def test_the_op_path_refuses_a_bias_that_is_not_one_float_a_channel():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from nibble import kernels
     mode = FakeTensorMode()
-    x, qw, s, z = _fake_cuda(mode, torch.randn(48, 128, dtype=torch.float16), *make_weight(48, 128, 32))
+    x, qw, s, z = fake_cuda(mode, torch.randn(48, 128, dtype=torch.float16), *make_weight(48, 128, 32))
     for bias in (torch.randn(48, 1), torch.ones(48, dtype=torch.int32)):
-        (b,) = _fake_cuda(mode, bias)
+        (b,) = fake_cuda(mode, bias)
         with mode:
             for call in (lambda: kernels.w4a16_linear(x, qw, s, z, 32, b),
                          lambda: kernels.w4a16_linears(x, [(qw, s, z, b)], 32)):
@@ -252,7 +239,7 @@ def test_gather_columns_takes_the_reference_under_a_dispatch_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from nibble import kernels
     mode = FakeTensorMode()
-    x, index = _fake_cuda(mode, torch.randn(2, 3, 128, dtype=torch.float16), torch.randperm(128))
+    x, index = fake_cuda(mode, torch.randn(2, 3, 128, dtype=torch.float16), torch.randperm(128))
     with mode:
         y = kernels.gather_columns(x, index)
     assert (y.shape, y.dtype, y.device.type) == ((2, 3, 128), torch.float16, "cuda")

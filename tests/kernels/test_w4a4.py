@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import poison_new_tensors, skip_without_cuda_kernel
+from conftest import fake_cuda, poison_new_tensors, reference_on_fake_cuda, skip_without_cuda_kernel
 from nibble.bench.w4a4 import unpack_weight_int8
 from nibble.formats.int4 import pack_int4
 from nibble.kernels import hopper, launch, reference
@@ -147,16 +147,13 @@ def test_cpu_op_is_the_reference():
     assert torch.equal(y, reference.w4a4_linear(x, qw, ws, None, True))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and torch.__version__ < "2.10",
-                    reason="before torch 2.10, FakeTensorMode moved the reference's constants to a fake CUDA device "
-                           "through the CUDA driver")
+@reference_on_fake_cuda
 def test_the_reference_backend_takes_float32_on_a_cuda_device():
     """The op's 16-bit rule (its GPU kernels') refused float32 CUDA activations on backend='reference' too."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from nibble import kernels
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # the reference makes small constant tensors of its own
-    x, qw, ws = (FakeTensor(mode, t.to("meta"), torch.device("cuda", 0))  # fake CUDA tensors: no GPU needed
-                 for t in (torch.randn(3, 64), *_codes_weight(24, 64, "cpu")))
+    x, qw, ws = fake_cuda(mode, torch.randn(3, 64), *_codes_weight(24, 64, "cpu"))
     with mode:
         assert kernels.w4a4_linear(x, qw, ws, backend="reference").dtype == torch.float32
         with pytest.raises(TypeError, match="float16 or bfloat16"):

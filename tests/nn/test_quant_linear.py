@@ -120,10 +120,9 @@ def test_stack_weights_leaves_layers_it_cannot_stack():
 def _back_to_back_weights(how: str) -> list:
     """Two [16, 64] weights at consecutive addresses that are not rows of one tensor: numpy slices of one array, each
     its own storage (as a file's tensors are), or transposes of consecutive [64, 16] blocks (strides (1, 16))."""
-    blocks = torch.randn(2, 16, 64) if how == "separate storages" else torch.randn(2, 64, 16)
     if how == "separate storages":
-        return [torch.from_numpy(blocks.numpy()[i]) for i in range(2)]
-    return [blocks[i].t() for i in range(2)]
+        return list(map(torch.from_numpy, torch.randn(2, 16, 64).numpy()))
+    return [block.t() for block in torch.randn(2, 64, 16)]
 
 
 @pytest.mark.parametrize("how", ["separate storages", "transposed"])
