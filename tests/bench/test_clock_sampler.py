@@ -3,6 +3,7 @@ reads back and the medians of a span."""
 import datetime
 import os
 import stat
+import time
 
 from nibble.bench.timing import ClockSampler
 
@@ -38,3 +39,24 @@ def test_a_span_takes_the_samples_at_its_ends():
                                                                       (150.0, 200.0, 660.0, 690.0))]
     assert clocks.during(stamps[1], stamps[2]) == dict(samples=2, sm_mhz=1575.0, watts=430.0)
     assert clocks.during(stamps[0], stamps[0]) == dict(samples=1, sm_mhz=1980, watts=150.0)
+
+
+def test_without_a_log_nvidia_smi_is_asked_for_the_csv_then_stopped_and_read_back(tmp_path, monkeypatch):
+    """No ``log_path``: the CSV goes to a temporary file and still comes back. nvidia-smi is asked for the timestamp,
+    SM clock, power and temperature every ``period_ms`` as bare CSV, and stopped when the block ends."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{tmp_path}/args'\ncat <<'END'\n{SAMPLES}END\n"
+                    f"trap 'kill $!; touch \"{tmp_path}/stopped\"; exit 0' TERM\ntouch '{tmp_path}/printed'\n"
+                    "sleep 30 &\nwait\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with ClockSampler(period_ms=20) as clocks:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=10)
+        while not (tmp_path / "printed").exists() and datetime.datetime.now() < deadline:
+            time.sleep(0.01)
+    assert (tmp_path / "stopped").exists()  # terminated, not left to run (or waited for) until it ends
+    assert (tmp_path / "args").read_text().splitlines() == [
+        "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits", "-lms", "20"]
+    assert [s[1:] for s in clocks.samples] == [(1980, 153.46, 39), (1650, 202.2, 40), (1500, 663.0, 53),
+                                               (1700, 690.5, 54)]
+    assert clocks.samples[0][0] == datetime.datetime(2026, 12, 2, 15, 8, 5, 470000)

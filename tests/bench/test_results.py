@@ -211,3 +211,44 @@ def test_the_w4a16_benchmark_names_its_fp16_files_apart_and_records_its_command(
     assert [s["baseline"] for s in meta["summary"]] == ["fp16"] * len(kernels.QUICK_MS)
     assert kernels.main(["--out", str(tmp_path), "--quick"]) == 0
     assert (tmp_path / "w4a16-h200.json").is_file() and (tmp_path / "w4a16-h200.png").is_file()
+
+
+def test_json_text_refuses_a_non_finite_number_a_default_hook_returns():
+    """What `_finite` cannot see (a ``default`` hook's value) fails here, not in a strict reader of the file."""
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        timing.json_text({"a": object()}, default=lambda o: float("nan"))
+
+
+def test_write_results_writes_values_json_cannot_as_their_text_and_no_png_without_a_timed_row(tmp_path):
+    """The meta may hold a dtype or a path (``default=str``); rows whose ``y`` was never timed give no figure."""
+    rows = [dict(N=64, K=64, M=1, op="w4a4", speedup=None), dict(N=64, K=64, M=1, op="bf16")]
+    paths = timing.write_results(rows, {"dtype": torch.float16, "out": tmp_path}, tmp_path, "r")
+    assert paths == {"json": str(tmp_path / "r.json")} and not (tmp_path / "r.png").exists()
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["meta"] == {"dtype": "torch.float16", "out": str(tmp_path)} and saved["rows"][0]["speedup"] is None
+
+
+def test_env_meta_on_a_gpu_says_which_one_and_the_triton_that_ran(monkeypatch):
+    """On the CPU, with a made-up GPU: its name, SM count, L2 and compute capability (major.minor), the current
+    GPU's, and the triton version beside torch's."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(name="NVIDIA H200", multi_processor_count=132, L2_cache_size=60 << 20, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props if index == 1 else None)
+    meta = timing.env_meta()
+    assert {k: meta[k] for k in ("gpu", "sm_count", "l2_bytes", "capability")} == dict(
+        gpu="NVIDIA H200", sm_count=132, l2_bytes=60 << 20, capability="9.0")
+    triton = pytest.importorskip("triton")
+    assert meta["triton"] == triton.__version__
+
+
+def test_tee_prints_each_line_and_has_it_in_its_file_at_once(tmp_path, capsys):
+    """A device run cut off at its time limit keeps every line said so far: each is in the file before the next."""
+    say = timing.tee(tmp_path / "run.log")
+    say("M=1", 2.5, "us")
+    assert (tmp_path / "run.log").read_text() == "M=1 2.5 us\n"
+    say("done")
+    assert (tmp_path / "run.log").read_text() == "M=1 2.5 us\ndone\n"
+    assert capsys.readouterr().out == "M=1 2.5 us\ndone\n"

@@ -979,3 +979,31 @@ def test_a_report_without_accuracy_reads_no_evaluation_data(tmp_path, monkeypatc
     res = report.run_report(None, tmp_path, configs=("bf16", "w4a16"), accuracy=False, speed=False, loader=tiny_loader,
                             progress=False, log=lambda *_: None)
     assert list(res["configs"]) == ["bf16", "w4a16"] and "perplexity" not in res["configs"]["bf16"]
+
+
+def test_a_nibble_outside_any_repository_or_without_git_has_no_commit(tmp_path, monkeypatch):
+    """A folder git does not know is "no-commit" (wherever the process runs: here from the folder's parent), and a
+    machine without git says "unknown" rather than failing the run."""
+    from nibble.bench.timing import git_commit
+
+    monkeypatch.delenv("NIBBLE_GIT_COMMIT", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    (tmp_path / "nibble").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert git_commit(tmp_path / "nibble") == "no-commit"
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
+    assert git_commit(tmp_path / "nibble") == "unknown"
+
+
+def test_source_hash_does_not_follow_the_order_the_filesystem_lists_files(tmp_path, monkeypatch):
+    """Two copies of the same sources hash alike whatever order their folders list the files in."""
+    import pathlib
+
+    from nibble.bench.timing import source_hash
+
+    for name in ("a.py", "b.py", "c.cu"):
+        (tmp_path / name).write_text(f"# {name}\n")
+    first = source_hash(tmp_path)
+    rglob = pathlib.Path.rglob
+    monkeypatch.setattr(pathlib.Path, "rglob", lambda self, pattern: reversed(list(rglob(self, pattern))))
+    assert source_hash(tmp_path) == first

@@ -260,3 +260,23 @@ def test_nibble_pdl_0_switches_early_launch_off_at_import(value, enabled):
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(enabled)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_early_launch_off_cuda_asks_no_gpu(device, monkeypatch):
+    """A CPU or meta device (fake tensors, shape-only tracing) launches the plain way at any token count, without
+    asking a GPU (which a CPU-only torch has none of)."""
+    from nibble.kernels import early_launch as el
+
+    monkeypatch.setattr(el, "_early_launch", lambda index: pytest.fail(f"asked GPU {index} for a {device} launch"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked the current GPU"))
+    for tokens in (1, el.MAX_TOKENS, el.MAX_TOKENS + 1):
+        assert el.early_launch(torch.device(device), tokens) is False
+
+
+def test_early_launch_without_a_token_count_is_one_tokens(monkeypatch):
+    """The tests ask ``early_launch(device)`` whether the GPU takes part at all: one token, within any limit."""
+    from nibble.kernels import early_launch as el
+
+    monkeypatch.setattr(el, "_early_launch", lambda index: True)
+    assert el.early_launch(torch.device("cuda", 0)) and el.early_launch(torch.device("cuda", 0), max_tokens=1)

@@ -122,3 +122,37 @@ def test_a_launch_over_several_weights_is_configured_for_their_columns_together(
         together = w4a16.WGMMA.config(M, sum(widths), K, widths=widths)
         assert w4a16.WGMMA.launch_config(None, M, K, widths) == together
         assert together != w4a16.WGMMA.config(M, widths[0], K, widths=widths)  # the first weight's alone differs
+
+
+def test_the_triton_kernels_take_cuda_tensors_whether_interpreting_or_not(monkeypatch):
+    """The interpreter only adds CPU tensors: a CUDA tensor (a fake one here) is taken either way."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from conftest import fake_cuda
+
+    (x,) = fake_cuda(FakeTensorMode(), torch.zeros(2, 8))
+    for interpreting in (False, True):
+        monkeypatch.setattr(triton_device, "interpreting", lambda: interpreting)
+        triton_device.check_triton_device(x, "W4A16 Triton")
+
+
+def test_a_triton_with_programmatic_dependent_launch_is_usable():
+    """The triton installed here has gdc_wait (3.4 and later): nothing to say, and the kernels run."""
+    cuda = pytest.importorskip("triton.language.extra.cuda")
+    if not (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")):
+        pytest.skip("this triton predates programmatic dependent launch")
+    assert triton_device._triton_unusable() is None and triton_device.TRITON_UNUSABLE is None
+
+
+@pytest.mark.parametrize("value", ["", "0", None])
+def test_an_older_triton_is_not_interpreting_with_triton_interpret_empty_or_unset(monkeypatch, value):
+    """Triton's own reading before its knobs: "1" only. An empty TRITON_INTERPRET (``TRITON_INTERPRET= pytest``) is
+    the compiled kernels, as it is for triton."""
+    class OldTriton:
+        __version__ = "3.1.0"
+    monkeypatch.setattr(triton_device, "triton", OldTriton())
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_device.interpreting() is False
