@@ -162,7 +162,7 @@ def whole_number(what: str) -> Callable[[str], int]:
     """An argparse type for a benchmark's count option: a whole number above 0, refused as ``what`` it is (e.g. "a
     token count M") otherwise."""
     def parse(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
+        if not text.isdecimal() or int(text) < 1:
             raise argparse.ArgumentTypeError(f"{what} is a whole number above 0; got {text!r}")
         return int(text)
     return parse

@@ -240,7 +240,7 @@ def summarize(rows, log=print) -> list[dict]:
 def _shape(text: str) -> tuple[int, int]:
     """``--shapes``' ``N,K``: two whole numbers above 0 (a malformed one was a traceback after the GPU's set-up)."""
     parts = text.split(",")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 2 or not all(p.isdecimal() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"a shape is N,K: two whole numbers above 0, e.g. 4096,4096; got {text!r}")
     return int(parts[0]), int(parts[1])
 

@@ -107,7 +107,7 @@ def _quant_config(name: str, model, overrides: dict) -> QuantConfig | None:
     for p in parts[1:]:
         if p == "lmhead":
             field, value = "modules_to_not_convert", []
-        elif mode == "w4a16" and p.startswith("g") and p[1:].isdigit():
+        elif mode == "w4a16" and p.startswith("g") and p[1:].isdecimal():
             field, value = "group_size", int(p[1:])
         elif p == "gptq" or (mode == "w4a16" and p == "awq"):
             field, value = "method", p

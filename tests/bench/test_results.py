@@ -81,6 +81,7 @@ def test_both_kernel_benchmarks_name_their_files_by_one_gpu_tag(monkeypatch):
 @pytest.mark.parametrize("argv, says", [(["--shapes", "4096"], "--shapes: a shape is N,K"),
                                         (["--shapes", "4096,0"], "--shapes: a shape is N,K"),
                                         (["--shapes", "a,b"], "--shapes: a shape is N,K"),
+                                        (["--shapes", "4096,\u00b2"], "--shapes: a shape is N,K"),
                                         (["--shapes", "4096,4096,1"], "--shapes: a shape is N,K"),
                                         (["--ms", "0"], "--ms: a token count M is a whole number above 0"),
                                         (["--ms", "-16"], "--ms: a token count M"),

@@ -300,10 +300,11 @@ def test_side_stream_is_one_per_gpu_for_the_process(monkeypatch):
     assert made == [1, 0]
 
 
-@pytest.mark.parametrize("text", ["two", "+3", " 3", "3.0", "0", "-2"])
+@pytest.mark.parametrize("text", ["two", "+3", " 3", "3.0", "0", "-2", "\u00b2"])
 def test_a_count_that_is_not_a_whole_number_above_0_is_refused_as_what_it_counts(text):
     """The benchmarks' count options refuse a count by what it counts, never with argparse's generic "invalid parse
-    value" (what a ValueError from ``int`` gives); a sign, spaces or a decimal point are no whole number either."""
+    value" (what a ValueError from ``int`` gives); a sign, spaces, a decimal point or a superscript digit
+    (``str.isdigit`` takes "²", ``int`` does not) are no whole number either."""
     import argparse
     import re
 

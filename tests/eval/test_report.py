@@ -59,6 +59,7 @@ def test_config_names_map_to_quant_configs():
     ("w4a4-awq", "unknown part -awq: w4a4 takes -hadamard, -gptq, -lmhead"),
     ("w4a4-g64", "unknown part -g64: w4a4 takes -hadamard, -gptq, -lmhead"),  # its channels are its groups
     ("w4a16-foo", "unknown part -foo: w4a16 takes -gN (group size), -gptq, -awq, -lmhead"),
+    ("w4a16-g\u00b2", "unknown part -g\u00b2: w4a16 takes -gN (group size), -gptq, -awq, -lmhead"),  # isdigit, not int
     ("w3a16", "unknown config; use bf16, w4a16"), ("bf16-lmhead", "the 16-bit baseline takes no suffix: use bf16"),
     # a part that repeats a choice: the last one won without a word (w4a16-awq-gptq ran GPTQ under that name)
     ("w4a16-awq-gptq", "-awq and -gptq both choose the method: give one"),
