@@ -143,4 +143,5 @@ class WgmmaGemm:
         if config is not None and not 1 <= int(config.get("split_k", 1)) <= MAX_SPLIT:
             raise ValueError(f"{kernel}: split_k must be 1 to {MAX_SPLIT} (the splits of a tile are one cluster of "
                              f"CTAs, at most {MAX_SPLIT}), got {config['split_k']}")
-        return dict(config) if config is not None else self.config(M, sum(widths), K, clusters, widths)
+        # a config without split_k is one split, as checked (the launches read cfg["split_k"])
+        return {"split_k": 1, **config} if config is not None else self.config(M, sum(widths), K, clusters, widths)

@@ -62,6 +62,7 @@ def test_split_plan_keeps_every_split_but_the_last_equal():
     assert hopper.split_plan(10 * 128, 3) == (3, 4)
     assert hopper.split_plan(10 * 128, 6) == (5, 2)  # 6 asked, 2 stages each: 5 remain
     assert hopper.split_plan(4096, 1) == (1, 32) and hopper.split_plan(4096, 0) == (1, 32)
+    assert hopper.split_plan(576, 2) == (2, 3)  # SmolLM2's K: 4.5 stages, the partial one a stage too
 
 
 def test_triton_missing_is_said_with_the_install_command(monkeypatch):
@@ -102,6 +103,10 @@ def test_pick_config_splits_only_where_the_tiles_fit_two_waves():
     clusters = {1: 10, 2: 10, 3: 1, 4: 1, 6: 1, 8: 1}
     assert hopper.pick_config(64, 15 * 128, 64 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 2
     assert hopper.pick_config(64, 21 * 128, 64 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 1
+    # the waves of the split's own clusters: 10 clusters of 1, 8 of 2; 16 tiles are two waves exactly, 17 are not
+    clusters = {1: 10, 2: 8, 3: 1, 4: 1, 6: 1, 8: 1}
+    assert hopper.pick_config(64, 16 * 128, 64 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 2
+    assert hopper.pick_config(64, 17 * 128, 64 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 1
 
 
 def test_a_launch_takes_1_to_8_splits():
@@ -156,3 +161,109 @@ def test_an_older_triton_is_not_interpreting_with_triton_interpret_empty_or_unse
     else:
         monkeypatch.setenv("TRITON_INTERPRET", value)
     assert triton_device.interpreting() is False
+
+
+def test_ideal_clusters_are_whole_clusters_of_each_split():
+    """Where no GPU was asked: every SM in some cluster, whole clusters only (132 SMs hold 16 clusters of 8, not
+    16.5)."""
+    assert hopper.ideal_clusters(132) == {1: 132, 2: 66, 3: 44, 4: 33, 6: 22, 8: 16}
+
+
+def test_the_model_counts_whole_waves_and_the_stages_of_the_longest_split():
+    """A wave per ``clusters[split]`` tiles, the last one partial; each wave pays the K stages of one split, rounded
+    up (10 stages in 4 splits: 3, as `split_plan` makes them), and the tile's fixed cost."""
+    model = hopper.CostModel(stage_us={(64, 128): 1.0}, item_us={(64, 128): 3.0}, split_output_us=0.0, split_us=0.0)
+    clusters = {1: 4, 2: 2, 3: 1, 4: 1, 6: 1, 8: 1}
+    # 5 tiles, 4 clusters: two waves of 10 stages each
+    assert model.us(64, 5 * 128, 10 * 128, (64, 128), 1, clusters) == pytest.approx(2 * (10 + 3.0))
+    # in 4 splits: one cluster of 4 at a time, so 5 waves of 3 stages
+    assert model.us(64, 5 * 128, 10 * 128, (64, 128), 4, clusters) == pytest.approx(5 * (3 + 3.0))
+    assert hopper.split_plan(10 * 128, 4)[1] == 3
+
+
+def test_a_hopper_gemm_asks_its_own_library_for_its_clusters_once_per_device(monkeypatch):
+    """`WgmmaGemm.lib` is `cuda_build.library` with the GEMM's signatures; `clusters` asks the GEMM's own
+    ``nibble_<name>_clusters`` (the two GEMMs' CTAs differ), once per device, a device named by a string too."""
+    import contextlib
+    import types
+
+    from nibble.kernels import cuda_build
+
+    def signatures(lib):
+        pass
+    asked = []
+
+    def query(sms):
+        def clusters(split, out):
+            asked.append(split)
+            out._obj.value = sms // split
+            return 0
+        return clusters
+    libs = {"w4a4_wgmma": types.SimpleNamespace(nibble_w4a4_wgmma_clusters=query(132)),
+            "w4a16_wgmma": types.SimpleNamespace(nibble_w4a16_wgmma_clusters=query(114))}
+    monkeypatch.setattr(cuda_build, "library", lambda name, device, configure: configure is signatures and libs[name])
+    monkeypatch.setattr(cuda_build, "_ASKED", {})
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    w4a4, w4a16 = (hopper.WgmmaGemm(name, signatures, _SPLIT_HUNGRY) for name in ("w4a4_wgmma", "w4a16_wgmma"))
+    assert w4a4.lib(torch.device("cuda", 0)) is libs["w4a4_wgmma"]
+    assert w4a4.clusters("cuda:0") == hopper.ideal_clusters(132) == w4a4.clusters(torch.device("cuda", 0))
+    assert w4a16.clusters("cuda:0") == hopper.ideal_clusters(114)
+    assert asked == list(hopper.SPLITS) * 2
+
+
+def test_a_launch_config_error_names_the_kernel():
+    """``kernel`` names the launch in its errors (the gated w4a4 GEMM is its library under another name)."""
+    from nibble.kernels import w4a16
+
+    config = dict(bn=128, channels=128, split_k=9)
+    with pytest.raises(ValueError, match="^w4a16_wgmma: split_k"):
+        w4a16.WGMMA.launch_config(config, 64, 4096, [4096])
+    with pytest.raises(ValueError, match="^w4a16_wgmma_silu_mul: split_k"):
+        w4a16.WGMMA.launch_config(config, 64, 4096, [4096], kernel="w4a16_wgmma_silu_mul")
+
+
+def test_a_launch_is_configured_for_the_gpus_clusters():
+    """With no config given, a launch's config is `config`'s for the clusters the GPU holds (the H200's 39 clusters
+    of 3 and 30 of 4 at 128 tokens: 3 splits), not those of an ideal GPU (4 splits)."""
+    from nibble.kernels import w4a16
+
+    h200 = {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}
+    picked = w4a16.WGMMA.launch_config(None, 128, 4096, [4096], h200)
+    assert picked == w4a16.WGMMA.config(128, 4096, 4096, h200) == dict(bn=128, channels=128, split_k=3)
+    assert w4a16.WGMMA.launch_config(None, 128, 4096, [4096])["split_k"] == 4
+
+
+def test_a_launch_config_without_split_k_is_one_split():
+    """A config of (bn, channels) alone passes the split check as one split, and the launch reads ``split_k``: the
+    config it gets says 1 (it raised KeyError at the launch)."""
+    from nibble.kernels import w4a4, w4a16
+
+    for gemm in (w4a16.WGMMA, w4a4.WGMMA):
+        config = dict(bn=128, channels=128)
+        assert gemm.launch_config(config, 64, 4096, [4096]) == dict(bn=128, channels=128, split_k=1)
+        assert config == dict(bn=128, channels=128)  # the caller's dict untouched
+
+
+def test_tile_count_counts_partial_tiles():
+    """A last tile of fewer tokens or channels is a tile (65 tokens in 64-token tiles: 2; 1152 channels in 256: 5)."""
+    assert hopper.tile_count(65, 1152, 64, 256) == 2 * 5
+    assert hopper.tile_count(64, 1024, 64, 256) == 1 * 4
+
+
+def test_pick_config_chooses_among_the_tiles_given():
+    """``tiles`` (those a side-by-side launch can run) limits the choice, even where the model prefers another."""
+    model = hopper.CostModel(stage_us={(64, 128): 10.0, (64, 256): 1.0}, item_us={(64, 128): 1.0, (64, 256): 1.0},
+                             split_output_us=0.0, split_us=0.0)
+    clusters = hopper.ideal_clusters(132)
+    assert hopper.pick_config(64, 4096, 4096, model, clusters)["channels"] == 256
+    assert hopper.pick_config(64, 4096, 4096, model, clusters, tiles=((64, 128),))["channels"] == 128
+
+
+def test_a_config_for_weights_side_by_side_takes_a_tile_they_allow():
+    """A 4224-wide weight first (33 x 128) rules out 256-channel tiles, which the same columns alone would take."""
+    from nibble.kernels import w4a4
+
+    widths = [4224, 4096, 4096]
+    assert w4a4.WGMMA.config(1024, sum(widths), 4096)["channels"] == 256
+    assert w4a4.WGMMA.config(1024, sum(widths), 4096, widths=widths)["channels"] == 128
+    assert w4a4.WGMMA.launch_config(None, 1024, 4096, widths)["channels"] == 128
