@@ -118,7 +118,7 @@ def prebuild(arch: str, jobs: int | None = None) -> dict[str, Path]:
 
     from tqdm.auto import tqdm
 
-    if not (arch.isdigit() and len(arch) >= 2):
+    if not (arch.isdecimal() and len(arch) >= 2):
         raise ValueError(f"arch must be a compute capability as digits, e.g. 90 for H100/H200 or 80 for A100; got {arch!r}")
     if int(arch) < 80:  # nvcc's "Unsupported gpu architecture" or a failed mma.sync said less: the kernels' bf16 MMAs
         raise ValueError(f"nibble's CUDA kernels need compute capability 8.0 or newer (A100, L4, H100, ...): arch {arch} "

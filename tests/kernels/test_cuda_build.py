@@ -257,7 +257,7 @@ def test_a_library_is_cached_per_architecture(monkeypatch, tmp_path):
 
 def test_prebuild_refuses_an_arch_that_is_not_a_compute_capability(monkeypatch):
     monkeypatch.setattr(cuda_build, "build", lambda *a: pytest.fail("built for a malformed arch"))
-    for arch in ("9", "sm90", "9.0", ""):
+    for arch in ("9", "sm90", "9.0", "", "9\u00b2"):  # "²" is str.isdigit, not int
         with pytest.raises(ValueError, match="arch must be a compute capability as digits"):
             cuda_build.prebuild(arch)
 
