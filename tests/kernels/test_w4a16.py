@@ -839,6 +839,8 @@ def test_gpu_wgmma_every_instantiation(tile, G):
         qw, s, z = make_weight(512, K, K, device="cuda", seed=K)
         x = torch.randn(77, K, device="cuda", dtype=torch.bfloat16)
         assert_close(W.w4a16_wgmma(x, qw, s, z, K, config=dict(bn=bn, channels=channels, split_k=2)), x, qw, s, z, K)
+    # a config without split_k is one split (the launch read cfg["split_k"]: a KeyError)
+    assert_close(W.w4a16_wgmma(x, qw, s, z, K, config=dict(bn=bn, channels=channels)), x, qw, s, z, K)
 
 
 @needs_cuda

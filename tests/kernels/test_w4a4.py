@@ -1418,6 +1418,9 @@ def test_wgmma_split_k_sums_exact(tile):
         for split in splits:
             acc = w4a4.w4a4_wgmma(qx, ones_m, qw, ones_n, out_int32=True, config=dict(bn=bn, channels=ch, split_k=split))
             assert torch.equal(acc, exact), f"M={M} split={split}: {(acc != exact).sum().item()} differ"
+        # a config without split_k is one split (the launch read cfg["split_k"]: a KeyError)
+        acc = w4a4.w4a4_wgmma(qx, ones_m, qw, ones_n, out_int32=True, config=dict(bn=bn, channels=ch))
+        assert torch.equal(acc, exact), f"M={M} without split_k: {(acc != exact).sum().item()} differ"
 
 
 @pytest.mark.gpu
