@@ -897,7 +897,7 @@ def large_m_kernel(M: int, N: int, K: int, weights: int = 1) -> str:
 
 def w4a16_wgmma(x, qweight, scales, zeros, group_size, config: dict | None = None, out=None):
     """y = x @ W.T on Hopper's asynchronous tensor cores (inputs already checked by ``_check``).
-    ``config`` (bn, channels, split_k) overrides `WGMMA.config`."""
+    ``config`` (bn, channels, split_k; split_k 1 where left out) overrides `WGMMA.config`."""
     return w4a16_wgmma_many(x, [(qweight, scales, zeros)], group_size, config, None if out is None else [out])[0]
 
 
