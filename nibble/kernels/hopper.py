@@ -132,16 +132,18 @@ class WgmmaGemm:
     def launch_config(self, config, M: int, K: int, widths, clusters: dict | None = None,
                       kernel: str | None = None) -> dict:
         """The config of one launch (``kernel`` names it in errors; default: the library's name) over weights of
-        ``widths`` columns side by side: ``config`` (bn, channels, split_k) as given, else `config`'s; either way
-        a tile the widths allow (`tiles`) and 1 to MAX_SPLIT splits, or a ValueError that names what is allowed."""
+        ``widths`` columns side by side: ``config`` (bn, channels, split_k; one split where it names none) as given,
+        else `config`'s; either way a tile the widths allow (`tiles`) and 1 to MAX_SPLIT splits, or a ValueError that
+        names what is allowed."""
         kernel = kernel or self.name
+        if config is not None:
+            config = {"split_k": 1, **config}  # the launches read cfg["split_k"]; the caller's dict is left as it is
         tiles = self.tiles(widths)
         tile = None if config is None else (config["bn"], config["channels"])
         if not tiles or (tile is not None and tile not in tiles):
             raise ValueError(f"{kernel}: (bn, channels) must be one of {tiles} for weights of widths {list(widths)} "
                              f"(each but the last a multiple of the channels), got {tile or 'none that fits'}")
-        if config is not None and not 1 <= int(config.get("split_k", 1)) <= MAX_SPLIT:
+        if config is not None and not 1 <= int(config["split_k"]) <= MAX_SPLIT:
             raise ValueError(f"{kernel}: split_k must be 1 to {MAX_SPLIT} (the splits of a tile are one cluster of "
                              f"CTAs, at most {MAX_SPLIT}), got {config['split_k']}")
-        # a config without split_k is one split, as checked (the launches read cfg["split_k"])
-        return {"split_k": 1, **config} if config is not None else self.config(M, sum(widths), K, clusters, widths)
+        return config if config is not None else self.config(M, sum(widths), K, clusters, widths)
