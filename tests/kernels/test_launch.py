@@ -109,15 +109,23 @@ def test_pick_config_splits_only_where_the_tiles_fit_two_waves():
     assert hopper.pick_config(64, 17 * 128, 64 * 128, _SPLIT_HUNGRY, clusters)["split_k"] == 1
 
 
-def test_a_launch_takes_1_to_8_splits():
-    """The splits of a tile are one cluster, at most 8 CTAs."""
-    from nibble.kernels import w4a16
+def test_a_launch_takes_1_to_8_splits_and_one_where_the_config_names_none():
+    """The splits of a tile are one cluster, at most 8 CTAs; the error names the launch (``kernel``: the gated GEMM is
+    its library under another name). A config of (bn, channels) alone is one split: the launch reads ``split_k`` (it
+    raised KeyError there), and the caller's dict is left as it was."""
+    from nibble.kernels import w4a4, w4a16
 
     config = dict(bn=128, channels=128, split_k=8)
     assert w4a16.WGMMA.launch_config(config, 64, 4096, [4096]) == config
     for split in (0, 9):
-        with pytest.raises(ValueError, match="split_k must be 1 to 8"):
+        with pytest.raises(ValueError, match="^w4a16_wgmma: split_k must be 1 to 8"):
             w4a16.WGMMA.launch_config(dict(config, split_k=split), 64, 4096, [4096])
+    with pytest.raises(ValueError, match="^w4a16_wgmma_silu_mul: split_k"):
+        w4a16.WGMMA.launch_config(dict(config, split_k=9), 64, 4096, [4096], kernel="w4a16_wgmma_silu_mul")
+    for gemm in (w4a16.WGMMA, w4a4.WGMMA):
+        config = dict(bn=128, channels=128)
+        assert gemm.launch_config(config, 64, 4096, [4096]) == dict(bn=128, channels=128, split_k=1)
+        assert config == dict(bn=128, channels=128)
 
 
 def test_a_launch_over_several_weights_is_configured_for_their_columns_together():
@@ -211,17 +219,6 @@ def test_a_hopper_gemm_asks_its_own_library_for_its_clusters_once_per_device(mon
     assert asked == list(hopper.SPLITS) * 2
 
 
-def test_a_launch_config_error_names_the_kernel():
-    """``kernel`` names the launch in its errors (the gated w4a4 GEMM is its library under another name)."""
-    from nibble.kernels import w4a16
-
-    config = dict(bn=128, channels=128, split_k=9)
-    with pytest.raises(ValueError, match="^w4a16_wgmma: split_k"):
-        w4a16.WGMMA.launch_config(config, 64, 4096, [4096])
-    with pytest.raises(ValueError, match="^w4a16_wgmma_silu_mul: split_k"):
-        w4a16.WGMMA.launch_config(config, 64, 4096, [4096], kernel="w4a16_wgmma_silu_mul")
-
-
 def test_a_launch_is_configured_for_the_gpus_clusters():
     """With no config given, a launch's config is `config`'s for the clusters the GPU holds (the H200's 39 clusters
     of 3 and 30 of 4 at 128 tokens: 3 splits), not those of an ideal GPU (4 splits)."""
@@ -231,17 +228,6 @@ def test_a_launch_is_configured_for_the_gpus_clusters():
     picked = w4a16.WGMMA.launch_config(None, 128, 4096, [4096], h200)
     assert picked == w4a16.WGMMA.config(128, 4096, 4096, h200) == dict(bn=128, channels=128, split_k=3)
     assert w4a16.WGMMA.launch_config(None, 128, 4096, [4096])["split_k"] == 4
-
-
-def test_a_launch_config_without_split_k_is_one_split():
-    """A config of (bn, channels) alone passes the split check as one split, and the launch reads ``split_k``: the
-    config it gets says 1 (it raised KeyError at the launch)."""
-    from nibble.kernels import w4a4, w4a16
-
-    for gemm in (w4a16.WGMMA, w4a4.WGMMA):
-        config = dict(bn=128, channels=128)
-        assert gemm.launch_config(config, 64, 4096, [4096]) == dict(bn=128, channels=128, split_k=1)
-        assert config == dict(bn=128, channels=128)  # the caller's dict untouched
 
 
 def test_tile_count_counts_partial_tiles():
